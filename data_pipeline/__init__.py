@@ -1,0 +1,1 @@
+"""Everything before the first step: curation, tokenizers, indexed shards, samples, blending, loaders."""

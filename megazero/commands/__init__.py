@@ -1,0 +1,1 @@
+"""Subcommands of the ``megazero`` command line, one module each."""

@@ -1,0 +1,181 @@
+"""Building a ``Config`` from YAML and dotted command-line overrides, and writing it back.
+
+Types are checked against the dataclass annotations as the values arrive, so a string where an
+integer goes or a misspelled key fails here, with the dotted field name, before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from typing import Any, Iterable
+
+import yaml
+
+from models.presets import MODEL_PRESETS
+from megazero.config.schema import Config
+from megazero.errors import ConfigError
+
+
+def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Read ``path`` (YAML; optional) and apply ``--section.field value`` overrides."""
+    raw: dict = {}
+    if path is not None:
+        raw = read_yaml(path)
+    for key, value in parse_overrides(list(overrides)):
+        set_dotted(raw, key, value)
+    _apply_model_preset(raw)
+    return build_dataclass(Config, raw, prefix="")
+
+
+def read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, parallel:, ...)")
+    return raw
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """``['--parallel.tp', '2', '--train.seed=3']`` -> ``[('parallel.tp', 2), ('train.seed', 3)]``.
+
+    Values are parsed as YAML scalars so ``true``, ``3``, ``[4, 4]`` and ``null`` keep their types.
+    """
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.field VALUE")
+        key = arg[2:]
+        if "=" in key:
+            key, text = key.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} has no value: write --{key} VALUE")
+            i += 1
+            text = args[i]
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def set_dotted(raw: dict, key: str, value: Any) -> None:
+    section, _, name = key.partition(".")
+    if not name or "." in name:
+        raise ConfigError(f"override --{key}: expected --section.field (e.g. --parallel.tp)")
+    node = raw.setdefault(section, {})
+    if not isinstance(node, dict):
+        raise ConfigError(f"{section}: expected a mapping of fields, got {type(node).__name__}")
+    node[name] = value
+
+
+def _apply_model_preset(raw: dict) -> None:
+    model = raw.get("model")
+    if not isinstance(model, dict) or model.get("preset") is None:
+        return
+    name = model["preset"]
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+    raw["model"] = {**MODEL_PRESETS[name], **model}
+
+
+def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+    """Instantiate ``cls`` from a mapping, checking keys and types; nested dataclasses recurse."""
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping of fields, got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known fields: {', '.join(names)}"
+            raise ConfigError(f"{prefix}{key}: unknown key{hint}")
+    values = {}
+    for name in names:
+        if name not in raw:
+            continue
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = build_dataclass(hint, raw[name], f"{prefix}{name}.")
+        else:
+            values[name] = coerce(raw[name], hint, f"{prefix}{name}")
+    return cls(**values)
+
+
+def coerce(value: Any, hint: Any, name: str) -> Any:
+    """Check ``value`` against a field annotation, converting only where it loses nothing."""
+    if typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return coerce(value, args[0], name)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    if hint is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        raise ConfigError(f"{name}: expected a list, got {value!r}")
+    return value
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str) -> None:
+    """Write the resolved config atomically, so a crashed start never leaves half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted name, default, help) for every leaf field, in declaration order."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows.extend(field_docs(hint, f"{prefix}{f.name}."))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((f"{prefix}{f.name}", default, f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,129 @@
+"""The typed configuration of a megazero run.
+
+Every field carries a one-line ``help`` in its metadata: ``megazero train --help-config`` prints
+them, and a test checks that none is missing. Sections mirror the parts of the engine that read
+them, so a module takes only the section it needs (the model never sees the optimizer's fields).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from models.config import ModelConfig, option
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = option(1, "Tensor-parallel size: ranks that split each layer (keep within a node)")
+    pp: int = option(1, "Pipeline-parallel size: stages the layers are split into")
+    dp: Optional[int] = option(None, "Data-parallel size (None = world size / (tp*pp))")
+    virtual_stages: int = option(1, "Model chunks per pipeline rank for the interleaved 1F1B schedule")
+    sequence_parallel: bool = option(False, "Shard norm and dropout activations along the sequence (needs tp > 1)")
+    order: str = option("tp-dp-pp", "Rank order from fastest to slowest axis: tp-dp-pp or tp-pp-dp")
+    allow_tp_across_nodes: bool = option(False, "Permit tensor-parallel groups that span nodes (slow; off by default)")
+    pipeline_split: Optional[list] = option(None, "Explicit layers per pipeline stage, e.g. [5, 6, 6, 5] (None = balanced)")
+    recompute: str = option("none", "Activation checkpointing: none, full or selective (attention core only)")
+    recompute_every: int = option(1, "With full recompute, checkpoint every k-th block")
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = option(1, "ZeRO stage: 0 plain DP, 1 optimizer state, 2 +gradients, 3 +parameters")
+    bucket_size_mb: float = option(25.0, "Size of each gradient/parameter communication bucket in MiB")
+    prefetch_depth: int = option(1, "Stage 3: blocks whose parameters are gathered ahead of use")
+    persistence_threshold: int = option(0, "Stage 3: parameters with fewer elements stay whole on every rank")
+    overlap_comm: bool = option(True, "Overlap bucket communication with backward computation")
+    offload_optimizer: bool = option(False, "Keep master weights and Adam state on the CPU and step there")
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = option("fp32", "Parameter and activation dtype: fp32, bf16 or fp16 (master weights stay fp32)")
+    initial_loss_scale: float = option(65536.0, "fp16: starting dynamic loss scale")
+    loss_scale_window: int = option(1000, "fp16: clean steps before the loss scale doubles")
+    hysteresis: int = option(2, "fp16: overflows tolerated before the loss scale halves")
+    min_loss_scale: float = option(1.0, "fp16: the run stops with an error if the scale falls below this")
+    accumulate_fp32: bool = option(True, "Accumulate gradients across micro-batches in fp32")
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = option("adamw", "Optimizer: adamw")
+    lr: float = option(3e-4, "Peak learning rate")
+    min_lr: float = option(3e-5, "Floor of the decayed learning rate (MT-NLG: 10% of peak)")
+    beta1: float = option(0.9, "Adam beta1")
+    beta2: float = option(0.95, "Adam beta2")
+    eps: float = option(1e-8, "Adam epsilon")
+    weight_decay: float = option(0.1, "Decoupled weight decay, applied to matrices only")
+    clip_grad: float = option(1.0, "Clip the global gradient norm to this (0 = off)")
+    fused: bool = option(True, "Use a fused GPU AdamW when one is available")
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = option(0, "Linear learning-rate warm-up steps")
+    decay_steps: Optional[int] = option(None, "Steps of decay after warm-up (None = to the end of training)")
+    decay_style: str = option("cosine", "Learning-rate decay: cosine, linear or constant")
+    rampup_start_batch: Optional[int] = option(None, "Batch-size ramp-up: first global batch (None = no ramp-up)")
+    rampup_increment: int = option(32, "Batch-size ramp-up: samples added at each increase")
+    rampup_samples: int = option(0, "Batch-size ramp-up: samples over which the batch reaches its full size")
+
+
+@dataclass
+class DataConfig:
+    blend: Optional[list] = option(None, "Datasets as [[weight, prefix], ...] (prefix of .bin/.idx files)")
+    blend_preset: Optional[str] = option(None, "Named blend weights, e.g. mtnlg530b (prefixes from data.blend_root)")
+    blend_root: Optional[str] = option(None, "Directory holding the preset blend's datasets")
+    split: str = option("969,30,1", "Train,validation,test proportions of each dataset's documents")
+    tokenizer: Optional[str] = option(None, "Tokenizer: a SentencePiece .model or a Hugging Face tokenizer.json")
+    cache_dir: Optional[str] = option(None, "Where sample indices are cached (None = beside the data)")
+    seed: int = option(1234, "Seed of the data order")
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: Optional[str] = option(None, "Checkpoint directory (None = RUN_DIR/checkpoints)")
+    save_interval: int = option(0, "Save every N steps (0 = only at the end and on preemption)")
+    keep_last: int = option(3, "Number of newest checkpoints kept")
+    load: Optional[str] = option(None, "Checkpoint directory to resume from (None = the latest in save_dir, if any)")
+    async_save: bool = option(True, "On GPU, write checkpoints in a background thread")
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = option("runs/default", "Directory for the resolved config, metrics.jsonl and checkpoints")
+    log_interval: int = option(10, "Steps between log lines")
+    wandb: bool = option(False, "Log to Weights & Biases")
+    wandb_mode: str = option("offline", "wandb mode: offline or online")
+    wandb_project: str = option("megazero", "wandb project name")
+    tensorboard: bool = option(False, "Write TensorBoard event files to RUN_DIR/tensorboard")
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = option(4, "Samples per micro-batch on one data-parallel rank")
+    global_batch_size: int = option(16, "Samples per optimizer step over all data-parallel ranks")
+    train_steps: Optional[int] = option(100, "Stop after this many optimizer steps")
+    train_tokens: Optional[int] = option(None, "Stop after this many tokens (None = no token limit)")
+    max_wall_seconds: Optional[float] = option(None, "Save and stop after this much wall-clock time")
+    eval_interval: int = option(0, "Evaluate every N steps (0 = never)")
+    eval_steps: int = option(4, "Batches per evaluation")
+    seed: int = option(1234, "Seed of model initialisation and dropout")
+    device: str = option("auto", "cpu, cuda or auto (cuda when available)")
+    max_bad_steps: int = option(5, "Stop after this many consecutive NaN/inf losses")
+    collective_timeout_s: float = option(600.0, "Seconds before a hung collective fails with its rank and group")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "GPT architecture"})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "3D layout"})
+    zero: ZeroConfig = field(default_factory=ZeroConfig, metadata={"help": "ZeRO data parallelism"})
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig, metadata={"help": "Mixed precision"})
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"help": "AdamW"})
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"help": "LR and batch schedules"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Datasets and tokenizer"})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Saving and resuming"})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Metrics and run directory"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Batch sizes and stopping"})

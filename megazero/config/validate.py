@@ -1,0 +1,153 @@
+"""Checks that a config describes a run that can work, before any process group exists.
+
+Each problem becomes one sentence naming the dotted field and what to change; all problems are
+reported together so a user fixes a config in one pass rather than one error per launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megazero.config.schema import Config
+from megazero.errors import ConfigError
+
+CHOICES = {
+    "model.position_embedding": ("learned", "rope"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.activation": ("gelu", "swiglu"),
+    "parallel.order": ("tp-dp-pp", "tp-pp-dp"),
+    "parallel.recompute": ("none", "full", "selective"),
+    "zero.stage": (0, 1, 2, 3),
+    "precision.dtype": ("fp32", "bf16", "fp16"),
+    "optimizer.name": ("adamw",),
+    "schedule.decay_style": ("cosine", "linear", "constant"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "logging.wandb_mode": ("offline", "online"),
+}
+
+POSITIVE = [
+    "model.num_layers", "model.hidden_size", "model.num_heads", "model.num_kv_heads",
+    "model.ffn_hidden_size", "model.vocab_size", "model.seq_length", "model.norm_eps",
+    "model.rope_theta", "model.init_std",
+    "parallel.tp", "parallel.pp", "parallel.dp", "parallel.virtual_stages", "parallel.recompute_every",
+    "zero.bucket_size_mb", "zero.prefetch_depth",
+    "precision.initial_loss_scale", "precision.loss_scale_window", "precision.hysteresis",
+    "precision.min_loss_scale",
+    "optimizer.lr", "optimizer.eps",
+    "schedule.rampup_start_batch", "schedule.rampup_increment",
+    "train.micro_batch_size", "train.global_batch_size", "train.train_steps", "train.train_tokens",
+    "train.max_wall_seconds", "train.eval_steps", "train.max_bad_steps", "train.collective_timeout_s",
+    "checkpoint.keep_last", "logging.log_interval",
+]
+
+NON_NEGATIVE = [
+    "model.dropout", "model.attention_dropout", "zero.persistence_threshold",
+    "optimizer.min_lr", "optimizer.weight_decay", "optimizer.clip_grad",
+    "schedule.warmup_steps", "schedule.decay_steps", "schedule.rampup_samples",
+    "train.eval_interval", "checkpoint.save_interval",
+]
+
+
+def get(cfg: Config, dotted: str):
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def validate_config(cfg: Config, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
+    """Raise one ``ConfigError`` listing every problem; ``world_size`` enables the layout checks."""
+    problems = _value_problems(cfg) + _shape_problems(cfg)
+    if not problems:
+        problems += _layout_problems(cfg, world_size, local_world_size)
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def resolve_config(cfg: Config, world_size: int, local_world_size: Optional[int] = None) -> Config:
+    """Validate for this world and fill the derived fields (``parallel.dp``)."""
+    validate_config(cfg, world_size, local_world_size)
+    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=dp))
+
+
+def _value_problems(cfg: Config) -> list[str]:
+    problems = []
+    for name, allowed in CHOICES.items():
+        value = get(cfg, name)
+        if value not in allowed:
+            problems.append(f"{name}: {value!r} is not one of {', '.join(map(str, allowed))}")
+    for name in POSITIVE:
+        value = get(cfg, name)
+        if value is not None and value <= 0:
+            problems.append(f"{name}: must be positive, got {value}")
+    for name in NON_NEGATIVE:
+        value = get(cfg, name)
+        if value is not None and value < 0:
+            problems.append(f"{name}: must be zero or more, got {value}")
+    for name in ("model.dropout", "model.attention_dropout"):
+        if get(cfg, name) >= 1:
+            problems.append(f"{name}: must be below 1, got {get(cfg, name)}")
+    if cfg.optimizer.min_lr > cfg.optimizer.lr:
+        problems.append(f"optimizer.min_lr: {cfg.optimizer.min_lr} exceeds optimizer.lr {cfg.optimizer.lr}; lower it")
+    return problems
+
+
+def _shape_problems(cfg: Config) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    problems = []
+    if m.hidden_size % m.num_heads:
+        problems.append(f"model.hidden_size: {m.hidden_size} is not divisible by model.num_heads {m.num_heads}")
+    kv = m.kv_heads
+    if m.num_heads % kv:
+        problems.append(f"model.num_kv_heads: {kv} must divide model.num_heads {m.num_heads}")
+    if m.position_embedding == "rope" and (m.hidden_size // m.num_heads) % 2:
+        problems.append("model.hidden_size: rotary embeddings need an even head size (hidden_size / num_heads)")
+    sharded = [("model.num_heads", m.num_heads), ("model.ffn_hidden_size", m.ffn_size)]
+    if m.num_kv_heads is not None:
+        sharded.append(("model.num_kv_heads", kv))
+    for name, value in sharded:
+        if value % p.tp:
+            problems.append(f"{name}: {value} is not divisible by parallel.tp {p.tp}; change one of them")
+    if p.sequence_parallel and p.tp == 1:
+        problems.append("parallel.sequence_parallel: needs parallel.tp > 1; set it false or raise tp")
+    if p.sequence_parallel and m.seq_length % p.tp:
+        problems.append(f"model.seq_length: {m.seq_length} is not divisible by parallel.tp {p.tp} (sequence parallel)")
+    if p.virtual_stages > 1 and p.pp == 1:
+        problems.append("parallel.virtual_stages: interleaving needs parallel.pp > 1; set it to 1")
+    chunks = p.pp * p.virtual_stages
+    if p.pipeline_split is not None:
+        split = p.pipeline_split
+        if len(split) != chunks or any(not isinstance(n, int) or n <= 0 for n in split) or sum(split) != m.num_layers:
+            problems.append(f"parallel.pipeline_split: {split} must be {chunks} positive layer counts "
+                            f"(pp*virtual_stages) summing to model.num_layers {m.num_layers}")
+    elif m.num_layers % chunks:
+        problems.append(f"model.num_layers: {m.num_layers} is not divisible by parallel.pp*parallel.virtual_stages "
+                        f"= {chunks}; change the layer count or give parallel.pipeline_split")
+    elif m.num_layers < chunks:
+        problems.append(f"model.num_layers: {m.num_layers} is fewer than the {chunks} pipeline chunks")
+    return problems
+
+
+def _layout_problems(cfg: Config, world_size: Optional[int], local_world_size: Optional[int]) -> list[str]:
+    p, t = cfg.parallel, cfg.train
+    problems = []
+    model_parallel = p.tp * p.pp
+    dp = p.dp
+    if world_size is not None:
+        if dp is None:
+            if world_size % model_parallel:
+                return [f"parallel.tp*parallel.pp = {model_parallel} does not divide the world size {world_size}; "
+                        f"launch a multiple of {model_parallel} ranks or change tp/pp"]
+            dp = world_size // model_parallel
+        elif p.tp * p.pp * dp != world_size:
+            return [f"parallel.dp: tp*pp*dp = {p.tp}*{p.pp}*{dp} = {p.tp * p.pp * dp} but the world size is "
+                    f"{world_size}; set parallel.dp to {world_size // model_parallel if world_size % model_parallel == 0 else 'null'}"
+                    f" or launch {p.tp * p.pp * dp} ranks"]
+    if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        problems.append(f"train.global_batch_size: {t.global_batch_size} is not divisible by "
+                        f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}; make it a multiple of "
+                        f"{t.micro_batch_size * dp}")
+    if local_world_size and p.tp > 1 and local_world_size % p.tp and not p.allow_tp_across_nodes:
+        problems.append(f"parallel.tp: {p.tp} ranks per tensor group do not fit the {local_world_size} ranks per "
+                        f"node; use a tp that divides {local_world_size} or set parallel.allow_tp_across_nodes")
+    return problems

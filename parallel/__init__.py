@@ -1,0 +1,1 @@
+"""How ranks are arranged and talk: topology, collectives, tensor and pipeline parallelism."""

@@ -1,0 +1,64 @@
+"""Grid arithmetic for large layouts, checked without starting any process."""
+
+import pytest
+
+from parallel.topology import GROUP_KINDS, RankGrid
+
+
+def _check_partition(grid: RankGrid, kind: str, size: int) -> None:
+    groups = grid.groups(kind)
+    flat = sorted(r for g in groups for r in g)
+    assert flat == list(range(grid.world_size)), f"{kind}: every rank in exactly one group"
+    assert all(len(g) == size for g in groups)
+
+
+@pytest.mark.parametrize("order", ["tp-dp-pp", "tp-pp-dp"])
+def test_mtnlg_530b_layout(order):
+    grid = RankGrid(tp=8, pp=35, dp=8, order=order)
+    assert grid.world_size == 2240
+    _check_partition(grid, "tp", 8)
+    _check_partition(grid, "dp", 8)
+    _check_partition(grid, "pp", 35)
+    _check_partition(grid, "mp", 8 * 35)
+    for group in grid.groups("tp"):  # 8 ranks per node: every tensor group inside one node
+        assert len({r // 8 for r in group}) == 1
+    assert grid.tp_within_nodes(8)
+    for rank in (0, 1, 7, 8, 63, 64, 1000, 2239):
+        c = grid.coord(rank)
+        assert grid.rank_of(c.tp, c.dp, c.pp) == rank
+        for kind in ("tp", "dp", "pp", "mp"):
+            assert rank in grid.group_of(kind, rank)
+            assert grid.group_of(kind, rank) in grid.groups(kind)
+
+
+def test_documented_order_tp_fastest_then_dp_then_pp():
+    grid = RankGrid(tp=8, pp=35, dp=8)
+    assert grid.coord(0) == grid.coord(0).__class__(tp=0, dp=0, pp=0)
+    assert grid.coord(1).tp == 1 and grid.coord(8).dp == 1 and grid.coord(64).pp == 1
+    assert grid.groups("dp")[0] == [0, 8, 16, 24, 32, 40, 48, 56]
+    assert grid.groups("pp")[0] == [64 * p for p in range(35)]
+    alt = RankGrid(tp=8, pp=35, dp=8, order="tp-pp-dp")
+    assert alt.coord(8).pp == 1 and alt.coord(8 * 35).dp == 1
+    assert alt.groups("pp")[0] == [8 * p for p in range(35)]
+
+
+def test_embedding_groups_pair_first_and_last_stage():
+    grid = RankGrid(tp=2, pp=4, dp=2)
+    for pipe, emb in zip(grid.groups("pp"), grid.groups("embedding")):
+        assert emb == sorted([pipe[0], pipe[-1]])
+    assert grid.group_of("embedding", grid.rank_of(0, 0, 1)) == []
+    single = RankGrid(tp=2, pp=1, dp=2)
+    assert all(len(g) == 1 for g in single.groups("embedding"))
+
+
+def test_describe_names_layout_and_nodes():
+    assert RankGrid(8, 35, 8).describe(8) == "tp8 x dp8 x pp35 = 2240 ranks on 280 nodes; tp groups within nodes"
+    assert "SPANNING" in RankGrid(16, 1, 1).describe(8)
+
+
+def test_rejects_unknown_kind_and_order():
+    with pytest.raises(ValueError):
+        RankGrid(1, 1, 1, order="pp-tp-dp")
+    with pytest.raises(ValueError):
+        RankGrid(1, 1, 1).groups("xx")
+    assert set(GROUP_KINDS) == {"tp", "dp", "pp", "mp", "embedding"}

@@ -1,0 +1,64 @@
+"""Real gloo worlds of 4 and 8 ranks build the groups; membership is checked by all-reducing ids."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+from parallel.topology import GROUP_KINDS, RankGrid, Topology
+from tests.distributed import run_world
+
+LAYOUTS = {4: [(2, 2, 1, "tp-dp-pp"), (2, 1, 2, "tp-dp-pp"), (1, 2, 2, "tp-pp-dp")],
+           8: [(2, 2, 2, "tp-dp-pp"), (2, 2, 2, "tp-pp-dp"), (1, 4, 2, "tp-dp-pp")]}
+
+
+def _membership(rank, world_size):
+    report = {}
+    for tp, pp, dp, order in LAYOUTS[world_size]:
+        topo = Topology(RankGrid(tp=tp, pp=pp, dp=dp, order=order))
+        for kind in GROUP_KINDS:
+            group = topo.group(kind)
+            if group is None:
+                report[(tp, pp, dp, order, kind)] = None
+                continue
+            ids = torch.tensor([float(rank)])
+            dist.all_reduce(ids, group=group)
+            gathered = torch.zeros(dist.get_world_size(group))
+            comm.all_gather_into(gathered, torch.tensor([float(rank)]), group)
+            report[(tp, pp, dp, order, kind)] = (ids.item(), sorted(int(x) for x in gathered.tolist()))
+        size = topo.dp_size
+        full = torch.arange(size * 2, dtype=torch.float32) * (rank + 1)
+        out = torch.zeros(2)
+        comm.reduce_scatter_into(out, full, topo.dp_group)
+        report[(tp, pp, dp, order, "reduce_scatter")] = out.tolist()
+    return report
+
+
+@pytest.fixture(scope="module", params=[4, 8])
+def world(request):
+    return request.param, run_world(request.param, _membership)
+
+
+def test_every_group_has_exactly_its_members(world):
+    world_size, reports = world
+    for (tp, pp, dp, order) in ((l[0], l[1], l[2], l[3]) for l in LAYOUTS[world_size]):
+        grid = RankGrid(tp=tp, pp=pp, dp=dp, order=order)
+        for rank, report in enumerate(reports):
+            for kind in GROUP_KINDS:
+                expected = grid.group_of(kind, rank)
+                got = report[(tp, pp, dp, order, kind)]
+                if not expected:
+                    assert got is None
+                    continue
+                assert got == (float(sum(expected)), expected), (rank, kind)
+
+
+def test_reduce_scatter_shim_sums_over_dp(world):
+    world_size, reports = world
+    for tp, pp, dp, order in LAYOUTS[world_size]:
+        grid = RankGrid(tp=tp, pp=pp, dp=dp, order=order)
+        for rank, report in enumerate(reports):
+            group = grid.group_of("dp", rank)
+            scale = sum(r + 1 for r in group)
+            me = group.index(rank)
+            assert report[(tp, pp, dp, order, "reduce_scatter")] == [float(2 * me * scale), float((2 * me + 1) * scale)]
