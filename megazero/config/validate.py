@@ -56,7 +56,9 @@ def get(cfg: Config, dotted: str):
 
 def validate_config(cfg: Config, world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> None:
     """Raise one ``ConfigError`` listing every problem; ``world_size`` enables the layout checks."""
-    problems = _value_problems(cfg) + _shape_problems(cfg)
+    problems = _value_problems(cfg)
+    if not problems:  # shape arithmetic on invalid values would only add noise
+        problems += _shape_problems(cfg)
     if not problems:
         problems += _layout_problems(cfg, world_size, local_world_size)
     if problems:

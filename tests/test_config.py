@@ -1,0 +1,127 @@
+"""Config: YAML round trip, dotted overrides, and every validation error naming its field."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megazero.config import Config, field_docs, load_config, resolve_config, save_config, validate_config
+from megazero.errors import ConfigError
+
+
+def _cfg(*overrides: str) -> Config:
+    return load_config(None, list(overrides))
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = _cfg("--parallel.tp", "2", "--model.preset", "llama", "--optimizer.lr=1e-4",
+               "--data.blend", "[[0.3, a], [0.7, b]]", "--parallel.pipeline_split", "[1, 1]")
+    path = tmp_path / "config.yaml"
+    save_config(cfg, str(path))
+    again = load_config(str(path))
+    assert again == cfg
+    assert again.optimizer.lr == 1e-4 and again.data.blend == [[0.3, "a"], [0.7, "b"]]
+    assert not list(tmp_path.glob("*.tmp*")), "atomic write leaves no temporary file"
+
+
+def test_preset_fills_architecture_but_explicit_fields_win(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  preset: llama\n  bias: true\n")
+    cfg = load_config(str(path))
+    assert (cfg.model.norm, cfg.model.activation, cfg.model.position_embedding) == ("rmsnorm", "swiglu", "rope")
+    assert cfg.model.tie_embeddings is False and cfg.model.bias is True
+
+
+def test_every_field_is_documented():
+    rows = field_docs()
+    assert len(rows) > 60
+    undocumented = [name for name, _, text in rows if not text.strip()]
+    assert not undocumented
+    assert {name.split(".")[0] for name, _, _ in rows} == {f.name for f in dataclasses.fields(Config)}
+
+
+def _error(*overrides, world=None, local=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config(_cfg(*overrides), world, local)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("overrides, world, field, fix", [
+    (("--parallel.tp", "4", "--model.num_heads", "4"), 6, "parallel.tp", "does not divide the world size"),
+    (("--parallel.dp", "4"), 2, "parallel.dp", "set parallel.dp to 2"),
+    (("--parallel.tp", "2", "--model.num_heads", "3", "--model.hidden_size", "66"), None, "model.num_heads", None),
+    (("--parallel.tp", "4", "--model.num_heads", "6", "--model.hidden_size", "96"), None, "model.num_heads", "parallel.tp"),
+    (("--parallel.tp", "4", "--model.num_heads", "8", "--model.num_kv_heads", "2"), None, "model.num_kv_heads", "parallel.tp"),
+    (("--parallel.tp", "4", "--model.ffn_hidden_size", "258"), None, "model.ffn_hidden_size", "parallel.tp"),
+    (("--parallel.pp", "2", "--model.num_layers", "3"), None, "model.num_layers", "pipeline_split"),
+    (("--parallel.pp", "2", "--parallel.virtual_stages", "2", "--model.num_layers", "6"), None, "model.num_layers", None),
+    (("--train.global_batch_size", "10", "--train.micro_batch_size", "4"), 1, "train.global_batch_size", "multiple of 4"),
+    (("--train.global_batch_size", "12", "--train.micro_batch_size", "2"), 8, "train.global_batch_size", "multiple of 16"),
+    (("--parallel.sequence_parallel", "true"), None, "parallel.sequence_parallel", "tp > 1"),
+    (("--model.num_layers", "-2"), None, "model.num_layers", "positive"),
+    (("--train.micro_batch_size", "0"), None, "train.micro_batch_size", "positive"),
+    (("--zero.stage", "4"), None, "zero.stage", "0, 1, 2, 3"),
+    (("--parallel.tp", "8"), 16, "parallel.tp", None),
+])
+def test_validation_names_field(overrides, world, field, fix):
+    local = 4 if overrides == ("--parallel.tp", "8") else None
+    if local:
+        overrides = overrides + ("--model.num_heads", "8", "--model.hidden_size", "64")
+    message = _error(*overrides, world=world, local=local)
+    assert message.startswith(field) or f"\n{field}" in message or field in message.split(":")[0], message
+    if fix:
+        assert fix in message, message
+
+
+def test_tp_across_nodes_can_be_forced():
+    cfg = _cfg("--parallel.tp", "8", "--model.num_heads", "8", "--parallel.allow_tp_across_nodes", "true")
+    validate_config(cfg, 16, 4)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("--parallel.tpp", "2"), "parallel.tpp: unknown key; did you mean parallel.tp?"),
+    (("--modle.num_layers", "2"), "modle: unknown key; did you mean model?"),
+    (("--train.seed", "two"), "train.seed: expected an integer, got 'two'"),
+    (("--model.bias", "1"), "model.bias: expected true or false"),
+    (("--optimizer.lr", "fast"), "optimizer.lr: expected a number"),
+    (("--model.preset", "gpt5"), "model.preset: unknown preset"),
+])
+def test_bad_keys_and_types(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?").replace("(", r"\(")):
+        _cfg(*overrides)
+
+
+def test_resolve_fills_dp():
+    cfg = resolve_config(_cfg("--parallel.tp", "2", "--parallel.pp", "2", "--model.num_layers", "4",
+                              "--train.global_batch_size", "8", "--train.micro_batch_size", "2"), 16)
+    assert cfg.parallel.dp == 4
+
+
+@pytest.mark.parametrize("yaml_text, expected", [
+    ("model:\n  num_layres: 2\n", "model.num_layres: unknown key; did you mean model.num_layers?"),
+    ("model:\n  num_layers: -4\n", "model.num_layers: must be positive, got -4"),
+    ("train:\n  micro_batch_size: four\n", "train.micro_batch_size: expected an integer, got 'four'"),
+    (None, "config file not found"),
+    ("model: [1, 2\n", "not valid YAML"),
+])
+def test_cli_bad_input_is_one_clear_line(tmp_path, yaml_text, expected):
+    path = tmp_path / "run.yaml"
+    if yaml_text is not None:
+        path.write_text(yaml_text)
+    proc = subprocess.run([sys.executable, "-m", "megazero.cli", "train", str(path), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_writes_resolved_config(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "megazero.cli", "train", "--logging.run_dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["logging"]["run_dir"] == str(run_dir) and saved["parallel"]["dp"] == 1
