@@ -1,0 +1,57 @@
+"""Causal self-attention, multi-head or grouped-query, with learned or rotary positions.
+
+The fused ``qkv`` projection stores its output rows grouped by key/value head: for each kv head
+``g`` come the ``r = num_heads / kv_heads`` query heads that read it, then ``k_g``, then ``v_g``,
+each ``head_dim`` rows. Any split of those rows into equal contiguous parts at group boundaries is
+therefore a set of whole attention groups, which is what lets a column-parallel split (kv_heads
+divisible by tp) give each rank complete heads without the model knowing about it: the forward
+pass infers how many groups it holds from the projection's output width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models import ops
+from models.config import ModelConfig
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with attention dropout: the part selective recompute re-runs.
+
+    It is a module of its own (no parameters) so it can be checkpointed by name and so its dropout
+    can be drawn from the tensor-parallel RNG: its heads differ from one tp rank to the next.
+    """
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ops.attention(q, k, v, self.dropout if self.training else 0.0)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.queries_per_group = cfg.num_heads // cfg.kv_heads
+        self.rope_theta = cfg.rope_theta if cfg.position_embedding == "rope" else None
+        width = (cfg.num_heads + 2 * cfg.kv_heads) * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, width, bias=cfg.bias, device=device)
+        self.core = AttentionCore(cfg.attention_dropout)
+        self.out = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.bias, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [batch, seq, hidden] -> [batch, seq, hidden]."""
+        batch, seq, _ = x.shape
+        r = self.queries_per_group
+        groups = self.qkv(x).view(batch, seq, -1, r + 2, self.head_dim)
+        q = groups[..., :r, :].flatten(2, 3)  # [batch, seq, heads, head_dim]
+        k, v = groups[..., r, :], groups[..., r + 1, :]  # [batch, seq, kv_heads, head_dim]
+        if self.rope_theta is not None:
+            cos, sin = ops.rotary_tables(seq, self.head_dim, self.rope_theta, x.device, q.dtype)
+            q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.out(y.transpose(1, 2).reshape(batch, seq, -1))

@@ -1,0 +1,32 @@
+"""Token (and learned position) embeddings, and the padded vocabulary size they use."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.config import ModelConfig
+
+VOCAB_MULTIPLE = 128
+"""The vocabulary is padded to a multiple of this times tp: GEMM-friendly and evenly split."""
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+class Embedding(nn.Module):
+    """ids [batch, seq] -> hidden [batch, seq, hidden], dropout applied."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, device=None):
+        super().__init__()
+        self.tokens = nn.Embedding(padded_vocab, cfg.hidden_size, device=device)
+        self.positions = (nn.Embedding(cfg.seq_length, cfg.hidden_size, device=device)
+                          if cfg.position_embedding == "learned" else None)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids)
+        if self.positions is not None:
+            x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        return self.dropout(x)

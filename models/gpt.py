@@ -1,0 +1,170 @@
+"""The GPT decoder, written as if it ran on one device, and buildable one pipeline stage at a time.
+
+``GPT(cfg)`` is the whole model. ``GPT(cfg, layers=range(a, b), has_embedding=..., has_head=...)``
+is one pipeline stage: the blocks keep their global index as their name (``layers.7``), so a stage's
+parameter names, initial values and checkpoint keys are those of the full model.
+
+Stage interface (what a pipeline schedule relies on)::
+
+    stage(inputs, labels=None)
+    inputs  first stage (has_embedding): token ids, int64 [batch, seq]
+            other stages: the previous stage's hidden state, [batch, seq, hidden]
+            (under sequence parallelism [batch, seq / tp, hidden]: this rank's sequence slice)
+    returns last stage (has_head) with labels: per-token loss, fp32 [batch, seq] (0 where the label
+            is ops.IGNORE_INDEX; the caller sums and divides by the count of real labels)
+            last stage without labels: logits [batch, seq, padded_vocab] (padded_vocab / tp under
+            tensor parallelism: this rank's vocabulary slice); columns >= vocab_size are padding
+            other stages: the hidden state, shaped as the inputs of the next stage
+
+Parallelism is not in this file: ``TP_PLAN`` says, as data, how each layer splits across tensor-
+parallel ranks, and ``parallel.tensor_parallel`` applies it (see ``models.parallelize``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from models import ops
+from models.attention import Attention
+from models.config import ModelConfig
+from models.embedding import VOCAB_MULTIPLE, Embedding, padded_vocab_size
+from models.init import seeded_normal
+from models.mlp import MLP
+from models.norms import NORMS, build_norm
+from parallel.tensor_parallel.sharding import param_shards
+
+TP_PLAN = {
+    "embedding.tokens": "vocab",              # vocabulary rows split across tp
+    "embedding": "split_sequence",            # output scattered along the sequence (sequence parallel)
+    "layers.*.attn_norm": "sequence",         # runs on a sequence slice under sequence parallel
+    "layers.*.attention.qkv": "colwise",      # whole attention groups per rank
+    "layers.*.attention.core": "local",       # heads differ per rank: tp-local dropout
+    "layers.*.attention.out": "rowwise",
+    "layers.*.mlp_norm": "sequence",
+    "layers.*.mlp.fc_in": "colwise",
+    "layers.*.mlp.fc_out": "rowwise",
+    "layers.*.dropout": "sequence",
+    "final_norm": "sequence",
+    "lm_head": "colwise",                     # logits stay split by vocabulary...
+    "loss": "vocab_loss",                     # ...and the loss never gathers them
+}
+"""Tensor-parallel style of each module, by name pattern (``*`` matches one name component)."""
+
+RECOMPUTE_TARGETS = {"full": "layers.*", "selective": "layers.*.attention.core"}
+"""Modules re-run in backward for each activation-checkpointing mode."""
+
+OUTPUT_PROJECTIONS = ("attention.out.weight", "mlp.fc_out.weight")
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch."""
+
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        self.attn_norm = build_norm(cfg, device)
+        self.attention = Attention(cfg, device)
+        self.mlp_norm = build_norm(cfg, device)
+        self.mlp = MLP(cfg, device)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attn_norm(x)))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class LMLoss(nn.Module):
+    """Per-token cross-entropy over the real (unpadded) vocabulary."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return ops.cross_entropy(logits[..., :self.vocab_size], labels)
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer, or the stage of one holding ``layers`` (global block indices).
+
+    ``vocab_multiple``: the vocabulary is padded to a multiple of this; pass ``128 * tp`` when the
+    model will be tensor-parallel. ``device="meta"`` builds without memory or initialisation (call
+    ``to_empty`` then ``init_weights(seed)`` once parallelism is applied); any other device builds
+    and initialises at once. Initial values depend only on ``seed`` and the parameter names.
+    """
+
+    def __init__(self, cfg: ModelConfig, layers: Optional[Iterable[int]] = None, has_embedding: bool = True,
+                 has_head: bool = True, vocab_multiple: int = VOCAB_MULTIPLE, seed: int = 0, device=None):
+        super().__init__()
+        layers = list(range(cfg.num_layers) if layers is None else layers)
+        if any(not 0 <= i < cfg.num_layers for i in layers):
+            raise ValueError(f"layers {layers} fall outside model.num_layers = {cfg.num_layers}")
+        self.cfg = cfg
+        self.vocab_size = cfg.vocab_size
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, vocab_multiple)
+        self.embedding = Embedding(cfg, self.padded_vocab, "meta") if has_embedding else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, "meta") for i in layers})
+        self.final_norm = build_norm(cfg, "meta") if has_head else None
+        self.lm_head = nn.Linear(cfg.hidden_size, self.padded_vocab, bias=False, device="meta") if has_head else None
+        self.loss = LMLoss(cfg.vocab_size) if has_head else None
+        self.tie_weights()
+        if torch.device(device or "cpu").type != "meta":
+            self.to_empty(device=device or "cpu")
+            self.init_weights(seed)
+
+    @property
+    def tied(self) -> bool:
+        return self.cfg.tie_embeddings
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when both live here (again after ``to_empty``).
+
+        A tied head on a stage without the embedding keeps its own copy, initialised identically;
+        the pipeline keeps the two equal by summing their gradients over the embedding group.
+        """
+        if self.tied and self.embedding is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embedding.tokens.weight
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.embedding(inputs) if self.embedding is not None else inputs
+        for block in self.layers.values():
+            x = block(x)
+        if self.lm_head is None:
+            return x
+        logits = self.lm_head(self.final_norm(x))
+        return logits if labels is None else self.loss(logits, labels)
+
+    @property
+    def init_std(self) -> float:
+        """MT-NLG's width-dependent default, 1/sqrt(3*hidden) (4e-3 at hidden 20480)."""
+        return self.cfg.init_std or 1.0 / math.sqrt(3 * self.cfg.hidden_size)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Matrices normal(0, std), output projections scaled by 1/sqrt(2*layers); norms 1, biases 0.
+
+        Tensor-parallel shards draw exactly their slice of the full weight (see ``models.init``).
+        """
+        self.tie_weights()
+        shards = param_shards(self)
+        for name, param in self.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            if isinstance(self.get_submodule(module_name), NORMS):
+                param.fill_(1.0 if leaf == "weight" else 0.0)
+            elif param.ndim == 1:
+                param.zero_()
+            else:
+                param.copy_(self._draw(name, param, shards.get(name), seed))
+
+    def _draw(self, name: str, param: torch.Tensor, shard, seed: int) -> torch.Tensor:
+        std, key, zero_from = self.init_std, name, None
+        if name.endswith(OUTPUT_PROJECTIONS):
+            std /= math.sqrt(2 * self.cfg.num_layers)
+        if name in ("embedding.tokens.weight", "lm_head.weight"):
+            zero_from = self.vocab_size
+            key = "embedding.tokens.weight" if self.tied else name
+        full_shape = shard.full_shape(param.shape) if shard is not None else tuple(param.shape)
+        return seeded_normal(full_shape, std, seed, key, shard, zero_from)

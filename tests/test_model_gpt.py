@@ -1,0 +1,138 @@
+"""The single-device decoder: stage interface, layout-independent initialisation, ops seam.
+
+Tolerances: fp32 on CPU; chained stages run the very same ops as the whole model, so their outputs
+and gradients must agree to 1e-6 relative; initial values must match bitwise.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import GPT, ops
+from models.config import ModelConfig
+from models.init import seeded_normal
+from models.presets import MODEL_PRESETS
+from parallel.tensor_parallel.sharding import Shard
+
+RTOL = 1e-6
+
+
+def config(preset: str, **overrides) -> ModelConfig:
+    fields = dict(MODEL_PRESETS[preset], num_layers=4, hidden_size=64, num_heads=4, vocab_size=300, seq_length=16)
+    if preset == "llama":
+        fields["num_kv_heads"] = 2
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def batch(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    labels[0, :3] = ops.IGNORE_INDEX
+    return ids, labels
+
+
+def close(a, b, rtol=RTOL):
+    return (a - b).abs().max().item() <= rtol * b.abs().max().item() + 1e-12
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_stages_chained_equal_the_whole_model(preset):
+    cfg = config(preset, tie_embeddings=False)
+    whole = GPT(cfg, seed=3)
+    stages = [GPT(cfg, layers=range(0, 1), has_head=False, seed=3),
+              GPT(cfg, layers=range(1, 3), has_embedding=False, has_head=False, seed=3),
+              GPT(cfg, layers=range(3, 4), has_embedding=False, seed=3)]
+    whole_params = dict(whole.named_parameters())
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            assert torch.equal(p, whole_params[name]), name
+    ids, labels = batch(cfg)
+    x = ids
+    for stage in stages[:-1]:
+        x = stage(x)
+        assert x.shape == (2, cfg.seq_length, cfg.hidden_size)
+    loss = stages[-1](x, labels)
+    ref = whole(ids, labels)
+    assert loss.shape == labels.shape and close(loss, ref)
+    assert (loss[0, :3] == 0).all()
+    loss.sum().backward()
+    ref.sum().backward()
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            assert close(p.grad, whole_params[name].grad), name
+
+
+def test_tied_head_on_a_later_stage_starts_equal_to_the_embedding():
+    cfg = config("gpt2")
+    first, last = GPT(cfg, layers=[0], has_head=False), GPT(cfg, layers=[3], has_embedding=False)
+    assert torch.equal(first.embedding.tokens.weight, last.lm_head.weight)
+    whole = GPT(cfg)
+    assert whole.lm_head.weight is whole.embedding.tokens.weight
+
+
+def test_logits_are_padded_to_the_vocab_multiple_and_padding_is_zero():
+    cfg = config("llama")
+    model = GPT(cfg, vocab_multiple=256)
+    ids, _ = batch(cfg)
+    assert model(ids).shape == (2, cfg.seq_length, 512)
+    assert model.embedding.tokens.weight[cfg.vocab_size:].abs().sum() == 0
+    assert model.lm_head.weight[cfg.vocab_size:].abs().sum() == 0
+
+
+def test_meta_build_then_init_equals_eager_build():
+    cfg = config("llama")
+    eager = GPT(cfg, seed=5)
+    meta = GPT(cfg, seed=5, device="meta")
+    meta.to_empty(device="cpu")
+    meta.init_weights(5)
+    for (name, a), (_, b) in zip(eager.named_parameters(), meta.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_initialisation_scales():
+    cfg = config("gpt2", num_layers=8, hidden_size=256, num_heads=8)
+    model = GPT(cfg, seed=0)
+    std = 1 / math.sqrt(3 * 256)
+    assert abs(model.layers["0"].attention.qkv.weight.std().item() / std - 1) < 0.02
+    out_std = model.layers["0"].mlp.fc_out.weight.std().item()
+    assert abs(out_std / (std / math.sqrt(16)) - 1) < 0.02
+    assert torch.equal(model.layers["0"].attn_norm.weight, torch.ones(256))
+    assert model.layers["0"].attention.qkv.bias.abs().sum() == 0
+    other = GPT(cfg, seed=1)
+    assert not torch.equal(model.layers["0"].attention.qkv.weight, other.layers["0"].attention.qkv.weight)
+
+
+@pytest.mark.parametrize("shard", [Shard(0, 1, 4), Shard(1, 2, 4)])
+def test_seeded_shards_are_slices_of_the_full_draw(shard):
+    full = seeded_normal((16, 8), 0.02, seed=7, key="w", zero_rows_from=14)
+    part = seeded_normal((16, 8), 0.02, seed=7, key="w", shard=shard, zero_rows_from=14)
+    assert torch.equal(part, shard.take(full))
+    assert full[14:].abs().sum() == 0 and full[:14].abs().min() > 0
+
+
+def test_ops_match_their_textbook_definitions():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 5, 8, generator=g), torch.randn(8, generator=g)
+    assert close(ops.rms_norm(x, w, 1e-5), x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(8)
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    assert close(ops.attention(q, k, v, 0.0), scores.softmax(-1) @ v)
+    k2, v2 = k[:, :2], v[:, :2]  # grouped-query: heads 0,1 read kv 0; heads 2,3 read kv 1
+    expect = ops.attention(q, k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1), 0.0)
+    assert close(ops.attention(q, k2, v2, 0.0), expect)
+    cos, sin = ops.rotary_tables(6, 8, 10000.0, "cpu", torch.float32)
+    r = ops.apply_rotary(q.transpose(1, 2), cos, sin)
+    assert close(r.norm(dim=-1), q.transpose(1, 2).norm(dim=-1))  # a rotation keeps lengths
+    logits, labels = torch.randn(4, 10, generator=g), torch.tensor([1, ops.IGNORE_INDEX, 3, 9])
+    expect = F.cross_entropy(logits, labels, reduction="none", ignore_index=ops.IGNORE_INDEX)
+    assert close(ops.cross_entropy(logits, labels), expect)
+
+
+def test_layers_outside_the_model_are_refused():
+    with pytest.raises(ValueError, match="num_layers"):
+        GPT(config("gpt2"), layers=range(2, 6))
