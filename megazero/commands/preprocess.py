@@ -1,13 +1,60 @@
-"""`megazero preprocess`: Tokenize jsonl, parquet or Hugging Face datasets into Megatron-format .bin/.idx shards."""
+"""`megazero preprocess`: tokenize jsonl, parquet or Hugging Face datasets into Megatron-format shards."""
+
+from __future__ import annotations
+
+import os
+import sys
 
 from megazero.errors import UserError
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("preprocess", help="Tokenize jsonl, parquet or Hugging Face datasets into Megatron-format .bin/.idx shards (not built yet)",
-                                   description="Tokenize jsonl, parquet or Hugging Face datasets into Megatron-format .bin/.idx shards. Not built yet: this command only says so.")
+    parser = subparsers.add_parser(
+        "preprocess", help="Tokenize jsonl, parquet or Hugging Face datasets into Megatron-format .bin/.idx shards",
+        description="Tokenize documents into PREFIX_KEY_document.bin/.idx shards, byte-compatible with "
+                    "Megatron's indexed dataset, appending an end-of-document token to each document. "
+                    "With --merge, join existing shards into one instead.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", nargs="+", metavar="PATH",
+                        help="jsonl files (.jsonl, .jsonl.gz, .jsonl.zst), .parquet files, or a Hugging Face "
+                             "dataset (a save_to_disk directory, read offline, or a name for load_dataset)")
+    source.add_argument("--merge", nargs="+", metavar="PREFIX", help="Shard prefixes to join, in this order")
+    parser.add_argument("--output-prefix", required=True,
+                        help="Output prefix; preprocessing writes PREFIX_KEY_document.bin/.idx per json key, "
+                             "merging writes PREFIX.bin/.idx")
+    parser.add_argument("--tokenizer", help="A SentencePiece .model or a Hugging Face tokenizer.json")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="Fields to tokenize (default: text)")
+    parser.add_argument("--workers", type=int, default=1, help="Tokenizing processes (default: 1)")
+    parser.add_argument("--batch-size", type=int, default=256, help="Documents per work unit (default: 256)")
+    parser.add_argument("--no-eod", action="store_true", help="Do not append the end-of-document token")
+    parser.add_argument("--hf-split", default="train", help="Split of a Hugging Face dataset (default: train)")
+    parser.add_argument("--no-progress", action="store_true", help="No progress bar")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
-    raise UserError("'megazero preprocess' is not implemented yet in this version")
+    from data_pipeline.indexed import merge_shards
+    from data_pipeline.preprocess import output_prefix_for, preprocess
+
+    try:
+        if args.merge:
+            merged = merge_shards(args.merge, args.output_prefix)
+            print(f"merged {len(args.merge)} shards into {args.output_prefix}: {len(merged)} documents, "
+                  f"{merged.num_tokens} tokens")
+            return 0
+        if not args.tokenizer:
+            raise UserError("--tokenizer is required to preprocess (a SentencePiece .model or a tokenizer.json)")
+        if args.workers < 1 or args.batch_size < 1:
+            raise UserError("--workers and --batch-size must be at least 1")
+        for path in args.input:
+            if not os.path.exists(path) and path.endswith((".jsonl", ".json", ".gz", ".zst", ".parquet")):
+                raise UserError(f"--input {path}: no such file")
+        stats = preprocess(args.input, args.output_prefix, args.tokenizer, tuple(args.json_keys), args.workers,
+                           args.batch_size, not args.no_eod, args.hf_split,
+                           progress=not args.no_progress and sys.stderr.isatty())
+    except (ValueError, OSError, ImportError) as exc:
+        raise UserError(str(exc)) from None
+    for key in args.json_keys:
+        print(f"wrote {output_prefix_for(args.output_prefix, key)}.bin/.idx")
+    print(stats.summary())
+    return 0

@@ -1,13 +1,58 @@
-"""`megazero tokenizer`: Train a SentencePiece tokenizer, or encode text with a SentencePiece or tokenizer.json model."""
+"""`megazero tokenizer train|encode`: train a SentencePiece model, or encode text with any tokenizer."""
+
+from __future__ import annotations
+
+import sys
 
 from megazero.errors import UserError
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("tokenizer", help="Train a SentencePiece tokenizer, or encode text with a SentencePiece or tokenizer.json model (not built yet)",
-                                   description="Train a SentencePiece tokenizer, or encode text with a SentencePiece or tokenizer.json model. Not built yet: this command only says so.")
-    parser.set_defaults(func=run)
+    parser = subparsers.add_parser(
+        "tokenizer", help="Train a SentencePiece tokenizer, or encode text with a SentencePiece or tokenizer.json model",
+        description="Train a byte-fallback SentencePiece tokenizer from text or jsonl files, or encode text "
+                    "with a SentencePiece .model or a Hugging Face tokenizer.json.")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+
+    train = actions.add_parser("train", help="Train a SentencePiece model (BPE or unigram, byte fallback)")
+    train.add_argument("--input", nargs="+", required=True,
+                       help="Text files (one document per line) or .jsonl/.jsonl.gz/.jsonl.zst files")
+    train.add_argument("--json-key", default="text", help="Key of the text in jsonl records (default: text)")
+    train.add_argument("--model-prefix", required=True, help="Writes PREFIX.model and PREFIX.vocab")
+    train.add_argument("--vocab-size", type=int, default=32000, help="Vocabulary size (default: 32000)")
+    train.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe", help="Algorithm (default: bpe)")
+    train.add_argument("--max-sentences", type=int, default=2_000_000,
+                       help="Lines sampled for training (default: 2000000)")
+    train.set_defaults(func=run_train)
+
+    encode = actions.add_parser("encode", help="Print the token ids of some text")
+    encode.add_argument("--tokenizer", required=True, help="A SentencePiece .model or a tokenizer.json")
+    encode.add_argument("text", nargs="?", help="Text to encode (default: read standard input)")
+    encode.set_defaults(func=run_encode)
 
 
-def run(args) -> int:
-    raise UserError("'megazero tokenizer' is not implemented yet in this version")
+def run_train(args) -> int:
+    from data_pipeline.tokenizer import read_texts, train_sentencepiece
+
+    if args.vocab_size < 260:
+        raise UserError(f"--vocab-size {args.vocab_size} is too small: byte fallback alone needs 256 pieces plus 4 specials")
+    try:
+        path = train_sentencepiece(read_texts(args.input, args.json_key), args.model_prefix, args.vocab_size,
+                                   args.model_type, args.max_sentences)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise UserError(str(exc)) from None
+    print(f"wrote {path} ({args.vocab_size} pieces, {args.model_type}, byte fallback)")
+    return 0
+
+
+def run_encode(args) -> int:
+    from data_pipeline.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+    except (ValueError, OSError) as exc:
+        raise UserError(str(exc)) from None
+    text = args.text if args.text is not None else sys.stdin.read()
+    print(" ".join(map(str, tokenizer.encode(text))))
+    return 0

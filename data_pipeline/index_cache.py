@@ -1,0 +1,56 @@
+"""Build-once caching of index arrays as ``.npy`` files, keyed by a hash of what they describe.
+
+Several ranks (or several jobs) may ask for the same indices at the same time. Without
+torch.distributed here, a file lock decides: the first process to take it builds and writes, the
+others block on the lock and then find the files and load them. Files are written under temporary
+names and renamed, and a description ``.json`` is written last, so its presence means complete.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from typing import Callable
+
+import numpy as np
+
+
+def description_hash(description: dict) -> str:
+    return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+
+def cached_arrays(cache_dir: str, kind: str, description: dict, names: tuple[str, ...],
+                  build: Callable[[], dict]) -> dict:
+    """Load ``names`` for this description from ``cache_dir``, building them first if absent.
+
+    ``build()`` returns a dict of numpy arrays with exactly ``names`` as keys. Loaded arrays are
+    memory-mapped read-only, so every rank shares one copy in the page cache.
+    """
+    os.makedirs(cache_dir, exist_ok=True)
+    stem = os.path.join(cache_dir, f"{description_hash(description)}-{kind}")
+    done = f"{stem}-description.json"
+    paths = {n: f"{stem}-{n}.npy" for n in names}
+    if not os.path.exists(done):
+        with open(f"{stem}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if not os.path.exists(done):
+                    _write(build(), paths, done, description)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    return {n: np.load(p, mmap_mode="r") for n, p in paths.items()}
+
+
+def _write(arrays: dict, paths: dict, done: str, description: dict) -> None:
+    if set(arrays) != set(paths):
+        raise ValueError(f"index builder returned {sorted(arrays)}, expected {sorted(paths)}")
+    for name, path in paths.items():
+        tmp = f"{path}.tmp-{os.getpid()}.npy"
+        np.save(tmp, arrays[name], allow_pickle=False)
+        os.replace(tmp, path)
+    tmp = f"{done}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(description, f, indent=1, sort_keys=True)
+    os.replace(tmp, done)

@@ -1,0 +1,221 @@
+"""Megatron-compatible indexed datasets: token documents in a ``.bin``, their layout in an ``.idx``.
+
+The format is Megatron's "MMIDIDX" memory-map layout, byte for byte, so shards written here load
+in megatron-core and theirs load here:
+
+``.idx``  magic ``MMIDIDX\\x00\\x00`` | u64 version (1) | u8 dtype code | u64 sequence count |
+          u64 document-index count (documents + 1) | int32 sequence lengths | int64 byte pointers
+          into ``.bin`` | int64 document indices (0, end of doc 0, ..., sequence count)
+``.bin``  every sequence's tokens back to back, no header.
+
+All integers are little-endian. In a pretraining corpus one sequence is one document, so the
+document index is simply ``0..n``; the writer still keeps the two apart because Megatron does.
+
+Writes are atomic: both files are written under temporary names and renamed only once complete,
+``.bin`` first, so an ``.idx`` on disk always describes a whole ``.bin``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Iterable
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document-index count
+
+DTYPE_CODES = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
+    5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest dtype Megatron uses for this vocabulary: uint16 below 65500 tokens, else int32."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+def bin_path(prefix: str) -> str:
+    return f"{prefix}.bin"
+
+
+def idx_path(prefix: str) -> str:
+    return f"{prefix}.idx"
+
+
+def _tmp_name(path: str) -> str:
+    return f"{path}.tmp-{os.getpid()}"
+
+
+class IndexedDatasetWriter:
+    """Append documents, then ``finish()``; used as a context manager it cleans up on failure.
+
+    Tokens stream straight to the temporary ``.bin``; only the per-document lengths stay in memory
+    (4 bytes a document), so a billion-token shard needs no more memory than its index.
+    """
+
+    def __init__(self, prefix: str, dtype) -> None:
+        self.prefix = prefix
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF_DTYPE:
+            raise ValueError(f"{prefix}: dtype {self.dtype} has no code in the indexed format; "
+                             f"use one of {sorted(str(np.dtype(t)) for t in DTYPE_CODES.values())}")
+        directory = os.path.dirname(os.path.abspath(prefix))
+        os.makedirs(directory, exist_ok=True)
+        self._bin_tmp = _tmp_name(bin_path(prefix))
+        self._idx_tmp = _tmp_name(idx_path(prefix))
+        self._bin = open(self._bin_tmp, "wb")
+        self._lengths: list[np.ndarray] = []
+
+    def add_document(self, tokens) -> None:
+        self.add_documents(np.asarray(tokens), np.array([len(tokens)], dtype=np.int64))
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Several documents at once: ``tokens`` is their concatenation, ``lengths`` their sizes."""
+        tokens = np.asarray(tokens)
+        if tokens.dtype != self.dtype:
+            tokens = tokens.astype(self.dtype)
+        if int(np.sum(lengths)) != tokens.size:
+            raise ValueError(f"{self.prefix}: lengths sum to {int(np.sum(lengths))} but {tokens.size} tokens were given")
+        self._bin.write(tokens.tobytes(order="C"))
+        self._lengths.append(np.asarray(lengths, dtype=np.int32))
+
+    def add_shard(self, other: "IndexedDataset") -> None:
+        """Append every document of an existing shard, copying its ``.bin`` in large blocks."""
+        if other.dtype != self.dtype:
+            raise ValueError(f"cannot merge {other.prefix} ({other.dtype}) into {self.prefix} ({self.dtype}): "
+                             "every shard must use the same token dtype (same tokenizer)")
+        with open(bin_path(other.prefix), "rb") as src:
+            while block := src.read(64 << 20):
+                self._bin.write(block)
+        self._lengths.append(np.asarray(other.sizes, dtype=np.int32))
+
+    def finish(self) -> None:
+        self._bin.close()
+        sizes = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+        write_index(self._idx_tmp, self.dtype, sizes)
+        os.replace(self._bin_tmp, bin_path(self.prefix))
+        os.replace(self._idx_tmp, idx_path(self.prefix))
+
+    def abort(self) -> None:
+        self._bin.close()
+        for path in (self._bin_tmp, self._idx_tmp):
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def __enter__(self) -> "IndexedDatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+
+def write_index(path: str, dtype: np.dtype, sizes: np.ndarray) -> None:
+    """The ``.idx`` for one document per sequence of the given lengths."""
+    sizes = np.asarray(sizes, dtype=np.int32)
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
+    doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
+    with open(path, "wb") as f:
+        f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[np.dtype(dtype)], len(sizes), len(doc_idx)))
+        f.write(sizes.tobytes())
+        f.write(pointers.tobytes())
+        f.write(doc_idx.tobytes())
+
+
+class IndexedDataset:
+    """A memory-mapped, validated view of one ``PREFIX.bin/.idx`` pair.
+
+    ``ds[i]`` is document ``i`` as a numpy array (a view into the map, no copy);
+    ``ds.get(i, offset, length)`` reads part of one, which is all GPT samples need.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        idx, binf = idx_path(prefix), bin_path(prefix)
+        for path in (idx, binf):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path}: no such file (expected a .bin/.idx pair for prefix {prefix!r}; "
+                                        "write one with `megazero preprocess`)")
+        idx_size = os.path.getsize(idx)
+        if idx_size < HEADER.size:
+            raise ValueError(f"{idx}: truncated index ({idx_size} bytes, the header alone is {HEADER.size})")
+        with open(idx, "rb") as f:
+            magic, version, code, n_seq, n_doc = HEADER.unpack(f.read(HEADER.size))
+        if magic != MAGIC:
+            raise ValueError(f"{idx}: not a Megatron indexed dataset (magic {magic!r}, expected {MAGIC!r})")
+        if version != VERSION:
+            raise ValueError(f"{idx}: index version {version} is not supported (only {VERSION})")
+        if code not in DTYPE_CODES:
+            raise ValueError(f"{idx}: unknown dtype code {code} (known: {sorted(DTYPE_CODES)})")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        expected = HEADER.size + n_seq * 4 + n_seq * 8 + n_doc * 8
+        if idx_size != expected:
+            raise ValueError(f"{idx}: index is {idx_size} bytes but its header ({n_seq} sequences, "
+                             f"{n_doc} document entries) needs {expected}; the file is truncated or corrupt")
+        self._idx_map = np.memmap(idx, mode="r", dtype=np.uint8)
+        off = HEADER.size
+        self.sizes = np.frombuffer(self._idx_map, np.int32, n_seq, off)
+        self.pointers = np.frombuffer(self._idx_map, np.int64, n_seq, off + 4 * n_seq)
+        self.document_indices = np.frombuffer(self._idx_map, np.int64, n_doc, off + 12 * n_seq)
+        bin_size = os.path.getsize(binf)
+        self._validate(binf, bin_size)
+        self._bin_map = np.memmap(binf, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+
+    def _validate(self, binf: str, bin_size: int) -> None:
+        """Sizes, pointers and the ``.bin`` length must agree, or reads would return garbage."""
+        itemsize = self.dtype.itemsize
+        if len(self.sizes) and (self.sizes < 0).any():
+            raise ValueError(f"{idx_path(self.prefix)}: negative sequence length in the index")
+        expected_ptr = np.zeros_like(self.pointers)
+        np.cumsum(self.sizes[:-1].astype(np.int64) * itemsize, out=expected_ptr[1:])
+        if not np.array_equal(expected_ptr, self.pointers):
+            bad = int(np.flatnonzero(expected_ptr != self.pointers)[0])
+            raise ValueError(f"{idx_path(self.prefix)}: pointer of sequence {bad} is {int(self.pointers[bad])}, "
+                             f"expected {int(expected_ptr[bad])} from the sequence lengths; the index is corrupt")
+        data_bytes = int(self.sizes.astype(np.int64).sum()) * itemsize
+        if data_bytes != bin_size:
+            what = "truncated" if bin_size < data_bytes else "longer than its index"
+            raise ValueError(f"{binf}: {bin_size} bytes but the index describes {data_bytes} "
+                             f"({int(self.sizes.sum())} tokens of {self.dtype}); the .bin is {what} "
+                             "or the .idx dtype does not match it")
+        docs = self.document_indices
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(self.sizes) or (np.diff(docs) < 0).any():
+            raise ValueError(f"{idx_path(self.prefix)}: document index must rise from 0 to {len(self.sizes)}")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sizes.astype(np.int64).sum())
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        size = int(self.sizes[i])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"{self.prefix}: document {i} has {size} tokens; cannot read [{offset}, {offset + length})")
+        start = int(self.pointers[i]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin_map, self.dtype, length, start)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+
+def merge_shards(prefixes: Iterable[str], output_prefix: str) -> IndexedDataset:
+    """Join shards, in the given order, into one; each must use the same token dtype."""
+    shards = [IndexedDataset(p) for p in prefixes]
+    if not shards:
+        raise ValueError("merge needs at least one input shard")
+    with IndexedDatasetWriter(output_prefix, shards[0].dtype) as writer:
+        for shard in shards:
+            writer.add_shard(shard)
+    return IndexedDataset(output_prefix)

@@ -1,0 +1,129 @@
+"""Tokenize documents into ``PREFIX_{key}_document.bin/.idx`` shards with worker processes.
+
+The reading process only splits the input into batches and writes what comes back; the workers
+parse json, tokenize, append the end-of-document token and pack each batch into one numpy array,
+so the work that costs time runs in parallel and the pipe carries compact arrays, not lists.
+Output order equals input order for any number of workers, so a shard is reproducible.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from itertools import chain
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
+from data_pipeline.sources import Batch, iter_batches, parse_line
+from data_pipeline.tokenizer import load_tokenizer
+
+_tokenizer = None  # one per worker process, loaded by _init_worker
+
+
+@dataclass
+class PreprocessStats:
+    documents: int = 0
+    tokens: int = 0
+    text_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def docs_per_s(self) -> float:
+        return self.documents / max(self.seconds, 1e-9)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.text_bytes / 1e6 / max(self.seconds, 1e-9)
+
+    def summary(self) -> str:
+        return (f"{self.documents} documents, {self.tokens} tokens, {self.text_bytes / 1e6:.1f} MB of text "
+                f"in {self.seconds:.1f} s: {self.docs_per_s:.0f} docs/s, {self.mb_per_s:.2f} MB/s")
+
+
+def output_prefix_for(prefix: str, key: str) -> str:
+    """Megatron's naming: one shard per json key, ``PREFIX_text_document`` for the usual key."""
+    return f"{prefix}_{key}_document"
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _tokenizer
+    _tokenizer = load_tokenizer(tokenizer_path)
+
+
+def encode_batch(batch: Batch, keys: tuple[str, ...], append_eod: bool) -> tuple[dict, int]:
+    """Per key: (all tokens of the batch as one array, per-document lengths); plus the text bytes."""
+    records = batch.records if batch.records is not None else [parse_line(line, keys) for line in batch.lines]
+    dtype = token_dtype(_tokenizer.vocab_size)
+    out, nbytes = {}, 0
+    for key in keys:
+        texts = [r[key] if isinstance(r[key], str) else str(r[key]) for r in records]
+        nbytes += sum(len(t.encode("utf-8")) for t in texts)
+        ids = _tokenizer.encode_batch(texts)
+        if append_eod:
+            for doc in ids:
+                doc.append(_tokenizer.eod_id)
+        lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
+        tokens = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+        out[key] = (tokens, lengths)
+    return out, nbytes
+
+
+def _encode_in_worker(args) -> tuple[dict, int]:
+    return encode_batch(*args)
+
+
+def _encoded(batches: Iterable[Batch], tokenizer_path: str, keys, append_eod: bool, workers: int) -> Iterator:
+    """Encoded batches in input order; one worker runs in this process (no pipe at all)."""
+    jobs = ((b, keys, append_eod) for b in batches)
+    if workers <= 1:
+        _init_worker(tokenizer_path)
+        yield from map(_encode_in_worker, jobs)
+        return
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
+        yield from pool.imap(_encode_in_worker, jobs, chunksize=1)
+
+
+def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys: tuple[str, ...] = ("text",),
+               workers: int = 1, batch_size: int = 256, append_eod: bool = True, hf_split: str = "train",
+               progress: bool = False) -> PreprocessStats:
+    """Tokenize every input, in order, into one shard per key; returns throughput figures."""
+    vocab_size = load_tokenizer(tokenizer_path).vocab_size
+    writers = {k: IndexedDatasetWriter(output_prefix_for(output_prefix, k), token_dtype(vocab_size)) for k in keys}
+    stats = PreprocessStats()
+    bar = _progress_bar(progress)
+    start = time.perf_counter()
+    try:
+        batches = chain.from_iterable(iter_batches(p, keys, batch_size, hf_split) for p in inputs)
+        for encoded, nbytes in _encoded(batches, tokenizer_path, keys, append_eod, workers):
+            for key, (tokens, lengths) in encoded.items():
+                writers[key].add_documents(tokens, lengths)
+            first = encoded[keys[0]][1]
+            stats.documents += len(first)
+            stats.tokens += int(sum(int(l.sum()) for _, l in encoded.values()))
+            stats.text_bytes += nbytes
+            if bar is not None:
+                bar.update(len(first))
+                bar.set_postfix_str(f"{stats.text_bytes / 1e6 / (time.perf_counter() - start):.2f} MB/s", refresh=False)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    for w in writers.values():
+        w.finish()
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _progress_bar(enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(unit=" docs", desc="tokenizing", mininterval=1.0)

@@ -1,0 +1,162 @@
+"""Tokenizers behind one small interface, and SentencePiece training.
+
+Preprocessing and training need only five things from a tokenizer: ``encode``, ``decode``,
+``vocab_size``, ``eod_id`` (appended after every document) and ``pad_id``. Two back ends provide
+them: SentencePiece ``.model`` files and Hugging Face ``tokenizer.json`` files (through the
+``tokenizers`` package, imported only when such a file is loaded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Iterator, Protocol
+
+# Ids the trained SentencePiece models reserve, in this order; eod is SentencePiece's </s>.
+UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
+
+# Names a tokenizer.json commonly gives its end-of-document and padding tokens, most specific first.
+EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eod_id: int
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model; never adds BOS/EOS itself (preprocessing appends EOD).
+
+    Batches encode on one thread: preprocessing scales by processes, one per core, and a thread
+    pool inside each would only fight them for the same cores.
+    """
+
+    def __init__(self, path: str) -> None:
+        import sentencepiece as spm
+
+        self.path = path
+        self._sp = spm.SentencePieceProcessor(model_file=path)
+        self.vocab_size = self._sp.get_piece_size()
+        eos = self._sp.eos_id()
+        if eos < 0:
+            raise ValueError(f"{path}: the SentencePiece model has no </s> piece to use as end-of-document; "
+                             "retrain it with eos_id set (megazero tokenizer train does)")
+        self.eod_id = eos
+        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else eos
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts, num_threads=1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode(list(ids))
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json``; special tokens are looked up by their usual names."""
+
+    def __init__(self, path: str, eod_token: str | None = None, pad_token: str | None = None) -> None:
+        from tokenizers import Tokenizer as _HF
+
+        self.path = path
+        self._tok = _HF.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eod_id = self._find(eod_token, EOD_NAMES, "end-of-document")
+        pad = self._find(pad_token, PAD_NAMES, "padding", required=False)
+        self.pad_id = self.eod_id if pad is None else pad
+
+    def _find(self, name: str | None, candidates: tuple[str, ...], what: str, required: bool = True) -> int | None:
+        for candidate in (name,) if name else candidates:
+            token_id = self._tok.token_to_id(candidate)
+            if token_id is not None:
+                return token_id
+        if required or name:
+            raise ValueError(f"{self.path}: no {what} token among {list((name,) if name else candidates)}; "
+                             f"name the right one explicitly")
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A ``.model`` file is SentencePiece; a ``.json`` file (or a folder with tokenizer.json) is Hugging Face."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: tokenizer file not found (give a SentencePiece .model or a tokenizer.json)")
+    if path.endswith(".json"):
+        return HFTokenizer(path)
+    return SentencePieceTokenizer(path)
+
+
+def read_texts(paths: Iterable[str], json_key: str = "text") -> Iterator[str]:
+    """Documents from text files (one per line) or jsonl files (``json_key`` of each record)."""
+    from data_pipeline.sources import open_text
+
+    for path in paths:
+        is_jsonl = ".jsonl" in os.path.basename(path) or ".json" in os.path.basename(path)
+        with open_text(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if not is_jsonl:
+                    yield line.rstrip("\n")
+                    continue
+                try:
+                    yield json.loads(line)[json_key]
+                except (ValueError, KeyError) as exc:
+                    raise ValueError(f"{path}:{lineno}: cannot read key {json_key!r} from this json line ({exc})") from None
+
+
+def _lines(texts: Iterable[str], max_line_bytes: int) -> Iterator[str]:
+    """SentencePiece trains on lines: split documents at newlines and drop over-long lines."""
+    for text in texts:
+        for line in text.split("\n"):
+            if line.strip() and len(line.encode("utf-8")) <= max_line_bytes:
+                yield line
+
+
+def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int, model_type: str = "bpe",
+                        max_sentences: int = 2_000_000, num_threads: int | None = None) -> str:
+    """Train a byte-fallback SentencePiece model; returns the path of the ``.model`` file.
+
+    Whitespace is kept as it is (identity normalisation, no collapsing of spaces) so code and
+    indentation survive the round trip; characters outside the vocabulary fall back to bytes, so
+    nothing ever becomes ``<unk>``. Newlines are not seen in training (SentencePiece reads lines)
+    and encode as the byte piece ``<0x0A>``.
+    """
+    import sentencepiece as spm
+
+    if model_type not in ("bpe", "unigram"):
+        raise ValueError(f"model_type must be 'bpe' or 'unigram', not {model_type!r}")
+    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    tmp_prefix = f"{model_prefix}.tmp-{os.getpid()}"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_lines(texts, max_line_bytes=4096),
+        model_prefix=tmp_prefix, vocab_size=vocab_size, model_type=model_type,
+        character_coverage=0.9995, byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOD_ID, pad_id=PAD_ID,
+        input_sentence_size=max_sentences, shuffle_input_sentence=True,
+        num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
+    )
+    for ext in (".model", ".vocab"):
+        os.replace(tmp_prefix + ext, model_prefix + ext)
+    return model_prefix + ".model"
