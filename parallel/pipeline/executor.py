@@ -1,0 +1,162 @@
+"""Runs a pipeline schedule: this rank's forwards and backwards over the micro-batches of one step.
+
+The executor knows nothing of the model. It holds this rank's model chunks (one, or ``v`` for
+interleaved 1F1B) and calls ``forward_step(module, x, microbatch, first, last)`` for each forward:
+``x`` is the activation received from the previous virtual stage (``None`` on the first), and on the
+last virtual stage the call returns the micro-batch's mean loss. Backward of a stage starts from its
+output with the gradient received from the next stage. Gradients accumulate in ``.grad``; reducing
+them over data-parallel ranks (and summing tied embeddings) is the caller's next move, see ``grads``.
+
+Memory: a forward's output is cloned into a fresh send buffer, and that buffer's storage is released
+as soon as the send completes (autograd keeps only the graph, which never saved the clone), so a
+stage holds just what its backward needs for the micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.pipeline.p2p import StageLink, broadcast_from_last_stage, free_storage
+from parallel.pipeline.plan import Message, plan_for, virtual_stage
+from parallel.pipeline.schedule import Op, default_schedule
+
+ForwardStep = Callable[[nn.Module, Optional[torch.Tensor], Any, bool, bool], torch.Tensor]
+
+
+def default_forward_step(module: nn.Module, x: Optional[torch.Tensor], microbatch: Any, first: bool,
+                         last: bool) -> torch.Tensor:
+    """``microbatch`` is ``(inputs, targets)``: the first stage eats inputs, the last returns a loss."""
+    inputs, targets = microbatch
+    args = (inputs if first else x,) + ((targets,) if last else ())
+    return module(*args)
+
+
+@dataclass
+class StepStats:
+    """What one step did on this rank, for tests and benchmarks."""
+
+    ops: list[Op] = field(default_factory=list)
+    peak_live: int = 0  # most micro-batch chunks held between their forward and backward
+    compute_s: float = 0.0  # time inside forward/backward (synchronised on CUDA when profiling)
+    step_s: float = 0.0
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` for one pipeline rank of ``topo``; ``chunks[c]`` is virtual stage ``c*pp + rank``.
+
+    ``activation_shape`` is the shape of every tensor crossing a stage boundary on this rank: under
+    sequence parallelism, the sequence-sharded one.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], topo, activation_shape: Sequence[int],
+                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 schedule: Optional[str] = None, forward_step: ForwardStep = default_forward_step,
+                 timeout_s: float = 300.0, profile: bool = False):
+        if not chunks:
+            raise ValueError("a pipeline rank needs at least one model chunk")
+        self.chunks, self.topo = list(chunks), topo
+        self.pp, self.rank, self.v = topo.pp_size, topo.pp_rank, len(self.chunks)
+        self.schedule = schedule or default_schedule(self.pp, self.v)
+        self.device = device or torch.device("cpu")
+        self.forward_step, self.profile = forward_step, profile
+        self.link = StageLink(topo.pp_group, topo.stage_rank, tuple(activation_shape), dtype, self.device,
+                              timeout_s, label=f"rank {topo.rank} (pipeline rank {self.rank})")
+        self.stats = StepStats()
+
+    @property
+    def waiting_on(self) -> str:
+        """What this rank is blocked on right now (``nothing`` between waits)."""
+        return self.link.waiting_on
+
+    def step(self, microbatches: Sequence[Any], grad_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward every micro-batch; returns the step's mean loss on every rank.
+
+        Gradients are those of ``grad_scale`` times the mean loss over the micro-batches (a loss scaler
+        passes its scale here). The returned loss is also averaged over the data-parallel group.
+        """
+        start = time.perf_counter()
+        m = len(microbatches)
+        ops, plan = plan_for(self.schedule, self.pp, self.rank, m, self.v)
+        run = _StepRun(self, microbatches, grad_scale / m)
+        self.stats = StepStats(ops=ops)
+        for k, step in enumerate(plan):
+            sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
+            run.inbox.update(self.link.exchange(sends, step.recvs, where=f"step {k} before {step.op}"))
+            for sent in self.link.finish_sends(block=False):
+                free_storage(sent)
+            if step.op is not None:
+                self._timed(run.forward if step.op.kind == "F" else run.backward, step.op)
+        for sent in self.link.finish_sends(block=True):
+            free_storage(sent)
+        self.stats.step_s = time.perf_counter() - start
+        return self._step_loss(run.loss_sum, m)
+
+    def _timed(self, fn: Callable[[Op], None], op: Op) -> None:
+        if not self.profile:
+            return fn(op)
+        self._sync()
+        t0 = time.perf_counter()
+        fn(op)
+        self._sync()
+        self.stats.compute_s += time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _step_loss(self, loss_sum: Optional[torch.Tensor], m: int) -> torch.Tensor:
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.topo.is_last_stage:
+            loss += loss_sum / m
+            if self.topo.dp_size > 1:
+                dist.all_reduce(loss, group=self.topo.dp_group)
+                loss /= self.topo.dp_size
+        return broadcast_from_last_stage(loss, self.topo.pp_group, self.topo.stage_rank(self.pp - 1))
+
+
+class _StepRun:
+    """The tensors of one step in flight: received inputs, outputs kept for backward, messages to send."""
+
+    def __init__(self, executor: PipelineExecutor, microbatches: Sequence[Any], backward_scale: float):
+        self.ex, self.microbatches, self.backward_scale = executor, microbatches, backward_scale
+        self.last_stage = executor.pp * executor.v - 1
+        self.inbox: dict[Message, torch.Tensor] = {}
+        self.outbox: dict[Message, torch.Tensor] = {}
+        self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        self.loss_sum: Optional[torch.Tensor] = None
+
+    def forward(self, op: Op) -> None:
+        s = virtual_stage(self.ex.pp, self.ex.rank, op.chunk)
+        x = None if s == 0 else self.inbox.pop(Message("act", op.microbatch, s - 1)).requires_grad_()
+        out = self.ex.forward_step(self.ex.chunks[op.chunk], x, self.microbatches[op.microbatch],
+                                   s == 0, s == self.last_stage)
+        if s == self.last_stage:
+            if out.numel() != 1:
+                raise ValueError(f"the last pipeline stage must return a scalar loss, got shape {tuple(out.shape)}")
+            detached = out.detach().float().reshape(())
+            self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
+        else:
+            out = out.clone()  # a send buffer no autograd node saved, so its storage can go once sent
+            self.outbox[Message("act", op.microbatch, s)] = out
+        self.saved[(op.microbatch, op.chunk)] = (x, out)
+        self.ex.stats.peak_live = max(self.ex.stats.peak_live, len(self.saved))
+
+    def backward(self, op: Op) -> None:
+        s = virtual_stage(self.ex.pp, self.ex.rank, op.chunk)
+        x, out = self.saved.pop((op.microbatch, op.chunk))
+        if s == self.last_stage:
+            grad = torch.full_like(out, self.backward_scale)
+        else:
+            grad = self.inbox.pop(Message("grad", op.microbatch, s + 1))
+        torch.autograd.backward(out, grad)
+        if s > 0:
+            if x.grad is None:
+                raise ValueError(f"virtual stage {s} did not use its input: its output does not depend on "
+                                 f"the activation it received")
+            self.outbox[Message("grad", op.microbatch, s)] = x.grad

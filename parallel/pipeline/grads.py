@@ -1,0 +1,59 @@
+"""Gradient reductions that follow a pipeline step, before the optimizer.
+
+Two sums the schedule itself does not do:
+
+- Tied embeddings: the first stage's token embedding and the last stage's LM head are copies of one
+  matrix. Each copy received the gradient of its own use; the true gradient is their sum, so both
+  copies get it (``allreduce_embedding_grads``) and stay identical after the optimizer step.
+- Data parallelism: every pipeline replica saw different samples; the gradient of the mean loss is
+  the mean of theirs. ``allreduce_data_parallel_grads`` is the plain version; a ZeRO optimizer takes
+  its place by reduce-scattering instead (the engine picks one ``GradReducer``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from parallel.comm import all_reduce, group_size
+
+GradReducer = Callable[[Iterable[nn.Parameter]], None]
+
+
+def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _allreduce_flat(grads: list[torch.Tensor], group, scale: float = 1.0) -> None:
+    """One collective per dtype over a flattened copy, instead of one per parameter."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        all_reduce(flat, group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        for g, part in zip(same, flat.split([g.numel() for g in same])):
+            g.copy_(part.view_as(g))
+
+
+def allreduce_embedding_grads(tied: Iterable[nn.Parameter], topo) -> None:
+    """Sum the gradients of the tied embedding copies on the first and last stages of the pipeline.
+
+    Call it on every rank (ranks off those stages pass nothing and return at once).
+    """
+    group = topo.embedding_group
+    tied = list(tied)
+    if group is None or not tied or group_size(group) == 1:
+        return
+    _allreduce_flat(_grads(tied), group)
+
+
+def allreduce_data_parallel_grads(params: Iterable[nn.Parameter], topo) -> None:
+    """Average gradients over the data-parallel group (the plain, non-ZeRO reducer)."""
+    if topo.dp_size == 1:
+        return
+    _allreduce_flat(_grads(params), topo.dp_group, scale=1.0 / topo.dp_size)

@@ -1,0 +1,111 @@
+"""Point-to-point exchange between pipeline neighbours: one batched isend/irecv per plan step.
+
+Every message between stages has the same shape (the activation at a stage boundary, sequence-
+sharded under sequence parallelism, and its gradient), known before the step starts, so receive
+buffers are allocated without asking the sender: no shape exchange at all.
+
+Each rank remembers what it is waiting for; a receive that does not arrive within the timeout
+raises ``PipelineTimeout`` naming the rank, the step and the message, instead of hanging silently.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from parallel.pipeline.plan import Message, Transfer
+
+
+class PipelineTimeout(RuntimeError):
+    """A pipeline receive did not complete in time: a peer died, hangs, or runs a different schedule."""
+
+
+class StageLink:
+    """Sends and receives one pipeline rank's boundary tensors along its pipeline group.
+
+    ``peer_rank(pp_rank)`` maps a pipeline rank to its global rank (``Topology.stage_rank``).
+    """
+
+    def __init__(self, group, peer_rank, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 timeout_s: float = 300.0, label: str = ""):
+        self.group, self.peer_rank = group, peer_rank
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.label = label
+        self.waiting_on = "nothing"
+        self._in_flight: list[tuple[Optional[dist.Work], torch.Tensor]] = []  # None: already complete
+
+    def exchange(self, sends: list[tuple[Transfer, torch.Tensor]], recvs: tuple[Transfer, ...],
+                 where: str) -> dict[Message, torch.Tensor]:
+        """Post ``sends`` and ``recvs`` as one batch and wait until the receives have landed.
+
+        Sends are not waited for here (their buffers stay referenced until they complete, see
+        ``finish_sends``), so a rank never blocks on a neighbour that is itself busy sending.
+        """
+        for transfer, tensor in sends:
+            if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+                raise ValueError(f"pipeline boundary tensor {transfer.message} is {tuple(tensor.shape)} "
+                                 f"{tensor.dtype}, but the pipeline was set up for {self.shape} {self.dtype}: "
+                                 f"pass the activation shape each stage really outputs")
+        buffers = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in recvs]
+        ops = [dist.P2POp(dist.isend, t, self.peer_rank(tr.peer), self.group) for tr, t in sends]
+        ops += [dist.P2POp(dist.irecv, b, self.peer_rank(tr.peer), self.group) for tr, b in zip(recvs, buffers)]
+        if not ops:
+            return {}
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # coalesced into one handle (NCCL): the batch completes as a whole
+            self._wait(works, f"{where}: batch " + _describe(sends, recvs))
+            self._in_flight += [(None, t) for _, t in sends]
+            return {tr.message: b for tr, b in zip(recvs, buffers)}
+        self._in_flight += [(w, t) for w, (_, t) in zip(works, sends)]
+        for work, transfer in zip(works[len(sends):], recvs):
+            self._wait([work], f"{where}: recv {transfer.message} from pipeline rank {transfer.peer}")
+        return {tr.message: b for tr, b in zip(recvs, buffers)}
+
+    def finish_sends(self, block: bool) -> list[torch.Tensor]:
+        """Tensors whose sends have completed (all of them, waiting, when ``block``)."""
+        done, still = [], []
+        for work, tensor in self._in_flight:
+            if block and work is not None:
+                self._wait([work], "end of step: sends still in flight")
+            if block or work is None or work.is_completed():
+                done.append(tensor)
+            else:
+                still.append((work, tensor))
+        self._in_flight = still
+        return done
+
+    def _wait(self, works: list, what: str) -> None:
+        self.waiting_on = what
+        try:
+            for work in works:
+                work.wait(self.timeout)
+        except RuntimeError as err:
+            raise PipelineTimeout(f"{self.label} gave up after {self.timeout.total_seconds():.0f}s waiting on "
+                                  f"{what}: {err}") from err
+        self.waiting_on = "nothing"
+
+
+def _describe(sends, recvs) -> str:
+    parts = [f"send {tr.message} to pipeline rank {tr.peer}" for tr, _ in sends]
+    return ", ".join(parts + [f"recv {tr.message} from pipeline rank {tr.peer}" for tr in recvs])
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Drop ``tensor``'s memory but keep its shape, so autograd can still start backward from it.
+
+    Only valid on a tensor no autograd node saved (the executor sends a fresh clone for that reason):
+    its storage becomes one element broadcast to the old shape.
+    """
+    tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+
+
+def broadcast_from_last_stage(value: torch.Tensor, group, src: int) -> torch.Tensor:
+    """Every pipeline rank gets the last stage's ``value`` (for logging the loss everywhere)."""
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(value, src=src, group=group)
+    return value
+

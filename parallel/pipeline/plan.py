@@ -1,0 +1,179 @@
+"""The point-to-point traffic a schedule implies, and a dry run that proves it cannot deadlock.
+
+``comm_plan`` turns a rank's op list into steps: before each op, one batch that sends what the
+previous op produced and receives what this op consumes. Posting a send together with the next
+receive in one batch is what keeps neighbours from waiting on each other (rank r sends an activation
+forward while rank r+1 sends a gradient back; posted as separate blocking calls both would wait
+forever). ``simulate`` runs all ranks' plans with the strictest semantics a backend may have (a batch
+finishes only once every send and receive in it has met its partner, as NCCL groups do), matching
+messages first-in first-out per ordered pair of ranks with no tags, as NCCL does. A plan that passes
+therefore runs on NCCL and on gloo, and every message arrives where its receiver expects it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from parallel.pipeline.schedule import Op, build_schedule, interleaved_warmup
+
+
+@dataclass(frozen=True)
+class Message:
+    """What travels between stages: ``act`` goes to virtual stage ``stage + 1``, ``grad`` to ``stage - 1``."""
+
+    kind: str
+    microbatch: int
+    stage: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}(mb{self.microbatch} from stage {self.stage})"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    peer: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class Step:
+    """One batched exchange, then ``op`` (``None`` for the final flush of the last op's sends)."""
+
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+    op: Optional[Op]
+
+
+class PipelineDeadlock(RuntimeError):
+    """A schedule whose communication cannot complete, or delivers a message to the wrong op."""
+
+
+def virtual_stage(pp: int, rank: int, chunk: int) -> int:
+    return chunk * pp + rank
+
+
+def op_io(op: Op, pp: int, rank: int, v: int) -> tuple[Optional[Transfer], Optional[Transfer]]:
+    """(what ``op`` receives, what it sends); ``None`` at the ends of the pipeline."""
+    if pp == 1 and v > 1:
+        raise ValueError("virtual stages need pp > 1: with one rank, use a deeper single chunk instead")
+    s, last = virtual_stage(pp, rank, op.chunk), pp * v - 1
+    if op.kind == "F":
+        recv = Transfer((s - 1) % pp, Message("act", op.microbatch, s - 1)) if s > 0 else None
+        send = Transfer((s + 1) % pp, Message("act", op.microbatch, s)) if s < last else None
+    else:
+        recv = Transfer((s + 1) % pp, Message("grad", op.microbatch, s + 1)) if s < last else None
+        send = Transfer((s - 1) % pp, Message("grad", op.microbatch, s)) if s > 0 else None
+    return recv, send
+
+
+def comm_plan(ops: list[Op], pp: int, rank: int, v: int = 1, paired_from: Optional[int] = None) -> list[Step]:
+    """Steps of rank ``rank``: one batched exchange before each op, or before each steady-state pair.
+
+    Plain 1F1B exchanges before every op: the sends of the op before, the receive of the op next.
+    Interleaved 1F1B (``paired_from`` = its warm-up length) runs its steady state as forward/backward
+    pairs with one exchange between pairs, carrying both ops' sends and both next receives; per-op
+    exchanges there would cross activations and gradients travelling between the same two ranks.
+    """
+    steps: list[Step] = []
+    pending: tuple[Transfer, ...] = ()
+    for group in _groups(ops, paired_from):
+        io = [op_io(op, pp, rank, v) for op in group]
+        steps.append(Step(pending, tuple(recv for recv, _ in io if recv), group[0]))
+        steps += [Step((), (), op) for op in group[1:]]
+        pending = tuple(send for _, send in io if send)
+    if pending:
+        steps.append(Step(pending, (), None))
+    return steps
+
+
+def _groups(ops: list[Op], paired_from: Optional[int]) -> list[list[Op]]:
+    if paired_from is None:
+        return [[op] for op in ops]
+    groups = [[op] for op in ops[:paired_from]]
+    k = paired_from
+    while k + 1 < len(ops) and ops[k].kind == "F" and ops[k + 1].kind == "B":
+        groups.append(ops[k:k + 2])
+        k += 2
+    return groups + [[op] for op in ops[k:]]
+
+
+def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> tuple[list[Op], list[Step]]:
+    """The op list of ``schedule`` for this rank and the communication steps that carry it out."""
+    ops = build_schedule(schedule, pp, rank, m, v)
+    paired_from = interleaved_warmup(pp, rank, m, v) if schedule == "interleaved_1f1b" else None
+    return ops, comm_plan(ops, pp, rank, v, paired_from)
+
+
+def check_ops(ops: list[Op], m: int, v: int) -> None:
+    """Every (micro-batch, chunk) goes forward exactly once and backward exactly once, after its forward."""
+    done: set[tuple[int, int]] = set()
+    seen: set[Op] = set()
+    for op in ops:
+        if op in seen:
+            raise PipelineDeadlock(f"{op} appears twice")
+        seen.add(op)
+        if op.kind == "F":
+            done.add((op.microbatch, op.chunk))
+        elif (op.microbatch, op.chunk) not in done:
+            raise PipelineDeadlock(f"{op} runs before its forward")
+    expected = {Op(k, i, c) for k in "FB" for i in range(m) for c in range(v)}
+    if seen != expected:
+        raise PipelineDeadlock(f"ops missing: {sorted(expected - seen)[:4]}, extra: {sorted(seen - expected)[:4]}")
+
+
+def _match(plans: list[list[Step]]) -> dict[tuple[int, int, str, int], int]:
+    """For each (rank, step, 'send'/'recv', index-in-step): the step index of its partner on the peer."""
+    queues: dict[tuple[int, int, str], list[tuple[int, int, Message]]] = {}
+    for rank, plan in enumerate(plans):
+        for k, step in enumerate(plan):
+            for j, t in enumerate(step.sends):
+                queues.setdefault((rank, t.peer, "send"), []).append((k, j, t.message))
+            for j, t in enumerate(step.recvs):
+                queues.setdefault((t.peer, rank, "recv"), []).append((k, j, t.message))
+    partner = {}
+    for (src, dst, side), items in queues.items():
+        if side == "recv":
+            continue
+        recvs = queues.get((src, dst, "recv"), [])
+        if len(recvs) != len(items):
+            raise PipelineDeadlock(f"rank {src} sends {len(items)} messages to rank {dst}, which receives {len(recvs)}")
+        for (ks, js, ms), (kr, jr, mr) in zip(items, recvs):
+            if ms != mr:
+                raise PipelineDeadlock(f"rank {src} sends {ms} to rank {dst} when it expects {mr}")
+            partner[(src, ks, "send", js)], partner[(dst, kr, "recv", jr)] = kr, ks
+    return partner
+
+
+def simulate(plans: list[list[Step]]) -> list[int]:
+    """Run every rank's plan in lock-free rounds; returns the round at which each rank finished.
+
+    Raises ``PipelineDeadlock`` naming what each stuck rank waits for.
+    """
+    partner = _match(plans)
+    at = [0] * len(plans)
+    finished = [0] * len(plans)
+    rounds = 0
+    while any(at[r] < len(p) for r, p in enumerate(plans)):
+        rounds += 1
+        ready = [r for r, p in enumerate(plans) if at[r] < len(p) and _can_finish(r, at, plans, partner)]
+        if not ready:
+            raise PipelineDeadlock("pipeline deadlock: " + "; ".join(
+                f"rank {r} at step {at[r]} ({plans[r][at[r]].op}) waits on {_waits(plans[r][at[r]])}"
+                for r, p in enumerate(plans) if at[r] < len(p)))
+        for r in ready:
+            at[r] += 1
+            finished[r] = rounds
+    return finished
+
+
+def _can_finish(rank: int, at: list[int], plans: list[list[Step]], partner: dict) -> bool:
+    step = plans[rank][at[rank]]
+    sides = [("send", j, t) for j, t in enumerate(step.sends)] + [("recv", j, t) for j, t in enumerate(step.recvs)]
+    return all(at[t.peer] >= partner[(rank, at[rank], side, j)] for side, j, t in sides)
+
+
+def _waits(step: Step) -> str:
+    parts = [f"send {t.message} to rank {t.peer}" for t in step.sends]
+    parts += [f"recv {t.message} from rank {t.peer}" for t in step.recvs]
+    return ", ".join(parts) or "nothing"

@@ -1,0 +1,145 @@
+"""Pipeline schedules as plain data: which forward and backward each rank runs, in what order.
+
+A schedule is a list of ``Op`` per pipeline rank, computed without any process or tensor, so the
+orders can be read, printed and checked in a unit test before anything runs. The executor
+interprets these lists; the communication they imply is derived from them in ``comm_plan``.
+
+Model chunks and virtual stages: with ``v`` chunks per rank (interleaved 1F1B) the model is cut
+into ``pp * v`` virtual stages and rank ``r`` holds stages ``r, r + pp, r + 2 pp, ...``; its chunk
+``c`` is virtual stage ``c * pp + r``. Plain 1F1B is the case ``v = 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One forward (``F``) or backward (``B``) of micro-batch ``microbatch`` on model chunk ``chunk``."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def _check(pp: int, rank: int, m: int, v: int = 1) -> None:
+    if pp < 1 or v < 1 or m < 1:
+        raise ValueError(f"pipeline sizes must be positive: pp={pp} micro-batches={m} virtual stages={v}")
+    if not 0 <= rank < pp:
+        raise ValueError(f"pipeline rank {rank} is outside 0..{pp - 1}")
+
+
+def gradient_accumulation(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
+    """No pipelining: each micro-batch goes forward and backward before the next starts.
+
+    With pp = 1 this is plain gradient accumulation; with pp > 1 it is correct but serial (the
+    bubble is (pp - 1) / pp), which makes it the baseline the pipelined schedules are measured by.
+    """
+    _check(pp, rank, m, v)
+    if v != 1:
+        raise ValueError("gradient_accumulation runs one model chunk per rank; set virtual stages to 1")
+    return [op for i in range(m) for op in (Op("F", i), Op("B", i))]
+
+
+def one_f_one_b(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
+    """PipeDream-flush: pp - rank - 1 warm-up forwards, then one forward / one backward, then cool-down.
+
+    Stage ``rank`` never holds more than ``pp - rank`` micro-batches' activations, whatever ``m`` is.
+    """
+    _check(pp, rank, m, v)
+    if v != 1:
+        raise ValueError("1f1b runs one model chunk per rank; use interleaved_1f1b for virtual stages > 1")
+    warmup = min(pp - rank - 1, m)
+    ops = [Op("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        ops += [Op("F", warmup + i), Op("B", i)]
+    return ops + [Op("B", i) for i in range(m - warmup, m)]
+
+
+def _chunk_order(pp: int, m: int, v: int, backward: bool) -> list[tuple[int, int]]:
+    """(chunk, micro-batch) in the order a rank visits them: pp micro-batches per chunk at a time.
+
+    Micro-batches go in groups of ``pp``; a group passes through every chunk before the next group
+    starts, so a rank's chunks take turns. Backward visits chunks last to first.
+    """
+    def key(pair: tuple[int, int]) -> tuple[int, int, int]:
+        chunk, mb = pair
+        return mb // pp, (v - 1 - chunk) if backward else chunk, mb % pp
+
+    return sorted(((c, i) for c in range(v) for i in range(m)), key=key)
+
+
+def interleaved_1f1b(pp: int, rank: int, m: int, v: int = 2) -> list[Op]:
+    """1F1B over ``v`` model chunks per rank (Narayanan et al. 2021): the bubble shrinks by ``v``.
+
+    The warm-up is longer than plain 1F1B: the last rank must run the first micro-batch through
+    ``v - 1`` earlier chunks before its first backward, and each earlier rank runs two more
+    forwards than the next one so the steady state alternates without waiting.
+    """
+    _check(pp, rank, m, v)
+    if m % pp:
+        raise ValueError(f"interleaved_1f1b needs a multiple of pp={pp} micro-batches, got {m}; "
+                         f"change the global or micro batch size, or use 1f1b")
+    forward, backward = _chunk_order(pp, m, v, False), _chunk_order(pp, m, v, True)
+    total = m * v
+    warmup = interleaved_warmup(pp, rank, m, v)
+    ops = [Op("F", mb, c) for c, mb in forward[:warmup]]
+    for k in range(total - warmup):
+        (fc, fmb), (bc, bmb) = forward[warmup + k], backward[k]
+        ops += [Op("F", fmb, fc), Op("B", bmb, bc)]
+    return ops + [Op("B", mb, c) for c, mb in backward[total - warmup:]]
+
+
+def interleaved_warmup(pp: int, rank: int, m: int, v: int) -> int:
+    """Forwards before the first backward in interleaved 1F1B.
+
+    With m == pp every forward goes first: a steady state there would pair a backward with the very
+    forward it waits for, and the exchange that pairs share (see ``plan.comm_plan``) could not finish.
+    """
+    total = m * v
+    return total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+
+
+_BUILDERS: dict[str, Callable[..., list[Op]]] = {
+    "gradient_accumulation": gradient_accumulation,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+}
+
+
+def build_schedule(name: str, pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
+    """The op list of pipeline rank ``rank`` for schedule ``name``."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
+    return _BUILDERS[name](pp, rank, m, v)
+
+
+def default_schedule(pp: int, v: int) -> str:
+    """1F1B for pipelines, its interleaved form with virtual stages, plain accumulation without pp."""
+    if v > 1:
+        return "interleaved_1f1b"
+    return "1f1b" if pp > 1 else "gradient_accumulation"
+
+
+def max_live_activations(ops: list[Op]) -> int:
+    """Most micro-batch chunks whose forward has run and backward has not, at any point of ``ops``."""
+    live = peak = 0
+    for op in ops:
+        live += 1 if op.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def bubble_fraction(pp: int, m: int, v: int = 1) -> float:
+    """Idle time over useful time in theory, with every stage equally fast: (pp - 1) / (v m).
+
+    This is the ratio of Narayanan et al.; as a share of the whole step it is (pp-1) / (v m + pp-1).
+    """
+    return (pp - 1) / (v * m)

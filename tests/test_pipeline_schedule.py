@@ -1,0 +1,131 @@
+"""Pipeline schedules as data: exact op orders, activation bounds, and a deadlock-free communication plan."""
+
+import pytest
+
+from parallel.pipeline.partition import balanced_split, decoder_costs, resolve_split, stage_layers, uniform_split
+from parallel.pipeline.plan import PipelineDeadlock, check_ops, comm_plan, plan_for, simulate
+from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, interleaved_1f1b, max_live_activations,
+                                        one_f_one_b)
+
+
+def seq(text: str) -> list[Op]:
+    """'F0 F1 B0 F1.1' -> ops; '.c' is the model chunk."""
+    ops = []
+    for tok in text.split():
+        mb, _, chunk = tok[1:].partition(".")
+        ops.append(Op(tok[0], int(mb), int(chunk or 0)))
+    return ops
+
+
+# Written out by hand from the definitions (PipeDream-flush; Narayanan et al. 2021 for interleaved).
+EXPECTED = {
+    ("1f1b", 4, 6, 1): [
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5",
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5",
+    ],
+    ("1f1b", 3, 2, 1): ["F0 F1 B0 B1", "F0 F1 B0 B1", "F0 B0 F1 B1"],
+    ("1f1b", 2, 3, 1): ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"],
+    ("gradient_accumulation", 2, 2, 1): ["F0 B0 F1 B1", "F0 B0 F1 B1"],
+    ("interleaved_1f1b", 2, 4, 2): [
+        "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3",
+        "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3",
+    ],
+    ("interleaved_1f1b", 2, 2, 2): ["F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1"] * 2,
+}
+
+
+@pytest.mark.parametrize("key", list(EXPECTED), ids=lambda k: "-".join(map(str, k)))
+def test_op_sequence_matches_definition(key):
+    name, pp, m, v = key
+    for rank, text in enumerate(EXPECTED[key]):
+        assert build_schedule(name, pp, rank, m, v) == seq(text), f"rank {rank}"
+
+
+CASES = [("1f1b", pp, m, 1) for pp in (1, 2, 3, 4, 8) for m in (1, 2, 3, pp, 2 * pp, 2 * pp + 1, 17)]
+CASES += [("gradient_accumulation", pp, m, 1) for pp in (1, 2, 4) for m in (1, 3, 5)]
+CASES += [("interleaved_1f1b", pp, k * pp, v) for pp in (2, 3, 4, 8) for k in (1, 2, 3) for v in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("name,pp,m,v", CASES)
+def test_every_op_once_and_plan_runs(name, pp, m, v):
+    plans = []
+    for rank in range(pp):
+        ops, plan = plan_for(name, pp, rank, m, v)
+        check_ops(ops, m, v)
+        plans.append(plan)
+    finished = simulate(plans)
+    assert len(finished) == pp
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
+def test_1f1b_live_activations_bounded_by_pp_minus_rank(pp, m):
+    for rank in range(pp):
+        assert max_live_activations(one_f_one_b(pp, rank, m)) == min(pp - rank, m)
+
+
+def test_interleaved_live_activations_bound():
+    pp, v, m = 4, 2, 16
+    for rank in range(pp):
+        live = max_live_activations(interleaved_1f1b(pp, rank, m, v))
+        assert live <= (pp - rank - 1) * 2 + (v - 1) * pp + 1
+
+
+def test_simulator_catches_a_deadlock():
+    # Interleaved 1F1B with one exchange per op (instead of per steady-state pair) deadlocks.
+    pp, m, v = 2, 4, 2
+    naive = [comm_plan(build_schedule("interleaved_1f1b", pp, r, m, v), pp, r, v) for r in range(pp)]
+    with pytest.raises(PipelineDeadlock, match="rank 0 at step .* waits on"):
+        simulate(naive)
+
+
+def test_simulator_catches_mismatched_orders():
+    plans = [comm_plan(seq("F0 F1 B0 B1"), 2, 0), comm_plan(seq("F1 B1 F0 B0"), 2, 1)]
+    with pytest.raises(PipelineDeadlock, match="expects"):
+        simulate(plans)
+
+
+def test_check_ops_rejects_backward_before_forward():
+    with pytest.raises(PipelineDeadlock, match="before its forward"):
+        check_ops(seq("B0 F0"), 1, 1)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        build_schedule("gpipe", 2, 0, 4)
+    with pytest.raises(ValueError, match="multiple of pp=4"):
+        build_schedule("interleaved_1f1b", 4, 0, 6, 2)
+    with pytest.raises(ValueError, match="outside"):
+        build_schedule("1f1b", 2, 2, 4)
+
+
+def test_bubble_theory():
+    assert bubble_fraction(2, 8) == pytest.approx(1 / 8)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 16)
+
+
+def test_uniform_split_puts_remainder_in_the_middle():
+    assert uniform_split(10, 4) == [2, 3, 3, 2]
+    assert uniform_split(8, 4) == [2, 2, 2, 2]
+    assert sum(uniform_split(105, 35)) == 105
+
+
+def test_balanced_split_accounts_for_embedding_and_head():
+    assert balanced_split(10, 4, 1.0, first_cost=2.0, last_cost=2.0) == [2, 3, 3, 2]
+    assert balanced_split(12, 3, 1.0, last_cost=4.0) == [5, 5, 2]
+    split = balanced_split(24, 4, *decoder_costs(1024, 4096, 50304, 2048, by="params"))
+    assert split == [4, 8, 8, 4] and sum(split) == 24
+
+
+def test_user_split_validated_and_mapped_to_chunks():
+    assert resolve_split(6, 2, 1, [2, 4]) == [2, 4]
+    with pytest.raises(ValueError, match="pipeline_split .* summing to num_layers=6"):
+        resolve_split(6, 2, 1, [2, 3])
+    with pytest.raises(ValueError, match="4 non-negative"):
+        resolve_split(6, 2, 2, [3, 3])
+    split = resolve_split(8, 2, 2)
+    assert [list(stage_layers(split, 2, r, c)) for c in range(2) for r in range(2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="cannot fill"):
+        uniform_split(3, 4)
