@@ -1,0 +1,111 @@
+"""Loader: for dp 1, 2 and 4 the ranks of a global batch together read exactly that batch, and a
+run resumed at consumed samples k reads exactly the tail of the uninterrupted run. dp=2 also runs
+on two real gloo processes that gather what they read and compare it with one process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from data_pipeline.gpt_samples import GPTSamples
+from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
+from data_pipeline.loader import global_batch, iterate_global_batches, micro_batch_indices, to_batch
+from tests.distributed import run_world
+
+SEQ, GLOBAL, MICRO = 6, 8, 2
+
+
+def make_samples(directory):
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(f"{directory}/d", np.uint16) as w:
+        for _ in range(60):
+            w.add_document(rng.integers(0, 500, size=int(rng.integers(1, 20))))
+    return GPTSamples(IndexedDataset(f"{directory}/d"), SEQ, 64, 7, cache_dir=f"{directory}/cache")
+
+
+def run_tokens(samples, consumed, dp_rank, dp_size, steps):
+    """Per step: this rank's micro-batches as token lists."""
+    out = []
+    for _, (_, micro) in zip(range(steps), iterate_global_batches(samples, consumed, GLOBAL, MICRO, dp_rank, dp_size)):
+        out.append([m["tokens"].tolist() for m in micro])
+    return out
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory):
+    return make_samples(str(tmp_path_factory.mktemp("loader")))
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_ranks_partition_each_global_batch(dp):
+    for consumed in (0, 8, 40):
+        idx = np.concatenate([i for r in range(dp) for i in micro_batch_indices(consumed, GLOBAL, MICRO, r, dp)])
+        assert sorted(idx.tolist()) == list(range(consumed, consumed + GLOBAL))
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+@pytest.mark.parametrize("k", [8, 24, 48])
+def test_resume_equals_uninterrupted_tail(samples, dp, k):
+    for rank in range(dp):
+        full = run_tokens(samples, 0, rank, dp, steps=len(samples) // GLOBAL)
+        resumed = run_tokens(samples, k, rank, dp, steps=len(samples) // GLOBAL)
+        assert resumed == full[k // GLOBAL:]
+        assert len(resumed) > 0
+
+
+def test_batches_are_shifted_tokens_and_labels(samples):
+    (batch,) = global_batch(samples, 0, MICRO, MICRO, 0, 1)
+    raw = np.stack([samples[0], samples[1]])
+    assert batch["tokens"].dtype == torch.int64 and batch["tokens"].shape == (MICRO, SEQ)
+    assert batch["tokens"].tolist() == raw[:, :-1].tolist()
+    assert batch["labels"].tolist() == raw[:, 1:].tolist()
+
+
+def test_same_samples_whatever_the_dp_size(samples):
+    """Every dp size reads the same multiset of samples in each global batch."""
+    def batch_samples(dp, consumed):
+        return sorted(s.tolist() for r in range(dp) for m in global_batch(samples, consumed, GLOBAL, MICRO, r, dp)
+                      for s in m["tokens"])
+    for consumed in (0, 16):
+        assert batch_samples(1, consumed) == batch_samples(2, consumed) == batch_samples(4, consumed)
+
+
+def test_bad_layouts_and_exhaustion(samples):
+    with pytest.raises(ValueError, match="multiple of micro batch x dp"):
+        micro_batch_indices(0, 10, 2, 0, 4)
+    with pytest.raises(ValueError, match="outside a data-parallel group"):
+        micro_batch_indices(0, 8, 2, 2, 2)
+    with pytest.raises(ValueError, match="build it for more samples"):
+        global_batch(samples, len(samples) - 4, GLOBAL, MICRO, 0, 1)
+    with pytest.raises(ValueError):
+        to_batch([])
+
+
+def _gloo_ranks(rank, world_size, directory, k):
+    import torch.distributed as dist
+
+    samples = make_samples(directory) if rank == 0 else None
+    dist.barrier()  # rank 0 built the index cache; rank 1 loads it
+    samples = samples or make_samples(directory)
+    out = {}
+    for consumed in (0, k):
+        steps = []
+        for _, micro in iterate_global_batches(samples, consumed, GLOBAL, MICRO, rank, world_size):
+            mine = torch.cat([m["tokens"] for m in micro])
+            gathered = [torch.empty_like(mine) for _ in range(world_size)]
+            dist.all_gather(gathered, mine)
+            steps.append(sorted(row.tolist() for g in gathered for row in g))
+        out[consumed] = steps
+    return out
+
+
+def test_two_gloo_ranks_read_the_single_process_batches(tmp_path):
+    k = 16
+    results = run_world(2, _gloo_ranks, str(tmp_path), k)
+    single = make_samples(str(tmp_path))
+    expected = [sorted(s.tolist() for m in micro for s in m["tokens"])
+                for _, micro in iterate_global_batches(single, 0, GLOBAL, MICRO, 0, 1)]
+    for rank_result in results:
+        assert rank_result[0] == expected
+        assert rank_result[k] == expected[k // GLOBAL:]

@@ -1,0 +1,88 @@
+"""Interop with megatron-core: our shards load in its IndexedDataset with identical tokens, its
+IndexedDatasetBuilder's shards load in ours, and our sample and blend indices equal those of its
+compiled helpers for the same inputs."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    mc_indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset",
+                                     reason="megatron-core is not installed (pip install megatron-core)")
+    mc_helpers = pytest.importorskip("megatron.core.datasets.helpers",
+                                     reason="megatron-core's compiled dataset helpers are not importable")
+
+import torch  # noqa: E402
+
+from data_pipeline.blend import greedy_blend  # noqa: E402
+from data_pipeline.gpt_samples import build_document_index, build_sample_index  # noqa: E402
+from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter  # noqa: E402
+
+
+def random_docs(seed, n=50, high=60000):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, high, size=int(rng.integers(0, 40))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_our_shards_load_in_megatron(tmp_path, dtype):
+    docs = random_docs(0)
+    with IndexedDatasetWriter(str(tmp_path / "ours"), dtype) as w:
+        for d in docs:
+            w.add_document(d)
+    theirs = mc_indexed.IndexedDataset(str(tmp_path / "ours"))
+    assert len(theirs) == len(docs)
+    for i, d in enumerate(docs):
+        got = theirs[i]
+        assert got.dtype == np.dtype(dtype)
+        assert got.tolist() == d.tolist()
+    assert theirs.document_indices.tolist() == list(range(len(docs) + 1))
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_megatron_shards_load_in_ours(tmp_path, dtype):
+    docs = random_docs(1)
+    prefix = str(tmp_path / "theirs")
+    builder = mc_indexed.IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for d in docs:
+        builder.add_item(torch.from_numpy(d.astype(np.int64)))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    ours = IndexedDataset(prefix)
+    assert ours.dtype == np.dtype(dtype)
+    assert [ours[i].tolist() for i in range(len(ours))] == [d.tolist() for d in docs]
+    # and byte for byte the same files as our writer makes
+    with IndexedDatasetWriter(str(tmp_path / "ours"), dtype) as w:
+        for d in docs:
+            w.add_document(d)
+    for ext in (".bin", ".idx"):
+        assert open(prefix + ext, "rb").read() == open(str(tmp_path / "ours") + ext, "rb").read()
+
+
+@pytest.mark.parametrize("seq_len,epochs,seed", [(7, 1, 0), (16, 3, 1), (2, 2, 2), (64, 4, 3)])
+def test_sample_index_matches_megatron_helper(seq_len, epochs, seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, 30, size=40).astype(np.int32)
+    sizes[0] = max(sizes[0], 1)
+    doc_index = build_document_index(np.arange(len(sizes)), epochs, np.random.RandomState(seed), False)
+    ours = build_sample_index(sizes, doc_index, seq_len)
+    theirs = mc_helpers.build_sample_idx(sizes, doc_index, seq_len, epochs, int(sizes.sum()), True, True)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1, 1], [0.19336, 0.14336, 0.15652, 0.13017, 0.09446,
+                                                                0.08962, 0.05689, 0.04771, 0.02897, 0.01588,
+                                                                0.01359, 0.01007, 0.00873, 0.00859, 0.00208]])
+def test_blend_matches_megatron_helper(weights):
+    size = 20_000
+    w = np.asarray(weights, np.float64) / np.sum(weights)
+    dataset_index = np.zeros(size, np.int16)
+    sample_index = np.zeros(size, np.int64)
+    mc_helpers.build_blending_indices(dataset_index, sample_index, w, len(w), size, False)
+    ours_d, ours_s = greedy_blend(weights, size)
+    np.testing.assert_array_equal(ours_d, dataset_index)
+    np.testing.assert_array_equal(ours_s, sample_index)

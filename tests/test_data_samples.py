@@ -1,0 +1,144 @@
+"""GPT samples: every sample equals the matching seq_len+1 window of the document stream
+(checked against a plain per-token reference), epochs and splits behave, and the cached indices
+are built once, even when several processes ask at the same time."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+import data_pipeline.gpt_samples as gs
+from data_pipeline.gpt_samples import GPTSamples, build_gpt_indices, parse_split, split_ranges
+from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
+
+
+def make_dataset(path, n_docs=30, seed=0, max_len=25):
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 1000, size=int(rng.integers(0, max_len))) for _ in range(n_docs)]
+    docs[0] = np.array([7, 7, 7])
+    with IndexedDatasetWriter(str(path), np.uint16) as w:
+        for d in docs:
+            w.add_document(d)
+    return IndexedDataset(str(path)), docs
+
+
+def reference_samples(docs, document_index, seq_len):
+    """Per-token reference: concatenate documents in order and cut overlapping windows."""
+    stream = [t for d in document_index for t in docs[d].tolist()]
+    n = (len(stream) - 1) // seq_len
+    return [stream[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)]
+
+
+def test_parse_split():
+    assert parse_split("969,30,1") == pytest.approx([0.969, 0.030, 0.001])
+    assert parse_split("1") == [1.0, 0.0, 0.0]
+    for bad in ("a,b", "1,2,3,4", "0,0", "-1,2"):
+        with pytest.raises(ValueError, match="split"):
+            parse_split(bad)
+
+
+def test_split_ranges_cover_all_documents():
+    assert split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
+    assert split_ranges("8,1,1", 7) == [(0, 6), (6, 6), (6, 7)]
+
+
+@pytest.mark.parametrize("seq_len,num_samples,seed", [(4, None, 0), (8, 50, 1), (3, 400, 2), (16, 90, 3)])
+def test_samples_equal_reference_windows(tmp_path, seq_len, num_samples, seed):
+    data, docs = make_dataset(tmp_path / "d", seed=seed)
+    samples = GPTSamples(data, seq_len, num_samples, seed, cache_dir=str(tmp_path / "cache"))
+    ref = reference_samples(docs, samples.document_index, seq_len)
+    assert len(samples) == len(ref) >= (num_samples or 1)
+    assert sorted(samples.shuffle_index.tolist()) == list(range(len(ref)))
+    for i in range(len(samples)):
+        assert samples[i].tolist() == ref[int(samples.shuffle_index[i])]
+        assert len(samples[i]) == seq_len + 1
+
+
+def test_consecutive_samples_share_their_boundary_token(tmp_path):
+    data, docs = make_dataset(tmp_path / "d")
+    samples = GPTSamples(data, 5, None, 0, cache_dir=str(tmp_path / "cache"))
+    order = np.argsort(samples.shuffle_index)  # position of each unshuffled sample
+    for j in range(len(samples) - 1):
+        assert samples[order[j]][-1] == samples[order[j + 1]][0]
+
+
+def test_epochs_cover_requested_samples_and_every_document():
+    sizes = np.array([10, 0, 7, 3, 12], np.int32)
+    docs = np.arange(5)
+    idx = build_gpt_indices(sizes, docs, seq_len=4, num_samples=40, seed=0)
+    epochs = len(idx["document_index"]) // len(docs)
+    assert epochs == 6  # 32 tokens per epoch: 5 epochs give (160-1)//4 = 39 < 40 samples
+    assert np.bincount(idx["document_index"], minlength=5).tolist() == [epochs] * 5
+
+
+def test_partial_final_epoch_is_shuffled_separately():
+    sizes = np.full(100, 10, np.int32)
+    idx = build_gpt_indices(sizes, np.arange(100), seq_len=10, num_samples=120, seed=0)
+    sans_final = (1000 - 1) // 10
+    shuffle = idx["shuffle_index"]
+    assert sorted(shuffle[:sans_final].tolist()) == list(range(sans_final))
+    doc_index = idx["document_index"]
+    assert sorted(doc_index[:100].tolist()) == list(range(100))  # first epoch alone
+    assert sorted(doc_index[100:].tolist()) == list(range(100))
+
+
+def test_validation_split_uses_its_own_documents(tmp_path):
+    data, docs = make_dataset(tmp_path / "d", n_docs=40)
+    valid = GPTSamples(data, 4, None, 0, split="3,1,0", which="valid", cache_dir=str(tmp_path / "cache"))
+    assert set(valid.document_index.tolist()) <= set(range(30, 40))
+    with pytest.raises(ValueError, match="leaves no documents for test"):
+        GPTSamples(data, 4, None, 0, split="3,1,0", which="test", cache_dir=str(tmp_path / "cache"))
+
+
+def test_same_description_is_loaded_not_rebuilt(tmp_path, monkeypatch):
+    data, _ = make_dataset(tmp_path / "d")
+    first = GPTSamples(data, 6, 70, 5, cache_dir=str(tmp_path / "cache"))
+
+    def fail(*args, **kwargs):
+        raise AssertionError("indices rebuilt although cached")
+
+    monkeypatch.setattr(gs, "build_gpt_indices", fail)
+    again = GPTSamples(data, 6, 70, 5, cache_dir=str(tmp_path / "cache"))
+    np.testing.assert_array_equal(first.shuffle_index, again.shuffle_index)
+    with pytest.raises(AssertionError, match="rebuilt"):
+        GPTSamples(data, 6, 70, 6, cache_dir=str(tmp_path / "cache"))  # another seed is another index
+
+
+def test_seed_changes_order_but_not_content(tmp_path):
+    data, docs = make_dataset(tmp_path / "d")
+    a = GPTSamples(data, 6, None, 1, cache_dir=str(tmp_path / "cache"))
+    b = GPTSamples(data, 6, None, 2, cache_dir=str(tmp_path / "cache"))
+    assert a.document_index.tolist() != b.document_index.tolist()
+    assert sorted(a.document_index.tolist()) == sorted(b.document_index.tolist())
+
+
+def _build_in_process(prefix, cache_dir, queue):
+    build_calls = []
+    real = gs.build_gpt_indices
+
+    def counting(*args, **kwargs):
+        build_calls.append(1)
+        return real(*args, **kwargs)
+
+    gs.build_gpt_indices = counting
+    samples = GPTSamples(IndexedDataset(prefix), 3, 5000, 9, cache_dir=cache_dir)
+    queue.put((len(build_calls), samples.shuffle_index[:50].tolist(), samples[3].tolist()))
+
+
+def test_concurrent_processes_build_once(tmp_path):
+    """Four processes race for the same indices: exactly one builds, all read the same arrays."""
+    make_dataset(tmp_path / "d", n_docs=300)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_process, args=(str(tmp_path / "d"), str(tmp_path / "c"), queue))
+             for _ in range(4)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert sum(r[0] for r in results) == 1
+    assert all(r[1:] == results[0][1:] for r in results)
