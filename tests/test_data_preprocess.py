@@ -1,0 +1,155 @@
+"""Preprocessing: every input format gives the same shard, any worker count gives the same bytes,
+each document is its tokens plus EOD, errors name the input, a failed run leaves no output, and
+the demo corpus is deterministic."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from data_pipeline.demo_corpus import build_demo_corpus, write_stdlib_jsonl
+from data_pipeline.indexed import IndexedDataset
+from data_pipeline.preprocess import preprocess
+from data_pipeline.tokenizer import load_tokenizer, read_texts, train_sentencepiece
+from megazero.cli import main
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pre")
+    jsonl = str(root / "docs.jsonl")
+    write_stdlib_jsonl(jsonl, max_bytes=200_000)
+    with open(jsonl) as f:
+        records = [json.loads(line) for line in f]
+    model = train_sentencepiece(read_texts([jsonl]), str(root / "tok"), 500, max_sentences=30_000)
+    return {"root": root, "jsonl": jsonl, "records": records, "model": model}
+
+
+def shard_bytes(prefix):
+    return tuple(open(prefix + ext, "rb").read() for ext in (".bin", ".idx"))
+
+
+def test_documents_are_tokens_plus_eod(env, tmp_path):
+    preprocess([env["jsonl"]], str(tmp_path / "out"), env["model"], batch_size=7)
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    tok = load_tokenizer(env["model"])
+    assert ds.dtype == np.uint16 and len(ds) == len(env["records"])
+    for i, record in enumerate(env["records"]):
+        assert ds[i].tolist() == tok.encode(record["text"]) + [tok.eod_id]
+        assert tok.decode(ds[i][:-1].tolist()) == record["text"]
+
+
+def test_worker_count_does_not_change_the_bytes(env, tmp_path):
+    one = preprocess([env["jsonl"]], str(tmp_path / "one"), env["model"], workers=1, batch_size=5)
+    two = preprocess([env["jsonl"]], str(tmp_path / "two"), env["model"], workers=2, batch_size=5)
+    assert shard_bytes(str(tmp_path / "one_text_document")) == shard_bytes(str(tmp_path / "two_text_document"))
+    assert (one.documents, one.tokens, one.text_bytes) == (two.documents, two.tokens, two.text_bytes)
+    assert one.text_bytes == sum(len(r["text"].encode()) for r in env["records"])
+
+
+def write_formats(records, directory):
+    """The same records as .jsonl.gz, .jsonl.zst, .parquet and a Hugging Face save_to_disk folder."""
+    lines = "".join(json.dumps(r) + "\n" for r in records).encode()
+    paths = {"gz": f"{directory}/d.jsonl.gz"}
+    with gzip.open(paths["gz"], "wb") as f:
+        f.write(lines)
+    try:
+        import zstandard
+
+        paths["zst"] = f"{directory}/d.jsonl.zst"
+        with open(paths["zst"], "wb") as f:
+            f.write(zstandard.ZstdCompressor().compress(lines))
+    except ImportError:
+        pass
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(records)
+    paths["parquet"] = f"{directory}/d.parquet"
+    pq.write_table(table, paths["parquet"], row_group_size=9)
+    import datasets
+
+    paths["hf"] = f"{directory}/hf"
+    datasets.Dataset(table).save_to_disk(paths["hf"])
+    return paths
+
+
+def test_every_input_format_gives_the_same_shard(env, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    preprocess([env["jsonl"]], str(tmp_path / "ref"), env["model"])
+    expected = shard_bytes(str(tmp_path / "ref_text_document"))
+    paths = write_formats(env["records"], tmp_path)
+    assert "zst" in paths, "zstandard is needed to test .zst input"
+    for name, path in paths.items():
+        preprocess([path], str(tmp_path / name), env["model"], batch_size=16)
+        assert shard_bytes(str(tmp_path / f"{name}_text_document")) == expected, name
+
+
+def test_several_keys_and_no_eod(env, tmp_path):
+    preprocess([env["jsonl"]], str(tmp_path / "o"), env["model"], keys=("text", "path"), append_eod=False)
+    tok = load_tokenizer(env["model"])
+    paths = IndexedDataset(str(tmp_path / "o_path_document"))
+    texts = IndexedDataset(str(tmp_path / "o_text_document"))
+    assert paths[3].tolist() == tok.encode(env["records"][3]["path"])
+    assert texts[3].tolist() == tok.encode(env["records"][3]["text"])
+
+
+def test_failed_run_leaves_no_output(env, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    good = open(env["jsonl"]).read()
+    bad.write_text(good + json.dumps({"body": "no text key"}) + "\n")
+    with pytest.raises(ValueError, match="no key 'text'"):
+        preprocess([str(bad)], str(tmp_path / "out"), env["model"], workers=2, batch_size=4)
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
+
+
+def test_cli_preprocess_and_merge(env, tmp_path, capsys):
+    out = str(tmp_path / "cli")
+    argv = ["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix", out,
+            "--workers", "2", "--no-progress"]
+    assert main(argv) == 0
+    report = capsys.readouterr().out
+    assert "docs/s" in report and "MB/s" in report and f"{len(env['records'])} documents" in report
+    assert main(["preprocess", "--merge", f"{out}_text_document", f"{out}_text_document",
+                 "--output-prefix", str(tmp_path / "merged")]) == 0
+    merged = IndexedDataset(str(tmp_path / "merged"))
+    assert len(merged) == 2 * len(env["records"])
+    assert merged[len(env["records"])].tolist() == merged[0].tolist()
+
+
+@pytest.mark.parametrize("argv_tail,message", [
+    (["--input", "missing.jsonl"], "missing.jsonl: no such file"),
+    (["--input", "{jsonl}", "--json-keys", "body"], "no key 'body'"),
+    (["--input", "{model}"], "unknown input type"),
+])
+def test_cli_errors_name_the_problem(env, tmp_path, capsys, argv_tail, message):
+    argv_tail = [a.format(**env) for a in argv_tail]
+    rc = main(["preprocess", "--tokenizer", env["model"], "--output-prefix", str(tmp_path / "x"), "--no-progress",
+               *argv_tail])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_tokenizer_train_and_encode(env, tmp_path, capsys):
+    prefix = str(tmp_path / "cli_tok")
+    assert main(["tokenizer", "train", "--input", env["jsonl"], "--model-prefix", prefix, "--vocab-size", "400",
+                 "--model-type", "unigram", "--max-sentences", "20000"]) == 0
+    capsys.readouterr()
+    assert main(["tokenizer", "encode", "--tokenizer", prefix + ".model", "import os"]) == 0
+    ids = [int(x) for x in capsys.readouterr().out.split()]
+    assert load_tokenizer(prefix + ".model").decode(ids) == "import os"
+
+
+def test_demo_corpus_is_deterministic(tmp_path):
+    a = build_demo_corpus(str(tmp_path / "a"), max_bytes=150_000, vocab_size=400)
+    b = build_demo_corpus(str(tmp_path / "b"), max_bytes=150_000, vocab_size=400)
+    assert open(a["jsonl"], "rb").read() == open(b["jsonl"], "rb").read()
+    assert 100_000 < a["bytes"] <= 150_000 and a["documents"] > 5
+    assert shard_bytes(a["data_prefix"]) == shard_bytes(b["data_prefix"])
+    paths = [json.loads(line)["path"] for line in open(a["jsonl"])]
+    assert len({p.split("/")[0] for p in paths}) > 3  # spread over the stdlib, not one package
