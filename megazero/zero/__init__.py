@@ -1,0 +1,7 @@
+"""ZeRO data parallelism: sharded optimizer state, gradients and parameters over flat buckets."""
+
+from megazero.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaleError
+from megazero.zero.optimizer import StepResult, ZeroOptimizer, ZeroSettings
+
+__all__ = ["ConstantLossScaler", "DynamicLossScaler", "LossScaleError", "StepResult", "ZeroOptimizer",
+           "ZeroSettings"]

@@ -1,0 +1,184 @@
+"""Collecting gradients as backward produces them, and reducing them over the data-parallel group.
+
+Two ways to hold them, chosen by the ZeRO stage:
+
+* ``full``: one preallocated flat buffer for all gradients (in the accumulation dtype, fp32 by
+  default), written by each parameter's post-accumulate hook so 16-bit gradients never pile up
+  in ``.grad``. At the accumulation boundary each bucket is all-reduced (stage 0) or
+  reduce-scattered in place (stage 1: the rank keeps the summed values of its own slice). With
+  ``begin_microbatch(last=True)`` the reductions start inside the last backward, bucket by bucket,
+  as soon as every gradient of a bucket has arrived.
+* ``staged`` (stages 2 and 3): a bucket-sized staging buffer is taken from a small pool when a
+  bucket's first gradient arrives and reduce-scattered as soon as its last one does, every
+  micro-batch; only the rank's own slice is kept, summed into the gradient shard. Memory is the
+  shard plus a few constant-size buckets, whatever the model size.
+
+Reductions are sums: dividing by the data-parallel size is folded into the optimizer's single
+unscale-and-clip multiply. Buckets are launched in the same order on every rank (backward order,
+then bucket index for stragglers), so collectives never cross.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazero.zero.layout import Bucket, FlatLayout
+from parallel import comm
+
+
+class GradReducer:
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group, dtype: torch.dtype,
+                 mode: str, reduce_scatter: bool, max_in_flight: int = 2):
+        assert mode in ("full", "staged")
+        self.params, self.layout, self.group, self.dtype, self.mode = params, layout, group, dtype, mode
+        self.reduce_scatter, self.max_in_flight = reduce_scatter, max_in_flight
+        device = params[0].device
+        self.unit_start = [sum(layout.unit_numel[:u]) for u in range(len(layout.unit_numel))]
+        self.needed = [layout.bucket_param_numel(b) for b in layout.buckets]
+        self.bucket_index = {b: i for i, b in enumerate(layout.buckets)}
+        self.param_buckets = [[self.bucket_index[b] for b in layout.param_buckets(i)] for i in range(len(params))]
+        self.received = [0] * len(layout.buckets)
+        self.launched = [False] * len(layout.buckets)
+        self.in_flight: list[tuple[int, object, torch.Tensor | None]] = []
+        self.pool: list[torch.Tensor] = []
+        self.staging: dict[int, torch.Tensor] = {}
+        self.overlap = False
+        self._callback_queued = False
+        if mode == "full":
+            self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
+            self.shard = None
+        else:
+            self.flat = None
+            self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+
+    # --- views the optimizer reads -----------------------------------------------------------
+    def segment_grad(self, seg) -> torch.Tensor:
+        """The reduced gradient of one owned segment (valid after ``finish``)."""
+        if self.mode == "staged":
+            return self.shard[seg.shard_offset:seg.shard_offset + seg.numel]
+        start = self.unit_start[self.layout.param_unit[seg.param]] + self.layout.param_offset[seg.param]
+        start += seg.param_offset
+        return self.flat[start:start + seg.numel]
+
+    def nbytes(self) -> int:
+        held = self.flat if self.flat is not None else self.shard
+        return held.numel() * held.element_size()
+
+    # --- backward ----------------------------------------------------------------------------
+    def begin_microbatch(self, last: bool) -> None:
+        """``last=True`` lets full-mode reductions start during this backward (the final one)."""
+        self.overlap = last and self.mode == "full"
+
+    def _make_hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None:
+                return
+            if not self._callback_queued and self.mode == "staged":
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._callback_queued = True
+            self._accumulate(i, param.grad)
+            param.grad = None
+        return hook
+
+    def _bucket_slice(self, i: int, b: int) -> tuple[int, int, int]:
+        """(start in the parameter, start in the bucket, length) of parameter i's part of bucket b."""
+        bucket = self.layout.buckets[b]
+        lo = max(self.layout.param_offset[i], bucket.start)
+        hi = min(self.layout.param_offset[i] + self.layout.param_numel[i], bucket.end)
+        return lo - self.layout.param_offset[i], lo - bucket.start, hi - lo
+
+    def _accumulate(self, i: int, grad: torch.Tensor) -> None:
+        grad = grad.reshape(-1)
+        if self.mode == "full":
+            start = self.unit_start[self.layout.param_unit[i]] + self.layout.param_offset[i]
+            self.flat[start:start + grad.numel()].add_(grad)
+            if self.overlap:
+                for b in self.param_buckets[i]:
+                    self._count(b, self._bucket_slice(i, b)[2])
+            return
+        for b in self.param_buckets[i]:
+            src, dst, n = self._bucket_slice(i, b)
+            if b not in self.staging:
+                self.staging[b] = self._take_buffer()
+            self.staging[b][dst:dst + n].add_(grad[src:src + n])
+            self._count(b, n)
+
+    def _count(self, b: int, n: int) -> None:
+        self.received[b] += n
+        if self.received[b] == self.needed[b]:
+            self._launch(b)
+
+    def _take_buffer(self) -> torch.Tensor:
+        if self.pool:
+            return self.pool.pop().zero_()
+        device = self.shard.device
+        return torch.zeros(self.layout.bucket_numel, dtype=self.dtype, device=device)
+
+    def _full_bucket(self, bucket: Bucket) -> torch.Tensor:
+        start = self.unit_start[bucket.unit] + bucket.start
+        return self.flat[start:start + bucket.numel]
+
+    def _launch(self, b: int) -> None:
+        bucket = self.layout.buckets[b]
+        if self.mode == "full":
+            buf = self._full_bucket(bucket)
+            if self.reduce_scatter:
+                lo, hi = self.layout.owned_range(bucket)
+                out = buf[lo - bucket.start:hi - bucket.start]
+                handle = comm.reduce_scatter_into(out, buf, self.group, async_op=True)
+            else:
+                handle = comm.all_reduce(buf, self.group, async_op=True)
+            self.in_flight.append((b, handle, None))
+        else:
+            staging = self.staging.pop(b)
+            rank_lo = self.layout.dp_rank * (bucket.numel // self.layout.dp)
+            out = staging[rank_lo:rank_lo + bucket.numel // self.layout.dp]
+            handle = comm.reduce_scatter_into(out, staging[:bucket.numel], self.group, async_op=True)
+            self.in_flight.append((b, handle, staging))
+        self.launched[b] = True
+        while len(self.in_flight) > self.max_in_flight:
+            self._complete(self.in_flight.pop(0))
+
+    def _complete(self, item) -> None:
+        b, handle, staging = item
+        if handle is not None:
+            handle.wait()
+        if staging is None:
+            return
+        bucket = self.layout.buckets[b]
+        size = bucket.numel // self.layout.dp
+        rank_lo = self.layout.dp_rank * size
+        self.shard[bucket.shard_offset:bucket.shard_offset + size].add_(staging[rank_lo:rank_lo + size])
+        self.pool.append(staging)
+
+    def _flush(self) -> None:
+        for b in range(len(self.layout.buckets)):
+            if not self.launched[b] and (self.mode == "full" or b in self.staging):
+                self._launch(b)
+        while self.in_flight:
+            self._complete(self.in_flight.pop(0))
+        self.received = [0] * len(self.layout.buckets)
+        self.launched = [False] * len(self.layout.buckets)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._flush()
+
+    def finish(self) -> None:
+        """At the accumulation boundary: every bucket reduced, every handle waited on."""
+        if self.mode == "full":
+            self._flush()
+        else:
+            while self.in_flight:
+                self._complete(self.in_flight.pop(0))
+        self.overlap = False
+
+    def zero(self) -> None:
+        (self.flat if self.flat is not None else self.shard).zero_()
+        self.received = [0] * len(self.layout.buckets)
+        self.launched = [False] * len(self.layout.buckets)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()

@@ -1,0 +1,262 @@
+"""ZeRO: AdamW over fp32 master shards, with gradients and (stage 3) parameters sharded over dp.
+
+One object drives a step for any stage:
+
+=====  ==============================  =======================  ===========================
+stage  16-bit parameters               gradients                fp32 master + Adam moments
+=====  ==============================  =======================  ===========================
+0      whole                           whole, all-reduced       whole
+1      whole                           whole, reduce-scattered  owned shard
+2      whole                           owned shard (buckets     owned shard
+                                       reduced every backward)
+3      owned shard, units gathered     owned shard              owned shard
+       around their forward/backward
+=====  ==============================  =======================  ===========================
+
+With ``once_per_step`` (the pipeline-parallel mode) stages 2 and 3 keep whole gradients across
+micro-batches and reduce them once at the step, and stage 3 keeps a unit gathered from its first
+use to the step: a pipeline runs many micro-batches through each unit, and gathering or reducing
+for each would multiply the communication by the micro-batch count.
+
+The step is the math of single-process AdamW: gradients are summed over ranks and micro-batches,
+divided by (dp x loss scale) and clipped by the global norm in a single multiply, then torch's
+AdamW (fused on GPU, multi-threaded fused on CPU where torch has it) updates the master shard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megazero.zero.grads import GradReducer
+from megazero.zero.layout import FlatLayout
+from megazero.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from megazero.zero.params import ParamStore
+from megazero.zero.stage3 import Stage3Hooks
+from parallel import comm
+
+
+@dataclass
+class StepResult:
+    grad_norm: float  # of the unscaled, unclipped gradient; inf/nan when the step overflowed
+    skipped: bool
+    loss_scale: float
+
+
+@dataclass
+class ZeroSettings:
+    stage: int = 1
+    bucket_numel: int = 25 * 2**20 // 4
+    param_dtype: torch.dtype = torch.float32
+    grad_dtype: torch.dtype = torch.float32
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    overlap_comm: bool = True
+    once_per_step: bool = False
+    prefetch_depth: int = 1
+    persistence_threshold: int = 0
+    offload: bool = False
+    fused: bool = True
+    loss_scaler: object = None
+
+
+class ZeroOptimizer:
+    """AdamW under ZeRO ``settings.stage`` for ``model``'s parameters on this data-parallel rank.
+
+    ``units`` are submodules whose parameters are grouped (and, under stage 3, gathered) together,
+    in forward order; remaining parameters form one more unit kept gathered through a step.
+    ``mp_group`` spans the tensor and pipeline ranks of one replica (the gradient norm is summed
+    over it). ``counts_for_norm(name, param)`` says whether this rank's copy of a parameter enters the
+    global gradient norm (False for copies replicated over tensor ranks other than the first,
+    and for the second copy of a tied embedding), so nothing is counted twice.
+    """
+
+    def __init__(self, model: torch.nn.Module, settings: ZeroSettings, dp_group, mp_group,
+                 units: Optional[list[torch.nn.Module]] = None,
+                 counts_for_norm: Callable[[str, torch.nn.Parameter], bool] = lambda name, p: True):
+        self.s = settings
+        self.dp_group, self.mp_group = dp_group, mp_group
+        self.dp = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        self.scaler = settings.loss_scaler or ConstantLossScaler()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        unit_params, unit_modules = _group_by_unit(named, units or [], settings.persistence_threshold)
+        order = [i for members in unit_params for i in members]
+        self.names = [named[i][0] for i in order]
+        self.params = [named[i][1] for i in order]
+        layout_dp = 1 if settings.stage == 0 else self.dp
+        self.layout = FlatLayout([[named[i][1].numel() for i in members] for members in unit_params],
+                                 settings.bucket_numel, layout_dp, 0 if settings.stage == 0 else self.dp_rank)
+        self._build_master()
+        self.store = ParamStore(self.params, self.layout, settings.param_dtype, dp_group, sharded=settings.stage == 3)
+        staged = settings.stage >= 2 and not settings.once_per_step
+        self.reducer = GradReducer(self.params, self.layout, dp_group, settings.grad_dtype,
+                                   mode="staged" if staged else "full", reduce_scatter=settings.stage > 0)
+        self.stage3 = None
+        if settings.stage == 3:
+            self.stage3 = Stage3Hooks(model, unit_modules, self.store, settings.prefetch_depth,
+                                      keep_until_step=settings.once_per_step)
+        counted = [counts_for_norm(n, p) for n, p in zip(self.names, self.params)]
+        self._norm_views = [g for seg, g in zip(self.layout.segments, self._grads) if counted[seg.param]]
+        self._build_adam()
+
+    # --- construction ------------------------------------------------------------------------
+    def _build_master(self) -> None:
+        """fp32 master copies of this rank's segments, taken before parameters become 16-bit."""
+        device = torch.device("cpu") if self.s.offload else self.params[0].device
+        self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
+        for seg in self.layout.segments:
+            src = self.params[seg.param].detach().reshape(-1)[seg.param_offset:seg.param_offset + seg.numel]
+            self.master[seg.shard_offset:seg.shard_offset + seg.numel].copy_(src)
+        if self.s.offload:
+            self.master_grad = torch.zeros_like(self.master)
+            if torch.cuda.is_available():
+                self.master_grad = self.master_grad.pin_memory()
+
+    @property
+    def _grads(self) -> list[torch.Tensor]:
+        return [self.reducer.segment_grad(seg) for seg in self.layout.segments]
+
+    def _build_adam(self) -> None:
+        decay, no_decay = [], []
+        for seg in self.layout.segments:
+            view = self.master[seg.shard_offset:seg.shard_offset + seg.numel]
+            view.grad = (self.master_grad[seg.shard_offset:seg.shard_offset + seg.numel] if self.s.offload
+                         else self.reducer.segment_grad(seg))
+            (decay if self.params[seg.param].dim() >= 2 else no_decay).append(view)
+        groups = [{"params": decay, "weight_decay": self.s.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0, requires_grad=False)]}]
+        self.adam = torch.optim.AdamW(groups, lr=self.s.lr, betas=self.s.betas, eps=self.s.eps,
+                                      **_fast_adam_kwargs(self.master.device, self.s.fused))
+
+    # --- the training loop's calls -----------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale
+
+    def begin_microbatch(self, last: bool) -> None:
+        """Optional: ``last=True`` before the final backward lets stages 0/1 overlap their reduction."""
+        self.reducer.begin_microbatch(last and self.s.overlap_comm)
+
+    def zero_grad(self) -> None:
+        self.reducer.zero()
+
+    def step(self, lr: Optional[float] = None) -> StepResult:
+        """Reduce, unscale, clip and update; skipped on every rank together if any overflowed."""
+        self.reducer.finish()
+        norm_sq = self._global_norm_sq()
+        scale = self.scaler.scale
+        grad_norm = math.sqrt(norm_sq) / (self.dp * scale) if math.isfinite(norm_sq) else float("inf")
+        overflow = not math.isfinite(grad_norm)
+        self.scaler.update(overflow)
+        if overflow:
+            self.zero_grad()
+            self._after_step()
+            return StepResult(grad_norm, True, scale)
+        coef = 1.0 / (self.dp * scale)
+        if self.s.clip_grad > 0 and grad_norm > self.s.clip_grad:
+            coef *= self.s.clip_grad / (grad_norm + 1e-6)
+        self._stage_grads(coef)
+        if lr is not None:
+            for group in self.adam.param_groups:
+                group["lr"] = lr
+        self.adam.step()
+        self.store.load_owned(self.master)
+        if self.s.stage in (1, 2):
+            self.store.all_gather_buckets()
+        self.zero_grad()
+        self._after_step()
+        return StepResult(grad_norm, False, scale)
+
+    def _after_step(self) -> None:
+        if self.stage3 is not None:
+            self.stage3.release_all()
+
+    def _global_norm_sq(self) -> float:
+        """Sum of squares over the whole model: this rank's counted segments, summed over the
+        model-parallel group and (when gradients are sharded) the data-parallel group. NaN or inf
+        anywhere makes the sum non-finite on every rank, which is the overflow signal."""
+        views = self._norm_views
+        device = views[0].device if views else self.params[0].device
+        local = (torch.stack(torch._foreach_norm(views)).double().pow(2).sum() if views
+                 else torch.zeros((), dtype=torch.float64, device=device))
+        if self.mp_group is not None:
+            comm.all_reduce(local, self.mp_group)
+        if self.s.stage > 0:
+            comm.all_reduce(local, self.dp_group)
+        return float(local)
+
+    def _stage_grads(self, coef: float) -> None:
+        grads = self._grads
+        if self.s.offload:
+            for seg, g in zip(self.layout.segments, grads):
+                self.master_grad[seg.shard_offset:seg.shard_offset + seg.numel].copy_(g, non_blocking=True)
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()
+            self.master_grad.mul_(coef)
+        elif grads:
+            torch._foreach_mul_(grads, coef)
+
+    # --- inspection --------------------------------------------------------------------------
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds per model-state category (at rest, between steps)."""
+        moments = sum(t.numel() * t.element_size() for st in self.adam.state.values()
+                      for k, t in st.items() if k in ("exp_avg", "exp_avg_sq"))
+        if not self.adam.state:  # before the first step torch has not allocated them yet
+            moments = 2 * self.master.numel() * 4
+        return {"params": self.store.nbytes(), "grads": self.reducer.nbytes(),
+                "master": self.master.numel() * 4, "optimizer": moments}
+
+    def state_dict(self) -> dict:
+        return {"master": self.master, "adam": self.adam.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.master.copy_(state["master"])
+        self.adam.load_state_dict(state["adam"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.store.load_owned(self.master)
+        if self.s.stage in (1, 2):
+            self.store.all_gather_buckets()
+
+
+def _group_by_unit(named, units, persistence_threshold: int):
+    """Indices of ``named`` per unit, in forward order, plus the leftover (persistent) unit last."""
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    taken: set[int] = set()
+    groups, modules = [], []
+    for module in units:
+        members = [index[id(p)] for p in module.parameters()
+                   if id(p) in index and index[id(p)] not in taken and p.numel() >= persistence_threshold]
+        if members:
+            taken.update(members)
+            groups.append(members)
+            modules.append(module)
+    rest = [i for i in range(len(named)) if i not in taken]
+    if rest:
+        groups.append(rest)
+        modules.append(None)
+    # Buckets fill in backward order, so lay units and their parameters out last-first.
+    return [list(reversed(g)) for g in reversed(groups)], list(reversed(modules))
+
+
+def _fast_adam_kwargs(device: torch.device, fused: bool) -> dict:
+    if fused and device.type == "cuda":
+        return {"fused": True}
+    if fused and device.type == "cpu" and _cpu_fused_supported():
+        return {"fused": True}
+    return {"foreach": device.type == "cuda"}
+
+
+def _cpu_fused_supported() -> bool:
+    try:
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)
+        return True
+    except (RuntimeError, ValueError):
+        return False

@@ -1,0 +1,125 @@
+"""The 16-bit parameters under ZeRO: one flat buffer per unit, whole (stages 0-2) or sharded (3).
+
+Each parameter's ``.data`` is a view into its unit's flat buffer, so updating the buffer updates
+the model and a collective on a bucket moves many parameters at once. Under stage 3 a rank keeps
+only its owned slices (``shard``); a unit's full buffer is materialised by all-gather just before
+the unit runs and its storage released afterwards, while the parameter views stay attached to the
+(empty) storage. Autograd keeps references to those views for backward, so re-gathering into the
+same storage makes them valid again without touching the autograd graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazero.zero.layout import FlatLayout
+from parallel import comm
+
+try:  # gathering into storage that autograd saved must not count as an in-place edit
+    from torch.autograd import _unsafe_preserve_version_counter as _keep_version
+except ImportError:  # pragma: no cover - torch < 2.1
+    _keep_version = None
+
+
+class _NoVersionGuard:
+    def __init__(self, tensor):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+keep_version = _keep_version or _NoVersionGuard
+
+
+class ParamStore:
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, group,
+                 sharded: bool):
+        self.params, self.layout, self.dtype, self.group, self.sharded = params, layout, dtype, group, sharded
+        device = params[0].device
+        self.units = [torch.zeros(n, dtype=dtype, device=device) for n in layout.unit_numel]
+        for i, p in enumerate(params):
+            flat = self._param_view(i)
+            flat.copy_(p.detach().reshape(-1))
+            p.data = flat.view(p.shape)
+        self.shard = None
+        self.gathered = [True] * len(self.units)
+        self._pending: dict[int, list] = {}
+        if sharded:
+            self.shard = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+            for bucket in layout.buckets:
+                lo, hi = layout.owned_range(bucket)
+                self.shard_slice(bucket).copy_(self.units[bucket.unit][lo:hi])
+            for unit in range(len(self.units)):
+                self.release(unit)
+
+    def _param_view(self, i: int) -> torch.Tensor:
+        start = self.layout.param_offset[i]
+        return self.units[self.layout.param_unit[i]][start:start + self.layout.param_numel[i]]
+
+    def shard_slice(self, bucket) -> torch.Tensor:
+        size = bucket.numel // self.layout.dp
+        return self.shard[bucket.shard_offset:bucket.shard_offset + size]
+
+    def owned_view(self, bucket) -> torch.Tensor:
+        lo, hi = self.layout.owned_range(bucket)
+        return self.units[bucket.unit][lo:hi]
+
+    # --- stage 3: gather before use, release after -------------------------------------------
+    def gather(self, unit: int, async_op: bool = False) -> None:
+        """Start (or do) the all-gather of ``unit``; ``wait`` completes an asynchronous one."""
+        if self.gathered[unit] or unit in self._pending:
+            return
+        buf = self.units[unit]
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        handles = []
+        with keep_version(buf):
+            for bucket in self.layout.unit_buckets(unit):
+                out = buf[bucket.start:bucket.end]
+                handles.append(comm.all_gather_into(out, self.shard_slice(bucket), self.group, async_op=async_op))
+        self._pending[unit] = [h for h in handles if h is not None]
+        if not async_op:
+            self.wait(unit)
+
+    def wait(self, unit: int) -> None:
+        if unit not in self._pending:
+            return
+        for handle in self._pending.pop(unit):
+            handle.wait()
+        self.gathered[unit] = True
+
+    def release(self, unit: int) -> None:
+        if not self.sharded or not self.gathered[unit]:
+            return
+        self.units[unit].untyped_storage().resize_(0)
+        self.gathered[unit] = False
+
+    # --- after the optimizer step ------------------------------------------------------------
+    def load_owned(self, master_shard: torch.Tensor) -> None:
+        """Copy updated fp32 master values into this rank's 16-bit slices."""
+        if self.sharded:
+            self.shard.copy_(master_shard.to(self.shard.device, non_blocking=True))
+            return
+        for bucket in self.layout.buckets:
+            size = bucket.numel // self.layout.dp
+            src = master_shard[bucket.shard_offset:bucket.shard_offset + size]
+            self.owned_view(bucket).copy_(src.to(self.dtype))
+
+    def all_gather_buckets(self) -> None:
+        """Stages 1-2: every rank updated its slice; the whole buffer is rebuilt by an in-place all-gather."""
+        handles = []
+        for bucket in self.layout.buckets:
+            buf = self.units[bucket.unit]
+            with keep_version(buf):
+                handles.append(comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_view(bucket),
+                                                    self.group, async_op=True))
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+
+    def nbytes(self) -> int:
+        held = self.shard.numel() if self.sharded else sum(u.numel() for u in self.units)
+        return held * torch.empty((), dtype=self.dtype).element_size()

@@ -1,0 +1,114 @@
+"""ZeRO stage 3: gather a unit's parameters just before it runs, release them right after.
+
+Module hooks drive it, so the model code stays unaware:
+
+* forward pre-hook: wait for (or do) the unit's all-gather, then start gathering the next
+  ``prefetch_depth`` units asynchronously so their communication hides behind this compute;
+* forward hook: release the unit and hook its outputs, whose gradient arriving means the unit's
+  backward is about to run;
+* that output hook: gather the unit again and prefetch the units before it;
+* parameter post-accumulate hooks: once every parameter of the unit has its gradient, release it.
+
+Parameters outside any unit (embeddings, final norm, head; and with a persistence threshold the
+small ones) are gathered at the model's first forward and kept until the step. Recomputation
+under activation checkpointing runs forward hooks during backward; they neither release nor
+re-hook then, because the unit is in use by its own backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazero.zero.params import ParamStore
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Stage3Hooks:
+    def __init__(self, model: torch.nn.Module, unit_modules: list, store: ParamStore, prefetch_depth: int,
+                 keep_until_step: bool):
+        self.store, self.prefetch_depth, self.keep = store, prefetch_depth, keep_until_step
+        self.persistent = [u for u, m in enumerate(unit_modules) if m is None]
+        self.forward_order = [u for u, m in reversed(list(enumerate(unit_modules))) if m is not None]
+        self.position = {u: k for k, u in enumerate(self.forward_order)}
+        layout = store.layout
+        self.pending = {u: len(layout.unit_params[u]) for u in range(len(unit_modules))}
+        self.received = dict.fromkeys(self.pending, 0)
+        self._handles = [model.register_forward_pre_hook(self._model_pre)]
+        for u, module in enumerate(unit_modules):
+            if module is None:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward(u)))
+            self._handles.append(module.register_forward_hook(self._post_forward(u)))
+            for i in layout.unit_params[u]:
+                self._handles.append(store.params[i].register_post_accumulate_grad_hook(self._grad_arrived(u)))
+
+    def _model_pre(self, module, args) -> None:
+        for u in self.persistent:
+            self.store.gather(u)
+
+    def _prefetch(self, unit: int, direction: int) -> None:
+        k = self.position[unit]
+        for step in range(1, self.prefetch_depth + 1):
+            j = k + direction * step
+            if 0 <= j < len(self.forward_order):
+                self.store.gather(self.forward_order[j], async_op=True)
+
+    def _pre_forward(self, unit: int):
+        def hook(module, args):
+            self.store.gather(unit)
+            self.store.wait(unit)
+            if not _in_backward():
+                self._prefetch(unit, +1)
+        return hook
+
+    def _post_forward(self, unit: int):
+        def hook(module, args, output):
+            if _in_backward() or not torch.is_grad_enabled():
+                if not torch.is_grad_enabled() and not self.keep:
+                    self.store.release(unit)
+                return output
+            if not self.keep:
+                self.store.release(unit)
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward(unit))
+                    break
+            return output
+        return hook
+
+    def _pre_backward(self, unit: int):
+        def hook(grad):
+            self.store.gather(unit)
+            self.store.wait(unit)
+            self._prefetch(unit, -1)
+            return grad
+        return hook
+
+    def _grad_arrived(self, unit: int):
+        def hook(param):
+            self.received[unit] += 1
+            if self.received[unit] == self.pending[unit]:
+                self.received[unit] = 0
+                if not self.keep:
+                    self.store.release(unit)
+        return hook
+
+    def release_all(self) -> None:
+        """After the step: only the updated shards remain."""
+        for u in range(len(self.store.units)):
+            self.store.wait(u)
+            self.store.release(u)
+        self.received = dict.fromkeys(self.received, 0)
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    if isinstance(output, dict):
+        return [t for t in output.values() if isinstance(t, torch.Tensor)]
+    return []
