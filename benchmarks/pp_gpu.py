@@ -1,0 +1,141 @@
+"""Pipeline throughput and bubble on GPUs: a 1B-class GPT split over pp=2 stages with NCCL.
+
+Run on one node with two GPUs::
+
+    torchrun --nproc_per_node 2 benchmarks/pp_gpu.py [--micro-batches 2 4 8 16] [--schedules 1f1b ...]
+
+For each (schedule, micro-batch count) it prints one JSON line (rank 0): tokens/s over timed steps,
+and the measured bubble against the theory. Measured bubble = (step time - time inside forward and
+backward) / time inside forward and backward, on the rank that idles most, from profiled steps
+that synchronise the GPU around every op; theory = (pp - 1) / (v m), forward and backward alike on
+every stage. Only the pipeline is timed (no optimizer step), so the numbers isolate the schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from models import GPT
+from models.config import ModelConfig
+from models.ops import IGNORE_INDEX
+from parallel.pipeline import PipelineExecutor, allreduce_embedding_grads, bubble_fraction
+from parallel.pipeline.partition import decoder_costs, resolve_split, stage_layers
+from parallel.topology import RankGrid, Topology
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--schedules", nargs="+", default=["gradient_accumulation", "1f1b", "interleaved_1f1b"])
+    p.add_argument("--steps", type=int, default=5, help="timed steps per config (after 2 warm-up steps)")
+    p.add_argument("--profiled-steps", type=int, default=2)
+    return p.parse_args()
+
+
+def gpt_forward_step(module, x, microbatch, first, last):
+    """GPT stage call; the last stage turns per-token losses into the micro-batch's mean loss."""
+    inputs, labels = microbatch
+    out = module(inputs if first else x, labels if last else None)
+    if not last:
+        return out
+    return out.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def tied_embedding_params(chunks) -> list:
+    """The copies of the tied embedding this rank holds (a first-stage embedding, a last-stage head)."""
+    found = {id(p): p for c in chunks if c.tied for p in
+             ([c.embedding.tokens.weight] if c.embedding is not None else [])
+             + ([c.lm_head.weight] if c.lm_head is not None else [])}
+    return list(found.values())
+
+
+def build_chunks(cfg: ModelConfig, pp: int, rank: int, v: int, device) -> list:
+    split = resolve_split(cfg.num_layers, pp, v,
+                          costs=decoder_costs(cfg.hidden_size, cfg.ffn_size, cfg.vocab_size, cfg.seq_length))
+    chunks = []
+    for chunk in range(v):
+        stage = chunk * pp + rank
+        layers = stage_layers(split, pp, rank, chunk)
+        model = GPT(cfg, layers=layers, has_embedding=stage == 0, has_head=stage == pp * v - 1, device=device)
+        chunks.append(model.to(torch.bfloat16))
+    return chunks
+
+
+def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    if m % topo.pp_size and v > 1:
+        return {}
+    chunks = build_chunks(cfg, topo.pp_size, topo.pp_rank, v, device)
+    shape = (args.micro_batch_size, cfg.seq_length, cfg.hidden_size)
+    executor = PipelineExecutor(chunks, topo, shape, dtype=torch.bfloat16, device=device, schedule=schedule)
+    g = torch.Generator(device=device).manual_seed(0)
+    data = [(torch.randint(0, cfg.vocab_size, shape[:2], device=device, generator=g),) * 2 for _ in range(m)]
+    tied = tied_embedding_params(chunks)
+
+    def one_step():
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        loss = executor.step(data)
+        allreduce_embedding_grads(tied, topo)
+        return loss
+
+    for _ in range(2):
+        one_step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = one_step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    executor.profile = True
+    bubbles = []
+    for _ in range(args.profiled_steps):
+        one_step()
+        bubbles.append((executor.stats.step_s - executor.stats.compute_s) / executor.stats.compute_s)
+    bubble = torch.tensor(min(bubbles), device=device)
+    dist.all_reduce(bubble, op=dist.ReduceOp.MAX)  # the idlest stage sets the pace
+    tokens = args.steps * m * args.micro_batch_size * cfg.seq_length
+    result = {"schedule": schedule, "pp": topo.pp_size, "v": v, "micro_batches": m,
+              "micro_batch_size": args.micro_batch_size, "seq": cfg.seq_length,
+              "params_b": round(sum(p.numel() for c in chunks for p in c.parameters()) * topo.pp_size / 1e9, 2),
+              "tokens_per_s": round(tokens / elapsed, 1), "step_s": round(elapsed / args.steps, 4),
+              "bubble_measured": round(bubble.item(), 4), "bubble_theory": round(bubble_fraction(topo.pp_size, m, v), 4),
+              "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
+              "gpu": torch.cuda.get_device_name()}
+    del executor, chunks
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    topo = Topology(RankGrid(tp=1, pp=dist.get_world_size(), dp=1))
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                      vocab_size=args.vocab, seq_length=args.seq)
+    for schedule in args.schedules:
+        for m in args.micro_batches:
+            result = run_config(args, cfg, topo, device, schedule, m)
+            if result and dist.get_rank() == 0:
+                print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The real GPT through 1F1B and interleaved pipelines equals one process (tp = 1, tied embeddings).
+
+Stage parameters keep the full model's names, so each rank compares its gradients with a full
+reference model by name; the last stage's tied head copy is compared with the reference embedding.
+One 4-rank world runs every case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import GPT
+from models.config import ModelConfig
+from parallel.pipeline import PipelineExecutor, allreduce_data_parallel_grads, allreduce_embedding_grads
+from parallel.pipeline.partition import resolve_split, stage_layers
+from parallel.topology import RankGrid, Topology
+from tests.distributed import run_world
+
+CFG = dict(num_layers=4, hidden_size=16, num_heads=2, vocab_size=40, seq_length=8, tie_embeddings=True)
+MICRO = 2
+TOL = 2e-5  # fp32, relative to the largest reference gradient
+
+
+def forward_step(module, x, microbatch, first, last):
+    inputs, labels = microbatch
+    out = module(inputs if first else x, labels if last else None)
+    return out.mean() if last else out
+
+
+def _data(count):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 40, (MICRO, 8), generator=g), torch.randint(0, 40, (MICRO, 8), generator=g))
+            for _ in range(count)]
+
+
+def _case(topo, schedule, m, v):
+    cfg = ModelConfig(**CFG)
+    pp, rank, dp = topo.pp_size, topo.pp_rank, topo.dp_size
+    split = resolve_split(cfg.num_layers, pp, v)
+    chunks = []
+    for c in range(v):
+        stage = c * pp + rank
+        chunks.append(GPT(cfg, layers=stage_layers(split, pp, rank, c), has_embedding=stage == 0,
+                          has_head=stage == pp * v - 1, seed=7))
+    executor = PipelineExecutor(chunks, topo, (MICRO, cfg.seq_length, cfg.hidden_size), schedule=schedule,
+                                forward_step=forward_step, timeout_s=60)
+    data = _data(dp * m)
+    loss = executor.step(data[topo.dp_rank * m:(topo.dp_rank + 1) * m])
+    tied = [p for ch in chunks for p in ([ch.embedding.tokens.weight] if ch.embedding else [])
+            + ([ch.lm_head.weight] if ch.lm_head else [])]
+    allreduce_embedding_grads(tied, topo)
+    allreduce_data_parallel_grads([p for ch in chunks for p in ch.parameters()], topo)
+
+    ref = GPT(cfg, seed=7)
+    ref_loss = torch.stack([forward_step(ref, None, mb, True, True) for mb in data]).mean()
+    ref_loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    scale = max(p.grad.abs().max().item() for p in ref.parameters())
+    worst, checked = 0.0, 0
+    for ch in chunks:
+        for name, p in ch.named_parameters():
+            expect = ref_grads["embedding.tokens.weight" if name == "lm_head.weight" else name].grad
+            worst = max(worst, (p.grad - expect).abs().max().item())
+            checked += 1
+    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grad_error": worst / scale, "checked": checked}
+
+
+CASES = [((1, 2, 2), "1f1b", 3, 1), ((1, 2, 2), "interleaved_1f1b", 4, 2), ((1, 4, 1), "1f1b", 4, 1),
+         ((1, 4, 1), "1f1b", 5, 1), ((1, 2, 2), "gradient_accumulation", 2, 1)]
+
+
+def _world4(rank, world_size):
+    torch.manual_seed(0)
+    out, topos = {}, {}
+    for layout, schedule, m, v in CASES:
+        if layout not in topos:
+            topos[layout] = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
+        out[(layout, schedule, m, v)] = _case(topos[layout], schedule, m, v)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_world(4, _world4, timeout=180)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"tp{c[0][0]}-pp{c[0][1]}-dp{c[0][2]}-{c[1]}-m{c[2]}")
+def test_gpt_pipeline_equals_single_process(world4, case):
+    total = 0
+    for rank, result in enumerate(world4):
+        r = result[case]
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), f"rank {rank}"
+        assert r["grad_error"] <= TOL, f"rank {rank}: relative gradient error {r['grad_error']:.2e}"
+        total += r["checked"]
+    assert total > 0
