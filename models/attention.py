@@ -44,10 +44,11 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [batch, seq, hidden] -> [batch, seq, hidden]."""
-        batch, seq, _ = x.shape
+        """x [batch, seq, hidden] -> [batch, seq, hidden]; heads held = qkv output width / group width."""
+        qkv = self.qkv(x)
+        batch, seq = qkv.shape[:2]  # not x's: under sequence parallelism x holds a slice of the sequence
         r = self.queries_per_group
-        groups = self.qkv(x).view(batch, seq, -1, r + 2, self.head_dim)
+        groups = qkv.view(batch, seq, -1, r + 2, self.head_dim)
         q = groups[..., :r, :].flatten(2, 3)  # [batch, seq, heads, head_dim]
         k, v = groups[..., r, :], groups[..., r + 1, :]  # [batch, seq, kv_heads, head_dim]
         if self.rope_theta is not None:

@@ -1,0 +1,47 @@
+"""Turn a plain GPT (or stage) into this rank's tensor-parallel, checkpointed part of it.
+
+The model says *what* splits (``TP_PLAN``) and *what* to recompute (``RECOMPUTE_TARGETS``);
+``parallel.tensor_parallel`` knows *how*. This file only joins the two and checks that the
+model's widths divide by tp, naming the config field that does not.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from models.gpt import GPT, RECOMPUTE_TARGETS, TP_PLAN
+from parallel import comm
+from parallel.tensor_parallel.apply import apply_activation_checkpointing, apply_tensor_parallel
+from parallel.tensor_parallel.random import TensorParallelRNG
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+def check_tp_layout(model: GPT, tp: int) -> None:
+    cfg = model.cfg
+    for name, value in (("model.num_heads", cfg.num_heads), ("model.num_kv_heads", cfg.kv_heads),
+                        ("model.hidden_size", cfg.hidden_size), ("model.ffn_hidden_size", cfg.ffn_size)):
+        if value % tp:
+            raise ValueError(f"{name} = {value} is not divisible by tensor-parallel size {tp}")
+    if model.padded_vocab % tp:
+        raise ValueError(f"padded vocabulary {model.padded_vocab} is not divisible by tp {tp}: "
+                         f"build the model with vocab_multiple=128*tp")
+
+
+def parallelize_gpt(model: GPT, tp_group, *, seed: int, device="cpu", sequence_parallel: bool = False,
+                    recompute: str = "none", recompute_every: int = 1) -> GPT:
+    """Apply tensor (and sequence) parallelism and activation checkpointing to ``model`` in place.
+
+    ``seed`` seeds the tp dropout stream (offset by the tp rank); the caller seeds the default
+    generator identically on all tp ranks. With a meta-device model, call ``to_empty`` and
+    ``init_weights(seed)`` afterwards: each rank then materialises and draws only its shards.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute {recompute!r}: use one of {RECOMPUTE_MODES}")
+    check_tp_layout(model, comm.group_size(tp_group))
+    rng = TensorParallelRNG(seed, dist.get_rank(tp_group), device)
+    apply_tensor_parallel(model, TP_PLAN, tp_group, rng=rng, sequence_parallel=sequence_parallel)
+    if recompute != "none":
+        every = recompute_every if recompute == "full" else 1
+        apply_activation_checkpointing(model, RECOMPUTE_TARGETS[recompute], every, rng)
+    return model

@@ -1,0 +1,135 @@
+"""Apply a model's tensor-parallel plan and activation checkpointing to a plain model.
+
+A plan maps module-name patterns (``*`` stands for one dotted component, e.g. ``layers.*.mlp.fc_in``)
+to a style. Patterns that match nothing are skipped, so one plan serves every pipeline stage.
+
+| style            | applied to       | effect                                                            |
+|------------------|------------------|-------------------------------------------------------------------|
+| colwise          | nn.Linear        | replaced by ColumnParallelLinear                                  |
+| rowwise          | nn.Linear        | replaced by RowParallelLinear                                     |
+| vocab            | nn.Embedding     | replaced by VocabParallelEmbedding                                |
+| vocab_loss       | loss module      | replaced by VocabParallelCrossEntropy (needs ``.vocab_size``)     |
+| split_sequence   | any module       | sp: output split along the sequence                               |
+| sequence         | norm, dropout    | sp: parameter gradients summed over tp, randomness from tp stream |
+| local            | any module       | randomness from the tp stream (it works on this rank's shard)     |
+
+Module replacement keeps parameter names; the other styles wrap the module's ``forward`` on the
+instance, which also keeps names (a wrapper module would rename every parameter under it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parallel.tensor_parallel.collectives import copy_to_tp, split_sequence
+from parallel.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from parallel.tensor_parallel.random import TensorParallelRNG
+
+REPLACEMENTS = {
+    "colwise": (nn.Linear, ColumnParallelLinear.from_linear),
+    "rowwise": (nn.Linear, RowParallelLinear.from_linear),
+    "vocab": (nn.Embedding, VocabParallelEmbedding.from_embedding),
+    "vocab_loss": (nn.Module, VocabParallelCrossEntropy.from_loss),
+}
+WRAPPERS = ("split_sequence", "sequence", "local")
+STYLES = tuple(REPLACEMENTS) + WRAPPERS
+
+
+def matching(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """Submodules whose dotted name matches ``pattern`` component by component, in model order."""
+    parts = pattern.split(".")
+    found = []
+    for name, module in model.named_modules():
+        names = name.split(".") if name else []
+        if len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts)):
+            found.append((name, module))
+    return found
+
+
+def wrap_forward(module: nn.Module, around: Callable) -> None:
+    """Make ``module(...)`` call ``around(original_forward, *args, **kwargs)``."""
+    module.forward = functools.partial(around, module.forward)
+
+
+def _with_tp_params(module: nn.Module, group, forward, *args, **kwargs):
+    """Run ``forward`` with every direct parameter passed through copy_to_tp, so a parameter that
+    saw only this rank's sequence slice gets the gradient summed over the whole sequence."""
+    saved = dict(module._parameters)
+    try:
+        for name, param in saved.items():
+            if param is not None:
+                module._parameters[name] = copy_to_tp(param, group)
+        return forward(*args, **kwargs)
+    finally:
+        module._parameters.update(saved)
+
+
+def _in_fork(rng: TensorParallelRNG, forward, *args, **kwargs):
+    with rng.fork():
+        return forward(*args, **kwargs)
+
+
+def _apply_wrapper(module: nn.Module, style: str, group, sequence_parallel: bool, rng: TensorParallelRNG) -> None:
+    if style == "local":
+        wrap_forward(module, functools.partial(_in_fork, rng))
+    elif sequence_parallel and style == "split_sequence":
+        wrap_forward(module, lambda forward, *a, **k: split_sequence(forward(*a, **k), group))
+    elif sequence_parallel and style == "sequence":
+        if any(p is not None for p in module._parameters.values()):
+            wrap_forward(module, functools.partial(_with_tp_params, module, group))
+        wrap_forward(module, functools.partial(_in_fork, rng))
+
+
+def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], group, *, rng: TensorParallelRNG,
+                          sequence_parallel: bool = False) -> nn.Module:
+    """Split ``model`` in place across the ranks of ``group`` as ``plan`` says; returns it.
+
+    Call it on the model before ``init_weights`` if built on the meta device, after otherwise
+    (each rank then keeps its slice of the initialised full weights). Tied parameters stay tied.
+    """
+    unknown = {style for style in plan.values() if style not in STYLES}
+    if unknown:
+        raise ValueError(f"unknown tensor-parallel styles {sorted(unknown)}; known: {STYLES}")
+    memo: dict = {}
+    for pattern, style in plan.items():
+        for name, module in matching(model, pattern):
+            if style in WRAPPERS:
+                _apply_wrapper(module, style, group, sequence_parallel, rng)
+                continue
+            kind, build = REPLACEMENTS[style]
+            if not isinstance(module, kind):
+                raise ValueError(f"{name}: style {style!r} needs a {kind.__name__}, got {type(module).__name__}")
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, build(module, group, sequence_parallel, memo))
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module, pattern: str, every: int = 1,
+                                   rng: Optional[TensorParallelRNG] = None) -> list[str]:
+    """Recompute the forward of every ``every``-th module matching ``pattern`` in backward.
+
+    Counting starts at the first match on this model (so a pipeline stage checkpoints its own first
+    block). Dropout masks are reproduced: torch restores the default generator, ``rng`` the tp stream.
+    Returns the names of the checkpointed modules.
+    """
+    if every < 1:
+        raise ValueError(f"checkpoint every {every}-th module: must be at least 1")
+    contexts = rng.checkpoint_contexts if rng is not None else (lambda: (contextlib.nullcontext(),) * 2)
+
+    def around(forward, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    chosen = matching(model, pattern)[::every]
+    for _, module in chosen:
+        wrap_forward(module, around)
+    return [name for name, _ in chosen]

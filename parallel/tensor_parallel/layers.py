@@ -1,0 +1,121 @@
+"""Column- and row-parallel linear layers and the vocabulary-parallel embedding.
+
+Each is built from the single-device module it replaces (``from_linear`` / ``from_embedding``),
+keeping the parameter names ``weight`` and ``bias`` so state-dict keys do not change, and records
+which slice of the full tensor it holds in ``tp_shards`` (see ``sharding``). Built from a module on
+the meta device, they stay on the meta device: only the shard is ever materialised.
+
+Communication, with ``sp`` = sequence parallel:
+
+- ColumnParallelLinear: input copy_to_tp (sp: gather_sequence); output stays split by columns.
+- RowParallelLinear: input is split by columns; output reduce_from_tp (sp: reduce_scatter_sequence),
+  then the bias, which under sp sees only a slice of the sequence and so has its gradient summed.
+- VocabParallelEmbedding: each rank looks up the ids in its vocabulary range, zeros the rest, and the
+  partial embeddings are summed with reduce_from_tp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallel import comm
+from parallel.tensor_parallel.collectives import (copy_to_tp, gather_sequence, reduce_from_tp,
+                                                  reduce_scatter_sequence)
+from parallel.tensor_parallel.sharding import Shard
+
+
+def _shard_param(param: Optional[nn.Parameter], shard: Shard, memo: dict) -> Optional[nn.Parameter]:
+    """This rank's part of ``param`` as a new parameter; a parameter shared by several modules
+    (a tied embedding and head) is split once and stays shared."""
+    if param is None:
+        return None
+    if id(param) not in memo:
+        memo[id(param)] = (nn.Parameter(shard.take(param.detach()).clone(), requires_grad=param.requires_grad), shard)
+    new, first_shard = memo[id(param)]
+    if first_shard != shard:
+        raise ValueError(f"a shared parameter is split two ways ({first_shard} and {shard}); "
+                         "tied weights must use the same tensor-parallel style")
+    return new
+
+
+class _TPModule(nn.Module):
+    def __init__(self, group, sequence_parallel: bool):
+        super().__init__()
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.tp_shards: dict[str, Shard] = {}
+
+    def _place(self, name: str, param: Optional[nn.Parameter], dim: Optional[int], memo: dict) -> None:
+        """Register this rank's part of ``param`` split along ``dim`` (None: replicated)."""
+        if dim is None or param is None:
+            setattr(self, name, param)
+            return
+        shard = Shard(dim, dist.get_rank(self.group), comm.group_size(self.group))
+        if param.shape[dim] % shard.count:
+            raise ValueError(f"{type(self).__name__}.{name}: dimension {dim} of size {param.shape[dim]} is not "
+                             f"divisible by the tensor-parallel size {shard.count}")
+        setattr(self, name, _shard_param(param, shard, memo))
+        self.tp_shards[name] = shard
+
+    def extra_repr(self) -> str:
+        return f"tp={comm.group_size(self.group)}, sequence_parallel={self.sequence_parallel}"
+
+
+class ColumnParallelLinear(_TPModule):
+    """y = x W^T + b with W's output rows (and b) split across ranks; y stays split."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None):
+        layer = cls(group, sequence_parallel)
+        memo = {} if memo is None else memo
+        layer._place("weight", linear.weight, 0, memo)
+        layer._place("bias", linear.bias, 0, memo)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(_TPModule):
+    """y = sum over ranks of x_r W_r^T, + b: input columns split, output whole (or sequence-split)."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None):
+        layer = cls(group, sequence_parallel)
+        memo = {} if memo is None else memo
+        layer._place("weight", linear.weight, 1, memo)
+        layer._place("bias", linear.bias, None, memo)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if not self.sequence_parallel:
+            y = reduce_from_tp(y, self.group)
+            return y if self.bias is None else y + self.bias
+        y = reduce_scatter_sequence(y, self.group)
+        return y if self.bias is None else y + copy_to_tp(self.bias, self.group)
+
+
+class VocabParallelEmbedding(_TPModule):
+    """Embedding whose vocabulary rows are split across ranks; the output is whole on every rank."""
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group, sequence_parallel: bool = False, memo=None):
+        layer = cls(group, sequence_parallel)
+        layer._place("weight", embedding.weight, 0, {} if memo is None else memo)
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        start = self.tp_shards["weight"].index * rows
+        local = ids - start
+        outside = (local < 0) | (local >= rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
