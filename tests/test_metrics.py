@@ -1,0 +1,234 @@
+"""FLOP counting against hand computation and Megatron's formula; the peak table; the metrics sinks."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+import types
+from fractions import Fraction
+
+import pytest
+import torch
+
+from megazero.errors import UserError
+from megazero.flops import flops_per_token, peak_flops
+from megazero.metrics import MetricsLogger, StepMetrics, memory_gib, read_metrics
+from models.config import ModelConfig
+
+TINY = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=512, seq_length=128)
+GQA = ModelConfig(num_layers=3, hidden_size=128, num_heads=8, num_kv_heads=2, ffn_hidden_size=320,
+                  activation="swiglu", vocab_size=1000, seq_length=64)
+
+
+# --- FLOPs --------------------------------------------------------------------------------------
+
+def test_tiny_gpt_flops_by_hand():
+    qkv = 2 * 64 * (64 + 2 * 64)   # 24,576
+    out = 2 * 64 * 64              # 8,192
+    core = 4 * 128 * 64            # 32,768: QK^T and PV over 128 positions
+    mlp = 2 * 64 * 256 * 2         # 65,536: fc_in and fc_out, ffn = 4h = 256
+    head = 2 * 64 * 512            # 65,536
+    assert flops_per_token(TINY) == 3 * (2 * (qkv + out + core + mlp) + head) == 983_040
+
+
+def test_gqa_swiglu_flops_by_hand():
+    qkv = 2 * 128 * (128 + 2 * 2 * 16)  # 2 kv heads of 16 dims each for keys and values
+    out = 2 * 128 * 128
+    core = 4 * 64 * 128
+    mlp = 2 * 128 * 320 * 3             # gate, up and down matrices
+    block, head = qkv + out + core + mlp, 2 * 128 * 1000
+    assert flops_per_token(GQA) == 3 * (3 * block + head) == 4_012_032
+    assert flops_per_token(GQA, "selective") == 4_012_032 + 3 * core
+    assert flops_per_token(GQA, "full", recompute_every=2) == 4_012_032 + 2 * block  # blocks 0 and 2
+
+
+@pytest.mark.parametrize("layers,hidden,seq,vocab", [(24, 2048, 2048, 50257), (105, 20480, 2048, 51200)])
+def test_matches_megatron_paper_formula(layers, hidden, seq, vocab):
+    """Narayanan et al. 2021: 96*B*s*l*h^2*(1 + s/6h + V/16lh) per batch with full recompute."""
+    cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_heads=hidden // 128, vocab_size=vocab,
+                      seq_length=seq)
+    l, h, s, v = layers, hidden, seq, vocab
+    with_recompute = 96 * s * l * h**2 * (1 + Fraction(s, 6 * h) + Fraction(v, 16 * l * h)) / s
+    without = 72 * s * l * h**2 * (1 + Fraction(s, 6 * h) + Fraction(v, 12 * l * h)) / s
+    assert flops_per_token(cfg, "full") == with_recompute
+    assert flops_per_token(cfg) == without
+
+
+def test_matches_six_n_plus_attention():
+    n_matmul = 2 * (12 * 64 * 64) + 64 * 512  # per block 4h^2 attention + 8h^2 MLP weights, plus the head
+    assert flops_per_token(TINY) == 6 * n_matmul + 12 * 2 * 128 * 64
+
+
+def test_unknown_recompute_mode():
+    with pytest.raises(ValueError, match="recompute"):
+        flops_per_token(TINY, "some")
+
+
+# --- peak table ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,dtype,tflops", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 80GB HBM3", "fp32", 67),
+    ("NVIDIA H100 PCIe", "bf16", 756), ("NVIDIA H100 NVL", "fp16", 835),
+    ("NVIDIA H200", "bf16", 989), ("NVIDIA GH200 480GB", "bf16", 989),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312), ("NVIDIA A100 80GB PCIe", "fp32", 19.5),
+    ("Tesla V100-SXM2-32GB", "fp16", 125), ("Tesla V100-PCIE-16GB", "fp16", 112),
+    ("NVIDIA L40S", "bf16", 362), ("NVIDIA L40", "bf16", 181), ("NVIDIA L4", "bf16", 121),
+    ("AMD Instinct MI300X", "bf16", 1307.4),
+])
+def test_peak_table(name, dtype, tflops):
+    assert peak_flops(name, dtype) == pytest.approx(tflops * 1e12)
+
+
+@pytest.mark.parametrize("name,dtype", [("NVIDIA GeForce GTX 1080", "fp32"), ("Tesla V100-SXM2-16GB", "bf16"),
+                                        (None, "bf16"), ("", "fp32")])
+def test_unknown_device_or_dtype_has_no_peak(name, dtype):
+    assert peak_flops(name, dtype) is None
+
+
+# --- the logger ---------------------------------------------------------------------------------
+
+def step(n, loss=2.5, seconds=0.5, **kw):
+    return StepMetrics(step=n, loss=loss, lr=1e-4 * n, grad_norm=0.75, tokens=4096, seconds=seconds, **kw)
+
+
+def logger(tmp_path, stream=None, **kw):
+    args = dict(total_steps=10, log_interval=2, flops_per_token=1_000_000, num_devices=2, peak_flops=1e12,
+                stream=stream if stream is not None else io.StringIO())
+    args.update(kw)
+    return MetricsLogger(tmp_path, **args)
+
+
+def test_jsonl_has_one_object_per_step_with_required_fields(tmp_path):
+    with logger(tmp_path) as log:
+        for n in (1, 2, 3):
+            log.record(step(n))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "loss_scale", "skipped_steps"):
+        assert key in rows[0]
+
+
+def test_throughput_and_mfu_arithmetic(tmp_path):
+    with logger(tmp_path) as log:
+        row = log.record(step(1, seconds=0.5))
+    assert row["tokens_per_s"] == pytest.approx(8192)
+    # 8192 tok/s * 1e6 FLOP/tok / 2 devices = 4.096e9 FLOP/s per device, 0.4096% of 1e12
+    assert row["tflops_per_device"] == pytest.approx(4.096e-3, rel=1e-12)
+    assert row["mfu"] == pytest.approx(4.096e-3, rel=1e-12)
+
+
+def test_unknown_peak_reports_no_mfu(tmp_path):
+    out = io.StringIO()
+    with logger(tmp_path, out, peak_flops=None) as log:
+        log.record(step(1))
+        row = log.record(step(2))
+    assert row["mfu"] is None and row["tflops_per_device"] is not None
+    assert "MFU n/a" in out.getvalue()
+
+
+def test_loss_is_written_to_full_double_precision(tmp_path):
+    loss = 1 / 3 + 1e-13
+    with logger(tmp_path) as log:
+        log.record(step(1, loss=loss))
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line)["loss"] == loss  # bitwise: repr round-trips a double
+
+
+def test_one_line_per_log_interval_with_interval_means(tmp_path):
+    out = io.StringIO()
+    with logger(tmp_path, out, log_interval=2) as log:
+        for n, loss in zip(range(1, 6), (1.0, 2.0, 3.0, 5.0, 9.0)):
+            log.record(step(n, loss=loss, skipped_steps=1, loss_scale=4096.0))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("step 2 |") and "loss 1.500000" in lines[0]
+    assert "loss 4.000000" in lines[1]
+    for field in ("lr 4.000e-04", "grad norm 0.7500", "loss scale 4096", "skipped 1", "8,192 tok/s",
+                  "TFLOP/s/device", "MFU 0.4%"):
+        assert field in lines[1]
+
+
+def test_eval_step_adds_val_loss_and_perplexity(tmp_path):
+    out = io.StringIO()
+    with logger(tmp_path, out, log_interval=100) as log:
+        row = log.record(step(3, val_loss=2.0))
+    assert row["val_loss"] == 2.0 and row["val_ppl"] == pytest.approx(math.exp(2.0), rel=1e-12)
+    assert "val loss 2.000000 ppl 7.39" in out.getvalue()
+
+
+def test_nonfinite_loss_is_null_not_invalid_json(tmp_path):
+    out = io.StringIO()
+    with logger(tmp_path, out, log_interval=1) as log:
+        log.record(step(1, loss=float("nan")))
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] is None
+    assert "loss nan" in out.getvalue()
+
+
+def test_non_writer_rank_does_no_io(tmp_path):
+    out = io.StringIO()
+    with logger(tmp_path / "run", out, writer=False, log_interval=1) as log:
+        row = log.record(step(1))
+    assert row["step"] == 1
+    assert not (tmp_path / "run").exists() and out.getvalue() == ""
+
+
+def test_resume_rewinds_steps_after_the_checkpoint_and_a_torn_line(tmp_path):
+    with logger(tmp_path) as log:
+        for n in range(1, 6):
+            log.record(step(n))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a kill -9 in the middle of a write
+    with logger(tmp_path, start_step=3) as log:
+        log.record(step(4, loss=7.0))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["loss"] == 7.0
+
+
+def test_malformed_complete_line_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl: malformed line 2"):
+        read_metrics(path)
+
+
+def test_cpu_memory_is_reported(tmp_path):
+    assert memory_gib(torch.device("cpu"))["rss_peak_gib"] > 0
+    with logger(tmp_path, device=torch.device("cpu")) as log:
+        assert log.record(step(1))["rss_peak_gib"] > 0
+
+
+def test_wandb_is_offline_by_default_and_gets_each_step(tmp_path, monkeypatch):
+    calls = {"log": []}
+
+    class Run:
+        def log(self, data, step):
+            calls["log"].append((step, data))
+
+        def finish(self):
+            calls["finished"] = True
+
+    def init(**kwargs):
+        calls["init"] = kwargs
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    with logger(tmp_path, wandb={"project": "p"}) as log:
+        log.record(step(1))
+    assert calls["init"]["mode"] == "offline" and calls["init"]["project"] == "p"
+    assert calls["log"][0][0] == 1 and calls["log"][0][1]["loss"] == 2.5
+    assert calls["finished"]
+
+
+def test_tensorboard_writes_events_or_says_how_to_install(tmp_path):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(UserError, match="pip install tensorboard"):
+            logger(tmp_path, tensorboard=True)
+        return
+    with logger(tmp_path, tensorboard=True) as log:
+        log.record(step(1))
+    assert any((tmp_path / "tensorboard").iterdir())
