@@ -1,8 +1,10 @@
-"""The real GPT through 1F1B and interleaved pipelines equals one process (tp = 1, tied embeddings).
+"""The real GPT through 1F1B and interleaved pipelines equals one process, tied embeddings included.
 
 Stage parameters keep the full model's names, so each rank compares its gradients with a full
-reference model by name; the last stage's tied head copy is compared with the reference embedding.
-One 4-rank world runs every case.
+reference model by name (its tensor-parallel slice of it, under tp); the last stage's tied head copy
+is compared with the reference embedding. With tp = 2 the stages are tensor-parallel through
+``models.parallelize`` (vocabulary-parallel embedding and loss), optionally sequence-parallel, and
+the activations crossing stages are the sequence-sharded ones. One 4-rank world runs every case.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import torch
 
 from models import GPT
 from models.config import ModelConfig
+from models.parallelize import parallelize_gpt
 from parallel.pipeline import PipelineExecutor, allreduce_data_parallel_grads, allreduce_embedding_grads
 from parallel.pipeline.partition import resolve_split, stage_layers
+from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
 
@@ -34,17 +38,18 @@ def _data(count):
             for _ in range(count)]
 
 
-def _case(topo, schedule, m, v):
+def _case(topo, schedule, m, v, sp):
     cfg = ModelConfig(**CFG)
-    pp, rank, dp = topo.pp_size, topo.pp_rank, topo.dp_size
+    pp, rank, dp, tp = topo.pp_size, topo.pp_rank, topo.dp_size, topo.tp_size
     split = resolve_split(cfg.num_layers, pp, v)
     chunks = []
     for c in range(v):
         stage = c * pp + rank
-        chunks.append(GPT(cfg, layers=stage_layers(split, pp, rank, c), has_embedding=stage == 0,
-                          has_head=stage == pp * v - 1, seed=7))
-    executor = PipelineExecutor(chunks, topo, (MICRO, cfg.seq_length, cfg.hidden_size), schedule=schedule,
-                                forward_step=forward_step, timeout_s=60)
+        chunk = GPT(cfg, layers=stage_layers(split, pp, rank, c), has_embedding=stage == 0,
+                    has_head=stage == pp * v - 1, vocab_multiple=128 * tp, seed=7)
+        chunks.append(parallelize_gpt(chunk, topo.tp_group, seed=7, sequence_parallel=sp) if tp > 1 else chunk)
+    shape = (MICRO, cfg.seq_length // tp if sp else cfg.seq_length, cfg.hidden_size)
+    executor = PipelineExecutor(chunks, topo, shape, schedule=schedule, forward_step=forward_step, timeout_s=60)
     data = _data(dp * m)
     loss = executor.step(data[topo.dp_rank * m:(topo.dp_rank + 1) * m])
     tied = [p for ch in chunks for p in ([ch.embedding.tokens.weight] if ch.embedding else [])
@@ -52,31 +57,35 @@ def _case(topo, schedule, m, v):
     allreduce_embedding_grads(tied, topo)
     allreduce_data_parallel_grads([p for ch in chunks for p in ch.parameters()], topo)
 
-    ref = GPT(cfg, seed=7)
+    ref = GPT(cfg, vocab_multiple=128 * tp, seed=7)
     ref_loss = torch.stack([forward_step(ref, None, mb, True, True) for mb in data]).mean()
     ref_loss.backward()
     ref_grads = dict(ref.named_parameters())
     scale = max(p.grad.abs().max().item() for p in ref.parameters())
     worst, checked = 0.0, 0
     for ch in chunks:
+        shards = param_shards(ch)
         for name, p in ch.named_parameters():
             expect = ref_grads["embedding.tokens.weight" if name == "lm_head.weight" else name].grad
+            expect = shards[name].take(expect) if name in shards else expect
             worst = max(worst, (p.grad - expect).abs().max().item())
             checked += 1
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grad_error": worst / scale, "checked": checked}
 
 
-CASES = [((1, 2, 2), "1f1b", 3, 1), ((1, 2, 2), "interleaved_1f1b", 4, 2), ((1, 4, 1), "1f1b", 4, 1),
-         ((1, 4, 1), "1f1b", 5, 1), ((1, 2, 2), "gradient_accumulation", 2, 1)]
+CASES = [((1, 2, 2), "1f1b", 3, 1, False), ((1, 2, 2), "interleaved_1f1b", 4, 2, False),
+         ((1, 4, 1), "1f1b", 4, 1, False), ((1, 4, 1), "1f1b", 5, 1, False),
+         ((1, 2, 2), "gradient_accumulation", 2, 1, False), ((2, 2, 1), "1f1b", 3, 1, False),
+         ((2, 2, 1), "1f1b", 2, 1, True), ((2, 2, 1), "interleaved_1f1b", 4, 2, True)]
 
 
 def _world4(rank, world_size):
     torch.manual_seed(0)
     out, topos = {}, {}
-    for layout, schedule, m, v in CASES:
+    for layout, schedule, m, v, sp in CASES:
         if layout not in topos:
             topos[layout] = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
-        out[(layout, schedule, m, v)] = _case(topos[layout], schedule, m, v)
+        out[(layout, schedule, m, v, sp)] = _case(topos[layout], schedule, m, v, sp)
     return out
 
 
@@ -85,7 +94,7 @@ def world4():
     return run_world(4, _world4, timeout=180)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"tp{c[0][0]}-pp{c[0][1]}-dp{c[0][2]}-{c[1]}-m{c[2]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"tp{c[0][0]}-pp{c[0][1]}-dp{c[0][2]}-{c[1]}-m{c[2]}" + ("-sp" if c[4] else ""))
 def test_gpt_pipeline_equals_single_process(world4, case):
     total = 0
     for rank, result in enumerate(world4):
