@@ -138,15 +138,16 @@ def test_layers_outside_the_model_are_refused():
         GPT(config("gpt2"), layers=range(2, 6))
 
 
-@pytest.mark.parametrize("overrides,tp,field", [
-    (dict(num_heads=4, num_kv_heads=2), 4, "model.num_kv_heads"),
-    (dict(num_heads=2, hidden_size=64), 4, "model.num_heads"),
-    (dict(ffn_hidden_size=130), 4, "model.ffn_hidden_size"),
+@pytest.mark.parametrize("preset,overrides,field", [
+    ("llama", dict(num_heads=4, num_kv_heads=2), "model.num_kv_heads"),
+    ("gpt2", dict(num_heads=2, hidden_size=64), "model.num_heads"),
+    ("gpt2", dict(ffn_hidden_size=130), "model.ffn_hidden_size"),
 ])
-def test_layouts_that_do_not_split_are_refused_naming_the_field(overrides, tp, field):
+def test_layouts_that_do_not_split_are_refused_naming_the_field(preset, overrides, field):
     from models.parallelize import check_tp_layout
 
-    model = GPT(config("llama", **overrides), vocab_multiple=128 * tp, device="meta")
+    tp = 4
+    model = GPT(config(preset, **overrides), vocab_multiple=128 * tp, device="meta")
     with pytest.raises(ValueError, match=field):
         check_tp_layout(model, tp)
     check_tp_layout(model, 1)
