@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 from typing import Iterable
 
 import numpy as np
@@ -69,20 +70,24 @@ class IndexedDatasetWriter:
         self._bin_tmp = _tmp_name(bin_path(prefix))
         self._idx_tmp = _tmp_name(idx_path(prefix))
         self._bin = open(self._bin_tmp, "wb")
-        self._lengths: list[np.ndarray] = []
+        self._sizes = array("i")  # int32 lengths, appended without a numpy object per document
+
+    def _write_tokens(self, tokens) -> int:
+        tokens = np.ascontiguousarray(tokens, dtype=self.dtype)
+        self._bin.write(tokens.data)
+        return tokens.size
 
     def add_document(self, tokens) -> None:
-        self.add_documents(np.asarray(tokens), np.array([len(tokens)], dtype=np.int64))
+        self._sizes.append(self._write_tokens(tokens))
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Several documents at once: ``tokens`` is their concatenation, ``lengths`` their sizes."""
-        tokens = np.asarray(tokens)
-        if tokens.dtype != self.dtype:
-            tokens = tokens.astype(self.dtype)
-        if int(np.sum(lengths)) != tokens.size:
-            raise ValueError(f"{self.prefix}: lengths sum to {int(np.sum(lengths))} but {tokens.size} tokens were given")
-        self._bin.write(tokens.tobytes(order="C"))
-        self._lengths.append(np.asarray(lengths, dtype=np.int32))
+        lengths = np.asarray(lengths, dtype=np.int32)
+        if int(lengths.sum(dtype=np.int64)) != np.size(tokens):
+            raise ValueError(f"{self.prefix}: lengths sum to {int(lengths.sum(dtype=np.int64))} but "
+                             f"{np.size(tokens)} tokens were given")
+        self._write_tokens(tokens)
+        self._sizes.frombytes(lengths.tobytes())
 
     def add_shard(self, other: "IndexedDataset") -> None:
         """Append every document of an existing shard, copying its ``.bin`` in large blocks."""
@@ -92,12 +97,11 @@ class IndexedDatasetWriter:
         with open(bin_path(other.prefix), "rb") as src:
             while block := src.read(64 << 20):
                 self._bin.write(block)
-        self._lengths.append(np.asarray(other.sizes, dtype=np.int32))
+        self._sizes.frombytes(np.asarray(other.sizes, dtype=np.int32).tobytes())
 
     def finish(self) -> None:
         self._bin.close()
-        sizes = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
-        write_index(self._idx_tmp, self.dtype, sizes)
+        write_index(self._idx_tmp, self.dtype, np.frombuffer(self._sizes, dtype=np.int32))
         os.replace(self._bin_tmp, bin_path(self.prefix))
         os.replace(self._idx_tmp, idx_path(self.prefix))
 

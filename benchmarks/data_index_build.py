@@ -1,0 +1,142 @@
+"""Index build time for a synthetic dataset: our writer vs megatron-core's IndexedDatasetBuilder,
+our numpy sample index vs megatron-core's compiled helper, our greedy blend loop vs its helper.
+
+    python benchmarks/data_index_build.py --tokens 1e9 --out-dir /some/scratch/dir
+
+Documents are uniform random in length (1..2*mean-1 tokens) with random uint16 tokens; generating
+them is not timed. Writes go to the page cache (no fsync, for either writer). Both shards are
+checked to be byte-identical, then deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+import warnings
+
+import numpy as np
+
+from data_pipeline.blend import greedy_blend
+from data_pipeline.gpt_samples import build_document_index, build_sample_index
+from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
+
+
+def synthetic(num_tokens: int, mean_doc: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 2 * mean_doc, size=int(num_tokens / mean_doc * 1.1), dtype=np.int64)
+    ends = np.cumsum(lengths)
+    n = int(np.searchsorted(ends, num_tokens)) + 1
+    lengths = lengths[:n]
+    lengths[-1] -= int(ends[n - 1]) - num_tokens
+    tokens = rng.integers(0, 32000, size=num_tokens, dtype=np.uint16)
+    return tokens, lengths
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def write_ours_batched(prefix, tokens, lengths, batch_docs=16384):
+    ends = np.concatenate([[0], np.cumsum(lengths)])
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for i in range(0, len(lengths), batch_docs):
+            j = min(i + batch_docs, len(lengths))
+            w.add_documents(tokens[ends[i]:ends[j]], lengths[i:j])
+
+
+def write_ours_per_doc(prefix, tokens, lengths):
+    ends = np.concatenate([[0], np.cumsum(lengths)])
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for i in range(len(lengths)):
+            w.add_document(tokens[ends[i]:ends[i + 1]])
+
+
+def write_megatron(prefix, tokens, lengths):
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    ends = np.concatenate([[0], np.cumsum(lengths)])
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for i in range(len(lengths)):  # as megatron's preprocess_data.py feeds it: one document per call
+        builder.add_item(torch.from_numpy(tokens[ends[i]:ends[i + 1]]))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=float, default=1e9)
+    parser.add_argument("--mean-doc", type=int, default=1000, help="Mean document length in tokens")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--blend-samples", type=int, default=1_000_000)
+    parser.add_argument("--out-dir", default=None, help="Scratch directory (default: a temporary one)")
+    args = parser.parse_args()
+    out_dir = args.out_dir or tempfile.mkdtemp(prefix="megazero-bench-")
+    os.makedirs(out_dir, exist_ok=True)
+    tokens, lengths = synthetic(int(args.tokens), args.mean_doc)
+    print(f"synthetic dataset: {len(tokens):,} tokens in {len(lengths):,} documents ({tokens.nbytes / 1e9:.2f} GB)")
+
+    rows = []
+    ours = os.path.join(out_dir, "ours")
+    rows.append(("write .bin/.idx, ours, batched", timed(lambda: write_ours_batched(ours, tokens, lengths))[0]))
+    t_open, ds = timed(lambda: IndexedDataset(ours))
+    rows.append(("open + validate, ours", t_open))
+    per_doc = os.path.join(out_dir, "ours_per_doc")
+    rows.append(("write .bin/.idx, ours, one call per document",
+                 timed(lambda: write_ours_per_doc(per_doc, tokens, lengths))[0]))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets import helpers
+            import megatron.core.datasets.indexed_dataset  # noqa: F401
+    except ImportError as exc:
+        helpers = None
+        print(f"megatron-core not importable ({exc}); its columns are skipped")
+    if helpers is not None:
+        theirs = os.path.join(out_dir, "megatron")
+        rows.append(("write .bin/.idx, megatron-core IndexedDatasetBuilder",
+                     timed(lambda: write_megatron(theirs, tokens, lengths))[0]))
+        for ext in (".idx", ".bin"):
+            with open(ours + ext, "rb") as a, open(theirs + ext, "rb") as b:
+                while True:
+                    x, y = a.read(1 << 26), b.read(1 << 26)
+                    assert x == y, f"{ext} differs between the writers"
+                    if not x:
+                        break
+        print("ours and megatron-core's shards are byte-identical")
+
+    sizes = np.asarray(ds.sizes)
+    doc_index = build_document_index(np.arange(len(sizes)), 1, np.random.RandomState(0), False)
+    t_sample, sample_index = timed(lambda: build_sample_index(sizes, doc_index, args.seq_len))
+    rows.append((f"GPT sample index ({len(sample_index) - 1:,} samples of {args.seq_len}), ours numpy", t_sample))
+    if helpers is not None:
+        t_theirs, theirs_index = timed(lambda: helpers.build_sample_idx(sizes, doc_index, args.seq_len, 1,
+                                                                       int(sizes.sum()), True, True))
+        assert np.array_equal(sample_index, theirs_index)
+        rows.append(("GPT sample index, megatron-core C++ helper", t_theirs))
+    weights = [0.19336, 0.14336, 0.15652, 0.13017, 0.09446, 0.08962, 0.05689, 0.04771, 0.02897, 0.01588,
+               0.01359, 0.01007, 0.00873, 0.00859, 0.00208]
+    rows.append((f"blend of {args.blend_samples:,} samples over 15 datasets, ours",
+                 timed(lambda: greedy_blend(weights, args.blend_samples))[0]))
+    if helpers is not None:
+        w = np.asarray(weights) / np.sum(weights)
+        d = np.zeros(args.blend_samples, np.int16)
+        s = np.zeros(args.blend_samples, np.int64)
+        rows.append(("blend, megatron-core C++ helper",
+                     timed(lambda: helpers.build_blending_indices(d, s, w, len(w), args.blend_samples, False))[0]))
+
+    for name, seconds in rows:
+        print(f"| {name} | {seconds:.2f} s |")
+    for name in ("ours", "ours_per_doc", "megatron"):
+        for ext in (".bin", ".idx"):
+            path = os.path.join(out_dir, name + ext)
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+if __name__ == "__main__":
+    main()
