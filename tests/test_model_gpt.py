@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from models import GPT, ops
 from models.config import ModelConfig
 from models.init import seeded_normal
+from models.parallelize import check_tp_layout
 from models.presets import MODEL_PRESETS
 from parallel.tensor_parallel.sharding import Shard
 
@@ -144,8 +145,6 @@ def test_layers_outside_the_model_are_refused():
     ("gpt2", dict(ffn_hidden_size=130), "model.ffn_hidden_size"),
 ])
 def test_layouts_that_do_not_split_are_refused_naming_the_field(preset, overrides, field):
-    from models.parallelize import check_tp_layout
-
     tp = 4
     model = GPT(config(preset, **overrides), vocab_multiple=128 * tp, device="meta")
     with pytest.raises(ValueError, match=field):

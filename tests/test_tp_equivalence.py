@@ -30,6 +30,8 @@ VARIANTS = [  # (sequence_parallel, recompute, meta-device build); sp is dropped
     (True, "none", True),
     (False, "full", True),
     (True, "selective", False),
+    (True, "full", False),
+    (False, "selective", True),
 ]
 CASES = [(p, tp, sp and tp > 1, rc, meta) for p, tp, (sp, rc, meta) in itertools.product(PRESETS, TPS, VARIANTS)]
 
