@@ -1,0 +1,360 @@
+"""Checkpoint files: round trips on threads and on real gloo ranks, kill -9 mid-save, damage detection,
+keep-last, and preemption flags set by real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from megazero.checkpoint import (
+    CheckpointError, CheckpointWriter, PreemptionHandler, latest_checkpoint, list_checkpoints, load_file,
+    read_manifest, resolve_checkpoint, verify_checkpoint,
+)
+from tests.distributed import run_world
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def alone() -> None:
+    """The barrier of a one-rank world."""
+
+
+def shard(rank: int, step: int) -> dict:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return {"weight": torch.randn(64, 16, generator=gen), "step": step, "rng": torch.get_rng_state(),
+            "nested": {"bias": [torch.full((3,), float(rank)), (rank, "x")]}}
+
+
+def assert_shard_equal(loaded: dict, expected: dict) -> None:
+    assert torch.equal(loaded["weight"], expected["weight"])
+    assert loaded["step"] == expected["step"]
+    assert torch.equal(loaded["rng"], expected["rng"])
+    assert torch.equal(loaded["nested"]["bias"][0], expected["nested"]["bias"][0])
+    assert loaded["nested"]["bias"][1] == expected["nested"]["bias"][1]
+
+
+def save_on_threads(root: Path, world: int, step: int, async_save: bool, names=None, keep_last: int = 3) -> list:
+    """Save ``step`` from ``world`` ranks run as threads; returns each rank's exception or None."""
+    barrier = threading.Barrier(world, timeout=30)
+    errors: list = [None] * world
+
+    def rank_main(rank: int) -> None:
+        writer = CheckpointWriter(root, rank=rank, world_size=world, barrier=barrier.wait,
+                                  keep_last=keep_last, async_save=async_save)
+        name = names[rank] if names else f"model/rank{rank:02d}.pt"
+        try:
+            writer.save(step, {name: shard(rank, step)}, meta={"layout": "dp" + str(world)})
+            writer.wait()
+        except Exception as e:  # noqa: BLE001 - returned for the test to inspect
+            errors[rank] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+# --- round trips --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_single_rank_round_trip(tmp_path, async_save):
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, async_save=async_save)
+    files = {"model.pt": shard(0, 5), "optim/state.pt": {"exp_avg": torch.ones(7)}}
+    writer.save(5, files, meta={"consumed_samples": 320})
+    assert writer.wait() == (tmp_path / "step_0000005" if async_save else None)  # sync: nothing pending
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt == tmp_path / "step_0000005"
+    manifest = read_manifest(ckpt)
+    assert manifest["step"] == 5 and manifest["meta"] == {"consumed_samples": 320}
+    assert set(manifest["files"]) == {"model.pt", "optim/state.pt"}
+    assert_shard_equal(load_file(ckpt, "model.pt"), files["model.pt"])
+    assert torch.equal(load_file(ckpt, "optim/state.pt", manifest=manifest)["exp_avg"], torch.ones(7))
+    assert (tmp_path / "latest").read_text().strip() == "step_0000005"
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_four_ranks_write_in_parallel_and_rank0_commits(tmp_path, async_save):
+    assert save_on_threads(tmp_path, 4, 3, async_save) == [None] * 4
+    ckpt = latest_checkpoint(tmp_path)
+    manifest = verify_checkpoint(ckpt)
+    assert manifest["world_size"] == 4 and manifest["meta"] == {"layout": "dp4"}
+    assert {name: e["rank"] for name, e in manifest["files"].items()} == {f"model/rank{r:02d}.pt": r for r in range(4)}
+    for r in range(4):
+        assert_shard_equal(load_file(ckpt, f"model/rank{r:02d}.pt"), shard(r, 3))
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_async_save_snapshots_before_training_continues(tmp_path):
+    weight = torch.zeros(1000)
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, async_save=True)
+    writer.save(1, {"model.pt": {"w": weight}})
+    weight.add_(1.0)  # the next optimizer step, while the file may still be being written
+    assert writer.wait() == tmp_path / "step_0000001"
+    assert torch.equal(load_file(tmp_path / "step_0000001", "model.pt")["w"], torch.zeros(1000))
+
+
+def test_async_save_is_committed_only_by_wait(tmp_path):
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, async_save=True)
+    writer.save(1, {"model.pt": {"w": torch.ones(3)}})
+    writer.wait()
+    writer.save(2, {"model.pt": {"w": torch.ones(3)}})
+    assert latest_checkpoint(tmp_path).name == "step_0000001"  # step 2 still pending
+    writer.save(3, {"model.pt": {"w": torch.ones(3)}})  # finishes step 2 first
+    assert latest_checkpoint(tmp_path).name == "step_0000002"
+    writer.wait()
+    assert latest_checkpoint(tmp_path).name == "step_0000003"
+
+
+def test_a_view_of_a_large_buffer_saves_only_the_view(tmp_path):
+    flat = torch.zeros(1_000_000)
+    CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone).save(1, {"shard.pt": {"w": flat[10:20]}})
+    assert read_manifest(tmp_path / "step_0000001")["files"]["shard.pt"]["bytes"] < 10_000
+    assert torch.equal(load_file(tmp_path / "step_0000001", "shard.pt")["w"], flat[10:20])
+
+
+def test_file_names_must_be_unique_across_ranks(tmp_path):
+    errors = save_on_threads(tmp_path, 2, 1, False, names=["same.pt", "same.pt"])
+    assert "written by both rank 0 and rank 1" in str(errors[0])
+    assert "could not complete" in str(errors[1])
+    assert latest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.parametrize("name", ["/abs.pt", "../up.pt", "COMPLETE", "manifest.rank00000.json", ""])
+def test_bad_file_names_are_rejected(tmp_path, name):
+    with pytest.raises(ValueError, match="checkpoint file name"):
+        CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone).save(1, {name: 1})
+
+
+def _gloo_round_trip(rank: int, world_size: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    results = {}
+    for step, async_save in ((1, False), (2, True)):
+        writer = CheckpointWriter(root, rank=rank, world_size=world_size, barrier=dist.barrier,
+                                  keep_last=2, async_save=async_save)
+        writer.save(step, {f"rank{rank}.pt": shard(rank, step)}, meta={"step": step})
+        writer.wait()
+        ckpt = latest_checkpoint(root)
+        other = (rank + 1) % world_size  # read another rank's shard, as resharding does
+        loaded = load_file(ckpt, f"rank{other}.pt")
+        results[step] = (ckpt.name, torch.equal(loaded["weight"], shard(other, step)["weight"]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    return run_world(2, _gloo_round_trip, str(tmp_path_factory.mktemp("gloo_ckpt")), timeout=120)
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_gloo_ranks_save_and_read_each_others_shards(gloo_results, step):
+    for rank_result in gloo_results:
+        assert rank_result[step] == (f"step_{step:07d}", True)
+
+
+# --- atomicity ----------------------------------------------------------------------------------
+
+KILLED_SAVE = textwrap.dedent("""
+    import sys, time, torch
+    from megazero.checkpoint import CheckpointWriter
+    from megazero.checkpoint.format import HashingWriter
+
+    root, where = sys.argv[1], sys.argv[2]
+    barriers = []
+
+    write = HashingWriter.write
+
+    def stalling_write(self, data):  # stop for good half-way through the big tensor's bytes
+        if where == "mid_file" and len(data) >= 1 << 20:
+            write(self, data[: len(data) // 2])
+            self.f.flush()
+            print("STALLED", flush=True)
+            time.sleep(120)
+        return write(self, data)
+
+    def barrier():
+        barriers.append(1)
+        if where == "before_complete" and len(barriers) == 5:  # step 2's files written, not committed
+            print("STALLED", flush=True)
+            time.sleep(120)
+
+    writer = CheckpointWriter(root, rank=0, world_size=1, barrier=barrier)
+    writer.save(1, {"model.pt": {"w": torch.arange(4.0)}})
+    HashingWriter.write = stalling_write
+    writer.save(2, {"model.pt": {"w": torch.arange(4.0) * 2, "pad": torch.zeros(1 << 18)}})  # 1 MiB
+""")
+
+
+@pytest.mark.parametrize("where", ["mid_file", "before_complete"])
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path, where):
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(root), where], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "STALLED", proc.stderr.read()
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert (root / "step_0000002.tmp").is_dir()  # the partial save is there...
+    size = (root / "step_0000002.tmp" / "model.pt").stat().st_size
+    assert (1 << 18 < size < 1 << 20) if where == "mid_file" else size > 1 << 20
+    ckpt = latest_checkpoint(root)  # ...and ignored
+    assert ckpt == root / "step_0000001"
+    assert torch.equal(load_file(ckpt, "model.pt")["w"], torch.arange(4.0))
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        resolve_checkpoint(root / "step_0000002.tmp")
+    # the restarted run saves the same step again over the debris
+    CheckpointWriter(root, rank=0, world_size=1, barrier=alone).save(2, {"model.pt": {"w": torch.ones(2)}})
+    assert latest_checkpoint(root) == root / "step_0000002"
+    assert not (root / "step_0000002.tmp").exists()
+
+
+def test_directories_without_complete_marker_are_ignored(tmp_path):
+    CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone).save(1, {"m.pt": {"w": torch.ones(1)}})
+    (tmp_path / "step_0000009").mkdir()  # renamed by hand, or a foreign directory: no COMPLETE
+    (tmp_path / "step_0000009" / "m.pt").write_bytes(b"x")
+    (tmp_path / "latest").write_text("step_0000009\n")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_0000001"
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
+    with pytest.raises(CheckpointError, match="step_0000009: not a complete checkpoint"):
+        resolve_checkpoint(tmp_path / "step_0000009")
+    assert resolve_checkpoint(tmp_path) == tmp_path / "step_0000001"
+
+
+def test_empty_or_missing_root_has_no_checkpoint(tmp_path):
+    assert latest_checkpoint(tmp_path / "nowhere") is None
+    assert latest_checkpoint(tmp_path) is None
+
+
+# --- damage -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone).save(
+        7, {"model.pt": shard(0, 7), "optim.pt": {"m": torch.ones(100)}})
+    return tmp_path / "step_0000007"
+
+
+def test_flipped_byte_fails_the_checksum_naming_the_file(saved):
+    path = saved / "model.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{path}: sha256 .* does not match"):
+        load_file(saved, "model.pt")
+    with pytest.raises(CheckpointError, match="model.pt: sha256"):
+        verify_checkpoint(saved)
+    load_file(saved, "optim.pt")  # an undamaged file of the same checkpoint still loads
+
+
+def test_truncation_is_caught_by_size_naming_the_file(saved):
+    path = saved / "optim.pt"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=f"{path}: 100 bytes but the checkpoint manifest records"):
+        load_file(saved, "optim.pt")
+
+
+def test_missing_file_is_named(saved):
+    (saved / "model.pt").unlink()
+    with pytest.raises(CheckpointError, match=f"{saved / 'model.pt'}: checkpoint file is missing"):
+        verify_checkpoint(saved)
+
+
+def test_unknown_file_name_lists_what_is_there(saved):
+    with pytest.raises(CheckpointError, match="has no file 'rank9.pt' .it holds model.pt, optim.pt"):
+        load_file(saved, "rank9.pt")
+
+
+def test_damaged_complete_marker_is_named(saved):
+    (saved / "COMPLETE").write_text("{not json")
+    with pytest.raises(CheckpointError, match="COMPLETE: the completion marker is not valid JSON"):
+        read_manifest(saved)
+
+
+# --- keep last ----------------------------------------------------------------------------------
+
+def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, keep_last=2)
+    (tmp_path / "step_0000099.tmp").mkdir(parents=True)  # debris of some earlier crash
+    for step in range(1, 6):
+        writer.save(step, {"m.pt": {"w": torch.full((2,), float(step))}})
+        assert [s for s, _ in list_checkpoints(tmp_path)] == list(range(max(1, step - 1), step + 1))
+    assert latest_checkpoint(tmp_path).name == "step_0000005"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000004", "step_0000005"]
+
+
+def test_resaving_a_step_replaces_it(tmp_path):
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, keep_last=1)
+    writer.save(3, {"m.pt": {"w": torch.zeros(2)}})
+    writer.save(3, {"m.pt": {"w": torch.ones(2)}})
+    assert torch.equal(load_file(tmp_path / "step_0000003", "m.pt")["w"], torch.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000003"]
+
+
+# --- preemption ---------------------------------------------------------------------------------
+
+POLLING_TRAINER = textwrap.dedent("""
+    import time
+    from megazero.checkpoint import PreemptionHandler
+
+    with PreemptionHandler() as preemption:
+        print("READY", flush=True)
+        deadline = time.monotonic() + 60
+        while not preemption.requested and time.monotonic() < deadline:
+            time.sleep(0.01)  # one "training step"
+        print("SAVING AFTER", preemption.signal_name, flush=True)
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_to_a_process_sets_the_flag_and_it_exits_cleanly(signum):
+    proc = subprocess.Popen([sys.executable, "-c", POLLING_TRAINER], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "READY"
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out.strip() == f"SAVING AFTER {signal.Signals(signum).name}"
+
+
+def test_install_and_uninstall_restore_previous_handlers():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        handler = PreemptionHandler().install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert handler.requested and handler.signal_name == "SIGUSR1" and seen == []
+        handler.uninstall()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]
+        handler.clear()
+        assert not handler.requested
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_install_off_the_main_thread_is_refused():
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(_try_install()))
+    thread.start()
+    thread.join()
+    assert "main thread" in errors[0]
+
+
+def _try_install() -> str:
+    try:
+        PreemptionHandler().install()
+    except RuntimeError as e:
+        return str(e)
+    return "installed"
