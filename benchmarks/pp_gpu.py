@@ -7,8 +7,10 @@ Run on one node with two GPUs::
 For each (schedule, micro-batch count) it prints one JSON line (rank 0): tokens/s over timed steps,
 and the measured bubble against the theory. Measured bubble = (step time - time inside forward and
 backward) / time inside forward and backward, on the rank that idles most, from profiled steps
-that synchronise the GPU around every op; theory = (pp - 1) / (v m), forward and backward alike on
-every stage. Only the pipeline is timed (no optimizer step), so the numbers isolate the schedule.
+that time every forward and backward with CUDA events; theory = (pp - 1) / (v m) with stages
+of equal speed (pp - 1 for gradient_accumulation, which does not pipeline at all). Only the
+pipeline is timed (no optimizer step), so the numbers isolate the schedule. ``--cpu`` runs the
+same code on gloo with whatever (tiny) sizes are given, to check the script without GPUs.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schedules", nargs="+", default=["gradient_accumulation", "1f1b", "interleaved_1f1b"])
     p.add_argument("--steps", type=int, default=5, help="timed steps per config (after 2 warm-up steps)")
     p.add_argument("--profiled-steps", type=int, default=2)
+    p.add_argument("--cpu", action="store_true", help="run on CPU with gloo (to check the script, not to time)")
     return p.parse_args()
 
 
@@ -79,7 +82,8 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
         return {}
     chunks = build_chunks(cfg, topo.pp_size, topo.pp_rank, v, device)
     shape = (args.micro_batch_size, cfg.seq_length, cfg.hidden_size)
-    executor = PipelineExecutor(chunks, topo, shape, dtype=torch.bfloat16, device=device, schedule=schedule)
+    executor = PipelineExecutor(chunks, topo, shape, dtype=torch.bfloat16, device=device, schedule=schedule,
+                                forward_step=gpt_forward_step)
     g = torch.Generator(device=device).manual_seed(0)
     data = [(torch.randint(0, cfg.vocab_size, shape[:2], device=device, generator=g),) * 2 for _ in range(m)]
     tied = tied_embedding_params(chunks)
@@ -93,11 +97,11 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
 
     for _ in range(2):
         one_step()
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(args.steps):
         loss = one_step()
-    torch.cuda.synchronize()
+    synchronize(device)
     elapsed = time.perf_counter() - start
     executor.profile = True
     bubbles = []
@@ -106,26 +110,38 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
         bubbles.append((executor.stats.step_s - executor.stats.compute_s) / executor.stats.compute_s)
     bubble = torch.tensor(min(bubbles), device=device)
     dist.all_reduce(bubble, op=dist.ReduceOp.MAX)  # the idlest stage sets the pace
+    # no pipelining: each stage idles while the other pp - 1 work, whatever m is
+    theory = topo.pp_size - 1 if schedule == "gradient_accumulation" else bubble_fraction(topo.pp_size, m, v)
     tokens = args.steps * m * args.micro_batch_size * cfg.seq_length
     result = {"schedule": schedule, "pp": topo.pp_size, "v": v, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "seq": cfg.seq_length,
               "params_b": round(sum(p.numel() for c in chunks for p in c.parameters()) * topo.pp_size / 1e9, 2),
               "tokens_per_s": round(tokens / elapsed, 1), "step_s": round(elapsed / args.steps, 4),
-              "bubble_measured": round(bubble.item(), 4), "bubble_theory": round(bubble_fraction(topo.pp_size, m, v), 4),
-              "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
-              "gpu": torch.cuda.get_device_name()}
-    del executor, chunks
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+              "bubble_measured": round(bubble.item(), 4), "bubble_theory": round(theory, 4),
+              "loss": round(loss.item(), 4)}
+    if device.type == "cuda":
+        result.update(peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), gpu=torch.cuda.get_device_name())
+        del executor, chunks
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     return result
+
+
+def synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
     args = parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
+    if args.cpu:  # a functional smoke run of this script on gloo, with a tiny model
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
     topo = Topology(RankGrid(tp=1, pp=dist.get_world_size(), dp=1))
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                       vocab_size=args.vocab, seq_length=args.seq)

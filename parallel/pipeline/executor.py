@@ -43,8 +43,8 @@ class StepStats:
 
     ops: list[Op] = field(default_factory=list)
     peak_live: int = 0  # most micro-batch chunks held between their forward and backward
-    compute_s: float = 0.0  # time inside forward/backward (synchronised on CUDA when profiling)
-    step_s: float = 0.0
+    compute_s: float = 0.0  # time inside forward/backward (only when the executor profiles)
+    step_s: float = 0.0  # wall time of the step (GPU work included when profiling)
 
 
 class PipelineExecutor:
@@ -68,6 +68,7 @@ class PipelineExecutor:
         self.link = StageLink(topo.pp_group, topo.stage_rank, tuple(activation_shape), dtype, self.device,
                               timeout_s, label=f"rank {topo.rank} (pipeline rank {self.rank})")
         self.stats = StepStats()
+        self._events: list = []  # CUDA (start, end) events of profiled ops, summed at the end of a step
 
     @property
     def waiting_on(self) -> str:
@@ -80,6 +81,7 @@ class PipelineExecutor:
         Gradients are those of ``grad_scale`` times the mean loss over the micro-batches (a loss scaler
         passes its scale here). The returned loss is also averaged over the data-parallel group.
         """
+        self._sync()
         start = time.perf_counter()
         m = len(microbatches)
         ops, plan = plan_for(self.schedule, self.pp, self.rank, m, self.v)
@@ -94,21 +96,35 @@ class PipelineExecutor:
                 self._timed(run.forward if step.op.kind == "F" else run.backward, step.op)
         for sent in self.link.finish_sends(block=True):
             free_storage(sent)
+        loss = self._step_loss(run.loss_sum, m)
+        self._sync()
         self.stats.step_s = time.perf_counter() - start
-        return self._step_loss(run.loss_sum, m)
+        return loss
 
     def _timed(self, fn: Callable[[Op], None], op: Op) -> None:
+        """Run ``fn(op)``, adding its compute time to the stats when profiling.
+
+        On CUDA the time comes from events on the compute stream, recorded after the exchange's
+        stream waits, so it excludes time spent waiting for a neighbour and needs no host sync.
+        """
         if not self.profile:
             return fn(op)
-        self._sync()
-        t0 = time.perf_counter()
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            fn(op)
+            self.stats.compute_s += time.perf_counter() - t0
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn(op)
-        self._sync()
-        self.stats.compute_s += time.perf_counter() - t0
+        end.record()
+        self._events.append((start, end))
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
+        if self.profile and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.stats.compute_s += sum(s.elapsed_time(e) for s, e in self._events) / 1000
+            self._events = []
 
     def _step_loss(self, loss_sum: Optional[torch.Tensor], m: int) -> torch.Tensor:
         loss = torch.zeros((), dtype=torch.float32, device=self.device)

@@ -37,6 +37,9 @@ class StageLink:
         self.label = label
         self.waiting_on = "nothing"
         self._in_flight: list[tuple[Optional[dist.Work], torch.Tensor]] = []  # None: already complete
+        if dist.get_world_size(group) > 1 and dist.get_backend(group) == "nccl":
+            # NCCL wants every rank of a group in its first call; later batches may involve only neighbours
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def exchange(self, sends: list[tuple[Transfer, torch.Tensor]], recvs: tuple[Transfer, ...],
                  where: str) -> dict[Message, torch.Tensor]:
