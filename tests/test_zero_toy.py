@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.zero import ZeroOptimizer, ZeroSettings
+from megazero.zero import DynamicLossScaler, ZeroOptimizer, ZeroSettings
 from tests.distributed import run_world
 
 STEPS, MICRO, BATCH, VOCAB, WIDTH = 3, 2, 4, 50, 24
@@ -102,12 +102,44 @@ def _zero_run(rank, world_size):
                 err = max((p - q).abs().max().item()
                           for p, q in zip(model.state_dict().values(), reference.state_dict().values()))
                 results[(dp, clip, stage, variant)] = (err, norms)
+        results.update(_memory_and_overflow(base, group, dp, dp_rank))
     return results
 
 
+def _memory_and_overflow(base, group, dp, dp_rank):
+    """Bytes held per category against the formula; an inf on one rank skips the step everywhere."""
+    out = {}
+    for stage in (0, 1, 2, 3):
+        for grad_dtype in (torch.float32, torch.bfloat16):
+            model = copy.deepcopy(base)
+            opt = ZeroOptimizer(model, ZeroSettings(stage=stage, bucket_numel=320, param_dtype=torch.bfloat16,
+                                                    grad_dtype=grad_dtype), group, None, units=list(model.blocks))
+            predicted = opt.predicted_memory()
+            out[("memory", dp, stage, grad_dtype)] = (opt.memory_bytes(), {
+                k: getattr(predicted, k) for k in ("params", "grads", "master", "optimizer")})
+    model = copy.deepcopy(base)
+    opt = ZeroOptimizer(model, ZeroSettings(stage=2, bucket_numel=320, lr=1e-2,
+                                            loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1)),
+                        group, None, units=list(model.blocks))
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(*_data(0, dp_rank))
+    if dp_rank == dp - 1:
+        loss = loss * float("inf")
+    opt.scale_loss(loss).backward()
+    result = opt.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    out[("overflow", dp)] = (result.skipped, opt.scaler.scale, unchanged)
+    return out
+
+
 @pytest.fixture(scope="module")
-def zero_results():
-    return run_world(4, _zero_run)[0]
+def zero_world():
+    return run_world(4, _zero_run)
+
+
+@pytest.fixture(scope="module")
+def zero_results(zero_world):
+    return zero_world[0]
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -118,3 +150,19 @@ def test_zero_matches_single_process_adamw(zero_results, dp, clip, stage, varian
     assert err < TOL, f"max parameter difference {err:.3g}"
     if clip < 1:
         assert all(n > clip for n in norms), "the clipping threshold must bind in this case"
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_memory_held_equals_zero_formula(zero_world, dp, stage, grad_dtype):
+    for rank_results in zero_world:
+        measured, predicted = rank_results[("memory", dp, stage, grad_dtype)]
+        assert measured == pytest.approx(predicted, abs=0), (measured, predicted)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_overflow_on_one_rank_skips_everywhere(zero_world, dp):
+    for rank_results in zero_world:
+        skipped, scale, unchanged = rank_results[("overflow", dp)]
+        assert skipped and unchanged and scale == 512.0

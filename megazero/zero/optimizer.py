@@ -25,6 +25,7 @@ AdamW (fused on GPU, multi-threaded fused on CPU where torch has it) updates the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -34,7 +35,8 @@ import torch.distributed as dist
 
 from megazero.zero.grads import GradReducer
 from megazero.zero.layout import FlatLayout
-from megazero.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from megazero.zero.loss_scaler import ConstantLossScaler
+from megazero.zero.memory import zero_model_state_bytes
 from megazero.zero.params import ParamStore
 from megazero.zero.stage3 import Stage3Hooks
 from parallel import comm
@@ -115,9 +117,12 @@ class ZeroOptimizer:
         for seg in self.layout.segments:
             src = self.params[seg.param].detach().reshape(-1)[seg.param_offset:seg.param_offset + seg.numel]
             self.master[seg.shard_offset:seg.shard_offset + seg.numel].copy_(src)
-        if self.s.offload:
+        # AdamW needs fp32 gradients beside the fp32 master: a 16-bit gradient shard, or one that
+        # lives on another device (offload), is copied into this buffer before each step.
+        self.master_grad = None
+        if self.s.offload or self.s.grad_dtype != torch.float32:
             self.master_grad = torch.zeros_like(self.master)
-            if torch.cuda.is_available():
+            if self.s.offload and torch.cuda.is_available():
                 self.master_grad = self.master_grad.pin_memory()
 
     @property
@@ -126,16 +131,33 @@ class ZeroOptimizer:
 
     def _build_adam(self) -> None:
         decay, no_decay = [], []
+        self._master_views = {}
         for seg in self.layout.segments:
             view = self.master[seg.shard_offset:seg.shard_offset + seg.numel]
-            view.grad = (self.master_grad[seg.shard_offset:seg.shard_offset + seg.numel] if self.s.offload
-                         else self.reducer.segment_grad(seg))
+            self._master_views[seg] = view
+            view.grad = (self.master_grad[seg.shard_offset:seg.shard_offset + seg.numel]
+                         if self.master_grad is not None else self.reducer.segment_grad(seg))
             (decay if self.params[seg.param].dim() >= 2 else no_decay).append(view)
         groups = [{"params": decay, "weight_decay": self.s.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0, requires_grad=False)]}]
-        self.adam = torch.optim.AdamW(groups, lr=self.s.lr, betas=self.s.betas, eps=self.s.eps,
-                                      **_fast_adam_kwargs(self.master.device, self.s.fused))
+        kwargs = _fast_adam_kwargs(self.master.device, self.s.fused)
+        self.adam = torch.optim.AdamW(groups, lr=self.s.lr, betas=self.s.betas, eps=self.s.eps, **kwargs)
+        self._init_adam_state(fused=kwargs.get("fused", False))
+
+    def _init_adam_state(self, fused: bool) -> None:
+        """Allocate the moments now, as two flat shard-sized buffers the per-segment states view:
+        contiguous like the master (no fragmentation), measured by the start-up memory report, and
+        an out-of-memory shows before any work is done. The keys and the step tensor's dtype and
+        device are what torch's AdamW would create itself."""
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        step_device = self.master.device if fused else torch.device("cpu")
+        for seg in self.layout.segments:
+            view = self._master_views[seg]
+            lo, hi = seg.shard_offset, seg.shard_offset + seg.numel
+            self.adam.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                                     "exp_avg": self.exp_avg[lo:hi], "exp_avg_sq": self.exp_avg_sq[lo:hi]}
 
     # --- the training loop's calls -----------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -195,7 +217,7 @@ class ZeroOptimizer:
 
     def _stage_grads(self, coef: float) -> None:
         grads = self._grads
-        if self.s.offload:
+        if self.master_grad is not None:
             for seg, g in zip(self.layout.segments, grads):
                 self.master_grad[seg.shard_offset:seg.shard_offset + seg.numel].copy_(g, non_blocking=True)
             if torch.cuda.is_available():
@@ -206,13 +228,26 @@ class ZeroOptimizer:
 
     # --- inspection --------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds per model-state category (at rest, between steps)."""
-        moments = sum(t.numel() * t.element_size() for st in self.adam.state.values()
-                      for k, t in st.items() if k in ("exp_avg", "exp_avg_sq"))
-        if not self.adam.state:  # before the first step torch has not allocated them yet
-            moments = 2 * self.master.numel() * 4
-        return {"params": self.store.nbytes(), "grads": self.reducer.nbytes(),
-                "master": self.master.numel() * 4, "optimizer": moments}
+        """Bytes of storage this rank really holds per model-state category, read from the tensors'
+        storages (so views are counted once and a released stage-3 unit counts zero)."""
+        moments = [t for st in self.adam.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")]
+        grads = [self.reducer.flat, self.reducer.shard, self.master_grad, *self.reducer.pool]
+        grads += self._grads
+        return {"params": _storage_bytes(self.params + [self.store.shard]),
+                "grads": _storage_bytes(grads),
+                "master": _storage_bytes(list(self._master_views.values()) + [self.master]),
+                "optimizer": _storage_bytes(moments)}
+
+    def predicted_memory(self):
+        """What the ZeRO formula says this rank should hold, for the padded element count, plus
+        the fp32 gradient copy of the shard when gradients are kept in 16 bits or offloaded."""
+        formula = zero_model_state_bytes(
+            self.layout.numel, self.dp, self.s.stage,
+            param_bytes=_itemsize(self.s.param_dtype), grad_bytes=_itemsize(self.s.grad_dtype),
+            full_grads=self.s.once_per_step)
+        if self.master_grad is None:
+            return formula
+        return dataclasses.replace(formula, grads=formula.grads + formula.master)
 
     def state_dict(self) -> dict:
         return {"master": self.master, "adam": self.adam.state_dict(), "scaler": self.scaler.state_dict()}
@@ -244,6 +279,19 @@ def _group_by_unit(named, units, persistence_threshold: int):
         modules.append(None)
     # Buckets fill in backward order, so lay units and their parameters out last-first.
     return [list(reversed(g)) for g in reversed(groups)], list(reversed(modules))
+
+
+def _storage_bytes(tensors) -> int:
+    storages = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr(), storage.nbytes()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _fast_adam_kwargs(device: torch.device, fused: bool) -> dict:

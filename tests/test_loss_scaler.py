@@ -1,0 +1,56 @@
+"""The fp16 dynamic loss scaler's state machine."""
+
+import pytest
+
+from megazero.zero import DynamicLossScaler, LossScaleError
+
+
+def test_defaults_match_the_spec():
+    s = DynamicLossScaler()
+    assert (s.scale, s.window, s.hysteresis, s.min_scale) == (65536.0, 1000, 2, 1.0)
+
+
+def test_window_of_clean_steps_doubles():
+    s = DynamicLossScaler(initial_scale=8, window=3)
+    for expected in (8, 8, 16, 16, 16, 32):
+        s.update(False)
+        assert s.scale == expected
+
+
+def test_hysteresis_delays_the_halving():
+    s = DynamicLossScaler(initial_scale=64, window=100, hysteresis=2)
+    s.update(True)
+    assert s.scale == 64  # first overflow tolerated
+    s.update(True)
+    assert s.scale == 32  # second halves and re-arms the hysteresis
+    s.update(True)
+    assert s.scale == 32
+    s.update(True)
+    assert s.scale == 16
+
+
+def test_clean_steps_reset_after_overflow():
+    s = DynamicLossScaler(initial_scale=4, window=2, hysteresis=1)
+    s.update(False)
+    s.update(True)  # halves to 2, window count restarts
+    s.update(False)
+    assert s.scale == 2
+    s.update(False)
+    assert s.scale == 4
+
+
+def test_overflow_at_minimum_is_a_clear_error():
+    s = DynamicLossScaler(initial_scale=2, window=100, hysteresis=1, min_scale=1)
+    s.update(True)
+    assert s.scale == 1
+    with pytest.raises(LossScaleError, match="minimum loss scale 1"):
+        s.update(True)
+
+
+def test_state_round_trip():
+    s = DynamicLossScaler(initial_scale=16, window=5)
+    for overflow in (False, True, False):
+        s.update(overflow)
+    t = DynamicLossScaler()
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()
