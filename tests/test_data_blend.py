@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data_pipeline.blend import build_blended_samples, greedy_blend, load_blend_preset, parse_blend
+from data_pipeline.blend import build_blended_samples, greedy_blend, load_blend_preset, parse_blend, resolve_blend
 from data_pipeline.gpt_samples import GPTSamples
 from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
 
@@ -64,6 +64,15 @@ def test_mtnlg_preset():
     assert sum(w for w, _ in blend) == pytest.approx(1.0, abs=1e-4)
     with pytest.raises(ValueError, match="known presets: .*mtnlg530b"):
         load_blend_preset("nope", "root")
+
+
+def test_resolve_blend_from_config_values():
+    assert resolve_blend([[1, "a"], [3, "b"]], None, None) == [[1.0, "a"], [3.0, "b"]]
+    assert resolve_blend(None, "mtnlg530b", "root")[0] == [0.19336, "root/openwebtext2_text_document"]
+    with pytest.raises(ValueError, match="exactly one of data.blend"):
+        resolve_blend(None, None, None)
+    with pytest.raises(ValueError, match="needs data.blend_root"):
+        resolve_blend(None, "mtnlg530b", None)
 
 
 def make_shard(path, seed, n_docs=40):
