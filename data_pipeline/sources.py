@@ -48,9 +48,11 @@ class Batch:
 
 def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256, hf_split: str = "train") -> Iterator[Batch]:
     """Batches of documents from one input, chosen by its suffix (a directory or name means ``datasets``)."""
-    if path.endswith(JSONL_SUFFIXES) and os.path.isfile(path):
+    if path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such input file")
+    if path.endswith(JSONL_SUFFIXES):
         yield from _jsonl_batches(path, batch_size)
-    elif path.endswith(PARQUET_SUFFIXES) and os.path.isfile(path):
+    elif path.endswith(PARQUET_SUFFIXES):
         yield from _parquet_batches(path, keys, batch_size)
     elif os.path.isfile(path):
         raise ValueError(f"{path}: unknown input type; use .jsonl/.json (optionally .gz or .zst), .parquet, "

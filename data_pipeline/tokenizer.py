@@ -89,7 +89,9 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets nobody reads here
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)

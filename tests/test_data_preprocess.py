@@ -52,7 +52,8 @@ def test_worker_count_does_not_change_the_bytes(env, tmp_path):
 
 
 def write_formats(records, directory):
-    """The same records as .jsonl.gz, .jsonl.zst, .parquet and a Hugging Face save_to_disk folder."""
+    """The same records as .jsonl.gz, .jsonl.zst, .parquet, a Hugging Face save_to_disk folder and a
+folder of jsonl files for datasets.load_dataset."""
     lines = "".join(json.dumps(r) + "\n" for r in records).encode()
     paths = {"gz": f"{directory}/d.jsonl.gz"}
     with gzip.open(paths["gz"], "wb") as f:
@@ -75,6 +76,10 @@ def write_formats(records, directory):
 
     paths["hf"] = f"{directory}/hf"
     datasets.Dataset(table).save_to_disk(paths["hf"])
+    paths["hf_data_dir"] = f"{directory}/hf_data_dir"  # a folder of data files: load_dataset, offline
+    os.makedirs(paths["hf_data_dir"])
+    with open(f"{paths['hf_data_dir']}/part-0.jsonl", "wb") as f:
+        f.write(lines)
     return paths
 
 
@@ -123,7 +128,7 @@ def test_cli_preprocess_and_merge(env, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv_tail,message", [
-    (["--input", "missing.jsonl"], "missing.jsonl: no such file"),
+    (["--input", "missing.jsonl"], "missing.jsonl: no such input file"),
     (["--input", "{jsonl}", "--json-keys", "body"], "no key 'body'"),
     (["--input", "{model}"], "unknown input type"),
 ])
@@ -138,7 +143,7 @@ def test_cli_errors_name_the_problem(env, tmp_path, capsys, argv_tail, message):
 def test_cli_tokenizer_train_and_encode(env, tmp_path, capsys):
     prefix = str(tmp_path / "cli_tok")
     assert main(["tokenizer", "train", "--input", env["jsonl"], "--model-prefix", prefix, "--vocab-size", "400",
-                 "--model-type", "unigram", "--max-sentences", "20000"]) == 0
+                 "--max-sentences", "20000"]) == 0
     capsys.readouterr()
     assert main(["tokenizer", "encode", "--tokenizer", prefix + ".model", "import os"]) == 0
     ids = [int(x) for x in capsys.readouterr().out.split()]

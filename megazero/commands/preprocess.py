@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from megazero.errors import UserError
@@ -46,9 +45,6 @@ def run(args) -> int:
             raise UserError("--tokenizer is required to preprocess (a SentencePiece .model or a tokenizer.json)")
         if args.workers < 1 or args.batch_size < 1:
             raise UserError("--workers and --batch-size must be at least 1")
-        for path in args.input:
-            if not os.path.exists(path) and path.endswith((".jsonl", ".json", ".gz", ".zst", ".parquet")):
-                raise UserError(f"--input {path}: no such file")
         stats = preprocess(args.input, args.output_prefix, args.tokenizer, tuple(args.json_keys), args.workers,
                            args.batch_size, not args.no_eod, args.hf_split,
                            progress=not args.no_progress and sys.stderr.isatty())
