@@ -237,6 +237,13 @@ def test_empty_or_missing_root_has_no_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path) is None
 
 
+def test_an_explicit_load_path_must_hold_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="nowhere: checkpoint path does not exist"):
+        resolve_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        resolve_checkpoint(tmp_path)
+
+
 # --- damage -------------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -140,19 +140,27 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Optional[Path]:
-    """``path`` itself if it is a complete checkpoint directory, else the latest one under it (or None).
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint an explicit ``checkpoint.load`` names: ``path`` itself if it is a complete
+    checkpoint directory, else the latest complete one under it.
 
-    Pointing at a step directory that lacks ``COMPLETE`` is an error, not a silent fallback.
+    Unlike ``latest_checkpoint`` (for the implicit resume from ``save_dir``, where finding nothing
+    means a fresh start), finding nothing here is an error: the user asked for a checkpoint.
     """
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: checkpoint path does not exist; check checkpoint.load")
     if STEP_DIR.match(path.name) or path.name.endswith(".tmp"):
         if not is_complete(path):
             raise CheckpointError(f"{path}: not a complete checkpoint (no {COMPLETE} marker; it was being "
                                   "written when the run stopped); load its parent directory for the latest "
                                   "complete one")
         return path
-    return latest_checkpoint(path)
+    found = latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"{path}: holds no complete checkpoint (step_* directory with a {COMPLETE} "
+                              "marker); check checkpoint.load")
+    return found
 
 
 # --- reading and verifying ----------------------------------------------------------------------
