@@ -1,6 +1,7 @@
-"""Vocab-parallel cross-entropy, the tp random stream and dropout under checkpointing (4 gloo ranks).
+"""Tensor-parallel ops on 4 gloo ranks: the autograd collectives, vocab-parallel cross-entropy, the tp
+random stream and dropout under checkpointing.
 
-Tolerances: the cross-entropy is compared with torch.nn.functional.cross_entropy at 1e-5 relative
+Tolerances: collectives only move and sum data, compared at 1e-6 relative; the cross-entropy is compared with torch.nn.functional.cross_entropy at 1e-5 relative
 (fp32). Dropout runs are compared bitwise: same seed gives identical loss and gradients, and
 recomputation (full or selective) replays the very same masks, so its gradients are identical too.
 """
@@ -14,6 +15,7 @@ from models import GPT
 from models.config import ModelConfig
 from models.parallelize import parallelize_gpt
 from models.presets import MODEL_PRESETS
+from parallel.tensor_parallel import collectives as C
 from parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor_parallel.random import TensorParallelRNG
 from parallel.topology import RankGrid, Topology
@@ -48,6 +50,41 @@ def _cross_entropy(topo: Topology, tp: int, vocab: int) -> dict:
     ref.sum().backward()
     return {"loss": rel(loss, ref.view(3, 7)), "grad": rel(grad[..., :vocab], ref_logits.grad),
             "padding_grad": grad[..., vocab:].abs().max().item(), "ignored": loss[0, :4].abs().max().item()}
+
+
+COLLECTIVES = ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "split_sequence",
+               "gather_sequence", "reduce_scatter_sequence")
+
+
+def _collective(name: str, topo: Topology) -> dict:
+    """Forward output and input gradient of one collective against the same math on gathered data.
+
+    Inputs differ per rank (except where the op expects a replicated input) and so do the output
+    gradients (except after gather_from_tp, whose backward assumes a replicated consumer).
+    """
+    tp, me, group = topo.tp_size, topo.tp_rank, topo.tp_group
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, 8, 12, generator=g) for _ in range(tp)]  # xs[r]: rank r's input
+    replicated_in = name in ("copy_to_tp", "scatter_to_tp", "split_sequence")
+    xs = [xs[0]] * tp if replicated_in else xs
+    fn = getattr(C, name)
+    x = xs[me].clone().requires_grad_(True)
+    y = fn(x, group)
+    ws = [torch.randn(y.shape, generator=g) for _ in range(tp)]
+    ws = [ws[0]] * tp if name == "gather_from_tp" else ws
+    (y * ws[me]).sum().backward()
+    total_w = sum(ws)
+    expected = {
+        "copy_to_tp": lambda: (xs[me], total_w),
+        "reduce_from_tp": lambda: (sum(xs), ws[me]),
+        "scatter_to_tp": lambda: (xs[me].chunk(tp, -1)[me], torch.cat(ws, -1)),
+        "gather_from_tp": lambda: (torch.cat(xs, -1), ws[me].chunk(tp, -1)[me]),
+        "split_sequence": lambda: (xs[me].chunk(tp, 1)[me], torch.cat(ws, 1)),
+        "gather_sequence": lambda: (torch.cat(xs, 1), sum(w.chunk(tp, 1)[me] for w in ws)),
+        "reduce_scatter_sequence": lambda: (sum(xs).chunk(tp, 1)[me], torch.cat(ws, 1)),
+    }
+    expect_y, expect_grad = expected[name]()
+    return {"y": rel(y.detach(), expect_y), "grad": rel(x.grad, expect_grad)}
 
 
 def _streams(topo: Topology) -> dict:
@@ -87,6 +124,7 @@ def _dropout_run(preset: str, topo: Topology, sp: bool, recompute: str, dropout:
 def _checks(rank, world_size):
     topologies = {tp: Topology(RankGrid(tp=tp, pp=1, dp=world_size // tp)) for tp in (2, 4)}
     out = {"ce": {case: _cross_entropy(topologies[case[0]], *case) for case in CE_CASES},
+           "collectives": {(n, tp): _collective(n, topologies[tp]) for n in COLLECTIVES for tp in (2, 4)},
            "streams": _streams(topologies[2]), "dropout": {}}
     for preset, tp, sp in DROPOUT_CASES:
         topo = topologies[tp]
@@ -104,6 +142,14 @@ def _checks(rank, world_size):
 @pytest.fixture(scope="module")
 def results():
     return run_world(4, _checks)
+
+
+@pytest.mark.parametrize("tp", (2, 4))
+@pytest.mark.parametrize("name", COLLECTIVES)
+def test_collective_and_its_backward_mirror(results, name, tp):
+    for result in results:
+        assert result["collectives"][(name, tp)]["y"] <= 1e-6
+        assert result["collectives"][(name, tp)]["grad"] <= 1e-6
 
 
 @pytest.mark.parametrize("case", CE_CASES, ids=lambda c: f"tp{c[0]}-vocab{c[1]}")

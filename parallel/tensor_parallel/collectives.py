@@ -4,6 +4,8 @@
 |---------------------------|---------------------------------|-------------------------------|
 | copy_to_tp                | identity                        | all-reduce                    |
 | reduce_from_tp            | all-reduce                      | identity                      |
+| scatter_to_tp             | keep this rank's last-dim slice | all-gather along the last dim |
+| gather_from_tp            | all-gather along the last dim   | keep this rank's slice        |
 | split_sequence            | keep this rank's sequence slice | all-gather along the sequence |
 | gather_sequence           | all-gather along the sequence   | reduce-scatter                |
 | reduce_scatter_sequence   | reduce-scatter along sequence   | all-gather                    |
@@ -49,6 +51,25 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    size = comm.group_size(group)
+    if size == 1:
+        return x
+    front = x.movedim(-1, 0).contiguous()
+    out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
+    comm.all_gather_into(out, front, group)
+    return out.movedim(0, -1)
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    size = comm.group_size(group)
+    if size == 1:
+        return x
+    if x.shape[-1] % size:
+        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the tensor-parallel size {size}")
+    return x.chunk(size, dim=-1)[dist.get_rank(group)].contiguous()
+
+
 def _split_seq(x: torch.Tensor, group) -> torch.Tensor:
     size = comm.group_size(group)
     if size == 1:
@@ -77,6 +98,28 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
 
 
 class _SplitSequence(torch.autograd.Function):
@@ -120,6 +163,19 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Leave a sharded region by summing the ranks' partial results."""
     return _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Replicated [..., n] -> this rank's [..., n/tp] slice (e.g. to feed a row-parallel layer)."""
+    return _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Last-dim slices -> the whole tensor on every rank (e.g. full logits for generation or evaluation).
+
+    Backward keeps this rank's slice of the gradient: whatever follows must be replicated across tp.
+    """
+    return _GatherFromTP.apply(x, group)
 
 
 def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
