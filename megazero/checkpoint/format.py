@@ -217,7 +217,8 @@ def load_file(ckpt: str | os.PathLike, name: str, *, map_location: Any = "cpu", 
     manifest = manifest if manifest is not None else read_manifest(ckpt)
     entry = manifest["files"].get(name)
     if entry is None:
-        held = ", ".join(sorted(manifest["files"])[:8])
-        raise CheckpointError(f"{ckpt}: has no file {name!r} (it holds {held}{', ...' if len(manifest['files']) > 8 else ''})")
+        names = sorted(manifest["files"])
+        held = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        raise CheckpointError(f"{ckpt}: has no file {name!r} (it holds {held})")
     path = verify_file(ckpt, name, entry) if verify else ckpt / name
     return torch.load(path, map_location=map_location, weights_only=weights_only)
