@@ -16,6 +16,7 @@ from typing import Iterator
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_SUFFIXES = (".parquet",)
+BATCH_BYTES = 1 << 20  # work units of at most about 1 MB of jsonl keep the pipe and the workers busy
 
 
 def open_binary(path: str):
@@ -62,15 +63,17 @@ def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256, hf_spl
 
 
 def _jsonl_batches(path: str, batch_size: int) -> Iterator[Batch]:
+    """Batches close at ``batch_size`` lines or BATCH_BYTES, so long documents still spread over workers."""
     with open_binary(path) as f:
-        lines = []
+        lines, nbytes = [], 0
         for line in f:
             if not line.strip():
                 continue
             lines.append(line)
-            if len(lines) == batch_size:
+            nbytes += len(line)
+            if len(lines) == batch_size or nbytes >= BATCH_BYTES:
                 yield Batch(lines=lines)
-                lines = []
+                lines, nbytes = [], 0
         if lines:
             yield Batch(lines=lines)
 
