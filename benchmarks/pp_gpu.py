@@ -118,7 +118,7 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
               "params_b": round(sum(p.numel() for c in chunks for p in c.parameters()) * topo.pp_size / 1e9, 2),
               "tokens_per_s": round(tokens / elapsed, 1), "step_s": round(elapsed / args.steps, 4),
               "bubble_measured": round(bubble.item(), 4), "bubble_theory": round(theory, 4),
-              "loss": round(loss.item(), 4)}
+              "held_outputs_mib": round(executor.stats.peak_held_bytes / 2**20, 2), "loss": round(loss.item(), 4)}
     if device.type == "cuda":
         result.update(peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), gpu=torch.cuda.get_device_name())
         del executor, chunks

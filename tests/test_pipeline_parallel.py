@@ -8,6 +8,7 @@ sequence-sharded activations between stages, data-parallel averaging after the s
 
 One 8-rank world runs every case (tp x pp x dp layouts that fill 8 ranks); each rank compares its
 own parameter shards with a reference it computes itself in one process, and returns the errors.
+A second world runs the wider matrix under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -254,15 +255,24 @@ def _run_case(rank, tp, pp, dp, topo, schedule, m, v, sp):
     ref, ref_loss = reference(num_layers, data)
     return {"loss": loss.item(), "ref_loss": ref_loss, "grad_error": _grad_error(chunks, ref),
             "peak_live": executor.stats.peak_live, "schedule_live": max_live_activations(executor.stats.ops),
-            "pp_rank": c.pp}
+            "pp_rank": c.pp, "sent": executor.stats.sent, "released": executor.stats.released}
 
 
-def _world8(rank, world_size):
+def slow_cases_for(tp: int, pp: int) -> list[tuple[str, int, int, bool]]:
+    """The wider matrix: fewer micro-batches than stages, long runs, three and four virtual stages."""
+    cases = [("1f1b", m, 1, False) for m in dict.fromkeys((1, pp - 1, 4 * pp + 1))]
+    cases += [("interleaved_1f1b", m, v, False) for v in (3, 4) for m in (pp, 3 * pp)]
+    if tp > 1:
+        cases += [("interleaved_1f1b", 3 * pp, 3, True), ("gradient_accumulation", 5, 1, True)]
+    return cases
+
+
+def _world8(rank, world_size, slow=False):
     torch.manual_seed(0)
     out = {}
     for tp, pp, dp in LAYOUTS:
         topo = Topology(RankGrid(tp=tp, pp=pp, dp=dp))
-        for schedule, m, v, sp in cases_for(tp, pp):
+        for schedule, m, v, sp in (slow_cases_for if slow else cases_for)(tp, pp):
             out[(tp, pp, dp, schedule, m, v, sp)] = _run_case(rank, tp, pp, dp, topo, schedule, m, v, sp)
     return out
 
@@ -283,11 +293,16 @@ def _hang(rank, world_size):
 
 @pytest.fixture(scope="module")
 def world8():
-    results = run_world(8, _world8, timeout=240)
-    return results
+    return run_world(8, _world8, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def world8_slow():
+    return run_world(8, _world8, True, timeout=600)
 
 
 ALL_CASES = [(tp, pp, dp) + case for tp, pp, dp in LAYOUTS for case in cases_for(tp, pp)]
+SLOW_CASES = [(tp, pp, dp) + case for tp, pp, dp in LAYOUTS for case in slow_cases_for(tp, pp)]
 
 
 def _ids(case):
@@ -314,6 +329,29 @@ def test_1f1b_measured_live_activations_at_most_pp_minus_rank(world8, case):
     for result in world8:
         r = result[case]
         assert r["peak_live"] == r["schedule_live"] <= pp - r["pp_rank"]
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=_ids)
+def test_every_send_buffer_released(world8, case):
+    tp, pp, dp, schedule, m, v, sp = case
+    for result in world8:
+        r = result[case]
+        # every micro-batch crosses each of the pp*v - 1 boundaries once forward and once backward
+        assert r["released"] == r["sent"] > 0
+    assert sum(result[case]["sent"] for result in world8) == tp * dp * 2 * m * (pp * v - 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=_ids)
+def test_wider_matrix_equals_single_process(world8_slow, case):
+    tp, pp = case[0], case[1]
+    for rank, result in enumerate(world8_slow):
+        r = result[case]
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), f"rank {rank}"
+        assert r["grad_error"] <= TOL, f"rank {rank}: relative gradient error {r['grad_error']:.2e}"
+        assert r["peak_live"] == r["schedule_live"] and r["released"] == r["sent"]
+        if case[3] == "1f1b":
+            assert r["peak_live"] <= pp - r["pp_rank"]
 
 
 def test_hang_fails_fast_and_names_what_it_waited_on():

@@ -43,6 +43,9 @@ class StepStats:
 
     ops: list[Op] = field(default_factory=list)
     peak_live: int = 0  # most micro-batch chunks held between their forward and backward
+    peak_held_bytes: int = 0  # most bytes of stage outputs held for backward (unsent ones; sent ones are freed)
+    sent: int = 0  # tensors sent to neighbours
+    released: int = 0  # sent tensors whose storage was released after their send completed
     compute_s: float = 0.0  # time inside forward/backward (only when the executor profiles)
     step_s: float = 0.0  # wall time of the step (GPU work included when profiling)
 
@@ -89,17 +92,22 @@ class PipelineExecutor:
         self.stats = StepStats(ops=ops)
         for k, step in enumerate(plan):
             sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
+            self.stats.sent += len(sends)
             run.inbox.update(self.link.exchange(sends, step.recvs, where=f"step {k} before {step.op}"))
-            for sent in self.link.finish_sends(block=False):
-                free_storage(sent)
+            self._release(self.link.finish_sends(block=False))
             if step.op is not None:
                 self._timed(run.forward if step.op.kind == "F" else run.backward, step.op)
-        for sent in self.link.finish_sends(block=True):
-            free_storage(sent)
+                self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, run.held_bytes())
+        self._release(self.link.finish_sends(block=True))
         loss = self._step_loss(run.loss_sum, m)
         self._sync()
         self.stats.step_s = time.perf_counter() - start
         return loss
+
+    def _release(self, sent: list[torch.Tensor]) -> None:
+        for tensor in sent:
+            free_storage(tensor)
+        self.stats.released += len(sent)
 
     def _timed(self, fn: Callable[[Op], None], op: Op) -> None:
         """Run ``fn(op)``, adding its compute time to the stats when profiling.
@@ -146,6 +154,9 @@ class _StepRun:
         self.outbox: dict[Message, torch.Tensor] = {}
         self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         self.loss_sum: Optional[torch.Tensor] = None
+
+    def held_bytes(self) -> int:
+        return sum(out.untyped_storage().nbytes() for _, out in self.saved.values())
 
     def forward(self, op: Op) -> None:
         s = virtual_stage(self.ex.pp, self.ex.rank, op.chunk)
