@@ -86,7 +86,22 @@ def _world4(rank, world_size):
         if layout not in topos:
             topos[layout] = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
         out[(layout, schedule, m, v, sp)] = _case(topos[layout], schedule, m, v, sp)
+    out["wrong_shape"] = _wrong_shape(topos[(1, 2, 2)])  # last: it leaves the pipeline group unusable
     return out
+
+
+def _wrong_shape(topo):
+    """A pipeline told the wrong activation shape stops with errors naming it, on every rank, fast."""
+    cfg = ModelConfig(**CFG)
+    first, last = topo.is_first_stage, topo.is_last_stage
+    stage = GPT(cfg, layers=range(2) if first else range(2, 4), has_embedding=first, has_head=last)
+    executor = PipelineExecutor([stage], topo, (MICRO, cfg.seq_length + 1, cfg.hidden_size),
+                                forward_step=forward_step, timeout_s=3)
+    try:
+        executor.step(_data(2))
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "finished"
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +118,12 @@ def test_gpt_pipeline_equals_single_process(world4, case):
         assert r["grad_error"] <= TOL, f"rank {rank}: relative gradient error {r['grad_error']:.2e}"
         total += r["checked"]
     assert total > 0
+
+
+def test_wrong_activation_shape_is_named_and_peers_time_out(world4):
+    for rank, result in enumerate(world4):
+        message = result["wrong_shape"]
+        if rank in (0, 1):  # pipeline rank 0 of each data-parallel replica (tp-dp-pp order)
+            assert message.startswith("ValueError") and "(2, 9, 16)" in message and "(2, 8, 16)" in message
+        else:
+            assert message.startswith("PipelineTimeout") and "recv act(mb0 from stage 0)" in message

@@ -73,7 +73,7 @@ def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence
             raise ValueError(f"parallel.pipeline_split {split} must list {stages} non-negative block counts "
                              f"(pp={pp} x virtual stages={v}) summing to num_layers={num_layers}")
         return split
-    if costs is not None and v == 1:
+    if costs is not None:
         return balanced_split(num_layers, stages, *costs)
     return uniform_split(num_layers, stages)
 
