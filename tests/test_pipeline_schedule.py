@@ -115,6 +115,7 @@ def test_uniform_split_puts_remainder_in_the_middle():
 def test_balanced_split_accounts_for_embedding_and_head():
     assert balanced_split(10, 4, 1.0, first_cost=2.0, last_cost=2.0) == [2, 3, 3, 2]
     assert balanced_split(12, 3, 1.0, last_cost=4.0) == [5, 5, 2]
+    assert balanced_split(4, 2, 1.0, last_cost=100.0) == [3, 1]  # never an empty stage
     split = balanced_split(24, 4, *decoder_costs(1024, 4096, 50304, 2048, by="params"))
     assert split == [4, 8, 8, 4] and sum(split) == 24
 
@@ -123,8 +124,10 @@ def test_user_split_validated_and_mapped_to_chunks():
     assert resolve_split(6, 2, 1, [2, 4]) == [2, 4]
     with pytest.raises(ValueError, match="pipeline_split .* summing to num_layers=6"):
         resolve_split(6, 2, 1, [2, 3])
-    with pytest.raises(ValueError, match="4 non-negative"):
+    with pytest.raises(ValueError, match="4 positive"):
         resolve_split(6, 2, 2, [3, 3])
+    with pytest.raises(ValueError, match="positive"):
+        resolve_split(6, 2, 1, [0, 6])
     split = resolve_split(8, 2, 2)
     assert [list(stage_layers(split, 2, r, c)) for c in range(2) for r in range(2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="cannot fill"):

@@ -25,7 +25,8 @@ def balanced_split(num_layers: int, stages: int, block_cost: float, first_cost: 
                    last_cost: float = 0.0) -> list[int]:
     """The split minimising the costliest stage, when stage 0 also costs ``first_cost`` and the last ``last_cost``.
 
-    Exact (dynamic programming over contiguous splits); ties prefer the more uniform split.
+    Exact (dynamic programming over contiguous splits); every stage keeps at least one block; ties
+    prefer the more uniform split.
     """
     _check_counts(num_layers, stages)
     if block_cost <= 0:
@@ -41,7 +42,7 @@ def balanced_split(num_layers: int, stages: int, block_cost: float, first_cost: 
             prev = best.get((s, n))
             if prev is None:
                 continue
-            for k in range(num_layers - n + 1):
+            for k in range(1, num_layers - n + 1):
                 split = prev[1] + [k]
                 key = (max(prev[0][0], cost(s, k)), max(split) - min(split))
                 if (s + 1, n + k) not in best or key < best[(s + 1, n + k)][0]:
@@ -69,8 +70,8 @@ def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence
     stages = pp * v
     if split is not None:
         split = list(split)
-        if len(split) != stages or any(not isinstance(k, int) or k < 0 for k in split) or sum(split) != num_layers:
-            raise ValueError(f"parallel.pipeline_split {split} must list {stages} non-negative block counts "
+        if len(split) != stages or any(not isinstance(k, int) or k < 1 for k in split) or sum(split) != num_layers:
+            raise ValueError(f"parallel.pipeline_split {split} must list {stages} positive block counts "
                              f"(pp={pp} x virtual stages={v}) summing to num_layers={num_layers}")
         return split
     if costs is not None:
