@@ -84,8 +84,8 @@ def main() -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from megatron.core.datasets import helpers
             import megatron.core.datasets.indexed_dataset  # noqa: F401
+            from megatron.core.datasets import helpers
     except ImportError as exc:
         helpers = None
         print(f"megatron-core not importable ({exc}); its columns are skipped")

@@ -72,8 +72,9 @@ def main() -> None:
     raw_wall, raw_cpu = min(r[0] for r in runs), min(r[1] for r in runs)
     print(f"| raw encode, 1 thread | {docs / raw_wall:,.0f} | {mb / raw_wall:.2f} | 100% | {mb / raw_cpu:.2f} | 100% |")
     for workers in (1, 2):
-        runs = [measured(lambda: preprocess([jsonl], os.path.join(out, f"w{workers}"), model, workers=workers,
-                                            batch_size=args.batch_size)) for _ in range(args.repeats)]
+        prefix = os.path.join(out, f"w{workers}")
+        runs = [measured(lambda w=workers, p=prefix: preprocess([jsonl], p, model, workers=w, batch_size=args.batch_size))
+                for _ in range(args.repeats)]
         wall, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
         print(f"| preprocess, {workers} worker(s) | {docs / wall:,.0f} | {mb / wall:.2f} | "
               f"{mb / wall / workers / (mb / raw_wall):.0%} | {mb / cpu:.2f} | {raw_cpu / cpu:.0%} |")

@@ -17,6 +17,7 @@ per-token loop), cached as ``.npy`` and reproducible from (data, split, seq_len,
 from __future__ import annotations
 
 import os
+from itertools import pairwise
 
 import numpy as np
 
@@ -47,7 +48,7 @@ def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) document ranges for train, validation and test."""
     bounds = np.rint(np.cumsum([0.0] + parse_split(split)) * num_documents).astype(np.int64)
     bounds[-1] = num_documents
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [(int(a), int(b)) for a, b in pairwise(bounds)]
 
 
 def samples_in(num_tokens: int, seq_len: int) -> int:

@@ -12,7 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import struct
 from array import array
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -89,7 +89,7 @@ class IndexedDatasetWriter:
         self._write_tokens(tokens)
         self._sizes.frombytes(lengths.tobytes())
 
-    def add_shard(self, other: "IndexedDataset") -> None:
+    def add_shard(self, other: IndexedDataset) -> None:
         """Append every document of an existing shard, copying its ``.bin`` in large blocks."""
         if other.dtype != self.dtype:
             raise ValueError(f"cannot merge {other.prefix} ({other.dtype}) into {self.prefix} ({self.dtype}): "
@@ -111,7 +111,7 @@ class IndexedDatasetWriter:
             if os.path.exists(path):
                 os.unlink(path)
 
-    def __enter__(self) -> "IndexedDatasetWriter":
+    def __enter__(self) -> IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -12,7 +12,7 @@ torch is imported only to build tensors; torch.distributed never is.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
-from typing import Iterable, Iterator
 
 import numpy as np
 

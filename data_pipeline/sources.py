@@ -11,8 +11,8 @@ import gzip
 import io
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_SUFFIXES = (".parquet",)

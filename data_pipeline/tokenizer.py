@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Iterator, Protocol
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 # Ids the trained SentencePiece models reserve, in this order; eod is SentencePiece's </s>.
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3

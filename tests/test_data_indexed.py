@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,7 +36,7 @@ def test_batched_writes_equal_single_writes(tmp_path):
         w.add_documents(np.concatenate([np.asarray(d, np.int64) for d in DOCS[:3]]), [len(d) for d in DOCS[:3]])
         w.add_documents(np.concatenate([np.asarray(d, np.int64) for d in DOCS[3:]]), [len(d) for d in DOCS[3:]])
     for ext in (".bin", ".idx"):
-        assert open(single + ext, "rb").read() == open(str(tmp_path / "batched") + ext, "rb").read()
+        assert Path(single + ext).read_bytes() == Path(str(tmp_path / "batched") + ext).read_bytes()
 
 
 @pytest.mark.parametrize("dtype,code", [(np.uint16, 8), (np.int32, 4), (np.int64, 5), (np.uint8, 1)])
@@ -43,7 +44,7 @@ def test_idx_layout_bytes(tmp_path, dtype, code):
     """Parse the .idx with struct alone, exactly as the format is specified."""
     docs = [[1, 2, 3], [4], [5, 6]]
     prefix = write(tmp_path / "x", docs, dtype)
-    raw = open(prefix + ".idx", "rb").read()
+    raw = Path(prefix + ".idx").read_bytes()
     assert raw[:9] == b"MMIDIDX\x00\x00"
     assert struct.unpack("<Q", raw[9:17]) == (1,)
     assert raw[17] == code
@@ -55,7 +56,7 @@ def test_idx_layout_bytes(tmp_path, dtype, code):
     assert struct.unpack("<3q", raw[off + 12:off + 36]) == (0, 3 * item, 4 * item)
     assert struct.unpack("<4q", raw[off + 36:off + 68]) == (0, 1, 2, 3)
     assert len(raw) == off + 68
-    data = open(prefix + ".bin", "rb").read()
+    data = Path(prefix + ".bin").read_bytes()
     assert data == np.array([1, 2, 3, 4, 5, 6], dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
 
 
@@ -70,7 +71,7 @@ def test_merge(tmp_path):
     assert [merged[i].tolist() for i in range(len(merged))] == DOCS
     whole = write(tmp_path / "whole")
     for ext in (".bin", ".idx"):
-        assert open(whole + ext, "rb").read() == open(str(tmp_path / "m") + ext, "rb").read()
+        assert Path(whole + ext).read_bytes() == Path(str(tmp_path / "m") + ext).read_bytes()
 
 
 def test_merge_refuses_mixed_dtypes(tmp_path):
@@ -82,10 +83,9 @@ def test_merge_refuses_mixed_dtypes(tmp_path):
 
 
 def test_interrupted_write_leaves_nothing(tmp_path):
-    with pytest.raises(RuntimeError):
-        with IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
-            w.add_document([1, 2, 3])
-            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError), IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
+        w.add_document([1, 2, 3])
+        raise RuntimeError("killed")
     assert list(tmp_path.iterdir()) == []
 
 

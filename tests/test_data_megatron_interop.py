@@ -5,22 +5,22 @@ compiled helpers for the same inputs."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-with warnings.catch_warnings():
+from data_pipeline.blend import greedy_blend
+from data_pipeline.gpt_samples import build_document_index, build_sample_index
+from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
+
+with warnings.catch_warnings():  # megatron-core warns at import about missing GPU extras
     warnings.simplefilter("ignore")
     mc_indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset",
                                      reason="megatron-core is not installed (pip install megatron-core)")
     mc_helpers = pytest.importorskip("megatron.core.datasets.helpers",
                                      reason="megatron-core's compiled dataset helpers are not importable")
-
-import torch  # noqa: E402
-
-from data_pipeline.blend import greedy_blend  # noqa: E402
-from data_pipeline.gpt_samples import build_document_index, build_sample_index  # noqa: E402
-from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter  # noqa: E402
 
 
 def random_docs(seed, n=50, high=60000):
@@ -60,7 +60,7 @@ def test_megatron_shards_load_in_ours(tmp_path, dtype):
         for d in docs:
             w.add_document(d)
     for ext in (".bin", ".idx"):
-        assert open(prefix + ext, "rb").read() == open(str(tmp_path / "ours") + ext, "rb").read()
+        assert Path(prefix + ext).read_bytes() == Path(str(tmp_path / "ours") + ext).read_bytes()
 
 
 @pytest.mark.parametrize("seq_len,epochs,seed", [(7, 1, 0), (16, 3, 1), (2, 2, 2), (64, 4, 3)])

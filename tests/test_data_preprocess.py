@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ def env(tmp_path_factory):
 
 
 def shard_bytes(prefix):
-    return tuple(open(prefix + ext, "rb").read() for ext in (".bin", ".idx"))
+    return tuple(Path(prefix + ext).read_bytes() for ext in (".bin", ".idx"))
 
 
 def test_documents_are_tokens_plus_eod(env, tmp_path):
@@ -106,7 +107,7 @@ def test_several_keys_and_no_eod(env, tmp_path):
 
 def test_failed_run_leaves_no_output(env, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    good = open(env["jsonl"]).read()
+    good = Path(env["jsonl"]).read_text()
     bad.write_text(good + json.dumps({"body": "no text key"}) + "\n")
     with pytest.raises(ValueError, match="no key 'text'"):
         preprocess([str(bad)], str(tmp_path / "out"), env["model"], workers=2, batch_size=4)
@@ -153,8 +154,8 @@ def test_cli_tokenizer_train_and_encode(env, tmp_path, capsys):
 def test_demo_corpus_is_deterministic(tmp_path):
     a = build_demo_corpus(str(tmp_path / "a"), max_bytes=150_000, vocab_size=400)
     b = build_demo_corpus(str(tmp_path / "b"), max_bytes=150_000, vocab_size=400)
-    assert open(a["jsonl"], "rb").read() == open(b["jsonl"], "rb").read()
+    assert Path(a["jsonl"]).read_bytes() == Path(b["jsonl"]).read_bytes()
     assert 100_000 < a["bytes"] <= 150_000 and a["documents"] > 5
     assert shard_bytes(a["data_prefix"]) == shard_bytes(b["data_prefix"])
-    paths = [json.loads(line)["path"] for line in open(a["jsonl"])]
+    paths = [json.loads(line)["path"] for line in Path(a["jsonl"]).read_text().splitlines()]
     assert len({p.split("/")[0] for p in paths}) > 3  # spread over the stdlib, not one package

@@ -57,7 +57,7 @@ def test_samples_equal_reference_windows(tmp_path, seq_len, num_samples, seed):
 
 
 def test_consecutive_samples_share_their_boundary_token(tmp_path):
-    data, docs = make_dataset(tmp_path / "d")
+    data, _ = make_dataset(tmp_path / "d")
     samples = GPTSamples(data, 5, None, 0, cache_dir=str(tmp_path / "cache"))
     order = np.argsort(samples.shuffle_index)  # position of each unshuffled sample
     for j in range(len(samples) - 1):
@@ -85,7 +85,7 @@ def test_partial_final_epoch_is_shuffled_separately():
 
 
 def test_validation_split_uses_its_own_documents(tmp_path):
-    data, docs = make_dataset(tmp_path / "d", n_docs=40)
+    data, _ = make_dataset(tmp_path / "d", n_docs=40)
     valid = GPTSamples(data, 4, None, 0, split="3,1,0", which="valid", cache_dir=str(tmp_path / "cache"))
     assert set(valid.document_index.tolist()) <= set(range(30, 40))
     with pytest.raises(ValueError, match="leaves no documents for test"):
@@ -107,7 +107,7 @@ def test_same_description_is_loaded_not_rebuilt(tmp_path, monkeypatch):
 
 
 def test_seed_changes_order_but_not_content(tmp_path):
-    data, docs = make_dataset(tmp_path / "d")
+    data, _ = make_dataset(tmp_path / "d")
     a = GPTSamples(data, 6, None, 1, cache_dir=str(tmp_path / "cache"))
     b = GPTSamples(data, 6, None, 2, cache_dir=str(tmp_path / "cache"))
     assert a.document_index.tolist() != b.document_index.tolist()

@@ -50,7 +50,7 @@ def test_sentencepiece_learns_the_corpus(sp_model):
 
 
 def make_hf_tokenizer(path, specials=("<|endoftext|>", "<pad>")):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
