@@ -169,7 +169,8 @@ class _StepRun:
             detached = out.detach().float().reshape(())
             self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
         else:
-            out = out.clone()  # a send buffer no autograd node saved, so its storage can go once sent
+            # a contiguous send buffer that no autograd node saved, so its storage can go once sent
+            out = out.clone(memory_format=torch.contiguous_format)
             self.outbox[Message("act", op.microbatch, s)] = out
         self.saved[(op.microbatch, op.chunk)] = (x, out)
         self.ex.stats.peak_live = max(self.ex.stats.peak_live, len(self.saved))
@@ -186,4 +187,4 @@ class _StepRun:
             if x.grad is None:
                 raise ValueError(f"virtual stage {s} did not use its input: its output does not depend on "
                                  f"the activation it received")
-            self.outbox[Message("grad", op.microbatch, s)] = x.grad
+            self.outbox[Message("grad", op.microbatch, s)] = x.grad.contiguous()

@@ -4,8 +4,10 @@ Every message between stages has the same shape (the activation at a stage bound
 sharded under sequence parallelism, and its gradient), known before the step starts, so receive
 buffers are allocated without asking the sender: no shape exchange at all.
 
-Each rank remembers what it is waiting for; a receive that does not arrive within the timeout
-raises ``PipelineTimeout`` naming the rank, the step and the message, instead of hanging silently.
+Each rank remembers what it is waiting for; on gloo a receive that does not arrive within the
+timeout raises ``PipelineTimeout`` naming the rank, the step and the message, instead of hanging
+silently. On NCCL waits do not block the CPU (they order GPU streams), so a hang is reported by
+the process group's watchdog after its own timeout.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ class StageLink:
         self.label = label
         self.waiting_on = "nothing"
         self._in_flight: list[tuple[Optional[dist.Work], torch.Tensor]] = []  # None: already complete
-        if dist.get_world_size(group) > 1 and dist.get_backend(group) == "nccl":
+        # NCCL waits only order the GPU streams; a wait with a timeout would block the CPU at every
+        # exchange instead, so there the process group's own watchdog reports a hang.
+        self._nccl = dist.get_world_size(group) > 1 and dist.get_backend(group) == "nccl"
+        if self._nccl:
             # NCCL wants every rank of a group in its first call; later batches may involve only neighbours
             dist.all_reduce(torch.zeros(1, device=device), group=group)
 
@@ -85,7 +90,10 @@ class StageLink:
         self.waiting_on = what
         try:
             for work in works:
-                work.wait(self.timeout)
+                if self._nccl:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
         except RuntimeError as err:
             raise PipelineTimeout(f"{self.label} gave up after {self.timeout.total_seconds():.0f}s waiting on "
                                   f"{what}: {err}") from err
