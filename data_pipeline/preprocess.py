@@ -103,7 +103,7 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
                 writers[key].add_documents(tokens, lengths)
             first = encoded[keys[0]][1]
             stats.documents += len(first)
-            stats.tokens += int(sum(int(l.sum()) for _, l in encoded.values()))
+            stats.tokens += sum(int(lengths.sum()) for _, lengths in encoded.values())
             stats.text_bytes += nbytes
             if bar is not None:
                 bar.update(len(first))

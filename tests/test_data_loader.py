@@ -4,6 +4,8 @@ on two real gloo processes that gather what they read and compare it with one pr
 
 from __future__ import annotations
 
+from itertools import islice
+
 import numpy as np
 import pytest
 import torch
@@ -16,20 +18,26 @@ from tests.distributed import run_world
 SEQ, GLOBAL, MICRO = 6, 8, 2
 
 
-def make_samples(directory):
+def write_data(directory):
     rng = np.random.default_rng(0)
     with IndexedDatasetWriter(f"{directory}/d", np.uint16) as w:
         for _ in range(60):
             w.add_document(rng.integers(0, 500, size=int(rng.integers(1, 20))))
+
+
+def open_samples(directory):
     return GPTSamples(IndexedDataset(f"{directory}/d"), SEQ, 64, 7, cache_dir=f"{directory}/cache")
+
+
+def make_samples(directory):
+    write_data(directory)
+    return open_samples(directory)
 
 
 def run_tokens(samples, consumed, dp_rank, dp_size, steps):
     """Per step: this rank's micro-batches as token lists."""
-    out = []
-    for _, (_, micro) in zip(range(steps), iterate_global_batches(samples, consumed, GLOBAL, MICRO, dp_rank, dp_size)):
-        out.append([m["tokens"].tolist() for m in micro])
-    return out
+    batches = islice(iterate_global_batches(samples, consumed, GLOBAL, MICRO, dp_rank, dp_size), steps)
+    return [[m["tokens"].tolist() for m in micro] for _, micro in batches]
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +93,7 @@ def test_bad_layouts_and_exhaustion(samples):
 def _gloo_ranks(rank, world_size, directory, k):
     import torch.distributed as dist
 
-    samples = make_samples(directory) if rank == 0 else None
-    dist.barrier()  # rank 0 built the index cache; rank 1 loads it
-    samples = samples or make_samples(directory)
+    samples = open_samples(directory)  # both ranks at once: the file lock lets one build, the other load
     out = {}
     for consumed in (0, k):
         steps = []
@@ -102,8 +108,9 @@ def _gloo_ranks(rank, world_size, directory, k):
 
 def test_two_gloo_ranks_read_the_single_process_batches(tmp_path):
     k = 16
+    write_data(str(tmp_path))
     results = run_world(2, _gloo_ranks, str(tmp_path), k)
-    single = make_samples(str(tmp_path))
+    single = open_samples(str(tmp_path))
     expected = [sorted(s.tolist() for m in micro for s in m["tokens"])
                 for _, micro in iterate_global_batches(single, 0, GLOBAL, MICRO, 0, 1)]
     for rank_result in results:
