@@ -323,12 +323,15 @@ def test_gradients_equal_single_process(world8, case):
         assert result[case]["grad_error"] <= TOL, f"rank {rank}: relative gradient error {result[case]['grad_error']:.2e}"
 
 
-@pytest.mark.parametrize("case", [c for c in ALL_CASES if c[3] == "1f1b"], ids=_ids)
-def test_1f1b_measured_live_activations_at_most_pp_minus_rank(world8, case):
+@pytest.mark.parametrize("case", ALL_CASES, ids=_ids)
+def test_measured_live_activations_match_schedule(world8, case):
+    """Measured on the executor; for 1F1B also at most pp - r on stage r."""
     pp = case[1]
     for result in world8:
         r = result[case]
-        assert r["peak_live"] == r["schedule_live"] <= pp - r["pp_rank"]
+        assert r["peak_live"] == r["schedule_live"]
+        if case[3] == "1f1b":
+            assert r["peak_live"] <= pp - r["pp_rank"]
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=_ids)
