@@ -40,6 +40,7 @@ def parallelize_gpt(model: GPT, tp_group, *, seed: int, device="cpu", sequence_p
         raise ValueError(f"recompute {recompute!r}: use one of {RECOMPUTE_MODES}")
     check_tp_layout(model, comm.group_size(tp_group))
     rng = TensorParallelRNG(seed, dist.get_rank(tp_group), device)
+    model.tp_rng = rng  # its state belongs in checkpoints, for an exact resume with dropout
     apply_tensor_parallel(model, TP_PLAN, tp_group, rng=rng, sequence_parallel=sequence_parallel)
     if recompute != "none":
         every = recompute_every if recompute == "full" else 1

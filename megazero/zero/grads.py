@@ -43,6 +43,7 @@ class GradReducer:
         self.pool: list[torch.Tensor] = []
         self.staging: dict[int, torch.Tensor] = {}
         self.overlap = False
+        self.deferred: set[int] = set()  # buckets that must wait for finish() (see defer)
         self._callback_queued = False
         if mode == "full":
             self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
@@ -104,9 +105,22 @@ class GradReducer:
             self.staging[b][dst:dst + n].add_(grad[src:src + n])
             self._count(b, n)
 
+    def defer(self, param: int) -> None:
+        """Keep the buckets holding ``param`` out of early reduction: the caller first combines its
+        gradient with another copy (a tied embedding on another pipeline stage) in ``finish``."""
+        if self.mode == "staged":
+            raise ValueError("a deferred (tied) parameter needs whole gradients until the step: "
+                             "use the once-per-step mode of ZeRO stages 2 and 3 with pipeline parallelism")
+        self.deferred.update(self.param_buckets[param])
+
+    def param_grad(self, i: int) -> torch.Tensor:
+        """Parameter i's whole accumulated gradient (full mode, before ``finish``)."""
+        start = self.unit_start[self.layout.param_unit[i]] + self.layout.param_offset[i]
+        return self.flat[start:start + self.layout.param_numel[i]]
+
     def _count(self, b: int, n: int) -> None:
         self.received[b] += n
-        if self.received[b] == self.needed[b]:
+        if self.received[b] == self.needed[b] and b not in self.deferred:
             self._launch(b)
 
     def _take_buffer(self) -> torch.Tensor:

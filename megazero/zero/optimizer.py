@@ -77,12 +77,17 @@ class ZeroOptimizer:
     ``mp_group`` spans the tensor and pipeline ranks of one replica (the gradient norm is summed
     over it). ``counts_for_norm(name, param)`` says whether this rank's copy of a parameter enters the
     global gradient norm (False for copies replicated over tensor ranks other than the first,
-    and for the second copy of a tied embedding), so nothing is counted twice.
+    and for the second copy of a tied embedding), so nothing is counted twice. ``roots`` are the
+    modules the caller invokes (pipeline chunks; default ``model``): under stage 3 their forward
+    gathers the persistent unit. ``tied`` pairs a parameter with the group over which its gradient
+    is summed before the data-parallel reduction (first and last pipeline stage's embedding).
     """
 
     def __init__(self, model: torch.nn.Module, settings: ZeroSettings, dp_group, mp_group,
                  units: Optional[list[torch.nn.Module]] = None,
-                 counts_for_norm: Callable[[str, torch.nn.Parameter], bool] = lambda name, p: True):
+                 counts_for_norm: Callable[[str, torch.nn.Parameter], bool] = lambda name, p: True,
+                 roots: Optional[list[torch.nn.Module]] = None,
+                 tied: Optional[list[tuple[torch.nn.Parameter, object]]] = None):
         self.s = settings
         self.dp_group, self.mp_group = dp_group, mp_group
         self.dp = dist.get_world_size(dp_group)
@@ -103,8 +108,12 @@ class ZeroOptimizer:
                                    mode="staged" if staged else "full", reduce_scatter=settings.stage > 0)
         self.stage3 = None
         if settings.stage == 3:
-            self.stage3 = Stage3Hooks(model, unit_modules, self.store, settings.prefetch_depth,
+            self.stage3 = Stage3Hooks(roots or [model], unit_modules, self.store, settings.prefetch_depth,
                                       keep_until_step=settings.once_per_step)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.tied = [(index[id(p)], group) for p, group in (tied or [])]
+        for i, _ in self.tied:
+            self.reducer.defer(i)
         counted = [counts_for_norm(n, p) for n, p in zip(self.names, self.params)]
         self._norm_views = [g for seg, g in zip(self.layout.segments, self._grads) if counted[seg.param]]
         self._build_adam()
@@ -170,12 +179,16 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         self.reducer.zero()
 
-    def step(self, lr: Optional[float] = None) -> StepResult:
-        """Reduce, unscale, clip and update; skipped on every rank together if any overflowed."""
+    def step(self, lr: Optional[float] = None, skip: bool = False) -> StepResult:
+        """Reduce, unscale, clip and update; skipped on every rank together if any overflowed.
+
+        ``skip`` (which must agree on every rank, e.g. a non-finite loss) forces the skip."""
+        for i, group in self.tied:
+            comm.all_reduce(self.reducer.param_grad(i), group)
         self.reducer.finish()
         norm_sq = self._global_norm_sq()
         scale = self.scaler.scale
-        grad_norm = math.sqrt(norm_sq) / (self.dp * scale) if math.isfinite(norm_sq) else float("inf")
+        grad_norm = math.sqrt(norm_sq) / (self.dp * scale) if math.isfinite(norm_sq) and not skip else float("inf")
         overflow = not math.isfinite(grad_norm)
         self.scaler.update(overflow)
         if overflow:
@@ -249,16 +262,12 @@ class ZeroOptimizer:
             return formula
         return dataclasses.replace(formula, grads=formula.grads + formula.master)
 
-    def state_dict(self) -> dict:
-        return {"master": self.master, "adam": self.adam.state_dict(), "scaler": self.scaler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.master.copy_(state["master"])
-        self.adam.load_state_dict(state["adam"])
-        self.scaler.load_state_dict(state["scaler"])
+    def reload_params(self) -> None:
+        """After the master shard was overwritten (a checkpoint load): rebuild the 16-bit weights."""
         self.store.load_owned(self.master)
         if self.s.stage in (1, 2):
             self.store.all_gather_buckets()
+        self._after_step()
 
 
 def _group_by_unit(named, units, persistence_threshold: int):

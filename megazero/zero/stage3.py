@@ -10,9 +10,9 @@ Module hooks drive it, so the model code stays unaware:
 * parameter post-accumulate hooks: once every parameter of the unit has its gradient, release it.
 
 Parameters outside any unit (embeddings, final norm, head; and with a persistence threshold the
-small ones) are gathered at the model's first forward and kept until the step. Recomputation
-under activation checkpointing runs forward hooks during backward; they neither release nor
-re-hook then, because the unit is in use by its own backward.
+small ones) are gathered when a root module (the model, or each pipeline chunk) starts its forward,
+and kept until the step. Recomputation under activation checkpointing runs forward hooks during
+backward; they neither release nor re-hook then, because the unit is in use by its own backward.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _in_backward() -> bool:
 
 
 class Stage3Hooks:
-    def __init__(self, model: torch.nn.Module, unit_modules: list, store: ParamStore, prefetch_depth: int,
+    def __init__(self, roots: list[torch.nn.Module], unit_modules: list, store: ParamStore, prefetch_depth: int,
                  keep_until_step: bool):
         self.store, self.prefetch_depth, self.keep = store, prefetch_depth, keep_until_step
         self.persistent = [u for u, m in enumerate(unit_modules) if m is None]
@@ -36,7 +36,7 @@ class Stage3Hooks:
         layout = store.layout
         self.pending = {u: len(layout.unit_params[u]) for u in range(len(unit_modules))}
         self.received = dict.fromkeys(self.pending, 0)
-        self._handles = [model.register_forward_pre_hook(self._model_pre)]
+        self._handles = [root.register_forward_pre_hook(self._model_pre) for root in roots]
         for u, module in enumerate(unit_modules):
             if module is None:
                 continue
