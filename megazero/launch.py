@@ -1,12 +1,21 @@
-"""Bringing a validated config to life on this rank: process group, topology, run directory."""
+"""Bringing a validated config to life on this rank: process group, topology, consistency check."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
+
+import torch.distributed as dist
+import yaml
 
 from megazero.config import Config, save_config
+from megazero.config.loader import config_to_dict
+from megazero.errors import UserError
 from parallel.launch import LaunchEnv, init_process_group, pick_device
 from parallel.topology import RankGrid, Topology
+
+PACKAGES = ("megazero", "parallel", "models", "data_pipeline")
 
 
 def initialize(cfg: Config, launch: LaunchEnv):
@@ -16,16 +25,43 @@ def initialize(cfg: Config, launch: LaunchEnv):
     p = cfg.parallel
     grid = RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order)
     topology = Topology(grid, ranks_per_node=launch.local_world_size)
-    return device, topology
-
-
-def start_run(cfg: Config, launch: LaunchEnv) -> int:
-    device, topology = initialize(cfg, launch)
     if topology.rank == 0:
         os.makedirs(cfg.logging.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"))
         print(f"megazero: {topology.describe()} ({device.type}); resolved config in "
-              f"{os.path.join(cfg.logging.run_dir, 'config.yaml')}")
-        print("megazero: the training loop is not built yet; this run validated the config, "
-              "built the process groups and stopped.")
+              f"{os.path.join(cfg.logging.run_dir, 'config.yaml')}", flush=True)
+    return device, topology
+
+
+def code_fingerprint() -> str:
+    """A hash of the installed megazero sources: ranks running different code must not train together."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def verify_consistent(cfg: Config) -> None:
+    """Every rank must run the same resolved config and the same code; say which ranks differ."""
+    mine = (hashlib.sha256(yaml.safe_dump(config_to_dict(cfg)).encode()).hexdigest()[:16], code_fingerprint())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for what, k in (("config", 0), ("code version", 1)):
+        odd = [r for r, fp in enumerate(everyone) if fp[k] != everyone[0][k]]
+        if odd:
+            raise UserError(f"ranks {odd} run a different {what} from rank 0; launch every rank with the same "
+                            f"config file, overrides and megazero checkout")
+
+
+def start_run(cfg: Config, launch: LaunchEnv) -> int:
+    from megazero.trainer import run_training
+
+    state = run_training(cfg, launch)
+    if dist.get_rank() == 0:
+        print(f"megazero: finished at step {state.step} ({state.consumed} samples, {state.skipped} skipped)",
+              flush=True)
+    dist.destroy_process_group()
     return 0

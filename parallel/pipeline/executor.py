@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.pipeline.p2p import StageLink, broadcast_from_last_stage, free_storage
-from parallel.pipeline.plan import Message, plan_for, virtual_stage
+from parallel.pipeline.plan import Message, comm_plan, plan_for, virtual_stage
 from parallel.pipeline.schedule import Op, default_schedule
 
 ForwardStep = Callable[[nn.Module, Optional[torch.Tensor], Any, bool, bool], torch.Tensor]
@@ -104,6 +104,25 @@ class PipelineExecutor:
         self.stats.step_s = time.perf_counter() - start
         return loss
 
+    @torch.no_grad()
+    def forward_only(self, microbatches: Sequence[Any]) -> torch.Tensor:
+        """Forward every micro-batch with no backward (evaluation); returns the mean loss on every rank.
+
+        Micro-batches go through the virtual stages one after another in order, so nothing is held
+        beyond the activation being passed on."""
+        m = len(microbatches)
+        ops = forward_only_ops(m, self.v)
+        run = _StepRun(self, microbatches, 0.0)
+        for k, step in enumerate(comm_plan(ops, self.pp, self.rank, self.v)):
+            sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
+            run.inbox.update(self.link.exchange(sends, step.recvs, where=f"eval step {k} before {step.op}"))
+            self._release(self.link.finish_sends(block=False))
+            if step.op is not None:
+                run.forward(step.op)
+                run.saved.clear()
+        self._release(self.link.finish_sends(block=True))
+        return self._step_loss(run.loss_sum, m)
+
     def _release(self, sent: list[torch.Tensor]) -> None:
         for tensor in sent:
             free_storage(tensor)
@@ -142,6 +161,11 @@ class PipelineExecutor:
                 dist.all_reduce(loss, group=self.topo.dp_group)
                 loss /= self.topo.dp_size
         return broadcast_from_last_stage(loss, self.topo.pp_group, self.topo.stage_rank(self.pp - 1))
+
+
+def forward_only_ops(m: int, v: int) -> list[Op]:
+    """Evaluation order: each micro-batch through this rank's chunks, micro-batch after micro-batch."""
+    return [Op("F", i, c) for i in range(m) for c in range(v)]
 
 
 class _StepRun:

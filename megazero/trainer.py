@@ -1,0 +1,185 @@
+"""The training loop: data in the order fixed by (seed, consumed samples), one engine step per global
+batch, learning-rate and batch-size schedules, evaluation, metrics, checkpoints and clean stops.
+
+Every data-dependent decision that changes what ranks do next (stop for time or preemption, stop
+after repeated NaN losses) is taken from a value all ranks agree on: an all-reduced flag, or the
+loss, which the pipeline broadcasts to every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megazero.checkpoint import CheckpointWriter, PreemptionHandler, latest_checkpoint, read_manifest, resolve_checkpoint
+from megazero.checkpoint.state import load_resharded, load_same_layout, rank_file, rank_state
+from megazero.config import Config
+from megazero.config.loader import config_to_dict
+from megazero.data import build_datasets
+from megazero.engine import Engine
+from megazero.errors import UserError
+from megazero.flops import device_name, flops_per_token, peak_flops
+from megazero.metrics import MetricsLogger, StepMetrics
+from megazero.schedules import build_batch_schedule, build_lr_schedule
+from megazero.zero.memory import memory_report
+from data_pipeline.loader import global_batch
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken (skipped ones included)
+    consumed: int = 0  # training samples consumed
+    skipped: int = 0  # steps skipped for a NaN/inf loss or an fp16 overflow
+    bad_in_row: int = 0  # consecutive non-finite losses
+
+
+class Trainer:
+    def __init__(self, cfg: Config, device: torch.device, topology):
+        self.cfg, self.device, self.topo = cfg, device, topology
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.engine = Engine(cfg, topology, device)
+        self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
+        self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
+        self.train_data, self.valid_data = build_datasets(cfg, self._train_samples())
+        self.state = TrainState()
+        save_dir = cfg.checkpoint.save_dir or os.path.join(cfg.logging.run_dir, "checkpoints")
+        self.writer = CheckpointWriter(save_dir, rank=self.rank, world_size=self.world,
+                                       barrier=lambda: dist.barrier(), keep_last=cfg.checkpoint.keep_last,
+                                       async_save=cfg.checkpoint.async_save and device.type == "cuda")
+        self._resume(cfg.checkpoint.load or latest_checkpoint(save_dir))
+        self._log_memory()
+        m = cfg.model
+        self.logger = MetricsLogger(
+            cfg.logging.run_dir, total_steps=cfg.train.train_steps, log_interval=cfg.logging.log_interval,
+            flops_per_token=flops_per_token(m), num_devices=self.world,
+            peak_flops=peak_flops(device_name(device), cfg.precision.dtype), start_step=self.state.step,
+            writer=self.rank == 0, progress_bar=self.rank == 0,
+            wandb={"project": cfg.logging.wandb_project, "mode": cfg.logging.wandb_mode,
+                   "config": config_to_dict(cfg)} if cfg.logging.wandb else None,
+            tensorboard=cfg.logging.tensorboard, device=device)
+
+    def _train_samples(self) -> int:
+        t = self.cfg.train
+        if t.train_steps is not None:
+            return t.train_steps * t.global_batch_size
+        return -(-t.train_tokens // self.cfg.model.seq_length) + t.global_batch_size
+
+    # --- resume and save ---------------------------------------------------------------------
+    def _layout(self) -> dict:
+        p = self.cfg.parallel
+        return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages, "order": p.order,
+                "zero_stage": self.cfg.zero.stage, "world_size": self.world,
+                "pipeline_split": self.engine._split()}
+
+    def _resume(self, path) -> None:
+        if path is None:
+            return
+        ckpt = resolve_checkpoint(path)
+        manifest = read_manifest(ckpt)
+        meta = manifest["meta"]
+        chunks, opt = self.engine.chunks, self.engine.optimizer
+        if meta["layout"] == self._layout():
+            load_same_layout(ckpt, self.rank, chunks, opt, manifest)
+        else:
+            load_resharded(ckpt, chunks, opt, manifest)
+        self.state = TrainState(step=meta["step"], consumed=meta["consumed"], skipped=meta["skipped"])
+        if self.rank == 0:
+            how = "same layout" if meta["layout"] == self._layout() else f"resharded from {meta['layout']}"
+            print(f"megazero: resumed from {ckpt} at step {self.state.step} ({how})", flush=True)
+
+    def save(self) -> None:
+        meta = {"step": self.state.step, "consumed": self.state.consumed, "skipped": self.state.skipped,
+                "layout": self._layout(), "config": config_to_dict(self.cfg)}
+        self.writer.save(self.state.step, {rank_file(self.rank): rank_state(self.engine.chunks, self.engine.optimizer)},
+                         meta=meta)
+
+    def _log_memory(self) -> None:
+        opt = self.engine.optimizer
+        line = memory_report(opt.memory_bytes(), opt.predicted_memory(), self.rank, self.cfg.zero.stage)
+        lines = [None] * self.world
+        dist.all_gather_object(lines, line)
+        if self.rank == 0:
+            print("\n".join(lines), flush=True)
+
+    # --- the loop ----------------------------------------------------------------------------
+    def _flag_any(self, value: bool) -> bool:
+        flag = torch.tensor([1.0 if value else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _done(self) -> bool:
+        t = self.cfg.train
+        if t.train_steps is not None and self.state.step >= t.train_steps:
+            return True
+        return t.train_tokens is not None and self.state.consumed * self.cfg.model.seq_length >= t.train_tokens
+
+    def train(self) -> TrainState:
+        start = time.monotonic()
+        t = self.cfg.train
+        with PreemptionHandler() as preemption, self.logger:
+            while not self._done():
+                metrics = self._one_step()
+                if t.eval_interval and self.state.step % t.eval_interval == 0:
+                    metrics.val_loss = self._evaluate()
+                self.logger.record(metrics)
+                out_of_time = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
+                if self._flag_any(preemption.requested or out_of_time):
+                    if self.rank == 0:
+                        why = preemption.signal_name or "the wall-clock limit"
+                        print(f"megazero: stopping at step {self.state.step} for {why}; saving", flush=True)
+                    break
+                interval = self.cfg.checkpoint.save_interval
+                if interval and self.state.step % interval == 0 and not self._done():
+                    self.save()
+            self.save()
+            self.writer.wait()
+        return self.state
+
+    def _one_step(self) -> StepMetrics:
+        t0 = time.perf_counter()
+        size = self.batches.global_batch(self.state.consumed)
+        micro = global_batch(self.train_data, self.state.consumed, size, self.cfg.train.micro_batch_size,
+                             self.topo.dp_rank, self.topo.dp_size)
+        lr = self.lr(self.state.step + 1)
+        out = self.engine.train_step(micro, lr)
+        self.state.step += 1
+        self.state.consumed += size
+        finite = math.isfinite(out.loss)
+        self.state.bad_in_row = 0 if finite else self.state.bad_in_row + 1
+        self.state.skipped += int(out.result.skipped)
+        if self.state.bad_in_row >= self.cfg.train.max_bad_steps:
+            raise UserError(f"the loss was NaN or inf for {self.state.bad_in_row} steps in a row (to step "
+                            f"{self.state.step}): the run is diverging; lower optimizer.lr, raise "
+                            "schedule.warmup_steps or resume from an earlier checkpoint")
+        return StepMetrics(
+            step=self.state.step, loss=out.loss, lr=lr, grad_norm=out.result.grad_norm,
+            tokens=size * self.cfg.model.seq_length, seconds=time.perf_counter() - t0,
+            loss_scale=out.result.loss_scale, skipped_steps=self.state.skipped, consumed_samples=self.state.consumed)
+
+    def _evaluate(self):
+        """Mean loss over the first ``eval_steps`` global batches of the validation split (the same
+        batches every time, so evaluations are comparable)."""
+        t = self.cfg.train
+        size = t.global_batch_size
+        if self.valid_data is None or len(self.valid_data) < size * t.eval_steps:
+            return None
+        losses = []
+        for k in range(t.eval_steps):
+            micro = global_batch(self.valid_data, k * size, size, t.micro_batch_size, self.topo.dp_rank,
+                                 self.topo.dp_size)
+            losses.append(self.engine.eval_loss(micro))
+        return sum(losses) / len(losses)
+
+
+def run_training(cfg: Config, launch) -> TrainState:
+    """Start the process group and topology, check every rank agrees, train."""
+    from megazero.launch import initialize, verify_consistent
+
+    device, topology = initialize(cfg, launch)
+    verify_consistent(cfg)
+    return Trainer(cfg, device, topology).train()
