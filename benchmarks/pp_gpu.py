@@ -120,7 +120,8 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
               "bubble_measured": round(bubble.item(), 4), "bubble_theory": round(theory, 4),
               "held_outputs_mib": round(executor.stats.peak_held_bytes / 2**20, 2), "loss": round(loss.item(), 4)}
     if device.type == "cuda":
-        result.update(peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), gpu=torch.cuda.get_device_name())
+        result.update(peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                      gpu=torch.cuda.get_device_name())
         del executor, chunks
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -134,7 +135,7 @@ def synchronize(device) -> None:
 
 def main() -> None:
     args = parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.cpu:  # a functional smoke run of this script on gloo, with a tiny model
         device = torch.device("cpu")
         dist.init_process_group("gloo")

@@ -109,7 +109,12 @@ def world4():
     return run_world(4, _world4, timeout=180)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"tp{c[0][0]}-pp{c[0][1]}-dp{c[0][2]}-{c[1]}-m{c[2]}" + ("-sp" if c[4] else ""))
+def _ids(case):
+    (tp, pp, dp), schedule, m, v, sp = case
+    return f"tp{tp}-pp{pp}-dp{dp}-{schedule}-m{m}" + ("-sp" if sp else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_gpt_pipeline_equals_single_process(world4, case):
     total = 0
     for rank, result in enumerate(world4):

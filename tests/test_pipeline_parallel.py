@@ -320,7 +320,8 @@ def test_loss_equals_single_process_on_every_rank(world8, case):
 @pytest.mark.parametrize("case", ALL_CASES, ids=_ids)
 def test_gradients_equal_single_process(world8, case):
     for rank, result in enumerate(world8):
-        assert result[case]["grad_error"] <= TOL, f"rank {rank}: relative gradient error {result[case]['grad_error']:.2e}"
+        error = result[case]["grad_error"]
+        assert error <= TOL, f"rank {rank}: relative gradient error {error:.2e}"
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=_ids)
@@ -347,7 +348,7 @@ def test_every_send_buffer_released(world8, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_CASES, ids=_ids)
 def test_wider_matrix_equals_single_process(world8_slow, case):
-    tp, pp = case[0], case[1]
+    pp = case[1]
     for rank, result in enumerate(world8_slow):
         r = result[case]
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), f"rank {rank}"

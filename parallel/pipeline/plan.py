@@ -159,7 +159,7 @@ def simulate(plans: list[list[Step]]) -> list[int]:
         ready = [r for r, p in enumerate(plans) if at[r] < len(p) and _can_finish(r, at, plans, partner)]
         if not ready:
             raise PipelineDeadlock("pipeline deadlock: " + "; ".join(
-                f"rank {r} at step {at[r]} ({plans[r][at[r]].op}) waits on {_waits(plans[r][at[r]])}"
+                f"rank {r} at step {at[r]} ({p[at[r]].op}) waits on {_waits(p[at[r]])}"
                 for r, p in enumerate(plans) if at[r] < len(p)))
         for r in ready:
             at[r] += 1
