@@ -36,9 +36,10 @@ def synthetic(num_tokens: int, mean_doc: int, seed: int = 0):
 
 
 def timed(fn):
-    start = time.perf_counter()
+    """(wall seconds, CPU seconds of this process, result)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     out = fn()
-    return time.perf_counter() - start, out
+    return time.perf_counter() - wall, time.process_time() - cpu, out
 
 
 def write_ours_batched(prefix, tokens, lengths, batch_docs=16384):
@@ -97,14 +98,15 @@ def main() -> None:
     if helpers is not None:
         writers.append(("write .bin/.idx, megatron-core IndexedDatasetBuilder, one call per document",
                         lambda: write_megatron(theirs, tokens, lengths)))
-    best = {name: float("inf") for name, _ in writers}
+    best = {name: (float("inf"), float("inf")) for name, _ in writers}
     for _ in range(args.repeats):
         for name, fn in writers:
             os.sync()  # start each write with no dirty pages of the previous one still being flushed
-            best[name] = min(best[name], timed(fn)[0])
-    rows = list(best.items())
-    t_open, ds = timed(lambda: IndexedDataset(ours))
-    rows.append(("open + validate, ours", t_open))
+            wall, cpu, _ = timed(fn)
+            best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
+    rows = [(name, wall, cpu) for name, (wall, cpu) in best.items()]
+    t_open, c_open, ds = timed(lambda: IndexedDataset(ours))
+    rows.append(("open + validate, ours", t_open, c_open))
     if helpers is not None:
         for ext in (".idx", ".bin"):
             with open(ours + ext, "rb") as a, open(theirs + ext, "rb") as b:
@@ -117,27 +119,28 @@ def main() -> None:
 
     sizes = np.asarray(ds.sizes)
     doc_index = build_document_index(np.arange(len(sizes)), 1, np.random.RandomState(0), False)
-    t_sample, sample_index = timed(lambda: build_sample_index(sizes, doc_index, args.seq_len))
-    rows.append((f"GPT sample index ({len(sample_index) - 1:,} samples of {args.seq_len}), ours numpy", t_sample))
+    wall, cpu, sample_index = timed(lambda: build_sample_index(sizes, doc_index, args.seq_len))
+    rows.append((f"GPT sample index ({len(sample_index) - 1:,} samples of {args.seq_len}), ours numpy", wall, cpu))
     if helpers is not None:
-        t_theirs, theirs_index = timed(lambda: helpers.build_sample_idx(sizes, doc_index, args.seq_len, 1,
-                                                                       int(sizes.sum()), True, True))
+        wall, cpu, theirs_index = timed(lambda: helpers.build_sample_idx(sizes, doc_index, args.seq_len, 1,
+                                                                         int(sizes.sum()), True, True))
         assert np.array_equal(sample_index, theirs_index)
-        rows.append(("GPT sample index, megatron-core C++ helper", t_theirs))
+        rows.append(("GPT sample index, megatron-core C++ helper", wall, cpu))
     weights = [0.19336, 0.14336, 0.15652, 0.13017, 0.09446, 0.08962, 0.05689, 0.04771, 0.02897, 0.01588,
                0.01359, 0.01007, 0.00873, 0.00859, 0.00208]
-    rows.append((f"blend of {args.blend_samples:,} samples over 15 datasets, ours",
-                 timed(lambda: greedy_blend(weights, args.blend_samples))[0]))
+    wall, cpu, _ = timed(lambda: greedy_blend(weights, args.blend_samples))
+    rows.append((f"blend of {args.blend_samples:,} samples over 15 datasets, ours", wall, cpu))
     if helpers is not None:
         w = np.asarray(weights) / np.sum(weights)
         d = np.zeros(args.blend_samples, np.int16)
         s = np.zeros(args.blend_samples, np.int64)
-        rows.append(("blend, megatron-core C++ helper",
-                     timed(lambda: helpers.build_blending_indices(d, s, w, len(w), args.blend_samples, False))[0]))
+        wall, cpu, _ = timed(lambda: helpers.build_blending_indices(d, s, w, len(w), args.blend_samples, False))
+        rows.append(("blend, megatron-core C++ helper", wall, cpu))
 
     print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    for name, seconds in rows:
-        print(f"| {name} | {seconds:.2f} s |")
+    print("| step | wall | CPU (user + sys) |\n| --- | --- | --- |")
+    for name, wall, cpu in rows:
+        print(f"| {name} | {wall:.2f} s | {cpu:.2f} s |")
     for name in ("ours", "ours_per_doc", "megatron"):
         for ext in (".bin", ".idx"):
             path = os.path.join(out_dir, name + ext)
