@@ -108,6 +108,9 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
             if bar is not None:
                 bar.update(len(first))
                 bar.set_postfix_str(f"{stats.text_bytes / 1e6 / (time.perf_counter() - start):.2f} MB/s", refresh=False)
+        if stats.documents == 0:
+            raise ValueError(f"no documents in {inputs}: nothing to write (megatron-core cannot even open an "
+                             "empty shard)")
     except BaseException:
         for w in writers.values():
             w.abort()

@@ -114,6 +114,14 @@ def test_failed_run_leaves_no_output(env, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
+def test_empty_input_is_refused(env, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="no documents in"):
+        preprocess([str(empty)], str(tmp_path / "out"), env["model"])
+    assert sorted(os.listdir(tmp_path)) == ["empty.jsonl"]
+
+
 def test_cli_preprocess_and_merge(env, tmp_path, capsys):
     out = str(tmp_path / "cli")
     argv = ["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix", out,
