@@ -105,6 +105,22 @@ def test_several_keys_and_no_eod(env, tmp_path):
     assert texts[3].tolist() == tok.encode(env["records"][3]["text"])
 
 
+def test_large_hf_vocabulary_writes_int32(env, tmp_path):
+    """A tokenizer.json of 70k words: token ids above uint16 need (and get) an int32 shard."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = [f"w{i}" for i in range(70_000)]
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"w0 w{n} w69999 nope"}) + "\n" for n in (5, 65600)))
+    preprocess([str(docs)], str(tmp_path / "big"), str(tmp_path / "tokenizer.json"), workers=2)
+    ds = IndexedDataset(str(tmp_path / "big_text_document"))
+    assert ds.dtype == np.int32
+    assert [ds[i].tolist() for i in range(2)] == [[2, 7, 70001, 1, 0], [2, 65602, 70001, 1, 0]]
+
+
 def test_failed_run_leaves_no_output(env, tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = Path(env["jsonl"]).read_text()
