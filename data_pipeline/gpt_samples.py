@@ -124,6 +124,8 @@ class GPTSamples:
                  split: str = "1", which: str = "train", cache_dir: str | None = None) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if which not in SPLIT_NAMES:
+            raise ValueError(f"which must be one of {SPLIT_NAMES}, not {which!r}")
         self.data, self.seq_len = data, seq_len
         start, end = split_ranges(split, len(data))[SPLIT_NAMES.index(which)]
         if end <= start:
@@ -135,10 +137,16 @@ class GPTSamples:
         cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(data.prefix)), "index-cache")
         arrays = cached_arrays(cache_dir, f"gpt-{which}", description,
                                ("document_index", "sample_index", "shuffle_index"),
-                               lambda: build_gpt_indices(data.sizes, np.arange(start, end), seq_len, num_samples, seed))
+                               lambda: self._build(start, end, num_samples, seed))
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
+
+    def _build(self, start: int, end: int, num_samples: int | None, seed: int) -> dict:
+        try:
+            return build_gpt_indices(self.data.sizes, np.arange(start, end), self.seq_len, num_samples, seed)
+        except ValueError as exc:
+            raise ValueError(f"{self.data.prefix}: {exc}") from None
 
     def __len__(self) -> int:
         return len(self.shuffle_index)

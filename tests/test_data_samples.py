@@ -92,6 +92,13 @@ def test_validation_split_uses_its_own_documents(tmp_path):
         GPTSamples(data, 4, None, 0, split="3,1,0", which="test", cache_dir=str(tmp_path / "cache"))
 
 
+def test_too_little_data_names_the_dataset(tmp_path):
+    with IndexedDatasetWriter(str(tmp_path / "tiny"), np.uint16) as w:
+        w.add_document([1, 2, 3])
+    with pytest.raises(ValueError, match=r"tiny: 1 documents hold 3 tokens, too few for one sample of 8\+1"):
+        GPTSamples(IndexedDataset(str(tmp_path / "tiny")), 8, 10, 0, cache_dir=str(tmp_path / "cache"))
+
+
 def test_same_description_is_loaded_not_rebuilt(tmp_path, monkeypatch):
     data, _ = make_dataset(tmp_path / "d")
     first = GPTSamples(data, 6, 70, 5, cache_dir=str(tmp_path / "cache"))
