@@ -245,6 +245,8 @@ def _run_case(rank, tp, pp, dp, topo, schedule, m, v, sp):
     shape = (MICRO, SEQ // tp if sp and tp > 1 else SEQ, HIDDEN)
     executor = PipelineExecutor(chunks, topo, shape, schedule=schedule, timeout_s=60)
     data = batches(dp * m)
+    eval_loss = executor.forward_only(data[c.dp * m:(c.dp + 1) * m])
+    eval_live, eval_grads = executor.stats.peak_live, [p.grad for ch in chunks for p in ch.parameters()]
     loss = executor.step(data[c.dp * m:(c.dp + 1) * m])
     params = [p for ch in chunks for p in ch.parameters()]
     allreduce_embedding_grads([p for ch in chunks for p in (ch.emb, ch.head) if p is not None], topo)
@@ -255,7 +257,8 @@ def _run_case(rank, tp, pp, dp, topo, schedule, m, v, sp):
     ref, ref_loss = reference(num_layers, data)
     return {"loss": loss.item(), "ref_loss": ref_loss, "grad_error": _grad_error(chunks, ref),
             "peak_live": executor.stats.peak_live, "schedule_live": max_live_activations(executor.stats.ops),
-            "pp_rank": c.pp, "sent": executor.stats.sent, "released": executor.stats.released}
+            "pp_rank": c.pp, "sent": executor.stats.sent, "released": executor.stats.released,
+            "eval_loss": eval_loss.item(), "eval_live": eval_live, "eval_grads": sum(g is not None for g in eval_grads)}
 
 
 def slow_cases_for(tp: int, pp: int) -> list[tuple[str, int, int, bool]]:
@@ -315,6 +318,14 @@ def test_loss_equals_single_process_on_every_rank(world8, case):
     for rank, result in enumerate(world8):
         r = result[case]
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=_ids)
+def test_forward_only_loss_equals_single_process_and_keeps_nothing(world8, case):
+    for rank, result in enumerate(world8):
+        r = result[case]
+        assert r["eval_loss"] == pytest.approx(r["ref_loss"], rel=1e-5), f"rank {rank}"
+        assert r["eval_live"] == 0 and r["eval_grads"] == 0
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=_ids)

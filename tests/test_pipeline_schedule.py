@@ -59,6 +59,13 @@ def test_every_op_once_and_plan_runs(name, pp, m, v):
     assert len(finished) == pp
 
 
+@pytest.mark.parametrize("pp,m,v", [(1, 3, 1), (2, 3, 1), (4, 5, 2), (3, 7, 3)])
+def test_forward_only_plan_runs(pp, m, v):
+    plans = [plan_for("forward_only", pp, r, m, v)[1] for r in range(pp)]
+    simulate(plans)
+    assert build_schedule("forward_only", 2, 0, 3, 2) == seq("F0 F1 F0.1 F1.1 F2 F2.1")
+
+
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
 @pytest.mark.parametrize("m", [1, 3, 8, 17])
 def test_1f1b_live_activations_bounded_by_pp_minus_rank(pp, m):

@@ -60,7 +60,8 @@ class PipelineExecutor:
     def __init__(self, chunks: Sequence[nn.Module], topo, activation_shape: Sequence[int],
                  dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
                  schedule: Optional[str] = None, forward_step: ForwardStep = default_forward_step,
-                 timeout_s: float = 300.0, profile: bool = False):
+                 timeout_s: float = 300.0, profile: bool = False,
+                 before_backward: Optional[Callable[[Op, bool], None]] = None):
         if not chunks:
             raise ValueError("a pipeline rank needs at least one model chunk")
         self.chunks, self.topo = list(chunks), topo
@@ -68,6 +69,9 @@ class PipelineExecutor:
         self.schedule = schedule or default_schedule(self.pp, self.v)
         self.device = device or torch.device("cpu")
         self.forward_step, self.profile = forward_step, profile
+        # Called before each backward with whether it is the step's last on this rank: a gradient
+        # reducer can then start communicating buckets as that backward completes them.
+        self.before_backward = before_backward
         self.link = StageLink(topo.pp_group, topo.stage_rank, tuple(activation_shape), dtype, self.device,
                               timeout_s, label=f"rank {topo.rank} (pipeline rank {self.rank})")
         self.stats = StepStats()
@@ -84,11 +88,23 @@ class PipelineExecutor:
         Gradients are those of ``grad_scale`` times the mean loss over the micro-batches (a loss scaler
         passes its scale here). The returned loss is also averaged over the data-parallel group.
         """
+        return self._run(self.schedule, microbatches, grad_scale / len(microbatches), keep_graph=True)
+
+    def forward_only(self, microbatches: Sequence[Any]) -> torch.Tensor:
+        """The mean loss of ``microbatches`` without backward (evaluation), on every rank.
+
+        Runs under ``torch.no_grad`` and keeps nothing for a backward, so activations are freed as
+        soon as they are sent; the loss is averaged as in ``step``.
+        """
+        with torch.no_grad():
+            return self._run("forward_only", microbatches, 0.0, keep_graph=False)
+
+    def _run(self, schedule: str, microbatches: Sequence[Any], backward_scale: float, keep_graph: bool):
         self._sync()
         start = time.perf_counter()
         m = len(microbatches)
-        ops, plan = plan_for(self.schedule, self.pp, self.rank, m, self.v)
-        run = _StepRun(self, microbatches, grad_scale / m)
+        ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v)
+        run = _StepRun(self, microbatches, backward_scale, keep_graph)
         self.stats = StepStats(ops=ops)
         for k, step in enumerate(plan):
             sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
@@ -103,25 +119,6 @@ class PipelineExecutor:
         self._sync()
         self.stats.step_s = time.perf_counter() - start
         return loss
-
-    @torch.no_grad()
-    def forward_only(self, microbatches: Sequence[Any]) -> torch.Tensor:
-        """Forward every micro-batch with no backward (evaluation); returns the mean loss on every rank.
-
-        Micro-batches go through the virtual stages one after another in order, so nothing is held
-        beyond the activation being passed on."""
-        m = len(microbatches)
-        ops = forward_only_ops(m, self.v)
-        run = _StepRun(self, microbatches, 0.0)
-        for k, step in enumerate(comm_plan(ops, self.pp, self.rank, self.v)):
-            sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
-            run.inbox.update(self.link.exchange(sends, step.recvs, where=f"eval step {k} before {step.op}"))
-            self._release(self.link.finish_sends(block=False))
-            if step.op is not None:
-                run.forward(step.op)
-                run.saved.clear()
-        self._release(self.link.finish_sends(block=True))
-        return self._step_loss(run.loss_sum, m)
 
     def _release(self, sent: list[torch.Tensor]) -> None:
         for tensor in sent:
@@ -171,20 +168,23 @@ def forward_only_ops(m: int, v: int) -> list[Op]:
 class _StepRun:
     """The tensors of one step in flight: received inputs, outputs kept for backward, messages to send."""
 
-    def __init__(self, executor: PipelineExecutor, microbatches: Sequence[Any], backward_scale: float):
+    def __init__(self, executor: PipelineExecutor, microbatches: Sequence[Any], backward_scale: float,
+                 keep_graph: bool):
         self.ex, self.microbatches, self.backward_scale = executor, microbatches, backward_scale
+        self.keep_graph = keep_graph
         self.last_stage = executor.pp * executor.v - 1
         self.inbox: dict[Message, torch.Tensor] = {}
         self.outbox: dict[Message, torch.Tensor] = {}
         self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         self.loss_sum: Optional[torch.Tensor] = None
+        self.backward_ops_done, self.backward_total = 0, 0
 
     def held_bytes(self) -> int:
         return sum(out.untyped_storage().nbytes() for _, out in self.saved.values())
 
     def forward(self, op: Op) -> None:
         s = virtual_stage(self.ex.pp, self.ex.rank, op.chunk)
-        x = None if s == 0 else self.inbox.pop(Message("act", op.microbatch, s - 1)).requires_grad_()
+        x = None if s == 0 else self.inbox.pop(Message("act", op.microbatch, s - 1)).requires_grad_(self.keep_graph)
         out = self.ex.forward_step(self.ex.chunks[op.chunk], x, self.microbatches[op.microbatch],
                                    s == 0, s == self.last_stage)
         if s == self.last_stage:
@@ -196,10 +196,14 @@ class _StepRun:
             # a contiguous send buffer that no autograd node saved, so its storage can go once sent
             out = out.clone(memory_format=torch.contiguous_format)
             self.outbox[Message("act", op.microbatch, s)] = out
-        self.saved[(op.microbatch, op.chunk)] = (x, out)
-        self.ex.stats.peak_live = max(self.ex.stats.peak_live, len(self.saved))
+        if self.keep_graph:
+            self.saved[(op.microbatch, op.chunk)] = (x, out)
+            self.ex.stats.peak_live = max(self.ex.stats.peak_live, len(self.saved))
 
     def backward(self, op: Op) -> None:
+        if self.ex.before_backward is not None:
+            self.ex.before_backward(op, self.backward_ops_done == self.backward_total - 1)
+        self.backward_ops_done += 1
         s = virtual_stage(self.ex.pp, self.ex.rank, op.chunk)
         x, out = self.saved.pop((op.microbatch, op.chunk))
         if s == self.last_stage:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "forward_only")
 
 
 @dataclass(frozen=True, order=True)
@@ -97,6 +97,12 @@ def interleaved_1f1b(pp: int, rank: int, m: int, v: int = 2) -> list[Op]:
     return ops + [Op("B", mb, c) for c, mb in backward[total - warmup:]]
 
 
+def forward_only(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
+    """Evaluation: every forward, chunks visited in the interleaved order, no backward."""
+    _check(pp, rank, m, v)
+    return [Op("F", mb, c) for c, mb in _chunk_order(pp, m, v, False)]
+
+
 def interleaved_warmup(pp: int, rank: int, m: int, v: int) -> int:
     """Forwards before the first backward in interleaved 1F1B.
 
@@ -111,6 +117,7 @@ _BUILDERS: dict[str, Callable[..., list[Op]]] = {
     "gradient_accumulation": gradient_accumulation,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
+    "forward_only": forward_only,
 }
 
 
