@@ -13,7 +13,7 @@ import sys
 
 from megazero.errors import UserError
 
-SUBCOMMANDS = ("train", "preprocess", "tokenizer", "demo_corpus", "curate", "convert", "plan")
+SUBCOMMANDS = ("train", "generate", "preprocess", "tokenizer", "demo_corpus", "curate", "convert", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,8 +2,11 @@
 # Launch megazero pretraining with torchrun: one node (all local GPUs, or CPU_RANKS gloo ranks on a
 # machine without GPUs) or many nodes (torchrun rendezvous; under SLURM see slurm_pretrain_gpt.sbatch).
 #
+# With no CONFIG it is the README's main job: build the demo corpus and its tokenizer (data/demo,
+# once), train configs/demo.yaml on 8 CPU ranks, then print a sample from the final checkpoint.
+#
 # Knobs (environment variables):
-#   CONFIG          YAML config (default: configs/demo.yaml, the README's CPU demo)
+#   CONFIG          YAML config (default: configs/demo.yaml, the CPU demo described above)
 #   NPROC_PER_NODE  ranks per node (default: number of visible GPUs, else CPU_RANKS)
 #   CPU_RANKS       ranks on a machine without GPUs (default: 8, for tp2 x pp2 x dp2)
 #   NNODES          nodes taking part (default: 1, or SLURM_NNODES under SLURM)
@@ -15,9 +18,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CONFIG=${CONFIG:-configs/demo.yaml}
+demo=0
+if [ -z "${CONFIG:-}" ]; then
+  demo=1
+  CONFIG=configs/demo.yaml
+  if [ ! -f data/demo/stdlib_text_document.idx ]; then
+    echo "== building the demo corpus, its tokenizer and its shard in data/demo"
+    megazero demo-corpus data/demo
+  fi
+fi
 gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "$gpus" -gt 0 ]; then default_ranks=$gpus; else default_ranks=${CPU_RANKS:-8}; fi
+if [ "$gpus" -gt 0 ] && [ "$demo" = 0 ]; then default_ranks=$gpus; else default_ranks=${CPU_RANKS:-8}; fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-$default_ranks}
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
@@ -27,7 +38,7 @@ fi
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-29500}
 # CPU ranks share the machine's cores; one thread each keeps them from fighting.
-[ "$gpus" -gt 0 ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+[ "$default_ranks" = "$gpus" ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 if [ "$NNODES" -eq 1 ]; then
   rendezvous=(--standalone)
@@ -35,4 +46,9 @@ else
   rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --rdzv_backend c10d
               --rdzv_id "${SLURM_JOB_ID:-megazero}" --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT")
 fi
-exec torchrun "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" -m megazero.cli train "$CONFIG" "$@"
+echo "== training $CONFIG on $NNODES node(s) x $NPROC_PER_NODE rank(s)"
+torchrun "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" -m megazero.cli train "$CONFIG" "$@"
+if [ "$demo" = 1 ]; then
+  echo "== a sample from the trained model (runs/demo/checkpoints)"
+  megazero generate runs/demo/checkpoints --tokenizer data/demo/tokenizer.model --prompt "def " --tokens 48
+fi

@@ -113,7 +113,7 @@ def load_resharded(ckpt, chunks, optimizer: ZeroOptimizer, manifest: dict) -> No
             raise CheckpointError(f"{ckpt}: has no parameter {name!r}; was it saved from a different model?")
         shape = tuple(optimizer.params[seg.param].shape)
         for key in STATE_KEYS:
-            local = _local_slice(full[name][key], shard, shape, name, ckpt)
+            local = fit_to_shard(full[name][key], shard, shape, name, ckpt)
             getattr(optimizer, key)[seg.shard_offset:seg.shard_offset + seg.numel] = \
                 local.reshape(-1)[seg.param_offset:seg.param_offset + seg.numel]
     _finish_load(optimizer, last["adam_step"], last["scaler"])
@@ -156,7 +156,7 @@ def _assemble(pieces: dict, keys=STATE_KEYS) -> dict[str, dict[str, torch.Tensor
     return full
 
 
-def _local_slice(full: torch.Tensor, shard: Optional[Shard], shape: tuple, name: str, ckpt) -> torch.Tensor:
+def fit_to_shard(full: torch.Tensor, shard: Optional[Shard], shape: tuple, name: str, ckpt) -> torch.Tensor:
     """This rank's slice of a logical tensor, padding or trimming vocabulary rows (dim 0) to fit."""
     target = list(shape)
     if shard is not None:

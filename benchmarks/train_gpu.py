@@ -1,0 +1,132 @@
+"""Whole training steps of the megazero engine on GPUs: ZeRO stages, layouts, offload.
+
+Run on one node (NCCL), e.g. the ZeRO comparison on two GPUs::
+
+    torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \\
+        --runs stage0 stage1 stage2 stage3 stage3-offload
+
+Each run builds the engine from the config plus the run's overrides (``stageN`` sets
+``zero.stage``; ``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout), trains
+``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one micro-batch of
+``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one
+JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense peak, peak memory
+and the model-state bytes the ZeRO formula predicts. ``--cpu`` runs a tiny model on gloo to check
+the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megazero.config import load_config, resolve_config
+from megazero.engine import Engine
+from megazero.flops import device_name, flops_per_token, peak_flops
+from parallel.launch import init_process_group, pick_device, read_launch_env
+from parallel.topology import RankGrid, Topology
+
+
+def run_overrides(run: str) -> list[str]:
+    out = []
+    for part in run.split("-"):
+        if part.startswith("stage"):
+            out += ["--zero.stage", part[5:]]
+        elif part == "offload":
+            out += ["--zero.offload_optimizer", "true"]
+        elif part.startswith("tp"):
+            out += ["--parallel.tp", part[2:]]
+        elif part.startswith("pp"):
+            out += ["--parallel.pp", part[2:]]
+        elif part == "sp":
+            out += ["--parallel.sequence_parallel", "true"]
+        else:
+            raise SystemExit(f"unknown run part {part!r} in {run!r}")
+    return out
+
+
+def measure(cfg, launch, device, warmup: int, steps: int) -> dict:
+    p = cfg.parallel
+    topo = Topology(RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order), ranks_per_node=launch.local_world_size)
+    t0 = time.perf_counter()
+    engine = Engine(cfg, topo, device)
+    build_s = time.perf_counter() - t0
+    mbs, seq = cfg.train.micro_batch_size, cfg.model.seq_length
+    micros = cfg.train.global_batch_size // (mbs * p.dp)
+    g = torch.Generator().manual_seed(topo.dp_rank)
+    batch = [{"tokens": torch.randint(0, cfg.model.vocab_size, (mbs, seq), generator=g),
+              "labels": torch.randint(0, cfg.model.vocab_size, (mbs, seq), generator=g)} for _ in range(micros)]
+    for _ in range(warmup):
+        loss = engine.train_step(batch).loss
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = engine.train_step(batch).loss
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / steps
+    tokens_per_gpu = cfg.train.global_batch_size * seq / step_s / dist.get_world_size()
+    tflops = tokens_per_gpu * flops_per_token(cfg.model) / 1e12
+    peak = peak_flops(device_name(device), cfg.precision.dtype)
+    predicted = engine.optimizer.predicted_memory()
+    result = {
+        "tokens_per_s_per_gpu": round(tokens_per_gpu), "tflops_per_gpu": round(tflops, 1),
+        "mfu": round(tflops * 1e12 / peak, 3) if peak else None, "step_ms": round(step_s * 1e3, 1),
+        "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        "model_state_GiB_formula": round(predicted.total / 2**30, 2), "loss": round(loss, 4),
+        "build_s": round(build_s, 1),
+    }
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config")
+    ap.add_argument("--runs", nargs="+", default=["stage1"])
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--cpu", action="store_true", help="tiny model on gloo, to check the script")
+    args, overrides = ap.parse_known_args()
+    launch = read_launch_env()
+    base = list(overrides)
+    if args.cpu:
+        base += ["--train.device", "cpu", "--model.num_layers", "2", "--model.hidden_size", "64",
+                 "--model.num_heads", "4", "--model.seq_length", "64", "--model.vocab_size", "512",
+                 "--precision.dtype", "fp32"]
+    cfg0 = load_config(args.config, base)
+    device = pick_device(cfg0.train.device, launch.local_rank)
+    init_process_group(launch, device)
+    for run in args.runs:
+        cfg = load_config(args.config, base + run_overrides(run))
+        # One micro-batch per data-parallel rank, as the peer baselines run; a pipeline gets 2*pp of
+        # them so its bubble is the usual (pp-1)/m rather than all of it.
+        pp = cfg.parallel.pp
+        dp = launch.world_size // (cfg.parallel.tp * pp)
+        micros = 2 * pp if pp > 1 else 1
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, global_batch_size=cfg.train.micro_batch_size * dp * micros))
+        cfg = resolve_config(cfg, launch.world_size, launch.local_world_size)
+        result = measure(cfg, launch, device, args.warmup, args.steps)
+        if launch.rank == 0:
+            print(json.dumps({"run": run, "world": launch.world_size, "device": device_name(device) or "cpu",
+                              "mbs": cfg.train.micro_batch_size, "global_batch": cfg.train.global_batch_size,
+                              **result}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    main()

@@ -1,0 +1,45 @@
+"""Sampling text from a checkpoint on one process, whatever layout trained it.
+
+The checkpoint's fp32 master weights are reassembled into the single-device model (the same
+resharding a layout change uses), so a model trained at tp2 x pp2 x dp2 samples on a laptop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazero.checkpoint import read_manifest, resolve_checkpoint
+from megazero.checkpoint.state import fit_to_shard, load_full_weights
+from megazero.config.loader import build_dataclass
+from megazero.config.schema import Config
+from models import GPT
+
+
+def load_model(path) -> tuple[GPT, Config]:
+    """The single-process GPT holding a checkpoint's weights, and the config it was trained with."""
+    ckpt = resolve_checkpoint(path)
+    cfg = build_dataclass(Config, read_manifest(ckpt)["meta"]["config"], prefix="")
+    model = GPT(cfg.model, seed=cfg.train.seed)
+    weights = load_full_weights(ckpt)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(fit_to_shard(weights[name], None, tuple(param.shape), name, ckpt))
+    return model.eval(), cfg
+
+
+@torch.no_grad()
+def sample(model: GPT, prompt: list[int], new_tokens: int, temperature: float = 0.8, top_k: int = 40,
+           seed: int = 0) -> list[int]:
+    """Top-k sampling, feeding back the last ``seq_length`` tokens (no cache: demo-sized models)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        window = torch.tensor([tokens[-model.cfg.seq_length:]])
+        logits = model(window)[0, -1, :model.vocab_size].float()
+        if temperature <= 0:
+            tokens.append(int(logits.argmax()))
+            continue
+        values, indices = torch.topk(logits / temperature, min(top_k, logits.numel()))
+        choice = torch.multinomial(torch.softmax(values, dim=-1), 1, generator=generator)
+        tokens.append(int(indices[choice]))
+    return tokens
