@@ -55,7 +55,13 @@ class Engine:
         self.executor = PipelineExecutor(
             self.chunks, topology, (cfg.train.micro_batch_size, seq, cfg.model.hidden_size),
             dtype=self.dtype, device=device, forward_step=gpt_forward_step,
-            timeout_s=cfg.train.collective_timeout_s)
+            timeout_s=cfg.train.collective_timeout_s, before_backward=self._before_backward)
+
+    def _before_backward(self, op, last: bool) -> None:
+        """Without interleaving the step's last backward completes every gradient, so whole-gradient
+        ZeRO stages (0 and 1) can reduce each bucket as soon as that backward finishes it."""
+        if self.cfg.parallel.virtual_stages == 1:
+            self.optimizer.begin_microbatch(last)
 
     # --- construction ------------------------------------------------------------------------
     def _split(self) -> list[int]:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.pipeline.p2p import StageLink, broadcast_from_last_stage, free_storage
-from parallel.pipeline.plan import Message, comm_plan, plan_for, virtual_stage
+from parallel.pipeline.plan import Message, plan_for, virtual_stage
 from parallel.pipeline.schedule import Op, default_schedule
 
 ForwardStep = Callable[[nn.Module, Optional[torch.Tensor], Any, bool, bool], torch.Tensor]
@@ -105,6 +105,7 @@ class PipelineExecutor:
         m = len(microbatches)
         ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v)
         run = _StepRun(self, microbatches, backward_scale, keep_graph)
+        run.backward_total = sum(op.kind == "B" for op in ops)
         self.stats = StepStats(ops=ops)
         for k, step in enumerate(plan):
             sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
@@ -158,11 +159,6 @@ class PipelineExecutor:
                 dist.all_reduce(loss, group=self.topo.dp_group)
                 loss /= self.topo.dp_size
         return broadcast_from_last_stage(loss, self.topo.pp_group, self.topo.stage_rank(self.pp - 1))
-
-
-def forward_only_ops(m: int, v: int) -> list[Op]:
-    """Evaluation order: each micro-batch through this rank's chunks, micro-batch after micro-batch."""
-    return [Op("F", i, c) for i in range(m) for c in range(v)]
 
 
 class _StepRun:
