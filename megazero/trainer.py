@@ -136,7 +136,8 @@ class Trainer:
                 interval = self.cfg.checkpoint.save_interval
                 if interval and self.state.step % interval == 0 and not self._done():
                     self.save()
-            self.save()
+            if self.cfg.checkpoint.save_on_exit:
+                self.save()
             self.writer.wait()
         return self.state
 

@@ -24,7 +24,7 @@ if [ -z "${CONFIG:-}" ]; then
   CONFIG=configs/demo.yaml
   if [ ! -f data/demo/stdlib_text_document.idx ]; then
     echo "== building the demo corpus, its tokenizer and its shard in data/demo"
-    megazero demo-corpus data/demo
+    python -m megazero.cli demo-corpus data/demo
   fi
 fi
 gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -50,5 +50,5 @@ echo "== training $CONFIG on $NNODES node(s) x $NPROC_PER_NODE rank(s)"
 torchrun "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" -m megazero.cli train "$CONFIG" "$@"
 if [ "$demo" = 1 ]; then
   echo "== a sample from the trained model (runs/demo/checkpoints)"
-  megazero generate runs/demo/checkpoints --tokenizer data/demo/tokenizer.model --prompt "def " --tokens 48
+  python -m megazero.cli generate runs/demo/checkpoints --tokenizer data/demo/tokenizer.model --prompt "def " --tokens 48
 fi

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU benchmark suite on one node of 2 GPUs, in parts that each fit a 10-minute call:
+#   benchmarks/gpu_suite.sh zero     megazero ZeRO stages 0-3 (+ stage 3 offload) and DDP / FSDP2 peers
+#   benchmarks/gpu_suite.sh ds       DeepSpeed ZeRO-1/2/3 peers (PEERS/WHEELS as in the peers' README)
+#   benchmarks/gpu_suite.sh layers   tensor- and pipeline-parallel benchmarks
+#   benchmarks/gpu_suite.sh trainer  scripts/pretrain_gpt.sh with a 1.3B GPT on 1 and 2 GPUs
+# Output: JSON lines on stdout (and in $OUT/PART.log when OUT is set).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+part=${1:?part: zero, ds, layers or trainer}
+log=${OUT:-/tmp}/$part.log
+PEERS=${PEERS:-.peers}
+run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|Error|error' ; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
+case $part in
+zero)
+  run timeout 420 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
+    --runs stage0 stage1 stage2 stage3 stage3-offload --warmup 3 --steps 10
+  PEERS=$PEERS MODES="ddp fsdp2" run bash $PEERS/run_peers.sh ;;
+ds)
+  PEERS=$PEERS WHEELS=$PEERS/wheels MODES="ds1 ds2 ds3" run bash $PEERS/run_peers.sh ;;
+layers)
+  run timeout 280 torchrun --nproc_per_node 2 benchmarks/tp_gpu.py --steps 10
+  run timeout 280 torchrun --nproc_per_node 2 benchmarks/pp_gpu.py ;;
+trainer)
+  [ -f data/demo/stdlib_text_document.idx ] || run python -m megazero.cli demo-corpus data/demo
+  for n in 1 2; do
+    CONFIG=configs/gpt_1.3b.yaml NPROC_PER_NODE=$n run timeout 240 bash scripts/pretrain_gpt.sh \
+      --data.blend '[[1.0, data/demo/stdlib_text_document]]' --train.train_steps 30 --logging.log_interval 10 \
+      --train.global_batch_size $((8 * n)) --checkpoint.save_on_exit false --logging.run_dir runs/gpu$n
+  done ;;
+esac
