@@ -243,7 +243,9 @@ def _run_case(rank, tp, pp, dp, topo, schedule, m, v, sp):
         chunks.append(Stage(full, stage_layers(split, pp, c.pp, chunk), stage == 0, stage == pp * v - 1,
                             c.tp, tp, topo.tp_group, sp))
     shape = (MICRO, SEQ // tp if sp and tp > 1 else SEQ, HIDDEN)
-    executor = PipelineExecutor(chunks, topo, shape, schedule=schedule, timeout_s=60)
+    hook_calls = []
+    executor = PipelineExecutor(chunks, topo, shape, schedule=schedule, timeout_s=60,
+                                before_backward=lambda op, last: hook_calls.append((op, last)))
     data = batches(dp * m)
     eval_loss = executor.forward_only(data[c.dp * m:(c.dp + 1) * m])
     eval_live, eval_grads = executor.stats.peak_live, [p.grad for ch in chunks for p in ch.parameters()]
@@ -258,6 +260,8 @@ def _run_case(rank, tp, pp, dp, topo, schedule, m, v, sp):
     return {"loss": loss.item(), "ref_loss": ref_loss, "grad_error": _grad_error(chunks, ref),
             "peak_live": executor.stats.peak_live, "schedule_live": max_live_activations(executor.stats.ops),
             "pp_rank": c.pp, "sent": executor.stats.sent, "released": executor.stats.released,
+            "hook_ok": [op for op, _ in hook_calls] == [op for op in executor.stats.ops if op.kind == "B"]
+            and [last for _, last in hook_calls] == [False] * (len(hook_calls) - 1) + [True],
             "eval_loss": eval_loss.item(), "eval_live": eval_live, "eval_grads": sum(g is not None for g in eval_grads)}
 
 
@@ -344,6 +348,11 @@ def test_measured_live_activations_match_schedule(world8, case):
         assert r["peak_live"] == r["schedule_live"]
         if case[3] == "1f1b":
             assert r["peak_live"] <= pp - r["pp_rank"]
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=_ids)
+def test_before_backward_hook_sees_every_backward_and_flags_the_last(world8, case):
+    assert all(result[case]["hook_ok"] for result in world8)
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=_ids)
