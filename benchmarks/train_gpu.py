@@ -46,6 +46,8 @@ def run_overrides(run: str) -> list[str]:
             out += ["--parallel.pp", part[2:]]
         elif part == "sp":
             out += ["--parallel.sequence_parallel", "true"]
+        elif part == "compile":
+            out += ["--train.compile", "true"]
         else:
             raise SystemExit(f"unknown run part {part!r} in {run!r}")
     return out
@@ -57,6 +59,7 @@ def measure(cfg, launch, device, warmup: int, steps: int) -> dict:
     t0 = time.perf_counter()
     engine = Engine(cfg, topo, device)
     build_s = time.perf_counter() - t0
+    states_gib = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
     mbs, seq = cfg.train.micro_batch_size, cfg.model.seq_length
     micros = cfg.train.global_batch_size // (mbs * p.dp)
     g = torch.Generator().manual_seed(topo.dp_rank)
@@ -82,7 +85,9 @@ def measure(cfg, launch, device, warmup: int, steps: int) -> dict:
         "tokens_per_s_per_gpu": round(tokens_per_gpu), "tflops_per_gpu": round(tflops, 1),
         "mfu": round(tflops * 1e12 / peak, 3) if peak else None, "step_ms": round(step_s * 1e3, 1),
         "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-        "model_state_GiB_formula": round(predicted.total / 2**30, 2), "loss": round(loss, 4),
+        "model_state_GiB_formula": round(predicted.total / 2**30, 2),
+        "allocated_after_build_GiB": round(states_gib, 2) if states_gib is not None else None,
+        "loss": round(loss, 4),
         "build_s": round(build_s, 1),
     }
     del engine

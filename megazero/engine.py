@@ -91,6 +91,9 @@ class Engine:
             chunk.to_empty(device=self.device)
             chunk.init_weights(seed)
             chunk.train()
+            if cfg.train.compile:
+                for block in chunk.layers.values():
+                    block.compile()  # hooks (ZeRO, recompute) stay outside the compiled forward
             chunks.append(chunk)
         return chunks
 

@@ -38,11 +38,20 @@ def parallelize_gpt(model: GPT, tp_group, *, seed: int, device="cpu", sequence_p
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute {recompute!r}: use one of {RECOMPUTE_MODES}")
-    check_tp_layout(model, comm.group_size(tp_group))
+    tp = comm.group_size(tp_group)
+    check_tp_layout(model, tp)
+    every = recompute_every if recompute == "full" else 1
+    if tp == 1:
+        # The plain model is the one-rank layout: no identity collectives, torch's fused loss over
+        # whole logits, and dropout from the default generator (which recompute restores itself).
+        if sequence_parallel:
+            raise ValueError("sequence parallelism needs a tensor-parallel group of more than one rank")
+        if recompute != "none":
+            apply_activation_checkpointing(model, RECOMPUTE_TARGETS[recompute], every, None)
+        return model
     rng = TensorParallelRNG(seed, dist.get_rank(tp_group), device)
     model.tp_rng = rng  # its state belongs in checkpoints, for an exact resume with dropout
     apply_tensor_parallel(model, TP_PLAN, tp_group, rng=rng, sequence_parallel=sequence_parallel)
     if recompute != "none":
-        every = recompute_every if recompute == "full" else 1
         apply_activation_checkpointing(model, RECOMPUTE_TARGETS[recompute], every, rng)
     return model

@@ -96,7 +96,7 @@ def _equivalence(rank, world_size):
         logits, loss = run(model, cfg)
         ref_logits, ref_loss, ref_params = references[preset]
         shards = param_shards(model)
-        full_logits = gather(logits, shards["lm_head.weight"], group, dim=-1)
+        full_logits = gather(logits, shards.get("lm_head.weight"), group, dim=-1)
         out = {"logits": rel(full_logits[..., :cfg.vocab_size], ref_logits[..., :cfg.vocab_size]),
                "loss": rel(loss, ref_loss), "grads": {}, "weights": {}, "layout": {}, "padding_grad": 0.0}
         for name, param in model.named_parameters():
