@@ -16,8 +16,11 @@ run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|Error|error' 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
 case $part in
 zero)
-  run timeout 420 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
-    --runs ${RUNS:-stage0 stage1 stage2 stage3 stage3-offload} --warmup 3 --steps 10
+  # one process per run, so each run's peak memory is its own
+  for r in ${RUNS:-stage0 stage1 stage2 stage3 stage3-offload}; do
+    run timeout 150 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs "$r" \
+      --warmup 3 --steps 10
+  done
   PEERS=$PEERS MODES="ddp fsdp2" run bash $PEERS/run_peers.sh ;;
 ds)
   PEERS=$PEERS WHEELS=$PEERS/wheels MODES="ds1 ds2 ds3" run bash $PEERS/run_peers.sh ;;

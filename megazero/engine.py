@@ -9,6 +9,7 @@ optimizer step over a list of micro-batches, identical in meaning for every layo
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -93,7 +94,8 @@ class Engine:
             chunk.train()
             if cfg.train.compile:
                 for block in chunk.layers.values():
-                    block.compile()  # hooks (ZeRO, recompute) stay outside the compiled forward
+                    # Compile the forward only: module hooks (ZeRO stage 3 gathers) stay eager.
+                    block.forward = torch.compile(block.forward)
             chunks.append(chunk)
         return chunks
 
@@ -111,6 +113,10 @@ class Engine:
             overlap_comm=z.overlap_comm, once_per_step=cfg.parallel.pp > 1 and z.stage >= 2,
             prefetch_depth=z.prefetch_depth, persistence_threshold=z.persistence_threshold,
             offload=z.offload_optimizer, fused=o.fused, loss_scaler=scaler)
+        if z.offload_optimizer and self.device.type == "cuda":
+            # The CPU AdamW is multi-threaded; launchers start ranks with one thread each.
+            per_rank = (os.cpu_count() or 1) // max(1, self.topo.ranks_per_node or 1)
+            torch.set_num_threads(max(1, per_rank))
         container = torch.nn.ModuleList(self.chunks)
         units = [block for chunk in self.chunks for block in chunk.layers.values()]
         return ZeroOptimizer(container, settings, topo.dp_group, topo.mp_group, units=units,
