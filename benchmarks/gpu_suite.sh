@@ -25,12 +25,12 @@ zero)
 ds)
   PEERS=$PEERS WHEELS=$PEERS/wheels MODES="ds1 ds2 ds3" run bash $PEERS/run_peers.sh ;;
 layers)
-  run timeout 280 torchrun --nproc_per_node 2 benchmarks/tp_gpu.py --steps 10
-  run timeout 280 torchrun --nproc_per_node 2 benchmarks/pp_gpu.py ;;
+  run timeout 200 torchrun --nproc_per_node 2 benchmarks/tp_gpu.py --steps 10
+  run timeout 200 torchrun --nproc_per_node 2 benchmarks/pp_gpu.py --micro-batches 4 8 ;;
 trainer)
   [ -f data/demo/stdlib_text_document.idx ] || run python -m megazero.cli demo-corpus data/demo
   for n in 1 2; do
-    CONFIG=configs/gpt_1.3b.yaml NPROC_PER_NODE=$n run timeout 240 bash scripts/pretrain_gpt.sh \
+    CONFIG=configs/gpt_1.3b.yaml NPROC_PER_NODE=$n run timeout 150 bash scripts/pretrain_gpt.sh \
       --data.blend '[[1.0, data/demo/stdlib_text_document]]' --train.train_steps 30 --logging.log_interval 10 \
       --train.global_batch_size $((8 * n)) --checkpoint.save_on_exit false --logging.run_dir runs/gpu$n
   done ;;
