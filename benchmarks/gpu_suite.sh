@@ -12,7 +12,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 part=${1:?part: zero, ds, layers or trainer}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-.peers}
-run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|Error|error' ; }
+run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
 case $part in
 zero)
