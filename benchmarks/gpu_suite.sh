@@ -28,6 +28,8 @@ layers)
   run timeout 200 torchrun --nproc_per_node 2 benchmarks/tp_gpu.py --steps 10
   run timeout 200 torchrun --nproc_per_node 2 benchmarks/pp_gpu.py --micro-batches 4 8 ;;
 trainer)
+  run timeout 150 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs pp2-stage1 \
+    --warmup 2 --steps 5
   [ -f data/demo/stdlib_text_document.idx ] || run python -m megazero.cli demo-corpus data/demo
   for n in 1 2; do
     CONFIG=configs/gpt_1.3b.yaml NPROC_PER_NODE=$n run timeout 150 bash scripts/pretrain_gpt.sh \

@@ -108,7 +108,7 @@ class Trainer:
 
     # --- the loop ----------------------------------------------------------------------------
     def _flag_any(self, value: bool) -> bool:
-        flag = torch.tensor([1.0 if value else 0.0])
+        flag = torch.tensor([1.0 if value else 0.0], device=self.device)  # NCCL reduces device tensors only
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
