@@ -147,6 +147,8 @@ def coerce(value: Any, hint: Any, name: str) -> Any:
     if hint is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # --data.split 1
+            return str(value)
         raise ConfigError(f"{name}: expected a string, got {value!r}")
     if hint is list:
         if isinstance(value, (list, tuple)):
