@@ -1,0 +1,42 @@
+"""The command line: every subcommand explains itself, and the launcher's environment is read right."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megazero.cli import SUBCOMMANDS, build_parser
+from parallel.launch import read_launch_env
+
+
+def test_top_level_help_lists_every_subcommand():
+    proc = subprocess.run([sys.executable, "-m", "megazero.cli", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0
+    for name in SUBCOMMANDS:
+        assert name.replace("_", "-") in proc.stdout
+
+
+@pytest.mark.parametrize("name", [n.replace("_", "-") for n in SUBCOMMANDS])
+def test_each_subcommand_has_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([name, "--help"])
+    assert exit_info.value.code == 0
+    assert len(capsys.readouterr().out.splitlines()) > 3
+
+
+def test_torchrun_environment():
+    env = {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    launch = read_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, launch.num_nodes) == (5, 16, 1, 4, 4)
+
+
+def test_slurm_environment_without_torchrun():
+    env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "8(x2)"}
+    launch = read_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (9, 16, 1, 8)
+
+
+def test_no_launcher_is_a_world_of_one():
+    launch = read_launch_env({})
+    assert (launch.rank, launch.world_size, launch.local_world_size) == (0, 1, 1)
