@@ -142,7 +142,7 @@ def main() -> None:
     else:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl")  # lazily initialised communicators, as the engine uses them
     topo = Topology(RankGrid(tp=1, pp=dist.get_world_size(), dp=1))
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                       vocab_size=args.vocab, seq_length=args.seq)
