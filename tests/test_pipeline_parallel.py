@@ -23,6 +23,8 @@ from parallel.pipeline import (PipelineExecutor, PipelineTimeout, allreduce_data
                                allreduce_embedding_grads)
 from parallel.pipeline.partition import resolve_split, stage_layers
 from parallel.pipeline.schedule import max_live_activations
+from parallel.tensor_parallel.collectives import (copy_to_tp, gather_from_tp, gather_sequence, reduce_from_tp,
+                                                  reduce_scatter_sequence, split_sequence)
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
 
@@ -30,95 +32,13 @@ VOCAB, HIDDEN, FFN, SEQ, MICRO = 16, 8, 16, 4, 2
 TOL = 2e-5  # fp32: gradients summed in a different order than the reference, relative to max |grad|
 
 
-# --- tensor-parallel collectives as autograd functions (group None: one rank, identity) -------------
+def _gather_seq_replicated(x, group):
+    """Gather the sequence for a computation every rank repeats in full; backward keeps its slice.
 
-class _AllReduceBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-class _AllReduceForward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-def _gather_seq(x, group):
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
-
-
-def _my_part(x, group):
-    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
-
-
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along the sequence; backward reduce-scatters (the consumer computes partial sums)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return _my_part(g, ctx.group), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return _my_part(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_seq(g, ctx.group), None
-
-
-class _SplitSeq(torch.autograd.Function):
-    """Keep this rank's sequence slice of a replicated tensor; backward gathers the slices."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _my_part(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_seq(g, ctx.group), None
-
-
-class _GatherSeqReplicated(torch.autograd.Function):
-    """Gather the sequence for a computation every rank repeats in full; backward keeps its slice."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _my_part(g, ctx.group), None
+    That is ``gather_from_tp``'s contract (whatever follows is replicated across tp), applied to the
+    sequence by moving it to the last dim and back.
+    """
+    return gather_from_tp(x.transpose(1, -1), group).transpose(1, -1)
 
 
 # --- the stand-in model -------------------------------------------------------------------------------
@@ -138,6 +58,7 @@ class Block(nn.Module):
     def __init__(self, full, i, tp_rank=0, tp=1, group=None, sp=False):
         super().__init__()
         cols = slice(tp_rank * FFN // tp, (tp_rank + 1) * FFN // tp)
+        # group None: a single rank and no collectives (to the collectives None means the whole world)
         self.index, self.group, self.sp, self.cols = i, group if tp > 1 else None, sp, cols
         self.w1 = nn.Parameter(full[f"w1.{i}"][cols].clone())
         self.b1 = nn.Parameter(full[f"b1.{i}"][cols].clone())
@@ -147,10 +68,10 @@ class Block(nn.Module):
     def forward(self, x):
         h = x
         if self.group is not None:
-            h = _GatherSeq.apply(x, self.group) if self.sp else _AllReduceBackward.apply(x, self.group)
+            h = gather_sequence(x, self.group) if self.sp else copy_to_tp(x, self.group)
         h = F.linear(F.gelu(F.linear(h, self.w1, self.b1)), self.w2)
         if self.group is not None:
-            h = _ReduceScatterSeq.apply(h, self.group) if self.sp else _AllReduceForward.apply(h, self.group)
+            h = reduce_scatter_sequence(h, self.group) if self.sp else reduce_from_tp(h, self.group)
         return x + h + self.b2
 
     def reference_slices(self):
@@ -174,13 +95,13 @@ class Stage(nn.Module):
         if self.first:
             x = F.embedding(x, self.emb)
             if self.sp:
-                x = _SplitSeq.apply(x, self.group)
+                x = split_sequence(x, self.group)
         for block in self.blocks:
             x = block(x)
         if not self.last:
             return x
         if self.sp:
-            x = _GatherSeqReplicated.apply(x, self.group)
+            x = _gather_seq_replicated(x, self.group)
         return F.cross_entropy((x @ self.head.t()).flatten(0, 1), targets.flatten())
 
 
