@@ -28,6 +28,7 @@ from megazero.metrics import MetricsLogger, StepMetrics
 from megazero.schedules import build_batch_schedule, build_lr_schedule
 from megazero.zero.memory import memory_report
 from data_pipeline.loader import global_batch
+from parallel import comm
 
 
 @dataclass
@@ -109,7 +110,7 @@ class Trainer:
     # --- the loop ----------------------------------------------------------------------------
     def _flag_any(self, value: bool) -> bool:
         flag = torch.tensor([1.0 if value else 0.0], device=self.device)  # NCCL reduces device tensors only
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        comm.all_reduce(flag, dist.group.WORLD, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def _done(self) -> bool:

@@ -122,7 +122,7 @@ class Topology:
         self._members: dict[str, list[int]] = {}
         for kind in GROUP_KINDS:
             for members in grid.groups(kind):
-                group = dist.new_group(members) if world > 1 else dist.group.WORLD
+                group = dist.new_group(members, group_desc=kind) if world > 1 else dist.group.WORLD
                 if self.rank in members and kind not in self._groups:
                     self._groups[kind], self._members[kind] = group, members
 

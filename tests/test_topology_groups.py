@@ -31,7 +31,26 @@ def _membership(rank, world_size):
         out = torch.zeros(2)
         comm.reduce_scatter_into(out, full, topo.dp_group)
         report[(tp, pp, dp, order, "reduce_scatter")] = out.tolist()
+    if world_size == 4:
+        report["hang"] = _hang(rank)
     return report
+
+
+def _hang(rank):
+    """Rank 1 never joins rank 0's all-reduce: rank 0 must fail naming itself, the op and the group."""
+    import datetime
+    import time
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2), group_desc="tp")
+    if rank == 0:
+        try:
+            comm.all_reduce(torch.ones(1), group)
+        except comm.CollectiveError as exc:
+            return str(exc)
+        return "no error"
+    if rank == 1:
+        time.sleep(5)
+    return None
 
 
 @pytest.fixture(scope="module", params=[4, 8])
@@ -62,3 +81,11 @@ def test_reduce_scatter_shim_sums_over_dp(world):
             scale = sum(r + 1 for r in group)
             me = group.index(rank)
             assert report[(tp, pp, dp, order, "reduce_scatter")] == [float(2 * me * scale), float((2 * me + 1) * scale)]
+
+
+def test_hung_collective_names_rank_operation_and_group(world):
+    world_size, reports = world
+    if world_size != 4:
+        pytest.skip("the hang case runs in the 4-rank world")
+    message = reports[0]["hang"]
+    assert message.startswith("rank 0: all_reduce on the tp group of 2 ranks [0, 1] failed"), message
