@@ -64,9 +64,6 @@ def _error(*overrides, world=None, local=None) -> str:
     (("--train.micro_batch_size", "0"), None, "train.micro_batch_size", "positive"),
     (("--zero.stage", "4"), None, "zero.stage", "0, 1, 2, 3"),
     (("--parallel.tp", "8"), 16, "parallel.tp", None),
-    (("--parallel.pp", "2", "--parallel.virtual_stages", "2", "--model.num_layers", "4",
-      "--train.global_batch_size", "12", "--train.micro_batch_size", "4"), 2, "train.global_batch_size",
-     "multiple of parallel.pp"),
 ])
 def test_validation_names_field(overrides, world, field, fix):
     local = 4 if overrides == ("--parallel.tp", "8") else None

@@ -146,7 +146,7 @@ def cases_for(tp: int, pp: int) -> list[tuple[str, int, int, bool]]:
     """(schedule, micro-batches, virtual stages, sequence parallel): m in {pp, 2pp, odd} per schedule."""
     odd = pp + 1 if pp % 2 == 0 else pp + 2
     cases = [("1f1b", m, 1, False) for m in (pp, 2 * pp, odd)]
-    cases += [("interleaved_1f1b", m, 2, False) for m in (pp, 2 * pp)]
+    cases += [("interleaved_1f1b", m, 2, False) for m in (pp, 2 * pp, odd)]
     cases += [("gradient_accumulation", 3, 1, False)]
     if tp > 1:
         cases += [("1f1b", odd, 1, True), ("interleaved_1f1b", 2 * pp, 2, True)]

@@ -149,10 +149,6 @@ def _layout_problems(cfg: Config, world_size: Optional[int], local_world_size: O
         problems.append(f"train.global_batch_size: {t.global_batch_size} is not divisible by "
                         f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}; make it a multiple of "
                         f"{t.micro_batch_size * dp}")
-    if dp is not None and p.virtual_stages > 1 and (t.global_batch_size // (t.micro_batch_size * dp)) % p.pp:
-        problems.append(f"train.global_batch_size: interleaved pipelines need micro-batches per step "
-                        f"(global batch / (micro batch * dp)) to be a multiple of parallel.pp {p.pp}; got "
-                        f"{t.global_batch_size // (t.micro_batch_size * dp)}")
     if local_world_size and p.tp > 1 and local_world_size % p.tp and not p.allow_tp_across_nodes:
         problems.append(f"parallel.tp: {p.tp} ranks per tensor group do not fit the {local_world_size} ranks per "
                         f"node; use a tp that divides {local_world_size} or set parallel.allow_tp_across_nodes")

@@ -84,9 +84,6 @@ def interleaved_1f1b(pp: int, rank: int, m: int, v: int = 2) -> list[Op]:
     forwards than the next one so the steady state alternates without waiting.
     """
     _check(pp, rank, m, v)
-    if m % pp:
-        raise ValueError(f"interleaved_1f1b needs a multiple of pp={pp} micro-batches, got {m}; "
-                         f"change the global or micro batch size, or use 1f1b")
     forward, backward = _chunk_order(pp, m, v, False), _chunk_order(pp, m, v, True)
     total = m * v
     warmup = interleaved_warmup(pp, rank, m, v)
@@ -108,9 +105,13 @@ def interleaved_warmup(pp: int, rank: int, m: int, v: int) -> int:
 
     With m == pp every forward goes first: a steady state there would pair a backward with the very
     forward it waits for, and the exchange that pairs share (see ``plan.comm_plan``) could not finish.
+    When m is not a multiple of pp the last group of micro-batches is partial and the usual warm-up
+    deadlocks for some ranks, so every forward goes first there too: correct for any m (the plan
+    simulator checks pp up to 8, v up to 4), at the price of holding all m·v chunk activations at once,
+    as GPipe does. Choose m as a multiple of pp to keep the 1F1B memory bound.
     """
     total = m * v
-    return total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    return total if m == pp or m % pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
 
 
 _BUILDERS: dict[str, Callable[..., list[Op]]] = {
