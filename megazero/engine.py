@@ -65,7 +65,9 @@ class Engine:
             self.optimizer.begin_microbatch(last)
 
     # --- construction ------------------------------------------------------------------------
-    def _split(self) -> list[int]:
+    @property
+    def split(self) -> list[int]:
+        """Blocks per virtual stage, in virtual-stage order."""
         m, p = self.cfg.model, self.cfg.parallel
         costs = None
         if p.pipeline_split is None and p.pp > 1 and m.num_layers % (p.pp * p.virtual_stages):
@@ -76,7 +78,7 @@ class Engine:
         """Each chunk is built on the meta device and only this rank's shard is materialised, with
         values that do not depend on the layout (see ``models.init``)."""
         cfg, topo, p = self.cfg, self.topo, self.cfg.parallel
-        split = self._split()
+        split = self.split
         chunks = []
         seed = cfg.train.seed
         for c in range(p.virtual_stages):
@@ -106,9 +108,10 @@ class Engine:
         if prec.dtype == "fp16":
             scaler = DynamicLossScaler(prec.initial_loss_scale, prec.loss_scale_window, prec.hysteresis,
                                        prec.min_loss_scale)
+        grad_dtype = torch.float32 if prec.accumulate_fp32 else self.dtype  # buckets are sized in gradients
         settings = ZeroSettings(
-            stage=z.stage, bucket_numel=int(z.bucket_size_mb * 2**20) // torch.empty((), dtype=self.dtype).element_size(),
-            param_dtype=self.dtype, grad_dtype=torch.float32 if prec.accumulate_fp32 else self.dtype,
+            stage=z.stage, bucket_numel=int(z.bucket_size_mb * 2**20) // torch.empty((), dtype=grad_dtype).element_size(),
+            param_dtype=self.dtype, grad_dtype=grad_dtype,
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
             overlap_comm=z.overlap_comm, once_per_step=cfg.parallel.pp > 1 and z.stage >= 2,
             prefetch_depth=z.prefetch_depth, persistence_threshold=z.persistence_threshold,
@@ -169,6 +172,3 @@ class Engine:
             for chunk in self.chunks:
                 chunk.train()
 
-    def named_parameters(self):
-        for chunk in self.chunks:
-            yield from chunk.named_parameters()

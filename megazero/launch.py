@@ -59,9 +59,12 @@ def verify_consistent(cfg: Config) -> None:
 def start_run(cfg: Config, launch: LaunchEnv) -> int:
     from megazero.trainer import run_training
 
-    state = run_training(cfg, launch)
-    if dist.get_rank() == 0:
-        print(f"megazero: finished at step {state.step} ({state.consumed} samples, {state.skipped} skipped)",
-              flush=True)
-    dist.destroy_process_group()
+    try:
+        state = run_training(cfg, launch)
+        if dist.get_rank() == 0:
+            print(f"megazero: finished at step {state.step} ({state.consumed} samples, {state.skipped} skipped)",
+                  flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import CheckpointWriter, PreemptionHandler, latest_checkpoint, read_manifest, resolve_checkpoint
-from megazero.checkpoint.state import load_resharded, load_same_layout, rank_file, rank_state
+from megazero.checkpoint.state import load_checkpoint, rank_file, rank_state
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets
@@ -29,6 +29,11 @@ from megazero.schedules import build_batch_schedule, build_lr_schedule
 from megazero.zero.memory import memory_report
 from data_pipeline.loader import global_batch
 from parallel import comm
+
+
+# Model fields that decide parameter shapes and meaning: a checkpoint cannot move across them.
+ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+                       "seq_length", "position_embedding", "norm", "activation", "tie_embeddings", "bias")
 
 
 @dataclass
@@ -75,7 +80,7 @@ class Trainer:
         p = self.cfg.parallel
         return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages, "order": p.order,
                 "zero_stage": self.cfg.zero.stage, "world_size": self.world,
-                "pipeline_split": self.engine._split()}
+                "pipeline_split": self.engine.split}
 
     def _resume(self, path) -> None:
         if path is None:
@@ -83,19 +88,22 @@ class Trainer:
         ckpt = resolve_checkpoint(path)
         manifest = read_manifest(ckpt)
         meta = manifest["meta"]
-        chunks, opt = self.engine.chunks, self.engine.optimizer
-        if meta["layout"] == self._layout():
-            load_same_layout(ckpt, self.rank, chunks, opt, manifest)
-        else:
-            load_resharded(ckpt, chunks, opt, manifest)
-        self.state = TrainState(step=meta["step"], consumed=meta["consumed"], skipped=meta["skipped"])
+        saved_model, model = meta["config"]["model"], config_to_dict(self.cfg)["model"]
+        changed = sorted(k for k in ARCHITECTURE_FIELDS if saved_model.get(k) != model[k])
+        if changed:
+            raise UserError(f"{ckpt}: was trained with a different model ({', '.join(f'model.{k}' for k in changed)}); "
+                            "resume with the same model section, or set checkpoint.load to another checkpoint")
+        exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest,
+                                same_layout=meta["layout"] == self._layout())
+        self.state = TrainState(step=meta["step"], consumed=meta["consumed"], skipped=meta["skipped"],
+                                bad_in_row=meta.get("bad_in_row", 0))
         if self.rank == 0:
-            how = "same layout" if meta["layout"] == self._layout() else f"resharded from {meta['layout']}"
+            how = "same layout" if exact else f"resharded from {meta['layout']}"
             print(f"megazero: resumed from {ckpt} at step {self.state.step} ({how})", flush=True)
 
     def save(self) -> None:
         meta = {"step": self.state.step, "consumed": self.state.consumed, "skipped": self.state.skipped,
-                "layout": self._layout(), "config": config_to_dict(self.cfg)}
+                "bad_in_row": self.state.bad_in_row, "layout": self._layout(), "config": config_to_dict(self.cfg)}
         self.writer.save(self.state.step, {rank_file(self.rank): rank_state(self.engine.chunks, self.engine.optimizer)},
                          meta=meta)
 

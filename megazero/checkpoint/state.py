@@ -44,19 +44,26 @@ def logical_names(chunks: list[torch.nn.Module], optimizer: ZeroOptimizer) -> li
     return [by_id[id(p)] for p in optimizer.params]
 
 
-def rank_state(chunks, optimizer: ZeroOptimizer) -> dict:
-    """This rank's checkpoint file: shards of master and moments, their description, scaler, RNG."""
+def describe_shard(chunks, optimizer: ZeroOptimizer) -> dict:
+    """What each element of this rank's shard is: parameters (logical name, local shape, tp slice)
+    and the segments placing them in the shard. Two shards with equal descriptions are
+    interchangeable element for element."""
     names = logical_names(chunks, optimizer)
     segments = torch.tensor([[s.param, s.param_offset, s.shard_offset, s.numel] for s in optimizer.layout.segments],
                             dtype=torch.int64).reshape(-1, 4)
+    return {"params": [(name, tuple(p.shape), None if shard is None else (shard.dim, shard.index, shard.count))
+                       for (name, shard), p in zip(names, optimizer.params)],
+            "segments": segments}
+
+
+def rank_state(chunks, optimizer: ZeroOptimizer) -> dict:
+    """This rank's checkpoint file: shards of master and moments, their description, scaler, RNG."""
     step_tensor = next(iter(optimizer.adam.state.values()))["step"] if optimizer.adam.state else torch.zeros(())
     return {
-        "params": [(name, tuple(p.shape), None if shard is None else (shard.dim, shard.index, shard.count))
-                   for (name, shard), p in zip(names, optimizer.params)],
-        "segments": segments,
+        **describe_shard(chunks, optimizer),
         "master": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq,
         "adam_step": float(step_tensor),
-        "scaler": optimizer.scaler.state_dict(),
+        "scaler": {"kind": type(optimizer.scaler).__name__, **optimizer.scaler.state_dict()},
         "rng": rng_state(chunks),
     }
 
@@ -77,13 +84,25 @@ def restore_rng(chunks, state: dict) -> None:
             chunk.tp_rng.state = tp_state
 
 
-def load_same_layout(ckpt, rank: int, chunks, optimizer: ZeroOptimizer, manifest: dict) -> None:
-    """Exact resume: this rank's own file, random generators included."""
-    state = load_file(ckpt, rank_file(rank), manifest=manifest)
-    for key in STATE_KEYS:
-        getattr(optimizer, key).copy_(state[key])
-    _finish_load(optimizer, state["adam_step"], state["scaler"])
-    restore_rng(chunks, state["rng"])
+def load_checkpoint(ckpt, rank: int, chunks, optimizer: ZeroOptimizer, manifest: dict, same_layout: bool) -> bool:
+    """Load ``ckpt`` into this rank; returns True for an exact (same-layout) resume.
+
+    The fast path reads only this rank's own file, random generators included, and is taken only
+    when that file's shard description equals this rank's: a layout dict can match while the flat
+    buckets differ (another bucket size, precision or persistence threshold), and copying shards
+    then would scramble every parameter. Otherwise the checkpoint is resharded.
+    """
+    if same_layout and rank_file(rank) in manifest["files"]:
+        state = load_file(ckpt, rank_file(rank), manifest=manifest)
+        mine = describe_shard(chunks, optimizer)
+        if state["params"] == mine["params"] and torch.equal(state["segments"], mine["segments"]):
+            for key in STATE_KEYS:
+                getattr(optimizer, key).copy_(state[key])
+            _finish_load(optimizer, state["adam_step"], state["scaler"], ckpt)
+            restore_rng(chunks, state["rng"])
+            return True
+    load_resharded(ckpt, chunks, optimizer, manifest)
+    return False
 
 
 def load_resharded(ckpt, chunks, optimizer: ZeroOptimizer, manifest: dict) -> None:
@@ -91,10 +110,12 @@ def load_resharded(ckpt, chunks, optimizer: ZeroOptimizer, manifest: dict) -> No
     needed = {name for name, _ in logical_names(chunks, optimizer)}
     old_world = int(manifest["world_size"])
     pieces: dict[tuple[str, int], dict] = {}
-    last = None
+    adam_step, scaler = None, None
     for r in range(old_world):
         state = load_file(ckpt, rank_file(r), manifest=manifest)
-        last = state
+        # A rank whose shard was all padding saved step 0: take the largest.
+        adam_step = max(adam_step or 0.0, state["adam_step"])
+        scaler = scaler or state["scaler"]
         for param, param_offset, shard_offset, numel in state["segments"].tolist():
             name, shape, shard = state["params"][param]
             if name not in needed:
@@ -103,7 +124,7 @@ def load_resharded(ckpt, chunks, optimizer: ZeroOptimizer, manifest: dict) -> No
                 "shape": shape, "shard": shard, **{k: torch.zeros(_numel(shape)) for k in STATE_KEYS}})
             for key in STATE_KEYS:
                 entry[key][param_offset:param_offset + numel] = state[key][shard_offset:shard_offset + numel]
-    if last is None:
+    if scaler is None:
         raise CheckpointError(f"{ckpt}: holds no rank files")
     full = _assemble(pieces)
     names = logical_names(chunks, optimizer)
@@ -116,7 +137,7 @@ def load_resharded(ckpt, chunks, optimizer: ZeroOptimizer, manifest: dict) -> No
             local = fit_to_shard(full[name][key], shard, shape, name, ckpt)
             getattr(optimizer, key)[seg.shard_offset:seg.shard_offset + seg.numel] = \
                 local.reshape(-1)[seg.param_offset:seg.param_offset + seg.numel]
-    _finish_load(optimizer, last["adam_step"], last["scaler"])
+    _finish_load(optimizer, adam_step, scaler, ckpt)
 
 
 def load_full_weights(ckpt) -> dict[str, torch.Tensor]:
@@ -156,13 +177,17 @@ def _assemble(pieces: dict, keys=STATE_KEYS) -> dict[str, dict[str, torch.Tensor
     return full
 
 
+VOCAB_PADDED = ("embedding.tokens.weight", "lm_head.weight")
+
+
 def fit_to_shard(full: torch.Tensor, shard: Optional[Shard], shape: tuple, name: str, ckpt) -> torch.Tensor:
-    """This rank's slice of a logical tensor, padding or trimming vocabulary rows (dim 0) to fit."""
+    """This rank's slice of a logical tensor; the vocabulary-padded matrices may gain or lose padding
+    rows (the vocabulary is padded to 128·tp), any other shape change is an error."""
     target = list(shape)
     if shard is not None:
         target[shard.dim] *= shard.count
     if list(full.shape) != target:
-        if list(full.shape[1:]) != target[1:]:
+        if name not in VOCAB_PADDED or list(full.shape[1:]) != target[1:]:
             raise CheckpointError(f"{ckpt}: parameter {name!r} has shape {tuple(full.shape)} in the checkpoint "
                                   f"but {tuple(target)} in this model; the model config differs")
         resized = torch.zeros(target, dtype=full.dtype)
@@ -172,8 +197,14 @@ def fit_to_shard(full: torch.Tensor, shard: Optional[Shard], shape: tuple, name:
     return full if shard is None else shard.take(full)
 
 
-def _finish_load(optimizer: ZeroOptimizer, adam_step: float, scaler: dict) -> None:
+def _finish_load(optimizer: ZeroOptimizer, adam_step: float, scaler: dict, ckpt) -> None:
     for state in optimizer.adam.state.values():
         state["step"].fill_(adam_step)
-    optimizer.scaler.load_state_dict(scaler)
+    scaler = dict(scaler)
+    kind = scaler.pop("kind", None)
+    if kind == type(optimizer.scaler).__name__:
+        optimizer.scaler.load_state_dict(scaler)
+    else:  # precision changed (e.g. fp16 -> bf16): the saved scale means nothing to this run
+        print(f"megazero: {ckpt}: loss scaler {kind} not carried over to {type(optimizer.scaler).__name__}; "
+              "it starts afresh", flush=True)
     optimizer.reload_params()

@@ -51,7 +51,8 @@ class GradReducer:
         else:
             self.flat = None
             self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     # --- views the optimizer reads -----------------------------------------------------------
     def segment_grad(self, seg) -> torch.Tensor:
@@ -61,10 +62,6 @@ class GradReducer:
         start = self.unit_start[self.layout.param_unit[seg.param]] + self.layout.param_offset[seg.param]
         start += seg.param_offset
         return self.flat[start:start + seg.numel]
-
-    def nbytes(self) -> int:
-        held = self.flat if self.flat is not None else self.shard
-        return held.numel() * held.element_size()
 
     # --- backward ----------------------------------------------------------------------------
     def begin_microbatch(self, last: bool) -> None:
@@ -180,19 +177,15 @@ class GradReducer:
         self._flush()
 
     def finish(self) -> None:
-        """At the accumulation boundary: every bucket reduced, every handle waited on."""
-        if self.mode == "full":
-            self._flush()
-        else:
-            while self.in_flight:
-                self._complete(self.in_flight.pop(0))
+        """At the accumulation boundary: every bucket reduced, every handle waited on. (In staged mode
+        the end-of-backward callback already flushed; this also covers a backward that raised.)"""
+        self._flush()
         self.overlap = False
+        self._callback_queued = False
 
     def zero(self) -> None:
         (self.flat if self.flat is not None else self.shard).zero_()
+        self.pool.extend(self.staging.values())
+        self.staging.clear()
         self.received = [0] * len(self.layout.buckets)
         self.launched = [False] * len(self.layout.buckets)
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()

@@ -220,7 +220,8 @@ class ZeroOptimizer:
         anywhere makes the sum non-finite on every rank, which is the overflow signal."""
         views = self._norm_views
         device = views[0].device if views else self.params[0].device
-        local = (torch.stack(torch._foreach_norm(views)).double().pow(2).sum() if views
+        # fp32 per-segment norms: a 16-bit norm of loss-scaled gradients overflows long before they do
+        local = (torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).double().pow(2).sum() if views
                  else torch.zeros((), dtype=torch.float64, device=device))
         if self.mp_group is not None:
             comm.all_reduce(local, self.mp_group)
@@ -233,8 +234,8 @@ class ZeroOptimizer:
         if self.master_grad is not None:
             for seg, g in zip(self.layout.segments, grads):
                 self.master_grad[seg.shard_offset:seg.shard_offset + seg.numel].copy_(g, non_blocking=True)
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()
+            if self.s.offload and torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()  # the host reads the copies next
             self.master_grad.mul_(coef)
         elif grads:
             torch._foreach_mul_(grads, coef)

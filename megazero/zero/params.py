@@ -11,28 +11,10 @@ same storage makes them valid again without touching the autograd graph.
 from __future__ import annotations
 
 import torch
+from torch.autograd import _unsafe_preserve_version_counter as keep_version  # gathers into saved storage
 
 from megazero.zero.layout import FlatLayout
 from parallel import comm
-
-try:  # gathering into storage that autograd saved must not count as an in-place edit
-    from torch.autograd import _unsafe_preserve_version_counter as _keep_version
-except ImportError:  # pragma: no cover - torch < 2.1
-    _keep_version = None
-
-
-class _NoVersionGuard:
-    def __init__(self, tensor):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-keep_version = _keep_version or _NoVersionGuard
 
 
 class ParamStore:
@@ -135,6 +117,3 @@ class ParamStore:
             if handle is not None:
                 handle.wait()
 
-    def nbytes(self) -> int:
-        held = self.shard.numel() if self.sharded else sum(u.numel() for u in self.units)
-        return held * torch.empty((), dtype=self.dtype).element_size()

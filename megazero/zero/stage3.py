@@ -36,6 +36,7 @@ class Stage3Hooks:
         layout = store.layout
         self.pending = {u: len(layout.unit_params[u]) for u in range(len(unit_modules))}
         self.received = dict.fromkeys(self.pending, 0)
+        self._callback_queued = False
         self._handles = [root.register_forward_pre_hook(self._model_pre) for root in roots]
         for u, module in enumerate(unit_modules):
             if module is None:
@@ -89,12 +90,24 @@ class Stage3Hooks:
 
     def _grad_arrived(self, unit: int):
         def hook(param):
+            if not self._callback_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._callback_queued = True
             self.received[unit] += 1
             if self.received[unit] == self.pending[unit]:
                 self.received[unit] = 0
                 if not self.keep:
                     self.store.release(unit)
         return hook
+
+    def _end_of_backward(self) -> None:
+        """A unit some of whose parameters got no gradient this backward is released now, and the
+        counts start afresh, so a short count never releases a unit in the middle of a backward."""
+        self._callback_queued = False
+        for unit, count in self.received.items():
+            if count and not self.keep:
+                self.store.release(unit)
+        self.received = dict.fromkeys(self.received, 0)
 
     def release_all(self) -> None:
         """After the step: only the updated shards remain."""
