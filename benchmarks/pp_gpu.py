@@ -23,9 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from megazero.engine import gpt_forward_step
 from models import GPT
 from models.config import ModelConfig
-from models.ops import IGNORE_INDEX
 from parallel.pipeline import PipelineExecutor, allreduce_embedding_grads, bubble_fraction
 from parallel.pipeline.partition import decoder_costs, resolve_split, stage_layers
 from parallel.topology import RankGrid, Topology
@@ -45,15 +45,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profiled-steps", type=int, default=2)
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo (to check the script, not to time)")
     return p.parse_args()
-
-
-def gpt_forward_step(module, x, microbatch, first, last):
-    """GPT stage call; the last stage turns per-token losses into the micro-batch's mean loss."""
-    inputs, labels = microbatch
-    out = module(inputs if first else x, labels if last else None)
-    if not last:
-        return out
-    return out.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def tied_embedding_params(chunks) -> list:
@@ -85,7 +76,8 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
     executor = PipelineExecutor(chunks, topo, shape, dtype=torch.bfloat16, device=device, schedule=schedule,
                                 forward_step=gpt_forward_step)
     g = torch.Generator(device=device).manual_seed(0)
-    data = [(torch.randint(0, cfg.vocab_size, shape[:2], device=device, generator=g),) * 2 for _ in range(m)]
+    data = [dict.fromkeys(("tokens", "labels"), torch.randint(0, cfg.vocab_size, shape[:2], device=device,
+                                                              generator=g)) for _ in range(m)]
     tied = tied_embedding_params(chunks)
 
     def one_step():
