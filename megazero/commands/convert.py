@@ -1,13 +1,7 @@
 """`megazero convert`: Convert checkpoints between megazero and Hugging Face formats."""
 
-from megazero.errors import UserError
+from megazero.commands.planned import register_planned
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("convert", help="Convert checkpoints between megazero and Hugging Face formats (not built yet)",
-                                   description="Convert checkpoints between megazero and Hugging Face formats. Not built yet: this command only says so.")
-    parser.set_defaults(func=run)
-
-
-def run(args) -> int:
-    raise UserError("'megazero convert' is not implemented yet in this version")
+    register_planned(subparsers, "convert", "Convert checkpoints between megazero and Hugging Face formats")
