@@ -88,10 +88,21 @@ def _world8(rank, world_size, prefix, root):
 
 
 def _world1(rank, world_size, prefix, root):
+    from megazero.errors import UserError
+
     ckpt = f"{root}/tp2pp2dp2-z1/checkpoints/step_0000003"
-    return {"single": _train(_overrides(prefix, f"{root}/single", extra=("--checkpoint.save_on_exit", "false")), 1),
-            "reshard_single": _train(_overrides(prefix, f"{root}/reshard-1", extra=(
-                "--checkpoint.load", ckpt, "--checkpoint.save_on_exit", "false")), 1)}
+    out = {"single": _train(_overrides(prefix, f"{root}/single", extra=("--checkpoint.save_on_exit", "false")), 1),
+           "reshard_single": _train(_overrides(prefix, f"{root}/reshard-1", extra=(
+               "--checkpoint.load", ckpt, "--checkpoint.save_on_exit", "false")), 1)}
+    try:  # lr 1e6 without clipping: fp16 weights overflow to inf, and the loss is NaN from then on
+        _train(_overrides(prefix, f"{root}/diverge", extra=(
+            "--optimizer.lr", "1e6", "--optimizer.min_lr", "1e6", "--optimizer.clip_grad", "0", "--precision.dtype", "fp16",
+            "--train.max_bad_steps", "3", "--checkpoint.save_on_exit", "false")), 1)
+        out["diverge"] = None
+    except UserError as exc:
+        out["diverge"] = str(exc)
+    out["diverge_metrics"] = read_metrics(os.path.join(root, "diverge", "metrics.jsonl"))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +222,10 @@ def test_sigterm_saves_a_loadable_checkpoint(data_prefix, tmp_path):
     assert ckpt is not None, out
     verify_checkpoint(ckpt)
     assert "stopping at step" in out and "SIGTERM" in out, out
+
+
+def test_repeated_nan_losses_stop_the_run_with_a_message(layouts):
+    message, rows = layouts["diverge"], layouts["diverge_metrics"]
+    assert message is not None and "NaN or inf for 3 steps in a row" in message, message
+    bad = [r for r in rows if r["loss"] is None]
+    assert len(bad) >= 2 and all(r["skipped_steps"] >= 1 for r in bad), rows
