@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import CheckpointWriter, PreemptionHandler, latest_checkpoint, read_manifest, resolve_checkpoint
-from megazero.checkpoint.state import load_checkpoint, rank_file, rank_state
+from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets
@@ -104,8 +104,7 @@ class Trainer:
     def save(self) -> None:
         meta = {"step": self.state.step, "consumed": self.state.consumed, "skipped": self.state.skipped,
                 "bad_in_row": self.state.bad_in_row, "layout": self._layout(), "config": config_to_dict(self.cfg)}
-        self.writer.save(self.state.step, {rank_file(self.rank): rank_state(self.engine.chunks, self.engine.optimizer)},
-                         meta=meta)
+        self.writer.save(self.state.step, rank_files(self.engine.chunks, self.engine.optimizer, self.rank), meta=meta)
 
     def _log_memory(self) -> None:
         opt = self.engine.optimizer

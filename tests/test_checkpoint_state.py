@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import CheckpointWriter, read_manifest
-from megazero.checkpoint.state import load_checkpoint, rank_file, rank_state
+from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import load_config
 from megazero.engine import Engine
 from megazero.zero import DynamicLossScaler, ZeroOptimizer, ZeroSettings
@@ -23,12 +23,13 @@ from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
 
 
-def _engine(topo, bucket_mb: float, dtype: str = "fp32") -> Engine:
-    cfg = load_config(None, ["--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
+def _engine(topo, bucket_mb: float, dtype: str = "fp32", extra=()) -> Engine:
+    cfg = load_config(None, [*extra, "--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
                              "--model.vocab_size", "61", "--model.seq_length", "16", "--zero.stage", "1",
                              "--zero.bucket_size_mb", str(bucket_mb), "--precision.dtype", dtype,
                              "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
-                             "--parallel.dp", "2", "--train.device", "cpu", "--optimizer.lr", "1e-2"])
+                             "--parallel.dp", str(topo.dp_size), "--train.device", "cpu",
+                             "--optimizer.lr", "1e-2"])
     return Engine(cfg, topo, torch.device("cpu"))
 
 
@@ -40,7 +41,7 @@ def _step(engine, seed):
 
 def _save(engine, root, rank):
     writer = CheckpointWriter(root, rank=rank, world_size=2, barrier=dist.barrier)
-    writer.save(2, {rank_file(rank): rank_state(engine.chunks, engine.optimizer)}, meta={"step": 2})
+    writer.save(2, rank_files(engine.chunks, engine.optimizer, rank), meta={"step": 2})
     return root + "/step_0000002"
 
 
@@ -62,7 +63,27 @@ def _world(rank, world_size, root):
     load_checkpoint(ckpt, rank, fp16.chunks, fp16.optimizer, manifest, same_layout=True)
     out["fp16_scale_after_fp32_ckpt"] = fp16.optimizer.scaler.scale
     out["fp16_norm"] = _fp16_norm(topo)
+    out["files_read"] = _pipeline_reshard_reads(rank, root)
     return out
+
+
+def _pipeline_reshard_reads(rank, root):
+    """pp2 (untied head): resharding into other buckets reads only this stage's rank file."""
+    from megazero.checkpoint import state as state_module
+
+    topo = Topology(RankGrid(tp=1, pp=2, dp=1))
+    untied = ("--parallel.pp", "2", "--model.tie_embeddings", "false")
+    source = _engine(topo, 0.002, extra=untied)
+    _step(source, 0)
+    ckpt = _save(source, root + "/pp", rank)
+    reads, real = [], state_module.load_file
+    state_module.load_file = lambda c, name, **kw: (reads.append(name), real(c, name, **kw))[1]
+    try:
+        target = _engine(topo, 0.0005, extra=untied)
+        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
+    finally:
+        state_module.load_file = real
+    return sorted(n for n in reads if not n.endswith(".index.pt"))
 
 
 def _fp16_norm(topo):
@@ -106,3 +127,8 @@ def test_fp16_gradient_norm_is_computed_in_fp32(report):
         skipped, norm = r["fp16_norm"]
         # the mean gradient is 10 in each of 10,000 elements: norm 1000
         assert not skipped and norm == pytest.approx(1000.0, rel=1e-3), (skipped, norm)
+
+
+def test_reshard_reads_only_the_files_holding_this_ranks_parameters(report):
+    for rank, r in enumerate(report):
+        assert r["files_read"] == [f"rank_{rank:05d}.pt"], r["files_read"]

@@ -30,6 +30,16 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+def index_file(rank: int) -> str:
+    """A rank file's shard description alone: small, so a loader can find the files it needs."""
+    return f"rank_{rank:05d}.index.pt"
+
+
+def rank_files(chunks, optimizer: ZeroOptimizer, rank: int) -> dict:
+    """Everything this rank writes into a checkpoint, by file name."""
+    return {rank_file(rank): rank_state(chunks, optimizer), index_file(rank): describe_shard(chunks, optimizer)}
+
+
 def logical_names(chunks: list[torch.nn.Module], optimizer: ZeroOptimizer) -> list[tuple[str, Optional[Shard]]]:
     """For each optimizer parameter: its single-device name and the tp slice this rank holds."""
     by_id = {}
@@ -93,9 +103,10 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ZeroOptimizer, manifest:
     then would scramble every parameter. Otherwise the checkpoint is resharded.
     """
     if same_layout and rank_file(rank) in manifest["files"]:
-        state = load_file(ckpt, rank_file(rank), manifest=manifest)
         mine = describe_shard(chunks, optimizer)
-        if state["params"] == mine["params"] and torch.equal(state["segments"], mine["segments"]):
+        saved = _description(ckpt, rank, manifest)
+        if saved["params"] == mine["params"] and torch.equal(saved["segments"], mine["segments"]):
+            state = load_file(ckpt, rank_file(rank), manifest=manifest)
             for key in STATE_KEYS:
                 getattr(optimizer, key).copy_(state[key])
             _finish_load(optimizer, state["adam_step"], state["scaler"], ckpt)
@@ -105,13 +116,23 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ZeroOptimizer, manifest:
     return False
 
 
+def _description(ckpt, rank: int, manifest: dict) -> dict:
+    name = index_file(rank) if index_file(rank) in manifest["files"] else rank_file(rank)
+    return load_file(ckpt, name, manifest=manifest)
+
+
 def load_resharded(ckpt, chunks, optimizer: ZeroOptimizer, manifest: dict) -> None:
-    """Any other layout: rebuild the logical tensors this rank needs, then take the new slices."""
+    """Any other layout: rebuild the logical tensors this rank needs, then take the new slices.
+
+    Only the old files holding a parameter this rank needs are read (found from the small index
+    files): a pipeline stage reads its own stage's files, not the whole checkpoint."""
     needed = {name for name, _ in logical_names(chunks, optimizer)}
     old_world = int(manifest["world_size"])
     pieces: dict[tuple[str, int], dict] = {}
     adam_step, scaler = None, None
     for r in range(old_world):
+        if not any(name in needed for name, _, _ in _description(ckpt, r, manifest)["params"]):
+            continue
         state = load_file(ckpt, rank_file(r), manifest=manifest)
         # A rank whose shard was all padding saved step 0: take the largest.
         adam_step = max(adam_step or 0.0, state["adam_step"])
@@ -125,7 +146,8 @@ def load_resharded(ckpt, chunks, optimizer: ZeroOptimizer, manifest: dict) -> No
             for key in STATE_KEYS:
                 entry[key][param_offset:param_offset + numel] = state[key][shard_offset:shard_offset + numel]
     if scaler is None:
-        raise CheckpointError(f"{ckpt}: holds no rank files")
+        raise CheckpointError(f"{ckpt}: holds no parameter of this rank's model part; was it saved from a "
+                              "different model?")
     full = _assemble(pieces)
     names = logical_names(chunks, optimizer)
     for seg in optimizer.layout.segments:
