@@ -21,7 +21,7 @@ from models import GPT
 from models.ops import IGNORE_INDEX
 from models.parallelize import parallelize_gpt
 from parallel.pipeline import PipelineExecutor
-from parallel.pipeline.partition import decoder_costs, resolve_split, stage_layers
+from parallel.pipeline.partition import resolve_split, stage_layers
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import Topology
 
@@ -67,12 +67,9 @@ class Engine:
     # --- construction ------------------------------------------------------------------------
     @property
     def split(self) -> list[int]:
-        """Blocks per virtual stage, in virtual-stage order."""
+        """Blocks per virtual stage, in virtual-stage order: ``parallel.pipeline_split``, else equal."""
         m, p = self.cfg.model, self.cfg.parallel
-        costs = None
-        if p.pipeline_split is None and p.pp > 1 and m.num_layers % (p.pp * p.virtual_stages):
-            costs = decoder_costs(m.hidden_size, m.ffn_size, m.vocab_size, m.seq_length)
-        return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split, costs)
+        return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
 
     def _build_chunks(self) -> list[GPT]:
         """Each chunk is built on the meta device and only this rank's shard is materialised, with
