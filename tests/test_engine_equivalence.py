@@ -78,9 +78,7 @@ def _case(topo, tp, pp, dp, stage, extra=()):
         batches = _batches(step, dp)
         mine = batches[topo.dp_rank * MICROS_PER_RANK:(topo.dp_rank + 1) * MICROS_PER_RANK]
         losses.append(engine.train_step(mine, lr=1e-2).loss)
-    if stage == 3:
-        for u in range(len(engine.optimizer.store.units)):
-            engine.optimizer.store.gather(u)
+    engine.optimizer.wait_params()
     reference, ref_losses = _reference(cfg, dp)
     ref = dict(reference.named_parameters())
     worst, worst_name = 0.0, None

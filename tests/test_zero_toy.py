@@ -96,9 +96,7 @@ def _zero_run(rank, world_size):
                         loss = model(*_data(step, dp_rank * MICRO + micro)) / MICRO
                         opt.scale_loss(loss).backward()
                     norms.append(opt.step().grad_norm)
-                if stage == 3:
-                    for u in range(len(opt.store.units)):
-                        opt.store.gather(u)
+                opt.wait_params()
                 err = max((p - q).abs().max().item()
                           for p, q in zip(model.state_dict().values(), reference.state_dict().values()))
                 results[(dp, clip, stage, variant)] = (err, norms)

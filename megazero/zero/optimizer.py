@@ -107,9 +107,14 @@ class ZeroOptimizer:
         self.reducer = GradReducer(self.params, self.layout, dp_group, settings.grad_dtype,
                                    mode="staged" if staged else "full", reduce_scatter=settings.stage > 0)
         self.stage3 = None
+        # The order the forward uses units in: the persistent one (embeddings) first, then the blocks.
+        self.unit_order = ([u for u, m in enumerate(unit_modules) if m is None]
+                           + [u for u, m in reversed(list(enumerate(unit_modules))) if m is not None])
         if settings.stage == 3:
             self.stage3 = Stage3Hooks(roots or [model], unit_modules, self.store, settings.prefetch_depth,
                                       keep_until_step=settings.once_per_step)
+        elif settings.stage in (1, 2):
+            self._wait_before_use(roots or [model], unit_modules)
         index = {id(p): i for i, p in enumerate(self.params)}
         self.tied = [(index[id(p)], group) for p, group in (tied or [])]
         for i, _ in self.tied:
@@ -168,6 +173,27 @@ class ZeroOptimizer:
             self.adam.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
                                      "exp_avg": self.exp_avg[lo:hi], "exp_avg_sq": self.exp_avg_sq[lo:hi]}
 
+    def _wait_before_use(self, roots, unit_modules) -> None:
+        """Stages 1-2 leave the post-step all-gathers running: a unit waits for its own just before
+        its forward (the roots for the persistent unit), so they overlap the next step's compute."""
+        persistent = [u for u, m in enumerate(unit_modules) if m is None]
+
+        def wait_persistent(module, args):
+            for u in persistent:
+                self.store.wait(u)
+        for root in roots:
+            root.register_forward_pre_hook(wait_persistent)
+        for u, module in enumerate(unit_modules):
+            if module is not None:
+                module.register_forward_pre_hook(lambda module, args, u=u: self.store.wait(u))
+
+    def wait_params(self) -> None:
+        """Make every 16-bit parameter current, for code that reads them outside a forward."""
+        self.store.wait_all()
+        if self.stage3 is not None:
+            for unit in range(len(self.store.units)):
+                self.store.gather(unit)
+
     # --- the training loop's calls -----------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale
@@ -205,7 +231,7 @@ class ZeroOptimizer:
         self.adam.step()
         self.store.load_owned(self.master)
         if self.s.stage in (1, 2):
-            self.store.all_gather_buckets()
+            self.store.all_gather_buckets(self.unit_order)
         self.zero_grad()
         self._after_step()
         return StepResult(grad_norm, False, scale)
@@ -267,7 +293,7 @@ class ZeroOptimizer:
         """After the master shard was overwritten (a checkpoint load): rebuild the 16-bit weights."""
         self.store.load_owned(self.master)
         if self.s.stage in (1, 2):
-            self.store.all_gather_buckets()
+            self.store.all_gather_buckets(self.unit_order)
         self._after_step()
 
 

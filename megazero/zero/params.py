@@ -105,15 +105,22 @@ class ParamStore:
         self._host_buffer.copy_(master_shard)
         return self._host_buffer
 
-    def all_gather_buckets(self) -> None:
-        """Stages 1-2: every rank updated its slice; the whole buffer is rebuilt by an in-place all-gather."""
-        handles = []
-        for bucket in self.layout.buckets:
-            buf = self.units[bucket.unit]
-            with keep_version(buf):
-                handles.append(comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_view(bucket),
-                                                    self.group, async_op=True))
-        for handle in handles:
-            if handle is not None:
-                handle.wait()
+    def all_gather_buckets(self, unit_order: list[int]) -> None:
+        """Stages 1-2: every rank updated its slice; each unit is rebuilt by in-place all-gathers.
+
+        They are only started here, unit by unit in ``unit_order`` (the order the next forward uses
+        them); ``wait(unit)``, called just before a unit runs, finishes them, so the gathers of later
+        units overlap the computation of earlier ones."""
+        for unit in unit_order:
+            buf = self.units[unit]
+            for bucket in self.layout.unit_buckets(unit):
+                with keep_version(buf):
+                    handle = comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_view(bucket),
+                                                  self.group, async_op=True)
+                if handle is not None:
+                    self._pending.setdefault(unit, []).append(handle)
+
+    def wait_all(self) -> None:
+        for unit in list(self._pending):
+            self.wait(unit)
 
