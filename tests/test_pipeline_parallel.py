@@ -13,6 +13,8 @@ A second world runs the wider matrix under ``-m slow``.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -216,6 +218,9 @@ def _hang(rank, world_size):
         return str(err)
     except RuntimeError as err:  # the other rank: its peer went away
         return "peer: " + str(err)[:200]
+    # Stage 0 finished its part: stay connected past stage 1's 3 s timeout, or closing the gloo pairs
+    # would fail stage 1's receive with "connection closed" before its own timeout could speak.
+    time.sleep(6)
     return "finished"
 
 
