@@ -17,6 +17,8 @@ is free (no copy). All of them are identities on a group of one rank.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -29,130 +31,67 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+def _check_divisible(x: torch.Tensor, dim: int, size: int) -> None:
+    if x.shape[dim] % size:
+        what = "sequence length" if dim == 1 else f"dimension {dim}"
+        raise ValueError(f"{what} {x.shape[dim]} is not divisible by the tensor-parallel size {size}")
+
+
+def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``."""
     size = comm.group_size(group)
     if size == 1:
         return x
-    front = x.transpose(0, 1).contiguous()
+    front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
     comm.all_gather_into(out, front, group)
-    return out.transpose(0, 1)
+    return out.movedim(0, dim)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep this rank's part along ``dim``."""
     size = comm.group_size(group)
     if size == 1:
         return x
-    front = x.transpose(0, 1).contiguous()
-    if front.shape[0] % size:
-        raise ValueError(f"sequence length {front.shape[0]} is not divisible by the tensor-parallel size {size}")
+    _check_divisible(x, dim, size)
+    front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
     comm.reduce_scatter_into(out, front, group)
-    return out.transpose(0, 1)
+    return out.movedim(0, dim)
 
 
-def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's part of a replicated ``x`` along ``dim`` (no communication)."""
     size = comm.group_size(group)
     if size == 1:
         return x
-    front = x.movedim(-1, 0).contiguous()
-    out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
-    comm.all_gather_into(out, front, group)
-    return out.movedim(0, -1)
+    _check_divisible(x, dim, size)
+    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
 
 
-def _split_last(x: torch.Tensor, group) -> torch.Tensor:
-    size = comm.group_size(group)
-    if size == 1:
-        return x
-    if x.shape[-1] % size:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the tensor-parallel size {size}")
-    return x.chunk(size, dim=-1)[dist.get_rank(group)].contiguous()
+def _mirrored(name: str, forward: Callable, backward: Callable) -> type:
+    """An autograd function that runs ``forward(x, group)`` and, in backward, ``backward(grad, group)``."""
 
-
-def _split_seq(x: torch.Tensor, group) -> torch.Tensor:
-    size = comm.group_size(group)
-    if size == 1:
-        return x
-    if x.shape[1] % size:
-        raise ValueError(f"sequence length {x.shape[1]} is not divisible by the tensor-parallel size {size}")
-    return x.chunk(size, dim=1)[dist.get_rank(group)].contiguous()
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+    def fwd(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
 
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
-class _SplitSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+SEQ, LAST = 1, -1
+_CopyToTP = _mirrored("_CopyToTP", lambda x, g: x.view_as(x), _all_reduce)
+_ReduceFromTP = _mirrored("_ReduceFromTP", lambda x, g: _all_reduce(x.clone(), g), lambda grad, g: grad)
+_ScatterToTP = _mirrored("_ScatterToTP", lambda x, g: _split(x, g, LAST), lambda grad, g: _gather(grad, g, LAST))
+_GatherFromTP = _mirrored("_GatherFromTP", lambda x, g: _gather(x, g, LAST), lambda grad, g: _split(grad, g, LAST))
+_SplitSequence = _mirrored("_SplitSequence", lambda x, g: _split(x, g, SEQ), lambda grad, g: _gather(grad, g, SEQ))
+_GatherSequence = _mirrored("_GatherSequence", lambda x, g: _gather(x, g, SEQ),
+                            lambda grad, g: _reduce_scatter(grad, g, SEQ))
+_ReduceScatterSequence = _mirrored("_ReduceScatterSequence", lambda x, g: _reduce_scatter(x, g, SEQ),
+                                   lambda grad, g: _gather(grad, g, SEQ))
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
