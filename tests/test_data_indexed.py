@@ -103,24 +103,23 @@ def corrupt(path, offset, data):
         f.write(data)
 
 
-def test_wrong_magic(tmp_path):
+N = len(DOCS)
+HEADER_CORRUPTIONS = [  # (what, byte offset in the .idx, bytes written there, expected message)
+    ("wrong magic", 0, b"NOTMAGIC!", r"a\.idx: not a Megatron indexed dataset"),
+    ("wrong version", 9, struct.pack("<Q", 2), "version 2 is not supported"),
+    ("unknown dtype code", 17, bytes([42]), "unknown dtype code 42"),
+    ("pointer past the end", 34 + 4 * N + 8 * (N - 1), struct.pack("<q", 10_000),
+     rf"a\.idx: pointer of sequence {N - 1} is 10000"),
+    # an .idx that claims int32 over a .bin of uint16 tokens no longer adds up
+    ("dtype mismatch", 17, bytes([4]), "pointer of sequence 1|dtype does not match"),
+]
+
+
+@pytest.mark.parametrize("what, offset, data, message", HEADER_CORRUPTIONS, ids=[c[0] for c in HEADER_CORRUPTIONS])
+def test_corrupt_index_is_named(tmp_path, what, offset, data, message):
     prefix = write(tmp_path / "a")
-    corrupt(prefix + ".idx", 0, b"NOTMAGIC!")
-    with pytest.raises(ValueError, match=r"a\.idx: not a Megatron indexed dataset"):
-        IndexedDataset(prefix)
-
-
-def test_wrong_version(tmp_path):
-    prefix = write(tmp_path / "a")
-    corrupt(prefix + ".idx", 9, struct.pack("<Q", 2))
-    with pytest.raises(ValueError, match="version 2 is not supported"):
-        IndexedDataset(prefix)
-
-
-def test_unknown_dtype_code(tmp_path):
-    prefix = write(tmp_path / "a")
-    corrupt(prefix + ".idx", 17, bytes([42]))
-    with pytest.raises(ValueError, match="unknown dtype code 42"):
+    corrupt(prefix + ".idx", offset, data)
+    with pytest.raises(ValueError, match=message):
         IndexedDataset(prefix)
 
 
@@ -139,22 +138,6 @@ def test_truncated_idx(tmp_path):
         IndexedDataset(prefix)
     os.truncate(prefix + ".idx", 10)
     with pytest.raises(ValueError, match=r"a\.idx: truncated index"):
-        IndexedDataset(prefix)
-
-
-def test_pointer_past_end(tmp_path):
-    prefix = write(tmp_path / "a")
-    n = len(DOCS)
-    corrupt(prefix + ".idx", 34 + 4 * n + 8 * (n - 1), struct.pack("<q", 10_000))
-    with pytest.raises(ValueError, match=rf"a\.idx: pointer of sequence {n - 1} is 10000"):
-        IndexedDataset(prefix)
-
-
-def test_dtype_mismatch(tmp_path):
-    """An .idx that claims int32 over a .bin of uint16 tokens no longer adds up."""
-    prefix = write(tmp_path / "a")
-    corrupt(prefix + ".idx", 17, bytes([4]))
-    with pytest.raises(ValueError, match="pointer of sequence 1|dtype does not match"):
         IndexedDataset(prefix)
 
 
