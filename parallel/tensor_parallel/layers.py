@@ -50,6 +50,15 @@ class _TPModule(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.tp_shards: dict[str, Shard] = {}
 
+    @classmethod
+    def _from(cls, module: nn.Module, group, sequence_parallel: bool, memo, split_dims: dict):
+        """This rank's layer from a plain ``module``: each named parameter split along its dim."""
+        layer = cls(group, sequence_parallel)
+        memo = {} if memo is None else memo
+        for name, dim in split_dims.items():
+            layer._place(name, getattr(module, name), dim, memo)
+        return layer
+
     def _place(self, name: str, param: Optional[nn.Parameter], dim: Optional[int], memo: dict) -> None:
         """Register this rank's part of ``param`` split along ``dim`` (None: replicated)."""
         if dim is None or param is None:
@@ -71,11 +80,7 @@ class ColumnParallelLinear(_TPModule):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None):
-        layer = cls(group, sequence_parallel)
-        memo = {} if memo is None else memo
-        layer._place("weight", linear.weight, 0, memo)
-        layer._place("bias", linear.bias, 0, memo)
-        return layer
+        return cls._from(linear, group, sequence_parallel, memo, {"weight": 0, "bias": 0})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
@@ -87,11 +92,7 @@ class RowParallelLinear(_TPModule):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None):
-        layer = cls(group, sequence_parallel)
-        memo = {} if memo is None else memo
-        layer._place("weight", linear.weight, 1, memo)
-        layer._place("bias", linear.bias, None, memo)
-        return layer
+        return cls._from(linear, group, sequence_parallel, memo, {"weight": 1, "bias": None})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -107,9 +108,7 @@ class VocabParallelEmbedding(_TPModule):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group, sequence_parallel: bool = False, memo=None):
-        layer = cls(group, sequence_parallel)
-        layer._place("weight", embedding.weight, 0, {} if memo is None else memo)
-        return layer
+        return cls._from(embedding, group, sequence_parallel, memo, {"weight": 0})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
