@@ -120,6 +120,8 @@ class ZeroOptimizer:
         for i, _ in self.tied:
             self.reducer.defer(i)
         counted = [counts_for_norm(n, p) for n, p in zip(self.names, self.params)]
+        # The reduced gradient of each owned segment: views into buffers that live as long as the optimizer.
+        self._grads = [self.reducer.segment_grad(seg) for seg in self.layout.segments]
         self._norm_views = [g for seg, g in zip(self.layout.segments, self._grads) if counted[seg.param]]
         self._build_adam()
 
@@ -139,18 +141,14 @@ class ZeroOptimizer:
             if self.s.offload and torch.cuda.is_available():
                 self.master_grad = self.master_grad.pin_memory()
 
-    @property
-    def _grads(self) -> list[torch.Tensor]:
-        return [self.reducer.segment_grad(seg) for seg in self.layout.segments]
-
     def _build_adam(self) -> None:
         decay, no_decay = [], []
         self._master_views = {}
-        for seg in self.layout.segments:
+        for seg, grad in zip(self.layout.segments, self._grads):
             view = self.master[seg.shard_offset:seg.shard_offset + seg.numel]
             self._master_views[seg] = view
             view.grad = (self.master_grad[seg.shard_offset:seg.shard_offset + seg.numel]
-                         if self.master_grad is not None else self.reducer.segment_grad(seg))
+                         if self.master_grad is not None else grad)
             (decay if self.params[seg.param].dim() >= 2 else no_decay).append(view)
         groups = [{"params": decay, "weight_decay": self.s.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
@@ -271,8 +269,7 @@ class ZeroOptimizer:
         """Bytes of storage this rank really holds per model-state category, read from the tensors'
         storages (so views are counted once and a released stage-3 unit counts zero)."""
         moments = [t for st in self.adam.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")]
-        grads = [self.reducer.flat, self.reducer.shard, self.master_grad, *self.reducer.pool]
-        grads += self._grads
+        grads = [self.reducer.flat, self.reducer.shard, self.master_grad, *self.reducer.pool, *self._grads]
         return {"params": _storage_bytes(self.params + [self.store.shard]),
                 "grads": _storage_bytes(grads),
                 "master": _storage_bytes(list(self._master_views.values()) + [self.master]),
