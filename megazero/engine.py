@@ -128,7 +128,7 @@ class Engine:
         tied head on a stage without the embedding is the embedding's second copy."""
         sharded = {id(container.get_parameter(name)) for name in param_shards(container)}
         first_tp = self.topo.tp_rank == 0
-        second_copies = {id(p) for p, _ in self._tied_params() if self.topo.pp_rank != 0}
+        second_copies = {id(c.tied_head_copy) for c in self.chunks if c.tied_head_copy is not None}
 
         def counts(name: str, param: torch.nn.Parameter) -> bool:
             if id(param) in second_copies:
@@ -145,8 +145,8 @@ class Engine:
         for chunk in self.chunks:
             if chunk.embedding is not None:
                 tied.append((chunk.embedding.tokens.weight, group))
-            if chunk.lm_head is not None and chunk.embedding is None:
-                tied.append((chunk.lm_head.weight, group))
+            if chunk.tied_head_copy is not None:
+                tied.append((chunk.tied_head_copy, group))
         return tied
 
     # --- training ----------------------------------------------------------------------------

@@ -119,6 +119,14 @@ class GPT(nn.Module):
     def tied(self) -> bool:
         return self.cfg.tie_embeddings
 
+    @property
+    def tied_head_copy(self) -> Optional[nn.Parameter]:
+        """The head's weight when it is this stage's copy of an embedding held by the first stage
+        (the pipeline keeps the two equal), else None."""
+        if self.tied and self.embedding is None and self.lm_head is not None:
+            return self.lm_head.weight
+        return None
+
     def tie_weights(self) -> None:
         """Share the embedding with the head when both live here (again after ``to_empty``).
 

@@ -45,11 +45,8 @@ def logical_names(chunks: list[torch.nn.Module], optimizer: ZeroOptimizer) -> li
     by_id = {}
     for chunk in chunks:
         shards = param_shards(chunk)
-        tied_copy = chunk.cfg.tie_embeddings and chunk.embedding is None
         for name, param in chunk.named_parameters():
-            logical = name
-            if name == "lm_head.weight" and tied_copy:
-                logical = "embedding.tokens.weight"  # the last stage's copy of the tied embedding
+            logical = "embedding.tokens.weight" if param is chunk.tied_head_copy else name
             by_id[id(param)] = (logical, shards.get(name))
     return [by_id[id(p)] for p in optimizer.params]
 
