@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU benchmark suite on one node of 2 GPUs, in parts that each fit a 10-minute call:
 #   benchmarks/gpu_suite.sh zero     megazero ZeRO stages 0-3 (+ stage 3 offload) and DDP / FSDP2 peers
-#                                    (RUNS overrides the megazero runs, e.g. "stage1 stage1-compile")
+#                                    (RUNS overrides the megazero runs, e.g. "stage1 stage1-compile";
+#                                    PROFILE=1 adds each run's kernel table to $OUT)
 #   benchmarks/gpu_suite.sh ds       DeepSpeed ZeRO-1/2/3 peers (PEERS/WHEELS as in the peers' README)
 #   benchmarks/gpu_suite.sh layers   tensor- and pipeline-parallel benchmarks
 #   benchmarks/gpu_suite.sh trainer  scripts/pretrain_gpt.sh with a 1.3B GPT on 1 and 2 GPUs
@@ -19,7 +20,7 @@ zero)
   # one process per run, so each run's peak memory is its own
   for r in ${RUNS:-stage0 stage1 stage2 stage3 stage3-offload}; do
     run timeout 150 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs "$r" \
-      --warmup 3 --steps 10
+      --warmup 3 --steps 10 ${PROFILE:+--profile ${OUT:-/tmp}}
   done
   PEERS=$PEERS MODES="ddp fsdp2" run bash $PEERS/run_peers.sh ;;
 ds)

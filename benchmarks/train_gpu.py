@@ -53,7 +53,32 @@ def run_overrides(run: str) -> list[str]:
     return out
 
 
-def measure(cfg, launch, device, warmup: int, steps: int) -> dict:
+def profile_steps(engine, batch, out_dir: str, run_name: str, steps: int = 3) -> dict:
+    """Profile ``steps`` more steps: rank 0 writes the kernel table to ``out_dir``; returns how much
+    of the wall time the GPU spent computing (kernels other than NCCL's, intervals merged)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.train_step(batch)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" not in e.name.lower())
+    busy, end = 0.0, float("-inf")
+    for lo, hi in kernels:
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"profile_{run_name}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=45))
+    return {"profiled_step_ms": round(wall / steps * 1e3, 1), "compute_busy": round(busy / 1e6 / wall, 3)}
+
+
+def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | None = None,
+            run_name: str = "") -> dict:
     p = cfg.parallel
     topo = Topology(RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order), ranks_per_node=launch.local_world_size)
     t0 = time.perf_counter()
@@ -66,20 +91,22 @@ def measure(cfg, launch, device, warmup: int, steps: int) -> dict:
     batch = [{"tokens": torch.randint(0, cfg.model.vocab_size, (mbs, seq), generator=g),
               "labels": torch.randint(0, cfg.model.vocab_size, (mbs, seq), generator=g)} for _ in range(micros)]
     for _ in range(warmup):
-        loss = engine.train_step(batch).loss
+        out = engine.train_step(batch)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
-        loss = engine.train_step(batch).loss
+        out = engine.train_step(batch)  # not read until the end: a loop that logs nothing never syncs
+    loss = out.loss
     if device.type == "cuda":
         torch.cuda.synchronize()
     step_s = (time.perf_counter() - t0) / steps
     tokens_per_gpu = cfg.train.global_batch_size * seq / step_s / dist.get_world_size()
     tflops = tokens_per_gpu * flops_per_token(cfg.model) / 1e12
     peak = peak_flops(device_name(device), cfg.precision.dtype)
+    profiled = profile_steps(engine, batch, profile_dir, run_name) if profile_dir and device.type == "cuda" else {}
     predicted = engine.optimizer.predicted_memory()
     result = {
         "tokens_per_s_per_gpu": round(tokens_per_gpu), "tflops_per_gpu": round(tflops, 1),
@@ -89,6 +116,7 @@ def measure(cfg, launch, device, warmup: int, steps: int) -> dict:
         "allocated_after_build_GiB": round(states_gib, 2) if states_gib is not None else None,
         "loss": round(loss, 4),
         "build_s": round(build_s, 1),
+        **profiled,
     }
     del engine
     gc.collect()
@@ -104,6 +132,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--cpu", action="store_true", help="tiny model on gloo, to check the script")
+    ap.add_argument("--profile", metavar="DIR", help="also profile a few steps; kernel tables go to DIR")
     args, overrides = ap.parse_known_args()
     launch = read_launch_env()
     base = list(overrides)
@@ -124,7 +153,7 @@ def main() -> None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, global_batch_size=cfg.train.micro_batch_size * dp * micros))
         cfg = resolve_config(cfg, launch.world_size, launch.local_world_size)
-        result = measure(cfg, launch, device, args.warmup, args.steps)
+        result = measure(cfg, launch, device, args.warmup, args.steps, args.profile, run)
         if launch.rank == 0:
             print(json.dumps({"run": run, "world": launch.world_size, "device": device_name(device) or "cpu",
                               "mbs": cfg.train.micro_batch_size, "global_batch": cfg.train.global_batch_size,

@@ -8,7 +8,6 @@ optimizer step over a list of micro-batches, identical in meaning for every layo
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -39,8 +38,14 @@ def gpt_forward_step(module, x, microbatch, first: bool, last: bool):
 
 @dataclass
 class StepOutput:
-    loss: float
+    """One step's loss and optimizer result; both stay on the device until read, so a caller that
+    does not look (a benchmark) lets the next step queue up behind this one without a host sync."""
+    loss_value: torch.Tensor
     result: StepResult
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_value)
 
 
 class Engine:
@@ -92,11 +97,18 @@ class Engine:
             chunk.init_weights(seed)
             chunk.train()
             if cfg.train.compile:
-                for block in chunk.layers.values():
-                    # Compile the forward only: module hooks (ZeRO stage 3 gathers) stay eager.
-                    block.forward = torch.compile(block.forward)
+                self._compile(chunk)
             chunks.append(chunk)
         return chunks
+
+    def _compile(self, chunk: GPT) -> None:
+        """Compile each block's forward, and the head with its loss where it is plain torch (tp 1):
+        forwards only, so module hooks (ZeRO stage 3 gathers) stay eager; a tensor-parallel head
+        keeps its collectives outside any graph."""
+        for block in chunk.layers.values():
+            block.forward = torch.compile(block.forward)
+        if chunk.lm_head is not None and self.cfg.parallel.tp == 1:
+            chunk.head = torch.compile(chunk.head)
 
     def _build_optimizer(self) -> ZeroOptimizer:
         cfg, topo = self.cfg, self.topo
@@ -153,8 +165,8 @@ class Engine:
     def train_step(self, microbatches: list[dict], lr: Optional[float] = None) -> StepOutput:
         """Forward and backward every micro-batch through the pipeline, then one optimizer step."""
         microbatches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
-        loss = float(self.executor.step(microbatches, grad_scale=self.optimizer.scaler.scale))
-        result = self.optimizer.step(lr, skip=not math.isfinite(loss))  # the loss agrees on every rank
+        loss = self.executor.step(microbatches, grad_scale=self.optimizer.scaler.scale)
+        result = self.optimizer.step(lr, skip=~torch.isfinite(loss))  # the loss agrees on every rank
         return StepOutput(loss, result)
 
     @torch.no_grad()

@@ -142,6 +142,11 @@ class GPT(nn.Module):
             x = block(x)
         if self.lm_head is None:
             return x
+        return self.head(x, labels)
+
+    def head(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final norm, vocabulary projection and (given labels) the per-token loss: one method, so
+        it can be compiled as one graph (the logits are the largest activation of the model)."""
         logits = self.lm_head(self.final_norm(x))
         return logits if labels is None else self.loss(logits, labels)
 

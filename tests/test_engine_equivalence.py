@@ -6,7 +6,8 @@ that binds, and compares every parameter with a single-process GPT trained by to
 same global batches. Layouts (tp, pp, dp) run in a 4-rank and an 8-rank world:
 dp 2: (2,1,2) (1,2,2) (2,2,2); dp 4: (1,1,4) (1,2,4) (2,1,4) — every value of every axis of the
 issue's matrix with every ZeRO stage. The remaining two layouts, (1,1,2) and (2,2,4), run in 2- and
-16-rank worlds under the ``slow`` marker. Tolerance: fp32, parameters within 2e-6 absolute after 3
+16-rank worlds under the ``slow`` marker. Layouts without tp or pp also run stage 3 with compiled
+blocks and head. Tolerance: fp32, parameters within 2e-6 absolute after 3
 steps of lr 1e-2 (about 1e-4 of the update), losses within 1e-5 relative; Adam epsilon 1e-4 (see EPS).
 """
 
@@ -104,6 +105,9 @@ def _world(rank, world_size):
         if tp == 2:
             out[(tp, pp, dp, "sp+recompute")] = _case(topo, tp, pp, dp, 3, (
                 "--parallel.sequence_parallel", "true", "--parallel.recompute", "full"))
+        if (tp, pp) == (1, 1):
+            # compiled blocks and head+loss, with stage 3 regathering the tied head around them
+            out[(tp, pp, dp, "compile")] = _case(topo, tp, pp, dp, 3, ("--train.compile", "true"))
     return out
 
 
@@ -117,7 +121,8 @@ def world(request):
 def test_every_layout_and_stage_matches_single_process(world):
     world_size, reports = world
     cases = [key for key in reports[0]]
-    assert len(cases) == 4 * len(LAYOUTS[world_size]) + sum(1 for l in LAYOUTS[world_size] if l[0] == 2)
+    layouts = LAYOUTS[world_size]
+    assert len(cases) == 4 * len(layouts) + sum(l[0] == 2 for l in layouts) + sum(l[:2] == (1, 1) for l in layouts)
     for rank, report in enumerate(reports):
         for key, value in report.items():
             assert value["param_err"] < 2e-6, (rank, key, value)

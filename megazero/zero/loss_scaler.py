@@ -17,6 +17,8 @@ class LossScaleError(UserError):
 
 
 class ConstantLossScaler:
+    dynamic = False  # never needs to know whether a step overflowed
+
     def __init__(self, scale: float = 1.0):
         self.scale = scale
 
@@ -31,6 +33,8 @@ class ConstantLossScaler:
 
 
 class DynamicLossScaler:
+    dynamic = True
+
     def __init__(self, initial_scale: float = 2.0**16, window: int = 1000, hysteresis: int = 2,
                  min_scale: float = 1.0, factor: float = 2.0):
         self.scale = float(initial_scale)

@@ -21,6 +21,10 @@ for each would multiply the communication by the micro-batch count.
 The step is the math of single-process AdamW: gradients are summed over ranks and micro-batches,
 divided by (dp x loss scale) and clipped by the global norm in a single multiply, then torch's
 AdamW (fused on GPU, multi-threaded fused on CPU where torch has it) updates the master shard.
+With the fused AdamW the step never waits for the host: the norm, the clip coefficient and the
+overflow flag stay on the device and the fused kernel applies them itself (its ``grad_scale``
+divides the gradients as it reads them, its ``found_inf`` skips the update), so the host keeps
+queueing work while the GPU runs. Only a dynamic (fp16) loss scaler reads the flag each step.
 """
 
 from __future__ import annotations
@@ -44,9 +48,19 @@ from parallel import comm
 
 @dataclass
 class StepResult:
-    grad_norm: float  # of the unscaled, unclipped gradient; inf/nan when the step overflowed
-    skipped: bool
+    """What a step did. The norm and the overflow flag stay device tensors until read, so that
+    returning them costs no host sync."""
+    norm: torch.Tensor  # of the unscaled, unclipped gradient; inf when the step overflowed
+    overflow: torch.Tensor  # bool: the step was skipped on every rank
     loss_scale: float
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.norm)
+
+    @property
+    def skipped(self) -> bool:
+        return bool(self.overflow)
 
 
 @dataclass
@@ -154,8 +168,9 @@ class ZeroOptimizer:
                   {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]] or [{"params": [torch.zeros(0, requires_grad=False)]}]
         kwargs = _fast_adam_kwargs(self.master.device, self.s.fused)
+        self._fused = kwargs.get("fused", False)
         self.adam = torch.optim.AdamW(groups, lr=self.s.lr, betas=self.s.betas, eps=self.s.eps, **kwargs)
-        self._init_adam_state(fused=kwargs.get("fused", False))
+        self._init_adam_state(fused=self._fused)
 
     def _init_adam_state(self, fused: bool) -> None:
         """Allocate the moments now, as two flat shard-sized buffers the per-segment states view:
@@ -203,42 +218,57 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         self.reducer.zero()
 
-    def step(self, lr: Optional[float] = None, skip: bool = False) -> StepResult:
+    def step(self, lr: Optional[float] = None, skip: bool | torch.Tensor = False) -> StepResult:
         """Reduce, unscale, clip and update; skipped on every rank together if any overflowed.
 
-        ``skip`` (which must agree on every rank, e.g. a non-finite loss) forces the skip."""
+        ``skip`` (which must agree on every rank, e.g. a non-finite loss, as a bool or a device
+        flag) forces the skip."""
         for i, group in self.tied:
             comm.all_reduce(self.reducer.param_grad(i), group)
         self.reducer.finish()
-        norm_sq = self._global_norm_sq()
         scale = self.scaler.scale
-        grad_norm = math.sqrt(norm_sq) / (self.dp * scale) if math.isfinite(norm_sq) and not skip else float("inf")
-        overflow = not math.isfinite(grad_norm)
-        self.scaler.update(overflow)
-        if overflow:
-            self.zero_grad()
-            self._after_step()
-            return StepResult(grad_norm, True, scale)
-        coef = 1.0 / (self.dp * scale)
-        if self.s.clip_grad > 0 and grad_norm > self.s.clip_grad:
-            coef *= self.s.clip_grad / (grad_norm + 1e-6)
-        self._stage_grads(coef)
+        unscale = 1.0 / (self.dp * scale)
+        grad_norm = self._global_norm_sq().sqrt() * unscale
+        overflow = ~torch.isfinite(grad_norm) | torch.as_tensor(skip, device=grad_norm.device)
+        grad_norm = grad_norm.masked_fill(overflow, math.inf)
+        coef = torch.full_like(grad_norm, unscale)
+        if self.s.clip_grad > 0:
+            coef = coef * (self.s.clip_grad / (grad_norm + 1e-6)).clamp(max=1.0)
+        if self.scaler.dynamic:
+            self.scaler.update(bool(overflow))
         if lr is not None:
             for group in self.adam.param_groups:
                 group["lr"] = lr
-        self.adam.step()
+        self._update(coef, overflow)
         self.store.load_owned(self.master)
         if self.s.stage in (1, 2):
             self.store.all_gather_buckets(self.unit_order)
         self.zero_grad()
         self._after_step()
-        return StepResult(grad_norm, False, scale)
+        return StepResult(grad_norm, overflow, scale)
+
+    def _update(self, coef: torch.Tensor, overflow: torch.Tensor) -> None:
+        """AdamW on the master shard with gradients times ``coef``, unless ``overflow``."""
+        self._stage_grads()
+        if self._fused:
+            # Passed as the fused kernel's own unscale/skip inputs: no pass over the gradients
+            # and no host sync. (A host-side master reads them after the device was synchronised.)
+            device = self.master.device
+            self.adam.grad_scale = coef.reciprocal().float().to(device)
+            self.adam.found_inf = overflow.float().to(device)
+        elif bool(overflow):
+            return
+        elif self.master_grad is not None:
+            self.master_grad.mul_(float(coef))
+        elif self._grads:
+            torch._foreach_mul_(self._grads, float(coef))
+        self.adam.step()
 
     def _after_step(self) -> None:
         if self.stage3 is not None:
             self.stage3.release_all()
 
-    def _global_norm_sq(self) -> float:
+    def _global_norm_sq(self) -> torch.Tensor:
         """Sum of squares over the whole model: this rank's counted segments, summed over the
         model-parallel group and (when gradients are sharded) the data-parallel group. NaN or inf
         anywhere makes the sum non-finite on every rank, which is the overflow signal."""
@@ -251,18 +281,16 @@ class ZeroOptimizer:
             comm.all_reduce(local, self.mp_group)
         if self.s.stage > 0:
             comm.all_reduce(local, self.dp_group)
-        return float(local)
+        return local
 
-    def _stage_grads(self, coef: float) -> None:
-        grads = self._grads
-        if self.master_grad is not None:
-            for seg, g in zip(self.layout.segments, grads):
-                self.master_grad[seg.shard_offset:seg.shard_offset + seg.numel].copy_(g, non_blocking=True)
-            if self.s.offload and torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()  # the host reads the copies next
-            self.master_grad.mul_(coef)
-        elif grads:
-            torch._foreach_mul_(grads, coef)
+    def _stage_grads(self) -> None:
+        """Copy the reduced gradients into the fp32 buffer beside the master, where there is one."""
+        if self.master_grad is None:
+            return
+        for seg, g in zip(self.layout.segments, self._grads):
+            self.master_grad[seg.shard_offset:seg.shard_offset + seg.numel].copy_(g, non_blocking=True)
+        if self.s.offload and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the host reads the copies next
 
     # --- inspection --------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
