@@ -6,7 +6,8 @@ Run on one node (NCCL), e.g. the ZeRO comparison on two GPUs::
         --runs stage0 stage1 stage2 stage3 stage3-offload
 
 Each run builds the engine from the config plus the run's overrides (``stageN`` sets
-``zero.stage``; ``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout), trains
+``zero.stage``; ``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout;
+``bucketN`` the bucket size in MiB; ``compile`` compiles blocks and head), trains
 ``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one micro-batch of
 ``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one
 JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense peak, peak memory
@@ -48,6 +49,8 @@ def run_overrides(run: str) -> list[str]:
             out += ["--parallel.sequence_parallel", "true"]
         elif part == "compile":
             out += ["--train.compile", "true"]
+        elif part.startswith("bucket"):
+            out += ["--zero.bucket_size_mb", part[6:]]
         else:
             raise SystemExit(f"unknown run part {part!r} in {run!r}")
     return out

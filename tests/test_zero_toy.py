@@ -38,10 +38,12 @@ class Toy(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
         self.norm = torch.nn.LayerNorm(WIDTH)
 
-    def forward(self, tokens, labels):
+    def forward(self, tokens, labels, skip=None):
+        """``skip``: index of a block left out, so its parameters get no gradient that step."""
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            if i != skip:
+                x = block(x)
         logits = self.norm(x) @ self.embed.weight.t()
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
@@ -52,23 +54,29 @@ def _data(step, index):
     return tokens, torch.roll(tokens, -1, 1)
 
 
-def _reference(model, steps, batches_per_step, clip):
+def _skipped(variant, step):
+    """The "unused" variant leaves block 1 out of step 1: stale gradients must not leak into it."""
+    return 1 if variant == "unused" and step == 1 else None
+
+
+def _reference(model, steps, batches_per_step, clip, variant="plain"):
     model = copy.deepcopy(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     for step in range(steps):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)  # an unused parameter steps with a zero gradient, as in ZeRO
         for index in range(batches_per_step):
-            (model(*_data(step, index)) / batches_per_step).backward()
+            (model(*_data(step, index), skip=_skipped(variant, step)) / batches_per_step).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return model
 
 
 CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "overlap")] + [
-    (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "persist"), (1, "offload"), (3, "offload")]
+    (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "persist"), (1, "offload"), (3, "offload"),
+    (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused")]
 
 
 def _zero_run(rank, world_size):
@@ -80,7 +88,7 @@ def _zero_run(rank, world_size):
         group = groups[rank // dp]
         dp_rank = rank % dp
         for clip in (1e9, 0.05):
-            reference = _reference(base, STEPS, MICRO * dp, clip)
+            references = {v: _reference(base, STEPS, MICRO * dp, clip, v) for v in ("plain", "unused")}
             for stage, variant in CASES:
                 model = copy.deepcopy(base)
                 settings = ZeroSettings(stage=stage, bucket_numel=320, lr=1e-2, clip_grad=clip,
@@ -93,10 +101,11 @@ def _zero_run(rank, world_size):
                 for step in range(STEPS):
                     for micro in range(MICRO):
                         opt.begin_microbatch(last=variant == "overlap" and micro == MICRO - 1)
-                        loss = model(*_data(step, dp_rank * MICRO + micro)) / MICRO
+                        loss = model(*_data(step, dp_rank * MICRO + micro), skip=_skipped(variant, step)) / MICRO
                         opt.scale_loss(loss).backward()
                     norms.append(opt.step().grad_norm)
                 opt.wait_params()
+                reference = references["unused" if variant == "unused" else "plain"]
                 err = max((p - q).abs().max().item()
                           for p, q in zip(model.state_dict().values(), reference.state_dict().values()))
                 results[(dp, clip, stage, variant)] = (err, norms)

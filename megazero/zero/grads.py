@@ -13,6 +13,14 @@ Two ways to hold them, chosen by the ZeRO stage:
   micro-batch; only the rank's own slice is kept, summed into the gradient shard. Memory is the
   shard plus a few constant-size buckets, whatever the model size.
 
+Buffers are never cleared: the first gradient a region receives after ``zero`` is copied in
+(converting 16 to 32 bits on the way) and only later ones are added, and the first reduction of a
+bucket in staged mode writes straight into the shard. That saves a fill and a read of every
+buffer per step on the backward's critical path. Whatever received nothing (a parameter unused
+this step) is zeroed when its bucket is reduced, so a stale value never leaks into a step. Gaps
+between parameters (alignment padding) may hold stale values in a reused staging buffer; they
+reduce into shard gaps, which no segment reads.
+
 Reductions are sums: dividing by the data-parallel size is folded into the optimizer's single
 unscale-and-clip multiply. Buckets are launched in the same order on every rank (backward order,
 then bucket index for stragglers), so collectives never cross.
@@ -39,7 +47,11 @@ class GradReducer:
         self.param_buckets = [[self.bucket_index[b] for b in layout.param_buckets(i)] for i in range(len(params))]
         self.received = [0] * len(layout.buckets)
         self.launched = [False] * len(layout.buckets)
-        self.in_flight: list[tuple[int, object, torch.Tensor | None]] = []
+        # written: a parameter's region holds this step's (full) or this backward's (staged) gradient;
+        # reduced: a bucket's shard slice holds this step's sum (staged)
+        self.written = [False] * len(params)
+        self.reduced = [False] * len(layout.buckets)
+        self.in_flight: list[tuple[int, object, torch.Tensor | None, bool]] = []  # (bucket, handle, staging, add)
         self.pool: list[torch.Tensor] = []
         self.staging: dict[int, torch.Tensor] = {}
         self.overlap = False
@@ -88,9 +100,11 @@ class GradReducer:
 
     def _accumulate(self, i: int, grad: torch.Tensor) -> None:
         grad = grad.reshape(-1)
+        first = not self.written[i]
+        self.written[i] = True
         if self.mode == "full":
-            start = self.unit_start[self.layout.param_unit[i]] + self.layout.param_offset[i]
-            self.flat[start:start + grad.numel()].add_(grad)
+            region = self.param_grad(i)
+            region.copy_(grad) if first else region.add_(grad)
             if self.overlap:
                 for b in self.param_buckets[i]:
                     self._count(b, self._bucket_slice(i, b)[2])
@@ -99,7 +113,8 @@ class GradReducer:
             src, dst, n = self._bucket_slice(i, b)
             if b not in self.staging:
                 self.staging[b] = self._take_buffer()
-            self.staging[b][dst:dst + n].add_(grad[src:src + n])
+            region = self.staging[b][dst:dst + n]
+            region.copy_(grad[src:src + n]) if first else region.add_(grad[src:src + n])
             self._count(b, n)
 
     def defer(self, param: int) -> None:
@@ -111,9 +126,26 @@ class GradReducer:
         self.deferred.update(self.param_buckets[param])
 
     def param_grad(self, i: int) -> torch.Tensor:
-        """Parameter i's whole accumulated gradient (full mode, before ``finish``)."""
+        """Parameter i's region of the flat buffer (full mode): its accumulated gradient once written."""
         start = self.unit_start[self.layout.param_unit[i]] + self.layout.param_offset[i]
         return self.flat[start:start + self.layout.param_numel[i]]
+
+    def accumulated_grad(self, i: int) -> torch.Tensor:
+        """Parameter i's whole gradient so far (full mode, before ``finish``): zero if none arrived."""
+        if not self.written[i]:
+            self.param_grad(i).zero_()
+            self.written[i] = True
+        return self.param_grad(i)
+
+    def _clear_unwritten(self, b: int) -> None:
+        """Zero the regions of ``b`` whose parameter sent no gradient, before ``b`` is reduced."""
+        for i in self.layout.unit_params[self.layout.buckets[b].unit]:
+            if not self.written[i] and b in self.param_buckets[i]:
+                if self.mode == "full":
+                    self.param_grad(i).zero_()
+                else:
+                    src, dst, n = self._bucket_slice(i, b)
+                    self.staging[b][dst:dst + n].zero_()
 
     def _count(self, b: int, n: int) -> None:
         self.received[b] += n
@@ -122,7 +154,7 @@ class GradReducer:
 
     def _take_buffer(self) -> torch.Tensor:
         if self.pool:
-            return self.pool.pop().zero_()
+            return self.pool.pop()
         device = self.shard.device
         return torch.zeros(self.layout.bucket_numel, dtype=self.dtype, device=device)
 
@@ -140,37 +172,46 @@ class GradReducer:
                 handle = comm.reduce_scatter_into(out, buf, self.group, async_op=True)
             else:
                 handle = comm.all_reduce(buf, self.group, async_op=True)
-            self.in_flight.append((b, handle, None))
+            self.in_flight.append((b, handle, None, False))
         else:
             staging = self.staging.pop(b)
-            rank_lo = self.layout.dp_rank * (bucket.numel // self.layout.dp)
-            out = staging[rank_lo:rank_lo + bucket.numel // self.layout.dp]
+            size = bucket.numel // self.layout.dp
+            # The step's first reduction of a bucket lands in the shard directly; a later micro-batch's
+            # is reduced in place and added to the shard when complete.
+            add = self.reduced[b]
+            out = (staging[self.layout.dp_rank * size:(self.layout.dp_rank + 1) * size] if add
+                   else self.shard[bucket.shard_offset:bucket.shard_offset + size])
+            self.reduced[b] = True
             handle = comm.reduce_scatter_into(out, staging[:bucket.numel], self.group, async_op=True)
-            self.in_flight.append((b, handle, staging))
+            self.in_flight.append((b, handle, staging, add))
         self.launched[b] = True
         while len(self.in_flight) > self.max_in_flight:
             self._complete(self.in_flight.pop(0))
 
     def _complete(self, item) -> None:
-        b, handle, staging = item
+        b, handle, staging, add = item
         if handle is not None:
-            handle.wait()
+            handle.wait()  # also orders the staging buffer's reuse after the collective that reads it
         if staging is None:
             return
-        bucket = self.layout.buckets[b]
-        size = bucket.numel // self.layout.dp
-        rank_lo = self.layout.dp_rank * size
-        self.shard[bucket.shard_offset:bucket.shard_offset + size].add_(staging[rank_lo:rank_lo + size])
+        if add:
+            bucket = self.layout.buckets[b]
+            size = bucket.numel // self.layout.dp
+            rank_lo = self.layout.dp_rank * size
+            self.shard[bucket.shard_offset:bucket.shard_offset + size].add_(staging[rank_lo:rank_lo + size])
         self.pool.append(staging)
 
     def _flush(self) -> None:
         for b in range(len(self.layout.buckets)):
             if not self.launched[b] and (self.mode == "full" or b in self.staging):
+                self._clear_unwritten(b)
                 self._launch(b)
         while self.in_flight:
             self._complete(self.in_flight.pop(0))
         self.received = [0] * len(self.layout.buckets)
         self.launched = [False] * len(self.layout.buckets)
+        if self.mode == "staged":  # each backward fills fresh staging buffers
+            self.written = [False] * len(self.params)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -182,10 +223,17 @@ class GradReducer:
         self._flush()
         self.overlap = False
         self._callback_queued = False
+        for b, bucket in enumerate(self.layout.buckets):
+            if self.mode == "staged" and not self.reduced[b]:  # no gradient reached it this step
+                size = bucket.numel // self.layout.dp
+                self.shard[bucket.shard_offset:bucket.shard_offset + size].zero_()
+                self.reduced[b] = True
 
     def zero(self) -> None:
-        (self.flat if self.flat is not None else self.shard).zero_()
+        """Start a new step: nothing is cleared, every region is marked unwritten (see the module doc)."""
         self.pool.extend(self.staging.values())
         self.staging.clear()
         self.received = [0] * len(self.layout.buckets)
         self.launched = [False] * len(self.layout.buckets)
+        self.written = [False] * len(self.params)
+        self.reduced = [False] * len(self.layout.buckets)

@@ -224,7 +224,7 @@ class ZeroOptimizer:
         ``skip`` (which must agree on every rank, e.g. a non-finite loss, as a bool or a device
         flag) forces the skip."""
         for i, group in self.tied:
-            comm.all_reduce(self.reducer.param_grad(i), group)
+            comm.all_reduce(self.reducer.accumulated_grad(i), group)
         self.reducer.finish()
         scale = self.scaler.scale
         unscale = 1.0 / (self.dp * scale)
