@@ -76,6 +76,7 @@ def _reference(model, steps, batches_per_step, clip, variant="plain"):
 
 CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "overlap")] + [
     (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "persist"), (1, "offload"), (3, "offload"),
+    (1, "offload+overlap"), (2, "offload+overlap"),
     (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused")]
 
 
@@ -95,12 +96,12 @@ def _zero_run(rank, world_size):
                                         once_per_step=variant == "once_per_step",
                                         prefetch_depth=2 if variant == "prefetch2" else 1,
                                         persistence_threshold=100 if variant == "persist" else 0,
-                                        offload=variant == "offload")
+                                        offload=variant.startswith("offload"))
                 opt = ZeroOptimizer(model, settings, group, None, units=list(model.blocks))
                 norms = []
                 for step in range(STEPS):
                     for micro in range(MICRO):
-                        opt.begin_microbatch(last=variant == "overlap" and micro == MICRO - 1)
+                        opt.begin_microbatch(last=variant.endswith("overlap") and micro == MICRO - 1)
                         loss = model(*_data(step, dp_rank * MICRO + micro), skip=_skipped(variant, step)) / MICRO
                         opt.scale_loss(loss).backward()
                     norms.append(opt.step().grad_norm)

@@ -28,6 +28,8 @@ then bucket index for stragglers), so collectives never cross.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from megazero.zero.layout import Bucket, FlatLayout
@@ -55,6 +57,8 @@ class GradReducer:
         self.pool: list[torch.Tensor] = []
         self.staging: dict[int, torch.Tensor] = {}
         self.overlap = False
+        self.final = False  # this backward is the step's last: a reduced bucket is final
+        self.on_final: Optional[Callable[[int], None]] = None  # told when a bucket's step sum is complete
         self.deferred: set[int] = set()  # buckets that must wait for finish() (see defer)
         self._callback_queued = False
         if mode == "full":
@@ -77,8 +81,20 @@ class GradReducer:
 
     # --- backward ----------------------------------------------------------------------------
     def begin_microbatch(self, last: bool) -> None:
-        """``last=True`` lets full-mode reductions start during this backward (the final one)."""
+        """``last=True`` lets full-mode reductions start during this backward (the final one), and
+        ``on_final`` hear of each bucket as it completes."""
         self.overlap = last and self.mode == "full"
+        self.final = last
+
+    def bucket_grad(self, b: int) -> torch.Tensor:
+        """This rank's reduced slice of bucket ``b`` (complete after ``finish``, or after ``on_final(b)``)."""
+        bucket = self.layout.buckets[b]
+        size = bucket.numel // self.layout.dp
+        if self.mode == "staged":
+            return self.shard[bucket.shard_offset:bucket.shard_offset + size]
+        lo, hi = self.layout.owned_range(bucket)
+        start = self.unit_start[bucket.unit]
+        return self.flat[start + lo:start + hi]
 
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
@@ -192,14 +208,15 @@ class GradReducer:
         b, handle, staging, add = item
         if handle is not None:
             handle.wait()  # also orders the staging buffer's reuse after the collective that reads it
-        if staging is None:
-            return
         if add:
             bucket = self.layout.buckets[b]
             size = bucket.numel // self.layout.dp
             rank_lo = self.layout.dp_rank * size
             self.shard[bucket.shard_offset:bucket.shard_offset + size].add_(staging[rank_lo:rank_lo + size])
-        self.pool.append(staging)
+        if staging is not None:
+            self.pool.append(staging)
+        if self.final and self.on_final is not None:
+            self.on_final(b)
 
     def _flush(self) -> None:
         for b in range(len(self.layout.buckets)):
@@ -221,7 +238,7 @@ class GradReducer:
         """At the accumulation boundary: every bucket reduced, every handle waited on. (In staged mode
         the end-of-backward callback already flushed; this also covers a backward that raised.)"""
         self._flush()
-        self.overlap = False
+        self.overlap = self.final = False
         self._callback_queued = False
         for b, bucket in enumerate(self.layout.buckets):
             if self.mode == "staged" and not self.reduced[b]:  # no gradient reached it this step

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.zero.grads import GradReducer
+from megazero.zero.host_copies import HostCopies
 from megazero.zero.layout import FlatLayout
 from megazero.zero.loss_scaler import ConstantLossScaler
 from megazero.zero.memory import zero_model_state_bytes
@@ -116,7 +117,9 @@ class ZeroOptimizer:
         self.layout = FlatLayout([[named[i][1].numel() for i in members] for members in unit_params],
                                  settings.bucket_numel, layout_dp, 0 if settings.stage == 0 else self.dp_rank)
         self._build_master()
-        self.store = ParamStore(self.params, self.layout, settings.param_dtype, dp_group, sharded=settings.stage == 3)
+        self.host_copies = HostCopies(self.params[0].device) if settings.offload else None
+        self.store = ParamStore(self.params, self.layout, settings.param_dtype, dp_group, sharded=settings.stage == 3,
+                                host_copies=self.host_copies)
         staged = settings.stage >= 2 and not settings.once_per_step
         self.reducer = GradReducer(self.params, self.layout, dp_group, settings.grad_dtype,
                                    mode="staged" if staged else "full", reduce_scatter=settings.stage > 0)
@@ -133,6 +136,9 @@ class ZeroOptimizer:
         self.tied = [(index[id(p)], group) for p, group in (tied or [])]
         for i, _ in self.tied:
             self.reducer.defer(i)
+        self._sent: set[int] = set()  # buckets whose gradients already left for the host this step
+        if settings.offload:
+            self.reducer.on_final = self._send_to_host
         counted = [counts_for_norm(n, p) for n, p in zip(self.names, self.params)]
         # The reduced gradient of each owned segment: views into buffers that live as long as the optimizer.
         self._grads = [self.reducer.segment_grad(seg) for seg in self.layout.segments]
@@ -217,6 +223,7 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         self.reducer.zero()
+        self._sent.clear()
 
     def step(self, lr: Optional[float] = None, skip: bool | torch.Tensor = False) -> StepResult:
         """Reduce, unscale, clip and update; skipped on every rank together if any overflowed.
@@ -240,7 +247,7 @@ class ZeroOptimizer:
             for group in self.adam.param_groups:
                 group["lr"] = lr
         self._update(coef, overflow)
-        self.store.load_owned(self.master)
+        self.store.load_owned(self.master, self.unit_order)
         if self.s.stage in (1, 2):
             self.store.all_gather_buckets(self.unit_order)
         self.zero_grad()
@@ -283,14 +290,29 @@ class ZeroOptimizer:
             comm.all_reduce(local, self.dp_group)
         return local
 
+    def _send_to_host(self, b: int) -> None:
+        """Offload: bucket ``b``'s reduced slice is final; start its copy to the host master's gradient."""
+        bucket = self.layout.buckets[b]
+        self.host_copies.copy(self.master_grad[bucket.shard_offset:bucket.shard_offset + bucket.numel // self.dp],
+                              self.reducer.bucket_grad(b))
+        self._sent.add(b)
+
     def _stage_grads(self) -> None:
-        """Copy the reduced gradients into the fp32 buffer beside the master, where there is one."""
+        """Bring the reduced gradients into the fp32 buffer beside the master, where there is one
+        (offload: those not already sent during backward), bucket by bucket: the master's layout
+        is the shard's, so each bucket's slice is one contiguous copy."""
         if self.master_grad is None:
             return
-        for seg, g in zip(self.layout.segments, self._grads):
-            self.master_grad[seg.shard_offset:seg.shard_offset + seg.numel].copy_(g, non_blocking=True)
-        if self.s.offload and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the host reads the copies next
+        if not self.s.offload:
+            for b, bucket in enumerate(self.layout.buckets):
+                size = bucket.numel // self.dp
+                self.master_grad[bucket.shard_offset:bucket.shard_offset + size].copy_(self.reducer.bucket_grad(b))
+            return
+        for b in range(len(self.layout.buckets)):
+            if b not in self._sent:
+                self._send_to_host(b)
+        self._sent.clear()
+        self.host_copies.synchronize()  # the host reads them next
 
     # --- inspection --------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
@@ -316,7 +338,7 @@ class ZeroOptimizer:
 
     def reload_params(self) -> None:
         """After the master shard was overwritten (a checkpoint load): rebuild the 16-bit weights."""
-        self.store.load_owned(self.master)
+        self.store.load_owned(self.master, self.unit_order)
         if self.s.stage in (1, 2):
             self.store.all_gather_buckets(self.unit_order)
         self._after_step()

@@ -10,17 +10,23 @@ same storage makes them valid again without touching the autograd graph.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Optional
+
 import torch
 from torch.autograd import _unsafe_preserve_version_counter as keep_version  # gathers into saved storage
 
+from megazero.zero.host_copies import HostCopies, wait_on_current_stream
 from megazero.zero.layout import FlatLayout
 from parallel import comm
 
 
 class ParamStore:
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, group,
-                 sharded: bool):
+                 sharded: bool, host_copies: Optional[HostCopies] = None):
         self.params, self.layout, self.dtype, self.group, self.sharded = params, layout, dtype, group, sharded
+        self.host_copies = host_copies  # an offloaded master's uploads (see load_owned)
+        self._uploads: dict[int, Optional[torch.cuda.Event]] = {}  # unit -> end of its pending upload
         device = params[0].device
         self.units = [torch.zeros(n, dtype=dtype, device=device) for n in layout.unit_numel]
         for i, p in enumerate(params):
@@ -56,6 +62,7 @@ class ParamStore:
         """Start (or do) the all-gather of ``unit``; ``wait`` completes an asynchronous one."""
         if self.gathered[unit] or unit in self._pending:
             return
+        wait_on_current_stream(self._uploads.pop(unit, None))
         buf = self.units[unit]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         handles = []
@@ -81,13 +88,21 @@ class ParamStore:
         self.gathered[unit] = False
 
     # --- after the optimizer step ------------------------------------------------------------
-    def load_owned(self, master_shard: torch.Tensor) -> None:
+    def load_owned(self, master_shard: torch.Tensor, unit_order: list[int]) -> None:
         """Copy updated fp32 master values into this rank's 16-bit slices.
 
         An offloaded (host) master is rounded to 16 bits on the host first, into a reused pinned
-        buffer, so the transfer moves half the bytes and runs at pinned-memory speed."""
+        buffer, so the transfer moves half the bytes and runs at pinned-memory speed; it is then
+        uploaded unit by unit in ``unit_order`` (the next forward's) beside the compute stream, and
+        each unit's gather waits for its own upload only."""
         if master_shard.device != self.units[0].device:
-            master_shard = self._host_rounded(master_shard)
+            host = self._host_rounded(master_shard)
+            for unit in unit_order:
+                for bucket in self.layout.unit_buckets(unit):
+                    dst = self.shard_slice(bucket) if self.sharded else self.owned_view(bucket)
+                    size = bucket.numel // self.layout.dp
+                    self._uploads[unit] = self.host_copies.copy(dst, host[bucket.shard_offset:bucket.shard_offset + size])
+            return
         if self.sharded:
             self.shard.copy_(master_shard, non_blocking=True)
             return
@@ -97,11 +112,10 @@ class ParamStore:
             self.owned_view(bucket).copy_(src, non_blocking=True)
 
     def _host_rounded(self, master_shard: torch.Tensor) -> torch.Tensor:
-        # Reusing the buffer is safe: the offloaded step synchronises the device before the host
-        # touches it again, so the previous step's transfer out of it has finished.
         if self._host_buffer is None:
             self._host_buffer = torch.empty(master_shard.shape, dtype=self.dtype,
                                             pin_memory=self.units[0].device.type == "cuda")
+        self.host_copies.synchronize()  # the last step's uploads out of the buffer are done
         self._host_buffer.copy_(master_shard)
         return self._host_buffer
 
@@ -111,14 +125,19 @@ class ParamStore:
         They are only started here, unit by unit in ``unit_order`` (the order the next forward uses
         them); ``wait(unit)``, called just before a unit runs, finishes them, so the gathers of later
         units overlap the computation of earlier ones."""
-        for unit in unit_order:
-            buf = self.units[unit]
-            for bucket in self.layout.unit_buckets(unit):
-                with keep_version(buf):
-                    handle = comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_view(bucket),
-                                                  self.group, async_op=True)
-                if handle is not None:
-                    self._pending.setdefault(unit, []).append(handle)
+        # After an offloaded step the gathers are issued from the upload stream, behind each unit's
+        # upload, so the compute stream never waits for uploads of units it does not need yet.
+        uploads = self.host_copies.stream if self._uploads and self.host_copies else None
+        with torch.cuda.stream(uploads) if uploads is not None else contextlib.nullcontext():
+            for unit in unit_order:
+                self._uploads.pop(unit, None)
+                buf = self.units[unit]
+                for bucket in self.layout.unit_buckets(unit):
+                    with keep_version(buf):
+                        handle = comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_view(bucket),
+                                                      self.group, async_op=True)
+                    if handle is not None:
+                        self._pending.setdefault(unit, []).append(handle)
 
     def wait_all(self) -> None:
         for unit in list(self._pending):
