@@ -76,7 +76,7 @@ def _reference(model, steps, batches_per_step, clip, variant="plain"):
 
 CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "overlap")] + [
     (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "persist"), (1, "offload"), (3, "offload"),
-    (1, "offload+overlap"), (2, "offload+overlap"),
+    (0, "offload"), (1, "offload+overlap"), (2, "offload+overlap"),
     (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused")]
 
 

@@ -65,6 +65,7 @@ def describe_shard(chunks, optimizer: ZeroOptimizer) -> dict:
 
 def rank_state(chunks, optimizer: ZeroOptimizer) -> dict:
     """This rank's checkpoint file: shards of master and moments, their description, scaler, RNG."""
+    optimizer.apply_pending()
     step_tensor = next(iter(optimizer.adam.state.values()))["step"] if optimizer.adam.state else torch.zeros(())
     return {
         **describe_shard(chunks, optimizer),
@@ -99,6 +100,7 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ZeroOptimizer, manifest:
     buckets differ (another bucket size, precision or persistence threshold), and copying shards
     then would scramble every parameter. Otherwise the checkpoint is resharded.
     """
+    optimizer.apply_pending()  # an update applied after the load would overwrite it
     if same_layout and rank_file(rank) in manifest["files"]:
         mine = describe_shard(chunks, optimizer)
         saved = _description(ckpt, rank, manifest)

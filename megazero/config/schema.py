@@ -30,7 +30,7 @@ class ParallelConfig:
 @dataclass
 class ZeroConfig:
     stage: int = option(1, "ZeRO stage: 0 plain DP, 1 optimizer state, 2 +gradients, 3 +parameters")
-    bucket_size_mb: float = option(25.0, "Size of each gradient/parameter communication bucket in MiB")
+    bucket_size_mb: float = option(200.0, "Size of each gradient/parameter communication bucket in MiB (of gradients); one block's fp32 gradients or more lets stage 3 gather a block in one collective")
     prefetch_depth: int = option(1, "Stage 3: blocks whose parameters are gathered ahead of use")
     persistence_threshold: int = option(0, "Stage 3: parameters with fewer elements stay whole on every rank")
     overlap_comm: bool = option(True, "Overlap bucket communication with backward computation")

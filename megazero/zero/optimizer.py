@@ -42,6 +42,7 @@ from megazero.zero.host_copies import HostCopies
 from megazero.zero.layout import FlatLayout
 from megazero.zero.loss_scaler import ConstantLossScaler
 from megazero.zero.memory import zero_model_state_bytes
+from megazero.zero.offload import OffloadedUpdate
 from megazero.zero.params import ParamStore
 from megazero.zero.stage3 import Stage3Hooks
 from parallel import comm
@@ -130,20 +131,25 @@ class ZeroOptimizer:
         if settings.stage == 3:
             self.stage3 = Stage3Hooks(roots or [model], unit_modules, self.store, settings.prefetch_depth,
                                       keep_until_step=settings.once_per_step)
-        elif settings.stage in (1, 2):
+        else:
             self._wait_before_use(roots or [model], unit_modules)
         index = {id(p): i for i, p in enumerate(self.params)}
         self.tied = [(index[id(p)], group) for p, group in (tied or [])]
         for i, _ in self.tied:
             self.reducer.defer(i)
-        self._sent: set[int] = set()  # buckets whose gradients already left for the host this step
-        if settings.offload:
-            self.reducer.on_final = self._send_to_host
+
         counted = [counts_for_norm(n, p) for n, p in zip(self.names, self.params)]
         # The reduced gradient of each owned segment: views into buffers that live as long as the optimizer.
         self._grads = [self.reducer.segment_grad(seg) for seg in self.layout.segments]
         self._norm_views = [g for seg, g in zip(self.layout.segments, self._grads) if counted[seg.param]]
         self._build_adam()
+        self.offload = None
+        if settings.offload:
+            after_upload = self.store.all_gather_unit if settings.stage in (1, 2) else lambda unit: None
+            self.offload = OffloadedUpdate(self.adam, self._master_views, self.layout, self.reducer, self.store,
+                                           self.master, self.master_grad, self.host_copies, after_upload)
+            self.reducer.on_final = self.offload.send
+            self.store.before_use = self.offload.update
 
     # --- construction ------------------------------------------------------------------------
     def _build_master(self) -> None:
@@ -193,21 +199,34 @@ class ZeroOptimizer:
                                      "exp_avg": self.exp_avg[lo:hi], "exp_avg_sq": self.exp_avg_sq[lo:hi]}
 
     def _wait_before_use(self, roots, unit_modules) -> None:
-        """Stages 1-2 leave the post-step all-gathers running: a unit waits for its own just before
-        its forward (the roots for the persistent unit), so they overlap the next step's compute."""
+        """Stages 1-2 leave the post-step all-gathers running, and an offloaded step leaves each
+        unit's update to its next use: a unit applies and waits for its own just before its forward
+        (the roots for the persistent unit), so they overlap the next step's compute."""
         persistent = [u for u, m in enumerate(unit_modules) if m is None]
 
-        def wait_persistent(module, args):
+        def before_use(unit: int) -> None:
+            if self.offload is not None:
+                self.offload.update(unit)
+            self.store.wait(unit)
+
+        def before_persistent(module, args):
             for u in persistent:
-                self.store.wait(u)
+                before_use(u)
         for root in roots:
-            root.register_forward_pre_hook(wait_persistent)
+            root.register_forward_pre_hook(before_persistent)
         for u, module in enumerate(unit_modules):
             if module is not None:
-                module.register_forward_pre_hook(lambda module, args, u=u: self.store.wait(u))
+                module.register_forward_pre_hook(lambda module, args, u=u: before_use(u))
+
+    def apply_pending(self) -> None:
+        """Apply an offloaded step's update to the units no forward has used yet: before reading the
+        master, the moments or the parameters outside a forward (checkpoints do)."""
+        if self.offload is not None:
+            self.offload.finish()
 
     def wait_params(self) -> None:
         """Make every 16-bit parameter current, for code that reads them outside a forward."""
+        self.apply_pending()
         self.store.wait_all()
         if self.stage3 is not None:
             for unit in range(len(self.store.units)):
@@ -223,7 +242,8 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         self.reducer.zero()
-        self._sent.clear()
+        if self.offload is not None:
+            self.offload.clear()
 
     def step(self, lr: Optional[float] = None, skip: bool | torch.Tensor = False) -> StepResult:
         """Reduce, unscale, clip and update; skipped on every rank together if any overflowed.
@@ -246,23 +266,25 @@ class ZeroOptimizer:
         if lr is not None:
             for group in self.adam.param_groups:
                 group["lr"] = lr
-        self._update(coef, overflow)
-        self.store.load_owned(self.master, self.unit_order)
-        if self.s.stage in (1, 2):
-            self.store.all_gather_buckets(self.unit_order)
+        if self.offload is not None:  # the host waits for the gradients anyway
+            self.offload.settle(float(coef), bool(overflow), lr, self.unit_order)
+        else:
+            self._update(coef, overflow)
+            self.store.load_owned(self.master, self.unit_order)
+            if self.s.stage in (1, 2):
+                self.store.all_gather_buckets(self.unit_order)
         self.zero_grad()
         self._after_step()
         return StepResult(grad_norm, overflow, scale)
 
     def _update(self, coef: torch.Tensor, overflow: torch.Tensor) -> None:
-        """AdamW on the master shard with gradients times ``coef``, unless ``overflow``."""
+        """AdamW on the (device) master shard with gradients times ``coef``, unless ``overflow``."""
         self._stage_grads()
         if self._fused:
             # Passed as the fused kernel's own unscale/skip inputs: no pass over the gradients
-            # and no host sync. (A host-side master reads them after the device was synchronised.)
-            device = self.master.device
-            self.adam.grad_scale = coef.reciprocal().float().to(device)
-            self.adam.found_inf = overflow.float().to(device)
+            # and no host sync.
+            self.adam.grad_scale = coef.reciprocal().float()
+            self.adam.found_inf = overflow.float()
         elif bool(overflow):
             return
         elif self.master_grad is not None:
@@ -290,29 +312,14 @@ class ZeroOptimizer:
             comm.all_reduce(local, self.dp_group)
         return local
 
-    def _send_to_host(self, b: int) -> None:
-        """Offload: bucket ``b``'s reduced slice is final; start its copy to the host master's gradient."""
-        bucket = self.layout.buckets[b]
-        self.host_copies.copy(self.master_grad[bucket.shard_offset:bucket.shard_offset + bucket.numel // self.dp],
-                              self.reducer.bucket_grad(b))
-        self._sent.add(b)
-
     def _stage_grads(self) -> None:
-        """Bring the reduced gradients into the fp32 buffer beside the master, where there is one
-        (offload: those not already sent during backward), bucket by bucket: the master's layout
-        is the shard's, so each bucket's slice is one contiguous copy."""
+        """Copy 16-bit reduced gradients into the fp32 buffer beside the master, bucket by bucket (the
+        master's layout is the shard's, so each bucket's slice is one contiguous copy)."""
         if self.master_grad is None:
             return
-        if not self.s.offload:
-            for b, bucket in enumerate(self.layout.buckets):
-                size = bucket.numel // self.dp
-                self.master_grad[bucket.shard_offset:bucket.shard_offset + size].copy_(self.reducer.bucket_grad(b))
-            return
-        for b in range(len(self.layout.buckets)):
-            if b not in self._sent:
-                self._send_to_host(b)
-        self._sent.clear()
-        self.host_copies.synchronize()  # the host reads them next
+        for b, bucket in enumerate(self.layout.buckets):
+            size = bucket.numel // self.dp
+            self.master_grad[bucket.shard_offset:bucket.shard_offset + size].copy_(self.reducer.bucket_grad(b))
 
     # --- inspection --------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:

@@ -11,7 +11,7 @@ same storage makes them valid again without touching the autograd graph.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.autograd import _unsafe_preserve_version_counter as keep_version  # gathers into saved storage
@@ -25,8 +25,10 @@ class ParamStore:
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, group,
                  sharded: bool, host_copies: Optional[HostCopies] = None):
         self.params, self.layout, self.dtype, self.group, self.sharded = params, layout, dtype, group, sharded
-        self.host_copies = host_copies  # an offloaded master's uploads (see load_owned)
-        self._uploads: dict[int, Optional[torch.cuda.Event]] = {}  # unit -> end of its pending upload
+        self.host_copies = host_copies  # an offloaded master's uploads (see load_unit)
+        self.before_use: Optional[Callable[[int], None]] = None  # stage 3: told before a unit is gathered
+        self._uploads: dict[int, Optional[torch.cuda.Event]] = {}  # unit -> end of its upload, until gathered
+        self._uploaded: dict[int, Optional[torch.cuda.Event]] = {}  # unit -> end of its last upload
         device = params[0].device
         self.units = [torch.zeros(n, dtype=dtype, device=device) for n in layout.unit_numel]
         for i, p in enumerate(params):
@@ -60,6 +62,8 @@ class ParamStore:
     # --- stage 3: gather before use, release after -------------------------------------------
     def gather(self, unit: int, async_op: bool = False) -> None:
         """Start (or do) the all-gather of ``unit``; ``wait`` completes an asynchronous one."""
+        if self.before_use is not None:
+            self.before_use(unit)
         if self.gathered[unit] or unit in self._pending:
             return
         wait_on_current_stream(self._uploads.pop(unit, None))
@@ -89,19 +93,11 @@ class ParamStore:
 
     # --- after the optimizer step ------------------------------------------------------------
     def load_owned(self, master_shard: torch.Tensor, unit_order: list[int]) -> None:
-        """Copy updated fp32 master values into this rank's 16-bit slices.
-
-        An offloaded (host) master is rounded to 16 bits on the host first, into a reused pinned
-        buffer, so the transfer moves half the bytes and runs at pinned-memory speed; it is then
-        uploaded unit by unit in ``unit_order`` (the next forward's) beside the compute stream, and
-        each unit's gather waits for its own upload only."""
+        """Copy updated fp32 master values into this rank's 16-bit slices (an offloaded master: unit
+        by unit in ``unit_order``, see ``load_unit``)."""
         if master_shard.device != self.units[0].device:
-            host = self._host_rounded(master_shard)
             for unit in unit_order:
-                for bucket in self.layout.unit_buckets(unit):
-                    dst = self.shard_slice(bucket) if self.sharded else self.owned_view(bucket)
-                    size = bucket.numel // self.layout.dp
-                    self._uploads[unit] = self.host_copies.copy(dst, host[bucket.shard_offset:bucket.shard_offset + size])
+                self.load_unit(master_shard, unit)
             return
         if self.sharded:
             self.shard.copy_(master_shard, non_blocking=True)
@@ -111,13 +107,22 @@ class ParamStore:
             src = master_shard[bucket.shard_offset:bucket.shard_offset + size]
             self.owned_view(bucket).copy_(src, non_blocking=True)
 
-    def _host_rounded(self, master_shard: torch.Tensor) -> torch.Tensor:
+    def load_unit(self, host_master: torch.Tensor, unit: int) -> None:
+        """Offload: round ``unit``'s slices of the host master to 16 bits, into a reused pinned
+        buffer (half the bytes, pinned-memory speed), and upload them beside the compute stream;
+        the unit's gather waits for its own upload only."""
         if self._host_buffer is None:
-            self._host_buffer = torch.empty(master_shard.shape, dtype=self.dtype,
+            self._host_buffer = torch.empty(host_master.shape, dtype=self.dtype,
                                             pin_memory=self.units[0].device.type == "cuda")
-        self.host_copies.synchronize()  # the last step's uploads out of the buffer are done
-        self._host_buffer.copy_(master_shard)
-        return self._host_buffer
+        last = self._uploaded.get(unit)
+        if last is not None:
+            last.synchronize()  # the previous upload out of these slices is done (long ago, in practice)
+        for bucket in self.layout.unit_buckets(unit):
+            lo, hi = bucket.shard_offset, bucket.shard_offset + bucket.numel // self.layout.dp
+            host = self._host_buffer[lo:hi]
+            host.copy_(host_master[lo:hi])
+            dst = self.shard_slice(bucket) if self.sharded else self.owned_view(bucket)
+            self._uploads[unit] = self._uploaded[unit] = self.host_copies.copy(dst, host)
 
     def all_gather_buckets(self, unit_order: list[int]) -> None:
         """Stages 1-2: every rank updated its slice; each unit is rebuilt by in-place all-gathers.
@@ -125,19 +130,22 @@ class ParamStore:
         They are only started here, unit by unit in ``unit_order`` (the order the next forward uses
         them); ``wait(unit)``, called just before a unit runs, finishes them, so the gathers of later
         units overlap the computation of earlier ones."""
-        # After an offloaded step the gathers are issued from the upload stream, behind each unit's
-        # upload, so the compute stream never waits for uploads of units it does not need yet.
-        uploads = self.host_copies.stream if self._uploads and self.host_copies else None
-        with torch.cuda.stream(uploads) if uploads is not None else contextlib.nullcontext():
-            for unit in unit_order:
-                self._uploads.pop(unit, None)
-                buf = self.units[unit]
-                for bucket in self.layout.unit_buckets(unit):
-                    with keep_version(buf):
-                        handle = comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_view(bucket),
-                                                      self.group, async_op=True)
-                    if handle is not None:
-                        self._pending.setdefault(unit, []).append(handle)
+        for unit in unit_order:
+            self.all_gather_unit(unit)
+
+    def all_gather_unit(self, unit: int) -> None:
+        """Start rebuilding ``unit`` from every rank's slices (stages 1-2). After an offloaded update
+        the gather is issued from the upload stream, behind the unit's upload, so the compute stream
+        never waits for uploads of units it does not need yet."""
+        upload = self.host_copies.stream if self.host_copies and self._uploads.pop(unit, None) else None
+        buf = self.units[unit]
+        with torch.cuda.stream(upload) if upload is not None else contextlib.nullcontext():
+            for bucket in self.layout.unit_buckets(unit):
+                with keep_version(buf):
+                    handle = comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_view(bucket),
+                                                  self.group, async_op=True)
+                if handle is not None:
+                    self._pending.setdefault(unit, []).append(handle)
 
     def wait_all(self) -> None:
         for unit in list(self._pending):

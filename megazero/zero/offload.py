@@ -1,0 +1,104 @@
+"""ZeRO-Offload's update: AdamW on the host, unit by unit, each just before the unit is next used.
+
+The fp32 master and Adam moments live in host memory. Each reduced gradient bucket is copied to
+the host as soon as its last reduction completes, while backward still runs. The update itself
+cannot start before backward ends (clipping needs the global norm), and on the host it is the
+slowest part of the step, bound by memory bandwidth (about 28 bytes per parameter). So the step
+only settles the coefficient and whether to skip; each unit's AdamW, its rounding to 16 bits and
+its upload then run when the next forward first needs that unit (from the unit's pre-forward or
+gather hook), and the GPU computes the units already updated while the host updates the next.
+Anything that reads the master or the parameters outside a forward calls ``finish`` first.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megazero.zero.grads import GradReducer
+from megazero.zero.host_copies import HostCopies
+from megazero.zero.layout import FlatLayout
+from megazero.zero.params import ParamStore
+
+
+class OffloadedUpdate:
+    """Per-unit host AdamW steps for ``adam`` (whose parameters are views of ``master``, keyed by
+    layout segment in ``master_views``); ``after_upload(unit)`` runs once a unit's slices are on
+    the GPU (stages 1-2 start its all-gather there)."""
+
+    def __init__(self, adam: torch.optim.AdamW, master_views: dict, layout: FlatLayout, reducer: GradReducer,
+                 store: ParamStore, master: torch.Tensor, master_grad: torch.Tensor, copies: HostCopies,
+                 after_upload: Callable[[int], None]):
+        self.layout, self.reducer, self.store, self.copies = layout, reducer, store, copies
+        self.master, self.master_grad, self.after_upload = master, master_grad, after_upload
+        self.fused = bool(adam.defaults.get("fused"))
+        self.unit_adams = self._split_by_unit(adam, master_views)
+        self.pending: list[int] = []  # units whose update is settled but not yet applied
+        self.sent: set[int] = set()  # buckets whose gradients already left for the host this step
+
+    def _split_by_unit(self, adam: torch.optim.AdamW, master_views: dict) -> dict[int, torch.optim.AdamW]:
+        """One AdamW per unit over that unit's views, with the same hyperparameters per group and the
+        very same state dicts as ``adam`` (which checkpoints keep reading)."""
+        unit_of = {id(view): self.layout.param_unit[seg.param] for seg, view in master_views.items()}
+        groups: dict[int, list[dict]] = {}
+        for group in adam.param_groups:
+            for u in sorted({unit_of[id(p)] for p in group["params"] if id(p) in unit_of}):
+                views = [p for p in group["params"] if unit_of.get(id(p)) == u]
+                groups.setdefault(u, []).append({**group, "params": views})
+        out = {}
+        for u, unit_groups in groups.items():
+            out[u] = torch.optim.AdamW(unit_groups, fused=self.fused or None, foreach=adam.defaults.get("foreach"))
+            for g in unit_groups:
+                for view in g["params"]:
+                    out[u].state[view] = adam.state[view]
+        return out
+
+    # --- gradients to the host ---------------------------------------------------------------
+    def send(self, b: int) -> None:
+        """Bucket ``b``'s reduced slice is final: start its copy to the host master's gradient."""
+        self.finish()  # the previous step's pending units still read the gradient buffer
+        bucket = self.layout.buckets[b]
+        lo = bucket.shard_offset
+        self.copies.copy(self.master_grad[lo:lo + bucket.numel // self.layout.dp], self.reducer.bucket_grad(b))
+        self.sent.add(b)
+
+    def clear(self) -> None:
+        self.sent.clear()
+
+    # --- the step ----------------------------------------------------------------------------
+    def settle(self, coef: float, skip: bool, lr, unit_order: list[int]) -> None:
+        """Bring every gradient to the host and fix this step's update; apply it lazily by unit."""
+        self.finish()
+        for b in range(len(self.layout.buckets)):
+            if b not in self.sent:
+                self.send(b)
+        self.sent.clear()
+        self.copies.synchronize()
+        if skip:  # the master is unchanged, so are the 16-bit parameters on the GPU
+            return
+        scale = None
+        if self.fused:  # the fused kernel divides each gradient by it as it reads it
+            scale = torch.tensor(1.0 / coef, dtype=torch.float32)
+        else:
+            self.master_grad.mul_(coef)
+        for adam in self.unit_adams.values():
+            adam.grad_scale = scale
+            for group in adam.param_groups:
+                group["lr"] = group["lr"] if lr is None else lr
+        self.pending = list(unit_order)
+
+    def update(self, unit: int) -> None:
+        """Apply the settled update to ``unit`` now, if it is still pending."""
+        if unit not in self.pending:
+            return
+        self.pending.remove(unit)
+        if unit in self.unit_adams:
+            self.unit_adams[unit].step()
+        self.store.load_unit(self.master, unit)
+        self.after_upload(unit)
+
+    def finish(self) -> None:
+        """Apply every pending unit's update (before the master or parameters are read otherwise)."""
+        for unit in list(self.pending):
+            self.update(unit)
