@@ -7,7 +7,7 @@ same global batches. Layouts (tp, pp, dp) run in a 4-rank and an 8-rank world:
 dp 2: (2,1,2) (1,2,2) (2,2,2); dp 4: (1,1,4) (1,2,4) (2,1,4) — every value of every axis of the
 issue's matrix with every ZeRO stage. The remaining two layouts, (1,1,2) and (2,2,4), run in 2- and
 16-rank worlds under the ``slow`` marker. Layouts without tp or pp also run stage 3 with compiled
-blocks and head. Tolerance: fp32, parameters within 2e-6 absolute after 3
+blocks and head; pp 2 with dp 2 also runs CPU offload (stage 1 at tp 1, stage 3 at tp 2). Tolerance: fp32, parameters within 2e-6 absolute after 3
 steps of lr 1e-2 (about 1e-4 of the update), losses within 1e-5 relative; Adam epsilon 1e-4 (see EPS).
 """
 
@@ -108,6 +108,9 @@ def _world(rank, world_size):
         if (tp, pp) == (1, 1):
             # compiled blocks and head+loss, with stage 3 regathering the tied head around them
             out[(tp, pp, dp, "compile")] = _case(topo, tp, pp, dp, 3, ("--train.compile", "true"))
+        if pp == 2 and dp == 2:
+            # the offloaded update applied unit by unit from the pipeline chunks' hooks
+            out[(tp, pp, dp, "offload")] = _case(topo, tp, pp, dp, 1 + tp, ("--zero.offload_optimizer", "true"))
     return out
 
 
@@ -122,7 +125,8 @@ def test_every_layout_and_stage_matches_single_process(world):
     world_size, reports = world
     cases = [key for key in reports[0]]
     layouts = LAYOUTS[world_size]
-    assert len(cases) == 4 * len(layouts) + sum(l[0] == 2 for l in layouts) + sum(l[:2] == (1, 1) for l in layouts)
+    assert len(cases) == (4 * len(layouts) + sum(l[0] == 2 for l in layouts) + sum(l[:2] == (1, 1) for l in layouts)
+                          + sum(l[1:] == (2, 2) for l in layouts))
     for rank, report in enumerate(reports):
         for key, value in report.items():
             assert value["param_err"] < 2e-6, (rank, key, value)
