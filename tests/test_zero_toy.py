@@ -18,6 +18,10 @@ from tests.distributed import run_world
 
 STEPS, MICRO, BATCH, VOCAB, WIDTH = 3, 2, 4, 50, 24
 TOL = 2e-6
+# Gradients accumulated and reduced in bf16 (8 bits of mantissa): Adam turns the rounding of
+# near-zero gradients into full-size updates of either sign, so those runs are checked by the
+# relative error of the whole update (parameters minus initial values) against the fp32 reference.
+BF16_GRAD_TOL = 0.05
 
 
 class Block(torch.nn.Module):
@@ -77,6 +81,7 @@ def _reference(model, steps, batches_per_step, clip, variant="plain"):
 CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "overlap")] + [
     (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "persist"), (1, "offload"), (3, "offload"),
     (0, "offload"), (1, "offload+overlap"), (2, "offload+overlap"),
+    (0, "bf16grads"), (1, "bf16grads"), (2, "bf16grads"), (3, "bf16grads"),
     (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused")]
 
 
@@ -96,7 +101,8 @@ def _zero_run(rank, world_size):
                                         once_per_step=variant == "once_per_step",
                                         prefetch_depth=2 if variant == "prefetch2" else 1,
                                         persistence_threshold=100 if variant == "persist" else 0,
-                                        offload=variant.startswith("offload"))
+                                        offload=variant.startswith("offload"),
+                                        grad_dtype=torch.bfloat16 if variant == "bf16grads" else torch.float32)
                 opt = ZeroOptimizer(model, settings, group, None, units=list(model.blocks))
                 norms = []
                 for step in range(STEPS):
@@ -107,8 +113,13 @@ def _zero_run(rank, world_size):
                     norms.append(opt.step().grad_norm)
                 opt.wait_params()
                 reference = references["unused" if variant == "unused" else "plain"]
-                err = max((p - q).abs().max().item()
-                          for p, q in zip(model.state_dict().values(), reference.state_dict().values()))
+                pairs = list(zip(model.state_dict().values(), reference.state_dict().values(),
+                                 base.state_dict().values()))
+                if variant == "bf16grads":  # relative error of the whole update, see BF16_GRAD_TOL
+                    err = (torch.stack([(p - q).norm() for p, q, _ in pairs]).norm()
+                           / torch.stack([(q - p0).norm() for _, q, p0 in pairs]).norm()).item()
+                else:
+                    err = max((p - q).abs().max().item() for p, q, _ in pairs)
                 results[(dp, clip, stage, variant)] = (err, norms)
         results.update(_memory_and_overflow(base, group, dp, dp_rank))
     return results
@@ -155,7 +166,7 @@ def zero_results(zero_world):
 @pytest.mark.parametrize("stage, variant", CASES)
 def test_zero_matches_single_process_adamw(zero_results, dp, clip, stage, variant):
     err, norms = zero_results[(dp, clip, stage, variant)]
-    assert err < TOL, f"max parameter difference {err:.3g}"
+    assert err < (BF16_GRAD_TOL if variant == "bf16grads" else TOL), f"parameter error {err:.3g} (max absolute; relative update for bf16 gradients)"
     if clip < 1:
         assert all(n > clip for n in norms), "the clipping threshold must bind in this case"
 

@@ -23,7 +23,9 @@ reduce into shard gaps, which no segment reads.
 
 Reductions are sums: dividing by the data-parallel size is folded into the optimizer's single
 unscale-and-clip multiply. Buckets are launched in the same order on every rank (backward order,
-then bucket index for stragglers), so collectives never cross.
+then bucket index for stragglers), so collectives never cross. That needs the usual data-parallel
+contract: in a step, every rank's backward reaches the same parameters (a parameter may go unused,
+but then on every rank), as it does for a GPT, whose every parameter is used by every token.
 """
 
 from __future__ import annotations
@@ -89,9 +91,8 @@ class GradReducer:
     def bucket_grad(self, b: int) -> torch.Tensor:
         """This rank's reduced slice of bucket ``b`` (complete after ``finish``, or after ``on_final(b)``)."""
         bucket = self.layout.buckets[b]
-        size = bucket.numel // self.layout.dp
         if self.mode == "staged":
-            return self.shard[bucket.shard_offset:bucket.shard_offset + size]
+            return self._shard_slice(bucket)
         lo, hi = self.layout.owned_range(bucket)
         start = self.unit_start[bucket.unit]
         return self.flat[start + lo:start + hi]
@@ -153,14 +154,19 @@ class GradReducer:
             self.written[i] = True
         return self.param_grad(i)
 
+    def _shard_slice(self, bucket: Bucket) -> torch.Tensor:
+        lo, hi = self.layout.shard_range(bucket)
+        return self.shard[lo:hi]
+
     def _clear_unwritten(self, b: int) -> None:
-        """Zero the regions of ``b`` whose parameter sent no gradient, before ``b`` is reduced."""
+        """Zero the parts in ``b`` of parameters that sent no gradient, before ``b`` is reduced (only
+        those parts: the parameter's other buckets may be in flight already)."""
         for i in self.layout.unit_params[self.layout.buckets[b].unit]:
             if not self.written[i] and b in self.param_buckets[i]:
+                src, dst, n = self._bucket_slice(i, b)
                 if self.mode == "full":
-                    self.param_grad(i).zero_()
+                    self.param_grad(i)[src:src + n].zero_()
                 else:
-                    src, dst, n = self._bucket_slice(i, b)
                     self.staging[b][dst:dst + n].zero_()
 
     def _count(self, b: int, n: int) -> None:
@@ -171,8 +177,9 @@ class GradReducer:
     def _take_buffer(self) -> torch.Tensor:
         if self.pool:
             return self.pool.pop()
-        device = self.shard.device
-        return torch.zeros(self.layout.bucket_numel, dtype=self.dtype, device=device)
+        # as large as the largest bucket, which is smaller than the setting when every unit is
+        largest = max(bucket.numel for bucket in self.layout.buckets)
+        return torch.zeros(largest, dtype=self.dtype, device=self.shard.device)
 
     def _full_bucket(self, bucket: Bucket) -> torch.Tensor:
         start = self.unit_start[bucket.unit] + bucket.start
@@ -195,8 +202,7 @@ class GradReducer:
             # The step's first reduction of a bucket lands in the shard directly; a later micro-batch's
             # is reduced in place and added to the shard when complete.
             add = self.reduced[b]
-            out = (staging[self.layout.dp_rank * size:(self.layout.dp_rank + 1) * size] if add
-                   else self.shard[bucket.shard_offset:bucket.shard_offset + size])
+            out = staging[self.layout.dp_rank * size:(self.layout.dp_rank + 1) * size] if add else self._shard_slice(bucket)
             self.reduced[b] = True
             handle = comm.reduce_scatter_into(out, staging[:bucket.numel], self.group, async_op=True)
             self.in_flight.append((b, handle, staging, add))
@@ -209,10 +215,9 @@ class GradReducer:
         if handle is not None:
             handle.wait()  # also orders the staging buffer's reuse after the collective that reads it
         if add:
-            bucket = self.layout.buckets[b]
-            size = bucket.numel // self.layout.dp
-            rank_lo = self.layout.dp_rank * size
-            self.shard[bucket.shard_offset:bucket.shard_offset + size].add_(staging[rank_lo:rank_lo + size])
+            shard = self._shard_slice(self.layout.buckets[b])
+            rank_lo = self.layout.dp_rank * shard.numel()
+            shard.add_(staging[rank_lo:rank_lo + shard.numel()])
         if staging is not None:
             self.pool.append(staging)
         if self.final and self.on_final is not None:
@@ -242,8 +247,7 @@ class GradReducer:
         self._callback_queued = False
         for b, bucket in enumerate(self.layout.buckets):
             if self.mode == "staged" and not self.reduced[b]:  # no gradient reached it this step
-                size = bucket.numel // self.layout.dp
-                self.shard[bucket.shard_offset:bucket.shard_offset + size].zero_()
+                self._shard_slice(bucket).zero_()
                 self.reduced[b] = True
 
     def zero(self) -> None:

@@ -3,12 +3,14 @@
 ZeRO-Offload moves every reduced gradient to the host and every updated parameter back, each
 step: on the compute stream those transfers would stall the GPU for their whole length. Here a
 gradient bucket leaves as soon as its last reduction is done, while backward still runs, and a
-unit's updated parameters come back in the order the next forward needs them, each unit waiting
-only for its own. On a CPU-only run the copies are plain and immediate.
+unit's updated parameters go back (and, under ZeRO, are gathered) on this stream too, so the
+compute stream waits only when it reaches a unit whose upload is not done. On a CPU-only run the
+copies are plain and immediate.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -19,17 +21,28 @@ class HostCopies:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[torch.cuda.Event]:
-        """``dst.copy_(src)`` after the work queued so far on the current stream; returns the event
-        that marks its end (None when immediate). Host memory must be pinned to run asynchronously."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after_compute: bool = True) -> None:
+        """``dst.copy_(src)`` on the copy stream; with ``after_compute`` only after the work queued so
+        far on the current stream (which may still be writing ``src``). Host memory must be pinned
+        to run asynchronously."""
         if self.stream is None:
             dst.copy_(src)
-            return None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            return
+        if after_compute:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+
+    def on_stream(self):
+        """A context issuing work (e.g. a collective, which then waits for the copies) on the copy stream."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def record(self) -> Optional[torch.cuda.Event]:
+        """An event marking the end of everything issued on the copy stream so far (None on CPU)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
         return event
 
     def synchronize(self) -> None:
@@ -39,6 +52,6 @@ class HostCopies:
 
 
 def wait_on_current_stream(event: Optional[torch.cuda.Event]) -> None:
-    """Make the current stream's later work wait for ``event`` (a copy's end), without blocking the host."""
+    """Make the current stream's later work wait for ``event``, without blocking the host."""
     if event is not None:
         torch.cuda.current_stream().wait_event(event)

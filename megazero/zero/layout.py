@@ -84,6 +84,10 @@ class FlatLayout:
         start = bucket.start + self.dp_rank * size
         return start, start + size
 
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """Where this rank's slice of ``bucket`` sits in its shard (master, moments, reduced gradients)."""
+        return bucket.shard_offset, bucket.shard_offset + bucket.numel // self.dp
+
     def unit_buckets(self, unit: int) -> list[Bucket]:
         return [b for b in self.buckets if b.unit == unit]
 

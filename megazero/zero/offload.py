@@ -7,7 +7,8 @@ slowest part of the step, bound by memory bandwidth (about 28 bytes per paramete
 only settles the coefficient and whether to skip; each unit's AdamW, its rounding to 16 bits and
 its upload then run when the next forward first needs that unit (from the unit's pre-forward or
 gather hook), and the GPU computes the units already updated while the host updates the next.
-Anything that reads the master or the parameters outside a forward calls ``finish`` first.
+Anything that reads the master or the parameters outside a forward calls ``finish`` first (through
+``ZeroOptimizer.apply_pending`` or ``wait_params``; checkpoints do).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class OffloadedUpdate:
         self.sent: set[int] = set()  # buckets whose gradients already left for the host this step
 
     def _split_by_unit(self, adam: torch.optim.AdamW, master_views: dict) -> dict[int, torch.optim.AdamW]:
-        """One AdamW per unit over that unit's views, with the same hyperparameters per group and the
-        very same state dicts as ``adam`` (which checkpoints keep reading)."""
+        """One AdamW per unit over that unit's views, with the same state dicts as ``adam`` (which
+        checkpoints keep reading) and its groups' hyperparameters as they are now: ``settle``
+        forwards the learning rate each step; other hyperparameters are fixed for the run."""
         unit_of = {id(view): self.layout.param_unit[seg.param] for seg, view in master_views.items()}
         groups: dict[int, list[dict]] = {}
         for group in adam.param_groups:
@@ -58,9 +60,8 @@ class OffloadedUpdate:
     def send(self, b: int) -> None:
         """Bucket ``b``'s reduced slice is final: start its copy to the host master's gradient."""
         self.finish()  # the previous step's pending units still read the gradient buffer
-        bucket = self.layout.buckets[b]
-        lo = bucket.shard_offset
-        self.copies.copy(self.master_grad[lo:lo + bucket.numel // self.layout.dp], self.reducer.bucket_grad(b))
+        lo, hi = self.layout.shard_range(self.layout.buckets[b])
+        self.copies.copy(self.master_grad[lo:hi], self.reducer.bucket_grad(b))
         self.sent.add(b)
 
     def clear(self) -> None:
@@ -73,8 +74,11 @@ class OffloadedUpdate:
         for b in range(len(self.layout.buckets)):
             if b not in self.sent:
                 self.send(b)
-        self.sent.clear()
+        self.clear()
         self.copies.synchronize()
+        for adam in self.unit_adams.values():
+            for group in adam.param_groups:
+                group["lr"] = group["lr"] if lr is None else lr
         if skip:  # the master is unchanged, so are the 16-bit parameters on the GPU
             return
         scale = None
@@ -84,8 +88,6 @@ class OffloadedUpdate:
             self.master_grad.mul_(coef)
         for adam in self.unit_adams.values():
             adam.grad_scale = scale
-            for group in adam.param_groups:
-                group["lr"] = group["lr"] if lr is None else lr
         self.pending = list(unit_order)
 
     def update(self, unit: int) -> None:

@@ -68,7 +68,7 @@ class StepResult:
 @dataclass
 class ZeroSettings:
     stage: int = 1
-    bucket_numel: int = 25 * 2**20 // 4
+    bucket_numel: int = 200 * 2**20 // 4
     param_dtype: torch.dtype = torch.float32
     grad_dtype: torch.dtype = torch.float32
     lr: float = 3e-4
@@ -149,7 +149,8 @@ class ZeroOptimizer:
             self.offload = OffloadedUpdate(self.adam, self._master_views, self.layout, self.reducer, self.store,
                                            self.master, self.master_grad, self.host_copies, after_upload)
             self.reducer.on_final = self.offload.send
-            self.store.before_use = self.offload.update
+            if settings.stage == 3:  # stages 0-2 apply it from their pre-forward hooks
+                self.store.before_use = self.offload.update
 
     # --- construction ------------------------------------------------------------------------
     def _build_master(self) -> None:
@@ -256,19 +257,21 @@ class ZeroOptimizer:
         scale = self.scaler.scale
         unscale = 1.0 / (self.dp * scale)
         grad_norm = self._global_norm_sq().sqrt() * unscale
-        overflow = ~torch.isfinite(grad_norm) | torch.as_tensor(skip, device=grad_norm.device)
+        overflow = ~torch.isfinite(grad_norm) | skip  # a bool needs no copy to the device
         grad_norm = grad_norm.masked_fill(overflow, math.inf)
         coef = torch.full_like(grad_norm, unscale)
         if self.s.clip_grad > 0:
             coef = coef * (self.s.clip_grad / (grad_norm + 1e-6)).clamp(max=1.0)
+        known_skip = False  # only a dynamic scaler reads the flag on the host
         if self.scaler.dynamic:
-            self.scaler.update(bool(overflow))
+            known_skip = bool(overflow)
+            self.scaler.update(known_skip)
         if lr is not None:
             for group in self.adam.param_groups:
                 group["lr"] = lr
         if self.offload is not None:  # the host waits for the gradients anyway
             self.offload.settle(float(coef), bool(overflow), lr, self.unit_order)
-        else:
+        elif not known_skip:  # a skipped step leaves the parameters as they are: nothing to rebuild
             self._update(coef, overflow)
             self.store.load_owned(self.master, self.unit_order)
             if self.s.stage in (1, 2):
@@ -318,8 +321,8 @@ class ZeroOptimizer:
         if self.master_grad is None:
             return
         for b, bucket in enumerate(self.layout.buckets):
-            size = bucket.numel // self.dp
-            self.master_grad[bucket.shard_offset:bucket.shard_offset + size].copy_(self.reducer.bucket_grad(b))
+            lo, hi = self.layout.shard_range(bucket)
+            self.master_grad[lo:hi].copy_(self.reducer.bucket_grad(b))
 
     # --- inspection --------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:

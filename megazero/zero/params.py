@@ -27,8 +27,10 @@ class ParamStore:
         self.params, self.layout, self.dtype, self.group, self.sharded = params, layout, dtype, group, sharded
         self.host_copies = host_copies  # an offloaded master's uploads (see load_unit)
         self.before_use: Optional[Callable[[int], None]] = None  # stage 3: told before a unit is gathered
-        self._uploads: dict[int, Optional[torch.cuda.Event]] = {}  # unit -> end of its upload, until gathered
-        self._uploaded: dict[int, Optional[torch.cuda.Event]] = {}  # unit -> end of its last upload
+        # An offloaded unit's work on the copy stream (its upload; a one-rank gather's local copy) that
+        # the compute stream must wait for before the unit runs; ``wait`` takes it.
+        self._ready: dict[int, Optional[torch.cuda.Event]] = {}
+        self._host_free: dict[int, Optional[torch.cuda.Event]] = {}  # unit -> end of its last upload
         device = params[0].device
         self.units = [torch.zeros(n, dtype=dtype, device=device) for n in layout.unit_numel]
         for i, p in enumerate(params):
@@ -52,8 +54,8 @@ class ParamStore:
         return self.units[self.layout.param_unit[i]][start:start + self.layout.param_numel[i]]
 
     def shard_slice(self, bucket) -> torch.Tensor:
-        size = bucket.numel // self.layout.dp
-        return self.shard[bucket.shard_offset:bucket.shard_offset + size]
+        lo, hi = self.layout.shard_range(bucket)
+        return self.shard[lo:hi]
 
     def owned_view(self, bucket) -> torch.Tensor:
         lo, hi = self.layout.owned_range(bucket)
@@ -66,19 +68,30 @@ class ParamStore:
             self.before_use(unit)
         if self.gathered[unit] or unit in self._pending:
             return
-        wait_on_current_stream(self._uploads.pop(unit, None))
         buf = self.units[unit]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         handles = []
-        with keep_version(buf):
+        with self._issue_stream(unit), keep_version(buf):
             for bucket in self.layout.unit_buckets(unit):
                 out = buf[bucket.start:bucket.end]
                 handles.append(comm.all_gather_into(out, self.shard_slice(bucket), self.group, async_op=async_op))
+            self._mark_ready(unit)
         self._pending[unit] = [h for h in handles if h is not None]
         if not async_op:
             self.wait(unit)
 
+    def _issue_stream(self, unit: int):
+        """Gathers of a freshly uploaded unit are issued on the copy stream, behind its upload, so
+        neither the compute stream nor a prefetch waits for uploads it does not need."""
+        return self.host_copies.on_stream() if unit in self._ready else contextlib.nullcontext()
+
+    def _mark_ready(self, unit: int) -> None:
+        if unit in self._ready:
+            self._ready[unit] = self.host_copies.record()
+
     def wait(self, unit: int) -> None:
+        """Make ``unit``'s parameters current for the compute stream: its gathers, its upload."""
+        wait_on_current_stream(self._ready.pop(unit, None))
         if unit not in self._pending:
             return
         for handle in self._pending.pop(unit):
@@ -97,32 +110,34 @@ class ParamStore:
         by unit in ``unit_order``, see ``load_unit``)."""
         if master_shard.device != self.units[0].device:
             for unit in unit_order:
-                self.load_unit(master_shard, unit)
+                self.load_unit(master_shard, unit, after_compute=True)
             return
         if self.sharded:
             self.shard.copy_(master_shard, non_blocking=True)
             return
         for bucket in self.layout.buckets:
-            size = bucket.numel // self.layout.dp
-            src = master_shard[bucket.shard_offset:bucket.shard_offset + size]
-            self.owned_view(bucket).copy_(src, non_blocking=True)
+            lo, hi = self.layout.shard_range(bucket)
+            self.owned_view(bucket).copy_(master_shard[lo:hi], non_blocking=True)
 
-    def load_unit(self, host_master: torch.Tensor, unit: int) -> None:
+    def load_unit(self, host_master: torch.Tensor, unit: int, after_compute: bool = False) -> None:
         """Offload: round ``unit``'s slices of the host master to 16 bits, into a reused pinned
-        buffer (half the bytes, pinned-memory speed), and upload them beside the compute stream;
-        the unit's gather waits for its own upload only."""
+        buffer (half the bytes, pinned-memory speed), and upload them on the copy stream; ``wait``
+        (and a stage-3 gather) orders the unit's use after its own upload only. ``after_compute``:
+        first let the compute stream finish what it queued (needless right after an offloaded step,
+        which synchronised with the device)."""
         if self._host_buffer is None:
             self._host_buffer = torch.empty(host_master.shape, dtype=self.dtype,
                                             pin_memory=self.units[0].device.type == "cuda")
-        last = self._uploaded.get(unit)
+        last = self._host_free.get(unit)
         if last is not None:
             last.synchronize()  # the previous upload out of these slices is done (long ago, in practice)
         for bucket in self.layout.unit_buckets(unit):
-            lo, hi = bucket.shard_offset, bucket.shard_offset + bucket.numel // self.layout.dp
+            lo, hi = self.layout.shard_range(bucket)
             host = self._host_buffer[lo:hi]
             host.copy_(host_master[lo:hi])
             dst = self.shard_slice(bucket) if self.sharded else self.owned_view(bucket)
-            self._uploads[unit] = self._uploaded[unit] = self.host_copies.copy(dst, host)
+            self.host_copies.copy(dst, host, after_compute=after_compute)
+        self._ready[unit] = self._host_free[unit] = self.host_copies.record()
 
     def all_gather_buckets(self, unit_order: list[int]) -> None:
         """Stages 1-2: every rank updated its slice; each unit is rebuilt by in-place all-gathers.
@@ -134,20 +149,19 @@ class ParamStore:
             self.all_gather_unit(unit)
 
     def all_gather_unit(self, unit: int) -> None:
-        """Start rebuilding ``unit`` from every rank's slices (stages 1-2). After an offloaded update
-        the gather is issued from the upload stream, behind the unit's upload, so the compute stream
-        never waits for uploads of units it does not need yet."""
-        upload = self.host_copies.stream if self.host_copies and self._uploads.pop(unit, None) else None
+        """Start rebuilding ``unit`` from every rank's slices (stages 1-2); after an offloaded update,
+        on the copy stream behind the unit's upload (see ``_issue_stream``)."""
         buf = self.units[unit]
-        with torch.cuda.stream(upload) if upload is not None else contextlib.nullcontext():
+        with self._issue_stream(unit):
             for bucket in self.layout.unit_buckets(unit):
                 with keep_version(buf):
                     handle = comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_view(bucket),
                                                   self.group, async_op=True)
                 if handle is not None:
                     self._pending.setdefault(unit, []).append(handle)
+            self._mark_ready(unit)
 
     def wait_all(self) -> None:
-        for unit in list(self._pending):
+        for unit in set(self._pending) | set(self._ready):
             self.wait(unit)
 

@@ -1,0 +1,46 @@
+"""On a GPU, an offloaded step uploads each unit's new weights on a copy stream of its own, lazily,
+from the next forward's hooks. However late those uploads run, the forward must compute with the
+new weights: here the copy stream is stalled by a long sleep right after the step, and the forward
+that follows must equal one computed again after everything has finished. (Skipped without CUDA.)
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megazero.zero import ZeroOptimizer, ZeroSettings
+from tests.test_zero_toy import Toy, _data
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+STALL_CYCLES = 500_000_000  # about a third of a second: far longer than the forward
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
+                            world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_forward_waits_for_its_units_upload(one_rank_group, stage):
+    torch.manual_seed(0)
+    model = Toy().cuda()
+    opt = ZeroOptimizer(model, ZeroSettings(stage=stage, bucket_numel=320, lr=1e-2, offload=True,
+                                            param_dtype=torch.bfloat16),
+                        one_rank_group, None, units=list(model.blocks))
+    tokens, labels = (t.cuda() for t in _data(0, 0))
+    before = model(tokens, labels)
+    before.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(opt.host_copies.stream):
+        torch.cuda._sleep(STALL_CYCLES)  # every upload the next forward issues queues behind this
+    with torch.no_grad():
+        during = model(tokens, labels)
+        torch.cuda.synchronize()
+        after = model(tokens, labels)
+    assert torch.equal(during, after), "the forward read weights its upload had not written yet"
+    assert not torch.equal(during, before.detach()), "the step did not change the weights"
