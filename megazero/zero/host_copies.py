@@ -33,9 +33,17 @@ class HostCopies:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
 
+    @contextlib.contextmanager
     def on_stream(self):
-        """A context issuing work (e.g. a collective, which then waits for the copies) on the copy stream."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        """Issue work (e.g. a collective, which then also waits for the copies) on the copy stream,
+        after what the current stream queued so far: that work may still use memory this work
+        writes, such as a block the caching allocator just handed out again."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
 
     def record(self) -> Optional[torch.cuda.Event]:
         """An event marking the end of everything issued on the copy stream so far (None on CPU)."""

@@ -81,8 +81,8 @@ class ParamStore:
             self.wait(unit)
 
     def _issue_stream(self, unit: int):
-        """Gathers of a freshly uploaded unit are issued on the copy stream, behind its upload, so
-        neither the compute stream nor a prefetch waits for uploads it does not need."""
+        """Gathers of a freshly uploaded unit are issued on the copy stream, behind its upload (and the
+        compute queued so far), so the compute stream never waits for an upload it does not need yet."""
         return self.host_copies.on_stream() if unit in self._ready else contextlib.nullcontext()
 
     def _mark_ready(self, unit: int) -> None:
