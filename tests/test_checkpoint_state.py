@@ -59,11 +59,29 @@ def _world(rank, world_size, root):
         exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, manifest, same_layout=True)
         out[("exact", bucket_mb)] = exact
         out[("next_loss", bucket_mb)] = (_step(target, 10), reference_next)
+    out.update(_offload_resume(topo, rank, root + "/offload"))
     fp16 = _engine(topo, 0.002, "fp16")
     load_checkpoint(ckpt, rank, fp16.chunks, fp16.optimizer, manifest, same_layout=True)
     out["fp16_scale_after_fp32_ckpt"] = fp16.optimizer.scaler.scale
     out["fp16_norm"] = _fp16_norm(topo)
     out["files_read"] = _pipeline_reshard_reads(rank, root)
+    return out
+
+
+def _offload_resume(topo, rank, root):
+    """An offloaded run saved between steps (its update still pending) resumes, offloaded or not, to
+    the very loss it would have reached."""
+    offload = ("--zero.offload_optimizer", "true")
+    source = _engine(topo, 0.002, extra=offload)
+    for s in range(2):
+        _step(source, s)
+    ckpt = _save(source, root, rank)
+    want = _step(source, 10)
+    out = {}
+    for extra in (offload, ()):
+        target = _engine(topo, 0.002, extra=extra)
+        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
+        out[("offload_resume", bool(extra))] = (_step(target, 10), want)
     return out
 
 
@@ -109,6 +127,13 @@ def test_same_buckets_resume_exactly(report):
         assert r[("exact", 0.002)] is True
         got, want = r[("next_loss", 0.002)]
         assert got == want
+
+
+def test_offloaded_run_resumes_exactly_with_or_without_offload(report):
+    for r in report:
+        for offloaded in (True, False):
+            got, want = r[("offload_resume", offloaded)]
+            assert got == want, (offloaded, got, want)
 
 
 def test_other_buckets_reshard_instead_of_scrambling(report):
