@@ -4,6 +4,8 @@ new weights: here the copy stream is stalled by a long sleep right after the ste
 that follows must equal one computed again after everything has finished. (Skipped without CUDA.)
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +15,7 @@ from tests.test_zero_toy import Toy, _data
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-STALL_CYCLES = 500_000_000  # about a third of a second: far longer than the forward
+STALL_CYCLES = 1_000_000_000  # about half a second of GPU clock
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +34,21 @@ def test_forward_waits_for_its_units_upload(one_rank_group, stage):
                                             param_dtype=torch.bfloat16),
                         one_rank_group, None, units=list(model.blocks))
     tokens, labels = (t.cuda() for t in _data(0, 0))
-    before = model(tokens, labels)
-    before.backward()
-    opt.step()
+    for _ in range(2):  # the second step finds its pinned buffers made: nothing in the way but the stall
+        before = model(tokens, labels)
+        before.backward()
+        opt.step()
     torch.cuda.synchronize()
     with torch.cuda.stream(opt.host_copies.stream):
         torch.cuda._sleep(STALL_CYCLES)  # every upload the next forward issues queues behind this
     with torch.no_grad():
         during = model(tokens, labels)
+        forward_done = torch.cuda.Event()
+        forward_done.record()
+        time.sleep(0.05)  # far longer than this forward, far shorter than the stall
+        held_back = not forward_done.query()
         torch.cuda.synchronize()
         after = model(tokens, labels)
+    assert held_back, "the forward did not wait for the uploads of its units"
     assert torch.equal(during, after), "the forward read weights its upload had not written yet"
     assert not torch.equal(during, before.detach()), "the step did not change the weights"

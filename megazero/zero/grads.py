@@ -177,7 +177,7 @@ class GradReducer:
     def _take_buffer(self) -> torch.Tensor:
         if self.pool:
             return self.pool.pop()
-        # as large as the largest bucket, which is smaller than the setting when every unit is
+        # as large as the largest bucket: smaller than the setting when every unit is smaller
         largest = max(bucket.numel for bucket in self.layout.buckets)
         return torch.zeros(largest, dtype=self.dtype, device=self.shard.device)
 

@@ -34,14 +34,15 @@ class HostCopies:
             dst.copy_(src, non_blocking=True)
 
     @contextlib.contextmanager
-    def on_stream(self):
-        """Issue work (e.g. a collective, which then also waits for the copies) on the copy stream,
-        after what the current stream queued so far: that work may still use memory this work
-        writes, such as a block the caching allocator just handed out again."""
+    def on_stream(self, after_compute: bool):
+        """Issue work (e.g. a collective, which then also waits for the copies) on the copy stream;
+        with ``after_compute`` only after what the current stream queued so far, which may still use
+        memory this work writes (such as a block the caching allocator just handed out again)."""
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after_compute:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
 

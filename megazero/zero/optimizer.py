@@ -68,7 +68,7 @@ class StepResult:
 @dataclass
 class ZeroSettings:
     stage: int = 1
-    bucket_numel: int = 200 * 2**20 // 4
+    bucket_numel: int = 200 * 2**20 // 4  # elements; the config's default of 200 MiB of fp32 gradients
     param_dtype: torch.dtype = torch.float32
     grad_dtype: torch.dtype = torch.float32
     lr: float = 3e-4

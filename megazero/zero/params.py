@@ -81,9 +81,13 @@ class ParamStore:
             self.wait(unit)
 
     def _issue_stream(self, unit: int):
-        """Gathers of a freshly uploaded unit are issued on the copy stream, behind its upload (and the
-        compute queued so far), so the compute stream never waits for an upload it does not need yet."""
-        return self.host_copies.on_stream() if unit in self._ready else contextlib.nullcontext()
+        """Gathers of a freshly uploaded unit are issued on the copy stream, behind its upload, so the
+        compute stream never waits for an upload it does not need yet. A stage-3 gather writes
+        memory just allocated on the compute stream, so it also waits for the compute queued so far;
+        a stage 1-2 unit's buffer is permanent and its last readers finished with the step."""
+        if unit not in self._ready:
+            return contextlib.nullcontext()
+        return self.host_copies.on_stream(after_compute=self.sharded)
 
     def _mark_ready(self, unit: int) -> None:
         if unit in self._ready:
@@ -131,6 +135,11 @@ class ParamStore:
         last = self._host_free.get(unit)
         if last is not None:
             last.synchronize()  # the previous upload out of these slices is done (long ago, in practice)
+        if unit in self._pending and not self.sharded:
+            # A stage 1-2 gather issued at the unit's last update still reads the slices about to be
+            # overwritten (no forward used the unit since): order the upload after it.
+            with self.host_copies.on_stream(after_compute=False):
+                self.wait(unit)
         for bucket in self.layout.unit_buckets(unit):
             lo, hi = self.layout.shard_range(bucket)
             host = self._host_buffer[lo:hi]
