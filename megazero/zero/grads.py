@@ -77,9 +77,7 @@ class GradReducer:
         """The reduced gradient of one owned segment (valid after ``finish``)."""
         if self.mode == "staged":
             return self.shard[seg.shard_offset:seg.shard_offset + seg.numel]
-        start = self.unit_start[self.layout.param_unit[seg.param]] + self.layout.param_offset[seg.param]
-        start += seg.param_offset
-        return self.flat[start:start + seg.numel]
+        return self.param_grad(seg.param)[seg.param_offset:seg.param_offset + seg.numel]
 
     # --- backward ----------------------------------------------------------------------------
     def begin_microbatch(self, last: bool) -> None:
@@ -93,9 +91,11 @@ class GradReducer:
         bucket = self.layout.buckets[b]
         if self.mode == "staged":
             return self._shard_slice(bucket)
-        lo, hi = self.layout.owned_range(bucket)
-        start = self.unit_start[bucket.unit]
-        return self.flat[start + lo:start + hi]
+        return self._flat(bucket.unit, *self.layout.owned_range(bucket))
+
+    def _flat(self, unit: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``lo:hi`` of ``unit``'s flat index space in the full-mode buffer."""
+        return self.flat[self.unit_start[unit] + lo:self.unit_start[unit] + hi]
 
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
@@ -126,12 +126,11 @@ class GradReducer:
                 for b in self.param_buckets[i]:
                     self._count(b, self._bucket_slice(i, b)[2])
             return
-        for b in self.param_buckets[i]:
+        for b in self.param_buckets[i]:  # staged: one gradient per backward, which flushes them all
             src, dst, n = self._bucket_slice(i, b)
             if b not in self.staging:
                 self.staging[b] = self._take_buffer()
-            region = self.staging[b][dst:dst + n]
-            region.copy_(grad[src:src + n]) if first else region.add_(grad[src:src + n])
+            self.staging[b][dst:dst + n].copy_(grad[src:src + n])
             self._count(b, n)
 
     def defer(self, param: int) -> None:
@@ -144,8 +143,8 @@ class GradReducer:
 
     def param_grad(self, i: int) -> torch.Tensor:
         """Parameter i's region of the flat buffer (full mode): its accumulated gradient once written."""
-        start = self.unit_start[self.layout.param_unit[i]] + self.layout.param_offset[i]
-        return self.flat[start:start + self.layout.param_numel[i]]
+        start = self.layout.param_offset[i]
+        return self._flat(self.layout.param_unit[i], start, start + self.layout.param_numel[i])
 
     def accumulated_grad(self, i: int) -> torch.Tensor:
         """Parameter i's whole gradient so far (full mode, before ``finish``): zero if none arrived."""
@@ -181,18 +180,12 @@ class GradReducer:
         largest = max(bucket.numel for bucket in self.layout.buckets)
         return torch.zeros(largest, dtype=self.dtype, device=self.shard.device)
 
-    def _full_bucket(self, bucket: Bucket) -> torch.Tensor:
-        start = self.unit_start[bucket.unit] + bucket.start
-        return self.flat[start:start + bucket.numel]
-
     def _launch(self, b: int) -> None:
         bucket = self.layout.buckets[b]
         if self.mode == "full":
-            buf = self._full_bucket(bucket)
+            buf = self._flat(bucket.unit, bucket.start, bucket.end)
             if self.reduce_scatter:
-                lo, hi = self.layout.owned_range(bucket)
-                out = buf[lo - bucket.start:hi - bucket.start]
-                handle = comm.reduce_scatter_into(out, buf, self.group, async_op=True)
+                handle = comm.reduce_scatter_into(self.bucket_grad(b), buf, self.group, async_op=True)
             else:
                 handle = comm.all_reduce(buf, self.group, async_op=True)
             self.in_flight.append((b, handle, None, False))

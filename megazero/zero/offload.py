@@ -45,8 +45,11 @@ class OffloadedUpdate:
         unit_of = {id(view): self.layout.param_unit[seg.param] for seg, view in master_views.items()}
         groups: dict[int, list[dict]] = {}
         for group in adam.param_groups:
-            for u in sorted({unit_of[id(p)] for p in group["params"] if id(p) in unit_of}):
-                views = [p for p in group["params"] if unit_of.get(id(p)) == u]
+            by_unit: dict[int, list[torch.Tensor]] = {}
+            for view in group["params"]:
+                if id(view) in unit_of:  # not the placeholder of an empty optimizer
+                    by_unit.setdefault(unit_of[id(view)], []).append(view)
+            for u, views in by_unit.items():
                 groups.setdefault(u, []).append({**group, "params": views})
         out = {}
         for u, unit_groups in groups.items():

@@ -273,9 +273,7 @@ class ZeroOptimizer:
             self.offload.settle(float(coef), bool(overflow), lr, self.unit_order)
         elif not known_skip:  # a skipped step leaves the parameters as they are: nothing to rebuild
             self._update(coef, overflow)
-            self.store.load_owned(self.master, self.unit_order)
-            if self.s.stage in (1, 2):
-                self.store.all_gather_buckets(self.unit_order)
+            self._rebuild_params()
         self.zero_grad()
         self._after_step()
         return StepResult(grad_norm, overflow, scale)
@@ -348,10 +346,14 @@ class ZeroOptimizer:
 
     def reload_params(self) -> None:
         """After the master shard was overwritten (a checkpoint load): rebuild the 16-bit weights."""
+        self._rebuild_params()
+        self._after_step()
+
+    def _rebuild_params(self) -> None:
+        """16-bit parameters from the master: this rank's slices, then (stages 1-2) every rank's."""
         self.store.load_owned(self.master, self.unit_order)
         if self.s.stage in (1, 2):
             self.store.all_gather_buckets(self.unit_order)
-        self._after_step()
 
 
 def _group_by_unit(named, units, persistence_threshold: int):

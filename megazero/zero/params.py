@@ -30,7 +30,6 @@ class ParamStore:
         # An offloaded unit's work on the copy stream (its upload; a one-rank gather's local copy) that
         # the compute stream must wait for before the unit runs; ``wait`` takes it.
         self._ready: dict[int, Optional[torch.cuda.Event]] = {}
-        self._host_free: dict[int, Optional[torch.cuda.Event]] = {}  # unit -> end of its last upload
         device = params[0].device
         self.units = [torch.zeros(n, dtype=dtype, device=device) for n in layout.unit_numel]
         for i, p in enumerate(params):
@@ -61,6 +60,10 @@ class ParamStore:
         lo, hi = self.layout.owned_range(bucket)
         return self.units[bucket.unit][lo:hi]
 
+    def owned_slice(self, bucket) -> torch.Tensor:
+        """Where this rank's updated 16-bit slice of ``bucket`` lives: the shard (stage 3) or the unit."""
+        return self.shard_slice(bucket) if self.sharded else self.owned_view(bucket)
+
     # --- stage 3: gather before use, release after -------------------------------------------
     def gather(self, unit: int, async_op: bool = False) -> None:
         """Start (or do) the all-gather of ``unit``; ``wait`` completes an asynchronous one."""
@@ -70,15 +73,19 @@ class ParamStore:
             return
         buf = self.units[unit]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-        handles = []
-        with self._issue_stream(unit), keep_version(buf):
-            for bucket in self.layout.unit_buckets(unit):
-                out = buf[bucket.start:bucket.end]
-                handles.append(comm.all_gather_into(out, self.shard_slice(bucket), self.group, async_op=async_op))
-            self._mark_ready(unit)
-        self._pending[unit] = [h for h in handles if h is not None]
+        self._pending[unit] = self._all_gather(unit, async_op)
         if not async_op:
             self.wait(unit)
+
+    def _all_gather(self, unit: int, async_op: bool) -> list:
+        """Rebuild ``unit``'s buffer in place from every rank's slices; the handles of async gathers.
+        After an offloaded update they are issued on the copy stream behind the unit's upload."""
+        buf = self.units[unit]
+        with self._issue_stream(unit), keep_version(buf):
+            handles = [comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_slice(bucket), self.group,
+                                            async_op=async_op) for bucket in self.layout.unit_buckets(unit)]
+            self._mark_ready(unit)
+        return [h for h in handles if h is not None]
 
     def _issue_stream(self, unit: int):
         """Gathers of a freshly uploaded unit are issued on the copy stream, behind its upload, so the
@@ -113,6 +120,7 @@ class ParamStore:
         """Copy updated fp32 master values into this rank's 16-bit slices (an offloaded master: unit
         by unit in ``unit_order``, see ``load_unit``)."""
         if master_shard.device != self.units[0].device:
+            self.host_copies.synchronize()  # earlier uploads out of the pinned buffer are done
             for unit in unit_order:
                 self.load_unit(master_shard, unit, after_compute=True)
             return
@@ -128,13 +136,12 @@ class ParamStore:
         buffer (half the bytes, pinned-memory speed), and upload them on the copy stream; ``wait``
         (and a stage-3 gather) orders the unit's use after its own upload only. ``after_compute``:
         first let the compute stream finish what it queued (needless right after an offloaded step,
-        which synchronised with the device)."""
+        which synchronised with the device). The caller makes sure the last upload out of the
+        unit's pinned slices is done: an offloaded step synchronises the copy stream before any
+        unit is loaded again."""
         if self._host_buffer is None:
             self._host_buffer = torch.empty(host_master.shape, dtype=self.dtype,
                                             pin_memory=self.units[0].device.type == "cuda")
-        last = self._host_free.get(unit)
-        if last is not None:
-            last.synchronize()  # the previous upload out of these slices is done (long ago, in practice)
         if unit in self._pending and not self.sharded:
             # A stage 1-2 gather issued at the unit's last update still reads the slices about to be
             # overwritten (no forward used the unit since): order the upload after it.
@@ -144,9 +151,8 @@ class ParamStore:
             lo, hi = self.layout.shard_range(bucket)
             host = self._host_buffer[lo:hi]
             host.copy_(host_master[lo:hi])
-            dst = self.shard_slice(bucket) if self.sharded else self.owned_view(bucket)
-            self.host_copies.copy(dst, host, after_compute=after_compute)
-        self._ready[unit] = self._host_free[unit] = self.host_copies.record()
+            self.host_copies.copy(self.owned_slice(bucket), host, after_compute=after_compute)
+        self._ready[unit] = self.host_copies.record()
 
     def all_gather_buckets(self, unit_order: list[int]) -> None:
         """Stages 1-2: every rank updated its slice; each unit is rebuilt by in-place all-gathers.
@@ -160,15 +166,7 @@ class ParamStore:
     def all_gather_unit(self, unit: int) -> None:
         """Start rebuilding ``unit`` from every rank's slices (stages 1-2); after an offloaded update,
         on the copy stream behind the unit's upload (see ``_issue_stream``)."""
-        buf = self.units[unit]
-        with self._issue_stream(unit):
-            for bucket in self.layout.unit_buckets(unit):
-                with keep_version(buf):
-                    handle = comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_view(bucket),
-                                                  self.group, async_op=True)
-                if handle is not None:
-                    self._pending.setdefault(unit, []).append(handle)
-            self._mark_ready(unit)
+        self._pending.setdefault(unit, []).extend(self._all_gather(unit, async_op=True))
 
     def wait_all(self) -> None:
         for unit in set(self._pending) | set(self._ready):
