@@ -16,6 +16,9 @@ from parallel.launch import LaunchEnv, init_process_group, pick_device
 from parallel.topology import RankGrid, Topology
 
 PACKAGES = ("megazero", "parallel", "models", "data_pipeline")
+# The exit status of a run stopped by a signal after saving (EX_TEMPFAIL: "try again later"), so a
+# scheduler can tell preemption from completion (0) and from failure (any other status).
+EXIT_PREEMPTED = 75
 
 
 def initialize(cfg: Config, launch: LaunchEnv):
@@ -62,9 +65,13 @@ def start_run(cfg: Config, launch: LaunchEnv) -> int:
     try:
         state = run_training(cfg, launch)
         if dist.get_rank() == 0:
-            print(f"megazero: finished at step {state.step} ({state.consumed} samples, {state.skipped} skipped)",
-                  flush=True)
+            if state.stopped_by:
+                print(f"megazero: preempted at step {state.step} by {state.stopped_by}, saved to {state.saved_to}",
+                      flush=True)
+            else:
+                print(f"megazero: finished at step {state.step} ({state.consumed} samples, {state.skipped} "
+                      "skipped)", flush=True)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    return EXIT_PREEMPTED if state.stopped_by else 0

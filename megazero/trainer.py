@@ -12,11 +12,14 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint import CheckpointWriter, PreemptionHandler, latest_checkpoint, read_manifest, resolve_checkpoint
+from megazero.checkpoint import (
+    CheckpointWriter, PreemptionHandler, latest_checkpoint, read_manifest, resolve_checkpoint, step_dir_name,
+)
 from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
@@ -41,7 +44,9 @@ class TrainState:
     step: int = 0  # optimizer steps taken (skipped ones included)
     consumed: int = 0  # training samples consumed
     skipped: int = 0  # steps skipped for a NaN/inf loss or an fp16 overflow
-    bad_in_row: int = 0  # consecutive non-finite losses
+    bad_in_row: int = 0  # consecutive skipped steps (a non-finite loss or gradient, an fp16 overflow)
+    stopped_by: Optional[str] = None  # the signal that stopped the run early, e.g. "SIGTERM"
+    saved_to: Optional[str] = None  # the checkpoint written as the run stopped
 
 
 class Trainer:
@@ -105,6 +110,7 @@ class Trainer:
         meta = {"step": self.state.step, "consumed": self.state.consumed, "skipped": self.state.skipped,
                 "bad_in_row": self.state.bad_in_row, "layout": self._layout(), "config": config_to_dict(self.cfg)}
         self.writer.save(self.state.step, rank_files(self.engine.chunks, self.engine.optimizer, self.rank), meta=meta)
+        self.state.saved_to = str(self.writer.root / step_dir_name(self.state.step))
 
     def _log_memory(self) -> None:
         opt = self.engine.optimizer
@@ -136,18 +142,26 @@ class Trainer:
                     metrics.val_loss = self._evaluate()
                 self.logger.record(metrics)
                 out_of_time = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
-                if self._flag_any(preemption.requested or out_of_time):
+                if self._flag_any(preemption.requested):
+                    self.state.stopped_by = self._agreed_signal(preemption.signal_name)
+                if self.state.stopped_by or self._flag_any(out_of_time):
                     if self.rank == 0:
-                        why = preemption.signal_name or "the wall-clock limit"
+                        why = self.state.stopped_by or "the wall-clock limit"
                         print(f"megazero: stopping at step {self.state.step} for {why}; saving", flush=True)
                     break
                 interval = self.cfg.checkpoint.save_interval
                 if interval and self.state.step % interval == 0 and not self._done():
                     self.save()
-            if self.cfg.checkpoint.save_on_exit:
+            if self.cfg.checkpoint.save_on_exit or self.state.stopped_by:
                 self.save()
             self.writer.wait()
         return self.state
+
+    def _agreed_signal(self, mine: Optional[str]) -> str:
+        """The name of a signal some rank received (the lowest such rank's), the same on every rank."""
+        names = [None] * self.world
+        dist.all_gather_object(names, mine)
+        return next(name for name in names if name is not None)
 
     def _one_step(self) -> StepMetrics:
         t0 = time.perf_counter()
