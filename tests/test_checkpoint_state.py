@@ -101,7 +101,7 @@ def _pipeline_reshard_reads(rank, root):
         load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
     finally:
         state_module.load_file = real
-    return sorted(n for n in reads if not n.endswith(".index.pt"))
+    return sorted(n for n in reads if not n.endswith(".index.safetensors"))
 
 
 def _fp16_norm(topo):
@@ -156,4 +156,4 @@ def test_fp16_gradient_norm_is_computed_in_fp32(report):
 
 def test_reshard_reads_only_the_files_holding_this_ranks_parameters(report):
     for rank, r in enumerate(report):
-        assert r["files_read"] == [f"rank_{rank:05d}.pt"], r["files_read"]
+        assert r["files_read"] == [f"rank_{rank:05d}.safetensors"], r["files_read"]

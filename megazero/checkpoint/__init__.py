@@ -1,17 +1,18 @@
 """Checkpoint files: atomic multi-rank saves, verified loads, preemption signals.
 
 This package knows files, not models: callers decide what each rank's files contain (and how to
-reshard them); here they are written atomically with checksums and found again safely.
+reshard them); here they are written atomically with checksums, in a format that loads without
+running code, and found again safely.
 """
 
 from megazero.checkpoint.format import (
-    CheckpointError, latest_checkpoint, list_checkpoints, load_file, read_manifest, resolve_checkpoint,
-    step_dir_name, verify_checkpoint,
+    CheckpointError, latest_checkpoint, list_checkpoints, load_file, probe_writable, read_manifest,
+    resolve_checkpoint, step_dir_name, verify_checkpoint,
 )
 from megazero.checkpoint.preemption import PreemptionHandler
 from megazero.checkpoint.writer import CheckpointWriter
 
 __all__ = [
     "CheckpointError", "CheckpointWriter", "PreemptionHandler", "latest_checkpoint", "list_checkpoints",
-    "load_file", "read_manifest", "resolve_checkpoint", "step_dir_name", "verify_checkpoint",
+    "load_file", "probe_writable", "read_manifest", "resolve_checkpoint", "step_dir_name", "verify_checkpoint",
 ]

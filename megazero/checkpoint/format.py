@@ -6,40 +6,68 @@ A checkpoint root holds one directory per saved step and a pointer to the newest
       latest                      text: "step_0001200"; replaced atomically, the last thing a save does
       step_0001200/
         COMPLETE                  JSON: format, step, world_size, caller's meta, every file's
-                                  {rank, bytes, sha256}; written only after every rank finished
+                                  {rank, bytes, sha256}, and the sha256 of all that (its own checksum);
+                                  written only after every rank finished
         manifest.rank00000.json   what rank 0 wrote (the same entries, per rank)
-        <files named by the caller, e.g. model/tp0_pp1.pt, optim/rank00003.pt>
+        <files named by the caller, e.g. rank_00003.safetensors>
       step_0001300.tmp/           a save in progress, or one that died: never loaded
 
 A directory is a checkpoint only if it is named ``step_<digits>`` *and* holds ``COMPLETE``. Because
 ``COMPLETE`` is written inside the temporary directory before it is renamed, a crash at any moment
 leaves either the old set of checkpoints or the old set plus a complete new one -- never a partial
-checkpoint under a final name. Loading re-checks every file's size and sha256 against ``COMPLETE``.
+checkpoint under a final name. Loading re-checks ``COMPLETE`` against its own checksum and every
+file's size and sha256 against ``COMPLETE``. A ``latest`` that cannot be read is ignored with a
+warning: the newest complete directory is found by scanning.
 
-Files are ``torch.save`` pickles; they are loaded with ``weights_only=False`` by default because a
-training checkpoint holds RNG states and other plain Python objects. Load only checkpoints you trust.
+Every file is a safetensors file holding tensors and JSON values (``serialization``): loading one
+never unpickles, so it runs no code whoever wrote it. The checksums catch damage, not forgery
+(whoever writes the files can write ``COMPLETE``); safety comes from the format. Format 1 stored
+``torch.save`` pickles and is refused.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from megazero.checkpoint import serialization
 from megazero.errors import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 COMPLETE = "COMPLETE"
+CHECKSUM = "sha256"  # COMPLETE's checksum of its own content
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 CHUNK = 1 << 20
 
 
 class CheckpointError(UserError):
-    """A checkpoint is missing, incomplete or damaged; the message names the path."""
+    """A checkpoint is missing, incomplete or damaged, or cannot be written; the message names the path."""
+
+
+NOT_WRITABLE = "make the directory writable or set checkpoint.save_dir to another one"
+OS_ERROR_WORDS = {
+    errno.ENOSPC: "no space left on device: free space or lower checkpoint.keep_last",
+    errno.EDQUOT: "disk quota exceeded: free space in the quota or lower checkpoint.keep_last",
+    errno.EROFS: "read-only file system: set checkpoint.save_dir to a writable directory",
+    errno.EACCES: f"permission denied: {NOT_WRITABLE}",
+    errno.EPERM: f"operation not permitted: {NOT_WRITABLE}",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: set checkpoint.save_dir to a directory",
+    errno.EEXIST: "the path exists and is not a directory: set checkpoint.save_dir to a directory",
+    errno.EIO: "input/output error: the storage failed; check it before saving again",
+}
+
+
+def os_error_words(e: OSError) -> str:
+    """Why a file operation failed, and the fix, in words (``unexpected pos 5056 vs 5008`` helps nobody)."""
+    return OS_ERROR_WORDS.get(e.errno) or e.strerror or str(e)
 
 
 def step_dir_name(step: int) -> str:
@@ -81,14 +109,30 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary sibling, fsync it, then rename it over ``path``."""
+    """Write ``text`` to a temporary sibling, fsync it, then rename it over ``path``; on failure the
+    sibling is removed and ``path`` keeps its old content."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+def content_digest(record: dict) -> str:
+    """sha256 of a record's canonical JSON (sorted keys, no spaces), its own checksum field left out."""
+    body = {key: value for key, value in record.items() if key != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def complete_text(record: dict) -> str:
+    """The text of a ``COMPLETE`` marker: ``record`` with its own checksum added."""
+    return json.dumps({**record, CHECKSUM: content_digest(record)}, indent=1)
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -128,28 +172,46 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     """The checkpoint ``ROOT/latest`` names if it is complete, else the complete one with the highest step.
 
     The pointer is the commit point of a save, so it wins; the scan covers a pointer that is
-    missing or names a directory that was deleted by hand.
+    missing, damaged, or names a directory that was deleted by hand.
     """
     root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text(encoding="utf-8").strip()
-        if named.parent == root and is_complete(named):
-            return named
+    named = read_pointer(root)
+    if named is not None and is_complete(named):
+        return named
     found = list_checkpoints(root)
     return found[-1][1] if found else None
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint an explicit ``checkpoint.load`` names: ``path`` itself if it is a complete
-    checkpoint directory, else the latest complete one under it.
+def read_pointer(root: Path) -> Optional[Path]:
+    """The directory ``ROOT/latest`` names; None if there is no pointer, or (with a warning on stdout)
+    if it cannot be read or holds something other than a ``step_<digits>`` name."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = str(e)
+    else:
+        if STEP_DIR.fullmatch(name):
+            return root / name
+        reason = f"it holds {name[:40]!r}, not a step_<digits> directory name"
+    print(f"megazero: warning: {pointer}: damaged checkpoint pointer ({reason}); using the newest complete "
+          f"checkpoint found in {root} instead", flush=True)
+    return None
+
+
+def resolve_checkpoint(path: str | os.PathLike, source: str = "checkpoint.load") -> Path:
+    """The checkpoint an explicit load names: ``path`` itself if it is a complete checkpoint
+    directory, else the latest complete one under it. ``source`` is what the user set to name it
+    (``checkpoint.load``, a command's argument), for the error messages.
 
     Unlike ``latest_checkpoint`` (for the implicit resume from ``save_dir``, where finding nothing
     means a fresh start), finding nothing here is an error: the user asked for a checkpoint.
     """
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{path}: checkpoint path does not exist; check checkpoint.load")
+        raise CheckpointError(f"{path}: checkpoint path does not exist; check {source}")
     if STEP_DIR.match(path.name) or path.name.endswith(".tmp"):
         if not is_complete(path):
             raise CheckpointError(f"{path}: not a complete checkpoint (no {COMPLETE} marker; it was being "
@@ -159,22 +221,32 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     found = latest_checkpoint(path)
     if found is None:
         raise CheckpointError(f"{path}: holds no complete checkpoint (step_* directory with a {COMPLETE} "
-                              "marker); check checkpoint.load")
+                              f"marker); check {source}")
     return found
 
 
 # --- reading and verifying ----------------------------------------------------------------------
 
 def read_manifest(ckpt: str | os.PathLike) -> dict:
-    """The ``COMPLETE`` record of a checkpoint: step, world_size, meta and the file table."""
+    """The ``COMPLETE`` record of a checkpoint (step, world_size, meta and the file table), after
+    checking its format and its own checksum: one changed digit of the samples consumed would
+    otherwise resume on shifted data."""
     ckpt = Path(ckpt)
-    if not (ckpt / COMPLETE).is_file():
+    path = ckpt / COMPLETE
+    if not path.is_file():
         raise CheckpointError(f"{ckpt}: no {COMPLETE} marker, so this checkpoint is incomplete; "
                               "load an earlier one")
-    manifest = read_json(ckpt / COMPLETE, "the completion marker")
-    if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{ckpt / COMPLETE}: checkpoint format {manifest.get('format')!r} is not the "
-                              f"supported format {FORMAT_VERSION}")
+    manifest = read_json(path, "the completion marker")
+    version = manifest.get("format") if isinstance(manifest, dict) else None
+    if version == 1:
+        raise CheckpointError(f"{path}: checkpoint format 1 stores pickled Python objects, which can run code "
+                              f"when loaded, so it is not read; resume from a format-{FORMAT_VERSION} checkpoint, "
+                              "or load this one with the megazero release that wrote it if you trust its source")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {version!r} is not the supported format {FORMAT_VERSION}")
+    if manifest.get(CHECKSUM) != content_digest(manifest):
+        raise CheckpointError(f"{path}: its content does not match its own sha256 (a value in it was changed "
+                              "or damaged); load an earlier checkpoint")
     return manifest
 
 
@@ -205,14 +277,12 @@ def verify_checkpoint(ckpt: str | os.PathLike) -> dict:
     return manifest
 
 
-def load_file(ckpt: str | os.PathLike, name: str, *, map_location: Any = "cpu", verify: bool = True,
-              weights_only: bool = False, manifest: Optional[dict] = None) -> Any:
-    """``torch.load`` one file of a complete checkpoint after checking it against the manifest.
+def load_file(ckpt: str | os.PathLike, name: str, *, verify: bool = True, manifest: Optional[dict] = None) -> Any:
+    """One file of a complete checkpoint, checked against the manifest, with its tensors on the CPU.
 
-    Pass ``manifest`` (from ``read_manifest``) when loading many files to parse ``COMPLETE`` once.
+    Reading runs no code from the file (see ``serialization``). Pass ``manifest`` (from
+    ``read_manifest``) when loading many files to parse ``COMPLETE`` once.
     """
-    import torch
-
     ckpt = Path(ckpt)
     manifest = manifest if manifest is not None else read_manifest(ckpt)
     entry = manifest["files"].get(name)
@@ -221,4 +291,33 @@ def load_file(ckpt: str | os.PathLike, name: str, *, map_location: Any = "cpu", 
         held = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         raise CheckpointError(f"{ckpt}: has no file {name!r} (it holds {held})")
     path = verify_file(ckpt, name, entry) if verify else ckpt / name
-    return torch.load(path, map_location=map_location, weights_only=weights_only)
+    try:
+        return serialization.read(path)
+    except serialization.FileFormatError as e:
+        raise CheckpointError(f"{path}: {e}; the file is damaged or was not written by megazero -- restore it "
+                              "or load an earlier checkpoint") from None
+
+
+# --- before the first step ----------------------------------------------------------------------
+
+def probe_writable(directory: str | os.PathLike, need_bytes: int) -> None:
+    """Fail now, not at the first save hours into a run, if checkpoints cannot be written to
+    ``directory``: create it, write, fsync and remove a small file, and compare its free space
+    with ``need_bytes`` (the caller's estimate of one checkpoint)."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=directory)
+        try:
+            os.write(fd, b"megazero write probe\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise CheckpointError(f"{directory}: checkpoints cannot be written here: {os_error_words(e)}") from None
+    free = shutil.disk_usage(directory).free
+    if free < need_bytes:
+        raise CheckpointError(f"{directory}: {free / 2**30:.1f} GiB free, a checkpoint needs about "
+                              f"{need_bytes / 2**30:.1f} GiB; free space or set checkpoint.save_dir to a larger "
+                              "file system")

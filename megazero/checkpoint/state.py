@@ -4,7 +4,9 @@ Each rank writes one file: its ZeRO shard of the fp32 master weights and both Ad
 description of every element in it — the parameter's *logical* name (the single-device model's
 name; a tied head copy is named as the embedding), which tensor-parallel slice of the logical
 tensor the rank holds, and where in that slice each shard segment sits. The 16-bit weights are not
-saved: they are the master rounded, and are rebuilt from it.
+saved: they are the master rounded, and are rebuilt from it. Files hold only tensors and JSON
+values (``serialization``): random-generator states are uint8 tensors, the segment table an int64
+tensor, the parameter descriptions lists, the loss scaler and Adam step numbers.
 
 Loading into the same layout reads the rank's own file (with its random-generator states, so the
 run continues bit for bit). Loading into a different layout (tp, pp, dp, virtual stages or ZeRO
@@ -27,12 +29,12 @@ STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
+    return f"rank_{rank:05d}.safetensors"
 
 
 def index_file(rank: int) -> str:
     """A rank file's shard description alone: small, so a loader can find the files it needs."""
-    return f"rank_{rank:05d}.index.pt"
+    return f"rank_{rank:05d}.index.safetensors"
 
 
 def rank_files(chunks, optimizer: ZeroOptimizer, rank: int) -> dict:
@@ -54,11 +56,12 @@ def logical_names(chunks: list[torch.nn.Module], optimizer: ZeroOptimizer) -> li
 def describe_shard(chunks, optimizer: ZeroOptimizer) -> dict:
     """What each element of this rank's shard is: parameters (logical name, local shape, tp slice)
     and the segments placing them in the shard. Two shards with equal descriptions are
-    interchangeable element for element."""
+    interchangeable element for element. Lists, not tuples, so a description read back from a
+    file compares equal to a fresh one."""
     names = logical_names(chunks, optimizer)
     segments = torch.tensor([[s.param, s.param_offset, s.shard_offset, s.numel] for s in optimizer.layout.segments],
                             dtype=torch.int64).reshape(-1, 4)
-    return {"params": [(name, tuple(p.shape), None if shard is None else (shard.dim, shard.index, shard.count))
+    return {"params": [[name, list(p.shape), None if shard is None else [shard.dim, shard.index, shard.count]]
                        for (name, shard), p in zip(names, optimizer.params)],
             "segments": segments}
 

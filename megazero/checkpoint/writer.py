@@ -7,8 +7,14 @@ Protocol (every rank calls ``save`` for the same step, at the same point of the 
              fsync, then own manifest.rankR.json                           (background if async)
                                                                            -- barrier --  (in wait())
     rank 0   check every rank's manifest, write COMPLETE, rename step_N.tmp -> step_N,
-             replace ROOT/latest, delete checkpoints beyond keep_last      -- barrier --
+             replace ROOT/latest, delete checkpoints beyond keep_last;
+             or, if any rank failed, remove step_N.tmp                      -- barrier --
     all      confirm step_N/COMPLETE exists (else raise)
+
+A save that fails anywhere (a full disk, a read-only mount, lost permissions) fails on every rank
+with one ``CheckpointError`` naming the directory and the rank, and the reason in words on the rank
+it happened to; the partial directory is removed (a full disk is not left fuller) and the previous
+complete checkpoint stays the latest. Every rank still passes every barrier, so none is left waiting.
 
 The ranks must share a filesystem: rank 0 renames a directory the others wrote into. The barrier is
 injected (``lambda: dist.barrier(group)`` in the trainer, ``threading.Barrier(n).wait`` in tests) so
@@ -24,7 +30,6 @@ complete checkpoint is the latest.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -32,40 +37,26 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+from megazero.checkpoint import serialization
 from megazero.checkpoint.format import (
-    COMPLETE, FORMAT_VERSION, LATEST, CheckpointError, HashingWriter, fsync_dir, list_checkpoints,
-    rank_manifest_name, read_json, step_dir_name, write_text_atomic,
+    COMPLETE, FORMAT_VERSION, LATEST, CheckpointError, HashingWriter, complete_text, fsync_dir, list_checkpoints,
+    os_error_words, rank_manifest_name, read_json, step_dir_name, write_text_atomic,
 )
 
-
-def _map_tensors(obj: Any, fn: Callable) -> Any:
-    """Rebuild dicts, lists and tuples with ``fn`` applied to every other value (tensors among them)."""
-    if isinstance(obj, dict):
-        rebuilt = copy.copy(obj)  # keeps the type and attributes (a state_dict's ``_metadata``)
-        rebuilt.clear()
-        rebuilt.update((k, _map_tensors(v, fn)) for k, v in obj.items())
-        return rebuilt
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return fn(obj)
-
-
-def _compact(obj: Any) -> Any:
-    """Clone tensors that view a larger storage: torch.save writes the whole storage otherwise, so a
-    ZeRO shard that views a flat buffer would save the full buffer."""
-    import torch
-
-    if isinstance(obj, torch.Tensor) and obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
-        return obj.detach().clone()
-    return obj
+DISCARDED = "the partial checkpoint was removed and the previous one, if any, is still the latest"
 
 
 def _snapshot(obj: Any) -> Any:
-    """A private CPU copy of ``obj`` that training can no longer change."""
+    """A private CPU copy of ``obj`` that training can no longer change (dicts and lists rebuilt,
+    tensors copied; the other values a checkpoint file may hold are immutable)."""
     import torch
 
+    if isinstance(obj, dict):
+        return {key: _snapshot(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_snapshot(value) for value in obj]
     if not isinstance(obj, torch.Tensor):
-        return copy.deepcopy(obj)
+        return obj
     if obj.device.type == "cpu":
         return obj.detach().clone()
     copy_ = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=torch.cuda.is_available())
@@ -78,6 +69,10 @@ def _check_name(name: str) -> None:
     if not name or Path(name).is_absolute() or ".." in parts or name.startswith("manifest.") or name == COMPLETE:
         raise ValueError(f"checkpoint file name {name!r} must be a relative path inside the checkpoint, "
                          f"without '..', and not {COMPLETE} or manifest.*")
+
+
+def _reason(e: Exception) -> str:
+    return os_error_words(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
 
 
 class CheckpointWriter:
@@ -93,7 +88,8 @@ class CheckpointWriter:
         self._pending: Optional[tuple[int, Optional[dict], threading.Thread, list]] = None
 
     def save(self, step: int, files: Mapping[str, Any], meta: Optional[dict] = None) -> None:
-        """Save this rank's ``files`` (relative name -> object for ``torch.save``) as part of ``step``.
+        """Save this rank's ``files`` (relative name -> a tree of tensors, dicts, lists, strings,
+        numbers, booleans and None; see ``serialization``) as part of ``step``.
 
         Names must be unique across ranks (put the rank or layout position in them). ``meta`` is a
         JSON-serialisable dict recorded in ``COMPLETE``; only rank 0's is kept. Collective: every rank
@@ -102,22 +98,27 @@ class CheckpointWriter:
         for name in files:
             _check_name(name)
         self.wait()
-        tmp = self.root / (step_dir_name(step) + ".tmp")
-        if self.rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # a save of this step that died part-way
-            tmp.mkdir(parents=True)
-        self.barrier()
+        tmp = self._tmp(step)
         errors: list = []
-        if self.async_save:
-            snapshot = {name: _map_tensors(obj, _snapshot) for name, obj in files.items()}
-            _synchronize_cuda()
-            thread = threading.Thread(target=self._write_files, args=(tmp, step, snapshot, errors),
-                                      name=f"checkpoint-{step}", daemon=True)
-            thread.start()
-        else:
-            thread = None
-            self._write_files(tmp, step, {name: _map_tensors(obj, _compact) for name, obj in files.items()}, errors)
+        if self.rank == 0:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # a save of this step that died part-way
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                errors.append(CheckpointError(f"{tmp}: rank 0 could not create this checkpoint directory: "
+                                              f"{_reason(e)}; {DISCARDED}"))
+        self.barrier()
+        thread = None
+        if not errors and tmp.is_dir():  # else rank 0 could not create it, and its error says why
+            if self.async_save:
+                snapshot = {name: _snapshot(obj) for name, obj in files.items()}
+                _synchronize_cuda()
+                thread = threading.Thread(target=self._write_files, args=(tmp, step, snapshot, errors),
+                                          name=f"checkpoint-{step}", daemon=True)
+                thread.start()
+            else:
+                self._write_files(tmp, step, files, errors)
         self._pending = (step, meta, thread, errors)
         if not self.async_save:
             self.wait()
@@ -130,24 +131,30 @@ class CheckpointWriter:
         self._pending = None
         if thread is not None:
             thread.join()
-        self.barrier()
-        if self.rank == 0 and not errors:
-            try:
-                self._commit(step, meta)
-            except Exception as e:  # noqa: BLE001 - re-raised after the barrier, so no rank is left waiting
-                errors.append(e)
+        self.barrier()  # every rank has written its files, or failed to
+        tmp = self._tmp(step)
+        if self.rank == 0:
+            if not errors:
+                try:
+                    self._commit(step, meta)
+                except Exception as e:  # noqa: BLE001 - re-raised after the barrier, so no rank is left waiting
+                    detail = e if isinstance(e, CheckpointError) else f"{tmp}: rank 0 could not complete it: {_reason(e)}"
+                    errors.append(CheckpointError(f"{detail}; {DISCARDED}"))
+            if errors:
+                shutil.rmtree(tmp, ignore_errors=True)
         self.barrier()
         if errors:
             raise errors[0]
         final = self.root / step_dir_name(step)
         if not (final / COMPLETE).is_file():
-            raise CheckpointError(f"{final}: rank 0 could not complete this checkpoint (see its error); "
-                                  "the previous checkpoint is still the latest")
+            raise CheckpointError(f"{tmp}: rank 0 could not complete this checkpoint (its error names the rank "
+                                  f"that failed and why); {DISCARDED}")
         return final
 
-    def _write_files(self, tmp: Path, step: int, files: Mapping[str, Any], errors: list) -> None:
-        import torch
+    def _tmp(self, step: int) -> Path:
+        return self.root / (step_dir_name(step) + ".tmp")
 
+    def _write_files(self, tmp: Path, step: int, files: Mapping[str, Any], errors: list) -> None:
         try:
             entries = {}
             for name, obj in files.items():
@@ -155,20 +162,24 @@ class CheckpointWriter:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with open(path, "wb") as f:
                     writer = HashingWriter(f)
-                    torch.save(obj, writer)
+                    serialization.write(obj, writer)
                     f.flush()
                     os.fsync(f.fileno())
                 entries[name] = {"rank": self.rank, "bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
             record = {"rank": self.rank, "step": step, "files": entries}
             write_text_atomic(tmp / rank_manifest_name(self.rank), json.dumps(record, indent=1))
         except Exception as e:  # noqa: BLE001 - reported by wait() on the calling thread
-            errors.append(CheckpointError(f"{tmp}: rank {self.rank} failed to write its checkpoint files: {e!r}"))
+            errors.append(CheckpointError(f"{tmp}: rank {self.rank} could not write its checkpoint files: "
+                                          f"{_reason(e)}; {DISCARDED}"))
 
     def _commit(self, step: int, meta: Optional[dict]) -> None:
-        tmp = self.root / (step_dir_name(step) + ".tmp")
+        tmp = self._tmp(step)
         files: dict[str, dict] = {}
         for rank in range(self.world_size):
-            record = read_json(tmp / rank_manifest_name(rank), f"rank {rank}'s manifest (did rank {rank} save?)")
+            if not (tmp / rank_manifest_name(rank)).is_file():
+                raise CheckpointError(f"{tmp}: rank {rank} did not finish writing its checkpoint files (its own "
+                                      "error says why)")
+            record = read_json(tmp / rank_manifest_name(rank), f"rank {rank}'s manifest")
             for name, entry in record["files"].items():
                 if name in files:
                     raise CheckpointError(f"{tmp / name}: written by both rank {files[name]['rank']} and rank "
@@ -176,7 +187,7 @@ class CheckpointWriter:
                 files[name] = entry
         complete = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size,
                     "meta": meta or {}, "files": files}
-        write_text_atomic(tmp / COMPLETE, json.dumps(complete, indent=1))
+        write_text_atomic(tmp / COMPLETE, complete_text(complete))
         final = self.root / step_dir_name(step)
         old = final.with_name(final.name + ".old")
         if final.exists():  # re-saving a step (after a resume): swap, then drop the old copy
@@ -184,9 +195,19 @@ class CheckpointWriter:
             os.replace(final, old)
         os.replace(tmp, final)
         fsync_dir(self.root)
-        write_text_atomic(self.root / LATEST, final.name + "\n")
+        try:
+            write_text_atomic(self.root / LATEST, final.name + "\n")
+        except OSError:  # roll back: the pointer still names the previous checkpoint, so must the scan
+            os.replace(final, tmp)
+            if old.exists():
+                os.replace(old, final)
+            raise
         shutil.rmtree(old, ignore_errors=True)
-        self._prune(step)
+        try:
+            self._prune(step)
+        except OSError as e:  # the new checkpoint is complete: a failed clean-up only costs space
+            print(f"megazero: warning: {self.root}: could not remove older checkpoints: {os_error_words(e)}",
+                  flush=True)
 
     def _prune(self, current: int) -> None:
         """Keep the newest ``keep_last`` complete checkpoints (the one just written always among

@@ -1,0 +1,108 @@
+"""One checkpoint file: tensors and JSON values, stored in the safetensors format.
+
+What a rank saves is a tree of dicts (string keys), lists, strings, numbers, booleans, None and
+tensors. The tensors go into a safetensors file, each named by its path in the tree (``rng/tp/0``);
+the rest of the tree, with every tensor replaced by ``{"__tensor__": path}``, is JSON in the file's
+metadata. Reading a file parses a JSON header and copies bytes: there is no pickle, so a file from
+anyone loads without running anything it contains. Tuples come back as lists.
+
+The file is written here, not by ``safetensors.torch.save``, so its bytes stream through the
+caller's file object (which hashes them on the way) without a second copy of the shard in memory.
+It is read by the safetensors library, whose parser checks every header field and offset. Tensor
+bytes are stored in the host's order; safetensors specifies little-endian, which every host that
+trains with torch is.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, BinaryIO
+
+import torch
+
+TENSOR = "__tensor__"
+TREE = "megazero.tree"
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+
+
+class FileFormatError(ValueError):
+    """A file is not a readable checkpoint file (not safetensors, or its tree does not match its tensors)."""
+
+
+def split(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """The JSON part of ``obj``, with its tensors moved into ``tensors`` under their paths."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype not in DTYPES:
+            raise TypeError(f"{path or 'the saved object'}: tensors of dtype {obj.dtype} cannot be saved "
+                            f"(supported: {', '.join(str(d) for d in DTYPES)})")
+        tensors[path] = obj
+        return {TENSOR: path}
+    if isinstance(obj, dict):
+        tree = {}
+        for key, value in obj.items():
+            if not isinstance(key, str) or key == TENSOR:
+                raise TypeError(f"{path or 'the saved object'}: dict key {key!r} cannot be saved (keys are "
+                                f"strings other than {TENSOR!r})")
+            escaped = key.replace("~", "~0").replace("/", "~1")  # JSON-pointer escaping keeps paths unique
+            tree[key] = split(value, f"{path}/{escaped}" if path else escaped, tensors)
+        return tree
+    if isinstance(obj, (list, tuple)):
+        return [split(value, f"{path}/{i}" if path else str(i), tensors) for i, value in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"{path or 'the saved object'}: a {type(obj).__name__} cannot be saved; checkpoint files "
+                    "hold tensors, dicts, lists, strings, numbers, booleans and None")
+
+
+def write(obj: Any, f: BinaryIO) -> None:
+    """Write ``obj`` to the binary file ``f`` as a safetensors file (see the module docstring)."""
+    tensors: dict[str, torch.Tensor] = {}
+    header: dict[str, Any] = {"__metadata__": {TREE: json.dumps(split(obj, "", tensors))}}
+    offset = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)  # tensor data starts 8-byte aligned, as safetensors writes it
+    f.write(struct.pack("<Q", len(encoded)))
+    f.write(encoded)
+    for tensor in tensors.values():
+        # Only the tensor's own bytes: a view of a large flat buffer writes the view, not the buffer.
+        f.write(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+def read(path) -> Any:
+    """The tree written by ``write``, with tensors on the CPU; ``FileFormatError`` if the file is not one."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:
+        raise FileFormatError(f"not a safetensors file ({e})") from None
+    if TREE not in metadata:
+        raise FileFormatError(f"a safetensors file without the {TREE!r} metadata megazero writes")
+    try:
+        return join(json.loads(metadata[TREE]), tensors)
+    except (ValueError, RecursionError) as e:
+        raise FileFormatError(f"its {TREE!r} metadata is damaged ({e})") from None
+
+
+def join(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of ``split``: put each referenced tensor back in place."""
+    if isinstance(tree, dict):
+        if TENSOR in tree:
+            name = tree[TENSOR]
+            if len(tree) != 1 or not isinstance(name, str) or name not in tensors:
+                raise ValueError(f"tensor reference {tree!r} names no tensor of the file")
+            return tensors[name]
+        return {key: join(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [join(value, tensors) for value in tree]
+    return tree
