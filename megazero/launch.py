@@ -12,6 +12,7 @@ import yaml
 from megazero.config import Config, save_config
 from megazero.config.loader import config_to_dict
 from megazero.errors import UserError
+from megazero.run_lock import RunDirLock
 from parallel.launch import LaunchEnv, init_process_group, pick_device
 from parallel.topology import RankGrid, Topology
 
@@ -60,10 +61,15 @@ def verify_consistent(cfg: Config) -> None:
 
 
 def start_run(cfg: Config, launch: LaunchEnv) -> int:
-    from megazero.trainer import run_training
+    """Lock the run directory (rank 0), start the process group and topology, check that every rank
+    agrees, train; returns the exit status."""
+    from megazero.trainer import Trainer
 
+    lock = RunDirLock(cfg.logging.run_dir).acquire() if launch.rank == 0 else None
     try:
-        state = run_training(cfg, launch)
+        device, topology = initialize(cfg, launch)
+        verify_consistent(cfg)
+        state = Trainer(cfg, device, topology).train()
         if dist.get_rank() == 0:
             if state.stopped_by:
                 print(f"megazero: preempted at step {state.step} by {state.stopped_by}, saved to {state.saved_to}",
@@ -74,4 +80,6 @@ def start_run(cfg: Config, launch: LaunchEnv) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
     return EXIT_PREEMPTED if state.stopped_by else 0

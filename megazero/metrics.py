@@ -13,9 +13,12 @@ the trainer's code path is the same on every rank. Outputs:
 * a tqdm bar over the run's steps (hidden when stdout is not a terminal);
 * optionally wandb and TensorBoard, imported only when enabled.
 
-Resuming rewinds the file: steps after the resumed checkpoint's step were computed by the run that
-died and will be recomputed, so their lines are dropped (and a torn last line from a kill -9 with
-them) before new lines are appended. That keeps one line per step in a resumed run's file.
+The file is only ever appended to, never rewritten: it is the record of everything a run did,
+including steps that a crash threw away. A resumed run first ends a torn last line (a kill -9 in
+the middle of a write), then appends a marker ``{"event": "resume", "step": k, ...}``; the steps
+after ``k`` written before the marker were recomputed, so ``read_metrics`` lets the rows after a
+marker supersede them and returns one row per step. A line that is not JSON is skipped with a
+warning naming the file and line, never an error that blocks a resume.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, TextIO
@@ -98,8 +102,7 @@ class MetricsLogger:
         if not writer:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        rewind_metrics(self.path, start_step)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open_for_append(self.path, start_step)
         if progress_bar:
             from tqdm import tqdm
 
@@ -203,29 +206,44 @@ class MetricsLogger:
         self.close()
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The complete lines of a metrics.jsonl (a torn last line from a killed run is left out)."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+def read_metrics(path: str | os.PathLike, *, warn: Optional[TextIO] = None) -> list[dict[str, Any]]:
+    """One row per step as the run finally computed it: rows written after a resume marker replace
+    those of the same and later steps written before it; resume markers themselves are left out,
+    and lines that are not JSON (a torn write) are skipped with a warning on ``warn`` (stderr)."""
+    rows: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if line.endswith("\n"):
-                    raise ValueError(f"{path}: malformed line {len(rows) + 1}: {line[:80]!r}") from None
-                break  # only the last line can be torn
+                row = json.loads(line)
+                step = row["step"]
+            except (json.JSONDecodeError, TypeError, KeyError):
+                print(f"megazero: {path}: skipping malformed line {number}: {line.strip()[:60]!r}",
+                      file=warn or sys.stderr)
+                continue
+            if row.get("event") == "resume":
+                rows = [r for r in rows if r["step"] <= step]
+            elif "event" not in row:
+                rows.append(row)
     return rows
 
 
-def rewind_metrics(path: Path, last_step: int) -> None:
-    """Drop the lines of steps after ``last_step`` (atomically: write a copy, then replace)."""
-    if not path.exists():
-        return
-    keep = [row for row in read_metrics(path) if row["step"] <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(row) + "\n" for row in keep)
-    os.replace(tmp, path)
+def open_for_append(path: Path, start_step: int) -> TextIO:
+    """Open ``path`` to append steps after ``start_step``: a torn last line is ended first so new
+    lines never merge with it, and a resume (``start_step > 0``) or a fresh start over old lines
+    is marked."""
+    size = path.stat().st_size if path.exists() else 0
+    torn = False
+    if size:
+        with open(path, "rb") as existing:
+            existing.seek(size - 1)
+            torn = existing.read(1) != b"\n"
+    f = open(path, "a", encoding="utf-8")
+    if size:
+        if torn:
+            f.write("\n")
+        f.write(json.dumps({"event": "resume", "step": start_step, "time": time.time()}) + "\n")
+        f.flush()
+    return f
 
 
 def _start_wandb(run_dir, project: str = "megazero", mode: str = "offline", config: Optional[dict] = None,

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import (
-    CheckpointWriter, PreemptionHandler, latest_checkpoint, read_manifest, resolve_checkpoint, step_dir_name,
+    CheckpointError, CheckpointWriter, PreemptionHandler, latest_checkpoint, probe_writable, read_manifest,
+    resolve_checkpoint, step_dir_name,
 )
 from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
@@ -62,6 +63,7 @@ class Trainer:
         self.writer = CheckpointWriter(save_dir, rank=self.rank, world_size=self.world,
                                        barrier=lambda: dist.barrier(), keep_last=cfg.checkpoint.keep_last,
                                        async_save=cfg.checkpoint.async_save and device.type == "cuda")
+        self._check_save_dir()
         self._resume(cfg.checkpoint.load or latest_checkpoint(save_dir))
         self._log_memory()
         m = cfg.model
@@ -87,8 +89,28 @@ class Trainer:
                 "zero_stage": self.cfg.zero.stage, "world_size": self.world,
                 "pipeline_split": self.engine.split}
 
+    def _check_save_dir(self) -> None:
+        """Probe the checkpoint directory for writing and for room for one checkpoint (the fp32 master
+        and two Adam moments of every rank's shard) before the first step, not at the first save.
+        Rank 0 probes the shared directory; every rank raises the same error."""
+        shard_bytes = torch.tensor([12.0 * self.engine.optimizer.master.numel()], device=self.device)
+        comm.all_reduce(shard_bytes, dist.group.WORLD)
+        problem = [None]
+        if self.rank == 0:
+            try:
+                probe_writable(self.writer.root, int(shard_bytes.item()))
+            except CheckpointError as exc:
+                problem = [str(exc)]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise CheckpointError(problem[0])
+
     def _resume(self, path) -> None:
         if path is None:
+            unfinished = sorted(self.writer.root.glob("step_*.tmp"))
+            if unfinished and self.rank == 0:
+                print(f"megazero: {self.writer.root} holds no complete checkpoint, only the unfinished save "
+                      f"{unfinished[-1].name}; starting from step 0", flush=True)
             return
         ckpt = resolve_checkpoint(path)
         manifest = read_manifest(ckpt)
@@ -111,14 +133,24 @@ class Trainer:
                 "bad_in_row": self.state.bad_in_row, "layout": self._layout(), "config": config_to_dict(self.cfg)}
         self.writer.save(self.state.step, rank_files(self.engine.chunks, self.engine.optimizer, self.rank), meta=meta)
         self.state.saved_to = str(self.writer.root / step_dir_name(self.state.step))
+        if self.rank == 0:
+            how = "writing in the background" if self.writer.async_save else "saved"
+            print(f"megazero: checkpoint of step {self.state.step} {how} to {self.state.saved_to}", flush=True)
 
     def _log_memory(self) -> None:
+        """The most loaded rank's ZeRO memory line and the spread over ranks: one line per rank would
+        be thousands of lines at scale."""
         opt = self.engine.optimizer
-        line = memory_report(opt.memory_bytes(), opt.predicted_memory(), self.rank, self.cfg.zero.stage)
-        lines = [None] * self.world
-        dist.all_gather_object(lines, line)
+        measured = opt.memory_bytes()
+        line = memory_report(measured, opt.predicted_memory(), self.rank, self.cfg.zero.stage)
+        reports = [None] * self.world
+        dist.all_gather_object(reports, (sum(measured.values()), line))
         if self.rank == 0:
-            print("\n".join(lines), flush=True)
+            totals = [total for total, _ in reports]
+            print(max(reports)[1], flush=True)
+            if self.world > 1:
+                print(f"megazero: model states over {self.world} ranks: {min(totals) / 2**30:.3f} to "
+                      f"{max(totals) / 2**30:.3f} GiB per rank", flush=True)
 
     # --- the loop ----------------------------------------------------------------------------
     def _flag_any(self, value: bool) -> bool:
@@ -135,6 +167,12 @@ class Trainer:
     def train(self) -> TrainState:
         start = time.monotonic()
         t = self.cfg.train
+        if self._done():
+            if self.rank == 0:
+                print(f"megazero: this run already finished at step {self.state.step}; nothing to train (raise "
+                      "train.train_steps or train.train_tokens to continue it, or use another logging.run_dir)",
+                      flush=True)
+            return self.state
         with PreemptionHandler() as preemption, self.logger:
             while not self._done():
                 metrics = self._one_step()
@@ -172,12 +210,15 @@ class Trainer:
         out = self.engine.train_step(micro, lr)
         self.state.step += 1
         self.state.consumed += size
-        finite = math.isfinite(out.loss)
-        self.state.bad_in_row = 0 if finite else self.state.bad_in_row + 1
-        self.state.skipped += int(out.result.skipped)
+        skipped = bool(out.result.skipped)
+        self.state.skipped += int(skipped)
+        # fp16 overflows are the dynamic scaler's business (it stops the run at min_loss_scale); any
+        # other skipped step means the loss or a gradient was NaN or inf.
+        bad = not math.isfinite(out.loss) or (skipped and self.cfg.precision.dtype != "fp16")
+        self.state.bad_in_row = self.state.bad_in_row + 1 if bad else 0
         if self.state.bad_in_row >= self.cfg.train.max_bad_steps:
-            raise UserError(f"the loss was NaN or inf for {self.state.bad_in_row} steps in a row (to step "
-                            f"{self.state.step}): the run is diverging; lower optimizer.lr, raise "
+            raise UserError(f"the loss or the gradients were NaN or inf for {self.state.bad_in_row} steps in a "
+                            f"row (to step {self.state.step}): the run is diverging; lower optimizer.lr, raise "
                             "schedule.warmup_steps or resume from an earlier checkpoint")
         return StepMetrics(
             step=self.state.step, loss=out.loss, lr=lr, grad_norm=out.result.grad_norm,
@@ -198,11 +239,3 @@ class Trainer:
             losses.append(self.engine.eval_loss(micro))
         return sum(losses) / len(losses)
 
-
-def run_training(cfg: Config, launch) -> TrainState:
-    """Start the process group and topology, check every rank agrees, train."""
-    from megazero.launch import initialize, verify_consistent
-
-    device, topology = initialize(cfg, launch)
-    verify_consistent(cfg)
-    return Trainer(cfg, device, topology).train()

@@ -25,7 +25,7 @@ class ModelConfig:
     num_heads: int = option(4, "Attention heads (query heads under grouped-query attention)")
     num_kv_heads: Optional[int] = option(None, "Key/value heads for grouped-query attention (None = num_heads)")
     ffn_hidden_size: Optional[int] = option(None, "MLP inner width (None = 4*hidden, or 8/3*hidden rounded to 64 for swiglu)")
-    vocab_size: int = option(512, "Tokenizer vocabulary size before padding to a multiple of 128*tp")
+    vocab_size: int = option(512, "Tokenizer vocabulary size before padding to a multiple of 128*tp (auto = data.tokenizer's)")
     seq_length: int = option(128, "Tokens per training sample")
     position_embedding: str = option("learned", "Position encoding: learned or rope")
     rope_theta: float = option(10000.0, "Rotary base frequency (rope only)")

@@ -118,11 +118,11 @@ def test_cli_bad_input_is_one_clear_line(tmp_path, yaml_text, expected):
     assert "Traceback" not in proc.stderr
 
 
-def test_cli_run_without_data_names_the_field_and_keeps_the_resolved_config(tmp_path):
+def test_cli_run_without_data_names_the_field_and_writes_nothing(tmp_path):
+    """A launch that fails its checks leaves the run directory as it was: no config.yaml."""
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "megazero.cli", "train", "--logging.run_dir", str(run_dir)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("megazero train: error: data.blend: no training data")
-    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["logging"]["run_dir"] == str(run_dir) and saved["parallel"]["dp"] == 1
+    assert not run_dir.exists()

@@ -174,24 +174,40 @@ def test_non_writer_rank_does_no_io(tmp_path):
     assert not (tmp_path / "run").exists() and out.getvalue() == ""
 
 
-def test_resume_rewinds_steps_after_the_checkpoint_and_a_torn_line(tmp_path):
+def test_resume_supersedes_later_steps_and_a_torn_line_without_truncating(tmp_path):
     with logger(tmp_path) as log:
         for n in range(1, 6):
             log.record(step(n))
-    with open(tmp_path / "metrics.jsonl", "a") as f:
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "a") as f:
         f.write('{"step": 6, "lo')  # a kill -9 in the middle of a write
+    before = path.read_text()
+    warnings = io.StringIO()
     with logger(tmp_path, start_step=3) as log:
         log.record(step(4, loss=7.0))
-    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert path.read_text().startswith(before), "the record of the run that died must be kept"
+    rows = read_metrics(path, warn=warnings)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["loss"] == 7.0
+    assert "metrics.jsonl: skipping malformed line 6" in warnings.getvalue()
 
 
-def test_malformed_complete_line_is_an_error_naming_the_file(tmp_path):
+def test_a_fresh_start_over_old_lines_is_marked_not_erased(tmp_path):
+    with logger(tmp_path) as log:
+        log.record(step(1, loss=5.0))
+    with logger(tmp_path, start_step=0) as log:
+        log.record(step(1, loss=6.0))
+    assert [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [6.0]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_malformed_complete_line_is_skipped_with_a_warning_naming_file_and_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
-    with pytest.raises(ValueError, match="metrics.jsonl: malformed line 2"):
-        read_metrics(path)
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n\xff\n')
+    warnings = io.StringIO()
+    assert [r["step"] for r in read_metrics(path, warn=warnings)] == [1, 3]
+    assert "metrics.jsonl: skipping malformed line 2" in warnings.getvalue()
+    assert "line 4" in warnings.getvalue()
 
 
 def test_cpu_memory_is_reported(tmp_path):

@@ -1,8 +1,9 @@
-"""`megazero train CONFIG [--section.field VALUE ...]`: validate, lay out the ranks, train."""
+"""`megazero train CONFIG [--section.field VALUE ...]`: validate, check, lay out the ranks, train."""
 
 from __future__ import annotations
 
 from megazero.config import field_docs, load_config, resolve_config
+from megazero.errors import UserError
 
 
 def register(subparsers) -> None:
@@ -13,7 +14,9 @@ def register(subparsers) -> None:
                     "command line as --section.field VALUE (for example --parallel.tp 2). "
                     "Run under torchrun (scripts/pretrain_gpt.sh) for more than one rank.")
     parser.add_argument("--help-config", action="store_true", help="List every config field with its default and meaning")
-    parser.add_argument("--check", action="store_true", help="Validate the config for this launch and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="Validate the config, data, tokenizer and directories for this launch and exit "
+                             "(set WORLD_SIZE and LOCAL_WORLD_SIZE to check a multi-rank layout)")
     parser.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -24,15 +27,38 @@ def run(args) -> int:
         return 0
     from parallel.launch import read_launch_env
 
-    config_path, overrides = split_config_path(args.overrides)
     launch = read_launch_env()
-    cfg = resolve_config(load_config(config_path, overrides), launch.world_size, launch.local_world_size)
+    try:
+        cfg, facts = checked_config(args, launch)
+    except UserError:
+        if reports_errors(launch):
+            raise
+        return 2  # rank 0 says what is wrong; the same lines from every rank would only bury it
     if args.check:
-        print(f"config ok for {launch.world_size} rank(s): tp{cfg.parallel.tp} pp{cfg.parallel.pp} dp{cfg.parallel.dp}")
+        p = cfg.parallel
+        largest = "" if facts.largest_token_id is None else f", largest token id {facts.largest_token_id}"
+        print(f"config ok for {launch.world_size} rank(s): tp{p.tp} pp{p.pp} dp{p.dp}; data: "
+              f"{len(facts.prefixes)} dataset(s){largest}, model.vocab_size {cfg.model.vocab_size}")
         return 0
     from megazero.launch import start_run
 
     return start_run(cfg, launch)
+
+
+def checked_config(args, launch):
+    """The resolved config and the facts the checks learned, or a ``UserError`` listing every problem
+    with the config, device, data, tokenizer and directories, before any process group exists."""
+    from megazero.preflight import check_run
+
+    config_path, overrides = split_config_path(args.overrides)
+    cfg = resolve_config(load_config(config_path, overrides), launch.world_size, launch.local_world_size)
+    return cfg, check_run(cfg, scan_data=args.check or launch.rank == 0)
+
+
+def reports_errors(launch) -> bool:
+    """Rank 0 reports, and on a multi-node launch the first rank of each node too (a node may lack a
+    file the others have)."""
+    return launch.rank == 0 or (launch.num_nodes > 1 and launch.local_rank == 0)
 
 
 def split_config_path(extra: list[str]) -> tuple[str | None, list[str]]:

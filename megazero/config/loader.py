@@ -27,6 +27,7 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Confi
     for key, value in parse_overrides(list(overrides)):
         set_dotted(raw, key, value)
     _apply_model_preset(raw)
+    _resolve_auto_vocab(raw)
     return build_dataclass(Config, raw, prefix="")
 
 
@@ -92,6 +93,24 @@ def _apply_model_preset(raw: dict) -> None:
     if name not in MODEL_PRESETS:
         raise ConfigError(f"model.preset: unknown preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
     raw["model"] = {**MODEL_PRESETS[name], **model}
+
+
+def _resolve_auto_vocab(raw: dict) -> None:
+    """``model.vocab_size: auto`` takes the size of ``data.tokenizer``'s vocabulary."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or model.get("vocab_size") != "auto":
+        return
+    data = raw.get("data")
+    path = data.get("tokenizer") if isinstance(data, dict) else None
+    if not path:
+        raise ConfigError("model.vocab_size: auto needs data.tokenizer (the tokenizer whose vocabulary the model "
+                          "gets); give data.tokenizer or a number")
+    from data_pipeline.tokenizer import load_tokenizer
+
+    try:
+        model["vocab_size"] = load_tokenizer(path).vocab_size
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"data.tokenizer: {exc}") from None
 
 
 def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:

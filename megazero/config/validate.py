@@ -7,10 +7,12 @@ reported together so a user fixes a config in one pass rather than one error per
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from megazero.config.schema import Config
 from megazero.errors import ConfigError
+from megazero.schedules import build_batch_schedule, build_lr_schedule
 
 CHOICES = {
     "model.position_embedding": ("learned", "rope"),
@@ -72,8 +74,23 @@ def resolve_config(cfg: Config, world_size: int, local_world_size: Optional[int]
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=dp))
 
 
+def _non_finite(cfg: Config) -> list[str]:
+    """Every float field holding NaN or inf: they compare false with every bound, so no range check
+    below would catch them, and a NaN learning rate trains to NaN without another word."""
+    found = []
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                found.append(f"{section.name}.{f.name}: must be a finite number, got {value}")
+    return found
+
+
 def _value_problems(cfg: Config) -> list[str]:
-    problems = []
+    problems = _non_finite(cfg)
+    if problems:
+        return problems
     for name, allowed in CHOICES.items():
         value = get(cfg, name)
         if value not in allowed:
@@ -91,6 +108,18 @@ def _value_problems(cfg: Config) -> list[str]:
             problems.append(f"{name}: must be below 1, got {get(cfg, name)}")
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
         problems.append(f"optimizer.min_lr: {cfg.optimizer.min_lr} exceeds optimizer.lr {cfg.optimizer.lr}; lower it")
+    for name in ("optimizer.beta1", "optimizer.beta2"):
+        if not 0 <= get(cfg, name) < 1:
+            problems.append(f"{name}: must be in [0, 1), got {get(cfg, name)} (typical: beta1 0.9, beta2 0.95)")
+    t = cfg.train
+    if t.train_steps is None and t.train_tokens is None:
+        problems.append("train.train_steps: is null and so is train.train_tokens; give one of them to say when "
+                        "training ends")
+    if not problems:
+        try:
+            build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
+        except ConfigError as exc:
+            problems.append(str(exc))
     return problems
 
 
@@ -149,6 +178,11 @@ def _layout_problems(cfg: Config, world_size: Optional[int], local_world_size: O
         problems.append(f"train.global_batch_size: {t.global_batch_size} is not divisible by "
                         f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}; make it a multiple of "
                         f"{t.micro_batch_size * dp}")
+    elif dp is not None:
+        try:
+            build_batch_schedule(cfg.schedule, cfg.train, dp)
+        except ConfigError as exc:
+            problems.append(str(exc))
     if local_world_size and p.tp > 1 and local_world_size % p.tp and not p.allow_tp_across_nodes:
         problems.append(f"parallel.tp: {p.tp} ranks per tensor group do not fit the {local_world_size} ranks per "
                         f"node; use a tp that divides {local_world_size} or set parallel.allow_tp_across_nodes")

@@ -1,0 +1,157 @@
+"""Checks of what a run is about to meet -- device, data, tokenizer, directories -- before it starts.
+
+``megazero.config.validate`` judges a config on its own; these checks look at the machine and the
+files it names, so they live apart. They run in ``megazero train --check`` and at the start of every
+run, before any process group exists, and report every problem at once: a launch that would fail
+at its first step, or worse train on data that does not fit the model, fails here instead, before
+the run directory is touched and before hours of compute are spent.
+
+The one expensive check (the largest token id in the data, a pass over every shard cached on disk)
+runs on one rank only: the data is shared, and a failing rank ends the whole launch anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from megazero.config import Config
+from megazero.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    """What the checks learned about the data, for the caller to report."""
+
+    prefixes: tuple[str, ...]
+    largest_token_id: Optional[int]  # None where the scan was not run (on ranks other than the checker)
+    tokenizer_vocab: Optional[int]
+
+
+def check_run(cfg: Config, *, scan_data: bool = True) -> DataFacts:
+    """Raise one ``ConfigError`` listing every problem with the device, data, tokenizer and
+    directories of ``cfg``; ``scan_data`` also reads every shard's tokens (cached) to check the
+    largest id against the model's vocabulary."""
+    problems = _device_problems(cfg)
+    prefixes, data_problems = _data_prefixes(cfg)
+    problems += data_problems
+    vocab, tokenizer_problems = _tokenizer_vocab(cfg)
+    problems += tokenizer_problems
+    largest = None
+    if scan_data and prefixes and not data_problems:
+        largest, scan_problems = _largest_token_id(cfg, prefixes)
+        problems += scan_problems
+    problems += _directory_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return DataFacts(tuple(prefixes), largest, vocab)
+
+
+def _device_problems(cfg: Config) -> list[str]:
+    if cfg.train.device != "cuda":
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    return ["train.device: is 'cuda' but no CUDA device is visible here; use --train.device cpu (or auto), or run "
+            "on a machine whose GPUs this process can see (check CUDA_VISIBLE_DEVICES)"]
+
+
+def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
+    """The training shards' prefixes, each opened (which checks its header and sizes)."""
+    from data_pipeline.blend import parse_blend, resolve_blend
+    from data_pipeline.indexed import IndexedDataset
+
+    d = cfg.data
+    if d.blend is None and d.blend_preset is None:
+        return [], ["data.blend: no training data; give [[weight, prefix], ...] of preprocessed datasets "
+                    "(megazero preprocess) or data.blend_preset with data.blend_root"]
+    try:
+        _, prefixes = parse_blend(resolve_blend(d.blend, d.blend_preset, d.blend_root))
+    except (ValueError, OSError) as exc:
+        return [], [f"data.blend: {exc}"]
+    problems = []
+    for prefix in prefixes:
+        try:
+            IndexedDataset(prefix)
+        except (ValueError, OSError) as exc:
+            problems.append(f"data.blend: {exc}")
+    return prefixes, problems
+
+
+def _tokenizer_vocab(cfg: Config) -> tuple[Optional[int], list[str]]:
+    path = cfg.data.tokenizer
+    if path is None:
+        return None, []
+    from data_pipeline.tokenizer import load_tokenizer
+
+    try:
+        vocab = load_tokenizer(path).vocab_size
+    except (ValueError, OSError) as exc:
+        return None, [f"data.tokenizer: {exc}"]
+    if vocab > cfg.model.vocab_size:
+        return vocab, [f"model.vocab_size: {cfg.model.vocab_size} is smaller than the {vocab} tokens of "
+                       f"data.tokenizer {path}; set model.vocab_size {vocab} (or auto)"]
+    return vocab, []
+
+
+def _largest_token_id(cfg: Config, prefixes: list[str]) -> tuple[Optional[int], list[str]]:
+    from data_pipeline.indexed import largest_token_id
+
+    problems, largest = [], -1
+    for prefix in prefixes:
+        try:
+            found = largest_token_id(prefix, cfg.data.cache_dir)
+        except (ValueError, OSError) as exc:
+            problems.append(f"data.blend: {exc}")
+            continue
+        largest = max(largest, found)
+        if found >= cfg.model.vocab_size:
+            problems.append(f"data.blend: {prefix} holds token id {found} but model.vocab_size is "
+                            f"{cfg.model.vocab_size}; the data was tokenized with a larger vocabulary: set "
+                            f"model.vocab_size to at least {found + 1} (or auto with data.tokenizer), or "
+                            "preprocess the data with this model's tokenizer")
+    return largest, problems
+
+
+def _directory_problems(cfg: Config) -> list[str]:
+    """The run directory and the checkpoint directory must be writable before the first step: a
+    read-only save_dir found at the first save loses all the training before it."""
+    problems = []
+    run_dir = cfg.logging.run_dir
+    problem = _unwritable(run_dir)
+    if problem:
+        problems.append(f"logging.run_dir: {run_dir} {problem}; choose a directory this user can write")
+    save_dir = cfg.checkpoint.save_dir
+    if save_dir is not None:
+        problem = _unwritable(save_dir)
+        if problem:
+            problems.append(f"checkpoint.save_dir: {save_dir} {problem}; choose a directory this user can write")
+    return problems
+
+
+def _unwritable(path: str) -> Optional[str]:
+    """Why ``path`` cannot be a directory this process writes into, or None. Creates nothing: the
+    nearest existing ancestor is checked when ``path`` does not exist yet."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"cannot be created: {probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return "is not writable" if probe == os.path.abspath(path) else f"cannot be created ({probe} is not writable)"
+    if _read_only_mount(probe):
+        return f"is on a read-only filesystem ({probe})"
+    return None
+
+
+def _read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False

@@ -1,0 +1,127 @@
+"""One job per run directory: an exclusive lock file that names its holder.
+
+Two jobs given the same ``run_dir`` would otherwise share it silently: the second adopts the first's
+live checkpoint, rewrites its ``metrics.jsonl`` and races it on every save. Rank 0 of a job takes
+``RUN_DIR/LOCK`` before it writes anything there and keeps it for the job's life.
+
+The lock is a file created with ``O_EXCL`` (atomic on local filesystems and NFS), holding the
+holder's host, pid and start time. A holder that died without cleaning up (``kill -9``, a lost node)
+must not block its own resume, so a lock is *stale* when its process is gone (same host), or when its
+holder stopped refreshing it: the holder touches the file every ``HEARTBEAT_S`` seconds, and one
+untouched for ``STALE_AFTER_S`` is taken over (the only test possible across hosts). A stale lock
+is replaced by an atomic rename, then read back: of two jobs taking over at once, the one whose
+record is in the file wins and the other fails with the usual message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from megazero.errors import UserError
+
+LOCK_FILE = "LOCK"
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 600.0
+
+
+class RunDirBusy(UserError):
+    """Another live job holds the run directory."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+class RunDirLock:
+    """Held from ``acquire`` to ``release`` (or the process's end); a context manager too."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, heartbeat_s: float = HEARTBEAT_S,
+                 stale_after_s: float = STALE_AFTER_S):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def holder(self) -> Optional[dict]:
+        """The record in the lock file, or None when there is none (or it is unreadable)."""
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    def is_stale(self, holder: Optional[dict]) -> bool:
+        if holder is None or holder.get("host") != self.record["host"]:
+            try:
+                age = time.time() - self.path.stat().st_mtime
+            except FileNotFoundError:
+                return True
+            return age > self.stale_after_s
+        return not _pid_alive(int(holder.get("pid", -1)))
+
+    def acquire(self) -> "RunDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.record)
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = self.holder()
+            if not self.is_stale(holder):
+                raise RunDirBusy(self._busy_message(holder)) from None
+            tmp = self.path.with_name(f"{LOCK_FILE}.{self.record['host']}.{os.getpid()}")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, self.path)
+            if self.holder() != self.record:
+                raise RunDirBusy(self._busy_message(self.holder())) from None
+            print(f"megazero: {self.path}: took over a stale lock of {_describe(holder)}", flush=True)
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+        self._thread = threading.Thread(target=self._beat, name="run-dir-lock", daemon=True)
+        self._thread.start()
+        return self
+
+    def _busy_message(self, holder: Optional[dict]) -> str:
+        return (f"{self.path.parent}: run directory is in use by {_describe(holder)}; give this job another "
+                f"logging.run_dir, or stop that job first (a lock left by a dead job on another host is taken "
+                f"over after {self.stale_after_s / 60:g} minutes; delete {self.path} if you are sure it is gone)")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self.holder() == self.record:
+                self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _describe(holder: Optional[dict]) -> str:
+    if holder is None:
+        return "another job (its lock file is unreadable)"
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+    return f"pid {holder.get('pid')} on host {holder.get('host')} (since {started})"

@@ -1,0 +1,180 @@
+"""Faults a cluster throws at a run, injected on purpose; none may lose or change what was trained.
+
+* ``kill -9`` of the whole launch (torchrun and every worker, as a lost node or an OOM killer would)
+  at seeded random moments of a 2-rank run that saves every 2 steps, a third of them timed to land
+  inside a save (while a ``step_N.tmp`` directory exists). Every relaunch resumes on its own and
+  ends with a ``metrics.jsonl`` whose rows equal the uninterrupted run's exactly (loss, lr, grad
+  norm, consumed samples: bit for bit, since floats are written at full precision) and a final
+  checkpoint whose weights are bitwise the uninterrupted run's. Two kill points run in CI, twenty
+  under ``-m slow``.
+* A NaN written into one rank's gradient: the step is skipped on every rank (the weights do not
+  move anywhere), training goes on, and a NaN gradient every step stops the run with the divergence
+  message even though every loss is finite.
+* A rank that stops calling collectives: its peers fail within the group's timeout with an error
+  naming their rank, the operation and the group.
+
+Planted bugs these caught: resuming without restoring the data position (rows differ after the
+kill); a guard that counts only non-finite losses (the NaN-gradient run exits "finished").
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from megazero.checkpoint import latest_checkpoint, verify_checkpoint
+from megazero.checkpoint.state import load_full_weights
+from megazero.metrics import read_metrics
+from tests.distributed import run_world
+from tests.test_trainer import FIELDS, _launch, _overrides, _signal_tree, _wait_for, _write_config, data_prefix  # noqa: F401
+
+STEPS = 16
+SAVE_EVERY = 2
+
+
+@pytest.fixture(scope="module")
+def reference(data_prefix, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    root = tmp_path_factory.mktemp("reference")
+    cfg = _write_config(root / "run.yaml", data_prefix, str(root / "run"), SAVE_EVERY)
+    proc = _launch(cfg, STEPS, nproc=2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    rows = read_metrics(root / "run" / "metrics.jsonl")
+    weights = load_full_weights(latest_checkpoint(root / "run" / "checkpoints"))
+    return rows, weights
+
+
+def _kill_and_resume(prefix, root, point: int) -> tuple[list, dict, str]:
+    """Kill the launch at kill point ``point`` (seeded), relaunch to the end; returns what it left."""
+    rng = random.Random(point)
+    cfg = _write_config(root / "run.yaml", prefix, str(root / "run"), SAVE_EVERY)
+    metrics, ckpts = root / "run" / "metrics.jsonl", root / "run" / "checkpoints"
+    proc = _launch(cfg, STEPS, nproc=2)
+    if point % 3 == 0:  # inside a save: the moment a temporary checkpoint directory appears
+        after = rng.randint(1, STEPS // SAVE_EVERY - 1) * SAVE_EVERY
+        _wait_for(lambda: any(ckpts.glob(f"step_{after:07d}.tmp")) if ckpts.exists() else False, proc, timeout=240)
+        time.sleep(rng.uniform(0, 0.01))
+    else:
+        lines = rng.randint(1, STEPS - 2)
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= lines, proc)
+        time.sleep(rng.uniform(0, 0.3))
+    _signal_tree(proc.pid, signal.SIGKILL)
+    killed_out, _ = proc.communicate()
+    proc = _launch(cfg, STEPS, nproc=2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, f"relaunch after kill point {point} failed:\n{out}"
+    ckpt = latest_checkpoint(ckpts)
+    verify_checkpoint(ckpt)
+    return read_metrics(metrics), load_full_weights(ckpt), killed_out + out
+
+
+def _check_identical(reference, resumed, point):
+    ref_rows, ref_weights = reference
+    rows, weights, out = resumed
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), (point, out)
+    for a, b in zip(rows, ref_rows):
+        assert {k: a[k] for k in FIELDS} == {k: b[k] for k in FIELDS}, (point, a, b)
+    assert weights.keys() == ref_weights.keys()
+    for name in weights:
+        assert torch.equal(weights[name], ref_weights[name]), (point, name)
+
+
+@pytest.mark.parametrize("point", [0, 1])
+def test_kill_9_then_resume_is_bit_identical(reference, data_prefix, tmp_path, point):  # noqa: F811
+    _check_identical(reference, _kill_and_resume(data_prefix, tmp_path, point), point)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", range(2, 20))
+def test_kill_9_at_many_moments_then_resume_is_bit_identical(reference, data_prefix, tmp_path, point):  # noqa: F811
+    _check_identical(reference, _kill_and_resume(data_prefix, tmp_path, point), point)
+
+
+# --- NaN gradients on one rank, and a rank that stops calling collectives ------------------------
+
+def _nan_world(rank, world_size, prefix, root):
+    import torch.distributed as dist
+
+    from megazero.config import load_config, resolve_config
+    from megazero.errors import UserError
+    from megazero.launch import initialize
+    from megazero.trainer import Trainer
+    from parallel.launch import LaunchEnv
+
+    out = {}
+    for case, poisoned_steps in (("once", {3}), ("always", set(range(2, 100)))):
+        cfg = resolve_config(load_config(None, _overrides(prefix, f"{root}/{case}", steps=8, extra=(
+            "--train.max_bad_steps", "3", "--checkpoint.save_on_exit", "false"))), world_size)
+        device, topology = initialize(cfg, LaunchEnv(rank, world_size, 0, world_size))
+        trainer = Trainer(cfg, device, topology)
+        param = next(trainer.engine.chunks[0].parameters())
+        if rank == 1:  # only this rank's gradient goes bad
+            param.register_hook(lambda g: g.fill_(float("nan")) if trainer.state.step + 1 in poisoned_steps else g)
+        snapshots = {}
+        original = trainer._one_step
+
+        def step_and_snapshot():
+            before = trainer.engine.optimizer.master.clone()
+            metrics = original()
+            snapshots[trainer.state.step] = bool(torch.equal(before, trainer.engine.optimizer.master))
+            return metrics
+
+        trainer._one_step = step_and_snapshot
+        try:
+            trainer.train()
+            out[case] = {"error": None}
+        except UserError as exc:
+            out[case] = {"error": str(exc)}
+        out[case].update(unchanged=snapshots, skipped=trainer.state.skipped)
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def nan_results(data_prefix, tmp_path_factory):  # noqa: F811
+    return run_world(2, _nan_world, data_prefix, str(tmp_path_factory.mktemp("nan")), timeout=300)
+
+
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(nan_results):
+    for rank, result in enumerate(nan_results):
+        once = result["once"]
+        assert once["error"] is None, (rank, once)
+        assert once["skipped"] == 1, (rank, once)
+        assert once["unchanged"][3] and not any(v for s, v in once["unchanged"].items() if s != 3), (rank, once)
+
+
+def test_nan_gradients_with_finite_losses_stop_the_run(nan_results):
+    for rank, result in enumerate(nan_results):
+        always = result["always"]
+        assert always["error"] is not None and "NaN or inf for 3 steps in a row" in always["error"], (rank, always)
+        assert always["skipped"] == 3, (rank, always)
+
+
+def _hung_peer_world(rank, world_size):
+    import datetime
+
+    import torch.distributed as dist
+
+    from parallel import comm
+
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=3))
+    if rank == 1:
+        time.sleep(12)  # never arrives in time
+        return None
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(4), group)
+    except comm.CollectiveError as exc:
+        return {"message": str(exc), "seconds": time.monotonic() - start}
+    return {"message": None, "seconds": time.monotonic() - start}
+
+
+def test_a_rank_that_stops_calling_collectives_fails_its_peers_naming_rank_group_and_operation():
+    result = run_world(2, _hung_peer_world, timeout=60)[0]
+    assert result["message"] is not None, result
+    assert "rank 0: all_reduce on the" in result["message"] and "2 ranks [0, 1]" in result["message"], result
+    assert result["seconds"] < 10, result

@@ -1,0 +1,52 @@
+"""One job per run directory: a second job is refused naming the holder; stale locks are taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megazero.run_lock import LOCK_FILE, RunDirBusy, RunDirLock
+
+
+def test_a_second_holder_is_refused_naming_host_and_pid(tmp_path):
+    with RunDirLock(tmp_path):
+        other = RunDirLock(tmp_path)
+        other.record = {**other.record, "pid": os.getpid() + 1}  # another job of this host
+        with pytest.raises(RunDirBusy, match=rf"in use by pid {os.getpid()} on host \S+ \(since"):
+            other.acquire()
+    assert not (tmp_path / LOCK_FILE).exists(), "release removes the lock"
+
+
+def test_a_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    holder = RunDirLock(tmp_path).record
+    (tmp_path / LOCK_FILE).write_text(json.dumps({**holder, "pid": dead.pid}))
+    with RunDirLock(tmp_path) as lock:
+        assert lock.holder() == lock.record
+    assert "took over a stale lock" in capsys.readouterr().out
+
+
+def test_another_hosts_lock_is_stale_only_once_its_heartbeat_stops(tmp_path):
+    foreign = {"host": "node-that-is-not-this-one", "pid": 1, "started": time.time()}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(foreign))
+    with pytest.raises(RunDirBusy, match="node-that-is-not-this-one"):
+        RunDirLock(tmp_path, stale_after_s=60).acquire()
+    old = time.time() - 120
+    os.utime(tmp_path / LOCK_FILE, (old, old))
+    with RunDirLock(tmp_path, stale_after_s=60) as lock:
+        assert lock.holder() == lock.record
+
+
+def test_the_holder_refreshes_its_heartbeat(tmp_path):
+    with RunDirLock(tmp_path, heartbeat_s=0.05):
+        path = tmp_path / LOCK_FILE
+        old = time.time() - 1000
+        os.utime(path, (old, old))
+        time.sleep(0.3)
+        assert time.time() - path.stat().st_mtime < 100
