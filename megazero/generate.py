@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import torch
 
-from megazero.checkpoint import read_manifest, resolve_checkpoint
+from megazero.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
 from megazero.checkpoint.state import fit_to_shard, load_full_weights
 from megazero.config.loader import build_dataclass
 from megazero.config.schema import Config
 from models import GPT
 
 
-def load_model(path) -> tuple[GPT, Config]:
-    """The single-process GPT holding a checkpoint's weights, and the config it was trained with."""
-    ckpt = resolve_checkpoint(path)
-    cfg = build_dataclass(Config, read_manifest(ckpt)["meta"]["config"], prefix="")
+def load_model(path, source: str = "the checkpoint path") -> tuple[GPT, Config]:
+    """The single-process GPT holding a checkpoint's weights, and the config it was trained with.
+    ``source`` names where ``path`` came from, for the error messages."""
+    ckpt = resolve_checkpoint(path, source=source)
+    saved = read_manifest(ckpt)["meta"].get("config")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{ckpt}: records no training config, so it was not saved by `megazero train`; "
+                              f"check {source}")
+    cfg = build_dataclass(Config, saved, prefix="")
     model = GPT(cfg.model, seed=cfg.train.seed)
     weights = load_full_weights(ckpt)
     with torch.no_grad():

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+
 from megazero.errors import UserError
+
+SOURCE = "the CHECKPOINT argument"  # what the checkpoint errors tell the user to check
 
 
 def register(subparsers) -> None:
@@ -13,25 +17,43 @@ def register(subparsers) -> None:
     parser.add_argument("checkpoint", help="A step_* checkpoint directory or the directory holding them")
     parser.add_argument("--tokenizer", required=True, help="The SentencePiece .model or tokenizer.json used in training")
     parser.add_argument("--prompt", default="def ", help="Text to continue")
-    parser.add_argument("--tokens", type=int, default=64, help="Tokens to generate")
+    parser.add_argument("--tokens", type=at_least(0), default=64, help="Tokens to generate (0 or more)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
-    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--top-k", type=at_least(1), default=40, help="Sample among the k likeliest tokens (1 or more)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
 
+def at_least(low: int):
+    """An argparse type: an integer no smaller than ``low`` (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {low} or more, got {value}")
+        return value
+    return parse
+
+
 def run(args) -> int:
     from data_pipeline.tokenizer import load_tokenizer
-    from megazero.checkpoint import latest_checkpoint
+    from megazero.checkpoint import resolve_checkpoint
     from megazero.generate import load_model, sample
 
-    path = latest_checkpoint(args.checkpoint) or args.checkpoint
+    ckpt = resolve_checkpoint(args.checkpoint, source=SOURCE)  # before the tokenizer: the cheaper check
     try:
         tokenizer = load_tokenizer(args.tokenizer)
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
-    model, _ = load_model(path)
+    model, _ = load_model(ckpt, source=SOURCE)
     prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
+    if max(prompt) >= model.vocab_size:
+        raise UserError(f"--tokenizer {args.tokenizer}: gives token id {max(prompt)}, but the checkpoint's model has "
+                        f"{model.vocab_size} tokens; use the tokenizer it was trained with")
     out = sample(model, prompt, args.tokens, args.temperature, args.top_k, args.seed)
     print(tokenizer.decode(out))
     return 0

@@ -1,0 +1,220 @@
+"""Saves that fail: a full disk, a read-only or forbidden directory, on one rank or all. Every rank gets
+one CheckpointError naming the directory and the rank (and, where it happened, the reason in words),
+the partial directory is removed and the previous checkpoint stays the latest. ``probe_writable``
+finds the same problems before the first step."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import subprocess
+import threading
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from megazero.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, list_checkpoints, load_file
+from megazero.checkpoint import format as format_module
+from megazero.checkpoint import probe_writable
+from megazero.checkpoint import writer as writer_module
+from megazero.checkpoint.format import HashingWriter
+
+BIG = 1 << 18  # float32 elements: a 1 MiB tensor
+NO_SPACE = "no space left on device: free space or lower checkpoint.keep_last"
+DISCARDED = "the partial checkpoint was removed and the previous one, if any, is still the latest"
+
+
+def alone() -> None:
+    """The barrier of a one-rank world."""
+
+
+def save_all(root: Path, step: int, files_by_rank: list[dict], async_save: bool = False) -> list:
+    """Save ``step`` from one thread per rank; returns each rank's exception or None."""
+    world = len(files_by_rank)
+    barrier = threading.Barrier(world, timeout=20)  # a rank left waiting breaks it: the test fails, not hangs
+    errors: list = [None] * world
+
+    def rank_main(rank: int) -> None:
+        writer = CheckpointWriter(root, rank=rank, world_size=world, barrier=barrier.wait, async_save=async_save)
+        try:
+            writer.save(step, files_by_rank[rank])
+            writer.wait()
+        except Exception as e:  # noqa: BLE001 - returned for the test to inspect
+            errors[rank] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def small(rank: int, value: float) -> dict:
+    return {f"rank{rank}.pt": {"w": torch.full((4,), value)}}
+
+
+def failing_write(error: int, min_bytes: int):
+    """A ``HashingWriter.write`` for a disk that refuses any write of ``min_bytes`` or more."""
+    real = HashingWriter.write
+
+    def write(self, data):
+        if len(data) >= min_bytes:
+            raise OSError(error, "injected failure")
+        return real(self, data)
+    return write
+
+
+def assert_previous_is_latest(root: Path, step: int = 1) -> None:
+    assert [s for s, _ in list_checkpoints(root)] == [step]
+    assert latest_checkpoint(root) == root / f"step_{step:07d}"
+    assert (root / "latest").read_text().strip() == f"step_{step:07d}"
+    assert not list(root.glob("step_*.tmp")) and not list(root.glob("*.tmp"))
+
+
+# --- a full disk ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_on_one_rank_fails_every_rank_and_removes_the_partial_save(tmp_path, monkeypatch, async_save):
+    assert save_all(tmp_path, 1, [small(0, 1.0), small(1, 1.0)]) == [None, None]
+    monkeypatch.setattr(HashingWriter, "write", failing_write(errno.ENOSPC, 1 << 20))
+    errors = save_all(tmp_path, 2, [small(0, 2.0), {"rank1.pt": {"w": torch.zeros(BIG)}}], async_save)
+    tmp = tmp_path / "step_0000002.tmp"
+    assert all(isinstance(e, CheckpointError) and "\n" not in str(e) for e in errors), errors
+    assert str(errors[1]) == f"{tmp}: rank 1 could not write its checkpoint files: {NO_SPACE}; {DISCARDED}"
+    assert str(errors[0]).startswith(f"{tmp}: rank 1 did not finish writing its checkpoint files")
+    assert_previous_is_latest(tmp_path)
+    assert torch.equal(load_file(latest_checkpoint(tmp_path), "rank1.pt")["w"], torch.ones(4))
+    monkeypatch.undo()  # space freed: the next save goes through
+    assert save_all(tmp_path, 2, [small(0, 2.0), small(1, 2.0)]) == [None, None]
+    assert latest_checkpoint(tmp_path).name == "step_0000002"
+
+
+@pytest.mark.parametrize("error, words", [
+    (errno.ENOSPC, NO_SPACE),
+    (errno.EDQUOT, "disk quota exceeded: free space in the quota or lower checkpoint.keep_last"),
+    (errno.EACCES, "permission denied: make the directory writable or set checkpoint.save_dir to another one"),
+    (errno.EROFS, "read-only file system: set checkpoint.save_dir to a writable directory"),
+    (errno.ENAMETOOLONG, "injected failure"),  # no words of our own: the system's
+])
+def test_the_reason_is_given_in_words(tmp_path, monkeypatch, error, words):
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone)
+    writer.save(1, small(0, 1.0))
+    monkeypatch.setattr(HashingWriter, "write", failing_write(error, 1))
+    with pytest.raises(CheckpointError) as failure:
+        writer.save(2, small(0, 2.0))
+    assert str(failure.value) == (f"{tmp_path / 'step_0000002.tmp'}: rank 0 could not write its checkpoint files: "
+                                  f"{words}; {DISCARDED}")
+    assert_previous_is_latest(tmp_path)
+
+
+def test_rank0_unable_to_create_the_directory_leaves_no_rank_waiting(tmp_path, monkeypatch):
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self.name.endswith(".tmp"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    errors = save_all(tmp_path, 1, [small(0, 1.0), small(1, 1.0)])
+    tmp = tmp_path / "step_0000001.tmp"
+    assert str(errors[0]).startswith(f"{tmp}: rank 0 could not create this checkpoint directory: permission denied")
+    assert str(errors[1]).startswith(f"{tmp}: rank 0 could not complete this checkpoint")
+    assert latest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.parametrize("resave", [False, True])
+def test_a_failed_commit_rolls_back(tmp_path, monkeypatch, resave):
+    """No space for COMPLETE, or for the new ``latest``: the new checkpoint is gone, the old one latest
+    (re-saving a step keeps the first copy)."""
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone)
+    writer.save(1, small(0, 1.0))
+    real = writer_module.write_text_atomic
+    for marker in ("COMPLETE", "latest"):
+        def write_text_atomic(path, text, marker=marker):
+            if path.name == marker:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(path, text)
+
+        monkeypatch.setattr(writer_module, "write_text_atomic", write_text_atomic)
+        with pytest.raises(CheckpointError, match=f"step_000000{1 if resave else 2}.tmp: rank 0 could not "
+                                                  f"complete it: {NO_SPACE}; the partial"):
+            writer.save(1 if resave else 2, small(0, 2.0))
+        assert_previous_is_latest(tmp_path)
+        assert torch.equal(load_file(tmp_path / "step_0000001", "rank0.pt")["w"], torch.ones(4))
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A real 256 KiB file system (a tmpfs: mounting one needs root; skipped otherwise)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_real_full_file_system(tiny_filesystem):
+    root = tiny_filesystem / "ckpt"
+    writer = CheckpointWriter(root, rank=0, world_size=1, barrier=alone)
+    writer.save(1, small(0, 1.0))
+    free = shutil.disk_usage(tiny_filesystem).free
+    with pytest.raises(CheckpointError, match=f"step_0000002.tmp: rank 0 could not write its checkpoint files: "
+                                              f"{NO_SPACE}; the partial"):
+        writer.save(2, {"rank0.pt": {"w": torch.zeros(BIG)}})
+    assert_previous_is_latest(root)
+    assert shutil.disk_usage(tiny_filesystem).free == free  # the partial file is gone
+    with pytest.raises(CheckpointError, match="GiB free, a checkpoint needs about 1.0 GiB"):
+        probe_writable(root, 1 << 30)
+
+
+# --- probing before the first step ----------------------------------------------------------------
+
+def test_probe_creates_the_directory_and_leaves_nothing_behind(tmp_path):
+    probe_writable(tmp_path / "a" / "b", 1)
+    assert list((tmp_path / "a" / "b").iterdir()) == []
+
+
+def test_probe_of_a_path_under_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="file/ckpt: checkpoints cannot be written here: a part of the path is a "
+                                              "file, not a directory"):
+        probe_writable(tmp_path / "file" / "ckpt", 1)
+    with pytest.raises(CheckpointError, match="file: checkpoints cannot be written here: the path exists and is not "
+                                              "a directory"):
+        probe_writable(tmp_path / "file", 1)
+
+
+@pytest.mark.parametrize("error, words", [
+    (errno.EROFS, "read-only file system: set checkpoint.save_dir to a writable directory"),
+    (errno.EACCES, "permission denied: make the directory writable or set checkpoint.save_dir to another one"),
+    (errno.ENOSPC, NO_SPACE),
+])
+def test_probe_of_a_directory_that_refuses_writes(tmp_path, monkeypatch, error, words):
+    def mkstemp(**kwargs):  # tests run as root, for whom chmod forbids nothing
+        raise OSError(error, "injected")
+
+    monkeypatch.setattr(format_module.tempfile, "mkstemp", mkstemp)
+    with pytest.raises(CheckpointError) as failure:
+        probe_writable(tmp_path, 1)
+    assert str(failure.value) == f"{tmp_path}: checkpoints cannot be written here: {words}"
+
+
+def test_probe_of_a_directory_without_enough_space(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(format_module.shutil, "disk_usage", lambda path: usage(8 << 30, 6.5 * 2**30, 1.5 * 2**30))
+    probe_writable(tmp_path, 1 << 30)
+    with pytest.raises(CheckpointError) as failure:
+        probe_writable(tmp_path, 4 << 30)
+    assert str(failure.value) == (f"{tmp_path}: 1.5 GiB free, a checkpoint needs about 4.0 GiB; free space or set "
+                                  "checkpoint.save_dir to a larger file system")

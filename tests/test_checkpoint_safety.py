@@ -1,0 +1,186 @@
+"""Loading a checkpoint runs no code and trusts nothing unchecked: files are safetensors whose JSON tree
+round-trips exactly, a pickle (with a payload, or the old format 1) is refused, COMPLETE checks its
+own content, and a damaged ``latest`` pointer falls back to the scan."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megazero.checkpoint import (
+    CheckpointError, CheckpointWriter, latest_checkpoint, load_file, read_manifest, resolve_checkpoint,
+    verify_checkpoint,
+)
+from megazero.checkpoint import serialization
+from megazero.checkpoint.format import complete_text
+
+
+def alone() -> None:
+    """The barrier of a one-rank world."""
+
+
+def write_read(tmp_path: Path, obj):
+    path = tmp_path / "f.safetensors"
+    with open(path, "wb") as f:
+        serialization.write(obj, f)
+    return serialization.read(path), path
+
+
+# --- the file format ----------------------------------------------------------------------------
+
+def test_every_dtype_and_shape_round_trips_bit_for_bit(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    tensors = {str(dtype): (torch.randn(3, 5, generator=gen) * 100).to(dtype) for dtype in serialization.DTYPES}
+    tensors["scalar"] = torch.tensor(2.5)
+    tensors["empty"] = torch.zeros(0, 4)
+    tensors["transposed"] = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
+    tensors["rng"] = torch.get_rng_state()
+    loaded, _ = write_read(tmp_path, tensors)
+    assert set(loaded) == set(tensors)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape, name
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_json_values_round_trip_exactly_and_tuples_become_lists(tmp_path):
+    tree = {"adam_step": 0.1 + 0.2, "big": 2**70, "inf": float("inf"), "flag": True, "none": None, "text": "é/~",
+            "params": [("a.weight", (4, 2), None), ("b", (3,), (0, 1, 2))],
+            "keys/with~slashes": {"a/b": torch.ones(2), "a~1b": torch.zeros(2)}}
+    loaded, _ = write_read(tmp_path, tree)
+    assert loaded["adam_step"] == 0.1 + 0.2 and loaded["big"] == 2**70 and loaded["inf"] == float("inf")
+    assert loaded["params"] == [["a.weight", [4, 2], None], ["b", [3], [0, 1, 2]]]
+    assert (loaded["flag"], loaded["none"], loaded["text"]) == (True, None, "é/~")
+    nested = loaded["keys/with~slashes"]
+    assert torch.equal(nested["a/b"], torch.ones(2)) and torch.equal(nested["a~1b"], torch.zeros(2))
+
+
+def test_files_are_plain_safetensors(tmp_path):
+    from safetensors.torch import load_file as safetensors_load
+
+    _, path = write_read(tmp_path, {"master": torch.arange(6.0), "rng": {"tp": [None, torch.ones(3, dtype=torch.uint8)]}})
+    assert set(safetensors_load(path)) == {"master", "rng/tp/1"}
+
+
+@pytest.mark.parametrize("value, words", [
+    ({1: torch.ones(1)}, "dict key 1"),
+    ({"s": {1, 2}}, "s: a set cannot be saved"),
+    ({"c": [torch.ones(2, dtype=torch.complex64)]}, "c/0: tensors of dtype torch.complex64"),
+    ({"__tensor__": "x"}, "dict key '__tensor__'"),
+])
+def test_values_outside_tensors_and_json_are_refused_when_saved(value, words):
+    with pytest.raises(TypeError, match=words):
+        serialization.write(value, io.BytesIO())
+
+
+# --- code in a file is never run ----------------------------------------------------------------
+
+class RunsCode:
+    """Unpickling this runs ``exec``: what a malicious checkpoint would carry."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def forge(ckpt: Path, name: str, data: bytes) -> None:
+    """Replace a file of a checkpoint and fix up COMPLETE, as whoever can write the files can."""
+    (ckpt / name).write_bytes(data)
+    record = json.loads((ckpt / "COMPLETE").read_text())
+    record["files"][name].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (ckpt / "COMPLETE").write_text(complete_text(record))
+
+
+def pickled(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    CheckpointWriter(tmp_path / "root", rank=0, world_size=1, barrier=alone).save(
+        4, {"model.pt": {"w": torch.ones(3)}, "other.pt": {"w": torch.zeros(2)}}, meta={"consumed": 320})
+    return tmp_path / "root" / "step_0000004"
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_file_that_would_run_code_is_refused_and_the_code_never_runs(saved, tmp_path, verify):
+    marker = tmp_path / "code_ran"
+    forge(saved, "model.pt", pickled({"w": torch.ones(3), "payload": RunsCode(marker)}))
+    verify_checkpoint(saved)  # the checksums match: they catch damage, not a forger
+    with pytest.raises(CheckpointError) as error:
+        load_file(saved, "model.pt", verify=verify)
+    message = str(error.value)
+    assert message.startswith(f"{saved / 'model.pt'}: not a safetensors file") and "\n" not in message
+    assert not marker.exists()
+
+
+def test_a_file_whose_tree_names_a_missing_tensor_is_refused(saved, tmp_path):
+    buffer = io.BytesIO()
+    serialization.write({"w": torch.ones(1)}, buffer)
+    data = buffer.getvalue().replace(b'\\"__tensor__\\": \\"w\\"', b'\\"__tensor__\\": \\"v\\"')
+    forge(saved, "model.pt", data)
+    with pytest.raises(CheckpointError, match="model.pt: its 'megazero.tree' metadata is damaged"):
+        load_file(saved, "model.pt")
+
+
+def test_format_1_checkpoints_of_pickles_are_refused_with_the_reason(tmp_path):
+    marker = tmp_path / "code_ran"
+    ckpt = tmp_path / "step_0000001"
+    ckpt.mkdir()
+    data = pickled({"payload": RunsCode(marker)})
+    (ckpt / "rank_00000.pt").write_bytes(data)
+    (ckpt / "COMPLETE").write_text(json.dumps({"format": 1, "step": 1, "world_size": 1, "meta": {}, "files": {
+        "rank_00000.pt": {"rank": 0, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}))
+    assert resolve_checkpoint(tmp_path) == ckpt  # still found...
+    for load in (read_manifest, lambda c: load_file(c, "rank_00000.pt")):
+        with pytest.raises(CheckpointError, match="COMPLETE: checkpoint format 1 stores pickled Python objects, "
+                                                  "which can run code when loaded, so it is not read"):
+            load(ckpt)  # ...but never unpickled
+    assert not marker.exists()
+
+
+# --- COMPLETE checks itself ---------------------------------------------------------------------
+
+def test_complete_carries_its_own_checksum(saved):
+    assert read_manifest(saved)["meta"] == {"consumed": 320}
+    text = (saved / "COMPLETE").read_text()
+    (saved / "COMPLETE").write_text(text.replace('"consumed": 320', '"consumed": 328'))
+    with pytest.raises(CheckpointError, match="COMPLETE: its content does not match its own sha256"):
+        read_manifest(saved)
+    with pytest.raises(CheckpointError, match="does not match its own sha256"):
+        load_file(saved, "other.pt")
+
+
+def test_complete_without_its_checksum_is_refused(saved):
+    record = json.loads((saved / "COMPLETE").read_text())
+    del record["sha256"]
+    (saved / "COMPLETE").write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match="does not match its own sha256"):
+        read_manifest(saved)
+
+
+# --- the latest pointer -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [b"\xff\xfestep_0000004\n", b"step_0000004\x00\n", b"../../etc\n", b""])
+def test_a_damaged_latest_pointer_falls_back_to_the_scan_with_a_warning(saved, capsys, content):
+    root = saved.parent
+    CheckpointWriter(root, rank=0, world_size=1, barrier=alone).save(2, {"m.pt": {"w": torch.ones(1)}})
+    (root / "latest").write_bytes(content)
+    assert latest_checkpoint(root) == saved  # the newest complete one, step 4 (the save of step 2 came later)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"megazero: warning: {root / 'latest'}: damaged checkpoint pointer")
+    assert resolve_checkpoint(root) == saved
+
+
+def test_a_missing_pointer_falls_back_silently(saved, capsys):
+    (saved.parent / "latest").unlink()
+    assert latest_checkpoint(saved.parent) == saved
+    assert capsys.readouterr().out == ""

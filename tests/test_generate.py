@@ -1,0 +1,116 @@
+"""`megazero generate`: a trained checkpoint loads into the single-device model and samples; bad
+arguments are one-line errors naming the CHECKPOINT argument or the option, never checkpoint.load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megazero.cli import build_parser, main
+from tests.distributed import run_world
+
+VOCAB = 61
+
+
+def _save_trained_checkpoint(rank, world_size, root):
+    """What `megazero train` would leave after one step: a one-rank checkpoint with its config."""
+    import torch.distributed as dist
+
+    from megazero.checkpoint import CheckpointWriter
+    from megazero.checkpoint.state import rank_files
+    from megazero.config import load_config
+    from megazero.config.loader import config_to_dict
+    from megazero.engine import Engine
+    from parallel.topology import RankGrid, Topology
+
+    cfg = load_config(None, ["--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
+                             "--model.vocab_size", str(VOCAB), "--model.seq_length", "16", "--train.device", "cpu",
+                             "--train.micro_batch_size", "2", "--train.global_batch_size", "2"])
+    engine = Engine(cfg, Topology(RankGrid(tp=1, pp=1, dp=1)), torch.device("cpu"))
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    engine.train_step([{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}])
+    CheckpointWriter(root, rank=0, world_size=1, barrier=dist.barrier).save(
+        1, rank_files(engine.chunks, engine.optimizer, 0), meta={"config": config_to_dict(cfg)})
+    return {name: p.detach().numpy().copy() for name, p in engine.chunks[0].named_parameters()}  # by value
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate") / "checkpoints"
+    weights = run_world(1, _save_trained_checkpoint, str(root))[0]
+    return root, weights
+
+
+def _tokenizer(path, words: int) -> str:
+    """A word-level tokenizer.json: "w0".."w{words-1}" and the end-of-document token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(words)}
+    vocab["</s>"] = words
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return str(path)
+
+
+def test_the_model_holds_the_trained_weights(trained):
+    from megazero.generate import load_model
+
+    root, weights = trained
+    model, cfg = load_model(root)
+    assert cfg.model.vocab_size == VOCAB
+    loaded = dict(model.named_parameters())
+    assert set(loaded) == set(weights)
+    for name, value in weights.items():
+        assert torch.equal(loaded[name], torch.from_numpy(value)), name
+
+
+def test_the_command_samples_greedily(trained, tmp_path, capsys):
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1 w2 w3", "--temperature", "0"]
+    assert main([*args, "--tokens", "5"]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[:3] == ["w1", "w2", "w3"] and len(words) == 8
+    assert main([*args, "--tokens", "0"]) == 0
+    assert capsys.readouterr().out.split() == ["w1", "w2", "w3"]
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("--tokens", "-1", "argument --tokens: must be 0 or more, got -1"),
+    ("--tokens", "many", "argument --tokens: 'many' is not an integer"),
+    ("--top-k", "0", "argument --top-k: must be 1 or more, got 0"),
+])
+def test_bad_numbers_are_refused_by_the_parser(capsys, option, value, words):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["generate", "ckpt", "--tokenizer", "t.model", option, value])
+    assert exit_info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def _error_line(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert "checkpoint.load" not in err
+    return err.strip()
+
+
+def test_checkpoint_errors_name_the_checkpoint_argument(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    err = _error_line(capsys, ["generate", str(missing), "--tokenizer", "t.model"])
+    assert err == f"megazero generate: error: {missing}: checkpoint path does not exist; check the CHECKPOINT argument"
+    err = _error_line(capsys, ["generate", str(tmp_path), "--tokenizer", "t.model"])
+    assert err.endswith("holds no complete checkpoint (step_* directory with a COMPLETE marker); check the "
+                        "CHECKPOINT argument")
+    (tmp_path / "step_0000003").mkdir()
+    err = _error_line(capsys, ["generate", str(tmp_path / "step_0000003"), "--tokenizer", "t.model"])
+    assert "step_0000003: not a complete checkpoint" in err
+
+
+def test_a_tokenizer_beyond_the_models_vocabulary_is_named(trained, tmp_path, capsys):
+    tok = _tokenizer(tmp_path / "tokenizer.json", 100)
+    err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w99"])
+    assert err.endswith(f"--tokenizer {tok}: gives token id 99, but the checkpoint's model has {VOCAB} tokens; use "
+                        "the tokenizer it was trained with")
+    err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", ""])
+    assert err.endswith("--prompt '' encodes to no tokens; give some text to continue")
