@@ -4,20 +4,25 @@ The reading process only splits the input into batches and writes what comes bac
 parse json, tokenize, append the end-of-document token and pack each batch into one numpy array,
 so the work that costs time runs in parallel and the pipe carries compact arrays, not lists.
 Output order equals input order for any number of workers, so a shard is reproducible.
+
+A record whose field is not a string, a malformed json line or one that is not UTF-8 stops the
+run with an error naming the file and the record; with ``skip_bad_records`` it is left out and
+counted by reason instead. Either way it never becomes a document.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
 from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
-from data_pipeline.sources import Batch, iter_batches, parse_line
+from data_pipeline.sources import Batch, iter_batches
 from data_pipeline.tokenizer import load_tokenizer
 
 _tokenizer = None  # one per worker process, loaded by _init_worker
@@ -29,6 +34,11 @@ class PreprocessStats:
     tokens: int = 0
     text_bytes: int = 0
     seconds: float = 0.0
+    skipped: Counter = field(default_factory=Counter)  # bad records left out, by reason
+
+    @property
+    def bad_records(self) -> int:
+        return sum(self.skipped.values())
 
     @property
     def docs_per_s(self) -> float:
@@ -38,9 +48,15 @@ class PreprocessStats:
     def mb_per_s(self) -> float:
         return self.text_bytes / 1e6 / max(self.seconds, 1e-9)
 
+    def skipped_summary(self) -> str:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
+        plural = "" if self.bad_records == 1 else "s"
+        return f"skipped {self.bad_records} bad record{plural} ({reasons})" if self.skipped else "no bad records"
+
     def summary(self) -> str:
-        return (f"{self.documents} documents, {self.tokens} tokens, {self.text_bytes / 1e6:.1f} MB of text "
+        text = (f"{self.documents} documents, {self.tokens} tokens, {self.text_bytes / 1e6:.1f} MB of text "
                 f"in {self.seconds:.1f} s: {self.docs_per_s:.0f} docs/s, {self.mb_per_s:.2f} MB/s")
+        return f"{text}; {self.skipped_summary()}" if self.skipped else text
 
 
 def output_prefix_for(prefix: str, key: str) -> str:
@@ -53,13 +69,23 @@ def _init_worker(tokenizer_path: str) -> None:
     _tokenizer = load_tokenizer(tokenizer_path)
 
 
-def encode_batch(batch: Batch, keys: tuple[str, ...], append_eod: bool) -> tuple[dict, int]:
-    """Per key: (all tokens of the batch as one array, per-document lengths); plus the text bytes."""
-    records = batch.records if batch.records is not None else [parse_line(line, keys) for line in batch.lines]
+@dataclass
+class EncodedBatch:
+    """Per key: (all tokens of the batch's documents as one array, per-document lengths)."""
+
+    arrays: dict
+    documents: int
+    text_bytes: int
+    skipped: Counter  # bad records left out, by reason
+
+
+def encode_batch(batch: Batch, keys: tuple[str, ...], append_eod: bool, skip_bad: bool = False) -> EncodedBatch:
+    """Tokenize the batch's good documents; a bad record is an error unless ``skip_bad``."""
+    documents, skipped = batch.documents(keys, skip_bad)
     dtype = token_dtype(_tokenizer.vocab_size)
     out, nbytes = {}, 0
-    for key in keys:
-        texts = [r[key] if isinstance(r[key], str) else str(r[key]) for r in records]
+    for k, key in enumerate(keys):
+        texts = [doc[k] for doc in documents]
         nbytes += sum(len(t.encode("utf-8")) for t in texts)
         ids = _tokenizer.encode_batch(texts)
         if append_eod:
@@ -68,16 +94,17 @@ def encode_batch(batch: Batch, keys: tuple[str, ...], append_eod: bool) -> tuple
         lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
         tokens = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
         out[key] = (tokens, lengths)
-    return out, nbytes
+    return EncodedBatch(out, len(documents), nbytes, skipped)
 
 
-def _encode_in_worker(args) -> tuple[dict, int]:
+def _encode_in_worker(args) -> EncodedBatch:
     return encode_batch(*args)
 
 
-def _encoded(batches: Iterable[Batch], tokenizer_path: str, keys, append_eod: bool, workers: int) -> Iterator:
+def _encoded(batches: Iterable[Batch], tokenizer_path: str, keys, append_eod: bool, skip_bad: bool,
+             workers: int) -> Iterator[EncodedBatch]:
     """Encoded batches in input order; one worker runs in this process (no pipe at all)."""
-    jobs = ((b, keys, append_eod) for b in batches)
+    jobs = ((b, keys, append_eod, skip_bad) for b in batches)
     if workers <= 1:
         _init_worker(tokenizer_path)
         yield from map(_encode_in_worker, jobs)
@@ -89,8 +116,13 @@ def _encoded(batches: Iterable[Batch], tokenizer_path: str, keys, append_eod: bo
 
 def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys: tuple[str, ...] = ("text",),
                workers: int = 1, batch_size: int = 256, append_eod: bool = True, hf_split: str = "train",
-               progress: bool = False) -> PreprocessStats:
-    """Tokenize every input, in order, into one shard per key; returns throughput figures."""
+               progress: bool = False, skip_bad_records: bool = False) -> PreprocessStats:
+    """Tokenize every input, in order, into one shard per key; returns throughput and skip counts.
+
+    A record that is not text (null, number, object, list, missing key), malformed json or not
+    UTF-8 raises a ValueError naming its file and position, or with ``skip_bad_records`` is left
+    out of every key's shard and counted in ``stats.skipped``.
+    """
     vocab_size = load_tokenizer(tokenizer_path).vocab_size
     writers = {k: IndexedDatasetWriter(output_prefix_for(output_prefix, k), token_dtype(vocab_size)) for k in keys}
     stats = PreprocessStats()
@@ -98,19 +130,19 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     start = time.perf_counter()
     try:
         batches = chain.from_iterable(iter_batches(p, keys, batch_size, hf_split) for p in inputs)
-        for encoded, nbytes in _encoded(batches, tokenizer_path, keys, append_eod, workers):
-            for key, (tokens, lengths) in encoded.items():
+        for encoded in _encoded(batches, tokenizer_path, keys, append_eod, skip_bad_records, workers):
+            for key, (tokens, lengths) in encoded.arrays.items():
                 writers[key].add_documents(tokens, lengths)
-            first = encoded[keys[0]][1]
-            stats.documents += len(first)
-            stats.tokens += sum(int(lengths.sum()) for _, lengths in encoded.values())
-            stats.text_bytes += nbytes
+            stats.documents += encoded.documents
+            stats.tokens += sum(int(lengths.sum()) for _, lengths in encoded.arrays.values())
+            stats.text_bytes += encoded.text_bytes
+            stats.skipped.update(encoded.skipped)
             if bar is not None:
-                bar.update(len(first))
+                bar.update(encoded.documents)
                 bar.set_postfix_str(f"{stats.text_bytes / 1e6 / (time.perf_counter() - start):.2f} MB/s", refresh=False)
         if stats.documents == 0:
-            raise ValueError(f"no documents in {inputs}: nothing to write (megatron-core cannot even open an "
-                             "empty shard)")
+            raise ValueError(f"no documents in {inputs} ({stats.skipped_summary()}): nothing to write "
+                             "(megatron-core cannot even open an empty shard)")
     except BaseException:
         for w in writers.values():
             w.abort()

@@ -2,21 +2,82 @@
 
 Every source yields *batches*, and a batch is either a list of raw jsonl lines (bytes) or a list
 of parsed records. Raw lines are passed on unparsed on purpose: json decoding then happens in the
-tokenizing workers, in parallel, rather than in the one process that reads the file.
+tokenizing workers, in parallel, rather than in the one process that reads the file. A batch also
+carries its file and each document's position in it (jsonl: 1-based line; parquet: row;
+datasets: index, both 0-based), so a worker that meets a bad record can say where it is.
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import json
 import os
-from collections.abc import Iterator
+import zlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_SUFFIXES = (".parquet",)
 BATCH_BYTES = 1 << 20  # work units of at most about 1 MB of jsonl keep the pipe and the workers busy
+
+# Why a record cannot become a document; --skip-bad-records counts skipped records under these.
+NOT_UTF8, MALFORMED_JSON, NOT_OBJECT, NOT_TEXT = "not UTF-8", "malformed JSON", "not a JSON object", "not text"
+
+
+class BadRecord(ValueError):
+    """One record that cannot become a document: ``reason`` (one of the four above) and ``detail``.
+
+    Raised without a location; the caller, who knows the file and the position, adds it.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompresses every zstd frame of ``raw`` in turn and raises EOFError on a frame cut short.
+
+    zstandard's own ``stream_reader`` ends quietly at a truncated frame, which would turn a
+    half-copied file into a silently shorter corpus.
+    """
+
+    def __init__(self, raw, decompressor) -> None:
+        self._raw, self._dctx = raw, decompressor
+        self._frame = None  # the decompressor of the frame being read
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while self._pos == len(self._out):
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("compressed file ended before the end of its last zstd frame")
+                return 0
+            self._out, self._pos = self._decompress(chunk), 0
+        n = min(len(buf), len(self._out) - self._pos)
+        buf[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self._frame is None or self._frame.eof:
+                self._frame = self._dctx.decompressobj()
+            out.append(self._frame.decompress(data))
+            data = self._frame.unused_data if self._frame.eof else b""
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 def open_binary(path: str):
@@ -28,23 +89,76 @@ def open_binary(path: str):
             import zstandard
         except ImportError:
             raise ImportError(f"{path}: reading .zst files needs the zstandard package (pip install zstandard)") from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True), 1 << 20)
+        return io.BufferedReader(_ZstdReader(open(path, "rb"), zstandard.ZstdDecompressor()), 1 << 20)
     return open(path, "rb")
 
 
-def open_text(path: str):
-    return io.TextIOWrapper(open_binary(path), encoding="utf-8")
+def _decompression_errors() -> tuple:
+    errors = [EOFError, OSError, zlib.error]
+    try:
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line) for every non-blank line of a (possibly compressed) text file.
+
+    A truncated or corrupt file ends in one OSError naming it and the last good line, not in
+    a traceback from deep inside gzip or zstandard. A UTF-8 byte-order mark is dropped.
+    """
+    lineno = 0
+    with open_binary(path) as f:  # a missing file is its own error, raised here
+        try:
+            for lineno, line in enumerate(f, 1):
+                if lineno == 1 and line.startswith(codecs.BOM_UTF8):
+                    line = line[len(codecs.BOM_UTF8):]
+                if line.strip():
+                    yield lineno, line
+        except _decompression_errors() as exc:
+            raise OSError(f"{path}: the file is truncated or corrupt (read {lineno} lines, then "
+                          f"{type(exc).__name__}: {exc})") from None
 
 
 @dataclass
 class Batch:
-    """Documents to tokenize: raw jsonl ``lines`` still to be parsed, or parsed ``records``."""
+    """Documents to tokenize: raw jsonl ``lines`` still to be parsed, or parsed ``records``.
 
+    ``numbers`` holds each document's position in ``path``, counted in ``unit``s.
+    """
+
+    path: str
+    unit: str  # "line" (1-based), "row" or "index" (0-based)
+    numbers: Sequence[int]
     lines: list | None = None
     records: list | None = None
 
     def __len__(self) -> int:
-        return len(self.lines if self.lines is not None else self.records)
+        return len(self.numbers)
+
+    def where(self, number: int) -> str:
+        return f"{self.path}:{number}" if self.unit == "line" else f"{self.path}: {self.unit} {number}"
+
+    def documents(self, keys: tuple[str, ...], skip_bad: bool) -> tuple[list[tuple[str, ...]], Counter]:
+        """The texts of ``keys`` for every good document, and how many bad ones were skipped, by reason.
+
+        A bad record is an error naming its file and position, unless ``skip_bad``.
+        """
+        read = parse_line if self.lines is not None else record_texts
+        good, skipped = [], Counter()
+        for number, item in zip(self.numbers, self.lines if self.lines is not None else self.records):
+            try:
+                good.append(read(item, keys))
+            except BadRecord as bad:
+                if not skip_bad:
+                    other_field = ", choose another field with --json-keys" if bad.reason == NOT_TEXT else ""
+                    raise ValueError(f"{self.where(number)}: {bad.detail}; fix the record{other_field}, or skip "
+                                     "such records with --skip-bad-records") from None
+                skipped[bad.reason] += 1
+        return good, skipped
 
 
 def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256, hf_split: str = "train") -> Iterator[Batch]:
@@ -64,18 +178,16 @@ def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256, hf_spl
 
 def _jsonl_batches(path: str, batch_size: int) -> Iterator[Batch]:
     """Batches close at ``batch_size`` lines or BATCH_BYTES, so long documents still spread over workers."""
-    with open_binary(path) as f:
-        lines, nbytes = [], 0
-        for line in f:
-            if not line.strip():
-                continue
-            lines.append(line)
-            nbytes += len(line)
-            if len(lines) == batch_size or nbytes >= BATCH_BYTES:
-                yield Batch(lines=lines)
-                lines, nbytes = [], 0
-        if lines:
-            yield Batch(lines=lines)
+    numbers, lines, nbytes = [], [], 0
+    for lineno, line in iter_lines(path):
+        numbers.append(lineno)
+        lines.append(line)
+        nbytes += len(line)
+        if len(lines) == batch_size or nbytes >= BATCH_BYTES:
+            yield Batch(path, "line", numbers, lines=lines)
+            numbers, lines, nbytes = [], [], 0
+    if lines:
+        yield Batch(path, "line", numbers, lines=lines)
 
 
 def _parquet_batches(path: str, keys: tuple[str, ...], batch_size: int) -> Iterator[Batch]:
@@ -85,8 +197,10 @@ def _parquet_batches(path: str, keys: tuple[str, ...], batch_size: int) -> Itera
     missing = [k for k in keys if k not in pf.schema_arrow.names]
     if missing:
         raise ValueError(f"{path}: no column {missing} (columns: {pf.schema_arrow.names}); choose with --json-keys")
+    row = 0
     for record_batch in pf.iter_batches(batch_size=batch_size, columns=list(keys)):
-        yield Batch(records=record_batch.to_pylist())
+        yield Batch(path, "row", range(row, row + record_batch.num_rows), records=record_batch.to_pylist())
+        row += record_batch.num_rows
 
 
 def _hf_batches(path: str, keys: tuple[str, ...], batch_size: int, split: str) -> Iterator[Batch]:
@@ -101,19 +215,65 @@ def _hf_batches(path: str, keys: tuple[str, ...], batch_size: int, split: str) -
         ds = datasets.load_from_disk(path)[split]
     else:
         ds = datasets.load_dataset(path, split=split, streaming=True)
-    rows = []
+    columns = ds.column_names  # None for a streamed dataset whose columns are not known up front
+    missing = [k for k in keys if columns is not None and k not in columns]
+    if missing:
+        raise ValueError(f"{path}: no column {missing} (columns: {columns}); choose with --json-keys")
+    rows, start = [], 0
     for row in ds:
-        rows.append({k: row[k] for k in keys})
+        rows.append({k: row[k] for k in keys if k in row})
         if len(rows) == batch_size:
-            yield Batch(records=rows)
-            rows = []
+            yield Batch(path, "index", range(start, start + len(rows)), records=rows)
+            rows, start = [], start + len(rows)
     if rows:
-        yield Batch(records=rows)
+        yield Batch(path, "index", range(start, start + len(rows)), records=rows)
 
 
-def parse_line(line: bytes, keys: tuple[str, ...]) -> dict:
-    record = json.loads(line)
+def decode_line(line: bytes) -> str:
     try:
-        return {k: record[k] for k in keys}
-    except KeyError as exc:
-        raise ValueError(f"json record has no key {exc} (keys: {sorted(record)}); choose with --json-keys") from None
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRecord(NOT_UTF8, f"not UTF-8 (byte {exc.start} is {line[exc.start:exc.start + 1]!r})") from None
+
+
+def parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The texts of ``keys`` in one jsonl line; BadRecord says why there are none."""
+    try:
+        record = json.loads(decode_line(line))
+    except json.JSONDecodeError as exc:
+        raise BadRecord(MALFORMED_JSON, f"malformed JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise BadRecord(NOT_OBJECT, f"a JSON {type(record).__name__}, not an object with a {keys[0]!r} field")
+    return record_texts(record, keys)
+
+
+def record_texts(record: dict, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The texts of ``keys`` in one record: each must be a string (empty is fine) that UTF-8 can encode."""
+    texts = []
+    for key in keys:
+        if key not in record:
+            raise BadRecord(NOT_TEXT, f"no key {key!r} (keys: {sorted(record)})")
+        text = record[key]
+        if not isinstance(text, str):
+            raise BadRecord(NOT_TEXT, f"field {key!r} is {_describe(text)}, not a string")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRecord(NOT_UTF8, f"field {key!r} holds an unpaired surrogate at character {exc.start}, "
+                                      "which is not UTF-8") from None
+        texts.append(text)
+    return tuple(texts)
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return f"a {type(value).__name__}"

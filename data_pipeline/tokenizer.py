@@ -1,14 +1,14 @@
 """Tokenizers behind one small interface, and SentencePiece training.
 
 Preprocessing and training need only five things from a tokenizer: ``encode``, ``decode``,
-``vocab_size``, ``eod_id`` (appended after every document) and ``pad_id``. Two back ends provide
-them: SentencePiece ``.model`` files and Hugging Face ``tokenizer.json`` files (through the
-``tokenizers`` package, imported only when such a file is loaded).
+``vocab_size`` (one more than the largest id it can produce), ``eod_id`` (appended after every
+document) and ``pad_id``. Two back ends provide them: SentencePiece ``.model`` files and Hugging
+Face ``tokenizer.json`` files (through the ``tokenizers`` package, imported only when such a file
+is loaded). Any other file given as a tokenizer is one ValueError naming it, not a traceback.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator
 from typing import Protocol
@@ -19,10 +19,11 @@ UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
 # Names a tokenizer.json commonly gives its end-of-document and padding tokens, most specific first.
 EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
+WHAT_A_TOKENIZER_IS = "a SentencePiece .model file or a Hugging Face tokenizer.json (or a folder holding one)"
 
 
 class Tokenizer(Protocol):
-    vocab_size: int
+    vocab_size: int  # every id encode() returns is below it
     eod_id: int
     pad_id: int
 
@@ -44,7 +45,10 @@ class SentencePieceTokenizer:
         import sentencepiece as spm
 
         self.path = path
-        self._sp = spm.SentencePieceProcessor(model_file=path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=path)
+        except Exception as exc:  # sentencepiece raises RuntimeError or OSError, worded for its developers
+            raise _not_a_tokenizer(path, "SentencePiece", exc) from None
         self.vocab_size = self._sp.get_piece_size()
         eos = self._sp.eos_id()
         if eos < 0:
@@ -70,8 +74,13 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HF
 
         self.path = path
-        self._tok = _HF.from_file(path)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        try:
+            self._tok = _HF.from_file(path)
+        except Exception as exc:  # tokenizers raises a bare Exception with the json parser's message
+            raise _not_a_tokenizer(path, "Hugging Face tokenizers", exc) from None
+        # ids may leave gaps (added tokens placed far above the vocabulary): the count is not enough
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
         self.eod_id = self._find(eod_token, EOD_NAMES, "end-of-document")
         pad = self._find(pad_token, PAD_NAMES, "padding", required=False)
         self.pad_id = self.eod_id if pad is None else pad
@@ -98,34 +107,47 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
+def _not_a_tokenizer(path: str, backend: str, exc: Exception) -> ValueError:
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ValueError(f"{path}: not a tokenizer ({backend} cannot read it: {detail}); "
+                      f"give {WHAT_A_TOKENIZER_IS}")
+
+
 def load_tokenizer(path: str) -> Tokenizer:
-    """A ``.model`` file is SentencePiece; a ``.json`` file (or a folder with tokenizer.json) is Hugging Face."""
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+    """A ``.json`` file (or a folder with tokenizer.json) is Hugging Face; any other file SentencePiece.
+
+    A missing path is a FileNotFoundError; anything else that is not a tokenizer (a text file, a
+    shard, an empty file, a folder without tokenizer.json) is a ValueError naming it.
+    """
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise ValueError(f"{path}: a folder without a tokenizer.json is not a tokenizer; give {WHAT_A_TOKENIZER_IS}")
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: tokenizer file not found (give a SentencePiece .model or a tokenizer.json)")
+        raise FileNotFoundError(f"{path}: tokenizer file not found (give {WHAT_A_TOKENIZER_IS})")
     if path.endswith(".json"):
         return HFTokenizer(path)
     return SentencePieceTokenizer(path)
 
 
 def read_texts(paths: Iterable[str], json_key: str = "text") -> Iterator[str]:
-    """Documents from text files (one per line) or jsonl files (``json_key`` of each record)."""
-    from data_pipeline.sources import open_text
+    """Documents from text files (one per line) or jsonl files (``json_key`` of each record).
+
+    A line that is not UTF-8, malformed json or a record whose ``json_key`` is not a string is a
+    ValueError naming the file and line, as in preprocessing.
+    """
+    from data_pipeline.sources import BadRecord, decode_line, iter_lines, parse_line
 
     for path in paths:
         is_jsonl = ".jsonl" in os.path.basename(path) or ".json" in os.path.basename(path)
-        with open_text(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if not is_jsonl:
-                    yield line.rstrip("\n")
-                    continue
-                try:
-                    yield json.loads(line)[json_key]
-                except (ValueError, KeyError) as exc:
-                    raise ValueError(f"{path}:{lineno}: cannot read key {json_key!r} from this json line ({exc})") from None
+        for lineno, line in iter_lines(path):
+            try:
+                if is_jsonl:
+                    yield parse_line(line, (json_key,))[0]
+                else:
+                    yield decode_line(line).rstrip("\r\n")
+            except BadRecord as bad:
+                raise ValueError(f"{path}:{lineno}: {bad.detail}") from None
 
 
 def _lines(texts: Iterable[str], max_line_bytes: int) -> Iterator[str]:
@@ -151,15 +173,29 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
         raise ValueError(f"model_type must be 'bpe' or 'unigram', not {model_type!r}")
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     tmp_prefix = f"{model_prefix}.tmp-{os.getpid()}"
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=_lines(texts, max_line_bytes=4096),
-        model_prefix=tmp_prefix, vocab_size=vocab_size, model_type=model_type,
-        character_coverage=0.9995, byte_fallback=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOD_ID, pad_id=PAD_ID,
-        input_sentence_size=max_sentences, shuffle_input_sentence=True,
-        num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
-    )
+    failures = []  # what the reader raised: SentencePiece rewraps it with a printed traceback
+
+    def sentences() -> Iterator[str]:
+        try:
+            yield from _lines(texts, max_line_bytes=4096)
+        except Exception as exc:
+            failures.append(exc)
+            raise
+
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences(),
+            model_prefix=tmp_prefix, vocab_size=vocab_size, model_type=model_type,
+            character_coverage=0.9995, byte_fallback=True, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOD_ID, pad_id=PAD_ID,
+            input_sentence_size=max_sentences, shuffle_input_sentence=True,
+            num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
+        )
+    except RuntimeError:
+        if failures:
+            raise failures[0] from None
+        raise
     for ext in (".model", ".vocab"):
         os.replace(tmp_prefix + ext, model_prefix + ext)
     return model_prefix + ".model"

@@ -1,14 +1,19 @@
 """Tokenizers: SentencePiece training (bpe and unigram, byte fallback) and both back ends behind
-one interface: lossless round trips, special ids, and clear errors."""
+one interface: lossless round trips, special ids, and clear errors, for a file that is not a
+tokenizer as for bad training text."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
+import numpy as np
 import pytest
 
 from data_pipeline.demo_corpus import write_stdlib_jsonl
+from data_pipeline.indexed import IndexedDatasetWriter
 from data_pipeline.tokenizer import EOD_ID, PAD_ID, HFTokenizer, load_tokenizer, read_texts, train_sentencepiece
+from megazero.cli import main
 
 SAMPLES = ["def f(x):\n    return x + 1\n", "  two  spaces\tand tab\n\n", "ünïcødé ✓ 日本語 🙂", "12345 67"]
 
@@ -90,8 +95,75 @@ def test_missing_tokenizer_file(tmp_path):
 def test_read_texts_names_bad_lines(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: cannot read key 'text'"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: no key 'text' \(keys: \['body'\]\)"):
         list(read_texts([str(path)]))
     plain = tmp_path / "plain.txt"
     plain.write_text("line one\n\nline two\n")
     assert list(read_texts([str(plain)])) == ["line one", "line two"]
+
+
+def not_tokenizers(root):
+    """Files people pass as --tokenizer by mistake, by name."""
+    (root / "notes.txt").write_text("just some text\n")
+    (root / "empty.model").write_bytes(b"")
+    (root / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    (root / "broken.json").write_text('{"model": ')
+    (root / "a_folder").mkdir()
+    with IndexedDatasetWriter(str(root / "shard"), np.uint16) as w:
+        w.add_document([1, 2, 3])
+    return ["notes.txt", "empty.model", "config.json", "broken.json", "a_folder", "shard.bin", "shard.idx"]
+
+
+def test_a_file_that_is_not_a_tokenizer_is_one_clear_error(tmp_path):
+    for name in not_tokenizers(tmp_path):
+        with pytest.raises(ValueError) as info:
+            load_tokenizer(str(tmp_path / name))
+        message = str(info.value)
+        assert message.startswith(str(tmp_path / name)) and "not a tokenizer" in message, message
+        assert "SentencePiece .model" in message and "tokenizer.json" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("command", ["encode", "preprocess"])
+def test_cli_refuses_a_non_tokenizer_in_one_line(tmp_path, capsys, command):
+    not_tokenizers(tmp_path)
+    docs = tmp_path / "d.jsonl"
+    docs.write_text(json.dumps({"text": "x"}) + "\n")
+    bad = str(tmp_path / "notes.txt")
+    argv = {"encode": ["tokenizer", "encode", "--tokenizer", bad, "x"],
+            "preprocess": ["preprocess", "--input", str(docs), "--tokenizer", bad, "--output-prefix",
+                           str(tmp_path / "o"), "--no-progress"]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "notes.txt: not a tokenizer" in err[0]
+
+
+def test_vocab_size_covers_ids_above_the_token_count(tmp_path):
+    """A tokenizer.json whose ids leave a gap: vocab_size is one past the largest id, not the count."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, "far": 70_000}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert loaded.vocab_size == 70_001
+    assert max(loaded.encode("far away")) < loaded.vocab_size
+
+
+def test_read_texts_names_file_and_line_of_bad_text(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes(b"fine\n\ncaf\xe9\n")
+    with pytest.raises(ValueError, match=r"latin1\.txt:3: not UTF-8"):
+        list(read_texts([str(tmp_path / "latin1.txt")]))
+    (tmp_path / "null.jsonl").write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"text": None}) + "\n")
+    with pytest.raises(ValueError, match=r"null\.jsonl:2: field 'text' is null"):
+        list(read_texts([str(tmp_path / "null.jsonl")]))
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 2000)[:-30])
+    with pytest.raises(OSError, match=r"cut\.jsonl\.gz: the file is truncated or corrupt"):
+        list(read_texts([str(tmp_path / "cut.jsonl.gz")]))
+
+
+def test_training_on_bad_text_raises_the_reader_error(tmp_path):
+    """SentencePiece would wrap it in a RuntimeError carrying a printed traceback."""
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "some words"}) + "\n" + "{oops\n")
+    with pytest.raises(ValueError, match=r"^\S*d\.jsonl:2: malformed JSON \([^\n]*\)$"):
+        train_sentencepiece(read_texts([str(tmp_path / "d.jsonl")]), str(tmp_path / "tok"), 300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]

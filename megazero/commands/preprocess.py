@@ -28,6 +28,10 @@ def register(subparsers) -> None:
     parser.add_argument("--no-eod", action="store_true", help="Do not append the end-of-document token")
     parser.add_argument("--hf-split", default="train", help="Split of a Hugging Face dataset (default: train)")
     parser.add_argument("--no-progress", action="store_true", help="No progress bar")
+    parser.add_argument("--skip-bad-records", action="store_true",
+                        help="Leave out records whose field is not a string, malformed json lines and lines that "
+                             "are not UTF-8, counting them by reason in the summary (default: such a record "
+                             "is an error naming its file and line, row or index)")
     parser.set_defaults(func=run)
 
 
@@ -47,7 +51,8 @@ def run(args) -> int:
             raise UserError("--workers and --batch-size must be at least 1")
         stats = preprocess(args.input, args.output_prefix, args.tokenizer, tuple(args.json_keys), args.workers,
                            args.batch_size, not args.no_eod, args.hf_split,
-                           progress=not args.no_progress and sys.stderr.isatty())
+                           progress=not args.no_progress and sys.stderr.isatty(),
+                           skip_bad_records=args.skip_bad_records)
     except (ValueError, OSError, ImportError) as exc:
         raise UserError(str(exc)) from None
     for key in args.json_keys:

@@ -1,0 +1,182 @@
+"""Bad input never becomes a document: a field that is not a string, a malformed or non-UTF-8 json
+line, a truncated compressed file. Each is an error naming the file and the record (jsonl line,
+parquet row, dataset index), or with skip_bad_records a skip counted by reason."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_pipeline.indexed import IndexedDataset
+from data_pipeline.preprocess import preprocess
+from data_pipeline.tokenizer import load_tokenizer
+from megazero.cli import main
+
+WORDS = ["alpha", "beta", "gamma", "delta"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A word-level tokenizer.json: built in milliseconds, and the ids are easy to read."""
+    import tokenizers
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+def jsonl(path, *lines: bytes | str | dict) -> str:
+    """Write lines as given: a dict as json, bytes as they are (invalid ones included)."""
+    raw = b"".join((json.dumps(x).encode() if isinstance(x, dict) else x.encode() if isinstance(x, str) else x)
+                   + b"\n" for x in lines)
+    Path(path).write_bytes(gzip.compress(raw) if str(path).endswith(".gz") else raw)
+    return str(path)
+
+
+NOT_TEXT = [  # (the "text" field of a record, or its absence; what the error says about it)
+    ({"text": None}, "field 'text' is null, not a string"),
+    ({"text": 7}, "field 'text' is a number, not a string"),
+    ({"text": {"nested": 1}}, "field 'text' is an object, not a string"),
+    ({"text": ["alpha"]}, "field 'text' is a list, not a string"),
+    ({"body": "alpha"}, r"no key 'text' \(keys: \['body'\]\)"),
+]
+
+
+@pytest.mark.parametrize("record, message", NOT_TEXT, ids=["null", "number", "object", "list", "missing"])
+def test_jsonl_field_that_is_not_text_is_an_error(tokenizer, tmp_path, record, message):
+    path = jsonl(tmp_path / "d.jsonl", {"text": "alpha"}, "", record)
+    with pytest.raises(ValueError, match=rf"d\.jsonl:3: {message}; .*--skip-bad-records"):
+        preprocess([path], str(tmp_path / "out"), tokenizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
+
+
+@pytest.mark.parametrize("line, message", [
+    (b'{"text": "alpha"', "malformed JSON"),
+    (b'{"text": "\xff\xfe"}', r"not UTF-8 \(byte 10 is b'\\xff'\)"),
+    (b'["alpha"]', "a JSON list, not an object"),
+    (b'{"text": "\\ud800"}', "field 'text' holds an unpaired surrogate"),
+], ids=["malformed", "not-utf8", "not-an-object", "lone-surrogate"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_bad_jsonl_line_is_named_by_file_and_line(tokenizer, tmp_path, line, message, suffix):
+    """Blank lines count: the number is the line an editor shows, also inside a .gz."""
+    path = jsonl(tmp_path / f"d{suffix}", {"text": "alpha"}, "", "  ", line, {"text": "beta"})
+    with pytest.raises(ValueError, match=rf"d{suffix.replace('.', '[.]')}:4: {message}"):
+        preprocess([path], str(tmp_path / "out"), tokenizer, batch_size=2)
+
+
+def test_parquet_null_is_named_by_row(tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["alpha", "beta", None]}), tmp_path / "d.parquet", row_group_size=2)
+    with pytest.raises(ValueError, match=r"d\.parquet: row 2: field 'text' is null"):
+        preprocess([str(tmp_path / "d.parquet")], str(tmp_path / "out"), tokenizer, batch_size=2)
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
+    with pytest.raises(ValueError, match=r"n\.parquet: row 0: field 'text' is a number"):
+        preprocess([str(tmp_path / "n.parquet")], str(tmp_path / "out"), tokenizer)
+
+
+def test_dataset_record_without_the_key_is_named_by_index(tokenizer, tmp_path):
+    """datasets fills a key one record lacks with None: that is an error, never the text "None"."""
+    import datasets
+
+    datasets.Dataset.from_list([{"text": "alpha"}, {"text": "beta"}, {"title": "gamma"}]).save_to_disk(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"hf: index 2: field 'text' is null"):
+        preprocess([str(tmp_path / "hf")], str(tmp_path / "out"), tokenizer, batch_size=2)
+
+
+MIXED = [{"text": "alpha beta"}, {"text": None}, b'{"text": ', b'{"text": "\xff"}', b"[1, 2]",
+         {"text": {"nested": 1}}, {"text": ""}, {"text": "gamma"}]
+SKIPPED = {"not text": 2, "malformed JSON": 1, "not UTF-8": 1, "not a JSON object": 1}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_skip_bad_records_counts_them_by_reason(tokenizer, tmp_path, workers):
+    path = jsonl(tmp_path / "d.jsonl", *MIXED)
+    stats = preprocess([path], str(tmp_path / "out"), tokenizer, workers=workers, batch_size=3,
+                       skip_bad_records=True)
+    assert dict(stats.skipped) == SKIPPED and stats.bad_records == 5
+    assert stats.documents == 3  # an empty string is text: it becomes a document of only EOD
+    assert "skipped 5 bad records (1 malformed JSON, 1 not UTF-8, 1 not a JSON object, 2 not text)" in stats.summary()
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[2, 3, 0], [0], [4, 0]]
+
+
+def test_skipped_record_leaves_every_key_shard(tokenizer, tmp_path):
+    """A record bad in one key is left out of all of them, so the shards stay aligned."""
+    path = jsonl(tmp_path / "d.jsonl", {"text": "alpha", "title": "beta"}, {"text": "gamma", "title": None},
+                 {"text": "delta", "title": ""})
+    stats = preprocess([path], str(tmp_path / "out"), tokenizer, keys=("text", "title"), skip_bad_records=True)
+    assert stats.documents == 2 and dict(stats.skipped) == {"not text": 1}
+    texts, titles = (IndexedDataset(str(tmp_path / f"out_{k}_document")) for k in ("text", "title"))
+    assert [texts[i].tolist() for i in range(2)] == [[2, 0], [5, 0]]
+    assert [titles[i].tolist() for i in range(2)] == [[3, 0], [0]]
+
+
+def test_only_bad_records_is_refused_with_the_counts(tokenizer, tmp_path):
+    path = jsonl(tmp_path / "d.jsonl", {"text": None}, b"{")
+    with pytest.raises(ValueError, match=r"no documents in .*skipped 2 bad records \(1 malformed JSON, 1 not text\)"):
+        preprocess([path], str(tmp_path / "out"), tokenizer, skip_bad_records=True)
+
+
+def test_cli_strict_by_default_and_skip_on_request(tokenizer, tmp_path, capsys):
+    path = jsonl(tmp_path / "d.jsonl", *MIXED)
+    argv = ["preprocess", "--input", path, "--tokenizer", tokenizer, "--output-prefix", str(tmp_path / "o"),
+            "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "d.jsonl:2: field 'text' is null" in err[0]
+    assert main(argv + ["--skip-bad-records", "--workers", "2"]) == 0
+    assert "3 documents" in (out := capsys.readouterr().out) and "skipped 5 bad records" in out
+
+
+def truncated_gz(path, data):
+    Path(path).write_bytes(gzip.compress(data)[:-20])
+
+
+def truncated_zst(path, data):
+    import zstandard
+
+    Path(path).write_bytes(zstandard.ZstdCompressor().compress(data)[:-20])
+
+
+def corrupt_gz(path, data):
+    Path(path).write_bytes(b"this is not gzip data\n" * 10)
+
+
+@pytest.mark.parametrize("write, suffix", [(truncated_gz, ".gz"), (truncated_zst, ".zst"), (corrupt_gz, ".gz")],
+                         ids=["truncated-gz", "truncated-zst", "not-gzip"])
+def test_damaged_compressed_file_is_one_error_naming_it(tokenizer, tmp_path, capsys, write, suffix):
+    path = str(tmp_path / f"d.jsonl{suffix}")
+    write(path, b"".join(json.dumps({"text": f"alpha {i}"}).encode() + b"\n" for i in range(3000)))
+    with pytest.raises(OSError, match=r"d\.jsonl\.(gz|zst): the file is truncated or corrupt"):
+        preprocess([path], str(tmp_path / "out"), tokenizer)
+    assert main(["preprocess", "--input", path, "--tokenizer", tokenizer, "--output-prefix", str(tmp_path / "o"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "truncated or corrupt" in err[0]
+
+
+def test_zst_of_several_frames_is_read_whole(tokenizer, tmp_path):
+    """Concatenated frames (as pzstd or `cat a.zst b.zst` write them) are one stream."""
+    import zstandard
+
+    frames = [zstandard.ZstdCompressor().compress(json.dumps({"text": w}).encode() + b"\n") for w in WORDS]
+    (tmp_path / "d.jsonl.zst").write_bytes(b"".join(frames))
+    stats = preprocess([str(tmp_path / "d.jsonl.zst")], str(tmp_path / "out"), tokenizer)
+    assert stats.documents == 4
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert np.concatenate([ds[i] for i in range(4)]).tolist() == [2, 0, 3, 0, 4, 0, 5, 0]
+
+
+def test_byte_order_mark_is_not_a_bad_record(tokenizer, tmp_path):
+    (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "alpha"}).encode() + b"\n")
+    assert preprocess([str(tmp_path / "d.jsonl")], str(tmp_path / "out"), tokenizer).documents == 1
+    assert load_tokenizer(tokenizer).encode("alpha") == [2]
