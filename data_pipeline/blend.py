@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from data_pipeline.gpt_samples import GPTSamples
-from data_pipeline.index_cache import cached_arrays
+from data_pipeline.index_cache import cached_arrays, default_cache_dir
 from data_pipeline.indexed import IndexedDataset
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "blends")
@@ -71,7 +71,7 @@ def build_blended_samples(blend: list, seq_len: int, num_samples: int, seed: int
                           which: str = "train", cache_dir: str | None = None) -> BlendedSamples:
     """``blend`` is ``[[weight, prefix], ...]``; each dataset gets exactly the samples the blend takes."""
     weights, prefixes = parse_blend(blend)
-    cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "index-cache")
+    cache_dir = cache_dir or default_cache_dir(prefixes[0])
     description = {"weights": [float(w) for w in normalise_weights(weights)], "size": num_samples}
     arrays = cached_arrays(cache_dir, "blend", description, ("dataset_index", "sample_index"),
                            lambda: dict(zip(("dataset_index", "sample_index"), greedy_blend(weights, num_samples))))

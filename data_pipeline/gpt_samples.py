@@ -12,22 +12,24 @@ sample ``i+1`` starts), so no token is lost as a target. Three arrays describe t
 
 They are built with vectorised numpy (a ``searchsorted`` over the cumulative token counts, never a
 per-token loop), cached as ``.npy`` and reproducible from (data, split, seq_len, samples, seed).
+They depend on the data only through its document sizes, so the cache is keyed on the ``.idx``
+fingerprint: a shard preprocessed again with documents in another order gets new indices, and a
+shard with the same ``.idx`` under another path reuses them rightly.
 """
 
 from __future__ import annotations
 
-import os
 from itertools import pairwise
 
 import numpy as np
 
-from data_pipeline.index_cache import cached_arrays
+from data_pipeline.index_cache import cached_arrays, default_cache_dir
 from data_pipeline.indexed import IndexedDataset
 
 # Megatron shuffles a final epoch separately when fewer than this share of it is used, so that the
 # samples drawn from the partial epoch do not crowd the front of the shuffled order.
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: keyed on the .idx fingerprint, not on path and counts
 SPLIT_NAMES = ("train", "valid", "test")
 
 
@@ -131,11 +133,9 @@ class GPTSamples:
         if end <= start:
             raise ValueError(f"{data.prefix}: split {split!r} leaves no documents for {which} "
                              f"({len(data)} documents in all); change data.split")
-        description = {"version": INDEX_VERSION, "prefix": os.path.abspath(data.prefix), "documents": len(data),
-                       "tokens": data.num_tokens, "range": [start, end], "seq_len": seq_len,
-                       "num_samples": num_samples, "seed": seed}
-        cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(data.prefix)), "index-cache")
-        arrays = cached_arrays(cache_dir, f"gpt-{which}", description,
+        description = {"version": INDEX_VERSION, "idx_sha256": data.fingerprint, "range": [start, end],
+                       "seq_len": seq_len, "num_samples": num_samples, "seed": seed}
+        arrays = cached_arrays(cache_dir or default_cache_dir(data.prefix), f"gpt-{which}", description,
                                ("document_index", "sample_index", "shuffle_index"),
                                lambda: self._build(start, end, num_samples, seed))
         self.document_index = arrays["document_index"]

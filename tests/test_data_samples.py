@@ -1,6 +1,7 @@
 """GPT samples: every sample equals the matching seq_len+1 window of the document stream
 (checked against a plain per-token reference), epochs and splits behave, and the cached indices
-are built once, even when several processes ask at the same time."""
+are built once, even when several processes ask at the same time, and never outlive the shard
+they were built for."""
 
 from __future__ import annotations
 
@@ -149,3 +150,30 @@ def test_concurrent_processes_build_once(tmp_path):
         assert p.exitcode == 0
     assert sum(r[0] for r in results) == 1
     assert all(r[1:] == results[0][1:] for r in results)
+
+
+def test_reordered_shard_gets_fresh_indices(tmp_path):
+    """Same path, same document and token counts, another order: the cache must not serve the old
+    indices (they would cut samples at the old document boundaries, or read past a document)."""
+    _, docs = make_dataset(tmp_path / "d", n_docs=40, seed=4)
+    GPTSamples(IndexedDataset(str(tmp_path / "d")), 5, 60, 0, cache_dir=str(tmp_path / "cache"))
+    reordered = docs[::-1]
+    with IndexedDatasetWriter(str(tmp_path / "d"), np.uint16) as w:
+        for d in reordered:
+            w.add_document(d)
+    samples = GPTSamples(IndexedDataset(str(tmp_path / "d")), 5, 60, 0, cache_dir=str(tmp_path / "cache"))
+    ref = reference_samples(reordered, samples.document_index, 5)
+    assert [samples[i].tolist() for i in range(len(samples))] == [ref[int(j)] for j in samples.shuffle_index]
+
+
+def test_identical_index_elsewhere_reuses_the_cache(tmp_path, monkeypatch):
+    """The indices depend on the document sizes alone, so a copy of the shard needs no rebuild."""
+    data, _ = make_dataset(tmp_path / "d")
+    first = GPTSamples(data, 6, 70, 5, cache_dir=str(tmp_path / "cache"))
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"copy{ext}").write_bytes((tmp_path / f"d{ext}").read_bytes())
+    copy = IndexedDataset(str(tmp_path / "copy"))
+    assert copy.fingerprint == data.fingerprint
+    monkeypatch.setattr(gs, "build_gpt_indices", lambda *a, **k: pytest.fail("rebuilt for an identical .idx"))
+    np.testing.assert_array_equal(GPTSamples(copy, 6, 70, 5, cache_dir=str(tmp_path / "cache")).shuffle_index,
+                                  first.shuffle_index)
