@@ -147,6 +147,19 @@ def test_a_failed_commit_rolls_back(tmp_path, monkeypatch, resave):
         assert torch.equal(load_file(tmp_path / "step_0000001", "rank0.pt")["w"], torch.ones(4))
 
 
+def test_a_failed_small_write_keeps_the_old_content_and_leaves_no_temporary(tmp_path, monkeypatch):
+    pointer = tmp_path / "latest"
+    format_module.write_text_atomic(pointer, "step_0000001\n")
+
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(format_module.os, "fsync", fsync)
+    with pytest.raises(OSError):
+        format_module.write_text_atomic(pointer, "step_0000002\n")
+    assert pointer.read_text() == "step_0000001\n" and sorted(tmp_path.iterdir()) == [pointer]
+
+
 @pytest.fixture
 def tiny_filesystem(tmp_path):
     """A real 256 KiB file system (a tmpfs: mounting one needs root; skipped otherwise)."""
