@@ -237,8 +237,9 @@ def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:
     """``largest_token_id(prefix: str, cache_dir: str | None = None) -> int``: the largest token id
     in shard ``prefix``, or -1 if it holds no tokens; a model's vocabulary must exceed it.
 
-    The ``.bin`` is scanned through its memory map SCAN_CHUNK_BYTES at a time, so memory stays
-    bounded for any shard. The answer is cached in ``cache_dir`` (default: ``index-cache`` beside
+    The ``.bin`` is read SCAN_CHUNK_BYTES at a time into one reusable buffer, so memory stays
+    bounded for any shard (a scan through the memory map would leave the whole shard resident in
+    this process, which job schedulers count against it). The answer is cached in ``cache_dir`` (default: ``index-cache`` beside
     the shard, as for the sample indices) under the ``.idx`` fingerprint and the ``.bin`` size and
     modification time, so a second start reads one small file instead of the whole shard. A
     negative id or a shard of float values raises ValueError naming the ``.bin``.
@@ -253,16 +254,19 @@ def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:
 
 
 def _scan_largest(data: IndexedDataset, binf: str) -> int:
-    if data.dtype.kind not in "iu":
-        raise ValueError(f"{binf}: holds {data.dtype} values, not integer token ids")
-    step = SCAN_CHUNK_BYTES // data.dtype.itemsize
-    largest, total = -1, data.num_tokens
-    for start in range(0, total, step):
-        chunk = np.frombuffer(data._bin_map, data.dtype, min(step, total - start), start * data.dtype.itemsize)
-        if data.dtype.kind == "i" and chunk.min() < 0:
-            at = start + int(np.argmax(chunk < 0))
-            raise ValueError(f"{binf}: token {at} is {int(chunk[at - start])}, a negative id; the shard is corrupt")
-        largest = max(largest, int(chunk.max()))
+    dtype = data.dtype
+    if dtype.kind not in "iu":
+        raise ValueError(f"{binf}: holds {dtype} values, not integer token ids")
+    buf = np.empty(max(SCAN_CHUNK_BYTES // dtype.itemsize, 1), dtype)
+    largest, start = -1, 0
+    with open(binf, "rb") as f:
+        while count := f.readinto(buf) // dtype.itemsize:
+            chunk = buf[:count]
+            if dtype.kind == "i" and chunk.min() < 0:
+                at = int(np.argmax(chunk < 0))
+                raise ValueError(f"{binf}: token {start + at} is {int(chunk[at])}, a negative id; the shard is corrupt")
+            largest = max(largest, int(chunk.max()))
+            start += count
     return largest
 
 

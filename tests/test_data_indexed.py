@@ -153,7 +153,7 @@ def test_largest_token_id_scans_every_chunk(tmp_path, monkeypatch, dtype):
     prefix = write(tmp_path / "a", [[5, 6], [], [9, 1, 65000, 2], [3]], dtype)
     monkeypatch.setattr(indexed, "SCAN_CHUNK_BYTES", 3 * np.dtype(dtype).itemsize)  # 3 tokens a chunk
     assert largest_token_id(prefix, str(tmp_path / "c1")) == 65000
-    prefix = write(tmp_path / "b", [[5, 6], [7, 1, 2, 70]], dtype)  # the largest in the last, partial chunk
+    prefix = write(tmp_path / "b", [[5, 6], [7, 1, 2, 8, 70]], dtype)  # the largest alone in the last chunk
     assert largest_token_id(prefix, str(tmp_path / "c2")) == 70
 
 
