@@ -239,10 +239,11 @@ def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:
 
     The ``.bin`` is read SCAN_CHUNK_BYTES at a time into one reusable buffer, so memory stays
     bounded for any shard (a scan through the memory map would leave the whole shard resident in
-    this process, which job schedulers count against it). The answer is cached in ``cache_dir`` (default: ``index-cache`` beside
-    the shard, as for the sample indices) under the ``.idx`` fingerprint and the ``.bin`` size and
-    modification time, so a second start reads one small file instead of the whole shard. A
-    negative id or a shard of float values raises ValueError naming the ``.bin``.
+    this process, which job schedulers count against it). The answer is cached in ``cache_dir``
+    (default: ``index-cache`` beside the shard, as for the sample indices) under the ``.idx``
+    fingerprint and the ``.bin`` size and modification time, so a second start reads one small
+    file instead of the whole shard. A negative id or a shard of float values raises ValueError
+    naming the ``.bin``.
     """
     data = IndexedDataset(prefix)
     binf = bin_path(prefix)

@@ -121,7 +121,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     """
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            raise ValueError(f"{path}: a folder without a tokenizer.json is not a tokenizer; give {WHAT_A_TOKENIZER_IS}")
+            raise ValueError(f"{path}: a folder without tokenizer.json is not a tokenizer; give {WHAT_A_TOKENIZER_IS}")
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: tokenizer file not found (give {WHAT_A_TOKENIZER_IS})")
