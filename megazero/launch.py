@@ -30,11 +30,16 @@ def initialize(cfg: Config, launch: LaunchEnv):
     grid = RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order)
     topology = Topology(grid, ranks_per_node=launch.local_world_size)
     if topology.rank == 0:
-        os.makedirs(cfg.logging.run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.logging.run_dir, "config.yaml"))
-        print(f"megazero: {topology.describe()} ({device.type}); resolved config in "
-              f"{os.path.join(cfg.logging.run_dir, 'config.yaml')}", flush=True)
+        print(f"megazero: {topology.describe()} ({device.type})", flush=True)
     return device, topology
+
+
+def record_config(cfg: Config) -> None:
+    """Write the resolved config into the run directory, once the run has started (its checkpoint
+    loaded): a launch that fails before that leaves the previous run's record in place."""
+    path = os.path.join(cfg.logging.run_dir, "config.yaml")
+    save_config(cfg, path)
+    print(f"megazero: resolved config in {path}", flush=True)
 
 
 def code_fingerprint() -> str:
@@ -69,7 +74,10 @@ def start_run(cfg: Config, launch: LaunchEnv) -> int:
     try:
         device, topology = initialize(cfg, launch)
         verify_consistent(cfg)
-        state = Trainer(cfg, device, topology).train()
+        trainer = Trainer(cfg, device, topology)
+        if topology.rank == 0:
+            record_config(cfg)
+        state = trainer.train()
         if dist.get_rank() == 0:
             if state.stopped_by:
                 print(f"megazero: preempted at step {state.step} by {state.stopped_by}, saved to {state.saved_to}",

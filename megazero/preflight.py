@@ -16,7 +16,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from megazero.checkpoint import CheckpointError, latest_checkpoint, read_manifest, resolve_checkpoint
 from megazero.config import Config
+from megazero.config.loader import config_to_dict
 from megazero.errors import ConfigError
 
 
@@ -43,6 +45,7 @@ def check_run(cfg: Config, *, scan_data: bool = True) -> DataFacts:
         largest, scan_problems = _largest_token_id(cfg, prefixes)
         problems += scan_problems
     problems += _directory_problems(cfg)
+    problems += _checkpoint_problems(cfg)
     if problems:
         raise ConfigError("\n".join(problems))
     return DataFacts(tuple(prefixes), largest, vocab)
@@ -62,6 +65,7 @@ def _device_problems(cfg: Config) -> list[str]:
 def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
     """The training shards' prefixes, each opened (which checks its header and sizes)."""
     from data_pipeline.blend import parse_blend, resolve_blend
+    from data_pipeline.gpt_samples import parse_split
     from data_pipeline.indexed import IndexedDataset
 
     d = cfg.data
@@ -73,6 +77,10 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
     except (ValueError, OSError) as exc:
         return [], [f"data.blend: {exc}"]
     problems = []
+    try:
+        parse_split(d.split)
+    except ValueError as exc:
+        problems.append(f"data.split: {exc}")
     for prefix in prefixes:
         try:
             IndexedDataset(prefix)
@@ -155,3 +163,29 @@ def _read_only_mount(path: str) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except (OSError, AttributeError):
         return False
+
+
+# Model fields that decide parameter shapes and meaning: a checkpoint cannot move across them.
+ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+                       "seq_length", "position_embedding", "norm", "activation", "tie_embeddings", "bias")
+
+
+def _checkpoint_problems(cfg: Config) -> list[str]:
+    """The checkpoint the run will resume from must be complete, intact in its record, and of this
+    model; its files' checksums are verified as they are loaded."""
+    explicit = cfg.checkpoint.load
+    path = explicit or latest_checkpoint(cfg.save_dir)
+    if path is None:
+        return []
+    where = "checkpoint.load" if explicit else "checkpoint.save_dir"
+    try:
+        ckpt = resolve_checkpoint(path)
+        saved = read_manifest(ckpt)["meta"]["config"]["model"]
+    except CheckpointError as exc:
+        return [f"{where}: {exc}"]
+    model = config_to_dict(cfg)["model"]
+    changed = sorted(k for k in ARCHITECTURE_FIELDS if saved.get(k) != model[k])
+    if changed:
+        return [f"{where}: {ckpt} was trained with a different model ({', '.join(f'model.{k}' for k in changed)}); "
+                "resume with the same model section, or load another checkpoint"]
+    return []

@@ -9,7 +9,6 @@ loss, which the pipeline broadcasts to every rank.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -35,11 +34,6 @@ from data_pipeline.loader import global_batch
 from parallel import comm
 
 
-# Model fields that decide parameter shapes and meaning: a checkpoint cannot move across them.
-ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-                       "seq_length", "position_embedding", "norm", "activation", "tie_embeddings", "bias")
-
-
 @dataclass
 class TrainState:
     step: int = 0  # optimizer steps taken (skipped ones included)
@@ -59,12 +53,11 @@ class Trainer:
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         self.train_data, self.valid_data = build_datasets(cfg, self._train_samples())
         self.state = TrainState()
-        save_dir = cfg.checkpoint.save_dir or os.path.join(cfg.logging.run_dir, "checkpoints")
-        self.writer = CheckpointWriter(save_dir, rank=self.rank, world_size=self.world,
+        self.writer = CheckpointWriter(cfg.save_dir, rank=self.rank, world_size=self.world,
                                        barrier=lambda: dist.barrier(), keep_last=cfg.checkpoint.keep_last,
                                        async_save=cfg.checkpoint.async_save and device.type == "cuda")
         self._check_save_dir()
-        self._resume(cfg.checkpoint.load or latest_checkpoint(save_dir))
+        self._resume(cfg.checkpoint.load or latest_checkpoint(cfg.save_dir))
         self._log_memory()
         m = cfg.model
         self.logger = MetricsLogger(
@@ -115,11 +108,6 @@ class Trainer:
         ckpt = resolve_checkpoint(path)
         manifest = read_manifest(ckpt)
         meta = manifest["meta"]
-        saved_model, model = meta["config"]["model"], config_to_dict(self.cfg)["model"]
-        changed = sorted(k for k in ARCHITECTURE_FIELDS if saved_model.get(k) != model[k])
-        if changed:
-            raise UserError(f"{ckpt}: was trained with a different model ({', '.join(f'model.{k}' for k in changed)}); "
-                            "resume with the same model section, or set checkpoint.load to another checkpoint")
         exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest,
                                 same_layout=meta["layout"] == self._layout())
         self.state = TrainState(step=meta["step"], consumed=meta["consumed"], skipped=meta["skipped"],

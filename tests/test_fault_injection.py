@@ -56,14 +56,17 @@ def _kill_and_resume(prefix, root, point: int) -> tuple[list, dict, str]:
     proc = _launch(cfg, STEPS, nproc=2)
     if point % 3 == 0:  # inside a save: the moment a temporary checkpoint directory appears
         after = rng.randint(1, STEPS // SAVE_EVERY - 1) * SAVE_EVERY
-        _wait_for(lambda: any(ckpts.glob(f"step_{after:07d}.tmp")) if ckpts.exists() else False, proc, timeout=240)
+        reached = _wait_for(lambda: ckpts.exists() and any(ckpts.glob(f"step_{after:07d}.tmp")), proc)
         time.sleep(rng.uniform(0, 0.01))
     else:
         lines = rng.randint(1, STEPS - 2)
-        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= lines, proc)
+        reached = _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= lines, proc)
         time.sleep(rng.uniform(0, 0.3))
     _signal_tree(proc.pid, signal.SIGKILL)
     killed_out, _ = proc.communicate()
+    assert reached and proc.returncode == -signal.SIGKILL, f"kill point {point} came too late:\n{killed_out}"
+    last = latest_checkpoint(ckpts)
+    assert last is None or int(last.name.split("_")[1]) < STEPS, f"kill point {point} hit a finished run"
     proc = _launch(cfg, STEPS, nproc=2)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, f"relaunch after kill point {point} failed:\n{out}"

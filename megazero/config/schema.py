@@ -7,6 +7,7 @@ them, so a module takes only the section it needs (the model never sees the opti
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -129,3 +130,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Saving and resuming"})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Metrics and run directory"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Batch sizes and stopping"})
+
+    @property
+    def save_dir(self) -> str:
+        """Where checkpoints go: ``checkpoint.save_dir``, else ``RUN_DIR/checkpoints``."""
+        return self.checkpoint.save_dir or os.path.join(self.logging.run_dir, "checkpoints")

@@ -106,7 +106,7 @@ def _value_problems(cfg: Config) -> list[str]:
     for name in ("model.dropout", "model.attention_dropout"):
         if get(cfg, name) >= 1:
             problems.append(f"{name}: must be below 1, got {get(cfg, name)}")
-    if cfg.optimizer.min_lr > cfg.optimizer.lr:
+    if 0 < cfg.optimizer.lr < cfg.optimizer.min_lr:
         problems.append(f"optimizer.min_lr: {cfg.optimizer.min_lr} exceeds optimizer.lr {cfg.optimizer.lr}; lower it")
     for name in ("optimizer.beta1", "optimizer.beta2"):
         if not 0 <= get(cfg, name) < 1:

@@ -1,0 +1,252 @@
+"""Bad input, as a new user or a cluster supplies it: each case must end with exit status 2 and one
+line that names the field, file or record and the fix -- no traceback, nothing written.
+
+Every case runs the real ``megazero`` command line in this process (``megazero.cli.main``), so a
+table of 60-odd cases costs seconds. Files are made once per module: a small valid shard, a
+tokenizer, a one-step checkpoint; each case then breaks one thing.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_pipeline.indexed import IndexedDatasetWriter
+from megazero.cli import main
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    rng = np.random.default_rng(0)
+
+    def shard(name, high):
+        prefix = str(root / name)
+        with IndexedDatasetWriter(prefix, np.uint16) as w:
+            for _ in range(64):
+                w.add_document(rng.integers(1, high, 80).astype(np.uint16))
+        return prefix
+
+    good, wide = shard("good_text_document", VOCAB), shard("wide_text_document", 4 * VOCAB)
+    truncated = shard("truncated_text_document", VOCAB)
+    with open(truncated + ".bin", "r+b") as f:
+        f.truncate(100)
+    garbage = str(root / "garbage_text_document")
+    Path(garbage + ".idx").write_bytes(b"not an index at all" * 10)
+    Path(garbage + ".bin").write_bytes(b"\0" * 64)
+    only_idx = str(root / "onlyidx_text_document")
+    shutil.copy(good + ".idx", only_idx + ".idx")
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(VOCAB - 2)} | {"<unk>": VOCAB - 2, "</s>": VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(root / "tokenizer.json"))
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(4 * VOCAB)} | {"<unk>": 4 * VOCAB,
+                                     "</s>": 4 * VOCAB + 1}, unk_token="<unk>"))
+    big.save(str(root / "big_tokenizer.json"))
+    (root / "notes.txt").write_text("this is not a tokenizer\n")
+    (root / "empty.model").write_bytes(b"")
+
+    lines = {"good.jsonl": '{"text": "w1 w2 w3"}\n{"text": "w4 w5"}\n',
+             "null.jsonl": '{"text": "w1"}\n{"text": null}\n',
+             "nested.jsonl": '{"text": {"nested": 1}}\n',
+             "number.jsonl": '{"text": 42}\n',
+             "nokey.jsonl": '{"text": "w1"}\n{"body": "w2"}\n',
+             "broken.jsonl": '{"text": "w1"}\n{"text": "w2"\n',
+             "array.jsonl": '[1, 2, 3]\n'}
+    for name, text in lines.items():
+        (root / name).write_text(text)
+    (root / "latin1.jsonl").write_bytes(b'{"text": "w1"}\n{"text": "caf\xe9"}\n')
+    with gzip.open(root / "whole.jsonl.gz", "wb") as f:
+        f.write(('{"text": "w1 w2"}\n' * 2000).encode())
+    data = (root / "whole.jsonl.gz").read_bytes()
+    (root / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+
+    run = root / "trained"
+    code = main(["train", *_model(good, str(run)), "--train.train_steps", "1"])
+    assert code == 0
+    ckpt = run / "checkpoints" / "step_0000001"
+    flipped = root / "flipped" / "checkpoints"
+    shutil.copytree(run / "checkpoints", flipped)
+    target = next((flipped / "step_0000001").glob("rank_*.safetensors"))
+    raw = bytearray(target.read_bytes())
+    raw[-1] ^= 0xFF
+    target.write_bytes(bytes(raw))
+    edited = root / "edited" / "checkpoints"
+    shutil.copytree(run / "checkpoints", edited)
+    complete = edited / "step_0000001" / "COMPLETE"
+    record = json.loads(complete.read_text())
+    record["meta"]["consumed"] += 1
+    complete.write_text(json.dumps(record))
+    nocomplete = root / "partial" / "step_0000001"
+    shutil.copytree(ckpt, nocomplete)
+    (nocomplete / "COMPLETE").unlink()
+    pickled = root / "pickled" / "step_0000001"
+    shutil.copytree(ckpt, pickled)
+    record = json.loads((pickled / "COMPLETE").read_text())
+    record["format"] = 1
+    (pickled / "COMPLETE").write_text(json.dumps(record))
+
+    locked = root / "locked"
+    locked.mkdir()
+    (locked / "LOCK").write_text(json.dumps({"host": os.uname().nodename, "pid": os.getpid(), "started": time.time()}))
+    (root / "afile").write_text("x")
+    (root / "emptydir").mkdir()
+    return {"root": root, "good": good, "wide": wide, "truncated": truncated, "garbage": garbage,
+            "only_idx": only_idx, "ckpt": str(ckpt), "run": str(run), "flipped": str(flipped),
+            "edited": str(edited), "partial": str(nocomplete), "pickled": str(pickled), "locked": str(locked)}
+
+
+def _model(prefix: str, run_dir: str) -> list[str]:
+    return ["--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
+            "--model.vocab_size", str(VOCAB), "--model.seq_length", "16", "--train.micro_batch_size", "2",
+            "--train.global_batch_size", "4", "--train.train_steps", "2", "--train.device", "cpu",
+            "--data.blend", f"[[1.0, {prefix}]]", "--data.split", "1", "--logging.run_dir", run_dir]
+
+
+def _train(f, *extra, prefix=None):
+    return ["train", *_model(prefix or f["good"], str(f["root"] / "runs" / "x")), *extra]
+
+
+# (id, argv builder, substrings the error line must hold)
+CASES = [
+    # --- configs --------------------------------------------------------------------------------
+    ("unknown-key", lambda f: _train(f, "--optimizer.lrr", "1"), ["optimizer.lrr: unknown key", "optimizer.lr"]),
+    ("wrong-type", lambda f: _train(f, "--parallel.tp", "two"), ["parallel.tp: expected an integer"]),
+    ("bool-type", lambda f: _train(f, "--train.compile", "maybe"), ["train.compile: expected true or false"]),
+    ("no-value", lambda f: _train(f, "--train.seed"), ["--train.seed has no value"]),
+    ("not-dotted", lambda f: _train(f, "--seed", "3"), ["--seed", "--section.field"]),
+    ("missing-config", lambda f: ["train", str(f["root"] / "nope.yaml")], ["config file not found", "nope.yaml"]),
+    ("bad-yaml", lambda f: ["train", str(f["root"] / "broken.jsonl")], ["broken.jsonl", "not valid YAML"]),
+    ("yaml-not-mapping", lambda f: ["train", str(f["root"] / "array.jsonl")], ["array.jsonl", "top level"]),
+    ("lr-nan", lambda f: _train(f, "--optimizer.lr", "nan"), ["optimizer.lr: must be a finite number"]),
+    ("lr-inf", lambda f: _train(f, "--optimizer.lr", ".inf"), ["optimizer.lr: must be a finite number"]),
+    ("lr-negative", lambda f: _train(f, "--optimizer.lr", "-1"), ["optimizer.lr: must be positive"]),
+    ("beta2", lambda f: _train(f, "--optimizer.beta2", "1.5"), ["optimizer.beta2: must be in [0, 1)"]),
+    ("beta1", lambda f: _train(f, "--optimizer.beta1", "-0.1"), ["optimizer.beta1: must be in [0, 1)"]),
+    ("eps-zero", lambda f: _train(f, "--optimizer.eps", "0"), ["optimizer.eps: must be positive"]),
+    ("min-lr", lambda f: _train(f, "--optimizer.min_lr", "1"), ["optimizer.min_lr", "exceeds optimizer.lr"]),
+    ("warmup-negative", lambda f: _train(f, "--schedule.warmup_steps", "-2"), ["schedule.warmup_steps: must be zero or more"]),
+    ("decay-style", lambda f: _train(f, "--schedule.decay_style", "step"), ["schedule.decay_style", "cosine"]),
+    ("no-stop", lambda f: _train(f, "--train.train_steps", "null"), ["train.train_steps", "train.train_tokens"]),
+    ("tokens-no-decay", lambda f: _train(f, "--train.train_steps", "null", "--train.train_tokens", "1000"),
+     ["schedule.decay_steps: must be set when train.train_steps is null"]),
+    ("dropout", lambda f: _train(f, "--model.dropout", "1.0"), ["model.dropout: must be below 1"]),
+    ("preset", lambda f: _train(f, "--model.preset", "gpt5"), ["model.preset: unknown preset 'gpt5'"]),
+    ("norm", lambda f: _train(f, "--model.norm", "batchnorm"), ["model.norm: 'batchnorm' is not one of"]),
+    ("heads", lambda f: _train(f, "--model.num_heads", "5"), ["model.hidden_size: 32 is not divisible by model.num_heads 5"]),
+    ("layers-pp", lambda f: _train(f, "--parallel.pp", "3"), ["model.num_layers: 2", "parallel.pp"]),
+    ("seq-parallel", lambda f: _train(f, "--parallel.sequence_parallel", "true"), ["parallel.sequence_parallel: needs parallel.tp > 1"]),
+    ("virtual", lambda f: _train(f, "--parallel.virtual_stages", "2"), ["parallel.virtual_stages: interleaving needs parallel.pp > 1"]),
+    ("batch", lambda f: _train(f, "--train.global_batch_size", "5"), ["train.global_batch_size: 5 is not divisible"]),
+    ("rampup", lambda f: _train(f, "--schedule.rampup_start_batch", "8"), ["schedule.rampup_start_batch: 8 exceeds"]),
+    ("keep-last", lambda f: _train(f, "--checkpoint.keep_last", "0"), ["checkpoint.keep_last: must be positive"]),
+    ("zero-stage", lambda f: _train(f, "--zero.stage", "4"), ["zero.stage: 4 is not one of"]),
+    ("dtype", lambda f: _train(f, "--precision.dtype", "fp8"), ["precision.dtype: 'fp8' is not one of"]),
+    ("device-cuda", lambda f: _train(f, "--train.device", "cuda"), ["train.device: is 'cuda' but no CUDA device"]),
+    ("vocab-auto-alone", lambda f: _train(f, "--model.vocab_size", "auto"), ["model.vocab_size: auto needs data.tokenizer"]),
+    # --- data -----------------------------------------------------------------------------------
+    ("no-data", lambda f: ["train", *_model(f["good"], str(f["root"] / "runs" / "x"))[:-6]],
+     ["data.blend: no training data"]),
+    ("missing-prefix", lambda f: _train(f, prefix=str(f["root"] / "absent")), ["data.blend", "absent", "megazero preprocess"]),
+    ("only-idx", lambda f: _train(f, prefix=f["only_idx"]), ["data.blend", "onlyidx_text_document.bin"]),
+    ("garbage-idx", lambda f: _train(f, prefix=f["garbage"]), ["data.blend", "garbage_text_document.idx"]),
+    ("truncated-bin", lambda f: _train(f, prefix=f["truncated"]), ["data.blend", "truncated_text_document.bin"]),
+    ("ids-past-vocab", lambda f: _train(f, prefix=f["wide"]), ["wide_text_document holds token id", "model.vocab_size is 64"]),
+    ("blend-weight", lambda f: _train(f, "--data.blend", f"[[-1.0, {f['good']}]]"), ["data.blend"]),
+    ("blend-shape", lambda f: _train(f, "--data.blend", "[1, 2, 3]"), ["data.blend"]),
+    ("blend-preset", lambda f: _train(f, "--data.blend", "null", "--data.blend_preset", "nope",
+                                      "--data.blend_root", str(f["root"])), ["nope"]),
+    ("split", lambda f: _train(f, "--data.split", "a,b"), ["data"]),
+    # --- tokenizers -----------------------------------------------------------------------------
+    ("tokenizer-missing", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "nope.model")),
+     ["data.tokenizer", "nope.model"]),
+    ("tokenizer-text", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "notes.txt")), ["data.tokenizer", "notes.txt"]),
+    ("tokenizer-empty", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "empty.model")), ["data.tokenizer", "empty.model"]),
+    ("tokenizer-dir", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "emptydir")), ["data.tokenizer", "emptydir"]),
+    ("tokenizer-bigger", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "big_tokenizer.json")),
+     ["model.vocab_size: 64 is smaller than the 258 tokens"]),
+    ("vocab-auto-bad-tokenizer", lambda f: _train(f, "--model.vocab_size", "auto", "--data.tokenizer",
+                                                  str(f["root"] / "notes.txt")), ["data.tokenizer", "notes.txt"]),
+    ("encode-not-tokenizer", lambda f: ["tokenizer", "encode", "--tokenizer", str(f["root"] / "notes.txt"), "x"],
+     ["notes.txt"]),
+    # --- directories ----------------------------------------------------------------------------
+    ("run-dir-under-file", lambda f: _train(f, "--logging.run_dir", str(f["root"] / "afile" / "run")),
+     ["logging.run_dir", "afile is a file"]),
+    ("save-dir-under-file", lambda f: _train(f, "--checkpoint.save_dir", str(f["root"] / "afile" / "ck")),
+     ["checkpoint.save_dir", "afile is a file"]),
+    ("run-dir-locked", lambda f: _train(f, "--logging.run_dir", f["locked"]), ["run directory is in use by pid", "logging.run_dir"]),
+    # --- checkpoints ----------------------------------------------------------------------------
+    ("load-missing", lambda f: _train(f, "--checkpoint.load", str(f["root"] / "nockpt")), ["nockpt", "checkpoint.load"]),
+    ("load-empty-dir", lambda f: _train(f, "--checkpoint.load", str(f["root"] / "locked")), ["holds no complete checkpoint"]),
+    ("load-partial", lambda f: _train(f, "--checkpoint.load", f["partial"]), ["not a complete checkpoint"]),
+    ("load-flipped", lambda f: _train(f, "--checkpoint.load", f["flipped"]), ["rank_00000.safetensors", "corrupted"]),
+    ("load-edited-complete", lambda f: _train(f, "--checkpoint.load", f["edited"]), ["COMPLETE"]),
+    ("load-old-format", lambda f: _train(f, "--checkpoint.load", f["pickled"]), ["format"]),
+    ("load-other-model", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.hidden_size", "64"),
+     ["different model", "model.hidden_size"]),
+    # --- generate -------------------------------------------------------------------------------
+    ("generate-missing", lambda f: ["generate", str(f["root"] / "nockpt"), "--tokenizer", str(f["root"] / "tokenizer.json")],
+     ["nockpt"]),
+    ("generate-negative", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "tokenizer.json"), "--tokens", "-5"],
+     ["--tokens"]),
+    ("generate-not-tokenizer", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "notes.txt")], ["notes.txt"]),
+    # --- preprocessing --------------------------------------------------------------------------
+    *[(f"preprocess-{name}", (lambda name: lambda f: [
+        "preprocess", "--input", str(f["root"] / f"{name}.jsonl"), "--tokenizer", str(f["root"] / "tokenizer.json"),
+        "--output-prefix", str(f["root"] / "out" / name), "--no-progress"])(name), [f"{name}.jsonl:{line}", *words])
+      for name, line, words in [("null", 2, ["text", "null"]), ("nested", 1, ["text", "object"]),
+                                ("number", 1, ["text"]), ("nokey", 2, ["text"]), ("broken", 2, ["malformed JSON"]),
+                                ("latin1", 2, ["not UTF-8"]), ("array", 1, ["text"])]],
+    ("preprocess-cut-gz", lambda f: ["preprocess", "--input", str(f["root"] / "cut.jsonl.gz"), "--tokenizer",
+                                     str(f["root"] / "tokenizer.json"), "--output-prefix", str(f["root"] / "out" / "cut"),
+                                     "--no-progress"], ["cut.jsonl.gz"]),
+    ("preprocess-missing-input", lambda f: ["preprocess", "--input", str(f["root"] / "none.jsonl"), "--tokenizer",
+                                            str(f["root"] / "tokenizer.json"), "--output-prefix", str(f["root"] / "out" / "n")],
+     ["none.jsonl"]),
+    ("preprocess-no-tokenizer", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"),
+                                           "--output-prefix", str(f["root"] / "out" / "g")], ["--tokenizer"]),
+    ("preprocess-not-tokenizer", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"), "--tokenizer",
+                                            str(f["root"] / "notes.txt"), "--output-prefix", str(f["root"] / "out" / "g")],
+     ["notes.txt"]),
+    ("preprocess-workers", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"), "--tokenizer",
+                                      str(f["root"] / "tokenizer.json"), "--output-prefix", str(f["root"] / "out" / "g"),
+                                      "--workers", "0"], ["--workers"]),
+]
+
+
+@pytest.mark.parametrize("argv, expected", [pytest.param(build, words, id=name) for name, build, words in CASES])
+def test_bad_input_is_one_line_naming_the_problem(files, capsys, argv, expected):
+    argv = argv(files)
+    before = sorted(p.name for p in (files["root"] / "runs").glob("*")) if (files["root"] / "runs").exists() else []
+    try:
+        code = main(argv)
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+    except SystemExit as exit_:  # argparse's own errors (a bad flag value): its usage, then one line
+        code = exit_.code
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()[-1:]
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, err
+    assert all(word in lines[0] for word in expected), (expected, lines[0])
+    after = sorted(p.name for p in (files["root"] / "runs").glob("*")) if (files["root"] / "runs").exists() else []
+    if after != before:  # a checksum found bad while loading: the run directory exists, but holds no record
+        assert not list((files["root"] / "runs").glob("*/config.yaml")), "a refused launch must not write config.yaml"
+        assert not list((files["root"] / "runs").glob("*/LOCK")), "a refused launch must release its lock"
+
+
+def test_the_table_is_at_least_sixty_cases():
+    assert len(CASES) >= 60
