@@ -112,8 +112,12 @@ def _largest_token_id(cfg: Config, prefixes: list[str]) -> tuple[Optional[int], 
     for prefix in prefixes:
         try:
             found = largest_token_id(prefix, cfg.data.cache_dir)
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:
             problems.append(f"data.blend: {exc}")
+            continue
+        except OSError as exc:  # the index cache beside read-only data cannot be written
+            problems.append(f"data.cache_dir: cannot cache facts about {prefix} ({exc}); set data.cache_dir to "
+                            "a writable directory")
             continue
         largest = max(largest, found)
         if found >= cfg.model.vocab_size:
