@@ -5,7 +5,10 @@ the model and a collective on a bucket moves many parameters at once. Under stag
 only its owned slices (``shard``); a unit's full buffer is materialised by all-gather just before
 the unit runs and its storage released afterwards, while the parameter views stay attached to the
 (empty) storage. Autograd keeps references to those views for backward, so re-gathering into the
-same storage makes them valid again without touching the autograd graph.
+same storage makes them valid again without touching the autograd graph. While released, a
+parameter's class is ``ReleasedParameter``: its shape, dtype, hooks and ``.grad`` stay readable,
+but reading its values (outside a forward, before ``ZeroOptimizer.wait_params()``) raises a clear
+error instead of reading storage that holds no bytes, which crashed the process.
 """
 
 from __future__ import annotations
@@ -15,10 +18,46 @@ from typing import Callable, Optional
 
 import torch
 from torch.autograd import _unsafe_preserve_version_counter as keep_version  # gathers into saved storage
+from torch.utils._pytree import tree_leaves
 
+from megazero.errors import UserError
 from megazero.zero.host_copies import HostCopies, wait_on_current_stream
 from megazero.zero.layout import FlatLayout
 from parallel import comm
+
+
+def _metadata_reads() -> frozenset:
+    """Tensor calls that read no element values: what code holding a released parameter may do."""
+    getters = ("shape", "dtype", "device", "ndim", "layout", "requires_grad", "grad", "is_leaf", "grad_fn",
+               "is_cuda", "is_meta", "is_sparse", "is_quantized")
+    methods = ("dim", "size", "numel", "nelement", "element_size", "stride", "is_contiguous", "is_floating_point",
+               "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "untyped_storage")
+    return frozenset([getattr(torch.Tensor, g).__get__ for g in getters]
+                     + [torch.Tensor.grad.__set__, torch.Tensor.requires_grad.__set__]
+                     + [getattr(torch.Tensor, m) for m in methods])
+
+
+_METADATA_READS = _metadata_reads()
+
+
+class ReleasedParameter(torch.nn.Parameter):
+    """A stage-3 parameter whose unit is released: its storage holds no bytes, so any call that
+    would read its values raises instead (see the module doc). The store switches a parameter's
+    class to this on release and back on gather; the autograd graph never sees the difference."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func not in _METADATA_READS:
+            released = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, ReleasedParameter))
+            raise UnmaterializedParameterError(
+                f"ZeRO-3 parameter {getattr(released, 'zero3_name', '?')} {tuple(released.shape)} was read "
+                f"outside a forward while only this rank's shard exists; call optimizer.wait_params() "
+                f"(engine.optimizer.wait_params()) first to gather every parameter")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class UnmaterializedParameterError(UserError):
+    """A released ZeRO-3 parameter's values were read."""
 
 
 class ParamStore:
@@ -108,12 +147,20 @@ class ParamStore:
         for handle in self._pending.pop(unit):
             handle.wait()
         self.gathered[unit] = True
+        self._set_class(unit, torch.nn.Parameter)
 
     def release(self, unit: int) -> None:
         if not self.sharded or not self.gathered[unit]:
             return
         self.units[unit].untyped_storage().resize_(0)
         self.gathered[unit] = False
+        self._set_class(unit, ReleasedParameter)
+
+    def _set_class(self, unit: int, cls: type) -> None:
+        """Stage 3: a released unit's parameters refuse reads of their values (``ReleasedParameter``)."""
+        if self.sharded:
+            for i in self.layout.unit_params[unit]:
+                self.params[i].__class__ = cls
 
     # --- after the optimizer step ------------------------------------------------------------
     def load_owned(self, master_shard: torch.Tensor, unit_order: list[int]) -> None:

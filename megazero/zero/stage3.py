@@ -38,6 +38,9 @@ class Stage3Hooks:
         self.received = dict.fromkeys(self.pending, 0)
         self._callback_queued = False
         self._handles = [root.register_forward_pre_hook(self._model_pre) for root in roots]
+        names = {id(p): name for root in roots for name, p in root.named_parameters()}
+        for p in store.params:  # for the error a read of a released parameter raises
+            p.zero3_name = names.get(id(p), "?")
         for u, module in enumerate(unit_modules):
             if module is None:
                 continue
