@@ -150,3 +150,40 @@ def test_layouts_that_do_not_split_are_refused_naming_the_field(preset, override
     with pytest.raises(ValueError, match=field):
         check_tp_layout(model, tp)
     check_tp_layout(model, 1)
+
+
+def _rotate_half_by_hand(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Hugging Face Llama / GPT-NeoX rotary, element by element: at position m, element i of the
+    first half pairs with element i of the second half, rotated by m * theta^(-2i/d)."""
+    seq, d = x.shape[1], x.shape[-1]
+    out = torch.empty_like(x, dtype=torch.float64)
+    for m in range(seq):
+        for i in range(d // 2):
+            angle = m * theta ** (-2 * i / d)
+            a, b = x[:, m, :, i].double(), x[:, m, :, i + d // 2].double()
+            out[:, m, :, i] = a * math.cos(angle) - b * math.sin(angle)
+            out[:, m, :, i + d // 2] = b * math.cos(angle) + a * math.sin(angle)
+    return out
+
+
+def test_rotary_is_the_rotate_half_convention_of_hugging_face_checkpoints():
+    """A checkpoint converted from Hugging Face only works with the same pairing of dimensions: an
+    interleaved (GPT-J) rotation keeps lengths and relative positions too, so only an element-wise
+    reference tells them apart."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 3, 8, generator=g)
+    cos, sin = ops.rotary_tables(7, 8, 500.0, "cpu", torch.float32)
+    assert close(ops.apply_rotary(x, cos, sin).double(), _rotate_half_by_hand(x, 500.0))
+
+
+def test_rotary_scores_depend_only_on_the_relative_position():
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 1, 1, 8, generator=g).double(), torch.randn(1, 1, 1, 8, generator=g).double()
+    cos, sin = ops.rotary_tables(12, 8, 10000.0, "cpu", torch.float64)
+
+    def score(m: int, n: int) -> float:
+        rq = ops.apply_rotary(q.expand(1, 12, 1, 8), cos, sin)[0, m, 0]
+        rk = ops.apply_rotary(k.expand(1, 12, 1, 8), cos, sin)[0, n, 0]
+        return float(rq @ rk)
+    assert score(5, 2) == pytest.approx(score(9, 6), rel=1e-6) == pytest.approx(score(3, 0), rel=1e-6)  # fp32 angles
+    assert score(5, 2) != pytest.approx(score(5, 3), rel=1e-3)
