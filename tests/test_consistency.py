@@ -1,0 +1,55 @@
+"""Ranks that disagree on the config or the code refuse to train together, naming the odd ranks.
+
+``verify_consistent`` runs before any work on every rank of a real 3-rank gloo world: equal runs
+pass; a rank launched with another override, or running another checkout (its code fingerprint
+differs), makes every rank raise the same one-line error naming that rank and what differs.
+"""
+
+import pytest
+
+import megazero.launch as launch
+from megazero.config import load_config
+from megazero.errors import UserError
+from tests.distributed import run_world
+
+BASE = ["--model.num_layers", "2", "--train.device", "cpu"]
+
+
+def _outcome(cfg) -> str:
+    try:
+        launch.verify_consistent(cfg)
+        return "ok"
+    except UserError as exc:
+        return str(exc)
+
+
+def _world(rank, world_size):
+    out = {"same": _outcome(load_config(None, BASE))}
+    lr = ["--optimizer.lr", "1e-3"] if rank == 2 else []
+    out["config"] = _outcome(load_config(None, BASE + lr))
+    real = launch.code_fingerprint
+    if rank == 1:
+        launch.code_fingerprint = lambda: "another-checkout"
+    try:
+        out["code"] = _outcome(load_config(None, BASE))
+    finally:
+        launch.code_fingerprint = real
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_world(3, _world)
+
+
+def test_equal_ranks_pass(outcomes):
+    assert [o["same"] for o in outcomes] == ["ok"] * 3
+
+
+@pytest.mark.parametrize("case, odd, what", [("config", [2], "config"), ("code", [1], "code version")])
+def test_every_rank_names_the_odd_one(outcomes, case, odd, what):
+    messages = {o[case] for o in outcomes}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith(f"ranks {odd} run a different {what} from rank 0"), message
+    assert "\n" not in message
