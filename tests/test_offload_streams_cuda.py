@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megazero.zero import ZeroOptimizer, ZeroSettings
 from tests.test_zero_toy import Toy, _data
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 STALL_CYCLES = 1_000_000_000  # about half a second of GPU clock
 

@@ -1,0 +1,87 @@
+"""On a GPU the optimizer step never waits for the host: the fused AdamW divides the gradients by its
+``grad_scale`` input (the unscale and clip coefficient, kept on the device) and skips the update
+on its ``found_inf`` input (the all-reduced overflow flag). These tests drive that path on one
+CUDA device (a one-rank group), for every ZeRO stage:
+
+* with a clip that binds and one that does not, the parameters after 3 steps equal torch's plain
+  single-process AdamW (on the CPU) within 2e-6, and the reported norm the reference's within 1e-5;
+* an inf injected into one gradient skips exactly that step without a dynamic loss scaler (the
+  flag reaches the kernel as a device tensor), leaving the weights and Adam's step count as they
+  were, and the next step trains; under fp16's dynamic scaler the same step is skipped too.
+
+(Skipped without CUDA; on the CPU the same code runs the fused CPU AdamW where torch has one.)
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megazero.zero import DynamicLossScaler, ZeroOptimizer, ZeroSettings
+from tests.test_zero_toy import MICRO, STEPS, Toy, _data, _reference
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
+                            world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _optimizer(model, group, stage, clip=1e9, **kwargs):
+    opt = ZeroOptimizer(model, ZeroSettings(stage=stage, bucket_numel=320, lr=1e-2, clip_grad=clip, **kwargs),
+                        group, None, units=list(model.blocks))
+    assert opt._fused, "the fused AdamW is not in use on this device"
+    return opt
+
+
+def _backward(model, opt, step):
+    for micro in range(MICRO):
+        opt.scale_loss(model(*(t.cuda() for t in _data(step, micro))) / MICRO).backward()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("clip", [1e9, 0.05])
+def test_fused_step_equals_single_process_adamw(one_rank_group, stage, clip):
+    torch.manual_seed(0)
+    base = Toy()
+    reference, ref_norms = _reference(base, STEPS, MICRO, clip)
+    model = copy.deepcopy(base).cuda()
+    opt = _optimizer(model, one_rank_group, stage, clip)
+    norms = []
+    for step in range(STEPS):
+        _backward(model, opt, step)
+        norms.append(opt.step().grad_norm)
+    opt.wait_params()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.detach().cpu() - q).abs().max().item() < 2e-6, name
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_found_inf_skips_exactly_the_poisoned_step(one_rank_group, stage, dtype):
+    torch.manual_seed(0)
+    model = Toy().cuda()
+    scaler = DynamicLossScaler(initial_scale=1024.0) if dtype == torch.float16 else None
+    opt = _optimizer(model, one_rank_group, stage, param_dtype=dtype, loss_scaler=scaler)
+    skipped, changed = [], []
+    for step in range(3):
+        opt.wait_params()
+        before = [p.detach().clone() for p in model.parameters()]
+        hook = model.blocks[0].fc.weight.register_hook(lambda g: g * float("inf")) if step == 1 else None
+        _backward(model, opt, step)
+        if hook is not None:
+            hook.remove()
+        result = opt.step()
+        skipped.append(result.skipped)
+        opt.wait_params()
+        changed.append(any(not torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    assert skipped == [False, True, False]
+    assert changed == [True, False, True]
+    steps = {float(state["step"]) for state in opt.adam.state.values()}
+    assert steps == {2.0}, "a skipped step advanced Adam's step count"
