@@ -64,7 +64,7 @@ class OptimizerConfig:
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = option(0, "Linear learning-rate warm-up steps")
-    decay_steps: Optional[int] = option(None, "Steps of decay after warm-up (None = to the end of training)")
+    decay_steps: Optional[int] = option(None, "Steps of decay after warm-up (None = to the end of training); Megatron's --lr-decay-iters counts the warm-up too")
     decay_style: str = option("cosine", "Learning-rate decay: cosine, linear or constant")
     rampup_start_batch: Optional[int] = option(None, "Batch-size ramp-up: first global batch (None = no ramp-up)")
     rampup_increment: int = option(32, "Batch-size ramp-up: samples added at each increase")
