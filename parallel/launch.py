@@ -1,16 +1,25 @@
-"""Reading the launcher's environment and starting the default process group.
+"""Both sides of the launcher: the workers' view of it, and the launcher itself.
 
-torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE; under SLURM without torchrun the same
-facts come from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE. With neither, the
+Workers: torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE; under SLURM without torchrun the
+same facts come from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE. With neither, the
 process is a world of one, which still gets a (gloo, in-memory) process group so every code path
-is the same whatever the world size.
+is the same whatever the world size. A worker started by torchrun exits when torchrun is gone.
+
+Launcher: ``python -m parallel.launch [torchrun arguments]`` is torchrun with the stop signals
+(SIGTERM, SIGUSR1, SIGINT) passed to the workers instead of handled by torchrun; see ``main``.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
+import select
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -63,9 +72,15 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 
 def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float = 600.0) -> None:
-    """Start the default group; a world of one uses an in-memory store and needs no rendezvous."""
+    """Start the default group; a world of one uses an in-memory store and needs no rendezvous.
+
+    Under torchrun the rank first ties its life to torchrun's (``exit_with_launcher``), before the
+    rendezvous, the first place an orphaned rank would wait.
+    """
     if dist.is_initialized():
         return
+    if started_by_torchrun():
+        exit_with_launcher(launch.rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = backend_for(device)
     if launch.world_size == 1 and "MASTER_ADDR" not in os.environ:
@@ -75,3 +90,130 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float
         raise RuntimeError("MASTER_ADDR/MASTER_PORT are not set: start multi-rank runs with torchrun "
                            "(scripts/pretrain_gpt.sh does) or export them under srun")
     dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+
+
+# --- a worker ends with its launcher ------------------------------------------------------------
+
+EXIT_ORPHANED = 1
+
+
+def started_by_torchrun(env: Mapping[str, str] = os.environ) -> bool:
+    return "TORCHELASTIC_RUN_ID" in env
+
+
+def exit_with_launcher(rank: int, poll_s: float = 1.0) -> threading.Thread:
+    """End this process, with one line, as soon as the process that started it (torchrun) is gone.
+
+    torchrun starts each worker in a Unix session of its own, so a torchrun killed with SIGKILL (by
+    a person, the OOM killer, a scheduler) takes no worker with it: they would train on unsupervised,
+    and a relaunch beside them would wait in its first collective for the whole timeout. Saving needs
+    every rank, and the ranks on other nodes are being stopped by their own launchers, so the worker
+    only exits. A daemon thread waits on a pidfd of the parent, which wakes it the moment the parent
+    exits (every rank at once, before a dying peer breaks their collectives); where pidfds are missing
+    it polls ``getppid`` every ``poll_s`` seconds.
+    """
+    parent = os.getppid()
+    thread = threading.Thread(target=_exit_when_gone, args=(parent, rank, poll_s), name="launcher-watch",
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def _exit_when_gone(parent: int, rank: int, poll_s: float) -> None:
+    try:
+        with os.fdopen(os.pidfd_open(parent), "rb", buffering=0) as pidfd:
+            if os.getppid() == parent:  # else it died (and its pid may be reused) before the pidfd opened
+                select.select([pidfd], [], [])  # readable once the process has exited
+    except (AttributeError, OSError):  # no pidfd_open (Python < 3.9, Linux < 5.3), or the parent is gone
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+    os.write(2, f"megazero: rank {rank}: its launcher (pid {parent}) is gone; stopping without saving (a "
+                "relaunch resumes from the last checkpoint)\n".encode())
+    os._exit(EXIT_ORPHANED)
+
+
+# --- the launcher: torchrun, with the stop signals passed to the workers --------------------------
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_STOPPED = os.EX_TEMPFAIL  # 75: what a worker exits with once it has saved and stopped on a signal
+
+
+class _StopForwarder:
+    """Passes each stop signal on to this process's children, torchrun's workers."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None  # the first stop signal received
+        self.forwarded = False
+
+    def install(self) -> "_StopForwarder":
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._forward)
+        return self
+
+    def _forward(self, signum, frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if self.signum is None:
+            self.signum = signum
+            # From here torchrun's notes on workers it stops or sees exit read as failures: the
+            # workers' own lines say what happened.
+            logging.disable(logging.ERROR)
+        workers = _children()
+        if not workers and not self.forwarded:  # still at the rendezvous: nothing to save, stop there
+            raise SignalException(f"{signal.Signals(signum).name} before the workers started",
+                                  sigval=signal.Signals(signum))
+        for pid in workers:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        self.forwarded = True
+
+
+def _children() -> list[int]:
+    pids: list[int] = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(pid) for pid in f.read().split()]
+        except FileNotFoundError:  # the thread just ended
+            pass
+    return pids
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m parallel.launch [torchrun arguments]``: torchrun, except for SIGTERM/SIGUSR1/SIGINT.
+
+    torchrun handles a stop signal by passing it to the workers and killing them 30 s later, saved or
+    not, then exits with a traceback; SIGUSR1 (SLURM's warning) it does not handle at all, so it dies
+    and orphans the workers. Here each of these signals goes to every worker and torchrun keeps
+    waiting. Workers that saved and stopped exit with 75 (EX_TEMPFAIL, "try again later"), which
+    torchrun reports as a failure with a long report; when any worker of this node exits 75 the
+    checkpoint is complete (a save ends with a barrier of all ranks), so 75 is this process's status,
+    without the report. Workers that a signal stopped before they could save (still starting up, or
+    a second Ctrl-C) give 128 + the signal. Anything else is torchrun's own failure report.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    stop = _StopForwarder().install()
+    try:
+        torchrun(["--signals-to-handle", "SIGHUP,SIGQUIT", *(sys.argv[1:] if argv is None else argv)])
+    except SignalException as e:
+        print(f"megazero: {e.sigval.name} before the workers started; nothing to save", file=sys.stderr)
+        return 128 + e.sigval
+    except ChildFailedError as failed:
+        codes = {failure.exitcode for failure in failed.failures.values()}
+        if EXIT_STOPPED in codes:
+            return EXIT_STOPPED
+        if stop.signum is not None and codes <= {-stop.signum, 128 + stop.signum}:
+            print(f"megazero: the workers stopped on {signal.Signals(stop.signum).name} without saving",
+                  file=sys.stderr)
+            return 128 + stop.signum
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

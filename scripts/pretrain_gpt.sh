@@ -15,6 +15,11 @@
 #   MASTER_PORT     rendezvous port (default: 29500)
 # Every argument is passed through to `megazero train` as an override, e.g.
 #   scripts/pretrain_gpt.sh --train.train_steps 50 --parallel.tp 1
+#
+# Stopping: SIGTERM, SIGUSR1 (SLURM's warning) and SIGINT (Ctrl-C) sent to this script reach every
+# worker, which saves a checkpoint after its current step; rank 0 prints "megazero: preempted at step
+# N by SIG, saved to DIR" and the script exits 75 (0: finished; any other status: failed). A second
+# Ctrl-C stops at once without saving. See "Preemption and signals" in docs/training.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,8 +52,43 @@ else
               --rdzv_id "${SLURM_JOB_ID:-megazero}" --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT")
 fi
 echo "== training $CONFIG on $NNODES node(s) x $NPROC_PER_NODE rank(s)"
-torchrun "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" -m megazero.cli train "$CONFIG" "$@"
+
+# The launcher is torchrun with the stop signals passed to the workers rather than handled by
+# torchrun itself (python -m parallel.launch). This script passes on what it receives; the launcher
+# runs in a session of its own so that a Ctrl-C at the terminal reaches it once, through here.
+launcher=""
+pending=""  # a stop signal received and not yet passed on
+pass_on() {
+  if [ -n "$launcher" ] && [ -n "$pending" ]; then
+    kill -s "$pending" "$launcher" 2>/dev/null || true
+    pending=""
+  fi
+}
+for sig in TERM USR1 INT; do
+  trap "pending=$sig; pass_on" "$sig"
+done
+setsid python -m parallel.launch "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" \
+  -m megazero.cli train "$CONFIG" "$@" &
+launcher=$!
+pass_on  # a signal that came while the launcher was starting
+# A trapped signal cuts `wait` short, so wait in slices until the launcher is gone, then collect its
+# status (bash keeps it for `wait`).
+while kill -0 "$launcher" 2>/dev/null; do
+  sleep 0.5 &
+  wait $! || true
+done
+wait "$launcher" && status=0 || status=$?
+[ "$status" = 0 ] || exit "$status"  # 75: preempted, and rank 0 said where it saved
+
 if [ "$demo" = 1 ]; then
-  echo "== a sample from the trained model (runs/demo/checkpoints)"
-  python -m megazero.cli generate runs/demo/checkpoints --tokenizer data/demo/tokenizer.model --prompt "def " --tokens 48
+  # The checkpoints and tokenizer this run used, whatever the overrides said.
+  resolved=$(python -c 'import os, sys
+from megazero.config import load_config
+cfg = load_config(sys.argv[1], sys.argv[2:])
+print(cfg.checkpoint.save_dir or os.path.join(cfg.logging.run_dir, "checkpoints"))
+print(cfg.data.tokenizer)' "$CONFIG" "$@")
+  checkpoints=${resolved%%$'\n'*}
+  tokenizer=${resolved#*$'\n'}
+  echo "== a sample from the trained model ($checkpoints)"
+  python -m megazero.cli generate "$checkpoints" --tokenizer "$tokenizer" --prompt "def " --tokens 48
 fi

@@ -1,0 +1,223 @@
+"""Stop signals through the real launch script, and Ctrl-C in a worker.
+
+* ``scripts/pretrain_gpt.sh`` on 2 gloo ranks: SIGUSR1, SIGTERM or SIGINT sent to the script (not to
+  torchrun, not to the workers) makes every worker save, the script exit 75 after the one
+  "preempted at step N by SIG, saved to DIR" line and no torchrun failure report, and leaves no
+  process of the run behind.
+* torchrun killed with SIGKILL: every worker notices and exits within seconds, each with a line.
+* ``PreemptionHandler``: a second Ctrl-C during the save stops the process at once, saying what is
+  lost; the same Ctrl-C delivered twice (by a scheduler and by the launcher) is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from data_pipeline.indexed import IndexedDatasetWriter
+from megazero.checkpoint import verify_checkpoint
+from megazero.config import load_config
+from megazero.launch import EXIT_PREEMPTED
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "pretrain_gpt.sh"
+PREEMPTED = re.compile(r"^megazero: preempted at step (\d+) by (SIG\w+), saved to (\S+)$", re.MULTILINE)
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    """A two-layer model on arithmetic-progression documents that would train for 100000 steps."""
+    root = tmp_path_factory.mktemp("signals")
+    prefix = str(root / "arith_text_document")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for _ in range(200):
+            start, stride, length = rng.integers(1, VOCAB), rng.integers(1, 7), rng.integers(40, 200)
+            writer.add_document(np.append((start + stride * np.arange(length)) % (VOCAB - 1) + 1, 0).astype(np.uint16))
+    cfg = load_config(None, [
+        "--model.preset", "gpt2", "--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
+        "--model.vocab_size", str(VOCAB), "--model.seq_length", "32", "--train.micro_batch_size", "2",
+        "--train.global_batch_size", "4", "--train.train_steps", "100000", "--train.device", "cpu",
+        "--data.blend", f"[[1.0, {prefix}]]", "--data.split", "1", "--logging.log_interval", "1"])
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(dataclasses.asdict(cfg)))
+    return path
+
+
+def _start(config: Path, run_dir: Path) -> subprocess.Popen:
+    """The script, as a user or a batch system starts it; the run dir names every process of the run."""
+    env = dict(os.environ, CONFIG=str(config), NPROC_PER_NODE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([str(SCRIPT), "--logging.run_dir", str(run_dir)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for_training(proc: subprocess.Popen, run_dir: Path, steps: int = 2, timeout: float = 300) -> None:
+    """Until rank 0 has logged ``steps`` steps: the training loop, and its signal handler, are running."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before training:\n{proc.communicate()[0]}")
+        time.sleep(0.1)
+    pytest.fail(f"no {steps} steps logged in {timeout:.0f}s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped; only its parent is late
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _processes_of(run_dir: Path) -> list[int]:
+    """Live processes whose command line names the run directory: the script, torchrun, the workers."""
+    needle = str(run_dir).encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if needle in f.read() and _alive(int(entry)):
+                        found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                pass
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    pids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            pids += [int(c) for c in f.read().split()]
+    return pids
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A unique run directory; whatever still runs under it afterwards is killed."""
+    yield tmp_path / "run"
+    for pid in _processes_of(tmp_path / "run"):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _assert_preempted_and_saved(proc: subprocess.Popen, signum: int) -> None:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, out
+    lines = PREEMPTED.findall(out)
+    assert len(lines) == 1, out
+    step, name, saved_to = lines[0]
+    assert name == signal.Signals(signum).name
+    manifest = verify_checkpoint(saved_to)  # complete, every file's checksum right
+    assert manifest["step"] == int(step)
+    assert {entry["rank"] for entry in manifest["files"].values()} == {0, 1}, "a worker did not save"
+    assert "Traceback" not in out and "FAILED" not in out and "exitcode" not in out, out
+
+
+def _check_signal_to_script(config, run_dir, signum):
+    proc = _start(config, run_dir)
+    _wait_for_training(proc, run_dir)
+    proc.send_signal(signum)  # the script only: torchrun and the workers run in sessions of their own
+    _assert_preempted_and_saved(proc, signum)
+    assert _processes_of(run_dir) == []
+
+
+def test_sigusr1_to_the_script_saves_on_every_worker_and_exits_75(config, run_dir):
+    _check_signal_to_script(config, run_dir, signal.SIGUSR1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_ctrl_c_to_the_script_save_on_every_worker_and_exit_75(config, run_dir, signum):
+    _check_signal_to_script(config, run_dir, signum)
+
+
+def test_killing_torchrun_stops_every_worker(config, run_dir):
+    proc = _start(config, run_dir)
+    _wait_for_training(proc, run_dir)
+    launcher = next(pid for pid in _children(proc.pid) if "parallel.launch" in _cmdline(pid))
+    workers = _children(launcher)
+    assert len(workers) == 2
+    os.kill(launcher, signal.SIGKILL)
+    killed = time.monotonic()
+    out, _ = proc.communicate(timeout=60)  # the workers hold the output pipe too: it closes as they exit
+    while any(_alive(pid) for pid in workers) and time.monotonic() - killed < 10:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers), f"workers outlived torchrun by 10 s:\n{out}"
+    assert _processes_of(run_dir) == []
+    assert proc.returncode == 128 + signal.SIGKILL, out
+    assert out.count(f"its launcher (pid {launcher}) is gone; stopping without saving") == 2, out
+
+
+# --- Ctrl-C in one process ----------------------------------------------------------------------
+
+SLOW_SAVE = textwrap.dedent("""
+    import sys, time
+    from megazero.checkpoint import PreemptionHandler
+
+    unsaved = (lambda: "steps 41-57 (the last checkpoint is step 40)") if sys.argv[1] == "described" else None
+    with PreemptionHandler(unsaved=unsaved) as preemption:
+        print("READY", flush=True)
+        while not preemption.requested:
+            time.sleep(0.01)  # training steps
+        print("SAVING AFTER", preemption.signal_name, flush=True)
+        time.sleep(float(sys.argv[2]))  # a save that takes a while
+    print("SAVED", flush=True)
+""")
+
+
+def _slow_saver(described: bool, save_s: float) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, "described" if described else "plain", str(save_s)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "READY"
+    return proc
+
+
+@pytest.mark.parametrize("described", [True, False])
+def test_second_ctrl_c_during_the_save_stops_at_once_saying_what_is_lost(described):
+    proc = _slow_saver(described, save_s=60)
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline().strip() == "SAVING AFTER SIGINT"
+    time.sleep(1.0)  # a person's second Ctrl-C, not the first one delivered twice
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 130 and "SAVED" not in out
+    lost = "steps 41-57 (the last checkpoint is step 40)" if described else "every step since the last complete checkpoint"
+    assert err.strip() == f"megazero: second interrupt: stopping now without saving; lost: {lost}", err
+
+
+def test_one_ctrl_c_delivered_twice_is_not_a_second_one(monkeypatch):
+    from megazero.checkpoint import preemption as module
+
+    now = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    handler = module.PreemptionHandler()
+    stops = []
+    monkeypatch.setattr(handler, "_stop_now", lambda: stops.append(now[0]))
+    handler._handle(signal.SIGINT, None)
+    now[0] += 0.05  # the copy the launch script passed on, just after the scheduler's own
+    handler._handle(signal.SIGINT, None)
+    assert handler.signal_name == "SIGINT" and stops == []
+    now[0] += module.SAME_INTERRUPT_S  # a person pressing Ctrl-C again
+    handler._handle(signal.SIGINT, None)
+    assert stops == [now[0]]
