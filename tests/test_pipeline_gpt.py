@@ -4,7 +4,9 @@ Stage parameters keep the full model's names, so each rank compares its gradient
 reference model by name (its tensor-parallel slice of it, under tp); the last stage's tied head copy
 is compared with the reference embedding. With tp = 2 the stages are tensor-parallel through
 ``models.parallelize`` (vocabulary-parallel embedding and loss), optionally sequence-parallel, and
-the activations crossing stages are the sequence-sharded ones. One 4-rank world runs every case.
+the activations crossing stages are the sequence-sharded ones. The Llama preset (rotary, RMSNorm,
+SwiGLU, a grouped key/value head, untied head: the head's gradient is its own, not the embedding's)
+runs interleaved and tensor-parallel too. One 4-rank world runs every case.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from models import GPT
 from models.config import ModelConfig
 from models.parallelize import parallelize_gpt
+from models.presets import MODEL_PRESETS
 from parallel.pipeline import PipelineExecutor, allreduce_data_parallel_grads, allreduce_embedding_grads
 from parallel.pipeline.partition import resolve_split, stage_layers
 from parallel.tensor_parallel.sharding import param_shards
@@ -24,6 +27,7 @@ from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
 
 CFG = dict(num_layers=4, hidden_size=16, num_heads=2, vocab_size=40, seq_length=8, tie_embeddings=True)
+PRESETS = {"gpt2": CFG, "llama": dict(CFG, **MODEL_PRESETS["llama"], num_heads=4, num_kv_heads=2)}
 MICRO = 2
 TOL = 2e-5  # fp32, relative to the largest reference gradient
 
@@ -40,8 +44,8 @@ def _data(count):
             for _ in range(count)]
 
 
-def _case(topo, schedule, m, v, sp):
-    cfg = ModelConfig(**CFG)
+def _case(topo, schedule, m, v, sp, preset="gpt2"):
+    cfg = ModelConfig(**PRESETS[preset])
     pp, rank, dp, tp = topo.pp_size, topo.pp_rank, topo.dp_size, topo.tp_size
     split = resolve_split(cfg.num_layers, pp, v)
     chunks = []
@@ -54,9 +58,10 @@ def _case(topo, schedule, m, v, sp):
     executor = PipelineExecutor(chunks, topo, shape, schedule=schedule, forward_step=forward_step, timeout_s=60)
     data = _data(dp * m)
     loss = executor.step(data[topo.dp_rank * m:(topo.dp_rank + 1) * m])
-    tied = [p for ch in chunks for p in ([ch.embedding.tokens.weight] if ch.embedding else [])
-            + ([ch.lm_head.weight] if ch.lm_head else [])]
-    allreduce_embedding_grads(tied, topo)
+    if cfg.tie_embeddings:
+        tied = [p for ch in chunks for p in ([ch.embedding.tokens.weight] if ch.embedding else [])
+                + ([ch.lm_head.weight] if ch.lm_head else [])]
+        allreduce_embedding_grads(tied, topo)
     allreduce_data_parallel_grads([p for ch in chunks for p in ch.parameters()], topo)
 
     ref = GPT(cfg, vocab_multiple=128 * tp, seed=7)
@@ -68,7 +73,8 @@ def _case(topo, schedule, m, v, sp):
     for ch in chunks:
         shards = param_shards(ch)
         for name, p in ch.named_parameters():
-            expect = ref_grads["embedding.tokens.weight" if name == "lm_head.weight" else name].grad
+            tied_head = name == "lm_head.weight" and cfg.tie_embeddings
+            expect = ref_grads["embedding.tokens.weight" if tied_head else name].grad
             expect = shards[name].take(expect) if name in shards else expect
             worst = max(worst, (p.grad - expect).abs().max().item())
             checked += 1
@@ -78,16 +84,18 @@ def _case(topo, schedule, m, v, sp):
 CASES = [((1, 2, 2), "1f1b", 3, 1, False), ((1, 2, 2), "interleaved_1f1b", 4, 2, False),
          ((1, 4, 1), "1f1b", 4, 1, False), ((1, 4, 1), "1f1b", 5, 1, False),
          ((1, 2, 2), "gradient_accumulation", 2, 1, False), ((2, 2, 1), "1f1b", 3, 1, False),
-         ((2, 2, 1), "1f1b", 2, 1, True), ((2, 2, 1), "interleaved_1f1b", 4, 2, True)]
+         ((2, 2, 1), "1f1b", 2, 1, True), ((2, 2, 1), "interleaved_1f1b", 4, 2, True),
+         ((1, 2, 2), "interleaved_1f1b", 4, 2, False, "llama"), ((2, 2, 1), "1f1b", 3, 1, True, "llama")]
 
 
 def _world4(rank, world_size):
     torch.manual_seed(0)
     out, topos = {}, {}
-    for layout, schedule, m, v, sp in CASES:
+    for case in CASES:
+        layout = case[0]
         if layout not in topos:
             topos[layout] = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
-        out[(layout, schedule, m, v, sp)] = _case(topos[layout], schedule, m, v, sp)
+        out[case] = _case(topos[layout], *case[1:])
     out["wrong_shape"] = _wrong_shape(topos[(1, 2, 2)])  # last: it leaves the pipeline group unusable
     return out
 
@@ -117,8 +125,8 @@ def world4():
 
 
 def _ids(case):
-    (tp, pp, dp), schedule, m, v, sp = case
-    return f"tp{tp}-pp{pp}-dp{dp}-{schedule}-m{m}" + ("-sp" if sp else "")
+    (tp, pp, dp), schedule, m, v, sp, *preset = case
+    return f"tp{tp}-pp{pp}-dp{dp}-{schedule}-m{m}" + ("-sp" if sp else "") + "".join(f"-{p}" for p in preset)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
