@@ -212,16 +212,26 @@ def test_kill_minus_nine_then_resume_is_exact(data_prefix, tmp_path):
 
 
 def test_sigterm_saves_a_loadable_checkpoint(data_prefix, tmp_path):
+    """SIGTERM to every process at once, as SLURM and Kubernetes send it, under megazero's torchrun
+    (``python -m parallel.launch``, which the launch script runs): the save completes, one line says
+    where, and the status is 75, not 0 (finished) nor torchrun's failure."""
+    from megazero.launch import EXIT_PREEMPTED
+
     cfg = _write_config(tmp_path / "term.yaml", data_prefix, str(tmp_path / "term"), 0)
-    proc = _launch(cfg, 100000)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "parallel.launch", "--standalone", "--nproc_per_node", "2",
+                             "-m", "megazero.cli", "train", cfg, "--train.train_steps", "100000"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = tmp_path / "term" / "metrics.jsonl"
     assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc)
     _signal_tree(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, out
     ckpt = latest_checkpoint(tmp_path / "term" / "checkpoints")
     assert ckpt is not None, out
-    verify_checkpoint(ckpt)
-    assert "stopping at step" in out and "SIGTERM" in out, out
+    step = verify_checkpoint(ckpt)["step"]
+    assert [line for line in out.splitlines() if "preempted" in line] == [
+        f"megazero: preempted at step {step} by SIGTERM, saved to {ckpt}"], out
 
 
 def test_repeated_nan_losses_stop_the_run_with_a_message(layouts):
