@@ -1,5 +1,10 @@
-"""Releasing a sent activation's storage keeps backward exact (one process, no communication)."""
+"""Pipeline activation memory: releasing a sent activation's storage keeps backward exact (one
+process), and a real 2-stage pipeline holds, in bytes, the activations of exactly as many
+micro-batches as its schedule keeps live (measured from what autograd saves, independently of the
+executor's own op-list count). Planted bug this caught: an executor that keeps every micro-batch's
+graph until the step's end (peak m x one micro-batch, not pp - rank)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -22,3 +27,101 @@ def test_backward_from_a_released_clone_matches_plain_backward():
 
     for a, b in zip(plain.parameters(), released.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+class SavedBytes:
+    """Bytes of activation storage autograd holds, measured from the saved tensors themselves (not
+    from the schedule): each saved tensor's storage counts once while any saved view of it lives;
+    the parameters' storages (``shared``), which every micro-batch saves views of, are left out."""
+
+    def __init__(self, shared: set[int]):
+        self.shared = shared
+        self.refs: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor):
+        if tensor.untyped_storage().data_ptr() in self.shared:
+            return tensor
+        return _Held(self, tensor)
+
+    @staticmethod
+    def unpack(held):
+        return held if isinstance(held, torch.Tensor) else held.tensor
+
+    def acquire(self, key: int, nbytes: int) -> None:
+        self.refs[key] = self.refs.get(key, 0) + 1
+        if self.refs[key] == 1:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def release(self, key: int, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= nbytes
+
+
+class _Held:
+    def __init__(self, tracker: SavedBytes, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        self.tracker, self.tensor, self.key, self.nbytes = tracker, tensor, storage.data_ptr(), storage.nbytes()
+        tracker.acquire(self.key, self.nbytes)
+
+    def __del__(self):
+        self.tracker.release(self.key, self.nbytes)
+
+
+PP_CFG = dict(num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_length=16)
+MICRO_BATCHES = 6
+
+
+def _peak_bytes(topo, schedule: str, m: int) -> tuple[int, int]:
+    """Peak saved-activation bytes of one step on this rank, and the schedule's live micro-batch count."""
+    from models import GPT
+    from models.config import ModelConfig
+    from parallel.pipeline import PipelineExecutor
+    from parallel.pipeline.schedule import max_live_activations
+
+    cfg = ModelConfig(**PP_CFG, tie_embeddings=False)
+    first, last = topo.is_first_stage, topo.is_last_stage
+    stage = GPT(cfg, layers=range(2) if first else range(2, 4), has_embedding=first, has_head=last, seed=1)
+    executor = PipelineExecutor([stage], topo, (2, cfg.seq_length, cfg.hidden_size), schedule=schedule,
+                                forward_step=lambda module, x, mb, first, last: (
+                                    module(mb[0] if first else x, mb[1] if last else None).mean() if last
+                                    else module(mb[0] if first else x)), timeout_s=60)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))
+            for _ in range(m)]
+    tracker = SavedBytes({p.untyped_storage().data_ptr() for p in stage.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, SavedBytes.unpack):
+        executor.step(data)
+    assert tracker.live == 0, "activations outlived the step"
+    return tracker.peak, max_live_activations(executor.stats.ops)
+
+
+def _pipeline_world(rank, world_size):
+    from parallel.topology import RankGrid, Topology
+
+    topo = Topology(RankGrid(tp=1, pp=2, dp=1))
+    return {"one": _peak_bytes(topo, "1f1b", 1),
+            "1f1b": _peak_bytes(topo, "1f1b", MICRO_BATCHES),
+            "serial": _peak_bytes(topo, "gradient_accumulation", MICRO_BATCHES)}
+
+
+@pytest.fixture(scope="module")
+def pipeline_peaks():
+    from tests.distributed import run_world
+
+    return run_world(2, _pipeline_world)
+
+
+def test_activation_bytes_peak_at_the_schedules_live_count(pipeline_peaks):
+    """1F1B holds pp - rank micro-batches' activations at its peak, however many micro-batches the
+    step has; running each micro-batch through forward and backward first holds one. Measured in
+    bytes from the tensors autograd saves, against one micro-batch's bytes."""
+    for rank, peaks in enumerate(pipeline_peaks):
+        one, _ = peaks["one"]
+        peak, live = peaks["1f1b"]
+        assert live == 2 - rank
+        assert peak == live * one, (rank, peak, live, one)
+        assert peaks["serial"] == (one, 1), rank
