@@ -140,8 +140,8 @@ def test_a_failed_commit_rolls_back(tmp_path, monkeypatch, resave):
             return real(path, text)
 
         monkeypatch.setattr(writer_module, "write_text_atomic", write_text_atomic)
-        with pytest.raises(CheckpointError, match=f"step_000000{1 if resave else 2}.tmp: rank 0 could not "
-                                                  f"complete it: {NO_SPACE}; the partial"):
+        with pytest.raises(CheckpointError, match=f"step_000000{1 if resave else 2}.tmp: rank 0 could not complete "
+                                                  f"this checkpoint: {NO_SPACE}; the partial"):
             writer.save(1 if resave else 2, small(0, 2.0))
         assert_previous_is_latest(tmp_path)
         assert torch.equal(load_file(tmp_path / "step_0000001", "rank0.pt")["w"], torch.ones(4))

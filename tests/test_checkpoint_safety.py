@@ -62,7 +62,8 @@ def test_json_values_round_trip_exactly_and_tuples_become_lists(tmp_path):
 def test_files_are_plain_safetensors(tmp_path):
     from safetensors.torch import load_file as safetensors_load
 
-    _, path = write_read(tmp_path, {"master": torch.arange(6.0), "rng": {"tp": [None, torch.ones(3, dtype=torch.uint8)]}})
+    tree = {"master": torch.arange(6.0), "rng": {"tp": [None, torch.ones(3, dtype=torch.uint8)]}}
+    _, path = write_read(tmp_path, tree)
     assert set(safetensors_load(path)) == {"master", "rng/tp/1"}
 
 

@@ -14,7 +14,9 @@ Protocol (every rank calls ``save`` for the same step, at the same point of the 
 A save that fails anywhere (a full disk, a read-only mount, lost permissions) fails on every rank
 with one ``CheckpointError`` naming the directory and the rank, and the reason in words on the rank
 it happened to; the partial directory is removed (a full disk is not left fuller) and the previous
-complete checkpoint stays the latest. Every rank still passes every barrier, so none is left waiting.
+complete checkpoint stays the latest (a ``latest`` that cannot be replaced undoes the rename). Every
+rank still passes every barrier, so none is left waiting. Only removing older checkpoints may fail
+after the commit: that is a warning, since the new checkpoint is complete.
 
 The ranks must share a filesystem: rank 0 renames a directory the others wrote into. The barrier is
 injected (``lambda: dist.barrier(group)`` in the trainer, ``threading.Barrier(n).wait`` in tests) so
@@ -137,9 +139,11 @@ class CheckpointWriter:
             if not errors:
                 try:
                     self._commit(step, meta)
+                except CheckpointError as e:  # a rank's files are missing, or two ranks wrote one name
+                    errors.append(CheckpointError(f"{e}; {DISCARDED}"))
                 except Exception as e:  # noqa: BLE001 - re-raised after the barrier, so no rank is left waiting
-                    detail = e if isinstance(e, CheckpointError) else f"{tmp}: rank 0 could not complete it: {_reason(e)}"
-                    errors.append(CheckpointError(f"{detail}; {DISCARDED}"))
+                    errors.append(CheckpointError(f"{tmp}: rank 0 could not complete this checkpoint: "
+                                                  f"{_reason(e)}; {DISCARDED}"))
             if errors:
                 shutil.rmtree(tmp, ignore_errors=True)
         self.barrier()
