@@ -40,6 +40,10 @@ def _metadata_reads() -> frozenset:
 _METADATA_READS = _metadata_reads()
 
 
+class UnmaterializedParameterError(UserError):
+    """A released ZeRO-3 parameter's values were read."""
+
+
 class ReleasedParameter(torch.nn.Parameter):
     """A stage-3 parameter whose unit is released: its storage holds no bytes, so any call that
     would read its values raises instead (see the module doc). The store switches a parameter's
@@ -54,10 +58,6 @@ class ReleasedParameter(torch.nn.Parameter):
                 f"outside a forward while only this rank's shard exists; call optimizer.wait_params() "
                 f"(engine.optimizer.wait_params()) first to gather every parameter")
         return super().__torch_function__(func, types, args, kwargs or {})
-
-
-class UnmaterializedParameterError(UserError):
-    """A released ZeRO-3 parameter's values were read."""
 
 
 class ParamStore:
