@@ -1,0 +1,75 @@
+"""``exact-dedup``: drop every document whose normalised text appeared earlier in document order.
+
+Three sub-stages exchange files so that no process holds more than about one shard's worth:
+``hashes`` (per shard: a 64-bit hash of each document's lower-cased, space-collapsed text),
+``duplicates`` (per hash partition: every occurrence after the first, as a global document number),
+``filter`` (per shard: the shard without its duplicates). A global document number is
+``shard index << 32 | row``, so sorting by it is document order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+import numpy as np
+
+from data_pipeline.curate.shards import read_shard, write_shard
+
+_SPACE = re.compile(r"\s+")
+ROW_BITS = 32
+
+
+def text_hash(text: str) -> int:
+    normalised = _SPACE.sub(" ", text.lower()).strip()
+    return int.from_bytes(hashlib.blake2b(normalised.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def hash_shard(in_path: str, out_path: str, text_field: str) -> dict:
+    hashes = np.fromiter((text_hash(r[text_field]) for r in read_shard(in_path)), dtype=np.uint64)
+    _save(out_path, hashes)
+    return {"docs": len(hashes)}
+
+
+def _save(path: str, array: np.ndarray) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}.npy"
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+def duplicates_in_partition(hash_paths: list[str], part: int, parts: int, out_path: str) -> dict:
+    """Global numbers of the documents, in this hash partition, whose hash occurred before."""
+    keys, gids = [], []
+    for shard, path in enumerate(hash_paths):
+        hashes = np.load(path, mmap_mode="r")
+        rows = np.flatnonzero(hashes % np.uint64(parts) == part)
+        keys.append(np.asarray(hashes[rows]))
+        gids.append((np.int64(shard) << ROW_BITS) | rows.astype(np.int64))
+    keys, gids = np.concatenate(keys), np.concatenate(gids)  # gids ascend: document order
+    _, first = np.unique(keys, return_index=True)  # index of each hash's first occurrence
+    duplicate = np.ones(len(keys), dtype=bool)
+    duplicate[first] = False
+    _save(out_path, np.sort(gids[duplicate]))
+    return {"duplicates": int(duplicate.sum())}
+
+
+def rows_to_drop(drop_paths: list[str], shard: int) -> np.ndarray:
+    """Rows of ``shard`` listed in any of the partitions' sorted global-number files."""
+    rows = []
+    lo, hi = np.int64(shard) << ROW_BITS, np.int64(shard + 1) << ROW_BITS
+    for path in drop_paths:
+        gids = np.load(path, mmap_mode="r")
+        rows.append(np.asarray(gids[np.searchsorted(gids, lo):np.searchsorted(gids, hi)]) - lo)
+    return np.unique(np.concatenate(rows)) if rows else np.zeros(0, dtype=np.int64)
+
+
+def filter_shard(in_path: str, out_path: str, text_field: str, drop_paths: list[str], shard: int,
+                 reason: str) -> dict:
+    records = read_shard(in_path)
+    drop = set(rows_to_drop(drop_paths, shard).tolist())
+    kept = [r for i, r in enumerate(records) if i not in drop]
+    write_shard(out_path, kept)
+    size = lambda rs: sum(len(r[text_field].encode("utf-8")) for r in rs)  # noqa: E731
+    return {"docs_in": len(records), "docs_out": len(kept), "bytes_in": size(records), "bytes_out": size(kept),
+            "dropped": {reason: len(records) - len(kept)} if drop else {}}

@@ -1,0 +1,175 @@
+"""``fuzzy-dedup``: MinHash-LSH candidates, verified by exact Jaccard, one document kept per component.
+
+Sub-stages exchange files, so memory is bounded by a shard (or a partition of about a shard's
+size), never by the corpus:
+
+``signatures`` (per shard)   shingle sets (uint32, with offsets) and LSH band keys (documents x bands)
+``buckets`` (per partition)  documents sharing a band key, as candidate pairs of global numbers
+``edges`` (per partition)    candidates whose exact Jaccard on the shingle sets is >= threshold,
+                             read from the memory-mapped shingle files of both documents' shards
+``components``               connected components of the edges; every member but the lowest
+                             global number (the first in document order) is removed. Writes
+                             ``edges.jsonl`` (id_a, id_b, jaccard) and ``removed.jsonl`` (id, kept,
+                             component_size) so a user can audit what was dropped
+``filter`` (per shard)       the shard without the removed documents
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from data_pipeline.curate.exact_dedup import ROW_BITS, _save
+from data_pipeline.curate.minhash import MinHasher, jaccard
+from data_pipeline.curate.shards import atomic_write_text, read_shard
+
+BATCH = 256  # documents hashed together: large enough to amortise numpy's per-call cost
+EDGE = np.dtype([("a", np.int64), ("b", np.int64), ("jaccard", np.float32)])
+
+
+@dataclass
+class FuzzyDedupConfig:
+    num_perm: int = 260  # MinHash permutations (MT-NLG, NeMo Curator)
+    bands: int = 20  # LSH bands ...
+    rows: int = 13  # ... of this many rows: candidates at Jaccard s with probability 1 - (1 - s^13)^20
+    ngram: int = 5  # character shingles
+    threshold: float = 0.8  # exact Jaccard a candidate pair needs to be an edge
+    seed: int = 42  # of the permutations and the shingle hash
+    max_bucket_pairs: int = 64  # a bucket with more documents pairs each with the first and the previous
+    partitions: int = 0  # hash partitions for buckets and edges (0 = one per shard)
+
+    def hasher(self) -> MinHasher:
+        return MinHasher(self.num_perm, self.ngram, self.bands, self.rows, self.seed)
+
+
+def signature_shard(in_path: str, out_prefix: str, text_field: str, cfg: FuzzyDedupConfig) -> dict:
+    """Write OUT.shingles.npy, OUT.offsets.npy, OUT.bands.npy and OUT.ids.json for one shard."""
+    hasher = cfg.hasher()
+    records = read_shard(in_path)
+    shingles, offsets, bands = [], [np.zeros(1, np.int64)], []
+    for i in range(0, len(records), BATCH):
+        hashes, offs = hasher.shingles([r[text_field] for r in records[i:i + BATCH]])
+        bands.append(hasher.band_keys(hasher.signatures(hashes, offs)))
+        offsets.append(offs[1:] + offsets[-1][-1])
+        shingles.append(hashes)
+    _save(f"{out_prefix}.shingles.npy", np.concatenate(shingles) if shingles else np.zeros(0, np.uint32))
+    _save(f"{out_prefix}.offsets.npy", np.concatenate(offsets))
+    _save(f"{out_prefix}.bands.npy", np.concatenate(bands) if bands else np.zeros((0, cfg.bands), np.uint64))
+    atomic_write_text(f"{out_prefix}.ids.json", json.dumps([r["id"] for r in records]))
+    return {"docs": len(records)}
+
+
+def bucket_partition(prefixes: list[str], part: int, parts: int, out_path: str, max_bucket_pairs: int) -> dict:
+    """Candidate pairs (a < b, global numbers) among documents whose band keys fall in this partition."""
+    keys, gids = [], []
+    for shard, prefix in enumerate(prefixes):
+        bands = np.load(f"{prefix}.bands.npy", mmap_mode="r")
+        rows, cols = np.nonzero(bands % np.uint64(parts) == part)
+        keys.append(np.asarray(bands[rows, cols]))
+        gids.append((np.int64(shard) << ROW_BITS) | rows.astype(np.int64))
+    keys, gids = np.concatenate(keys), np.concatenate(gids)
+    order = np.lexsort((gids, keys))
+    keys, gids = keys[order], gids[order]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    sizes = np.diff(np.r_[starts, len(keys)])
+    pairs = [np.stack([gids[starts[sizes == 2]], gids[starts[sizes == 2] + 1]], axis=1)]
+    for s, size in zip(starts[sizes > 2], sizes[sizes > 2]):
+        pairs.append(_bucket_pairs(gids[s:s + size], max_bucket_pairs))
+    pairs = np.unique(np.concatenate(pairs), axis=0) if len(pairs) > 1 else pairs[0]
+    _save(out_path, pairs.astype(np.int64).reshape(-1, 2))
+    return {"buckets": int((sizes >= 2).sum()), "candidate_pairs": len(pairs)}
+
+
+def _bucket_pairs(members: np.ndarray, max_pairs: int) -> np.ndarray:
+    """All pairs of a small bucket; a big one (usually many copies of one text) pairs each member
+    with the first and with its predecessor, which keeps it connected at linear cost."""
+    if len(members) <= max_pairs:
+        i, j = np.triu_indices(len(members), k=1)
+        return np.stack([members[i], members[j]], axis=1)
+    star = np.stack([np.full(len(members) - 1, members[0]), members[1:]], axis=1)
+    chain = np.stack([members[1:-1], members[2:]], axis=1)
+    return np.concatenate([star, chain])
+
+
+def _pair_partition(pairs: np.ndarray, parts: int) -> np.ndarray:
+    mixed = pairs[:, 0].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ pairs[:, 1].astype(np.uint64)
+    return (mixed ^ (mixed >> np.uint64(31))) % np.uint64(parts)
+
+
+def verify_partition(bucket_paths: list[str], prefixes: list[str], part: int, parts: int, threshold: float,
+                     out_path: str) -> dict:
+    """Edges: this partition's share of the candidate pairs whose exact Jaccard is >= threshold."""
+    pairs = [p[_pair_partition(p, parts) == part] for p in (np.load(path) for path in bucket_paths)]
+    pairs = np.unique(np.concatenate(pairs), axis=0) if pairs else np.zeros((0, 2), np.int64)
+    shingles, offsets = {}, {}
+
+    def shingle_set(gid: int) -> np.ndarray:
+        shard, row = gid >> ROW_BITS, gid & ((1 << ROW_BITS) - 1)
+        if shard not in shingles:
+            shingles[shard] = np.load(f"{prefixes[shard]}.shingles.npy", mmap_mode="r")
+            offsets[shard] = np.load(f"{prefixes[shard]}.offsets.npy", mmap_mode="r")
+        return np.asarray(shingles[shard][offsets[shard][row]:offsets[shard][row + 1]])
+
+    edges = []
+    for a, b in pairs.tolist():
+        j = jaccard(shingle_set(a), shingle_set(b))
+        if j >= threshold:
+            edges.append((a, b, j))
+    _save(out_path, np.array(edges, dtype=EDGE))
+    return {"candidates_verified": len(pairs), "edges": len(edges)}
+
+
+def connected_components(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(nodes, root of each node) for an edge list; a root is the smallest node of its component.
+
+    Min-label propagation with pointer jumping, vectorised: each round every edge pulls both ends'
+    roots to the smaller one, so the rounds needed grow with the log of a component's diameter.
+    """
+    nodes, inverse = np.unique(np.concatenate([a, b]), return_inverse=True)
+    ea, eb = inverse[:len(a)], inverse[len(a):]
+    root = np.arange(len(nodes))
+    while True:
+        ra, rb = root[ea], root[eb]
+        if (ra == rb).all():
+            return nodes, nodes[root]
+        low = np.minimum(ra, rb)
+        np.minimum.at(root, ra, low)
+        np.minimum.at(root, rb, low)
+        while not (root[root] == root).all():
+            root = root[root]
+
+
+def components(edge_paths: list[str], prefixes: list[str], out_dir: str) -> dict:
+    """Write removed.npy (sorted global numbers) and the audit files; returns cluster-size counts."""
+    edges = np.concatenate([np.load(p) for p in edge_paths]) if edge_paths else np.zeros(0, EDGE)
+    edges = np.sort(edges, order=("a", "b"))
+    nodes, roots = connected_components(edges["a"], edges["b"])
+    removed = nodes[nodes != roots]
+    _save(os.path.join(out_dir, "removed.npy"), removed)
+    ids = _ids_of(np.concatenate([nodes, edges["a"], edges["b"]]), prefixes)
+    root_of = dict(zip(nodes.tolist(), roots.tolist()))
+    size = Counter(roots.tolist())
+    atomic_write_text(os.path.join(out_dir, "edges.jsonl"), "".join(
+        json.dumps({"id_a": ids[a], "id_b": ids[b], "jaccard": round(float(j), 4)}) + "\n"
+        for a, b, j in edges.tolist()))
+    atomic_write_text(os.path.join(out_dir, "removed.jsonl"), "".join(
+        json.dumps({"id": ids[g], "kept": ids[root_of[g]], "component_size": size[root_of[g]]}) + "\n"
+        for g in removed.tolist()))
+    return {"edges": len(edges), "components": len(size), "removed": len(removed),
+            "cluster_sizes": {str(k): v for k, v in sorted(Counter(size.values()).items())}}
+
+
+def _ids_of(gids: np.ndarray, prefixes: list[str]) -> dict:
+    """Document ids of the given global numbers, reading only the shards they live in."""
+    out = {}
+    gids = np.unique(gids)
+    for shard in np.unique(gids >> ROW_BITS).tolist():
+        with open(f"{prefixes[shard]}.ids.json", encoding="utf-8") as f:
+            shard_ids = json.load(f)
+        for g in gids[(gids >> ROW_BITS) == shard].tolist():
+            out[g] = shard_ids[g & ((1 << ROW_BITS) - 1)]
+    return out

@@ -1,0 +1,230 @@
+"""Running a curation config: ingest, the stages in order, optional tokenizing, blend file and report.
+
+Layout of ``output.dir``::
+
+    00-input/            the inputs as shards with document ids
+    01-clean/ ...        one directory per stage: its output shards, stats.json, stage.json (the
+                         options it ran with), .done/ (completion markers), sub-stage directories
+    tokenized/           curated_text_document.bin/.idx (with preprocess.tokenizer)
+    blend.yaml           the blend `megazero train` reads (--data.blend_preset, --data.blend_root)
+    report.md, report/   documents and bytes per stage, plots
+
+A stage whose stats.json exists is complete and is skipped on a rerun; inside a stage, finished
+tasks are skipped by their markers. A stage directory made with other options is an error, so a
+rerun never mixes the outputs of two configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from data_pipeline.curate import decontaminate as dc
+from data_pipeline.curate import exact_dedup as ex
+from data_pipeline.curate import fuzzy_dedup as fz
+from data_pipeline.curate.clean import clean_shard
+from data_pipeline.curate.config import CurateConfig
+from data_pipeline.curate.quality import load_model, quality_shard
+from data_pipeline.curate.runner import Task, make_executor, merge_stats, run_tasks
+from data_pipeline.curate.shards import atomic_write_text, ingest_file, list_shards
+
+
+@dataclass
+class Context:
+    cfg: CurateConfig
+    executor: object
+    progress: bool
+
+    @property
+    def text_field(self) -> str:
+        return self.cfg.input.text_field
+
+    def run(self, directory: str, tasks: list[Task], desc: str) -> list[dict]:
+        return run_tasks(self.executor, directory, tasks, desc, self.progress)
+
+    def map_shards(self, shards: list[str], out_dir: str, fn: Callable, args_for: Callable, desc: str) -> list[dict]:
+        """``fn(in_shard, out_shard, *args_for(i, in_shard))`` for every shard, the output named as the input."""
+        tasks = [Task(_stem(s), fn, (s, os.path.join(out_dir, os.path.basename(s)), *args_for(i, s)))
+                 for i, s in enumerate(shards)]
+        return self.run(out_dir, tasks, desc)
+
+
+def _stem(path: str) -> str:
+    return os.path.basename(path).split(".")[0]
+
+
+def _subdir(parent: str, name: str) -> str:
+    path = os.path.join(parent, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def run_ingest(ctx: Context, out_dir: str) -> dict:
+    i = ctx.cfg.input
+    tasks = [Task(f"input-{k:05d}", ingest_file, (path, k, out_dir, ctx.cfg.output.format, i.text_field, i.id_field,
+                                                  i.shard_docs, ctx.cfg.strict))
+             for k, path in enumerate(i.paths)]
+    stats = merge_stats(ctx.run(out_dir, tasks, "input"))
+    if stats["docs_out"] == 0:
+        bad = sum(stats.get("bad_records", {}).values())
+        raise ValueError(f"input.paths: no documents in {i.paths} ({bad} bad records); give jsonl or parquet "
+                         f"files whose records have a {i.text_field!r} string (input.text_field)")
+    return stats
+
+
+def run_clean(ctx: Context, shards: list[str], out_dir: str) -> dict:
+    return merge_stats(ctx.map_shards(shards, out_dir, clean_shard, lambda i, s: (ctx.text_field, ctx.cfg.clean),
+                                      "clean"))
+
+
+def run_quality(ctx: Context, shards: list[str], out_dir: str) -> dict:
+    load_model(ctx.cfg.quality.model)  # a missing or wrong model is one error here, not one per worker
+    stats = merge_stats(ctx.map_shards(shards, out_dir, quality_shard,
+                                       lambda i, s: (ctx.text_field, ctx.cfg.quality), "quality"))
+    stats["alpha"] = ctx.cfg.quality.alpha
+    return stats
+
+
+def run_exact_dedup(ctx: Context, shards: list[str], out_dir: str) -> dict:
+    hash_dir, dup_dir = _subdir(out_dir, "hashes"), _subdir(out_dir, "duplicates")
+    hashes = [os.path.join(hash_dir, f"{_stem(s)}.npy") for s in shards]
+    ctx.run(hash_dir, [Task(_stem(s), ex.hash_shard, (s, h, ctx.text_field)) for s, h in zip(shards, hashes)],
+            "exact: hashes")
+    parts = max(1, len(shards))
+    drops = [os.path.join(dup_dir, f"part-{p:05d}.npy") for p in range(parts)]
+    ctx.run(dup_dir, [Task(f"part-{p:05d}", ex.duplicates_in_partition, (hashes, p, parts, d))
+                      for p, d in enumerate(drops)], "exact: duplicates")
+    return merge_stats(ctx.map_shards(shards, out_dir, ex.filter_shard,
+                                      lambda i, s: (ctx.text_field, drops, i, "exact duplicate"), "exact: filter"))
+
+
+def run_fuzzy_dedup(ctx: Context, shards: list[str], out_dir: str) -> dict:
+    f = ctx.cfg.fuzzy_dedup
+    f.hasher()  # bad MinHash parameters fail here, once
+    sig_dir, bucket_dir, edge_dir = (_subdir(out_dir, n) for n in ("signatures", "buckets", "edges"))
+    prefixes = [os.path.join(sig_dir, _stem(s)) for s in shards]
+    ctx.run(sig_dir, [Task(_stem(s), fz.signature_shard, (s, p, ctx.text_field, f)) for s, p in zip(shards, prefixes)],
+            "fuzzy: signatures")
+    parts = f.partitions or max(1, len(shards))
+    buckets = [os.path.join(bucket_dir, f"part-{p:05d}.npy") for p in range(parts)]
+    candidates = ctx.run(bucket_dir, [Task(f"part-{p:05d}", fz.bucket_partition, (prefixes, p, parts, b, f.max_bucket_pairs))
+                                      for p, b in enumerate(buckets)], "fuzzy: buckets")
+    edges = [os.path.join(edge_dir, f"part-{p:05d}.npy") for p in range(parts)]
+    verified = ctx.run(edge_dir, [Task(f"part-{p:05d}", fz.verify_partition, (buckets, prefixes, p, parts, f.threshold, e))
+                                  for p, e in enumerate(edges)], "fuzzy: edges")
+    [comps] = ctx.run(out_dir, [Task("components", fz.components, (edges, prefixes, out_dir))], "fuzzy: components")
+    removed = [os.path.join(out_dir, "removed.npy")]
+    stats = merge_stats(ctx.map_shards(shards, out_dir, ex.filter_shard,
+                                       lambda i, s: (ctx.text_field, removed, i, "near duplicate"), "fuzzy: filter"))
+    return {**stats, **merge_stats(candidates + verified), **comps}
+
+
+def run_decontaminate(ctx: Context, shards: list[str], out_dir: str) -> dict:
+    d = ctx.cfg.decontaminate
+    freq_dir = _subdir(out_dir, "doc_freq")
+    tasks_path, ignored_path = os.path.join(out_dir, "task_ngrams.npz"), os.path.join(out_dir, "ignored.npy")
+    [task_stats] = ctx.run(out_dir, [Task("task_ngrams", dc.build_task_ngrams, (d, tasks_path))], "decontaminate: tasks")
+    freqs = [os.path.join(freq_dir, f"{_stem(s)}.npy") for s in shards]
+    ctx.run(freq_dir, [Task(_stem(s), dc.doc_freq_shard, (s, tasks_path, q, ctx.text_field, d.ngram))
+                       for s, q in zip(shards, freqs)], "decontaminate: frequencies")
+    frequent = dc.frequent_ngrams(freqs, d.max_doc_freq)
+    ex._save(ignored_path, frequent)
+    stats = merge_stats(ctx.map_shards(shards, out_dir, dc.decontaminate_shard,
+                                       lambda i, s: (tasks_path, ignored_path, ctx.text_field, d), "decontaminate"))
+    return {**stats, **task_stats, "ignored_frequent_ngrams": len(frequent)}
+
+
+RUNNERS = {"clean": run_clean, "quality": run_quality, "exact_dedup": run_exact_dedup,
+           "fuzzy_dedup": run_fuzzy_dedup, "decontaminate": run_decontaminate}
+
+
+def _check_fingerprint(stage_dir: str, fingerprint: dict) -> None:
+    path = os.path.join(stage_dir, "stage.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+        if old != fingerprint:
+            changed = sorted(k for k in fingerprint if old.get(k) != fingerprint[k])
+            raise ValueError(f"{stage_dir} was made with other settings ({', '.join(changed)} differ); delete it "
+                             "(and the stages after it) or choose another output.dir")
+    else:
+        os.makedirs(stage_dir, exist_ok=True)
+        atomic_write_text(path, json.dumps(fingerprint, indent=1, sort_keys=True))
+
+
+def _run_stage(ctx: Context, name: str, stage_dir: str, fingerprint: dict, body: Callable[[], dict], log) -> dict:
+    """Run ``body`` unless the stage's stats.json says it already completed; write stats.json last."""
+    _check_fingerprint(stage_dir, fingerprint)
+    stats_path = os.path.join(stage_dir, "stats.json")
+    if os.path.isfile(stats_path):
+        with open(stats_path, encoding="utf-8") as f:
+            stats = json.load(f)
+        log(f"{name}: already complete ({stats['docs_out']} documents)")
+        return stats
+    start = time.perf_counter()
+    stats = {"stage": name, **body()}
+    stats["seconds"] = round(time.perf_counter() - start, 3)
+    atomic_write_text(stats_path, json.dumps(stats, indent=1, sort_keys=True))
+    log(summary_line(stats))
+    return stats
+
+
+def summary_line(stats: dict) -> str:
+    dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.get("dropped", {}).items()))
+    bad = sum(stats.get("bad_records", {}).values())
+    return (f"{stats['stage']}: {stats['docs_in']} -> {stats['docs_out']} documents, "
+            f"{stats['bytes_out'] / 1e6:.2f} MB in {stats['seconds']:.1f} s"
+            + (f"; dropped {dropped}" if dropped else "") + (f"; {bad} bad records (see stats.json)" if bad else ""))
+
+
+def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
+    """Run every stage of ``cfg``; returns {"stages": [stats, ...], "shards": final shards, "blend": path or None}."""
+    out = cfg.output.dir
+    os.makedirs(out, exist_ok=True)
+    executor = make_executor(cfg.executor.kind, cfg.executor.workers, cfg.executor.ray_address)
+    ctx = Context(cfg, executor, progress)
+    try:
+        in_dir = os.path.join(out, "00-input")
+        fingerprint = {"inputs": [os.path.abspath(p) for p in cfg.input.paths], "format": cfg.output.format,
+                       **{k: v for k, v in dataclasses.asdict(cfg.input).items() if k != "paths"}}
+        all_stats = [_run_stage(ctx, "input", in_dir, fingerprint, lambda: run_ingest(ctx, in_dir), log)]
+        shards = list_shards(in_dir)
+        for k, name in enumerate(cfg.stages, 1):
+            stage_dir = os.path.join(out, f"{k:02d}-{name}")
+            options = getattr(cfg, name)
+            fingerprint = {"stage": name, "inputs": [os.path.basename(s) for s in shards],
+                           "options": dataclasses.asdict(options) if dataclasses.is_dataclass(options) else options}
+            all_stats.append(_run_stage(ctx, name, stage_dir, fingerprint,
+                                        lambda: RUNNERS[name](ctx, shards, stage_dir), log))
+            shards = list_shards(stage_dir)
+    finally:
+        executor.close()
+    blend = tokenize_and_blend(cfg, shards, log) if cfg.preprocess.tokenizer else None
+    from data_pipeline.curate.report import write_report
+
+    write_report(out, all_stats)
+    return {"stages": all_stats, "shards": shards, "blend": blend}
+
+
+def tokenize_and_blend(cfg: CurateConfig, shards: list[str], log) -> str:
+    """Tokenize the curated shards into OUT/tokenized and write OUT/blend.yaml for `megazero train`."""
+    from data_pipeline.preprocess import output_prefix_for, preprocess
+
+    out = cfg.output.dir
+    prefix = os.path.join(out, "tokenized", "curated")
+    dataset = output_prefix_for(prefix, cfg.input.text_field)
+    if not os.path.isfile(f"{dataset}.idx"):
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)
+        stats = preprocess(shards, prefix, cfg.preprocess.tokenizer, (cfg.input.text_field,),
+                           workers=cfg.preprocess.workers)
+        log(f"preprocess: {stats.summary()}")
+    blend = os.path.join(out, "blend.yaml")
+    rel = os.path.relpath(dataset, out)
+    atomic_write_text(blend, f"# train on it: megazero train CONFIG --data.blend_preset {blend} --data.blend_root {out}\n"
+                             f"datasets:\n  - [{cfg.preprocess.weight}, {rel}]\n")
+    log(f"wrote {blend}")
+    return blend

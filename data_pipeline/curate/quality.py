@@ -1,0 +1,124 @@
+"""``quality``: a fastText classifier's score and MT-NLG's Pareto sampling.
+
+The classifier is trained on word uni- and bigrams to tell curated text (``hq``: OpenWebText2,
+Wikipedia, books) from raw web text (``lq``). A document with score ``s = P(hq)`` is kept when
+``pareto(alpha) > 1 - s``, which keeps it with probability ``(2 - s) ** -alpha`` (numpy's Pareto is
+the Lomax distribution): every good document, and an eighth of the worst at alpha = 3, so the
+corpus keeps some variety instead of a hard cut (GPT-3 and MT-NLG do the same).
+
+The draw comes from a generator seeded by (seed, document id), so whether a document survives
+never depends on how the corpus was sharded or how many workers ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
+
+HQ, LQ = "__label__hq", "__label__lq"
+HIST_BINS = 20  # score histogram in stats.json, for the report
+
+
+@dataclass
+class QualityConfig:
+    model: Optional[str] = None  # a fastText model from `megazero curate train-quality`
+    alpha: float = 3.0  # Pareto shape (MT-NLG); larger keeps fewer low-scoring documents
+    seed: int = 0  # mixed with each document id to seed its draw
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())  # fastText reads one example per line
+
+
+def load_model(path: Optional[str]):
+    if not path:
+        raise ValueError("quality.model: no classifier given; train one with `megazero curate train-quality "
+                         "--hq FILES --lq FILES --output MODEL.bin` and set quality.model")
+    if not os.path.isfile(path):
+        raise ValueError(f"quality.model: {path}: no such file; train one with `megazero curate train-quality`")
+    import fasttext
+
+    fasttext.FastText.eprint = lambda *args, **kwargs: None  # its load-time warning is noise here
+    try:
+        model = fasttext.load_model(path)
+    except ValueError:
+        raise ValueError(f"quality.model: {path} is not a fastText model; train one with "
+                         "`megazero curate train-quality`") from None
+    if HQ not in model.get_labels():
+        raise ValueError(f"quality.model: {path} has labels {model.get_labels()}, not {HQ}; train it with "
+                         "`megazero curate train-quality`")
+    return model
+
+
+def scores(model, texts: list[str]) -> np.ndarray:
+    """P(hq) for each text."""
+    if not texts:
+        return np.zeros(0)
+    labels, probs = model.predict([_one_line(t) for t in texts], k=2)
+    return np.array([dict(zip(ls, ps)).get(HQ, 1.0 - dict(zip(ls, ps)).get(LQ, 0.0))
+                     for ls, ps in zip(labels, probs)]).clip(0.0, 1.0)
+
+
+def pareto_keep(doc_id: str, score: float, alpha: float, seed: int) -> bool:
+    """MT-NLG's rule with a generator seeded by the document id: keep when pareto(alpha) > 1 - score."""
+    key = int.from_bytes(hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest(), "little")
+    return bool(np.random.default_rng([seed, key]).pareto(alpha) > 1.0 - score)
+
+
+def keep_probability(score, alpha: float):
+    """The closed form of ``pareto_keep``'s rate at a given score: (2 - s) ** -alpha."""
+    return (2.0 - np.asarray(score, dtype=np.float64)) ** -alpha
+
+
+def quality_shard(in_path: str, out_path: str, text_field: str, cfg: QualityConfig) -> dict:
+    model = load_model(cfg.model)
+    records = read_shard(in_path)
+    s = scores(model, [r[text_field] for r in records])
+    keep = [pareto_keep(r["id"], float(x), cfg.alpha, cfg.seed) for r, x in zip(records, s)]
+    kept = [r for r, k in zip(records, keep) if k]
+    write_shard(out_path, kept)
+    size = lambda rs: sum(len(r[text_field].encode("utf-8")) for r in rs)  # noqa: E731
+    edges = np.linspace(0.0, 1.0, HIST_BINS + 1)
+    return {"docs_in": len(records), "docs_out": len(kept), "bytes_in": size(records), "bytes_out": size(kept),
+            "dropped": {"pareto sample": len(records) - len(kept)} if len(kept) < len(records) else {},
+            "score_histogram": np.histogram(s, edges)[0].tolist(),
+            "kept_histogram": np.histogram(s[np.array(keep, dtype=bool)], edges)[0].tolist()}
+
+
+def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "text", epoch: int = 5,
+                  valid_fraction: float = 0.1, seed: int = 0, dim: int = 64) -> dict:
+    """Train the hq/lq classifier on word 1-2-grams; returns counts and held-out accuracy."""
+    examples = [(HQ, t) for t in _texts(hq, text_field, "--hq")] + [(LQ, t) for t in _texts(lq, text_field, "--lq")]
+    random.Random(seed).shuffle(examples)
+    n_valid = int(len(examples) * valid_fraction) if len(examples) >= 10 else 0
+    valid, train = examples[:n_valid], examples[n_valid:]
+    import fasttext
+
+    with tempfile.TemporaryDirectory() as tmp:
+        train_file, valid_file = os.path.join(tmp, "train.txt"), os.path.join(tmp, "valid.txt")
+        for path, rows in ((train_file, train), (valid_file, valid)):
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(f"{label} {_one_line(text)}\n" for label, text in rows)
+        model = fasttext.train_supervised(input=train_file, wordNgrams=2, epoch=epoch, dim=dim, minCount=1,
+                                          lr=0.5, thread=1, seed=seed, verbose=0)
+        accuracy = model.test(valid_file)[1] if valid else float("nan")
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    model.save_model(output)
+    return {"hq": sum(1 for label, _ in examples if label == HQ), "lq": sum(1 for label, _ in examples if label == LQ),
+            "held_out": len(valid), "accuracy": accuracy}
+
+
+def _texts(paths: list[str], text_field: str, flag: str) -> list[str]:
+    texts = [record[text_field] for path in paths
+             for _, record in input_documents(path, text_field, "id", True, BadRecords())]
+    if not texts:
+        raise ValueError(f"{flag}: no documents in {paths}; give jsonl or parquet files with a {text_field!r} field")
+    return texts

@@ -1,0 +1,165 @@
+"""Shards: the files every curation stage reads and writes, and how raw inputs become them.
+
+A shard is one file of documents (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst`` or ``.parquet``), each a
+record with a stable string ``id`` and the text field. Ingesting gives every document its id once
+(the input's id field, else ``FILE:LINE``) so that everything downstream (duplicate audits, the
+Pareto draw, decontamination hits) names documents the same way whatever the worker count.
+
+Files are written to a temporary name and renamed, so a killed stage leaves either a whole shard
+or none; the runner's completion markers say which whole shards are final.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from data_pipeline.sources import (BadRecord, MALFORMED_JSON, NOT_OBJECT, decode_line, iter_lines, record_texts)
+
+FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet")
+TRUNCATED = "truncated file"
+MAX_EXAMPLES = 20  # bad-record locations kept per stage in stats.json; the count is always complete
+
+
+def list_shards(directory: str) -> list[str]:
+    """The shards of a stage directory, in document order (their names sort that way)."""
+    return sorted(p for fmt in FORMATS for p in glob.glob(os.path.join(directory, f"shard-*.{fmt}")))
+
+
+def read_shard(path: str) -> list[dict]:
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    return [json.loads(line) for _, line in iter_lines(path)]
+
+
+def write_shard(path: str, records: list[dict]) -> None:
+    """Write atomically and byte-reproducibly (gzip without a timestamp, parquet without statistics drift)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    if path.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(records), tmp)
+    else:
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+        if path.endswith(".gz"):
+            buf = io.BytesIO()
+            with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, filename="") as f:
+                f.write(data)
+            data = buf.getvalue()
+        elif path.endswith(".zst"):
+            import zstandard
+
+            data = zstandard.ZstdCompressor(level=3).compress(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+@dataclass
+class BadRecords:
+    """Records that could not become documents: counted by reason, the first few located by file and line."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: list = field(default_factory=list)
+
+    def add(self, reason: str, where: str, detail: str, strict: bool) -> None:
+        if strict:
+            raise ValueError(f"{where}: {detail} (--strict makes any bad record fatal; without it such "
+                             "records are counted in stats.json and left out)")
+        self.counts[reason] += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(f"{where}: {detail}")
+
+
+def input_documents(path: str, text_field: str, id_field: str, strict: bool, bad: BadRecords):
+    """(id, record) for each good document of one input file; bad records go to ``bad``."""
+    default_id = os.path.basename(path)
+    if path.endswith(".parquet"):
+        yield from _parquet_documents(path, text_field, id_field, strict, bad, default_id)
+        return
+    lineno = 0
+    try:
+        for lineno, line in iter_lines(path):
+            try:
+                record = _parse(line, text_field)
+            except BadRecord as exc:
+                bad.add(exc.reason, f"{path}:{lineno}", exc.detail, strict)
+                continue
+            yield _doc_id(record, id_field, f"{default_id}:{lineno}"), record
+    except OSError as exc:
+        if not os.path.exists(path) or strict:
+            raise
+        bad.add(TRUNCATED, f"{path}:{lineno + 1}", str(exc), strict)
+
+
+def _parse(line: bytes, text_field: str) -> dict:
+    try:
+        record = json.loads(decode_line(line))
+    except json.JSONDecodeError as exc:
+        raise BadRecord(MALFORMED_JSON, f"malformed JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise BadRecord(NOT_OBJECT, f"a JSON {type(record).__name__}, not an object with a {text_field!r} field")
+    record_texts(record, (text_field,))
+    return record
+
+
+def _parquet_documents(path, text_field, id_field, strict, bad, default_id):
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    if text_field not in pf.schema_arrow.names:
+        raise ValueError(f"{path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); set input.text_field")
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            try:
+                record_texts(record, (text_field,))
+            except BadRecord as exc:
+                bad.add(exc.reason, f"{path}: row {row}", exc.detail, strict)
+            else:
+                yield _doc_id(record, id_field, f"{default_id}:{row}"), record
+            row += 1
+
+
+def _doc_id(record: dict, id_field: str, default: str) -> str:
+    value = record.get(id_field)
+    return str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else default
+
+
+def ingest_file(path: str, file_index: int, out_dir: str, fmt: str, text_field: str, id_field: str,
+                shard_docs: int, strict: bool) -> dict:
+    """Split one input file into shards ``shard-FFFFF-SSSSS`` of ``shard_docs`` documents, ids attached."""
+    bad = BadRecords()
+    records, shard, docs, nbytes = [], 0, 0, 0
+
+    def flush():
+        nonlocal records, shard
+        write_shard(os.path.join(out_dir, f"shard-{file_index:05d}-{shard:05d}.{fmt}"), records)
+        records, shard = [], shard + 1
+
+    for doc_id, record in input_documents(path, text_field, id_field, strict, bad):
+        record = {"id": doc_id, **{k: v for k, v in record.items() if k != "id"}}
+        records.append(record)
+        docs += 1
+        nbytes += len(record[text_field].encode("utf-8"))
+        if len(records) == shard_docs:
+            flush()
+    if records or shard == 0:
+        flush()
+    return {"docs_in": docs, "docs_out": docs, "bytes_in": nbytes, "bytes_out": nbytes,
+            "bad_records": dict(bad.counts), "bad_examples": bad.examples}

@@ -1,0 +1,201 @@
+"""`megazero curate run`: stages in order, byte-identical output for any worker count, resumable after a
+kill at any task, and bad input reported with file and line (counted, or fatal with --strict)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import random
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from data_pipeline.curate import pipeline
+from data_pipeline.curate.config import build_config
+from data_pipeline.curate.runner import LocalExecutor, _run_packed
+from megazero.cli import main
+
+WORDS = ("river stone market garden lantern harbor pencil orchard violet thunder meadow copper "
+         "whisper canyon ribbon saddle marble cobalt feather glacier").split()
+
+
+def _docs(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(80)) + "." for _ in range(n)]
+    docs += docs[:5]  # exact copies
+    docs += [d.replace("river", "creek", 1) + " Extra words at the end." for d in docs[5:10]]  # near copies
+    docs += ["too short", "buy $$$ ### now @@@ !!! " * 30]  # junk
+    return docs
+
+
+def write_corpus(tmp_path: Path, n: int = 40, extra_lines: tuple = ()) -> str:
+    path = tmp_path / "raw.jsonl"
+    lines = [json.dumps({"text": d}) for d in _docs(n)] + list(extra_lines)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def config(tmp_path: Path, inputs: list[str], out: str = "out", **sections) -> dict:
+    raw = {"input": {"paths": inputs, "shard_docs": 7}, "output": {"dir": str(tmp_path / out)},
+           "stages": ["clean", "exact_dedup", "fuzzy_dedup"], "clean": {"min_words": 20}}
+    raw.update(sections)
+    return raw
+
+
+def tree_digest(directory: str) -> dict:
+    """sha256 of every file a run leaves, except timings and completion markers (they hold timings)."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, directory)
+            if name in ("stats.json", "report.md") or name.endswith(".png") or ".done" in rel:
+                continue
+            out[rel] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return out
+
+
+def test_pipeline_removes_planted_defects_and_counts_them(tmp_path):
+    result = pipeline.run_pipeline(build_config(config(tmp_path, [write_corpus(tmp_path)])), log=lambda s: None)
+    by_stage = {s["stage"]: s for s in result["stages"]}
+    assert by_stage["input"]["docs_out"] == 52
+    assert by_stage["clean"]["dropped"] == {"too few words": 1, "symbol ratio": 1}
+    assert by_stage["exact_dedup"]["dropped"] == {"exact duplicate": 5}
+    assert by_stage["fuzzy_dedup"]["dropped"] == {"near duplicate": 5}
+    removed = [json.loads(line) for line in open(tmp_path / "out/03-fuzzy_dedup/removed.jsonl")]
+    assert [r["kept"] for r in removed] == [f"raw.jsonl:{i}" for i in range(6, 11)]
+    assert [r["id"] for r in removed] == [f"raw.jsonl:{i}" for i in range(46, 51)]
+    assert (tmp_path / "out/report.md").is_file() and (tmp_path / "out/report/kept.png").is_file()
+
+
+def test_one_and_two_workers_write_identical_files(tmp_path):
+    corpus = write_corpus(tmp_path)
+    for workers in (1, 2):
+        raw = config(tmp_path, [corpus], out=f"w{workers}", executor={"workers": workers},
+                     output={"dir": str(tmp_path / f"w{workers}"), "format": "jsonl.gz"})
+        pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+    assert tree_digest(str(tmp_path / "w1")) == tree_digest(str(tmp_path / "w2"))
+
+
+class _Killed(Exception):
+    pass
+
+
+class DyingExecutor(LocalExecutor):
+    """Runs ``budget`` tasks, then dies as a killed process would: the next task's output shard is
+    written but its marker is not, and a temporary file is left behind."""
+
+    budget = 0
+
+    def run(self, jobs):
+        for fn, args, marker in jobs:
+            if DyingExecutor.budget == 0:
+                out = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
+                if out.endswith(".jsonl"):
+                    fn(*args)  # the output is complete, its marker missing
+                    Path(f"{out}.tmp-999").write_text("half a shard")
+                raise _Killed
+            DyingExecutor.budget -= 1
+            yield _run_packed((fn, args, marker))
+
+
+@pytest.mark.parametrize("budget", [2, 11, 19, 27])
+def test_killed_run_resumes_to_identical_output(tmp_path, monkeypatch, budget):
+    corpus = write_corpus(tmp_path)
+    pipeline.run_pipeline(build_config(config(tmp_path, [corpus], out="whole")), log=lambda s: None)
+    monkeypatch.setattr(pipeline, "make_executor", lambda *a: DyingExecutor(1))
+    DyingExecutor.budget = budget
+    with pytest.raises(_Killed):
+        pipeline.run_pipeline(build_config(config(tmp_path, [corpus], out="killed")), log=lambda s: None)
+    monkeypatch.undo()
+    pipeline.run_pipeline(build_config(config(tmp_path, [corpus], out="killed")), log=lambda s: None)
+    assert tree_digest(str(tmp_path / "killed")) == tree_digest(str(tmp_path / "whole"))
+
+
+def test_rerun_with_other_options_is_refused(tmp_path):
+    corpus = write_corpus(tmp_path)
+    pipeline.run_pipeline(build_config(config(tmp_path, [corpus])), log=lambda s: None)
+    raw = config(tmp_path, [corpus])
+    raw["clean"]["min_words"] = 5
+    with pytest.raises(ValueError, match=r"01-clean was made with other settings \(options differ\); delete it"):
+        pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+
+
+def _cli(tmp_path, raw: dict, *args: str) -> int:
+    path = tmp_path / "curate.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return main(["curate", "run", str(path), "--no-progress", *args])
+
+
+BAD_LINES = ['{"text": ', '{"body": "no text field"}', '[1, 2]', b'{"text": "caf\xe9"}']
+
+
+def test_bad_records_are_counted_with_file_and_line(tmp_path, capsys):
+    corpus = tmp_path / "raw.jsonl"
+    write_corpus(tmp_path)
+    with open(corpus, "ab") as f:
+        for line in BAD_LINES:
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+    assert _cli(tmp_path, config(tmp_path, [str(corpus)])) == 0
+    stats = json.loads((tmp_path / "out/00-input/stats.json").read_text())
+    assert stats["bad_records"] == {"malformed JSON": 1, "not text": 1, "not a JSON object": 1, "not UTF-8": 1}
+    assert stats["bad_examples"][0].startswith(f"{corpus}:53: malformed JSON")
+    assert "4 bad records" in capsys.readouterr().out
+
+
+def test_strict_makes_a_bad_record_fatal(tmp_path, capsys):
+    corpus = write_corpus(tmp_path, extra_lines=('{"body": 1}',))
+    assert _cli(tmp_path, config(tmp_path, [corpus]), "--strict") == 2
+    err = capsys.readouterr().err
+    assert f"{corpus}:53: no key 'text' (keys: ['body'])" in err and "--strict" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_truncated_gzip_is_counted_or_fatal(tmp_path, capsys):
+    data = gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in _docs(40)).encode())
+    path = tmp_path / "raw.jsonl.gz"
+    path.write_bytes(data[:len(data) // 2])
+    assert _cli(tmp_path, config(tmp_path, [str(path)])) == 0
+    stats = json.loads((tmp_path / "out/00-input/stats.json").read_text())
+    assert stats["bad_records"] == {"truncated file": 1} and "truncated or corrupt" in stats["bad_examples"][0]
+    assert _cli(tmp_path, config(tmp_path, [str(path)], out="strict"), "--strict") == 2
+    assert "raw.jsonl.gz: the file is truncated or corrupt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"stages": ["clean", "dedupe"]}, "stages: unknown stage 'dedupe'; known stages:"),
+    ({"stages": ["quality"]}, "quality.model: no classifier given; train one with `megazero curate train-quality"),
+    ({"quality": {"model": "missing.bin"}, "stages": ["quality"]}, "quality.model: missing.bin: no such file"),
+    ({"clean": {"min_wrds": 3}}, "clean.min_wrds: unknown field; did you mean clean.min_words?"),
+    ({"input": {"paths": ["nope/*.jsonl"]}}, "input.paths: nope/\\*.jsonl: no such file"),
+    ({"fuzzy_dedup": {"bands": 30}}, "bands x rows \\(30 x 13\\) needs at most num_perm \\(260\\)"),
+])
+def test_config_errors_are_one_line(tmp_path, capsys, change, message):
+    raw = config(tmp_path, [write_corpus(tmp_path)])
+    raw.update(change)
+    assert _cli(tmp_path, raw) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_empty_input_and_non_fasttext_model(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert _cli(tmp_path, config(tmp_path, [str(empty)])) == 2
+    assert "input.paths: no documents in" in capsys.readouterr().err
+    fake = tmp_path / "model.bin"
+    fake.write_bytes(b"not a model at all" * 10)
+    raw = config(tmp_path, [write_corpus(tmp_path)], out="q", stages=["quality"], quality={"model": str(fake)})
+    assert _cli(tmp_path, raw) == 2
+    assert f"quality.model: {fake} is not a fastText model" in capsys.readouterr().err
+
+
+def test_dotted_overrides_reach_the_stage(tmp_path):
+    raw = config(tmp_path, [write_corpus(tmp_path)])
+    assert _cli(tmp_path, raw, "--clean.min_words", "200") == 0
+    stats = json.loads((tmp_path / "out/01-clean/stats.json").read_text())
+    assert stats["docs_out"] == 0 and stats["dropped"]["too few words"] == 52
