@@ -1,0 +1,124 @@
+"""Fuzzy dedup: shingles, MinHash error against exact Jaccard, the LSH candidate curve, components,
+and precision/recall of the verified edges on planted near-duplicates of real prose."""
+
+from __future__ import annotations
+
+import json
+import random
+from itertools import combinations
+
+import numpy as np
+import pytest
+
+from data_pipeline.curate import fuzzy_dedup as fz
+from data_pipeline.curate.config import build_config
+from data_pipeline.curate.demo import NEAR_KINDS, near_duplicate, stdlib_prose
+from data_pipeline.curate.minhash import MinHasher, estimate, jaccard
+from data_pipeline.curate.pipeline import run_pipeline
+
+
+def char_shingles(text: str, n: int = 5) -> set:
+    return {text[i:i + n] for i in range(max(1, len(text) - n + 1))}
+
+
+def exact_jaccard(a: str, b: str) -> float:
+    sa, sb = char_shingles(a), char_shingles(b)
+    return len(sa & sb) / len(sa | sb)
+
+
+@pytest.fixture(scope="module")
+def prose():
+    return stdlib_prose(max_docs=400)
+
+
+def test_shingle_sets_are_the_character_5_grams_of_each_text(prose):
+    texts = prose[:50] + ["abc", "", "héllo wörld ✓ 𝔘nicode"]
+    hashes, offsets = MinHasher().shingles(texts)
+    for i, text in enumerate(texts):
+        mine = hashes[offsets[i]:offsets[i + 1]]
+        assert len(mine) == len(char_shingles(text.ljust(5, "\0")))
+        assert (np.diff(mine.astype(np.int64)) > 0).all()  # sorted, unique
+    a, b = prose[0], near_duplicate(prose[0], "word_edits", random.Random(0))
+    h, o = MinHasher().shingles([a, b])
+    assert jaccard(h[o[0]:o[1]], h[o[1]:o[2]]) == pytest.approx(exact_jaccard(a, b), abs=1e-9)
+
+
+def test_minhash_tracks_exact_jaccard_within_the_error_of_260_permutations(prose):
+    rng = random.Random(0)
+    pairs = []
+    for text in prose[:300]:
+        words = text.split(" ")
+        keep = rng.uniform(0.3, 1.0)  # replace a random share of the words: Jaccard over the whole range
+        other = " ".join(w if rng.random() < keep else rng.choice(["alpha", "beta", "gamma"]) for w in words)
+        pairs.append((text, other))
+    hasher = MinHasher()
+    hashes, offsets = hasher.shingles([t for p in pairs for t in p])
+    sig = hasher.signatures(hashes, offsets)
+    z = []
+    for k, (a, b) in enumerate(pairs):
+        j = exact_jaccard(a, b)
+        if 0.05 < j < 0.95:
+            z.append((estimate(sig[2 * k], sig[2 * k + 1]) - j) / np.sqrt(j * (1 - j) / 260))
+    z = np.array(z)
+    assert len(z) > 200
+    assert abs(z.mean()) < 0.2, "biased estimate"
+    assert 0.7 < (z ** 2).mean() < 1.3, "error not that of 260 independent permutations"
+
+
+def _sets_with_jaccard(rng: np.random.Generator, s: float, size: int = 400) -> tuple[np.ndarray, np.ndarray]:
+    """Two sets of random 32-bit values, each of ``size``, with Jaccard exactly ``shared / (2 size - shared)``."""
+    shared = int(round(2 * size * s / (1 + s)))
+    values = rng.choice(2**32 - 2, 2 * size - shared, replace=False).astype(np.uint32) + 1
+    return np.sort(values[:size]), np.sort(values[size - shared:])
+
+
+@pytest.mark.parametrize("s", [0.5, 0.6, 0.7, 0.8, 0.9])
+def test_lsh_candidate_rate_follows_the_banding_curve(s):
+    rng = np.random.default_rng(int(s * 10))
+    hasher = MinHasher(seed=int(s * 100))
+    n = 400
+    sets = [x for _ in range(n) for x in _sets_with_jaccard(rng, s)]
+    offsets = np.cumsum([0] + [len(x) for x in sets])
+    keys = hasher.band_keys(hasher.signatures(np.concatenate(sets), offsets))
+    rate = (keys[0::2] == keys[1::2]).any(axis=1).mean()
+    expected = 1 - (1 - s ** 13) ** 20
+    assert abs(rate - expected) < 4 * np.sqrt(expected * (1 - expected) / n) + 0.01, (rate, expected)
+
+
+def test_components_keep_the_first_document_whatever_the_edge_order():
+    edges = [(7, 3), (3, 12), (20, 21), (12, 40), (21, 30)]
+    for seed in range(5):
+        shuffled = random.Random(seed).sample(edges, len(edges))
+        a = np.array([min(e) for e in shuffled])
+        b = np.array([max(e) for e in shuffled])
+        nodes, roots = fz.connected_components(a, b)
+        assert dict(zip(nodes.tolist(), roots.tolist())) == {3: 3, 7: 3, 12: 3, 40: 3, 20: 20, 21: 20, 30: 20}
+
+
+def test_a_big_bucket_stays_connected_with_linear_pairs():
+    members = np.arange(100, 300)
+    pairs = fz._bucket_pairs(members, max_pairs=64)
+    assert len(pairs) < 2 * len(members)
+    nodes, roots = fz.connected_components(pairs[:, 0], pairs[:, 1])
+    assert set(roots.tolist()) == {100} and len(nodes) == len(members)
+
+
+def test_planted_near_duplicates_in_real_prose_precision_and_recall(tmp_path, prose):
+    rng = random.Random(1)
+    originals = prose[:300]
+    planted = [near_duplicate(t, NEAR_KINDS[i % 4], rng) for i, t in enumerate(originals[:120])]
+    texts = originals + planted
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    raw = {"input": {"paths": [str(path)], "shard_docs": 100}, "output": {"dir": str(tmp_path / "out")},
+           "stages": ["fuzzy_dedup"], "executor": {"workers": 2}}
+    run_pipeline(build_config(raw), log=lambda s: None)
+    found = {tuple(sorted((e["id_a"], e["id_b"]))) for e in map(json.loads, open(tmp_path / "out/01-fuzzy_dedup/edges.jsonl"))}
+    shingles = [char_shingles(t) for t in texts]
+    truth = {tuple(sorted((f"d{i}", f"d{j}"))) for i, j in combinations(range(len(texts)), 2)
+             if 0.8 * max(len(shingles[i]), len(shingles[j])) <= min(len(shingles[i]), len(shingles[j]))  # else J < 0.8
+             and len(shingles[i] & shingles[j]) >= 0.8 * len(shingles[i] | shingles[j])}
+    assert len(truth) >= 100, "the planted set should hold at least the planted pairs"
+    precision = len(found & truth) / len(found)
+    recall = len(found & truth) / len(truth)
+    assert precision >= 0.95 and recall >= 0.95, (precision, recall, len(truth))
