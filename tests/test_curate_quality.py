@@ -1,0 +1,73 @@
+"""Quality stage: the Pareto keep rate against its closed form, draws that depend only on the document
+id, and a fastText classifier trained by `megazero curate train-quality`."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from data_pipeline.curate.quality import keep_probability, load_model, pareto_keep, scores
+from megazero.cli import main
+
+
+@pytest.mark.parametrize("alpha", [3.0, 1.5])
+def test_pareto_keep_rate_matches_the_closed_form(alpha):
+    rng = np.random.default_rng(0)
+    s = rng.beta(2, 2, 20_000)  # a fixed score distribution
+    kept = np.array([pareto_keep(f"doc-{i}", x, alpha, seed=0) for i, x in enumerate(s)])
+    expected = keep_probability(s, alpha)
+    # overall and within score bins, within 4 binomial standard deviations
+    assert abs(kept.mean() - expected.mean()) < 4 * np.sqrt(expected.mean() / len(s))
+    for lo in np.arange(0, 1, 0.25):
+        sel = (s >= lo) & (s < lo + 0.25)
+        p = expected[sel].mean()
+        assert abs(kept[sel].mean() - p) < 4 * np.sqrt(p * (1 - p) / sel.sum()) + 1e-3
+    assert keep_probability(1.0, 3.0) == 1.0 and keep_probability(0.0, 3.0) == 0.125
+
+
+def test_the_draw_depends_on_the_id_and_seed_only():
+    first = [pareto_keep(f"doc-{i}", 0.5, 3.0, seed=7) for i in range(200)]
+    assert first == [pareto_keep(f"doc-{i}", 0.5, 3.0, seed=7) for i in range(200)]
+    assert first != [pareto_keep(f"doc-{i}", 0.5, 3.0, seed=8) for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quality")
+    rng = random.Random(0)
+    good = "the committee published a careful report on river water quality and its history".split()
+    bad = "click buy now free win casino cheap pills lol omg subscribe".split()
+    for name, vocab in (("hq", good), ("lq", bad)):
+        with open(tmp / f"{name}.jsonl", "w") as f:
+            for _ in range(200):
+                f.write(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(30))}) + "\n")
+    model = tmp / "q.bin"
+    assert main(["curate", "train-quality", "--hq", str(tmp / "hq.jsonl"), "--lq", str(tmp / "lq.jsonl"),
+                 "--output", str(model), "--epoch", "10"]) == 0
+    return str(model)
+
+
+def test_train_quality_separates_the_classes(trained, capsys):
+    model = load_model(trained)
+    s = scores(model, ["a careful report on the river and its water", "free casino pills, click now lol"])
+    assert s[0] > 0.9 and s[1] < 0.1
+
+
+def test_train_quality_reports_held_out_accuracy(tmp_path, capsys):
+    hq, lq = tmp_path / "hq.jsonl", tmp_path / "lq.jsonl"
+    hq.write_text("".join(json.dumps({"text": f"careful river report {i}"}) + "\n" for i in range(30)))
+    lq.write_text("".join(json.dumps({"text": f"cheap casino pills {i}"}) + "\n" for i in range(30)))
+    assert main(["curate", "train-quality", "--hq", str(hq), "--lq", str(lq), "--output",
+                 str(tmp_path / "m.bin")]) == 0
+    assert "held-out accuracy 1.000 on 6" in capsys.readouterr().out
+
+
+def test_train_quality_without_documents_is_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["curate", "train-quality", "--hq", str(empty), "--lq", str(empty), "--output",
+                 str(tmp_path / "m.bin")]) == 2
+    assert "--hq: no documents in" in capsys.readouterr().err
