@@ -190,8 +190,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     waiting. Workers that saved and stopped exit with 75 (EX_TEMPFAIL, "try again later"), which
     torchrun reports as a failure with a long report; when any worker of this node exits 75 the
     checkpoint is complete (a save ends with a barrier of all ranks), so 75 is this process's status,
-    without the report. Workers that a signal stopped before they could save (still starting up, or
-    a second Ctrl-C) give 128 + the signal. Anything else is torchrun's own failure report.
+    without the report. When no worker saved after a stop signal (it came while they were starting
+    up, or a second Ctrl-C followed), the status is 128 + the signal, after one line; the workers'
+    own output says why. A failure without a stop signal is torchrun's, report and all.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -207,11 +208,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         codes = {failure.exitcode for failure in failed.failures.values()}
         if EXIT_STOPPED in codes:
             return EXIT_STOPPED
-        if stop.signum is not None and codes <= {-stop.signum, 128 + stop.signum}:
-            print(f"megazero: the workers stopped on {signal.Signals(stop.signum).name} without saving",
-                  file=sys.stderr)
-            return 128 + stop.signum
-        raise
+        if stop.signum is None:
+            raise
+        statuses = ", ".join(str(code) for code in sorted(codes))
+        print(f"megazero: the workers stopped on {signal.Signals(stop.signum).name} without saving (exit "
+              f"statuses {statuses})", file=sys.stderr)
+        return 128 + stop.signum
     return 0
 
 

@@ -146,9 +146,47 @@ def test_sigusr1_to_the_script_saves_on_every_worker_and_exits_75(config, run_di
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_and_ctrl_c_to_the_script_save_on_every_worker_and_exit_75(config, run_dir, signum):
     _check_signal_to_script(config, run_dir, signum)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_workers_start_stops_them_without_a_failure_report(config, run_dir):
+    proc = _start(config, run_dir)
+    deadline = time.monotonic() + 120
+    launcher = None
+    while launcher is None or len(_children(launcher)) < 2:  # workers started, still far from their first step
+        assert time.monotonic() < deadline and proc.poll() is None, "the workers did not start"
+        launcher = next((pid for pid in _children(proc.pid) if "parallel.launch" in _cmdline(pid)), None)
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert "megazero: the workers stopped on SIGINT without saving" in out, out
+    assert "exitcode" not in out, out  # no torchrun failure report
+    assert not (run_dir / "checkpoints").exists() and _processes_of(run_dir) == []
+
+
+def _catches(pid: int, signum: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught >> (signum - 1) & 1)
+
+
+@pytest.mark.slow
+def test_sigterm_at_the_rendezvous_stops_without_a_failure_report(config, run_dir):
+    proc = _start(config, run_dir)
+    deadline = time.monotonic() + 120
+    launcher = None
+    while launcher is None or not _catches(launcher, signal.SIGTERM):  # torchrun is up, no worker yet
+        assert time.monotonic() < deadline and proc.poll() is None, "torchrun did not start"
+        launcher = next((pid for pid in _children(proc.pid) if "parallel.launch" in _cmdline(pid)), None)
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "exitcode" not in out and _processes_of(run_dir) == [], out
 
 
 def test_killing_torchrun_stops_every_worker(config, run_dir):
