@@ -19,10 +19,10 @@ absolute after 3 steps of lr 1e-2 (under 2e-4 of the update; unclipped gradients
 the rounding to Adam than clipped ones did, measured up to 3e-6), losses and norms within 1e-5
 relative; Adam epsilon 1e-4 (see EPS).
 
-Planted bugs this caught that the former binding-clip, parameters-only version missed: gradients
-not divided by the data-parallel size (a constant factor of dp), the tied embedding's gradients
-summed twice across pipeline stages, and the norm counting tensor-replicated parameters on every
-tensor rank.
+Planted bug this caught that the former binding-clip, parameters-only version missed: gradients
+not divided by the data-parallel size (a constant factor of dp). Two more planted bugs fail both
+versions: the tied embedding's gradient summed twice across pipeline stages, and the norm counting
+tensor-replicated parameters on every tensor rank.
 """
 
 from __future__ import annotations
