@@ -27,7 +27,7 @@ def _docs(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     docs = [" ".join(rng.choice(WORDS) for _ in range(80)) + "." for _ in range(n)]
     docs += docs[:5]  # exact copies
-    docs += [d.replace("river", "creek", 1) + " Extra words at the end." for d in docs[5:10]]  # near copies
+    docs += [d.replace("river", "creek", 1) + " The end." for d in docs[5:10]]  # near copies, Jaccard about 0.95
     docs += ["too short", "buy $$$ ### now @@@ !!! " * 30]  # junk
     return docs
 

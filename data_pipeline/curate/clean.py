@@ -15,6 +15,7 @@ from data_pipeline.curate.shards import read_shard, write_shard
 _SPACES = re.compile(r"[ \t\f\v\u00a0\u2000-\u200b\u3000]+")
 _BLANK_LINES = re.compile(r"\n{3,}")
 _WORD = re.compile(r"\w+")
+_SYMBOL = re.compile(r"[^\w\s]")
 
 
 @dataclass
@@ -40,8 +41,7 @@ def drop_reason(text: str, cfg: CleanConfig) -> str | None:
         return "too few words"
     if words > cfg.max_words:
         return "too many words"
-    symbols = sum(1 for c in text if not (c.isalnum() or c.isspace()))
-    if symbols > cfg.max_symbol_ratio * len(text):
+    if len(_SYMBOL.findall(text)) > cfg.max_symbol_ratio * len(text):
         return "symbol ratio"
     lines = [line for line in text.split("\n") if line.strip()]
     if lines and (len(lines) - len(set(lines))) > cfg.max_repeated_line_ratio * len(lines):
