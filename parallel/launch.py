@@ -101,7 +101,7 @@ def started_by_torchrun(env: Mapping[str, str] = os.environ) -> bool:
     return "TORCHELASTIC_RUN_ID" in env
 
 
-def exit_with_launcher(rank: int, poll_s: float = 1.0) -> threading.Thread:
+def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:
     """End this process, with one line, as soon as the process that started it (torchrun) is gone.
 
     torchrun starts each worker in a Unix session of its own, so a torchrun killed with SIGKILL (by
@@ -112,11 +112,8 @@ def exit_with_launcher(rank: int, poll_s: float = 1.0) -> threading.Thread:
     exits (every rank at once, before a dying peer breaks their collectives); where pidfds are missing
     it polls ``getppid`` every ``poll_s`` seconds.
     """
-    parent = os.getppid()
-    thread = threading.Thread(target=_exit_when_gone, args=(parent, rank, poll_s), name="launcher-watch",
-                              daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=_exit_when_gone, args=(os.getppid(), rank, poll_s), name="launcher-watch",
+                     daemon=True).start()
 
 
 def _exit_when_gone(parent: int, rank: int, poll_s: float) -> None:
@@ -202,6 +199,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         torchrun(["--signals-to-handle", "SIGHUP,SIGQUIT", *(sys.argv[1:] if argv is None else argv)])
     except SignalException as e:
+        if e.sigval not in STOP_SIGNALS:  # SIGHUP, SIGQUIT: torchrun's own shutdown
+            raise
         print(f"megazero: {e.sigval.name} before the workers started; nothing to save", file=sys.stderr)
         return 128 + e.sigval
     except ChildFailedError as failed:

@@ -54,8 +54,9 @@ fi
 echo "== training $CONFIG on $NNODES node(s) x $NPROC_PER_NODE rank(s)"
 
 # The launcher is torchrun with the stop signals passed to the workers rather than handled by
-# torchrun itself (python -m parallel.launch). This script passes on what it receives; the launcher
-# runs in a session of its own so that a Ctrl-C at the terminal reaches it once, through here.
+# torchrun itself (python -m parallel.launch). It runs in a session of its own, so that a Ctrl-C at
+# the terminal reaches it once, through here: this script passes on every signal a terminal or a
+# scheduler sends (SIGHUP and SIGQUIT torchrun handles as it always does).
 launcher=""
 pending=""  # a stop signal received and not yet passed on
 pass_on() {
@@ -64,7 +65,7 @@ pass_on() {
     pending=""
   fi
 }
-for sig in TERM USR1 INT; do
+for sig in TERM USR1 INT HUP QUIT; do
   trap "pending=$sig; pass_on" "$sig"
 done
 setsid python -m parallel.launch "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" \

@@ -206,6 +206,42 @@ def test_killing_torchrun_stops_every_worker(config, run_dir):
     assert out.count(f"its launcher (pid {launcher}) is gone; stopping without saving") == 2, out
 
 
+@pytest.mark.slow
+def test_demo_samples_the_run_it_trained_and_not_after_a_preemption(tmp_path):
+    """The demo (no CONFIG) in a copy of the project's layout, with a run dir of its own."""
+    root = tmp_path / "project"
+    (root / "scripts").mkdir(parents=True)
+    (root / "configs").mkdir()
+    (root / "scripts" / SCRIPT.name).write_bytes(SCRIPT.read_bytes())
+    (root / "scripts" / SCRIPT.name).chmod(0o755)
+    (root / "configs" / "demo.yaml").write_bytes((REPO / "configs" / "demo.yaml").read_bytes())
+    env = {k: v for k, v in os.environ.items() if k != "CONFIG"}
+    env.update(CPU_RANKS="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    small = ["--parallel.tp", "1", "--parallel.pp", "1", "--logging.log_interval", "1"]
+
+    def demo(run_dir: Path, steps: int) -> subprocess.Popen:
+        return subprocess.Popen([str(root / "scripts" / SCRIPT.name), *small, "--train.train_steps", str(steps),
+                                 "--logging.run_dir", str(run_dir)], cwd=root, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    finished = demo(tmp_path / "finished", 2)
+    out, _ = finished.communicate(timeout=600)
+    assert finished.returncode == 0, out
+    assert f"== a sample from the trained model ({tmp_path / 'finished' / 'checkpoints'})" in out, out
+    assert not (root / "runs").exists()
+
+    preempted = demo(tmp_path / "preempted", 100000)
+    try:
+        _wait_for_training(preempted, tmp_path / "preempted")
+        preempted.send_signal(signal.SIGTERM)
+        out, _ = preempted.communicate(timeout=300)
+    finally:
+        for pid in _processes_of(tmp_path / "preempted"):
+            os.kill(pid, signal.SIGKILL)
+    assert preempted.returncode == EXIT_PREEMPTED, out
+    assert len(PREEMPTED.findall(out)) == 1 and "a sample from" not in out, out
+
+
 # --- Ctrl-C in one process ----------------------------------------------------------------------
 
 SLOW_SAVE = textwrap.dedent("""
