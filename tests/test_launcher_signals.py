@@ -4,7 +4,9 @@
   torchrun, not to the workers) makes every worker save, the script exit 75 after the one
   "preempted at step N by SIG, saved to DIR" line and no torchrun failure report, and leaves no
   process of the run behind.
+* A stop while torchrun or the workers start stops them without a torchrun failure report.
 * torchrun killed with SIGKILL: every worker notices and exits within seconds, each with a line.
+* The demo samples the run directory it trained, and not after a preemption.
 * ``PreemptionHandler``: a second Ctrl-C during the save stops the process at once, saying what is
   lost; the same Ctrl-C delivered twice (by a scheduler and by the launcher) is one.
 """
@@ -27,6 +29,7 @@ import yaml
 
 from data_pipeline.indexed import IndexedDatasetWriter
 from megazero.checkpoint import verify_checkpoint
+from megazero.checkpoint.preemption import UNSAVED
 from megazero.config import load_config
 from megazero.launch import EXIT_PREEMPTED
 
@@ -107,9 +110,16 @@ def _children(pid: int) -> list[int]:
     return pids
 
 
-def _cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode()
+def _launcher(script: subprocess.Popen):
+    """The script's torchrun (``python -m parallel.launch``), once started, else None."""
+    for pid in _children(script.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"parallel.launch" in f.read():
+                    return pid
+        except FileNotFoundError:  # the script's `sleep` between two looks at the launcher
+            pass
+    return None
 
 
 @pytest.fixture
@@ -158,7 +168,7 @@ def test_ctrl_c_while_the_workers_start_stops_them_without_a_failure_report(conf
     launcher = None
     while launcher is None or len(_children(launcher)) < 2:  # workers started, still far from their first step
         assert time.monotonic() < deadline and proc.poll() is None, "the workers did not start"
-        launcher = next((pid for pid in _children(proc.pid) if "parallel.launch" in _cmdline(pid)), None)
+        launcher = _launcher(proc)
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
@@ -181,7 +191,7 @@ def test_sigterm_at_the_rendezvous_stops_without_a_failure_report(config, run_di
     launcher = None
     while launcher is None or not _catches(launcher, signal.SIGTERM):  # torchrun is up, no worker yet
         assert time.monotonic() < deadline and proc.poll() is None, "torchrun did not start"
-        launcher = next((pid for pid in _children(proc.pid) if "parallel.launch" in _cmdline(pid)), None)
+        launcher = _launcher(proc)
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -192,7 +202,7 @@ def test_sigterm_at_the_rendezvous_stops_without_a_failure_report(config, run_di
 def test_killing_torchrun_stops_every_worker(config, run_dir):
     proc = _start(config, run_dir)
     _wait_for_training(proc, run_dir)
-    launcher = next(pid for pid in _children(proc.pid) if "parallel.launch" in _cmdline(pid))
+    launcher = _launcher(proc)
     workers = _children(launcher)
     assert len(workers) == 2
     os.kill(launcher, signal.SIGKILL)
@@ -276,7 +286,7 @@ def test_second_ctrl_c_during_the_save_stops_at_once_saying_what_is_lost(describ
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=10)
     assert proc.returncode == 130 and "SAVED" not in out
-    lost = "steps 41-57 (the last checkpoint is step 40)" if described else "every step since the last complete checkpoint"
+    lost = "steps 41-57 (the last checkpoint is step 40)" if described else UNSAVED
     assert err.strip() == f"megazero: second interrupt: stopping now without saving; lost: {lost}", err
 
 
