@@ -53,6 +53,7 @@ class Trainer:
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         self.train_data, self.valid_data = build_datasets(cfg, self._train_samples())
         self.state = TrainState()
+        self.saved_step = 0  # the step of the newest checkpoint this run saved or resumed from
         self.writer = CheckpointWriter(cfg.save_dir, rank=self.rank, world_size=self.world,
                                        barrier=lambda: dist.barrier(), keep_last=cfg.checkpoint.keep_last,
                                        async_save=cfg.checkpoint.async_save and device.type == "cuda")
@@ -110,6 +111,7 @@ class Trainer:
         meta = manifest["meta"]
         exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest,
                                 same_layout=meta["layout"] == self._layout())
+        self.saved_step = meta["step"]
         self.state = TrainState(step=meta["step"], consumed=meta["consumed"], skipped=meta["skipped"],
                                 bad_in_row=meta.get("bad_in_row", 0))
         if self.rank == 0:
@@ -121,6 +123,7 @@ class Trainer:
                 "bad_in_row": self.state.bad_in_row, "layout": self._layout(), "config": config_to_dict(self.cfg)}
         self.writer.save(self.state.step, rank_files(self.engine.chunks, self.engine.optimizer, self.rank), meta=meta)
         self.state.saved_to = str(self.writer.root / step_dir_name(self.state.step))
+        self.saved_step = self.state.step
         if self.rank == 0:
             how = "writing in the background" if self.writer.async_save else "saved"
             print(f"megazero: checkpoint of step {self.state.step} {how} to {self.state.saved_to}", flush=True)
@@ -161,7 +164,7 @@ class Trainer:
                       "train.train_steps or train.train_tokens to continue it, or use another logging.run_dir)",
                       flush=True)
             return self.state
-        with PreemptionHandler() as preemption, self.logger:
+        with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger:
             while not self._done():
                 metrics = self._one_step()
                 if t.eval_interval and self.state.step % t.eval_interval == 0:
@@ -182,6 +185,13 @@ class Trainer:
                 self.save()
             self.writer.wait()
         return self.state
+
+    def _unsaved(self) -> str:
+        """What stopping now, without a save, loses (said on a second Ctrl-C)."""
+        if self.state.step == self.saved_step:
+            return f"nothing: step {self.saved_step} is saved"
+        since = f"the last checkpoint is step {self.saved_step}" if self.saved_step else "no checkpoint yet"
+        return f"steps {self.saved_step + 1}-{self.state.step} ({since})"
 
     def _agreed_signal(self, mine: Optional[str]) -> str:
         """The name of a signal some rank received (the lowest such rank's), the same on every rank."""

@@ -133,6 +133,7 @@ def _exit_when_gone(parent: int, rank: int, poll_s: float) -> None:
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_STOPPED = os.EX_TEMPFAIL  # 75: what a worker exits with once it has saved and stopped on a signal
+EXIT_USAGE = 2  # what a worker exits with after printing an error the user can fix (bad config, data, input)
 
 
 class _StopForwarder:
@@ -189,7 +190,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     checkpoint is complete (a save ends with a barrier of all ranks), so 75 is this process's status,
     without the report. When no worker saved after a stop signal (it came while they were starting
     up, or a second Ctrl-C followed), the status is 128 + the signal, after one line; the workers'
-    own output says why. A failure without a stop signal is torchrun's, report and all.
+    own output says why. A worker that exits 2 has printed what the user must fix, in one line: 2 is
+    the status, without the report. Any other failure is torchrun's, report and all.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -207,6 +209,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         codes = {failure.exitcode for failure in failed.failures.values()}
         if EXIT_STOPPED in codes:
             return EXIT_STOPPED
+        if EXIT_USAGE in codes and stop.signum is None:  # a worker already said what to fix, in one line
+            return EXIT_USAGE
         if stop.signum is None:
             raise
         statuses = ", ".join(str(code) for code in sorted(codes))

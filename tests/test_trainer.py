@@ -6,7 +6,7 @@
   2e-4 relative (fp32; the layouts sum in different orders, and Adam amplifies that slightly).
 * ``torchrun`` runs of the real command: ``kill -9`` after a checkpoint, then a resume whose
   metrics.jsonl lines equal the uninterrupted run's exactly (loss, lr, grad norm); SIGTERM saves a
-  loadable checkpoint and exits cleanly.
+  loadable checkpoint and exits with status 75 (preempted).
 """
 
 from __future__ import annotations
