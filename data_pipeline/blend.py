@@ -3,9 +3,10 @@
 Sample ``i`` of the blend goes to the dataset furthest below its target ``weight * i`` (ties to the
 first such dataset); this is Megatron's rule, so a blend here picks the same datasets in the same
 order as Megatron's for the same weights. At every prefix of ``N`` samples each dataset's count
-stays within about one sample of ``weight * N``. The rule is sequential by nature, so it runs as a
-tight scalar loop over samples (never tokens): seconds per million samples, built once and
-cached (megatron-core does the same loop in C++, about 30x faster).
+stays within about one sample of ``weight * N``. The rule is sequential by nature (each choice
+depends on every earlier one) and does not vectorise, so it runs as a small C loop, compiled on
+first use into the user's cache directory and called through ctypes, as fast as megatron-core's
+helper; without a C compiler the same loop runs in Python (about 30x slower, identical output).
 
 Config: ``data.blend: [[weight, prefix], ...]``, or ``data.blend_preset: NAME`` with
 ``data.blend_root`` for a named preset in ``configs/blends/NAME.yaml``.
@@ -13,7 +14,13 @@ Config: ``data.blend: [[weight, prefix], ...]``, or ``data.blend_preset: NAME`` 
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import hashlib
 import os
+import shutil
+import subprocess
+import tempfile
 
 import numpy as np
 
@@ -31,9 +38,43 @@ def normalise_weights(weights) -> np.ndarray:
     return w / w.sum()
 
 
+_BLEND_C = r"""
+#include <stdint.h>
+/* counts as doubles (exact below 2^53) spare a conversion per comparison */
+void greedy_blend(const double *w, int64_t n, int64_t size, int16_t *dataset_index, int64_t *sample_index,
+                  double *counts) {
+    for (int64_t i = 0; i < size; i++) {
+        double x = i > 1 ? (double)i : 1.0;
+        int64_t best = 0;
+        double best_err = w[0] * x - counts[0];
+        for (int64_t d = 1; d < n; d++) {
+            double err = w[d] * x - counts[d];
+            if (err > best_err) { best = d; best_err = err; }
+        }
+        dataset_index[i] = (int16_t)best;
+        sample_index[i] = (int64_t)counts[best];
+        counts[best] += 1.0;
+    }
+}
+"""
+
+
 def greedy_blend(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
     """For each of ``size`` samples: which dataset it comes from, and that dataset's sample number."""
-    w = [float(x) for x in normalise_weights(weights)]
+    w = normalise_weights(weights)
+    helper = compiled_blend()
+    if helper is None:
+        return greedy_blend_python(w, size)
+    dataset_index = np.empty(size, dtype=np.int16)
+    sample_index = np.empty(size, dtype=np.int64)
+    counts = np.zeros(len(w), dtype=np.float64)
+    helper(np.ascontiguousarray(w, dtype=np.float64), len(w), size, dataset_index, sample_index, counts)
+    return dataset_index, sample_index
+
+
+def greedy_blend_python(w: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The same loop in Python, for machines without a C compiler."""
+    w = [float(x) for x in w]
     n = len(w)
     counts = [0] * n
     dataset_index = np.empty(size, dtype=np.int16)
@@ -50,6 +91,40 @@ def greedy_blend(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
         sample_index[i] = counts[best]
         counts[best] += 1
     return dataset_index, sample_index
+
+
+@functools.cache
+def compiled_blend():
+    """The C loop as a ctypes function, or None where no C compiler works.
+
+    Built with ``-ffp-contract=off`` so ``w * x - count`` rounds twice, as Python's arithmetic does
+    (a fused multiply-add could break a tie differently). The library is named by the source's hash
+    and written under a temporary name, so concurrent first uses (every rank) cannot collide.
+    """
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None
+    tag = hashlib.sha256(_BLEND_C.encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megazero")
+    library = os.path.join(cache, f"blend-{tag}.so")
+    try:
+        if not os.path.isfile(library):
+            os.makedirs(cache, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                source, built = os.path.join(tmp, "blend.c"), os.path.join(tmp, "blend.so")
+                with open(source, "w") as f:
+                    f.write(_BLEND_C)
+                subprocess.run([compiler, "-O3", "-ffp-contract=off", "-shared", "-fPIC", "-o", built, source],
+                               check=True, capture_output=True, timeout=60)
+                os.replace(built, library)
+        fn = ctypes.CDLL(library).greedy_blend
+    except (OSError, subprocess.SubprocessError):
+        return None
+    array = np.ctypeslib.ndpointer
+    fn.argtypes = [array(np.float64, flags="C"), ctypes.c_int64, ctypes.c_int64, array(np.int16, flags="C"),
+                   array(np.int64, flags="C"), array(np.float64, flags="C")]
+    fn.restype = None
+    return fn
 
 
 class BlendedSamples:
