@@ -10,9 +10,9 @@ checked (with dp 2 the 4-rank world holds two groups). Memory is measured after 
 stages 2 and 3 hold their gradient staging buffers, whose count is bounded. Reading a stage-3
 parameter outside a forward is a clear error, not a read of released storage.
 
-Planted bugs this caught: a second data-parallel group reducing over the wrong ranks (rank 0 alone
-was checked before); gradients not divided by the data-parallel size under a non-binding clip
-(the norm moves by dp); a staging pool that never returns buffers (the bound).
+Planted bugs this caught: a staging pool whose buffers are never reused (the bound); the released
+stage-3 guard removed (both ranks then die reading released storage). Gradients not divided by the
+data-parallel size fail the parameter comparison here too, and now the norm as well.
 """
 
 import copy
