@@ -77,14 +77,18 @@ class Block(nn.Module):
 
 
 class LMLoss(nn.Module):
-    """Per-token cross-entropy over the real (unpadded) vocabulary."""
+    """Per-token cross-entropy over the real (unpadded) vocabulary, from the final hidden state and
+    the head that projects it: one op, so that on GPU the logits exist a chunk of tokens at a time."""
+
+    kernel_for = staticmethod(ops.fused_linear_cross_entropy)
+    """The fused body for a hidden state's device (or None), for a replacement of this module."""
 
     def __init__(self, vocab_size: int):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return ops.cross_entropy(logits[..., :self.vocab_size], labels)
+    def forward(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        return ops.linear_cross_entropy(hidden, head.weight, labels, self.vocab_size)
 
 
 class GPT(nn.Module):
@@ -145,10 +149,11 @@ class GPT(nn.Module):
         return self.head(x, labels)
 
     def head(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Final norm, vocabulary projection and (given labels) the per-token loss: one method, so
-        it can be compiled as one graph (the logits are the largest activation of the model)."""
-        logits = self.lm_head(self.final_norm(x))
-        return logits if labels is None else self.loss(logits, labels)
+        """Final norm, then the logits, or (given labels) the per-token loss: the loss module takes
+        the head itself, so a fused kernel can project and reduce the vocabulary in chunks (the
+        logits are the largest activation of the model)."""
+        x = self.final_norm(x)
+        return self.lm_head(x) if labels is None else self.loss(x, self.lm_head, labels)
 
     @property
     def init_std(self) -> float:

@@ -1,27 +1,52 @@
-"""The fused-ops seam: every numerically heavy primitive the decoder calls, in plain torch.
+"""The fused-ops seam: every numerically heavy primitive the decoder calls.
 
-The model calls these functions and nothing lower, so fast GPU kernels (fused norms, flash
-attention, fused rotary, a fused cross-entropy) can replace a body here later without touching the
-model or changing its numerics beyond rounding. Each function documents the shapes it accepts;
-a replacement must keep them.
+The model calls these functions and nothing lower. Each body here is plain torch: the reference,
+and what runs on the CPU. On a CUDA tensor a fused kernel from ``models.kernels`` replaces it where
+one was measured to be faster (that package's docstring has the table and the reasons); the
+replacement keeps the shapes and the numerics up to rounding, and ``op.reference`` stays callable
+so tests and benchmarks can put the two side by side. ``MEGAZERO_KERNELS=0`` turns every
+replacement off.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from models import kernels
 
 IGNORE_INDEX = -100
 """Label value whose position contributes neither loss nor gradient (padding, document masks)."""
 
 
+def fused_by(body: str, in_graph: bool = False, applies: Optional[Callable[..., bool]] = None):
+    """Let ``models.kernels.<body>`` replace the decorated torch reference on CUDA tensors.
+
+    ``in_graph``: also while torch.compile traces (see ``kernels.use_fused``); ``applies(*args)``:
+    a further condition on the arguments (an optional library present, a supported layout).
+    """
+    def decorate(reference: Callable) -> Callable:
+        @functools.wraps(reference)
+        def op(*args):
+            if kernels.use_fused(args[0], in_graph) and (applies is None or applies(*args)):
+                return (kernels.call_between_graphs if in_graph else kernels.call)(body, *args)
+            return reference(*args)
+
+        op.reference = reference
+        return op
+    return decorate
+
+
+@fused_by("liger.layer_norm", applies=lambda x, w, b, eps: kernels.HAS_LIGER and b is not None)
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """LayerNorm over the last dimension."""
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
+@fused_by("liger.rms_norm", applies=lambda *args: kernels.HAS_LIGER)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in fp32 so bf16 activations keep their scale."""
     x32 = x.float()
@@ -30,10 +55,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
-    """The tanh approximation of GeLU, as GPT-2 and Megatron use."""
+    """The tanh approximation of GeLU, as GPT-2 and Megatron use.
+
+    No fused body: torch's eager GeLU is already one pass, and fusing the bias in would need the
+    MLP to hand it over separately (under torch.compile inductor fuses the two itself).
+    """
     return F.gelu(x, approximate="tanh")
 
 
+@fused_by("elementwise.swiglu")
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up, the gated unit of Llama's MLP."""
     return F.silu(gate) * up
@@ -46,6 +76,7 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> t
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+@fused_by("elementwise.apply_rotary")
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (first half, second half) of the last dim of ``x`` [batch, seq, heads, head_dim].
 
@@ -71,3 +102,22 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     flat = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="none")
     return flat.view(labels.shape)
+
+
+@fused_by("cross_entropy.linear_cross_entropy", in_graph=True)
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         vocab_size: int) -> torch.Tensor:
+    """Per-token loss of the logits ``hidden [..., h] @ weight[padded_vocab, h]^T`` over the first
+    ``vocab_size`` columns: the head and the loss as one op, so that the fused body can produce and
+    consume the logits a chunk of tokens at a time (the fp32 logits of the whole vocabulary never
+    exist). Shaped like ``labels``, fp32, 0 where ignored."""
+    return cross_entropy(F.linear(hidden, weight)[..., :vocab_size], labels)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor) -> Optional[Callable]:
+    """The fused body of ``linear_cross_entropy`` for ``hidden``'s device, or None where the torch
+    reference runs. It also takes ``vocab_start`` and ``combine``: the vocabulary-parallel loss
+    (``parallel.tensor_parallel``) reaches it through the model's loss module and adds its reduction."""
+    if kernels.use_fused(hidden, in_graph=True):
+        return functools.partial(kernels.call_between_graphs, "cross_entropy.linear_cross_entropy")
+    return None

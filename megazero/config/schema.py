@@ -113,7 +113,7 @@ class TrainConfig:
     eval_steps: int = option(4, "Batches per evaluation")
     seed: int = option(1234, "Seed of model initialisation and dropout")
     device: str = option("auto", "cpu, cuda or auto (cuda when available)")
-    compile: bool = option(False, "torch.compile each transformer block (GPU; stages 0-2)")
+    compile: Optional[bool] = option(None, "torch.compile each transformer block and the head: true, false, or null (the default) = on for GPU runs, off on CPU")
     max_bad_steps: int = option(5, "Stop after this many consecutive NaN/inf losses")
     collective_timeout_s: float = option(600.0, "Seconds before a hung collective fails with its rank and group")
 

@@ -7,16 +7,25 @@ exactly one rank). Both sums go through ``reduce_from_tp`` (all-reduce forward, 
 backward), so autograd gives each rank the gradient of its own slice: softmax minus one-hot.
 Columns at or past ``vocab_size`` (the padding) are set to -inf: they add nothing to the sum and
 receive no gradient.
+
+The module form takes the final hidden state and the (column-parallel) head instead of logits.
+Where the model's loss offers a fused kernel for the device (``kernel_for``: on GPU, the chunked
+projection of ``models.kernels``), the logits of this rank's slice exist one chunk of tokens at a
+time and each chunk's per-row max, sum of exponentials and label logit are reduced here
+(``_combine``: two all-reduces of one float per token); elsewhere the head runs and the function
+above reduces its logits.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from parallel import comm
-from parallel.tensor_parallel.collectives import reduce_from_tp
+from parallel.tensor_parallel.collectives import copy_to_tp, gather_sequence, reduce_from_tp
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group,
@@ -40,19 +49,40 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, voc
     return (sum_exp.log() - label_logit).masked_fill(ignored, 0.0)
 
 
-class VocabParallelCrossEntropy(nn.Module):
-    """Drop-in for a per-token loss module taking (logits, labels) over a padded vocabulary."""
+def _combine(group):
+    """Per-row (max, sum of exp(logit - max), label logit) of each rank -> (logsumexp, label logit)
+    of the whole vocabulary; the label logit is 0 on every rank but the one holding the label."""
+    def combine(peak: torch.Tensor, sum_exp: torch.Tensor, picked: torch.Tensor):
+        top = peak.clone()
+        comm.all_reduce(top, group, op=dist.ReduceOp.MAX)
+        sums = torch.stack((sum_exp * torch.exp(peak - top), picked))
+        comm.all_reduce(sums, group)
+        return top + sums[0].log(), sums[1]
+    return combine
 
-    def __init__(self, vocab_size: int, group):
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Drop-in for the model's loss module: (hidden, head, labels) -> per-token loss over a padded
+    vocabulary split across the tensor group, the head being column-parallel."""
+
+    def __init__(self, vocab_size: int, group, kernel_for: Optional[Callable] = None):
         super().__init__()
         self.vocab_size = vocab_size
         self.group = group
+        self.kernel_for = kernel_for
 
     @classmethod
     def from_loss(cls, loss: nn.Module, group, sequence_parallel: bool = False, memo=None):
         if not hasattr(loss, "vocab_size"):
             raise ValueError(f"{type(loss).__name__} has no vocab_size; the vocab_loss style needs one")
-        return cls(loss.vocab_size, group)
+        return cls(loss.vocab_size, group, getattr(loss, "kernel_for", None))
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.vocab_size, self.group)
+    def forward(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel_for(hidden) if self.kernel_for is not None else None
+        if kernel is None:
+            return vocab_parallel_cross_entropy(head(hidden), labels, self.vocab_size, self.group)
+        # the head's own input step (ColumnParallelLinear), then the projection inside the kernel
+        x = gather_sequence(hidden, self.group) if head.sequence_parallel else copy_to_tp(hidden, self.group)
+        local_vocab = head.weight.shape[0]
+        return kernel(x, head.weight, labels, self.vocab_size, dist.get_rank(self.group) * local_vocab,
+                      _combine(self.group))

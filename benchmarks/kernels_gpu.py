@@ -1,0 +1,186 @@
+"""Per-kernel table on one GPU: each fused body of the ops seam against its torch reference, eager and
+compiled, forward and forward+backward, at the shapes of the 1.3B models (micro-batch 8, sequence
+2048: 16,384 tokens of width 2048); plus the SDPA backends for causal and grouped-query attention.
+
+    python benchmarks/kernels_gpu.py [--json FILE]
+
+Times are medians of ``triton.testing.do_bench`` (CUDA events) in milliseconds; "peak MiB" is the
+memory a forward+backward allocates beyond its inputs. liger-kernel's own fused linear
+cross-entropy, SwiGLU and RoPE are timed beside ours where it has one, when importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from models import kernels, ops
+
+TOKENS, HIDDEN, VOCAB, PADDED, HEADS, FFN = 8 * 2048, 2048, 50257, 50304, 16, 5504
+
+
+def time_ms(fn: Callable, inputs: list[torch.Tensor], backward: bool) -> tuple[float, float]:
+    """Median time of fn (and its backward) and the peak memory it allocates beyond the inputs."""
+    grad_out = None
+
+    def step():
+        nonlocal grad_out
+        out = fn(*inputs)
+        if backward:
+            if grad_out is None:
+                grad_out = torch.randn_like(out)
+            out.backward(grad_out)
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    grads = [x for x in inputs if x.requires_grad]
+    return do_bench(step, warmup=25, rep=100, grad_to_none=grads or None, return_mode="median"), peak
+
+
+def row(op: str, variant: str, fn: Callable, inputs: list[torch.Tensor]) -> Optional[dict]:
+    try:
+        fwd, _ = time_ms(lambda *a: fn(*a).detach(), inputs, backward=False)
+        both, peak = time_ms(fn, inputs, backward=True)
+    except Exception as exc:  # a variant that cannot run here is reported, not fatal
+        print(f"{op:22s} {variant:24s} failed: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        return None
+    print(f"{op:22s} {variant:24s} fwd {fwd:8.3f} ms   fwd+bwd {both:8.3f} ms   peak {peak:8.0f} MiB", flush=True)
+    return {"op": op, "variant": variant, "fwd_ms": round(fwd, 3), "fwd_bwd_ms": round(both, 3),
+            "peak_MiB": round(peak)}
+
+
+def compare(op: str, reference: Callable, fused: Optional[Callable], inputs: list[torch.Tensor],
+            extra: dict[str, Callable] = {}) -> list[dict]:
+    variants = {"torch eager": reference, "torch.compile": torch.compile(reference)}
+    if fused is not None:
+        variants["megazero fused"] = fused
+    variants.update(extra)
+    return [r for name, fn in variants.items() if (r := row(op, name, fn, inputs)) is not None]
+
+
+def leaf(*shape, scale=1.0, dtype=torch.bfloat16):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype).requires_grad_(True)
+
+
+def cross_entropy_rows() -> list[dict]:
+    from models.kernels.cross_entropy import linear_cross_entropy
+    hidden, weight = leaf(TOKENS, HIDDEN), leaf(PADDED, HIDDEN, scale=0.02)
+    labels = torch.randint(0, VOCAB, (TOKENS,), device="cuda")
+
+    def mean(fn):
+        return lambda h, w: fn(h, w).sum() / TOKENS
+    extra = {}
+    if kernels.HAS_LIGER:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+        extra["liger (mean)"] = lambda h, w: LigerFusedLinearCrossEntropyFunction.apply(
+            h, w[:VOCAB], labels, None, None, -100, 0.0, 0.0, "mean")[0]
+    return compare("linear_cross_entropy", mean(lambda h, w: ops.linear_cross_entropy.reference(h, w, labels, VOCAB)),
+                   mean(lambda h, w: linear_cross_entropy(h, w, labels, VOCAB)), [hidden, weight], extra)
+
+
+def norm_rows() -> list[dict]:
+    x, w, b = leaf(TOKENS, HIDDEN), leaf(HIDDEN), leaf(HIDDEN)
+    fused_rms = fused_ln = None
+    if kernels.HAS_LIGER:
+        from models.kernels import liger
+        fused_rms = lambda x, w: liger.rms_norm(x, w, 1e-5)  # noqa: E731
+        fused_ln = lambda x, w, b: liger.layer_norm(x, w, b, 1e-5)  # noqa: E731
+    return (compare("rms_norm", lambda x, w: ops.rms_norm.reference(x, w, 1e-5), fused_rms, [x, w])
+            + compare("layer_norm", lambda x, w, b: ops.layer_norm.reference(x, w, b, 1e-5), fused_ln, [x, w, b]))
+
+
+def swiglu_rows() -> list[dict]:
+    from models.kernels.elementwise import swiglu
+    h = leaf(8, 2048, 2 * FFN)
+
+    def pairs(fn):
+        return lambda h: fn(h.unflatten(-1, (-1, 2))[..., 0], h.unflatten(-1, (-1, 2))[..., 1])
+    extra = {}
+    if kernels.HAS_LIGER:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        extra["liger (contiguous)"] = pairs(lambda g, u: LigerSiLUMulFunction.apply(g.contiguous(), u.contiguous()))
+    return compare("swiglu", pairs(ops.swiglu.reference), pairs(swiglu), [h], extra)
+
+
+def rotary_rows() -> list[dict]:
+    from models.kernels.elementwise import apply_rotary
+    qkv = leaf(8, 2048, HEADS, 3, HIDDEN // HEADS)  # one query head per kv group: the MHA layout
+    cos, sin = ops.rotary_tables(2048, HIDDEN // HEADS, 10000.0, "cuda", torch.bfloat16)
+
+    def q_and_k(fn):
+        return lambda qkv: torch.cat((fn(qkv[..., 0, :], cos, sin), fn(qkv[..., 1, :], cos, sin)), dim=2)
+    return compare("rotary (q and k)", q_and_k(ops.apply_rotary.reference), q_and_k(apply_rotary), [qkv])
+
+
+BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def attention_rows() -> list[dict]:
+    """Causal SDPA per backend: GPT 1.3B (16 heads of 128), GPT 125M (12 of 64), GQA (16 on 4 kv)."""
+    rows = []
+    for name, (batch, heads, kv, dim) in {"mha 16x128": (8, 16, 16, 128), "mha 12x64 (125m)": (16, 12, 12, 64),
+                                          "gqa 16/4x128": (8, 16, 4, 128)}.items():
+        q, k, v = leaf(batch, heads, 2048, dim), leaf(batch, kv, 2048, dim), leaf(batch, kv, 2048, dim)
+        for backend, choice in BACKENDS.items():
+            def attend(q, k, v, choice=choice):
+                if choice is None:
+                    return ops.attention.reference(q, k, v, 0.0)
+                with sdpa_kernel([choice]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+            if (r := row(f"attention {name}", backend, attend, [q, k, v])) is not None:
+                rows.append(r)
+        if kv != heads:  # the grouped heads expanded to full MHA, for backends without GQA
+            expand = lambda t: t.repeat_interleave(heads // kv, dim=1)  # noqa: E731
+            for backend in ("cudnn", "flash"):
+                def attend(q, k, v, choice=BACKENDS[backend]):
+                    with sdpa_kernel([choice]):
+                        return F.scaled_dot_product_attention(q, expand(k), expand(v), is_causal=True)
+                if (r := row(f"attention {name}", f"{backend} (kv expanded)", attend, [q, k, v])) is not None:
+                    rows.append(r)
+    rows += compiled_backend_check()
+    return rows
+
+
+def compiled_backend_check() -> list[dict]:
+    """Whether a backend chosen with sdpa_kernel holds inside a compiled graph (timed like the rest)."""
+    q, k, v = leaf(8, 16, 2048, 128), leaf(8, 16, 2048, 128), leaf(8, 16, 2048, 128)
+    rows = []
+    for backend in ("cudnn", "flash"):
+        def attend(q, k, v, choice=BACKENDS[backend]):
+            with sdpa_kernel([choice]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if (r := row("attention mha 16x128", f"{backend} compiled", torch.compile(attend), [q, k, v])) is not None:
+            rows.append(r)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--only", nargs="*", default=["cross_entropy", "norm", "swiglu", "rotary", "attention"])
+    args = parser.parse_args()
+    print(torch.__version__, torch.cuda.get_device_name(), f"liger: {kernels.HAS_LIGER}", flush=True)
+    sections = {"cross_entropy": cross_entropy_rows, "norm": norm_rows, "swiglu": swiglu_rows,
+                "rotary": rotary_rows, "attention": attention_rows}
+    rows = []
+    for name in args.only:
+        rows += sections[name]()
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Cross-entropy fused with the vocabulary projection: the logits exist one chunk of rows at a time.
+
+The plain head writes logits [tokens, vocab] and the loss reads them back in fp32: at micro-batch 8,
+sequence 2048 and GPT-2's vocabulary that is 1.6 GB of bf16 logits, 3.3 GB of fp32 copies and as
+much again for their gradient. Here the forward pass walks the tokens in chunks; for each chunk
+
+    logits = x_c W^T                          (one bf16 GEMM into a reused buffer)
+    loss, dlogits = row kernel(logits)        (Triton: one read, the gradient written in place)
+    dx_c = dlogits W ;  dW += dlogits^T x_c   (two GEMMs, dW accumulated in fp32)
+
+so the backward pass has nothing left to do but scale: the loss is the last op of the model, and
+the gradient of a per-token loss that the caller sums (or averages) is the same for every token.
+Backward checks that (one host sync) and scales dx and dW; per-token weights that differ are
+handled exactly too, by running the chunks again with the weights folded into dlogits.
+
+Vocabulary-parallel form: ``weight`` is this rank's slice of the (padded) vocabulary starting at
+``vocab_start``, and ``combine`` reduces each chunk's per-row (max, sum of exp, label logit) over
+the tensor-parallel group (see ``parallel/tensor_parallel/cross_entropy.py``); the row kernel then
+runs in two passes around that reduction. Columns at or past ``vocab_size`` (the padding) get no
+probability and no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 2**28
+"""Logits per chunk (rows x local vocabulary): 512 MiB in bf16, large enough for full-speed GEMMs."""
+BLOCK: tl.constexpr = tl.constexpr(4096)
+"""Columns a program holds at once; a row of the vocabulary is walked in such blocks."""
+WHOLE, STATS, GRAD_FROM_LSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+"""Row-kernel passes: loss (and gradient) on one rank; the statistics a group reduces; the gradient
+from the group's logsumexp."""
+
+Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(row max, row sum of exp(logit - max), label logit) of this rank -> (logsumexp, label logit) of all."""
+
+
+@triton.jit
+def _row_stats(row_ptr, n_valid, label):
+    """Online max and sum of exp over the valid columns of one row, and the label's logit (0 when
+    the label lies outside this row's columns)."""
+    m = float("-inf")
+    s = 0.0
+    for off in range(0, n_valid, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < n_valid, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    mine = (label >= 0) & (label < n_valid)
+    picked = tl.load(row_ptr + tl.where(mine, label, 0), mask=mine, other=0.0).to(tl.float32)
+    return m, s, picked
+
+
+@triton.jit
+def _cross_entropy_rows(x_ptr, stride, labels_ptr, scale_ptr, out0, out1, out2, vocab_start, n_valid, n_cols,
+                        PASS: tl.constexpr, GRAD: tl.constexpr):
+    """One program per row of a logits chunk.
+
+    PASS WHOLE: out0 = logsumexp - label logit; with GRAD the row is then overwritten with
+    scale * (softmax - onehot). PASS STATS: out0, out1, out2 = max, sum of exp, label logit.
+    PASS GRAD_FROM_LSE: the gradient as in WHOLE, from the logsumexp in out0. Padding columns
+    (n_valid <= column < n_cols) get gradient 0.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + row * stride
+    label = tl.load(labels_ptr + row) - vocab_start
+    if PASS == GRAD_FROM_LSE:
+        lse = tl.load(out0 + row)
+    else:
+        m, s, picked = _row_stats(row_ptr, n_valid, label)
+        lse = m + tl.log(s)
+        if PASS == WHOLE:
+            tl.store(out0 + row, lse - picked)
+        else:
+            tl.store(out0 + row, m)
+            tl.store(out1 + row, s)
+            tl.store(out2 + row, picked)
+    if GRAD:
+        scale = tl.load(scale_ptr + row)
+        for off in range(0, n_cols, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            p = tl.exp(x - lse)
+            g = tl.where(cols == label, p - 1.0, p) * scale
+            g = tl.where(cols < n_valid, g, 0.0)
+            tl.store(row_ptr + cols, g.to(x_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+def _rows(logits, labels, scale, outs, vocab_start: int, n_valid: int, which: tl.constexpr, grad: bool) -> None:
+    n = logits.shape[0]
+    _cross_entropy_rows[(n,)](logits, logits.stride(0), labels, scale, *outs, vocab_start, n_valid,
+                              logits.shape[1], PASS=which.value, GRAD=grad, num_warps=16)
+
+
+def _loss_and_grad(logits, labels, scale, loss, vocab_start: int, n_valid: int, combine: Optional[Combine],
+                   grad: bool) -> None:
+    """Fill ``loss`` for one chunk; with ``grad`` turn ``logits`` into the loss's gradient in place."""
+    if combine is None:
+        _rows(logits, labels, scale, (loss, loss, loss), vocab_start, n_valid, WHOLE, grad)
+        return
+    peak, sum_exp, picked = torch.empty(3, logits.shape[0], dtype=torch.float32, device=logits.device)
+    _rows(logits, labels, scale, (peak, sum_exp, picked), vocab_start, n_valid, STATS, False)
+    lse, label_logit = combine(peak, sum_exp, picked)
+    torch.sub(lse, label_logit, out=loss)
+    if grad:
+        _rows(logits, labels, scale, (lse, lse, lse), vocab_start, n_valid, GRAD_FROM_LSE, True)
+
+
+def _chunk_rows(local_vocab: int, tokens: int) -> int:
+    rows = 1 << max(0, (CHUNK_ELEMENTS // max(local_vocab, 1)).bit_length() - 1)
+    return max(1, min(rows, tokens))
+
+
+def _accumulate(grad_weight: torch.Tensor, dlogits: torch.Tensor, x: torch.Tensor) -> None:
+    """grad_weight (fp32) += dlogits^T x, reading bf16/fp16 operands without an fp32 copy."""
+    if dlogits.dtype != torch.float32 and dlogits.is_cuda:
+        torch.addmm(grad_weight, dlogits.t(), x, out_dtype=torch.float32, out=grad_weight)
+    else:
+        grad_weight += (dlogits.t() @ x).float()
+
+
+def _run_chunks(hidden, weight, labels, scale, vocab_start: int, n_valid: int, combine: Optional[Combine],
+                grad: bool):
+    """Loss per row and, with ``grad``, dx and fp32 dW of sum(scale * loss)."""
+    tokens, local_vocab = hidden.shape[0], weight.shape[0]
+    rows = _chunk_rows(local_vocab, tokens)
+    buffer = hidden.new_empty(rows, local_vocab)
+    loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if grad else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad else None
+    for start in range(0, tokens, rows):
+        end = min(start + rows, tokens)
+        x, logits = hidden[start:end], buffer[:end - start]
+        torch.mm(x, weight.t(), out=logits)
+        _loss_and_grad(logits, labels[start:end], scale[start:end], loss[start:end], vocab_start, n_valid,
+                       combine, grad)
+        if grad:
+            torch.mm(logits, weight, out=grad_hidden[start:end])
+            _accumulate(grad_weight, logits, x)
+    return loss, grad_hidden, grad_weight
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-token loss of ``hidden [tokens, h] @ weight[v, h]^T`` against ``labels [tokens]``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, vocab_size: int, vocab_start: int, combine: Optional[Combine]):
+        valid = labels != IGNORE_INDEX
+        n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
+        grad = any(ctx.needs_input_grad[:2])
+        loss, grad_hidden, grad_weight = _run_chunks(hidden, weight, labels, valid.float(), vocab_start, n_valid,
+                                                     combine, grad)
+        loss.masked_fill_(~valid, 0.0)
+        ctx.chunk_args = (vocab_start, n_valid, combine)
+        ctx.save_for_backward(hidden, weight, labels, grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, labels, grad_hidden, grad_weight = ctx.saved_tensors
+        valid = labels != IGNORE_INDEX
+        lo = torch.where(valid, grad_loss, float("inf")).min()
+        hi = torch.where(valid, grad_loss, float("-inf")).max()
+        if bool(lo < hi):  # tokens weighted differently: fold the weights into dlogits, chunk by chunk
+            scale = torch.where(valid, grad_loss, 0.0).float()
+            _, grad_hidden, grad_weight = _run_chunks(hidden, weight, labels, scale, *ctx.chunk_args, grad=True)
+            return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        same = torch.where(valid.any(), hi, 0.0)
+        grad_hidden = (grad_hidden * grad_loss.unsqueeze(1)).to(hidden.dtype)
+        return grad_hidden, (grad_weight * same).to(weight.dtype), None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                         vocab_start: int = 0, combine: Optional[Combine] = None) -> torch.Tensor:
+    """Per-token loss (fp32, shaped like ``labels``; 0 where ignored) of ``hidden [..., h]`` projected by
+    ``weight [local_vocab, h]``, whose row ``i`` is the vocabulary entry ``vocab_start + i``."""
+    flat = LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1).contiguous(),
+                                    vocab_size, vocab_start, combine)
+    return flat.view(labels.shape)
