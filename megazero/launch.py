@@ -13,7 +13,7 @@ from megazero.config import Config, save_config
 from megazero.config.loader import config_to_dict
 from megazero.errors import UserError
 from megazero.run_lock import RunDirLock
-from parallel.launch import LaunchEnv, init_process_group, pick_device
+from parallel.launch import LaunchEnv, LaunchError, init_process_group, pick_device
 from parallel.topology import RankGrid, Topology
 
 PACKAGES = ("megazero", "parallel", "models", "data_pipeline")
@@ -25,7 +25,10 @@ EXIT_PREEMPTED = 75
 def initialize(cfg: Config, launch: LaunchEnv):
     """Start the process group and build the topology; returns (device, topology)."""
     device = pick_device(cfg.train.device, launch.local_rank)
-    init_process_group(launch, device, cfg.train.collective_timeout_s)
+    try:
+        init_process_group(launch, device, cfg.train.collective_timeout_s)
+    except LaunchError as exc:
+        raise UserError(str(exc)) from None
     p = cfg.parallel
     grid = RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order)
     topology = Topology(grid, ranks_per_node=launch.local_world_size)

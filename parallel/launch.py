@@ -87,9 +87,21 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     if "MASTER_ADDR" not in os.environ:
-        raise RuntimeError("MASTER_ADDR/MASTER_PORT are not set: start multi-rank runs with torchrun "
-                           "(scripts/pretrain_gpt.sh does) or export them under srun")
-    dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+        raise LaunchError("MASTER_ADDR/MASTER_PORT are not set: start multi-rank runs with torchrun "
+                          "(scripts/pretrain_gpt.sh does) or export them under srun")
+    try:
+        dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+    except dist.DistNetworkError as exc:
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
+        if "EADDRINUSE" in str(exc):
+            raise LaunchError(f"rank {launch.rank}: MASTER_PORT {where} is already in use on this host (another "
+                              "job?); set MASTER_PORT to a free port") from None
+        raise LaunchError(f"rank {launch.rank}: cannot reach the rendezvous at {where} "
+                          f"({str(exc).splitlines()[0]}); check MASTER_ADDR and MASTER_PORT") from None
+
+
+class LaunchError(RuntimeError):
+    """The launch environment is wrong (rendezvous address, port); the message says what to set."""
 
 
 # --- a worker ends with its launcher ------------------------------------------------------------

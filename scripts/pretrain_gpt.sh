@@ -48,6 +48,12 @@ MASTER_PORT=${MASTER_PORT:-29500}
 if [ "$NNODES" -eq 1 ]; then
   rendezvous=(--standalone)
 else
+  if [ "$NODE_RANK" = 0 ] && ! python -c "import socket, sys; socket.socket().bind(('', int(sys.argv[1])))" \
+      "$MASTER_PORT" 2>/dev/null; then
+    echo "pretrain_gpt.sh: error: MASTER_PORT $MASTER_PORT is already in use on this node (another job?); set" \
+         "MASTER_PORT to a free port" >&2
+    exit 2
+  fi
   rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --rdzv_backend c10d
               --rdzv_id "${SLURM_JOB_ID:-megazero}" --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT")
 fi

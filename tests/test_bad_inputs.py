@@ -250,3 +250,22 @@ def test_bad_input_is_one_line_naming_the_problem(files, capsys, argv, expected)
 
 def test_the_table_is_at_least_sixty_cases():
     assert len(CASES) >= 60
+
+
+def test_a_rendezvous_port_in_use_is_one_line(files, capsys, monkeypatch):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        code = main(_train(files))
+    finally:
+        taken.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"MASTER_PORT 127.0.0.1:{port} is already in use" in err[0] and "set MASTER_PORT" in err[0], err
+    assert not list((files["root"] / "runs").glob("*/LOCK")), "the lock is released"
