@@ -3,6 +3,7 @@
 ``verify_consistent`` runs before any work on every rank of a real 3-rank gloo world: equal runs
 pass; a rank launched with another override, or running another checkout (its code fingerprint
 differs), makes every rank raise the same one-line error naming that rank and what differs.
+Planted bug this caught: the code-version comparison left out (only the config compared).
 """
 
 import pytest

@@ -169,7 +169,8 @@ def _rotate_half_by_hand(x: torch.Tensor, theta: float) -> torch.Tensor:
 def test_rotary_is_the_rotate_half_convention_of_hugging_face_checkpoints():
     """A checkpoint converted from Hugging Face only works with the same pairing of dimensions: an
     interleaved (GPT-J) rotation keeps lengths and relative positions too, so only an element-wise
-    reference tells them apart."""
+    reference tells them apart. Planted bug this caught: that interleaved pairing, which the
+    length check alone passed."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 7, 3, 8, generator=g)
     cos, sin = ops.rotary_tables(7, 8, 500.0, "cpu", torch.float32)
