@@ -72,9 +72,9 @@ class RunDirLock:
         return not _pid_alive(int(holder.get("pid", -1)))
 
     def acquire(self) -> "RunDirLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.record)
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             holder = self.holder()
@@ -86,6 +86,9 @@ class RunDirLock:
             if self.holder() != self.record:
                 raise RunDirBusy(self._busy_message(self.holder())) from None
             print(f"megazero: {self.path}: took over a stale lock of {_describe(holder)}", flush=True)
+        except OSError as exc:
+            raise UserError(f"{self.path.parent}: cannot write the run directory ({exc.strerror}); set "
+                            "logging.run_dir to a directory this user can write") from None
         else:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)

@@ -50,3 +50,11 @@ def test_the_holder_refreshes_its_heartbeat(tmp_path):
         os.utime(path, (old, old))
         time.sleep(0.3)
         assert time.time() - path.stat().st_mtime < 100
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_user_error(tmp_path):
+    from megazero.errors import UserError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="cannot write the run directory"):
+        RunDirLock(tmp_path / "file" / "run").acquire()
