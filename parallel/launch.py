@@ -46,9 +46,9 @@ def _slurm_tasks_per_node(env: Mapping[str, str]) -> Optional[int]:
 
 
 def read_launch_env(env: Mapping[str, str] = os.environ) -> LaunchEnv:
-    if "RANK" in env and "WORLD_SIZE" in env:
+    if "WORLD_SIZE" in env:  # torchrun sets RANK too; WORLD_SIZE alone describes a launch to --check
         world = int(env["WORLD_SIZE"])
-        return LaunchEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)),
+        return LaunchEnv(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)),
                          int(env.get("LOCAL_WORLD_SIZE", world)))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = int(env["SLURM_NTASKS"])

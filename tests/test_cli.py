@@ -40,3 +40,10 @@ def test_slurm_environment_without_torchrun():
 def test_no_launcher_is_a_world_of_one():
     launch = read_launch_env({})
     assert (launch.rank, launch.world_size, launch.local_world_size) == (0, 1, 1)
+
+
+def test_world_size_alone_describes_a_launch_to_check():
+    from parallel.launch import read_launch_env
+
+    env = read_launch_env({"WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8"})
+    assert (env.rank, env.world_size, env.local_world_size, env.num_nodes) == (0, 32, 8, 4)
