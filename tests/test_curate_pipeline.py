@@ -199,3 +199,69 @@ def test_dotted_overrides_reach_the_stage(tmp_path):
     assert _cli(tmp_path, raw, "--clean.min_words", "200") == 0
     stats = json.loads((tmp_path / "out/01-clean/stats.json").read_text())
     assert stats["docs_out"] == 0 and stats["dropped"]["too few words"] == 52
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl.zst"])
+def test_parquet_and_zstd_shards_hold_the_same_documents(tmp_path, fmt):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_pipeline.curate.shards import read_shard
+
+    docs = _docs(40)
+    source = tmp_path / "raw.parquet"
+    pq.write_table(pa.table({"text": docs}), source)
+    raw = config(tmp_path, [str(source)], output={"dir": str(tmp_path / fmt), "format": fmt})
+    shards = pipeline.run_pipeline(build_config(raw), log=lambda s: None)["shards"]
+    raw = config(tmp_path, [write_corpus(tmp_path)], output={"dir": str(tmp_path / "jsonl")})
+    reference = pipeline.run_pipeline(build_config(raw), log=lambda s: None)["shards"]
+    assert all(s.endswith(f".{fmt}") for s in shards)
+    texts = [r["text"] for s in shards for r in read_shard(s)]
+    assert texts == [r["text"] for s in reference for r in read_shard(s)]
+    assert [r["id"] for r in read_shard(shards[0])][:2] == ["raw.parquet:0", "raw.parquet:1"]
+
+
+def test_demo_curates_then_trains(tmp_path, monkeypatch):
+    """The README's chain: build the demo, curate it, train two steps on the blend it writes."""
+    monkeypatch.chdir(tmp_path)
+    config_path = Path(__file__).resolve().parent.parent / "configs" / "curate_demo.yaml"
+    assert main(["curate", "demo", "data/curate_demo"]) == 0
+    assert main(["curate", "run", str(config_path), "--no-progress"]) == 0
+    stats = [json.loads(p.read_text()) for p in Path("data/curate_demo/out").glob("*/stats.json")]
+    by_stage = {s["stage"]: s for s in stats}
+    assert by_stage["fuzzy_dedup"]["dropped"]["near duplicate"] >= 60
+    assert by_stage["exact_dedup"]["dropped"]["exact duplicate"] >= 30
+    demo_train = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+    assert main(["train", str(demo_train), "--parallel.tp", "1", "--parallel.pp", "1", "--train.train_steps", "2",
+                 "--train.global_batch_size", "4", "--train.eval_interval", "0", "--data.blend", "null",
+                 "--data.blend_preset", "data/curate_demo/out/blend.yaml", "--data.blend_root", "data/curate_demo/out",
+                 "--data.tokenizer", "data/curate_demo/tokenizer.model", "--model.vocab_size", "auto",
+                 "--logging.run_dir", "run"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("markers", [3, 30, 90])
+def test_sigkill_mid_run_then_rerun_gives_identical_output(tmp_path, markers):
+    """A real kill -9 of `megazero curate run` once some tasks have finished, then a rerun."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    corpus = write_corpus(tmp_path, n=400)
+    raw = config(tmp_path, [corpus], out="killed", executor={"workers": 2})
+    raw["input"]["shard_docs"] = 5
+    path = tmp_path / "curate.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    command = [sys.executable, "-m", "megazero.cli", "curate", "run", str(path), "--no-progress"]
+    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
+    done = lambda: sum(len(files) for root, _, files in os.walk(tmp_path / "killed") if root.endswith(".done"))  # noqa: E731
+    while proc.poll() is None and done() < markers:
+        time.sleep(0.001)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run finished before the kill: nothing was tested"
+    assert subprocess.run(command, stdout=subprocess.DEVNULL).returncode == 0
+    whole = config(tmp_path, [corpus], out="whole")
+    whole["input"]["shard_docs"] = 5
+    pipeline.run_pipeline(build_config(whole), log=lambda s: None)
+    assert tree_digest(str(tmp_path / "killed")) == tree_digest(str(tmp_path / "whole"))
