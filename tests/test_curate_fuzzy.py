@@ -113,7 +113,8 @@ def test_planted_near_duplicates_in_real_prose_precision_and_recall(tmp_path, pr
     raw = {"input": {"paths": [str(path)], "shard_docs": 100}, "output": {"dir": str(tmp_path / "out")},
            "stages": ["fuzzy_dedup"], "executor": {"workers": 2}}
     run_pipeline(build_config(raw), log=lambda s: None)
-    found = {tuple(sorted((e["id_a"], e["id_b"]))) for e in map(json.loads, open(tmp_path / "out/01-fuzzy_dedup/edges.jsonl"))}
+    edges = map(json.loads, open(tmp_path / "out/01-fuzzy_dedup/edges.jsonl"))
+    found = {tuple(sorted((e["id_a"], e["id_b"]))) for e in edges}
     shingles = [char_shingles(t) for t in texts]
     truth = {tuple(sorted((f"d{i}", f"d{j}"))) for i, j in combinations(range(len(texts)), 2)
              if 0.8 * max(len(shingles[i]), len(shingles[j])) <= min(len(shingles[i]), len(shingles[j]))  # else J < 0.8

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from data_pipeline.curate.exact_dedup import _save
+from data_pipeline.curate.exact_dedup import save_array
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
 
 _WORD = re.compile(r"\w+")
@@ -99,7 +99,7 @@ def doc_freq_shard(in_path: str, tasks_path: str, out_path: str, text_field: str
         found.append(np.unique(k[np.isin(k, keys)]))
     found = np.concatenate(found) if found else np.zeros(0, np.uint64)
     uniq, counts = np.unique(found, return_counts=True)
-    _save(out_path, np.stack([uniq, counts.astype(np.uint64)], axis=1))
+    save_array(out_path, np.stack([uniq, counts.astype(np.uint64)], axis=1))
     return {"docs": 0}
 
 

@@ -28,11 +28,12 @@ def text_hash(text: str) -> int:
 
 def hash_shard(in_path: str, out_path: str, text_field: str) -> dict:
     hashes = np.fromiter((text_hash(r[text_field]) for r in read_shard(in_path)), dtype=np.uint64)
-    _save(out_path, hashes)
+    save_array(out_path, hashes)
     return {"docs": len(hashes)}
 
 
-def _save(path: str, array: np.ndarray) -> None:
+def save_array(path: str, array: np.ndarray) -> None:
+    """np.save to a temporary name, then rename: a killed task leaves no half-written array."""
     tmp = f"{path}.tmp-{os.getpid()}.npy"
     np.save(tmp, array)
     os.replace(tmp, path)
@@ -50,7 +51,7 @@ def duplicates_in_partition(hash_paths: list[str], part: int, parts: int, out_pa
     _, first = np.unique(keys, return_index=True)  # index of each hash's first occurrence
     duplicate = np.ones(len(keys), dtype=bool)
     duplicate[first] = False
-    _save(out_path, np.sort(gids[duplicate]))
+    save_array(out_path, np.sort(gids[duplicate]))
     return {"duplicates": int(duplicate.sum())}
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data_pipeline.curate.exact_dedup import ROW_BITS, _save
+from data_pipeline.curate.exact_dedup import ROW_BITS, save_array
 from data_pipeline.curate.minhash import MinHasher, jaccard
 from data_pipeline.curate.shards import atomic_write_text, read_shard
 
@@ -56,9 +56,9 @@ def signature_shard(in_path: str, out_prefix: str, text_field: str, cfg: FuzzyDe
         bands.append(hasher.band_keys(hasher.signatures(hashes, offs)))
         offsets.append(offs[1:] + offsets[-1][-1])
         shingles.append(hashes)
-    _save(f"{out_prefix}.shingles.npy", np.concatenate(shingles) if shingles else np.zeros(0, np.uint32))
-    _save(f"{out_prefix}.offsets.npy", np.concatenate(offsets))
-    _save(f"{out_prefix}.bands.npy", np.concatenate(bands) if bands else np.zeros((0, cfg.bands), np.uint64))
+    save_array(f"{out_prefix}.shingles.npy", np.concatenate(shingles) if shingles else np.zeros(0, np.uint32))
+    save_array(f"{out_prefix}.offsets.npy", np.concatenate(offsets))
+    save_array(f"{out_prefix}.bands.npy", np.concatenate(bands) if bands else np.zeros((0, cfg.bands), np.uint64))
     atomic_write_text(f"{out_prefix}.ids.json", json.dumps([r["id"] for r in records]))
     return {"docs": len(records)}
 
@@ -80,7 +80,7 @@ def bucket_partition(prefixes: list[str], part: int, parts: int, out_path: str, 
     for s, size in zip(starts[sizes > 2], sizes[sizes > 2]):
         pairs.append(_bucket_pairs(gids[s:s + size], max_bucket_pairs))
     pairs = np.unique(np.concatenate(pairs), axis=0) if len(pairs) > 1 else pairs[0]
-    _save(out_path, pairs.astype(np.int64).reshape(-1, 2))
+    save_array(out_path, pairs.astype(np.int64).reshape(-1, 2))
     return {"buckets": int((sizes >= 2).sum()), "candidate_pairs": len(pairs)}
 
 
@@ -119,7 +119,7 @@ def verify_partition(bucket_paths: list[str], prefixes: list[str], part: int, pa
         j = jaccard(shingle_set(a), shingle_set(b))
         if j >= threshold:
             edges.append((a, b, j))
-    _save(out_path, np.array(edges, dtype=EDGE))
+    save_array(out_path, np.array(edges, dtype=EDGE))
     return {"candidates_verified": len(pairs), "edges": len(edges)}
 
 
@@ -149,7 +149,7 @@ def components(edge_paths: list[str], prefixes: list[str], out_dir: str) -> dict
     edges = np.sort(edges, order=("a", "b"))
     nodes, roots = connected_components(edges["a"], edges["b"])
     removed = nodes[nodes != roots]
-    _save(os.path.join(out_dir, "removed.npy"), removed)
+    save_array(os.path.join(out_dir, "removed.npy"), removed)
     ids = _ids_of(np.concatenate([nodes, edges["a"], edges["b"]]), prefixes)
     root_of = dict(zip(nodes.tolist(), roots.tolist()))
     size = Counter(roots.tolist())

@@ -111,10 +111,12 @@ def run_fuzzy_dedup(ctx: Context, shards: list[str], out_dir: str) -> dict:
             "fuzzy: signatures")
     parts = f.partitions or max(1, len(shards))
     buckets = [os.path.join(bucket_dir, f"part-{p:05d}.npy") for p in range(parts)]
-    candidates = ctx.run(bucket_dir, [Task(f"part-{p:05d}", fz.bucket_partition, (prefixes, p, parts, b, f.max_bucket_pairs))
+    candidates = ctx.run(bucket_dir, [Task(f"part-{p:05d}", fz.bucket_partition,
+                                           (prefixes, p, parts, b, f.max_bucket_pairs))
                                       for p, b in enumerate(buckets)], "fuzzy: buckets")
     edges = [os.path.join(edge_dir, f"part-{p:05d}.npy") for p in range(parts)]
-    verified = ctx.run(edge_dir, [Task(f"part-{p:05d}", fz.verify_partition, (buckets, prefixes, p, parts, f.threshold, e))
+    verified = ctx.run(edge_dir, [Task(f"part-{p:05d}", fz.verify_partition,
+                                       (buckets, prefixes, p, parts, f.threshold, e))
                                   for p, e in enumerate(edges)], "fuzzy: edges")
     [comps] = ctx.run(out_dir, [Task("components", fz.components, (edges, prefixes, out_dir))], "fuzzy: components")
     removed = [os.path.join(out_dir, "removed.npy")]
@@ -127,12 +129,13 @@ def run_decontaminate(ctx: Context, shards: list[str], out_dir: str) -> dict:
     d = ctx.cfg.decontaminate
     freq_dir = _subdir(out_dir, "doc_freq")
     tasks_path, ignored_path = os.path.join(out_dir, "task_ngrams.npz"), os.path.join(out_dir, "ignored.npy")
-    [task_stats] = ctx.run(out_dir, [Task("task_ngrams", dc.build_task_ngrams, (d, tasks_path))], "decontaminate: tasks")
+    [task_stats] = ctx.run(out_dir, [Task("task_ngrams", dc.build_task_ngrams, (d, tasks_path))],
+                           "decontaminate: tasks")
     freqs = [os.path.join(freq_dir, f"{_stem(s)}.npy") for s in shards]
     ctx.run(freq_dir, [Task(_stem(s), dc.doc_freq_shard, (s, tasks_path, q, ctx.text_field, d.ngram))
                        for s, q in zip(shards, freqs)], "decontaminate: frequencies")
     frequent = dc.frequent_ngrams(freqs, d.max_doc_freq)
-    ex._save(ignored_path, frequent)
+    ex.save_array(ignored_path, frequent)
     stats = merge_stats(ctx.map_shards(shards, out_dir, dc.decontaminate_shard,
                                        lambda i, s: (tasks_path, ignored_path, ctx.text_field, d), "decontaminate"))
     return {**stats, **task_stats, "ignored_frequent_ngrams": len(frequent)}
@@ -224,7 +227,8 @@ def tokenize_and_blend(cfg: CurateConfig, shards: list[str], log) -> str:
         log(f"preprocess: {stats.summary()}")
     blend = os.path.join(out, "blend.yaml")
     rel = os.path.relpath(dataset, out)
-    atomic_write_text(blend, f"# train on it: megazero train CONFIG --data.blend_preset {blend} --data.blend_root {out}\n"
+    atomic_write_text(blend, f"# train on it: megazero train CONFIG --data.blend_preset {blend} "
+                             f"--data.blend_root {out}\n"
                              f"datasets:\n  - [{cfg.preprocess.weight}, {rel}]\n")
     log(f"wrote {blend}")
     return blend
