@@ -1,7 +1,8 @@
 """``exact-dedup``: drop every document whose normalised text appeared earlier in document order.
 
 Three sub-stages exchange files so that no process holds more than about one shard's worth:
-``hashes`` (per shard: a 64-bit hash of each document's lower-cased, space-collapsed text),
+``hashes`` (per shard: a 64-bit hash of each document's lower-cased, space-collapsed text, grouped
+by hash partition),
 ``duplicates`` (per hash partition: every occurrence after the first, as a global document number),
 ``filter`` (per shard: the shard without its duplicates). A global document number is
 ``shard index << 32 | row``, so sorting by it is document order.
@@ -26,10 +27,27 @@ def text_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(normalised.encode("utf-8"), digest_size=8).digest(), "little")
 
 
-def hash_shard(in_path: str, out_path: str, text_field: str) -> dict:
+def hash_shard(in_path: str, out_prefix: str, text_field: str, parts: int) -> dict:
     hashes = np.fromiter((text_hash(r[text_field]) for r in read_shard(in_path)), dtype=np.uint64)
-    save_array(out_path, hashes)
+    save_partitioned(out_prefix, hashes, np.arange(len(hashes), dtype=np.int64), parts)
     return {"docs": len(hashes)}
+
+
+def save_partitioned(prefix: str, keys: np.ndarray, rows: np.ndarray, parts: int) -> None:
+    """Keys and their rows grouped by partition (key % parts), with offsets, so that a partition's
+    task reads its slice of every shard and nothing else (rows keep their order within a slice)."""
+    part = keys % np.uint64(parts)
+    order = np.argsort(part, kind="stable")
+    save_array(f"{prefix}.keys.npy", keys[order])
+    save_array(f"{prefix}.rows.npy", rows[order])
+    save_array(f"{prefix}.offsets.npy", np.searchsorted(part[order], np.arange(parts + 1, dtype=np.uint64)))
+
+
+def load_partition(prefix: str, part: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, rows) of one partition of one shard, read from the memory-mapped files."""
+    lo, hi = np.load(f"{prefix}.offsets.npy")[part:part + 2]
+    keys, rows = (np.load(f"{prefix}.{name}.npy", mmap_mode="r") for name in ("keys", "rows"))
+    return np.asarray(keys[lo:hi]), np.asarray(rows[lo:hi])
 
 
 def save_array(path: str, array: np.ndarray) -> None:
@@ -39,14 +57,13 @@ def save_array(path: str, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def duplicates_in_partition(hash_paths: list[str], part: int, parts: int, out_path: str) -> dict:
+def duplicates_in_partition(prefixes: list[str], part: int, out_path: str) -> dict:
     """Global numbers of the documents, in this hash partition, whose hash occurred before."""
     keys, gids = [], []
-    for shard, path in enumerate(hash_paths):
-        hashes = np.load(path, mmap_mode="r")
-        rows = np.flatnonzero(hashes % np.uint64(parts) == part)
-        keys.append(np.asarray(hashes[rows]))
-        gids.append((np.int64(shard) << ROW_BITS) | rows.astype(np.int64))
+    for shard, prefix in enumerate(prefixes):
+        hashes, rows = load_partition(prefix, part)
+        keys.append(hashes)
+        gids.append((np.int64(shard) << ROW_BITS) | rows)
     keys, gids = np.concatenate(keys), np.concatenate(gids)  # gids ascend: document order
     _, first = np.unique(keys, return_index=True)  # index of each hash's first occurrence
     duplicate = np.ones(len(keys), dtype=bool)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data_pipeline.curate.exact_dedup import ROW_BITS, save_array
+from data_pipeline.curate.exact_dedup import ROW_BITS, load_partition, save_array, save_partitioned
 from data_pipeline.curate.minhash import MinHasher, jaccard
 from data_pipeline.curate.shards import atomic_write_text, read_shard
 
@@ -46,8 +46,9 @@ class FuzzyDedupConfig:
         return MinHasher(self.num_perm, self.ngram, self.bands, self.rows, self.seed)
 
 
-def signature_shard(in_path: str, out_prefix: str, text_field: str, cfg: FuzzyDedupConfig) -> dict:
-    """Write OUT.shingles.npy, OUT.offsets.npy, OUT.bands.npy and OUT.ids.json for one shard."""
+def signature_shard(in_path: str, out_prefix: str, text_field: str, cfg: FuzzyDedupConfig, parts: int) -> dict:
+    """Write OUT.shingles.npy, OUT.offsets.npy, the band keys grouped by partition (OUT.bands.*) and
+    OUT.ids.json for one shard."""
     hasher = cfg.hasher()
     records = read_shard(in_path)
     shingles, offsets, bands = [], [np.zeros(1, np.int64)], []
@@ -58,19 +59,19 @@ def signature_shard(in_path: str, out_prefix: str, text_field: str, cfg: FuzzyDe
         shingles.append(hashes)
     save_array(f"{out_prefix}.shingles.npy", np.concatenate(shingles) if shingles else np.zeros(0, np.uint32))
     save_array(f"{out_prefix}.offsets.npy", np.concatenate(offsets))
-    save_array(f"{out_prefix}.bands.npy", np.concatenate(bands) if bands else np.zeros((0, cfg.bands), np.uint64))
+    bands = np.concatenate(bands) if bands else np.zeros((0, cfg.bands), np.uint64)
+    save_partitioned(f"{out_prefix}.bands", bands.ravel(), np.repeat(np.arange(len(bands)), cfg.bands), parts)
     atomic_write_text(f"{out_prefix}.ids.json", json.dumps([r["id"] for r in records]))
     return {"docs": len(records)}
 
 
-def bucket_partition(prefixes: list[str], part: int, parts: int, out_path: str, max_bucket_pairs: int) -> dict:
+def bucket_partition(prefixes: list[str], part: int, out_path: str, max_bucket_pairs: int) -> dict:
     """Candidate pairs (a < b, global numbers) among documents whose band keys fall in this partition."""
     keys, gids = [], []
     for shard, prefix in enumerate(prefixes):
-        bands = np.load(f"{prefix}.bands.npy", mmap_mode="r")
-        rows, cols = np.nonzero(bands % np.uint64(parts) == part)
-        keys.append(np.asarray(bands[rows, cols]))
-        gids.append((np.int64(shard) << ROW_BITS) | rows.astype(np.int64))
+        band_keys, rows = load_partition(f"{prefix}.bands", part)
+        keys.append(band_keys)
+        gids.append((np.int64(shard) << ROW_BITS) | rows)
     keys, gids = np.concatenate(keys), np.concatenate(gids)
     order = np.lexsort((gids, keys))
     keys, gids = keys[order], gids[order]

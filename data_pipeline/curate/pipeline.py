@@ -91,12 +91,12 @@ def run_quality(ctx: Context, shards: list[str], out_dir: str) -> dict:
 
 def run_exact_dedup(ctx: Context, shards: list[str], out_dir: str) -> dict:
     hash_dir, dup_dir = _subdir(out_dir, "hashes"), _subdir(out_dir, "duplicates")
-    hashes = [os.path.join(hash_dir, f"{_stem(s)}.npy") for s in shards]
-    ctx.run(hash_dir, [Task(_stem(s), ex.hash_shard, (s, h, ctx.text_field)) for s, h in zip(shards, hashes)],
-            "exact: hashes")
+    hashes = [os.path.join(hash_dir, _stem(s)) for s in shards]
     parts = max(1, len(shards))
+    ctx.run(hash_dir, [Task(_stem(s), ex.hash_shard, (s, h, ctx.text_field, parts)) for s, h in zip(shards, hashes)],
+            "exact: hashes")
     drops = [os.path.join(dup_dir, f"part-{p:05d}.npy") for p in range(parts)]
-    ctx.run(dup_dir, [Task(f"part-{p:05d}", ex.duplicates_in_partition, (hashes, p, parts, d))
+    ctx.run(dup_dir, [Task(f"part-{p:05d}", ex.duplicates_in_partition, (hashes, p, d))
                       for p, d in enumerate(drops)], "exact: duplicates")
     return merge_stats(ctx.map_shards(shards, out_dir, ex.filter_shard,
                                       lambda i, s: (ctx.text_field, drops, i, "exact duplicate"), "exact: filter"))
@@ -107,12 +107,11 @@ def run_fuzzy_dedup(ctx: Context, shards: list[str], out_dir: str) -> dict:
     f.hasher()  # bad MinHash parameters fail here, once
     sig_dir, bucket_dir, edge_dir = (_subdir(out_dir, n) for n in ("signatures", "buckets", "edges"))
     prefixes = [os.path.join(sig_dir, _stem(s)) for s in shards]
-    ctx.run(sig_dir, [Task(_stem(s), fz.signature_shard, (s, p, ctx.text_field, f)) for s, p in zip(shards, prefixes)],
-            "fuzzy: signatures")
     parts = f.partitions or max(1, len(shards))
+    ctx.run(sig_dir, [Task(_stem(s), fz.signature_shard, (s, p, ctx.text_field, f, parts))
+                      for s, p in zip(shards, prefixes)], "fuzzy: signatures")
     buckets = [os.path.join(bucket_dir, f"part-{p:05d}.npy") for p in range(parts)]
-    candidates = ctx.run(bucket_dir, [Task(f"part-{p:05d}", fz.bucket_partition,
-                                           (prefixes, p, parts, b, f.max_bucket_pairs))
+    candidates = ctx.run(bucket_dir, [Task(f"part-{p:05d}", fz.bucket_partition, (prefixes, p, b, f.max_bucket_pairs))
                                       for p, b in enumerate(buckets)], "fuzzy: buckets")
     edges = [os.path.join(edge_dir, f"part-{p:05d}.npy") for p in range(parts)]
     verified = ctx.run(edge_dir, [Task(f"part-{p:05d}", fz.verify_partition,
@@ -186,6 +185,7 @@ def summary_line(stats: dict) -> str:
 
 def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
     """Run every stage of ``cfg``; returns {"stages": [stats, ...], "shards": final shards, "blend": path or None}."""
+    cfg = _absolute_paths(cfg)
     out = cfg.output.dir
     os.makedirs(out, exist_ok=True)
     executor = make_executor(cfg.executor.kind, cfg.executor.workers, cfg.executor.ray_address)
@@ -211,6 +211,16 @@ def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
 
     write_report(out, all_stats)
     return {"stages": all_stats, "shards": shards, "blend": blend}
+
+
+def _absolute_paths(cfg: CurateConfig) -> CurateConfig:
+    """The config with absolute paths: workers (Ray's above all) need not share our directory."""
+    absolute = os.path.abspath
+    return dataclasses.replace(
+        cfg, input=dataclasses.replace(cfg.input, paths=[absolute(p) for p in cfg.input.paths]),
+        output=dataclasses.replace(cfg.output, dir=absolute(cfg.output.dir)),
+        quality=dataclasses.replace(cfg.quality, model=cfg.quality.model and absolute(cfg.quality.model)),
+        decontaminate=dataclasses.replace(cfg.decontaminate, tasks=[absolute(t) for t in cfg.decontaminate.tasks]))
 
 
 def tokenize_and_blend(cfg: CurateConfig, shards: list[str], log) -> str:
