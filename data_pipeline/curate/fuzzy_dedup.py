@@ -6,7 +6,7 @@ size), never by the corpus:
 ``signatures`` (per shard)   shingle sets (uint32, with offsets) and LSH band keys (documents x bands)
 ``buckets`` (per partition)  documents sharing a band key, as candidate pairs of global numbers
 ``edges`` (per partition)    candidates whose exact Jaccard on the shingle sets is >= threshold,
-                             read from the memory-mapped shingle files of both documents' shards
+                             each set read from its shard's shingle file on its own
 ``components``               connected components of the edges; every member but the lowest
                              global number (the first in document order) is removed. Writes
                              ``edges.jsonl`` (id_a, id_b, jaccard) and ``removed.jsonl`` (id, kept,
@@ -106,22 +106,44 @@ def verify_partition(bucket_paths: list[str], prefixes: list[str], part: int, pa
     """Edges: this partition's share of the candidate pairs whose exact Jaccard is >= threshold."""
     pairs = [p[_pair_partition(p, parts) == part] for p in (np.load(path) for path in bucket_paths)]
     pairs = np.unique(np.concatenate(pairs), axis=0) if pairs else np.zeros((0, 2), np.int64)
-    shingles, offsets = {}, {}
-
-    def shingle_set(gid: int) -> np.ndarray:
-        shard, row = gid >> ROW_BITS, gid & ((1 << ROW_BITS) - 1)
-        if shard not in shingles:
-            shingles[shard] = np.load(f"{prefixes[shard]}.shingles.npy", mmap_mode="r")
-            offsets[shard] = np.load(f"{prefixes[shard]}.offsets.npy", mmap_mode="r")
-        return np.asarray(shingles[shard][offsets[shard][row]:offsets[shard][row + 1]])
-
     edges = []
-    for a, b in pairs.tolist():
-        j = jaccard(shingle_set(a), shingle_set(b))
-        if j >= threshold:
-            edges.append((a, b, j))
+    with ShingleReader(prefixes) as reader:
+        for a, b in pairs.tolist():
+            j = jaccard(reader.shingle_set(a), reader.shingle_set(b))
+            if j >= threshold:
+                edges.append((a, b, j))
     save_array(out_path, np.array(edges, dtype=EDGE))
     return {"candidates_verified": len(pairs), "edges": len(edges)}
+
+
+class ShingleReader:
+    """Shingle sets of single documents, read with ``pread`` from the shards' files.
+
+    Reads, not a memory map: a partition's candidates touch documents of every shard, and mapped
+    pages would stay resident, so the task's memory would grow with the corpus.
+    """
+
+    def __init__(self, prefixes: list[str]) -> None:
+        self.prefixes = prefixes
+        self.files: dict = {}  # shard -> (fd, offset of the array's data in the .npy, document offsets)
+
+    def shingle_set(self, gid: int) -> np.ndarray:
+        shard, row = gid >> ROW_BITS, gid & ((1 << ROW_BITS) - 1)
+        if shard not in self.files:
+            path = f"{self.prefixes[shard]}.shingles.npy"
+            data_offset = np.load(path, mmap_mode="r").offset
+            self.files[shard] = (os.open(path, os.O_RDONLY), data_offset,
+                                 np.load(f"{self.prefixes[shard]}.offsets.npy"))
+        fd, data_offset, offsets = self.files[shard]
+        lo, hi = int(offsets[row]), int(offsets[row + 1])
+        return np.frombuffer(os.pread(fd, 4 * (hi - lo), data_offset + 4 * lo), dtype=np.uint32)
+
+    def __enter__(self) -> "ShingleReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd, _, _ in self.files.values():
+            os.close(fd)
 
 
 def connected_components(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
