@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch import nn
 
+from models import GPT
+from models.config import ModelConfig
+from parallel.pipeline import PipelineExecutor
 from parallel.pipeline.p2p import free_storage
+from parallel.pipeline.schedule import max_live_activations
+from parallel.topology import RankGrid, Topology
+from tests.distributed import run_world
 
 
 def test_backward_from_a_released_clone_matches_plain_backward():
@@ -75,20 +81,19 @@ PP_CFG = dict(num_layers=4, hidden_size=32, num_heads=4, vocab_size=64, seq_leng
 MICRO_BATCHES = 6
 
 
+def _forward_step(module, x, microbatch, first: bool, last: bool):
+    tokens, labels = microbatch
+    out = module(tokens if first else x, labels if last else None)
+    return out.mean() if last else out
+
+
 def _peak_bytes(topo, schedule: str, m: int) -> tuple[int, int]:
     """Peak saved-activation bytes of one step on this rank, and the schedule's live micro-batch count."""
-    from models import GPT
-    from models.config import ModelConfig
-    from parallel.pipeline import PipelineExecutor
-    from parallel.pipeline.schedule import max_live_activations
-
     cfg = ModelConfig(**PP_CFG, tie_embeddings=False)
     first, last = topo.is_first_stage, topo.is_last_stage
     stage = GPT(cfg, layers=range(2) if first else range(2, 4), has_embedding=first, has_head=last, seed=1)
     executor = PipelineExecutor([stage], topo, (2, cfg.seq_length, cfg.hidden_size), schedule=schedule,
-                                forward_step=lambda module, x, mb, first, last: (
-                                    module(mb[0] if first else x, mb[1] if last else None).mean() if last
-                                    else module(mb[0] if first else x)), timeout_s=60)
+                                forward_step=_forward_step, timeout_s=60)
     g = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))
             for _ in range(m)]
@@ -100,8 +105,6 @@ def _peak_bytes(topo, schedule: str, m: int) -> tuple[int, int]:
 
 
 def _pipeline_world(rank, world_size):
-    from parallel.topology import RankGrid, Topology
-
     topo = Topology(RankGrid(tp=1, pp=2, dp=1))
     return {"one": _peak_bytes(topo, "1f1b", 1),
             "1f1b": _peak_bytes(topo, "1f1b", MICRO_BATCHES),
@@ -110,8 +113,6 @@ def _pipeline_world(rank, world_size):
 
 @pytest.fixture(scope="module")
 def pipeline_peaks():
-    from tests.distributed import run_world
-
     return run_world(2, _pipeline_world)
 
 
