@@ -3,8 +3,8 @@
 The model calls these functions and nothing lower. Each body here is plain torch: the reference,
 and what runs on the CPU. On a CUDA tensor a fused kernel from ``models.kernels`` replaces it where
 one was measured to be faster (that package's docstring has the table and the reasons); the
-replacement keeps the shapes and the numerics up to rounding, and ``op.reference`` stays callable
-so tests and benchmarks can put the two side by side. ``MEGAZERO_KERNELS=0`` turns every
+replacement keeps the shapes and the numerics up to rounding, and such an op's ``op.reference``
+stays callable so tests and benchmarks can put the two side by side. ``MEGAZERO_KERNELS=0`` turns every
 replacement off.
 """
 
@@ -22,16 +22,16 @@ IGNORE_INDEX = -100
 """Label value whose position contributes neither loss nor gradient (padding, document masks)."""
 
 
-def fused_by(body: str, in_graph: bool = False, applies: Optional[Callable[..., bool]] = None):
+def fused_by(body: str, in_graph: bool = False, needs: str = "triton"):
     """Let ``models.kernels.<body>`` replace the decorated torch reference on CUDA tensors.
 
-    ``in_graph``: also while torch.compile traces (see ``kernels.use_fused``); ``applies(*args)``:
-    a further condition on the arguments (an optional library present, a supported layout).
+    ``in_graph``: also while torch.compile traces, as an eager call between two graphs; ``needs``:
+    the optional package the body runs on (see ``kernels.use_fused``).
     """
     def decorate(reference: Callable) -> Callable:
         @functools.wraps(reference)
         def op(*args):
-            if kernels.use_fused(args[0], in_graph) and (applies is None or applies(*args)):
+            if kernels.use_fused(args[0], in_graph, needs):
                 return (kernels.call_between_graphs if in_graph else kernels.call)(body, *args)
             return reference(*args)
 
@@ -40,13 +40,16 @@ def fused_by(body: str, in_graph: bool = False, applies: Optional[Callable[..., 
     return decorate
 
 
-@fused_by("liger.layer_norm", applies=lambda x, w, b, eps: kernels.HAS_LIGER and b is not None)
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """LayerNorm over the last dimension."""
+    """LayerNorm over the last dimension.
+
+    No fused body: torch's eager LayerNorm is one kernel each way and was measured faster than
+    liger-kernel's (BENCHMARKS.md); under torch.compile inductor generates its own.
+    """
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
-@fused_by("liger.rms_norm", applies=lambda *args: kernels.HAS_LIGER)
+@fused_by("liger.rms_norm", needs="liger")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in fp32 so bf16 activations keep their scale."""
     x32 = x.float()
@@ -92,6 +95,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
     """Causal attention; q [batch, heads, seq, head_dim], k and v [batch, kv_heads, seq, head_dim].
 
     Grouped-query attention: query head ``i`` reads key/value head ``i // (heads // kv_heads)``.
+    No fused body: on an H100 with torch 2.11, SDPA's own choice for bf16 is already cuDNN's
+    attention, 1.8x faster forward+backward than its flash backend and as fast as forcing cuDNN
+    (causal and grouped-query alike; BENCHMARKS.md, benchmarks/kernels_gpu.py).
     """
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                           enable_gqa=q.shape[1] != k.shape[1])

@@ -2,15 +2,16 @@
 
 Each op in ``models.ops`` keeps its plain-torch body as the reference and the CPU path; on a CUDA
 tensor it asks ``use_fused`` whether a body from this package should run instead. Which op gets
-which body, and why, was decided by measurement on an H100/H200 (see ``benchmarks/kernels_gpu.py``
+which body, and why, was decided by measurement on an H100 (see ``benchmarks/kernels_gpu.py``
 and BENCHMARKS.md):
 
-| op                     | fused body                                        | inside torch.compile        |
-|------------------------|---------------------------------------------------|-----------------------------|
-| linear_cross_entropy   | ours: chunked projection + Triton row kernel      | yes (runs as an eager call) |
-| rms_norm, layer_norm   | liger-kernel's Triton kernels, when importable    | no: inductor fuses them     |
-| swiglu, apply_rotary   | ours: one Triton kernel forward, one backward     | no: inductor fuses them     |
-| attention              | SDPA, backend chosen per shape (``attention.py``) | yes                         |
+| op                     | fused body                                         | inside torch.compile   |
+|------------------------|----------------------------------------------------|------------------------|
+| linear_cross_entropy   | ours: chunked projection + Triton row kernel       | yes, as an eager call  |
+| rms_norm               | liger-kernel's Triton RMSNorm, when importable     | no: inductor fuses it  |
+| swiglu, apply_rotary   | ours: one Triton kernel forward, one backward      | no: inductor fuses it  |
+| layer_norm, gelu       | none: torch's eager kernels are one pass already   | (inductor's)           |
+| attention              | none: SDPA already picks cuDNN's kernel, the best  | (the same)             |
 
 "Inside torch.compile" says whether the fused body also replaces the reference while dynamo traces
 a compiled graph. Elementwise ops are left to inductor there: it fuses them with their neighbours
@@ -38,17 +39,20 @@ HAS_LIGER = HAS_TRITON and importlib.util.find_spec("liger_kernel") is not None
 """Looked up once, without importing either: dynamo reads these constants while it traces."""
 
 
-def use_fused(x: torch.Tensor, in_graph: bool = False) -> bool:
+NEEDS = {"triton": HAS_TRITON, "liger": HAS_LIGER}
+
+
+def use_fused(x: torch.Tensor, in_graph: bool = False, needs: str = "triton") -> bool:
     """Whether a fused body should replace the torch reference for an op on ``x``.
 
-    ``in_graph``: the body is also wanted while torch.compile traces (it then runs as an eager call
-    between two graphs); otherwise the reference is traced and inductor generates the kernel.
+    ``in_graph``: the body is also wanted while torch.compile traces; otherwise the reference is
+    traced and inductor generates the kernel. ``needs``: the optional package the body runs on.
     """
     if not (ENABLED and x.is_cuda):
         return False
     if not in_graph and torch.compiler.is_compiling():
         return False
-    return HAS_TRITON
+    return NEEDS[needs]
 
 
 def call(body: str, *args):

@@ -1,7 +1,7 @@
-"""RMSNorm and LayerNorm from liger-kernel (an optional dependency, imported on first use).
+"""RMSNorm from liger-kernel (an optional dependency, imported on first use).
 
-liger's Triton norms run forward and backward as one kernel each (torch's eager RMSNorm is six),
-keep the inverse RMS in fp32 and cast the normalised activations before the weight multiplies them
+liger's Triton RMSNorm runs forward and backward as one kernel each (torch's eager one is six),
+keeps the inverse RMS in fp32 and casts the normalised activations before the weight multiplies them
 (``casting_mode="llama"``), which is exactly ``models.ops.rms_norm``'s reference. The backward
 writes a fresh gradient (``in_place=False``): the incoming one may be read again by the residual
 branch.
@@ -17,8 +17,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
 
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-
-    return LigerLayerNormFunction.apply(x, weight, bias, eps)
