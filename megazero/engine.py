@@ -96,7 +96,7 @@ class Engine:
             chunk.to_empty(device=self.device)
             chunk.init_weights(seed)
             chunk.train()
-            if cfg.train.compile:
+            if cfg.train.compile or (cfg.train.compile is None and self.device.type == "cuda"):
                 self._compile(chunk)
             chunks.append(chunk)
         return chunks
