@@ -12,7 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 part=${1:?part: zero, ds, layers or trainer}
 log=${OUT:-/tmp}/$part.log
-PEERS=${PEERS:-.peers}
+PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
 case $part in
@@ -24,7 +24,7 @@ zero)
   done
   PEERS=$PEERS MODES="ddp fsdp2" run bash $PEERS/run_peers.sh ;;
 ds)
-  PEERS=$PEERS WHEELS=$PEERS/wheels MODES="ds1 ds2 ds3" run bash $PEERS/run_peers.sh ;;
+  PEERS=$PEERS WHEELS=${WHEELS:-.peers/wheels} MODES="ds1 ds2 ds3" run bash $PEERS/run_peers.sh ;;
 layers)
   run timeout 200 torchrun --nproc_per_node 2 benchmarks/tp_gpu.py --steps 10
   run timeout 200 torchrun --nproc_per_node 2 benchmarks/pp_gpu.py --micro-batches 4 8 ;;
