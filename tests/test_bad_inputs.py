@@ -269,3 +269,15 @@ def test_a_rendezvous_port_in_use_is_one_line(files, capsys, monkeypatch):
     assert code == 2 and len(err) == 1, err
     assert f"MASTER_PORT 127.0.0.1:{port} is already in use" in err[0] and "set MASTER_PORT" in err[0], err
     assert not list((files["root"] / "runs").glob("*/LOCK")), "the lock is released"
+
+
+def test_an_unfinished_first_save_is_said_and_the_record_kept(files, capsys):
+    """A run whose only checkpoint died mid-save starts over, saying so; its metrics are kept, marked."""
+    run = files["root"] / "unfinished"
+    (run / "checkpoints" / "step_0000002.tmp").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')
+    assert main(["train", *_model(files["good"], str(run)), "--train.train_steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "holds no complete checkpoint, only the unfinished save step_0000002.tmp; starting from step 0" in out
+    text = (run / "metrics.jsonl").read_text()
+    assert text.startswith('{"step": 1, "loss": 9.0}\n{"step": 2, "lo\n{"event": "resume", "step": 0'), text
