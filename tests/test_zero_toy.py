@@ -7,10 +7,10 @@ Tolerance: fp32, parameters after 3 steps within 2e-6 absolute (Adam's first ste
 weight by about lr = 1e-2, so this is ~1e-4 of the update), and the reported gradient norm equal
 to the reference's every step within 1e-5 relative. Every rank of every data-parallel group is
 checked (with dp 2 the 4-rank world holds two groups). Memory is measured after steps too, when
-stages 2 and 3 hold their gradient staging buffers, whose count is bounded. Reading a stage-3
+stages 2 and 3 hold their gradient scratch buffers, whose count is bounded. Reading a stage-3
 parameter outside a forward is a clear error, not a read of released storage.
 
-Planted bugs this caught: a staging pool whose buffers are never reused (the bound); the released
+Planted bugs this caught: a scratch pool whose buffers are never reused (the bound); the released
 stage-3 guard removed (both ranks then die reading released storage). Gradients not divided by the
 data-parallel size fail the parameter comparison here too, and now the norm as well.
 """
@@ -156,9 +156,9 @@ def _memory_and_overflow(base, group, dp, dp_rank):
                 for micro in range(MICRO):
                     opt.scale_loss(model(*_data(step, dp_rank * MICRO + micro)) / MICRO).backward()
                 opt.step()
-            staging = sum(t.untyped_storage().nbytes() for t in opt.reducer.pool)
+            scratch = sum(t.untyped_storage().nbytes() for t in opt.reducer.pool)
             out[("memory after steps", dp, stage, grad_dtype)] = (
-                opt.memory_bytes(), predicted, len(opt.reducer.pool), staging,
+                opt.memory_bytes(), predicted, len(opt.reducer.pool), scratch,
                 max(b.numel for b in opt.layout.buckets) * _itemsize(grad_dtype))
     model = copy.deepcopy(base)
     opt = ZeroOptimizer(model, ZeroSettings(stage=2, bucket_numel=320, lr=1e-2,
@@ -236,13 +236,13 @@ def test_memory_held_equals_zero_formula(zero_world, dp, stage, grad_dtype):
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_memory_after_steps_is_the_formula_plus_bounded_staging(zero_world, dp, stage, grad_dtype):
+def test_memory_after_steps_is_the_formula_plus_bounded_scratch(zero_world, dp, stage, grad_dtype):
     for rank, rank_results in enumerate(zero_world):
-        measured, predicted, buffers, staging, bucket_bytes = rank_results[("memory after steps", dp, stage, grad_dtype)]
+        measured, predicted, buffers, scratch, bucket_bytes = rank_results[("memory after steps", dp, stage, grad_dtype)]
         for key in ("params", "master", "optimizer"):
             assert measured[key] == predicted[key], (rank, key, measured, predicted)
-        assert measured["grads"] == predicted["grads"] + staging, (rank, measured, predicted, staging)
-        assert staging == buffers * bucket_bytes
+        assert measured["grads"] == predicted["grads"] + scratch, (rank, measured, predicted, scratch)
+        assert scratch == buffers * bucket_bytes
         if stage >= 2:
             assert 1 <= buffers <= MAX_STAGING_BUFFERS, (rank, buffers)
         else:

@@ -8,17 +8,17 @@ Two ways to hold them, chosen by the ZeRO stage:
   reduce-scattered in place (stage 1: the rank keeps the summed values of its own slice). With
   ``begin_microbatch(last=True)`` the reductions start inside the last backward, bucket by bucket,
   as soon as every gradient of a bucket has arrived.
-* ``staged`` (stages 2 and 3): a bucket-sized staging buffer is taken from a small pool when a
+* ``sharded`` (stages 2 and 3): a bucket-sized scratch buffer is taken from a small pool when a
   bucket's first gradient arrives and reduce-scattered as soon as its last one does, every
   micro-batch; only the rank's own slice is kept, summed into the gradient shard. Memory is the
   shard plus a few constant-size buckets, whatever the model size.
 
 Buffers are never cleared: the first gradient a region receives after ``zero`` is copied in
 (converting 16 to 32 bits on the way) and only later ones are added, and the first reduction of a
-bucket in staged mode writes straight into the shard. That saves a fill and a read of every
+bucket in sharded mode writes straight into the shard. That saves a fill and a read of every
 buffer per step on the backward's critical path. Whatever received nothing (a parameter unused
 this step) is zeroed when its bucket is reduced, so a stale value never leaks into a step. Gaps
-between parameters (alignment padding) may hold stale values in a reused staging buffer; they
+between parameters (alignment padding) may hold stale values in a reused scratch buffer; they
 reduce into shard gaps, which no segment reads.
 
 Reductions are sums: dividing by the data-parallel size is folded into the optimizer's single
@@ -41,7 +41,7 @@ from parallel import comm
 class GradReducer:
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group, dtype: torch.dtype,
                  mode: str, reduce_scatter: bool, max_in_flight: int = 2):
-        assert mode in ("full", "staged")
+        assert mode in ("full", "sharded")
         self.params, self.layout, self.group, self.dtype, self.mode = params, layout, group, dtype, mode
         self.reduce_scatter, self.max_in_flight = reduce_scatter, max_in_flight
         device = params[0].device
@@ -51,13 +51,13 @@ class GradReducer:
         self.param_buckets = [[self.bucket_index[b] for b in layout.param_buckets(i)] for i in range(len(params))]
         self.received = [0] * len(layout.buckets)
         self.launched = [False] * len(layout.buckets)
-        # written: a parameter's region holds this step's (full) or this backward's (staged) gradient;
-        # reduced: a bucket's shard slice holds this step's sum (staged)
+        # written: a parameter's region holds this step's (full) or this backward's (sharded) gradient;
+        # reduced: a bucket's shard slice holds this step's sum (sharded)
         self.written = [False] * len(params)
         self.reduced = [False] * len(layout.buckets)
-        self.in_flight: list[tuple[int, object, torch.Tensor | None, bool]] = []  # (bucket, handle, staging, add)
+        self.in_flight: list[tuple[int, object, torch.Tensor | None, bool]] = []  # (bucket, handle, scratch, add)
         self.pool: list[torch.Tensor] = []
-        self.staging: dict[int, torch.Tensor] = {}
+        self.scratch: dict[int, torch.Tensor] = {}
         self.overlap = False
         self.final = False  # this backward is the step's last: a reduced bucket is final
         self.on_final: Optional[Callable[[int], None]] = None  # told when a bucket's step sum is complete
@@ -75,7 +75,7 @@ class GradReducer:
     # --- views the optimizer reads -----------------------------------------------------------
     def segment_grad(self, seg) -> torch.Tensor:
         """The reduced gradient of one owned segment (valid after ``finish``)."""
-        if self.mode == "staged":
+        if self.mode == "sharded":
             return self.shard[seg.shard_offset:seg.shard_offset + seg.numel]
         return self.param_grad(seg.param)[seg.param_offset:seg.param_offset + seg.numel]
 
@@ -89,7 +89,7 @@ class GradReducer:
     def bucket_grad(self, b: int) -> torch.Tensor:
         """This rank's reduced slice of bucket ``b`` (complete after ``finish``, or after ``on_final(b)``)."""
         bucket = self.layout.buckets[b]
-        if self.mode == "staged":
+        if self.mode == "sharded":
             return self._shard_slice(bucket)
         return self._flat(bucket.unit, *self.layout.owned_range(bucket))
 
@@ -101,7 +101,7 @@ class GradReducer:
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
-            if not self._callback_queued and self.mode == "staged":
+            if not self._callback_queued and self.mode == "sharded":
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
                 self._callback_queued = True
             self._accumulate(i, param.grad)
@@ -126,17 +126,17 @@ class GradReducer:
                 for b in self.param_buckets[i]:
                     self._count(b, self._bucket_slice(i, b)[2])
             return
-        for b in self.param_buckets[i]:  # staged: one gradient per backward, which flushes them all
+        for b in self.param_buckets[i]:  # sharded: one gradient per backward, which flushes them all
             src, dst, n = self._bucket_slice(i, b)
-            if b not in self.staging:
-                self.staging[b] = self._take_buffer()
-            self.staging[b][dst:dst + n].copy_(grad[src:src + n])
+            if b not in self.scratch:
+                self.scratch[b] = self._take_buffer()
+            self.scratch[b][dst:dst + n].copy_(grad[src:src + n])
             self._count(b, n)
 
     def defer(self, param: int) -> None:
         """Keep the buckets holding ``param`` out of early reduction: the caller first combines its
         gradient with another copy (a tied embedding on another pipeline stage) in ``finish``."""
-        if self.mode == "staged":
+        if self.mode == "sharded":
             raise ValueError("a deferred (tied) parameter needs whole gradients until the step: "
                              "use the once-per-step mode of ZeRO stages 2 and 3 with pipeline parallelism")
         self.deferred.update(self.param_buckets[param])
@@ -166,7 +166,7 @@ class GradReducer:
                 if self.mode == "full":
                     self.param_grad(i)[src:src + n].zero_()
                 else:
-                    self.staging[b][dst:dst + n].zero_()
+                    self.scratch[b][dst:dst + n].zero_()
 
     def _count(self, b: int, n: int) -> None:
         self.received[b] += n
@@ -190,42 +190,42 @@ class GradReducer:
                 handle = comm.all_reduce(buf, self.group, async_op=True)
             self.in_flight.append((b, handle, None, False))
         else:
-            staging = self.staging.pop(b)
+            scratch = self.scratch.pop(b)
             size = bucket.numel // self.layout.dp
             # The step's first reduction of a bucket lands in the shard directly; a later micro-batch's
             # is reduced in place and added to the shard when complete.
             add = self.reduced[b]
-            out = staging[self.layout.dp_rank * size:(self.layout.dp_rank + 1) * size] if add else self._shard_slice(bucket)
+            out = scratch[self.layout.dp_rank * size:(self.layout.dp_rank + 1) * size] if add else self._shard_slice(bucket)
             self.reduced[b] = True
-            handle = comm.reduce_scatter_into(out, staging[:bucket.numel], self.group, async_op=True)
-            self.in_flight.append((b, handle, staging, add))
+            handle = comm.reduce_scatter_into(out, scratch[:bucket.numel], self.group, async_op=True)
+            self.in_flight.append((b, handle, scratch, add))
         self.launched[b] = True
         while len(self.in_flight) > self.max_in_flight:
             self._complete(self.in_flight.pop(0))
 
     def _complete(self, item) -> None:
-        b, handle, staging, add = item
+        b, handle, scratch, add = item
         if handle is not None:
-            handle.wait()  # also orders the staging buffer's reuse after the collective that reads it
+            handle.wait()  # also orders the scratch buffer's reuse after the collective that reads it
         if add:
             shard = self._shard_slice(self.layout.buckets[b])
             rank_lo = self.layout.dp_rank * shard.numel()
-            shard.add_(staging[rank_lo:rank_lo + shard.numel()])
-        if staging is not None:
-            self.pool.append(staging)
+            shard.add_(scratch[rank_lo:rank_lo + shard.numel()])
+        if scratch is not None:
+            self.pool.append(scratch)
         if self.final and self.on_final is not None:
             self.on_final(b)
 
     def _flush(self) -> None:
         for b in range(len(self.layout.buckets)):
-            if not self.launched[b] and (self.mode == "full" or b in self.staging):
+            if not self.launched[b] and (self.mode == "full" or b in self.scratch):
                 self._clear_unwritten(b)
                 self._launch(b)
         while self.in_flight:
             self._complete(self.in_flight.pop(0))
         self.received = [0] * len(self.layout.buckets)
         self.launched = [False] * len(self.layout.buckets)
-        if self.mode == "staged":  # each backward fills fresh staging buffers
+        if self.mode == "sharded":  # each backward fills fresh scratch buffers
             self.written = [False] * len(self.params)
 
     def _end_of_backward(self) -> None:
@@ -233,20 +233,20 @@ class GradReducer:
         self._flush()
 
     def finish(self) -> None:
-        """At the accumulation boundary: every bucket reduced, every handle waited on. (In staged mode
+        """At the accumulation boundary: every bucket reduced, every handle waited on. (In sharded mode
         the end-of-backward callback already flushed; this also covers a backward that raised.)"""
         self._flush()
         self.overlap = self.final = False
         self._callback_queued = False
         for b, bucket in enumerate(self.layout.buckets):
-            if self.mode == "staged" and not self.reduced[b]:  # no gradient reached it this step
+            if self.mode == "sharded" and not self.reduced[b]:  # no gradient reached it this step
                 self._shard_slice(bucket).zero_()
                 self.reduced[b] = True
 
     def zero(self) -> None:
         """Start a new step: nothing is cleared, every region is marked unwritten (see the module doc)."""
-        self.pool.extend(self.staging.values())
-        self.staging.clear()
+        self.pool.extend(self.scratch.values())
+        self.scratch.clear()
         self.received = [0] * len(self.layout.buckets)
         self.launched = [False] * len(self.layout.buckets)
         self.written = [False] * len(self.params)

@@ -121,9 +121,9 @@ class ZeroOptimizer:
         self.host_copies = HostCopies(self.params[0].device) if settings.offload else None
         self.store = ParamStore(self.params, self.layout, settings.param_dtype, dp_group, sharded=settings.stage == 3,
                                 host_copies=self.host_copies)
-        staged = settings.stage >= 2 and not settings.once_per_step
+        sharded = settings.stage >= 2 and not settings.once_per_step
         self.reducer = GradReducer(self.params, self.layout, dp_group, settings.grad_dtype,
-                                   mode="staged" if staged else "full", reduce_scatter=settings.stage > 0)
+                                   mode="sharded" if sharded else "full", reduce_scatter=settings.stage > 0)
         self.stage3 = None
         # The order the forward uses units in: the persistent one (embeddings) first, then the blocks.
         self.unit_order = ([u for u, m in enumerate(unit_modules) if m is None]
@@ -280,7 +280,7 @@ class ZeroOptimizer:
 
     def _update(self, coef: torch.Tensor, overflow: torch.Tensor) -> None:
         """AdamW on the (device) master shard with gradients times ``coef``, unless ``overflow``."""
-        self._stage_grads()
+        self._copy_grads_to_master()
         if self._fused:
             # Passed as the fused kernel's own unscale/skip inputs: no pass over the gradients
             # and no host sync.
@@ -313,7 +313,7 @@ class ZeroOptimizer:
             comm.all_reduce(local, self.dp_group)
         return local
 
-    def _stage_grads(self) -> None:
+    def _copy_grads_to_master(self) -> None:
         """Copy 16-bit reduced gradients into the fp32 buffer beside the master, bucket by bucket (the
         master's layout is the shard's, so each bucket's slice is one contiguous copy)."""
         if self.master_grad is None:
