@@ -12,7 +12,7 @@ from typing import Optional
 
 from megazero.config.schema import Config
 from megazero.errors import ConfigError
-from megazero.schedules import build_batch_schedule, build_lr_schedule
+from megazero.training_schedules import build_batch_schedule, build_lr_schedule
 
 CHOICES = {
     "model.position_embedding": ("learned", "rope"),

@@ -8,7 +8,7 @@ import pytest
 
 from megazero.config.schema import OptimizerConfig, ScheduleConfig, TrainConfig
 from megazero.errors import ConfigError
-from megazero.schedules import BatchSchedule, build_batch_schedule, build_lr_schedule
+from megazero.training_schedules import BatchSchedule, build_batch_schedule, build_lr_schedule
 
 TOL = 1e-12  # the schedule is closed-form arithmetic; only float rounding separates it from the hand value
 
