@@ -8,7 +8,7 @@ Planted bug this caught: the code-version comparison left out (only the config c
 
 import pytest
 
-import megazero.launch as launch
+import megazero.startup as startup
 from megazero.config import load_config
 from megazero.errors import UserError
 from tests.distributed import run_world
@@ -18,7 +18,7 @@ BASE = ["--model.num_layers", "2", "--train.device", "cpu"]
 
 def _outcome(cfg) -> str:
     try:
-        launch.verify_consistent(cfg)
+        startup.verify_consistent(cfg)
         return "ok"
     except UserError as exc:
         return str(exc)
@@ -28,13 +28,13 @@ def _world(rank, world_size):
     out = {"same": _outcome(load_config(None, BASE))}
     lr = ["--optimizer.lr", "1e-3"] if rank == 2 else []
     out["config"] = _outcome(load_config(None, BASE + lr))
-    real = launch.code_fingerprint
+    real = startup.code_fingerprint
     if rank == 1:
-        launch.code_fingerprint = lambda: "another-checkout"
+        startup.code_fingerprint = lambda: "another-checkout"
     try:
         out["code"] = _outcome(load_config(None, BASE))
     finally:
-        launch.code_fingerprint = real
+        startup.code_fingerprint = real
     return out
 
 

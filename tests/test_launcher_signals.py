@@ -31,7 +31,7 @@ from data_pipeline.indexed import IndexedDatasetWriter
 from megazero.checkpoint import verify_checkpoint
 from megazero.checkpoint.preemption import UNSAVED
 from megazero.config import load_config
-from megazero.launch import EXIT_PREEMPTED
+from megazero.startup import EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "pretrain_gpt.sh"

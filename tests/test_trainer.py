@@ -62,7 +62,7 @@ def _train(overrides, world_size):
     """Build and run a Trainer inside an already started world; returns the losses it logged."""
     import torch.distributed as dist
 
-    from megazero.launch import initialize
+    from megazero.startup import initialize
     from megazero.trainer import Trainer
     from parallel.launch import LaunchEnv
 
@@ -215,7 +215,7 @@ def test_sigterm_saves_a_loadable_checkpoint(data_prefix, tmp_path):
     """SIGTERM to every process at once, as SLURM and Kubernetes send it, under megazero's torchrun
     (``python -m parallel.launch``, which the launch script runs): the save completes, one line says
     where, and the status is 75, not 0 (finished) nor torchrun's failure."""
-    from megazero.launch import EXIT_PREEMPTED
+    from megazero.startup import EXIT_PREEMPTED
 
     cfg = _write_config(tmp_path / "term.yaml", data_prefix, str(tmp_path / "term"), 0)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

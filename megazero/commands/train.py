@@ -40,7 +40,7 @@ def run(args) -> int:
         print(f"config ok for {launch.world_size} rank(s): tp{p.tp} pp{p.pp} dp{p.dp}; data: "
               f"{len(facts.prefixes)} dataset(s){largest}, model.vocab_size {cfg.model.vocab_size}")
         return 0
-    from megazero.launch import start_run
+    from megazero.startup import start_run
 
     return start_run(cfg, launch)
 

@@ -1,4 +1,6 @@
-"""Bringing a validated config to life on this rank: process group, topology, consistency check."""
+"""Bringing a validated config to life on this rank: process group, topology, consistency check.
+
+This is each worker's start-up; the launcher that starts the workers is ``parallel.launch``."""
 
 from __future__ import annotations
 
