@@ -32,8 +32,7 @@ import math
 from typing import Optional
 
 from models.config import ModelConfig
-
-RECOMPUTE_MODES = ("none", "full", "selective")
+from models.parallelize import RECOMPUTE_MODES
 
 
 def _attention_core_flops(model: ModelConfig) -> int:

@@ -35,6 +35,7 @@ from typing import Any, Optional, TextIO
 from megazero.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_MODES = ("offline", "online")  # logging.wandb_mode, passed to wandb.init
 
 
 @dataclass

@@ -7,6 +7,7 @@ from torch import nn
 
 from models.config import ModelConfig
 
+POSITION_EMBEDDINGS = ("learned", "rope")  # the values of model.position_embedding: a table here, or rotary in attention
 VOCAB_MULTIPLE = 128
 """The vocabulary is padded to a multiple of this times tp: GEMM-friendly and evenly split."""
 

@@ -13,13 +13,15 @@ from torch import nn
 from models import ops
 from models.config import ModelConfig
 
+ACTIVATIONS = ("gelu", "swiglu")  # the values of model.activation
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
         self.gated = cfg.activation == "swiglu"
-        if cfg.activation not in ("gelu", "swiglu"):
-            raise ValueError(f"model.activation: unknown activation {cfg.activation!r}; use gelu or swiglu")
+        if cfg.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation: unknown activation {cfg.activation!r}; use one of {', '.join(ACTIVATIONS)}")
         inner = cfg.ffn_size * (2 if self.gated else 1)
         self.fc_in = nn.Linear(cfg.hidden_size, inner, bias=cfg.bias, device=device)
         self.fc_out = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias, device=device)

@@ -31,6 +31,7 @@ class RMSNorm(nn.Module):
 
 
 NORMS = (LayerNorm, RMSNorm)
+NORM_KINDS = ("layernorm", "rmsnorm")  # the values of model.norm, in build_norm's order
 
 
 def build_norm(cfg: ModelConfig, device=None) -> nn.Module:
@@ -39,4 +40,4 @@ def build_norm(cfg: ModelConfig, device=None) -> nn.Module:
         return RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
     if cfg.norm == "layernorm":
         return LayerNorm(cfg.hidden_size, cfg.norm_eps, bias=cfg.bias, device=device)
-    raise ValueError(f"model.norm: unknown norm {cfg.norm!r}; use layernorm or rmsnorm")
+    raise ValueError(f"model.norm: unknown norm {cfg.norm!r}; use one of {', '.join(NORM_KINDS)}")

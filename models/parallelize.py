@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from models.config import ModelConfig
 from models.gpt import GPT, RECOMPUTE_TARGETS, TP_PLAN
 from parallel import comm
 from parallel.tensor_parallel.apply import apply_activation_checkpointing, apply_tensor_parallel
@@ -17,12 +18,21 @@ from parallel.tensor_parallel.random import TensorParallelRNG
 RECOMPUTE_MODES = ("none", "full", "selective")
 
 
+def tp_layout_problems(cfg: ModelConfig, tp: int) -> list[str]:
+    """The widths ``TP_PLAN`` splits over ``tp`` ranks and do not divide: attention heads (query and,
+    when they differ, key/value) and the MLP's inner width. Config validation reports these before
+    launch; ``check_tp_layout`` refuses a model built without it."""
+    split = [("model.num_heads", cfg.num_heads), ("model.ffn_hidden_size", cfg.ffn_size)]
+    if cfg.kv_heads != cfg.num_heads:
+        split.append(("model.num_kv_heads", cfg.kv_heads))
+    return [f"{name}: {value} is not divisible by parallel.tp {tp}; change one of them"
+            for name, value in split if value % tp]
+
+
 def check_tp_layout(model: GPT, tp: int) -> None:
-    cfg = model.cfg
-    for name, value in (("model.num_heads", cfg.num_heads), ("model.num_kv_heads", cfg.kv_heads),
-                        ("model.hidden_size", cfg.hidden_size), ("model.ffn_hidden_size", cfg.ffn_size)):
-        if value % tp:
-            raise ValueError(f"{name} = {value} is not divisible by tensor-parallel size {tp}")
+    problems = tp_layout_problems(model.cfg, tp)
+    if problems:
+        raise ValueError("; ".join(problems))
     if model.padded_vocab % tp:
         raise ValueError(f"padded vocabulary {model.padded_vocab} is not divisible by tp {tp}: "
                          f"build the model with vocab_multiple=128*tp")

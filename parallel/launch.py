@@ -62,6 +62,9 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+DEVICES = ("auto", "cpu", "cuda")  # what a run may ask for (train.device); auto = cuda when visible
+
+
 def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")

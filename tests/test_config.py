@@ -126,3 +126,35 @@ def test_cli_run_without_data_names_the_field_and_writes_nothing(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("megazero train: error: data.blend: no training data")
     assert not run_dir.exists()
+
+
+def test_each_choice_list_is_the_one_its_module_dispatches_on():
+    """Validation checks a choice against the acting module's own tuple, not a copy of it, so a norm,
+    activation, stage or order added there is accepted here with nothing else to edit. (Planted: a
+    copied tuple in validate.py, as before the rules moved; this test failed on it.)"""
+    from megazero import metrics, training_schedules, zero
+    from megazero.config.validate import CHOICES
+    from models import embedding, mlp, norms, parallelize
+    from parallel import launch, topology
+    owners = {"model.position_embedding": embedding.POSITION_EMBEDDINGS, "model.norm": norms.NORM_KINDS,
+              "model.activation": mlp.ACTIVATIONS, "parallel.order": topology.ORDERS,
+              "parallel.recompute": parallelize.RECOMPUTE_MODES, "zero.stage": zero.STAGES,
+              "schedule.decay_style": training_schedules.DECAY_STYLES, "train.device": launch.DEVICES,
+              "logging.wandb_mode": metrics.WANDB_MODES}
+    for field, owned in owners.items():
+        assert CHOICES[field] is owned, field
+
+
+def test_layout_rules_are_the_ones_the_model_and_the_pipeline_enforce():
+    """The tensor-parallel and pipeline-split rules are written once, where the model and the
+    pipeline enforce them: validation reports the very sentence they would raise. (Planted: validate.py
+    rewording the tensor-parallel rule as its own copy did; this test failed on it.)"""
+    from models.parallelize import tp_layout_problems
+    from parallel.pipeline.partition import resolve_split, split_problem
+    cfg = _cfg("--parallel.tp", "4", "--model.num_heads", "8", "--model.num_kv_heads", "2")
+    assert tp_layout_problems(cfg.model, 4)[0] in _error("--parallel.tp", "4", "--model.num_heads", "8",
+                                                         "--model.num_kv_heads", "2")
+    bad = ("--parallel.pp", "2", "--parallel.pipeline_split", "[1, 2]")
+    with pytest.raises(ValueError) as raised:
+        resolve_split(2, 2, 1, [1, 2])
+    assert str(raised.value) == split_problem(2, 2, 1, [1, 2]) and str(raised.value) in _error(*bad)

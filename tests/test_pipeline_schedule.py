@@ -129,7 +129,7 @@ def test_balanced_split_accounts_for_embedding_and_head():
 
 def test_user_split_validated_and_mapped_to_chunks():
     assert resolve_split(6, 2, 1, [2, 4]) == [2, 4]
-    with pytest.raises(ValueError, match="pipeline_split .* summing to num_layers=6"):
+    with pytest.raises(ValueError, match="pipeline_split: .* summing to model.num_layers 6"):
         resolve_split(6, 2, 1, [2, 3])
     with pytest.raises(ValueError, match="4 positive"):
         resolve_split(6, 2, 2, [3, 3])

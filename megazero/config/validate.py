@@ -2,6 +2,11 @@
 
 Each problem becomes one sentence naming the dotted field and what to change; all problems are
 reported together so a user fixes a config in one pass rather than one error per launch.
+
+The rules that belong to a part of the system live in that part and are imported here: the choice
+lists from the modules that dispatch on them, tensor-parallel divisibility from
+``models.parallelize``, the pipeline split from ``parallel.pipeline.partition``. What stays here is
+about the config as a whole: ranges, and how the run fits the world it is launched on.
 """
 
 from __future__ import annotations
@@ -12,20 +17,29 @@ from typing import Optional
 
 from megazero.config.schema import Config
 from megazero.errors import ConfigError
-from megazero.training_schedules import build_batch_schedule, build_lr_schedule
+from megazero.metrics import WANDB_MODES
+from megazero.training_schedules import DECAY_STYLES, build_batch_schedule, build_lr_schedule
+from megazero.zero import STAGES
+from models.embedding import POSITION_EMBEDDINGS
+from models.mlp import ACTIVATIONS
+from models.norms import NORM_KINDS
+from models.parallelize import RECOMPUTE_MODES, tp_layout_problems
+from parallel.launch import DEVICES
+from parallel.pipeline.partition import split_problem
+from parallel.topology import ORDERS
 
 CHOICES = {
-    "model.position_embedding": ("learned", "rope"),
-    "model.norm": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "swiglu"),
-    "parallel.order": ("tp-dp-pp", "tp-pp-dp"),
-    "parallel.recompute": ("none", "full", "selective"),
-    "zero.stage": (0, 1, 2, 3),
+    "model.position_embedding": POSITION_EMBEDDINGS,
+    "model.norm": NORM_KINDS,
+    "model.activation": ACTIVATIONS,
+    "parallel.order": ORDERS,
+    "parallel.recompute": RECOMPUTE_MODES,
+    "zero.stage": STAGES,
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "optimizer.name": ("adamw",),
-    "schedule.decay_style": ("cosine", "linear", "constant"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "logging.wandb_mode": ("offline", "online"),
+    "schedule.decay_style": DECAY_STYLES,
+    "train.device": DEVICES,
+    "logging.wandb_mode": WANDB_MODES,
 }
 
 POSITIVE = [
@@ -133,29 +147,16 @@ def _shape_problems(cfg: Config) -> list[str]:
         problems.append(f"model.num_kv_heads: {kv} must divide model.num_heads {m.num_heads}")
     if m.position_embedding == "rope" and (m.hidden_size // m.num_heads) % 2:
         problems.append("model.hidden_size: rotary embeddings need an even head size (hidden_size / num_heads)")
-    sharded = [("model.num_heads", m.num_heads), ("model.ffn_hidden_size", m.ffn_size)]
-    if m.num_kv_heads is not None:
-        sharded.append(("model.num_kv_heads", kv))
-    for name, value in sharded:
-        if value % p.tp:
-            problems.append(f"{name}: {value} is not divisible by parallel.tp {p.tp}; change one of them")
+    problems += tp_layout_problems(m, p.tp)
     if p.sequence_parallel and p.tp == 1:
         problems.append("parallel.sequence_parallel: needs parallel.tp > 1; set it false or raise tp")
     if p.sequence_parallel and m.seq_length % p.tp:
         problems.append(f"model.seq_length: {m.seq_length} is not divisible by parallel.tp {p.tp} (sequence parallel)")
     if p.virtual_stages > 1 and p.pp == 1:
         problems.append("parallel.virtual_stages: interleaving needs parallel.pp > 1; set it to 1")
-    chunks = p.pp * p.virtual_stages
-    if p.pipeline_split is not None:
-        split = p.pipeline_split
-        if len(split) != chunks or any(not isinstance(n, int) or n <= 0 for n in split) or sum(split) != m.num_layers:
-            problems.append(f"parallel.pipeline_split: {split} must be {chunks} positive layer counts "
-                            f"(pp*virtual_stages) summing to model.num_layers {m.num_layers}")
-    elif m.num_layers % chunks:
-        problems.append(f"model.num_layers: {m.num_layers} is not divisible by parallel.pp*parallel.virtual_stages "
-                        f"= {chunks}; change the layer count or give parallel.pipeline_split")
-    elif m.num_layers < chunks:
-        problems.append(f"model.num_layers: {m.num_layers} is fewer than the {chunks} pipeline chunks")
+    split = split_problem(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
+    if split:
+        problems.append(split)
     return problems
 
 

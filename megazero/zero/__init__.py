@@ -1,7 +1,7 @@
 """ZeRO data parallelism: sharded optimizer state, gradients and parameters over flat buckets."""
 
 from megazero.zero.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaleError
-from megazero.zero.optimizer import StepResult, ZeroOptimizer, ZeroSettings
+from megazero.zero.optimizer import STAGES, StepResult, ZeroOptimizer, ZeroSettings
 
-__all__ = ["ConstantLossScaler", "DynamicLossScaler", "LossScaleError", "StepResult", "ZeroOptimizer",
+__all__ = ["ConstantLossScaler", "DynamicLossScaler", "LossScaleError", "STAGES", "StepResult", "ZeroOptimizer",
            "ZeroSettings"]

@@ -65,9 +65,13 @@ class StepResult:
         return bool(self.overflow)
 
 
+# 0: plain data parallelism; 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
+STAGES = (0, 1, 2, 3)
+
+
 @dataclass
 class ZeroSettings:
-    stage: int = 1
+    stage: int = 1  # one of STAGES
     bucket_numel: int = 200 * 2**20 // 4  # elements; the config's default of 200 MiB of fp32 gradients
     param_dtype: torch.dtype = torch.float32
     grad_dtype: torch.dtype = torch.float32

@@ -64,16 +64,32 @@ def decoder_costs(hidden: int, ffn: int, vocab: int, seq_length: int, by: str = 
     raise ValueError(f"cost must be 'params' or 'flops', got {by!r}")
 
 
+def split_problem(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[int]] = None) -> Optional[str]:
+    """Why a run's split cannot work, in config terms, or None: a given split must list ``pp * v``
+    positive block counts summing to ``num_layers``; without one, a run's blocks must divide evenly
+    over the virtual stages (an uneven layout is asked for by giving it). Config validation reports
+    this before launch; ``resolve_split`` refuses a bad given split."""
+    stages = pp * v
+    if split is not None:
+        split = list(split)
+        if len(split) != stages or any(not isinstance(k, int) or k < 1 for k in split) or sum(split) != num_layers:
+            return (f"parallel.pipeline_split: {split} must be {stages} positive layer counts "
+                    f"(pp*virtual_stages = {pp}*{v}) summing to model.num_layers {num_layers}")
+    elif num_layers % stages:
+        return (f"model.num_layers: {num_layers} is not divisible by parallel.pp*parallel.virtual_stages "
+                f"= {stages}; change the layer count or give parallel.pipeline_split")
+    return None
+
+
 def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[int]] = None,
                   costs: Optional[tuple[float, float, float]] = None) -> list[int]:
     """The user's split if given (validated), else balanced by ``costs``, else uniform."""
     stages = pp * v
     if split is not None:
-        split = list(split)
-        if len(split) != stages or any(not isinstance(k, int) or k < 1 for k in split) or sum(split) != num_layers:
-            raise ValueError(f"parallel.pipeline_split {split} must list {stages} positive block counts "
-                             f"(pp={pp} x virtual stages={v}) summing to num_layers={num_layers}")
-        return split
+        problem = split_problem(num_layers, pp, v, split)
+        if problem:
+            raise ValueError(problem)
+        return list(split)
     if costs is not None:
         return balanced_split(num_layers, stages, *costs)
     return uniform_split(num_layers, stages)
