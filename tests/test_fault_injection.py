@@ -19,6 +19,7 @@ kill); a guard that counts only non-finite losses (the NaN-gradient run exits "f
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import time
@@ -55,13 +56,12 @@ def _kill_and_resume(prefix, root, point: int) -> tuple[list, dict, str]:
     metrics, ckpts = root / "run" / "metrics.jsonl", root / "run" / "checkpoints"
     proc = _launch(cfg, STEPS, nproc=2)
     if point % 3 == 0:  # inside a save: the moment a temporary checkpoint directory appears
-        after = rng.randint(1, STEPS // SAVE_EVERY - 1) * SAVE_EVERY
-        reached = _wait_for(lambda: ckpts.exists() and any(ckpts.glob(f"step_{after:07d}.tmp")), proc)
-        time.sleep(rng.uniform(0, 0.01))
+        after = rng.randint(0, STEPS // SAVE_EVERY // 2 - 1) * SAVE_EVERY  # leaves several saves to catch
+        reached = _wait_for_save(ckpts, after, proc)
     else:
-        lines = rng.randint(1, STEPS - 2)
+        lines = rng.randint(1, STEPS - 5)  # a step lasts tens of milliseconds: land before the last
         reached = _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= lines, proc)
-        time.sleep(rng.uniform(0, 0.3))
+        time.sleep(rng.uniform(0, 0.05))
     _signal_tree(proc.pid, signal.SIGKILL)
     killed_out, _ = proc.communicate()
     assert reached and proc.returncode == -signal.SIGKILL, f"kill point {point} came too late:\n{killed_out}"
@@ -73,6 +73,21 @@ def _kill_and_resume(prefix, root, point: int) -> tuple[list, dict, str]:
     ckpt = latest_checkpoint(ckpts)
     verify_checkpoint(ckpt)
     return read_metrics(metrics), load_full_weights(ckpt), killed_out + out
+
+
+def _wait_for_save(ckpts, after: int, proc, timeout: float = 240) -> bool:
+    """Poll tightly (a save of this small model lasts milliseconds) for a save of a step past ``after``
+    in progress; True once one is seen."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            names = os.listdir(ckpts)
+        except FileNotFoundError:
+            names = []
+        if any(n.endswith(".tmp") and n.startswith("step_") and int(n[5:-4]) > after for n in names):
+            return True
+        time.sleep(0.0005)
+    return False
 
 
 def _check_identical(reference, resumed, point):
