@@ -170,7 +170,7 @@ def test_truncated_gzip_is_counted_or_fatal(tmp_path, capsys):
     ({"stages": ["clean", "dedupe"]}, "stages: unknown stage 'dedupe'; known stages:"),
     ({"stages": ["quality"]}, "quality.model: no classifier given; train one with `megazero curate train-quality"),
     ({"quality": {"model": "missing.bin"}, "stages": ["quality"]}, "quality.model: .*missing.bin: no such file"),
-    ({"clean": {"min_wrds": 3}}, "clean.min_wrds: unknown field; did you mean clean.min_words?"),
+    ({"clean": {"min_wrds": 3}}, "clean.min_wrds: unknown key; did you mean clean.min_words?"),
     ({"input": {"paths": ["nope/*.jsonl"]}}, "input.paths: nope/\\*.jsonl: no such file"),
     ({"fuzzy_dedup": {"bands": 30}}, "bands x rows \\(30 x 13\\) needs at most num_perm \\(260\\)"),
 ])

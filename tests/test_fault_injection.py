@@ -119,7 +119,7 @@ def _nan_world(rank, world_size, prefix, root):
 
     from megazero.config import load_config, resolve_config
     from megazero.errors import UserError
-    from megazero.launch import initialize
+    from megazero.startup import initialize
     from megazero.trainer import Trainer
     from parallel.launch import LaunchEnv
 

@@ -16,11 +16,9 @@ dotted field and what it should be.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import glob
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +27,7 @@ from data_pipeline.curate.decontaminate import DecontaminateConfig
 from data_pipeline.curate.fuzzy_dedup import FuzzyDedupConfig
 from data_pipeline.curate.quality import QualityConfig
 from data_pipeline.curate.shards import FORMATS
+from data_pipeline.typed_config import build_dataclass
 
 STAGES = ("clean", "quality", "exact_dedup", "fuzzy_dedup", "decontaminate")
 
@@ -78,7 +77,7 @@ class CurateConfig:
 
 def build_config(raw: dict, base_dir: str = ".") -> CurateConfig:
     """A checked ``CurateConfig`` from parsed YAML; relative input paths are relative to ``base_dir``."""
-    cfg = _build(CurateConfig, {k.replace("-", "_"): v for k, v in raw.items()}, "")
+    cfg = build_dataclass(CurateConfig, {k.replace("-", "_"): v for k, v in raw.items()})
     cfg.stages = [str(s).replace("-", "_") for s in cfg.stages]
     for name in cfg.stages:
         if name not in STAGES:
@@ -112,43 +111,3 @@ def expand_inputs(patterns: list, base_dir: str) -> list[str]:
         raise ValueError(f"input.paths: two inputs are named {dup}; document ids are FILE:LINE, so give the "
                          "inputs distinct file names (or an id field, input.id_field)")
     return paths
-
-
-def _build(cls: type, raw, prefix: str):
-    where = prefix.rstrip(".") or "config"
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a mapping of fields, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in raw:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"did you mean {prefix}{close[0]}?" if close else f"known fields: {', '.join(names)}"
-            raise ValueError(f"{prefix}{key}: unknown field; {hint}")
-    values = {}
-    for name in names:
-        if name in raw:
-            hint = hints[name]
-            values[name] = (_build(hint, raw[name] or {}, f"{prefix}{name}.") if dataclasses.is_dataclass(hint)
-                            else _coerce(raw[name], hint, f"{prefix}{name}"))
-    return cls(**values)
-
-
-def _coerce(value, hint, name: str):
-    if typing.get_origin(hint) is typing.Union:
-        return None if value is None else _coerce(value, typing.get_args(hint)[0], name)
-    ok = {bool: isinstance(value, bool),
-          int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool),
-          str: isinstance(value, str),
-          list: isinstance(value, (list, tuple)),
-          dict: isinstance(value, dict) or value is None}.get(hint, True)
-    if hint is list and isinstance(value, str):
-        return [value]
-    if not ok:
-        raise ValueError(f"{name}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
-    if hint is float:
-        return float(value)
-    if hint is list:
-        return list(value)
-    return value if value is not None else {}

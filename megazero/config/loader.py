@@ -7,13 +7,13 @@ integer goes or a misspelled key fails here, with the dotted field name, before 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import typing
 from typing import Any, Iterable
 
 import yaml
 
+from data_pipeline import typed_config
 from models.presets import MODEL_PRESETS
 from megazero.config.schema import Config
 from megazero.errors import ConfigError
@@ -114,66 +114,8 @@ def _resolve_auto_vocab(raw: dict) -> None:
 
 
 def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
-    """Instantiate ``cls`` from a mapping, checking keys and types; nested dataclasses recurse."""
-    where = prefix.rstrip(".") or "config"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping of fields, got {type(raw).__name__} {raw!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in raw:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known fields: {', '.join(names)}"
-            raise ConfigError(f"{prefix}{key}: unknown key{hint}")
-    values = {}
-    for name in names:
-        if name not in raw:
-            continue
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            values[name] = build_dataclass(hint, raw[name], f"{prefix}{name}.")
-        else:
-            values[name] = coerce(raw[name], hint, f"{prefix}{name}")
-    return cls(**values)
-
-
-def coerce(value: Any, hint: Any, name: str) -> Any:
-    """Check ``value`` against a field annotation, converting only where it loses nothing."""
-    if typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None:
-            return None
-        return coerce(value, args[0], name)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{name}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{name}: expected a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):  # --data.split 1
-            return str(value)
-        raise ConfigError(f"{name}: expected a string, got {value!r}")
-    if hint is list:
-        if isinstance(value, (list, tuple)):
-            return list(value)
-        raise ConfigError(f"{name}: expected a list, got {value!r}")
-    return value
+    """Instantiate ``cls`` from a mapping, checking keys and types (``ConfigError`` names the field)."""
+    return typed_config.build_dataclass(cls, raw, prefix, error=ConfigError)
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -1,0 +1,83 @@
+"""Typed dataclass configs from YAML mappings: the one builder the training config and the curation
+config share (it sits here, below both, because ``data_pipeline`` may not import ``megazero``).
+
+Values are checked against the dataclass annotations as they arrive, converting only where nothing
+is lost (an integral float to int, YAML 1.1's string ``3e-4`` to float, a number to a string, one
+string to a one-item list), so a wrong type or a misspelled key fails with its dotted field name
+before anything runs. The caller picks the exception type its users see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any
+
+
+def build_dataclass(cls: type, raw: Any, prefix: str = "", error: type[Exception] = ValueError) -> Any:
+    """Instantiate ``cls`` from a mapping, checking keys and types; nested dataclasses recurse (a
+    missing or null section takes its defaults)."""
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise error(f"{where}: expected a mapping of fields, got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known fields: {', '.join(names)}"
+            raise error(f"{prefix}{key}: unknown key{hint}")
+    values = {}
+    for name in names:
+        if name not in raw:
+            continue
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = build_dataclass(hint, raw[name] if raw[name] is not None else {}, f"{prefix}{name}.", error)
+        else:
+            values[name] = coerce(raw[name], hint, f"{prefix}{name}", error)
+    return cls(**values)
+
+
+def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError) -> Any:
+    """Check ``value`` against a field annotation, converting only where it loses nothing."""
+    if typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return None if value is None else coerce(value, args[0], name, error)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise error(f"{name}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise error(f"{name}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise error(f"{name}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # --data.split 1
+            return str(value)
+        raise error(f"{name}: expected a string, got {value!r}")
+    if hint is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        if isinstance(value, str):  # one path where a list of paths goes
+            return [value]
+        raise error(f"{name}: expected a list, got {value!r}")
+    if hint is dict:
+        if value is None or isinstance(value, dict):
+            return dict(value or {})
+        raise error(f"{name}: expected a mapping, got {value!r}")
+    return value
