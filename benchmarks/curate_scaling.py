@@ -1,0 +1,58 @@
+"""Fuzzy dedup's scaling with workers: the real stage on the same ingested shards with 1, 2, 4, ...
+worker processes (wall time, documents per second, speedup over one worker), and the same removed
+count every time. Needs an otherwise idle machine with that many cores.
+
+    python benchmarks/curate_scaling.py --docs 200000 --workers 1 2 4 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from curate_fuzzy import BANDS, NGRAM, NUM_PERM, ROWS, THRESHOLD, corpus  # noqa: E402
+
+from data_pipeline.curate.config import build_config  # noqa: E402
+from data_pipeline.curate.pipeline import Context, run_fuzzy_dedup, run_pipeline  # noqa: E402
+from data_pipeline.curate.runner import LocalExecutor  # noqa: E402
+from data_pipeline.curate.shards import list_shards  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=200000)
+    parser.add_argument("--shard-docs", type=int, default=5000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    args = parser.parse_args()
+    texts = corpus(args.docs)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "docs.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(texts))
+        cfg = build_config({"input": {"paths": [path], "shard_docs": args.shard_docs},
+                            "output": {"dir": os.path.join(tmp, "out")}, "stages": [],
+                            "fuzzy_dedup": {"num_perm": NUM_PERM, "bands": BANDS, "rows": ROWS, "ngram": NGRAM,
+                                            "threshold": THRESHOLD}})
+        run_pipeline(cfg, log=lambda s: None)  # ingest only: not timed
+        shards = list_shards(os.path.join(tmp, "out", "00-input"))
+        base = None
+        for workers in args.workers:
+            start = time.perf_counter()
+            stats = run_fuzzy_dedup(Context(cfg, LocalExecutor(workers), progress=False), shards,
+                                    os.path.join(tmp, f"fuzzy-{workers}"))
+            seconds = time.perf_counter() - start
+            base = base or seconds
+            print(json.dumps({"workers": workers, "docs": args.docs, "seconds": round(seconds, 2),
+                              "docs_per_s": round(args.docs / seconds), "speedup": round(base / seconds, 2),
+                              "removed": stats["dropped"].get("near duplicate", 0)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
