@@ -238,13 +238,19 @@ def decode_line(line: bytes) -> str:
 
 def parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[str, ...]:
     """The texts of ``keys`` in one jsonl line; BadRecord says why there are none."""
+    return record_texts(parse_record(line, keys), keys)
+
+
+def parse_record(line: bytes, keys: tuple[str, ...]) -> dict:
+    """One jsonl line as a JSON object whose ``keys`` hold text; BadRecord says why it is not one."""
     try:
         record = json.loads(decode_line(line))
     except json.JSONDecodeError as exc:
         raise BadRecord(MALFORMED_JSON, f"malformed JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(record, dict):
         raise BadRecord(NOT_OBJECT, f"a JSON {type(record).__name__}, not an object with a {keys[0]!r} field")
-    return record_texts(record, keys)
+    record_texts(record, keys)
+    return record
 
 
 def record_texts(record: dict, keys: tuple[str, ...]) -> tuple[str, ...]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import shutil
 import subprocess
-import threading
 from collections import namedtuple
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from megazero.checkpoint import format as format_module
 from megazero.checkpoint import probe_writable
 from megazero.checkpoint import writer as writer_module
 from megazero.checkpoint.format import HashingWriter
+from tests.test_checkpoint_io import save_rank_files
 
 BIG = 1 << 18  # float32 elements: a 1 MiB tensor
 NO_SPACE = "no space left on device: free space or lower checkpoint.keep_last"
@@ -28,28 +28,6 @@ DISCARDED = "the partial checkpoint was removed and the previous one, if any, is
 
 def alone() -> None:
     """The barrier of a one-rank world."""
-
-
-def save_all(root: Path, step: int, files_by_rank: list[dict], async_save: bool = False) -> list:
-    """Save ``step`` from one thread per rank; returns each rank's exception or None."""
-    world = len(files_by_rank)
-    barrier = threading.Barrier(world, timeout=20)  # a rank left waiting breaks it: the test fails, not hangs
-    errors: list = [None] * world
-
-    def rank_main(rank: int) -> None:
-        writer = CheckpointWriter(root, rank=rank, world_size=world, barrier=barrier.wait, async_save=async_save)
-        try:
-            writer.save(step, files_by_rank[rank])
-            writer.wait()
-        except Exception as e:  # noqa: BLE001 - returned for the test to inspect
-            errors[rank] = e
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
 
 
 def small(rank: int, value: float) -> dict:
@@ -78,9 +56,9 @@ def assert_previous_is_latest(root: Path, step: int = 1) -> None:
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_full_disk_on_one_rank_fails_every_rank_and_removes_the_partial_save(tmp_path, monkeypatch, async_save):
-    assert save_all(tmp_path, 1, [small(0, 1.0), small(1, 1.0)]) == [None, None]
+    assert save_rank_files(tmp_path, 1, [small(0, 1.0), small(1, 1.0)]) == [None, None]
     monkeypatch.setattr(HashingWriter, "write", failing_write(errno.ENOSPC, 1 << 20))
-    errors = save_all(tmp_path, 2, [small(0, 2.0), {"rank1.pt": {"w": torch.zeros(BIG)}}], async_save)
+    errors = save_rank_files(tmp_path, 2, [small(0, 2.0), {"rank1.pt": {"w": torch.zeros(BIG)}}], async_save)
     tmp = tmp_path / "step_0000002.tmp"
     assert all(isinstance(e, CheckpointError) and "\n" not in str(e) for e in errors), errors
     assert str(errors[1]) == f"{tmp}: rank 1 could not write its checkpoint files: {NO_SPACE}; {DISCARDED}"
@@ -88,7 +66,7 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_removes_the_partial_save(t
     assert_previous_is_latest(tmp_path)
     assert torch.equal(load_file(latest_checkpoint(tmp_path), "rank1.pt")["w"], torch.ones(4))
     monkeypatch.undo()  # space freed: the next save goes through
-    assert save_all(tmp_path, 2, [small(0, 2.0), small(1, 2.0)]) == [None, None]
+    assert save_rank_files(tmp_path, 2, [small(0, 2.0), small(1, 2.0)]) == [None, None]
     assert latest_checkpoint(tmp_path).name == "step_0000002"
 
 
@@ -119,7 +97,7 @@ def test_rank0_unable_to_create_the_directory_leaves_no_rank_waiting(tmp_path, m
         return real_mkdir(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
-    errors = save_all(tmp_path, 1, [small(0, 1.0), small(1, 1.0)])
+    errors = save_rank_files(tmp_path, 1, [small(0, 1.0), small(1, 1.0)])
     tmp = tmp_path / "step_0000001.tmp"
     assert str(errors[0]).startswith(f"{tmp}: rank 0 could not create this checkpoint directory: permission denied")
     assert str(errors[1]).startswith(f"{tmp}: rank 0 could not complete this checkpoint")

@@ -43,15 +43,23 @@ def assert_shard_equal(loaded: dict, expected: dict) -> None:
 
 def save_on_threads(root: Path, world: int, step: int, async_save: bool, names=None, keep_last: int = 3) -> list:
     """Save ``step`` from ``world`` ranks run as threads; returns each rank's exception or None."""
+    files = [{names[rank] if names else f"model/rank{rank:02d}.pt": shard(rank, step)} for rank in range(world)]
+    return save_rank_files(root, step, files, async_save, keep_last=keep_last, meta={"layout": "dp" + str(world)})
+
+
+def save_rank_files(root: Path, step: int, files_by_rank: list[dict], async_save: bool = False, keep_last: int = 3,
+                    meta=None) -> list:
+    """Save ``step`` with one thread per rank writing its ``files_by_rank`` entry; returns each rank's
+    exception or None. The barrier times out rather than hangs when a rank is left waiting."""
+    world = len(files_by_rank)
     barrier = threading.Barrier(world, timeout=30)
     errors: list = [None] * world
 
     def rank_main(rank: int) -> None:
         writer = CheckpointWriter(root, rank=rank, world_size=world, barrier=barrier.wait,
                                   keep_last=keep_last, async_save=async_save)
-        name = names[rank] if names else f"model/rank{rank:02d}.pt"
         try:
-            writer.save(step, {name: shard(rank, step)}, meta={"layout": "dp" + str(world)})
+            writer.save(step, files_by_rank[rank], meta=meta)
             writer.wait()
         except Exception as e:  # noqa: BLE001 - returned for the test to inspect
             errors[rank] = e

@@ -19,7 +19,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from data_pipeline.sources import (BadRecord, MALFORMED_JSON, NOT_OBJECT, decode_line, iter_lines, record_texts)
+from data_pipeline.sources import BadRecord, iter_lines, parse_record, record_texts
 
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet")
 TRUNCATED = "truncated file"
@@ -96,7 +96,7 @@ def input_documents(path: str, text_field: str, id_field: str, strict: bool, bad
     try:
         for lineno, line in iter_lines(path):
             try:
-                record = _parse(line, text_field)
+                record = parse_record(line, (text_field,))
             except BadRecord as exc:
                 bad.add(exc.reason, f"{path}:{lineno}", exc.detail, strict)
                 continue
@@ -105,17 +105,6 @@ def input_documents(path: str, text_field: str, id_field: str, strict: bool, bad
         if not os.path.exists(path) or strict:
             raise
         bad.add(TRUNCATED, f"{path}:{lineno + 1}", str(exc), strict)
-
-
-def _parse(line: bytes, text_field: str) -> dict:
-    try:
-        record = json.loads(decode_line(line))
-    except json.JSONDecodeError as exc:
-        raise BadRecord(MALFORMED_JSON, f"malformed JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(record, dict):
-        raise BadRecord(NOT_OBJECT, f"a JSON {type(record).__name__}, not an object with a {text_field!r} field")
-    record_texts(record, (text_field,))
-    return record
 
 
 def _parquet_documents(path, text_field, id_field, strict, bad, default_id):
