@@ -16,20 +16,11 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megazero.zero import DynamicLossScaler, ZeroOptimizer, ZeroSettings
 from tests.test_zero_toy import MICRO, STEPS, Toy, _data, _reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
-                            world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _optimizer(model, group, stage, clip=1e9, **kwargs):

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megazero.zero import ZeroOptimizer, ZeroSettings
 from tests.test_zero_toy import Toy, _data
@@ -16,14 +15,6 @@ from tests.test_zero_toy import Toy, _data
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 STALL_CYCLES = 1_000_000_000  # about half a second of GPU clock
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
-                            world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
