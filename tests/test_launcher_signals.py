@@ -23,32 +23,25 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
-from data_pipeline.indexed import IndexedDatasetWriter
 from megazero.checkpoint import verify_checkpoint
 from megazero.checkpoint.preemption import UNSAVED
 from megazero.config import load_config
 from megazero.startup import EXIT_PREEMPTED
+from tests.test_trainer import VOCAB, write_arithmetic_shard
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "pretrain_gpt.sh"
 PREEMPTED = re.compile(r"^megazero: preempted at step (\d+) by (SIG\w+), saved to (\S+)$", re.MULTILINE)
-VOCAB = 97
 
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> Path:
     """A two-layer model on arithmetic-progression documents that would train for 100000 steps."""
     root = tmp_path_factory.mktemp("signals")
-    prefix = str(root / "arith_text_document")
-    rng = np.random.default_rng(0)
-    with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for _ in range(200):
-            start, stride, length = rng.integers(1, VOCAB), rng.integers(1, 7), rng.integers(40, 200)
-            writer.add_document(np.append((start + stride * np.arange(length)) % (VOCAB - 1) + 1, 0).astype(np.uint16))
+    prefix = write_arithmetic_shard(str(root / "arith_text_document"), 200)
     cfg = load_config(None, [
         "--model.preset", "gpt2", "--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
         "--model.vocab_size", str(VOCAB), "--model.seq_length", "32", "--train.micro_batch_size", "2",

@@ -36,11 +36,15 @@ STEPS = 10
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory):
     """Learnable documents: arithmetic progressions mod the vocabulary, each ended by token 0."""
-    root = tmp_path_factory.mktemp("data")
-    prefix = str(root / "arith_text_document")
+    return write_arithmetic_shard(str(tmp_path_factory.mktemp("data") / "arith_text_document"), 400)
+
+
+def write_arithmetic_shard(prefix: str, documents: int) -> str:
+    """A shard of arithmetic progressions mod the vocabulary, each ended by token 0: data a small
+    model learns within a few steps."""
     rng = np.random.default_rng(0)
     with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for _ in range(400):
+        for _ in range(documents):
             start, stride, length = rng.integers(1, VOCAB), rng.integers(1, 7), rng.integers(40, 200)
             doc = (start + stride * np.arange(length)) % (VOCAB - 1) + 1
             writer.add_document(np.append(doc, 0).astype(np.uint16))
@@ -204,7 +208,7 @@ def test_kill_minus_nine_then_resume_is_exact(data_prefix, tmp_path):
 
     proc = _launch(killed_cfg, steps)
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and f"resumed from" in out, out
+    assert proc.returncode == 0 and "resumed from" in out, out
     resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     for a, b in zip(resumed[saved_step:], reference[saved_step:]):
