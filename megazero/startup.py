@@ -15,13 +15,10 @@ from megazero.config import Config, save_config
 from megazero.config.loader import config_to_dict
 from megazero.errors import UserError
 from megazero.run_lock import RunDirLock
-from parallel.launch import LaunchEnv, LaunchError, init_process_group, pick_device
+from parallel.launch import EXIT_STOPPED, LaunchEnv, LaunchError, init_process_group, pick_device
 from parallel.topology import RankGrid, Topology
 
 PACKAGES = ("megazero", "parallel", "models", "data_pipeline")
-# The exit status of a run stopped by a signal after saving (EX_TEMPFAIL: "try again later"), so a
-# scheduler can tell preemption from completion (0) and from failure (any other status).
-EXIT_PREEMPTED = 75
 
 
 def initialize(cfg: Config, launch: LaunchEnv):
@@ -95,4 +92,4 @@ def start_run(cfg: Config, launch: LaunchEnv) -> int:
             dist.destroy_process_group()
         if lock is not None:
             lock.release()
-    return EXIT_PREEMPTED if state.stopped_by else 0
+    return EXIT_STOPPED if state.stopped_by else 0  # 75: a scheduler tells preemption from completion

@@ -29,7 +29,7 @@ import yaml
 from megazero.checkpoint import verify_checkpoint
 from megazero.checkpoint.preemption import UNSAVED
 from megazero.config import load_config
-from megazero.startup import EXIT_PREEMPTED
+from parallel.launch import EXIT_STOPPED
 from tests.test_trainer import VOCAB, write_arithmetic_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def run_dir(tmp_path):
 
 def _assert_preempted_and_saved(proc: subprocess.Popen, signum: int) -> None:
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == EXIT_PREEMPTED, out
+    assert proc.returncode == EXIT_STOPPED, out
     lines = PREEMPTED.findall(out)
     assert len(lines) == 1, out
     step, name, saved_to = lines[0]
@@ -241,7 +241,7 @@ def test_demo_samples_the_run_it_trained_and_not_after_a_preemption(tmp_path):
     finally:
         for pid in _processes_of(tmp_path / "preempted"):
             os.kill(pid, signal.SIGKILL)
-    assert preempted.returncode == EXIT_PREEMPTED, out
+    assert preempted.returncode == EXIT_STOPPED, out
     assert len(PREEMPTED.findall(out)) == 1 and "a sample from" not in out, out
 
 

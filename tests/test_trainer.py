@@ -219,7 +219,7 @@ def test_sigterm_saves_a_loadable_checkpoint(data_prefix, tmp_path):
     """SIGTERM to every process at once, as SLURM and Kubernetes send it, under megazero's torchrun
     (``python -m parallel.launch``, which the launch script runs): the save completes, one line says
     where, and the status is 75, not 0 (finished) nor torchrun's failure."""
-    from megazero.startup import EXIT_PREEMPTED
+    from parallel.launch import EXIT_STOPPED
 
     cfg = _write_config(tmp_path / "term.yaml", data_prefix, str(tmp_path / "term"), 0)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -230,7 +230,7 @@ def test_sigterm_saves_a_loadable_checkpoint(data_prefix, tmp_path):
     assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc)
     _signal_tree(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_PREEMPTED, out
+    assert proc.returncode == EXIT_STOPPED, out
     ckpt = latest_checkpoint(tmp_path / "term" / "checkpoints")
     assert ckpt is not None, out
     step = verify_checkpoint(ckpt)["step"]

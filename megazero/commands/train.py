@@ -37,8 +37,9 @@ def run(args) -> int:
     if args.check:
         p = cfg.parallel
         largest = "" if facts.largest_token_id is None else f", largest token id {facts.largest_token_id}"
+        tokenizer = "" if facts.tokenizer_vocab is None else f", tokenizer {facts.tokenizer_vocab} tokens"
         print(f"config ok for {launch.world_size} rank(s): tp{p.tp} pp{p.pp} dp{p.dp}; data: "
-              f"{len(facts.prefixes)} dataset(s){largest}, model.vocab_size {cfg.model.vocab_size}")
+              f"{len(facts.prefixes)} dataset(s){largest}, model.vocab_size {cfg.model.vocab_size}{tokenizer}")
         return 0
     from megazero.startup import start_run
 
