@@ -1,7 +1,97 @@
-"""`megazero convert`: Convert checkpoints between megazero and Hugging Face formats."""
+"""`megazero convert SRC DST`: convert checkpoints between megazero, Hugging Face and Megatron-LM.
 
-from megazero.commands.planned import register_planned
+The source kind is detected from its files (``--from`` names it). Everything is written into a
+temporary folder beside DST and renamed to DST at the end: on any error DST does not exist.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megazero.errors import UserError
+
+TARGETS = ("hf", "megazero", "torch")
+SOURCES = ("megazero", "hf", "megatron")
 
 
 def register(subparsers) -> None:
-    register_planned(subparsers, "convert", "Convert checkpoints between megazero and Hugging Face formats")
+    parser = subparsers.add_parser(
+        "convert", help="Convert checkpoints between megazero, Hugging Face and Megatron-LM formats",
+        description="Convert SRC (a megazero checkpoint of any layout, a Hugging Face model folder, or a "
+                    "Megatron-LM legacy checkpoint) into DST, streaming one tensor at a time. "
+                    "--to megazero writes a consolidated checkpoint (world size 1) that `megazero train "
+                    "--checkpoint.load DST` reshards into its own layout.")
+    parser.add_argument("src", help="Checkpoint to read: a step_* directory or its root, a folder with "
+                                    "config.json, or a Megatron root / iter_* directory")
+    parser.add_argument("dst", help="Path to create (must not exist): a folder, or a .safetensors file for --to torch")
+    parser.add_argument("--to", choices=TARGETS, default=None,
+                        help="Target format (default: hf from megazero, megazero from the others)")
+    parser.add_argument("--from", dest="source", choices=SOURCES, default=None,
+                        help="Source format (default: detected from SRC's files)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="--to hf: weight dtype (from the fp32 master)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="--to hf: tokenizer to include (default: the source run's data.tokenizer, if present)")
+    parser.add_argument("--shard-size-gb", type=float, default=5.0, help="--to hf: largest weight shard, in GB")
+    parser.add_argument("--reset-step", action="store_true",
+                        help="--to megazero from megazero: start at step 0 with fresh optimizer state")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="Skip the sha256 check of a megazero source's files (sizes are still checked by reading)")
+    parser.set_defaults(func=run)
+
+
+def open_source(path: Path, kind, verify: bool = True):
+    from megazero.convert.sources import MegazeroSource, detect
+
+    if not path.exists():
+        raise UserError(f"{path}: does not exist; check SRC")
+    kind = kind or detect(path)
+    if kind == "hf":
+        from megazero.convert.hf import HFSource
+
+        return HFSource(path)
+    if kind == "megatron":
+        from megazero.convert.megatron import MegatronSource
+
+        return MegatronSource(path)
+    return MegazeroSource(path, verify=verify)
+
+
+def run(args) -> int:
+    from megazero.convert.streaming import staged
+
+    src, dst = Path(args.src), Path(args.dst)
+    if dst.exists():
+        raise UserError(f"{dst}: already exists; give a new DST path or remove it first")
+    source = open_source(src, args.source, verify=not args.no_verify)
+    target = args.to or ("hf" if source.kind == "megazero" else "megazero")
+    if args.reset_step and (target != "megazero" or source.kind != "megazero"):
+        raise UserError("--reset-step: applies to --to megazero from a megazero checkpoint only (other sources "
+                        "always start at step 0)")
+    if target == "hf":
+        from megazero.convert.hf import write_hf
+        from megazero.convert.hf_models import family_for
+
+        family_for(source.cfg)  # refuse before creating anything
+        tokenizer = args.tokenizer or _run_tokenizer(source)
+        with staged(dst) as tmp:
+            write_hf(source, tmp, args.dtype, tokenizer, int(args.shard_size_gb * 1e9))
+    elif target == "torch":
+        from megazero.convert.targets import write_state_dict
+
+        with staged(dst, single_file=True) as tmp:
+            write_state_dict(source, tmp / dst.name)
+    else:
+        from megazero.convert.targets import write_megazero
+
+        with staged(dst) as tmp:
+            write_megazero(source, tmp, reset_step=args.reset_step)
+    print(f"megazero convert: wrote {dst} ({target}, from {source.kind} {src})")
+    return 0
+
+
+def _run_tokenizer(source):
+    """The tokenizer the source run trained with, if its config names one that still exists here."""
+    meta = getattr(getattr(source, "reader", None), "meta", {}) or {}
+    path = ((meta.get("config") or {}).get("data") or {}).get("tokenizer")
+    return path if path and Path(path).exists() else None

@@ -1,0 +1,215 @@
+"""Hugging Face folders: reading one as a source, and writing one from any source.
+
+Written: ``config.json`` and ``generation_config.json``, the weights as safetensors shards with
+``model.safetensors.index.json`` (one ``model.safetensors`` when they fit one shard), and the
+tokenizer where ``transformers`` can load it: a ``tokenizer.json`` as it is, a SentencePiece model
+as ``tokenizer.model`` for ``LlamaTokenizer``, each with a ``tokenizer_config.json`` that adds no
+BOS/EOS (megazero trains on documents separated by end-of-document only). The folder loads with
+``AutoModelForCausalLM.from_pretrained`` and no custom code.
+
+Read: the same files. Weights only from safetensors: a ``pytorch_model.bin`` is a pickle, which
+can run code when loaded, and is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megazero.convert.hf_models import FAMILIES, VOCAB_PADDED, family_for, fit_rows
+from megazero.convert.sources import Source, logical_shapes, unpadded
+from megazero.convert.streaming import StreamedSafetensors
+from megazero.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+INDEX = "model.safetensors.index.json"
+
+
+class HFSource:
+    """A Hugging Face model folder (``config.json`` and safetensors weights)."""
+
+    kind = "hf"
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        config_path = self.folder / "config.json"
+        try:
+            self.hf = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise UserError(f"{config_path}: cannot be read as JSON ({e}); check SRC") from None
+        archs = self.hf.get("architectures") or []
+        self.family = FAMILIES.get(archs[0]) if archs else None
+        if self.family is None:
+            raise UserError(f"{config_path}: architecture {archs[0] if archs else self.hf.get('model_type')!r} is not "
+                            f"one megazero can import ({', '.join(FAMILIES)}); convert such a model with its own tools")
+        try:
+            self.cfg = self.family.model_config(self.hf, str(config_path))
+        except KeyError as e:
+            raise UserError(f"{config_path}: has no {e} field, which {archs[0]} needs; the file is incomplete") from None
+        self.files = self._weight_files()
+        self.names = list(logical_shapes(self.cfg))
+
+    def _weight_files(self) -> dict[str, str]:
+        """Tensor name -> shard file name, from the index or the single file."""
+        index = self.folder / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise UserError(f"{index}: is not a safetensors index ({e}); restore it") from None
+        elif (self.folder / "model.safetensors").is_file():
+            weight_map = {name: "model.safetensors" for name in _keys(self.folder / "model.safetensors")}
+        elif any(self.folder.glob("pytorch_model*.bin")):
+            raise UserError(f"{self.folder}: holds pytorch_model.bin, a pickle that can run code when loaded, and "
+                            "no safetensors weights; save the model with safetensors first "
+                            "(model.save_pretrained(folder) does by default)")
+        else:
+            raise UserError(f"{self.folder}: holds no model.safetensors or {INDEX}; check SRC")
+        for shard in sorted(set(weight_map.values())):
+            if not (self.folder / shard).is_file():
+                raise UserError(f"{self.folder / shard}: weight shard listed in {INDEX} is missing; "
+                                "download it again")
+        return weight_map
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        shard = self.files.get(name)
+        if shard is None:
+            raise UserError(f"{self.folder}: has no tensor {name!r}, which its config.json implies; the weights do "
+                            "not match the config")
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(self.folder / shard, framework="pt") as f:
+                return f.get_tensor(name).float()
+        except SafetensorError as e:
+            raise UserError(f"{self.folder / shard}: cannot be read ({e}); the file is truncated or damaged -- "
+                            "download it again") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        return unpadded(name, self.family.from_hf(name, self._tensor, self.cfg), self.cfg)
+
+
+def _keys(path: Path) -> list[str]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as e:
+        raise UserError(f"{path}: cannot be read ({e}); the file is truncated or damaged -- download it again") from None
+
+
+def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: Optional[str] = None,
+             shard_bytes: int = 5 << 30) -> None:
+    """Write ``source`` as a Hugging Face folder into ``out`` (an empty directory)."""
+    cfg = source.cfg
+    family = family_for(cfg)  # refuses an inexpressible architecture before anything is written
+    torch_dtype = DTYPES[dtype]
+    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,  # not GPT-2's or Llama's defaults
+           **(tokenizer_ids(tokenizer) if tokenizer else {})}
+    config = {"architectures": [family.hf_class], "model_type": family.model_type, "vocab_size": cfg.vocab_size,
+              **family.hf_config(cfg), "tie_word_embeddings": cfg.tie_embeddings,
+              "initializer_range": cfg.init_std or 1.0 / (3 * cfg.hidden_size) ** 0.5,
+              "torch_dtype": HF_DTYPE_NAMES[torch_dtype], "use_cache": True, **ids}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **ids}, indent=2) + "\n")
+    shapes = _hf_shapes(source, family)
+    shards = _plan_shards(shapes, torch_dtype, shard_bytes)
+    files = sorted(set(shards.values()))
+    writers: dict[str, StreamedSafetensors] = {}  # a shard is opened at its first tensor, closed after its last
+    pending = {file: sum(1 for f in shards.values() if f == file) for file in files}
+    for name in source.names:
+        for hf_name, t in family.to_hf(name, source.read(name), cfg):
+            file = shards[hf_name]
+            if file not in writers:
+                declared = {n: torch.empty(shapes[n], dtype=torch_dtype, device="meta")
+                            for n, f in shards.items() if f == file}
+                writers[file] = StreamedSafetensors(out / file, declared, {"format": "pt"})
+            writers[file].write(t)
+            pending[file] -= 1
+            if pending[file] == 0:
+                writers.pop(file).close()
+    total = sum(_numel(s) for s in shapes.values()) * torch.finfo(torch_dtype).bits // 8
+    if len(files) > 1:
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shards}, indent=2))
+    if tokenizer:
+        write_tokenizer(tokenizer, out, cfg.seq_length)
+
+
+def _hf_shapes(source: Source, family) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensors, in the order they will be written, with their shapes (the maps run on
+    meta tensors, so shapes come from the same code as values)."""
+    cfg = source.cfg
+    shapes = {}
+    for name, shape in logical_shapes(cfg).items():
+        t = torch.empty(shape, device="meta")
+        t = fit_rows(t, cfg.vocab_size) if name in VOCAB_PADDED else t
+        for hf_name, out in family.to_hf(name, t, cfg):
+            shapes[hf_name] = tuple(out.shape)
+    return shapes
+
+
+def _plan_shards(shapes: dict, dtype: torch.dtype, shard_bytes: int) -> dict[str, str]:
+    """Tensor -> shard file: consecutive tensors up to ``shard_bytes`` a file (a larger tensor alone)."""
+    groups, size = [[]], 0
+    for name, shape in shapes.items():
+        nbytes = _numel(shape) * torch.finfo(dtype).bits // 8
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return {name: "model.safetensors" for name in groups[0]}
+    n = len(groups)
+    return {name: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, group in enumerate(groups) for name in group}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# --- tokenizer ------------------------------------------------------------------------------------
+
+def _pieces(path: str):
+    """(kind, id -> token text) of a tokenizer file: 'sentencepiece' or 'json'."""
+    from data_pipeline.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(path)
+    except (ValueError, OSError) as e:
+        raise UserError(f"--tokenizer {path}: {e}") from None
+    if path.endswith(".json") or Path(path).is_dir():
+        from tokenizers import Tokenizer
+
+        file = path if path.endswith(".json") else str(Path(path) / "tokenizer.json")
+        return tok, "json", file, Tokenizer.from_file(file).id_to_token
+    import sentencepiece as spm
+
+    return tok, "sentencepiece", path, spm.SentencePieceProcessor(model_file=path).id_to_piece
+
+
+def tokenizer_ids(path: str) -> dict:
+    tok = _pieces(path)[0]
+    return {"eos_token_id": tok.eod_id, "pad_token_id": tok.pad_id}
+
+
+def write_tokenizer(path: str, out: Path, max_length: int) -> None:
+    tok, kind, file, piece = _pieces(path)
+    config = {"model_max_length": max_length, "eos_token": piece(tok.eod_id), "pad_token": piece(tok.pad_id),
+              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+    if kind == "json":
+        shutil.copyfile(file, out / "tokenizer.json")
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    else:
+        shutil.copyfile(file, out / "tokenizer.model")
+        config.update(tokenizer_class="LlamaTokenizer", unk_token=piece(0), legacy=False)
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,243 @@
+"""The two Hugging Face model classes megazero maps to, as data and small tensor functions.
+
+Each family says which of our configs its class can express (and names the field that it cannot),
+translates ``config.json`` both ways, and maps one of our logical parameters to its Hugging Face
+tensors (``to_hf``) or back (``from_hf``). Every map reads or emits the tensors of one logical
+parameter only, so a conversion streams parameter by parameter.
+
+Row layouts that differ:
+
+* fused ``qkv``: ours groups rows by key/value head (``r`` query heads, then k, then v, each
+  ``head_dim`` rows; ``models.attention``); Llama has separate q/k/v projections with heads in
+  order, GPT-2 one ``c_attn`` with all q rows, then all k, then all v.
+* SwiGLU ``fc_in``: ours interleaves gate and up rows (``models.mlp``); Llama has ``gate_proj`` and
+  ``up_proj``.
+* GPT-2's ``Conv1D`` stores weights as [in, out]: transposed.
+* Rotary: ours is the rotate-half convention with the same frequencies as Llama's (``models.ops``),
+  so q and k rows need no permutation within a head.
+* Vocabulary: ours is padded (to 128·tp); the caller strips or adds the padding rows.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from typing import Callable, Optional
+
+import torch
+
+from megazero.errors import UserError
+from models.config import ModelConfig
+
+Read = Callable[[str], torch.Tensor]
+LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+VOCAB_PADDED = ("embedding.tokens.weight", "lm_head.weight")
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # Hugging Face's names for our (tanh-approximated) GeLU
+
+
+def refuse(field: str, value, why: str, fix: str) -> UserError:
+    return UserError(f"{field}: {value!r} {why}; {fix}")
+
+
+def _model_config(**values) -> ModelConfig:
+    known = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in values.items() if k in known})
+
+
+class GPT2:
+    hf_class, model_type, preset = "GPT2LMHeadModel", "gpt2", "gpt2"
+    OTHER = "convert with --to megazero or --to torch instead, or train a model with the gpt2 preset"
+
+    @classmethod
+    def check(cls, cfg: ModelConfig) -> None:
+        """Refuse what GPT2LMHeadModel cannot hold. Missing biases are not refused: they are written
+        as zeros, which computes the same."""
+        if cfg.norm != "layernorm":
+            raise refuse("model.norm", cfg.norm, "cannot be expressed by GPT2LMHeadModel (LayerNorm only)", cls.OTHER)
+        if cfg.activation != "gelu":
+            raise refuse("model.activation", cfg.activation, "cannot be expressed by GPT2LMHeadModel (its MLP is not "
+                         "gated)", cls.OTHER)
+        if cfg.kv_heads != cfg.num_heads:
+            raise refuse("model.num_kv_heads", cfg.num_kv_heads, "cannot be expressed by GPT2LMHeadModel (no "
+                         "grouped-query attention)", cls.OTHER)
+
+    @staticmethod
+    def hf_config(cfg: ModelConfig) -> dict:
+        return {"n_positions": cfg.seq_length, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
+                "n_head": cfg.num_heads, "n_inner": cfg.ffn_size, "activation_function": "gelu_new",
+                "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.attention_dropout,
+                "layer_norm_epsilon": cfg.norm_eps, "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+
+    @classmethod
+    def model_config(cls, hf: dict, where: str) -> ModelConfig:
+        act = hf.get("activation_function", "gelu_new")
+        if act not in TANH_GELUS:
+            raise refuse(f"{where}: activation_function", act, "is not megazero's tanh-approximated GeLU",
+                         "only gelu_new / gelu_pytorch_tanh models can be imported")
+        for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("add_cross_attention", False)):
+            if hf.get(key, ok) != ok:
+                raise refuse(f"{where}: {key}", hf[key], "has no counterpart in megazero's GPT",
+                             f"only models with {key}={ok} can be imported")
+        hidden = hf["n_embd"]
+        return _model_config(preset="gpt2", num_layers=hf["n_layer"], hidden_size=hidden, num_heads=hf["n_head"],
+                             ffn_hidden_size=hf.get("n_inner") or 4 * hidden, vocab_size=hf["vocab_size"],
+                             seq_length=hf.get("n_positions", 1024), position_embedding="learned", norm="layernorm",
+                             norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation="gelu",
+                             tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
+                             dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
+
+    LAYER_NAMES = {"attn_norm": "ln_1", "mlp_norm": "ln_2", "attention.qkv": "attn.c_attn",
+                   "attention.out": "attn.c_proj", "mlp.fc_in": "mlp.c_fc", "mlp.fc_out": "mlp.c_proj"}
+    NAMES = {"embedding.tokens": "transformer.wte", "embedding.positions": "transformer.wpe",
+             "final_norm": "transformer.ln_f", "lm_head": "lm_head"}
+
+    @classmethod
+    def hf_name(cls, name: str) -> str:
+        module, leaf = name.rsplit(".", 1)
+        layer = LAYER.match(module)
+        if layer:
+            return f"transformer.h.{layer.group(1)}.{cls.LAYER_NAMES[layer.group(2)]}.{leaf}"
+        return f"{cls.NAMES[module]}.{leaf}"
+
+    @classmethod
+    def to_hf(cls, name: str, t: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+        hf = cls.hf_name(name)
+        if name.endswith("attention.qkv.weight") or name.endswith("attention.qkv.bias"):
+            t = t.unflatten(0, (cfg.num_heads, 3, cfg.head_dim)).transpose(0, 1).flatten(0, 2)
+        if t.ndim == 2 and LAYER.match(name):
+            t = t.t()  # Conv1D: [in, out]
+        out = [(hf, t)]
+        if not cfg.bias and name.endswith(".weight") and not name.startswith(("embedding.", "lm_head")):
+            width = t.shape[-1]  # LayerNorm and Conv1D always carry a bias: zero is exactly none
+            out.append((hf[: -len("weight")] + "bias", torch.zeros(width, dtype=t.dtype, device=t.device)))
+        return out
+
+    @classmethod
+    def from_hf(cls, name: str, read: Read, cfg: ModelConfig) -> torch.Tensor:
+        t = read(cls.hf_name(name))
+        if t.ndim == 2 and LAYER.match(name):
+            t = t.t()
+        if name.endswith("attention.qkv.weight") or name.endswith("attention.qkv.bias"):
+            t = t.unflatten(0, (3, cfg.num_heads, cfg.head_dim)).transpose(0, 1).flatten(0, 2)
+        return t.contiguous()
+
+
+class Llama:
+    hf_class, model_type, preset = "LlamaForCausalLM", "llama", "llama"
+    OTHER = "convert with --to megazero or --to torch instead, or train a model with the llama preset"
+
+    @classmethod
+    def check(cls, cfg: ModelConfig) -> None:
+        if cfg.norm != "rmsnorm":
+            raise refuse("model.norm", cfg.norm, "cannot be expressed by LlamaForCausalLM (RMSNorm only)", cls.OTHER)
+        if cfg.activation != "swiglu":
+            raise refuse("model.activation", cfg.activation, "cannot be expressed by LlamaForCausalLM (its MLP is "
+                         "SwiGLU)", cls.OTHER)
+
+    @staticmethod
+    def hf_config(cfg: ModelConfig) -> dict:
+        return {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
+                "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+                "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.norm_eps,
+                "rope_theta": cfg.rope_theta, "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
+                "attention_dropout": cfg.attention_dropout, "pretraining_tp": 1}
+
+    @classmethod
+    def model_config(cls, hf: dict, where: str) -> ModelConfig:
+        if hf.get("hidden_act", "silu") != "silu":
+            raise refuse(f"{where}: hidden_act", hf["hidden_act"], "is not SwiGLU's SiLU",
+                         "only silu Llama models can be imported")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise refuse(f"{where}: rope_scaling", rope.get("rope_type", rope.get("type")), "has no counterpart in "
+                         "megazero's rotary embedding", "only models with plain rotary positions can be imported")
+        hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+        if hf.get("head_dim") not in (None, hidden // heads):
+            raise refuse(f"{where}: head_dim", hf["head_dim"], f"differs from hidden_size / num_attention_heads = "
+                         f"{hidden // heads}", "megazero derives the head width from those two")
+        if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+            raise refuse(f"{where}: mlp_bias", hf.get("mlp_bias", False), "differs from attention_bias; megazero's "
+                         "model.bias covers both", "only models with both or neither can be imported")
+        kv = hf.get("num_key_value_heads") or heads
+        return _model_config(preset="llama", num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
+                             num_kv_heads=None if kv == heads else kv, ffn_hidden_size=hf["intermediate_size"],
+                             vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048),
+                             position_embedding="rope", rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                             norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
+                             tie_embeddings=hf.get("tie_word_embeddings", False), bias=hf.get("attention_bias", False),
+                             attention_dropout=hf.get("attention_dropout", 0.0))
+
+    LAYER_NAMES = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+                   "attention.out": "self_attn.o_proj", "mlp.fc_out": "mlp.down_proj"}
+    NAMES = {"embedding.tokens": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}
+
+    @classmethod
+    def _split(cls, layer: str, module: str, leaf: str) -> Optional[list[str]]:
+        """The Hugging Face tensors one fused tensor of ours becomes, or None if it is not fused."""
+        prefix = f"model.layers.{layer}"
+        if module == "attention.qkv":
+            return [f"{prefix}.self_attn.{p}_proj.{leaf}" for p in "qkv"]
+        if module == "mlp.fc_in":
+            return [f"{prefix}.mlp.{p}_proj.{leaf}" for p in ("gate", "up")]
+        return None
+
+    @classmethod
+    def _names(cls, name: str) -> tuple[list[str], Optional[str]]:
+        module, leaf = name.rsplit(".", 1)
+        layer = LAYER.match(module)
+        if not layer:
+            return [f"{cls.NAMES[module]}.{leaf}"], None
+        fused = cls._split(layer.group(1), layer.group(2), leaf)
+        if fused:
+            return fused, layer.group(2)
+        return [f"model.layers.{layer.group(1)}.{cls.LAYER_NAMES[layer.group(2)]}.{leaf}"], None
+
+    @classmethod
+    def to_hf(cls, name: str, t: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+        hf, fused = cls._names(name)
+        if fused == "attention.qkv":
+            r = cfg.num_heads // cfg.kv_heads
+            groups = t.unflatten(0, (cfg.kv_heads, r + 2, cfg.head_dim))
+            parts = [groups[:, :r].flatten(0, 2), groups[:, r].flatten(0, 1), groups[:, r + 1].flatten(0, 1)]
+            return list(zip(hf, parts))
+        if fused == "mlp.fc_in":
+            pairs = t.unflatten(0, (cfg.ffn_size, 2))
+            return list(zip(hf, [pairs[:, 0], pairs[:, 1]]))
+        return [(hf[0], t)]
+
+    @classmethod
+    def from_hf(cls, name: str, read: Read, cfg: ModelConfig) -> torch.Tensor:
+        hf, fused = cls._names(name)
+        if fused == "attention.qkv":
+            r = cfg.num_heads // cfg.kv_heads
+            q, k, v = (read(n) for n in hf)
+            return torch.cat([q.unflatten(0, (cfg.kv_heads, r, cfg.head_dim)),
+                              k.unflatten(0, (cfg.kv_heads, 1, cfg.head_dim)),
+                              v.unflatten(0, (cfg.kv_heads, 1, cfg.head_dim))], dim=1).flatten(0, 2)
+        if fused == "mlp.fc_in":
+            gate, up = (read(n) for n in hf)
+            return torch.stack([gate, up], dim=1).flatten(0, 1)
+        return read(hf[0])
+
+
+FAMILIES = {GPT2.hf_class: GPT2, Llama.hf_class: Llama}
+
+
+def family_for(cfg: ModelConfig):
+    """The Hugging Face class for ``cfg``, chosen by its position encoding (learned: GPT-2, rotary:
+    Llama), after checking the rest of the architecture fits that class."""
+    family = GPT2 if cfg.position_embedding == "learned" else Llama
+    family.check(cfg)
+    return family
+
+
+def fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with exactly ``rows`` rows: padding rows (zeros) added or dropped."""
+    if t.shape[0] == rows:
+        return t
+    if t.shape[0] > rows:
+        return t[:rows]
+    return torch.cat([t, torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)])

@@ -1,0 +1,92 @@
+"""What a conversion reads: a model config and its logical tensors, one at a time.
+
+Every source (a megazero checkpoint of any layout, a Hugging Face folder, a Megatron-LM checkpoint)
+offers the same three things: ``cfg`` (our ``ModelConfig``), ``names`` (our logical parameter
+names in model order; a tied head is the embedding) and ``read(name)``: that parameter, whole, in
+fp32, with exactly ``cfg.vocab_size`` vocabulary rows (padding stripped, so a target pads for its
+own layout). A megazero source can also give the Adam moments (``read_state``) and the training
+progress, for an offline reshard that keeps the optimizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Protocol
+
+import torch
+
+from megazero.checkpoint.format import resolve_checkpoint
+from megazero.checkpoint.reader import CheckpointReader
+from megazero.convert.hf_models import VOCAB_PADDED, fit_rows
+from megazero.errors import UserError
+from models import GPT
+from models.config import ModelConfig
+from models.embedding import VOCAB_MULTIPLE
+
+
+class Source(Protocol):
+    cfg: ModelConfig
+    names: list[str]
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+
+def logical_shapes(cfg: ModelConfig, vocab_multiple: int = VOCAB_MULTIPLE) -> dict[str, tuple[int, ...]]:
+    """Our model's logical parameters and full shapes, in model order (built on the meta device: no
+    memory), with the vocabulary padded to ``vocab_multiple``."""
+    model = GPT(cfg, vocab_multiple=vocab_multiple, device="meta")
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def unpadded(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return fit_rows(t, cfg.vocab_size) if name in VOCAB_PADDED else t
+
+
+class MegazeroSource:
+    """A megazero training checkpoint of any layout (tp, pp, dp, virtual stages, ZeRO stage)."""
+
+    kind = "megazero"
+
+    def __init__(self, path, verify: bool = True):
+        from megazero.config.loader import build_dataclass
+
+        self.ckpt = resolve_checkpoint(path, source="the SRC argument")
+        self.reader = CheckpointReader(self.ckpt, verify=verify)
+        saved = self.reader.meta.get("config")
+        if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+            raise UserError(f"{self.ckpt}: records no model config, so it was not saved by `megazero train` or "
+                            "`megazero convert`; check the SRC argument")
+        self.cfg = build_dataclass(ModelConfig, saved["model"], prefix="model.")
+        self.names = list(logical_shapes(self.cfg))
+        missing = [n for n in self.names if n not in self.reader.shapes]
+        if missing:
+            raise UserError(f"{self.ckpt}: holds no parameter {missing[0]!r} of the model its config describes; "
+                            "the checkpoint is damaged -- load another one")
+
+    def read(self, name: str) -> torch.Tensor:
+        return unpadded(name, self.reader.read(name)["master"], self.cfg)
+
+    def read_state(self, name: str, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        return {k: unpadded(name, t, self.cfg) for k, t in self.reader.read(name, keys).items()}
+
+    def optimizer_scalars(self) -> tuple[float, Optional[dict]]:
+        """The Adam step (the largest over ranks: a rank whose shard was all padding saved 0) and rank
+        0's loss-scaler state."""
+        steps = [float(self.reader.values(r, ("adam_step",))["adam_step"]) for r in range(self.reader.world_size)]
+        return max(steps), self.reader.values(0, ("scaler",))["scaler"]
+
+
+def detect(path: Path) -> str:
+    """The kind of checkpoint at ``path``, from its files: megazero, hf or megatron."""
+    from megazero.checkpoint.format import COMPLETE, STEP_DIR
+
+    if (path / "config.json").is_file():
+        return "hf"
+    if (path / "latest_checkpointed_iteration.txt").is_file() or path.name.startswith("iter_") or \
+            any(p.name.startswith("iter_") for p in path.glob("iter_*")):
+        return "megatron"
+    if (path / COMPLETE).is_file() or (path / "latest").is_file() or \
+            any(STEP_DIR.match(p.name) for p in path.iterdir()):
+        return "megazero"
+    raise UserError(f"{path}: not a megazero checkpoint (step_* directories), a Hugging Face folder (config.json) "
+                    "or a Megatron-LM checkpoint (iter_* directories); check SRC or name its kind with --from")

@@ -1,0 +1,106 @@
+"""Safetensors files written tensor by tensor, and folders that appear at their final path only whole.
+
+``serialization.write`` takes a whole tree of tensors in memory; a converted 7B model's flat master
+shard alone is 27 GiB. Here the header is written first from the tensors' shapes (meta tensors
+stand in for them, so ``serialization.split`` names them exactly as a training rank's file does)
+and the bytes follow one piece at a time, hashed on the way. The result reads back with
+``serialization.read`` and the safetensors library like any other checkpoint file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from megazero.checkpoint import serialization
+from megazero.checkpoint.format import HashingWriter, os_error_words
+from megazero.errors import UserError
+
+
+class StreamedSafetensors:
+    """Write a safetensors file whose tensors are declared up front and then arrive, in declared
+    order, in pieces of any size; ``close`` checks that every declared byte was written."""
+
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
+        self.path = path
+        self.f = open(path, "wb")
+        self.writer = HashingWriter(self.f)
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        self.pending: list[tuple[str, torch.dtype, int]] = []
+        for name, tensor in tensors.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            header[name] = {"dtype": serialization.DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self.pending.append((name, tensor.dtype, nbytes))
+            offset += nbytes
+        encoded = json.dumps(header).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        self.writer.write(struct.pack("<Q", len(encoded)))
+        self.writer.write(encoded)
+        self.left = 0  # bytes still owed to the current tensor
+        self.current: Optional[tuple[str, torch.dtype, int]] = None
+
+    def write(self, piece: torch.Tensor) -> None:
+        """The next elements of the current tensor (or the start of the next one)."""
+        if self.left == 0:
+            if not self.pending:
+                raise ValueError(f"{self.path}: more data than its header declares")
+            self.current = self.pending.pop(0)
+            self.left = self.current[2]
+        name, dtype, _ = self.current
+        data = piece.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+        if len(data) > self.left:
+            raise ValueError(f"{self.path}: {name} gets {len(data)} bytes where {self.left} remain")
+        self.writer.write(memoryview(data))
+        self.left -= len(data)
+
+    def write_zeros(self, numel: int, dtype: torch.dtype = torch.float32, chunk: int = 1 << 22) -> None:
+        while numel > 0:
+            n = min(numel, chunk)
+            self.write(torch.zeros(n, dtype=dtype))
+            numel -= n
+
+    def close(self) -> dict:
+        """Finish the file; returns its manifest entry fields (bytes, sha256)."""
+        if self.left or self.pending:
+            raise ValueError(f"{self.path}: closed with tensors unwritten")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return {"bytes": self.writer.bytes, "sha256": self.writer.sha256.hexdigest()}
+
+
+def declare(tree: Any) -> tuple[str, dict[str, torch.Tensor]]:
+    """The ``serialization`` metadata of ``tree`` and its tensors by path, in file order; tensors may
+    be meta tensors standing in for data written later."""
+    tensors: dict[str, torch.Tensor] = {}
+    return json.dumps(serialization.split(tree, "", tensors)), tensors
+
+
+@contextmanager
+def staged(dst: Path, single_file: bool = False) -> Iterator[Path]:
+    """A fresh folder beside ``dst`` to write into; renamed to ``dst`` when the block succeeds (with
+    ``single_file``, the file of ``dst``'s name inside it is), removed when it fails, so ``dst``
+    never holds a partial result. Refuses an existing ``dst``."""
+    dst = Path(dst)
+    if dst.exists():
+        raise UserError(f"{dst}: already exists; give a new DST path or remove it first")
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+    except OSError as e:
+        raise UserError(f"{dst.parent}: cannot write the conversion here: {os_error_words(e)}") from None
+    try:
+        yield tmp
+        os.rename(tmp / dst.name if single_file else tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

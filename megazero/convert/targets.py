@@ -1,0 +1,62 @@
+"""The megazero targets: a training checkpoint (consolidated layout) and a single-file state dict.
+
+A checkpoint written here starts training where the source left off when the source is a megazero
+checkpoint (step, consumed samples, Adam moments and step, loss scale: an offline reshard), and
+from step 0 with fresh optimizer state otherwise (or with ``reset_step``): zero moments, Adam step
+0, and the data order of a new run (consumed samples 0). Its recorded training config is the
+source's, or a default one around the source's model section, so ``megazero train`` refuses a run
+whose model section differs (preflight names the field) and ``megazero generate`` can sample from it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from megazero.convert.checkpoint_out import write_checkpoint
+from megazero.convert.hf_models import VOCAB_PADDED, fit_rows
+from megazero.convert.layout import consolidated
+from megazero.convert.sources import Source, logical_shapes
+from megazero.convert.streaming import StreamedSafetensors
+
+STATE_DICT_METADATA = "megazero.model_config"
+
+
+def write_megazero(source: Source, root: Path, reset_step: bool = False) -> Path:
+    """Write ``source`` as a consolidated checkpoint under ``root``; returns the step directory."""
+    cfg = source.cfg
+    shapes = logical_shapes(cfg)
+    layout = consolidated(shapes, cfg.num_layers)
+    carry = getattr(source, "kind", None) == "megazero" and not reset_step
+
+    def read(name: str, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        values = source.read_state(name, keys) if carry else {"master": source.read(name)}
+        return {k: fit_rows(v, shapes[name][0]) if name in VOCAB_PADDED else v for k, v in values.items()}
+
+    if carry:
+        saved = source.reader.meta
+        meta = {key: saved[key] for key in ("step", "consumed", "skipped", "bad_in_row", "config") if key in saved}
+        adam_step, scaler = source.optimizer_scalars()
+    else:
+        from megazero.config.schema import Config
+
+        meta = {"step": 0, "consumed": 0, "skipped": 0, "bad_in_row": 0, "config": asdict(Config(model=cfg))}
+        adam_step, scaler = 0.0, None
+    return write_checkpoint(root, layout, read, step=int(meta["step"]), meta=meta, with_moments=carry,
+                            adam_step=adam_step, scaler=scaler)
+
+
+def write_state_dict(source: Source, path: Path) -> None:
+    """Every logical parameter, fp32, vocabulary unpadded, in one safetensors file under our names
+    (a tied head is ``embedding.tokens.weight``); the model config is JSON in its metadata
+    (``STATE_DICT_METADATA``), so the file describes itself."""
+    cfg = source.cfg
+    declared = {name: torch.empty((cfg.vocab_size, *shape[1:]) if name in VOCAB_PADDED else shape, device="meta")
+                for name, shape in logical_shapes(cfg).items()}
+    out = StreamedSafetensors(path, declared, {"format": "pt", STATE_DICT_METADATA: json.dumps(asdict(cfg))})
+    for name in declared:
+        out.write(source.read(name))
+    out.close()
