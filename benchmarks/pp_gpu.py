@@ -26,8 +26,8 @@ import torch.distributed as dist
 from megazero.engine import gpt_forward_step
 from models import GPT
 from models.config import ModelConfig
-from parallel.pipeline import PipelineExecutor, allreduce_embedding_grads, bubble_fraction
-from parallel.pipeline.partition import decoder_costs, resolve_split, stage_layers
+from parallel.pipeline import PipelineExecutor, bubble_fraction, sum_tied_grads
+from parallel.pipeline.partition import resolve_split, stage_layers
 from parallel.topology import RankGrid, Topology
 
 
@@ -56,8 +56,7 @@ def tied_embedding_params(chunks) -> list:
 
 
 def build_chunks(cfg: ModelConfig, pp: int, rank: int, v: int, device) -> list:
-    split = resolve_split(cfg.num_layers, pp, v,
-                          costs=decoder_costs(cfg.hidden_size, cfg.ffn_size, cfg.vocab_size, cfg.seq_length))
+    split = resolve_split(cfg.num_layers, pp, v)  # uniform, as the engine splits
     chunks = []
     for chunk in range(v):
         stage = chunk * pp + rank
@@ -84,7 +83,7 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
         for c in chunks:
             c.zero_grad(set_to_none=True)
         loss = executor.step(data)
-        allreduce_embedding_grads(tied, topo)
+        sum_tied_grads([p.grad for p in tied if p.grad is not None], topo.embedding_group)
         return loss
 
     for _ in range(2):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from models import GPT
 from models.config import ModelConfig
 from models.ops import IGNORE_INDEX
-from models.parallelize import parallelize_gpt
+from models.parallelize import tensor_parallelize_gpt
 from models.presets import MODEL_PRESETS
 from parallel.topology import RankGrid, Topology
 
@@ -61,7 +61,7 @@ def run_config(args, cfg: ModelConfig, name: str, device, dtype, batch) -> dict:
     world = dist.get_world_size()
     topo = Topology(RankGrid(tp=tp, pp=1, dp=world // tp))
     model = GPT(cfg, vocab_multiple=128 * tp, device="meta")
-    parallelize_gpt(model, topo.tp_group, seed=SEED, device=device, sequence_parallel=sp, recompute=recompute)
+    tensor_parallelize_gpt(model, topo.tp_group, seed=SEED, device=device, sequence_parallel=sp, recompute=recompute)
     model.to_empty(device=device)
     model.init_weights(SEED)  # each rank draws only its shards
     model.to(dtype)

@@ -29,7 +29,7 @@ from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
 from megazero.metrics import MetricsLogger, StepMetrics
 from megazero.training_schedules import build_batch_schedule, build_lr_schedule
-from megazero.zero.memory import memory_report
+from megazero.optim.memory import memory_report
 from data_pipeline.loader import global_batch
 from parallel import comm
 

@@ -59,6 +59,11 @@ RECOMPUTE_TARGETS = {"full": "layers.*", "selective": "layers.*.attention.core"}
 
 OUTPUT_PROJECTIONS = ("attention.out.weight", "mlp.fc_out.weight")
 
+EMBEDDING_WEIGHT = "embedding.tokens.weight"
+VOCAB_PADDED = (EMBEDDING_WEIGHT, "lm_head.weight")
+"""Parameters whose first dimension is the padded vocabulary: their padding rows may be added or
+dropped when a checkpoint moves to another tensor-parallel size (the padding is 128·tp)."""
+
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch."""
@@ -131,6 +136,10 @@ class GPT(nn.Module):
             return self.lm_head.weight
         return None
 
+    def logical_name(self, name: str) -> str:
+        """The single-device model's name of parameter ``name``: a tied head copy is the embedding."""
+        return EMBEDDING_WEIGHT if self.tied_head_copy is not None and name == "lm_head.weight" else name
+
     def tie_weights(self) -> None:
         """Share the embedding with the head when both live here (again after ``to_empty``).
 
@@ -181,8 +190,8 @@ class GPT(nn.Module):
         std, key, zero_from = self.init_std, name, None
         if name.endswith(OUTPUT_PROJECTIONS):
             std /= math.sqrt(2 * self.cfg.num_layers)
-        if name in ("embedding.tokens.weight", "lm_head.weight"):
+        if name in VOCAB_PADDED:
             zero_from = self.vocab_size
-            key = "embedding.tokens.weight" if self.tied else name
+            key = EMBEDDING_WEIGHT if self.tied else name
         full_shape = shard.full_shape(param.shape) if shard is not None else tuple(param.shape)
         return seeded_normal(full_shape, std, seed, key, shard, zero_from)

@@ -1,19 +1,29 @@
-"""Turn a plain GPT (or stage) into this rank's tensor-parallel, checkpointed part of it.
+"""The one place that turns a rank's plain GPT chunks into its part of the 3D-parallel model.
 
-The model says *what* splits (``TP_PLAN``) and *what* to recompute (``RECOMPUTE_TARGETS``);
-``parallel.tensor_parallel`` knows *how*. This file only joins the two and checks that the
-model's widths divide by tp, naming the config field that does not.
+``parallelize_gpt`` applies, in this order: tensor (and sequence) parallelism, activation
+checkpointing, materialisation of this rank's shards, ``torch.compile``, and data parallelism
+(ZeRO), as torchtitan's ``parallelize_llama`` does. The model says *what* splits (``TP_PLAN``), *what*
+to recompute (``RECOMPUTE_TARGETS``), which parameters are tied and what each parameter's logical
+name is; ``parallel`` knows *how*. This file joins the two and checks that the model's widths divide
+by tp, naming the config field that does not.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
 import torch.distributed as dist
 
 from models.config import ModelConfig
 from models.gpt import GPT, RECOMPUTE_TARGETS, TP_PLAN
 from parallel import comm
+from parallel.data_parallel import DataParallel, DataParallelSettings, ParamInfo
 from parallel.tensor_parallel.apply import apply_activation_checkpointing, apply_tensor_parallel
 from parallel.tensor_parallel.random import TensorParallelRNG
+from parallel.tensor_parallel.sharding import param_shards
+from parallel.topology import Topology
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 
@@ -38,8 +48,71 @@ def check_tp_layout(model: GPT, tp: int) -> None:
                          f"build the model with vocab_multiple=128*tp")
 
 
-def parallelize_gpt(model: GPT, tp_group, *, seed: int, device="cpu", sequence_parallel: bool = False,
-                    recompute: str = "none", recompute_every: int = 1) -> GPT:
+@dataclass
+class Parallelism:
+    """How ``parallelize_gpt`` treats a rank's chunks (the engine fills it from the config)."""
+
+    seed: int  # initial weights; the tp dropout stream of chunk c uses seed + 1000 * its pipeline stage
+    sequence_parallel: bool = False
+    recompute: str = "none"  # one of RECOMPUTE_MODES
+    recompute_every: int = 1
+    compile: bool = False
+    data_parallel: DataParallelSettings = field(default_factory=DataParallelSettings)
+
+
+def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: Parallelism,
+                    device: torch.device) -> DataParallel:
+    """Make ``chunks`` (built on the meta device; chunk c is pipeline stage ``stages[c]``) this rank's
+    tensor-parallel, checkpointed, materialised and compiled chunks, and return the data-parallel
+    wrapper over all of them."""
+    for chunk, stage in zip(chunks, stages):
+        # The tensor-parallel dropout stream differs per stage, so stages draw different masks.
+        tensor_parallelize_gpt(chunk, topo.tp_group, seed=plan.seed + 1000 * stage, device=device,
+                               sequence_parallel=plan.sequence_parallel, recompute=plan.recompute,
+                               recompute_every=plan.recompute_every)
+        # Only this rank's shards are materialised, with values that do not depend on the layout.
+        chunk.to_empty(device=device)
+        chunk.init_weights(plan.seed)
+        chunk.train()
+        if plan.compile:
+            compile_gpt(chunk, comm.group_size(topo.tp_group))
+    units = [block for chunk in chunks for block in chunk.layers.values()]
+    tied_group = topo.embedding_group if topo.pp_size > 1 else None
+    return DataParallel(chunks, plan.data_parallel, topo.dp_group, units=units,
+                        info=describe_params(chunks, topo.tp_rank, tied=tied_group is not None),
+                        tied_group=tied_group)
+
+
+def compile_gpt(chunk: GPT, tp: int) -> None:
+    """Compile each block's forward, and the head with its loss where it is plain torch (tp 1):
+    forwards only, so module hooks (ZeRO stage 3 gathers) stay eager; a tensor-parallel head keeps
+    its collectives outside any graph."""
+    for block in chunk.layers.values():
+        block.forward = torch.compile(block.forward)
+    if chunk.lm_head is not None and tp == 1:
+        chunk.head = torch.compile(chunk.head)
+
+
+def describe_params(chunks: list[GPT], tp_rank: int, tied: bool) -> Callable[[torch.nn.Parameter], ParamInfo]:
+    """Each parameter's logical name and tensor-parallel slice; whether it enters the gradient norm
+    (sharded ones on every tensor rank, replicated ones on the first only, a tied head copy never:
+    it is the embedding's second copy); and, when ``tied`` (the embedding and its head copy sit on
+    different pipeline stages), which two are summed over the embedding group."""
+    info = {}
+    for chunk in chunks:
+        shards = param_shards(chunk)
+        copy = chunk.tied_head_copy
+        for name, param in chunk.named_parameters():
+            is_copy = param is copy
+            pair = tied and chunk.tied and (is_copy or (chunk.embedding is not None
+                                                        and param is chunk.embedding.tokens.weight))
+            info[id(param)] = ParamInfo(chunk.logical_name(name), shards.get(name),
+                                        counts_for_norm=not is_copy and (name in shards or tp_rank == 0), tied=pair)
+    return lambda param: info[id(param)]
+
+
+def tensor_parallelize_gpt(model: GPT, tp_group, *, seed: int, device="cpu", sequence_parallel: bool = False,
+                           recompute: str = "none", recompute_every: int = 1) -> GPT:
     """Apply tensor (and sequence) parallelism and activation checkpointing to ``model`` in place.
 
     ``seed`` seeds the tp dropout stream (offset by the tp rank); the caller seeds the default

@@ -18,7 +18,8 @@ from megazero.checkpoint import CheckpointWriter, read_manifest
 from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import load_config
 from megazero.engine import Engine
-from megazero.zero import DynamicLossScaler, ZeroOptimizer, ZeroSettings
+from megazero.optim import DynamicLossScaler
+from tests.sharded import sharded_adamw
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
 
@@ -108,9 +109,8 @@ def _fp16_norm(topo):
     """Every gradient element 1000 in fp16 storage (loss scale 100): finite everywhere, but a shard's
     norm, 2000·sqrt(5000) after the sum over 2 ranks, is past fp16's largest value (65504)."""
     model = torch.nn.Linear(100, 100, bias=False)
-    opt = ZeroOptimizer(model, ZeroSettings(stage=2, param_dtype=torch.float16, grad_dtype=torch.float16,
-                                            clip_grad=0.0, loss_scaler=DynamicLossScaler(initial_scale=100.0)),
-                        topo.dp_group, None)
+    opt = sharded_adamw(model, topo.dp_group, stage=2, param_dtype=torch.float16, grad_dtype=torch.float16,
+                        clip_grad=0.0, loss_scaler=DynamicLossScaler(initial_scale=100.0))
     x = torch.ones((1, 100), dtype=torch.float16)
     opt.scale_loss(model(x).sum() * 10.0).backward()  # d/dW = 10 per element, times the scale 100
     result = opt.step()

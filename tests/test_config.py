@@ -132,13 +132,13 @@ def test_each_choice_list_is_the_one_its_module_dispatches_on():
     """Validation checks a choice against the acting module's own tuple, not a copy of it, so a norm,
     activation, stage or order added there is accepted here with nothing else to edit. (Planted: a
     copied tuple in validate.py, as before the rules moved; this test failed on it.)"""
-    from megazero import metrics, training_schedules, zero
+    from megazero import metrics, training_schedules
     from megazero.config.validate import CHOICES
     from models import embedding, mlp, norms, parallelize
-    from parallel import launch, topology
+    from parallel import data_parallel, launch, topology
     owners = {"model.position_embedding": embedding.POSITION_EMBEDDINGS, "model.norm": norms.NORM_KINDS,
               "model.activation": mlp.ACTIVATIONS, "parallel.order": topology.ORDERS,
-              "parallel.recompute": parallelize.RECOMPUTE_MODES, "zero.stage": zero.STAGES,
+              "parallel.recompute": parallelize.RECOMPUTE_MODES, "zero.stage": data_parallel.STAGES,
               "schedule.decay_style": training_schedules.DECAY_STYLES, "train.device": launch.DEVICES,
               "logging.wandb_mode": metrics.WANDB_MODES}
     for field, owned in owners.items():

@@ -46,7 +46,7 @@ def _case(topo, layout, stage, extra) -> dict:
         out = engine.train_step(batches[topo.dp_rank * MICROS_PER_RANK:(topo.dp_rank + 1) * MICROS_PER_RANK])
         losses.append(out.loss)
         norms.append(out.result.grad_norm)
-    engine.optimizer.wait_params()
+    engine.data_parallel.wait_params()
     initial = dict(GPT(cfg.model, vocab_multiple=128 * tp, seed=cfg.train.seed).named_parameters())
     reference, ref_losses, ref_norms = _reference(cfg, dp)
     trained = dict(reference.named_parameters())

@@ -17,15 +17,16 @@ import copy
 import pytest
 import torch
 
-from megazero.zero import DynamicLossScaler, ZeroOptimizer, ZeroSettings
+from megazero.optim import DynamicLossScaler
+from tests.sharded import sharded_adamw
 from tests.test_zero_toy import MICRO, STEPS, Toy, _data, _reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _optimizer(model, group, stage, clip=1e9, **kwargs):
-    opt = ZeroOptimizer(model, ZeroSettings(stage=stage, bucket_numel=320, lr=1e-2, clip_grad=clip, **kwargs),
-                        group, None, units=list(model.blocks))
+    opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, clip_grad=clip,
+                        **kwargs)
     assert opt._fused, "the fused AdamW is not in use on this device"
     return opt
 
@@ -47,7 +48,7 @@ def test_fused_step_equals_single_process_adamw(one_rank_group, stage, clip):
     for step in range(STEPS):
         _backward(model, opt, step)
         norms.append(opt.step().grad_norm)
-    opt.wait_params()
+    opt.dp.wait_params()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert (p.detach().cpu() - q).abs().max().item() < 2e-6, name
     assert norms == pytest.approx(ref_norms, rel=1e-5)
@@ -62,7 +63,7 @@ def test_found_inf_skips_exactly_the_poisoned_step(one_rank_group, stage, dtype)
     opt = _optimizer(model, one_rank_group, stage, param_dtype=dtype, loss_scaler=scaler)
     skipped, changed = [], []
     for step in range(3):
-        opt.wait_params()
+        opt.dp.wait_params()
         before = [p.detach().clone() for p in model.parameters()]
         hook = model.blocks[0].fc.weight.register_hook(lambda g: g * float("inf")) if step == 1 else None
         _backward(model, opt, step)
@@ -70,7 +71,7 @@ def test_found_inf_skips_exactly_the_poisoned_step(one_rank_group, stage, dtype)
             hook.remove()
         result = opt.step()
         skipped.append(result.skipped)
-        opt.wait_params()
+        opt.dp.wait_params()
         changed.append(any(not torch.equal(a, b) for a, b in zip(before, model.parameters())))
     assert skipped == [False, True, False]
     assert changed == [True, False, True]

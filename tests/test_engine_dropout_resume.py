@@ -51,7 +51,7 @@ def _step(engine, step: int) -> float:
 
 def _replicated_differing_across_tp(engine, topo) -> list[str]:
     """Names of replicated parameters whose values differ between the tensor ranks."""
-    engine.optimizer.wait_params()
+    engine.data_parallel.wait_params()
     differ = []
     for chunk in engine.chunks:
         shards = param_shards(chunk)

@@ -100,7 +100,7 @@ def _case(topo, tp, pp, dp, stage, extra=()):
         out = engine.train_step(mine, lr=1e-2)
         losses.append(out.loss)
         norms.append(out.result.grad_norm)
-    engine.optimizer.wait_params()
+    engine.data_parallel.wait_params()
     reference, ref_losses, ref_norms = _reference(cfg, dp)
     ref = dict(reference.named_parameters())
     worst, worst_name = 0.0, None

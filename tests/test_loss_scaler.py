@@ -2,7 +2,7 @@
 
 import pytest
 
-from megazero.zero import DynamicLossScaler, LossScaleError
+from megazero.optim import DynamicLossScaler, LossScaleError
 
 
 def test_defaults_match_the_spec():

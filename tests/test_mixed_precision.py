@@ -56,7 +56,7 @@ def _engine(topo, dtype, stage, extra=()):
 
 def _weights(engine) -> torch.Tensor:
     """Every weight the forward uses, in fp32, flat (gathered first under stage 3)."""
-    engine.optimizer.wait_params()
+    engine.data_parallel.wait_params()
     return torch.cat([p.detach().float().reshape(-1) for chunk in engine.chunks for p in chunk.parameters()])
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megazero.zero import ZeroOptimizer, ZeroSettings
+from tests.sharded import sharded_adamw
 from tests.test_zero_toy import Toy, _data
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -21,16 +21,15 @@ STALL_CYCLES = 1_000_000_000  # about half a second of GPU clock
 def test_forward_waits_for_its_units_upload(one_rank_group, stage):
     torch.manual_seed(0)
     model = Toy().cuda()
-    opt = ZeroOptimizer(model, ZeroSettings(stage=stage, bucket_numel=320, lr=1e-2, offload=True,
-                                            param_dtype=torch.bfloat16),
-                        one_rank_group, None, units=list(model.blocks))
+    opt = sharded_adamw(model, one_rank_group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, offload=True,
+                        param_dtype=torch.bfloat16)
     tokens, labels = (t.cuda() for t in _data(0, 0))
     for _ in range(2):  # the second step finds its pinned buffers made: nothing in the way but the stall
         before = model(tokens, labels)
         before.backward()
         opt.step()
     torch.cuda.synchronize()
-    with torch.cuda.stream(opt.host_copies.stream):
+    with torch.cuda.stream(opt.dp.host_copies.stream):
         torch.cuda._sleep(STALL_CYCLES)  # every upload the next forward issues queues behind this
     with torch.no_grad():
         during = model(tokens, labels)

@@ -18,9 +18,9 @@ import torch
 
 from models import GPT
 from models.config import ModelConfig
-from models.parallelize import parallelize_gpt
+from models.parallelize import tensor_parallelize_gpt
 from models.presets import MODEL_PRESETS
-from parallel.pipeline import PipelineExecutor, allreduce_data_parallel_grads, allreduce_embedding_grads
+from parallel.pipeline import PipelineExecutor, allreduce_data_parallel_grads, sum_tied_grads
 from parallel.pipeline.partition import resolve_split, stage_layers
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
@@ -53,7 +53,7 @@ def _case(topo, schedule, m, v, sp, preset="gpt2"):
         stage = c * pp + rank
         chunk = GPT(cfg, layers=stage_layers(split, pp, rank, c), has_embedding=stage == 0,
                     has_head=stage == pp * v - 1, vocab_multiple=128 * tp, seed=7)
-        chunks.append(parallelize_gpt(chunk, topo.tp_group, seed=7, sequence_parallel=sp) if tp > 1 else chunk)
+        chunks.append(tensor_parallelize_gpt(chunk, topo.tp_group, seed=7, sequence_parallel=sp) if tp > 1 else chunk)
     shape = (MICRO, cfg.seq_length // tp if sp else cfg.seq_length, cfg.hidden_size)
     executor = PipelineExecutor(chunks, topo, shape, schedule=schedule, forward_step=forward_step, timeout_s=60)
     data = _data(dp * m)
@@ -61,7 +61,7 @@ def _case(topo, schedule, m, v, sp, preset="gpt2"):
     if cfg.tie_embeddings:
         tied = [p for ch in chunks for p in ([ch.embedding.tokens.weight] if ch.embedding else [])
                 + ([ch.lm_head.weight] if ch.lm_head else [])]
-        allreduce_embedding_grads(tied, topo)
+        sum_tied_grads([p.grad for p in tied if p.grad is not None], topo.embedding_group)
     allreduce_data_parallel_grads([p for ch in chunks for p in ch.parameters()], topo)
 
     ref = GPT(cfg, vocab_multiple=128 * tp, seed=7)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.pipeline import (PipelineExecutor, PipelineTimeout, allreduce_data_parallel_grads,
-                               allreduce_embedding_grads)
+                               sum_tied_grads)
 from parallel.pipeline.partition import resolve_split, stage_layers
 from parallel.pipeline.schedule import max_live_activations
 from parallel.tensor_parallel.collectives import (copy_to_tp, gather_from_tp, gather_sequence, reduce_from_tp,
@@ -174,7 +174,8 @@ def _run_case(rank, tp, pp, dp, topo, schedule, m, v, sp):
     eval_live, eval_grads = executor.stats.peak_live, [p.grad for ch in chunks for p in ch.parameters()]
     loss = executor.step(data[c.dp * m:(c.dp + 1) * m])
     params = [p for ch in chunks for p in ch.parameters()]
-    allreduce_embedding_grads([p for ch in chunks for p in (ch.emb, ch.head) if p is not None], topo)
+    sum_tied_grads([p.grad for ch in chunks for p in (ch.emb, ch.head) if p is not None and p.grad is not None],
+                   topo.embedding_group)
     if sp and tp > 1:  # a bias added to sequence shards collects only its shard's gradient
         for b in (blk.b2 for ch in chunks for blk in ch.blocks):
             dist.all_reduce(b.grad, group=topo.tp_group)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from parallel.pipeline.partition import balanced_split, decoder_costs, resolve_split, stage_layers, uniform_split
+from parallel.pipeline.partition import resolve_split, stage_layers, uniform_split
 from parallel.pipeline.plan import PipelineDeadlock, check_ops, comm_plan, plan_for, simulate
 from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, interleaved_1f1b, max_live_activations,
                                         one_f_one_b)
@@ -117,14 +117,6 @@ def test_uniform_split_puts_remainder_in_the_middle():
     assert uniform_split(10, 4) == [2, 3, 3, 2]
     assert uniform_split(8, 4) == [2, 2, 2, 2]
     assert sum(uniform_split(105, 35)) == 105
-
-
-def test_balanced_split_accounts_for_embedding_and_head():
-    assert balanced_split(10, 4, 1.0, first_cost=2.0, last_cost=2.0) == [2, 3, 3, 2]
-    assert balanced_split(12, 3, 1.0, last_cost=4.0) == [5, 5, 2]
-    assert balanced_split(4, 2, 1.0, last_cost=100.0) == [3, 1]  # never an empty stage
-    split = balanced_split(24, 4, *decoder_costs(1024, 4096, 50304, 2048, by="params"))
-    assert split == [4, 8, 8, 4] and sum(split) == 24
 
 
 def test_user_split_validated_and_mapped_to_chunks():

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from models import GPT
 from models.config import ModelConfig
-from models.parallelize import parallelize_gpt
+from models.parallelize import tensor_parallelize_gpt
 from models.presets import MODEL_PRESETS
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
@@ -92,7 +92,7 @@ def _equivalence(rank, world_size):
         preset, tp, sp, recompute, meta = case
         cfg, group = config(preset), topologies[tp].tp_group
         model = GPT(cfg, vocab_multiple=128 * tp, seed=SEED, device="meta" if meta else "cpu")
-        parallelize_gpt(model, group, seed=SEED, sequence_parallel=sp, recompute=recompute, recompute_every=2)
+        tensor_parallelize_gpt(model, group, seed=SEED, sequence_parallel=sp, recompute=recompute, recompute_every=2)
         if meta:
             model.to_empty(device="cpu")
             model.init_weights(SEED)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from models import GPT
 from models.config import ModelConfig
-from models.parallelize import parallelize_gpt
+from models.parallelize import tensor_parallelize_gpt
 from models.presets import MODEL_PRESETS
 from parallel.tensor_parallel import collectives as C
 from parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -112,7 +112,7 @@ def _dropout_run(preset: str, topo: Topology, sp: bool, recompute: str, dropout:
                   seq_length=16, dropout=dropout, attention_dropout=dropout)
     cfg = ModelConfig(**fields)
     model = GPT(cfg, vocab_multiple=128 * topo.tp_size, seed=3)
-    parallelize_gpt(model, topo.tp_group, seed=3, sequence_parallel=sp, recompute=recompute)
+    tensor_parallelize_gpt(model, topo.tp_group, seed=3, sequence_parallel=sp, recompute=recompute)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
     torch.manual_seed(1)  # the default stream: identical on every tp rank

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megazero.zero.memory import memory_report, zero_model_state_bytes
+from megazero.optim.memory import memory_report, zero_model_state_bytes
 
 # Per-device model-state memory in GB (1e9 bytes) as printed in the paper: stage 1, 2, 3 columns.
 TABLE_1 = {

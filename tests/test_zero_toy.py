@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.errors import UserError
-from megazero.zero import DynamicLossScaler, ZeroOptimizer, ZeroSettings
+from parallel.data_parallel import UnmaterializedParameterError
+from megazero.optim import DynamicLossScaler
+from tests.sharded import sharded_adamw
 from tests.distributed import run_world
 
 STEPS, MICRO, BATCH, VOCAB, WIDTH = 3, 2, 4, 50, 24
@@ -111,21 +112,20 @@ def _zero_run(rank, world_size):
             references = {v: _reference(base, STEPS, MICRO * dp, clip, v) for v in ("plain", "unused")}
             for stage, variant in CASES:
                 model = copy.deepcopy(base)
-                settings = ZeroSettings(stage=stage, bucket_numel=320, lr=1e-2, clip_grad=clip,
-                                        once_per_step=variant == "once_per_step",
-                                        prefetch_depth=2 if variant == "prefetch2" else 1,
-                                        persistence_threshold=100 if variant == "persist" else 0,
-                                        offload=variant.startswith("offload"),
-                                        grad_dtype=torch.bfloat16 if variant == "bf16grads" else torch.float32)
-                opt = ZeroOptimizer(model, settings, group, None, units=list(model.blocks))
+                opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, clip_grad=clip,
+                                    once_per_step=variant == "once_per_step",
+                                    prefetch_depth=2 if variant == "prefetch2" else 1,
+                                    persistence_threshold=100 if variant == "persist" else 0,
+                                    offload=variant.startswith("offload"),
+                                    grad_dtype=torch.bfloat16 if variant == "bf16grads" else torch.float32)
                 norms = []
                 for step in range(STEPS):
                     for micro in range(MICRO):
-                        opt.begin_microbatch(last=variant.endswith("overlap") and micro == MICRO - 1)
+                        opt.dp.begin_microbatch(last=variant.endswith("overlap") and micro == MICRO - 1)
                         loss = model(*_data(step, dp_rank * MICRO + micro), skip=_skipped(variant, step)) / MICRO
                         opt.scale_loss(loss).backward()
                     norms.append(opt.step().grad_norm)
-                opt.wait_params()
+                opt.dp.wait_params()
                 reference, ref_norms = references["unused" if variant == "unused" else "plain"]
                 pairs = list(zip(model.state_dict().values(), reference.state_dict().values(),
                                  base.state_dict().values()))
@@ -147,8 +147,8 @@ def _memory_and_overflow(base, group, dp, dp_rank):
     for stage in (0, 1, 2, 3):
         for grad_dtype in (torch.float32, torch.bfloat16):
             model = copy.deepcopy(base)
-            opt = ZeroOptimizer(model, ZeroSettings(stage=stage, bucket_numel=320, param_dtype=torch.bfloat16,
-                                                    grad_dtype=grad_dtype), group, None, units=list(model.blocks))
+            opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, param_dtype=torch.bfloat16,
+                                grad_dtype=grad_dtype)
             predicted = opt.predicted_memory()
             predicted = {k: getattr(predicted, k) for k in ("params", "grads", "master", "optimizer")}
             out[("memory", dp, stage, grad_dtype)] = (opt.memory_bytes(), predicted)
@@ -156,14 +156,13 @@ def _memory_and_overflow(base, group, dp, dp_rank):
                 for micro in range(MICRO):
                     opt.scale_loss(model(*_data(step, dp_rank * MICRO + micro)) / MICRO).backward()
                 opt.step()
-            scratch = sum(t.untyped_storage().nbytes() for t in opt.reducer.pool)
+            scratch = sum(t.untyped_storage().nbytes() for t in opt.dp.reducer.pool)
             out[("memory after steps", dp, stage, grad_dtype)] = (
-                opt.memory_bytes(), predicted, len(opt.reducer.pool), scratch,
+                opt.memory_bytes(), predicted, len(opt.dp.reducer.pool), scratch,
                 max(b.numel for b in opt.layout.buckets) * _itemsize(grad_dtype))
     model = copy.deepcopy(base)
-    opt = ZeroOptimizer(model, ZeroSettings(stage=2, bucket_numel=320, lr=1e-2,
-                                            loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1)),
-                        group, None, units=list(model.blocks))
+    opt = sharded_adamw(model, group, model.blocks, stage=2, bucket_numel=320, lr=1e-2,
+                        loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1))
     before = [p.detach().clone() for p in model.parameters()]
     loss = model(*_data(0, dp_rank))
     if dp_rank == dp - 1:
@@ -180,22 +179,21 @@ def _itemsize(dtype) -> int:
 
 
 def _released_read(base, group):
-    """Stage 3 between steps: reading a block's weight raises a UserError naming it (the storage
+    """Stage 3 between steps: reading a block's weight raises an error naming it (the storage
     holds no bytes, and the read used to crash the process); after ``wait_params`` it reads the
     gathered values, and the next step releases it again."""
     model = copy.deepcopy(base)
-    opt = ZeroOptimizer(model, ZeroSettings(stage=3, bucket_numel=320, lr=1e-2), group, None,
-                        units=list(model.blocks))
+    opt = sharded_adamw(model, group, model.blocks, stage=3, bucket_numel=320, lr=1e-2)
     weight = model.blocks[1].fc.weight
     errors = []
 
     def read():
         try:
             return float(weight.sum())
-        except UserError as exc:
+        except UnmaterializedParameterError as exc:
             errors.append(str(exc))
     before = read()
-    opt.wait_params()
+    opt.dp.wait_params()
     gathered = read()
     opt.scale_loss(model(*_data(0, 0))).backward()
     opt.step()

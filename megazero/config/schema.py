@@ -23,7 +23,7 @@ class ParallelConfig:
     sequence_parallel: bool = option(False, "Shard norm and dropout activations along the sequence (needs tp > 1)")
     order: str = option("tp-dp-pp", "Rank order from fastest to slowest axis: tp-dp-pp or tp-pp-dp")
     allow_tp_across_nodes: bool = option(False, "Permit tensor-parallel groups that span nodes (slow; off by default)")
-    pipeline_split: Optional[list] = option(None, "Explicit layers per pipeline stage, e.g. [5, 6, 6, 5] (None = balanced)")
+    pipeline_split: Optional[list] = option(None, "Explicit layers per pipeline stage, e.g. [5, 6, 6, 5] (None = uniform)")
     recompute: str = option("none", "Activation checkpointing: none, full or selective (attention core only)")
     recompute_every: int = option(1, "With full recompute, checkpoint every k-th block")
 

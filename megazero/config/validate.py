@@ -19,11 +19,11 @@ from megazero.config.schema import Config
 from megazero.errors import ConfigError
 from megazero.metrics import WANDB_MODES
 from megazero.training_schedules import DECAY_STYLES, build_batch_schedule, build_lr_schedule
-from megazero.zero import STAGES
 from models.embedding import POSITION_EMBEDDINGS
 from models.mlp import ACTIVATIONS
 from models.norms import NORM_KINDS
 from models.parallelize import RECOMPUTE_MODES, tp_layout_problems
+from parallel.data_parallel import STAGES
 from parallel.launch import DEVICES
 from parallel.pipeline.partition import split_problem
 from parallel.topology import ORDERS

@@ -4,10 +4,11 @@ Two sums the schedule itself does not do:
 
 - Tied embeddings: the first stage's token embedding and the last stage's LM head are copies of one
   matrix. Each copy received the gradient of its own use; the true gradient is their sum, so both
-  copies get it (``allreduce_embedding_grads``) and stay identical after the optimizer step.
+  copies get it (``sum_tied_grads``, which the data-parallel wrapper runs at every step, before its
+  own reduction) and stay identical after the optimizer step.
 - Data parallelism: every pipeline replica saw different samples; the gradient of the mean loss is
   the mean of theirs. ``allreduce_data_parallel_grads`` is the plain version; a ZeRO optimizer takes
-  its place by reduce-scattering instead (the engine picks one ``GradReducer``).
+  its place by reduce-scattering instead (``parallel.data_parallel``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def _allreduce_flat(grads: list[torch.Tensor], group, scale: float = 1.0) -> Non
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for same in by_dtype.values():
+        if len(same) == 1 and scale == 1.0:  # in place: no flat copy of a large embedding gradient
+            all_reduce(same[0], group)
+            continue
         flat = torch.cat([g.reshape(-1) for g in same])
         all_reduce(flat, group)
         if scale != 1.0:
@@ -40,16 +44,15 @@ def _allreduce_flat(grads: list[torch.Tensor], group, scale: float = 1.0) -> Non
             g.copy_(part.view_as(g))
 
 
-def allreduce_embedding_grads(tied: Iterable[nn.Parameter], topo) -> None:
-    """Sum the gradients of the tied embedding copies on the first and last stages of the pipeline.
+def sum_tied_grads(grads: list[torch.Tensor], group) -> None:
+    """Sum the gradients of the tied embedding copies on the first and last stages of the pipeline
+    over their embedding ``group``, in place.
 
     Call it on every rank (ranks off those stages pass nothing and return at once).
     """
-    group = topo.embedding_group
-    tied = list(tied)
-    if group is None or not tied or group_size(group) == 1:
+    if group is None or not grads or group_size(group) == 1:
         return
-    _allreduce_flat(_grads(tied), group)
+    _allreduce_flat(grads, group)
 
 
 def allreduce_data_parallel_grads(params: Iterable[nn.Parameter], topo) -> None:

@@ -1,10 +1,9 @@
 """Which transformer blocks each pipeline stage holds.
 
 A split is a list with the number of blocks of each virtual stage (``pp * v`` entries, in virtual-
-stage order). It comes from one of three places: the user (``parallel.pipeline_split``), a uniform
-division, or a balance of per-stage cost in which the first stage also pays for the embedding and
-the last for the LM head and loss. The embedding and head are large at small widths (a 50k x 1024
-embedding outweighs four blocks), so uniform splits leave the end stages slowest.
+stage order). It comes from the user (``parallel.pipeline_split``) or is uniform. The embedding and
+head are large at small widths (a 50k x 1024 embedding outweighs four blocks), so a user whose end
+stages are slowest gives them fewer blocks with an explicit split.
 """
 
 from __future__ import annotations
@@ -19,49 +18,6 @@ def uniform_split(num_layers: int, stages: int) -> list[int]:
     order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), s))
     bonus = set(order[:extra])
     return [base + (s in bonus) for s in range(stages)]
-
-
-def balanced_split(num_layers: int, stages: int, block_cost: float, first_cost: float = 0.0,
-                   last_cost: float = 0.0) -> list[int]:
-    """The split minimising the costliest stage, when stage 0 also costs ``first_cost`` and the last ``last_cost``.
-
-    Exact (dynamic programming over contiguous splits); every stage keeps at least one block; ties
-    prefer the more uniform split.
-    """
-    _check_counts(num_layers, stages)
-    if block_cost <= 0:
-        raise ValueError(f"block cost must be positive, got {block_cost}")
-
-    def cost(stage: int, blocks: int) -> float:
-        return blocks * block_cost + (first_cost if stage == 0 else 0.0) + (last_cost if stage == stages - 1 else 0.0)
-
-    # best[s][n]: (max stage cost, spread) of the first s stages holding n blocks, and the split
-    best: dict[tuple[int, int], tuple[tuple[float, int], list[int]]] = {(0, 0): ((0.0, 0), [])}
-    for s in range(stages):
-        for n in range(num_layers + 1):
-            prev = best.get((s, n))
-            if prev is None:
-                continue
-            for k in range(1, num_layers - n + 1):
-                split = prev[1] + [k]
-                key = (max(prev[0][0], cost(s, k)), max(split) - min(split))
-                if (s + 1, n + k) not in best or key < best[(s + 1, n + k)][0]:
-                    best[(s + 1, n + k)] = (key, split)
-    return best[(stages, num_layers)][1]
-
-
-def decoder_costs(hidden: int, ffn: int, vocab: int, seq_length: int, by: str = "flops") -> tuple[float, float, float]:
-    """(block, embedding, head + loss) costs of a decoder, by parameter count or forward flops per token.
-
-    Attention projections are 4 h^2 and the MLP 2 h ffn parameters; attention scores add 2 s h flops
-    per token. The embedding lookup costs no flops but its parameters (and their optimizer state) count.
-    """
-    block_params = 4 * hidden * hidden + 2 * hidden * ffn
-    if by == "params":
-        return float(block_params), float(vocab * hidden), float(vocab * hidden)
-    if by == "flops":
-        return float(2 * block_params + 4 * seq_length * hidden), 0.0, float(2 * vocab * hidden)
-    raise ValueError(f"cost must be 'params' or 'flops', got {by!r}")
 
 
 def split_problem(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[int]] = None) -> Optional[str]:
@@ -81,17 +37,14 @@ def split_problem(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence
     return None
 
 
-def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[int]] = None,
-                  costs: Optional[tuple[float, float, float]] = None) -> list[int]:
-    """The user's split if given (validated), else balanced by ``costs``, else uniform."""
+def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[int]] = None) -> list[int]:
+    """The user's split if given (validated), else uniform."""
     stages = pp * v
     if split is not None:
         problem = split_problem(num_layers, pp, v, split)
         if problem:
             raise ValueError(problem)
         return list(split)
-    if costs is not None:
-        return balanced_split(num_layers, stages, *costs)
     return uniform_split(num_layers, stages)
 
 

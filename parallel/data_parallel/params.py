@@ -7,22 +7,21 @@ the unit runs and its storage released afterwards, while the parameter views sta
 (empty) storage. Autograd keeps references to those views for backward, so re-gathering into the
 same storage makes them valid again without touching the autograd graph. While released, a
 parameter's class is ``ReleasedParameter``: its shape, dtype, hooks and ``.grad`` stay readable,
-but reading its values (outside a forward, before ``ZeroOptimizer.wait_params()``) raises a clear
+but reading its values (outside a forward, before ``DataParallel.wait_params()``) raises a clear
 error instead of reading storage that holds no bytes, which crashed the process.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch.autograd import _unsafe_preserve_version_counter as keep_version  # gathers into saved storage
 from torch.utils._pytree import tree_leaves
 
-from megazero.errors import UserError
-from megazero.zero.host_copies import HostCopies, wait_on_current_stream
-from megazero.zero.layout import FlatLayout
+from parallel.data_parallel.host_copies import HostCopies, wait_on_current_stream
+from parallel.data_parallel.layout import FlatLayout
 from parallel import comm
 
 
@@ -40,7 +39,7 @@ def _metadata_reads() -> frozenset:
 _METADATA_READS = _metadata_reads()
 
 
-class UnmaterializedParameterError(UserError):
+class UnmaterializedParameterError(RuntimeError):
     """A released ZeRO-3 parameter's values were read."""
 
 
@@ -55,8 +54,8 @@ class ReleasedParameter(torch.nn.Parameter):
             released = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, ReleasedParameter))
             raise UnmaterializedParameterError(
                 f"ZeRO-3 parameter {getattr(released, 'zero3_name', '?')} {tuple(released.shape)} was read "
-                f"outside a forward while only this rank's shard exists; call optimizer.wait_params() "
-                f"(engine.optimizer.wait_params()) first to gather every parameter")
+                f"outside a forward while only this rank's shard exists; call wait_params() on the "
+                f"data-parallel wrapper (engine.data_parallel.wait_params()) first to gather every parameter")
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
@@ -65,7 +64,6 @@ class ParamStore:
                  sharded: bool, host_copies: Optional[HostCopies] = None):
         self.params, self.layout, self.dtype, self.group, self.sharded = params, layout, dtype, group, sharded
         self.host_copies = host_copies  # an offloaded master's uploads (see load_unit)
-        self.before_use: Optional[Callable[[int], None]] = None  # stage 3: told before a unit is gathered
         # An offloaded unit's work on the copy stream (its upload; a one-rank gather's local copy) that
         # the compute stream must wait for before the unit runs; ``wait`` takes it.
         self._ready: dict[int, Optional[torch.cuda.Event]] = {}
@@ -106,8 +104,6 @@ class ParamStore:
     # --- stage 3: gather before use, release after -------------------------------------------
     def gather(self, unit: int, async_op: bool = False) -> None:
         """Start (or do) the all-gather of ``unit``; ``wait`` completes an asynchronous one."""
-        if self.before_use is not None:
-            self.before_use(unit)
         if self.gathered[unit] or unit in self._pending:
             return
         buf = self.units[unit]

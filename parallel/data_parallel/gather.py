@@ -1,5 +1,8 @@
 """ZeRO stage 3: gather a unit's parameters just before it runs, release them right after.
 
+``fetch(unit, async_op)`` is the wrapper's way of gathering a unit: it first applies a deferred
+(offloaded) update to the unit's slices, then starts the all-gather.
+
 Module hooks drive it, so the model code stays unaware:
 
 * forward pre-hook: wait for (or do) the unit's all-gather, then start gathering the next
@@ -17,9 +20,11 @@ backward; they neither release nor re-hook then, because the unit is in use by i
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from megazero.zero.params import ParamStore
+from parallel.data_parallel.params import ParamStore
 
 
 def _in_backward() -> bool:
@@ -27,9 +32,9 @@ def _in_backward() -> bool:
 
 
 class Stage3Hooks:
-    def __init__(self, roots: list[torch.nn.Module], unit_modules: list, store: ParamStore, prefetch_depth: int,
-                 keep_until_step: bool):
-        self.store, self.prefetch_depth, self.keep = store, prefetch_depth, keep_until_step
+    def __init__(self, roots: list[torch.nn.Module], unit_modules: list, store: ParamStore,
+                 fetch: Callable[[int, bool], None], prefetch_depth: int, keep_until_step: bool, names: dict):
+        self.store, self.fetch, self.prefetch_depth, self.keep = store, fetch, prefetch_depth, keep_until_step
         self.persistent = [u for u, m in enumerate(unit_modules) if m is None]
         self.forward_order = [u for u, m in reversed(list(enumerate(unit_modules))) if m is not None]
         self.position = {u: k for k, u in enumerate(self.forward_order)}
@@ -38,7 +43,6 @@ class Stage3Hooks:
         self.received = dict.fromkeys(self.pending, 0)
         self._callback_queued = False
         self._handles = [root.register_forward_pre_hook(self._model_pre) for root in roots]
-        names = {id(p): name for root in roots for name, p in root.named_parameters()}
         for p in store.params:  # for the error a read of a released parameter raises
             p.zero3_name = names.get(id(p), "?")
         for u, module in enumerate(unit_modules):
@@ -51,18 +55,18 @@ class Stage3Hooks:
 
     def _model_pre(self, module, args) -> None:
         for u in self.persistent:
-            self.store.gather(u)
+            self.fetch(u, False)
 
     def _prefetch(self, unit: int, direction: int) -> None:
         k = self.position[unit]
         for step in range(1, self.prefetch_depth + 1):
             j = k + direction * step
             if 0 <= j < len(self.forward_order):
-                self.store.gather(self.forward_order[j], async_op=True)
+                self.fetch(self.forward_order[j], True)
 
     def _pre_forward(self, unit: int):
         def hook(module, args):
-            self.store.gather(unit)
+            self.fetch(unit, False)
             self.store.wait(unit)
             if not _in_backward():
                 self._prefetch(unit, +1)
@@ -85,7 +89,7 @@ class Stage3Hooks:
 
     def _pre_backward(self, unit: int):
         def hook(grad):
-            self.store.gather(unit)
+            self.fetch(unit, False)
             self.store.wait(unit)
             self._prefetch(unit, -1)
             return grad

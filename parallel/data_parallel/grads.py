@@ -34,13 +34,14 @@ from typing import Callable, Optional
 
 import torch
 
-from megazero.zero.layout import Bucket, FlatLayout
+from parallel.data_parallel.layout import Bucket, FlatLayout
 from parallel import comm
 
 
 class GradReducer:
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group, dtype: torch.dtype,
-                 mode: str, reduce_scatter: bool, max_in_flight: int = 2):
+                 mode: str, reduce_scatter: bool, on_final: Optional[Callable[[int], None]] = None,
+                 max_in_flight: int = 2):
         assert mode in ("full", "sharded")
         self.params, self.layout, self.group, self.dtype, self.mode = params, layout, group, dtype, mode
         self.reduce_scatter, self.max_in_flight = reduce_scatter, max_in_flight
@@ -60,7 +61,7 @@ class GradReducer:
         self.scratch: dict[int, torch.Tensor] = {}
         self.overlap = False
         self.final = False  # this backward is the step's last: a reduced bucket is final
-        self.on_final: Optional[Callable[[int], None]] = None  # told when a bucket's step sum is complete
+        self.on_final = on_final  # told when a bucket's step sum is complete (in the step's last backward)
         self.deferred: set[int] = set()  # buckets that must wait for finish() (see defer)
         self._callback_queued = False
         if mode == "full":

@@ -6,33 +6,26 @@ cannot start before backward ends (clipping needs the global norm), and on the h
 slowest part of the step, bound by memory bandwidth (about 28 bytes per parameter). So the step
 only settles the coefficient and whether to skip; each unit's AdamW, its rounding to 16 bits and
 its upload then run when the next forward first needs that unit (from the unit's pre-forward or
-gather hook), and the GPU computes the units already updated while the host updates the next.
-Anything that reads the master or the parameters outside a forward calls ``finish`` first (through
-``ZeroOptimizer.apply_pending`` or ``wait_params``; checkpoints do).
+gather), and the GPU computes the units already updated while the host updates the next. It is
+the wrapper's ``DeferredUpdate``: the wrapper applies pending units before their use, before it
+hands over a new gradient bucket, and before anything reads the shard outside a forward.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from megazero.zero.grads import GradReducer
-from megazero.zero.host_copies import HostCopies
-from megazero.zero.layout import FlatLayout
-from megazero.zero.params import ParamStore
+from parallel.data_parallel import DataParallel
 
 
 class OffloadedUpdate:
     """Per-unit host AdamW steps for ``adam`` (whose parameters are views of ``master``, keyed by
-    layout segment in ``master_views``); ``after_upload(unit)`` runs once a unit's slices are on
-    the GPU (stages 1-2 start its all-gather there)."""
+    layout segment in ``master_views``) over the shard of ``dp``."""
 
-    def __init__(self, adam: torch.optim.AdamW, master_views: dict, layout: FlatLayout, reducer: GradReducer,
-                 store: ParamStore, master: torch.Tensor, master_grad: torch.Tensor, copies: HostCopies,
-                 after_upload: Callable[[int], None]):
-        self.layout, self.reducer, self.store, self.copies = layout, reducer, store, copies
-        self.master, self.master_grad, self.after_upload = master, master_grad, after_upload
+    def __init__(self, adam: torch.optim.AdamW, master_views: dict, dp: DataParallel, master: torch.Tensor,
+                 master_grad: torch.Tensor):
+        self.dp, self.layout, self.copies = dp, dp.layout, dp.host_copies
+        self.master, self.master_grad = master, master_grad
         self.fused = bool(adam.defaults.get("fused"))
         self.unit_adams = self._split_by_unit(adam, master_views)
         self.pending: list[int] = []  # units whose update is settled but not yet applied
@@ -60,11 +53,11 @@ class OffloadedUpdate:
         return out
 
     # --- gradients to the host ---------------------------------------------------------------
-    def send(self, b: int) -> None:
-        """Bucket ``b``'s reduced slice is final: start its copy to the host master's gradient."""
-        self.finish()  # the previous step's pending units still read the gradient buffer
+    def bucket_reduced(self, b: int) -> None:
+        """Bucket ``b``'s reduced slice is final: start its copy to the host master's gradient (the
+        wrapper applied the previous step's pending units, which read that buffer, first)."""
         lo, hi = self.layout.shard_range(self.layout.buckets[b])
-        self.copies.copy(self.master_grad[lo:hi], self.reducer.bucket_grad(b))
+        self.copies.copy(self.master_grad[lo:hi], self.dp.bucket_grad(b))
         self.sent.add(b)
 
     def clear(self) -> None:
@@ -72,11 +65,12 @@ class OffloadedUpdate:
 
     # --- the step ----------------------------------------------------------------------------
     def settle(self, coef: float, skip: bool, lr, unit_order: list[int]) -> None:
-        """Bring every gradient to the host and fix this step's update; apply it lazily by unit."""
-        self.finish()
+        """Bring every gradient to the host and fix this step's update; apply it lazily by unit.
+        Nothing may be pending any more (the caller applied it)."""
+        assert not self.pending, "settle() with units of the previous step still pending"
         for b in range(len(self.layout.buckets)):
             if b not in self.sent:
-                self.send(b)
+                self.bucket_reduced(b)
         self.clear()
         self.copies.synchronize()
         for adam in self.unit_adams.values():
@@ -93,17 +87,15 @@ class OffloadedUpdate:
             adam.grad_scale = scale
         self.pending = list(unit_order)
 
-    def update(self, unit: int) -> None:
-        """Apply the settled update to ``unit`` now, if it is still pending."""
+    def pending_units(self) -> list[int]:
+        return self.pending
+
+    def update_unit(self, unit: int) -> bool:
+        """Apply the settled update to ``unit`` now and upload it, if it is still pending."""
         if unit not in self.pending:
-            return
+            return False
         self.pending.remove(unit)
         if unit in self.unit_adams:
             self.unit_adams[unit].step()
-        self.store.load_unit(self.master, unit)
-        self.after_upload(unit)
-
-    def finish(self) -> None:
-        """Apply every pending unit's update (before the master or parameters are read otherwise)."""
-        for unit in list(self.pending):
-            self.update(unit)
+        self.dp.load_unit(self.master, unit)
+        return True
