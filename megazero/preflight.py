@@ -1,4 +1,4 @@
-"""Checks of what a run is about to meet -- device, data, tokenizer, directories -- before it starts.
+"""Checks of what a run is about to meet -- device and its memory, data, tokenizer, directories -- before it starts.
 
 ``megazero.config.validate`` judges a config on its own; these checks look at the machine and the
 files it names, so they live apart. They run in ``megazero train --check`` and at the start of every
@@ -31,11 +31,13 @@ class DataFacts:
     tokenizer_vocab: Optional[int]
 
 
-def check_run(cfg: Config, *, scan_data: bool = True) -> DataFacts:
-    """Raise one ``ConfigError`` listing every problem with the device, data, tokenizer and
-    directories of ``cfg``; ``scan_data`` also reads every shard's tokens (cached) to check the
-    largest id against the model's vocabulary."""
+def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[int] = None) -> DataFacts:
+    """Raise one ``ConfigError`` listing every problem with the device, its memory, data, tokenizer
+    and directories of ``cfg`` (resolved: ``parallel.dp`` set); ``scan_data`` also reads every shard's
+    tokens (cached) to check the largest id against the model's vocabulary; ``ranks_per_node`` keeps
+    the suggested layout's tensor groups within a node."""
     problems = _device_problems(cfg)
+    problems += _memory_problems(cfg, ranks_per_node)
     prefixes, data_problems = _data_prefixes(cfg)
     problems += data_problems
     vocab, tokenizer_problems = _tokenizer_vocab(cfg)
@@ -60,6 +62,16 @@ def _device_problems(cfg: Config) -> list[str]:
         return []
     return ["train.device: is 'cuda' but no CUDA device is visible here; use --train.device cpu (or auto), or run "
             "on a machine whose GPUs this process can see (check CUDA_VISIBLE_DEVICES)"]
+
+
+def _memory_problems(cfg: Config, ranks_per_node: Optional[int]) -> list[str]:
+    """A layout the planner predicts cannot fit the device memory fails here, not at its first step."""
+    if _device_problems(cfg):
+        return []
+    from megazero.planner.fit import memory_problem
+
+    problem = memory_problem(cfg, ranks_per_node)
+    return [problem] if problem else []
 
 
 def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:

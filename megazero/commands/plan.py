@@ -1,7 +1,103 @@
-"""`megazero plan`: Suggest a tp x pp x dp layout and ZeRO stage for a model and a cluster."""
+"""`megazero plan CONFIG --gpus N --gpus-per-node G`: rank the tp x pp x dp layouts, ZeRO stages,
+micro-batch sizes and recompute modes a config could train with, by predicted memory and speed."""
 
-from megazero.commands.planned import register_planned
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from megazero.commands.generate import at_least
+from megazero.errors import UserError
+
+NUMBERS = ("memory_gib", "needed_gib", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu")
 
 
 def register(subparsers) -> None:
-    register_planned(subparsers, "plan", "Suggest a tp x pp x dp layout and ZeRO stage for a model and a cluster")
+    from megazero.planner import GPUS
+
+    parser = subparsers.add_parser(
+        "plan", usage="megazero plan CONFIG --gpus N --gpus-per-node G [--gpu NAME] [--section.field VALUE ...]",
+        help="Rank the tp x pp x dp layouts and ZeRO stages for a model on a cluster, before booking it",
+        description="Enumerate the layouts (tp, pp, dp, virtual stages, ZeRO stage, micro-batch, recompute, "
+                    "sequence parallel) that megazero train accepts for CONFIG on the cluster, predict each "
+                    "one's memory per GPU and step time, and print the fastest that fit. Dotted overrides "
+                    "(--train.global_batch_size 1024) change the config first. The formulas and their "
+                    "sources are in docs/planner.md.")
+    parser.add_argument("--gpus", type=at_least(1), required=True, help="GPUs in the cluster")
+    parser.add_argument("--gpus-per-node", type=at_least(1), required=True, help="GPUs per node")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU preset (default h100)")
+    parser.add_argument("--gpu-memory", type=float, metavar="GiB", help="Device memory, replacing the preset's")
+    parser.add_argument("--peak-tflops", type=float, help="Dense 16-bit peak TFLOP/s, replacing the preset's")
+    parser.add_argument("--intra-node-GBps", type=float, help="NVLink GB/s per GPU, one direction")
+    parser.add_argument("--inter-node-GBps", type=float, help="InfiniBand GB/s per GPU (the node's NICs / its GPUs)")
+    parser.add_argument("--top", type=at_least(1), default=10, help="Layouts to show (default 10)")
+    parser.add_argument("--json", action="store_true", help="Print the ranked layouts as one JSON object")
+    parser.set_defaults(func=run, accepts_overrides=True)
+
+
+def run(args) -> int:
+    from megazero.commands.train import split_config_path
+    from megazero.config import load_config, validate_config
+    from megazero.planner import GPUS, Cluster, custom_gpu, plan
+
+    if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
+        raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
+    for flag in ("gpu_memory", "peak_tflops", "intra_node_GBps", "inter_node_GBps"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise UserError(f"--{flag.replace('_', '-')}: must be positive, got {value}")
+    config_path, overrides = split_config_path(args.overrides)
+    if config_path is None:
+        raise UserError("give the CONFIG to plan for, e.g. megazero plan configs/gpt_1.3b.yaml --gpus 8 --gpus-per-node 8")
+    cfg = load_config(config_path, overrides)
+    validate_config(cfg)  # the config's own values; each layout is validated for the world below
+    gpu = custom_gpu(GPUS[args.gpu], args.gpu_memory, args.peak_tflops, args.intra_node_GBps, args.inter_node_GBps)
+    cluster = Cluster(gpu, args.gpus, min(args.gpus_per_node, args.gpus))
+    ranked = plan(cfg, cluster)
+    if not ranked:
+        raise UserError(f"no layout of {config_path} is valid on {args.gpus} GPUs: run megazero train --check with "
+                        f"WORLD_SIZE={args.gpus} LOCAL_WORLD_SIZE={args.gpus_per_node} and a layout to see why")
+    rows = [row(c) for c in ranked[:args.top]]
+    fitting = sum(c.fits for c in ranked)
+    if args.json:
+        print(json.dumps({"gpu": dataclasses.asdict(gpu), "gpus": cluster.num_gpus, "gpus_per_node": cluster.gpus_per_node,
+                          "valid_layouts": len(ranked), "fitting_layouts": fitting, "layouts": rows}, indent=1))
+        return 0
+    m, t = cfg.model, cfg.train
+    print(f"{config_path}: {m.num_layers} layers x hidden {m.hidden_size}, global batch {t.global_batch_size} x "
+          f"{m.seq_length} tokens on {cluster.num_gpus} x {gpu.name} ({cluster.nodes} node(s) of "
+          f"{cluster.gpus_per_node}, {gpu.memory_gib:g} GiB each); {len(ranked)} valid layouts, {fitting} fit")
+    print(format_table(rows))
+    if not fitting:
+        print("none fits: add GPUs, lower train.micro_batch_size, or offload the optimizer (zero.offload_optimizer)")
+    return 0
+
+
+def row(candidate) -> dict:
+    layout, memory, step = candidate.layout, candidate.memory, candidate.step
+    return {**dataclasses.asdict(layout), "fits": candidate.fits,
+            "memory_gib": round(memory.peak / 2**30, 2), "needed_gib": round(memory.needed / 2**30, 2),
+            "step_s": round(step.step_s, 4), "tokens_per_s": round(step.tokens_per_s),
+            "tflops_per_gpu": round(step.tflops_per_gpu, 1), "mfu": round(step.mfu, 3),
+            "overrides": " ".join(layout.overrides())}
+
+
+COLUMNS = [("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("v", "virtual_stages"), ("zero", "zero_stage"),
+           ("mbs", "micro_batch_size"), ("recompute", "recompute"), ("sp", "sequence_parallel"),
+           ("GiB/GPU", "memory_gib"), ("fits", "fits"), ("step s", "step_s"), ("tokens/s", "tokens_per_s"),
+           ("TFLOP/s/GPU", "tflops_per_gpu"), ("MFU", "mfu")]
+
+
+def format_table(rows: list[dict]) -> str:
+    def cell(key, value):
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if key == "tokens_per_s":
+            return f"{value:,}"
+        if key == "step_s":
+            return f"{value:.3g}"
+        return str(value)
+
+    cells = [[name for name, _ in COLUMNS]] + [[cell(key, r[key]) for _, key in COLUMNS] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(text.rjust(w) for text, w in zip(line, widths)) for line in cells)

@@ -34,6 +34,10 @@ def run(args) -> int:
         if reports_errors(launch):
             raise
         return 2  # rank 0 says what is wrong; the same lines from every rank would only bury it
+    if launch.rank == 0:
+        from megazero.planner.fit import estimate_line
+
+        print(estimate_line(cfg), flush=True)
     if args.check:
         p = cfg.parallel
         largest = "" if facts.largest_token_id is None else f", largest token id {facts.largest_token_id}"
@@ -53,7 +57,7 @@ def checked_config(args, launch):
 
     config_path, overrides = split_config_path(args.overrides)
     cfg = resolve_config(load_config(config_path, overrides), launch.world_size, launch.local_world_size)
-    return cfg, check_run(cfg, scan_data=args.check or launch.rank == 0)
+    return cfg, check_run(cfg, scan_data=args.check or launch.rank == 0, ranks_per_node=launch.local_world_size)
 
 
 def reports_errors(launch) -> bool:

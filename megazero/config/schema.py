@@ -116,6 +116,7 @@ class TrainConfig:
     compile: Optional[bool] = option(None, "torch.compile each transformer block and the head: true, false, or null (the default) = on for GPU runs, off on CPU")
     max_bad_steps: int = option(5, "Stop after this many consecutive NaN/inf losses")
     collective_timeout_s: float = option(600.0, "Seconds before a hung collective fails with its rank and group")
+    memory_budget_gib: Optional[float] = option(None, "Device memory per rank in GiB that the planner's start-up estimate must fit (None = the GPU's own; CPU runs are then unchecked)")
 
 
 @dataclass

@@ -1,0 +1,70 @@
+"""The start-up memory check: the planner's estimate for the run about to start, against the device
+memory it will meet (``train.memory_budget_gib`` where stated, else the GPU's own), and the nearest
+layout that fits when it does not."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megazero.config.schema import Config
+from megazero.planner.hardware import GIB, GPUS, Cluster, custom_gpu
+from megazero.planner.memory import estimate_memory
+from megazero.planner.search import layout_of, nearest_fitting
+
+
+@dataclass(frozen=True)
+class Budget:
+    gib: float
+    source: str      # what the user changes to move it
+    device: str      # the GPU preset whose speed ranks equally near layouts
+
+
+def device_budget(cfg: Config) -> Optional[Budget]:
+    """The memory a rank of this run may use, or None where nothing is known (a CPU run without
+    ``train.memory_budget_gib``)."""
+    stated = cfg.train.memory_budget_gib
+    if stated is not None:
+        return Budget(stated, "train.memory_budget_gib", "h100")
+    if cfg.train.device == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    preset = next((k for k in GPUS if k.split("-")[0].upper() in props.name.upper()), "h100")
+    return Budget(props.total_memory / GIB, f"the {props.name}'s memory", preset)
+
+
+def estimate_line(cfg: Config) -> str:
+    """What rank 0 prints at start-up."""
+    budget = device_budget(cfg)
+    against = f" of {budget.gib:.1f} GiB ({budget.source})" if budget else ""
+    return f"megazero: planner memory estimate {estimate_memory(cfg).describe()}{against}"
+
+
+def memory_problem(cfg: Config, ranks_per_node: Optional[int] = None) -> Optional[str]:
+    """One line when the run's layout is predicted not to fit its device memory, naming the nearest
+    layout that does (or saying none does); None when it fits or no budget is known."""
+    budget = device_budget(cfg)
+    if budget is None:
+        return None
+    if not budget.gib > 0:
+        return f"train.memory_budget_gib: must be positive, got {budget.gib}"
+    needed = estimate_memory(cfg).needed / GIB
+    if needed <= budget.gib:
+        return None
+    p = cfg.parallel
+    world = p.tp * p.pp * p.dp
+    cluster = Cluster(custom_gpu(GPUS[budget.device], memory_gib=budget.gib), world, ranks_per_node or world)
+    nearest = nearest_fitting(cfg, cluster)
+    if nearest is None:
+        fix = (f"no layout of {world} GPUs fits; add GPUs, offload the optimizer (--zero.offload_optimizer true) "
+               "or shrink the model")
+    else:
+        changes = " ".join(nearest.layout.changes_from(layout_of(cfg))) or "(this layout with a smaller estimate)"
+        fix = f"nearest layout that fits: {changes} ({nearest.memory.needed / GIB:.1f} GiB)"
+    return (f"memory: the planner predicts {needed:.1f} GiB per GPU for tp{p.tp} pp{p.pp} dp{p.dp} ZeRO-{cfg.zero.stage} "
+            f"(margins included) but {budget.gib:.1f} GiB is available ({budget.source}); {fix}")
+

@@ -1,0 +1,87 @@
+"""The machines the planner plans for: one GPU's memory, speed and links, and how many there are.
+
+A preset holds datasheet figures (memory, dense 16-bit peak, HBM bandwidth, per-GPU NVLink and
+InfiniBand bandwidth in one direction) and one measured figure, ``efficiency``: the fraction of peak
+that a GPT's matrix work reaches on that GPU in practice. The step-time model divides FLOPs by
+``peak * efficiency`` and adds what it predicts for communication and pipeline bubbles on top, so
+``efficiency`` is meant to be measured where those are absent or small (one GPU, or data parallelism
+that overlaps its reduction). Each constant below says where it came from; ``benchmarks/planner_gpu.py``
+measures it again on a lent GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GIB = 2.0**30
+
+# Fraction of the link's datasheet bandwidth that NCCL's collectives reach in practice (nccl-tests
+# bus bandwidth on DGX A100/H100 reaches about 75-85% of the NVLink and NIC line rates).
+LINK_EFFICIENCY = 0.8
+
+# A100: Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM"), Table 1: the 1.7B GPT (24 layers, hidden 2304, sequence 2048) trained with data
+# parallelism only on 32 DGX A100 GPUs, full recompute, batch 512, reaches 137 TFLOP/s per GPU = 44% of
+# the 312 TFLOP/s peak end to end. Megatron then all-reduced the fp16 gradients after the backward
+# pass, not during it: 2 * 31/32 * 1.7e9 * 2 bytes at 20 GB/s per GPU is 0.33 s of a 3.6 s step. The
+# compute alone therefore ran at 137 * 3.6 / (3.6 - 0.33) = 150 TFLOP/s, 48% of peak.
+A100_EFFICIENCY = 0.48
+# H100 and H200 (same dense peak): the GPT 1.3B of configs/gpt_1.3b.yaml trained by
+# scripts/pretrain_gpt.sh on one GPU (BENCHMARKS.md, "Pipeline parallelism and the trainer"):
+# 52.7% MFU with the optimizer step inside the timed step; without that step's ~5% about 55%.
+H100_EFFICIENCY = 0.55
+# V100: the ZeRO paper (Rajbhandari et al. 2020), section X-B: ZeRO-100B sustains "over 30% of the
+# peak" on 400 V100s for 8B-100B models.
+V100_EFFICIENCY = 0.30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    peak_tflops: float       # dense bf16/fp16 (fp32 runs use the same figure: the planner plans 16-bit runs)
+    hbm_GBps: float          # device memory bandwidth: the optimizer step is bound by it
+    intra_node_GBps: float   # NVLink/NVSwitch, per GPU, one direction
+    inter_node_GBps: float   # the node's InfiniBand divided among its GPUs, per GPU, one direction
+    efficiency: float
+
+    @property
+    def flops(self) -> float:
+        """FLOP/s the planner expects a GPU to sustain on a GPT's matrix work."""
+        return self.peak_tflops * 1e12 * self.efficiency
+
+
+GPUS = {
+    # DGX-2: 16 GPUs on NVSwitch (150 GB/s each way), 8 x 100 Gb/s EDR InfiniBand per node.
+    "v100-32gb": GPU("V100-SXM3-32GB", 32.0, 125.0, 900.0, 150.0, 8 * 100 / 8 / 16, V100_EFFICIENCY),
+    # DGX A100: NVLink 3 (300 GB/s each way), 8 x 200 Gb/s HDR InfiniBand per node of 8.
+    "a100-80gb": GPU("A100-SXM4-80GB", 80.0, 312.0, 2039.0, 300.0, 200 / 8, A100_EFFICIENCY),
+    # DGX H100: NVLink 4 (450 GB/s each way), 8 x 400 Gb/s NDR InfiniBand per node of 8.
+    "h100": GPU("H100-SXM5-80GB", 80.0, 989.0, 3350.0, 450.0, 400 / 8, H100_EFFICIENCY),
+    # HGX H200: as the H100 with 141 GB (140 GiB usable as torch reports it) of faster HBM3e.
+    "h200": GPU("H200-SXM-141GB", 140.0, 989.0, 4800.0, 450.0, 400 / 8, H100_EFFICIENCY),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GPU
+    num_gpus: int
+    gpus_per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.num_gpus // self.gpus_per_node)
+
+    def link_bytes_per_s(self, within_node: bool) -> float:
+        """Achievable bytes/s one GPU sends over the link a group of GPUs uses."""
+        GBps = self.gpu.intra_node_GBps if within_node else self.gpu.inter_node_GBps
+        return GBps * 1e9 * LINK_EFFICIENCY
+
+
+def custom_gpu(base: GPU, memory_gib=None, peak_tflops=None, intra_node_GBps=None, inter_node_GBps=None) -> GPU:
+    """``base`` with the figures given (not None) replaced: a GPU that has no preset, or a cluster
+    whose network differs from the reference design."""
+    changes = {k: v for k, v in dict(memory_gib=memory_gib, peak_tflops=peak_tflops, intra_node_GBps=intra_node_GBps,
+                                     inter_node_GBps=inter_node_GBps).items() if v is not None}
+    return replace(base, **changes)

@@ -1,0 +1,182 @@
+"""Per-GPU memory of a layout: model states (the ZeRO formula), activations, buffers.
+
+Each pipeline rank holds different things (the first the embedding and the most micro-batches in
+flight, the last the head and the logits), so the estimate is made for the first and the last rank
+and the larger is the run's. See docs/planner.md for every term and where it comes from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megazero.config.schema import Config
+from megazero.optim.memory import zero_model_state_bytes
+from models.config import ModelConfig
+from models.embedding import padded_vocab_size
+from parallel.pipeline.partition import resolve_split, stage_layers
+from parallel.pipeline.schedule import build_schedule, default_schedule, max_live_activations
+
+GIB = 2.0**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# The caching allocator's fragmentation and the memory outside it (CUDA context, cuBLAS and NCCL
+# workspaces): a layout fits when peak * (1 + FRAGMENTATION) + RUNTIME_RESERVED_GIB <= device memory.
+# The ZeRO paper (section VI-C) names fragmentation as what makes a run that fits on paper fail;
+# 10% and 1.5 GiB are this project's margins, not a published figure.
+FRAGMENTATION = 0.10
+RUNTIME_RESERVED_GIB = 1.5
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the fullest pipeline rank (``pp_rank``)."""
+
+    model_states: float
+    activations: float
+    buffers: float
+    pp_rank: int
+
+    @property
+    def peak(self) -> float:
+        """What the allocator holds at the peak of a step (comparable to ``torch.cuda.max_memory_allocated``)."""
+        return self.model_states + self.activations + self.buffers
+
+    @property
+    def needed(self) -> float:
+        """Device memory the layout needs, margins included."""
+        return self.peak * (1 + FRAGMENTATION) + RUNTIME_RESERVED_GIB * GIB
+
+    def describe(self) -> str:
+        return (f"{self.peak / GIB:.1f} GiB per GPU (model states {self.model_states / GIB:.1f}, activations "
+                f"{self.activations / GIB:.1f}, buffers {self.buffers / GIB:.1f}; {self.needed / GIB:.1f} GiB "
+                f"with margins)")
+
+
+def block_params(m: ModelConfig) -> tuple[int, int]:
+    """(parameters tensor parallelism splits, parameters every tensor rank holds whole) of one block."""
+    h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_size
+    gates = 2 if m.activation == "swiglu" else 1
+    split = h * (q + 2 * kv) + q * h + h * f * gates + f * h
+    replicated = 2 * norm_params(m)
+    if m.bias:
+        split += (q + 2 * kv) + f * gates   # column-parallel biases split
+        replicated += 2 * h                 # row-parallel biases do not
+    return split, replicated
+
+
+def norm_params(m: ModelConfig) -> int:
+    """A LayerNorm has a bias exactly when the linear layers do; an RMSNorm never."""
+    return 2 * m.hidden_size if m.norm == "layernorm" and m.bias else m.hidden_size
+
+
+def rank_params(cfg: Config, pp_rank: int) -> float:
+    """Parameters held by one tensor rank of pipeline rank ``pp_rank``: its blocks, and the
+    embedding (first virtual stage) and head (last) where they live."""
+    m, p = cfg.model, cfg.parallel
+    split, replicated = block_params(m)
+    layers = rank_layers(cfg, pp_rank)
+    numel = layers * (split / p.tp + replicated)
+    vocab_rows = padded_vocab_size(m.vocab_size, 128 * p.tp) * m.hidden_size / p.tp
+    first, last = pp_rank == 0, pp_rank == p.pp - 1
+    if first:
+        numel += vocab_rows + (m.seq_length * m.hidden_size if m.position_embedding == "learned" else 0)
+    if last:
+        numel += norm_params(m)
+        if not (m.tie_embeddings and first):
+            numel += vocab_rows  # an untied head, or the tied head's copy on another stage than the embedding
+    return numel
+
+
+def rank_layers(cfg: Config, pp_rank: int) -> int:
+    m, p = cfg.model, cfg.parallel
+    split = resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
+    return sum(len(stage_layers(split, p.pp, pp_rank, c)) for c in range(p.virtual_stages))
+
+
+def model_state_bytes(cfg: Config, pp_rank: int) -> float:
+    """The ZeRO formula for this rank's parameters, with megazero's dtypes: 16-bit (or fp32)
+    parameters, fp32 gradients under ``precision.accumulate_fp32``, an fp32 copy of the gradient
+    shard where gradients are 16-bit; master and moments on the host under offload."""
+    p, z, prec = cfg.parallel, cfg.zero, cfg.precision
+    param_bytes = DTYPE_BYTES[prec.dtype]
+    grad_bytes = 4 if prec.accumulate_fp32 else param_bytes
+    states = zero_model_state_bytes(rank_params(cfg, pp_rank), p.dp, z.stage, param_bytes=param_bytes,
+                                    grad_bytes=grad_bytes, full_grads=p.pp > 1 and z.stage >= 2)
+    if z.offload_optimizer:
+        return states.params + states.grads
+    return states.total + (states.master if grad_bytes != 4 else 0.0)
+
+
+def layer_activation_bytes(cfg: Config, recomputed: bool) -> float:
+    """Bytes one block keeps for backward per micro-batch (Korthikanti et al. 2022, section 4).
+
+    Stored tensors, in elements per token and hidden unit: the two norm inputs, the QKV and first MLP
+    linear inputs (4, replicated over tensor ranks unless sequence parallel), then Q, K, V, the
+    attention output, the activation's input and the second MLP linear's input (split over tensor
+    ranks), plus two one-byte dropout masks when dropout is on. Attention runs in a fused kernel
+    (scaled_dot_product_attention), which keeps no s x s scores: Korthikanti's 5as/h term is absent.
+    A recomputed block keeps only its input.
+    """
+    m, p = cfg.model, cfg.parallel
+    e = DTYPE_BYTES[cfg.precision.dtype]
+    sbh = m.seq_length * cfg.train.micro_batch_size * m.hidden_size
+    sp = p.tp if p.sequence_parallel else 1
+    if recomputed:
+        return e * sbh / sp
+    h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_size
+    gates = 2 if m.activation == "swiglu" else 1
+    split = ((q + 2 * kv) + q + f * gates + f) / h
+    masks = 2 if m.dropout > 0 else 0
+    return sbh * ((4 * e + masks) / sp + split * e / p.tp)
+
+
+def activation_bytes(cfg: Config, pp_rank: int) -> float:
+    """Activations on pipeline rank ``pp_rank`` at its fullest: the micro-batches in flight (read
+    from the schedule the executor runs) times each one's blocks, plus the recomputed block being
+    rebuilt, plus the head's final hidden state and logits on the last rank."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    micro = max(1, t.global_batch_size // (t.micro_batch_size * p.dp))
+    schedule = build_schedule(default_schedule(p.pp, p.virtual_stages), p.pp, pp_rank, micro, p.virtual_stages)
+    chunks_live = max_live_activations(schedule)
+    layers_per_chunk = rank_layers(cfg, pp_rank) / p.virtual_stages
+    full = layer_activation_bytes(cfg, recomputed=False)
+    if p.recompute == "full":
+        checkpointed = math.ceil(layers_per_chunk / p.recompute_every)
+        per_chunk = checkpointed * layer_activation_bytes(cfg, True) + (layers_per_chunk - checkpointed) * full
+        total = chunks_live * per_chunk + full  # one block rebuilt at a time during backward
+    else:
+        total = chunks_live * layers_per_chunk * full
+    if pp_rank == p.pp - 1:
+        e = DTYPE_BYTES[cfg.precision.dtype]
+        tokens = m.seq_length * t.micro_batch_size
+        total += 2 * e * tokens * m.hidden_size + e * tokens * padded_vocab_size(m.vocab_size, 128 * p.tp) / p.tp
+    return total
+
+
+def buffer_bytes(cfg: Config, pp_rank: int) -> float:
+    """Communication buffers: two gradient buckets (one reducing while the next fills); under stage
+    3 also the gathered 16-bit parameters of the blocks in use and prefetched."""
+    z, p = cfg.zero, cfg.parallel
+    grads = rank_params(cfg, pp_rank) * (4 if cfg.precision.accumulate_fp32 else DTYPE_BYTES[cfg.precision.dtype])
+    buffers = min(2 * z.bucket_size_mb * 2**20, grads) if p.dp > 1 else 0.0
+    if z.stage == 3 and p.dp > 1:
+        split, replicated = block_params(cfg.model)
+        buffers += (z.prefetch_depth + 1) * (split / p.tp + replicated) * DTYPE_BYTES[cfg.precision.dtype]
+    return buffers
+
+
+def estimate_memory(cfg: Config) -> MemoryEstimate:
+    """The fuller of the first and last pipeline ranks, for a config whose layout (tp, pp, dp) is set."""
+    estimates = []
+    for rank in sorted({0, cfg.parallel.pp - 1}):
+        estimates.append(MemoryEstimate(model_state_bytes(cfg, rank), activation_bytes(cfg, rank),
+                                        buffer_bytes(cfg, rank), rank))
+    return max(estimates, key=lambda e: e.peak)
+
+
+def max_model_params(device_bytes: float, dp: int, stage: int, mp: int = 1) -> float:
+    """Largest parameter count whose model states fit ``device_bytes`` per GPU with ``mp``-way model
+    parallelism and ``dp``-way ZeRO (fp16 parameters and gradients, K = 12): the ZeRO paper's Table 2."""
+    per_param = zero_model_state_bytes(1.0, dp, stage).total
+    return mp * device_bytes / per_param

@@ -1,0 +1,130 @@
+"""Enumerate the layouts a config could run with on a cluster, keep those the trainer's own
+validation accepts, and rank them by predicted speed among those that fit in memory."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from megazero.config.schema import Config
+from megazero.config.validate import CHOICES, validate_config
+from megazero.errors import ConfigError
+from megazero.planner.hardware import GIB, Cluster
+from megazero.planner.memory import MemoryEstimate, estimate_memory
+from megazero.planner.time import StepEstimate, estimate_step
+
+VIRTUAL_STAGES = (1, 2)
+MAX_MICRO_BATCH = 32
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The knobs the planner turns; everything else comes from the config unchanged."""
+
+    tp: int
+    pp: int
+    dp: int
+    virtual_stages: int
+    zero_stage: int
+    micro_batch_size: int
+    recompute: str
+    sequence_parallel: bool
+
+    def overrides(self) -> list[str]:
+        """The ``megazero train`` flags that select this layout (dp follows from the world size)."""
+        return ["--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp),
+                "--parallel.virtual_stages", str(self.virtual_stages), "--zero.stage", str(self.zero_stage),
+                "--train.micro_batch_size", str(self.micro_batch_size), "--parallel.recompute", self.recompute,
+                "--parallel.sequence_parallel", str(self.sequence_parallel).lower()]
+
+    def changes_from(self, other: "Layout") -> list[str]:
+        """The flags of this layout whose values differ from ``other``'s."""
+        mine, theirs = self.overrides(), other.overrides()
+        return [f"{mine[i]} {mine[i + 1]}" for i in range(0, len(mine), 2) if mine[i + 1] != theirs[i + 1]]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    step: StepEstimate
+    fits: bool
+
+
+def layout_of(cfg: Config) -> Layout:
+    p = cfg.parallel
+    return Layout(p.tp, p.pp, p.dp, p.virtual_stages, cfg.zero.stage, cfg.train.micro_batch_size, p.recompute,
+                  p.sequence_parallel)
+
+
+def apply_layout(cfg: Config, layout: Layout) -> Config:
+    parallel = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp,
+                                   virtual_stages=layout.virtual_stages, recompute=layout.recompute,
+                                   sequence_parallel=layout.sequence_parallel)
+    return dataclasses.replace(cfg, parallel=parallel, zero=dataclasses.replace(cfg.zero, stage=layout.zero_stage),
+                               train=dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch_size))
+
+
+def evaluate(cfg: Config, cluster: Cluster) -> Candidate:
+    """Memory and step time of ``cfg``'s own layout (``parallel.dp`` set) on ``cluster``."""
+    memory = estimate_memory(cfg)
+    return Candidate(layout_of(cfg), memory, estimate_step(cfg, cluster),
+                     memory.needed <= cluster.gpu.memory_gib * GIB)
+
+
+def is_valid(cfg: Config, cluster: Cluster) -> bool:
+    """The trainer's own verdict on the layout for this world (every rule of config validation)."""
+    try:
+        validate_config(cfg, cluster.num_gpus, cluster.gpus_per_node)
+    except ConfigError:
+        return False
+    return True
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
+
+
+def candidate_layouts(cfg: Config, cluster: Cluster) -> Iterator[Layout]:
+    """Every combination worth asking validation about: tp a power of two within a node, pp any
+    divisor of the rest, one or two virtual stages, every ZeRO stage, power-of-two micro-batches,
+    every recompute mode, sequence parallelism on and off (the config's own values always included)."""
+    n, own = cluster.num_gpus, cfg.parallel
+    tps = sorted(set(_powers_of_two(cluster.gpus_per_node)) | {own.tp})
+    for tp in tps:
+        if n % tp:
+            continue
+        for pp in (k for k in range(1, min(n // tp, cfg.model.num_layers) + 1) if (n // tp) % k == 0):
+            dp = n // (tp * pp)
+            per_replica = cfg.train.global_batch_size // dp
+            mbs_choices = sorted(set(_powers_of_two(min(per_replica, MAX_MICRO_BATCH))) | {cfg.train.micro_batch_size})
+            for v in sorted(set(VIRTUAL_STAGES) | {own.virtual_stages}):
+                for stage in CHOICES["zero.stage"]:
+                    for mbs in mbs_choices:
+                        for recompute in CHOICES["parallel.recompute"]:
+                            for sp in (False, True) if tp > 1 else (False,):
+                                yield Layout(tp, pp, dp, v, stage, mbs, recompute, sp)
+
+
+def plan(cfg: Config, cluster: Cluster) -> list[Candidate]:
+    """Valid layouts: those that fit first, fastest first, then the rest by memory needed."""
+    found = []
+    for layout in candidate_layouts(cfg, cluster):
+        candidate_cfg = apply_layout(cfg, layout)
+        if is_valid(candidate_cfg, cluster):
+            found.append(evaluate(candidate_cfg, cluster))
+    own = layout_of(cfg)
+    # Among equally fast layouts, the one closest to the config's own: no knob moves for nothing.
+    return sorted(found, key=lambda c: (not c.fits, c.step.step_s if c.fits else 0.0,
+                                        len(c.layout.changes_from(own)), c.memory.needed))
+
+
+def nearest_fitting(cfg: Config, cluster: Cluster) -> Optional[Candidate]:
+    """The fitting layout that changes fewest of ``cfg``'s knobs; among equals the fastest, then the
+    one that uses the most of the memory (the smallest step back from what was asked)."""
+    own = layout_of(cfg)
+    fitting = [c for c in plan(cfg, cluster) if c.fits]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda c: (len(c.layout.changes_from(own)), c.step.step_s, -c.memory.needed))

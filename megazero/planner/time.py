@@ -1,0 +1,130 @@
+"""Step time of a layout: compute at the GPU's calibrated rate, the communication it cannot hide,
+the pipeline bubble, and the optimizer step. Every term is written out in docs/planner.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megazero.config.schema import Config
+from megazero.flops import flops_per_token
+from megazero.planner.hardware import Cluster
+from megazero.planner.memory import DTYPE_BYTES, rank_layers, rank_params
+from parallel.pipeline.schedule import bubble_fraction
+
+# The optimizer step streams each shard element's gradient, fp32 master and two moments through
+# device memory and writes the 16-bit parameter back; like the links, HBM delivers about 80% of its
+# datasheet bandwidth to such streaming kernels.
+HBM_EFFICIENCY = 0.8
+ADAM_BYTES_PER_ELEMENT = 8 + 16  # master read + write, two moments read + write (fp32)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    step_s: float
+    compute_s: float        # the slowest pipeline rank's own forward/backward work, communication aside
+    tp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    dp_comm_s: float        # the part of the data-parallel traffic that compute does not hide
+    optimizer_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float   # hardware FLOPs (recomputation included), as Megatron and MT-NLG report
+    mfu: float              # model FLOPs (no recomputation) over the dense peak
+
+
+def micro_batches(cfg: Config) -> int:
+    t = cfg.train
+    return max(1, t.global_batch_size // (t.micro_batch_size * cfg.parallel.dp))
+
+
+def _group_within_node(stride: int, size: int, cluster: Cluster) -> bool:
+    """A group of ``size`` ranks ``stride`` apart stays on one node when it spans no more than one."""
+    return size == 1 or stride * size <= cluster.gpus_per_node
+
+
+def _strides(cfg: Config) -> tuple[int, int]:
+    """(data-parallel stride, pipeline stride) in ranks, from ``parallel.order`` (fastest axis first)."""
+    p = cfg.parallel
+    return (p.tp, p.tp * p.dp) if p.order == "tp-dp-pp" else (p.tp * p.pp, p.tp)
+
+
+def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
+    m, p, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
+    gpu = cluster.gpu
+    micro = micro_batches(cfg)
+    tokens_mb = m.seq_length * t.micro_batch_size
+    e = DTYPE_BYTES[cfg.precision.dtype]
+    hardware = flops_per_token(m, p.recompute, p.recompute_every)
+    head = 6 * m.hidden_size * m.vocab_size
+    per_layer = (hardware - head) / m.num_layers
+    recomputed_share = 1.0 if p.recompute == "full" else 0.0
+    dp_stride, pp_stride = _strides(cfg)
+
+    # Tensor parallelism: per block, two all-reduces (or all-gather + reduce-scatter pairs under
+    # sequence parallelism, the same bytes) forward, two backward, two more in a recomputed forward.
+    tp_per_layer = 0.0
+    if p.tp > 1:
+        bw = cluster.link_bytes_per_s(_group_within_node(1, p.tp, cluster))
+        allreduce = 2 * (p.tp - 1) / p.tp * e * tokens_mb * m.hidden_size / bw
+        tp_per_layer = (4 + 2 * recomputed_share) * allreduce
+
+    # Pipeline parallelism: each micro-batch's activation forward and its gradient back, per chunk.
+    pp_per_mb = 0.0
+    if p.pp > 1:
+        bw = cluster.link_bytes_per_s(_group_within_node(pp_stride, p.pp, cluster))
+        sent = e * tokens_mb * m.hidden_size / (p.tp if p.sequence_parallel else 1)
+        pp_per_mb = 2 * p.virtual_stages * sent / bw
+
+    slowest = (0.0, 0.0, 0)
+    for rank in range(p.pp):
+        flops = tokens_mb * (rank_layers(cfg, rank) * per_layer + (head if rank == p.pp - 1 else 0.0)) / p.tp
+        compute, tp_comm = flops / gpu.flops, rank_layers(cfg, rank) * tp_per_layer
+        if compute + tp_comm > slowest[0] + slowest[1]:
+            slowest = (compute, tp_comm, rank)
+    compute_mb, tp_mb, rank = slowest
+    stage_mb = compute_mb + tp_mb + pp_per_mb
+    bubble = bubble_fraction(p.pp, micro, p.virtual_stages) * micro * stage_mb
+
+    dp_exposed = _data_parallel_exposed(cfg, cluster, rank_params(cfg, rank), compute_mb, micro, dp_stride)
+    shard = rank_params(cfg, rank) / (p.dp if z.stage >= 1 else 1)
+    grad_bytes = 4 if cfg.precision.accumulate_fp32 else e
+    optimizer = shard * (ADAM_BYTES_PER_ELEMENT + grad_bytes + e) / (gpu.hbm_GBps * 1e9 * HBM_EFFICIENCY)
+
+    step = micro * stage_mb + bubble + dp_exposed + optimizer
+    tokens = t.global_batch_size * m.seq_length
+    return StepEstimate(
+        step_s=step, compute_s=micro * compute_mb, tp_comm_s=micro * tp_mb, pp_comm_s=micro * pp_per_mb,
+        bubble_s=bubble, dp_comm_s=dp_exposed, optimizer_s=optimizer, tokens_per_s=tokens / step,
+        tflops_per_gpu=hardware * tokens / step / cluster.num_gpus / 1e12,
+        mfu=flops_per_token(m) * tokens / step / cluster.num_gpus / (gpu.peak_tflops * 1e12))
+
+
+def _data_parallel_exposed(cfg: Config, cluster: Cluster, numel: float, compute_mb: float, micro: int,
+                           stride: int) -> float:
+    """Seconds of ZeRO traffic left after overlap with compute. Stages 0-1 (and 2-3 under a pipeline,
+    once per step) reduce gradients during the last micro-batch's backward; stages 1-2 gather the
+    updated parameters during the next forward; stage 2 without a pipeline reduce-scatters every
+    micro-batch's gradients during its backward; stage 3 also gathers each block's parameters for
+    every forward and backward, prefetched behind the compute. Interleaving reduces after the last
+    backward, with nothing left to hide behind."""
+    p, z, prec = cfg.parallel, cfg.zero, cfg.precision
+    d = p.dp
+    if d == 1:
+        return 0.0
+    bw = cluster.link_bytes_per_s(_group_within_node(stride, d, cluster))
+    e = DTYPE_BYTES[prec.dtype]
+    g = 4 if prec.accumulate_fp32 else e
+    reduce_scatter = (d - 1) / d * numel * g / bw
+    gather = (d - 1) / d * numel * e / bw
+    overlap = z.overlap_comm and p.virtual_stages == 1
+    backward = 2 / 3 * compute_mb if overlap else 0.0
+    forward = 1 / 3 * compute_mb if z.overlap_comm else 0.0
+    once_per_step = z.stage < 2 or p.pp > 1
+    if z.stage == 0:
+        return max(0.0, 2 * reduce_scatter - backward)
+    if z.stage == 3:
+        per_mb = 2 * gather + (0.0 if once_per_step else reduce_scatter)
+        tail = reduce_scatter if once_per_step else 0.0
+        return micro * max(0.0, per_mb - compute_mb * z.overlap_comm) + max(0.0, tail - backward)
+    reduce = max(0.0, reduce_scatter - backward) * (1 if once_per_step else micro)
+    return reduce + max(0.0, gather - forward)

@@ -1,0 +1,238 @@
+"""The planner against the papers it rests on and against the trainer it plans for.
+
+ZeRO paper (Rajbhandari et al. 2020) Tables 1 and 2 exactly as printed; MT-NLG 530B's published
+throughput (Smith et al. 2022, section 2) within 15%; the 1.3B runs of BENCHMARKS.md within 10% in
+memory; parameter counts equal to the model's own; every ranked layout one the trainer accepts; and
+the start-up refusal of a run that cannot fit, on CPU with a stated budget.
+"""
+
+import dataclasses
+import json
+import math
+from decimal import ROUND_HALF_UP, Decimal
+
+import pytest
+
+from megazero.cli import main
+from megazero.config import load_config, resolve_config, validate_config
+from megazero.planner import GPUS, Cluster, estimate_memory, estimate_step, evaluate, max_model_params, plan
+from megazero.planner.memory import GIB, layer_activation_bytes, rank_params
+from megazero.planner.search import apply_layout, layout_of
+from models.config import ModelConfig
+from models.gpt import GPT
+from parallel.pipeline.partition import stage_layers, uniform_split
+from tests.test_trainer import VOCAB, write_arithmetic_shard
+
+from megazero.optim.memory import zero_model_state_bytes
+
+
+def paper_round(x: float) -> str:
+    """How the ZeRO paper prints GB: integers (truncated) from 100, one decimal from 10, two below."""
+    if x >= 100:
+        return str(math.floor(x))
+    places = Decimal("0.1") if x >= 10 else Decimal("0.01")
+    return format(Decimal(repr(x)).quantize(places, rounding=ROUND_HALF_UP).normalize(), "f")
+
+
+# Table 1: per-device model-state memory (GB) for stages 1/2/3 (P_os, P_os+g, P_os+g+p).
+TABLE1 = {
+    7.5e9: {1: ("120", "120", "120"), 4: ("52.5", "41.3", "30"), 16: ("35.6", "21.6", "7.5"),
+            64: ("31.4", "16.6", "1.88"), 256: ("30.4", "15.4", "0.47"), 1024: ("30.1", "15.1", "0.12")},
+    128e9: {1: ("2048", "2048", "2048"), 4: ("896", "704", "512"), 16: ("608", "368", "128"),
+            64: ("536", "284", "32"), 256: ("518", "263", "8"), 1024: ("513", "257", "2")},
+    1e12: {1: ("16000", "16000", "16000"), 4: ("7000", "5500", "4000"), 16: ("4750", "2875", "1000"),
+           64: ("4187", "2218", "250"), 256: ("4046", "2054", "62.5"), 1024: ("4011", "2013", "15.6")},
+}
+
+
+@pytest.mark.parametrize("psi", sorted(TABLE1))
+def test_zero_paper_table1(psi):
+    for dp, row in TABLE1[psi].items():
+        got = tuple(paper_round(zero_model_state_bytes(psi, dp, stage).total / 1e9) for stage in (1, 2, 3))
+        assert got == row, (psi, dp)
+
+
+# Table 2: largest model (billions) on 32 GB V100s with MP-way model parallelism and 64-way DP.
+TABLE2 = {1: (64, 7.6, 14.4, 128), 2: (128, 15.2, 28.8, 256), 4: (256, 30.4, 57.6, 512),
+          8: (512, 60.8, 115.2, 1024), 16: (1024, 121.6, 230.4, 2048)}
+
+
+@pytest.mark.parametrize("mp", sorted(TABLE2))
+def test_zero_paper_table2(mp):
+    """The paper prints MP times its rounded one-way figure (15.2B is 2 x 7.6B, not 15.28B) and the
+    last column in its own T (0.5T, 1T, 2T for 512B, 1024B, 2048B)."""
+    gpus, *paper = TABLE2[mp]
+    dp = gpus // mp
+    assert dp == 64
+    for stage, printed in zip((1, 2, 3), paper):
+        exact = max_model_params(32e9, dp, stage, mp) / 1e9
+        one_way = max_model_params(32e9, dp, stage, 1) / 1e9
+        assert mp * round(one_way, 1) == pytest.approx(printed), (mp, stage)
+        assert abs(exact - printed) <= 0.05 * mp + 1e-9, (mp, stage, exact)
+
+
+def mtnlg(nodes: int):
+    """MT-NLG 530B as trained: tp 8 x pp 35 on DGX A100 nodes, at the full batch of 1920 (the published
+    throughput was measured there, after the ramp-up)."""
+    cfg = load_config("configs/mtnlg_530b.yaml", ["--schedule.rampup_start_batch", "null",
+                                                  "--train.train_steps", "1000"])
+    return resolve_config(cfg, nodes * 8, 8), Cluster(GPUS["a100-80gb"], nodes * 8, 8)
+
+
+@pytest.mark.parametrize("nodes, seconds, tflops", [(280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113)])
+def test_mtnlg_530b_throughput_within_15_percent(nodes, seconds, tflops):
+    cfg, cluster = mtnlg(nodes)
+    step = estimate_step(cfg, cluster)
+    assert step.step_s == pytest.approx(seconds, rel=0.15)
+    assert step.tflops_per_gpu == pytest.approx(tflops, rel=0.15)
+    assert estimate_memory(cfg).needed < 80 * GIB
+
+
+def test_mtnlg_scaling_follows_the_published_trend():
+    """More nodes, a shorter step but fewer TFLOP/s per GPU: the bubble (pp-1)/m grows as dp takes
+    micro-batches away from each pipeline."""
+    steps = [estimate_step(*mtnlg(nodes)) for nodes in (280, 350, 420)]
+    assert steps[0].step_s > steps[1].step_s > steps[2].step_s
+    assert steps[0].tflops_per_gpu > steps[1].tflops_per_gpu > steps[2].tflops_per_gpu
+    assert steps[2].bubble_s / steps[2].step_s > steps[0].bubble_s / steps[0].step_s
+
+
+# BENCHMARKS.md, "ZeRO after the sync-free step" (2 x H200, GPT 1.3B, micro-batch 8, one per step):
+# peak GiB measured by torch.cuda.max_memory_allocated, per ZeRO stage.
+MEASURED_PEAK_GIB = {0: 48.0, 1: 40.7, 2: 39.0, 3: 38.0}
+
+
+@pytest.mark.parametrize("stage", sorted(MEASURED_PEAK_GIB))
+def test_gpt_1_3b_memory_within_10_percent_of_measured(stage):
+    cfg = load_config("configs/gpt_1.3b.yaml", ["--zero.stage", str(stage), "--train.global_batch_size", "16"])
+    estimate = estimate_memory(resolve_config(cfg, 2, 2))
+    assert estimate.peak / GIB == pytest.approx(MEASURED_PEAK_GIB[stage], rel=0.10)
+
+
+def small_model(**changes) -> ModelConfig:
+    return dataclasses.replace(ModelConfig(num_layers=4, hidden_size=64, num_heads=4, vocab_size=500, seq_length=32),
+                               **changes)
+
+
+@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": False}, {"bias": False, "norm": "rmsnorm"},
+                                     {"activation": "swiglu", "num_kv_heads": 2, "position_embedding": "rope"}])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_parameter_count_is_the_models_own(changes, pp):
+    model = small_model(**changes)
+    cfg = load_config(None, ["--parallel.pp", str(pp), "--train.device", "cpu"])
+    cfg = resolve_config(dataclasses.replace(cfg, model=model), pp)
+    split = uniform_split(model.num_layers, pp)
+    for rank in range(pp):
+        stage = GPT(model, layers=stage_layers(split, pp, rank), has_embedding=rank == 0, has_head=rank == pp - 1,
+                    device="meta")
+        assert rank_params(cfg, rank) == sum(p.numel() for p in stage.parameters()), (changes, rank)
+
+
+def test_activations_follow_korthikanti():
+    """Per block, bytes = s*b*h * (34 - 5as/h dropped: fused attention) with tensor parallelism
+    sbh(10 + 24/t), with sequence parallelism sbh*34/t, under full recompute 2sbh(/t)."""
+    cfg = load_config(None, ["--model.num_layers", "4", "--model.hidden_size", "256", "--model.num_heads", "8",
+                             "--model.seq_length", "128", "--model.dropout", "0.1", "--precision.dtype", "bf16",
+                             "--train.micro_batch_size", "2"])
+    sbh = 128 * 2 * 256
+    for tp, sp, expected in [(1, False, 34), (4, False, 10 + 24 / 4), (4, True, 34 / 4)]:
+        layout = dataclasses.replace(cfg.parallel, tp=tp, sequence_parallel=sp)
+        assert layer_activation_bytes(dataclasses.replace(cfg, parallel=layout), False) == pytest.approx(sbh * expected)
+        assert layer_activation_bytes(dataclasses.replace(cfg, parallel=layout), True) == pytest.approx(
+            2 * sbh / (tp if sp else 1))
+
+
+def test_plan_ranks_only_layouts_the_trainer_accepts():
+    """12 heads: no tp 8; 24 layers: no pp 5; each returned layout passes validation for the world."""
+    cfg = load_config("configs/gpt_1.3b.yaml", ["--model.num_heads", "12", "--model.hidden_size", "1536",
+                                                 "--train.global_batch_size", "64"])
+    cluster = Cluster(GPUS["h100"], 16, 8)
+    ranked = plan(cfg, cluster)
+    assert ranked and ranked[0].fits
+    assert {c.layout.tp for c in ranked} == {1, 2, 4}
+    assert all(24 % (c.layout.pp * c.layout.virtual_stages) == 0 for c in ranked)
+    fitting = [c.step.step_s for c in ranked if c.fits]
+    assert fitting == sorted(fitting)
+    for candidate in ranked[:: max(1, len(ranked) // 40)]:
+        validate_config(apply_layout(cfg, candidate.layout), 16, 8)
+
+
+def test_plan_json(capsys):
+    code = main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "4", "--gpus-per-node", "4", "--gpu", "h100",
+                 "--top", "3", "--json", "--train.global_batch_size", "64"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpus"] == 4 and out["gpu"]["memory_gib"] == 80.0 and len(out["layouts"]) == 3
+    best = out["layouts"][0]
+    assert best["fits"] and best["tp"] * best["pp"] * best["dp"] == 4
+    assert [r["step_s"] for r in out["layouts"]] == sorted(r["step_s"] for r in out["layouts"])
+    # what the table predicts for a layout is what evaluating that layout predicts
+    cfg = load_config("configs/gpt_1.3b.yaml", ["--train.global_batch_size", "64", *best["overrides"].split()])
+    again = evaluate(resolve_config(cfg, 4, 4), Cluster(GPUS["h100"], 4, 4))
+    assert again.step.tokens_per_s == pytest.approx(best["tokens_per_s"], abs=1)
+    assert again.memory.peak / GIB == pytest.approx(best["memory_gib"], abs=0.01)
+
+
+def test_plan_says_when_nothing_fits(capsys):
+    code = main(["plan", "configs/mtnlg_530b.yaml", "--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "40",
+                 "--train.train_steps", "10", "--top", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "0 fit" in out and "none fits" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpus", "12", "--gpus-per-node", "8"], ["--gpus 12", "--gpus-per-node 8"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "0"], ["--peak-tflops"]),
+])
+def test_plan_bad_input_is_one_line(argv, words, capsys):
+    code = main(["plan", "configs/gpt_1.3b.yaml", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    return write_arithmetic_shard(str(tmp_path_factory.mktemp("planner") / "arith_text_document"), 50)
+
+
+def big_run(shard, run_dir, *extra):
+    """A 100M-parameter fp32 model at micro-batch 8 on one CPU rank: about 6 GiB on paper, never built."""
+    return ["train", "--model.num_layers", "8", "--model.hidden_size", "1024", "--model.num_heads", "8",
+            "--model.vocab_size", str(VOCAB), "--model.seq_length", "1024", "--train.micro_batch_size", "8",
+            "--train.global_batch_size", "16", "--train.train_steps", "1", "--train.device", "cpu",
+            "--data.blend", f"[[1.0, {shard}]]", "--data.split", "1", "--logging.run_dir", run_dir, *extra]
+
+
+def test_startup_refuses_a_run_that_cannot_fit(shard, tmp_path, capsys):
+    run_dir = str(tmp_path / "run")
+    code = main(big_run(shard, run_dir, "--train.memory_budget_gib", "5"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    line = err[0]
+    assert "memory:" in line and "5.0 GiB is available (train.memory_budget_gib)" in line, line
+    assert "nearest layout that fits: --" in line, line
+    fix = line.split("nearest layout that fits: ")[1].split(" (")[0].split()
+    assert not (tmp_path / "run").exists(), "a refused run touches nothing"
+    # the named layout passes the same check, and rank 0 prints the estimate once
+    code = main(big_run(shard, run_dir, "--train.memory_budget_gib", "5", *fix, "--check"))
+    out = capsys.readouterr().out
+    assert code == 0 and "config ok" in out, out
+    assert out.count("planner memory estimate") == 1 and "of 5.0 GiB (train.memory_budget_gib)" in out, out
+
+
+def test_startup_without_a_budget_on_cpu_checks_nothing(shard, tmp_path, capsys):
+    code = main(big_run(shard, str(tmp_path / "run"), "--check"))
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "planner memory estimate" in x)
+    assert code == 0 and " of " not in line, out
+
+
+def test_startup_budget_must_be_positive(shard, tmp_path, capsys):
+    code = main(big_run(shard, str(tmp_path / "run"), "--train.memory_budget_gib", "0", "--check"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "train.memory_budget_gib: must be positive" in err[0], err
+
+
+def test_own_layout_round_trips():
+    cfg = resolve_config(load_config("configs/demo.yaml"), 8, 8)
+    assert apply_layout(cfg, layout_of(cfg)) == cfg
