@@ -114,7 +114,7 @@ def small_model(**changes) -> ModelConfig:
                                **changes)
 
 
-@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": False}, {"bias": False, "norm": "rmsnorm"},
+@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": False}, {"bias": False, "norm": "rmsnorm"}, {"norm": "rmsnorm"},
                                      {"activation": "swiglu", "num_kv_heads": 2, "position_embedding": "rope"}])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_parameter_count_is_the_models_own(changes, pp):
@@ -140,6 +140,34 @@ def test_activations_follow_korthikanti():
         assert layer_activation_bytes(dataclasses.replace(cfg, parallel=layout), False) == pytest.approx(sbh * expected)
         assert layer_activation_bytes(dataclasses.replace(cfg, parallel=layout), True) == pytest.approx(
             2 * sbh / (tp if sp else 1))
+    fp32 = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, dtype="fp32"))
+    assert layer_activation_bytes(fp32, False) == pytest.approx(sbh * (2 * 32 + 2))  # 4-byte elements, 1-byte masks
+
+
+def test_stage3_buffers_hold_the_gathered_blocks():
+    """Stage 3 adds the 16-bit parameters of the block in use and those prefetched to the buckets."""
+    from megazero.planner.memory import block_params, buffer_bytes
+
+    cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", ["--zero.prefetch_depth", "2"]), 2, 2)
+    split, replicated = block_params(cfg.model)
+    stage3 = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=3))
+    assert buffer_bytes(stage3, 0) - buffer_bytes(cfg, 0) == pytest.approx(3 * (split + replicated) * 2)
+
+
+def test_pipeline_ranks_hold_the_micro_batches_1f1b_keeps_in_flight():
+    """1F1B: rank r holds pp - r micro-batches' activations (Narayanan et al. 2021); the last rank
+    adds its head's hidden states and logits."""
+    from megazero.planner.memory import activation_bytes
+
+    cfg = load_config(None, ["--model.num_layers", "8", "--model.hidden_size", "64", "--model.vocab_size", "256",
+                             "--model.seq_length", "32", "--parallel.pp", "4", "--train.micro_batch_size", "2",
+                             "--train.global_batch_size", "16"])
+    cfg = resolve_config(cfg, 4)
+    block = layer_activation_bytes(cfg, False)
+    assert activation_bytes(cfg, 0) == pytest.approx(4 * 2 * block)
+    assert activation_bytes(cfg, 1) == pytest.approx(3 * 2 * block)
+    head = 2 * 4 * 32 * 2 * 64 + 4 * 32 * 2 * 256
+    assert activation_bytes(cfg, 3) == pytest.approx(1 * 2 * block + head)
 
 
 def test_plan_ranks_only_layouts_the_trainer_accepts():
