@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from megazero.config.schema import Config
 from megazero.optim.memory import zero_model_state_bytes
+from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
 from parallel.pipeline.partition import resolve_split, stage_layers
 from parallel.pipeline.schedule import build_schedule, default_schedule, max_live_activations
 
-GIB = 2.0**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # The caching allocator's fragmentation and the memory outside it (CUDA context, cuBLAS and NCCL

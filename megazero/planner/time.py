@@ -125,6 +125,6 @@ def _data_parallel_exposed(cfg: Config, cluster: Cluster, numel: float, compute_
     if z.stage == 3:
         per_mb = 2 * gather + (0.0 if once_per_step else reduce_scatter)
         tail = reduce_scatter if once_per_step else 0.0
-        return micro * max(0.0, per_mb - compute_mb * z.overlap_comm) + max(0.0, tail - backward)
+        return micro * max(0.0, per_mb - (compute_mb if z.overlap_comm else 0.0)) + max(0.0, tail - backward)
     reduce = max(0.0, reduce_scatter - backward) * (1 if once_per_step else micro)
     return reduce + max(0.0, gather - forward)
