@@ -1,0 +1,212 @@
+"""Megatron-LM's legacy ``torch`` checkpoints as a conversion source.
+
+Layout: ``ROOT/latest_checkpointed_iteration.txt`` and ``ROOT/iter_NNNNNNN/mp_rank_TT[_PPP]/
+model_optim_rng.pt``, one file per tensor rank ``TT`` and pipeline rank ``PPP`` (no ``_PPP`` when
+there is one stage), each a pickle holding ``args`` (an ``argparse.Namespace``) and ``model``
+(megatron-core ``GPTModel`` state dict of that rank's stage, layers numbered from 0 in each stage).
+
+Loading runs no code from the file: ``torch.load(weights_only=True)`` with ``argparse.Namespace``
+allowed, and every other class the pickle names (Megatron's enums in ``args``, say) replaced by an
+inert stand-in that only records its arguments. Files are memory-mapped, so a tensor's bytes are
+read when it is converted.
+
+Layouts that match ours: megatron-core's fused ``linear_qkv`` rows are grouped by query group
+(the group's query heads, then its key, then its value), as ours, and split over tp at group
+boundaries, so the tp slices concatenate into our tensor. Its SwiGLU ``linear_fc1`` holds, per tp
+rank, that rank's gate rows then its up rows; ours interleaves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+
+from megazero.convert.hf_models import LAYER, refuse
+from megazero.convert.sources import logical_shapes, unpadded
+from megazero.errors import UserError
+from models.config import ModelConfig
+
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+FILE = "model_optim_rng.pt"
+
+
+class _Inert:
+    """Stands in for a class a Megatron pickle names (outside the model weights): keeps its arguments."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def safe_load(path: Path) -> dict:
+    """``torch.load`` that cannot run code: see the module docstring."""
+    from torch.serialization import get_unsafe_globals_in_checkpoint, safe_globals
+
+    try:
+        names = get_unsafe_globals_in_checkpoint(str(path))
+        allowed = [argparse.Namespace if n == "argparse.Namespace" else (_Inert, n) for n in names]
+        with safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a damaged or foreign file
+        raise UserError(f"{path}: cannot be read as a Megatron checkpoint ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); the file is truncated or damaged") from None
+
+
+def iteration_dir(path: Path) -> Path:
+    if path.name.startswith("iter_"):
+        return path
+    tracker = path / "latest_checkpointed_iteration.txt"
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text.isdigit():
+            return path / f"iter_{int(text):07d}"
+        if text == "release":
+            return path / "release"
+    found = sorted(path.glob("iter_*"))
+    if not found:
+        raise UserError(f"{path}: holds no iter_* directory; check SRC")
+    return found[-1]
+
+
+class MegatronSource:
+    kind = "megatron"
+
+    def __init__(self, path):
+        self.dir = iteration_dir(Path(path))
+        files = {}
+        for sub in self.dir.iterdir() if self.dir.is_dir() else ():
+            match = RANK_DIR.match(sub.name)
+            if match:
+                files[(int(match.group(1)), int(match.group(2) or 0))] = sub / FILE
+        if not files:
+            raise UserError(f"{self.dir}: holds no mp_rank_* directories; check SRC")
+        self.tp = 1 + max(t for t, _ in files)
+        self.pp = 1 + max(p for _, p in files)
+        for t in range(self.tp):
+            for p in range(self.pp):
+                if not files.get((t, p), Path("/nonexistent")).is_file():
+                    raise UserError(f"{self.dir / rank_dir(t, p, self.pp) / FILE}: missing (tp rank {t}, pipeline rank "
+                                    f"{p} of {self.tp} x {self.pp}); restore it")
+        self.files, self._loaded = files, {}
+        first = self._state(0, 0)
+        if "model" not in first:
+            keys = ", ".join(k for k in first if k.startswith("model"))
+            raise UserError(f"{files[(0, 0)]}: holds {keys or 'no model'} (a virtual-pipeline checkpoint has model0, "
+                            "model1, ...); only one model chunk per rank can be imported")
+        self.args = first.get("args")
+        if not isinstance(self.args, argparse.Namespace):
+            raise UserError(f"{files[(0, 0)]}: records no Megatron args; cannot tell its architecture")
+        self.cfg = model_config(self.args, str(files[(0, 0)]))
+        self.offsets = self._layer_offsets()
+        self.names = list(logical_shapes(self.cfg))
+
+    def _state(self, t: int, p: int) -> dict:
+        if (t, p) not in self._loaded:
+            self._loaded[(t, p)] = safe_load(self.files[(t, p)])
+        return self._loaded[(t, p)]
+
+    def _model(self, t: int, p: int) -> dict:
+        return self._state(t, p)["model"]
+
+    def _layer_offsets(self) -> list[int]:
+        """The global index of each stage's layer 0: the layers of the stages before it."""
+        offsets, total = [], 0
+        for p in range(self.pp):
+            offsets.append(total)
+            total += len({int(m.group(1)) for k in self._model(0, p) if (m := re.match(r"decoder\.layers\.(\d+)\.", k))})
+        if total != self.cfg.num_layers:
+            raise UserError(f"{self.dir}: its stages hold {total} layers but args.num_layers is {self.cfg.num_layers}; "
+                            "the checkpoint is incomplete")
+        return offsets
+
+    def _pieces(self, p: int, key: str) -> list[torch.Tensor]:
+        pieces = []
+        for t in range(self.tp):
+            model = self._model(t, p)
+            if key not in model:
+                raise UserError(f"{self.files[(t, p)]}: has no {key!r}, which args imply; the checkpoint does not "
+                                "match its args")
+            pieces.append(model[key].float())
+        return pieces
+
+    def _layer(self, index: int) -> tuple[int, int]:
+        p = max(s for s in range(self.pp) if self.offsets[s] <= index)
+        return p, index - self.offsets[p]
+
+    def read(self, name: str) -> torch.Tensor:
+        return unpadded(name, self._read(name), self.cfg)
+
+    def _read(self, name: str) -> torch.Tensor:
+        module, leaf = name.rsplit(".", 1)
+        if module == "embedding.tokens":
+            return torch.cat(self._pieces(0, "embedding.word_embeddings.weight"))
+        if module == "embedding.positions":
+            return self._pieces(0, "embedding.position_embeddings.weight")[0]
+        if module == "final_norm":
+            return self._pieces(self.pp - 1, f"decoder.final_layernorm.{leaf}")[0]
+        if module == "lm_head":
+            return torch.cat(self._pieces(self.pp - 1, "output_layer.weight"))
+        layer = LAYER.match(module)
+        p, local = self._layer(int(layer.group(1)))
+        prefix, part = f"decoder.layers.{local}", layer.group(2)
+        if part in ("attn_norm", "mlp_norm"):
+            own = f"{prefix}.{'input_layernorm' if part == 'attn_norm' else 'pre_mlp_layernorm'}.{leaf}"
+            fused = f"{prefix}.{'self_attention.linear_qkv' if part == 'attn_norm' else 'mlp.linear_fc1'}.layer_norm_{leaf}"
+            return self._pieces(p, own if own in self._model(0, p) else fused)[0]
+        key = {"attention.qkv": "self_attention.linear_qkv", "attention.out": "self_attention.linear_proj",
+               "mlp.fc_in": "mlp.linear_fc1", "mlp.fc_out": "mlp.linear_fc2"}[part]
+        pieces = self._pieces(p, f"{prefix}.{key}.{leaf}")
+        if part in ("attention.out", "mlp.fc_out"):  # row-parallel: weight split by columns, bias whole
+            return torch.cat(pieces, dim=1) if leaf == "weight" else pieces[0]
+        if part == "mlp.fc_in" and self.cfg.activation == "swiglu":
+            gates, ups = zip(*(piece.chunk(2) for piece in pieces))
+            return torch.stack([torch.cat(gates), torch.cat(ups)], dim=1).flatten(0, 1)
+        return torch.cat(pieces)
+
+
+def rank_dir(t: int, p: int, pp: int) -> str:
+    return f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+
+
+def model_config(args: argparse.Namespace, where: str) -> ModelConfig:
+    """Our model config from Megatron's args; refuses (naming the arg) what our GPT cannot compute."""
+    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
+    fix = "megazero's GPT has no counterpart; such a model cannot be imported"
+    for key, ok in (("apply_residual_connection_post_layernorm", False), ("rotary_interleaved", False),
+                    ("rotary_percent", 1.0), ("squared_relu", False), ("multi_latent_attention", False),
+                    ("num_experts", None), ("qk_layernorm", False)):
+        if get(key, ok) != ok:
+            raise refuse(f"{where}: args.{key}", get(key), "is not supported", fix)
+    position = {"learned_absolute": "learned", "rope": "rope"}.get(get("position_embedding_type", "learned_absolute"))
+    if position is None:
+        raise refuse(f"{where}: args.position_embedding_type", get("position_embedding_type"), "is not supported", fix)
+    norm = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}.get(get("normalization", "LayerNorm"))
+    if norm is None:
+        raise refuse(f"{where}: args.normalization", get("normalization"), "is not supported", fix)
+    bias = bool(get("add_bias_linear", True))
+    if bool(get("add_qkv_bias", bias)) != bias:
+        raise refuse(f"{where}: args.add_qkv_bias", get("add_qkv_bias"), "differs from args.add_bias_linear", fix)
+    swiglu = bool(get("swiglu", False))
+    if not swiglu and not (get("openai_gelu", False) or get("bias_gelu_fusion", False)):
+        print(f"megazero convert: note: {where}: Megatron computed GeLU exactly (erf); megazero uses the tanh "
+              "approximation (differences up to about 5e-4 per activation)", flush=True)
+    heads = get("num_attention_heads")
+    groups = get("num_query_groups") if get("group_query_attention", False) else None
+    try:
+        return ModelConfig(
+            preset="llama" if position == "rope" else "gpt2", num_layers=get("num_layers"),
+            hidden_size=get("hidden_size"), num_heads=heads, num_kv_heads=None if groups in (None, heads) else groups,
+            ffn_hidden_size=get("ffn_hidden_size"), vocab_size=get("vocab_size") or get("padded_vocab_size"),
+            seq_length=(get("max_position_embeddings") if position == "learned" else None) or get("seq_length")
+            or get("max_position_embeddings"), position_embedding=position,
+            rope_theta=float(get("rotary_base", 10000)), norm=norm,
+            norm_eps=get("norm_epsilon", get("layernorm_epsilon", 1e-5)), activation="swiglu" if swiglu else "gelu",
+            tie_embeddings=not get("untie_embeddings_and_output_weights", False), bias=bias,
+            dropout=get("hidden_dropout", 0.0), attention_dropout=get("attention_dropout", 0.0))
+    except TypeError as e:
+        raise UserError(f"{where}: its args lack a model size ({e}); the checkpoint is incomplete") from None

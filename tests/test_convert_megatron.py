@@ -1,0 +1,129 @@
+"""Megatron-LM legacy checkpoints written by megatron-core's own code at tp2 x pp2 import with equal
+logits, for a Llama-style model (rotary with base 500, RMSNorm, SwiGLU, untied head) and a GPT-2-style
+one (learned positions, LayerNorm, tanh GeLU, biases, tied head). Grouped query heads are not
+covered: with ``num_query_groups`` 2 of 4 heads the imported logits differ (the cause is not
+found yet; see docs/checkpoints.md).
+
+Four gloo ranks on CPU build megatron-core's GPTModel with the local (non-Transformer-Engine) layer
+spec, save each rank's ``state_dict_for_save_checkpoint`` as Megatron-LM's legacy checkpointing
+lays files out (``iter_0000005/mp_rank_TT_PPP/model_optim_rng.pt`` holding ``args`` and
+``model``), and run the pipeline's forward by hand: the first stage sends its hidden state to the
+second, which returns the gathered logits. megatron-core moves the rotary frequencies to
+``torch.cuda.current_device()`` (patched to the CPU here), moves a tied head's weight to a GPU to
+sync it between stages (``Tensor.cuda`` is the identity here), builds its default causal mask on a GPU
+(passed explicitly here) and forks its CUDA RNG around attention dropout (a no-op here: dropout
+is 0); nothing else of it needs one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+from megazero.cli import main
+from tests.distributed import run_world
+
+with warnings.catch_warnings():  # megatron-core warns at import about missing GPU extras
+    warnings.simplefilter("ignore")
+    pytest.importorskip("megatron.core.models.gpt", reason="megatron-core is not installed (pip install megatron-core)")
+
+VOCAB, SEQ, LAYERS = 128, 8, 4
+MODELS = {
+    "llama": dict(args=dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                            untie_embeddings_and_output_weights=True,
+                            rotary_base=500),
+                  share=False),
+    "gpt2": dict(args=dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
+                           add_bias_linear=True, openai_gelu=True, untie_embeddings_and_output_weights=False),
+                 share=True),
+}
+
+
+def _world(rank, world_size, root):
+    warnings.simplefilter("ignore")
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.cuda.current_device = lambda: "cpu"  # megatron-core's rotary embedding asks for a GPU
+    torch.Tensor.cuda = lambda self, *_, **__: self  # and its tied head is synced on one (these are worker processes)
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()  # no dropout here: no CUDA RNG needed
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    out = {}
+    for name, spec in MODELS.items():
+        a = spec["args"]
+        swiglu = a["swiglu"]
+        config = TransformerConfig(
+            num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=a.get("num_query_groups"),
+            ffn_hidden_size=64, use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2, normalization=a["normalization"], gated_linear_unit=swiglu,
+            activation_func=F.silu if swiglu else (lambda x: F.gelu(x, approximate="tanh")),
+            add_bias_linear=a["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2)
+        torch.manual_seed(1 + rank)
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=a["normalization"]), vocab_size=VOCAB,
+                         max_sequence_length=SEQ, pre_process=first, post_process=last,
+                         position_embedding_type=a["position_embedding_type"], rotary_base=a.get("rotary_base", 10000),
+                         share_embeddings_and_output_weights=spec["share"], parallel_output=False).eval()
+        torch.manual_seed(10 + pp)  # replicated over tp: the same values on both tp ranks
+        with torch.no_grad():  # norms away from 1 and biases away from 0, so a misplaced one shows
+            for key, p in model.named_parameters():
+                if p.ndim == 1:
+                    p.normal_(1.0 if "norm" in key else 0.0, 0.2)
+        args = argparse.Namespace(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                                  padded_vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ,
+                                  tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                  params_dtype=torch.float32, **a)
+        folder = f"{root}/{name}/iter_0000005/mp_rank_{tp:02d}_{pp:03d}"
+        import os
+
+        os.makedirs(folder, exist_ok=True)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 5,
+                    "model": model.state_dict_for_save_checkpoint()}, f"{folder}/model_optim_rng.pt")
+        if rank == 0:
+            with open(f"{root}/{name}/latest_checkpointed_iteration.txt", "w") as f:
+                f.write("5")
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+        positions = torch.arange(SEQ).expand(2, SEQ)
+        mask = torch.ones(1, 1, SEQ, SEQ).triu(1).bool()  # True: masked (its default mask is built on a GPU)
+        with torch.no_grad():
+            if first:
+                dist.send(model(ids, positions, mask).contiguous(), rank + 2)  # ranks: tp fastest, then pp
+            else:
+                hidden = torch.empty(SEQ, 2, 32)
+                dist.recv(hidden, rank - 2)
+                model.set_input_tensor(hidden)
+                out[name] = (ids, model(ids, positions, mask))
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron")
+    return root, run_world(4, _world, str(root))[2]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_megatron_tp2_pp2_imports_with_equal_logits(megatron, name, tmp_path):
+    from megazero.generate import load_model
+
+    root, report = megatron
+    assert main(["convert", str(root / name), str(tmp_path / "mz")]) == 0
+    ours, _ = load_model(tmp_path / "mz")
+    ids, want = report[name]
+    with torch.no_grad():
+        got = ours(ids)[..., :VOCAB]
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
