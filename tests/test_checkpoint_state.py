@@ -88,21 +88,21 @@ def _offload_resume(topo, rank, root):
 
 def _pipeline_reshard_reads(rank, root):
     """pp2 (untied head): resharding into other buckets reads only this stage's rank file."""
-    from megazero.checkpoint import state as state_module
+    from megazero.checkpoint.reader import CheckpointReader, rank_file
 
     topo = Topology(RankGrid(tp=1, pp=2, dp=1))
     untied = ("--parallel.pp", "2", "--model.tie_embeddings", "false")
     source = _engine(topo, 0.002, extra=untied)
     _step(source, 0)
     ckpt = _save(source, root + "/pp", rank)
-    reads, real = [], state_module.load_file
-    state_module.load_file = lambda c, name, **kw: (reads.append(name), real(c, name, **kw))[1]
+    reads, real = set(), CheckpointReader._path
+    CheckpointReader._path = lambda self, r: (reads.add(rank_file(r)), real(self, r))[1]
     try:
         target = _engine(topo, 0.0005, extra=untied)
         load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
     finally:
-        state_module.load_file = real
-    return sorted(n for n in reads if not n.endswith(".index.safetensors"))
+        CheckpointReader._path = real
+    return sorted(reads)
 
 
 def _fp16_norm(topo):

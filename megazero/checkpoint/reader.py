@@ -32,10 +32,9 @@ import torch
 
 from megazero.checkpoint import serialization
 from megazero.checkpoint.format import CheckpointError, load_file, read_manifest, verify_file
+from megazero.optim import STATE_KEYS  # the flat per-rank tensors holding parameter elements
 from parallel.tensor_parallel.sharding import Shard
 
-STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
-"""The flat per-rank tensors that hold parameter elements, in the order a rank file stores them."""
 
 
 def rank_file(rank: int) -> str:

@@ -22,19 +22,11 @@ from typing import Optional
 
 import torch
 
-from megazero.checkpoint.format import CheckpointError, load_file, read_manifest
+from megazero.checkpoint.format import CheckpointError, load_file
+from megazero.checkpoint.reader import CheckpointReader, index_file, rank_file
 from megazero.optim import STATE_KEYS, ShardedAdamW
 from models.gpt import VOCAB_PADDED
 from parallel.tensor_parallel.sharding import Shard
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
-
-
-def index_file(rank: int) -> str:
-    """A rank file's shard description alone: small, so a loader can find the files it needs."""
-    return f"rank_{rank:05d}.index.safetensors"
 
 
 def rank_files(chunks, optimizer: ShardedAdamW, rank: int) -> dict:
@@ -86,73 +78,30 @@ def _description(ckpt, rank: int, manifest: dict) -> dict:
 
 
 def load_resharded(ckpt, optimizer: ShardedAdamW, manifest: dict) -> None:
-    """Any other layout: rebuild the logical tensors this rank needs, then take the new slices."""
+    """Any other layout: rebuild each logical tensor this rank needs, one at a time, and take the new
+    slice of it. Only the rank files holding such a tensor are opened (a pipeline stage reads its own
+    stage's files, not the whole checkpoint)."""
+    reader = CheckpointReader(ckpt, manifest)
     wanted = optimizer.local_tensors()
-    full, adam_step, scaler = logical_tensors(ckpt, manifest, {name for name, _, _ in wanted}, STATE_KEYS)
-    if scaler is None:
+    holders = reader.holders(name for name, _, _ in wanted)
+    if not holders:
         raise CheckpointError(f"{ckpt}: holds no parameter of this rank's model part; was it saved from a "
                               "different model?")
-    values = []
-    for name, shape, shard in wanted:
-        if name not in full:
-            raise CheckpointError(f"{ckpt}: has no parameter {name!r}; was it saved from a different model?")
-        values.append({key: fit_to_shard(full[name][key], shard, shape, name, ckpt) for key in STATE_KEYS})
-    optimizer.load_local_state(values, adam_step, scaler)
+    # A rank whose shard was all padding saved step 0: take the largest.
+    adam_step = max(reader.values(r, ("adam_step",))["adam_step"] for r in holders)
+    scaler = reader.values(holders[0], ("scaler",))["scaler"]
+
+    def local_values():
+        for name, shape, shard in wanted:
+            full = reader.read(name, STATE_KEYS)
+            yield {key: fit_to_shard(full[key], shard, shape, name, ckpt) for key in STATE_KEYS}
+    optimizer.load_local_state(local_values(), adam_step, scaler)
 
 
 def load_full_weights(ckpt) -> dict[str, torch.Tensor]:
     """Every logical parameter's fp32 master value, whole (for a single-process model or export)."""
-    full, _, _ = logical_tensors(ckpt, read_manifest(ckpt), None, ("master",))
-    return {name: value["master"] for name, value in full.items()}
-
-
-def logical_tensors(ckpt, manifest: dict, needed: Optional[set], keys) -> tuple[dict, float, Optional[dict]]:
-    """The logical tensors ``needed`` (None: all) for each of ``keys``, assembled from every rank file
-    holding a piece of them, with the Adam step and the loss scaler saved beside them.
-
-    Only the files holding a needed parameter are read (found from the small index files): a
-    pipeline stage reads its own stage's files, not the whole checkpoint."""
-    pieces: dict[tuple[str, int], dict] = {}
-    adam_step, scaler = 0.0, None
-    for r in range(int(manifest["world_size"])):
-        if needed is not None and not any(name in needed for name, _, _ in _description(ckpt, r, manifest)["params"]):
-            continue
-        state = load_file(ckpt, rank_file(r), manifest=manifest)
-        # A rank whose shard was all padding saved step 0: take the largest.
-        adam_step = max(adam_step, state["adam_step"])
-        scaler = scaler or state["scaler"]
-        for param, param_offset, shard_offset, numel in state["segments"].tolist():
-            name, shape, shard = state["params"][param]
-            if needed is not None and name not in needed:
-                continue
-            entry = pieces.setdefault((name, 0 if shard is None else shard[1]), {
-                "shape": shape, "shard": shard, **{k: torch.zeros(_numel(shape)) for k in keys}})
-            for key in keys:
-                entry[key][param_offset:param_offset + numel] = state[key][shard_offset:shard_offset + numel]
-    return _assemble(pieces, keys), adam_step, scaler
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _assemble(pieces: dict, keys) -> dict[str, dict[str, torch.Tensor]]:
-    """Concatenate tensor-parallel slices back into logical tensors."""
-    by_name: dict[str, list] = {}
-    for (name, index), entry in pieces.items():
-        by_name.setdefault(name, []).append((index, entry))
-    full = {}
-    for name, parts in by_name.items():
-        parts.sort(key=lambda item: item[0])
-        shard = parts[0][1]["shard"]
-        full[name] = {}
-        for key in keys:
-            tensors = [entry[key].reshape(entry["shape"]) for _, entry in parts]
-            full[name][key] = tensors[0] if shard is None else torch.cat(tensors, dim=shard[0])
-    return full
+    reader = CheckpointReader(ckpt)
+    return dict((name, value["master"]) for name, value in reader.read_many(reader.shapes))
 
 
 def fit_to_shard(full: torch.Tensor, shard: Optional[Shard], shape: tuple, name: str, ckpt) -> torch.Tensor:

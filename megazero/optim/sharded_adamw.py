@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -236,14 +236,19 @@ class ShardedAdamW:
         ``load_local_state`` expects values for."""
         return [(info.name, tuple(p.shape), info.shard) for info, p in zip(self.dp.info, self.dp.params)]
 
-    def load_local_state(self, values: list[dict[str, torch.Tensor]], adam_step: float, scaler: dict) -> None:
+    def load_local_state(self, values: Iterable[dict[str, torch.Tensor]], adam_step: float, scaler: dict) -> None:
         """Load from each parameter's local (this rank's tensor-parallel slice) value of every state
-        key, in ``local_tensors`` order: the path of a checkpoint saved in another layout."""
+        key, in ``local_tensors`` order: the path of a checkpoint saved in another layout. ``values``
+        is consumed one parameter at a time, so a caller can build each just before it is used."""
         self.dp.apply_deferred()
+        by_param: dict[int, list] = {}
         for seg in self.layout.segments:
-            for key in STATE_KEYS:
-                getattr(self, key)[seg.shard_offset:seg.shard_offset + seg.numel] = \
-                    values[seg.param][key].reshape(-1)[seg.param_offset:seg.param_offset + seg.numel]
+            by_param.setdefault(seg.param, []).append(seg)
+        for i, value in enumerate(values):
+            for seg in by_param.get(i, ()):
+                for key in STATE_KEYS:
+                    getattr(self, key)[seg.shard_offset:seg.shard_offset + seg.numel] = \
+                        value[key].reshape(-1)[seg.param_offset:seg.param_offset + seg.numel]
         self._finish_load(adam_step, scaler)
 
     def _finish_load(self, adam_step: float, scaler: dict) -> None:
