@@ -13,7 +13,8 @@ read when it is converted.
 Layouts that match ours: megatron-core's fused ``linear_qkv`` rows are grouped by query group
 (the group's query heads, then its key, then its value), as ours, and split over tp at group
 boundaries, so the tp slices concatenate into our tensor. Its SwiGLU ``linear_fc1`` holds, per tp
-rank, that rank's gate rows then its up rows; ours interleaves them.
+rank, that rank's gate rows then its up rows; ours interleaves them. Tensors every tp rank holds
+whole are read from tp rank 0, after checking the other ranks hold the same values.
 """
 
 from __future__ import annotations
@@ -134,6 +135,18 @@ class MegatronSource:
             pieces.append(model[key].float())
         return pieces
 
+    def _replicated(self, p: int, key: str) -> torch.Tensor:
+        """A tensor each tp rank holds whole: tp rank 0's copy. Training keeps the copies equal; if
+        they differ, each rank computed with its own and no single copy gives Megatron's outputs, so
+        the conversion says so."""
+        first, *others = self._pieces(p, key)
+        worst = max(((other - first).abs().max().item() for other in others), default=0.0)
+        if worst > 0:
+            print(f"megazero convert: note: {self.dir}: the tp ranks of pipeline rank {p} hold different copies of "
+                  f"{key} (largest difference {worst:.3g}); tp rank 0's is imported, so outputs will differ from "
+                  "Megatron's", flush=True)
+        return first
+
     def _layer(self, index: int) -> tuple[int, int]:
         p = max(s for s in range(self.pp) if self.offsets[s] <= index)
         return p, index - self.offsets[p]
@@ -146,9 +159,9 @@ class MegatronSource:
         if module == "embedding.tokens":
             return torch.cat(self._pieces(0, "embedding.word_embeddings.weight"))
         if module == "embedding.positions":
-            return self._pieces(0, "embedding.position_embeddings.weight")[0]
+            return self._replicated(0, "embedding.position_embeddings.weight")
         if module == "final_norm":
-            return self._pieces(self.pp - 1, f"decoder.final_layernorm.{leaf}")[0]
+            return self._replicated(self.pp - 1, f"decoder.final_layernorm.{leaf}")
         if module == "lm_head":
             return torch.cat(self._pieces(self.pp - 1, "output_layer.weight"))
         layer = LAYER.match(module)
@@ -157,12 +170,14 @@ class MegatronSource:
         if part in ("attn_norm", "mlp_norm"):
             own = f"{prefix}.{'input_layernorm' if part == 'attn_norm' else 'pre_mlp_layernorm'}.{leaf}"
             fused = f"{prefix}.{'self_attention.linear_qkv' if part == 'attn_norm' else 'mlp.linear_fc1'}.layer_norm_{leaf}"
-            return self._pieces(p, own if own in self._model(0, p) else fused)[0]
+            return self._replicated(p, own if own in self._model(0, p) else fused)
         key = {"attention.qkv": "self_attention.linear_qkv", "attention.out": "self_attention.linear_proj",
                "mlp.fc_in": "mlp.linear_fc1", "mlp.fc_out": "mlp.linear_fc2"}[part]
-        pieces = self._pieces(p, f"{prefix}.{key}.{leaf}")
         if part in ("attention.out", "mlp.fc_out"):  # row-parallel: weight split by columns, bias whole
-            return torch.cat(pieces, dim=1) if leaf == "weight" else pieces[0]
+            if leaf == "bias":
+                return self._replicated(p, f"{prefix}.{key}.{leaf}")
+            return torch.cat(self._pieces(p, f"{prefix}.{key}.{leaf}"), dim=1)
+        pieces = self._pieces(p, f"{prefix}.{key}.{leaf}")
         if part == "mlp.fc_in" and self.cfg.activation == "swiglu":
             gates, ups = zip(*(piece.chunk(2) for piece in pieces))
             return torch.stack([torch.cat(gates), torch.cat(ups)], dim=1).flatten(0, 1)
