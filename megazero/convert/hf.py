@@ -2,9 +2,7 @@
 
 Written: ``config.json`` and ``generation_config.json``, the weights as safetensors shards with
 ``model.safetensors.index.json`` (one ``model.safetensors`` when they fit one shard), and the
-tokenizer where ``transformers`` can load it: a ``tokenizer.json`` as it is, a SentencePiece model
-as ``tokenizer.model`` for ``LlamaTokenizer``, each with a ``tokenizer_config.json`` that adds no
-BOS/EOS (megazero trains on documents separated by end-of-document only). The folder loads with
+tokenizer (``megazero.convert.hf_tokenizer``). The folder loads with
 ``AutoModelForCausalLM.from_pretrained`` and no custom code.
 
 Read: the same files. Weights only from safetensors: a ``pytorch_model.bin`` is a pickle, which
@@ -14,13 +12,13 @@ can run code when loaded, and is refused with the fix.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from megazero.convert.hf_models import FAMILIES, VOCAB_PADDED, family_for, fit_rows
+from megazero.convert.hf_tokenizer import tokenizer_ids, write_tokenizer
 from megazero.convert.sources import Source, logical_shapes, unpadded
 from megazero.convert.streaming import StreamedSafetensors
 from megazero.errors import UserError
@@ -175,41 +173,3 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-# --- tokenizer ------------------------------------------------------------------------------------
-
-def _pieces(path: str):
-    """(kind, id -> token text) of a tokenizer file: 'sentencepiece' or 'json'."""
-    from data_pipeline.tokenizer import load_tokenizer
-
-    try:
-        tok = load_tokenizer(path)
-    except (ValueError, OSError) as e:
-        raise UserError(f"--tokenizer {path}: {e}") from None
-    if path.endswith(".json") or Path(path).is_dir():
-        from tokenizers import Tokenizer
-
-        file = path if path.endswith(".json") else str(Path(path) / "tokenizer.json")
-        return tok, "json", file, Tokenizer.from_file(file).id_to_token
-    import sentencepiece as spm
-
-    return tok, "sentencepiece", path, spm.SentencePieceProcessor(model_file=path).id_to_piece
-
-
-def tokenizer_ids(path: str) -> dict:
-    tok = _pieces(path)[0]
-    return {"eos_token_id": tok.eod_id, "pad_token_id": tok.pad_id}
-
-
-def write_tokenizer(path: str, out: Path, max_length: int) -> None:
-    tok, kind, file, piece = _pieces(path)
-    config = {"model_max_length": max_length, "eos_token": piece(tok.eod_id), "pad_token": piece(tok.pad_id),
-              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
-    if kind == "json":
-        shutil.copyfile(file, out / "tokenizer.json")
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    else:
-        shutil.copyfile(file, out / "tokenizer.model")
-        config.update(tokenizer_class="LlamaTokenizer", unk_token=piece(0), legacy=False)
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,104 @@
+"""The tokenizer files of an exported Hugging Face folder, encoding text to the ids training saw.
+
+``AutoTokenizer.from_pretrained(folder).encode(text)`` must give the ids megazero's tokenizer
+(``data_pipeline.tokenizer``) gave the training data; a model fed other ids is a different model.
+Both kinds are written as a ``tokenizer.json`` loaded by ``PreTrainedTokenizerFast``, the one
+class every ``transformers`` version reads without conversion:
+
+* a ``tokenizer.json`` is copied without its post-processor: megazero encodes without special
+  tokens (documents are separated by end-of-document only), so a template that adds BOS would
+  give ids the model never saw;
+* a SentencePiece model is translated piece for piece (its BPE merges ranked by piece score, or
+  its unigram scores; byte fallback; its own normalizer settings), because ``transformers``' own
+  translations assume a particular model's settings (Llama's: no leading-space or unigram
+  handling that matches ours). Its special pieces are text when they occur in text, as in
+  SentencePiece (``split_special_tokens``). The ``.model`` file is kept beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from megazero.errors import UserError
+
+SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _load(path: str):
+    from data_pipeline.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except (ValueError, OSError) as e:
+        raise UserError(f"--tokenizer {path}: {e}") from None
+
+
+def tokenizer_ids(path: str) -> dict:
+    tok = _load(path)
+    return {"eos_token_id": tok.eod_id, "pad_token_id": tok.pad_id}
+
+
+def write_tokenizer(path: str, out: Path, max_length: int) -> None:
+    from data_pipeline.tokenizer import HFTokenizer
+
+    tok = _load(path)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+    if isinstance(tok, HFTokenizer):
+        from tokenizers import Tokenizer
+
+        spec = json.loads(Path(tok.path).read_text(encoding="utf-8"))
+        spec["post_processor"] = None
+        piece = Tokenizer.from_file(tok.path).id_to_token
+    else:
+        import sentencepiece as spm
+
+        spec = json.loads(_sentencepiece_as_json(tok.path))
+        shutil.copyfile(tok.path, out / "tokenizer.model")
+        sp = spm.SentencePieceProcessor(model_file=tok.path)
+        piece = sp.id_to_piece
+        config.update(unk_token=piece(sp.unk_id()), split_special_tokens=True)
+    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False) + "\n", encoding="utf-8")
+    config.update(eos_token=piece(tok.eod_id), pad_token=piece(tok.pad_id))
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _sentencepiece_as_json(path: str) -> str:
+    """A ``tokenizers`` pipeline that encodes as the SentencePiece model at ``path`` does."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from tokenizers import Regex, Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE, Unigram
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(Path(path).read_bytes())
+    piece_type, spec, norm = pb.ModelProto.SentencePiece, proto.trainer_spec, proto.normalizer_spec
+    pieces = list(proto.pieces)
+    textual = (piece_type.NORMAL, piece_type.USER_DEFINED)  # pieces that text can become directly
+    if spec.model_type == pb.TrainerSpec.BPE:
+        normal = {p.piece: (-p.score, i) for i, p in enumerate(pieces) if p.type == piece_type.NORMAL}
+        ranked = sorted((normal[t], t[:k], t[k:]) for t in normal for k in range(1, len(t))
+                        if t[:k] in normal and t[k:] in normal)
+        model = BPE({p.piece: i for i, p in enumerate(pieces)}, [(a, b) for _, a, b in ranked],
+                    unk_token=pieces[spec.unk_id].piece, fuse_unk=True, byte_fallback=spec.byte_fallback)
+    elif spec.model_type == pb.TrainerSpec.UNIGRAM:
+        never = min(p.score for p in pieces) - 1e6  # special and byte pieces: only by fallback, never from text
+        model = Unigram([(p.piece, p.score if p.type in textual else never) for p in pieces], spec.unk_id,
+                        spec.byte_fallback)
+    else:
+        raise UserError(f"--tokenizer {path}: a SentencePiece {pb.TrainerSpec.ModelType.Name(spec.model_type)} model "
+                        "cannot be written for transformers (bpe and unigram can); export without --tokenizer")
+    tokenizer = Tokenizer(model)
+    steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap else []
+    if norm.remove_extra_whitespaces:
+        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if norm.add_dummy_prefix:
+        steps.append(normalizers.Prepend(" "))
+    if norm.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", SPACE))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
+    return tokenizer.to_str()

@@ -1,0 +1,72 @@
+"""The tokenizer files `megazero convert --to hf --tokenizer` writes load with
+``transformers.AutoTokenizer`` and encode text to the ids megazero's tokenizer gave the training
+data, and decode them back the same, for each kind the exporter takes: SentencePiece BPE and
+unigram models trained by megazero, and a ``tokenizer.json`` (one with a post-processor that adds
+BOS, which megazero never does)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+
+from data_pipeline.demo_corpus import write_stdlib_jsonl  # noqa: E402
+from data_pipeline.tokenizer import load_tokenizer, read_texts, train_sentencepiece  # noqa: E402
+from megazero.cli import main  # noqa: E402
+from tests.test_data_tokenizer import SAMPLES, make_hf_tokenizer  # noqa: E402
+
+TEXTS = [*SAMPLES, " leading space", "   three spaces first", "trailing space ", "\n\nnewlines first", "",
+         "year 2024, pi 3.14159", "special text: <pad> </s> <unk> <s> <|endoftext|>", "ends with a newline\n"]
+
+
+def _bos_template(path):
+    """A tokenizer.json whose post-processor adds BOS, as many published ones do."""
+    from tokenizers import processors
+
+    spec = json.loads(open(make_hf_tokenizer(path, specials=("<|endoftext|>", "<pad>", "<s>"))).read())
+    spec["post_processor"] = json.loads(processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 2)]).__getstate__())
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizers")
+    corpus = root / "stdlib.jsonl"
+    write_stdlib_jsonl(str(corpus), max_bytes=300_000)
+    made = {kind: train_sentencepiece(read_texts([str(corpus)]), str(root / kind), 600, kind, max_sentences=50_000)
+            for kind in ("bpe", "unigram")}
+    (root / "json").mkdir()
+    (root / "bos").mkdir()
+    made["json"] = make_hf_tokenizer(root / "json" / "tokenizer.json")
+    made["json-bos"] = _bos_template(root / "bos" / "tokenizer.json")
+    return made
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A small megazero checkpoint (from a random Llama) to export."""
+    root = tmp_path_factory.mktemp("tok-ckpt")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      vocab_size=600, max_position_embeddings=16)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
+    assert main(["convert", str(root / "hf"), str(root / "mz")]) == 0
+    return root / "mz"
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram", "json", "json-bos"])
+def test_exported_tokenizer_encodes_as_ours(tokenizers, checkpoint, tmp_path, kind):
+    ours = load_tokenizer(tokenizers[kind])
+    assert main(["convert", str(checkpoint), str(tmp_path / "hf"), "--tokenizer", tokenizers[kind]]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (theirs.eos_token_id, theirs.pad_token_id) == (ours.eod_id, ours.pad_id)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"]) == (ours.eod_id, ours.pad_id)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert theirs.encode(text) == ids, text
+        assert theirs(text)["input_ids"] == ids, text
+        assert theirs.decode(ids) == ours.decode(ids), text
