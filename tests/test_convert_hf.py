@@ -129,6 +129,28 @@ def test_transformers_logits_equal_ours(world, preset):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
+def test_export_holds_the_tensors_transformers_saves(world, preset, tmp_path):
+    """Equal logits cannot tell a tied head from an untied copy of it, nor vocabulary padding rows
+    no token reaches: the file must hold what transformers itself saves for that model, the head
+    tied exactly when ours is, and the import must keep it so."""
+    from safetensors import safe_open
+
+    root, _ = world
+    folder = root / preset / "hf"
+    tied = read_manifest(latest_checkpoint(root / preset / "trained"))["meta"]["config"]["model"]["tie_embeddings"]
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is tied
+    _hf(folder).save_pretrained(tmp_path / "theirs")
+    shapes = {}
+    for name in ("hf", "theirs"):
+        with safe_open((folder if name == "hf" else tmp_path / "theirs") / "model.safetensors", "pt") as f:
+            shapes[name] = {key: f.get_slice(key).get_shape() for key in f.keys()}
+    assert shapes["hf"] == shapes["theirs"]
+    assert ("lm_head.weight" in shapes["hf"]) is not tied
+    imported = read_manifest(latest_checkpoint(root / preset / "imported"))["meta"]["config"]["model"]
+    assert imported["tie_embeddings"] is tied and imported["vocab_size"] == VOCAB
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_hf_megazero_tp2_pp2_hf_round_trip_is_bit_identical(world, preset, tmp_path):
     from safetensors.torch import load_file
 
