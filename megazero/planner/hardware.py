@@ -26,10 +26,18 @@ LINK_EFFICIENCY = 0.8
 # pass, not during it: 2 * 31/32 * 1.7e9 * 2 bytes at 20 GB/s per GPU is 0.33 s of a 3.6 s step. The
 # compute alone therefore ran at 137 * 3.6 / (3.6 - 0.33) = 150 TFLOP/s, 48% of peak.
 A100_EFFICIENCY = 0.48
-# H100 and H200 (same dense peak): the GPT 1.3B of configs/gpt_1.3b.yaml trained by
-# scripts/pretrain_gpt.sh on one GPU (BENCHMARKS.md, "Pipeline parallelism and the trainer"):
-# 52.7% MFU with the optimizer step inside the timed step; without that step's ~5% about 55%.
-H100_EFFICIENCY = 0.55
+# H100 and H200 (same dense peak): the GPT 1.3B of configs/gpt_1.3b.yaml trained by `megazero train`
+# on one H100 (benchmarks/planner_gpu.py, BENCHMARKS.md "The planner against megazero train"):
+# 62.4k tokens/s, i.e. the matrix work at 58% of peak once the optimizer step is taken out.
+H100_EFFICIENCY = 0.58
+# Tensor-parallel collectives: the fraction of the NVLink datasheet bandwidth that the exposed
+# sequence-parallel all-gathers and reduce-scatters effectively reach, everything they cost around
+# the GEMMs included (smaller per-rank GEMMs, the extra elementwise passes). A100: the link
+# efficiency above, which reproduces MT-NLG's tp 8 within 7%. H100/H200: fitted to megazero's own tp 2
+# run of the 1.3B GPT in the same call (79.5k tokens/s on 2 H100s, 0.64x of one GPU per GPU): the
+# collectives are not overlapped with compute yet, so this figure is megazero's, not the hardware's,
+# and changes when they are.
+H100_TP_LINK_EFFICIENCY = 0.19
 # V100: the ZeRO paper (Rajbhandari et al. 2020), section X-B: ZeRO-100B sustains "over 30% of the
 # peak" on 400 V100s for 8B-100B models.
 V100_EFFICIENCY = 0.30
@@ -44,6 +52,7 @@ class GPU:
     intra_node_GBps: float   # NVLink/NVSwitch, per GPU, one direction
     inter_node_GBps: float   # the node's InfiniBand divided among its GPUs, per GPU, one direction
     efficiency: float
+    tp_link_efficiency: float = LINK_EFFICIENCY  # what tensor-parallel collectives reach (see above)
 
     @property
     def flops(self) -> float:
@@ -57,9 +66,9 @@ GPUS = {
     # DGX A100: NVLink 3 (300 GB/s each way), 8 x 200 Gb/s HDR InfiniBand per node of 8.
     "a100-80gb": GPU("A100-SXM4-80GB", 80.0, 312.0, 2039.0, 300.0, 200 / 8, A100_EFFICIENCY),
     # DGX H100: NVLink 4 (450 GB/s each way), 8 x 400 Gb/s NDR InfiniBand per node of 8.
-    "h100": GPU("H100-SXM5-80GB", 80.0, 989.0, 3350.0, 450.0, 400 / 8, H100_EFFICIENCY),
+    "h100": GPU("H100-SXM5-80GB", 80.0, 989.0, 3350.0, 450.0, 400 / 8, H100_EFFICIENCY, H100_TP_LINK_EFFICIENCY),
     # HGX H200: as the H100 with 141 GB (140 GiB usable as torch reports it) of faster HBM3e.
-    "h200": GPU("H200-SXM-141GB", 140.0, 989.0, 4800.0, 450.0, 400 / 8, H100_EFFICIENCY),
+    "h200": GPU("H200-SXM-141GB", 140.0, 989.0, 4800.0, 450.0, 400 / 8, H100_EFFICIENCY, H100_TP_LINK_EFFICIENCY),
 }
 
 
@@ -73,10 +82,11 @@ class Cluster:
     def nodes(self) -> int:
         return -(-self.num_gpus // self.gpus_per_node)
 
-    def link_bytes_per_s(self, within_node: bool) -> float:
-        """Achievable bytes/s one GPU sends over the link a group of GPUs uses."""
+    def link_bytes_per_s(self, within_node: bool, tensor_parallel: bool = False) -> float:
+        """Achievable bytes/s one GPU sends over the link a group of GPUs uses (a tensor-parallel
+        group's exposed collectives: ``tp_link_efficiency``)."""
         GBps = self.gpu.intra_node_GBps if within_node else self.gpu.inter_node_GBps
-        return GBps * 1e9 * LINK_EFFICIENCY
+        return GBps * 1e9 * (self.gpu.tp_link_efficiency if tensor_parallel else LINK_EFFICIENCY)
 
 
 def custom_gpu(base: GPU, memory_gib=None, peak_tflops=None, intra_node_GBps=None, inter_node_GBps=None) -> GPU:

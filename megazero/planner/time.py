@@ -64,7 +64,7 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
     # sequence parallelism, the same bytes) forward, two backward, two more in a recomputed forward.
     tp_per_layer = 0.0
     if p.tp > 1:
-        bw = cluster.link_bytes_per_s(_group_within_node(1, p.tp, cluster))
+        bw = cluster.link_bytes_per_s(_group_within_node(1, p.tp, cluster), tensor_parallel=True)
         allreduce = 2 * (p.tp - 1) / p.tp * e * tokens_mb * m.hidden_size / bw
         tp_per_layer = (4 + 2 * recomputed_share) * allreduce
 
