@@ -43,6 +43,26 @@ def parallelism(cfg: Config, device: torch.device) -> Parallelism:
                        recompute_every=p.recompute_every, compile=compile_, data_parallel=data_parallel)
 
 
+def pipeline_stages(cfg: Config, pp_rank: int) -> list[int]:
+    """The (virtual) pipeline stage of each chunk pipeline rank ``pp_rank`` runs."""
+    p = cfg.parallel
+    return [c * p.pp + pp_rank for c in range(p.virtual_stages)]
+
+
+def build_chunks(cfg: Config, pp_rank: int) -> list[GPT]:
+    """Pipeline rank ``pp_rank``'s chunks on the meta device: ``parallelize_gpt`` materialises only this
+    rank's shards (and an offline layout description reads their shapes alone)."""
+    m, p = cfg.model, cfg.parallel
+    split = resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
+    chunks = []
+    for c, stage in enumerate(pipeline_stages(cfg, pp_rank)):
+        torch.manual_seed(cfg.train.seed)  # identical on tensor ranks: replicated dropout agrees
+        chunks.append(GPT(m, layers=stage_layers(split, p.pp, pp_rank, c), has_embedding=stage == 0,
+                          has_head=stage == p.pp * p.virtual_stages - 1, vocab_multiple=128 * p.tp,
+                          seed=cfg.train.seed, device="meta"))
+    return chunks
+
+
 def adamw_settings(cfg: Config) -> AdamWSettings:
     o = cfg.optimizer
     return AdamWSettings(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
@@ -85,8 +105,8 @@ class Engine:
         self.cfg, self.topo, self.device = cfg, topology, device
         p = cfg.parallel
         self.dtype = DTYPES[cfg.precision.dtype]
-        self.stages = [c * p.pp + topology.pp_rank for c in range(p.virtual_stages)]
-        self.chunks = self._build_chunks()
+        self.stages = pipeline_stages(cfg, topology.pp_rank)
+        self.chunks = build_chunks(cfg, topology.pp_rank)
         self.data_parallel = parallelize_gpt(self.chunks, self.stages, topology, parallelism(cfg, device), device)
         if cfg.zero.offload_optimizer and device.type == "cuda":
             # The host AdamW is multi-threaded; launchers start ranks with one thread each.
@@ -111,17 +131,6 @@ class Engine:
         """Blocks per virtual stage, in virtual-stage order: ``parallel.pipeline_split``, else equal."""
         m, p = self.cfg.model, self.cfg.parallel
         return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
-
-    def _build_chunks(self) -> list[GPT]:
-        """This rank's chunks on the meta device: ``parallelize_gpt`` materialises only its shards."""
-        cfg, topo, p = self.cfg, self.topo, self.cfg.parallel
-        chunks = []
-        for c, stage in enumerate(self.stages):
-            torch.manual_seed(cfg.train.seed)  # identical on tensor ranks: replicated dropout agrees
-            chunks.append(GPT(cfg.model, layers=stage_layers(self.split, p.pp, topo.pp_rank, c),
-                              has_embedding=stage == 0, has_head=stage == p.pp * p.virtual_stages - 1,
-                              vocab_multiple=128 * p.tp, seed=cfg.train.seed, device="meta"))
-        return chunks
 
     # --- training ----------------------------------------------------------------------------
     def train_step(self, microbatches: list[dict], lr: Optional[float] = None) -> StepOutput:

@@ -11,6 +11,8 @@ from pathlib import Path
 from megazero.errors import UserError
 
 TARGETS = ("hf", "megazero", "torch")
+LAYOUT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--dp": "parallel.dp", "--zero-stage": "zero.stage",
+                "--virtual-stages": "parallel.virtual_stages"}
 SOURCES = ("megazero", "hf", "megatron")
 
 
@@ -20,7 +22,9 @@ def register(subparsers) -> None:
         description="Convert SRC (a megazero checkpoint of any layout, a Hugging Face model folder, or a "
                     "Megatron-LM legacy checkpoint) into DST, streaming one tensor at a time. "
                     "--to megazero writes a consolidated checkpoint (world size 1) that `megazero train "
-                    "--checkpoint.load DST` reshards into its own layout.")
+                    "--checkpoint.load DST` reshards into its own layout, or, given any of --tp --pp --dp "
+                    "--zero-stage --virtual-stages, one file per rank of a run with that layout (each rank "
+                    "then reads only the files of its pipeline stage).")
     parser.add_argument("src", help="Checkpoint to read: a step_* directory or its root, a folder with "
                                     "config.json, or a Megatron root / iter_* directory")
     parser.add_argument("dst", help="Path to create (must not exist): a folder, or a .safetensors file for --to torch")
@@ -35,6 +39,10 @@ def register(subparsers) -> None:
     parser.add_argument("--shard-size-gb", type=float, default=5.0, help="--to hf: largest weight shard, in GB")
     parser.add_argument("--reset-step", action="store_true",
                         help="--to megazero from megazero: start at step 0 with fresh optimizer state")
+    layout = parser.add_argument_group("--to megazero: the layout of the run that will load DST (default: consolidated)")
+    for flag, field in LAYOUT_FLAGS.items():
+        layout.add_argument(flag, type=int, default=None, dest=field.replace(".", "_"),
+                            help=f"{field} of that run (others from the source run's config, else defaults)")
     parser.add_argument("--no-verify", action="store_true",
                         help="Skip the sha256 check of a megazero source's files (sizes are still checked by reading)")
     parser.set_defaults(func=run)
@@ -68,6 +76,11 @@ def run(args) -> int:
     if args.reset_step and (target != "megazero" or source.kind != "megazero"):
         raise UserError("--reset-step: applies to --to megazero from a megazero checkpoint only (other sources "
                         "always start at step 0)")
+    layout = {field: getattr(args, field.replace(".", "_")) for field in LAYOUT_FLAGS.values()}
+    layout = {field: value for field, value in layout.items() if value is not None}
+    if layout and target != "megazero":
+        raise UserError(f"{', '.join(k for k, f in LAYOUT_FLAGS.items() if f in layout)}: apply to --to megazero only")
+    run_cfg = run_config(source, layout) if layout else None
     if target == "hf":
         from megazero.convert.hf import write_hf
         from megazero.convert.hf_models import family_for
@@ -85,9 +98,32 @@ def run(args) -> int:
         from megazero.convert.targets import write_megazero
 
         with staged(dst) as tmp:
-            write_megazero(source, tmp, reset_step=args.reset_step)
+            write_megazero(source, tmp, reset_step=args.reset_step, run=run_cfg)
     print(f"megazero convert: wrote {dst} ({target}, from {source.kind} {src})")
     return 0
+
+
+def run_config(source, layout: dict):
+    """The config of the run DST is laid out for: the source run's recorded config (a megazero
+    source), else defaults around the source's model, with the layout flags applied; validated for
+    the world tp x pp x dp, so a layout the model cannot take is refused (one line per problem,
+    naming the field) before anything is written."""
+    import dataclasses
+
+    from megazero.config.loader import build_dataclass, config_to_dict, set_dotted
+    from megazero.config.schema import Config
+    from megazero.config.validate import resolve_config
+
+    meta = getattr(getattr(source, "reader", None), "meta", {}) or {}
+    raw = meta.get("config") if isinstance(meta.get("config"), dict) else config_to_dict(Config(model=source.cfg))
+    raw = {**raw, "model": dataclasses.asdict(source.cfg)}
+    for field, value in layout.items():
+        set_dotted(raw, field, value)
+    p = raw["parallel"]
+    dp = p.get("dp") or 1
+    set_dotted(raw, "parallel.dp", None)  # derived from the world by validation
+    cfg = build_dataclass(Config, raw, prefix="")
+    return resolve_config(cfg, p["tp"] * p["pp"] * dp)
 
 
 def _run_tokenizer(source):

@@ -1,4 +1,5 @@
-"""The megazero targets: a training checkpoint (consolidated layout) and a single-file state dict.
+"""The megazero targets: a training checkpoint (consolidated, or in a run's own layout) and a
+single-file state dict.
 
 A checkpoint written here starts training where the source left off when the source is a megazero
 checkpoint (step, consumed samples, Adam moments and step, loss scale: an offline reshard), and
@@ -13,23 +14,31 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 
+from megazero.config.schema import Config
 from megazero.convert.checkpoint_out import write_checkpoint
 from megazero.convert.hf_models import VOCAB_PADDED, fit_rows
-from megazero.convert.layout import consolidated
+from megazero.convert.layout import consolidated, training_layout
 from megazero.convert.sources import Source, logical_shapes
 from megazero.convert.streaming import StreamedSafetensors
 
 STATE_DICT_METADATA = "megazero.model_config"
 
 
-def write_megazero(source: Source, root: Path, reset_step: bool = False) -> Path:
-    """Write ``source`` as a consolidated checkpoint under ``root``; returns the step directory."""
+def write_megazero(source: Source, root: Path, reset_step: bool = False, run: Optional[Config] = None) -> Path:
+    """Write ``source`` as a checkpoint under ``root``, laid out for the run ``run`` (a validated
+    config with the source's model section: each of its ranks gets the file it would write), or
+    consolidated without one; returns the step directory."""
     cfg = source.cfg
-    shapes = logical_shapes(cfg)
-    layout = consolidated(shapes, cfg.num_layers)
+    if run is None:
+        shapes = logical_shapes(cfg)
+        layout = consolidated(shapes, cfg.num_layers)
+    else:
+        shapes = logical_shapes(cfg, vocab_multiple=128 * run.parallel.tp)
+        layout = training_layout(run)
     carry = getattr(source, "kind", None) == "megazero" and not reset_step
 
     def read(name: str, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -41,10 +50,10 @@ def write_megazero(source: Source, root: Path, reset_step: bool = False) -> Path
         meta = {key: saved[key] for key in ("step", "consumed", "skipped", "bad_in_row", "config") if key in saved}
         adam_step, scaler = source.optimizer_scalars()
     else:
-        from megazero.config.schema import Config
-
         meta = {"step": 0, "consumed": 0, "skipped": 0, "bad_in_row": 0, "config": asdict(Config(model=cfg))}
         adam_step, scaler = 0.0, None
+    if run is not None:
+        meta["config"] = asdict(run)
     return write_checkpoint(root, layout, read, step=int(meta["step"]), meta=meta, with_moments=carry,
                             adam_step=adam_step, scaler=scaler)
 

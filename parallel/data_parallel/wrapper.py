@@ -101,15 +101,8 @@ class DataParallel:
         self.dp_group = dp_group
         self.dp = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
-        container = torch.nn.ModuleList(roots)
-        named = [(n, p) for n, p in container.named_parameters() if p.requires_grad]
-        unit_params, unit_modules = _group_by_unit(named, units, s.persistence_threshold)
-        order = [i for members in unit_params for i in members]
-        self.params = [named[i][1] for i in order]
+        self.params, unit_modules, self.layout = flat_layout(roots, units, s, self.dp, self.dp_rank)
         self.info = [info(p) for p in self.params]
-        layout_dp = 1 if s.stage == 0 else self.dp
-        self.layout = FlatLayout([[named[i][1].numel() for i in members] for members in unit_params],
-                                 s.bucket_numel, layout_dp, 0 if s.stage == 0 else self.dp_rank)
         self._initial_shard = self._read_shard()
         self.host_copies = HostCopies(self.params[0].device) if s.offload else None
         self.store = ParamStore(self.params, self.layout, s.param_dtype, dp_group, sharded=s.stage == 3,
@@ -127,7 +120,7 @@ class DataParallel:
                            + [u for u, m in reversed(list(enumerate(unit_modules))) if m is not None])
         self.deferred: Optional[DeferredUpdate] = None
         self.stage3 = None
-        names = {id(p): n for n, p in container.named_parameters()}
+        names = {id(p): n for n, p in torch.nn.ModuleList(roots).named_parameters()}
         if s.stage == 3:
             self.stage3 = Stage3Hooks(roots, unit_modules, self.store, self.fetch, s.prefetch_depth,
                                       keep_until_step=s.once_per_step, names=names)
@@ -250,6 +243,20 @@ class DataParallel:
         """Bytes of 16-bit parameters and of gradient buffers this rank really holds."""
         return {"params": storage_bytes(self.params + [self.store.shard]),
                 "grads": storage_bytes([self.reducer.flat, self.reducer.shard, *self.reducer.pool])}
+
+
+def flat_layout(roots: list[torch.nn.Module], units: list[torch.nn.Module], settings: DataParallelSettings, dp: int,
+                dp_rank: int) -> tuple[list[torch.nn.Parameter], list, FlatLayout]:
+    """``roots``' trainable parameters in flat-buffer order, the module of each unit (None for the
+    persistent one) and the layout of data-parallel rank ``dp_rank`` of ``dp``. Only shapes are read,
+    so meta-device models describe a layout without a process group (an offline checkpoint)."""
+    named = [(n, p) for n, p in torch.nn.ModuleList(roots).named_parameters() if p.requires_grad]
+    unit_params, unit_modules = _group_by_unit(named, units, settings.persistence_threshold)
+    order = [i for members in unit_params for i in members]
+    sharded = settings.stage > 0  # stage 0 keeps the whole buffers on every rank
+    layout = FlatLayout([[named[i][1].numel() for i in members] for members in unit_params],
+                        settings.bucket_numel, dp if sharded else 1, dp_rank if sharded else 0)
+    return [named[i][1] for i in order], unit_modules, layout
 
 
 def _group_by_unit(named, units, persistence_threshold: int):

@@ -32,6 +32,7 @@ from parallel.tensor_parallel.collectives import copy_to_tp, split_sequence
 from parallel.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from parallel.tensor_parallel.random import TensorParallelRNG
+from parallel.tensor_parallel.sharding import Shard
 
 REPLACEMENTS = {
     "colwise": (nn.Linear, ColumnParallelLinear.from_linear),
@@ -39,6 +40,8 @@ REPLACEMENTS = {
     "vocab": (nn.Embedding, VocabParallelEmbedding.from_embedding),
     "vocab_loss": (nn.Module, VocabParallelCrossEntropy.from_loss),
 }
+SPLIT_LAYERS = {"colwise": ColumnParallelLinear, "rowwise": RowParallelLinear, "vocab": VocabParallelEmbedding}
+"""The styles that split parameters, and the layer whose ``SPLIT_DIMS`` say how."""
 WRAPPERS = ("split_sequence", "sequence", "local")
 STYLES = tuple(REPLACEMENTS) + WRAPPERS
 
@@ -109,6 +112,33 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], group, *, rng:
                 raise ValueError(f"{name}: style {style!r} needs a {kind.__name__}, got {type(module).__name__}")
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, build(module, group, sequence_parallel, memo))
+    return model
+
+
+def shard_meta_model(model: nn.Module, plan: dict[str, str], tp: int, tp_rank: int) -> nn.Module:
+    """What ``apply_tensor_parallel`` does to a meta-device ``model``'s parameters on tp rank ``tp_rank``
+    of ``tp``, without a process group: each split parameter becomes a meta parameter of its local
+    shape, recorded in its module's ``tp_shards`` (so ``sharding.param_shards`` reads it). The layers
+    are not replaced and nothing runs: this is for describing a layout offline (a checkpoint written
+    for a run that has not started). A one-rank group splits nothing, as ``apply_tensor_parallel`` is
+    then not applied at all."""
+    if tp == 1:
+        return model
+    for pattern, style in plan.items():
+        layer = SPLIT_LAYERS.get(style)
+        if layer is None:
+            continue
+        for _, module in matching(model, pattern):
+            shards = module.__dict__.setdefault("tp_shards", {})
+            for attr, dim in layer.SPLIT_DIMS.items():
+                param = getattr(module, attr, None)
+                if dim is None or param is None:
+                    continue
+                shard = Shard(dim, tp_rank, tp)
+                shape = list(param.shape)
+                shape[dim] //= tp
+                setattr(module, attr, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=param.requires_grad))
+                shards[attr] = shard
     return model
 
 

@@ -44,6 +44,9 @@ def _shard_param(param: Optional[nn.Parameter], shard: Shard, memo: dict) -> Opt
 
 
 class _TPModule(nn.Module):
+    SPLIT_DIMS: dict[str, Optional[int]] = {}
+    """Each parameter's split dimension (None: replicated); also read by ``apply.shard_meta_model``."""
+
     def __init__(self, group, sequence_parallel: bool):
         super().__init__()
         self.group = group
@@ -51,11 +54,11 @@ class _TPModule(nn.Module):
         self.tp_shards: dict[str, Shard] = {}
 
     @classmethod
-    def _from(cls, module: nn.Module, group, sequence_parallel: bool, memo, split_dims: dict):
+    def _from(cls, module: nn.Module, group, sequence_parallel: bool, memo):
         """This rank's layer from a plain ``module``: each named parameter split along its dim."""
         layer = cls(group, sequence_parallel)
         memo = {} if memo is None else memo
-        for name, dim in split_dims.items():
+        for name, dim in cls.SPLIT_DIMS.items():
             layer._place(name, getattr(module, name), dim, memo)
         return layer
 
@@ -78,9 +81,11 @@ class _TPModule(nn.Module):
 class ColumnParallelLinear(_TPModule):
     """y = x W^T + b with W's output rows (and b) split across ranks; y stays split."""
 
+    SPLIT_DIMS = {"weight": 0, "bias": 0}
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None):
-        return cls._from(linear, group, sequence_parallel, memo, {"weight": 0, "bias": 0})
+        return cls._from(linear, group, sequence_parallel, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
@@ -90,9 +95,11 @@ class ColumnParallelLinear(_TPModule):
 class RowParallelLinear(_TPModule):
     """y = sum over ranks of x_r W_r^T, + b: input columns split, output whole (or sequence-split)."""
 
+    SPLIT_DIMS = {"weight": 1, "bias": None}
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None):
-        return cls._from(linear, group, sequence_parallel, memo, {"weight": 1, "bias": None})
+        return cls._from(linear, group, sequence_parallel, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -106,9 +113,11 @@ class RowParallelLinear(_TPModule):
 class VocabParallelEmbedding(_TPModule):
     """Embedding whose vocabulary rows are split across ranks; the output is whole on every rank."""
 
+    SPLIT_DIMS = {"weight": 0}
+
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group, sequence_parallel: bool = False, memo=None):
-        return cls._from(embedding, group, sequence_parallel, memo, {"weight": 0})
+        return cls._from(embedding, group, sequence_parallel, memo)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]

@@ -1,0 +1,154 @@
+"""`megazero convert --tp --pp --dp --zero-stage --virtual-stages`: a checkpoint written offline in a
+run's own layout.
+
+The layout is computed without a process group (``convert.layout.training_layout``); it must equal,
+rank by rank, the shard description the engine's optimizer gives when that run really starts (on
+4 gloo ranks, four layouts: tensor x pipeline, pipeline x data with interleaving and ZeRO-3, tensor x
+data with ZeRO-2 and a persistence threshold, plain data parallelism). The files written in that layout
+must give back every logical tensor of the source, and the engine at that layout must load them into
+exactly the values the source holds. A layout the model cannot take is refused in one line naming the
+field, with nothing written.
+
+Planted bugs these caught: the offline layout ignoring the persistence threshold (stage 2 case
+differs), tensor-parallel shapes not applied offline (every tp case differs), the tied head copy named
+by its own name (the pipeline cases differ).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megazero.checkpoint import latest_checkpoint, read_manifest
+from megazero.checkpoint.reader import CheckpointReader
+from megazero.checkpoint.state import load_checkpoint
+from megazero.cli import main
+from megazero.config import load_config, resolve_config
+from megazero.convert.checkpoint_out import _description
+from megazero.convert.layout import training_layout
+from megazero.convert.targets import write_megazero
+from megazero.engine import Engine
+from models import GPT
+from models.gpt import VOCAB_PADDED
+from models.embedding import padded_vocab_size
+from parallel.tensor_parallel.sharding import param_shards
+from parallel.topology import RankGrid, Topology
+from tests.distributed import run_world
+
+VOCAB = 61
+MODEL = ["--model.num_layers", "4", "--model.hidden_size", "32", "--model.num_heads", "4", "--model.vocab_size",
+         str(VOCAB), "--model.seq_length", "16", "--train.micro_batch_size", "1", "--train.global_batch_size", "8",
+         "--train.device", "cpu", "--zero.bucket_size_mb", "0.002", "--precision.dtype", "fp32"]
+LAYOUTS = {
+    "tp2-pp2-zero1": ["--parallel.tp", "2", "--parallel.pp", "2", "--zero.stage", "1"],
+    "pp2-dp2-v2-zero3": ["--parallel.pp", "2", "--parallel.virtual_stages", "2", "--zero.stage", "3"],
+    "tp2-dp2-zero2-persist": ["--parallel.tp", "2", "--zero.stage", "2", "--zero.persistence_threshold", "100"],
+    "dp4-zero0": ["--zero.stage", "0", "--model.preset", "llama"],
+}
+
+
+def _config(name: str):
+    return resolve_config(load_config(None, MODEL + LAYOUTS[name]), 4)
+
+
+class _Source:
+    """A source of logical tensors (what `megazero convert` reads from HF, Megatron or megazero)."""
+
+    kind = "test"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        model = GPT(cfg, seed=5)
+        self.tensors = {name: p.detach()[:VOCAB].clone() if name in VOCAB_PADDED else p.detach().clone()
+                        for name, p in model.named_parameters()}
+        self.names = list(self.tensors)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def _world(rank, world_size, root):
+    out = {}
+    for name in LAYOUTS:
+        cfg = _config(name)
+        p = cfg.parallel
+        engine = Engine(cfg, Topology(RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order)), torch.device("cpu"))
+        mine = engine.optimizer.describe()
+        offline = _description(training_layout(cfg).ranks[rank])
+        same = offline["params"] == mine["params"] and torch.equal(offline["segments"], mine["segments"])
+        ckpt = latest_checkpoint(f"{root}/{name}")
+        load_checkpoint(ckpt, rank, engine.chunks, engine.optimizer, read_manifest(ckpt), same_layout=True)
+        source = _Source(cfg.model)
+        engine.data_parallel.wait_params()
+        loaded = all(torch.equal(q.detach(), _expected(chunk, n, source))
+                     for chunk in engine.chunks for n, q in chunk.named_parameters())
+        out[name] = {"same": same, "loaded": loaded}
+    return out
+
+
+def _expected(chunk, name: str, source: _Source) -> torch.Tensor:
+    """This rank's slice of the source's logical tensor, padded to this layout's vocabulary."""
+    full = source.tensors[chunk.logical_name(name)]
+    if name in VOCAB_PADDED:
+        full = torch.cat([full, full.new_zeros(chunk.padded_vocab - VOCAB, *full.shape[1:])])
+    shard = param_shards(chunk).get(name)
+    return full if shard is None else shard.take(full)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+    for name in LAYOUTS:
+        cfg = _config(name)
+        write_megazero(_Source(cfg.model), root / name, run=cfg)
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(written):
+    return run_world(4, _world, str(written))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_offline_layout_is_the_engines(report, name):
+    assert all(r[name]["same"] for r in report), [r[name] for r in report]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_engine_loads_the_source_values(report, name):
+    assert all(r[name]["loaded"] for r in report), [r[name] for r in report]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_files_give_back_every_logical_tensor(written, name):
+    cfg = _config(name)
+    reader = CheckpointReader(latest_checkpoint(written / name))
+    source = _Source(cfg.model)
+    assert len(reader.ranks) == 4 and set(reader.shapes) == set(source.names)
+    padded = padded_vocab_size(VOCAB, 128 * cfg.parallel.tp)
+    for name_, want in source.tensors.items():
+        got = reader.read(name_)["master"]
+        if name_ in VOCAB_PADDED:
+            assert got.shape[0] == padded and not got[VOCAB:].any()
+            got = got[:VOCAB]
+        assert torch.equal(got, want), name_
+
+
+def test_layout_the_model_cannot_take_is_refused(written, tmp_path, capsys):
+    src = latest_checkpoint(written / "dp4-zero0")
+    dst = tmp_path / "out"
+    assert main(["convert", str(src), str(dst), "--to", "megazero", "--tp", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.num_heads" in err and "parallel.tp 3" in err, err
+    assert not dst.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_cli_writes_the_layout(written, tmp_path):
+    src = latest_checkpoint(written / "dp4-zero0")
+    dst = tmp_path / "tp2"
+    assert main(["convert", str(src), str(dst), "--to", "megazero", "--tp", "2", "--dp", "1", "--pp", "2"]) == 0
+    manifest = read_manifest(latest_checkpoint(dst))
+    layout = manifest["meta"]["layout"]
+    assert (layout["tp"], layout["pp"], layout["dp"], manifest["world_size"]) == (2, 2, 1, 4)
+    recorded = manifest["meta"]["config"]["parallel"]
+    assert (recorded["tp"], recorded["pp"], recorded["dp"]) == (2, 2, 1)
