@@ -28,10 +28,10 @@ import torch
 
 from megazero.errors import UserError
 from models.config import ModelConfig
+from models.gpt import VOCAB_PADDED
 
 Read = Callable[[str], torch.Tensor]
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-VOCAB_PADDED = ("embedding.tokens.weight", "lm_head.weight")
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # Hugging Face's names for our (tanh-approximated) GeLU
 
 
