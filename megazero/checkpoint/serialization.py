@@ -57,20 +57,26 @@ def split(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
                     "hold tensors, dicts, lists, strings, numbers, booleans and None")
 
 
-def write(obj: Any, f: BinaryIO) -> None:
-    """Write ``obj`` to the binary file ``f`` as a safetensors file (see the module docstring)."""
-    tensors: dict[str, torch.Tensor] = {}
-    header: dict[str, Any] = {"__metadata__": {TREE: json.dumps(split(obj, "", tensors))}}
+def header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors file's leading bytes for ``tensors`` (shapes and dtypes only: meta tensors may
+    stand in for data written later), their bytes to follow in this order."""
+    fields: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
+        fields[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    encoded = json.dumps(header).encode()
+    encoded = json.dumps(fields).encode()
     encoded += b" " * (-len(encoded) % 8)  # tensor data starts 8-byte aligned, as safetensors writes it
-    f.write(struct.pack("<Q", len(encoded)))
-    f.write(encoded)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def write(obj: Any, f: BinaryIO) -> None:
+    """Write ``obj`` to the binary file ``f`` as a safetensors file (see the module docstring)."""
+    tensors: dict[str, torch.Tensor] = {}
+    tree = json.dumps(split(obj, "", tensors))
+    f.write(header(tensors, {TREE: tree}))
     for tensor in tensors.values():
         # Only the tensor's own bytes: a view of a large flat buffer writes the view, not the buffer.
         f.write(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,19 +32,8 @@ class StreamedSafetensors:
         self.path = path
         self.f = open(path, "wb")
         self.writer = HashingWriter(self.f)
-        header: dict[str, Any] = {"__metadata__": metadata}
-        offset = 0
-        self.pending: list[tuple[str, torch.dtype, int]] = []
-        for name, tensor in tensors.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            header[name] = {"dtype": serialization.DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            self.pending.append((name, tensor.dtype, nbytes))
-            offset += nbytes
-        encoded = json.dumps(header).encode()
-        encoded += b" " * (-len(encoded) % 8)
-        self.writer.write(struct.pack("<Q", len(encoded)))
-        self.writer.write(encoded)
+        self.pending = [(name, t.dtype, t.numel() * t.element_size()) for name, t in tensors.items()]
+        self.writer.write(serialization.header(tensors, metadata))
         self.left = 0  # bytes still owed to the current tensor
         self.current: Optional[tuple[str, torch.dtype, int]] = None
 
