@@ -117,6 +117,7 @@ class Engine:
         self.executor = PipelineExecutor(
             self.chunks, topology, (cfg.train.micro_batch_size, seq, cfg.model.hidden_size),
             dtype=self.dtype, device=device, forward_step=gpt_forward_step,
+            schedule=None if p.pipeline_schedule == "auto" else p.pipeline_schedule,
             timeout_s=cfg.train.collective_timeout_s, before_backward=self._before_backward)
 
     def _before_backward(self, op, last: bool) -> None:

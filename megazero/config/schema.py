@@ -20,6 +20,7 @@ class ParallelConfig:
     pp: int = option(1, "Pipeline-parallel size: stages the layers are split into")
     dp: Optional[int] = option(None, "Data-parallel size (None = world size / (tp*pp))")
     virtual_stages: int = option(1, "Model chunks per pipeline rank for the interleaved 1F1B schedule")
+    pipeline_schedule: str = option("auto", "Pipeline schedule: auto (1f1b, interleaved_1f1b with virtual stages), gradient_accumulation, 1f1b, interleaved_1f1b or zb-h1 (zero bubble: weight gradients fill the bubble)")
     sequence_parallel: bool = option(False, "Shard norm and dropout activations along the sequence (needs tp > 1)")
     order: str = option("tp-dp-pp", "Rank order from fastest to slowest axis: tp-dp-pp or tp-pp-dp")
     allow_tp_across_nodes: bool = option(False, "Permit tensor-parallel groups that span nodes (slow; off by default)")

@@ -26,6 +26,7 @@ from models.parallelize import RECOMPUTE_MODES, tp_layout_problems
 from parallel.data_parallel import STAGES
 from parallel.launch import DEVICES
 from parallel.pipeline.partition import split_problem
+from parallel.pipeline.schedule import TRAINING_SCHEDULES, schedule_problem
 from parallel.topology import ORDERS
 
 CHOICES = {
@@ -34,6 +35,7 @@ CHOICES = {
     "model.activation": ACTIVATIONS,
     "parallel.order": ORDERS,
     "parallel.recompute": RECOMPUTE_MODES,
+    "parallel.pipeline_schedule": TRAINING_SCHEDULES,
     "zero.stage": STAGES,
     "precision.dtype": ("fp32", "bf16", "fp16"),
     "optimizer.name": ("adamw",),
@@ -154,6 +156,9 @@ def _shape_problems(cfg: Config) -> list[str]:
         problems.append(f"model.seq_length: {m.seq_length} is not divisible by parallel.tp {p.tp} (sequence parallel)")
     if p.virtual_stages > 1 and p.pp == 1:
         problems.append("parallel.virtual_stages: interleaving needs parallel.pp > 1; set it to 1")
+    schedule = schedule_problem(p.pipeline_schedule, p.virtual_stages) if p.pipeline_schedule in TRAINING_SCHEDULES else None
+    if schedule:
+        problems.append(f"parallel.pipeline_schedule: {schedule}")
     split = split_problem(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
     if split:
         problems.append(split)

@@ -7,6 +7,13 @@ last virtual stage the call returns the micro-batch's mean loss. Backward of a s
 output with the gradient received from the next stage. Gradients accumulate in ``.grad``; reducing
 them over data-parallel ranks (and summing tied embeddings) is the caller's next move, see ``grads``.
 
+Split-backward schedules (``zb-h1``): the executor routes its chunks' linear layers through a
+``WeightGradQueue`` (``deferred_wgrad``), so a ``B`` op computes input gradients and queues the
+weight-gradient GEMMs, and the ``W`` op of that micro-batch runs them. The ``W`` ops that follow a
+rank's last ``B`` run as one sum per weight: each parameter then receives exactly one gradient
+after ``before_backward(op, is_last=True)``, which is what lets a data-parallel reducer launch a
+bucket as soon as its last gradient lands, during that tail.
+
 Memory: a forward's output is cloned into a fresh send buffer, and that buffer's storage is released
 as soon as the send completes (autograd keeps only the graph, which never saved the clone), so a
 stage holds just what its backward needs for the micro-batches in flight.
@@ -22,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.pipeline.deferred_wgrad import WeightGradQueue, defer_weight_grads
 from parallel.pipeline.p2p import StageLink, broadcast_from_last_stage, free_storage
 from parallel.pipeline.plan import Message, plan_for, virtual_stage
-from parallel.pipeline.schedule import Op, default_schedule
+from parallel.pipeline.schedule import Op, build_schedule, default_schedule, splits_backward
 
 ForwardStep = Callable[[nn.Module, Optional[torch.Tensor], Any, bool, bool], torch.Tensor]
 
@@ -41,8 +49,8 @@ def default_forward_step(module: nn.Module, x: Optional[torch.Tensor], microbatc
 class StepStats:
     """What one step did on this rank, for tests and benchmarks."""
 
-    ops: list[Op] = field(default_factory=list)
-    peak_live: int = 0  # most micro-batch chunks held between their forward and backward
+    ops: list[Op] = field(default_factory=list)  # in the order they ran
+    peak_live: int = 0  # most micro-batch chunks held between their forward and backward (its W when split)
     peak_held_bytes: int = 0  # most bytes of stage outputs held for backward (unsent ones; sent ones are freed)
     sent: int = 0  # tensors sent to neighbours
     released: int = 0  # sent tensors whose storage was released after their send completed
@@ -72,6 +80,12 @@ class PipelineExecutor:
         # Called before each backward with whether it is the step's last on this rank: a gradient
         # reducer can then start communicating buckets as that backward completes them.
         self.before_backward = before_backward
+        self.wgrad: Optional[WeightGradQueue] = None
+        if splits_backward(build_schedule(self.schedule, self.pp, self.rank, self.pp, self.v)):
+            self.wgrad = WeightGradQueue()
+            if not defer_weight_grads(self.chunks, self.wgrad):
+                raise ValueError(f"schedule {self.schedule} defers weight gradients of linear layers, "
+                                 f"and pipeline rank {self.rank}'s chunks hold none")
         self.link = StageLink(topo.pp_group, topo.stage_rank, tuple(activation_shape), dtype, self.device,
                               timeout_s, label=f"rank {topo.rank} (pipeline rank {self.rank})")
         self.stats = StepStats()
@@ -106,16 +120,20 @@ class PipelineExecutor:
         ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v)
         run = _StepRun(self, microbatches, backward_scale, keep_graph)
         run.backward_total = sum(op.kind == "B" for op in ops)
-        self.stats = StepStats(ops=ops)
+        self.stats = StepStats()
         for k, step in enumerate(plan):
             sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
             self.stats.sent += len(sends)
             run.inbox.update(self.link.exchange(sends, step.recvs, where=f"step {k} before {step.op}"))
             self._release(self.link.finish_sends(block=False))
             if step.op is not None:
-                self._timed(run.forward if step.op.kind == "F" else run.backward, step.op)
+                self._timed({"F": run.forward, "B": run.backward, "W": run.weight_grads}[step.op.kind], step.op)
+                self.stats.ops.append(step.op)
                 self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, run.held_bytes())
         self._release(self.link.finish_sends(block=True))
+        if self.wgrad is not None and len(self.wgrad):
+            raise RuntimeError(f"pipeline rank {self.rank}: weight gradients of {sorted(self.wgrad.pending)} "
+                               f"(micro-batch, chunk) never ran: schedule {schedule} lacks their W ops")
         loss = self._step_loss(run.loss_sum, m)
         self._sync()
         self.stats.step_s = time.perf_counter() - start
@@ -174,6 +192,7 @@ class _StepRun:
         self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         self.loss_sum: Optional[torch.Tensor] = None
         self.backward_ops_done, self.backward_total = 0, 0
+        self.awaiting_w: set[tuple[int, int]] = set()  # backward ran, deferred weight gradients not yet
 
     def held_bytes(self) -> int:
         return sum(out.untyped_storage().nbytes() for _, out in self.saved.values())
@@ -194,7 +213,7 @@ class _StepRun:
             self.outbox[Message("act", op.microbatch, s)] = out
         if self.keep_graph:
             self.saved[(op.microbatch, op.chunk)] = (x, out)
-            self.ex.stats.peak_live = max(self.ex.stats.peak_live, len(self.saved))
+            self.ex.stats.peak_live = max(self.ex.stats.peak_live, len(self.saved) + len(self.awaiting_w))
 
     def backward(self, op: Op) -> None:
         if self.ex.before_backward is not None:
@@ -206,9 +225,23 @@ class _StepRun:
             grad = torch.full_like(out, self.backward_scale)
         else:
             grad = self.inbox.pop(Message("grad", op.microbatch, s + 1))
-        torch.autograd.backward(out, grad)
+        if self.ex.wgrad is None:
+            torch.autograd.backward(out, grad)
+        else:
+            with self.ex.wgrad.backward_of((op.microbatch, op.chunk)):
+                torch.autograd.backward(out, grad)
+            self.awaiting_w.add((op.microbatch, op.chunk))
         if s > 0:
             if x.grad is None:
                 raise ValueError(f"virtual stage {s} did not use its input: its output does not depend on "
                                  f"the activation it received")
             self.outbox[Message("grad", op.microbatch, s)] = x.grad.contiguous()
+
+    def weight_grads(self, op: Op) -> None:
+        """The deferred weight gradients of ``op``'s micro-batch; after the last ``B``, of every one left."""
+        if self.backward_ops_done < self.backward_total:
+            keys = [(op.microbatch, op.chunk)]
+        else:  # the tail: one sum per weight, so each parameter gets one gradient after the last B
+            keys = sorted(self.awaiting_w)
+        self.ex.wgrad.run(keys)
+        self.awaiting_w.difference_update(keys)

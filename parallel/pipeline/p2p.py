@@ -64,6 +64,9 @@ class StageLink:
         if not ops:
             return {}
         works = dist.batch_isend_irecv(ops)
+        if not recvs:  # nothing to wait for before the next op (a W after its B): sends stay in flight
+            self._in_flight += [(works[min(i, len(works) - 1)], t) for i, (_, t) in enumerate(sends)]
+            return {}
         if len(works) != len(ops):  # coalesced into one handle (NCCL): the batch completes as a whole
             self._wait(works, f"{where}: batch " + _describe(sends, recvs))
             self._in_flight += [(None, t) for _, t in sends]

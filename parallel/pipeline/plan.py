@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from parallel.pipeline.schedule import Op, build_schedule, interleaved_warmup
+from parallel.pipeline.schedule import Op, build_schedule, interleaved_warmup, splits_backward
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,8 @@ def op_io(op: Op, pp: int, rank: int, v: int) -> tuple[Optional[Transfer], Optio
     if pp == 1 and v > 1:
         raise ValueError("virtual stages need pp > 1: with one rank, use a deeper single chunk instead")
     s, last = virtual_stage(pp, rank, op.chunk), pp * v - 1
+    if op.kind == "W":  # a weight gradient stays on its rank
+        return None, None
     if op.kind == "F":
         recv = Transfer((s - 1) % pp, Message("act", op.microbatch, s - 1)) if s > 0 else None
         send = Transfer((s + 1) % pp, Message("act", op.microbatch, s)) if s < last else None
@@ -106,18 +108,18 @@ def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> tuple[lis
 
 
 def check_ops(ops: list[Op], m: int, v: int) -> None:
-    """Every (micro-batch, chunk) goes forward exactly once and backward exactly once, after its forward."""
-    done: set[tuple[int, int]] = set()
+    """Every (micro-batch, chunk) goes forward exactly once and backward exactly once, after its
+    forward; in a split-backward schedule its weight gradient ``W`` also runs once, after its ``B``."""
+    before = {"B": ("F", "forward"), "W": ("B", "backward")}
     seen: set[Op] = set()
     for op in ops:
         if op in seen:
             raise PipelineDeadlock(f"{op} appears twice")
+        if op.kind in before and Op(before[op.kind][0], op.microbatch, op.chunk) not in seen:
+            raise PipelineDeadlock(f"{op} runs before its {before[op.kind][1]}")
         seen.add(op)
-        if op.kind == "F":
-            done.add((op.microbatch, op.chunk))
-        elif (op.microbatch, op.chunk) not in done:
-            raise PipelineDeadlock(f"{op} runs before its forward")
-    expected = {Op(k, i, c) for k in "FB" for i in range(m) for c in range(v)}
+    kinds = "FBW" if any(op.kind == "W" for op in ops) else "FB"
+    expected = {Op(k, i, c) for k in kinds for i in range(m) for c in range(v)}
     if seen != expected:
         raise PipelineDeadlock(f"ops missing: {sorted(expected - seen)[:4]}, extra: {sorted(seen - expected)[:4]}")
 
@@ -167,13 +169,91 @@ def simulate(plans: list[list[Step]]) -> list[int]:
     return finished
 
 
-def _can_finish(rank: int, at: list[int], plans: list[list[Step]], partner: dict) -> bool:
-    step = plans[rank][at[rank]]
+def _partners(rank: int, k: int, plans: list[list[Step]], partner: dict) -> list[tuple[int, int]]:
+    """(peer, the peer's step) of every send and receive in ``rank``'s step ``k``."""
+    step = plans[rank][k]
     sides = [("send", j, t) for j, t in enumerate(step.sends)] + [("recv", j, t) for j, t in enumerate(step.recvs)]
-    return all(at[t.peer] >= partner[(rank, at[rank], side, j)] for side, j, t in sides)
+    return [(t.peer, partner[(rank, k, side, j)]) for side, j, t in sides]
+
+
+def _can_finish(rank: int, at: list[int], plans: list[list[Step]], partner: dict) -> bool:
+    return all(at[peer] >= pk for peer, pk in _partners(rank, at[rank], plans, partner))
 
 
 def _waits(step: Step) -> str:
     parts = [f"send {t.message} to rank {t.peer}" for t in step.sends]
     parts += [f"recv {t.message} from rank {t.peer}" for t in step.recvs]
     return ", ".join(parts) or "nothing"
+
+
+# Relative cost of each op when timing a plan: a whole backward is twice a forward (Narayanan et al.),
+# split into an input-gradient half and a weight-gradient half of one forward each (Qi et al.).
+UNIT_COSTS = {"F": 1.0, "B": 2.0, "B_input": 1.0, "W": 1.0}
+
+
+def op_cost(op: Op, split: bool, costs: dict = UNIT_COSTS) -> float:
+    return costs["B_input"] if op.kind == "B" and split else costs[op.kind]
+
+
+def timeline(plans: list[list[Step]], costs: dict = UNIT_COSTS) -> list[list[tuple[Op, float, float]]]:
+    """Each rank's ops with their start and end times, messages taking no time.
+
+    A rank posts step k's batch when its op of step k - 1 ends. The batch completes once each of its
+    sends and receives has met its partner (both sides posted) and the rank's earlier batches have
+    completed (one communication stream, in order, as NCCL runs them). An op waits for its step's
+    batch only when that batch receives something: a batch of sends alone is left in flight (the
+    executor does the same), so a ``W`` never waits for its ``B``'s gradient to be taken. Split-
+    backward plans (holding ``W`` ops) cost ``B`` as the input-gradient half. Raises
+    ``PipelineDeadlock`` as ``simulate`` does.
+    """
+    simulate(plans)  # a deadlock or mismatch is reported as such before anything is timed
+    partner = _match(plans)
+    split = [splits_backward([step.op for step in plan if step.op is not None]) for plan in plans]
+    posted: list[list[float]] = [[] for _ in plans]  # posted[r][k]: when rank r posted step k
+    done: list[list[float]] = [[] for _ in plans]  # done[r][k]: when step k's batch completed
+    free = [0.0] * len(plans)  # when rank r's latest op ended
+    out: list[list[tuple[Op, float, float]]] = [[] for _ in plans]
+
+    def complete(r: int) -> bool:
+        k = len(done[r])
+        if k == len(posted[r]):
+            return False
+        peers = _partners(r, k, plans, partner)
+        if any(len(posted[peer]) <= pk for peer, pk in peers):
+            return False  # a partner has not posted its side yet
+        done[r].append(max([posted[r][k]] + done[r][-1:] + [posted[peer][pk] for peer, pk in peers]))
+        return True
+
+    ran = [0] * len(plans)  # steps whose op has run
+    while any(ran[r] < len(p) for r, p in enumerate(plans)):
+        progressed = False
+        for r, plan in enumerate(plans):
+            while ran[r] < len(plan):
+                k, step = ran[r], plan[ran[r]]
+                if len(posted[r]) == k:  # posted as soon as the op before has run
+                    posted[r].append(free[r])
+                    progressed = True
+                while complete(r):
+                    progressed = True
+                if step.recvs and len(done[r]) <= k:
+                    break  # its receives have not landed yet
+                if step.op is not None:
+                    start = max(free[r], done[r][k]) if step.recvs else free[r]
+                    free[r] = start + op_cost(step.op, split[r], costs)
+                    out[r].append((step.op, start, free[r]))
+                ran[r] += 1
+                progressed = True
+        if not progressed:  # unreachable once simulate passed; a guard against looping forever
+            raise PipelineDeadlock("timeline made no progress")
+    return out
+
+
+def bubble_of(times: list[list[tuple[Op, float, float]]]) -> float:
+    """Idle time over busy time on the idlest rank, the step lasting until the last rank finishes.
+
+    The measure of Narayanan et al. ((pp - 1) / m for 1F1B with costs 1 and 2), and the one the GPU
+    benchmark reports from measured op times.
+    """
+    makespan = max(end for ops in times for _, _, end in ops)
+    busy = [sum(end - start for _, start, end in ops) for ops in times]
+    return max((makespan - b) / b for b in busy)

@@ -7,19 +7,27 @@ interprets these lists; the communication they imply is derived from them in ``c
 Model chunks and virtual stages: with ``v`` chunks per rank (interleaved 1F1B) the model is cut
 into ``pp * v`` virtual stages and rank ``r`` holds stages ``r, r + pp, r + 2 pp, ...``; its chunk
 ``c`` is virtual stage ``c * pp + r``. Plain 1F1B is the case ``v = 1``.
+
+Split backward (zero-bubble schedules): an ``F`` is a forward and a ``B`` the whole backward, except
+in a schedule that also holds ``W`` ops; there ``B`` computes only the input gradient (what the
+previous stage waits for) and ``W`` the same micro-batch's weight gradients, which nothing waits for
+and so can be moved into the bubble.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
-SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "forward_only")
+SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "zb-h1", "forward_only")
+TRAINING_SCHEDULES = ("auto",) + SCHEDULES[:-1]
+"""The choices of ``parallel.pipeline_schedule``: ``auto`` is ``default_schedule``."""
 
 
 @dataclass(frozen=True, order=True)
 class Op:
-    """One forward (``F``) or backward (``B``) of micro-batch ``microbatch`` on model chunk ``chunk``."""
+    """A forward (``F``), backward (``B``) or deferred weight gradient (``W``) of micro-batch
+    ``microbatch`` on model chunk ``chunk``."""
 
     kind: str
     microbatch: int
@@ -61,6 +69,38 @@ def one_f_one_b(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
     for i in range(m - warmup):
         ops += [Op("F", warmup + i), Op("B", i)]
     return ops + [Op("B", i) for i in range(m - warmup, m)]
+
+
+def zero_bubble_h1(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
+    """ZB-H1 (Qi et al. 2023): 1F1B with each backward split into ``B`` then ``W``; rank ``r`` keeps
+    up to ``r`` weight gradients waiting, and runs them where 1F1B would idle.
+
+    1F1B's warm-up and its F/B alternation are kept, so the critical path (forwards down, input
+    gradients up) is 1F1B's with ``B`` shorter by ``W``. After each ``B`` the oldest waiting ``W``
+    runs once more than ``r`` wait; the cool-down is ``B W`` pairs, then the remaining ``W``s. A
+    micro-batch's activations live from its ``F`` to its ``W``, so every rank holds at most ``pp``
+    (``m`` if fewer): rank 0's 1F1B peak, which sets the memory 1F1B needs anyway. With F, B and W
+    of equal cost the bubble is (pp - 1) units against 1F1B's 3 (pp - 1): a third.
+    """
+    _check(pp, rank, m, v)
+    if v != 1:
+        raise ValueError("zb-h1 runs one model chunk per rank; set virtual stages to 1")
+    warmup = min(pp - rank - 1, m)
+    ops = [Op("F", i) for i in range(warmup)]
+    waiting: list[int] = []
+
+    def backward(i: int, keep: int) -> None:
+        ops.append(Op("B", i))
+        waiting.append(i)
+        while len(waiting) > keep:
+            ops.append(Op("W", waiting.pop(0)))
+
+    for i in range(m - warmup):
+        ops.append(Op("F", warmup + i))
+        backward(i, rank)
+    for i in range(m - warmup, m):
+        backward(i, rank)
+    return ops + [Op("W", i) for i in waiting]
 
 
 def _chunk_order(pp: int, m: int, v: int, backward: bool) -> list[tuple[int, int]]:
@@ -118,6 +158,7 @@ _BUILDERS: dict[str, Callable[..., list[Op]]] = {
     "gradient_accumulation": gradient_accumulation,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
+    "zb-h1": zero_bubble_h1,
     "forward_only": forward_only,
 }
 
@@ -129,6 +170,15 @@ def build_schedule(name: str, pp: int, rank: int, m: int, v: int = 1) -> list[Op
     return _BUILDERS[name](pp, rank, m, v)
 
 
+def schedule_problem(name: str, v: int) -> Optional[str]:
+    """Why training schedule ``name`` cannot run ``v`` model chunks per rank (None when it can)."""
+    if name == "interleaved_1f1b" and v == 1:
+        return "interleaved_1f1b needs more than one model chunk per rank; raise parallel.virtual_stages"
+    if name not in ("auto", "interleaved_1f1b") and v > 1:
+        return f"{name} runs one model chunk per rank; set parallel.virtual_stages to 1 or use interleaved_1f1b"
+    return None
+
+
 def default_schedule(pp: int, v: int) -> str:
     """1F1B for pipelines, its interleaved form with virtual stages, plain accumulation without pp."""
     if v > 1:
@@ -136,18 +186,28 @@ def default_schedule(pp: int, v: int) -> str:
     return "1f1b" if pp > 1 else "gradient_accumulation"
 
 
+def splits_backward(ops: list[Op]) -> bool:
+    """Whether ``ops`` run weight gradients as ops of their own (``W``), apart from ``B``."""
+    return any(op.kind == "W" for op in ops)
+
+
 def max_live_activations(ops: list[Op]) -> int:
-    """Most micro-batch chunks whose forward has run and backward has not, at any point of ``ops``."""
+    """Most micro-batch chunks whose forward has run and whose backward (its ``W``, when the backward
+    is split: the weight gradient still needs the layer inputs) has not, at any point of ``ops``."""
+    done = "W" if splits_backward(ops) else "B"
     live = peak = 0
     for op in ops:
-        live += 1 if op.kind == "F" else -1
+        live += 1 if op.kind == "F" else -1 if op.kind == done else 0
         peak = max(peak, live)
     return peak
 
 
-def bubble_fraction(pp: int, m: int, v: int = 1) -> float:
+def bubble_fraction(pp: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
     """Idle time over useful time in theory, with every stage equally fast: (pp - 1) / (v m).
 
     This is the ratio of Narayanan et al.; as a share of the whole step it is (pp-1) / (v m + pp-1).
+    ZB-H1 idles (pp - 1)(T_F + T_B - T_W) against 1F1B's (pp - 1)(T_F + T_B + T_W) (Qi et al.), a
+    third of it when the forward, input-gradient and weight-gradient halves cost the same.
     """
-    return (pp - 1) / (v * m)
+    ratio = (pp - 1) / (v * m)
+    return ratio / 3 if schedule == "zb-h1" else ratio

@@ -89,7 +89,8 @@ class ColumnParallelLinear(_TPModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        # linear_fn: set by a split-backward pipeline schedule to defer the weight gradient
+        return getattr(self, "linear_fn", F.linear)(x, self.weight, self.bias)
 
 
 class RowParallelLinear(_TPModule):
@@ -102,7 +103,7 @@ class RowParallelLinear(_TPModule):
         return cls._from(linear, group, sequence_parallel, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = getattr(self, "linear_fn", F.linear)(x, self.weight)  # see ColumnParallelLinear.forward
         if not self.sequence_parallel:
             y = reduce_from_tp(y, self.group)
             return y if self.bias is None else y + self.bias

@@ -1,0 +1,123 @@
+"""Weight gradients held back from backward, for the split-backward (zero-bubble) schedules.
+
+A linear layer's backward is two GEMMs: the input gradient ``dX = dY W``, which the previous pipeline
+stage waits for, and the weight gradient ``dW = dY^T X``, which nothing waits for until the optimizer
+step. ``WeightGradQueue.linear`` computes the first in backward and queues what the second needs
+(its input and output gradient, kept alive until then); the executor runs the queue at the
+schedule's ``W`` op for that micro-batch. Everything else in the model (norms, biases, embeddings,
+attention itself) still gets its gradient in ``B``: only the big GEMMs move.
+
+The deferred ``dW`` reaches ``param.grad`` the way autograd's own does, through the parameter's
+gradient accumulator (``torch.autograd.backward`` from the parameter itself), so post-accumulate-grad
+hooks fire as usual: the data-parallel wrapper (``parallel.data_parallel.grads``) collects and reduces
+them without knowing the schedule. A backward that runs outside a ``B`` op (no micro-batch is
+current) computes ``dW`` at once, as a plain linear layer would.
+
+``defer_weight_grads`` is the hook that turns the layers on: plain ``nn.Linear`` get an instance
+``forward`` calling ``queue.linear``; the tensor-parallel linears (whose forward bodies call
+``self.linear_fn`` when it is set, ``F.linear`` otherwise) get ``linear_fn``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Hashable, Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+class _DeferredWeightLinear(torch.autograd.Function):
+    """``x W^T`` whose backward returns ``dX`` and leaves ``dW`` to the queue (when a micro-batch is
+    current; otherwise it returns ``dW`` too)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, queue: "WeightGradQueue") -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.queue = queue
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            if ctx.queue.current is None:
+                grad_w = weight_grad([(x, grad_out)])
+            else:
+                ctx.queue.push(weight, x, grad_out)
+        return grad_x, grad_w, None
+
+
+def weight_grad(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``sum dY^T X`` over ``(X, dY)`` pairs, every leading dimension flattened, in ``X``'s dtype
+    (several are summed in fp32 first, so a 16-bit sum of micro-batches is rounded once)."""
+    grads = [g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) for x, g in pairs]
+    if len(grads) == 1:
+        return grads[0]
+    return torch.stack([g.float() for g in grads]).sum(0).to(grads[0].dtype)
+
+
+class WeightGradQueue:
+    """The weight-gradient GEMMs of the micro-batches whose ``B`` ran and ``W`` has not.
+
+    ``current`` names the micro-batch (any hashable key, the executor uses ``(micro-batch, chunk)``)
+    whose backward is running; ``run(keys)`` computes and accumulates the queued gradients of ``keys``.
+    """
+
+    def __init__(self):
+        self.current: Optional[Hashable] = None
+        self.pending: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``F.linear`` with a deferrable weight gradient (the bias gradient, a cheap sum, stays in ``B``)."""
+        out = _DeferredWeightLinear.apply(x, weight, self)
+        return out if bias is None else out + bias
+
+    @contextlib.contextmanager
+    def backward_of(self, key: Hashable) -> Iterator[None]:
+        """Queue the weight gradients of the backward run inside under ``key``."""
+        self.current = key
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def push(self, weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+        self.pending.setdefault(self.current, []).append((weight, x, grad_out))
+
+    def run(self, keys: Iterable[Hashable]) -> None:
+        """Compute the queued weight gradients of ``keys`` and add them to ``.grad``, one sum per weight.
+
+        Weights go in the order backward reached them, so the data-parallel buckets they fill (laid
+        out in backward order) complete, and can start reducing, while later weights compute.
+        """
+        by_weight: dict[int, tuple[torch.Tensor, list]] = {}
+        for key in keys:
+            for weight, x, grad_out in self.pending.pop(key, ()):
+                by_weight.setdefault(id(weight), (weight, []))[1].append((x, grad_out))
+        for weight, pairs in by_weight.values():
+            torch.autograd.backward([weight], [weight_grad(pairs)])
+
+    def __len__(self) -> int:
+        """Micro-batches with weight gradients still queued."""
+        return len(self.pending)
+
+
+def defer_weight_grads(modules: Iterable[nn.Module], queue: WeightGradQueue) -> int:
+    """Route every linear layer under ``modules`` through ``queue``; returns how many were found."""
+    count = 0
+    for module in modules:
+        for layer in module.modules():
+            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                layer.linear_fn = queue.linear
+            elif isinstance(layer, nn.Linear):
+                layer.forward = lambda x, layer=layer: queue.linear(x, layer.weight, layer.bias)
+            else:
+                continue
+            count += 1
+    return count

@@ -1,0 +1,180 @@
+"""The zero-bubble schedule (ZB-H1): its bubble in the plan simulator, and the engine running it equal
+to 1F1B and to one process.
+
+Schedule level: every op once, each ``W`` after its ``B``, the plan cannot deadlock, activations in
+flight stay within pp (1F1B's rank-0 peak), and the timed plan's bubble equals the paper's
+(pp - 1)(F + B - W), a third of 1F1B's, for many sizes.
+
+Engine level (one 4-rank gloo world): the real GPT with its tied embedding under ZeRO 1, at
+pp 2 x dp 2 (buckets small enough that every block reduces early, during the tail of weight
+gradients), pp 4, and tp 2 x pp 2 with sequence parallelism (the tensor-parallel linears' deferred
+path). Each trains two steps with zb-h1 and with 1f1b; the losses, the gradient norms the optimizer
+reports and every parameter after the steps must equal a one-process model's. Each rank also reports
+the op order its executor really ran, which must be the schedule's and, timed by the simulator,
+give the theoretical bubble.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megazero.config import load_config
+from megazero.engine import Engine, gpt_forward_step
+from models import GPT
+from parallel.pipeline.plan import bubble_of, check_ops, comm_plan, plan_for, timeline
+from parallel.pipeline.schedule import Op, bubble_fraction, build_schedule, max_live_activations
+from parallel.tensor_parallel.sharding import param_shards
+from parallel.topology import RankGrid, Topology
+from tests.distributed import run_world
+
+STEPS, MICRO_BATCH, SEQ, VOCAB, LR = 2, 2, 8, 61, 1e-2
+SIZES = [(pp, m) for pp in (2, 3, 4, 8) for m in (1, 2, pp - 1, pp, pp + 1, 2 * pp, 3 * pp + 1, 16)]
+
+
+# --- the schedule as data ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pp,m", SIZES)
+def test_plan_runs_and_holds_no_more_than_1f1b(pp, m):
+    plans = []
+    for rank in range(pp):
+        ops, plan = plan_for("zb-h1", pp, rank, m)
+        check_ops(ops, m, 1)
+        assert max_live_activations(ops) <= min(pp, m), rank
+        plans.append(plan)
+    timeline(plans)  # simulates first: raises on a deadlock
+
+
+@pytest.mark.parametrize("pp,m", [(pp, m) for pp, m in SIZES if m >= pp])
+def test_bubble_is_a_third_of_1f1b(pp, m):
+    bubbles = {}
+    for name in ("1f1b", "zb-h1"):
+        bubbles[name] = bubble_of(timeline([plan_for(name, pp, r, m)[1] for r in range(pp)]))
+        assert bubbles[name] == pytest.approx(bubble_fraction(pp, m, schedule=name)), name
+    assert bubbles["zb-h1"] == pytest.approx(bubbles["1f1b"] / 3)
+
+
+def test_schedule_by_hand():
+    """pp 4, m 6: rank r keeps r weight gradients waiting, and runs the rest after its last B."""
+    expected = ["F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5",
+                "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5",
+                "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5",
+                "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5"]
+    for rank, text in enumerate(expected):
+        assert " ".join(map(repr, build_schedule("zb-h1", 4, rank, 6))) == text
+
+
+def test_check_ops_refuses_a_missing_or_early_w():
+    from parallel.pipeline.plan import PipelineDeadlock
+    ops = build_schedule("zb-h1", 2, 0, 3)
+    with pytest.raises(PipelineDeadlock, match="missing"):
+        check_ops([op for op in ops if repr(op) != "W1"], 3, 1)
+    early = [op for op in ops if repr(op) != "W2"]
+    early.insert(early.index(next(op for op in early if repr(op) == "B2")), ops[-1])
+    with pytest.raises(PipelineDeadlock, match="before its backward"):
+        check_ops(early, 3, 1)
+
+
+# --- the engine running it ----------------------------------------------------------------------------
+
+LAYOUTS = [((1, 2, 2), 4, ()), ((1, 4, 1), 6, ()),
+           ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true"))]
+
+
+def _config(tp, pp, dp, m, schedule, extra):
+    return load_config(None, [
+        "--model.preset", "gpt2", "--model.num_layers", "4", "--model.hidden_size", "32",
+        "--model.num_heads", "4", "--model.vocab_size", str(VOCAB), "--model.seq_length", str(SEQ),
+        "--parallel.tp", str(tp), "--parallel.pp", str(pp), "--parallel.dp", str(dp),
+        "--parallel.pipeline_schedule", schedule, "--zero.stage", "1", "--zero.bucket_size_mb", "0.002",
+        "--train.micro_batch_size", str(MICRO_BATCH), "--train.global_batch_size", str(MICRO_BATCH * m * dp),
+        "--optimizer.lr", str(LR), "--optimizer.min_lr", "0", "--optimizer.eps", "1e-4",
+        "--optimizer.clip_grad", "1e3", "--train.seed", "5", "--train.device", "cpu", *extra])
+
+
+def _batches(step, count):
+    tokens = torch.randint(0, VOCAB, (count, MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
+
+
+def _reference(cfg, count):
+    """One process, all layers: losses, gradient norms and the model after plain AdamW steps."""
+    model = GPT(cfg.model, vocab_multiple=128 * cfg.parallel.tp, seed=cfg.train.seed)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-4)
+    losses, norms = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = sum(gpt_forward_step(model, None, mb, True, True) for mb in _batches(step, count)) / count
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, 1e3).item())
+        opt.step()
+        losses.append(loss.item())
+    return dict(model.named_parameters()), losses, norms
+
+
+def _run(topo, layout, m, schedule, extra):
+    tp, pp, dp = layout
+    cfg = _config(tp, pp, dp, m, schedule, extra)
+    engine = Engine(cfg, topo, torch.device("cpu"))
+    losses, norms = [], []
+    for step in range(STEPS):
+        mine = _batches(step, m * dp)[topo.dp_rank * m:(topo.dp_rank + 1) * m]
+        out = engine.train_step(mine, lr=LR)
+        losses.append(out.loss)
+        norms.append(out.result.grad_norm)
+    engine.data_parallel.wait_params()
+    ref, ref_losses, ref_norms = _reference(cfg, m * dp)
+    param_err = 0.0
+    for chunk in engine.chunks:
+        shards = param_shards(chunk)
+        for name, p in chunk.named_parameters():
+            expect = ref["embedding.tokens.weight" if name == "lm_head.weight" and name not in ref else name].detach()
+            expect = shards[name].take(expect) if name in shards else expect
+            param_err = max(param_err, (p.detach() - expect).abs().max().item())
+    stats = engine.executor.stats
+    return {"param_err": param_err, "ops": [(op.kind, op.microbatch, op.chunk) for op in stats.ops], "peak_live": stats.peak_live,
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+            "norms": norms, "pp_rank": topo.pp_rank}
+
+
+def _world(rank, world_size):
+    out = {}
+    for layout, m, extra in LAYOUTS:
+        topo = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
+        for schedule in ("zb-h1", "1f1b"):
+            out[(layout, schedule)] = _run(topo, layout, m, schedule, extra)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return run_world(4, _world, timeout=600)
+
+
+def test_zero_bubble_equals_one_process_and_1f1b(reports):
+    for rank, report in enumerate(reports):
+        assert len(report) == 2 * len(LAYOUTS)
+        for key, value in report.items():
+            assert value["param_err"] < 5e-6, (rank, key, value["param_err"])
+            assert value["loss_err"] < 1e-5, (rank, key)
+            assert value["norm_err"] < 1e-5, (rank, key, value["norms"])
+        for layout, _, _ in LAYOUTS:  # same gradient norms as 1F1B on this rank, step by step
+            zb, base = report[(layout, "zb-h1")]["norms"], report[(layout, "1f1b")]["norms"]
+            assert zb == pytest.approx(base, rel=1e-6), (rank, layout)
+
+
+def test_executor_ran_the_schedule_and_its_bubble(reports):
+    for layout, m, _ in LAYOUTS:
+        pp = layout[1]
+        ran = {}
+        for report in reports:
+            value = report[(layout, "zb-h1")]
+            ran[value["pp_rank"]] = [Op(*op) for op in value["ops"]]
+            assert value["peak_live"] <= pp
+        assert [ran[r] for r in range(pp)] == [build_schedule("zb-h1", pp, r, m) for r in range(pp)], layout
+        measured = bubble_of(timeline([comm_plan(ran[r], pp, r) for r in range(pp)]))
+        assert measured == pytest.approx(bubble_fraction(pp, m, schedule="zb-h1")), layout
