@@ -90,18 +90,22 @@ class WeightGradQueue:
     def push(self, weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor) -> None:
         self.pending.setdefault(self.current, []).append((weight, x, grad_out))
 
-    def run(self, keys: Iterable[Hashable]) -> None:
-        """Compute the queued weight gradients of ``keys`` and add them to ``.grad``, one sum per weight.
+    def run(self, keys: Iterable[Hashable]) -> int:
+        """Compute the queued weight gradients of ``keys`` and add them to ``.grad``, one sum per weight;
+        returns how many GEMMs' worth of gradients were queued.
 
         Weights go in the order backward reached them, so the data-parallel buckets they fill (laid
         out in backward order) complete, and can start reducing, while later weights compute.
         """
         by_weight: dict[int, tuple[torch.Tensor, list]] = {}
+        count = 0
         for key in keys:
             for weight, x, grad_out in self.pending.pop(key, ()):
                 by_weight.setdefault(id(weight), (weight, []))[1].append((x, grad_out))
+                count += 1
         for weight, pairs in by_weight.values():
             torch.autograd.backward([weight], [weight_grad(pairs)])
+        return count
 
     def __len__(self) -> int:
         """Micro-batches with weight gradients still queued."""

@@ -54,6 +54,7 @@ class StepStats:
     peak_held_bytes: int = 0  # most bytes of stage outputs held for backward (unsent ones; sent ones are freed)
     sent: int = 0  # tensors sent to neighbours
     released: int = 0  # sent tensors whose storage was released after their send completed
+    deferred: int = 0  # weight gradients of linear layers computed at W ops, apart from their B
     compute_s: float = 0.0  # time inside forward/backward (only when the executor profiles)
     step_s: float = 0.0  # wall time of the step (GPU work included when profiling)
 
@@ -243,5 +244,5 @@ class _StepRun:
             keys = [(op.microbatch, op.chunk)]
         else:  # the tail: one sum per weight, so each parameter gets one gradient after the last B
             keys = sorted(self.awaiting_w)
-        self.ex.wgrad.run(keys)
+        self.ex.stats.deferred += self.ex.wgrad.run(keys)
         self.awaiting_w.difference_update(keys)
