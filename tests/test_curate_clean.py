@@ -1,0 +1,42 @@
+"""The clean stage's text repair gives exactly ftfy.fix_text's result while calling ftfy only on the
+lines it could change, and whitespace normalisation does what its docstring says."""
+
+from __future__ import annotations
+
+import ftfy
+import pytest
+
+from data_pipeline.curate.clean import normalise_whitespace, repair_unicode
+from data_pipeline.curate.demo import stdlib_prose
+
+PLAIN = "A plain ASCII line with <b>no</b> entity, (brackets) and 'quotes'.\n"
+CASES = {
+    "plain": PLAIN * 3,
+    "mojibake amid plain lines": PLAIN + "The caf\u00c3\u00a9 is open \u00e2\u0080\u0094 come in.\n" + PLAIN,
+    "entity before any tag": "Fish &amp; chips&hellip;\n" + PLAIN + "Salt &amp; vinegar\n",
+    "entity after a tag line": "plain\n" + PLAIN + "Salt &amp; vinegar &lt;3\n",
+    "tag and entity on one line": "x <i>a</i> &amp; b\nc &amp; d\n",
+    "controls and escapes": "bell\x07 here\nnull\x00 and \x1b[31mred\x1b[0m\nform\x0cfeed\n",
+    "line breaks": "one\r\ntwo\rthree\u2028four\x85five",
+    "widths, quotes, ligatures": "\uff2c\uff2f\uff35\uff24 \u201cquoted\u201d \u2018it\u2019s\u2019 \ufb02ow\n" + PLAIN,
+    "c1 and nfc": "Fran\u0063\u0327ais \x80 text\ntab\there\n",
+    "surrogates": "emoji \ud83d\ude00 pair\n" + PLAIN,
+    "no final newline": PLAIN + "last &amp; line",
+    "empty": "",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_repair_is_ftfy_fix_text(name):
+    assert repair_unicode(CASES[name]) == ftfy.fix_text(CASES[name])
+
+
+def test_repair_is_ftfy_fix_text_on_real_prose():
+    for text in stdlib_prose(max_docs=200):
+        assert repair_unicode(text) == ftfy.fix_text(text)
+
+
+def test_normalise_whitespace():
+    text = "  a \t b\u00a0\u00a0c\u3000d  \r\n\r\n\r\n\r\ne\u2003f \n\n\n\n  g  "
+    assert normalise_whitespace(text) == "a b c d\n\ne f\n\ng"
+    assert normalise_whitespace("x y") == "x y" and normalise_whitespace("x\u00a0y\tz") == "x y z"
