@@ -5,12 +5,14 @@ common in the training corpus are ignored."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from data_pipeline.curate.config import build_config
-from data_pipeline.curate.decontaminate import DecontaminateConfig, NgramKeys, cut
+from data_pipeline.curate import decontaminate
+from data_pipeline.curate.decontaminate import DecontaminateConfig, NgramKeys, _bmp_tables, cut
 from data_pipeline.curate.pipeline import run_pipeline
 
 TASK = "The quick brown fox jumps over the lazy dog near the quiet river bank at dawn"  # 16 words
@@ -50,10 +52,10 @@ def test_a_document_split_more_than_10_times_is_dropped():
     ngrams = NgramKeys(13)
     for matches, kept in ((10, True), (11, False)):
         text = f" {FILLER} ".join([TASK] * matches) + f" {FILLER}"
-        hashes, spans = ngrams.words(text)
-        keys = ngrams.keys(hashes)
-        task_keys = ngrams.keys(ngrams.words(TASK)[0])
-        pieces = cut(text, spans, np.flatnonzero(np.isin(keys, task_keys)), cfg)
+        hashes, starts, ends, offsets = ngrams.words([text])
+        keys, _, windows = ngrams.keys(hashes, offsets)
+        task_keys = ngrams.keys(*ngrams.words([TASK])[::3])[0]
+        pieces = cut(text, starts, ends, windows[np.isin(keys, task_keys)], cfg)
         assert (pieces is not None) == kept
 
 
@@ -72,3 +74,37 @@ def test_no_task_files_is_one_line(tmp_path):
     raw = {"input": {"paths": [str(corpus)]}, "output": {"dir": str(tmp_path / "out")}, "stages": ["decontaminate"]}
     with pytest.raises(ValueError, match="decontaminate.tasks: no task files"):
         run_pipeline(build_config(raw), log=lambda s: None)
+
+
+def test_the_word_table_is_res_word_class():
+    is_word, _ = _bmp_tables()
+    assert is_word.tolist() == [re.fullmatch(r"\w", chr(c)) is not None for c in range(0x10000)]
+
+
+def test_words_are_res_word_runs_and_compare_lower_cased():
+    texts = ["Hello, WORLD! hello world_2 ... Istanbul ISTANBUL listen silent", "", "Stra\u00dfe caf\u00e9 CAF\u00c9 na\u00efve",
+             "emoji \U0001f600 ok \U0001d400\U0001d401 \U0001d7d9x \U00020000ab", "a", "  -- "]
+    hashes, starts, ends, offsets = NgramKeys(13).words(texts)
+    words = []
+    for t, text in enumerate(texts):
+        ours = list(zip(starts[offsets[t]:offsets[t + 1]].tolist(), ends[offsets[t]:offsets[t + 1]].tolist()))
+        assert ours == [m.span() for m in re.finditer(r"\w+", text)], text
+        words += [text[a:b] for a, b in ours]
+    for i, u in enumerate(words):
+        for j, v in enumerate(words):
+            assert (hashes[i] == hashes[j]) == (u.lower() == v.lower()), (u, v)
+
+
+def test_batches_give_each_texts_own_ngrams(monkeypatch):
+    """However texts are batched, a text's n-grams are its own (none spans two texts), numbered by text."""
+    texts = [f"{TASK} {i}" if i % 3 else "too short" for i in range(12)]
+    ngrams = NgramKeys(13)
+    alone = [ngrams.keys(*ngrams.words([t])[::3])[0] for t in texts]
+    monkeypatch.setattr(decontaminate, "BATCH_CHARS", 200)  # several texts per batch, several batches
+    found = [[] for _ in texts]
+    batches = list(ngrams.batches(texts))
+    for begin, keys, text, window in batches:
+        for k, t, w in zip(keys.tolist(), text.tolist(), window.tolist()):
+            found[begin + t].append((w, k))
+    assert len(batches) > 2
+    assert [[k for _, k in sorted(f)] for f in found] == [a.tolist() for a in alone]

@@ -6,14 +6,14 @@ on each side is removed; the document falls apart into the pieces between remova
 ``min_piece_chars`` (200) are dropped, and a document split more than ``max_splits`` (10) times is
 dropped whole. 13-grams found in ``max_doc_freq`` (10) or more training documents are common
 phrases rather than leaked test items, and are ignored; counting them is the ``doc_freq``
-sub-stage, which runs first over every shard.
+sub-stage, which runs first over every shard and also records each shard's hits, so the cutting
+pass splits into words only the documents that have one.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import re
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +21,8 @@ import numpy as np
 from data_pipeline.curate.exact_dedup import save_array
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
 
-_WORD = re.compile(r"\w+")
+HIT = np.dtype([("row", np.int64), ("window", np.int64), ("key", np.uint64)])  # a task n-gram in a shard
+BATCH_CHARS = 1 << 20  # characters hashed together: amortises numpy's per-call cost, bounds the arrays
 
 
 @dataclass
@@ -35,28 +36,93 @@ class DecontaminateConfig:
     max_doc_freq: int = 10  # n-grams in this many training documents or more are ignored
 
 
+@functools.cache
+def _bmp_tables() -> tuple[np.ndarray, np.ndarray]:
+    """For each code point below 0x10000: is it a word character (``re``'s ``\\w``: alphanumeric or
+    ``_``), and its lower-case code point (the first, where lower-casing gives several)."""
+    chars = [chr(c) for c in range(0x10000)]
+    return (np.array([ch.isalnum() or ch == "_" for ch in chars]),
+            np.array([ord(ch.lower()[0]) for ch in chars], dtype=np.uint64))
+
+
+def _classify(cps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(is a word character, lower-case code point) of each code point; the rare ones above the BMP
+    are looked up one distinct value at a time."""
+    is_word, lower = _bmp_tables()
+    astral = cps > 0xFFFF
+    index = np.where(astral, 0, cps)
+    word, low = is_word[index], lower[index]
+    if astral.any():
+        values, inverse = np.unique(cps[astral], return_inverse=True)
+        chars = [chr(c) for c in values.tolist()]
+        word[astral] = np.array([ch.isalnum() or ch == "_" for ch in chars])[inverse]
+        low[astral] = np.array([ord(ch.lower()[0]) for ch in chars], dtype=np.uint64)[inverse]
+    return word, low
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 that spreads every input bit over the output."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 class NgramKeys:
-    """64-bit keys of word n-grams: crc32 of each lower-cased word, folded with fixed odd multipliers."""
+    """64-bit keys of lower-cased word n-grams, computed for many texts at once with numpy.
+
+    A word is a run of ``\\w`` characters (so punctuation and spacing never matter). Its hash sums its
+    lower-cased code points times a per-position odd multiplier, mixed; an n-gram's key folds its
+    words' hashes with fixed odd multipliers. Task texts and training documents go through this same
+    function, so only a 64-bit collision could make a false match.
+    """
 
     def __init__(self, n: int) -> None:
         self.n = n
         rng = np.random.default_rng(13)
         self.mul = rng.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
-    def words(self, text: str) -> tuple[np.ndarray, list]:
-        matches = list(_WORD.finditer(text))
-        hashes = np.fromiter((zlib.crc32(m.group().lower().encode("utf-8")) for m in matches), dtype=np.uint64,
-                             count=len(matches))
-        return hashes, [m.span() for m in matches]
+    def words(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(hash, start, end) of every word of ``texts`` in order (start/end index that word's text),
+        and each text's first word number (``len(texts) + 1`` entries)."""
+        joined = "\n".join(texts)  # a separator that is not \\w: no word spans two texts
+        cps = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        word, low = _classify(cps)
+        bounds = np.flatnonzero(np.diff(np.concatenate([[False], word, [False]]).view(np.int8)))
+        starts, ends = bounds[0::2], bounds[1::2]
+        first = np.cumsum(np.concatenate([[0], ends - starts]))[:-1]  # each word's first character below
+        position = np.arange(int(word.sum())) - np.repeat(first, ends - starts)
+        terms = (low[word] + np.uint64(1)) * (_mix(position.astype(np.uint64)) | np.uint64(1))
+        hashes = _mix(np.add.reduceat(terms, first)) if len(first) else np.zeros(0, np.uint64)
+        text_starts = np.cumsum([0] + [len(t) + 1 for t in texts])
+        offsets = np.searchsorted(starts, text_starts)
+        text_of_word = np.repeat(np.arange(len(texts)), np.diff(offsets))
+        shift = text_starts[:-1][text_of_word]
+        return hashes, starts - shift, ends - shift, offsets
 
-    def keys(self, word_hashes: np.ndarray) -> np.ndarray:
+    def keys(self, word_hashes: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(key, text, window) of every n-gram that lies inside one text; window = its first word's
+        number within the text."""
         windows = len(word_hashes) - self.n + 1
         if windows <= 0:
-            return np.zeros(0, np.uint64)
+            return np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64)
         key = word_hashes[:windows] * self.mul[0]
         for k in range(1, self.n):
             key += word_hashes[k:k + windows] * self.mul[k]
-        return key
+        text = np.searchsorted(offsets, np.arange(windows), side="right") - 1
+        inside = np.arange(windows) + self.n <= offsets[text + 1]
+        return key[inside], text[inside], (np.arange(windows) - offsets[text])[inside]
+
+    def batches(self, texts: list[str]):
+        """(first text number, keys, text, window) for consecutive batches of about BATCH_CHARS characters."""
+        begin = 0
+        while begin < len(texts):
+            end, size = begin, 0
+            while end < len(texts) and (end == begin or size + len(texts[end]) <= BATCH_CHARS):
+                size += len(texts[end])
+                end += 1
+            hashes, _, _, offsets = self.words(texts[begin:end])
+            yield (begin, *self.keys(hashes, offsets))
+            begin = end
 
 
 def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
@@ -68,14 +134,14 @@ def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
     keys, owner, names, short = [], [], [], {}
     for t, path in enumerate(cfg.tasks):
         names.append(os.path.splitext(os.path.basename(path).removesuffix(".gz").removesuffix(".zst"))[0])
-        short[names[-1]] = 0
-        for _, record in input_documents(path, cfg.task_fields[0], "id", False, BadRecords()):
-            for name in cfg.task_fields:
-                if isinstance(record.get(name), str):
-                    k = ngrams.keys(ngrams.words(record[name])[0])
-                    short[names[-1]] += not len(k)
-                    keys.append(k)
-                    owner.append(np.full(len(k), t, np.int32))
+        texts = [record[name] for _, record in input_documents(path, cfg.task_fields[0], "id", False, BadRecords())
+                 for name in cfg.task_fields if isinstance(record.get(name), str)]
+        with_ngrams = 0
+        for _, k, text, _ in ngrams.batches(texts):
+            keys.append(k)
+            owner.append(np.full(len(k), t, np.int32))
+            with_ngrams += len(np.unique(text))
+        short[names[-1]] = len(texts) - with_ngrams
     keys, owner = np.concatenate(keys or [np.zeros(0, np.uint64)]), np.concatenate(owner or [np.zeros(0, np.int32)])
     keys, first = np.unique(keys, return_index=True)
     tmp = f"{out_path}.tmp-{os.getpid()}.npz"
@@ -89,17 +155,20 @@ def _load_tasks(path: str):
     return data["keys"], data["task"], [str(n) for n in data["names"]]
 
 
-def doc_freq_shard(in_path: str, tasks_path: str, out_path: str, text_field: str, n: int) -> dict:
-    """(task n-gram key, number of this shard's documents containing it)."""
+def doc_freq_shard(in_path: str, tasks_path: str, out_prefix: str, text_field: str, n: int) -> dict:
+    """The shard's task n-gram hits, once for both passes: OUT.hits.npy (row, window, key) and
+    OUT.freq.npy (task n-gram key, number of this shard's documents containing it)."""
     keys, _, _ = _load_tasks(tasks_path)
-    ngrams = NgramKeys(n)
-    found = []
-    for record in read_shard(in_path):
-        k = ngrams.keys(ngrams.words(record[text_field])[0])
-        found.append(np.unique(k[np.isin(k, keys)]))
-    found = np.concatenate(found) if found else np.zeros(0, np.uint64)
-    uniq, counts = np.unique(found, return_counts=True)
-    save_array(out_path, np.stack([uniq, counts.astype(np.uint64)], axis=1))
+    hits = []
+    for begin, k, text, window in NgramKeys(n).batches([r[text_field] for r in read_shard(in_path)]):
+        pos = np.searchsorted(keys, k).clip(0, max(len(keys) - 1, 0))
+        hit = keys[pos] == k if len(keys) else np.zeros(len(k), bool)
+        hits.append(np.rec.fromarrays([text[hit] + begin, window[hit], k[hit]], dtype=HIT))
+    hits = np.concatenate(hits) if hits else np.zeros(0, HIT)
+    save_array(f"{out_prefix}.hits.npy", hits)
+    pairs = np.unique(np.stack([hits["key"], hits["row"].astype(np.uint64)], axis=1), axis=0)
+    uniq, counts = np.unique(pairs[:, 0], return_counts=True)
+    save_array(f"{out_prefix}.freq.npy", np.stack([uniq, counts.astype(np.uint64)], axis=1))
     return {"docs": 0}
 
 
@@ -110,11 +179,13 @@ def frequent_ngrams(freq_paths: list[str], max_doc_freq: int) -> np.ndarray:
     return uniq[totals >= max_doc_freq]
 
 
-def cut(text: str, spans: list, hit_windows: np.ndarray, cfg: DecontaminateConfig) -> list[str] | None:
-    """The pieces of ``text`` left after removing each hit window plus the margin; None = drop it all."""
+def cut(text: str, starts: np.ndarray, ends: np.ndarray, hit_windows: np.ndarray,
+        cfg: DecontaminateConfig) -> list[str] | None:
+    """The pieces of ``text`` left after removing each hit window (words ``i .. i + ngram - 1``, by
+    their character ``starts``/``ends``) plus the margin; None = drop it all."""
     removed = []
     for i in hit_windows.tolist():
-        lo, hi = max(0, spans[i][0] - cfg.margin), min(len(text), spans[i + cfg.ngram - 1][1] + cfg.margin)
+        lo, hi = max(0, int(starts[i]) - cfg.margin), min(len(text), int(ends[i + cfg.ngram - 1]) + cfg.margin)
         if removed and lo <= removed[-1][1]:
             removed[-1][1] = max(removed[-1][1], hi)
         else:
@@ -126,25 +197,26 @@ def cut(text: str, spans: list, hit_windows: np.ndarray, cfg: DecontaminateConfi
     return [p for p in pieces if len(p) >= cfg.min_piece_chars]
 
 
-def decontaminate_shard(in_path: str, out_path: str, tasks_path: str, ignored_path: str, text_field: str,
-                        cfg: DecontaminateConfig) -> dict:
+def decontaminate_shard(in_path: str, out_path: str, hits_path: str, tasks_path: str, ignored_path: str,
+                        text_field: str, cfg: DecontaminateConfig) -> dict:
+    """Cut the hits the ``doc_freq`` pass found, less the frequent n-grams; only documents with a hit
+    are split into words again (for their character positions)."""
     keys, owner, names = _load_tasks(tasks_path)
-    active = ~np.isin(keys, np.load(ignored_path))
-    keys, owner = keys[active], owner[active]
+    hits = np.load(hits_path)
+    hits = hits[~np.isin(hits["key"], np.load(ignored_path))]
+    per_task = np.bincount(owner[np.searchsorted(keys, hits["key"])], minlength=len(names)) if len(hits) else \
+        np.zeros(len(names), np.int64)
+    rows, first = np.unique(hits["row"], return_index=True)
+    windows = dict(zip(rows.tolist(), np.split(hits["window"], first[1:]))) if len(hits) else {}
     ngrams = NgramKeys(cfg.ngram)
     records = read_shard(in_path)
-    out, hits, dropped, pieces_made = [], [0] * len(names), 0, 0
-    for record in records:
-        hashes, spans = ngrams.words(record[text_field])
-        k = ngrams.keys(hashes)
-        pos = np.searchsorted(keys, k).clip(0, max(len(keys) - 1, 0))
-        hit = (keys[pos] == k) if len(keys) else np.zeros(len(k), bool)
-        if not hit.any():
+    out, dropped, pieces_made = [], 0, 0
+    for row, record in enumerate(records):
+        if row not in windows:
             out.append(record)
             continue
-        for t in owner[pos[hit]].tolist():
-            hits[t] += 1
-        pieces = cut(record[text_field], spans, np.flatnonzero(hit), cfg)
+        _, starts, ends, _ = ngrams.words([record[text_field]])
+        pieces = cut(record[text_field], starts, ends, windows[row], cfg)
         if not pieces:
             dropped += 1
             continue
@@ -155,4 +227,4 @@ def decontaminate_shard(in_path: str, out_path: str, tasks_path: str, ignored_pa
     size = lambda rs: sum(len(r[text_field].encode("utf-8")) for r in rs)  # noqa: E731
     return {"docs_in": len(records), "docs_out": len(out), "bytes_in": size(records), "bytes_out": size(out),
             "dropped": {"contaminated": dropped} if dropped else {}, "pieces": pieces_made,
-            "hits": dict(zip(names, hits))}
+            "hits": dict(zip(names, per_task.tolist()))}

@@ -130,13 +130,14 @@ def run_decontaminate(ctx: Context, shards: list[str], out_dir: str) -> dict:
     tasks_path, ignored_path = os.path.join(out_dir, "task_ngrams.npz"), os.path.join(out_dir, "ignored.npy")
     [task_stats] = ctx.run(out_dir, [Task("task_ngrams", dc.build_task_ngrams, (d, tasks_path))],
                            "decontaminate: tasks")
-    freqs = [os.path.join(freq_dir, f"{_stem(s)}.npy") for s in shards]
+    prefixes = [os.path.join(freq_dir, _stem(s)) for s in shards]
     ctx.run(freq_dir, [Task(_stem(s), dc.doc_freq_shard, (s, tasks_path, q, ctx.text_field, d.ngram))
-                       for s, q in zip(shards, freqs)], "decontaminate: frequencies")
-    frequent = dc.frequent_ngrams(freqs, d.max_doc_freq)
+                       for s, q in zip(shards, prefixes)], "decontaminate: frequencies")
+    frequent = dc.frequent_ngrams([f"{q}.freq.npy" for q in prefixes], d.max_doc_freq)
     ex.save_array(ignored_path, frequent)
     stats = merge_stats(ctx.map_shards(shards, out_dir, dc.decontaminate_shard,
-                                       lambda i, s: (tasks_path, ignored_path, ctx.text_field, d), "decontaminate"))
+                                       lambda i, s: (f"{prefixes[i]}.hits.npy", tasks_path, ignored_path,
+                                                     ctx.text_field, d), "decontaminate"))
     return {**stats, **task_stats, "ignored_frequent_ngrams": len(frequent)}
 
 
