@@ -1,6 +1,7 @@
 """Per-kernel table on one GPU: each fused body of the ops seam against its torch reference, eager and
 compiled, forward and forward+backward, at the shapes of the 1.3B models (micro-batch 8, sequence
-2048: 16,384 tokens of width 2048); plus the SDPA backends for causal and grouped-query attention.
+2048: 16,384 tokens of width 2048); plus the SDPA backends for causal and grouped-query attention,
+and (``--only gelu_profile``) the kernels inductor makes of the GPT-2 MLP's bias + GeLU.
 
     python benchmarks/kernels_gpu.py [--json FILE]
 
@@ -103,6 +104,41 @@ def norm_rows() -> list[dict]:
                       {"liger": fused_ln} if fused_ln else {}))
 
 
+def add_norm_rows() -> list[dict]:
+    """The residual add and the norm after it (both outputs used, as in the block)."""
+    from models.kernels import norms
+    x, branch, w, b = leaf(TOKENS, HIDDEN), leaf(TOKENS, HIDDEN), leaf(HIDDEN), leaf(HIDDEN)
+
+    def both(fn):  # one output to backward from: the sum and the normed, each weighted at random
+        return lambda *a: torch.stack(fn(*a))
+    return (compare("add + layer_norm", both(lambda x, r, w, b: ops.add_layer_norm(x, r, w, b, 1e-5)),
+                    both(lambda x, r, w, b: norms.add_layer_norm(x, r, w, b, 1e-5)), [x, branch, w, b])
+            + compare("add + rms_norm", both(lambda x, r, w: ops.add_rms_norm.reference(x, r, w, 1e-5)),
+                      both(lambda x, r, w: norms.add_rms_norm(x, r, w, 1e-5)), [x, branch, w]))
+
+
+def gelu_profile() -> list[dict]:
+    """Whether inductor leaves the GPT-2 MLP's bias + GeLU as a kernel of its own: the CUDA kernels of
+    one compiled fc_in -> GeLU -> fc_out forward+backward, with their time."""
+    fc_in = torch.nn.Linear(HIDDEN, 4 * HIDDEN, device="cuda", dtype=torch.bfloat16)
+    fc_out = torch.nn.Linear(4 * HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    mlp = torch.compile(lambda x: fc_out(ops.gelu(fc_in(x))))
+    x = leaf(TOKENS, HIDDEN)
+    for _ in range(3):
+        mlp(x).sum().backward()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        mlp(x).sum().backward()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            ms = event.device_time_total / 1e3
+            print(f"mlp kernel  {ms:8.3f} ms  {event.key[:110]}", flush=True)
+            rows.append({"op": "compiled gelu mlp", "kernel": event.key, "ms": round(ms, 3)})
+    return rows
+
+
 def swiglu_rows() -> list[dict]:
     from models.kernels.elementwise import swiglu
     h = leaf(8, 2048, 2 * FFN)
@@ -147,18 +183,20 @@ def attention_rows() -> list[dict]:
     return rows
 
 
+SECTIONS = {"cross_entropy": cross_entropy_rows, "norm": norm_rows, "add_norm": add_norm_rows, "swiglu": swiglu_rows,
+            "rotary": rotary_rows, "attention": attention_rows, "gelu_profile": gelu_profile}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--only", nargs="*", default=["cross_entropy", "norm", "swiglu", "rotary", "attention"],
-                        choices=["cross_entropy", "norm", "swiglu", "rotary", "attention"])
+    parser.add_argument("--only", nargs="*", choices=list(SECTIONS),
+                        default=["cross_entropy", "norm", "add_norm", "swiglu", "rotary", "attention"])
     args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), f"liger: {kernels.HAS_LIGER}", flush=True)
-    sections = {"cross_entropy": cross_entropy_rows, "norm": norm_rows, "swiglu": swiglu_rows,
-                "rotary": rotary_rows, "attention": attention_rows}
     rows = []
     for name in args.only:
-        rows += sections[name]()
+        rows += SECTIONS[name]()
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

@@ -66,7 +66,10 @@ dropped when a checkpoint moves to another tensor-parallel size (the padding is 
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch.
+
+    The first residual add is done by the MLP's norm with its normalisation (one fused op on GPU).
+    """
 
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
@@ -77,8 +80,8 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attn_norm(x)))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        x, normed = self.mlp_norm(x, self.dropout(self.attention(self.attn_norm(x))))
+        return x + self.dropout(self.mlp(normed))
 
 
 class LMLoss(nn.Module):

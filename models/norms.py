@@ -1,6 +1,14 @@
-"""LayerNorm and RMSNorm with their parameters under the names ``weight`` (and ``bias``)."""
+"""LayerNorm and RMSNorm with their parameters under the names ``weight`` (and ``bias``).
+
+``norm(x)`` normalises x; ``norm(x, branch)`` returns the residual sum ``x + branch`` and its norm,
+one fused op on GPU (see ``models.ops.add_layer_norm``). The sum goes through the module's own call,
+not another method, so what wraps a module's forward (ZeRO-3's gathers, sequence parallelism's
+gradient reduction of the weight) applies to it as well.
+"""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -16,8 +24,10 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width, device=device))
         self.bias = nn.Parameter(torch.zeros(width, device=device)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+    def forward(self, x: torch.Tensor, branch: Optional[torch.Tensor] = None):
+        if branch is None:
+            return ops.layer_norm(x, self.weight, self.bias, self.eps)
+        return ops.add_layer_norm(x, branch, self.weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
@@ -26,8 +36,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(width, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, branch: Optional[torch.Tensor] = None):
+        if branch is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, branch, self.weight, self.eps)
 
 
 NORMS = (LayerNorm, RMSNorm)

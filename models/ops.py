@@ -57,11 +57,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return normed.to(x.dtype) * weight
 
 
+def add_layer_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum ``x + branch`` and its LayerNorm, as one op (a pre-norm block adds a branch to
+    the residual stream and normalises the sum next).
+
+    No fused body: ``models.kernels.norms`` has one, but torch's eager add and LayerNorm were measured
+    faster forward+backward on an H100 (BENCHMARKS.md); under torch.compile inductor fuses the two.
+    """
+    total = x + branch
+    return total, layer_norm(total, weight, bias, eps)
+
+
+@fused_by("norms.add_rms_norm")
+def add_rms_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum ``x + branch`` and its RMSNorm, as one op: the fused body reads the two once,
+    writes both outputs, and in backward writes one gradient for x and the branch alike."""
+    total = x + branch
+    return total, rms_norm(total, weight, eps)
+
+
 def gelu(x: torch.Tensor) -> torch.Tensor:
     """The tanh approximation of GeLU, as GPT-2 and Megatron use.
 
-    No fused body: torch's eager GeLU is already one pass, and fusing the bias in would need the
-    MLP to hand it over separately (under torch.compile inductor fuses the two itself).
+    No fused body: the bias is already added in the GEMM's epilogue (cuBLAS, eager and compiled),
+    and GeLU is then one pass each way, at memory bandwidth under torch.compile (BENCHMARKS.md); only
+    moving GeLU into the GEMM's epilogue too could save more.
     """
     return F.gelu(x, approximate="tanh")
 

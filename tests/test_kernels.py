@@ -10,9 +10,11 @@ its output, so every element of the backward is checked. Tolerances, as ||fused 
   torch's own bf16 error, or under 1e-2 where torch's is smaller than bf16 rounding can show.
 
 Also checked: the fused cross-entropy over several chunks, with ignored labels, padding columns and
-per-token weights that differ (the exact backward path); the GPT's loss and gradients with the
-fused bodies on and off, eager and compiled; the vocabulary-parallel form on two ranks (gloo on one
-GPU) against the full-vocabulary loss. Skipped without a CUDA device and Triton.
+per-token weights that differ (the exact backward path, which runs the chunks again), and that the
+caller's sum over tokens takes the rescaling backward instead (the chunks run once); the GPT's loss
+and gradients with the fused bodies on and off, eager and compiled, the loss's chunks run once per
+step; the vocabulary-parallel form on two ranks (gloo on one GPU) against the full-vocabulary loss,
+both backward paths. Skipped without a CUDA device and Triton.
 """
 
 from __future__ import annotations
@@ -84,6 +86,27 @@ def test_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", ["layernorm", "layernorm without bias", "rmsnorm"])
+def test_residual_add_and_norm(dtype, norm):
+    """Both outputs (the residual sum and its norm) get a gradient, as in the block; a row width
+    that is not a power of two leaves masked columns in every row."""
+    from models.kernels import norms
+    x, branch, w, b = randn(4, 96, 1000), randn(4, 96, 1000, scale=2.0), randn(1000, scale=0.5), randn(1000)
+
+    def both(fn):
+        return lambda *a: torch.stack([t.to(a[0].dtype) for t in fn(*a)])
+    if norm == "rmsnorm":
+        check(both(lambda x, r, w: norms.add_rms_norm(x, r, w, 1e-5)),
+              both(lambda x, r, w: ops.add_rms_norm.reference(x, r, w, 1e-5)), [x, branch, w], dtype)
+    elif norm == "layernorm":
+        check(both(lambda x, r, w, b: norms.add_layer_norm(x, r, w, b, 1e-5)),
+              both(lambda x, r, w, b: ops.add_layer_norm(x, r, w, b, 1e-5)), [x, branch, w, b], dtype)
+    else:
+        check(both(lambda x, r, w: norms.add_layer_norm(x, r, w, None, 1e-5)),
+              both(lambda x, r, w: ops.add_layer_norm(x, r, w, None, 1e-5)), [x, branch, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_on_interleaved_projection(dtype):
     """The MLP hands over gate and up as the even and odd columns of one projection."""
     from models.kernels import elementwise
@@ -120,28 +143,46 @@ def _linear_ce_inputs(tokens=(3, 250), hidden=64, vocab=1100, padded=1152, ignor
     return h, w, labels, vocab
 
 
+def count_chunk_runs(monkeypatch) -> list:
+    """Record each run of the fused cross-entropy's chunk loop (once in forward; again in backward
+    only on the exact path)."""
+    from models.kernels import cross_entropy
+    runs, original = [], cross_entropy._run_chunks
+
+    def counted(*args, **kwargs):
+        runs.append(args[0].shape)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(cross_entropy, "_run_chunks", counted)
+    return runs
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_cross_entropy_chunks_ignored_labels_and_padding(dtype, monkeypatch):
+    """Per-token weights that differ (``check`` weights each token's loss at random): the exact path."""
     from models.kernels import cross_entropy
     monkeypatch.setattr(cross_entropy, "CHUNK_ELEMENTS", 128 * 1152)  # 128-row chunks: 6, the last partial
+    runs = count_chunk_runs(monkeypatch)
     h, w, labels, vocab = _linear_ce_inputs()
     fused = lambda h, w: cross_entropy.linear_cross_entropy(h, w, labels, vocab)
     reference = lambda h, w: ops.linear_cross_entropy.reference(h, w, labels, vocab)
     check(fused, reference, [h, w], dtype)
+    assert len(runs) == 2, "weights that differ per token must run the chunks again in backward"
     loss = fused(h.to(dtype), w.to(dtype))
     assert (loss[labels == ops.IGNORE_INDEX] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_cross_entropy_mean_loss_backward(dtype):
+def test_linear_cross_entropy_mean_loss_backward(dtype, monkeypatch):
     """The engine's reduction (sum over real labels / their count): the backward only rescales."""
     from models.kernels import cross_entropy
+    runs = count_chunk_runs(monkeypatch)
     h, w, labels, vocab = _linear_ce_inputs()
     count = (labels != ops.IGNORE_INDEX).sum()
 
     def mean(fn):
         return lambda h, w: fn(h, w, labels, vocab).sum() / count
     check(mean(cross_entropy.linear_cross_entropy), mean(ops.linear_cross_entropy.reference), [h, w], dtype)
+    assert len(runs) == 1, "the sum's backward must not run the chunks again"
 
 
 def _gpt(preset: str, dtype) -> GPT:
@@ -160,6 +201,7 @@ def test_gpt_loss_and_gradients_with_and_without_kernels(preset, compiled, monke
     labels = torch.randint(0, 1000, (4, 64), device="cuda")
     labels[0, :5] = ops.IGNORE_INDEX
     results = {}
+    runs = count_chunk_runs(monkeypatch)
     for enabled in (True, False):
         monkeypatch.setattr(kernels, "ENABLED", enabled)
         torch._dynamo.reset()
@@ -168,6 +210,7 @@ def test_gpt_loss_and_gradients_with_and_without_kernels(preset, compiled, monke
         loss = forward(tokens, labels).sum() / (labels != ops.IGNORE_INDEX).sum()
         loss.backward()
         results[enabled] = (loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()})
+    assert len(runs) == 1, "the engine's mean loss must run the fused chunks once, in forward only"
     (loss_on, grads_on), (loss_off, grads_off) = results[True], results[False]
     assert rel(loss_on, loss_off) < 1e-2
     worst = max((rel(grads_on[n], grads_off[n]), n) for n in grads_off)
@@ -186,20 +229,27 @@ def _vocab_parallel(rank: int, world: int) -> dict:
     head = nn.Module()
     head.weight = nn.Parameter(w.detach().chunk(world)[rank].clone())
     head.sequence_parallel = False
-    x = h.detach().clone().requires_grad_(True)
-    loss = VocabParallelCrossEntropy(vocab, dist.group.WORLD, ops.fused_linear_cross_entropy)(x, head, labels)
-    assert ops.fused_linear_cross_entropy(x) is not None
-    weights = torch.rand(labels.shape, device="cuda")
-    (loss * weights).sum().backward()
-    parts = [torch.empty(head.weight.shape) for _ in range(world)]
-    dist.all_gather(parts, head.weight.grad.float().cpu())
-    ref_x, ref_w = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    ref = ops.linear_cross_entropy.reference(ref_x, ref_w, labels, vocab)
-    (ref * weights).sum().backward()
-    return {"loss": rel(loss, ref), "grad_x": rel(x.grad, ref_x.grad), "grad_w": rel(torch.cat(parts), ref_w.grad.cpu())}
+    assert ops.fused_linear_cross_entropy(h) is not None
+    errors = {}
+    # per-token weights (the exact backward) and the engine's sum over tokens (the rescaling one)
+    for name, reduce in (("weighted", lambda loss, weights=torch.rand(labels.shape, device="cuda"):
+                          (loss * weights).sum()), ("sum", lambda loss: loss.sum() / 7)):
+        head.weight.grad = None
+        x = h.detach().clone().requires_grad_(True)
+        loss = VocabParallelCrossEntropy(vocab, dist.group.WORLD, ops.fused_linear_cross_entropy)(x, head, labels)
+        reduce(loss).backward()
+        parts = [torch.empty(head.weight.shape) for _ in range(world)]
+        dist.all_gather(parts, head.weight.grad.float().cpu())
+        ref_x, ref_w = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+        ref = ops.linear_cross_entropy.reference(ref_x, ref_w, labels, vocab)
+        reduce(ref).backward()
+        errors[name] = {"loss": rel(loss, ref), "grad_x": rel(x.grad, ref_x.grad),
+                        "grad_w": rel(torch.cat(parts), ref_w.grad.cpu())}
+    return errors
 
 
 def test_vocab_parallel_linear_cross_entropy_on_two_ranks():
     from tests.distributed import run_world
     for result in run_world(2, _vocab_parallel, timeout=240):
-        assert result["loss"] < FP32_OUT and result["grad_x"] < FP32_GRAD and result["grad_w"] < FP32_GRAD, result
+        for e in result.values():
+            assert e["loss"] < FP32_OUT and e["grad_x"] < FP32_GRAD and e["grad_w"] < FP32_GRAD, result

@@ -9,8 +9,10 @@ and BENCHMARKS.md):
 |------------------------|----------------------------------------------------|------------------------|
 | linear_cross_entropy   | ours: chunked projection + Triton row kernel       | yes, as an eager call  |
 | rms_norm               | liger-kernel's Triton RMSNorm, when importable     | no: inductor fuses it  |
+| add_rms_norm           | ours: residual add + RMSNorm, one kernel each way  | no: inductor fuses it  |
 | swiglu, apply_rotary   | ours: one Triton kernel forward, one backward      | no: inductor fuses it  |
 | layer_norm, gelu       | none: torch's eager kernels are one pass already   | (inductor's)           |
+| add_layer_norm         | none: ours (``norms``) lost to torch's eager pair  | (inductor's)           |
 | attention              | none: SDPA already picks cuDNN's kernel, the best  | (the same)             |
 
 "Inside torch.compile" says whether the fused body also replaces the reference while dynamo traces

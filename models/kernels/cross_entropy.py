@@ -9,9 +9,12 @@ much again for their gradient. Here the forward pass walks the tokens in chunks;
     dx_c = dlogits W ;  dW += dlogits^T x_c   (two GEMMs, dW accumulated in fp32)
 
 so the backward pass has nothing left to do but scale: the loss is the last op of the model, and
-the gradient of a per-token loss that the caller sums (or averages) is the same for every token.
-Backward checks that (one host sync) and scales dx and dW; per-token weights that differ are
-handled exactly too, by running the chunks again with the weights folded into dlogits.
+the caller sums the per-token loss (then divides by the count of real labels), so every token's
+loss gets the same gradient. Backward sees that without reading it: the backward of a sum hands
+over one value expanded to every token (stride 0), and only then are dx and dW rescaled by that
+value, on the device, with no host sync. Any other incoming gradient (per-token weights, or a
+``mean`` whose backward materialises) is handled exactly, by running the chunks again with the
+weights folded into dlogits.
 
 Vocabulary-parallel form: ``weight`` is this rank's slice of the (padded) vocabulary starting at
 ``vocab_start``, and ``combine`` reduces each chunk's per-row (max, sum of exp, label logit) over
@@ -165,16 +168,19 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, labels, grad_hidden, grad_weight = ctx.saved_tensors
-        valid = labels != IGNORE_INDEX
-        lo = torch.where(valid, grad_loss, float("inf")).min()
-        hi = torch.where(valid, grad_loss, float("-inf")).max()
-        if bool(lo < hi):  # tokens weighted differently: fold the weights into dlogits, chunk by chunk
-            scale = torch.where(valid, grad_loss, 0.0).float()
+        if not same_for_every_token(grad_loss):  # weights that may differ: fold them into dlogits
+            scale = torch.where(labels != IGNORE_INDEX, grad_loss, 0.0).float()
             _, grad_hidden, grad_weight = _run_chunks(hidden, weight, labels, scale, *ctx.chunk_args, grad=True)
             return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
-        same = torch.where(valid.any(), hi, 0.0)
-        grad_hidden = (grad_hidden * grad_loss.unsqueeze(1)).to(hidden.dtype)
-        return grad_hidden, (grad_weight * same).to(weight.dtype), None, None, None, None
+        same = grad_loss.reshape(-1)[:1]  # stays on the device: a [1] tensor that broadcasts
+        return ((grad_hidden * same).to(hidden.dtype), (grad_weight * same).to(weight.dtype),
+                None, None, None, None)
+
+
+def same_for_every_token(grad_loss: torch.Tensor) -> bool:
+    """Whether the incoming gradient is provably one value for every token, from its strides alone:
+    the backward of ``sum`` (and of any broadcast of a scalar) expands it with stride 0."""
+    return grad_loss.numel() <= 1 or all(stride == 0 for stride in grad_loss.stride())
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
