@@ -65,5 +65,5 @@ def call(body: str, *args):
 
 call_between_graphs = torch.compiler.disable(call) if torch.cuda.is_available() else call
 """``call`` for bodies that also replace the reference inside a compiled region: dynamo stops its
-graph there and runs the kernel (with its own Python loop, collectives and host sync) eagerly.
+graph there and runs the kernel (with its own Python loop and collectives) eagerly.
 (Without a GPU no body runs, and importing dynamo would only slow every process's start.)"""
