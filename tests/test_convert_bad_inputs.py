@@ -12,10 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
-from megazero.checkpoint import latest_checkpoint  # noqa: E402
-from megazero.cli import main  # noqa: E402
-from megazero.convert.targets import write_megazero  # noqa: E402
-from models.config import ModelConfig  # noqa: E402
+from megazero.checkpoint import latest_checkpoint
+from megazero.cli import main
+from megazero.convert.targets import write_megazero
+from models.config import ModelConfig
 
 
 def _llama(folder: Path) -> Path:
@@ -140,8 +140,8 @@ def test_existing_dst_and_not_a_checkpoint(sources, tmp_path, capsys):
 def test_training_refuses_a_converted_checkpoint_it_cannot_take(sources, tmp_path, capsys, override, field):
     """The converted checkpoint records its model: a run with another model section, or a tp that
     does not divide the heads, is refused before launch, in one line naming the field."""
-    from megazero.config.loader import config_to_dict
     from megazero.checkpoint import read_manifest
+    from megazero.config.loader import config_to_dict
 
     model = config_to_dict(_config_of(read_manifest(latest_checkpoint(sources / "mz"))))["model"]
     args = [f"--model.{k}={json.dumps(v) if v is not None else 'null'}" for k, v in model.items() if k != "preset"]

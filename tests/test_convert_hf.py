@@ -27,10 +27,10 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
-from megazero.checkpoint import CheckpointWriter, latest_checkpoint, read_manifest  # noqa: E402
-from megazero.checkpoint.reader import STATE_KEYS, CheckpointReader  # noqa: E402
-from megazero.cli import main  # noqa: E402
-from tests.distributed import run_world  # noqa: E402
+from megazero.checkpoint import CheckpointWriter, latest_checkpoint, read_manifest
+from megazero.checkpoint.reader import STATE_KEYS, CheckpointReader
+from megazero.cli import main
+from tests.distributed import run_world
 
 VOCAB, SEQ, MICRO = 61, 8, 2
 PRESETS = {"gpt2": ("--model.preset", "gpt2"),
@@ -143,7 +143,7 @@ def test_export_holds_the_tensors_transformers_saves(world, preset, tmp_path):
     shapes = {}
     for name in ("hf", "theirs"):
         with safe_open((folder if name == "hf" else tmp_path / "theirs") / "model.safetensors", "pt") as f:
-            shapes[name] = {key: f.get_slice(key).get_shape() for key in f.keys()}
+            shapes[name] = {key: f.get_slice(key).get_shape() for key in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     assert shapes["hf"] == shapes["theirs"]
     assert ("lm_head.weight" in shapes["hf"]) is not tied
     imported = read_manifest(latest_checkpoint(root / preset / "imported"))["meta"]["config"]["model"]

@@ -40,14 +40,14 @@ with warnings.catch_warnings():  # megatron-core warns at import about missing G
 VOCAB, SEQ, LAYERS = 128, 8, 4
 HIDDEN = 32
 MODELS = {
-    "llama": dict(args=dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                            untie_embeddings_and_output_weights=True, rotary_base=500, num_attention_heads=8,
-                            group_query_attention=True, num_query_groups=4),
-                  share=False),
-    "gpt2": dict(args=dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
-                           add_bias_linear=True, openai_gelu=True, untie_embeddings_and_output_weights=False,
-                           num_attention_heads=4),
-                 share=True),
+    "llama": {"args": {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+                       "add_bias_linear": False, "untie_embeddings_and_output_weights": True, "rotary_base": 500,
+                       "num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 4},
+              "share": False},
+    "gpt2": {"args": {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
+                      "add_bias_linear": True, "openai_gelu": True, "untie_embeddings_and_output_weights": False,
+                      "num_attention_heads": 4},
+             "share": True},
 }
 
 
@@ -61,9 +61,8 @@ def _world(rank, world_size, root):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     get_cuda_rng_tracker().fork = lambda *_, **__: contextlib.nullcontext()  # no dropout here: no CUDA RNG needed
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)

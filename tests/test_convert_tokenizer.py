@@ -7,15 +7,16 @@ BOS, which megazero never does)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
-from data_pipeline.demo_corpus import write_stdlib_jsonl  # noqa: E402
-from data_pipeline.tokenizer import load_tokenizer, read_texts, train_sentencepiece  # noqa: E402
-from megazero.cli import main  # noqa: E402
-from tests.test_data_tokenizer import SAMPLES, make_hf_tokenizer  # noqa: E402
+from data_pipeline.demo_corpus import write_stdlib_jsonl
+from data_pipeline.tokenizer import load_tokenizer, read_texts, train_sentencepiece
+from megazero.cli import main
+from tests.test_data_tokenizer import SAMPLES, make_hf_tokenizer
 
 TEXTS = [*SAMPLES, " leading space", "   three spaces first", "trailing space ", "\n\nnewlines first", "",
          "year 2024, pi 3.14159", "special text: <pad> </s> <unk> <s> <|endoftext|>", "ends with a newline\n"]
@@ -25,7 +26,7 @@ def _bos_template(path):
     """A tokenizer.json whose post-processor adds BOS, as many published ones do."""
     from tokenizers import processors
 
-    spec = json.loads(open(make_hf_tokenizer(path, specials=("<|endoftext|>", "<pad>", "<s>"))).read())
+    spec = json.loads(Path(make_hf_tokenizer(path, specials=("<|endoftext|>", "<pad>", "<s>"))).read_text())
     spec["post_processor"] = json.loads(processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", 2)]).__getstate__())
     path.write_text(json.dumps(spec))

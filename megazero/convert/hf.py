@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -102,7 +101,7 @@ def _keys(path: Path) -> list[str]:
         raise UserError(f"{path}: cannot be read ({e}); the file is truncated or damaged -- download it again") from None
 
 
-def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: Optional[str] = None,
+def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: str | None = None,
              shard_bytes: int = 5 << 30) -> None:
     """Write ``source`` as a Hugging Face folder into ``out`` (an empty directory)."""
     cfg = source.cfg

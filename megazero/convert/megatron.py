@@ -190,7 +190,7 @@ def rank_dir(t: int, p: int, pp: int) -> str:
 
 def model_config(args: argparse.Namespace, where: str) -> ModelConfig:
     """Our model config from Megatron's args; refuses (naming the arg) what our GPT cannot compute."""
-    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
+    get = lambda key, default=None: getattr(args, key, default)
     fix = "megazero's GPT has no counterpart; such a model cannot be imported"
     for key, ok in (("apply_residual_connection_post_layernorm", False), ("rotary_interleaved", False),
                     ("rotary_percent", 1.0), ("squared_relu", False), ("multi_latent_attention", False),
