@@ -181,3 +181,21 @@ def test_executor_ran_the_schedule_and_its_bubble(reports):
         assert [ran[r] for r in range(pp)] == [build_schedule("zb-h1", pp, r, m) for r in range(pp)], layout
         measured = bubble_of(timeline([comm_plan(ran[r], pp, r) for r in range(pp)]))
         assert measured == pytest.approx(bubble_fraction(pp, m, schedule="zb-h1")), layout
+
+
+@pytest.mark.slow
+def test_megatron_core_peer_builds_the_same_gpt_on_cpu():
+    """The megatron-core peer script builds its GPTModel (local layer spec) on gloo with the peers'
+    parameter count (its forward needs CUDA, so the GPU run is left to the benchmark machine)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("megatron.core")
+    peers = pathlib.Path(__file__).parents[1] / "benchmarks" / "peers"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "megatron_core_gpt.py", "--cpu"], cwd=peers, capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0 and lines, out.stderr[-2000:]
+    assert json.loads(lines[-1])["same_as_peer_gpt"] is True
