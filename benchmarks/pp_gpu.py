@@ -8,7 +8,7 @@ For each (schedule, micro-batch count) it prints one JSON line (rank 0): tokens/
 and the measured bubble against the theory. Measured bubble = (step time - time inside forward and
 backward) / time inside forward and backward, on the rank that idles most, from profiled steps
 that time every forward and backward with CUDA events; theory = (pp - 1) / (v m) with stages
-of equal speed (pp - 1 for gradient_accumulation, which does not pipeline at all). Only the
+of equal speed, a third of that for zb-h1 (pp - 1 for gradient_accumulation, which does not pipeline at all). Only the
 pipeline is timed (no optimizer step), so the numbers isolate the schedule. ``--cpu`` runs the
 same code on gloo with whatever (tiny) sizes are given, to check the script without GPUs.
 """
@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
-    p.add_argument("--schedules", nargs="+", default=["gradient_accumulation", "1f1b", "interleaved_1f1b"])
+    p.add_argument("--schedules", nargs="+", default=["gradient_accumulation", "1f1b", "interleaved_1f1b", "zb-h1"])
     p.add_argument("--steps", type=int, default=5, help="timed steps per config (after 2 warm-up steps)")
     p.add_argument("--profiled-steps", type=int, default=2)
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo (to check the script, not to time)")
@@ -102,7 +102,7 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
     bubble = torch.tensor(min(bubbles), device=device)
     dist.all_reduce(bubble, op=dist.ReduceOp.MAX)  # the idlest stage sets the pace
     # no pipelining: each stage idles while the other pp - 1 work, whatever m is
-    theory = topo.pp_size - 1 if schedule == "gradient_accumulation" else bubble_fraction(topo.pp_size, m, v)
+    theory = topo.pp_size - 1 if schedule == "gradient_accumulation" else bubble_fraction(topo.pp_size, m, v, schedule)
     tokens = args.steps * m * args.micro_batch_size * cfg.seq_length
     result = {"schedule": schedule, "pp": topo.pp_size, "v": v, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "seq": cfg.seq_length,
