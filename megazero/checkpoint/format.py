@@ -78,6 +78,9 @@ def rank_manifest_name(rank: int) -> str:
     return f"manifest.rank{rank:05d}.json"
 
 
+_ZEROS = memoryview(bytes(1 << 22))
+
+
 class HashingWriter:
     """A write-only file wrapper that hashes and counts the bytes as ``torch.save`` streams them,
     so a checksum costs no second read of a multi-gigabyte shard."""
@@ -89,6 +92,17 @@ class HashingWriter:
         self.sha256.update(data)
         self.bytes += len(data)
         return self.f.write(data)
+
+    def skip_zeros(self, nbytes: int) -> None:
+        """``nbytes`` zero bytes, hashed and counted but left as a hole in the file (a seekable file:
+        the filesystem stores no blocks for them, and reads them back as zeros). The file's end must
+        be set by ``truncate`` when it finishes with a hole."""
+        while nbytes > 0:
+            n = min(nbytes, len(_ZEROS))
+            self.sha256.update(_ZEROS[:n])
+            self.bytes += n
+            self.f.seek(n, os.SEEK_CUR)
+            nbytes -= n
 
     def flush(self) -> None:
         self.f.flush()

@@ -39,28 +39,39 @@ class StreamedSafetensors:
 
     def write(self, piece: torch.Tensor) -> None:
         """The next elements of the current tensor (or the start of the next one)."""
+        name, dtype = self._take(piece.numel())
+        data = piece.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.writer.write(memoryview(data))
+        self.left -= len(data)
+
+    def write_zeros(self, numel: int) -> None:
+        """The next ``numel`` elements of the current tensor are zeros: left as a hole in the file, so
+        fresh optimizer moments cost neither disk blocks nor writes (they are still hashed)."""
+        if numel == 0:
+            return
+        _, dtype = self._take(numel)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.writer.skip_zeros(nbytes)
+        self.left -= nbytes
+
+    def _take(self, numel: int) -> tuple[str, torch.dtype]:
+        """The tensor the next ``numel`` elements belong to, checked against what it still owes."""
         if self.left == 0:
             if not self.pending:
                 raise ValueError(f"{self.path}: more data than its header declares")
             self.current = self.pending.pop(0)
             self.left = self.current[2]
         name, dtype, _ = self.current
-        data = piece.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
-        if len(data) > self.left:
-            raise ValueError(f"{self.path}: {name} gets {len(data)} bytes where {self.left} remain")
-        self.writer.write(memoryview(data))
-        self.left -= len(data)
-
-    def write_zeros(self, numel: int, dtype: torch.dtype = torch.float32, chunk: int = 1 << 22) -> None:
-        while numel > 0:
-            n = min(numel, chunk)
-            self.write(torch.zeros(n, dtype=dtype))
-            numel -= n
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.left:
+            raise ValueError(f"{self.path}: {name} gets {nbytes} bytes where {self.left} remain")
+        return name, dtype
 
     def close(self) -> dict:
         """Finish the file; returns its manifest entry fields (bytes, sha256)."""
         if self.left or self.pending:
             raise ValueError(f"{self.path}: closed with tensors unwritten")
+        self.f.truncate()  # a file that ends in a hole ends here
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
