@@ -123,3 +123,22 @@ def test_planted_near_duplicates_in_real_prose_precision_and_recall(tmp_path, pr
     precision = len(found & truth) / len(found)
     recall = len(found & truth) / len(truth)
     assert precision >= 0.95 and recall >= 0.95, (precision, recall, len(truth))
+
+
+def test_shingle_reader_reads_each_document_with_few_files_open(tmp_path, prose):
+    """Verification reads a document's shingle set by its global number; closing files beyond
+    ``max_open`` (so a corpus of thousands of shards stays under the open-file limit) changes nothing."""
+    cfg = fz.FuzzyDedupConfig()
+    shards = [prose[i:i + 7] for i in range(0, 35, 7)]
+    prefixes = []
+    for k, texts in enumerate(shards):
+        path = tmp_path / f"shard-{k:05d}.jsonl"
+        path.write_text("".join(json.dumps({"id": f"{k}-{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+        prefixes.append(str(tmp_path / f"sig-{k}"))
+        fz.signature_shard(str(path), prefixes[-1], "text", cfg, 3)
+    order = [(k, i) for i in range(7) for k in range(len(shards))]  # every read switches shard
+    with fz.ShingleReader(prefixes, max_open=2) as reader:
+        for k, i in order:
+            expected = np.unique(cfg.hasher().shingles([shards[k][i]])[0])
+            assert np.array_equal(np.unique(reader.shingle_set((k << fz.ROW_BITS) | i)), expected)
+            assert len(reader.files) <= 2

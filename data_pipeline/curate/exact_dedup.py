@@ -44,8 +44,9 @@ def save_partitioned(prefix: str, keys: np.ndarray, rows: np.ndarray, parts: int
 
 
 def load_partition(prefix: str, part: int) -> tuple[np.ndarray, np.ndarray]:
-    """(keys, rows) of one partition of one shard, read from the memory-mapped files."""
-    lo, hi = np.load(f"{prefix}.offsets.npy")[part:part + 2]
+    """(keys, rows) of one partition of one shard, read from the memory-mapped files (the offsets too:
+    there is one per partition, and partitions grow with the corpus)."""
+    lo, hi = np.load(f"{prefix}.offsets.npy", mmap_mode="r")[part:part + 2]
     keys, rows = (np.load(f"{prefix}.{name}.npy", mmap_mode="r") for name in ("keys", "rows"))
     return np.asarray(keys[lo:hi]), np.asarray(rows[lo:hi])
 

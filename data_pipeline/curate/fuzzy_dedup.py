@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,30 +120,44 @@ class ShingleReader:
     """Shingle sets of single documents, read with ``pread`` from the shards' files.
 
     Reads, not a memory map: a partition's candidates touch documents of every shard, and mapped
-    pages would stay resident, so the task's memory would grow with the corpus.
+    pages would stay resident, so the task's memory would grow with the corpus. For the same reason
+    a document's bounds are read from the offsets file rather than loading every shard's offsets,
+    and at most ``max_open`` shards' files are held open (the least recently used is closed).
     """
 
-    def __init__(self, prefixes: list[str]) -> None:
+    def __init__(self, prefixes: list[str], max_open: int = 64) -> None:
         self.prefixes = prefixes
-        self.files: dict = {}  # shard -> (fd, offset of the array's data in the .npy, document offsets)
+        self.max_open = max_open
+        self.files: OrderedDict = OrderedDict()  # shard -> (shingles fd, its data offset, offsets fd, its offset)
+
+    def _open(self, shard: int) -> tuple:
+        if shard in self.files:
+            self.files.move_to_end(shard)
+            return self.files[shard]
+        if len(self.files) >= self.max_open:
+            for fd in self.files.popitem(last=False)[1][::2]:
+                os.close(fd)
+        opened = []
+        for name in ("shingles", "offsets"):
+            path = f"{self.prefixes[shard]}.{name}.npy"
+            opened += [os.open(path, os.O_RDONLY), np.load(path, mmap_mode="r").offset]
+        self.files[shard] = tuple(opened)
+        return self.files[shard]
 
     def shingle_set(self, gid: int) -> np.ndarray:
         shard, row = gid >> ROW_BITS, gid & ((1 << ROW_BITS) - 1)
-        if shard not in self.files:
-            path = f"{self.prefixes[shard]}.shingles.npy"
-            data_offset = np.load(path, mmap_mode="r").offset
-            self.files[shard] = (os.open(path, os.O_RDONLY), data_offset,
-                                 np.load(f"{self.prefixes[shard]}.offsets.npy"))
-        fd, data_offset, offsets = self.files[shard]
-        lo, hi = int(offsets[row]), int(offsets[row + 1])
+        fd, data_offset, offsets_fd, offsets_offset = self._open(shard)
+        lo, hi = np.frombuffer(os.pread(offsets_fd, 16, offsets_offset + 8 * row), dtype=np.int64).tolist()
         return np.frombuffer(os.pread(fd, 4 * (hi - lo), data_offset + 4 * lo), dtype=np.uint32)
 
     def __enter__(self) -> "ShingleReader":
         return self
 
     def __exit__(self, *exc) -> None:
-        for fd, _, _ in self.files.values():
+        for fd, _, offsets_fd, _ in self.files.values():
             os.close(fd)
+            os.close(offsets_fd)
+        self.files.clear()
 
 
 def connected_components(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
