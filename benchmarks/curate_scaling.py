@@ -1,6 +1,7 @@
 """Fuzzy dedup's scaling with workers: the real stage on the same ingested shards with 1, 2, 4, ...
 worker processes (wall time, documents per second, speedup over one worker), and the same removed
-count every time. Needs an otherwise idle machine with that many cores.
+count every time. Needs an otherwise idle machine with that many cores. Each width gets one
+worker pool for all five sub-stages, started inside the timed region, as a real run does.
 
     python benchmarks/curate_scaling.py --docs 200000 --workers 1 2 4 8 16
 """
@@ -44,9 +45,13 @@ def main() -> None:
         shards = list_shards(os.path.join(tmp, "out", "00-input"))
         base = None
         for workers in args.workers:
+            executor = LocalExecutor(workers)
             start = time.perf_counter()
-            stats = run_fuzzy_dedup(Context(cfg, LocalExecutor(workers), progress=False), shards,
-                                    os.path.join(tmp, f"fuzzy-{workers}"))
+            try:
+                stats = run_fuzzy_dedup(Context(cfg, executor, progress=False), shards,
+                                        os.path.join(tmp, f"fuzzy-{workers}"))
+            finally:
+                executor.close()
             seconds = time.perf_counter() - start
             base = base or seconds
             print(json.dumps({"workers": workers, "docs": args.docs, "seconds": round(seconds, 2),

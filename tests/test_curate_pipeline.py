@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,25 @@ def test_one_and_two_workers_write_identical_files(tmp_path):
 
 class _Killed(Exception):
     pass
+
+
+def _pid_after_a_nap() -> dict:
+    time.sleep(0.2)
+    return {"pid": os.getpid()}
+
+
+def test_local_workers_serve_every_task_list_until_closed(tmp_path):
+    """The sub-stages of a run share one pool (no start-up per sub-stage); close() stops it."""
+    executor = LocalExecutor(2)
+    pids = []
+    for run in range(2):
+        jobs = [(_pid_after_a_nap, (), str(tmp_path / f"{run}-{i}.json")) for i in range(6)]
+        pids.append({stats["pid"] for stats in executor.run(jobs)})
+    executor.close()
+    assert len(pids[0]) == 2 and pids[1] <= pids[0] and os.getpid() not in pids[0]
+    for pid in pids[0]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 class DyingExecutor(LocalExecutor):

@@ -38,23 +38,34 @@ def _run_packed(job: tuple) -> dict:
 
 
 class LocalExecutor:
-    """A process pool of ``workers`` (fork where available); one worker runs in this process."""
+    """A process pool of ``workers`` (fork where available); one worker runs in this process.
+
+    The pool is started at the first task list that needs it and kept until ``close()``, so the
+    sub-stages of a stage (fuzzy dedup has five) do not each pay for starting the workers, a cost
+    that grows with their number and is paid while no task runs.
+    """
 
     def __init__(self, workers: int = 1) -> None:
         if workers < 1:
             raise ValueError(f"executor.workers must be at least 1, got {workers}")
         self.workers = workers
+        self._pool = None
 
     def run(self, jobs: list[tuple]) -> Iterator[dict]:
         if self.workers == 1 or len(jobs) <= 1:
             yield from map(_run_packed, jobs)
             return
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ctx.Pool(min(self.workers, len(jobs))) as pool:
-            yield from pool.imap_unordered(_run_packed, jobs)
+        if self._pool is None:
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            self._pool = ctx.Pool(self.workers)
+        yield from self._pool.imap_unordered(_run_packed, jobs)
 
     def close(self) -> None:
-        pass
+        """Stop the workers; every result has been collected by then, or a task failed and the run stops."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
 
 
 class RayExecutor:
