@@ -373,3 +373,29 @@ def _try_install() -> str:
     except RuntimeError as e:
         return str(e)
     return "installed"
+
+
+def test_range_reads_equal_the_library_and_refuse_a_bad_header(tmp_path):
+    """Checkpoint tensors are read by element range with plain reads (no memory map, which a host
+    refuses for files larger than its memory): every range equals what safetensors itself reads,
+    for every dtype, and a header that does not fit the file is a format error, not a crash."""
+    from safetensors.torch import load_file as library_load
+
+    from megazero.checkpoint.serialization import DTYPES, FileFormatError, RangeFile, write
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {str(dtype): (torch.randn(37, 5, generator=gen) * 50).to(dtype) for dtype in DTYPES}
+    path = tmp_path / "ranges.safetensors"
+    with open(path, "wb") as f:
+        write(tensors, f)
+    library = library_load(path)
+    with RangeFile(path) as f:
+        for name in library:
+            assert torch.equal(f.read(name), library[name]), name
+            assert torch.equal(f.read(name, 11, 70), library[name].reshape(-1)[11:81]), name
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:len(data) // 2])
+    (tmp_path / "header.safetensors").write_bytes((len(data) * 2).to_bytes(8, "little") + data[8:])
+    for bad in ("cut.safetensors", "header.safetensors"):
+        with pytest.raises(FileFormatError):
+            RangeFile(tmp_path / bad)

@@ -9,9 +9,9 @@ tensors without ever loading the model:
 * ``CheckpointReader(ckpt)`` reads the index files only (a few KiB a rank) and knows every
   logical parameter's full shape and which rank files hold which of its elements (``holders``).
 * ``read(name, keys)`` assembles one logical tensor (its master, or the moments too) from every
-  tp slice and ZeRO segment, reading just those byte ranges from the rank files. A rank file is
-  memory-mapped while it is read and closed after, so host memory stays near one logical tensor
-  whatever the size of the model or of the files.
+  tp slice and ZeRO segment, reading just those byte ranges from the rank files with plain reads
+  (``serialization.RangeFile``: no memory map, which a host refuses for a file larger than its
+  RAM), so host memory stays near one logical tensor whatever the size of the model or the files.
 
 Checksums: a rank file is verified against ``COMPLETE`` (size, then sha256, as ``format.load_file``
 does) the first time any of its bytes are needed, before they are used. Hashing streams the file
@@ -137,22 +137,19 @@ class CheckpointReader:
             self._verified.add(name)
         return self.ckpt / name
 
-    def _open(self, rank: int):
-        from safetensors import SafetensorError, safe_open
-
+    def _open(self, rank: int) -> serialization.RangeFile:
         path = self._path(rank)
         try:
-            return safe_open(path, framework="pt")
-        except SafetensorError as e:
-            raise CheckpointError(f"{path}: not a safetensors file ({e}); restore it or load an earlier "
-                                  "checkpoint") from None
+            return serialization.RangeFile(path)
+        except serialization.FileFormatError as e:
+            raise CheckpointError(f"{path}: {e}; restore it or load an earlier checkpoint") from None
 
     def values(self, rank: int, keys: Iterable[str]) -> dict[str, Any]:
         """Top-level entries ``keys`` of a rank file (``adam_step``, ``scaler``, ``rng``, ...), with only
         the tensors inside them read."""
         path = self._path(rank)
         with self._open(rank) as f:
-            tree = json.loads((f.metadata() or {}).get(serialization.TREE, "null"))
+            tree = json.loads(f.metadata.get(serialization.TREE, "null"))
             if not isinstance(tree, dict):
                 raise CheckpointError(f"{path}: a safetensors file without megazero's metadata; restore it or "
                                       "load an earlier checkpoint")
@@ -200,9 +197,8 @@ class CheckpointReader:
             for rank, segments in reads.items():
                 with self._open(rank) as f:
                     for key in keys:
-                        stored = f.get_slice(key)
                         for param_offset, shard_offset, numel in segments:
-                            local[key][param_offset:param_offset + numel] = stored[shard_offset:shard_offset + numel]
+                            local[key][param_offset:param_offset + numel] = f.read(key, shard_offset, numel)
             for key in keys:
                 block = local[key].view(local_shape)
                 target = full[key] if shard is None else full[key].narrow(
@@ -218,7 +214,7 @@ class _LazyTensors(Mapping):
         self.f, self.names = f, set(f.keys())
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.f.get_tensor(name)
+        return self.f.read(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self.names
