@@ -190,10 +190,10 @@ def components(edge_paths: list[str], prefixes: list[str], out_dir: str) -> dict
     ids = _ids_of(np.concatenate([nodes, edges["a"], edges["b"]]), prefixes)
     root_of = dict(zip(nodes.tolist(), roots.tolist()))
     size = Counter(roots.tolist())
-    atomic_write_text(os.path.join(out_dir, "edges.jsonl"), "".join(
-        json.dumps({"id_a": ids[a], "id_b": ids[b], "jaccard": round(float(j), 4)}) + "\n"
-        for a, b, j in edges.tolist()))
-    atomic_write_text(os.path.join(out_dir, "removed.jsonl"), "".join(
+    atomic_write_text(os.path.join(out_dir, "edges.jsonl"), (
+        json.dumps({"id_a": ids[int(a)], "id_b": ids[int(b)], "jaccard": round(float(j), 4)}) + "\n"
+        for a, b, j in edges))
+    atomic_write_text(os.path.join(out_dir, "removed.jsonl"), (
         json.dumps({"id": ids[g], "kept": ids[root_of[g]], "component_size": size[root_of[g]]}) + "\n"
         for g in removed.tolist()))
     return {"edges": len(edges), "components": len(size), "removed": len(removed),

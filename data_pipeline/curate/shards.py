@@ -63,10 +63,11 @@ def write_shard(path: str, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def atomic_write_text(path: str, text: str) -> None:
+def atomic_write_text(path: str, text) -> None:
+    """Write a string, or an iterable of strings as they come (an audit file need not exist whole in memory)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+        f.writelines([text] if isinstance(text, str) else text)
     os.replace(tmp, path)
 
 
