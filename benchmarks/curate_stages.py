@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from curate_fuzzy import corpus  # noqa: E402
+
 from data_pipeline.curate import pipeline  # noqa: E402
 from data_pipeline.curate.config import STAGES, build_config  # noqa: E402
 from data_pipeline.curate.demo import word_salad, write_jsonl  # noqa: E402

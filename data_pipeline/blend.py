@@ -106,7 +106,8 @@ def compiled_blend():
     name = os.environ.get("CC", "cc")
     compiler = shutil.which(name)
     if compiler is None:
-        return _python_fallback(f"no C compiler {name!r} on PATH (install gcc or set CC)")
+        _warn_python_fallback(f"no C compiler {name!r} on PATH (install gcc or set CC)")
+        return None
     tag = hashlib.sha256(_BLEND_C.encode()).hexdigest()[:16]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megazero")
     library = os.path.join(cache, f"blend-{tag}.so")
@@ -123,7 +124,8 @@ def compiled_blend():
         fn = ctypes.CDLL(library).greedy_blend
     except (OSError, subprocess.SubprocessError) as exc:
         detail = exc.stderr.decode(errors="replace").strip().splitlines() if getattr(exc, "stderr", None) else []
-        return _python_fallback(f"the C compiler {compiler} failed ({detail[0] if detail else exc})")
+        _warn_python_fallback(f"the C compiler {compiler} failed ({detail[0] if detail else exc})")
+        return None
     array = np.ctypeslib.ndpointer
     fn.argtypes = [array(np.float64, flags="C"), ctypes.c_int64, ctypes.c_int64, array(np.int16, flags="C"),
                    array(np.int64, flags="C"), array(np.float64, flags="C")]
@@ -131,11 +133,10 @@ def compiled_blend():
     return fn
 
 
-def _python_fallback(why: str) -> None:
-    """Say once (``compiled_blend`` is cached) that the slow loop will run, and why, then return None."""
+def _warn_python_fallback(why: str) -> None:
+    """Say that the slow loop will run, and why; once per process, since ``compiled_blend`` is cached."""
     print(f"megazero: warning: {why}; the blend index is built by the Python loop instead, about 30x slower "
           "(about 1 s per million samples and 15 datasets, paid once and cached)", file=sys.stderr)
-    return None
 
 
 class BlendedSamples:
