@@ -3,6 +3,7 @@
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -158,3 +159,15 @@ def test_layout_rules_are_the_ones_the_model_and_the_pipeline_enforce():
     with pytest.raises(ValueError) as raised:
         resolve_split(2, 2, 1, [1, 2])
     assert str(raised.value) == split_problem(2, 2, 1, [1, 2]) and str(raised.value) in _error(*bad)
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in Path(__file__).resolve().parent.parent.glob("configs/*.yaml")
+                                        if p.name != "curate_demo.yaml"))
+def test_every_shipped_training_config_validates(path):
+    """A shipped config must pass validation for the smallest world its layout needs (tp x pp, or 8
+    ranks per node when that is more): the MT-NLG config once did not (no decay span for a
+    token-limited run), and a user would only have learned it at launch."""
+    cfg = load_config(path)
+    p = cfg.parallel
+    world = p.tp * p.pp * (p.dp or 1)
+    resolve_config(cfg, world, min(world, 8))
