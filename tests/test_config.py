@@ -171,3 +171,26 @@ def test_every_shipped_training_config_validates(path):
     p = cfg.parallel
     world = p.tp * p.pp * (p.dp or 1)
     resolve_config(cfg, world, min(world, 8))
+
+
+def test_architecture_page_names_the_module_of_every_config_field():
+    """docs/architecture.md's table sends a newcomer from any config field to the module acting on it;
+    a field added without a row there fails here. A cell's bare names (`train_tokens`) belong to the
+    section of the dotted name before them; `*` is a wildcard."""
+    import fnmatch
+    import re
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    patterns = []
+    for line in page.splitlines():
+        if not line.startswith("| `"):
+            continue
+        section = None
+        for token in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            if "." in token:
+                section = token.split(".")[0]
+                patterns.append(token)
+            elif section:
+                patterns.append(f"{section}.{token}")
+    missing = [name for name, _, _ in field_docs() if not any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    assert not missing, f"config fields without a row in docs/architecture.md: {missing}"
