@@ -16,6 +16,17 @@ def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with exactly ``rows`` rows: padding rows (zeros) added or dropped: the
+    vocabulary-padded matrices between layouts of other padding, or to the unpadded vocabulary."""
+    if t.shape[0] == rows:
+        return t
+    if t.shape[0] > rows:
+        return t[:rows]
+    return torch.cat([t, torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)])
+
+
+
 class Embedding(nn.Module):
     """ids [batch, seq] -> hidden [batch, seq, hidden], dropout applied."""
 

@@ -23,6 +23,7 @@ conversion does not need is not read at all. The check catches damage, not forge
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,12 +66,6 @@ class RankIndex:
     params: list[tuple[str, tuple[int, ...], Optional[Shard]]]
     segments: list[tuple[int, int, int, int]]
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class CheckpointReader:
@@ -189,8 +184,8 @@ class CheckpointReader:
                                   "the checkpoint is incomplete -- load another one")
         for index, pieces in sorted(slices.items()):
             shard, local_shape = pieces[0].shard, pieces[0].local_shape
-            local = {key: torch.empty(_numel(local_shape), dtype=torch.float32) for key in keys}
-            reads = _cover(pieces, _numel(local_shape))
+            local = {key: torch.empty(math.prod(local_shape), dtype=torch.float32) for key in keys}
+            reads = _cover(pieces, math.prod(local_shape))
             if reads is None:
                 raise CheckpointError(f"{self.ckpt}: the rank files hold only part of parameter {name!r} (tp slice "
                                       f"{index}); the checkpoint is incomplete -- load another one")

@@ -15,6 +15,7 @@ trains with torch is.
 
 from __future__ import annotations
 
+import math
 import json
 import os
 import struct
@@ -106,7 +107,7 @@ class RangeFile:
             self.entries = {}
             for name, entry in fields.items():
                 dtype, shape, (begin, end) = _DTYPE_OF[entry["dtype"]], entry["shape"], entry["data_offsets"]
-                if not 0 <= begin <= end <= size - self.base or end - begin != _numel(shape) * dtype.itemsize:
+                if not 0 <= begin <= end <= size - self.base or end - begin != math.prod(shape) * dtype.itemsize:
                     raise FileFormatError(f"tensor {name!r} does not fit the file ({begin}..{end})")
                 self.entries[name] = (dtype, tuple(shape), begin)
         except FileFormatError:
@@ -123,7 +124,7 @@ class RangeFile:
         """Elements ``start:start+count`` of tensor ``name``, flattened (all of it, shaped, by default)."""
         dtype, shape, begin = self.entries[name]
         whole = count is None
-        count = _numel(shape) - start if whole else count
+        count = math.prod(shape) - start if whole else count
         out = torch.empty(count, dtype=dtype)
         self.f.seek(self.base + begin + start * dtype.itemsize)
         view = memoryview(out.view(torch.uint8).numpy())
@@ -140,12 +141,6 @@ class RangeFile:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def read(path) -> Any:

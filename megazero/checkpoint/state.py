@@ -25,6 +25,7 @@ import torch
 from megazero.checkpoint.format import CheckpointError, load_file
 from megazero.checkpoint.reader import CheckpointReader, index_file, rank_file
 from megazero.optim import STATE_KEYS, ShardedAdamW
+from models.embedding import fit_rows
 from models.gpt import VOCAB_PADDED
 from parallel.tensor_parallel.sharding import Shard
 
@@ -114,8 +115,5 @@ def fit_to_shard(full: torch.Tensor, shard: Optional[Shard], shape: tuple, name:
         if name not in VOCAB_PADDED or list(full.shape[1:]) != target[1:]:
             raise CheckpointError(f"{ckpt}: parameter {name!r} has shape {tuple(full.shape)} in the checkpoint "
                                   f"but {tuple(target)} in this model; the model config differs")
-        resized = torch.zeros(target, dtype=full.dtype)
-        rows = min(full.shape[0], target[0])
-        resized[:rows] = full[:rows]
-        full = resized
+        full = fit_rows(full, target[0])
     return full if shard is None else shard.take(full)

@@ -10,6 +10,7 @@ anything.
 
 from __future__ import annotations
 
+import math
 import json
 from pathlib import Path
 from typing import Callable, Optional
@@ -91,16 +92,10 @@ def _stream_key(out: StreamedSafetensors, plan: RankPlan, read: ReadLogical, key
             full = read(name, (key,))[key]
             cached = (name, (full if shard is None else shard.take(full)).reshape(-1))
         local = cached[1]
-        if local.numel() != _numel(local_shape):
+        if local.numel() != math.prod(local_shape):
             raise ValueError(f"{name}: the source gives {local.numel()} elements for a slice of shape {local_shape}")
         out.write_zeros(shard_offset - position)
         out.write(local[param_offset:param_offset + numel])
         position = shard_offset + numel
     out.write_zeros(plan.numel - position)
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

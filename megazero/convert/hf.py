@@ -12,15 +12,18 @@ can run code when loaded, and is refused with the fix.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
-from megazero.convert.hf_models import FAMILIES, VOCAB_PADDED, family_for, fit_rows
+from megazero.convert.hf_models import FAMILIES, family_for
 from megazero.convert.hf_tokenizer import tokenizer_ids, write_tokenizer
 from megazero.convert.sources import Source, logical_shapes, unpadded
 from megazero.convert.streaming import StreamedSafetensors
 from megazero.errors import UserError
+from models.embedding import fit_rows
+from models.gpt import VOCAB_PADDED
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -131,7 +134,7 @@ def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: str | No
             pending[file] -= 1
             if pending[file] == 0:
                 writers.pop(file).close()
-    total = sum(_numel(s) for s in shapes.values()) * torch.finfo(torch_dtype).bits // 8
+    total = sum(math.prod(s) for s in shapes.values()) * torch.finfo(torch_dtype).bits // 8
     if len(files) > 1:
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shards}, indent=2))
     if tokenizer:
@@ -155,7 +158,7 @@ def _plan_shards(shapes: dict, dtype: torch.dtype, shard_bytes: int) -> dict[str
     """Tensor -> shard file: consecutive tensors up to ``shard_bytes`` a file (a larger tensor alone)."""
     groups, size = [[]], 0
     for name, shape in shapes.items():
-        nbytes = _numel(shape) * torch.finfo(dtype).bits // 8
+        nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
         if groups[-1] and size + nbytes > shard_bytes:
             groups.append([])
             size = 0
@@ -166,9 +169,3 @@ def _plan_shards(shapes: dict, dtype: torch.dtype, shard_bytes: int) -> dict[str
     n = len(groups)
     return {name: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, group in enumerate(groups) for name in group}
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -28,7 +28,6 @@ import torch
 
 from megazero.errors import UserError
 from models.config import ModelConfig
-from models.gpt import VOCAB_PADDED
 
 Read = Callable[[str], torch.Tensor]
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -232,12 +231,3 @@ def family_for(cfg: ModelConfig):
     family = GPT2 if cfg.position_embedding == "learned" else Llama
     family.check(cfg)
     return family
-
-
-def fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` with exactly ``rows`` rows: padding rows (zeros) added or dropped."""
-    if t.shape[0] == rows:
-        return t
-    if t.shape[0] > rows:
-        return t[:rows]
-    return torch.cat([t, torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)])

@@ -18,6 +18,7 @@ own layout lets each of its ranks read only the files of its pipeline stage.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -62,9 +63,7 @@ def consolidated(shapes: dict[str, tuple[int, ...]], num_layers: int) -> Consoli
     training run's and loading always takes the resharding path (which reads no RNG state)."""
     params, segments, offset = [], [], 0
     for i, (name, shape) in enumerate(shapes.items()):
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         params.append((name, tuple(shape), None))
         segments.append((i, 0, offset, numel))
         offset += numel

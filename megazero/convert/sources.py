@@ -17,11 +17,11 @@ import torch
 
 from megazero.checkpoint.format import resolve_checkpoint
 from megazero.checkpoint.reader import CheckpointReader
-from megazero.convert.hf_models import VOCAB_PADDED, fit_rows
 from megazero.errors import UserError
 from models import GPT
 from models.config import ModelConfig
-from models.embedding import VOCAB_MULTIPLE
+from models.embedding import VOCAB_MULTIPLE, fit_rows
+from models.gpt import VOCAB_PADDED
 
 
 class Source(Protocol):

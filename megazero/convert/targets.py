@@ -20,10 +20,11 @@ import torch
 
 from megazero.config.schema import Config
 from megazero.convert.checkpoint_out import write_checkpoint
-from megazero.convert.hf_models import VOCAB_PADDED, fit_rows
 from megazero.convert.layout import consolidated, training_layout
 from megazero.convert.sources import Source, logical_shapes
 from megazero.convert.streaming import StreamedSafetensors
+from models.embedding import fit_rows
+from models.gpt import VOCAB_PADDED
 
 STATE_DICT_METADATA = "megazero.model_config"
 
