@@ -49,11 +49,25 @@ def pipeline_stages(cfg: Config, pp_rank: int) -> list[int]:
     return [c * p.pp + pp_rank for c in range(p.virtual_stages)]
 
 
+def pipeline_split(cfg: Config) -> list[int]:
+    """Blocks per virtual stage, in virtual-stage order: ``parallel.pipeline_split``, else equal."""
+    m, p = cfg.model, cfg.parallel
+    return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
+
+
+def layout_record(cfg: Config) -> dict:
+    """What a checkpoint records of the layout that wrote it (a resolved config: ``parallel.dp`` set);
+    a run whose own record differs reshards on load."""
+    p = cfg.parallel
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages, "order": p.order,
+            "zero_stage": cfg.zero.stage, "world_size": p.tp * p.pp * p.dp, "pipeline_split": pipeline_split(cfg)}
+
+
 def build_chunks(cfg: Config, pp_rank: int) -> list[GPT]:
     """Pipeline rank ``pp_rank``'s chunks on the meta device: ``parallelize_gpt`` materialises only this
     rank's shards (and an offline layout description reads their shapes alone)."""
     m, p = cfg.model, cfg.parallel
-    split = resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
+    split = pipeline_split(cfg)
     chunks = []
     for c, stage in enumerate(pipeline_stages(cfg, pp_rank)):
         torch.manual_seed(cfg.train.seed)  # identical on tensor ranks: replicated dropout agrees
@@ -125,13 +139,6 @@ class Engine:
         ZeRO stages (0 and 1) can reduce each bucket as soon as that backward finishes it."""
         if self.cfg.parallel.virtual_stages == 1:
             self.data_parallel.begin_microbatch(last)
-
-    # --- construction ------------------------------------------------------------------------
-    @property
-    def split(self) -> list[int]:
-        """Blocks per virtual stage, in virtual-stage order: ``parallel.pipeline_split``, else equal."""
-        m, p = self.cfg.model, self.cfg.parallel
-        return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
 
     # --- training ----------------------------------------------------------------------------
     def train_step(self, microbatches: list[dict], lr: Optional[float] = None) -> StepOutput:

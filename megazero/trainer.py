@@ -24,7 +24,7 @@ from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets
-from megazero.engine import Engine
+from megazero.engine import Engine, layout_record
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
 from megazero.metrics import MetricsLogger, StepMetrics
@@ -77,12 +77,6 @@ class Trainer:
         return -(-t.train_tokens // self.cfg.model.seq_length) + t.global_batch_size
 
     # --- resume and save ---------------------------------------------------------------------
-    def _layout(self) -> dict:
-        p = self.cfg.parallel
-        return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages, "order": p.order,
-                "zero_stage": self.cfg.zero.stage, "world_size": self.world,
-                "pipeline_split": self.engine.split}
-
     def _check_save_dir(self) -> None:
         """Probe the checkpoint directory for writing and for room for one checkpoint (the fp32 master
         and two Adam moments of every rank's shard) before the first step, not at the first save.
@@ -110,7 +104,7 @@ class Trainer:
         manifest = read_manifest(ckpt)
         meta = manifest["meta"]
         exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest,
-                                same_layout=meta["layout"] == self._layout())
+                                same_layout=meta["layout"] == layout_record(self.cfg))
         self.saved_step = meta["step"]
         self.state = TrainState(step=meta["step"], consumed=meta["consumed"], skipped=meta["skipped"],
                                 bad_in_row=meta.get("bad_in_row", 0))
@@ -120,7 +114,7 @@ class Trainer:
 
     def save(self) -> None:
         meta = {"step": self.state.step, "consumed": self.state.consumed, "skipped": self.state.skipped,
-                "bad_in_row": self.state.bad_in_row, "layout": self._layout(), "config": config_to_dict(self.cfg)}
+                "bad_in_row": self.state.bad_in_row, "layout": layout_record(self.cfg), "config": config_to_dict(self.cfg)}
         self.writer.save(self.state.step, rank_files(self.engine.chunks, self.engine.optimizer, self.rank), meta=meta)
         self.state.saved_to = str(self.writer.root / step_dir_name(self.state.step))
         self.saved_step = self.state.step

@@ -24,10 +24,10 @@ from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.state import load_checkpoint
 from megazero.cli import main
 from megazero.config import load_config, resolve_config
-from megazero.convert.checkpoint_out import _description
 from megazero.convert.layout import training_layout
 from megazero.convert.targets import write_megazero
 from megazero.engine import Engine
+from megazero.optim import shard_description
 from models import GPT
 from models.gpt import VOCAB_PADDED
 from models.embedding import padded_vocab_size
@@ -74,7 +74,8 @@ def _world(rank, world_size, root):
         p = cfg.parallel
         engine = Engine(cfg, Topology(RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order)), torch.device("cpu"))
         mine = engine.optimizer.describe()
-        offline = _description(training_layout(cfg).ranks[rank])
+        plan = training_layout(cfg).ranks[rank]
+        offline = shard_description(plan.params, plan.segments)
         same = offline["params"] == mine["params"] and torch.equal(offline["segments"], mine["segments"])
         ckpt = latest_checkpoint(f"{root}/{name}")
         load_checkpoint(ckpt, rank, engine.chunks, engine.optimizer, read_manifest(ckpt), same_layout=True)

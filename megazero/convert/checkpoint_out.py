@@ -10,8 +10,8 @@ anything.
 
 from __future__ import annotations
 
-import math
 import json
+import math
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -21,9 +21,10 @@ from megazero.checkpoint import serialization
 from megazero.checkpoint.format import (
     COMPLETE, FORMAT_VERSION, LATEST, HashingWriter, complete_text, rank_manifest_name, step_dir_name,
 )
-from megazero.checkpoint.reader import STATE_KEYS, index_file, rank_file
+from megazero.checkpoint.reader import index_file, rank_file
 from megazero.convert.layout import RankLayout, RankPlan
 from megazero.convert.streaming import StreamedSafetensors, declare
+from megazero.optim import STATE_KEYS, shard_description
 
 ReadLogical = Callable[[str, tuple[str, ...]], dict[str, torch.Tensor]]
 """(logical name, keys) -> {key: the whole logical tensor, shaped as the layout's full shape}."""
@@ -51,15 +52,9 @@ def write_checkpoint(root: Path, layout: RankLayout, read: ReadLogical, *, step:
     return ckpt
 
 
-def _description(plan: RankPlan) -> dict:
-    return {"params": [[name, list(shape), None if s is None else [s.dim, s.index, s.count]]
-                       for name, shape, s in plan.params],
-            "segments": torch.tensor(plan.segments, dtype=torch.int64).reshape(-1, 4)}
-
-
 def _write_rank(ckpt: Path, rank: int, plan: RankPlan, read: ReadLogical, with_moments: bool,
                 adam_step: float, scaler: dict) -> dict:
-    description = _description(plan)
+    description = shard_description(plan.params, plan.segments)
     entries = {}
     with open(ckpt / index_file(rank), "wb") as f:
         writer = HashingWriter(f)

@@ -25,11 +25,10 @@ from typing import Optional, Protocol
 import torch
 
 from megazero.config import Config
-from megazero.engine import build_chunks, parallelism
+from megazero.engine import build_chunks, layout_record, parallelism
 from models.gpt import TP_PLAN
 from models.parallelize import describe_params
 from parallel.data_parallel.wrapper import flat_layout
-from parallel.pipeline.partition import resolve_split
 from parallel.tensor_parallel.apply import shard_meta_model
 from parallel.tensor_parallel.sharding import Shard
 from parallel.topology import RankGrid
@@ -97,12 +96,4 @@ def training_layout(cfg: Config) -> TrainingLayout:
         ranks.append(RankPlan([(info(q).name, tuple(q.shape), info(q).shard) for q in params],
                               [(s.param, s.param_offset, s.shard_offset, s.numel) for s in layout.segments],
                               layout.shard_numel))
-    description = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages, "order": p.order,
-                   "zero_stage": cfg.zero.stage, "world_size": grid.world_size,
-                   "pipeline_split": _split(cfg), "written_by": WRITTEN_BY}
-    return TrainingLayout(ranks, description)
-
-
-def _split(cfg: Config) -> list[int]:
-    m, p = cfg.model, cfg.parallel
-    return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
+    return TrainingLayout(ranks, {**layout_record(cfg), "written_by": WRITTEN_BY})

@@ -207,12 +207,8 @@ class ShardedAdamW:
         (parameter, offset in it, offset in the shard, length). Two shards with equal descriptions
         are interchangeable element for element. Lists, not tuples, so a description read back from
         a file compares equal to a fresh one."""
-        segments = torch.tensor([[s.param, s.param_offset, s.shard_offset, s.numel] for s in self.layout.segments],
-                                dtype=torch.int64).reshape(-1, 4)
-        return {"params": [[info.name, list(p.shape), None if info.shard is None else
-                            [info.shard.dim, info.shard.index, info.shard.count]]
-                           for info, p in zip(self.dp.info, self.dp.params)],
-                "segments": segments}
+        return shard_description(self.local_tensors(), [(s.param, s.param_offset, s.shard_offset, s.numel)
+                                                        for s in self.layout.segments])
 
     def sharded_state_dict(self) -> dict:
         """The shard of master and moments with its description, the Adam step and the loss scaler."""
@@ -285,6 +281,15 @@ class ShardedAdamW:
         if self.master_grad is None:
             return formula
         return dataclasses.replace(formula, grads=formula.grads + formula.master)
+
+
+def shard_description(params, segments) -> dict:
+    """The description ``ShardedAdamW.describe`` gives, from ``params`` ((logical name, local shape,
+    tp ``Shard`` or None) each) and ``segments`` ((param, param offset, shard offset, count) each):
+    also what an offline writer records for a rank that has not run."""
+    return {"params": [[name, list(shape), None if s is None else [s.dim, s.index, s.count]]
+                       for name, shape, s in params],
+            "segments": torch.tensor(list(segments), dtype=torch.int64).reshape(-1, 4)}
 
 
 def _itemsize(dtype: torch.dtype) -> int:
