@@ -8,9 +8,11 @@ anyone loads without running anything it contains. Tuples come back as lists.
 
 The file is written here, not by ``safetensors.torch.save``, so its bytes stream through the
 caller's file object (which hashes them on the way) without a second copy of the shard in memory.
-It is read by the safetensors library, whose parser checks every header field and offset. Tensor
-bytes are stored in the host's order; safetensors specifies little-endian, which every host that
-trains with torch is.
+It is read back with plain reads (``RangeFile``), whole or by element range, after every header
+field and offset is checked against the file's size; nothing is memory-mapped, which a host may
+refuse for a file larger than its RAM. Files written here also read with the safetensors library.
+Tensor bytes are stored in the host's order; safetensors specifies little-endian, which every host
+that trains with torch is.
 """
 
 from __future__ import annotations
@@ -145,14 +147,9 @@ class RangeFile:
 
 def read(path) -> Any:
     """The tree written by ``write``, with tensors on the CPU; ``FileFormatError`` if the file is not one."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except SafetensorError as e:
-        raise FileFormatError(f"not a safetensors file ({e})") from None
+    with RangeFile(path) as f:
+        metadata = f.metadata
+        tensors = {name: f.read(name) for name in f.keys()}
     if TREE not in metadata:
         raise FileFormatError(f"a safetensors file without the {TREE!r} metadata megazero writes")
     try:
