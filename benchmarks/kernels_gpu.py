@@ -6,10 +6,10 @@ and (``--only gelu_profile``) the kernels inductor makes of the GPT-2 MLP's bias
     python benchmarks/kernels_gpu.py [--json FILE]
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events) in milliseconds. "fwd" is the forward
-pass as in training (inputs that require grad: the fused cross-entropy does its gradient GEMMs
-there and its backward only scales); "peak MiB" is what a forward+backward allocates beyond its
-inputs. liger-kernel's own fused linear
-cross-entropy, SwiGLU and RoPE are timed beside ours where it has one, when importable.
+pass as in training (inputs that require grad: the fused cross-entropy, asked for the sum over
+tokens, does its gradient GEMMs there and its backward only scales); "peak MiB" is what a
+forward+backward allocates beyond its inputs. liger-kernel's own fused linear cross-entropy, SwiGLU
+and RoPE are timed beside ours where it has one, when importable.
 """
 
 from __future__ import annotations
@@ -79,16 +79,15 @@ def cross_entropy_rows() -> list[dict]:
     hidden, weight = leaf(TOKENS, HIDDEN), leaf(PADDED, HIDDEN, scale=0.02)
     labels = torch.randint(0, VOCAB, (TOKENS,), device="cuda")
 
-    def mean(fn):
-        return lambda h, w: fn(h, w).sum() / TOKENS
     extra = {}
     if kernels.HAS_LIGER:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
         # the padded weight, as ours gets, so rows of logits stay 16-byte aligned (padding is counted)
-        extra["liger (mean)"] = lambda h, w: LigerFusedLinearCrossEntropyFunction.apply(
-            h, w, labels, None, None, -100, 0.0, 0.0, "mean")[0]
-    return compare("linear_cross_entropy", mean(lambda h, w: ops.linear_cross_entropy.reference(h, w, labels, VOCAB)),
-                   mean(lambda h, w: linear_cross_entropy(h, w, labels, VOCAB)), [hidden, weight], extra)
+        extra["liger (sum)"] = lambda h, w: LigerFusedLinearCrossEntropyFunction.apply(
+            h, w, labels, None, None, -100, 0.0, 0.0, "sum")[0]
+    # the loss summed over tokens, as training asks for it
+    return compare("linear_cross_entropy", lambda h, w: ops.linear_cross_entropy.reference(h, w, labels, VOCAB, "sum"),
+                   lambda h, w: linear_cross_entropy(h, w, labels, VOCAB, "sum"), [hidden, weight], extra)
 
 
 def norm_rows() -> list[dict]:

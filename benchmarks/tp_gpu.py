@@ -69,8 +69,7 @@ def run_config(args, cfg: ModelConfig, name: str, device, dtype, batch) -> dict:
 
     def step():
         model.zero_grad(set_to_none=True)
-        loss = model(ids, labels)
-        mean = loss.sum() / (labels != IGNORE_INDEX).sum()
+        mean = model(ids, labels, reduction="sum") / (labels != IGNORE_INDEX).sum()
         mean.backward()
         return mean.detach()
 

@@ -94,10 +94,10 @@ def loss_scaler(cfg: Config):
 def gpt_forward_step(module, x, microbatch, first: bool, last: bool):
     """One chunk's forward for the executor: the last chunk returns the micro-batch's mean token loss."""
     tokens, labels = microbatch["tokens"], microbatch["labels"]
-    out = module(tokens if first else x, labels if last else None)
+    inputs = tokens if first else x
     if not last:
-        return out
-    return out.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
+        return module(inputs)
+    return module(inputs, labels, reduction="sum") / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 @dataclass

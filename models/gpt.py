@@ -6,12 +6,14 @@ parameter names, initial values and checkpoint keys are those of the full model.
 
 Stage interface (what a pipeline schedule relies on)::
 
-    stage(inputs, labels=None)
+    stage(inputs, labels=None, reduction="none")
     inputs  first stage (has_embedding): token ids, int64 [batch, seq]
             other stages: the previous stage's hidden state, [batch, seq, hidden]
             (under sequence parallelism [batch, seq / tp, hidden]: this rank's sequence slice)
-    returns last stage (has_head) with labels: per-token loss, fp32 [batch, seq] (0 where the label
-            is ops.IGNORE_INDEX; the caller sums and divides by the count of real labels)
+    returns last stage (has_head) with labels: the loss, fp32; with reduction "none" per token,
+            [batch, seq] (0 where the label is ops.IGNORE_INDEX), with "sum" its sum over tokens, a
+            scalar (training asks for the sum and divides by the count of real labels: the fused
+            loss then computes its gradient in the forward pass)
             last stage without labels: logits [batch, seq, padded_vocab] (padded_vocab / tp under
             tensor parallelism: this rank's vocabulary slice); columns >= vocab_size are padding
             other stages: the hidden state, shaped as the inputs of the next stage
@@ -85,8 +87,9 @@ class Block(nn.Module):
 
 
 class LMLoss(nn.Module):
-    """Per-token cross-entropy over the real (unpadded) vocabulary, from the final hidden state and
-    the head that projects it: one op, so that on GPU the logits exist a chunk of tokens at a time."""
+    """Cross-entropy over the real (unpadded) vocabulary, per token or summed (``reduction``, see
+    ``ops.linear_cross_entropy``), from the final hidden state and the head that projects it: one op,
+    so that on GPU the logits exist a chunk of tokens at a time."""
 
     kernel_for = staticmethod(ops.fused_linear_cross_entropy)
     """The fused body for a hidden state's device (or None), for a replacement of this module."""
@@ -95,8 +98,8 @@ class LMLoss(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def forward(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-        return ops.linear_cross_entropy(hidden, head.weight, labels, self.vocab_size)
+    def forward(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+        return ops.linear_cross_entropy(hidden, head.weight, labels, self.vocab_size, reduction)
 
 
 class GPT(nn.Module):
@@ -152,20 +155,21 @@ class GPT(nn.Module):
         if self.tied and self.embedding is not None and self.lm_head is not None:
             self.lm_head.weight = self.embedding.tokens.weight
 
-    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                reduction: str = "none") -> torch.Tensor:
         x = self.embedding(inputs) if self.embedding is not None else inputs
         for block in self.layers.values():
             x = block(x)
         if self.lm_head is None:
             return x
-        return self.head(x, labels)
+        return self.head(x, labels, reduction)
 
-    def head(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Final norm, then the logits, or (given labels) the per-token loss: the loss module takes
-        the head itself, so a fused kernel can project and reduce the vocabulary in chunks (the
-        logits are the largest activation of the model)."""
+    def head(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, reduction: str = "none") -> torch.Tensor:
+        """Final norm, then the logits, or (given labels) the loss, reduced as ``reduction`` says: the
+        loss module takes the head itself, so a fused kernel can project and reduce the vocabulary in
+        chunks (the logits are the largest activation of the model)."""
         x = self.final_norm(x)
-        return self.lm_head(x) if labels is None else self.loss(x, self.lm_head, labels)
+        return self.lm_head(x) if labels is None else self.loss(x, self.lm_head, labels, reduction)
 
     @property
     def init_std(self) -> float:

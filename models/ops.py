@@ -20,6 +20,8 @@ from models import kernels
 
 IGNORE_INDEX = -100
 """Label value whose position contributes neither loss nor gradient (padding, document masks)."""
+REDUCTIONS = ("none", "sum")
+"""What ``linear_cross_entropy`` returns: the loss of every token, or their sum."""
 
 
 def fused_by(body: str, in_graph: bool = False, needs: str = "triton"):
@@ -30,10 +32,10 @@ def fused_by(body: str, in_graph: bool = False, needs: str = "triton"):
     """
     def decorate(reference: Callable) -> Callable:
         @functools.wraps(reference)
-        def op(*args):
+        def op(*args, **kwargs):
             if kernels.use_fused(args[0], in_graph, needs):
-                return (kernels.call_between_graphs if in_graph else kernels.call)(body, *args)
-            return reference(*args)
+                return (kernels.call_between_graphs if in_graph else kernels.call)(body, *args, **kwargs)
+            return reference(*args, **kwargs)
 
         op.reference = reference
         return op
@@ -133,19 +135,28 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @fused_by("cross_entropy.linear_cross_entropy", in_graph=True)
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         vocab_size: int) -> torch.Tensor:
-    """Per-token loss of the logits ``hidden [..., h] @ weight[padded_vocab, h]^T`` over the first
-    ``vocab_size`` columns: the head and the loss as one op, so that the fused body can produce and
-    consume the logits a chunk of tokens at a time (the fp32 logits of the whole vocabulary never
-    exist). Shaped like ``labels``, fp32, 0 where ignored."""
-    return cross_entropy(F.linear(hidden, weight)[..., :vocab_size], labels)
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                         reduction: str = "none") -> torch.Tensor:
+    """Loss of the logits ``hidden [..., h] @ weight[padded_vocab, h]^T`` over the first ``vocab_size``
+    columns: the head and the loss as one op, so that the fused body can produce and consume the
+    logits a chunk of tokens at a time (the fp32 logits of the whole vocabulary never exist).
+
+    ``reduction``: ``"none"``, the per-token loss (fp32, shaped like ``labels``, 0 where ignored),
+    exact backward for any incoming gradient; or ``"sum"``, its sum over tokens (an fp32 scalar),
+    whose gradient the fused body computes in the forward pass (the backward only scales it), so
+    training asks for this one.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
+    loss = cross_entropy(F.linear(hidden, weight)[..., :vocab_size], labels)
+    return loss.sum() if reduction == "sum" else loss
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor) -> Optional[Callable]:
     """The fused body of ``linear_cross_entropy`` for ``hidden``'s device, or None where the torch
-    reference runs. It also takes ``vocab_start`` and ``combine``: the vocabulary-parallel loss
-    (``parallel.tensor_parallel``) reaches it through the model's loss module and adds its reduction."""
+    reference runs. After ``reduction`` it also takes ``vocab_start`` and ``combine``: the
+    vocabulary-parallel loss (``parallel.tensor_parallel``) reaches it through the model's loss
+    module and adds its reduction over the tensor group."""
     if kernels.use_fused(hidden, in_graph=True):
         return functools.partial(kernels.call_between_graphs, "cross_entropy.linear_cross_entropy")
     return None

@@ -9,12 +9,12 @@ its output, so every element of the backward is checked. Tolerances, as ||fused 
   reference in fp32 on the same (upcast) inputs; the fused body's error must stay within 1.5x
   torch's own bf16 error, or under 1e-2 where torch's is smaller than bf16 rounding can show.
 
-Also checked: the fused cross-entropy over several chunks, with ignored labels, padding columns and
-per-token weights that differ (the exact backward path, which runs the chunks again), and that the
-caller's sum over tokens takes the rescaling backward instead (the chunks run once); the GPT's loss
-and gradients with the fused bodies on and off, eager and compiled, the loss's chunks run once per
-step; the vocabulary-parallel form on two ranks (gloo on one GPU) against the full-vocabulary loss,
-both backward paths. Skipped without a CUDA device and Triton.
+Also checked: the fused cross-entropy over several chunks, with ignored labels and padding columns,
+for both reductions: ``"none"`` under per-token weights that differ (the exact backward, which runs
+the chunks again) and ``"sum"`` under a random scalar (the backward only rescales: the chunks run
+once); the GPT's loss and gradients with the fused bodies on and off, eager and compiled, the
+loss's chunks run once per step; the vocabulary-parallel form on two ranks (gloo on one GPU)
+against the full-vocabulary loss, both reductions. Skipped without a CUDA device and Triton.
 """
 
 from __future__ import annotations
@@ -157,32 +157,23 @@ def count_chunk_runs(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_cross_entropy_chunks_ignored_labels_and_padding(dtype, monkeypatch):
-    """Per-token weights that differ (``check`` weights each token's loss at random): the exact path."""
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_linear_cross_entropy_chunks_ignored_labels_and_padding(dtype, reduction, monkeypatch):
+    """``check`` weights each token's loss at random ("none": the exact path, the chunks run again in
+    backward) or scales the sum by a random scalar ("sum": the chunks run once, in forward)."""
     from models.kernels import cross_entropy
     monkeypatch.setattr(cross_entropy, "CHUNK_ELEMENTS", 128 * 1152)  # 128-row chunks: 6, the last partial
     runs = count_chunk_runs(monkeypatch)
     h, w, labels, vocab = _linear_ce_inputs()
-    fused = lambda h, w: cross_entropy.linear_cross_entropy(h, w, labels, vocab)
-    reference = lambda h, w: ops.linear_cross_entropy.reference(h, w, labels, vocab)
+    fused = lambda h, w: cross_entropy.linear_cross_entropy(h, w, labels, vocab, reduction)
+    reference = lambda h, w: ops.linear_cross_entropy.reference(h, w, labels, vocab, reduction)
     check(fused, reference, [h, w], dtype)
-    assert len(runs) == 2, "weights that differ per token must run the chunks again in backward"
+    assert len(runs) == (2 if reduction == "none" else 1), runs
     loss = fused(h.to(dtype), w.to(dtype))
-    assert (loss[labels == ops.IGNORE_INDEX] == 0).all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_cross_entropy_mean_loss_backward(dtype, monkeypatch):
-    """The engine's reduction (sum over real labels / their count): the backward only rescales."""
-    from models.kernels import cross_entropy
-    runs = count_chunk_runs(monkeypatch)
-    h, w, labels, vocab = _linear_ce_inputs()
-    count = (labels != ops.IGNORE_INDEX).sum()
-
-    def mean(fn):
-        return lambda h, w: fn(h, w, labels, vocab).sum() / count
-    check(mean(cross_entropy.linear_cross_entropy), mean(ops.linear_cross_entropy.reference), [h, w], dtype)
-    assert len(runs) == 1, "the sum's backward must not run the chunks again"
+    if reduction == "none":
+        assert (loss[labels == ops.IGNORE_INDEX] == 0).all()
+    else:
+        assert loss.shape == () and loss.dtype == torch.float32
 
 
 def _gpt(preset: str, dtype) -> GPT:
@@ -207,10 +198,10 @@ def test_gpt_loss_and_gradients_with_and_without_kernels(preset, compiled, monke
         torch._dynamo.reset()
         model = _gpt(preset, torch.bfloat16)
         forward = torch.compile(model) if compiled else model
-        loss = forward(tokens, labels).sum() / (labels != ops.IGNORE_INDEX).sum()
+        loss = forward(tokens, labels, reduction="sum") / (labels != ops.IGNORE_INDEX).sum()
         loss.backward()
         results[enabled] = (loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()})
-    assert len(runs) == 1, "the engine's mean loss must run the fused chunks once, in forward only"
+    assert len(runs) == 1, "the engine's summed loss must run the fused chunks once, in forward only"
     (loss_on, grads_on), (loss_off, grads_off) = results[True], results[False]
     assert rel(loss_on, loss_off) < 1e-2
     worst = max((rel(grads_on[n], grads_off[n]), n) for n in grads_off)
@@ -231,20 +222,21 @@ def _vocab_parallel(rank: int, world: int) -> dict:
     head.sequence_parallel = False
     assert ops.fused_linear_cross_entropy(h) is not None
     errors = {}
+    weights = torch.rand(labels.shape, device="cuda")
     # per-token weights (the exact backward) and the engine's sum over tokens (the rescaling one)
-    for name, reduce in (("weighted", lambda loss, weights=torch.rand(labels.shape, device="cuda"):
-                          (loss * weights).sum()), ("sum", lambda loss: loss.sum() / 7)):
+    for reduction, scale in (("none", lambda loss: (loss * weights).sum()), ("sum", lambda loss: loss / 7)):
         head.weight.grad = None
         x = h.detach().clone().requires_grad_(True)
-        loss = VocabParallelCrossEntropy(vocab, dist.group.WORLD, ops.fused_linear_cross_entropy)(x, head, labels)
-        reduce(loss).backward()
+        loss_fn = VocabParallelCrossEntropy(vocab, dist.group.WORLD, ops.fused_linear_cross_entropy)
+        loss = loss_fn(x, head, labels, reduction)
+        scale(loss).backward()
         parts = [torch.empty(head.weight.shape) for _ in range(world)]
         dist.all_gather(parts, head.weight.grad.float().cpu())
         ref_x, ref_w = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-        ref = ops.linear_cross_entropy.reference(ref_x, ref_w, labels, vocab)
-        reduce(ref).backward()
-        errors[name] = {"loss": rel(loss, ref), "grad_x": rel(x.grad, ref_x.grad),
-                        "grad_w": rel(torch.cat(parts), ref_w.grad.cpu())}
+        ref = ops.linear_cross_entropy.reference(ref_x, ref_w, labels, vocab, reduction)
+        scale(ref).backward()
+        errors[reduction] = {"loss": rel(loss, ref), "grad_x": rel(x.grad, ref_x.grad),
+                             "grad_w": rel(torch.cat(parts), ref_w.grad.cpu())}
     return errors
 
 

@@ -60,7 +60,9 @@ def test_stages_chained_equal_the_whole_model(preset):
     ref = whole(ids, labels)
     assert loss.shape == labels.shape and close(loss, ref)
     assert (loss[0, :3] == 0).all()
-    loss.sum().backward()
+    total = stages[-1](x, labels, reduction="sum")  # as training asks: the stages' gradients come from it
+    assert total.shape == () and close(total, ref.sum())
+    total.backward()
     ref.sum().backward()
     for stage in stages:
         for name, p in stage.named_parameters():
@@ -132,6 +134,12 @@ def test_ops_match_their_textbook_definitions():
     logits, labels = torch.randn(4, 10, generator=g), torch.tensor([1, ops.IGNORE_INDEX, 3, 9])
     expect = F.cross_entropy(logits, labels, reduction="none", ignore_index=ops.IGNORE_INDEX)
     assert close(ops.cross_entropy(logits, labels), expect)
+
+
+def test_unknown_loss_reduction_is_refused():
+    cfg = config("gpt2")
+    with pytest.raises(ValueError, match="reduction"):
+        GPT(cfg)(*batch(cfg), reduction="mean")
 
 
 def test_layers_outside_the_model_are_refused():

@@ -1,8 +1,9 @@
 """Tensor-parallel ops on 4 gloo ranks: the autograd collectives, vocab-parallel cross-entropy, the tp
 random stream and dropout under checkpointing.
 
-Tolerances: collectives only move and sum data, compared at 1e-6 relative; the cross-entropy is compared with torch.nn.functional.cross_entropy at 1e-5 relative
-(fp32). Dropout runs are compared bitwise: same seed gives identical loss and gradients, and
+Tolerances: collectives only move and sum data, compared at 1e-6 relative; the cross-entropy (per
+token, and summed: the gradient is the sum's) is compared with torch.nn.functional.cross_entropy at
+1e-5 relative (fp32). Dropout runs are compared bitwise: same seed gives identical loss and gradients, and
 recomputation (full or selective) replays the very same masks, so its gradients are identical too.
 """
 
@@ -41,15 +42,17 @@ def _cross_entropy(topo: Topology, tp: int, vocab: int) -> dict:
     labels[2, 6] = vocab - 1
     local = full.chunk(tp, dim=-1)[topo.tp_rank].clone().requires_grad_(True)
     loss = vocab_parallel_cross_entropy(local, labels, vocab, topo.tp_group)
-    loss.sum().backward()
+    total = vocab_parallel_cross_entropy(local, labels, vocab, topo.tp_group, reduction="sum")
+    total.backward()
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.grad, group=topo.tp_group)
     grad = torch.cat(parts, dim=-1)
     ref_logits = full[..., :vocab].clone().requires_grad_(True)
     ref = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
     ref.sum().backward()
-    return {"loss": rel(loss, ref.view(3, 7)), "grad": rel(grad[..., :vocab], ref_logits.grad),
-            "padding_grad": grad[..., vocab:].abs().max().item(), "ignored": loss[0, :4].abs().max().item()}
+    return {"loss": rel(loss, ref.view(3, 7)), "sum": rel(total, ref.sum()),
+            "grad": rel(grad[..., :vocab], ref_logits.grad), "padding_grad": grad[..., vocab:].abs().max().item(),
+            "ignored": loss[0, :4].abs().max().item()}
 
 
 COLLECTIVES = ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "split_sequence",
@@ -156,7 +159,7 @@ def test_collective_and_its_backward_mirror(results, name, tp):
 def test_vocab_parallel_cross_entropy_equals_torch_on_full_logits(results, case):
     for result in results:
         ce = result["ce"][case]
-        assert ce["loss"] <= RTOL and ce["grad"] <= RTOL
+        assert ce["loss"] <= RTOL and ce["sum"] <= RTOL and ce["grad"] <= RTOL
         assert ce["padding_grad"] == 0.0 and ce["ignored"] == 0.0
 
 

@@ -57,10 +57,10 @@ def use_fused(x: torch.Tensor, in_graph: bool = False, needs: str = "triton") ->
     return NEEDS[needs]
 
 
-def call(body: str, *args):
+def call(body: str, *args, **kwargs):
     """Run ``models.kernels.<module>.<function>`` (imported on first use: Triton stays optional)."""
     module, name = body.rsplit(".", 1)
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)(*args)
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)(*args, **kwargs)
 
 
 call_between_graphs = torch.compiler.disable(call) if torch.cuda.is_available() else call

@@ -8,13 +8,12 @@ much again for their gradient. Here the forward pass walks the tokens in chunks;
     loss, dlogits = row kernel(logits)        (Triton: one read, the gradient written in place)
     dx_c = dlogits W ;  dW += dlogits^T x_c   (two GEMMs, dW accumulated in fp32)
 
-so the backward pass has nothing left to do but scale: the loss is the last op of the model, and
-the caller sums the per-token loss (then divides by the count of real labels), so every token's
-loss gets the same gradient. Backward sees that without reading it: the backward of a sum hands
-over one value expanded to every token (stride 0), and only then are dx and dW rescaled by that
-value, on the device, with no host sync. Any other incoming gradient (per-token weights, or a
-``mean`` whose backward materialises) is handled exactly, by running the chunks again with the
-weights folded into dlogits.
+The caller names the reduction. With ``"sum"`` (what training asks for: the engine sums the
+per-token loss, then divides by the count of real labels) every token's loss gets the same
+gradient, so the forward pass computes dx and dW of the sum as it goes, and the backward pass only
+scales them by the incoming scalar, on the device, with no host sync. With ``"none"`` the per-token
+loss may be weighted in any way, so the forward pass computes the loss alone and the backward pass
+runs the chunks again with the incoming gradient folded into dlogits: exact for any weights.
 
 Vocabulary-parallel form: ``weight`` is this rank's slice of the (padded) vocabulary starting at
 ``vocab_start``, and ``combine`` reduces each chunk's per-row (max, sum of exp, label logit) over
@@ -151,42 +150,47 @@ def _run_chunks(hidden, weight, labels, scale, vocab_start: int, n_valid: int, c
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """Per-token loss of ``hidden [tokens, h] @ weight[v, h]^T`` against ``labels [tokens]``."""
+    """Loss of ``hidden [tokens, h] @ weight[v, h]^T`` against ``labels [tokens]``: per token, or
+    (``reduction="sum"``) summed, with the gradient of the sum computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_size: int, vocab_start: int, combine: Optional[Combine]):
+    def forward(ctx, hidden, weight, labels, vocab_size: int, reduction: str, vocab_start: int,
+                combine: Optional[Combine]):
         valid = labels != IGNORE_INDEX
         n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
-        grad = any(ctx.needs_input_grad[:2])
+        ctx.summed = reduction == "sum"
+        grad = ctx.summed and any(ctx.needs_input_grad[:2])
         loss, grad_hidden, grad_weight = _run_chunks(hidden, weight, labels, valid.float(), vocab_start, n_valid,
                                                      combine, grad)
         loss.masked_fill_(~valid, 0.0)
+        if ctx.summed:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+            ctx.weight_dtype = weight.dtype
+            return loss.sum()
         ctx.chunk_args = (vocab_start, n_valid, combine)
-        ctx.save_for_backward(hidden, weight, labels, grad_hidden, grad_weight)
+        ctx.save_for_backward(hidden, weight, labels)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, labels, grad_hidden, grad_weight = ctx.saved_tensors
-        if not same_for_every_token(grad_loss):  # weights that may differ: fold them into dlogits
-            scale = torch.where(labels != IGNORE_INDEX, grad_loss, 0.0).float()
-            _, grad_hidden, grad_weight = _run_chunks(hidden, weight, labels, scale, *ctx.chunk_args, grad=True)
-            return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
-        same = grad_loss.reshape(-1)[:1]  # stays on the device: a [1] tensor that broadcasts
-        return ((grad_hidden * same).to(hidden.dtype), (grad_weight * same).to(weight.dtype),
-                None, None, None, None)
-
-
-def same_for_every_token(grad_loss: torch.Tensor) -> bool:
-    """Whether the incoming gradient is provably one value for every token, from its strides alone:
-    the backward of ``sum`` (and of any broadcast of a scalar) expands it with stride 0."""
-    return grad_loss.numel() <= 1 or all(stride == 0 for stride in grad_loss.stride())
+        if ctx.summed:  # one scalar for every token: scale what forward computed
+            grad_hidden, grad_weight = ctx.saved_tensors  # a 0-dim grad_loss keeps grad_hidden's dtype
+            return (grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype),
+                    None, None, None, None, None)
+        hidden, weight, labels = ctx.saved_tensors  # weights that may differ: fold them into dlogits
+        scale = torch.where(labels != IGNORE_INDEX, grad_loss, 0.0).float()
+        _, grad_hidden, grad_weight = _run_chunks(hidden, weight, labels, scale, *ctx.chunk_args, grad=True)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                         vocab_start: int = 0, combine: Optional[Combine] = None) -> torch.Tensor:
-    """Per-token loss (fp32, shaped like ``labels``; 0 where ignored) of ``hidden [..., h]`` projected by
-    ``weight [local_vocab, h]``, whose row ``i`` is the vocabulary entry ``vocab_start + i``."""
-    flat = LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1).contiguous(),
-                                    vocab_size, vocab_start, combine)
-    return flat.view(labels.shape)
+                         reduction: str = "none", vocab_start: int = 0,
+                         combine: Optional[Combine] = None) -> torch.Tensor:
+    """Loss (fp32) of ``hidden [..., h]`` projected by ``weight [local_vocab, h]``, whose row ``i`` is the
+    vocabulary entry ``vocab_start + i``: per token with ``reduction="none"`` (shaped like ``labels``, 0
+    where ignored), or its sum over tokens with ``"sum"`` (a scalar)."""
+    if reduction not in ("none", "sum"):
+        raise ValueError(f"reduction must be 'none' or 'sum', not {reduction!r}")
+    loss = LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1).contiguous(),
+                                    vocab_size, reduction, vocab_start, combine)
+    return loss if reduction == "sum" else loss.view(labels.shape)

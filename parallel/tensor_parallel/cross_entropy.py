@@ -29,8 +29,11 @@ from parallel.tensor_parallel.collectives import copy_to_tp, gather_sequence, re
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group,
-                                 ignore_index: int = -100) -> torch.Tensor:
-    """Per-token loss (fp32, shaped like ``labels``; 0 where ``labels == ignore_index``)."""
+                                 reduction: str = "none", ignore_index: int = -100) -> torch.Tensor:
+    """Per-token loss (fp32, shaped like ``labels``; 0 where ``labels == ignore_index``), or with
+    ``reduction="sum"`` its sum over tokens (an fp32 scalar, the same on every rank of ``group``)."""
+    if reduction not in ("none", "sum"):
+        raise ValueError(f"reduction must be 'none' or 'sum', not {reduction!r}")
     local_vocab = logits.shape[-1]
     start = dist.get_rank(group) * local_vocab
     logits = logits.float()
@@ -46,7 +49,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, voc
     mine = (local_label >= 0) & (local_label < local_vocab) & ~ignored
     picked = shifted.gather(-1, local_label.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
     label_logit = reduce_from_tp(picked.masked_fill(~mine, 0.0), group)
-    return (sum_exp.log() - label_logit).masked_fill(ignored, 0.0)
+    loss = (sum_exp.log() - label_logit).masked_fill(ignored, 0.0)
+    return loss.sum() if reduction == "sum" else loss
 
 
 def _combine(group):
@@ -62,8 +66,9 @@ def _combine(group):
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    """Drop-in for the model's loss module: (hidden, head, labels) -> per-token loss over a padded
-    vocabulary split across the tensor group, the head being column-parallel."""
+    """Drop-in for the model's loss module: (hidden, head, labels, reduction) -> the per-token loss
+    (``"none"``) or its sum over tokens (``"sum"``) over a padded vocabulary split across the tensor
+    group, the head being column-parallel."""
 
     def __init__(self, vocab_size: int, group, kernel_for: Optional[Callable] = None):
         super().__init__()
@@ -77,12 +82,12 @@ class VocabParallelCrossEntropy(nn.Module):
             raise ValueError(f"{type(loss).__name__} has no vocab_size; the vocab_loss style needs one")
         return cls(loss.vocab_size, group, getattr(loss, "kernel_for", None))
 
-    def forward(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, reduction: str) -> torch.Tensor:
         kernel = self.kernel_for(hidden) if self.kernel_for is not None else None
         if kernel is None:
-            return vocab_parallel_cross_entropy(head(hidden), labels, self.vocab_size, self.group)
+            return vocab_parallel_cross_entropy(head(hidden), labels, self.vocab_size, self.group, reduction)
         # the head's own input step (ColumnParallelLinear), then the projection inside the kernel
         x = gather_sequence(hidden, self.group) if head.sequence_parallel else copy_to_tp(hidden, self.group)
         local_vocab = head.weight.shape[0]
-        return kernel(x, head.weight, labels, self.vocab_size, dist.get_rank(self.group) * local_vocab,
+        return kernel(x, head.weight, labels, self.vocab_size, reduction, dist.get_rank(self.group) * local_vocab,
                       _combine(self.group))
