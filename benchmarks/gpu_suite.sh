@@ -6,6 +6,9 @@
 #   benchmarks/gpu_suite.sh ds       DeepSpeed ZeRO-1/2/3 peers (PEERS/WHEELS as in the peers' README)
 #   benchmarks/gpu_suite.sh layers   tensor- and pipeline-parallel benchmarks
 #   benchmarks/gpu_suite.sh trainer  scripts/pretrain_gpt.sh with a 1.3B GPT on 1 and 2 GPUs
+#   benchmarks/gpu_suite.sh axes     tp 2 and pp 2 (1F1B, zero-bubble) against one GPU, with compiled
+#                                    blocks, beside the torch-native and megatron-core peers (the
+#                                    megatron-core wheel in $WHEELS); PROFILE=1 adds tp 2's kernel table
 # Output: JSON lines on stdout (and in $OUT/PART.log when OUT is set).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -36,5 +39,17 @@ trainer)
     CONFIG=configs/gpt_1.3b.yaml NPROC_PER_NODE=$n run timeout 150 bash scripts/pretrain_gpt.sh \
       --data.blend '[[1.0, data/demo/stdlib_text_document]]' --train.train_steps 30 --logging.log_interval 10 \
       --train.global_batch_size $((8 * n)) --checkpoint.save_on_exit false --logging.run_dir runs/gpu$n
+  done ;;
+axes)
+  # one GPU: one micro-batch (tensor parallel's reference) and eight (the pipeline's)
+  run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
+    --runs stage1-compile stage1-m8-compile --warmup 3 --steps 5
+  run timeout 200 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
+    --runs ${RUNS:-tp2-sp-compile pp2-m8-compile pp2-m8-zb-compile} --warmup 3 --steps 5 ${PROFILE:+--profile ${OUT:-/tmp}}
+  PEERS=$PEERS MODES="plain tp pp-1f1b" run bash $PEERS/run_peers.sh
+  [ -n "${WHEELS:-}" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore-site \
+    "$WHEELS"/megatron_core-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/mcore-site
+  for layout in "--tp 2" "--pp 2 --micro-batches 8"; do
+    run timeout 200 torchrun --nproc_per_node 2 benchmarks/peers/megatron_core_gpt.py $layout
   done ;;
 esac

@@ -28,6 +28,7 @@ from models import GPT
 from models.config import ModelConfig
 from models.ops import IGNORE_INDEX
 from models.parallelize import tensor_parallelize_gpt
+from parallel.tensor_parallel.partial_grads import sum_partial_grads
 from models.presets import MODEL_PRESETS
 from parallel.topology import RankGrid, Topology
 
@@ -71,6 +72,7 @@ def run_config(args, cfg: ModelConfig, name: str, device, dtype, batch) -> dict:
         model.zero_grad(set_to_none=True)
         mean = model(ids, labels, reduction="sum") / (labels != IGNORE_INDEX).sum()
         mean.backward()
+        sum_partial_grads(model, topo.tp_group)
         return mean.detach()
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

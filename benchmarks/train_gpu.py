@@ -7,7 +7,8 @@ Run on one node (NCCL), e.g. the ZeRO comparison on two GPUs::
 
 Each run builds the engine from the config plus the run's overrides (``stageN`` sets
 ``zero.stage``; ``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout;
-``bucketN`` the bucket size in MiB; ``compile`` compiles blocks and head), trains
+``bucketN`` the bucket size in MiB; ``compile`` compiles blocks and head; ``zb`` picks the zero-bubble
+schedule; ``mN`` runs N micro-batches per data-parallel rank; ``mbsN`` sets the micro-batch size), trains
 ``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one micro-batch of
 ``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one
 JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense peak, peak memory
@@ -49,11 +50,24 @@ def run_overrides(run: str) -> list[str]:
             out += ["--parallel.sequence_parallel", "true"]
         elif part == "compile":
             out += ["--train.compile", "true"]
+        elif part == "zb":
+            out += ["--parallel.pipeline_schedule", "zb-h1"]
+        elif part.startswith("mbs"):
+            out += ["--train.micro_batch_size", part[3:]]
+        elif part.startswith("m") and part[1:].isdigit():
+            pass  # micro-batches per step: read by micro_batches()
         elif part.startswith("bucket"):
             out += ["--zero.bucket_size_mb", part[6:]]
         else:
             raise SystemExit(f"unknown run part {part!r} in {run!r}")
     return out
+
+
+def micro_batches(run: str, pp: int) -> int:
+    """Micro-batches per data-parallel rank and step: ``mN`` in the run's name, else one (a pipeline
+    gets 2*pp so its bubble is the usual (pp-1)/m rather than all of it), as the peer baselines run."""
+    given = [int(part[1:]) for part in run.split("-") if part.startswith("m") and part[1:].isdigit()]
+    return given[-1] if given else (2 * pp if pp > 1 else 1)
 
 
 def profile_steps(engine, batch, out_dir: str, run_name: str, steps: int = 3) -> dict:
@@ -148,11 +162,9 @@ def main() -> None:
     init_process_group(launch, device)
     for run in args.runs:
         cfg = load_config(args.config, base + run_overrides(run))
-        # One micro-batch per data-parallel rank, as the peer baselines run; a pipeline gets 2*pp of
-        # them so its bubble is the usual (pp-1)/m rather than all of it.
         pp = cfg.parallel.pp
         dp = launch.world_size // (cfg.parallel.tp * pp)
-        micros = 2 * pp if pp > 1 else 1
+        micros = micro_batches(run, pp)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, global_batch_size=cfg.train.micro_batch_size * dp * micros))
         cfg = resolve_config(cfg, launch.world_size, launch.local_world_size)

@@ -21,6 +21,7 @@ from models.gpt import GPT, RECOMPUTE_TARGETS, TP_PLAN
 from parallel import comm
 from parallel.data_parallel import DataParallel, DataParallelSettings, ParamInfo
 from parallel.tensor_parallel.apply import apply_activation_checkpointing, apply_tensor_parallel
+from parallel.tensor_parallel.partial_grads import partial_grad_names
 from parallel.tensor_parallel.random import TensorParallelRNG
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import Topology
@@ -80,7 +81,7 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
     tied_group = topo.embedding_group if topo.pp_size > 1 else None
     return DataParallel(chunks, plan.data_parallel, topo.dp_group, units=units,
                         info=describe_params(chunks, topo.tp_rank, tied=tied_group is not None),
-                        tied_group=tied_group)
+                        tied_group=tied_group, tp_group=topo.tp_group)
 
 
 def compile_gpt(chunk: GPT, tp: int) -> None:
@@ -96,18 +97,21 @@ def compile_gpt(chunk: GPT, tp: int) -> None:
 def describe_params(chunks: list[GPT], tp_rank: int, tied: bool) -> Callable[[torch.nn.Parameter], ParamInfo]:
     """Each parameter's logical name and tensor-parallel slice; whether it enters the gradient norm
     (sharded ones on every tensor rank, replicated ones on the first only, a tied head copy never:
-    it is the embedding's second copy); and, when ``tied`` (the embedding and its head copy sit on
-    different pipeline stages), which two are summed over the embedding group."""
+    it is the embedding's second copy); which are summed over the tensor group (sequence-parallel
+    norms and biases); and, when ``tied`` (the embedding and its head copy sit on different
+    pipeline stages), which two are summed over the embedding group."""
     info = {}
     for chunk in chunks:
         shards = param_shards(chunk)
+        partial = partial_grad_names(chunk)
         copy = chunk.tied_head_copy
         for name, param in chunk.named_parameters():
             is_copy = param is copy
             pair = tied and chunk.tied and (is_copy or (chunk.embedding is not None
                                                         and param is chunk.embedding.tokens.weight))
             info[id(param)] = ParamInfo(chunk.logical_name(name), shards.get(name),
-                                        counts_for_norm=not is_copy and (name in shards or tp_rank == 0), tied=pair)
+                                        counts_for_norm=not is_copy and (name in shards or tp_rank == 0), tied=pair,
+                                        tp_partial=name in partial)
     return lambda param: info[id(param)]
 
 

@@ -74,3 +74,23 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool
         return None
     with named("all_reduce", group, async_op):
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float = 1.0) -> None:
+    """Sum ``tensors`` over ``group`` in place (then times ``scale``) with one collective per dtype
+    over a flattened copy: many small gradients (norms, biases) cost one launch and one latency."""
+    if group_size(group) == 1 and scale == 1.0:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        if len(same) == 1 and scale == 1.0:  # in place: no flat copy of a large embedding gradient
+            all_reduce(same[0], group)
+            continue
+        flat = torch.cat([t.reshape(-1) for t in same])
+        all_reduce(flat, group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        for t, part in zip(same, flat.split([t.numel() for t in same])):
+            t.copy_(part.view_as(t))

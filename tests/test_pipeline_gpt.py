@@ -19,6 +19,7 @@ import torch
 from models import GPT
 from models.config import ModelConfig
 from models.parallelize import tensor_parallelize_gpt
+from parallel.tensor_parallel.partial_grads import sum_partial_grads
 from models.presets import MODEL_PRESETS
 from parallel.pipeline import PipelineExecutor, allreduce_data_parallel_grads, sum_tied_grads
 from parallel.pipeline.partition import resolve_split, stage_layers
@@ -58,6 +59,8 @@ def _case(topo, schedule, m, v, sp, preset="gpt2"):
     executor = PipelineExecutor(chunks, topo, shape, schedule=schedule, forward_step=forward_step, timeout_s=60)
     data = _data(dp * m)
     loss = executor.step(data[topo.dp_rank * m:(topo.dp_rank + 1) * m])
+    for chunk in chunks:
+        sum_partial_grads(chunk, topo.tp_group)
     if cfg.tie_embeddings:
         tied = [p for ch in chunks for p in ([ch.embedding.tokens.weight] if ch.embedding else [])
                 + ([ch.lm_head.weight] if ch.lm_head else [])]

@@ -35,12 +35,13 @@ TOL = 2e-5  # fp32: gradients summed in a different order than the reference, re
 
 
 def _gather_seq_replicated(x, group):
-    """Gather the sequence for a computation every rank repeats in full; backward keeps its slice.
+    """Gather the tokens for a computation every rank repeats in full; backward keeps this rank's part.
 
     That is ``gather_from_tp``'s contract (whatever follows is replicated across tp), applied to the
-    sequence by moving it to the last dim and back.
+    sequence-parallel token chunks (``[batch * seq]`` in memory order) by moving tokens to the last dim.
     """
-    return gather_from_tp(x.transpose(1, -1), group).transpose(1, -1)
+    batch, hidden = x.shape[0], x.shape[-1]
+    return gather_from_tp(x.reshape(-1, hidden).t(), group).t().reshape(batch, -1, hidden)
 
 
 # --- the stand-in model -------------------------------------------------------------------------------

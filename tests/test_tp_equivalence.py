@@ -16,6 +16,7 @@ import torch.distributed as dist
 from models import GPT
 from models.config import ModelConfig
 from models.parallelize import tensor_parallelize_gpt
+from parallel.tensor_parallel.partial_grads import sum_partial_grads
 from models.presets import MODEL_PRESETS
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
@@ -99,6 +100,7 @@ def _equivalence(rank, world_size):
             model.init_weights(SEED)
         torch.manual_seed(0)
         logits, loss = run(model, cfg)
+        sum_partial_grads(model, group)
         ref_logits, ref_loss, ref_params = references[preset]
         shards = param_shards(model)
         full_logits = gather(logits, shards.get("lm_head.weight"), group, dim=-1)

@@ -59,6 +59,17 @@ COLLECTIVES = ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp"
                "gather_sequence", "reduce_scatter_sequence")
 
 
+def token_chunk(x: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s sequence-parallel part of [batch, seq, ...]: its chunk of the tokens in memory order."""
+    return x.reshape(-1).chunk(tp)[rank].view(x.shape[0], x.shape[1] // tp, *x.shape[2:])
+
+
+def join_tokens(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of ``token_chunk`` over all ranks."""
+    first = parts[0]
+    return torch.cat([p.reshape(-1) for p in parts]).view(first.shape[0], first.shape[1] * len(parts), *first.shape[2:])
+
+
 def _collective(name: str, topo: Topology) -> dict:
     """Forward output and input gradient of one collective against the same math on gathered data.
 
@@ -82,9 +93,9 @@ def _collective(name: str, topo: Topology) -> dict:
         "reduce_from_tp": lambda: (sum(xs), ws[me]),
         "scatter_to_tp": lambda: (xs[me].chunk(tp, -1)[me], torch.cat(ws, -1)),
         "gather_from_tp": lambda: (torch.cat(xs, -1), ws[me].chunk(tp, -1)[me]),
-        "split_sequence": lambda: (xs[me].chunk(tp, 1)[me], torch.cat(ws, 1)),
-        "gather_sequence": lambda: (torch.cat(xs, 1), sum(w.chunk(tp, 1)[me] for w in ws)),
-        "reduce_scatter_sequence": lambda: (sum(xs).chunk(tp, 1)[me], torch.cat(ws, 1)),
+        "split_sequence": lambda: (token_chunk(xs[me], tp, me), join_tokens(ws)),
+        "gather_sequence": lambda: (join_tokens(xs), sum(token_chunk(w, tp, me) for w in ws)),
+        "reduce_scatter_sequence": lambda: (token_chunk(sum(xs), tp, me), join_tokens(ws)),
     }
     expect_y, expect_grad = expected[name]()
     return {"y": rel(y.detach(), expect_y), "grad": rel(x.grad, expect_grad)}

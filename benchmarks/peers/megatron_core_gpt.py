@@ -6,9 +6,11 @@ vocabulary padded to a multiple of 128, learned positions, LayerNorm, GELU, tied
 micro-batch 8. Layers come from the *local* layer spec (``get_gpt_layer_local_spec``: megatron-core's
 plain-PyTorch modules), because the fast spec needs Transformer Engine, whose torch extension has to
 be compiled and cannot be built on the GPU machines; that also means its unfused core attention
-(no flash attention), which is the peer a user without Transformer Engine gets. Sequence
-parallelism is on whenever tp > 1; pipelines use megatron-core's 1F1B (``--virtual-stages 2``: its
-interleaved schedule). Gradients reduce through megatron-core's ``DistributedDataParallel`` and the
+(no flash attention), which is the peer a user without Transformer Engine gets. The local spec's
+torch LayerNorm refuses sequence parallelism (only apex's or Transformer Engine's norms take it), so
+its tensor parallelism runs without it: all-reduces instead of all-gather / reduce-scatter, the same
+bytes on two GPUs. Pipelines use megatron-core's 1F1B (``--virtual-stages 2``: its interleaved
+schedule). Chunks are cast to bf16 by megatron-core's ``Float16Module``, as its own trainer does. Gradients reduce through megatron-core's ``DistributedDataParallel`` and the
 distributed (ZeRO-1) optimizer, as megazero's stage 1 does. It prints one JSON line like the other
 peers (tokens/s and TFLOP/s per GPU, MFU, peak memory).
 
@@ -61,7 +63,7 @@ def transformer_config(size: Size, args, cpu: bool):
         ffn_hidden_size=4 * size.hidden, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.virtual_stages if args.virtual_stages > 1 else None,
-        sequence_parallel=args.tp > 1, bf16=not cpu, params_dtype=dtype, pipeline_dtype=dtype,
+        sequence_parallel=False, bf16=not cpu, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=cpu, bias_activation_fusion=False, masked_softmax_fusion=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False)
@@ -112,7 +114,8 @@ def main() -> None:
     if not args.cpu:
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                             use_distributed_optimizer=True)
-        models = [DistributedDataParallel(config, ddp, chunk.cuda()) for chunk in chunks]
+        from megatron.core.transformer.module import Float16Module
+        models = [DistributedDataParallel(config, ddp, Float16Module(config, chunk.cuda())) for chunk in chunks]
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.1,
                                                            adam_beta1=0.9, adam_beta2=0.95, bf16=True,
                                                            use_distributed_optimizer=True), models)

@@ -21,6 +21,10 @@ this step) is zeroed when its bucket is reduced, so a stale value never leaks in
 between parameters (alignment padding) may hold stale values in a reused scratch buffer; they
 reduce into shard gaps, which no segment reads.
 
+Gradients that a tensor rank holds only in part (``partial``: sequence-parallel norms and biases)
+are summed over ``partial_group`` as their bucket is launched, all of a bucket's in one collective,
+just before the data-parallel reduction reads them.
+
 Reductions are sums: dividing by the data-parallel size is folded into the optimizer's single
 unscale-and-clip multiply. Buckets are launched in the same order on every rank (backward order,
 then bucket index for stragglers), so collectives never cross. That needs the usual data-parallel
@@ -30,7 +34,7 @@ but then on every rank), as it does for a GPT, whose every parameter is used by 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -41,7 +45,7 @@ from parallel import comm
 class GradReducer:
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group, dtype: torch.dtype,
                  mode: str, reduce_scatter: bool, on_final: Optional[Callable[[int], None]] = None,
-                 max_in_flight: int = 2):
+                 max_in_flight: int = 2, partial: Sequence[int] = (), partial_group=None):
         assert mode in ("full", "sharded")
         self.params, self.layout, self.group, self.dtype, self.mode = params, layout, group, dtype, mode
         self.reduce_scatter, self.max_in_flight = reduce_scatter, max_in_flight
@@ -64,6 +68,8 @@ class GradReducer:
         self.on_final = on_final  # told when a bucket's step sum is complete (in the step's last backward)
         self.deferred: set[int] = set()  # buckets that must wait for finish() (see defer)
         self._callback_queued = False
+        self.partial_group = partial_group
+        self.bucket_partial = [[i for i in partial if b in self.param_buckets[i]] for b in range(len(layout.buckets))]
         if mode == "full":
             self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
             self.shard = None
@@ -181,8 +187,19 @@ class GradReducer:
         largest = max(bucket.numel for bucket in self.layout.buckets)
         return torch.zeros(largest, dtype=self.dtype, device=self.shard.device)
 
+    def _sum_partial(self, b: int) -> None:
+        """Sum the partial gradients in bucket ``b`` over the tensor group (one collective)."""
+        if not self.bucket_partial[b]:
+            return
+        regions = []
+        for i in self.bucket_partial[b]:
+            src, dst, n = self._bucket_slice(i, b)
+            regions.append(self.param_grad(i)[src:src + n] if self.mode == "full" else self.scratch[b][dst:dst + n])
+        comm.all_reduce_coalesced(regions, self.partial_group)
+
     def _launch(self, b: int) -> None:
         bucket = self.layout.buckets[b]
+        self._sum_partial(b)
         if self.mode == "full":
             buf = self._flat(bucket.unit, bucket.start, bucket.end)
             if self.reduce_scatter:

@@ -67,6 +67,8 @@ class ParamInfo:
     shard: Optional[Shard]  # the tensor-parallel slice of the logical tensor this rank holds
     counts_for_norm: bool  # False for tp-replicated copies off the first tp rank and a tied head copy
     tied: bool = False  # its gradient is summed with a copy on another pipeline stage first
+    tp_partial: bool = False  # this tensor rank holds only its tokens' share of the gradient (sequence
+    # parallel norms and biases): summed over the tensor group before the data-parallel reduction
 
 
 class DeferredUpdate(Protocol):
@@ -90,11 +92,13 @@ class DataParallel:
     in forward order; the remaining parameters form one more unit kept gathered through a step.
     ``roots`` are the modules the caller invokes (pipeline chunks): under stage 3 their forward
     gathers that persistent unit. ``info(param)`` is the model's description of each parameter;
-    ``tied_group`` is where tied parameters' gradients are summed before the data-parallel reduction.
+    ``tied_group`` is where tied parameters' gradients are summed before the data-parallel reduction,
+    ``tp_group`` where the partial ones are (see ``parallel.tensor_parallel.partial_grads``).
     """
 
     def __init__(self, roots: list[torch.nn.Module], settings: DataParallelSettings, dp_group,
-                 units: list[torch.nn.Module], info: Callable[[torch.nn.Parameter], ParamInfo], tied_group=None):
+                 units: list[torch.nn.Module], info: Callable[[torch.nn.Parameter], ParamInfo], tied_group=None,
+                 tp_group=None):
         if settings.stage not in STAGES:
             raise ValueError(f"ZeRO stage {settings.stage}: use one of {STAGES}")
         self.settings = s = settings
@@ -110,7 +114,9 @@ class DataParallel:
         sharded = s.stage >= 2 and not s.once_per_step
         self.reducer = GradReducer(self.params, self.layout, dp_group, s.grad_dtype,
                                    mode="sharded" if sharded else "full", reduce_scatter=s.stage > 0,
-                                   on_final=self._bucket_final)
+                                   on_final=self._bucket_final,
+                                   partial=[i for i, inf in enumerate(self.info) if inf.tp_partial],
+                                   partial_group=tp_group)
         self.tied_group = tied_group
         self.tied = [i for i, inf in enumerate(self.info) if inf.tied]
         for i in self.tied:

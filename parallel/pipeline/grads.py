@@ -18,30 +18,13 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from parallel.comm import all_reduce, group_size
+from parallel.comm import all_reduce_coalesced, group_size
 
 GradReducer = Callable[[Iterable[nn.Parameter]], None]
 
 
 def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
-
-
-def _allreduce_flat(grads: list[torch.Tensor], group, scale: float = 1.0) -> None:
-    """One collective per dtype over a flattened copy, instead of one per parameter."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        if len(same) == 1 and scale == 1.0:  # in place: no flat copy of a large embedding gradient
-            all_reduce(same[0], group)
-            continue
-        flat = torch.cat([g.reshape(-1) for g in same])
-        all_reduce(flat, group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        for g, part in zip(same, flat.split([g.numel() for g in same])):
-            g.copy_(part.view_as(g))
 
 
 def sum_tied_grads(grads: list[torch.Tensor], group) -> None:
@@ -52,11 +35,11 @@ def sum_tied_grads(grads: list[torch.Tensor], group) -> None:
     """
     if group is None or not grads or group_size(group) == 1:
         return
-    _allreduce_flat(grads, group)
+    all_reduce_coalesced(grads, group)
 
 
 def allreduce_data_parallel_grads(params: Iterable[nn.Parameter], topo) -> None:
     """Average gradients over the data-parallel group (the plain, non-ZeRO reducer)."""
     if topo.dp_size == 1:
         return
-    _allreduce_flat(_grads(params), topo.dp_group, scale=1.0 / topo.dp_size)
+    all_reduce_coalesced(_grads(params), topo.dp_group, scale=1.0 / topo.dp_size)

@@ -10,7 +10,8 @@ to a style. Patterns that match nothing are skipped, so one plan serves every pi
 | vocab            | nn.Embedding     | replaced by VocabParallelEmbedding                                |
 | vocab_loss       | loss module      | replaced by VocabParallelCrossEntropy (needs ``.vocab_size``)     |
 | split_sequence   | any module       | sp: output split along the sequence                               |
-| sequence         | norm, dropout    | sp: parameter gradients summed over tp, randomness from tp stream |
+| sequence         | norm, dropout    | sp: parameters marked partial (``partial_grads``), randomness     |
+|                  |                  | from the tp stream                                                |
 | local            | any module       | randomness from the tp stream (it works on this rank's shard)     |
 
 Module replacement keeps parameter names; the other styles wrap the module's ``forward`` on the
@@ -28,9 +29,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel.tensor_parallel.collectives import copy_to_tp, split_sequence
+from parallel.tensor_parallel.collectives import split_sequence
 from parallel.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from parallel.tensor_parallel.partial_grads import mark_partial
 from parallel.tensor_parallel.random import TensorParallelRNG
 from parallel.tensor_parallel.sharding import Shard
 
@@ -62,19 +64,6 @@ def wrap_forward(module: nn.Module, around: Callable) -> None:
     module.forward = functools.partial(around, module.forward)
 
 
-def _with_tp_params(module: nn.Module, group, forward, *args, **kwargs):
-    """Run ``forward`` with every direct parameter passed through copy_to_tp, so a parameter that
-    saw only this rank's sequence slice gets the gradient summed over the whole sequence."""
-    saved = dict(module._parameters)
-    try:
-        for name, param in saved.items():
-            if param is not None:
-                module._parameters[name] = copy_to_tp(param, group)
-        return forward(*args, **kwargs)
-    finally:
-        module._parameters.update(saved)
-
-
 def _in_fork(rng: TensorParallelRNG, forward, *args, **kwargs):
     with rng.fork():
         return forward(*args, **kwargs)
@@ -86,8 +75,7 @@ def _apply_wrapper(module: nn.Module, style: str, group, sequence_parallel: bool
     elif sequence_parallel and style == "split_sequence":
         wrap_forward(module, lambda forward, *a, **k: split_sequence(forward(*a, **k), group))
     elif sequence_parallel and style == "sequence":
-        if any(p is not None for p in module._parameters.values()):
-            wrap_forward(module, functools.partial(_with_tp_params, module, group))
+        mark_partial(module, [name for name, p in module._parameters.items() if p is not None])
         wrap_forward(module, functools.partial(_in_fork, rng))
 
 

@@ -6,13 +6,18 @@
 | reduce_from_tp            | all-reduce                      | identity                      |
 | scatter_to_tp             | keep this rank's last-dim slice | all-gather along the last dim |
 | gather_from_tp            | all-gather along the last dim   | keep this rank's slice        |
-| split_sequence            | keep this rank's sequence slice | all-gather along the sequence |
-| gather_sequence           | all-gather along the sequence   | reduce-scatter                |
-| reduce_scatter_sequence   | reduce-scatter along sequence   | all-gather                    |
+| split_sequence            | keep this rank's token slice    | all-gather the tokens         |
+| gather_sequence           | all-gather the tokens           | reduce-scatter                |
+| reduce_scatter_sequence   | reduce-scatter the tokens       | all-gather                    |
 
-Activations are ``[batch, seq, ...]``; the sequence is dim 1. The communication shim works on
-dim 0, so sequence collectives move the sequence to the front first; with micro-batch 1 that move
-is free (no copy). All of them are identities on a group of one rank.
+Activations are ``[batch, seq, ...]``. Sequence parallelism splits the tokens, and what runs on a
+rank's slice (norms, dropout, residual adds, biases) treats every token alike, so *which* tokens a
+rank holds is free to choose as long as the three sequence collectives agree. They split the
+tokens in memory order, ``[batch * seq]`` in ``tp`` contiguous chunks, and give each rank's chunk
+the shape ``[batch, seq / tp, ...]``: with micro-batch 1 that is the sequence slice, with more it
+mixes sequences, and no collective ever copies its input into another layout (moving the sequence
+to the front for micro-batch 8 cost a copy of every 64 MiB activation on both sides of each
+collective). All of them are identities on a group of one rank.
 """
 
 from __future__ import annotations
@@ -37,6 +42,41 @@ def _check_divisible(x: torch.Tensor, dim: int, size: int) -> None:
         raise ValueError(f"{what} {x.shape[dim]} is not divisible by the tensor-parallel size {size}")
 
 
+def _token_shape(x: torch.Tensor, parts: float) -> tuple[int, ...]:
+    """``x``'s shape with the sequence (dim 1) scaled by ``parts``: the token chunk of one rank or all."""
+    return (x.shape[0], int(x.shape[1] * parts), *x.shape[2:])
+
+
+def _gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's token chunk, in rank order: [batch, seq/tp, ...] -> [batch, seq, ...]."""
+    size = comm.group_size(group)
+    if size == 1:
+        return x
+    out = x.new_empty(_token_shape(x, size))
+    comm.all_gather_into(out.view(-1), x.contiguous().view(-1), group)
+    return out
+
+
+def _reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over ranks of ``x`` [batch, seq, ...], keeping this rank's token chunk."""
+    size = comm.group_size(group)
+    if size == 1:
+        return x
+    _check_divisible(x, 1, size)
+    out = x.new_empty(_token_shape(x, 1 / size))
+    comm.reduce_scatter_into(out.view(-1), x.contiguous().view(-1), group)
+    return out
+
+
+def _split_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's token chunk of a replicated ``x`` (a view: no communication, no copy)."""
+    size = comm.group_size(group)
+    if size == 1:
+        return x
+    _check_divisible(x, 1, size)
+    return x.contiguous().view(-1).chunk(size)[dist.get_rank(group)].view(_token_shape(x, 1 / size))
+
+
 def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``."""
     size = comm.group_size(group)
@@ -45,18 +85,6 @@ def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
     comm.all_gather_into(out, front, group)
-    return out.movedim(0, dim)
-
-
-def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Sum ``x`` over the ranks and keep this rank's part along ``dim``."""
-    size = comm.group_size(group)
-    if size == 1:
-        return x
-    _check_divisible(x, dim, size)
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    comm.reduce_scatter_into(out, front, group)
     return out.movedim(0, dim)
 
 
@@ -82,16 +110,14 @@ def _mirrored(name: str, forward: Callable, backward: Callable) -> type:
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-SEQ, LAST = 1, -1
+LAST = -1
 _CopyToTP = _mirrored("_CopyToTP", lambda x, g: x.view_as(x), _all_reduce)
 _ReduceFromTP = _mirrored("_ReduceFromTP", lambda x, g: _all_reduce(x.clone(), g), lambda grad, g: grad)
 _ScatterToTP = _mirrored("_ScatterToTP", lambda x, g: _split(x, g, LAST), lambda grad, g: _gather(grad, g, LAST))
 _GatherFromTP = _mirrored("_GatherFromTP", lambda x, g: _gather(x, g, LAST), lambda grad, g: _split(grad, g, LAST))
-_SplitSequence = _mirrored("_SplitSequence", lambda x, g: _split(x, g, SEQ), lambda grad, g: _gather(grad, g, SEQ))
-_GatherSequence = _mirrored("_GatherSequence", lambda x, g: _gather(x, g, SEQ),
-                            lambda grad, g: _reduce_scatter(grad, g, SEQ))
-_ReduceScatterSequence = _mirrored("_ReduceScatterSequence", lambda x, g: _reduce_scatter(x, g, SEQ),
-                                   lambda grad, g: _gather(grad, g, SEQ))
+_SplitSequence = _mirrored("_SplitSequence", _split_tokens, _gather_tokens)
+_GatherSequence = _mirrored("_GatherSequence", _gather_tokens, _reduce_scatter_tokens)
+_ReduceScatterSequence = _mirrored("_ReduceScatterSequence", _reduce_scatter_tokens, _gather_tokens)
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
@@ -118,15 +144,15 @@ def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """Replicated [batch, seq, ...] -> this rank's [batch, seq/tp, ...] slice."""
+    """Replicated [batch, seq, ...] -> this rank's [batch, seq/tp, ...] token chunk."""
     return _SplitSequence.apply(x, group)
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """Sequence slices -> the full sequence on every rank (sequence-parallel region -> tensor-parallel)."""
+    """Token chunks -> the full sequence on every rank (sequence-parallel region -> tensor-parallel)."""
     return _GatherSequence.apply(x, group)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """Partial sums over the full sequence -> this rank's slice of the total (tensor-parallel -> sequence)."""
+    """Partial sums over the full sequence -> this rank's token chunk of the total (tensor-parallel -> sequence)."""
     return _ReduceScatterSequence.apply(x, group)

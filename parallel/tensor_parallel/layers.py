@@ -9,7 +9,8 @@ Communication, with ``sp`` = sequence parallel:
 
 - ColumnParallelLinear: input copy_to_tp (sp: gather_sequence); output stays split by columns.
 - RowParallelLinear: input is split by columns; output reduce_from_tp (sp: reduce_scatter_sequence),
-  then the bias, which under sp sees only a slice of the sequence and so has its gradient summed.
+  then the bias, which under sp sees only this rank's tokens: its gradient is marked partial
+  (``partial_grads``) and summed over the group once per step.
 - VocabParallelEmbedding: each rank looks up the ids in its vocabulary range, zeros the rest, and the
   partial embeddings are summed with reduce_from_tp.
 """
@@ -26,6 +27,7 @@ from torch import nn
 from parallel import comm
 from parallel.tensor_parallel.collectives import (copy_to_tp, gather_sequence, reduce_from_tp,
                                                   reduce_scatter_sequence)
+from parallel.tensor_parallel.partial_grads import mark_partial
 from parallel.tensor_parallel.sharding import Shard
 
 
@@ -100,7 +102,10 @@ class RowParallelLinear(_TPModule):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None):
-        return cls._from(linear, group, sequence_parallel, memo)
+        layer = cls._from(linear, group, sequence_parallel, memo)
+        if sequence_parallel and layer.bias is not None:
+            mark_partial(layer, ["bias"])
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = getattr(self, "linear_fn", F.linear)(x, self.weight)  # see ColumnParallelLinear.forward
@@ -108,7 +113,7 @@ class RowParallelLinear(_TPModule):
             y = reduce_from_tp(y, self.group)
             return y if self.bias is None else y + self.bias
         y = reduce_scatter_sequence(y, self.group)
-        return y if self.bias is None else y + copy_to_tp(self.bias, self.group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(_TPModule):
