@@ -69,6 +69,14 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group, op=dist
         return _reduce_scatter_single(output, full.contiguous(), op=op, group=group, async_op=async_op)
 
 
+def reduce_to(tensor: torch.Tensor, dst: int, group, async_op: bool = False):
+    """Sum ``tensor`` over the group into the copy on group rank ``dst`` (others' copies are left as sent)."""
+    if group_size(group) == 1:
+        return None
+    with named("reduce", group, async_op):
+        return dist.reduce(tensor, dst=dist.get_global_rank(group, dst), group=group, async_op=async_op)
+
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
     if group_size(group) == 1:
         return None

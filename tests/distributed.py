@@ -1,4 +1,4 @@
-"""Run a function on a real multi-process gloo world and bring each rank's result back.
+"""Run a function on a real multi-process world (gloo, or NCCL on GPUs) and bring each rank's result back.
 
 Starting torch processes costs seconds, so a test module starts one world per size and runs all
 its cases inside it (the function loops over cases and returns a dict of results), then plain
@@ -20,7 +20,8 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _child(rank: int, world_size: int, init_file: str, results, fn: Callable, args: tuple, timeout: float) -> None:
+def _child(rank: int, world_size: int, init_file: str, results, fn: Callable, args: tuple, timeout: float,
+           backend: str) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -28,8 +29,12 @@ def _child(rank: int, world_size: int, init_file: str, results, fn: Callable, ar
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(max(timeout - 10, 5), exit=False, file=sys.stderr)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        device = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = {"device_id": torch.device("cuda", rank)}
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout), **device)
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -40,14 +45,16 @@ def _child(rank: int, world_size: int, init_file: str, results, fn: Callable, ar
             dist.destroy_process_group()
 
 
-def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list:
-    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns results by rank."""
+def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0, backend: str = "gloo") -> list:
+    """``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo on CPU, or ``backend="nccl"``
+    with rank r on GPU r); returns results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="megazero-dist-")
     os.close(fd)
     os.unlink(init_file)
-    procs = [ctx.Process(target=_child, args=(r, world_size, init_file, results, fn, args, timeout), daemon=True)
+    procs = [ctx.Process(target=_child, args=(r, world_size, init_file, results, fn, args, timeout, backend),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

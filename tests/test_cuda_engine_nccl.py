@@ -14,19 +14,14 @@ themselves, by up to 2^-9 of their size). Every rank is checked.
 
 from __future__ import annotations
 
-import os
-import tempfile
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megazero.engine import Engine
 from models import GPT
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
+from tests.distributed import run_world
 from tests.test_engine_equivalence import MICROS_PER_RANK, STEPS, _batches, _config, _reference
 
 pytestmark = [pytest.mark.cuda,
@@ -65,37 +60,17 @@ def _case(topo, layout, stage, extra) -> dict:
             "update_err": (diff_sq / update_sq) ** 0.5}
 
 
-def _child(rank: int, world_size: int, init_file: str, results) -> None:
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                device_id=torch.device("cuda", rank))
-        report = {}
-        for layout, stage, extra in CASES:
-            topo = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
-            report[(layout, stage, extra)] = _case(topo, layout, stage, extra)
-        results.put((rank, "ok", report))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _all_cases(rank: int, world_size: int) -> dict:
+    report = {}
+    for layout, stage, extra in CASES:
+        topo = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
+        report[(layout, stage, extra)] = _case(topo, layout, stage, extra)
+    return report
 
 
 @pytest.fixture(scope="module")
 def reports():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(prefix="megazero-nccl-"), "store")
-    procs = [ctx.Process(target=_child, args=(r, 2, init_file, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    outcome = dict((rank, (status, value)) for rank, status, value in (results.get(timeout=600) for _ in procs))
-    for p in procs:
-        p.join(timeout=30)
-    errors = [value for status, value in outcome.values() if status == "error"]
-    assert not errors, errors[0]
-    return [outcome[r][1] for r in range(2)]
+    return run_world(2, _all_cases, timeout=600, backend="nccl")
 
 
 @pytest.mark.parametrize("layout, stage, extra", CASES)

@@ -5,7 +5,8 @@ keeping the parameter names ``weight`` and ``bias`` so state-dict keys do not ch
 which slice of the full tensor it holds in ``tp_shards`` (see ``sharding``). Built from a module on
 the meta device, they stay on the meta device: only the shard is ever materialised.
 
-Communication, with ``sp`` = sequence parallel:
+Communication, with ``sp`` = sequence parallel (under sp both linears are the overlapped forms of
+``overlap``, except under a schedule that defers weight gradients):
 
 - ColumnParallelLinear: input copy_to_tp (sp: gather_sequence); output stays split by columns.
 - RowParallelLinear: input is split by columns; output reduce_from_tp (sp: reduce_scatter_sequence),
@@ -27,6 +28,7 @@ from torch import nn
 from parallel import comm
 from parallel.tensor_parallel.collectives import (copy_to_tp, gather_sequence, reduce_from_tp,
                                                   reduce_scatter_sequence)
+from parallel.tensor_parallel.overlap import column_linear, row_linear
 from parallel.tensor_parallel.partial_grads import mark_partial
 from parallel.tensor_parallel.sharding import Shard
 
@@ -90,9 +92,13 @@ class ColumnParallelLinear(_TPModule):
         return cls._from(linear, group, sequence_parallel, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # linear_fn: set by a split-backward pipeline schedule to defer the weight gradient, which
+        # the overlapped form computes in its own backward
+        linear_fn = getattr(self, "linear_fn", None)
+        if self.sequence_parallel and linear_fn is None:
+            return column_linear(x, self.weight, self.bias, self.group)
         x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        # linear_fn: set by a split-backward pipeline schedule to defer the weight gradient
-        return getattr(self, "linear_fn", F.linear)(x, self.weight, self.bias)
+        return (linear_fn or F.linear)(x, self.weight, self.bias)
 
 
 class RowParallelLinear(_TPModule):
@@ -108,11 +114,13 @@ class RowParallelLinear(_TPModule):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = getattr(self, "linear_fn", F.linear)(x, self.weight)  # see ColumnParallelLinear.forward
-        if not self.sequence_parallel:
-            y = reduce_from_tp(y, self.group)
-            return y if self.bias is None else y + self.bias
-        y = reduce_scatter_sequence(y, self.group)
+        linear_fn = getattr(self, "linear_fn", None)  # see ColumnParallelLinear.forward
+        if self.sequence_parallel and linear_fn is None:
+            y = row_linear(x, self.weight, self.group)
+        elif self.sequence_parallel:
+            y = reduce_scatter_sequence(linear_fn(x, self.weight), self.group)
+        else:
+            y = reduce_from_tp((linear_fn or F.linear)(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 
