@@ -11,7 +11,8 @@ Each run is a real `megazero train configs/gpt_1.3b.yaml` under the project's la
 ``--skip`` (compilation and warm-up) and rank 0's peak allocated memory, and prints one JSON line
 with the planner's predicted tokens/s and peak memory for the same config, layout and GPU (preset
 chosen by the device's name), and the ratios. Runs: ``1gpu`` (ZeRO 1), ``2gpu-zero1``,
-``2gpu-zero3``, ``2gpu-pp2``, ``2gpu-tp2`` (sequence parallel on). The efficiency constants in
+``2gpu-zero3``, ``2gpu-pp2``, ``2gpu-tp2`` (sequence parallel on), and ``2gpu-tp2-mbs4`` (the same at
+micro-batch 4: a check of the tensor-parallel constant, which was fitted on ``2gpu-tp2``). The efficiency constants in
 ``megazero/planner/hardware.py`` are recalibrated from the ``1gpu`` run: measured tokens/s over
 predicted, times the preset's efficiency.
 """
@@ -39,6 +40,7 @@ RUNS = {
     "2gpu-zero3": (2, ["--zero.stage", "3"]),
     "2gpu-pp2": (2, ["--parallel.pp", "2"]),
     "2gpu-tp2": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    "2gpu-tp2-mbs4": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.micro_batch_size", "4"]),
 }
 
 

@@ -4,8 +4,11 @@ A linear layer's backward is two GEMMs: the input gradient ``dX = dY W``, which 
 stage waits for, and the weight gradient ``dW = dY^T X``, which nothing waits for until the optimizer
 step. ``WeightGradQueue.linear`` computes the first in backward and queues what the second needs
 (its input and output gradient, kept alive until then); the executor runs the queue at the
-schedule's ``W`` op for that micro-batch. Everything else in the model (norms, biases, embeddings,
-attention itself) still gets its gradient in ``B``: only the big GEMMs move.
+schedule's ``W`` op for that micro-batch. The linear's bias moves with its weight: its gradient is a
+sum of ``dY`` over the tokens, which ``W`` computes as one plain reduction, whereas left in ``B``
+torch.compile fused it into the activation's backward as a reduction kernel three times slower than
+that kernel alone (1.3B GPT on H100, BENCHMARKS.md). Everything else in the model (norms,
+embeddings, attention itself) still gets its gradient in ``B``: only the linears move.
 
 The deferred ``dW`` reaches ``param.grad`` the way autograd's own does, through the parameter's
 gradient accumulator (``torch.autograd.backward`` from the parameter itself), so post-accumulate-grad
@@ -31,35 +34,46 @@ from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLin
 
 
 class _DeferredWeightLinear(torch.autograd.Function):
-    """``x W^T`` whose backward returns ``dX`` and leaves ``dW`` to the queue (when a micro-batch is
-    current; otherwise it returns ``dW`` too)."""
+    """``x W^T + b`` whose backward returns ``dX`` and leaves ``dW`` and ``db`` to the queue (when a
+    micro-batch is current; otherwise it returns them too)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, queue: "WeightGradQueue") -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                queue: "WeightGradQueue") -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.queue = queue
-        return F.linear(x, weight)
+        ctx.queue, ctx.bias = queue, bias
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        grad_w = None
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1] and ctx.queue.current is not None:
+            ctx.queue.push(weight, ctx.bias if ctx.needs_input_grad[2] else None, x, grad_out)
+            return grad_x, None, None, None
         if ctx.needs_input_grad[1]:
-            if ctx.queue.current is None:
-                grad_w = weight_grad([(x, grad_out)])
-            else:
-                ctx.queue.push(weight, x, grad_out)
-        return grad_x, grad_w, None
+            grad_w = weight_grad([(x, grad_out)])
+        if ctx.needs_input_grad[2]:
+            grad_b = bias_grad([grad_out])
+        return grad_x, grad_w, grad_b, None
 
 
-def weight_grad(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``sum dY^T X`` over ``(X, dY)`` pairs, every leading dimension flattened, in ``X``'s dtype
-    (several are summed in fp32 first, so a 16-bit sum of micro-batches is rounded once)."""
-    grads = [g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) for x, g in pairs]
+def _summed(grads: list[torch.Tensor]) -> torch.Tensor:
+    """One gradient from several micro-batches', summed in fp32 so a 16-bit sum is rounded once."""
     if len(grads) == 1:
         return grads[0]
     return torch.stack([g.float() for g in grads]).sum(0).to(grads[0].dtype)
+
+
+def weight_grad(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``sum dY^T X`` over ``(X, dY)`` pairs, every leading dimension flattened, in ``X``'s dtype."""
+    return _summed([g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) for x, g in pairs])
+
+
+def bias_grad(grad_outs: list[torch.Tensor]) -> torch.Tensor:
+    """``sum dY`` over every token of every micro-batch."""
+    return _summed([g.reshape(-1, g.shape[-1]).sum(0) for g in grad_outs])
 
 
 class WeightGradQueue:
@@ -71,12 +85,12 @@ class WeightGradQueue:
 
     def __init__(self):
         self.current: Optional[Hashable] = None
-        self.pending: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.pending: dict[Hashable, list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+                                                 torch.Tensor]]] = {}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``F.linear`` with a deferrable weight gradient (the bias gradient, a cheap sum, stays in ``B``)."""
-        out = _DeferredWeightLinear.apply(x, weight, self)
-        return out if bias is None else out + bias
+        """``F.linear`` with deferrable weight and bias gradients."""
+        return _DeferredWeightLinear.apply(x, weight, bias, self)
 
     @contextlib.contextmanager
     def backward_of(self, key: Hashable) -> Iterator[None]:
@@ -87,8 +101,8 @@ class WeightGradQueue:
         finally:
             self.current = None
 
-    def push(self, weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor) -> None:
-        self.pending.setdefault(self.current, []).append((weight, x, grad_out))
+    def push(self, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor) -> None:
+        self.pending.setdefault(self.current, []).append((weight, bias, x, grad_out))
 
     def run(self, keys: Iterable[Hashable]) -> int:
         """Compute the queued weight gradients of ``keys`` and add them to ``.grad``, one sum per weight;
@@ -97,14 +111,18 @@ class WeightGradQueue:
         Weights go in the order backward reached them, so the data-parallel buckets they fill (laid
         out in backward order) complete, and can start reducing, while later weights compute.
         """
-        by_weight: dict[int, tuple[torch.Tensor, list]] = {}
+        by_weight: dict[int, tuple[torch.Tensor, Optional[torch.Tensor], list]] = {}
         count = 0
         for key in keys:
-            for weight, x, grad_out in self.pending.pop(key, ()):
-                by_weight.setdefault(id(weight), (weight, []))[1].append((x, grad_out))
+            for weight, bias, x, grad_out in self.pending.pop(key, ()):
+                by_weight.setdefault(id(weight), (weight, bias, []))[2].append((x, grad_out))
                 count += 1
-        for weight, pairs in by_weight.values():
-            torch.autograd.backward([weight], [weight_grad(pairs)])
+        for weight, bias, pairs in by_weight.values():
+            params, grads = [weight], [weight_grad(pairs)]
+            if bias is not None:
+                params.append(bias)
+                grads.append(bias_grad([g for _, g in pairs]))
+            torch.autograd.backward(params, grads)
         return count
 
     def __len__(self) -> int:
