@@ -50,6 +50,12 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group)
 
 
+def group_named(name: str) -> dist.ProcessGroup:
+    """The process group of ``group.group_name`` (how custom ops, which take no group objects, get one)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
     """Concatenate every rank's equal-sized ``shard`` along dim 0 into ``output``."""
     if group_size(group) == 1:

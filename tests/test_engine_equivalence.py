@@ -144,6 +144,9 @@ def _extras(tp, pp, dp):
     if (tp, pp) == (1, 1):
         # compiled blocks and head+loss, with stage 3 regathering the tied head around them
         yield "compile", 3, ("--train.compile", "true")
+    if (tp, pp, dp) == (2, 1, 2):
+        # compiled blocks holding the overlapped sequence-parallel linears as custom ops
+        yield "sp+compile", 1, ("--parallel.sequence_parallel", "true", "--train.compile", "true")
     if pp == 2 and dp == 2:
         # the offloaded update applied unit by unit from the pipeline chunks' hooks
         yield "offload", 1 + tp, ("--zero.offload_optimizer", "true")

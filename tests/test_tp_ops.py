@@ -135,11 +135,32 @@ def _dropout_run(preset: str, topo: Topology, sp: bool, recompute: str, dropout:
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _masks_per_rank(topo: Topology) -> dict:
+    """Whether the dropouts that act on each rank's own part (the residual-branch dropout on its token
+    chunk under sequence parallelism, attention dropout on its heads) draw masks that differ across
+    tp ranks when every rank feeds them the same values from the same default seed: they must use
+    the tp stream. Also whether a module with nothing random skips the stream's fork."""
+    fields = dict(MODEL_PRESETS["gpt2"], num_layers=1, hidden_size=32, num_heads=4, vocab_size=200,
+                  seq_length=16, dropout=0.5, attention_dropout=0.5)
+    model = GPT(ModelConfig(**fields), vocab_multiple=128 * topo.tp_size, seed=3)
+    tensor_parallelize_gpt(model, topo.tp_group, seed=3, sequence_parallel=True)
+    block = model.layers["0"]
+    torch.manual_seed(4)
+    q = torch.rand(1, 2, 16, 8)
+    outs = {"residual": block.dropout(torch.ones(1, 8, 32)), "attention": block.attention.core(q, q, q)}
+    report = {"norm_unforked": "forward" not in vars(block.mlp_norm)}
+    for name, out in outs.items():
+        both = [torch.empty_like(out) for _ in range(topo.tp_size)]
+        dist.all_gather(both, out.contiguous(), group=topo.tp_group)
+        report[name] = not torch.equal(both[0], both[1])
+    return report
+
+
 def _checks(rank, world_size):
     topologies = {tp: Topology(RankGrid(tp=tp, pp=1, dp=world_size // tp)) for tp in (2, 4)}
     out = {"ce": {case: _cross_entropy(topologies[case[0]], *case) for case in CE_CASES},
            "collectives": {(n, tp): _collective(n, topologies[tp]) for n in COLLECTIVES for tp in (2, 4)},
-           "streams": _streams(topologies[2]), "dropout": {}}
+           "streams": _streams(topologies[2]), "dropout": {}, "masks": _masks_per_rank(topologies[2])}
     for preset, tp, sp in DROPOUT_CASES:
         topo = topologies[tp]
         base_loss, base_grads = _dropout_run(preset, topo, sp, "none", 0.1)
@@ -182,6 +203,11 @@ def test_tp_stream_differs_across_ranks_and_default_stream_agrees(results):
 def test_checkpoint_context_replays_the_tp_stream(results):
     for result in results:
         assert result["streams"]["replayed"] and result["streams"]["advanced"]
+
+
+def test_dropout_on_a_ranks_own_part_draws_from_the_tp_stream(results):
+    for result in results:
+        assert result["masks"] == {"residual": True, "attention": True, "norm_unforked": True}, result["masks"]
 
 
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: f"{c[0]}-tp{c[1]}{'-sp' if c[2] else ''}")

@@ -11,7 +11,7 @@ to a style. Patterns that match nothing are skipped, so one plan serves every pi
 | vocab_loss       | loss module      | replaced by VocabParallelCrossEntropy (needs ``.vocab_size``)     |
 | split_sequence   | any module       | sp: output split along the sequence                               |
 | sequence         | norm, dropout    | sp: parameters marked partial (``partial_grads``), randomness     |
-|                  |                  | from the tp stream                                                |
+|                  |                  | from the tp stream (where it draws any: ``draws_random``)         |
 | local            | any module       | randomness from the tp stream (it works on this rank's shard)     |
 
 Module replacement keeps parameter names; the other styles wrap the module's ``forward`` on the
@@ -69,14 +69,26 @@ def _in_fork(rng: TensorParallelRNG, forward, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
+def draws_random(module: nn.Module) -> bool:
+    """Whether ``module`` uses the random stream: some dropout under it has a probability above zero,
+    as an ``nn.Dropout`` or as a float ``dropout`` attribute (a module that calls a dropout function).
+
+    Only those run inside the tp stream's fork: a fork saves and restores generator state, which
+    torch.compile cannot trace, so each one splits a compiled block into more graphs, each with its
+    own host-side cost per call."""
+    return any((isinstance(m, nn.Dropout) and m.p > 0)
+               or (isinstance(getattr(m, "dropout", None), float) and m.dropout > 0) for m in module.modules())
+
+
 def _apply_wrapper(module: nn.Module, style: str, group, sequence_parallel: bool, rng: TensorParallelRNG) -> None:
-    if style == "local":
+    if style == "local" and draws_random(module):
         wrap_forward(module, functools.partial(_in_fork, rng))
     elif sequence_parallel and style == "split_sequence":
         wrap_forward(module, lambda forward, *a, **k: split_sequence(forward(*a, **k), group))
     elif sequence_parallel and style == "sequence":
         mark_partial(module, [name for name, p in module._parameters.items() if p is not None])
-        wrap_forward(module, functools.partial(_in_fork, rng))
+        if draws_random(module):
+            wrap_forward(module, functools.partial(_in_fork, rng))
 
 
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], group, *, rng: TensorParallelRNG,

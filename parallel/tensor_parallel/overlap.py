@@ -3,8 +3,8 @@
 Under sequence parallelism a column-parallel linear all-gathers its input's tokens first and a
 row-parallel one reduce-scatters its output's tokens after; composed from separate ops, every
 collective waits for the product before it, or the product waits for it. Here each linear is one
-autograd function that orders the work so that communication and computation overlap (the
-collectives run on NCCL's stream while the products run on the compute stream):
+operator, forward and backward, that orders the work so that communication and computation overlap
+(the collectives run on NCCL's stream while the products run on the compute stream):
 
 ========================  =================================================================
 column forward            all-gather the tokens, meanwhile multiply this rank's own tokens;
@@ -56,7 +56,8 @@ def _gather_then_multiply(local: torch.Tensor, matrix: torch.Tensor, group,
                 torch.addmm(bias, src, matrix, out=out[lo:hi])
 
     multiply(rows, rank * n, (rank + 1) * n)
-    handle.wait()
+    if handle is not None:
+        handle.wait()
     multiply(full[:rank * n], 0, rank * n)
     multiply(full[(rank + 1) * n:], (rank + 1) * n, size * n)
     return full, out
@@ -67,61 +68,125 @@ def _token_shape(x: torch.Tensor, rows: int) -> tuple[int, ...]:
     return (x.shape[0], rows // x.shape[0], *x.shape[2:-1])
 
 
-class _ColumnLinear(torch.autograd.Function):
-    """y = all-gather-tokens(x) @ weight^T + bias."""
+# Each linear is a custom op (forward and backward each one op, the backward registered as the
+# forward's autograd formula): torch.compile keeps it whole inside a block's graph, where an
+# asynchronous collective and its wait would each split the graph, and every split costs host time
+# on every call. The process group travels as its name, the one argument type ops accept for it.
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        full, y = _gather_then_multiply(x, weight.t(), group, bias)
-        ctx.save_for_backward(full, weight)
-        ctx.group, ctx.has_bias, ctx.x_shape = group, bias is not None, x.shape
-        return y.view(*_token_shape(x, full.shape[0]), weight.shape[0])
+@torch.library.custom_op("megazero::sp_column_linear", mutates_args=())
+def _column(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all-gather-tokens(x) @ weight^T + bias, the gathered token rows kept for backward)."""
+    full, y = _gather_then_multiply(x, weight.t(), comm.group_named(group_name), bias)
+    return y.view(*_token_shape(x, full.shape[0]), weight.shape[0]), full
 
-    @staticmethod
-    def backward(ctx, grad_y):
-        full, weight = ctx.saved_tensors
-        grad = _rows(grad_y)
-        grad_full_x = grad @ weight
-        grad_x = grad_full_x.new_empty(ctx.x_shape)
-        handle = comm.reduce_scatter_into(grad_x.view(-1), grad_full_x.view(-1), ctx.group, async_op=True)
-        grad_weight = grad.t() @ full
-        grad_bias = grad.sum(0) if ctx.has_bias else None
+
+@_column.register_fake
+def _(x, weight, bias, group_name):
+    rows = x.numel() // x.shape[-1] * comm.group_size(comm.group_named(group_name))
+    return (x.new_empty((*_token_shape(x, rows), weight.shape[0])), x.new_empty((rows, x.shape[-1])))
+
+
+@torch.library.custom_op("megazero::sp_column_linear_backward", mutates_args=())
+def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Tensor, has_bias: bool,
+                     group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad x, grad weight, grad bias or an empty tensor): the input gradient's reduce-scatter runs
+    while the weight gradient is computed."""
+    grad = _rows(grad_y)
+    grad_full_x = grad @ weight
+    size = comm.group_size(comm.group_named(group_name))
+    grad_x = grad_full_x.new_empty(_token_shape(grad_y, grad.shape[0] // size) + (weight.shape[1],))
+    handle = comm.reduce_scatter_into(grad_x.view(-1), grad_full_x.view(-1), comm.group_named(group_name),
+                                      async_op=True)
+    grad_weight = grad.t() @ full
+    grad_bias = grad.sum(0) if has_bias else grad.new_empty(0)
+    if handle is not None:
         handle.wait()
-        return grad_x, grad_weight, grad_bias, None
+    return grad_x, grad_weight, grad_bias
 
 
-class _RowLinear(torch.autograd.Function):
-    """y = reduce-scatter-tokens(x @ weight^T)."""
+@_column_backward.register_fake
+def _(grad_y, full, weight, has_bias, group_name):
+    size = comm.group_size(comm.group_named(group_name))
+    rows = grad_y.numel() // grad_y.shape[-1] // size
+    return (grad_y.new_empty(_token_shape(grad_y, rows) + (weight.shape[1],)), torch.empty_like(weight),
+            grad_y.new_empty(weight.shape[0] if has_bias else 0))
 
-    @staticmethod
-    def forward(ctx, x, weight, group):
-        size, rank = comm.group_size(group), dist.get_rank(group)
-        rows = _rows(x)
-        n = rows.shape[0] // size
-        parts, handles = [], []
-        for owner in range(size):  # the same order on every rank: collectives never cross
-            part = rows[owner * n:(owner + 1) * n] @ weight.t()
-            handles.append(comm.reduce_to(part, owner, group, async_op=True))
-            parts.append(part)
-        for handle in handles:
+
+def _column_setup(ctx, inputs, output):
+    x, weight, bias, group_name = inputs
+    ctx.save_for_backward(output[1], weight)
+    ctx.has_bias, ctx.group_name = bias is not None, group_name
+
+
+def _column_grad(ctx, grad_y, _grad_full):
+    full, weight = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, ctx.has_bias, ctx.group_name)
+    return grad_x, grad_weight, grad_bias if ctx.has_bias else None, None
+
+
+_column.register_autograd(_column_grad, setup_context=_column_setup)
+
+
+@torch.library.custom_op("megazero::sp_row_linear", mutates_args=())
+def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor:
+    """reduce-scatter-tokens(x @ weight^T): one reduce per owner's token chunk, started as soon as
+    that chunk's product is done."""
+    group = comm.group_named(group_name)
+    size, rank = comm.group_size(group), dist.get_rank(group)
+    rows = _rows(x)
+    n = rows.shape[0] // size
+    parts, handles = [], []
+    for owner in range(size):  # the same order on every rank: collectives never cross
+        part = rows[owner * n:(owner + 1) * n] @ weight.t()
+        handles.append(comm.reduce_to(part, owner, group, async_op=True))
+        parts.append(part)
+    for handle in handles:
+        if handle is not None:
             handle.wait()
-        ctx.save_for_backward(x, weight)
-        ctx.group = group
-        return parts[rank].view(*_token_shape(x, n), weight.shape[0])
+    return parts[rank].view(*_token_shape(x, n), weight.shape[0])
 
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, weight = ctx.saved_tensors
-        full_grad, grad_x = _gather_then_multiply(grad_y, weight, ctx.group)
-        grad_weight = full_grad.t() @ _rows(x)
-        return grad_x.view(x.shape), grad_weight, None
+
+@_row.register_fake
+def _(x, weight, group_name):
+    rows = x.numel() // x.shape[-1] // comm.group_size(comm.group_named(group_name))
+    return x.new_empty((*_token_shape(x, rows), weight.shape[0]))
+
+
+@torch.library.custom_op("megazero::sp_row_linear_backward", mutates_args=())
+def _row_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad x, grad weight): the output gradient's all-gather runs while this rank's own tokens'
+    input gradient is computed."""
+    full_grad, grad_x = _gather_then_multiply(grad_y, weight, comm.group_named(group_name))
+    return grad_x.view(x.shape), full_grad.t() @ _rows(x)
+
+
+@_row_backward.register_fake
+def _(grad_y, x, weight, group_name):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _row_setup(ctx, inputs, output):
+    x, weight, group_name = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.group_name = group_name
+
+
+def _row_grad(ctx, grad_y):
+    x, weight = ctx.saved_tensors
+    grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name)
+    return grad_x, grad_weight, None
+
+
+_row.register_autograd(_row_grad, setup_context=_row_setup)
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group) -> torch.Tensor:
     """Column-parallel linear on sequence-parallel input [batch, seq/tp, in] -> [batch, seq, out/tp]."""
-    return _ColumnLinear.apply(x, weight, bias, group)
+    return _column(x, weight, bias, group.group_name)[0]
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
     """Row-parallel linear [batch, seq, in/tp] -> this rank's tokens of the sum, [batch, seq/tp, out]."""
-    return _RowLinear.apply(x, weight, group)
+    return _row(x, weight, group.group_name)
