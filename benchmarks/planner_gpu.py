@@ -40,7 +40,8 @@ RUNS = {
     "2gpu-zero3": (2, ["--zero.stage", "3"]),
     "2gpu-pp2": (2, ["--parallel.pp", "2"]),
     "2gpu-tp2": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
-    "2gpu-tp2-mbs4": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.micro_batch_size", "4"]),
+    "2gpu-tp2-mbs4": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                          "--train.micro_batch_size", "4"]),
 }
 
 

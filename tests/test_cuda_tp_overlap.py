@@ -52,7 +52,8 @@ def _layers(rank: int, world_size: int) -> dict:
         g = torch.Generator(device=device).manual_seed(5 + rank)  # every rank its own tokens and shards
         rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
         x_local, x_full = rand(BATCH, SEQ // world_size, HIDDEN), rand(BATCH, SEQ, HIDDEN // world_size)
-        w_col, b_col, w_row = rand(OUT // world_size, HIDDEN) * 0.05, rand(OUT // world_size), rand(OUT, HIDDEN // world_size) * 0.05
+        w_col, b_col = rand(OUT // world_size, HIDDEN) * 0.05, rand(OUT // world_size)
+        w_row = rand(OUT, HIDDEN // world_size) * 0.05
         report[("column", name)] = _compare(
             lambda x, w, b: column_linear(x, w, b, group),
             lambda x, w, b: F.linear(gather_sequence(x, group), w, b), [x_local, w_col, b_col])

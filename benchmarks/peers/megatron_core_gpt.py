@@ -10,9 +10,10 @@ be compiled and cannot be built on the GPU machines; that also means its unfused
 torch LayerNorm refuses sequence parallelism (only apex's or Transformer Engine's norms take it), so
 its tensor parallelism runs without it: all-reduces instead of all-gather / reduce-scatter, the same
 bytes on two GPUs. Pipelines use megatron-core's 1F1B (``--virtual-stages 2``: its interleaved
-schedule). Chunks are cast to bf16 by megatron-core's ``Float16Module``, as its own trainer does. Gradients reduce through megatron-core's ``DistributedDataParallel`` and the
-distributed (ZeRO-1) optimizer, as megazero's stage 1 does. It prints one JSON line like the other
-peers (tokens/s and TFLOP/s per GPU, MFU, peak memory).
+schedule). Chunks are cast to bf16 by megatron-core's ``Float16Module``, as its own trainer does.
+Gradients reduce through megatron-core's ``DistributedDataParallel`` and the distributed (ZeRO-1)
+optimizer, as megazero's stage 1 does. It prints one JSON line like the other peers (tokens/s and
+TFLOP/s per GPU, MFU, peak memory).
 
 On the GPU machine (no registry there): carry the wheel, install it without dependencies, run::
 

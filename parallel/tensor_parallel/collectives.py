@@ -42,9 +42,10 @@ def _check_divisible(x: torch.Tensor, dim: int, size: int) -> None:
         raise ValueError(f"{what} {x.shape[dim]} is not divisible by the tensor-parallel size {size}")
 
 
-def _token_shape(x: torch.Tensor, parts: float) -> tuple[int, ...]:
-    """``x``'s shape with the sequence (dim 1) scaled by ``parts``: the token chunk of one rank or all."""
-    return (x.shape[0], int(x.shape[1] * parts), *x.shape[2:])
+def token_shape(x: torch.Tensor, tokens: int) -> tuple[int, ...]:
+    """The shape of ``tokens`` tokens laid out like ``x`` [batch, seq, ...]: [batch, tokens / batch, ...]
+    (one rank's token chunk, or every rank's)."""
+    return (x.shape[0], tokens // x.shape[0], *x.shape[2:])
 
 
 def _gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
@@ -52,7 +53,7 @@ def _gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
     size = comm.group_size(group)
     if size == 1:
         return x
-    out = x.new_empty(_token_shape(x, size))
+    out = x.new_empty(token_shape(x, x.shape[0] * x.shape[1] * size))
     comm.all_gather_into(out.view(-1), x.contiguous().view(-1), group)
     return out
 
@@ -63,7 +64,7 @@ def _reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return x
     _check_divisible(x, 1, size)
-    out = x.new_empty(_token_shape(x, 1 / size))
+    out = x.new_empty(token_shape(x, x.shape[0] * x.shape[1] // size))
     comm.reduce_scatter_into(out.view(-1), x.contiguous().view(-1), group)
     return out
 
@@ -74,7 +75,8 @@ def _split_tokens(x: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return x
     _check_divisible(x, 1, size)
-    return x.contiguous().view(-1).chunk(size)[dist.get_rank(group)].view(_token_shape(x, 1 / size))
+    chunk = x.contiguous().view(-1).chunk(size)[dist.get_rank(group)]
+    return chunk.view(token_shape(x, x.shape[0] * x.shape[1] // size))
 
 
 def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
+from parallel.tensor_parallel.collectives import token_shape
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -63,9 +64,9 @@ def _gather_then_multiply(local: torch.Tensor, matrix: torch.Tensor, group,
     return full, out
 
 
-def _token_shape(x: torch.Tensor, rows: int) -> tuple[int, ...]:
-    """[batch, seq', ...] holding ``rows`` tokens of ``x``'s batch (the sequence scaled to fit)."""
-    return (x.shape[0], rows // x.shape[0], *x.shape[2:-1])
+def _shaped_like(x: torch.Tensor, rows: int, features: int) -> tuple[int, ...]:
+    """``rows`` tokens of ``features`` each, laid out like ``x`` [batch, seq, ...]."""
+    return (*token_shape(x, rows)[:-1], features)
 
 
 # Each linear is a custom op (forward and backward each one op, the backward registered as the
@@ -78,13 +79,13 @@ def _column(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(all-gather-tokens(x) @ weight^T + bias, the gathered token rows kept for backward)."""
     full, y = _gather_then_multiply(x, weight.t(), comm.group_named(group_name), bias)
-    return y.view(*_token_shape(x, full.shape[0]), weight.shape[0]), full
+    return y.view(_shaped_like(x, full.shape[0], weight.shape[0])), full
 
 
 @_column.register_fake
 def _(x, weight, bias, group_name):
     rows = x.numel() // x.shape[-1] * comm.group_size(comm.group_named(group_name))
-    return (x.new_empty((*_token_shape(x, rows), weight.shape[0])), x.new_empty((rows, x.shape[-1])))
+    return x.new_empty(_shaped_like(x, rows, weight.shape[0])), x.new_empty((rows, x.shape[-1]))
 
 
 @torch.library.custom_op("megazero::sp_column_linear_backward", mutates_args=())
@@ -95,7 +96,7 @@ def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Ten
     grad = _rows(grad_y)
     grad_full_x = grad @ weight
     size = comm.group_size(comm.group_named(group_name))
-    grad_x = grad_full_x.new_empty(_token_shape(grad_y, grad.shape[0] // size) + (weight.shape[1],))
+    grad_x = grad_full_x.new_empty(_shaped_like(grad_y, grad.shape[0] // size, weight.shape[1]))
     handle = comm.reduce_scatter_into(grad_x.view(-1), grad_full_x.view(-1), comm.group_named(group_name),
                                       async_op=True)
     grad_weight = grad.t() @ full
@@ -109,7 +110,7 @@ def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Ten
 def _(grad_y, full, weight, has_bias, group_name):
     size = comm.group_size(comm.group_named(group_name))
     rows = grad_y.numel() // grad_y.shape[-1] // size
-    return (grad_y.new_empty(_token_shape(grad_y, rows) + (weight.shape[1],)), torch.empty_like(weight),
+    return (grad_y.new_empty(_shaped_like(grad_y, rows, weight.shape[1])), torch.empty_like(weight),
             grad_y.new_empty(weight.shape[0] if has_bias else 0))
 
 
@@ -144,13 +145,13 @@ def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor
     for handle in handles:
         if handle is not None:
             handle.wait()
-    return parts[rank].view(*_token_shape(x, n), weight.shape[0])
+    return parts[rank].view(_shaped_like(x, n, weight.shape[0]))
 
 
 @_row.register_fake
 def _(x, weight, group_name):
     rows = x.numel() // x.shape[-1] // comm.group_size(comm.group_named(group_name))
-    return x.new_empty((*_token_shape(x, rows), weight.shape[0]))
+    return x.new_empty(_shaped_like(x, rows, weight.shape[0]))
 
 
 @torch.library.custom_op("megazero::sp_row_linear_backward", mutates_args=())
