@@ -46,7 +46,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; heads held = qkv output width / group width."""
         qkv = self.qkv(x)
-        batch, seq = qkv.shape[:2]  # not x's: under sequence parallelism x holds a slice of the sequence
+        batch, seq = qkv.shape[:2]  # not x's: under sequence parallelism x holds a chunk of the tokens
         r = self.queries_per_group
         groups = qkv.view(batch, seq, -1, r + 2, self.head_dim)
         q = groups[..., :r, :].flatten(2, 3)  # [batch, seq, heads, head_dim]

@@ -9,7 +9,7 @@ Stage interface (what a pipeline schedule relies on)::
     stage(inputs, labels=None, reduction="none")
     inputs  first stage (has_embedding): token ids, int64 [batch, seq]
             other stages: the previous stage's hidden state, [batch, seq, hidden]
-            (under sequence parallelism [batch, seq / tp, hidden]: this rank's sequence slice)
+            (under sequence parallelism [batch, seq / tp, hidden]: this rank's chunk of the tokens)
     returns last stage (has_head) with labels: the loss, fp32; with reduction "none" per token,
             [batch, seq] (0 where the label is ops.IGNORE_INDEX), with "sum" its sum over tokens, a
             scalar (training asks for the sum and divides by the count of real labels: the fused
@@ -42,7 +42,7 @@ from parallel.tensor_parallel.sharding import param_shards
 TP_PLAN = {
     "embedding.tokens": "vocab",              # vocabulary rows split across tp
     "embedding": "split_sequence",            # output scattered along the sequence (sequence parallel)
-    "layers.*.attn_norm": "sequence",         # runs on a sequence slice under sequence parallel
+    "layers.*.attn_norm": "sequence",         # runs on a token chunk under sequence parallel
     "layers.*.attention.qkv": "colwise",      # whole attention groups per rank
     "layers.*.attention.core": "local",       # heads differ per rank: tp-local dropout
     "layers.*.attention.out": "rowwise",

@@ -3,7 +3,7 @@
 Dropout on a *replicated* activation (the residual stream without sequence parallelism) must draw
 the same mask on every tp rank, or the ranks' copies drift apart: that uses the default generator,
 which the caller seeds identically on all tp ranks. Dropout on a *sharded* activation (this rank's
-attention heads, or its sequence slice under sequence parallelism) must draw different masks per
+attention heads, or its token chunk under sequence parallelism) must draw different masks per
 rank, or the full-model mask would repeat itself tp times: that runs inside ``rng.fork()``, which
 swaps in a stream seeded with ``seed + offset + tp_rank`` and swaps the default back afterwards.
 
