@@ -76,7 +76,8 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group, op=dist
 
 
 def reduce_to(tensor: torch.Tensor, dst: int, group, async_op: bool = False):
-    """Sum ``tensor`` over the group into the copy on group rank ``dst`` (others' copies are left as sent)."""
+    """Sum ``tensor`` over the group into the copy on group rank ``dst`` (what the other ranks' copies
+    hold afterwards depends on the backend: treat them as spent)."""
     if group_size(group) == 1:
         return None
     with named("reduce", group, async_op):

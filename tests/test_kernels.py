@@ -176,6 +176,22 @@ def test_linear_cross_entropy_chunks_ignored_labels_and_padding(dtype, reduction
         assert loss.shape == () and loss.dtype == torch.float32
 
 
+def test_summed_linear_cross_entropy_scales_bf16_gradients_in_fp32():
+    """Backward of the summed loss divided by 3 (a token count that is no power of two): the factor
+    must reach the bf16 gradient unrounded. Rounded to bf16 first, 1/3 becomes 0.333984375 and every
+    gradient is 0.195% too large, which the elementwise tolerance of ``check`` cannot see, but the
+    median ratio to an fp32 reference does."""
+    from models.kernels import cross_entropy
+    h, w, labels, vocab = _linear_ce_inputs()
+    hb, wb = h.to(torch.bfloat16).requires_grad_(True), w.to(torch.bfloat16)
+    (cross_entropy.linear_cross_entropy(hb, wb, labels, vocab, "sum") / 3).backward()
+    hf = hb.detach().float().requires_grad_(True)
+    (ops.linear_cross_entropy.reference(hf, wb.float(), labels, vocab, "sum") / 3).backward()
+    big = hf.grad.abs() > hf.grad.abs().median()
+    ratio = (hb.grad.float()[big] / hf.grad[big]).median().item()
+    assert abs(ratio - 1) < 5e-4, ratio
+
+
 def _gpt(preset: str, dtype) -> GPT:
     cfg = ModelConfig(num_layers=2, hidden_size=128, num_heads=4, vocab_size=1000, seq_length=64,
                       **MODEL_PRESETS[preset])

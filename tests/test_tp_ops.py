@@ -16,6 +16,7 @@ from models import GPT
 from models.config import ModelConfig
 from models.parallelize import tensor_parallelize_gpt
 from models.presets import MODEL_PRESETS
+from parallel.data_parallel import DataParallel, DataParallelSettings, ParamInfo
 from parallel.tensor_parallel import collectives as C
 from parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor_parallel.random import TensorParallelRNG
@@ -156,11 +157,23 @@ def _masks_per_rank(topo: Topology) -> dict:
     return report
 
 
+def _partial_without_group() -> str:
+    """The data-parallel wrapper refuses partial gradients it has no tensor group to sum over."""
+    layer = torch.nn.LayerNorm(4)
+    info = {id(p): ParamInfo(name, None, counts_for_norm=True, tp_partial=True) for name, p in layer.named_parameters()}
+    try:
+        DataParallel([layer], DataParallelSettings(), dist.group.WORLD, units=[], info=lambda p: info[id(p)])
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def _checks(rank, world_size):
     topologies = {tp: Topology(RankGrid(tp=tp, pp=1, dp=world_size // tp)) for tp in (2, 4)}
     out = {"ce": {case: _cross_entropy(topologies[case[0]], *case) for case in CE_CASES},
            "collectives": {(n, tp): _collective(n, topologies[tp]) for n in COLLECTIVES for tp in (2, 4)},
-           "streams": _streams(topologies[2]), "dropout": {}, "masks": _masks_per_rank(topologies[2])}
+           "streams": _streams(topologies[2]), "dropout": {}, "masks": _masks_per_rank(topologies[2]),
+           "partial_without_group": _partial_without_group()}
     for preset, tp, sp in DROPOUT_CASES:
         topo = topologies[tp]
         base_loss, base_grads = _dropout_run(preset, topo, sp, "none", 0.1)
@@ -203,6 +216,11 @@ def test_tp_stream_differs_across_ranks_and_default_stream_agrees(results):
 def test_checkpoint_context_replays_the_tp_stream(results):
     for result in results:
         assert result["streams"]["replayed"] and result["streams"]["advanced"]
+
+
+def test_partial_gradients_without_a_tensor_group_are_refused(results):
+    for result in results:
+        assert "pass tp_group" in result["partial_without_group"]
 
 
 def test_dropout_on_a_ranks_own_part_draws_from_the_tp_stream(results):

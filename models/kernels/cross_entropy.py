@@ -159,7 +159,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         valid = labels != IGNORE_INDEX
         n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
         ctx.summed = reduction == "sum"
-        grad = ctx.summed and any(ctx.needs_input_grad[:2])
+        # needs_input_grad stays True under no_grad (evaluation): ask autograd itself
+        grad = ctx.summed and torch.is_grad_enabled() and any(ctx.needs_input_grad[:2])
         loss, grad_hidden, grad_weight = _run_chunks(hidden, weight, labels, valid.float(), vocab_start, n_valid,
                                                      combine, grad)
         loss.masked_fill_(~valid, 0.0)
@@ -174,8 +175,11 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         if ctx.summed:  # one scalar for every token: scale what forward computed
-            grad_hidden, grad_weight = ctx.saved_tensors  # a 0-dim grad_loss keeps grad_hidden's dtype
-            return (grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype),
+            grad_hidden, grad_weight = ctx.saved_tensors
+            # a one-element (not 0-dim) factor promotes to fp32, so the scale is not rounded to 16 bits
+            # before the multiply (a CUDA 0-dim tensor would be)
+            scale = grad_loss.reshape(1)
+            return ((grad_hidden * scale).to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype),
                     None, None, None, None, None)
         hidden, weight, labels = ctx.saved_tensors  # weights that may differ: fold them into dlogits
         scale = torch.where(labels != IGNORE_INDEX, grad_loss, 0.0).float()

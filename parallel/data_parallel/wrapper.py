@@ -107,6 +107,9 @@ class DataParallel:
         self.dp_rank = dist.get_rank(dp_group)
         self.params, unit_modules, self.layout = flat_layout(roots, units, s, self.dp, self.dp_rank)
         self.info = [info(p) for p in self.params]
+        if tp_group is None and any(inf.tp_partial for inf in self.info):
+            raise ValueError("parameters with partial gradients (sequence-parallel norms and biases) need the "
+                             "tensor-parallel group to sum them over: pass tp_group")
         self._initial_shard = self._read_shard()
         self.host_copies = HostCopies(self.params[0].device) if s.offload else None
         self.store = ParamStore(self.params, self.layout, s.param_dtype, dp_group, sharded=s.stage == 3,

@@ -70,13 +70,14 @@ def _reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _split_tokens(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's token chunk of a replicated ``x`` (a view: no communication, no copy)."""
+    """This rank's token chunk of a replicated ``x`` (no communication; a copy, so that the whole
+    replicated tensor is not kept alive by the chunk until backward)."""
     size = comm.group_size(group)
     if size == 1:
         return x
     _check_divisible(x, 1, size)
     chunk = x.contiguous().view(-1).chunk(size)[dist.get_rank(group)]
-    return chunk.view(token_shape(x, x.shape[0] * x.shape[1] // size))
+    return chunk.view(token_shape(x, x.shape[0] * x.shape[1] // size)).clone()
 
 
 def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ Communication, with ``sp`` = sequence parallel (under sp both linears are the ov
 - ColumnParallelLinear: input copy_to_tp (sp: gather_sequence); output stays split by columns.
 - RowParallelLinear: input is split by columns; output reduce_from_tp (sp: reduce_scatter_sequence),
   then the bias, which under sp sees only this rank's tokens: its gradient is marked partial
-  (``partial_grads``) and summed over the group once per step.
+  (``partial_grads``) and summed over the group with the gradient reduction.
 - VocabParallelEmbedding: each rank looks up the ids in its vocabulary range, zeros the rest, and the
   partial embeddings are summed with reduce_from_tp.
 """

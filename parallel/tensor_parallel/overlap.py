@@ -136,6 +136,8 @@ def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor
     group = comm.group_named(group_name)
     size, rank = comm.group_size(group), dist.get_rank(group)
     rows = _rows(x)
+    if rows.shape[0] % size:
+        raise ValueError(f"{rows.shape[0]} tokens do not split into {size} equal sequence-parallel chunks")
     n = rows.shape[0] // size
     parts, handles = [], []
     for owner in range(size):  # the same order on every rank: collectives never cross
@@ -165,7 +167,7 @@ def _row_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 @_row_backward.register_fake
 def _(grad_y, x, weight, group_name):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _row_setup(ctx, inputs, output):

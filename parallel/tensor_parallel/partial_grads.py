@@ -9,7 +9,8 @@ the step (BENCHMARKS.md). So modules only record which of their parameters are p
 (``mark_partial``), and the sum is taken once for many of them together: by the data-parallel
 wrapper, per gradient bucket just before its own reduction (``ParamInfo.tp_partial``), or by
 ``sum_partial_grads`` after backward for a model trained without that wrapper. Sums commute, so
-summing over the tensor group once per step (after accumulating micro-batches) is exact.
+summing over the tensor group whenever the data-parallel reduction runs (once per step after
+accumulating micro-batches, or every backward under ZeRO 2/3's per-backward reduction) is exact.
 """
 
 from __future__ import annotations
