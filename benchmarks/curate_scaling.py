@@ -2,14 +2,17 @@
 worker processes (wall time, documents per second, speedup over one worker), and the same removed
 count every time. Needs an otherwise idle machine with that many cores. Each width gets one
 worker pool for all five sub-stages, started inside the timed region, as a real run does.
+``task_bound`` is the speedup the shard count allows at that width (the sub-stages run one task per
+shard or partition, in waves): give at least four shards per worker of the widest run.
 
-    python benchmarks/curate_scaling.py --docs 200000 --workers 1 2 4 8 16
+    python benchmarks/curate_scaling.py --docs 200000 --shard-docs 1250 --workers 1 4 16 32
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -24,6 +27,13 @@ from data_pipeline.curate.config import build_config  # noqa: E402
 from data_pipeline.curate.pipeline import Context, run_fuzzy_dedup, run_pipeline  # noqa: E402
 from data_pipeline.curate.runner import LocalExecutor  # noqa: E402
 from data_pipeline.curate.shards import list_shards  # noqa: E402
+
+
+def task_bound(tasks: int, workers: int) -> float:
+    """The best speedup ``workers`` can reach on sub-stages of ``tasks`` equal tasks each: they run in
+    ceil(tasks / workers) waves where one worker needs ``tasks``. A speedup below it comes from the
+    serial parts; at it, from the task count (more, smaller shards raise it)."""
+    return tasks / math.ceil(tasks / workers)
 
 
 def main() -> None:
@@ -56,6 +66,7 @@ def main() -> None:
             base = base or seconds
             print(json.dumps({"workers": workers, "docs": args.docs, "seconds": round(seconds, 2),
                               "docs_per_s": round(args.docs / seconds), "speedup": round(base / seconds, 2),
+                              "task_bound": round(task_bound(len(shards), workers), 2),
                               "removed": stats["dropped"].get("near duplicate", 0)}), flush=True)
 
 
