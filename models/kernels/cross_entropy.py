@@ -5,7 +5,8 @@ sequence 2048 and GPT-2's vocabulary that is 1.6 GB of bf16 logits, 3.3 GB of fp
 much again for their gradient. Here the forward pass walks the tokens in chunks; for each chunk
 
     logits = x_c W^T                          (one bf16 GEMM into a reused buffer)
-    loss, dlogits = row kernel(logits)        (Triton: one read, the gradient written in place)
+    loss, dlogits = row kernel(logits)        (Triton, ``cross_entropy_rows``: one read, the gradient
+                                              written in place)
     dx_c = dlogits W ;  dW += dlogits^T x_c   (two GEMMs, dW accumulated in fp32)
 
 The caller names the reduction. With ``"sum"`` (what training asks for: the engine sums the
@@ -27,92 +28,21 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import triton
-import triton.language as tl
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 2**28
 """Logits per chunk (rows x local vocabulary): 512 MiB in bf16, large enough for full-speed GEMMs."""
-BLOCK: tl.constexpr = tl.constexpr(4096)
-"""Columns a program holds at once; a row of the vocabulary is walked in such blocks."""
-WHOLE, STATS, GRAD_FROM_LSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-"""Row-kernel passes: loss (and gradient) on one rank; the statistics a group reduces; the gradient
-from the group's logsumexp."""
 
 Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """(row max, row sum of exp(logit - max), label logit) of this rank -> (logsumexp, label logit) of all."""
 
 
-@triton.jit
-def _row_stats(row_ptr, n_valid, label):
-    """Online max and sum of exp over the valid columns of one row, and the label's logit (0 when
-    the label lies outside this row's columns)."""
-    m = float("-inf")
-    s = 0.0
-    for off in range(0, n_valid, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < n_valid, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-        m = m_new
-    mine = (label >= 0) & (label < n_valid)
-    picked = tl.load(row_ptr + tl.where(mine, label, 0), mask=mine, other=0.0).to(tl.float32)
-    return m, s, picked
-
-
-@triton.jit
-def _cross_entropy_rows(x_ptr, stride, labels_ptr, scale_ptr, out0, out1, out2, vocab_start, n_valid, n_cols,
-                        PASS: tl.constexpr, GRAD: tl.constexpr):
-    """One program per row of a logits chunk.
-
-    PASS WHOLE: out0 = logsumexp - label logit; with GRAD the row is then overwritten with
-    scale * (softmax - onehot). PASS STATS: out0, out1, out2 = max, sum of exp, label logit.
-    PASS GRAD_FROM_LSE: the gradient as in WHOLE, from the logsumexp in out0. Padding columns
-    (n_valid <= column < n_cols) get gradient 0.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = x_ptr + row * stride
-    label = tl.load(labels_ptr + row) - vocab_start
-    if PASS == GRAD_FROM_LSE:
-        lse = tl.load(out0 + row)
-    else:
-        m, s, picked = _row_stats(row_ptr, n_valid, label)
-        lse = m + tl.log(s)
-        if PASS == WHOLE:
-            tl.store(out0 + row, lse - picked)
-        else:
-            tl.store(out0 + row, m)
-            tl.store(out1 + row, s)
-            tl.store(out2 + row, picked)
-    if GRAD:
-        scale = tl.load(scale_ptr + row)
-        for off in range(0, n_cols, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-            p = tl.exp(x - lse)
-            g = tl.where(cols == label, p - 1.0, p) * scale
-            g = tl.where(cols < n_valid, g, 0.0)
-            tl.store(row_ptr + cols, g.to(x_ptr.dtype.element_ty), mask=cols < n_cols)
-
-
-def _rows(logits, labels, scale, outs, vocab_start: int, n_valid: int, which: tl.constexpr, grad: bool) -> None:
-    n = logits.shape[0]
-    _cross_entropy_rows[(n,)](logits, logits.stride(0), labels, scale, *outs, vocab_start, n_valid,
-                              logits.shape[1], PASS=which.value, GRAD=grad, num_warps=16)
-
-
-def _loss_and_grad(logits, labels, scale, loss, vocab_start: int, n_valid: int, combine: Optional[Combine],
-                   grad: bool) -> None:
-    """Fill ``loss`` for one chunk; with ``grad`` turn ``logits`` into the loss's gradient in place."""
-    if combine is None:
-        _rows(logits, labels, scale, (loss, loss, loss), vocab_start, n_valid, WHOLE, grad)
-        return
-    peak, sum_exp, picked = torch.empty(3, logits.shape[0], dtype=torch.float32, device=logits.device)
-    _rows(logits, labels, scale, (peak, sum_exp, picked), vocab_start, n_valid, STATS, False)
-    lse, label_logit = combine(peak, sum_exp, picked)
-    torch.sub(lse, label_logit, out=loss)
-    if grad:
-        _rows(logits, labels, scale, (lse, lse, lse), vocab_start, n_valid, GRAD_FROM_LSE, True)
+def _row_kernel() -> Callable:
+    """``loss_and_grad(logits, labels, scale, loss, vocab_start, n_valid, combine, grad)``: fills
+    ``loss`` for a chunk and, with ``grad``, turns ``logits`` into the loss's gradient in place. The
+    Triton body is imported on first use, so this module imports without Triton."""
+    from models.kernels.cross_entropy_rows import loss_and_grad
+    return loss_and_grad
 
 
 def _chunk_rows(local_vocab: int, tokens: int) -> int:
@@ -137,12 +67,13 @@ def _run_chunks(hidden, weight, labels, scale, vocab_start: int, n_valid: int, c
     loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if grad else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad else None
+    row_kernel = _row_kernel()
     for start in range(0, tokens, rows):
         end = min(start + rows, tokens)
         x, logits = hidden[start:end], buffer[:end - start]
         torch.mm(x, weight.t(), out=logits)
-        _loss_and_grad(logits, labels[start:end], scale[start:end], loss[start:end], vocab_start, n_valid,
-                       combine, grad)
+        row_kernel(logits, labels[start:end], scale[start:end], loss[start:end], vocab_start, n_valid,
+                   combine, grad)
         if grad:
             torch.mm(logits, weight, out=grad_hidden[start:end])
             _accumulate(grad_weight, logits, x)
@@ -155,12 +86,11 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, vocab_size: int, reduction: str, vocab_start: int,
-                combine: Optional[Combine]):
+                combine: Optional[Combine], wants_grad: bool):
         valid = labels != IGNORE_INDEX
         n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
         ctx.summed = reduction == "sum"
-        # needs_input_grad stays True under no_grad (evaluation): ask autograd itself
-        grad = ctx.summed and torch.is_grad_enabled() and any(ctx.needs_input_grad[:2])
+        grad = ctx.summed and wants_grad and any(ctx.needs_input_grad[:2])
         loss, grad_hidden, grad_weight = _run_chunks(hidden, weight, labels, valid.float(), vocab_start, n_valid,
                                                      combine, grad)
         loss.masked_fill_(~valid, 0.0)
@@ -180,11 +110,11 @@ class LinearCrossEntropy(torch.autograd.Function):
             # before the multiply (a CUDA 0-dim tensor would be)
             scale = grad_loss.reshape(1)
             return ((grad_hidden * scale).to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype),
-                    None, None, None, None, None)
+                    None, None, None, None, None, None)
         hidden, weight, labels = ctx.saved_tensors  # weights that may differ: fold them into dlogits
         scale = torch.where(labels != IGNORE_INDEX, grad_loss, 0.0).float()
         _, grad_hidden, grad_weight = _run_chunks(hidden, weight, labels, scale, *ctx.chunk_args, grad=True)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
@@ -195,6 +125,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     where ignored), or its sum over tokens with ``"sum"`` (a scalar)."""
     if reduction not in ("none", "sum"):
         raise ValueError(f"reduction must be 'none' or 'sum', not {reduction!r}")
+    # forward runs with autograd off, and needs_input_grad stays True under no_grad (evaluation):
+    # whether a gradient is wanted is read here
     loss = LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1).contiguous(),
-                                    vocab_size, reduction, vocab_start, combine)
+                                    vocab_size, reduction, vocab_start, combine, torch.is_grad_enabled())
     return loss if reduction == "sum" else loss.view(labels.shape)
