@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,10 @@ from parallel.launch import init_process_group, pick_device, read_launch_env
 from parallel.topology import RankGrid, Topology
 
 
-def run_overrides(run: str) -> list[str]:
-    out = []
+def parse_run(run: str) -> tuple[list[str], Optional[int]]:
+    """The config overrides a run's name asks for, and its micro-batches per data-parallel rank and
+    step (``mN``; None: one, or 2*pp for a pipeline)."""
+    out, micros = [], None
     for part in run.split("-"):
         if part.startswith("stage"):
             out += ["--zero.stage", part[5:]]
@@ -55,19 +58,12 @@ def run_overrides(run: str) -> list[str]:
         elif part.startswith("mbs"):
             out += ["--train.micro_batch_size", part[3:]]
         elif part.startswith("m") and part[1:].isdigit():
-            pass  # micro-batches per step: read by micro_batches()
+            micros = int(part[1:])
         elif part.startswith("bucket"):
             out += ["--zero.bucket_size_mb", part[6:]]
         else:
             raise SystemExit(f"unknown run part {part!r} in {run!r}")
-    return out
-
-
-def micro_batches(run: str, pp: int) -> int:
-    """Micro-batches per data-parallel rank and step: ``mN`` in the run's name, else one (a pipeline
-    gets 2*pp so its bubble is the usual (pp-1)/m rather than all of it), as the peer baselines run."""
-    given = [int(part[1:]) for part in run.split("-") if part.startswith("m") and part[1:].isdigit()]
-    return given[-1] if given else (2 * pp if pp > 1 else 1)
+    return out, micros
 
 
 def profile_steps(engine, batch, out_dir: str, run_name: str, steps: int = 3) -> dict:
@@ -161,10 +157,13 @@ def main() -> None:
     device = pick_device(cfg0.train.device, launch.local_rank)
     init_process_group(launch, device)
     for run in args.runs:
-        cfg = load_config(args.config, base + run_overrides(run))
+        run_args, micros = parse_run(run)
+        cfg = load_config(args.config, base + run_args)
         pp = cfg.parallel.pp
         dp = launch.world_size // (cfg.parallel.tp * pp)
-        micros = micro_batches(run, pp)
+        # without mN: one micro-batch per data-parallel rank, as the peer baselines run; a pipeline
+        # gets 2*pp so its bubble is the usual (pp-1)/m rather than all of it
+        micros = micros or (2 * pp if pp > 1 else 1)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, global_batch_size=cfg.train.micro_batch_size * dp * micros))
         cfg = resolve_config(cfg, launch.world_size, launch.local_world_size)

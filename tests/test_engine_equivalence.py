@@ -32,10 +32,10 @@ import torch
 
 from megazero.config import load_config
 from megazero.engine import Engine
-from models import GPT
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
+from tests.reference import train_reference
 
 STEPS, MICRO_BATCH, MICROS_PER_RANK, SEQ, VOCAB = 3, 2, 2, 8, 61
 CLIP = 1e3  # never binds: the gradient norms here are about 1
@@ -73,22 +73,7 @@ def _batches(step, dp):
 
 
 def _reference(cfg, dp):
-    model = GPT(cfg.model, vocab_multiple=128 * cfg.parallel.tp, seed=cfg.train.seed)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=1e-2, betas=(0.9, 0.95), eps=EPS)
-    losses, norms = [], []
-    for step in range(STEPS):
-        batches = _batches(step, dp)
-        opt.zero_grad()
-        # every label is real, so the per-token mean is the engine's loss, reached without its summed path
-        loss = sum(model(mb["tokens"], mb["labels"]).mean() for mb in batches) / len(batches)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(params, cfg.optimizer.clip_grad).item())
-        opt.step()
-        losses.append(loss.item())
-    return model, losses, norms
+    return train_reference(cfg, lambda step: _batches(step, dp), STEPS)
 
 
 def _case(topo, tp, pp, dp, stage, extra=()):

@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from megazero.config import load_config
-from megazero.engine import Engine, gpt_forward_step
-from models import GPT
+from megazero.engine import Engine
 from parallel.pipeline.plan import bubble_of, check_ops, comm_plan, plan_for, timeline
 from parallel.pipeline.schedule import Op, bubble_fraction, build_schedule, max_live_activations
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
+from tests.reference import train_reference
 
 STEPS, MICRO_BATCH, SEQ, VOCAB, LR = 2, 2, 8, 61, 1e-2
 SIZES = [(pp, m) for pp in (2, 3, 4, 8) for m in (1, 2, pp - 1, pp, pp + 1, 2 * pp, 3 * pp + 1, 16)]
@@ -99,24 +99,6 @@ def _batches(step, count):
     return [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
 
 
-def _reference(cfg, count):
-    """One process, all layers: losses, gradient norms and the model after plain AdamW steps."""
-    model = GPT(cfg.model, vocab_multiple=128 * cfg.parallel.tp, seed=cfg.train.seed)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-4)
-    losses, norms = [], []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = sum(gpt_forward_step(model, None, mb, True, True) for mb in _batches(step, count)) / count
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(params, 1e3).item())
-        opt.step()
-        losses.append(loss.item())
-    return dict(model.named_parameters()), losses, norms
-
-
 def _run(topo, layout, m, schedule, extra):
     tp, pp, dp = layout
     cfg = _config(tp, pp, dp, m, schedule, extra)
@@ -128,7 +110,8 @@ def _run(topo, layout, m, schedule, extra):
         losses.append(out.loss)
         norms.append(out.result.grad_norm)
     engine.data_parallel.wait_params()
-    ref, ref_losses, ref_norms = _reference(cfg, m * dp)
+    ref_model, ref_losses, ref_norms = train_reference(cfg, lambda step: _batches(step, m * dp), STEPS)
+    ref = dict(ref_model.named_parameters())
     param_err = 0.0
     for chunk in engine.chunks:
         shards = param_shards(chunk)

@@ -1,0 +1,34 @@
+"""The single-process run every parallel layout is compared with: the whole GPT in fp32 on one
+device, trained with torch's AdamW (weight decay on matrices only, as the engine does) on the same
+batches, its loss the per-token mean reached through the model alone, not the engine's summed path
+(every label in these batches is real, so that mean is the engine's loss)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from models import GPT
+
+
+def train_reference(cfg, batches_of_step: Callable[[int], list[dict]], steps: int):
+    """``steps`` AdamW steps of ``cfg``'s model (optimizer settings from ``cfg``) on
+    ``batches_of_step(step)``: the trained model, the loss and the gradient norm before clipping of
+    each step."""
+    model = GPT(cfg.model, vocab_multiple=128 * cfg.parallel.tp, seed=cfg.train.seed)
+    params = list(model.parameters())
+    o = cfg.optimizer
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    losses, norms = [], []
+    for step in range(steps):
+        batches = batches_of_step(step)
+        opt.zero_grad()
+        loss = sum(model(mb["tokens"], mb["labels"]).mean() for mb in batches) / len(batches)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, o.clip_grad).item())
+        opt.step()
+        losses.append(loss.item())
+    return model, losses, norms
