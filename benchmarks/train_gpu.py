@@ -7,7 +7,8 @@ Run on one node (NCCL), e.g. the ZeRO comparison on two GPUs::
 
 Each run builds the engine from the config plus the run's overrides (``stageN`` sets
 ``zero.stage``; ``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout;
-``bucketN`` the bucket size in MiB; ``compile`` compiles blocks and head; ``zb`` picks the zero-bubble
+``bucketN`` the bucket size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism, whose linears communicate
+``serial``, ``overlap`` or through peer memory (``pm``); ``compile`` compiles blocks and head; ``zb`` picks the zero-bubble
 schedule; ``mN`` runs N micro-batches per data-parallel rank; ``mbsN`` sets the micro-batch size), trains
 ``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one micro-batch of
 ``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one
@@ -51,6 +52,8 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
             out += ["--parallel.pp", part[2:]]
         elif part == "sp":
             out += ["--parallel.sequence_parallel", "true"]
+        elif part in ("serial", "overlap", "pm"):
+            out += ["--parallel.tp_comm", {"pm": "peer_memory"}.get(part, part)]
         elif part == "compile":
             out += ["--train.compile", "true"]
         elif part == "zb":
@@ -59,6 +62,8 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
             out += ["--train.micro_batch_size", part[3:]]
         elif part.startswith("m") and part[1:].isdigit():
             micros = int(part[1:])
+        elif part == "nooverlap":
+            out += ["--zero.overlap_comm", "false"]
         elif part.startswith("bucket"):
             out += ["--zero.bucket_size_mb", part[6:]]
         else:

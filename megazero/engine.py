@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from megazero.config import Config
+from megazero.errors import ConfigError
 from megazero.optim import AdamWSettings, DynamicLossScaler, ShardedAdamW, StepResult
 from models import GPT
 from models.ops import IGNORE_INDEX
@@ -23,6 +24,7 @@ from models.parallelize import Parallelism, parallelize_gpt
 from parallel.data_parallel import DataParallelSettings
 from parallel.pipeline import PipelineExecutor
 from parallel.pipeline.partition import resolve_split, stage_layers
+from parallel.tensor_parallel.peer_memory import available as peer_memory_available
 from parallel.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,7 +41,11 @@ def parallelism(cfg: Config, device: torch.device) -> Parallelism:
         once_per_step=p.pp > 1 and z.stage >= 2, prefetch_depth=z.prefetch_depth,
         persistence_threshold=z.persistence_threshold, offload=z.offload_optimizer)
     compile_ = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
-    return Parallelism(seed=cfg.train.seed, sequence_parallel=p.sequence_parallel, recompute=p.recompute,
+    if p.tp_comm == "peer_memory" and not (device.type == "cuda" and peer_memory_available()):
+        raise ConfigError("parallel.tp_comm: peer_memory needs CUDA devices and a torch with symmetric memory; "
+                          "set it to serial or overlap")
+    return Parallelism(seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
+                       tp_comm=p.tp_comm, recompute=p.recompute,
                        recompute_every=p.recompute_every, compile=compile_, data_parallel=data_parallel)
 
 

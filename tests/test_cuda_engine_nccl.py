@@ -28,7 +28,10 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
 CASES = [((1, 1, 2), 1, ()), ((1, 1, 2), 2, ()), ((1, 1, 2), 3, ()),
-         ((2, 1, 1), 1, ("--parallel.sequence_parallel", "true")), ((1, 2, 1), 1, ())]
+         ((2, 1, 1), 1, ("--parallel.sequence_parallel", "true")),
+         ((2, 1, 1), 1, ("--parallel.sequence_parallel", "true", "--parallel.tp_comm", "peer_memory")),
+         ((2, 1, 1), 1, ("--parallel.sequence_parallel", "true", "--parallel.tp_comm", "serial")),
+         ((1, 2, 1), 1, ())]
 
 
 def _case(topo, layout, stage, extra) -> dict:

@@ -1,16 +1,20 @@
-"""The overlapped sequence-parallel linears against the composed ones, on two GPUs over NCCL.
+"""The sequence-parallel linear ops against the composed layers, on two GPUs over NCCL.
 
 ``parallel.tensor_parallel.overlap`` reorders each linear's collectives around its matrix products
 (asynchronous all-gather, reduce and reduce-scatter on NCCL's stream); the CPU suite checks it over
 gloo against one process. Here the same inputs go through both forms on NCCL: the composed one
 (``gather_sequence`` + ``F.linear``, ``F.linear`` + ``reduce_scatter_sequence``) and the overlapped
-one, in fp32 and bf16, and the outputs and the gradients of input, weight and bias must agree to
-the dtype's rounding (the two forms sum in different orders). Every rank is checked.
+one in each of its communication modes (``serial``, ``overlap``, ``peer_memory``), in fp32 and bf16;
+the outputs and the gradients of input, weight and bias must agree to the dtype's rounding (the
+forms sum in different orders). Every rank is checked. The peer-memory case runs each layer three
+times in a row, so one workspace serves successive operations as in a model.
 
 (Skipped unless two CUDA devices are visible.)
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -18,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel.tensor_parallel.collectives import gather_sequence, reduce_scatter_sequence
-from parallel.tensor_parallel.overlap import column_linear, row_linear
+from parallel.tensor_parallel.overlap import MODES, column_linear, row_linear
 from tests.distributed import run_world
 
 pytestmark = [pytest.mark.cuda,
@@ -48,18 +52,19 @@ def _compare(overlapped, composed, inputs: list[torch.Tensor]) -> dict:
 def _layers(rank: int, world_size: int) -> dict:
     group, device = dist.group.WORLD, torch.device("cuda", rank)
     report = {}
-    for name, (dtype, _) in DTYPES.items():
+    for (name, (dtype, _)), mode in itertools.product(DTYPES.items(), MODES):
         g = torch.Generator(device=device).manual_seed(5 + rank)  # every rank its own tokens and shards
         rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
         x_local, x_full = rand(BATCH, SEQ // world_size, HIDDEN), rand(BATCH, SEQ, HIDDEN // world_size)
         w_col, b_col = rand(OUT // world_size, HIDDEN) * 0.05, rand(OUT // world_size)
         w_row = rand(OUT, HIDDEN // world_size) * 0.05
-        report[("column", name)] = _compare(
-            lambda x, w, b: column_linear(x, w, b, group),
-            lambda x, w, b: F.linear(gather_sequence(x, group), w, b), [x_local, w_col, b_col])
-        report[("row", name)] = _compare(
-            lambda x, w: row_linear(x, w, group),
-            lambda x, w: reduce_scatter_sequence(F.linear(x, w), group), [x_full, w_row])
+        for _ in range(3 if mode == "peer_memory" else 1):
+            report.setdefault(("column", name, mode), []).append(_compare(
+                lambda x, w, b: column_linear(x, w, b, group, mode),
+                lambda x, w, b: F.linear(gather_sequence(x, group), w, b), [x_local, w_col, b_col]))
+            report.setdefault(("row", name, mode), []).append(_compare(
+                lambda x, w: row_linear(x, w, group, mode),
+                lambda x, w: reduce_scatter_sequence(F.linear(x, w), group), [x_full, w_row]))
     return report
 
 
@@ -68,11 +73,12 @@ def reports():
     return run_world(2, _layers, timeout=300, backend="nccl")
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layer", ["column", "row"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_overlapped_linear_equals_composed(reports, layer, dtype):
+def test_sequence_parallel_linear_equals_composed(reports, layer, dtype, mode):
     tolerance = DTYPES[dtype][1]
     for rank, report in enumerate(reports):
-        value = report[(layer, dtype)]
-        assert value["out"] < tolerance, (rank, value)
-        assert max(value["grads"]) < tolerance, (rank, value)
+        for value in report[(layer, dtype, mode)]:
+            assert value["out"] < tolerance, (rank, value)
+            assert max(value["grads"]) < tolerance, (rank, value)

@@ -183,7 +183,7 @@ def test_summed_linear_cross_entropy_scales_bf16_gradients_in_fp32():
     median ratio to an fp32 reference does."""
     from models.kernels import cross_entropy
     h, w, labels, vocab = _linear_ce_inputs()
-    hb, wb = h.to(torch.bfloat16).requires_grad_(True), w.to(torch.bfloat16)
+    hb, wb = h.detach().to(torch.bfloat16).requires_grad_(True), w.detach().to(torch.bfloat16)
     (cross_entropy.linear_cross_entropy(hb, wb, labels, vocab, "sum") / 3).backward()
     hf = hb.detach().float().requires_grad_(True)
     (ops.linear_cross_entropy.reference(hf, wb.float(), labels, vocab, "sum") / 3).backward()

@@ -22,6 +22,7 @@ class ParallelConfig:
     virtual_stages: int = option(1, "Model chunks per pipeline rank for the interleaved 1F1B schedule")
     pipeline_schedule: str = option("auto", "Pipeline schedule: auto (1f1b, interleaved_1f1b with virtual stages), gradient_accumulation, 1f1b, interleaved_1f1b or zb-h1 (zero bubble: weight gradients fill the bubble)")
     sequence_parallel: bool = option(False, "Shard norm and dropout activations along the sequence (needs tp > 1)")
+    tp_comm: str = option("overlap", "How sequence-parallel linears communicate: serial (NCCL collective, then the product), overlap (NCCL collectives beside the products) or peer_memory (the GPUs' copy engines over NVLink beside the products; CUDA, one node)")
     order: str = option("tp-dp-pp", "Rank order from fastest to slowest axis: tp-dp-pp or tp-pp-dp")
     allow_tp_across_nodes: bool = option(False, "Permit tensor-parallel groups that span nodes (slow; off by default)")
     pipeline_split: Optional[list] = option(None, "Explicit layers per pipeline stage, e.g. [5, 6, 6, 5] (None = uniform)")

@@ -25,6 +25,7 @@ from models.norms import NORM_KINDS
 from models.parallelize import RECOMPUTE_MODES, tp_layout_problems
 from parallel.data_parallel import STAGES
 from parallel.launch import DEVICES
+from parallel.tensor_parallel.overlap import MODES as TP_COMM_MODES
 from parallel.pipeline.partition import split_problem
 from parallel.pipeline.schedule import TRAINING_SCHEDULES, schedule_problem
 from parallel.topology import ORDERS
@@ -35,6 +36,7 @@ CHOICES = {
     "model.activation": ACTIVATIONS,
     "parallel.order": ORDERS,
     "parallel.recompute": RECOMPUTE_MODES,
+    "parallel.tp_comm": TP_COMM_MODES,
     "parallel.pipeline_schedule": TRAINING_SCHEDULES,
     "zero.stage": STAGES,
     "precision.dtype": ("fp32", "bf16", "fp16"),
@@ -152,6 +154,8 @@ def _shape_problems(cfg: Config) -> list[str]:
     problems += tp_layout_problems(m, p.tp)
     if p.sequence_parallel and p.tp == 1:
         problems.append("parallel.sequence_parallel: needs parallel.tp > 1; set it false or raise tp")
+    if p.tp_comm == "peer_memory" and cfg.train.device == "cpu":
+        problems.append("parallel.tp_comm: peer_memory needs CUDA devices; set it to serial or overlap on CPU")
     if p.sequence_parallel and m.seq_length % p.tp:
         problems.append(f"model.seq_length: {m.seq_length} is not divisible by parallel.tp {p.tp} (sequence parallel)")
     if p.virtual_stages > 1 and p.pp == 1:

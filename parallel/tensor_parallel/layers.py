@@ -58,9 +58,9 @@ class _TPModule(nn.Module):
         self.tp_shards: dict[str, Shard] = {}
 
     @classmethod
-    def _from(cls, module: nn.Module, group, sequence_parallel: bool, memo):
+    def _from(cls, module: nn.Module, group, sequence_parallel: bool, memo, **init):
         """This rank's layer from a plain ``module``: each named parameter split along its dim."""
-        layer = cls(group, sequence_parallel)
+        layer = cls(group, sequence_parallel, **init)
         memo = {} if memo is None else memo
         for name, dim in cls.SPLIT_DIMS.items():
             layer._place(name, getattr(module, name), dim, memo)
@@ -82,33 +82,44 @@ class _TPModule(nn.Module):
         return f"tp={comm.group_size(self.group)}, sequence_parallel={self.sequence_parallel}"
 
 
-class ColumnParallelLinear(_TPModule):
+class _TPLinear(_TPModule):
+    """A tensor-parallel linear; under sequence parallelism ``comm_mode`` (one of ``overlap.MODES``)
+    says how its collectives are ordered around its products and what moves the tokens."""
+
+    def __init__(self, group, sequence_parallel: bool, comm_mode: str = "overlap"):
+        super().__init__(group, sequence_parallel)
+        self.comm_mode = comm_mode
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None,
+                    comm_mode: str = "overlap"):
+        return cls._from(linear, group, sequence_parallel, memo, comm_mode=comm_mode)
+
+
+class ColumnParallelLinear(_TPLinear):
     """y = x W^T + b with W's output rows (and b) split across ranks; y stays split."""
 
     SPLIT_DIMS = {"weight": 0, "bias": 0}
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None):
-        return cls._from(linear, group, sequence_parallel, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # linear_fn: set by a split-backward pipeline schedule to defer the weight gradient, which
         # the overlapped form computes in its own backward
         linear_fn = getattr(self, "linear_fn", None)
         if self.sequence_parallel and linear_fn is None:
-            return column_linear(x, self.weight, self.bias, self.group)
+            return column_linear(x, self.weight, self.bias, self.group, self.comm_mode)
         x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
         return (linear_fn or F.linear)(x, self.weight, self.bias)
 
 
-class RowParallelLinear(_TPModule):
+class RowParallelLinear(_TPLinear):
     """y = sum over ranks of x_r W_r^T, + b: input columns split, output whole (or sequence-split)."""
 
     SPLIT_DIMS = {"weight": 1, "bias": None}
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None):
-        layer = cls._from(linear, group, sequence_parallel, memo)
+    def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None,
+                    comm_mode: str = "overlap"):
+        layer = super().from_linear(linear, group, sequence_parallel, memo, comm_mode)
         if sequence_parallel and layer.bias is not None:
             mark_partial(layer, ["bias"])
         return layer
@@ -116,7 +127,7 @@ class RowParallelLinear(_TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear_fn = getattr(self, "linear_fn", None)  # see ColumnParallelLinear.forward
         if self.sequence_parallel and linear_fn is None:
-            y = row_linear(x, self.weight, self.group)
+            y = row_linear(x, self.weight, self.group, self.comm_mode)
         elif self.sequence_parallel:
             y = reduce_scatter_sequence(linear_fn(x, self.weight), self.group)
         else:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
+from parallel.tensor_parallel import peer_memory as peer_memory_ops
 from parallel.tensor_parallel.collectives import token_shape
 
 
@@ -38,15 +39,28 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _gather_then_multiply(local: torch.Tensor, matrix: torch.Tensor, group,
+MODES = ("serial", "overlap", "peer_memory")
+"""How the linears communicate: ``serial`` (NCCL collective, then the product, or the reverse),
+``overlap`` (NCCL collectives beside the products), ``peer_memory`` (the copy engines through
+``peer_memory``, beside the products)."""
+
+
+def _start_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str, mode: str):
+    if mode == "peer_memory":
+        return peer_memory_ops.all_gather(full, rows, group_name)
+    return comm.all_gather_into(full, rows, comm.group_named(group_name), async_op=True)
+
+
+def _gather_then_multiply(local: torch.Tensor, matrix: torch.Tensor, group_name: str, mode: str,
                           bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(every rank's token rows of ``local`` gathered, those rows @ ``matrix`` (+ ``bias``)), with the
-    gather overlapping the product of this rank's own rows."""
+    """(every rank's token rows of ``local`` gathered, those rows @ ``matrix`` (+ ``bias``)); unless
+    ``serial``, the gather overlaps the product of this rank's own rows."""
+    group = comm.group_named(group_name)
     size, rank = comm.group_size(group), dist.get_rank(group)
-    rows = _rows(local)
+    rows = _rows(local).contiguous()
     n = rows.shape[0]
     full = rows.new_empty((n * size, rows.shape[1]))
-    handle = comm.all_gather_into(full, rows, group, async_op=True)
+    handle = _start_gather(full, rows, group_name, mode)
     out = rows.new_empty((n * size, matrix.shape[1]))
 
     def multiply(src: torch.Tensor, lo: int, hi: int) -> None:
@@ -56,12 +70,37 @@ def _gather_then_multiply(local: torch.Tensor, matrix: torch.Tensor, group,
             else:
                 torch.addmm(bias, src, matrix, out=out[lo:hi])
 
+    if mode == "serial":
+        _wait(handle)
+        multiply(full, 0, size * n)
+        return full, out
     multiply(rows, rank * n, (rank + 1) * n)
-    if handle is not None:
-        handle.wait()
+    _wait(handle)
     multiply(full[:rank * n], 0, rank * n)
     multiply(full[(rank + 1) * n:], (rank + 1) * n, size * n)
     return full, out
+
+
+def _wait(handle) -> None:
+    if handle is not None:  # None: the collective ran synchronously (one rank, or gloo)
+        handle.wait()
+
+
+def _start_reduce_scatter(full: torch.Tensor, shape: tuple[int, ...], group_name: str, mode: str):
+    """(a tensor of ``shape`` that will hold this rank's token chunk of the sum of every rank's
+    ``full`` [size * n, h], the work to wait on before reading it)."""
+    group = comm.group_named(group_name)
+    size, rank = comm.group_size(group), dist.get_rank(group)
+    if mode != "peer_memory":
+        out = full.new_empty(shape)
+        return out, comm.reduce_scatter_into(out.view(-1), full.view(-1), group, async_op=True)
+    chunks = full.view(size, -1, full.shape[-1])
+    total = peer_memory_ops.ChunkSum(chunks.shape[1:], full.dtype, group_name, size)
+    for step in range(1, size):
+        owner = (rank + step) % size
+        total.push(chunks[owner], owner)
+    summed, handle = total.finish(chunks[rank])
+    return summed.view(shape), handle
 
 
 def _shaped_like(x: torch.Tensor, rows: int, features: int) -> tuple[int, ...]:
@@ -75,39 +114,38 @@ def _shaped_like(x: torch.Tensor, rows: int, features: int) -> tuple[int, ...]:
 # on every call. The process group travels as its name, the one argument type ops accept for it.
 
 @torch.library.custom_op("megazero::sp_column_linear", mutates_args=())
-def _column(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _column(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
+            mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(all-gather-tokens(x) @ weight^T + bias, the gathered token rows kept for backward)."""
-    full, y = _gather_then_multiply(x, weight.t(), comm.group_named(group_name), bias)
+    full, y = _gather_then_multiply(x, weight.t(), group_name, mode, bias)
     return y.view(_shaped_like(x, full.shape[0], weight.shape[0])), full
 
 
 @_column.register_fake
-def _(x, weight, bias, group_name):
+def _(x, weight, bias, group_name, mode):
     rows = x.numel() // x.shape[-1] * comm.group_size(comm.group_named(group_name))
     return x.new_empty(_shaped_like(x, rows, weight.shape[0])), x.new_empty((rows, x.shape[-1]))
 
 
 @torch.library.custom_op("megazero::sp_column_linear_backward", mutates_args=())
 def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Tensor, has_bias: bool,
-                     group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     group_name: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x, grad weight, grad bias or an empty tensor): the input gradient's reduce-scatter runs
     while the weight gradient is computed."""
     grad = _rows(grad_y)
-    grad_full_x = grad @ weight
     size = comm.group_size(comm.group_named(group_name))
-    grad_x = grad_full_x.new_empty(_shaped_like(grad_y, grad.shape[0] // size, weight.shape[1]))
-    handle = comm.reduce_scatter_into(grad_x.view(-1), grad_full_x.view(-1), comm.group_named(group_name),
-                                      async_op=True)
+    grad_x, handle = _start_reduce_scatter(grad @ weight, _shaped_like(grad_y, grad.shape[0] // size, weight.shape[1]),
+                                           group_name, mode)
+    if mode == "serial":
+        _wait(handle)
     grad_weight = grad.t() @ full
     grad_bias = grad.sum(0) if has_bias else grad.new_empty(0)
-    if handle is not None:
-        handle.wait()
+    _wait(handle)
     return grad_x, grad_weight, grad_bias
 
 
 @_column_backward.register_fake
-def _(grad_y, full, weight, has_bias, group_name):
+def _(grad_y, full, weight, has_bias, group_name, mode):
     size = comm.group_size(comm.group_named(group_name))
     rows = grad_y.numel() // grad_y.shape[-1] // size
     return (grad_y.new_empty(_shaped_like(grad_y, rows, weight.shape[1])), torch.empty_like(weight),
@@ -115,29 +153,22 @@ def _(grad_y, full, weight, has_bias, group_name):
 
 
 def _column_setup(ctx, inputs, output):
-    x, weight, bias, group_name = inputs
+    x, weight, bias, group_name, mode = inputs
     ctx.save_for_backward(output[1], weight)
-    ctx.has_bias, ctx.group_name = bias is not None, group_name
+    ctx.has_bias, ctx.group_name, ctx.mode = bias is not None, group_name, mode
 
 
 def _column_grad(ctx, grad_y, _grad_full):
     full, weight = ctx.saved_tensors
-    grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, ctx.has_bias, ctx.group_name)
-    return grad_x, grad_weight, grad_bias if ctx.has_bias else None, None
+    grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, ctx.has_bias, ctx.group_name,
+                                                      ctx.mode)
+    return grad_x, grad_weight, grad_bias if ctx.has_bias else None, None, None
 
 
 _column.register_autograd(_column_grad, setup_context=_column_setup)
 
 
-@torch.library.custom_op("megazero::sp_row_linear", mutates_args=())
-def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor:
-    """reduce-scatter-tokens(x @ weight^T): one reduce per owner's token chunk, started as soon as
-    that chunk's product is done."""
-    group = comm.group_named(group_name)
-    size, rank = comm.group_size(group), dist.get_rank(group)
-    rows = _rows(x)
-    if rows.shape[0] % size:
-        raise ValueError(f"{rows.shape[0]} tokens do not split into {size} equal sequence-parallel chunks")
+def _reduce_chunks_nccl(rows: torch.Tensor, weight: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
     n = rows.shape[0] // size
     parts, handles = [], []
     for owner in range(size):  # the same order on every rank: collectives never cross
@@ -145,51 +176,94 @@ def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor
         handles.append(comm.reduce_to(part, owner, group, async_op=True))
         parts.append(part)
     for handle in handles:
-        if handle is not None:
-            handle.wait()
-    return parts[rank].view(_shaped_like(x, n, weight.shape[0]))
+        _wait(handle)
+    return parts[rank]
+
+
+def _reduce_chunks_peer(rows: torch.Tensor, weight: torch.Tensor, group_name: str, size: int,
+                        rank: int) -> torch.Tensor:
+    n = rows.shape[0] // size
+    total = peer_memory_ops.ChunkSum(torch.Size((n, weight.shape[0])), rows.dtype, group_name, size)
+    for step in range(1, size):  # the owners after this rank first, its own chunk last
+        owner = (rank + step) % size
+        total.push(rows[owner * n:(owner + 1) * n] @ weight.t(), owner)
+    summed, handle = total.finish(rows[rank * n:(rank + 1) * n] @ weight.t())
+    handle.wait()
+    return summed
+
+
+def _reduce_scatter_product(rows: torch.Tensor, weight: torch.Tensor, group, size: int) -> torch.Tensor:
+    out = rows.new_empty((rows.shape[0] // size, weight.shape[0]))
+    comm.reduce_scatter_into(out.view(-1), (rows @ weight.t()).view(-1), group)
+    return out
+
+
+@torch.library.custom_op("megazero::sp_row_linear", mutates_args=())
+def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str) -> torch.Tensor:
+    """reduce-scatter-tokens(x @ weight^T); unless ``serial``, each owner's token chunk is sent on its
+    way as soon as its product is done, while the next one computes."""
+    group = comm.group_named(group_name)
+    size, rank = comm.group_size(group), dist.get_rank(group)
+    rows = _rows(x)
+    if rows.shape[0] % size:
+        raise ValueError(f"{rows.shape[0]} tokens do not split into {size} equal sequence-parallel chunks")
+    if mode == "peer_memory":
+        mine = _reduce_chunks_peer(rows, weight, group_name, size, rank)
+    elif mode == "overlap":
+        mine = _reduce_chunks_nccl(rows, weight, group, size, rank)
+    else:
+        mine = _reduce_scatter_product(rows, weight, group, size)
+    return mine.view(_shaped_like(x, rows.shape[0] // size, weight.shape[0]))
 
 
 @_row.register_fake
-def _(x, weight, group_name):
+def _(x, weight, group_name, mode):
     rows = x.numel() // x.shape[-1] // comm.group_size(comm.group_named(group_name))
     return x.new_empty(_shaped_like(x, rows, weight.shape[0]))
 
 
 @torch.library.custom_op("megazero::sp_row_linear_backward", mutates_args=())
-def _row_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                  group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad x, grad weight): the output gradient's all-gather runs while this rank's own tokens'
-    input gradient is computed."""
-    full_grad, grad_x = _gather_then_multiply(grad_y, weight, comm.group_named(group_name))
+def _row_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_name: str,
+                  mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad x, grad weight): unless ``serial``, the output gradient's all-gather runs while this
+    rank's own tokens' input gradient is computed."""
+    full_grad, grad_x = _gather_then_multiply(grad_y, weight, group_name, mode)
     return grad_x.view(x.shape), full_grad.t() @ _rows(x)
 
 
 @_row_backward.register_fake
-def _(grad_y, x, weight, group_name):
+def _(grad_y, x, weight, group_name, mode):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _row_setup(ctx, inputs, output):
-    x, weight, group_name = inputs
+    x, weight, group_name, mode = inputs
     ctx.save_for_backward(x, weight)
-    ctx.group_name = group_name
+    ctx.group_name, ctx.mode = group_name, mode
 
 
 def _row_grad(ctx, grad_y):
     x, weight = ctx.saved_tensors
-    grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name)
-    return grad_x, grad_weight, None
+    grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode)
+    return grad_x, grad_weight, None, None
 
 
 _row.register_autograd(_row_grad, setup_context=_row_setup)
 
 
-def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group) -> torch.Tensor:
-    """Column-parallel linear on sequence-parallel input [batch, seq/tp, in] -> [batch, seq, out/tp]."""
-    return _column(x, weight, bias, group.group_name)[0]
+def _check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"tensor-parallel communication {mode!r}: use one of {MODES}")
+    return mode
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+                  mode: str = "overlap") -> torch.Tensor:
+    """Column-parallel linear on sequence-parallel input [batch, seq/tp, in] -> [batch, seq, out/tp],
+    communicating as ``mode`` (one of ``MODES``) says."""
+    return _column(x, weight, bias, group.group_name, _check_mode(mode))[0]
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, group, mode: str = "overlap") -> torch.Tensor:
     """Row-parallel linear [batch, seq, in/tp] -> this rank's tokens of the sum, [batch, seq/tp, out]."""
-    return _row(x, weight, group.group_name)
+    return _row(x, weight, group.group_name, _check_mode(mode))
