@@ -4,6 +4,11 @@ count every time. Needs an otherwise idle machine with that many cores. Each wid
 worker pool for all five sub-stages, started inside the timed region, as a real run does.
 ``task_bound`` is the speedup the shard count allows at that width (the sub-stages run one task per
 shard or partition, in waves): give at least four shards per worker of the widest run.
+``control_speedup`` is what the machine itself allows: the same shards' MinHash signatures computed
+by a plain process pool of that width, each shard on its own with nothing written and no sub-stage
+barriers. Cores that slow down when all are busy (a lower all-core clock, shared memory bandwidth)
+cap it below the width; ``speedup`` over ``control_speedup`` is then the share the pipeline itself
+loses.
 
     python benchmarks/curate_scaling.py --docs 200000 --shard-docs 1250 --workers 1 4 16 32
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -24,9 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from curate_fuzzy import BANDS, NGRAM, NUM_PERM, ROWS, THRESHOLD, corpus  # noqa: E402
 
 from data_pipeline.curate.config import build_config  # noqa: E402
+from data_pipeline.curate.fuzzy_dedup import BATCH  # noqa: E402
 from data_pipeline.curate.pipeline import Context, run_fuzzy_dedup, run_pipeline  # noqa: E402
 from data_pipeline.curate.runner import LocalExecutor  # noqa: E402
-from data_pipeline.curate.shards import list_shards  # noqa: E402
+from data_pipeline.curate.shards import list_shards, read_shard  # noqa: E402
 
 
 def task_bound(tasks: int, workers: int) -> float:
@@ -34,6 +41,27 @@ def task_bound(tasks: int, workers: int) -> float:
     ceil(tasks / workers) waves where one worker needs ``tasks``. A speedup below it comes from the
     serial parts; at it, from the task count (more, smaller shards raise it)."""
     return tasks / math.ceil(tasks / workers)
+
+
+def _hash_shard(job: tuple) -> int:
+    path, text_field, cfg = job
+    hasher = cfg.hasher()
+    texts = [r[text_field] for r in read_shard(path)]
+    for i in range(0, len(texts), BATCH):
+        hasher.band_keys(hasher.signatures(*hasher.shingles(texts[i:i + BATCH])))
+    return len(texts)
+
+
+def control_seconds(shards: list[str], text_field: str, cfg, workers: int) -> float:
+    """Wall time of hashing every shard in a plain pool of ``workers`` processes (one: in this one)."""
+    jobs = [(s, text_field, cfg) for s in shards]
+    start = time.perf_counter()
+    if workers == 1:
+        list(map(_hash_shard, jobs))
+    else:
+        with mp.get_context("fork").Pool(workers) as pool:
+            list(pool.imap_unordered(_hash_shard, jobs))
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -53,8 +81,10 @@ def main() -> None:
                                             "threshold": THRESHOLD}})
         run_pipeline(cfg, log=lambda s: None)  # ingest only: not timed
         shards = list_shards(os.path.join(tmp, "out", "00-input"))
-        base = None
+        base = control_base = None
         for workers in args.workers:
+            control = control_seconds(shards, cfg.input.text_field, cfg.fuzzy_dedup, workers)
+            control_base = control_base or control
             executor = LocalExecutor(workers)
             start = time.perf_counter()
             try:
@@ -67,6 +97,7 @@ def main() -> None:
             print(json.dumps({"workers": workers, "docs": args.docs, "seconds": round(seconds, 2),
                               "docs_per_s": round(args.docs / seconds), "speedup": round(base / seconds, 2),
                               "task_bound": round(task_bound(len(shards), workers), 2),
+                              "control_speedup": round(control_base / control, 2),
                               "removed": stats["dropped"].get("near duplicate", 0)}), flush=True)
 
 
