@@ -9,11 +9,14 @@
 #   benchmarks/gpu_suite.sh axes     tp 2 and pp 2 (1F1B, zero-bubble) against one GPU, with compiled
 #                                    blocks, beside the torch-native and megatron-core peers (the
 #                                    megatron-core wheel in $WHEELS); PROFILE=1 adds tp 2's kernel table
+#   benchmarks/gpu_suite.sh axes4    four GPUs: tp 2 x dp 2, pp 2 x dp 2 (1F1B, zero-bubble) and tp 2 x pp 2
+#                                    for the 1.3B GPT against one GPU and megatron-core at the same layouts,
+#                                    then the 6.7B GPT (configs/gpt_6.7b.yaml) at tp 2 x dp 2 and tp 2 x pp 2
 # Output: JSON lines on stdout (and in $OUT/PART.log when OUT is set).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers or trainer}
+part=${1:?part: zero, ds, layers, trainer, axes or axes4}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -52,4 +55,18 @@ axes)
   for layout in "--tp 2" "--pp 2 --micro-batches 8"; do
     run timeout 200 torchrun --nproc_per_node 2 benchmarks/peers/megatron_core_gpt.py $layout
   done ;;
+axes4)
+  run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
+    --runs stage1-compile stage1-m8-compile --warmup 3 --steps 5
+  run timeout 240 torchrun --nproc_per_node 4 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
+    --runs ${RUNS:-tp2-sp-compile pp2-m8-compile pp2-m8-zb-compile tp2-sp-pp2-m8-compile} --warmup 3 --steps 5
+  [ -n "${WHEELS:-}" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore-site \
+    "$WHEELS"/megatron_core-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/mcore-site
+  for layout in "--tp 2" "--pp 2 --micro-batches 8" "--tp 2 --pp 2 --micro-batches 8"; do
+    run timeout 200 torchrun --nproc_per_node 4 benchmarks/peers/megatron_core_gpt.py $layout
+  done
+  run timeout 300 torchrun --nproc_per_node 4 benchmarks/train_gpu.py configs/gpt_6.7b.yaml \
+    --runs tp2-sp-compile tp2-sp-pp2-m8-compile --warmup 2 --steps 4
+  run timeout 200 torchrun --nproc_per_node 4 benchmarks/peers/megatron_core_gpt.py --size 6.7b --micro-batch 2 \
+    --tp 2 --pp 2 --micro-batches 8 ;;
 esac

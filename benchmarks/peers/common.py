@@ -32,7 +32,7 @@ class Size:
 
 
 SIZES = {"125m": Size(12, 768, 12), "350m": Size(24, 1024, 16), "760m": Size(24, 1536, 16),
-         "1.3b": Size(24, 2048, 16)}
+         "1.3b": Size(24, 2048, 16), "6.7b": Size(32, 4096, 32)}
 
 
 class Block(nn.Module):
