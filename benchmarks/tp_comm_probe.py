@@ -79,7 +79,7 @@ def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, emit) -> None:
             }
             for mode in MODES:
                 cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_column_linear(x, w, None, name, mode)
-                cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_column_linear_backward(grad_y, full, w, False, name, mode)
+                cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_column_linear_backward(grad_y, full, w, False, name, mode, True)
         else:
             x = torch.randn(8, n * tp // 8, width, device=dev, dtype=dt)
             w = torch.randn(h, width, device=dev, dtype=dt) * 0.02
@@ -97,7 +97,7 @@ def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, emit) -> None:
             }
             for mode in MODES:
                 cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_row_linear(x, w, name, mode)
-                cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_row_linear_backward(grad_y, x, w, name, mode)
+                cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_row_linear_backward(grad_y, x, w, name, mode, True)
         for case, fn in cases.items():
             emit(what=f"{layer} ({kind}) {case}", ms=round(timed(fn, iters), 4))
 

@@ -80,7 +80,9 @@ def test_check_ops_refuses_a_missing_or_early_w():
 LAYOUTS = [((1, 2, 2), 4, ()), ((1, 4, 1), 6, ()),
            ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true")),
            # ZeRO-3 gathers around the W ops, and the partial sums of sequence parallelism
-           ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--zero.stage", "3"))]
+           ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--zero.stage", "3")),
+           # the deferred halves of the sequence-parallel operators in their serial mode
+           ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--parallel.tp_comm", "serial"))]
 
 
 def _config(tp, pp, dp, m, schedule, extra):

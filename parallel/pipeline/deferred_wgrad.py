@@ -16,9 +16,14 @@ hooks fire as usual: the data-parallel wrapper (``parallel.data_parallel.grads``
 them without knowing the schedule. A backward that runs outside a ``B`` op (no micro-batch is
 current) computes ``dW`` at once, as a plain linear layer would.
 
+The sequence-parallel linears keep their communication (``tensor_parallel.overlap``, in whichever
+mode the layer has): ``queue.column_linear`` and ``queue.row_linear`` run the same operators'
+forward and input-gradient halves, and queue the gathered tokens (column) or the gathered output
+gradient (row) for ``W``.
+
 ``defer_weight_grads`` is the hook that turns the layers on: plain ``nn.Linear`` get an instance
-``forward`` calling ``queue.linear``; the tensor-parallel linears (whose forward bodies call
-``self.linear_fn`` when it is set, ``F.linear`` otherwise) get ``linear_fn``.
+``forward`` calling ``queue.linear``; the tensor-parallel linears get the queue as their
+``weight_grads`` (``tensor_parallel.layers.DeferredLinears``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.tensor_parallel.overlap import column_forward, column_input_grad, row_input_grad, row_linear
 
 
 class _DeferredWeightLinear(torch.autograd.Function):
@@ -48,15 +54,43 @@ class _DeferredWeightLinear(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad_b = None
-        if ctx.needs_input_grad[1] and ctx.queue.current is not None:
-            ctx.queue.push(weight, ctx.bias if ctx.needs_input_grad[2] else None, x, grad_out)
-            return grad_x, None, None, None
-        if ctx.needs_input_grad[1]:
-            grad_w = weight_grad([(x, grad_out)])
-        if ctx.needs_input_grad[2]:
-            grad_b = bias_grad([grad_out])
-        return grad_x, grad_w, grad_b, None
+        return (grad_x, *ctx.queue.take(weight, ctx.bias if ctx.needs_input_grad[2] else None, x, grad_out,
+                                         ctx.needs_input_grad[1]), None)
+
+
+class _DeferredColumn(torch.autograd.Function):
+    """``overlap.column_linear`` whose backward returns ``dX`` and queues ``dW``, ``db`` (as above)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, mode: str, queue: "WeightGradQueue"):
+        y, full = column_forward(x, weight, bias, group, mode)
+        ctx.save_for_backward(full, weight)
+        ctx.bias, ctx.group, ctx.mode, ctx.queue = bias, group, mode, queue
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        full, weight = ctx.saved_tensors
+        grad_x = column_input_grad(grad_y, full, weight, ctx.group, ctx.mode)
+        return (grad_x, *ctx.queue.take(weight, ctx.bias if ctx.needs_input_grad[2] else None, full, grad_y,
+                                         ctx.needs_input_grad[1]), None, None, None)
+
+
+class _DeferredRow(torch.autograd.Function):
+    """``overlap.row_linear`` whose backward returns ``dX`` and queues ``dW`` (as above)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, mode: str, queue: "WeightGradQueue"):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.mode, ctx.queue = group, mode, queue
+        return row_linear(x, weight, group, mode)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_x, full_grad = row_input_grad(grad_y, x, weight, ctx.group, ctx.mode)
+        grad_w, _ = ctx.queue.take(weight, None, x, full_grad, ctx.needs_input_grad[1])
+        return grad_x, grad_w, None, None, None
 
 
 def _summed(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -91,6 +125,26 @@ class WeightGradQueue:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``F.linear`` with deferrable weight and bias gradients."""
         return _DeferredWeightLinear.apply(x, weight, bias, self)
+
+    def column_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+                      mode: str) -> torch.Tensor:
+        """``overlap.column_linear`` with deferrable weight and bias gradients."""
+        return _DeferredColumn.apply(x, weight, bias, group, mode, self)
+
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor, group, mode: str) -> torch.Tensor:
+        """``overlap.row_linear`` with a deferrable weight gradient."""
+        return _DeferredRow.apply(x, weight, group, mode, self)
+
+    def take(self, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor,
+             wants_weight_grad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """What a backward returns for ``weight`` and ``bias`` given the layer's input ``x`` and output
+        gradient ``grad_out``: nothing, with the work queued, inside a micro-batch's ``B``; else the
+        gradients themselves."""
+        if wants_weight_grad and self.current is not None:
+            self.push(weight, bias, x, grad_out)
+            return None, None
+        return (weight_grad([(x, grad_out)]) if wants_weight_grad else None,
+                bias_grad([grad_out]) if bias is not None else None)
 
     @contextlib.contextmanager
     def backward_of(self, key: Hashable) -> Iterator[None]:
@@ -136,7 +190,7 @@ def defer_weight_grads(modules: Iterable[nn.Module], queue: WeightGradQueue) -> 
     for module in modules:
         for layer in module.modules():
             if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-                layer.linear_fn = queue.linear
+                layer.weight_grads = queue
             elif isinstance(layer, nn.Linear):
                 layer.forward = lambda x, layer=layer: queue.linear(x, layer.weight, layer.bias)
             else:

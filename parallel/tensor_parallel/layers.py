@@ -5,11 +5,12 @@ keeping the parameter names ``weight`` and ``bias`` so state-dict keys do not ch
 which slice of the full tensor it holds in ``tp_shards`` (see ``sharding``). Built from a module on
 the meta device, they stay on the meta device: only the shard is ever materialised.
 
-Communication, with ``sp`` = sequence parallel (under sp both linears are the overlapped forms of
-``overlap``, except under a schedule that defers weight gradients):
+Communication, with ``sp`` = sequence parallel (under sp both linears are the single operators of
+``overlap``, which gather and reduce-scatter tokens in the layer's ``comm_mode``; a schedule that
+defers weight gradients runs the same operators' halves through its ``weight_grads``):
 
-- ColumnParallelLinear: input copy_to_tp (sp: gather_sequence); output stays split by columns.
-- RowParallelLinear: input is split by columns; output reduce_from_tp (sp: reduce_scatter_sequence),
+- ColumnParallelLinear: input copy_to_tp (sp: tokens all-gathered); output stays split by columns.
+- RowParallelLinear: input is split by columns; output reduce_from_tp (sp: tokens reduce-scattered),
   then the bias, which under sp sees only this rank's tokens: its gradient is marked partial
   (``partial_grads``) and summed over the group with the gradient reduction.
 - VocabParallelEmbedding: each rank looks up the ids in its vocabulary range, zeros the rest, and the
@@ -18,7 +19,7 @@ Communication, with ``sp`` = sequence parallel (under sp both linears are the ov
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
-from parallel.tensor_parallel.collectives import (copy_to_tp, gather_sequence, reduce_from_tp,
-                                                  reduce_scatter_sequence)
+from parallel.tensor_parallel.collectives import copy_to_tp, reduce_from_tp
 from parallel.tensor_parallel.overlap import column_linear, row_linear
 from parallel.tensor_parallel.partial_grads import mark_partial
 from parallel.tensor_parallel.sharding import Shard
@@ -82,13 +82,28 @@ class _TPModule(nn.Module):
         return f"tp={comm.group_size(self.group)}, sequence_parallel={self.sequence_parallel}"
 
 
+class DeferredLinears(Protocol):
+    """Linears whose weight (and bias) gradients a split-backward pipeline schedule computes later
+    (``parallel.pipeline.deferred_wgrad.WeightGradQueue``)."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+    def column_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+                      mode: str) -> torch.Tensor: ...
+
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor, group, mode: str) -> torch.Tensor: ...
+
+
 class _TPLinear(_TPModule):
     """A tensor-parallel linear; under sequence parallelism ``comm_mode`` (one of ``overlap.MODES``)
-    says how its collectives are ordered around its products and what moves the tokens."""
+    says how its collectives are ordered around its products and what moves the tokens.
+    ``weight_grads``, set by a split-backward pipeline schedule, takes its weight gradients out of
+    backward."""
 
     def __init__(self, group, sequence_parallel: bool, comm_mode: str = "overlap"):
         super().__init__(group, sequence_parallel)
         self.comm_mode = comm_mode
+        self.weight_grads: Optional[DeferredLinears] = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None,
@@ -102,13 +117,13 @@ class ColumnParallelLinear(_TPLinear):
     SPLIT_DIMS = {"weight": 0, "bias": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # linear_fn: set by a split-backward pipeline schedule to defer the weight gradient, which
-        # the overlapped form computes in its own backward
-        linear_fn = getattr(self, "linear_fn", None)
-        if self.sequence_parallel and linear_fn is None:
+        deferred = self.weight_grads
+        if self.sequence_parallel and deferred is not None:
+            return deferred.column_linear(x, self.weight, self.bias, self.group, self.comm_mode)
+        if self.sequence_parallel:
             return column_linear(x, self.weight, self.bias, self.group, self.comm_mode)
-        x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        return (linear_fn or F.linear)(x, self.weight, self.bias)
+        return (deferred.linear if deferred is not None else F.linear)(copy_to_tp(x, self.group), self.weight,
+                                                                        self.bias)
 
 
 class RowParallelLinear(_TPLinear):
@@ -125,13 +140,13 @@ class RowParallelLinear(_TPLinear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear_fn = getattr(self, "linear_fn", None)  # see ColumnParallelLinear.forward
-        if self.sequence_parallel and linear_fn is None:
-            y = row_linear(x, self.weight, self.group, self.comm_mode)
+        deferred = self.weight_grads
+        if self.sequence_parallel and deferred is not None:
+            y = deferred.row_linear(x, self.weight, self.group, self.comm_mode)
         elif self.sequence_parallel:
-            y = reduce_scatter_sequence(linear_fn(x, self.weight), self.group)
+            y = row_linear(x, self.weight, self.group, self.comm_mode)
         else:
-            y = reduce_from_tp((linear_fn or F.linear)(x, self.weight), self.group)
+            y = reduce_from_tp((deferred.linear if deferred is not None else F.linear)(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 

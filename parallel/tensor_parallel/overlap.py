@@ -129,27 +129,29 @@ def _(x, weight, bias, group_name, mode):
 
 @torch.library.custom_op("megazero::sp_column_linear_backward", mutates_args=())
 def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Tensor, has_bias: bool,
-                     group_name: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad x, grad weight, grad bias or an empty tensor): the input gradient's reduce-scatter runs
-    while the weight gradient is computed."""
+                     group_name: str, mode: str, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad x, grad weight, grad bias): the input gradient's reduce-scatter runs while the weight
+    gradient is computed. Without ``weight_grad`` (a schedule computes it later) or a bias, the
+    missing gradients are empty tensors."""
     grad = _rows(grad_y)
     size = comm.group_size(comm.group_named(group_name))
     grad_x, handle = _start_reduce_scatter(grad @ weight, _shaped_like(grad_y, grad.shape[0] // size, weight.shape[1]),
                                            group_name, mode)
     if mode == "serial":
         _wait(handle)
-    grad_weight = grad.t() @ full
-    grad_bias = grad.sum(0) if has_bias else grad.new_empty(0)
+    grad_weight = grad.t() @ full if weight_grad else grad.new_empty(0)
+    grad_bias = grad.sum(0) if has_bias and weight_grad else grad.new_empty(0)
     _wait(handle)
     return grad_x, grad_weight, grad_bias
 
 
 @_column_backward.register_fake
-def _(grad_y, full, weight, has_bias, group_name, mode):
+def _(grad_y, full, weight, has_bias, group_name, mode, weight_grad):
     size = comm.group_size(comm.group_named(group_name))
     rows = grad_y.numel() // grad_y.shape[-1] // size
-    return (grad_y.new_empty(_shaped_like(grad_y, rows, weight.shape[1])), torch.empty_like(weight),
-            grad_y.new_empty(weight.shape[0] if has_bias else 0))
+    return (grad_y.new_empty(_shaped_like(grad_y, rows, weight.shape[1])),
+            torch.empty_like(weight) if weight_grad else grad_y.new_empty(0),
+            grad_y.new_empty(weight.shape[0] if has_bias and weight_grad else 0))
 
 
 def _column_setup(ctx, inputs, output):
@@ -161,7 +163,7 @@ def _column_setup(ctx, inputs, output):
 def _column_grad(ctx, grad_y, _grad_full):
     full, weight = ctx.saved_tensors
     grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, ctx.has_bias, ctx.group_name,
-                                                      ctx.mode)
+                                                      ctx.mode, True)
     return grad_x, grad_weight, grad_bias if ctx.has_bias else None, None, None
 
 
@@ -224,16 +226,20 @@ def _(x, weight, group_name, mode):
 
 @torch.library.custom_op("megazero::sp_row_linear_backward", mutates_args=())
 def _row_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_name: str,
-                  mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad x, grad weight): unless ``serial``, the output gradient's all-gather runs while this
-    rank's own tokens' input gradient is computed."""
+                  mode: str, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad x, grad weight or, without ``weight_grad``, an empty tensor, the gathered output gradient
+    [tokens, out] that a deferred weight gradient needs): unless ``serial``, the output gradient's
+    all-gather runs while this rank's own tokens' input gradient is computed."""
     full_grad, grad_x = _gather_then_multiply(grad_y, weight, group_name, mode)
-    return grad_x.view(x.shape), full_grad.t() @ _rows(x)
+    grad_weight = full_grad.t() @ _rows(x) if weight_grad else full_grad.new_empty(0)
+    return grad_x.view(x.shape), grad_weight, full_grad
 
 
 @_row_backward.register_fake
-def _(grad_y, x, weight, group_name, mode):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+def _(grad_y, x, weight, group_name, mode, weight_grad):
+    rows = grad_y.numel() // grad_y.shape[-1] * comm.group_size(comm.group_named(group_name))
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape) if weight_grad else weight.new_empty(0),
+            grad_y.new_empty((rows, grad_y.shape[-1])))
 
 
 def _row_setup(ctx, inputs, output):
@@ -244,7 +250,7 @@ def _row_setup(ctx, inputs, output):
 
 def _row_grad(ctx, grad_y):
     x, weight = ctx.saved_tensors
-    grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode)
+    grad_x, grad_weight, _ = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode, True)
     return grad_x, grad_weight, None, None
 
 
@@ -267,3 +273,25 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 def row_linear(x: torch.Tensor, weight: torch.Tensor, group, mode: str = "overlap") -> torch.Tensor:
     """Row-parallel linear [batch, seq, in/tp] -> this rank's tokens of the sum, [batch, seq/tp, out]."""
     return _row(x, weight, group.group_name, _check_mode(mode))
+
+
+# The same operators' halves, for a schedule that computes weight gradients later (the zero-bubble
+# pipeline, ``parallel.pipeline.deferred_wgrad``): each returns what that later GEMM needs.
+
+def column_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+                   mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``column_linear``'s output, the gathered token rows [tokens, in] its weight gradient needs)."""
+    return _column(x, weight, bias, group.group_name, _check_mode(mode))
+
+
+def column_input_grad(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Tensor, group, mode: str) -> torch.Tensor:
+    """The input gradient of ``column_linear`` alone."""
+    return _column_backward(grad_y, full, weight, False, group.group_name, mode, False)[0]
+
+
+def row_input_grad(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group,
+                   mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the input gradient of ``row_linear``, the gathered output gradient [tokens, out] its weight
+    gradient needs)."""
+    grad_x, _, full_grad = _row_backward(grad_y, x, weight, group.group_name, mode, False)
+    return grad_x, full_grad
