@@ -9,6 +9,10 @@
 #   benchmarks/gpu_suite.sh axes     tp 2 and pp 2 (1F1B, zero-bubble) against one GPU, with compiled
 #                                    blocks, beside the torch-native and megatron-core peers (the
 #                                    megatron-core wheel in $WHEELS); PROFILE=1 adds tp 2's kernel table
+#   benchmarks/gpu_suite.sh tpdiag   what bounds tp 2 + sequence parallel (0.80 of one GPU on H200 in every
+#                                    communication mode): each mode, the per-bucket partial sums moved after
+#                                    backward (nooverlap), NCCL's Simple protocol, micro-batch 4, each twice,
+#                                    interleaved, beside one GPU at both sizes (about 9 minutes)
 #   benchmarks/gpu_suite.sh axes4    four GPUs: tp 2 x dp 2, pp 2 x dp 2 (1F1B, zero-bubble) and tp 2 x pp 2
 #                                    for the 1.3B GPT against one GPU and megatron-core at the same layouts,
 #                                    then the 6.7B GPT (configs/gpt_6.7b.yaml) at tp 2 x dp 2 and tp 2 x pp 2
@@ -16,7 +20,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers, trainer, axes or axes4}
+part=${1:?part: zero, ds, layers, trainer, axes, tpdiag or axes4}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -54,6 +58,17 @@ axes)
     "$WHEELS"/megatron_core-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/mcore-site
   for layout in "--tp 2" "--pp 2 --micro-batches 8"; do
     run timeout 200 torchrun --nproc_per_node 2 benchmarks/peers/megatron_core_gpt.py $layout
+  done ;;
+tpdiag)
+  run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
+    --runs stage1-compile stage1-mbs4-compile --warmup 3 --steps 6
+  for repeat in 1 2; do
+    for r in tp2-sp-overlap-compile tp2-sp-serial-compile tp2-sp-nooverlap-compile tp2-sp-mbs4-serial-compile; do
+      run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs $r \
+        --warmup 3 --steps 6
+    done
+    NCCL_PROTO=Simple run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
+      --runs tp2-sp-compile --warmup 3 --steps 6
   done ;;
 axes4)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
