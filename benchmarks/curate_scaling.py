@@ -7,8 +7,8 @@ shard or partition, in waves): give at least four shards per worker of the wides
 ``control_speedup`` is what the machine itself allows: the same shards' MinHash signatures computed
 by a plain process pool of that width, each shard on its own with nothing written and no sub-stage
 barriers. Cores that slow down when all are busy (a lower all-core clock, shared memory bandwidth)
-cap it below the width; ``speedup`` over ``control_speedup`` is then the share the pipeline itself
-loses.
+cap it below the width; ``speedup`` over ``control_speedup`` is then the share of the machine's
+own scaling that the pipeline keeps.
 
     python benchmarks/curate_scaling.py --docs 200000 --shard-docs 1250 --workers 1 4 16 32
 """

@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
-from parallel.tensor_parallel import peer_memory
-from parallel.tensor_parallel.overlap import MODES  # also registers the megazero:: ops
+from parallel.tensor_parallel.overlap import MODES, start_gather  # also registers the megazero:: ops
 
-TRANSPORTS = ("nccl", "peer_memory")
+TRANSPORTS = {"nccl": "overlap", "peer_memory": "peer_memory"}  # the mode each transport's gather runs in
 
 
 def timed(fn, iters: int, warmup: int = 5) -> float:
@@ -46,12 +45,6 @@ def timed(fn, iters: int, warmup: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def start_gather(full, rows, group, transport):
-    if transport == "peer_memory":
-        return peer_memory.all_gather(full, rows, group.group_name)
-    return comm.all_gather_into(full, rows, group, async_op=True)
 
 
 def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, emit) -> None:
@@ -123,11 +116,11 @@ def main() -> None:
     emit(what="gemm alone", shape=[n * tp, h, 3 * h // tp], ms=timed(gemm, args.iters))
     for transport in TRANSPORTS:
         def gather():
-            work = start_gather(full, rows, group, transport)
+            work = start_gather(full, rows, group.group_name, TRANSPORTS[transport])
             work.wait()
 
         def gather_beside_gemm():
-            work = start_gather(full, rows, group, transport)
+            work = start_gather(full, rows, group.group_name, TRANSPORTS[transport])
             torch.mm(rows, w_qkv)
             torch.mm(rows, w_qkv)
             work.wait()

@@ -154,8 +154,14 @@ def _shape_problems(cfg: Config) -> list[str]:
     problems += tp_layout_problems(m, p.tp)
     if p.sequence_parallel and p.tp == 1:
         problems.append("parallel.sequence_parallel: needs parallel.tp > 1; set it false or raise tp")
-    if p.tp_comm == "peer_memory" and cfg.train.device == "cpu":
+    if p.tp_comm in ("serial", "peer_memory") and not p.sequence_parallel:
+        problems.append(f"parallel.tp_comm: {p.tp_comm} is how sequence-parallel linears communicate; "
+                        "set parallel.sequence_parallel true, or leave tp_comm at overlap")
+    elif p.tp_comm == "peer_memory" and cfg.train.device == "cpu":
         problems.append("parallel.tp_comm: peer_memory needs CUDA devices; set it to serial or overlap on CPU")
+    elif p.tp_comm == "peer_memory" and p.allow_tp_across_nodes:
+        problems.append("parallel.tp_comm: peer_memory maps the memory of GPUs in one node; with "
+                        "parallel.allow_tp_across_nodes use serial or overlap")
     if p.sequence_parallel and m.seq_length % p.tp:
         problems.append(f"model.seq_length: {m.seq_length} is not divisible by parallel.tp {p.tp} (sequence parallel)")
     if p.virtual_stages > 1 and p.pp == 1:

@@ -1,10 +1,12 @@
-"""Sequence-parallel linears whose collectives run while their matrix products compute.
+"""Sequence-parallel linears as single operators, in one of three communication modes.
 
 Under sequence parallelism a column-parallel linear all-gathers its input's tokens first and a
-row-parallel one reduce-scatters its output's tokens after; composed from separate ops, every
-collective waits for the product before it, or the product waits for it. Here each linear is one
-operator, forward and backward, that orders the work so that communication and computation overlap
-(the collectives run on NCCL's stream while the products run on the compute stream):
+row-parallel one reduce-scatters its output's tokens after. Here each linear is one operator,
+forward and backward (so a compiled block keeps it inside one graph), and ``mode`` (``MODES``) says
+how its collectives meet its products. ``serial``: the collective, then one product (or the
+reverse). ``overlap`` orders the work so that communication and computation overlap, the
+collectives running on NCCL's stream while the products run on the compute stream; ``peer_memory``
+does the same with the copy engines moving the tokens (``peer_memory``). The overlapped order:
 
 ========================  =================================================================
 column forward            all-gather the tokens, meanwhile multiply this rank's own tokens;
@@ -18,9 +20,11 @@ row backward              all-gather the output gradient's tokens, meanwhile the
                           gradient
 ========================  =================================================================
 
-Tokens are split as ``collectives`` splits them: ``[batch * seq]`` in memory order, rank ``r``
-holding chunk ``r``. The results equal the composed form up to the order of floating-point sums
-(tested on gloo against one process, and on GPUs against the composed layers).
+(Without the weight gradient, which a zero-bubble schedule computes later, the column backward's
+reduce-scatter has nothing to hide behind.) Tokens are split as ``collectives`` splits them:
+``[batch * seq]`` in memory order, rank ``r`` holding chunk ``r``. The results equal the composed
+form up to the order of floating-point sums (``serial`` and ``overlap`` tested on gloo against one
+process; every mode on GPUs against the composed layers).
 """
 
 from __future__ import annotations
@@ -45,8 +49,16 @@ MODES = ("serial", "overlap", "peer_memory")
 ``peer_memory``, beside the products)."""
 
 
-def _start_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str, mode: str):
-    if mode == "peer_memory":
+def _check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"tensor-parallel communication {mode!r}: use one of {MODES}")
+    return mode
+
+
+def start_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str, mode: str):
+    """Start gathering every rank's token ``rows`` [n, h] into ``full`` [size * n, h]; returns the work
+    to wait on (None when it already ran)."""
+    if _check_mode(mode) == "peer_memory":
         return peer_memory_ops.all_gather(full, rows, group_name)
     return comm.all_gather_into(full, rows, comm.group_named(group_name), async_op=True)
 
@@ -60,7 +72,7 @@ def _gather_then_multiply(local: torch.Tensor, matrix: torch.Tensor, group_name:
     rows = _rows(local).contiguous()
     n = rows.shape[0]
     full = rows.new_empty((n * size, rows.shape[1]))
-    handle = _start_gather(full, rows, group_name, mode)
+    handle = start_gather(full, rows, group_name, mode)
     out = rows.new_empty((n * size, matrix.shape[1]))
 
     def multiply(src: torch.Tensor, lo: int, hi: int) -> None:
@@ -91,16 +103,24 @@ def _start_reduce_scatter(full: torch.Tensor, shape: tuple[int, ...], group_name
     ``full`` [size * n, h], the work to wait on before reading it)."""
     group = comm.group_named(group_name)
     size, rank = comm.group_size(group), dist.get_rank(group)
-    if mode != "peer_memory":
+    if _check_mode(mode) != "peer_memory":
         out = full.new_empty(shape)
         return out, comm.reduce_scatter_into(out.view(-1), full.view(-1), group, async_op=True)
     chunks = full.view(size, -1, full.shape[-1])
-    total = peer_memory_ops.ChunkSum(chunks.shape[1:], full.dtype, group_name, size)
+    summed, handle = _peer_chunk_sum(lambda owner: chunks[owner], chunks.shape[1:], full.dtype, group_name,
+                                     size, rank)
+    return summed.view(shape), handle
+
+
+def _peer_chunk_sum(part_of, shape: torch.Size, dtype: torch.dtype, group_name: str, size: int, rank: int):
+    """Reduce-scatter through peer memory of the token chunks ``part_of(owner)`` (each computed when
+    asked for, so a chunk travels while the next one computes): the owners after this rank first,
+    its own chunk last. Returns (this rank's sum, the work to wait on)."""
+    total = peer_memory_ops.ChunkSum(shape, dtype, group_name, size)
     for step in range(1, size):
         owner = (rank + step) % size
-        total.push(chunks[owner], owner)
-    summed, handle = total.finish(chunks[rank])
-    return summed.view(shape), handle
+        total.push(part_of(owner), owner)
+    return total.finish(part_of(rank))
 
 
 def _shaped_like(x: torch.Tensor, rows: int, features: int) -> tuple[int, ...]:
@@ -185,11 +205,8 @@ def _reduce_chunks_nccl(rows: torch.Tensor, weight: torch.Tensor, group, size: i
 def _reduce_chunks_peer(rows: torch.Tensor, weight: torch.Tensor, group_name: str, size: int,
                         rank: int) -> torch.Tensor:
     n = rows.shape[0] // size
-    total = peer_memory_ops.ChunkSum(torch.Size((n, weight.shape[0])), rows.dtype, group_name, size)
-    for step in range(1, size):  # the owners after this rank first, its own chunk last
-        owner = (rank + step) % size
-        total.push(rows[owner * n:(owner + 1) * n] @ weight.t(), owner)
-    summed, handle = total.finish(rows[rank * n:(rank + 1) * n] @ weight.t())
+    summed, handle = _peer_chunk_sum(lambda owner: rows[owner * n:(owner + 1) * n] @ weight.t(),
+                                     torch.Size((n, weight.shape[0])), rows.dtype, group_name, size, rank)
     handle.wait()
     return summed
 
@@ -209,7 +226,7 @@ def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str) -> t
     rows = _rows(x)
     if rows.shape[0] % size:
         raise ValueError(f"{rows.shape[0]} tokens do not split into {size} equal sequence-parallel chunks")
-    if mode == "peer_memory":
+    if _check_mode(mode) == "peer_memory":
         mine = _reduce_chunks_peer(rows, weight, group_name, size, rank)
     elif mode == "overlap":
         mine = _reduce_chunks_nccl(rows, weight, group, size, rank)
@@ -257,22 +274,16 @@ def _row_grad(ctx, grad_y):
 _row.register_autograd(_row_grad, setup_context=_row_setup)
 
 
-def _check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"tensor-parallel communication {mode!r}: use one of {MODES}")
-    return mode
-
-
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
                   mode: str = "overlap") -> torch.Tensor:
     """Column-parallel linear on sequence-parallel input [batch, seq/tp, in] -> [batch, seq, out/tp],
     communicating as ``mode`` (one of ``MODES``) says."""
-    return _column(x, weight, bias, group.group_name, _check_mode(mode))[0]
+    return _column(x, weight, bias, group.group_name, mode)[0]
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, group, mode: str = "overlap") -> torch.Tensor:
     """Row-parallel linear [batch, seq, in/tp] -> this rank's tokens of the sum, [batch, seq/tp, out]."""
-    return _row(x, weight, group.group_name, _check_mode(mode))
+    return _row(x, weight, group.group_name, mode)
 
 
 # The same operators' halves, for a schedule that computes weight gradients later (the zero-bubble
@@ -281,7 +292,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, group, mode: str = "overla
 def column_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
                    mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(``column_linear``'s output, the gathered token rows [tokens, in] its weight gradient needs)."""
-    return _column(x, weight, bias, group.group_name, _check_mode(mode))
+    return _column(x, weight, bias, group.group_name, mode)
 
 
 def column_input_grad(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Tensor, group, mode: str) -> torch.Tensor:

@@ -14,8 +14,11 @@ the same shape on every rank of the group: writes, a barrier, reads, a barrier. 
 means that when any rank starts its next operation's writes, every rank has finished reading the
 last one's, so a single workspace per group serves every operation in turn. The caller receives a
 handle whose ``wait()`` makes its current stream wait for the side stream. Every tensor the side
-stream touches is allocated on the caller's stream and is held by the handle until that wait, so
-the caching allocator never hands its memory to other work while a copy is still in flight.
+stream touches is allocated on the caller's stream; the handle holds the inputs it reads until that
+wait, and the caller must wait before it uses or drops an output (every caller in ``overlap`` waits
+inside the same operator), so the caching allocator never hands memory to other work while a copy
+is still in flight. A barrier gives up after ``BARRIER_TIMEOUT_MS`` (a peer that died), as NCCL's
+watchdog would, instead of spinning for ever.
 
 Token chunks follow ``collectives``: rank ``r`` owns rows ``[r * n, (r + 1) * n)``. Each rank's
 slot in a workspace sits at offset ``r * n`` elements, whichever operation uses it.
@@ -29,6 +32,7 @@ import warnings
 import torch
 
 _WORKSPACE_CHANNEL = 0
+BARRIER_TIMEOUT_MS = 600_000
 
 
 def available() -> bool:
@@ -100,12 +104,12 @@ def all_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str) -> _Side
     stream = _enter_side_stream()
     with torch.cuda.stream(stream):
         ws.get_buffer(rank, rows.shape, rows.dtype, rank * rows.numel()).copy_(rows)
-        ws.barrier(channel=_WORKSPACE_CHANNEL)
+        ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
         for step in range(1, size):
             peer = (rank + step) % size
             full[peer * n:(peer + 1) * n].copy_(ws.get_buffer(peer, rows.shape, rows.dtype, peer * rows.numel()))
         full[rank * n:(rank + 1) * n].copy_(rows)
-        ws.barrier(channel=_WORKSPACE_CHANNEL)
+        ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
         return _SideStreamWork(stream, (rows,))
 
 
@@ -137,7 +141,7 @@ class ChunkSum:
         stream = _enter_side_stream()
         with torch.cuda.stream(stream):
             self._slot(self.rank, self.rank).copy_(own)
-            self.ws.barrier(channel=_WORKSPACE_CHANNEL)
+            self.ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
             torch.sum(self.ws.get_buffer(self.rank, (self.size, *self.shape), self.dtype, 0), 0, out=total)
-            self.ws.barrier(channel=_WORKSPACE_CHANNEL)
+            self.ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
             return total, _SideStreamWork(stream, (*self._reads, own))
