@@ -16,6 +16,7 @@ import re
 
 import numpy as np
 
+from data_pipeline.curate import partitioned
 from data_pipeline.curate.shards import read_shard, write_shard
 
 _SPACE = re.compile(r"\s+")
@@ -29,26 +30,20 @@ def text_hash(text: str) -> int:
 
 def hash_shard(in_path: str, out_prefix: str, text_field: str, parts: int) -> dict:
     hashes = np.fromiter((text_hash(r[text_field]) for r in read_shard(in_path)), dtype=np.uint64)
-    save_partitioned(out_prefix, hashes, np.arange(len(hashes), dtype=np.int64), parts)
+    save_keyed(out_prefix, hashes, np.arange(len(hashes), dtype=np.int64), parts)
     return {"docs": len(hashes)}
 
 
-def save_partitioned(prefix: str, keys: np.ndarray, rows: np.ndarray, parts: int) -> None:
-    """Keys and their rows grouped by partition (key % parts), with offsets, so that a partition's
+def save_keyed(prefix: str, keys: np.ndarray, rows: np.ndarray, parts: int) -> None:
+    """Keys and their rows grouped by partition (key % parts) in PREFIX.part, so that a partition's
     task reads its slice of every shard and nothing else (rows keep their order within a slice)."""
-    part = keys % np.uint64(parts)
-    order = np.argsort(part, kind="stable")
-    save_array(f"{prefix}.keys.npy", keys[order])
-    save_array(f"{prefix}.rows.npy", rows[order])
-    save_array(f"{prefix}.offsets.npy", np.searchsorted(part[order], np.arange(parts + 1, dtype=np.uint64)))
+    partitioned.save(f"{prefix}.part", keys % np.uint64(parts), [keys, rows], parts)
 
 
-def load_partition(prefix: str, part: int) -> tuple[np.ndarray, np.ndarray]:
-    """(keys, rows) of one partition of one shard, read from the memory-mapped files (the offsets too:
-    there is one per partition, and partitions grow with the corpus)."""
-    lo, hi = np.load(f"{prefix}.offsets.npy", mmap_mode="r")[part:part + 2]
-    keys, rows = (np.load(f"{prefix}.{name}.npy", mmap_mode="r") for name in ("keys", "rows"))
-    return np.asarray(keys[lo:hi]), np.asarray(rows[lo:hi])
+def load_keyed(prefix: str, part: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, rows) of one partition of one shard."""
+    keys, rows = partitioned.load(f"{prefix}.part", part)
+    return keys, rows
 
 
 def save_array(path: str, array: np.ndarray) -> None:
@@ -62,7 +57,7 @@ def duplicates_in_partition(prefixes: list[str], part: int, out_path: str) -> di
     """Global numbers of the documents, in this hash partition, whose hash occurred before."""
     keys, gids = [], []
     for shard, prefix in enumerate(prefixes):
-        hashes, rows = load_partition(prefix, part)
+        hashes, rows = load_keyed(prefix, part)
         keys.append(hashes)
         gids.append((np.int64(shard) << ROW_BITS) | rows)
     keys, gids = np.concatenate(keys), np.concatenate(gids)  # gids ascend: document order

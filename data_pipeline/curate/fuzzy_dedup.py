@@ -3,8 +3,10 @@
 Sub-stages exchange files, so memory is bounded by a shard (or a partition of about a shard's
 size), never by the corpus:
 
-``signatures`` (per shard)   shingle sets (uint32, with offsets) and LSH band keys (documents x bands)
-``buckets`` (per partition)  documents sharing a band key, as candidate pairs of global numbers
+``signatures`` (per shard)   shingle sets (uint32, with offsets) and LSH band keys (documents x bands),
+                             the keys grouped by hash partition (``partitioned``)
+``buckets`` (per partition)  documents sharing a band key, as candidate pairs of global numbers,
+                             grouped by the partition that verifies them
 ``edges`` (per partition)    candidates whose exact Jaccard on the shingle sets is >= threshold,
                              each set read from its shard's shingle file on its own
 ``components``               connected components of the edges; every member but the lowest
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data_pipeline.curate.exact_dedup import ROW_BITS, load_partition, save_array, save_partitioned
+from data_pipeline.curate import partitioned
+from data_pipeline.curate.exact_dedup import ROW_BITS, load_keyed, save_array, save_keyed
 from data_pipeline.curate.minhash import MinHasher, jaccard
 from data_pipeline.curate.shards import atomic_write_text, read_shard
 
@@ -47,7 +50,7 @@ class FuzzyDedupConfig:
 
 
 def signature_shard(in_path: str, out_prefix: str, text_field: str, cfg: FuzzyDedupConfig, parts: int) -> dict:
-    """Write OUT.shingles.npy, OUT.offsets.npy, the band keys grouped by partition (OUT.bands.*) and
+    """Write OUT.shingles.npy, OUT.offsets.npy, the band keys grouped by partition (OUT.bands.part) and
     OUT.ids.json for one shard."""
     hasher = cfg.hasher()
     records = read_shard(in_path)
@@ -60,16 +63,17 @@ def signature_shard(in_path: str, out_prefix: str, text_field: str, cfg: FuzzyDe
     save_array(f"{out_prefix}.shingles.npy", np.concatenate(shingles) if shingles else np.zeros(0, np.uint32))
     save_array(f"{out_prefix}.offsets.npy", np.concatenate(offsets))
     bands = np.concatenate(bands) if bands else np.zeros((0, cfg.bands), np.uint64)
-    save_partitioned(f"{out_prefix}.bands", bands.ravel(), np.repeat(np.arange(len(bands)), cfg.bands), parts)
+    save_keyed(f"{out_prefix}.bands", bands.ravel(), np.repeat(np.arange(len(bands)), cfg.bands), parts)
     atomic_write_text(f"{out_prefix}.ids.json", json.dumps([r["id"] for r in records]))
     return {"docs": len(records)}
 
 
-def bucket_partition(prefixes: list[str], part: int, out_path: str, max_bucket_pairs: int) -> dict:
-    """Candidate pairs (a < b, global numbers) among documents whose band keys fall in this partition."""
+def bucket_partition(prefixes: list[str], part: int, parts: int, out_path: str, max_bucket_pairs: int) -> dict:
+    """Candidate pairs (a < b, global numbers) among documents whose band keys fall in this partition,
+    written grouped by the partition that verifies them (``_pair_partition``)."""
     keys, gids = [], []
     for shard, prefix in enumerate(prefixes):
-        band_keys, rows = load_partition(f"{prefix}.bands", part)
+        band_keys, rows = load_keyed(f"{prefix}.bands", part)
         keys.append(band_keys)
         gids.append((np.int64(shard) << ROW_BITS) | rows)
     keys, gids = np.concatenate(keys), np.concatenate(gids)
@@ -81,7 +85,8 @@ def bucket_partition(prefixes: list[str], part: int, out_path: str, max_bucket_p
     for s, size in zip(starts[sizes > 2], sizes[sizes > 2]):
         pairs.append(_bucket_pairs(gids[s:s + size], max_bucket_pairs))
     pairs = np.unique(np.concatenate(pairs), axis=0) if len(pairs) > 1 else pairs[0]
-    save_array(out_path, pairs.astype(np.int64).reshape(-1, 2))
+    pairs = pairs.astype(np.int64).reshape(-1, 2)
+    partitioned.save(out_path, _pair_partition(pairs, parts), [pairs[:, 0], pairs[:, 1]], parts)
     return {"buckets": int((sizes >= 2).sum()), "candidate_pairs": len(pairs)}
 
 
@@ -101,10 +106,10 @@ def _pair_partition(pairs: np.ndarray, parts: int) -> np.ndarray:
     return (mixed ^ (mixed >> np.uint64(31))) % np.uint64(parts)
 
 
-def verify_partition(bucket_paths: list[str], prefixes: list[str], part: int, parts: int, threshold: float,
+def verify_partition(bucket_paths: list[str], prefixes: list[str], part: int, threshold: float,
                      out_path: str) -> dict:
     """Edges: this partition's share of the candidate pairs whose exact Jaccard is >= threshold."""
-    pairs = [p[_pair_partition(p, parts) == part] for p in (np.load(path) for path in bucket_paths)]
+    pairs = [np.stack(partitioned.load(path, part), axis=1) for path in bucket_paths]
     pairs = np.unique(np.concatenate(pairs), axis=0) if pairs else np.zeros((0, 2), np.int64)
     edges = []
     with ShingleReader(prefixes) as reader:
@@ -114,6 +119,18 @@ def verify_partition(bucket_paths: list[str], prefixes: list[str], part: int, pa
                 edges.append((a, b, j))
     save_array(out_path, np.array(edges, dtype=EDGE))
     return {"candidates_verified": len(pairs), "edges": len(edges)}
+
+
+def _npy_data_offset(fd: int, path: str) -> int:
+    """Where a ``.npy`` file's data starts, from its fixed-size preamble (magic, version, header
+    length: 2 bytes in format 1, 4 in formats 2 and 3), without parsing the header itself: a
+    verification task opens every shard's files, so this runs shards x partitions times."""
+    preamble = os.pread(fd, 12, 0)
+    if preamble[:6] != b"\x93NUMPY":
+        raise ValueError(f"{path}: not a .npy file; delete the stage's folder and run it again")
+    if preamble[6] == 1:
+        return 10 + int.from_bytes(preamble[8:10], "little")
+    return 12 + int.from_bytes(preamble[8:12], "little")
 
 
 class ShingleReader:
@@ -140,7 +157,8 @@ class ShingleReader:
         opened = []
         for name in ("shingles", "offsets"):
             path = f"{self.prefixes[shard]}.{name}.npy"
-            opened += [os.open(path, os.O_RDONLY), np.load(path, mmap_mode="r").offset]
+            fd = os.open(path, os.O_RDONLY)
+            opened += [fd, _npy_data_offset(fd, path)]
         self.files[shard] = tuple(opened)
         return self.files[shard]
 

@@ -110,12 +110,13 @@ def run_fuzzy_dedup(ctx: Context, shards: list[str], out_dir: str) -> dict:
     parts = f.partitions or max(1, len(shards))
     ctx.run(sig_dir, [Task(_stem(s), fz.signature_shard, (s, p, ctx.text_field, f, parts))
                       for s, p in zip(shards, prefixes)], "fuzzy: signatures")
-    buckets = [os.path.join(bucket_dir, f"part-{p:05d}.npy") for p in range(parts)]
-    candidates = ctx.run(bucket_dir, [Task(f"part-{p:05d}", fz.bucket_partition, (prefixes, p, b, f.max_bucket_pairs))
+    buckets = [os.path.join(bucket_dir, f"part-{p:05d}.pairs") for p in range(parts)]
+    candidates = ctx.run(bucket_dir, [Task(f"part-{p:05d}", fz.bucket_partition,
+                                           (prefixes, p, parts, b, f.max_bucket_pairs))
                                       for p, b in enumerate(buckets)], "fuzzy: buckets")
     edges = [os.path.join(edge_dir, f"part-{p:05d}.npy") for p in range(parts)]
     verified = ctx.run(edge_dir, [Task(f"part-{p:05d}", fz.verify_partition,
-                                       (buckets, prefixes, p, parts, f.threshold, e))
+                                       (buckets, prefixes, p, f.threshold, e))
                                   for p, e in enumerate(edges)], "fuzzy: edges")
     [comps] = ctx.run(out_dir, [Task("components", fz.components, (edges, prefixes, out_dir))], "fuzzy: components")
     removed = [os.path.join(out_dir, "removed.npy")]
