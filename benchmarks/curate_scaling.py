@@ -4,6 +4,7 @@ count every time. Needs an otherwise idle machine with that many cores. Each wid
 worker pool for all five sub-stages, started inside the timed region, as a real run does.
 ``task_bound`` is the speedup the shard count allows at that width (the sub-stages run one task per
 shard or partition, in waves): give at least four shards per worker of the widest run.
+``substages`` gives each sub-stage's seconds, to see which one scales worst.
 ``control_speedup`` is what the machine itself allows: the same shards' MinHash signatures computed
 by a plain process pool of that width, each shard on its own with nothing written and no sub-stage
 barriers. Cores that slow down when all are busy (a lower all-core clock, shared memory bandwidth)
@@ -41,6 +42,21 @@ def task_bound(tasks: int, workers: int) -> float:
     ceil(tasks / workers) waves where one worker needs ``tasks``. A speedup below it comes from the
     serial parts; at it, from the task count (more, smaller shards raise it)."""
     return tasks / math.ceil(tasks / workers)
+
+
+class TimedContext(Context):
+    """The pipeline's context, timing each sub-stage (each ``run`` of a task list)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seconds: dict[str, float] = {}
+
+    def run(self, directory, tasks, desc):
+        start = time.perf_counter()
+        try:
+            return super().run(directory, tasks, desc)
+        finally:
+            self.seconds[desc.removeprefix("fuzzy: ")] = round(time.perf_counter() - start, 2)
 
 
 def _hash_shard(job: tuple) -> int:
@@ -87,9 +103,9 @@ def main() -> None:
             control_base = control_base or control
             executor = LocalExecutor(workers)
             start = time.perf_counter()
+            ctx = TimedContext(cfg, executor, progress=False)
             try:
-                stats = run_fuzzy_dedup(Context(cfg, executor, progress=False), shards,
-                                        os.path.join(tmp, f"fuzzy-{workers}"))
+                stats = run_fuzzy_dedup(ctx, shards, os.path.join(tmp, f"fuzzy-{workers}"))
             finally:
                 executor.close()
             seconds = time.perf_counter() - start
@@ -98,7 +114,8 @@ def main() -> None:
                               "docs_per_s": round(args.docs / seconds), "speedup": round(base / seconds, 2),
                               "task_bound": round(task_bound(len(shards), workers), 2),
                               "control_speedup": round(control_base / control, 2),
-                              "removed": stats["dropped"].get("near duplicate", 0)}), flush=True)
+                              "removed": stats["dropped"].get("near duplicate", 0), "substages": ctx.seconds}),
+                  flush=True)
 
 
 if __name__ == "__main__":
