@@ -64,17 +64,20 @@ def duplicates_in_partition(prefixes: list[str], part: int, out_path: str) -> di
     _, first = np.unique(keys, return_index=True)  # index of each hash's first occurrence
     duplicate = np.ones(len(keys), dtype=bool)
     duplicate[first] = False
-    save_array(out_path, np.sort(gids[duplicate]))
+    save_drops(out_path, gids[duplicate], len(prefixes))
     return {"duplicates": int(duplicate.sum())}
 
 
+def save_drops(path: str, gids: np.ndarray, shards: int) -> None:
+    """Documents to drop (global numbers), grouped by shard, for each shard's filter task to read its
+    own rows of (``partitioned``)."""
+    gids = np.sort(np.asarray(gids, dtype=np.int64))
+    partitioned.save(path, gids >> ROW_BITS, [gids & ((1 << ROW_BITS) - 1)], max(1, shards))
+
+
 def rows_to_drop(drop_paths: list[str], shard: int) -> np.ndarray:
-    """Rows of ``shard`` listed in any of the partitions' sorted global-number files."""
-    rows = []
-    lo, hi = np.int64(shard) << ROW_BITS, np.int64(shard + 1) << ROW_BITS
-    for path in drop_paths:
-        gids = np.load(path, mmap_mode="r")
-        rows.append(np.asarray(gids[np.searchsorted(gids, lo):np.searchsorted(gids, hi)]) - lo)
+    """Rows of ``shard`` listed in any of the drop files (``save_drops``)."""
+    rows = [partitioned.load(path, shard)[0] for path in drop_paths]
     return np.unique(np.concatenate(rows)) if rows else np.zeros(0, dtype=np.int64)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from data_pipeline.curate import partitioned
-from data_pipeline.curate.exact_dedup import ROW_BITS, load_keyed, save_array, save_keyed
+from data_pipeline.curate.exact_dedup import ROW_BITS, load_keyed, save_array, save_drops, save_keyed
 from data_pipeline.curate.minhash import MinHasher, jaccard
 from data_pipeline.curate.shards import atomic_write_text, read_shard
 
@@ -199,12 +199,13 @@ def connected_components(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def components(edge_paths: list[str], prefixes: list[str], out_dir: str) -> dict:
-    """Write removed.npy (sorted global numbers) and the audit files; returns cluster-size counts."""
+    """Write removed.drops (the removed documents, ``exact_dedup.save_drops``) and the audit files;
+    returns cluster-size counts."""
     edges = np.concatenate([np.load(p) for p in edge_paths]) if edge_paths else np.zeros(0, EDGE)
     edges = np.sort(edges, order=("a", "b"))
     nodes, roots = connected_components(edges["a"], edges["b"])
     removed = nodes[nodes != roots]
-    save_array(os.path.join(out_dir, "removed.npy"), removed)
+    save_drops(os.path.join(out_dir, "removed.drops"), removed, len(prefixes))
     ids = _ids_of(np.concatenate([nodes, edges["a"], edges["b"]]), prefixes)
     root_of = dict(zip(nodes.tolist(), roots.tolist()))
     size = Counter(roots.tolist())

@@ -95,7 +95,7 @@ def run_exact_dedup(ctx: Context, shards: list[str], out_dir: str) -> dict:
     parts = max(1, len(shards))
     ctx.run(hash_dir, [Task(_stem(s), ex.hash_shard, (s, h, ctx.text_field, parts)) for s, h in zip(shards, hashes)],
             "exact: hashes")
-    drops = [os.path.join(dup_dir, f"part-{p:05d}.npy") for p in range(parts)]
+    drops = [os.path.join(dup_dir, f"part-{p:05d}.drops") for p in range(parts)]
     ctx.run(dup_dir, [Task(f"part-{p:05d}", ex.duplicates_in_partition, (hashes, p, d))
                       for p, d in enumerate(drops)], "exact: duplicates")
     return merge_stats(ctx.map_shards(shards, out_dir, ex.filter_shard,
@@ -119,7 +119,7 @@ def run_fuzzy_dedup(ctx: Context, shards: list[str], out_dir: str) -> dict:
                                        (buckets, prefixes, p, f.threshold, e))
                                   for p, e in enumerate(edges)], "fuzzy: edges")
     [comps] = ctx.run(out_dir, [Task("components", fz.components, (edges, prefixes, out_dir))], "fuzzy: components")
-    removed = [os.path.join(out_dir, "removed.npy")]
+    removed = [os.path.join(out_dir, "removed.drops")]
     stats = merge_stats(ctx.map_shards(shards, out_dir, ex.filter_shard,
                                        lambda i, s: (ctx.text_field, removed, i, "near duplicate"), "fuzzy: filter"))
     return {**stats, **merge_stats(candidates + verified), **comps}
