@@ -3,13 +3,16 @@
 The CPU suite runs every layout over gloo in fp32; what only a GPU exercises is NCCL itself (its
 reduce-scatter and all-gather into bucket views, the batched point-to-point of the pipeline), the
 CUDA fused AdamW with its device-side unscale and skip, and bf16 kernels. Each layout of two ranks,
-(tp, pp, dp) = (1,1,2) under ZeRO 1, 2 and 3, (2,1,1) with sequence parallelism and (1,2,1), trains
-3 steps in bf16 and is compared with the fp32 reference of ``tests/test_engine_equivalence.py`` on
-the same global batches: the reported gradient norm every step within 2%, the losses within 2%,
-and the whole update of the 16-bit weights within 20% relative error (bf16 rounds the weights
-themselves, by up to 2^-9 of their size). Every rank is checked.
+(tp, pp, dp) = (1,1,2) under ZeRO 1, 2 and 3, (2,1,1) with sequence parallelism in each of its
+communication modes and (1,2,1), trains 3 steps in bf16 and is compared with the fp32 reference of
+``tests/test_engine_equivalence.py`` on the same global batches: the reported gradient norm every
+step within 2%, the losses within 2%, and the whole update of the 16-bit weights within 20%
+relative error (bf16 rounds the weights themselves, by up to 2^-9 of their size). Every rank is
+checked. On four GPUs, the three-axis layouts too: tp 2 x pp 2 with sequence parallelism under the
+zero-bubble schedule (the deferred halves of the sequence-parallel operators, over NCCL and through
+peer memory), tp 2 x dp 2 and pp 2 x dp 2.
 
-(Skipped unless two CUDA devices are visible.)
+(Skipped unless two CUDA devices are visible; the four-GPU cases unless four are.)
 """
 
 from __future__ import annotations
@@ -63,9 +66,14 @@ def _case(topo, layout, stage, extra) -> dict:
             "update_err": (diff_sq / update_sq) ** 0.5}
 
 
+SP, ZB = ("--parallel.sequence_parallel", "true"), ("--parallel.pipeline_schedule", "zb-h1")
+CASES4 = [((2, 2, 1), 1, (*SP, *ZB)), ((2, 2, 1), 1, (*SP, *ZB, "--parallel.tp_comm", "peer_memory")),
+          ((2, 1, 2), 2, SP), ((1, 2, 2), 1, ())]
+
+
 def _all_cases(rank: int, world_size: int) -> dict:
     report = {}
-    for layout, stage, extra in CASES:
+    for layout, stage, extra in (CASES if world_size == 2 else CASES4):
         topo = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
         report[(layout, stage, extra)] = _case(topo, layout, stage, extra)
     return report
@@ -76,10 +84,26 @@ def reports():
     return run_world(2, _all_cases, timeout=600, backend="nccl")
 
 
-@pytest.mark.parametrize("layout, stage, extra", CASES)
-def test_bf16_on_nccl_tracks_fp32_reference(reports, layout, stage, extra):
+@pytest.fixture(scope="module")
+def reports4():
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs four CUDA devices")
+    return run_world(4, _all_cases, timeout=600, backend="nccl")
+
+
+def _check(reports, layout, stage, extra):
     for rank, report in enumerate(reports):
         value = report[(layout, stage, extra)]
         assert value["norm_err"] < 0.02, (rank, value)
         assert value["loss_err"] < 0.02, (rank, value)
         assert value["update_err"] < 0.2, (rank, value)
+
+
+@pytest.mark.parametrize("layout, stage, extra", CASES)
+def test_bf16_on_nccl_tracks_fp32_reference(reports, layout, stage, extra):
+    _check(reports, layout, stage, extra)
+
+
+@pytest.mark.parametrize("layout, stage, extra", CASES4)
+def test_three_axes_on_four_gpus_track_fp32_reference(reports4, layout, stage, extra):
+    _check(reports4, layout, stage, extra)
