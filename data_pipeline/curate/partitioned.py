@@ -18,10 +18,13 @@ file) is refused with its name, as is a file shorter than its header says.
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Sequence
 
 import numpy as np
+
+from data_pipeline.curate.shards import atomic_write_bytes
 
 MAGIC = b"MZPART1\n"
 _FIRST_READ = 1 << 16  # the header of up to about 8,000 partitions comes in one read
@@ -34,12 +37,8 @@ def save(path: str, partition_of_row: np.ndarray, columns: Sequence[np.ndarray],
     order = np.argsort(partition_of_row, kind="stable")
     offsets = np.searchsorted(partition_of_row[order], np.arange(parts + 1)).astype(np.int64)
     dtypes = b"".join(np.dtype(c.dtype).str.encode("ascii").ljust(8) for c in columns)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + np.array([parts, len(columns)], np.int64).tobytes() + dtypes + offsets.tobytes())
-        for column in columns:
-            f.write(np.ascontiguousarray(np.asarray(column)[order]).tobytes())
-    os.replace(tmp, path)
+    header = MAGIC + np.array([parts, len(columns)], np.int64).tobytes() + dtypes + offsets.tobytes()
+    atomic_write_bytes(path, itertools.chain([header], (np.asarray(c)[order].tobytes() for c in columns)))
 
 
 def _read(fd: int, size: int, offset: int, path: str) -> bytes:

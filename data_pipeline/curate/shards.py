@@ -65,9 +65,18 @@ def write_shard(path: str, records: list[dict]) -> None:
 
 def atomic_write_text(path: str, text) -> None:
     """Write a string, or an iterable of strings as they come (an audit file need not exist whole in memory)."""
+    _atomic_write(path, [text] if isinstance(text, str) else text, binary=False)
+
+
+def atomic_write_bytes(path: str, chunks) -> None:
+    """Write an iterable of byte strings, to a temporary name renamed at the end."""
+    _atomic_write(path, chunks, binary=True)
+
+
+def _atomic_write(path: str, chunks, binary: bool) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines([text] if isinstance(text, str) else text)
+    with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(chunks)
     os.replace(tmp, path)
 
 

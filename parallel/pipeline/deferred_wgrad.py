@@ -23,7 +23,7 @@ gradient (row) for ``W``.
 
 ``defer_weight_grads`` is the hook that turns the layers on: plain ``nn.Linear`` get an instance
 ``forward`` calling ``queue.linear``; the tensor-parallel linears get the queue as their
-``weight_grads`` (``tensor_parallel.layers.DeferredLinears``).
+``weight_grads`` (``tensor_parallel.layers.Linears``).
 """
 
 from __future__ import annotations

@@ -82,8 +82,9 @@ class _TPModule(nn.Module):
         return f"tp={comm.group_size(self.group)}, sequence_parallel={self.sequence_parallel}"
 
 
-class DeferredLinears(Protocol):
-    """Linears whose weight (and bias) gradients a split-backward pipeline schedule computes later
+class Linears(Protocol):
+    """The products a tensor-parallel linear runs, which decide where its weight (and bias) gradients
+    are computed: in backward (``IN_BACKWARD``), or later by a split-backward pipeline schedule
     (``parallel.pipeline.deferred_wgrad.WeightGradQueue``)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor: ...
@@ -94,16 +95,26 @@ class DeferredLinears(Protocol):
     def row_linear(self, x: torch.Tensor, weight: torch.Tensor, group, mode: str) -> torch.Tensor: ...
 
 
+class _InBackward:
+    linear = staticmethod(F.linear)
+    column_linear = staticmethod(column_linear)
+    row_linear = staticmethod(row_linear)
+
+
+IN_BACKWARD: Linears = _InBackward()
+"""The plain products: every gradient computed in backward."""
+
+
 class _TPLinear(_TPModule):
     """A tensor-parallel linear; under sequence parallelism ``comm_mode`` (one of ``overlap.MODES``)
     says how its collectives are ordered around its products and what moves the tokens.
-    ``weight_grads``, set by a split-backward pipeline schedule, takes its weight gradients out of
-    backward."""
+    ``weight_grads`` runs its products: ``IN_BACKWARD``, or a split-backward pipeline schedule's
+    queue, which takes the weight gradients out of backward."""
 
     def __init__(self, group, sequence_parallel: bool, comm_mode: str = "overlap"):
         super().__init__(group, sequence_parallel)
         self.comm_mode = comm_mode
-        self.weight_grads: Optional[DeferredLinears] = None
+        self.weight_grads: Linears = IN_BACKWARD
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None,
@@ -117,13 +128,9 @@ class ColumnParallelLinear(_TPLinear):
     SPLIT_DIMS = {"weight": 0, "bias": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        deferred = self.weight_grads
-        if self.sequence_parallel and deferred is not None:
-            return deferred.column_linear(x, self.weight, self.bias, self.group, self.comm_mode)
         if self.sequence_parallel:
-            return column_linear(x, self.weight, self.bias, self.group, self.comm_mode)
-        return (deferred.linear if deferred is not None else F.linear)(copy_to_tp(x, self.group), self.weight,
-                                                                        self.bias)
+            return self.weight_grads.column_linear(x, self.weight, self.bias, self.group, self.comm_mode)
+        return self.weight_grads.linear(copy_to_tp(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(_TPLinear):
@@ -140,13 +147,10 @@ class RowParallelLinear(_TPLinear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        deferred = self.weight_grads
-        if self.sequence_parallel and deferred is not None:
-            y = deferred.row_linear(x, self.weight, self.group, self.comm_mode)
-        elif self.sequence_parallel:
-            y = row_linear(x, self.weight, self.group, self.comm_mode)
+        if self.sequence_parallel:
+            y = self.weight_grads.row_linear(x, self.weight, self.group, self.comm_mode)
         else:
-            y = reduce_from_tp((deferred.linear if deferred is not None else F.linear)(x, self.weight), self.group)
+            y = reduce_from_tp(self.weight_grads.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 

@@ -159,6 +159,7 @@ def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Ten
                                            group_name, mode)
     if mode == "serial":
         _wait(handle)
+        handle = None
     grad_weight = grad.t() @ full if weight_grad else grad.new_empty(0)
     grad_bias = grad.sum(0) if has_bias and weight_grad else grad.new_empty(0)
     _wait(handle)
@@ -211,12 +212,6 @@ def _reduce_chunks_peer(rows: torch.Tensor, weight: torch.Tensor, group_name: st
     return summed
 
 
-def _reduce_scatter_product(rows: torch.Tensor, weight: torch.Tensor, group, size: int) -> torch.Tensor:
-    out = rows.new_empty((rows.shape[0] // size, weight.shape[0]))
-    comm.reduce_scatter_into(out.view(-1), (rows @ weight.t()).view(-1), group)
-    return out
-
-
 @torch.library.custom_op("megazero::sp_row_linear", mutates_args=())
 def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str) -> torch.Tensor:
     """reduce-scatter-tokens(x @ weight^T); unless ``serial``, each owner's token chunk is sent on its
@@ -231,7 +226,9 @@ def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str) -> t
     elif mode == "overlap":
         mine = _reduce_chunks_nccl(rows, weight, group, size, rank)
     else:
-        mine = _reduce_scatter_product(rows, weight, group, size)
+        mine, handle = _start_reduce_scatter(rows @ weight.t(), (rows.shape[0] // size, weight.shape[0]), group_name,
+                                             mode)
+        _wait(handle)
     return mine.view(_shaped_like(x, rows.shape[0] // size, weight.shape[0]))
 
 
@@ -278,7 +275,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                   mode: str = "overlap") -> torch.Tensor:
     """Column-parallel linear on sequence-parallel input [batch, seq/tp, in] -> [batch, seq, out/tp],
     communicating as ``mode`` (one of ``MODES``) says."""
-    return _column(x, weight, bias, group.group_name, mode)[0]
+    return column_forward(x, weight, bias, group, mode)[0]
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, group, mode: str = "overlap") -> torch.Tensor:
