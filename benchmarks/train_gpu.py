@@ -8,7 +8,8 @@ Run on one node (NCCL), e.g. the ZeRO comparison on two GPUs::
 Each run builds the engine from the config plus the run's overrides (``stageN`` sets
 ``zero.stage``; ``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout;
 ``bucketN`` the bucket size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism, whose linears communicate
-``serial``, ``overlap`` or through peer memory (``pm``); ``compile`` compiles blocks and head; ``zb`` picks the zero-bubble
+``serial``, ``overlap`` or through peer memory (``pm``); ``compile`` compiles blocks and head (``cg``: and
+replays the blocks as CUDA graphs); ``zb`` picks the zero-bubble
 schedule; ``mN`` runs N micro-batches per data-parallel rank; ``mbsN`` sets the micro-batch size), trains
 ``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one micro-batch of
 ``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one
@@ -20,11 +21,15 @@ the script.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
+import gzip
 import json
 import os
+import shutil
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -54,6 +59,8 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
             out += ["--parallel.sequence_parallel", "true"]
         elif part in ("serial", "overlap", "pm"):
             out += ["--parallel.tp_comm", {"pm": "peer_memory"}.get(part, part)]
+        elif part == "cg":
+            out += ["--train.cuda_graphs", "true"]
         elif part == "compile":
             out += ["--train.compile", "true"]
         elif part == "zb":
@@ -72,8 +79,10 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
 
 
 def profile_steps(engine, batch, out_dir: str, run_name: str, steps: int = 3) -> dict:
-    """Profile ``steps`` more steps: rank 0 writes the kernel table to ``out_dir``; returns how much
-    of the wall time the GPU spent computing (kernels other than NCCL's, intervals merged)."""
+    """Profile ``steps`` more steps: rank 0 writes the kernel table to ``out_dir``, ranks 0 and 1 their
+    timelines (``trace_RUN_rankR.json.gz``, for ``benchmarks/trace_summary.py`` or a trace viewer);
+    returns how much of the wall time the GPU spent computing (kernels other than NCCL's, intervals
+    merged)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -88,15 +97,37 @@ def profile_steps(engine, batch, out_dir: str, run_name: str, steps: int = 3) ->
     for lo, hi in kernels:
         busy += max(0.0, hi - max(lo, end))
         end = max(end, hi)
+    os.makedirs(out_dir, exist_ok=True)
     if dist.get_rank() == 0:
-        os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, f"profile_{run_name}.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=45))
+    if dist.get_rank() < 2:
+        trace = os.path.join(out_dir, f"trace_{run_name}_rank{dist.get_rank()}.json")
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace)
     return {"profiled_step_ms": round(wall / steps * 1e3, 1), "compute_busy": round(busy / 1e6 / wall, 3)}
 
 
+def host_syncs(engine, batch) -> list[str]:
+    """Where one step makes the host wait for the GPU: the Python lines of its synchronizing CUDA
+    calls, most frequent first (torch's sync debug mode reports each one as a warning)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.train_step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    places = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return [f"{place} x{n}" for place, n in places.most_common()]
+
+
 def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | None = None,
-            run_name: str = "") -> dict:
+            run_name: str = "", sync_debug: bool = False) -> dict:
     p = cfg.parallel
     topo = Topology(RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order), ranks_per_node=launch.local_world_size)
     t0 = time.perf_counter()
@@ -114,9 +145,11 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, host_s = time.perf_counter(), 0.0
     for _ in range(steps):
+        t = time.perf_counter()
         out = engine.train_step(batch)  # not read until the end: a loop that logs nothing never syncs
+        host_s += time.perf_counter() - t
     loss = out.loss
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -125,10 +158,14 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
     tflops = tokens_per_gpu * flops_per_token(cfg.model) / 1e12
     peak = peak_flops(device_name(device), cfg.precision.dtype)
     profiled = profile_steps(engine, batch, profile_dir, run_name) if profile_dir and device.type == "cuda" else {}
+    if sync_debug and device.type == "cuda":
+        profiled["host_syncs"] = host_syncs(engine, batch)
     predicted = engine.optimizer.predicted_memory()
     result = {
         "tokens_per_s_per_gpu": round(tokens_per_gpu), "tflops_per_gpu": round(tflops, 1),
         "mfu": round(tflops * 1e12 / peak, 3) if peak else None, "step_ms": round(step_s * 1e3, 1),
+        # how long train_step took to return: near step_ms, the host (its Python, or a sync) bounds the step
+        "host_ms": round(host_s / steps * 1e3, 1),
         "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
         "model_state_GiB_formula": round(predicted.total / 2**30, 2),
         "allocated_after_build_GiB": round(states_gib, 2) if states_gib is not None else None,
@@ -151,6 +188,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--cpu", action="store_true", help="tiny model on gloo, to check the script")
     ap.add_argument("--profile", metavar="DIR", help="also profile a few steps; kernel tables go to DIR")
+    ap.add_argument("--sync-debug", action="store_true", help="also list where a step makes the host wait")
     args, overrides = ap.parse_known_args()
     launch = read_launch_env()
     base = list(overrides)
@@ -172,7 +210,7 @@ def main() -> None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, global_batch_size=cfg.train.micro_batch_size * dp * micros))
         cfg = resolve_config(cfg, launch.world_size, launch.local_world_size)
-        result = measure(cfg, launch, device, args.warmup, args.steps, args.profile, run)
+        result = measure(cfg, launch, device, args.warmup, args.steps, args.profile, run, args.sync_debug)
         if launch.rank == 0:
             print(json.dumps({"run": run, "world": launch.world_size, "device": device_name(device) or "cpu",
                               "mbs": cfg.train.micro_batch_size, "global_batch": cfg.train.global_batch_size,

@@ -44,9 +44,13 @@ def parallelism(cfg: Config, device: torch.device) -> Parallelism:
     if p.tp_comm == "peer_memory" and not (device.type == "cuda" and peer_memory_available()):
         raise ConfigError("parallel.tp_comm: peer_memory needs CUDA devices and a torch with symmetric memory; "
                           "set it to serial or overlap")
+    if cfg.train.cuda_graphs and not (compile_ and device.type == "cuda"):
+        raise ConfigError("train.cuda_graphs: replays compiled blocks on GPUs; this run compiles nothing "
+                          "or has no GPU, so set train.cuda_graphs false")
     return Parallelism(seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
                        tp_comm=p.tp_comm, recompute=p.recompute,
-                       recompute_every=p.recompute_every, compile=compile_, data_parallel=data_parallel)
+                       recompute_every=p.recompute_every, compile=compile_, cuda_graphs=cfg.train.cuda_graphs,
+                       data_parallel=data_parallel)
 
 
 def pipeline_stages(cfg: Config, pp_rank: int) -> list[int]:

@@ -59,6 +59,7 @@ class Parallelism:
     recompute: str = "none"  # one of RECOMPUTE_MODES
     recompute_every: int = 1
     compile: bool = False
+    cuda_graphs: bool = False  # compiled blocks replay as CUDA graphs (reduce-overhead)
     data_parallel: DataParallelSettings = field(default_factory=DataParallelSettings)
 
 
@@ -78,7 +79,7 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
         chunk.init_weights(plan.seed)
         chunk.train()
         if plan.compile:
-            compile_gpt(chunk, comm.group_size(topo.tp_group))
+            compile_gpt(chunk, comm.group_size(topo.tp_group), cuda_graphs=plan.cuda_graphs)
     units = [block for chunk in chunks for block in chunk.layers.values()]
     tied_group = topo.embedding_group if topo.pp_size > 1 else None
     return DataParallel(chunks, plan.data_parallel, topo.dp_group, units=units,
@@ -86,12 +87,14 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
                         tied_group=tied_group, tp_group=topo.tp_group)
 
 
-def compile_gpt(chunk: GPT, tp: int) -> None:
+def compile_gpt(chunk: GPT, tp: int, cuda_graphs: bool = False) -> None:
     """Compile each block's forward, and the head with its loss where it is plain torch (tp 1):
     forwards only, so module hooks (ZeRO stage 3 gathers) stay eager; a tensor-parallel head keeps
-    its collectives outside any graph."""
+    its collectives outside any graph. ``cuda_graphs``: each block's compiled forward and backward
+    replay as CUDA graphs, one launch each instead of one per kernel and collective."""
+    mode = "reduce-overhead" if cuda_graphs else None
     for block in chunk.layers.values():
-        block.forward = torch.compile(block.forward)
+        block.forward = torch.compile(block.forward, mode=mode)
     if chunk.lm_head is not None and tp == 1:
         chunk.head = torch.compile(chunk.head)
 

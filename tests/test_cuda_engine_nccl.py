@@ -4,13 +4,14 @@ The CPU suite runs every layout over gloo in fp32; what only a GPU exercises is 
 reduce-scatter and all-gather into bucket views, the batched point-to-point of the pipeline), the
 CUDA fused AdamW with its device-side unscale and skip, and bf16 kernels. Each layout of two ranks,
 (tp, pp, dp) = (1,1,2) under ZeRO 1, 2 and 3, (2,1,1) with sequence parallelism in each of its
-communication modes and (1,2,1), trains 3 steps in bf16 and is compared with the fp32 reference of
+communication modes and (1,2,1), and with the blocks replayed as CUDA graphs (tp 2 + sp, dp 2
+under ZeRO 2), trains 3 steps in bf16 and is compared with the fp32 reference of
 ``tests/test_engine_equivalence.py`` on the same global batches: the reported gradient norm every
 step within 2%, the losses within 2%, and the whole update of the 16-bit weights within 20%
 relative error (bf16 rounds the weights themselves, by up to 2^-9 of their size). Every rank is
 checked. On four GPUs, the three-axis layouts too: tp 2 x pp 2 with sequence parallelism under the
 zero-bubble schedule (the deferred halves of the sequence-parallel operators, over NCCL and through
-peer memory), tp 2 x dp 2 and pp 2 x dp 2.
+peer memory), tp 2 x dp 2 (also as CUDA graphs) and pp 2 x dp 2.
 
 (Skipped unless two CUDA devices are visible; the four-GPU cases unless four are.)
 """
@@ -30,11 +31,15 @@ from tests.test_engine_equivalence import MICROS_PER_RANK, STEPS, _batches, _con
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
+SP, ZB = ("--parallel.sequence_parallel", "true"), ("--parallel.pipeline_schedule", "zb-h1")
+CG = ("--train.cuda_graphs", "true")
 CASES = [((1, 1, 2), 1, ()), ((1, 1, 2), 2, ()), ((1, 1, 2), 3, ()),
-         ((2, 1, 1), 1, ("--parallel.sequence_parallel", "true")),
-         ((2, 1, 1), 1, ("--parallel.sequence_parallel", "true", "--parallel.tp_comm", "peer_memory")),
-         ((2, 1, 1), 1, ("--parallel.sequence_parallel", "true", "--parallel.tp_comm", "serial")),
-         ((1, 2, 1), 1, ())]
+         ((2, 1, 1), 1, SP),
+         ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "peer_memory")),
+         ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial")),
+         ((1, 2, 1), 1, ()),
+         ((2, 1, 1), 1, (*SP, *CG)), ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial", *CG)),
+         ((1, 1, 2), 2, CG)]
 
 
 def _case(topo, layout, stage, extra) -> dict:
@@ -66,9 +71,8 @@ def _case(topo, layout, stage, extra) -> dict:
             "update_err": (diff_sq / update_sq) ** 0.5}
 
 
-SP, ZB = ("--parallel.sequence_parallel", "true"), ("--parallel.pipeline_schedule", "zb-h1")
 CASES4 = [((2, 2, 1), 1, (*SP, *ZB)), ((2, 2, 1), 1, (*SP, *ZB, "--parallel.tp_comm", "peer_memory")),
-          ((2, 1, 2), 2, SP), ((1, 2, 2), 1, ())]
+          ((2, 1, 2), 2, SP), ((1, 2, 2), 1, ()), ((2, 1, 2), 2, (*SP, *CG))]
 
 
 def _all_cases(rank: int, world_size: int) -> dict:

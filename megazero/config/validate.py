@@ -141,6 +141,22 @@ def _value_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def _cuda_graph_problems(cfg: Config) -> list[str]:
+    """A block replayed as a CUDA graph must see the same parameter storage and at most one micro-batch
+    in flight each time: ZeRO-3 regathers parameters into new memory, a pipeline runs several
+    micro-batches' forwards before their backwards, recompute reruns forwards inside backward, and
+    peer memory synchronises its streams from the host."""
+    t, p = cfg.train, cfg.parallel
+    if not t.cuda_graphs:
+        return []
+    blockers = [(t.compile is False, "train.compile false"), (t.device == "cpu", "train.device cpu"),
+                (p.pp > 1, f"parallel.pp {p.pp}"), (cfg.zero.stage == 3, "zero.stage 3"),
+                (p.recompute != "none", f"parallel.recompute {p.recompute}"),
+                (p.tp_comm == "peer_memory", "parallel.tp_comm peer_memory")]
+    return [f"train.cuda_graphs: cannot replay blocks as CUDA graphs with {what}; set train.cuda_graphs false"
+            for blocked, what in blockers if blocked]
+
+
 def _shape_problems(cfg: Config) -> list[str]:
     m, p = cfg.model, cfg.parallel
     problems = []
@@ -162,6 +178,7 @@ def _shape_problems(cfg: Config) -> list[str]:
     elif p.tp_comm == "peer_memory" and p.allow_tp_across_nodes:
         problems.append("parallel.tp_comm: peer_memory maps the memory of GPUs in one node; with "
                         "parallel.allow_tp_across_nodes use serial or overlap")
+    problems += _cuda_graph_problems(cfg)
     if p.sequence_parallel and m.seq_length % p.tp:
         problems.append(f"model.seq_length: {m.seq_length} is not divisible by parallel.tp {p.tp} (sequence parallel)")
     if p.virtual_stages > 1 and p.pp == 1:
