@@ -144,6 +144,12 @@ class Engine:
             schedule=None if p.pipeline_schedule == "auto" else p.pipeline_schedule,
             timeout_s=cfg.train.collective_timeout_s, before_backward=self._before_backward)
 
+    def _new_graph_step(self) -> None:
+        """Blocks replayed as CUDA graphs write their outputs into memory the next replay reuses:
+        say that the last step's outputs are dead, rather than leave torch to infer it."""
+        if self.cfg.train.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
     def _before_backward(self, op, last: bool) -> None:
         """Without interleaving the step's last backward completes every gradient, so whole-gradient
         ZeRO stages (0 and 1) can reduce each bucket as soon as that backward finishes it."""
@@ -153,6 +159,7 @@ class Engine:
     # --- training ----------------------------------------------------------------------------
     def train_step(self, microbatches: list[dict], lr: Optional[float] = None) -> StepOutput:
         """Forward and backward every micro-batch through the pipeline, then one optimizer step."""
+        self._new_graph_step()
         microbatches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
         loss = self.executor.step(microbatches, grad_scale=self.optimizer.scaler.scale)
         result = self.optimizer.step(lr, skip=~torch.isfinite(loss))  # the loss agrees on every rank
@@ -164,6 +171,7 @@ class Engine:
         for chunk in self.chunks:
             chunk.eval()
         try:
+            self._new_graph_step()
             microbatches = [{k: v.to(self.device) for k, v in mb.items()} for mb in microbatches]
             return float(self.executor.forward_only(microbatches))
         finally:

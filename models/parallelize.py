@@ -92,9 +92,10 @@ def compile_gpt(chunk: GPT, tp: int, cuda_graphs: bool = False) -> None:
     forwards only, so module hooks (ZeRO stage 3 gathers) stay eager; a tensor-parallel head keeps
     its collectives outside any graph. ``cuda_graphs``: each block's compiled forward and backward
     replay as CUDA graphs, one launch each instead of one per kernel and collective."""
-    mode = "reduce-overhead" if cuda_graphs else None
+    # A graph is recorded per shape; a step's shapes never change, so none is compiled for any shape.
+    options = {"mode": "reduce-overhead", "dynamic": False} if cuda_graphs else {}
     for block in chunk.layers.values():
-        block.forward = torch.compile(block.forward, mode=mode)
+        block.forward = torch.compile(block.forward, **options)
     if chunk.lm_head is not None and tp == 1:
         chunk.head = torch.compile(chunk.head)
 
