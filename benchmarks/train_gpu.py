@@ -14,7 +14,7 @@ schedule; ``mN`` runs N micro-batches per data-parallel rank; ``mbsN`` sets the 
 ``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one micro-batch of
 ``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one
 JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense peak, peak memory
-and the model-state bytes the ZeRO formula predicts. ``--cpu`` runs a tiny model on gloo to check
+and the model-state bytes the ZeRO formula predicts; a pipeline also its measured bubble beside the theory. ``--cpu`` runs a tiny model on gloo to check
 the script.
 """
 
@@ -39,6 +39,7 @@ from megazero.config import load_config, resolve_config
 from megazero.engine import Engine
 from megazero.flops import device_name, flops_per_token, peak_flops
 from parallel.launch import init_process_group, pick_device, read_launch_env
+from parallel.pipeline import bubble_fraction
 from parallel.topology import RankGrid, Topology
 
 
@@ -126,6 +127,24 @@ def host_syncs(engine, batch) -> list[str]:
     return [f"{place} x{n}" for place, n in places.most_common()]
 
 
+def pipeline_bubble(engine, batch, steps: int = 2) -> dict:
+    """The pipeline's measured bubble beside its theory: idle over busy time on the idlest stage, where
+    busy is the time of its forward and backward ops on the GPU (events, so waits for a neighbour are
+    idle) and idle is the rest of the executor's step, the least of ``steps`` steps."""
+    executor = engine.executor
+    executor.profile = True
+    bubbles = []
+    for _ in range(steps):
+        engine.train_step(batch)
+        bubbles.append((executor.stats.step_s - executor.stats.compute_s) / executor.stats.compute_s)
+    executor.profile = False
+    bubble = torch.tensor(min(bubbles), device=engine.device)
+    dist.all_reduce(bubble, op=dist.ReduceOp.MAX)
+    p = engine.cfg.parallel
+    theory = bubble_fraction(p.pp, len(batch), p.virtual_stages, executor.schedule)
+    return {"bubble_measured": round(bubble.item(), 4), "bubble_theory": round(theory, 4)}
+
+
 def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | None = None,
             run_name: str = "", sync_debug: bool = False) -> dict:
     p = cfg.parallel
@@ -158,6 +177,8 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
     tflops = tokens_per_gpu * flops_per_token(cfg.model) / 1e12
     peak = peak_flops(device_name(device), cfg.precision.dtype)
     profiled = profile_steps(engine, batch, profile_dir, run_name) if profile_dir and device.type == "cuda" else {}
+    if cfg.parallel.pp > 1:
+        profiled.update(pipeline_bubble(engine, batch))
     if sync_debug and device.type == "cuda":
         profiled["host_syncs"] = host_syncs(engine, batch)
     predicted = engine.optimizer.predicted_memory()
