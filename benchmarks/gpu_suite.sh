@@ -13,6 +13,10 @@
 #                                    communication mode): each mode, the per-bucket partial sums moved after
 #                                    backward (nooverlap), NCCL's Simple protocol, micro-batch 4, each twice,
 #                                    interleaved, beside one GPU at both sizes (about 9 minutes)
+#   benchmarks/gpu_suite.sh graphs   train.cuda_graphs against plain compiled blocks: one GPU, then tp 2 + sp at
+#                                    micro-batches 4 and 8 in each communication mode, every run the first of
+#                                    its process and plain/graphs interleaved, so losses compare one to one
+#                                    (about 8 minutes)
 #   benchmarks/gpu_suite.sh axes4    four GPUs: tp 2 x dp 2, pp 2 x dp 2 (1F1B, zero-bubble) and tp 2 x pp 2
 #                                    for the 1.3B GPT against one GPU and megatron-core at the same layouts,
 #                                    then the 6.7B GPT (configs/gpt_6.7b.yaml) at tp 2 x dp 2 and tp 2 x pp 2
@@ -20,7 +24,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers, trainer, axes, tpdiag or axes4}
+part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs or axes4}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -69,6 +73,13 @@ tpdiag)
     done
     NCCL_PROTO=Simple run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
       --runs tp2-sp-compile --warmup 3 --steps 6
+  done ;;
+graphs)
+  run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
+    --runs stage1-compile stage1-mbs4-compile --warmup 3 --steps 6
+  for r in mbs4 mbs4-cg mbs8 mbs8-cg mbs8-serial mbs8-serial-cg mbs4-cg mbs4; do
+    run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
+      --runs tp2-sp-$r-compile --warmup 3 --steps 6
   done ;;
 axes4)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
