@@ -101,8 +101,7 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
         bubbles.append((executor.stats.step_s - executor.stats.compute_s) / executor.stats.compute_s)
     bubble = torch.tensor(min(bubbles), device=device)
     dist.all_reduce(bubble, op=dist.ReduceOp.MAX)  # the idlest stage sets the pace
-    # no pipelining: each stage idles while the other pp - 1 work, whatever m is
-    theory = topo.pp_size - 1 if schedule == "gradient_accumulation" else bubble_fraction(topo.pp_size, m, v, schedule)
+    theory = bubble_fraction(topo.pp_size, m, v, schedule)
     tokens = args.steps * m * args.micro_batch_size * cfg.seq_length
     result = {"schedule": schedule, "pp": topo.pp_size, "v": v, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "seq": cfg.seq_length,

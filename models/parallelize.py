@@ -91,8 +91,8 @@ def compile_gpt(chunk: GPT, tp: int, cuda_graphs: bool = False) -> None:
     """Compile each block's forward, and the head with its loss where it is plain torch (tp 1):
     forwards only, so module hooks (ZeRO stage 3 gathers) stay eager; a tensor-parallel head keeps
     its collectives outside any graph. ``cuda_graphs``: each block's compiled forward and backward
-    replay as CUDA graphs, one launch each instead of one per kernel and collective."""
-    # A graph is recorded per shape; a step's shapes never change, so none is compiled for any shape.
+    replay as CUDA graphs, a launch per graph instead of one per kernel and collective."""
+    # Graphs are recorded per shape, and a run's shapes are fixed: compile for those exact shapes.
     options = {"mode": "reduce-overhead", "dynamic": False} if cuda_graphs else {}
     for block in chunk.layers.values():
         block.forward = torch.compile(block.forward, **options)

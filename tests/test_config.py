@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from megazero.config import Config, field_docs, load_config, resolve_config, save_config, validate_config
@@ -72,6 +73,11 @@ def _error(*overrides, world=None, local=None) -> str:
     (("--train.cuda_graphs", "true", "--parallel.pp", "2", "--model.num_layers", "4"), None, "train.cuda_graphs",
      "parallel.pp 2"),
     (("--train.cuda_graphs", "true", "--zero.stage", "3"), None, "train.cuda_graphs", "zero.stage 3"),
+    (("--train.cuda_graphs", "true", "--parallel.pipeline_schedule", "zb-h1"), None, "train.cuda_graphs",
+     "parallel.pipeline_schedule zb-h1"),
+    (("--train.cuda_graphs", "true", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+      "--parallel.tp_comm", "peer_memory"), None, "train.cuda_graphs", "parallel.tp_comm peer_memory"),
+    (("--train.cuda_graphs", "true", "--model.dropout", "0.1"), None, "train.cuda_graphs", "model.dropout"),
     (("--train.cuda_graphs", "true", "--parallel.recompute", "full"), None, "train.cuda_graphs",
      "parallel.recompute full"),
     (("--model.num_layers", "-2"), None, "model.num_layers", "positive"),
@@ -207,3 +213,10 @@ def test_architecture_page_names_the_module_of_every_config_field():
                 patterns.append(f"{section}.{token}")
     missing = [name for name, _, _ in field_docs() if not any(fnmatch.fnmatchcase(name, p) for p in patterns)]
     assert not missing, f"config fields without a row in docs/architecture.md: {missing}"
+
+
+def test_cuda_graphs_without_a_gpu_is_refused_before_building():
+    # train.device auto passes validation; the engine finds no GPU to replay on
+    from megazero.engine import parallelism
+    with pytest.raises(ConfigError, match="train.cuda_graphs"):
+        parallelism(_cfg("--train.cuda_graphs", "true"), torch.device("cpu"))

@@ -4,11 +4,12 @@ The CPU suite runs every layout over gloo in fp32; what only a GPU exercises is 
 reduce-scatter and all-gather into bucket views, the batched point-to-point of the pipeline), the
 CUDA fused AdamW with its device-side unscale and skip, and bf16 kernels. Each layout of two ranks,
 (tp, pp, dp) = (1,1,2) under ZeRO 1, 2 and 3, (2,1,1) with sequence parallelism in each of its
-communication modes and (1,2,1), and with the blocks replayed as CUDA graphs (tp 2 + sp, dp 2
-under ZeRO 2), trains 3 steps in bf16 and is compared with the fp32 reference of
+communication modes and (1,2,1), and with the blocks replayed as CUDA graphs (tp 2 with and without
+sp, dp 2 under ZeRO 2; replays counted, so a silent fallback to the plain path fails), trains 3 steps in bf16 and is compared with the fp32 reference of
 ``tests/test_engine_equivalence.py`` on the same global batches: the reported gradient norm every
 step within 2%, the losses within 2%, and the whole update of the 16-bit weights within 20%
-relative error (bf16 rounds the weights themselves, by up to 2^-9 of their size). Every rank is
+relative error (bf16 rounds the weights themselves, by up to 2^-9 of their size), and then
+evaluates the last batch within 10% of its training loss. Every rank is
 checked. On four GPUs, the three-axis layouts too: tp 2 x pp 2 with sequence parallelism under the
 zero-bubble schedule (the deferred halves of the sequence-parallel operators, over NCCL and through
 peer memory), tp 2 x dp 2 (also as CUDA graphs) and pp 2 x dp 2.
@@ -39,19 +40,41 @@ CASES = [((1, 1, 2), 1, ()), ((1, 1, 2), 2, ()), ((1, 1, 2), 3, ()),
          ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial")),
          ((1, 2, 1), 1, ()),
          ((2, 1, 1), 1, (*SP, *CG)), ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial", *CG)),
+         ((2, 1, 1), 1, CG),
          ((1, 1, 2), 2, CG)]
+
+
+class _CountedReplays:
+    """Counts CUDA-graph replays while active: a torch that fell back to running a block without its
+    graphs (it may, silently) would leave a CUDA-graph case testing the plain path."""
+
+    def __enter__(self):
+        self.count, self._original = 0, torch.cuda.CUDAGraph.replay
+
+        def replay(graph):
+            self.count += 1
+            return self._original(graph)
+        torch.cuda.CUDAGraph.replay = replay
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.CUDAGraph.replay = self._original
 
 
 def _case(topo, layout, stage, extra) -> dict:
     tp, pp, dp = layout
     cfg = _config(tp, pp, dp, stage, ("--precision.dtype", "bf16", "--train.device", "cuda", *extra))
+    torch._dynamo.reset()  # each case compiles afresh, far from the limit of recompilations per function
     engine = Engine(cfg, topo, torch.device("cuda", torch.cuda.current_device()))
     losses, norms = [], []
-    for step in range(STEPS):
-        batches = _batches(step, dp)
-        out = engine.train_step(batches[topo.dp_rank * MICROS_PER_RANK:(topo.dp_rank + 1) * MICROS_PER_RANK])
-        losses.append(out.loss)
-        norms.append(out.result.grad_norm)
+    with _CountedReplays() as replays:
+        for step in range(STEPS):
+            batches = _batches(step, dp)
+            mine = batches[topo.dp_rank * MICROS_PER_RANK:(topo.dp_rank + 1) * MICROS_PER_RANK]
+            out = engine.train_step(mine)
+            losses.append(out.loss)
+            norms.append(out.result.grad_norm)
+        eval_loss = engine.eval_loss(mine)
     engine.data_parallel.wait_params()
     initial = dict(GPT(cfg.model, vocab_multiple=128 * tp, seed=cfg.train.seed).named_parameters())
     reference, ref_losses, ref_norms = _reference(cfg, dp)
@@ -68,7 +91,9 @@ def _case(topo, layout, stage, extra) -> dict:
             update_sq += (after - before).pow(2).sum().item()
     return {"norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
             "loss_err": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
-            "update_err": (diff_sq / update_sq) ** 0.5}
+            "update_err": (diff_sq / update_sq) ** 0.5,
+            "replays": replays.count, "eval_vs_last_loss": abs(eval_loss - losses[-1]) / losses[-1],
+            "blocks": cfg.model.num_layers // pp}
 
 
 CASES4 = [((2, 2, 1), 1, (*SP, *ZB)), ((2, 2, 1), 1, (*SP, *ZB, "--parallel.tp_comm", "peer_memory")),
@@ -101,6 +126,13 @@ def _check(reports, layout, stage, extra):
         assert value["norm_err"] < 0.02, (rank, value)
         assert value["loss_err"] < 0.02, (rank, value)
         assert value["update_err"] < 0.2, (rank, value)
+        assert value["eval_vs_last_loss"] < 0.1, (rank, value)  # the same batch, a few small updates later
+        if "--train.cuda_graphs" in extra:
+            # a forward and a backward graph per block, each recorded once and then replayed on the
+            # later micro-batches (of 2 x 3 per rank: one warms up, one records)
+            assert value["replays"] >= 3 * 2 * value["blocks"], (rank, value)
+        else:
+            assert value["replays"] == 0, (rank, value)
 
 
 @pytest.mark.parametrize("layout, stage, extra", CASES)

@@ -131,3 +131,7 @@ def test_user_split_validated_and_mapped_to_chunks():
     assert [list(stage_layers(split, 2, r, c)) for c in range(2) for r in range(2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="cannot fill"):
         uniform_split(3, 4)
+
+
+def test_bubble_without_pipelining_is_every_other_stage():
+    assert bubble_fraction(4, 8, schedule="gradient_accumulation") == 3.0

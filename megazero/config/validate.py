@@ -142,17 +142,21 @@ def _value_problems(cfg: Config) -> list[str]:
 
 
 def _cuda_graph_problems(cfg: Config) -> list[str]:
-    """A block replayed as a CUDA graph must see the same parameter storage and at most one micro-batch
-    in flight each time: ZeRO-3 regathers parameters into new memory, a pipeline runs several
-    micro-batches' forwards before their backwards, recompute reruns forwards inside backward, and
-    peer memory synchronises its streams from the host."""
-    t, p = cfg.train, cfg.parallel
+    """What CUDA-graph blocks are not run with. A replayed graph reads its parameters at the addresses
+    it was recorded with, so ZeRO-3, which regathers them into new memory, cannot replay. The rest are
+    untested with replay, and some would fail silently: a pipeline's several forwards in flight, a
+    split backward's deferred weight gradients, recompute's forwards inside backward, peer memory's
+    side-stream barriers, and dropout (the tensor-parallel random stream is forked on the host, where
+    a replay would not see it)."""
+    t, p, m = cfg.train, cfg.parallel, cfg.model
     if not t.cuda_graphs:
         return []
     blockers = [(t.compile is False, "train.compile false"), (t.device == "cpu", "train.device cpu"),
                 (p.pp > 1, f"parallel.pp {p.pp}"), (cfg.zero.stage == 3, "zero.stage 3"),
+                (p.pipeline_schedule == "zb-h1", "parallel.pipeline_schedule zb-h1"),
                 (p.recompute != "none", f"parallel.recompute {p.recompute}"),
-                (p.tp_comm == "peer_memory", "parallel.tp_comm peer_memory")]
+                (p.tp_comm == "peer_memory", "parallel.tp_comm peer_memory"),
+                (m.dropout > 0 or m.attention_dropout > 0, "model.dropout or model.attention_dropout above 0")]
     return [f"train.cuda_graphs: cannot replay blocks as CUDA graphs with {what}; set train.cuda_graphs false"
             for blocked, what in blockers if blocked]
 

@@ -207,7 +207,10 @@ def bubble_fraction(pp: int, m: int, v: int = 1, schedule: str = "1f1b") -> floa
 
     This is the ratio of Narayanan et al.; as a share of the whole step it is (pp-1) / (v m + pp-1).
     ZB-H1 idles (pp - 1)(T_F + T_B - T_W) against 1F1B's (pp - 1)(T_F + T_B + T_W) (Qi et al.), a
-    third of it when the forward, input-gradient and weight-gradient halves cost the same.
+    third of it when the forward, input-gradient and weight-gradient halves cost the same. Without
+    pipelining (``gradient_accumulation``) each stage idles while the other ``pp - 1`` work, whatever m.
     """
+    if schedule == "gradient_accumulation":
+        return float(pp - 1)
     ratio = (pp - 1) / (v * m)
     return ratio / 3 if schedule == "zb-h1" else ratio
