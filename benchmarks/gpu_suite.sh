@@ -14,7 +14,7 @@
 #                                    backward (nooverlap), NCCL's Simple protocol, micro-batch 4, each twice,
 #                                    interleaved, beside one GPU at both sizes (about 9 minutes)
 #   benchmarks/gpu_suite.sh graphs   train.cuda_graphs against plain compiled blocks: one GPU, then tp 2 + sp at
-#                                    micro-batches 4 and 8 in each communication mode, every run the first of
+#                                    micro-batch 4 (overlap) and 8 (overlap and serial), every run the first of
 #                                    its process and plain/graphs interleaved, so losses compare one to one
 #                                    (about 8 minutes)
 #   benchmarks/gpu_suite.sh axes4    four GPUs: tp 2 x dp 2, pp 2 x dp 2 (1F1B, zero-bubble) and tp 2 x pp 2

@@ -1,10 +1,11 @@
 """What a profiled step's timeline says about where its wall time went, from a torch profiler trace.
 
 ``benchmarks/train_gpu.py --profile DIR`` writes ``trace_RUN_rankR.json.gz``; this reads one and prints:
-the GPU's time per stream and with nothing running, the longest idle gaps with the host operation
-that was running when each began (what the GPU was waiting for), the CUDA runtime calls that took
-the host longest (a synchronizing call shows up here), and the host operations with the most
-self time::
+the GPU's time per stream, computing, copying, in NCCL and with nothing running; the longest idle
+gaps with the host operation that launched the work ending each (what the GPU was waiting for); the
+CUDA runtime calls that took the host longest (a synchronizing call shows up here); and, for the two
+busiest host threads (the Python thread and autograd's backward thread), the operations with the
+most self time::
 
     python benchmarks/trace_summary.py DIR/trace_tp2-sp-compile_rank0.json.gz
 """
@@ -18,6 +19,8 @@ import gzip
 import json
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
+RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 def load(path: str) -> list[dict]:
@@ -40,13 +43,42 @@ def span(intervals: list[tuple[float, float]]) -> float:
     return sum(hi - lo for lo, hi in merged(intervals))
 
 
-def innermost_op(ops: list[dict], starts: list[float], t: float) -> str:
-    """The shortest host operation running at time ``t`` (``ops`` sorted by start)."""
-    best = None
-    for e in ops[max(0, bisect.bisect_right(starts, t) - 2000):bisect.bisect_right(starts, t)]:
-        if e["ts"] <= t <= e["ts"] + e["dur"] and (best is None or e["dur"] < best["dur"]):
-            best = e
-    return best["name"][:90] if best else "(no host op)"
+def interval(e: dict) -> tuple[float, float]:
+    return e["ts"], e["ts"] + e["dur"]
+
+
+def stream_of(e: dict):
+    return e.get("args", {}).get("stream", e.get("tid"))
+
+
+class HostThread:
+    """One host thread's operations, sorted so that a parent comes before the children it encloses."""
+
+    def __init__(self, ops: list[dict]):
+        self.ops = sorted(ops, key=lambda e: (e["ts"], -e["dur"]))
+        self.starts = [e["ts"] for e in self.ops]
+        self.longest = max((e["dur"] for e in self.ops), default=0.0)
+
+    def innermost(self, t: float) -> str:
+        """The shortest operation running at time ``t``."""
+        best = None
+        for e in self.ops[bisect.bisect_left(self.starts, t - self.longest):bisect.bisect_right(self.starts, t)]:
+            if e["ts"] <= t <= e["ts"] + e["dur"] and (best is None or e["dur"] < best["dur"]):
+                best = e
+        return best["name"][:90] if best else "(no host op)"
+
+    def self_times(self) -> dict[str, float]:
+        """Each operation name's duration less its direct children's, summed."""
+        out: dict[str, float] = collections.defaultdict(float)
+        stack: list[dict] = []
+        for e in self.ops:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            if stack:
+                out[stack[-1]["name"]] -= e["dur"]
+            out[e["name"]] += e["dur"]
+            stack.append(e)
+        return out
 
 
 def summarize(events: list[dict], top: int) -> None:
@@ -54,31 +86,46 @@ def summarize(events: list[dict], top: int) -> None:
     if not gpu:
         raise SystemExit("no GPU events in this trace")
     lo = min(e["ts"] for e in gpu)
-    hi = max(e["ts"] + e["dur"] for e in gpu)
-    wall = hi - lo
+    wall = max(e["ts"] + e["dur"] for e in gpu) - lo
+    if wall <= 0:
+        raise SystemExit("the GPU events in this trace span no time")
     print(f"GPU window {wall / 1e3:.1f} ms")
     streams = collections.defaultdict(list)
     for e in gpu:
-        streams[e.get("args", {}).get("stream", e.get("tid"))].append((e["ts"], e["ts"] + e["dur"]))
-    for stream, iv in sorted(streams.items(), key=lambda kv: -span(kv[1])):
-        names = collections.Counter(e["name"][:40] for e in gpu if e.get("args", {}).get("stream", e.get("tid")) == stream)
-        print(f"  stream {stream}: busy {span(iv) / 1e3:8.1f} ms ({span(iv) / wall:5.1%}), {len(iv)} ops, "
-              f"most {names.most_common(1)[0][0]!r}")
-    nccl = [(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" in e["name"].lower()]
-    compute = [(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" not in e["name"].lower()]
-    busy = merged([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
-    print(f"  compute (not NCCL) {span(compute) / 1e3:.1f} ms ({span(compute) / wall:.1%}), NCCL {span(nccl) / 1e3:.1f} ms, "
-          f"nothing running {(wall - span([(a, b) for a, b in busy])) / 1e3:.1f} ms")
-    host = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")),
-                  key=lambda e: e["ts"])
-    starts = [e["ts"] for e in host]
-    gaps = sorted(((b_lo - a_hi, a_hi) for (_, a_hi), (b_lo, _) in zip(busy, busy[1:])), reverse=True)
-    print(f"  {len(gaps)} idle gaps, {sum(g for g, _ in gaps) / 1e3:.1f} ms; longest, with the host op running as each began:")
-    for gap, t in gaps[:top]:
-        print(f"    {gap / 1e3:7.2f} ms at +{(t - lo) / 1e3:8.1f}  {innermost_op(host, starts, t)}")
+        streams[stream_of(e)].append(e)
+    for stream, evs in sorted(streams.items(), key=lambda kv: -span([interval(e) for e in kv[1]])):
+        busy = span([interval(e) for e in evs])
+        common = collections.Counter(e["name"][:40] for e in evs).most_common(1)[0][0]
+        print(f"  stream {stream}: busy {busy / 1e3:8.1f} ms ({busy / wall:5.1%}), {len(evs)} ops, most {common!r}")
+    nccl = [interval(e) for e in gpu if e["cat"] == "kernel" and "nccl" in e["name"].lower()]
+    compute = [interval(e) for e in gpu if e["cat"] == "kernel" and "nccl" not in e["name"].lower()]
+    copies = [interval(e) for e in gpu if e["cat"] != "kernel"]
+    busy = merged([interval(e) for e in gpu])
+    print(f"  compute kernels (not NCCL) {span(compute) / 1e3:.1f} ms ({span(compute) / wall:.1%}), "
+          f"NCCL {span(nccl) / 1e3:.1f} ms, copies and memsets {span(copies) / 1e3:.1f} ms, "
+          f"nothing running {(wall - span(busy)) / 1e3:.1f} ms")
+
+    host = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in HOST_CATEGORIES:
+            host[e["tid"]].append(e)
+    threads = {tid: HostThread(ops) for tid, ops in host.items()}
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in RUNTIME_CATEGORIES and "correlation" in e.get("args", {})}
+    ends = sorted(gpu, key=lambda e: e["ts"])
+    starts = [e["ts"] for e in ends]
+    gaps = sorted(((b_lo - a_hi, a_hi, b_lo) for (_, a_hi), (b_lo, _) in zip(busy, busy[1:])), reverse=True)
+    print(f"  {len(gaps)} idle gaps, {sum(g for g, _, _ in gaps) / 1e3:.1f} ms; longest, with the host op "
+          "that launched the work ending each:")
+    for gap, begin, end in gaps[:top]:
+        first = ends[bisect.bisect_left(starts, end)]
+        launch = launches.get(first.get("args", {}).get("correlation"))
+        where = threads[launch["tid"]].innermost(launch["ts"]) if launch and launch["tid"] in threads else "(unknown)"
+        print(f"    {gap / 1e3:7.2f} ms at +{(begin - lo) / 1e3:8.1f}  {where}")
+
     runtime = collections.defaultdict(lambda: [0.0, 0, 0.0])
     for e in events:
-        if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver":
+        if e.get("cat") in RUNTIME_CATEGORIES:
             r = runtime[e["name"]]
             r[0] += e["dur"]
             r[1] += 1
@@ -86,22 +133,11 @@ def summarize(events: list[dict], top: int) -> None:
     print("CUDA runtime calls by host time (total ms, calls, longest ms):")
     for name, (total, n, longest) in sorted(runtime.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {total / 1e3:8.2f} {n:6d} {longest / 1e3:8.2f}  {name}")
-    threads = collections.Counter(e["tid"] for e in host)
-    main = threads.most_common(1)[0][0] if threads else None
-    mine = [e for e in host if e["tid"] == main]
-    self_time = collections.defaultdict(float)
-    stack: list[dict] = []
-    for e in mine:  # self time: an op's duration less its direct children's
-        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
-            stack.pop()
-        if stack:
-            self_time[stack[-1]["name"]] -= e["dur"]
-        self_time[e["name"]] += e["dur"]
-        stack.append(e)
-    if mine:
-        first, last = mine[0]["ts"], max(e["ts"] + e["dur"] for e in mine)
-        print(f"host main thread: ops span {(last - first) / 1e3:.1f} ms; most self time (ms):")
-        for name, t in sorted(self_time.items(), key=lambda kv: -kv[1])[:top]:
+
+    for tid, thread in sorted(threads.items(), key=lambda kv: -len(kv[1].ops))[:2]:
+        first, last = thread.ops[0]["ts"], max(e["ts"] + e["dur"] for e in thread.ops)
+        print(f"host thread {tid}: {len(thread.ops)} ops over {(last - first) / 1e3:.1f} ms; most self time (ms):")
+        for name, t in sorted(thread.self_times().items(), key=lambda kv: -kv[1])[:top]:
             print(f"  {t / 1e3:8.2f}  {name[:100]}")
 
 

@@ -24,10 +24,8 @@ import argparse
 import collections
 import dataclasses
 import gc
-import gzip
 import json
 import os
-import shutil
 import time
 import warnings
 from typing import Optional
@@ -103,17 +101,14 @@ def profile_steps(engine, batch, out_dir: str, run_name: str, steps: int = 3) ->
         with open(os.path.join(out_dir, f"profile_{run_name}.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=45))
     if dist.get_rank() < 2:
-        trace = os.path.join(out_dir, f"trace_{run_name}_rank{dist.get_rank()}.json")
-        prof.export_chrome_trace(trace)
-        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(trace)
+        prof.export_chrome_trace(os.path.join(out_dir, f"trace_{run_name}_rank{dist.get_rank()}.json.gz"))
     return {"profiled_step_ms": round(wall / steps * 1e3, 1), "compute_busy": round(busy / 1e6 / wall, 3)}
 
 
 def host_syncs(engine, batch) -> list[str]:
     """Where one step makes the host wait for the GPU: the Python lines of its synchronizing CUDA
-    calls, most frequent first (torch's sync debug mode reports each one as a warning)."""
+    calls, most frequent first (torch's sync debug mode reports each one as a warning; one made during
+    backward is reported where autograd re-raises it, inside torch)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -164,11 +159,9 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     dist.barrier()
-    t0, host_s = time.perf_counter(), 0.0
+    t0 = time.perf_counter()
     for _ in range(steps):
-        t = time.perf_counter()
         out = engine.train_step(batch)  # not read until the end: a loop that logs nothing never syncs
-        host_s += time.perf_counter() - t
     loss = out.loss
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -176,23 +169,21 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
     tokens_per_gpu = cfg.train.global_batch_size * seq / step_s / dist.get_world_size()
     tflops = tokens_per_gpu * flops_per_token(cfg.model) / 1e12
     peak = peak_flops(device_name(device), cfg.precision.dtype)
-    profiled = profile_steps(engine, batch, profile_dir, run_name) if profile_dir and device.type == "cuda" else {}
+    extra = profile_steps(engine, batch, profile_dir, run_name) if profile_dir and device.type == "cuda" else {}
     if cfg.parallel.pp > 1:
-        profiled.update(pipeline_bubble(engine, batch))
+        extra.update(pipeline_bubble(engine, batch))
     if sync_debug and device.type == "cuda":
-        profiled["host_syncs"] = host_syncs(engine, batch)
+        extra["host_syncs"] = host_syncs(engine, batch)
     predicted = engine.optimizer.predicted_memory()
     result = {
         "tokens_per_s_per_gpu": round(tokens_per_gpu), "tflops_per_gpu": round(tflops, 1),
         "mfu": round(tflops * 1e12 / peak, 3) if peak else None, "step_ms": round(step_s * 1e3, 1),
-        # how long train_step took to return: near step_ms, the host (its Python, or a sync) bounds the step
-        "host_ms": round(host_s / steps * 1e3, 1),
         "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
         "model_state_GiB_formula": round(predicted.total / 2**30, 2),
         "allocated_after_build_GiB": round(states_gib, 2) if states_gib is not None else None,
         "loss": round(loss, 4),
         "build_s": round(build_s, 1),
-        **profiled,
+        **extra,
     }
     del engine
     gc.collect()
