@@ -17,6 +17,7 @@
 #                                    micro-batch 4 (overlap) and 8 (overlap and serial), every run the first of
 #                                    its process and plain/graphs interleaved, so losses compare one to one
 #                                    (about 8 minutes)
+#   benchmarks/gpu_suite.sh gradcopy one GPU: the ways bf16 gradients can land in the fp32 buffer (about 1 minute)
 #   benchmarks/gpu_suite.sh axes4    four GPUs: tp 2 x dp 2, pp 2 x dp 2 (1F1B, zero-bubble) and tp 2 x pp 2
 #                                    for the 1.3B GPT against one GPU and megatron-core at the same layouts,
 #                                    then the 6.7B GPT (configs/gpt_6.7b.yaml) at tp 2 x dp 2 and tp 2 x pp 2
@@ -24,7 +25,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs or axes4}
+part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, gradcopy or axes4}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -81,6 +82,8 @@ graphs)
     run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
       --runs tp2-sp-$r-compile --warmup 3 --steps 6
   done ;;
+gradcopy)
+  run timeout 120 python benchmarks/grad_accumulate_gpu.py configs/gpt_1.3b.yaml ;;
 axes4)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
     --runs stage1-compile stage1-m8-compile --warmup 3 --steps 5
