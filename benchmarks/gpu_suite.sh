@@ -14,9 +14,9 @@
 #                                    backward (nooverlap), NCCL's Simple protocol, micro-batch 4, each twice,
 #                                    interleaved, beside one GPU at both sizes (about 9 minutes)
 #   benchmarks/gpu_suite.sh graphs   train.cuda_graphs against plain compiled blocks: one GPU, then tp 2 + sp at
-#                                    micro-batch 4 (overlap) and 8 (overlap and serial), every run the first of
-#                                    its process and plain/graphs interleaved, so losses compare one to one
-#                                    (about 8 minutes)
+#                                    micro-batches 4 and 8 (overlap, serial), every run the first of its
+#                                    process and plain/graphs interleaved, so losses compare one to one
+#                                    (about 9 minutes)
 #   benchmarks/gpu_suite.sh gradcopy one GPU: the ways bf16 gradients can land in the fp32 buffer (about 1 minute)
 #   benchmarks/gpu_suite.sh axes4    four GPUs: tp 2 x dp 2, pp 2 x dp 2 (1F1B, zero-bubble) and tp 2 x pp 2
 #                                    for the 1.3B GPT against one GPU and megatron-core at the same layouts,
@@ -78,7 +78,7 @@ tpdiag)
 graphs)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
     --runs stage1-compile stage1-mbs4-compile --warmup 3 --steps 6
-  for r in mbs4 mbs4-cg mbs8 mbs8-cg mbs8-serial mbs8-serial-cg mbs4-cg mbs4; do
+  for r in mbs4 mbs4-cg mbs4-serial mbs8 mbs8-cg mbs8-serial mbs8-serial-cg mbs4-cg mbs4-serial mbs4; do
     run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
       --runs tp2-sp-$r-compile --warmup 3 --steps 6
   done ;;
