@@ -44,7 +44,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of the weight-gradient GEMM")
     args = ap.parse_args()
     cfg = load_config(args.config, [])
-    shapes = [p.shape for p in GPT(cfg.model, device="meta").parameters()]
+    model = GPT(cfg.model, device="meta")
+    shapes = [p.shape for p in model.parameters()]
     device = torch.device("cuda")
     grads = [torch.randn(s, device=device, dtype=torch.bfloat16).reshape(-1) for s in shapes]
     numel = sum(g.numel() for g in grads)
@@ -69,16 +70,19 @@ def main() -> None:
     for name, (fn, nbytes) in runs.items():
         ms = timed(fn)
         result[name] = {"ms": round(ms, 3), "GB_per_s": round(nbytes / ms / 1e6)}
-    # one MLP weight's gradient: [4h, h] from [tokens, 4h]^T @ [tokens, h]
-    h = cfg.model.hidden_size
-    out_grad = torch.randn(args.tokens, 4 * h, device=device, dtype=torch.bfloat16)
-    inputs = torch.randn(args.tokens, h, device=device, dtype=torch.bfloat16)
-    main_grad = torch.zeros(4 * h, h, device=device)
+    # the first MLP weight's gradient, [out, in] from [tokens, out]^T @ [tokens, in]
+    n_out, n_in = dict(model.named_parameters())["layers.0.mlp.fc_in.weight"].shape
+    out_grad = torch.randn(args.tokens, n_out, device=device, dtype=torch.bfloat16)
+    inputs = torch.randn(args.tokens, n_in, device=device, dtype=torch.bfloat16)
+    main_grad = torch.randn(n_out, n_in, device=device)
     result["wgrad then add_"] = {"ms": round(timed(lambda: main_grad.add_(out_grad.t() @ inputs)), 3)}
+    fused = lambda: torch.addmm(main_grad, out_grad.t(), inputs, out_dtype=torch.float32, out=main_grad)  # noqa: E731
     try:
-        fused = lambda: torch.addmm(main_grad, out_grad.t(), inputs, out_dtype=torch.float32, out=main_grad)  # noqa: E731
-        result["wgrad into fp32 (addmm out_dtype)"] = {"ms": round(timed(fused), 3)}
-    except (RuntimeError, TypeError) as exc:
+        expected = main_grad + out_grad.t().float() @ inputs.float()
+        fused()
+        error = ((main_grad - expected).norm() / expected.norm()).item()
+        result["wgrad into fp32 (addmm out_dtype)"] = {"ms": round(timed(fused), 3), "rel_error": error}
+    except (RuntimeError, TypeError) as exc:  # torch before late 2025 wants self in the inputs' dtype
         result["wgrad into fp32 (addmm out_dtype)"] = f"unavailable: {exc}".splitlines()[0]
     print(json.dumps(result))
 

@@ -144,10 +144,11 @@ def _value_problems(cfg: Config) -> list[str]:
 def _cuda_graph_problems(cfg: Config) -> list[str]:
     """What CUDA-graph blocks are not run with. A replayed graph reads its parameters at the addresses
     it was recorded with, so ZeRO-3, which regathers them into new memory, cannot replay. The rest are
-    untested with replay, and some would fail silently: a pipeline's several forwards in flight, a
-    split backward's deferred weight gradients, recompute's forwards inside backward, peer memory's
-    side-stream barriers, and dropout (the tensor-parallel random stream is forked on the host, where
-    a replay would not see it)."""
+    untested with the engine's replay, and some would fail silently: a pipeline's several forwards in
+    flight (whose sent outputs it frees), a split backward's deferred weight gradients, recompute's
+    forwards inside backward, peer memory (its linears capture in the GPU test of the operators, not
+    yet inside the engine), and dropout (the tensor-parallel random stream is forked on the host,
+    where a replay would not see it)."""
     t, p, m = cfg.train, cfg.parallel, cfg.model
     if not t.cuda_graphs:
         return []
