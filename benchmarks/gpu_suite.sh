@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU benchmark suite on one node of 2 GPUs, in parts that each fit a 10-minute call:
+# GPU benchmark suite on one node (2 GPUs unless a part says otherwise), in parts that each fit a 10-minute call:
 #   benchmarks/gpu_suite.sh zero     megazero ZeRO stages 0-3 (+ stage 3 offload) and DDP / FSDP2 peers
 #                                    (RUNS overrides the megazero runs, e.g. "stage1 stage1-compile";
 #                                    PROFILE=1 adds each run's kernel table to $OUT)
@@ -18,6 +18,12 @@
 #                                    process and plain/graphs interleaved, so losses compare one to one
 #                                    (about 9 minutes)
 #   benchmarks/gpu_suite.sh gradcopy one GPU: the ways bf16 gradients can land in the fp32 buffer (about 1 minute)
+#   benchmarks/gpu_suite.sh eight    eight GPUs, the user's path: the 1.3B GPT for 20 steps on the demo corpus
+#                                    on one GPU, then tp 2 x pp 2 x dp 2 (ZeRO 1 and 3), tp 8 and dp 8 (ZeRO 3);
+#                                    benchmarks/loss_curves.py checks each against the one-GPU losses (2%) and
+#                                    gives its tokens/s, MFU and peak memory
+#   benchmarks/gpu_suite.sh eight-speed  eight GPUs: those layouts' throughput beside one GPU, DDP and FSDP2 at
+#                                    dp 8, and megatron-core at tp 2 x pp 2 x dp 2 (SIZE=6.7b for the large model)
 #   benchmarks/gpu_suite.sh axes4    four GPUs: tp 2 x dp 2, pp 2 x dp 2 (1F1B, zero-bubble) and tp 2 x pp 2
 #                                    for the 1.3B GPT against one GPU and megatron-core at the same layouts,
 #                                    then the 6.7B GPT (configs/gpt_6.7b.yaml) at tp 2 x dp 2 and tp 2 x pp 2
@@ -25,7 +31,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, gradcopy or axes4}
+part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, gradcopy, axes4, eight or eight-speed}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -97,5 +103,34 @@ axes4)
   run timeout 300 torchrun --nproc_per_node 4 benchmarks/train_gpu.py configs/gpt_6.7b.yaml \
     --runs tp2-sp-compile tp2-sp-pp2-m8-compile --warmup 2 --steps 4
   run timeout 200 torchrun --nproc_per_node 4 benchmarks/peers/megatron_core_gpt.py --size 6.7b --micro-batch 2 \
+    --tp 2 --pp 2 --micro-batches 8 ;;
+eight)
+  [ -f data/demo/stdlib_text_document.idx ] || run python -m megazero.cli demo-corpus data/demo
+  curve() {
+    local name=$1 ranks=$2
+    shift 2
+    CONFIG=configs/gpt_1.3b.yaml NPROC_PER_NODE=$ranks run timeout 240 bash scripts/pretrain_gpt.sh \
+      --data.blend '[[1.0, data/demo/stdlib_text_document]]' --train.train_steps 20 --train.global_batch_size 32 \
+      --train.micro_batch_size 4 --train.eval_interval 0 --logging.log_interval 5 \
+      --checkpoint.save_on_exit false --logging.run_dir runs/eight/$name "$@"
+  }
+  curve one-gpu 1
+  curve tp2-pp2-dp2-zero1 8 --parallel.tp 2 --parallel.pp 2 --parallel.sequence_parallel true --zero.stage 1
+  curve tp2-pp2-dp2-zero3 8 --parallel.tp 2 --parallel.pp 2 --parallel.sequence_parallel true --zero.stage 3
+  curve tp8 8 --parallel.tp 8 --parallel.sequence_parallel true
+  curve dp8-zero3 8 --zero.stage 3
+  run python benchmarks/loss_curves.py runs/eight/one-gpu runs/eight/tp2-pp2-dp2-zero1 runs/eight/tp2-pp2-dp2-zero3 \
+    runs/eight/tp8 runs/eight/dp8-zero3 --tolerance 0.02 ;;
+eight-speed)
+  size=${SIZE:-1.3b}
+  config=configs/gpt_${size}.yaml
+  run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py $config \
+    --runs stage1-compile stage1-m8-compile --warmup 3 --steps 5
+  run timeout 300 torchrun --nproc_per_node 8 benchmarks/train_gpu.py $config --warmup 3 --steps 5 \
+    --runs ${RUNS:-tp2-sp-pp2-m8-compile tp2-sp-pp2-m8-stage3-compile tp8-sp-compile tp8-sp-cg-compile stage3-compile}
+  PEERS=$PEERS NPROC=8 SIZE=$size MODES="ddp fsdp2" run bash $PEERS/run_peers.sh
+  [ -n "${WHEELS:-}" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore-site \
+    "$WHEELS"/megatron_core-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/mcore-site
+  run timeout 200 torchrun --nproc_per_node 8 benchmarks/peers/megatron_core_gpt.py --size $size \
     --tp 2 --pp 2 --micro-batches 8 ;;
 esac
