@@ -1,0 +1,101 @@
+"""The benchmark tools that turn raw records into the figures quoted in BENCHMARKS.md.
+
+``benchmarks/trace_summary.py`` reads a profiler timeline: self times must subtract children even when
+a parent and its first child start together, an idle gap must be charged to the host operation that
+launched the work ending it (through the kernel's correlation id, on that operation's own thread),
+and copies must not count as computing. ``benchmarks/loss_curves.py`` compares runs' loss curves
+against a reference: a deviation over the tolerance or a missing step must fail the comparison.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from megazero.config import load_config, save_config
+
+BENCHMARKS = pathlib.Path(__file__).parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import loss_curves  # noqa: E402
+import trace_summary  # noqa: E402
+
+
+def _op(name, ts, dur, tid=1, cat="cpu_op"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def _kernel(name, ts, dur, correlation, cat="kernel", stream=7):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": stream,
+            "args": {"stream": stream, "correlation": correlation}}
+
+
+def test_self_time_subtracts_a_child_that_starts_with_its_parent():
+    # listed child first: a sort on start time alone would nest the parent inside the child
+    thread = trace_summary.HostThread([_op("child", 0, 40), _op("parent", 0, 100), _op("grandchild", 10, 5)])
+    times = thread.self_times()
+    assert times == {"parent": 60, "child": 35, "grandchild": 5}
+    assert thread.innermost(12) == "grandchild"
+
+
+def test_gap_is_charged_to_the_launching_op_and_copies_are_not_compute(tmp_path, capsys):
+    events = [
+        _kernel("gemm", 0, 100, 1),
+        _kernel("Memcpy DtoD", 100, 50, 2, cat="gpu_memcpy"),
+        _kernel("gemm", 400, 100, 3),  # a 250 us gap before it
+        _op("aten::mm", 0, 10), _op("CompiledFxGraph", 390, 20, tid=2), _op("aten::mm", 395, 5, tid=2),
+        _op("Optimizer.step", 100, 300),  # running on the other thread while the GPU idles
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 396, "dur": 2, "pid": 1, "tid": 2,
+         "args": {"correlation": 3}},
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace_summary.summarize(trace_summary.load(str(path)), top=5)
+    out = capsys.readouterr().out
+    assert "compute kernels (not NCCL) 0.2 ms (40.0%)" in out
+    assert "copies and memsets 0.1 ms" in out
+    gap_line = next(line for line in out.splitlines() if "0.25 ms at" in line)
+    assert gap_line.rstrip().endswith("aten::mm"), gap_line  # launched from tid 2's mm, not the optimizer
+
+
+def _run_dir(root: pathlib.Path, name: str, losses: dict[int, float], tp: int = 1) -> str:
+    run = root / name
+    run.mkdir()
+    cfg = load_config(None, ["--parallel.tp", str(tp), "--parallel.dp", "1", "--model.num_heads", "4"])
+    save_config(cfg, str(run / "config.yaml"))
+    with open(run / "metrics.jsonl", "w") as f:
+        for step, loss in losses.items():
+            f.write(json.dumps({"step": step, "loss": loss, "tokens_per_s": 1000.0 * tp, "mfu": 0.5}) + "\n")
+    return str(run)
+
+
+@pytest.mark.parametrize("change, passes", [(None, True), ("deviate", False), ("drop", False)])
+def test_loss_curves_fail_on_a_deviation_or_a_missing_step(tmp_path, change, passes):
+    losses = {step: 10.0 - 0.1 * step for step in range(1, 11)}
+    other = dict(losses)
+    if change == "deviate":
+        other[7] *= 1.03
+    elif change == "drop":
+        del other[10]
+    ref = _run_dir(tmp_path, "ref", losses)
+    run = _run_dir(tmp_path, "run", {s: v * (1 + 1e-4) for s, v in other.items()}, tp=2)
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "loss_curves.py"), ref, run, "--tolerance", "0.02",
+                             "--skip", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == (0 if passes else 1), result.stderr
+    line = json.loads(result.stdout.splitlines()[-1])
+    assert line["within_tolerance"] is passes
+    assert line["tp"] == 2 and line["tokens_per_s_per_rank"] == 1000.0  # 2000 tokens/s over its 2 ranks
+    if change == "deviate":
+        assert line["at_step"] == 7
+
+
+def test_loss_curves_compare_counts_every_reference_step():
+    reference = {1: {"loss": 2.0}, 2: {"loss": 1.0}}
+    assert loss_curves.compare(reference, {1: {"loss": 2.0}})["missing_steps"] == [2]
+    assert loss_curves.compare(reference, {1: {"loss": 2.0}, 2: {"loss": 1.5}})["max_rel_loss_deviation"] == 0.5
