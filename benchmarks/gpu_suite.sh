@@ -17,6 +17,9 @@
 #                                    micro-batches 4 and 8 (overlap, serial), every run the first of its
 #                                    process and plain/graphs interleaved, so losses compare one to one
 #                                    (about 9 minutes)
+#   benchmarks/gpu_suite.sh ctas     tp 2 + sp at micro-batch 8 with CUDA-graph blocks, NCCL limited to 4, 8 and 16
+#                                    thread blocks (NCCL_MAX_CTAS) against its default: whether collectives that
+#                                    take fewer multiprocessors hide behind the GEMMs (about 5 minutes)
 #   benchmarks/gpu_suite.sh gradcopy one GPU: the ways bf16 gradients can land in the fp32 buffer (about 1 minute)
 #   benchmarks/gpu_suite.sh eight    eight GPUs, the user's path: the 1.3B GPT for 20 steps on the demo corpus
 #                                    on one GPU, then tp 2 x pp 2 x dp 2 (ZeRO 1 and 3), tp 8 and dp 8 (ZeRO 3);
@@ -31,7 +34,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, gradcopy, axes4, eight or eight-speed}
+part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, ctas, gradcopy, axes4, eight or eight-speed}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -87,6 +90,12 @@ graphs)
   for r in mbs4 mbs4-cg mbs4-serial mbs8 mbs8-cg mbs8-serial mbs8-serial-cg mbs4-cg mbs4-serial mbs4; do
     run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
       --runs tp2-sp-$r-compile --warmup 3 --steps 6
+  done ;;
+ctas)
+  for ctas in default 4 8 16 default 16 8 4; do
+    echo "# NCCL_MAX_CTAS=$ctas" | tee -a "$log"
+    run env $([ $ctas = default ] || echo NCCL_MAX_CTAS=$ctas) timeout 100 torchrun --nproc_per_node 2 \
+      benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs tp2-sp-cg-compile --warmup 3 --steps 6
   done ;;
 gradcopy)
   run timeout 120 python benchmarks/grad_accumulate_gpu.py configs/gpt_1.3b.yaml ;;
