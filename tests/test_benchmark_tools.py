@@ -10,6 +10,7 @@ against a reference: a deviation over the tolerance or a missing step must fail 
 from __future__ import annotations
 
 import gzip
+import os
 import json
 import pathlib
 import subprocess
@@ -99,3 +100,29 @@ def test_loss_curves_compare_counts_every_reference_step():
     reference = {1: {"loss": 2.0}, 2: {"loss": 1.0}}
     assert loss_curves.compare(reference, {1: {"loss": 2.0}})["missing_steps"] == [2]
     assert loss_curves.compare(reference, {1: {"loss": 2.0}, 2: {"loss": 1.5}})["max_rel_loss_deviation"] == 0.5
+
+
+@pytest.mark.slow
+def test_three_axes_follow_one_rank_through_the_users_path(tmp_path):
+    """The user's path end to end on CPU: ``scripts/pretrain_gpt.sh`` trains the demo config for ten
+    steps on one rank and on eight (tp 2 x pp 2 x dp 2 with sequence parallelism, ZeRO 3), on the demo
+    corpus, and ``loss_curves.py`` finds the same fp32 losses (the 8-GPU run's rehearsal)."""
+    root = pathlib.Path(__file__).parents[1]
+    if not (root / "data/demo/stdlib_text_document.idx").exists():
+        subprocess.run([sys.executable, "-m", "megazero.cli", "demo-corpus", "data/demo"], cwd=root, check=True,
+                       capture_output=True, timeout=600)
+    common = ["--train.train_steps", "10", "--train.eval_interval", "0", "--checkpoint.save_on_exit", "false"]
+    runs = {"one": ("1", ["--parallel.tp", "1", "--parallel.pp", "1"]),
+            "three-axes": ("8", ["--parallel.sequence_parallel", "true", "--zero.stage", "3"])}
+    for name, (ranks, layout) in runs.items():
+        env = {**os.environ, "CONFIG": "configs/demo.yaml", "NPROC_PER_NODE": ranks,
+               "MASTER_PORT": "29533"}
+        done = subprocess.run(["bash", "scripts/pretrain_gpt.sh", *common, *layout,
+                               "--logging.run_dir", str(tmp_path / name)], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    compared = subprocess.run([sys.executable, str(BENCHMARKS / "loss_curves.py"), str(tmp_path / "one"),
+                               str(tmp_path / "three-axes"), "--tolerance", "1e-5"],
+                              capture_output=True, text=True, timeout=120)
+    assert compared.returncode == 0, compared.stdout + compared.stderr
+    assert json.loads(compared.stdout.splitlines()[-1])["steps"] == 10
