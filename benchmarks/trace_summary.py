@@ -1,7 +1,8 @@
 """What a profiled step's timeline says about where its wall time went, from a torch profiler trace.
 
 ``benchmarks/train_gpu.py --profile DIR`` writes ``trace_RUN_rankR.json.gz``; this reads one and prints:
-the GPU's time per stream, computing, copying, in NCCL and with nothing running; the longest idle
+the GPU's time per stream, computing, copying, in NCCL and with nothing running; each kind of
+collective's count, time and the part of it no compute kernel ran beside (exposed); the longest idle
 gaps with the host operation that launched the work ending each (what the GPU was waiting for); the
 CUDA runtime calls that took the host longest (a synchronizing call shows up here); and, for the two
 busiest host threads (the Python thread and autograd's backward thread), the operations with the
@@ -81,6 +82,31 @@ class HostThread:
         return out
 
 
+def covered(intervals: list[tuple[float, float]], starts: list[float], lo: float, hi: float) -> float:
+    """How much of [lo, hi] the merged, sorted ``intervals`` (``starts``: their starts) cover."""
+    total, i = 0.0, max(0, bisect.bisect_right(starts, lo) - 1)
+    while i < len(intervals) and intervals[i][0] < hi:
+        a, b = intervals[i]
+        total += max(0.0, min(b, hi) - max(a, lo))
+        i += 1
+    return total
+
+
+def collective_table(gpu: list[dict]) -> dict[str, list[float]]:
+    """Per NCCL kernel kind: [count, total time, time no compute kernel ran beside it (exposed)]."""
+    compute = merged([interval(e) for e in gpu if e["cat"] == "kernel" and "nccl" not in e["name"].lower()])
+    starts = [lo for lo, _ in compute]
+    table: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for e in gpu:
+        if e["cat"] == "kernel" and "nccl" in e["name"].lower():
+            row = table[e["name"].split("(")[0].replace("ncclDevKernel_", "")]
+            lo, hi = interval(e)
+            row[0] += 1
+            row[1] += e["dur"]
+            row[2] += e["dur"] - covered(compute, starts, lo, hi)
+    return table
+
+
 def summarize(events: list[dict], top: int) -> None:
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     if not gpu:
@@ -104,6 +130,12 @@ def summarize(events: list[dict], top: int) -> None:
     print(f"  compute kernels (not NCCL) {span(compute) / 1e3:.1f} ms ({span(compute) / wall:.1%}), "
           f"NCCL {span(nccl) / 1e3:.1f} ms, copies and memsets {span(copies) / 1e3:.1f} ms, "
           f"nothing running {(wall - span(busy)) / 1e3:.1f} ms")
+
+    table = collective_table(gpu)
+    if table:
+        print("  collectives (count, total ms, ms with no compute kernel beside them):")
+        for name, (n, total, exposed) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+            print(f"    {n:6d} {total / 1e3:8.2f} {exposed / 1e3:8.2f}  {name}")
 
     host = collections.defaultdict(list)
     for e in events:

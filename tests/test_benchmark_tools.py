@@ -65,6 +65,14 @@ def test_gap_is_charged_to_the_launching_op_and_copies_are_not_compute(tmp_path,
     assert gap_line.rstrip().endswith("aten::mm"), gap_line  # launched from tid 2's mm, not the optimizer
 
 
+def test_collective_exposure_counts_only_time_without_compute_beside_it():
+    gpu = [_kernel("gemm", 0, 100, 1), _kernel("ncclDevKernel_AllGather_RING_LL(x)", 50, 100, 2),
+           _kernel("ncclDevKernel_Reduce_Sum(x)", 300, 40, 3)]
+    table = trace_summary.collective_table(gpu)
+    assert table["AllGather_RING_LL"] == [1, 100, 50]  # half of it beside the GEMM
+    assert table["Reduce_Sum"] == [1, 40, 40]
+
+
 def _run_dir(root: pathlib.Path, name: str, losses: dict[int, float], tp: int = 1) -> str:
     run = root / name
     run.mkdir()
