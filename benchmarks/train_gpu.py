@@ -179,6 +179,9 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
         "tokens_per_s_per_gpu": round(tokens_per_gpu), "tflops_per_gpu": round(tflops, 1),
         "mfu": round(tflops * 1e12 / peak, 3) if peak else None, "step_ms": round(step_s * 1e3, 1),
         "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        # what the allocator holds, CUDA-graph pools included: replays use their memory without
+        # allocating, so with train.cuda_graphs the peak above leaves it out
+        "peak_reserved_GiB": round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None,
         "model_state_GiB_formula": round(predicted.total / 2**30, 2),
         "allocated_after_build_GiB": round(states_gib, 2) if states_gib is not None else None,
         "loss": round(loss, 4),
