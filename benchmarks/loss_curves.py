@@ -55,7 +55,8 @@ def speed(rows: dict[int, dict], ranks: int, skip: int) -> dict:
         values = [r[key] * scale for r in kept if r.get(key) is not None]
         return round(statistics.median(values), 3) if values else None
     return {"tokens_per_s_per_rank": median("tokens_per_s", 1 / ranks), "tflops_per_device": median("tflops_per_device"),
-            "mfu": median("mfu"), "mem_peak_gib": median("mem_peak_gib")}
+            "mfu": median("mfu"), "mem_peak_gib": median("mem_peak_gib"),
+            "mem_reserved_peak_gib": median("mem_reserved_peak_gib")}
 
 
 def main() -> int:

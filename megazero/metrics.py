@@ -59,12 +59,15 @@ class StepMetrics:
 
 
 def memory_gib(device) -> dict[str, float]:
-    """Accelerator memory in GiB (allocated now, peak allocated) on CUDA; peak RSS of this process on CPU."""
+    """Accelerator memory in GiB on CUDA (allocated now, peak allocated, and peak reserved: the memory
+    pools of CUDA-graph blocks, which replays use without allocating, count only there); peak RSS of
+    this process on CPU."""
     import torch
 
     if device.type == "cuda":
         return {"mem_gib": torch.cuda.memory_allocated(device) / 2**30,
-                "mem_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+                "mem_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "mem_reserved_peak_gib": torch.cuda.max_memory_reserved(device) / 2**30}
     try:
         import resource
     except ImportError:  # not on POSIX: no cheap way to ask
