@@ -5,17 +5,17 @@ Run on one node (NCCL), e.g. the ZeRO comparison on two GPUs::
     torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \\
         --runs stage0 stage1 stage2 stage3 stage3-offload
 
-Each run builds the engine from the config plus the run's overrides (``stageN`` sets
-``zero.stage``; ``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout;
-``bucketN`` the bucket size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism, whose linears communicate
-``serial``, ``overlap`` or through peer memory (``pm``); ``compile`` compiles blocks and head (``cg``: and
-replays the blocks as CUDA graphs); ``zb`` picks the zero-bubble
-schedule; ``mN`` runs N micro-batches per data-parallel rank; ``mbsN`` sets the micro-batch size), trains
-``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one micro-batch of
-``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one
-JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense peak, peak memory
-and the model-state bytes the ZeRO formula predicts; a pipeline also its measured bubble beside the theory. ``--cpu`` runs a tiny model on gloo to check
-the script.
+Each run builds the engine from the config plus the run's overrides (``stageN`` sets ``zero.stage``;
+``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout; ``bucketN`` the bucket
+size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism,
+whose linears communicate ``serial``, ``overlap`` or through peer memory (``pm``); ``compile``
+compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb`` picks the
+zero-bubble schedule; ``mN`` runs N micro-batches per data-parallel rank; ``mbsN`` sets the
+micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one
+micro-batch of ``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank
+0 prints one JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense
+peak, peak memory and the model-state bytes the ZeRO formula predicts; a pipeline also its measured
+bubble beside the theory. ``--cpu`` runs a tiny model on gloo to check the script.
 """
 
 from __future__ import annotations
