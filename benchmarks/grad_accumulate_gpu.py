@@ -6,9 +6,11 @@ GPT's copies took 4.9 ms a step, about a third of the memory bandwidth: torch ca
 with its unvectorized kernel (BENCHMARKS.md, "Where tensor parallel's step goes"). This times, over
 the parameter shapes of a config's model, the ways to do it: ``copy_`` / ``add_`` per parameter (what
 the buffer does now), ``torch._foreach_copy_`` / ``_foreach_add_`` per parameter and for all at once,
-and the weight-gradient GEMM accumulating into the fp32 buffer itself (``addmm`` with an fp32
-output, Megatron's gradient-accumulation fusion) against the GEMM followed by the add; each as
-milliseconds per step and GB/s of its minimal traffic::
+a minimal Triton kernel per parameter (load bf16, add in fp32, store: one vectorized pass) and the
+same by ``torch.compile``, and the weight-gradient GEMM accumulating into the fp32 buffer itself
+(``addmm`` with an fp32 output, Megatron's gradient-accumulation fusion) against the GEMM followed
+by the add; each as milliseconds per step (GPU time; ``host_ms`` is the host's time to issue them)
+and GB/s of its minimal traffic::
 
     python benchmarks/grad_accumulate_gpu.py configs/gpt_1.3b.yaml
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -24,18 +27,45 @@ from megazero.config import load_config
 from models import GPT
 
 
-def timed(fn, repeats: int = 20) -> float:
-    """Median milliseconds of ``fn`` on the GPU."""
+def timed(fn, repeats: int = 20) -> tuple[float, float]:
+    """(median GPU milliseconds of ``fn``, median host milliseconds to issue it)."""
     fn()
-    times = []
+    gpu, host = [], []
     for _ in range(repeats):
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         fn()
         end.record()
+        host.append((time.perf_counter() - t0) * 1e3)
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        gpu.append(start.elapsed_time(end))
+    return sorted(gpu)[repeats // 2], sorted(host)[repeats // 2]
+
+
+def triton_accumulate():
+    """A one-pass Triton kernel: ``dst (fp32) = src (bf16)`` or ``dst += src``, one launch per tensor;
+    None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(dst, src, n, ADD: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        value = tl.load(src + offsets, mask=mask).to(tl.float32)
+        if ADD:
+            value += tl.load(dst + offsets, mask=mask)
+        tl.store(dst + offsets, value, mask=mask)
+
+    def launch(dst: torch.Tensor, src: torch.Tensor, add: bool) -> None:
+        block = 4096
+        kernel[(triton.cdiv(dst.numel(), block),)](dst, src, dst.numel(), ADD=add, BLOCK=block)
+    return launch
 
 
 def main() -> None:
@@ -59,29 +89,43 @@ def main() -> None:
     def per_param(op):
         return lambda: [op(r, g) for r, g in zip(regions, grads)]
 
+    compiled_add = torch.compile(lambda r, g: r.add_(g.float()), dynamic=True)
     runs = {
         "copy_": (per_param(lambda r, g: r.copy_(g)), copy_bytes),
         "foreach_copy_ per parameter": (per_param(lambda r, g: torch._foreach_copy_([r], [g])), copy_bytes),
         "foreach_copy_ all": (lambda: torch._foreach_copy_(regions, grads), copy_bytes),
         "add_": (per_param(lambda r, g: r.add_(g)), add_bytes),
         "foreach_add_ all": (lambda: torch._foreach_add_(regions, grads), add_bytes),
+        "torch.compile add per parameter": (per_param(compiled_add), add_bytes),
     }
+    launch = triton_accumulate()
+    if launch is not None:
+        runs["triton copy per parameter"] = (per_param(lambda r, g: launch(r, g, False)), copy_bytes)
+        runs["triton add per parameter"] = (per_param(lambda r, g: launch(r, g, True)), add_bytes)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "parameters": numel}
     for name, (fn, nbytes) in runs.items():
-        ms = timed(fn)
-        result[name] = {"ms": round(ms, 3), "GB_per_s": round(nbytes / ms / 1e6)}
+        ms, host_ms = timed(fn)
+        result[name] = {"ms": round(ms, 3), "host_ms": round(host_ms, 3), "GB_per_s": round(nbytes / ms / 1e6)}
+    if launch is not None:  # the kernel's own check: both forms against torch
+        check = torch.randn(3, 1000, device=device)
+        src = torch.randn(3, 1000, device=device, dtype=torch.bfloat16)
+        dst = check.clone()
+        launch(dst, src, True)
+        added = torch.equal(dst, check + src.float())
+        launch(dst, src, False)
+        result["triton matches torch"] = added and torch.equal(dst, src.float())
     # the first MLP weight's gradient, [out, in] from [tokens, out]^T @ [tokens, in]
     n_out, n_in = dict(model.named_parameters())["layers.0.mlp.fc_in.weight"].shape
     out_grad = torch.randn(args.tokens, n_out, device=device, dtype=torch.bfloat16)
     inputs = torch.randn(args.tokens, n_in, device=device, dtype=torch.bfloat16)
     main_grad = torch.randn(n_out, n_in, device=device)
-    result["wgrad then add_"] = {"ms": round(timed(lambda: main_grad.add_(out_grad.t() @ inputs)), 3)}
+    result["wgrad then add_"] = {"ms": round(timed(lambda: main_grad.add_(out_grad.t() @ inputs))[0], 3)}
     fused = lambda: torch.addmm(main_grad, out_grad.t(), inputs, out_dtype=torch.float32, out=main_grad)  # noqa: E731
     try:
         expected = main_grad + out_grad.t().float() @ inputs.float()
         fused()
         error = ((main_grad - expected).norm() / expected.norm()).item()
-        result["wgrad into fp32 (addmm out_dtype)"] = {"ms": round(timed(fused), 3), "rel_error": error}
+        result["wgrad into fp32 (addmm out_dtype)"] = {"ms": round(timed(fused)[0], 3), "rel_error": error}
     except (RuntimeError, TypeError) as exc:  # torch before late 2025 wants self in the inputs' dtype
         result["wgrad into fp32 (addmm out_dtype)"] = f"unavailable: {exc}".splitlines()[0]
     print(json.dumps(result))
