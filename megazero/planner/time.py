@@ -1,5 +1,6 @@
 """Step time of a layout: compute at the GPU's calibrated rate, the communication it cannot hide,
-the pipeline bubble, and the optimizer step. Every term is written out in docs/planner.md."""
+the host's launch work where it outlasts both, the pipeline bubble, and the optimizer step. Every
+term is written out in docs/planner.md."""
 
 from __future__ import annotations
 
@@ -17,12 +18,21 @@ from parallel.pipeline.schedule import bubble_fraction
 HBM_EFFICIENCY = 0.8
 ADAM_BYTES_PER_ELEMENT = 8 + 16  # master read + write, two moments read + write (fp32)
 
+# The host's work per block and micro-batch on a tensor-parallel rank when each kernel and collective
+# is launched one by one: about the same at any width, so it bounds the step once the GEMMs, which
+# tensor parallelism shrinks, take less. Measured on the 1.3B GPT with tp 2 and sequence parallelism
+# at micro-batch 4, where the host set the pace (BENCHMARKS.md): 154 ms per micro-batch on 2 x H100
+# and 141.6 ms per one-micro-batch step on 2 x H200, for 24 blocks. Blocks replayed as CUDA graphs
+# (train.cuda_graphs) launch once per block and are not bound by it.
+HOST_S_PER_TP_BLOCK = 6.0e-3
+
 
 @dataclass(frozen=True)
 class StepEstimate:
     step_s: float
     compute_s: float        # the slowest pipeline rank's own forward/backward work, communication aside
     tp_comm_s: float
+    host_s: float           # the host's work per step where it, not the GPU, sets the pace (else 0)
     pp_comm_s: float
     bubble_s: float
     dp_comm_s: float        # the part of the data-parallel traffic that compute does not hide
@@ -82,7 +92,11 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         if compute + tp_comm > slowest[0] + slowest[1]:
             slowest = (compute, tp_comm, rank)
     compute_mb, tp_mb, rank = slowest
-    stage_mb = compute_mb + tp_mb + pp_per_mb
+    host_mb = 0.0
+    if p.tp > 1 and not t.cuda_graphs:
+        host_mb = max(rank_layers(cfg, r) for r in range(p.pp)) * HOST_S_PER_TP_BLOCK
+    host_mb = max(0.0, host_mb - compute_mb - tp_mb)  # what the host adds beyond the GPU's own time
+    stage_mb = compute_mb + tp_mb + host_mb + pp_per_mb
     bubble = bubble_fraction(p.pp, micro, p.virtual_stages) * micro * stage_mb
 
     dp_exposed = _data_parallel_exposed(cfg, cluster, rank_params(cfg, rank), compute_mb, micro, dp_stride)
@@ -93,7 +107,8 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
     step = micro * stage_mb + bubble + dp_exposed + optimizer
     tokens = t.global_batch_size * m.seq_length
     return StepEstimate(
-        step_s=step, compute_s=micro * compute_mb, tp_comm_s=micro * tp_mb, pp_comm_s=micro * pp_per_mb,
+        step_s=step, compute_s=micro * compute_mb, tp_comm_s=micro * tp_mb, host_s=micro * host_mb,
+        pp_comm_s=micro * pp_per_mb,
         bubble_s=bubble, dp_comm_s=dp_exposed, optimizer_s=optimizer, tokens_per_s=tokens / step,
         tflops_per_gpu=hardware * tokens / step / cluster.num_gpus / 1e12,
         mfu=flops_per_token(m) * tokens / step / cluster.num_gpus / (gpu.peak_tflops * 1e12))
