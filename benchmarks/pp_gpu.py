@@ -98,7 +98,7 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
     bubbles = []
     for _ in range(args.profiled_steps):
         one_step()
-        bubbles.append((executor.stats.step_s - executor.stats.compute_s) / executor.stats.compute_s)
+        bubbles.append(executor.stats.bubble)
     bubble = torch.tensor(min(bubbles), device=device)
     dist.all_reduce(bubble, op=dist.ReduceOp.MAX)  # the idlest stage sets the pace
     theory = bubble_fraction(topo.pp_size, m, v, schedule)

@@ -92,9 +92,13 @@ def covered(intervals: list[tuple[float, float]], starts: list[float], lo: float
     return total
 
 
-def collective_table(gpu: list[dict]) -> dict[str, list[float]]:
-    """Per NCCL kernel kind: [count, total time, time no compute kernel ran beside it (exposed)]."""
-    compute = merged([interval(e) for e in gpu if e["cat"] == "kernel" and "nccl" not in e["name"].lower()])
+def compute_intervals(gpu: list[dict]) -> list[tuple[float, float]]:
+    """When any kernel other than NCCL's ran, merged."""
+    return merged([interval(e) for e in gpu if e["cat"] == "kernel" and "nccl" not in e["name"].lower()])
+
+
+def collective_table(gpu: list[dict], compute: list[tuple[float, float]]) -> dict[str, list[float]]:
+    """Per NCCL kernel kind: [count, total time, time no ``compute`` interval ran beside it (exposed)]."""
     starts = [lo for lo, _ in compute]
     table: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for e in gpu:
@@ -124,14 +128,14 @@ def summarize(events: list[dict], top: int) -> None:
         common = collections.Counter(e["name"][:40] for e in evs).most_common(1)[0][0]
         print(f"  stream {stream}: busy {busy / 1e3:8.1f} ms ({busy / wall:5.1%}), {len(evs)} ops, most {common!r}")
     nccl = [interval(e) for e in gpu if e["cat"] == "kernel" and "nccl" in e["name"].lower()]
-    compute = [interval(e) for e in gpu if e["cat"] == "kernel" and "nccl" not in e["name"].lower()]
+    compute = compute_intervals(gpu)
     copies = [interval(e) for e in gpu if e["cat"] != "kernel"]
     busy = merged([interval(e) for e in gpu])
     print(f"  compute kernels (not NCCL) {span(compute) / 1e3:.1f} ms ({span(compute) / wall:.1%}), "
           f"NCCL {span(nccl) / 1e3:.1f} ms, copies and memsets {span(copies) / 1e3:.1f} ms, "
           f"nothing running {(wall - span(busy)) / 1e3:.1f} ms")
 
-    table = collective_table(gpu)
+    table = collective_table(gpu, compute)
     if table:
         print("  collectives (count, total ms, ms with no compute kernel beside them):")
         for name, (n, total, exposed) in sorted(table.items(), key=lambda kv: -kv[1][1]):

@@ -39,6 +39,7 @@ from megazero.flops import device_name, flops_per_token, peak_flops
 from parallel.launch import init_process_group, pick_device, read_launch_env
 from parallel.pipeline import bubble_fraction
 from parallel.topology import RankGrid, Topology
+from trace_summary import span
 
 
 def parse_run(run: str) -> tuple[list[str], Optional[int]]:
@@ -90,12 +91,8 @@ def profile_steps(engine, batch, out_dir: str, run_name: str, steps: int = 3) ->
             engine.train_step(batch)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" not in e.name.lower())
-    busy, end = 0.0, float("-inf")
-    for lo, hi in kernels:
-        busy += max(0.0, hi - max(lo, end))
-        end = max(end, hi)
+    busy = span([(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" not in e.name.lower()])
     os.makedirs(out_dir, exist_ok=True)
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, f"profile_{run_name}.txt"), "w") as f:
@@ -131,7 +128,7 @@ def pipeline_bubble(engine, batch, steps: int = 2) -> dict:
     bubbles = []
     for _ in range(steps):
         engine.train_step(batch)
-        bubbles.append((executor.stats.step_s - executor.stats.compute_s) / executor.stats.compute_s)
+        bubbles.append(executor.stats.bubble)
     executor.profile = False
     bubble = torch.tensor(min(bubbles), device=engine.device)
     dist.all_reduce(bubble, op=dist.ReduceOp.MAX)

@@ -68,7 +68,7 @@ def test_gap_is_charged_to_the_launching_op_and_copies_are_not_compute(tmp_path,
 def test_collective_exposure_counts_only_time_without_compute_beside_it():
     gpu = [_kernel("gemm", 0, 100, 1), _kernel("ncclDevKernel_AllGather_RING_LL(x)", 50, 100, 2),
            _kernel("ncclDevKernel_Reduce_Sum(x)", 300, 40, 3)]
-    table = trace_summary.collective_table(gpu)
+    table = trace_summary.collective_table(gpu, trace_summary.compute_intervals(gpu))
     assert table["AllGather_RING_LL"] == [1, 100, 50]  # half of it beside the GEMM
     assert table["Reduce_Sum"] == [1, 40, 40]
 

@@ -92,10 +92,10 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         if compute + tp_comm > slowest[0] + slowest[1]:
             slowest = (compute, tp_comm, rank)
     compute_mb, tp_mb, rank = slowest
-    host_mb = 0.0
+    host_launches = 0.0
     if p.tp > 1 and not t.cuda_graphs:
-        host_mb = max(rank_layers(cfg, r) for r in range(p.pp)) * HOST_S_PER_TP_BLOCK
-    host_mb = max(0.0, host_mb - compute_mb - tp_mb)  # what the host adds beyond the GPU's own time
+        host_launches = max(rank_layers(cfg, r) for r in range(p.pp)) * HOST_S_PER_TP_BLOCK
+    host_mb = max(0.0, host_launches - compute_mb - tp_mb)  # what the host adds beyond the GPU's own time
     stage_mb = compute_mb + tp_mb + host_mb + pp_per_mb
     bubble = bubble_fraction(p.pp, micro, p.virtual_stages) * micro * stage_mb
 

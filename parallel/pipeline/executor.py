@@ -58,6 +58,11 @@ class StepStats:
     compute_s: float = 0.0  # time inside forward/backward (only when the executor profiles)
     step_s: float = 0.0  # wall time of the step (GPU work included when profiling)
 
+    @property
+    def bubble(self) -> float:
+        """Idle over busy time of a profiled step: what ``schedule.bubble_fraction`` predicts."""
+        return (self.step_s - self.compute_s) / self.compute_s
+
 
 class PipelineExecutor:
     """Runs ``schedule`` for one pipeline rank of ``topo``; ``chunks[c]`` is virtual stage ``c*pp + rank``.
