@@ -10,8 +10,8 @@ against a reference: a deviation over the tolerance or a missing step must fail 
 from __future__ import annotations
 
 import gzip
-import os
 import json
+import os
 import pathlib
 import subprocess
 import sys
