@@ -17,6 +17,10 @@
 #                                    micro-batches 4 and 8 (overlap, serial), every run the first of its
 #                                    process and plain/graphs interleaved, so losses compare one to one
 #                                    (about 9 minutes)
+#   benchmarks/gpu_suite.sh pairs    four GPUs as two pairs running at once (0,1 and 2,3), swapped between rounds: tp 2
+#                                    + sp plain against CUDA-graph blocks at micro-batches 4 and 8, and NCCL's
+#                                    high-priority streams (TORCH_NCCL_HIGH_PRIORITY=1) against the default
+#                                    (about 8 minutes)
 #   benchmarks/gpu_suite.sh ctas     tp 2 + sp at micro-batch 8 with CUDA-graph blocks, NCCL limited to 4, 8 and 16
 #                                    thread blocks (NCCL_MAX_CTAS) against its default: whether collectives that
 #                                    take fewer multiprocessors hide behind the GEMMs (about 5 minutes)
@@ -34,7 +38,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, ctas, gradcopy, axes4, eight or eight-speed}
+part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, pairs, ctas, gradcopy, axes4, eight or eight-speed}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -91,6 +95,18 @@ graphs)
     run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
       --runs tp2-sp-$r-compile --warmup 3 --steps 6
   done ;;
+pairs)
+  pair() {  # pair GPUS PORT RUN [ENV=VALUE]: one tp 2 run on a pair of GPUs
+    run env CUDA_VISIBLE_DEVICES=$1 ${4:-} timeout 110 torchrun --nproc_per_node 2 --master_port $2 \
+      benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs $3 --warmup 3 --steps 6
+  }
+  hp=TORCH_NCCL_HIGH_PRIORITY=1
+  pair 2,3 29601 tp2-sp-mbs4-compile; pair 2,3 29601 tp2-sp-mbs4-cg-compile
+  for cg in "" cg-; do
+    pair 0,1 29500 tp2-sp-${cg}compile & pair 2,3 29601 tp2-sp-${cg}compile $hp & wait
+    pair 0,1 29500 tp2-sp-${cg}compile $hp & pair 2,3 29601 tp2-sp-${cg}compile & wait
+  done
+  pair 0,1 29500 tp2-sp-mbs4-cg-compile & pair 2,3 29601 tp2-sp-mbs4-compile $hp & wait ;;
 ctas)
   for ctas in default 4 8 16 default 16 8 4; do
     echo "# NCCL_MAX_CTAS=$ctas" | tee -a "$log"
