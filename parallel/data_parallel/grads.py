@@ -16,7 +16,12 @@ Two ways to hold them, chosen by the ZeRO stage:
 Buffers are never cleared: the first gradient a region receives after ``zero`` is copied in
 (converting 16 to 32 bits on the way) and only later ones are added, and the first reduction of a
 bucket in sharded mode writes straight into the shard. That saves a fill and a read of every
-buffer per step on the backward's critical path. Whatever received nothing (a parameter unused
+buffer per step on the backward's critical path. Those copies land in batches, one
+``_foreach_copy_`` for the gradients that arrived since the last batch (before a bucket is reduced,
+or once a bucket's worth is waiting): torch's casting copy of one tensor moves half the bytes per
+second of the batched kernel (on an H200, 4.8 against 2.5 ms for a 1.3B model's gradients), and
+issuing one launch for many tensors also saves host time. Adds land at once: a batched add of mixed
+dtypes is no faster. Whatever received nothing (a parameter unused
 this step) is zeroed when its bucket is reduced, so a stale value never leaks into a step. Gaps
 between parameters (alignment padding) may hold stale values in a reused scratch buffer; they
 reduce into shard gaps, which no segment reads.
@@ -69,6 +74,10 @@ class GradReducer:
         self.deferred: set[int] = set()  # buckets that must wait for finish() (see defer)
         self._callback_queued = False
         self.partial_group = partial_group
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, gradient) not yet landed
+        self.copying: set[int] = set()  # parameters with a copy in ``copies``
+        self.copying_numel = 0
+        self.land_numel = max(bucket.numel for bucket in layout.buckets)
         self.bucket_partial = [[i for i in partial if b in self.param_buckets[i]] for b in range(len(layout.buckets))]
         if mode == "full":
             self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
@@ -126,9 +135,11 @@ class GradReducer:
         grad = grad.reshape(-1)
         first = not self.written[i]
         self.written[i] = True
+        if i in self.copying:  # its earlier gradient must be in place before this one
+            self._land()
         if self.mode == "full":
             region = self.param_grad(i)
-            region.copy_(grad) if first else region.add_(grad)
+            self._copy(i, region, grad) if first else region.add_(grad)
             if self.overlap:
                 for b in self.param_buckets[i]:
                     self._count(b, self._bucket_slice(i, b)[2])
@@ -137,8 +148,25 @@ class GradReducer:
             src, dst, n = self._bucket_slice(i, b)
             if b not in self.scratch:
                 self.scratch[b] = self._take_buffer()
-            self.scratch[b][dst:dst + n].copy_(grad[src:src + n])
+            self._copy(i, self.scratch[b][dst:dst + n], grad[src:src + n])
             self._count(b, n)
+
+    def _copy(self, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)``, in the next batch (see the module doc)."""
+        self.copies.append((dst, src))
+        self.copying.add(i)
+        self.copying_numel += src.numel()
+        if self.copying_numel >= self.land_numel:
+            self._land()
+
+    def _land(self) -> None:
+        """Do the queued copies, one launch for all of them."""
+        if self.copies:
+            destinations, gradients = zip(*self.copies)
+            torch._foreach_copy_(list(destinations), list(gradients))
+            self.copies.clear()
+            self.copying.clear()
+            self.copying_numel = 0
 
     def defer(self, param: int) -> None:
         """Keep the buckets holding ``param`` out of early reduction: the caller first combines its
@@ -158,6 +186,7 @@ class GradReducer:
         if not self.written[i]:
             self.param_grad(i).zero_()
             self.written[i] = True
+        self._land()
         return self.param_grad(i)
 
     def _shard_slice(self, bucket: Bucket) -> torch.Tensor:
@@ -199,6 +228,7 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         bucket = self.layout.buckets[b]
+        self._land()
         self._sum_partial(b)
         if self.mode == "full":
             buf = self._flat(bucket.unit, bucket.start, bucket.end)
@@ -235,6 +265,7 @@ class GradReducer:
             self.on_final(b)
 
     def _flush(self) -> None:
+        self._land()
         for b in range(len(self.layout.buckets)):
             if not self.launched[b] and (self.mode == "full" or b in self.scratch):
                 self._clear_unwritten(b)
