@@ -42,20 +42,19 @@ def normalise_weights(weights) -> np.ndarray:
 
 _BLEND_C = r"""
 #include <stdint.h>
-/* counts as doubles (exact below 2^53) spare a conversion per comparison */
 void greedy_blend(const double *w, int64_t n, int64_t size, int16_t *dataset_index, int64_t *sample_index,
-                  double *counts) {
+                  int64_t *counts) {
     for (int64_t i = 0; i < size; i++) {
         double x = i > 1 ? (double)i : 1.0;
         int64_t best = 0;
-        double best_err = w[0] * x - counts[0];
+        double best_err = w[0] * x - (double)counts[0];
         for (int64_t d = 1; d < n; d++) {
-            double err = w[d] * x - counts[d];
+            double err = w[d] * x - (double)counts[d];
             if (err > best_err) { best = d; best_err = err; }
         }
         dataset_index[i] = (int16_t)best;
-        sample_index[i] = (int64_t)counts[best];
-        counts[best] += 1.0;
+        sample_index[i] = counts[best];
+        counts[best] += 1;
     }
 }
 """
@@ -69,7 +68,7 @@ def greedy_blend(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
         return greedy_blend_python(w, size)
     dataset_index = np.empty(size, dtype=np.int16)
     sample_index = np.empty(size, dtype=np.int64)
-    counts = np.zeros(len(w), dtype=np.float64)
+    counts = np.zeros(len(w), dtype=np.int64)
     helper(np.ascontiguousarray(w, dtype=np.float64), len(w), size, dataset_index, sample_index, counts)
     return dataset_index, sample_index
 
@@ -128,7 +127,7 @@ def compiled_blend():
         return None
     array = np.ctypeslib.ndpointer
     fn.argtypes = [array(np.float64, flags="C"), ctypes.c_int64, ctypes.c_int64, array(np.int16, flags="C"),
-                   array(np.int64, flags="C"), array(np.float64, flags="C")]
+                   array(np.int64, flags="C"), array(np.int64, flags="C")]
     fn.restype = None
     return fn
 
