@@ -175,15 +175,27 @@ def test_strict_makes_a_bad_record_fatal(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_truncated_gzip_is_counted_or_fatal(tmp_path, capsys):
-    data = gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in _docs(40)).encode())
-    path = tmp_path / "raw.jsonl.gz"
-    path.write_bytes(data[:len(data) // 2])
+def _zstd(data: bytes) -> bytes:
+    import zstandard
+    return zstandard.ZstdCompressor(level=3).compress(data)
+
+
+@pytest.mark.parametrize("suffix, compress", [("gz", gzip.compress), ("zst", _zstd)])
+def test_truncated_compressed_file_is_counted_or_fatal(tmp_path, capsys, suffix, compress):
+    # two independently compressed halves (gzip members, zstd frames), cut inside the second: the
+    # first half's documents and what the decompressor yields of the second are read, and the cut
+    # is counted at the line where the reading stopped
+    docs = [json.dumps({"text": d}) + "\n" for d in _docs(40)]
+    second = compress("".join(docs[20:]).encode())
+    path = tmp_path / f"raw.jsonl.{suffix}"
+    path.write_bytes(compress("".join(docs[:20]).encode()) + second[:len(second) // 2])
     assert _cli(tmp_path, config(tmp_path, [str(path)])) == 0
     stats = json.loads((tmp_path / "out/00-input/stats.json").read_text())
-    assert stats["bad_records"] == {"truncated file": 1} and "truncated or corrupt" in stats["bad_examples"][0]
+    read = stats["docs_out"]
+    assert stats["bad_records"] == {"truncated file": 1} and 20 <= read < 40
+    assert stats["bad_examples"][0].startswith(f"{path}:{read + 1}: ") and "truncated or corrupt" in stats["bad_examples"][0]
     assert _cli(tmp_path, config(tmp_path, [str(path)], out="strict"), "--strict") == 2
-    assert "raw.jsonl.gz: the file is truncated or corrupt" in capsys.readouterr().err
+    assert f"raw.jsonl.{suffix}: the file is truncated or corrupt" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change, message", [
