@@ -96,9 +96,10 @@ graphs)
       --runs tp2-sp-$r-compile --warmup 3 --steps 6
   done ;;
 pairs)
-  pair() {  # pair GPUS PORT RUN [ENV=VALUE]: one tp 2 run on a pair of GPUs
+  pair() {  # pair GPUS PORT RUN [ENV=VALUE]: one tp 2 run on a pair of GPUs, its lines labelled
     run env CUDA_VISIBLE_DEVICES=$1 ${4:-} timeout 110 torchrun --nproc_per_node 2 --master_port $2 \
-      benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs $3 --warmup 3 --steps 6
+      benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs $3 --warmup 3 --steps 6 |
+      sed "s/^/[GPUs $1 ${4:-default}] /" | tee -a "$log"
   }
   hp=TORCH_NCCL_HIGH_PRIORITY=1
   pair 2,3 29601 tp2-sp-mbs4-compile; pair 2,3 29601 tp2-sp-mbs4-cg-compile

@@ -10,7 +10,8 @@ checked (with dp 2 the 4-rank world holds two groups). Memory is measured after 
 stages 2 and 3 hold their gradient scratch buffers, whose count is bounded. Reading a stage-3
 parameter outside a forward is a clear error, not a read of released storage.
 
-Planted bugs this caught: a scratch pool whose buffers are never reused (the bound); the released
+Planted bugs this caught: a scratch pool whose buffers are never reused (the bound); gradient copies
+left queued after a backward (full mode landed them only at the next bucket or step); the released
 stage-3 guard removed (both ranks then die reading released storage). Gradients not divided by the
 data-parallel size fail the parameter comparison here too, and now the norm as well.
 """
@@ -137,6 +138,7 @@ def _zero_run(rank, world_size):
                 norm_err = max(abs(n - r) / r for n, r in zip(norms, ref_norms))
                 results[(dp, clip, stage, variant)] = (err, norms, norm_err)
         results.update(_memory_and_overflow(base, group, dp, dp_rank))
+        results[("queued", dp)] = _queued_after_backward(base, group, dp_rank)
         results[("released read", dp)] = _released_read(base, group)
     return results
 
@@ -171,6 +173,24 @@ def _memory_and_overflow(base, group, dp, dp_rank):
     result = opt.step()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     out[("overflow", dp)] = (result.skipped, opt.scaler.scale, unchanged)
+    return out
+
+
+def _queued_after_backward(base, group, dp_rank) -> dict:
+    """Gradient copies still queued when each backward returns, by stage, with buckets as large as
+    the units (so no bucket-sized batch lands the last gradients on its own): none may be, or the
+    next forward would find them held."""
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = copy.deepcopy(base)
+        opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=1 << 20, lr=1e-2)
+        queued = []
+        for micro in range(MICRO):
+            opt.dp.begin_microbatch(last=micro == MICRO - 1)
+            opt.scale_loss(model(*_data(0, dp_rank * MICRO + micro)) / MICRO).backward()
+            queued.append(len(opt.dp.reducer.copies))
+        opt.step()
+        out[stage] = queued
     return out
 
 
@@ -220,6 +240,12 @@ def test_zero_matches_single_process_adamw(zero_world, dp, clip, stage, variant)
         assert norm_err < (1e-2 if variant == "bf16grads" else NORM_TOL), (rank, norms, norm_err)
         if clip < 1:
             assert all(n > clip for n in norms), "the clipping threshold must bind in this case"
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_no_gradient_copy_is_held_after_a_backward(zero_world, dp):
+    for rank, rank_results in enumerate(zero_world):
+        assert rank_results[("queued", dp)] == {stage: [0] * MICRO for stage in (0, 1, 2, 3)}, rank
 
 
 @pytest.mark.parametrize("dp", [2, 4])
