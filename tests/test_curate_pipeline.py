@@ -47,6 +47,25 @@ def config(tmp_path: Path, inputs: list[str], out: str = "out", **sections) -> d
     return raw
 
 
+def every_stage(tmp_path: Path) -> dict:
+    """Config sections that run all five stages, each with something to do: a quality model trained
+    on part of the corpus's words against the rest plus junk (so the Pareto draw keeps some
+    documents and drops others), and a task quoting every third document."""
+    rng = random.Random(1)
+    junk = "click buy now free win casino cheap pills lol omg subscribe".split()
+    for name, vocab in (("hq", WORDS[:12]), ("lq", WORDS[12:] + junk)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for _ in range(100):
+                f.write(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(30))}) + "\n")
+    model = tmp_path / "quality.bin"
+    assert main(["curate", "train-quality", "--hq", str(tmp_path / "hq.jsonl"), "--lq", str(tmp_path / "lq.jsonl"),
+                 "--output", str(model), "--epoch", "5"]) == 0
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"text": " ".join(doc.split()[10:30])}) + "\n" for doc in _docs(40)[:40:3]))
+    return {"stages": ["clean", "exact_dedup", "quality", "fuzzy_dedup", "decontaminate"],
+            "quality": {"model": str(model)}, "decontaminate": {"tasks": [str(task)]}}
+
+
 def tree_digest(directory: str) -> dict:
     """sha256 of every file a run leaves, except timings and completion markers (they hold timings)."""
     out = {}
@@ -74,12 +93,16 @@ def test_pipeline_removes_planted_defects_and_counts_them(tmp_path):
 
 
 def test_one_and_two_workers_write_identical_files(tmp_path):
-    corpus = write_corpus(tmp_path)
+    corpus, stages = write_corpus(tmp_path), every_stage(tmp_path)
+    work = {}  # documents each stage dropped, plus task matches cut out
     for workers in (1, 2):
         raw = config(tmp_path, [corpus], out=f"w{workers}", executor={"workers": workers},
-                     output={"dir": str(tmp_path / f"w{workers}"), "format": "jsonl.gz"})
-        pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+                     output={"dir": str(tmp_path / f"w{workers}"), "format": "jsonl.gz"}, **stages)
+        result = pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+        work[workers] = {s["stage"]: sum(s["dropped"].values()) + sum(s.get("hits", {}).values())
+                         for s in result["stages"][1:]}
     assert tree_digest(str(tmp_path / "w1")) == tree_digest(str(tmp_path / "w2"))
+    assert work[1] == work[2] and all(work[1].values()), work
 
 
 class _Killed(Exception):

@@ -6,7 +6,7 @@ import pytest
 
 from data_pipeline.curate import pipeline
 from data_pipeline.curate.config import build_config
-from tests.test_curate_pipeline import config, tree_digest, write_corpus
+from tests.test_curate_pipeline import config, every_stage, tree_digest, write_corpus
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -19,9 +19,9 @@ def local_ray():
 
 
 def test_ray_and_local_pool_write_identical_files(tmp_path):
-    corpus = write_corpus(tmp_path)
+    corpus, stages = write_corpus(tmp_path), every_stage(tmp_path)
     for kind in ("local", "ray"):
-        raw = config(tmp_path, [corpus], out=kind, executor={"kind": kind, "workers": 2})
+        raw = config(tmp_path, [corpus], out=kind, executor={"kind": kind, "workers": 2}, **stages)
         pipeline.run_pipeline(build_config(raw), log=lambda s: None)
     assert tree_digest(str(tmp_path / "local")) == tree_digest(str(tmp_path / "ray"))
 
