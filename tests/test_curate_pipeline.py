@@ -103,6 +103,10 @@ def test_one_and_two_workers_write_identical_files(tmp_path):
                          for s in result["stages"][1:]}
     assert tree_digest(str(tmp_path / "w1")) == tree_digest(str(tmp_path / "w2"))
     assert work[1] == work[2] and all(work[1].values()), work
+    report = (tmp_path / "w1/report.md").read_text()
+    for plot in ("kept", "quality", "clusters", "decontamination"):  # one per stage that has a picture
+        png = (tmp_path / f"w1/report/{plot}.png").read_bytes()
+        assert f"report/{plot}.png" in report and png.startswith(b"\x89PNG\r\n\x1a\n"), plot
 
 
 class _Killed(Exception):
