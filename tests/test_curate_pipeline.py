@@ -19,6 +19,7 @@ from data_pipeline.curate import pipeline
 from data_pipeline.curate.config import build_config
 from data_pipeline.curate.runner import LocalExecutor, _run_packed
 from megazero.cli import main
+from tests.curation import train_quality_model
 
 WORDS = ("river stone market garden lantern harbor pencil orchard violet thunder meadow copper "
          "whisper canyon ribbon saddle marble cobalt feather glacier").split()
@@ -51,19 +52,12 @@ def every_stage(tmp_path: Path) -> dict:
     """Config sections that run all five stages, each with something to do: a quality model trained
     on part of the corpus's words against the rest plus junk (so the Pareto draw keeps some
     documents and drops others), and a task quoting every third document."""
-    rng = random.Random(1)
     junk = "click buy now free win casino cheap pills lol omg subscribe".split()
-    for name, vocab in (("hq", WORDS[:12]), ("lq", WORDS[12:] + junk)):
-        with open(tmp_path / f"{name}.jsonl", "w") as f:
-            for _ in range(100):
-                f.write(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(30))}) + "\n")
-    model = tmp_path / "quality.bin"
-    assert main(["curate", "train-quality", "--hq", str(tmp_path / "hq.jsonl"), "--lq", str(tmp_path / "lq.jsonl"),
-                 "--output", str(model), "--epoch", "5"]) == 0
+    model = train_quality_model(tmp_path, list(WORDS[:12]), list(WORDS[12:]) + junk, docs=100, epoch=5, seed=1)
     task = tmp_path / "task.jsonl"
     task.write_text("".join(json.dumps({"text": " ".join(doc.split()[10:30])}) + "\n" for doc in _docs(40)[:40:3]))
     return {"stages": ["clean", "exact_dedup", "quality", "fuzzy_dedup", "decontaminate"],
-            "quality": {"model": str(model)}, "decontaminate": {"tasks": [str(task)]}}
+            "quality": {"model": model}, "decontaminate": {"tasks": [str(task)]}}
 
 
 def tree_digest(directory: str) -> dict:

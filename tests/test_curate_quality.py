@@ -4,13 +4,13 @@ id, and a fastText classifier trained by `megazero curate train-quality`."""
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
 
 from data_pipeline.curate.quality import keep_probability, load_model, pareto_keep, scores
 from megazero.cli import main
+from tests.curation import train_quality_model
 
 
 @pytest.mark.parametrize("alpha", [3.0, 1.5])
@@ -36,18 +36,9 @@ def test_the_draw_depends_on_the_id_and_seed_only():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("quality")
-    rng = random.Random(0)
     good = "the committee published a careful report on river water quality and its history".split()
     bad = "click buy now free win casino cheap pills lol omg subscribe".split()
-    for name, vocab in (("hq", good), ("lq", bad)):
-        with open(tmp / f"{name}.jsonl", "w") as f:
-            for _ in range(200):
-                f.write(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(30))}) + "\n")
-    model = tmp / "q.bin"
-    assert main(["curate", "train-quality", "--hq", str(tmp / "hq.jsonl"), "--lq", str(tmp / "lq.jsonl"),
-                 "--output", str(model), "--epoch", "10"]) == 0
-    return str(model)
+    return train_quality_model(tmp_path_factory.mktemp("quality"), good, bad, docs=200, epoch=10)
 
 
 def test_train_quality_separates_the_classes(trained, capsys):
