@@ -66,6 +66,23 @@ def build_chunks(cfg: ModelConfig, pp: int, rank: int, v: int, device) -> list:
     return chunks
 
 
+def measured_bubble(executor: PipelineExecutor, step, steps: int, device) -> float:
+    """The pipeline's measured bubble: idle over busy time on the idlest stage, where busy is the time
+    of its forward and backward ops on the GPU (events, so waits for a neighbour count as idle) and
+    idle the rest of the executor's step; the least of ``steps`` profiled calls of ``step``."""
+    executor.profile = True
+    try:
+        bubbles = []
+        for _ in range(steps):
+            step()
+            bubbles.append(executor.stats.bubble)
+    finally:
+        executor.profile = False
+    bubble = torch.tensor(min(bubbles), device=device)
+    dist.all_reduce(bubble, op=dist.ReduceOp.MAX)  # the idlest stage sets the pace
+    return bubble.item()
+
+
 def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
     v = 2 if schedule == "interleaved_1f1b" else 1
     if m % topo.pp_size and v > 1:
@@ -94,20 +111,14 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
         loss = one_step()
     synchronize(device)
     elapsed = time.perf_counter() - start
-    executor.profile = True
-    bubbles = []
-    for _ in range(args.profiled_steps):
-        one_step()
-        bubbles.append(executor.stats.bubble)
-    bubble = torch.tensor(min(bubbles), device=device)
-    dist.all_reduce(bubble, op=dist.ReduceOp.MAX)  # the idlest stage sets the pace
+    bubble = measured_bubble(executor, one_step, args.profiled_steps, device)
     theory = bubble_fraction(topo.pp_size, m, v, schedule)
     tokens = args.steps * m * args.micro_batch_size * cfg.seq_length
     result = {"schedule": schedule, "pp": topo.pp_size, "v": v, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "seq": cfg.seq_length,
               "params_b": round(sum(p.numel() for c in chunks for p in c.parameters()) * topo.pp_size / 1e9, 2),
               "tokens_per_s": round(tokens / elapsed, 1), "step_s": round(elapsed / args.steps, 4),
-              "bubble_measured": round(bubble.item(), 4), "bubble_theory": round(theory, 4),
+              "bubble_measured": round(bubble, 4), "bubble_theory": round(theory, 4),
               "held_outputs_mib": round(executor.stats.peak_held_bytes / 2**20, 2), "loss": round(loss.item(), 4)}
     if device.type == "cuda":
         result.update(peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

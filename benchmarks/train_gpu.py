@@ -39,6 +39,7 @@ from megazero.flops import device_name, flops_per_token, peak_flops
 from parallel.launch import init_process_group, pick_device, read_launch_env
 from parallel.pipeline import bubble_fraction
 from parallel.topology import RankGrid, Topology
+from pp_gpu import measured_bubble
 from trace_summary import span
 
 
@@ -120,21 +121,11 @@ def host_syncs(engine, batch) -> list[str]:
 
 
 def pipeline_bubble(engine, batch, steps: int = 2) -> dict:
-    """The pipeline's measured bubble beside its theory: idle over busy time on the idlest stage, where
-    busy is the time of its forward and backward ops on the GPU (events, so waits for a neighbour are
-    idle) and idle is the rest of the executor's step, the least of ``steps`` steps."""
-    executor = engine.executor
-    executor.profile = True
-    bubbles = []
-    for _ in range(steps):
-        engine.train_step(batch)
-        bubbles.append(executor.stats.bubble)
-    executor.profile = False
-    bubble = torch.tensor(min(bubbles), device=engine.device)
-    dist.all_reduce(bubble, op=dist.ReduceOp.MAX)
+    """The pipeline's measured bubble (``pp_gpu.measured_bubble``) beside its theory."""
     p = engine.cfg.parallel
-    theory = bubble_fraction(p.pp, len(batch), p.virtual_stages, executor.schedule)
-    return {"bubble_measured": round(bubble.item(), 4), "bubble_theory": round(theory, 4)}
+    measured = measured_bubble(engine.executor, lambda: engine.train_step(batch), steps, engine.device)
+    theory = bubble_fraction(p.pp, len(batch), p.virtual_stages, engine.executor.schedule)
+    return {"bubble_measured": round(measured, 4), "bubble_theory": round(theory, 4)}
 
 
 def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | None = None,
