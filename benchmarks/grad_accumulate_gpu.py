@@ -5,7 +5,7 @@ Every micro-batch, each parameter's bf16 gradient is copied (the step's first mi
 GPT's copies took 4.9 ms a step, about a third of the memory bandwidth: torch casts bf16 to fp32
 with its unvectorized kernel (BENCHMARKS.md, "Where tensor parallel's step goes"). This times, over
 the parameter shapes of a config's model, the ways to do it: ``copy_`` / ``add_`` per parameter (what
-the buffer does now), ``torch._foreach_copy_`` / ``_foreach_add_`` per parameter and for all at once,
+the buffer did before it batched its copies), ``torch._foreach_copy_`` / ``_foreach_add_`` per parameter and for all at once,
 a minimal Triton kernel per parameter (load bf16, add in fp32, store: one vectorized pass) and the
 same by ``torch.compile``, and the weight-gradient GEMM accumulating into the fp32 buffer itself
 (``addmm`` with an fp32 output, Megatron's gradient-accumulation fusion) against the GEMM followed

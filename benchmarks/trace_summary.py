@@ -92,9 +92,13 @@ def covered(intervals: list[tuple[float, float]], starts: list[float], lo: float
     return total
 
 
+def is_nccl(e: dict) -> bool:
+    return e["cat"] == "kernel" and "nccl" in e["name"].lower()
+
+
 def compute_intervals(gpu: list[dict]) -> list[tuple[float, float]]:
     """When any kernel other than NCCL's ran, merged."""
-    return merged([interval(e) for e in gpu if e["cat"] == "kernel" and "nccl" not in e["name"].lower()])
+    return merged([interval(e) for e in gpu if e["cat"] == "kernel" and not is_nccl(e)])
 
 
 def collective_table(gpu: list[dict], compute: list[tuple[float, float]]) -> dict[str, list[float]]:
@@ -102,7 +106,7 @@ def collective_table(gpu: list[dict], compute: list[tuple[float, float]]) -> dic
     starts = [lo for lo, _ in compute]
     table: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for e in gpu:
-        if e["cat"] == "kernel" and "nccl" in e["name"].lower():
+        if is_nccl(e):
             row = table[e["name"].split("(")[0].replace("ncclDevKernel_", "")]
             lo, hi = interval(e)
             row[0] += 1
@@ -123,11 +127,12 @@ def summarize(events: list[dict], top: int) -> None:
     streams = collections.defaultdict(list)
     for e in gpu:
         streams[stream_of(e)].append(e)
-    for stream, evs in sorted(streams.items(), key=lambda kv: -span([interval(e) for e in kv[1]])):
-        busy = span([interval(e) for e in evs])
+    busy_of = {stream: span([interval(e) for e in evs]) for stream, evs in streams.items()}
+    for stream, evs in sorted(streams.items(), key=lambda kv: -busy_of[kv[0]]):
+        busy = busy_of[stream]
         common = collections.Counter(e["name"][:40] for e in evs).most_common(1)[0][0]
         print(f"  stream {stream}: busy {busy / 1e3:8.1f} ms ({busy / wall:5.1%}), {len(evs)} ops, most {common!r}")
-    nccl = [interval(e) for e in gpu if e["cat"] == "kernel" and "nccl" in e["name"].lower()]
+    nccl = [interval(e) for e in gpu if is_nccl(e)]
     compute = compute_intervals(gpu)
     copies = [interval(e) for e in gpu if e["cat"] != "kernel"]
     busy = merged([interval(e) for e in gpu])

@@ -166,9 +166,12 @@ class GradReducer:
         if self.copies:
             destinations, gradients = zip(*self.copies)
             torch._foreach_copy_(list(destinations), list(gradients))
-            self.copies.clear()
-            self.copying.clear()
-            self.copying_numel = 0
+            self._forget_copies()
+
+    def _forget_copies(self) -> None:
+        self.copies.clear()
+        self.copying.clear()
+        self.copying_numel = 0
 
     def defer(self, param: int) -> None:
         """Keep the buckets holding ``param`` out of early reduction: the caller first combines its
@@ -303,9 +306,7 @@ class GradReducer:
     def zero(self) -> None:
         """Start a new step: nothing is cleared, every region is marked unwritten (see the module doc);
         copies a failed backward left queued are dropped."""
-        self.copies.clear()
-        self.copying.clear()
-        self.copying_numel = 0
+        self._forget_copies()
         self.pool.extend(self.scratch.values())
         self.scratch.clear()
         self.received = [0] * len(self.layout.buckets)
