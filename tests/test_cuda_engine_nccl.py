@@ -3,8 +3,8 @@
 The CPU suite runs every layout over gloo in fp32; what only a GPU exercises is NCCL itself (its
 reduce-scatter and all-gather into bucket views, the batched point-to-point of the pipeline), the
 CUDA fused AdamW with its device-side unscale and skip, and bf16 kernels. Each layout of two ranks,
-(tp, pp, dp) = (1,1,2) under ZeRO 1, 2 and 3, (2,1,1) with sequence parallelism in each of its
-communication modes and (1,2,1), and with the blocks replayed as CUDA graphs (tp 2 with and without
+(tp, pp, dp) = (1,1,2) under ZeRO 1, 2 and 3, (2,1,1) without sequence parallelism and with it in each
+of its communication modes and (1,2,1), and with the blocks replayed as CUDA graphs (tp 2 with and without
 sp, dp 2 under ZeRO 2; replays counted, so a silent fallback to the plain path fails), trains 3 steps
 in bf16 and is compared with the fp32 reference of ``tests/test_engine_equivalence.py`` on the same
 global batches: the reported gradient norm every step within 2%, the losses within 2%, and the whole
@@ -38,14 +38,10 @@ pytestmark = [pytest.mark.cuda,
 SP, ZB = ("--parallel.sequence_parallel", "true"), ("--parallel.pipeline_schedule", "zb-h1")
 CG = ("--train.cuda_graphs", "true")
 CASES = [((1, 1, 2), 1, ()), ((1, 1, 2), 2, ()), ((1, 1, 2), 3, ()),
-         ((2, 1, 1), 1, SP),
+         ((2, 1, 1), 1, ()), ((2, 1, 1), 1, SP),
          ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "peer_memory")),
          ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial")),
          ((1, 2, 1), 1, ())]
-# Run in processes of their own: after the eight engines above in the same processes (compiled,
-# graphed, with their NCCL groups and graph pools), the serial case recorded graphs that gave wrong
-# gradients, the same ones every time; alone, or after any one group of the cases above, it passes.
-# A training process builds one engine.
 CASES_CG = [((2, 1, 1), 1, (*SP, *CG)), ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial", *CG)),
             ((2, 1, 1), 1, CG),
             ((1, 1, 2), 2, CG)]
@@ -121,12 +117,7 @@ def _all_cases(rank: int, world_size: int, cases: list) -> dict:
 
 @pytest.fixture(scope="module")
 def reports():
-    return run_world(2, _all_cases, CASES, timeout=600, backend="nccl")
-
-
-@pytest.fixture(scope="module")
-def reports_cg():
-    return run_world(2, _all_cases, CASES_CG, timeout=600, backend="nccl")
+    return run_world(2, _all_cases, CASES + CASES_CG, timeout=600, backend="nccl")
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +148,8 @@ def test_bf16_on_nccl_tracks_fp32_reference(reports, layout, stage, extra):
 
 
 @pytest.mark.parametrize("layout, stage, extra", CASES_CG)
-def test_cuda_graphs_on_nccl_track_fp32_reference(reports_cg, layout, stage, extra):
-    _check(reports_cg, layout, stage, extra)
+def test_cuda_graphs_on_nccl_track_fp32_reference(reports, layout, stage, extra):
+    _check(reports, layout, stage, extra)
 
 
 @pytest.mark.parametrize("layout, stage, extra", CASES4)

@@ -31,9 +31,27 @@ from parallel import comm
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    comm.all_reduce(x, group)
-    return x
+    """The sum of ``x`` over ``group``, in a new tensor (``x`` is left as it was)."""
+    if comm.group_size(group) == 1:
+        return x
+    return _summed(x, group.group_name)
+
+
+# An operator of its own, opaque to torch.compile. Traced as an in-place ``dist.all_reduce`` (of a
+# clone in forward, of the incoming gradient in backward), these sums compiled to wrong gradients
+# on CUDA with torch 2.11: a tp-2 block without sequence parallelism gave many of its weights zero
+# gradients, with the right loss. The same code compiled for the CPU, and eager on either, was
+# right; the sequence-parallel collectives, which write into new tensors, were right too.
+@torch.library.custom_op("megazero::tp_all_reduce", mutates_args=())
+def _summed(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    comm.all_reduce(out, comm.group_named(group_name))
+    return out
+
+
+@_summed.register_fake
+def _(x, group_name):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _check_divisible(x: torch.Tensor, dim: int, size: int) -> None:
@@ -115,7 +133,7 @@ def _mirrored(name: str, forward: Callable, backward: Callable) -> type:
 
 LAST = -1
 _CopyToTP = _mirrored("_CopyToTP", lambda x, g: x.view_as(x), _all_reduce)
-_ReduceFromTP = _mirrored("_ReduceFromTP", lambda x, g: _all_reduce(x.clone(), g), lambda grad, g: grad)
+_ReduceFromTP = _mirrored("_ReduceFromTP", _all_reduce, lambda grad, g: grad)
 _ScatterToTP = _mirrored("_ScatterToTP", lambda x, g: _split(x, g, LAST), lambda grad, g: _gather(grad, g, LAST))
 _GatherFromTP = _mirrored("_GatherFromTP", lambda x, g: _gather(x, g, LAST), lambda grad, g: _split(grad, g, LAST))
 _SplitSequence = _mirrored("_SplitSequence", _split_tokens, _gather_tokens)
