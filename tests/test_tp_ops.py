@@ -1,5 +1,5 @@
 """Tensor-parallel ops on 4 gloo ranks: the autograd collectives, vocab-parallel cross-entropy, the tp
-random stream and dropout under checkpointing.
+random stream, dropout under checkpointing, and the form the collectives take in compiled blocks.
 
 Tolerances: collectives only move and sum data, compared at 1e-6 relative; the cross-entropy (per
 token, and summed: the gradient is the sum's) is compared with torch.nn.functional.cross_entropy at
@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 from models import GPT
 from models.config import ModelConfig
@@ -26,6 +28,7 @@ from tests.distributed import run_world
 RTOL = 1e-5
 CE_CASES = [(2, 300), (4, 300), (4, 100)]  # (tp, vocab): at tp=4, vocab 100 leaves three shards all padding
 DROPOUT_CASES = [("gpt2", 2, False), ("llama", 2, True), ("gpt2", 4, True), ("llama", 4, False)]
+COMPILED_CASES = [("gpt2", False), ("gpt2", True), ("llama", False)]  # (preset, sequence parallel) at tp 2
 RECOMPUTE = ("none", "full", "selective")
 
 
@@ -122,18 +125,45 @@ def _streams(topo: Topology) -> dict:
             "replayed": torch.equal(first, replayed), "advanced": not torch.equal(first, after)}
 
 
-def _dropout_run(preset: str, topo: Topology, sp: bool, recompute: str, dropout: float):
+def _small_tp_model(preset: str, topo: Topology, sp: bool, recompute: str = "none", dropout: float = 0.0):
     fields = dict(MODEL_PRESETS[preset], num_layers=2, hidden_size=64, num_heads=4, vocab_size=200,
                   seq_length=16, dropout=dropout, attention_dropout=dropout)
-    cfg = ModelConfig(**fields)
-    model = GPT(cfg, vocab_multiple=128 * topo.tp_size, seed=3)
+    model = GPT(ModelConfig(**fields), vocab_multiple=128 * topo.tp_size, seed=3)
     tensor_parallelize_gpt(model, topo.tp_group, seed=3, sequence_parallel=sp, recompute=recompute)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    return model, ids
+
+
+def _dropout_run(preset: str, topo: Topology, sp: bool, recompute: str, dropout: float):
+    model, ids = _small_tp_model(preset, topo, sp, recompute, dropout)
     torch.manual_seed(1)  # the default stream: identical on every tp rank
     loss = model(ids, ids).mean()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _compiled_collectives(preset: str, topo: Topology, sp: bool) -> dict:
+    """The communication operators in each compiled block's forward and backward graphs, as AOT
+    autograd hands them to the compiler. Traced ``torch.distributed`` calls (``_c10d_functional``
+    ops) compiled to wrong gradients on CUDA (``parallel.tensor_parallel.collectives``), which no CPU
+    run shows, so every collective in a block must be one of megazero's opaque operators."""
+    model, ids = _small_tp_model(preset, topo, sp)
+    found = {"forward": set(), "backward": set()}
+
+    def record(kind):
+        def compiler(gm, example_inputs):
+            found[kind].update(str(node.target) for node in gm.graph.nodes if node.op == "call_function"
+                               and ("c10d" in str(node.target) or str(node.target).startswith("megazero.")))
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward, backend=backend)
+    model(ids, ids).mean().backward()
+    torch._dynamo.reset()
+    return found
 
 
 def _masks_per_rank(topo: Topology) -> dict:
@@ -184,6 +214,7 @@ def _checks(rank, world_size):
             report[recompute] = torch.equal(loss, base_loss) and all(torch.equal(grads[n], g)
                                                                       for n, g in base_grads.items())
         out["dropout"][(preset, tp, sp)] = report
+    out["compiled"] = {(preset, sp): _compiled_collectives(preset, topologies[2], sp) for preset, sp in COMPILED_CASES}
     return out
 
 
@@ -236,3 +267,12 @@ def test_dropout_is_reproducible_and_recompute_replays_its_masks(results, case):
         assert report["none"], "two runs with the same seed differ"
         assert report["full"], "full recompute changed the loss or gradients"
         assert report["selective"], "selective recompute changed the loss or gradients"
+
+
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=lambda c: f"{c[0]}{'-sp' if c[1] else ''}")
+def test_compiled_blocks_communicate_only_through_megazero_operators(results, case):
+    for result in results:
+        for kind, targets in result["compiled"][case].items():
+            assert targets, f"no collective in the compiled {kind} graph: the test would prove nothing"
+            traced = sorted(t for t in targets if not t.startswith("megazero."))
+            assert not traced, f"{kind} graph traces {traced}"
