@@ -24,7 +24,7 @@ from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets
-from megazero.engine import Engine, layout_record
+from megazero.engine import Engine, StepOutput, layout_record
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
 from megazero.metrics import MetricsLogger, StepMetrics
@@ -44,6 +44,17 @@ class TrainState:
     saved_to: Optional[str] = None  # the checkpoint written as the run stopped
 
 
+@dataclass
+class _QueuedStep:
+    """A step on the device whose results the host has not read yet."""
+    out: StepOutput
+    step: int
+    size: int  # samples
+    lr: float
+    consumed: int  # samples consumed once it is done
+    queued_at: float  # time.perf_counter()
+
+
 class Trainer:
     def __init__(self, cfg: Config, device: torch.device, topology):
         self.cfg, self.device, self.topo = cfg, device, topology
@@ -54,6 +65,7 @@ class Trainer:
         self.train_data, self.valid_data = build_datasets(cfg, self._train_samples())
         self.state = TrainState()
         self.saved_step = 0  # the step of the newest checkpoint this run saved or resumed from
+        self._last_finished: Optional[float] = None  # when the host last read a step's results
         self.writer = CheckpointWriter(cfg.save_dir, rank=self.rank, world_size=self.world,
                                        barrier=lambda: dist.barrier(), keep_last=cfg.checkpoint.keep_last,
                                        async_save=cfg.checkpoint.async_save and device.type == "cuda")
@@ -138,10 +150,15 @@ class Trainer:
                       f"{max(totals) / 2**30:.3f} GiB per rank", flush=True)
 
     # --- the loop ----------------------------------------------------------------------------
-    def _flag_any(self, value: bool) -> bool:
-        flag = torch.tensor([1.0 if value else 0.0], device=self.device)  # NCCL reduces device tensors only
-        comm.all_reduce(flag, dist.group.WORLD, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def _queue_flags(self, *values: bool) -> torch.Tensor:
+        """``values`` as 0/1 on the device, maxed over every rank: queued behind the step now on the
+        stream (filled by kernels, not copied from the host, so queueing it waits for nothing)."""
+        flags = torch.zeros(len(values), device=self.device)  # NCCL reduces device tensors only
+        for i, value in enumerate(values):
+            if value:
+                flags[i] = 1.0
+        comm.all_reduce(flags, dist.group.WORLD, op=dist.ReduceOp.MAX)
+        return flags
 
     def _done(self) -> bool:
         t = self.cfg.train
@@ -149,7 +166,19 @@ class Trainer:
             return True
         return t.train_tokens is not None and self.state.consumed * self.cfg.model.seq_length >= t.train_tokens
 
+    def _pause_after(self, step: int) -> bool:
+        """Whether the step just queued must finish before the next is queued: it is evaluated, saved
+        or the last, and those read or write the parameters as that step left them."""
+        t, interval = self.cfg.train, self.cfg.checkpoint.save_interval
+        return (self._done() or bool(t.eval_interval and step % t.eval_interval == 0)
+                or bool(interval and step % interval == 0))
+
     def train(self) -> TrainState:
+        """Steps are queued one ahead: the host reads step N's loss, gradient norm and stop flags
+        while the device already runs step N+1, so it never idles between steps waiting for the host
+        to log, check and prepare the next batch. A step after which the run evaluates, saves or ends
+        is not run ahead of; a stop for time or preemption, seen one step late, saves after the step
+        already queued."""
         start = time.monotonic()
         t = self.cfg.train
         if self._done():
@@ -159,22 +188,29 @@ class Trainer:
                       flush=True)
             return self.state
         with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger:
-            while not self._done():
-                metrics = self._one_step()
-                if t.eval_interval and self.state.step % t.eval_interval == 0:
+            pending = self._queue_step()
+            while pending is not None:
+                out_of_time = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
+                flags = self._queue_flags(preemption.requested, out_of_time)
+                ahead = None if self._pause_after(pending.step) else self._queue_step()
+                metrics = self._finish_step(pending)
+                if t.eval_interval and pending.step % t.eval_interval == 0:
                     metrics.val_loss = self._evaluate()
                 self.logger.record(metrics)
-                out_of_time = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
-                if self._flag_any(preemption.requested):
+                preempted, out_of_time = (value > 0 for value in flags.tolist())
+                if preempted:
                     self.state.stopped_by = self._agreed_signal(preemption.signal_name)
-                if self.state.stopped_by or self._flag_any(out_of_time):
+                if self.state.stopped_by or out_of_time:
+                    if ahead is not None:
+                        self.logger.record(self._finish_step(ahead))
                     if self.rank == 0:
                         why = self.state.stopped_by or "the wall-clock limit"
                         print(f"megazero: stopping at step {self.state.step} for {why}; saving", flush=True)
                     break
                 interval = self.cfg.checkpoint.save_interval
-                if interval and self.state.step % interval == 0 and not self._done():
+                if interval and pending.step % interval == 0 and not self._done():
                     self.save()
+                pending = ahead if ahead is not None or self._done() else self._queue_step()
             if self.cfg.checkpoint.save_on_exit or self.state.stopped_by:
                 self.save()
             self.writer.wait()
@@ -193,8 +229,10 @@ class Trainer:
         dist.all_gather_object(names, mine)
         return next(name for name in names if name is not None)
 
-    def _one_step(self) -> StepMetrics:
-        t0 = time.perf_counter()
+    def _queue_step(self) -> "_QueuedStep":
+        """Queue the next global batch's forward, backward and update on the device, without reading
+        anything back."""
+        queued_at = time.perf_counter()
         size = self.batches.global_batch(self.state.consumed)
         micro = global_batch(self.train_data, self.state.consumed, size, self.cfg.train.micro_batch_size,
                              self.topo.dp_rank, self.topo.dp_size)
@@ -202,20 +240,31 @@ class Trainer:
         out = self.engine.train_step(micro, lr)
         self.state.step += 1
         self.state.consumed += size
-        skipped = bool(out.result.skipped)
+        return _QueuedStep(out, self.state.step, size, lr, self.state.consumed, queued_at)
+
+    def _finish_step(self, queued: "_QueuedStep") -> StepMetrics:
+        """Read a queued step's results (waiting for that step only) and count skipped steps."""
+        skipped = bool(queued.out.result.skipped)
+        loss = queued.out.loss
         self.state.skipped += int(skipped)
         # fp16 overflows are the dynamic scaler's business (it stops the run at min_loss_scale); any
         # other skipped step means the loss or a gradient was NaN or inf.
-        bad = not math.isfinite(out.loss) or (skipped and self.cfg.precision.dtype != "fp16")
+        bad = not math.isfinite(loss) or (skipped and self.cfg.precision.dtype != "fp16")
         self.state.bad_in_row = self.state.bad_in_row + 1 if bad else 0
         if self.state.bad_in_row >= self.cfg.train.max_bad_steps:
             raise UserError(f"the loss or the gradients were NaN or inf for {self.state.bad_in_row} steps in a "
-                            f"row (to step {self.state.step}): the run is diverging; lower optimizer.lr, raise "
+                            f"row (to step {queued.step}): the run is diverging; lower optimizer.lr, raise "
                             "schedule.warmup_steps or resume from an earlier checkpoint")
+        now = time.perf_counter()
+        # Queued one ahead, a step's time is from the end of the one before (or its own queueing, if
+        # later) to its end: in a steady run, the time between two steps' ends.
+        seconds = now - max(queued.queued_at, self._last_finished or 0.0)
+        self._last_finished = now
         return StepMetrics(
-            step=self.state.step, loss=out.loss, lr=lr, grad_norm=out.result.grad_norm,
-            tokens=size * self.cfg.model.seq_length, seconds=time.perf_counter() - t0,
-            loss_scale=out.result.loss_scale, skipped_steps=self.state.skipped, consumed_samples=self.state.consumed)
+            step=queued.step, loss=loss, lr=queued.lr, grad_norm=queued.out.result.grad_norm,
+            tokens=queued.size * self.cfg.model.seq_length, seconds=seconds,
+            loss_scale=queued.out.result.loss_scale, skipped_steps=self.state.skipped,
+            consumed_samples=queued.consumed)
 
     def _evaluate(self):
         """Mean loss over the first ``eval_steps`` global batches of the validation split (the same

@@ -132,21 +132,21 @@ def _nan_world(rank, world_size, prefix, root):
         param = next(trainer.engine.chunks[0].parameters())
         if rank == 1:  # only this rank's gradient goes bad
             param.register_hook(lambda g: g.fill_(float("nan")) if trainer.state.step + 1 in poisoned_steps else g)
-        snapshots = {}
-        original = trainer._one_step
+        masters = {}  # the master weights as the steps queued so far leave them, by step
+        original = trainer._queue_step
 
-        def step_and_snapshot():
-            before = trainer.engine.optimizer.master.clone()
-            metrics = original()
-            snapshots[trainer.state.step] = bool(torch.equal(before, trainer.engine.optimizer.master))
-            return metrics
+        def snapshot_then_queue():
+            masters[trainer.state.step] = trainer.engine.optimizer.master.clone()
+            return original()
 
-        trainer._one_step = step_and_snapshot
+        trainer._queue_step = snapshot_then_queue
         try:
             trainer.train()
             out[case] = {"error": None}
         except UserError as exc:
             out[case] = {"error": str(exc)}
+        masters[trainer.state.step] = trainer.engine.optimizer.master.clone()
+        snapshots = {step: bool(torch.equal(masters[step - 1], masters[step])) for step in masters if step - 1 in masters}
         out[case].update(unchanged=snapshots, skipped=trainer.state.skipped)
         dist.barrier()
     return out

@@ -4,6 +4,9 @@
   stage, and resumes a tp2 x pp2 x dp2 checkpoint as tp1 x pp2 x dp4 under ZeRO-3; a 1-rank world
   trains the single-process run and resumes the same checkpoint as one process. Losses agree within
   2e-4 relative (fp32; the layouts sum in different orders, and Adam amplifies that slightly).
+  The single process also evaluates every 3 steps: the validation loss at step 3 equals that of a
+  run that ends at step 3 (the trainer queues a step before reading the last one's results, and
+  must not run ahead of a step it evaluates).
 * ``torchrun`` runs of the real command: ``kill -9`` after a checkpoint, then a resume whose
   metrics.jsonl lines equal the uninterrupted run's exactly (loss, lr, grad norm); SIGTERM saves a
   loadable checkpoint and exits with status 75 (preempted).
@@ -106,6 +109,14 @@ def _world1(rank, world_size, prefix, root):
     except UserError as exc:
         out["diverge"] = str(exc)
     out["diverge_metrics"] = read_metrics(os.path.join(root, "diverge", "metrics.jsonl"))
+    out["evaluations"] = {}
+    for steps in (3, STEPS):  # step 3 evaluated as the run's last step, and with later steps to queue
+        run_dir = f"{root}/eval-{steps}"
+        _train(_overrides(prefix, run_dir, steps=steps, extra=(
+            "--data.split", "9,1,0", "--train.eval_interval", "3", "--train.eval_steps", "1",
+            "--checkpoint.save_on_exit", "false")), 1)
+        out["evaluations"][steps] = [(row["step"], row["val_loss"]) for row in
+                                     read_metrics(os.path.join(run_dir, "metrics.jsonl")) if row.get("val_loss") is not None]
     return out
 
 
@@ -243,3 +254,12 @@ def test_repeated_nan_losses_stop_the_run_with_a_message(layouts):
     assert message is not None and "NaN or inf for 3 steps in a row" in message, message
     bad = [r for r in rows if r["loss"] is None]
     assert len(bad) >= 2 and all(r["skipped_steps"] >= 1 for r in bad), rows
+
+
+def test_evaluation_sees_the_weights_of_its_step(layouts):
+    """The trainer queues each step before reading the last one's results; the step it evaluates
+    must not be run ahead of, so its validation loss is the one a run ending there computes."""
+    last, longer = layouts["evaluations"][3], layouts["evaluations"][STEPS]
+    assert len(last) == 1 and last[0][0] == 3, last
+    assert [step for step, _ in longer] == [3, 6, 9], longer
+    assert longer[0] == last[0], (longer, last)
