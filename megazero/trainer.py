@@ -24,7 +24,7 @@ from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets
-from megazero.engine import Engine, StepOutput, layout_record
+from megazero.engine import Engine, layout_record
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
 from megazero.metrics import MetricsLogger, StepMetrics
@@ -44,10 +44,32 @@ class TrainState:
     saved_to: Optional[str] = None  # the checkpoint written as the run stopped
 
 
+class _HostCopy:
+    """Device scalars copied to host memory behind the work queued so far: reading them waits for
+    that work only, not for what was queued after (an ``.item()`` then would wait for everything)."""
+
+    def __init__(self, *values: torch.Tensor):
+        stacked = torch.stack([v.detach().reshape(()).to(torch.float64) for v in values])
+        self._event = None
+        if stacked.is_cuda:
+            self._host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            self._host.copy_(stacked, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = stacked
+
+    def read(self) -> list[float]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 @dataclass
 class _QueuedStep:
     """A step on the device whose results the host has not read yet."""
-    out: StepOutput
+    values: _HostCopy  # its loss, gradient norm and skip flag
+    loss_scale: float
     step: int
     size: int  # samples
     lr: float
@@ -150,15 +172,15 @@ class Trainer:
                       f"{max(totals) / 2**30:.3f} GiB per rank", flush=True)
 
     # --- the loop ----------------------------------------------------------------------------
-    def _queue_flags(self, *values: bool) -> torch.Tensor:
-        """``values`` as 0/1 on the device, maxed over every rank: queued behind the step now on the
-        stream (filled by kernels, not copied from the host, so queueing it waits for nothing)."""
+    def _queue_flags(self, *values: bool) -> _HostCopy:
+        """``values`` as 0/1, maxed over every rank, on the device behind the step queued last (filled
+        by kernels, not copied from the host, so queueing them waits for nothing)."""
         flags = torch.zeros(len(values), device=self.device)  # NCCL reduces device tensors only
         for i, value in enumerate(values):
             if value:
                 flags[i] = 1.0
         comm.all_reduce(flags, dist.group.WORLD, op=dist.ReduceOp.MAX)
-        return flags
+        return _HostCopy(*flags)
 
     def _done(self) -> bool:
         t = self.cfg.train
@@ -197,7 +219,7 @@ class Trainer:
                 if t.eval_interval and pending.step % t.eval_interval == 0:
                     metrics.val_loss = self._evaluate()
                 self.logger.record(metrics)
-                preempted, out_of_time = (value > 0 for value in flags.tolist())
+                preempted, out_of_time = (value > 0 for value in flags.read())
                 if preempted:
                     self.state.stopped_by = self._agreed_signal(preemption.signal_name)
                 if self.state.stopped_by or out_of_time:
@@ -229,7 +251,7 @@ class Trainer:
         dist.all_gather_object(names, mine)
         return next(name for name in names if name is not None)
 
-    def _queue_step(self) -> "_QueuedStep":
+    def _queue_step(self) -> _QueuedStep:
         """Queue the next global batch's forward, backward and update on the device, without reading
         anything back."""
         queued_at = time.perf_counter()
@@ -240,12 +262,13 @@ class Trainer:
         out = self.engine.train_step(micro, lr)
         self.state.step += 1
         self.state.consumed += size
-        return _QueuedStep(out, self.state.step, size, lr, self.state.consumed, queued_at)
+        values = _HostCopy(out.loss_value, out.result.norm, out.result.overflow)
+        return _QueuedStep(values, out.result.loss_scale, self.state.step, size, lr, self.state.consumed, queued_at)
 
-    def _finish_step(self, queued: "_QueuedStep") -> StepMetrics:
+    def _finish_step(self, queued: _QueuedStep) -> StepMetrics:
         """Read a queued step's results (waiting for that step only) and count skipped steps."""
-        skipped = bool(queued.out.result.skipped)
-        loss = queued.out.loss
+        loss, grad_norm, skipped = queued.values.read()
+        skipped = skipped > 0
         self.state.skipped += int(skipped)
         # fp16 overflows are the dynamic scaler's business (it stops the run at min_loss_scale); any
         # other skipped step means the loss or a gradient was NaN or inf.
@@ -261,9 +284,9 @@ class Trainer:
         seconds = now - max(queued.queued_at, self._last_finished or 0.0)
         self._last_finished = now
         return StepMetrics(
-            step=queued.step, loss=loss, lr=queued.lr, grad_norm=queued.out.result.grad_norm,
+            step=queued.step, loss=loss, lr=queued.lr, grad_norm=grad_norm,
             tokens=queued.size * self.cfg.model.seq_length, seconds=seconds,
-            loss_scale=queued.out.result.loss_scale, skipped_steps=self.state.skipped,
+            loss_scale=queued.loss_scale, skipped_steps=self.state.skipped,
             consumed_samples=queued.consumed)
 
     def _evaluate(self):
