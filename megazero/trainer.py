@@ -81,6 +81,9 @@ class Trainer:
     def __init__(self, cfg: Config, device: torch.device, topology):
         self.cfg, self.device, self.topo = cfg, device, topology
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Stop flags go over gloo, host to host: on NCCL they would queue behind the device's work.
+        self._control = (None if self.world == 1 else dist.group.WORLD if dist.get_backend() == "gloo"
+                         else dist.new_group(backend="gloo", group_desc="control"))
         self.engine = Engine(cfg, topology, device)
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
@@ -172,15 +175,14 @@ class Trainer:
                       f"{max(totals) / 2**30:.3f} GiB per rank", flush=True)
 
     # --- the loop ----------------------------------------------------------------------------
-    def _queue_flags(self, *values: bool) -> _HostCopy:
-        """``values`` as 0/1, maxed over every rank, on the device behind the step queued last (filled
-        by kernels, not copied from the host, so queueing them waits for nothing)."""
-        flags = torch.zeros(len(values), device=self.device)  # NCCL reduces device tensors only
-        for i, value in enumerate(values):
-            if value:
-                flags[i] = 1.0
-        comm.all_reduce(flags, dist.group.WORLD, op=dist.ReduceOp.MAX)
-        return _HostCopy(*flags)
+    def _agree(self, *values: bool) -> list[bool]:
+        """``values`` ORed over every rank. The control group is gloo: this waits for the other
+        ranks' hosts to get here, never for work queued on a device."""
+        if self.world == 1:
+            return list(values)
+        flags = torch.tensor([1.0 if value else 0.0 for value in values])
+        comm.all_reduce(flags, self._control, op=dist.ReduceOp.MAX)
+        return [value > 0 for value in flags.tolist()]
 
     def _done(self) -> bool:
         t = self.cfg.train
@@ -196,11 +198,12 @@ class Trainer:
                 or bool(interval and step % interval == 0))
 
     def train(self) -> TrainState:
-        """Steps are queued one ahead: the host reads step N's loss, gradient norm and stop flags
-        while the device already runs step N+1, so it never idles between steps waiting for the host
-        to log, check and prepare the next batch. A step after which the run evaluates, saves or ends
-        is not run ahead of; a stop for time or preemption, seen one step late, saves after the step
-        already queued."""
+        """Steps are queued one ahead: the host reads step N's loss and gradient norm while the
+        device already runs step N+1, so the device does not wait for the host to log, check and
+        prepare the next batch. A step after which the run evaluates, saves or ends is not run ahead
+        of. Stop requests (a signal, the time limit) are agreed on before each step is queued: one
+        seen then stops after the step in flight; one that arrives later, after the step queued
+        next."""
         start = time.monotonic()
         t = self.cfg.train
         if self._done():
@@ -212,19 +215,20 @@ class Trainer:
         with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger:
             pending = self._queue_step()
             while pending is not None:
-                out_of_time = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
-                flags = self._queue_flags(preemption.requested, out_of_time)
-                ahead = None if self._pause_after(pending.step) else self._queue_step()
+                late = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
+                preempted, late = self._agree(preemption.requested, late)
+                try:
+                    ahead = None if preempted or late or self._pause_after(pending.step) else self._queue_step()
+                except BaseException:  # the step before still gets its line (or its own error)
+                    self.logger.record(self._finish_step(pending))
+                    raise
                 metrics = self._finish_step(pending)
                 if t.eval_interval and pending.step % t.eval_interval == 0:
                     metrics.val_loss = self._evaluate()
                 self.logger.record(metrics)
-                preempted, out_of_time = (value > 0 for value in flags.read())
-                if preempted:
-                    self.state.stopped_by = self._agreed_signal(preemption.signal_name)
-                if self.state.stopped_by or out_of_time:
-                    if ahead is not None:
-                        self.logger.record(self._finish_step(ahead))
+                if preempted or late:
+                    if preempted:
+                        self.state.stopped_by = self._agreed_signal(preemption.signal_name)
                     if self.rank == 0:
                         why = self.state.stopped_by or "the wall-clock limit"
                         print(f"megazero: stopping at step {self.state.step} for {why}; saving", flush=True)

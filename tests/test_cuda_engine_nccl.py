@@ -117,7 +117,7 @@ def _all_cases(rank: int, world_size: int, cases: list) -> dict:
 
 @pytest.fixture(scope="module")
 def reports():
-    return run_world(2, _all_cases, CASES + CASES_CG, timeout=600, backend="nccl")
+    return run_world(2, _all_cases, CASES + CASES_CG, timeout=900, backend="nccl")
 
 
 @pytest.fixture(scope="module")

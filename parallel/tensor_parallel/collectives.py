@@ -32,8 +32,6 @@ from parallel import comm
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """The sum of ``x`` over ``group``, in a new tensor (``x`` is left as it was)."""
-    if comm.group_size(group) == 1:
-        return x
     return _summed(x, group.group_name)
 
 
@@ -44,7 +42,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 # right; the sequence-parallel collectives, which write into new tensors, were right too.
 @torch.library.custom_op("megazero::tp_all_reduce", mutates_args=())
 def _summed(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    out = x.contiguous().clone()
+    out = x.clone(memory_format=torch.contiguous_format)
     comm.all_reduce(out, comm.group_named(group_name))
     return out
 
