@@ -6,7 +6,8 @@
   2e-4 relative (fp32; the layouts sum in different orders, and Adam amplifies that slightly).
   The single process also evaluates every 3 steps: the validation loss at step 3 equals that of a
   run that ends at step 3 (the trainer queues a step before reading the last one's results, and
-  must not run ahead of a step it evaluates).
+  must not run ahead of a step it evaluates); and a time limit already passed ends the run after its
+  first step (stop requests are agreed on before the next step is queued).
 * ``torchrun`` runs of the real command: ``kill -9`` after a checkpoint, then a resume whose
   metrics.jsonl lines equal the uninterrupted run's exactly (loss, lr, grad norm); SIGTERM saves a
   loadable checkpoint and exits with status 75 (preempted).
@@ -109,6 +110,9 @@ def _world1(rank, world_size, prefix, root):
     except UserError as exc:
         out["diverge"] = str(exc)
     out["diverge_metrics"] = read_metrics(os.path.join(root, "diverge", "metrics.jsonl"))
+    _train(_overrides(prefix, f"{root}/late", extra=("--train.max_wall_seconds", "1e-9")), 1)
+    out["late"] = ([row["step"] for row in read_metrics(os.path.join(root, "late", "metrics.jsonl"))],
+                   sorted(os.listdir(os.path.join(root, "late", "checkpoints"))))
     out["evaluations"] = {}
     for steps in (3, STEPS):  # step 3 evaluated as the run's last step, and with later steps to queue
         run_dir = f"{root}/eval-{steps}"
@@ -263,3 +267,10 @@ def test_evaluation_sees_the_weights_of_its_step(layouts):
     assert len(last) == 1 and last[0][0] == 3, last
     assert [step for step, _ in longer] == [3, 6, 9], longer
     assert longer[0] == last[0], (longer, last)
+
+
+def test_a_stop_seen_before_the_next_step_is_queued_ends_the_run_there(layouts):
+    """Stop requests are agreed on before each step is queued: a time limit already passed when step 2
+    would be queued ends the run after step 1, with no step run ahead of it."""
+    rows, checkpoints = layouts["late"]
+    assert rows == [1] and "step_0000001" in checkpoints and "step_0000002" not in checkpoints, layouts["late"]
