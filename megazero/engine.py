@@ -47,6 +47,11 @@ def parallelism(cfg: Config, device: torch.device) -> Parallelism:
     if cfg.train.cuda_graphs and not (compile_ and device.type == "cuda"):
         raise ConfigError("train.cuda_graphs: replays compiled blocks on GPUs; this run compiles nothing "
                           "or has no GPU, so set train.cuda_graphs false")
+    m = cfg.model
+    if compile_ and p.recompute != "none" and p.tp > 1 and (m.dropout > 0 or m.attention_dropout > 0):
+        raise ConfigError("parallel.recompute: recomputing tensor-parallel blocks with dropout replays the "
+                          "tensor-parallel random stream, which torch.compile cannot trace; set model.dropout and "
+                          "model.attention_dropout to 0, parallel.recompute none, or train.compile false")
     return Parallelism(seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
                        tp_comm=p.tp_comm, recompute=p.recompute,
                        recompute_every=p.recompute_every, compile=compile_, cuda_graphs=cfg.train.cuda_graphs,

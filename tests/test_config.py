@@ -220,3 +220,13 @@ def test_cuda_graphs_without_a_gpu_is_refused_before_building():
     from megazero.engine import parallelism
     with pytest.raises(ConfigError, match="train.cuda_graphs"):
         parallelism(_cfg("--train.cuda_graphs", "true"), torch.device("cpu"))
+
+
+def test_recompute_with_dropout_under_compile_and_tp_is_refused_before_building():
+    # the checkpoint would replay the tensor-parallel random stream, which torch.compile cannot trace
+    from megazero.engine import parallelism
+    recompute_dropout = ("--parallel.tp", "2", "--parallel.recompute", "full", "--model.dropout", "0.1")
+    with pytest.raises(ConfigError, match="parallel.recompute"):
+        parallelism(_cfg(*recompute_dropout, "--train.compile", "true"), torch.device("cpu"))
+    parallelism(_cfg(*recompute_dropout, "--train.compile", "false"), torch.device("cpu"))
+    parallelism(_cfg("--parallel.tp", "2", "--parallel.recompute", "full", "--train.compile", "true"), torch.device("cpu"))

@@ -4,7 +4,8 @@ The CPU suite runs every layout over gloo in fp32; what only a GPU exercises is 
 reduce-scatter and all-gather into bucket views, the batched point-to-point of the pipeline), the
 CUDA fused AdamW with its device-side unscale and skip, and bf16 kernels. Each layout of two ranks,
 (tp, pp, dp) = (1,1,2) under ZeRO 1, 2 and 3, (2,1,1) without sequence parallelism and with it in each
-of its communication modes and (1,2,1), and with the blocks replayed as CUDA graphs (tp 2 with and without
+of its communication modes, also recomputed (whole blocks; the attention core under sequence
+parallelism), and (1,2,1), and with the blocks replayed as CUDA graphs (tp 2 with and without
 sp, dp 2 under ZeRO 2; replays counted, so a silent fallback to the plain path fails), trains 3 steps
 in bf16 and is compared with the fp32 reference of ``tests/test_engine_equivalence.py`` on the same
 global batches: the reported gradient norm every step within 2%, the losses within 2%, and the whole
@@ -41,6 +42,7 @@ CASES = [((1, 1, 2), 1, ()), ((1, 1, 2), 2, ()), ((1, 1, 2), 3, ()),
          ((2, 1, 1), 1, ()), ((2, 1, 1), 1, SP),
          ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "peer_memory")),
          ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial")),
+         ((2, 1, 1), 1, ("--parallel.recompute", "full")), ((2, 1, 1), 1, (*SP, "--parallel.recompute", "selective")),
          ((1, 2, 1), 1, ())]
 CASES_CG = [((2, 1, 1), 1, (*SP, *CG)), ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial", *CG)),
             ((2, 1, 1), 1, CG),

@@ -132,6 +132,8 @@ def _extras(tp, pp, dp):
     if (tp, pp, dp) == (2, 1, 2):
         # compiled blocks holding the overlapped sequence-parallel linears as custom ops
         yield "sp+compile", 1, ("--parallel.sequence_parallel", "true", "--train.compile", "true")
+        # compiled blocks recomputed whole, their all-reduces inside the checkpoint
+        yield "recompute+compile", 1, ("--parallel.recompute", "full", "--train.compile", "true")
         # the linears' serial communication mode (the default overlaps)
         yield "sp serial", 2, ("--parallel.sequence_parallel", "true", "--parallel.tp_comm", "serial")
     if pp == 2 and dp == 2:

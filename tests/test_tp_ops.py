@@ -28,7 +28,8 @@ from tests.distributed import run_world
 RTOL = 1e-5
 CE_CASES = [(2, 300), (4, 300), (4, 100)]  # (tp, vocab): at tp=4, vocab 100 leaves three shards all padding
 DROPOUT_CASES = [("gpt2", 2, False), ("llama", 2, True), ("gpt2", 4, True), ("llama", 4, False)]
-COMPILED_CASES = [("gpt2", False), ("gpt2", True), ("llama", False)]  # (preset, sequence parallel) at tp 2
+COMPILED_CASES = [("gpt2", False, "none"), ("gpt2", True, "none"), ("llama", False, "none"),
+                  ("gpt2", False, "full"), ("llama", True, "selective")]  # (preset, sequence parallel, recompute) at tp 2
 RECOMPUTE = ("none", "full", "selective")
 
 
@@ -142,12 +143,12 @@ def _dropout_run(preset: str, topo: Topology, sp: bool, recompute: str, dropout:
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _compiled_collectives(preset: str, topo: Topology, sp: bool) -> dict:
+def _compiled_collectives(preset: str, topo: Topology, sp: bool, recompute: str) -> dict:
     """The communication operators in each compiled block's forward and backward graphs, as AOT
     autograd hands them to the compiler. Traced ``torch.distributed`` calls (``_c10d_functional``
     ops) compiled to wrong gradients on CUDA (``parallel.tensor_parallel.collectives``), which no CPU
     run shows, so every collective in a block must be one of megazero's opaque operators."""
-    model, ids = _small_tp_model(preset, topo, sp)
+    model, ids = _small_tp_model(preset, topo, sp, recompute)
     found = {"forward": set(), "backward": set()}
 
     def record(kind):
@@ -214,7 +215,7 @@ def _checks(rank, world_size):
             report[recompute] = torch.equal(loss, base_loss) and all(torch.equal(grads[n], g)
                                                                       for n, g in base_grads.items())
         out["dropout"][(preset, tp, sp)] = report
-    out["compiled"] = {(preset, sp): _compiled_collectives(preset, topologies[2], sp) for preset, sp in COMPILED_CASES}
+    out["compiled"] = {case: _compiled_collectives(case[0], topologies[2], *case[1:]) for case in COMPILED_CASES}
     return out
 
 
@@ -269,7 +270,7 @@ def test_dropout_is_reproducible_and_recompute_replays_its_masks(results, case):
         assert report["selective"], "selective recompute changed the loss or gradients"
 
 
-@pytest.mark.parametrize("case", COMPILED_CASES, ids=lambda c: f"{c[0]}{'-sp' if c[1] else ''}")
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=lambda c: f"{c[0]}{'-sp' if c[1] else ''}-recompute-{c[2]}")
 def test_compiled_blocks_communicate_only_through_megazero_operators(results, case):
     for result in results:
         for kind, targets in result["compiled"][case].items():

@@ -20,7 +20,6 @@ instance, which also keeps names (a wrapper module would rename every parameter 
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 from typing import Callable, Optional
@@ -155,14 +154,18 @@ def apply_activation_checkpointing(model: nn.Module, pattern: str, every: int = 
     """
     if every < 1:
         raise ValueError(f"checkpoint every {every}-th module: must be at least 1")
-    contexts = rng.checkpoint_contexts if rng is not None else (lambda: (contextlib.nullcontext(),) * 2)
 
-    def around(forward, *args, **kwargs):
+    def around(forward, *args, context_fn=None, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        if context_fn is None:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     chosen = matching(model, pattern)[::every]
     for _, module in chosen:
-        wrap_forward(module, around)
+        # Only a module that draws from the tp stream needs the stream replayed (a context function
+        # torch.compile cannot trace); the default generator torch's checkpoint restores itself.
+        replay = rng.checkpoint_contexts if rng is not None and draws_random(module) else None
+        wrap_forward(module, functools.partial(around, context_fn=replay) if replay else around)
     return [name for name, _ in chosen]
