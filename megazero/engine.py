@@ -30,16 +30,22 @@ from parallel.topology import Topology
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parallelism(cfg: Config, device: torch.device) -> Parallelism:
-    """What ``parallelize_gpt`` needs from the config: the parallel, recompute, compile and ZeRO fields."""
+def data_parallel_settings(cfg: Config) -> DataParallelSettings:
+    """The ZeRO wrapper's settings from the config (also what an offline layout needs)."""
     p, z, prec = cfg.parallel, cfg.zero, cfg.precision
     dtype = DTYPES[prec.dtype]
     grad_dtype = torch.float32 if prec.accumulate_fp32 else dtype  # buckets are sized in gradients
-    data_parallel = DataParallelSettings(
+    return DataParallelSettings(
         stage=z.stage, bucket_numel=int(z.bucket_size_mb * 2**20) // torch.empty((), dtype=grad_dtype).element_size(),
         param_dtype=dtype, grad_dtype=grad_dtype, overlap_comm=z.overlap_comm,
         once_per_step=p.pp > 1 and z.stage >= 2, prefetch_depth=z.prefetch_depth,
         persistence_threshold=z.persistence_threshold, offload=z.offload_optimizer)
+
+
+def parallelism(cfg: Config, device: torch.device) -> Parallelism:
+    """What ``parallelize_gpt`` needs from the config: the parallel, recompute, compile and ZeRO fields;
+    refuses what this device and the resolved compile setting cannot run."""
+    p = cfg.parallel
     compile_ = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
     if p.tp_comm == "peer_memory" and not (device.type == "cuda" and peer_memory_available()):
         raise ConfigError("parallel.tp_comm: peer_memory needs CUDA devices and a torch with symmetric memory; "
@@ -48,14 +54,17 @@ def parallelism(cfg: Config, device: torch.device) -> Parallelism:
         raise ConfigError("train.cuda_graphs: replays compiled blocks on GPUs; this run compiles nothing "
                           "or has no GPU, so set train.cuda_graphs false")
     m = cfg.model
-    if compile_ and p.recompute != "none" and p.tp > 1 and (m.dropout > 0 or m.attention_dropout > 0):
-        raise ConfigError("parallel.recompute: recomputing tensor-parallel blocks with dropout replays the "
+    # what the recomputed modules draw (whole blocks: every dropout; the attention core: its own)
+    recomputed_dropout = {"none": 0.0, "full": max(m.dropout, m.attention_dropout),
+                          "selective": m.attention_dropout}[p.recompute]
+    if compile_ and p.tp > 1 and recomputed_dropout > 0:
+        raise ConfigError("parallel.recompute: recomputing tensor-parallel modules with dropout replays the "
                           "tensor-parallel random stream, which torch.compile cannot trace; set model.dropout and "
                           "model.attention_dropout to 0, parallel.recompute none, or train.compile false")
     return Parallelism(seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
                        tp_comm=p.tp_comm, recompute=p.recompute,
                        recompute_every=p.recompute_every, compile=compile_, cuda_graphs=cfg.train.cuda_graphs,
-                       data_parallel=data_parallel)
+                       data_parallel=data_parallel_settings(cfg))
 
 
 def pipeline_stages(cfg: Config, pp_rank: int) -> list[int]:

@@ -8,6 +8,7 @@ loss, which the pipeline broadcasts to every rank.
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from dataclasses import dataclass
@@ -82,8 +83,8 @@ class Trainer:
         self.cfg, self.device, self.topo = cfg, device, topology
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # Stop flags go over gloo, host to host: on NCCL they would queue behind the device's work.
-        self._control = (None if self.world == 1 else dist.group.WORLD if dist.get_backend() == "gloo"
-                         else dist.new_group(backend="gloo", group_desc="control"))
+        self._control = None if self.world == 1 else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s), group_desc="control")
         self.engine = Engine(cfg, topology, device)
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
@@ -201,9 +202,9 @@ class Trainer:
         """Steps are queued one ahead: the host reads step N's loss and gradient norm while the
         device already runs step N+1, so the device does not wait for the host to log, check and
         prepare the next batch. A step after which the run evaluates, saves or ends is not run ahead
-        of. Stop requests (a signal, the time limit) are agreed on before each step is queued: one
-        seen then stops after the step in flight; one that arrives later, after the step queued
-        next."""
+        of. Stop requests (a signal, the time limit) are agreed on before each step after the first is
+        queued: one seen then stops after the step in flight; one that arrives later, after the step
+        queued next."""
         start = time.monotonic()
         t = self.cfg.train
         if self._done():
@@ -213,34 +214,46 @@ class Trainer:
                       flush=True)
             return self.state
         with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger:
-            pending = self._queue_step()
-            while pending is not None:
+            pending: Optional[_QueuedStep] = self._queue_step()
+            while True:
                 late = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
                 preempted, late = self._agree(preemption.requested, late)
-                try:
-                    ahead = None if preempted or late or self._pause_after(pending.step) else self._queue_step()
-                except BaseException:  # the step before still gets its line (or its own error)
-                    self.logger.record(self._finish_step(pending))
-                    raise
-                metrics = self._finish_step(pending)
-                if t.eval_interval and pending.step % t.eval_interval == 0:
-                    metrics.val_loss = self._evaluate()
-                self.logger.record(metrics)
-                if preempted or late:
-                    if preempted:
-                        self.state.stopped_by = self._agreed_signal(preemption.signal_name)
-                    if self.rank == 0:
-                        why = self.state.stopped_by or "the wall-clock limit"
-                        print(f"megazero: stopping at step {self.state.step} for {why}; saving", flush=True)
+                if pending is not None:
+                    try:
+                        ahead = None if preempted or late or self._pause_after(pending.step) else self._queue_step()
+                    except BaseException:  # the step before still gets its line (or its own error)
+                        self.logger.record(self._finish_step(pending))
+                        raise
+                    self._complete(pending)
+                    if not (preempted or late):
+                        self._save_if_due(pending.step)
+                    pending = ahead
+                elif not (preempted or late or self._done()):  # after an evaluation or a save
+                    pending = self._queue_step()
+                if preempted or late or (pending is None and self._done()):
                     break
-                interval = self.cfg.checkpoint.save_interval
-                if interval and pending.step % interval == 0 and not self._done():
-                    self.save()
-                pending = ahead if ahead is not None or self._done() else self._queue_step()
-            if self.cfg.checkpoint.save_on_exit or self.state.stopped_by:
+            if preempted:
+                self.state.stopped_by = self._agreed_signal(preemption.signal_name)
+            if (preempted or late) and self.rank == 0:
+                why = self.state.stopped_by or "the wall-clock limit"
+                print(f"megazero: stopping at step {self.state.step} for {why}; saving", flush=True)
+            saved = self.state.saved_to is not None and self.saved_step == self.state.step
+            if (self.cfg.checkpoint.save_on_exit or self.state.stopped_by) and not saved:
                 self.save()
             self.writer.wait()
         return self.state
+
+    def _complete(self, queued: _QueuedStep) -> None:
+        """Read a queued step's results, evaluate if this step is due, and log it."""
+        metrics = self._finish_step(queued)
+        if self.cfg.train.eval_interval and queued.step % self.cfg.train.eval_interval == 0:
+            metrics.val_loss = self._evaluate()
+        self.logger.record(metrics)
+
+    def _save_if_due(self, step: int) -> None:
+        interval = self.cfg.checkpoint.save_interval
+        if interval and step % interval == 0 and not self._done():
+            self.save()
 
     def _unsaved(self) -> str:
         """What stopping now, without a save, loses (said on a second Ctrl-C)."""
@@ -252,7 +265,7 @@ class Trainer:
     def _agreed_signal(self, mine: Optional[str]) -> str:
         """The name of a signal some rank received (the lowest such rank's), the same on every rank."""
         names = [None] * self.world
-        dist.all_gather_object(names, mine)
+        dist.all_gather_object(names, mine, group=self._control)
         return next(name for name in names if name is not None)
 
     def _queue_step(self) -> _QueuedStep:

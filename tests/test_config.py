@@ -225,8 +225,16 @@ def test_cuda_graphs_without_a_gpu_is_refused_before_building():
 def test_recompute_with_dropout_under_compile_and_tp_is_refused_before_building():
     # the checkpoint would replay the tensor-parallel random stream, which torch.compile cannot trace
     from megazero.engine import parallelism
-    recompute_dropout = ("--parallel.tp", "2", "--parallel.recompute", "full", "--model.dropout", "0.1")
-    with pytest.raises(ConfigError, match="parallel.recompute"):
-        parallelism(_cfg(*recompute_dropout, "--train.compile", "true"), torch.device("cpu"))
-    parallelism(_cfg(*recompute_dropout, "--train.compile", "false"), torch.device("cpu"))
-    parallelism(_cfg("--parallel.tp", "2", "--parallel.recompute", "full", "--train.compile", "true"), torch.device("cpu"))
+
+    def build(*overrides):
+        return parallelism(_cfg("--train.compile", "true", *overrides), torch.device("cpu"))
+
+    for recompute, dropout in (("full", "--model.dropout"), ("full", "--model.attention_dropout"),
+                               ("selective", "--model.attention_dropout")):
+        with pytest.raises(ConfigError, match="parallel.recompute"):
+            build("--parallel.tp", "2", "--parallel.recompute", recompute, dropout, "0.1")
+    build("--parallel.tp", "2", "--parallel.recompute", "selective", "--model.dropout", "0.1")  # the core draws nothing
+    build("--parallel.tp", "2", "--parallel.recompute", "full")  # no dropout
+    build("--parallel.recompute", "full", "--model.dropout", "0.1")  # tp 1: torch replays the default generator
+    parallelism(_cfg("--parallel.tp", "2", "--parallel.recompute", "full", "--model.dropout", "0.1",
+                     "--train.compile", "false"), torch.device("cpu"))

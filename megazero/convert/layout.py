@@ -22,10 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-import torch
-
 from megazero.config import Config
-from megazero.engine import build_chunks, layout_record, parallelism
+from megazero.engine import build_chunks, data_parallel_settings, layout_record
 from models.gpt import TP_PLAN
 from models.parallelize import describe_params
 from parallel.data_parallel.wrapper import flat_layout
@@ -82,7 +80,7 @@ def training_layout(cfg: Config) -> TrainingLayout:
     is set), by global rank, equal to what that run's ``ShardedAdamW.describe()`` returns on each rank."""
     p = cfg.parallel
     grid = RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order)
-    settings = parallelism(cfg, torch.device("cpu")).data_parallel
+    settings = data_parallel_settings(cfg)
     ranks = []
     for rank in range(grid.world_size):
         coord = grid.coord(rank)
