@@ -191,12 +191,18 @@ class Trainer:
             return True
         return t.train_tokens is not None and self.state.consumed * self.cfg.model.seq_length >= t.train_tokens
 
+    def _evaluates(self, step: int) -> bool:
+        return bool(self.cfg.train.eval_interval and step % self.cfg.train.eval_interval == 0)
+
+    def _saves(self, step: int) -> bool:
+        """Whether ``step`` gets a periodic checkpoint (the last step's is the exit save's business)."""
+        interval = self.cfg.checkpoint.save_interval
+        return bool(interval and step % interval == 0) and not self._done()
+
     def _pause_after(self, step: int) -> bool:
         """Whether the step just queued must finish before the next is queued: it is evaluated, saved
         or the last, and those read or write the parameters as that step left them."""
-        t, interval = self.cfg.train, self.cfg.checkpoint.save_interval
-        return (self._done() or bool(t.eval_interval and step % t.eval_interval == 0)
-                or bool(interval and step % interval == 0))
+        return self._done() or self._evaluates(step) or self._saves(step)
 
     def train(self) -> TrainState:
         """Steps are queued one ahead: the host reads step N's loss and gradient norm while the
@@ -225,8 +231,8 @@ class Trainer:
                         self.logger.record(self._finish_step(pending))
                         raise
                     self._complete(pending)
-                    if not (preempted or late):
-                        self._save_if_due(pending.step)
+                    if not (preempted or late) and self._saves(pending.step):
+                        self.save()
                     pending = ahead
                 elif not (preempted or late or self._done()):  # after an evaluation or a save
                     pending = self._queue_step()
@@ -246,14 +252,9 @@ class Trainer:
     def _complete(self, queued: _QueuedStep) -> None:
         """Read a queued step's results, evaluate if this step is due, and log it."""
         metrics = self._finish_step(queued)
-        if self.cfg.train.eval_interval and queued.step % self.cfg.train.eval_interval == 0:
+        if self._evaluates(queued.step):
             metrics.val_loss = self._evaluate()
         self.logger.record(metrics)
-
-    def _save_if_due(self, step: int) -> None:
-        interval = self.cfg.checkpoint.save_interval
-        if interval and step % interval == 0 and not self._done():
-            self.save()
 
     def _unsaved(self) -> str:
         """What stopping now, without a save, loses (said on a second Ctrl-C)."""
