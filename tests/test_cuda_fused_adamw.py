@@ -1,13 +1,17 @@
-"""On a GPU the optimizer step never waits for the host: the fused AdamW divides the gradients by its
-``grad_scale`` input (the unscale and clip coefficient, kept on the device) and skips the update
-on its ``found_inf`` input (the all-reduced overflow flag). These tests drive that path on one
-CUDA device (a one-rank group), for every ZeRO stage:
+"""On a GPU the optimizer step never waits for the host: the one-pass AdamW kernel multiplies the
+gradients by the unscale and clip coefficient and skips the update on the all-reduced overflow flag,
+both kept on the device, and rounds the new master values into the 16-bit parameters itself (with
+16-bit gradients, torch's fused AdamW does the update, taking the same two through ``grad_scale``
+and ``found_inf``). These tests drive those paths on one CUDA device (a one-rank group), for every
+ZeRO stage:
 
 * with a clip that binds and one that does not, the parameters after 3 steps equal torch's plain
   single-process AdamW (on the CPU) within 2e-6, and the reported norm the reference's within 1e-5;
 * an inf injected into one gradient skips exactly that step without a dynamic loss scaler (the
   flag reaches the kernel as a device tensor), leaving the weights and Adam's step count as they
-  were, and the next step trains; under fp16's dynamic scaler the same step is skipped too.
+  were, and the next step trains; under fp16's dynamic scaler the same step is skipped too;
+* the 16-bit parameters the kernel writes are exactly the master values rounded, and with 16-bit
+  gradients torch's fused AdamW gives the same update as the kernel.
 
 (Skipped without CUDA; on the CPU the same code runs the fused CPU AdamW where torch has one.)
 """
@@ -28,6 +32,8 @@ def _optimizer(model, group, stage, clip=1e9, **kwargs):
     opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, clip_grad=clip,
                         **kwargs)
     assert opt._fused, "the fused AdamW is not in use on this device"
+    one_pass = kwargs.get("grad_dtype", torch.float32) == torch.float32
+    assert (opt._tiles is not None) == one_pass, "the one-pass AdamW kernel is not in use on this device"
     return opt
 
 
@@ -77,3 +83,46 @@ def test_found_inf_skips_exactly_the_poisoned_step(one_rank_group, stage, dtype)
     assert changed == [True, False, True]
     steps = {float(state["step"]) for state in opt.adam.state.values()}
     assert steps == {2.0}, "a skipped step advanced Adam's step count"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_parameters_are_the_rounded_master(one_rank_group, stage):
+    torch.manual_seed(0)
+    model = Toy().cuda()
+    opt = _optimizer(model, one_rank_group, stage, clip=0.05, param_dtype=torch.bfloat16)
+    for step in range(STEPS):
+        _backward(model, opt, step)
+        opt.step()
+    opt.dp.wait_params()
+    for seg in opt.layout.segments:
+        param = opt.dp.params[seg.param].detach().reshape(-1)[seg.param_offset:seg.param_offset + seg.numel]
+        master = opt.master[seg.shard_offset:seg.shard_offset + seg.numel]
+        assert torch.equal(param, master.to(torch.bfloat16)), opt.dp.info[seg.param].name
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_one_pass_kernel_equals_torch_fused_adamw(one_rank_group, stage):
+    """Two copies of one model, updated by the kernel (fp32 gradients) and by torch's fused AdamW (bf16
+    gradients copied into an fp32 buffer), from the same gradients, exact in bf16 and independent of
+    the weights (a hook replaces each): equal within fp32 rounding, the clip binding at every step."""
+    torch.manual_seed(0)
+    base = Toy().cuda()
+    grads = [[torch.randn_like(p).bfloat16().float() for p in base.parameters()] for _ in range(STEPS)]
+    runs = []
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        model = copy.deepcopy(base)
+        opt = _optimizer(model, one_rank_group, stage, clip=0.5, grad_dtype=grad_dtype)
+        norms = []
+        for step in range(STEPS):
+            hooks = [p.register_hook(lambda g, new=new: new) for p, new in zip(model.parameters(), grads[step])]
+            model(*(t.cuda() for t in _data(step, 0))).backward()
+            for hook in hooks:
+                hook.remove()
+            norms.append(opt.step().grad_norm)
+        opt.dp.wait_params()
+        runs.append(([p.detach().clone() for p in model.parameters()], norms))
+    (kernel, kernel_norms), (torch_fused, torch_norms) = runs
+    assert kernel_norms == pytest.approx(torch_norms, rel=1e-6)
+    assert kernel_norms[0] > 0.5, "the clip does not bind"
+    for a, b in zip(kernel, torch_fused):
+        assert (a - b).abs().max().item() < 1e-6

@@ -75,7 +75,8 @@ def _train(overrides, world_size):
     from parallel.launch import LaunchEnv
 
     cfg = resolve_config(load_config(None, overrides), world_size)
-    device, topology = initialize(cfg, LaunchEnv(dist.get_rank(), world_size, 0, world_size))
+    rank = dist.get_rank()  # one node: the local rank is the rank (it picks the GPU on a CUDA world)
+    device, topology = initialize(cfg, LaunchEnv(rank, world_size, rank, world_size))
     trainer = Trainer(cfg, device, topology)
     trainer.train()
     dist.barrier()

@@ -60,7 +60,7 @@ class OptimizerConfig:
     eps: float = option(1e-8, "Adam epsilon")
     weight_decay: float = option(0.1, "Decoupled weight decay, applied to matrices only")
     clip_grad: float = option(1.0, "Clip the global gradient norm to this (0 = off)")
-    fused: bool = option(True, "Use a fused GPU AdamW when one is available")
+    fused: bool = option(True, "Use a fused GPU AdamW when one is available (megazero's one-pass kernel, else torch's)")
 
 
 @dataclass

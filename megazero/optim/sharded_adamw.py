@@ -2,12 +2,13 @@
 
 The step is the math of single-process AdamW: gradients are summed over ranks and micro-batches by
 the wrapper, divided by (dp x loss scale) and clipped by the global norm in a single multiply here,
-then torch's AdamW (fused on GPU, multi-threaded fused on CPU where torch has it) updates the
-master shard, and the wrapper rounds it back into the 16-bit parameters. With the fused AdamW the
-step never waits for the host: the norm, the clip coefficient and the overflow flag stay on the
-device and the fused kernel applies them itself (its ``grad_scale`` divides the gradients as it
-reads them, its ``found_inf`` skips the update), so the host keeps queueing work while the GPU runs.
-Only a dynamic (fp16) loss scaler reads the flag each step. With offload the master and moments
+then AdamW updates the master shard and the 16-bit parameters are rounded from it. On a GPU with
+Triton, one kernel per bucket does both in a single pass over the shard (``models.kernels.adamw``);
+otherwise torch's AdamW (fused on GPU, multi-threaded fused on CPU where torch has it) updates the
+master and the wrapper rounds it back. On a GPU the step never waits for the host: the norm, the
+clip coefficient and the overflow flag stay on the device and the kernel applies them itself (as
+torch's fused AdamW takes them through ``grad_scale`` and ``found_inf``), so the host keeps queueing
+work while the GPU runs. Only a dynamic (fp16) loss scaler reads the flag each step. With offload the master and moments
 live in host memory and each unit's update is applied when the unit is next used (``offload``).
 
 Its state is explicit: ``sharded_state_dict()`` is the shard with the description that places every
@@ -26,6 +27,7 @@ import torch
 from megazero.optim.loss_scaler import ConstantLossScaler
 from megazero.optim.memory import zero_model_state_bytes
 from megazero.optim.offload import OffloadedUpdate
+from models import kernels
 from parallel import comm
 from parallel.data_parallel import DataParallel, storage_bytes
 
@@ -81,6 +83,7 @@ class ShardedAdamW:
         self._norm_views = [g for seg, g in zip(self.layout.segments, self._grads)
                             if dp.info[seg.param].counts_for_norm]
         self._build_adam()
+        self._tiles = self._bucket_tiles() if self._one_pass() else None
         self.offload = None
         if offload:
             self.offload = OffloadedUpdate(self.adam, self._master_views, dp, self.master, self.master_grad)
@@ -108,15 +111,37 @@ class ShardedAdamW:
         """Allocate the moments now, as two flat shard-sized buffers the per-segment states view:
         contiguous like the master (no fragmentation), measured by the start-up memory report, and
         an out-of-memory shows before any work is done. The keys and the step tensor's dtype and
-        device are what torch's AdamW would create itself."""
+        device are what torch's AdamW would create itself. The one-pass update counts steps in one
+        tensor, which every state shares (torch's AdamW, which would count it once per segment,
+        never runs then)."""
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         step_device = self.master.device if fused else torch.device("cpu")
+        self._step = torch.zeros((), dtype=torch.float32, device=step_device) if self._one_pass() else None
         for seg in self.layout.segments:
             view = self._master_views[seg]
             lo, hi = seg.shard_offset, seg.shard_offset + seg.numel
-            self.adam.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
-                                     "exp_avg": self.exp_avg[lo:hi], "exp_avg_sq": self.exp_avg_sq[lo:hi]}
+            step = self._step if self._step is not None else torch.zeros((), dtype=torch.float32, device=step_device)
+            self.adam.state[view] = {"step": step, "exp_avg": self.exp_avg[lo:hi], "exp_avg_sq": self.exp_avg_sq[lo:hi]}
+
+    def _one_pass(self) -> bool:
+        """Whether the Triton kernel updates master and parameters together: on a GPU, with fp32
+        gradients on the device (else they are first copied into ``master_grad``, a pass of its own)."""
+        return (self.s.fused and self.master_grad is None and not self.dp.settings.offload
+                and kernels.use_fused(self.master))
+
+    def _bucket_tiles(self) -> list[torch.Tensor]:
+        """Per bucket, the kernel's table of tiles over the bucket's segments (built once: the layout
+        is fixed)."""
+        from models.kernels.adamw import tile_table
+
+        tiles = []
+        for bucket in self.layout.buckets:
+            lo, hi = self.layout.shard_range(bucket)
+            segments = [(seg.shard_offset - lo, seg.numel, self.dp.params[seg.param].dim() >= 2)
+                        for seg in self.layout.segments if lo <= seg.shard_offset < hi]
+            tiles.append(tile_table(segments, hi - lo, self.master.device))
+        return tiles
 
     # --- the training loop's calls -----------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -154,6 +179,9 @@ class ShardedAdamW:
             self.dp.end_step()
         elif known_skip:  # a skipped step leaves the parameters as they are: nothing to rebuild
             self.dp.end_step()
+        elif self._tiles is not None:
+            self._update_in_one_pass(coef.float(), overflow)
+            self.dp.publish_owned()
         else:
             self._update(coef, overflow)
             self.dp.load_shard(self.master)
@@ -175,6 +203,19 @@ class ShardedAdamW:
         elif self._grads:
             torch._foreach_mul_(self._grads, float(coef))
         self.adam.step()
+
+    def _update_in_one_pass(self, coef: torch.Tensor, overflow: torch.Tensor) -> None:
+        """AdamW on the master shard with gradients times ``coef``, unless ``overflow``, rounding each
+        bucket's new values into its 16-bit parameters in the same kernel."""
+        from models.kernels.adamw import adamw_bucket
+
+        self._step.add_(overflow.logical_not())
+        lr = self.adam.param_groups[0]["lr"]  # step() sets every group's
+        for b, bucket in enumerate(self.layout.buckets):
+            lo, hi = self.layout.shard_range(bucket)
+            adamw_bucket(self._tiles[b], self.dp.bucket_grad(b), self.master[lo:hi], self.exp_avg[lo:hi],
+                         self.exp_avg_sq[lo:hi], self.dp.owned_params(b), coef, overflow, self._step,
+                         lr=lr, weight_decay=self.s.weight_decay, betas=self.s.betas, eps=self.s.eps)
 
     def _global_norm_sq(self) -> torch.Tensor:
         """Sum of squares over the whole model: this rank's counted segments, summed over the

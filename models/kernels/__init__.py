@@ -15,6 +15,9 @@ and BENCHMARKS.md):
 | add_layer_norm         | none: ours (``norms``) lost to torch's eager pair  | (inductor's)           |
 | attention              | none: SDPA already picks cuDNN's kernel, the best  | (the same)             |
 
+Beside the ops, ``adamw`` is the optimizer's one-pass update (AdamW on the fp32 shard that also
+writes the 16-bit parameters), which ``megazero.optim`` runs when ``use_fused`` says so.
+
 "Inside torch.compile" says whether the fused body also replaces the reference while dynamo traces
 a compiled graph. Elementwise ops are left to inductor there: it fuses them with their neighbours
 (the residual add, the bias, the transposes around them), which an opaque kernel would prevent.

@@ -3,8 +3,8 @@
 Parameters are grouped into *units* (a transformer block, or everything outside the blocks); each
 unit's parameters are laid end to end in one flat index space, each start aligned, and the space
 is cut into constant-size *buckets* (ZeRO-R's fixed communication buffers: the same size whatever
-the model). Every bucket is padded to a multiple of the data-parallel size and split evenly, so
-rank r owns the r-th slice of every bucket. A rank's *shard* is its owned slices of all buckets,
+the model). Every bucket is padded to a multiple of the data-parallel size times the alignment and
+split evenly, so rank r owns the r-th slice of every bucket, aligned like the parameters. A rank's *shard* is its owned slices of all buckets,
 concatenated: the fp32 master weights, Adam moments and reduced gradients live in that space.
 
 Keeping this arithmetic apart from the tensors lets the memory model and the tests reason about
@@ -62,7 +62,9 @@ class FlatLayout:
                 self.param_numel.append(n)
                 offset = _round_up(offset + n, align)
             self.unit_params.append(members)
-            self.unit_numel.append(_round_up(max(offset, 1), dp))
+            # A multiple of dp * align, as the buckets are: every rank's slice of every bucket then
+            # starts and ends aligned, so kernels over the shard can move 16 bytes at a time.
+            self.unit_numel.append(_round_up(max(offset, 1), dp * align))
         self.buckets: list[Bucket] = []
         shard = 0
         for u, total in enumerate(self.unit_numel):

@@ -234,6 +234,16 @@ class DataParallel:
         """New fp32 values of the whole shard (on the parameters' device): round them into this rank's
         16-bit slices, then (stages 1-2) start every rank's all-gather; stage 3 releases its units."""
         self.store.load_owned(master, self.unit_order)
+        self.publish_owned()
+
+    def owned_params(self, b: int) -> torch.Tensor:
+        """Where this rank's 16-bit slice of bucket ``b`` lives (what ``load_shard`` writes), for an
+        update that rounds into the parameters itself."""
+        return self.store.owned_slice(self.layout.buckets[b])
+
+    def publish_owned(self) -> None:
+        """This rank's 16-bit slices hold the step's new values: start the stage 1-2 all-gathers, and
+        release stage 3's gathered units."""
         if self.settings.stage in (1, 2):
             self.store.all_gather_buckets(self.unit_order)
         self.end_step()

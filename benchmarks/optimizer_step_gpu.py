@@ -1,0 +1,132 @@
+"""The optimizer step alone on one GPU, per GPT size: the gradient norm, the clip, AdamW on the fp32
+master and the rounding into the bf16 parameters (ZeRO stage 0, one rank), with the one-pass AdamW
+kernel and with torch's fused AdamW plus the rounding copy (``MEGAZERO_KERNELS=0``), each in a
+process of its own.
+
+    python benchmarks/optimizer_step_gpu.py --sizes 125m 1.3b
+    python benchmarks/optimizer_step_gpu.py --sweep     # the kernel alone, per tile size and warps
+
+Prints one JSON line per (size, path): the median of ``--steps`` timed steps (CUDA events, after 3
+untimed ones) and the bandwidth the update's minimum traffic implies (the one-pass kernel's: fp32
+gradient, master and moments read, master and moments written, the bf16 parameter written: 30 bytes
+per element; the gradient norm's read of the gradient is not counted). ``--sweep`` times the kernel
+alone (``triton.testing.do_bench`` medians) over the 1.3B GPT's parameters laid out as the flat
+layout lays them, for each tile size and warp count, beside torch's fused AdamW over the same
+segments and the rounding copy it needs after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "1.3b": (24, 2048, 16)}  # layers, hidden, heads
+
+
+def measure(size: str, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megazero.optim import AdamWSettings, ShardedAdamW
+    from models.config import ModelConfig
+    from models.gpt import GPT
+    from parallel.data_parallel import DataParallel, DataParallelSettings, ParamInfo
+
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+    layers, hidden, heads = SIZES[size]
+    cfg = ModelConfig(preset="gpt2", num_layers=layers, hidden_size=hidden, num_heads=heads, vocab_size=50257,
+                      seq_length=2048)
+    model = GPT(cfg, device="cuda")
+    info = {id(p): ParamInfo(name, None, counts_for_norm=True) for name, p in model.named_parameters()}
+    dp = DataParallel([model], DataParallelSettings(stage=0, param_dtype=torch.bfloat16), dist.group.WORLD,
+                      units=list(model.layers.values()), info=lambda p: info[id(p)])
+    opt = ShardedAdamW(dp, AdamWSettings(lr=1e-4, clip_grad=1.0))
+    times = []
+    for step in range(3 + steps):
+        for b in range(len(dp.layout.buckets)):
+            dp.bucket_grad(b).normal_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        opt.step()
+        end.record()
+        end.synchronize()
+        if step >= 3:
+            times.append(start.elapsed_time(end))
+    ms = statistics.median(times)
+    numel = sum(p.numel() for p in dp.params)
+    return {"size": size, "one_pass": opt._tiles is not None, "params": numel, "step_ms": round(ms, 3),
+            "GB_per_s": round(30 * numel / ms / 1e6)}
+
+
+def sweep() -> None:
+    import torch
+    from triton.testing import do_bench
+
+    from models.kernels import adamw
+
+    h, vocab = 2048, 50304
+    block = [(h, 0), (h, 0), (3 * h * h, 1), (3 * h, 0), (h * h, 1), (h, 0), (h, 0), (h, 0), (4 * h * h, 1), (4 * h, 0),
+             (4 * h * h, 1), (h, 0)]
+    segments, numel = [], 0
+    for n, decays in [(vocab * h, 1), (2048 * h, 1)] + block * 24 + [(h, 0), (h, 0)]:
+        segments.append((numel, n, bool(decays)))
+        numel = -(-(numel + n) // adamw.ALIGN) * adamw.ALIGN
+    grad, master = torch.randn(numel, device="cuda"), torch.randn(numel, device="cuda")
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    out = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
+    coef, skip, step = (torch.tensor(v, device="cuda") for v in (0.5, False, 10.0))
+    for tile in (1024, 2048, 4096, 8192):
+        adamw.BLOCK = tile
+        tiles = adamw.tile_table(segments, numel, torch.device("cuda"))
+        for warps in (4, 8, 16):
+            if tile // (32 * warps) < 4:  # fewer than four elements per thread
+                continue
+            ms = do_bench(lambda: adamw._adamw_tiles[(tiles.shape[0],)](
+                tiles, grad, master, exp_avg, exp_avg_sq, out, coef, skip.view(torch.uint8), step,
+                1e-4, 0.1, 0.9, 0.95, math.log2(0.9), math.log2(0.95), 1e-8, BLOCK=tile, num_warps=warps),
+                warmup=5, rep=50)
+            print(json.dumps({"kernel": "one-pass", "BLOCK": tile, "warps": warps, "ms": round(ms, 3),
+                              "TB_s": round(30 * numel / ms / 1e9, 2)}), flush=True)
+    params = [torch.nn.Parameter(master[lo:lo + n]) for lo, n, _ in segments]
+    for p, (lo, n, _) in zip(params, segments):
+        p.grad = grad[lo:lo + n]
+    torch_adamw = torch.optim.AdamW(
+        [{"params": [p for p, s in zip(params, segments) if s[2]], "weight_decay": 0.1},
+         {"params": [p for p, s in zip(params, segments) if not s[2]], "weight_decay": 0.0}], lr=1e-4, fused=True)
+    torch_adamw.grad_scale, torch_adamw.found_inf = coef, skip.float()
+    ms = do_bench(torch_adamw.step, warmup=5, rep=50)
+    print(json.dumps({"kernel": "torch fused AdamW", "ms": round(ms, 3), "TB_s": round(28 * numel / ms / 1e9, 2)}))
+    ms = do_bench(lambda: out.copy_(master), warmup=5, rep=50)
+    print(json.dumps({"kernel": "rounding copy", "ms": round(ms, 3), "TB_s": round(6 * numel / ms / 1e9, 2)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="time the kernel alone per tile size and warps")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.sweep:
+        sweep()
+        return
+    if args.child:
+        print(json.dumps(measure(args.child, args.steps)), flush=True)
+        return
+    for size in args.sizes:
+        for kernels in ("1", "0"):
+            proc = subprocess.run([sys.executable, __file__, "--child", size, "--steps", str(args.steps)],
+                                  env=dict(os.environ, MEGAZERO_KERNELS=kernels), capture_output=True, text=True)
+            lines = proc.stdout.strip().splitlines()
+            print(lines[-1] if proc.returncode == 0 and lines else json.dumps(
+                {"size": size, "kernels": kernels, "error": (proc.stdout + proc.stderr)[-1500:]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
