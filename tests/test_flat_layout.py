@@ -1,0 +1,40 @@
+"""The flat layout's alignment, which the one-pass AdamW kernel relies on (``models/kernels/adamw.py``
+moves 16 bytes at a time and rounds each parameter's run up to 64 elements, into the padding).
+
+For random units of odd parameter sizes, every data-parallel size and bucket size: every rank's
+slice of every bucket starts and ends on a multiple of 64 elements in its shard, so does every
+segment's start, and a segment rounded up to 64 elements stays inside its slice and short of the
+next segment. Runs without a GPU: the layout is arithmetic.
+"""
+
+import random
+
+import pytest
+
+from parallel.data_parallel.layout import FlatLayout
+
+ALIGN = 64
+
+
+def _layouts():
+    rng = random.Random(0)
+    for dp in (1, 2, 3, 4, 8):
+        for bucket_numel in (64, 1000, 4096, 1 << 20):
+            units = [[rng.choice([1, 7, 63, 64, 65, 100, 2048, 3 * 2048 + 5, rng.randint(1, 50_000)])
+                      for _ in range(rng.randint(1, 9))] for _ in range(rng.randint(1, 5))]
+            for rank in range(dp):
+                yield units, bucket_numel, dp, rank
+
+
+@pytest.mark.parametrize("units, bucket_numel, dp, rank", list(_layouts()))
+def test_every_slice_and_segment_is_aligned(units, bucket_numel, dp, rank):
+    layout = FlatLayout(units, bucket_numel, dp, rank, align=ALIGN)
+    for bucket in layout.buckets:
+        lo, hi = layout.shard_range(bucket)
+        assert lo % ALIGN == 0 and hi % ALIGN == 0, (bucket, lo, hi)
+        segments = sorted(s.shard_offset for s in layout.segments if lo <= s.shard_offset < hi)
+        ends = {s.shard_offset: s.shard_offset + s.numel for s in layout.segments if lo <= s.shard_offset < hi}
+        for start, following in zip(segments, segments[1:] + [hi]):
+            assert start % ALIGN == 0, (bucket, start)
+            rounded = -(-ends[start] // ALIGN) * ALIGN
+            assert rounded <= following, (bucket, start, ends[start], following)
