@@ -25,6 +25,9 @@
 #                                    thread blocks (NCCL_MAX_CTAS) against its default: whether collectives that
 #                                    take fewer multiprocessors hide behind the GEMMs (about 5 minutes)
 #   benchmarks/gpu_suite.sh gradcopy one GPU: the ways bf16 gradients can land in the fp32 buffer (about 1 minute)
+#   benchmarks/gpu_suite.sh optimizer one GPU: the one-pass AdamW kernel per tile size against torch's fused AdamW
+#                                    and the rounding copy, then the whole optimizer step at 125M and 1.3B with
+#                                    the kernel and without (about 2 minutes)
 #   benchmarks/gpu_suite.sh eight    eight GPUs, the user's path: the 1.3B GPT for 20 steps on the demo corpus
 #                                    on one GPU, then tp 2 x pp 2 x dp 2 (ZeRO 1 and 3), tp 8 and dp 8 (ZeRO 3);
 #                                    benchmarks/loss_curves.py checks each against the one-GPU losses (2%) and
@@ -38,7 +41,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, pairs, ctas, gradcopy, axes4, eight or eight-speed}
+part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, pairs, ctas, gradcopy, optimizer, axes4, eight or eight-speed}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -116,6 +119,9 @@ ctas)
   done ;;
 gradcopy)
   run timeout 120 python benchmarks/grad_accumulate_gpu.py configs/gpt_1.3b.yaml ;;
+optimizer)
+  run timeout 120 python benchmarks/optimizer_step_gpu.py --sweep
+  run timeout 200 python benchmarks/optimizer_step_gpu.py --sizes 125m 1.3b ;;
 axes4)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
     --runs stage1-compile stage1-m8-compile --warmup 3 --steps 5
