@@ -59,16 +59,18 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
     The fast path reads only this rank's own file, random generators included, and is taken only
     when that file's shard description equals this rank's: a layout dict can match while the flat
     buckets differ (another bucket size, precision or persistence threshold), and copying shards
-    then would scramble every parameter. Otherwise the checkpoint is resharded.
+    then would scramble every parameter; and the shard's length must match too (a description does
+    not record the padding after the last segment). Otherwise the checkpoint is resharded.
     """
     if same_layout and rank_file(rank) in manifest["files"]:
         mine = optimizer.describe()
         saved = _description(ckpt, rank, manifest)
         if saved["params"] == mine["params"] and torch.equal(saved["segments"], mine["segments"]):
             state = load_file(ckpt, rank_file(rank), manifest=manifest)
-            optimizer.load_sharded_state_dict(state)
-            restore_rng(chunks, state["rng"])
-            return True
+            if state["master"].numel() == optimizer.master.numel():  # the padding may differ (older layouts)
+                optimizer.load_sharded_state_dict(state)
+                restore_rng(chunks, state["rng"])
+                return True
     load_resharded(ckpt, optimizer, manifest)
     return False
 

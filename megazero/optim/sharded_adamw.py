@@ -210,11 +210,15 @@ class ShardedAdamW:
         from models.kernels.adamw import adamw_bucket
 
         self._step.add_(overflow.logical_not())
+        step = self._step.double()
+        beta1, beta2 = self.s.betas
+        corrections = torch.stack([1 - beta1**step, (1 - beta2**step).sqrt()]).float()
         lr = self.adam.param_groups[0]["lr"]  # step() sets every group's
+        self.dp.before_owned_write()
         for b, bucket in enumerate(self.layout.buckets):
             lo, hi = self.layout.shard_range(bucket)
             adamw_bucket(self._tiles[b], self.dp.bucket_grad(b), self.master[lo:hi], self.exp_avg[lo:hi],
-                         self.exp_avg_sq[lo:hi], self.dp.owned_params(b), coef, overflow, self._step,
+                         self.exp_avg_sq[lo:hi], self.dp.owned_params(b), coef, overflow, corrections,
                          lr=lr, weight_decay=self.s.weight_decay, betas=self.s.betas, eps=self.s.eps)
 
     def _global_norm_sq(self) -> torch.Tensor:
@@ -261,7 +265,8 @@ class ShardedAdamW:
     def load_sharded_state_dict(self, state: dict) -> None:
         """Load a shard saved by an optimizer with the same description (an exact resume)."""
         mine = self.describe()
-        if state["params"] != mine["params"] or not torch.equal(state["segments"], mine["segments"]):
+        if (state["params"] != mine["params"] or not torch.equal(state["segments"], mine["segments"])
+                or state["master"].numel() != self.master.numel()):
             raise ValueError("the saved shard is laid out differently; load it through its logical tensors")
         self.dp.apply_deferred()  # an update applied after the load would overwrite it
         for key in STATE_KEYS:

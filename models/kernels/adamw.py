@@ -9,50 +9,49 @@ parameter, from flat buffers, so each program streams one contiguous piece.
 
 Work is cut into *tiles*: runs of at most ``BLOCK`` elements inside one parameter's segment of the
 bucket, so each tile has one weight-decay setting (matrices decay, biases and norm weights do not).
-The table of tiles depends only on the layout and is built once. Tiles start and end on multiples
-of 64 elements (a segment's last tile runs on into the zero padding the flat layout puts after each
-parameter, which the update leaves zero), and the kernel is told so: with lengths it cannot see, it
-would mask and load element by element instead of 16 bytes at a time. The step count, the gradient
-multiplier (unscale x clip) and the skip flag are device tensors, so a step never waits for the host.
+The table of tiles depends only on the layout and is built once. Every tile starts on a multiple
+of 64 elements and its last one is processed up to the next multiple of 64, into the padding the
+flat layout leaves before the next parameter, so the kernel is told its loads never start or stop
+inside a 16-byte group: with lengths it cannot see it would load element by element. The padding's
+gradient is taken as zero (stages 2-3 leave stale sums there), so master, moments and parameters
+keep their zero padding. The step's gradient multiplier (unscale x clip), skip flag and bias
+corrections are device tensors, so a step never waits for the host.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 BLOCK = 1024
-"""Elements per tile."""
+"""Elements per tile (the fastest of 1024 to 8192 on an H200; ``benchmarks/optimizer_step_gpu.py --sweep``)."""
 ALIGN = 64
 """The flat layout's alignment of every parameter's start (``FlatLayout``'s ``align``)."""
 
 
 @triton.jit
-def _adamw_tiles(tiles_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
-                 coef_ptr, skip_ptr, step_ptr, lr, weight_decay, beta1, beta2, log2_beta1, log2_beta2, eps,
-                 BLOCK: tl.constexpr):
+def _adamw_tiles(tiles_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, coef_ptr, skip_ptr,
+                 corrections_ptr, lr, weight_decay, beta1, beta2, eps, BLOCK: tl.constexpr):
     if tl.load(skip_ptr) != 0:
         return
     tile = tl.program_id(0)
     start = tl.multiple_of(tl.load(tiles_ptr + 3 * tile).to(tl.int64), 64)
-    count = tl.multiple_of(tl.load(tiles_ptr + 3 * tile + 1), 64)
+    length = tl.load(tiles_ptr + 3 * tile + 1)
     decays = tl.load(tiles_ptr + 3 * tile + 2)
     idx = tl.arange(0, BLOCK)
-    mask = idx < count
+    mask = idx < tl.multiple_of((length + 63) // 64 * 64, 64)
     offs = start + idx
-    step = tl.load(step_ptr)
-    bias1 = 1.0 - tl.exp2(step * log2_beta1)
-    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0) * tl.load(coef_ptr)
+    g = tl.where(idx < length, g, 0.0)
     p = tl.load(master_ptr + offs, mask=mask, other=0.0)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
     p = p * (1.0 - lr * weight_decay * decays)
     m = m + (1.0 - beta1) * (g - m)
     v = v * beta2 + (1.0 - beta2) * g * g
+    bias1 = tl.load(corrections_ptr)
+    bias2_sqrt = tl.load(corrections_ptr + 1)
     p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
     tl.store(master_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
@@ -61,28 +60,31 @@ def _adamw_tiles(tiles_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, o
 
 
 def tile_table(segments: list[tuple[int, int, bool]], bucket_numel: int, device: torch.device) -> torch.Tensor:
-    """The tiles of one bucket as an int32 (n, 3) table of (start, count, decays), from its
-    segments' (start within the bucket, length, whether the parameter decays); lengths are rounded up
-    to ``ALIGN``, into the padding before the next segment or the bucket's end."""
+    """The tiles of one bucket as an int32 (n, 3) table of (start, length, decays), from its segments'
+    (start within the bucket, length, whether the parameter decays), in order. Refuses a layout whose
+    segments do not start aligned or leave no room to round their ends up to ``ALIGN``."""
+    if bucket_numel >= 2**31:
+        raise ValueError(f"a bucket slice of {bucket_numel} elements is too large for the AdamW kernel's "
+                         "int32 offsets; lower zero.bucket_size_mb")
     parts = []
-    for lo, n, decays in segments:
-        n = min(-(-n // ALIGN) * ALIGN, bucket_numel - lo)
+    ends = [lo for lo, _, _ in segments[1:]] + [bucket_numel]
+    for (lo, n, decays), limit in zip(segments, ends):
+        if lo % ALIGN or -(-(lo + n) // ALIGN) * ALIGN > limit:
+            raise ValueError(f"AdamW tiles need every segment {ALIGN}-element aligned with padding after it; "
+                             f"the segment at {lo} of length {n} is followed at {limit}")
         offsets = torch.arange(0, n, BLOCK, dtype=torch.int64)
         parts.append(torch.stack([lo + offsets, (n - offsets).clamp(max=BLOCK), torch.full_like(offsets, int(decays))], 1))
     rows = torch.cat(parts) if parts else torch.zeros(1, 3, dtype=torch.int64)
-    if bool((rows[:, :2] % ALIGN).any()):
-        raise ValueError(f"AdamW tiles must be {ALIGN}-element aligned: the flat layout aligns every parameter")
     return rows.to(device=device, dtype=torch.int32)
 
 
 def adamw_bucket(tiles: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
                  exp_avg_sq: torch.Tensor, out: torch.Tensor, coef: torch.Tensor, skip: torch.Tensor,
-                 step: torch.Tensor, lr: float, weight_decay: float, betas: tuple[float, float], eps: float) -> None:
-    """One AdamW step on the tiles of one bucket (all tensors flat and of the bucket's length; ``step``
-    already counts this step). ``coef`` multiplies every gradient; a nonzero ``skip`` leaves
-    everything as it was."""
-    beta1, beta2 = betas
+                 corrections: torch.Tensor, lr: float, weight_decay: float, betas: tuple[float, float],
+                 eps: float) -> None:
+    """One AdamW step on the tiles of one bucket (all tensors flat and of the bucket's length).
+    ``coef`` (fp32) multiplies every gradient; a nonzero ``skip`` leaves everything as it was;
+    ``corrections`` holds this step's 1 - beta1^t and sqrt(1 - beta2^t) (fp32)."""
     _adamw_tiles[(tiles.shape[0],)](
-        tiles, grad, master, exp_avg, exp_avg_sq, out, coef, skip.view(torch.uint8), step,
-        lr, weight_decay, beta1, beta2, math.log2(beta1), math.log2(beta2), eps, BLOCK=BLOCK, num_warps=4)
-
+        tiles, grad, master, exp_avg, exp_avg_sq, out, coef, skip.view(torch.uint8), corrections,
+        lr, weight_decay, betas[0], betas[1], eps, BLOCK=BLOCK, num_warps=4)

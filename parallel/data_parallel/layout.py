@@ -20,7 +20,7 @@ from dataclasses import dataclass
 class Bucket:
     unit: int
     start: int  # first element in the unit's flat space
-    numel: int  # multiple of dp
+    numel: int  # multiple of dp x align
     shard_offset: int  # where this bucket's owned slice starts in the rank's shard
 
     @property

@@ -233,12 +233,19 @@ class DataParallel:
     def load_shard(self, master: torch.Tensor) -> None:
         """New fp32 values of the whole shard (on the parameters' device): round them into this rank's
         16-bit slices, then (stages 1-2) start every rank's all-gather; stage 3 releases its units."""
+        self.before_owned_write()
         self.store.load_owned(master, self.unit_order)
         self.publish_owned()
 
+    def before_owned_write(self) -> None:
+        """Before new values overwrite this rank's 16-bit slices: order the stream after any stage 1-2
+        all-gather still reading them (a unit no forward has used since its last gather)."""
+        if self.settings.stage in (1, 2):
+            self.store.wait_all()
+
     def owned_params(self, b: int) -> torch.Tensor:
         """Where this rank's 16-bit slice of bucket ``b`` lives (what ``load_shard`` writes), for an
-        update that rounds into the parameters itself."""
+        update that rounds into the parameters itself (after ``before_owned_write``)."""
         return self.store.owned_slice(self.layout.buckets[b])
 
     def publish_owned(self) -> None:
