@@ -20,7 +20,7 @@ from megazero.errors import ConfigError
 from megazero.optim import AdamWSettings, DynamicLossScaler, ShardedAdamW, StepResult
 from models import GPT
 from models.ops import IGNORE_INDEX
-from models.parallelize import Parallelism, parallelize_gpt
+from models.parallelize import Parallelism, parallelize_gpt, recompute_replays_tp_stream
 from parallel.data_parallel import DataParallelSettings
 from parallel.pipeline import PipelineExecutor
 from parallel.pipeline.partition import resolve_split, stage_layers
@@ -42,9 +42,10 @@ def data_parallel_settings(cfg: Config) -> DataParallelSettings:
         persistence_threshold=z.persistence_threshold, offload=z.offload_optimizer)
 
 
-def parallelism(cfg: Config, device: torch.device) -> Parallelism:
+def parallelism(cfg: Config, device: torch.device, chunks: list[GPT]) -> Parallelism:
     """What ``parallelize_gpt`` needs from the config: the parallel, recompute, compile and ZeRO fields;
-    refuses what this device and the resolved compile setting cannot run."""
+    refuses what this device and the resolved compile setting cannot run on ``chunks`` (still on
+    the meta device)."""
     p = cfg.parallel
     compile_ = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
     if p.tp_comm == "peer_memory" and not (device.type == "cuda" and peer_memory_available()):
@@ -53,11 +54,7 @@ def parallelism(cfg: Config, device: torch.device) -> Parallelism:
     if cfg.train.cuda_graphs and not (compile_ and device.type == "cuda"):
         raise ConfigError("train.cuda_graphs: replays compiled blocks on GPUs; this run compiles nothing "
                           "or has no GPU, so set train.cuda_graphs false")
-    m = cfg.model
-    # what the recomputed modules draw (whole blocks: every dropout; the attention core: its own)
-    recomputed_dropout = {"none": 0.0, "full": max(m.dropout, m.attention_dropout),
-                          "selective": m.attention_dropout}[p.recompute]
-    if compile_ and p.tp > 1 and recomputed_dropout > 0:
+    if compile_ and p.tp > 1 and any(recompute_replays_tp_stream(c, p.recompute, p.recompute_every) for c in chunks):
         raise ConfigError("parallel.recompute: recomputing tensor-parallel modules with dropout replays the "
                           "tensor-parallel random stream, which torch.compile cannot trace; set model.dropout and "
                           "model.attention_dropout to 0, parallel.recompute none, or train.compile false")
@@ -145,7 +142,8 @@ class Engine:
         self.dtype = DTYPES[cfg.precision.dtype]
         self.stages = pipeline_stages(cfg, topology.pp_rank)
         self.chunks = build_chunks(cfg, topology.pp_rank)
-        self.data_parallel = parallelize_gpt(self.chunks, self.stages, topology, parallelism(cfg, device), device)
+        self.data_parallel = parallelize_gpt(self.chunks, self.stages, topology, parallelism(cfg, device, self.chunks),
+                                             device)
         if cfg.zero.offload_optimizer and device.type == "cuda":
             # The host AdamW is multi-threaded; launchers start ranks with one thread each.
             per_rank = (os.cpu_count() or 1) // max(1, topology.ranks_per_node or 1)

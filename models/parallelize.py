@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from models.gpt import GPT, RECOMPUTE_TARGETS, TP_PLAN
 from parallel import comm
 from parallel.data_parallel import DataParallel, DataParallelSettings, ParamInfo
-from parallel.tensor_parallel.apply import apply_activation_checkpointing, apply_tensor_parallel
+from parallel.tensor_parallel.apply import apply_activation_checkpointing, apply_tensor_parallel, tp_stream_replays
 from parallel.tensor_parallel.partial_grads import partial_grad_names
 from parallel.tensor_parallel.random import TensorParallelRNG
 from parallel.tensor_parallel.sharding import param_shards
@@ -121,6 +121,20 @@ def describe_params(chunks: list[GPT], tp_rank: int, tied: bool) -> Callable[[to
     return lambda param: info[id(param)]
 
 
+def _recompute_every(recompute: str, every: int) -> int:
+    """Whole blocks may be recomputed one in ``every``; the attention core always is."""
+    return every if recompute == "full" else 1
+
+
+def recompute_replays_tp_stream(model: GPT, recompute: str, recompute_every: int = 1) -> list[str]:
+    """The modules of ``model`` whose recompute under tensor parallelism would replay the tp random
+    stream (they draw dropout from it): what torch.compile cannot trace, so what a compiled
+    tensor-parallel run must not recompute."""
+    if recompute == "none":
+        return []
+    return tp_stream_replays(model, RECOMPUTE_TARGETS[recompute], _recompute_every(recompute, recompute_every))
+
+
 def tensor_parallelize_gpt(model: GPT, tp_group, *, seed: int, device="cpu", sequence_parallel: bool = False,
                            tp_comm: str = "overlap", recompute: str = "none", recompute_every: int = 1) -> GPT:
     """Apply tensor (and sequence) parallelism and activation checkpointing to ``model`` in place.
@@ -133,7 +147,7 @@ def tensor_parallelize_gpt(model: GPT, tp_group, *, seed: int, device="cpu", seq
         raise ValueError(f"recompute {recompute!r}: use one of {RECOMPUTE_MODES}")
     tp = comm.group_size(tp_group)
     check_tp_layout(model, tp)
-    every = recompute_every if recompute == "full" else 1
+    every = _recompute_every(recompute, recompute_every)
     if tp == 1:
         # The plain model is the one-rank layout: no identity collectives, torch's fused loss over
         # whole logits, and dropout from the default generator (which recompute restores itself).

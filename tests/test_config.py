@@ -215,19 +215,21 @@ def test_architecture_page_names_the_module_of_every_config_field():
     assert not missing, f"config fields without a row in docs/architecture.md: {missing}"
 
 
+def _parallelism(cfg):
+    from megazero.engine import build_chunks, parallelism
+    return parallelism(cfg, torch.device("cpu"), build_chunks(cfg, 0))
+
+
 def test_cuda_graphs_without_a_gpu_is_refused_before_building():
     # train.device auto passes validation; the engine finds no GPU to replay on
-    from megazero.engine import parallelism
     with pytest.raises(ConfigError, match="train.cuda_graphs"):
-        parallelism(_cfg("--train.cuda_graphs", "true"), torch.device("cpu"))
+        _parallelism(_cfg("--train.cuda_graphs", "true"))
 
 
 def test_recompute_with_dropout_under_compile_and_tp_is_refused_before_building():
     # the checkpoint would replay the tensor-parallel random stream, which torch.compile cannot trace
-    from megazero.engine import parallelism
-
     def build(*overrides):
-        return parallelism(_cfg("--train.compile", "true", *overrides), torch.device("cpu"))
+        return _parallelism(_cfg("--train.compile", "true", *overrides))
 
     for recompute, dropout in (("full", "--model.dropout"), ("full", "--model.attention_dropout"),
                                ("selective", "--model.attention_dropout")):
@@ -236,5 +238,5 @@ def test_recompute_with_dropout_under_compile_and_tp_is_refused_before_building(
     build("--parallel.tp", "2", "--parallel.recompute", "selective", "--model.dropout", "0.1")  # the core draws nothing
     build("--parallel.tp", "2", "--parallel.recompute", "full")  # no dropout
     build("--parallel.recompute", "full", "--model.dropout", "0.1")  # tp 1: torch replays the default generator
-    parallelism(_cfg("--parallel.tp", "2", "--parallel.recompute", "full", "--model.dropout", "0.1",
-                     "--train.compile", "false"), torch.device("cpu"))
+    _parallelism(_cfg("--parallel.tp", "2", "--parallel.recompute", "full", "--model.dropout", "0.1",
+                      "--train.compile", "false"))

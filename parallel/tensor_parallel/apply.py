@@ -163,9 +163,15 @@ def apply_activation_checkpointing(model: nn.Module, pattern: str, every: int = 
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     chosen = matching(model, pattern)[::every]
-    for _, module in chosen:
-        # Only a module that draws from the tp stream needs the stream replayed (a context function
-        # torch.compile cannot trace); the default generator torch's checkpoint restores itself.
-        replay = rng.checkpoint_contexts if rng is not None and draws_random(module) else None
+    replaying = set(tp_stream_replays(model, pattern, every)) if rng is not None else set()
+    for name, module in chosen:
+        replay = rng.checkpoint_contexts if name in replaying else None
         wrap_forward(module, functools.partial(around, context_fn=replay) if replay else around)
     return [name for name, _ in chosen]
+
+
+def tp_stream_replays(model: nn.Module, pattern: str, every: int = 1) -> list[str]:
+    """The modules ``apply_activation_checkpointing(model, pattern, every, rng)`` recomputes inside the
+    tp stream's replay: those that draw from it. The default generator torch's checkpoint restores
+    itself, but the tp stream needs a context function, which torch.compile cannot trace."""
+    return [name for name, module in matching(model, pattern)[::every] if draws_random(module)]
