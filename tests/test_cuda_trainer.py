@@ -3,9 +3,9 @@ gloo group beside NCCL, the pinned-memory copies of each step's loss and norm, e
 checkpoints, at world 2 (tp 2, and dp 2 under ZeRO 1) on two GPUs.
 
 Each run trains the small GPT of ``tests/test_trainer.py`` for 8 steps in fp32 (compiled, the GPU
-default), evaluating and saving every 3 steps, and must log the losses of the same run on one CPU
-process (within 1e-3 relative: GPU and CPU kernels sum in other orders), validation losses at
-steps 3 and 6, and leave checkpoints of steps 3, 6 and 8.
+default), evaluating and saving every 3 steps, and must log the training and validation losses
+(at steps 3 and 6) of the same run on one CPU process, within 1e-3 relative (GPU and CPU kernels
+sum in other orders), and leave checkpoints of steps 3, 6 and 8.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def _run(root: str, name: str, device: str, extra: tuple, world: int) -> dict:
     rows = read_metrics(os.path.join(run, "metrics.jsonl"))
     return {"loss": [r["loss"] for r in rows if "loss" in r],
             "val_steps": [r["step"] for r in rows if r.get("val_loss") is not None],
+            "val_loss": [r["val_loss"] for r in rows if r.get("val_loss") is not None],
             "checkpoints": sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step_"))}
 
 
@@ -58,4 +59,5 @@ def test_trainer_on_gpus_matches_one_cpu_process(runs, layout):
     run = gpus[layout]
     assert run["loss"] == pytest.approx(cpu["loss"], rel=1e-3)
     assert run["val_steps"] == [3, 6]
+    assert run["val_loss"] == pytest.approx(cpu["val_loss"], rel=1e-3)
     assert run["checkpoints"] == ["step_0000003", "step_0000006", "step_0000008"]

@@ -84,6 +84,8 @@ class ShardedAdamW:
                             if dp.info[seg.param].counts_for_norm]
         self._build_adam()
         self._tiles = self._bucket_tiles() if self._one_pass() else None
+        if self._tiles is not None:  # the kernel's bias corrections are computed from them on the device
+            self._betas = torch.tensor(self.s.betas, dtype=torch.float64, device=self.master.device)
         self.offload = None
         if offload:
             self.offload = OffloadedUpdate(self.adam, self._master_views, dp, self.master, self.master_grad)
@@ -210,9 +212,7 @@ class ShardedAdamW:
         from models.kernels.adamw import adamw_bucket
 
         self._step.add_(overflow.logical_not())
-        step = self._step.double()
-        beta1, beta2 = self.s.betas
-        corrections = torch.stack([1 - beta1**step, (1 - beta2**step).sqrt()]).float()
+        corrections = (1 - self._betas**self._step).float()  # 1 - beta^t, in fp64 (a beta of 0 included)
         lr = self.adam.param_groups[0]["lr"]  # step() sets every group's
         self.dp.before_owned_write()
         for b, bucket in enumerate(self.layout.buckets):

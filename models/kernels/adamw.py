@@ -40,7 +40,7 @@ def _adamw_tiles(tiles_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, o
     length = tl.load(tiles_ptr + 3 * tile + 1)
     decays = tl.load(tiles_ptr + 3 * tile + 2)
     idx = tl.arange(0, BLOCK)
-    mask = idx < tl.multiple_of((length + 63) // 64 * 64, 64)
+    mask = idx < (length + 63) // 64 * 64
     offs = start + idx
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0) * tl.load(coef_ptr)
     g = tl.where(idx < length, g, 0.0)
@@ -51,7 +51,7 @@ def _adamw_tiles(tiles_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, o
     m = m + (1.0 - beta1) * (g - m)
     v = v * beta2 + (1.0 - beta2) * g * g
     bias1 = tl.load(corrections_ptr)
-    bias2_sqrt = tl.load(corrections_ptr + 1)
+    bias2_sqrt = tl.sqrt_rn(tl.load(corrections_ptr + 1))
     p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
     tl.store(master_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
@@ -63,6 +63,7 @@ def tile_table(segments: list[tuple[int, int, bool]], bucket_numel: int, device:
     """The tiles of one bucket as an int32 (n, 3) table of (start, length, decays), from its segments'
     (start within the bucket, length, whether the parameter decays), in order. Refuses a layout whose
     segments do not start aligned or leave no room to round their ends up to ``ALIGN``."""
+    assert BLOCK % ALIGN == 0, "tiles after the first of a segment must start aligned too"
     if bucket_numel >= 2**31:
         raise ValueError(f"a bucket slice of {bucket_numel} elements is too large for the AdamW kernel's "
                          "int32 offsets; lower zero.bucket_size_mb")
@@ -84,7 +85,7 @@ def adamw_bucket(tiles: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, 
                  eps: float) -> None:
     """One AdamW step on the tiles of one bucket (all tensors flat and of the bucket's length).
     ``coef`` (fp32) multiplies every gradient; a nonzero ``skip`` leaves everything as it was;
-    ``corrections`` holds this step's 1 - beta1^t and sqrt(1 - beta2^t) (fp32)."""
+    ``corrections`` holds this step's 1 - beta1^t and 1 - beta2^t (fp32)."""
     _adamw_tiles[(tiles.shape[0],)](
         tiles, grad, master, exp_avg, exp_avg_sq, out, coef, skip.view(torch.uint8), corrections,
         lr, weight_decay, betas[0], betas[1], eps, BLOCK=BLOCK, num_warps=4)
