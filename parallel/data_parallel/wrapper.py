@@ -238,9 +238,10 @@ class DataParallel:
         self.publish_owned()
 
     def before_owned_write(self) -> None:
-        """Before new values overwrite this rank's 16-bit slices: order the stream after any stage 1-2
-        all-gather still reading them (a unit no forward has used since its last gather)."""
-        if self.settings.stage in (1, 2):
+        """Before new values overwrite this rank's 16-bit slices: order the stream after any all-gather
+        still reading them (stages 1-2: a unit no forward has used since its last gather; stage 3: a
+        prefetched unit nothing used, which the end of the step releases anyway)."""
+        if self.settings.stage > 0:
             self.store.wait_all()
 
     def owned_params(self, b: int) -> torch.Tensor:
