@@ -6,10 +6,12 @@ process of its own.
     python benchmarks/optimizer_step_gpu.py --sizes 125m 1.3b
     python benchmarks/optimizer_step_gpu.py --sweep     # the kernel alone, per tile size and warps
 
-Prints one JSON line per (size, path): the median of ``--steps`` timed steps (CUDA events, after 3
-untimed ones) and the bandwidth the update's minimum traffic implies (the one-pass kernel's: fp32
-gradient, master and moments read, master and moments written, the bf16 parameter written: 30 bytes
-per element; the gradient norm's read of the gradient is not counted). ``--sweep`` times the kernel
+Prints one JSON line per (size, path): the median GPU time of ``--steps`` steps (CUDA events around
+each, after 3 untimed ones; the steps are queued back to back, each after a refill of the
+gradients, so the host runs ahead as in training and the events time the device's work alone), the
+median host time to issue one, and the bandwidth the update's minimum traffic implies (the one-pass
+kernel's: fp32 gradient, master and moments read, master and moments written, the bf16 parameter
+written: 30 bytes per element; the gradient norm's read of the gradient is not counted). ``--sweep`` times the kernel
 alone (``triton.testing.do_bench`` medians) over the 1.3B GPT's parameters laid out as the flat
 layout lays them, for each tile size and warp count, beside torch's fused AdamW over the same
 segments and the rounding copy it needs after it.
@@ -24,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "1.3b": (24, 2048, 16)}  # layers, hidden, heads
 
@@ -46,21 +49,23 @@ def measure(size: str, steps: int) -> dict:
     dp = DataParallel([model], DataParallelSettings(stage=0, param_dtype=torch.bfloat16), dist.group.WORLD,
                       units=list(model.layers.values()), info=lambda p: info[id(p)])
     opt = ShardedAdamW(dp, AdamWSettings(lr=1e-4, clip_grad=1.0))
-    times = []
+    events, host_ms = [], []
     for step in range(3 + steps):
         for b in range(len(dp.layout.buckets)):
             dp.bucket_grad(b).normal_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began = time.perf_counter()
         start.record()
         opt.step()
         end.record()
-        end.synchronize()
         if step >= 3:
-            times.append(start.elapsed_time(end))
-    ms = statistics.median(times)
+            events.append((start, end))
+            host_ms.append(1e3 * (time.perf_counter() - began))
+    torch.cuda.synchronize()
+    ms = statistics.median(start.elapsed_time(end) for start, end in events)
     numel = sum(p.numel() for p in dp.params)
     return {"size": size, "one_pass": opt._tiles is not None, "params": numel, "step_ms": round(ms, 3),
-            "GB_per_s": round(30 * numel / ms / 1e6)}
+            "host_ms": round(statistics.median(host_ms), 3), "GB_per_s": round(30 * numel / ms / 1e6)}
 
 
 def sweep() -> None:
