@@ -3,6 +3,8 @@
 * Resuming with another ``zero.bucket_size_mb`` (same tp/pp/dp/stage) must not copy shards element
   for element: the shard descriptions differ, so the loader reshards, and the weights and Adam
   moments land where they belong (compared exactly with a same-bucket resume).
+* A shard saved with more padding after its last segment than this layout has (the flat layout of
+  older versions padded units less) describes itself the same, but is resharded, not copied.
 * A loss-scaler state saved under fp16 is not imposed on a bf16 run, and vice versa.
 * fp16 gradients kept in 16 bits under a 2^16 loss scale: the global norm is computed in fp32, so a
   large but finite gradient is not mistaken for an overflow.
@@ -18,7 +20,7 @@ from megazero.checkpoint import CheckpointWriter, read_manifest
 from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import load_config
 from megazero.engine import Engine
-from megazero.optim import DynamicLossScaler
+from megazero.optim import STATE_KEYS, DynamicLossScaler
 from tests.sharded import sharded_adamw
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
@@ -61,12 +63,25 @@ def _world(rank, world_size, root):
         out[("exact", bucket_mb)] = exact
         out[("next_loss", bucket_mb)] = (_step(target, 10), reference_next)
     out.update(_offload_resume(topo, rank, root + "/offload"))
+    out["longer_shard"] = _longer_shard_resume(topo, rank, root + "/longer", reference_next)
     fp16 = _engine(topo, 0.002, "fp16")
     load_checkpoint(ckpt, rank, fp16.chunks, fp16.optimizer, manifest, same_layout=True)
     out["fp16_scale_after_fp32_ckpt"] = fp16.optimizer.scaler.scale
     out["fp16_norm"] = _fp16_norm(topo)
     out["files_read"] = _pipeline_reshard_reads(rank, root)
     return out
+
+
+def _longer_shard_resume(topo, rank, root, reference_next):
+    source = _engine(topo, 0.002)
+    for s in range(2):
+        _step(source, s)
+    for key in STATE_KEYS:  # 64 more elements of padding at the end of the shard
+        setattr(source.optimizer, key, torch.cat([getattr(source.optimizer, key), torch.zeros(64)]))
+    ckpt = _save(source, root, rank)
+    target = _engine(topo, 0.002)
+    exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
+    return exact, _step(target, 10), reference_next
 
 
 def _offload_resume(topo, rank, root):
@@ -140,6 +155,13 @@ def test_other_buckets_reshard_instead_of_scrambling(report):
     for r in report:
         assert r[("exact", 0.0005)] is False
         got, want = r[("next_loss", 0.0005)]
+        assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+
+
+def test_a_longer_shard_with_the_same_description_is_resharded(report):
+    for r in report:
+        exact, got, want = r["longer_shard"]
+        assert exact is False
         assert abs(got - want) <= 1e-6 * abs(want), (got, want)
 
 
