@@ -8,8 +8,9 @@ otherwise torch's AdamW (fused on GPU, multi-threaded fused on CPU where torch h
 master and the wrapper rounds it back. On a GPU the step never waits for the host: the norm, the
 clip coefficient and the overflow flag stay on the device and the kernel applies them itself (as
 torch's fused AdamW takes them through ``grad_scale`` and ``found_inf``), so the host keeps queueing
-work while the GPU runs. Only a dynamic (fp16) loss scaler reads the flag each step. With offload the master and moments
-live in host memory and each unit's update is applied when the unit is next used (``offload``).
+work while the GPU runs. Only a dynamic (fp16) loss scaler reads the flag each step. With offload
+the master and moments live in host memory and each unit's update is applied when the unit is next
+used (``offload``).
 
 Its state is explicit: ``sharded_state_dict()`` is the shard with the description that places every
 element, (logical parameter name, tensor-parallel slice, offset), and is all a checkpoint reads.
@@ -127,8 +128,10 @@ class ShardedAdamW:
             self.adam.state[view] = {"step": step, "exp_avg": self.exp_avg[lo:hi], "exp_avg_sq": self.exp_avg_sq[lo:hi]}
 
     def _one_pass(self) -> bool:
-        """Whether the Triton kernel updates master and parameters together: on a GPU, with fp32
-        gradients on the device (else they are first copied into ``master_grad``, a pass of its own)."""
+        """Whether the Triton kernel updates master and parameters together: on a GPU where the kernels
+        are on (Triton importable, ``MEGAZERO_KERNELS`` not 0), with the fused AdamW asked for, no
+        offload, and fp32 gradients (16-bit ones are first copied into ``master_grad``, a pass of its
+        own, and torch's fused AdamW runs)."""
         return (self.s.fused and self.master_grad is None and not self.dp.settings.offload
                 and kernels.use_fused(self.master))
 
