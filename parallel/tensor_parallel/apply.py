@@ -155,18 +155,18 @@ def apply_activation_checkpointing(model: nn.Module, pattern: str, every: int = 
     if every < 1:
         raise ValueError(f"checkpoint every {every}-th module: must be at least 1")
 
-    def around(forward, *args, context_fn=None, **kwargs):
+    def around(forward, *args, replay=None, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if context_fn is None:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        context = {} if replay is None else {"context_fn": replay}
+        return checkpoint(forward, *args, use_reentrant=False, **context, **kwargs)
 
-    chosen = matching(model, pattern)[::every]
-    replaying = set(tp_stream_replays(model, pattern, every)) if rng is not None else set()
-    for name, module in chosen:
-        replay = rng.checkpoint_contexts if name in replaying else None
-        wrap_forward(module, functools.partial(around, context_fn=replay) if replay else around)
+    chosen = _recomputed(model, pattern, every)
+    for _, module in chosen:
+        if rng is not None and draws_random(module):
+            wrap_forward(module, functools.partial(around, replay=rng.checkpoint_contexts))
+        else:
+            wrap_forward(module, around)
     return [name for name, _ in chosen]
 
 
@@ -174,4 +174,9 @@ def tp_stream_replays(model: nn.Module, pattern: str, every: int = 1) -> list[st
     """The modules ``apply_activation_checkpointing(model, pattern, every, rng)`` recomputes inside the
     tp stream's replay: those that draw from it. The default generator torch's checkpoint restores
     itself, but the tp stream needs a context function, which torch.compile cannot trace."""
-    return [name for name, module in matching(model, pattern)[::every] if draws_random(module)]
+    return [name for name, module in _recomputed(model, pattern, every) if draws_random(module)]
+
+
+def _recomputed(model: nn.Module, pattern: str, every: int) -> list[tuple[str, nn.Module]]:
+    """Every ``every``-th module matching ``pattern``, counted from this model's first match."""
+    return matching(model, pattern)[::every]
