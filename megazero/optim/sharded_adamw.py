@@ -83,8 +83,8 @@ class ShardedAdamW:
         self._grads = [dp.segment_grad(seg) for seg in self.layout.segments]
         self._norm_views = [g for seg, g in zip(self.layout.segments, self._grads)
                             if dp.info[seg.param].counts_for_norm]
-        self._build_adam()
         self._tiles = self._bucket_tiles() if self._one_pass() else None
+        self._build_adam()
         if self._tiles is not None:  # the kernel's bias corrections are computed from them on the device
             self._betas = torch.tensor(self.s.betas, dtype=torch.float64, device=self.master.device)
         self.offload = None
@@ -120,7 +120,7 @@ class ShardedAdamW:
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         step_device = self.master.device if fused else torch.device("cpu")
-        self._step = torch.zeros((), dtype=torch.float32, device=step_device) if self._one_pass() else None
+        self._step = torch.zeros((), dtype=torch.float32, device=step_device) if self._tiles is not None else None
         for seg in self.layout.segments:
             view = self._master_views[seg]
             lo, hi = seg.shard_offset, seg.shard_offset + seg.numel
