@@ -11,10 +11,11 @@ each, after 3 untimed ones; the steps are queued back to back, each after a refi
 gradients, so the host runs ahead as in training and the events time the device's work alone), the
 median host time to issue one, and the bandwidth the update's minimum traffic implies (the one-pass
 kernel's: fp32 gradient, master and moments read, master and moments written, the bf16 parameter
-written: 30 bytes per element; the gradient norm's read of the gradient is not counted). ``--sweep`` times the kernel
-alone (``triton.testing.do_bench`` medians) over the 1.3B GPT's parameters laid out as the flat
-layout lays them, for each tile size and warp count, beside torch's fused AdamW over the same
-segments and the rounding copy it needs after it.
+written: 30 bytes per element; the gradient norm's read of the gradient is not counted).
+
+``--sweep`` times the kernel alone (``triton.testing.do_bench`` medians) over the 1.3B GPT's
+stage-0 shard taken as one bucket, for each tile size and warp count, beside torch's fused AdamW
+over the same segments and the rounding copy it needs after it.
 """
 
 from __future__ import annotations
@@ -31,20 +32,24 @@ import time
 SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "1.3b": (24, 2048, 16)}  # layers, hidden, heads
 
 
+def gpt(size: str, device: str):
+    from models.config import ModelConfig
+    from models.gpt import GPT
+
+    layers, hidden, heads = SIZES[size]
+    return GPT(ModelConfig(preset="gpt2", num_layers=layers, hidden_size=hidden, num_heads=heads, vocab_size=50257,
+                           seq_length=2048), device=device)
+
+
 def measure(size: str, steps: int) -> dict:
     import torch
     import torch.distributed as dist
 
     from megazero.optim import AdamWSettings, ShardedAdamW
-    from models.config import ModelConfig
-    from models.gpt import GPT
     from parallel.data_parallel import DataParallel, DataParallelSettings, ParamInfo
 
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
-    layers, hidden, heads = SIZES[size]
-    cfg = ModelConfig(preset="gpt2", num_layers=layers, hidden_size=hidden, num_heads=heads, vocab_size=50257,
-                      seq_length=2048)
-    model = GPT(cfg, device="cuda")
+    model = gpt(size, "cuda")
     info = {id(p): ParamInfo(name, None, counts_for_norm=True) for name, p in model.named_parameters()}
     dp = DataParallel([model], DataParallelSettings(stage=0, param_dtype=torch.bfloat16), dist.group.WORLD,
                       units=list(model.layers.values()), info=lambda p: info[id(p)])
@@ -73,14 +78,13 @@ def sweep() -> None:
     from triton.testing import do_bench
 
     from models.kernels import adamw
+    from parallel.data_parallel import DataParallelSettings
+    from parallel.data_parallel.wrapper import flat_layout
 
-    h, vocab = 2048, 50304
-    block = [(h, 0), (h, 0), (3 * h * h, 1), (3 * h, 0), (h * h, 1), (h, 0), (h, 0), (h, 0), (4 * h * h, 1), (4 * h, 0),
-             (4 * h * h, 1), (h, 0)]
-    segments, numel = [], 0
-    for n, decays in [(vocab * h, 1), (2048 * h, 1)] + block * 24 + [(h, 0), (h, 0)]:
-        segments.append((numel, n, bool(decays)))
-        numel = -(-(numel + n) // adamw.ALIGN) * adamw.ALIGN
+    model = gpt("1.3b", "meta")  # its stage-0 shard, taken as one bucket
+    params, _, layout = flat_layout([model], list(model.layers.values()), DataParallelSettings(stage=0), 1, 0)
+    segments = [(s.shard_offset, s.numel, params[s.param].dim() >= 2) for s in layout.segments]
+    numel = layout.shard_numel
     grad, master = torch.randn(numel, device="cuda"), torch.randn(numel, device="cuda")
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     out = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
