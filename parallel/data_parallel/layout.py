@@ -4,8 +4,9 @@ Parameters are grouped into *units* (a transformer block, or everything outside 
 unit's parameters are laid end to end in one flat index space, each start aligned, and the space
 is cut into constant-size *buckets* (ZeRO-R's fixed communication buffers: the same size whatever
 the model). Every bucket is padded to a multiple of the data-parallel size times the alignment and
-split evenly, so rank r owns the r-th slice of every bucket, aligned like the parameters. A rank's *shard* is its owned slices of all buckets,
-concatenated: the fp32 master weights, Adam moments and reduced gradients live in that space.
+split evenly, so rank r owns the r-th slice of every bucket, aligned like the parameters. A rank's
+*shard* is its owned slices of all buckets, concatenated: the fp32 master weights, Adam moments and
+reduced gradients live in that space.
 
 Keeping this arithmetic apart from the tensors lets the memory model and the tests reason about
 a layout without allocating anything.
