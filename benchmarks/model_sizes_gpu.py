@@ -67,6 +67,7 @@ def megazero(size: str, kernels: bool, steps: int, skip: int, timeout: int) -> d
         rows = [r for r in map(json.loads, f) if "tokens_per_s" in r]
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in rows[skip:])
     return {"tokens_per_s": round(tokens_per_s), "peak_GiB": round(max(r.get("mem_peak_gib", 0.0) for r in rows), 2),
+            "reserved_GiB": round(max(r.get("mem_reserved_peak_gib", 0.0) for r in rows), 2),
             "loss": round(rows[-1]["loss"], 3)}
 
 

@@ -7,7 +7,8 @@ Tolerance: fp32, parameters after 3 steps within 2e-6 absolute (Adam's first ste
 weight by about lr = 1e-2, so this is ~1e-4 of the update), and the reported gradient norm equal
 to the reference's every step within 1e-5 relative. Every rank of every data-parallel group is
 checked (with dp 2 the 4-rank world holds two groups). Memory is measured after steps too, when
-stages 2 and 3 hold their gradient scratch buffers, whose count is bounded. Reading a stage-3
+stages 2 and 3 hold their gradient scratch buffers, whose count is bounded, and stages 0-1 have
+released their gradient buffers until the next backward. Reading a stage-3
 parameter outside a forward is a clear error, not a read of released storage.
 
 Planted bugs this caught: a scratch pool whose buffers are never reused (the bound); gradient copies
@@ -154,10 +155,14 @@ def _memory_and_overflow(base, group, dp, dp_rank):
             predicted = opt.predicted_memory()
             predicted = {k: getattr(predicted, k) for k in ("params", "grads", "master", "optimizer")}
             out[("memory", dp, stage, grad_dtype)] = (opt.memory_bytes(), predicted)
+            held = []  # full-mode gradient bytes really held: after the backwards, then after the step
             for step in range(2):
                 for micro in range(MICRO):
                     opt.scale_loss(model(*_data(step, dp_rank * MICRO + micro)) / MICRO).backward()
+                held.append(_storage_bytes(opt.dp.reducer.unit_flat))
                 opt.step()
+                held.append(_storage_bytes(opt.dp.reducer.unit_flat))
+            out[("gradient memory in a step", dp, stage, grad_dtype)] = (held, opt.dp.reducer.held_bytes())
             scratch = sum(t.untyped_storage().nbytes() for t in opt.dp.reducer.pool)
             out[("memory after steps", dp, stage, grad_dtype)] = (
                 opt.memory_bytes(), predicted, len(opt.dp.reducer.pool), scratch,
@@ -192,6 +197,10 @@ def _queued_after_backward(base, group, dp_rank) -> dict:
         opt.step()
         out[stage] = queued
     return out
+
+
+def _storage_bytes(tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
 def _itemsize(dtype) -> int:
@@ -271,6 +280,17 @@ def test_memory_after_steps_is_the_formula_plus_bounded_scratch(zero_world, dp, 
             assert 1 <= buffers <= MAX_STAGING_BUFFERS, (rank, buffers)
         else:
             assert buffers == 0
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_full_gradient_buffers_hold_memory_only_within_a_step(zero_world, dp, stage, grad_dtype):
+    """Stages 0-1: the gradient buffers are released by the step and taken back by the next
+    backward, so a forward runs without them."""
+    for rank, rank_results in enumerate(zero_world):
+        held, whole = rank_results[("gradient memory in a step", dp, stage, grad_dtype)]
+        assert whole > 0 and held == [whole, 0, whole, 0], (rank, held, whole)
 
 
 @pytest.mark.parametrize("dp", [2, 4])

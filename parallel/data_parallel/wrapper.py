@@ -269,7 +269,7 @@ class DataParallel:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of 16-bit parameters and of gradient buffers this rank really holds."""
         return {"params": storage_bytes(self.params + [self.store.shard]),
-                "grads": storage_bytes([self.reducer.flat, self.reducer.shard, *self.reducer.pool])}
+                "grads": self.reducer.held_bytes()}
 
 
 def flat_layout(roots: list[torch.nn.Module], units: list[torch.nn.Module], settings: DataParallelSettings, dp: int,
