@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from megazero.config.schema import Config
-from megazero.optim.memory import zero_model_state_bytes
+from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
@@ -36,11 +36,14 @@ class MemoryEstimate:
     activations: float
     buffers: float
     pp_rank: int
+    grads_outside_forward: float = 0.0  # gradient bytes (in model_states) that no forward runs beside
 
     @property
     def peak(self) -> float:
-        """What the allocator holds at the peak of a step (comparable to ``torch.cuda.max_memory_allocated``)."""
-        return self.model_states + self.activations + self.buffers
+        """What the allocator holds at the peak of a step (comparable to ``torch.cuda.max_memory_allocated``):
+        the activations' peak beside the model states held then, or the optimizer step's."""
+        beside_activations = self.model_states - self.grads_outside_forward + self.activations
+        return max(beside_activations, self.model_states) + self.buffers
 
     @property
     def needed(self) -> float:
@@ -94,18 +97,33 @@ def rank_layers(cfg: Config, pp_rank: int) -> int:
     return sum(len(stage_layers(split, p.pp, pp_rank, c)) for c in range(p.virtual_stages))
 
 
+def _zero_states(cfg: Config, pp_rank: int) -> ModelStateBytes:
+    p, z, prec = cfg.parallel, cfg.zero, cfg.precision
+    param_bytes = DTYPE_BYTES[prec.dtype]
+    grad_bytes = 4 if prec.accumulate_fp32 else param_bytes
+    return zero_model_state_bytes(rank_params(cfg, pp_rank), p.dp, z.stage, param_bytes=param_bytes,
+                                  grad_bytes=grad_bytes, full_grads=p.pp > 1 and z.stage >= 2)
+
+
 def model_state_bytes(cfg: Config, pp_rank: int) -> float:
     """The ZeRO formula for this rank's parameters, with megazero's dtypes: 16-bit (or fp32)
     parameters, fp32 gradients under ``precision.accumulate_fp32``, an fp32 copy of the gradient
     shard where gradients are 16-bit; master and moments on the host under offload."""
-    p, z, prec = cfg.parallel, cfg.zero, cfg.precision
-    param_bytes = DTYPE_BYTES[prec.dtype]
-    grad_bytes = 4 if prec.accumulate_fp32 else param_bytes
-    states = zero_model_state_bytes(rank_params(cfg, pp_rank), p.dp, z.stage, param_bytes=param_bytes,
-                                    grad_bytes=grad_bytes, full_grads=p.pp > 1 and z.stage >= 2)
-    if z.offload_optimizer:
+    states = _zero_states(cfg, pp_rank)
+    if cfg.zero.offload_optimizer:
         return states.params + states.grads
-    return states.total + (states.master if grad_bytes != 4 else 0.0)
+    return states.total + (states.master if not cfg.precision.accumulate_fp32 else 0.0)
+
+
+def grads_outside_forward(cfg: Config, pp_rank: int) -> float:
+    """Gradient bytes no forward runs beside. Whole gradient buffers (stages 0-1, and stages 2-3 under a
+    pipeline) hold memory only from the backward that reaches them to the end of the step, so with
+    one micro-batch per step every forward runs without them; with more, later forwards run beside
+    the gradients accumulated so far."""
+    p, z, t = cfg.parallel, cfg.zero, cfg.train
+    micro = max(1, t.global_batch_size // (t.micro_batch_size * p.dp))
+    whole_buffers = z.stage < 2 or p.pp > 1
+    return _zero_states(cfg, pp_rank).grads if micro == 1 and whole_buffers else 0.0
 
 
 def layer_activation_bytes(cfg: Config, recomputed: bool) -> float:
@@ -171,7 +189,7 @@ def estimate_memory(cfg: Config) -> MemoryEstimate:
     estimates = []
     for rank in sorted({0, cfg.parallel.pp - 1}):
         estimates.append(MemoryEstimate(model_state_bytes(cfg, rank), activation_bytes(cfg, rank),
-                                        buffer_bytes(cfg, rank), rank))
+                                        buffer_bytes(cfg, rank), rank, grads_outside_forward(cfg, rank)))
     return max(estimates, key=lambda e: e.peak)
 
 
