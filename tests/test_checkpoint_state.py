@@ -5,6 +5,7 @@
   moments land where they belong (compared exactly with a same-bucket resume).
 * A shard saved with more padding after its last segment than this layout has (the flat layout of
   older versions padded units less) describes itself the same, but is resharded, not copied.
+* Either way, in the same layout each rank's random generators continue from its own file.
 * A loss-scaler state saved under fp16 is not imposed on a bf16 run, and vice versa.
 * fp16 gradients kept in 16 bits under a 2^16 loss scale: the global norm is computed in fp32, so a
   large but finite gradient is not mistaken for an overflow.
@@ -54,13 +55,16 @@ def _world(rank, world_size, root):
     source = _engine(topo, 0.002)
     for s in range(2):
         _step(source, s)
+    saved_rng = torch.get_rng_state()
     ckpt = _save(source, root, rank)
     manifest = read_manifest(ckpt)
     reference_next = _step(source, 10)
     for bucket_mb in (0.002, 0.0005):
         target = _engine(topo, bucket_mb)
+        torch.manual_seed(1000 + rank)  # as a fresh process would have it
         exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, manifest, same_layout=True)
         out[("exact", bucket_mb)] = exact
+        out[("rng restored", bucket_mb)] = torch.equal(torch.get_rng_state(), saved_rng)
         out[("next_loss", bucket_mb)] = (_step(target, 10), reference_next)
     out.update(_offload_resume(topo, rank, root + "/offload"))
     out["longer_shard"] = _longer_shard_resume(topo, rank, root + "/longer", reference_next)
@@ -156,6 +160,13 @@ def test_other_buckets_reshard_instead_of_scrambling(report):
         assert r[("exact", 0.0005)] is False
         got, want = r[("next_loss", 0.0005)]
         assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+
+
+@pytest.mark.parametrize("bucket_mb", [0.002, 0.0005])
+def test_random_generators_resume_in_the_same_layout_whether_exact_or_resharded(report, bucket_mb):
+    """A rank that reshards (other buckets) beside tensor-group peers that resume exactly would
+    otherwise draw other dropout masks than they do."""
+    assert all(r[("rng restored", bucket_mb)] for r in report)
 
 
 def test_a_longer_shard_with_the_same_description_is_resharded(report):

@@ -60,7 +60,10 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
     when that file's shard description equals this rank's: a layout dict can match while the flat
     buckets differ (another bucket size, precision or persistence threshold), and copying shards
     then would scramble every parameter; and the shard's length must match too (a description does
-    not record the padding after the last segment). Otherwise the checkpoint is resharded.
+    not record the padding after the last segment). Otherwise the checkpoint is resharded. In the
+    same layout a resharded rank still takes its random generators from its own file: the rank sits
+    at the same tensor, pipeline and data coordinates, and its tensor-group peers, which may have
+    resumed exactly, must draw the same dropout masks as it does.
     """
     if same_layout and rank_file(rank) in manifest["files"]:
         mine = optimizer.describe()
@@ -72,6 +75,8 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
                 restore_rng(chunks, state["rng"])
                 return True
     load_resharded(ckpt, optimizer, manifest)
+    if same_layout and rank_file(rank) in manifest["files"]:
+        restore_rng(chunks, CheckpointReader(ckpt, manifest).values(rank, ("rng",))["rng"])
     return False
 
 
