@@ -74,9 +74,10 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
                 optimizer.load_sharded_state_dict(state)
                 restore_rng(chunks, state["rng"])
                 return True
-    load_resharded(ckpt, optimizer, manifest)
+    reader = CheckpointReader(ckpt, manifest)
+    load_resharded(reader, optimizer)
     if same_layout and rank_file(rank) in manifest["files"]:
-        restore_rng(chunks, CheckpointReader(ckpt, manifest).values(rank, ("rng",))["rng"])
+        restore_rng(chunks, reader.values(rank, ("rng",))["rng"])
     return False
 
 
@@ -85,11 +86,11 @@ def _description(ckpt, rank: int, manifest: dict) -> dict:
     return load_file(ckpt, name, manifest=manifest)
 
 
-def load_resharded(ckpt, optimizer: ShardedAdamW, manifest: dict) -> None:
+def load_resharded(reader: CheckpointReader, optimizer: ShardedAdamW) -> None:
     """Any other layout: rebuild each logical tensor this rank needs, one at a time, and take the new
     slice of it. Only the rank files holding such a tensor are opened (a pipeline stage reads its own
     stage's files, not the whole checkpoint)."""
-    reader = CheckpointReader(ckpt, manifest)
+    ckpt = reader.ckpt
     wanted = optimizer.local_tensors()
     holders = reader.holders(name for name, _, _ in wanted)
     if not holders:
