@@ -8,7 +8,9 @@ weight by about lr = 1e-2, so this is ~1e-4 of the update), and the reported gra
 to the reference's every step within 1e-5 relative. Every rank of every data-parallel group is
 checked (with dp 2 the 4-rank world holds two groups). Memory is measured after steps too, when
 stages 2 and 3 hold their gradient scratch buffers, whose count is bounded, and stages 0-1 have
-released their gradient buffers until the next backward. Reading a stage-3
+released their gradient buffers until the next backward. Every gradient buffer taken back is first
+filled with NaN (as reused device memory may hold anything), so a region read before it is written
+fails the comparisons. Reading a stage-3
 parameter outside a forward is a clear error, not a read of released storage.
 
 Planted bugs this caught: a scratch pool whose buffers are never reused (the bound); gradient copies
@@ -102,7 +104,19 @@ CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "ov
     (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused")]
 
 
+def _poison_retaken_gradient_memory():
+    """Fill every gradient buffer the reducer takes back with NaN, as reused device memory may hold:
+    a region read before it is written (or padding not cleared) then shows in the results."""
+    from parallel.data_parallel.grads import GradReducer
+
+    def take(buf):
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        buf.fill_(float("nan"))
+    GradReducer._take_storage = staticmethod(take)
+
+
 def _zero_run(rank, world_size):
+    _poison_retaken_gradient_memory()
     torch.manual_seed(0)
     base = Toy()
     results = {}
@@ -141,7 +155,30 @@ def _zero_run(rank, world_size):
         results.update(_memory_and_overflow(base, group, dp, dp_rank))
         results[("queued", dp)] = _queued_after_backward(base, group, dp_rank)
         results[("released read", dp)] = _released_read(base, group)
+        results[("skipped after overlap", dp)] = _skipped_after_overlap(base, group, dp_rank)
     return results
+
+
+def _skipped_after_overlap(base, group, dp_rank):
+    """A step abandoned after its last backward started the reductions (``zero_grad`` without ``step``):
+    the reductions in flight are waited for and dropped before the buffers they use are released, and
+    the next step equals a step taken from scratch."""
+    out = {}
+    for stage in (0, 1, 2):
+        model, fresh = copy.deepcopy(base), copy.deepcopy(base)
+        opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2)
+        opt.dp.begin_microbatch(last=True)
+        opt.scale_loss(model(*_data(5, dp_rank))).backward()
+        opt.zero_grad()
+        in_flight = len(opt.dp.reducer.in_flight)
+        other = sharded_adamw(fresh, group, fresh.blocks, stage=stage, bucket_numel=320, lr=1e-2)
+        for o, m in ((opt, model), (other, fresh)):
+            o.dp.begin_microbatch(last=True)
+            o.scale_loss(m(*_data(6, dp_rank))).backward()
+            o.step()
+            o.dp.wait_params()
+        out[stage] = (in_flight, max((p - q).abs().max().item() for p, q in zip(model.parameters(), fresh.parameters())))
+    return out
 
 
 def _memory_and_overflow(base, group, dp, dp_rank):
@@ -156,13 +193,20 @@ def _memory_and_overflow(base, group, dp, dp_rank):
             predicted = {k: getattr(predicted, k) for k in ("params", "grads", "master", "optimizer")}
             out[("memory", dp, stage, grad_dtype)] = (opt.memory_bytes(), predicted)
             held = []  # full-mode gradient bytes really held: after the backwards, then after the step
+            reducer = opt.dp.reducer
             for step in range(2):
                 for micro in range(MICRO):
                     opt.scale_loss(model(*_data(step, dp_rank * MICRO + micro)) / MICRO).backward()
-                held.append(_storage_bytes(opt.dp.reducer.unit_flat))
+                held.append(_storage_bytes(reducer.unit_flat))
                 opt.step()
-                held.append(_storage_bytes(opt.dp.reducer.unit_flat))
-            out[("gradient memory in a step", dp, stage, grad_dtype)] = (held, opt.dp.reducer.held_bytes())
+                held.append(_storage_bytes(reducer.unit_flat))
+            out[("gradient memory in a step", dp, stage, grad_dtype)] = (held, reducer.held_bytes())
+            if reducer.unit_flat:  # the padding of retaken (poisoned) buffers is zero after a backward
+                opt.scale_loss(model(*_data(0, dp_rank))).backward()
+                reducer.finish()
+                out[("padding", dp, stage, grad_dtype)] = [float(g.abs().sum()) for views in reducer.gap_views
+                                                           for g in views]
+                opt.zero_grad()
             scratch = sum(t.untyped_storage().nbytes() for t in opt.dp.reducer.pool)
             out[("memory after steps", dp, stage, grad_dtype)] = (
                 opt.memory_bytes(), predicted, len(opt.dp.reducer.pool), scratch,
@@ -291,6 +335,22 @@ def test_full_gradient_buffers_hold_memory_only_within_a_step(zero_world, dp, st
     for rank, rank_results in enumerate(zero_world):
         held, whole = rank_results[("gradient memory in a step", dp, stage, grad_dtype)]
         assert whole > 0 and held == [whole, 0, whole, 0], (rank, held, whole)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_padding_of_retaken_gradient_buffers_is_zero(zero_world, dp, stage, grad_dtype):
+    for rank, rank_results in enumerate(zero_world):
+        sums = rank_results[("padding", dp, stage, grad_dtype)]
+        assert sums and all(v == 0 for v in sums), (rank, sums)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_a_step_abandoned_after_its_reductions_started_leaves_nothing_behind(zero_world, dp):
+    for rank, rank_results in enumerate(zero_world):
+        for stage, (in_flight, err) in rank_results[("skipped after overlap", dp)].items():
+            assert in_flight == 0 and err == 0, (rank, stage, in_flight, err)
 
 
 @pytest.mark.parametrize("dp", [2, 4])

@@ -51,9 +51,11 @@ class MemoryEstimate:
         return self.peak * (1 + FRAGMENTATION) + RUNTIME_RESERVED_GIB * GIB
 
     def describe(self) -> str:
-        return (f"{self.peak / GIB:.1f} GiB per GPU (model states {self.model_states / GIB:.1f}, activations "
-                f"{self.activations / GIB:.1f}, buffers {self.buffers / GIB:.1f}; {self.needed / GIB:.1f} GiB "
-                f"with margins)")
+        released = (f", of which gradients {self.grads_outside_forward / GIB:.1f} not held beside the activations"
+                    if self.grads_outside_forward else "")
+        return (f"{self.peak / GIB:.1f} GiB per GPU (model states {self.model_states / GIB:.1f}{released}, "
+                f"activations {self.activations / GIB:.1f}, buffers {self.buffers / GIB:.1f}; "
+                f"{self.needed / GIB:.1f} GiB with margins)")
 
 
 def block_params(m: ModelConfig) -> tuple[int, int]:
@@ -116,14 +118,24 @@ def model_state_bytes(cfg: Config, pp_rank: int) -> float:
 
 
 def grads_outside_forward(cfg: Config, pp_rank: int) -> float:
-    """Gradient bytes no forward runs beside. Whole gradient buffers (stages 0-1, and stages 2-3 under a
-    pipeline) hold memory only from the backward that reaches them to the end of the step, so with
-    one micro-batch per step every forward runs without them; with more, later forwards run beside
-    the gradients accumulated so far."""
-    p, z, t = cfg.parallel, cfg.zero, cfg.train
+    """Gradient bytes no activations' peak runs beside. Whole gradient buffers (stages 0-1, and stages
+    2-3 under a pipeline) hold memory only from the backward that reaches them to the end of the step,
+    so with one micro-batch per step no forward runs beside them; with more, later forwards run beside
+    the gradients accumulated so far. Not with full recompute either: each block is rebuilt inside the
+    backward, beside the gradients taken back by then. On the rank holding the head, the unit outside
+    the blocks (final norm, head, a tied embedding) is taken back as the backward starts, beside every
+    activation, so it counts."""
+    p, z, t, m = cfg.parallel, cfg.zero, cfg.train, cfg.model
     micro = max(1, t.global_batch_size // (t.micro_batch_size * p.dp))
     whole_buffers = z.stage < 2 or p.pp > 1
-    return _zero_states(cfg, pp_rank).grads if micro == 1 and whole_buffers else 0.0
+    if micro > 1 or not whole_buffers or p.recompute == "full":
+        return 0.0
+    grads = _zero_states(cfg, pp_rank).grads
+    if pp_rank == p.pp - 1:
+        split, replicated = block_params(m)
+        params = rank_params(cfg, pp_rank)
+        grads *= rank_layers(cfg, pp_rank) * (split / p.tp + replicated) / params
+    return grads
 
 
 def layer_activation_bytes(cfg: Config, recomputed: bool) -> float:

@@ -93,6 +93,7 @@ class GradReducer:
             # made while the storage is there (a released one takes no new views); they stay valid
             self.segment_views = {seg: self.param_grad(seg.param)[seg.param_offset:seg.param_offset + seg.numel]
                                   for seg in layout.segments}
+            self.gap_views = [self._gaps(u) for u in range(len(layout.unit_numel))]
             self._release()
         else:
             self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
@@ -123,17 +124,38 @@ class GradReducer:
 
     def _flat(self, unit: int, lo: int, hi: int) -> torch.Tensor:
         """Elements ``lo:hi`` of ``unit``'s full-mode buffer, whose storage is taken back first if the
-        step has not touched the unit yet (uninitialised: only written regions are ever read)."""
+        step has not touched the unit yet. Retaken memory holds whatever the allocator had there: a
+        parameter's region is written before it is read (copied into, or zeroed when it got no
+        gradient), and the padding between and after parameters is zeroed here, so collectives and
+        copies of whole buckets never carry stale values (nor trip a NaN check)."""
         buf = self.unit_flat[unit]
         if not self.held[unit]:
-            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            self._take_storage(buf)
             self.held[unit] = True
+            if self.gap_views[unit]:
+                torch._foreach_zero_(self.gap_views[unit])
         return buf[lo:hi]
+
+    @staticmethod
+    def _take_storage(buf: torch.Tensor) -> None:
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+
+    def _gaps(self, unit: int) -> list[torch.Tensor]:
+        """Views of ``unit``'s padding: what no parameter covers."""
+        gaps, end = [], 0
+        for i in self.layout.unit_params[unit]:
+            start = self.layout.param_offset[i]
+            if start > end:
+                gaps.append(self.unit_flat[unit][end:start])
+            end = start + self.layout.param_numel[i]
+        if end < self.layout.unit_numel[unit]:
+            gaps.append(self.unit_flat[unit][end:])
+        return gaps
 
     def _release(self) -> None:
         """Give every full-mode buffer's memory back to the allocator until the next step needs it.
         Safe without waiting: the work that read a buffer was queued on this stream, or waited for
-        on it (the collectives), or on the host (the offloaded copies)."""
+        on it (``zero`` waits for reductions still in flight), or on the host (offloaded copies)."""
         for u, buf in enumerate(self.unit_flat):
             buf.untyped_storage().resize_(0)
             self.held[u] = False
@@ -335,8 +357,19 @@ class GradReducer:
 
     def zero(self) -> None:
         """Start a new step: nothing is cleared, every region is marked unwritten and the full-mode
-        buffers are released (see the module doc); copies a failed backward left queued are dropped."""
+        buffers are released (see the module doc). What a backward left behind without ``finish`` (one
+        that raised, or a step skipped by calling ``zero`` alone) is dropped: queued copies, and
+        reductions in flight, which are waited for first, since they still read or write buffers
+        about to be released."""
         self._forget_copies()
+        for _, handle, scratch, _ in self.in_flight:
+            if handle is not None:
+                handle.wait()
+            if scratch is not None:
+                self.pool.append(scratch)
+        self.in_flight.clear()
+        self.overlap = self.final = False
+        self._callback_queued = False
         self._release()
         self.pool.extend(self.scratch.values())
         self.scratch.clear()

@@ -267,7 +267,8 @@ class DataParallel:
 
     # --- inspection --------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes of 16-bit parameters and of gradient buffers this rank really holds."""
+        """Bytes of 16-bit parameters and of gradient buffers this rank holds (whole gradient buffers
+        counted whole: they are released between steps, held within one)."""
         return {"params": storage_bytes(self.params + [self.store.shard]),
                 "grads": self.reducer.held_bytes()}
 
