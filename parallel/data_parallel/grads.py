@@ -138,6 +138,7 @@ class GradReducer:
 
     @staticmethod
     def _take_storage(buf: torch.Tensor) -> None:
+        """Give ``buf`` memory again (a step of its own so the tests can fill it as reused memory may be)."""
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
 
     def _gaps(self, unit: int) -> list[torch.Tensor]:
