@@ -7,8 +7,9 @@ process of its own.
     python benchmarks/optimizer_step_gpu.py --sweep     # the kernel alone, per tile size and warps
 
 Prints one JSON line per (size, path): the median GPU time of ``--steps`` steps (CUDA events around
-each, after 3 untimed ones; the steps are queued back to back, each after a refill of the
-gradients, so the host runs ahead as in training and the events time the device's work alone), the
+each, after 3 untimed ones; the steps are queued back to back, each after the gradients land
+through the reducer's hooks as in a backward, so the host runs ahead as in training and the events
+time the device's work alone), the
 median host time to issue one, and the bandwidth the update's minimum traffic implies (the one-pass
 kernel's: fp32 gradient, master and moments read, master and moments written, the bf16 parameter
 written: 30 bytes per element; the gradient norm's read of the gradient is not counted).
@@ -54,10 +55,12 @@ def measure(size: str, steps: int) -> dict:
     dp = DataParallel([model], DataParallelSettings(stage=0, param_dtype=torch.bfloat16), dist.group.WORLD,
                       units=list(model.layers.values()), info=lambda p: info[id(p)])
     opt = ShardedAdamW(dp, AdamWSettings(lr=1e-4, clip_grad=1.0))
+    # bf16 gradients handed to every parameter as a backward would: the reducer's hooks land them in
+    # its fp32 buffers (untimed), so the step finds every region written, as in training
+    grads = [torch.randn_like(p) for p in dp.params]
     events, host_ms = [], []
     for step in range(3 + steps):
-        for b in range(len(dp.layout.buckets)):
-            dp.bucket_grad(b).normal_()
+        torch.autograd.backward(dp.params, grads)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began = time.perf_counter()
         start.record()
