@@ -27,7 +27,7 @@
 #   benchmarks/gpu_suite.sh gradcopy one GPU: the ways bf16 gradients can land in the fp32 buffer (about 1 minute)
 #   benchmarks/gpu_suite.sh optimizer one GPU: the one-pass AdamW kernel per tile size against torch's fused AdamW
 #                                    and the rounding copy, then the whole optimizer step at 125M and 1.3B with
-#                                    the kernel and without (about 2 minutes)
+#                                    the kernel and without, and at 125M where the host's time goes (about 3 minutes)
 #   benchmarks/gpu_suite.sh eight    eight GPUs, the user's path: the 1.3B GPT for 20 steps on the demo corpus
 #                                    on one GPU, then tp 2 x pp 2 x dp 2 (ZeRO 1 and 3), tp 8 and dp 8 (ZeRO 3);
 #                                    benchmarks/loss_curves.py checks each against the one-GPU losses (2%) and
@@ -121,7 +121,8 @@ gradcopy)
   run timeout 120 python benchmarks/grad_accumulate_gpu.py configs/gpt_1.3b.yaml ;;
 optimizer)
   run timeout 120 python benchmarks/optimizer_step_gpu.py --sweep
-  run timeout 200 python benchmarks/optimizer_step_gpu.py --sizes 125m 1.3b ;;
+  run timeout 200 python benchmarks/optimizer_step_gpu.py --sizes 125m 1.3b
+  run timeout 120 python benchmarks/optimizer_step_gpu.py --sizes 125m --host-profile ;;
 axes4)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
     --runs stage1-compile stage1-m8-compile --warmup 3 --steps 5

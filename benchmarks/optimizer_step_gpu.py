@@ -5,6 +5,7 @@ process of its own.
 
     python benchmarks/optimizer_step_gpu.py --sizes 125m 1.3b
     python benchmarks/optimizer_step_gpu.py --sweep     # the kernel alone, per tile size and warps
+    python benchmarks/optimizer_step_gpu.py --sizes 125m --host-profile   # where the host's time goes
 
 Prints one JSON line per (size, path): the median GPU time of ``--steps`` steps (CUDA events around
 each, after 3 untimed ones; the steps are queued back to back, each after the gradients land
@@ -14,6 +15,9 @@ median host time to issue one, and the bandwidth the update's minimum traffic im
 kernel's: fp32 gradient, master and moments read, master and moments written, the bf16 parameter
 written: 30 bytes per element; the gradient norm's read of the gradient is not counted).
 
+``--host-profile`` adds, per (size, path), the host operations that took the most time over the timed
+steps (``torch.profiler``, self CPU time per step), to see what the host spends issuing a step.
+
 ``--sweep`` times the kernel alone (``triton.testing.do_bench`` medians) over the 1.3B GPT's
 stage-0 shard taken as one bucket, for each tile size and warp count, beside torch's fused AdamW
 over the same segments and the rounding copy it needs after it.
@@ -22,6 +26,7 @@ over the same segments and the rounding copy it needs after it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -42,7 +47,7 @@ def gpt(size: str, device: str):
                            seq_length=2048), device=device)
 
 
-def measure(size: str, steps: int) -> dict:
+def measure(size: str, steps: int, host_profile: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -59,12 +64,16 @@ def measure(size: str, steps: int) -> dict:
     # its fp32 buffers (untimed), so the step finds every region written, as in training
     grads = [torch.randn_like(p) for p in dp.params]
     events, host_ms = [], []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if host_profile else None
     for step in range(3 + steps):
         torch.autograd.backward(dp.params, grads)
+        if step == 3 and profiler is not None:
+            profiler.start()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began = time.perf_counter()
         start.record()
-        opt.step()
+        with torch.profiler.record_function("optimizer_step") if profiler is not None else contextlib.nullcontext():
+            opt.step()
         end.record()
         if step >= 3:
             events.append((start, end))
@@ -72,8 +81,28 @@ def measure(size: str, steps: int) -> dict:
     torch.cuda.synchronize()
     ms = statistics.median(start.elapsed_time(end) for start, end in events)
     numel = sum(p.numel() for p in dp.params)
-    return {"size": size, "one_pass": opt._tiles is not None, "params": numel, "step_ms": round(ms, 3),
-            "host_ms": round(statistics.median(host_ms), 3), "GB_per_s": round(30 * numel / ms / 1e6)}
+    result = {"size": size, "one_pass": opt._tiles is not None, "params": numel, "step_ms": round(ms, 3),
+              "host_ms": round(statistics.median(host_ms), 3), "GB_per_s": round(30 * numel / ms / 1e6)}
+    if profiler is not None:
+        profiler.stop()
+        result["host_ms_per_step"] = _inside_steps(profiler.events(), steps)
+    return result
+
+
+def _inside_steps(events, steps: int) -> dict:
+    """Self host time per operation name inside the ``optimizer_step`` ranges (the gradients' landing
+    between steps left out), per step, the 12 largest."""
+    totals: dict[str, float] = {}
+
+    def walk(event):
+        totals[event.name] = totals.get(event.name, 0.0) + event.self_cpu_time_total
+        for child in event.cpu_children:
+            walk(child)
+    for event in events:
+        if event.name == "optimizer_step":
+            walk(event)
+    top = sorted(totals.items(), key=lambda item: item[1], reverse=True)[:12]
+    return {name: round(us / 1e3 / steps, 3) for name, us in top}
 
 
 def sweep() -> None:
@@ -123,17 +152,19 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="time the kernel alone per tile size and warps")
+    parser.add_argument("--host-profile", action="store_true", help="the host operations that took the most time")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sweep:
         sweep()
         return
     if args.child:
-        print(json.dumps(measure(args.child, args.steps)), flush=True)
+        print(json.dumps(measure(args.child, args.steps, args.host_profile)), flush=True)
         return
     for size in args.sizes:
         for kernels in ("1", "0"):
-            proc = subprocess.run([sys.executable, __file__, "--child", size, "--steps", str(args.steps)],
+            extra = ["--host-profile"] if args.host_profile else []
+            proc = subprocess.run([sys.executable, __file__, "--child", size, "--steps", str(args.steps), *extra],
                                   env=dict(os.environ, MEGAZERO_KERNELS=kernels), capture_output=True, text=True)
             lines = proc.stdout.strip().splitlines()
             print(lines[-1] if proc.returncode == 0 and lines else json.dumps(
