@@ -107,12 +107,12 @@ CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "ov
 def _poison_retaken_gradient_memory():
     """Fill every gradient buffer the reducer takes back with NaN, as reused device memory may hold:
     a region read before it is written (or padding not cleared) then shows in the results."""
-    from parallel.data_parallel.grads import GradReducer
+    from parallel.data_parallel import grads, storage
 
     def take(buf):
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        storage.take_storage(buf)
         buf.fill_(float("nan"))
-    GradReducer._take_storage = staticmethod(take)
+    grads.take_storage = take
 
 
 def _zero_run(rank, world_size):

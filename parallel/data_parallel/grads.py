@@ -50,6 +50,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from parallel.data_parallel.layout import Bucket, FlatLayout
+from parallel.data_parallel.storage import release_storage, storage_bytes, take_storage
 from parallel import comm
 
 
@@ -130,16 +131,11 @@ class GradReducer:
         copies of whole buckets never carry stale values (nor trip a NaN check)."""
         buf = self.unit_flat[unit]
         if not self.held[unit]:
-            self._take_storage(buf)
+            take_storage(buf)
             self.held[unit] = True
             if self.gap_views[unit]:
                 torch._foreach_zero_(self.gap_views[unit])
         return buf[lo:hi]
-
-    @staticmethod
-    def _take_storage(buf: torch.Tensor) -> None:
-        """Give ``buf`` memory again (a step of its own so the tests can fill it as reused memory may be)."""
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
 
     def _gaps(self, unit: int) -> list[torch.Tensor]:
         """Views of ``unit``'s padding: what no parameter covers."""
@@ -158,15 +154,14 @@ class GradReducer:
         Safe without waiting: the work that read a buffer was queued on this stream, or waited for
         on it (``zero`` waits for reductions still in flight), or on the host (offloaded copies)."""
         for u, buf in enumerate(self.unit_flat):
-            buf.untyped_storage().resize_(0)
+            release_storage(buf)
             self.held[u] = False
 
     def held_bytes(self) -> int:
         """The gradient memory of a step: full-mode buffers count whole (they are released between
         steps, but held from the backward that reaches them to the end of the step)."""
         full = sum(buf.numel() * buf.element_size() for buf in self.unit_flat)
-        sharded = sum(t.untyped_storage().nbytes() for t in ([self.shard] if self.shard is not None else []) + self.pool)
-        return full + sharded
+        return full + storage_bytes([self.shard, *self.pool])
 
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from parallel.data_parallel.host_copies import HostCopies, wait_on_current_stream
 from parallel.data_parallel.layout import FlatLayout
+from parallel.data_parallel.storage import release_storage, take_storage
 from parallel import comm
 
 
@@ -106,8 +107,7 @@ class ParamStore:
         """Start (or do) the all-gather of ``unit``; ``wait`` completes an asynchronous one."""
         if self.gathered[unit] or unit in self._pending:
             return
-        buf = self.units[unit]
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        take_storage(self.units[unit])
         self._pending[unit] = self._all_gather(unit, async_op)
         if not async_op:
             self.wait(unit)
@@ -148,7 +148,7 @@ class ParamStore:
     def release(self, unit: int) -> None:
         if not self.sharded or not self.gathered[unit]:
             return
-        self.units[unit].untyped_storage().resize_(0)
+        release_storage(self.units[unit])
         self.gathered[unit] = False
         self._set_class(unit, ReleasedParameter)
 

@@ -39,6 +39,7 @@ from parallel.data_parallel.grads import GradReducer
 from parallel.data_parallel.host_copies import HostCopies
 from parallel.data_parallel.layout import FlatLayout
 from parallel.data_parallel.params import ParamStore
+from parallel.data_parallel.storage import storage_bytes
 from parallel.pipeline.grads import sum_tied_grads
 from parallel.tensor_parallel.sharding import Shard
 
@@ -305,13 +306,3 @@ def _group_by_unit(named, units, persistence_threshold: int):
         modules.append(None)
     # Buckets fill in backward order, so lay units and their parameters out last-first.
     return [list(reversed(g)) for g in reversed(groups)], list(reversed(modules))
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages under ``tensors`` (views counted once, released ones as zero)."""
-    storages = {}
-    for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
-            storages[storage.data_ptr(), storage.nbytes()] = storage.nbytes()
-    return sum(storages.values())
