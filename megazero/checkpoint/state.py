@@ -65,7 +65,8 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
     at the same tensor, pipeline and data coordinates, and its tensor-group peers, which may have
     resumed exactly, must draw the same dropout masks as it does.
     """
-    if same_layout and rank_file(rank) in manifest["files"]:
+    own_file = same_layout and rank_file(rank) in manifest["files"]
+    if own_file:
         mine = optimizer.describe()
         saved = _description(ckpt, rank, manifest)
         if saved["params"] == mine["params"] and torch.equal(saved["segments"], mine["segments"]):
@@ -76,7 +77,7 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
                 return True
     reader = CheckpointReader(ckpt, manifest)
     load_resharded(reader, optimizer)
-    if same_layout and rank_file(rank) in manifest["files"]:
+    if own_file:
         restore_rng(chunks, reader.values(rank, ("rng",))["rng"])
     return False
 

@@ -99,6 +99,12 @@ def rank_layers(cfg: Config, pp_rank: int) -> int:
     return sum(len(stage_layers(split, p.pp, pp_rank, c)) for c in range(p.virtual_stages))
 
 
+def micro_batches(cfg: Config) -> int:
+    """Micro-batches per step on each data-parallel rank."""
+    t = cfg.train
+    return max(1, t.global_batch_size // (t.micro_batch_size * cfg.parallel.dp))
+
+
 def _zero_states(cfg: Config, pp_rank: int) -> ModelStateBytes:
     p, z, prec = cfg.parallel, cfg.zero, cfg.precision
     param_bytes = DTYPE_BYTES[prec.dtype]
@@ -125,14 +131,13 @@ def grads_outside_forward(cfg: Config, pp_rank: int) -> float:
     backward, beside the gradients taken back by then. On the rank holding the head, the unit outside
     the blocks (final norm, head, a tied embedding) is taken back as the backward starts, beside every
     activation, so it counts."""
-    p, z, t, m = cfg.parallel, cfg.zero, cfg.train, cfg.model
-    micro = max(1, t.global_batch_size // (t.micro_batch_size * p.dp))
+    p, z = cfg.parallel, cfg.zero
     whole_buffers = z.stage < 2 or p.pp > 1
-    if micro > 1 or not whole_buffers or p.recompute == "full":
+    if micro_batches(cfg) > 1 or not whole_buffers or p.recompute == "full":
         return 0.0
     grads = _zero_states(cfg, pp_rank).grads
     if pp_rank == p.pp - 1:
-        split, replicated = block_params(m)
+        split, replicated = block_params(cfg.model)
         params = rank_params(cfg, pp_rank)
         grads *= rank_layers(cfg, pp_rank) * (split / p.tp + replicated) / params
     return grads
@@ -166,8 +171,8 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
     from the schedule the executor runs) times each one's blocks, plus the recomputed block being
     rebuilt, plus the head's final hidden state and logits on the last rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    micro = max(1, t.global_batch_size // (t.micro_batch_size * p.dp))
-    schedule = build_schedule(default_schedule(p.pp, p.virtual_stages), p.pp, pp_rank, micro, p.virtual_stages)
+    schedule = build_schedule(default_schedule(p.pp, p.virtual_stages), p.pp, pp_rank, micro_batches(cfg),
+                              p.virtual_stages)
     chunks_live = max_live_activations(schedule)
     layers_per_chunk = rank_layers(cfg, pp_rank) / p.virtual_stages
     full = layer_activation_bytes(cfg, recomputed=False)

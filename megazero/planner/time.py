@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from megazero.config.schema import Config
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
-from megazero.planner.memory import DTYPE_BYTES, rank_layers, rank_params
+from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_layers, rank_params
 from parallel.pipeline.schedule import bubble_fraction
 
 # The optimizer step streams each shard element's gradient, fp32 master and two moments through
@@ -40,11 +40,6 @@ class StepEstimate:
     tokens_per_s: float
     tflops_per_gpu: float   # hardware FLOPs (recomputation included), as Megatron and MT-NLG report
     mfu: float              # model FLOPs (no recomputation) over the dense peak
-
-
-def micro_batches(cfg: Config) -> int:
-    t = cfg.train
-    return max(1, t.global_batch_size // (t.micro_batch_size * cfg.parallel.dp))
 
 
 def _group_within_node(stride: int, size: int, cluster: Cluster) -> bool:
