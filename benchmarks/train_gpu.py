@@ -10,8 +10,8 @@ Each run builds the engine from the config plus the run's overrides (``stageN`` 
 size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism,
 whose linears communicate ``serial``, ``overlap`` or through peer memory (``pm``); ``compile``
 compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb`` picks the
-zero-bubble schedule; ``mN`` runs N micro-batches per data-parallel rank; ``mbsN`` sets the
-micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one
+zero-bubble schedule; ``splitA_B`` gives the pipeline split [A, B] (else balanced by work); ``mN``
+runs N micro-batches per data-parallel rank; ``mbsN`` sets the micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one
 micro-batch of ``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank
 0 prints one JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense
 peak, peak memory and the model-state bytes the ZeRO formula predicts; a pipeline also its measured
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import load_config, resolve_config
-from megazero.engine import Engine
+from megazero.engine import Engine, pipeline_split
 from megazero.flops import device_name, flops_per_token, peak_flops
 from parallel.launch import init_process_group, pick_device, read_launch_env
 from parallel.pipeline import bubble_fraction
@@ -74,6 +74,8 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
             out += ["--zero.overlap_comm", "false"]
         elif part.startswith("bucket"):
             out += ["--zero.bucket_size_mb", part[6:]]
+        elif part.startswith("split"):
+            out += ["--parallel.pipeline_split", "[" + part[5:].replace("_", ", ") + "]"]
         else:
             raise SystemExit(f"unknown run part {part!r} in {run!r}")
     return out, micros
@@ -128,8 +130,24 @@ def pipeline_bubble(engine, batch, steps: int = 2) -> dict:
     return {"bubble_measured": round(measured, 4), "bubble_theory": round(theory, 4)}
 
 
+def op_timeline(engine, batch) -> list[str]:
+    """One profiled step's ops on every pipeline rank, as ``OP start+duration`` in ms from that rank's
+    first op (GPU events: a gap between two ops is time the rank waited or its host fell behind)."""
+    executor = engine.executor
+    executor.profile = True
+    try:
+        engine.train_step(batch)
+    finally:
+        executor.profile = False
+    mine = " ".join(f"{op.kind}{op.microbatch}{'' if not op.chunk else f'c{op.chunk}'}:{s * 1e3:.1f}+{(e - s) * 1e3:.1f}"
+                    for op, (s, e) in zip(executor.stats.ops, executor.stats.op_times))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, f"rank {dist.get_rank()} (pp {engine.topo.pp_rank}): {mine}")
+    return every
+
+
 def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | None = None,
-            run_name: str = "", sync_debug: bool = False) -> dict:
+            run_name: str = "", sync_debug: bool = False, timeline: bool = False) -> dict:
     p = cfg.parallel
     topo = Topology(RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order), ranks_per_node=launch.local_world_size)
     t0 = time.perf_counter()
@@ -159,7 +177,9 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
     peak = peak_flops(device_name(device), cfg.precision.dtype)
     extra = profile_steps(engine, batch, profile_dir, run_name) if profile_dir and device.type == "cuda" else {}
     if cfg.parallel.pp > 1:
-        extra.update(pipeline_bubble(engine, batch))
+        extra.update(pipeline_bubble(engine, batch), pipeline_split=pipeline_split(cfg))
+        if timeline:
+            extra["op_timeline"] = op_timeline(engine, batch)
     if sync_debug and device.type == "cuda":
         extra["host_syncs"] = host_syncs(engine, batch)
     predicted = engine.optimizer.predicted_memory()
@@ -192,6 +212,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="tiny model on gloo, to check the script")
     ap.add_argument("--profile", metavar="DIR", help="also profile a few steps; kernel tables go to DIR")
     ap.add_argument("--sync-debug", action="store_true", help="also list where a step makes the host wait")
+    ap.add_argument("--op-timeline", action="store_true", help="a pipeline also lists each rank's ops with times")
     args, overrides = ap.parse_known_args()
     launch = read_launch_env()
     base = list(overrides)
@@ -213,7 +234,8 @@ def main() -> None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, global_batch_size=cfg.train.micro_batch_size * dp * micros))
         cfg = resolve_config(cfg, launch.world_size, launch.local_world_size)
-        result = measure(cfg, launch, device, args.warmup, args.steps, args.profile, run, args.sync_debug)
+        result = measure(cfg, launch, device, args.warmup, args.steps, args.profile, run, args.sync_debug,
+                         args.op_timeline)
         if launch.rank == 0:
             print(json.dumps({"run": run, "world": launch.world_size, "device": device_name(device) or "cpu",
                               "mbs": cfg.train.micro_batch_size, "global_batch": cfg.train.global_batch_size,

@@ -17,6 +17,7 @@ import torch
 
 from megazero.config import Config
 from megazero.errors import ConfigError
+from megazero.flops import head_blocks
 from megazero.optim import AdamWSettings, DynamicLossScaler, ShardedAdamW, StepResult
 from models import GPT
 from models.ops import IGNORE_INDEX
@@ -71,9 +72,10 @@ def pipeline_stages(cfg: Config, pp_rank: int) -> list[int]:
 
 
 def pipeline_split(cfg: Config) -> list[int]:
-    """Blocks per virtual stage, in virtual-stage order: ``parallel.pipeline_split``, else equal."""
+    """Blocks per virtual stage, in virtual-stage order: ``parallel.pipeline_split``, else balanced
+    against the head's work on the last stage."""
     m, p = cfg.model, cfg.parallel
-    return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
+    return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split, head_cost=head_blocks(m))
 
 
 def layout_record(cfg: Config) -> dict:

@@ -64,6 +64,13 @@ def flops_per_token(model: ModelConfig, recompute: str = "none", recompute_every
     return total
 
 
+def head_blocks(model: ModelConfig) -> float:
+    """The LM head's matrix work in blocks' worth (``2*h*V`` against one block's forward), what the
+    pipeline's default split balances: the last stage runs the head besides its blocks. Forward and
+    backward scale alike and tensor parallelism splits both, so the ratio holds for the whole step."""
+    return 2 * model.hidden_size * model.vocab_size / _block_forward_flops(model)
+
+
 # Dense peak TFLOP/s from vendor datasheets: (name substring, {dtype: TFLOP/s}). The first substring
 # found in the device name wins, so specific names come before the names they contain ("H100 PCIe"
 # before "H100", "L40S" before "L40" before "L4"). fp32 is the plain (non-tensor-core) rate, which is

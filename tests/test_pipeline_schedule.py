@@ -2,7 +2,7 @@
 
 import pytest
 
-from parallel.pipeline.partition import resolve_split, stage_layers, uniform_split
+from parallel.pipeline.partition import balanced_split, resolve_split, stage_layers
 from parallel.pipeline.plan import PipelineDeadlock, check_ops, comm_plan, plan_for, simulate
 from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, interleaved_1f1b, max_live_activations,
                                         one_f_one_b)
@@ -113,10 +113,37 @@ def test_bubble_theory():
     assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 16)
 
 
-def test_uniform_split_puts_remainder_in_the_middle():
-    assert uniform_split(10, 4) == [2, 3, 3, 2]
-    assert uniform_split(8, 4) == [2, 2, 2, 2]
-    assert sum(uniform_split(105, 35)) == 105
+def test_balanced_split_takes_the_heads_work_off_the_last_rank():
+    """GPT 1.3B's head is 1.75 blocks of work: pp 2 holds 13 and 11 blocks (13 against 12.75) rather
+    than 12 and 12 (12 against 13.75); interleaved, the last rank's chunks lose the block and the head
+    sits in the lighter last chunk; a cost below half a block moves nothing."""
+    assert balanced_split(24, 2, 1, head_cost=1.75) == [13, 11]
+    assert balanced_split(24, 2, 2, head_cost=1.75) == [7, 6, 6, 5]
+    assert balanced_split(24, 4, 1, head_cost=1.75) == [6, 7, 6, 5]
+    assert balanced_split(32, 4, 1, head_cost=0.4) == [8, 8, 8, 8]
+    assert balanced_split(4, 2, 1, head_cost=40.0) == [3, 1]  # every stage keeps a block
+    for pp, v, cost in [(2, 1, 1.75), (4, 2, 3.2), (3, 1, 0.9), (8, 1, 2.5)]:
+        split = balanced_split(40, pp, v, cost)
+        loads = [sum(split[c * pp + r] for c in range(v)) + (cost if r == pp - 1 else 0) for r in range(pp)]
+        best = min(max(k + (cost if r == pp - 1 else 0) for r, k in enumerate(counts))
+                   for counts in _compositions(40, pp, v))
+        assert sum(split) == 40 and max(loads) == pytest.approx(best), (pp, v, cost, split)
+
+
+def _compositions(total: int, parts: int, minimum: int):
+    """Every way to write ``total`` as ``parts`` ordered counts of at least ``minimum``."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(minimum, total - minimum * (parts - 1) + 1):
+        for rest in _compositions(total - first, parts - 1, minimum):
+            yield (first, *rest)
+
+
+def test_even_split_puts_remainder_in_the_middle():
+    assert balanced_split(10, 4) == [2, 3, 3, 2]
+    assert balanced_split(8, 4) == [2, 2, 2, 2]
+    assert sum(balanced_split(105, 35)) == 105
 
 
 def test_user_split_validated_and_mapped_to_chunks():
@@ -130,7 +157,9 @@ def test_user_split_validated_and_mapped_to_chunks():
     split = resolve_split(8, 2, 2)
     assert [list(stage_layers(split, 2, r, c)) for c in range(2) for r in range(2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="cannot fill"):
-        uniform_split(3, 4)
+        balanced_split(3, 4)
+    with pytest.raises(ValueError, match="cannot fill"):
+        resolve_split(3, 2, 2)
 
 
 def test_bubble_without_pipelining_is_every_other_stage():

@@ -15,12 +15,13 @@ import pytest
 
 from megazero.cli import main
 from megazero.config import load_config, resolve_config, validate_config
+from megazero.engine import pipeline_split
 from megazero.planner import GPUS, Cluster, estimate_memory, estimate_step, evaluate, max_model_params, plan
 from megazero.planner.memory import GIB, layer_activation_bytes, rank_params
 from megazero.planner.search import apply_layout, layout_of
 from models.config import ModelConfig
 from models.gpt import GPT
-from parallel.pipeline.partition import stage_layers, uniform_split
+from parallel.pipeline.partition import stage_layers
 from tests.test_trainer import VOCAB, write_arithmetic_shard
 
 from megazero.optim.memory import zero_model_state_bytes
@@ -159,7 +160,7 @@ def test_parameter_count_is_the_models_own(changes, pp):
     model = small_model(**changes)
     cfg = load_config(None, ["--parallel.pp", str(pp), "--train.device", "cpu"])
     cfg = resolve_config(dataclasses.replace(cfg, model=model), pp)
-    split = uniform_split(model.num_layers, pp)
+    split = pipeline_split(cfg)
     for rank in range(pp):
         stage = GPT(model, layers=stage_layers(split, pp, rank), has_embedding=rank == 0, has_head=rank == pp - 1,
                     device="meta")
@@ -209,14 +210,16 @@ def test_pipeline_ranks_hold_the_micro_batches_1f1b_keeps_in_flight():
 
 
 def test_plan_ranks_only_layouts_the_trainer_accepts():
-    """12 heads: no tp 8; 24 layers: no pp 5; each returned layout passes validation for the world."""
+    """12 heads: no tp 8; 24 layers: at most 24 stages, uneven ones balanced (pp 16); each returned layout
+    passes validation for the world."""
     cfg = load_config("configs/gpt_1.3b.yaml", ["--model.num_heads", "12", "--model.hidden_size", "1536",
                                                  "--train.global_batch_size", "64"])
     cluster = Cluster(GPUS["h100"], 16, 8)
     ranked = plan(cfg, cluster)
     assert ranked and ranked[0].fits
     assert {c.layout.tp for c in ranked} == {1, 2, 4}
-    assert all(24 % (c.layout.pp * c.layout.virtual_stages) == 0 for c in ranked)
+    stages = {c.layout.pp * c.layout.virtual_stages for c in ranked}
+    assert max(stages) <= 24 and any(24 % k for k in stages)
     fitting = [c.step.step_s for c in ranked if c.fits]
     assert fitting == sorted(fitting)
     for candidate in ranked[:: max(1, len(ranked) // 40)]:

@@ -11,11 +11,12 @@ import math
 from dataclasses import dataclass
 
 from megazero.config.schema import Config
+from megazero.engine import pipeline_split
 from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
-from parallel.pipeline.partition import resolve_split, stage_layers
+from parallel.pipeline.partition import stage_layers
 from parallel.pipeline.schedule import build_schedule, default_schedule, max_live_activations
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -94,8 +95,8 @@ def rank_params(cfg: Config, pp_rank: int) -> float:
 
 
 def rank_layers(cfg: Config, pp_rank: int) -> int:
-    m, p = cfg.model, cfg.parallel
-    split = resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split)
+    p = cfg.parallel
+    split = pipeline_split(cfg)
     return sum(len(stage_layers(split, p.pp, pp_rank, c)) for c in range(p.virtual_stages))
 
 

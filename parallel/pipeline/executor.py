@@ -56,6 +56,7 @@ class StepStats:
     released: int = 0  # sent tensors whose storage was released after their send completed
     deferred: int = 0  # weight gradients of linear layers computed at W ops, apart from their B
     compute_s: float = 0.0  # time inside forward/backward (only when the executor profiles)
+    op_times: list[tuple[float, float]] = field(default_factory=list)  # profiled: each op's (start, end), s from the first
     step_s: float = 0.0  # wall time of the step (GPU work included when profiling)
 
     @property
@@ -161,6 +162,7 @@ class PipelineExecutor:
         if self.device.type != "cuda":
             t0 = time.perf_counter()
             fn(op)
+            self.stats.op_times.append((t0, time.perf_counter()))
             self.stats.compute_s += time.perf_counter() - t0
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -170,10 +172,18 @@ class PipelineExecutor:
         self._events.append((start, end))
 
     def _sync(self) -> None:
+        """Wait for the step's GPU work when profiling, and turn its ops' events into times."""
         if self.profile and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.stats.compute_s += sum(s.elapsed_time(e) for s, e in self._events) / 1000
+            if self._events:
+                first = self._events[0][0]
+                self.stats.op_times = [(first.elapsed_time(s) / 1000, first.elapsed_time(e) / 1000)
+                                       for s, e in self._events]
             self._events = []
+        elif self.stats.op_times:
+            first = self.stats.op_times[0][0]
+            self.stats.op_times = [(s - first, e - first) for s, e in self.stats.op_times]
 
     def _step_loss(self, loss_sum: Optional[torch.Tensor], m: int) -> torch.Tensor:
         loss = torch.zeros((), dtype=torch.float32, device=self.device)

@@ -1,9 +1,12 @@
 """Which transformer blocks each pipeline stage holds.
 
 A split is a list with the number of blocks of each virtual stage (``pp * v`` entries, in virtual-
-stage order). It comes from the user (``parallel.pipeline_split``) or is uniform. The embedding and
-head are large at small widths (a 50k x 1024 embedding outweighs four blocks), so a user whose end
-stages are slowest gives them fewer blocks with an explicit split.
+stage order). It comes from the user (``parallel.pipeline_split``) or is balanced by work: the last
+stage also runs the LM head, which at 1.3B costs as much as 1.75 blocks (2·h·V against a block's
+matrices), so an equal split leaves the first rank idle for that long in every micro-batch of a
+1F1B or zero-bubble steady state. The caller states the head's cost in blocks (``head_cost``); the
+embedding's lookup costs next to nothing and is not counted. With ``head_cost = 0`` the balanced
+split is the even one, remainders on the middle stages.
 """
 
 from __future__ import annotations
@@ -11,41 +14,55 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 
-def uniform_split(num_layers: int, stages: int) -> list[int]:
-    """Blocks as evenly as possible; the middle stages take the remainder (the ends carry embedding/head)."""
-    _check_counts(num_layers, stages)
-    base, extra = divmod(num_layers, stages)
-    order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), s))
-    bonus = set(order[:extra])
-    return [base + (s in bonus) for s in range(stages)]
+def balanced_split(num_layers: int, pp: int, v: int = 1, head_cost: float = 0.0) -> list[int]:
+    """Blocks per virtual stage such that no pipeline rank's work (its blocks, plus ``head_cost`` on
+    the last rank) is larger than whole blocks force it to be; then each rank's blocks spread over its
+    ``v`` chunks the same way (the head sits in the last rank's last chunk)."""
+    _check_counts(num_layers, pp * v)
+    per_rank = _fill(num_layers, [head_cost if r == pp - 1 else 0.0 for r in range(pp)], minimum=v)
+    split = [0] * (pp * v)
+    for rank, blocks in enumerate(per_rank):
+        head = head_cost if rank == pp - 1 else 0.0
+        for chunk, count in enumerate(_fill(blocks, [head if c == v - 1 else 0.0 for c in range(v)], minimum=1)):
+            split[chunk * pp + rank] = count
+    return split
+
+
+def _fill(count: int, extra: Sequence[float], minimum: int) -> list[int]:
+    """``count`` blocks over ``len(extra)`` bins of at least ``minimum`` each, every next block to the
+    bin with the least work (its blocks plus its ``extra``): for blocks of equal cost this keeps the
+    largest bin as small as possible. Ties go to the middle bins, then the lower index."""
+    bins = [minimum] * len(extra)
+    ends = (0, len(extra) - 1)
+    for _ in range(count - minimum * len(extra)):
+        lightest = min(range(len(bins)), key=lambda b: (bins[b] + extra[b], b in ends, b))
+        bins[lightest] += 1
+    return bins
 
 
 def split_problem(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[int]] = None) -> Optional[str]:
     """Why a run's split cannot work, in config terms, or None: a given split must list ``pp * v``
-    positive block counts summing to ``num_layers``; without one, a run's blocks must divide evenly
-    over the virtual stages (an uneven layout is asked for by giving it). Config validation reports
-    this before launch; ``resolve_split`` refuses a bad given split."""
+    positive block counts summing to ``num_layers``; without one, every virtual stage needs a block.
+    Config validation reports this before launch; ``resolve_split`` refuses a bad split."""
     stages = pp * v
     if split is not None:
         split = list(split)
         if len(split) != stages or any(not isinstance(k, int) or k < 1 for k in split) or sum(split) != num_layers:
             return (f"parallel.pipeline_split: {split} must be {stages} positive layer counts "
                     f"(pp*virtual_stages = {pp}*{v}) summing to model.num_layers {num_layers}")
-    elif num_layers % stages:
-        return (f"model.num_layers: {num_layers} is not divisible by parallel.pp*parallel.virtual_stages "
-                f"= {stages}; change the layer count or give parallel.pipeline_split")
+    elif num_layers < stages:
+        return (f"model.num_layers: {num_layers} blocks cannot fill parallel.pp*parallel.virtual_stages = {stages} "
+                f"pipeline stages (every stage needs one); lower pp or virtual_stages, or add layers")
     return None
 
 
-def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[int]] = None) -> list[int]:
-    """The user's split if given (validated), else uniform."""
-    stages = pp * v
-    if split is not None:
-        problem = split_problem(num_layers, pp, v, split)
-        if problem:
-            raise ValueError(problem)
-        return list(split)
-    return uniform_split(num_layers, stages)
+def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[int]] = None,
+                  head_cost: float = 0.0) -> list[int]:
+    """The user's split if given (validated), else ``balanced_split`` with the head's cost in blocks."""
+    problem = split_problem(num_layers, pp, v, split)
+    if problem:
+        raise ValueError(problem)
+    return list(split) if split is not None else balanced_split(num_layers, pp, v, head_cost)
 
 
 def stage_layers(split: Sequence[int], pp: int, rank: int, chunk: int = 0) -> range:
@@ -60,6 +77,6 @@ def stage_layers(split: Sequence[int], pp: int, rank: int, chunk: int = 0) -> ra
 def _check_counts(num_layers: int, stages: int) -> None:
     if stages < 1:
         raise ValueError(f"need at least one pipeline stage, got {stages}")
-    if num_layers < stages:
-        raise ValueError(f"{num_layers} blocks cannot fill {stages} pipeline stages: every stage needs at least "
-                         f"one block; lower pp x virtual stages or add layers")
+    problem = split_problem(num_layers, stages)
+    if problem:
+        raise ValueError(problem)
