@@ -170,6 +170,40 @@ def test_executor_ran_the_schedule_and_its_bubble(reports):
         assert measured == pytest.approx(bubble_fraction(pp, m, schedule="zb-h1")), layout
 
 
+def test_a_compiled_block_still_defers_its_weight_gradients():
+    """torch.compile traces a block's forward in an F op, when no micro-batch's backward is current:
+    the deferred linears must still queue at B (they stay outside the graph), and the gradients after W
+    equal an uncompiled block's. (Planted: the linears traced into the graph; nothing was queued.)"""
+    from models.config import ModelConfig
+    from models.gpt import GPT
+    from parallel.pipeline.deferred_wgrad import WeightGradQueue, defer_weight_grads
+
+    def block_grads(compiled: bool):
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(num_layers=1, hidden_size=32, num_heads=4, seq_length=SEQ, vocab_size=VOCAB),
+                    layers=range(1), has_embedding=False, has_head=False)
+        model.to_empty(device="cpu")
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        block, queue = model.layers["0"], WeightGradQueue()
+        assert defer_weight_grads([block], queue) == 4
+        if compiled:
+            block.forward = torch.compile(block.forward)
+        x = torch.randn(2, SEQ, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = block(x)  # traced here, outside any backward
+        with queue.backward_of(0):
+            out.square().sum().backward()
+        queued = queue.run([0])
+        return queued, x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+    queued, x_grad, grads = block_grads(True)
+    ref_queued, ref_x_grad, ref_grads = block_grads(False)
+    assert queued == ref_queued == 4
+    torch.testing.assert_close(x_grad, ref_x_grad, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.slow
 def test_megatron_core_peer_builds_the_same_gpt_on_cpu():
     """The megatron-core peer script builds its GPTModel (local layer spec) on gloo with the peers'

@@ -21,6 +21,13 @@ mode the layer has): ``queue.column_linear`` and ``queue.row_linear`` run the sa
 forward and input-gradient halves, and queue the gathered tokens (column) or the gathered output
 gradient (row) for ``W``.
 
+The three entry points (``WeightGradQueue.linear``, ``column_linear``, ``row_linear``) are kept out
+of compiled graphs (``torch.compiler.disable``): whether a backward defers is decided when it runs
+(a micro-batch is current), but a compiled block traces its forward, and with it the linear's
+backward, during an ``F`` op, when none is; torch.compile then baked in the immediate path and every
+``W`` op found nothing to do (GPT 1.3B, pp 2: ZB-H1's W ops took 0.0 ms, BENCHMARKS.md). A compiled
+block under a split-backward schedule therefore runs as the compiled pieces between its linears.
+
 ``defer_weight_grads`` is the hook that turns the layers on: plain ``nn.Linear`` get an instance
 ``forward`` calling ``queue.linear``; the tensor-parallel linears get the queue as their
 ``weight_grads`` (``tensor_parallel.layers.Linears``).
@@ -122,15 +129,18 @@ class WeightGradQueue:
         self.pending: dict[Hashable, list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
                                                  torch.Tensor]]] = {}
 
+    @torch.compiler.disable
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``F.linear`` with deferrable weight and bias gradients."""
         return _DeferredWeightLinear.apply(x, weight, bias, self)
 
+    @torch.compiler.disable
     def column_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
                       mode: str) -> torch.Tensor:
         """``overlap.column_linear`` with deferrable weight and bias gradients."""
         return _DeferredColumn.apply(x, weight, bias, group, mode, self)
 
+    @torch.compiler.disable
     def row_linear(self, x: torch.Tensor, weight: torch.Tensor, group, mode: str) -> torch.Tensor:
         """``overlap.row_linear`` with a deferrable weight gradient."""
         return _DeferredRow.apply(x, weight, group, mode, self)

@@ -259,5 +259,10 @@ class _StepRun:
             keys = [(op.microbatch, op.chunk)]
         else:  # the tail: one sum per weight, so each parameter gets one gradient after the last B
             keys = sorted(self.awaiting_w)
-        self.ex.stats.deferred += self.ex.wgrad.run(keys)
+        ran = self.ex.wgrad.run(keys)
+        if keys and not ran:  # every chunk holds linears (checked at construction): their B must have queued some
+            raise RuntimeError(f"pipeline rank {self.ex.rank}: {op} found no weight gradients queued by its B: "
+                               f"the linears computed them in backward (a compiled graph that traced them "
+                               f"without deferral?), so the schedule's split backward is not happening")
+        self.ex.stats.deferred += ran
         self.awaiting_w.difference_update(keys)
