@@ -9,11 +9,12 @@ Each run builds the engine from the config plus the run's overrides (``stageN`` 
 ``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout; ``bucketN`` the bucket
 size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism,
 whose linears communicate ``serial``, ``overlap`` or through peer memory (``pm``); ``compile``
-compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb`` picks the
-zero-bubble schedule; ``splitA_B`` gives the pipeline split [A, B] (else balanced by work); ``mN``
-runs N micro-batches per data-parallel rank; ``mbsN`` sets the micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on random tokens (one
-micro-batch of ``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank
-0 prints one JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense
+compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb`` and ``zb2`` pick the
+zero-bubble schedules ZB-H1 and ZB-H2; ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
+pipeline split [A, B] (else balanced by work); ``mN`` runs N micro-batches per data-parallel rank;
+``mbsN`` sets the micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on
+random tokens (one micro-batch of ``train.micro_batch_size`` per data-parallel rank, like the peer
+baselines), and rank 0 prints one JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense
 peak, peak memory and the model-state bytes the ZeRO formula predicts; a pipeline also its measured
 bubble beside the theory. ``--cpu`` runs a tiny model on gloo to check the script.
 """
@@ -64,8 +65,10 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
             out += ["--train.cuda_graphs", "true"]
         elif part == "compile":
             out += ["--train.compile", "true"]
-        elif part == "zb":
-            out += ["--parallel.pipeline_schedule", "zb-h1"]
+        elif part in ("zb", "zb2"):
+            out += ["--parallel.pipeline_schedule", {"zb": "zb-h1", "zb2": "zb-h2"}[part]]
+        elif part.startswith("v") and part[1:].isdigit():
+            out += ["--parallel.virtual_stages", part[1:]]
         elif part.startswith("mbs"):
             out += ["--train.micro_batch_size", part[3:]]
         elif part.startswith("m") and part[1:].isdigit():

@@ -19,7 +19,9 @@ from typing import Optional
 import torch.distributed as dist
 
 ORDERS = ("tp-dp-pp", "tp-pp-dp")
-GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
+GROUP_KINDS = ("tp", "dp", "pp", "pp_grad", "mp", "embedding")
+"""``pp_grad`` holds the same ranks as ``pp``: a second communicator, so that the pipeline's gradients
+travel apart from its activations (``parallel.pipeline.plan.CHANNELS``)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class RankGrid:
             return [[self.rank_of(t, d, p) for t in tps] for p, d in itertools.product(pps, dps)]
         if kind == "dp":
             return [[self.rank_of(t, d, p) for d in dps] for p, t in itertools.product(pps, tps)]
-        if kind == "pp":
+        if kind in ("pp", "pp_grad"):
             return [[self.rank_of(t, d, p) for p in pps] for d, t in itertools.product(dps, tps)]
         if kind == "mp":  # tensor x pipeline: one model replica, for norms and overflow flags
             return [sorted(self.rank_of(t, d, p) for p, t in itertools.product(pps, tps)) for d in dps]
@@ -78,7 +80,7 @@ class RankGrid:
             return [self.rank_of(t, c.dp, c.pp) for t in range(self.tp)]
         if kind == "dp":
             return [self.rank_of(c.tp, d, c.pp) for d in range(self.dp)]
-        if kind == "pp":
+        if kind in ("pp", "pp_grad"):
             return [self.rank_of(c.tp, c.dp, p) for p in range(self.pp)]
         if kind == "mp":
             return sorted(self.rank_of(t, c.dp, p) for p in range(self.pp) for t in range(self.tp))
@@ -136,6 +138,7 @@ class Topology:
     tp_group = property(lambda self: self._groups["tp"])
     dp_group = property(lambda self: self._groups["dp"])
     pp_group = property(lambda self: self._groups["pp"])
+    pp_grad_group = property(lambda self: self._groups["pp_grad"])
     mp_group = property(lambda self: self._groups["mp"])
     embedding_group = property(lambda self: self._groups.get("embedding"))
     tp_size = property(lambda self: self.grid.tp)

@@ -5,7 +5,8 @@ reduce-scatter and all-gather into bucket views, the batched point-to-point of t
 CUDA fused AdamW with its device-side unscale and skip, and bf16 kernels. Each layout of two ranks,
 (tp, pp, dp) = (1,1,2) under ZeRO 1, 2 and 3, (2,1,1) without sequence parallelism and with it in each
 of its communication modes, also recomputed (whole blocks; the attention core under sequence
-parallelism), and (1,2,1), and with the blocks replayed as CUDA graphs (tp 2 with and without
+parallelism), and (1,2,1) under 1F1B and ZB-H2 (eager, and compiled: the deferred linears stay out of
+the graphs), and with the blocks replayed as CUDA graphs (tp 2 with and without
 sp, dp 2 under ZeRO 2; replays counted, so a silent fallback to the plain path fails), trains 3 steps
 in bf16 and is compared with the fp32 reference of ``tests/test_engine_equivalence.py`` on the same
 global batches: the reported gradient norm every step within 2%, the losses within 2%, and the whole
@@ -37,13 +38,14 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
 SP, ZB = ("--parallel.sequence_parallel", "true"), ("--parallel.pipeline_schedule", "zb-h1")
+ZB2 = ("--parallel.pipeline_schedule", "zb-h2")
 CG = ("--train.cuda_graphs", "true")
 CASES = [((1, 1, 2), 1, ()), ((1, 1, 2), 2, ()), ((1, 1, 2), 3, ()),
          ((2, 1, 1), 1, ()), ((2, 1, 1), 1, SP),
          ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "peer_memory")),
          ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial")),
          ((2, 1, 1), 1, ("--parallel.recompute", "full")), ((2, 1, 1), 1, (*SP, "--parallel.recompute", "selective")),
-         ((1, 2, 1), 1, ())]
+         ((1, 2, 1), 1, ()), ((1, 2, 1), 1, ZB2), ((1, 2, 1), 1, (*ZB2, "--train.compile", "true"))]
 CASES_CG = [((2, 1, 1), 1, (*SP, *CG)), ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial", *CG)),
             ((2, 1, 1), 1, CG),
             ((1, 1, 2), 2, CG)]

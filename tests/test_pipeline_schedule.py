@@ -88,6 +88,11 @@ def test_simulator_catches_a_deadlock():
     naive = [comm_plan(build_schedule("interleaved_1f1b", pp, r, m, v), pp, r, v) for r in range(pp)]
     with pytest.raises(PipelineDeadlock, match="rank 0 at step .* waits on"):
         simulate(naive)
+    # Rank 1 waits for activation 1 before sending gradient 0; rank 0 sends activation 1 only after
+    # the backward that needs gradient 0.
+    plans = [comm_plan(seq("F0 B0 F1 B1"), 2, 0), comm_plan(seq("F0 F1 B0 B1"), 2, 1)]
+    with pytest.raises(PipelineDeadlock, match="rank 0 at step .* waits on recv grad"):
+        simulate(plans)
 
 
 def test_simulator_catches_mismatched_orders():

@@ -27,7 +27,7 @@ from parallel.data_parallel import STAGES
 from parallel.launch import DEVICES
 from parallel.tensor_parallel.overlap import MODES as TP_COMM_MODES
 from parallel.pipeline.partition import split_problem
-from parallel.pipeline.schedule import TRAINING_SCHEDULES, schedule_problem
+from parallel.pipeline.schedule import SPLIT_BACKWARD, TRAINING_SCHEDULES, schedule_problem
 from parallel.topology import ORDERS
 
 CHOICES = {
@@ -154,7 +154,7 @@ def _cuda_graph_problems(cfg: Config) -> list[str]:
         return []
     blockers = [(t.compile is False, "train.compile false"), (t.device == "cpu", "train.device cpu"),
                 (p.pp > 1, f"parallel.pp {p.pp}"), (cfg.zero.stage == 3, "zero.stage 3"),
-                (p.pipeline_schedule == "zb-h1", "parallel.pipeline_schedule zb-h1"),
+                (p.pipeline_schedule in SPLIT_BACKWARD, f"parallel.pipeline_schedule {p.pipeline_schedule}"),
                 (p.recompute != "none", f"parallel.recompute {p.recompute}"),
                 (p.tp_comm == "peer_memory", "parallel.tp_comm peer_memory"),
                 (m.dropout > 0 or m.attention_dropout > 0, "model.dropout or model.attention_dropout above 0")]

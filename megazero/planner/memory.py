@@ -100,6 +100,12 @@ def rank_layers(cfg: Config, pp_rank: int) -> int:
     return sum(len(stage_layers(split, p.pp, pp_rank, c)) for c in range(p.virtual_stages))
 
 
+def schedule_name(cfg: Config) -> str:
+    """The pipeline schedule the run uses (``auto`` resolved as the engine resolves it)."""
+    p = cfg.parallel
+    return default_schedule(p.pp, p.virtual_stages) if p.pipeline_schedule == "auto" else p.pipeline_schedule
+
+
 def micro_batches(cfg: Config) -> int:
     """Micro-batches per step on each data-parallel rank."""
     t = cfg.train
@@ -172,8 +178,7 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
     from the schedule the executor runs) times each one's blocks, plus the recomputed block being
     rebuilt, plus the head's final hidden state and logits on the last rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    schedule = build_schedule(default_schedule(p.pp, p.virtual_stages), p.pp, pp_rank, micro_batches(cfg),
-                              p.virtual_stages)
+    schedule = build_schedule(schedule_name(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages)
     chunks_live = max_live_activations(schedule)
     layers_per_chunk = rank_layers(cfg, pp_rank) / p.virtual_stages
     full = layer_activation_bytes(cfg, recomputed=False)

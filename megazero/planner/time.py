@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from megazero.config.schema import Config
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
-from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_layers, rank_params
+from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_layers, rank_params, schedule_name
 from parallel.pipeline.schedule import bubble_fraction
 
 # The optimizer step streams each shard element's gradient, fp32 master and two moments through
@@ -92,7 +92,7 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         host_launches = max(rank_layers(cfg, r) for r in range(p.pp)) * HOST_S_PER_TP_BLOCK
     host_mb = max(0.0, host_launches - compute_mb - tp_mb)  # what the host adds beyond the GPU's own time
     stage_mb = compute_mb + tp_mb + host_mb + pp_per_mb
-    bubble = bubble_fraction(p.pp, micro, p.virtual_stages) * micro * stage_mb
+    bubble = bubble_fraction(p.pp, micro, p.virtual_stages, schedule_name(cfg)) * micro * stage_mb
 
     dp_exposed = _data_parallel_exposed(cfg, cluster, rank_params(cfg, rank), compute_mb, micro, dp_stride)
     shard = rank_params(cfg, rank) / (p.dp if z.stage >= 1 else 1)

@@ -1,4 +1,4 @@
-"""Point-to-point exchange between pipeline neighbours: one batched isend/irecv per plan step.
+"""Point-to-point exchange between pipeline neighbours: one batched isend/irecv per plan step and channel.
 
 Every message between stages has the same shape (the activation at a stage boundary, sequence-
 sharded under sequence parallelism, and its gradient), known before the step starts, so receive
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from parallel.pipeline.plan import Message, Transfer
+from parallel.pipeline.plan import CHANNELS, Message, Transfer
 
 
 class PipelineTimeout(RuntimeError):
@@ -26,14 +26,19 @@ class PipelineTimeout(RuntimeError):
 
 
 class StageLink:
-    """Sends and receives one pipeline rank's boundary tensors along its pipeline group.
+    """Sends and receives one pipeline rank's boundary tensors along its pipeline groups.
 
-    ``peer_rank(pp_rank)`` maps a pipeline rank to its global rank (``Topology.stage_rank``).
+    ``groups`` maps each channel of ``plan.CHANNELS`` (activations, gradients) to the process group
+    carrying it: two communicators over the same ranks, so that on NCCL, whose operations on one
+    communicator complete in order, a send waiting for its receiver holds up only later messages of
+    its own kind. ``peer_rank(pp_rank)`` maps a pipeline rank to its global rank (``Topology.stage_rank``).
     """
 
-    def __init__(self, group, peer_rank, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 timeout_s: float = 300.0, label: str = ""):
-        self.group, self.peer_rank = group, peer_rank
+    def __init__(self, groups: dict[str, dist.ProcessGroup], peer_rank, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, timeout_s: float = 300.0, label: str = ""):
+        if set(groups) != set(CHANNELS):
+            raise ValueError(f"a pipeline link needs one group per channel {CHANNELS}, got {sorted(groups)}")
+        self.groups, self.peer_rank = groups, peer_rank
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.label = label
@@ -41,40 +46,54 @@ class StageLink:
         self._in_flight: list[tuple[Optional[dist.Work], torch.Tensor]] = []  # None: already complete
         # NCCL waits only order the GPU streams; a wait with a timeout would block the CPU at every
         # exchange instead, so there the process group's own watchdog reports a hang.
+        group = groups[CHANNELS[0]]
         self._nccl = dist.get_world_size(group) > 1 and dist.get_backend(group) == "nccl"
         if self._nccl:
             # NCCL wants every rank of a group in its first call; later batches may involve only neighbours
-            dist.all_reduce(torch.zeros(1, device=device), group=group)
+            for group in groups.values():
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def exchange(self, sends: list[tuple[Transfer, torch.Tensor]], recvs: tuple[Transfer, ...],
                  where: str) -> dict[Message, torch.Tensor]:
-        """Post ``sends`` and ``recvs`` as one batch and wait until the receives have landed.
+        """Post ``sends`` and ``recvs`` as one batch per channel, then wait until the receives have landed.
 
         Sends are not waited for here (their buffers stay referenced until they complete, see
-        ``finish_sends``), so a rank never blocks on a neighbour that is itself busy sending.
+        ``finish_sends``), so a rank never blocks on a neighbour that is itself busy sending. Every
+        channel's batch is posted before any is waited on: a receive may depend on a send of the other
+        channel reaching its peer first.
         """
         for transfer, tensor in sends:
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
                 raise ValueError(f"pipeline boundary tensor {transfer.message} is {tuple(tensor.shape)} "
                                  f"{tensor.dtype}, but the pipeline was set up for {self.shape} {self.dtype}: "
                                  f"pass the activation shape each stage really outputs")
-        buffers = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in recvs]
-        ops = [dist.P2POp(dist.isend, t, self.peer_rank(tr.peer), self.group) for tr, t in sends]
-        ops += [dist.P2POp(dist.irecv, b, self.peer_rank(tr.peer), self.group) for tr, b in zip(recvs, buffers)]
+        buffers = {tr.message: torch.empty(self.shape, dtype=self.dtype, device=self.device) for tr in recvs}
+        waits = []
+        for channel in CHANNELS:
+            mine = [(tr, t) for tr, t in sends if tr.message.kind == channel]
+            wanted = [tr for tr in recvs if tr.message.kind == channel]
+            waits += self._post(self.groups[channel], mine, wanted, buffers, where)
+        for works, what in waits:
+            self._wait(works, what)
+        return buffers
+
+    def _post(self, group, sends: list[tuple[Transfer, torch.Tensor]], recvs: list[Transfer],
+              buffers: dict[Message, torch.Tensor], where: str) -> list[tuple[list, str]]:
+        """Post one channel's batch; returns the (works, description) to wait on for its receives."""
+        ops = [dist.P2POp(dist.isend, t, self.peer_rank(tr.peer), group) for tr, t in sends]
+        ops += [dist.P2POp(dist.irecv, buffers[tr.message], self.peer_rank(tr.peer), group) for tr in recvs]
         if not ops:
-            return {}
+            return []
         works = dist.batch_isend_irecv(ops)
         if not recvs:  # nothing to wait for before the next op (a W after its B): sends stay in flight
             self._in_flight += [(works[min(i, len(works) - 1)], t) for i, (_, t) in enumerate(sends)]
-            return {}
+            return []
         if len(works) != len(ops):  # coalesced into one handle (NCCL): the batch completes as a whole
-            self._wait(works, f"{where}: batch " + _describe(sends, recvs))
             self._in_flight += [(None, t) for _, t in sends]
-            return {tr.message: b for tr, b in zip(recvs, buffers)}
+            return [(works, f"{where}: batch " + _describe(sends, recvs))]
         self._in_flight += [(w, t) for w, (_, t) in zip(works, sends)]
-        for work, transfer in zip(works[len(sends):], recvs):
-            self._wait([work], f"{where}: recv {transfer.message} from pipeline rank {transfer.peer}")
-        return {tr.message: b for tr, b in zip(recvs, buffers)}
+        return [([work], f"{where}: recv {tr.message} from pipeline rank {tr.peer}")
+                for work, tr in zip(works[len(sends):], recvs)]
 
     def finish_sends(self, block: bool) -> list[torch.Tensor]:
         """Tensors whose sends have completed (all of them, waiting, when ``block``)."""

@@ -13,7 +13,7 @@ therefore runs on NCCL and on gloo, and every message arrives where its receiver
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from parallel.pipeline.schedule import Op, build_schedule, interleaved_warmup, splits_backward
 
@@ -124,66 +124,44 @@ def check_ops(ops: list[Op], m: int, v: int) -> None:
         raise PipelineDeadlock(f"ops missing: {sorted(expected - seen)[:4]}, extra: {sorted(seen - expected)[:4]}")
 
 
+CHANNELS = ("act", "grad")
+"""Activations and gradients travel on separate communicators (``Topology``'s ``pp`` and ``pp_grad``
+groups), each first-in first-out per pair of ranks: a send still waiting for its receiver holds up
+later messages of its own kind only, never a gradient behind an activation or the reverse."""
+
+
 def _match(plans: list[list[Step]]) -> dict[tuple[int, int, str, int], int]:
-    """For each (rank, step, 'send'/'recv', index-in-step): the step index of its partner on the peer."""
-    queues: dict[tuple[int, int, str], list[tuple[int, int, Message]]] = {}
+    """For each (rank, step, 'send'/'recv', index-in-step): the step index of its partner on the peer,
+    messages matched first-in first-out per ordered pair of ranks and channel, as NCCL does."""
+    queues: dict[tuple[int, int, str, str], list[tuple[int, int, Message]]] = {}
     for rank, plan in enumerate(plans):
         for k, step in enumerate(plan):
             for j, t in enumerate(step.sends):
-                queues.setdefault((rank, t.peer, "send"), []).append((k, j, t.message))
+                queues.setdefault((rank, t.peer, t.message.kind, "send"), []).append((k, j, t.message))
             for j, t in enumerate(step.recvs):
-                queues.setdefault((t.peer, rank, "recv"), []).append((k, j, t.message))
+                queues.setdefault((t.peer, rank, t.message.kind, "recv"), []).append((k, j, t.message))
     partner = {}
-    for (src, dst, side), items in queues.items():
+    for (src, dst, kind, side), items in queues.items():
         if side == "recv":
             continue
-        recvs = queues.get((src, dst, "recv"), [])
+        recvs = queues.get((src, dst, kind, "recv"), [])
         if len(recvs) != len(items):
-            raise PipelineDeadlock(f"rank {src} sends {len(items)} messages to rank {dst}, which receives {len(recvs)}")
+            raise PipelineDeadlock(f"rank {src} sends {len(items)} {kind} messages to rank {dst}, which receives "
+                                   f"{len(recvs)}")
         for (ks, js, ms), (kr, jr, mr) in zip(items, recvs):
             if ms != mr:
                 raise PipelineDeadlock(f"rank {src} sends {ms} to rank {dst} when it expects {mr}")
             partner[(src, ks, "send", js)], partner[(dst, kr, "recv", jr)] = kr, ks
+    for (src, dst, kind, side), items in queues.items():
+        if side == "recv" and (src, dst, kind, "send") not in queues:
+            raise PipelineDeadlock(f"rank {dst} waits for {items[0][2]} that rank {src} never sends")
     return partner
 
 
-def simulate(plans: list[list[Step]]) -> list[int]:
-    """Run every rank's plan in lock-free rounds; returns the round at which each rank finished.
-
-    Raises ``PipelineDeadlock`` naming what each stuck rank waits for.
-    """
-    partner = _match(plans)
-    at = [0] * len(plans)
-    finished = [0] * len(plans)
-    rounds = 0
-    while any(at[r] < len(p) for r, p in enumerate(plans)):
-        rounds += 1
-        ready = [r for r, p in enumerate(plans) if at[r] < len(p) and _can_finish(r, at, plans, partner)]
-        if not ready:
-            raise PipelineDeadlock("pipeline deadlock: " + "; ".join(
-                f"rank {r} at step {at[r]} ({p[at[r]].op}) waits on {_waits(p[at[r]])}"
-                for r, p in enumerate(plans) if at[r] < len(p)))
-        for r in ready:
-            at[r] += 1
-            finished[r] = rounds
-    return finished
-
-
-def _partners(rank: int, k: int, plans: list[list[Step]], partner: dict) -> list[tuple[int, int]]:
-    """(peer, the peer's step) of every send and receive in ``rank``'s step ``k``."""
-    step = plans[rank][k]
-    sides = [("send", j, t) for j, t in enumerate(step.sends)] + [("recv", j, t) for j, t in enumerate(step.recvs)]
-    return [(t.peer, partner[(rank, k, side, j)]) for side, j, t in sides]
-
-
-def _can_finish(rank: int, at: list[int], plans: list[list[Step]], partner: dict) -> bool:
-    return all(at[peer] >= pk for peer, pk in _partners(rank, at[rank], plans, partner))
-
-
-def _waits(step: Step) -> str:
-    parts = [f"send {t.message} to rank {t.peer}" for t in step.sends]
-    parts += [f"recv {t.message} from rank {t.peer}" for t in step.recvs]
-    return ", ".join(parts) or "nothing"
+def simulate(plans: list[list[Step]]) -> list[float]:
+    """Run every rank's plan with unit op costs; returns when each rank finished. Raises
+    ``PipelineDeadlock`` naming what each stuck rank waits for."""
+    return [max((end for _, _, end in ops), default=0.0) for ops in timeline(plans)]
 
 
 # Relative cost of each op when timing a plan: a whole backward is twice a forward (Narayanan et al.),
@@ -195,36 +173,75 @@ def op_cost(op: Op, split: bool, costs: dict = UNIT_COSTS) -> float:
     return costs["B_input"] if op.kind == "B" and split else costs[op.kind]
 
 
-def timeline(plans: list[list[Step]], costs: dict = UNIT_COSTS) -> list[list[tuple[Op, float, float]]]:
-    """Each rank's ops with their start and end times, messages taking no time.
+def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COSTS) -> list[list[tuple[Op, float, float]]]:
+    """Each rank's ops with their start and end times, messages taking no time; ``costs`` is one table
+    of op costs (``UNIT_COSTS``'s keys) for every rank, or a list of one per rank.
 
-    A rank posts step k's batch when its op of step k - 1 ends. The batch completes once each of its
-    sends and receives has met its partner (both sides posted) and the rank's earlier batches have
-    completed (one communication stream, in order, as NCCL runs them). An op waits for its step's
-    batch only when that batch receives something: a batch of sends alone is left in flight (the
-    executor does the same), so a ``W`` never waits for its ``B``'s gradient to be taken. Split-
-    backward plans (holding ``W`` ops) cost ``B`` as the input-gradient half. Raises
-    ``PipelineDeadlock`` as ``simulate`` does.
+    A rank posts step k's batch when its op of step k - 1 ends, as one sub-batch per channel
+    (``CHANNELS``). A sub-batch begins once posted and once the rank's earlier sub-batches on that
+    channel have completed (one communication stream per channel, in order, as NCCL runs them), and
+    completes when it and every partner's sub-batch have begun. An op waits for the sub-batches of
+    its step that receive something: sends alone are left in flight (the executor does the same), so a
+    ``W`` never waits for its ``B``'s gradient to be taken. Split-backward plans (holding ``W`` ops)
+    cost ``B`` as the input-gradient half. Raises ``PipelineDeadlock`` naming what each stuck rank waits
+    for, or a mismatch of message orders.
     """
-    simulate(plans)  # a deadlock or mismatch is reported as such before anything is timed
     partner = _match(plans)
+    rank_costs = costs if isinstance(costs, list) else [costs] * len(plans)
     split = [splits_backward([step.op for step in plan if step.op is not None]) for plan in plans]
     posted: list[list[float]] = [[] for _ in plans]  # posted[r][k]: when rank r posted step k
-    done: list[list[float]] = [[] for _ in plans]  # done[r][k]: when step k's batch completed
+    done: dict[tuple[int, int, str], float] = {}  # (rank, step, channel): when that sub-batch completed
     free = [0.0] * len(plans)  # when rank r's latest op ended
     out: list[list[tuple[Op, float, float]]] = [[] for _ in plans]
+    ran = [0] * len(plans)  # steps whose op has run
+
+    def sub_batches(r: int, k: int) -> dict[str, list[tuple[int, int]]]:
+        """Channel -> (peer, the peer's step) of each transfer in rank r's step k."""
+        step, by_channel = plans[r][k], {}
+        for side, transfers in (("send", step.sends), ("recv", step.recvs)):
+            for j, t in enumerate(transfers):
+                by_channel.setdefault(t.message.kind, []).append((t.peer, partner[(r, k, side, j)]))
+        return by_channel
+
+    batches = [[sub_batches(r, k) for k in range(len(plan))] for r, plan in enumerate(plans)]
+    queue = {(r, c): [k for k in range(len(plan)) if c in batches[r][k]] for r, plan in enumerate(plans) for c in CHANNELS}
+    place = {(r, c, k): i for (r, c), steps in queue.items() for i, k in enumerate(steps)}
+    head = dict.fromkeys(queue, 0)  # (rank, channel): index in queue of its next sub-batch to complete
+
+    def started(r: int, k: int, channel: str) -> Optional[float]:
+        """When rank r's sub-batch of step k began on its channel's stream: posted, and the one before
+        it on that stream complete (None: not yet)."""
+        if len(posted[r]) <= k:
+            return None
+        i = place[(r, channel, k)]
+        if i == 0:
+            return posted[r][k]
+        before = done.get((r, queue[(r, channel)][i - 1], channel))
+        return None if before is None else max(posted[r][k], before)
 
     def complete(r: int) -> bool:
-        k = len(done[r])
-        if k == len(posted[r]):
-            return False
-        peers = _partners(r, k, plans, partner)
-        if any(len(posted[peer]) <= pk for peer, pk in peers):
-            return False  # a partner has not posted its side yet
-        done[r].append(max([posted[r][k]] + done[r][-1:] + [posted[peer][pk] for peer, pk in peers]))
-        return True
+        """Complete rank r's sub-batches that can, each channel in order; whether any did. A sub-batch
+        completes once it and each partner's sub-batch have begun on their streams: a send or receive
+        queued behind an unfinished one cannot meet its partner, as on an NCCL communicator."""
+        progressed = False
+        for channel in CHANNELS:
+            steps, at = queue[(r, channel)], head[(r, channel)]
+            while at < len(steps):
+                k = steps[at]
+                begins = [started(r, k, channel)] + [started(peer, pk, channel) for peer, pk in batches[r][k][channel]]
+                if any(b is None for b in begins):
+                    break
+                done[(r, k, channel)] = max(begins)
+                at += 1
+                progressed = True
+            head[(r, channel)] = at
+        return progressed
 
-    ran = [0] * len(plans)  # steps whose op has run
+    def waits_for(r: int, k: int) -> list[str]:
+        step = plans[r][k]
+        return [f"recv {t.message} from rank {t.peer}" for t in step.recvs
+                if (r, k, t.message.kind) not in done]
+
     while any(ran[r] < len(p) for r, p in enumerate(plans)):
         progressed = False
         for r, plan in enumerate(plans):
@@ -233,18 +250,22 @@ def timeline(plans: list[list[Step]], costs: dict = UNIT_COSTS) -> list[list[tup
                 if len(posted[r]) == k:  # posted as soon as the op before has run
                     posted[r].append(free[r])
                     progressed = True
-                while complete(r):
-                    progressed = True
-                if step.recvs and len(done[r]) <= k:
+                if step.recvs and waits_for(r, k):
                     break  # its receives have not landed yet
                 if step.op is not None:
-                    start = max(free[r], done[r][k]) if step.recvs else free[r]
-                    free[r] = start + op_cost(step.op, split[r], costs)
+                    landed = [done[(r, k, t.message.kind)] for t in step.recvs]
+                    start = max([free[r]] + landed)
+                    free[r] = start + op_cost(step.op, split[r], rank_costs[r])
                     out[r].append((step.op, start, free[r]))
                 ran[r] += 1
                 progressed = True
-        if not progressed:  # unreachable once simulate passed; a guard against looping forever
-            raise PipelineDeadlock("timeline made no progress")
+        for r in range(len(plans)):
+            while complete(r):
+                progressed = True
+        if not progressed:
+            raise PipelineDeadlock("pipeline deadlock: " + "; ".join(
+                f"rank {r} at step {ran[r]} ({p[ran[r]].op}) waits on {', '.join(waits_for(r, ran[r]))}"
+                for r, p in enumerate(plans) if ran[r] < len(p)))
     return out
 
 

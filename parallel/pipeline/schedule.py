@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "zb-h1", "forward_only")
+SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "zb-h1", "zb-h2", "forward_only")
 TRAINING_SCHEDULES = ("auto",) + SCHEDULES[:-1]
 """The choices of ``parallel.pipeline_schedule``: ``auto`` is ``default_schedule``."""
+SPLIT_BACKWARD = ("zb-h1", "zb-h2")
+"""The schedules that run weight gradients as ops of their own (``W``), apart from ``B``."""
 
 
 @dataclass(frozen=True, order=True)
@@ -82,24 +84,44 @@ def zero_bubble_h1(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
     (``m`` if fewer): rank 0's 1F1B peak, which sets the memory 1F1B needs anyway. With F, B and W
     of equal cost the bubble is (pp - 1) units against 1F1B's 3 (pp - 1): a third.
     """
+    return _split_backward_1f1b("zb-h1", pp, rank, m, v, warmup=pp - rank - 1)
+
+
+def zero_bubble_h2(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
+    """ZB-H2 (Qi et al. 2023): ZB-H1 with twice its warm-up, 2 (pp - 1 - r) forwards on rank ``r``.
+
+    The extra forwards fill the time a rank would wait for its first input gradient, and the weight
+    gradients waiting on the later ranks fill the cool-down: with F, B and W of equal cost no rank
+    idles after its first forward. The price is memory: rank 0 holds up to 2 pp - 1 micro-batches'
+    activations (ZB-H1 and 1F1B: pp). At pp 2 with 8 micro-batches and GPT 1.3B's measured op
+    times this is the schedule that leaves least of the step idle (BENCHMARKS.md). It needs
+    activations and gradients on separate channels (``plan.CHANNELS``): on one in-order stream the
+    extra forwards' sends would wait behind the gradients their receiver has yet to send.
+    """
+    return _split_backward_1f1b("zb-h2", pp, rank, m, v, warmup=2 * (pp - rank - 1))
+
+
+def _split_backward_1f1b(name: str, pp: int, rank: int, m: int, v: int, warmup: int) -> list[Op]:
+    """``warmup`` forwards, then F/B pairs, each ``B`` followed by the oldest waiting ``W`` once more
+    than ``rank`` wait, then the cool-down's backwards and the last weight gradients."""
     _check(pp, rank, m, v)
     if v != 1:
-        raise ValueError("zb-h1 runs one model chunk per rank; set virtual stages to 1")
-    warmup = min(pp - rank - 1, m)
+        raise ValueError(f"{name} runs one model chunk per rank; set virtual stages to 1")
+    warmup = min(warmup, m)
     ops = [Op("F", i) for i in range(warmup)]
     waiting: list[int] = []
 
-    def backward(i: int, keep: int) -> None:
+    def backward(i: int) -> None:
         ops.append(Op("B", i))
         waiting.append(i)
-        while len(waiting) > keep:
+        while len(waiting) > rank:
             ops.append(Op("W", waiting.pop(0)))
 
     for i in range(m - warmup):
         ops.append(Op("F", warmup + i))
-        backward(i, rank)
+        backward(i)
     for i in range(m - warmup, m):
-        backward(i, rank)
+        backward(i)
     return ops + [Op("W", i) for i in waiting]
 
 
@@ -159,6 +181,7 @@ _BUILDERS: dict[str, Callable[..., list[Op]]] = {
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb-h1": zero_bubble_h1,
+    "zb-h2": zero_bubble_h2,
     "forward_only": forward_only,
 }
 
@@ -207,10 +230,12 @@ def bubble_fraction(pp: int, m: int, v: int = 1, schedule: str = "1f1b") -> floa
 
     This is the ratio of Narayanan et al.; as a share of the whole step it is (pp-1) / (v m + pp-1).
     ZB-H1 idles (pp - 1)(T_F + T_B - T_W) against 1F1B's (pp - 1)(T_F + T_B + T_W) (Qi et al.), a
-    third of it when the forward, input-gradient and weight-gradient halves cost the same. Without
-    pipelining (``gradient_accumulation``) each stage idles while the other ``pp - 1`` work, whatever m.
+    third of it when the forward, input-gradient and weight-gradient halves cost the same. ZB-H2 idles
+    as much at equal costs (the first rank's forward is a floor no order removes; ``plan.timeline``
+    with unit costs agrees for m >= 2 pp); its gain is with unequal stages, where its extra warm-up
+    forwards fill what the slower stage leaves idle. Without pipelining (``gradient_accumulation``) each stage idles while the other ``pp - 1`` work, whatever m.
     """
     if schedule == "gradient_accumulation":
         return float(pp - 1)
     ratio = (pp - 1) / (v * m)
-    return ratio / 3 if schedule == "zb-h1" else ratio
+    return ratio / 3 if schedule in SPLIT_BACKWARD else ratio
