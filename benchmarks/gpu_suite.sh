@@ -73,7 +73,7 @@ axes)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
     --runs stage1-compile stage1-m8-compile --warmup 3 --steps 5
   run timeout 200 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
-    --runs ${RUNS:-tp2-sp-compile pp2-m8-compile pp2-m8-zb-compile} --warmup 3 --steps 5 ${PROFILE:+--profile ${OUT:-/tmp}}
+    --runs ${RUNS:-tp2-sp-compile pp2-m8-compile pp2-m8-zb-compile pp2-m8-zb2-compile} --warmup 3 --steps 5 ${PROFILE:+--profile ${OUT:-/tmp}}
   PEERS=$PEERS MODES="plain tp pp-1f1b" run bash $PEERS/run_peers.sh
   [ -n "${WHEELS:-}" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore-site \
     "$WHEELS"/megatron_core-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/mcore-site
@@ -127,7 +127,7 @@ axes4)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
     --runs stage1-compile stage1-m8-compile --warmup 3 --steps 5
   run timeout 240 torchrun --nproc_per_node 4 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
-    --runs ${RUNS:-tp2-sp-compile pp2-m8-compile pp2-m8-zb-compile tp2-sp-pp2-m8-compile} --warmup 3 --steps 5
+    --runs ${RUNS:-tp2-sp-compile pp2-m8-compile pp2-m8-zb-compile pp2-m8-zb2-compile tp2-sp-pp2-m8-compile} --warmup 3 --steps 5
   [ -n "${WHEELS:-}" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore-site \
     "$WHEELS"/megatron_core-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/mcore-site
   for layout in "--tp 2" "--pp 2 --micro-batches 8" "--tp 2 --pp 2 --micro-batches 8"; do
