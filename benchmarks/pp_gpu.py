@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.engine import gpt_forward_step
+from megazero.flops import head_blocks
 from models import GPT
 from models.config import ModelConfig
 from parallel.pipeline import PipelineExecutor, bubble_fraction, sum_tied_grads
@@ -56,7 +57,7 @@ def tied_embedding_params(chunks) -> list:
 
 
 def build_chunks(cfg: ModelConfig, pp: int, rank: int, v: int, device) -> list:
-    split = resolve_split(cfg.num_layers, pp, v)  # uniform, as the engine splits
+    split = resolve_split(cfg.num_layers, pp, v, head_cost=head_blocks(cfg))  # as the engine splits
     chunks = []
     for chunk in range(v):
         stage = chunk * pp + rank

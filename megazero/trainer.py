@@ -8,6 +8,7 @@ loss, which the pipeline broadcasts to every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import time
@@ -25,7 +26,7 @@ from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets
-from megazero.engine import Engine, layout_record
+from megazero.engine import Engine, layout_record, pipeline_split
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
 from megazero.metrics import MetricsLogger, StepMetrics
@@ -78,10 +79,33 @@ class _QueuedStep:
     queued_at: float  # time.perf_counter()
 
 
+def checkpoint_split(cfg: Config, layout: dict) -> Optional[list[int]]:
+    """The pipeline split to resume with, given the layout a checkpoint records: the run's own
+    ``parallel.pipeline_split`` if set, else the checkpoint's when the run has its pipeline shape
+    (else None: the default). The default split can change between versions (it became balanced by
+    work), and loading into another split reshards, which does not restore the ranks' random
+    generators: the run would no longer continue exactly as it would have."""
+    p = cfg.parallel
+    split = layout.get("pipeline_split")
+    if p.pipeline_split is not None or not isinstance(split, list):
+        return p.pipeline_split
+    same_shape = (layout.get("pp"), layout.get("virtual_stages")) == (p.pp, p.virtual_stages)
+    return list(split) if same_shape and sum(split) == cfg.model.num_layers else None
+
+
 class Trainer:
     def __init__(self, cfg: Config, device: torch.device, topology):
-        self.cfg, self.device, self.topo = cfg, device, topology
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        resume_from = cfg.checkpoint.load or latest_checkpoint(cfg.save_dir)
+        ckpt = resolve_checkpoint(resume_from) if resume_from is not None else None
+        manifest = read_manifest(ckpt) if ckpt is not None else None
+        if manifest is not None:
+            kept = checkpoint_split(cfg, manifest["meta"]["layout"])
+            if cfg.parallel.pipeline_split is None and kept not in (None, pipeline_split(cfg)) and self.rank == 0:
+                print(f"megazero: keeping the checkpoint's pipeline split {kept} (the default is now "
+                      f"{pipeline_split(cfg)}; set parallel.pipeline_split to choose)", flush=True)
+            cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_split=kept))
+        self.cfg, self.device, self.topo = cfg, device, topology
         # Stop flags go over gloo, host to host: on NCCL they would queue behind the device's work.
         self._control = None if self.world == 1 else dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s), group_desc="control")
@@ -96,7 +120,7 @@ class Trainer:
                                        barrier=lambda: dist.barrier(), keep_last=cfg.checkpoint.keep_last,
                                        async_save=cfg.checkpoint.async_save and device.type == "cuda")
         self._check_save_dir()
-        self._resume(cfg.checkpoint.load or latest_checkpoint(cfg.save_dir))
+        self._resume(ckpt, manifest)
         self._log_memory()
         m = cfg.model
         self.logger = MetricsLogger(
@@ -131,15 +155,13 @@ class Trainer:
         if problem[0]:
             raise CheckpointError(problem[0])
 
-    def _resume(self, path) -> None:
-        if path is None:
+    def _resume(self, ckpt, manifest: Optional[dict]) -> None:
+        if ckpt is None:
             unfinished = sorted(self.writer.root.glob("step_*.tmp"))
             if unfinished and self.rank == 0:
                 print(f"megazero: {self.writer.root} holds no complete checkpoint, only the unfinished save "
                       f"{unfinished[-1].name}; starting from step 0", flush=True)
             return
-        ckpt = resolve_checkpoint(path)
-        manifest = read_manifest(ckpt)
         meta = manifest["meta"]
         exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest,
                                 same_layout=meta["layout"] == layout_record(self.cfg))

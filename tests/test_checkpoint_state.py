@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -190,3 +192,26 @@ def test_fp16_gradient_norm_is_computed_in_fp32(report):
 def test_reshard_reads_only_the_files_holding_this_ranks_parameters(report):
     for rank, r in enumerate(report):
         assert r["files_read"] == [f"rank_{rank:05d}.safetensors"], r["files_read"]
+
+
+def test_a_run_without_a_split_resumes_with_its_checkpoints_split():
+    """The default pipeline split changed (balanced by work); a checkpoint written under the old
+    default must still load into its own layout, exactly (a different split reshards and loses the
+    random generators). Planted: without the kept split the records differ."""
+    from megazero.config import load_config, resolve_config
+    from megazero.engine import layout_record, pipeline_split
+    from megazero.trainer import checkpoint_split
+
+    def cfg(*extra):
+        return resolve_config(load_config("configs/gpt_1.3b.yaml", ["--parallel.pp", "2", *extra]), 2, 2)
+
+    old = cfg("--parallel.pipeline_split", "[12, 12]")  # what the old default wrote
+    run = cfg()
+    assert pipeline_split(run) == [13, 11]
+    kept = checkpoint_split(run, layout_record(old))
+    assert kept == [12, 12]
+    resumed = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, pipeline_split=kept))
+    assert layout_record(resumed) == layout_record(old)
+    # a split the user sets wins; another pipeline shape takes the default (and reshards)
+    assert checkpoint_split(cfg("--parallel.pipeline_split", "[14, 10]"), layout_record(old)) == [14, 10]
+    assert checkpoint_split(cfg("--parallel.virtual_stages", "2"), layout_record(old)) is None

@@ -21,7 +21,7 @@ import torch
 
 from megazero.config import load_config
 from megazero.engine import Engine
-from parallel.pipeline.plan import bubble_of, check_ops, comm_plan, plan_for, timeline
+from parallel.pipeline.plan import PipelineDeadlock, bubble_of, check_ops, comm_plan, plan_for, timeline
 from parallel.pipeline.schedule import Op, bubble_fraction, build_schedule, max_live_activations
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
@@ -56,10 +56,14 @@ def test_zb_h2_fills_what_unequal_stages_leave_idle():
     costs = [{"F": 40.0, "B_input": 52.6, "W": 36.5}, {"F": 46.5, "B_input": 42.3, "W": 29.5}]
     makespan = {}
     for name in ("zb-h1", "zb-h2"):
-        times = timeline([plan_for(name, 2, r, 8)[1] for r in range(2)], costs)
+        plans = [plan_for(name, 2, r, 8)[1] for r in range(2)]
+        times = timeline(plans, costs)
         makespan[name] = max(end for ops in times for _, _, end in ops)
     assert makespan["zb-h1"] == pytest.approx(1081.6)
     assert makespan["zb-h2"] == pytest.approx(1041.6)
+    timeline([plan_for("zb-h1", 2, r, 8)[1] for r in range(2)], channel=lambda message: "one")
+    with pytest.raises(PipelineDeadlock, match="rank 0 at step 3 .* waits on recv grad"):
+        timeline(plans, channel=lambda message: "one")
 
 
 @pytest.mark.parametrize("pp,m", [(pp, m) for pp, m in SIZES if m >= pp])

@@ -215,6 +215,18 @@ def test_pipeline_ranks_hold_the_micro_batches_1f1b_keeps_in_flight():
             [n * 2 * block for n in live]), name
 
 
+def test_memory_is_the_fullest_rank_a_middle_one_included():
+    """pp 4 under ZB-H1 splits GPT 1.3B [6, 7, 6, 5] and keeps 4 micro-batches on every rank: rank 1,
+    with the most blocks, is the fullest (planted: only the end ranks were looked at, 18.9 GiB)."""
+    from megazero.planner.memory import activation_bytes
+
+    cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", ["--parallel.pp", "4", "--parallel.pipeline_schedule",
+                                                               "zb-h1", "--train.micro_batch_size", "4"]), 4, 4)
+    assert pipeline_split(cfg) == [6, 7, 6, 5]
+    estimate = estimate_memory(cfg)
+    assert estimate.pp_rank == 1 and activation_bytes(cfg, 1) > max(activation_bytes(cfg, 0), activation_bytes(cfg, 3))
+
+
 def test_plan_ranks_only_layouts_the_trainer_accepts():
     """12 heads: no tp 8; 24 layers: at most 24 stages, uneven ones balanced (pp 16); each returned layout
     passes validation for the world."""

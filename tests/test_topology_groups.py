@@ -26,6 +26,8 @@ def _membership(rank, world_size):
             gathered = torch.zeros(dist.get_world_size(group))
             comm.all_gather_into(gathered, torch.tensor([float(rank)]), group)
             report[(tp, pp, dp, order, kind)] = (ids.item(), sorted(int(x) for x in gathered.tolist()))
+        # activations and gradients need two communicators (parallel.pipeline.plan.CHANNELS)
+        report[(tp, pp, dp, order, "pp_grad is its own group")] = topo.pp_grad_group is not topo.pp_group or pp == 1
         size = topo.dp_size
         full = torch.arange(size * 2, dtype=torch.float32) * (rank + 1)
         out = torch.zeros(2)
@@ -69,6 +71,7 @@ def test_every_group_has_exactly_its_members(world):
                     assert got is None
                     continue
                 assert got == (float(sum(expected)), expected), (rank, kind)
+            assert report[(tp, pp, dp, order, "pp_grad is its own group")], rank
 
 
 def test_reduce_scatter_shim_sums_over_dp(world):

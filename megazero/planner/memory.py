@@ -208,9 +208,12 @@ def buffer_bytes(cfg: Config, pp_rank: int) -> float:
 
 
 def estimate_memory(cfg: Config) -> MemoryEstimate:
-    """The fuller of the first and last pipeline ranks, for a config whose layout (tp, pp, dp) is set."""
+    """The fullest pipeline rank, for a config whose layout (tp, pp, dp) is set: every rank is looked at,
+    since a split balanced by work gives middle ranks more blocks than the ends, and under the
+    zero-bubble schedules every rank keeps pp micro-batches in flight (a middle rank can then hold
+    the most activations)."""
     estimates = []
-    for rank in sorted({0, cfg.parallel.pp - 1}):
+    for rank in range(cfg.parallel.pp):
         estimates.append(MemoryEstimate(model_state_bytes(cfg, rank), activation_bytes(cfg, rank),
                                         buffer_bytes(cfg, rank), rank, grads_outside_forward(cfg, rank)))
     return max(estimates, key=lambda e: e.peak)

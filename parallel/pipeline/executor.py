@@ -21,6 +21,7 @@ stage holds just what its backward needs for the micro-batches in flight.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -93,6 +94,13 @@ class PipelineExecutor:
             if not defer_weight_grads(self.chunks, self.wgrad):
                 raise ValueError(f"schedule {self.schedule} defers weight gradients of linear layers, "
                                  f"and pipeline rank {self.rank}'s chunks hold none")
+        if (self.schedule == "zb-h2" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+                and self.device.type == "cuda"):
+            # its plan relies on the two pipeline communicators' kernels running side by side, which one
+            # hardware queue for all streams can order into a hang
+            raise ValueError("parallel.pipeline_schedule zb-h2 needs its two pipeline communicators to run "
+                             "side by side, and CUDA_DEVICE_MAX_CONNECTIONS=1 can serialize them into a hang: "
+                             "unset it, or use zb-h1")
         self.link = StageLink({"act": topo.pp_group, "grad": topo.pp_grad_group}, topo.stage_rank,
                               tuple(activation_shape), dtype, self.device, timeout_s,
                               label=f"rank {topo.rank} (pipeline rank {self.rank})")
@@ -264,6 +272,7 @@ class _StepRun:
         if keys and not ran:  # every chunk holds linears (checked at construction): their B must have queued some
             raise RuntimeError(f"pipeline rank {self.ex.rank}: {op} found no weight gradients queued by its B: "
                                f"the linears computed them in backward (a compiled graph that traced them "
-                               f"without deferral?), so the schedule's split backward is not happening")
+                               f"without deferral?) or have none (all frozen), so the schedule's split "
+                               f"backward is not happening; use 1f1b")
         self.ex.stats.deferred += ran
         self.awaiting_w.difference_update(keys)

@@ -6,7 +6,7 @@ stage also runs the LM head, which at 1.3B costs as much as 1.75 blocks (2·h·V
 matrices), so an equal split leaves the first rank idle for that long in every micro-batch of a
 1F1B or zero-bubble steady state. The caller states the head's cost in blocks (``head_cost``); the
 embedding's lookup costs next to nothing and is not counted. With ``head_cost = 0`` the balanced
-split is the even one, remainders on the middle stages.
+split is the even one: remainders on the middle ranks, and within a rank on its first chunks.
 """
 
 from __future__ import annotations

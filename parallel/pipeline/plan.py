@@ -4,10 +4,15 @@
 previous op produced and receives what this op consumes. Posting a send together with the next
 receive in one batch is what keeps neighbours from waiting on each other (rank r sends an activation
 forward while rank r+1 sends a gradient back; posted as separate blocking calls both would wait
-forever). ``simulate`` runs all ranks' plans with the strictest semantics a backend may have (a batch
-finishes only once every send and receive in it has met its partner, as NCCL groups do), matching
-messages first-in first-out per ordered pair of ranks with no tags, as NCCL does. A plan that passes
-therefore runs on NCCL and on gloo, and every message arrives where its receiver expects it.
+forever). ``timeline`` (and ``simulate``, its unit-cost form) runs all ranks' plans with NCCL's
+semantics: each channel (``CHANNELS``: activations, gradients, on two communicators) completes its
+operations in order, a batch of one channel meets its partner only once both have begun, and
+messages are matched first-in first-out per ordered pair of ranks and channel with no tags. gloo is
+looser (its sends and receives complete independently), so a plan that passes runs there too. On
+NCCL the model assumes the two communicators' kernels can run side by side, which NCCL allows but
+does not promise when ranks issue them in different orders: every schedule but ``zb-h2`` also passes
+with both channels folded into one stream (the tests check it), and the executor refuses ``zb-h2``
+where ``CUDA_DEVICE_MAX_CONNECTIONS=1`` would funnel all streams into one queue.
 """
 
 from __future__ import annotations
@@ -130,16 +135,21 @@ groups), each first-in first-out per pair of ranks: a send still waiting for its
 later messages of its own kind only, never a gradient behind an activation or the reverse."""
 
 
-def _match(plans: list[list[Step]]) -> dict[tuple[int, int, str, int], int]:
+def channel_of(message: Message) -> str:
+    """The channel a message travels on: its kind (``CHANNELS``)."""
+    return message.kind
+
+
+def _match(plans: list[list[Step]], channel=channel_of) -> dict[tuple[int, int, str, int], int]:
     """For each (rank, step, 'send'/'recv', index-in-step): the step index of its partner on the peer,
     messages matched first-in first-out per ordered pair of ranks and channel, as NCCL does."""
     queues: dict[tuple[int, int, str, str], list[tuple[int, int, Message]]] = {}
     for rank, plan in enumerate(plans):
         for k, step in enumerate(plan):
             for j, t in enumerate(step.sends):
-                queues.setdefault((rank, t.peer, t.message.kind, "send"), []).append((k, j, t.message))
+                queues.setdefault((rank, t.peer, channel(t.message), "send"), []).append((k, j, t.message))
             for j, t in enumerate(step.recvs):
-                queues.setdefault((t.peer, rank, t.message.kind, "recv"), []).append((k, j, t.message))
+                queues.setdefault((t.peer, rank, channel(t.message), "recv"), []).append((k, j, t.message))
     partner = {}
     for (src, dst, kind, side), items in queues.items():
         if side == "recv":
@@ -158,10 +168,10 @@ def _match(plans: list[list[Step]]) -> dict[tuple[int, int, str, int], int]:
     return partner
 
 
-def simulate(plans: list[list[Step]]) -> list[float]:
+def simulate(plans: list[list[Step]], channel=channel_of) -> list[float]:
     """Run every rank's plan with unit op costs; returns when each rank finished. Raises
-    ``PipelineDeadlock`` naming what each stuck rank waits for."""
-    return [max((end for _, _, end in ops), default=0.0) for ops in timeline(plans)]
+    ``PipelineDeadlock`` naming what each stuck rank waits for. ``channel`` as in ``timeline``."""
+    return [max((end for _, _, end in ops), default=0.0) for ops in timeline(plans, channel=channel)]
 
 
 # Relative cost of each op when timing a plan: a whole backward is twice a forward (Narayanan et al.),
@@ -173,9 +183,11 @@ def op_cost(op: Op, split: bool, costs: dict = UNIT_COSTS) -> float:
     return costs["B_input"] if op.kind == "B" and split else costs[op.kind]
 
 
-def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COSTS) -> list[list[tuple[Op, float, float]]]:
+def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COSTS,
+             channel=channel_of) -> list[list[tuple[Op, float, float]]]:
     """Each rank's ops with their start and end times, messages taking no time; ``costs`` is one table
-    of op costs (``UNIT_COSTS``'s keys) for every rank, or a list of one per rank.
+    of op costs (``UNIT_COSTS``'s keys) for every rank, or a list of one per rank; ``channel`` maps a
+    message to the stream it travels on (a constant one folds both channels into one stream).
 
     A rank posts step k's batch when its op of step k - 1 ends, as one sub-batch per channel
     (``CHANNELS``). A sub-batch begins once posted and once the rank's earlier sub-batches on that
@@ -186,7 +198,7 @@ def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COST
     cost ``B`` as the input-gradient half. Raises ``PipelineDeadlock`` naming what each stuck rank waits
     for, or a mismatch of message orders.
     """
-    partner = _match(plans)
+    partner = _match(plans, channel)
     rank_costs = costs if isinstance(costs, list) else [costs] * len(plans)
     split = [splits_backward([step.op for step in plan if step.op is not None]) for plan in plans]
     posted: list[list[float]] = [[] for _ in plans]  # posted[r][k]: when rank r posted step k
@@ -200,23 +212,24 @@ def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COST
         step, by_channel = plans[r][k], {}
         for side, transfers in (("send", step.sends), ("recv", step.recvs)):
             for j, t in enumerate(transfers):
-                by_channel.setdefault(t.message.kind, []).append((t.peer, partner[(r, k, side, j)]))
+                by_channel.setdefault(channel(t.message), []).append((t.peer, partner[(r, k, side, j)]))
         return by_channel
 
     batches = [[sub_batches(r, k) for k in range(len(plan))] for r, plan in enumerate(plans)]
-    queue = {(r, c): [k for k in range(len(plan)) if c in batches[r][k]] for r, plan in enumerate(plans) for c in CHANNELS}
+    channels = sorted({c for rank_batches in batches for step_batches in rank_batches for c in step_batches})
+    queue = {(r, c): [k for k in range(len(plan)) if c in batches[r][k]] for r, plan in enumerate(plans) for c in channels}
     place = {(r, c, k): i for (r, c), steps in queue.items() for i, k in enumerate(steps)}
     head = dict.fromkeys(queue, 0)  # (rank, channel): index in queue of its next sub-batch to complete
 
-    def started(r: int, k: int, channel: str) -> Optional[float]:
+    def started(r: int, k: int, stream: str) -> Optional[float]:
         """When rank r's sub-batch of step k began on its channel's stream: posted, and the one before
         it on that stream complete (None: not yet)."""
         if len(posted[r]) <= k:
             return None
-        i = place[(r, channel, k)]
+        i = place[(r, stream, k)]
         if i == 0:
             return posted[r][k]
-        before = done.get((r, queue[(r, channel)][i - 1], channel))
+        before = done.get((r, queue[(r, stream)][i - 1], stream))
         return None if before is None else max(posted[r][k], before)
 
     def complete(r: int) -> bool:
@@ -224,23 +237,23 @@ def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COST
         completes once it and each partner's sub-batch have begun on their streams: a send or receive
         queued behind an unfinished one cannot meet its partner, as on an NCCL communicator."""
         progressed = False
-        for channel in CHANNELS:
-            steps, at = queue[(r, channel)], head[(r, channel)]
+        for stream in channels:
+            steps, at = queue[(r, stream)], head[(r, stream)]
             while at < len(steps):
                 k = steps[at]
-                begins = [started(r, k, channel)] + [started(peer, pk, channel) for peer, pk in batches[r][k][channel]]
+                begins = [started(r, k, stream)] + [started(peer, pk, stream) for peer, pk in batches[r][k][stream]]
                 if any(b is None for b in begins):
                     break
-                done[(r, k, channel)] = max(begins)
+                done[(r, k, stream)] = max(begins)
                 at += 1
                 progressed = True
-            head[(r, channel)] = at
+            head[(r, stream)] = at
         return progressed
 
     def waits_for(r: int, k: int) -> list[str]:
         step = plans[r][k]
         return [f"recv {t.message} from rank {t.peer}" for t in step.recvs
-                if (r, k, t.message.kind) not in done]
+                if (r, k, channel(t.message)) not in done]
 
     while any(ran[r] < len(p) for r, p in enumerate(plans)):
         progressed = False
@@ -253,7 +266,7 @@ def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COST
                 if step.recvs and waits_for(r, k):
                     break  # its receives have not landed yet
                 if step.op is not None:
-                    landed = [done[(r, k, t.message.kind)] for t in step.recvs]
+                    landed = [done[(r, k, channel(t.message))] for t in step.recvs]
                     start = max([free[r]] + landed)
                     free[r] = start + op_cost(step.op, split[r], rank_costs[r])
                     out[r].append((step.op, start, free[r]))

@@ -231,8 +231,9 @@ def bubble_fraction(pp: int, m: int, v: int = 1, schedule: str = "1f1b") -> floa
     This is the ratio of Narayanan et al.; as a share of the whole step it is (pp-1) / (v m + pp-1).
     ZB-H1 idles (pp - 1)(T_F + T_B - T_W) against 1F1B's (pp - 1)(T_F + T_B + T_W) (Qi et al.), a
     third of it when the forward, input-gradient and weight-gradient halves cost the same. ZB-H2 idles
-    as much at equal costs (the first rank's forward is a floor no order removes; ``plan.timeline``
-    with unit costs agrees for m >= 2 pp); its gain is with unequal stages, where its extra warm-up
+    as much at equal costs when m >= 2 pp (the first rank's forward is a floor no order removes;
+    ``plan.timeline`` with unit costs agrees), more with fewer micro-batches (pp 4, m 4: 0.33 against
+    0.25), for which this figure is low; its gain is with unequal stages, where its extra warm-up
     forwards fill what the slower stage leaves idle. Without pipelining (``gradient_accumulation``) each stage idles while the other ``pp - 1`` work, whatever m.
     """
     if schedule == "gradient_accumulation":
