@@ -142,7 +142,7 @@ def op_timeline(engine, batch) -> list[str]:
         engine.train_step(batch)
     finally:
         executor.profile = False
-    mine = " ".join(f"{op.kind}{op.microbatch}{'' if not op.chunk else f'c{op.chunk}'}:{s * 1e3:.1f}+{(e - s) * 1e3:.1f}"
+    mine = " ".join(f"{op.kind}{op.microbatch}{f'c{op.chunk}' if op.chunk else ''}:{s * 1e3:.1f}+{(e - s) * 1e3:.1f}"
                     for op, (s, e) in zip(executor.stats.ops, executor.stats.op_times))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, f"rank {dist.get_rank()} (pp {engine.topo.pp_rank}): {mine}")

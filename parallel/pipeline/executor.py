@@ -57,7 +57,8 @@ class StepStats:
     released: int = 0  # sent tensors whose storage was released after their send completed
     deferred: int = 0  # weight gradients of linear layers computed at W ops, apart from their B
     compute_s: float = 0.0  # time inside forward/backward (only when the executor profiles)
-    op_times: list[tuple[float, float]] = field(default_factory=list)  # profiled: each op's (start, end), s from the first
+    # profiled: each op's (start, end) in seconds from the first op's start
+    op_times: list[tuple[float, float]] = field(default_factory=list)
     step_s: float = 0.0  # wall time of the step (GPU work included when profiling)
 
     @property

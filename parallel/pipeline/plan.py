@@ -217,7 +217,8 @@ def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COST
 
     batches = [[sub_batches(r, k) for k in range(len(plan))] for r, plan in enumerate(plans)]
     channels = sorted({c for rank_batches in batches for step_batches in rank_batches for c in step_batches})
-    queue = {(r, c): [k for k in range(len(plan)) if c in batches[r][k]] for r, plan in enumerate(plans) for c in channels}
+    queue = {(r, c): [k for k in range(len(plan)) if c in batches[r][k]]
+             for r, plan in enumerate(plans) for c in channels}
     place = {(r, c, k): i for (r, c), steps in queue.items() for i, k in enumerate(steps)}
     head = dict.fromkeys(queue, 0)  # (rank, channel): index in queue of its next sub-batch to complete
 
