@@ -84,7 +84,7 @@ def row(candidate) -> dict:
 
 COLUMNS = [("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("v", "virtual_stages"), ("zero", "zero_stage"),
            ("mbs", "micro_batch_size"), ("recompute", "recompute"), ("sp", "sequence_parallel"),
-           ("GiB/GPU", "memory_gib"), ("fits", "fits"), ("step s", "step_s"), ("tokens/s", "tokens_per_s"),
+           ("schedule", "schedule"), ("GiB/GPU", "memory_gib"), ("fits", "fits"), ("step s", "step_s"), ("tokens/s", "tokens_per_s"),
            ("TFLOP/s/GPU", "tflops_per_gpu"), ("MFU", "mfu")]
 
 

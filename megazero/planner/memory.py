@@ -7,6 +7,7 @@ and the larger is the run's. See docs/planner.md for every term and where it com
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -100,6 +101,13 @@ def rank_layers(cfg: Config, pp_rank: int) -> int:
     return sum(len(stage_layers(split, p.pp, pp_rank, c)) for c in range(p.virtual_stages))
 
 
+@functools.lru_cache(maxsize=4096)
+def _live_chunks(schedule: str, pp: int, pp_rank: int, micro: int, v: int) -> int:
+    """Most micro-batch chunks pipeline rank ``pp_rank`` holds at once (read from the schedule itself);
+    remembered, as the planner asks it for every rank of thousands of layouts."""
+    return max_live_activations(build_schedule(schedule, pp, pp_rank, micro, v))
+
+
 def schedule_name(cfg: Config) -> str:
     """The pipeline schedule the run uses (``auto`` resolved as the engine resolves it)."""
     p = cfg.parallel
@@ -178,8 +186,7 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
     from the schedule the executor runs) times each one's blocks, plus the recomputed block being
     rebuilt, plus the head's final hidden state and logits on the last rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    schedule = build_schedule(schedule_name(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages)
-    chunks_live = max_live_activations(schedule)
+    chunks_live = _live_chunks(schedule_name(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages)
     layers_per_chunk = rank_layers(cfg, pp_rank) / p.virtual_stages
     full = layer_activation_bytes(cfg, recomputed=False)
     if p.recompute == "full":
@@ -208,12 +215,17 @@ def buffer_bytes(cfg: Config, pp_rank: int) -> float:
 
 
 def estimate_memory(cfg: Config) -> MemoryEstimate:
-    """The fullest pipeline rank, for a config whose layout (tp, pp, dp) is set: every rank is looked at,
-    since a split balanced by work gives middle ranks more blocks than the ends, and under the
-    zero-bubble schedules every rank keeps pp micro-batches in flight (a middle rank can then hold
-    the most activations)."""
+    """The fullest pipeline rank, for a config whose layout (tp, pp, dp) is set. A split balanced by
+    work gives middle ranks more blocks than the ends, and under the zero-bubble schedules every rank
+    keeps pp micro-batches in flight, so a middle rank can hold the most. Among the middle ranks with
+    as many blocks, the first is the fullest (no schedule holds more micro-batches on a later rank),
+    so the ends and the first middle rank of each block count are the ones looked at."""
+    pp = cfg.parallel.pp
+    first_of_count = {}
+    for rank in range(1, pp - 1):
+        first_of_count.setdefault(rank_layers(cfg, rank), rank)
     estimates = []
-    for rank in range(cfg.parallel.pp):
+    for rank in sorted({0, pp - 1, *first_of_count.values()}):
         estimates.append(MemoryEstimate(model_state_bytes(cfg, rank), activation_bytes(cfg, rank),
                                         buffer_bytes(cfg, rank), rank, grads_outside_forward(cfg, rank)))
     return max(estimates, key=lambda e: e.peak)

@@ -13,6 +13,7 @@ from megazero.errors import ConfigError
 from megazero.planner.hardware import GIB, Cluster
 from megazero.planner.memory import MemoryEstimate, estimate_memory
 from megazero.planner.time import StepEstimate, estimate_step
+from parallel.pipeline.schedule import SPLIT_BACKWARD
 
 VIRTUAL_STAGES = (1, 2)
 MAX_MICRO_BATCH = 32
@@ -30,13 +31,15 @@ class Layout:
     micro_batch_size: int
     recompute: str
     sequence_parallel: bool
+    schedule: str
 
     def overrides(self) -> list[str]:
         """The ``megazero train`` flags that select this layout (dp follows from the world size)."""
         return ["--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp),
                 "--parallel.virtual_stages", str(self.virtual_stages), "--zero.stage", str(self.zero_stage),
                 "--train.micro_batch_size", str(self.micro_batch_size), "--parallel.recompute", self.recompute,
-                "--parallel.sequence_parallel", str(self.sequence_parallel).lower()]
+                "--parallel.sequence_parallel", str(self.sequence_parallel).lower(),
+                "--parallel.pipeline_schedule", self.schedule]
 
     def changes_from(self, other: "Layout") -> list[str]:
         """The flags of this layout whose values differ from ``other``'s."""
@@ -55,13 +58,13 @@ class Candidate:
 def layout_of(cfg: Config) -> Layout:
     p = cfg.parallel
     return Layout(p.tp, p.pp, p.dp, p.virtual_stages, cfg.zero.stage, cfg.train.micro_batch_size, p.recompute,
-                  p.sequence_parallel)
+                  p.sequence_parallel, p.pipeline_schedule)
 
 
 def apply_layout(cfg: Config, layout: Layout) -> Config:
     parallel = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                                    virtual_stages=layout.virtual_stages, recompute=layout.recompute,
-                                   sequence_parallel=layout.sequence_parallel)
+                                   sequence_parallel=layout.sequence_parallel, pipeline_schedule=layout.schedule)
     return dataclasses.replace(cfg, parallel=parallel, zero=dataclasses.replace(cfg.zero, stage=layout.zero_stage),
                                train=dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch_size))
 
@@ -89,7 +92,8 @@ def _powers_of_two(limit: int) -> list[int]:
 def candidate_layouts(cfg: Config, cluster: Cluster) -> Iterator[Layout]:
     """Every combination worth asking validation about: tp a power of two within a node, pp any
     divisor of the rest, one or two virtual stages, every ZeRO stage, power-of-two micro-batches,
-    every recompute mode, sequence parallelism on and off (the config's own values always included)."""
+    every recompute mode, sequence parallelism on and off, and for a pipeline of one chunk a rank the
+    zero-bubble schedules beside the default (the config's own values always included)."""
     n, own = cluster.num_gpus, cfg.parallel
     tps = sorted(set(_powers_of_two(cluster.gpus_per_node)) | {own.tp})
     for tp in tps:
@@ -104,7 +108,13 @@ def candidate_layouts(cfg: Config, cluster: Cluster) -> Iterator[Layout]:
                     for mbs in mbs_choices:
                         for recompute in CHOICES["parallel.recompute"]:
                             for sp in (False, True) if tp > 1 else (False,):
-                                yield Layout(tp, pp, dp, v, stage, mbs, recompute, sp)
+                                for schedule in _schedules(pp, v, own.pipeline_schedule):
+                                    yield Layout(tp, pp, dp, v, stage, mbs, recompute, sp, schedule)
+
+
+def _schedules(pp: int, v: int, own: str) -> list[str]:
+    """The default schedule, and for a pipeline of one chunk a rank the split-backward ones."""
+    return sorted({"auto", own} | (set(SPLIT_BACKWARD) if pp > 1 and v == 1 else set()))
 
 
 def plan(cfg: Config, cluster: Cluster) -> list[Candidate]:

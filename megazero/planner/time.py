@@ -10,7 +10,7 @@ from megazero.config.schema import Config
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
 from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_layers, rank_params, schedule_name
-from parallel.pipeline.schedule import bubble_fraction
+from parallel.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 
 # The optimizer step streams each shard element's gradient, fp32 master and two moments through
 # device memory and writes the 16-bit parameter back; like the links, HBM delivers about 80% of its
@@ -25,6 +25,11 @@ ADAM_BYTES_PER_ELEMENT = 8 + 16  # master read + write, two moments read + write
 # and 141.6 ms per one-micro-batch step on 2 x H200, for 24 blocks. Blocks replayed as CUDA graphs
 # (train.cuda_graphs) launch once per block and are not bound by it.
 HOST_S_PER_TP_BLOCK = 6.0e-3
+# What running a backward as its input-gradient and weight-gradient halves adds to a micro-batch's
+# compute (zero-bubble schedules): the weights' gradient GEMMs and the biases' sums no longer fuse
+# with the rest of the backward. GPT 1.3B at pp 2 on H200, rank 0: B + W 89.1 ms against a whole
+# backward of 86.0 ms, over a forward and backward of 126 ms (BENCHMARKS.md).
+SPLIT_BACKWARD_COST = 0.025
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
     if p.tp > 1 and not t.cuda_graphs:
         host_launches = max(rank_layers(cfg, r) for r in range(p.pp)) * HOST_S_PER_TP_BLOCK
     host_mb = max(0.0, host_launches - compute_mb - tp_mb)  # what the host adds beyond the GPU's own time
+    if schedule_name(cfg) in SPLIT_BACKWARD:  # input and weight gradients computed apart cost more
+        compute_mb *= 1 + SPLIT_BACKWARD_COST
     stage_mb = compute_mb + tp_mb + host_mb + pp_per_mb
     bubble = bubble_fraction(p.pp, micro, p.virtual_stages, schedule_name(cfg)) * micro * stage_mb
 

@@ -11,6 +11,8 @@ split is the even one: remainders on the middle ranks, and within a rank on its 
 
 from __future__ import annotations
 
+import functools
+import heapq
 from typing import Optional, Sequence
 
 
@@ -18,6 +20,13 @@ def balanced_split(num_layers: int, pp: int, v: int = 1, head_cost: float = 0.0)
     """Blocks per virtual stage such that no pipeline rank's work (its blocks, plus ``head_cost`` on
     the last rank) is larger than whole blocks force it to be; then each rank's blocks spread over its
     ``v`` chunks the same way (the head sits in the last rank's last chunk)."""
+    return list(_balanced_split(num_layers, pp, v, float(head_cost)))
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_split(num_layers: int, pp: int, v: int, head_cost: float) -> tuple[int, ...]:
+    """``balanced_split``, remembered: the engine, the planner's every rank of every candidate layout
+    and the checkpoint's layout record all ask for the same few splits."""
     _check_counts(num_layers, pp * v)
     per_rank = _fill(num_layers, [head_cost if r == pp - 1 else 0.0 for r in range(pp)], minimum=v)
     split = [0] * (pp * v)
@@ -25,7 +34,7 @@ def balanced_split(num_layers: int, pp: int, v: int = 1, head_cost: float = 0.0)
         head = head_cost if rank == pp - 1 else 0.0
         for chunk, count in enumerate(_fill(blocks, [head if c == v - 1 else 0.0 for c in range(v)], minimum=1)):
             split[chunk * pp + rank] = count
-    return split
+    return tuple(split)
 
 
 def _fill(count: int, extra: Sequence[float], minimum: int) -> list[int]:
@@ -34,9 +43,12 @@ def _fill(count: int, extra: Sequence[float], minimum: int) -> list[int]:
     largest bin as small as possible. Ties go to the middle bins, then the lower index."""
     bins = [minimum] * len(extra)
     ends = (0, len(extra) - 1)
+    lightest = [(minimum + e, b in ends, b) for b, e in enumerate(extra)]
+    heapq.heapify(lightest)
     for _ in range(count - minimum * len(extra)):
-        lightest = min(range(len(bins)), key=lambda b: (bins[b] + extra[b], b in ends, b))
-        bins[lightest] += 1
+        _, end, b = heapq.heappop(lightest)
+        bins[b] += 1
+        heapq.heappush(lightest, (bins[b] + extra[b], end, b))
     return bins
 
 
