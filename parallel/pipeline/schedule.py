@@ -90,9 +90,9 @@ def zero_bubble_h1(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
 def zero_bubble_h2(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
     """ZB-H2 (Qi et al. 2023): ZB-H1 with twice its warm-up, 2 (pp - 1 - r) forwards on rank ``r``.
 
-    The extra forwards fill the time a rank would wait for its first input gradient, and the weight
-    gradients waiting on the later ranks fill the cool-down: with F, B and W of equal cost no rank
-    idles after its first forward. The price is memory: rank 0 holds up to 2 pp - 1 micro-batches'
+    The extra forwards fill the time a rank would otherwise wait for its first input gradient when
+    the stages are unequal (at equal F, B and W costs it idles as much as ZB-H1: see
+    ``bubble_fraction``). The price is memory: rank 0 holds up to 2 pp - 1 micro-batches'
     activations (ZB-H1 and 1F1B: pp). At pp 2 with 8 micro-batches and GPT 1.3B's measured op
     times this is the schedule that leaves least of the step idle (BENCHMARKS.md). It needs
     activations and gradients on separate channels (``plan.CHANNELS``): on one in-order stream the
@@ -234,7 +234,8 @@ def bubble_fraction(pp: int, m: int, v: int = 1, schedule: str = "1f1b") -> floa
     as much at equal costs when m >= 2 pp (the first rank's forward is a floor no order removes;
     ``plan.timeline`` with unit costs agrees), more with fewer micro-batches (pp 4, m 4: 0.33 against
     0.25), for which this figure is low; its gain is with unequal stages, where its extra warm-up
-    forwards fill what the slower stage leaves idle. Without pipelining (``gradient_accumulation``) each stage idles while the other ``pp - 1`` work, whatever m.
+    forwards fill what the slower stage leaves idle. Without pipelining (``gradient_accumulation``)
+    each stage idles while the other ``pp - 1`` work, whatever m.
     """
     if schedule == "gradient_accumulation":
         return float(pp - 1)
