@@ -92,14 +92,15 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         if compute + tp_comm > slowest[0] + slowest[1]:
             slowest = (compute, tp_comm, rank)
     compute_mb, tp_mb, rank = slowest
+    schedule = schedule_name(cfg)
+    if schedule in SPLIT_BACKWARD:  # input and weight gradients computed apart cost more
+        compute_mb *= 1 + SPLIT_BACKWARD_COST
     host_launches = 0.0
     if p.tp > 1 and not t.cuda_graphs:
         host_launches = max(rank_layers(cfg, r) for r in range(p.pp)) * HOST_S_PER_TP_BLOCK
     host_mb = max(0.0, host_launches - compute_mb - tp_mb)  # what the host adds beyond the GPU's own time
-    if schedule_name(cfg) in SPLIT_BACKWARD:  # input and weight gradients computed apart cost more
-        compute_mb *= 1 + SPLIT_BACKWARD_COST
     stage_mb = compute_mb + tp_mb + host_mb + pp_per_mb
-    bubble = bubble_fraction(p.pp, micro, p.virtual_stages, schedule_name(cfg)) * micro * stage_mb
+    bubble = bubble_fraction(p.pp, micro, p.virtual_stages, schedule) * micro * stage_mb
 
     dp_exposed = _data_parallel_exposed(cfg, cluster, rank_params(cfg, rank), compute_mb, micro, dp_stride)
     shard = rank_params(cfg, rank) / (p.dp if z.stage >= 1 else 1)

@@ -50,7 +50,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from parallel.data_parallel.layout import Bucket, FlatLayout
-from parallel.data_parallel.storage import release_storage, storage_bytes, take_storage
+from parallel.data_parallel.storage import holds_storage, release_storage, storage_bytes, take_storage
 from parallel import comm
 
 
@@ -90,7 +90,6 @@ class GradReducer:
         self.shard = None
         if mode == "full":
             self.unit_flat = [torch.empty(n, dtype=dtype, device=device) for n in layout.unit_numel]
-            self.held = [True] * len(layout.unit_numel)  # whether a unit's buffer has its storage now
             # made while the storage is there (a released one takes no new views); they stay valid
             self.segment_views = {seg: self.param_grad(seg.param)[seg.param_offset:seg.param_offset + seg.numel]
                                   for seg in layout.segments}
@@ -130,9 +129,8 @@ class GradReducer:
         gradient), and the padding between and after parameters is zeroed here, so collectives and
         copies of whole buckets never carry stale values (nor trip a NaN check)."""
         buf = self.unit_flat[unit]
-        if not self.held[unit]:
+        if not holds_storage(buf):
             take_storage(buf)
-            self.held[unit] = True
             if self.gap_views[unit]:
                 torch._foreach_zero_(self.gap_views[unit])
         return buf[lo:hi]
@@ -153,9 +151,8 @@ class GradReducer:
         """Give every full-mode buffer's memory back to the allocator until the next step needs it.
         Safe without waiting: the work that read a buffer was queued on this stream, or waited for
         on it (``zero`` waits for reductions still in flight), or on the host (offloaded copies)."""
-        for u, buf in enumerate(self.unit_flat):
+        for buf in self.unit_flat:
             release_storage(buf)
-            self.held[u] = False
 
     def held_bytes(self) -> int:
         """The gradient memory of a step: full-mode buffers count whole (they are released between

@@ -4,7 +4,7 @@ Stage 3's gathered parameters and stages 0-1's gradient buffers hold memory only
 Resizing the untyped storage to zero gives the bytes back to the allocator without touching the
 tensor objects that autograd, the optimizer or a module hold; resizing it back makes those same
 views valid again (over new, uninitialised memory). Reading a view while its storage is released
-is undefined, so each owner tracks whether its buffers hold memory.
+is undefined: ``holds_storage`` says whether a buffer has its memory now.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ def take_storage(buf: torch.Tensor) -> None:
 def release_storage(buf: torch.Tensor) -> None:
     """Give ``buf``'s memory back to the allocator; ``buf`` and its views stay attached to the empty storage."""
     buf.untyped_storage().resize_(0)
+
+
+def holds_storage(buf: torch.Tensor) -> bool:
+    """Whether ``buf`` has memory now (taken, not released)."""
+    return buf.untyped_storage().nbytes() > 0
 
 
 def storage_bytes(tensors) -> int:

@@ -27,7 +27,11 @@ def balanced_split(num_layers: int, pp: int, v: int = 1, head_cost: float = 0.0)
 def _balanced_split(num_layers: int, pp: int, v: int, head_cost: float) -> tuple[int, ...]:
     """``balanced_split``, remembered: the engine, the planner's every rank of every candidate layout
     and the checkpoint's layout record all ask for the same few splits."""
-    _check_counts(num_layers, pp * v)
+    if pp < 1 or v < 1:
+        raise ValueError(f"need at least one pipeline stage, got pp {pp} x virtual stages {v}")
+    problem = split_problem(num_layers, pp, v)
+    if problem:
+        raise ValueError(problem)
     per_rank = _fill(num_layers, [head_cost if r == pp - 1 else 0.0 for r in range(pp)], minimum=v)
     split = [0] * (pp * v)
     for rank, blocks in enumerate(per_rank):
@@ -85,10 +89,3 @@ def stage_layers(split: Sequence[int], pp: int, rank: int, chunk: int = 0) -> ra
     start = sum(split[:stage])
     return range(start, start + split[stage])
 
-
-def _check_counts(num_layers: int, stages: int) -> None:
-    if stages < 1:
-        raise ValueError(f"need at least one pipeline stage, got {stages}")
-    problem = split_problem(num_layers, stages)
-    if problem:
-        raise ValueError(problem)
