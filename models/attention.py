@@ -42,6 +42,32 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, width, bias=cfg.bias, device=device)
         self.core = AttentionCore(cfg.attention_dropout)
         self.out = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.bias, device=device)
+        if self.rope_theta is not None:
+            # cos and sin of every position, computed once (``reset_rotary``) rather than in each forward:
+            # inside a compiled block inductor fused the tables' arange, power, cos and sin into the
+            # rotation's kernels, evaluating them per element of q and k, forward and backward, which
+            # made the Llama preset's three rotary kernels cost 50 ms of a 297 ms step at 1.3B
+            # (BENCHMARKS.md). Not saved with the weights: they follow from the config.
+            table = (cfg.seq_length, cfg.head_dim // 2)
+            self.register_buffer("rotary_cos", torch.empty(table, device=device), persistent=False)
+            self.register_buffer("rotary_sin", torch.empty(table, device=device), persistent=False)
+            if torch.device(device or "cpu").type != "meta":
+                self.reset_rotary()
+
+    @torch.no_grad()
+    def reset_rotary(self) -> None:
+        """Fill the rotary tables (fp32), e.g. after ``to_empty`` materialised them uninitialised."""
+        cos, sin = ops.rotary_tables(self.rotary_cos.shape[0], self.head_dim, self.rope_theta,
+                                     self.rotary_cos.device, torch.float32)
+        self.rotary_cos.copy_(cos)
+        self.rotary_sin.copy_(sin)
+
+    def rotary(self, seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions 0..seq-1 in ``dtype``: the tables' rows (rounded from fp32, as
+        ``ops.rotary_tables`` rounds), or computed for a sequence longer than the config's."""
+        if seq > self.rotary_cos.shape[0]:
+            return ops.rotary_tables(seq, self.head_dim, self.rope_theta, self.rotary_cos.device, dtype)
+        return self.rotary_cos[:seq].to(dtype), self.rotary_sin[:seq].to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; heads held = qkv output width / group width."""
@@ -52,7 +78,7 @@ class Attention(nn.Module):
         q = groups[..., :r, :].flatten(2, 3)  # [batch, seq, heads, head_dim]
         k, v = groups[..., r, :], groups[..., r + 1, :]  # [batch, seq, kv_heads, head_dim]
         if self.rope_theta is not None:
-            cos, sin = ops.rotary_tables(seq, self.head_dim, self.rope_theta, x.device, q.dtype)
+            cos, sin = self.rotary(seq, q.dtype)
             q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
         y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))

@@ -178,11 +178,15 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Matrices normal(0, std), output projections scaled by 1/sqrt(2*layers); norms 1, biases 0.
+        """Matrices normal(0, std), output projections scaled by 1/sqrt(2*layers); norms 1, biases 0;
+        the rotary tables (buffers) filled.
 
         Tensor-parallel shards draw exactly their slice of the full weight (see ``models.init``).
         """
         self.tie_weights()
+        for block in self.layers.values():
+            if block.attention.rope_theta is not None:
+                block.attention.reset_rotary()
         shards = param_shards(self)
         for name, param in self.named_parameters():
             module_name, _, leaf = name.rpartition(".")

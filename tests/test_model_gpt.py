@@ -94,6 +94,22 @@ def test_meta_build_then_init_equals_eager_build():
     meta.init_weights(5)
     for (name, a), (_, b) in zip(eager.named_parameters(), meta.named_parameters()):
         assert torch.equal(a, b), name
+    buffers = dict(meta.named_buffers())
+    assert buffers and all(torch.equal(b, buffers[name]) for name, b in eager.named_buffers())  # rotary tables
+    ids, _ = batch(cfg)
+    assert torch.equal(eager(ids), meta(ids))
+
+
+def test_rotary_tables_are_computed_once_and_match_fresh_ones():
+    cfg = config("llama")
+    model = GPT(cfg)
+    attention = model.layers["0"].attention
+    assert not any("rotary" in name for name in model.state_dict())  # follow from the config: not saved
+    for seq, dtype in ((cfg.seq_length, torch.bfloat16), (cfg.seq_length // 2, torch.float32),
+                       (cfg.seq_length + 3, torch.float32)):  # longer than the tables: computed
+        fresh = ops.rotary_tables(seq, cfg.head_dim, cfg.rope_theta, "cpu", dtype)
+        kept = attention.rotary(seq, dtype)
+        assert all(torch.equal(a, b) and a.dtype == dtype for a, b in zip(kept, fresh))
 
 
 def test_initialisation_scales():
