@@ -156,7 +156,8 @@ class Engine:
             self.chunks, topology, (cfg.train.micro_batch_size, seq, cfg.model.hidden_size),
             dtype=self.dtype, device=device, forward_step=gpt_forward_step,
             schedule=None if p.pipeline_schedule == "auto" else p.pipeline_schedule,
-            timeout_s=cfg.train.collective_timeout_s, before_backward=self._before_backward)
+            timeout_s=cfg.train.collective_timeout_s, before_backward=self._before_backward,
+            weight_grad_sink=self.data_parallel)
 
     def _new_graph_step(self) -> None:
         """Blocks replayed as CUDA graphs write their outputs into memory the next replay reuses:

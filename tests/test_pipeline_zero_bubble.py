@@ -99,6 +99,8 @@ def test_check_ops_refuses_a_missing_or_early_w():
 # --- the engine running it ----------------------------------------------------------------------------
 
 LAYOUTS = [((1, 2, 2), 4, ()), ((1, 4, 1), 6, ()),
+           # m = pp: the last stage's first W op sums two micro-batches into an empty gradient
+           ((1, 2, 2), 2, ()),
            ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true")),
            # ZeRO-3 gathers around the W ops, and the partial sums of sequence parallelism
            ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--zero.stage", "3")),
@@ -154,7 +156,7 @@ def _world(rank, world_size):
     for layout, m, extra in LAYOUTS:
         topo = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
         for schedule in ("zb-h1", "zb-h2", "1f1b"):
-            out[(layout, extra, schedule)] = _run(topo, layout, m, schedule, extra)
+            out[(layout, m, extra, schedule)] = _run(topo, layout, m, schedule, extra)
     return out
 
 
@@ -170,10 +172,10 @@ def test_zero_bubble_equals_one_process_and_1f1b(reports):
             assert value["param_err"] < 5e-6, (rank, key, value["param_err"])
             assert value["loss_err"] < 1e-5, (rank, key)
             assert value["norm_err"] < 1e-5, (rank, key, value["norms"])
-        for layout, _, extra in LAYOUTS:  # same gradient norms as 1F1B on this rank, step by step
-            base = report[(layout, extra, "1f1b")]["norms"]
+        for layout, m, extra in LAYOUTS:  # same gradient norms as 1F1B on this rank, step by step
+            base = report[(layout, m, extra, "1f1b")]["norms"]
             for name in ("zb-h1", "zb-h2"):
-                assert report[(layout, extra, name)]["norms"] == pytest.approx(base, rel=1e-6), (rank, layout, name)
+                assert report[(layout, m, extra, name)]["norms"] == pytest.approx(base, rel=1e-6), (rank, layout, name)
 
 
 @pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
@@ -182,7 +184,7 @@ def test_executor_ran_the_schedule_and_its_bubble(reports, name):
         pp = layout[1]
         ran = {}
         for report in reports:
-            value = report[(layout, extra, name)]
+            value = report[(layout, m, extra, name)]
             ran[value["pp_rank"]] = [Op(*op) for op in value["ops"]]
             assert value["peak_live"] <= (pp if name == "zb-h1" else 2 * pp - 1)
             # every block linear of every micro-batch (4 a block, 4 blocks over pp ranks); under tp the

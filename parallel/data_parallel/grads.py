@@ -54,6 +54,25 @@ from parallel.data_parallel.storage import holds_storage, release_storage, stora
 from parallel import comm
 
 
+def can_matmul_into(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``matmul_into`` takes factors ``a``, ``b`` for a ``dtype`` result: of that dtype, or
+    16-bit into fp32 on CUDA (cuBLAS accumulates in fp32 either way; a CPU product would round to 16
+    bits first)."""
+    if a.dtype == b.dtype == dtype:
+        return True
+    return a.is_cuda and dtype == torch.float32 and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+
+
+def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """``out = a @ b``, or ``out += a @ b``, in one GEMM written in ``out``'s dtype."""
+    if a.dtype == out.dtype:
+        torch.addmm(out, a, b, out=out) if accumulate else torch.mm(a, b, out=out)
+    elif accumulate:
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+
+
 class GradReducer:
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group, dtype: torch.dtype,
                  mode: str, reduce_scatter: bool, on_final: Optional[Callable[[int], None]] = None,
@@ -187,9 +206,7 @@ class GradReducer:
         if self.mode == "full":
             region = self.param_grad(i)
             self._copy(i, region, grad) if first else region.add_(grad)
-            if self.overlap:
-                for b in self.param_buckets[i]:
-                    self._count(b, self._bucket_slice(i, b)[2])
+            self._arrived(i)
             return
         for b in self.param_buckets[i]:  # sharded: one gradient per backward, which flushes them all
             src, dst, n = self._bucket_slice(i, b)
@@ -197,6 +214,35 @@ class GradReducer:
                 self.scratch[b] = self._take_buffer()
             self._copy(i, self.scratch[b][dst:dst + n], grad[src:src + n])
             self._count(b, n)
+
+    def _arrived(self, i: int) -> None:
+        """Full mode: parameter i's gradient of this backward is in its region."""
+        if self.overlap:
+            for b in self.param_buckets[i]:
+                self._count(b, self._bucket_slice(i, b)[2])
+
+    def add_products(self, i: int, products: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Add ``sum a @ b`` over ``products`` to parameter i's gradient in its region, the GEMMs
+        accumulating in the buffer's dtype, as if that sum had arrived through the parameter's hook;
+        False (nothing done) where this cannot be done in place: sharded mode, or 16-bit factors
+        off CUDA.
+
+        This is the split-backward schedules' weight gradient (``pipeline.deferred_wgrad``): computed
+        outside autograd anyway, it can skip the 16-bit product, the hook and the separate
+        conversion and add of every micro-batch's gradient into fp32 (gradient accumulation fused
+        into the GEMM, as Megatron-LM does for its ``main_grad``).
+        """
+        if self.mode != "full" or not all(can_matmul_into(self.dtype, a, b) for a, b in products):
+            return False
+        if i in self.copying:
+            self._land()
+        region = self.param_grad(i).view(self.params[i].shape)
+        with torch.no_grad():  # the factors are saved activations, which may require grad
+            for k, (a, b) in enumerate(products):
+                matmul_into(region, a, b, accumulate=self.written[i] or k > 0)
+        self.written[i] = True
+        self._arrived(i)
+        return True
 
     def _copy(self, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)``, in the next batch (see the module doc)."""

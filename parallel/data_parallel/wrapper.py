@@ -122,6 +122,7 @@ class DataParallel:
                                    partial=[i for i, inf in enumerate(self.info) if inf.tp_partial],
                                    partial_group=tp_group)
         self.tied_group = tied_group
+        self.index = {id(p): i for i, p in enumerate(self.params)}
         self.tied = [i for i, inf in enumerate(self.info) if inf.tied]
         for i in self.tied:
             self.reducer.defer(i)
@@ -213,6 +214,13 @@ class DataParallel:
     def begin_microbatch(self, last: bool) -> None:
         """Optional: ``last=True`` before the final backward lets stages 0/1 overlap their reduction."""
         self.reducer.begin_microbatch(last and self.settings.overlap_comm)
+
+    def add_weight_grad(self, weight: torch.Tensor, products: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Add ``sum a @ b`` to ``weight``'s gradient straight into its fp32 buffer (stages 0 and 1), as
+        if it had arrived through autograd; False where that cannot be done in place (see
+        ``GradReducer.add_products``): the caller then hands the gradient to autograd."""
+        i = self.index.get(id(weight))
+        return i is not None and self.reducer.add_products(i, products)
 
     def finish_reduction(self) -> None:
         """At the accumulation boundary: tied copies summed over the tied group (the pipeline's first

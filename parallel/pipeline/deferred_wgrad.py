@@ -28,6 +28,13 @@ backward, during an ``F`` op, when none is; torch.compile then baked in the imme
 ``W`` op found nothing to do (GPT 1.3B, pp 2: ZB-H1's W ops took 0.0 ms, BENCHMARKS.md). A compiled
 block under a split-backward schedule therefore runs as the compiled pieces between its linears.
 
+Where the data-parallel wrapper keeps fp32 gradient buffers (ZeRO stages 0 and 1), a ``W`` op adds
+each weight's gradient GEMM straight into its buffer instead (``WeightGradSink``, given at
+construction): the GEMM accumulates in fp32 and writes there, so the 16-bit gradient, autograd's
+accumulation and the hook's conversion and add of every micro-batch disappear (GPT 1.3B, pp 2,
+ZB-H2: those adds took 25 ms of the first stage's 1.08 s step; the step became 1% faster,
+BENCHMARKS.md).
+
 ``defer_weight_grads`` is the hook that turns the layers on: plain ``nn.Linear`` get an instance
 ``forward`` calling ``queue.linear``; the tensor-parallel linears get the queue as their
 ``weight_grads`` (``tensor_parallel.layers.Linears``).
@@ -36,7 +43,7 @@ block under a split-backward schedule therefore runs as the compiled pieces betw
 from __future__ import annotations
 
 import contextlib
-from typing import Hashable, Iterable, Iterator, Optional
+from typing import Hashable, Iterable, Iterator, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -107,9 +114,14 @@ def _summed(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([g.float() for g in grads]).sum(0).to(grads[0].dtype)
 
 
+def weight_grad_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The factors ``(dY^T, X)`` of each ``(X, dY)`` pair's weight gradient, leading dimensions flattened."""
+    return [(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1])) for x, g in pairs]
+
+
 def weight_grad(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """``sum dY^T X`` over ``(X, dY)`` pairs, every leading dimension flattened, in ``X``'s dtype."""
-    return _summed([g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) for x, g in pairs])
+    return _summed([a @ b for a, b in weight_grad_products(pairs)])
 
 
 def bias_grad(grad_outs: list[torch.Tensor]) -> torch.Tensor:
@@ -117,14 +129,23 @@ def bias_grad(grad_outs: list[torch.Tensor]) -> torch.Tensor:
     return _summed([g.reshape(-1, g.shape[-1]).sum(0) for g in grad_outs])
 
 
+class WeightGradSink(Protocol):
+    """Where a weight's gradient can be accumulated without autograd (``DataParallel``)."""
+
+    def add_weight_grad(self, weight: torch.Tensor, products: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Add ``sum a @ b`` to ``weight``'s gradient as if autograd had delivered it; False if declined."""
+
+
 class WeightGradQueue:
     """The weight-gradient GEMMs of the micro-batches whose ``B`` ran and ``W`` has not.
 
     ``current`` names the micro-batch (any hashable key, the executor uses ``(micro-batch, chunk)``)
-    whose backward is running; ``run(keys)`` computes and accumulates the queued gradients of ``keys``.
+    whose backward is running; ``run(keys)`` computes and accumulates the queued gradients of ``keys``,
+    into ``sink`` where it takes them, else through autograd.
     """
 
-    def __init__(self):
+    def __init__(self, sink: Optional[WeightGradSink] = None):
+        self.sink = sink
         self.current: Optional[Hashable] = None
         self.pending: dict[Hashable, list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
                                                  torch.Tensor]]] = {}
@@ -182,11 +203,15 @@ class WeightGradQueue:
                 by_weight.setdefault(id(weight), (weight, bias, []))[2].append((x, grad_out))
                 count += 1
         for weight, bias, pairs in by_weight.values():
-            params, grads = [weight], [weight_grad(pairs)]
+            params, grads = [], []
+            if self.sink is None or not self.sink.add_weight_grad(weight, weight_grad_products(pairs)):
+                params.append(weight)
+                grads.append(weight_grad(pairs))
             if bias is not None:
                 params.append(bias)
                 grads.append(bias_grad([g for _, g in pairs]))
-            torch.autograd.backward(params, grads)
+            if params:
+                torch.autograd.backward(params, grads)
         return count
 
     def __len__(self) -> int:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.pipeline.deferred_wgrad import WeightGradQueue, defer_weight_grads
+from parallel.pipeline.deferred_wgrad import WeightGradQueue, WeightGradSink, defer_weight_grads
 from parallel.pipeline.p2p import StageLink, broadcast_from_last_stage, free_storage
 from parallel.pipeline.plan import Message, plan_for, virtual_stage
 from parallel.pipeline.schedule import Op, build_schedule, default_schedule, splits_backward
@@ -78,7 +78,8 @@ class PipelineExecutor:
                  dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
                  schedule: Optional[str] = None, forward_step: ForwardStep = default_forward_step,
                  timeout_s: float = 300.0, profile: bool = False,
-                 before_backward: Optional[Callable[[Op, bool], None]] = None):
+                 before_backward: Optional[Callable[[Op, bool], None]] = None,
+                 weight_grad_sink: Optional[WeightGradSink] = None):
         if not chunks:
             raise ValueError("a pipeline rank needs at least one model chunk")
         self.chunks, self.topo = list(chunks), topo
@@ -89,9 +90,11 @@ class PipelineExecutor:
         # Called before each backward with whether it is the step's last on this rank: a gradient
         # reducer can then start communicating buckets as that backward completes them.
         self.before_backward = before_backward
+        # A split-backward schedule's W ops hand each weight gradient to ``weight_grad_sink`` (the
+        # data-parallel wrapper) to accumulate in place where it can (``deferred_wgrad``).
         self.wgrad: Optional[WeightGradQueue] = None
         if splits_backward(build_schedule(self.schedule, self.pp, self.rank, self.pp, self.v)):
-            self.wgrad = WeightGradQueue()
+            self.wgrad = WeightGradQueue(weight_grad_sink)
             if not defer_weight_grads(self.chunks, self.wgrad):
                 raise ValueError(f"schedule {self.schedule} defers weight gradients of linear layers, "
                                  f"and pipeline rank {self.rank}'s chunks hold none")
