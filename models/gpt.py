@@ -179,14 +179,21 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Matrices normal(0, std), output projections scaled by 1/sqrt(2*layers); norms 1, biases 0;
-        the rotary tables (buffers) filled.
+        the rotary tables filled, one shared by every layer (a table per layer would hold seq x
+        head_dim fp32 values each: 64 MiB a layer at a 128k sequence).
 
         Tensor-parallel shards draw exactly their slice of the full weight (see ``models.init``).
         """
         self.tie_weights()
+        tables = None  # one rotary table for every layer (each holds it as a buffer)
         for block in self.layers.values():
-            if block.attention.rope_theta is not None:
+            if block.attention.rope_theta is None:
+                continue
+            if tables is None:
                 block.attention.reset_rotary()
+                tables = block.attention.rotary_cos, block.attention.rotary_sin
+            else:
+                block.attention.rotary_cos, block.attention.rotary_sin = tables
         shards = param_shards(self)
         for name, param in self.named_parameters():
             module_name, _, leaf = name.rpartition(".")

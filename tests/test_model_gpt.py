@@ -105,6 +105,7 @@ def test_rotary_tables_are_computed_once_and_match_fresh_ones():
     model = GPT(cfg)
     attention = model.layers["0"].attention
     assert not any("rotary" in name for name in model.state_dict())  # follow from the config: not saved
+    assert all(block.attention.rotary_cos is attention.rotary_cos for block in model.layers.values())  # shared
     for seq, dtype in ((cfg.seq_length, torch.bfloat16), (cfg.seq_length // 2, torch.float32),
                        (cfg.seq_length + 3, torch.float32)):  # longer than the tables: computed
         fresh = ops.rotary_tables(seq, cfg.head_dim, cfg.rope_theta, "cpu", dtype)

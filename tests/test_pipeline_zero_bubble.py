@@ -145,7 +145,8 @@ def _run(topo, layout, m, schedule, extra):
             expect = shards[name].take(expect) if name in shards else expect
             param_err = max(param_err, (p.detach() - expect).abs().max().item())
     stats = engine.executor.stats
-    return {"param_err": param_err, "deferred": stats.deferred, "ops": [(op.kind, op.microbatch, op.chunk) for op in stats.ops], "peak_live": stats.peak_live,
+    return {"param_err": param_err, "deferred": stats.deferred, "in_place": stats.deferred_in_place,
+            "ops": [(op.kind, op.microbatch, op.chunk) for op in stats.ops], "peak_live": stats.peak_live,
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
             "norms": norms, "pp_rank": topo.pp_rank}
@@ -190,6 +191,8 @@ def test_executor_ran_the_schedule_and_its_bubble(reports, name):
             # every block linear of every micro-batch (4 a block, 4 blocks over pp ranks); under tp the
             # vocabulary-parallel loss also calls the (tied) head as a module
             assert value["deferred"] >= m * 4 * 4 // pp, layout
+            # fp32 on the CPU: every weight gradient went straight into the data-parallel buffers
+            assert value["in_place"] == value["deferred"], layout
         assert [ran[r] for r in range(pp)] == [build_schedule(name, pp, r, m) for r in range(pp)], layout
         measured = bubble_of(timeline([comm_plan(ran[r], pp, r) for r in range(pp)]))
         assert measured == pytest.approx(bubble_fraction(pp, m, schedule=name)), layout

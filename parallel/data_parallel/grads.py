@@ -55,12 +55,13 @@ from parallel import comm
 
 
 def can_matmul_into(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``matmul_into`` takes factors ``a``, ``b`` for a ``dtype`` result: of that dtype, or
-    16-bit into fp32 on CUDA (cuBLAS accumulates in fp32 either way; a CPU product would round to 16
+    """Whether ``matmul_into`` adds factors ``a``, ``b`` into a ``dtype`` buffer without rounding more
+    than the autograd path: only fp32 buffers (a 16-bit one would be rounded after every product),
+    from fp32 factors, or 16-bit ones on CUDA (cuBLAS writes fp32; a CPU product would round to 16
     bits first)."""
-    if a.dtype == b.dtype == dtype:
-        return True
-    return a.is_cuda and dtype == torch.float32 and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+    if dtype != torch.float32 or a.dtype != b.dtype:
+        return False
+    return a.dtype == dtype or (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16))
 
 
 def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
@@ -224,8 +225,8 @@ class GradReducer:
     def add_products(self, i: int, products: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Add ``sum a @ b`` over ``products`` to parameter i's gradient in its region, the GEMMs
         accumulating in the buffer's dtype, as if that sum had arrived through the parameter's hook;
-        False (nothing done) where this cannot be done in place: sharded mode, or 16-bit factors
-        off CUDA.
+        False (nothing done) where this cannot be done in place: sharded mode, a 16-bit buffer, or
+        16-bit factors off CUDA.
 
         This is the split-backward schedules' weight gradient (``pipeline.deferred_wgrad``): computed
         outside autograd anyway, it can skip the 16-bit product, the hook and the separate

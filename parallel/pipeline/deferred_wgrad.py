@@ -28,7 +28,8 @@ backward, during an ``F`` op, when none is; torch.compile then baked in the imme
 ``W`` op found nothing to do (GPT 1.3B, pp 2: ZB-H1's W ops took 0.0 ms, BENCHMARKS.md). A compiled
 block under a split-backward schedule therefore runs as the compiled pieces between its linears.
 
-Where the data-parallel wrapper keeps fp32 gradient buffers (ZeRO stages 0 and 1), a ``W`` op adds
+Where the data-parallel wrapper keeps whole fp32 gradient buffers (ZeRO stages 0 and 1, and every
+stage in a pipeline's once-per-step mode), a ``W`` op adds
 each weight's gradient GEMM straight into its buffer instead (``WeightGradSink``, given at
 construction): the GEMM accumulates in fp32 and writes there, so the 16-bit gradient, autograd's
 accumulation and the hook's conversion and add of every micro-batch disappear (GPT 1.3B, pp 2,
@@ -146,6 +147,7 @@ class WeightGradQueue:
 
     def __init__(self, sink: Optional[WeightGradSink] = None):
         self.sink = sink
+        self.in_place = 0  # GEMMs whose gradients the sink took, since construction
         self.current: Optional[Hashable] = None
         self.pending: dict[Hashable, list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
                                                  torch.Tensor]]] = {}
@@ -204,7 +206,9 @@ class WeightGradQueue:
                 count += 1
         for weight, bias, pairs in by_weight.values():
             params, grads = [], []
-            if self.sink is None or not self.sink.add_weight_grad(weight, weight_grad_products(pairs)):
+            if self.sink is not None and self.sink.add_weight_grad(weight, weight_grad_products(pairs)):
+                self.in_place += len(pairs)
+            else:
                 params.append(weight)
                 grads.append(weight_grad(pairs))
             if bias is not None:

@@ -56,6 +56,7 @@ class StepStats:
     sent: int = 0  # tensors sent to neighbours
     released: int = 0  # sent tensors whose storage was released after their send completed
     deferred: int = 0  # weight gradients of linear layers computed at W ops, apart from their B
+    deferred_in_place: int = 0  # of those, added straight into the data-parallel buffers (the sink)
     compute_s: float = 0.0  # time inside forward/backward (only when the executor profiles)
     # profiled: each op's (start, end) in seconds from the first op's start
     op_times: list[tuple[float, float]] = field(default_factory=list)
@@ -272,7 +273,9 @@ class _StepRun:
             keys = [(op.microbatch, op.chunk)]
         else:  # the tail: one sum per weight, so each parameter gets one gradient after the last B
             keys = sorted(self.awaiting_w)
+        in_place = self.ex.wgrad.in_place
         ran = self.ex.wgrad.run(keys)
+        self.ex.stats.deferred_in_place += self.ex.wgrad.in_place - in_place
         if keys and not ran:  # every chunk holds linears (checked at construction): their B must have queued some
             raise RuntimeError(f"pipeline rank {self.ex.rank}: {op} found no weight gradients queued by its B: "
                                f"the linears computed them in backward (a compiled graph that traced them "
