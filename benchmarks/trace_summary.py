@@ -1,7 +1,8 @@
 """What a profiled step's timeline says about where its wall time went, from a torch profiler trace.
 
 ``benchmarks/train_gpu.py --profile DIR`` writes ``trace_RUN_rankR.json.gz``; this reads one and prints:
-the GPU's time per stream, computing, copying, in NCCL and with nothing running; each kind of
+the GPU's time per stream, computing, copying, in NCCL and with nothing running; GPU time by kind
+of kernel (GEMMs, attention, inductor's Triton, NCCL, ...) and the longest kernels; each kind of
 collective's count, time and the part of it no compute kernel ran beside (exposed); the longest idle
 gaps with the host operation that launched the work ending each (what the GPU was waiting for); the
 CUDA runtime calls that took the host longest (a synchronizing call shows up here); and, for the two
@@ -115,7 +116,38 @@ def collective_table(gpu: list[dict], compute: list[tuple[float, float]]) -> dic
     return table
 
 
-def summarize(events: list[dict], top: int) -> None:
+KERNEL_KINDS = (  # (kind, name fragments), the first match wins
+    ("NCCL", ("nccl",)), ("GEMMs", ("gemm", "cutlass", "xmma", "nvjet", "gemv")),
+    ("attention", ("flash", "fmha", "cudnn", "attention")), ("inductor Triton", ("triton_",)),
+    ("torch reductions", ("reduce_kernel",)), ("torch foreach", ("multi_tensor_apply", "foreach")),
+    ("torch elementwise", ("elementwise_kernel",)))
+
+
+def kernel_kind(e: dict) -> str:
+    if e["cat"] != "kernel":
+        return "copies and memsets"
+    name = e["name"].lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
+
+
+def kind_table(gpu: list[dict], steps: int, top: int) -> None:
+    """GPU time per step by kind of kernel, then the kernels that took longest (per step)."""
+    kinds: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    names: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in gpu:
+        for row in (kinds[kernel_kind(e)], names[e["name"]]):
+            row[0] += 1
+            row[1] += e["dur"]
+    total = sum(t for _, t in kinds.values())
+    print(f"  GPU time per step by kind (of {steps} step(s); ms, launches): all {total / steps / 1e3:.1f}")
+    for kind, (n, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+        print(f"    {t / steps / 1e3:8.2f} {n / steps:8.1f}  {kind}")
+    print("  longest kernels per step (ms, launches):")
+    for name, (n, t) in sorted(names.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"    {t / steps / 1e3:8.2f} {n / steps:8.1f}  {name[:100]}")
+
+
+def summarize(events: list[dict], top: int, steps: int = 1) -> None:
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     if not gpu:
         raise SystemExit("no GPU events in this trace")
@@ -140,6 +172,7 @@ def summarize(events: list[dict], top: int) -> None:
           f"NCCL {span(nccl) / 1e3:.1f} ms, copies and memsets {span(copies) / 1e3:.1f} ms, "
           f"nothing running {(wall - span(busy)) / 1e3:.1f} ms")
 
+    kind_table(gpu, steps, top)
     table = collective_table(gpu, compute)
     if table:
         print("  collectives (count, total ms, ms with no compute kernel beside them):")
@@ -156,8 +189,10 @@ def summarize(events: list[dict], top: int) -> None:
     ends = sorted(gpu, key=lambda e: e["ts"])
     starts = [e["ts"] for e in ends]
     gaps = sorted(((b_lo - a_hi, a_hi, b_lo) for (_, a_hi), (b_lo, _) in zip(busy, busy[1:])), reverse=True)
-    print(f"  {len(gaps)} idle gaps, {sum(g for g, _, _ in gaps) / 1e3:.1f} ms; longest, with the host op "
-          "that launched the work ending each:")
+    short = [g for g, _, _ in gaps if g < 500]
+    print(f"  {len(gaps)} idle gaps, {sum(g for g, _, _ in gaps) / 1e3:.1f} ms ({len(short)} under 0.5 ms: "
+          f"{sum(short) / 1e3:.1f} ms, the launch gaps between kernels); longest, with the host op that "
+          "launched the work ending each:")
     for gap, begin, end in gaps[:top]:
         first = ends[bisect.bisect_left(starts, end)]
         launch = launches.get(first.get("args", {}).get("correlation"))
@@ -186,10 +221,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (train_gpu.py profiles 3): "
+                    "the kind table is per step")
     args = ap.parse_args()
     for path in args.traces:
         print(f"== {path}")
-        summarize(load(path), args.top)
+        summarize(load(path), args.top, args.steps)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,19 @@ def test_collective_exposure_counts_only_time_without_compute_beside_it():
     assert table["Reduce_Sum"] == [1, 40, 40]
 
 
+def test_kind_table_sorts_kernels_by_kind_per_step(capsys):
+    gpu = [_kernel("nvjet_sm90_tst_128x256_NTN", 0, 600, 1), _kernel("ncclDevKernel_SendRecv(x)", 0, 40, 2),
+           _kernel("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 600, 200, 3),
+           _kernel("triton_poi_fused_gelu_0", 800, 60, 4), _kernel("Memset (Device)", 860, 2, 5, cat="gpu_memset"),
+           _kernel("_adamw_tiles", 862, 98, 6)]
+    assert [trace_summary.kernel_kind(e) for e in gpu] == [
+        "GEMMs", "NCCL", "attention", "inductor Triton", "copies and memsets", "other"]
+    trace_summary.kind_table(gpu, steps=2, top=1)
+    out = capsys.readouterr().out
+    assert "all 0.5" in out and "0.30      0.5  GEMMs" in out  # per step: 1000 us over 2 steps; one GEMM in 2
+    assert out.rstrip().endswith("nvjet_sm90_tst_128x256_NTN")  # the longest kernel
+
+
 def _run_dir(root: pathlib.Path, name: str, losses: dict[int, float], tp: int = 1) -> str:
     run = root / name
     run.mkdir()
