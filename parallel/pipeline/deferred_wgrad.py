@@ -29,12 +29,11 @@ backward, during an ``F`` op, when none is; torch.compile then baked in the imme
 block under a split-backward schedule therefore runs as the compiled pieces between its linears.
 
 Where the data-parallel wrapper keeps whole fp32 gradient buffers (ZeRO stages 0 and 1, and every
-stage in a pipeline's once-per-step mode), a ``W`` op adds
-each weight's gradient GEMM straight into its buffer instead (``WeightGradSink``, given at
-construction): the GEMM accumulates in fp32 and writes there, so the 16-bit gradient, autograd's
-accumulation and the hook's conversion and add of every micro-batch disappear (GPT 1.3B, pp 2,
-ZB-H2: those adds took 25 ms of the first stage's 1.08 s step; the step became 1% faster,
-BENCHMARKS.md).
+stage in a pipeline's once-per-step mode), a ``W`` op adds each weight's gradient GEMM straight into
+its buffer instead (``WeightGradSink``, given at construction): the GEMM accumulates in fp32 and
+writes there, so the 16-bit gradient, autograd's accumulation and the hook's conversion and add of
+every micro-batch disappear (GPT 1.3B, pp 2, ZB-H2: those adds took 25 ms of the first stage's
+1.08 s step; the step became 1% faster, BENCHMARKS.md).
 
 ``defer_weight_grads`` is the hook that turns the layers on: plain ``nn.Linear`` get an instance
 ``forward`` calling ``queue.linear``; the tensor-parallel linears get the queue as their
