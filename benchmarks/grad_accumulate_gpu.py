@@ -7,10 +7,11 @@ with its unvectorized kernel (BENCHMARKS.md, "Where tensor parallel's step goes"
 the parameter shapes of a config's model, the ways to do it: ``copy_`` / ``add_`` per parameter (what
 the buffer did before it batched its copies), ``torch._foreach_copy_`` / ``_foreach_add_`` per parameter and for all at once,
 a minimal Triton kernel per parameter (load bf16, add in fp32, store: one vectorized pass) and the
-same by ``torch.compile``, and the weight-gradient GEMM accumulating into the fp32 buffer itself
-(``addmm`` with an fp32 output, Megatron's gradient-accumulation fusion) against the GEMM followed
-by the add; each as milliseconds per step (GPU time; ``host_ms`` is the host's time to issue them)
-and GB/s of its minimal traffic::
+same by ``torch.compile``, each as milliseconds per step (GPU time; ``host_ms`` is the host's time to
+issue them) and GB/s of its minimal traffic; and, for each weight of a block, its gradient GEMM
+accumulating into the fp32 buffer itself (``grads.matmul_into``: ``addmm`` with an fp32 output,
+Megatron's gradient-accumulation fusion, what the zero-bubble W ops do) against the GEMM followed by
+the add::
 
     python benchmarks/grad_accumulate_gpu.py configs/gpt_1.3b.yaml
 """
@@ -25,6 +26,7 @@ import torch
 
 from megazero.config import load_config
 from models import GPT
+from parallel.data_parallel.grads import matmul_into
 
 
 def timed(fn, repeats: int = 20) -> tuple[float, float]:
@@ -114,20 +116,23 @@ def main() -> None:
         added = torch.equal(dst, check + src.float())
         launch(dst, src, False)
         result["triton matches torch"] = added and torch.equal(dst, src.float())
-    # the first MLP weight's gradient, [out, in] from [tokens, out]^T @ [tokens, in]
-    n_out, n_in = dict(model.named_parameters())["layers.0.mlp.fc_in.weight"].shape
-    out_grad = torch.randn(args.tokens, n_out, device=device, dtype=torch.bfloat16)
-    inputs = torch.randn(args.tokens, n_in, device=device, dtype=torch.bfloat16)
-    main_grad = torch.randn(n_out, n_in, device=device)
-    result["wgrad then add_"] = {"ms": round(timed(lambda: main_grad.add_(out_grad.t() @ inputs))[0], 3)}
-    fused = lambda: torch.addmm(main_grad, out_grad.t(), inputs, out_dtype=torch.float32, out=main_grad)  # noqa: E731
-    try:
-        expected = main_grad + out_grad.t().float() @ inputs.float()
-        fused()
-        error = ((main_grad - expected).norm() / expected.norm()).item()
-        result["wgrad into fp32 (addmm out_dtype)"] = {"ms": round(timed(fused)[0], 3), "rel_error": error}
-    except (RuntimeError, TypeError) as exc:  # torch before late 2025 wants self in the inputs' dtype
-        result["wgrad into fp32 (addmm out_dtype)"] = f"unavailable: {exc}".splitlines()[0]
+    # each weight of a block: its gradient [out, in] = [tokens, out]^T @ [tokens, in] added into its fp32
+    # region by a bf16 GEMM then add_, or accumulated by the GEMM itself (``grads.matmul_into``, what the
+    # zero-bubble W ops do), with that one's error against an fp32 product
+    for name, param in model.layers["0"].named_parameters():
+        if param.ndim != 2:
+            continue
+        n_out, n_in = param.shape
+        a = torch.randn(args.tokens, n_out, device=device, dtype=torch.bfloat16).t()
+        b = torch.randn(args.tokens, n_in, device=device, dtype=torch.bfloat16)
+        main_grad = torch.empty(n_out, n_in, device=device)
+        exact = a.float() @ b.float()
+        matmul_into(main_grad, a, b, accumulate=False)
+        error = ((main_grad - exact).norm() / exact.norm()).item()
+        result[f"wgrad {name} {n_out}x{n_in}"] = {
+            "gemm then add_ ms": round(timed(lambda: main_grad.add_(a @ b))[0], 3),
+            "in the GEMM ms": round(timed(lambda: matmul_into(main_grad, a, b, accumulate=True))[0], 3),
+            "rel_error": error}
     print(json.dumps(result))
 
 

@@ -1,8 +1,7 @@
 """Per-kernel table on one GPU: each fused body of the ops seam against its torch reference, eager and
 compiled, forward and forward+backward, at the shapes of the 1.3B models (micro-batch 8, sequence
 2048: 16,384 tokens of width 2048); plus the SDPA backends for causal and grouped-query attention,
-and (``--only gelu_profile``) the kernels inductor makes of the GPT-2 MLP's bias + GeLU; and a
-weight gradient accumulated into fp32 in its GEMM against a bf16 GEMM and an add (``weight_grad``).
+and (``--only gelu_profile``) the kernels inductor makes of the GPT-2 MLP's bias + GeLU.
 
     python benchmarks/kernels_gpu.py [--json FILE]
 
@@ -24,7 +23,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from models import kernels, ops
-from parallel.data_parallel.grads import matmul_into
 
 TOKENS, HIDDEN, VOCAB, PADDED, HEADS, FFN = 8 * 2048, 2048, 50257, 50304, 16, 5504
 
@@ -184,38 +182,15 @@ def attention_rows() -> list[dict]:
     return rows
 
 
-def weight_grad_rows() -> list[dict]:
-    """A weight gradient dY^T X added into an fp32 buffer, as the zero-bubble W ops do: one GEMM that
-    accumulates in place (``grads.matmul_into``: bf16 factors, fp32 output) against a bf16 GEMM and
-    an fp32 add; each shape of a 1.3B GPT block's linears (out x in), with its error against fp32."""
-    out = []
-    for rows_, cols in ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (4 * HIDDEN, HIDDEN), (HIDDEN, 4 * HIDDEN)):
-        grad, x = leaf(TOKENS, rows_).detach(), leaf(TOKENS, cols).detach()
-        a, b = grad.t(), x
-        exact = a.float() @ b.float()
-        acc = torch.empty(rows_, cols, device="cuda")
-        matmul_into(acc, a, b, accumulate=False)
-        error = ((acc - exact).abs().max() / exact.abs().max()).item()
-        fused = do_bench(lambda: matmul_into(acc, a, b, accumulate=True), warmup=25, rep=100, return_mode="median")
-        two_pass = do_bench(lambda: acc.add_(a @ b), warmup=25, rep=100, return_mode="median")
-        shape = f"{rows_}x{cols}"
-        print(f"{'weight_grad':22s} {shape:24s} in place {fused:8.3f} ms   bf16 GEMM + add {two_pass:8.3f} ms   "
-              f"rel. error {error:.1e}", flush=True)
-        out.append({"op": "weight_grad", "variant": shape, "in_place_ms": round(fused, 3),
-                    "gemm_then_add_ms": round(two_pass, 3), "rel_error": error})
-    return out
-
-
 SECTIONS = {"cross_entropy": cross_entropy_rows, "norm": norm_rows, "add_norm": add_norm_rows, "swiglu": swiglu_rows,
-            "rotary": rotary_rows, "attention": attention_rows, "gelu_profile": gelu_profile,
-            "weight_grad": weight_grad_rows}
+            "rotary": rotary_rows, "attention": attention_rows, "gelu_profile": gelu_profile}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--only", nargs="*", choices=list(SECTIONS),
-                        default=["cross_entropy", "norm", "add_norm", "swiglu", "rotary", "attention", "weight_grad"])
+                        default=["cross_entropy", "norm", "add_norm", "swiglu", "rotary", "attention"])
     args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), f"liger: {kernels.HAS_LIGER}", flush=True)
     rows = []
