@@ -134,16 +134,21 @@ def pipeline_bubble(engine, batch, steps: int = 2) -> dict:
 
 
 def op_timeline(engine, batch) -> list[str]:
-    """One profiled step's ops on every pipeline rank, as ``OP start+duration`` in ms from that rank's
-    first op (GPU events: a gap between two ops is time the rank waited or its host fell behind)."""
+    """One profiled step's ops on every pipeline rank, as ``OP start+duration`` in ms from the first op
+    of any rank (GPU events, placed on the host's wall clock: a gap between two ops is time the rank
+    waited or its host fell behind, and the op it waited for shows on the other rank)."""
     executor = engine.executor
     executor.profile = True
     try:
         engine.train_step(batch)
     finally:
         executor.profile = False
-    mine = " ".join(f"{op.kind}{op.microbatch}{f'c{op.chunk}' if op.chunk else ''}:{s * 1e3:.1f}+{(e - s) * 1e3:.1f}"
-                    for op, (s, e) in zip(executor.stats.ops, executor.stats.op_times))
+    stats = executor.stats
+    starts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(starts, stats.first_op_at)
+    shift = stats.first_op_at - min(starts)
+    mine = " ".join(f"{op.kind}{op.microbatch}{f'c{op.chunk}' if op.chunk else ''}:{(s + shift) * 1e3:.1f}"
+                    f"+{(e - s) * 1e3:.1f}" for op, (s, e) in zip(stats.ops, stats.op_times))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, f"rank {dist.get_rank()} (pp {engine.topo.pp_rank}): {mine}")
     return every

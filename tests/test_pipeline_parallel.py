@@ -226,6 +226,17 @@ def _hang(rank, world_size):
     return "finished"
 
 
+def _profiled(rank, world_size):
+    """One profiled 1F1B step of two stages: each op's time, anchored to the wall clock."""
+    topo = Topology(RankGrid(tp=1, pp=2, dp=1))
+    stage = Stage(full_params(2), [rank], rank == 0, rank == 1)
+    executor = PipelineExecutor([stage], topo, (MICRO, SEQ, HIDDEN), timeout_s=30, profile=True)
+    executor.step(batches(3))
+    stats = executor.stats
+    return {"ops": [(op.kind, op.microbatch) for op in stats.ops], "first_op_at": stats.first_op_at,
+            "op_times": stats.op_times}
+
+
 @pytest.fixture(scope="module")
 def world8():
     return run_world(8, _world8, timeout=240)
@@ -304,6 +315,18 @@ def test_wider_matrix_equals_single_process(world8_slow, case):
         assert r["peak_live"] == r["schedule_live"] and r["released"] == r["sent"]
         if case[3] == "1f1b":
             assert r["peak_live"] <= pp - r["pp_rank"]
+
+
+def test_profiled_timelines_of_two_stages_share_a_clock():
+    """The second stage's first forward waits for the first stage's: on the shared clock it starts
+    after that one ends, and every rank's ops run in order without overlapping."""
+    first, second = run_world(2, _profiled, timeout=60)
+    assert first["ops"][0] == second["ops"][0] == ("F", 0)
+    for rank in (first, second):
+        assert rank["first_op_at"] > 0 and rank["op_times"][0][0] == 0.0
+        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(rank["op_times"], rank["op_times"][1:]))
+    first_f0_end = first["first_op_at"] + first["op_times"][0][1]
+    assert second["first_op_at"] >= first_f0_end - 5e-4
 
 
 def test_hang_fails_fast_and_names_what_it_waited_on():

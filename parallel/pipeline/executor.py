@@ -58,8 +58,11 @@ class StepStats:
     deferred: int = 0  # weight gradients of linear layers computed at W ops, apart from their B
     deferred_in_place: int = 0  # of those, added straight into the data-parallel buffers (the sink)
     compute_s: float = 0.0  # time inside forward/backward (only when the executor profiles)
-    # profiled: each op's (start, end) in seconds from the first op's start
+    # profiled: each op's (start, end) in seconds from the first op's start, and when that start was on
+    # the host's wall clock (``time.time()``, shared by the ranks of a machine, to about 0.1 ms on a
+    # GPU): the ranks' timelines then line up, so one rank's wait shows against the other's ops
     op_times: list[tuple[float, float]] = field(default_factory=list)
+    first_op_at: float = 0.0
     step_s: float = 0.0  # wall time of the step (GPU work included when profiling)
 
     @property
@@ -188,15 +191,20 @@ class PipelineExecutor:
     def _sync(self) -> None:
         """Wait for the step's GPU work when profiling, and turn its ops' events into times."""
         if self.profile and self.device.type == "cuda":
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
             torch.cuda.synchronize(self.device)
+            now = time.time()  # the wall clock just after ``done``: anchors the events to it
             self.stats.compute_s += sum(s.elapsed_time(e) for s, e in self._events) / 1000
             if self._events:
                 first = self._events[0][0]
                 self.stats.op_times = [(first.elapsed_time(s) / 1000, first.elapsed_time(e) / 1000)
                                        for s, e in self._events]
+                self.stats.first_op_at = now - first.elapsed_time(done) / 1000
             self._events = []
         elif self.stats.op_times:
             first = self.stats.op_times[0][0]
+            self.stats.first_op_at = time.time() - (time.perf_counter() - first)
             self.stats.op_times = [(s - first, e - first) for s, e in self.stats.op_times]
 
     def _step_loss(self, loss_sum: Optional[torch.Tensor], m: int) -> torch.Tensor:
