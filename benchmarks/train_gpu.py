@@ -144,14 +144,13 @@ def op_timeline(engine, batch) -> list[str]:
     finally:
         executor.profile = False
     stats = executor.stats
-    starts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(starts, stats.first_op_at)
-    shift = stats.first_op_at - min(starts)
-    mine = " ".join(f"{op.kind}{op.microbatch}{f'c{op.chunk}' if op.chunk else ''}:{(s + shift) * 1e3:.1f}"
-                    f"+{(e - s) * 1e3:.1f}" for op, (s, e) in zip(stats.ops, stats.op_times))
+    ops = [(f"{op.kind}{op.microbatch}{f'c{op.chunk}' if op.chunk else ''}", s, e)
+           for op, (s, e) in zip(stats.ops, stats.op_times)]
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, f"rank {dist.get_rank()} (pp {engine.topo.pp_rank}): {mine}")
-    return every
+    dist.all_gather_object(every, (stats.first_op_at, f"rank {dist.get_rank()} (pp {engine.topo.pp_rank})", ops))
+    origin = min(first for first, _, _ in every)
+    return [f"{label}: " + " ".join(f"{name}:{(s + first - origin) * 1e3:.1f}+{(e - s) * 1e3:.1f}"
+                                     for name, s, e in ops) for first, label, ops in every]
 
 
 def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | None = None,

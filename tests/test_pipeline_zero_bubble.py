@@ -221,7 +221,7 @@ def test_a_compiled_block_still_defers_its_weight_gradients():
         out = block(x)  # traced here, outside any backward
         with queue.backward_of(0):
             out.square().sum().backward()
-        queued = queue.run([0])
+        queued, _ = queue.run([0])
         return queued, x.grad, {n: p.grad for n, p in block.named_parameters()}
 
     queued, x_grad, grads = block_grads(True)

@@ -146,7 +146,6 @@ class WeightGradQueue:
 
     def __init__(self, sink: Optional[WeightGradSink] = None):
         self.sink = sink
-        self.in_place = 0  # GEMMs whose gradients the sink took, since construction
         self.current: Optional[Hashable] = None
         self.pending: dict[Hashable, list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
                                                  torch.Tensor]]] = {}
@@ -190,15 +189,15 @@ class WeightGradQueue:
     def push(self, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor) -> None:
         self.pending.setdefault(self.current, []).append((weight, bias, x, grad_out))
 
-    def run(self, keys: Iterable[Hashable]) -> int:
+    def run(self, keys: Iterable[Hashable]) -> tuple[int, int]:
         """Compute the queued weight gradients of ``keys`` and add them to ``.grad``, one sum per weight;
-        returns how many GEMMs' worth of gradients were queued.
+        returns how many GEMMs' worth of gradients were queued, and how many of them the sink took.
 
         Weights go in the order backward reached them, so the data-parallel buckets they fill (laid
         out in backward order) complete, and can start reducing, while later weights compute.
         """
         by_weight: dict[int, tuple[torch.Tensor, Optional[torch.Tensor], list]] = {}
-        count = 0
+        count = in_place = 0
         for key in keys:
             for weight, bias, x, grad_out in self.pending.pop(key, ()):
                 by_weight.setdefault(id(weight), (weight, bias, []))[2].append((x, grad_out))
@@ -206,7 +205,7 @@ class WeightGradQueue:
         for weight, bias, pairs in by_weight.values():
             params, grads = [], []
             if self.sink is not None and self.sink.add_weight_grad(weight, weight_grad_products(pairs)):
-                self.in_place += len(pairs)
+                in_place += len(pairs)
             else:
                 params.append(weight)
                 grads.append(weight_grad(pairs))
@@ -215,7 +214,7 @@ class WeightGradQueue:
                 grads.append(bias_grad([g for _, g in pairs]))
             if params:
                 torch.autograd.backward(params, grads)
-        return count
+        return count, in_place
 
     def __len__(self) -> int:
         """Micro-batches with weight gradients still queued."""

@@ -281,13 +281,12 @@ class _StepRun:
             keys = [(op.microbatch, op.chunk)]
         else:  # the tail: one sum per weight, so each parameter gets one gradient after the last B
             keys = sorted(self.awaiting_w)
-        in_place = self.ex.wgrad.in_place
-        ran = self.ex.wgrad.run(keys)
-        self.ex.stats.deferred_in_place += self.ex.wgrad.in_place - in_place
+        ran, in_place = self.ex.wgrad.run(keys)
         if keys and not ran:  # every chunk holds linears (checked at construction): their B must have queued some
             raise RuntimeError(f"pipeline rank {self.ex.rank}: {op} found no weight gradients queued by its B: "
                                f"the linears computed them in backward (a compiled graph that traced them "
                                f"without deferral?) or have none (all frozen), so the schedule's split "
                                f"backward is not happening; use 1f1b")
         self.ex.stats.deferred += ran
+        self.ex.stats.deferred_in_place += in_place
         self.awaiting_w.difference_update(keys)

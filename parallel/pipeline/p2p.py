@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from parallel.pipeline.plan import CHANNELS, Message, Transfer
+from parallel.pipeline.plan import CHANNELS, Message, Transfer, channel_of
 
 
 class PipelineTimeout(RuntimeError):
@@ -70,8 +70,8 @@ class StageLink:
         buffers = {tr.message: torch.empty(self.shape, dtype=self.dtype, device=self.device) for tr in recvs}
         waits = []
         for channel in CHANNELS:
-            mine = [(tr, t) for tr, t in sends if tr.message.kind == channel]
-            wanted = [tr for tr in recvs if tr.message.kind == channel]
+            mine = [(tr, t) for tr, t in sends if channel_of(tr.message) == channel]
+            wanted = [tr for tr in recvs if channel_of(tr.message) == channel]
             waits += self._post(self.groups[channel], mine, wanted, buffers, where)
         for works, what in waits:
             self._wait(works, what)
