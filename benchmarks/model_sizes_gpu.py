@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def flops_per_token(layers: int, hidden: int, preset: str) -> float:
     return 6 * params + 12 * layers * hidden * SEQ
 
 
-def megazero(size: str, kernels: bool, steps: int, skip: int, timeout: int) -> dict:
+def megazero(size: str, kernels: bool, steps: int, skip: int, timeout: int, extra: list[str]) -> dict:
     layers, hidden, heads, preset, mbs = SIZES[size]
     run_dir = tempfile.mkdtemp(prefix=f"mz-{size}-")
     overrides = ["--model.preset", preset, "--model.num_layers", str(layers), "--model.hidden_size", str(hidden),
@@ -56,7 +57,7 @@ def megazero(size: str, kernels: bool, steps: int, skip: int, timeout: int) -> d
                  "--train.micro_batch_size", str(mbs), "--train.global_batch_size", str(mbs),
                  "--train.train_steps", str(steps), "--logging.log_interval", str(steps),
                  "--checkpoint.save_on_exit", "false", "--logging.run_dir", run_dir,
-                 "--data.blend", f"[[1.0, {DATA}]]"]
+                 "--data.blend", f"[[1.0, {DATA}]]", *extra]
     env = dict(os.environ, CONFIG="configs/gpt_1.3b.yaml", NPROC_PER_NODE="1",
                MEGAZERO_KERNELS="1" if kernels else "0")
     proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", *overrides], env=env, capture_output=True, text=True,
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--skip", type=int, default=8, help="steps left out of the median (warm-up)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds for one run")
+    parser.add_argument("--megazero-args", default="", help="more config overrides for the megazero and torch "
+                        "runs, e.g. '--train.cuda_graphs true'")
     args = parser.parse_args()
     if "megazero" in args.runs or "torch" in args.runs:
         if not os.path.exists(DATA + ".idx"):
@@ -103,7 +106,8 @@ def main() -> None:
                 continue
             try:
                 result = (plain(size, args.steps, args.skip, args.timeout) if run == "plain" else
-                          megazero(size, run == "megazero", args.steps, args.skip, args.timeout))
+                          megazero(size, run == "megazero", args.steps, args.skip, args.timeout,
+                                   shlex.split(args.megazero_args)))
             except subprocess.TimeoutExpired:
                 result = {"error": f"timed out after {args.timeout}s"}
             if "tokens_per_s" in result:

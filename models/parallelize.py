@@ -88,14 +88,18 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
 
 
 def compile_gpt(chunk: GPT, tp: int, cuda_graphs: bool = False) -> None:
-    """Compile each block's forward, and the head with its loss where it is plain torch (tp 1):
-    forwards only, so module hooks (ZeRO stage 3 gathers) stay eager; a tensor-parallel head keeps
-    its collectives outside any graph. ``cuda_graphs``: each block's compiled forward and backward
-    replay as CUDA graphs, a launch per graph instead of one per kernel and collective."""
+    """Compile each block's forward, and the embedding and the head with its loss where they are plain
+    torch (tp 1): forwards only, so module hooks (ZeRO stage 3 gathers) stay eager; tensor-parallel
+    ones keep their collectives outside any graph. (Compiled, the embedding's backward is one
+    scatter-add kernel instead of aten's sort-based three.) ``cuda_graphs``: each block's compiled
+    forward and backward replay as CUDA graphs, a launch per graph instead of one per kernel and
+    collective."""
     # Graphs are recorded per shape, and a run's shapes are fixed: compile for those exact shapes.
     options = {"mode": "reduce-overhead", "dynamic": False} if cuda_graphs else {}
     for block in chunk.layers.values():
         block.forward = torch.compile(block.forward, **options)
+    if chunk.embedding is not None and tp == 1:
+        chunk.embedding.forward = torch.compile(chunk.embedding.forward)
     if chunk.lm_head is not None and tp == 1:
         chunk.head = torch.compile(chunk.head)
 

@@ -29,9 +29,13 @@ from typing import Callable, Optional
 
 import torch
 
+from parallel.data_parallel.grads import can_matmul_into, matmul_into
+
 IGNORE_INDEX = -100
-CHUNK_ELEMENTS = 2**28
-"""Logits per chunk (rows x local vocabulary): 512 MiB in bf16, large enough for full-speed GEMMs."""
+CHUNK_ELEMENTS = 2**29
+"""Logits per chunk (rows x local vocabulary): 1 GiB in bf16. Each chunk adds its weight gradient
+into the fp32 one (a read and write of the whole [vocab, hidden] matrix), so fewer chunks cost less:
+at 125M (32,768 tokens) four chunks of 8,192 rows instead of eight."""
 
 Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """(row max, row sum of exp(logit - max), label logit) of this rank -> (logsumexp, label logit) of all."""
@@ -50,10 +54,13 @@ def _chunk_rows(local_vocab: int, tokens: int) -> int:
     return max(1, min(rows, tokens))
 
 
-def _accumulate(grad_weight: torch.Tensor, dlogits: torch.Tensor, x: torch.Tensor) -> None:
-    """grad_weight (fp32) += dlogits^T x, reading bf16/fp16 operands without an fp32 copy."""
-    if dlogits.dtype != torch.float32 and dlogits.is_cuda:
-        torch.addmm(grad_weight, dlogits.t(), x, out_dtype=torch.float32, out=grad_weight)
+def _accumulate(grad_weight: torch.Tensor, dlogits: torch.Tensor, x: torch.Tensor, first: bool) -> None:
+    """grad_weight (fp32) = (first chunk) or += dlogits^T x, in one GEMM that reads bf16/fp16 operands
+    and writes fp32 where the device can (else the product rounded to the operands' dtype)."""
+    if can_matmul_into(grad_weight.dtype, dlogits, x):
+        matmul_into(grad_weight, dlogits.t(), x, accumulate=not first)
+    elif first:
+        grad_weight.copy_(dlogits.t() @ x)
     else:
         grad_weight += (dlogits.t() @ x).float()
 
@@ -66,7 +73,7 @@ def _run_chunks(hidden, weight, labels, scale, vocab_start: int, n_valid: int, c
     buffer = hidden.new_empty(rows, local_vocab)
     loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if grad else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad else None
+    grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if grad else None
     row_kernel = _row_kernel()
     for start in range(0, tokens, rows):
         end = min(start + rows, tokens)
@@ -76,7 +83,7 @@ def _run_chunks(hidden, weight, labels, scale, vocab_start: int, n_valid: int, c
                    combine, grad)
         if grad:
             torch.mm(logits, weight, out=grad_hidden[start:end])
-            _accumulate(grad_weight, logits, x)
+            _accumulate(grad_weight, logits, x, first=start == 0)
     return loss, grad_hidden, grad_weight
 
 
@@ -107,9 +114,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         if ctx.summed:  # one scalar for every token: scale what forward computed
             grad_hidden, grad_weight = ctx.saved_tensors
             # a one-element (not 0-dim) factor promotes to fp32, so the scale is not rounded to 16 bits
-            # before the multiply (a CUDA 0-dim tensor would be)
+            # before the multiply (a CUDA 0-dim tensor would be); the product is rounded as it is
+            # written, in one pass
             scale = grad_loss.reshape(1)
-            return ((grad_hidden * scale).to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype),
+            return (torch.mul(grad_hidden, scale, out=torch.empty_like(grad_hidden)),
+                    torch.mul(grad_weight, scale, out=torch.empty_like(grad_weight, dtype=ctx.weight_dtype)),
                     None, None, None, None, None, None)
         hidden, weight, labels = ctx.saved_tensors  # weights that may differ: fold them into dlogits
         scale = torch.where(labels != IGNORE_INDEX, grad_loss, 0.0).float()
