@@ -100,3 +100,19 @@ def test_summed_loss_under_no_grad_computes_no_gradient(rows):
         loss = cross_entropy.linear_cross_entropy(h, w, labels, vocab, "sum")
     torch.testing.assert_close(loss, ops.linear_cross_entropy.reference(h.detach(), w, labels, vocab, "sum"))
     assert rows == [False] * 4
+
+
+def test_bf16_chunks_on_cpu_equal_the_fp32_reference(rows):
+    """16-bit factors off CUDA take the other weight-gradient path (each chunk's product rounded to
+    bf16, then written or added in fp32): it must equal fp32 math on the same values to bf16
+    precision, the first chunk written over whatever the new buffer held."""
+    h, w, labels, vocab = _inputs()
+    h, w = h.bfloat16(), w.bfloat16()
+    weights = torch.ones(labels.shape)
+    fused = _loss_and_grads(lambda h, w: cross_entropy.linear_cross_entropy(h, w, labels, vocab, "sum"), h, w,
+                            weights)
+    reference = _loss_and_grads(lambda h, w: ops.linear_cross_entropy.reference(h.float(), w.float(), labels, vocab,
+                                                                                "sum"), h, w, weights)
+    assert fused[1].dtype == fused[2].dtype == torch.bfloat16
+    for got, want in zip(fused, reference):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
