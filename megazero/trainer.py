@@ -32,6 +32,7 @@ from megazero.flops import device_name, flops_per_token, peak_flops
 from megazero.metrics import MetricsLogger, StepMetrics
 from megazero.training_schedules import build_batch_schedule, build_lr_schedule
 from megazero.optim.memory import memory_report
+from megazero.profiling import StepProfiler
 from data_pipeline.loader import global_batch
 from parallel import comm
 
@@ -131,6 +132,8 @@ class Trainer:
             wandb={"project": cfg.logging.wandb_project, "mode": cfg.logging.wandb_mode,
                    "config": config_to_dict(cfg)} if cfg.logging.wandb else None,
             tensorboard=cfg.logging.tensorboard, device=device)
+        self.profiler = StepProfiler(cfg.logging.profile_steps, cfg.logging.profile_ranks, self.rank,
+                                     cfg.logging.run_dir, device)
 
     def _train_samples(self) -> int:
         t = self.cfg.train
@@ -268,6 +271,7 @@ class Trainer:
             saved = self.state.saved_to is not None and self.saved_step == self.state.step
             if (self.cfg.checkpoint.save_on_exit or self.state.stopped_by) and not saved:
                 self.save()
+            self.profiler.close()
             self.writer.wait()
         return self.state
 
@@ -277,6 +281,7 @@ class Trainer:
         if self._evaluates(queued.step):
             metrics.val_loss = self._evaluate()
         self.logger.record(metrics)
+        self.profiler.after_step(queued.step)
 
     def _unsaved(self) -> str:
         """What stopping now, without a save, loses (said on a second Ctrl-C)."""
@@ -295,6 +300,7 @@ class Trainer:
         """Queue the next global batch's forward, backward and update on the device, without reading
         anything back."""
         queued_at = time.perf_counter()
+        self.profiler.before_step(self.state.step + 1)
         size = self.batches.global_batch(self.state.consumed)
         micro = global_batch(self.train_data, self.state.consumed, size, self.cfg.train.micro_batch_size,
                              self.topo.dp_rank, self.topo.dp_size)

@@ -155,6 +155,10 @@ CASES = [
     ("zero-stage", lambda f: _train(f, "--zero.stage", "4"), ["zero.stage: 4 is not one of"]),
     ("dtype", lambda f: _train(f, "--precision.dtype", "fp8"), ["precision.dtype: 'fp8' is not one of"]),
     ("device-cuda", lambda f: _train(f, "--train.device", "cuda"), ["train.device: is 'cuda' but no CUDA device"]),
+    ("profile-steps", lambda f: _train(f, "--logging.profile_steps", "[3, 2]"),
+     ["logging.profile_steps: expected [first, last] with 1 <= first <= last"]),
+    ("profile-ranks", lambda f: _train(f, "--logging.profile_steps", "[1, 2]", "--logging.profile_ranks", "[4]"),
+     ["logging.profile_ranks: [4] are not ranks of this world of 1"]),
     ("vocab-auto-alone", lambda f: _train(f, "--model.vocab_size", "auto"), ["model.vocab_size: auto needs data.tokenizer"]),
     # --- data -----------------------------------------------------------------------------------
     ("no-data", lambda f: ["train", *_model(f["good"], str(f["root"] / "runs" / "x"))[:-6]],

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import signal
@@ -114,6 +115,12 @@ def _world1(rank, world_size, prefix, root):
     _train(_overrides(prefix, f"{root}/late", extra=("--train.max_wall_seconds", "1e-9")), 1)
     out["late"] = ([row["step"] for row in read_metrics(os.path.join(root, "late", "metrics.jsonl"))],
                    sorted(os.listdir(os.path.join(root, "late", "checkpoints"))))
+    profiled = f"{root}/profiled"
+    _train(_overrides(prefix, profiled, steps=4, extra=("--logging.profile_steps", "[2, 3]",
+                                                        "--checkpoint.save_on_exit", "false")), 1)
+    out["profile_files"] = sorted(os.listdir(os.path.join(profiled, "profile")))
+    with gzip.open(os.path.join(profiled, "profile", "rank0_steps2-3.json.gz"), "rt") as f:
+        out["profile_ops"] = {e.get("name") for e in json.load(f)["traceEvents"]}
     out["evaluations"] = {}
     for steps in (3, STEPS):  # step 3 evaluated as the run's last step, and with later steps to queue
         run_dir = f"{root}/eval-{steps}"
@@ -145,6 +152,14 @@ def test_loss_falls(layouts):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tp2_pp2_dp2_matches_one_process(layouts, stage):
     assert _close(layouts[f"stage{stage}"], layouts["single"]), (layouts[f"stage{stage}"], layouts["single"])
+
+
+def test_profile_steps_write_one_trace_of_the_window(layouts):
+    """``logging.profile_steps [2, 3]``: one whole trace file (no partial left), holding the steps' host
+    operations (a forward's matrix products, the optimizer's update)."""
+    assert layouts["profile_files"] == ["rank0_steps2-3.json.gz"]
+    ops = layouts["profile_ops"]
+    assert {"aten::mm", "aten::addmm"} & ops and any("adam" in str(name).lower() for name in ops), sorted(ops)[:50]
 
 
 @pytest.mark.parametrize("run", ["reshard_dp4", "reshard_single"])

@@ -129,6 +129,7 @@ def _value_problems(cfg: Config) -> list[str]:
     for name in ("optimizer.beta1", "optimizer.beta2"):
         if not 0 <= get(cfg, name) < 1:
             problems.append(f"{name}: must be in [0, 1), got {get(cfg, name)} (typical: beta1 0.9, beta2 0.95)")
+    problems += _profile_problems(cfg)
     t = cfg.train
     if t.train_steps is None and t.train_tokens is None:
         problems.append("train.train_steps: is null and so is train.train_tokens; give one of them to say when "
@@ -197,6 +198,21 @@ def _shape_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _profile_problems(cfg: Config) -> list[str]:
+    steps, ranks = cfg.logging.profile_steps, cfg.logging.profile_ranks
+    problems = []
+    if steps is not None and not (len(steps) == 2 and all(map(_is_int, steps)) and 1 <= steps[0] <= steps[1]):
+        problems.append(f"logging.profile_steps: expected [first, last] with 1 <= first <= last, e.g. [10, 12]; "
+                        f"got {steps!r}")
+    if not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
+        problems.append(f"logging.profile_ranks: expected a list of ranks, e.g. [0]; got {ranks!r}")
+    return problems
+
+
 def _layout_problems(cfg: Config, world_size: Optional[int], local_world_size: Optional[int]) -> list[str]:
     p, t = cfg.parallel, cfg.train
     problems = []
@@ -224,4 +240,8 @@ def _layout_problems(cfg: Config, world_size: Optional[int], local_world_size: O
     if local_world_size and p.tp > 1 and local_world_size % p.tp and not p.allow_tp_across_nodes:
         problems.append(f"parallel.tp: {p.tp} ranks per tensor group do not fit the {local_world_size} ranks per "
                         f"node; use a tp that divides {local_world_size} or set parallel.allow_tp_across_nodes")
+    outside = [r for r in cfg.logging.profile_ranks if world_size is not None and r >= world_size]
+    if cfg.logging.profile_steps is not None and outside:
+        problems.append(f"logging.profile_ranks: {outside} are not ranks of this world of {world_size}; name ranks "
+                        f"0-{world_size - 1}")
     return problems

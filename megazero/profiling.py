@@ -1,0 +1,57 @@
+"""A window of training steps under ``torch.profiler``, asked for in the config (``logging.profile_steps``).
+
+Someone asking why a run is slower than it should be needs the host and the device on one time
+line: which kernels ran, where the GPU sat idle, and what the host was doing meanwhile. The trainer
+calls ``before_step`` as it queues a step and ``after_step`` once it has read that step's results;
+the profiler runs from queueing the window's first step to reading its last, on the ranks asked
+for, and each writes one Chrome-trace file (for Perfetto, chrome://tracing or
+``benchmarks/trace_summary.py``). The trainer queues a step before reading the one before it, so
+the end of a trace also holds the host's queueing of the step after the window.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+
+class StepProfiler:
+    """Profiles steps ``steps[0]..steps[1]`` (inclusive) on the ranks in ``ranks``; a no-op elsewhere
+    or when ``steps`` is None. A run resumed inside the window profiles the rest of it."""
+
+    def __init__(self, steps: Optional[list[int]], ranks: list[int], rank: int, run_dir: str,
+                 device: torch.device):
+        self.window = (steps[0], steps[1]) if steps is not None and rank in ranks else None
+        self.rank, self.device = rank, device
+        self.path = (os.path.join(run_dir, "profile", f"rank{rank}_steps{steps[0]}-{steps[1]}.json.gz")
+                     if self.window else None)
+        self._profile = None
+
+    def before_step(self, step: int) -> None:
+        """``step`` is about to be queued: start if it lies in the window."""
+        if self.window is None or self._profile is not None or not self.window[0] <= step <= self.window[1]:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._profile = profile(activities=activities)
+        self._profile.start()
+
+    def after_step(self, step: int) -> None:
+        """``step``'s results have been read: after the window's last step, stop and write."""
+        if self._profile is not None and step >= self.window[1]:
+            self.close()
+
+    def close(self) -> None:
+        """Stop and write the trace, also when the run ends inside the window; once a run."""
+        if self._profile is None:
+            return
+        profile, self._profile, self.window = self._profile, None, None
+        profile.stop()
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        partial = self.path.replace(".json.gz", f".partial{os.getpid()}.json.gz")  # the suffix picks gzip
+        profile.export_chrome_trace(partial)
+        os.replace(partial, self.path)  # a trace file is whole or absent
+        print(f"megazero: rank {self.rank}: profile written to {self.path}", flush=True)
