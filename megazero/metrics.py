@@ -56,6 +56,7 @@ class StepMetrics:
     skipped_steps: int = 0
     consumed_samples: Optional[int] = None
     val_loss: Optional[float] = None
+    host_wait_s: Optional[float] = None  # how long the host waited for this step's results
 
 
 def memory_gib(device) -> dict[str, float]:
@@ -148,6 +149,8 @@ class MetricsLogger:
         }
         if m.consumed_samples is not None:
             row["consumed_samples"] = m.consumed_samples
+        if m.host_wait_s is not None:
+            row["host_wait_s"] = m.host_wait_s
         if m.val_loss is not None:
             val = _finite(m.val_loss)
             row["val_loss"] = val

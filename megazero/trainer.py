@@ -313,7 +313,9 @@ class Trainer:
 
     def _finish_step(self, queued: _QueuedStep) -> StepMetrics:
         """Read a queued step's results (waiting for that step only) and count skipped steps."""
+        reading = time.perf_counter()
         loss, grad_norm, skipped = queued.values.read()
+        now = time.perf_counter()
         skipped = skipped > 0
         self.state.skipped += int(skipped)
         # fp16 overflows are the dynamic scaler's business (it stops the run at min_loss_scale); any
@@ -324,7 +326,6 @@ class Trainer:
             raise UserError(f"the loss or the gradients were NaN or inf for {self.state.bad_in_row} steps in a "
                             f"row (to step {queued.step}): the run is diverging; lower optimizer.lr, raise "
                             "schedule.warmup_steps or resume from an earlier checkpoint")
-        now = time.perf_counter()
         # Queued one ahead, a step's time is from the end of the one before (or its own queueing, if
         # later) to its end: in a steady run, the time between two steps' ends.
         seconds = now - max(queued.queued_at, self._last_finished or 0.0)
@@ -333,7 +334,7 @@ class Trainer:
             step=queued.step, loss=loss, lr=queued.lr, grad_norm=grad_norm,
             tokens=queued.size * self.cfg.model.seq_length, seconds=seconds,
             loss_scale=queued.loss_scale, skipped_steps=self.state.skipped,
-            consumed_samples=queued.consumed)
+            consumed_samples=queued.consumed, host_wait_s=now - reading)
 
     def _evaluate(self):
         """Mean loss over the first ``eval_steps`` global batches of the validation split (the same

@@ -119,6 +119,7 @@ def _world1(rank, world_size, prefix, root):
     _train(_overrides(prefix, profiled, steps=4, extra=("--logging.profile_steps", "[2, 3]",
                                                         "--checkpoint.save_on_exit", "false")), 1)
     out["profile_files"] = sorted(os.listdir(os.path.join(profiled, "profile")))
+    out["host_wait"] = [row.get("host_wait_s") for row in read_metrics(os.path.join(profiled, "metrics.jsonl"))]
     with gzip.open(os.path.join(profiled, "profile", "rank0_steps2-3.json.gz"), "rt") as f:
         out["profile_ops"] = {e.get("name") for e in json.load(f)["traceEvents"]}
     out["evaluations"] = {}
@@ -160,6 +161,11 @@ def test_profile_steps_write_one_trace_of_the_window(layouts):
     assert layouts["profile_files"] == ["rank0_steps2-3.json.gz"]
     ops = layouts["profile_ops"]
     assert {"aten::mm", "aten::addmm"} & ops and any("adam" in str(name).lower() for name in ops), sorted(ops)[:50]
+
+
+def test_every_step_reports_how_long_the_host_waited_for_it(layouts):
+    waits = layouts["host_wait"]
+    assert len(waits) == 4 and all(isinstance(w, float) and 0 <= w < 60 for w in waits), waits
 
 
 @pytest.mark.parametrize("run", ["reshard_dp4", "reshard_single"])
