@@ -8,6 +8,7 @@ loss, which the pipeline broadcasts to every rank.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import math
@@ -230,12 +231,12 @@ class Trainer:
         return self._done() or self._evaluates(step) or self._saves(step)
 
     def train(self) -> TrainState:
-        """Steps are queued one ahead: the host reads step N's loss and gradient norm while the
-        device already runs step N+1, so the device does not wait for the host to log, check and
-        prepare the next batch. A step after which the run evaluates, saves or ends is not run ahead
-        of. Stop requests (a signal, the time limit) are agreed on before each step after the first is
-        queued: one seen then stops after the step in flight; one that arrives later, after the step
-        queued next."""
+        """Steps are queued ahead (``train.steps_ahead``, 1 by default): the host reads step N's loss
+        and gradient norm while the device already runs step N+1, so the device does not wait for
+        the host to log, check and prepare the next batch. A step after which the run evaluates,
+        saves or ends is not run ahead of. Stop requests (a signal, the time limit) are agreed on
+        before each step after the first is queued: one seen then stops after the steps in flight;
+        one that arrives later, after the steps queued next."""
         start = time.monotonic()
         t = self.cfg.train
         if self._done():
@@ -245,23 +246,29 @@ class Trainer:
                       flush=True)
             return self.state
         with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger:
-            pending: Optional[_QueuedStep] = self._queue_step()
+            in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step()])
             while True:
                 late = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
                 preempted, late = self._agree(preemption.requested, late)
-                if pending is not None:
+                stopping = preempted or late
+                if in_flight:
                     try:
-                        ahead = None if preempted or late or self._pause_after(pending.step) else self._queue_step()
-                    except BaseException:  # the step before still gets its line (or its own error)
-                        self.logger.record(self._finish_step(pending))
+                        while (not stopping and len(in_flight) <= t.steps_ahead
+                               and not self._pause_after(in_flight[-1].step)):
+                            in_flight.append(self._queue_step())
+                    except BaseException:  # the steps before still get their lines (or their own error)
+                        while in_flight:
+                            self.logger.record(self._finish_step(in_flight.popleft()))
                         raise
-                    self._complete(pending)
-                    if not (preempted or late) and self._saves(pending.step):
+                    done = in_flight.popleft()
+                    self._complete(done)
+                    if not stopping and self._saves(done.step):
                         self.save()
-                    pending = ahead
-                elif not (preempted or late or self._done()):  # after an evaluation or a save
-                    pending = self._queue_step()
-                if preempted or late or (pending is None and self._done()):
+                    while stopping and in_flight:  # a stop lets the steps already queued finish
+                        self._complete(in_flight.popleft())
+                elif not (stopping or self._done()):  # after an evaluation or a save
+                    in_flight.append(self._queue_step())
+                if stopping or (not in_flight and self._done()):
                     break
             if preempted:
                 self.state.stopped_by = self._agreed_signal(preemption.signal_name)

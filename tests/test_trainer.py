@@ -123,14 +123,44 @@ def _world1(rank, world_size, prefix, root):
     with gzip.open(os.path.join(profiled, "profile", "rank0_steps2-3.json.gz"), "rt") as f:
         out["profile_ops"] = {e.get("name") for e in json.load(f)["traceEvents"]}
     out["evaluations"] = {}
-    for steps in (3, STEPS):  # step 3 evaluated as the run's last step, and with later steps to queue
-        run_dir = f"{root}/eval-{steps}"
+    # step 3 evaluated as the run's last step, and with later steps to queue, one or three ahead
+    for name, steps, ahead in ((3, 3, 1), (STEPS, STEPS, 1), ("ahead3", STEPS, 3)):
+        run_dir = f"{root}/eval-{name}"
         _train(_overrides(prefix, run_dir, steps=steps, extra=(
             "--data.split", "9,1,0", "--train.eval_interval", "3", "--train.eval_steps", "1",
-            "--checkpoint.save_on_exit", "false")), 1)
-        out["evaluations"][steps] = [(row["step"], row["val_loss"]) for row in
-                                     read_metrics(os.path.join(run_dir, "metrics.jsonl")) if row.get("val_loss") is not None]
+            "--checkpoint.save_on_exit", "false", "--train.steps_ahead", str(ahead))), 1)
+        out["evaluations"][name] = [(row["step"], row["val_loss"]) for row in
+                                    read_metrics(os.path.join(run_dir, "metrics.jsonl")) if row.get("val_loss") is not None]
+    ahead = f"{root}/ahead3"
+    out["ahead3"] = _train(_overrides(prefix, ahead, extra=("--train.steps_ahead", "3", "--checkpoint.save_interval", "4",
+                                                            "--checkpoint.save_on_exit", "false")), 1)
+    out["ahead3_checkpoints"] = sorted(d for d in os.listdir(os.path.join(ahead, "checkpoints")) if d.startswith("step_"))
+    _train(_overrides(prefix, f"{root}/late-ahead3", extra=("--train.max_wall_seconds", "1e-9",
+                                                            "--train.steps_ahead", "3")), 1)
+    out["late_ahead3"] = [row["step"] for row in read_metrics(os.path.join(root, "late-ahead3", "metrics.jsonl"))]
+    out["stop_mid_ahead3"] = _stop_at_third_check(_overrides(prefix, f"{root}/stop-mid", extra=(
+        "--train.steps_ahead", "3")))
     return out
+
+
+def _stop_at_third_check(overrides):
+    """Train one process whose stop check says "time is up" the third time it is asked; returns the
+    steps logged and the checkpoints saved."""
+    from megazero.startup import initialize
+    from megazero.trainer import Trainer
+    from parallel.launch import LaunchEnv
+
+    cfg = resolve_config(load_config(None, overrides), 1)
+    device, topology = initialize(cfg, LaunchEnv(0, 1, 0, 1))
+    trainer, checks = Trainer(cfg, device, topology), []
+
+    def agree(preempted, late):
+        checks.append(1)
+        return [preempted, len(checks) >= 3]
+    trainer._agree = agree
+    trainer.train()
+    steps = [row["step"] for row in read_metrics(os.path.join(cfg.logging.run_dir, "metrics.jsonl"))]
+    return steps, sorted(d for d in os.listdir(cfg.save_dir) if d.startswith("step_"))
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +319,18 @@ def test_evaluation_sees_the_weights_of_its_step(layouts):
     assert len(last) == 1 and last[0][0] == 3, last
     assert [step for step, _ in longer] == [3, 6, 9], longer
     assert longer[0] == last[0], (longer, last)
+    assert layouts["evaluations"]["ahead3"] == longer  # queued three ahead, paused at each evaluation
+
+
+def test_steps_queued_further_ahead_train_the_same_and_save_where_asked(layouts):
+    """``train.steps_ahead 3``: the same losses, bit for bit, as one step ahead; the periodic saves of
+    steps 4 and 8 (not run ahead of); and a stop seen before step 2 is queued still ends after step 1."""
+    assert layouts["ahead3"] == layouts["single"]
+    assert layouts["ahead3_checkpoints"] == ["step_0000004", "step_0000008"], layouts["ahead3_checkpoints"]
+    assert layouts["late_ahead3"] == [1]
+    # three ahead, the third check stops the run: steps 1-5 were queued by then, all are logged, and
+    # the exit save holds step 5
+    assert layouts["stop_mid_ahead3"] == ([1, 2, 3, 4, 5], ["step_0000005"]), layouts["stop_mid_ahead3"]
 
 
 def test_a_stop_seen_before_the_next_step_is_queued_ends_the_run_there(layouts):

@@ -119,6 +119,7 @@ class TrainConfig:
     device: str = option("auto", "cpu, cuda or auto (cuda when available)")
     compile: Optional[bool] = option(None, "torch.compile each transformer block and the head: true, false, or null (the default) = on for GPU runs, off on CPU")
     cuda_graphs: bool = option(False, "Replay each compiled block's forward and backward as CUDA graphs (torch.compile's reduce-overhead mode), so the host no longer launches their kernels one by one: for tensor-parallel runs, whose halved GEMMs leave the host's launch work as the bound. Needs compile on GPUs, parallel.pp 1, zero.stage 0-2, no split-backward schedule, parallel.recompute none, tp_comm serial or overlap and no dropout. Collectives inside a replayed graph are out of reach of train.collective_timeout_s")
+    steps_ahead: int = option(1, "Optimizer steps the host queues on the device before it reads the oldest one's loss: 1 lets the host log and prepare the next batch while the device computes; more absorb uneven host time when the host needs nearly a whole step to queue one (metrics.jsonl's host_wait_s near 0)")
     max_bad_steps: int = option(5, "Stop after this many consecutive NaN/inf losses")
     collective_timeout_s: float = option(600.0, "Seconds before a hung collective fails with its rank and group")
     memory_budget_gib: Optional[float] = option(None, "Device memory per rank in GiB that the planner's start-up estimate must fit (None = the GPU's own; CPU runs are then unchecked)")

@@ -57,7 +57,7 @@ POSITIVE = [
     "optimizer.lr", "optimizer.eps",
     "schedule.rampup_start_batch", "schedule.rampup_increment",
     "train.micro_batch_size", "train.global_batch_size", "train.train_steps", "train.train_tokens",
-    "train.max_wall_seconds", "train.eval_steps", "train.max_bad_steps", "train.collective_timeout_s",
+    "train.max_wall_seconds", "train.eval_steps", "train.max_bad_steps", "train.steps_ahead", "train.collective_timeout_s",
     "checkpoint.keep_last", "logging.log_interval",
 ]
 
