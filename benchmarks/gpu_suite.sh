@@ -28,6 +28,10 @@
 #   benchmarks/gpu_suite.sh optimizer one GPU: the one-pass AdamW kernel per tile size against torch's fused AdamW
 #                                    and the rounding copy, then the whole optimizer step at 125M and 1.3B with
 #                                    the kernel and without, and at 125M where the host's time goes (about 3 minutes)
+#   benchmarks/gpu_suite.sh hostbound one GPU each, 125M and 350M: the user's path (steps_ahead 1 and 2, with
+#                                    the host's wait per step) against the engine alone (train_gpu.py, no reads
+#                                    until the end) on the same GPU, and the plain peer; then a profile of
+#                                    three trainer steps at 350M (logging.profile_steps) (about 8 minutes)
 #   benchmarks/gpu_suite.sh eight    eight GPUs, the user's path: the 1.3B GPT for 20 steps on the demo corpus
 #                                    on one GPU, then tp 2 x pp 2 x dp 2 (ZeRO 1 and 3), tp 8 and dp 8 (ZeRO 3);
 #                                    benchmarks/loss_curves.py checks each against the one-GPU losses (2%) and
@@ -41,7 +45,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, pairs, ctas, gradcopy, optimizer, axes4, eight or eight-speed}
+part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, pairs, ctas, gradcopy, optimizer, hostbound, axes4, eight or eight-speed}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -68,6 +72,22 @@ trainer)
       --data.blend '[[1.0, data/demo/stdlib_text_document]]' --train.train_steps 30 --logging.log_interval 10 \
       --train.global_batch_size $((8 * n)) --checkpoint.save_on_exit false --logging.run_dir runs/gpu$n
   done ;;
+hostbound)
+  # the user's path and the engine alone at the same sizes and micro-batches as model_sizes_gpu.py
+  for size in 125m 350m; do
+    case $size in 125m) shape="--model.num_layers 12 --model.hidden_size 768 --model.num_heads 12"; mbs=16;;
+                  350m) shape="--model.num_layers 24 --model.hidden_size 1024 --model.num_heads 16"; mbs=8;; esac
+    for ahead in 1 2; do
+      run timeout 200 python benchmarks/model_sizes_gpu.py --sizes $size --runs megazero --steps 30 --skip 10 \
+        --megazero-args "--train.steps_ahead $ahead"
+    done
+    run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs compile \
+      --warmup 8 --steps 20 $shape --zero.stage 0 --train.micro_batch_size $mbs
+    run timeout 150 python benchmarks/model_sizes_gpu.py --sizes $size --runs plain --steps 30 --skip 10
+  done
+  run timeout 200 python benchmarks/model_sizes_gpu.py --sizes 350m --runs megazero --steps 24 --skip 10 \
+    --megazero-args "--logging.profile_steps [15,17]"
+  cp "${TMPDIR:-/tmp}"/mz-350m-*/profile/*.json.gz "${OUT:-/tmp}/" 2>/dev/null ;;
 axes)
   # one GPU: one micro-batch (tensor parallel's reference) and eight (the pipeline's)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \

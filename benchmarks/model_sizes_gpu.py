@@ -11,7 +11,9 @@ Each run is its own process, so each peak memory is its own:
 * ``plain``: the peer baseline ``benchmarks/peers/single_gpu.py`` (nanoGPT-style GPT of the same
   shape, bf16 autocast, fused AdamW, ``torch.compile``), for the GPT-2 sizes (it has no Llama).
 
-Throughput is the median tokens/s of the steps after ``--skip`` (compilation and allocator warm-up);
+Throughput is the median tokens/s of the steps after ``--skip`` (compilation and allocator warm-up),
+``host_wait_ms`` the median time the trainer's host waited for a step's results (near 0: the host,
+not the GPU, bounds the run);
 MFU counts 6N + 12·layers·hidden·seq FLOPs per token against 989 TFLOP/s for every run, so the
 columns compare; peak memory is the most allocated at any point of the run. Prints one JSON line
 per run and a table at the end. Builds the demo corpus into ``data/demo`` first if it is missing.
@@ -67,7 +69,9 @@ def megazero(size: str, kernels: bool, steps: int, skip: int, timeout: int, extr
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if "tokens_per_s" in r]
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in rows[skip:])
+    waits = [r["host_wait_s"] for r in rows[skip:] if r.get("host_wait_s") is not None]
     return {"tokens_per_s": round(tokens_per_s), "peak_GiB": round(max(r.get("mem_peak_gib", 0.0) for r in rows), 2),
+            "host_wait_ms": round(1e3 * statistics.median(waits), 2) if waits else None,
             "reserved_GiB": round(max(r.get("mem_reserved_peak_gib", 0.0) for r in rows), 2),
             "loss": round(rows[-1]["loss"], 3)}
 
