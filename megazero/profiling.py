@@ -5,8 +5,9 @@ line: which kernels ran, where the GPU sat idle, and what the host was doing mea
 calls ``before_step`` as it queues a step and ``after_step`` once it has read that step's results;
 the profiler runs from queueing the window's first step to reading its last, on the ranks asked
 for, and each writes one Chrome-trace file (for Perfetto, chrome://tracing or
-``benchmarks/trace_summary.py``). The trainer queues a step before reading the one before it, so
-the end of a trace also holds the host's queueing of the step after the window.
+``benchmarks/trace_summary.py``). The trainer queues steps ahead of the one it reads
+(``train.steps_ahead``), so the end of a trace also holds the host's queueing of the steps after the
+window.
 """
 
 from __future__ import annotations
