@@ -1,6 +1,7 @@
-"""The trainer on GPUs: the loop that queues step N+1 before reading step N, its stop agreement over a
-gloo group beside NCCL, the pinned-memory copies of each step's loss and norm, evaluation and
-checkpoints, at world 2 (tp 2, and dp 2 under ZeRO 1) on two GPUs.
+"""The trainer on GPUs: the loop that queues step N+1 (or more: ``train.steps_ahead``) before reading
+step N, its stop agreement over a gloo group beside NCCL, the pinned-memory copies of each step's
+loss and norm, evaluation and checkpoints, at world 2 (tp 2, and dp 2 under ZeRO 1) on two GPUs;
+and ``logging.profile_steps`` writing each rank's trace with its kernels.
 
 Each run trains the small GPT of ``tests/test_trainer.py`` for 8 steps in fp32 (compiled, the GPU
 default), evaluating and saving every 3 steps, and must log the training and validation losses
@@ -10,6 +11,8 @@ sum in other orders), and leave checkpoints of steps 3, 6 and 8.
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 
 import pytest
@@ -22,7 +25,10 @@ from tests.test_trainer import _overrides, _train, write_arithmetic_shard
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
 STEPS = 8
-LAYOUTS = {"tp2": ("--parallel.tp", "2"), "dp2": ()}
+LAYOUTS = {"tp2": ("--parallel.tp", "2"), "dp2": (),
+           # two steps queued ahead, steps 4-5 profiled on both ranks
+           "dp2-ahead2-profiled": ("--train.steps_ahead", "2", "--logging.profile_steps", "[4, 5]",
+                                   "--logging.profile_ranks", "[0, 1]")}
 
 
 def _run(root: str, name: str, device: str, extra: tuple, world: int) -> dict:
@@ -34,7 +40,15 @@ def _run(root: str, name: str, device: str, extra: tuple, world: int) -> dict:
     return {"loss": [r["loss"] for r in rows if "loss" in r],
             "val_steps": [r["step"] for r in rows if r.get("val_loss") is not None],
             "val_loss": [r["val_loss"] for r in rows if r.get("val_loss") is not None],
-            "checkpoints": sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step_"))}
+            "checkpoints": sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step_")),
+            "traces": {name: _kernel_count(os.path.join(run, "profile", name))
+                       for name in sorted(os.listdir(os.path.join(run, "profile")))}
+            if os.path.isdir(os.path.join(run, "profile")) else {}}
+
+
+def _kernel_count(path: str) -> int:
+    with gzip.open(path, "rt") as f:
+        return sum(e.get("cat") == "kernel" for e in json.load(f)["traceEvents"])
 
 
 def _cpu(rank, world, root):
@@ -61,3 +75,9 @@ def test_trainer_on_gpus_matches_one_cpu_process(runs, layout):
     assert run["val_steps"] == [3, 6]
     assert run["val_loss"] == pytest.approx(cpu["val_loss"], rel=1e-3)
     assert run["checkpoints"] == ["step_0000003", "step_0000006", "step_0000008"]
+
+
+def test_profiled_steps_hold_each_ranks_kernels(runs):
+    traces = runs[1]["dp2-ahead2-profiled"]["traces"]
+    assert sorted(traces) == ["rank0_steps4-5.json.gz", "rank1_steps4-5.json.gz"], traces
+    assert all(count > 0 for count in traces.values()), traces
