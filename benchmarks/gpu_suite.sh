@@ -87,7 +87,8 @@ hostbound)
   done
   run timeout 200 python benchmarks/model_sizes_gpu.py --sizes 350m --runs megazero --steps 24 --skip 10 \
     --megazero-args "--logging.profile_steps [15,17]"
-  cp "${TMPDIR:-/tmp}"/mz-350m-*/profile/*.json.gz "${OUT:-/tmp}/" 2>/dev/null ;;
+  newest=$(ls -td "${TMPDIR:-/tmp}"/mz-350m-* | head -n 1)
+  cp "$newest"/profile/*.json.gz "${OUT:-/tmp}/" 2>/dev/null ;;
 axes)
   # one GPU: one micro-batch (tensor parallel's reference) and eight (the pipeline's)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \

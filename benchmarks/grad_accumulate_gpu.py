@@ -9,9 +9,9 @@ the buffer did before it batched its copies), ``torch._foreach_copy_`` / ``_fore
 a minimal Triton kernel per parameter (load bf16, add in fp32, store: one vectorized pass) and the
 same by ``torch.compile``, each as milliseconds per step (GPU time; ``host_ms`` is the host's time to
 issue them) and GB/s of its minimal traffic; and, for each weight of a block, its gradient GEMM
-accumulating into the fp32 buffer itself (``grads.matmul_into``: ``addmm`` with an fp32 output,
-Megatron's gradient-accumulation fusion, what the zero-bubble W ops do) against the GEMM followed by
-the add::
+accumulating into the fp32 buffer itself (``parallel.matmul.matmul_into``: ``addmm`` with an fp32
+output, Megatron's gradient-accumulation fusion, what the zero-bubble W ops do) against the GEMM
+followed by the add::
 
     python benchmarks/grad_accumulate_gpu.py configs/gpt_1.3b.yaml
 """
@@ -26,7 +26,7 @@ import torch
 
 from megazero.config import load_config
 from models import GPT
-from parallel.data_parallel.grads import matmul_into
+from parallel.matmul import matmul_into
 
 
 def timed(fn, repeats: int = 20) -> tuple[float, float]:
@@ -117,8 +117,8 @@ def main() -> None:
         launch(dst, src, False)
         result["triton matches torch"] = added and torch.equal(dst, src.float())
     # each weight of a block: its gradient [out, in] = [tokens, out]^T @ [tokens, in] added into its fp32
-    # region by a bf16 GEMM then add_, or accumulated by the GEMM itself (``grads.matmul_into``, what the
-    # zero-bubble W ops do), with that one's error against an fp32 product
+    # region by a bf16 GEMM then add_, or accumulated by the GEMM itself (``parallel.matmul.matmul_into``,
+    # what the zero-bubble W ops do), with that one's error against an fp32 product
     for name, param in model.layers["0"].named_parameters():
         if param.ndim != 2:
             continue

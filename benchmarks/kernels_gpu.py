@@ -101,27 +101,28 @@ def cross_entropy_tiles() -> list[dict]:
     logits = torch.randn(4096, PADDED, device="cuda").to(torch.bfloat16)
     labels = torch.randint(0, VOCAB, (4096,), device="cuda")
     scale, loss = torch.ones(4096, device="cuda"), torch.empty(4096, device="cuda")
-    default = (rows_module.ROW_BLOCK, rows_module.ROW_WARPS)
-    for block in (1024, 2048, 4096, 8192):
-        for warps in (4, 8, 16, 32):
-            rows_module.ROW_BLOCK, rows_module.ROW_WARPS = block, warps
-            ms = do_bench(lambda: rows_module.loss_and_grad(logits, labels, scale, loss, 0, VOCAB, None, True),
-                          warmup=10, rep=50, return_mode="median")
-            gbs = 3 * logits.numel() * 2 / ms / 1e6
-            print(f"row kernel BLOCK {block:5d} warps {warps:2d}  {ms:7.3f} ms  {gbs:6.0f} GB/s", flush=True)
-            out.append({"op": "ce_rows", "block": block, "warps": warps, "ms": round(ms, 4), "GBps": round(gbs)})
-    rows_module.ROW_BLOCK, rows_module.ROW_WARPS = default
-    default_chunk = cross_entropy.CHUNK_ELEMENTS
-    for name, tokens, hidden in (("125m", 16 * 2048, 768), ("1.3b", TOKENS, HIDDEN)):
-        h, w = leaf(tokens, hidden), leaf(PADDED, hidden, scale=0.02)
-        target = torch.randint(0, VOCAB, (tokens,), device="cuda")
-        for log2 in (27, 28, 29, 30):
-            cross_entropy.CHUNK_ELEMENTS = 2 ** log2
-            r = row("linear_cross_entropy", f"{name} chunk 2^{log2}",
-                    lambda a, b: linear_cross_entropy(a, b, target, VOCAB, "sum"), [h, w])
-            out += [r] if r else []
-        del h, w
-    cross_entropy.CHUNK_ELEMENTS = default_chunk
+    default, default_chunk = (rows_module.ROW_BLOCK, rows_module.ROW_WARPS), cross_entropy.CHUNK_ELEMENTS
+    try:
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16, 32):
+                rows_module.ROW_BLOCK, rows_module.ROW_WARPS = block, warps
+                ms = do_bench(lambda: rows_module.loss_and_grad(logits, labels, scale, loss, 0, VOCAB, None, True),
+                              warmup=10, rep=50, return_mode="median")
+                gbs = 3 * logits.numel() * 2 / ms / 1e6
+                print(f"row kernel BLOCK {block:5d} warps {warps:2d}  {ms:7.3f} ms  {gbs:6.0f} GB/s", flush=True)
+                out.append({"op": "ce_rows", "block": block, "warps": warps, "ms": round(ms, 4), "GBps": round(gbs)})
+        rows_module.ROW_BLOCK, rows_module.ROW_WARPS = default
+        for name, tokens, hidden in (("125m", 16 * 2048, 768), ("1.3b", TOKENS, HIDDEN)):
+            h, w = leaf(tokens, hidden), leaf(PADDED, hidden, scale=0.02)
+            target = torch.randint(0, VOCAB, (tokens,), device="cuda")
+            for log2 in (27, 28, 29, 30):
+                cross_entropy.CHUNK_ELEMENTS = 2 ** log2
+                r = row("linear_cross_entropy", f"{name} chunk 2^{log2}",
+                        lambda a, b: linear_cross_entropy(a, b, target, VOCAB, "sum"), [h, w])
+                out += [r] if r else []
+            del h, w
+    finally:  # the module defaults, whatever failed
+        (rows_module.ROW_BLOCK, rows_module.ROW_WARPS), cross_entropy.CHUNK_ELEMENTS = default, default_chunk
     return out
 
 

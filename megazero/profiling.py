@@ -45,6 +45,12 @@ class StepProfiler:
         if self._profile is not None and step >= self.window[1]:
             self.close()
 
+    def __enter__(self) -> "StepProfiler":
+        return self
+
+    def __exit__(self, *exc) -> None:  # a run ended by an error still leaves its trace
+        self.close()
+
     def close(self) -> None:
         """Stop and write the trace, also when the run ends inside the window; once a run."""
         if self._profile is None:

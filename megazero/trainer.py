@@ -235,8 +235,9 @@ class Trainer:
         and gradient norm while the device already runs step N+1, so the device does not wait for
         the host to log, check and prepare the next batch. A step after which the run evaluates,
         saves or ends is not run ahead of. Stop requests (a signal, the time limit) are agreed on
-        before each step after the first is queued: one seen then stops after the steps in flight;
-        one that arrives later, after the steps queued next."""
+        before each round of queueing (one step a round once the queue is full): one seen then stops
+        after the steps in flight; one that arrives later, after the steps queued next. A profiled
+        window (``logging.profile_steps``) is written however the loop ends."""
         start = time.monotonic()
         t = self.cfg.train
         if self._done():
@@ -245,7 +246,7 @@ class Trainer:
                       "train.train_steps or train.train_tokens to continue it, or use another logging.run_dir)",
                       flush=True)
             return self.state
-        with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger:
+        with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger, self.profiler:
             in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step()])
             while True:
                 late = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
@@ -270,6 +271,7 @@ class Trainer:
                     in_flight.append(self._queue_step())
                 if stopping or (not in_flight and self._done()):
                     break
+            self.profiler.close()  # before the exit save, which is not part of any step
             if preempted:
                 self.state.stopped_by = self._agreed_signal(preemption.signal_name)
             if (preempted or late) and self.rank == 0:
@@ -278,7 +280,6 @@ class Trainer:
             saved = self.state.saved_to is not None and self.saved_step == self.state.step
             if (self.cfg.checkpoint.save_on_exit or self.state.stopped_by) and not saved:
                 self.save()
-            self.profiler.close()
             self.writer.wait()
         return self.state
 
@@ -333,7 +334,7 @@ class Trainer:
             raise UserError(f"the loss or the gradients were NaN or inf for {self.state.bad_in_row} steps in a "
                             f"row (to step {queued.step}): the run is diverging; lower optimizer.lr, raise "
                             "schedule.warmup_steps or resume from an earlier checkpoint")
-        # Queued one ahead, a step's time is from the end of the one before (or its own queueing, if
+        # Queued ahead, a step's time is from the end of the one before (or its own queueing, if
         # later) to its end: in a steady run, the time between two steps' ends.
         seconds = now - max(queued.queued_at, self._last_finished or 0.0)
         self._last_finished = now

@@ -159,6 +159,10 @@ CASES = [
      ["logging.profile_steps: expected [first, last] with 1 <= first <= last"]),
     ("profile-ranks", lambda f: _train(f, "--logging.profile_steps", "[1, 2]", "--logging.profile_ranks", "[4]"),
      ["logging.profile_ranks: [4] are not ranks of this world of 1"]),
+    ("profile-past-end", lambda f: _train(f, "--logging.profile_steps", "[5, 6]"),
+     ["logging.profile_steps: step 5 comes after the run's last step (train.train_steps 2)"]),
+    ("steps-ahead", lambda f: _train(f, "--train.steps_ahead", "0"), ["train.steps_ahead: must be positive"]),
+    ("steps-ahead-max", lambda f: _train(f, "--train.steps_ahead", "9"), ["train.steps_ahead: 9 is more than 8"]),
     ("vocab-auto-alone", lambda f: _train(f, "--model.vocab_size", "auto"), ["model.vocab_size: auto needs data.tokenizer"]),
     # --- data -----------------------------------------------------------------------------------
     ("no-data", lambda f: ["train", *_model(f["good"], str(f["root"] / "runs" / "x"))[:-6]],

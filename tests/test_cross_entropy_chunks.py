@@ -116,3 +116,23 @@ def test_bf16_chunks_on_cpu_equal_the_fp32_reference(rows):
     assert fused[1].dtype == fused[2].dtype == torch.bfloat16
     for got, want in zip(fused, reference):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_first_chunk_overwrites_whatever_the_weight_gradient_held(dtype):
+    """Both weight-gradient paths (one GEMM into fp32; a 16-bit product then copied or added) write
+    the first chunk over the buffer's old contents, here NaN, and add the later ones."""
+    g = torch.Generator().manual_seed(2)
+    a, b, c = (torch.randn(6, 5, generator=g).to(dtype) for _ in range(3))
+    grad = torch.full((5, 5), float("nan"))
+    cross_entropy._accumulate(grad, a, b, first=True)
+    cross_entropy._accumulate(grad, a, c, first=False)
+    want = (a.t() @ b).float() + (a.t() @ c).float()
+    torch.testing.assert_close(grad, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-2)
+
+
+def test_no_tokens_give_zero_gradients(rows):
+    h, w = torch.zeros(0, 16, requires_grad=True), torch.randn(128, 16, requires_grad=True)
+    loss = cross_entropy.linear_cross_entropy(h, w, torch.zeros(0, dtype=torch.long), 100, "sum")
+    loss.backward()
+    assert loss.item() == 0 and h.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))

@@ -20,7 +20,7 @@ import torch
 
 from megazero.metrics import read_metrics
 from tests.distributed import run_world
-from tests.test_trainer import _overrides, _train, write_arithmetic_shard
+from tests.test_trainer import _overrides, _train, step_dirs, write_arithmetic_shard
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
@@ -40,7 +40,7 @@ def _run(root: str, name: str, device: str, extra: tuple, world: int) -> dict:
     return {"loss": [r["loss"] for r in rows if "loss" in r],
             "val_steps": [r["step"] for r in rows if r.get("val_loss") is not None],
             "val_loss": [r["val_loss"] for r in rows if r.get("val_loss") is not None],
-            "checkpoints": sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step_")),
+            "checkpoints": step_dirs(os.path.join(run, "checkpoints")),
             "traces": {name: _kernel_count(os.path.join(run, "profile", name))
                        for name in sorted(os.listdir(os.path.join(run, "profile")))}
             if os.path.isdir(os.path.join(run, "profile")) else {}}
@@ -64,7 +64,7 @@ def _gpus(rank, world, root):
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("trainer"))
     cpu = run_world(1, _cpu, root, timeout=300)[0]
-    return cpu, run_world(2, _gpus, root, timeout=600, backend="nccl")[0]
+    return cpu, run_world(2, _gpus, root, timeout=900, backend="nccl")[0]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

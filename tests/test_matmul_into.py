@@ -10,7 +10,7 @@ The region is a view at an offset of a larger buffer and one factor is transpose
 import pytest
 import torch
 
-from parallel.data_parallel.grads import can_matmul_into, matmul_into
+from parallel.matmul import can_matmul_into, matmul_into
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -67,8 +67,9 @@ def _overrides(prefix: str, run_dir: str, tp=1, pp=1, stage=1, steps=STEPS, extr
             "--data.split", "1", "--logging.run_dir", run_dir, "--logging.log_interval", "1", *extra]
 
 
-def _train(overrides, world_size):
-    """Build and run a Trainer inside an already started world; returns the losses it logged."""
+def _train(overrides, world_size, prepare=None):
+    """Build and run a Trainer inside an already started world (``prepare(trainer)`` first, if
+    given); returns the losses it logged."""
     import torch.distributed as dist
 
     from megazero.startup import initialize
@@ -79,9 +80,16 @@ def _train(overrides, world_size):
     rank = dist.get_rank()  # one node: the local rank is the rank (it picks the GPU on a CUDA world)
     device, topology = initialize(cfg, LaunchEnv(rank, world_size, rank, world_size))
     trainer = Trainer(cfg, device, topology)
+    if prepare is not None:
+        prepare(trainer)
     trainer.train()
     dist.barrier()
     return [row["loss"] for row in read_metrics(os.path.join(cfg.logging.run_dir, "metrics.jsonl"))]
+
+
+def step_dirs(checkpoints: str) -> list[str]:
+    """The step checkpoints in a checkpoint directory, oldest first."""
+    return sorted(d for d in os.listdir(checkpoints) if d.startswith("step_"))
 
 
 def _world8(rank, world_size, prefix, root):
@@ -134,33 +142,29 @@ def _world1(rank, world_size, prefix, root):
     ahead = f"{root}/ahead3"
     out["ahead3"] = _train(_overrides(prefix, ahead, extra=("--train.steps_ahead", "3", "--checkpoint.save_interval", "4",
                                                             "--checkpoint.save_on_exit", "false")), 1)
-    out["ahead3_checkpoints"] = sorted(d for d in os.listdir(os.path.join(ahead, "checkpoints")) if d.startswith("step_"))
+    out["ahead3_checkpoints"] = step_dirs(os.path.join(ahead, "checkpoints"))
     _train(_overrides(prefix, f"{root}/late-ahead3", extra=("--train.max_wall_seconds", "1e-9",
                                                             "--train.steps_ahead", "3")), 1)
     out["late_ahead3"] = [row["step"] for row in read_metrics(os.path.join(root, "late-ahead3", "metrics.jsonl"))]
-    out["stop_mid_ahead3"] = _stop_at_third_check(_overrides(prefix, f"{root}/stop-mid", extra=(
+    out["stop_mid_ahead3"] = _stop_at_third_check(f"{root}/stop-mid", _overrides(prefix, f"{root}/stop-mid", extra=(
         "--train.steps_ahead", "3")))
     return out
 
 
-def _stop_at_third_check(overrides):
+def _stop_at_third_check(run_dir, overrides):
     """Train one process whose stop check says "time is up" the third time it is asked; returns the
     steps logged and the checkpoints saved."""
-    from megazero.startup import initialize
-    from megazero.trainer import Trainer
-    from parallel.launch import LaunchEnv
-
-    cfg = resolve_config(load_config(None, overrides), 1)
-    device, topology = initialize(cfg, LaunchEnv(0, 1, 0, 1))
-    trainer, checks = Trainer(cfg, device, topology), []
+    checks = []
 
     def agree(preempted, late):
         checks.append(1)
         return [preempted, len(checks) >= 3]
-    trainer._agree = agree
-    trainer.train()
-    steps = [row["step"] for row in read_metrics(os.path.join(cfg.logging.run_dir, "metrics.jsonl"))]
-    return steps, sorted(d for d in os.listdir(cfg.save_dir) if d.startswith("step_"))
+
+    def patch(trainer):
+        trainer._agree = agree
+    _train(overrides, 1, prepare=patch)
+    steps = [row["step"] for row in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
+    return steps, step_dirs(os.path.join(run_dir, "checkpoints"))
 
 
 @pytest.fixture(scope="module")

@@ -131,6 +131,9 @@ def _value_problems(cfg: Config) -> list[str]:
             problems.append(f"{name}: must be in [0, 1), got {get(cfg, name)} (typical: beta1 0.9, beta2 0.95)")
     problems += _profile_problems(cfg)
     t = cfg.train
+    if t.steps_ahead > STEPS_AHEAD_MAX:
+        problems.append(f"train.steps_ahead: {t.steps_ahead} is more than {STEPS_AHEAD_MAX}; more steps in flight only "
+                        "delay stops and NaN checks")
     if t.train_steps is None and t.train_tokens is None:
         problems.append("train.train_steps: is null and so is train.train_tokens; give one of them to say when "
                         "training ends")
@@ -202,14 +205,21 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+STEPS_AHEAD_MAX = 8
+"""More steps in flight only delay stops and NaN checks: a host that needs more is the bound."""
+
+
 def _profile_problems(cfg: Config) -> list[str]:
-    steps, ranks = cfg.logging.profile_steps, cfg.logging.profile_ranks
+    steps, ranks, last = cfg.logging.profile_steps, cfg.logging.profile_ranks, cfg.train.train_steps
     problems = []
     if steps is not None and not (len(steps) == 2 and all(map(_is_int, steps)) and 1 <= steps[0] <= steps[1]):
         problems.append(f"logging.profile_steps: expected [first, last] with 1 <= first <= last, e.g. [10, 12]; "
                         f"got {steps!r}")
+    elif steps is not None and last is not None and steps[0] > last:
+        problems.append(f"logging.profile_steps: step {steps[0]} comes after the run's last step "
+                        f"(train.train_steps {last}); profile earlier steps")
     if not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
-        problems.append(f"logging.profile_ranks: expected a list of ranks, e.g. [0]; got {ranks!r}")
+        problems.append(f"logging.profile_ranks: must name at least one rank, as a list such as [0]; got {ranks!r}")
     return problems
 
 
@@ -243,5 +253,5 @@ def _layout_problems(cfg: Config, world_size: Optional[int], local_world_size: O
     outside = [r for r in cfg.logging.profile_ranks if world_size is not None and r >= world_size]
     if cfg.logging.profile_steps is not None and outside:
         problems.append(f"logging.profile_ranks: {outside} are not ranks of this world of {world_size}; name ranks "
-                        f"0-{world_size - 1}")
+                        f"below {world_size}")
     return problems

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from parallel.data_parallel.grads import can_matmul_into, matmul_into
+from parallel.matmul import can_matmul_into, matmul_into
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 2**29
@@ -73,7 +73,9 @@ def _run_chunks(hidden, weight, labels, scale, vocab_start: int, n_valid: int, c
     buffer = hidden.new_empty(rows, local_vocab)
     loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if grad else None
-    grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if grad else None
+    # written by the first chunk, so only zero tokens (no chunk at all) need it cleared
+    new = torch.empty if tokens else torch.zeros
+    grad_weight = new(weight.shape, dtype=torch.float32, device=weight.device) if grad else None
     row_kernel = _row_kernel()
     for start in range(0, tokens, rows):
         end = min(start + rows, tokens)
