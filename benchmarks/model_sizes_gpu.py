@@ -102,7 +102,7 @@ def main() -> None:
         if not os.path.exists(DATA + ".idx"):
             subprocess.run([sys.executable, "-m", "megazero.cli", "demo-corpus", "data/demo"], check=True,
                            capture_output=True)
-    table = []
+    table, extra = [], shlex.split(args.megazero_args)
     for size in args.sizes:
         layers, hidden, _, preset, mbs = SIZES[size]
         for run in args.runs:
@@ -110,8 +110,7 @@ def main() -> None:
                 continue
             try:
                 result = (plain(size, args.steps, args.skip, args.timeout) if run == "plain" else
-                          megazero(size, run == "megazero", args.steps, args.skip, args.timeout,
-                                   shlex.split(args.megazero_args)))
+                          megazero(size, run == "megazero", args.steps, args.skip, args.timeout, extra))
             except subprocess.TimeoutExpired:
                 result = {"error": f"timed out after {args.timeout}s"}
             if "tokens_per_s" in result:

@@ -70,6 +70,9 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
         if isinstance(value, (int, float)) and not isinstance(value, bool):  # --data.split 1
             return str(value)
         raise error(f"{name}: expected a string, got {value!r}")
+    if typing.get_origin(hint) is list:  # list[T]: a list, each item a T
+        (item,) = typing.get_args(hint)
+        return [coerce(v, item, f"{name}[{k}]", error) for k, v in enumerate(coerce(value, list, name, error))]
     if hint is list:
         if isinstance(value, (list, tuple)):
             return list(value)

@@ -107,6 +107,8 @@ def test_tp_across_nodes_can_be_forced():
     (("--model.bias", "1"), "model.bias: expected true or false"),
     (("--optimizer.lr", "fast"), "optimizer.lr: expected a number"),
     (("--model.preset", "gpt5"), "model.preset: unknown preset"),
+    (("--logging.profile_steps", "[2, x]"), r"logging.profile_steps\[1\]: expected an integer, got 'x'"),
+    (("--logging.profile_ranks", "[0.5]"), r"logging.profile_ranks\[0\]: expected an integer, got 0.5"),
 ])
 def test_bad_keys_and_types(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("?", r"\?").replace("(", r"\(")):

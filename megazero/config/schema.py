@@ -102,8 +102,8 @@ class LoggingConfig:
     wandb_mode: str = option("offline", "wandb mode: offline or online")
     wandb_project: str = option("megazero", "wandb project name")
     tensorboard: bool = option(False, "Write TensorBoard event files to RUN_DIR/tensorboard")
-    profile_steps: Optional[list] = option(None, "Profile training steps [first, last] with torch.profiler, host and device: each rank of logging.profile_ranks writes RUN_DIR/profile/rankR_stepsFIRST-LAST.json.gz (Perfetto, chrome://tracing). The trainer queues train.steps_ahead steps before reading one, so a trace's end also holds the queueing of the steps after last (None = off)")
-    profile_ranks: list = option([0], "Ranks that profile logging.profile_steps")
+    profile_steps: Optional[list[int]] = option(None, "Profile training steps [first, last] with torch.profiler, host and device: each rank of logging.profile_ranks writes RUN_DIR/profile/rankR_stepsFIRST-LAST.json.gz (Perfetto, chrome://tracing). The trainer queues train.steps_ahead steps before reading one, so a trace's end also holds the queueing of the steps after last (None = off)")
+    profile_ranks: list[int] = option([0], "Ranks that profile logging.profile_steps")
 
 
 @dataclass

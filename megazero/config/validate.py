@@ -61,6 +61,9 @@ POSITIVE = [
     "checkpoint.keep_last", "logging.log_interval",
 ]
 
+STEPS_AHEAD_MAX = 8
+"""More steps in flight only delay stops and NaN checks: a host that needs more is the bound."""
+
 NON_NEGATIVE = [
     "model.dropout", "model.attention_dropout", "zero.persistence_threshold",
     "optimizer.min_lr", "optimizer.weight_decay", "optimizer.clip_grad",
@@ -201,24 +204,16 @@ def _shape_problems(cfg: Config) -> list[str]:
     return problems
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-STEPS_AHEAD_MAX = 8
-"""More steps in flight only delay stops and NaN checks: a host that needs more is the bound."""
-
-
 def _profile_problems(cfg: Config) -> list[str]:
     steps, ranks, last = cfg.logging.profile_steps, cfg.logging.profile_ranks, cfg.train.train_steps
     problems = []
-    if steps is not None and not (len(steps) == 2 and all(map(_is_int, steps)) and 1 <= steps[0] <= steps[1]):
+    if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
         problems.append(f"logging.profile_steps: expected [first, last] with 1 <= first <= last, e.g. [10, 12]; "
                         f"got {steps!r}")
     elif steps is not None and last is not None and steps[0] > last:
         problems.append(f"logging.profile_steps: step {steps[0]} comes after the run's last step "
                         f"(train.train_steps {last}); profile earlier steps")
-    if not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
+    if not ranks or min(ranks) < 0:
         problems.append(f"logging.profile_ranks: must name at least one rank, as a list such as [0]; got {ranks!r}")
     return problems
 
