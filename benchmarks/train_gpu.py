@@ -13,7 +13,7 @@ compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb``
 zero-bubble schedules ZB-H1 and ZB-H2; ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
 pipeline split [A, B] (else balanced by work); ``mN`` runs N micro-batches per data-parallel rank;
 ``mbsN`` sets the micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on
-random tokens (one micro-batch of ``train.micro_batch_size`` per data-parallel rank, like the peer
+random tokens, or an indexed shard's text with ``--text PREFIX`` (one micro-batch of ``train.micro_batch_size`` per data-parallel rank, like the peer
 baselines), and rank 0 prints one JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense
 peak, peak memory and the model-state bytes the ZeRO formula predicts; a pipeline also its measured
 bubble beside the theory. ``--cpu`` runs a tiny model on gloo to check the script.
@@ -31,9 +31,11 @@ import time
 import warnings
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_pipeline.indexed import IndexedDataset
 from megazero.config import load_config, resolve_config
 from megazero.engine import Engine, pipeline_split
 from megazero.flops import device_name, flops_per_token, peak_flops
@@ -153,8 +155,27 @@ def op_timeline(engine, batch) -> list[str]:
                                      for name, s, e in ops) for first, label, ops in every]
 
 
+def text_batch(prefix: str, micros: int, mbs: int, seq: int, vocab: int) -> list[dict]:
+    """``micros`` micro-batches of consecutive text from the indexed shard ``prefix`` (documents joined
+    in order; every data-parallel rank gets the same). Real text repeats some tokens far more than
+    uniform random tokens do, which could slow the embedding's backward (a scatter-add into the
+    rows of repeated tokens): this lets the engine alone run on the trainer's data to check."""
+    data = IndexedDataset(prefix)
+    need = micros * mbs * (seq + 1)
+    if data.num_tokens < need:
+        raise SystemExit(f"--text {prefix}: {data.num_tokens} tokens, {need} needed")
+    flat, have, i = [], 0, 0
+    while have < need:
+        flat.append(data[i])
+        have, i = have + len(data[i]), i + 1
+    rows = torch.from_numpy(np.concatenate(flat)[:need].astype(np.int64)).view(micros * mbs, seq + 1)
+    if int(rows.max()) >= vocab:
+        raise SystemExit(f"--text {prefix}: token id {int(rows.max())} is outside the vocabulary of {vocab}")
+    return [{"tokens": part[:, :-1].contiguous(), "labels": part[:, 1:].contiguous()} for part in rows.split(mbs)]
+
+
 def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | None = None,
-            run_name: str = "", sync_debug: bool = False, timeline: bool = False) -> dict:
+            run_name: str = "", sync_debug: bool = False, timeline: bool = False, text: str | None = None) -> dict:
     p = cfg.parallel
     topo = Topology(RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order), ranks_per_node=launch.local_world_size)
     t0 = time.perf_counter()
@@ -164,8 +185,9 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
     mbs, seq = cfg.train.micro_batch_size, cfg.model.seq_length
     micros = cfg.train.global_batch_size // (mbs * p.dp)
     g = torch.Generator().manual_seed(topo.dp_rank)
-    batch = [{"tokens": torch.randint(0, cfg.model.vocab_size, (mbs, seq), generator=g),
-              "labels": torch.randint(0, cfg.model.vocab_size, (mbs, seq), generator=g)} for _ in range(micros)]
+    batch = text_batch(text, micros, mbs, seq, cfg.model.vocab_size) if text else [
+        {"tokens": torch.randint(0, cfg.model.vocab_size, (mbs, seq), generator=g),
+         "labels": torch.randint(0, cfg.model.vocab_size, (mbs, seq), generator=g)} for _ in range(micros)]
     for _ in range(warmup):
         out = engine.train_step(batch)
     if device.type == "cuda":
@@ -220,6 +242,8 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="also profile a few steps; kernel tables go to DIR")
     ap.add_argument("--sync-debug", action="store_true", help="also list where a step makes the host wait")
     ap.add_argument("--op-timeline", action="store_true", help="a pipeline also lists each rank's ops with times")
+    ap.add_argument("--text", metavar="PREFIX", help="train on this indexed shard's text (e.g. the demo corpus, "
+                    "data/demo/stdlib_text_document) instead of uniform random tokens")
     args, overrides = ap.parse_known_args()
     launch = read_launch_env()
     base = list(overrides)
@@ -242,7 +266,7 @@ def main() -> None:
             cfg.train, global_batch_size=cfg.train.micro_batch_size * dp * micros))
         cfg = resolve_config(cfg, launch.world_size, launch.local_world_size)
         result = measure(cfg, launch, device, args.warmup, args.steps, args.profile, run, args.sync_debug,
-                         args.op_timeline)
+                         args.op_timeline, args.text)
         if launch.rank == 0:
             print(json.dumps({"run": run, "world": launch.world_size, "device": device_name(device) or "cpu",
                               "mbs": cfg.train.micro_batch_size, "global_batch": cfg.train.global_batch_size,

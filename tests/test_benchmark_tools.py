@@ -147,3 +147,23 @@ def test_three_axes_follow_one_rank_through_the_users_path(tmp_path):
                               capture_output=True, text=True, timeout=120)
     assert compared.returncode == 0, compared.stdout + compared.stderr
     assert json.loads(compared.stdout.splitlines()[-1])["steps"] == 10
+
+
+def test_text_batch_joins_documents_in_order_and_rejects_ids_outside_the_vocabulary(tmp_path):
+    import numpy as np
+    from data_pipeline.indexed import IndexedDatasetWriter
+    import train_gpu
+
+    prefix = str(tmp_path / "text")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for start in (0, 5, 12):  # documents of 5, 7 and 30 tokens: 0..4, 5..11, 12..41
+            w.add_document(np.arange(start, start + (5 if start == 0 else 7 if start == 5 else 30), dtype=np.uint16))
+    batch = train_gpu.text_batch(prefix, micros=2, mbs=3, seq=4, vocab=64)
+    rows = np.arange(30).reshape(6, 5)  # 2 x 3 rows of seq + 1 consecutive tokens
+    for k, mb in enumerate(batch):
+        assert mb["tokens"].tolist() == rows[3 * k:3 * k + 3, :-1].tolist()
+        assert mb["labels"].tolist() == rows[3 * k:3 * k + 3, 1:].tolist()
+    with pytest.raises(SystemExit, match="token id 29 is outside the vocabulary of 20"):
+        train_gpu.text_batch(prefix, micros=2, mbs=3, seq=4, vocab=20)
+    with pytest.raises(SystemExit, match="42 tokens, 50 needed"):
+        train_gpu.text_batch(prefix, micros=2, mbs=5, seq=4, vocab=64)
