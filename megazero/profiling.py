@@ -5,13 +5,16 @@ line: which kernels ran, where the GPU sat idle, and what the host was doing mea
 calls ``before_step`` as it queues a step and ``after_step`` once it has read that step's results;
 the profiler runs from queueing the window's first step to reading its last, on the ranks asked
 for, and each writes one Chrome-trace file (for Perfetto, chrome://tracing or
-``benchmarks/trace_summary.py``). The trainer queues steps ahead of the one it reads
-(``train.steps_ahead``), so the end of a trace also holds the host's queueing of the steps after the
-window.
+``benchmarks/trace_summary.py``), each step's host work under a ``megazero step N`` range. The
+trainer queues steps ahead of the one it reads (``train.steps_ahead``), which would let the device
+work of the step before the window and of the steps after it into the trace, and per-step figures
+read from it would be off by that much; so on every rank it finishes the step before the window and
+the window's last step before queueing the next (``pauses_after``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -24,7 +27,8 @@ class StepProfiler:
 
     def __init__(self, steps: Optional[list[int]], ranks: list[int], rank: int, run_dir: str,
                  device: torch.device):
-        self.window = (steps[0], steps[1]) if steps is not None and rank in ranks else None
+        self.steps = (steps[0], steps[1]) if steps is not None else None  # the same on every rank
+        self.window = self.steps if rank in ranks else None
         self.rank, self.device = rank, device
         self.path = (os.path.join(run_dir, "profile", f"rank{rank}_steps{steps[0]}-{steps[1]}.json.gz")
                      if self.window else None)
@@ -39,6 +43,19 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self._profile = profile(activities=activities)
         self._profile.start()
+
+    def pauses_after(self, step: int) -> bool:
+        """Whether ``step`` must finish before the next is queued, on every rank alike (the trainer's
+        ranks agree on stopping once per round of queueing, so their rounds must match): the step
+        before the window, so the trace starts on an idle device, and the window's last, so no later
+        step's work enters it."""
+        return self.steps is not None and step in (self.steps[0] - 1, self.steps[1])
+
+    def labelled(self, step: int):
+        """A ``megazero step N`` range around queueing ``step`` while profiling (nothing otherwise)."""
+        if self._profile is None:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(f"megazero step {step}")
 
     def after_step(self, step: int) -> None:
         """``step``'s results have been read: after the window's last step, stop and write."""

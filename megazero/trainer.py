@@ -227,8 +227,9 @@ class Trainer:
 
     def _pause_after(self, step: int) -> bool:
         """Whether the step just queued must finish before the next is queued: it is evaluated, saved
-        or the last, and those read or write the parameters as that step left them."""
-        return self._done() or self._evaluates(step) or self._saves(step)
+        or the last, and those read or write the parameters as that step left them; or it bounds a
+        profiled window, whose trace holds only the window's steps."""
+        return self._done() or self._evaluates(step) or self._saves(step) or self.profiler.pauses_after(step)
 
     def train(self) -> TrainState:
         """Steps are queued ahead (``train.steps_ahead``, 1 by default): the host reads step N's loss
@@ -313,7 +314,8 @@ class Trainer:
         micro = global_batch(self.train_data, self.state.consumed, size, self.cfg.train.micro_batch_size,
                              self.topo.dp_rank, self.topo.dp_size)
         lr = self.lr(self.state.step + 1)
-        out = self.engine.train_step(micro, lr)
+        with self.profiler.labelled(self.state.step + 1):
+            out = self.engine.train_step(micro, lr)
         self.state.step += 1
         self.state.consumed += size
         values = _HostCopy(out.loss_value, out.result.norm, out.result.overflow)

@@ -25,6 +25,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 import pytest
 import yaml
 
@@ -129,7 +130,7 @@ def _world1(rank, world_size, prefix, root):
     out["profile_files"] = sorted(os.listdir(os.path.join(profiled, "profile")))
     out["host_wait"] = [row.get("host_wait_s") for row in read_metrics(os.path.join(profiled, "metrics.jsonl"))]
     with gzip.open(os.path.join(profiled, "profile", "rank0_steps2-3.json.gz"), "rt") as f:
-        out["profile_ops"] = {e.get("name") for e in json.load(f)["traceEvents"]}
+        out["profile_ops"] = [e.get("name") for e in json.load(f)["traceEvents"]]
     out["evaluations"] = {}
     # step 3 evaluated as the run's last step, and with later steps to queue, one or three ahead
     for name, steps, ahead in ((3, 3, 1), (STEPS, STEPS, 1), ("ahead3", STEPS, 3)):
@@ -190,11 +191,14 @@ def test_tp2_pp2_dp2_matches_one_process(layouts, stage):
 
 
 def test_profile_steps_write_one_trace_of_the_window(layouts):
-    """``logging.profile_steps [2, 3]``: one whole trace file (no partial left), holding the steps' host
-    operations (a forward's matrix products, the optimizer's update)."""
+    """``logging.profile_steps [2, 3]`` of 4 steps, queued one ahead: one whole trace file (no partial
+    left), holding the steps' host operations (a forward's matrix products, the optimizer's update)
+    and no other step's: step 4 is not queued before step 3 is read."""
     assert layouts["profile_files"] == ["rank0_steps2-3.json.gz"]
-    ops = layouts["profile_ops"]
-    assert {"aten::mm", "aten::addmm"} & ops and any("adam" in str(name).lower() for name in ops), sorted(ops)[:50]
+    ops = set(map(str, layouts["profile_ops"]))
+    assert {"aten::mm", "aten::addmm"} & ops and any("adam" in name.lower() for name in ops), sorted(ops)[:50]
+    steps = sorted(name for name in layouts["profile_ops"] if str(name).startswith("megazero step "))
+    assert steps == ["megazero step 2", "megazero step 3"], steps
 
 
 def test_every_step_reports_how_long_the_host_waited_for_it(layouts):
@@ -342,3 +346,15 @@ def test_a_stop_seen_before_the_next_step_is_queued_ends_the_run_there(layouts):
     would be queued ends the run after step 1, with no step run ahead of it."""
     rows, checkpoints = layouts["late"]
     assert rows == [1] and "step_0000001" in checkpoints and "step_0000002" not in checkpoints, layouts["late"]
+
+
+def test_the_profiled_window_pauses_queueing_alike_on_every_rank(tmp_path):
+    """The step before the window and its last step finish before the next is queued, on a rank that
+    profiles and on one that does not: ranks agree on stopping once per round of queueing, so a
+    pause on one rank only would leave the others waiting in that agreement."""
+    from megazero.profiling import StepProfiler
+
+    for rank in (0, 1):
+        profiler = StepProfiler([4, 6], [0], rank, str(tmp_path), torch.device("cpu"))
+        assert [step for step in range(1, 10) if profiler.pauses_after(step)] == [3, 6]
+    assert not StepProfiler(None, [0], 0, str(tmp_path), torch.device("cpu")).pauses_after(3)
