@@ -1,7 +1,7 @@
 """The trainer on GPUs: the loop that queues step N+1 (or more: ``train.steps_ahead``) before reading
 step N, its stop agreement over a gloo group beside NCCL, the pinned-memory copies of each step's
 loss and norm, evaluation and checkpoints, at world 2 (tp 2, and dp 2 under ZeRO 1) on two GPUs;
-and ``logging.profile_steps`` writing each rank's trace with its kernels.
+and ``logging.profile_steps`` writing each rank's trace with its kernels and only the window's steps.
 
 Each run trains the small GPT of ``tests/test_trainer.py`` for 8 steps in fp32 (compiled, the GPU
 default), evaluating and saving every 3 steps, and must log the training and validation losses
@@ -41,14 +41,17 @@ def _run(root: str, name: str, device: str, extra: tuple, world: int) -> dict:
             "val_steps": [r["step"] for r in rows if r.get("val_loss") is not None],
             "val_loss": [r["val_loss"] for r in rows if r.get("val_loss") is not None],
             "checkpoints": step_dirs(os.path.join(run, "checkpoints")),
-            "traces": {name: _kernel_count(os.path.join(run, "profile", name))
+            "traces": {name: _trace(os.path.join(run, "profile", name))
                        for name in sorted(os.listdir(os.path.join(run, "profile")))}
             if os.path.isdir(os.path.join(run, "profile")) else {}}
 
 
-def _kernel_count(path: str) -> int:
+def _trace(path: str) -> tuple[int, list[str]]:
+    """(the trace's kernel count, its step ranges in order)."""
     with gzip.open(path, "rt") as f:
-        return sum(e.get("cat") == "kernel" for e in json.load(f)["traceEvents"])
+        events = json.load(f)["traceEvents"]
+    return (sum(e.get("cat") == "kernel" for e in events),
+            sorted(e["name"] for e in events if str(e.get("name")).startswith("megazero step ")))
 
 
 def _cpu(rank, world, root):
@@ -80,4 +83,5 @@ def test_trainer_on_gpus_matches_one_cpu_process(runs, layout):
 def test_profiled_steps_hold_each_ranks_kernels(runs):
     traces = runs[1]["dp2-ahead2-profiled"]["traces"]
     assert sorted(traces) == ["rank0_steps4-5.json.gz", "rank1_steps4-5.json.gz"], traces
-    assert all(count > 0 for count in traces.values()), traces
+    assert all(kernels > 0 and steps == ["megazero step 4", "megazero step 5"]
+               for kernels, steps in traces.values()), traces
