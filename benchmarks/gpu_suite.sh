@@ -32,6 +32,9 @@
 #                                    the host's wait per step) against the engine alone (train_gpu.py, no reads
 #                                    until the end) on the same GPU, and the plain peer; then a profile of
 #                                    three trainer steps at 350M (logging.profile_steps) (about 8 minutes)
+#   benchmarks/gpu_suite.sh trainergap one GPU, GPT 1.3B: where the user's path loses 1.6-2.1% against the engine
+#                                    alone (train_gpu.py): both on the demo corpus's text, each timed, then
+#                                    each profiled over three steps on the same GPU (about 5 minutes)
 #   benchmarks/gpu_suite.sh eight    eight GPUs, the user's path: the 1.3B GPT for 20 steps on the demo corpus
 #                                    on one GPU, then tp 2 x pp 2 x dp 2 (ZeRO 1 and 3), tp 8 and dp 8 (ZeRO 3);
 #                                    benchmarks/loss_curves.py checks each against the one-GPU losses (2%) and
@@ -45,7 +48,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, pairs, ctas, gradcopy, optimizer, hostbound, axes4, eight or eight-speed}
+part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, pairs, ctas, gradcopy, optimizer, hostbound, trainergap, axes4, eight or eight-speed}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -89,6 +92,19 @@ hostbound)
     --megazero-args "--logging.profile_steps [15,17]"
   newest=$(ls -td "${TMPDIR:-/tmp}"/mz-350m-* | head -n 1)
   cp "$newest"/profile/*.json.gz "${OUT:-/tmp}/" 2>/dev/null ;;
+trainergap)
+  [ -f data/demo/stdlib_text_document.idx ] || python -m megazero.cli demo-corpus data/demo > /dev/null
+  for profiled in "" 1; do
+    run timeout 200 python benchmarks/model_sizes_gpu.py --sizes 1.3b --runs megazero --steps 24 --skip 10 \
+      ${profiled:+--megazero-args "--logging.profile_steps [15,17]"}
+    run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs stage0-compile \
+      --warmup 8 --steps 16 --text data/demo/stdlib_text_document ${profiled:+--profile ${OUT:-/tmp}/engine}
+  done
+  newest=$(ls -td "${TMPDIR:-/tmp}"/mz-1.3b-* | head -n 1)
+  cp "$newest"/profile/*.json.gz "${OUT:-/tmp}/" 2>/dev/null
+  for trace in "${OUT:-/tmp}"/rank0_steps15-17.json.gz "${OUT:-/tmp}"/engine/trace_stage0-compile_rank0.json.gz; do
+    run python benchmarks/trace_summary.py "$trace" --steps 3 --top 25
+  done ;;
 axes)
   # one GPU: one micro-batch (tensor parallel's reference) and eight (the pipeline's)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
