@@ -13,8 +13,8 @@ compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb``
 zero-bubble schedules ZB-H1 and ZB-H2; ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
 pipeline split [A, B] (else balanced by work); ``mN`` runs N micro-batches per data-parallel rank;
 ``mbsN`` sets the micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on
-random tokens, or an indexed shard's text with ``--text PREFIX`` (one micro-batch of ``train.micro_batch_size`` per data-parallel rank, like the peer
-baselines), and rank 0 prints one JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense
+random tokens, or an indexed shard's text with ``--text PREFIX`` (one micro-batch of
+``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense
 peak, peak memory and the model-state bytes the ZeRO formula predicts; a pipeline also its measured
 bubble beside the theory. ``--cpu`` runs a tiny model on gloo to check the script.
 """
@@ -164,10 +164,10 @@ def text_batch(prefix: str, micros: int, mbs: int, seq: int, vocab: int) -> list
     need = micros * mbs * (seq + 1)
     if data.num_tokens < need:
         raise SystemExit(f"--text {prefix}: {data.num_tokens} tokens, {need} needed")
-    flat, have, i = [], 0, 0
+    flat, have = [], 0
     while have < need:
-        flat.append(data[i])
-        have, i = have + len(data[i]), i + 1
+        flat.append(data[len(flat)])
+        have += len(flat[-1])
     rows = torch.from_numpy(np.concatenate(flat)[:need].astype(np.int64)).view(micros * mbs, seq + 1)
     if int(rows.max()) >= vocab:
         raise SystemExit(f"--text {prefix}: token id {int(rows.max())} is outside the vocabulary of {vocab}")

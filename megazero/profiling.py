@@ -27,8 +27,8 @@ class StepProfiler:
 
     def __init__(self, steps: Optional[list[int]], ranks: list[int], rank: int, run_dir: str,
                  device: torch.device):
-        self.steps = (steps[0], steps[1]) if steps is not None else None  # the same on every rank
-        self.window = self.steps if rank in ranks else None
+        self.bounds = (steps[0], steps[1]) if steps is not None else None  # on every rank, kept after close
+        self.window = self.bounds if rank in ranks else None  # on profiled ranks, until the trace is written
         self.rank, self.device = rank, device
         self.path = (os.path.join(run_dir, "profile", f"rank{rank}_steps{steps[0]}-{steps[1]}.json.gz")
                      if self.window else None)
@@ -49,10 +49,11 @@ class StepProfiler:
         ranks agree on stopping once per round of queueing, so their rounds must match): the step
         before the window, so the trace starts on an idle device, and the window's last, so no later
         step's work enters it."""
-        return self.steps is not None and step in (self.steps[0] - 1, self.steps[1])
+        return self.bounds is not None and step in (self.bounds[0] - 1, self.bounds[1])
 
     def labelled(self, step: int):
-        """A ``megazero step N`` range around queueing ``step`` while profiling (nothing otherwise)."""
+        """A ``megazero step N`` range around the host's queueing of ``step`` while profiling (nothing
+        otherwise)."""
         if self._profile is None:
             return contextlib.nullcontext()
         return torch.profiler.record_function(f"megazero step {step}")

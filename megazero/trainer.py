@@ -235,10 +235,11 @@ class Trainer:
         """Steps are queued ahead (``train.steps_ahead``, 1 by default): the host reads step N's loss
         and gradient norm while the device already runs step N+1, so the device does not wait for
         the host to log, check and prepare the next batch. A step after which the run evaluates,
-        saves or ends is not run ahead of. Stop requests (a signal, the time limit) are agreed on
-        before each round of queueing (one step a round once the queue is full): one seen then stops
-        after the steps in flight; one that arrives later, after the steps queued next. A profiled
-        window (``logging.profile_steps``) is written however the loop ends."""
+        saves or ends, and the steps that bound a profiled window, are not run ahead of. Stop
+        requests (a signal, the time limit) are agreed on before each round of queueing (one step a
+        round once the queue is full): one seen then stops after the steps in flight; one that
+        arrives later, after the steps queued next. A profiled window (``logging.profile_steps``) is
+        written however the loop ends."""
         start = time.monotonic()
         t = self.cfg.train
         if self._done():
@@ -285,12 +286,13 @@ class Trainer:
         return self.state
 
     def _complete(self, queued: _QueuedStep) -> None:
-        """Read a queued step's results, evaluate if this step is due, and log it."""
+        """Read a queued step's results, evaluate if this step is due, and log it (a profiled window
+        ends before the evaluation after its last step)."""
         metrics = self._finish_step(queued)
+        self.profiler.after_step(queued.step)
         if self._evaluates(queued.step):
             metrics.val_loss = self._evaluate()
         self.logger.record(metrics)
-        self.profiler.after_step(queued.step)
 
     def _unsaved(self) -> str:
         """What stopping now, without a save, loses (said on a second Ctrl-C)."""
@@ -310,15 +312,15 @@ class Trainer:
         anything back."""
         queued_at = time.perf_counter()
         self.profiler.before_step(self.state.step + 1)
-        size = self.batches.global_batch(self.state.consumed)
-        micro = global_batch(self.train_data, self.state.consumed, size, self.cfg.train.micro_batch_size,
-                             self.topo.dp_rank, self.topo.dp_size)
-        lr = self.lr(self.state.step + 1)
         with self.profiler.labelled(self.state.step + 1):
+            size = self.batches.global_batch(self.state.consumed)
+            micro = global_batch(self.train_data, self.state.consumed, size, self.cfg.train.micro_batch_size,
+                                 self.topo.dp_rank, self.topo.dp_size)
+            lr = self.lr(self.state.step + 1)
             out = self.engine.train_step(micro, lr)
-        self.state.step += 1
-        self.state.consumed += size
-        values = _HostCopy(out.loss_value, out.result.norm, out.result.overflow)
+            self.state.step += 1
+            self.state.consumed += size
+            values = _HostCopy(out.loss_value, out.result.norm, out.result.overflow)
         return _QueuedStep(values, out.result.loss_scale, self.state.step, size, lr, self.state.consumed, queued_at)
 
     def _finish_step(self, queued: _QueuedStep) -> StepMetrics:

@@ -51,7 +51,8 @@ def _trace(path: str) -> tuple[int, list[str]]:
     with gzip.open(path, "rt") as f:
         events = json.load(f)["traceEvents"]
     return (sum(e.get("cat") == "kernel" for e in events),
-            sorted(e["name"] for e in events if str(e.get("name")).startswith("megazero step ")))
+            sorted(e["name"] for e in events  # the host's ranges (each also marks the GPU streams it ran on)
+                   if e.get("cat") == "user_annotation" and str(e.get("name")).startswith("megazero step ")))
 
 
 def _cpu(rank, world, root):

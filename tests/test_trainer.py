@@ -103,6 +103,12 @@ def _world8(rank, world_size, prefix, root):
     ckpt = f"{root}/tp2pp2dp2-z1/checkpoints/step_0000003"
     out["reshard_dp4"] = _train(_overrides(prefix, f"{root}/reshard-dp4", 1, 2, 3, extra=(
         "--checkpoint.load", ckpt, "--checkpoint.save_on_exit", "false")), world_size)
+    # rank 0 profiles, the other seven do not: every rank must pause around the window alike
+    profiled = f"{root}/profiled-rank0"
+    out["profiled_rank0"] = _train(_overrides(prefix, profiled, 2, 2, steps=4, extra=(
+        "--logging.profile_steps", "[2, 3]", "--logging.profile_ranks", "[0]",
+        "--checkpoint.save_on_exit", "false")), world_size)
+    out["profiled_rank0_files"] = sorted(os.listdir(os.path.join(profiled, "profile")))
     return out
 
 
@@ -130,7 +136,7 @@ def _world1(rank, world_size, prefix, root):
     out["profile_files"] = sorted(os.listdir(os.path.join(profiled, "profile")))
     out["host_wait"] = [row.get("host_wait_s") for row in read_metrics(os.path.join(profiled, "metrics.jsonl"))]
     with gzip.open(os.path.join(profiled, "profile", "rank0_steps2-3.json.gz"), "rt") as f:
-        out["profile_ops"] = [e.get("name") for e in json.load(f)["traceEvents"]]
+        out["profile_ops"] = [(e.get("cat"), e.get("name")) for e in json.load(f)["traceEvents"]]
     out["evaluations"] = {}
     # step 3 evaluated as the run's last step, and with later steps to queue, one or three ahead
     for name, steps, ahead in ((3, 3, 1), (STEPS, STEPS, 1), ("ahead3", STEPS, 3)):
@@ -195,9 +201,10 @@ def test_profile_steps_write_one_trace_of_the_window(layouts):
     left), holding the steps' host operations (a forward's matrix products, the optimizer's update)
     and no other step's: step 4 is not queued before step 3 is read."""
     assert layouts["profile_files"] == ["rank0_steps2-3.json.gz"]
-    ops = set(map(str, layouts["profile_ops"]))
+    ops = {str(name) for _, name in layouts["profile_ops"]}
     assert {"aten::mm", "aten::addmm"} & ops and any("adam" in name.lower() for name in ops), sorted(ops)[:50]
-    steps = sorted(name for name in layouts["profile_ops"] if str(name).startswith("megazero step "))
+    steps = sorted(name for cat, name in layouts["profile_ops"]
+                   if cat == "user_annotation" and str(name).startswith("megazero step "))
     assert steps == ["megazero step 2", "megazero step 3"], steps
 
 
@@ -348,13 +355,16 @@ def test_a_stop_seen_before_the_next_step_is_queued_ends_the_run_there(layouts):
     assert rows == [1] and "step_0000001" in checkpoints and "step_0000002" not in checkpoints, layouts["late"]
 
 
-def test_the_profiled_window_pauses_queueing_alike_on_every_rank(tmp_path):
+def test_the_profiled_window_pauses_queueing_alike_on_every_rank(tmp_path, layouts):
     """The step before the window and its last step finish before the next is queued, on a rank that
     profiles and on one that does not: ranks agree on stopping once per round of queueing, so a
-    pause on one rank only would leave the others waiting in that agreement."""
+    pause on one rank only would leave the others waiting in that agreement (the 8-rank run with
+    only rank 0 profiling would not finish)."""
     from megazero.profiling import StepProfiler
 
     for rank in (0, 1):
         profiler = StepProfiler([4, 6], [0], rank, str(tmp_path), torch.device("cpu"))
         assert [step for step in range(1, 10) if profiler.pauses_after(step)] == [3, 6]
     assert not StepProfiler(None, [0], 0, str(tmp_path), torch.device("cpu")).pauses_after(3)
+    assert layouts["profiled_rank0_files"] == ["rank0_steps2-3.json.gz"]
+    assert len(layouts["profiled_rank0"]) == 4
