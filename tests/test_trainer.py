@@ -25,8 +25,8 @@ import sys
 import time
 
 import numpy as np
-import torch
 import pytest
+import torch
 import yaml
 
 from data_pipeline.indexed import IndexedDatasetWriter
