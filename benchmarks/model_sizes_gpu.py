@@ -13,7 +13,8 @@ Each run is its own process, so each peak memory is its own:
 
 Throughput is the median tokens/s of the steps after ``--skip`` (compilation and allocator warm-up),
 ``host_wait_ms`` the median time the trainer's host waited for a step's results (near 0: the host,
-not the GPU, bounds the run);
+not the GPU, bounds the run, unless a step has more kernels than the launch queue holds, as at 1.3B,
+where the host blocks launching instead and the figure is near 0 either way);
 MFU counts 6N + 12·layers·hidden·seq FLOPs per token against 989 TFLOP/s for every run, so the
 columns compare; peak memory is the most allocated at any point of the run. Prints one JSON line
 per run and a table at the end. Builds the demo corpus into ``data/demo`` first if it is missing.
