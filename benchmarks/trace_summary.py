@@ -10,6 +10,9 @@ busiest host threads (the Python thread and autograd's backward thread), the ope
 most self time::
 
     python benchmarks/trace_summary.py DIR/trace_tp2-sp-compile_rank0.json.gz
+
+A trainer's trace (``logging.profile_steps``) also says how many steps it holds and how long the host
+took to queue each, through its ``megazero step N`` ranges.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import bisect
 import collections
 import gzip
 import json
+from typing import Optional
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
@@ -147,7 +151,25 @@ def kind_table(gpu: list[dict], steps: int, top: int) -> None:
         print(f"    {t / steps / 1e3:8.2f} {n / steps:8.1f}  {name[:100]}")
 
 
-def summarize(events: list[dict], top: int, steps: int = 1) -> None:
+def step_ranges(events: list[dict]) -> dict[int, float]:
+    """The trainer's ``megazero step N`` host ranges (``logging.profile_steps``): step -> microseconds the
+    host took to queue it (its batch, forward, backward and update launches)."""
+    out = {}
+    for e in events:
+        name = str(e.get("name"))
+        if e.get("cat") == "user_annotation" and name.startswith("megazero step "):
+            out[int(name.rsplit(" ", 1)[1])] = e["dur"]
+    return out
+
+
+def summarize(events: list[dict], top: int, steps: Optional[int] = None) -> None:
+    """Print where a trace's wall time went; the kind table is per step, over ``steps`` steps (by
+    default the trainer's step ranges in the trace, else 1)."""
+    ranges = step_ranges(events)
+    if ranges:
+        print("host time to queue each step (ms): "
+              + ", ".join(f"step {n} {t / 1e3:.1f}" for n, t in sorted(ranges.items())))
+    steps = steps or len(ranges) or 1
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     if not gpu:
         raise SystemExit("no GPU events in this trace")
@@ -221,8 +243,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (train_gpu.py profiles 3): "
-                    "the kind table is per step")
+    ap.add_argument("--steps", type=int, help="steps the trace holds (train_gpu.py profiles 3; a trainer's "
+                    "trace says, through its step ranges): the kind table is per step")
     args = ap.parse_args()
     for path in args.traces:
         print(f"== {path}")

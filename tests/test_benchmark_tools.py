@@ -65,6 +65,19 @@ def test_gap_is_charged_to_the_launching_op_and_copies_are_not_compute(tmp_path,
     assert gap_line.rstrip().endswith("aten::mm"), gap_line  # launched from tid 2's mm, not the optimizer
 
 
+def test_a_trainer_trace_counts_its_steps_from_the_step_ranges(tmp_path, capsys):
+    events = [_kernel("nvjet_sm90_tst_128x256_NTN", 0, 300, 1), _kernel("nvjet_sm90_tst_128x256_NTN", 400, 300, 2),
+              _op("megazero step 7", 0, 120, cat="user_annotation"), _op("megazero step 8", 130, 90, cat="user_annotation"),
+              # the same range as the profiler also marks it on the GPU stream its kernels ran on
+              _op("megazero step 7", 0, 300, tid=7, cat="gpu_user_annotation")]
+    trace_summary.summarize(events, top=1)
+    out = capsys.readouterr().out
+    assert "host time to queue each step (ms): step 7 0.1, step 8 0.1" in out
+    assert "all 0.3" in out  # 600 us of GEMMs over the two steps
+    trace_summary.summarize(events, top=1, steps=1)
+    assert "all 0.6" in capsys.readouterr().out
+
+
 def test_collective_exposure_counts_only_time_without_compute_beside_it():
     gpu = [_kernel("gemm", 0, 100, 1), _kernel("ncclDevKernel_AllGather_RING_LL(x)", 50, 100, 2),
            _kernel("ncclDevKernel_Reduce_Sum(x)", 300, 40, 3)]
