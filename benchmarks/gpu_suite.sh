@@ -103,7 +103,7 @@ trainergap)
   newest=$(ls -td "${TMPDIR:-/tmp}"/mz-1.3b-* | head -n 1)
   cp "$newest"/profile/*.json.gz "${OUT:-/tmp}/" 2>/dev/null
   for trace in "${OUT:-/tmp}"/rank0_steps15-17.json.gz "${OUT:-/tmp}"/engine/trace_stage0-compile_rank0.json.gz; do
-    run python benchmarks/trace_summary.py "$trace" --steps 3 --top 25
+    run python benchmarks/trace_summary.py "$trace" --steps 3 --top 25  # train_gpu.py's trace has no step ranges
   done ;;
 axes)
   # one GPU: one micro-batch (tensor parallel's reference) and eight (the pipeline's)
