@@ -14,9 +14,10 @@ zero-bubble schedules ZB-H1 and ZB-H2; ``vN`` N virtual stages a rank (interleav
 pipeline split [A, B] (else balanced by work); ``mN`` runs N micro-batches per data-parallel rank;
 ``mbsN`` sets the micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on
 random tokens, or an indexed shard's text with ``--text PREFIX`` (one micro-batch of
-``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense
-peak, peak memory and the model-state bytes the ZeRO formula predicts; a pipeline also its measured
-bubble beside the theory. ``--cpu`` runs a tiny model on gloo to check the script.
+``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one
+JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense peak, peak memory
+and the model-state bytes the ZeRO formula predicts; a pipeline also its measured bubble beside the
+theory. ``--cpu`` runs a tiny model on gloo to check the script.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from data_pipeline.indexed import IndexedDataset
+from data_pipeline.loader import to_batch
 from megazero.config import load_config, resolve_config
 from megazero.engine import Engine, pipeline_split
 from megazero.flops import device_name, flops_per_token, peak_flops
@@ -168,10 +170,10 @@ def text_batch(prefix: str, micros: int, mbs: int, seq: int, vocab: int) -> list
     while have < need:
         flat.append(data[len(flat)])
         have += len(flat[-1])
-    rows = torch.from_numpy(np.concatenate(flat)[:need].astype(np.int64)).view(micros * mbs, seq + 1)
-    if int(rows.max()) >= vocab:
-        raise SystemExit(f"--text {prefix}: token id {int(rows.max())} is outside the vocabulary of {vocab}")
-    return [{"tokens": part[:, :-1].contiguous(), "labels": part[:, 1:].contiguous()} for part in rows.split(mbs)]
+    samples = np.concatenate(flat)[:need].reshape(micros, mbs, seq + 1)
+    if int(samples.max()) >= vocab:
+        raise SystemExit(f"--text {prefix}: token id {int(samples.max())} is outside the vocabulary of {vocab}")
+    return [to_batch(list(micro)) for micro in samples]
 
 
 def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | None = None,

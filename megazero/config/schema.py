@@ -102,7 +102,7 @@ class LoggingConfig:
     wandb_mode: str = option("offline", "wandb mode: offline or online")
     wandb_project: str = option("megazero", "wandb project name")
     tensorboard: bool = option(False, "Write TensorBoard event files to RUN_DIR/tensorboard")
-    profile_steps: Optional[list[int]] = option(None, "Profile training steps [first, last] with torch.profiler, host and device: each rank of logging.profile_ranks writes RUN_DIR/profile/rankR_stepsFIRST-LAST.json.gz (Perfetto, chrome://tracing). The trainer queues train.steps_ahead steps before reading one, so a trace's end also holds the queueing of the steps after last (None = off)")
+    profile_steps: Optional[list[int]] = option(None, "Profile training steps [first, last] with torch.profiler, host and device: each rank of logging.profile_ranks writes RUN_DIR/profile/rankR_stepsFIRST-LAST.json.gz (Perfetto, chrome://tracing). The trainer does not queue ahead of the step before the window or of its last step, on any rank, so the trace holds the window's steps only (None = off)")
     profile_ranks: list[int] = option([0], "Ranks that profile logging.profile_steps")
 
 
@@ -119,7 +119,7 @@ class TrainConfig:
     device: str = option("auto", "cpu, cuda or auto (cuda when available)")
     compile: Optional[bool] = option(None, "torch.compile each transformer block and the head (and, at tp 1, the embedding): true, false, or null (the default) = on for GPU runs, off on CPU")
     cuda_graphs: bool = option(False, "Replay each compiled block's forward and backward as CUDA graphs (torch.compile's reduce-overhead mode), so the host no longer launches their kernels one by one: for tensor-parallel runs, whose halved GEMMs leave the host's launch work as the bound. Needs compile on GPUs, parallel.pp 1, zero.stage 0-2, no split-backward schedule, parallel.recompute none, tp_comm serial or overlap and no dropout. Collectives inside a replayed graph are out of reach of train.collective_timeout_s")
-    steps_ahead: int = option(1, "Optimizer steps (1-8) the host queues on the device before it reads the oldest one's loss: 1 lets the host log and prepare the next batch while the device computes; more absorb uneven host time when the host needs nearly a whole step to queue one (metrics.jsonl's host_wait_s near 0)")
+    steps_ahead: int = option(1, "Optimizer steps (1-8) the host queues on the device before it reads the oldest one's loss: 1 lets the host log and prepare the next batch while the device computes; more absorb uneven host time when the host needs nearly a whole step to queue one")
     max_bad_steps: int = option(5, "Stop after this many consecutive NaN/inf losses")
     collective_timeout_s: float = option(600.0, "Seconds before a hung collective fails with its rank and group")
     memory_budget_gib: Optional[float] = option(None, "Device memory per rank in GiB that the planner's start-up estimate must fit (None = the GPU's own; CPU runs are then unchecked)")
