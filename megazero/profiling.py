@@ -2,7 +2,7 @@
 
 Someone asking why a run is slower than it should be needs the host and the device on one time
 line: which kernels ran, where the GPU sat idle, and what the host was doing meanwhile. The trainer
-calls ``before_step`` as it queues a step and ``after_step`` once it has read that step's results;
+queues each step inside ``queueing`` and calls ``after_step`` once it has read that step's results;
 the profiler runs from queueing the window's first step to reading its last, on the ranks asked
 for, and each writes one Chrome-trace file (for Perfetto, chrome://tracing or
 ``benchmarks/trace_summary.py``), each step's host work under a ``megazero step N`` range. The
@@ -34,16 +34,6 @@ class StepProfiler:
                      if self.window else None)
         self._profile = None
 
-    def before_step(self, step: int) -> None:
-        """``step`` is about to be queued: start if it lies in the window."""
-        if self.window is None or self._profile is not None or not self.window[0] <= step <= self.window[1]:
-            return
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self._profile = profile(activities=activities)
-        self._profile.start()
-
     def pauses_after(self, step: int) -> bool:
         """Whether ``step`` must finish before the next is queued, on every rank alike (the trainer's
         ranks agree on stopping once per round of queueing, so their rounds must match): the step
@@ -51,9 +41,15 @@ class StepProfiler:
         step's work enters it."""
         return self.bounds is not None and step in (self.bounds[0] - 1, self.bounds[1])
 
-    def labelled(self, step: int):
-        """A ``megazero step N`` range around the host's queueing of ``step`` while profiling (nothing
-        otherwise)."""
+    def queueing(self, step: int):
+        """Around the host's queueing of ``step``: starts the profiler if ``step`` lies in the window, and
+        while profiling marks the queueing as a ``megazero step N`` range (nothing otherwise)."""
+        if self.window is not None and self._profile is None and self.window[0] <= step <= self.window[1]:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._profile = profile(activities=activities)
+            self._profile.start()
         if self._profile is None:
             return contextlib.nullcontext()
         return torch.profiler.record_function(f"megazero step {step}")

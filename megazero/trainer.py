@@ -311,8 +311,7 @@ class Trainer:
         """Queue the next global batch's forward, backward and update on the device, without reading
         anything back."""
         queued_at = time.perf_counter()
-        self.profiler.before_step(self.state.step + 1)
-        with self.profiler.labelled(self.state.step + 1):
+        with self.profiler.queueing(self.state.step + 1):
             size = self.batches.global_batch(self.state.consumed)
             micro = global_batch(self.train_data, self.state.consumed, size, self.cfg.train.micro_batch_size,
                                  self.topo.dp_rank, self.topo.dp_size)
