@@ -52,6 +52,8 @@ part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, pairs, ctas, gr
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
+# the traces of the newest model_sizes_gpu.py run of SIZE (its run directory is a fresh temporary one) into $OUT
+copy_profile() { cp "$(ls -td "${TMPDIR:-/tmp}"/mz-$1-* | head -n 1)"/profile/*.json.gz "${OUT:-/tmp}/" 2>/dev/null; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
 case $part in
 zero)
@@ -90,8 +92,7 @@ hostbound)
   done
   run timeout 200 python benchmarks/model_sizes_gpu.py --sizes 350m --runs megazero --steps 24 --skip 10 \
     --megazero-args "--logging.profile_steps [15,17]"
-  newest=$(ls -td "${TMPDIR:-/tmp}"/mz-350m-* | head -n 1)
-  cp "$newest"/profile/*.json.gz "${OUT:-/tmp}/" 2>/dev/null ;;
+  copy_profile 350m ;;
 trainergap)
   [ -f data/demo/stdlib_text_document.idx ] || python -m megazero.cli demo-corpus data/demo > /dev/null
   for profiled in "" 1; do
@@ -100,8 +101,7 @@ trainergap)
     run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs stage0-compile \
       --warmup 8 --steps 16 --text data/demo/stdlib_text_document ${profiled:+--profile ${OUT:-/tmp}/engine}
   done
-  newest=$(ls -td "${TMPDIR:-/tmp}"/mz-1.3b-* | head -n 1)
-  cp "$newest"/profile/*.json.gz "${OUT:-/tmp}/" 2>/dev/null
+  copy_profile 1.3b
   for trace in "${OUT:-/tmp}"/rank0_steps15-17.json.gz "${OUT:-/tmp}"/engine/trace_stage0-compile_rank0.json.gz; do
     run python benchmarks/trace_summary.py "$trace" --steps 3 --top 25  # train_gpu.py's trace has no step ranges
   done ;;
