@@ -32,9 +32,10 @@
 #                                    the host's wait per step) against the engine alone (train_gpu.py, no reads
 #                                    until the end) on the same GPU, and the plain peer; then a profile of
 #                                    three trainer steps at 350M (logging.profile_steps) (about 8 minutes)
-#   benchmarks/gpu_suite.sh trainergap one GPU, GPT 1.3B: where the user's path loses 1.6-2.1% against the engine
-#                                    alone (train_gpu.py): both on the demo corpus's text, each timed, then
-#                                    each profiled over three steps on the same GPU (about 5 minutes)
+#   benchmarks/gpu_suite.sh trainergap one GPU, GPT 1.3B: the user's path against the engine alone (train_gpu.py),
+#                                    both on the demo corpus's text at the peers' learning rate, each timed,
+#                                    then each profiled over three steps on the same GPU (about 5 minutes);
+#                                    at different learning rates the two ran at different clocks (BENCHMARKS.md)
 #   benchmarks/gpu_suite.sh eight    eight GPUs, the user's path: the 1.3B GPT for 20 steps on the demo corpus
 #                                    on one GPU, then tp 2 x pp 2 x dp 2 (ZeRO 1 and 3), tp 8 and dp 8 (ZeRO 3);
 #                                    benchmarks/loss_curves.py checks each against the one-GPU losses (2%) and

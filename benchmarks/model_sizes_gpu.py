@@ -11,6 +11,12 @@ Each run is its own process, so each peak memory is its own:
 * ``plain``: the peer baseline ``benchmarks/peers/single_gpu.py`` (nanoGPT-style GPT of the same
   shape, bf16 autocast, fused AdamW, ``torch.compile``), for the GPT-2 sizes (it has no Llama).
 
+Every megazero run trains with the peer's optimizer settings (``power_cap.PEER_OPTIMIZER``: learning
+rate 1e-4, constant) rather than the config's 2000-step warm-up: the GPU sits on its power cap, its
+clock follows the energy a step costs, and near-initial weights cost more (with the config's warm-up
+the same trainer ran 1.6% slower at a 2.4% lower clock). Each line gives the run's median SM clock
+and board power while the GPU was busy, so that a comparison made at different clocks shows.
+
 Throughput is the median tokens/s of the steps after ``--skip`` (compilation and allocator warm-up),
 ``host_wait_ms`` the median time the trainer's host waited for a step's results (near 0: the host,
 not the GPU, bounds the run, unless a step has more kernels than the launch queue holds, as at 1.3B,
@@ -30,6 +36,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from power_cap import PEER_OPTIMIZER, ClockSampler
 
 SIZES = {  # name: (layers, hidden, heads, preset, micro-batch)
     "125m": (12, 768, 12, "gpt2", 16), "350m": (24, 1024, 16, "gpt2", 8), "1.3b": (24, 2048, 16, "gpt2", 8),
@@ -60,7 +68,7 @@ def megazero(size: str, kernels: bool, steps: int, skip: int, timeout: int, extr
                  "--train.micro_batch_size", str(mbs), "--train.global_batch_size", str(mbs),
                  "--train.train_steps", str(steps), "--logging.log_interval", str(steps),
                  "--checkpoint.save_on_exit", "false", "--logging.run_dir", run_dir,
-                 "--data.blend", f"[[1.0, {DATA}]]", *extra]
+                 "--data.blend", f"[[1.0, {DATA}]]", *PEER_OPTIMIZER, *extra]
     env = dict(os.environ, CONFIG="configs/gpt_1.3b.yaml", NPROC_PER_NODE="1",
                MEGAZERO_KERNELS="1" if kernels else "0")
     proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", *overrides], env=env, capture_output=True, text=True,
@@ -97,7 +105,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=8, help="steps left out of the median (warm-up)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds for one run")
     parser.add_argument("--megazero-args", default="", help="more config overrides for the megazero and torch "
-                        "runs, e.g. '--train.cuda_graphs true'")
+                        "runs, after PEER_OPTIMIZER's (so they win), e.g. '--train.cuda_graphs true'")
     args = parser.parse_args()
     if "megazero" in args.runs or "torch" in args.runs:
         if not os.path.exists(DATA + ".idx"):
@@ -110,8 +118,10 @@ def main() -> None:
             if run == "plain" and preset != "gpt2":
                 continue
             try:
-                result = (plain(size, args.steps, args.skip, args.timeout) if run == "plain" else
-                          megazero(size, run == "megazero", args.steps, args.skip, args.timeout, extra))
+                with ClockSampler() as clock:
+                    result = (plain(size, args.steps, args.skip, args.timeout) if run == "plain" else
+                              megazero(size, run == "megazero", args.steps, args.skip, args.timeout, extra))
+                result.update(clock.summary())
             except subprocess.TimeoutExpired:
                 result = {"error": f"timed out after {args.timeout}s"}
             if "tokens_per_s" in result:
@@ -120,7 +130,7 @@ def main() -> None:
             line = {"size": size, "run": run, "micro_batch": mbs, **result}
             print(json.dumps(line), flush=True)
             table.append(line)
-    print(f"\n{'size':11s} {'run':9s} {'tokens/s':>10s} {'MFU':>6s} {'peak GiB':>9s}  vs plain")
+    print(f"\n{'size':11s} {'run':9s} {'tokens/s':>10s} {'MFU':>6s} {'peak GiB':>9s} {'SM MHz':>7s} {'W':>5s}  vs plain")
     for line in table:
         if "tokens_per_s" not in line:
             print(f"{line['size']:11s} {line['run']:9s} failed")
@@ -129,7 +139,7 @@ def main() -> None:
                     None)
         ratio = f"{line['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "-"
         print(f"{line['size']:11s} {line['run']:9s} {line['tokens_per_s']:>10,d} {100 * line['mfu']:5.1f}% "
-              f"{line['peak_GiB']:>9.2f}  {ratio}")
+              f"{line['peak_GiB']:>9.2f} {line['sm_MHz'] or 0:>7.0f} {line['power_W'] or 0:>5.0f}  {ratio}")
 
 
 if __name__ == "__main__":

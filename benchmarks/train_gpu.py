@@ -17,13 +17,17 @@ random tokens, or an indexed shard's text with ``--text PREFIX`` (one micro-batc
 ``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one
 JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense peak, peak memory
 and the model-state bytes the ZeRO formula predicts; a pipeline also its measured bubble beside the
-theory. ``--cpu`` runs a tiny model on gloo to check the script.
+theory. The engine trains at the peers' learning rate (``power_cap.PEER_OPTIMIZER``, before the
+command line's overrides, which win): it applies no schedule, and on a power-capped GPU the clock
+depends on how the weights move. Rank 0 reports its GPU's median SM clock and power over the timed
+steps. ``--cpu`` runs a tiny model on gloo to check the script.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import gc
 import json
@@ -44,6 +48,7 @@ from megazero.flops import device_name, flops_per_token, peak_flops
 from parallel.launch import init_process_group, pick_device, read_launch_env
 from parallel.pipeline import bubble_fraction
 from parallel.topology import RankGrid, Topology
+from power_cap import PEER_OPTIMIZER, ClockSampler, visible_gpu
 from pp_gpu import measured_bubble
 from trace_summary import span
 
@@ -196,13 +201,14 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = engine.train_step(batch)  # not read until the end: a loop that logs nothing never syncs
-    loss = out.loss
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t0) / steps
+    with ClockSampler(visible_gpu(launch.local_rank)) if device.type == "cuda" else contextlib.nullcontext() as clock:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = engine.train_step(batch)  # not read until the end: a loop that logs nothing never syncs
+        loss = out.loss
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_s = (time.perf_counter() - t0) / steps
     tokens_per_gpu = cfg.train.global_batch_size * seq / step_s / dist.get_world_size()
     tflops = tokens_per_gpu * flops_per_token(cfg.model) / 1e12
     peak = peak_flops(device_name(device), cfg.precision.dtype)
@@ -225,6 +231,7 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
         "allocated_after_build_GiB": round(states_gib, 2) if states_gib is not None else None,
         "loss": round(loss, 4),
         "build_s": round(build_s, 1),
+        **(clock.summary() if clock is not None else {}),
         **extra,
     }
     del engine
@@ -248,7 +255,7 @@ def main() -> None:
                     "data/demo/stdlib_text_document) instead of uniform random tokens")
     args, overrides = ap.parse_known_args()
     launch = read_launch_env()
-    base = list(overrides)
+    base = [*PEER_OPTIMIZER, *overrides]
     if args.cpu:
         base += ["--train.device", "cpu", "--model.num_layers", "2", "--model.hidden_size", "64",
                  "--model.num_heads", "4", "--model.seq_length", "64", "--model.vocab_size", "512",

@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -180,3 +181,32 @@ def test_text_batch_joins_documents_in_order_and_rejects_ids_outside_the_vocabul
         train_gpu.text_batch(prefix, micros=2, mbs=3, seq=4, vocab=20)
     with pytest.raises(SystemExit, match="42 tokens, 50 needed"):
         train_gpu.text_batch(prefix, micros=2, mbs=5, seq=4, vocab=64)
+
+
+def test_clock_summary_takes_the_busy_samples_only_and_counts_the_power_cap():
+    import power_cap
+
+    lines = ["345, 80.1, 0, 0x0000000000000001",  # idle before the run
+             "1980, 310.0, 40, 0x0000000000000000",  # compiling
+             "1590, 692.0, 100, 0x0000000000000004",
+             "1605, 693.5, 100, 0x0000000000000004",
+             "1620, 690.0, 99, 0x0000000000000000",
+             "[N/A], [N/A], 100, 0x0",  # a field the driver could not read
+             "1605, 69"]  # the last line, cut short when the sampler stopped
+    assert power_cap.summarize(lines) == {"sm_MHz": 1605.0, "power_W": 692.0, "power_capped": 0.67}
+    assert power_cap.summarize(lines[:2]) == {"sm_MHz": None, "power_W": None, "power_capped": None}
+
+
+def test_clock_sampler_maps_cuda_devices_to_nvidia_smi_indices(monkeypatch):
+    import power_cap
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert power_cap.ClockSampler().gpu == "2"
+    assert power_cap.visible_gpu(1) == "3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert power_cap.ClockSampler().gpu == "0"
+    assert power_cap.visible_gpu(1) == "1"
+    with power_cap.ClockSampler(interval_ms=10) as clock:  # without nvidia-smi every field is None
+        pass
+    if shutil.which("nvidia-smi") is None:
+        assert clock.summary() == {"sm_MHz": None, "power_W": None, "power_capped": None}

@@ -5,7 +5,8 @@
 #     bash benchmarks/peers/run_peers.sh
 # DeepSpeed (ds*) must be importable; on a machine without registry access set WHEELS to a folder
 # made by fetch_wheels.sh and it is installed first (into /tmp/peer-site). DDP, FSDP2, tp and pp
-# run compiled; plain runs eager and compiled.
+# run compiled; plain runs eager and compiled. PORT sets torchrun's master port (default 29511), so
+# two sets of GPUs on one machine can run at once.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")" && pwd)
@@ -24,7 +25,7 @@ install_wheels() {
 }
 
 distributed() {  # torchrun SCRIPT ARGS...: the JSON line, or the error
-  timeout 300 torchrun --nproc-per-node "$nproc" --master-port 29511 "$here/$1" "${@:2}" --size "$size" \
+  timeout 300 torchrun --nproc-per-node "$nproc" --master-port "${PORT:-29511}" "$here/$1" "${@:2}" --size "$size" \
     --micro-batch "$mbs" 2>&1 | grep -E '^\{|Error' | head -5
 }
 
