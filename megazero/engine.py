@@ -24,7 +24,7 @@ from models.ops import IGNORE_INDEX
 from models.parallelize import Parallelism, parallelize_gpt, recompute_replays_tp_stream
 from parallel.data_parallel import DataParallelSettings
 from parallel.pipeline import PipelineExecutor
-from parallel.pipeline.partition import resolve_split, stage_layers
+from parallel.pipeline.partition import resolve_split, stage_layers, stage_parts
 from parallel.tensor_parallel.peer_memory import available as peer_memory_available
 from parallel.topology import Topology
 
@@ -71,9 +71,9 @@ def pipeline_stages(cfg: Config, pp_rank: int) -> list[int]:
     return [c * p.pp + pp_rank for c in range(p.virtual_stages)]
 
 
-def pipeline_split(cfg: Config) -> list[int]:
-    """Blocks per virtual stage, in virtual-stage order: ``parallel.pipeline_split``, else balanced
-    against the head's work on the last stage."""
+def pipeline_split(cfg: Config) -> list[float]:
+    """Blocks per virtual stage, in virtual-stage order (a count may end in a half block):
+    ``parallel.pipeline_split``, else balanced against the head's work on the last stage."""
     m, p = cfg.model, cfg.parallel
     return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split, head_cost=head_blocks(m))
 
@@ -94,7 +94,8 @@ def build_chunks(cfg: Config, pp_rank: int) -> list[GPT]:
     chunks = []
     for c, stage in enumerate(pipeline_stages(cfg, pp_rank)):
         torch.manual_seed(cfg.train.seed)  # identical on tensor ranks: replicated dropout agrees
-        chunks.append(GPT(m, layers=stage_layers(split, p.pp, pp_rank, c), has_embedding=stage == 0,
+        chunks.append(GPT(m, layers=stage_layers(split, p.pp, pp_rank, c),
+                          parts=stage_parts(split, p.pp, pp_rank, c), has_embedding=stage == 0,
                           has_head=stage == p.pp * p.virtual_stages - 1, vocab_multiple=128 * p.tp,
                           seed=cfg.train.seed, device="meta"))
     return chunks

@@ -67,22 +67,35 @@ VOCAB_PADDED = (EMBEDDING_WEIGHT, "lm_head.weight")
 dropped when a checkpoint moves to another tensor-parallel size (the padding is 128·tp)."""
 
 
+BLOCK_PARTS = ("attention", "mlp")
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch.
 
     The first residual add is done by the MLP's norm with its normalisation (one fused op on GPU).
+    A pipeline stage may hold one of the two ``parts`` only (a split such as ``[12.5, 11.5]``): the
+    attention part returns the residual sum after the attention, which the MLP part on the next stage
+    normalises, so the two halves compute what the whole block does.
     """
 
-    def __init__(self, cfg: ModelConfig, device=None):
+    def __init__(self, cfg: ModelConfig, device=None, parts: tuple[str, ...] = BLOCK_PARTS):
         super().__init__()
-        self.attn_norm = build_norm(cfg, device)
-        self.attention = Attention(cfg, device)
-        self.mlp_norm = build_norm(cfg, device)
-        self.mlp = MLP(cfg, device)
+        if not parts or any(part not in BLOCK_PARTS for part in parts):
+            raise ValueError(f"block parts {parts}: use a non-empty subset of {BLOCK_PARTS}")
+        self.attn_norm = build_norm(cfg, device) if "attention" in parts else None
+        self.attention = Attention(cfg, device) if "attention" in parts else None
+        self.mlp_norm = build_norm(cfg, device) if "mlp" in parts else None
+        self.mlp = MLP(cfg, device) if "mlp" in parts else None
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, normed = self.mlp_norm(x, self.dropout(self.attention(self.attn_norm(x))))
+        if self.attention is None:
+            return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        branch = self.dropout(self.attention(self.attn_norm(x)))
+        if self.mlp is None:
+            return x + branch
+        x, normed = self.mlp_norm(x, branch)
         return x + self.dropout(self.mlp(normed))
 
 
@@ -105,6 +118,8 @@ class LMLoss(nn.Module):
 class GPT(nn.Module):
     """A decoder-only transformer, or the stage of one holding ``layers`` (global block indices).
 
+    ``parts``: the blocks of ``layers`` this stage holds in part, with the part (``Block``; see
+    ``parallel.pipeline.partition.stage_parts``); the others are whole.
     ``vocab_multiple``: the vocabulary is padded to a multiple of this; pass ``128 * tp`` when the
     model will be tensor-parallel. ``device="meta"`` builds without memory or initialisation (call
     ``to_empty`` then ``init_weights(seed)`` once parallelism is applied); any other device builds
@@ -112,16 +127,20 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layers: Optional[Iterable[int]] = None, has_embedding: bool = True,
-                 has_head: bool = True, vocab_multiple: int = VOCAB_MULTIPLE, seed: int = 0, device=None):
+                 has_head: bool = True, vocab_multiple: int = VOCAB_MULTIPLE, seed: int = 0, device=None,
+                 parts: Optional[dict[int, tuple[str, ...]]] = None):
         super().__init__()
         layers = list(range(cfg.num_layers) if layers is None else layers)
         if any(not 0 <= i < cfg.num_layers for i in layers):
             raise ValueError(f"layers {layers} fall outside model.num_layers = {cfg.num_layers}")
+        parts = parts or {}
+        if not set(parts) <= set(layers):
+            raise ValueError(f"block parts {parts} name blocks outside layers {layers}")
         self.cfg = cfg
         self.vocab_size = cfg.vocab_size
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, vocab_multiple)
         self.embedding = Embedding(cfg, self.padded_vocab, "meta") if has_embedding else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, "meta") for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, "meta", parts.get(i, BLOCK_PARTS)) for i in layers})
         self.final_norm = build_norm(cfg, "meta") if has_head else None
         self.lm_head = nn.Linear(cfg.hidden_size, self.padded_vocab, bias=False, device="meta") if has_head else None
         self.loss = LMLoss(cfg.vocab_size) if has_head else None
@@ -187,7 +206,7 @@ class GPT(nn.Module):
         self.tie_weights()
         tables = None  # one rotary table for every layer (each holds it as a buffer)
         for block in self.layers.values():
-            if block.attention.rope_theta is None:
+            if block.attention is None or block.attention.rope_theta is None:
                 continue
             if tables is None:
                 block.attention.reset_rotary()

@@ -13,6 +13,7 @@ threshold and Adam normalises what remains. One case per world clips with a bind
 
 Extra cases: sequence parallel with recompute (tp 2); compiled blocks and head (tp 1, pp 1);
 CPU offload (pp 2, dp 2); the interleaved schedule (two virtual stages a rank) under ZeRO 1 and 3;
+splits that cut blocks in half (1F1B, ZB-H1, interleaved);
 the Llama preset (rotary, RMSNorm, SwiGLU, grouped key/value heads, untied head) through tensor
 and pipeline parallelism; the ``tp-pp-dp`` rank order. Tolerance: fp32, parameters within 5e-6
 absolute after 3 steps of lr 1e-2 (under 2e-4 of the update; unclipped gradients leave more of
@@ -142,6 +143,12 @@ def _extras(tp, pp, dp):
     if (tp, pp, dp) == (1, 2, 2):
         for stage in (1, 3):
             yield f"interleaved {stage}", stage, ("--parallel.virtual_stages", "2")
+        # a block cut between its attention (stage 0) and its MLP (stage 1), under 1F1B and under
+        # ZB-H1's deferred weight gradients; then halves in two chunks a rank, on the Llama preset
+        yield "half block", 3, ("--parallel.pipeline_split", "[1.5, 2.5]")
+        yield "half block zb-h1", 1, ("--parallel.pipeline_split", "[2.5, 1.5]", "--parallel.pipeline_schedule", "zb-h1")
+        yield "half blocks interleaved llama", 2, (*LLAMA, "--parallel.virtual_stages", "2",
+                                                   "--parallel.pipeline_split", "[0.5, 1.5, 1.5, 0.5]")
     if (tp, pp, dp) in ((2, 1, 2), (1, 2, 2)):  # the untied head through tensor and pipeline parallelism
         yield "llama", 1 + tp, LLAMA
     if (tp, pp, dp) in ((2, 1, 2), (1, 2, 4)):

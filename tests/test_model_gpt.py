@@ -40,14 +40,21 @@ def close(a, b, rtol=RTOL):
     return (a - b).abs().max().item() <= rtol * b.abs().max().item() + 1e-12
 
 
+ATTENTION, MLP = ("attention",), ("mlp",)
+WHOLE_BLOCKS = [(range(0, 1), {}), (range(1, 3), {}), (range(3, 4), {})]
+HALF_BLOCKS = [(range(0, 2), {1: ATTENTION}), (range(1, 4), {1: MLP, 3: ATTENTION}), (range(3, 4), {3: MLP})]
+
+
+@pytest.mark.parametrize("cuts", [WHOLE_BLOCKS, HALF_BLOCKS], ids=["whole blocks", "half blocks"])
 @pytest.mark.parametrize("preset", ["gpt2", "llama"])
-def test_stages_chained_equal_the_whole_model(preset):
+def test_stages_chained_equal_the_whole_model(preset, cuts):
     cfg = config(preset, tie_embeddings=False)
     whole = GPT(cfg, seed=3)
-    stages = [GPT(cfg, layers=range(0, 1), has_head=False, seed=3),
-              GPT(cfg, layers=range(1, 3), has_embedding=False, has_head=False, seed=3),
-              GPT(cfg, layers=range(3, 4), has_embedding=False, seed=3)]
+    stages = [GPT(cfg, layers=layers, parts=parts, has_embedding=i == 0, has_head=i == len(cuts) - 1, seed=3)
+              for i, (layers, parts) in enumerate(cuts)]
     whole_params = dict(whole.named_parameters())
+    names = [name for stage in stages for name, _ in stage.named_parameters()]
+    assert sorted(names) == sorted(whole_params)  # every parameter on exactly one stage
     for stage in stages:
         for name, p in stage.named_parameters():
             assert torch.equal(p, whole_params[name]), name
@@ -162,6 +169,10 @@ def test_unknown_loss_reduction_is_refused():
 def test_layers_outside_the_model_are_refused():
     with pytest.raises(ValueError, match="num_layers"):
         GPT(config("gpt2"), layers=range(2, 6))
+    with pytest.raises(ValueError, match="outside layers"):
+        GPT(config("gpt2"), layers=range(0, 2), parts={2: MLP})
+    with pytest.raises(ValueError, match="non-empty subset"):
+        GPT(config("gpt2"), layers=range(0, 2), parts={1: ("norm",)})
 
 
 @pytest.mark.parametrize("preset,overrides,field", [

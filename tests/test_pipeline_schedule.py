@@ -2,7 +2,7 @@
 
 import pytest
 
-from parallel.pipeline.partition import balanced_split, resolve_split, stage_layers
+from parallel.pipeline.partition import balanced_split, resolve_split, stage_layers, stage_parts
 from parallel.pipeline.plan import PipelineDeadlock, check_ops, comm_plan, plan_for, simulate
 from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, interleaved_1f1b, max_live_activations,
                                         one_f_one_b)
@@ -166,6 +166,23 @@ def test_user_split_validated_and_mapped_to_chunks():
         balanced_split(3, 4)
     with pytest.raises(ValueError, match="cannot fill"):
         resolve_split(3, 2, 2)
+
+
+def test_a_split_may_cut_blocks_in_half():
+    assert resolve_split(24, 2, 1, [12.5, 11.5]) == [12.5, 11.5]
+    assert (stage_layers([12.5, 11.5], 2, 0), stage_parts([12.5, 11.5], 2, 0)) == (range(0, 13), {12: ("attention",)})
+    assert (stage_layers([12.5, 11.5], 2, 1), stage_parts([12.5, 11.5], 2, 1)) == (range(12, 24), {12: ("mlp",)})
+    assert stage_parts([13, 11], 2, 1) == {}
+    # two chunks a rank, in virtual-stage order: block 0's halves on ranks 0 and 1, block 3's too
+    split = [0.5, 1.5, 1.5, 0.5]
+    held = [(list(stage_layers(split, 2, r, c)), stage_parts(split, 2, r, c)) for c in range(2) for r in range(2)]
+    assert held == [([0], {0: ("attention",)}), ([0, 1], {0: ("mlp",)}), ([2, 3], {3: ("attention",)}),
+                    ([3], {3: ("mlp",)})]
+    # a stage of one MLP half and the next block's attention half
+    assert stage_parts([0.5, 1, 2.5], 3, 1) == {0: ("mlp",), 1: ("attention",)}
+    for bad in ([12.25, 11.75], [12.5, 12.5], [True, 23], ["12", 12]):
+        with pytest.raises(ValueError, match="whole or halves"):
+            resolve_split(24, 2, 1, bad)
 
 
 def test_bubble_without_pipelining_is_every_other_stage():

@@ -96,6 +96,8 @@ def rank_params(cfg: Config, pp_rank: int) -> float:
 
 
 def rank_layers(cfg: Config, pp_rank: int) -> int:
+    """Blocks pipeline rank ``pp_rank`` holds; one held in half (a split such as [12.5, 11.5]) counts
+    whole, so the estimate errs high by at most a block per chunk edge."""
     p = cfg.parallel
     split = pipeline_split(cfg)
     return sum(len(stage_layers(split, p.pp, pp_rank, c)) for c in range(p.virtual_stages))

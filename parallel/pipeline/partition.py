@@ -1,7 +1,11 @@
 """Which transformer blocks each pipeline stage holds.
 
 A split is a list with the number of blocks of each virtual stage (``pp * v`` entries, in virtual-
-stage order). It comes from the user (``parallel.pipeline_split``) or is balanced by work: the last
+stage order). An entry may end in a half: ``[12.5, 11.5]`` cuts block 12 between its attention,
+which the first stage runs, and its MLP, which the second does (the hidden state between them is
+the residual sum after the attention). Whole blocks leave the two ranks of a pp 2 GPT 1.3B about a
+block's time apart whichever way the head falls (``BENCHMARKS.md``); a half block is the finer step. The split comes
+from the user (``parallel.pipeline_split``) or is balanced by work: the last
 stage also runs the LM head, which at 1.3B costs as much as 1.75 blocks (2·h·V against a block's
 matrices), so an equal split leaves the first rank idle for that long in every micro-batch of a
 1F1B or zero-bubble steady state. The caller states the head's cost in blocks (``head_cost``); the
@@ -56,24 +60,33 @@ def _fill(count: int, extra: Sequence[float], minimum: int) -> list[int]:
     return bins
 
 
-def split_problem(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[int]] = None) -> Optional[str]:
+def _halves(count) -> Optional[int]:
+    """A split entry in half blocks (12.5 -> 25), or None when it is not a positive multiple of 0.5."""
+    if isinstance(count, bool) or not isinstance(count, (int, float)) or count <= 0 or (2 * count) % 1:
+        return None
+    return int(2 * count)
+
+
+def split_problem(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[float]] = None) -> Optional[str]:
     """Why a run's split cannot work, in config terms, or None: a given split must list ``pp * v``
-    positive block counts summing to ``num_layers``; without one, every virtual stage needs a block.
-    Config validation reports this before launch; ``resolve_split`` refuses a bad split."""
+    positive block counts, whole or ending in a half, summing to ``num_layers``; without one, every
+    virtual stage needs a block. Config validation reports this before launch; ``resolve_split``
+    refuses a bad split."""
     stages = pp * v
     if split is not None:
         split = list(split)
-        if len(split) != stages or any(not isinstance(k, int) or k < 1 for k in split) or sum(split) != num_layers:
-            return (f"parallel.pipeline_split: {split} must be {stages} positive layer counts "
-                    f"(pp*virtual_stages = {pp}*{v}) summing to model.num_layers {num_layers}")
+        halves = [_halves(k) for k in split]
+        if len(split) != stages or None in halves or sum(halves) != 2 * num_layers:
+            return (f"parallel.pipeline_split: {split} must be {stages} positive layer counts, whole or "
+                    f"halves such as 12.5 (pp*virtual_stages = {pp}*{v}), summing to model.num_layers {num_layers}")
     elif num_layers < stages:
         return (f"model.num_layers: {num_layers} blocks cannot fill parallel.pp*parallel.virtual_stages = {stages} "
                 f"pipeline stages (every stage needs one); lower pp or virtual_stages, or add layers")
     return None
 
 
-def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[int]] = None,
-                  head_cost: float = 0.0) -> list[int]:
+def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[float]] = None,
+                  head_cost: float = 0.0) -> list[float]:
     """The user's split if given (validated), else ``balanced_split`` with the head's cost in blocks."""
     problem = split_problem(num_layers, pp, v, split)
     if problem:
@@ -81,11 +94,34 @@ def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence
     return list(split) if split is not None else balanced_split(num_layers, pp, v, head_cost)
 
 
-def stage_layers(split: Sequence[int], pp: int, rank: int, chunk: int = 0) -> range:
-    """Global block indices held by chunk ``chunk`` of pipeline rank ``rank`` (virtual stage chunk*pp + rank)."""
+def _stage_halves(split: Sequence[float], pp: int, rank: int, chunk: int) -> tuple[int, int]:
+    """The half blocks [start, end) of chunk ``chunk`` of pipeline rank ``rank``: half 2i is block i's
+    attention, half 2i + 1 its MLP."""
     stage = chunk * pp + rank
     if not 0 <= stage < len(split):
         raise ValueError(f"virtual stage {stage} (rank {rank}, chunk {chunk}) is outside a {len(split)}-stage split")
-    start = sum(split[:stage])
-    return range(start, start + split[stage])
+    halves = [_halves(k) for k in split]
+    if None in halves:
+        raise ValueError(f"pipeline split {list(split)}: every entry must be a positive multiple of 0.5")
+    start = sum(halves[:stage])
+    return start, start + halves[stage]
 
+
+def stage_layers(split: Sequence[float], pp: int, rank: int, chunk: int = 0) -> range:
+    """Global indices of the blocks chunk ``chunk`` of pipeline rank ``rank`` (virtual stage
+    chunk*pp + rank) holds, whole or in part (see ``stage_parts``)."""
+    start, end = _stage_halves(split, pp, rank, chunk)
+    return range(start // 2, (end + 1) // 2)
+
+
+def stage_parts(split: Sequence[float], pp: int, rank: int, chunk: int = 0) -> dict[int, tuple[str, ...]]:
+    """The blocks of that chunk it holds only in part, each with the part it holds: ``("mlp",)`` for a
+    block whose attention the previous stage ran, ``("attention",)`` for one whose MLP the next stage
+    runs. Empty for a split of whole blocks."""
+    start, end = _stage_halves(split, pp, rank, chunk)
+    parts = {}
+    if start % 2:
+        parts[start // 2] = ("mlp",)
+    if end % 2:
+        parts[end // 2] = ("attention",)
+    return parts
