@@ -42,6 +42,10 @@
 #                                    gives its tokens/s, MFU and peak memory
 #   benchmarks/gpu_suite.sh eight-speed  eight GPUs: those layouts' throughput beside one GPU, DDP and FSDP2 at
 #                                    dp 8, and megatron-core at tp 2 x pp 2 x dp 2 (SIZE=6.7b for the large model)
+#   benchmarks/gpu_suite.sh halves   four GPUs: half-block pipeline splits where whole blocks leave a stage furthest
+#                                    above the mean (docs/pipeline.md): the 6.7B GPT at tp 2 x pp 2, [16, 16]
+#                                    against [16.5, 15.5] (predicted 2.6% faster), and the 1.3B GPT at pp 4,
+#                                    [6, 7, 6, 5] against [6.5, 6.5, 6.5, 4.5] (predicted 6%), with one GPU
 #   benchmarks/gpu_suite.sh axes4    four GPUs: tp 2 x dp 2, pp 2 x dp 2 (1F1B, zero-bubble) and tp 2 x pp 2
 #                                    for the 1.3B GPT against one GPU and megatron-core at the same layouts,
 #                                    then the 6.7B GPT (configs/gpt_6.7b.yaml) at tp 2 x dp 2 and tp 2 x pp 2
@@ -49,7 +53,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, pairs, ctas, gradcopy, optimizer, hostbound, trainergap, axes4, eight or eight-speed}
+part=${1:?part: zero, ds, layers, trainer, axes, tpdiag, graphs, pairs, ctas, gradcopy, optimizer, hostbound, trainergap, halves, axes4, eight or eight-speed}
 log=${OUT:-/tmp}/$part.log
 PEERS=${PEERS:-benchmarks/peers}
 run() { echo "## $*" >&2; "$@" 2>&1 | tee -a "$log" | grep -E '^\{|^step |^megazero|Error|error' ; }
@@ -161,6 +165,13 @@ optimizer)
   run timeout 120 python benchmarks/optimizer_step_gpu.py --sweep
   run timeout 200 python benchmarks/optimizer_step_gpu.py --sizes 125m 1.3b
   run timeout 120 python benchmarks/optimizer_step_gpu.py --sizes 125m --host-profile ;;
+halves)
+  run timeout 300 torchrun --nproc_per_node 4 benchmarks/train_gpu.py configs/gpt_6.7b.yaml \
+    --runs tp2-sp-pp2-m8-zb-compile tp2-sp-pp2-m8-zb-compile-split16.5_15.5 --warmup 2 --steps 4
+  run timeout 300 torchrun --nproc_per_node 4 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
+    --runs pp4-m16-zb-compile pp4-m16-zb-compile-split6.5_6.5_6.5_4.5 --warmup 2 --steps 4
+  run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs compile-m16 \
+    --warmup 2 --steps 4 ;;
 axes4)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
     --runs stage1-compile stage1-m8-compile --warmup 3 --steps 5

@@ -149,6 +149,8 @@ def _extras(tp, pp, dp):
         yield "half block zb-h1", 1, ("--parallel.pipeline_split", "[2.5, 1.5]", "--parallel.pipeline_schedule", "zb-h1")
         yield "half blocks interleaved llama", 2, (*LLAMA, "--parallel.virtual_stages", "2",
                                                    "--parallel.pipeline_split", "[0.5, 1.5, 1.5, 0.5]")
+    if (tp, pp, dp) == (2, 2, 2):  # a half block under sequence parallelism: the hidden state sent is a token chunk
+        yield "sp half block", 1, ("--parallel.sequence_parallel", "true", "--parallel.pipeline_split", "[2.5, 1.5]")
     if (tp, pp, dp) in ((2, 1, 2), (1, 2, 2)):  # the untied head through tensor and pipeline parallelism
         yield "llama", 1 + tp, LLAMA
     if (tp, pp, dp) in ((2, 1, 2), (1, 2, 4)):
