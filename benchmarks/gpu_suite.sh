@@ -44,8 +44,8 @@
 #                                    dp 8, and megatron-core at tp 2 x pp 2 x dp 2 (SIZE=6.7b for the large model)
 #   benchmarks/gpu_suite.sh halves   four GPUs: half-block pipeline splits where whole blocks leave a stage furthest
 #                                    above the mean (docs/pipeline.md): the 6.7B GPT at tp 2 x pp 2, [16, 16]
-#                                    against [16.5, 15.5] (predicted 2.6% faster), and the 1.3B GPT at pp 4,
-#                                    [6, 7, 6, 5] against [6.5, 6.5, 6.5, 4.5] (predicted 6%), with one GPU
+#                                    against [16.5, 15.5] (predicted 2.3% faster), and the 1.3B GPT at pp 4,
+#                                    [6, 7, 6, 5] against [6.5, 6.5, 6.5, 4.5] (predicted 6.5%), with one GPU
 #   benchmarks/gpu_suite.sh axes4    four GPUs: tp 2 x dp 2, pp 2 x dp 2 (1F1B, zero-bubble) and tp 2 x pp 2
 #                                    for the 1.3B GPT against one GPU and megatron-core at the same layouts,
 #                                    then the 6.7B GPT (configs/gpt_6.7b.yaml) at tp 2 x dp 2 and tp 2 x pp 2

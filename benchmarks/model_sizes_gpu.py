@@ -15,7 +15,8 @@ Every megazero run trains with the peer's optimizer settings (``power_cap.PEER_O
 rate 1e-4, constant) rather than the config's 2000-step warm-up: the GPU sits on its power cap, its
 clock follows the energy a step costs, and near-initial weights cost more (with the config's warm-up
 the same trainer ran 1.6% slower at a 2.4% lower clock). Each line gives the run's median SM clock
-and board power while the GPU was busy, so that a comparison made at different clocks shows.
+and board power while the GPU was busy (its warm-up steps too), so that a comparison made at
+different clocks shows.
 
 Throughput is the median tokens/s of the steps after ``--skip`` (compilation and allocator warm-up),
 ``host_wait_ms`` the median time the trainer's host waited for a step's results (near 0: the host,

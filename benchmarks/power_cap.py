@@ -23,7 +23,8 @@ import subprocess
 import tempfile
 from typing import Iterable, Optional
 
-# the optimizer of every peer in benchmarks/peers/ (fused AdamW, lr 1e-4, betas 0.9/0.95, decay 0.1), held constant
+# the peers' learning rate (benchmarks/peers/: fused AdamW at 1e-4, constant; betas and decay are megazero's
+# defaults already). megazero still clips gradients at 1.0, which the peers do not: work only it does.
 PEER_OPTIMIZER = ["--optimizer.lr", "1e-4", "--schedule.warmup_steps", "0", "--schedule.decay_style", "constant"]
 QUERY = "clocks.sm,power.draw,utilization.gpu,clocks_throttle_reasons.active"
 SW_POWER_CAP = 0x4  # the throttle-reason bit nvidia-smi sets while the driver holds the board to its power limit
@@ -39,7 +40,8 @@ def visible_gpu(local_index: int = 0) -> str:
 
 def summarize(lines: Iterable[str]) -> dict[str, Optional[float]]:
     """Median SM clock (MHz) and power (W) over the busy samples of ``nvidia-smi --format=csv,noheader,nounits``
-    lines of ``QUERY``, and the fraction of those held at the power cap; None where no sample was busy."""
+    lines of ``QUERY``, the fraction of those held at the power cap, and their number; None where no
+    sample was busy (a window too short, or nvidia-smi reading another GPU than CUDA's)."""
     busy = []
     for line in lines:
         fields = [f.strip() for f in line.split(",")]
@@ -50,9 +52,9 @@ def summarize(lines: Iterable[str]) -> dict[str, Optional[float]]:
         if util >= BUSY_PERCENT:
             busy.append((clock, power, bool(reasons & SW_POWER_CAP)))
     if not busy:
-        return {"sm_MHz": None, "power_W": None, "power_capped": None}
+        return {"sm_MHz": None, "power_W": None, "power_capped": None, "clock_samples": 0}
     return {"sm_MHz": statistics.median(b[0] for b in busy), "power_W": round(statistics.median(b[1] for b in busy), 1),
-            "power_capped": round(sum(b[2] for b in busy) / len(busy), 2)}
+            "power_capped": round(sum(b[2] for b in busy) / len(busy), 2), "clock_samples": len(busy)}
 
 
 class ClockSampler:

@@ -201,7 +201,8 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     dist.barrier()
-    with ClockSampler(visible_gpu(launch.local_rank)) if device.type == "cuda" else contextlib.nullcontext() as clock:
+    sample = device.type == "cuda" and launch.rank == 0
+    with ClockSampler(visible_gpu(launch.local_rank)) if sample else contextlib.nullcontext() as clock:
         t0 = time.perf_counter()
         for _ in range(steps):
             out = engine.train_step(batch)  # not read until the end: a loop that logs nothing never syncs

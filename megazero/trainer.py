@@ -81,7 +81,7 @@ class _QueuedStep:
     queued_at: float  # time.perf_counter()
 
 
-def checkpoint_split(cfg: Config, layout: dict) -> Optional[list[int]]:
+def checkpoint_split(cfg: Config, layout: dict) -> Optional[list[float]]:
     """The pipeline split to resume with, given the layout a checkpoint records: the run's own
     ``parallel.pipeline_split`` if set, else the checkpoint's when the run has its pipeline shape
     (else None: the default). The default split can change between versions (it became balanced by

@@ -37,6 +37,7 @@ from models.embedding import VOCAB_MULTIPLE, Embedding, padded_vocab_size
 from models.init import seeded_normal
 from models.mlp import MLP
 from models.norms import NORMS, build_norm
+from parallel.pipeline.partition import BLOCK_PARTS
 from parallel.tensor_parallel.sharding import param_shards
 
 TP_PLAN = {
@@ -65,9 +66,6 @@ EMBEDDING_WEIGHT = "embedding.tokens.weight"
 VOCAB_PADDED = (EMBEDDING_WEIGHT, "lm_head.weight")
 """Parameters whose first dimension is the padded vocabulary: their padding rows may be added or
 dropped when a checkpoint moves to another tensor-parallel size (the padding is 128·tp)."""
-
-
-BLOCK_PARTS = ("attention", "mlp")
 
 
 class Block(nn.Module):

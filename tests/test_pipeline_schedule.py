@@ -172,7 +172,7 @@ def test_a_split_may_cut_blocks_in_half():
     assert resolve_split(24, 2, 1, [12.5, 11.5]) == [12.5, 11.5]
     assert (stage_layers([12.5, 11.5], 2, 0), stage_parts([12.5, 11.5], 2, 0)) == (range(0, 13), {12: ("attention",)})
     assert (stage_layers([12.5, 11.5], 2, 1), stage_parts([12.5, 11.5], 2, 1)) == (range(12, 24), {12: ("mlp",)})
-    assert stage_parts([13, 11], 2, 1) == {}
+    assert stage_parts([13, 11], 2, 1) == {} and stage_parts([12.0, 12], 2, 1) == {}  # a whole count may be a float
     # two chunks a rank, in virtual-stage order: block 0's halves on ranks 0 and 1, block 3's too
     split = [0.5, 1.5, 1.5, 0.5]
     held = [(list(stage_layers(split, 2, r, c)), stage_parts(split, 2, r, c)) for c in range(2) for r in range(2)]

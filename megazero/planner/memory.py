@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 from megazero.config.schema import Config
 from megazero.engine import pipeline_split
+from megazero.flops import attention_share
 from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
-from parallel.pipeline.partition import stage_layers
+from parallel.pipeline.partition import BLOCK_PARTS, stage_layers, stage_parts
 from parallel.pipeline.schedule import build_schedule, default_schedule, max_live_activations
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -97,10 +98,24 @@ def rank_params(cfg: Config, pp_rank: int) -> float:
 
 def rank_layers(cfg: Config, pp_rank: int) -> int:
     """Blocks pipeline rank ``pp_rank`` holds; one held in half (a split such as [12.5, 11.5]) counts
-    whole, so the estimate errs high by at most a block per chunk edge."""
+    whole, so memory estimates err high by at most half a block at each cut."""
     p = cfg.parallel
     split = pipeline_split(cfg)
     return sum(len(stage_layers(split, p.pp, pp_rank, c)) for c in range(p.virtual_stages))
+
+
+def rank_work(cfg: Config, pp_rank: int) -> float:
+    """Blocks' worth of work pipeline rank ``pp_rank`` does: a block held in half counts its half's
+    share (``attention_share``), so the time model sees what a half-block split moves."""
+    p = cfg.parallel
+    split = pipeline_split(cfg)
+    share = dict(zip(BLOCK_PARTS, (attention_share(cfg.model), 1.0 - attention_share(cfg.model))))
+    work = 0.0
+    for c in range(p.virtual_stages):
+        parts = stage_parts(split, p.pp, pp_rank, c)
+        work += sum(sum(share[part] for part in parts.get(block, BLOCK_PARTS))
+                    for block in stage_layers(split, p.pp, pp_rank, c))
+    return work
 
 
 @functools.lru_cache(maxsize=4096)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from megazero.config.schema import Config
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
-from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_layers, rank_params, schedule_name
+from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_work, schedule_name
 from parallel.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 
 # The optimizer step streams each shard element's gradient, fp32 master and two moments through
@@ -87,8 +87,8 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
 
     slowest = (0.0, 0.0, 0)
     for rank in range(p.pp):
-        flops = tokens_mb * (rank_layers(cfg, rank) * per_layer + (head if rank == p.pp - 1 else 0.0)) / p.tp
-        compute, tp_comm = flops / gpu.flops, rank_layers(cfg, rank) * tp_per_layer
+        flops = tokens_mb * (rank_work(cfg, rank) * per_layer + (head if rank == p.pp - 1 else 0.0)) / p.tp
+        compute, tp_comm = flops / gpu.flops, rank_work(cfg, rank) * tp_per_layer
         if compute + tp_comm > slowest[0] + slowest[1]:
             slowest = (compute, tp_comm, rank)
     compute_mb, tp_mb, rank = slowest
@@ -97,7 +97,7 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         compute_mb *= 1 + SPLIT_BACKWARD_COST
     host_launches = 0.0
     if p.tp > 1 and not t.cuda_graphs:
-        host_launches = max(rank_layers(cfg, r) for r in range(p.pp)) * HOST_S_PER_TP_BLOCK
+        host_launches = max(rank_work(cfg, r) for r in range(p.pp)) * HOST_S_PER_TP_BLOCK
     host_mb = max(0.0, host_launches - compute_mb - tp_mb)  # what the host adds beyond the GPU's own time
     stage_mb = compute_mb + tp_mb + host_mb + pp_per_mb
     bubble = bubble_fraction(p.pp, micro, p.virtual_stages, schedule) * micro * stage_mb

@@ -3,13 +3,16 @@
 A split is a list with the number of blocks of each virtual stage (``pp * v`` entries, in virtual-
 stage order). An entry may end in a half: ``[12.5, 11.5]`` cuts block 12 between its attention,
 which the first stage runs, and its MLP, which the second does (the hidden state between them is
-the residual sum after the attention). Whole blocks leave the two ranks of a pp 2 GPT 1.3B about a
-block's time apart whichever way the head falls (``BENCHMARKS.md``); a half block is the finer step. The split comes
-from the user (``parallel.pipeline_split``) or is balanced by work: the last
-stage also runs the LM head, which at 1.3B costs as much as 1.75 blocks (2·h·V against a block's
-matrices), so an equal split leaves the first rank idle for that long in every micro-batch of a
-1F1B or zero-bubble steady state. The caller states the head's cost in blocks (``head_cost``); the
-embedding's lookup costs next to nothing and is not counted. With ``head_cost = 0`` the balanced
+the residual sum after the attention). Whole blocks can leave the busiest stage well above the mean
+where stages hold few blocks (GPT 1.3B at pp 4: 7 block-equivalents against 6.4; GPT 6.7B at pp 2,
+whose head costs about one block: 16.9 against 16.5); a half block is the finer step. The halves are
+not equal: the MLP does 57% of a GPT 1.3B block's matrix work.
+
+The split comes from the user (``parallel.pipeline_split``) or is balanced by work in whole blocks:
+the last stage also runs the LM head, which at 1.3B costs as much as 1.75 blocks (2·h·V against a
+block's matrices), so an equal split leaves the first rank idle for that long in every micro-batch
+of a 1F1B or zero-bubble steady state. The caller states the head's cost in blocks (``head_cost``);
+the embedding's lookup costs next to nothing and is not counted. With ``head_cost = 0`` the balanced
 split is the even one: remainders on the middle ranks, and within a rank on its first chunks.
 """
 
@@ -18,6 +21,9 @@ from __future__ import annotations
 import functools
 import heapq
 from typing import Optional, Sequence
+
+BLOCK_PARTS = ("attention", "mlp")
+"""The two halves of a transformer block, in order, that a split may put on different stages."""
 
 
 def balanced_split(num_layers: int, pp: int, v: int = 1, head_cost: float = 0.0) -> list[int]:
@@ -119,9 +125,10 @@ def stage_parts(split: Sequence[float], pp: int, rank: int, chunk: int = 0) -> d
     block whose attention the previous stage ran, ``("attention",)`` for one whose MLP the next stage
     runs. Empty for a split of whole blocks."""
     start, end = _stage_halves(split, pp, rank, chunk)
+    attention, mlp = BLOCK_PARTS
     parts = {}
     if start % 2:
-        parts[start // 2] = ("mlp",)
+        parts[start // 2] = (mlp,)
     if end % 2:
-        parts[end // 2] = ("attention",)
+        parts[end // 2] = (attention,)
     return parts
