@@ -3,8 +3,9 @@ run's own layout.
 
 The layout is computed without a process group (``convert.layout.training_layout``); it must equal,
 rank by rank, the shard description the engine's optimizer gives when that run really starts (on
-4 gloo ranks, four layouts: tensor x pipeline, pipeline x data with interleaving and ZeRO-3, tensor x
-data with ZeRO-2 and a persistence threshold, plain data parallelism). The files written in that layout
+4 gloo ranks, five layouts: tensor x pipeline, pipeline x data with interleaving and ZeRO-3, tensor x
+data with ZeRO-2 and a persistence threshold, plain data parallelism, pipeline x data with a split
+that cuts a block in half). The files written in that layout
 must give back every logical tensor of the source, and the engine at that layout must load them into
 exactly the values the source holds. A layout the model cannot take is refused in one line naming the
 field, with nothing written.
@@ -44,6 +45,7 @@ LAYOUTS = {
     "pp2-dp2-v2-zero3": ["--parallel.pp", "2", "--parallel.virtual_stages", "2", "--zero.stage", "3"],
     "tp2-dp2-zero2-persist": ["--parallel.tp", "2", "--zero.stage", "2", "--zero.persistence_threshold", "100"],
     "dp4-zero0": ["--zero.stage", "0", "--model.preset", "llama"],
+    "pp2-dp2-half-zero1": ["--parallel.pp", "2", "--parallel.pipeline_split", "[1.5, 2.5]", "--zero.stage", "1"],
 }
 
 
