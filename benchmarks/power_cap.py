@@ -2,16 +2,17 @@
 
 A busy H100 or H200 SXM sits on its power cap (700 W) and the driver lowers the SM clock until the
 board fits under it, so a step's speed follows the energy the step costs, and that depends on more
-than the code. The same GPT 1.3B through the same trainer ran 1.6% faster with the peers' constant
-learning rate than in the first steps of the config's warm-up, at a clock 2.4% higher (``BENCHMARKS.md``):
-the weights, and with them every GEMM's operands, barely move at the first steps of a warm-up, and
-that costs more energy; random tokens against text made no difference. So megazero's benchmarks train with the
-peers' optimizer settings (``PEER_OPTIMIZER``), and ``ClockSampler`` records the SM clock and board
-power while a run works, so that a comparison made at different clocks shows.
+than the code. The same GPT 1.3B through the same trainer ran 1.6% faster at the peers' constant
+learning rate than in the first steps of the config's warm-up, at a 2.4% higher clock
+(``BENCHMARKS.md``): a step costs more energy while the weights barely move (which property of the
+GEMMs' operands does it was not isolated; random tokens against text made no difference). So
+megazero's benchmarks train at the peers' learning rate (``PEER_OPTIMIZER``), and ``ClockSampler``
+records the SM clock and board power while a run works, so that a comparison made at different
+clocks shows.
 
     with ClockSampler() as clock:
         run_the_benchmark()
-    print(clock.summary())  # {"sm_MHz": 1598.0, "power_W": 692.1, "power_capped": 0.98}
+    print(clock.summary())  # {"sm_MHz": 1605.0, "power_W": 691.8, "power_capped": 0.96, "clock_samples": 212}
 """
 
 from __future__ import annotations
