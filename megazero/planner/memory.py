@@ -109,7 +109,8 @@ def rank_work(cfg: Config, pp_rank: int) -> float:
     share (``attention_share``), so the time model sees what a half-block split moves."""
     p = cfg.parallel
     split = pipeline_split(cfg)
-    share = dict(zip(BLOCK_PARTS, (attention_share(cfg.model), 1.0 - attention_share(cfg.model))))
+    attention = attention_share(cfg.model)
+    share = dict(zip(BLOCK_PARTS, (attention, 1.0 - attention)))
     work = 0.0
     for c in range(p.virtual_stages):
         parts = stage_parts(split, p.pp, pp_rank, c)

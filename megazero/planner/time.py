@@ -87,8 +87,9 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
 
     slowest = (0.0, 0.0, 0)
     for rank in range(p.pp):
-        flops = tokens_mb * (rank_work(cfg, rank) * per_layer + (head if rank == p.pp - 1 else 0.0)) / p.tp
-        compute, tp_comm = flops / gpu.flops, rank_work(cfg, rank) * tp_per_layer
+        work = rank_work(cfg, rank)
+        flops = tokens_mb * (work * per_layer + (head if rank == p.pp - 1 else 0.0)) / p.tp
+        compute, tp_comm = flops / gpu.flops, work * tp_per_layer
         if compute + tp_comm > slowest[0] + slowest[1]:
             slowest = (compute, tp_comm, rank)
     compute_mb, tp_mb, rank = slowest
