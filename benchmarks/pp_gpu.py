@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from megazero.engine import gpt_forward_step
-from megazero.flops import head_blocks
+from megazero.flops import attention_share, head_blocks
 from models import GPT
 from models.config import ModelConfig
 from parallel.pipeline import PipelineExecutor, bubble_fraction, sum_tied_grads
-from parallel.pipeline.partition import resolve_split, stage_layers
+from parallel.pipeline.partition import resolve_split, stage_layers, stage_parts
 from parallel.topology import RankGrid, Topology
 
 
@@ -57,12 +57,13 @@ def tied_embedding_params(chunks) -> list:
 
 
 def build_chunks(cfg: ModelConfig, pp: int, rank: int, v: int, device) -> list:
-    split = resolve_split(cfg.num_layers, pp, v, head_cost=head_blocks(cfg))  # as the engine splits
+    split = resolve_split(cfg.num_layers, pp, v, head_cost=head_blocks(cfg),
+                          attention_share=attention_share(cfg))  # as the engine splits
     chunks = []
     for chunk in range(v):
         stage = chunk * pp + rank
-        layers = stage_layers(split, pp, rank, chunk)
-        model = GPT(cfg, layers=layers, has_embedding=stage == 0, has_head=stage == pp * v - 1, device=device)
+        model = GPT(cfg, layers=stage_layers(split, pp, rank, chunk), parts=stage_parts(split, pp, rank, chunk),
+                    has_embedding=stage == 0, has_head=stage == pp * v - 1, device=device)
         chunks.append(model.to(torch.bfloat16))
     return chunks
 

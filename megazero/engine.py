@@ -17,7 +17,7 @@ import torch
 
 from megazero.config import Config
 from megazero.errors import ConfigError
-from megazero.flops import head_blocks
+from megazero.flops import attention_share, head_blocks
 from megazero.optim import AdamWSettings, DynamicLossScaler, ShardedAdamW, StepResult
 from models import GPT
 from models.ops import IGNORE_INDEX
@@ -73,9 +73,11 @@ def pipeline_stages(cfg: Config, pp_rank: int) -> list[int]:
 
 def pipeline_split(cfg: Config) -> list[float]:
     """Blocks per virtual stage, in virtual-stage order (a count may end in a half block):
-    ``parallel.pipeline_split``, else balanced against the head's work on the last stage."""
+    ``parallel.pipeline_split``, else balanced against the head's work on the last stage, in half
+    blocks where that pays (``balanced_split``)."""
     m, p = cfg.model, cfg.parallel
-    return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split, head_cost=head_blocks(m))
+    return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split, head_cost=head_blocks(m),
+                         attention_share=attention_share(m))
 
 
 def layout_record(cfg: Config) -> dict:

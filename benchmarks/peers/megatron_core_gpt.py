@@ -105,8 +105,10 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl")
         device, size, seq = torch.device("cuda"), SIZES[args.size], args.seq
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
-                                             pipeline_model_parallel_size=args.pp)
+    # the virtual size picks the interleaved schedule in get_forward_backward_func
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.virtual_stages if args.virtual_stages > 1 else None)
     if not args.cpu:
         tensor_parallel.model_parallel_cuda_manual_seed(0)
     config = transformer_config(size, args, args.cpu)

@@ -6,14 +6,16 @@ which the first stage runs, and its MLP, which the second does (the hidden state
 the residual sum after the attention). Whole blocks can leave the busiest stage well above the mean
 where stages hold few blocks (GPT 1.3B at pp 4: 7 block-equivalents against 6.4; GPT 6.7B at pp 2,
 whose head costs about one block: 16.9 against 16.5); a half block is the finer step. The halves are
-not equal: the MLP does 57% of a GPT 1.3B block's matrix work.
+not equal: the MLP does 57% of a GPT 1.3B block's work.
 
-The split comes from the user (``parallel.pipeline_split``) or is balanced by work in whole blocks:
-the last stage also runs the LM head, which at 1.3B costs as much as 1.75 blocks (2·h·V against a
-block's matrices), so an equal split leaves the first rank idle for that long in every micro-batch
-of a 1F1B or zero-bubble steady state. The caller states the head's cost in blocks (``head_cost``);
-the embedding's lookup costs next to nothing and is not counted. With ``head_cost = 0`` the balanced
-split is the even one: remainders on the middle ranks, and within a rank on its first chunks.
+The split comes from the user (``parallel.pipeline_split``) or is balanced by work: the last stage
+also runs the LM head, which at 1.3B costs as much as 1.75 blocks (2·h·V against a block's
+matrices), so an equal split leaves the first rank idle for that long in every micro-batch of a 1F1B
+or zero-bubble steady state. The caller states the head's cost in blocks (``head_cost``); the
+embedding's lookup costs next to nothing and is not counted. With ``head_cost = 0`` the balanced
+split is the even one: remainders on the middle ranks, and within a rank on its first chunks. Given
+the attention half's share of a block (``attention_share``), a split of one chunk a rank may cut
+blocks in half where that lowers the busiest rank's work by more than ``HALF_BLOCK_GAIN``.
 """
 
 from __future__ import annotations
@@ -26,15 +28,27 @@ BLOCK_PARTS = ("attention", "mlp")
 """The two halves of a transformer block, in order, that a split may put on different stages."""
 
 
-def balanced_split(num_layers: int, pp: int, v: int = 1, head_cost: float = 0.0) -> list[int]:
+HALF_BLOCK_GAIN = 0.01
+"""How much less work the busiest rank must get before the balanced split cuts a block in half: the
+time model's error where it was measured (pp 2, GPT 1.3B: a half split predicted 2.5% slower ran 3.6%
+slower), so a smaller predicted gain is not one."""
+
+
+def balanced_split(num_layers: int, pp: int, v: int = 1, head_cost: float = 0.0,
+                   attention_share: Optional[float] = None) -> list[float]:
     """Blocks per virtual stage such that no pipeline rank's work (its blocks, plus ``head_cost`` on
     the last rank) is larger than whole blocks force it to be; then each rank's blocks spread over its
-    ``v`` chunks the same way (the head sits in the last rank's last chunk)."""
-    return list(_balanced_split(num_layers, pp, v, float(head_cost)))
+    ``v`` chunks the same way (the head sits in the last rank's last chunk). With ``attention_share``
+    and one chunk a rank, counts may end in a half (``_half_block_split``); an interleaved split stays
+    in whole blocks, as balancing halves over a rank's chunks is not modelled."""
+    if attention_share is not None and not 0 < attention_share < 1:
+        raise ValueError(f"attention_share must lie strictly between 0 and 1, got {attention_share}")
+    return list(_balanced_split(num_layers, pp, v, float(head_cost), attention_share if v == 1 else None))
 
 
 @functools.lru_cache(maxsize=256)
-def _balanced_split(num_layers: int, pp: int, v: int, head_cost: float) -> tuple[int, ...]:
+def _balanced_split(num_layers: int, pp: int, v: int, head_cost: float,
+                    attention_share: Optional[float]) -> tuple[float, ...]:
     """``balanced_split``, remembered: the engine, the planner's every rank of every candidate layout
     and the checkpoint's layout record all ask for the same few splits."""
     if pp < 1 or v < 1:
@@ -48,7 +62,54 @@ def _balanced_split(num_layers: int, pp: int, v: int, head_cost: float) -> tuple
         head = head_cost if rank == pp - 1 else 0.0
         for chunk, count in enumerate(_fill(blocks, [head if c == v - 1 else 0.0 for c in range(v)], minimum=1)):
             split[chunk * pp + rank] = count
-    return tuple(split)
+    if attention_share is None:
+        return tuple(split)
+    busiest = max(per_rank[:-1] + [per_rank[-1] + head_cost])
+    halves, work = _half_block_split(num_layers, pp, head_cost, attention_share)
+    if work >= busiest * (1 - HALF_BLOCK_GAIN):
+        return tuple(split)
+    return tuple(k // 2 if k % 2 == 0 else k / 2 for k in halves)
+
+
+def _half_block_split(num_layers: int, pp: int, head_cost: float, share: float) -> tuple[list[int], float]:
+    """The split in half blocks (attention halves weigh ``share``, MLP halves the rest) whose busiest
+    rank has the least work, and that work. The least feasible limit is found by bisection over the
+    works a contiguous run of halves can have (k whole blocks, plus nothing, one attention or one MLP
+    half, plus the head or not). Under it, each stage from the last takes the count nearest an even
+    share of the work left (whole blocks on ties) that keeps the earlier stages packable."""
+    weights = [share, 1.0 - share] * num_layers
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    limits = sorted({k + part + head for k in range(num_layers + 1) for part in (0.0, share, 1.0 - share)
+                     for head in (0.0, head_cost)})
+
+    def packable(end: int, stages: int, limit: float, head: float) -> bool:
+        """Whether halves [0, end) fill ``stages`` stages of at least one half each within ``limit``
+        (the last of them also running ``head``): fill each from the back as far as the limit allows."""
+        for stage in range(stages - 1, 0, -1):
+            start = end - 1
+            while start > stage and prefix[end] - prefix[start - 1] + head <= limit + 1e-9:
+                start -= 1
+            if prefix[end] - prefix[start] + head > limit + 1e-9:
+                return False
+            end, head = start, 0.0
+        return prefix[end] + head <= limit + 1e-9
+
+    lo, hi = 0, len(limits) - 1  # the largest limit, every block and the head on one stage, is feasible
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if packable(len(weights), pp, limits[mid], head_cost) else (mid + 1, hi)
+    limit = limits[lo]
+    counts, end, head = [0] * pp, len(weights), head_cost
+    for stage in range(pp - 1, 0, -1):
+        target = (prefix[end] + head) / (stage + 1)
+        options = [start for start in range(end - 1, stage - 1, -1)
+                   if prefix[end] - prefix[start] + head <= limit + 1e-9 and packable(start, stage, limit, 0.0)]
+        start = min(options, key=lambda s: (round(abs(prefix[end] - prefix[s] + head - target), 9), s % 2))
+        counts[stage], end, head = end - start, start, 0.0
+    counts[0] = end
+    return counts, limit
 
 
 def _fill(count: int, extra: Sequence[float], minimum: int) -> list[int]:
@@ -92,12 +153,13 @@ def split_problem(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence
 
 
 def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[float]] = None,
-                  head_cost: float = 0.0) -> list[float]:
-    """The user's split if given (validated), else ``balanced_split`` with the head's cost in blocks."""
+                  head_cost: float = 0.0, attention_share: Optional[float] = None) -> list[float]:
+    """The user's split if given (validated), else ``balanced_split`` with the head's cost in blocks
+    and the attention half's share of a block."""
     problem = split_problem(num_layers, pp, v, split)
     if problem:
         raise ValueError(problem)
-    return list(split) if split is not None else balanced_split(num_layers, pp, v, head_cost)
+    return list(split) if split is not None else balanced_split(num_layers, pp, v, head_cost, attention_share)
 
 
 def _stage_halves(split: Sequence[float], pp: int, rank: int, chunk: int) -> tuple[int, int]:
