@@ -47,7 +47,8 @@
 #                                    against [16.5, 15.5] (predicted 2.3% faster), and the 1.3B GPT at pp 4,
 #                                    [6, 7, 6, 5] against [6.5, 6.5, 6.5, 4.5] (predicted 6.5%), with one GPU
 #   benchmarks/gpu_suite.sh axes4    four GPUs: tp 2 x dp 2, pp 2 x dp 2 (1F1B, zero-bubble) and tp 2 x pp 2
-#                                    for the 1.3B GPT against one GPU and megatron-core at the same layouts,
+#                                    for the 1.3B GPT against one GPU, megatron-core and the composed torch
+#                                    peer (peers/composed_parallel.py) at the same layouts,
 #                                    then the 6.7B GPT (configs/gpt_6.7b.yaml) at tp 2 x dp 2 and tp 2 x pp 2
 # Output: JSON lines on stdout (and in $OUT/PART.log when OUT is set).
 set -u
@@ -179,9 +180,10 @@ axes4)
     --runs ${RUNS:-tp2-sp-compile pp2-m8-compile pp2-m8-zb-compile pp2-m8-zb2-compile tp2-sp-pp2-m8-compile} --warmup 3 --steps 5
   [ -n "${WHEELS:-}" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore-site \
     "$WHEELS"/megatron_core-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/mcore-site
-  for layout in "--tp 2" "--pp 2 --micro-batches 8" "--tp 2 --pp 2 --micro-batches 8"; do
+  for layout in "--tp 2 --micro-batches 1" "--pp 2 --micro-batches 8" "--tp 2 --pp 2 --micro-batches 8"; do
     run timeout 200 torchrun --nproc_per_node 4 benchmarks/peers/megatron_core_gpt.py $layout
   done
+  MODES="tp2-dp pp2-dp tp2-pp2" NPROC=4 run bash $PEERS/run_peers.sh
   run timeout 300 torchrun --nproc_per_node 4 benchmarks/train_gpu.py configs/gpt_6.7b.yaml \
     --runs tp2-sp-compile tp2-sp-pp2-m8-compile --warmup 2 --steps 4
   run timeout 200 torchrun --nproc_per_node 4 benchmarks/peers/megatron_core_gpt.py --size 6.7b --micro-batch 2 \

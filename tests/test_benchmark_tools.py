@@ -212,3 +212,23 @@ def test_clock_sampler_maps_cuda_devices_to_nvidia_smi_indices(monkeypatch):
         pass
     if shutil.which("nvidia-smi") is None:
         assert clock.summary() == {"sm_MHz": None, "power_W": None, "power_capped": None, "clock_samples": 0}
+
+
+def _composed_peer_losses(processes: int, *layout: str) -> list[float]:
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+                           "--master-port", "29534", str(BENCHMARKS / "peers/composed_parallel.py"), "--cpu",
+                           *layout], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["cpu_losses"]
+
+
+def test_composed_torch_peer_trains_the_one_process_losses_in_every_four_rank_layout():
+    """The torch-native peer for two axes at once (``benchmarks/peers/composed_parallel.py``: DTensor
+    tensor parallelism with sequence parallelism, ``torch.distributed.pipelining``, FSDP2) must do the
+    work of the model it stands for: tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2 give one process's fp32
+    losses over three AdamW steps of the same global batch. The replicas train on different slices
+    of it (planted: without FSDP2 the replicas train apart, 0.09 lower by the third step)."""
+    reference = _composed_peer_losses(1, "--micro-batches", "8")
+    for layout, micro_batches in ((["--tp", "2"], "4"), (["--pp", "2"], "4"), (["--tp", "2", "--pp", "2"], "8")):
+        assert _composed_peer_losses(4, *layout, "--micro-batches", micro_batches) == pytest.approx(
+            reference, abs=2e-5), layout

@@ -3,6 +3,8 @@
 # TFLOP/s, MFU against 989 TFLOP/s, step time, peak memory). Run from anywhere:
 #   MODES="plain ddp fsdp2 ds1 ds2 ds3 tp pp-1f1b pp-interleaved pp-zbv" SIZE=1.3b MBS=8 NPROC=2 \
 #     bash benchmarks/peers/run_peers.sh
+#   MODES="tp2-dp pp2-dp tp2-pp2" NPROC=4 bash benchmarks/peers/run_peers.sh   # two axes (composed_parallel.py):
+#     tpN and ppN name the axes, dp takes the rest of NPROC
 # DeepSpeed (ds*) must be importable; on a machine without registry access set WHEELS to a folder
 # made by fetch_wheels.sh and it is installed first (into /tmp/peer-site). DDP, FSDP2, tp and pp
 # run compiled; plain runs eager and compiled. PORT sets torchrun's master port (default 29511), so
@@ -38,6 +40,9 @@ for mode in ${MODES:-plain ddp fsdp2 ds1 ds2 ds3}; do
     tp) distributed tensor_parallel.py --compile ;;
     pp-zbv) distributed pipeline_parallel.py --schedule zbv ;;
     pp-*) distributed pipeline_parallel.py --schedule "${mode#pp-}" --compile ;;
+    tp[0-9]*|pp[0-9]*)  # tp2-dp, pp2-dp, tp2-pp2: the composed peer, tpN and ppN from the name
+      axes=$(echo "$mode" | sed -E 's/-/ /g; s/(tp|pp)([0-9]+)/--\1 \2/g; s/ dp$//')
+      distributed composed_parallel.py $axes --compile ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;
   esac
 done

@@ -22,11 +22,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from common import SIZES, VOCAB, Size, adamw, random_batch, report, time_steps
+from common import SIZES, VOCAB, Size, random_batch, report, time_steps
 
 
 class Attention(nn.Module):
@@ -63,37 +63,78 @@ class Block(nn.Module):
 
 
 class TensorParallelGPT(nn.Module):
-    def __init__(self, size: Size):
-        super().__init__()
-        self.tokens = nn.Embedding(VOCAB, size.hidden)
-        self.blocks = nn.ModuleList(Block(size.hidden, size.heads) for _ in range(size.layers))
-        self.norm = nn.LayerNorm(size.hidden)
-        self.head = nn.Linear(size.hidden, VOCAB, bias=False)
+    """The GPT, or one pipeline stage of it: ``blocks`` blocks (all by default), with the embedding
+    and the final norm and head where the stage is the first or the last."""
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(tokens)
+    def __init__(self, size: Size, blocks: range | None = None, embedding: bool = True, head: bool = True):
+        super().__init__()
+        blocks = range(size.layers) if blocks is None else blocks
+        torch.manual_seed(0)
+        self.tokens = nn.Embedding(VOCAB, size.hidden) if embedding else None
+        self.blocks = nn.ModuleList()
+        for index in blocks:  # each block's weights by its own index, whatever the split
+            torch.manual_seed(1 + index)
+            self.blocks.append(Block(size.hidden, size.heads))
+        torch.manual_seed(size.layers + 1)
+        self.norm = nn.LayerNorm(size.hidden) if head else None
+        self.head = nn.Linear(size.hidden, VOCAB, bias=False) if head else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tokens is not None:
+            x = self.tokens(x)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def sharded_adamw(params, lr: float = 1e-4) -> torch.optim.Optimizer:
+    """The peers' AdamW for DTensor parameters: foreach, with DTensors and plain tensors (the
+    replicated norms without sequence parallelism) in separate groups, as one foreach call cannot mix
+    them."""
+    params = list(params)
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return torch.optim.AdamW([{"params": g} for g in groups if g], lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
+                             foreach=True)
+
+
+def between_blocks(sequence_parallel: bool):
+    """The residual stream's layout between blocks: sequence-sharded, or replicated."""
+    return Shard(1) if sequence_parallel else Replicate()
+
+
+def parallelize_block(block: Block, mesh, sequence_parallel: bool) -> None:
+    """The torchtitan plan for one block: q, k, v and the MLP's first linear column-parallel, the
+    attention output and the MLP's second row-parallel, the norms sequence-parallel."""
+    between = between_blocks(sequence_parallel)
+    plan = {"attn": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.out": RowwiseParallel(output_layouts=between),
+            "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel(output_layouts=between)}
+    if sequence_parallel:
+        plan.update({"norm1": SequenceParallel(), "norm2": SequenceParallel()})
+    parallelize_module(block, mesh, plan)
+
+
+def outer_plan(sequence_parallel: bool, embedding: bool = True, head: bool = True, local_logits: bool = False) -> dict:
+    """The embedding vocabulary-parallel into the blocks' layout; the final norm and the head, whose
+    logits stay sharded over the vocabulary for the loss (a DTensor, or this rank's shard)."""
+    between = between_blocks(sequence_parallel)
+    plan = {}
+    if embedding:
+        plan["tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if head:
+        plan["head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=local_logits)
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+    return plan
 
 
 def parallelize(model: TensorParallelGPT, mesh, sequence_parallel: bool) -> None:
     """The torchtitan plan: between blocks the residual stream is sequence-sharded (or replicated)."""
-    between = Shard(1) if sequence_parallel else Replicate()
-    outer = {"tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-             "head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)}
-    if sequence_parallel:
-        outer["norm"] = SequenceParallel()
-    parallelize_module(model, mesh, outer)
+    parallelize_module(model, mesh, outer_plan(sequence_parallel))
     for block in model.blocks:
-        plan = {"attn": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-                "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-                "attn.out": RowwiseParallel(output_layouts=between),
-                "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-                "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel(output_layouts=between)}
-        if sequence_parallel:
-            plan.update({"norm1": SequenceParallel(), "norm2": SequenceParallel()})
-        parallelize_module(block, mesh, plan)
+        parallelize_block(block, mesh, sequence_parallel)
 
 
 def main() -> None:
@@ -111,7 +152,6 @@ def main() -> None:
     dist.init_process_group("nccl")
     world = dist.get_world_size()
     mesh = init_device_mesh("cuda", (world,))
-    torch.manual_seed(0)
     model = TensorParallelGPT(SIZES[args.size]).cuda()
     parallelize(model, mesh, not args.no_sp)
     if args.async_tp:
@@ -122,7 +162,7 @@ def main() -> None:
     if args.compile:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, fullgraph=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    optimizer = sharded_adamw(model.parameters())
     tokens, labels = random_batch(args.micro_batch, args.seq, "cuda")  # same seed: the same batch on every rank
 
     def step():
