@@ -11,6 +11,7 @@ peak of an H100/H200 SXM (989 TFLOP/s).
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import dataclass
@@ -79,6 +80,20 @@ def flops_per_token(size: Size, seq: int) -> float:
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(size, seq).parameters())
     return 6 * params + 12 * size.layers * size.hidden * seq
+
+
+def layout_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every multi-axis peer takes: model size, sequence, tensor and pipeline degrees
+    (the data-parallel degree is what the processes leave), micro-batch and timing."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--size", default="1.3b", choices=sorted(SIZES))
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    return p
 
 
 def adamw(params) -> torch.optim.Optimizer:

@@ -35,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from common import SIZES, Size, random_batch, report, time_steps
+from common import SIZES, Size, layout_parser, random_batch, report, time_steps
 from tensor_parallel import TensorParallelGPT, outer_plan, parallelize_block, sharded_adamw
 
 SCHEDULES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
@@ -43,17 +43,10 @@ CPU_SIZE, CPU_SEQ = Size(4, 64, 4), 32
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="1.3b", choices=sorted(SIZES))
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    p = layout_parser(__doc__.splitlines()[0])
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="with --pp above 1")
-    p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=None, help="per step and replica (default: 8 with a "
                                                                     "pipeline, else 1)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="compile each block")
     p.add_argument("--no-sp", action="store_true", help="replicate the residual stream between blocks")
     p.add_argument("--cpu", action="store_true", help="gloo and a tiny fp32 model: print losses, no timing")

@@ -37,20 +37,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import GPT, PEAK_TFLOPS, SIZES, VOCAB, Size, flops_per_token
+from common import GPT, PEAK_TFLOPS, SIZES, VOCAB, Size, flops_per_token, layout_parser
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="1.3b", choices=sorted(SIZES))
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    p = layout_parser(__doc__.splitlines()[0])
     p.add_argument("--virtual-stages", type=int, default=1)
-    p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=8, help="per step and data-parallel rank")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--cpu", action="store_true", help="gloo and a tiny model: a construction check, no timing")
     return p.parse_args()
 
