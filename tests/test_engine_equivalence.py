@@ -147,6 +147,10 @@ def _extras(tp, pp, dp):
         # ZB-H1's deferred weight gradients; then halves in two chunks a rank, on the Llama preset
         yield "half block", 3, ("--parallel.pipeline_split", "[1.5, 2.5]")
         yield "half block zb-h1", 1, ("--parallel.pipeline_split", "[2.5, 1.5]", "--parallel.pipeline_schedule", "zb-h1")
+        # half blocks recomputed: whole, and the attention core alone (which an MLP half does not have)
+        for mode in ("full", "selective"):
+            yield f"half block recompute {mode}", 1, ("--parallel.pipeline_split", "[1.5, 2.5]",
+                                                      "--parallel.recompute", mode)
         yield "half blocks interleaved llama", 2, (*LLAMA, "--parallel.virtual_stages", "2",
                                                    "--parallel.pipeline_split", "[0.5, 1.5, 1.5, 0.5]")
     if (tp, pp, dp) == (2, 2, 2):  # a half block under sequence parallelism: the hidden state sent is a token chunk
