@@ -227,8 +227,9 @@ def test_composed_torch_peer_trains_the_one_process_losses_in_every_four_rank_la
     tensor parallelism with sequence parallelism, ``torch.distributed.pipelining``, FSDP2) must do the
     work of the model it stands for: tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2 give one process's fp32
     losses over three AdamW steps of the same global batch. The replicas train on different slices
-    of it (planted: without FSDP2 the replicas train apart, 0.09 lower by the third step)."""
+    of it (planted: without FSDP2 the replicas train apart, 0.09 lower by the third step; gradients
+    summed over the replicas instead of averaged move the third loss by 3e-5, beyond the tolerance)."""
     reference = _composed_peer_losses(1, "--micro-batches", "8")
     for layout, micro_batches in ((["--tp", "2"], "4"), (["--pp", "2"], "4"), (["--tp", "2", "--pp", "2"], "8")):
         assert _composed_peer_losses(4, *layout, "--micro-batches", micro_batches) == pytest.approx(
-            reference, abs=2e-5), layout
+            reference, abs=5e-6), layout

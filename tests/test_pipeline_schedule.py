@@ -164,7 +164,7 @@ def test_balanced_split_cuts_blocks_in_half_where_that_pays():
     cases the result is the least busiest-rank work over every split in halves, or the whole-block
     split where halves gain less than HALF_BLOCK_GAIN (planted: filling stages to the limit from the
     back left [0.5, 0.5, ...] for 105 layers on 35 stages; the bisection off by one limit; halves taken
-    for any gain)."""
+    for any gain; the attention and MLP halves' weights swapped)."""
     assert balanced_split(24, 4, 1, 1.753, 0.4286) == [6.5, 6.5, 6.5, 4.5]
     assert balanced_split(32, 2, 1, 0.944, 0.385) == [16.5, 15.5]
     assert balanced_split(24, 2, 1, 1.753, 0.4286) == [13, 11]
@@ -173,6 +173,7 @@ def test_balanced_split_cuts_blocks_in_half_where_that_pays():
     assert max(_rank_work(deep, 0.4, 1.0)) == pytest.approx(3.6) and min(deep) >= 2
     for layers, pp, head, share in [(6, 2, 0.0, 0.4), (7, 3, 1.75, 0.43), (8, 4, 1.2, 0.38), (9, 3, 0.3, 0.45),
                                     (6, 4, 2.5, 0.43), (10, 3, 0.9, 0.3), (5, 5, 0.6, 0.43),
+                                    (3, 2, 1.65, 0.27), (6, 4, 0.57, 0.31),  # attention and MLP told apart
                                     (64, 2, 0.5, 0.385)]:  # halves would gain 0.4%: whole
         split = balanced_split(layers, pp, 1, head, share)
         best_whole = min(max(_rank_work(c, share, head)) for c in _compositions(layers, pp, 1))
@@ -184,6 +185,8 @@ def test_balanced_split_cuts_blocks_in_half_where_that_pays():
             assert all(float(k).is_integer() for k in split) and got == pytest.approx(best_whole), split
     with pytest.raises(ValueError, match="attention_share"):
         balanced_split(24, 2, 1, 1.0, 1.0)
+    with pytest.raises(ValueError, match="head_cost"):
+        balanced_split(24, 2, 1, float("nan"), 0.4)
 
 
 def test_even_split_puts_remainder_in_the_middle():

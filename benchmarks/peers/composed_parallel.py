@@ -137,7 +137,9 @@ def main() -> None:
                 loss = torch.stack(losses).mean() if last else None
             else:
                 loss = 0.0
-                for x, y in zip(tokens.chunk(micro_batches), labels.chunk(micro_batches)):
+                for i, (x, y) in enumerate(zip(tokens.chunk(micro_batches), labels.chunk(micro_batches))):
+                    if dp > 1:  # reduce the gradients once, after the last micro-batch
+                        modules[0].set_requires_gradient_sync(i == micro_batches - 1)
                     part = loss_fn(modules[0](x), y) / micro_batches
                     part.backward()
                     loss = loss + part.detach()

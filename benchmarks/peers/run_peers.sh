@@ -4,7 +4,7 @@
 #   MODES="plain ddp fsdp2 ds1 ds2 ds3 tp pp-1f1b pp-interleaved pp-zbv" SIZE=1.3b MBS=8 NPROC=2 \
 #     bash benchmarks/peers/run_peers.sh
 #   MODES="tp2-dp pp2-dp tp2-pp2" NPROC=4 bash benchmarks/peers/run_peers.sh   # two axes (composed_parallel.py):
-#     tpN and ppN name the axes, dp takes the rest of NPROC
+#     tpN and ppN name the axes, dp (or dpN) takes the rest of NPROC
 # DeepSpeed (ds*) must be importable; on a machine without registry access set WHEELS to a folder
 # made by fetch_wheels.sh and it is installed first (into /tmp/peer-site). DDP, FSDP2, tp and pp
 # run compiled; plain runs eager and compiled. PORT sets torchrun's master port (default 29511), so
@@ -28,7 +28,7 @@ install_wheels() {
 
 distributed() {  # torchrun SCRIPT ARGS...: the JSON line, or the error
   timeout 300 torchrun --nproc-per-node "$nproc" --master-port "${PORT:-29511}" "$here/$1" "${@:2}" --size "$size" \
-    --micro-batch "$mbs" 2>&1 | grep -E '^\{|Error' | head -5
+    --micro-batch "$mbs" 2>&1 | grep -E '^\{|Error|error:' | head -5
 }
 
 [ -z "${WHEELS:-}" ] || install_wheels || exit 1
@@ -41,7 +41,7 @@ for mode in ${MODES:-plain ddp fsdp2 ds1 ds2 ds3}; do
     pp-zbv) distributed pipeline_parallel.py --schedule zbv ;;
     pp-*) distributed pipeline_parallel.py --schedule "${mode#pp-}" --compile ;;
     tp[0-9]*|pp[0-9]*)  # tp2-dp, pp2-dp, tp2-pp2: the composed peer, tpN and ppN from the name
-      axes=$(echo "$mode" | sed -E 's/-/ /g; s/(tp|pp)([0-9]+)/--\1 \2/g; s/ dp$//')
+      axes=$(echo "$mode" | sed -E 's/-dp[0-9]*$//; s/-/ /g; s/(tp|pp)([0-9]+)/--\1 \2/g')
       distributed composed_parallel.py $axes --compile ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;
   esac
