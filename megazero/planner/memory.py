@@ -18,7 +18,7 @@ from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
-from parallel.pipeline.partition import BLOCK_PARTS, stage_layers, stage_parts
+from parallel.pipeline.partition import rank_work as split_rank_work, stage_layers
 from parallel.pipeline.schedule import build_schedule, default_schedule, max_live_activations
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -107,16 +107,7 @@ def rank_layers(cfg: Config, pp_rank: int) -> int:
 def rank_work(cfg: Config, pp_rank: int) -> float:
     """Blocks' worth of work pipeline rank ``pp_rank`` does: a block held in half counts its half's
     share (``attention_share``), so the time model sees what a half-block split moves."""
-    p = cfg.parallel
-    split = pipeline_split(cfg)
-    attention = attention_share(cfg.model)
-    share = dict(zip(BLOCK_PARTS, (attention, 1.0 - attention)))
-    work = 0.0
-    for c in range(p.virtual_stages):
-        parts = stage_parts(split, p.pp, pp_rank, c)
-        work += sum(sum(share[part] for part in parts.get(block, BLOCK_PARTS))
-                    for block in stage_layers(split, p.pp, pp_rank, c))
-    return work
+    return split_rank_work(pipeline_split(cfg), cfg.parallel.pp, pp_rank, attention_share(cfg.model))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -84,10 +84,7 @@ def _half_block_split(num_layers: int, pp: int, head_cost: float, share: float) 
     comes before fewer cuts: a cut costs only an unfused residual add and norm (one activation's
     extra reads and writes), while slack gathered on the first stage, which holds the most
     micro-batches in flight, costs memory."""
-    weights = [share, 1.0 - share] * num_layers
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
+    halves = 2 * num_layers
     limits = sorted({k + part + head for k in range(num_layers + 1) for part in (0.0, share, 1.0 - share)
                      for head in (0.0, head_cost)})
 
@@ -96,24 +93,24 @@ def _half_block_split(num_layers: int, pp: int, head_cost: float, share: float) 
         (the last of them also running ``head``): fill each from the back as far as the limit allows."""
         for stage in range(stages - 1, 0, -1):
             start = end - 1
-            while start > stage and prefix[end] - prefix[start - 1] + head <= limit + 1e-9:
+            while start > stage and halves_work(start - 1, end, share) + head <= limit + 1e-9:
                 start -= 1
-            if prefix[end] - prefix[start] + head > limit + 1e-9:
+            if halves_work(start, end, share) + head > limit + 1e-9:
                 return False
             end, head = start, 0.0
-        return prefix[end] + head <= limit + 1e-9
+        return halves_work(0, end, share) + head <= limit + 1e-9
 
     lo, hi = 0, len(limits) - 1  # the largest limit, every block and the head on one stage, is feasible
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if packable(len(weights), pp, limits[mid], head_cost) else (mid + 1, hi)
+        lo, hi = (lo, mid) if packable(halves, pp, limits[mid], head_cost) else (mid + 1, hi)
     limit = limits[lo]
-    counts, end, head = [0] * pp, len(weights), head_cost
+    counts, end, head = [0] * pp, halves, head_cost
     for stage in range(pp - 1, 0, -1):
-        target = (prefix[end] + head) / (stage + 1)
+        target = (halves_work(0, end, share) + head) / (stage + 1)
         options = [start for start in range(end - 1, stage - 1, -1)
-                   if prefix[end] - prefix[start] + head <= limit + 1e-9 and packable(start, stage, limit, 0.0)]
-        start = min(options, key=lambda s: (round(abs(prefix[end] - prefix[s] + head - target), 9), s % 2))
+                   if halves_work(start, end, share) + head <= limit + 1e-9 and packable(start, stage, limit, 0.0)]
+        start = min(options, key=lambda s: (round(abs(halves_work(s, end, share) + head - target), 9), s % 2))
         counts[stage], end, head = end - start, start, 0.0
     counts[0] = end
     return counts, limit
@@ -180,6 +177,19 @@ def _stage_halves(split: Sequence[float], pp: int, rank: int, chunk: int) -> tup
         raise ValueError(f"pipeline split {list(split)}: every entry must be a positive multiple of 0.5")
     start = sum(halves[:stage])
     return start, start + halves[stage]
+
+
+def halves_work(start: int, end: int, attention_share: float) -> float:
+    """Blocks' worth of work in the half blocks [start, end): attention halves (even indices) weigh
+    ``attention_share``, MLP halves the rest."""
+    attention = (end + 1) // 2 - (start + 1) // 2
+    return attention * attention_share + (end - start - attention) * (1.0 - attention_share)
+
+
+def rank_work(split: Sequence[float], pp: int, rank: int, attention_share: float) -> float:
+    """Blocks' worth of work of pipeline rank ``rank``'s chunks (the head not counted): a block held
+    in half counts its half's share."""
+    return sum(halves_work(*_stage_halves(split, pp, rank, c), attention_share) for c in range(len(split) // pp))
 
 
 def stage_layers(split: Sequence[float], pp: int, rank: int, chunk: int = 0) -> range:
