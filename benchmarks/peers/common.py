@@ -96,9 +96,11 @@ def layout_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def adamw(params) -> torch.optim.Optimizer:
-    """The optimizer every peer uses (megazero's defaults): fused AdamW, betas (0.9, 0.95), decay 0.1."""
-    return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+def adamw(params, lr: float = 1e-4, fused: bool = True) -> torch.optim.Optimizer:
+    """The optimizer every peer uses (megazero's defaults): AdamW, betas (0.9, 0.95), decay 0.1; fused,
+    or foreach where the parameters are DTensors."""
+    implementation = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, **implementation)
 
 
 def random_batch(batch: int, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:

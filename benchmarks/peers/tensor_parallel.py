@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from common import SIZES, VOCAB, Size, random_batch, report, time_steps
+from common import SIZES, VOCAB, Size, adamw, random_batch, report, time_steps
 
 
 class Attention(nn.Module):
@@ -88,13 +88,12 @@ class TensorParallelGPT(nn.Module):
 
 
 def sharded_adamw(params, lr: float = 1e-4) -> torch.optim.Optimizer:
-    """The peers' AdamW for DTensor parameters: foreach, with DTensors and plain tensors (the
-    replicated norms without sequence parallelism) in separate groups, as one foreach call cannot mix
-    them."""
+    """The peers' AdamW (``common.adamw``) for DTensor parameters: foreach, with DTensors and plain
+    tensors (the replicated norms without sequence parallelism) in separate groups, as one foreach
+    call cannot mix them."""
     params = list(params)
     groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    return torch.optim.AdamW([{"params": g} for g in groups if g], lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
-                             foreach=True)
+    return adamw([{"params": g} for g in groups if g], lr=lr, fused=False)
 
 
 def between_blocks(sequence_parallel: bool):
