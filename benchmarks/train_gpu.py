@@ -10,7 +10,8 @@ Each run builds the engine from the config plus the run's overrides (``stageN`` 
 size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism,
 whose linears communicate ``serial``, ``overlap`` or through peer memory (``pm``); ``compile``
 compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb`` and ``zb2`` pick the
-zero-bubble schedules ZB-H1 and ZB-H2; ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
+zero-bubble schedules ZB-H1 and ZB-H2 (``wdefault``: their weight gradients at the default delays
+rather than those tuned to the stages' op costs); ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
 pipeline split [A, B] (else balanced by work); ``mN`` runs N micro-batches per data-parallel rank;
 ``mbsN`` sets the micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on
 random tokens, or an indexed shard's text with ``--text PREFIX`` (one micro-batch of
@@ -47,6 +48,8 @@ from megazero.engine import Engine, pipeline_split
 from megazero.flops import device_name, flops_per_token, peak_flops
 from parallel.launch import init_process_group, pick_device, read_launch_env
 from parallel.pipeline import bubble_fraction
+from parallel.pipeline.plan import weight_grad_delays
+from parallel.pipeline.schedule import SPLIT_BACKWARD
 from parallel.topology import RankGrid, Topology
 from power_cap import PEER_OPTIMIZER, ClockSampler, visible_gpu
 from pp_gpu import measured_bubble
@@ -88,6 +91,8 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
             out += ["--zero.bucket_size_mb", part[6:]]
         elif part.startswith("split"):
             out += ["--parallel.pipeline_split", "[" + part[5:].replace("_", ", ") + "]"]
+        elif part == "wdefault":
+            pass  # read by ``main``: not a config override
         else:
             raise SystemExit(f"unknown run part {part!r} in {run!r}")
     return out, micros
@@ -182,11 +187,14 @@ def text_batch(prefix: str, micros: int, mbs: int, seq: int, vocab: int) -> list
 
 
 def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | None = None,
-            run_name: str = "", sync_debug: bool = False, timeline: bool = False, text: str | None = None) -> dict:
+            run_name: str = "", sync_debug: bool = False, timeline: bool = False, text: str | None = None,
+            default_delays: bool = False) -> dict:
     p = cfg.parallel
     topo = Topology(RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order), ranks_per_node=launch.local_world_size)
     t0 = time.perf_counter()
     engine = Engine(cfg, topo, device)
+    if default_delays:
+        engine.executor.op_costs = None
     build_s = time.perf_counter() - t0
     states_gib = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
     mbs, seq = cfg.train.micro_batch_size, cfg.model.seq_length
@@ -216,6 +224,10 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
     extra = profile_steps(engine, batch, profile_dir, run_name) if profile_dir and device.type == "cuda" else {}
     if cfg.parallel.pp > 1:
         extra.update(pipeline_bubble(engine, batch), pipeline_split=pipeline_split(cfg))
+        ex = engine.executor
+        if ex.schedule in SPLIT_BACKWARD:  # how many weight gradients each rank left waiting
+            extra["wgrad_delays"] = (weight_grad_delays(ex.schedule, p.pp, len(batch), ex.op_costs)
+                                     if ex.op_costs else tuple(range(p.pp)))
         if timeline:
             extra["op_timeline"] = op_timeline(engine, batch)
     if sync_debug and device.type == "cuda":
@@ -276,7 +288,7 @@ def main() -> None:
             cfg.train, global_batch_size=cfg.train.micro_batch_size * dp * micros))
         cfg = resolve_config(cfg, launch.world_size, launch.local_world_size)
         result = measure(cfg, launch, device, args.warmup, args.steps, args.profile, run, args.sync_debug,
-                         args.op_timeline, args.text)
+                         args.op_timeline, args.text, default_delays="wdefault" in run.split("-"))
         if launch.rank == 0:
             print(json.dumps({"run": run, "world": launch.world_size, "device": device_name(device) or "cpu",
                               "mbs": cfg.train.micro_batch_size, "global_batch": cfg.train.global_batch_size,

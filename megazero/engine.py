@@ -17,7 +17,7 @@ import torch
 
 from megazero.config import Config
 from megazero.errors import ConfigError
-from megazero.flops import attention_share, head_blocks
+from megazero.flops import attention_core_share, attention_share, head_blocks
 from megazero.optim import AdamWSettings, DynamicLossScaler, ShardedAdamW, StepResult
 from models import GPT
 from models.ops import IGNORE_INDEX
@@ -25,6 +25,7 @@ from models.parallelize import Parallelism, parallelize_gpt, recompute_replays_t
 from parallel.data_parallel import DataParallelSettings
 from parallel.pipeline import PipelineExecutor
 from parallel.pipeline.partition import resolve_split, stage_layers, stage_parts
+from parallel.pipeline.plan import StageCosts, stage_costs
 from parallel.tensor_parallel.peer_memory import available as peer_memory_available
 from parallel.topology import Topology
 
@@ -78,6 +79,16 @@ def pipeline_split(cfg: Config) -> list[float]:
     m, p = cfg.model, cfg.parallel
     return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split, head_cost=head_blocks(m),
                          attention_share=attention_share(m))
+
+
+def pipeline_costs(cfg: Config) -> Optional[StageCosts]:
+    """Each pipeline rank's op costs of one micro-batch, estimated from its blocks and the head
+    (``plan.stage_costs``), by which the zero-bubble schedules time their weight gradients; None
+    without a pipeline of one chunk a rank (no schedule there uses them)."""
+    m, p = cfg.model, cfg.parallel
+    if p.pp == 1 or p.virtual_stages != 1:
+        return None
+    return stage_costs(pipeline_split(cfg), head_blocks(m), attention_core_share(m))
 
 
 def layout_record(cfg: Config) -> dict:
@@ -160,7 +171,7 @@ class Engine:
             dtype=self.dtype, device=device, forward_step=gpt_forward_step,
             schedule=None if p.pipeline_schedule == "auto" else p.pipeline_schedule,
             timeout_s=cfg.train.collective_timeout_s, before_backward=self._before_backward,
-            weight_grad_sink=self.data_parallel)
+            weight_grad_sink=self.data_parallel, op_costs=pipeline_costs(cfg))
 
     def _new_graph_step(self) -> None:
         """Blocks replayed as CUDA graphs write their outputs into memory the next replay reuses:

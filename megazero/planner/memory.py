@@ -10,16 +10,18 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from megazero.config.schema import Config
-from megazero.engine import pipeline_split
+from megazero.engine import pipeline_costs, pipeline_split
 from megazero.flops import attention_share
 from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
 from parallel.pipeline.partition import rank_work as split_rank_work, stage_layers
-from parallel.pipeline.schedule import build_schedule, default_schedule, max_live_activations
+from parallel.pipeline.plan import StageCosts, schedule_for
+from parallel.pipeline.schedule import default_schedule, max_live_activations
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -111,10 +113,11 @@ def rank_work(cfg: Config, pp_rank: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _live_chunks(schedule: str, pp: int, pp_rank: int, micro: int, v: int) -> int:
-    """Most micro-batch chunks pipeline rank ``pp_rank`` holds at once (read from the schedule itself);
-    remembered, as the planner asks it for every rank of thousands of layouts."""
-    return max_live_activations(build_schedule(schedule, pp, pp_rank, micro, v))
+def _live_chunks(schedule: str, pp: int, pp_rank: int, micro: int, v: int, costs: Optional[StageCosts]) -> int:
+    """Most micro-batch chunks pipeline rank ``pp_rank`` holds at once (read from the schedule itself,
+    as the engine builds it from the ranks' op ``costs``); remembered, as the planner asks it for every
+    rank of thousands of layouts."""
+    return max_live_activations(schedule_for(schedule, pp, pp_rank, micro, v, costs))
 
 
 def schedule_name(cfg: Config) -> str:
@@ -195,7 +198,8 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
     from the schedule the executor runs) times each one's blocks, plus the recomputed block being
     rebuilt, plus the head's final hidden state and logits on the last rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    chunks_live = _live_chunks(schedule_name(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages)
+    chunks_live = _live_chunks(schedule_name(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages,
+                               pipeline_costs(cfg))
     layers_per_chunk = rank_layers(cfg, pp_rank) / p.virtual_stages
     full = layer_activation_bytes(cfg, recomputed=False)
     if p.recompute == "full":

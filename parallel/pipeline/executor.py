@@ -32,7 +32,7 @@ from torch import nn
 
 from parallel.pipeline.deferred_wgrad import WeightGradQueue, WeightGradSink, defer_weight_grads
 from parallel.pipeline.p2p import StageLink, broadcast_from_last_stage, free_storage
-from parallel.pipeline.plan import Message, plan_for, virtual_stage
+from parallel.pipeline.plan import Message, StageCosts, plan_for, virtual_stage
 from parallel.pipeline.schedule import Op, build_schedule, default_schedule, splits_backward
 
 ForwardStep = Callable[[nn.Module, Optional[torch.Tensor], Any, bool, bool], torch.Tensor]
@@ -83,7 +83,7 @@ class PipelineExecutor:
                  schedule: Optional[str] = None, forward_step: ForwardStep = default_forward_step,
                  timeout_s: float = 300.0, profile: bool = False,
                  before_backward: Optional[Callable[[Op, bool], None]] = None,
-                 weight_grad_sink: Optional[WeightGradSink] = None):
+                 weight_grad_sink: Optional[WeightGradSink] = None, op_costs: Optional[StageCosts] = None):
         if not chunks:
             raise ValueError("a pipeline rank needs at least one model chunk")
         self.chunks, self.topo = list(chunks), topo
@@ -91,6 +91,9 @@ class PipelineExecutor:
         self.schedule = schedule or default_schedule(self.pp, self.v)
         self.device = device or torch.device("cpu")
         self.forward_step, self.profile = forward_step, profile
+        # every rank's op costs, by which a split-backward schedule times its weight gradients
+        # (``plan.weight_grad_delays``); the same on every rank, so the ranks' plans still match
+        self.op_costs = op_costs
         # Called before each backward with whether it is the step's last on this rank: a gradient
         # reducer can then start communicating buckets as that backward completes them.
         self.before_backward = before_backward
@@ -141,7 +144,7 @@ class PipelineExecutor:
         self._sync()
         start = time.perf_counter()
         m = len(microbatches)
-        ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v)
+        ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v, self.op_costs)
         run = _StepRun(self, microbatches, backward_scale, keep_graph)
         run.backward_total = sum(op.kind == "B" for op in ops)
         self.stats = StepStats()

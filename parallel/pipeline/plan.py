@@ -17,10 +17,12 @@ where ``CUDA_DEVICE_MAX_CONNECTIONS=1`` would funnel all streams into one queue.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
-from parallel.pipeline.schedule import Op, build_schedule, interleaved_warmup, splits_backward
+from parallel.pipeline.schedule import (SPLIT_BACKWARD, Op, build_schedule, interleaved_warmup, max_live_activations,
+                                        splits_backward)
 
 
 @dataclass(frozen=True)
@@ -105,11 +107,23 @@ def _groups(ops: list[Op], paired_from: Optional[int]) -> list[list[Op]]:
     return groups + [[op] for op in ops[k:]]
 
 
-def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1) -> tuple[list[Op], list[Step]]:
-    """The op list of ``schedule`` for this rank and the communication steps that carry it out."""
-    ops = build_schedule(schedule, pp, rank, m, v)
+def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
+             costs: Optional["StageCosts"] = None) -> tuple[list[Op], list[Step]]:
+    """The op list of ``schedule`` for this rank and the communication steps that carry it out; with
+    the ranks' op ``costs`` a split-backward schedule delays its weight gradients as
+    ``weight_grad_delays`` finds best."""
+    ops = schedule_for(schedule, pp, rank, m, v, costs)
     paired_from = interleaved_warmup(pp, rank, m, v) if schedule == "interleaved_1f1b" else None
     return ops, comm_plan(ops, pp, rank, v, paired_from)
+
+
+def schedule_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
+                 costs: Optional["StageCosts"] = None) -> list[Op]:
+    """``build_schedule``, with a split-backward schedule's weight gradients delayed as
+    ``weight_grad_delays`` finds best for the ranks' op ``costs`` (none given: the default delays)."""
+    if costs is None or schedule not in SPLIT_BACKWARD:
+        return build_schedule(schedule, pp, rank, m, v)
+    return build_schedule(schedule, pp, rank, m, v, weight_grad_delays(schedule, pp, m, costs)[rank])
 
 
 def check_ops(ops: list[Op], m: int, v: int) -> None:
@@ -177,6 +191,93 @@ def simulate(plans: list[list[Step]], channel=channel_of) -> list[float]:
 # Relative cost of each op when timing a plan: a whole backward is twice a forward (Narayanan et al.),
 # split into an input-gradient half and a weight-gradient half of one forward each (Qi et al.).
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "B_input": 1.0, "W": 1.0}
+
+
+StageCosts = tuple[tuple[float, float, float], ...]
+"""Each pipeline rank's (forward, input gradient, weight gradient) time of one micro-batch, in any
+unit: what ``stage_costs`` estimates and ``weight_grad_delays`` schedules by."""
+
+ATTENTION_BACKWARD = 2.5
+"""The attention core's backward against its forward: recomputing the probabilities and four
+products against two (flash attention's backward)."""
+
+
+def stage_costs(blocks: Sequence[float], head: float, core_share: float) -> StageCosts:
+    """Op costs of one micro-batch on each rank, in blocks' forwards, from its ``blocks`` and the
+    last rank's LM ``head`` (its matrix work in blocks).
+
+    A block's weight gradient is its linears' products again, its forward less the attention core
+    (``core_share`` of it); its input gradient is the linears' products plus the core's backward. The
+    fused cross-entropy computes the head's gradients inside its forward: three products there,
+    nothing in the backward. On GPT 1.3B (H200, pp 2) this gives forward : input gradient : weight
+    gradient = 1 : 1.21 : 0.86 per block, against 1 : 1.30 : 0.84 measured, and 5.25 blocks' forwards
+    for the head against 4.9 measured (BENCHMARKS.md)."""
+    linears = 1.0 - core_share
+    last = len(blocks) - 1
+    return tuple((b + (3 * head if r == last else 0.0), b * (linears + ATTENTION_BACKWARD * core_share), b * linears)
+                 for r, b in enumerate(blocks))
+
+
+def _as_table(costs: tuple[float, float, float]) -> dict:
+    forward, input_grad, weight_grad = costs
+    return {"F": forward, "B": input_grad + weight_grad, "B_input": input_grad, "W": weight_grad}
+
+
+WEIGHT_GRAD_DELAY_GAIN = 0.005
+"""Least shortening of the modelled step (a share of it) for which ``weight_grad_delays`` moves a rank's
+delay off its default: below it, the op-cost model's own error (about 1%) could make it a loss."""
+
+_DELAY_SEARCH_BUDGET = 100_000
+"""Most ops simulated in all (ops of a step, all ranks', times about pp^2 trials) for which delays
+are searched, about a second; a larger pipeline keeps the defaults rather than spend minutes of
+simulation building its schedule."""
+
+
+@functools.lru_cache(maxsize=256)
+def weight_grad_delays(schedule: str, pp: int, m: int, costs: StageCosts) -> tuple[int, ...]:
+    """How many weight gradients each rank of a split-backward schedule leaves waiting (default: rank
+    ``r`` leaves ``r``), chosen by timing the plans with ``costs``.
+
+    Why: a waiting weight gradient is work a rank can do when it would otherwise idle. The default
+    fills 1F1B's cool-down when every stage costs the same, but with unequal stages the rank that
+    bounds the step is not the one the default favours: at pp 2 under ZB-H2, GPT 1.3B's second rank
+    (the head's heavy forward, and a start one forward late) ran a weight gradient before its last
+    input gradient, so the first rank idled that long at the end (17 ms of a 1.04 s step). Leaving two
+    waiting sends the last input gradient on first: the model predicts 2.4% off the step.
+
+    Ranks are tried from the last to the first, each at every larger delay that keeps its activations
+    in flight within the most any rank holds by default (so peak memory, counted in micro-batches,
+    does not grow); a rank keeps the delay that shortens the modelled step most, if by more than
+    ``WEIGHT_GRAD_DELAY_GAIN``. Every rank computes the same answer from the same costs."""
+    defaults = tuple(range(pp))
+    if len(costs) != pp:
+        raise ValueError(f"op costs for {len(costs)} pipeline ranks, the pipeline has {pp}")
+    if pp == 1 or 3 * pp * m * pp * pp > _DELAY_SEARCH_BUDGET:
+        return defaults
+    tables = [_as_table(c) for c in costs]
+
+    def schedules(delays: tuple[int, ...]) -> list[list[Op]]:
+        return [build_schedule(schedule, pp, r, m, 1, d) for r, d in enumerate(delays)]
+
+    def makespan(delays: tuple[int, ...]) -> float:
+        ops = schedules(delays)
+        times = timeline([comm_plan(o, pp, r) for r, o in enumerate(ops)], tables)
+        return max(end for rank_ops in times for _, _, end in rank_ops)
+
+    cap = max(max_live_activations(o) for o in schedules(defaults))
+    best, best_span = defaults, makespan(defaults)
+    for r in reversed(range(pp)):
+        pick, pick_span = best, best_span
+        for d in range(best[r] + 1, m + 1):
+            trial = best[:r] + (d,) + best[r + 1:]
+            if max_live_activations(build_schedule(schedule, pp, r, m, 1, d)) > cap:
+                break
+            span = makespan(trial)
+            if span < pick_span:
+                pick, pick_span = trial, span
+        if pick_span < best_span * (1 - WEIGHT_GRAD_DELAY_GAIN):
+            best, best_span = pick, pick_span
+    return best
 
 
 def op_cost(op: Op, split: bool, costs: dict = UNIT_COSTS) -> float:

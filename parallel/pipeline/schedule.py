@@ -73,7 +73,7 @@ def one_f_one_b(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
     return ops + [Op("B", i) for i in range(m - warmup, m)]
 
 
-def zero_bubble_h1(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
+def zero_bubble_h1(pp: int, rank: int, m: int, v: int = 1, delay: Optional[int] = None) -> list[Op]:
     """ZB-H1 (Qi et al. 2023): 1F1B with each backward split into ``B`` then ``W``; rank ``r`` keeps
     up to ``r`` weight gradients waiting, and runs them where 1F1B would idle.
 
@@ -82,12 +82,14 @@ def zero_bubble_h1(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
     runs once more than ``r`` wait; the cool-down is ``B W`` pairs, then the remaining ``W``s. A
     micro-batch's activations live from its ``F`` to its ``W``, so every rank holds at most ``pp``
     (``m`` if fewer): rank 0's 1F1B peak, which sets the memory 1F1B needs anyway. With F, B and W
-    of equal cost the bubble is (pp - 1) units against 1F1B's 3 (pp - 1): a third.
+    of equal cost the bubble is (pp - 1) units against 1F1B's 3 (pp - 1): a third. ``delay`` replaces
+    ``r`` as the number of weight gradients left waiting (``plan.weight_grad_delays`` picks it from
+    the stages' op costs).
     """
-    return _split_backward_1f1b("zb-h1", pp, rank, m, v, warmup=pp - rank - 1)
+    return _split_backward_1f1b("zb-h1", pp, rank, m, v, pp - rank - 1, delay)
 
 
-def zero_bubble_h2(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
+def zero_bubble_h2(pp: int, rank: int, m: int, v: int = 1, delay: Optional[int] = None) -> list[Op]:
     """ZB-H2 (Qi et al. 2023): ZB-H1 with twice its warm-up, 2 (pp - 1 - r) forwards on rank ``r``.
 
     The extra forwards fill the time a rank would otherwise wait for its first input gradient when
@@ -96,17 +98,23 @@ def zero_bubble_h2(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
     activations (ZB-H1 and 1F1B: pp). At pp 2 with 8 micro-batches and GPT 1.3B's measured op
     times this is the schedule that leaves least of the step idle (BENCHMARKS.md). It needs
     activations and gradients on separate channels (``plan.CHANNELS``): on one in-order stream the
-    extra forwards' sends would wait behind the gradients their receiver has yet to send.
+    extra forwards' sends would wait behind the gradients their receiver has yet to send. ``delay`` as
+    in ``zero_bubble_h1``.
     """
-    return _split_backward_1f1b("zb-h2", pp, rank, m, v, warmup=2 * (pp - rank - 1))
+    return _split_backward_1f1b("zb-h2", pp, rank, m, v, 2 * (pp - rank - 1), delay)
 
 
-def _split_backward_1f1b(name: str, pp: int, rank: int, m: int, v: int, warmup: int) -> list[Op]:
+def _split_backward_1f1b(name: str, pp: int, rank: int, m: int, v: int, warmup: int,
+                         delay: Optional[int]) -> list[Op]:
     """``warmup`` forwards, then F/B pairs, each ``B`` followed by the oldest waiting ``W`` once more
-    than ``rank`` wait, then the cool-down's backwards and the last weight gradients."""
+    than ``delay`` (default ``rank``) wait, then the cool-down's backwards and the last weight
+    gradients."""
     _check(pp, rank, m, v)
     if v != 1:
         raise ValueError(f"{name} runs one model chunk per rank; set virtual stages to 1")
+    delay = rank if delay is None else delay
+    if delay < 0:
+        raise ValueError(f"{name}: weight gradients left waiting must be >= 0, got {delay}")
     warmup = min(warmup, m)
     ops = [Op("F", i) for i in range(warmup)]
     waiting: list[int] = []
@@ -114,7 +122,7 @@ def _split_backward_1f1b(name: str, pp: int, rank: int, m: int, v: int, warmup: 
     def backward(i: int) -> None:
         ops.append(Op("B", i))
         waiting.append(i)
-        while len(waiting) > rank:
+        while len(waiting) > delay:
             ops.append(Op("W", waiting.pop(0)))
 
     for i in range(m - warmup):
@@ -186,11 +194,16 @@ _BUILDERS: dict[str, Callable[..., list[Op]]] = {
 }
 
 
-def build_schedule(name: str, pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
-    """The op list of pipeline rank ``rank`` for schedule ``name``."""
+def build_schedule(name: str, pp: int, rank: int, m: int, v: int = 1, delay: Optional[int] = None) -> list[Op]:
+    """The op list of pipeline rank ``rank`` for schedule ``name``; ``delay`` (split-backward schedules
+    only) is how many weight gradients the rank leaves waiting, see ``zero_bubble_h1``."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
-    return _BUILDERS[name](pp, rank, m, v)
+    if delay is None:
+        return _BUILDERS[name](pp, rank, m, v)
+    if name not in SPLIT_BACKWARD:
+        raise ValueError(f"{name} has no weight-gradient ops to delay")
+    return _BUILDERS[name](pp, rank, m, v, delay)
 
 
 def schedule_problem(name: str, v: int) -> Optional[str]:
