@@ -88,7 +88,9 @@ def pipeline_costs(cfg: Config) -> Optional[StageCosts]:
     m, p = cfg.model, cfg.parallel
     if p.pp == 1 or p.virtual_stages != 1:
         return None
-    return stage_costs(pipeline_split(cfg), head_blocks(m), attention_core_share(m))
+    core = attention_core_share(m)
+    recomputed = {"none": 0.0, "selective": core, "full": 1.0 / p.recompute_every}[p.recompute]
+    return stage_costs(pipeline_split(cfg), head_blocks(m), core, recomputed)
 
 
 def layout_record(cfg: Config) -> dict:

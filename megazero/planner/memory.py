@@ -21,7 +21,7 @@ from models.config import ModelConfig
 from models.embedding import padded_vocab_size
 from parallel.pipeline.partition import rank_work as split_rank_work, stage_layers
 from parallel.pipeline.plan import StageCosts, schedule_for
-from parallel.pipeline.schedule import default_schedule, max_live_activations
+from parallel.pipeline.schedule import SPLIT_BACKWARD, default_schedule, max_live_activations
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -230,15 +230,18 @@ def buffer_bytes(cfg: Config, pp_rank: int) -> float:
 def estimate_memory(cfg: Config) -> MemoryEstimate:
     """The fullest pipeline rank, for a config whose layout (tp, pp, dp) is set. A split balanced by
     work gives middle ranks more blocks than the ends, and under the zero-bubble schedules every rank
-    keeps pp micro-batches in flight, so a middle rank can hold the most. Among the middle ranks with
-    as many blocks, the first is the fullest (no schedule holds more micro-batches on a later rank),
-    so the ends and the first middle rank of each block count are the ones looked at."""
+    keeps pp micro-batches in flight, so a middle rank can hold the most. Without a split backward,
+    among the middle ranks with as many blocks the first is the fullest (no such schedule holds more
+    micro-batches on a later rank), so the ends and the first middle rank of each block count are the
+    ones looked at; the zero-bubble schedules' delays, tuned rank by rank (``plan.weight_grad_delays``),
+    can give a later rank more, so there every rank is."""
     pp = cfg.parallel.pp
     first_of_count = {}
     for rank in range(1, pp - 1):
         first_of_count.setdefault(rank_layers(cfg, rank), rank)
+    ranks = range(pp) if schedule_name(cfg) in SPLIT_BACKWARD else {0, pp - 1, *first_of_count.values()}
     estimates = []
-    for rank in sorted({0, pp - 1, *first_of_count.values()}):
+    for rank in sorted(ranks):
         estimates.append(MemoryEstimate(model_state_bytes(cfg, rank), activation_bytes(cfg, rank),
                                         buffer_bytes(cfg, rank), rank, grads_outside_forward(cfg, rank)))
     return max(estimates, key=lambda e: e.peak)

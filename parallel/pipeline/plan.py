@@ -193,34 +193,51 @@ def simulate(plans: list[list[Step]], channel=channel_of) -> list[float]:
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "B_input": 1.0, "W": 1.0}
 
 
-StageCosts = tuple[tuple[float, float, float], ...]
-"""Each pipeline rank's (forward, input gradient, weight gradient) time of one micro-batch, in any
-unit: what ``stage_costs`` estimates and ``weight_grad_delays`` schedules by."""
+@dataclass(frozen=True)
+class StageCosts:
+    """What ``weight_grad_delays`` schedules by, for each pipeline rank: ``ops``, the (forward, input
+    gradient, weight gradient) time of one micro-batch, in any unit; ``held``, the activation memory
+    one micro-batch in flight keeps there, in any unit (its blocks)."""
+
+    ops: tuple[tuple[float, float, float], ...]
+    held: tuple[float, ...]
+
+    def tables(self) -> list[dict]:
+        """The op costs as ``timeline`` takes them (a split backward's ``B`` is its input gradient)."""
+        return [{"F": f, "B": b + w, "B_input": b, "W": w} for f, b, w in self.ops]
+
 
 ATTENTION_BACKWARD = 2.5
 """The attention core's backward against its forward: recomputing the probabilities and four
 products against two (flash attention's backward)."""
 
 
-def stage_costs(blocks: Sequence[float], head: float, core_share: float) -> StageCosts:
+def stage_costs(blocks: Sequence[float], head: float, core_share: float, recomputed: float = 0.0) -> StageCosts:
     """Op costs of one micro-batch on each rank, in blocks' forwards, from its ``blocks`` and the
-    last rank's LM ``head`` (its matrix work in blocks).
+    last rank's LM ``head`` (its matrix work in blocks); ``recomputed`` is the share of a block's
+    forward that its backward runs again (1 under full recompute, ``core_share`` under selective).
 
     A block's weight gradient is its linears' products again, its forward less the attention core
     (``core_share`` of it); its input gradient is the linears' products plus the core's backward. The
     fused cross-entropy computes the head's gradients inside its forward: three products there,
     nothing in the backward. On GPT 1.3B (H200, pp 2) this gives forward : input gradient : weight
     gradient = 1 : 1.21 : 0.86 per block, against 1 : 1.30 : 0.84 measured, and 5.25 blocks' forwards
-    for the head against 4.9 measured (BENCHMARKS.md)."""
+    for the head against 4.9 measured (BENCHMARKS.md). A block held in half counts half a block, its
+    core spread evenly (the split's own work model puts the core in the attention half: at most a
+    few hundredths of a block apart)."""
     linears = 1.0 - core_share
+    input_grad = linears + ATTENTION_BACKWARD * core_share + recomputed
     last = len(blocks) - 1
-    return tuple((b + (3 * head if r == last else 0.0), b * (linears + ATTENTION_BACKWARD * core_share), b * linears)
-                 for r, b in enumerate(blocks))
+    ops = tuple((b + (3 * head if r == last else 0.0), b * input_grad, b * linears) for r, b in enumerate(blocks))
+    return StageCosts(ops, tuple(float(b) for b in blocks))
 
 
-def _as_table(costs: tuple[float, float, float]) -> dict:
-    forward, input_grad, weight_grad = costs
-    return {"F": forward, "B": input_grad + weight_grad, "B_input": input_grad, "W": weight_grad}
+def modelled_step(schedule: str, pp: int, m: int, costs: StageCosts, delays: Optional[Sequence[int]] = None) -> float:
+    """How long a step of split-backward ``schedule`` takes by ``timeline`` with ``costs``, each rank
+    leaving ``delays[r]`` weight gradients waiting (None: the defaults)."""
+    ops = [build_schedule(schedule, pp, r, m, 1, None if delays is None else delays[r]) for r in range(pp)]
+    times = timeline([comm_plan(o, pp, r) for r, o in enumerate(ops)], costs.tables())
+    return max(end for rank_ops in times for _, _, end in rank_ops)
 
 
 WEIGHT_GRAD_DELAY_GAIN = 0.005
@@ -243,36 +260,31 @@ def weight_grad_delays(schedule: str, pp: int, m: int, costs: StageCosts) -> tup
     bounds the step is not the one the default favours: at pp 2 under ZB-H2, GPT 1.3B's second rank
     (the head's heavy forward, and a start one forward late) ran a weight gradient before its last
     input gradient, so the first rank idled that long at the end (17 ms of a 1.04 s step). Leaving two
-    waiting sends the last input gradient on first: the model predicts 2.4% off the step.
+    waiting sends the last input gradient on first: the model predicts 2.5% off the step.
 
-    Ranks are tried from the last to the first, each at every larger delay that keeps its activations
-    in flight within the most any rank holds by default (so peak memory, counted in micro-batches,
-    does not grow); a rank keeps the delay that shortens the modelled step most, if by more than
-    ``WEIGHT_GRAD_DELAY_GAIN``. Every rank computes the same answer from the same costs."""
+    Ranks are tried from the last to the first, each at every larger delay that keeps its activation
+    memory (micro-batches in flight times ``costs.held``) within the most any rank holds by default,
+    so no rank's peak passes the default's fullest; a rank keeps the delay that shortens the modelled
+    step most, if by more than ``WEIGHT_GRAD_DELAY_GAIN``. Every rank computes the same answer from
+    the same costs."""
     defaults = tuple(range(pp))
-    if len(costs) != pp:
-        raise ValueError(f"op costs for {len(costs)} pipeline ranks, the pipeline has {pp}")
+    if len(costs.ops) != pp or len(costs.held) != pp:
+        raise ValueError(f"op costs for {len(costs.ops)} pipeline ranks, the pipeline has {pp}")
     if pp == 1 or 3 * pp * m * pp * pp > _DELAY_SEARCH_BUDGET:
         return defaults
-    tables = [_as_table(c) for c in costs]
 
-    def schedules(delays: tuple[int, ...]) -> list[list[Op]]:
-        return [build_schedule(schedule, pp, r, m, 1, d) for r, d in enumerate(delays)]
+    def held(r: int, delay: Optional[int]) -> float:
+        return max_live_activations(build_schedule(schedule, pp, r, m, 1, delay)) * costs.held[r]
 
-    def makespan(delays: tuple[int, ...]) -> float:
-        ops = schedules(delays)
-        times = timeline([comm_plan(o, pp, r) for r, o in enumerate(ops)], tables)
-        return max(end for rank_ops in times for _, _, end in rank_ops)
-
-    cap = max(max_live_activations(o) for o in schedules(defaults))
-    best, best_span = defaults, makespan(defaults)
+    cap = max(held(r, None) for r in range(pp))
+    best, best_span = defaults, modelled_step(schedule, pp, m, costs, defaults)
     for r in reversed(range(pp)):
         pick, pick_span = best, best_span
-        for d in range(best[r] + 1, m + 1):
+        for d in range(best[r] + 1, m + 1):  # a delay of m or more leaves every W to the end
+            if held(r, d) > cap:
+                break  # micro-batches in flight never fall as the delay grows
             trial = best[:r] + (d,) + best[r + 1:]
-            if max_live_activations(build_schedule(schedule, pp, r, m, 1, d)) > cap:
-                break
-            span = makespan(trial)
+            span = modelled_step(schedule, pp, m, costs, trial)
             if span < pick_span:
                 pick, pick_span = trial, span
         if pick_span < best_span * (1 - WEIGHT_GRAD_DELAY_GAIN):
