@@ -151,13 +151,18 @@ class PipelineExecutor:
         for k, step in enumerate(plan):
             sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
             self.stats.sent += len(sends)
-            run.inbox.update(self.link.exchange(sends, step.recvs, where=f"step {k} before {step.op}"))
+            self.link.exchange(sends, step.recvs, where=f"step {k} before {step.op}")
             self._release(self.link.finish_sends(block=False))
             if step.op is not None:
-                self._timed({"F": run.forward, "B": run.backward, "W": run.weight_grads}[step.op.kind], step.op)
+                # the op's input, waited for before its time starts: a profiled op excludes the wait
+                received = None if step.needs is None else self.link.take(step.needs)
+                run_op = {"F": run.forward, "B": run.backward, "W": run.weight_grads}[step.op.kind]
+                self._timed(lambda op: run_op(op, received), step.op)
                 self.stats.ops.append(step.op)
                 self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, run.held_bytes())
         self._release(self.link.finish_sends(block=True))
+        if self.link.untaken:
+            raise RuntimeError(f"pipeline rank {self.rank}: received {self.link.untaken} but no op took them")
         if self.wgrad is not None and len(self.wgrad):
             raise RuntimeError(f"pipeline rank {self.rank}: weight gradients of {sorted(self.wgrad.pending)} "
                                f"(micro-batch, chunk) never ran: schedule {schedule} lacks their W ops")
@@ -221,14 +226,14 @@ class PipelineExecutor:
 
 
 class _StepRun:
-    """The tensors of one step in flight: received inputs, outputs kept for backward, messages to send."""
+    """The tensors of one step in flight: outputs kept for backward, messages to send (received inputs
+    wait in the link until their op takes them)."""
 
     def __init__(self, executor: PipelineExecutor, microbatches: Sequence[Any], backward_scale: float,
                  keep_graph: bool):
         self.ex, self.microbatches, self.backward_scale = executor, microbatches, backward_scale
         self.keep_graph = keep_graph
         self.last_stage = executor.pp * executor.v - 1
-        self.inbox: dict[Message, torch.Tensor] = {}
         self.outbox: dict[Message, torch.Tensor] = {}
         self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         self.loss_sum: Optional[torch.Tensor] = None
@@ -238,9 +243,10 @@ class _StepRun:
     def held_bytes(self) -> int:
         return sum(out.untyped_storage().nbytes() for _, out in self.saved.values())
 
-    def forward(self, op: Op) -> None:
+    def forward(self, op: Op, received: Optional[torch.Tensor]) -> None:
+        """``received``: the previous stage's activation (None on the first stage)."""
         s = virtual_stage(self.ex.pp, self.ex.rank, op.chunk)
-        x = None if s == 0 else self.inbox.pop(Message("act", op.microbatch, s - 1)).requires_grad_(self.keep_graph)
+        x = None if s == 0 else received.requires_grad_(self.keep_graph)
         out = self.ex.forward_step(self.ex.chunks[op.chunk], x, self.microbatches[op.microbatch],
                                    s == 0, s == self.last_stage)
         if s == self.last_stage:
@@ -256,7 +262,8 @@ class _StepRun:
             self.saved[(op.microbatch, op.chunk)] = (x, out)
             self.ex.stats.peak_live = max(self.ex.stats.peak_live, len(self.saved) + len(self.awaiting_w))
 
-    def backward(self, op: Op) -> None:
+    def backward(self, op: Op, received: Optional[torch.Tensor]) -> None:
+        """``received``: the next stage's gradient (None on the last stage)."""
         if self.ex.before_backward is not None:
             self.ex.before_backward(op, self.backward_ops_done == self.backward_total - 1)
         self.backward_ops_done += 1
@@ -265,7 +272,7 @@ class _StepRun:
         if s == self.last_stage:
             grad = torch.full_like(out, self.backward_scale)
         else:
-            grad = self.inbox.pop(Message("grad", op.microbatch, s + 1))
+            grad = received
         if self.ex.wgrad is None:
             torch.autograd.backward(out, grad)
         else:
@@ -278,7 +285,7 @@ class _StepRun:
                                  f"the activation it received")
             self.outbox[Message("grad", op.microbatch, s)] = x.grad.contiguous()
 
-    def weight_grads(self, op: Op) -> None:
+    def weight_grads(self, op: Op, _received: Optional[torch.Tensor] = None) -> None:
         """The deferred weight gradients of ``op``'s micro-batch; after the last ``B``, of every one left."""
         if self.backward_ops_done < self.backward_total:
             keys = [(op.microbatch, op.chunk)]

@@ -44,6 +44,8 @@ class StageLink:
         self.label = label
         self.waiting_on = "nothing"
         self._in_flight: list[tuple[Optional[dist.Work], torch.Tensor]] = []  # None: already complete
+        # posted receives not yet taken: message -> (buffer, works delivering it, what they are)
+        self._arriving: dict[Message, tuple[torch.Tensor, list, str]] = {}
         # NCCL waits only order the GPU streams; a wait with a timeout would block the CPU at every
         # exchange instead, so there the process group's own watchdog reports a hang.
         group = groups[CHANNELS[0]]
@@ -53,14 +55,16 @@ class StageLink:
             for group in groups.values():
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
 
-    def exchange(self, sends: list[tuple[Transfer, torch.Tensor]], recvs: tuple[Transfer, ...],
-                 where: str) -> dict[Message, torch.Tensor]:
-        """Post ``sends`` and ``recvs`` as one batch per channel, then wait until the receives have landed.
+    def exchange(self, sends: list[tuple[Transfer, torch.Tensor]], recvs: tuple[Transfer, ...], where: str) -> None:
+        """Post ``sends`` and ``recvs`` as one batch per channel; ``take`` each received message when its
+        op needs it.
 
-        Sends are not waited for here (their buffers stay referenced until they complete, see
-        ``finish_sends``), so a rank never blocks on a neighbour that is itself busy sending. Every
-        channel's batch is posted before any is waited on: a receive may depend on a send of the other
-        channel reaching its peer first.
+        Nothing is waited for here. Sends are not waited for at all (their buffers stay referenced until
+        they complete, see ``finish_sends``), so a rank never blocks on a neighbour that is itself busy
+        sending; a receive is waited for only by the op that consumes it, so the forward of an
+        interleaved pair does not wait for the gradient its backward will take. Every channel's batch
+        is posted before any is waited on: a receive may depend on a send of the other channel
+        reaching its peer first.
         """
         for transfer, tensor in sends:
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
@@ -68,18 +72,24 @@ class StageLink:
                                  f"{tensor.dtype}, but the pipeline was set up for {self.shape} {self.dtype}: "
                                  f"pass the activation shape each stage really outputs")
         buffers = {tr.message: torch.empty(self.shape, dtype=self.dtype, device=self.device) for tr in recvs}
-        waits = []
         for channel in CHANNELS:
             mine = [(tr, t) for tr, t in sends if channel_of(tr.message) == channel]
             wanted = [tr for tr in recvs if channel_of(tr.message) == channel]
-            waits += self._post(self.groups[channel], mine, wanted, buffers, where)
-        for works, what in waits:
-            self._wait(works, what)
-        return buffers
+            for message, works, what in self._post(self.groups[channel], mine, wanted, buffers, where):
+                self._arriving[message] = (buffers[message], works, what)
+
+    def take(self, message: Message) -> torch.Tensor:
+        """The received ``message``, once it has landed (an earlier ``exchange`` posted its receive)."""
+        if message not in self._arriving:
+            raise RuntimeError(f"{self.label}: {message} was never posted for receipt; the plan and the ops "
+                               f"it runs disagree")
+        buffer, works, what = self._arriving.pop(message)
+        self._wait(works, what)
+        return buffer
 
     def _post(self, group, sends: list[tuple[Transfer, torch.Tensor]], recvs: list[Transfer],
-              buffers: dict[Message, torch.Tensor], where: str) -> list[tuple[list, str]]:
-        """Post one channel's batch; returns the (works, description) to wait on for its receives."""
+              buffers: dict[Message, torch.Tensor], where: str) -> list[tuple[Message, list, str]]:
+        """Post one channel's batch; returns, for each receive, (message, works to wait on, description)."""
         ops = [dist.P2POp(dist.isend, t, self.peer_rank(tr.peer), group) for tr, t in sends]
         ops += [dist.P2POp(dist.irecv, buffers[tr.message], self.peer_rank(tr.peer), group) for tr in recvs]
         if not ops:
@@ -90,10 +100,15 @@ class StageLink:
             return []
         if len(works) != len(ops):  # coalesced into one handle (NCCL): the batch completes as a whole
             self._in_flight += [(None, t) for _, t in sends]
-            return [(works, f"{where}: batch " + _describe(sends, recvs))]
+            return [(tr.message, works, f"{where}: batch " + _describe(sends, recvs)) for tr in recvs]
         self._in_flight += [(w, t) for w, (_, t) in zip(works, sends)]
-        return [([work], f"{where}: recv {tr.message} from pipeline rank {tr.peer}")
+        return [(tr.message, [work], f"{where}: recv {tr.message} from pipeline rank {tr.peer}")
                 for work, tr in zip(works[len(sends):], recvs)]
+
+    @property
+    def untaken(self) -> list[Message]:
+        """Messages received (or still arriving) that no op has taken."""
+        return sorted(self._arriving, key=repr)
 
     def finish_sends(self, block: bool) -> list[torch.Tensor]:
         """Tensors whose sends have completed (all of them, waiting, when ``block``)."""

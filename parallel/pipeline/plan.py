@@ -45,11 +45,14 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Step:
-    """One batched exchange, then ``op`` (``None`` for the final flush of the last op's sends)."""
+    """One batched exchange, then ``op`` (``None`` for the final flush of the last op's sends), which
+    waits only for the message it consumes, ``needs``: received in this step's exchange or an earlier
+    one (a pair's second op takes what the pair's exchange received)."""
 
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
     op: Optional[Op]
+    needs: Optional[Message] = None
 
 
 class PipelineDeadlock(RuntimeError):
@@ -88,8 +91,9 @@ def comm_plan(ops: list[Op], pp: int, rank: int, v: int = 1, paired_from: Option
     pending: tuple[Transfer, ...] = ()
     for group in _groups(ops, paired_from):
         io = [op_io(op, pp, rank, v) for op in group]
-        steps.append(Step(pending, tuple(recv for recv, _ in io if recv), group[0]))
-        steps += [Step((), (), op) for op in group[1:]]
+        needs = [recv.message if recv else None for recv, _ in io]
+        steps.append(Step(pending, tuple(recv for recv, _ in io if recv), group[0], needs[0]))
+        steps += [Step((), (), op, need) for op, need in zip(group[1:], needs[1:])]
         pending = tuple(send for _, send in io if send)
     if pending:
         steps.append(Step(pending, (), None))
@@ -108,7 +112,7 @@ def _groups(ops: list[Op], paired_from: Optional[int]) -> list[list[Op]]:
 
 
 def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
-             costs: Optional["StageCosts"] = None) -> tuple[list[Op], list[Step]]:
+             costs: Optional[StageCosts] = None) -> tuple[list[Op], list[Step]]:
     """The op list of ``schedule`` for this rank and the communication steps that carry it out; with
     the ranks' op ``costs`` a split-backward schedule delays its weight gradients as
     ``weight_grad_delays`` finds best."""
@@ -118,7 +122,7 @@ def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
 
 
 def schedule_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
-                 costs: Optional["StageCosts"] = None) -> list[Op]:
+                 costs: Optional[StageCosts] = None) -> list[Op]:
     """``build_schedule``, with a split-backward schedule's weight gradients delayed as
     ``weight_grad_delays`` finds best for the ranks' op ``costs`` (none given: the default delays)."""
     if costs is None or schedule not in SPLIT_BACKWARD:
@@ -305,9 +309,10 @@ def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COST
     A rank posts step k's batch when its op of step k - 1 ends, as one sub-batch per channel
     (``CHANNELS``). A sub-batch begins once posted and once the rank's earlier sub-batches on that
     channel have completed (one communication stream per channel, in order, as NCCL runs them), and
-    completes when it and every partner's sub-batch have begun. An op waits for the sub-batches of
-    its step that receive something: sends alone are left in flight (the executor does the same), so a
-    ``W`` never waits for its ``B``'s gradient to be taken. Split-backward plans (holding ``W`` ops)
+    completes when it and every partner's sub-batch have begun. An op waits only for the sub-batch
+    that carries its own input (``Step.needs``), posted in its step or, for a pair's second op, in
+    the pair's: sends are left in flight (the executor does the same), so a ``W`` never waits for its
+    ``B``'s gradient to be taken, and a pair's forward does not wait for its backward's gradient. Split-backward plans (holding ``W`` ops)
     cost ``B`` as the input-gradient half. Raises ``PipelineDeadlock`` naming what each stuck rank waits
     for, or a mismatch of message orders.
     """
@@ -364,10 +369,17 @@ def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COST
             head[(r, stream)] = at
         return progressed
 
+    # (rank, message) -> (the rank's step that receives it, the peer it comes from)
+    received_in = {(r, t.message): (k, t.peer) for r, plan in enumerate(plans)
+                   for k, step in enumerate(plan) for t in step.recvs}
+
     def waits_for(r: int, k: int) -> list[str]:
-        step = plans[r][k]
-        return [f"recv {t.message} from rank {t.peer}" for t in step.recvs
-                if (r, k, channel(t.message)) not in done]
+        """What the op of rank r's step k still waits for: the sub-batch carrying its input."""
+        need = plans[r][k].needs
+        if need is None:
+            return []
+        at, peer = received_in[(r, need)]
+        return [] if (r, at, channel(need)) in done else [f"recv {need} from rank {peer}"]
 
     while any(ran[r] < len(p) for r, p in enumerate(plans)):
         progressed = False
@@ -377,10 +389,11 @@ def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COST
                 if len(posted[r]) == k:  # posted as soon as the op before has run
                     posted[r].append(free[r])
                     progressed = True
-                if step.recvs and waits_for(r, k):
-                    break  # its receives have not landed yet
+                if waits_for(r, k):
+                    break  # its input has not landed yet
                 if step.op is not None:
-                    landed = [done[(r, k, channel(t.message))] for t in step.recvs]
+                    need = step.needs
+                    landed = [done[(r, received_in[(r, need)][0], channel(need))]] if need else []
                     start = max([free[r]] + landed)
                     free[r] = start + op_cost(step.op, split[r], rank_costs[r])
                     out[r].append((step.op, start, free[r]))
