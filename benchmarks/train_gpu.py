@@ -10,7 +10,7 @@ Each run builds the engine from the config plus the run's overrides (``stageN`` 
 size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism,
 whose linears communicate ``serial``, ``overlap`` or through peer memory (``pm``); ``compile``
 compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb`` and ``zb2`` pick the
-zero-bubble schedules ZB-H1 and ZB-H2 (``wdefault``: their weight gradients at the default delays
+zero-bubble schedules ZB-H1 and ZB-H2 (``izb``: interleaved with a split backward, with ``vN``; ``wdefault``: their weight gradients at the default delays
 rather than those tuned to the stages' op costs); ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
 pipeline split [A, B] (else balanced by work); ``mN`` runs N micro-batches per data-parallel rank;
 ``mbsN`` sets the micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on
@@ -77,8 +77,8 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
             out += ["--train.cuda_graphs", "true"]
         elif part == "compile":
             out += ["--train.compile", "true"]
-        elif part in ("zb", "zb2"):
-            out += ["--parallel.pipeline_schedule", {"zb": "zb-h1", "zb2": "zb-h2"}[part]]
+        elif part in ("zb", "zb2", "izb"):
+            out += ["--parallel.pipeline_schedule", {"zb": "zb-h1", "zb2": "zb-h2", "izb": "interleaved_zb"}[part]]
         elif part.startswith("v") and part[1:].isdigit():
             out += ["--parallel.virtual_stages", part[1:]]
         elif part.startswith("mbs"):

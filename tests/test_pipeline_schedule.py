@@ -5,7 +5,8 @@ import itertools
 import pytest
 
 from parallel.pipeline.partition import HALF_BLOCK_GAIN, balanced_split, resolve_split, stage_layers, stage_parts
-from parallel.pipeline.plan import PipelineDeadlock, check_ops, comm_plan, plan_for, simulate, timeline
+from parallel.pipeline.plan import (UNIT_COSTS, PipelineDeadlock, bubble_of, check_ops, comm_plan, plan_for,
+                                    simulate, timeline)
 from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, interleaved_1f1b, max_live_activations,
                                         one_f_one_b)
 
@@ -35,6 +36,11 @@ EXPECTED = {
         "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3",
     ],
     ("interleaved_1f1b", 2, 2, 2): ["F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1"] * 2,
+    # interleaved 1F1B's order, each B's W kept waiting while more than the rank's index wait
+    ("interleaved_zb", 2, 4, 2): [
+        "F0 F1 F0.1 F1.1 F2 B0.1 W0.1 F3 B1.1 W1.1 F2.1 B0 W0 F3.1 B1 W1 B2.1 W2.1 B3.1 W3.1 B2 W2 B3 W3",
+        "F0 F1 F0.1 B0.1 F1.1 B1.1 W0.1 F2 B0 W1.1 F3 B1 W0 F2.1 B2.1 W1 F3.1 B3.1 W2.1 B2 W3.1 B3 W2 W3",
+    ],
 }
 
 
@@ -50,6 +56,8 @@ CASES += [("gradient_accumulation", pp, m, 1) for pp in (1, 2, 4) for m in (1, 3
 CASES += [("interleaved_1f1b", pp, k * pp, v) for pp in (2, 3, 4, 8) for k in (1, 2, 3) for v in (2, 3, 4)]
 # micro-batch counts that are not a multiple of pp (odd ones among them): all forwards first
 CASES += [("interleaved_1f1b", pp, m, v) for pp in (2, 3, 4, 8) for m in (1, pp + 1, 2 * pp + 1) for v in (2, 3)]
+CASES += [("interleaved_zb", pp, m, v) for pp in (2, 3, 4, 8) for m in (1, pp, pp + 1, 2 * pp, 3 * pp)
+          for v in (2, 3, 4)]
 
 
 @pytest.mark.parametrize("name,pp,m,v", CASES)
@@ -112,6 +120,32 @@ def test_a_pair_runs_its_forward_while_its_backwards_gradient_travels():
     start = {op: begin for op, begin, _ in times[0]}
     grad_sent = next(end for op, _, end in times[1] if op == Op("B", 0, 1))
     assert start[Op("F", 2)] < grad_sent <= start[Op("B", 0, 1)]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_interleaved_zero_bubble_idles_least_within_interleaved_memory(pp):
+    """With equal op costs interleaved_zb idles (2 pp - 3) / (3 v m) (``bubble_fraction``): half of
+    ZB-H1 at pp 2 with two chunks, below interleaved 1F1B and ZB-H1 at every depth. No rank holds more
+    chunk activations than interleaved 1F1B's first rank, and the plan runs on one stream too. Each
+    B's gradient leaves in the exchange before its waiting W runs. (Planted: W grouped with the pair
+    before it, so its gradient waited for the W: the bubble grew; the bubble formula with ZB-H1's
+    third.)"""
+    for v in (2, 3):
+        for m in (2 * pp, 4 * pp):
+            unit = {"F": 1 / v, "B": 2 / v, "B_input": 1 / v, "W": 1 / v}
+            plans = [plan_for("interleaved_zb", pp, r, m, v)[1] for r in range(pp)]
+            bubble = bubble_of(timeline(plans, unit))
+            assert bubble == pytest.approx(bubble_fraction(pp, m, v, "interleaved_zb")) == pytest.approx(
+                (2 * pp - 3) / (3 * v * m))
+            for other, chunks in (("interleaved_1f1b", v), ("zb-h1", 1)):
+                base = [plan_for(other, pp, r, m, chunks)[1] for r in range(pp)]
+                assert bubble < bubble_of(timeline(base, unit if chunks == v else UNIT_COSTS)), other
+            live = [max_live_activations(build_schedule("interleaved_zb", pp, r, m, v)) for r in range(pp)]
+            assert max(live) <= max_live_activations(build_schedule("interleaved_1f1b", pp, 0, m, v))
+            timeline(plans, channel=lambda message: "one")
+    plan = plan_for("interleaved_zb", 2, 1, 4, 2)[1]
+    at = next(k for k, step in enumerate(plan) if step.op == Op("W", 0, 1))
+    assert [t.message.kind for t in plan[at].sends] == ["grad"]  # B1.1's gradient, sent before W0.1 runs
 
 
 def test_simulator_catches_mismatched_orders():

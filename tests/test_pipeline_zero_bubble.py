@@ -228,12 +228,21 @@ def _run(topo, layout, m, schedule, extra):
             "norms": norms, "pp_rank": topo.pp_rank}
 
 
+V2 = ("--parallel.virtual_stages", "2")
+INTERLEAVED_LAYOUTS = [((1, 2, 2), 4, V2), ((1, 2, 2), 2, V2),
+                       ((2, 2, 1), 4, (*V2, "--parallel.sequence_parallel", "true"))]
+"""Two chunks a rank (4 blocks on 4 virtual stages), under interleaved_zb and interleaved 1F1B; m = pp
+runs every forward first."""
+
+
 def _world(rank, world_size):
     out = {}
-    for layout, m, extra in LAYOUTS:
-        topo = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
-        for schedule in ("zb-h1", "zb-h2", "1f1b"):
-            out[(layout, m, extra, schedule)] = _run(topo, layout, m, schedule, extra)
+    for layouts, schedules in ((LAYOUTS, ("zb-h1", "zb-h2", "1f1b")),
+                               (INTERLEAVED_LAYOUTS, ("interleaved_zb", "interleaved_1f1b"))):
+        for layout, m, extra in layouts:
+            topo = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
+            for schedule in schedules:
+                out[(layout, m, extra, schedule)] = _run(topo, layout, m, schedule, extra)
     return out
 
 
@@ -244,7 +253,7 @@ def reports():
 
 def test_zero_bubble_equals_one_process_and_1f1b(reports):
     for rank, report in enumerate(reports):
-        assert len(report) == 3 * len(LAYOUTS)
+        assert len(report) == 3 * len(LAYOUTS) + 2 * len(INTERLEAVED_LAYOUTS)
         for key, value in report.items():
             assert value["param_err"] < 5e-6, (rank, key, value["param_err"])
             assert value["loss_err"] < 1e-5, (rank, key)
@@ -253,6 +262,23 @@ def test_zero_bubble_equals_one_process_and_1f1b(reports):
             base = report[(layout, m, extra, "1f1b")]["norms"]
             for name in ("zb-h1", "zb-h2"):
                 assert report[(layout, m, extra, name)]["norms"] == pytest.approx(base, rel=1e-6), (rank, layout, name)
+        for layout, m, extra in INTERLEAVED_LAYOUTS:
+            base = report[(layout, m, extra, "interleaved_1f1b")]["norms"]
+            assert report[(layout, m, extra, "interleaved_zb")]["norms"] == pytest.approx(base, rel=1e-6), (rank, layout)
+
+
+def test_interleaved_zero_bubble_ran_its_schedule_and_deferred_every_linear(reports):
+    """Every rank ran interleaved_zb's own op list, each of its chunks' linears' weight gradients went
+    through W into the data-parallel buffers, and no rank held more chunks than the schedule says."""
+    for layout, m, extra in INTERLEAVED_LAYOUTS:
+        pp = layout[1]
+        for report in reports:
+            value = report[(layout, m, extra, "interleaved_zb")]
+            ops = [Op(*op) for op in value["ops"]]
+            expected = build_schedule("interleaved_zb", pp, value["pp_rank"], m, 2)
+            assert ops == expected, layout
+            assert value["peak_live"] <= max_live_activations(expected), layout
+            assert value["deferred"] >= m * 4 * 4 // pp and value["in_place"] == value["deferred"], layout
 
 
 @pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])

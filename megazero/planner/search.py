@@ -13,7 +13,7 @@ from megazero.errors import ConfigError
 from megazero.planner.hardware import GIB, Cluster
 from megazero.planner.memory import MemoryEstimate, estimate_memory
 from megazero.planner.time import StepEstimate, estimate_step
-from parallel.pipeline.schedule import SPLIT_BACKWARD
+from parallel.pipeline.schedule import SPLIT_BACKWARD, schedule_problem
 
 VIRTUAL_STAGES = (1, 2)
 MAX_MICRO_BATCH = 32
@@ -113,8 +113,10 @@ def candidate_layouts(cfg: Config, cluster: Cluster) -> Iterator[Layout]:
 
 
 def _schedules(pp: int, v: int, own: str) -> list[str]:
-    """The default schedule, and for a pipeline of one chunk a rank the split-backward ones."""
-    return sorted({"auto", own} | (set(SPLIT_BACKWARD) if pp > 1 and v == 1 else set()))
+    """The default schedule, and for a pipeline the split-backward ones that run its chunks a rank."""
+    if pp == 1:
+        return sorted({"auto", own})
+    return sorted({"auto", own} | {name for name in SPLIT_BACKWARD if schedule_problem(name, v) is None})
 
 
 def plan(cfg: Config, cluster: Cluster) -> list[Candidate]:

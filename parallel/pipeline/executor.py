@@ -7,7 +7,7 @@ last virtual stage the call returns the micro-batch's mean loss. Backward of a s
 output with the gradient received from the next stage. Gradients accumulate in ``.grad``; reducing
 them over data-parallel ranks (and summing tied embeddings) is the caller's next move, see ``grads``.
 
-Split-backward schedules (``zb-h1``, ``zb-h2``): the executor routes its chunks' linear layers through a
+Split-backward schedules (``zb-h1``, ``zb-h2``, ``interleaved_zb``): the executor routes its chunks' linear layers through a
 ``WeightGradQueue`` (``deferred_wgrad``), so a ``B`` op computes input gradients and queues the
 weight-gradient GEMMs, and the ``W`` op of that micro-batch runs them. The ``W`` ops that follow a
 rank's last ``B`` run as one sum per weight: each parameter then receives exactly one gradient

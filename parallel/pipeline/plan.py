@@ -21,8 +21,8 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from parallel.pipeline.schedule import (SPLIT_BACKWARD, Op, build_schedule, interleaved_warmup, max_live_activations,
-                                        splits_backward)
+from parallel.pipeline.schedule import (INTERLEAVED, SPLIT_BACKWARD, Op, build_schedule, interleaved_warmup,
+                                        max_live_activations, splits_backward)
 
 
 @dataclass(frozen=True)
@@ -101,14 +101,23 @@ def comm_plan(ops: list[Op], pp: int, rank: int, v: int = 1, paired_from: Option
 
 
 def _groups(ops: list[Op], paired_from: Optional[int]) -> list[list[Op]]:
+    """The ops in exchange groups: one each, or after ``paired_from`` warm-up forwards each steady-state
+    forward/backward pair together; a weight gradient ``W`` (no traffic) joins the group after it, so
+    the exchange that carries the last ``B``'s gradient is posted before it runs."""
     if paired_from is None:
         return [[op] for op in ops]
     groups = [[op] for op in ops[:paired_from]]
-    k = paired_from
-    while k + 1 < len(ops) and ops[k].kind == "F" and ops[k + 1].kind == "B":
-        groups.append(ops[k:k + 2])
-        k += 2
-    return groups + [[op] for op in ops[k:]]
+    k, waiting, pairing = paired_from, [], True
+    while k < len(ops):
+        if ops[k].kind == "W":
+            waiting.append(ops[k])
+            k += 1
+            continue
+        pair = pairing and k + 1 < len(ops) and ops[k].kind == "F" and ops[k + 1].kind == "B"
+        pairing = pair
+        groups.append(waiting + ops[k:k + (2 if pair else 1)])
+        k, waiting = k + (2 if pair else 1), []
+    return groups + ([waiting] if waiting else [])
 
 
 def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
@@ -117,7 +126,7 @@ def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
     the ranks' op ``costs`` a split-backward schedule delays its weight gradients as
     ``weight_grad_delays`` finds best."""
     ops = schedule_for(schedule, pp, rank, m, v, costs)
-    paired_from = interleaved_warmup(pp, rank, m, v) if schedule == "interleaved_1f1b" else None
+    paired_from = interleaved_warmup(pp, rank, m, v) if schedule in INTERLEAVED else None
     return ops, comm_plan(ops, pp, rank, v, paired_from)
 
 
@@ -125,7 +134,7 @@ def schedule_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
                  costs: Optional[StageCosts] = None) -> list[Op]:
     """``build_schedule``, with a split-backward schedule's weight gradients delayed as
     ``weight_grad_delays`` finds best for the ranks' op ``costs`` (none given: the default delays)."""
-    if costs is None or schedule not in SPLIT_BACKWARD:
+    if costs is None or schedule not in SPLIT_BACKWARD or v > 1:  # delays are tuned for one chunk a rank
         return build_schedule(schedule, pp, rank, m, v)
     return build_schedule(schedule, pp, rank, m, v, weight_grad_delays(schedule, pp, m, costs)[rank])
 

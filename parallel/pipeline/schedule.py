@@ -19,11 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "zb-h1", "zb-h2", "forward_only")
+SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "zb-h1", "zb-h2", "interleaved_zb",
+             "forward_only")
 TRAINING_SCHEDULES = ("auto",) + SCHEDULES[:-1]
 """The choices of ``parallel.pipeline_schedule``: ``auto`` is ``default_schedule``."""
-SPLIT_BACKWARD = ("zb-h1", "zb-h2")
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "interleaved_zb")
 """The schedules that run weight gradients as ops of their own (``W``), apart from ``B``."""
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
+"""The schedules of several model chunks per rank (virtual stages)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -164,6 +167,33 @@ def interleaved_1f1b(pp: int, rank: int, m: int, v: int = 2) -> list[Op]:
     return ops + [Op("B", mb, c) for c, mb in backward[total - warmup:]]
 
 
+def interleaved_zero_bubble(pp: int, rank: int, m: int, v: int = 2, delay: Optional[int] = None) -> list[Op]:
+    """Interleaved 1F1B with each backward split into ``B`` and ``W``, rank ``r`` leaving up to ``r``
+    weight gradients waiting (``delay``), as ZB-H1 does with one chunk.
+
+    The later ranks' first wait is a chunk's forward instead of a whole stage's, which is the point:
+    at pp 2 with equal op costs the idle time is half of ZB-H1's, with less memory than ZB-H2 on the
+    first rank (``bubble_fraction``). The waiting ``W``s run right after the exchange that starts
+    the next forward/backward pair (``plan.comm_plan``), so the gradient a ``B`` sends leaves before
+    them, and they fill the time the pair waits for its inputs.
+    """
+    _check(pp, rank, m, v)
+    if v < 2:
+        raise ValueError("interleaved_zb needs more than one model chunk per rank; raise virtual stages")
+    delay = rank if delay is None else delay
+    if delay < 0:
+        raise ValueError(f"interleaved_zb: weight gradients left waiting must be >= 0, got {delay}")
+    ops: list[Op] = []
+    waiting: list[Op] = []
+    for op in interleaved_1f1b(pp, rank, m, v):
+        ops.append(op)
+        if op.kind == "B":
+            waiting.append(Op("W", op.microbatch, op.chunk))
+            while len(waiting) > delay:
+                ops.append(waiting.pop(0))
+    return ops + waiting
+
+
 def forward_only(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
     """Evaluation: every forward, chunks visited in the interleaved order, no backward."""
     _check(pp, rank, m, v)
@@ -190,6 +220,7 @@ _BUILDERS: dict[str, Callable[..., list[Op]]] = {
     "interleaved_1f1b": interleaved_1f1b,
     "zb-h1": zero_bubble_h1,
     "zb-h2": zero_bubble_h2,
+    "interleaved_zb": interleaved_zero_bubble,
     "forward_only": forward_only,
 }
 
@@ -208,10 +239,11 @@ def build_schedule(name: str, pp: int, rank: int, m: int, v: int = 1, delay: Opt
 
 def schedule_problem(name: str, v: int) -> Optional[str]:
     """Why training schedule ``name`` cannot run ``v`` model chunks per rank (None when it can)."""
-    if name == "interleaved_1f1b" and v == 1:
-        return "interleaved_1f1b needs more than one model chunk per rank; raise parallel.virtual_stages"
-    if name not in ("auto", "interleaved_1f1b") and v > 1:
-        return f"{name} runs one model chunk per rank; set parallel.virtual_stages to 1 or use interleaved_1f1b"
+    if name in INTERLEAVED and v == 1:
+        return f"{name} needs more than one model chunk per rank; raise parallel.virtual_stages"
+    if name not in ("auto", *INTERLEAVED) and v > 1:
+        return (f"{name} runs one model chunk per rank; set parallel.virtual_stages to 1 or use one of "
+                f"{', '.join(INTERLEAVED)}")
     return None
 
 
@@ -247,10 +279,17 @@ def bubble_fraction(pp: int, m: int, v: int = 1, schedule: str = "1f1b") -> floa
     as much at equal costs when m >= 2 pp (the first rank's forward is a floor no order removes;
     ``plan.timeline`` with unit costs agrees), more with fewer micro-batches (pp 4, m 4: 0.33 against
     0.25), for which this figure is low; its gain is with unequal stages, where its extra warm-up
-    forwards fill what the slower stage leaves idle. Without pipelining (``gradient_accumulation``)
-    each stage idles while the other ``pp - 1`` work, whatever m.
+    forwards fill what the slower stage leaves idle. ``interleaved_zb`` idles (2 pp - 3) / (3 v m) when
+    m is a multiple of pp above it (``plan.timeline`` with unit costs gives exactly that for pp up to
+    8 and v up to 3): a third of interleaved 1F1B's at pp 2, half of ZB-H1's there with two chunks,
+    tending to two thirds of interleaved 1F1B's as pp grows; two thirds of it at m = pp, where every
+    forward goes first. When m is not a multiple of pp every forward goes first too and it idles more
+    than interleaved 1F1B's figure, which is returned as a floor. Without pipelining
+    (``gradient_accumulation``) each stage idles while the other ``pp - 1`` work, whatever m.
     """
     if schedule == "gradient_accumulation":
         return float(pp - 1)
     ratio = (pp - 1) / (v * m)
+    if schedule == "interleaved_zb":
+        return ratio if m % pp else ratio * 2 / 3 if m == pp else (2 * pp - 3) / (3 * v * m)
     return ratio / 3 if schedule in SPLIT_BACKWARD else ratio
