@@ -46,6 +46,7 @@ CASES = [((1, 1, 2), 1, ()), ((1, 1, 2), 2, ()), ((1, 1, 2), 3, ()),
          ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial")),
          ((2, 1, 1), 1, ("--parallel.recompute", "full")), ((2, 1, 1), 1, (*SP, "--parallel.recompute", "selective")),
          ((1, 2, 1), 1, ()), ((1, 2, 1), 1, ("--parallel.virtual_stages", "2")),
+         ((1, 2, 1), 1, ("--parallel.virtual_stages", "2", "--parallel.pipeline_schedule", "interleaved_zb")),
          ((1, 2, 1), 1, ZB2), ((1, 2, 1), 1, (*ZB2, "--train.compile", "true")),
          ((1, 2, 1), 1, (*ZB2, "--train.compile", "true", "--parallel.pipeline_split", "[1.5, 2.5]"))]
 CASES_CG = [((2, 1, 1), 1, (*SP, *CG)), ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial", *CG)),
