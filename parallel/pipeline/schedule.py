@@ -115,9 +115,7 @@ def _split_backward_1f1b(name: str, pp: int, rank: int, m: int, v: int, warmup: 
     _check(pp, rank, m, v)
     if v != 1:
         raise ValueError(f"{name} runs one model chunk per rank; set virtual stages to 1")
-    delay = rank if delay is None else delay
-    if delay < 0:
-        raise ValueError(f"{name}: weight gradients left waiting must be >= 0, got {delay}")
+    delay = _delay(name, rank, delay)
     warmup = min(warmup, m)
     ops = [Op("F", i) for i in range(warmup)]
     waiting: list[int] = []
@@ -134,6 +132,14 @@ def _split_backward_1f1b(name: str, pp: int, rank: int, m: int, v: int, warmup: 
     for i in range(m - warmup, m):
         backward(i)
     return ops + [Op("W", i) for i in waiting]
+
+
+def _delay(name: str, rank: int, delay: Optional[int]) -> int:
+    """How many weight gradients a rank leaves waiting: ``delay``, by default its index."""
+    delay = rank if delay is None else delay
+    if delay < 0:
+        raise ValueError(f"{name}: weight gradients left waiting must be >= 0, got {delay}")
+    return delay
 
 
 def _chunk_order(pp: int, m: int, v: int, backward: bool) -> list[tuple[int, int]]:
@@ -180,9 +186,7 @@ def interleaved_zero_bubble(pp: int, rank: int, m: int, v: int = 2, delay: Optio
     _check(pp, rank, m, v)
     if v < 2:
         raise ValueError("interleaved_zb needs more than one model chunk per rank; raise virtual stages")
-    delay = rank if delay is None else delay
-    if delay < 0:
-        raise ValueError(f"interleaved_zb: weight gradients left waiting must be >= 0, got {delay}")
+    delay = _delay("interleaved_zb", rank, delay)
     ops: list[Op] = []
     waiting: list[Op] = []
     for op in interleaved_1f1b(pp, rank, m, v):
