@@ -29,6 +29,7 @@ from models import GPT
 from models.config import ModelConfig
 from parallel.pipeline import PipelineExecutor, bubble_fraction, sum_tied_grads
 from parallel.pipeline.partition import resolve_split, stage_layers, stage_parts
+from parallel.pipeline.schedule import INTERLEAVED
 from parallel.topology import RankGrid, Topology
 
 
@@ -86,7 +87,7 @@ def measured_bubble(executor: PipelineExecutor, step, steps: int, device) -> flo
 
 
 def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
-    v = 2 if schedule == "interleaved_1f1b" else 1
+    v = 2 if schedule in INTERLEAVED else 1
     if m % topo.pp_size and v > 1:
         return {}
     chunks = build_chunks(cfg, topo.pp_size, topo.pp_rank, v, device)

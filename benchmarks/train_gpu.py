@@ -10,8 +10,9 @@ Each run builds the engine from the config plus the run's overrides (``stageN`` 
 size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism,
 whose linears communicate ``serial``, ``overlap`` or through peer memory (``pm``); ``compile``
 compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb`` and ``zb2`` pick the
-zero-bubble schedules ZB-H1 and ZB-H2 (``izb``: interleaved with a split backward, with ``vN``; ``wdefault``: their weight gradients at the default delays
-rather than those tuned to the stages' op costs); ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
+zero-bubble schedules ZB-H1 and ZB-H2 (``izb``: interleaved with a split backward, with ``vN``;
+``wdefault``: their weight gradients at the default delays rather than those tuned to the stages'
+op costs); ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
 pipeline split [A, B] (else balanced by work); ``mN`` runs N micro-batches per data-parallel rank;
 ``mbsN`` sets the micro-batch size), trains ``--warmup`` then ``--steps`` timed optimizer steps on
 random tokens, or an indexed shard's text with ``--text PREFIX`` (one micro-batch of

@@ -126,3 +126,51 @@ def test_activation_bytes_peak_at_the_schedules_live_count(pipeline_peaks):
         assert live == 2 - rank
         assert peak == live * one, (rank, peak, live, one)
         assert peaks["serial"] == (one, 1), rank
+
+
+class _Batch:
+    """One coalesced handle for a whole batch, as NCCL returns it, that the test completes by hand."""
+
+    def __init__(self):
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout=None) -> bool:
+        self.done = True
+        return True
+
+
+def _coalesced_sends(rank, world_size):
+    """A batch that sends and receives, coalesced into one handle as on NCCL: the send's buffer is
+    not released before the batch completes, although nothing waits for the batch when it is posted
+    (its receive is taken later, by its op)."""
+    import torch.distributed as dist
+
+    from parallel.pipeline.p2p import StageLink
+    from parallel.pipeline.plan import Message, Transfer
+
+    group = dist.new_group([0])
+    link = StageLink({"act": group, "grad": group}, lambda r: r, (2,), torch.float32, torch.device("cpu"))
+    handle = _Batch()
+    posted = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: [handle]
+    try:
+        sent = torch.ones(2)
+        # one channel's batch: an activation out, another in
+        link.exchange([(Transfer(0, Message("act", 0, 0)), sent)], (Transfer(0, Message("act", 1, 1)),), "test")
+        early = link.finish_sends(block=False)
+        handle.done = True
+        late = link.finish_sends(block=False)
+        link.take(Message("act", 1, 1))
+    finally:
+        dist.batch_isend_irecv = posted
+    return len(early), len(late), link.untaken
+
+
+def test_a_coalesced_batch_keeps_its_send_buffer_until_it_completes():
+    """(Planted: the send recorded as complete when posted, as when the exchange still waited for its
+    batch; its buffer was released while the batch could still be reading it.)"""
+    early, late, untaken = run_world(1, _coalesced_sends, timeout=60)[0]
+    assert (early, late, untaken) == (0, 1, [])

@@ -264,7 +264,8 @@ def test_zero_bubble_equals_one_process_and_1f1b(reports):
                 assert report[(layout, m, extra, name)]["norms"] == pytest.approx(base, rel=1e-6), (rank, layout, name)
         for layout, m, extra in INTERLEAVED_LAYOUTS:
             base = report[(layout, m, extra, "interleaved_1f1b")]["norms"]
-            assert report[(layout, m, extra, "interleaved_zb")]["norms"] == pytest.approx(base, rel=1e-6), (rank, layout)
+            zb = report[(layout, m, extra, "interleaved_zb")]["norms"]
+            assert zb == pytest.approx(base, rel=1e-6), (rank, layout)
 
 
 def test_interleaved_zero_bubble_ran_its_schedule_and_deferred_every_linear(reports):

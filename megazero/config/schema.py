@@ -19,8 +19,13 @@ class ParallelConfig:
     tp: int = option(1, "Tensor-parallel size: ranks that split each layer (keep within a node)")
     pp: int = option(1, "Pipeline-parallel size: stages the layers are split into")
     dp: Optional[int] = option(None, "Data-parallel size (None = world size / (tp*pp))")
-    virtual_stages: int = option(1, "Model chunks per pipeline rank for the interleaved 1F1B schedule")
-    pipeline_schedule: str = option("auto", "Pipeline schedule: auto (1f1b, interleaved_1f1b with virtual stages), gradient_accumulation, 1f1b, interleaved_1f1b, zb-h1 (zero bubble: weight gradients fill the bubble) or zb-h2 (zb-h1 with twice the warm-up forwards: less idle, rank 0 holds 2pp-1 micro-batches) or interleaved_zb (interleaved_1f1b with zb-h1's split backward: with virtual stages)")
+    virtual_stages: int = option(1, "Model chunks per pipeline rank for the interleaved schedules "
+                                    "(interleaved_1f1b, interleaved_zb)")
+    pipeline_schedule: str = option("auto", "Pipeline schedule: auto (1f1b, interleaved_1f1b with virtual stages), "
+                                    "gradient_accumulation, 1f1b, interleaved_1f1b, zb-h1 (zero bubble: weight gradients "
+                                    "fill the bubble), zb-h2 (zb-h1 with twice the warm-up forwards: less idle, rank 0 "
+                                    "holds 2pp-1 micro-batches) or interleaved_zb (interleaved_1f1b with zb-h1's split "
+                                    "backward: with virtual stages)")
     sequence_parallel: bool = option(False, "Shard norm and dropout activations along the sequence (needs tp > 1)")
     tp_comm: str = option("overlap", "How sequence-parallel linears communicate: serial (NCCL collective, then the product), overlap (NCCL collectives beside the products) or peer_memory (the GPUs' copy engines over NVLink beside the products; CUDA, one node)")
     order: str = option("tp-dp-pp", "Rank order from fastest to slowest axis: tp-dp-pp or tp-pp-dp")

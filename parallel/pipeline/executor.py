@@ -7,12 +7,12 @@ last virtual stage the call returns the micro-batch's mean loss. Backward of a s
 output with the gradient received from the next stage. Gradients accumulate in ``.grad``; reducing
 them over data-parallel ranks (and summing tied embeddings) is the caller's next move, see ``grads``.
 
-Split-backward schedules (``zb-h1``, ``zb-h2``, ``interleaved_zb``): the executor routes its chunks' linear layers through a
-``WeightGradQueue`` (``deferred_wgrad``), so a ``B`` op computes input gradients and queues the
-weight-gradient GEMMs, and the ``W`` op of that micro-batch runs them. The ``W`` ops that follow a
-rank's last ``B`` run as one sum per weight: each parameter then receives exactly one gradient
-after ``before_backward(op, is_last=True)``, which is what lets a data-parallel reducer launch a
-bucket as soon as its last gradient lands, during that tail.
+Split-backward schedules (``zb-h1``, ``zb-h2``, ``interleaved_zb``): the executor routes its chunks'
+linear layers through a ``WeightGradQueue`` (``deferred_wgrad``), so a ``B`` op computes input
+gradients and queues the weight-gradient GEMMs, and the ``W`` op of that micro-batch runs them. The
+``W`` ops that follow a rank's last ``B`` run as one sum per weight: each parameter then receives
+exactly one gradient after ``before_backward(op, is_last=True)``, which is what lets a data-parallel
+reducer launch a bucket as soon as its last gradient lands, during that tail.
 
 Memory: a forward's output is cloned into a fresh send buffer, and that buffer's storage is released
 as soon as the send completes (autograd keeps only the graph, which never saved the clone), so a

@@ -43,7 +43,7 @@ class StageLink:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.label = label
         self.waiting_on = "nothing"
-        self._in_flight: list[tuple[Optional[dist.Work], torch.Tensor]] = []  # None: already complete
+        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # sends and the work that carries each
         # posted receives not yet taken: message -> (buffer, works delivering it, what they are)
         self._arriving: dict[Message, tuple[torch.Tensor, list, str]] = {}
         # NCCL waits only order the GPU streams; a wait with a timeout would block the CPU at every
@@ -61,10 +61,10 @@ class StageLink:
 
         Nothing is waited for here. Sends are not waited for at all (their buffers stay referenced until
         they complete, see ``finish_sends``), so a rank never blocks on a neighbour that is itself busy
-        sending; a receive is waited for only by the op that consumes it, so the forward of an
-        interleaved pair does not wait for the gradient its backward will take. Every channel's batch
-        is posted before any is waited on: a receive may depend on a send of the other channel
-        reaching its peer first.
+        sending; a receive is waited for only by the op that consumes it (on NCCL, with its channel's
+        whole batch), so the forward of an interleaved pair does not wait for the gradient its
+        backward will take. Every channel's batch is posted before any is waited on: a receive may
+        depend on a send of the other channel reaching its peer first.
         """
         for transfer, tensor in sends:
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
@@ -99,7 +99,9 @@ class StageLink:
             self._in_flight += [(works[min(i, len(works) - 1)], t) for i, (_, t) in enumerate(sends)]
             return []
         if len(works) != len(ops):  # coalesced into one handle (NCCL): the batch completes as a whole
-            self._in_flight += [(None, t) for _, t in sends]
+            # a send's buffer is released only once the batch has completed: its receives are waited
+            # for later, by the op that takes them, and the storage must outlive the send until then
+            self._in_flight += [(works[0], t) for _, t in sends]
             return [(tr.message, works, f"{where}: batch " + _describe(sends, recvs)) for tr in recvs]
         self._in_flight += [(w, t) for w, (_, t) in zip(works, sends)]
         return [(tr.message, [work], f"{where}: recv {tr.message} from pipeline rank {tr.peer}")
@@ -114,9 +116,9 @@ class StageLink:
         """Tensors whose sends have completed (all of them, waiting, when ``block``)."""
         done, still = [], []
         for work, tensor in self._in_flight:
-            if block and work is not None:
+            if block:
                 self._wait([work], "end of step: sends still in flight")
-            if block or work is None or work.is_completed():
+            if block or work.is_completed():
                 done.append(tensor)
             else:
                 still.append((work, tensor))

@@ -318,12 +318,12 @@ def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COST
     A rank posts step k's batch when its op of step k - 1 ends, as one sub-batch per channel
     (``CHANNELS``). A sub-batch begins once posted and once the rank's earlier sub-batches on that
     channel have completed (one communication stream per channel, in order, as NCCL runs them), and
-    completes when it and every partner's sub-batch have begun. An op waits only for the sub-batch
-    that carries its own input (``Step.needs``), posted in its step or, for a pair's second op, in
-    the pair's: sends are left in flight (the executor does the same), so a ``W`` never waits for its
-    ``B``'s gradient to be taken, and a pair's forward does not wait for its backward's gradient. Split-backward plans (holding ``W`` ops)
-    cost ``B`` as the input-gradient half. Raises ``PipelineDeadlock`` naming what each stuck rank waits
-    for, or a mismatch of message orders.
+    completes when it and every partner's sub-batch have begun. An op waits only for the sub-batch that
+    carries its own input (``Step.needs``), posted in its step or, for a pair's second op, in the
+    pair's: sends are left in flight (the executor does the same), so a ``W`` never waits for its
+    ``B``'s gradient to be taken, and a pair's forward does not wait for its backward's gradient.
+    Split-backward plans (holding ``W`` ops) cost ``B`` as the input-gradient half. Raises
+    ``PipelineDeadlock`` naming what each stuck rank waits for, or a mismatch of message orders.
     """
     partner = _match(plans, channel)
     rank_costs = costs if isinstance(costs, list) else [costs] * len(plans)

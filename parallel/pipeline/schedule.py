@@ -178,8 +178,8 @@ def interleaved_zero_bubble(pp: int, rank: int, m: int, v: int = 2, delay: Optio
     weight gradients waiting (``delay``), as ZB-H1 does with one chunk.
 
     The later ranks' first wait is a chunk's forward instead of a whole stage's, which is the point:
-    at pp 2 with equal op costs the idle time is half of ZB-H1's, with less memory than ZB-H2 on the
-    first rank (``bubble_fraction``). The waiting ``W``s run right after the exchange that starts
+    at pp 2 with two chunks and equal op costs the idle time is half of ZB-H1's, with less memory
+    than ZB-H2 on the first rank (``bubble_fraction``). The waiting ``W``s run right after the exchange that starts
     the next forward/backward pair (``plan.comm_plan``), so the gradient a ``B`` sends leaves before
     them, and they fill the time the pair waits for its inputs.
     """
@@ -287,8 +287,8 @@ def bubble_fraction(pp: int, m: int, v: int = 1, schedule: str = "1f1b") -> floa
     m is a multiple of pp above it (``plan.timeline`` with unit costs gives exactly that for pp up to
     8 and v up to 3): a third of interleaved 1F1B's at pp 2, half of ZB-H1's there with two chunks,
     tending to two thirds of interleaved 1F1B's as pp grows; two thirds of it at m = pp, where every
-    forward goes first. When m is not a multiple of pp every forward goes first too and it idles more
-    than interleaved 1F1B's figure, which is returned as a floor. Without pipelining
+    forward goes first. When m is not a multiple of pp every forward goes first too and it idles at
+    least interleaved 1F1B's figure, which is returned as a floor. Without pipelining
     (``gradient_accumulation``) each stage idles while the other ``pp - 1`` work, whatever m.
     """
     if schedule == "gradient_accumulation":
