@@ -69,11 +69,30 @@ def one_f_one_b(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
     _check(pp, rank, m, v)
     if v != 1:
         raise ValueError("1f1b runs one model chunk per rank; use interleaved_1f1b for virtual stages > 1")
-    warmup = min(pp - rank - 1, m)
+    return _warmup_then_pairs(m, pp - rank - 1)
+
+
+def _warmup_then_pairs(m: int, warmup: int) -> list[Op]:
+    """``warmup`` forwards, then one forward / one backward, then the cool-down's backwards."""
+    warmup = min(warmup, m)
     ops = [Op("F", i) for i in range(warmup)]
     for i in range(m - warmup):
         ops += [Op("F", warmup + i), Op("B", i)]
     return ops + [Op("B", i) for i in range(m - warmup, m)]
+
+
+def _split_weight_grads(ops: list[Op], delay: int) -> list[Op]:
+    """``ops`` with each ``B`` followed by the oldest waiting weight gradient ``W`` once more than
+    ``delay`` wait, and the rest after the last op."""
+    out: list[Op] = []
+    waiting: list[Op] = []
+    for op in ops:
+        out.append(op)
+        if op.kind == "B":
+            waiting.append(Op("W", op.microbatch, op.chunk))
+            while len(waiting) > delay:
+                out.append(waiting.pop(0))
+    return out + waiting
 
 
 def zero_bubble_h1(pp: int, rank: int, m: int, v: int = 1, delay: Optional[int] = None) -> list[Op]:
@@ -109,29 +128,12 @@ def zero_bubble_h2(pp: int, rank: int, m: int, v: int = 1, delay: Optional[int] 
 
 def _split_backward_1f1b(name: str, pp: int, rank: int, m: int, v: int, warmup: int,
                          delay: Optional[int]) -> list[Op]:
-    """``warmup`` forwards, then F/B pairs, each ``B`` followed by the oldest waiting ``W`` once more
-    than ``delay`` (default ``rank``) wait, then the cool-down's backwards and the last weight
-    gradients."""
+    """1F1B's order with ``warmup`` forwards, its backwards split (``_split_weight_grads``) with
+    ``delay`` (default ``rank``) weight gradients left waiting."""
     _check(pp, rank, m, v)
     if v != 1:
         raise ValueError(f"{name} runs one model chunk per rank; set virtual stages to 1")
-    delay = _delay(name, rank, delay)
-    warmup = min(warmup, m)
-    ops = [Op("F", i) for i in range(warmup)]
-    waiting: list[int] = []
-
-    def backward(i: int) -> None:
-        ops.append(Op("B", i))
-        waiting.append(i)
-        while len(waiting) > delay:
-            ops.append(Op("W", waiting.pop(0)))
-
-    for i in range(m - warmup):
-        ops.append(Op("F", warmup + i))
-        backward(i)
-    for i in range(m - warmup, m):
-        backward(i)
-    return ops + [Op("W", i) for i in waiting]
+    return _split_weight_grads(_warmup_then_pairs(m, warmup), _delay(name, rank, delay))
 
 
 def _delay(name: str, rank: int, delay: Optional[int]) -> int:
@@ -179,23 +181,14 @@ def interleaved_zero_bubble(pp: int, rank: int, m: int, v: int = 2, delay: Optio
 
     The later ranks' first wait is a chunk's forward instead of a whole stage's, which is the point:
     at pp 2 with two chunks and equal op costs the idle time is half of ZB-H1's, with less memory
-    than ZB-H2 on the first rank (``bubble_fraction``). The waiting ``W``s run right after the exchange that starts
-    the next forward/backward pair (``plan.comm_plan``), so the gradient a ``B`` sends leaves before
-    them, and they fill the time the pair waits for its inputs.
+    than ZB-H2 on the first rank (``bubble_fraction``). The waiting ``W``s run right after the
+    exchange that starts the next forward/backward pair (``plan.comm_plan``), so the gradient a ``B``
+    sends leaves before them, and they fill the time the pair waits for its inputs.
     """
     _check(pp, rank, m, v)
     if v < 2:
         raise ValueError("interleaved_zb needs more than one model chunk per rank; raise virtual stages")
-    delay = _delay("interleaved_zb", rank, delay)
-    ops: list[Op] = []
-    waiting: list[Op] = []
-    for op in interleaved_1f1b(pp, rank, m, v):
-        ops.append(op)
-        if op.kind == "B":
-            waiting.append(Op("W", op.microbatch, op.chunk))
-            while len(waiting) > delay:
-                ops.append(waiting.pop(0))
-    return ops + waiting
+    return _split_weight_grads(interleaved_1f1b(pp, rank, m, v), _delay("interleaved_zb", rank, delay))
 
 
 def forward_only(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
