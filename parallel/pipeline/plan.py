@@ -245,11 +245,19 @@ def stage_costs(blocks: Sequence[float], head: float, core_share: float, recompu
     return StageCosts(ops, tuple(float(b) for b in blocks))
 
 
+@functools.lru_cache(maxsize=4096)
+def _delayed(schedule: str, pp: int, rank: int, m: int, delay: int) -> tuple[tuple[Op, ...], tuple[Step, ...]]:
+    """Rank ``rank``'s ops and plan under split-backward ``schedule`` with ``delay`` weight gradients
+    waiting: built once for all the trials of ``weight_grad_delays``, which change one rank at a time."""
+    ops = build_schedule(schedule, pp, rank, m, 1, delay)
+    return tuple(ops), tuple(comm_plan(ops, pp, rank))
+
+
 def modelled_step(schedule: str, pp: int, m: int, costs: StageCosts, delays: Optional[Sequence[int]] = None) -> float:
     """How long a step of split-backward ``schedule`` takes by ``timeline`` with ``costs``, each rank
     leaving ``delays[r]`` weight gradients waiting (None: the defaults)."""
-    ops = [build_schedule(schedule, pp, r, m, 1, None if delays is None else delays[r]) for r in range(pp)]
-    times = timeline([comm_plan(o, pp, r) for r, o in enumerate(ops)], costs.tables())
+    delays = range(pp) if delays is None else delays
+    times = timeline([list(_delayed(schedule, pp, r, m, d)[1]) for r, d in enumerate(delays)], costs.tables())
     return max(end for rank_ops in times for _, _, end in rank_ops)
 
 
@@ -286,10 +294,10 @@ def weight_grad_delays(schedule: str, pp: int, m: int, costs: StageCosts) -> tup
     if pp == 1 or 3 * pp * m * pp * pp > _DELAY_SEARCH_BUDGET:
         return defaults
 
-    def held(r: int, delay: Optional[int]) -> float:
-        return max_live_activations(build_schedule(schedule, pp, r, m, 1, delay)) * costs.held[r]
+    def held(r: int, delay: int) -> float:
+        return max_live_activations(list(_delayed(schedule, pp, r, m, delay)[0])) * costs.held[r]
 
-    cap = max(held(r, None) for r in range(pp))
+    cap = max(held(r, r) for r in range(pp))
     best, best_span = defaults, modelled_step(schedule, pp, m, costs, defaults)
     for r in reversed(range(pp)):
         pick, pick_span = best, best_span
