@@ -11,7 +11,9 @@ with CUDA events (median of ``--iters`` after warm-up):
   with each transport, composed (collective and product in series), and the products alone (the
   floor).
 
-Prints one JSON line per measurement (milliseconds).
+Prints one JSON line per measurement (milliseconds). ``--lead-cycles`` queues a spin on the GPU
+before each timed call, so a figure holds no host launch latency (a step whose host runs ahead never
+sees it).
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from parallel.tensor_parallel.overlap import MODES, start_gather  # also registe
 TRANSPORTS = {"nccl": "overlap", "peer_memory": "peer_memory"}  # the mode each transport's gather runs in
 
 
-def timed(fn, iters: int, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn()`` on the current stream, all ranks in step before each call."""
+def timed(fn, iters: int, lead_cycles: int = 0, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn()`` on the current stream, all ranks in step before each call.
+
+    With ``lead_cycles`` the GPU first spins that many clock cycles (about a millisecond per two
+    million) before the start event, while the host issues ``fn``'s work behind it: the time is then
+    the GPU's alone, as in a step whose host runs ahead, not the host's launch latency."""
     for _ in range(warmup):
         fn()
     times = []
@@ -39,6 +45,8 @@ def timed(fn, iters: int, warmup: int = 5) -> float:
         dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
         start.record()
         fn()
         end.record()
@@ -47,7 +55,7 @@ def timed(fn, iters: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, emit) -> None:
+def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, lead: int, emit) -> None:
     """Each of a block's four linears, forward and backward op by op: overlapped with each transport,
     composed (the collective, then the product, in series) and the products alone."""
     ops = torch.ops.megazero
@@ -92,7 +100,7 @@ def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, emit) -> None:
                 cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_row_linear(x, w, name, mode)
                 cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_row_linear_backward(grad_y, x, w, name, mode, True)
         for case, fn in cases.items():
-            emit(what=f"{layer} ({kind}) {case}", ms=round(timed(fn, iters), 4))
+            emit(what=f"{layer} ({kind}) {case}", ms=round(timed(fn, iters, lead), 4))
 
 
 def main() -> None:
@@ -100,6 +108,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8 * 2048)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--lead-cycles", type=int, default=0,
+                        help="GPU clock cycles to spin before each timed call, hiding the host's launch latency")
     args = parser.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
@@ -113,7 +123,7 @@ def main() -> None:
     emit = (lambda **r: print(json.dumps(r), flush=True)) if rank == 0 else (lambda **r: None)
 
     gemm = lambda: torch.mm(full, w_qkv)  # noqa: E731 - the column product of all tokens
-    emit(what="gemm alone", shape=[n * tp, h, 3 * h // tp], ms=timed(gemm, args.iters))
+    emit(what="gemm alone", shape=[n * tp, h, 3 * h // tp], ms=timed(gemm, args.iters, args.lead_cycles))
     for transport in TRANSPORTS:
         def gather():
             work = start_gather(full, rows, group.group_name, TRANSPORTS[transport])
@@ -126,11 +136,11 @@ def main() -> None:
             work.wait()
 
         emit(what="all-gather alone", transport=transport, mib=full.numel() * 2 / 2**20,
-             ms=timed(gather, args.iters))
+             ms=timed(gather, args.iters, args.lead_cycles))
         emit(what="all-gather beside a GEMM of all tokens", transport=transport,
-             ms=timed(gather_beside_gemm, args.iters))
+             ms=timed(gather_beside_gemm, args.iters, args.lead_cycles))
 
-    per_op(group, tp, h, n, dev, dt, args.iters, emit)
+    per_op(group, tp, h, n, dev, dt, args.iters, args.lead_cycles, emit)
     dist.destroy_process_group()
 
 

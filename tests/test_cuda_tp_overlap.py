@@ -144,3 +144,36 @@ def captured():
 def test_sequence_parallel_linears_replay_as_cuda_graphs(captured, mode):
     for rank, report in enumerate(captured):
         assert max(report[mode]) < DTYPES["bf16"][1], (rank, report[mode])
+
+
+def _back_to_back(rank: int, world_size: int) -> dict:
+    """Sixty peer-memory all-gathers and chunk sums queued without a host synchronisation, each on
+    fresh values (a barrier that let a rank overwrite its slot before the peer had read it would
+    show as a peer's chunk from a later operation)."""
+    from parallel.tensor_parallel import peer_memory
+
+    torch.cuda.set_device(rank)
+    name, device, n, h = dist.group.WORLD.group_name, torch.device("cuda", rank), 4096, 256
+    gathered, summed = [], []
+    for i in range(30):
+        rows = torch.full((n, h), float(100 * i + rank), device=device)
+        full = rows.new_empty((world_size * n, h))
+        gathered.append((full, peer_memory.all_gather(full, rows, name)))
+        total = peer_memory.ChunkSum(torch.Size((n, h)), torch.float32, name, world_size)
+        for step in range(1, world_size):
+            owner = (rank + step) % world_size
+            total.push(torch.full((n, h), float(i * (owner + 1) + rank), device=device), owner)
+        summed.append(total.finish(torch.full((n, h), float(i * (rank + 1) + rank), device=device)))
+    errors = []
+    for i, ((full, work), (total, sum_work)) in enumerate(zip(gathered, summed)):
+        work.wait()
+        sum_work.wait()
+        want = torch.arange(world_size, device=device, dtype=torch.float32).repeat_interleave(n) + 100 * i
+        errors.append((full[:, 0] - want).abs().max().item() + (full - full[:, :1]).abs().max().item())
+        errors.append((total - (i * (rank + 1) * world_size + sum(range(world_size)))).abs().max().item())
+    return {"max_error": max(errors)}
+
+
+def test_peer_memory_operations_queued_back_to_back_keep_their_values():
+    for rank, report in enumerate(run_world(2, _back_to_back, timeout=300, backend="nccl")):
+        assert report["max_error"] == 0.0, (rank, report)

@@ -30,7 +30,7 @@ class ParallelConfig:
     tp_comm: str = option("overlap", "How sequence-parallel linears communicate: serial (NCCL collective, then the product), overlap (NCCL collectives beside the products) or peer_memory (the GPUs' copy engines over NVLink beside the products; CUDA, one node)")
     order: str = option("tp-dp-pp", "Rank order from fastest to slowest axis: tp-dp-pp or tp-pp-dp")
     allow_tp_across_nodes: bool = option(False, "Permit tensor-parallel groups that span nodes (slow; off by default)")
-    pipeline_split: Optional[list] = option(None, "Explicit layers per pipeline stage, e.g. [5, 6, 6, 5]; a count may end in a half, [12.5, 11.5], cutting a block between its attention and its MLP (None = balanced against the head on the last stage, in half blocks where that lowers the busiest stage's work by over 1%)")
+    pipeline_split: Optional[list] = option(None, "Explicit layers per pipeline stage, e.g. [5, 6, 6, 5]; a count may end in a half, [12.5, 11.5], cutting a block between its attention and its MLP (None = balanced against the head on the last stage, in half blocks where that lowers the busiest stage's work by over 1%, with virtual stages the busiest chunk's without adding to the busiest rank's)")
     recompute: str = option("none", "Activation checkpointing: none, full or selective (attention core only)")
     recompute_every: int = option(1, "With full recompute, checkpoint every k-th block")
 
