@@ -21,7 +21,7 @@ from megazero.planner.memory import GIB, layer_activation_bytes, rank_params
 from megazero.planner.search import apply_layout, layout_of
 from models.config import ModelConfig
 from models.gpt import GPT
-from parallel.pipeline.partition import stage_layers
+from parallel.pipeline.partition import stage_layers, stage_parts
 from tests.test_trainer import VOCAB, write_arithmetic_shard
 
 from megazero.optim.memory import zero_model_state_bytes
@@ -155,16 +155,22 @@ def small_model(**changes) -> ModelConfig:
 
 @pytest.mark.parametrize("changes", [{}, {"tie_embeddings": False}, {"bias": False, "norm": "rmsnorm"}, {"norm": "rmsnorm"},
                                      {"activation": "swiglu", "num_kv_heads": 2, "position_embedding": "rope"}])
-@pytest.mark.parametrize("pp", [1, 2])
-def test_parameter_count_is_the_models_own(changes, pp):
+@pytest.mark.parametrize("pp, v, split", [(1, 1, None), (2, 1, None), (2, 1, [2.5, 1.5]), (2, 2, [0.5, 1.5, 1.5, 0.5])])
+def test_parameter_count_is_the_models_own(changes, pp, v, split):
+    """Each rank's parameters, counted by the planner, are those of the stage the engine builds, half
+    blocks included (planted: a half counted whole; a half's row-parallel bias left out)."""
     model = small_model(**changes)
-    cfg = load_config(None, ["--parallel.pp", str(pp), "--train.device", "cpu"])
+    extra = ["--parallel.pipeline_split", str(split)] if split else []
+    cfg = load_config(None, ["--parallel.pp", str(pp), "--parallel.virtual_stages", str(v), "--train.device", "cpu",
+                             *extra])
     cfg = resolve_config(dataclasses.replace(cfg, model=model), pp)
     split = pipeline_split(cfg)
     for rank in range(pp):
-        stage = GPT(model, layers=stage_layers(split, pp, rank), has_embedding=rank == 0, has_head=rank == pp - 1,
-                    device="meta")
-        assert rank_params(cfg, rank) == sum(p.numel() for p in stage.parameters()), (changes, rank)
+        chunks = [GPT(model, layers=stage_layers(split, pp, rank, c), parts=stage_parts(split, pp, rank, c),
+                      has_embedding=(rank, c) == (0, 0), has_head=(rank, c) == (pp - 1, v - 1), device="meta")
+                  for c in range(v)]
+        assert rank_params(cfg, rank) == sum(p.numel() for chunk in chunks for p in chunk.parameters()), (
+            changes, split, rank)
 
 
 def test_activations_follow_korthikanti():
@@ -181,6 +187,11 @@ def test_activations_follow_korthikanti():
             2 * sbh / (tp if sp else 1))
     fp32 = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, dtype="fp32"))
     assert layer_activation_bytes(fp32, False) == pytest.approx(sbh * (2 * 32 + 2))  # 4-byte elements, 1-byte masks
+    # a half block: its norm's and linear's inputs, its mask, and Q, K, V and the attention output
+    # (4h) or the MLP's two inner tensors (8h); under recompute its input alone
+    assert layer_activation_bytes(cfg, False, ("attention",)) == pytest.approx(sbh * (2 * 2 + 1 + 4 * 2))
+    assert layer_activation_bytes(cfg, False, ("mlp",)) == pytest.approx(sbh * (2 * 2 + 1 + 8 * 2))
+    assert layer_activation_bytes(cfg, True, ("mlp",)) == pytest.approx(2 * sbh)
 
 
 def test_stage3_buffers_hold_the_gathered_blocks():
@@ -349,9 +360,11 @@ def test_time_model_sees_what_a_half_block_split_moves():
     """A block cut in half counts its halves' shares of the work (the MLP's 57% at GPT 1.3B, planted:
     counted whole, [6.5, 6.5, 6.5, 4.5] looked like 7, 7, 7, 5 blocks), so at pp 4 the planner predicts
     that split faster than the whole-block [6, 7, 6, 5], and at pp 2 [12.5, 11.5] slower than [13, 11],
-    as measured on H200s (BENCHMARKS.md); memory still counts a half block whole."""
+    as measured on H200s (BENCHMARKS.md). Memory counts a half block's own activations (planted:
+    counted whole, the interleaved [6.5, 6.5, 6.5, 4.5] looked 3 GiB fuller than [7, 6, 6, 5] and it
+    measured 2.4 GiB emptier)."""
     from megazero.flops import attention_share
-    from megazero.planner.memory import rank_layers, rank_work
+    from megazero.planner.memory import activation_bytes, rank_layers, rank_work
 
     def at(pp, split=None):
         extra = ["--parallel.pipeline_split", str(split)] if split else []
@@ -362,6 +375,13 @@ def test_time_model_sees_what_a_half_block_split_moves():
     halves = at(2, [12.5, 11.5])
     assert [rank_work(halves, r) for r in range(2)] == pytest.approx([12 + share, 12 - share])
     assert [rank_layers(halves, r) for r in range(2)] == [13, 12]
+    attention, whole = (layer_activation_bytes(halves, False, parts) for parts in (("attention",), ("attention", "mlp")))
+    assert activation_bytes(halves, 0) == pytest.approx(activation_bytes(at(2, [13, 11]), 0) * (12 * whole + attention)
+                                                        / (13 * whole))
+    interleaved = ["--parallel.pp", "2", "--parallel.virtual_stages", "2", "--train.global_batch_size", "64"]
+    cut, kept = (estimate_memory(resolve_config(load_config("configs/gpt_1.3b.yaml", [*interleaved, *split]), 2, 2))
+                 for split in ([], ["--parallel.pipeline_split", "[7, 6, 6, 5]"]))
+    assert cut.pp_rank == kept.pp_rank == 0 and cut.peak < kept.peak  # measured 45.4 and 47.8 GiB on rank 0
     cluster = Cluster(GPUS["h200"], 4, 4)
     assert estimate_step(halves, cluster).step_s > estimate_step(at(2), cluster).step_s
     assert estimate_step(at(4, [6.5, 6.5, 6.5, 4.5]), cluster).step_s < estimate_step(at(4, [6, 7, 6, 5]), cluster).step_s

@@ -19,7 +19,7 @@ from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
-from parallel.pipeline.partition import rank_work as split_rank_work, stage_layers
+from parallel.pipeline.partition import BLOCK_PARTS, rank_work as split_rank_work, stage_layers, stage_parts
 from parallel.pipeline.plan import StageCosts, schedule_for
 from parallel.pipeline.schedule import SPLIT_BACKWARD, default_schedule, max_live_activations
 
@@ -63,15 +63,18 @@ class MemoryEstimate:
                 f"{self.needed / GIB:.1f} GiB with margins)")
 
 
-def block_params(m: ModelConfig) -> tuple[int, int]:
-    """(parameters tensor parallelism splits, parameters every tensor rank holds whole) of one block."""
+def block_params(m: ModelConfig, parts: tuple[str, ...] = BLOCK_PARTS) -> tuple[int, int]:
+    """(parameters tensor parallelism splits, parameters every tensor rank holds whole) of one block,
+    or of the ``parts`` of it a stage holds (a split such as ``[12.5, 11.5]``): each half has its norm,
+    its column-parallel linear (split, with its bias) and its row-parallel one (split; its bias not)."""
     h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_size
     gates = 2 if m.activation == "swiglu" else 1
-    split = h * (q + 2 * kv) + q * h + h * f * gates + f * h
-    replicated = 2 * norm_params(m)
-    if m.bias:
-        split += (q + 2 * kv) + f * gates   # column-parallel biases split
-        replicated += 2 * h                 # row-parallel biases do not
+    widths = {"attention": (q + 2 * kv, q), "mlp": (f * gates, f)}  # (column outputs, row inputs)
+    split = replicated = 0
+    for part in parts:
+        columns, rows = widths[part]
+        split += h * columns + rows * h + (columns if m.bias else 0)
+        replicated += norm_params(m) + (h if m.bias else 0)
     return split, replicated
 
 
@@ -81,12 +84,10 @@ def norm_params(m: ModelConfig) -> int:
 
 
 def rank_params(cfg: Config, pp_rank: int) -> float:
-    """Parameters held by one tensor rank of pipeline rank ``pp_rank``: its blocks, and the
-    embedding (first virtual stage) and head (last) where they live."""
+    """Parameters held by one tensor rank of pipeline rank ``pp_rank``: its blocks (a half block its
+    half's), and the embedding (first virtual stage) and head (last) where they live."""
     m, p = cfg.model, cfg.parallel
-    split, replicated = block_params(m)
-    layers = rank_layers(cfg, pp_rank)
-    numel = layers * (split / p.tp + replicated)
+    numel = rank_block_params(cfg, pp_rank)
     vocab_rows = padded_vocab_size(m.vocab_size, 128 * p.tp) * m.hidden_size / p.tp
     first, last = pp_rank == 0, pp_rank == p.pp - 1
     if first:
@@ -98,12 +99,28 @@ def rank_params(cfg: Config, pp_rank: int) -> float:
     return numel
 
 
-def rank_layers(cfg: Config, pp_rank: int) -> int:
-    """Blocks pipeline rank ``pp_rank`` holds; one held in half (a split such as [12.5, 11.5]) counts
-    whole, so memory estimates err high by at most half a block at each cut."""
+def rank_blocks(cfg: Config, pp_rank: int) -> list[tuple[str, ...]]:
+    """The parts pipeline rank ``pp_rank`` holds of each of its blocks, chunk by chunk: ``BLOCK_PARTS``
+    for a whole block, one of them for a block a split such as ``[12.5, 11.5]`` cuts."""
     p = cfg.parallel
     split = pipeline_split(cfg)
-    return sum(len(stage_layers(split, p.pp, pp_rank, c)) for c in range(p.virtual_stages))
+    held = []
+    for chunk in range(p.virtual_stages):
+        parts = stage_parts(split, p.pp, pp_rank, chunk)
+        held += [parts.get(i, BLOCK_PARTS) for i in stage_layers(split, p.pp, pp_rank, chunk)]
+    return held
+
+
+def rank_layers(cfg: Config, pp_rank: int) -> int:
+    """Blocks pipeline rank ``pp_rank`` holds, whole or in part."""
+    return len(rank_blocks(cfg, pp_rank))
+
+
+def rank_block_params(cfg: Config, pp_rank: int) -> float:
+    """Parameters of pipeline rank ``pp_rank``'s blocks on one tensor rank."""
+    tp = cfg.parallel.tp
+    return sum(split / tp + replicated for split, replicated in
+               (block_params(cfg.model, parts) for parts in rank_blocks(cfg, pp_rank)))
 
 
 def rank_work(cfg: Config, pp_rank: int) -> float:
@@ -164,21 +181,21 @@ def grads_outside_forward(cfg: Config, pp_rank: int) -> float:
         return 0.0
     grads = _zero_states(cfg, pp_rank).grads
     if pp_rank == p.pp - 1:
-        split, replicated = block_params(cfg.model)
-        params = rank_params(cfg, pp_rank)
-        grads *= rank_layers(cfg, pp_rank) * (split / p.tp + replicated) / params
+        grads *= rank_block_params(cfg, pp_rank) / rank_params(cfg, pp_rank)
     return grads
 
 
-def layer_activation_bytes(cfg: Config, recomputed: bool) -> float:
-    """Bytes one block keeps for backward per micro-batch (Korthikanti et al. 2022, section 4).
+def layer_activation_bytes(cfg: Config, recomputed: bool, parts: tuple[str, ...] = BLOCK_PARTS) -> float:
+    """Bytes one block (or the ``parts`` of it a stage holds) keeps for backward per micro-batch
+    (Korthikanti et al. 2022, section 4).
 
     Stored tensors, in elements per token and hidden unit: the two norm inputs, the QKV and first MLP
     linear inputs (4, replicated over tensor ranks unless sequence parallel), then Q, K, V, the
     attention output, the activation's input and the second MLP linear's input (split over tensor
-    ranks), plus two one-byte dropout masks when dropout is on. Attention runs in a fused kernel
-    (scaled_dot_product_attention), which keeps no s x s scores: Korthikanti's 5as/h term is absent.
-    A recomputed block keeps only its input.
+    ranks), plus two one-byte dropout masks when dropout is on; each half keeps its own two inputs,
+    its split tensors and its mask. Attention runs in a fused kernel (scaled_dot_product_attention),
+    which keeps no s x s scores: Korthikanti's 5as/h term is absent. A recomputed block or half keeps
+    only its input.
     """
     m, p = cfg.model, cfg.parallel
     e = DTYPE_BYTES[cfg.precision.dtype]
@@ -188,9 +205,9 @@ def layer_activation_bytes(cfg: Config, recomputed: bool) -> float:
         return e * sbh / sp
     h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_size
     gates = 2 if m.activation == "swiglu" else 1
-    split = ((q + 2 * kv) + q + f * gates + f) / h
-    masks = 2 if m.dropout > 0 else 0
-    return sbh * ((4 * e + masks) / sp + split * e / p.tp)
+    widths = {"attention": (q + 2 * kv) + q, "mlp": f * gates + f}
+    mask = 1 if m.dropout > 0 else 0
+    return sum(sbh * ((2 * e + mask) / sp + widths[part] / h * e / p.tp) for part in parts)
 
 
 def activation_bytes(cfg: Config, pp_rank: int) -> float:
@@ -200,14 +217,17 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     chunks_live = _live_chunks(schedule_name(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages,
                                pipeline_costs(cfg))
-    layers_per_chunk = rank_layers(cfg, pp_rank) / p.virtual_stages
+    held = rank_blocks(cfg, pp_rank)
+    layers_per_chunk = len(held) / p.virtual_stages
+    stored_per_chunk = sum(layer_activation_bytes(cfg, False, parts) for parts in held) / p.virtual_stages
     full = layer_activation_bytes(cfg, recomputed=False)
     if p.recompute == "full":
         checkpointed = math.ceil(layers_per_chunk / p.recompute_every)
-        per_chunk = checkpointed * layer_activation_bytes(cfg, True) + (layers_per_chunk - checkpointed) * full
+        per_chunk = (checkpointed * layer_activation_bytes(cfg, True)
+                     + (layers_per_chunk - checkpointed) / layers_per_chunk * stored_per_chunk)
         total = chunks_live * per_chunk + full  # one block rebuilt at a time during backward
     else:
-        total = chunks_live * layers_per_chunk * full
+        total = chunks_live * stored_per_chunk
     if pp_rank == p.pp - 1:
         e = DTYPE_BYTES[cfg.precision.dtype]
         tokens = m.seq_length * t.micro_batch_size
