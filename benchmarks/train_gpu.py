@@ -18,8 +18,8 @@ pipeline split [A, B] (else balanced by work); ``mN`` runs N micro-batches per d
 random tokens, or an indexed shard's text with ``--text PREFIX`` (one micro-batch of
 ``train.micro_batch_size`` per data-parallel rank, like the peer baselines), and rank 0 prints one
 JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's dense peak, peak memory
-and the model-state bytes the ZeRO formula predicts; a pipeline also its measured bubble beside the
-theory. The engine trains at the peers' learning rate (``power_cap.PEER_OPTIMIZER``, before the
+(rank 0's) and the model-state bytes the ZeRO formula predicts; a pipeline also its measured bubble
+beside the theory and each pipeline rank's peak. The engine trains at the peers' learning rate (``power_cap.PEER_OPTIMIZER``, before the
 command line's overrides, which win): it applies no schedule, and on a power-capped GPU the clock
 depends on how the weights move. Rank 0 reports its GPU's median SM clock and power over the timed
 steps. ``--cpu`` runs a tiny model on gloo to check the script.
@@ -168,6 +168,18 @@ def op_timeline(engine, batch) -> list[str]:
                                      for name, s, e in ops) for first, label, ops in every]
 
 
+def peaks_by_pipeline_rank(pp_rank: int, pp: int) -> list[float]:
+    """Each pipeline rank's largest allocator peak over its tensor and data ranks, GiB: the ranks of
+    a pipeline hold different blocks and micro-batches in flight, so rank 0's peak alone (``peak_GiB``)
+    need not be the run's, which is what the planner's estimate is of."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (pp_rank, torch.cuda.max_memory_allocated()))
+    peaks = [0.0] * pp
+    for rank, peak in every:
+        peaks[rank] = max(peaks[rank], round(peak / 2**30, 2))
+    return peaks
+
+
 def text_batch(prefix: str, micros: int, mbs: int, seq: int, vocab: int) -> list[dict]:
     """``micros`` micro-batches of consecutive text from the indexed shard ``prefix`` (documents joined
     in order; every data-parallel rank gets the same). Real text repeats some tokens far more than
@@ -231,6 +243,8 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
                                      if ex.op_costs else tuple(range(p.pp)))
         if timeline:
             extra["op_timeline"] = op_timeline(engine, batch)
+    if cfg.parallel.pp > 1 and device.type == "cuda":
+        extra["peak_GiB_by_pp_rank"] = peaks_by_pipeline_rank(topo.pp_rank, p.pp)
     if sync_debug and device.type == "cuda":
         extra["host_syncs"] = host_syncs(engine, batch)
     predicted = engine.optimizer.predicted_memory()
