@@ -73,16 +73,15 @@ def _balanced_split(num_layers: int, pp: int, v: int, head_cost: float,
             split[chunk * pp + rank] = count
     if attention_share is None:
         return tuple(split)
-    halves, busiest_stage = _half_block_split(num_layers, pp * v, head_cost, attention_share)
+    halves, _ = _half_block_split(num_layers, pp * v, head_cost, attention_share)
     cut = tuple(k // 2 if k % 2 == 0 else k / 2 for k in halves)
-    if v == 1:
-        busiest_rank = max(per_rank[:-1] + [per_rank[-1] + head_cost])
-        return cut if busiest_stage < busiest_rank * (1 - HALF_BLOCK_GAIN) else tuple(split)
     whole, halved = _stage_works(split, head_cost, attention_share), _stage_works(cut, head_cost, attention_share)
-    busiest_rank = lambda works: max(sum(works[r::pp]) for r in range(pp))  # noqa: E731
-    if max(halved) < max(whole) * (1 - HALF_BLOCK_GAIN) and busiest_rank(halved) <= busiest_rank(whole) + 1e-9:
-        return cut
-    return tuple(split)
+
+    def busiest_rank(works: list[float]) -> float:  # with one chunk a rank, the busiest stage
+        return max(sum(works[rank::pp]) for rank in range(pp))
+
+    gains = max(halved) < max(whole) * (1 - HALF_BLOCK_GAIN)
+    return cut if gains and busiest_rank(halved) <= busiest_rank(whole) + 1e-9 else tuple(split)
 
 
 def _stage_works(split: Sequence[float], head_cost: float, share: float) -> list[float]:
