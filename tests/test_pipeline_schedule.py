@@ -242,9 +242,10 @@ def test_interleaved_split_cuts_blocks_in_half_where_the_busiest_chunk_gains():
     """With several chunks a rank the split may end counts in halves where that lowers the busiest
     chunk's work by more than HALF_BLOCK_GAIN and leaves the busiest rank no busier: GPT 1.3B at pp 2
     with two chunks a rank gets [6.5, 6.5, 6.5, 4.5] (6.57 blocks at most a chunk against 7.0, ranks
-    12.86 and 12.89 against 13.0 and 12.75; 2.0-3.7% faster under interleaved_zb on H100s and H200s). On small cases
-    a split with halves has the least busiest-chunk work of any split in halves, and otherwise it is
-    the whole-block one (planted: halves taken without the rank check, or for any gain)."""
+    12.86 and 12.89 against 13.0 and 12.75; 2.0-3.7% faster under interleaved_zb on H100s and
+    H200s). On small cases a split with halves has the least busiest-chunk work of any split in
+    halves, and otherwise it is the whole-block one (planted: halves taken without the rank check,
+    for any gain, or balanced over ranks rather than chunks)."""
     assert balanced_split(24, 2, 2, 1.753, 0.4286) == [6.5, 6.5, 6.5, 4.5]
     assert balanced_split(24, 2, 2, 1.753) == [7, 6, 6, 5]  # without the halves' weights: whole blocks
     taken = 0
