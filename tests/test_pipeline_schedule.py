@@ -218,6 +218,7 @@ def test_balanced_split_cuts_blocks_in_half_where_that_pays():
     assert balanced_split(24, 4, 1, 1.753, 0.4286) == [6.5, 6.5, 6.5, 4.5]
     assert balanced_split(32, 2, 1, 0.944, 0.385) == [16.5, 15.5]
     assert balanced_split(24, 2, 1, 1.753, 0.4286) == [13, 11]
+    assert balanced_split(38, 2, 1, 1.12, 0.8) == [20, 18]  # halves gain 1% to within rounding: not more
     deep = balanced_split(105, 35, 1, 1.0, 0.4)
     assert max(_rank_work(deep, 0.4, 1.0)) == pytest.approx(3.6) and min(deep) >= 2
     for layers, pp, head, share in [(6, 2, 0.0, 0.4), (7, 3, 1.75, 0.43), (8, 4, 1.2, 0.38), (9, 3, 0.3, 0.45),

@@ -240,6 +240,40 @@ def test_memory_is_the_fullest_rank_a_middle_one_included():
     assert estimate.pp_rank == 1 and activation_bytes(cfg, 1) > max(activation_bytes(cfg, 0), activation_bytes(cfg, 3))
 
 
+def test_memory_is_the_fullest_of_every_rank_halves_and_recompute_included():
+    """Whatever the split, schedule and recompute, the estimate is the fullest rank's, though it looks
+    at only some middle ranks under 1F1B (planted: ranks told apart by their block count, which
+    counts a half as a block, missed [5.5, 6.5, 7, 5]'s rank 2). Under full recompute each chunk
+    checkpoints its own every k-th block (planted: the rank's average chunk, which for chunks of 3 and
+    4 blocks left a negative count of stored blocks; counting the rank's blocks in one run)."""
+    from megazero.planner.memory import (MemoryEstimate, activation_bytes, buffer_bytes, grads_outside_forward,
+                                         model_state_bytes)
+
+    def rank_peak(cfg, rank):
+        return MemoryEstimate(model_state_bytes(cfg, rank), activation_bytes(cfg, rank), buffer_bytes(cfg, rank),
+                              rank, grads_outside_forward(cfg, rank)).peak
+
+    def at(split, v=1, every=1, schedule="auto"):
+        return resolve_config(load_config("configs/gpt_1.3b.yaml", [
+            "--parallel.pp", "4", "--parallel.virtual_stages", str(v), "--parallel.pipeline_split", str(split),
+            "--parallel.pipeline_schedule", schedule, "--parallel.recompute", "full", "--parallel.recompute_every",
+            str(every), "--model.vocab_size", "512", "--train.micro_batch_size", "1",
+            "--train.global_batch_size", "16"]), 4, 4)
+
+    for cfg in (at([5.5, 6.5, 7, 5]), at([6, 6.5, 6.5, 5], every=2), at([3, 3, 3, 3, 3, 3, 4, 2], 2, 2),
+                at([3, 3.5, 2.5, 3, 3, 3, 3.5, 2.5], 2), at([5.5, 6.5, 7, 5], schedule="zb-h1")):
+        peaks = [rank_peak(cfg, r) for r in range(4)]
+        assert estimate_memory(cfg).peak == pytest.approx(max(peaks)), (cfg.parallel.pipeline_split, peaks)
+    # rank 2's chunks of 3 and 4 blocks, every block checkpointed; rank 1's of 3 and 3, every second
+    # block of each chunk (blocks 0 and 2 of both, not 0, 2 and 4 of the rank)
+    for split, every, rank, inputs, stored in (([3, 3, 3, 3, 3, 3, 4, 2], 1, 2, 7, 0),
+                                               ([3, 3, 3, 3, 3, 3, 3, 3], 2, 1, 4, 2)):
+        cfg = at(split, 2, every)
+        whole, kept = (layer_activation_bytes(cfg, recomputed) for recomputed in (False, True))
+        live = (activation_bytes(cfg, rank) - whole) / ((inputs * kept + stored * whole) / 2)
+        assert live == pytest.approx(round(live)) and live >= 1, (split, every, live)
+
+
 def test_plan_ranks_only_layouts_the_trainer_accepts():
     """12 heads: no tp 8; 24 layers: at most 24 stages, uneven ones balanced (pp 16); each returned layout
     passes validation for the world."""

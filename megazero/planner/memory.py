@@ -8,7 +8,6 @@ and the larger is the run's. See docs/planner.md for every term and where it com
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -99,16 +98,21 @@ def rank_params(cfg: Config, pp_rank: int) -> float:
     return numel
 
 
-def rank_blocks(cfg: Config, pp_rank: int) -> list[tuple[str, ...]]:
-    """The parts pipeline rank ``pp_rank`` holds of each of its blocks, chunk by chunk: ``BLOCK_PARTS``
-    for a whole block, one of them for a block a split such as ``[12.5, 11.5]`` cuts."""
+def rank_chunks(cfg: Config, pp_rank: int) -> list[list[tuple[str, ...]]]:
+    """For each chunk of pipeline rank ``pp_rank``, the parts it holds of each of its blocks:
+    ``BLOCK_PARTS`` for a whole block, one of them for a block a split such as ``[12.5, 11.5]`` cuts."""
     p = cfg.parallel
     split = pipeline_split(cfg)
     held = []
     for chunk in range(p.virtual_stages):
         parts = stage_parts(split, p.pp, pp_rank, chunk)
-        held += [parts.get(i, BLOCK_PARTS) for i in stage_layers(split, p.pp, pp_rank, chunk)]
+        held.append([parts.get(i, BLOCK_PARTS) for i in stage_layers(split, p.pp, pp_rank, chunk)])
     return held
+
+
+def rank_blocks(cfg: Config, pp_rank: int) -> list[tuple[str, ...]]:
+    """``rank_chunks``, its chunks one after another."""
+    return [parts for chunk in rank_chunks(cfg, pp_rank) for parts in chunk]
 
 
 def rank_layers(cfg: Config, pp_rank: int) -> int:
@@ -213,21 +217,21 @@ def layer_activation_bytes(cfg: Config, recomputed: bool, parts: tuple[str, ...]
 def activation_bytes(cfg: Config, pp_rank: int) -> float:
     """Activations on pipeline rank ``pp_rank`` at its fullest: the micro-batches in flight (read
     from the schedule the executor runs) times each one's blocks, plus the recomputed block being
-    rebuilt, plus the head's final hidden state and logits on the last rank."""
+    rebuilt, plus the head's final hidden state and logits on the last rank. Under full recompute
+    each chunk checkpoints its every ``recompute_every``-th block from its first (as
+    ``apply_activation_checkpointing`` counts), which keeps its input alone."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     chunks_live = _live_chunks(schedule_name(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages,
                                pipeline_costs(cfg))
-    held = rank_blocks(cfg, pp_rank)
-    layers_per_chunk = len(held) / p.virtual_stages
-    stored_per_chunk = sum(layer_activation_bytes(cfg, False, parts) for parts in held) / p.virtual_stages
-    full = layer_activation_bytes(cfg, recomputed=False)
-    if p.recompute == "full":
-        checkpointed = math.ceil(layers_per_chunk / p.recompute_every)
-        per_chunk = (checkpointed * layer_activation_bytes(cfg, True)
-                     + (layers_per_chunk - checkpointed) / layers_per_chunk * stored_per_chunk)
-        total = chunks_live * per_chunk + full  # one block rebuilt at a time during backward
-    else:
-        total = chunks_live * stored_per_chunk
+    every = p.recompute_every if p.recompute == "full" else 0
+
+    def kept(index: int, parts: tuple[str, ...]) -> float:  # what a chunk's block ``index`` keeps
+        return layer_activation_bytes(cfg, every > 0 and index % every == 0, parts)
+
+    per_chunk = sum(kept(i, parts) for chunk in rank_chunks(cfg, pp_rank) for i, parts in enumerate(chunk))
+    total = chunks_live * per_chunk / p.virtual_stages  # a chunk in flight: the rank's average one
+    if every:
+        total += layer_activation_bytes(cfg, recomputed=False)  # one block rebuilt at a time in backward
     if pp_rank == p.pp - 1:
         e = DTYPE_BYTES[cfg.precision.dtype]
         tokens = m.seq_length * t.micro_batch_size
@@ -251,15 +255,15 @@ def estimate_memory(cfg: Config) -> MemoryEstimate:
     """The fullest pipeline rank, for a config whose layout (tp, pp, dp) is set. A split balanced by
     work gives middle ranks more blocks than the ends, and under the zero-bubble schedules every rank
     keeps pp micro-batches in flight, so a middle rank can hold the most. Without a split backward,
-    among the middle ranks with as many blocks the first is the fullest (no such schedule holds more
-    micro-batches on a later rank), so the ends and the first middle rank of each block count are the
-    ones looked at; the zero-bubble schedules' delays, tuned rank by rank (``plan.weight_grad_delays``),
+    among the middle ranks holding the same blocks and halves in each chunk the first is the fullest
+    (no such schedule holds more micro-batches on a later rank), so the ends and the first middle rank
+    of each such holding are the ones looked at; the zero-bubble schedules' delays, tuned rank by rank (``plan.weight_grad_delays``),
     can give a later rank more, so there every rank is."""
     pp = cfg.parallel.pp
-    first_of_count = {}
+    first_holding = {}
     for rank in range(1, pp - 1):
-        first_of_count.setdefault(rank_layers(cfg, rank), rank)
-    ranks = range(pp) if schedule_name(cfg) in SPLIT_BACKWARD else {0, pp - 1, *first_of_count.values()}
+        first_holding.setdefault(tuple(map(tuple, rank_chunks(cfg, rank))), rank)
+    ranks = range(pp) if schedule_name(cfg) in SPLIT_BACKWARD else {0, pp - 1, *first_holding.values()}
     estimates = []
     for rank in sorted(ranks):
         estimates.append(MemoryEstimate(model_state_bytes(cfg, rank), activation_bytes(cfg, rank),

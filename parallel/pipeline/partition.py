@@ -80,7 +80,7 @@ def _balanced_split(num_layers: int, pp: int, v: int, head_cost: float,
     def busiest_rank(works: list[float]) -> float:  # with one chunk a rank, the busiest stage
         return max(sum(works[rank::pp]) for rank in range(pp))
 
-    gains = max(halved) < max(whole) * (1 - HALF_BLOCK_GAIN)
+    gains = max(halved) < max(whole) * (1 - HALF_BLOCK_GAIN) - 1e-9  # a gain at the limit, in rounding, is none
     return cut if gains and busiest_rank(halved) <= busiest_rank(whole) + 1e-9 else tuple(split)
 
 
