@@ -93,6 +93,19 @@ def test_interleaved_live_activations_bound():
         assert live <= (pp - rank - 1) * 2 + (v - 1) * pp + 1
 
 
+def test_live_activations_weigh_each_chunk_by_its_own_bytes():
+    """With chunk weights the peak is the most of the summed weights of the chunks in flight, which
+    need not be where the most chunks are (planted: every chunk at the first's weight, or at the
+    average); a split backward frees a chunk at its W, not its B."""
+    ops = [Op("F", 0, 0), Op("F", 0, 1), Op("F", 1, 0), Op("B", 0, 1), Op("F", 1, 1), Op("B", 1, 1),
+           Op("B", 0, 0), Op("B", 1, 0)]
+    assert max_live_activations(ops) == 3
+    assert max_live_activations(ops, [1.0, 10.0]) == 12.0  # F0.1 and F1.1 never in flight together
+    assert max_live_activations(ops, [10.0, 1.0]) == 21.0
+    split = [Op("F", 0, 0), Op("F", 0, 1), Op("B", 0, 1), Op("B", 0, 0), Op("F", 1, 1), Op("W", 0, 1), Op("W", 0, 0)]
+    assert max_live_activations(split, [1.0, 10.0]) == 21.0
+
+
 def test_simulator_catches_a_deadlock():
     # Interleaved 1F1B with one exchange per op (instead of per steady-state pair) deadlocks.
     pp, m, v = 2, 4, 2

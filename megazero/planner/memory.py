@@ -134,11 +134,10 @@ def rank_work(cfg: Config, pp_rank: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _live_chunks(schedule: str, pp: int, pp_rank: int, micro: int, v: int, costs: Optional[StageCosts]) -> int:
-    """Most micro-batch chunks pipeline rank ``pp_rank`` holds at once (read from the schedule itself,
-    as the engine builds it from the ranks' op ``costs``); remembered, as the planner asks it for every
-    rank of thousands of layouts."""
-    return max_live_activations(schedule_for(schedule, pp, pp_rank, micro, v, costs))
+def _schedule(schedule: str, pp: int, pp_rank: int, micro: int, v: int, costs: Optional[StageCosts]) -> tuple:
+    """Pipeline rank ``pp_rank``'s ops, as the engine builds them from the ranks' op ``costs``;
+    remembered, as the planner asks for every rank of thousands of layouts."""
+    return tuple(schedule_for(schedule, pp, pp_rank, micro, v, costs))
 
 
 def schedule_name(cfg: Config) -> str:
@@ -215,21 +214,20 @@ def layer_activation_bytes(cfg: Config, recomputed: bool, parts: tuple[str, ...]
 
 
 def activation_bytes(cfg: Config, pp_rank: int) -> float:
-    """Activations on pipeline rank ``pp_rank`` at its fullest: the micro-batches in flight (read
-    from the schedule the executor runs) times each one's blocks, plus the recomputed block being
+    """Activations on pipeline rank ``pp_rank`` at its fullest: the micro-batch chunks in flight (read
+    from the schedule the executor runs), each with its own chunk's blocks, plus the recomputed block being
     rebuilt, plus the head's final hidden state and logits on the last rank. Under full recompute
     each chunk checkpoints its every ``recompute_every``-th block from its first (as
     ``apply_activation_checkpointing`` counts), which keeps its input alone."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    chunks_live = _live_chunks(schedule_name(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages,
-                               pipeline_costs(cfg))
     every = p.recompute_every if p.recompute == "full" else 0
 
     def kept(index: int, parts: tuple[str, ...]) -> float:  # what a chunk's block ``index`` keeps
         return layer_activation_bytes(cfg, every > 0 and index % every == 0, parts)
 
-    per_chunk = sum(kept(i, parts) for chunk in rank_chunks(cfg, pp_rank) for i, parts in enumerate(chunk))
-    total = chunks_live * per_chunk / p.virtual_stages  # a chunk in flight: the rank's average one
+    per_chunk = [sum(kept(i, parts) for i, parts in enumerate(chunk)) for chunk in rank_chunks(cfg, pp_rank)]
+    ops = _schedule(schedule_name(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages, pipeline_costs(cfg))
+    total = max_live_activations(list(ops), per_chunk)  # the chunks in flight at the peak, each its own bytes
     if every:
         total += layer_activation_bytes(cfg, recomputed=False)  # one block rebuilt at a time in backward
     if pp_rank == p.pp - 1:

@@ -17,7 +17,7 @@ and so can be moved into the bubble.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "zb-h1", "zb-h2", "interleaved_zb",
              "forward_only")
@@ -256,13 +256,16 @@ def splits_backward(ops: list[Op]) -> bool:
     return any(op.kind == "W" for op in ops)
 
 
-def max_live_activations(ops: list[Op]) -> int:
+def max_live_activations(ops: list[Op], chunk_weights: Optional[Sequence[float]] = None) -> float:
     """Most micro-batch chunks whose forward has run and whose backward (its ``W``, when the backward
-    is split: the weight gradient still needs the layer inputs) has not, at any point of ``ops``."""
+    is split: the weight gradient still needs the layer inputs) has not, at any point of ``ops``; with
+    ``chunk_weights``, the most of their summed weights (a chunk's activation bytes, say: a rank's
+    chunks need not hold equal work, and which of them are in flight at the peak is the schedule's)."""
     done = "W" if splits_backward(ops) else "B"
     live = peak = 0
     for op in ops:
-        live += 1 if op.kind == "F" else -1 if op.kind == done else 0
+        weight = 1 if chunk_weights is None else chunk_weights[op.chunk]
+        live += weight if op.kind == "F" else -weight if op.kind == done else 0
         peak = max(peak, live)
     return peak
 
