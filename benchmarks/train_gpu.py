@@ -21,8 +21,9 @@ JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's den
 (rank 0's) and the model-state bytes the ZeRO formula predicts; a pipeline also its measured bubble
 beside the theory and each pipeline rank's peak. The engine trains at the peers' learning rate
 (``power_cap.PEER_OPTIMIZER``, before the command line's overrides, which win): it applies no
-schedule, and on a power-capped GPU the clock depends on how the weights move. Rank 0 reports its GPU's median SM clock and power over the timed
-steps. ``--cpu`` runs a tiny model on gloo to check the script.
+schedule, and on a power-capped GPU the clock depends on how the weights move. Rank 0 reports its
+GPU's median SM clock and power over the timed steps. ``--cpu`` runs a tiny model on gloo to check
+the script.
 """
 
 from __future__ import annotations

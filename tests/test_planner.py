@@ -401,7 +401,7 @@ def test_time_model_sees_what_a_half_block_split_moves():
     counted whole, the interleaved [6.5, 6.5, 6.5, 4.5] looked 3 GiB fuller than [7, 6, 6, 5] and it
     measured 2.4 GiB emptier)."""
     from megazero.flops import attention_share
-    from megazero.planner.memory import activation_bytes, rank_layers, rank_work
+    from megazero.planner.memory import activation_bytes, rank_blocks, rank_work
 
     def at(pp, split=None):
         extra = ["--parallel.pipeline_split", str(split)] if split else []
@@ -411,8 +411,9 @@ def test_time_model_sees_what_a_half_block_split_moves():
     assert share == pytest.approx(12 / 28)  # 8h² of projections and a 4sh core (s = h) against 16h² of MLP
     halves = at(2, [12.5, 11.5])
     assert [rank_work(halves, r) for r in range(2)] == pytest.approx([12 + share, 12 - share])
-    assert [rank_layers(halves, r) for r in range(2)] == [13, 12]
-    attention, whole = (layer_activation_bytes(halves, False, parts) for parts in (("attention",), ("attention", "mlp")))
+    assert [len(rank_blocks(halves, r)) for r in range(2)] == [13, 12]
+    attention, whole = (layer_activation_bytes(halves, False, parts)
+                        for parts in (("attention",), ("attention", "mlp")))
     assert activation_bytes(halves, 0) == pytest.approx(activation_bytes(at(2, [13, 11]), 0) * (12 * whole + attention)
                                                         / (13 * whole))
     interleaved = ["--parallel.pp", "2", "--parallel.virtual_stages", "2", "--train.global_batch_size", "64"]

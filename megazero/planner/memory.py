@@ -115,11 +115,6 @@ def rank_blocks(cfg: Config, pp_rank: int) -> list[tuple[str, ...]]:
     return [parts for chunk in rank_chunks(cfg, pp_rank) for parts in chunk]
 
 
-def rank_layers(cfg: Config, pp_rank: int) -> int:
-    """Blocks pipeline rank ``pp_rank`` holds, whole or in part."""
-    return len(rank_blocks(cfg, pp_rank))
-
-
 def rank_block_params(cfg: Config, pp_rank: int) -> float:
     """Parameters of pipeline rank ``pp_rank``'s blocks on one tensor rank."""
     tp = cfg.parallel.tp
@@ -255,8 +250,8 @@ def estimate_memory(cfg: Config) -> MemoryEstimate:
     keeps pp micro-batches in flight, so a middle rank can hold the most. Without a split backward,
     among the middle ranks holding the same blocks and halves in each chunk the first is the fullest
     (no such schedule holds more micro-batches on a later rank), so the ends and the first middle rank
-    of each such holding are the ones looked at; the zero-bubble schedules' delays, tuned rank by rank (``plan.weight_grad_delays``),
-    can give a later rank more, so there every rank is."""
+    of each such holding are the ones looked at; the zero-bubble schedules' delays, tuned rank by
+    rank (``plan.weight_grad_delays``), can give a later rank more, so there every rank is."""
     pp = cfg.parallel.pp
     first_holding = {}
     for rank in range(1, pp - 1):

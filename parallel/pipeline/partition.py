@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import itertools
 import math
 from typing import Optional, Sequence
 
@@ -75,7 +74,7 @@ def _balanced_split(num_layers: int, pp: int, v: int, head_cost: float,
         return tuple(split)
     halves, _ = _half_block_split(num_layers, pp * v, head_cost, attention_share)
     cut = tuple(k // 2 if k % 2 == 0 else k / 2 for k in halves)
-    whole, halved = _stage_works(split, head_cost, attention_share), _stage_works(cut, head_cost, attention_share)
+    whole, halved = (_stage_works(counts, pp, head_cost, attention_share) for counts in (split, cut))
 
     def busiest_rank(works: list[float]) -> float:  # with one chunk a rank, the busiest stage
         return max(sum(works[rank::pp]) for rank in range(pp))
@@ -84,10 +83,9 @@ def _balanced_split(num_layers: int, pp: int, v: int, head_cost: float,
     return cut if gains and busiest_rank(halved) <= busiest_rank(whole) + 1e-9 else tuple(split)
 
 
-def _stage_works(split: Sequence[float], head_cost: float, share: float) -> list[float]:
-    """Each virtual stage's work in blocks, the head on the last."""
-    ends = list(itertools.accumulate(_halves(k) for k in split))
-    works = [halves_work(start, end, share) for start, end in zip([0] + ends, ends)]
+def _stage_works(split: Sequence[float], pp: int, head_cost: float, share: float) -> list[float]:
+    """Each virtual stage's work in blocks, in virtual-stage order, the head on the last."""
+    works = [halves_work(*_stage_halves(split, pp, stage % pp, stage // pp), share) for stage in range(len(split))]
     works[-1] += head_cost
     return works
 
