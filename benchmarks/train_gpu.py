@@ -7,8 +7,9 @@ Run on one node (NCCL), e.g. the ZeRO comparison on two GPUs::
 
 Each run builds the engine from the config plus the run's overrides (``stageN`` sets ``zero.stage``;
 ``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout; ``bucketN`` the bucket
-size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism,
-whose linears communicate ``serial``, ``overlap`` or through peer memory (``pm``); ``compile``
+size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism
+(``nosp`` off: with ``tp1``, for a config that sets it), whose linears communicate ``serial``,
+``overlap`` or through peer memory (``pm``); ``compile``
 compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb`` and ``zb2`` pick the
 zero-bubble schedules ZB-H1 and ZB-H2 (``izb``: interleaved with a split backward, with ``vN``;
 ``wdefault``: their weight gradients at the default delays rather than those tuned to the stages'
@@ -71,8 +72,8 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
             out += ["--parallel.tp", part[2:]]
         elif part.startswith("pp"):
             out += ["--parallel.pp", part[2:]]
-        elif part == "sp":
-            out += ["--parallel.sequence_parallel", "true"]
+        elif part in ("sp", "nosp"):
+            out += ["--parallel.sequence_parallel", str(part == "sp").lower()]
         elif part in ("serial", "overlap", "pm"):
             out += ["--parallel.tp_comm", {"pm": "peer_memory"}.get(part, part)]
         elif part == "cg":

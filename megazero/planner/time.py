@@ -25,6 +25,13 @@ ADAM_BYTES_PER_ELEMENT = 8 + 16  # master read + write, two moments read + write
 # and 141.6 ms per one-micro-batch step on 2 x H200, for 24 blocks. Blocks replayed as CUDA graphs
 # (train.cuda_graphs) launch once per block and are not bound by it.
 HOST_S_PER_TP_BLOCK = 6.0e-3
+# The same under a split-backward (zero-bubble) schedule: its sequence-parallel linears defer their
+# weight gradients from outside the compiled graphs (``parallel.pipeline.deferred_wgrad``), so a compiled
+# block runs as the pieces between its linears, each called and guarded on its own, and the weight
+# gradients come back as ops of their own. GPT 1.3B at tp 2 x pp 2 with 8 micro-batches of 8 on
+# 4 x H200: ZB-H2 took 966 ms a step for the 13 blocks of its first rank, against 721 ms for 1F1B,
+# with the GPUs computing a third of the time (BENCHMARKS.md): 9.3 ms a block and micro-batch.
+HOST_S_PER_TP_BLOCK_SPLIT_BACKWARD = 9.3e-3
 # What running a backward as its input-gradient and weight-gradient halves adds to a micro-batch's
 # compute (zero-bubble schedules): the weights' gradient GEMMs and the biases' sums no longer fuse
 # with the rest of the backward. GPT 1.3B at pp 2 on H200, rank 0: B + W 89.1 ms against a whole
@@ -98,7 +105,8 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         compute_mb *= 1 + SPLIT_BACKWARD_COST
     host_launches = 0.0
     if p.tp > 1 and not t.cuda_graphs:
-        host_launches = max(rank_work(cfg, r) for r in range(p.pp)) * HOST_S_PER_TP_BLOCK
+        per_block = HOST_S_PER_TP_BLOCK_SPLIT_BACKWARD if schedule in SPLIT_BACKWARD else HOST_S_PER_TP_BLOCK
+        host_launches = max(rank_work(cfg, r) for r in range(p.pp)) * per_block
     host_mb = max(0.0, host_launches - compute_mb - tp_mb)  # what the host adds beyond the GPU's own time
     stage_mb = compute_mb + tp_mb + host_mb + pp_per_mb
     bubble = bubble_fraction(p.pp, micro, p.virtual_stages, schedule) * micro * stage_mb
