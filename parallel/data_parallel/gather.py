@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from parallel.data_parallel.hooks import add_grad_hook
 from parallel.data_parallel.params import ParamStore
 
 
@@ -51,7 +52,7 @@ class Stage3Hooks:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(u)))
             self._handles.append(module.register_forward_hook(self._post_forward(u)))
             for i in layout.unit_params[u]:
-                self._handles.append(store.params[i].register_post_accumulate_grad_hook(self._grad_arrived(u)))
+                self._handles.append(add_grad_hook(store.params[i], self, type(self)._grad_arrived, u))
 
     def _model_pre(self, module, args) -> None:
         for u in self.persistent:
@@ -95,17 +96,15 @@ class Stage3Hooks:
             return grad
         return hook
 
-    def _grad_arrived(self, unit: int):
-        def hook(param):
-            if not self._callback_queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-                self._callback_queued = True
-            self.received[unit] += 1
-            if self.received[unit] == self.pending[unit]:
-                self.received[unit] = 0
-                if not self.keep:
-                    self.store.release(unit)
-        return hook
+    def _grad_arrived(self, unit: int, param: torch.Tensor) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        self.received[unit] += 1
+        if self.received[unit] == self.pending[unit]:
+            self.received[unit] = 0
+            if not self.keep:
+                self.store.release(unit)
 
     def _end_of_backward(self) -> None:
         """A unit some of whose parameters got no gradient this backward is released now, and the

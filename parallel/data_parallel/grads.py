@@ -49,6 +49,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from parallel.data_parallel.hooks import add_grad_hook
 from parallel.data_parallel.layout import Bucket, FlatLayout
 from parallel.data_parallel.storage import holds_storage, release_storage, storage_bytes, take_storage
 from parallel import comm
@@ -99,7 +100,7 @@ class GradReducer:
         else:
             self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            add_grad_hook(p, self, type(self)._grad_arrived, i)
 
     # --- views the optimizer reads -----------------------------------------------------------
     def segment_grad(self, seg) -> torch.Tensor:
@@ -161,16 +162,14 @@ class GradReducer:
         full = sum(buf.numel() * buf.element_size() for buf in self.unit_flat)
         return full + storage_bytes([self.shard, *self.pool])
 
-    def _make_hook(self, i: int):
-        def hook(param: torch.Tensor) -> None:
-            if param.grad is None:
-                return
-            if not self._callback_queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-                self._callback_queued = True
-            self._accumulate(i, param.grad)
-            param.grad = None
-        return hook
+    def _grad_arrived(self, i: int, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        self._accumulate(i, param.grad)
+        param.grad = None
 
     def _bucket_slice(self, i: int, b: int) -> tuple[int, int, int]:
         """(start in the parameter, start in the bucket, length) of parameter i's part of bucket b."""
