@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
-from parallel.tensor_parallel.overlap import MODES, start_gather  # also registers the megazero:: ops
+from parallel.tensor_parallel.overlap import IN_BACKWARD, MODES, start_gather  # also registers the megazero:: ops
 
 TRANSPORTS = {"nccl": "overlap", "peer_memory": "peer_memory"}  # the mode each transport's gather runs in
 
@@ -79,8 +79,9 @@ def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, lead: int, emit)
                                          grad_y.view(-1, width).t() @ full),
             }
             for mode in MODES:
-                cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_column_linear(x, w, None, name, mode)
-                cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_column_linear_backward(grad_y, full, w, False, name, mode, True)
+                cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_column_linear(x, w, None, name, mode, IN_BACKWARD)
+                cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_column_linear_backward(
+                    grad_y, full, w, None, name, mode, IN_BACKWARD)
         else:
             x = torch.randn(8, n * tp // 8, width, device=dev, dtype=dt)
             w = torch.randn(h, width, device=dev, dtype=dt) * 0.02
@@ -97,8 +98,9 @@ def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, lead: int, emit)
                                          torch.mm(grad_full, w), grad_full.t() @ x.view(-1, width)),
             }
             for mode in MODES:
-                cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_row_linear(x, w, name, mode)
-                cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_row_linear_backward(grad_y, x, w, name, mode, True)
+                cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_row_linear(x, w, name, mode, IN_BACKWARD)
+                cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_row_linear_backward(
+                    grad_y, x, w, name, mode, IN_BACKWARD)
         for case, fn in cases.items():
             emit(what=f"{layer} ({kind}) {case}", ms=round(timed(fn, iters, lead), 4))
 

@@ -26,6 +26,7 @@ from parallel.data_parallel import DataParallelSettings
 from parallel.pipeline import PipelineExecutor
 from parallel.pipeline.partition import resolve_split, stage_layers, stage_parts
 from parallel.pipeline.plan import StageCosts, stage_costs
+from parallel.pipeline.schedule import SPLIT_BACKWARD, default_schedule
 from parallel.tensor_parallel.peer_memory import available as peer_memory_available
 from parallel.topology import Topology
 
@@ -63,7 +64,14 @@ def parallelism(cfg: Config, device: torch.device, chunks: list[GPT]) -> Paralle
     return Parallelism(seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
                        tp_comm=p.tp_comm, recompute=p.recompute,
                        recompute_every=p.recompute_every, compile=compile_, cuda_graphs=cfg.train.cuda_graphs,
+                       split_backward=pipeline_schedule(cfg) in SPLIT_BACKWARD,
                        data_parallel=data_parallel_settings(cfg))
+
+
+def pipeline_schedule(cfg: Config) -> str:
+    """The schedule the executor runs (``auto`` resolved)."""
+    p = cfg.parallel
+    return default_schedule(p.pp, p.virtual_stages) if p.pipeline_schedule == "auto" else p.pipeline_schedule
 
 
 def pipeline_stages(cfg: Config, pp_rank: int) -> list[int]:

@@ -60,6 +60,8 @@ class Parallelism:
     recompute_every: int = 1
     compile: bool = False
     cuda_graphs: bool = False  # compiled blocks replay as CUDA graphs (reduce-overhead)
+    # a split-backward pipeline schedule will defer the weight gradients (``parallel.pipeline.deferred_wgrad``)
+    split_backward: bool = False
     data_parallel: DataParallelSettings = field(default_factory=DataParallelSettings)
 
 
@@ -79,7 +81,9 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
         chunk.init_weights(plan.seed)
         chunk.train()
         if plan.compile:
-            compile_gpt(chunk, comm.group_size(topo.tp_group), cuda_graphs=plan.cuda_graphs)
+            tp = comm.group_size(topo.tp_group)
+            compile_gpt(chunk, tp, cuda_graphs=plan.cuda_graphs,
+                        keep_handed_over=plan.split_backward and plan.sequence_parallel and tp > 1)
     units = [block for chunk in chunks for block in chunk.layers.values()]
     tied_group = topo.embedding_group if topo.pp_size > 1 else None
     return DataParallel(chunks, plan.data_parallel, topo.dp_group, units=units,
@@ -87,15 +91,27 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
                         tied_group=tied_group, tp_group=topo.tp_group)
 
 
-def compile_gpt(chunk: GPT, tp: int, cuda_graphs: bool = False) -> None:
+def block_compile_options(cuda_graphs: bool, keep_handed_over: bool) -> dict:
+    """``torch.compile``'s arguments for a block (see ``compile_gpt``)."""
+    if cuda_graphs:  # recorded per shape, and a run's shapes are fixed: compile for those exact shapes
+        return {"mode": "reduce-overhead", "dynamic": False}
+    if keep_handed_over:  # no buffer takes over the memory of another
+        return {"options": {"allow_buffer_reuse": False, "inplace_buffers": False}}
+    return {}
+
+
+def compile_gpt(chunk: GPT, tp: int, cuda_graphs: bool = False, keep_handed_over: bool = False) -> None:
     """Compile each block's forward, and the embedding and the head with its loss where they are plain
     torch (tp 1): forwards only, so module hooks (ZeRO stage 3 gathers) stay eager; tensor-parallel
     ones keep their collectives outside any graph. (Compiled, the embedding's backward is inductor's
     scatter-add rather than aten's sort-based kernels: 0.22 against 0.56 ms a step at 125M on an
     H200.) ``cuda_graphs``: each block's compiled forward and backward replay as CUDA graphs, a
-    launch per graph instead of one per kernel and collective."""
-    # Graphs are recorded per shape, and a run's shapes are fixed: compile for those exact shapes.
-    options = {"mode": "reduce-overhead", "dynamic": False} if cuda_graphs else {}
+    launch per graph instead of one per kernel and collective. ``keep_handed_over``: the blocks'
+    sequence-parallel linears hand tensors of the backward to a split-backward schedule's queue, which
+    reads them at a later ``W`` op; inductor would reuse their memory once the graph no longer needs
+    them, so those blocks compile with buffer reuse off (a kept output gradient came back overwritten
+    on CPU otherwise)."""
+    options = block_compile_options(cuda_graphs, keep_handed_over)
     for block in chunk.layers.values():
         block.forward = torch.compile(block.forward, **options)
     if chunk.embedding is not None and tp == 1:

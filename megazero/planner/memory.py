@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megazero.config.schema import Config
-from megazero.engine import pipeline_costs, pipeline_split
+from megazero.engine import pipeline_costs, pipeline_schedule, pipeline_split
 from megazero.flops import attention_share
 from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from models.embedding import padded_vocab_size
 from parallel.pipeline.partition import BLOCK_PARTS, rank_work as split_rank_work, stage_layers, stage_parts
 from parallel.pipeline.plan import StageCosts, schedule_for
-from parallel.pipeline.schedule import SPLIT_BACKWARD, default_schedule, max_live_activations
+from parallel.pipeline.schedule import SPLIT_BACKWARD, max_live_activations
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -135,12 +135,6 @@ def _schedule(schedule: str, pp: int, pp_rank: int, micro: int, v: int, costs: O
     return tuple(schedule_for(schedule, pp, pp_rank, micro, v, costs))
 
 
-def schedule_name(cfg: Config) -> str:
-    """The pipeline schedule the run uses (``auto`` resolved as the engine resolves it)."""
-    p = cfg.parallel
-    return default_schedule(p.pp, p.virtual_stages) if p.pipeline_schedule == "auto" else p.pipeline_schedule
-
-
 def micro_batches(cfg: Config) -> int:
     """Micro-batches per step on each data-parallel rank."""
     t = cfg.train
@@ -221,7 +215,7 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
         return layer_activation_bytes(cfg, every > 0 and index % every == 0, parts)
 
     per_chunk = [sum(kept(i, parts) for i, parts in enumerate(chunk)) for chunk in rank_chunks(cfg, pp_rank)]
-    ops = _schedule(schedule_name(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages, pipeline_costs(cfg))
+    ops = _schedule(pipeline_schedule(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages, pipeline_costs(cfg))
     total = max_live_activations(list(ops), per_chunk)  # the chunks in flight at the peak, each its own bytes
     if every:
         total += layer_activation_bytes(cfg, recomputed=False)  # one block rebuilt at a time in backward
@@ -256,7 +250,7 @@ def estimate_memory(cfg: Config) -> MemoryEstimate:
     first_holding = {}
     for rank in range(1, pp - 1):
         first_holding.setdefault(tuple(map(tuple, rank_chunks(cfg, rank))), rank)
-    ranks = range(pp) if schedule_name(cfg) in SPLIT_BACKWARD else {0, pp - 1, *first_holding.values()}
+    ranks = range(pp) if pipeline_schedule(cfg) in SPLIT_BACKWARD else {0, pp - 1, *first_holding.values()}
     estimates = []
     for rank in sorted(ranks):
         estimates.append(MemoryEstimate(model_state_bytes(cfg, rank), activation_bytes(cfg, rank),

@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.config.schema import Config
+from megazero.engine import pipeline_schedule
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
-from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_work, schedule_name
+from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_work
 from parallel.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 
 # The optimizer step streams each shard element's gradient, fp32 master and two moments through
@@ -25,12 +26,14 @@ ADAM_BYTES_PER_ELEMENT = 8 + 16  # master read + write, two moments read + write
 # and 141.6 ms per one-micro-batch step on 2 x H200, for 24 blocks. Blocks replayed as CUDA graphs
 # (train.cuda_graphs) launch once per block and are not bound by it.
 HOST_S_PER_TP_BLOCK = 6.0e-3
-# The same under a split-backward (zero-bubble) schedule: its sequence-parallel linears defer their
-# weight gradients from outside the compiled graphs (``parallel.pipeline.deferred_wgrad``), so a compiled
-# block runs as the pieces between its linears, each called and guarded on its own, and the weight
-# gradients come back as ops of their own. GPT 1.3B at tp 2 x pp 2 with 8 micro-batches of 8 on
+# The same under a split-backward (zero-bubble) schedule, whose linears deferred their weight gradients
+# from outside the compiled graphs (``parallel.pipeline.deferred_wgrad``): a compiled block ran as the
+# pieces between its linears, each called and guarded on its own, and the weight gradients came back
+# as ops of their own. GPT 1.3B at tp 2 x pp 2 with 8 micro-batches of 8 on
 # 4 x H200: ZB-H2 took 966 ms a step for the 13 blocks of its first rank, against 721 ms for 1F1B,
 # with the GPUs computing a third of the time (BENCHMARKS.md): 9.3 ms a block and micro-batch.
+# Measured before the sequence-parallel linears deferred from inside the compiled graph; to be
+# measured again.
 HOST_S_PER_TP_BLOCK_SPLIT_BACKWARD = 9.3e-3
 # What running a backward as its input-gradient and weight-gradient halves adds to a micro-batch's
 # compute (zero-bubble schedules): the weights' gradient GEMMs and the biases' sums no longer fuse
@@ -100,7 +103,7 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         if compute + tp_comm > slowest[0] + slowest[1]:
             slowest = (compute, tp_comm, rank)
     compute_mb, tp_mb, rank = slowest
-    schedule = schedule_name(cfg)
+    schedule = pipeline_schedule(cfg)
     if schedule in SPLIT_BACKWARD:  # input and weight gradients computed apart cost more
         compute_mb *= 1 + SPLIT_BACKWARD_COST
     host_launches = 0.0

@@ -16,17 +16,23 @@ hooks fire as usual: the data-parallel wrapper (``parallel.data_parallel.grads``
 them without knowing the schedule. A backward that runs outside a ``B`` op (no micro-batch is
 current) computes ``dW`` at once, as a plain linear layer would.
 
-The sequence-parallel linears keep their communication (``tensor_parallel.overlap``, in whichever
-mode the layer has): ``queue.column_linear`` and ``queue.row_linear`` run the same operators'
-forward and input-gradient halves, and queue the gathered tokens (column) or the gathered output
-gradient (row) for ``W``.
+Whether a backward defers is decided when it runs (a micro-batch is current), but a compiled block
+traces its forward, and with it the linear's backward, during an ``F`` op, when none is: traced
+into the graph, the decision was baked in, and every ``W`` op found nothing to do (GPT 1.3B, pp 2:
+ZB-H1's W ops took 0.0 ms, BENCHMARKS.md). So the decision must run at run time:
 
-The three entry points (``WeightGradQueue.linear``, ``column_linear``, ``row_linear``) are kept out
-of compiled graphs (``torch.compiler.disable``): whether a backward defers is decided when it runs
-(a micro-batch is current), but a compiled block traces its forward, and with it the linear's
-backward, during an ``F`` op, when none is; torch.compile then baked in the immediate path and every
-``W`` op found nothing to do (GPT 1.3B, pp 2: ZB-H1's W ops took 0.0 ms, BENCHMARKS.md). A compiled
-block under a split-backward schedule therefore runs as the compiled pieces between its linears.
+- The sequence-parallel linears are custom operators (``tensor_parallel.overlap``), opaque to the
+  compiler, and stay inside the compiled graph. ``queue.column_linear`` and ``queue.row_linear`` give
+  them the queue's number (``register_weight_grad_taker``), and their backward hands the queue the
+  gathered tokens (column) or the gathered output gradient (row) when it runs. Kept out of the
+  graph, they split each block into compiled pieces whose host time set the pace under tensor
+  parallelism: ZB-H2 at tp 2 x pp 2 ran 1.34x slower than 1F1B, its GPUs a third busy
+  (BENCHMARKS.md). What the backward hands over must stay as it was until ``W``, and inductor plans
+  buffer reuse as if no operator kept its inputs, so such blocks compile with buffer reuse off
+  (``models.parallelize.compile_gpt``).
+- ``WeightGradQueue.linear`` (plain ``nn.Linear``, tensor-parallel linears without sequence
+  parallelism) is kept out of compiled graphs (``torch.compiler.disable``), so a block of those runs
+  as the compiled pieces between its linears; their GEMMs are long enough to hide that so far.
 
 Where the data-parallel wrapper keeps whole fp32 gradient buffers (ZeRO stages 0 and 1, and every
 stage in a pipeline's once-per-step mode), a ``W`` op adds each weight's gradient GEMM straight into
@@ -50,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.tensor_parallel.overlap import column_forward, column_input_grad, row_input_grad, row_linear
+from parallel.tensor_parallel import overlap
 
 
 class _DeferredWeightLinear(torch.autograd.Function):
@@ -70,41 +76,6 @@ class _DeferredWeightLinear(torch.autograd.Function):
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         return (grad_x, *ctx.queue.take(weight, ctx.bias if ctx.needs_input_grad[2] else None, x, grad_out,
                                          ctx.needs_input_grad[1]), None)
-
-
-class _DeferredColumn(torch.autograd.Function):
-    """``overlap.column_linear`` whose backward returns ``dX`` and queues ``dW``, ``db`` (as above)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, mode: str, queue: "WeightGradQueue"):
-        y, full = column_forward(x, weight, bias, group, mode)
-        ctx.save_for_backward(full, weight)
-        ctx.bias, ctx.group, ctx.mode, ctx.queue = bias, group, mode, queue
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        full, weight = ctx.saved_tensors
-        grad_x = column_input_grad(grad_y, full, weight, ctx.group, ctx.mode)
-        return (grad_x, *ctx.queue.take(weight, ctx.bias if ctx.needs_input_grad[2] else None, full, grad_y,
-                                         ctx.needs_input_grad[1]), None, None, None)
-
-
-class _DeferredRow(torch.autograd.Function):
-    """``overlap.row_linear`` whose backward returns ``dX`` and queues ``dW`` (as above)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, group, mode: str, queue: "WeightGradQueue"):
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.mode, ctx.queue = group, mode, queue
-        return row_linear(x, weight, group, mode)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, weight = ctx.saved_tensors
-        grad_x, full_grad = row_input_grad(grad_y, x, weight, ctx.group, ctx.mode)
-        grad_w, _ = ctx.queue.take(weight, None, x, full_grad, ctx.needs_input_grad[1])
-        return grad_x, grad_w, None, None, None
 
 
 def _summed(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -149,22 +120,40 @@ class WeightGradQueue:
         self.current: Optional[Hashable] = None
         self.pending: dict[Hashable, list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
                                                  torch.Tensor]]] = {}
+        # what the sequence-parallel operators' backward calls with the factors (``hand_over``)
+        self.number = overlap.register_weight_grad_taker(self, WeightGradQueue.hand_over)
 
     @torch.compiler.disable
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``F.linear`` with deferrable weight and bias gradients."""
         return _DeferredWeightLinear.apply(x, weight, bias, self)
 
-    @torch.compiler.disable
     def column_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
                       mode: str) -> torch.Tensor:
-        """``overlap.column_linear`` with deferrable weight and bias gradients."""
-        return _DeferredColumn.apply(x, weight, bias, group, mode, self)
+        """``overlap.column_linear`` with deferrable weight and bias gradients (traced into a compiled
+        graph: the operator decides when its backward runs)."""
+        return overlap.column_linear(x, weight, bias, group, mode, weight_grads_to=self.number)
 
-    @torch.compiler.disable
     def row_linear(self, x: torch.Tensor, weight: torch.Tensor, group, mode: str) -> torch.Tensor:
-        """``overlap.row_linear`` with a deferrable weight gradient."""
-        return _DeferredRow.apply(x, weight, group, mode, self)
+        """``overlap.row_linear`` with a deferrable weight gradient (as ``column_linear``)."""
+        return overlap.row_linear(x, weight, group, mode, weight_grads_to=self.number)
+
+    def hand_over(self, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor,
+                  grad_out: torch.Tensor) -> None:
+        """The sequence-parallel operators' backward: queue the weight gradient's factors inside a
+        micro-batch's ``B``; outside one, compute and deliver the gradients at once."""
+        if not isinstance(weight, nn.Parameter):  # the operator is handed the parameter itself
+            raise TypeError(f"a deferred weight gradient came for a {type(weight).__name__}, not a parameter")
+        if self.current is not None:
+            self.push(weight, bias, x, grad_out)
+            return
+        key = object()
+        self.current = key
+        try:
+            self.push(weight, bias, x, grad_out)
+        finally:
+            self.current = None
+        self.run([key])
 
     def take(self, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor,
              wants_weight_grad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

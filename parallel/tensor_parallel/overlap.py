@@ -20,8 +20,10 @@ row backward              all-gather the output gradient's tokens, meanwhile the
                           gradient
 ========================  =================================================================
 
-(Without the weight gradient, which a zero-bubble schedule computes later, the column backward's
-reduce-scatter has nothing to hide behind.) Tokens are split as ``collectives`` splits them:
+A zero-bubble schedule computes the weight gradients later. Given ``weight_grads_to``, the number of
+a taker (``register_weight_grad_taker``: the pipeline's ``WeightGradQueue``), a backward hands that
+gradient's factors over at run time instead, from inside the compiled graph (the column backward's
+reduce-scatter then has nothing to hide behind). Tokens are split as ``collectives`` splits them:
 ``[batch * seq]`` in memory order, rank ``r`` holding chunk ``r``. The results equal the composed
 form up to the order of floating-point sums (``serial`` and ``overlap`` tested on gloo against one
 process; every mode on GPUs against the composed layers).
@@ -29,7 +31,9 @@ process; every mode on GPUs against the composed layers).
 
 from __future__ import annotations
 
-from typing import Optional
+import itertools
+import weakref
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,6 +57,29 @@ def _check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"tensor-parallel communication {mode!r}: use one of {MODES}")
     return mode
+
+
+IN_BACKWARD = -1
+"""``weight_grads_to`` of a linear whose weight gradient its own backward computes."""
+
+_WEIGHT_GRAD_TAKERS: dict[int, tuple[weakref.ref, Callable]] = {}
+_numbers = itertools.count()
+
+
+def register_weight_grad_taker(owner: object, method: Callable[..., None]) -> int:
+    """A number for ``weight_grads_to``: a backward given it calls ``method(owner, weight, bias, x,
+    grad_out)`` with what the weight gradient needs, instead of computing it. Custom ops take no Python
+    objects, hence the number. ``owner`` is held weakly and its entry goes with it."""
+    number = next(_numbers)
+    _WEIGHT_GRAD_TAKERS[number] = (weakref.ref(owner), method)
+    weakref.finalize(owner, _WEIGHT_GRAD_TAKERS.pop, number, None)
+    return number
+
+
+def _hand_over(number: int, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor,
+               grad_out: torch.Tensor) -> None:
+    owner, method = _WEIGHT_GRAD_TAKERS[number]
+    method(owner(), weight, bias, x, grad_out)
 
 
 def start_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str, mode: str):
@@ -135,24 +162,26 @@ def _shaped_like(x: torch.Tensor, rows: int, features: int) -> tuple[int, ...]:
 
 @torch.library.custom_op("megazero::sp_column_linear", mutates_args=())
 def _column(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-            mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+            mode: str, weight_grads_to: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(all-gather-tokens(x) @ weight^T + bias, the gathered token rows kept for backward)."""
     full, y = _gather_then_multiply(x, weight.t(), group_name, mode, bias)
     return y.view(_shaped_like(x, full.shape[0], weight.shape[0])), full
 
 
 @_column.register_fake
-def _(x, weight, bias, group_name, mode):
+def _(x, weight, bias, group_name, mode, weight_grads_to):
     rows = x.numel() // x.shape[-1] * comm.group_size(comm.group_named(group_name))
     return x.new_empty(_shaped_like(x, rows, weight.shape[0])), x.new_empty((rows, x.shape[-1]))
 
 
 @torch.library.custom_op("megazero::sp_column_linear_backward", mutates_args=())
-def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Tensor, has_bias: bool,
-                     group_name: str, mode: str, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     group_name: str, mode: str,
+                     weight_grads_to: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x, grad weight, grad bias): the input gradient's reduce-scatter runs while the weight
-    gradient is computed. Without ``weight_grad`` (a schedule computes it later) or a bias, the
-    missing gradients are empty tensors."""
+    gradient is computed. With ``weight_grads_to`` a taker's number the weight and bias gradients'
+    factors go to it instead (the reduce-scatter then has nothing to hide behind); missing gradients
+    are empty tensors."""
     grad = _rows(grad_y)
     size = comm.group_size(comm.group_named(group_name))
     grad_x, handle = _start_reduce_scatter(grad @ weight, _shaped_like(grad_y, grad.shape[0] // size, weight.shape[1]),
@@ -160,32 +189,38 @@ def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Ten
     if mode == "serial":
         _wait(handle)
         handle = None
-    grad_weight = grad.t() @ full if weight_grad else grad.new_empty(0)
-    grad_bias = grad.sum(0) if has_bias and weight_grad else grad.new_empty(0)
+    here = weight_grads_to == IN_BACKWARD
+    grad_weight = grad.t() @ full if here else grad.new_empty(0)
+    grad_bias = grad.sum(0) if bias is not None and here else grad.new_empty(0)
+    if not here:
+        _hand_over(weight_grads_to, weight, bias, full, grad_y)
     _wait(handle)
     return grad_x, grad_weight, grad_bias
 
 
 @_column_backward.register_fake
-def _(grad_y, full, weight, has_bias, group_name, mode, weight_grad):
+def _(grad_y, full, weight, bias, group_name, mode, weight_grads_to):
     size = comm.group_size(comm.group_named(group_name))
     rows = grad_y.numel() // grad_y.shape[-1] // size
+    here = weight_grads_to == IN_BACKWARD
     return (grad_y.new_empty(_shaped_like(grad_y, rows, weight.shape[1])),
-            torch.empty_like(weight) if weight_grad else grad_y.new_empty(0),
-            grad_y.new_empty(weight.shape[0] if has_bias and weight_grad else 0))
+            torch.empty_like(weight) if here else grad_y.new_empty(0),
+            grad_y.new_empty(weight.shape[0] if bias is not None and here else 0))
 
 
 def _column_setup(ctx, inputs, output):
-    x, weight, bias, group_name, mode = inputs
-    ctx.save_for_backward(output[1], weight)
-    ctx.has_bias, ctx.group_name, ctx.mode = bias is not None, group_name, mode
+    x, weight, bias, group_name, mode, weight_grads_to = inputs
+    ctx.save_for_backward(output[1], weight, bias)
+    ctx.group_name, ctx.mode, ctx.weight_grads_to = group_name, mode, weight_grads_to
 
 
 def _column_grad(ctx, grad_y, _grad_full):
-    full, weight = ctx.saved_tensors
-    grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, ctx.has_bias, ctx.group_name,
-                                                      ctx.mode, True)
-    return grad_x, grad_weight, grad_bias if ctx.has_bias else None, None, None
+    full, weight, bias = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, bias, ctx.group_name, ctx.mode,
+                                                      ctx.weight_grads_to)
+    if ctx.weight_grads_to != IN_BACKWARD:
+        return grad_x, None, None, None, None, None
+    return grad_x, grad_weight, grad_bias if bias is not None else None, None, None, None
 
 
 _column.register_autograd(_column_grad, setup_context=_column_setup)
@@ -213,7 +248,7 @@ def _reduce_chunks_peer(rows: torch.Tensor, weight: torch.Tensor, group_name: st
 
 
 @torch.library.custom_op("megazero::sp_row_linear", mutates_args=())
-def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str) -> torch.Tensor:
+def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str, weight_grads_to: int) -> torch.Tensor:
     """reduce-scatter-tokens(x @ weight^T); unless ``serial``, each owner's token chunk is sent on its
     way as soon as its product is done, while the next one computes."""
     group = comm.group_named(group_name)
@@ -233,73 +268,54 @@ def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str) -> t
 
 
 @_row.register_fake
-def _(x, weight, group_name, mode):
+def _(x, weight, group_name, mode, weight_grads_to):
     rows = x.numel() // x.shape[-1] // comm.group_size(comm.group_named(group_name))
     return x.new_empty(_shaped_like(x, rows, weight.shape[0]))
 
 
 @torch.library.custom_op("megazero::sp_row_linear_backward", mutates_args=())
 def _row_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_name: str,
-                  mode: str, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad x, grad weight or, without ``weight_grad``, an empty tensor, the gathered output gradient
-    [tokens, out] that a deferred weight gradient needs): unless ``serial``, the output gradient's
-    all-gather runs while this rank's own tokens' input gradient is computed."""
+                  mode: str, weight_grads_to: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad x, grad weight, or an empty tensor when ``weight_grads_to`` names a taker, which gets the
+    weight gradient's factors: this rank's input and the gathered output gradient [tokens, out]):
+    unless ``serial``, the output gradient's all-gather runs while this rank's own tokens' input
+    gradient is computed."""
     full_grad, grad_x = _gather_then_multiply(grad_y, weight, group_name, mode)
-    grad_weight = full_grad.t() @ _rows(x) if weight_grad else full_grad.new_empty(0)
-    return grad_x.view(x.shape), grad_weight, full_grad
+    if weight_grads_to == IN_BACKWARD:
+        return grad_x.view(x.shape), full_grad.t() @ _rows(x)
+    _hand_over(weight_grads_to, weight, None, x, full_grad)
+    return grad_x.view(x.shape), full_grad.new_empty(0)
 
 
 @_row_backward.register_fake
-def _(grad_y, x, weight, group_name, mode, weight_grad):
-    rows = grad_y.numel() // grad_y.shape[-1] * comm.group_size(comm.group_named(group_name))
-    return (x.new_empty(x.shape), weight.new_empty(weight.shape) if weight_grad else weight.new_empty(0),
-            grad_y.new_empty((rows, grad_y.shape[-1])))
+def _(grad_y, x, weight, group_name, mode, weight_grads_to):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape if weight_grads_to == IN_BACKWARD else 0)
 
 
 def _row_setup(ctx, inputs, output):
-    x, weight, group_name, mode = inputs
+    x, weight, group_name, mode, weight_grads_to = inputs
     ctx.save_for_backward(x, weight)
-    ctx.group_name, ctx.mode = group_name, mode
+    ctx.group_name, ctx.mode, ctx.weight_grads_to = group_name, mode, weight_grads_to
 
 
 def _row_grad(ctx, grad_y):
     x, weight = ctx.saved_tensors
-    grad_x, grad_weight, _ = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode, True)
-    return grad_x, grad_weight, None, None
+    grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode, ctx.weight_grads_to)
+    return grad_x, grad_weight if ctx.weight_grads_to == IN_BACKWARD else None, None, None, None
 
 
 _row.register_autograd(_row_grad, setup_context=_row_setup)
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                  mode: str = "overlap") -> torch.Tensor:
+                  mode: str = "overlap", weight_grads_to: int = IN_BACKWARD) -> torch.Tensor:
     """Column-parallel linear on sequence-parallel input [batch, seq/tp, in] -> [batch, seq, out/tp],
-    communicating as ``mode`` (one of ``MODES``) says."""
-    return column_forward(x, weight, bias, group, mode)[0]
+    communicating as ``mode`` (one of ``MODES``) says; ``weight_grads_to``: see ``_column_backward``."""
+    return _column(x, weight, bias, group.group_name, mode, weight_grads_to)[0]
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor, group, mode: str = "overlap") -> torch.Tensor:
-    """Row-parallel linear [batch, seq, in/tp] -> this rank's tokens of the sum, [batch, seq/tp, out]."""
-    return _row(x, weight, group.group_name, mode)
-
-
-# The same operators' halves, for a schedule that computes weight gradients later (the zero-bubble
-# pipeline, ``parallel.pipeline.deferred_wgrad``): each returns what that later GEMM needs.
-
-def column_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                   mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``column_linear``'s output, the gathered token rows [tokens, in] its weight gradient needs)."""
-    return _column(x, weight, bias, group.group_name, mode)
-
-
-def column_input_grad(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Tensor, group, mode: str) -> torch.Tensor:
-    """The input gradient of ``column_linear`` alone."""
-    return _column_backward(grad_y, full, weight, False, group.group_name, mode, False)[0]
-
-
-def row_input_grad(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group,
-                   mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the input gradient of ``row_linear``, the gathered output gradient [tokens, out] its weight
-    gradient needs)."""
-    grad_x, _, full_grad = _row_backward(grad_y, x, weight, group.group_name, mode, False)
-    return grad_x, full_grad
+def row_linear(x: torch.Tensor, weight: torch.Tensor, group, mode: str = "overlap",
+               weight_grads_to: int = IN_BACKWARD) -> torch.Tensor:
+    """Row-parallel linear [batch, seq, in/tp] -> this rank's tokens of the sum, [batch, seq/tp, out];
+    ``weight_grads_to``: see ``_row_backward``."""
+    return _row(x, weight, group.group_name, mode, weight_grads_to)
