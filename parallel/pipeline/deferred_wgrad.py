@@ -144,6 +144,9 @@ class WeightGradQueue:
         micro-batch's ``B``; outside one, compute and deliver the gradients at once."""
         if not isinstance(weight, nn.Parameter):  # the operator is handed the parameter itself
             raise TypeError(f"a deferred weight gradient came for a {type(weight).__name__}, not a parameter")
+        if not weight.requires_grad:  # frozen: nothing to compute
+            return
+        bias = bias if bias is not None and bias.requires_grad else None
         if self.current is not None:
             self.push(weight, bias, x, grad_out)
             return

@@ -214,11 +214,19 @@ def _column_setup(ctx, inputs, output):
     ctx.group_name, ctx.mode, ctx.weight_grads_to = group_name, mode, weight_grads_to
 
 
+def _deferring(ctx) -> int:
+    """Where this backward sends its weight gradient. Handed over, the weight gradient is no output of
+    the operator, whose input gradient then keeps it in a compiled backward graph: without one (an
+    input that needs no gradient) the graph would drop the operator, hand-over and all, so the weight
+    gradient is computed here instead."""
+    return ctx.weight_grads_to if ctx.needs_input_grad[0] else IN_BACKWARD
+
+
 def _column_grad(ctx, grad_y, _grad_full):
     full, weight, bias = ctx.saved_tensors
-    grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, bias, ctx.group_name, ctx.mode,
-                                                      ctx.weight_grads_to)
-    if ctx.weight_grads_to != IN_BACKWARD:
+    to = _deferring(ctx)
+    grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, bias, ctx.group_name, ctx.mode, to)
+    if to != IN_BACKWARD:
         return grad_x, None, None, None, None, None
     return grad_x, grad_weight, grad_bias if bias is not None else None, None, None, None
 
@@ -300,8 +308,9 @@ def _row_setup(ctx, inputs, output):
 
 def _row_grad(ctx, grad_y):
     x, weight = ctx.saved_tensors
-    grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode, ctx.weight_grads_to)
-    return grad_x, grad_weight if ctx.weight_grads_to == IN_BACKWARD else None, None, None, None
+    to = _deferring(ctx)
+    grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode, to)
+    return grad_x, grad_weight if to == IN_BACKWARD else None, None, None, None
 
 
 _row.register_autograd(_row_grad, setup_context=_row_setup)
