@@ -13,7 +13,10 @@ with CUDA events (median of ``--iters`` after warm-up):
 
 Prints one JSON line per measurement (milliseconds). ``--lead-cycles`` queues a spin on the GPU
 before each timed call, so a figure holds no host launch latency (a step whose host runs ahead never
-sees it).
+sees it). ``--sm-carveout N`` has every GEMM of the process leave N multiprocessors free, through
+cuBLASLt (torch's experimental carveout): whether collectives that wait for multiprocessors behind
+the GEMMs then hide (BENCHMARKS.md, 2026-11-28: at 24 the overlapped modes hid a third of the
+communication, while the GEMMs ran 17-24% longer).
 """
 
 from __future__ import annotations
@@ -112,7 +115,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--lead-cycles", type=int, default=0,
                         help="GPU clock cycles to spin before each timed call, hiding the host's launch latency")
+    parser.add_argument("--sm-carveout", type=int, default=0,
+                        help="multiprocessors every GEMM leaves free (cuBLASLt; 0: none)")
     args = parser.parse_args()
+    if args.sm_carveout:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
