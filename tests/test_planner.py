@@ -2,7 +2,8 @@
 
 ZeRO paper (Rajbhandari et al. 2020) Tables 1 and 2 exactly as printed; MT-NLG 530B's published
 throughput (Smith et al. 2022, section 2) within 15%; the 1.3B runs of BENCHMARKS.md within 10% in
-memory, and its tensor-parallel runs within 10% in throughput at micro-batches 4 and 8; parameter counts equal to the model's own; every ranked layout one the trainer accepts; and
+memory, and its tensor-parallel runs (tp 2 at micro-batches 4 and 8, tp 2 x dp 2, tp 2 x pp 2) within
+10% in step time; parameter counts equal to the model's own; every ranked layout one the trainer accepts; and
 the start-up refusal of a run that cannot fit, on CPU with a stated budget.
 """
 
@@ -129,24 +130,39 @@ def test_whole_gradient_buffers_count_at_the_activations_peak_unless_one_micro_b
     assert peak(32) - peak(16) == pytest.approx(blocks, abs=0.01)
 
 
-# BENCHMARKS.md, "The planner against megazero train", call 4 (2 x H100, `megazero train`, GPT 1.3B,
-# tp 2 + sequence parallel, global batch 32): measured tokens/s per micro-batch size.
-MEASURED_TP2_TOKENS_PER_S = {8: 86_225, 4: 53_256}
+# BENCHMARKS.md, "Where tensor parallel's step goes", call 2 (GPT 1.3B, tp 2 + sequence parallelism,
+# one micro-batch a step, 4 x H200): step ms on two GPUs by micro-batch size, and tp 2 x dp 2 on four;
+# "Every layout against its peers on four GPUs", call 4: tp 2 x pp 2, 1F1B, 8 micro-batches of 8.
+MEASURED_TP2_STEP_MS = {8: 165.9, 4: 141.6}
+MEASURED_TP2_DP2_STEP_MS = 166.9
+MEASURED_TP2_PP2_1F1B_STEP_MS = 720.7
 
 
-@pytest.mark.parametrize("mbs", sorted(MEASURED_TP2_TOKENS_PER_S))
-def test_tp2_throughput_within_10_percent_of_measured_at_both_micro_batch_sizes(mbs):
+def _tp2_step(mbs: int, world: int, *extra: str):
+    overrides = ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.micro_batch_size", str(mbs),
+                 "--train.global_batch_size", str(mbs * world // 2), *extra]
+    cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", overrides), world, world)
+    return cfg, estimate_step(cfg, Cluster(GPUS["h200"], world, world))
+
+
+@pytest.mark.parametrize("mbs", sorted(MEASURED_TP2_STEP_MS))
+def test_tp2_step_within_10_percent_of_measured_at_both_micro_batch_sizes(mbs):
     """At micro-batch 4 the host's launch work, not the GPU, bounds a tensor-parallel step: without
-    that term the planner predicted 1.49 times the measurement."""
-    overrides = ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.global_batch_size", "32",
-                 "--train.micro_batch_size", str(mbs)]
-    cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", overrides), 2, 2)
-    step = estimate_step(cfg, Cluster(GPUS["h100"], 2, 2))
-    assert step.tokens_per_s == pytest.approx(MEASURED_TP2_TOKENS_PER_S[mbs], rel=0.10)
+    that term the planner predicted 1.49 times the measured throughput."""
+    cfg, step = _tp2_step(mbs, 2)
+    assert step.step_s * 1e3 == pytest.approx(MEASURED_TP2_STEP_MS[mbs], rel=0.10)
     assert (step.host_s > 0) == (mbs == 4)
     graphed = estimate_step(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_graphs=True)),
-                            Cluster(GPUS["h100"], 2, 2))
+                            Cluster(GPUS["h200"], 2, 2))
     assert graphed.host_s == 0 and graphed.tokens_per_s >= step.tokens_per_s
+
+
+def test_tp2_composed_with_dp2_and_pp2_within_10_percent_of_measured():
+    """The same tensor-parallel terms beside a data-parallel and a pipeline axis (the planner had put
+    tp 2 x pp 2 at 1.33 times its measured step before the link efficiency was refitted)."""
+    assert _tp2_step(8, 4)[1].step_s * 1e3 == pytest.approx(MEASURED_TP2_DP2_STEP_MS, rel=0.10)
+    pipeline = _tp2_step(8, 4, "--parallel.pp", "2", "--train.global_batch_size", "64")[1]
+    assert pipeline.step_s * 1e3 == pytest.approx(MEASURED_TP2_PP2_1F1B_STEP_MS, rel=0.10)
 
 
 def small_model(**changes) -> ModelConfig:
@@ -331,7 +347,7 @@ def test_split_backward_under_tensor_parallel_is_bound_by_its_host(size):
             "--parallel.pipeline_schedule", schedule]), 4, 4)
         step[schedule] = estimate_step(cfg, Cluster(GPUS["h200"], 4, 4))
     assert step["zb-h2"].step_s > step["auto"].step_s
-    assert step["zb-h2"].host_s > 0 == step["auto"].host_s
+    assert step["zb-h2"].host_s > step["auto"].host_s
     assert step["zb-h2"].step_s * 1e3 == pytest.approx(measured["zb-h2"], rel=0.15)
 
 

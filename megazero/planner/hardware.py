@@ -34,10 +34,11 @@ H100_EFFICIENCY = 0.58
 # sequence-parallel all-gathers and reduce-scatters effectively reach, everything they cost around
 # the GEMMs included (smaller per-rank GEMMs, the extra elementwise passes). A100: the link
 # efficiency above, which reproduces MT-NLG's tp 8 within 7%. H100/H200: fitted to megazero's own tp 2
-# run of the 1.3B GPT in the same call (79.5k tokens/s on 2 H100s, 0.64x of one GPU per GPU): the
-# collectives are not overlapped with compute yet, so this figure is megazero's, not the hardware's,
-# and changes when they are.
-H100_TP_LINK_EFFICIENCY = 0.19
+# runs of the 1.3B GPT with sequence parallelism on H200s (BENCHMARKS.md): 165.9 ms a step of one
+# micro-batch of 8 on two GPUs, and within 6% the same model's step at micro-batch 4 (host-bound), at
+# tp 2 x dp 2 and at tp 2 x pp 2. This figure is megazero's, not the hardware's: it was 0.19 for the
+# tensor-parallel path of 2026-11-26 morning, before the overlapped linears, and changes with that path.
+H100_TP_LINK_EFFICIENCY = 0.45
 # V100: the ZeRO paper (Rajbhandari et al. 2020), section X-B: ZeRO-100B sustains "over 30% of the
 # peak" on 400 V100s for 8B-100B models.
 V100_EFFICIENCY = 0.30
