@@ -5,8 +5,8 @@ reduce-scatter and all-gather into bucket views, the batched point-to-point of t
 CUDA fused AdamW with its device-side unscale and skip, and bf16 kernels. Each layout of two ranks,
 (tp, pp, dp) = (1,1,2) under ZeRO 1, 2 and 3, (2,1,1) without sequence parallelism and with it in each
 of its communication modes, also recomputed (whole blocks; the attention core under sequence
-parallelism), and (1,2,1) under 1F1B and ZB-H2 (eager, and compiled: the deferred linears stay out of
-the graphs), and with the blocks replayed as CUDA graphs (tp 2 with and without
+parallelism), and (1,2,1) under 1F1B and ZB-H2 (eager, and compiled: the deferred plain linears stay out
+of the graphs), and with the blocks replayed as CUDA graphs (tp 2 with and without
 sp, dp 2 under ZeRO 2; replays counted, so a silent fallback to the plain path fails), trains 3 steps
 in bf16 and is compared with the fp32 reference of ``tests/test_engine_equivalence.py`` on the same
 global batches: the reported gradient norm every step within 2%, the losses within 2%, and the whole
@@ -15,7 +15,8 @@ update of the 16-bit weights within 20% relative error (bf16 rounds the weights 
 data-parallel ranks) within 2% of the trained reference's loss on it. Every rank is checked. On four
 GPUs, the three-axis layouts too: tp 2 x pp 2 with sequence parallelism under the zero-bubble
 schedule (the deferred halves of the sequence-parallel operators, over NCCL and through peer
-memory), tp 2 x dp 2 (also as CUDA graphs) and pp 2 x dp 2.
+memory, eager, and compiled with the operators handing their weight gradients over from inside the
+graph), tp 2 x dp 2 (also as CUDA graphs) and pp 2 x dp 2.
 
 (Skipped unless two CUDA devices are visible; the four-GPU cases unless four are.)
 """
@@ -111,6 +112,9 @@ def _case(topo, layout, stage, extra) -> dict:
 
 
 CASES4 = [((2, 2, 1), 1, (*SP, *ZB)), ((2, 2, 1), 1, (*SP, *ZB, "--parallel.tp_comm", "peer_memory")),
+          # compiled: the sequence-parallel operators hand their weight gradients over from inside the graph
+          ((2, 2, 1), 1, (*SP, *ZB2, "--train.compile", "true")),
+          ((2, 2, 1), 1, (*SP, *ZB2, "--train.compile", "true", "--parallel.tp_comm", "peer_memory")),
           ((2, 1, 2), 2, SP), ((1, 2, 2), 1, ()), ((2, 1, 2), 2, (*SP, *CG))]
 
 
