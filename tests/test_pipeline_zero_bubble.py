@@ -184,7 +184,10 @@ LAYOUTS = [((1, 2, 2), 4, ()), ((1, 4, 1), 6, ()),
            ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--parallel.tp_comm", "serial")),
            # compiled blocks holding those operators whole: the tensors their backward hands over must
            # not be overwritten by the graph before the W op reads them
-           ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--train.compile", "true"))]
+           ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--train.compile", "true")),
+           # and recomputed inside B: the recomputed operators hand over what W reads
+           ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--train.compile", "true",
+                           "--parallel.recompute", "full"))]
 
 
 def _config(tp, pp, dp, m, schedule, extra):
