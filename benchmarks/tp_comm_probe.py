@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
-from parallel.tensor_parallel.overlap import IN_BACKWARD, MODES, start_gather  # also registers the megazero:: ops
+from parallel.tensor_parallel.overlap import MODES, start_gather  # also registers the megazero:: ops
+from parallel.weight_grad_takers import IN_BACKWARD
 
 TRANSPORTS = {"nccl": "overlap", "peer_memory": "peer_memory"}  # the mode each transport's gather runs in
 

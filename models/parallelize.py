@@ -82,8 +82,7 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
         chunk.train()
         if plan.compile:
             tp = comm.group_size(topo.tp_group)
-            compile_gpt(chunk, tp, cuda_graphs=plan.cuda_graphs,
-                        keep_handed_over=plan.split_backward and plan.sequence_parallel and tp > 1)
+            compile_gpt(chunk, tp, cuda_graphs=plan.cuda_graphs, keep_handed_over=plan.split_backward)
     units = [block for chunk in chunks for block in chunk.layers.values()]
     tied_group = topo.embedding_group if topo.pp_size > 1 else None
     return DataParallel(chunks, plan.data_parallel, topo.dp_group, units=units,
@@ -91,8 +90,8 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
                         tied_group=tied_group, tp_group=topo.tp_group)
 
 
-def block_compile_options(cuda_graphs: bool, keep_handed_over: bool) -> dict:
-    """``torch.compile``'s arguments for a block (see ``compile_gpt``)."""
+def compile_options(cuda_graphs: bool, keep_handed_over: bool) -> dict:
+    """``torch.compile``'s arguments for a block or the head (see ``compile_gpt``)."""
     if cuda_graphs:  # recorded per shape, and a run's shapes are fixed: compile for those exact shapes
         return {"mode": "reduce-overhead", "dynamic": False}
     if keep_handed_over:  # no buffer takes over the memory of another
@@ -106,18 +105,17 @@ def compile_gpt(chunk: GPT, tp: int, cuda_graphs: bool = False, keep_handed_over
     ones keep their collectives outside any graph. (Compiled, the embedding's backward is inductor's
     scatter-add rather than aten's sort-based kernels: 0.22 against 0.56 ms a step at 125M on an
     H200.) ``cuda_graphs``: each block's compiled forward and backward replay as CUDA graphs, a
-    launch per graph instead of one per kernel and collective. ``keep_handed_over``: the blocks'
-    sequence-parallel linears hand tensors of the backward to a split-backward schedule's queue, which
-    reads them at a later ``W`` op; inductor would reuse their memory once the graph no longer needs
-    them, so those blocks compile with buffer reuse off (a kept output gradient came back overwritten
-    on CPU otherwise)."""
-    options = block_compile_options(cuda_graphs, keep_handed_over)
+    launch per graph instead of one per kernel and collective. ``keep_handed_over``: the linears hand
+    tensors of the backward to a split-backward schedule's queue, which reads them at a later ``W``
+    op; inductor would reuse their memory once the graph no longer needs them, so blocks and head
+    compile with buffer reuse off (a kept output gradient came back overwritten on CPU otherwise)."""
+    options = compile_options(cuda_graphs, keep_handed_over)
     for block in chunk.layers.values():
         block.forward = torch.compile(block.forward, **options)
     if chunk.embedding is not None and tp == 1:
         chunk.embedding.forward = torch.compile(chunk.embedding.forward)
     if chunk.lm_head is not None and tp == 1:
-        chunk.head = torch.compile(chunk.head)
+        chunk.head = torch.compile(chunk.head, **compile_options(False, keep_handed_over))
 
 
 def describe_params(chunks: list[GPT], tp_rank: int, tied: bool) -> Callable[[torch.nn.Parameter], ParamInfo]:

@@ -330,10 +330,12 @@ def test_executor_ran_the_schedule_and_its_bubble(reports, name):
 
 def test_a_compiled_block_still_defers_its_weight_gradients():
     """torch.compile traces a block's forward in an F op, when no micro-batch's backward is current:
-    the deferred linears must still queue at B (they stay outside the graph), and the gradients after W
-    equal an uncompiled block's. (Planted: the linears traced into the graph; nothing was queued.)"""
+    the deferred linears must still queue at B (their operators decide when the backward runs), with
+    the block's graph whole, and the gradients after W equal an uncompiled block's. (Planted: the
+    decision traced into the graph, where nothing was queued; the linears kept out of the graph.)"""
     from models.config import ModelConfig
     from models.gpt import GPT
+    from models.parallelize import compile_options
     from parallel.pipeline.deferred_wgrad import WeightGradQueue, defer_weight_grads
 
     def block_grads(compiled: bool):
@@ -346,17 +348,19 @@ def test_a_compiled_block_still_defers_its_weight_gradients():
         block, queue = model.layers["0"], WeightGradQueue()
         assert defer_weight_grads([block], queue) == 4
         if compiled:
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, **compile_options(False, keep_handed_over=True))
         x = torch.randn(2, SEQ, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        torch._dynamo.utils.counters.clear()
         out = block(x)  # traced here, outside any backward
         with queue.backward_of(0):
             out.square().sum().backward()
         queued, _ = queue.run([0])
-        return queued, x.grad, {n: p.grad for n, p in block.named_parameters()}
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        return queued, breaks, x.grad, {n: p.grad for n, p in block.named_parameters()}
 
-    queued, x_grad, grads = block_grads(True)
-    ref_queued, ref_x_grad, ref_grads = block_grads(False)
-    assert queued == ref_queued == 4
+    queued, breaks, x_grad, grads = block_grads(True)
+    ref_queued, _, ref_x_grad, ref_grads = block_grads(False)
+    assert queued == ref_queued == 4 and breaks == 0
     torch.testing.assert_close(x_grad, ref_x_grad, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -369,7 +373,7 @@ def _handed_over_survives(rank, world_size, reuse_off: bool):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from models.parallelize import block_compile_options
+    from models.parallelize import compile_options
     from parallel.pipeline.deferred_wgrad import WeightGradQueue
     from parallel.tensor_parallel.overlap import column_linear
 
@@ -386,7 +390,7 @@ def _handed_over_survives(rank, world_size, reuse_off: bool):
     x = torch.randn(256, 64, requires_grad=True)  # its gradient is one more buffer of that size
     expected = torch.autograd.grad(block(x, column_linear), [w1, b1])
     queue = WeightGradQueue()
-    out = torch.compile(block, **block_compile_options(False, keep_handed_over=reuse_off))(x, queue.column_linear)
+    out = torch.compile(block, **compile_options(False, keep_handed_over=reuse_off))(x, queue.column_linear)
     with queue.backward_of(0):
         out.backward()
     assert w1.grad is None and queue.run([0]) == (1, 0)
@@ -408,8 +412,9 @@ def test_what_a_compiled_backward_hands_over_survives_until_w():
 
 
 def _backward_outside_a_b_op(rank, world_size):
-    """Sequence-parallel column and row linears on a queue, backward with no micro-batch current, eager
-    and compiled, an input that needs no gradient first: each weight's gradient against autograd's."""
+    """Sequence-parallel column and row linears and a plain one on a queue, backward with no micro-batch
+    current, eager and compiled, the input needing no gradient: each weight's gradient against
+    autograd's."""
     import torch.distributed as dist
 
     from parallel.pipeline.deferred_wgrad import WeightGradQueue
@@ -417,29 +422,31 @@ def _backward_outside_a_b_op(rank, world_size):
 
     group = dist.new_group([0])
     torch.manual_seed(0)
-    w1, b1, w2 = (torch.nn.Parameter(torch.randn(*shape)) for shape in ((32, 16), (32,), (16, 32)))
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in ((32, 16), (32,), (16, 32), (8, 16), (8,))]
+    w1, b1, w2, w3, b3 = params
 
-    def loss(x, column, row):
-        return row(torch.relu(column(x, w1, b1, group, "overlap")), w2, group, "overlap").square().sum()
+    def loss(x, column, row, linear):
+        y = row(torch.relu(column(x, w1, b1, group, "overlap")), w2, group, "overlap")
+        return y.square().sum() + linear(x, w3, b3).square().sum()
 
     x = torch.randn(64, 16)
-    expected = torch.autograd.grad(loss(x, column_linear, row_linear), [w1, b1, w2])
+    expected = torch.autograd.grad(loss(x, column_linear, row_linear, torch.nn.functional.linear), params)
     errors = {}
     for compiled in (False, True):
-        for p in (w1, b1, w2):
+        for p in params:
             p.grad = None
         queue = WeightGradQueue()
-        (torch.compile(loss) if compiled else loss)(x, queue.column_linear, queue.row_linear).backward()
+        (torch.compile(loss) if compiled else loss)(x, queue.column_linear, queue.row_linear, queue.linear).backward()
         errors[compiled] = [None if p.grad is None else ((want - p.grad).abs().max() / want.abs().max()).item()
-                            for want, p in zip(expected, (w1, b1, w2))] + [len(queue)]
+                            for want, p in zip(expected, params)] + [len(queue)]
     return errors
 
 
-def test_sequence_parallel_linears_outside_a_b_op_deliver_their_gradients_at_once():
+def test_linears_outside_a_b_op_deliver_their_gradients_at_once():
     """Outside a ``B`` op a deferring linear's backward computes its weight gradient at once. In a compiled
     graph the operator stays only through an output the graph uses: with an input that needs no
-    gradient, the graph dropped the column operator and its hand-over, and the weight's gradient
-    never came (planted: the fallback to the gradient in backward removed)."""
+    gradient, the graph dropped the operator and its hand-over, and the weight's gradient never came
+    (planted: the fallback to the gradient in backward removed)."""
     for compiled, errors in run_world(1, _backward_outside_a_b_op)[0].items():
         *relative, left_queued = errors
         assert all(e is not None and e < 1e-5 for e in relative), (compiled, relative)

@@ -32,8 +32,7 @@ HOST_S_PER_TP_BLOCK = 6.0e-3
 # as ops of their own. GPT 1.3B at tp 2 x pp 2 with 8 micro-batches of 8 on
 # 4 x H200: ZB-H2 took 966 ms a step for the 13 blocks of its first rank, against 721 ms for 1F1B,
 # with the GPUs computing a third of the time (BENCHMARKS.md): 9.3 ms a block and micro-batch.
-# Measured before the sequence-parallel linears deferred from inside the compiled graph; to be
-# measured again.
+# Measured before the linears deferred from inside the compiled graph; to be measured again.
 HOST_S_PER_TP_BLOCK_SPLIT_BACKWARD = 9.3e-3
 # What running a backward as its input-gradient and weight-gradient halves adds to a micro-batch's
 # compute (zero-bubble schedules): the weights' gradient GEMMs and the biases' sums no longer fuse

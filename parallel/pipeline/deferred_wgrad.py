@@ -19,20 +19,15 @@ current) computes ``dW`` at once, as a plain linear layer would.
 Whether a backward defers is decided when it runs (a micro-batch is current), but a compiled block
 traces its forward, and with it the linear's backward, during an ``F`` op, when none is: traced
 into the graph, the decision was baked in, and every ``W`` op found nothing to do (GPT 1.3B, pp 2:
-ZB-H1's W ops took 0.0 ms, BENCHMARKS.md). So the decision must run at run time:
-
-- The sequence-parallel linears are custom operators (``tensor_parallel.overlap``), opaque to the
-  compiler, and stay inside the compiled graph. ``queue.column_linear`` and ``queue.row_linear`` give
-  them the queue's number (``register_weight_grad_taker``), and their backward hands the queue the
-  gathered tokens (column) or the gathered output gradient (row) when it runs. Kept out of the
-  graph, they split each block into compiled pieces whose host time set the pace under tensor
-  parallelism: ZB-H2 at tp 2 x pp 2 ran 1.34x slower than 1F1B, its GPUs a third busy
-  (BENCHMARKS.md). What the backward hands over must stay as it was until ``W``, and inductor plans
-  buffer reuse as if no operator kept its inputs, so such blocks compile with buffer reuse off
-  (``models.parallelize.compile_gpt``).
-- ``WeightGradQueue.linear`` (plain ``nn.Linear``, tensor-parallel linears without sequence
-  parallelism) is kept out of compiled graphs (``torch.compiler.disable``), so a block of those runs
-  as the compiled pieces between its linears; their GEMMs are long enough to hide that so far.
+ZB-H1's W ops took 0.0 ms, BENCHMARKS.md). So every deferring linear is a custom operator, opaque
+to the compiler: this module's plain one (``nn.Linear``, tensor-parallel linears without sequence
+parallelism) and the sequence-parallel ones (``tensor_parallel.overlap``). Given the queue's number
+(``parallel.weight_grad_takers``), their backward hands the queue ``(X, dY)`` when it runs. They
+used to be kept out of the compiled graphs instead, which split each block into compiled pieces
+whose host time set the pace under tensor parallelism: ZB-H2 at tp 2 x pp 2 ran 1.34x slower than
+1F1B, its GPUs a third busy (BENCHMARKS.md). What a backward hands over must stay as it was until
+``W``, and inductor plans buffer reuse as if no operator kept its inputs, so under a split-backward
+schedule blocks and head compile with buffer reuse off (``models.parallelize.compile_options``).
 
 Where the data-parallel wrapper keeps whole fp32 gradient buffers (ZeRO stages 0 and 1, and every
 stage in a pipeline's once-per-step mode), a ``W`` op adds each weight's gradient GEMM straight into
@@ -55,27 +50,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.tensor_parallel import overlap
+from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.weight_grad_takers import IN_BACKWARD, deferral, hand_over, register_weight_grad_taker
 
 
-class _DeferredWeightLinear(torch.autograd.Function):
-    """``x W^T + b`` whose backward returns ``dX`` and leaves ``dW`` and ``db`` to the queue (when a
-    micro-batch is current; otherwise it returns them too)."""
+# A plain linear as a custom operator, forward and backward, for the reason the sequence-parallel ones
+# are (``parallel.weight_grad_takers``): kept whole inside a compiled block, its backward still decides
+# at run time where the weight gradient goes.
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                queue: "WeightGradQueue") -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.queue, ctx.bias = queue, bias
-        return F.linear(x, weight, bias)
+@torch.library.custom_op("megazero::deferrable_linear", mutates_args=())
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_grads_to: int) -> torch.Tensor:
+    """``x W^T + b``."""
+    return F.linear(x, weight, bias)
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        return (grad_x, *ctx.queue.take(weight, ctx.bias if ctx.needs_input_grad[2] else None, x, grad_out,
-                                         ctx.needs_input_grad[1]), None)
+
+@_linear.register_fake
+def _(x, weight, bias, weight_grads_to):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("megazero::deferrable_linear_backward", mutates_args=())
+def _linear_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     weight_grads_to: int) -> torch.Tensor:
+    """The input gradient ``dY W``; ``(X, dY)`` go to taker ``weight_grads_to`` for the weight's."""
+    hand_over(weight_grads_to, weight, bias, x, grad_y)
+    return grad_y @ weight
+
+
+@_linear_backward.register_fake
+def _(grad_y, x, weight, bias, weight_grads_to):
+    return grad_y.new_empty((*grad_y.shape[:-1], weight.shape[1]))
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, weight_grads_to = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.weight_grads_to = weight_grads_to
+
+
+def _linear_grad(ctx, grad_y):
+    x, weight, bias = ctx.saved_tensors
+    if deferral(ctx) == IN_BACKWARD:  # the input needs no gradient: every gradient here
+        return (None, weight_grad([(x, grad_y)]) if ctx.needs_input_grad[1] else None,
+                bias_grad([grad_y]) if bias is not None and ctx.needs_input_grad[2] else None, None)
+    return _linear_backward(grad_y, x, weight, bias, ctx.weight_grads_to), None, None, None
+
+
+_linear.register_autograd(_linear_grad, setup_context=_linear_setup)
 
 
 def _summed(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -120,13 +142,13 @@ class WeightGradQueue:
         self.current: Optional[Hashable] = None
         self.pending: dict[Hashable, list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
                                                  torch.Tensor]]] = {}
-        # what the sequence-parallel operators' backward calls with the factors (``hand_over``)
-        self.number = overlap.register_weight_grad_taker(self, WeightGradQueue.hand_over)
+        # what the linears' backward operators call with the factors (``hand_over``)
+        self.number = register_weight_grad_taker(self, WeightGradQueue.hand_over)
 
-    @torch.compiler.disable
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``F.linear`` with deferrable weight and bias gradients."""
-        return _DeferredWeightLinear.apply(x, weight, bias, self)
+        """``F.linear`` with deferrable weight and bias gradients (traced into a compiled graph: the
+        operator decides when its backward runs)."""
+        return _linear(x, weight, bias, self.number)
 
     def column_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
                       mode: str) -> torch.Tensor:
@@ -140,8 +162,8 @@ class WeightGradQueue:
 
     def hand_over(self, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor,
                   grad_out: torch.Tensor) -> None:
-        """The sequence-parallel operators' backward: queue the weight gradient's factors inside a
-        micro-batch's ``B``; outside one, compute and deliver the gradients at once."""
+        """The linears' backward operators: queue the weight gradient's factors inside a micro-batch's
+        ``B``; outside one, compute and deliver the gradients at once."""
         if not isinstance(weight, nn.Parameter):  # the operator is handed the parameter itself
             raise TypeError(f"a deferred weight gradient came for a {type(weight).__name__}, not a parameter")
         if not weight.requires_grad:  # frozen: nothing to compute
@@ -157,17 +179,6 @@ class WeightGradQueue:
         finally:
             self.current = None
         self.run([key])
-
-    def take(self, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor,
-             wants_weight_grad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """What a backward returns for ``weight`` and ``bias`` given the layer's input ``x`` and output
-        gradient ``grad_out``: nothing, with the work queued, inside a micro-batch's ``B``; else the
-        gradients themselves."""
-        if wants_weight_grad and self.current is not None:
-            self.push(weight, bias, x, grad_out)
-            return None, None
-        return (weight_grad([(x, grad_out)]) if wants_weight_grad else None,
-                bias_grad([grad_out]) if bias is not None else None)
 
     @contextlib.contextmanager
     def backward_of(self, key: Hashable) -> Iterator[None]:

@@ -21,7 +21,7 @@ row backward              all-gather the output gradient's tokens, meanwhile the
 ========================  =================================================================
 
 A zero-bubble schedule computes the weight gradients later. Given ``weight_grads_to``, the number of
-a taker (``register_weight_grad_taker``: the pipeline's ``WeightGradQueue``), a backward hands that
+a taker (``parallel.weight_grad_takers``: the pipeline's ``WeightGradQueue``), a backward hands that
 gradient's factors over at run time instead, from inside the compiled graph (the column backward's
 reduce-scatter then has nothing to hide behind). Tokens are split as ``collectives`` splits them:
 ``[batch * seq]`` in memory order, rank ``r`` holding chunk ``r``. The results equal the composed
@@ -31,14 +31,13 @@ process; every mode on GPUs against the composed layers).
 
 from __future__ import annotations
 
-import itertools
-import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from parallel import comm
+from parallel.weight_grad_takers import IN_BACKWARD, deferral, hand_over
 from parallel.tensor_parallel import peer_memory as peer_memory_ops
 from parallel.tensor_parallel.collectives import token_shape
 
@@ -57,29 +56,6 @@ def _check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"tensor-parallel communication {mode!r}: use one of {MODES}")
     return mode
-
-
-IN_BACKWARD = -1
-"""``weight_grads_to`` of a linear whose weight gradient its own backward computes."""
-
-_WEIGHT_GRAD_TAKERS: dict[int, tuple[weakref.ref, Callable]] = {}
-_numbers = itertools.count()
-
-
-def register_weight_grad_taker(owner: object, method: Callable[..., None]) -> int:
-    """A number for ``weight_grads_to``: a backward given it calls ``method(owner, weight, bias, x,
-    grad_out)`` with what the weight gradient needs, instead of computing it. Custom ops take no Python
-    objects, hence the number. ``owner`` is held weakly and its entry goes with it."""
-    number = next(_numbers)
-    _WEIGHT_GRAD_TAKERS[number] = (weakref.ref(owner), method)
-    weakref.finalize(owner, _WEIGHT_GRAD_TAKERS.pop, number, None)
-    return number
-
-
-def _hand_over(number: int, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor,
-               grad_out: torch.Tensor) -> None:
-    owner, method = _WEIGHT_GRAD_TAKERS[number]
-    method(owner(), weight, bias, x, grad_out)
 
 
 def start_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str, mode: str):
@@ -193,7 +169,7 @@ def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Ten
     grad_weight = grad.t() @ full if here else grad.new_empty(0)
     grad_bias = grad.sum(0) if bias is not None and here else grad.new_empty(0)
     if not here:
-        _hand_over(weight_grads_to, weight, bias, full, grad_y)
+        hand_over(weight_grads_to, weight, bias, full, grad_y)
     _wait(handle)
     return grad_x, grad_weight, grad_bias
 
@@ -214,17 +190,9 @@ def _column_setup(ctx, inputs, output):
     ctx.group_name, ctx.mode, ctx.weight_grads_to = group_name, mode, weight_grads_to
 
 
-def _deferring(ctx) -> int:
-    """Where this backward sends its weight gradient. Handed over, the weight gradient is no output of
-    the operator, whose input gradient then keeps it in a compiled backward graph: without one (an
-    input that needs no gradient) the graph would drop the operator, hand-over and all, so the weight
-    gradient is computed here instead."""
-    return ctx.weight_grads_to if ctx.needs_input_grad[0] else IN_BACKWARD
-
-
 def _column_grad(ctx, grad_y, _grad_full):
     full, weight, bias = ctx.saved_tensors
-    to = _deferring(ctx)
+    to = deferral(ctx)
     grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, bias, ctx.group_name, ctx.mode, to)
     if to != IN_BACKWARD:
         return grad_x, None, None, None, None, None
@@ -291,7 +259,7 @@ def _row_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, g
     full_grad, grad_x = _gather_then_multiply(grad_y, weight, group_name, mode)
     if weight_grads_to == IN_BACKWARD:
         return grad_x.view(x.shape), full_grad.t() @ _rows(x)
-    _hand_over(weight_grads_to, weight, None, x, full_grad)
+    hand_over(weight_grads_to, weight, None, x, full_grad)
     return grad_x.view(x.shape), full_grad.new_empty(0)
 
 
@@ -308,7 +276,7 @@ def _row_setup(ctx, inputs, output):
 
 def _row_grad(ctx, grad_y):
     x, weight = ctx.saved_tensors
-    to = _deferring(ctx)
+    to = deferral(ctx)
     grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode, to)
     return grad_x, grad_weight if to == IN_BACKWARD else None, None, None, None
 
