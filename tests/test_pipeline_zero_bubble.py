@@ -279,8 +279,9 @@ def test_zero_bubble_equals_one_process_and_1f1b(reports):
 def test_compiled_sequence_parallel_blocks_defer_without_breaking_their_graphs(reports):
     """Under a split backward the sequence-parallel linears stay inside the compiled block (a graph break
     at each of them made ZB-H2 1.34x slower than 1F1B at tp 2 x pp 2 on GPUs, bound by the host), and
-    still hand every weight gradient to W. (Planted: the linears kept out of the graph; and the
-    blocks compiled with buffer reuse on, where the kept tensors came back overwritten.)"""
+    still hand every weight gradient to W. (Planted: the linears kept out of the graph. Buffer reuse
+    left on does not show at these sizes: ``test_what_a_compiled_backward_hands_over_survives_until_w``
+    holds that.)"""
     compiled = [(layout, m, extra) for layout, m, extra in LAYOUTS if "--train.compile" in extra]
     assert compiled
     for layout, m, extra in compiled:
