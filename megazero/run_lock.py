@@ -35,13 +35,22 @@ class RunDirBusy(UserError):
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs. A killed process whose parent died too stays a
+    zombie until init reaps it, which can take seconds; a signal reaches a zombie all the same, so its
+    state is read where ``/proc`` gives it: a job relaunched at once after ``kill -9`` found its own
+    dead rank 0 "alive" and refused to resume."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, owned by another user
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # the name in parentheses may hold spaces
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux), or gone since: trust the signal
+    return state not in ("Z", "X")
 
 
 class RunDirLock:

@@ -32,6 +32,25 @@ def test_a_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, capsys):
     assert "took over a stale lock" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="zombie states are read from /proc")
+def test_a_lock_of_a_killed_process_not_yet_reaped_is_taken_over(tmp_path, capsys):
+    """After ``kill -9`` of a whole launch the ranks are zombies until init reaps them, for seconds on
+    some machines; a relaunch in that window found the lock "in use" and refused to resume."""
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not reaped
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        holder = RunDirLock(tmp_path).record
+        (tmp_path / LOCK_FILE).write_text(json.dumps({**holder, "pid": zombie.pid}))
+        with RunDirLock(tmp_path) as lock:
+            assert lock.holder() == lock.record
+        assert "took over a stale lock" in capsys.readouterr().out
+    finally:
+        zombie.wait()
+
+
 def test_another_hosts_lock_is_stale_only_once_its_heartbeat_stops(tmp_path):
     foreign = {"host": "node-that-is-not-this-one", "pid": 1, "started": time.time()}
     (tmp_path / LOCK_FILE).write_text(json.dumps(foreign))
