@@ -102,6 +102,7 @@ def _case(topo, tp, pp, dp, stage, extra=()):
 
 
 def _compare(engine, cfg, dp, losses, norms):
+    """The trained engine's parameters, losses and gradient norms against the single-process reference."""
     reference, ref_losses, ref_norms = _reference(cfg, dp)
     ref = dict(reference.named_parameters())
     worst, worst_name = 0.0, None
