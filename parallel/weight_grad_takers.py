@@ -12,32 +12,36 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Callable, Optional
+from typing import Optional, Protocol
 
 import torch
 
 IN_BACKWARD = -1
 """``weight_grads_to`` of a linear whose weight gradient its own backward computes."""
 
-_TAKERS: dict[int, tuple[weakref.ref, Callable]] = {}
+class WeightGradTaker(Protocol):
+    def hand_over(self, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor,
+                  grad_out: torch.Tensor) -> None:
+        """Take (or compute at once) the weight gradient ``sum dY^T X`` of ``weight`` (and ``bias``)."""
+
+
+_TAKERS: dict[int, weakref.ref] = {}
 _numbers = itertools.count()
 
 
-def register_weight_grad_taker(owner: object, method: Callable[..., None]) -> int:
-    """A number for ``weight_grads_to``: a backward given it calls ``method(owner, weight, bias, x,
-    grad_out)`` instead of computing the weight gradient. ``owner`` is held weakly and its entry goes
-    with it."""
+def register_weight_grad_taker(taker: WeightGradTaker) -> int:
+    """A number for ``weight_grads_to``: a backward given it calls ``taker.hand_over`` instead of
+    computing the weight gradient. ``taker`` is held weakly and its entry goes with it."""
     number = next(_numbers)
-    _TAKERS[number] = (weakref.ref(owner), method)
-    weakref.finalize(owner, _TAKERS.pop, number, None)
+    _TAKERS[number] = weakref.ref(taker)
+    weakref.finalize(taker, _TAKERS.pop, number, None)
     return number
 
 
 def hand_over(number: int, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor,
               grad_out: torch.Tensor) -> None:
     """Give taker ``number`` a weight gradient's factors: the layer's input and output gradient."""
-    owner, method = _TAKERS[number]
-    method(owner(), weight, bias, x, grad_out)
+    _TAKERS[number]().hand_over(weight, bias, x, grad_out)
 
 
 def deferral(ctx) -> int:

@@ -143,7 +143,7 @@ class WeightGradQueue:
         self.pending: dict[Hashable, list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
                                                  torch.Tensor]]] = {}
         # what the linears' backward operators call with the factors (``hand_over``)
-        self.number = register_weight_grad_taker(self, WeightGradQueue.hand_over)
+        self.number = register_weight_grad_taker(self)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``F.linear`` with deferrable weight and bias gradients (traced into a compiled graph: the
@@ -169,16 +169,10 @@ class WeightGradQueue:
         if not weight.requires_grad:  # frozen: nothing to compute
             return
         bias = bias if bias is not None and bias.requires_grad else None
-        if self.current is not None:
-            self.push(weight, bias, x, grad_out)
-            return
-        key = object()
-        self.current = key
-        try:
-            self.push(weight, bias, x, grad_out)
-        finally:
-            self.current = None
-        self.run([key])
+        key = self.current if self.current is not None else object()
+        self.pending.setdefault(key, []).append((weight, bias, x, grad_out))
+        if self.current is None:
+            self.run([key])
 
     @contextlib.contextmanager
     def backward_of(self, key: Hashable) -> Iterator[None]:
@@ -188,9 +182,6 @@ class WeightGradQueue:
             yield
         finally:
             self.current = None
-
-    def push(self, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor) -> None:
-        self.pending.setdefault(self.current, []).append((weight, bias, x, grad_out))
 
     def run(self, keys: Iterable[Hashable]) -> tuple[int, int]:
         """Compute the queued weight gradients of ``keys`` and add them to ``.grad``, one sum per weight;
