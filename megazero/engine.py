@@ -179,7 +179,7 @@ class Engine:
         self.executor = PipelineExecutor(
             self.chunks, topology, (cfg.train.micro_batch_size, seq, cfg.model.hidden_size),
             dtype=self.dtype, device=device, forward_step=gpt_forward_step,
-            schedule=None if p.pipeline_schedule == "auto" else p.pipeline_schedule,
+            schedule=pipeline_schedule(cfg),
             timeout_s=cfg.train.collective_timeout_s, before_backward=self._before_backward,
             weight_grad_sink=self.data_parallel, op_costs=pipeline_costs(cfg))
 
