@@ -16,8 +16,7 @@ before each timed call, so a figure holds no host launch latency (a step whose h
 sees it). ``--sm-carveout N`` has every GEMM of the process leave N multiprocessors free, through
 cuBLASLt (torch's experimental carveout): whether collectives that wait for multiprocessors behind
 the GEMMs then hide (BENCHMARKS.md, 2026-11-28: at 24 the overlapped modes hid a third of the
-communication, while the GEMMs ran 17-24% longer). ``--op-carveout N`` leaves them only in the
-products that run beside a collective, as ``parallel.tp_sm_carveout`` does in training.
+communication, while the GEMMs ran 17-24% longer).
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ def timed(fn, iters: int, lead_cycles: int = 0, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, lead: int, carve: int, emit) -> None:
+def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, lead: int, emit) -> None:
     """Each of a block's four linears, forward and backward op by op: overlapped with each transport,
     composed (the collective, then the product, in series) and the products alone."""
     ops = torch.ops.megazero
@@ -84,10 +83,9 @@ def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, lead: int, carve
                                          grad_y.view(-1, width).t() @ full),
             }
             for mode in MODES:
-                cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_column_linear(x, w, None, name, mode, IN_BACKWARD,
-                                                                              carve)
+                cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_column_linear(x, w, None, name, mode, IN_BACKWARD)
                 cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_column_linear_backward(
-                    grad_y, full, w, None, name, mode, IN_BACKWARD, carve)
+                    grad_y, full, w, None, name, mode, IN_BACKWARD)
         else:
             x = torch.randn(8, n * tp // 8, width, device=dev, dtype=dt)
             w = torch.randn(h, width, device=dev, dtype=dt) * 0.02
@@ -104,9 +102,9 @@ def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, lead: int, carve
                                          torch.mm(grad_full, w), grad_full.t() @ x.view(-1, width)),
             }
             for mode in MODES:
-                cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_row_linear(x, w, name, mode, IN_BACKWARD, carve)
+                cases[f"fwd {mode}"] = lambda mode=mode: ops.sp_row_linear(x, w, name, mode, IN_BACKWARD)
                 cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_row_linear_backward(
-                    grad_y, x, w, name, mode, IN_BACKWARD, carve)
+                    grad_y, x, w, name, mode, IN_BACKWARD)
         for case, fn in cases.items():
             emit(what=f"{layer} ({kind}) {case}", ms=round(timed(fn, iters, lead), 4))
 
@@ -120,8 +118,6 @@ def main() -> None:
                         help="GPU clock cycles to spin before each timed call, hiding the host's launch latency")
     parser.add_argument("--sm-carveout", type=int, default=0,
                         help="multiprocessors every GEMM leaves free (cuBLASLt; 0: none)")
-    parser.add_argument("--op-carveout", type=int, default=0,
-                        help="multiprocessors the linears' products leave free beside a collective (0: none)")
     args = parser.parse_args()
     if args.sm_carveout:
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -155,7 +151,7 @@ def main() -> None:
         emit(what="all-gather beside a GEMM of all tokens", transport=transport,
              ms=timed(gather_beside_gemm, args.iters, args.lead_cycles))
 
-    per_op(group, tp, h, n, dev, dt, args.iters, args.lead_cycles, args.op_carveout, emit)
+    per_op(group, tp, h, n, dev, dt, args.iters, args.lead_cycles, emit)
     dist.destroy_process_group()
 
 

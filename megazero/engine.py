@@ -54,10 +54,6 @@ def parallelism(cfg: Config, device: torch.device, chunks: list[GPT]) -> Paralle
     if p.tp_comm == "peer_memory" and not (device.type == "cuda" and peer_memory_available()):
         raise ConfigError("parallel.tp_comm: peer_memory needs CUDA devices and a torch with symmetric memory; "
                           "set it to serial or overlap")
-    if p.tp_sm_carveout and not (device.type == "cuda" and hasattr(torch._C, "_set_sm_carveout_experimental")
-                                 and p.tp_sm_carveout < torch.cuda.get_device_properties(device).multi_processor_count):
-        raise ConfigError(f"parallel.tp_sm_carveout: {p.tp_sm_carveout} needs a GPU with more multiprocessors and "
-                          "a torch with cuBLASLt's carveout; lower it or set it to 0")
     if cfg.train.cuda_graphs and not (compile_ and device.type == "cuda"):
         raise ConfigError("train.cuda_graphs: replays compiled blocks on GPUs; this run compiles nothing "
                           "or has no GPU, so set train.cuda_graphs false")
@@ -66,7 +62,7 @@ def parallelism(cfg: Config, device: torch.device, chunks: list[GPT]) -> Paralle
                           "tensor-parallel random stream, which torch.compile cannot trace; set model.dropout and "
                           "model.attention_dropout to 0, parallel.recompute none, or train.compile false")
     return Parallelism(seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
-                       tp_comm=p.tp_comm, tp_sm_carveout=p.tp_sm_carveout, recompute=p.recompute,
+                       tp_comm=p.tp_comm, recompute=p.recompute,
                        recompute_every=p.recompute_every, compile=compile_, cuda_graphs=cfg.train.cuda_graphs,
                        split_backward=pipeline_schedule(cfg) in SPLIT_BACKWARD,
                        data_parallel=data_parallel_settings(cfg))

@@ -56,7 +56,6 @@ class Parallelism:
     seed: int  # initial weights; the tp dropout stream of chunk c uses seed + 1000 * its pipeline stage
     sequence_parallel: bool = False
     tp_comm: str = "overlap"  # how sequence-parallel linears communicate: one of tensor_parallel.overlap.MODES
-    tp_sm_carveout: int = 0  # multiprocessors their products leave to a collective running beside them
     recompute: str = "none"  # one of RECOMPUTE_MODES
     recompute_every: int = 1
     compile: bool = False
@@ -75,7 +74,7 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
         # The tensor-parallel dropout stream differs per stage, so stages draw different masks.
         tensor_parallelize_gpt(chunk, topo.tp_group, seed=plan.seed + 1000 * stage, device=device,
                                sequence_parallel=plan.sequence_parallel, tp_comm=plan.tp_comm,
-                               tp_sm_carveout=plan.tp_sm_carveout, recompute=plan.recompute,
+                               recompute=plan.recompute,
                                recompute_every=plan.recompute_every)
         # Only this rank's shards are materialised, with values that do not depend on the layout.
         chunk.to_empty(device=device)
@@ -155,8 +154,7 @@ def recompute_replays_tp_stream(model: GPT, recompute: str, recompute_every: int
 
 
 def tensor_parallelize_gpt(model: GPT, tp_group, *, seed: int, device="cpu", sequence_parallel: bool = False,
-                           tp_comm: str = "overlap", tp_sm_carveout: int = 0, recompute: str = "none",
-                           recompute_every: int = 1) -> GPT:
+                           tp_comm: str = "overlap", recompute: str = "none", recompute_every: int = 1) -> GPT:
     """Apply tensor (and sequence) parallelism and activation checkpointing to ``model`` in place.
 
     ``seed`` seeds the tp dropout stream (offset by the tp rank); the caller seeds the default
@@ -179,7 +177,7 @@ def tensor_parallelize_gpt(model: GPT, tp_group, *, seed: int, device="cpu", seq
     rng = TensorParallelRNG(seed, dist.get_rank(tp_group), device)
     model.tp_rng = rng  # its state belongs in checkpoints, for an exact resume with dropout
     apply_tensor_parallel(model, TP_PLAN, tp_group, rng=rng, sequence_parallel=sequence_parallel,
-                          comm_mode=tp_comm, sm_carveout=tp_sm_carveout)
+                          comm_mode=tp_comm)
     if recompute != "none":
         apply_activation_checkpointing(model, RECOMPUTE_TARGETS[recompute], every, rng)
     return model

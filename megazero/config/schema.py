@@ -28,7 +28,6 @@ class ParallelConfig:
                                     "backward: with virtual stages)")
     sequence_parallel: bool = option(False, "Shard norm and dropout activations along the sequence (needs tp > 1)")
     tp_comm: str = option("overlap", "How sequence-parallel linears communicate: serial (NCCL collective, then the product), overlap (NCCL collectives beside the products) or peer_memory (the GPUs' copy engines over NVLink beside the products; CUDA, one node)")
-    tp_sm_carveout: int = option(0, "Multiprocessors the sequence-parallel linears' products leave free while a collective runs beside them (overlap or peer_memory, CUDA): a GEMM that holds every multiprocessor makes the collective wait for its end. 0 leaves none")
     order: str = option("tp-dp-pp", "Rank order from fastest to slowest axis: tp-dp-pp or tp-pp-dp")
     allow_tp_across_nodes: bool = option(False, "Permit tensor-parallel groups that span nodes (slow; off by default)")
     pipeline_split: Optional[list] = option(None, "Explicit layers per pipeline stage, e.g. [5, 6, 6, 5]; a count may end in a half, [12.5, 11.5], cutting a block between its attention and its MLP (None = balanced against the head on the last stage, in half blocks where that lowers the busiest stage's work by over 1%, with virtual stages the busiest chunk's without adding to the busiest rank's)")

@@ -190,12 +190,6 @@ def _shape_problems(cfg: Config) -> list[str]:
     elif p.tp_comm == "peer_memory" and p.allow_tp_across_nodes:
         problems.append("parallel.tp_comm: peer_memory maps the memory of GPUs in one node; with "
                         "parallel.allow_tp_across_nodes use serial or overlap")
-    if p.tp_sm_carveout < 0:
-        problems.append(f"parallel.tp_sm_carveout: {p.tp_sm_carveout} is negative; use 0 (none) or a count of "
-                        "multiprocessors")
-    elif p.tp_sm_carveout and not (p.sequence_parallel and p.tp_comm != "serial" and cfg.train.device != "cpu"):
-        problems.append("parallel.tp_sm_carveout: leaves multiprocessors to the collectives that run beside the "
-                        "sequence-parallel linears' products (tp_comm overlap or peer_memory, on CUDA); set it to 0")
     problems += _cuda_graph_problems(cfg)
     if p.sequence_parallel and m.seq_length % p.tp:
         problems.append(f"model.seq_length: {m.seq_length} is not divisible by parallel.tp {p.tp} (sequence parallel)")

@@ -151,16 +151,14 @@ class WeightGradQueue:
         return _linear(x, weight, bias, self.number)
 
     def column_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                      mode: str, *, sm_carveout: int = 0) -> torch.Tensor:
+                      mode: str) -> torch.Tensor:
         """``overlap.column_linear`` with deferrable weight and bias gradients (traced into a compiled
         graph: the operator decides when its backward runs)."""
-        return overlap.column_linear(x, weight, bias, group, mode, weight_grads_to=self.number,
-                                     sm_carveout=sm_carveout)
+        return overlap.column_linear(x, weight, bias, group, mode, weight_grads_to=self.number)
 
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor, group, mode: str, *,
-                   sm_carveout: int = 0) -> torch.Tensor:
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor, group, mode: str) -> torch.Tensor:
         """``overlap.row_linear`` with a deferrable weight gradient (as ``column_linear``)."""
-        return overlap.row_linear(x, weight, group, mode, weight_grads_to=self.number, sm_carveout=sm_carveout)
+        return overlap.row_linear(x, weight, group, mode, weight_grads_to=self.number)
 
     def hand_over(self, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor,
                   grad_out: torch.Tensor) -> None:

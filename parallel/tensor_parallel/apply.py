@@ -92,11 +92,9 @@ def _apply_wrapper(module: nn.Module, style: str, group, sequence_parallel: bool
 
 
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], group, *, rng: TensorParallelRNG,
-                          sequence_parallel: bool = False, comm_mode: str = "overlap",
-                          sm_carveout: int = 0) -> nn.Module:
+                          sequence_parallel: bool = False, comm_mode: str = "overlap") -> nn.Module:
     """Split ``model`` in place across the ranks of ``group`` as ``plan`` says; returns it.
-    ``comm_mode``: how the sequence-parallel linears communicate (``overlap.MODES``); ``sm_carveout``:
-    how many multiprocessors their products leave to a collective beside them.
+    ``comm_mode``: how the sequence-parallel linears communicate (``overlap.MODES``).
 
     Call it on the model before ``init_weights`` if built on the meta device, after otherwise
     (each rank then keeps its slice of the initialised full weights). Tied parameters stay tied.
@@ -114,7 +112,7 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], group, *, rng:
             if not isinstance(module, kind):
                 raise ValueError(f"{name}: style {style!r} needs a {kind.__name__}, got {type(module).__name__}")
             parent_name, _, child = name.rpartition(".")
-            extra = {"comm_mode": comm_mode, "sm_carveout": sm_carveout} if style in LINEAR_STYLES else {}
+            extra = {"comm_mode": comm_mode} if style in LINEAR_STYLES else {}
             setattr(model.get_submodule(parent_name), child, build(module, group, sequence_parallel, memo, **extra))
     return model
 

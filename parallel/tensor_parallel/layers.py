@@ -90,10 +90,9 @@ class Linears(Protocol):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
     def column_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                      mode: str, *, sm_carveout: int = 0) -> torch.Tensor: ...
+                      mode: str) -> torch.Tensor: ...
 
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor, group, mode: str, *,
-                   sm_carveout: int = 0) -> torch.Tensor: ...
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor, group, mode: str) -> torch.Tensor: ...
 
 
 class _InBackward:
@@ -108,20 +107,19 @@ IN_BACKWARD: Linears = _InBackward()
 
 class _TPLinear(_TPModule):
     """A tensor-parallel linear; under sequence parallelism ``comm_mode`` (one of ``overlap.MODES``)
-    says how its collectives are ordered around its products and what moves the tokens, and
-    ``sm_carveout`` how many multiprocessors its products leave to a collective running beside them.
+    says how its collectives are ordered around its products and what moves the tokens.
     ``weight_grads`` runs its products: ``IN_BACKWARD``, or a split-backward pipeline schedule's
     queue, which takes the weight gradients out of backward."""
 
-    def __init__(self, group, sequence_parallel: bool, comm_mode: str = "overlap", sm_carveout: int = 0):
+    def __init__(self, group, sequence_parallel: bool, comm_mode: str = "overlap"):
         super().__init__(group, sequence_parallel)
-        self.comm_mode, self.sm_carveout = comm_mode, sm_carveout
+        self.comm_mode = comm_mode
         self.weight_grads: Linears = IN_BACKWARD
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None,
-                    comm_mode: str = "overlap", sm_carveout: int = 0):
-        return cls._from(linear, group, sequence_parallel, memo, comm_mode=comm_mode, sm_carveout=sm_carveout)
+                    comm_mode: str = "overlap"):
+        return cls._from(linear, group, sequence_parallel, memo, comm_mode=comm_mode)
 
 
 class ColumnParallelLinear(_TPLinear):
@@ -131,8 +129,7 @@ class ColumnParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return self.weight_grads.column_linear(x, self.weight, self.bias, self.group, self.comm_mode,
-                                                   sm_carveout=self.sm_carveout)
+            return self.weight_grads.column_linear(x, self.weight, self.bias, self.group, self.comm_mode)
         return self.weight_grads.linear(copy_to_tp(x, self.group), self.weight, self.bias)
 
 
@@ -143,15 +140,15 @@ class RowParallelLinear(_TPLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, sequence_parallel: bool = False, memo=None,
-                    comm_mode: str = "overlap", sm_carveout: int = 0):
-        layer = super().from_linear(linear, group, sequence_parallel, memo, comm_mode, sm_carveout)
+                    comm_mode: str = "overlap"):
+        layer = super().from_linear(linear, group, sequence_parallel, memo, comm_mode)
         if sequence_parallel and layer.bias is not None:
             mark_partial(layer, ["bias"])
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = self.weight_grads.row_linear(x, self.weight, self.group, self.comm_mode, sm_carveout=self.sm_carveout)
+            y = self.weight_grads.row_linear(x, self.weight, self.group, self.comm_mode)
         else:
             y = reduce_from_tp(self.weight_grads.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias

@@ -31,7 +31,6 @@ process; every mode on GPUs against the composed layers).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -53,29 +52,6 @@ MODES = ("serial", "overlap", "peer_memory")
 ``peer_memory``, beside the products)."""
 
 
-@contextlib.contextmanager
-def _beside_collective(sm_carveout: int):
-    """Matrix products issued inside leave ``sm_carveout`` multiprocessors free (0: none).
-
-    A collective in flight needs multiprocessors of its own: NCCL's kernels, and the barrier and
-    summing kernels of ``peer_memory``. A GEMM launched first takes every multiprocessor, so the
-    collective waits for it to end and does not overlap at all (BENCHMARKS.md, 2026-11-28: with 24
-    left free the overlapped modes hid a third of a block's communication, but every GEMM ran 17-24%
-    longer). So only the products that run beside a collective leave some free, through cuBLASLt's
-    target multiprocessor count; the setting is the process's, restored on leaving."""
-    if not sm_carveout:
-        yield
-        return
-    library, before = torch._C._get_blas_preferred_backend(), torch._C._get_sm_carveout_experimental()
-    torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
-    torch._C._set_sm_carveout_experimental(sm_carveout)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(before)
-        torch._C._set_blas_preferred_backend(library)
-
-
 def _check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"tensor-parallel communication {mode!r}: use one of {MODES}")
@@ -90,11 +66,10 @@ def start_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str, mode: 
     return comm.all_gather_into(full, rows, comm.group_named(group_name), async_op=True)
 
 
-def _gather_then_multiply(local: torch.Tensor, matrix: torch.Tensor, group_name: str, mode: str, sm_carveout: int,
+def _gather_then_multiply(local: torch.Tensor, matrix: torch.Tensor, group_name: str, mode: str,
                           bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(every rank's token rows of ``local`` gathered, those rows @ ``matrix`` (+ ``bias``)); unless
-    ``serial``, the gather overlaps the product of this rank's own rows, which leaves ``sm_carveout``
-    multiprocessors to it."""
+    ``serial``, the gather overlaps the product of this rank's own rows."""
     group = comm.group_named(group_name)
     size, rank = comm.group_size(group), dist.get_rank(group)
     rows = _rows(local).contiguous()
@@ -114,8 +89,7 @@ def _gather_then_multiply(local: torch.Tensor, matrix: torch.Tensor, group_name:
         _wait(handle)
         multiply(full, 0, size * n)
         return full, out
-    with _beside_collective(sm_carveout):
-        multiply(rows, rank * n, (rank + 1) * n)
+    multiply(rows, rank * n, (rank + 1) * n)
     _wait(handle)
     multiply(full[:rank * n], 0, rank * n)
     multiply(full[(rank + 1) * n:], (rank + 1) * n, size * n)
@@ -137,25 +111,19 @@ def _start_reduce_scatter(full: torch.Tensor, shape: tuple[int, ...], group_name
         return out, comm.reduce_scatter_into(out.view(-1), full.view(-1), group, async_op=True)
     chunks = full.view(size, -1, full.shape[-1])
     summed, handle = _peer_chunk_sum(lambda owner: chunks[owner], chunks.shape[1:], full.dtype, group_name,
-                                     size, rank, sm_carveout=0)
+                                     size, rank)
     return summed.view(shape), handle
 
 
-def _peer_chunk_sum(part_of, shape: torch.Size, dtype: torch.dtype, group_name: str, size: int, rank: int,
-                    sm_carveout: int):
+def _peer_chunk_sum(part_of, shape: torch.Size, dtype: torch.dtype, group_name: str, size: int, rank: int):
     """Reduce-scatter through peer memory of the token chunks ``part_of(owner)`` (each computed when
-    asked for, so a chunk travels while the next one computes, leaving ``sm_carveout``
-    multiprocessors to the transfer): the owners after this rank first, its own chunk last. Returns
-    (this rank's sum, the work to wait on)."""
+    asked for, so a chunk travels while the next one computes): the owners after this rank first,
+    its own chunk last. Returns (this rank's sum, the work to wait on)."""
     total = peer_memory_ops.ChunkSum(shape, dtype, group_name, size)
     for step in range(1, size):
         owner = (rank + step) % size
-        with _beside_collective(sm_carveout if step > 1 else 0):
-            part = part_of(owner)
-        total.push(part, owner)
-    with _beside_collective(sm_carveout if size > 1 else 0):
-        mine = part_of(rank)
-    return total.finish(mine)
+        total.push(part_of(owner), owner)
+    return total.finish(part_of(rank))
 
 
 def _shaped_like(x: torch.Tensor, rows: int, features: int) -> tuple[int, ...]:
@@ -170,24 +138,24 @@ def _shaped_like(x: torch.Tensor, rows: int, features: int) -> tuple[int, ...]:
 
 @torch.library.custom_op("megazero::sp_column_linear", mutates_args=())
 def _column(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-            mode: str, weight_grads_to: int, sm_carveout: int) -> tuple[torch.Tensor, torch.Tensor]:
+            mode: str, weight_grads_to: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(all-gather-tokens(x) @ weight^T + bias, the gathered token rows kept for backward)."""
-    full, y = _gather_then_multiply(x, weight.t(), group_name, mode, sm_carveout, bias)
+    full, y = _gather_then_multiply(x, weight.t(), group_name, mode, bias)
     return y.view(_shaped_like(x, full.shape[0], weight.shape[0])), full
 
 
 @_column.register_fake
-def _(x, weight, bias, group_name, mode, weight_grads_to, sm_carveout):
+def _(x, weight, bias, group_name, mode, weight_grads_to):
     rows = x.numel() // x.shape[-1] * comm.group_size(comm.group_named(group_name))
     return x.new_empty(_shaped_like(x, rows, weight.shape[0])), x.new_empty((rows, x.shape[-1]))
 
 
 @torch.library.custom_op("megazero::sp_column_linear_backward", mutates_args=())
 def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     group_name: str, mode: str, weight_grads_to: int,
-                     sm_carveout: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     group_name: str, mode: str,
+                     weight_grads_to: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x, grad weight, grad bias): the input gradient's reduce-scatter runs while the weight
-    gradient is computed, leaving it ``sm_carveout`` multiprocessors. With ``weight_grads_to`` a taker's number the weight and bias gradients'
+    gradient is computed. With ``weight_grads_to`` a taker's number the weight and bias gradients'
     factors go to it instead (the reduce-scatter then has nothing to hide behind); missing gradients
     are empty tensors."""
     grad = _rows(grad_y)
@@ -198,8 +166,7 @@ def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Ten
         _wait(handle)
         handle = None
     here = weight_grads_to == IN_BACKWARD
-    with _beside_collective(sm_carveout if handle is not None else 0):
-        grad_weight = grad.t() @ full if here else grad.new_empty(0)
+    grad_weight = grad.t() @ full if here else grad.new_empty(0)
     grad_bias = grad.sum(0) if bias is not None and here else grad.new_empty(0)
     if not here:
         hand_over(weight_grads_to, weight, bias, full, grad_y)
@@ -208,7 +175,7 @@ def _column_backward(grad_y: torch.Tensor, full: torch.Tensor, weight: torch.Ten
 
 
 @_column_backward.register_fake
-def _(grad_y, full, weight, bias, group_name, mode, weight_grads_to, sm_carveout):
+def _(grad_y, full, weight, bias, group_name, mode, weight_grads_to):
     size = comm.group_size(comm.group_named(group_name))
     rows = grad_y.numel() // grad_y.shape[-1] // size
     here = weight_grads_to == IN_BACKWARD
@@ -218,31 +185,28 @@ def _(grad_y, full, weight, bias, group_name, mode, weight_grads_to, sm_carveout
 
 
 def _column_setup(ctx, inputs, output):
-    x, weight, bias, group_name, mode, weight_grads_to, sm_carveout = inputs
+    x, weight, bias, group_name, mode, weight_grads_to = inputs
     ctx.save_for_backward(output[1], weight, bias)
-    ctx.group_name, ctx.mode, ctx.weight_grads_to, ctx.sm_carveout = group_name, mode, weight_grads_to, sm_carveout
+    ctx.group_name, ctx.mode, ctx.weight_grads_to = group_name, mode, weight_grads_to
 
 
 def _column_grad(ctx, grad_y, _grad_full):
     full, weight, bias = ctx.saved_tensors
     to = deferral(ctx)
-    grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, bias, ctx.group_name, ctx.mode, to,
-                                                      ctx.sm_carveout)
+    grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, bias, ctx.group_name, ctx.mode, to)
     if to != IN_BACKWARD:
-        return grad_x, None, None, None, None, None, None
-    return grad_x, grad_weight, grad_bias if bias is not None else None, None, None, None, None
+        return grad_x, None, None, None, None, None
+    return grad_x, grad_weight, grad_bias if bias is not None else None, None, None, None
 
 
 _column.register_autograd(_column_grad, setup_context=_column_setup)
 
 
-def _reduce_chunks_nccl(rows: torch.Tensor, weight: torch.Tensor, group, size: int, rank: int,
-                        sm_carveout: int) -> torch.Tensor:
+def _reduce_chunks_nccl(rows: torch.Tensor, weight: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
     n = rows.shape[0] // size
     parts, handles = [], []
     for owner in range(size):  # the same order on every rank: collectives never cross
-        with _beside_collective(sm_carveout if owner else 0):
-            part = rows[owner * n:(owner + 1) * n] @ weight.t()
+        part = rows[owner * n:(owner + 1) * n] @ weight.t()
         handles.append(comm.reduce_to(part, owner, group, async_op=True))
         parts.append(part)
     for handle in handles:
@@ -251,30 +215,27 @@ def _reduce_chunks_nccl(rows: torch.Tensor, weight: torch.Tensor, group, size: i
 
 
 def _reduce_chunks_peer(rows: torch.Tensor, weight: torch.Tensor, group_name: str, size: int,
-                        rank: int, sm_carveout: int) -> torch.Tensor:
+                        rank: int) -> torch.Tensor:
     n = rows.shape[0] // size
     summed, handle = _peer_chunk_sum(lambda owner: rows[owner * n:(owner + 1) * n] @ weight.t(),
-                                     torch.Size((n, weight.shape[0])), rows.dtype, group_name, size, rank,
-                                     sm_carveout)
+                                     torch.Size((n, weight.shape[0])), rows.dtype, group_name, size, rank)
     handle.wait()
     return summed
 
 
 @torch.library.custom_op("megazero::sp_row_linear", mutates_args=())
-def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str, weight_grads_to: int,
-         sm_carveout: int) -> torch.Tensor:
+def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str, weight_grads_to: int) -> torch.Tensor:
     """reduce-scatter-tokens(x @ weight^T); unless ``serial``, each owner's token chunk is sent on its
-    way as soon as its product is done, while the next one computes (leaving ``sm_carveout``
-    multiprocessors to the transfer)."""
+    way as soon as its product is done, while the next one computes."""
     group = comm.group_named(group_name)
     size, rank = comm.group_size(group), dist.get_rank(group)
     rows = _rows(x)
     if rows.shape[0] % size:
         raise ValueError(f"{rows.shape[0]} tokens do not split into {size} equal sequence-parallel chunks")
     if _check_mode(mode) == "peer_memory":
-        mine = _reduce_chunks_peer(rows, weight, group_name, size, rank, sm_carveout)
+        mine = _reduce_chunks_peer(rows, weight, group_name, size, rank)
     elif mode == "overlap":
-        mine = _reduce_chunks_nccl(rows, weight, group, size, rank, sm_carveout)
+        mine = _reduce_chunks_nccl(rows, weight, group, size, rank)
     else:
         mine, handle = _start_reduce_scatter(rows @ weight.t(), (rows.shape[0] // size, weight.shape[0]), group_name,
                                              mode)
@@ -283,19 +244,19 @@ def _row(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str, weig
 
 
 @_row.register_fake
-def _(x, weight, group_name, mode, weight_grads_to, sm_carveout):
+def _(x, weight, group_name, mode, weight_grads_to):
     rows = x.numel() // x.shape[-1] // comm.group_size(comm.group_named(group_name))
     return x.new_empty(_shaped_like(x, rows, weight.shape[0]))
 
 
 @torch.library.custom_op("megazero::sp_row_linear_backward", mutates_args=())
 def _row_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_name: str,
-                  mode: str, weight_grads_to: int, sm_carveout: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  mode: str, weight_grads_to: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad x, grad weight, or an empty tensor when ``weight_grads_to`` names a taker, which gets the
     weight gradient's factors: this rank's input and the gathered output gradient [tokens, out]):
     unless ``serial``, the output gradient's all-gather runs while this rank's own tokens' input
     gradient is computed."""
-    full_grad, grad_x = _gather_then_multiply(grad_y, weight, group_name, mode, sm_carveout)
+    full_grad, grad_x = _gather_then_multiply(grad_y, weight, group_name, mode)
     if weight_grads_to == IN_BACKWARD:
         return grad_x.view(x.shape), full_grad.t() @ _rows(x)
     hand_over(weight_grads_to, weight, None, x, full_grad)
@@ -303,36 +264,35 @@ def _row_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, g
 
 
 @_row_backward.register_fake
-def _(grad_y, x, weight, group_name, mode, weight_grads_to, sm_carveout):
+def _(grad_y, x, weight, group_name, mode, weight_grads_to):
     return x.new_empty(x.shape), weight.new_empty(weight.shape if weight_grads_to == IN_BACKWARD else 0)
 
 
 def _row_setup(ctx, inputs, output):
-    x, weight, group_name, mode, weight_grads_to, sm_carveout = inputs
+    x, weight, group_name, mode, weight_grads_to = inputs
     ctx.save_for_backward(x, weight)
-    ctx.group_name, ctx.mode, ctx.weight_grads_to, ctx.sm_carveout = group_name, mode, weight_grads_to, sm_carveout
+    ctx.group_name, ctx.mode, ctx.weight_grads_to = group_name, mode, weight_grads_to
 
 
 def _row_grad(ctx, grad_y):
     x, weight = ctx.saved_tensors
     to = deferral(ctx)
-    grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode, to, ctx.sm_carveout)
-    return grad_x, grad_weight if to == IN_BACKWARD else None, None, None, None, None
+    grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode, to)
+    return grad_x, grad_weight if to == IN_BACKWARD else None, None, None, None
 
 
 _row.register_autograd(_row_grad, setup_context=_row_setup)
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                  mode: str = "overlap", weight_grads_to: int = IN_BACKWARD, sm_carveout: int = 0) -> torch.Tensor:
+                  mode: str = "overlap", weight_grads_to: int = IN_BACKWARD) -> torch.Tensor:
     """Column-parallel linear on sequence-parallel input [batch, seq/tp, in] -> [batch, seq, out/tp],
-    communicating as ``mode`` (one of ``MODES``) says; ``weight_grads_to``: see ``_column_backward``;
-    ``sm_carveout``: the multiprocessors its products leave free beside a collective (``_beside_collective``)."""
-    return _column(x, weight, bias, group.group_name, mode, weight_grads_to, sm_carveout)[0]
+    communicating as ``mode`` (one of ``MODES``) says; ``weight_grads_to``: see ``_column_backward``."""
+    return _column(x, weight, bias, group.group_name, mode, weight_grads_to)[0]
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, group, mode: str = "overlap",
-               weight_grads_to: int = IN_BACKWARD, sm_carveout: int = 0) -> torch.Tensor:
+               weight_grads_to: int = IN_BACKWARD) -> torch.Tensor:
     """Row-parallel linear [batch, seq, in/tp] -> this rank's tokens of the sum, [batch, seq/tp, out];
-    ``weight_grads_to`` and ``sm_carveout``: see ``_row_backward`` and ``column_linear``."""
-    return _row(x, weight, group.group_name, mode, weight_grads_to, sm_carveout)
+    ``weight_grads_to``: see ``_row_backward``."""
+    return _row(x, weight, group.group_name, mode, weight_grads_to)
