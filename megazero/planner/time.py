@@ -4,13 +4,16 @@ term is written out in docs/planner.md."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Optional
 
 from megazero.config.schema import Config
-from megazero.engine import pipeline_schedule
+from megazero.engine import pipeline_costs, pipeline_schedule
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
 from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_work
+from parallel.pipeline.plan import StageCosts, modelled_step, weight_grad_delays
 from parallel.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 
 # The optimizer step streams each shard element's gradient, fp32 master and two moments through
@@ -39,6 +42,9 @@ HOST_S_PER_TP_BLOCK_SPLIT_BACKWARD = 9.3e-3
 # with the rest of the backward. GPT 1.3B at pp 2 on H200, rank 0: B + W 89.1 ms against a whole
 # backward of 86.0 ms, over a forward and backward of 126 ms (BENCHMARKS.md).
 SPLIT_BACKWARD_COST = 0.025
+# Most ops (ranks times three a micro-batch) for which a zero-bubble schedule's idle time is timed
+# with the stages' op costs (``_split_backward_idle``) rather than taken from equal costs.
+_TIMED_SCHEDULE_OPS = 5_000
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,10 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         host_launches = max(rank_work(cfg, r) for r in range(p.pp)) * per_block
     host_mb = max(0.0, host_launches - compute_mb - tp_mb)  # what the host adds beyond the GPU's own time
     stage_mb = compute_mb + tp_mb + host_mb + pp_per_mb
-    bubble = bubble_fraction(p.pp, micro, p.virtual_stages, schedule) * micro * stage_mb
+    idle = _split_backward_idle(cfg, schedule, micro)
+    if idle is None:
+        idle = bubble_fraction(p.pp, micro, p.virtual_stages, schedule)
+    bubble = idle * micro * stage_mb
 
     dp_exposed = _data_parallel_exposed(cfg, cluster, rank_params(cfg, rank), compute_mb, micro, dp_stride)
     shard = rank_params(cfg, rank) / (p.dp if z.stage >= 1 else 1)
@@ -126,6 +135,31 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         bubble_s=bubble, dp_comm_s=dp_exposed, optimizer_s=optimizer, tokens_per_s=tokens / step,
         tflops_per_gpu=hardware * tokens / step / cluster.num_gpus / 1e12,
         mfu=flops_per_token(m) * tokens / step / cluster.num_gpus / (gpu.peak_tflops * 1e12))
+
+
+def _split_backward_idle(cfg: Config, schedule: str, micro: int) -> Optional[float]:
+    """The busiest rank's idle time over its busy time under ZB-H1 or ZB-H2, from the schedule timed
+    with each rank's op costs (forward, input gradient, weight gradient: ``engine.pipeline_costs``) at
+    the weight-gradient delays the executor will pick; None where equal costs stand in (other
+    schedules, virtual stages, or pipelines too long to time here).
+
+    Why not the equal-cost figure: the three halves are not equal (GPT 1.3B, 1 : 1.29 : 0.83 measured).
+    ZB-H1 idles (pp - 1)(F + B - W), more than the third of 1F1B's that equal costs give, while ZB-H2
+    idles about a rank's first forward, and its extra warm-up forwards absorb what the head's heavy
+    forward leaves the last rank short. At GPT 1.3B, pp 2, 8 micro-batches this gives 6.0% and 1.9%
+    against 4.2% for both, and H200s ran ZB-H2 3.1% faster than ZB-H1 (BENCHMARKS.md, 2026-11-28)."""
+    p = cfg.parallel
+    if schedule not in SPLIT_BACKWARD or p.virtual_stages != 1 or 3 * p.pp * micro > _TIMED_SCHEDULE_OPS:
+        return None
+    return _timed_idle(schedule, p.pp, micro, pipeline_costs(cfg))
+
+
+@functools.lru_cache(maxsize=1024)
+def _timed_idle(schedule: str, pp: int, micro: int, costs: StageCosts) -> float:
+    """``_split_backward_idle`` for one schedule and op costs: many candidate layouts of a plan share
+    them, and each timing simulates every op of the step, several times for the delays."""
+    span = modelled_step(schedule, pp, micro, costs, weight_grad_delays(schedule, pp, micro, costs))
+    return span / max(micro * sum(ops) for ops in costs.ops) - 1
 
 
 def _data_parallel_exposed(cfg: Config, cluster: Cluster, numel: float, compute_mb: float, micro: int,
