@@ -29,6 +29,7 @@ import numpy as np
 from data_pipeline.gpt_samples import GPTSamples
 from data_pipeline.index_cache import cached_arrays, default_cache_dir
 from data_pipeline.indexed import IndexedDataset
+from data_pipeline.yaml_files import read_yaml_mapping
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "blends")
 
@@ -195,16 +196,21 @@ def resolve_blend(blend: list | None, preset: str | None, root: str | None) -> l
 
 
 def load_blend_preset(name: str, root: str) -> list:
-    """A preset's ``[[weight, prefix], ...]`` with each dataset name placed under ``root``."""
-    import yaml
-
+    """A preset's ``[[weight, prefix], ...]`` with each dataset name placed under ``root``; a preset
+    that is not such a list is an error naming the file and the entry."""
     path = name if name.endswith((".yaml", ".yml")) else os.path.join(PRESET_DIR, f"{name}.yaml")
     if not os.path.isfile(path):
         known = sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".yaml")) if os.path.isdir(PRESET_DIR) else []
         raise ValueError(f"blend preset {name!r} not found (looked for {path}); known presets: {known}")
-    with open(path) as f:
-        preset = yaml.safe_load(f)
-    entries = preset.get("datasets") if isinstance(preset, dict) else None
-    if not entries:
+    entries = read_yaml_mapping(path, "with a 'datasets' list of [weight, name] pairs").get("datasets")
+    if not entries or not isinstance(entries, list):
         raise ValueError(f"{path}: a blend preset needs a 'datasets' list of [weight, name] pairs")
-    return [[float(w), os.path.join(root, name)] for w, name in entries]
+    blend = []
+    for i, entry in enumerate(entries):
+        ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)
+        weight = entry[0] if ok else None
+        if not (ok and isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0):
+            raise ValueError(f"{path}: datasets[{i}] is {entry!r}; each entry is [weight, name] with a "
+                             "positive weight and a dataset name")
+        blend.append([float(weight), os.path.join(root, entry[1])])
+    return blend

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megazero.checkpoint import CheckpointError, latest_checkpoint, read_manifest, resolve_checkpoint
+from megazero.checkpoint import CheckpointError, read_manifest, start_checkpoint
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.errors import ConfigError
@@ -183,25 +183,59 @@ def _read_only_mount(path: str) -> bool:
 
 # Model fields that decide parameter shapes and meaning: a checkpoint cannot move across them.
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-                       "seq_length", "position_embedding", "norm", "activation", "tie_embeddings", "bias")
+                       "seq_length", "position_embedding", "rope_theta", "norm", "norm_eps", "activation",
+                       "tie_embeddings", "bias")
 
 
 def _checkpoint_problems(cfg: Config) -> list[str]:
     """The checkpoint the run will resume from must be complete, intact in its record, and of this
     model; its files' checksums are verified as they are loaded."""
-    explicit = cfg.checkpoint.load
-    path = explicit or latest_checkpoint(cfg.save_dir)
-    if path is None:
-        return []
-    where = "checkpoint.load" if explicit else "checkpoint.save_dir"
     try:
-        ckpt = resolve_checkpoint(path)
-        saved = read_manifest(ckpt)["meta"]["config"]["model"]
+        ckpt, where = start_checkpoint(cfg.checkpoint.load, cfg.save_dir)
+        if ckpt is None:
+            return []
+        meta = read_manifest(ckpt)["meta"]
     except CheckpointError as exc:
-        return [f"{where}: {exc}"]
-    model = config_to_dict(cfg)["model"]
-    changed = sorted(k for k in ARCHITECTURE_FIELDS if saved.get(k) != model[k])
+        return [f"{'checkpoint.load' if cfg.checkpoint.load else 'checkpoint.save_dir'}: {exc}"]
+    saved, now = meta["config"], config_to_dict(cfg)
+    changed = sorted(k for k in ARCHITECTURE_FIELDS if saved["model"].get(k) != now["model"][k])
     if changed:
         return [f"{where}: {ckpt} was trained with a different model ({', '.join(f'model.{k}' for k in changed)}); "
                 "resume with the same model section, or load another checkpoint"]
-    return []
+    if meta["step"] == 0 or cfg.checkpoint.allow_config_changes:
+        return []  # nothing trained yet (a converted checkpoint): no data order or schedule to keep
+    return [f"{where}: {ckpt} (step {meta['step']}) {problem}; set it back, or set "
+            "checkpoint.allow_config_changes true to resume anyway" for problem in _resume_changes(saved, cfg, meta["step"])]
+
+
+# What decides which samples a resumed run reads next: changing any of them gives a new data order,
+# so the samples consumed so far no longer say where the run stands in it.
+DATA_ORDER_FIELDS = ("blend", "blend_preset", "blend_root", "split", "seed", "tokenizer")
+
+
+def _resume_changes(saved: dict, cfg: Config, step: int) -> list[str]:
+    """How resuming from a checkpoint of ``step``, written with config ``saved``, would silently differ
+    from continuing its run: another data order, or a jump in the learning rate (a longer
+    ``train.train_steps`` stretches a decay that had ended, for one)."""
+    from megazero.config.loader import build_dataclass
+    from megazero.training_schedules import build_lr_schedule
+
+    now = config_to_dict(cfg)
+    data = [f"data.{k}" for k in DATA_ORDER_FIELDS if saved.get("data", {}).get(k) != now["data"][k]]
+    problems = [f"was trained on another data order ({', '.join(data)} changed)"] if data else []
+    try:
+        before = build_dataclass(Config, saved, prefix="")
+        was = build_lr_schedule(before.optimizer, before.schedule, before.train)(step + 1)
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return problems  # a config of an older schema: its schedule cannot be rebuilt here
+    will = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)(step + 1)
+    if abs(will - was) > 1e-6 * max(abs(was), abs(will)):
+        fields = sorted(f"{section}.{k}" for section in ("optimizer", "schedule", "train")
+                        for k in ("lr", "min_lr", "warmup_steps", "decay_steps", "decay_style", "train_steps")
+                        if k in now[section] and saved.get(section, {}).get(k) != now[section][k])
+        keep = (f"; to continue its decay, set schedule.decay_steps {before.train.train_steps - before.schedule.warmup_steps}"
+                if "train.train_steps" in fields and before.schedule.decay_steps is None
+                and before.train.train_steps is not None else "")
+        problems.append(f"would change the learning rate of step {step + 1} from {was:.4g} to {will:.4g} "
+                        f"({', '.join(fields) or 'the schedule'} changed{keep})")
+    return problems

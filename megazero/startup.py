@@ -13,6 +13,7 @@ import yaml
 
 from megazero.config import Config, save_config
 from megazero.config.loader import config_to_dict
+from megazero.config.validate import config_notes
 from megazero.errors import UserError
 from megazero.run_lock import RunDirLock
 from parallel.launch import EXIT_STOPPED, LaunchEnv, LaunchError, init_process_group, pick_device
@@ -33,6 +34,8 @@ def initialize(cfg: Config, launch: LaunchEnv):
     topology = Topology(grid, ranks_per_node=launch.local_world_size)
     if topology.rank == 0:
         print(f"megazero: {topology.describe()} ({device.type})", flush=True)
+        for note in config_notes(cfg):
+            print(f"megazero: note: {note}", flush=True)
     return device, topology
 
 

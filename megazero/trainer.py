@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import (
-    CheckpointError, CheckpointWriter, PreemptionHandler, latest_checkpoint, probe_writable, read_manifest,
-    resolve_checkpoint, step_dir_name,
+    CheckpointError, CheckpointWriter, PreemptionHandler, probe_writable, read_manifest, start_checkpoint,
+    step_dir_name,
 )
 from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
@@ -98,8 +98,10 @@ def checkpoint_split(cfg: Config, layout: dict) -> Optional[list[float]]:
 class Trainer:
     def __init__(self, cfg: Config, device: torch.device, topology):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        resume_from = cfg.checkpoint.load or latest_checkpoint(cfg.save_dir)
-        ckpt = resolve_checkpoint(resume_from) if resume_from is not None else None
+        ckpt, source = start_checkpoint(cfg.checkpoint.load, cfg.save_dir)
+        if cfg.checkpoint.load and source == "checkpoint.save_dir" and self.rank == 0:
+            print(f"megazero: resuming this run's own checkpoint {ckpt}, not checkpoint.load (which starts a run "
+                  "only while checkpoint.save_dir holds no checkpoint)", flush=True)
         manifest = read_manifest(ckpt) if ckpt is not None else None
         if manifest is not None:
             kept = checkpoint_split(cfg, manifest["meta"]["layout"])

@@ -46,15 +46,33 @@ def _slurm_tasks_per_node(env: Mapping[str, str]) -> Optional[int]:
 
 
 def read_launch_env(env: Mapping[str, str] = os.environ) -> LaunchEnv:
+    """This process's place in the launch, from torchrun's or SLURM's variables (one process if
+    neither is set); a variable that is not a count in range is a ``LaunchError`` naming it."""
+    def count(name: str, default: Optional[int] = None, low: int = 0) -> int:
+        text = env.get(name)
+        if text is None and default is not None:
+            return default
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or value < low:
+            raise LaunchError(f"environment variable {name}={text!r}: expected a whole number of {low} or more")
+        return value
+
     if "WORLD_SIZE" in env:  # torchrun sets RANK too; WORLD_SIZE alone describes a launch to --check
-        world = int(env["WORLD_SIZE"])
-        return LaunchEnv(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)),
-                         int(env.get("LOCAL_WORLD_SIZE", world)))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world = int(env["SLURM_NTASKS"])
-        return LaunchEnv(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
-                         _slurm_tasks_per_node(env) or world)
-    return LaunchEnv(0, 1, 0, 1)
+        world = count("WORLD_SIZE", low=1)
+        launch = LaunchEnv(count("RANK", 0), world, count("LOCAL_RANK", 0), count("LOCAL_WORLD_SIZE", world, low=1))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = count("SLURM_NTASKS", low=1)
+        launch = LaunchEnv(count("SLURM_PROCID"), world, count("SLURM_LOCALID", 0),
+                           _slurm_tasks_per_node(env) or world)
+    else:
+        return LaunchEnv(0, 1, 0, 1)
+    if launch.rank >= launch.world_size or launch.local_rank >= launch.local_world_size:
+        raise LaunchError(f"launch environment: rank {launch.rank} of {launch.world_size}, local rank "
+                          f"{launch.local_rank} of {launch.local_world_size}: a rank must be below its count")
+    return launch
 
 
 def backend_for(device: torch.device) -> str:

@@ -103,6 +103,8 @@ def files(tmp_path_factory):
     (locked / "LOCK").write_text(json.dumps({"host": os.uname().nodename, "pid": os.getpid(), "started": time.time()}))
     (root / "afile").write_text("x")
     (root / "emptydir").mkdir()
+    (root / "dup.yaml").write_text("train:\n  seed: 3\nmodel:\n  num_layers: 2\ntrain:\n  train_steps: 5\n")
+    (root / "bad_preset.yaml").write_text("datasets: [1.0, good_text_document]\n")
     return {"root": root, "good": good, "wide": wide, "truncated": truncated, "garbage": garbage,
             "only_idx": only_idx, "ckpt": str(ckpt), "run": str(run), "flipped": str(flipped),
             "edited": str(edited), "partial": str(nocomplete), "pickled": str(pickled), "locked": str(locked)}
@@ -130,6 +132,8 @@ CASES = [
     ("missing-config", lambda f: ["train", str(f["root"] / "nope.yaml")], ["config file not found", "nope.yaml"]),
     ("bad-yaml", lambda f: ["train", str(f["root"] / "broken.jsonl")], ["broken.jsonl", "not valid YAML"]),
     ("yaml-not-mapping", lambda f: ["train", str(f["root"] / "array.jsonl")], ["array.jsonl", "top level"]),
+    ("yaml-repeated-section", lambda f: ["train", str(f["root"] / "dup.yaml")],
+     ["dup.yaml (line 5", "'train' appears twice (first on line 1)"]),
     ("lr-nan", lambda f: _train(f, "--optimizer.lr", "nan"), ["optimizer.lr: must be a finite number"]),
     ("lr-inf", lambda f: _train(f, "--optimizer.lr", ".inf"), ["optimizer.lr: must be a finite number"]),
     ("lr-negative", lambda f: _train(f, "--optimizer.lr", "-1"), ["optimizer.lr: must be positive"]),
@@ -176,6 +180,9 @@ CASES = [
     ("blend-shape", lambda f: _train(f, "--data.blend", "[1, 2, 3]"), ["data.blend"]),
     ("blend-preset", lambda f: _train(f, "--data.blend", "null", "--data.blend_preset", "nope",
                                       "--data.blend_root", str(f["root"])), ["nope"]),
+    ("blend-preset-entry", lambda f: _train(f, "--data.blend", "null", "--data.blend_preset",
+                                            str(f["root"] / "bad_preset.yaml"), "--data.blend_root", str(f["root"])),
+     ["bad_preset.yaml", "datasets[0] is 1.0", "[weight, name]"]),
     ("split", lambda f: _train(f, "--data.split", "a,b"), ["data"]),
     # --- tokenizers -----------------------------------------------------------------------------
     ("tokenizer-missing", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "nope.model")),
@@ -204,12 +211,25 @@ CASES = [
     ("load-old-format", lambda f: _train(f, "--checkpoint.load", f["pickled"]), ["format"]),
     ("load-other-model", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.hidden_size", "64"),
      ["different model", "model.hidden_size"]),
+    ("load-other-norm-eps", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.norm_eps", "1e-6"),
+     ["different model", "model.norm_eps"]),
+    ("resume-other-data-order", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--data.seed", "99"),
+     ["(step 1) was trained on another data order (data.seed changed)", "checkpoint.allow_config_changes true"]),
+    ("resume-lr-jump", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--train.train_steps", "10"),
+     ["learning rate of step 2 from", "train.train_steps changed", "set schedule.decay_steps 1"]),
+    ("save-dir-damaged", lambda f: _train(f, "--checkpoint.save_dir", str(Path(f["partial"]).parent)),
+     ["checkpoint.save_dir", "step_0000001: a checkpoint directory without its COMPLETE record"]),
     # --- generate -------------------------------------------------------------------------------
     ("generate-missing", lambda f: ["generate", str(f["root"] / "nockpt"), "--tokenizer", str(f["root"] / "tokenizer.json")],
      ["nockpt"]),
     ("generate-negative", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "tokenizer.json"), "--tokens", "-5"],
      ["--tokens"]),
     ("generate-not-tokenizer", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "notes.txt")], ["notes.txt"]),
+    ("generate-bigger-tokenizer", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "big_tokenizer.json")],
+     ["big_tokenizer.json", "has 258 tokens", "model has 64"]),
+    *[(f"generate-temperature-{text}", (lambda text: lambda f: [
+        "generate", f["ckpt"], "--tokenizer", str(f["root"] / "tokenizer.json"), "--temperature", text])(text),
+       ["--temperature"]) for text in ("-1", "nan", "inf")],
     # --- preprocessing --------------------------------------------------------------------------
     *[(f"preprocess-{name}", (lambda name: lambda f: [
         "preprocess", "--input", str(f["root"] / f"{name}.jsonl"), "--tokenizer", str(f["root"] / "tokenizer.json"),
@@ -289,3 +309,42 @@ def test_an_unfinished_first_save_is_said_and_the_record_kept(files, capsys):
     assert "holds no complete checkpoint, only the unfinished save step_0000002.tmp; starting from step 0" in out
     text = (run / "metrics.jsonl").read_text()
     assert text.startswith('{"step": 1, "loss": 9.0}\n{"step": 2, "lo\n{"event": "resume", "step": 0'), text
+
+
+def test_which_checkpoint_a_run_starts_from(tmp_path):
+    """The run's own checkpoints in save_dir come before checkpoint.load from elsewhere (a requeued job
+    relaunched with the same command used to start over from checkpoint.load every time); a load inside
+    save_dir is a rollback and wins; with nothing in save_dir the load starts the run."""
+    from megazero.checkpoint import start_checkpoint
+
+    own, other, empty = tmp_path / "own", tmp_path / "other", tmp_path / "empty"
+    for step_dir in (own / "step_0000001", own / "step_0000002", other / "step_0000005"):
+        step_dir.mkdir(parents=True)
+        (step_dir / "COMPLETE").write_text("{}")
+    empty.mkdir()
+    assert start_checkpoint(None, own) == (own / "step_0000002", "checkpoint.save_dir")
+    assert start_checkpoint(str(other), own) == (own / "step_0000002", "checkpoint.save_dir")
+    assert start_checkpoint(str(own / "step_0000001"), own) == (own / "step_0000001", "checkpoint.load")
+    assert start_checkpoint(str(other), empty) == (other / "step_0000005", "checkpoint.load")
+    assert start_checkpoint(None, empty) == (None, "checkpoint.save_dir")
+
+
+def test_a_relaunch_continues_from_its_own_checkpoint(files, capsys):
+    """The same command twice: the first launch starts from checkpoint.load and saves in its own
+    save_dir, the second continues from there, saying why it does not load checkpoint.load again."""
+    run = files["root"] / "relaunched"
+    argv = ["train", *_model(files["good"], str(run)), "--checkpoint.load", files["ckpt"]]
+    assert main(argv) == 0
+    assert f"resumed from {files['ckpt']} at step 1" in capsys.readouterr().out
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "resuming this run's own checkpoint" in out and "step_0000002" in out, out
+    assert "already finished at step 2" in out, out
+
+
+def test_a_warm_up_longer_than_the_run_is_said_at_its_start(files, capsys):
+    """Legal (a smoke run of a full config), but the learning rate never reaches its peak: said once."""
+    run = files["root"] / "short"
+    assert main(["train", *_model(files["good"], str(run)), "--schedule.warmup_steps", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "note: schedule.warmup_steps 8 is more than train.train_steps 2: the learning rate ends at 0.25" in out, out

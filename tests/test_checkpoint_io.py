@@ -228,16 +228,23 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path, wh
     assert not (root / "step_0000002.tmp").exists()
 
 
-def test_directories_without_complete_marker_are_ignored(tmp_path):
+def test_a_newer_directory_without_complete_marker_stops_a_resume(tmp_path):
+    """A save writes COMPLETE before its rename and retention deletes only older checkpoints, so a
+    newer step directory without one was made or edited by hand. Resuming from the older complete
+    one would later save over it (the step directory is replaced): it is named instead. Older ones
+    (a deletion that stopped part-way) are skipped."""
     CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone).save(1, {"m.pt": {"w": torch.ones(1)}})
+    (tmp_path / "step_0000000").mkdir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_0000001"
     (tmp_path / "step_0000009").mkdir()  # renamed by hand, or a foreign directory: no COMPLETE
     (tmp_path / "step_0000009" / "m.pt").write_bytes(b"x")
     (tmp_path / "latest").write_text("step_0000009\n")
-    assert latest_checkpoint(tmp_path) == tmp_path / "step_0000001"
     assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
+    for find in (latest_checkpoint, resolve_checkpoint):
+        with pytest.raises(CheckpointError, match="step_0000009: a checkpoint directory without its COMPLETE record"):
+            find(tmp_path)
     with pytest.raises(CheckpointError, match="step_0000009: not a complete checkpoint"):
         resolve_checkpoint(tmp_path / "step_0000009")
-    assert resolve_checkpoint(tmp_path) == tmp_path / "step_0000001"
 
 
 def test_empty_or_missing_root_has_no_checkpoint(tmp_path):

@@ -47,3 +47,23 @@ def test_world_size_alone_describes_a_launch_to_check():
 
     env = read_launch_env({"WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8"})
     assert (env.rank, env.world_size, env.local_world_size, env.num_nodes) == (0, 32, 8, 4)
+
+
+@pytest.mark.parametrize("env, name", [({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+                                       ({"WORLD_SIZE": "4", "RANK": "-1"}, "RANK='-1'"),
+                                       ({"SLURM_PROCID": "x", "SLURM_NTASKS": "4"}, "SLURM_PROCID='x'"),
+                                       ({"WORLD_SIZE": "4", "RANK": "4"}, "rank 4 of 4")])
+def test_a_launch_variable_out_of_range_is_named(env, name):
+    from parallel.launch import LaunchError
+
+    with pytest.raises(LaunchError, match=name.replace("(", r"\(")):
+        read_launch_env(env)
+
+
+def test_a_bad_launch_variable_is_one_line_from_train(capsys, monkeypatch):
+    from megazero.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    assert main(["train", "--train.device", "cpu", "--check"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "WORLD_SIZE='abc'" in err[0], err

@@ -109,8 +109,19 @@ def test_checkpoint_errors_name_the_checkpoint_argument(tmp_path, capsys):
 
 def test_a_tokenizer_beyond_the_models_vocabulary_is_named(trained, tmp_path, capsys):
     tok = _tokenizer(tmp_path / "tokenizer.json", 100)
-    err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w99"])
-    assert err.endswith(f"--tokenizer {tok}: gives token id 99, but the checkpoint's model has {VOCAB} tokens; use "
-                        "the tokenizer it was trained with")
-    err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", ""])
+    err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w9"])
+    assert err.endswith(f"--tokenizer {tok}: has 101 tokens, but the checkpoint's model has {VOCAB}; use the "
+                        "tokenizer it was trained with")
+    small = _tokenizer(tmp_path / "small.json", 10)
+    err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", small, "--prompt", ""])
     assert err.endswith("--prompt '' encodes to no tokens; give some text to continue")
+
+
+def test_a_smaller_tokenizer_samples_only_what_it_can_decode(trained, tmp_path, capsys):
+    """A model may have more rows than its tokenizer has pieces (a vocabulary set above the tokenizer's):
+    sampling stays among the ids the tokenizer decodes (it sampled the others, and decoding failed)."""
+    small = _tokenizer(tmp_path / "small.json", 10)
+    assert main(["generate", str(trained[0]), "--tokenizer", small, "--prompt", "w1 w2", "--tokens", "40",
+                 "--temperature", "5", "--top-k", str(VOCAB)]) == 0
+    words = capsys.readouterr().out.split()
+    assert len(words) >= 30 and set(words) <= {f"w{i}" for i in range(10)} | {"</s>"}, words

@@ -186,13 +186,23 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     """The checkpoint ``ROOT/latest`` names if it is complete, else the complete one with the highest step.
 
     The pointer is the commit point of a save, so it wins; the scan covers a pointer that is
-    missing, damaged, or names a directory that was deleted by hand.
+    missing, damaged, or names a directory that was deleted by hand. A ``step_N`` directory without
+    its ``COMPLETE`` record, newer than every complete one, is an error: a save writes ``COMPLETE``
+    before it renames ``step_N.tmp``, and retention deletes only older checkpoints, so such a
+    directory was copied or edited by hand, and a run that started over would write over it.
     """
     root = Path(root)
     named = read_pointer(root)
     if named is not None and is_complete(named):
         return named
     found = list_checkpoints(root)
+    newest = found[-1][0] if found else -1
+    damaged = sorted(p for p in root.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()
+                     and not is_complete(p) and int(STEP_DIR.fullmatch(p.name).group(1)) > newest) if root.is_dir() else []
+    if damaged:
+        raise CheckpointError(f"{damaged[-1]}: a checkpoint directory without its {COMPLETE} record, newer than "
+                              f"any complete checkpoint in {root}; restore it, or move it out of the way to resume "
+                              f"from {found[-1][1].name if found else 'step 0'}")
     return found[-1][1] if found else None
 
 
@@ -213,6 +223,23 @@ def read_pointer(root: Path) -> Optional[Path]:
     print(f"megazero: warning: {pointer}: damaged checkpoint pointer ({reason}); using the newest complete "
           f"checkpoint found in {root} instead", flush=True)
     return None
+
+
+def start_checkpoint(load: Optional[str], save_dir: str | os.PathLike) -> tuple[Optional[Path], str]:
+    """(the checkpoint a training run starts from, or None; the setting that names it).
+
+    The run's own progress in ``save_dir`` comes first, so a relaunch of the same command (a requeued
+    job) continues where the last launch stopped; ``load`` outside ``save_dir`` is where a run starts
+    while ``save_dir`` holds no checkpoint (if it always won, every relaunch would start over from
+    it). A ``load`` inside ``save_dir`` picks one of the run's own checkpoints, an older one too (a
+    rollback)."""
+    own = latest_checkpoint(save_dir)
+    if load is None:
+        return own, "checkpoint.save_dir"
+    chosen = resolve_checkpoint(load)
+    if own is None or chosen.resolve().parent == Path(save_dir).resolve():
+        return chosen, "checkpoint.load"
+    return own, "checkpoint.save_dir"
 
 
 def resolve_checkpoint(path: str | os.PathLike, source: str = "checkpoint.load") -> Path:

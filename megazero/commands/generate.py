@@ -18,7 +18,7 @@ def register(subparsers) -> None:
     parser.add_argument("--tokenizer", required=True, help="The SentencePiece .model or tokenizer.json used in training")
     parser.add_argument("--prompt", default="def ", help="Text to continue")
     parser.add_argument("--tokens", type=at_least(0), default=64, help="Tokens to generate (0 or more)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    parser.add_argument("--temperature", type=temperature, default=0.8, help="0 for greedy, else a positive number")
     parser.add_argument("--top-k", type=at_least(1), default=40, help="Sample among the k likeliest tokens (1 or more)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
@@ -37,6 +37,17 @@ def at_least(low: int):
     return parse
 
 
+def temperature(text: str) -> float:
+    """An argparse type: a finite number of 0 or more (a negative one would favour the least likely tokens)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number of 0 or more, got {text}")
+    return value
+
+
 def run(args) -> int:
     from data_pipeline.tokenizer import load_tokenizer
     from megazero.checkpoint import resolve_checkpoint
@@ -48,12 +59,12 @@ def run(args) -> int:
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
     model, _ = load_model(ckpt, source=SOURCE)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise UserError(f"--tokenizer {args.tokenizer}: has {tokenizer.vocab_size} tokens, but the checkpoint's model "
+                        f"has {model.vocab_size}; use the tokenizer it was trained with")
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
-    if max(prompt) >= model.vocab_size:
-        raise UserError(f"--tokenizer {args.tokenizer}: gives token id {max(prompt)}, but the checkpoint's model has "
-                        f"{model.vocab_size} tokens; use the tokenizer it was trained with")
-    out = sample(model, prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    out = sample(model, prompt, args.tokens, args.temperature, args.top_k, args.seed, vocab=tokenizer.vocab_size)
     print(tokenizer.decode(out))
     return 0

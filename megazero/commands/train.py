@@ -25,9 +25,12 @@ def run(args) -> int:
         for name, default, help_text in field_docs():
             print(f"{name:36s} {default!r:>14}  {help_text}")
         return 0
-    from parallel.launch import read_launch_env
+    from parallel.launch import LaunchError, read_launch_env
 
-    launch = read_launch_env()
+    try:
+        launch = read_launch_env()
+    except LaunchError as exc:
+        raise UserError(str(exc)) from None
     try:
         cfg, facts = checked_config(args, launch)
     except UserError:

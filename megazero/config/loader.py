@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import yaml
 
 from data_pipeline import typed_config
+from data_pipeline.yaml_files import read_yaml_mapping
 from models.presets import MODEL_PRESETS
 from megazero.config.schema import Config
 from megazero.errors import ConfigError
@@ -34,18 +35,7 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Confi
 def read_yaml(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ConfigError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, parallel:, ...)")
-    return raw
+    return read_yaml_mapping(path, "of sections: model:, parallel:, ...", ConfigError)
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:

@@ -148,6 +148,17 @@ def _value_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def config_notes(cfg: Config) -> list[str]:
+    """Settings that are valid but rarely meant, said once at the start of a run: a short smoke run of
+    a full config, say, whose warm-up outlasts it (refusing it would refuse every such run; saying
+    nothing leaves a learning rate that never reached its peak unexplained)."""
+    t, s = cfg.train, cfg.schedule
+    if t.train_steps is not None and s.warmup_steps > t.train_steps:
+        return [f"schedule.warmup_steps {s.warmup_steps} is more than train.train_steps {t.train_steps}: the learning "
+                f"rate ends at {t.train_steps / s.warmup_steps:.2g} of optimizer.lr, in warm-up"]
+    return []
+
+
 def _cuda_graph_problems(cfg: Config) -> list[str]:
     """What CUDA-graph blocks are not run with. A replayed graph reads its parameters at the addresses
     it was recorded with, so ZeRO-3, which regathers them into new memory, cannot replay. The rest are
