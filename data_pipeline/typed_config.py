@@ -26,7 +26,8 @@ def build_dataclass(cls: type, raw: Any, prefix: str = "", error: type[Exception
     for key in raw:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known fields: {', '.join(names)}"
+            known = f"known fields: {', '.join(names)}" if names else f"{where} takes no fields"
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; {known}"
             raise error(f"{prefix}{key}: unknown key{hint}")
     values = {}
     for name in names:

@@ -27,7 +27,11 @@ def test_ray_and_local_pool_write_identical_files(tmp_path):
 
 
 def test_a_stage_error_on_ray_is_the_same_one_line_error(tmp_path):
+    task = tmp_path / "vanishing.jsonl"
+    task.write_text('{"text": "a task"}\n')
     raw = config(tmp_path, [write_corpus(tmp_path)], stages=["decontaminate"], executor={"kind": "ray", "workers": 2},
-                 decontaminate={"tasks": [str(tmp_path / "missing.jsonl")]})
-    with pytest.raises(OSError, match="missing.jsonl"):
-        pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+                 decontaminate={"tasks": [str(task)]})
+    cfg = build_config(raw)
+    task.unlink()  # after the config's checks, so that the stage's task is what fails
+    with pytest.raises(OSError, match="vanishing.jsonl"):
+        pipeline.run_pipeline(cfg, log=lambda s: None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from data_pipeline.curate.checks import within
 from data_pipeline.curate.shards import read_shard, write_shard
 
 # Tab, newline and printable ASCII except '&': a line made only of these is left as it is by every
@@ -30,6 +31,16 @@ class CleanConfig:
     max_words: int = 1_000_000  # more: dropped as too long (usually a dump, not a document)
     max_symbol_ratio: float = 0.25  # characters that are neither letters, digits nor spaces
     max_repeated_line_ratio: float = 0.3  # share of non-blank lines that repeat an earlier line
+
+    def problems(self) -> list[str]:
+        """Out-of-range options; a ratio below 0 or a word range that no document fits drops everything."""
+        problems = within("clean.min_words", self.min_words, 0, meaning="it is the fewest words a document may have")
+        problems += within("clean.max_words", self.max_words, max(self.min_words, 1),
+                           meaning="it is the most words a document may have, and below clean.min_words "
+                                   "(or 1) every document would be dropped")
+        for name in ("max_symbol_ratio", "max_repeated_line_ratio"):
+            problems += within(f"clean.{name}", getattr(self, name), 0, 1, "it is a share, from 0 to 1")
+        return problems
 
 
 def normalise_whitespace(text: str) -> str:

@@ -10,8 +10,9 @@
     decontaminate: {tasks: [eval/lambada.jsonl]}
     preprocess: {tokenizer: tokenizer.model}   # optional: tokenize and write blend.yaml
 
-Every field can be overridden on the command line as ``--section.field VALUE``. Errors name the
-dotted field and what it should be.
+Every field can be overridden on the command line as ``--section.field VALUE``. Every field is
+checked when the config is built, before any stage runs; errors name the dotted field and what it
+should be.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from data_pipeline.curate.checks import within
 from data_pipeline.curate.clean import CleanConfig
 from data_pipeline.curate.decontaminate import DecontaminateConfig
+from data_pipeline.curate.exact_dedup import ExactDedupConfig
 from data_pipeline.curate.fuzzy_dedup import FuzzyDedupConfig
 from data_pipeline.curate.quality import QualityConfig
+from data_pipeline.curate.runner import EXECUTORS
 from data_pipeline.curate.shards import FORMATS
+from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.typed_config import build_dataclass
 
 STAGES = ("clean", "quality", "exact_dedup", "fuzzy_dedup", "decontaminate")
@@ -59,6 +64,22 @@ class PreprocessConfig:
     workers: int = 1
     weight: float = 1.0  # the curated dataset's weight in blend.yaml
 
+    def problems(self) -> list[str]:
+        """Out-of-range options: a weight of 0 or less is written into blend.yaml as it is."""
+        return (within("preprocess.workers", self.workers, 1)
+                + within("preprocess.weight", self.weight, 0, low_open=True,
+                         meaning="it is the curated dataset's weight in blend.yaml"))
+
+    def file_problems(self) -> list[str]:
+        """Load the tokenizer now (it is small): a bad path would otherwise fail after every stage."""
+        if not self.tokenizer:
+            return []
+        try:
+            load_tokenizer(self.tokenizer)
+        except (OSError, ValueError) as exc:
+            return [f"preprocess.tokenizer: {exc}"]
+        return []
+
 
 @dataclass
 class CurateConfig:
@@ -69,29 +90,64 @@ class CurateConfig:
     strict: bool = False  # any bad input record is fatal (default: counted in stats.json and left out)
     clean: CleanConfig = field(default_factory=CleanConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
-    exact_dedup: dict = field(default_factory=dict)  # no options
+    exact_dedup: ExactDedupConfig = field(default_factory=ExactDedupConfig)  # no options
     fuzzy_dedup: FuzzyDedupConfig = field(default_factory=FuzzyDedupConfig)
     decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
 
 
 def build_config(raw: dict, base_dir: str = ".") -> CurateConfig:
-    """A checked ``CurateConfig`` from parsed YAML; relative input paths are relative to ``base_dir``."""
+    """A checked ``CurateConfig`` from parsed YAML; relative input paths are relative to ``base_dir``.
+
+    Every option is checked here, before any stage runs, whether or not its stage is listed; the
+    files a listed stage reads (model, tasks) and the tokenizer are checked after the values, so a
+    run never fails or quietly changes what it removes hours in. Each problem is one line.
+    """
     cfg = build_dataclass(CurateConfig, {k.replace("-", "_"): v for k, v in raw.items()})
     cfg.stages = [str(s).replace("-", "_") for s in cfg.stages]
-    for name in cfg.stages:
+    _refuse(_value_problems(cfg))
+    cfg.input.paths = expand_inputs(cfg.input.paths, base_dir)
+    _refuse(_file_problems(cfg))
+    return cfg
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def _value_problems(cfg: CurateConfig) -> list[str]:
+    problems = _stage_list_problems(cfg.stages)
+    if cfg.output.format not in FORMATS:
+        problems.append(f"output.format: {cfg.output.format!r} is not one of {', '.join(FORMATS)}")
+    if cfg.executor.kind not in EXECUTORS:
+        problems.append(f"executor.kind: {cfg.executor.kind!r} is not one of {', '.join(EXECUTORS)}")
+    problems += within("input.shard_docs", cfg.input.shard_docs, 1, meaning="it is the documents per shard")
+    problems += within("executor.workers", cfg.executor.workers, 1)
+    problems += cfg.preprocess.problems()
+    for name in STAGES:
+        problems += getattr(cfg, name).problems()
+    return problems
+
+
+def _stage_list_problems(stages: list[str]) -> list[str]:
+    problems = []
+    for name in stages:
         if name not in STAGES:
             close = difflib.get_close_matches(name, STAGES, n=1)
             hint = f"did you mean {close[0]}?" if close else f"known stages: {', '.join(STAGES)}"
-            raise ValueError(f"stages: unknown stage {name!r}; {hint}")
-    if len(set(cfg.stages)) != len(cfg.stages):
-        raise ValueError(f"stages: a stage is listed twice in {cfg.stages}")
-    if cfg.output.format not in FORMATS:
-        raise ValueError(f"output.format: {cfg.output.format!r} is not one of {', '.join(FORMATS)}")
-    if cfg.input.shard_docs < 1:
-        raise ValueError("input.shard_docs must be at least 1")
-    cfg.input.paths = expand_inputs(cfg.input.paths, base_dir)
-    return cfg
+            problems.append(f"stages: unknown stage {name!r}; {hint}")
+    if len(set(stages)) != len(stages):
+        problems.append(f"stages: a stage is listed twice in {stages}")
+    return problems
+
+
+def _file_problems(cfg: CurateConfig) -> list[str]:
+    """The quality model and task files when their stage is listed (a config may leave an unused
+    stage's files unset), and the tokenizer when it is set."""
+    problems = [p for name in cfg.stages if name in ("quality", "decontaminate")
+                for p in getattr(cfg, name).file_problems()]
+    return problems + cfg.preprocess.file_problems()
 
 
 def expand_inputs(patterns: list, base_dir: str) -> list[str]:

@@ -13,13 +13,16 @@ pass splits into words only the documents that have one.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from data_pipeline.curate.checks import within
 from data_pipeline.curate.exact_dedup import save_array
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
+from data_pipeline.sources import iter_lines
 
 HIT = np.dtype([("row", np.int64), ("window", np.int64), ("key", np.uint64)])  # a task n-gram in a shard
 BATCH_CHARS = 1 << 20  # characters hashed together: amortises numpy's per-call cost, bounds the arrays
@@ -34,6 +37,58 @@ class DecontaminateConfig:
     min_piece_chars: int = 200  # shorter pieces left after removal are dropped
     max_splits: int = 10  # a document split more often is dropped
     max_doc_freq: int = 10  # n-grams in this many training documents or more are ignored
+
+    def problems(self) -> list[str]:
+        """Out-of-range options. A match is always in at least one document, so a max_doc_freq under
+        2 ignores every match and the stage would remove nothing without a word."""
+        problems = within("decontaminate.ngram", self.ngram, 1,
+                          meaning="it is the words in a compared n-gram (GPT-3: 13)")
+        for name in ("margin", "min_piece_chars", "max_splits"):
+            problems += within(f"decontaminate.{name}", getattr(self, name), 0)
+        problems += within("decontaminate.max_doc_freq", self.max_doc_freq, 2,
+                           meaning="n-grams in this many training documents are ignored as common phrases, and "
+                                   "every match is in one at least, so below 2 nothing would be removed")
+        if not self.task_fields:
+            problems.append("decontaminate.task_fields: empty; list the fields of a task record that hold its text")
+        return problems
+
+    def file_problems(self) -> list[str]:
+        """Task files that are missing, empty or lack a task field: each would leave the stage with
+        nothing to look for, and it would remove nothing without a word. Reads one record per file."""
+        if not self.tasks:
+            return ["decontaminate.tasks: no task files; list jsonl or parquet files of evaluation texts "
+                    "(their decontaminate.task_fields hold the text)"]
+        problems = []
+        for path in self.tasks:
+            if not os.path.isfile(path):
+                problems.append(f"decontaminate.tasks: {path}: no such file; fix the path")
+                continue
+            keys = _first_record_keys(path)
+            if keys is None:
+                problems.append(f"decontaminate.tasks: {path} holds no records; give a file of evaluation texts")
+                continue
+            missing = [name for name in self.task_fields if name not in keys]
+            if missing:
+                problems.append(f"decontaminate.task_fields: {', '.join(missing)} not in {path} (its records have "
+                                f"{', '.join(keys)}); list the fields that hold the task text")
+        return problems
+
+
+def _first_record_keys(path: str) -> list[str] | None:
+    """The fields of a task file: a parquet file's columns, or the keys of a jsonl file's first JSON
+    object (None when it has none)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).schema_arrow.names
+    for _, line in iter_lines(path):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # counted as a bad record when the stage reads the file
+        if isinstance(record, dict):
+            return sorted(record)
+    return None
 
 
 @functools.cache
@@ -127,9 +182,6 @@ class NgramKeys:
 
 def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
     """Every task's n-gram keys, sorted, with the task each came from; returns per-task counts."""
-    if not cfg.tasks:
-        raise ValueError("decontaminate.tasks: no task files; list jsonl files of evaluation texts "
-                         "(their decontaminate.task_fields hold the text)")
     ngrams = NgramKeys(cfg.ngram)
     keys, owner, names, short = [], [], [], {}
     for t, path in enumerate(cfg.tasks):

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from data_pipeline.curate import partitioned
+from data_pipeline.curate.checks import within
 from data_pipeline.curate.exact_dedup import ROW_BITS, load_keyed, save_array, save_drops, save_keyed
-from data_pipeline.curate.minhash import MinHasher, jaccard
+from data_pipeline.curate.minhash import MinHasher, jaccard, parameter_problems
 from data_pipeline.curate.shards import atomic_write_text, read_shard
 
 BATCH = 256  # documents hashed together: large enough to amortise numpy's per-call cost
@@ -44,6 +45,15 @@ class FuzzyDedupConfig:
     seed: int = 42  # of the permutations and the shingle hash
     max_bucket_pairs: int = 64  # a bucket with more documents pairs each with the first and the previous
     partitions: int = 0  # hash partitions for buckets and edges (0 = one per shard)
+
+    def problems(self) -> list[str]:
+        """Out-of-range options: the MinHash parameters' own rules, and a threshold that is a Jaccard
+        similarity (above 1 nothing would be removed, below 0 every candidate pair would)."""
+        return (parameter_problems(self.num_perm, self.ngram, self.bands, self.rows, self.seed)
+                + within("fuzzy_dedup.threshold", self.threshold, 0, 1,
+                         "it is the exact Jaccard similarity at which a candidate pair counts as near duplicates")
+                + within("fuzzy_dedup.max_bucket_pairs", self.max_bucket_pairs, 1)
+                + within("fuzzy_dedup.partitions", self.partitions, 0, meaning="0 gives one per shard"))
 
     def hasher(self) -> MinHasher:
         return MinHasher(self.num_perm, self.ngram, self.bands, self.rows, self.seed)

@@ -21,16 +21,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from data_pipeline.curate.checks import within
+
 CHUNK = 4096  # shingles per (permutations x shingles) block: about 4 MB of uint32
+
+
+def parameter_problems(num_perm: int, ngram: int, bands: int, rows: int, seed: int) -> list[str]:
+    """What makes these MinHash parameters unusable, as sentences naming the ``fuzzy_dedup`` fields."""
+    problems = []
+    for name, value in (("num_perm", num_perm), ("ngram", ngram), ("bands", bands), ("rows", rows)):
+        problems += within(f"fuzzy_dedup.{name}", value, 1)
+    problems += within("fuzzy_dedup.seed", seed, 0)  # numpy's generators take no negative seed
+    if not problems and bands * rows > num_perm:
+        problems.append(f"fuzzy_dedup.bands: bands x rows ({bands} x {rows}) needs at most num_perm ({num_perm}) "
+                        "permutations; lower fuzzy_dedup.bands or fuzzy_dedup.rows or raise fuzzy_dedup.num_perm")
+    return problems
 
 
 class MinHasher:
     def __init__(self, num_perm: int = 260, ngram: int = 5, bands: int = 20, rows: int = 13, seed: int = 42):
-        if bands * rows > num_perm:
-            raise ValueError(f"fuzzy_dedup: bands x rows ({bands} x {rows}) needs at most num_perm ({num_perm}) "
-                             "permutations; lower bands or rows or raise num_perm")
-        if ngram < 1 or num_perm < 1 or bands < 1 or rows < 1:
-            raise ValueError("fuzzy_dedup: ngram, num_perm, bands and rows must be at least 1")
+        problems = parameter_problems(num_perm, ngram, bands, rows, seed)
+        if problems:
+            raise ValueError("; ".join(problems))
         rng = np.random.default_rng(seed)
         self.num_perm, self.ngram, self.bands, self.rows = num_perm, ngram, bands, rows
         self.perm = rng.integers(0, 2**32, num_perm, dtype=np.uint64).astype(np.uint32) | np.uint32(1)

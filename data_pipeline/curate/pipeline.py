@@ -28,7 +28,7 @@ from data_pipeline.curate import exact_dedup as ex
 from data_pipeline.curate import fuzzy_dedup as fz
 from data_pipeline.curate.clean import clean_shard
 from data_pipeline.curate.config import CurateConfig
-from data_pipeline.curate.quality import load_model, quality_shard
+from data_pipeline.curate.quality import quality_shard
 from data_pipeline.curate.runner import Task, make_executor, merge_stats, run_tasks
 from data_pipeline.curate.shards import atomic_write_text, ingest_file, list_shards
 
@@ -82,7 +82,6 @@ def run_clean(ctx: Context, shards: list[str], out_dir: str) -> dict:
 
 
 def run_quality(ctx: Context, shards: list[str], out_dir: str) -> dict:
-    load_model(ctx.cfg.quality.model)  # a missing or wrong model is one error here, not one per worker
     stats = merge_stats(ctx.map_shards(shards, out_dir, quality_shard,
                                        lambda i, s: (ctx.text_field, ctx.cfg.quality), "quality"))
     stats["alpha"] = ctx.cfg.quality.alpha
@@ -104,7 +103,6 @@ def run_exact_dedup(ctx: Context, shards: list[str], out_dir: str) -> dict:
 
 def run_fuzzy_dedup(ctx: Context, shards: list[str], out_dir: str) -> dict:
     f = ctx.cfg.fuzzy_dedup
-    f.hasher()  # bad MinHash parameters fail here, once
     sig_dir, bucket_dir, edge_dir = (_subdir(out_dir, n) for n in ("signatures", "buckets", "edges"))
     prefixes = [os.path.join(sig_dir, _stem(s)) for s in shards]
     parts = f.partitions or max(1, len(shards))
@@ -200,9 +198,8 @@ def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
         shards = list_shards(in_dir)
         for k, name in enumerate(cfg.stages, 1):
             stage_dir = os.path.join(out, f"{k:02d}-{name}")
-            options = getattr(cfg, name)
             fingerprint = {"stage": name, "inputs": [os.path.basename(s) for s in shards],
-                           "options": dataclasses.asdict(options) if dataclasses.is_dataclass(options) else options}
+                           "options": dataclasses.asdict(getattr(cfg, name))}
             all_stats.append(_run_stage(ctx, name, stage_dir, fingerprint,
                                         lambda: RUNNERS[name](ctx, shards, stage_dir), log))
             shards = list_shards(stage_dir)

@@ -21,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 
+from data_pipeline.curate.checks import within
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
 
 HQ, LQ = "__label__hq", "__label__lq"
@@ -32,6 +33,20 @@ class QualityConfig:
     model: Optional[str] = None  # a fastText model from `megazero curate train-quality`
     alpha: float = 3.0  # Pareto shape (MT-NLG); larger keeps fewer low-scoring documents
     seed: int = 0  # mixed with each document id to seed its draw
+
+    def problems(self) -> list[str]:
+        """Out-of-range options: numpy's Pareto needs alpha > 0, its generator a seed >= 0."""
+        return (within("quality.alpha", self.alpha, 0, low_open=True,
+                       meaning="it is the Pareto shape (MT-NLG: 3): larger keeps fewer low-scoring documents")
+                + within("quality.seed", self.seed, 0))
+
+    def file_problems(self) -> list[str]:
+        """Load the model now, so a missing or wrong one fails before the stages ahead of this one run."""
+        try:
+            load_model(self.model)
+        except ValueError as exc:
+            return [str(exc)]
+        return []
 
 
 def _one_line(text: str) -> str:

@@ -103,12 +103,15 @@ class RayExecutor:
             self._ray.shutdown()
 
 
+EXECUTORS = ("local", "ray")
+
+
 def make_executor(kind: str, workers: int, ray_address: str | None):
     if kind == "local":
         return LocalExecutor(workers)
     if kind == "ray":
         return RayExecutor(ray_address, workers)
-    raise ValueError(f"executor.kind: unknown executor {kind!r}; choose local or ray")
+    raise ValueError(f"executor.kind: unknown executor {kind!r}; choose one of {', '.join(EXECUTORS)}")
 
 
 def run_tasks(executor, directory: str, tasks: list[Task], desc: str, progress: bool = False) -> list[dict]:

@@ -1,0 +1,109 @@
+"""`megazero curate run` checks the whole config before any stage runs: an option outside its range,
+an unknown key, a missing file or a task field the task files lack is one line naming the field and
+what is allowed, and the output directory is never created."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from data_pipeline.curate.config import build_config
+from megazero.cli import main
+from tests.test_curate_pipeline import write_corpus
+
+
+@pytest.fixture
+def base(tmp_path, monkeypatch) -> dict:
+    """A valid config running every stage but quality (which needs a trained model), in ``tmp_path``
+    so that the overrides below can name files relative to it."""
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path)
+    (tmp_path / "task.jsonl").write_text(json.dumps({"text": "a task text", "label": 1}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "notes.txt").write_text("not a tokenizer\n")
+    return {"input": {"paths": ["raw.jsonl"], "shard_docs": 7}, "output": {"dir": "out"},
+            "stages": ["clean", "exact_dedup", "fuzzy_dedup", "decontaminate"],
+            "clean": {"min_words": 20}, "decontaminate": {"tasks": ["task.jsonl"]}}
+
+
+def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
+    """Run the CLI expecting a config error; returns its one line, after checking nothing was written."""
+    (tmp_path / "curate.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["curate", "run", "curate.yaml", "--no-progress", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert not (tmp_path / "out").exists(), "the config error came after the run had started writing"
+    return err[0]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("fuzzy_dedup.threshold", "5", r"fuzzy_dedup\.threshold: 5\.0 is outside \[0, 1\]; it is the exact Jaccard"),
+    ("fuzzy_dedup.threshold", "-1", r"fuzzy_dedup\.threshold: -1\.0 is outside \[0, 1\]"),
+    ("fuzzy_dedup.bands", "0", r"fuzzy_dedup\.bands: 0 must be at least 1"),
+    ("fuzzy_dedup.bands", "30", r"fuzzy_dedup\.bands: bands x rows \(30 x 13\) needs at most num_perm \(260\)"),
+    ("fuzzy_dedup.ngram", "0", r"fuzzy_dedup\.ngram: 0 must be at least 1"),
+    ("fuzzy_dedup.seed", "-1", r"fuzzy_dedup\.seed: -1 must be at least 0"),
+    ("fuzzy_dedup.partitions", "-1", r"fuzzy_dedup\.partitions: -1 must be at least 0"),
+    ("decontaminate.max_doc_freq", "0", r"decontaminate\.max_doc_freq: 0 must be at least 2; .*nothing would be removed"),
+    ("decontaminate.max_doc_freq", "1", r"decontaminate\.max_doc_freq: 1 must be at least 2"),
+    ("decontaminate.ngram", "0", r"decontaminate\.ngram: 0 must be at least 1"),
+    ("decontaminate.ngram", "-2", r"decontaminate\.ngram: -2 must be at least 1"),
+    ("decontaminate.margin", "-1", r"decontaminate\.margin: -1 must be at least 0"),
+    ("decontaminate.task_fields", "[question]",
+     r"decontaminate\.task_fields: question not in task\.jsonl \(its records have label, text\)"),
+    ("decontaminate.task_fields", "[]", r"decontaminate\.task_fields: empty; list the fields"),
+    ("decontaminate.tasks", "[missing.jsonl]", r"decontaminate\.tasks: missing\.jsonl: no such file"),
+    ("decontaminate.tasks", "[empty.jsonl]", r"decontaminate\.tasks: empty\.jsonl holds no records"),
+    ("decontaminate.tasks", "[]", r"decontaminate\.tasks: no task files"),
+    ("quality.alpha", "0", r"quality\.alpha: 0\.0 must be above 0; it is the Pareto shape"),
+    ("quality.alpha", ".nan", r"quality\.alpha: nan is not a finite number"),
+    ("quality.seed", "-1", r"quality\.seed: -1 must be at least 0"),
+    ("clean.min_words", "-5", r"clean\.min_words: -5 must be at least 0"),
+    ("clean.max_words", "10", r"clean\.max_words: 10 must be at least 20; .*every document would be dropped"),
+    ("clean.max_symbol_ratio", "-1", r"clean\.max_symbol_ratio: -1\.0 is outside \[0, 1\]"),
+    ("clean.max_repeated_line_ratio", "1.5", r"clean\.max_repeated_line_ratio: 1\.5 is outside \[0, 1\]"),
+    ("exact_dedup.foo", "1", r"exact_dedup\.foo: unknown key; exact_dedup takes no fields"),
+    ("preprocess.weight", "-1", r"preprocess\.weight: -1\.0 must be above 0; it is the curated dataset's weight"),
+    ("preprocess.weight", ".inf", r"preprocess\.weight: inf is not a finite number"),
+    ("preprocess.workers", "0", r"preprocess\.workers: 0 must be at least 1"),
+    ("preprocess.tokenizer", "missing.model", r"preprocess\.tokenizer: missing\.model: tokenizer file not found"),
+    ("preprocess.tokenizer", "notes.txt", r"preprocess\.tokenizer: notes\.txt: not a tokenizer"),
+    ("executor.workers", "0", r"executor\.workers: 0 must be at least 1"),
+    ("executor.kind", "spark", r"executor\.kind: 'spark' is not one of local, ray"),
+    ("input.shard_docs", "0", r"input\.shard_docs: 0 must be at least 1"),
+])
+def test_bad_option_is_one_line_before_any_stage(tmp_path, capsys, base, field, value, message):
+    line = refused(tmp_path, capsys, base, f"--{field}", value)
+    assert re.search(message, line), line
+
+
+@pytest.mark.parametrize("quality, message", [
+    ({}, r"quality\.model: no classifier given"),
+    ({"model": "missing.bin"}, r"quality\.model: missing\.bin: no such file"),
+    ({"model": "notes.txt"}, r"quality\.model: notes\.txt is not a fastText model"),
+])
+def test_quality_model_is_checked_before_the_stages_ahead_of_it(tmp_path, capsys, base, quality, message):
+    raw = {**base, "stages": ["clean", "exact_dedup", "quality"], "quality": quality}
+    assert re.search(message, refused(tmp_path, capsys, raw)), message
+
+
+def test_every_problem_is_reported_on_its_own_line(tmp_path, capsys, base):
+    (tmp_path / "curate.yaml").write_text(yaml.safe_dump(base))
+    assert main(["curate", "run", "curate.yaml", "--fuzzy_dedup.threshold", "2", "--quality.alpha", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(": ")[2] for line in err] == ["quality.alpha", "fuzzy_dedup.threshold"], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_valid_options_and_defaults_are_accepted(tmp_path, base):
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"question": "why", "answer": "because"}) + "\n")
+    edges = {"fuzzy_dedup": {"threshold": 1.0}, "clean": {"min_words": 0, "max_words": 1, "max_symbol_ratio": 0},
+             "decontaminate": {"tasks": ["qa.jsonl"], "task_fields": ["question", "answer"], "max_doc_freq": 2},
+             "exact_dedup": None, "preprocess": {"weight": 0.5}}
+    for raw in (base, {**base, **edges}):
+        cfg = build_config(raw)
+        assert cfg.stages == base["stages"] and not (tmp_path / "out").exists()
+    assert build_config({"input": {"paths": ["raw.jsonl"]}}).fuzzy_dedup.threshold == 0.8
