@@ -28,9 +28,13 @@ def _llama(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
+    """``hf``: a Llama folder saved by ``transformers``, and ``mz`` its import; ``gpt2``: a GPT-2
+    folder exported by megazero (2 layers, tied head, vocab 40)."""
     root = tmp_path_factory.mktemp("bad")
     hf = _llama(root / "hf")
     assert main(["convert", str(hf), str(root / "mz")]) == 0
+    write_megazero(_Random(num_layers=2), root / "gpt2_mz")
+    assert main(["convert", str(root / "gpt2_mz"), str(root / "gpt2")]) == 0
     return root
 
 
@@ -107,7 +111,8 @@ class _Random:
     def __init__(self, **fields):
         from megazero.convert.sources import logical_shapes
 
-        self.cfg = ModelConfig(num_layers=1, hidden_size=16, num_heads=4, vocab_size=40, seq_length=8, **fields)
+        self.cfg = ModelConfig(**{"num_layers": 1, "hidden_size": 16, "num_heads": 4, "vocab_size": 40,
+                                  "seq_length": 8, **fields})
         self.shapes = logical_shapes(self.cfg)
         self.names = list(self.shapes)
 
@@ -157,3 +162,114 @@ def _config_of(manifest):
     from megazero.config.schema import Config
 
     return build_dataclass(Config, manifest["meta"]["config"], prefix="")
+
+
+def _edit_config(hf: Path, **changes) -> None:
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def _edit_weights(hf: Path, edit) -> None:
+    """Rewrite ``model.safetensors`` with ``edit`` applied to its tensors (a dict, edited in place)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(hf / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+
+
+def _resize(name: str, rows: int):
+    def edit(tensors):
+        t = tensors[name]
+        tensors[name] = torch.cat([t, torch.randn(max(rows - len(t), 0), *t.shape[1:])])[:rows].contiguous()
+    return edit
+
+
+# GPT-2 (exported by megazero: hidden 16, 4 heads, vocab 40, tied) and Llama (saved by transformers:
+# hidden 32, 4 query and 2 key/value heads, ffn 64, vocab 61, untied): tensors whose shape config.json
+# does not imply, vocabulary rows too few or too many included, name the tensor and both shapes.
+@pytest.mark.parametrize("folder,name,rows,want", [
+    ("gpt2", "transformer.wte.weight", 39, "[39, 16] where config.json implies [40, 16]"),
+    ("gpt2", "transformer.wte.weight", 41, "[41, 16] where config.json implies [40, 16]"),
+    ("gpt2", "transformer.wte.weight", 128, "[128, 16] where config.json implies [40, 16]"),
+    ("gpt2", "transformer.wpe.weight", 7, "[7, 16] where config.json implies [8, 16]"),
+    ("gpt2", "transformer.h.0.ln_1.weight", 15, "[15] where config.json implies [16]"),
+    ("gpt2", "transformer.h.1.mlp.c_fc.weight", 15, "[15, 64] where config.json implies [16, 64]"),
+    ("hf", "model.embed_tokens.weight", 60, "[60, 32] where config.json implies [61, 32]"),
+    ("hf", "lm_head.weight", 64, "[64, 32] where config.json implies [61, 32]"),
+    ("hf", "model.layers.1.self_attn.k_proj.weight", 32, "[32, 32] where config.json implies [16, 32]"),
+    ("hf", "model.layers.0.mlp.gate_proj.weight", 63, "[63, 32] where config.json implies [64, 32]"),
+    ("hf", "model.layers.0.input_layernorm.weight", 31, "[31] where config.json implies [32]"),
+])
+def test_hf_tensor_of_another_shape(sources, tmp_path, capsys, folder, name, rows, want):
+    hf = _copy(sources / folder, tmp_path)
+    _edit_weights(hf, _resize(name, rows))
+    assert f"model.safetensors: tensor {name} has shape {want}" in _fails(capsys, tmp_path, hf)
+
+
+@pytest.mark.parametrize("folder,changes,want", [
+    ("gpt2", {"n_layer": 1}, "does not use (transformer.h.1."),
+    ("hf", {"num_hidden_layers": 1}, "does not use (model.layers.1."),
+    ("hf", {"tie_word_embeddings": True}, "does not use (lm_head.weight)"),
+    ("gpt2", {"n_layer": 3}, "has no tensor 'transformer.h.2."),
+    ("gpt2", {"vocab_size": 48}, "transformer.wte.weight has shape [40, 16] where config.json implies [48, 16]"),
+    ("gpt2", {"n_layer": -1}, "config.json: n_layer (model.num_layers): must be positive, got -1"),
+    ("gpt2", {"n_layer": 0}, "config.json: n_layer (model.num_layers): must be positive, got 0"),
+    ("gpt2", {"n_head": 3},
+     "config.json: n_embd (model.hidden_size): 16 is not divisible by n_head (model.num_heads) 3"),
+    ("gpt2", {"vocab_size": "40"}, "config.json: vocab_size: expected an integer, got '40'"),
+    ("gpt2", {"layer_norm_epsilon": -1e-5}, "config.json: layer_norm_epsilon (model.norm_eps): must be positive"),
+    ("hf", {"num_attention_heads": "4"}, "config.json: num_attention_heads: expected an integer, got '4'"),
+    ("hf", {"num_key_value_heads": 3}, "config.json: num_key_value_heads (model.num_kv_heads): 3 must divide"),
+    ("hf", {"tie_word_embeddings": "no"}, "config.json: tie_word_embeddings: expected true or false, got 'no'"),
+    ("hf", {"head_dim": "8"}, "config.json: head_dim: expected an integer, got '8'"),
+    ("hf", {"mlp_bias": 1}, "config.json: mlp_bias: expected true or false, got 1"),
+    ("hf", {"rope_parameters": 5}, "config.json: rope_parameters: expected a mapping, got 5"),
+    ("hf", {"rope_parameters": {"rope_type": "default", "rope_theta": "fast"}}, "rope_theta: expected a number"),
+])
+def test_hf_config_the_weights_do_not_match(sources, tmp_path, capsys, folder, changes, want):
+    hf = _copy(sources / folder, tmp_path)
+    _edit_config(hf, **changes)
+    assert want in _fails(capsys, tmp_path, hf)
+
+
+def test_hf_config_incomplete_or_not_a_mapping(sources, tmp_path, capsys):
+    hf = _copy(sources / "gpt2", tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "n_embd"}))
+    assert "config.json: has no 'n_embd' field, which GPT2LMHeadModel needs" in _fails(capsys, tmp_path, hf)
+    (hf / "config.json").write_text("[]")
+    assert "config.json: holds a list, not a mapping of fields" in _fails(capsys, tmp_path, hf)
+
+
+def test_hf_missing_or_non_float_tensor(sources, tmp_path, capsys):
+    hf = _copy(sources / "hf", tmp_path)
+    _edit_weights(hf, lambda tensors: tensors.pop("model.norm.weight"))
+    assert "has no tensor 'model.norm.weight' (1 missing in all)" in _fails(capsys, tmp_path, hf)
+    _edit_weights(hf, lambda tensors: tensors.update({"model.norm.weight": torch.ones(32, dtype=torch.int8)}))
+    assert "tensor model.norm.weight is I8, not a float type" in _fails(capsys, tmp_path, hf)
+
+
+@pytest.mark.parametrize("folder,buffer", [("gpt2", "transformer.h.1.attn.bias"),
+                                           ("hf", "model.layers.0.self_attn.rotary_emb.inv_freq")])
+def test_hf_buffers_without_weights_are_skipped(sources, tmp_path, folder, buffer):
+    """Older ``transformers`` saved buffers (GPT-2's causal mask, Llama's rotary frequencies) beside
+    the weights; they carry nothing to import, so they are not refused as unused tensors."""
+    hf = _copy(sources / folder, tmp_path)
+    _edit_weights(hf, lambda tensors: tensors.update({buffer: torch.ones(4)}))
+    assert main(["convert", str(hf), str(tmp_path / "out")]) == 0
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--to", "megazero", "--dp", "-1"], "--dp: must be 1 or more, got -1"),
+    (["--to", "megazero", "--dp", "0"], "--dp: must be 1 or more, got 0"),
+    (["--to", "megazero", "--tp", "0"], "--tp: must be 1 or more, got 0"),
+    (["--to", "megazero", "--pp", "-2"], "--pp: must be 1 or more, got -2"),
+    (["--to", "megazero", "--virtual-stages", "0"], "--virtual-stages: must be 1 or more, got 0"),
+    (["--shard-size-gb", "nan"], "--shard-size-gb: must be a positive number of GB, got nan"),
+    (["--shard-size-gb", "inf"], "--shard-size-gb: must be a positive number of GB, got inf"),
+    (["--shard-size-gb", "0"], "--shard-size-gb: must be a positive number of GB, got 0.0"),
+    (["--shard-size-gb", "-1"], "--shard-size-gb: must be a positive number of GB, got -1.0"),
+])
+def test_bad_numeric_flags(sources, tmp_path, capsys, flags, want):
+    assert _fails(capsys, tmp_path, sources / "gpt2_mz", *flags).endswith(f"error: {want}")

@@ -6,6 +6,7 @@ temporary folder beside DST and renamed to DST at the end: on any error DST does
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from megazero.errors import UserError
@@ -13,6 +14,7 @@ from megazero.errors import UserError
 TARGETS = ("hf", "megazero", "torch")
 LAYOUT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--dp": "parallel.dp", "--zero-stage": "zero.stage",
                 "--virtual-stages": "parallel.virtual_stages"}
+SIZE_FLAGS = ("--tp", "--pp", "--dp", "--virtual-stages")
 SOURCES = ("megazero", "hf", "megatron")
 
 
@@ -65,9 +67,23 @@ def open_source(path: Path, kind, verify: bool = True):
     return MegazeroSource(path, verify=verify)
 
 
+def check_flags(args) -> None:
+    """Refuse numbers no conversion can use before anything is read: a group size below 1 (the
+    world size computed from it would be 0 or negative, and --dp 0 would quietly mean 1), and a
+    shard size that is not a positive finite number of GB (0 or less would put every tensor in a
+    file of its own)."""
+    for flag in SIZE_FLAGS:
+        value = getattr(args, LAYOUT_FLAGS[flag].replace(".", "_"))
+        if value is not None and value < 1:
+            raise UserError(f"{flag}: must be 1 or more, got {value}")
+    if not (math.isfinite(args.shard_size_gb) and args.shard_size_gb > 0):
+        raise UserError(f"--shard-size-gb: must be a positive number of GB, got {args.shard_size_gb}")
+
+
 def run(args) -> int:
     from megazero.convert.streaming import staged
 
+    check_flags(args)
     src, dst = Path(args.src), Path(args.dst)
     if dst.exists():
         raise UserError(f"{dst}: already exists; give a new DST path or remove it first")

@@ -6,7 +6,9 @@ tokenizer (``megazero.convert.hf_tokenizer``). The folder loads with
 ``AutoModelForCausalLM.from_pretrained`` and no custom code.
 
 Read: the same files. Weights only from safetensors: a ``pytorch_model.bin`` is a pickle, which
-can run code when loaded, and is refused with the fix.
+can run code when loaded, and is refused with the fix. Before anything is written, ``config.json``
+is checked as `megazero train` checks a model section, and the weights against it: the tensors it
+implies, each of the shape it implies, and no others.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ import torch
 
 from megazero.convert.hf_models import FAMILIES, family_for
 from megazero.convert.hf_tokenizer import tokenizer_ids, write_tokenizer
-from megazero.convert.sources import Source, logical_shapes, unpadded
+from megazero.convert.sources import Source, logical_shapes
 from megazero.convert.streaming import StreamedSafetensors
 from megazero.errors import UserError
+from models.config import ModelConfig
 from models.embedding import fit_rows
 from models.gpt import VOCAB_PADDED
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 INDEX = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 class HFSource:
@@ -42,16 +46,16 @@ class HFSource:
             self.hf = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise UserError(f"{config_path}: cannot be read as JSON ({e}); check SRC") from None
+        if not isinstance(self.hf, dict):
+            raise UserError(f"{config_path}: holds a {type(self.hf).__name__}, not a mapping of fields; check SRC")
         archs = self.hf.get("architectures") or []
         self.family = FAMILIES.get(archs[0]) if archs else None
         if self.family is None:
             raise UserError(f"{config_path}: architecture {archs[0] if archs else self.hf.get('model_type')!r} is not "
                             f"one megazero can import ({', '.join(FAMILIES)}); convert such a model with its own tools")
-        try:
-            self.cfg = self.family.model_config(self.hf, str(config_path))
-        except KeyError as e:
-            raise UserError(f"{config_path}: has no {e} field, which {archs[0]} needs; the file is incomplete") from None
+        self.cfg = self.family.model_config(self.hf, str(config_path))
         self.files = self._weight_files()
+        self._check_weights(hf_shapes(self.cfg, self.family))
         self.names = list(logical_shapes(self.cfg))
 
     def _weight_files(self) -> dict[str, str]:
@@ -63,7 +67,7 @@ class HFSource:
             except (OSError, ValueError, KeyError) as e:
                 raise UserError(f"{index}: is not a safetensors index ({e}); restore it") from None
         elif (self.folder / "model.safetensors").is_file():
-            weight_map = {name: "model.safetensors" for name in _keys(self.folder / "model.safetensors")}
+            weight_map = {name: "model.safetensors" for name in _header(self.folder / "model.safetensors")}
         elif any(self.folder.glob("pytorch_model*.bin")):
             raise UserError(f"{self.folder}: holds pytorch_model.bin, a pickle that can run code when loaded, and "
                             "no safetensors weights; save the model with safetensors first "
@@ -76,13 +80,40 @@ class HFSource:
                                 "download it again")
         return weight_map
 
+    def _check_weights(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """The weights are what config.json says, before anything is converted: every tensor it
+        implies is there, in a float dtype, with the shape it implies (vocabulary rows included:
+        a Hugging Face embedding has exactly vocab_size rows, padding counted in vocab_size), and
+        no weight is left that it does not use (a layer beyond n_layer, a head of a tied model),
+        rather than dropped, cut or zero-filled into a model that is not the one in the folder."""
+        found = {}
+        for shard in sorted(set(self.files.values())):
+            found.update({name: (shard, *info) for name, info in _header(self.folder / shard).items()
+                          if self.files.get(name) == shard})
+        missing = [name for name in expected if name not in found]
+        if missing:
+            raise UserError(f"{self.folder}: has no tensor {missing[0]!r} ({len(missing)} missing in all), which its "
+                            "config.json implies; the weights do not match the config")
+        unused = [name for name in found if name not in expected
+                  and not any(buffer.fullmatch(name) for buffer in self.family.BUFFERS)]
+        if unused:
+            raise UserError(f"{self.folder}: holds {len(unused)} tensor(s) its config.json does not use "
+                            f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); the weights do not match "
+                            "the config -- correct config.json or use the folder the weights came from")
+        for name, shape in expected.items():
+            shard, got, dtype = found[name]
+            if got != shape:
+                raise UserError(f"{self.folder / shard}: tensor {name} has shape {list(got)} where config.json "
+                                f"implies {list(shape)}; the weights do not match the config")
+            if dtype not in FLOAT_DTYPES:
+                raise UserError(f"{self.folder / shard}: tensor {name} is {dtype}, not a float type "
+                                f"({', '.join(FLOAT_DTYPES)}); a quantized model cannot be imported, use its "
+                                "unquantized weights")
+
     def _tensor(self, name: str) -> torch.Tensor:
-        shard = self.files.get(name)
-        if shard is None:
-            raise UserError(f"{self.folder}: has no tensor {name!r}, which its config.json implies; the weights do "
-                            "not match the config")
         from safetensors import SafetensorError, safe_open
 
+        shard = self.files[name]
         try:
             with safe_open(self.folder / shard, framework="pt") as f:
                 return f.get_tensor(name).float()
@@ -91,15 +122,16 @@ class HFSource:
                             "download it again") from None
 
     def read(self, name: str) -> torch.Tensor:
-        return unpadded(name, self.family.from_hf(name, self._tensor, self.cfg), self.cfg)
+        return self.family.from_hf(name, self._tensor, self.cfg)
 
 
-def _keys(path: Path) -> list[str]:
+def _header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of a safetensors file with its shape and dtype (``F32``, ...), from the header alone."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, framework="pt") as f:
-            return list(f.keys())
+            return {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
     except SafetensorError as e:
         raise UserError(f"{path}: cannot be read ({e}); the file is truncated or damaged -- download it again") from None
 
@@ -118,7 +150,7 @@ def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: str | No
               "torch_dtype": HF_DTYPE_NAMES[torch_dtype], "use_cache": True, **ids}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **ids}, indent=2) + "\n")
-    shapes = _hf_shapes(source, family)
+    shapes = hf_shapes(cfg, family)
     shards = _plan_shards(shapes, torch_dtype, shard_bytes)
     files = sorted(set(shards.values()))
     writers: dict[str, StreamedSafetensors] = {}  # a shard is opened at its first tensor, closed after its last
@@ -141,10 +173,10 @@ def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: str | No
         write_tokenizer(tokenizer, out, cfg.seq_length)
 
 
-def _hf_shapes(source: Source, family) -> dict[str, tuple[int, ...]]:
-    """The Hugging Face tensors, in the order they will be written, with their shapes (the maps run on
-    meta tensors, so shapes come from the same code as values)."""
-    cfg = source.cfg
+def hf_shapes(cfg: ModelConfig, family) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensors of a model of ``cfg``, in the order they are written, with their
+    shapes: what export writes and import requires (the maps run on meta tensors, so shapes come
+    from the same code as values)."""
     shapes = {}
     for name, shape in logical_shapes(cfg).items():
         t = torch.empty(shape, device="meta")

@@ -21,16 +21,18 @@ Row layouts that differ:
 from __future__ import annotations
 
 import re
-from dataclasses import fields
+import typing
 from typing import Callable, Optional
 
 import torch
 
-from megazero.errors import UserError
+from data_pipeline.typed_config import coerce
+from megazero.errors import ConfigError, UserError
 from models.config import ModelConfig
 
 Read = Callable[[str], torch.Tensor]
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+MODEL_FIELD = re.compile(r"\bmodel\.(\w+)")
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # Hugging Face's names for our (tanh-approximated) GeLU
 
 
@@ -38,14 +40,54 @@ def refuse(field: str, value, why: str, fix: str) -> UserError:
     return UserError(f"{field}: {value!r} {why}; {fix}")
 
 
-def _model_config(**values) -> ModelConfig:
-    known = {f.name for f in fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in values.items() if k in known})
+def typed(hf: dict, family, where: str) -> dict:
+    """Our model fields as ``config.json`` gives them (``family.KEYS``: our field -> its key; an absent
+    key takes ``family.DEFAULTS``, and one without a default is required), each checked against
+    ``ModelConfig``'s type the way `megazero train` checks a config: a ``"4096"`` is refused here,
+    naming its key, rather than failing later in arithmetic on it."""
+    hints = typing.get_type_hints(ModelConfig)
+    values = {}
+    for field, key in family.KEYS.items():
+        if key in hf:
+            values[field] = coerce(hf[key], hints[field], f"{where}: {key}", UserError)
+        elif field in family.DEFAULTS:
+            values[field] = family.DEFAULTS[field]
+        else:
+            raise UserError(f"{where}: has no {key!r} field, which {family.hf_class} needs; the file is incomplete")
+    return values
+
+
+def validated(cfg: ModelConfig, family, where: str) -> ModelConfig:
+    """``cfg`` if `megazero train` would take it as its model section (positive sizes, heads dividing
+    the width, ...), else a ``UserError`` with one line per problem, each field it names given as
+    the ``config.json`` key behind it. Without this a model with -1 layers converts into one with
+    none, and heads that do not divide the width fail deep inside the conversion."""
+    from megazero.config.schema import Config
+    from megazero.config.validate import validate_config
+
+    def key(match: re.Match) -> str:
+        field = match.group(1)
+        return f"{family.KEYS[field]} ({match.group(0)})" if field in family.KEYS else match.group(0)
+
+    try:
+        validate_config(Config(model=cfg))
+    except ConfigError as e:
+        raise UserError("\n".join(f"{where}: {MODEL_FIELD.sub(key, problem)}" for problem in str(e).splitlines())) \
+            from None
+    return cfg
 
 
 class GPT2:
     hf_class, model_type, preset = "GPT2LMHeadModel", "gpt2", "gpt2"
     OTHER = "convert with --to megazero or --to torch instead, or train a model with the gpt2 preset"
+    KEYS = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "ffn_hidden_size": "n_inner",
+            "vocab_size": "vocab_size", "seq_length": "n_positions", "norm_eps": "layer_norm_epsilon",
+            "tie_embeddings": "tie_word_embeddings", "dropout": "resid_pdrop", "attention_dropout": "attn_pdrop"}
+    DEFAULTS = {"ffn_hidden_size": None, "seq_length": 1024, "norm_eps": 1e-5, "tie_embeddings": True,
+                "dropout": 0.0, "attention_dropout": 0.0}
+    BUFFERS = (re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"),)
+    """Tensors that hold no weights (the causal-mask buffers older versions of ``transformers``
+    saved, which it skips on load itself): a folder may have them; they are not imported."""
 
     @classmethod
     def check(cls, cfg: ModelConfig) -> None:
@@ -79,13 +121,9 @@ class GPT2:
             if hf.get(key, ok) != ok:
                 raise refuse(f"{where}: {key}", hf[key], "has no counterpart in megazero's GPT",
                              f"only models with {key}={ok} can be imported")
-        hidden = hf["n_embd"]
-        return _model_config(preset="gpt2", num_layers=hf["n_layer"], hidden_size=hidden, num_heads=hf["n_head"],
-                             ffn_hidden_size=hf.get("n_inner") or 4 * hidden, vocab_size=hf["vocab_size"],
-                             seq_length=hf.get("n_positions", 1024), position_embedding="learned", norm="layernorm",
-                             norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation="gelu",
-                             tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
-                             dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
+        cfg = ModelConfig(preset="gpt2", position_embedding="learned", norm="layernorm", activation="gelu",
+                          bias=True, **typed(hf, cls, where))
+        return validated(cfg, cls, where)
 
     LAYER_NAMES = {"attn_norm": "ln_1", "mlp_norm": "ln_2", "attention.qkv": "attn.c_attn",
                    "attention.out": "attn.c_proj", "mlp.fc_in": "mlp.c_fc", "mlp.fc_out": "mlp.c_proj"}
@@ -126,6 +164,14 @@ class GPT2:
 class Llama:
     hf_class, model_type, preset = "LlamaForCausalLM", "llama", "llama"
     OTHER = "convert with --to megazero or --to torch instead, or train a model with the llama preset"
+    KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "ffn_hidden_size": "intermediate_size", "vocab_size": "vocab_size",
+            "seq_length": "max_position_embeddings", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
+            "tie_embeddings": "tie_word_embeddings", "bias": "attention_bias", "attention_dropout": "attention_dropout"}
+    DEFAULTS = {"num_kv_heads": None, "seq_length": 2048, "rope_theta": 10000.0, "norm_eps": 1e-6,
+                "tie_embeddings": False, "bias": False, "attention_dropout": 0.0}
+    BUFFERS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
+    """The rotary frequencies older versions of ``transformers`` saved: computed from rope_theta."""
 
     @classmethod
     def check(cls, cfg: ModelConfig) -> None:
@@ -149,25 +195,25 @@ class Llama:
         if hf.get("hidden_act", "silu") != "silu":
             raise refuse(f"{where}: hidden_act", hf["hidden_act"], "is not SwiGLU's SiLU",
                          "only silu Llama models can be imported")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope = coerce(hf.get("rope_parameters") or hf.get("rope_scaling"), dict, f"{where}: rope_parameters", UserError)
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise refuse(f"{where}: rope_scaling", rope.get("rope_type", rope.get("type")), "has no counterpart in "
                          "megazero's rotary embedding", "only models with plain rotary positions can be imported")
-        hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-        if hf.get("head_dim") not in (None, hidden // heads):
-            raise refuse(f"{where}: head_dim", hf["head_dim"], f"differs from hidden_size / num_attention_heads = "
-                         f"{hidden // heads}", "megazero derives the head width from those two")
-        if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-            raise refuse(f"{where}: mlp_bias", hf.get("mlp_bias", False), "differs from attention_bias; megazero's "
-                         "model.bias covers both", "only models with both or neither can be imported")
-        kv = hf.get("num_key_value_heads") or heads
-        return _model_config(preset="llama", num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
-                             num_kv_heads=None if kv == heads else kv, ffn_hidden_size=hf["intermediate_size"],
-                             vocab_size=hf["vocab_size"], seq_length=hf.get("max_position_embeddings", 2048),
-                             position_embedding="rope", rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                             norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
-                             tie_embeddings=hf.get("tie_word_embeddings", False), bias=hf.get("attention_bias", False),
-                             attention_dropout=hf.get("attention_dropout", 0.0))
+        theta = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}  # newer files keep it there
+        values = typed({**hf, **theta}, cls, where)
+        mlp_bias = coerce(hf.get("mlp_bias", False), bool, f"{where}: mlp_bias", UserError)
+        if mlp_bias != values["bias"]:
+            raise refuse(f"{where}: mlp_bias", mlp_bias, "differs from attention_bias; megazero's model.bias covers "
+                         "both", "only models with both or neither can be imported")
+        if values["num_kv_heads"] == values["num_heads"]:
+            values["num_kv_heads"] = None
+        cfg = validated(ModelConfig(preset="llama", position_embedding="rope", norm="rmsnorm", activation="swiglu",
+                                    **values), cls, where)
+        head_dim = coerce(hf.get("head_dim"), Optional[int], f"{where}: head_dim", UserError)
+        if head_dim not in (None, cfg.head_dim):
+            raise refuse(f"{where}: head_dim", head_dim, f"differs from hidden_size / num_attention_heads = "
+                         f"{cfg.head_dim}", "megazero derives the head width from those two")
+        return cfg
 
     LAYER_NAMES = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
                    "attention.out": "self_attn.o_proj", "mlp.fc_out": "mlp.down_proj"}
