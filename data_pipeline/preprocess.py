@@ -22,6 +22,7 @@ from itertools import chain
 import numpy as np
 
 from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
+from data_pipeline.shard_origin import tokenizer_identity, write_origin
 from data_pipeline.sources import Batch, iter_batches
 from data_pipeline.tokenizer import load_tokenizer
 
@@ -150,8 +151,10 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     finally:
         if bar is not None:
             bar.close()
+    identity = tokenizer_identity(tokenizer_path, vocab_size)
     for w in writers.values():
         w.finish()
+        write_origin(w.prefix, identity)
     stats.seconds = time.perf_counter() - start
     return stats
 

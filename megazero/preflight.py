@@ -90,7 +90,9 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
         return [], [f"data.blend: {exc}"]
     problems = []
     try:
-        parse_split(d.split)
+        if parse_split(d.split)[0] == 0:
+            problems.append(f"data.split: {d.split!r} leaves no documents for training; give the first (training) "
+                            "share a positive weight, e.g. 969,30,1")
     except ValueError as exc:
         problems.append(f"data.split: {exc}")
     for prefix in prefixes:
@@ -98,7 +100,22 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
             IndexedDataset(prefix)
         except (ValueError, OSError) as exc:
             problems.append(f"data.blend: {exc}")
-    return prefixes, problems
+    return prefixes, problems + _tokenizer_origin_problems(prefixes, d.tokenizer)
+
+
+def _tokenizer_origin_problems(prefixes: list[str], tokenizer: Optional[str]) -> list[str]:
+    """The shards must share the tokenizer they record (``shard_origin``), and be of ``data.tokenizer``
+    when it is set: ids of another tokenizer within the vocabulary pass every other check."""
+    from data_pipeline.shard_origin import common_origin, tokenizer_mismatch
+
+    try:
+        origin = common_origin(prefixes)
+        if origin is None or tokenizer is None or not os.path.isfile(tokenizer):
+            return []  # no record to compare with, or a tokenizer the tokenizer check already refuses
+        mismatch = tokenizer_mismatch(*origin, tokenizer)
+    except (ValueError, OSError) as exc:
+        return [f"data.blend: {exc}"]
+    return [f"data.tokenizer: {mismatch}"] if mismatch else []
 
 
 def _tokenizer_vocab(cfg: Config) -> tuple[Optional[int], list[str]]:

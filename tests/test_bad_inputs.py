@@ -55,6 +55,14 @@ def files(tmp_path_factory):
     big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(4 * VOCAB)} | {"<unk>": 4 * VOCAB,
                                      "</s>": 4 * VOCAB + 1}, unk_token="<unk>"))
     big.save(str(root / "big_tokenizer.json"))
+    other = Tokenizer(models.WordLevel({f"v{i}": i for i in range(VOCAB - 2)} | {"<unk>": VOCAB - 2, "</s>": VOCAB - 1},
+                                       unk_token="<unk>"))
+    other.save(str(root / "other_tokenizer.json"))
+    from data_pipeline.shard_origin import tokenizer_identity, write_origin
+
+    recorded, recorded_other = shard("recorded_text_document", VOCAB), shard("recorded_other_text_document", VOCAB)
+    write_origin(recorded, tokenizer_identity(str(root / "tokenizer.json"), VOCAB))
+    write_origin(recorded_other, tokenizer_identity(str(root / "other_tokenizer.json"), VOCAB))
     (root / "notes.txt").write_text("this is not a tokenizer\n")
     (root / "empty.model").write_bytes(b"")
 
@@ -105,7 +113,7 @@ def files(tmp_path_factory):
     (root / "emptydir").mkdir()
     (root / "dup.yaml").write_text("train:\n  seed: 3\nmodel:\n  num_layers: 2\ntrain:\n  train_steps: 5\n")
     (root / "bad_preset.yaml").write_text("datasets: [1.0, good_text_document]\n")
-    return {"root": root, "good": good, "wide": wide, "truncated": truncated, "garbage": garbage,
+    return {"root": root, "good": good, "wide": wide, "recorded": recorded, "recorded_other": recorded_other, "truncated": truncated, "garbage": garbage,
             "only_idx": only_idx, "ckpt": str(ckpt), "run": str(run), "flipped": str(flipped),
             "edited": str(edited), "partial": str(nocomplete), "pickled": str(pickled), "locked": str(locked)}
 
@@ -184,6 +192,15 @@ CASES = [
                                             str(f["root"] / "bad_preset.yaml"), "--data.blend_root", str(f["root"])),
      ["bad_preset.yaml", "datasets[0] is 1.0", "[weight, name]"]),
     ("split", lambda f: _train(f, "--data.split", "a,b"), ["data"]),
+    ("shard-of-another-tokenizer", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "other_tokenizer.json"),
+                                                    prefix=f["recorded"]),
+     ["data.tokenizer: ", "recorded_text_document was tokenized with tokenizer.json (64 tokens", "other_tokenizer.json"]),
+    ("blend-of-two-tokenizers", lambda f: _train(f, "--data.blend", f"[[1.0, {f['recorded']}], [1.0, {f['recorded_other']}]]"),
+     ["data.blend: ", "recorded_other_text_document was tokenized with other_tokenizer.json", "must share a tokenizer"]),
+    ("merge-of-two-tokenizers", lambda f: ["preprocess", "--merge", f["recorded"], f["recorded_other"], "--output-prefix",
+                                           str(f["root"] / "out" / "merged")], ["must share a tokenizer"]),
+    ("split-no-training", lambda f: _train(f, "--data.split", "0,0,1"), ["data.split: '0,0,1' leaves no documents"]),
+    ("data-seed", lambda f: _train(f, "--data.seed", "-5"), ["data.seed: -5 is outside"]),
     # --- tokenizers -----------------------------------------------------------------------------
     ("tokenizer-missing", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "nope.model")),
      ["data.tokenizer", "nope.model"]),
@@ -348,3 +365,20 @@ def test_a_warm_up_longer_than_the_run_is_said_at_its_start(files, capsys):
     assert main(["train", *_model(files["good"], str(run)), "--schedule.warmup_steps", "8"]) == 0
     out = capsys.readouterr().out
     assert "note: schedule.warmup_steps 8 is more than train.train_steps 2: the learning rate ends at 0.25" in out, out
+
+
+def test_a_shard_records_its_tokenizer_through_preprocess_and_merge(files, capsys):
+    """What the tokenizer checks compare with: preprocessing records the tokenizer's digest beside the
+    shard, a merge carries it over, and a run with that tokenizer passes."""
+    from data_pipeline.shard_origin import read_origin, tokenizer_identity
+
+    tok, out = str(files["root"] / "tokenizer.json"), files["root"] / "recorded_out"
+    made = [str(out / name) for name in ("a", "b")]
+    for prefix in made:
+        assert main(["preprocess", "--input", str(files["root"] / "whole.jsonl.gz"), "--tokenizer", tok,
+                     "--output-prefix", prefix, "--no-progress"]) == 0
+    merged = str(out / "merged_text_document")
+    assert main(["preprocess", "--merge", *(f"{p}_text_document" for p in made), "--output-prefix", merged]) == 0
+    assert read_origin(merged) == read_origin(f"{made[0]}_text_document") == tokenizer_identity(tok, VOCAB)
+    capsys.readouterr()
+    assert main(_train(files, "--data.tokenizer", tok, "--check", prefix=merged)) == 0, capsys.readouterr().err

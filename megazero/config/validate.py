@@ -140,6 +140,8 @@ def _value_problems(cfg: Config) -> list[str]:
     if t.train_steps is None and t.train_tokens is None:
         problems.append("train.train_steps: is null and so is train.train_tokens; give one of them to say when "
                         "training ends")
+    if not 0 <= cfg.data.seed < 2**32:
+        problems.append(f"data.seed: {cfg.data.seed} is outside 0 to 2**32 - 1, the seeds numpy's generator takes")
     if not problems:
         try:
             build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)

@@ -1,0 +1,85 @@
+"""Which tokenizer made a shard: a small record beside its ``.bin`` and ``.idx``.
+
+Token ids mean nothing without the tokenizer that produced them, and the indexed format (kept
+readable by Megatron) has no room to say which one. A shard made with another tokenizer of the same
+or a smaller vocabulary passes every other check and trains on garbage. So preprocessing writes
+``PREFIX.tokenizer.json`` (the tokenizer file's SHA-256 and vocabulary size), merging carries it
+over, and a run compares it with ``data.tokenizer``. Shards from elsewhere have no record and are
+taken as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Iterable, Optional
+
+
+def origin_path(prefix: str) -> str:
+    return f"{prefix}.tokenizer.json"
+
+
+def tokenizer_identity(path: str, vocab_size: int) -> dict:
+    """What a shard records of the tokenizer at ``path``: its bytes' digest and vocabulary size."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return {"tokenizer_sha256": digest.hexdigest(), "vocab_size": int(vocab_size),
+            "tokenizer": os.path.basename(path)}
+
+
+def write_origin(prefix: str, identity: dict) -> None:
+    """Record ``identity`` for the shard at ``prefix`` (atomically: a half-written record would read as
+    damaged)."""
+    tmp = f"{origin_path(prefix)}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(identity, f)
+    os.replace(tmp, origin_path(prefix))
+
+
+def read_origin(prefix: str) -> Optional[dict]:
+    """The shard's record, or None where it has none (made elsewhere); a damaged one is an error."""
+    path = origin_path(prefix)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        if not isinstance(record.get("tokenizer_sha256"), str) or not isinstance(record.get("vocab_size"), int):
+            raise ValueError("missing fields")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path}: damaged record of the shard's tokenizer ({exc}); delete it to use the shard "
+                         "unchecked, or preprocess again") from None
+    return record
+
+
+def describe(record: dict) -> str:
+    return f"{record.get('tokenizer', 'a tokenizer')} ({record['vocab_size']} tokens, sha256 {record['tokenizer_sha256'][:12]})"
+
+
+def common_origin(prefixes: Iterable[str]) -> Optional[tuple[str, dict]]:
+    """(the first shard with a record, the tokenizer record all of ``prefixes`` that have one share),
+    or None if none has one; shards recorded with two different tokenizers are an error naming both."""
+    first: Optional[tuple[str, dict]] = None
+    for prefix in prefixes:
+        record = read_origin(prefix)
+        if record is None:
+            continue
+        if first is None:
+            first = (prefix, record)
+        elif record["tokenizer_sha256"] != first[1]["tokenizer_sha256"]:
+            raise ValueError(f"{prefix} was tokenized with {describe(record)}, {first[0]} with {describe(first[1])}: "
+                             "shards of one run or merge must share a tokenizer")
+    return first
+
+
+def tokenizer_mismatch(prefix: str, record: dict, tokenizer_path: str) -> Optional[str]:
+    """Why the shard at ``prefix`` (recorded as ``record``) was not made with ``tokenizer_path``; None
+    if it was."""
+    mine = tokenizer_identity(tokenizer_path, record["vocab_size"])
+    if mine["tokenizer_sha256"] == record["tokenizer_sha256"]:
+        return None
+    return (f"{prefix} was tokenized with {describe(record)}, not with {tokenizer_path} (sha256 "
+            f"{mine['tokenizer_sha256'][:12]}); use the tokenizer it was made with, or preprocess it again")
