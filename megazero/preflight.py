@@ -48,9 +48,20 @@ def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[i
         problems += scan_problems
     problems += _directory_problems(cfg)
     problems += _checkpoint_problems(cfg)
+    problems += _logger_problems(cfg)
     if problems:
         raise ConfigError("\n".join(problems))
     return DataFacts(tuple(prefixes), largest, vocab)
+
+
+def _logger_problems(cfg: Config) -> list[str]:
+    """The optional loggers' packages, looked up without importing them (the logger itself says the
+    same, but only once the model is built)."""
+    import importlib.util
+
+    wanted = {"logging.wandb": (cfg.logging.wandb, "wandb"), "logging.tensorboard": (cfg.logging.tensorboard, "tensorboard")}
+    return [f"{field}: is on but the {package} package is not installed; pip install {package} or set {field} false"
+            for field, (on, package) in wanted.items() if on and importlib.util.find_spec(package) is None]
 
 
 def _device_problems(cfg: Config) -> list[str]:

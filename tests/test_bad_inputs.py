@@ -382,3 +382,14 @@ def test_a_shard_records_its_tokenizer_through_preprocess_and_merge(files, capsy
     assert read_origin(merged) == read_origin(f"{made[0]}_text_document") == tokenizer_identity(tok, VOCAB)
     capsys.readouterr()
     assert main(_train(files, "--data.tokenizer", tok, "--check", prefix=merged)) == 0, capsys.readouterr().err
+
+
+def test_a_logger_without_its_package_is_refused_before_the_run(files, capsys):
+    """``--check`` said "config ok" and the run stopped once its model was built."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    assert main(_train(files, "--logging.tensorboard", "true", "--check")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "logging.tensorboard: is on but the tensorboard package is not installed" in err[0], err

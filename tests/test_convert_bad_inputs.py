@@ -273,3 +273,15 @@ def test_hf_buffers_without_weights_are_skipped(sources, tmp_path, folder, buffe
 ])
 def test_bad_numeric_flags(sources, tmp_path, capsys, flags, want):
     assert _fails(capsys, tmp_path, sources / "gpt2_mz", *flags).endswith(f"error: {want}")
+
+
+def test_a_tokenizer_bigger_than_the_model_is_refused(sources, tmp_path, capsys):
+    """A tokenizer with more tokens than the model's rows would make an HF folder that encodes text to
+    ids the model cannot embed (``mz`` has 61 rows)."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(99)} | {"</s>": 99}, unk_token="</s>")).save(
+        str(tmp_path / "big.json"))
+    err = _fails(capsys, tmp_path, sources / "mz", "--to", "hf", "--tokenizer", tmp_path / "big.json")
+    assert err.endswith(f"--tokenizer {tmp_path / 'big.json'}: has 100 tokens, but the model has 61; give the "
+                        "tokenizer the model was trained with"), err

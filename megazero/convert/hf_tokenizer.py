@@ -35,6 +35,15 @@ def _load(path: str):
         raise UserError(f"--tokenizer {path}: {e}") from None
 
 
+def check_fits(path: str, vocab_size: int) -> None:
+    """Refuse a tokenizer with more tokens than the model has rows: the folder written would encode
+    text to ids the model cannot embed."""
+    tokens = _load(path).vocab_size
+    if tokens > vocab_size:
+        raise UserError(f"--tokenizer {path}: has {tokens} tokens, but the model has {vocab_size}; give the "
+                        "tokenizer the model was trained with")
+
+
 def tokenizer_ids(path: str) -> dict:
     tok = _load(path)
     return {"eos_token_id": tok.eod_id, "pad_token_id": tok.pad_id}
