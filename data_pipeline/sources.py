@@ -10,6 +10,7 @@ datasets: index, both 0-based), so a worker that meets a bad record can say wher
 from __future__ import annotations
 
 import codecs
+import contextlib
 import gzip
 import io
 import json
@@ -214,19 +215,43 @@ def _hf_batches(path: str, keys: tuple[str, ...], batch_size: int, split: str) -
     elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_dict.json")):
         ds = datasets.load_from_disk(path)[split]
     else:
-        ds = datasets.load_dataset(path, split=split, streaming=True)
+        with _read_by_datasets(path):
+            ds = datasets.load_dataset(path, split=split, streaming=True)
     columns = ds.column_names  # None for a streamed dataset whose columns are not known up front
     missing = [k for k in keys if columns is not None and k not in columns]
     if missing:
         raise ValueError(f"{path}: no column {missing} (columns: {columns}); choose with --json-keys")
     rows, start = [], 0
-    for row in ds:
-        rows.append({k: row[k] for k in keys if k in row})
-        if len(rows) == batch_size:
-            yield Batch(path, "index", range(start, start + len(rows)), records=rows)
-            rows, start = [], start + len(rows)
+    with _read_by_datasets(path):  # a streamed dataset reads, and fails, as it is iterated
+        for row in ds:
+            rows.append({k: row[k] for k in keys if k in row})
+            if len(rows) == batch_size:
+                yield Batch(path, "index", range(start, start + len(rows)), records=rows)
+                rows, start = [], start + len(rows)
     if rows:
         yield Batch(path, "index", range(start, start + len(rows)), records=rows)
+
+
+@contextlib.contextmanager
+def _read_by_datasets(path: str):
+    """What the ``datasets`` library raises while guessing a plain directory's or a name's format (its
+    own, pyarrow's or the hub client's exceptions, often about a column or a parse position) as one
+    ``ValueError`` saying what the input was taken for and what megazero reads."""
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as exc:
+        if str(exc).startswith(path):
+            raise  # ours, already naming the input
+        raise _not_readable(path, exc) from None
+    except Exception as exc:  # noqa: BLE001 - a third-party reader's many exception types
+        raise _not_readable(path, exc) from None
+
+
+def _not_readable(path: str, exc: Exception) -> ValueError:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    return ValueError(f"{path}: read as a Hugging Face dataset (a directory or name without a .jsonl or .parquet "
+                      f"suffix), which failed: {first}; give .jsonl/.json(.gz/.zst) or .parquet files, a directory "
+                      "written by save_to_disk, or a hub dataset name")
 
 
 def decode_line(line: bytes) -> str:

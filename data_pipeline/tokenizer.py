@@ -174,10 +174,13 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     tmp_prefix = f"{model_prefix}.tmp-{os.getpid()}"
     failures = []  # what the reader raised: SentencePiece rewraps it with a printed traceback
+    seen = [0]
 
     def sentences() -> Iterator[str]:
         try:
-            yield from _lines(texts, max_line_bytes=4096)
+            for line in _lines(texts, max_line_bytes=4096):
+                seen[0] += 1
+                yield line
         except Exception as exc:
             failures.append(exc)
             raise
@@ -195,6 +198,8 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     except RuntimeError:
         if failures:
             raise failures[0] from None
+        if not seen[0]:
+            raise ValueError("the input holds no text to train on (every file is empty, or every line blank or over 4096 bytes)") from None
         raise
     for ext in (".model", ".vocab"):
         os.replace(tmp_prefix + ext, model_prefix + ext)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from megazero.errors import UserError
@@ -39,6 +40,7 @@ def run(args) -> int:
     from data_pipeline.indexed import merge_shards
     from data_pipeline.preprocess import output_prefix_for, preprocess
 
+    _check_output_dir(args.output_prefix)
     try:
         if args.merge:
             merged = merge_shards(args.merge, args.output_prefix)
@@ -59,3 +61,14 @@ def run(args) -> int:
         print(f"wrote {output_prefix_for(args.output_prefix, key)}.bin/.idx")
     print(stats.summary())
     return 0
+
+
+def _check_output_dir(prefix: str) -> None:
+    """The shards' directory must be there (or makeable) and writable, said before any input is read."""
+    directory = os.path.dirname(os.path.abspath(prefix))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--output-prefix {prefix}: cannot create {directory} ({exc.strerror})") from None
+    if not os.access(directory, os.W_OK):
+        raise UserError(f"--output-prefix {prefix}: {directory} is not writable")
