@@ -108,10 +108,31 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
         problems.append(f"data.split: {exc}")
     for prefix in prefixes:
         try:
-            IndexedDataset(prefix)
+            problems += _too_short(IndexedDataset(prefix), cfg)
         except (ValueError, OSError) as exc:
             problems.append(f"data.blend: {exc}")
     return prefixes, problems + _tokenizer_origin_problems(prefixes, d.tokenizer)
+
+
+def _too_short(data, cfg: Config) -> list[str]:
+    """Each split the run samples from (training, and validation when it evaluates) must hold one
+    sample of ``seq_length + 1`` tokens; found here rather than while the run builds its indices."""
+    from data_pipeline.gpt_samples import SPLIT_NAMES, samples_in, split_ranges
+
+    seq = cfg.model.seq_length
+    try:
+        ranges = dict(zip(SPLIT_NAMES, split_ranges(cfg.data.split, len(data))))
+    except ValueError:
+        return []  # data.split itself is reported by its own check
+    used = ("train", "valid") if cfg.train.eval_interval else ("train",)
+    problems = []
+    for which in used:
+        start, end = ranges[which]
+        tokens = int(data.sizes[start:end].astype("int64").sum())
+        if end > start and samples_in(tokens, seq) == 0:
+            problems.append(f"model.seq_length: {seq} is longer than the {tokens} tokens of {data.prefix}'s {which} "
+                            f"split ({end - start} documents); lower it, or give that split more of data.split")
+    return problems
 
 
 def _tokenizer_origin_problems(prefixes: list[str], tokenizer: Optional[str]) -> list[str]:

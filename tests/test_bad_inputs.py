@@ -199,6 +199,8 @@ CASES = [
      ["data.blend: ", "recorded_other_text_document was tokenized with other_tokenizer.json", "must share a tokenizer"]),
     ("merge-of-two-tokenizers", lambda f: ["preprocess", "--merge", f["recorded"], f["recorded_other"], "--output-prefix",
                                            str(f["root"] / "out" / "merged")], ["must share a tokenizer"]),
+    ("seq-longer-than-data", lambda f: _train(f, "--model.seq_length", "6000"),
+     ["model.seq_length: 6000 is longer than the 5120 tokens of", "good_text_document's train split (64 documents)"]),
     ("split-no-training", lambda f: _train(f, "--data.split", "0,0,1"), ["data.split: '0,0,1' leaves no documents"]),
     ("data-seed", lambda f: _train(f, "--data.seed", "-5"), ["data.seed: -5 is outside"]),
     # --- tokenizers -----------------------------------------------------------------------------
