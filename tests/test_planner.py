@@ -312,7 +312,7 @@ def test_plan_ranks_only_layouts_the_trainer_accepts():
 
 def test_plan_weighs_the_zero_bubble_schedules():
     """GPT 1.3B at pp 2 with 8 micro-batches on H200s (BENCHMARKS.md, 2026-11-28): ZB-H2 ran a step in
-    1049 ms against ZB-H1's 1082 (call 1) and 1F1B's 1124 (call 7, against ZB-H2's 1043.5). The planner
+    1049 ms against ZB-H1's 1082 (call 1) and 1F1B's 1124 (call 6, against ZB-H2's 1043.5). The planner
     times the zero-bubble schedules with the stages' unequal op costs, which is what separates them
     (planted: at equal costs both idle the same and tie); ZB-H2 holds more. It offers all three for pp > 1."""
     cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", ["--parallel.pp", "2", "--train.global_batch_size", "64"]),
