@@ -94,6 +94,18 @@ def build_shuffle_index(num_first: int, total: int, rng: np.random.RandomState) 
     return np.concatenate([first, rest])
 
 
+def epoch_plan(tokens_per_epoch: int, seq_len: int, num_samples: int) -> tuple[int, bool]:
+    """(epochs over the documents, whether the last one is shuffled apart) for ``num_samples``: with
+    the documents and the seed, what the sample order depends on. Asking for more samples keeps the
+    order while this stays the same, and reshuffles every sample when it changes."""
+    per_epoch = samples_in(tokens_per_epoch, seq_len)
+    num_epochs = 1
+    while samples_in(num_epochs * tokens_per_epoch, seq_len) < num_samples:
+        num_epochs += 1
+    sans_final = samples_in((num_epochs - 1) * tokens_per_epoch, seq_len)
+    return num_epochs, num_epochs > 1 and num_samples - sans_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
+
+
 def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_len: int, num_samples: int | None,
                       seed: int) -> dict:
     """The three index arrays for ``num_samples`` samples (``None``: one epoch's worth)."""
@@ -103,11 +115,8 @@ def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_len: int, nu
         raise ValueError(f"{len(documents)} documents hold {tokens_per_epoch} tokens, too few for one sample "
                          f"of {seq_len}+1 tokens")
     num_samples = per_epoch if num_samples is None else num_samples
-    num_epochs = 1
-    while samples_in(num_epochs * tokens_per_epoch, seq_len) < num_samples:
-        num_epochs += 1
+    num_epochs, separate = epoch_plan(tokens_per_epoch, seq_len, num_samples)
     sans_final = samples_in((num_epochs - 1) * tokens_per_epoch, seq_len)
-    separate = num_epochs > 1 and num_samples - sans_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
     rng = np.random.RandomState(seed)
     document_index = build_document_index(documents, num_epochs, rng, separate)
     sample_index = build_sample_index(sizes, document_index, seq_len)

@@ -124,7 +124,8 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     UTF-8 raises a ValueError naming its file and position, or with ``skip_bad_records`` is left
     out of every key's shard and counted in ``stats.skipped``.
     """
-    vocab_size = load_tokenizer(tokenizer_path).vocab_size
+    tokenizer = load_tokenizer(tokenizer_path)
+    vocab_size, identity = tokenizer.vocab_size, tokenizer_identity(tokenizer)  # before any work
     writers = {k: IndexedDatasetWriter(output_prefix_for(output_prefix, k), token_dtype(vocab_size)) for k in keys}
     stats = PreprocessStats()
     bar = _progress_bar(progress)
@@ -151,7 +152,6 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     finally:
         if bar is not None:
             bar.close()
-    identity = tokenizer_identity(tokenizer_path, vocab_size)
     for w in writers.values():
         w.finish()
         write_origin(w.prefix, identity)

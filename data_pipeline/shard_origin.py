@@ -20,14 +20,15 @@ def origin_path(prefix: str) -> str:
     return f"{prefix}.tokenizer.json"
 
 
-def tokenizer_identity(path: str, vocab_size: int) -> dict:
-    """What a shard records of the tokenizer at ``path``: its bytes' digest and vocabulary size."""
+def tokenizer_identity(tokenizer) -> dict:
+    """What a shard records of a loaded ``tokenizer`` (``data_pipeline.tokenizer``; its ``path`` is
+    the file itself, a folder's ``tokenizer.json`` too): the file's digest and the vocabulary size."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(tokenizer.path, "rb") as f:
         while block := f.read(1 << 20):
             digest.update(block)
-    return {"tokenizer_sha256": digest.hexdigest(), "vocab_size": int(vocab_size),
-            "tokenizer": os.path.basename(path)}
+    return {"tokenizer_sha256": digest.hexdigest(), "vocab_size": int(tokenizer.vocab_size),
+            "tokenizer": os.path.basename(tokenizer.path)}
 
 
 def write_origin(prefix: str, identity: dict) -> None:
@@ -75,11 +76,11 @@ def common_origin(prefixes: Iterable[str]) -> Optional[tuple[str, dict]]:
     return first
 
 
-def tokenizer_mismatch(prefix: str, record: dict, tokenizer_path: str) -> Optional[str]:
-    """Why the shard at ``prefix`` (recorded as ``record``) was not made with ``tokenizer_path``; None
-    if it was."""
-    mine = tokenizer_identity(tokenizer_path, record["vocab_size"])
+def tokenizer_mismatch(prefix: str, record: dict, tokenizer) -> Optional[str]:
+    """Why the shard at ``prefix`` (recorded as ``record``) was not made with the loaded ``tokenizer``;
+    None if it was."""
+    mine = tokenizer_identity(tokenizer)
     if mine["tokenizer_sha256"] == record["tokenizer_sha256"]:
         return None
-    return (f"{prefix} was tokenized with {describe(record)}, not with {tokenizer_path} (sha256 "
+    return (f"{prefix} was tokenized with {describe(record)}, not with {tokenizer.path} (sha256 "
             f"{mine['tokenizer_sha256'][:12]}); use the tokenizer it was made with, or preprocess it again")

@@ -19,6 +19,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         first_line: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # ``<<: *anchor`` merges defaults that the mapping's own keys may override
             key = self.construct_object(key_node, deep=True)
             try:
                 earlier = first_line.get(key)

@@ -10,6 +10,14 @@ from megazero.config import Config
 from megazero.errors import ConfigError
 
 
+def train_samples(cfg: Config) -> int:
+    """The training samples a run draws in all, for which its sample indices are built."""
+    t = cfg.train
+    if t.train_steps is not None:
+        return t.train_steps * t.global_batch_size
+    return -(-t.train_tokens // cfg.model.seq_length) + t.global_batch_size
+
+
 def build_datasets(cfg: Config, train_samples: int):
     """(train, validation or None) sample sequences of ``seq_length + 1`` tokens."""
     from data_pipeline.blend import build_blended_samples, resolve_blend

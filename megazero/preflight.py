@@ -128,10 +128,11 @@ def _too_short(data, cfg: Config) -> list[str]:
     problems = []
     for which in used:
         start, end = ranges[which]
-        tokens = int(data.sizes[start:end].astype("int64").sum())
+        tokens = int(data.sizes[start:end].sum(dtype="int64"))
         if end > start and samples_in(tokens, seq) == 0:
-            problems.append(f"model.seq_length: {seq} is longer than the {tokens} tokens of {data.prefix}'s {which} "
-                            f"split ({end - start} documents); lower it, or give that split more of data.split")
+            problems.append(f"model.seq_length: a sample of {seq} needs {seq}+1 tokens, and {data.prefix}'s {which} "
+                            f"split holds {tokens} ({end - start} documents); lower it, or give that split more of "
+                            "data.split")
     return problems
 
 
@@ -139,14 +140,19 @@ def _tokenizer_origin_problems(prefixes: list[str], tokenizer: Optional[str]) ->
     """The shards must share the tokenizer they record (``shard_origin``), and be of ``data.tokenizer``
     when it is set: ids of another tokenizer within the vocabulary pass every other check."""
     from data_pipeline.shard_origin import common_origin, tokenizer_mismatch
+    from data_pipeline.tokenizer import load_tokenizer
 
     try:
         origin = common_origin(prefixes)
-        if origin is None or tokenizer is None or not os.path.isfile(tokenizer):
-            return []  # no record to compare with, or a tokenizer the tokenizer check already refuses
-        mismatch = tokenizer_mismatch(*origin, tokenizer)
     except (ValueError, OSError) as exc:
         return [f"data.blend: {exc}"]
+    if origin is None or tokenizer is None:
+        return []  # no record to compare with
+    try:
+        loaded = load_tokenizer(tokenizer)
+    except (ValueError, OSError):
+        return []  # the tokenizer check reports it
+    mismatch = tokenizer_mismatch(*origin, loaded)
     return [f"data.tokenizer: {mismatch}"] if mismatch else []
 
 
@@ -230,7 +236,8 @@ def _read_only_mount(path: str) -> bool:
         return False
 
 
-# Model fields that decide parameter shapes and meaning: a checkpoint cannot move across them.
+# Model fields that decide parameter shapes and meaning: a checkpoint cannot move across them
+# (``rope_theta`` only where rotary embeddings use it).
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
                        "seq_length", "position_embedding", "rope_theta", "norm", "norm_eps", "activation",
                        "tie_embeddings", "bias")
@@ -239,44 +246,99 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
 def _checkpoint_problems(cfg: Config) -> list[str]:
     """The checkpoint the run will resume from must be complete, intact in its record, and of this
     model; its files' checksums are verified as they are loaded."""
+    where = "checkpoint.save_dir"
     try:
         ckpt, where = start_checkpoint(cfg.checkpoint.load, cfg.save_dir)
         if ckpt is None:
             return []
         meta = read_manifest(ckpt)["meta"]
+        saved = meta["config"]
+        saved_model = saved["model"]
     except CheckpointError as exc:
-        return [f"{'checkpoint.load' if cfg.checkpoint.load else 'checkpoint.save_dir'}: {exc}"]
-    saved, now = meta["config"], config_to_dict(cfg)
-    changed = sorted(k for k in ARCHITECTURE_FIELDS if saved["model"].get(k) != now["model"][k])
+        return [f"{where}: {exc}"]
+    except (KeyError, TypeError):
+        return [f"{where}: {ckpt} records no training config (its COMPLETE has no meta.config); it was not written "
+                "by megazero train or convert: convert it again"]
+    now = config_to_dict(cfg)
+    rope = "rope" in (saved_model.get("position_embedding"), now["model"]["position_embedding"])
+    changed = sorted(k for k in ARCHITECTURE_FIELDS if saved_model.get(k) != now["model"][k]
+                     and (rope or k != "rope_theta"))
     if changed:
         return [f"{where}: {ckpt} was trained with a different model ({', '.join(f'model.{k}' for k in changed)}); "
                 "resume with the same model section, or load another checkpoint"]
-    if meta["step"] == 0 or cfg.checkpoint.allow_config_changes:
+    if meta.get("step", 0) == 0 or cfg.checkpoint.allow_config_changes:
         return []  # nothing trained yet (a converted checkpoint): no data order or schedule to keep
     return [f"{where}: {ckpt} (step {meta['step']}) {problem}; set it back, or set "
             "checkpoint.allow_config_changes true to resume anyway" for problem in _resume_changes(saved, cfg, meta["step"])]
 
 
-# What decides which samples a resumed run reads next: changing any of them gives a new data order,
-# so the samples consumed so far no longer say where the run stands in it.
-DATA_ORDER_FIELDS = ("blend", "blend_preset", "blend_root", "split", "seed", "tokenizer")
-
-
 def _resume_changes(saved: dict, cfg: Config, step: int) -> list[str]:
     """How resuming from a checkpoint of ``step``, written with config ``saved``, would silently differ
-    from continuing its run: another data order, or a jump in the learning rate (a longer
-    ``train.train_steps`` stretches a decay that had ended, for one)."""
+    from continuing its run: another data order (the samples consumed so far would no longer say
+    where the run stands in it), or a jump in the learning rate (a longer ``train.train_steps``
+    stretches a decay that had ended, for one)."""
     from megazero.config.loader import build_dataclass
     from megazero.training_schedules import build_lr_schedule
 
-    now = config_to_dict(cfg)
-    data = [f"data.{k}" for k in DATA_ORDER_FIELDS if saved.get("data", {}).get(k) != now["data"][k]]
-    problems = [f"was trained on another data order ({', '.join(data)} changed)"] if data else []
     try:
         before = build_dataclass(Config, saved, prefix="")
-        was = build_lr_schedule(before.optimizer, before.schedule, before.train)(step + 1)
     except (ConfigError, KeyError, TypeError, ValueError):
-        return problems  # a config of an older schema: its schedule cannot be rebuilt here
+        return []  # a config of an older schema: what it trained with cannot be rebuilt here
+    problems = _data_order_changes(before, cfg)
+    was = build_lr_schedule(before.optimizer, before.schedule, before.train)(step + 1)
+    will = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)(step + 1)
+    if abs(will - was) > 1e-6 * max(abs(was), abs(will)):
+        now = config_to_dict(cfg)
+        fields = sorted(f"{section}.{k}" for section in ("optimizer", "schedule", "train")
+                        for k in ("lr", "min_lr", "warmup_steps", "decay_steps", "decay_style", "train_steps")
+                        if k in now[section] and saved.get(section, {}).get(k) != now[section][k])
+        decay = (before.train.train_steps or 0) - before.schedule.warmup_steps
+        keep = (f"; to continue its decay, set schedule.decay_steps {decay}"
+                if fields == ["train.train_steps"] and before.schedule.decay_steps is None and decay > 0 else "")
+        problems.append(f"would change the learning rate of step {step + 1} from {was:.4g} to {will:.4g} "
+                        f"({', '.join(fields) or 'the schedule'} changed{keep})")
+    return problems
+
+
+def _data_order_changes(before: Config, cfg: Config) -> list[str]:
+    """What changes the order of the training samples between the run that wrote a checkpoint
+    (``before``) and this one: the datasets (compared by their files, not the spelling of their
+    paths), weights, split or seed, or a sample count that changes a dataset's epochs."""
+    from data_pipeline.blend import normalise_weights, parse_blend, resolve_blend
+    from data_pipeline.gpt_samples import SPLIT_NAMES, epoch_plan, split_ranges
+    from data_pipeline.indexed import IndexedDataset
+    from megazero.data import train_samples
+
+    def datasets(c: Config):
+        weights, prefixes = parse_blend(resolve_blend(c.data.blend, c.data.blend_preset, c.data.blend_root))
+        return [(round(float(w), 12), os.path.realpath(p)) for w, p in zip(normalise_weights(weights), prefixes)]
+
+    try:
+        old, new = datasets(before), datasets(cfg)
+    except (ValueError, OSError):
+        old, new = None, None  # the old run's files are gone: compare what it recorded
+    fields = [f"data.{k}" for k in ("split", "seed") if getattr(before.data, k) != getattr(cfg.data, k)]
+    if old != new or (old is None and (before.data.blend, before.data.blend_preset, before.data.blend_root)
+                      != (cfg.data.blend, cfg.data.blend_preset, cfg.data.blend_root)):
+        fields.insert(0, "data.blend")
+    if fields:
+        return [f"was trained on another data order ({', '.join(fields)} changed)"]
+    n_old, n_new = train_samples(before), train_samples(cfg)
+    if n_old == n_new or new is None:
+        return []
+    seq = cfg.model.seq_length
+    for weight, prefix in new:
+        data = IndexedDataset(prefix)
+        start, end = split_ranges(cfg.data.split, len(data))[SPLIT_NAMES.index("train")]
+        tokens = int(data.sizes[start:end].sum(dtype="int64"))
+        # a blend gives each dataset its weight's share of the samples, give or take one
+        plans = {epoch_plan(tokens, seq, max(count, 1)) for n in (n_old, n_new)
+                 for count in (int(weight * n) - 1, int(weight * n) + 2)}
+        if len(plans) > 1:
+            return [f"was trained on another data order: {n_new} training samples in all instead of {n_old} "
+                    f"(train.train_steps, train_tokens or global_batch_size) take {prefix} through another number "
+                    "of epochs, which reshuffles every sample"]
+    return []  # a config of an older schema: its schedule cannot be rebuilt here
     will = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)(step + 1)
     if abs(will - was) > 1e-6 * max(abs(was), abs(will)):
         fields = sorted(f"{section}.{k}" for section in ("optimizer", "schedule", "train")

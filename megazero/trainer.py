@@ -26,7 +26,7 @@ from megazero.checkpoint import (
 from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
-from megazero.data import build_datasets
+from megazero.data import build_datasets, train_samples
 from megazero.engine import Engine, layout_record, pipeline_split
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
@@ -116,7 +116,7 @@ class Trainer:
         self.engine = Engine(cfg, topology, device)
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
-        self.train_data, self.valid_data = build_datasets(cfg, self._train_samples())
+        self.train_data, self.valid_data = build_datasets(cfg, train_samples(cfg))
         self.state = TrainState()
         self.saved_step = 0  # the step of the newest checkpoint this run saved or resumed from
         self._last_finished: Optional[float] = None  # when the host last read a step's results
@@ -137,12 +137,6 @@ class Trainer:
             tensorboard=cfg.logging.tensorboard, device=device)
         self.profiler = StepProfiler(cfg.logging.profile_steps, cfg.logging.profile_ranks, self.rank,
                                      cfg.logging.run_dir, device)
-
-    def _train_samples(self) -> int:
-        t = self.cfg.train
-        if t.train_steps is not None:
-            return t.train_steps * t.global_batch_size
-        return -(-t.train_tokens // self.cfg.model.seq_length) + t.global_batch_size
 
     # --- resume and save ---------------------------------------------------------------------
     def _check_save_dir(self) -> None:

@@ -69,9 +69,9 @@ def read_launch_env(env: Mapping[str, str] = os.environ) -> LaunchEnv:
                            _slurm_tasks_per_node(env) or world)
     else:
         return LaunchEnv(0, 1, 0, 1)
-    if launch.rank >= launch.world_size or launch.local_rank >= launch.local_world_size:
-        raise LaunchError(f"launch environment: rank {launch.rank} of {launch.world_size}, local rank "
-                          f"{launch.local_rank} of {launch.local_world_size}: a rank must be below its count")
+    if launch.rank >= launch.world_size:
+        raise LaunchError(f"launch environment: rank {launch.rank} of {launch.world_size}: a rank must be below "
+                          "the world size")
     return launch
 
 

@@ -59,10 +59,11 @@ def files(tmp_path_factory):
                                        unk_token="<unk>"))
     other.save(str(root / "other_tokenizer.json"))
     from data_pipeline.shard_origin import tokenizer_identity, write_origin
+    from data_pipeline.tokenizer import load_tokenizer
 
     recorded, recorded_other = shard("recorded_text_document", VOCAB), shard("recorded_other_text_document", VOCAB)
-    write_origin(recorded, tokenizer_identity(str(root / "tokenizer.json"), VOCAB))
-    write_origin(recorded_other, tokenizer_identity(str(root / "other_tokenizer.json"), VOCAB))
+    write_origin(recorded, tokenizer_identity(load_tokenizer(str(root / "tokenizer.json"))))
+    write_origin(recorded_other, tokenizer_identity(load_tokenizer(str(root / "other_tokenizer.json"))))
     (root / "notes.txt").write_text("this is not a tokenizer\n")
     (root / "empty.model").write_bytes(b"")
 
@@ -200,7 +201,7 @@ CASES = [
     ("merge-of-two-tokenizers", lambda f: ["preprocess", "--merge", f["recorded"], f["recorded_other"], "--output-prefix",
                                            str(f["root"] / "out" / "merged")], ["must share a tokenizer"]),
     ("seq-longer-than-data", lambda f: _train(f, "--model.seq_length", "6000"),
-     ["model.seq_length: 6000 is longer than the 5120 tokens of", "good_text_document's train split (64 documents)"]),
+     ["model.seq_length: a sample of 6000 needs 6000+1 tokens", "good_text_document's train split holds 5120 (64 "]),
     ("split-no-training", lambda f: _train(f, "--data.split", "0,0,1"), ["data.split: '0,0,1' leaves no documents"]),
     ("data-seed", lambda f: _train(f, "--data.seed", "-5"), ["data.seed: -5 is outside"]),
     # --- tokenizers -----------------------------------------------------------------------------
@@ -234,6 +235,8 @@ CASES = [
      ["different model", "model.norm_eps"]),
     ("resume-other-data-order", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--data.seed", "99"),
      ["(step 1) was trained on another data order (data.seed changed)", "checkpoint.allow_config_changes true"]),
+    ("resume-more-epochs", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--train.global_batch_size", "200"),
+     ["400 training samples in all instead of 4", "another number of epochs"]),
     ("resume-lr-jump", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--train.train_steps", "10"),
      ["learning rate of step 2 from", "train.train_steps changed", "set schedule.decay_steps 1"]),
     ("save-dir-damaged", lambda f: _train(f, "--checkpoint.save_dir", str(Path(f["partial"]).parent)),
@@ -336,9 +339,9 @@ def test_an_unfinished_first_save_is_said_and_the_record_kept(files, capsys):
 
 
 def test_which_checkpoint_a_run_starts_from(tmp_path):
-    """The run's own checkpoints in save_dir come before checkpoint.load from elsewhere (a requeued job
-    relaunched with the same command used to start over from checkpoint.load every time); a load inside
-    save_dir is a rollback and wins; with nothing in save_dir the load starts the run."""
+    """The run's own checkpoints in save_dir come before checkpoint.load (a requeued job relaunched with
+    the same command used to start over from checkpoint.load every time), also one inside save_dir;
+    a load that no longer exists does not matter then; with nothing in save_dir the load starts the run."""
     from megazero.checkpoint import start_checkpoint
 
     own, other, empty = tmp_path / "own", tmp_path / "other", tmp_path / "empty"
@@ -348,7 +351,9 @@ def test_which_checkpoint_a_run_starts_from(tmp_path):
     empty.mkdir()
     assert start_checkpoint(None, own) == (own / "step_0000002", "checkpoint.save_dir")
     assert start_checkpoint(str(other), own) == (own / "step_0000002", "checkpoint.save_dir")
-    assert start_checkpoint(str(own / "step_0000001"), own) == (own / "step_0000001", "checkpoint.load")
+    assert start_checkpoint(str(own / "step_0000001"), own) == (own / "step_0000002", "checkpoint.save_dir")
+    assert start_checkpoint(str(tmp_path / "deleted" / "step_0000009"), own) == (own / "step_0000002",
+                                                                                "checkpoint.save_dir")
     assert start_checkpoint(str(other), empty) == (other / "step_0000005", "checkpoint.load")
     assert start_checkpoint(None, empty) == (None, "checkpoint.save_dir")
 
@@ -378,6 +383,7 @@ def test_a_shard_records_its_tokenizer_through_preprocess_and_merge(files, capsy
     """What the tokenizer checks compare with: preprocessing records the tokenizer's digest beside the
     shard, a merge carries it over, and a run with that tokenizer passes."""
     from data_pipeline.shard_origin import read_origin, tokenizer_identity
+    from data_pipeline.tokenizer import load_tokenizer
 
     tok, out = str(files["root"] / "tokenizer.json"), files["root"] / "recorded_out"
     made = [str(out / name) for name in ("a", "b")]
@@ -386,9 +392,16 @@ def test_a_shard_records_its_tokenizer_through_preprocess_and_merge(files, capsy
                      "--output-prefix", prefix, "--no-progress"]) == 0
     merged = str(out / "merged_text_document")
     assert main(["preprocess", "--merge", *(f"{p}_text_document" for p in made), "--output-prefix", merged]) == 0
-    assert read_origin(merged) == read_origin(f"{made[0]}_text_document") == tokenizer_identity(tok, VOCAB)
+    assert read_origin(merged) == read_origin(f"{made[0]}_text_document") == tokenizer_identity(load_tokenizer(tok))
     capsys.readouterr()
     assert main(_train(files, "--data.tokenizer", tok, "--check", prefix=merged)) == 0, capsys.readouterr().err
+    folder = files["root"] / "tokenizer_folder"  # a folder holding tokenizer.json is a tokenizer too
+    folder.mkdir()
+    shutil.copy(tok, folder / "tokenizer.json")
+    assert main(["preprocess", "--input", str(files["root"] / "good.jsonl"), "--tokenizer", str(folder),
+                 "--output-prefix", str(out / "f"), "--no-progress"]) == 0
+    assert read_origin(str(out / "f_text_document")) == read_origin(merged)
+    assert main(_train(files, "--data.tokenizer", str(folder), "--check", prefix=merged)) == 0
 
 
 def test_a_logger_without_its_package_is_refused_before_the_run(files, capsys):
@@ -400,3 +413,11 @@ def test_a_logger_without_its_package_is_refused_before_the_run(files, capsys):
     assert main(_train(files, "--logging.tensorboard", "true", "--check")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "logging.tensorboard: is on but the tensorboard package is not installed" in err[0], err
+
+
+def test_a_resume_with_the_same_data_spelled_otherwise_passes(files, capsys):
+    """The data order is compared by the files a blend names, not by how their paths are written."""
+    prefix = files["good"].replace("/good_text_document", "/./good_text_document")
+    assert prefix != files["good"]
+    code = main(_train(files, "--checkpoint.load", files["ckpt"], "--check", prefix=prefix))
+    assert code == 0, capsys.readouterr().err

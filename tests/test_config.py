@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from megazero.config import Config, field_docs, load_config, resolve_config, save_config, validate_config
+from megazero.config.loader import read_yaml
 from megazero.errors import ConfigError
 
 
@@ -242,3 +243,17 @@ def test_recompute_with_dropout_under_compile_and_tp_is_refused_before_building(
     build("--parallel.recompute", "full", "--model.dropout", "0.1")  # tp 1: torch replays the default generator
     _parallelism(_cfg("--parallel.tp", "2", "--parallel.recompute", "full", "--model.dropout", "0.1",
                       "--train.compile", "false"))
+
+
+def test_yaml_merge_keys_are_not_repeated_keys(tmp_path):
+    """``<<: *anchor`` merges defaults that the mapping's own keys override; only a key written twice
+    is refused."""
+    from megazero.errors import ConfigError
+
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &b {lr: 1.0e-4, min_lr: 1.0e-5}\noptimizer:\n  <<: *b\n  lr: 3.0e-4\n")
+    raw = read_yaml(str(path))
+    assert raw["optimizer"] == {"lr": 3.0e-4, "min_lr": 1.0e-5}
+    path.write_text("optimizer:\n  lr: 1.0e-4\n  lr: 3.0e-4\n")
+    with pytest.raises(ConfigError, match="line 3.*'lr' appears twice"):
+        read_yaml(str(path))

@@ -53,7 +53,10 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     ("decontaminate.ngram", "-2", r"decontaminate\.ngram: -2 must be at least 1"),
     ("decontaminate.margin", "-1", r"decontaminate\.margin: -1 must be at least 0"),
     ("decontaminate.task_fields", "[question]",
-     r"decontaminate\.task_fields: question not in task\.jsonl \(its records have label, text\)"),
+     r"decontaminate\.task_fields: question \(the first, which every record needs\) not in task\.jsonl \(its "
+     r"records have label, text\)"),
+    ("decontaminate.task_fields", "[text, answr]", r"decontaminate\.task_fields: answr in no task file \(they have "
+     r"label, text\)"),
     ("decontaminate.task_fields", "[]", r"decontaminate\.task_fields: empty; list the fields"),
     ("decontaminate.tasks", "[missing.jsonl]", r"decontaminate\.tasks: missing\.jsonl: no such file"),
     ("decontaminate.tasks", "[empty.jsonl]", r"decontaminate\.tasks: empty\.jsonl holds no records"),

@@ -469,3 +469,10 @@ def test_time_model_sees_what_a_half_block_split_moves():
     assert estimate_step(halves, cluster).step_s > estimate_step(at(2), cluster).step_s
     assert estimate_step(at(4, [6.5, 6.5, 6.5, 4.5]), cluster).step_s < estimate_step(at(4, [6, 7, 6, 5]), cluster).step_s
     assert pipeline_split(at(4)) == [6.5, 6.5, 6.5, 4.5]  # the default takes the halves where they pay
+
+
+def test_plan_takes_a_config_that_names_a_zero_bubble_schedule(capsys):
+    """The config's own schedule is also tried at pp 1, where there are no stage costs to time it by."""
+    code = main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "h200", "--top", "2",
+                 "--parallel.pipeline_schedule", "zb-h1", "--train.global_batch_size", "64"])
+    assert code == 0, capsys.readouterr().err

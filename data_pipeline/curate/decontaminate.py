@@ -53,12 +53,14 @@ class DecontaminateConfig:
         return problems
 
     def file_problems(self) -> list[str]:
-        """Task files that are missing, empty or lack a task field: each would leave the stage with
-        nothing to look for, and it would remove nothing without a word. Reads one record per file."""
+        """Task files that are missing, empty or lack the first task field (the one every record must
+        have), and further task fields no file has (a misspelling): each would leave the stage with
+        less to look for than asked, and it would remove less without a word. Reads one record per
+        file."""
         if not self.tasks:
             return ["decontaminate.tasks: no task files; list jsonl or parquet files of evaluation texts "
                     "(their decontaminate.task_fields hold the text)"]
-        problems = []
+        problems, seen = [], set()
         for path in self.tasks:
             if not os.path.isfile(path):
                 problems.append(f"decontaminate.tasks: {path}: no such file; fix the path")
@@ -67,10 +69,15 @@ class DecontaminateConfig:
             if keys is None:
                 problems.append(f"decontaminate.tasks: {path} holds no records; give a file of evaluation texts")
                 continue
-            missing = [name for name in self.task_fields if name not in keys]
-            if missing:
-                problems.append(f"decontaminate.task_fields: {', '.join(missing)} not in {path} (its records have "
-                                f"{', '.join(keys)}); list the fields that hold the task text")
+            seen.update(keys)
+            if self.task_fields[0] not in keys:
+                problems.append(f"decontaminate.task_fields: {self.task_fields[0]} (the first, which every record "
+                                f"needs) not in {path} (its records have {', '.join(keys)}); list the fields that "
+                                "hold the task text")
+        unknown = [name for name in self.task_fields[1:] if seen and name not in seen]
+        if unknown:
+            problems.append(f"decontaminate.task_fields: {', '.join(unknown)} in no task file (they have "
+                            f"{', '.join(sorted(seen))}); list the fields that hold the task text")
         return problems
 
 

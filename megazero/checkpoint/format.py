@@ -193,17 +193,16 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     """
     root = Path(root)
     named = read_pointer(root)
-    if named is not None and is_complete(named):
-        return named
     found = list_checkpoints(root)
-    newest = found[-1][0] if found else -1
-    damaged = sorted(p for p in root.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()
-                     and not is_complete(p) and int(STEP_DIR.fullmatch(p.name).group(1)) > newest) if root.is_dir() else []
+    chosen = named if named is not None and is_complete(named) else found[-1][1] if found else None
+    step = int(STEP_DIR.match(chosen.name).group(1)) if chosen is not None else -1
+    damaged = sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name) and p.is_dir()
+                     and not is_complete(p) and int(STEP_DIR.match(p.name).group(1)) > step) if root.is_dir() else []
     if damaged:
         raise CheckpointError(f"{damaged[-1]}: a checkpoint directory without its {COMPLETE} record, newer than "
-                              f"any complete checkpoint in {root}; restore it, or move it out of the way to resume "
-                              f"from {found[-1][1].name if found else 'step 0'}")
-    return found[-1][1] if found else None
+                              f"the checkpoint to resume from in {root}; restore it, or move it out of the way to "
+                              f"resume from {chosen.name if chosen is not None else 'step 0'}")
+    return chosen
 
 
 def read_pointer(root: Path) -> Optional[Path]:
@@ -229,17 +228,15 @@ def start_checkpoint(load: Optional[str], save_dir: str | os.PathLike) -> tuple[
     """(the checkpoint a training run starts from, or None; the setting that names it).
 
     The run's own progress in ``save_dir`` comes first, so a relaunch of the same command (a requeued
-    job) continues where the last launch stopped; ``load`` outside ``save_dir`` is where a run starts
-    while ``save_dir`` holds no checkpoint (if it always won, every relaunch would start over from
-    it). A ``load`` inside ``save_dir`` picks one of the run's own checkpoints, an older one too (a
-    rollback)."""
+    job) continues where the last launch stopped; ``load`` is where a run starts while ``save_dir``
+    holds no checkpoint (if it always won, every relaunch would start over from it, and a ``load``
+    since deleted would stop the relaunch). Rolling back within ``save_dir`` is moving its newer
+    checkpoints out of it: a ``load`` that won there would roll back again at every relaunch, while
+    retention deleted the new checkpoints and kept the old, newer-numbered ones."""
     own = latest_checkpoint(save_dir)
-    if load is None:
+    if own is not None or load is None:
         return own, "checkpoint.save_dir"
-    chosen = resolve_checkpoint(load)
-    if own is None or chosen.resolve().parent == Path(save_dir).resolve():
-        return chosen, "checkpoint.load"
-    return own, "checkpoint.save_dir"
+    return resolve_checkpoint(load), "checkpoint.load"
 
 
 def resolve_checkpoint(path: str | os.PathLike, source: str = "checkpoint.load") -> Path:

@@ -95,9 +95,9 @@ class CheckpointConfig:
     save_interval: int = option(0, "Save every N steps (0 = only at the end and on preemption)")
     save_on_exit: bool = option(True, "Save when training ends, stops for time or is preempted")
     keep_last: int = option(3, "Number of newest checkpoints kept")
-    load: Optional[str] = option(None, "Checkpoint to start from while save_dir holds none (a relaunch then continues from save_dir); a checkpoint inside save_dir is resumed even if newer ones exist there (a rollback). None: the latest in save_dir, if any")
+    load: Optional[str] = option(None, "Checkpoint to start from while save_dir holds none; once the run has saved its own, a relaunch continues from save_dir (to roll back, move save_dir's newer checkpoints out of it). None: the latest in save_dir, if any")
     async_save: bool = option(True, "On GPU, write checkpoints in a background thread")
-    allow_config_changes: bool = option(False, "Resume although the data order (data.blend, split, seed, tokenizer) or the learning rate of the next step differs from the checkpoint's run; refused by default, naming the fields")
+    allow_config_changes: bool = option(False, "Resume although the data order (the blend's files and weights, data.split, data.seed, or a sample count that changes a dataset's epochs) or the learning rate of the next step differs from the checkpoint's run; refused by default, naming the fields")
 
 
 @dataclass

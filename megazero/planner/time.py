@@ -149,7 +149,8 @@ def _split_backward_idle(cfg: Config, schedule: str, micro: int) -> Optional[flo
     forward leaves the last rank short. At GPT 1.3B, pp 2, 8 micro-batches this gives 6.0% and 1.9%
     against 4.2% for both, and H200s ran ZB-H2 3.1% faster than ZB-H1 (BENCHMARKS.md, 2026-11-28)."""
     p = cfg.parallel
-    if schedule not in SPLIT_BACKWARD or p.virtual_stages != 1 or 3 * p.pp * micro > _TIMED_SCHEDULE_OPS:
+    if (schedule not in SPLIT_BACKWARD or p.pp == 1 or p.virtual_stages != 1
+            or 3 * p.pp * micro > _TIMED_SCHEDULE_OPS):
         return None
     return _timed_idle(schedule, p.pp, micro, pipeline_costs(cfg))
 
