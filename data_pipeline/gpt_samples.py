@@ -99,7 +99,9 @@ def epoch_plan(tokens_per_epoch: int, seq_len: int, num_samples: int) -> tuple[i
     the documents and the seed, what the sample order depends on. Asking for more samples keeps the
     order while this stays the same, and reshuffles every sample when it changes."""
     per_epoch = samples_in(tokens_per_epoch, seq_len)
-    num_epochs = 1
+    if per_epoch == 0:
+        raise ValueError(f"{tokens_per_epoch} tokens are too few for one sample of {seq_len}+1 tokens")
+    num_epochs = 1  # the fewest epochs whose tokens give num_samples samples
     while samples_in(num_epochs * tokens_per_epoch, seq_len) < num_samples:
         num_epochs += 1
     sans_final = samples_in((num_epochs - 1) * tokens_per_epoch, seq_len)

@@ -14,24 +14,31 @@ import yaml
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key appearing twice in one mapping."""
+    """``yaml.SafeLoader`` that refuses a key appearing twice in one mapping as written.
 
-    def construct_mapping(self, node, deep=False):
-        first_line: dict = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # ``<<: *anchor`` merges defaults that the mapping's own keys may override
-            key = self.construct_object(key_node, deep=True)
-            try:
-                earlier = first_line.get(key)
-            except TypeError:  # an unhashable key: the base class reports it
-                continue
-            if earlier is not None:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice (first on line {earlier}); keep one",
-                    key_node.start_mark)
-            first_line[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep)
+    The check runs when a mapping is flattened, before its merge keys (``<<: *anchor``) bring in the
+    anchored mapping's keys, which its own keys may override: a mapping merged into another is
+    flattened, and checked, first, and only once."""
+
+    def flatten_mapping(self, node):
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            first_line: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    earlier = first_line.get(key)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if earlier is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice (first on line {earlier}); keep one",
+                        key_node.start_mark)
+                first_line[key] = key_node.start_mark.line + 1
+        super().flatten_mapping(node)
 
 
 def read_yaml_mapping(path: str, what: str, error: type[Exception] = ValueError) -> dict:

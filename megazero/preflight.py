@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megazero.checkpoint import CheckpointError, read_manifest, start_checkpoint
+from megazero.checkpoint import CheckpointError, latest_checkpoint, read_manifest, start_checkpoint
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.errors import ConfigError
@@ -246,11 +246,17 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
 def _checkpoint_problems(cfg: Config) -> list[str]:
     """The checkpoint the run will resume from must be complete, intact in its record, and of this
     model; its files' checksums are verified as they are loaded."""
-    where = "checkpoint.save_dir"
+    try:
+        latest_checkpoint(cfg.save_dir)  # what start_checkpoint reads first
+    except CheckpointError as exc:
+        return [f"checkpoint.save_dir: {exc}"]
     try:
         ckpt, where = start_checkpoint(cfg.checkpoint.load, cfg.save_dir)
-        if ckpt is None:
-            return []
+    except CheckpointError as exc:  # save_dir holds none: checkpoint.load names the start
+        return [f"checkpoint.load: {exc}"]
+    if ckpt is None:
+        return []
+    try:
         meta = read_manifest(ckpt)["meta"]
         saved = meta["config"]
         saved_model = saved["model"]
@@ -282,8 +288,10 @@ def _resume_changes(saved: dict, cfg: Config, step: int) -> list[str]:
 
     try:
         before = build_dataclass(Config, saved, prefix="")
-    except (ConfigError, KeyError, TypeError, ValueError):
-        return []  # a config of an older schema: what it trained with cannot be rebuilt here
+    except (ConfigError, KeyError, TypeError, ValueError):  # a config of another schema version
+        data, now = saved.get("data") or {}, config_to_dict(cfg)["data"]
+        changed = [f"data.{k}" for k in ("blend", "blend_preset", "blend_root", "split", "seed") if data.get(k) != now[k]]
+        return [f"was trained on another data order ({', '.join(changed)} changed)"] if changed else []
     problems = _data_order_changes(before, cfg)
     was = build_lr_schedule(before.optimizer, before.schedule, before.train)(step + 1)
     will = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)(step + 1)
@@ -305,8 +313,6 @@ def _data_order_changes(before: Config, cfg: Config) -> list[str]:
     (``before``) and this one: the datasets (compared by their files, not the spelling of their
     paths), weights, split or seed, or a sample count that changes a dataset's epochs."""
     from data_pipeline.blend import normalise_weights, parse_blend, resolve_blend
-    from data_pipeline.gpt_samples import SPLIT_NAMES, epoch_plan, split_ranges
-    from data_pipeline.indexed import IndexedDataset
     from megazero.data import train_samples
 
     def datasets(c: Config):
@@ -316,37 +322,45 @@ def _data_order_changes(before: Config, cfg: Config) -> list[str]:
     try:
         old, new = datasets(before), datasets(cfg)
     except (ValueError, OSError):
-        old, new = None, None  # the old run's files are gone: compare what it recorded
+        old, new = None, None  # a preset gone or broken: compare what the runs name
     fields = [f"data.{k}" for k in ("split", "seed") if getattr(before.data, k) != getattr(cfg.data, k)]
-    if old != new or (old is None and (before.data.blend, before.data.blend_preset, before.data.blend_root)
-                      != (cfg.data.blend, cfg.data.blend_preset, cfg.data.blend_root)):
+    if old != new or (old is None and _named_data(before) != _named_data(cfg)):
         fields.insert(0, "data.blend")
     if fields:
         return [f"was trained on another data order ({', '.join(fields)} changed)"]
     n_old, n_new = train_samples(before), train_samples(cfg)
     if n_old == n_new or new is None:
         return []
-    seq = cfg.model.seq_length
     for weight, prefix in new:
-        data = IndexedDataset(prefix)
-        start, end = split_ranges(cfg.data.split, len(data))[SPLIT_NAMES.index("train")]
-        tokens = int(data.sizes[start:end].sum(dtype="int64"))
-        # a blend gives each dataset its weight's share of the samples, give or take one
-        plans = {epoch_plan(tokens, seq, max(count, 1)) for n in (n_old, n_new)
-                 for count in (int(weight * n) - 1, int(weight * n) + 2)}
-        if len(plans) > 1:
+        if _epochs_change(prefix, weight, cfg, n_old, n_new):
             return [f"was trained on another data order: {n_new} training samples in all instead of {n_old} "
                     f"(train.train_steps, train_tokens or global_batch_size) take {prefix} through another number "
-                    "of epochs, which reshuffles every sample"]
-    return []  # a config of an older schema: its schedule cannot be rebuilt here
-    will = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)(step + 1)
-    if abs(will - was) > 1e-6 * max(abs(was), abs(will)):
-        fields = sorted(f"{section}.{k}" for section in ("optimizer", "schedule", "train")
-                        for k in ("lr", "min_lr", "warmup_steps", "decay_steps", "decay_style", "train_steps")
-                        if k in now[section] and saved.get(section, {}).get(k) != now[section][k])
-        keep = (f"; to continue its decay, set schedule.decay_steps {before.train.train_steps - before.schedule.warmup_steps}"
-                if "train.train_steps" in fields and before.schedule.decay_steps is None
-                and before.train.train_steps is not None else "")
-        problems.append(f"would change the learning rate of step {step + 1} from {was:.4g} to {will:.4g} "
-                        f"({', '.join(fields) or 'the schedule'} changed{keep})")
-    return problems
+                    "of epochs, or another share of its last, which reshuffles every sample"]
+    return []
+
+
+def _named_data(c: Config) -> tuple:
+    d = c.data
+    return d.blend, d.blend_preset, d.blend_root, d.split, d.seed
+
+
+def _epochs_change(prefix: str, weight: float, cfg: Config, n_old: int, n_new: int) -> bool:
+    """Whether ``weight``'s share of ``n_old`` and of ``n_new`` training samples (exact for one
+    dataset; a blend's greedy shares are within one of it) take the dataset at ``prefix`` through
+    different epochs. A dataset the run does not sample, or cannot open (its own check says why),
+    changes nothing here."""
+    from data_pipeline.gpt_samples import SPLIT_NAMES, epoch_plan, samples_in, split_ranges
+    from data_pipeline.indexed import IndexedDataset
+
+    seq = cfg.model.seq_length
+    try:
+        data = IndexedDataset(prefix)
+        start, end = split_ranges(cfg.data.split, len(data))[SPLIT_NAMES.index("train")]
+    except (ValueError, OSError):
+        return False
+    tokens = int(data.sizes[start:end].sum(dtype="int64"))
+    if weight == 0 or samples_in(tokens, seq) == 0:
+        return False
+    spread = (0, 0) if weight == 1 else (-1, 2)
+    plans = {epoch_plan(tokens, seq, max(int(weight * n) + d, 1)) for n in (n_old, n_new) for d in spread}
+    return len(plans) > 1

@@ -421,3 +421,16 @@ def test_a_resume_with_the_same_data_spelled_otherwise_passes(files, capsys):
     assert prefix != files["good"]
     code = main(_train(files, "--checkpoint.load", files["ckpt"], "--check", prefix=prefix))
     assert code == 0, capsys.readouterr().err
+
+
+def test_the_epoch_check_skips_what_the_run_does_not_sample(files, tmp_path):
+    """A blend entry of weight 0, or a shard that cannot be opened (its own check names it), neither
+    hangs nor raises in the resume check (an empty dataset once looped forever looking for its epochs)."""
+    from megazero.config import load_config
+    from megazero.preflight import _epochs_change
+
+    cfg = load_config(None, _model(files["good"], str(tmp_path))[:-2])
+    assert _epochs_change(files["good"], 0.0, cfg, 4, 4000) is False
+    assert _epochs_change(str(tmp_path / "absent"), 1.0, cfg, 4, 4000) is False
+    assert _epochs_change(files["good"], 1.0, cfg, 4, 300) is False  # 319 samples an epoch
+    assert _epochs_change(files["good"], 1.0, cfg, 4, 320) is True

@@ -406,3 +406,26 @@ def test_range_reads_equal_the_library_and_refuse_a_bad_header(tmp_path):
     for bad in ("cut.safetensors", "header.safetensors"):
         with pytest.raises(FileFormatError):
             RangeFile(tmp_path / bad)
+
+
+def test_a_retention_delete_that_fails_leaves_no_step_directory_behind(tmp_path, monkeypatch):
+    """Retention renames a checkpoint before deleting it: a deletion that fails part-way (a busy file
+    on NFS) leaves a leftover the next save clears, not a step_N without COMPLETE that would stop
+    the next launch."""
+    import shutil as real_shutil
+
+    from megazero.checkpoint import writer as writer_module
+
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, keep_last=1)
+    writer.save(1, {"m.pt": {"w": torch.ones(1)}})
+
+    def half_delete(path, ignore_errors=False):
+        (Path(path) / "COMPLETE").unlink(missing_ok=True)
+        if not ignore_errors:
+            raise OSError(16, "Device or resource busy")
+
+    monkeypatch.setattr(writer_module.shutil, "rmtree", half_delete)
+    writer.save(2, {"m.pt": {"w": torch.ones(1)}})  # the failed clean-up is a warning
+    monkeypatch.setattr(writer_module.shutil, "rmtree", real_shutil.rmtree)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_0000002"
+    assert not (tmp_path / "step_0000001").exists()

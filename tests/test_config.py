@@ -257,3 +257,11 @@ def test_yaml_merge_keys_are_not_repeated_keys(tmp_path):
     path.write_text("optimizer:\n  lr: 1.0e-4\n  lr: 3.0e-4\n")
     with pytest.raises(ConfigError, match="line 3.*'lr' appears twice"):
         read_yaml(str(path))
+
+
+def test_a_merged_mapping_that_overrides_its_own_merge_is_no_repeat(tmp_path):
+    path = tmp_path / "nested.yaml"
+    path.write_text("a: &a {x: 1}\ndefaults:\n  inner: &b\n    <<: *a\n    x: 3\nc:\n  <<: *b\n  y: 5\n")
+    import yaml
+
+    assert read_yaml(str(path)) == yaml.safe_load(path.read_text())

@@ -187,9 +187,9 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
 
     The pointer is the commit point of a save, so it wins; the scan covers a pointer that is
     missing, damaged, or names a directory that was deleted by hand. A ``step_N`` directory without
-    its ``COMPLETE`` record, newer than every complete one, is an error: a save writes ``COMPLETE``
-    before it renames ``step_N.tmp``, and retention deletes only older checkpoints, so such a
-    directory was copied or edited by hand, and a run that started over would write over it.
+    its ``COMPLETE`` record, newer than the checkpoint chosen, is an error: a save writes
+    ``COMPLETE`` before it renames ``step_N.tmp``, and retention renames a checkpoint before deleting
+    it, so such a directory was copied or edited by hand, and the run would later save over it.
     """
     root = Path(root)
     named = read_pointer(root)

@@ -218,7 +218,11 @@ class CheckpointWriter:
         them) and clear leftovers of saves that died; runs only after the new one is complete."""
         older = [path for step, path in list_checkpoints(self.root) if step != current]
         for path in older[: max(len(older) - (self.keep_last - 1), 0)]:
-            shutil.rmtree(path)
+            # renamed first: a deletion that stops part-way leaves a leftover, never a step_N without
+            # its COMPLETE, which would stop the next launch (``latest_checkpoint``)
+            retired = path.with_name(path.name + ".old")
+            os.replace(path, retired)
+            shutil.rmtree(retired)
         for leftover in self.root.glob("step_*.tmp"):
             shutil.rmtree(leftover, ignore_errors=True)
         for leftover in self.root.glob("step_*.old"):
