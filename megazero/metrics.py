@@ -253,13 +253,18 @@ def open_for_append(path: Path, start_step: int) -> TextIO:
     return f
 
 
+def missing_logger(field: str, package: str) -> str:
+    """What a run is told when ``field`` turns on a logger whose ``package`` is not installed (by
+    ``--check`` before the run, and here if that was skipped)."""
+    return f"{field}: is on but the {package} package is not installed; pip install {package} or set {field} false"
+
+
 def _start_wandb(run_dir, project: str = "megazero", mode: str = "offline", config: Optional[dict] = None,
                  name: Optional[str] = None):
     try:
         import wandb
     except ImportError:
-        raise UserError("logging.wandb is on but the wandb package is not installed; "
-                        "pip install wandb or set logging.wandb false") from None
+        raise UserError(missing_logger("logging.wandb", "wandb")) from None
     return wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=name)
 
 
@@ -267,6 +272,5 @@ def _start_tensorboard(log_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise UserError("logging.tensorboard is on but the tensorboard package is not installed; "
-                        "pip install tensorboard or set logging.tensorboard false") from None
+        raise UserError(missing_logger("logging.tensorboard", "tensorboard")) from None
     return SummaryWriter(log_dir=str(log_dir))

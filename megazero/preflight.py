@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megazero.checkpoint import CheckpointError, latest_checkpoint, read_manifest, start_checkpoint
+from megazero.checkpoint import CheckpointError, read_manifest, start_checkpoint
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.errors import ConfigError
@@ -40,8 +40,9 @@ def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[i
     problems += _memory_problems(cfg, ranks_per_node)
     prefixes, data_problems = _data_prefixes(cfg)
     problems += data_problems
-    vocab, tokenizer_problems = _tokenizer_vocab(cfg)
-    problems += tokenizer_problems
+    tokenizer, tokenizer_problems = _tokenizer(cfg)
+    problems += tokenizer_problems + _tokenizer_origin_problems(prefixes, tokenizer)
+    vocab = tokenizer.vocab_size if tokenizer is not None else None
     largest = None
     if scan_data and prefixes and not data_problems:
         largest, scan_problems = _largest_token_id(cfg, prefixes)
@@ -59,9 +60,11 @@ def _logger_problems(cfg: Config) -> list[str]:
     same, but only once the model is built)."""
     import importlib.util
 
+    from megazero.metrics import missing_logger
+
     wanted = {"logging.wandb": (cfg.logging.wandb, "wandb"), "logging.tensorboard": (cfg.logging.tensorboard, "tensorboard")}
-    return [f"{field}: is on but the {package} package is not installed; pip install {package} or set {field} false"
-            for field, (on, package) in wanted.items() if on and importlib.util.find_spec(package) is None]
+    return [missing_logger(field, package) for field, (on, package) in wanted.items()
+            if on and importlib.util.find_spec(package) is None]
 
 
 def _device_problems(cfg: Config) -> list[str]:
@@ -111,7 +114,7 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
             problems += _too_short(IndexedDataset(prefix), cfg)
         except (ValueError, OSError) as exc:
             problems.append(f"data.blend: {exc}")
-    return prefixes, problems + _tokenizer_origin_problems(prefixes, d.tokenizer)
+    return prefixes, problems
 
 
 def _too_short(data, cfg: Config) -> list[str]:
@@ -136,40 +139,36 @@ def _too_short(data, cfg: Config) -> list[str]:
     return problems
 
 
-def _tokenizer_origin_problems(prefixes: list[str], tokenizer: Optional[str]) -> list[str]:
+def _tokenizer_origin_problems(prefixes: list[str], tokenizer) -> list[str]:
     """The shards must share the tokenizer they record (``shard_origin``), and be of ``data.tokenizer``
-    when it is set: ids of another tokenizer within the vocabulary pass every other check."""
+    (``tokenizer``, loaded; None when unset or unreadable) when it is set: ids of another tokenizer
+    within the vocabulary pass every other check."""
     from data_pipeline.shard_origin import common_origin, tokenizer_mismatch
-    from data_pipeline.tokenizer import load_tokenizer
 
     try:
         origin = common_origin(prefixes)
     except (ValueError, OSError) as exc:
         return [f"data.blend: {exc}"]
-    if origin is None or tokenizer is None:
-        return []  # no record to compare with
-    try:
-        loaded = load_tokenizer(tokenizer)
-    except (ValueError, OSError):
-        return []  # the tokenizer check reports it
-    mismatch = tokenizer_mismatch(*origin, loaded)
+    mismatch = tokenizer_mismatch(*origin, tokenizer) if origin is not None and tokenizer is not None else None
     return [f"data.tokenizer: {mismatch}"] if mismatch else []
 
 
-def _tokenizer_vocab(cfg: Config) -> tuple[Optional[int], list[str]]:
+def _tokenizer(cfg: Config) -> tuple:
+    """(``data.tokenizer`` loaded, or None when unset or unreadable; its problems)."""
     path = cfg.data.tokenizer
     if path is None:
         return None, []
     from data_pipeline.tokenizer import load_tokenizer
 
     try:
-        vocab = load_tokenizer(path).vocab_size
+        tokenizer = load_tokenizer(path)
     except (ValueError, OSError) as exc:
         return None, [f"data.tokenizer: {exc}"]
+    vocab = tokenizer.vocab_size
     if vocab > cfg.model.vocab_size:
-        return vocab, [f"model.vocab_size: {cfg.model.vocab_size} is smaller than the {vocab} tokens of "
-                       f"data.tokenizer {path}; set model.vocab_size {vocab} (or auto)"]
-    return vocab, []
+        return tokenizer, [f"model.vocab_size: {cfg.model.vocab_size} is smaller than the {vocab} tokens of "
+                           f"data.tokenizer {path}; set model.vocab_size {vocab} (or auto)"]
+    return tokenizer, []
 
 
 def _largest_token_id(cfg: Config, prefixes: list[str]) -> tuple[Optional[int], list[str]]:
@@ -247,13 +246,9 @@ def _checkpoint_problems(cfg: Config) -> list[str]:
     """The checkpoint the run will resume from must be complete, intact in its record, and of this
     model; its files' checksums are verified as they are loaded."""
     try:
-        latest_checkpoint(cfg.save_dir)  # what start_checkpoint reads first
-    except CheckpointError as exc:
-        return [f"checkpoint.save_dir: {exc}"]
-    try:
         ckpt, where = start_checkpoint(cfg.checkpoint.load, cfg.save_dir)
-    except CheckpointError as exc:  # save_dir holds none: checkpoint.load names the start
-        return [f"checkpoint.load: {exc}"]
+    except CheckpointError as exc:  # it names the setting
+        return [str(exc)]
     if ckpt is None:
         return []
     try:
@@ -290,7 +285,7 @@ def _resume_changes(saved: dict, cfg: Config, step: int) -> list[str]:
         before = build_dataclass(Config, saved, prefix="")
     except (ConfigError, KeyError, TypeError, ValueError):  # a config of another schema version
         data, now = saved.get("data") or {}, config_to_dict(cfg)["data"]
-        changed = [f"data.{k}" for k in ("blend", "blend_preset", "blend_root", "split", "seed") if data.get(k) != now[k]]
+        changed = [f"data.{k}" for k in DATA_ORDER_FIELDS if data.get(k) != now[k]]
         return [f"was trained on another data order ({', '.join(changed)} changed)"] if changed else []
     problems = _data_order_changes(before, cfg)
     was = build_lr_schedule(before.optimizer, before.schedule, before.train)(step + 1)
@@ -339,9 +334,12 @@ def _data_order_changes(before: Config, cfg: Config) -> list[str]:
     return []
 
 
+# The data fields a run's sample order follows (with its total sample count).
+DATA_ORDER_FIELDS = ("blend", "blend_preset", "blend_root", "split", "seed")
+
+
 def _named_data(c: Config) -> tuple:
-    d = c.data
-    return d.blend, d.blend_preset, d.blend_root, d.split, d.seed
+    return tuple(getattr(c.data, k) for k in DATA_ORDER_FIELDS)
 
 
 def _epochs_change(prefix: str, weight: float, cfg: Config, n_old: int, n_new: int) -> bool:

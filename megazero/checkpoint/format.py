@@ -232,11 +232,18 @@ def start_checkpoint(load: Optional[str], save_dir: str | os.PathLike) -> tuple[
     holds no checkpoint (if it always won, every relaunch would start over from it, and a ``load``
     since deleted would stop the relaunch). Rolling back within ``save_dir`` is moving its newer
     checkpoints out of it: a ``load`` that won there would roll back again at every relaunch, while
-    retention deleted the new checkpoints and kept the old, newer-numbered ones."""
-    own = latest_checkpoint(save_dir)
+    retention deleted the new checkpoints and kept the old, newer-numbered ones. An error names the
+    setting it comes from."""
+    try:
+        own = latest_checkpoint(save_dir)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint.save_dir: {exc}") from None
     if own is not None or load is None:
         return own, "checkpoint.save_dir"
-    return resolve_checkpoint(load), "checkpoint.load"
+    try:
+        return resolve_checkpoint(load), "checkpoint.load"
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint.load: {exc}") from None
 
 
 def resolve_checkpoint(path: str | os.PathLike, source: str = "checkpoint.load") -> Path:

@@ -131,7 +131,8 @@ def _header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
     try:
         with safe_open(path, framework="pt") as f:
-            return {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {name: (tuple(s.get_shape()), s.get_dtype()) for name, s in slices.items()}
     except SafetensorError as e:
         raise UserError(f"{path}: cannot be read ({e}); the file is truncated or damaged -- download it again") from None
 
