@@ -110,3 +110,40 @@ def test_valid_options_and_defaults_are_accepted(tmp_path, base):
         cfg = build_config(raw)
         assert cfg.stages == base["stages"] and not (tmp_path / "out").exists()
     assert build_config({"input": {"paths": ["raw.jsonl"]}}).fuzzy_dedup.threshold == 0.8
+
+
+def _jsonl(path, *records) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("records, fields, message", [
+    ([{"text": "a"}, {"text": "b"}, {"question": "c"}], "[text]",
+     r"decontaminate\.tasks: qa\.jsonl: 1 of 3 records hold no usable task text \(first: qa\.jsonl:3: no key 'text'"),
+    ([{"text": "a"}, "{not json", {"text": "b"}], "[text]", r"1 of 3 records .*qa\.jsonl:2: malformed JSON"),
+    ([{"text": "a", "choices": ["x", "y"]}, {"text": "b", "choices": 4}], "[text, choices]",
+     r"1 of 2 records .*qa\.jsonl:2: field 'choices' is a number, not a string.*a string, or a list of strings"),
+    ([{"text": "a", "label": 1}], "[text, label]", r"qa\.jsonl: 1 of 1 records .*field 'label' is a number"),
+    ([{"text": "a"}, {"text": "b", "choices": ["x", 2]}], "[text, choices]", r"1 of 2 records .*qa\.jsonl:2: field"),
+])
+def test_every_task_record_is_checked_before_any_stage(tmp_path, capsys, base, records, fields, message):
+    """A record past the first that holds no text where the config says its task text is would have
+    left its n-grams out of the decontamination without a word."""
+    _jsonl(tmp_path / "qa.jsonl", *records)
+    line = refused(tmp_path, capsys, base, "--decontaminate.tasks", "[qa.jsonl]", "--decontaminate.task_fields", fields)
+    assert re.search(message, line), line
+
+
+def test_task_fields_of_later_records_and_lists_of_texts_count(tmp_path, base):
+    """A further field only later records have is no misspelling; a list of strings (multiple-choice
+    options) is task text, each string its own; a null field is absent."""
+    from data_pipeline.curate.decontaminate import build_task_ngrams
+
+    _jsonl(tmp_path / "qa.jsonl", {"text": "one two three"}, {"text": "four five six", "choices": None},
+           {"text": "seven eight nine", "choices": ["ten eleven twelve", "thirteen fourteen fifteen"]})
+    cfg = build_config({**base, "decontaminate": {"tasks": ["qa.jsonl"], "task_fields": ["text", "choices"],
+                                                  "ngram": 3}})
+    stats = build_task_ngrams(cfg.decontaminate, str(tmp_path / "tasks.npz"))
+    assert stats["task_ngrams"] == 5
+    _jsonl(tmp_path / "qa.jsonl", {"text": "one two three"}, {"choices": "x"})  # changed after the check
+    with pytest.raises(ValueError, match=r"qa\.jsonl: 1 of 2 records hold no usable task text"):
+        build_task_ngrams(cfg.decontaminate, str(tmp_path / "tasks.npz"))

@@ -22,7 +22,7 @@ import numpy as np
 from data_pipeline.curate.checks import within
 from data_pipeline.curate.exact_dedup import save_array
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
-from data_pipeline.sources import iter_lines
+from data_pipeline.sources import BadRecord, iter_lines, record_texts
 
 HIT = np.dtype([("row", np.int64), ("window", np.int64), ("key", np.uint64)])  # a task n-gram in a shard
 BATCH_CHARS = 1 << 20  # characters hashed together: amortises numpy's per-call cost, bounds the arrays
@@ -53,10 +53,11 @@ class DecontaminateConfig:
         return problems
 
     def file_problems(self) -> list[str]:
-        """Task files that are missing, empty or lack the first task field (the one every record must
-        have), and further task fields no file has (a misspelling): each would leave the stage with
-        less to look for than asked, and it would remove less without a word. Reads one record per
-        file."""
+        """Task files that are missing or empty, whose records lack the first task field (the one every
+        record needs) or hold no text in a listed field, and further task fields no file has (a
+        misspelling): each would leave the stage with less to look for than asked, and it would
+        remove less without a word. Reads every record (evaluation sets are small), once for the
+        fields and once for the texts."""
         if not self.tasks:
             return ["decontaminate.tasks: no task files; list jsonl or parquet files of evaluation texts "
                     "(their decontaminate.task_fields hold the text)"]
@@ -65,15 +66,20 @@ class DecontaminateConfig:
             if not os.path.isfile(path):
                 problems.append(f"decontaminate.tasks: {path}: no such file; fix the path")
                 continue
-            keys = _first_record_keys(path)
-            if keys is None:
+            keys = _record_keys(path)
+            if not keys:
                 problems.append(f"decontaminate.tasks: {path} holds no records; give a file of evaluation texts")
                 continue
             seen.update(keys)
             if self.task_fields[0] not in keys:
                 problems.append(f"decontaminate.task_fields: {self.task_fields[0]} (the first, which every record "
-                                f"needs) not in {path} (its records have {', '.join(keys)}); list the fields that "
-                                "hold the task text")
+                                f"needs) not in {path} (its records have {', '.join(sorted(keys))}); list the "
+                                "fields that hold the task text")
+                continue
+            bad = BadRecords()
+            good = sum(1 for _ in task_texts(path, self.task_fields, bad))
+            if bad.counts:
+                problems.append(_bad_records_problem(path, good, bad))
         unknown = [name for name in self.task_fields[1:] if seen and name not in seen]
         if unknown:
             problems.append(f"decontaminate.task_fields: {', '.join(unknown)} in no task file (they have "
@@ -81,21 +87,48 @@ class DecontaminateConfig:
         return problems
 
 
-def _first_record_keys(path: str) -> list[str] | None:
-    """The fields of a task file: a parquet file's columns, or the keys of a jsonl file's first JSON
-    object (None when it has none)."""
+def _bad_records_problem(path: str, good: int, bad: BadRecords) -> str:
+    n = sum(bad.counts.values())
+    return (f"decontaminate.tasks: {path}: {n} of {good + n} records hold no usable task text (first: "
+            f"{bad.examples[0]}); fix them, or list in decontaminate.task_fields the fields that hold the text "
+            "(a string, or a list of strings)")
+
+
+def _record_keys(path: str) -> set[str]:
+    """The fields of a task file: a parquet file's columns, or the keys of all of a jsonl file's JSON
+    objects (lines that are none are reported by ``task_texts``)."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).schema_arrow.names
+        return set(pq.ParquetFile(path).schema_arrow.names)
+    keys = set()
     for _, line in iter_lines(path):
         try:
             record = json.loads(line)
         except ValueError:
-            continue  # counted as a bad record when the stage reads the file
+            continue
         if isinstance(record, dict):
-            return sorted(record)
-    return None
+            keys.update(record)
+    return keys
+
+
+def task_texts(path: str, fields: list, bad: BadRecords):
+    """The texts of each usable record of one task file, a list per record: the first field's (a
+    string every record has) and each further field's where the record has one, a string or a list
+    of strings (multiple-choice options, reference answers). A record that is not JSON, lacks the
+    first field or holds anything else in a listed field goes to ``bad``: its n-grams would otherwise
+    be left out without a word."""
+    for where, record in input_documents(path, fields[0], None, False, bad):  # None: ids are FILE:LINE
+        try:
+            texts = list(record_texts(record, (fields[0],)))
+            for name in fields[1:]:
+                value = record.get(name)
+                for item in value if isinstance(value, list) else [] if value is None else [value]:
+                    texts += record_texts({name: item}, (name,))
+        except BadRecord as exc:
+            bad.add(exc.reason, where, exc.detail, False)
+            continue
+        yield texts
 
 
 @functools.cache
@@ -193,8 +226,11 @@ def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
     keys, owner, names, short = [], [], [], {}
     for t, path in enumerate(cfg.tasks):
         names.append(os.path.splitext(os.path.basename(path).removesuffix(".gz").removesuffix(".zst"))[0])
-        texts = [record[name] for _, record in input_documents(path, cfg.task_fields[0], "id", False, BadRecords())
-                 for name in cfg.task_fields if isinstance(record.get(name), str)]
+        bad = BadRecords()  # checked before the run (``file_problems``); changed since, the stage stops
+        records = list(task_texts(path, cfg.task_fields, bad))
+        if bad.counts:
+            raise ValueError(_bad_records_problem(path, len(records), bad))
+        texts = [text for record in records for text in record]
         with_ngrams = 0
         for _, k, text, _ in ngrams.batches(texts):
             keys.append(k)
