@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import warnings
 
@@ -148,3 +149,48 @@ def test_tp_copies_that_differ_are_named(megatron, tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "mz")]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if "different copies" in line]
     assert len(notes) == 1 and "decoder.final_layernorm.bias (largest difference 0.5)" in notes[0], notes
+
+
+@pytest.mark.parametrize("name, file, key, change, message", [
+    ("gpt2", "mp_rank_01_000", "decoder.layers.0.self_attention.linear_qkv.weight", lambda t: t[:-1],
+     r"mp_rank_01_000/model_optim_rng\.pt: decoder\.layers\.0\.self_attention\.linear_qkv\.weight has shape "
+     r"\[47, 32\] where its args imply \[48, 32\] \(tp rank 1 of 2\)"),
+    ("llama", "mp_rank_00_001", "decoder.layers.1.mlp.linear_fc2.weight", lambda t: t[:, :-2],
+     r"linear_fc2\.weight has shape \[32, \d+\] where its args imply \[32, \d+\] \(tp rank 0 of 2\)"),
+    ("gpt2", "mp_rank_01_001", "decoder.final_layernorm.weight", lambda t: torch.cat([t, t]),
+     r"decoder\.final_layernorm\.weight has shape \[64\] where its args imply \[32\];"),
+    ("gpt2", "mp_rank_00_000", "decoder.layers.0.self_attention.linear_proj.bias", lambda t: t.long(),
+     r"linear_proj\.bias holds torch\.int64, not floating-point weights"),
+])
+def test_a_tensor_of_another_shape_stops_before_anything_is_written(megatron, tmp_path, capsys, name, file, key,
+                                                                    change, message):
+    """Every tensor on every rank is checked against the args before the writer starts: a wrong one
+    stopped it half-way with a traceback."""
+    root, _ = megatron
+    src = shutil.copytree(root / name, tmp_path / name)
+    path = src / "iter_0000005" / file / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"][key] = change(state["model"][key])
+    torch.save(state, path)
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "mz")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert not (tmp_path / "mz").exists()
+
+
+def test_a_vocabulary_short_of_rows_is_refused(megatron, tmp_path, capsys):
+    """Rows missing from the embedding were filled with zeros, a model that silently never predicts
+    the last tokens."""
+    root, _ = megatron
+    src = shutil.copytree(root / "llama", tmp_path / "llama")
+    for t in range(2):
+        path = src / "iter_0000005" / f"mp_rank_0{t}_000" / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        rows = state["model"]["embedding.word_embeddings.weight"]
+        state["model"]["embedding.word_embeddings.weight"] = rows[:VOCAB // 2 - 8]
+        torch.save(state, path)
+    assert main(["convert", str(src), str(tmp_path / "mz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(r"mp_rank_00_000/model_optim_rng\.pt: embedding\.word_embeddings\.weight has shape \[56, 32\] "
+                     r"where its args imply \[64, 32\] \(tp rank 0 of 2\)", err), err

@@ -29,6 +29,7 @@ from megazero.convert.hf_models import LAYER, refuse
 from megazero.convert.sources import logical_shapes, unpadded
 from megazero.errors import UserError
 from models.config import ModelConfig
+from models.gpt import VOCAB_PADDED
 
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 FILE = "model_optim_rng.pt"
@@ -105,6 +106,7 @@ class MegatronSource:
         self.cfg = model_config(self.args, str(files[(0, 0)]))
         self.offsets = self._layer_offsets()
         self.names = list(logical_shapes(self.cfg))
+        self._check_shapes()
 
     def _state(self, t: int, p: int) -> dict:
         if (t, p) not in self._loaded:
@@ -126,14 +128,7 @@ class MegatronSource:
         return offsets
 
     def _pieces(self, p: int, key: str) -> list[torch.Tensor]:
-        pieces = []
-        for t in range(self.tp):
-            model = self._model(t, p)
-            if key not in model:
-                raise UserError(f"{self.files[(t, p)]}: has no {key!r}, which args imply; the checkpoint does not "
-                                "match its args")
-            pieces.append(model[key].float())
-        return pieces
+        return [self._model(t, p)[key].float() for t in range(self.tp)]  # there, shaped: ``_check_shapes``
 
     def _replicated(self, p: int, key: str) -> torch.Tensor:
         """A tensor each tp rank holds whole: tp rank 0's copy. Training keeps the copies equal; if
@@ -155,33 +150,66 @@ class MegatronSource:
         return unpadded(name, self._read(name), self.cfg)
 
     def _read(self, name: str) -> torch.Tensor:
+        p, key, split = self._locate(name)
+        if split == "whole":
+            return self._replicated(p, key)
+        pieces = self._pieces(p, key)
+        if split == "swiglu":
+            gates, ups = zip(*(piece.chunk(2) for piece in pieces))
+            return torch.stack([torch.cat(gates), torch.cat(ups)], dim=1).flatten(0, 1)
+        return torch.cat(pieces, dim=1 if split == "columns" else 0)
+
+    def _locate(self, name: str) -> tuple[int, str, str]:
+        """Where our parameter ``name`` is in the checkpoint: the pipeline rank, Megatron's key, and
+        how its tp ranks hold it: ``whole`` (each a copy), ``rows`` or ``columns`` (each a slice of
+        that dimension; the vocabulary's rows padded), ``swiglu`` (each its gate rows, then its up rows)."""
         module, leaf = name.rsplit(".", 1)
         if module == "embedding.tokens":
-            return torch.cat(self._pieces(0, "embedding.word_embeddings.weight"))
+            return 0, "embedding.word_embeddings.weight", "rows"
         if module == "embedding.positions":
-            return self._replicated(0, "embedding.position_embeddings.weight")
+            return 0, "embedding.position_embeddings.weight", "whole"
         if module == "final_norm":
-            return self._replicated(self.pp - 1, f"decoder.final_layernorm.{leaf}")
+            return self.pp - 1, f"decoder.final_layernorm.{leaf}", "whole"
         if module == "lm_head":
-            return torch.cat(self._pieces(self.pp - 1, "output_layer.weight"))
+            return self.pp - 1, "output_layer.weight", "rows"
         layer = LAYER.match(module)
         p, local = self._layer(int(layer.group(1)))
         prefix, part = f"decoder.layers.{local}", layer.group(2)
         if part in ("attn_norm", "mlp_norm"):
             own = f"{prefix}.{'input_layernorm' if part == 'attn_norm' else 'pre_mlp_layernorm'}.{leaf}"
             fused = f"{prefix}.{'self_attention.linear_qkv' if part == 'attn_norm' else 'mlp.linear_fc1'}.layer_norm_{leaf}"
-            return self._replicated(p, own if own in self._model(0, p) else fused)
+            return p, own if own in self._model(0, p) else fused, "whole"
         key = {"attention.qkv": "self_attention.linear_qkv", "attention.out": "self_attention.linear_proj",
                "mlp.fc_in": "mlp.linear_fc1", "mlp.fc_out": "mlp.linear_fc2"}[part]
         if part in ("attention.out", "mlp.fc_out"):  # row-parallel: weight split by columns, bias whole
-            if leaf == "bias":
-                return self._replicated(p, f"{prefix}.{key}.{leaf}")
-            return torch.cat(self._pieces(p, f"{prefix}.{key}.{leaf}"), dim=1)
-        pieces = self._pieces(p, f"{prefix}.{key}.{leaf}")
-        if part == "mlp.fc_in" and self.cfg.activation == "swiglu":
-            gates, ups = zip(*(piece.chunk(2) for piece in pieces))
-            return torch.stack([torch.cat(gates), torch.cat(ups)], dim=1).flatten(0, 1)
-        return torch.cat(pieces)
+            return p, f"{prefix}.{key}.{leaf}", "whole" if leaf == "bias" else "columns"
+        return p, f"{prefix}.{key}.{leaf}", "swiglu" if part == "mlp.fc_in" and self.cfg.activation == "swiglu" else "rows"
+
+    def _check_shapes(self) -> None:
+        """Every tensor the args imply, on every tp rank, of the shape they imply, before anything is
+        written (the files are memory-mapped: shapes cost no reads). A mismatch would otherwise stop
+        the writer half-way with a traceback, or, for a vocabulary short of rows, be filled with zeros."""
+        for name, shape in logical_shapes(self.cfg).items():
+            p, key, split = self._locate(name)
+            vocab = name in VOCAB_PADDED
+            for t in range(self.tp):
+                model = self._model(t, p)
+                if key not in model:
+                    raise UserError(f"{self.files[(t, p)]}: has no {key!r}, which args imply; the checkpoint does "
+                                    "not match its args")
+                got, want = tuple(model[key].shape), list(shape)
+                if vocab:  # padded rows, as many on each rank, covering the vocabulary
+                    want[0] = max(self._model(0, p)[key].shape[0], -(-self.cfg.vocab_size // self.tp))
+                elif split != "whole":
+                    dim = 1 if split == "columns" else 0
+                    want[dim] = shape[dim] // self.tp if shape[dim] % self.tp == 0 else shape[dim] / self.tp
+                if got != tuple(want):
+                    of = f" (tp rank {t} of {self.tp})" if split != "whole" else ""
+                    raise UserError(f"{self.files[(t, p)]}: {key} has shape {list(got)} where its args imply "
+                                    f"{want}{of}; the weights do not match their args")
+                if not model[key].is_floating_point():
+                    raise UserError(f"{self.files[(t, p)]}: {key} holds {model[key].dtype}, not floating-point "
+                                    "weights; the file is not a model checkpoint")
 
 
 def rank_dir(t: int, p: int, pp: int) -> str:
