@@ -102,11 +102,10 @@ def run(args) -> int:
         from megazero.convert.hf_models import family_for
 
         family_for(source.cfg)  # refuse before creating anything
-        from megazero.convert.hf_tokenizer import check_fits
+        from megazero.convert.hf_tokenizer import load_fitting
 
         tokenizer = args.tokenizer or _run_tokenizer(source)
-        if tokenizer:
-            check_fits(tokenizer, source.cfg.vocab_size)
+        tokenizer = load_fitting(tokenizer, source.cfg.vocab_size) if tokenizer else None
         with staged(dst) as tmp:
             write_hf(source, tmp, args.dtype, tokenizer, int(args.shard_size_gb * 1e9))
     elif target == "torch":

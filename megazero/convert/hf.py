@@ -137,14 +137,14 @@ def _header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
         raise UserError(f"{path}: cannot be read ({e}); the file is truncated or damaged -- download it again") from None
 
 
-def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: str | None = None,
-             shard_bytes: int = 5 << 30) -> None:
-    """Write ``source`` as a Hugging Face folder into ``out`` (an empty directory)."""
+def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer=None, shard_bytes: int = 5 << 30) -> None:
+    """Write ``source`` as a Hugging Face folder into ``out`` (an empty directory), with ``tokenizer``
+    (a loaded ``data_pipeline.tokenizer`` one, ``hf_tokenizer.load_fitting``) when given."""
     cfg = source.cfg
     family = family_for(cfg)  # refuses an inexpressible architecture before anything is written
     torch_dtype = DTYPES[dtype]
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,  # not GPT-2's or Llama's defaults
-           **(tokenizer_ids(tokenizer) if tokenizer else {})}
+           **(tokenizer_ids(tokenizer) if tokenizer is not None else {})}
     config = {"architectures": [family.hf_class], "model_type": family.model_type, "vocab_size": cfg.vocab_size,
               **family.hf_config(cfg), "tie_word_embeddings": cfg.tie_embeddings,
               "initializer_range": cfg.init_std or 1.0 / (3 * cfg.hidden_size) ** 0.5,
@@ -170,7 +170,7 @@ def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: str | No
     total = sum(math.prod(s) for s in shapes.values()) * torch.finfo(torch_dtype).bits // 8
     if len(files) > 1:
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shards}, indent=2))
-    if tokenizer:
+    if tokenizer is not None:
         write_tokenizer(tokenizer, out, cfg.seq_length)
 
 

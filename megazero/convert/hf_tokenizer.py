@@ -26,33 +26,29 @@ from megazero.errors import UserError
 SPACE = "\u2581"  # SentencePiece's visible space
 
 
-def _load(path: str):
+def load_fitting(path: str, vocab_size: int):
+    """The tokenizer at ``path``, loaded once for the whole export; refused when it does not load or
+    has more tokens than the model has rows (the folder written would encode text to ids the model
+    cannot embed)."""
     from data_pipeline.tokenizer import load_tokenizer
 
     try:
-        return load_tokenizer(path)
+        tok = load_tokenizer(path)
     except (ValueError, OSError) as e:
         raise UserError(f"--tokenizer {path}: {e}") from None
+    if tok.vocab_size > vocab_size:
+        raise UserError(f"--tokenizer {path}: has {tok.vocab_size} tokens, but the model has {vocab_size}; give "
+                        "the tokenizer the model was trained with")
+    return tok
 
 
-def check_fits(path: str, vocab_size: int) -> None:
-    """Refuse a tokenizer with more tokens than the model has rows: the folder written would encode
-    text to ids the model cannot embed."""
-    tokens = _load(path).vocab_size
-    if tokens > vocab_size:
-        raise UserError(f"--tokenizer {path}: has {tokens} tokens, but the model has {vocab_size}; give the "
-                        "tokenizer the model was trained with")
-
-
-def tokenizer_ids(path: str) -> dict:
-    tok = _load(path)
+def tokenizer_ids(tok) -> dict:
     return {"eos_token_id": tok.eod_id, "pad_token_id": tok.pad_id}
 
 
-def write_tokenizer(path: str, out: Path, max_length: int) -> None:
+def write_tokenizer(tok, out: Path, max_length: int) -> None:
     from data_pipeline.tokenizer import HFTokenizer
 
-    tok = _load(path)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
     if isinstance(tok, HFTokenizer):
