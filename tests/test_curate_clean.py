@@ -3,8 +3,9 @@ lines it could change, and whitespace normalisation does what its docstring says
 
 from __future__ import annotations
 
-import ftfy
 import pytest
+
+ftfy = pytest.importorskip("ftfy", reason="ftfy is not installed (a curation dependency)")
 
 from data_pipeline.curate.clean import normalise_whitespace, repair_unicode
 from data_pipeline.curate.demo import stdlib_prose
