@@ -31,6 +31,8 @@ from data_pipeline.index_cache import cached_arrays, default_cache_dir
 from data_pipeline.indexed import IndexedDataset
 from data_pipeline.yaml_files import read_yaml_mapping
 
+MAX_DATASETS = np.iinfo(np.int16).max + 1
+"""Datasets a blend can name: ``dataset_index`` is int16 (Megatron's format), so more would wrap."""
 PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "blends")
 
 
@@ -172,10 +174,13 @@ def parse_blend(blend: list) -> tuple[list[float], list[str]]:
     """Validate ``[[weight, prefix], ...]`` and split it into weights and prefixes."""
     if not isinstance(blend, (list, tuple)) or not blend:
         raise ValueError(f"data.blend must be a non-empty list of [weight, prefix] pairs, got {blend!r}")
+    if len(blend) > MAX_DATASETS:
+        raise ValueError(f"data.blend lists {len(blend)} datasets, more than {MAX_DATASETS} (a sample's dataset is "
+                         "stored in 16 bits, as Megatron's); join small datasets first (`megazero preprocess --merge`)")
     weights, prefixes = [], []
     for entry in blend:
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)
-                and isinstance(entry[0], (int, float))):
+                and isinstance(entry[0], (int, float)) and not isinstance(entry[0], bool)):
             raise ValueError(f"data.blend entry {entry!r} must be [weight, prefix], e.g. [0.3, data/web_text_document]")
         weights.append(float(entry[0]))
         prefixes.append(entry[1])
