@@ -276,7 +276,7 @@ class Trainer:
                 why = self.state.stopped_by or "the wall-clock limit"
                 print(f"megazero: stopping at step {self.state.step} for {why}; saving", flush=True)
             saved = self.state.saved_to is not None and self.saved_step == self.state.step
-            if (self.cfg.checkpoint.save_on_exit or self.state.stopped_by) and not saved:
+            if (self.cfg.checkpoint.save_on_exit or self.state.stopped_by or late) and not saved:
                 self.save()
             self.writer.wait()
         return self.state

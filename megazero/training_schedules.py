@@ -110,5 +110,9 @@ def build_batch_schedule(schedule: ScheduleConfig, train: TrainConfig, dp: int) 
                               f"{train.global_batch_size}; lower it or set it null to disable ramp-up")
         if schedule.rampup_increment <= 0:
             raise ConfigError(f"schedule.rampup_increment: must be positive, got {schedule.rampup_increment}")
+        if schedule.rampup_samples <= 0:  # the batch would be full from the first step, the start ignored
+            raise ConfigError(f"schedule.rampup_samples: is {schedule.rampup_samples}, so schedule.rampup_start_batch "
+                              f"{start} ramps nothing up; set rampup_samples (the samples over which the batch grows "
+                              "to train.global_batch_size) or rampup_start_batch null")
     return BatchSchedule(full=train.global_batch_size, unit=unit, start=start,
                          increment=schedule.rampup_increment, rampup_samples=schedule.rampup_samples)

@@ -155,6 +155,8 @@ CASES = [
     ("no-stop", lambda f: _train(f, "--train.train_steps", "null"), ["train.train_steps", "train.train_tokens"]),
     ("tokens-no-decay", lambda f: _train(f, "--train.train_steps", "null", "--train.train_tokens", "1000"),
      ["schedule.decay_steps: must be set when train.train_steps is null"]),
+    ("tokens-and-steps", lambda f: _train(f, "--train.train_tokens", "1000"),  # train_steps keeps its default
+     ["train.train_tokens: 1000 is set and so is train.train_steps", "set train.train_steps null"]),
     ("dropout", lambda f: _train(f, "--model.dropout", "1.0"), ["model.dropout: must be below 1"]),
     ("preset", lambda f: _train(f, "--model.preset", "gpt5"), ["model.preset: unknown preset 'gpt5'"]),
     ("norm", lambda f: _train(f, "--model.norm", "batchnorm"), ["model.norm: 'batchnorm' is not one of"]),
@@ -164,6 +166,8 @@ CASES = [
     ("virtual", lambda f: _train(f, "--parallel.virtual_stages", "2"), ["parallel.virtual_stages: interleaving needs parallel.pp > 1"]),
     ("batch", lambda f: _train(f, "--train.global_batch_size", "5"), ["train.global_batch_size: 5 is not divisible"]),
     ("rampup", lambda f: _train(f, "--schedule.rampup_start_batch", "8"), ["schedule.rampup_start_batch: 8 exceeds"]),
+    ("rampup-no-samples", lambda f: _train(f, "--schedule.rampup_start_batch", "2"),
+     ["schedule.rampup_samples: is 0, so schedule.rampup_start_batch 2 ramps nothing up"]),
     ("keep-last", lambda f: _train(f, "--checkpoint.keep_last", "0"), ["checkpoint.keep_last: must be positive"]),
     ("zero-stage", lambda f: _train(f, "--zero.stage", "4"), ["zero.stage: 4 is not one of"]),
     ("dtype", lambda f: _train(f, "--precision.dtype", "fp8"), ["precision.dtype: 'fp8' is not one of"]),
@@ -377,6 +381,18 @@ def test_a_warm_up_longer_than_the_run_is_said_at_its_start(files, capsys):
     assert main(["train", *_model(files["good"], str(run)), "--schedule.warmup_steps", "8"]) == 0
     out = capsys.readouterr().out
     assert "note: schedule.warmup_steps 8 is more than train.train_steps 2: the learning rate ends at 0.25" in out, out
+
+
+def test_a_wall_clock_stop_saves_even_without_save_on_exit(files, capsys):
+    """`train.max_wall_seconds` promises a save, as a preemption does; with `save_on_exit` false the
+    stop said "saving" and wrote nothing, and the steps trained were lost. A run that can save only on
+    those stops is told so at its start."""
+    run = files["root"] / "wall"
+    argv = ["train", *_model(files["good"], str(run)), "--checkpoint.save_on_exit", "false"]
+    assert main([*argv, "--train.max_wall_seconds", "1e-9"]) == 0
+    out = capsys.readouterr().out
+    assert "note: checkpoint.save_on_exit is false and checkpoint.save_interval 0" in out, out
+    assert "for the wall-clock limit; saving" in out and (run / "checkpoints" / "step_0000001").is_dir(), out
 
 
 def test_a_shard_records_its_tokenizer_through_preprocess_and_merge(files, capsys):

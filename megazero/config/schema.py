@@ -93,7 +93,7 @@ class DataConfig:
 class CheckpointConfig:
     save_dir: Optional[str] = option(None, "Checkpoint directory (None = RUN_DIR/checkpoints)")
     save_interval: int = option(0, "Save every N steps (0 = only at the end and on preemption)")
-    save_on_exit: bool = option(True, "Save when training ends, stops for time or is preempted")
+    save_on_exit: bool = option(True, "Save when training ends (a stop for train.max_wall_seconds or a preemption saves either way)")
     keep_last: int = option(3, "Number of newest checkpoints kept")
     load: Optional[str] = option(None, "Checkpoint to start from while save_dir holds none; once the run has saved its own, a relaunch continues from save_dir (to roll back, move save_dir's newer checkpoints out of it). None: the latest in save_dir, if any")
     async_save: bool = option(True, "On GPU, write checkpoints in a background thread")

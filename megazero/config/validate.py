@@ -140,6 +140,11 @@ def _value_problems(cfg: Config) -> list[str]:
     if t.train_steps is None and t.train_tokens is None:
         problems.append("train.train_steps: is null and so is train.train_tokens; give one of them to say when "
                         "training ends")
+    if t.train_steps is not None and t.train_tokens is not None:  # train_steps has a default: often unmeant
+        problems.append(f"train.train_tokens: {t.train_tokens} is set and so is train.train_steps ({t.train_steps}); "
+                        "the run would stop at whichever comes first and decay its learning rate over train_steps; "
+                        "to train by tokens set train.train_steps null (and schedule.decay_steps), else unset "
+                        "train.train_tokens")
     if not 0 <= cfg.data.seed < 2**32:
         problems.append(f"data.seed: {cfg.data.seed} is outside 0 to 2**32 - 1, the seeds numpy's generator takes")
     if not problems:
@@ -154,11 +159,15 @@ def config_notes(cfg: Config) -> list[str]:
     """Settings that are valid but rarely meant, said once at the start of a run: a short smoke run of
     a full config, say, whose warm-up outlasts it (refusing it would refuse every such run; saying
     nothing leaves a learning rate that never reached its peak unexplained)."""
-    t, s = cfg.train, cfg.schedule
+    t, s, c = cfg.train, cfg.schedule, cfg.checkpoint
+    notes = []
     if t.train_steps is not None and s.warmup_steps > t.train_steps:
-        return [f"schedule.warmup_steps {s.warmup_steps} is more than train.train_steps {t.train_steps}: the learning "
-                f"rate ends at {t.train_steps / s.warmup_steps:.2g} of optimizer.lr, in warm-up"]
-    return []
+        notes.append(f"schedule.warmup_steps {s.warmup_steps} is more than train.train_steps {t.train_steps}: the "
+                     f"learning rate ends at {t.train_steps / s.warmup_steps:.2g} of optimizer.lr, in warm-up")
+    if not c.save_on_exit and not c.save_interval:
+        notes.append("checkpoint.save_on_exit is false and checkpoint.save_interval 0: this run saves a checkpoint "
+                     "only if it is preempted or reaches train.max_wall_seconds")
+    return notes
 
 
 def _cuda_graph_problems(cfg: Config) -> list[str]:
