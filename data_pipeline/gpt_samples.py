@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import math
+
 import numpy as np
 
 from data_pipeline.index_cache import cached_arrays, default_cache_dir
@@ -39,8 +41,8 @@ def parse_split(split: str) -> list[float]:
         parts = [float(p) for p in str(split).replace("/", ",").split(",") if p.strip()]
     except ValueError:
         raise ValueError(f"split {split!r} must be comma-separated numbers such as '969,30,1'") from None
-    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"split {split!r} needs one to three non-negative numbers with a positive sum")
+    if not 1 <= len(parts) <= 3 or not all(0 <= p < math.inf for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"split {split!r} needs one to three finite non-negative numbers with a positive sum")
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
     return [p / total for p in parts]

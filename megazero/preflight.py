@@ -99,38 +99,58 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
         return [], ["data.blend: no training data; give [[weight, prefix], ...] of preprocessed datasets "
                     "(megazero preprocess) or data.blend_preset with data.blend_root"]
     try:
-        _, prefixes = parse_blend(resolve_blend(d.blend, d.blend_preset, d.blend_root))
+        weights, prefixes = parse_blend(resolve_blend(d.blend, d.blend_preset, d.blend_root))
     except (ValueError, OSError) as exc:
         return [], [f"data.blend: {exc}"]
     problems = []
     try:
-        if parse_split(d.split)[0] == 0:
+        shares = parse_split(d.split)
+        if shares[0] == 0:
             problems.append(f"data.split: {d.split!r} leaves no documents for training; give the first (training) "
                             "share a positive weight, e.g. 969,30,1")
+        if shares[1] == 0 and cfg.train.eval_interval:
+            problems.append(f"data.split: {d.split!r} leaves no documents for validation, and train.eval_interval "
+                            f"{cfg.train.eval_interval} evaluates; give the second share a positive weight, e.g. "
+                            "969,30,1, or set train.eval_interval 0")
     except ValueError as exc:
         problems.append(f"data.split: {exc}")
-    for prefix in prefixes:
+    for prefix, used in zip(prefixes, _splits_sampled(weights, cfg)):
         try:
-            problems += _too_short(IndexedDataset(prefix), cfg)
+            problems += _too_short(IndexedDataset(prefix), cfg, used)
         except (ValueError, OSError) as exc:
             problems.append(f"data.blend: {exc}")
     return prefixes, problems
 
 
-def _too_short(data, cfg: Config) -> list[str]:
-    """Each split the run samples from (training, and validation when it evaluates) must hold one
-    sample of ``seq_length + 1`` tokens; found here rather than while the run builds its indices."""
-    from data_pipeline.gpt_samples import SPLIT_NAMES, samples_in, split_ranges
+def _splits_sampled(weights: list[float], cfg: Config) -> list[tuple[str, ...]]:
+    """The splits the run draws samples from, per dataset of the blend: training where its weight is
+    positive, and validation where the evaluation's blend (``eval_steps`` batches) takes any of it."""
+    from data_pipeline.blend import greedy_blend
+
+    valid = set()
+    if cfg.train.eval_interval:
+        valid = set(greedy_blend(weights, cfg.train.eval_steps * cfg.train.global_batch_size)[0].tolist())
+    return [(("train",) if w > 0 else ()) + (("valid",) if i in valid else ()) for i, w in enumerate(weights)]
+
+
+def _too_short(data, cfg: Config, used: tuple[str, ...]) -> list[str]:
+    """Each split the run samples from (``used``) must hold documents, and one sample of
+    ``seq_length + 1`` tokens; found here rather than while the run builds its indices, after its
+    launch (an evaluation split left empty by the split's rounding on a small dataset, say)."""
+    from data_pipeline.gpt_samples import SPLIT_NAMES, parse_split, samples_in, split_ranges
 
     seq = cfg.model.seq_length
     try:
-        ranges = dict(zip(SPLIT_NAMES, split_ranges(cfg.data.split, len(data))))
+        ranges, shares = dict(zip(SPLIT_NAMES, split_ranges(cfg.data.split, len(data)))), parse_split(cfg.data.split)
     except ValueError:
         return []  # data.split itself is reported by its own check
-    used = ("train", "valid") if cfg.train.eval_interval else ("train",)
     problems = []
     for which in used:
         start, end = ranges[which]
+        if end <= start and shares[SPLIT_NAMES.index(which)] > 0:  # a share of 0 is reported once, for all
+            problems.append(f"data.split: {cfg.data.split!r} leaves {data.prefix} no documents for {which} "
+                            f"({len(data)} documents in all); give that split more of data.split, or leave the "
+                            "dataset out of the blend" + ("" if which == "train" else " (or train.eval_interval 0)"))
         tokens = int(data.sizes[start:end].sum(dtype="int64"))
         if end > start and samples_in(tokens, seq) == 0:
             problems.append(f"model.seq_length: a sample of {seq} needs {seq}+1 tokens, and {data.prefix}'s {which} "

@@ -166,6 +166,11 @@ CASES = [
     ("virtual", lambda f: _train(f, "--parallel.virtual_stages", "2"), ["parallel.virtual_stages: interleaving needs parallel.pp > 1"]),
     ("batch", lambda f: _train(f, "--train.global_batch_size", "5"), ["train.global_batch_size: 5 is not divisible"]),
     ("rampup", lambda f: _train(f, "--schedule.rampup_start_batch", "8"), ["schedule.rampup_start_batch: 8 exceeds"]),
+    ("split-nan", lambda f: _train(f, "--data.split", "nan,1,1"), ["data.split", "finite non-negative numbers"]),
+    ("split-no-validation", lambda f: _train(f, "--train.eval_interval", "1"),  # the fixture's split is "1"
+     ["data.split: '1' leaves no documents for validation, and train.eval_interval 1 evaluates"]),
+    ("split-validation-rounds-away", lambda f: _train(f, "--data.split", "995,4,1", "--train.eval_interval", "1"),
+     ["leaves", "good_text_document no documents for valid (64 documents in all)"]),
     ("rampup-no-samples", lambda f: _train(f, "--schedule.rampup_start_batch", "2"),
      ["schedule.rampup_samples: is 0, so schedule.rampup_start_batch 2 ramps nothing up"]),
     ("keep-last", lambda f: _train(f, "--checkpoint.keep_last", "0"), ["checkpoint.keep_last: must be positive"]),
