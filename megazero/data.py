@@ -38,3 +38,37 @@ def build_datasets(cfg: Config, train_samples: int):
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"data: {exc}") from None
     return train, valid
+
+
+def tokenizer_record(cfg: Config) -> dict | None:
+    """The tokenizer the run's token ids come from, as its checkpoints record it (``shard_origin``'s
+    identity: the file's digest, vocabulary size and name): ``data.tokenizer`` where set (preflight
+    has checked that the shards agree), else what the blend's shards record; None where neither says.
+    ``generate`` and ``convert --to hf`` compare a tokenizer they are given with it: one of another
+    vocabulary within the model's size would otherwise decode and export without a word."""
+    from data_pipeline.blend import parse_blend, resolve_blend
+    from data_pipeline.shard_origin import common_origin, tokenizer_identity
+    from data_pipeline.tokenizer import load_tokenizer
+
+    d = cfg.data
+    if d.tokenizer is not None:
+        return tokenizer_identity(load_tokenizer(d.tokenizer))
+    origin = common_origin(parse_blend(resolve_blend(d.blend, d.blend_preset, d.blend_root))[1])
+    return origin[1] if origin else None
+
+
+def tokenizer_mismatch(meta: dict, tokenizer, flag: str) -> str | None:
+    """Why the loaded ``tokenizer`` (given as ``flag``) is not the one the checkpoint of ``meta`` was
+    trained with (``tokenizer_record``); None if it is, or if the checkpoint records none (an older
+    one, or a run whose data named no tokenizer)."""
+    from data_pipeline.shard_origin import describe, tokenizer_identity
+
+    record = meta.get("tokenizer")
+    if not isinstance(record, dict) or "tokenizer_sha256" not in record:
+        return None
+    mine = tokenizer_identity(tokenizer)
+    if mine["tokenizer_sha256"] == record["tokenizer_sha256"]:
+        return None
+    return (f"{flag} {tokenizer.path}: is not the tokenizer this checkpoint was trained with ({describe(record)}; "
+            f"this one has {mine['vocab_size']} tokens, sha256 {mine['tokenizer_sha256'][:12]}); give that one")
+

@@ -26,7 +26,7 @@ from megazero.checkpoint import (
 from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
-from megazero.data import build_datasets, train_samples
+from megazero.data import build_datasets, tokenizer_record, train_samples
 from megazero.engine import Engine, layout_record, pipeline_split
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
@@ -117,6 +117,7 @@ class Trainer:
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         self.train_data, self.valid_data = build_datasets(cfg, train_samples(cfg))
+        self.tokenizer = tokenizer_record(cfg)
         self.state = TrainState()
         self.saved_step = 0  # the step of the newest checkpoint this run saved or resumed from
         self._last_finished: Optional[float] = None  # when the host last read a step's results
@@ -175,6 +176,8 @@ class Trainer:
     def save(self) -> None:
         meta = {"step": self.state.step, "consumed": self.state.consumed, "skipped": self.state.skipped,
                 "bad_in_row": self.state.bad_in_row, "layout": layout_record(self.cfg), "config": config_to_dict(self.cfg)}
+        if self.tokenizer is not None:
+            meta["tokenizer"] = self.tokenizer
         self.writer.save(self.state.step, rank_files(self.engine.chunks, self.engine.optimizer, self.rank), meta=meta)
         self.state.saved_to = str(self.writer.root / step_dir_name(self.state.step))
         self.saved_step = self.state.step

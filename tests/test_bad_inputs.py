@@ -425,6 +425,38 @@ def test_a_shard_records_its_tokenizer_through_preprocess_and_merge(files, capsy
     assert main(_train(files, "--data.tokenizer", str(folder), "--check", prefix=merged)) == 0
 
 
+def test_a_checkpoint_knows_its_tokenizer_and_refuses_another(files, capsys, tmp_path):
+    """A tokenizer of another vocabulary no larger than the model's decoded garbage in `generate` and
+    exported a Hugging Face folder encoding text to ids the model never saw, without a word. A
+    checkpoint now records the tokenizer its data came from: `data.tokenizer`, else what the shards
+    record; a reshard carries the record over."""
+    from megazero.checkpoint import read_manifest
+    from data_pipeline.shard_origin import tokenizer_identity
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tok, other = str(files["root"] / "tokenizer.json"), str(files["root"] / "other_tokenizer.json")
+    mine = tokenizer_identity(load_tokenizer(tok))
+    runs = {"named": ("--data.tokenizer", tok), "recorded": ()}  # data.tokenizer, or the shards' record only
+    for name, extra in runs.items():
+        run = tmp_path / name
+        prefix = files["recorded"] if name == "recorded" else None
+        assert main(["train", *_model(prefix or files["good"], str(run)), "--train.train_steps", "1", *extra]) == 0
+        ckpt = run / "checkpoints" / "step_0000001"
+        assert read_manifest(ckpt)["meta"]["tokenizer"] == mine
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), "--tokenizer", other, "--tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tokenizer" in err[0] and "other_tokenizer.json: is not the tokenizer this " \
+        f"checkpoint was trained with (tokenizer.json ({VOCAB} tokens, sha256 {mine['tokenizer_sha256'][:12]})" in err[0], err
+    assert main(["generate", str(ckpt), "--tokenizer", tok, "--tokens", "2", "--prompt", "w1 w2"]) == 0
+    assert main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", "--tokenizer", other]) == 2
+    assert "is not the tokenizer this checkpoint was trained with" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+    assert main(["convert", str(ckpt), str(tmp_path / "resharded"), "--to", "megazero", "--tp", "1"]) == 0
+    resharded = next((tmp_path / "resharded").glob("step_*"))
+    assert read_manifest(resharded)["meta"]["tokenizer"] == mine
+
+
 def test_a_logger_without_its_package_is_refused_before_the_run(files, capsys):
     """``--check`` said "config ok" and the run stopped once its model was built."""
     import importlib.util

@@ -103,9 +103,14 @@ def run(args) -> int:
 
         family_for(source.cfg)  # refuse before creating anything
         from megazero.convert.hf_tokenizer import load_fitting
+        from megazero.data import tokenizer_mismatch
 
-        tokenizer = args.tokenizer or _run_tokenizer(source)
-        tokenizer = load_fitting(tokenizer, source.cfg.vocab_size) if tokenizer else None
+        path = args.tokenizer or _run_tokenizer(source)
+        tokenizer = load_fitting(path, source.cfg.vocab_size) if path else None
+        flag = "--tokenizer" if args.tokenizer else "the run's data.tokenizer"
+        mismatch = tokenizer is not None and tokenizer_mismatch(_source_meta(source), tokenizer, flag)
+        if mismatch:
+            raise UserError(mismatch)
         with staged(dst) as tmp:
             write_hf(source, tmp, args.dtype, tokenizer, int(args.shard_size_gb * 1e9))
     elif target == "torch":
@@ -133,7 +138,7 @@ def run_config(source, layout: dict):
     from megazero.config.schema import Config
     from megazero.config.validate import resolve_config
 
-    meta = getattr(getattr(source, "reader", None), "meta", {}) or {}
+    meta = _source_meta(source)
     raw = meta.get("config") if isinstance(meta.get("config"), dict) else config_to_dict(Config(model=source.cfg))
     raw = {**raw, "model": dataclasses.asdict(source.cfg)}
     for field, value in layout.items():
@@ -145,8 +150,13 @@ def run_config(source, layout: dict):
     return resolve_config(cfg, p["tp"] * p["pp"] * dp)
 
 
+def _source_meta(source) -> dict:
+    """What a megazero checkpoint's manifest records beside its tensors ({} for other sources)."""
+    return getattr(getattr(source, "reader", None), "meta", {}) or {}
+
+
 def _run_tokenizer(source):
     """The tokenizer the source run trained with, if its config names one that still exists here."""
-    meta = getattr(getattr(source, "reader", None), "meta", {}) or {}
+    meta = _source_meta(source)
     path = ((meta.get("config") or {}).get("data") or {}).get("tokenizer")
     return path if path and Path(path).exists() else None

@@ -50,7 +50,8 @@ def temperature(text: str) -> float:
 
 def run(args) -> int:
     from data_pipeline.tokenizer import load_tokenizer
-    from megazero.checkpoint import resolve_checkpoint
+    from megazero.checkpoint import read_manifest, resolve_checkpoint
+    from megazero.data import tokenizer_mismatch
     from megazero.generate import load_model, sample
 
     ckpt = resolve_checkpoint(args.checkpoint, source=SOURCE)  # before the tokenizer: the cheaper check
@@ -58,6 +59,9 @@ def run(args) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
+    mismatch = tokenizer_mismatch(read_manifest(ckpt)["meta"], tokenizer, "--tokenizer")
+    if mismatch:
+        raise UserError(mismatch)
     model, _ = load_model(ckpt, source=SOURCE)
     if tokenizer.vocab_size > model.vocab_size:
         raise UserError(f"--tokenizer {args.tokenizer}: has {tokenizer.vocab_size} tokens, but the checkpoint's model "

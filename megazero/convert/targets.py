@@ -55,6 +55,9 @@ def write_megazero(source: Source, root: Path, reset_step: bool = False, run: Op
         adam_step, scaler = 0.0, None
     if run is not None:
         meta["config"] = asdict(run)
+    record = (getattr(getattr(source, "reader", None), "meta", None) or {}).get("tokenizer")
+    if record is not None:  # the weights still take the ids of the tokenizer they were trained on
+        meta["tokenizer"] = record
     return write_checkpoint(root, layout, read, step=int(meta["step"]), meta=meta, with_moments=carry,
                             adam_step=adam_step, scaler=scaler)
 
