@@ -388,6 +388,14 @@ def test_a_warm_up_longer_than_the_run_is_said_at_its_start(files, capsys):
     assert "note: schedule.warmup_steps 8 is more than train.train_steps 2: the learning rate ends at 0.25" in out, out
 
 
+def test_a_setting_that_changes_nothing_is_said_at_the_start(files, capsys):
+    """`parallel.recompute_every` without full recompute was accepted and ignored without a word."""
+    argv = ["train", *_model(files["good"], str(files["root"] / "runs" / "noted")), "--check"]
+    assert main([*argv, "--parallel.recompute_every", "3"]) == 0
+    assert "note: parallel.recompute_every 3 applies to parallel.recompute full only; with 'none'" in \
+        capsys.readouterr().out
+
+
 def test_a_wall_clock_stop_saves_even_without_save_on_exit(files, capsys):
     """`train.max_wall_seconds` promises a save, as a preemption does; with `save_on_exit` false the
     stop said "saving" and wrote nothing, and the steps trained were lost. A run that can save only on
@@ -397,6 +405,7 @@ def test_a_wall_clock_stop_saves_even_without_save_on_exit(files, capsys):
     assert main([*argv, "--train.max_wall_seconds", "1e-9"]) == 0
     out = capsys.readouterr().out
     assert "note: checkpoint.save_on_exit is false and checkpoint.save_interval 0" in out, out
+    assert "recompute_every" not in out
     assert "for the wall-clock limit; saving" in out and (run / "checkpoints" / "step_0000001").is_dir(), out
 
 

@@ -42,6 +42,10 @@ def run(args) -> int:
 
         print(estimate_line(cfg), flush=True)
     if args.check:
+        from megazero.config.validate import config_notes
+
+        for note in config_notes(cfg):  # what the run would say at its start
+            print(f"megazero: note: {note}", flush=True)
         p = cfg.parallel
         largest = "" if facts.largest_token_id is None else f", largest token id {facts.largest_token_id}"
         tokenizer = "" if facts.tokenizer_vocab is None else f", tokenizer {facts.tokenizer_vocab} tokens"

@@ -164,6 +164,9 @@ def config_notes(cfg: Config) -> list[str]:
     if t.train_steps is not None and s.warmup_steps > t.train_steps:
         notes.append(f"schedule.warmup_steps {s.warmup_steps} is more than train.train_steps {t.train_steps}: the "
                      f"learning rate ends at {t.train_steps / s.warmup_steps:.2g} of optimizer.lr, in warm-up")
+    if cfg.parallel.recompute_every != 1 and cfg.parallel.recompute != "full":
+        notes.append(f"parallel.recompute_every {cfg.parallel.recompute_every} applies to parallel.recompute full "
+                     f"only; with {cfg.parallel.recompute!r} it changes nothing")
     if not c.save_on_exit and not c.save_interval:
         notes.append("checkpoint.save_on_exit is false and checkpoint.save_interval 0: this run saves a checkpoint "
                      "only if it is preempted or reaches train.max_wall_seconds")
