@@ -272,19 +272,19 @@ def _scan_largest(data: IndexedDataset, binf: str) -> int:
 
 
 def merge_shards(prefixes: Iterable[str], output_prefix: str) -> IndexedDataset:
-    """Join shards, in the given order, into one; each must use the same token dtype, and those that
-    record their tokenizer the same one (``shard_origin``), which the merged shard then records."""
-    from data_pipeline.shard_origin import common_origin, origin_path, write_origin
+    """Join shards, in the given order, into one; each must use the same token dtype, and record the
+    same tokenizer (``shard_origin``), which the merged shard then records, or all record none."""
+    from data_pipeline.shard_origin import merged_origin, origin_path, write_origin
 
     shards = [IndexedDataset(p) for p in prefixes]
     if not shards:
         raise ValueError("merge needs at least one input shard")
-    origin = common_origin(s.prefix for s in shards)
+    origin = merged_origin([s.prefix for s in shards])
     with IndexedDatasetWriter(output_prefix, shards[0].dtype) as writer:
         for shard in shards:
             writer.add_shard(shard)
     if origin is not None:
-        write_origin(output_prefix, origin[1])
+        write_origin(output_prefix, origin)
     elif os.path.exists(origin_path(output_prefix)):
         os.unlink(origin_path(output_prefix))  # a record left by an earlier shard of this name
     return IndexedDataset(output_prefix)

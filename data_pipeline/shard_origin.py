@@ -76,6 +76,21 @@ def common_origin(prefixes: Iterable[str]) -> Optional[tuple[str, dict]]:
     return first
 
 
+def merged_origin(prefixes: list[str]) -> Optional[dict]:
+    """The record a merge of ``prefixes`` carries: the tokenizer they all record, or None where none
+    records one. Where only some do, the merged record would vouch for documents whose tokenizer
+    nobody knows, so that is an error naming the first shard without a record."""
+    origin = common_origin(prefixes)
+    if origin is None:
+        return None
+    for prefix in prefixes:
+        if read_origin(prefix) is None:
+            raise ValueError(f"{prefix} records no tokenizer but {origin[0]} records {describe(origin[1])}: "
+                             "the merged record would claim that tokenizer for its documents too; preprocess it "
+                             "again with that tokenizer, or merge only unrecorded shards")
+    return origin[1]
+
+
 def tokenizer_mismatch(prefix: str, record: dict, tokenizer) -> Optional[str]:
     """Why the shard at ``prefix`` (recorded as ``record``) was not made with the loaded ``tokenizer``;
     None if it was."""

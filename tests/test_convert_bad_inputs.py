@@ -103,6 +103,20 @@ def test_hf_config_megazero_cannot_express(sources, tmp_path, capsys):
     assert "mlp_bias" in _fails(capsys, tmp_path, hf)
 
 
+@pytest.mark.parametrize("changes, expected", [
+    ({"model_type": "mistral", "sliding_window": 8}, "model_type: 'mistral' is not LlamaForCausalLM's 'llama'"),
+    ({"sliding_window": 8}, "sliding_window: 8 asks for sliding-window attention"),
+    ({"use_sliding_window": True}, "use_sliding_window: True asks for sliding-window attention"),
+])
+def test_hf_config_of_another_model_type_or_a_sliding_window(sources, tmp_path, capsys, changes, expected):
+    """transformers builds what model_type names (a Mistral here, with its window), whatever the
+    architectures list says; importing it as plain Llama would change the model without a word."""
+    hf = _copy(sources / "hf", tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, **changes}))
+    assert expected in _fails(capsys, tmp_path, hf)
+
+
 class _Random:
     """A source with an architecture of our choosing and random weights."""
 

@@ -84,6 +84,22 @@ def test_merge_refuses_mixed_dtypes(tmp_path):
     assert not any(p.name.startswith("m.") for p in tmp_path.iterdir())
 
 
+def test_merge_carries_a_shared_tokenizer_record_and_refuses_a_partial_one(tmp_path):
+    """A merged record vouches for every document, so shards without one cannot join recorded ones."""
+    from data_pipeline.shard_origin import read_origin, write_origin
+
+    record = {"tokenizer_sha256": "ab" * 32, "vocab_size": 70000, "tokenizer": "t.json"}
+    a, b, bare = write(tmp_path / "a", DOCS[:2]), write(tmp_path / "b", DOCS[2:]), write(tmp_path / "bare")
+    for prefix in (a, b):
+        write_origin(prefix, record)
+    assert read_origin(str(merge_shards([a, b], str(tmp_path / "ab")).prefix)) == record
+    assert read_origin(str(merge_shards([bare, bare], str(tmp_path / "bb")).prefix)) is None
+    with pytest.raises(ValueError, match=f"{bare} records no tokenizer but {a} records t.json .*merge only "
+                                         "unrecorded shards"):
+        merge_shards([a, bare], str(tmp_path / "m"))
+    assert not any(p.name.startswith("m.") for p in tmp_path.iterdir())
+
+
 def test_interrupted_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError), IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
         w.add_document([1, 2, 3])

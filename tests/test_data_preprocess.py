@@ -145,11 +145,57 @@ def test_cli_preprocess_and_merge(env, tmp_path, capsys):
     assert main(argv) == 0
     report = capsys.readouterr().out
     assert "docs/s" in report and "MB/s" in report and f"{len(env['records'])} documents" in report
-    assert main(["preprocess", "--merge", f"{out}_text_document", f"{out}_text_document",
+    again = str(tmp_path / "again")
+    assert main(["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix", again,
+                 "--no-progress"]) == 0
+    assert main(["preprocess", "--merge", f"{out}_text_document", f"{again}_text_document",
                  "--output-prefix", str(tmp_path / "merged")]) == 0
     merged = IndexedDataset(str(tmp_path / "merged"))
     assert len(merged) == 2 * len(env["records"])
     assert merged[len(env["records"])].tolist() == merged[0].tolist()
+
+
+def _refused(argv, capsys, *words):
+    """The CLI refused ``argv`` with status 2 and one line naming ``words``, no traceback."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert all(w in err for w in words), err
+
+
+def test_cli_refuses_to_replace_an_existing_shard(env, tmp_path, capsys):
+    """Preprocessing or merging onto a prefix already holding a shard would replace it without a word."""
+    out = str(tmp_path / "kept")
+    argv = ["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix", out,
+            "--no-progress"]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    _refused(argv, capsys, f"{out}_text_document.bin: already exists",
+             "give a new --output-prefix or remove it first")
+    _refused(["preprocess", "--merge", f"{out}_text_document", "--output-prefix", f"{out}_text_document"], capsys,
+             f"--output-prefix {out}_text_document is one of the --merge shards")
+    (tmp_path / "m.tokenizer.json").write_text("{}")  # a record alone is output too
+    before["m.tokenizer.json"] = b"{}"
+    _refused(["preprocess", "--merge", f"{out}_text_document", "--output-prefix", str(tmp_path / "m")], capsys,
+             "m.tokenizer.json: already exists")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_cli_refuses_an_input_listed_twice(env, tmp_path, capsys, monkeypatch):
+    """The same file twice, however spelled, would put every document in the shard twice."""
+    monkeypatch.chdir(Path(env["jsonl"]).parent)
+    name = os.path.basename(env["jsonl"])
+    out = str(tmp_path / "o")
+    _refused(["preprocess", "--input", name, f"./{name}", "--tokenizer", env["model"], "--output-prefix", out,
+              "--no-progress"], capsys, f"--input ./{name} is listed twice (also as {name})", "trained on twice")
+    assert main(["preprocess", "--input", name, "--tokenizer", env["model"], "--output-prefix", out,
+                 "--no-progress"]) == 0
+    shard = f"{out}_text_document"
+    _refused(["preprocess", "--merge", shard, shard, "--output-prefix", str(tmp_path / "m")], capsys,
+             f"--merge {shard} is listed twice;")
+    written = [f"o_text_document{ext}" for ext in (".bin", ".idx", ".tokenizer.json")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == written  # the refused merge wrote nothing
 
 
 @pytest.mark.parametrize("argv_tail,message", [

@@ -75,6 +75,20 @@ def test_the_command_samples_greedily(trained, tmp_path, capsys):
     assert capsys.readouterr().out.split() == ["w1", "w2", "w3"]
 
 
+def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
+    """The model (seq_length 16) reads only the last 16 of a 20-token prompt; the text printed is
+    the whole prompt and its continuation, so a line on stderr says what was read."""
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    args = ["generate", str(trained[0]), "--tokenizer", tok, "--temperature", "0", "--tokens", "2"]
+    assert main([*args, "--prompt", " ".join(f"w{i}" for i in range(20))]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.split()) == 22
+    assert captured.err.splitlines() == ["note: --prompt is 20 tokens, more than the model's context of 16 "
+                                         "(model.seq_length); only its last 16 tokens are read"]
+    assert main([*args, "--prompt", "w1 w2"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("option, value, words", [
     ("--tokens", "-1", "argument --tokens: must be 0 or more, got -1"),
     ("--tokens", "many", "argument --tokens: 'many' is not an integer"),

@@ -382,11 +382,28 @@ def test_plan_says_when_nothing_fits(capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--gpus", "12", "--gpus-per-node", "8"], ["--gpus 12", "--gpus-per-node 8"]),
     (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "0"], ["--peak-tflops"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "inf"], ["--peak-tflops", "finite", "got inf"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "inf"], ["--gpu-memory", "finite", "got inf"]),
 ])
 def test_plan_bad_input_is_one_line(argv, words, capsys):
     code = main(["plan", "configs/gpt_1.3b.yaml", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_plan_notes_that_its_speeds_are_16_bit_for_an_fp32_config(capsys):
+    """The presets' peaks are tensor-core bf16/fp16 figures: an fp32 run planned with them looks
+    several times faster than it will be, so the plan says so (on stderr under --json, keeping its
+    stdout one JSON object); a bf16 plan has no such note."""
+    argv = ["plan", "configs/gpt_1.3b.yaml", "--gpus", "1", "--gpus-per-node", "1", "--top", "1"]
+    for extra, stream in (([], "out"), (["--json"], "err")):
+        assert main([*argv, *extra, "--precision.dtype", "fp32"]) == 0
+        captured = capsys.readouterr()
+        notes = [line for line in getattr(captured, stream).splitlines() if line.startswith("note:")]
+        assert len(notes) == 1 and "precision.dtype is fp32" in notes[0] and "bf16/fp16" in notes[0], captured
+    json.loads(captured.out)
+    assert main(argv) == 0
+    assert "note:" not in "".join(capsys.readouterr())
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from megazero.errors import UserError
 
@@ -69,6 +70,15 @@ def run(args) -> int:
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
+    _note_a_cut_prompt(len(prompt), model.cfg.seq_length, args.tokens)
     out = sample(model, prompt, args.tokens, args.temperature, args.top_k, args.seed, vocab=tokenizer.vocab_size)
     print(tokenizer.decode(out))
     return 0
+
+
+def _note_a_cut_prompt(prompt_tokens: int, context: int, new_tokens: int) -> None:
+    """The model sees at most ``context`` tokens, so a longer prompt is continued from its end alone,
+    while the whole of it is printed as if continued; say so on stderr (stdout is the text)."""
+    if new_tokens and prompt_tokens > context:
+        print(f"note: --prompt is {prompt_tokens} tokens, more than the model's context of {context} "
+              f"(model.seq_length); only its last {context} tokens are read", file=sys.stderr)

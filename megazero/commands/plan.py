@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import sys
 
 from megazero.commands.generate import at_least
 from megazero.errors import UserError
 
+# The presets' peaks and efficiencies are for 16-bit tensor-core math (planner/hardware.py); memory is
+# counted in the config's own dtype.
+FP32_NOTE = ("note: precision.dtype is fp32, but step times and speeds assume bf16/fp16 tensor-core math "
+             "(the GPU's 16-bit peak); an fp32 run will be slower (its memory is counted as fp32)")
 NUMBERS = ("memory_gib", "needed_gib", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu")
 
 
@@ -44,8 +50,8 @@ def run(args) -> int:
         raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
     for flag in ("gpu_memory", "peak_tflops", "intra_node_GBps", "inter_node_GBps"):
         value = getattr(args, flag)
-        if value is not None and not value > 0:
-            raise UserError(f"--{flag.replace('_', '-')}: must be positive, got {value}")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UserError(f"--{flag.replace('_', '-')}: must be a positive, finite number, got {value}")
     config_path, overrides = split_config_path(args.overrides)
     if config_path is None:
         raise UserError("give the CONFIG to plan for, e.g. megazero plan configs/gpt_1.3b.yaml --gpus 8 --gpus-per-node 8")
@@ -59,7 +65,10 @@ def run(args) -> int:
                         f"WORLD_SIZE={args.gpus} LOCAL_WORLD_SIZE={args.gpus_per_node} and a layout to see why")
     rows = [row(c) for c in ranked[:args.top]]
     fitting = sum(c.fits for c in ranked)
+    note = FP32_NOTE if cfg.precision.dtype == "fp32" else None
     if args.json:
+        if note:
+            print(note, file=sys.stderr)  # stdout is the JSON object alone
         print(json.dumps({"gpu": dataclasses.asdict(gpu), "gpus": cluster.num_gpus, "gpus_per_node": cluster.gpus_per_node,
                           "valid_layouts": len(ranked), "fitting_layouts": fitting, "layouts": rows}, indent=1))
         return 0
@@ -70,6 +79,8 @@ def run(args) -> int:
     print(format_table(rows))
     if not fitting:
         print("none fits: add GPUs, lower train.micro_batch_size, or offload the optimizer (zero.offload_optimizer)")
+    if note:
+        print(note)
     return 0
 
 

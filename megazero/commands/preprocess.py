@@ -41,6 +41,8 @@ def run(args) -> int:
     from data_pipeline.preprocess import output_prefix_for, preprocess
 
     _check_output_dir(args.output_prefix)
+    _check_no_repeats(args)
+    _check_outputs_absent(args)
     try:
         if args.merge:
             merged = merge_shards(args.merge, args.output_prefix)
@@ -72,3 +74,40 @@ def _check_output_dir(prefix: str) -> None:
         raise UserError(f"--output-prefix {prefix}: cannot create {directory} ({exc.strerror})") from None
     if not os.access(directory, os.W_OK):
         raise UserError(f"--output-prefix {prefix}: {directory} is not writable")
+
+
+def _check_no_repeats(args) -> None:
+    """An input named twice (however spelled) would be read twice, its documents trained on twice; a
+    merge into one of its own shards would replace that shard. Both are refused before anything is
+    read or written."""
+    flag, names = ("--merge", args.merge) if args.merge else ("--input", args.input)
+    seen: dict[str, str] = {}
+    for name in names:
+        key = _resolved(name, shard=bool(args.merge))
+        if key in seen:
+            also = f" (also as {seen[key]})" if seen[key] != name else ""
+            raise UserError(f"{flag} {name} is listed twice{also}; its documents would be trained on twice")
+        seen[key] = name
+    if args.merge and _resolved(args.output_prefix, shard=True) in seen:
+        raise UserError(f"--output-prefix {args.output_prefix} is one of the --merge shards; give a new prefix")
+
+
+def _resolved(name: str, shard: bool) -> str:
+    """One spelling per file, links followed: a shard prefix stands for its ``.bin``."""
+    from data_pipeline.indexed import bin_path
+
+    return os.path.realpath(bin_path(name) if shard else name)
+
+
+def _check_outputs_absent(args) -> None:
+    """A run writes a ``.bin``, ``.idx`` and tokenizer record per output shard; one already there would
+    be replaced without a word and the shard it belongs to lost, so it is refused before any input is read."""
+    from data_pipeline.indexed import bin_path, idx_path
+    from data_pipeline.preprocess import output_prefix_for
+    from data_pipeline.shard_origin import origin_path
+
+    prefix = args.output_prefix
+    for shard in [prefix] if args.merge else [output_prefix_for(prefix, key) for key in args.json_keys]:
+        for path in (bin_path(shard), idx_path(shard), origin_path(shard)):
+            if os.path.lexists(path):
+                raise UserError(f"{path}: already exists; give a new --output-prefix or remove it first")

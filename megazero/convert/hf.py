@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megazero.convert.hf_models import FAMILIES, family_for
+from megazero.convert.hf_models import FAMILIES, check_model_type, family_for
 from megazero.convert.hf_tokenizer import tokenizer_ids, write_tokenizer
 from megazero.convert.sources import Source, logical_shapes
 from megazero.convert.streaming import StreamedSafetensors
@@ -53,6 +53,7 @@ class HFSource:
         if self.family is None:
             raise UserError(f"{config_path}: architecture {archs[0] if archs else self.hf.get('model_type')!r} is not "
                             f"one megazero can import ({', '.join(FAMILIES)}); convert such a model with its own tools")
+        check_model_type(self.hf, self.family, str(config_path))
         self.cfg = self.family.model_config(self.hf, str(config_path))
         self.files = self._weight_files()
         self._check_weights(hf_shapes(self.cfg, self.family))
