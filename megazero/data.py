@@ -57,7 +57,7 @@ def tokenizer_record(cfg: Config) -> dict | None:
     return origin[1] if origin else None
 
 
-def tokenizer_mismatch(meta: dict, tokenizer, flag: str) -> str | None:
+def not_trained_with(meta: dict, tokenizer, flag: str) -> str | None:
     """Why the loaded ``tokenizer`` (given as ``flag``) is not the one the checkpoint of ``meta`` was
     trained with (``tokenizer_record``); None if it is, or if the checkpoint records none (an older
     one, or a run whose data named no tokenizer)."""

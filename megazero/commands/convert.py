@@ -103,12 +103,12 @@ def run(args) -> int:
 
         family_for(source.cfg)  # refuse before creating anything
         from megazero.convert.hf_tokenizer import load_fitting
-        from megazero.data import tokenizer_mismatch
+        from megazero.data import not_trained_with
 
         path = args.tokenizer or _run_tokenizer(source)
         tokenizer = load_fitting(path, source.cfg.vocab_size) if path else None
         flag = "--tokenizer" if args.tokenizer else "the run's data.tokenizer"
-        mismatch = tokenizer is not None and tokenizer_mismatch(_source_meta(source), tokenizer, flag)
+        mismatch = tokenizer is not None and not_trained_with(_source_meta(source), tokenizer, flag)
         if mismatch:
             raise UserError(mismatch)
         with staged(dst) as tmp:

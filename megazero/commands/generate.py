@@ -52,7 +52,7 @@ def temperature(text: str) -> float:
 def run(args) -> int:
     from data_pipeline.tokenizer import load_tokenizer
     from megazero.checkpoint import read_manifest, resolve_checkpoint
-    from megazero.data import tokenizer_mismatch
+    from megazero.data import not_trained_with
     from megazero.generate import load_model, sample
 
     ckpt = resolve_checkpoint(args.checkpoint, source=SOURCE)  # before the tokenizer: the cheaper check
@@ -60,7 +60,7 @@ def run(args) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
-    mismatch = tokenizer_mismatch(read_manifest(ckpt)["meta"], tokenizer, "--tokenizer")
+    mismatch = not_trained_with(read_manifest(ckpt)["meta"], tokenizer, "--tokenizer")
     if mismatch:
         raise UserError(mismatch)
     model, _ = load_model(ckpt, source=SOURCE)
