@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megazero.checkpoint import latest_checkpoint, read_manifest
-from megazero.checkpoint.reader import CheckpointReader
+from megazero.checkpoint.reader import CheckpointReader, Piece, _cover
 from megazero.checkpoint.state import load_checkpoint
 from megazero.cli import main
 from megazero.config import load_config, resolve_config
@@ -135,6 +135,19 @@ def test_files_give_back_every_logical_tensor(written, name):
             assert got.shape[0] == padded and not got[VOCAB:].any()
             got = got[:VOCAB]
         assert torch.equal(got, want), name_
+
+
+def test_reading_plan_takes_each_element_once_and_refuses_a_gap():
+    """The reader's plan over the rank files' segments: an element two files hold (a tied head's
+    copy, cut at other offsets than the embedding it copies) is read once, a segment overlapping
+    what is already read gives only its new tail, from the matching place in its shard, and a
+    single element held nowhere makes the parameter incomplete instead of leaving it as whatever
+    the uninitialised buffer held."""
+    first = Piece(0, None, (10,), ((0, 100, 6),))  # elements 0-5 at offset 100 of rank 0's shard
+    copy = Piece(1, None, (10,), ((4, 200, 6),))  # elements 4-9 at offset 200 of rank 1's
+    assert _cover([first, copy], 10) == {0: [(0, 100, 6)], 1: [(6, 202, 4)]}
+    after_a_gap = Piece(1, None, (10,), ((7, 300, 3),))  # elements 7-9: element 6 is nowhere
+    assert _cover([first, after_a_gap], 10) is None
 
 
 def test_layout_the_model_cannot_take_is_refused(written, tmp_path, capsys):

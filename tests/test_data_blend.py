@@ -88,16 +88,19 @@ def make_shard(path, seed, n_docs=40):
     return str(path)
 
 
-def build(tmp_path, seed):
+def build(tmp_path, seed, split="1", which="train"):
     prefixes = [make_shard(tmp_path / f"d{i}", i) for i in range(3)]
     blend = [[0.6, prefixes[0]], [0.3, prefixes[1]], [0.1, prefixes[2]]]
-    return build_blended_samples(blend, 8, 300, seed, cache_dir=str(tmp_path / "cache")), prefixes
+    return build_blended_samples(blend, 8, 300, seed, split, which, cache_dir=str(tmp_path / "cache")), prefixes
 
 
-def test_blended_samples_come_from_their_components(tmp_path):
-    blended, prefixes = build(tmp_path, seed=3)
+@pytest.mark.parametrize("split, which", [("1", "train"), ("3,1,0", "valid")])
+def test_blended_samples_come_from_their_components(tmp_path, split, which):
+    """A validation blend must draw from each dataset's validation documents: built from the
+    training ones, it would report the loss of text the model was trained on."""
+    blended, prefixes = build(tmp_path, 3, split, which)
     assert len(blended) == 300
-    components = [GPTSamples(IndexedDataset(p), 8, int(c), 3, cache_dir=str(tmp_path / "cache"))
+    components = [GPTSamples(IndexedDataset(p), 8, int(c), 3, split, which, cache_dir=str(tmp_path / "cache"))
                   for p, c in zip(prefixes, np.bincount(blended.dataset_index, minlength=3))]
     for i in range(len(blended)):
         d, s = int(blended.dataset_index[i]), int(blended.sample_index[i])
@@ -112,3 +115,13 @@ def test_whole_blend_reproducible_from_weights_and_seed(tmp_path):
     tokens = [[x[i].tolist() for i in range(len(x))] for x in (first, again, other)]
     assert tokens[0] == tokens[1]
     assert tokens[0] != tokens[2]
+
+
+def test_a_zero_weight_dataset_is_never_opened(tmp_path):
+    """A blend entry set to weight 0 (switched off, as when a source is withdrawn) takes no samples,
+    so its shard is never read: it may be absent, and it builds no indices of its own."""
+    kept = make_shard(tmp_path / "kept", 0)
+    blended = build_blended_samples([[1.0, kept], [0.0, str(tmp_path / "withdrawn")]], 8, 50, 0,
+                                    cache_dir=str(tmp_path / "cache"))
+    assert blended.datasets[1] is None and blended.dataset_index.tolist() == [0] * 50
+    assert len(blended.datasets[0]) >= 50 and blended[49].tolist() == blended.datasets[0][49].tolist()

@@ -1,6 +1,7 @@
 """Interop with megatron-core: our shards load in its IndexedDataset with identical tokens, its
 IndexedDatasetBuilder's shards load in ours, and our sample and blend indices equal those of its
-compiled helpers for the same inputs."""
+compiled helpers for the same inputs, and the three GPT sample indices (documents over epochs, sample
+starts, shuffle) equal those megatron-core's GPTDataset builds over the same shard."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from data_pipeline.blend import greedy_blend
-from data_pipeline.gpt_samples import build_document_index, build_sample_index
+from data_pipeline.gpt_samples import build_document_index, build_gpt_indices, build_sample_index
 from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
 
 with warnings.catch_warnings():  # megatron-core warns at import about missing GPU extras
@@ -21,6 +22,8 @@ with warnings.catch_warnings():  # megatron-core warns at import about missing G
                                      reason="megatron-core is not installed (pip install megatron-core)")
     mc_helpers = pytest.importorskip("megatron.core.datasets.helpers",
                                      reason="megatron-core's compiled dataset helpers are not importable")
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import Split
 
 
 def random_docs(seed, n=50, high=60000):
@@ -86,3 +89,47 @@ def test_blend_matches_megatron_helper(weights):
     ours_d, ours_s = greedy_blend(weights, size)
     np.testing.assert_array_equal(ours_d, dataset_index)
     np.testing.assert_array_equal(ours_s, sample_index)
+
+
+class _Vocabulary:
+    """The little of a tokenizer megatron-core's GPTDataset reads while it builds its indices."""
+
+    vocab_size, eod, eos, pad = 60000, 0, 0, -1
+    unique_identifiers = {"class": "test vocabulary"}
+
+
+# 20 documents of 0-39 tokens (seed 5): 440 tokens an epoch, 54 samples of 8+1 tokens. Two epochs
+# give 109 samples, not 2 x 54: the shared boundary token is counted once over the whole stream.
+INDEX_SEQ_LEN, INDEX_PER_EPOCH, INDEX_TWO_EPOCHS = 8, 54, 109
+
+
+@pytest.mark.parametrize("num_samples", [
+    None,
+    INDEX_PER_EPOCH,  # exactly one epoch: a second would reshuffle every sample
+    INDEX_PER_EPOCH + 1,  # one sample into a second epoch, which is shuffled apart
+    INDEX_PER_EPOCH + int(0.8 * INDEX_PER_EPOCH),  # a final epoch used exactly at the threshold: shuffled in
+    INDEX_PER_EPOCH + int(0.8 * INDEX_PER_EPOCH) - 1,  # one sample below it: shuffled apart
+    INDEX_TWO_EPOCHS + 1,  # a third epoch, apart after the samples of two whole epochs
+    INDEX_TWO_EPOCHS + 44,  # a third epoch shuffled in with the other two
+])
+def test_gpt_indices_match_megatron_dataset(tmp_path, num_samples):
+    """Which epochs a run reads and which samples are shuffled together decide the order of every
+    sample a run trains on; Megatron's rules (the fewest epochs giving the samples, the final epoch
+    shuffled apart below 80% use) are met at their boundaries, where an off-by-one changes them."""
+    docs = random_docs(5, n=20)
+    with IndexedDatasetWriter(str(tmp_path / "d"), np.uint16) as w:
+        for d in docs:
+            w.add_document(d)
+    theirs_data = mc_indexed.IndexedDataset(str(tmp_path / "d"))
+    assert int(theirs_data.sequence_lengths.sum()) == 440
+    config = GPTDatasetConfig(random_seed=7, sequence_length=INDEX_SEQ_LEN, tokenizer=_Vocabulary(),
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                              path_to_cache=None, mmap_bin_files=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = GPTDataset(theirs_data, str(tmp_path / "d"), np.arange(len(docs), dtype=np.int32), num_samples,
+                            Split.train, config)
+    ours = build_gpt_indices(IndexedDataset(str(tmp_path / "d")).sizes, np.arange(len(docs)), INDEX_SEQ_LEN,
+                             num_samples, seed=7)
+    for key in ("document_index", "sample_index", "shuffle_index"):
+        np.testing.assert_array_equal(ours[key], getattr(theirs, key), err_msg=key)

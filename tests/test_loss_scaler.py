@@ -54,3 +54,27 @@ def test_state_round_trip():
     t = DynamicLossScaler()
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == s.state_dict()
+
+
+def test_growth_rearms_the_hysteresis():
+    """An overflow long ago must not count against the next one: after the scale grows, the next
+    isolated overflow is tolerated again instead of halving at once (Megatron's scaler likewise)."""
+    s = DynamicLossScaler(initial_scale=8, window=2, hysteresis=2)
+    s.update(True)  # tolerated, one left
+    s.update(False)
+    s.update(False)
+    assert s.scale == 16
+    s.update(True)
+    assert s.scale == 16
+
+
+def test_halving_is_clamped_to_the_minimum():
+    """A scale that is not a power of the factor lands on the minimum, not below it, and only an
+    overflow there is the error."""
+    s = DynamicLossScaler(initial_scale=12, window=100, hysteresis=1, min_scale=4)
+    s.update(True)
+    assert s.scale == 6
+    s.update(True)
+    assert s.scale == 4
+    with pytest.raises(LossScaleError):
+        s.update(True)

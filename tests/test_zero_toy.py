@@ -81,6 +81,13 @@ def _skipped(variant, step):
     return 1 if variant == "unused" and step == 1 else None
 
 
+def _lr(variant, step):
+    """The "schedule" variant hands each step its learning rate (1e-2, 5e-3, 3.3e-3), as the trainer
+    does; the others keep the optimizer's own 1e-2. Every parameter group must take it: biases and
+    norms, which do not decay, as well as the matrices."""
+    return 1e-2 / (step + 1) if variant == "schedule" else None
+
+
 def _reference(model, steps, batches_per_step, clip, variant="plain"):
     model = copy.deepcopy(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -90,6 +97,8 @@ def _reference(model, steps, batches_per_step, clip, variant="plain"):
     norms = []
     for step in range(steps):
         opt.zero_grad(set_to_none=False)  # an unused parameter steps with a zero gradient, as in ZeRO
+        for group in opt.param_groups:
+            group["lr"] = _lr(variant, step) or 1e-2
         for index in range(batches_per_step):
             (model(*_data(step, index), skip=_skipped(variant, step)) / batches_per_step).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
@@ -101,7 +110,10 @@ CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "ov
     (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "persist"), (1, "offload"), (3, "offload"),
     (0, "offload"), (1, "offload+overlap"), (2, "offload+overlap"),
     (0, "bf16grads"), (1, "bf16grads"), (2, "bf16grads"), (3, "bf16grads"),
-    (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused")]
+    (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused"),
+    (2, "unfused"), (1, "unfused+bf16grads"), (2, "schedule")]
+# "unfused": torch's unfused AdamW (``optimizer.fused: false``), which takes the unscale-and-clip
+# factor and the skip decision from the wrapper, where the fused one takes them as its own inputs.
 
 
 def _poison_retaken_gradient_memory():
@@ -125,7 +137,7 @@ def _zero_run(rank, world_size):
         group = groups[rank // dp]
         dp_rank = rank % dp
         for clip in (1e9, 0.05):
-            references = {v: _reference(base, STEPS, MICRO * dp, clip, v) for v in ("plain", "unused")}
+            references = {v: _reference(base, STEPS, MICRO * dp, clip, v) for v in ("plain", "unused", "schedule")}
             for stage, variant in CASES:
                 model = copy.deepcopy(base)
                 opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, clip_grad=clip,
@@ -133,19 +145,20 @@ def _zero_run(rank, world_size):
                                     prefetch_depth=2 if variant == "prefetch2" else 1,
                                     persistence_threshold=100 if variant == "persist" else 0,
                                     offload=variant.startswith("offload"),
-                                    grad_dtype=torch.bfloat16 if variant == "bf16grads" else torch.float32)
+                                    grad_dtype=torch.bfloat16 if variant.endswith("bf16grads") else torch.float32,
+                                    fused=not variant.startswith("unfused"))
                 norms = []
                 for step in range(STEPS):
                     for micro in range(MICRO):
                         opt.dp.begin_microbatch(last=variant.endswith("overlap") and micro == MICRO - 1)
                         loss = model(*_data(step, dp_rank * MICRO + micro), skip=_skipped(variant, step)) / MICRO
                         opt.scale_loss(loss).backward()
-                    norms.append(opt.step().grad_norm)
+                    norms.append(opt.step(_lr(variant, step)).grad_norm)
                 opt.dp.wait_params()
-                reference, ref_norms = references["unused" if variant == "unused" else "plain"]
+                reference, ref_norms = references.get(variant, references["plain"])
                 pairs = list(zip(model.state_dict().values(), reference.state_dict().values(),
                                  base.state_dict().values()))
-                if variant == "bf16grads":  # relative error of the whole update, see BF16_GRAD_TOL
+                if variant.endswith("bf16grads"):  # relative error of the whole update, see BF16_GRAD_TOL
                     err = (torch.stack([(p - q).norm() for p, q, _ in pairs]).norm()
                            / torch.stack([(q - p0).norm() for _, q, p0 in pairs]).norm()).item()
                 else:
@@ -156,7 +169,25 @@ def _zero_run(rank, world_size):
         results[("queued", dp)] = _queued_after_backward(base, group, dp_rank)
         results[("released read", dp)] = _released_read(base, group)
         results[("skipped after overlap", dp)] = _skipped_after_overlap(base, group, dp_rank)
+        results[("clip 0", dp)] = _clip_zero_means_no_clipping(base, group, dp_rank)
     return results
+
+
+def _clip_zero_means_no_clipping(base, group, dp_rank):
+    """``clip_grad: 0`` turns clipping off (as the config documents): the step must equal, bit for bit,
+    one whose threshold is too high to bind, whose factor is exactly 1. Returns that difference and
+    how far the step moved the parameters."""
+    models = []
+    for clip in (0.0, 1e9):
+        model = copy.deepcopy(base)
+        opt = sharded_adamw(model, group, model.blocks, stage=1, bucket_numel=320, lr=1e-2, clip_grad=clip)
+        opt.scale_loss(model(*_data(0, dp_rank))).backward()
+        opt.step()
+        opt.dp.wait_params()
+        models.append(model)
+    off, loose = (list(m.parameters()) for m in models)
+    return (max((p - q).abs().max().item() for p, q in zip(off, loose)),
+            max((p - q).abs().max().item() for p, q in zip(off, base.parameters())))
 
 
 def _skipped_after_overlap(base, group, dp_rank):
@@ -211,18 +242,29 @@ def _memory_and_overflow(base, group, dp, dp_rank):
             out[("memory after steps", dp, stage, grad_dtype)] = (
                 opt.memory_bytes(), predicted, len(opt.dp.reducer.pool), scratch,
                 max(b.numel for b in opt.layout.buckets) * _itemsize(grad_dtype))
+    out[("overflow", dp)] = _overflow_on_last_rank(
+        base, group, dp, dp_rank, loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1))
+    for fused in (True, False):
+        out[("overflow at a constant scale", dp, fused)] = _overflow_on_last_rank(base, group, dp, dp_rank,
+                                                                                 fused=fused)
+    return out
+
+
+def _overflow_on_last_rank(base, group, dp, dp_rank, **settings):
+    """A stage-2 step whose loss is infinite on the last rank only: (skipped, loss scale after,
+    parameters unchanged). With a constant scale (bf16, fp32) no scaler reads the overflow flag:
+    the update itself must skip, or the NaN gradients become NaN parameters on every rank."""
     model = copy.deepcopy(base)
-    opt = sharded_adamw(model, group, model.blocks, stage=2, bucket_numel=320, lr=1e-2,
-                        loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1))
+    opt = sharded_adamw(model, group, model.blocks, stage=2, bucket_numel=320, lr=1e-2, **settings)
     before = [p.detach().clone() for p in model.parameters()]
     loss = model(*_data(0, dp_rank))
     if dp_rank == dp - 1:
         loss = loss * float("inf")
     opt.scale_loss(loss).backward()
     result = opt.step()
+    opt.dp.wait_params()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    out[("overflow", dp)] = (result.skipped, opt.scaler.scale, unchanged)
-    return out
+    return result.skipped, opt.scaler.scale, unchanged
 
 
 def _queued_after_backward(base, group, dp_rank) -> dict:
@@ -287,10 +329,11 @@ def zero_world():
 def test_zero_matches_single_process_adamw(zero_world, dp, clip, stage, variant):
     for rank, rank_results in enumerate(zero_world):
         err, norms, norm_err = rank_results[(dp, clip, stage, variant)]
-        assert err < (BF16_GRAD_TOL if variant == "bf16grads" else TOL), \
+        bf16_grads = variant.endswith("bf16grads")
+        assert err < (BF16_GRAD_TOL if bf16_grads else TOL), \
             f"rank {rank}: parameter error {err:.3g} (max absolute; relative update for bf16 gradients)"
         # bf16 gradients round the norm's inputs: a looser bound, still far below a factor of dp
-        assert norm_err < (1e-2 if variant == "bf16grads" else NORM_TOL), (rank, norms, norm_err)
+        assert norm_err < (1e-2 if bf16_grads else NORM_TOL), (rank, norms, norm_err)
         if clip < 1:
             assert all(n > clip for n in norms), "the clipping threshold must bind in this case"
 
@@ -369,3 +412,18 @@ def test_overflow_on_one_rank_skips_everywhere(zero_world, dp):
     for rank_results in zero_world:
         skipped, scale, unchanged = rank_results[("overflow", dp)]
         assert skipped and unchanged and scale == 512.0
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("fused", [True, False])
+def test_overflow_at_a_constant_loss_scale_skips_everywhere(zero_world, dp, fused):
+    for rank, rank_results in enumerate(zero_world):
+        skipped, scale, unchanged = rank_results[("overflow at a constant scale", dp, fused)]
+        assert skipped and unchanged and scale == 1.0, (rank, skipped, unchanged)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_clip_grad_zero_turns_clipping_off(zero_world, dp):
+    for rank, rank_results in enumerate(zero_world):
+        difference, moved = rank_results[("clip 0", dp)]
+        assert difference == 0 and moved > 1e-3, (rank, difference, moved)
