@@ -22,13 +22,29 @@ def origin_path(prefix: str) -> str:
 
 def tokenizer_identity(tokenizer) -> dict:
     """What a shard records of a loaded ``tokenizer`` (``data_pipeline.tokenizer``; its ``path`` is
-    the file itself, a folder's ``tokenizer.json`` too): the file's digest and the vocabulary size."""
+    the file itself, a folder's ``tokenizer.json`` too): the file's digest, the vocabulary size, and
+    the digest of its pieces in id order, which a rewrite of the same vocabulary keeps (the
+    ``tokenizer.json`` that ``convert --to hf`` writes for a SentencePiece model, say)."""
     digest = hashlib.sha256()
     with open(tokenizer.path, "rb") as f:
         while block := f.read(1 << 20):
             digest.update(block)
+    pieces = hashlib.sha256("\0".join(tokenizer.pieces()).encode("utf-8", "surrogatepass"))
     return {"tokenizer_sha256": digest.hexdigest(), "vocab_size": int(tokenizer.vocab_size),
-            "tokenizer": os.path.basename(tokenizer.path)}
+            "tokenizer": os.path.basename(tokenizer.path), "pieces_sha256": pieces.hexdigest()}
+
+
+def other_tokenizer(record: dict, tokenizer) -> Optional[dict]:
+    """The loaded ``tokenizer``'s identity where it is not the one ``record`` describes (neither the
+    same file nor, where the record has it, the same pieces); None where it is."""
+    mine = tokenizer_identity(tokenizer)
+    return None if same_tokenizer(record, mine) else mine
+
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Whether two records describe one tokenizer: the same file, or the same pieces where both
+    record them (records written before the pieces were recorded compare by file alone)."""
+    return a["tokenizer_sha256"] == b["tokenizer_sha256"] or a.get("pieces_sha256", 0) == b.get("pieces_sha256", 1)
 
 
 def write_origin(prefix: str, identity: dict) -> None:
@@ -70,7 +86,7 @@ def common_origin(prefixes: Iterable[str]) -> Optional[tuple[str, dict]]:
             continue
         if first is None:
             first = (prefix, record)
-        elif record["tokenizer_sha256"] != first[1]["tokenizer_sha256"]:
+        elif not same_tokenizer(record, first[1]):
             raise ValueError(f"{prefix} was tokenized with {describe(record)}, {first[0]} with {describe(first[1])}: "
                              "shards of one run or merge must share a tokenizer")
     return first
@@ -94,8 +110,8 @@ def merged_origin(prefixes: list[str]) -> Optional[dict]:
 def tokenizer_mismatch(prefix: str, record: dict, tokenizer) -> Optional[str]:
     """Why the shard at ``prefix`` (recorded as ``record``) was not made with the loaded ``tokenizer``;
     None if it was."""
-    mine = tokenizer_identity(tokenizer)
-    if mine["tokenizer_sha256"] == record["tokenizer_sha256"]:
+    mine = other_tokenizer(record, tokenizer)
+    if mine is None:
         return None
     return (f"{prefix} was tokenized with {describe(record)}, not with {tokenizer.path} (sha256 "
             f"{mine['tokenizer_sha256'][:12]}); use the tokenizer it was made with, or preprocess it again")

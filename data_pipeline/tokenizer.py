@@ -33,6 +33,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
+    def pieces(self) -> list[str]: ...
+
 
 class SentencePieceTokenizer:
     """A SentencePiece model; never adds BOS/EOS itself (preprocessing appends EOD).
@@ -65,6 +67,10 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode(list(ids))
+
+    def pieces(self) -> list[str]:
+        """Every id's piece, in id order: the vocabulary itself, whatever file holds it."""
+        return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
 
 
 class HFTokenizer:
@@ -105,6 +111,10 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def pieces(self) -> list[str]:
+        """Every id's token, in id order ("" for an id no token has): the vocabulary itself."""
+        return [self._tok.id_to_token(i) or "" for i in range(self.vocab_size)]
 
 
 def _not_a_tokenizer(path: str, backend: str, exc: Exception) -> ValueError:

@@ -51,24 +51,28 @@ def tokenizer_record(cfg: Config) -> dict | None:
     from data_pipeline.tokenizer import load_tokenizer
 
     d = cfg.data
-    if d.tokenizer is not None:
-        return tokenizer_identity(load_tokenizer(d.tokenizer))
-    origin = common_origin(parse_blend(resolve_blend(d.blend, d.blend_preset, d.blend_root))[1])
+    try:  # preflight read the same files; one changed since is still one line
+        if d.tokenizer is not None:
+            return tokenizer_identity(load_tokenizer(d.tokenizer))
+        origin = common_origin(parse_blend(resolve_blend(d.blend, d.blend_preset, d.blend_root))[1])
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"data.tokenizer: {exc}") from None
     return origin[1] if origin else None
 
 
 def not_trained_with(meta: dict, tokenizer, flag: str) -> str | None:
     """Why the loaded ``tokenizer`` (given as ``flag``) is not the one the checkpoint of ``meta`` was
     trained with (``tokenizer_record``); None if it is, or if the checkpoint records none (an older
-    one, or a run whose data named no tokenizer)."""
-    from data_pipeline.shard_origin import describe, tokenizer_identity
+    one, one imported from another framework, or a run whose data named no tokenizer)."""
+    from data_pipeline.shard_origin import describe, other_tokenizer
 
     record = meta.get("tokenizer")
     if not isinstance(record, dict) or "tokenizer_sha256" not in record:
         return None
-    mine = tokenizer_identity(tokenizer)
-    if mine["tokenizer_sha256"] == record["tokenizer_sha256"]:
+    mine = other_tokenizer(record, tokenizer)
+    if mine is None:
         return None
-    return (f"{flag} {tokenizer.path}: is not the tokenizer this checkpoint was trained with ({describe(record)}; "
-            f"this one has {mine['vocab_size']} tokens, sha256 {mine['tokenizer_sha256'][:12]}); give that one")
-
+    trained = ((meta.get("config") or {}).get("data") or {}).get("tokenizer")
+    where = f", at {trained} when it trained" if trained else ""
+    return (f"{flag} {tokenizer.path}: is not the tokenizer this checkpoint was trained with ({describe(record)}"
+            f"{where}; this one has {mine['vocab_size']} tokens and other pieces); pass that one with --tokenizer")

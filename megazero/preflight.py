@@ -36,7 +36,7 @@ def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[i
     and directories of ``cfg`` (resolved: ``parallel.dp`` set); ``scan_data`` also reads every shard's
     tokens (cached) to check the largest id against the model's vocabulary; ``ranks_per_node`` keeps
     the suggested layout's tensor groups within a node."""
-    problems = _device_problems(cfg)
+    problems = _device_problems(cfg) + _stop_problems(cfg)
     problems += _memory_problems(cfg, ranks_per_node)
     prefixes, data_problems = _data_prefixes(cfg)
     problems += data_problems
@@ -53,6 +53,18 @@ def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[i
     if problems:
         raise ConfigError("\n".join(problems))
     return DataFacts(tuple(prefixes), largest, vocab)
+
+
+def _stop_problems(cfg: Config) -> list[str]:
+    """A run given ``train_tokens`` with ``train_steps`` also set stops at whichever comes first and
+    decays its learning rate over the steps; ``train_steps`` has a default, so a run meant to go by
+    tokens stopped at step 100. Checked for a run only: a checkpoint of such a run still converts."""
+    t = cfg.train
+    if t.train_steps is None or t.train_tokens is None:
+        return []
+    return [f"train.train_tokens: {t.train_tokens} is set and so is train.train_steps ({t.train_steps}); the run "
+            "would stop at whichever comes first and decay its learning rate over train_steps; to train by tokens "
+            "set train.train_steps null (and schedule.decay_steps), else unset train.train_tokens"]
 
 
 def _logger_problems(cfg: Config) -> list[str]:
@@ -116,7 +128,7 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
         problems.append(f"data.split: {exc}")
     for prefix, used in zip(prefixes, _splits_sampled(weights, cfg)):
         try:
-            problems += _too_short(IndexedDataset(prefix), cfg, used)
+            problems += _split_problems(IndexedDataset(prefix), cfg, used)
         except (ValueError, OSError) as exc:
             problems.append(f"data.blend: {exc}")
     return prefixes, problems
@@ -133,7 +145,7 @@ def _splits_sampled(weights: list[float], cfg: Config) -> list[tuple[str, ...]]:
     return [(("train",) if w > 0 else ()) + (("valid",) if i in valid else ()) for i, w in enumerate(weights)]
 
 
-def _too_short(data, cfg: Config, used: tuple[str, ...]) -> list[str]:
+def _split_problems(data, cfg: Config, used: tuple[str, ...]) -> list[str]:
     """Each split the run samples from (``used``) must hold documents, and one sample of
     ``seq_length + 1`` tokens; found here rather than while the run builds its indices, after its
     launch (an evaluation split left empty by the split's rounding on a small dataset, say)."""
@@ -289,8 +301,28 @@ def _checkpoint_problems(cfg: Config) -> list[str]:
                 "resume with the same model section, or load another checkpoint"]
     if meta.get("step", 0) == 0 or cfg.checkpoint.allow_config_changes:
         return []  # nothing trained yet (a converted checkpoint): no data order or schedule to keep
+    problems = _resume_changes(saved, cfg, meta["step"]) + _tokenizer_change(meta, cfg)
     return [f"{where}: {ckpt} (step {meta['step']}) {problem}; set it back, or set "
-            "checkpoint.allow_config_changes true to resume anyway" for problem in _resume_changes(saved, cfg, meta["step"])]
+            "checkpoint.allow_config_changes true to resume anyway" for problem in problems]
+
+
+def _tokenizer_change(meta: dict, cfg: Config) -> list[str]:
+    """Training on from a checkpoint with data of another tokenizer feeds its embedding ids that meant
+    other pieces; the checkpoint records its tokenizer (``megazero.data.tokenizer_record``), and the
+    data's, where the run's data names one, must be the same."""
+    from data_pipeline.shard_origin import describe, same_tokenizer
+    from megazero.data import tokenizer_record
+
+    recorded = meta.get("tokenizer")
+    if not isinstance(recorded, dict) or "tokenizer_sha256" not in recorded:
+        return []
+    try:
+        now = tokenizer_record(cfg)
+    except ConfigError:
+        return []  # reported by the data and tokenizer checks
+    if now is None or same_tokenizer(recorded, now):
+        return []
+    return [f"was trained on ids of {describe(recorded)}, and this run's data is of {describe(now)}"]
 
 
 def _resume_changes(saved: dict, cfg: Config, step: int) -> list[str]:

@@ -117,7 +117,7 @@ class Trainer:
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         self.train_data, self.valid_data = build_datasets(cfg, train_samples(cfg))
-        self.tokenizer = tokenizer_record(cfg)
+        self.tokenizer = tokenizer_record(cfg) if self.rank == 0 else None  # only rank 0's meta is kept
         self.state = TrainState()
         self.saved_step = 0  # the step of the newest checkpoint this run saved or resumed from
         self._last_finished: Optional[float] = None  # when the host last read a step's results
@@ -170,6 +170,8 @@ class Trainer:
         self.state = TrainState(step=meta["step"], consumed=meta["consumed"], skipped=meta["skipped"],
                                 bad_in_row=meta.get("bad_in_row", 0))
         if self.rank == 0:
+            if self.tokenizer is None:  # the data names none: the weights still take the loaded ids
+                self.tokenizer = meta.get("tokenizer")
             how = "same layout" if exact else f"resharded from {meta['layout']}"
             print(f"megazero: resumed from {ckpt} at step {self.state.step} ({how})", flush=True)
 

@@ -388,6 +388,37 @@ def test_a_warm_up_longer_than_the_run_is_said_at_its_start(files, capsys):
     assert "note: schedule.warmup_steps 8 is more than train.train_steps 2: the learning rate ends at 0.25" in out, out
 
 
+def test_an_empty_validation_split_is_refused_only_where_the_evaluation_draws(files, capsys, tmp_path):
+    """A dataset the evaluation's blend never samples may have no validation documents; one it samples
+    may not: the check follows the blend, as the run's index build does. (Megatron's greedy rule gives
+    the second dataset the blend's second sample whatever its weight, so the tiny one comes third.)"""
+    tiny = str(tmp_path / "tiny_text_document")
+    with IndexedDatasetWriter(tiny, np.uint16) as w:
+        for _ in range(5):  # 969,30,1 of 5 documents leaves validation none
+            w.add_document(np.arange(1, 40, dtype=np.uint16))
+    check = ["--data.split", "969,30,1", "--train.eval_interval", "1", "--check"]
+    good = files["good"]
+    assert main(_train(files, "--data.blend", f"[[1.0, {good}], [1.0e-6, {good}], [1.0e-6, {tiny}]]", *check)) == 0
+    capsys.readouterr()
+    assert main(_train(files, "--data.blend", f"[[1.0, {good}], [1.0e-6, {tiny}]]", *check)) == 2
+    assert "tiny_text_document no documents for valid (5 documents in all)" in capsys.readouterr().err
+
+
+def test_tokens_and_steps_together_are_refused_for_a_run_only():
+    """The refusal is preflight's, not the config's: `convert` re-validates the config a checkpoint
+    records, and a checkpoint of a run that set both (before the refusal) must still reshard."""
+    import dataclasses
+
+    from megazero.config import Config, resolve_config
+    from megazero.preflight import _stop_problems
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, train_tokens=1000))
+    assert resolve_config(cfg, 1).train.train_tokens == 1000
+    assert _stop_problems(cfg) and not _stop_problems(dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, train_steps=None)))
+
+
 def test_a_setting_that_changes_nothing_is_said_at_the_start(files, capsys):
     """`parallel.recompute_every` without full recompute was accepted and ignored without a word."""
     argv = ["train", *_model(files["good"], str(files["root"] / "runs" / "noted")), "--check"]
@@ -461,9 +492,21 @@ def test_a_checkpoint_knows_its_tokenizer_and_refuses_another(files, capsys, tmp
     assert main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", "--tokenizer", other]) == 2
     assert "is not the tokenizer this checkpoint was trained with" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+    assert main(["convert", str(ckpt), str(tmp_path / "exported"), "--to", "hf", "--tokenizer", tok]) == 0
+    assert (tmp_path / "exported" / "tokenizer.json").read_bytes() != Path(tok).read_bytes()
+    capsys.readouterr()  # the exported folder rewrites the file, and holds the same pieces: accepted
+    assert main(["generate", str(ckpt), "--tokenizer", str(tmp_path / "exported"), "--tokens", "2"]) == 0, \
+        capsys.readouterr().err
     assert main(["convert", str(ckpt), str(tmp_path / "resharded"), "--to", "megazero", "--tp", "1"]) == 0
     resharded = next((tmp_path / "resharded").glob("step_*"))
     assert read_manifest(resharded)["meta"]["tokenizer"] == mine
+    named = tmp_path / "named" / "checkpoints" / "step_0000001"  # trained on the unrecorded shards
+    resume = ["train", *_model(files["good"], str(tmp_path / "on")), "--checkpoint.load", str(named)]
+    capsys.readouterr()  # training on with data of another tokenizer is refused...
+    assert main([*resume, "--data.tokenizer", other]) == 2
+    assert "(step 1) was trained on ids of tokenizer.json" in capsys.readouterr().err
+    assert main(resume) == 0  # ...and data that names none keeps the checkpoint's record
+    assert read_manifest(tmp_path / "on" / "checkpoints" / "step_0000002")["meta"]["tokenizer"] == mine
 
 
 def test_a_logger_without_its_package_is_refused_before_the_run(files, capsys):

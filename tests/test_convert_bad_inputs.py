@@ -106,7 +106,7 @@ def test_hf_config_megazero_cannot_express(sources, tmp_path, capsys):
 @pytest.mark.parametrize("changes, expected", [
     ({"model_type": "mistral", "sliding_window": 8}, "model_type: 'mistral' is not LlamaForCausalLM's 'llama'"),
     ({"sliding_window": 8}, "sliding_window: 8 asks for sliding-window attention"),
-    ({"use_sliding_window": True}, "use_sliding_window: True asks for sliding-window attention"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "sliding_window: 8 asks for sliding-window attention"),
 ])
 def test_hf_config_of_another_model_type_or_a_sliding_window(sources, tmp_path, capsys, changes, expected):
     """transformers builds what model_type names (a Mistral here, with its window), whatever the
@@ -115,6 +115,18 @@ def test_hf_config_of_another_model_type_or_a_sliding_window(sources, tmp_path, 
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, **changes}))
     assert expected in _fails(capsys, tmp_path, hf)
+
+
+@pytest.mark.parametrize("window", ["switched off", "as long as the context"])
+def test_hf_config_with_a_window_that_does_not_apply_imports(sources, tmp_path, window):
+    """Qwen2-style configs name a window and switch it off, others name one the context never
+    exceeds: both are full attention, and refusing them would refuse models megazero computes."""
+    hf = _copy(sources / "hf", tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    changes = ({"sliding_window": 8, "use_sliding_window": False} if window == "switched off"
+               else {"sliding_window": config["max_position_embeddings"]})
+    (hf / "config.json").write_text(json.dumps({**config, **changes}))
+    assert main(["convert", str(hf), str(tmp_path / "mz")]) == 0
 
 
 class _Random:

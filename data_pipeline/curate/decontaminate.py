@@ -88,6 +88,7 @@ class DecontaminateConfig:
 
 
 def _bad_records_problem(path: str, good: int, bad: BadRecords) -> str:
+    """One line for a task file's unusable records: how many, the first, and the two ways out."""
     n = sum(bad.counts.values())
     return (f"decontaminate.tasks: {path}: {n} of {good + n} records hold no usable task text (first: "
             f"{bad.examples[0]}); fix them, or list in decontaminate.task_fields the fields that hold the text "
@@ -118,15 +119,16 @@ def task_texts(path: str, fields: list, bad: BadRecords):
     of strings (multiple-choice options, reference answers). A record that is not JSON, lacks the
     first field or holds anything else in a listed field goes to ``bad``: its n-grams would otherwise
     be left out without a word."""
-    for where, record in input_documents(path, fields[0], None, False, bad):  # None: ids are FILE:LINE
+    for doc_id, record in input_documents(path, fields[0], None, False, bad):  # None: ids are NAME:LINE
         try:
             texts = list(record_texts(record, (fields[0],)))
             for name in fields[1:]:
                 value = record.get(name)
-                for item in value if isinstance(value, list) else [] if value is None else [value]:
+                items = [] if value is None else value if isinstance(value, list) else [value]
+                for item in items:
                     texts += record_texts({name: item}, (name,))
         except BadRecord as exc:
-            bad.add(exc.reason, where, exc.detail, False)
+            bad.add(exc.reason, os.path.join(os.path.dirname(path), doc_id), exc.detail, False)  # as PATH:LINE
             continue
         yield texts
 

@@ -103,12 +103,13 @@ def run(args) -> int:
 
         family_for(source.cfg)  # refuse before creating anything
         from megazero.convert.hf_tokenizer import load_fitting
+        from megazero.convert.sources import source_meta
         from megazero.data import not_trained_with
 
         path = args.tokenizer or _run_tokenizer(source)
         tokenizer = load_fitting(path, source.cfg.vocab_size) if path else None
         flag = "--tokenizer" if args.tokenizer else "the run's data.tokenizer"
-        mismatch = tokenizer is not None and not_trained_with(_source_meta(source), tokenizer, flag)
+        mismatch = tokenizer is not None and not_trained_with(source_meta(source), tokenizer, flag)
         if mismatch:
             raise UserError(mismatch)
         with staged(dst) as tmp:
@@ -137,8 +138,9 @@ def run_config(source, layout: dict):
     from megazero.config.loader import build_dataclass, config_to_dict, set_dotted
     from megazero.config.schema import Config
     from megazero.config.validate import resolve_config
+    from megazero.convert.sources import source_meta
 
-    meta = _source_meta(source)
+    meta = source_meta(source)
     raw = meta.get("config") if isinstance(meta.get("config"), dict) else config_to_dict(Config(model=source.cfg))
     raw = {**raw, "model": dataclasses.asdict(source.cfg)}
     for field, value in layout.items():
@@ -150,13 +152,10 @@ def run_config(source, layout: dict):
     return resolve_config(cfg, p["tp"] * p["pp"] * dp)
 
 
-def _source_meta(source) -> dict:
-    """What a megazero checkpoint's manifest records beside its tensors ({} for other sources)."""
-    return getattr(getattr(source, "reader", None), "meta", {}) or {}
-
-
 def _run_tokenizer(source):
     """The tokenizer the source run trained with, if its config names one that still exists here."""
-    meta = _source_meta(source)
+    from megazero.convert.sources import source_meta
+
+    meta = source_meta(source)
     path = ((meta.get("config") or {}).get("data") or {}).get("tokenizer")
     return path if path and Path(path).exists() else None

@@ -86,7 +86,8 @@ def _check_no_repeats(args) -> None:
         key = _resolved(name, shard=bool(args.merge))
         if key in seen:
             also = f" (also as {seen[key]})" if seen[key] != name else ""
-            raise UserError(f"{flag} {name} is listed twice{also}; its documents would be trained on twice")
+            raise UserError(f"{flag} {name} is listed twice{also}; its documents would be trained on twice (list it "
+                            "once; a blend's weights sample a dataset more often)")
         seen[key] = name
     if args.merge and _resolved(args.output_prefix, shard=True) in seen:
         raise UserError(f"--output-prefix {args.output_prefix} is one of the --merge shards; give a new prefix")

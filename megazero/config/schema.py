@@ -117,7 +117,7 @@ class TrainConfig:
     micro_batch_size: int = option(4, "Samples per micro-batch on one data-parallel rank")
     global_batch_size: int = option(16, "Samples per optimizer step over all data-parallel ranks")
     train_steps: Optional[int] = option(100, "Stop after this many optimizer steps")
-    train_tokens: Optional[int] = option(None, "Stop after this many tokens (None = no token limit)")
+    train_tokens: Optional[int] = option(None, "Stop after this many tokens (None = no token limit); set train_steps null with it (and schedule.decay_steps)")
     max_wall_seconds: Optional[float] = option(None, "Save and stop after this much wall-clock time")
     eval_interval: int = option(0, "Evaluate every N steps (0 = never)")
     eval_steps: int = option(4, "Batches per evaluation")

@@ -140,11 +140,6 @@ def _value_problems(cfg: Config) -> list[str]:
     if t.train_steps is None and t.train_tokens is None:
         problems.append("train.train_steps: is null and so is train.train_tokens; give one of them to say when "
                         "training ends")
-    if t.train_steps is not None and t.train_tokens is not None:  # train_steps has a default: often unmeant
-        problems.append(f"train.train_tokens: {t.train_tokens} is set and so is train.train_steps ({t.train_steps}); "
-                        "the run would stop at whichever comes first and decay its learning rate over train_steps; "
-                        "to train by tokens set train.train_steps null (and schedule.decay_steps), else unset "
-                        "train.train_tokens")
     if not 0 <= cfg.data.seed < 2**32:
         problems.append(f"data.seed: {cfg.data.seed} is outside 0 to 2**32 - 1, the seeds numpy's generator takes")
     if not problems:
@@ -168,8 +163,9 @@ def config_notes(cfg: Config) -> list[str]:
         notes.append(f"parallel.recompute_every {cfg.parallel.recompute_every} applies to parallel.recompute full "
                      f"only; with {cfg.parallel.recompute!r} it changes nothing")
     if not c.save_on_exit and not c.save_interval:
-        notes.append("checkpoint.save_on_exit is false and checkpoint.save_interval 0: this run saves a checkpoint "
-                     "only if it is preempted or reaches train.max_wall_seconds")
+        limit = " or reaches train.max_wall_seconds" if t.max_wall_seconds is not None else ""
+        notes.append(f"checkpoint.save_on_exit is false and checkpoint.save_interval 0: this run saves a checkpoint "
+                     f"only if it is preempted{limit}")
     return notes
 
 

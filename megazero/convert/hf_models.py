@@ -80,18 +80,18 @@ def validated(cfg: ModelConfig, family, where: str) -> ModelConfig:
 def check_model_type(hf: dict, family, where: str) -> None:
     """``transformers`` builds the model named by ``model_type``, not by ``architectures``: a folder
     whose ``model_type`` is another family's (a Mistral under a Llama class name) holds that other
-    model, and one that names a sliding attention window was trained with a window megazero's
-    attention does not have. Importing either as ``family`` would silently change the model."""
+    model, and one whose sliding attention window is switched on and shorter than its context was
+    trained with a window megazero's attention does not have (``use_sliding_window: false``, or a
+    window as long as the context, is full attention). Importing either as ``family`` would silently change the model."""
     model_type = hf.get("model_type", family.model_type)
     if model_type != family.model_type:
         raise refuse(f"{where}: model_type", model_type, f"is not {family.hf_class}'s {family.model_type!r} "
                      "(transformers builds the model model_type names, whatever architectures says)",
                      "convert such a model with its own tools")
-    window = hf.get("sliding_window")
-    if window is not None or hf.get("use_sliding_window") not in (None, False):
-        key = "sliding_window" if window is not None else "use_sliding_window"
-        raise refuse(f"{where}: {key}", hf[key], "asks for sliding-window attention, which megazero's attention "
-                     "does not have", "only full-attention models can be imported")
+    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    if window is not None and hf.get("use_sliding_window") is not False and not (context and window >= context):
+        raise refuse(f"{where}: sliding_window", window, "asks for sliding-window attention, which megazero's "
+                     "attention does not have", "only full-attention models can be imported")
 
 
 class GPT2:

@@ -76,6 +76,11 @@ class MegazeroSource:
         return max(steps), self.reader.values(0, ("scaler",))["scaler"]
 
 
+def source_meta(source) -> dict:
+    """What a megazero checkpoint's manifest records beside its tensors ({} for other sources)."""
+    return getattr(getattr(source, "reader", None), "meta", None) or {}
+
+
 def detect(path: Path) -> str:
     """The kind of checkpoint at ``path``, from its files: megazero, hf or megatron."""
     from megazero.checkpoint.format import COMPLETE, STEP_DIR

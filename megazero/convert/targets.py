@@ -21,7 +21,7 @@ import torch
 from megazero.config.schema import Config
 from megazero.convert.checkpoint_out import write_checkpoint
 from megazero.convert.layout import consolidated, training_layout
-from megazero.convert.sources import Source, logical_shapes
+from megazero.convert.sources import Source, logical_shapes, source_meta
 from megazero.convert.streaming import StreamedSafetensors
 from models.embedding import fit_rows
 from models.gpt import VOCAB_PADDED
@@ -55,7 +55,7 @@ def write_megazero(source: Source, root: Path, reset_step: bool = False, run: Op
         adam_step, scaler = 0.0, None
     if run is not None:
         meta["config"] = asdict(run)
-    record = (getattr(getattr(source, "reader", None), "meta", None) or {}).get("tokenizer")
+    record = source_meta(source).get("tokenizer")
     if record is not None:  # the weights still take the ids of the tokenizer they were trained on
         meta["tokenizer"] = record
     return write_checkpoint(root, layout, read, step=int(meta["step"]), meta=meta, with_moments=carry,
