@@ -44,7 +44,8 @@ def other_tokenizer(record: dict, tokenizer) -> Optional[dict]:
 def same_tokenizer(a: dict, b: dict) -> bool:
     """Whether two records describe one tokenizer: the same file, or the same pieces where both
     record them (records written before the pieces were recorded compare by file alone)."""
-    return a["tokenizer_sha256"] == b["tokenizer_sha256"] or a.get("pieces_sha256", 0) == b.get("pieces_sha256", 1)
+    pieces = a.get("pieces_sha256")
+    return a["tokenizer_sha256"] == b["tokenizer_sha256"] or (pieces is not None and pieces == b.get("pieces_sha256"))
 
 
 def write_origin(prefix: str, identity: dict) -> None:

@@ -60,14 +60,21 @@ def tokenizer_record(cfg: Config) -> dict | None:
     return origin[1] if origin else None
 
 
+def recorded_tokenizer(meta: dict) -> dict | None:
+    """The tokenizer record a checkpoint's ``meta`` holds (``tokenizer_record``), or None where it
+    holds none (an older checkpoint, one imported from another framework)."""
+    record = meta.get("tokenizer")
+    return record if isinstance(record, dict) and "tokenizer_sha256" in record else None
+
+
 def not_trained_with(meta: dict, tokenizer, flag: str) -> str | None:
     """Why the loaded ``tokenizer`` (given as ``flag``) is not the one the checkpoint of ``meta`` was
     trained with (``tokenizer_record``); None if it is, or if the checkpoint records none (an older
     one, one imported from another framework, or a run whose data named no tokenizer)."""
     from data_pipeline.shard_origin import describe, other_tokenizer
 
-    record = meta.get("tokenizer")
-    if not isinstance(record, dict) or "tokenizer_sha256" not in record:
+    record = recorded_tokenizer(meta)
+    if record is None:
         return None
     mine = other_tokenizer(record, tokenizer)
     if mine is None:

@@ -311,10 +311,10 @@ def _tokenizer_change(meta: dict, cfg: Config) -> list[str]:
     other pieces; the checkpoint records its tokenizer (``megazero.data.tokenizer_record``), and the
     data's, where the run's data names one, must be the same."""
     from data_pipeline.shard_origin import describe, same_tokenizer
-    from megazero.data import tokenizer_record
+    from megazero.data import recorded_tokenizer, tokenizer_record
 
-    recorded = meta.get("tokenizer")
-    if not isinstance(recorded, dict) or "tokenizer_sha256" not in recorded:
+    recorded = recorded_tokenizer(meta)
+    if recorded is None:
         return []
     try:
         now = tokenizer_record(cfg)

@@ -26,7 +26,7 @@ from megazero.checkpoint import (
 from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
-from megazero.data import build_datasets, tokenizer_record, train_samples
+from megazero.data import build_datasets, recorded_tokenizer, tokenizer_record, train_samples
 from megazero.engine import Engine, layout_record, pipeline_split
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
@@ -171,7 +171,7 @@ class Trainer:
                                 bad_in_row=meta.get("bad_in_row", 0))
         if self.rank == 0:
             if self.tokenizer is None:  # the data names none: the weights still take the loaded ids
-                self.tokenizer = meta.get("tokenizer")
+                self.tokenizer = recorded_tokenizer(meta)
             how = "same layout" if exact else f"resharded from {meta['layout']}"
             print(f"megazero: resumed from {ckpt} at step {self.state.step} ({how})", flush=True)
 
