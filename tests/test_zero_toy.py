@@ -16,7 +16,11 @@ parameter outside a forward is a clear error, not a read of released storage.
 Planted bugs this caught: a scratch pool whose buffers are never reused (the bound); gradient copies
 left queued after a backward (full mode landed them only at the next bucket or step); the released
 stage-3 guard removed (both ranks then die reading released storage). Gradients not divided by the
-data-parallel size fail the parameter comparison here too, and now the norm as well.
+data-parallel size fail the parameter comparison here too, and now the norm as well. The first
+moments, assembled from every rank's shard, are compared too: they caught the unscale-and-clip
+factor left off the 16-bit gradients of the unfused optimizer, which Adam's normalised update hid
+from the parameters. A norm left out of one micro-batch caught the per-backward reset of stages 2-3
+removed (the first micro-batch's gradient was reduced again in the second's place).
 """
 
 import copy
@@ -49,8 +53,8 @@ class Block(torch.nn.Module):
         self.fc = torch.nn.Linear(WIDTH, 2 * WIDTH)
         self.proj = torch.nn.Linear(2 * WIDTH, WIDTH)
 
-    def forward(self, x):
-        return x + self.proj(torch.nn.functional.gelu(self.fc(self.norm(x))))
+    def forward(self, x, skip_norm=False):
+        return x + self.proj(torch.nn.functional.gelu(self.fc(x if skip_norm else self.norm(x))))
 
 
 class Toy(torch.nn.Module):
@@ -60,12 +64,13 @@ class Toy(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
         self.norm = torch.nn.LayerNorm(WIDTH)
 
-    def forward(self, tokens, labels, skip=None):
-        """``skip``: index of a block left out, so its parameters get no gradient that step."""
+    def forward(self, tokens, labels, skip=None, skip_norm=None):
+        """``skip``: index of a block left out, so its parameters get no gradient that step;
+        ``skip_norm``: index of a block whose norm alone is left out, so part of a bucket gets none."""
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
             if i != skip:
-                x = block(x)
+                x = block(x, skip_norm=i == skip_norm)
         logits = self.norm(x) @ self.embed.weight.t()
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
@@ -76,9 +81,17 @@ def _data(step, index):
     return tokens, torch.roll(tokens, -1, 1)
 
 
-def _skipped(variant, step):
-    """The "unused" variant leaves block 1 out of step 1: stale gradients must not leak into it."""
-    return 1 if variant == "unused" and step == 1 else None
+def _left_out(variant, step, index):
+    """What the model leaves out of micro-batch ``index`` of ``step``, as its keyword arguments. The
+    "unused" variant leaves block 1 out of step 1: stale gradients must not leak into it.
+    "unused_micro" leaves block 1's norm out of step 1's second micro-batch only: that norm's
+    gradient of the first micro-batch must not stand in for the second's, in a bucket that the
+    rest of the block fills (stages 2-3 reduce each backward from fresh buffers)."""
+    if step == 1 and variant == "unused":
+        return {"skip": 1}
+    if step == 1 and variant == "unused_micro" and index % MICRO == 1:
+        return {"skip_norm": 1}
+    return {}
 
 
 def _lr(variant, step):
@@ -100,17 +113,37 @@ def _reference(model, steps, batches_per_step, clip, variant="plain"):
         for group in opt.param_groups:
             group["lr"] = _lr(variant, step) or 1e-2
         for index in range(batches_per_step):
-            (model(*_data(step, index), skip=_skipped(variant, step)) / batches_per_step).backward()
+            (model(*_data(step, index), **_left_out(variant, step, index)) / batches_per_step).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
-    return model, norms
+    moments = {name: opt.state[p]["exp_avg"].reshape(-1) for name, p in model.named_parameters()}
+    return model, norms, moments
+
+
+def _first_moments(opt, group):
+    """Each parameter's AdamW first moment, assembled by name from every rank's shard. Unlike the
+    parameters, it is not invariant to a constant factor on the gradients: an unscale or clipping
+    coefficient left out shows here even where Adam's normalised update hides it."""
+    moments = {}
+    for i, info in enumerate(opt.dp.info):
+        numel = opt.layout.param_numel[i]
+        value, owners = torch.zeros(numel), torch.zeros(numel)
+        for seg in opt.layout.segments:
+            if seg.param == i:
+                value[seg.param_offset:seg.param_offset + seg.numel] = opt.exp_avg[seg.shard_offset:seg.shard_offset + seg.numel]
+                owners[seg.param_offset:seg.param_offset + seg.numel] = 1
+        dist.all_reduce(value, group=group)
+        dist.all_reduce(owners, group=group)  # stage 0 keeps a whole copy on every rank
+        moments[info.name] = value / owners
+    return moments
 
 
 CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "overlap")] + [
     (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "persist"), (1, "offload"), (3, "offload"),
     (0, "offload"), (1, "offload+overlap"), (2, "offload+overlap"),
     (0, "bf16grads"), (1, "bf16grads"), (2, "bf16grads"), (3, "bf16grads"),
-    (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused"),
+    (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused"), (0, "unused_micro"), (2, "unused_micro"),
+    (3, "unused_micro"),
     (2, "unfused"), (1, "unfused+bf16grads"), (2, "schedule")]
 # "unfused": torch's unfused AdamW (``optimizer.fused: false``), which takes the unscale-and-clip
 # factor and the skip decision from the wrapper, where the fused one takes them as its own inputs.
@@ -137,7 +170,8 @@ def _zero_run(rank, world_size):
         group = groups[rank // dp]
         dp_rank = rank % dp
         for clip in (1e9, 0.05):
-            references = {v: _reference(base, STEPS, MICRO * dp, clip, v) for v in ("plain", "unused", "schedule")}
+            references = {v: _reference(base, STEPS, MICRO * dp, clip, v)
+                          for v in ("plain", "unused", "unused_micro", "schedule")}
             for stage, variant in CASES:
                 model = copy.deepcopy(base)
                 opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, clip_grad=clip,
@@ -151,11 +185,15 @@ def _zero_run(rank, world_size):
                 for step in range(STEPS):
                     for micro in range(MICRO):
                         opt.dp.begin_microbatch(last=variant.endswith("overlap") and micro == MICRO - 1)
-                        loss = model(*_data(step, dp_rank * MICRO + micro), skip=_skipped(variant, step)) / MICRO
+                        index = dp_rank * MICRO + micro
+                        loss = model(*_data(step, index), **_left_out(variant, step, index)) / MICRO
                         opt.scale_loss(loss).backward()
                     norms.append(opt.step(_lr(variant, step)).grad_norm)
                 opt.dp.wait_params()
-                reference, ref_norms = references.get(variant, references["plain"])
+                reference, ref_norms, ref_moments = references.get(variant, references["plain"])
+                moments = _first_moments(opt, group)
+                moment_err = (torch.stack([(moments[k] - m).norm() for k, m in ref_moments.items()]).norm()
+                              / torch.stack([m.norm() for m in ref_moments.values()]).norm()).item()
                 pairs = list(zip(model.state_dict().values(), reference.state_dict().values(),
                                  base.state_dict().values()))
                 if variant.endswith("bf16grads"):  # relative error of the whole update, see BF16_GRAD_TOL
@@ -164,7 +202,7 @@ def _zero_run(rank, world_size):
                 else:
                     err = max((p - q).abs().max().item() for p, q, _ in pairs)
                 norm_err = max(abs(n - r) / r for n, r in zip(norms, ref_norms))
-                results[(dp, clip, stage, variant)] = (err, norms, norm_err)
+                results[(dp, clip, stage, variant)] = (err, norms, norm_err, moment_err)
         results.update(_memory_and_overflow(base, group, dp, dp_rank))
         results[("queued", dp)] = _queued_after_backward(base, group, dp_rank)
         results[("released read", dp)] = _released_read(base, group)
@@ -328,12 +366,13 @@ def zero_world():
 @pytest.mark.parametrize("stage, variant", CASES)
 def test_zero_matches_single_process_adamw(zero_world, dp, clip, stage, variant):
     for rank, rank_results in enumerate(zero_world):
-        err, norms, norm_err = rank_results[(dp, clip, stage, variant)]
+        err, norms, norm_err, moment_err = rank_results[(dp, clip, stage, variant)]
         bf16_grads = variant.endswith("bf16grads")
         assert err < (BF16_GRAD_TOL if bf16_grads else TOL), \
             f"rank {rank}: parameter error {err:.3g} (max absolute; relative update for bf16 gradients)"
         # bf16 gradients round the norm's inputs: a looser bound, still far below a factor of dp
         assert norm_err < (1e-2 if bf16_grads else NORM_TOL), (rank, norms, norm_err)
+        assert moment_err < (1e-2 if bf16_grads else NORM_TOL), f"rank {rank}: first moments off by {moment_err:.3g}"
         if clip < 1:
             assert all(n > clip for n in norms), "the clipping threshold must bind in this case"
 
