@@ -9,6 +9,7 @@
   older versions padded units less) describes itself the same, but is resharded, not copied.
 * Either way, in the same layout each rank's random generators continue from its own file.
 * A loss-scaler state saved under fp16 is not imposed on a bf16 run, and vice versa.
+* A byte flipped in the rank files or in the index files is refused while resharding, naming the file.
 * fp16 gradients kept in 16 bits under a 2^16 loss scale: the global norm is computed in fp32, so a
   large but finite gradient is not mistaken for an overflow.
 """
@@ -82,6 +83,37 @@ def _world(rank, world_size, root):
     out["fp16_scale_after_fp32_ckpt"] = fp16.optimizer.scaler.scale
     out["fp16_norm"] = _fp16_norm(topo)
     out["files_read"] = _pipeline_reshard_reads(rank, root)
+    out.update(_damaged_reshard(topo, rank, ckpt, root + "/damaged"))
+    return out
+
+
+def _damaged_reshard(topo, rank, ckpt, root):
+    """A checkpoint with one byte flipped in every rank file, or in every index file, resumed into
+    other buckets (the resharding reader, not the exact copy): each rank must refuse it, naming a
+    damaged file, rather than load the flipped value or misplace elements by a damaged table."""
+    import shutil
+    from megazero.checkpoint import CheckpointError
+    from megazero.checkpoint.reader import index_file, rank_file
+
+    out = {}
+    for kind, name in (("rank file", rank_file), ("index file", index_file)):
+        damaged = f"{root}/{kind.replace(' ', '_')}"
+        if rank == 0:
+            shutil.copytree(ckpt, damaged)
+            for r in range(2):
+                with open(f"{damaged}/{name(r)}", "r+b") as f:  # the last byte: tensor data, not the header
+                    f.seek(-1, 2)
+                    last = f.read(1)
+                    f.seek(-1, 2)
+                    f.write(bytes([last[0] ^ 0x40]))
+        dist.barrier()
+        target = _engine(topo, 0.0005)
+        try:
+            load_checkpoint(damaged, rank, target.chunks, target.optimizer, read_manifest(damaged), same_layout=False)
+            out[("damaged", kind)] = None
+        except CheckpointError as e:
+            out[("damaged", kind)] = str(e)
+        dist.barrier()
     return out
 
 
@@ -222,3 +254,11 @@ def test_a_run_without_a_split_resumes_with_its_checkpoints_split():
     # a split the user sets wins; another pipeline shape takes the default (and reshards)
     assert checkpoint_split(cfg("--parallel.pipeline_split", "[14, 10]"), layout_record(old)) == [14, 10]
     assert checkpoint_split(cfg("--parallel.virtual_stages", "2"), layout_record(old)) is None
+
+
+@pytest.mark.parametrize("kind", ["rank file", "index file"])
+def test_a_damaged_checkpoint_is_refused_when_resharded(report, kind):
+    for rank, out in enumerate(report):
+        error = out[("damaged", kind)]
+        assert error is not None, f"rank {rank} loaded a checkpoint with a flipped byte in each {kind}"
+        assert "sha256" in error and (".index." in error) == (kind == "index file"), (rank, error)
