@@ -1,7 +1,8 @@
 """Saves that fail: a full disk, a read-only or forbidden directory, on one rank or all. Every rank gets
 one CheckpointError naming the directory and the rank (and, where it happened, the reason in words),
 the partial directory is removed and the previous checkpoint stays the latest. ``probe_writable``
-finds the same problems before the first step."""
+finds the same problems before the first step. A power loss is a failure too: every file, and each
+rename, is made durable before ``latest`` names the new checkpoint."""
 
 from __future__ import annotations
 
@@ -209,3 +210,48 @@ def test_probe_of_a_directory_without_enough_space(tmp_path, monkeypatch):
         probe_writable(tmp_path, 4 << 30)
     assert str(failure.value) == (f"{tmp_path}: 1.5 GiB free, a checkpoint needs about 4.0 GiB; free space or set "
                                   "checkpoint.save_dir to a larger file system")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names a descriptor's file through /proc")
+def test_a_save_is_durable_before_it_is_named(tmp_path, monkeypatch):
+    """A power loss must not leave a ``latest`` (or a ``step_N`` with ``COMPLETE``) whose data never
+    reached the disk, while older checkpoints are pruned. So, in order: every file is fsynced
+    before the directory holding it is renamed into place, the temporary directory's entries and
+    then the checkpoint root's rename are fsynced before ``latest`` names the new step, and
+    ``latest`` itself is fsynced before its rename. Recorded from the system calls (Linux names an
+    open descriptor's path under /proc/self/fd)."""
+    import os
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone)
+    writer.save(1, {**small(0, 1.0), "sub/extra.pt": {"v": torch.zeros(2)}})
+    final, tmp = tmp_path / "step_0000001", str(tmp_path / "step_0000001.tmp")
+
+    def at(event):
+        assert event in events, f"{event} never happened: {events}"
+        return events.index(event)
+
+    commit = at(("replace", tmp, str(final)))
+    written = []
+    for path in sorted(final.rglob("*")):
+        if path.is_file():  # small files are written as NAME.tmp and renamed
+            name = f"{tmp}/{path.relative_to(final)}"
+            written.append(at(("fsync", name)) if ("fsync", name) in events else at(("fsync", name + ".tmp")))
+    assert len(written) == 4 and max(written) < commit, "a file was fsynced only after the commit"
+    entries = [i for i, e in enumerate(events) if e == ("fsync", tmp)]
+    assert any(max(written) < i < commit for i in entries), "the temporary directory's entries were not made durable"
+    pointer = at(("replace", str(tmp_path / "latest.tmp"), str(tmp_path / "latest")))
+    assert commit < at(("fsync", str(tmp_path))) < pointer, "the commit's rename was not made durable first"
+    assert at(("fsync", str(tmp_path / "latest.tmp"))) < pointer
