@@ -3,7 +3,10 @@ random stream, dropout under checkpointing, and the form the collectives take in
 
 Tolerances: collectives only move and sum data, compared at 1e-6 relative; the cross-entropy (per
 token, and summed: the gradient is the sum's) is compared with torch.nn.functional.cross_entropy at
-1e-5 relative (fp32). Dropout runs are compared bitwise: same seed gives identical loss and gradients, and
+1e-5 relative (fp32); so is its fused form (the GPU's: the head's projection inside the loss,
+per-chunk statistics combined over the group), run here with the row kernel written in torch. That
+case caught a combine that did not rescale each rank's sum of exponentials to the common maximum,
+and a hidden state entering the loss without the gradient sum over the group. Dropout runs are compared bitwise: same seed gives identical loss and gradients, and
 recomputation (full or selective) replays the very same masks, so its gradients are identical too.
 """
 
@@ -27,6 +30,7 @@ from tests.distributed import run_world
 
 RTOL = 1e-5
 CE_CASES = [(2, 300), (4, 300), (4, 100)]  # (tp, vocab): at tp=4, vocab 100 leaves three shards all padding
+FUSED_CE_CASES = [(2, 300, False), (2, 300, True), (4, 300, True), (4, 100, False)]  # (tp, vocab, sequence parallel)
 DROPOUT_CASES = [("gpt2", 2, False), ("llama", 2, True), ("gpt2", 4, True), ("llama", 4, False)]
 COMPILED_CASES = [("gpt2", False, "none"), ("gpt2", True, "none"), ("llama", False, "none"),
                   ("gpt2", False, "full"), ("llama", True, "selective")]  # (preset, sequence parallel, recompute) at tp 2
@@ -58,6 +62,71 @@ def _cross_entropy(topo: Topology, tp: int, vocab: int) -> dict:
     return {"loss": rel(loss, ref.view(3, 7)), "sum": rel(total, ref.sum()),
             "grad": rel(grad[..., :vocab], ref_logits.grad), "padding_grad": grad[..., vocab:].abs().max().item(),
             "ignored": loss[0, :4].abs().max().item()}
+
+
+def _torch_rows(logits, labels, scale, loss, vocab_start, n_valid, combine, grad):
+    """The fused cross-entropy's row kernel in torch, to its contract (the Triton body needs a GPU):
+    this rank's per-row (max, sum of exp, label logit) go through ``combine``, the chunk's loss is
+    filled and, with ``grad``, the logits become the scaled gradient in place (0 in the padding)."""
+    x = logits.float().masked_fill(torch.arange(logits.shape[1]) >= n_valid, float("-inf"))
+    local = labels - vocab_start
+    mine = (local >= 0) & (local < n_valid)
+    picked = torch.where(mine, x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None])[:, 0], 0.0)
+    peak = x.max(1).values
+    sum_exp = (x - torch.where(peak.isfinite(), peak, 0.0)[:, None]).exp().sum(1)  # 0 for an all-padding slice
+    lse, label_logit = combine(peak, sum_exp, picked)
+    loss.copy_(lse - label_logit)
+    if grad:
+        g = (x - lse[:, None]).exp()
+        rows = mine.nonzero()[:, 0]
+        g[rows, local[rows]] -= 1.0
+        logits.copy_(g * scale[:, None])
+
+
+def _fused_cross_entropy(topo: Topology, tp: int, vocab: int, sp: bool) -> dict:
+    """The vocabulary-parallel loss through the fused path (the head's projection inside the loss,
+    chunks of 4 rows, each chunk's statistics combined over the group), as on GPU, against
+    torch.nn.functional.cross_entropy on the full logits: the summed loss and its gradients, then a
+    per-token loss weighted at random. Each rank's vocabulary slice is scaled differently, so the
+    ranks' row maxima differ and the combined sum of exponentials must rescale each rank's."""
+    from types import SimpleNamespace
+    from models.kernels import cross_entropy as fused
+    from parallel.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    padded, hidden_size, rank = -(-vocab // (128 * tp)) * 128 * tp, 16, topo.tp_rank
+    g = torch.Generator().manual_seed(tp * 1000 + vocab + sp)
+    hidden = torch.randn(2, 8, hidden_size, generator=g)
+    weight = torch.randn(padded, hidden_size, generator=g) * torch.arange(1, tp + 1).repeat_interleave(padded // tp)[:, None]
+    labels = torch.randint(0, vocab, (2, 8), generator=g)
+    labels[0, :3] = -100
+    weights = torch.rand(2, 8, generator=g)
+    ref_hidden, ref_weight = hidden.clone().requires_grad_(True), weight[:vocab].clone().requires_grad_(True)
+    ref = F.cross_entropy((ref_hidden @ ref_weight.t()).flatten(0, 1), labels.flatten(), reduction="none").view(2, 8)
+    mine = slice(rank * padded // tp, (rank + 1) * padded // tp)
+    # sequence parallel: a rank holds a contiguous chunk of the flattened tokens (split_sequence)
+    chunk = (lambda t: t.reshape(-1, hidden_size).chunk(tp)[rank].view(2, 8 // tp, hidden_size)) if sp else (lambda t: t)
+    loss_fn = VocabParallelCrossEntropy(vocab, topo.tp_group, kernel_for=lambda _: fused.linear_cross_entropy)
+    saved = fused._row_kernel, fused.CHUNK_ELEMENTS
+    fused._row_kernel, fused.CHUNK_ELEMENTS = (lambda: _torch_rows), 4 * padded // tp
+    out = {}
+    try:
+        for reduction in ("sum", "none"):
+            x = chunk(hidden).clone().requires_grad_(True)
+            head = SimpleNamespace(weight=weight[mine].clone().requires_grad_(True), sequence_parallel=sp)
+            loss = loss_fn(x, head, labels, reduction)
+            (loss if reduction == "sum" else loss * weights).sum().backward()
+            expected = ref.sum() if reduction == "sum" else ref
+            ref_hidden.grad = ref_weight.grad = None
+            (ref.sum() if reduction == "sum" else (ref * weights).sum()).backward(retain_graph=True)
+            full_weight_grad = torch.cat([ref_weight.grad, torch.zeros(padded - vocab, hidden_size)])
+            out[reduction] = {"loss": rel(loss.detach(), expected.detach()),
+                              "hidden_grad": rel(x.grad, chunk(ref_hidden.grad)),
+                              # against the whole gradient's scale: a slice of padding alone has none
+                              "weight_grad": ((head.weight.grad - full_weight_grad[mine]).abs().max()
+                                              / full_weight_grad.abs().max()).item()}
+    finally:
+        fused._row_kernel, fused.CHUNK_ELEMENTS = saved
+    return out
 
 
 COLLECTIVES = ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "split_sequence",
@@ -202,6 +271,7 @@ def _partial_without_group() -> str:
 def _checks(rank, world_size):
     topologies = {tp: Topology(RankGrid(tp=tp, pp=1, dp=world_size // tp)) for tp in (2, 4)}
     out = {"ce": {case: _cross_entropy(topologies[case[0]], *case) for case in CE_CASES},
+           "fused_ce": {case: _fused_cross_entropy(topologies[case[0]], *case) for case in FUSED_CE_CASES},
            "collectives": {(n, tp): _collective(n, topologies[tp]) for n in COLLECTIVES for tp in (2, 4)},
            "streams": _streams(topologies[2]), "dropout": {}, "masks": _masks_per_rank(topologies[2]),
            "partial_without_group": _partial_without_group()}
@@ -238,6 +308,14 @@ def test_vocab_parallel_cross_entropy_equals_torch_on_full_logits(results, case)
         ce = result["ce"][case]
         assert ce["loss"] <= RTOL and ce["sum"] <= RTOL and ce["grad"] <= RTOL
         assert ce["padding_grad"] == 0.0 and ce["ignored"] == 0.0
+
+
+@pytest.mark.parametrize("case", FUSED_CE_CASES, ids=lambda c: f"tp{c[0]}-vocab{c[1]}{'-sp' if c[2] else ''}")
+def test_fused_vocab_parallel_cross_entropy_equals_torch(results, case):
+    """The GPU's path of the loss (projection inside, statistics combined over the group) on CPU."""
+    for rank, result in enumerate(results):
+        for reduction, errors in result["fused_ce"][case].items():
+            assert max(errors.values()) <= RTOL, (rank, reduction, errors)
 
 
 def test_tp_stream_differs_across_ranks_and_default_stream_agrees(results):
