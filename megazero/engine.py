@@ -85,8 +85,20 @@ def pipeline_split(cfg: Config) -> list[float]:
     ``parallel.pipeline_split``, else balanced against the head's work on the last stage, in half
     blocks where that pays (``balanced_split``)."""
     m, p = cfg.model, cfg.parallel
-    return resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split, head_cost=head_blocks(m),
-                         attention_share=attention_share(m))
+    # every field of the model (all plain values), so a field the balance comes to read is never left out
+    key = (tuple(vars(m).values()), p.pp, p.virtual_stages, None if p.pipeline_split is None else tuple(p.pipeline_split))
+    split = _SPLITS.get(key)
+    if split is None:
+        if len(_SPLITS) >= 1024:
+            _SPLITS.clear()
+        split = _SPLITS[key] = tuple(resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split,
+                                                   head_cost=head_blocks(m), attention_share=attention_share(m)))
+    return list(split)
+
+
+_SPLITS: dict[tuple, tuple[float, ...]] = {}
+"""``pipeline_split``'s answers by model and layout: the planner asks for each rank of thousands of
+layouts, and the balanced split costs a search over the blocks each time."""
 
 
 def pipeline_costs(cfg: Config) -> Optional[StageCosts]:

@@ -222,6 +222,7 @@ def _composed_peer_losses(processes: int, *layout: str) -> list[float]:
     return json.loads(done.stdout.strip().splitlines()[-1])["cpu_losses"]
 
 
+@pytest.mark.slow  # four torchrun launches of four ranks: minutes on two cores, and it checks a peer, not megazero
 def test_composed_torch_peer_trains_the_one_process_losses_in_every_four_rank_layout():
     """The torch-native peer for two axes at once (``benchmarks/peers/composed_parallel.py``: DTensor
     tensor parallelism with sequence parallelism, ``torch.distributed.pipelining``, FSDP2) must do the

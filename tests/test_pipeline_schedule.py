@@ -106,6 +106,27 @@ def test_live_activations_weigh_each_chunk_by_its_own_bytes():
     assert max_live_activations(split, [1.0, 10.0]) == 21.0
 
 
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved_1f1b", 2),
+                                     ("interleaved_1f1b", 3), ("interleaved_zb", 2)])
+def test_the_fullest_points_kept_give_every_weighting_its_peak(name, v):
+    """``max_live_activations`` weighs only the count vectors no other point of the schedule matches
+    or exceeds in every chunk (what the planner keeps per schedule): the peak must equal a scan of
+    every op under any chunk weights (planted: keeping only the vector of most chunks in flight)."""
+    import random
+    rng = random.Random(7)
+    for pp, m in ((2, 8), (4, 8), (4, 12)):
+        for rank in range(pp):
+            ops = build_schedule(name, pp, rank, m, v)
+            done = "W" if any(op.kind == "W" for op in ops) else "B"
+            for _ in range(5):
+                weights = [rng.choice([0.0, 1.0, rng.random() * 10]) for _ in range(v)]
+                live = peak = 0.0
+                for op in ops:
+                    live += weights[op.chunk] * ((op.kind == "F") - (op.kind == done))
+                    peak = max(peak, live)
+                assert max_live_activations(ops, weights) == pytest.approx(peak), (pp, m, rank, weights)
+
+
 def test_simulator_catches_a_deadlock():
     # Interleaved 1F1B with one exchange per op (instead of per steady-state pair) deadlocks.
     pp, m, v = 2, 4, 2

@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from models.embedding import padded_vocab_size
 from parallel.pipeline.partition import BLOCK_PARTS, rank_work as split_rank_work, stage_layers, stage_parts
 from parallel.pipeline.plan import StageCosts, schedule_for
-from parallel.pipeline.schedule import SPLIT_BACKWARD, max_live_activations
+from parallel.pipeline.schedule import SPLIT_BACKWARD, live_peaks
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -118,8 +118,10 @@ def rank_blocks(cfg: Config, pp_rank: int) -> list[tuple[str, ...]]:
 def rank_block_params(cfg: Config, pp_rank: int) -> float:
     """Parameters of pipeline rank ``pp_rank``'s blocks on one tensor rank."""
     tp = cfg.parallel.tp
-    return sum(split / tp + replicated for split, replicated in
-               (block_params(cfg.model, parts) for parts in rank_blocks(cfg, pp_rank)))
+    blocks = rank_blocks(cfg, pp_rank)
+    halves = [parts for parts in blocks if parts != BLOCK_PARTS]  # at most one at each end of a chunk
+    return sum((split / tp + replicated) * count for (split, replicated), count in
+               [(block_params(cfg.model), len(blocks) - len(halves))] + [(block_params(cfg.model, h), 1) for h in halves])
 
 
 def rank_work(cfg: Config, pp_rank: int) -> float:
@@ -129,10 +131,10 @@ def rank_work(cfg: Config, pp_rank: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule(schedule: str, pp: int, pp_rank: int, micro: int, v: int, costs: Optional[StageCosts]) -> tuple:
-    """Pipeline rank ``pp_rank``'s ops, as the engine builds them from the ranks' op ``costs``;
-    remembered, as the planner asks for every rank of thousands of layouts."""
-    return tuple(schedule_for(schedule, pp, pp_rank, micro, v, costs))
+def _live_peaks(schedule: str, pp: int, pp_rank: int, micro: int, v: int, costs: Optional[StageCosts]) -> tuple:
+    """``live_peaks`` of pipeline rank ``pp_rank``'s ops, as the engine builds them from the ranks' op
+    ``costs``; remembered, as the planner asks for every rank of thousands of layouts."""
+    return tuple(live_peaks(schedule_for(schedule, pp, pp_rank, micro, v, costs)))
 
 
 def micro_batches(cfg: Config) -> int:
@@ -215,8 +217,9 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
         return layer_activation_bytes(cfg, every > 0 and index % every == 0, parts)
 
     per_chunk = [sum(kept(i, parts) for i, parts in enumerate(chunk)) for chunk in rank_chunks(cfg, pp_rank)]
-    ops = _schedule(pipeline_schedule(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages, pipeline_costs(cfg))
-    total = max_live_activations(list(ops), per_chunk)  # the chunks in flight at the peak, each its own bytes
+    peaks = _live_peaks(pipeline_schedule(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages, pipeline_costs(cfg))
+    # the chunks in flight at the peak, each its own bytes (``max_live_activations``)
+    total = max(sum(n * b for n, b in zip(counts, per_chunk)) for counts in peaks)
     if every:
         total += layer_activation_bytes(cfg, recomputed=False)  # one block rebuilt at a time in backward
     if pp_rank == p.pp - 1:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 from typing import Optional, Sequence
 
@@ -187,11 +188,18 @@ def _stage_halves(split: Sequence[float], pp: int, rank: int, chunk: int) -> tup
     stage = chunk * pp + rank
     if not 0 <= stage < len(split):
         raise ValueError(f"virtual stage {stage} (rank {rank}, chunk {chunk}) is outside a {len(split)}-stage split")
+    bounds = _half_bounds(tuple(split))
+    return bounds[stage], bounds[stage + 1]
+
+
+@functools.lru_cache(maxsize=1024)
+def _half_bounds(split: tuple) -> tuple[int, ...]:
+    """Where each stage of ``split`` starts, in half blocks, and where the last ends: worked out once
+    per split, as the planner asks for every rank's stages of thousands of layouts."""
     halves = [_halves(k) for k in split]
     if None in halves:
         raise ValueError(f"pipeline split {list(split)}: every entry must be a positive multiple of 0.5")
-    start = sum(halves[:stage])
-    return start, start + halves[stage]
+    return tuple(itertools.accumulate(halves, initial=0))
 
 
 def halves_work(start: int, end: int, attention_share: float) -> float:

@@ -261,13 +261,29 @@ def max_live_activations(ops: list[Op], chunk_weights: Optional[Sequence[float]]
     is split: the weight gradient still needs the layer inputs) has not, at any point of ``ops``; with
     ``chunk_weights``, the most of their summed weights (a chunk's activation bytes, say: a rank's
     chunks need not hold equal work, and which of them are in flight at the peak is the schedule's)."""
+    weights = [1] * (1 + max((op.chunk for op in ops), default=0)) if chunk_weights is None else chunk_weights
+    return max((sum(n * w for n, w in zip(counts, weights)) for counts in live_peaks(ops)), default=0)
+
+
+def live_peaks(ops: Sequence[Op]) -> list[tuple[int, ...]]:
+    """The micro-batches in flight in each chunk at the fullest points of ``ops``: every count vector
+    reached after a forward that no other point matches or exceeds in every chunk. Whatever each
+    chunk's weight (its bytes, never negative), ``max_live_activations``'s peak is at one of them, so
+    a planner weighing many layouts of one schedule keeps these and not the op list."""
     done = "W" if splits_backward(ops) else "B"
-    live = peak = 0
+    live = [0] * (1 + max((op.chunk for op in ops), default=0))
+    reached = set()
     for op in ops:
-        weight = 1 if chunk_weights is None else chunk_weights[op.chunk]
-        live += weight if op.kind == "F" else -weight if op.kind == done else 0
-        peak = max(peak, live)
-    return peak
+        if op.kind == "F":
+            live[op.chunk] += 1
+            reached.add(tuple(live))
+        elif op.kind == done:
+            live[op.chunk] -= 1
+    front: list[tuple[int, ...]] = []  # a vector can only be matched or exceeded by one of no smaller sum
+    for counts in sorted(reached, key=sum, reverse=True):
+        if not any(all(a >= b for a, b in zip(kept, counts)) for kept in front):
+            front.append(counts)
+    return front
 
 
 def bubble_fraction(pp: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
