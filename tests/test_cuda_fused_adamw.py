@@ -6,7 +6,8 @@ and ``found_inf``). These tests drive those paths on one CUDA device (a one-rank
 ZeRO stage:
 
 * with a clip that binds and one that does not, the parameters after 3 steps equal torch's plain
-  single-process AdamW (on the CPU) within 2e-6, and the reported norm the reference's within 1e-5;
+  single-process AdamW (on the CPU) within 2e-6, and the reported norm and the first moments the
+  reference's within 1e-5;
 * an inf injected into one gradient skips exactly that step without a dynamic loss scaler (the
   flag reaches the kernel as a device tensor), leaving the weights and Adam's step count as they
   were, and the next step trains; under fp16's dynamic scaler the same step is skipped too;
@@ -24,7 +25,7 @@ import torch
 from megazero.optim import DynamicLossScaler
 from models import kernels
 from tests.sharded import sharded_adamw
-from tests.test_zero_toy import MICRO, STEPS, Toy, _data, _reference
+from tests.test_zero_toy import MICRO, NORM_TOL, STEPS, Toy, _data, _first_moments, _reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -53,7 +54,7 @@ def _backward(model, opt, step):
 def test_fused_step_equals_single_process_adamw(one_rank_group, stage, clip):
     torch.manual_seed(0)
     base = Toy()
-    reference, ref_norms = _reference(base, STEPS, MICRO, clip)
+    reference, ref_norms, ref_moments = _reference(base, STEPS, MICRO, clip)
     model = copy.deepcopy(base).cuda()
     opt = _optimizer(model, one_rank_group, stage, clip)
     norms = []
@@ -64,6 +65,9 @@ def test_fused_step_equals_single_process_adamw(one_rank_group, stage, clip):
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert (p.detach().cpu() - q).abs().max().item() < 2e-6, name
     assert norms == pytest.approx(ref_norms, rel=1e-5)
+    moments = _first_moments(opt, one_rank_group)  # where Adam's normalised update hides a gradient factor
+    for name, m in ref_moments.items():
+        assert (moments[name] - m).norm() <= NORM_TOL * m.norm(), name
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

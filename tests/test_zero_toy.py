@@ -130,8 +130,9 @@ def _first_moments(opt, group):
         value, owners = torch.zeros(numel), torch.zeros(numel)
         for seg in opt.layout.segments:
             if seg.param == i:
-                value[seg.param_offset:seg.param_offset + seg.numel] = opt.exp_avg[seg.shard_offset:seg.shard_offset + seg.numel]
-                owners[seg.param_offset:seg.param_offset + seg.numel] = 1
+                here = slice(seg.param_offset, seg.param_offset + seg.numel)
+                value[here] = opt.exp_avg[seg.shard_offset:seg.shard_offset + seg.numel].cpu()
+                owners[here] = 1
         dist.all_reduce(value, group=group)
         dist.all_reduce(owners, group=group)  # stage 0 keeps a whole copy on every rank
         moments[info.name] = value / owners
