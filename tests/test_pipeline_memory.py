@@ -133,11 +133,13 @@ class _Batch:
 
     def __init__(self):
         self.done = False
+        self.waits = 0
 
     def is_completed(self) -> bool:
         return self.done
 
     def wait(self, timeout=None) -> bool:
+        self.waits += 1
         self.done = True
         return True
 
@@ -164,13 +166,22 @@ def _coalesced_sends(rank, world_size):
         handle.done = True
         late = link.finish_sends(block=False)
         link.take(Message("act", 1, 1))
+        # a receive taken before its batch has completed: the op must wait for the batch, whose
+        # handle is also what orders the receive buffer's use after NCCL has written it
+        pending = _Batch()
+        dist.batch_isend_irecv = lambda ops: [pending]
+        link.exchange([(Transfer(0, Message("grad", 2, 0)), torch.ones(2))], (Transfer(0, Message("grad", 3, 0)),),
+                      "test")
+        link.take(Message("grad", 3, 0))
     finally:
         dist.batch_isend_irecv = posted
-    return len(early), len(late), link.untaken
+    return len(early), len(late), link.untaken, pending.waits
 
 
 def test_a_coalesced_batch_keeps_its_send_buffer_until_it_completes():
     """(Planted: the send recorded as complete when posted, as when the exchange still waited for its
-    batch; its buffer was released while the batch could still be reading it.)"""
-    early, late, untaken = run_world(1, _coalesced_sends, timeout=60)[0]
-    assert (early, late, untaken) == (0, 1, [])
+    batch; its buffer was released while the batch could still be reading it. And: a receive of a
+    coalesced batch handed to its op with nothing to wait on, which would compute on a buffer NCCL
+    had not written yet.)"""
+    early, late, untaken, waits = run_world(1, _coalesced_sends, timeout=60)[0]
+    assert (early, late, untaken, waits) == (0, 1, [], 1)
