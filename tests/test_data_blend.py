@@ -117,6 +117,16 @@ def test_whole_blend_reproducible_from_weights_and_seed(tmp_path):
     assert tokens[0] != tokens[2]
 
 
+def test_a_blend_reweighted_in_the_same_cache_is_rebuilt(tmp_path):
+    """New weights for the same datasets, the cache beside them kept (as when a user re-weights
+    data.blend and relaunches): the mixture must be the new one, not the cached old one."""
+    prefixes = [make_shard(tmp_path / f"d{i}", i) for i in range(2)]
+    cache = str(tmp_path / "cache")
+    build_blended_samples([[0.8, prefixes[0]], [0.2, prefixes[1]]], 8, 100, 0, cache_dir=cache)
+    reweighted = build_blended_samples([[0.2, prefixes[0]], [0.8, prefixes[1]]], 8, 100, 0, cache_dir=cache)
+    assert np.bincount(reweighted.dataset_index).tolist() == [20, 80]
+
+
 def test_a_zero_weight_dataset_is_never_opened(tmp_path):
     """A blend entry set to weight 0 (switched off, as when a source is withdrawn) takes no samples,
     so its shard is never read: it may be absent, and it builds no indices of its own."""

@@ -114,6 +114,24 @@ def test_same_description_is_loaded_not_rebuilt(tmp_path, monkeypatch):
         GPTSamples(data, 6, 70, 6, cache_dir=str(tmp_path / "cache"))  # another seed is another index
 
 
+@pytest.mark.parametrize("change", ["seq_len", "num_samples", "seed", "split"])
+def test_an_index_built_for_other_inputs_is_not_reused(tmp_path, change):
+    """Each input of the index is in its cache key: with one of them changed, the same cache folder
+    must give the index a fresh build would (planted: the split's document range left out of the
+    key, so a training index over all documents was reused after data.split moved some of them to
+    validation, where they would be both trained on and evaluated)."""
+    data, _ = make_dataset(tmp_path / "d", n_docs=60)
+    base = {"seq_len": 6, "num_samples": 70, "seed": 5, "split": "1"}
+    other = {**base, change: {"seq_len": 7, "num_samples": 71, "seed": 6, "split": "9,1,0"}[change]}
+    GPTSamples(data, base["seq_len"], base["num_samples"], base["seed"], base["split"], cache_dir=str(tmp_path / "cache"))
+    reused = GPTSamples(data, other["seq_len"], other["num_samples"], other["seed"], other["split"],
+                        cache_dir=str(tmp_path / "cache"))
+    fresh = GPTSamples(data, other["seq_len"], other["num_samples"], other["seed"], other["split"],
+                       cache_dir=str(tmp_path / "fresh"))
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        np.testing.assert_array_equal(getattr(reused, name), getattr(fresh, name), err_msg=name)
+
+
 def test_seed_changes_order_but_not_content(tmp_path):
     data, _ = make_dataset(tmp_path / "d")
     a = GPTSamples(data, 6, None, 1, cache_dir=str(tmp_path / "cache"))
