@@ -95,6 +95,24 @@ def test_words_are_res_word_runs_and_compare_lower_cased():
             assert (hashes[i] == hashes[j]) == (u.lower() == v.lower()), (u, v)
 
 
+def test_a_match_past_the_first_batch_is_cut_from_its_own_document(tmp_path, monkeypatch):
+    """A shard longer than one batch of hashed text (1 MiB; here shrunk to about one document): a
+    match in a later batch is found in, and cut from, its own document, with the same result as
+    one batch (planted: hits numbered within their batch, not the shard, so the cut landed on the
+    first documents)."""
+    docs = [f"{FILLER} {i}" for i in range(6)]
+    docs[4] = f"{FILLER} {TASK} {FILLER}"
+    (tmp_path / "one").mkdir()
+    (tmp_path / "many").mkdir()
+    whole = run(tmp_path / "one", docs)
+    monkeypatch.setattr(decontaminate, "BATCH_CHARS", 2000)
+    batched = run(tmp_path / "many", docs)
+    for _, stats in (whole, batched):
+        stats.pop("seconds")
+    assert batched == whole
+    assert [r["id"] for r in whole[0]] == ["d0", "d1", "d2", "d3", "d4#0", "d4#1", "d5"]
+
+
 def test_batches_give_each_texts_own_ngrams(monkeypatch):
     """However texts are batched, a text's n-grams are its own (none spans two texts), numbered by text."""
     texts = [f"{TASK} {i}" if i % 3 else "too short" for i in range(12)]
