@@ -125,9 +125,13 @@ def test_planted_near_duplicates_in_real_prose_precision_and_recall(tmp_path, pr
     assert precision >= 0.95 and recall >= 0.95, (precision, recall, len(truth))
 
 
-def test_shingle_reader_reads_each_document_with_few_files_open(tmp_path, prose):
+@pytest.mark.parametrize("batch", [fz.BATCH, 3])
+def test_shingle_reader_reads_each_document_with_few_files_open(tmp_path, prose, monkeypatch, batch):
     """Verification reads a document's shingle set by its global number; closing files beyond
-    ``max_open`` (so a corpus of thousands of shards stays under the open-file limit) changes nothing."""
+    ``max_open`` (so a corpus of thousands of shards stays under the open-file limit) changes nothing.
+    With shards longer than one batch of hashed documents (256; here 3), each document still reads
+    its own set (planted: a later batch's offsets not moved past the earlier batches' shingles)."""
+    monkeypatch.setattr(fz, "BATCH", batch)
     cfg = fz.FuzzyDedupConfig()
     shards = [prose[i:i + 7] for i in range(0, 35, 7)]
     prefixes = []
