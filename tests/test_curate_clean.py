@@ -7,7 +7,7 @@ import pytest
 
 ftfy = pytest.importorskip("ftfy", reason="ftfy is not installed (a curation dependency)")
 
-from data_pipeline.curate.clean import normalise_whitespace, repair_unicode
+from data_pipeline.curate.clean import CleanConfig, drop_reason, normalise_whitespace, repair_unicode
 from data_pipeline.curate.demo import stdlib_prose
 
 PLAIN = "A plain ASCII line with <b>no</b> entity, (brackets) and 'quotes'.\n"
@@ -41,3 +41,19 @@ def test_normalise_whitespace():
     text = "  a \t b\u00a0\u00a0c\u3000d  \r\n\r\n\r\n\r\ne\u2003f \n\n\n\n  g  "
     assert normalise_whitespace(text) == "a b c d\n\ne f\n\ng"
     assert normalise_whitespace("x y") == "x y" and normalise_whitespace("x\u00a0y\tz") == "x y z"
+
+
+def test_each_filter_drops_at_its_threshold_and_not_before():
+    """The stage's four rules, each just inside and just past its limit (words, symbols, repeated
+    lines), so a rule switched off or with its comparison turned round fails here."""
+    cfg = CleanConfig(min_words=5, max_words=20, max_symbol_ratio=0.25, max_repeated_line_ratio=0.3)
+    words = lambda n: " ".join(f"w{i}" for i in range(n))  # noqa: E731
+    assert drop_reason(words(4), cfg) == "too few words" and drop_reason(words(5), cfg) is None
+    assert drop_reason(words(21), cfg) == "too many words" and drop_reason(words(20), cfg) is None
+    text = words(6)  # 6 words, 17 characters: 4 symbols are under a quarter, 6 over
+    assert drop_reason(text + "!!!!", cfg) is None and drop_reason(text + "!!!!!!", cfg) == "symbol ratio"
+    lines = [words(5) + f" line{i}" for i in range(10)]
+    three = "\n".join(lines[:7] + lines[:3])  # 3 of 10 lines repeat an earlier one: 0.3, not over it
+    four = "\n".join(lines[:6] + lines[:4])
+    assert drop_reason(three, CleanConfig(min_words=5, max_words=1000)) is None
+    assert drop_reason(four, CleanConfig(min_words=5, max_words=1000)) == "repeated lines"
