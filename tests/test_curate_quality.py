@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from data_pipeline.curate.quality import keep_probability, load_model, pareto_keep, scores
+from data_pipeline.curate.quality import QualityConfig, keep_probability, load_model, pareto_keep, quality_shard, scores
 from megazero.cli import main
 from tests.curation import train_quality_model
 
@@ -45,6 +45,22 @@ def test_train_quality_separates_the_classes(trained, capsys):
     model = load_model(trained)
     s = scores(model, ["a careful report on the river and its water", "free casino pills, click now lol"])
     assert s[0] > 0.9 and s[1] < 0.1
+
+
+def test_the_stage_keeps_good_documents_at_the_high_scores_rate(trained, tmp_path):
+    """The stage scores each document and keeps it at the rate its score gives: 300 good and 300
+    junk documents keep at about (2 - s)^-3 each, nearly all the good and about an eighth of the
+    junk (planted: the score turned round, which keeps the junk and drops the good)."""
+    good = [f"a careful report on the river and its water, part {i}" for i in range(300)]
+    bad = [f"free casino pills, click now lol, offer {i}" for i in range(300)]
+    shard = tmp_path / "in.jsonl"
+    shard.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(good + bad)))
+    stats = quality_shard(str(shard), str(tmp_path / "out.jsonl"), "text", QualityConfig(model=trained))
+    kept = {json.loads(line)["id"] for line in open(tmp_path / "out.jsonl")}
+    good_rate = sum(f"d{i}" in kept for i in range(300)) / 300
+    bad_rate = sum(f"d{i}" in kept for i in range(300, 600)) / 300
+    assert good_rate > 0.9 and bad_rate < 0.25, (good_rate, bad_rate)
+    assert stats["docs_out"] == len(kept) and stats["dropped"] == {"pareto sample": 600 - len(kept)}
 
 
 def test_train_quality_reports_held_out_accuracy(tmp_path, capsys):
