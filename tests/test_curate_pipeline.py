@@ -318,3 +318,19 @@ def test_sigkill_mid_run_then_rerun_gives_identical_output(tmp_path, markers):
     whole["input"]["shard_docs"] = 5
     pipeline.run_pipeline(build_config(whole), log=lambda s: None)
     assert tree_digest(str(tmp_path / "killed")) == tree_digest(str(tmp_path / "whole"))
+
+
+def test_exact_dedup_keeps_each_texts_first_copy_in_order(tmp_path):
+    """Copies differing only in case and spacing are one text; the copy kept is the first in
+    corpus order, across shard boundaries, and the order of what is kept is the corpus's (planted:
+    the hashes read last to first, which kept the last copy)."""
+    texts = ["Alpha beta gamma", "delta epsilon", "ALPHA  beta gamma", "zeta", "delta   EPSILON", "eta",
+             "alpha beta gamma", "zeta"]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    raw = {"input": {"paths": [str(corpus)], "shard_docs": 3}, "output": {"dir": str(tmp_path / "out")},
+           "stages": ["exact_dedup"]}
+    result = pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+    kept = [json.loads(line)["id"] for shard in result["shards"] for line in open(shard)]
+    assert kept == ["d0", "d1", "d3", "d5"]
+    assert result["stages"][-1]["dropped"] == {"exact duplicate": 4}
