@@ -59,6 +59,16 @@ def test_a_document_split_more_than_10_times_is_dropped():
         assert (pieces is not None) == kept
 
 
+def test_a_passage_quoted_10_times_in_one_document_is_still_cut(tmp_path):
+    """The frequency rule counts documents, not occurrences: one page quoting a task passage ten
+    times is one document, so its n-grams are not exempted (planted: occurrences counted, which
+    left that page, and every other copy of the passage, in the corpus)."""
+    doc = f" {FILLER} ".join([TASK] * 10) + f" {FILLER}"
+    records, stats = run(tmp_path, [doc])
+    assert stats["ignored_frequent_ngrams"] == 0 and stats["hits"] == {"qa": 40}
+    assert all(TASK not in r["text"] for r in records) and len(records) > 1
+
+
 def test_ngrams_in_10_or_more_training_documents_are_ignored(tmp_path):
     common = [f"{FILLER} {TASK} {FILLER}"] * 10
     records, stats = run(tmp_path, common)
