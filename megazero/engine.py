@@ -85,8 +85,10 @@ def pipeline_split(cfg: Config) -> list[float]:
     ``parallel.pipeline_split``, else balanced against the head's work on the last stage, in half
     blocks where that pays (``balanced_split``)."""
     m, p = cfg.model, cfg.parallel
-    # every field of the model (all plain values), so a field the balance comes to read is never left out
-    key = (tuple(vars(m).values()), p.pp, p.virtual_stages, None if p.pipeline_split is None else tuple(p.pipeline_split))
+    # every field of the model (all plain values), so a field the balance comes to read is never left
+    # out; a given split with its entries' types, so [12, 12] and [12.0, 12.0] each come back as given
+    given = None if p.pipeline_split is None else tuple((type(k), k) for k in p.pipeline_split)
+    key = (tuple(vars(m).values()), p.pp, p.virtual_stages, given)
     split = _SPLITS.get(key)
     if split is None:
         if len(_SPLITS) >= 1024:

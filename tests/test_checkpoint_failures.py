@@ -250,8 +250,10 @@ def test_a_save_is_durable_before_it_is_named(tmp_path, monkeypatch):
             name = f"{tmp}/{path.relative_to(final)}"
             written.append(at(("fsync", name)) if ("fsync", name) in events else at(("fsync", name + ".tmp")))
     assert len(written) == 4 and max(written) < commit, "a file was fsynced only after the commit"
-    entries = [i for i, e in enumerate(events) if e == ("fsync", tmp)]
-    assert any(max(written) < i < commit for i in entries), "the temporary directory's entries were not made durable"
+    # each folder after the last file written into it: tmp's files and the subfolder's entry, then sub's file
+    for folder, last in ((tmp, max(written)), (f"{tmp}/sub", at(("fsync", f"{tmp}/sub/extra.pt")))):
+        entries = [i for i, e in enumerate(events) if e == ("fsync", folder)]
+        assert any(last < i < commit for i in entries), f"{folder}'s entries were not made durable"
     pointer = at(("replace", str(tmp_path / "latest.tmp"), str(tmp_path / "latest")))
     assert commit < at(("fsync", str(tmp_path))) < pointer, "the commit's rename was not made durable first"
     assert at(("fsync", str(tmp_path / "latest.tmp"))) < pointer

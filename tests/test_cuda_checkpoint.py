@@ -5,8 +5,9 @@ training changes the tensors as soon as ``save`` returns.
 The snapshot copies each tensor into pinned host memory without blocking, so the writer thread must
 not read (hash, write) those buffers before the copies have landed. Here the copies wait behind
 about a second of matrix products, so a writer that started at once would hash and write the
-pinned buffers before the copies (planted: the wait removed; the file then holds what the fresh
-pinned buffers held, and its checksum matches those bytes, so loading alone would not notice).
+pinned buffers before the copies (planted: the wait removed; the file then held what the reused
+pinned buffers held from the first save, and its checksum matched those bytes, so loading alone
+would not notice).
 (Skipped without CUDA.)
 """
 

@@ -50,8 +50,8 @@ def test_each_filter_drops_at_its_threshold_and_not_before():
     words = lambda n: " ".join(f"w{i}" for i in range(n))  # noqa: E731
     assert drop_reason(words(4), cfg) == "too few words" and drop_reason(words(5), cfg) is None
     assert drop_reason(words(21), cfg) == "too many words" and drop_reason(words(20), cfg) is None
-    text = words(6)  # 6 words, 17 characters: 4 symbols are under a quarter, 6 over
-    assert drop_reason(text + "!!!!", cfg) is None and drop_reason(text + "!!!!!!", cfg) == "symbol ratio"
+    text = "a b c d e"  # 9 characters: 3 symbols make exactly a quarter of 12 (kept), 4 more than one of 13
+    assert drop_reason(text + "!!!", cfg) is None and drop_reason(text + "!!!!", cfg) == "symbol ratio"
     lines = [words(5) + f" line{i}" for i in range(10)]
     three = "\n".join(lines[:7] + lines[:3])  # 3 of 10 lines repeat an earlier one: 0.3, not over it
     four = "\n".join(lines[:6] + lines[:4])

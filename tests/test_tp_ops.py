@@ -6,8 +6,9 @@ token, and summed: the gradient is the sum's) is compared with torch.nn.function
 1e-5 relative (fp32); so is its fused form (the GPU's: the head's projection inside the loss,
 per-chunk statistics combined over the group), run here with the row kernel written in torch. That
 case caught a combine that did not rescale each rank's sum of exponentials to the common maximum,
-and a hidden state entering the loss without the gradient sum over the group. Dropout runs are compared bitwise: same seed gives identical loss and gradients, and
-recomputation (full or selective) replays the very same masks, so its gradients are identical too.
+and a hidden state entering the loss without the gradient sum over the group. Dropout runs are
+compared bitwise: same seed gives identical loss and gradients, and recomputation (full or
+selective) replays the very same masks, so its gradients are identical too.
 """
 
 import pytest

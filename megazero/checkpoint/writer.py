@@ -170,6 +170,10 @@ class CheckpointWriter:
                     f.flush()
                     os.fsync(f.fileno())
                 entries[name] = {"rank": self.rank, "bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
+            # the entries of files in subfolders (and of those subfolders) are durable only once their
+            # folders are fsynced; ``tmp``'s own are when the manifest is written into it
+            for folder in sorted({p for name in files for p in (tmp / name).parents if tmp in p.parents}, reverse=True):
+                fsync_dir(folder)
             record = {"rank": self.rank, "step": step, "files": entries}
             write_text_atomic(tmp / rank_manifest_name(self.rank), json.dumps(record, indent=1))
         except Exception as e:  # noqa: BLE001 - reported by wait() on the calling thread

@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from models.embedding import padded_vocab_size
 from parallel.pipeline.partition import BLOCK_PARTS, rank_work as split_rank_work, stage_layers, stage_parts
 from parallel.pipeline.plan import StageCosts, schedule_for
-from parallel.pipeline.schedule import SPLIT_BACKWARD, live_peaks
+from parallel.pipeline.schedule import SPLIT_BACKWARD, live_peaks, weighted_peak
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -119,9 +119,11 @@ def rank_block_params(cfg: Config, pp_rank: int) -> float:
     """Parameters of pipeline rank ``pp_rank``'s blocks on one tensor rank."""
     tp = cfg.parallel.tp
     blocks = rank_blocks(cfg, pp_rank)
-    halves = [parts for parts in blocks if parts != BLOCK_PARTS]  # at most one at each end of a chunk
-    return sum((split / tp + replicated) * count for (split, replicated), count in
-               [(block_params(cfg.model), len(blocks) - len(halves))] + [(block_params(cfg.model, h), 1) for h in halves])
+    # whole blocks counted once and multiplied: the planner asks this of every rank of thousands of
+    # layouts, and 530B's ranks hold up to 105 blocks; a half block (at a chunk's ends) on its own
+    halves = [parts for parts in blocks if parts != BLOCK_PARTS]
+    counted = [(block_params(cfg.model), len(blocks) - len(halves))] + [(block_params(cfg.model, h), 1) for h in halves]
+    return sum((split / tp + replicated) * count for (split, replicated), count in counted)
 
 
 def rank_work(cfg: Config, pp_rank: int) -> float:
@@ -217,9 +219,9 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
         return layer_activation_bytes(cfg, every > 0 and index % every == 0, parts)
 
     per_chunk = [sum(kept(i, parts) for i, parts in enumerate(chunk)) for chunk in rank_chunks(cfg, pp_rank)]
-    peaks = _live_peaks(pipeline_schedule(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages, pipeline_costs(cfg))
-    # the chunks in flight at the peak, each its own bytes (``max_live_activations``)
-    total = max(sum(n * b for n, b in zip(counts, per_chunk)) for counts in peaks)
+    peaks = _live_peaks(pipeline_schedule(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages,
+                        pipeline_costs(cfg))
+    total = weighted_peak(peaks, per_chunk)  # the chunks in flight at the peak, each its own bytes
     if every:
         total += layer_activation_bytes(cfg, recomputed=False)  # one block rebuilt at a time in backward
     if pp_rank == p.pp - 1:

@@ -262,14 +262,21 @@ def max_live_activations(ops: list[Op], chunk_weights: Optional[Sequence[float]]
     ``chunk_weights``, the most of their summed weights (a chunk's activation bytes, say: a rank's
     chunks need not hold equal work, and which of them are in flight at the peak is the schedule's)."""
     weights = [1] * (1 + max((op.chunk for op in ops), default=0)) if chunk_weights is None else chunk_weights
-    return max((sum(n * w for n, w in zip(counts, weights)) for counts in live_peaks(ops)), default=0)
+    return weighted_peak(live_peaks(ops), weights)
+
+
+def weighted_peak(peaks: Sequence[tuple[int, ...]], weights: Sequence[float]) -> float:
+    """The most summed chunk ``weights`` over ``peaks`` (``live_peaks``; 0 for none). The same peak
+    as a scan of the ops adding and removing weights one by one, up to the last bit of rounding: the
+    sums are formed in another order. Too few weights for the chunks raises IndexError."""
+    return max((sum(n * weights[c] for c, n in enumerate(counts)) for counts in peaks), default=0)
 
 
 def live_peaks(ops: Sequence[Op]) -> list[tuple[int, ...]]:
     """The micro-batches in flight in each chunk at the fullest points of ``ops``: every count vector
     reached after a forward that no other point matches or exceeds in every chunk. Whatever each
     chunk's weight (its bytes, never negative), ``max_live_activations``'s peak is at one of them, so
-    a planner weighing many layouts of one schedule keeps these and not the op list."""
+    a planner weighing many layouts of one schedule keeps these and not the op list (``weighted_peak``)."""
     done = "W" if splits_backward(ops) else "B"
     live = [0] * (1 + max((op.chunk for op in ops), default=0))
     reached = set()
