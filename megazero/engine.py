@@ -9,6 +9,7 @@ optimizer step over a list of micro-batches, identical in meaning for every layo
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -20,6 +21,7 @@ from megazero.errors import ConfigError
 from megazero.flops import attention_core_share, attention_share, head_blocks
 from megazero.optim import AdamWSettings, DynamicLossScaler, ShardedAdamW, StepResult
 from models import GPT
+from models.config import ModelConfig
 from models.ops import IGNORE_INDEX
 from models.parallelize import Parallelism, parallelize_gpt, recompute_replays_tp_stream
 from parallel.data_parallel import DataParallelSettings
@@ -85,22 +87,20 @@ def pipeline_split(cfg: Config) -> list[float]:
     ``parallel.pipeline_split``, else balanced against the head's work on the last stage, in half
     blocks where that pays (``balanced_split``)."""
     m, p = cfg.model, cfg.parallel
-    # every field of the model (all plain values), so a field the balance comes to read is never left
-    # out; a given split with its entries' types, so [12, 12] and [12.0, 12.0] each come back as given
+    # a given split with its entries' types, so [12, 12] and [12.0, 12.0] each come back as given
     given = None if p.pipeline_split is None else tuple((type(k), k) for k in p.pipeline_split)
-    key = (tuple(vars(m).values()), p.pp, p.virtual_stages, given)
-    split = _SPLITS.get(key)
-    if split is None:
-        if len(_SPLITS) >= 1024:
-            _SPLITS.clear()
-        split = _SPLITS[key] = tuple(resolve_split(m.num_layers, p.pp, p.virtual_stages, p.pipeline_split,
-                                                   head_cost=head_blocks(m), attention_share=attention_share(m)))
-    return list(split)
+    return list(_split(tuple(vars(m).items()), p.pp, p.virtual_stages, given))
 
 
-_SPLITS: dict[tuple, tuple[float, ...]] = {}
-"""``pipeline_split``'s answers by model and layout: the planner asks for each rank of thousands of
-layouts, and the balanced split costs a search over the blocks each time."""
+@functools.lru_cache(maxsize=1024)
+def _split(model_fields: tuple, pp: int, v: int, given: Optional[tuple]) -> tuple[float, ...]:
+    """``pipeline_split`` by every field of the model (so a field the balance comes to read is never
+    left out of the key) and the layout: the planner asks for each rank of thousands of layouts,
+    and the balanced split costs a search over the blocks each time."""
+    m = ModelConfig(**dict(model_fields))
+    split = None if given is None else [k for _, k in given]
+    return tuple(resolve_split(m.num_layers, pp, v, split, head_cost=head_blocks(m),
+                               attention_share=attention_share(m)))
 
 
 def pipeline_costs(cfg: Config) -> Optional[StageCosts]:

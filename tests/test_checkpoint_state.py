@@ -94,7 +94,6 @@ def _damaged_reshard(topo, rank, ckpt, root):
     damaged file, rather than load the flipped value or misplace elements by a damaged table."""
     import shutil
     from megazero.checkpoint import CheckpointError
-    from megazero.checkpoint.reader import index_file, rank_file
 
     out = {}
     for kind, name in (("rank file", rank_file), ("index file", index_file)):

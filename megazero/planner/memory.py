@@ -117,13 +117,15 @@ def rank_blocks(cfg: Config, pp_rank: int) -> list[tuple[str, ...]]:
 
 def rank_block_params(cfg: Config, pp_rank: int) -> float:
     """Parameters of pipeline rank ``pp_rank``'s blocks on one tensor rank."""
-    tp = cfg.parallel.tp
+    def on_one_tensor_rank(parts: tuple[str, ...]) -> float:
+        split, replicated = block_params(cfg.model, parts)
+        return split / cfg.parallel.tp + replicated
+
     blocks = rank_blocks(cfg, pp_rank)
     # whole blocks counted once and multiplied: the planner asks this of every rank of thousands of
     # layouts, and 530B's ranks hold up to 105 blocks; a half block (at a chunk's ends) on its own
     halves = [parts for parts in blocks if parts != BLOCK_PARTS]
-    counted = [(block_params(cfg.model), len(blocks) - len(halves))] + [(block_params(cfg.model, h), 1) for h in halves]
-    return sum((split / tp + replicated) * count for (split, replicated), count in counted)
+    return (len(blocks) - len(halves)) * on_one_tensor_rank(BLOCK_PARTS) + sum(map(on_one_tensor_rank, halves))
 
 
 def rank_work(cfg: Config, pp_rank: int) -> float:

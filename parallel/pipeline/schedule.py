@@ -261,8 +261,8 @@ def max_live_activations(ops: list[Op], chunk_weights: Optional[Sequence[float]]
     is split: the weight gradient still needs the layer inputs) has not, at any point of ``ops``; with
     ``chunk_weights``, the most of their summed weights (a chunk's activation bytes, say: a rank's
     chunks need not hold equal work, and which of them are in flight at the peak is the schedule's)."""
-    weights = [1] * (1 + max((op.chunk for op in ops), default=0)) if chunk_weights is None else chunk_weights
-    return weighted_peak(live_peaks(ops), weights)
+    peaks = live_peaks(ops)
+    return weighted_peak(peaks, [1] * len(peaks[0]) if chunk_weights is None and peaks else chunk_weights)
 
 
 def weighted_peak(peaks: Sequence[tuple[int, ...]], weights: Sequence[float]) -> float:
