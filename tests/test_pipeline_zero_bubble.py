@@ -142,6 +142,21 @@ def test_delays_never_lengthen_the_step_or_raise_its_peak(name):
                      ) if name == "zb-h1" else timeline([comm_plan(o, pp, r) for r, o in enumerate(ops)])
 
 
+def test_a_remembered_event_graph_times_every_set_of_costs_afresh():
+    """``modelled_step`` reuses one ``EventGraph`` per schedule and delays across stage costs: under
+    each set of costs it must give what a fresh ``timeline`` of the same plans gives."""
+    import random
+
+    rng = random.Random(3)
+    for name, pp, m, delays in [("zb-h2", 2, 8, (0, 2)), ("zb-h1", 4, 8, (0, 1, 3, 3)), ("zb-h2", 3, 6, (0, 1, 2))]:
+        plans = [comm_plan(build_schedule(name, pp, r, m, 1, d), pp, r) for r, d in enumerate(delays)]
+        for _ in range(3):
+            costs = StageCosts(tuple((rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0), rng.uniform(0.2, 1.0))
+                                     for _ in range(pp)), (1.0,) * pp)
+            fresh = max(end for ops in timeline(plans, costs.tables()) for _, _, end in ops)
+            assert modelled_step(name, pp, m, costs, delays) == fresh
+
+
 @pytest.mark.parametrize("pp,m", [(pp, m) for pp, m in SIZES if m >= pp])
 def test_bubble_is_a_third_of_1f1b(pp, m):
     bubbles = {}

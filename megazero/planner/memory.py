@@ -134,7 +134,7 @@ def rank_work(cfg: Config, pp_rank: int) -> float:
     return split_rank_work(pipeline_split(cfg), cfg.parallel.pp, pp_rank, attention_share(cfg.model))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)
 def _live_peaks(schedule: str, pp: int, pp_rank: int, micro: int, v: int, costs: Optional[StageCosts]) -> tuple:
     """``live_peaks`` of pipeline rank ``pp_rank``'s ops, as the engine builds them from the ranks' op
     ``costs``; remembered, as the planner asks for every rank of thousands of layouts."""
@@ -221,8 +221,9 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
         return layer_activation_bytes(cfg, every > 0 and index % every == 0, parts)
 
     per_chunk = [sum(kept(i, parts) for i, parts in enumerate(chunk)) for chunk in rank_chunks(cfg, pp_rank)]
-    peaks = _live_peaks(pipeline_schedule(cfg), p.pp, pp_rank, micro_batches(cfg), p.virtual_stages,
-                        pipeline_costs(cfg))
+    schedule = pipeline_schedule(cfg)
+    costs = pipeline_costs(cfg) if schedule in SPLIT_BACKWARD else None  # no other schedule reads them
+    peaks = _live_peaks(schedule, p.pp, pp_rank, micro_batches(cfg), p.virtual_stages, costs)
     total = weighted_peak(peaks, per_chunk)  # the chunks in flight at the peak, each its own bytes
     if every:
         total += layer_activation_bytes(cfg, recomputed=False)  # one block rebuilt at a time in backward

@@ -167,34 +167,6 @@ def channel_of(message: Message) -> str:
     return message.kind
 
 
-def _match(plans: list[list[Step]], channel=channel_of) -> dict[tuple[int, int, str, int], int]:
-    """For each (rank, step, 'send'/'recv', index-in-step): the step index of its partner on the peer,
-    messages matched first-in first-out per ordered pair of ranks and channel, as NCCL does."""
-    queues: dict[tuple[int, int, str, str], list[tuple[int, int, Message]]] = {}
-    for rank, plan in enumerate(plans):
-        for k, step in enumerate(plan):
-            for j, t in enumerate(step.sends):
-                queues.setdefault((rank, t.peer, channel(t.message), "send"), []).append((k, j, t.message))
-            for j, t in enumerate(step.recvs):
-                queues.setdefault((t.peer, rank, channel(t.message), "recv"), []).append((k, j, t.message))
-    partner = {}
-    for (src, dst, kind, side), items in queues.items():
-        if side == "recv":
-            continue
-        recvs = queues.get((src, dst, kind, "recv"), [])
-        if len(recvs) != len(items):
-            raise PipelineDeadlock(f"rank {src} sends {len(items)} {kind} messages to rank {dst}, which receives "
-                                   f"{len(recvs)}")
-        for (ks, js, ms), (kr, jr, mr) in zip(items, recvs):
-            if ms != mr:
-                raise PipelineDeadlock(f"rank {src} sends {ms} to rank {dst} when it expects {mr}")
-            partner[(src, ks, "send", js)], partner[(dst, kr, "recv", jr)] = kr, ks
-    for (src, dst, kind, side), items in queues.items():
-        if side == "recv" and (src, dst, kind, "send") not in queues:
-            raise PipelineDeadlock(f"rank {dst} waits for {items[0][2]} that rank {src} never sends")
-    return partner
-
-
 def simulate(plans: list[list[Step]], channel=channel_of) -> list[float]:
     """Run every rank's plan with unit op costs; returns when each rank finished. Raises
     ``PipelineDeadlock`` naming what each stuck rank waits for. ``channel`` as in ``timeline``."""
@@ -246,19 +218,26 @@ def stage_costs(blocks: Sequence[float], head: float, core_share: float, recompu
 
 
 @functools.lru_cache(maxsize=4096)
-def _delayed(schedule: str, pp: int, rank: int, m: int, delay: int) -> tuple[tuple[Op, ...], tuple[Step, ...]]:
-    """Rank ``rank``'s ops and plan under split-backward ``schedule`` with ``delay`` weight gradients
-    waiting: built once for all the trials of ``weight_grad_delays``, which change one rank at a time."""
+def _delayed(schedule: str, pp: int, rank: int, m: int, delay: int) -> tuple[int, "RankEvents"]:
+    """Rank ``rank``'s micro-batches in flight at its fullest and its events, under split-backward
+    ``schedule`` with ``delay`` weight gradients waiting: built once for all the trials of
+    ``weight_grad_delays``, which change one rank at a time."""
     ops = build_schedule(schedule, pp, rank, m, 1, delay)
-    return tuple(ops), tuple(comm_plan(ops, pp, rank))
+    return max_live_activations(ops), RankEvents(comm_plan(ops, pp, rank), rank)
 
 
 def modelled_step(schedule: str, pp: int, m: int, costs: StageCosts, delays: Optional[Sequence[int]] = None) -> float:
     """How long a step of split-backward ``schedule`` takes by ``timeline`` with ``costs``, each rank
     leaving ``delays[r]`` weight gradients waiting (None: the defaults)."""
-    delays = range(pp) if delays is None else delays
-    times = timeline([list(_delayed(schedule, pp, r, m, d)[1]) for r, d in enumerate(delays)], costs.tables())
-    return max(end for rank_ops in times for _, _, end in rank_ops)
+    delays = tuple(range(pp) if delays is None else delays)
+    return _delayed_events(schedule, pp, m, delays).makespan(costs.tables())
+
+
+@functools.lru_cache(maxsize=128)
+def _delayed_events(schedule: str, pp: int, m: int, delays: tuple[int, ...]) -> "EventGraph":
+    """The ``EventGraph`` of split-backward ``schedule`` with each rank's ``delays``: the planner times
+    the same delays under the stage costs of many layouts."""
+    return EventGraph([_delayed(schedule, pp, r, m, d)[1] for r, d in enumerate(delays)])
 
 
 WEIGHT_GRAD_DELAY_GAIN = 0.005
@@ -271,7 +250,7 @@ are searched, about a second; a larger pipeline keeps the defaults rather than s
 simulation building its schedule."""
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def weight_grad_delays(schedule: str, pp: int, m: int, costs: StageCosts) -> tuple[int, ...]:
     """How many weight gradients each rank of a split-backward schedule leaves waiting (default: rank
     ``r`` leaves ``r``), chosen by timing the plans with ``costs``.
@@ -295,7 +274,7 @@ def weight_grad_delays(schedule: str, pp: int, m: int, costs: StageCosts) -> tup
         return defaults
 
     def held(r: int, delay: int) -> float:
-        return max_live_activations(list(_delayed(schedule, pp, r, m, delay)[0])) * costs.held[r]
+        return _delayed(schedule, pp, r, m, delay)[0] * costs.held[r]
 
     cap = max(held(r, r) for r in range(pp))
     best, best_span = defaults, modelled_step(schedule, pp, m, costs, defaults)
@@ -313,10 +292,6 @@ def weight_grad_delays(schedule: str, pp: int, m: int, costs: StageCosts) -> tup
     return best
 
 
-def op_cost(op: Op, split: bool, costs: dict = UNIT_COSTS) -> float:
-    return costs["B_input"] if op.kind == "B" and split else costs[op.kind]
-
-
 def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COSTS,
              channel=channel_of) -> list[list[tuple[Op, float, float]]]:
     """Each rank's ops with their start and end times, messages taking no time; ``costs`` is one table
@@ -326,104 +301,222 @@ def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COST
     A rank posts step k's batch when its op of step k - 1 ends, as one sub-batch per channel
     (``CHANNELS``). A sub-batch begins once posted and once the rank's earlier sub-batches on that
     channel have completed (one communication stream per channel, in order, as NCCL runs them), and
-    completes when it and every partner's sub-batch have begun. An op waits only for the sub-batch that
-    carries its own input (``Step.needs``), posted in its step or, for a pair's second op, in the
-    pair's: sends are left in flight (the executor does the same), so a ``W`` never waits for its
-    ``B``'s gradient to be taken, and a pair's forward does not wait for its backward's gradient.
-    Split-backward plans (holding ``W`` ops) cost ``B`` as the input-gradient half. Raises
+    completes when it and every partner's sub-batch have begun: a send or receive queued behind an
+    unfinished one cannot meet its partner, as on an NCCL communicator. An op waits only for the
+    sub-batch that carries its own input (``Step.needs``), posted in its step or, for a pair's second
+    op, in the pair's: sends are left in flight (the executor does the same), so a ``W`` never waits
+    for its ``B``'s gradient to be taken, and a pair's forward does not wait for its backward's
+    gradient. Split-backward plans (holding ``W`` ops) cost ``B`` as the input-gradient half. Raises
     ``PipelineDeadlock`` naming what each stuck rank waits for, or a mismatch of message orders.
     """
-    partner = _match(plans, channel)
     rank_costs = costs if isinstance(costs, list) else [costs] * len(plans)
-    split = [splits_backward([step.op for step in plan if step.op is not None]) for plan in plans]
-    posted: list[list[float]] = [[] for _ in plans]  # posted[r][k]: when rank r posted step k
-    done: dict[tuple[int, int, str], float] = {}  # (rank, step, channel): when that sub-batch completed
-    free = [0.0] * len(plans)  # when rank r's latest op ended
-    out: list[list[tuple[Op, float, float]]] = [[] for _ in plans]
-    ran = [0] * len(plans)  # steps whose op has run
+    return EventGraph([RankEvents(plan, r, channel) for r, plan in enumerate(plans)]).times(rank_costs)
 
-    def sub_batches(r: int, k: int) -> dict[str, list[tuple[int, int]]]:
-        """Channel -> (peer, the peer's step) of each transfer in rank r's step k."""
-        step, by_channel = plans[r][k], {}
-        for side, transfers in (("send", step.sends), ("recv", step.recvs)):
-            for j, t in enumerate(transfers):
-                by_channel.setdefault(channel(t.message), []).append((t.peer, partner[(r, k, side, j)]))
-        return by_channel
 
-    batches = [[sub_batches(r, k) for k in range(len(plan))] for r, plan in enumerate(plans)]
-    channels = sorted({c for rank_batches in batches for step_batches in rank_batches for c in step_batches})
-    queue = {(r, c): [k for k in range(len(plan)) if c in batches[r][k]]
-             for r, plan in enumerate(plans) for c in channels}
-    place = {(r, c, k): i for (r, c), steps in queue.items() for i, k in enumerate(steps)}
-    head = dict.fromkeys(queue, 0)  # (rank, channel): index in queue of its next sub-batch to complete
+COST_KEYS = tuple(UNIT_COSTS)
 
-    def started(r: int, k: int, stream: str) -> Optional[float]:
-        """When rank r's sub-batch of step k began on its channel's stream: posted, and the one before
-        it on that stream complete (None: not yet)."""
-        if len(posted[r]) <= k:
-            return None
-        i = place[(r, stream, k)]
-        if i == 0:
-            return posted[r][k]
-        before = done.get((r, queue[(r, stream)][i - 1], stream))
-        return None if before is None else max(posted[r][k], before)
 
-    def complete(r: int) -> bool:
-        """Complete rank r's sub-batches that can, each channel in order; whether any did. A sub-batch
-        completes once it and each partner's sub-batch have begun on their streams: a send or receive
-        queued behind an unfinished one cannot meet its partner, as on an NCCL communicator."""
-        progressed = False
-        for stream in channels:
-            steps, at = queue[(r, stream)], head[(r, stream)]
-            while at < len(steps):
-                k = steps[at]
-                begins = [started(r, k, stream)] + [started(peer, pk, stream) for peer, pk in batches[r][k][stream]]
-                if any(b is None for b in begins):
-                    break
-                done[(r, k, stream)] = max(begins)
-                at += 1
-                progressed = True
-            head[(r, stream)] = at
-        return progressed
+class RankEvents:
+    """One rank's share of an ``EventGraph``: the events of its plan, each the later of at most two
+    others of the rank (-1: none, time zero) plus an op's cost for an op's end (``cost``: 0, or one
+    more than the op's index in ``COST_KEYS``), and its sub-batches in the order they meet each peer.
 
-    # (rank, message) -> (the rank's step that receives it, the peer it comes from)
-    received_in = {(r, t.message): (k, t.peer) for r, plan in enumerate(plans)
-                   for k, step in enumerate(plan) for t in step.recvs}
+    Events: an op's start (after the rank's op before and the sub-batch carrying its input) and end;
+    a sub-batch's beginning (posted as the op before ends, after the channel's sub-batch before) and
+    completion, whose second wait ``EventGraph`` points at its partners' beginnings. Parallel lists
+    rather than a record per op or transfer: see ``EventGraph``."""
 
-    def waits_for(r: int, k: int) -> list[str]:
-        """What the op of rank r's step k still waits for: the sub-batch carrying its input."""
-        need = plans[r][k].needs
-        if need is None:
-            return []
-        at, peer = received_in[(r, need)]
-        return [] if (r, at, channel(need)) in done else [f"recv {need} from rank {peer}"]
+    def __init__(self, plan: list[Step], rank: int, channel=channel_of):
+        self.rank = rank
+        self.first: list[int] = []
+        self.second: list[int] = []
+        self.cost: list[int] = []
+        # (peer, channel, "send"/"recv") -> [completions, beginnings, messages] of its transfers, in order
+        self.queues: dict[tuple[int, str, str], list[list]] = {}
+        self.ops: list[Op] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.steps: list[int] = []  # each op's step, what it waits on, and the peer sending that
+        self.needs: list[Optional[Message]] = []
+        self.senders: list[Optional[int]] = []
+        self.unreceived: list[str] = []  # ops waiting on a message the plan never receives
+        ahead = []  # (op index, its message) of ops waiting on a later step's receive: a deadlock
+        split = splits_backward([step.op for step in plan if step.op is not None])
+        last_end, latest, received = -1, {}, {}  # latest: channel -> (beginning, completion) of its last
+        for k, step in enumerate(plan):
+            this_step = {}
+            for side, transfers in (("send", step.sends), ("recv", step.recvs)):
+                for t in transfers:
+                    c = channel(t.message)
+                    if c not in this_step:
+                        begin = self._event(last_end, latest[c][1] if c in latest else -1)
+                        this_step[c] = latest[c] = (begin, self._event(begin, -1))
+                    begin, done = this_step[c]
+                    queue = self.queues.setdefault((t.peer, c, side), [[], [], []])
+                    queue[0].append(done)
+                    queue[1].append(begin)
+                    queue[2].append(t.message)
+                    if side == "recv":
+                        received[t.message] = (done, t.peer)
+            if step.op is not None:
+                landed, peer = received.get(step.needs, (-1, None)) if step.needs is not None else (-1, None)
+                if step.needs is not None and peer is None:  # received later, if at all: wired below
+                    ahead.append((len(self.starts), step.needs))
+                key = "B_input" if step.op.kind == "B" and split else step.op.kind
+                self.starts.append(self._event(last_end, landed))
+                last_end = self._event(self.starts[-1], -1, cost=1 + COST_KEYS.index(key))
+                self.ends.append(last_end)
+                self.ops.append(step.op)
+                self.steps.append(k)
+                self.needs.append(step.needs)
+                self.senders.append(peer)
+        for i, need in ahead:
+            if need in received:
+                self.second[self.starts[i]], self.senders[i] = received[need]
+            else:
+                self.unreceived.append(f"rank {rank} at step {self.steps[i]} ({self.ops[i]}) needs {need}, which "
+                                       "the rank never receives")
 
-    while any(ran[r] < len(p) for r, p in enumerate(plans)):
-        progressed = False
-        for r, plan in enumerate(plans):
-            while ran[r] < len(plan):
-                k, step = ran[r], plan[ran[r]]
-                if len(posted[r]) == k:  # posted as soon as the op before has run
-                    posted[r].append(free[r])
-                    progressed = True
-                if waits_for(r, k):
-                    break  # its input has not landed yet
-                if step.op is not None:
-                    need = step.needs
-                    landed = [done[(r, received_in[(r, need)][0], channel(need))]] if need else []
-                    start = max([free[r]] + landed)
-                    free[r] = start + op_cost(step.op, split[r], rank_costs[r])
-                    out[r].append((step.op, start, free[r]))
-                ran[r] += 1
-                progressed = True
-        for r in range(len(plans)):
-            while complete(r):
-                progressed = True
-        if not progressed:
-            raise PipelineDeadlock("pipeline deadlock: " + "; ".join(
-                f"rank {r} at step {ran[r]} ({p[ran[r]].op}) waits on {', '.join(waits_for(r, ran[r]))}"
-                for r, p in enumerate(plans) if ran[r] < len(p)))
-    return out
+    def _event(self, a: int, b: int, cost: int = 0) -> int:
+        self.first.append(a)
+        self.second.append(b)
+        self.cost.append(cost)
+        return len(self.cost) - 1
+
+
+class EventGraph:
+    """``timeline``'s events for all ranks, ordered once so that any op costs can then be timed in one
+    pass. Messages are matched first-in first-out per ordered pair of ranks and channel, as NCCL does;
+    a sub-batch with several partners completes through a chain of events.
+
+    Why separate from the costs: ``weight_grad_delays`` and the planner time the same plans under many
+    sets of stage costs, and the waits depend on the plans alone (the planner also reuses a rank's
+    events across the delays of the others). Why flat lists of integers: a graph holds thousands of
+    events, and a container for each kept Python's cycle collector busier than the timing itself."""
+
+    def __init__(self, ranks: list[RankEvents]):
+        self.ranks = ranks
+        self.first, self.second, self.cost, self.offsets = [], [], [], []
+        for part in ranks:
+            at, shift = len(self.cost), part.rank * len(COST_KEYS)
+            self.offsets.append(at)
+            self.first += [a + at if a >= 0 else -1 for a in part.first]
+            self.second += [b + at if b >= 0 else -1 for b in part.second]
+            self.cost += [c + shift if c else 0 for c in part.cost]
+        partners: dict[int, set[int]] = {}  # completion -> its partners' beginnings
+        for src, part in enumerate(ranks):
+            for (dst, c, side), (dones, begins, messages) in part.queues.items():
+                if side == "recv":
+                    continue
+                r_dones, r_begins, expected = ranks[dst].queues.get((src, c, "recv"), [[], [], []])
+                if len(expected) != len(messages):
+                    raise PipelineDeadlock(f"rank {src} sends {len(messages)} {c} messages to rank {dst}, which "
+                                           f"receives {len(expected)}")
+                if messages != expected:
+                    sent, wanted = next((s, e) for s, e in zip(messages, expected) if s != e)
+                    raise PipelineDeadlock(f"rank {src} sends {sent} to rank {dst} when it expects {wanted}")
+                at_src, at_dst = self.offsets[src], self.offsets[dst]
+                for done_s, begin_s, done_r, begin_r in zip(dones, begins, r_dones, r_begins):
+                    partners.setdefault(done_s + at_src, set()).add(begin_r + at_dst)
+                    partners.setdefault(done_r + at_dst, set()).add(begin_s + at_src)
+        for dst, part in enumerate(ranks):
+            for (src, c, side), (_, _, messages) in part.queues.items():
+                if side == "recv" and (dst, c, "send") not in ranks[src].queues:
+                    raise PipelineDeadlock(f"rank {dst} waits for {messages[0]} that rank {src} never sends")
+            if part.unreceived:
+                raise PipelineDeadlock(part.unreceived[0])
+        for done, starts in partners.items():  # complete once every partner has begun too
+            starts = sorted(starts)
+            later = starts[0]
+            for b in starts[1:]:
+                later = self._event(later, b)
+            self.second[done] = later
+        self._costed = sorted(set(self.cost) - {0})
+        self.order = self._order()
+        if self.order is None:  # some events wait on themselves: a deadlock if an op is among them
+            self.order = self._resolvable()
+            self._check_ops_start()
+
+    def _event(self, a: int, b: int) -> int:
+        self.first.append(a)
+        self.second.append(b)
+        self.cost.append(0)
+        return len(self.cost) - 1
+
+    def _order(self) -> Optional[list[int]]:
+        """Every event after the ones it waits for (depth first from each in turn); None if an event
+        waits, directly or not, on itself."""
+        first, second = self.first, self.second
+        state = bytearray(len(first))  # 0 unseen, 1 on the path, 2 ordered
+        order = []
+        for root in range(len(first)):
+            if state[root]:
+                continue
+            path = [root]
+            while path:
+                e = path[-1]
+                state[e] = 1
+                a, b = first[e], second[e]
+                if a >= 0 and state[a] != 2:
+                    if state[a] == 1:
+                        return None
+                    path.append(a)
+                elif b >= 0 and state[b] != 2:
+                    if state[b] == 1:
+                        return None
+                    path.append(b)
+                else:
+                    state[e] = 2
+                    order.append(e)
+                    path.pop()
+        return order
+
+    def _resolvable(self) -> list[int]:
+        """The events that do not wait on themselves, each after what it waits for (sweeps until none
+        is added: slower than ``_order``, for graphs it refuses)."""
+        resolved, order, grew = bytearray(len(self.cost)), [], True
+        while grew:
+            grew = False
+            for e, (a, b) in enumerate(zip(self.first, self.second)):
+                if not resolved[e] and (a < 0 or resolved[a]) and (b < 0 or resolved[b]):
+                    resolved[e] = grew = True
+                    order.append(e)
+        return order
+
+    def _check_ops_start(self) -> None:
+        """Raises ``PipelineDeadlock`` naming, for each stuck rank, the message its first op that can
+        never start waits for; sends left waiting after a rank's last op hold up nothing."""
+        resolved, stuck = set(self.order), []
+        for part, at in zip(self.ranks, self.offsets):
+            i = next((i for i, start in enumerate(part.starts) if start + at not in resolved), None)
+            if i is not None:
+                stuck.append(f"rank {part.rank} at step {part.steps[i]} ({part.ops[i]}) waits on recv "
+                             f"{part.needs[i]} from rank {part.senders[i]}")
+        if stuck:
+            raise PipelineDeadlock("pipeline deadlock: " + "; ".join(stuck))
+
+    def _event_times(self, rank_costs: list[dict]) -> list[float]:
+        table = [0.0] * (1 + len(rank_costs) * len(COST_KEYS))
+        for index in self._costed:  # a table need only hold the kinds of ops its rank runs
+            rank, key = divmod(index - 1, len(COST_KEYS))
+            table[index] = rank_costs[rank][COST_KEYS[key]]
+        t = [0.0] * (len(self.cost) + 1)  # t[-1]: a missing wait's zero
+        first, second, cost = self.first, self.second, self.cost
+        for e in self.order:
+            x, y = t[first[e]], t[second[e]]
+            t[e] = (x if x >= y else y) + table[cost[e]]
+        return t
+
+    def times(self, rank_costs: list[dict]) -> list[list[tuple[Op, float, float]]]:
+        """Each rank's ops with start and end times under ``rank_costs`` (one table per rank)."""
+        t = self._event_times(rank_costs)
+        return [[(op, t[start + at], t[end + at]) for op, start, end in zip(part.ops, part.starts, part.ends)]
+                for part, at in zip(self.ranks, self.offsets)]
+
+    def makespan(self, rank_costs: list[dict]) -> float:
+        """When the last op ends under ``rank_costs``."""
+        t = self._event_times(rank_costs)
+        return max((t[part.ends[-1] + at] for part, at in zip(self.ranks, self.offsets) if part.ends), default=0.0)
 
 
 def bubble_of(times: list[list[tuple[Op, float, float]]]) -> float:
