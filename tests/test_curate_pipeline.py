@@ -334,3 +334,29 @@ def test_exact_dedup_keeps_each_texts_first_copy_in_order(tmp_path):
     kept = [json.loads(line)["id"] for shard in result["shards"] for line in open(shard)]
     assert kept == ["d0", "d1", "d3", "d5"]
     assert result["stages"][-1]["dropped"] == {"exact duplicate": 4}
+
+
+def test_exact_dedup_tells_texts_apart_by_all_128_bits(tmp_path):
+    """Two texts whose hashes share their low 64 bits are both kept; only equal 128-bit hashes drop the
+    later copy (planted: the duplicate search reading the low half alone). A hash file of the former
+    64-bit form is refused with the fix."""
+    import numpy as np
+
+    from data_pipeline.curate import exact_dedup, partitioned
+
+    low = np.array([7, 7, 7, 9], dtype=np.uint64)
+    high = np.array([1, 2, 1, 0], dtype=np.uint64)  # rows 0 and 2 equal; row 1 differs in its high half only
+    exact_dedup.save_keyed(str(tmp_path / "s0"), [low, high], np.arange(4, dtype=np.int64), parts=1)
+    exact_dedup.duplicates_in_partition([str(tmp_path / "s0")], 0, str(tmp_path / "drops"))
+    assert exact_dedup.rows_to_drop([str(tmp_path / "drops")], 0).tolist() == [2]
+
+    shard = tmp_path / "docs.jsonl"
+    shard.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(["a b", "A  b", "c"])))
+    exact_dedup.hash_shard(str(shard), str(tmp_path / "h"), "text", parts=2)
+    halves = [exact_dedup.load_keyed(str(tmp_path / "h"), part, key_columns=2)[0] for part in range(2)]
+    digests = sorted(int(lo) | int(hi) << 64 for (los, his) in halves for lo, hi in zip(los, his))
+    assert digests == sorted(int.from_bytes(exact_dedup.text_hash(t), "little") for t in ["a b", "a b", "c"])
+
+    partitioned.save(str(tmp_path / "old.part"), low % np.uint64(1), [low, np.arange(4, dtype=np.int64)], 1)
+    with pytest.raises(ValueError, match=r"old\.part: 1 key columns where this version writes 2; delete"):
+        exact_dedup.duplicates_in_partition([str(tmp_path / "old")], 0, str(tmp_path / "drops2"))

@@ -73,7 +73,7 @@ def signature_shard(in_path: str, out_prefix: str, text_field: str, cfg: FuzzyDe
     save_array(f"{out_prefix}.shingles.npy", np.concatenate(shingles) if shingles else np.zeros(0, np.uint32))
     save_array(f"{out_prefix}.offsets.npy", np.concatenate(offsets))
     bands = np.concatenate(bands) if bands else np.zeros((0, cfg.bands), np.uint64)
-    save_keyed(f"{out_prefix}.bands", bands.ravel(), np.repeat(np.arange(len(bands)), cfg.bands), parts)
+    save_keyed(f"{out_prefix}.bands", [bands.ravel()], np.repeat(np.arange(len(bands)), cfg.bands), parts)
     atomic_write_text(f"{out_prefix}.ids.json", json.dumps([r["id"] for r in records]))
     return {"docs": len(records)}
 
@@ -83,7 +83,7 @@ def bucket_partition(prefixes: list[str], part: int, parts: int, out_path: str, 
     written grouped by the partition that verifies them (``_pair_partition``)."""
     keys, gids = [], []
     for shard, prefix in enumerate(prefixes):
-        band_keys, rows = load_keyed(f"{prefix}.bands", part)
+        (band_keys,), rows = load_keyed(f"{prefix}.bands", part)
         keys.append(band_keys)
         gids.append((np.int64(shard) << ROW_BITS) | rows)
     keys, gids = np.concatenate(keys), np.concatenate(gids)
