@@ -220,3 +220,32 @@ def test_offline_reshard_keeps_master_and_moments(world, tmp_path):
             assert torch.equal(a[key][:rows], b[key][:rows]), (name, key)
         assert torch.equal(flat[name], a["master"][:flat[name].shape[0]]), name
     assert flat["embedding.tokens.weight"].shape[0] == VOCAB
+
+
+@pytest.mark.parametrize("fields", [
+    {"bias": False},  # GPT-2 without biases: written as zero biases, which GPT2LMHeadModel always holds
+    {"position_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu", "num_kv_heads": 2,
+     "tie_embeddings": False, "bias": True},  # Llama with biases: attention_bias and mlp_bias
+], ids=["gpt2-without-biases", "llama-with-biases"])
+def test_bias_choices_export_with_our_logits(tmp_path, fields):
+    """The two bias choices the presets do not make: ``transformers`` loads every tensor it expects from
+    the export, nothing else, and gives the logits of our single-process model (planted: the zero
+    biases left out, which transformers would fill in itself with a warning; ``mlp_bias`` not
+    written)."""
+    from megazero.convert.targets import write_megazero
+    from megazero.generate import load_model
+    from tests.test_convert_bad_inputs import _Random
+
+    torch.manual_seed(0)
+    write_megazero(_Random(num_layers=2, **fields), tmp_path / "mz")
+    assert convert(tmp_path / "mz", tmp_path / "hf") == 0
+    ours, cfg = load_model(tmp_path / "mz")
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ours(tokens)[..., :cfg.model.vocab_size]
+        hf, loading = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                                         output_loading_info=True)
+        got = hf.eval()(tokens).logits
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
