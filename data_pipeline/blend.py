@@ -184,6 +184,12 @@ def parse_blend(blend: list) -> tuple[list[float], list[str]]:
             raise ValueError(f"data.blend entry {entry!r} must be [weight, prefix], e.g. [0.3, data/web_text_document]")
         weights.append(float(entry[0]))
         prefixes.append(entry[1])
+    first: dict[str, int] = {}
+    for i, prefix in enumerate(prefixes):  # the same data twice: each entry would serve every sample again
+        same = first.setdefault(os.path.realpath(prefix), i)
+        if same != i:
+            raise ValueError(f"data.blend lists {prefix} twice (also as {prefixes[same]}); give it once, with the "
+                             "weights summed")
     normalise_weights(weights)
     return weights, prefixes
 
@@ -195,7 +201,7 @@ def resolve_blend(blend: list | None, preset: str | None, root: str | None) -> l
     if preset is not None:
         if not root:
             raise ValueError(f"data.blend_preset {preset!r} needs data.blend_root, the directory holding its datasets")
-        return load_blend_preset(preset, root)
+        blend = load_blend_preset(preset, root)
     parse_blend(blend)
     return [[float(w), p] for w, p in blend]
 

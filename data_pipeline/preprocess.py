@@ -116,7 +116,7 @@ def _encoded(batches: Iterable[Batch], tokenizer_path: str, keys, append_eod: bo
 
 
 def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys: tuple[str, ...] = ("text",),
-               workers: int = 1, batch_size: int = 256, append_eod: bool = True, hf_split: str = "train",
+               workers: int = 1, batch_size: int = 256, append_eod: bool = True, hf_split: str | None = None,
                progress: bool = False, skip_bad_records: bool = False) -> PreprocessStats:
     """Tokenize every input, in order, into one shard per key; returns throughput and skip counts.
 

@@ -162,8 +162,10 @@ class Batch:
         return good, skipped
 
 
-def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256, hf_split: str = "train") -> Iterator[Batch]:
-    """Batches of documents from one input, chosen by its suffix (a directory or name means ``datasets``)."""
+def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256,
+                 hf_split: str | None = None) -> Iterator[Batch]:
+    """Batches of documents from one input, chosen by its suffix (a directory or name means ``datasets``;
+    ``hf_split`` picks its split, ``train`` when None)."""
     if path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such input file")
     if path.endswith(JSONL_SUFFIXES):
@@ -204,19 +206,30 @@ def _parquet_batches(path: str, keys: tuple[str, ...], batch_size: int) -> Itera
         row += record_batch.num_rows
 
 
-def _hf_batches(path: str, keys: tuple[str, ...], batch_size: int, split: str) -> Iterator[Batch]:
+def _hf_batches(path: str, keys: tuple[str, ...], batch_size: int, split: str | None) -> Iterator[Batch]:
     """A dataset saved with ``save_to_disk`` (read offline), else anything ``load_dataset`` accepts."""
     try:
         import datasets
     except ImportError:
         raise ImportError(f"{path}: reading Hugging Face datasets needs the datasets package") from None
+    if os.path.isdir(path) and any(name.endswith(".txt") for _, _, names in os.walk(path) for name in names) \
+            and not os.path.isfile(os.path.join(path, "dataset_info.json")):
+        raise ValueError(f"{path}: a folder of .txt files, which would be read one line per document (every "
+                         "document's lines torn apart); give .jsonl or .parquet files, or a save_to_disk directory")
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json")):
+        if split is not None:
+            raise ValueError(f"{path}: a saved dataset of one split, which --hf-split {split} cannot choose from; "
+                             "leave --hf-split out")
         ds = datasets.load_from_disk(path)
     elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_dict.json")):
-        ds = datasets.load_from_disk(path)[split]
+        splits = datasets.load_from_disk(path)
+        if (split or "train") not in splits:
+            raise ValueError(f"{path}: no split {split or 'train'!r} (its splits: {', '.join(splits)}); choose one "
+                             "with --hf-split")
+        ds = splits[split or "train"]
     else:
         with _read_by_datasets(path):
-            ds = datasets.load_dataset(path, split=split, streaming=True)
+            ds = datasets.load_dataset(path, split=split or "train", streaming=True)
     columns = ds.column_names  # None for a streamed dataset whose columns are not known up front
     missing = [k for k in keys if columns is not None and k not in columns]
     if missing:

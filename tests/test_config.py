@@ -116,6 +116,29 @@ def test_bad_keys_and_types(overrides, message):
         _cfg(*overrides)
 
 
+def test_text_fields_take_the_command_line_as_typed(tmp_path):
+    """YAML would read ``2024_01`` as 202401, ``98:1:1`` as a base-60 number (all data to training) and
+    cut ``exp #3`` at its comment; a text field takes the value as typed, ``null`` aside where the field
+    may be None, while other fields keep YAML's types."""
+    cfg = _cfg("--logging.run_dir", "2024_01", "--data.split", "98:1:1", "--checkpoint.load", "runs/exp #3",
+               "--data.tokenizer", "null", "--train.seed", "7")
+    assert (cfg.logging.run_dir, cfg.data.split, cfg.checkpoint.load) == ("2024_01", "98:1:1", "runs/exp #3")
+    assert cfg.data.tokenizer is None and cfg.train.seed == 7
+    from data_pipeline.curate.config import CurateConfig
+    from megazero.config.loader import parse_overrides
+
+    assert parse_overrides(["--output.dir", "007", "--executor.ray-address", "null"], CurateConfig) == [
+        ("output.dir", "007"), ("executor.ray-address", None)]
+    with pytest.raises(ConfigError, match=r"model.preset: unknown preset '\[gpt2\]'"):
+        _cfg("--model.preset", "[gpt2]")
+    (tmp_path / "list.yaml").write_text("model: {preset: [gpt2]}\n")
+    with pytest.raises(ConfigError, match=r"model.preset: unknown preset \['gpt2'\]"):
+        load_config(str(tmp_path / "list.yaml"))
+    (tmp_path / "tok.yaml").write_text("model: {vocab_size: auto}\ndata: {tokenizer: [tok.json]}\n")
+    with pytest.raises(ConfigError, match=r"data.tokenizer: expected a path, got \['tok.json'\]"):
+        load_config(str(tmp_path / "tok.yaml"))
+
+
 def test_resolve_fills_dp():
     cfg = resolve_config(_cfg("--parallel.tp", "2", "--parallel.pp", "2", "--model.num_layers", "4",
                               "--train.global_batch_size", "8", "--train.micro_batch_size", "2"), 16)

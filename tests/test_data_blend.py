@@ -62,6 +62,18 @@ def test_bad_blends_are_named():
     assert len(parse_blend([[1, f"d{i}"] for i in range(32768)])[1]) == 32768
 
 
+def test_a_dataset_listed_twice_is_refused(tmp_path):
+    """Two entries for the same data would each serve every sample of one order: every sample twice.
+    The same prefix, the same object, or the same files by another path are one dataset."""
+    prefix = str(tmp_path / "web_text_document")
+    (tmp_path / "link").symlink_to(tmp_path)
+    for other in (prefix, prefix + "", str(tmp_path / "." / "web_text_document"), str(tmp_path / "link" / "web_text_document")):
+        with pytest.raises(ValueError, match=r"data.blend lists .*web_text_document twice \(also as .*\); give it once"):
+            parse_blend([[0.5, prefix], [0.2, "other"], [0.5, other]])
+    with pytest.raises(ValueError, match="twice"):
+        resolve_blend([[0.5, "a"], [0.5, "./a"]], None, None)
+
+
 def test_mtnlg_preset():
     blend = load_blend_preset("mtnlg530b", "root")
     assert [w for w, _ in blend] == list(MTNLG.values())

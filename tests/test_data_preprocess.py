@@ -198,6 +198,52 @@ def test_cli_refuses_an_input_listed_twice(env, tmp_path, capsys, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == written  # the refused merge wrote nothing
 
 
+def test_repeated_input_and_merge_flags_add_up(env, tmp_path, capsys):
+    """``--input A --input B`` reads both (argparse alone would keep only B, dropping A's documents);
+    so does ``--merge``; a field listed twice in ``--json-keys`` is refused."""
+    half = tmp_path / "half.jsonl"
+    half.write_text("".join(json.dumps(r) + "\n" for r in env["records"][:7]))
+    out = str(tmp_path / "both")
+    assert main(["preprocess", "--input", env["jsonl"], "--input", str(half), "--tokenizer", env["model"],
+                 "--output-prefix", out, "--no-progress"]) == 0
+    assert len(IndexedDataset(f"{out}_text_document")) == len(env["records"]) + 7
+    assert main(["preprocess", "--input", str(half), "--tokenizer", env["model"], "--output-prefix",
+                 str(tmp_path / "h"), "--no-progress"]) == 0
+    assert main(["preprocess", "--merge", f"{out}_text_document", "--merge", str(tmp_path / "h_text_document"),
+                 "--output-prefix", str(tmp_path / "m")]) == 0
+    assert len(IndexedDataset(str(tmp_path / "m"))) == len(env["records"]) + 14
+    _refused(["preprocess", "--input", str(half), "--json-keys", "text", "--json-keys", "text", "--tokenizer",
+              env["model"], "--output-prefix", str(tmp_path / "k"), "--no-progress"], capsys,
+             "--json-keys text text: a field is listed twice")
+
+
+def test_a_folder_of_text_files_is_refused(env, tmp_path, capsys):
+    """``datasets`` reads a folder of .txt files one line per document (blank lines too): the documents'
+    boundaries would be lost, so such a folder is refused, naming what megazero reads."""
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one document\nover two lines\n\nand another\n")
+    _refused(["preprocess", "--input", str(folder), "--tokenizer", env["model"], "--output-prefix",
+              str(tmp_path / "t"), "--no-progress"], capsys, f"{folder}: a folder of .txt files", "one line per document")
+
+
+def test_hf_split_is_checked_against_the_saved_dataset(env, tmp_path, capsys):
+    """A saved DatasetDict without the split asked for names its splits; a saved single Dataset has no
+    split to choose, so ``--hf-split`` there is refused rather than ignored."""
+    datasets = pytest.importorskip("datasets")
+    records = [{"text": r["text"]} for r in env["records"][:5]]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(tmp_path / "dict")
+    datasets.Dataset.from_list(records).save_to_disk(tmp_path / "one")
+    common = ["--tokenizer", env["model"], "--no-progress", "--output-prefix"]
+    _refused(["preprocess", "--input", str(tmp_path / "dict"), "--hf-split", "validation", *common,
+              str(tmp_path / "a")], capsys, "no split 'validation' (its splits: train)")
+    _refused(["preprocess", "--input", str(tmp_path / "one"), "--hf-split", "validation", *common,
+              str(tmp_path / "b")], capsys, "a saved dataset of one split", "leave --hf-split out")
+    assert main(["preprocess", "--input", str(tmp_path / "dict"), *common, str(tmp_path / "c")]) == 0
+    assert main(["preprocess", "--input", str(tmp_path / "one"), *common, str(tmp_path / "d")]) == 0
+    assert len(IndexedDataset(str(tmp_path / "c_text_document"))) == 5 == len(IndexedDataset(str(tmp_path / "d_text_document")))
+
+
 @pytest.mark.parametrize("argv_tail,message", [
     (["--input", "missing.jsonl"], "missing.jsonl: no such input file"),
     (["--input", "{jsonl}", "--json-keys", "body"], "no key 'body'"),

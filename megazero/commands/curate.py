@@ -49,12 +49,12 @@ def register(subparsers) -> None:
 def run_config(args) -> int:
     import yaml
 
-    from data_pipeline.curate.config import build_config
+    from data_pipeline.curate.config import CurateConfig, build_config
     from data_pipeline.curate.pipeline import run_pipeline
     from megazero.config.loader import parse_overrides, read_yaml, set_dotted
 
     raw = read_yaml(args.config)
-    for key, value in parse_overrides(list(args.overrides)):
+    for key, value in parse_overrides(list(args.overrides), CurateConfig):
         set_dotted(raw, key.replace("-", "_"), value)
     executor = raw.setdefault("executor", {}) if isinstance(raw.get("executor", {}), dict) else None
     if executor is None:

@@ -15,19 +15,22 @@ def register(subparsers) -> None:
                     "Megatron's indexed dataset, appending an end-of-document token to each document. "
                     "With --merge, join existing shards into one instead.")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--input", nargs="+", metavar="PATH",
+    source.add_argument("--input", nargs="+", action="extend", metavar="PATH",
                         help="jsonl files (.jsonl, .jsonl.gz, .jsonl.zst), .parquet files, or a Hugging Face "
                              "dataset (a save_to_disk directory, read offline, or a name for load_dataset)")
-    source.add_argument("--merge", nargs="+", metavar="PREFIX", help="Shard prefixes to join, in this order")
+    source.add_argument("--merge", nargs="+", action="extend", metavar="PREFIX",
+                        help="Shard prefixes to join, in this order")
     parser.add_argument("--output-prefix", required=True,
                         help="Output prefix; preprocessing writes PREFIX_KEY_document.bin/.idx per json key, "
                              "merging writes PREFIX.bin/.idx")
     parser.add_argument("--tokenizer", help="A SentencePiece .model or a Hugging Face tokenizer.json")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="Fields to tokenize (default: text)")
+    parser.add_argument("--json-keys", nargs="+", action="extend", default=None,
+                        help="Fields to tokenize (default: text)")
     parser.add_argument("--workers", type=int, default=1, help="Tokenizing processes (default: 1)")
     parser.add_argument("--batch-size", type=int, default=256, help="Documents per work unit (default: 256)")
     parser.add_argument("--no-eod", action="store_true", help="Do not append the end-of-document token")
-    parser.add_argument("--hf-split", default="train", help="Split of a Hugging Face dataset (default: train)")
+    parser.add_argument("--hf-split", default=None,
+                        help="Split of a Hugging Face dataset with several (default: train)")
     parser.add_argument("--no-progress", action="store_true", help="No progress bar")
     parser.add_argument("--skip-bad-records", action="store_true",
                         help="Leave out records whose field is not a string, malformed json lines and lines that "
@@ -78,8 +81,11 @@ def _check_output_dir(prefix: str) -> None:
 
 def _check_no_repeats(args) -> None:
     """An input named twice (however spelled) would be read twice, its documents trained on twice; a
-    merge into one of its own shards would replace that shard. Both are refused before anything is
-    read or written."""
+    merge into one of its own shards would replace that shard; a field listed twice would write its
+    shard twice. All are refused before anything is read or written (``--json-keys`` defaults here)."""
+    args.json_keys = args.json_keys or ["text"]
+    if len(set(args.json_keys)) < len(args.json_keys):
+        raise UserError(f"--json-keys {' '.join(args.json_keys)}: a field is listed twice; list each once")
     flag, names = ("--merge", args.merge) if args.merge else ("--input", args.input)
     seen: dict[str, str] = {}
     for name in names:

@@ -25,7 +25,7 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Confi
     raw: dict = {}
     if path is not None:
         raw = read_yaml(path)
-    for key, value in parse_overrides(list(overrides)):
+    for key, value in parse_overrides(list(overrides), Config):
         set_dotted(raw, key, value)
     _apply_model_preset(raw)
     _resolve_auto_vocab(raw)
@@ -38,10 +38,13 @@ def read_yaml(path: str) -> dict:
     return read_yaml_mapping(path, "of sections: model:, parallel:, ...", ConfigError)
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+def parse_overrides(args: list[str], schema: type | None = None) -> list[tuple[str, Any]]:
     """``['--parallel.tp', '2', '--train.seed=3']`` -> ``[('parallel.tp', 2), ('train.seed', 3)]``.
 
-    Values are parsed as YAML scalars so ``true``, ``3``, ``[4, 4]`` and ``null`` keep their types.
+    Values are parsed as YAML scalars so ``true``, ``3``, ``[4, 4]`` and ``null`` keep their types;
+    a value for a text field of ``schema`` is taken as typed (``null`` aside, for an optional one):
+    YAML would read ``2024_01`` as 202401, ``98:1:1`` as a base-60 number and cut ``runs/exp #3`` at
+    its comment. A field given twice takes its last value, so a script's defaults can be overridden.
     """
     pairs, i = [], 0
     while i < len(args):
@@ -56,13 +59,29 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
                 raise ConfigError(f"override --{key} has no value: write --{key} VALUE")
             i += 1
             text = args[i]
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
+        text_field, optional = _text_field(schema, key.replace("-", "_"))
+        if text_field:
+            value = None if optional and text in ("null", "~") else text
+        else:
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                value = text
         pairs.append((key, value))
         i += 1
     return pairs
+
+
+def _text_field(schema: type | None, key: str) -> tuple[bool, bool]:
+    """(whether dotted ``key`` names a ``str`` field of dataclass ``schema``, whether it may be None)."""
+    node: Any = schema
+    for name in key.split("."):
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if name not in hints:
+            return False, False
+        node = hints[name]
+    options = set(typing.get_args(node)) if typing.get_origin(node) is typing.Union else {node}
+    return options - {type(None)} == {str}, type(None) in options
 
 
 def set_dotted(raw: dict, key: str, value: Any) -> None:
@@ -80,7 +99,7 @@ def _apply_model_preset(raw: dict) -> None:
     if not isinstance(model, dict) or model.get("preset") is None:
         return
     name = model["preset"]
-    if name not in MODEL_PRESETS:
+    if not isinstance(name, str) or name not in MODEL_PRESETS:
         raise ConfigError(f"model.preset: unknown preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
     raw["model"] = {**MODEL_PRESETS[name], **model}
 
@@ -92,6 +111,8 @@ def _resolve_auto_vocab(raw: dict) -> None:
         return
     data = raw.get("data")
     path = data.get("tokenizer") if isinstance(data, dict) else None
+    if path is not None and not isinstance(path, str):
+        raise ConfigError(f"data.tokenizer: expected a path, got {path!r}")
     if not path:
         raise ConfigError("model.vocab_size: auto needs data.tokenizer (the tokenizer whose vocabulary the model "
                           "gets); give data.tokenizer or a number")
