@@ -196,14 +196,33 @@ def _jsonl_batches(path: str, batch_size: int) -> Iterator[Batch]:
 def _parquet_batches(path: str, keys: tuple[str, ...], batch_size: int) -> Iterator[Batch]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    with _parquet_errors(path, "its footer"):
+        pf = pq.ParquetFile(path)
     missing = [k for k in keys if k not in pf.schema_arrow.names]
     if missing:
         raise ValueError(f"{path}: no column {missing} (columns: {pf.schema_arrow.names}); choose with --json-keys")
-    row = 0
-    for record_batch in pf.iter_batches(batch_size=batch_size, columns=list(keys)):
-        yield Batch(path, "row", range(row, row + record_batch.num_rows), records=record_batch.to_pylist())
+    row, batches = 0, pf.iter_batches(batch_size=batch_size, columns=list(keys))
+    while True:
+        with _parquet_errors(path, f"the rows from {row}"):
+            record_batch = next(batches, None)
+            records = record_batch.to_pylist() if record_batch is not None else None
+        if record_batch is None:
+            return
+        yield Batch(path, "row", range(row, row + record_batch.num_rows), records=records)
         row += record_batch.num_rows
+
+
+@contextlib.contextmanager
+def _parquet_errors(path: str, what: str):
+    """pyarrow's errors on a damaged file ("Corrupt snappy compressed data") name neither file nor row."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path}: cannot read {what} as Parquet ({detail}); the file is damaged or not Parquet") \
+            from None
 
 
 def _hf_batches(path: str, keys: tuple[str, ...], batch_size: int, split: str | None) -> Iterator[Batch]:

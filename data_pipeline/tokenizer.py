@@ -84,6 +84,9 @@ class HFTokenizer:
             self._tok = _HF.from_file(path)
         except Exception as exc:  # tokenizers raises a bare Exception with the json parser's message
             raise _not_a_tokenizer(path, "Hugging Face tokenizers", exc) from None
+        # a document's text is text: "<|endoftext|>" written in it is those characters, not a document
+        # boundary (tokenizers would otherwise turn it into the special token's id)
+        self._tok.encode_special_tokens = True
         # ids may leave gaps (added tokens placed far above the vocabulary): the count is not enough
         ids = self._tok.get_vocab(with_added_tokens=True).values()
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
@@ -98,7 +101,7 @@ class HFTokenizer:
                 return token_id
         if required or name:
             raise ValueError(f"{self.path}: no {what} token among {list((name,) if name else candidates)}; "
-                             f"name the right one explicitly")
+                             f"add one of these to the tokenizer's special tokens")
         return None
 
     def encode(self, text: str) -> list[int]:

@@ -46,7 +46,8 @@ def sample(model: GPT, prompt: list[int], new_tokens: int, temperature: float = 
         if temperature <= 0:
             tokens.append(int(logits.argmax()))
             continue
-        values, indices = torch.topk(logits / temperature, min(top_k, logits.numel()))
-        choice = torch.multinomial(torch.softmax(values, dim=-1), 1, generator=generator)
+        values, indices = torch.topk(logits, min(top_k, logits.numel()))
+        # from the largest down: a tiny temperature then gives -inf (probability 0), never inf - inf
+        choice = torch.multinomial(torch.softmax((values - values[0]) / temperature, dim=-1), 1, generator=generator)
         tokens.append(int(indices[choice]))
     return tokens

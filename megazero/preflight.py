@@ -41,11 +41,11 @@ def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[i
     prefixes, data_problems = _data_prefixes(cfg)
     problems += data_problems
     tokenizer, tokenizer_problems = _tokenizer(cfg)
-    problems += tokenizer_problems + _tokenizer_origin_problems(prefixes, tokenizer)
+    problems += tokenizer_problems + _tokenizer_origin_problems(cfg, prefixes, tokenizer)
     vocab = tokenizer.vocab_size if tokenizer is not None else None
     largest = None
     if scan_data and prefixes and not data_problems:
-        largest, scan_problems = _largest_token_id(cfg, prefixes)
+        largest, scan_problems = _largest_token_id(cfg, prefixes, tokenizer)
         problems += scan_problems
     problems += _directory_problems(cfg)
     problems += _checkpoint_problems(cfg)
@@ -171,18 +171,23 @@ def _split_problems(data, cfg: Config, used: tuple[str, ...]) -> list[str]:
     return problems
 
 
-def _tokenizer_origin_problems(prefixes: list[str], tokenizer) -> list[str]:
+def _tokenizer_origin_problems(cfg: Config, prefixes: list[str], tokenizer) -> list[str]:
     """The shards must share the tokenizer they record (``shard_origin``), and be of ``data.tokenizer``
     (``tokenizer``, loaded; None when unset or unreadable) when it is set: ids of another tokenizer
-    within the vocabulary pass every other check."""
-    from data_pipeline.shard_origin import common_origin, tokenizer_mismatch
+    within the vocabulary pass every other check. The model must hold that tokenizer's vocabulary."""
+    from data_pipeline.shard_origin import common_origin, describe, tokenizer_mismatch
 
     try:
         origin = common_origin(prefixes)
     except (ValueError, OSError) as exc:
         return [f"data.blend: {exc}"]
     mismatch = tokenizer_mismatch(*origin, tokenizer) if origin is not None and tokenizer is not None else None
-    return [f"data.tokenizer: {mismatch}"] if mismatch else []
+    problems = [f"data.tokenizer: {mismatch}"] if mismatch else []
+    if origin is not None and origin[1]["vocab_size"] > cfg.model.vocab_size:  # caught here, not at generation
+        problems.append(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the {origin[1]['vocab_size']} "
+                        f"tokens of the tokenizer {origin[0]} records ({describe(origin[1])}); set "
+                        f"model.vocab_size {origin[1]['vocab_size']}")
+    return problems
 
 
 def _tokenizer(cfg: Config) -> tuple:
@@ -203,8 +208,13 @@ def _tokenizer(cfg: Config) -> tuple:
     return tokenizer, []
 
 
-def _largest_token_id(cfg: Config, prefixes: list[str]) -> tuple[Optional[int], list[str]]:
+def _largest_token_id(cfg: Config, prefixes: list[str], tokenizer) -> tuple[Optional[int], list[str]]:
+    """Each shard's largest id against the model's vocabulary, the tokenizer the shard records and
+    ``data.tokenizer`` (``tokenizer``, loaded, or None): a model padded past its tokenizer (50,257
+    tokens in 50,304 rows) would take ids no tokenizer made, and a shard rewritten after its record
+    claims a tokenizer it was not made with."""
     from data_pipeline.indexed import largest_token_id
+    from data_pipeline.shard_origin import describe, read_origin
 
     problems, largest = [], -1
     for prefix in prefixes:
@@ -218,6 +228,15 @@ def _largest_token_id(cfg: Config, prefixes: list[str]) -> tuple[Optional[int], 
                             "a writable directory")
             continue
         largest = max(largest, found)
+        record = read_origin(prefix)
+        if record is not None and found >= record["vocab_size"]:
+            problems.append(f"data.blend: {prefix} holds token id {found} but records its tokenizer as "
+                            f"{describe(record)}: the shard is not what its record says (rewritten since it was "
+                            "made?); preprocess it again")
+        elif tokenizer is not None and found >= tokenizer.vocab_size:
+            problems.append(f"data.blend: {prefix} holds token id {found}, beyond the {tokenizer.vocab_size} tokens "
+                            f"of data.tokenizer {cfg.data.tokenizer}; the data was tokenized with another "
+                            "tokenizer: preprocess it with this one, or set data.tokenizer to the one it was made with")
         if found >= cfg.model.vocab_size:
             problems.append(f"data.blend: {prefix} holds token id {found} but model.vocab_size is "
                             f"{cfg.model.vocab_size}; the data was tokenized with a larger vocabulary: set "

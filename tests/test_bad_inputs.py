@@ -64,6 +64,9 @@ def files(tmp_path_factory):
     recorded, recorded_other = shard("recorded_text_document", VOCAB), shard("recorded_other_text_document", VOCAB)
     write_origin(recorded, tokenizer_identity(load_tokenizer(str(root / "tokenizer.json"))))
     write_origin(recorded_other, tokenizer_identity(load_tokenizer(str(root / "other_tokenizer.json"))))
+    rewritten, recorded_big = shard("rewritten_text_document", 4 * VOCAB), shard("recorded_big_text_document", VOCAB)
+    write_origin(rewritten, tokenizer_identity(load_tokenizer(str(root / "tokenizer.json"))))  # ids past its record
+    write_origin(recorded_big, tokenizer_identity(load_tokenizer(str(root / "big_tokenizer.json"))))
     (root / "notes.txt").write_text("this is not a tokenizer\n")
     (root / "empty.model").write_bytes(b"")
 
@@ -114,7 +117,8 @@ def files(tmp_path_factory):
     (root / "emptydir").mkdir()
     (root / "dup.yaml").write_text("train:\n  seed: 3\nmodel:\n  num_layers: 2\ntrain:\n  train_steps: 5\n")
     (root / "bad_preset.yaml").write_text("datasets: [1.0, good_text_document]\n")
-    return {"root": root, "good": good, "wide": wide, "recorded": recorded, "recorded_other": recorded_other, "truncated": truncated, "garbage": garbage,
+    return {"root": root, "good": good, "wide": wide, "recorded": recorded, "recorded_other": recorded_other,
+            "rewritten": rewritten, "recorded_big": recorded_big, "truncated": truncated, "garbage": garbage,
             "only_idx": only_idx, "ckpt": str(ckpt), "run": str(run), "flipped": str(flipped),
             "edited": str(edited), "partial": str(nocomplete), "pickled": str(pickled), "locked": str(locked)}
 
@@ -194,6 +198,15 @@ CASES = [
     ("garbage-idx", lambda f: _train(f, prefix=f["garbage"]), ["data.blend", "garbage_text_document.idx"]),
     ("truncated-bin", lambda f: _train(f, prefix=f["truncated"]), ["data.blend", "truncated_text_document.bin"]),
     ("ids-past-vocab", lambda f: _train(f, prefix=f["wide"]), ["wide_text_document holds token id", "model.vocab_size is 64"]),
+    ("ids-past-tokenizer", lambda f: _train(f, "--model.vocab_size", "256", "--data.tokenizer",
+                                            str(f["root"] / "tokenizer.json"), prefix=f["wide"]),
+     ["data.blend: ", "wide_text_document holds token id 255, beyond the 64 tokens of data.tokenizer"]),
+    ("ids-past-record", lambda f: _train(f, "--model.vocab_size", "256", prefix=f["rewritten"]),
+     ["rewritten_text_document holds token id 255 but records its tokenizer as tokenizer.json (64 tokens",
+      "preprocess it again"]),
+    ("model-smaller-than-record", lambda f: _train(f, prefix=f["recorded_big"]),
+     ["model.vocab_size: 64 is smaller than the 258 tokens of the tokenizer", "recorded_big_text_document records",
+      "set model.vocab_size 258"]),
     ("blend-weight", lambda f: _train(f, "--data.blend", f"[[-1.0, {f['good']}]]"), ["data.blend"]),
     ("blend-shape", lambda f: _train(f, "--data.blend", "[1, 2, 3]"), ["data.blend"]),
     ("blend-preset", lambda f: _train(f, "--data.blend", "null", "--data.blend_preset", "nope",
@@ -398,7 +411,8 @@ def test_an_empty_validation_split_is_refused_only_where_the_evaluation_draws(fi
             w.add_document(np.arange(1, 40, dtype=np.uint16))
     check = ["--data.split", "969,30,1", "--train.eval_interval", "1", "--check"]
     good = files["good"]
-    assert main(_train(files, "--data.blend", f"[[1.0, {good}], [1.0e-6, {good}], [1.0e-6, {tiny}]]", *check)) == 0
+    filler = files["recorded"]  # another dataset of 64 documents, to take the blend's second sample
+    assert main(_train(files, "--data.blend", f"[[1.0, {good}], [1.0e-6, {filler}], [1.0e-6, {tiny}]]", *check)) == 0
     capsys.readouterr()
     assert main(_train(files, "--data.blend", f"[[1.0, {good}], [1.0e-6, {tiny}]]", *check)) == 2
     assert "tiny_text_document no documents for valid (5 documents in all)" in capsys.readouterr().err

@@ -85,6 +85,9 @@ def _error(*overrides, world=None, local=None) -> str:
     (("--train.micro_batch_size", "0"), None, "train.micro_batch_size", "positive"),
     (("--zero.stage", "4"), None, "zero.stage", "0, 1, 2, 3"),
     (("--parallel.tp", "8"), 16, "parallel.tp", None),
+    (("--train.seed", "99999999999999999999"), None, "train.seed", "outside 0 to 2**32 - 1"),
+    (("--precision.dtype", "fp16", "--precision.min_loss_scale", "1e9"), None, "precision.min_loss_scale",
+     "exceeds precision.initial_loss_scale 65536.0"),
 ])
 def test_validation_names_field(overrides, world, field, fix):
     local = 4 if overrides == ("--parallel.tp", "8") else None

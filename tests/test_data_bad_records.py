@@ -71,6 +71,24 @@ def test_bad_jsonl_line_is_named_by_file_and_line(tokenizer, tmp_path, line, mes
         preprocess([path], str(tmp_path / "out"), tokenizer, batch_size=2)
 
 
+def test_a_damaged_parquet_file_is_named(tokenizer, tmp_path):
+    """pyarrow's own words ("Corrupt snappy compressed data") name no file: the error names it, and
+    where the damage was found (its footer, or the rows from some row on)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"document {i} " * 40 for i in range(400)]}), tmp_path / "d.parquet",
+                   compression="snappy", row_group_size=100)
+    data = bytearray((tmp_path / "d.parquet").read_bytes())
+    data[1000:1400] = bytes(b ^ 0x5A for b in data[1000:1400])  # inside the first row group's pages
+    (tmp_path / "d.parquet").write_bytes(bytes(data))
+    (tmp_path / "e.parquet").write_bytes(b"not parquet at all" * 8)
+    with pytest.raises(ValueError, match=r"d\.parquet: cannot read the rows from 0 as Parquet \(.*\); the file is damaged"):
+        preprocess([str(tmp_path / "d.parquet")], str(tmp_path / "out"), tokenizer)
+    with pytest.raises(ValueError, match=r"e\.parquet: cannot read its footer as Parquet"):
+        preprocess([str(tmp_path / "e.parquet")], str(tmp_path / "out"), tokenizer)
+
+
 def test_parquet_null_is_named_by_row(tokenizer, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

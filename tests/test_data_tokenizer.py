@@ -78,6 +78,17 @@ def test_hf_tokenizer_json(tmp_path):
     assert load_tokenizer(str(tmp_path)).vocab_size == tok.vocab_size  # a folder holding tokenizer.json
 
 
+def test_special_token_text_in_a_document_stays_text(tmp_path):
+    """"<|endoftext|>" typed inside a document is text: encoded as its characters, never as the EOD id
+    that ends a document (a fake boundary in the middle of web text), and decoded back unchanged."""
+    pytest.importorskip("tokenizers")
+    tok = load_tokenizer(make_hf_tokenizer(tmp_path / "tokenizer.json"))
+    text = "the end <|endoftext|> and <pad> after"
+    for ids in (tok.encode(text), tok.encode_batch([text])[0]):
+        assert tok.eod_id not in ids and tok.pad_id not in ids
+        assert tok.decode(ids) == text
+
+
 def test_hf_tokenizer_without_eod_is_refused(tmp_path):
     pytest.importorskip("tokenizers")
     path = make_hf_tokenizer(tmp_path / "tokenizer.json", specials=("<weird>",))

@@ -93,6 +93,8 @@ def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
     ("--tokens", "-1", "argument --tokens: must be 0 or more, got -1"),
     ("--tokens", "many", "argument --tokens: 'many' is not an integer"),
     ("--top-k", "0", "argument --top-k: must be 1 or more, got 0"),
+    ("--seed", "99999999999999999999", "argument --seed: must be below 9223372036854775808"),
+    ("--seed", "-1", "argument --seed: must be 0 or more"),
 ])
 def test_bad_numbers_are_refused_by_the_parser(capsys, option, value, words):
     with pytest.raises(SystemExit) as exit_info:
@@ -139,3 +141,14 @@ def test_a_smaller_tokenizer_samples_only_what_it_can_decode(trained, tmp_path, 
                  "--temperature", "5", "--top-k", str(VOCAB)]) == 0
     words = capsys.readouterr().out.split()
     assert len(words) >= 30 and set(words) <= {f"w{i}" for i in range(10)} | {"</s>"}, words
+
+
+def test_a_vanishing_temperature_samples_the_likeliest_token(trained, tmp_path, capsys):
+    """A temperature so small that logits / temperature overflows (1e-45) is the greedy choice, not a
+    crash on infinite probabilities (planted: dividing before taking the largest out)."""
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1 w2", "--tokens", "6"]
+    assert main([*args, "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert main([*args, "--temperature", "1e-45"]) == 0
+    assert capsys.readouterr().out == greedy

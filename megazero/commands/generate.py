@@ -21,12 +21,13 @@ def register(subparsers) -> None:
     parser.add_argument("--tokens", type=at_least(0), default=64, help="Tokens to generate (0 or more)")
     parser.add_argument("--temperature", type=temperature, default=0.8, help="0 for greedy, else a positive number")
     parser.add_argument("--top-k", type=at_least(1), default=40, help="Sample among the k likeliest tokens (1 or more)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=at_least(0, below=2**63), default=0, help="Sampling seed, 0 to 2**63 - 1")
     parser.set_defaults(func=run)
 
 
-def at_least(low: int):
-    """An argparse type: an integer no smaller than ``low`` (argparse names the option in its error)."""
+def at_least(low: int, below: int | None = None):
+    """An argparse type: an integer no smaller than ``low`` and, if given, smaller than ``below``
+    (argparse names the option in its error)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -34,6 +35,8 @@ def at_least(low: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be {low} or more, got {value}")
+        if below is not None and value >= below:
+            raise argparse.ArgumentTypeError(f"must be below {below}, got {value}")
         return value
     return parse
 

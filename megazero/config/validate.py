@@ -142,6 +142,12 @@ def _value_problems(cfg: Config) -> list[str]:
                         "training ends")
     if not 0 <= cfg.data.seed < 2**32:
         problems.append(f"data.seed: {cfg.data.seed} is outside 0 to 2**32 - 1, the seeds numpy's generator takes")
+    if not 0 <= t.seed < 2**32:  # offsets per tensor rank and stage are added to it, within torch's 64 bits
+        problems.append(f"train.seed: {t.seed} is outside 0 to 2**32 - 1")
+    prec = cfg.precision
+    if prec.dtype == "fp16" and prec.min_loss_scale > prec.initial_loss_scale:
+        problems.append(f"precision.min_loss_scale: {prec.min_loss_scale} exceeds precision.initial_loss_scale "
+                        f"{prec.initial_loss_scale}; the run would stop at its first overflows as diverging")
     if not problems:
         try:
             build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
