@@ -119,6 +119,14 @@ def test_bad_keys_and_types(overrides, message):
         _cfg(*overrides)
 
 
+def test_an_empty_yaml_section_takes_overrides(tmp_path):
+    """``data:`` with its fields commented out is an empty section to the loader, so an override of one
+    of its fields applies (it was refused as "expected a mapping, got NoneType")."""
+    (tmp_path / "empty.yaml").write_text("data:\ntrain:\n  train_steps: 2\n")
+    cfg = load_config(str(tmp_path / "empty.yaml"), ["--data.split", "1"])
+    assert (cfg.data.split, cfg.train.train_steps) == ("1", 2)
+
+
 def test_text_fields_take_the_command_line_as_typed(tmp_path):
     """YAML would read ``2024_01`` as 202401, ``98:1:1`` as a base-60 number (all data to training) and
     cut ``exp #3`` at its comment; a text field takes the value as typed, ``null`` aside where the field
@@ -127,6 +135,7 @@ def test_text_fields_take_the_command_line_as_typed(tmp_path):
                "--data.tokenizer", "null", "--train.seed", "7")
     assert (cfg.logging.run_dir, cfg.data.split, cfg.checkpoint.load) == ("2024_01", "98:1:1", "runs/exp #3")
     assert cfg.data.tokenizer is None and cfg.train.seed == 7
+    assert _cfg("--logging.run_dir", '"2024_01"', "--model.norm", "'rmsnorm'").logging.run_dir == "2024_01"
     from data_pipeline.curate.config import CurateConfig
     from megazero.config.loader import parse_overrides
 

@@ -268,6 +268,31 @@ def test_hf_config_incomplete_or_not_a_mapping(sources, tmp_path, capsys):
     assert "config.json: holds a list, not a mapping of fields" in _fails(capsys, tmp_path, hf)
 
 
+def test_hf_index_and_config_that_do_not_hold_what_they_claim(sources, tmp_path, capsys):
+    """A shard holding a tensor its index leaves out (a head beside a tied config) was converted without
+    it; a weight_map or architectures of the wrong shape was a traceback; a rope_scaling beside a
+    default rope_parameters was imported as plain rotary, where transformers reads the scaling."""
+    from safetensors.torch import load_file
+
+    hf = _copy(sources / "hf", tmp_path)
+    names = [n for n in load_file(hf / "model.safetensors") if n != "lm_head.weight"]
+    index = hf / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {n: "model.safetensors" for n in names}}))
+    assert ("model.safetensors: holds tensor 'lm_head.weight', which model.safetensors.index.json does not list in "
+            "it; the index does not match its shards") in _fails(capsys, tmp_path, hf)
+    for weight_map in ([], {"lm_head.weight": None}):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        assert "weight_map is not a mapping of tensor names to shard files" in _fails(capsys, tmp_path, hf)
+    index.write_text("[]")
+    assert "model.safetensors.index.json: is not a safetensors index (TypeError" in _fails(capsys, tmp_path, hf)
+    index.unlink()
+    _edit_config(hf, architectures="LlamaForCausalLM")
+    assert "architectures is 'LlamaForCausalLM', not a list of class names" in _fails(capsys, tmp_path, hf)
+    _edit_config(hf, architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                 rope_scaling={"type": "linear", "factor": 2.0})
+    assert "rope_scaling: 'linear' has no counterpart" in _fails(capsys, tmp_path, hf)
+
+
 def test_hf_missing_or_non_float_tensor(sources, tmp_path, capsys):
     hf = _copy(sources / "hf", tmp_path)
     _edit_weights(hf, lambda tensors: tensors.pop("model.norm.weight"))

@@ -194,3 +194,53 @@ def test_a_vocabulary_short_of_rows_is_refused(megatron, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert re.search(r"mp_rank_00_000/model_optim_rng\.pt: embedding\.word_embeddings\.weight has shape \[56, 32\] "
                      r"where its args imply \[64, 32\] \(tp rank 0 of 2\)", err), err
+
+
+@pytest.mark.parametrize("name, file, change, message", [
+    ("llama", "mp_rank_00_001", lambda m: m.update({"decoder.layers.0.mlp.extra_w": torch.zeros(2)}),
+     r"mp_rank_00_001/model_optim_rng\.pt: holds 'decoder\.layers\.0\.mlp\.extra_w', which its args do not account "
+     r"for; it would be dropped"),
+    ("gpt2", "mp_rank_01_001", lambda m: m["output_layer.weight"].add_(0.25),
+     r"mp_rank_01_001/model_optim_rng\.pt: output_layer\.weight differs from the embedding of .*mp_rank_01_000.*but "
+     r"args tie them"),
+])
+def test_a_tensor_the_args_do_not_account_for_is_refused(megatron, tmp_path, capsys, name, file, change, message):
+    """A weight the args leave unread was dropped without a word; above all a head beside args that tie
+    it to the embedding, which was imported in its place."""
+    root, _ = megatron
+    src = shutil.copytree(root / name, tmp_path / name)
+    path = src / "iter_0000005" / file / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    change(state["model"])
+    torch.save(state, path)
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "mz")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_padded_rows_are_named_and_left_out_with_vocab_size(megatron, tmp_path, capsys):
+    """Args with only padded_vocab_size (Megatron's usual record) cannot tell padding from tokens: the
+    conversion says so, and --vocab-size keeps the tokenizer's rows alone, the same values."""
+    from megazero.generate import load_model
+
+    root, _ = megatron
+    capsys.readouterr()
+    assert main(["convert", str(root / "llama"), str(tmp_path / "all")]) == 0
+    assert "padded_vocab_size" not in capsys.readouterr().out  # 128 rows at tp 2 were padded to 256 if at all
+    from megazero.convert.megatron import _vocab_size
+
+    gpt2 = argparse.Namespace(padded_vocab_size=50304, tensor_model_parallel_size=1)
+    assert _vocab_size(gpt2, "ckpt", None) == 50304 and _vocab_size(gpt2, "ckpt", 50257) == 50257
+    assert ("ckpt: args record only padded_vocab_size (50304, a multiple of 128): every row is imported as a "
+            "token; if the tokenizer has fewer (50,257 for GPT-2), give --vocab-size") in capsys.readouterr().out
+    assert main(["convert", str(root / "llama"), str(tmp_path / "cut"), "--vocab-size", "100"]) == 0
+    whole, _ = load_model(tmp_path / "all")
+    cut, cfg = load_model(tmp_path / "cut")
+    assert cfg.model.vocab_size == 100
+    assert torch.equal(cut.embedding.tokens.weight[:100], whole.embedding.tokens.weight[:100])
+    assert torch.equal(cut.lm_head.weight[:100], whole.lm_head.weight[:100])
+    assert main(["convert", str(root / "llama"), str(tmp_path / "x"), "--vocab-size", "129"]) == 2
+    assert "--vocab-size: 129 is more than the 128 rows" in capsys.readouterr().err
+    assert main(["convert", str(root / "llama"), str(tmp_path / "y"), "--vocab-size", "100", "--dtype", "bf16"]) == 2
+    assert "--dtype: apply to --to hf only (this conversion writes megazero)" in capsys.readouterr().err

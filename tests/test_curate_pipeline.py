@@ -166,6 +166,66 @@ def test_rerun_with_other_options_is_refused(tmp_path):
         pipeline.run_pipeline(build_config(raw), log=lambda s: None)
 
 
+def test_a_change_upstream_or_in_a_file_read_reaches_every_later_stage(tmp_path):
+    """A stage is stale when anything before it changed, not only its own options: another earlier
+    stage (planted: fingerprints without the upstream digest, which served the old exact_dedup
+    output after a new fuzzy_dedup), an input file edited in place, or the tokenizer of the
+    tokenized shards. An unfinished stage made otherwise is discarded and run again."""
+    corpus = write_corpus(tmp_path)
+    quiet = lambda s: None  # noqa: E731
+    pipeline.run_pipeline(build_config(config(tmp_path, [corpus], stages=["clean", "exact_dedup"])), log=quiet)
+    with pytest.raises(ValueError, match=r"02-exact_dedup was made with other settings \(upstream differ\)"):
+        pipeline.run_pipeline(build_config(config(tmp_path, [corpus], stages=["fuzzy_dedup", "exact_dedup"])),
+                              log=quiet)
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "one more document " * 10}) + "\n")
+    with pytest.raises(ValueError, match=r"00-input was made with other settings \(inputs differ\)"):
+        pipeline.run_pipeline(build_config(config(tmp_path, [corpus], stages=["clean", "exact_dedup"])), log=quiet)
+
+    (tmp_path / "b").mkdir()
+    fresh = write_corpus(tmp_path / "b")
+    raw = config(tmp_path, [fresh], out="tok", stages=["clean"], preprocess={"tokenizer": _sentencepiece(tmp_path)})
+    pipeline.run_pipeline(build_config(raw), log=quiet)
+    os.utime(raw["preprocess"]["tokenizer"], ns=(1, 1))  # the tokenizer file replaced
+    with pytest.raises(ValueError, match=r"tokenized was made with other settings \(tokenizer differ\)"):
+        pipeline.run_pipeline(build_config(raw), log=quiet)
+
+    other = config(tmp_path, [fresh], out="partial", stages=["clean"])
+    stage = tmp_path / "partial" / "01-clean"
+    stage.mkdir(parents=True)
+    (stage / "stage.json").write_text(json.dumps({"stage": "clean", "options": {"min_words": 1}}))
+    (stage / "left-over.jsonl").write_text("{}\n")
+    lines = []
+    pipeline.run_pipeline(build_config(other), log=lines.append)
+    assert any("01-clean: discarding its unfinished output" in line for line in lines), lines
+    assert not (stage / "left-over.jsonl").exists() and (stage / "stats.json").exists()
+
+
+def test_input_globs_recurse_and_a_misspelt_id_field_is_named(tmp_path):
+    """``**`` in input.paths reaches every depth (glob without recursive=True read one level of it);
+    an input.id_field that no record of a file holds is a misspelling, not FILE:LINE ids."""
+    for sub in ("", "x", "x/y"):
+        (tmp_path / "rec" / sub).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "rec" / sub / f"part{len(sub)}.jsonl").write_text(
+            "".join(json.dumps({"id": f"{sub}-{i}", "text": d}) + "\n" for i, d in enumerate(_docs(4, seed=len(sub)))))
+    quiet = lambda s: None  # noqa: E731
+    raw = config(tmp_path, [str(tmp_path / "rec" / "**" / "*.jsonl")], stages=[])
+    result = pipeline.run_pipeline(build_config(raw), log=quiet)
+    ids = [json.loads(line)["id"] for shard in result["shards"] for line in open(shard)]
+    assert len(ids) == 3 * len(_docs(4)) and {i.split("-")[0] for i in ids} == {"", "x", "x/y"}
+    raw = config(tmp_path, [str(tmp_path / "rec" / "part0.jsonl")], out="uid", stages=[])
+    raw["input"]["id_field"] = "uid"
+    with pytest.raises(ValueError, match=r"part0.jsonl: input.id_field 'uid' is in none of its records \(their keys: "
+                                         r"\['id', 'text'\]\); fix input.id_field"):
+        pipeline.run_pipeline(build_config(raw), log=quiet)
+
+
+def _sentencepiece(tmp_path: Path) -> str:
+    from data_pipeline.tokenizer import train_sentencepiece
+
+    return train_sentencepiece(iter(_docs(40) * 5), str(tmp_path / "sp"), 400, max_sentences=1000)
+
+
 def _cli(tmp_path, raw: dict, *args: str) -> int:
     path = tmp_path / "curate.yaml"
     path.write_text(yaml.safe_dump(raw))

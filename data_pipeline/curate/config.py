@@ -30,7 +30,7 @@ from data_pipeline.curate.exact_dedup import ExactDedupConfig
 from data_pipeline.curate.fuzzy_dedup import FuzzyDedupConfig
 from data_pipeline.curate.quality import QualityConfig
 from data_pipeline.curate.runner import EXECUTORS
-from data_pipeline.curate.shards import FORMATS
+from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS
 from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.typed_config import build_dataclass
 
@@ -41,7 +41,7 @@ STAGES = ("clean", "quality", "exact_dedup", "fuzzy_dedup", "decontaminate")
 class InputConfig:
     paths: list = field(default_factory=list)  # files or glob patterns: .jsonl(.gz/.zst), .parquet
     text_field: str = "text"
-    id_field: str = "id"  # a record without it gets the id FILE:LINE (FILE:ROW for parquet)
+    id_field: str = DEFAULT_ID_FIELD  # a record without it gets the id FILE:LINE (FILE:ROW for parquet)
     shard_docs: int = 10_000  # documents per shard: the unit of work and of memory
 
 
@@ -156,7 +156,7 @@ def expand_inputs(patterns: list, base_dir: str) -> list[str]:
     paths = []
     for pattern in patterns:
         pattern = os.path.normpath(os.path.join(base_dir, os.path.expanduser(str(pattern))))
-        found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        found = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
         missing = [p for p in found if not os.path.isfile(p)]
         if not found or missing:
             raise ValueError(f"input.paths: {missing[0] if missing else pattern}: no such file; fix the path")

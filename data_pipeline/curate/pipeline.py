@@ -10,15 +10,20 @@ Layout of ``output.dir``::
     report.md, report/   documents and bytes per stage, plots
 
 A stage whose stats.json exists is complete and is skipped on a rerun; inside a stage, finished
-tasks are skipped by their markers. A stage directory made with other options is an error, so a
-rerun never mixes the outputs of two configs.
+tasks are skipped by their markers. Each stage's stage.json records what made it: its options, the
+files it reads (path, size, modification time: the inputs, a quality model, task files) and a digest
+of the stage before it, so a change anywhere upstream reaches every later stage. A complete stage
+made otherwise is an error (a rerun never mixes the outputs of two configs, or serves what an
+earlier config made); an incomplete one is discarded and run again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,27 +149,53 @@ RUNNERS = {"clean": run_clean, "quality": run_quality, "exact_dedup": run_exact_
            "fuzzy_dedup": run_fuzzy_dedup, "decontaminate": run_decontaminate}
 
 
-def _check_fingerprint(stage_dir: str, fingerprint: dict) -> None:
+def file_facts(path: str) -> list:
+    """What a stage records of a file it reads: an edited or replaced file differs in size or time."""
+    st = os.stat(path)
+    return [path, st.st_size, st.st_mtime_ns]
+
+
+def _digest(fingerprint: dict) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+
+
+def _check_fingerprint(stage_dir: str, fingerprint: dict, complete: bool, log) -> None:
+    """Record ``fingerprint`` in a new stage directory; a complete stage made with another is an error,
+    an incomplete one (a run stopped, or failed on a setting since corrected) is discarded."""
     path = os.path.join(stage_dir, "stage.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
-        if old != fingerprint:
-            changed = sorted(k for k in fingerprint if old.get(k) != fingerprint[k])
+    old = _read_json(path) if os.path.isfile(path) else None
+    if old is not None and old != fingerprint:
+        changed = sorted(k for k in fingerprint if old.get(k) != fingerprint[k])
+        if complete:
             raise ValueError(f"{stage_dir} was made with other settings ({', '.join(changed)} differ); delete it "
                              "(and the stages after it) or choose another output.dir")
-    else:
+        log(f"{os.path.basename(stage_dir)}: discarding its unfinished output, made with other settings "
+            f"({', '.join(changed)} differ)")
+        shutil.rmtree(stage_dir)
+    if old is None or old != fingerprint:
         os.makedirs(stage_dir, exist_ok=True)
         atomic_write_text(path, json.dumps(fingerprint, indent=1, sort_keys=True))
 
 
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: damaged ({exc}); delete its stage directory and run again") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: damaged (not a JSON object); delete its stage directory and run again")
+    return value
+
+
 def _run_stage(ctx: Context, name: str, stage_dir: str, fingerprint: dict, body: Callable[[], dict], log) -> dict:
     """Run ``body`` unless the stage's stats.json says it already completed; write stats.json last."""
-    _check_fingerprint(stage_dir, fingerprint)
     stats_path = os.path.join(stage_dir, "stats.json")
+    _check_fingerprint(stage_dir, fingerprint, os.path.isfile(stats_path), log)
     if os.path.isfile(stats_path):
-        with open(stats_path, encoding="utf-8") as f:
-            stats = json.load(f)
+        stats = _read_json(stats_path)
+        if "docs_out" not in stats:
+            raise ValueError(f"{stats_path}: damaged (no docs_out); delete its stage directory and run again")
         log(f"{name}: already complete ({stats['docs_out']} documents)")
         return stats
     start = time.perf_counter()
@@ -192,24 +223,34 @@ def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
     ctx = Context(cfg, executor, progress)
     try:
         in_dir = os.path.join(out, "00-input")
-        fingerprint = {"inputs": [os.path.abspath(p) for p in cfg.input.paths], "format": cfg.output.format,
-                       **{k: v for k, v in dataclasses.asdict(cfg.input).items() if k != "paths"}}
+        fingerprint = {"inputs": [file_facts(p) for p in cfg.input.paths], "format": cfg.output.format,
+                       "strict": cfg.strict, **{k: v for k, v in dataclasses.asdict(cfg.input).items() if k != "paths"}}
         all_stats = [_run_stage(ctx, "input", in_dir, fingerprint, lambda: run_ingest(ctx, in_dir), log)]
         shards = list_shards(in_dir)
         for k, name in enumerate(cfg.stages, 1):
             stage_dir = os.path.join(out, f"{k:02d}-{name}")
-            fingerprint = {"stage": name, "inputs": [os.path.basename(s) for s in shards],
-                           "options": dataclasses.asdict(getattr(cfg, name))}
+            fingerprint = {"stage": name, "upstream": _digest(fingerprint),
+                           "inputs": [os.path.basename(s) for s in shards],
+                           "options": dataclasses.asdict(getattr(cfg, name)), "files": _stage_files(cfg, name)}
             all_stats.append(_run_stage(ctx, name, stage_dir, fingerprint,
                                         lambda: RUNNERS[name](ctx, shards, stage_dir), log))
             shards = list_shards(stage_dir)
     finally:
         executor.close()
-    blend = tokenize_and_blend(cfg, shards, log) if cfg.preprocess.tokenizer else None
+    blend = tokenize_and_blend(cfg, shards, _digest(fingerprint), log) if cfg.preprocess.tokenizer else None
     from data_pipeline.curate.report import write_report
 
     write_report(out, all_stats)
     return {"stages": all_stats, "shards": shards, "blend": blend}
+
+
+def _stage_files(cfg: CurateConfig, name: str) -> list:
+    """The files a stage reads besides its input shards: retrained or edited, they make it stale."""
+    if name == "quality":
+        return [file_facts(cfg.quality.model)]
+    if name == "decontaminate":
+        return [file_facts(t) for t in cfg.decontaminate.tasks]
+    return []
 
 
 def _absolute_paths(cfg: CurateConfig) -> CurateConfig:
@@ -222,15 +263,19 @@ def _absolute_paths(cfg: CurateConfig) -> CurateConfig:
         decontaminate=dataclasses.replace(cfg.decontaminate, tasks=[absolute(t) for t in cfg.decontaminate.tasks]))
 
 
-def tokenize_and_blend(cfg: CurateConfig, shards: list[str], log) -> str:
-    """Tokenize the curated shards into OUT/tokenized and write OUT/blend.yaml for `megazero train`."""
+def tokenize_and_blend(cfg: CurateConfig, shards: list[str], upstream: str, log) -> str:
+    """Tokenize the curated shards into OUT/tokenized and write OUT/blend.yaml for `megazero train`;
+    ``upstream`` is the last stage's digest, so shards tokenized from another run's documents or with
+    another tokenizer are never taken for these."""
     from data_pipeline.preprocess import output_prefix_for, preprocess
 
     out = cfg.output.dir
     prefix = os.path.join(out, "tokenized", "curated")
     dataset = output_prefix_for(prefix, cfg.input.text_field)
+    fingerprint = {"upstream": upstream, "tokenizer": file_facts(cfg.preprocess.tokenizer),
+                   "text_field": cfg.input.text_field}
+    _check_fingerprint(os.path.dirname(prefix), fingerprint, os.path.isfile(f"{dataset}.idx"), log)
     if not os.path.isfile(f"{dataset}.idx"):
-        os.makedirs(os.path.dirname(prefix), exist_ok=True)
         stats = preprocess(shards, prefix, cfg.preprocess.tokenizer, (cfg.input.text_field,),
                            workers=cfg.preprocess.workers)
         log(f"preprocess: {stats.summary()}")

@@ -135,6 +135,11 @@ def _parquet_documents(path, text_field, id_field, strict, bad, default_id):
             row += 1
 
 
+DEFAULT_ID_FIELD = "id"
+"""``input.id_field``'s default: a record without it gets the id FILE:LINE (FILE:ROW for parquet). A
+field named otherwise is the user's choice, so a file where no record has it is a misspelling."""
+
+
 def _doc_id(record: dict, id_field: str, default: str) -> str:
     value = record.get(id_field)
     return str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else default
@@ -144,7 +149,7 @@ def ingest_file(path: str, file_index: int, out_dir: str, fmt: str, text_field: 
                 shard_docs: int, strict: bool) -> dict:
     """Split one input file into shards ``shard-FFFFF-SSSSS`` of ``shard_docs`` documents, ids attached."""
     bad = BadRecords()
-    records, shard, docs, nbytes = [], 0, 0, 0
+    records, shard, docs, nbytes, with_id, keys = [], 0, 0, 0, 0, None
 
     def flush():
         nonlocal records, shard
@@ -152,12 +157,17 @@ def ingest_file(path: str, file_index: int, out_dir: str, fmt: str, text_field: 
         records, shard = [], shard + 1
 
     for doc_id, record in input_documents(path, text_field, id_field, strict, bad):
+        with_id += id_field in record
+        keys = keys or sorted(record)
         record = {"id": doc_id, **{k: v for k, v in record.items() if k != "id"}}
         records.append(record)
         docs += 1
         nbytes += len(record[text_field].encode("utf-8"))
         if len(records) == shard_docs:
             flush()
+    if docs and not with_id and id_field != DEFAULT_ID_FIELD:  # a misspelt field: ids silently FILE:LINE
+        raise ValueError(f"{path}: input.id_field {id_field!r} is in none of its records (their keys: {keys}); "
+                         "fix input.id_field")
     if records or shard == 0:
         flush()
     return {"docs_in": docs, "docs_out": docs, "bytes_in": nbytes, "bytes_out": nbytes,

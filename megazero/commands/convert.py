@@ -45,17 +45,22 @@ def register(subparsers) -> None:
     for flag, field in LAYOUT_FLAGS.items():
         layout.add_argument(flag, type=int, default=None, dest=field.replace(".", "_"),
                             help=f"{field} of that run (others from the source run's config, else defaults)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="From Megatron: the tokenizer's vocabulary, where its args record only the padded one "
+                             "(padding rows are then left out)")
     parser.add_argument("--no-verify", action="store_true",
                         help="Skip the sha256 check of a megazero source's files (sizes are still checked by reading)")
     parser.set_defaults(func=run)
 
 
-def open_source(path: Path, kind, verify: bool = True):
+def open_source(path: Path, kind, verify: bool = True, vocab_size: int | None = None):
     from megazero.convert.sources import MegazeroSource, detect
 
     if not path.exists():
         raise UserError(f"{path}: does not exist; check SRC")
     kind = kind or detect(path)
+    if vocab_size is not None and kind != "megatron":
+        raise UserError(f"--vocab-size: applies to a Megatron source only; {path} is a {kind} checkpoint")
     if kind == "hf":
         from megazero.convert.hf import HFSource
 
@@ -63,7 +68,7 @@ def open_source(path: Path, kind, verify: bool = True):
     if kind == "megatron":
         from megazero.convert.megatron import MegatronSource
 
-        return MegatronSource(path)
+        return MegatronSource(path, vocab_size)
     return MegazeroSource(path, verify=verify)
 
 
@@ -87,8 +92,14 @@ def run(args) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if dst.exists():
         raise UserError(f"{dst}: already exists; give a new DST path or remove it first")
-    source = open_source(src, args.source, verify=not args.no_verify)
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise UserError(f"--vocab-size: must be 1 or more, got {args.vocab_size}")
+    source = open_source(src, args.source, verify=not args.no_verify, vocab_size=args.vocab_size)
     target = args.to or ("hf" if source.kind == "megazero" else "megazero")
+    hf_only = [flag for flag, given in (("--dtype", args.dtype != "fp32"), ("--tokenizer", args.tokenizer is not None),
+                                        ("--shard-size-gb", args.shard_size_gb != 5.0)) if given]
+    if hf_only and target != "hf":
+        raise UserError(f"{', '.join(hf_only)}: apply to --to hf only (this conversion writes {target})")
     if args.reset_step and (target != "megazero" or source.kind != "megazero"):
         raise UserError("--reset-step: applies to --to megazero from a megazero checkpoint only (other sources "
                         "always start at step 0)")

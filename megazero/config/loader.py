@@ -42,7 +42,8 @@ def parse_overrides(args: list[str], schema: type | None = None) -> list[tuple[s
     """``['--parallel.tp', '2', '--train.seed=3']`` -> ``[('parallel.tp', 2), ('train.seed', 3)]``.
 
     Values are parsed as YAML scalars so ``true``, ``3``, ``[4, 4]`` and ``null`` keep their types;
-    a value for a text field of ``schema`` is taken as typed (``null`` aside, for an optional one):
+    a value for a text field of ``schema`` is taken as typed (``null`` aside, for an optional one, and
+    a quoted YAML string read as YAML reads it):
     YAML would read ``2024_01`` as 202401, ``98:1:1`` as a base-60 number and cut ``runs/exp #3`` at
     its comment. A field given twice takes its last value, so a script's defaults can be overridden.
     """
@@ -60,7 +61,8 @@ def parse_overrides(args: list[str], schema: type | None = None) -> list[tuple[s
             i += 1
             text = args[i]
         text_field, optional = _text_field(schema, key.replace("-", "_"))
-        if text_field:
+        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+        if text_field and not quoted:
             value = None if optional and text in ("null", "~") else text
         else:
             try:
@@ -88,7 +90,9 @@ def set_dotted(raw: dict, key: str, value: Any) -> None:
     section, _, name = key.partition(".")
     if not name or "." in name:
         raise ConfigError(f"override --{key}: expected --section.field (e.g. --parallel.tp)")
-    node = raw.setdefault(section, {})
+    if raw.get(section) is None:  # absent, or a YAML section left empty (``data:``), as the file reads it
+        raw[section] = {}
+    node = raw[section]
     if not isinstance(node, dict):
         raise ConfigError(f"{section}: expected a mapping of fields, got {type(node).__name__}")
     node[name] = value

@@ -49,6 +49,8 @@ class HFSource:
         if not isinstance(self.hf, dict):
             raise UserError(f"{config_path}: holds a {type(self.hf).__name__}, not a mapping of fields; check SRC")
         archs = self.hf.get("architectures") or []
+        if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise UserError(f"{config_path}: architectures is {archs!r}, not a list of class names; check SRC")
         self.family = FAMILIES.get(archs[0]) if archs else None
         if self.family is None:
             raise UserError(f"{config_path}: architecture {archs[0] if archs else self.hf.get('model_type')!r} is not "
@@ -65,8 +67,10 @@ class HFSource:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
-                raise UserError(f"{index}: is not a safetensors index ({e}); restore it") from None
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise UserError(f"{index}: is not a safetensors index ({type(e).__name__}: {e}); restore it") from None
+            if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+                raise UserError(f"{index}: weight_map is not a mapping of tensor names to shard files; restore it")
         elif (self.folder / "model.safetensors").is_file():
             weight_map = {name: "model.safetensors" for name in _header(self.folder / "model.safetensors")}
         elif any(self.folder.glob("pytorch_model*.bin")):
@@ -89,8 +93,12 @@ class HFSource:
         rather than dropped, cut or zero-filled into a model that is not the one in the folder."""
         found = {}
         for shard in sorted(set(self.files.values())):
-            found.update({name: (shard, *info) for name, info in _header(self.folder / shard).items()
-                          if self.files.get(name) == shard})
+            header = _header(self.folder / shard)
+            unlisted = [name for name in header if self.files.get(name) != shard]
+            if unlisted:  # a tensor the index leaves out would be dropped unseen (a head beside a tied config)
+                raise UserError(f"{self.folder / shard}: holds tensor {unlisted[0]!r}, which {INDEX} does not list "
+                                f"in it; the index does not match its shards -- restore it")
+            found.update({name: (shard, *info) for name, info in header.items()})
         missing = [name for name in expected if name not in found]
         if missing:
             raise UserError(f"{self.folder}: has no tensor {missing[0]!r} ({len(missing)} missing in all), which its "

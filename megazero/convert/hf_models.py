@@ -212,10 +212,12 @@ class Llama:
         if hf.get("hidden_act", "silu") != "silu":
             raise refuse(f"{where}: hidden_act", hf["hidden_act"], "is not SwiGLU's SiLU",
                          "only silu Llama models can be imported")
-        rope = coerce(hf.get("rope_parameters") or hf.get("rope_scaling"), dict, f"{where}: rope_parameters", UserError)
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise refuse(f"{where}: rope_scaling", rope.get("rope_type", rope.get("type")), "has no counterpart in "
-                         "megazero's rotary embedding", "only models with plain rotary positions can be imported")
+        ropes = {key: coerce(hf.get(key), dict, f"{where}: {key}", UserError) for key in ("rope_parameters", "rope_scaling")}
+        for key, rope in ropes.items():  # both may be there, and transformers reads either
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise refuse(f"{where}: {key}", rope.get("rope_type", rope.get("type")), "has no counterpart in "
+                             "megazero's rotary embedding", "only models with plain rotary positions can be imported")
+        rope = ropes["rope_parameters"] or ropes["rope_scaling"]
         theta = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}  # newer files keep it there
         values = typed({**hf, **theta}, cls, where)
         mlp_bias = coerce(hf.get("mlp_bias", False), bool, f"{where}: mlp_bias", UserError)

@@ -78,7 +78,7 @@ def iteration_dir(path: Path) -> Path:
 class MegatronSource:
     kind = "megatron"
 
-    def __init__(self, path):
+    def __init__(self, path, vocab_size: int | None = None):
         self.dir = iteration_dir(Path(path))
         files = {}
         for sub in self.dir.iterdir() if self.dir.is_dir() else ():
@@ -103,10 +103,11 @@ class MegatronSource:
         self.args = first.get("args")
         if not isinstance(self.args, argparse.Namespace):
             raise UserError(f"{files[(0, 0)]}: records no Megatron args; cannot tell its architecture")
-        self.cfg = model_config(self.args, str(files[(0, 0)]))
+        self.cfg = model_config(self.args, str(files[(0, 0)]), vocab_size)
         self.offsets = self._layer_offsets()
         self.names = list(logical_shapes(self.cfg))
         self._check_shapes()
+        self._check_every_tensor_used()
 
     def _state(self, t: int, p: int) -> dict:
         if (t, p) not in self._loaded:
@@ -212,12 +213,63 @@ class MegatronSource:
                                     "weights; the file is not a model checkpoint")
 
 
+    def _check_every_tensor_used(self) -> None:
+        """A weight the args do not account for would be dropped without a word: above all a head
+        (``output_layer.weight``) beside args that tie it to the embedding, where the embedding would
+        be imported in its place. Megatron's per-module ``_extra_state`` (no weights) is skipped. With
+        a pipeline, a tied model's last stage keeps a copy of the embedding as its head: it must equal
+        the embedding's."""
+        used = {}
+        for name in self.names:
+            p, key, _ = self._locate(name)
+            used.setdefault(p, set()).add(key)
+        tied = self.cfg.tie_embeddings
+        for (t, p), path in sorted(self.files.items()):
+            for key in self._model(t, p):
+                if key in used.get(p, ()) or key.endswith("._extra_state"):
+                    continue
+                if key == "output_layer.weight" and tied and self.pp > 1 and p == self.pp - 1:
+                    if not torch.equal(self._model(t, p)[key], self._model(t, 0)["embedding.word_embeddings.weight"]):
+                        raise UserError(f"{path}: output_layer.weight differs from the embedding of "
+                                        f"{self.files[(t, 0)]}, but args tie them (no "
+                                        "args.untie_embeddings_and_output_weights); the checkpoint does not match its "
+                                        "args")
+                    continue
+                why = (" (args tie the head to the embedding: no args.untie_embeddings_and_output_weights)"
+                       if key == "output_layer.weight" else "")
+                raise UserError(f"{path}: holds {key!r}, which its args do not account for{why}; it would be "
+                                "dropped: the checkpoint does not match its args")
+
+
+def _vocab_size(args: argparse.Namespace, where: str, given: int | None) -> int:
+    """The tokenizer's vocabulary. Megatron pads it to a multiple of make_vocab_size_divisible_by x tp
+    (GPT-2's 50,257 to 50,304) and often records only the padded size: imported as the vocabulary,
+    the padding rows would become tokens no tokenizer has. Where the args cannot tell, say so."""
+    recorded, padded = getattr(args, "vocab_size", None), getattr(args, "padded_vocab_size", None)
+    if given is not None:
+        if recorded is not None and given != recorded:
+            raise UserError(f"--vocab-size: {given}, but {where} records args.vocab_size {recorded}; leave the flag out")
+        if padded is not None and given > padded:
+            raise UserError(f"--vocab-size: {given} is more than the {padded} rows of {where} (args.padded_vocab_size)")
+        return given
+    if recorded is not None or padded is None:
+        return recorded
+    multiple = (getattr(args, "make_vocab_size_divisible_by", None) or 128) * (
+        getattr(args, "tensor_model_parallel_size", None) or 1)
+    if padded % multiple == 0:
+        print(f"megazero convert: note: {where}: args record only padded_vocab_size ({padded}, a multiple of "
+              f"{multiple}): every row is imported as a token; if the tokenizer has fewer (50,257 for GPT-2), give "
+              "--vocab-size to leave the padding out", flush=True)
+    return padded
+
+
 def rank_dir(t: int, p: int, pp: int) -> str:
     return f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
 
 
-def model_config(args: argparse.Namespace, where: str) -> ModelConfig:
-    """Our model config from Megatron's args; refuses (naming the arg) what our GPT cannot compute."""
+def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = None) -> ModelConfig:
+    """Our model config from Megatron's args; refuses (naming the arg) what our GPT cannot compute.
+    ``vocab_size`` (``--vocab-size``) is the tokenizer's, for args that record only the padded one."""
     get = lambda key, default=None: getattr(args, key, default)
     fix = "megazero's GPT has no counterpart; such a model cannot be imported"
     for key, ok in (("apply_residual_connection_post_layernorm", False), ("rotary_interleaved", False),
@@ -244,7 +296,7 @@ def model_config(args: argparse.Namespace, where: str) -> ModelConfig:
         return ModelConfig(
             preset="llama" if position == "rope" else "gpt2", num_layers=get("num_layers"),
             hidden_size=get("hidden_size"), num_heads=heads, num_kv_heads=None if groups in (None, heads) else groups,
-            ffn_hidden_size=get("ffn_hidden_size"), vocab_size=get("vocab_size") or get("padded_vocab_size"),
+            ffn_hidden_size=get("ffn_hidden_size"), vocab_size=_vocab_size(args, where, vocab_size),
             seq_length=(get("max_position_embeddings") if position == "learned" else None) or get("seq_length")
             or get("max_position_embeddings"), position_embedding=position,
             rope_theta=float(get("rotary_base", 10000)), norm=norm,
