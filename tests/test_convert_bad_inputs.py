@@ -4,6 +4,7 @@ nothing at DST (no partial folder, no temporary folder left beside it)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -291,6 +292,24 @@ def test_hf_index_and_config_that_do_not_hold_what_they_claim(sources, tmp_path,
     _edit_config(hf, architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "default", "rope_theta": 1e4},
                  rope_scaling={"type": "linear", "factor": 2.0})
     assert "rope_scaling: 'linear' has no counterpart" in _fails(capsys, tmp_path, hf)
+
+
+def test_outputs_that_would_lose_or_damage_something(sources, tmp_path, capsys):
+    """An fp16 export of a value past 65,504 was written as inf; a DST inside SRC wrote a folder into
+    the checkpoint a run resumes from."""
+    from megazero.convert.targets import write_megazero
+
+    write_megazero(_Random(num_layers=1), tmp_path / "mz")
+    step = latest_checkpoint(tmp_path / "mz")
+    big = _Random(num_layers=1)
+    read = big.read
+    big.read = lambda name: read(name) * (1e6 if name == "final_norm.weight" else 1.0)
+    write_megazero(big, tmp_path / "big")
+    err = _fails(capsys, tmp_path, tmp_path / "big", "--dtype", "fp16")
+    assert re.search(r"transformer\.ln_f\.weight: holds values up to [\d.e+]+, beyond what float16 can hold \(they "
+                     r"would be written as inf\)", err), err
+    assert main(["convert", str(tmp_path / "big"), str(tmp_path / "bf"), "--dtype", "bf16"]) == 0
+    assert "inside SRC" in _fails(capsys, tmp_path, tmp_path / "mz", dst=step.parent / "step_0000099")
 
 
 def test_hf_missing_or_non_float_tensor(sources, tmp_path, capsys):

@@ -21,7 +21,8 @@ def base(tmp_path, monkeypatch) -> dict:
     so that the overrides below can name files relative to it."""
     monkeypatch.chdir(tmp_path)
     write_corpus(tmp_path)
-    (tmp_path / "task.jsonl").write_text(json.dumps({"text": "a task text", "label": 1}) + "\n")
+    task = "a task text long enough to hold one thirteen word n-gram for the decontamination stage"
+    (tmp_path / "task.jsonl").write_text(json.dumps({"text": task, "label": 1}) + "\n")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "notes.txt").write_text("not a tokenizer\n")
     return {"input": {"paths": ["raw.jsonl"], "shard_docs": 7}, "output": {"dir": "out"},
@@ -102,7 +103,8 @@ def test_every_problem_is_reported_on_its_own_line(tmp_path, capsys, base):
 
 
 def test_valid_options_and_defaults_are_accepted(tmp_path, base):
-    (tmp_path / "qa.jsonl").write_text(json.dumps({"question": "why", "answer": "because"}) + "\n")
+    question = "why does the river run past the old mill before it turns east toward the sea at dawn"
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"question": question, "answer": "because"}) + "\n")
     edges = {"fuzzy_dedup": {"threshold": 1.0}, "clean": {"min_words": 0, "max_words": 1, "max_symbol_ratio": 0},
              "decontaminate": {"tasks": ["qa.jsonl"], "task_fields": ["question", "answer"], "max_doc_freq": 2},
              "exact_dedup": None, "preprocess": {"weight": 0.5}}

@@ -86,6 +86,25 @@ def test_no_task_files_is_one_line(tmp_path):
         run_pipeline(build_config(raw), log=lambda s: None)
 
 
+def test_task_files_with_nothing_to_find_are_named(tmp_path):
+    """A task file whose texts are all shorter than the n-gram, or a parquet file of no rows (its
+    columns alone passed for records), would leave the stage removing nothing without a word."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text(json.dumps({"text": FILLER}) + "\n")
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "Who wrote Hamlet?"}) + "\n" + json.dumps({"text": ""}) + "\n")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "none.parquet")
+    for task, message in ((short, r"short\.jsonl: no text of 13 or more words, .*; lower decontaminate\.ngram"),
+                          (tmp_path / "none.parquet", r"none\.parquet holds no records")):
+        raw = {"input": {"paths": [str(corpus)]}, "output": {"dir": str(tmp_path / "out")},
+               "stages": ["decontaminate"], "decontaminate": {"tasks": [str(task)]}}
+        with pytest.raises(ValueError, match=message):
+            build_config(raw)
+
+
 def test_the_word_table_is_res_word_class():
     is_word, _ = _bmp_tables()
     assert is_word.tolist() == [re.fullmatch(r"\w", chr(c)) is not None for c in range(0x10000)]

@@ -78,3 +78,13 @@ def test_train_quality_without_documents_is_one_line(tmp_path, capsys):
     assert main(["curate", "train-quality", "--hq", str(empty), "--lq", str(empty), "--output",
                  str(tmp_path / "m.bin")]) == 2
     assert "--hq: no documents in" in capsys.readouterr().err
+
+
+def test_train_quality_refuses_zero_epochs_before_training(tmp_path, capsys):
+    """``--epoch 0`` saved an untrained 512 MB model that scored every document 0.5."""
+    from megazero.cli import main
+
+    assert main(["curate", "train-quality", "--hq", "a.jsonl", "--lq", "b.jsonl", "--output",
+                 str(tmp_path / "q.bin"), "--epoch", "0"]) == 2
+    assert "--epoch: must be 1 or more, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "q.bin").exists()

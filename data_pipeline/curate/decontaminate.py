@@ -54,9 +54,9 @@ class DecontaminateConfig:
 
     def file_problems(self) -> list[str]:
         """Task files that are missing or empty, whose records lack the first task field (the one every
-        record needs) or hold no text in a listed field, and further task fields no file has (a
-        misspelling): each would leave the stage with less to look for than asked, and it would
-        remove less without a word. Reads every record (evaluation sets are small), once for the
+        record needs) or hold no text in a listed field, whose texts are all shorter than an n-gram,
+        and further task fields no file has (a misspelling): each would leave the stage with less to
+        look for than asked, and it would remove less without a word. Reads every record (evaluation sets are small), once for the
         fields and once for the texts."""
         if not self.tasks:
             return ["decontaminate.tasks: no task files; list jsonl or parquet files of evaluation texts "
@@ -77,9 +77,14 @@ class DecontaminateConfig:
                                 "fields that hold the task text")
                 continue
             bad = BadRecords()
-            good = sum(1 for _ in task_texts(path, self.task_fields, bad))
+            records = list(task_texts(path, self.task_fields, bad))
             if bad.counts:
-                problems.append(_bad_records_problem(path, good, bad))
+                problems.append(_bad_records_problem(path, len(records), bad))
+            elif not records:
+                problems.append(f"decontaminate.tasks: {path} holds no records; give a file of evaluation texts")
+            elif not any(len(k) for _, k, _, _ in NgramKeys(self.ngram).batches([t for r in records for t in r])):
+                problems.append(f"decontaminate.tasks: {path}: no text of {self.ngram} or more words, so nothing of it "
+                                "could be found in the corpus; lower decontaminate.ngram or give longer task texts")
         unknown = [name for name in self.task_fields[1:] if seen and name not in seen]
         if unknown:
             problems.append(f"decontaminate.task_fields: {', '.join(unknown)} in no task file (they have "

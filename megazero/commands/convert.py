@@ -92,6 +92,9 @@ def run(args) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if dst.exists():
         raise UserError(f"{dst}: already exists; give a new DST path or remove it first")
+    if dst.resolve().is_relative_to(src.resolve()):
+        raise UserError(f"{dst}: inside SRC {src}; a conversion must not write into the checkpoint it reads (a "
+                        "training run would take the new folder for one of its own); give a DST outside it")
     if args.vocab_size is not None and args.vocab_size < 1:
         raise UserError(f"--vocab-size: must be 1 or more, got {args.vocab_size}")
     source = open_source(src, args.source, verify=not args.no_verify, vocab_size=args.vocab_size)

@@ -32,8 +32,8 @@ def register(subparsers) -> None:
     run.set_defaults(func=run_config, accepts_overrides=True)
 
     train = sub.add_parser("train-quality", help="Train the fastText quality classifier (hq vs lq)")
-    train.add_argument("--hq", nargs="+", required=True, metavar="FILE", help="High-quality documents (jsonl/parquet)")
-    train.add_argument("--lq", nargs="+", required=True, metavar="FILE", help="Low-quality documents (jsonl/parquet)")
+    train.add_argument("--hq", nargs="+", action="extend", required=True, metavar="FILE", help="High-quality documents (jsonl/parquet)")
+    train.add_argument("--lq", nargs="+", action="extend", required=True, metavar="FILE", help="Low-quality documents (jsonl/parquet)")
     train.add_argument("--output", required=True, help="Where to write the model (.bin)")
     train.add_argument("--text-field", default="text", help="Field holding the text (default: text)")
     train.add_argument("--epoch", type=int, default=5, help="Training epochs (default: 5)")
@@ -82,6 +82,8 @@ def run_config(args) -> int:
 def train_quality(args) -> int:
     from data_pipeline.curate.quality import train_quality as train
 
+    if args.epoch < 1:
+        raise UserError(f"--epoch: must be 1 or more, got {args.epoch} (the model would be saved untrained)")
     try:
         stats = train(args.hq, args.lq, args.output, args.text_field, args.epoch, seed=args.seed)
     except (ValueError, OSError, ImportError) as exc:

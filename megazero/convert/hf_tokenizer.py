@@ -11,8 +11,11 @@ class every ``transformers`` version reads without conversion:
 * a SentencePiece model is translated piece for piece (its BPE merges ranked by piece score, or
   its unigram scores; byte fallback; its own normalizer settings), because ``transformers``' own
   translations assume a particular model's settings (Llama's: no leading-space or unigram
-  handling that matches ours). Its special pieces are text when they occur in text, as in
-  SentencePiece (``split_special_tokens``). The ``.model`` file is kept beside it.
+  handling that matches ours). The ``.model`` file is kept beside it.
+
+For both, a special token's text inside a document is text (``split_special_tokens``), as megazero
+encodes it: SentencePiece never matches special pieces in text, and ``HFTokenizer`` encodes with
+``encode_special_tokens``, so no document's own words become an end-of-document.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def write_tokenizer(tok, out: Path, max_length: int) -> None:
     from data_pipeline.tokenizer import HFTokenizer
 
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+              "split_special_tokens": True}  # a special token's text inside text is text, as megazero encodes it
     if isinstance(tok, HFTokenizer):
         from tokenizers import Tokenizer
 
@@ -64,7 +68,7 @@ def write_tokenizer(tok, out: Path, max_length: int) -> None:
         shutil.copyfile(tok.path, out / "tokenizer.model")
         sp = spm.SentencePieceProcessor(model_file=tok.path)
         piece = sp.id_to_piece
-        config.update(unk_token=piece(sp.unk_id()), split_special_tokens=True)
+        config.update(unk_token=piece(sp.unk_id()))
     (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False) + "\n", encoding="utf-8")
     config.update(eos_token=piece(tok.eod_id), pad_token=piece(tok.pad_id))
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

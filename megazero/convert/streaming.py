@@ -40,7 +40,13 @@ class StreamedSafetensors:
     def write(self, piece: torch.Tensor) -> None:
         """The next elements of the current tensor (or the start of the next one)."""
         name, dtype = self._take(piece.numel())
-        data = piece.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+        cast = piece.detach().to(dtype)
+        if cast.dtype != piece.dtype and cast.is_floating_point() and not bool(torch.isfinite(cast).all()) \
+                and bool(torch.isfinite(piece).all()):
+            raise UserError(f"{name}: holds values up to {piece.abs().max().item():.4g}, beyond what "
+                            f"{str(dtype).removeprefix('torch.')} can hold (they would be written as inf); "
+                            "write it as bf16 or fp32 (--dtype)")
+        data = cast.contiguous().reshape(-1).view(torch.uint8).numpy()
         self.writer.write(memoryview(data))
         self.left -= len(data)
 
