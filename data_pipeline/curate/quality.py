@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import struct
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
@@ -61,16 +62,53 @@ def load_model(path: Optional[str]):
         raise ValueError(f"quality.model: {path}: no such file; train one with `megazero curate train-quality`")
     import fasttext
 
+    _check_dictionary_fits(path)
     fasttext.FastText.eprint = lambda *args, **kwargs: None  # its load-time warning is noise here
     try:
         model = fasttext.load_model(path)
     except ValueError:
         raise ValueError(f"quality.model: {path} is not a fastText model; train one with "
                          "`megazero curate train-quality`") from None
+    _check_matrices_fit(path, model)
     if HQ not in model.get_labels():
         raise ValueError(f"quality.model: {path} has labels {model.get_labels()}, not {HQ}; train it with "
                          "`megazero curate train-quality`")
     return model
+
+
+FASTTEXT_MAGIC = 793712314
+_HEADER = struct.Struct("<ii12id3iqq")
+"""A fastText ``.bin``'s opening: magic, version, its 12 integer training arguments and a double,
+then its dictionary's entry, word and label counts and token and prune-index counts."""
+
+
+def _truncated(path: str, size: int, needed: int) -> ValueError:
+    return ValueError(f"quality.model: {path} is truncated ({size} bytes where its header implies at least "
+                      f"{needed}); copy it again or train it again with `megazero curate train-quality`")
+
+
+def _check_dictionary_fits(path: str) -> None:
+    """fastText reads a file cut short without an error: inside its dictionary it reads on forever,
+    inside its matrices it leaves the rest unset (every document then scores about 0.5). Each of
+    the dictionary's entries takes at least 11 bytes (a character, its end, a count, a type)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size or _HEADER.unpack(head)[0] != FASTTEXT_MAGIC:
+        return  # not a fastText model at all: fastText's own refusal names it
+    entries = _HEADER.unpack(head)[15]
+    if size < _HEADER.size + 11 * entries:
+        raise _truncated(path, size, _HEADER.size + 11 * entries)
+
+
+def _check_matrices_fit(path: str, model) -> None:
+    """The file holds at least its two float matrices (a quantized model's are smaller: not checked)."""
+    if model.f.isQuant():
+        return
+    needed = sum(4 * int(np.prod(memoryview(m).shape)) for m in (model.f.getInputMatrix(), model.f.getOutputMatrix()))
+    size = os.path.getsize(path)
+    if size < needed:
+        raise _truncated(path, size, needed)
 
 
 def scores(model, texts: list[str]) -> np.ndarray:
