@@ -352,6 +352,19 @@ def test_demo_curates_then_trains(tmp_path, monkeypatch):
                  "--logging.run_dir", "run"]) == 0
 
 
+def test_the_demo_elsewhere_names_a_config_for_its_own_folder(tmp_path, monkeypatch):
+    """``curate demo other/dir`` printed the repository's config, which curates data/curate_demo."""
+    from data_pipeline.curate.demo import demo_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "other").mkdir()
+    path = demo_config("other")
+    assert path == "other/curate.yaml"
+    text = Path(path).read_text()
+    assert "data/curate_demo" not in text and "other/corpus.jsonl" in text and "other/quality.bin" in text
+    assert demo_config("data/curate_demo") == "configs/curate_demo.yaml"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("markers", [3, 30, 90])
 def test_sigkill_mid_run_then_rerun_gives_identical_output(tmp_path, markers):

@@ -142,4 +142,22 @@ def build_demo(out_dir: str, seed: int = 0) -> dict:
     quality = train_quality([files["hq"]], [files["lq"]], model, epoch=25, seed=seed)
     tokenizer = train_sentencepiece(iter(prose), os.path.join(out_dir, "tokenizer"), 2048)
     return {**files, "documents": len(corpus), "quality_model": model, "quality_accuracy": quality["accuracy"],
-            "tokenizer": tokenizer, "config": "configs/curate_demo.yaml"}
+            "tokenizer": tokenizer, "config": demo_config(out_dir)}
+
+
+DEMO_DIR = "data/curate_demo"
+DEMO_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "curate_demo.yaml")
+
+
+def demo_config(out_dir: str) -> str:
+    """The config that curates the demo in ``out_dir``: the repository's, whose paths are under
+    data/curate_demo; for another folder, a copy inside it with its paths there (the repository's
+    would curate data/curate_demo instead)."""
+    if os.path.normpath(out_dir) == DEMO_DIR or not os.path.isfile(DEMO_CONFIG):
+        return "configs/curate_demo.yaml"
+    with open(DEMO_CONFIG, encoding="utf-8") as f:
+        text = f.read().replace(DEMO_DIR, os.path.normpath(out_dir))
+    path = os.path.join(out_dir, "curate.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
