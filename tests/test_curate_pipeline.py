@@ -352,6 +352,20 @@ def test_demo_curates_then_trains(tmp_path, monkeypatch):
                  "--logging.run_dir", "run"]) == 0
 
 
+def test_a_damaged_completion_marker_reruns_its_task(tmp_path):
+    """A marker cut to nothing (a disk that lost its last write) stopped the stage with "Expecting value"
+    and no file named; the task now runs again and the stage ends as an undamaged run does."""
+    corpus = write_corpus(tmp_path)
+    raw = config(tmp_path, [corpus], stages=["clean"])
+    pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+    whole = tree_digest(str(tmp_path / "out"))
+    marker = sorted((tmp_path / "out" / "01-clean" / ".done").iterdir())[0]
+    marker.write_text("")
+    (tmp_path / "out" / "01-clean" / "stats.json").unlink()
+    pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+    assert tree_digest(str(tmp_path / "out")) == whole and json.loads(marker.read_text())
+
+
 def test_the_demo_elsewhere_names_a_config_for_its_own_folder(tmp_path, monkeypatch):
     """``curate demo other/dir`` printed the repository's config, which curates data/curate_demo."""
     from data_pipeline.curate.demo import demo_config

@@ -123,7 +123,7 @@ def run_tasks(executor, directory: str, tasks: list[Task], desc: str, progress: 
     marker = {t.name: os.path.join(markers, f"{t.name}.json") for t in tasks}
     if len(marker) != len(tasks):
         raise AssertionError(f"{directory}: task names must be unique")
-    jobs = [(t.fn, t.args, marker[t.name]) for t in tasks if not os.path.isfile(marker[t.name])]
+    jobs = [(t.fn, t.args, marker[t.name]) for t in tasks if _read_marker(marker[t.name]) is None]
     bar = _progress_bar(desc, len(tasks), len(tasks) - len(jobs)) if progress and jobs else None
     try:
         for _ in executor.run(jobs):
@@ -132,11 +132,27 @@ def run_tasks(executor, directory: str, tasks: list[Task], desc: str, progress: 
     finally:
         if bar is not None:
             bar.close()
-    results = []
-    for t in tasks:
-        with open(marker[t.name], encoding="utf-8") as f:
-            results.append(json.load(f))
+    results = [_read_marker(marker[t.name]) for t in tasks]
+    unfinished = [t.name for t, stats in zip(tasks, results) if stats is None]
+    if unfinished:
+        raise ValueError(f"{directory}: task {unfinished[0]} ended without its completion marker; run again")
     return results
+
+
+def _read_marker(path: str) -> dict | None:
+    """A task's completion marker, or None when it has none; a damaged one (a disk that lost its last
+    write) is removed, so its task runs again instead of stopping the stage on a JSON error."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            stats = json.load(f)
+    except (ValueError, UnicodeDecodeError):
+        stats = None
+    if not isinstance(stats, dict):
+        os.remove(path)
+        return None
+    return stats
 
 
 def _progress_bar(desc: str, total: int, done: int):
