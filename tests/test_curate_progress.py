@@ -27,7 +27,8 @@ def _final_counts(err: str) -> dict:
 def _run(tmp_path, monkeypatch, capsys, *args: str, tty: bool = True) -> tuple[str, str]:
     tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "curate.yaml"
-    path.write_text(yaml.safe_dump(config(tmp_path, [write_corpus(tmp_path)])))
+    corpus = tmp_path / "raw.jsonl"  # written once: a rewritten input makes the finished run stale
+    path.write_text(yaml.safe_dump(config(tmp_path, [str(corpus) if corpus.exists() else write_corpus(tmp_path)])))
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
     assert main(["curate", "run", str(path), *args]) == 0
     captured = capsys.readouterr()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from data_pipeline.curate import pipeline
@@ -28,7 +30,7 @@ def test_ray_and_local_pool_write_identical_files(tmp_path):
 
 def test_a_stage_error_on_ray_is_the_same_one_line_error(tmp_path):
     task = tmp_path / "vanishing.jsonl"
-    task.write_text('{"text": "a task"}\n')
+    task.write_text(json.dumps({"text": " ".join(f"word{i}" for i in range(20))}) + "\n")
     raw = config(tmp_path, [write_corpus(tmp_path)], stages=["decontaminate"], executor={"kind": "ray", "workers": 2},
                  decontaminate={"tasks": [str(task)]})
     cfg = build_config(raw)
