@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 import typing
 from typing import Any, Iterable
 
@@ -43,9 +44,9 @@ def parse_overrides(args: list[str], schema: type | None = None) -> list[tuple[s
 
     Values are parsed as YAML scalars so ``true``, ``3``, ``[4, 4]`` and ``null`` keep their types;
     a value for a text field of ``schema`` is taken as typed (``null`` aside, for an optional one, and
-    a quoted YAML string read as YAML reads it):
-    YAML would read ``2024_01`` as 202401, ``98:1:1`` as a base-60 number and cut ``runs/exp #3`` at
-    its comment. A field given twice takes its last value, so a script's defaults can be overridden.
+    a quoted YAML string read as YAML reads it), since YAML would read ``2024_01`` as 202401,
+    ``98:1:1`` as a base-60 number and cut ``runs/exp #3`` at its comment. A field given twice takes
+    its last value, so a script's defaults can be overridden.
     """
     pairs, i = [], 0
     while i < len(args):
@@ -82,7 +83,8 @@ def _text_field(schema: type | None, key: str) -> tuple[bool, bool]:
         if name not in hints:
             return False, False
         node = hints[name]
-    options = set(typing.get_args(node)) if typing.get_origin(node) is typing.Union else {node}
+    union = typing.get_origin(node) in (typing.Union, types.UnionType)  # Optional[str] or str | None
+    options = set(typing.get_args(node)) if union else {node}
     return options - {type(None)} == {str}, type(None) in options
 
 
