@@ -149,7 +149,7 @@ RUNNERS = {"clean": run_clean, "quality": run_quality, "exact_dedup": run_exact_
            "fuzzy_dedup": run_fuzzy_dedup, "decontaminate": run_decontaminate}
 
 
-def file_facts(path: str) -> list:
+def _file_facts(path: str) -> list:
     """What a stage records of a file it reads: an edited or replaced file differs in size or time."""
     st = os.stat(path)
     return [path, st.st_size, st.st_mtime_ns]
@@ -164,7 +164,9 @@ def _check_fingerprint(stage_dir: str, fingerprint: dict, complete: bool, log) -
     an incomplete one (a run stopped, or failed on a setting since corrected) is discarded."""
     path = os.path.join(stage_dir, "stage.json")
     old = _read_json(path) if os.path.isfile(path) else None
-    if old is not None and old != fingerprint:
+    if old == fingerprint:
+        return
+    if old is not None:
         changed = sorted(k for k in fingerprint if old.get(k) != fingerprint[k])
         if complete:
             raise ValueError(f"{stage_dir} was made with other settings ({', '.join(changed)} differ); delete it "
@@ -172,9 +174,8 @@ def _check_fingerprint(stage_dir: str, fingerprint: dict, complete: bool, log) -
         log(f"{os.path.basename(stage_dir)}: discarding its unfinished output, made with other settings "
             f"({', '.join(changed)} differ)")
         shutil.rmtree(stage_dir)
-    if old is None or old != fingerprint:
-        os.makedirs(stage_dir, exist_ok=True)
-        atomic_write_text(path, json.dumps(fingerprint, indent=1, sort_keys=True))
+    os.makedirs(stage_dir, exist_ok=True)
+    atomic_write_text(path, json.dumps(fingerprint, indent=1, sort_keys=True))
 
 
 def _read_json(path: str) -> dict:
@@ -223,7 +224,7 @@ def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
     ctx = Context(cfg, executor, progress)
     try:
         in_dir = os.path.join(out, "00-input")
-        fingerprint = {"inputs": [file_facts(p) for p in cfg.input.paths], "format": cfg.output.format,
+        fingerprint = {"inputs": [_file_facts(p) for p in cfg.input.paths], "format": cfg.output.format,
                        "strict": cfg.strict, **{k: v for k, v in dataclasses.asdict(cfg.input).items() if k != "paths"}}
         all_stats = [_run_stage(ctx, "input", in_dir, fingerprint, lambda: run_ingest(ctx, in_dir), log)]
         shards = list_shards(in_dir)
@@ -247,9 +248,9 @@ def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
 def _stage_files(cfg: CurateConfig, name: str) -> list:
     """The files a stage reads besides its input shards: retrained or edited, they make it stale."""
     if name == "quality":
-        return [file_facts(cfg.quality.model)]
+        return [_file_facts(cfg.quality.model)]
     if name == "decontaminate":
-        return [file_facts(t) for t in cfg.decontaminate.tasks]
+        return [_file_facts(t) for t in cfg.decontaminate.tasks]
     return []
 
 
@@ -272,7 +273,7 @@ def tokenize_and_blend(cfg: CurateConfig, shards: list[str], upstream: str, log)
     out = cfg.output.dir
     prefix = os.path.join(out, "tokenized", "curated")
     dataset = output_prefix_for(prefix, cfg.input.text_field)
-    fingerprint = {"upstream": upstream, "tokenizer": file_facts(cfg.preprocess.tokenizer),
+    fingerprint = {"upstream": upstream, "tokenizer": _file_facts(cfg.preprocess.tokenizer),
                    "text_field": cfg.input.text_field}
     _check_fingerprint(os.path.dirname(prefix), fingerprint, os.path.isfile(f"{dataset}.idx"), log)
     if not os.path.isfile(f"{dataset}.idx"):

@@ -123,7 +123,8 @@ def run_tasks(executor, directory: str, tasks: list[Task], desc: str, progress: 
     marker = {t.name: os.path.join(markers, f"{t.name}.json") for t in tasks}
     if len(marker) != len(tasks):
         raise AssertionError(f"{directory}: task names must be unique")
-    jobs = [(t.fn, t.args, marker[t.name]) for t in tasks if _read_marker(marker[t.name]) is None]
+    finished = {t.name: _read_marker(marker[t.name]) for t in tasks}
+    jobs = [(t.fn, t.args, marker[t.name]) for t in tasks if finished[t.name] is None]
     bar = _progress_bar(desc, len(tasks), len(tasks) - len(jobs)) if progress and jobs else None
     try:
         for _ in executor.run(jobs):
@@ -132,7 +133,7 @@ def run_tasks(executor, directory: str, tasks: list[Task], desc: str, progress: 
     finally:
         if bar is not None:
             bar.close()
-    results = [_read_marker(marker[t.name]) for t in tasks]
+    results = [finished[t.name] or _read_marker(marker[t.name]) for t in tasks]  # read once each
     unfinished = [t.name for t, stats in zip(tasks, results) if stats is None]
     if unfinished:
         raise ValueError(f"{directory}: task {unfinished[0]} ended without its completion marker; run again")

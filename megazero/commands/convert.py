@@ -34,11 +34,12 @@ def register(subparsers) -> None:
                         help="Target format (default: hf from megazero, megazero from the others)")
     parser.add_argument("--from", dest="source", choices=SOURCES, default=None,
                         help="Source format (default: detected from SRC's files)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                        help="--to hf: weight dtype (from the fp32 master)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="--to hf: weight dtype (from the fp32 master; default fp32)")
     parser.add_argument("--tokenizer", default=None,
                         help="--to hf: tokenizer to include (default: the source run's data.tokenizer, if present)")
-    parser.add_argument("--shard-size-gb", type=float, default=5.0, help="--to hf: largest weight shard, in GB")
+    parser.add_argument("--shard-size-gb", type=float, default=None,
+                        help="--to hf: largest weight shard, in GB (default 5)")
     parser.add_argument("--reset-step", action="store_true",
                         help="--to megazero from megazero: start at step 0 with fresh optimizer state")
     layout = parser.add_argument_group("--to megazero: the layout of the run that will load DST (default: consolidated)")
@@ -81,7 +82,7 @@ def check_flags(args) -> None:
         value = getattr(args, LAYOUT_FLAGS[flag].replace(".", "_"))
         if value is not None and value < 1:
             raise UserError(f"{flag}: must be 1 or more, got {value}")
-    if not (math.isfinite(args.shard_size_gb) and args.shard_size_gb > 0):
+    if args.shard_size_gb is not None and not (math.isfinite(args.shard_size_gb) and args.shard_size_gb > 0):
         raise UserError(f"--shard-size-gb: must be a positive number of GB, got {args.shard_size_gb}")
 
 
@@ -99,8 +100,8 @@ def run(args) -> int:
         raise UserError(f"--vocab-size: must be 1 or more, got {args.vocab_size}")
     source = open_source(src, args.source, verify=not args.no_verify, vocab_size=args.vocab_size)
     target = args.to or ("hf" if source.kind == "megazero" else "megazero")
-    hf_only = [flag for flag, given in (("--dtype", args.dtype != "fp32"), ("--tokenizer", args.tokenizer is not None),
-                                        ("--shard-size-gb", args.shard_size_gb != 5.0)) if given]
+    hf_only = [flag for flag, value in (("--dtype", args.dtype), ("--tokenizer", args.tokenizer),
+                                        ("--shard-size-gb", args.shard_size_gb)) if value is not None]
     if hf_only and target != "hf":
         raise UserError(f"{', '.join(hf_only)}: apply to --to hf only (this conversion writes {target})")
     if args.reset_step and (target != "megazero" or source.kind != "megazero"):
@@ -127,7 +128,7 @@ def run(args) -> int:
         if mismatch:
             raise UserError(mismatch)
         with staged(dst) as tmp:
-            write_hf(source, tmp, args.dtype, tokenizer, int(args.shard_size_gb * 1e9))
+            write_hf(source, tmp, args.dtype or "fp32", tokenizer, int((args.shard_size_gb or 5.0) * 1e9))
     elif target == "torch":
         from megazero.convert.targets import write_state_dict
 
