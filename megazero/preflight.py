@@ -36,7 +36,7 @@ def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[i
     and directories of ``cfg`` (resolved: ``parallel.dp`` set); ``scan_data`` also reads every shard's
     tokens (cached) to check the largest id against the model's vocabulary; ``ranks_per_node`` keeps
     the suggested layout's tensor groups within a node."""
-    problems = _device_problems(cfg) + _stop_problems(cfg)
+    problems = _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
     problems += _memory_problems(cfg, ranks_per_node)
     prefixes, data_problems = _data_prefixes(cfg)
     problems += data_problems
@@ -65,6 +65,29 @@ def _stop_problems(cfg: Config) -> list[str]:
     return [f"train.train_tokens: {t.train_tokens} is set and so is train.train_steps ({t.train_steps}); the run "
             "would stop at whichever comes first and decay its learning rate over train_steps; to train by tokens "
             "set train.train_steps null (and schedule.decay_steps), else unset train.train_tokens"]
+
+
+INDEX_BYTES_PER_SAMPLE = 50
+"""Host memory the sample indices take per training sample while they are built: the blend's
+dataset and sample numbers (10 bytes), and each dataset's sample starts, shuffle and the int64
+temporaries they are computed from (about 40)."""
+
+
+def _index_problems(cfg: Config) -> list[str]:
+    """A run whose sample indices cannot fit the host's memory: the data does not bound them
+    (samples repeat over epochs), so a step count typed with too many zeros ended, after every
+    other check, in a numpy allocation traceback."""
+    from megazero.data import train_samples
+
+    samples = train_samples(cfg)
+    need, have = samples * INDEX_BYTES_PER_SAMPLE, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need <= have:
+        return []
+    t = cfg.train
+    field = (f"train.train_steps: {t.train_steps} steps of train.global_batch_size {t.global_batch_size}"
+             if t.train_steps is not None else f"train.train_tokens: {t.train_tokens} tokens")
+    return [f"{field} are {samples:,} samples, whose index needs about {need / 2**30:,.0f} GiB of host memory, "
+            f"more than this host's {have / 2**30:,.0f} GiB; give a shorter run"]
 
 
 def _logger_problems(cfg: Config) -> list[str]:

@@ -161,6 +161,12 @@ CASES = [
      ["schedule.decay_steps: must be set when train.train_steps is null"]),
     ("tokens-and-steps", lambda f: _train(f, "--train.train_tokens", "1000"),  # train_steps keeps its default
      ["train.train_tokens: 1000 is set and so is train.train_steps", "set train.train_steps null"]),
+    ("steps-absurd", lambda f: _train(f, "--train.train_steps", "1000000000000000"),  # ends the numbers in 0, not 00
+     ["train.train_steps: 1000000000000000 steps of train.global_batch_size 4 are 4,000,000,000,000,000 samples",
+      "GiB of host memory", "give a shorter run"]),
+    ("tokens-absurd", lambda f: _train(f, "--train.train_steps", "null", "--train.train_tokens", "1000000000000000000",
+                                       "--schedule.decay_steps", "10"),
+     ["train.train_tokens: 1000000000000000000 tokens are", "give a shorter run"]),
     ("dropout", lambda f: _train(f, "--model.dropout", "1.0"), ["model.dropout: must be below 1"]),
     ("preset", lambda f: _train(f, "--model.preset", "gpt5"), ["model.preset: unknown preset 'gpt5'"]),
     ("norm", lambda f: _train(f, "--model.norm", "batchnorm"), ["model.norm: 'batchnorm' is not one of"]),

@@ -345,6 +345,13 @@ def test_bad_numeric_flags(sources, tmp_path, capsys, flags, want):
     assert _fails(capsys, tmp_path, sources / "gpt2_mz", *flags).endswith(f"error: {want}")
 
 
+@pytest.mark.parametrize("name", ["model", "model.pt"])
+def test_a_state_dict_file_must_be_named_safetensors(sources, tmp_path, capsys, name):
+    """``--to torch`` writes safetensors; a file named ``model.pt`` would be taken for a pickle."""
+    err = _fails(capsys, tmp_path, sources / "gpt2_mz", "--to", "torch", dst=tmp_path / name)
+    assert err.endswith(f"{tmp_path / name}: --to torch writes one safetensors file; name it NAME.safetensors"), err
+
+
 def test_a_tokenizer_bigger_than_the_model_is_refused(sources, tmp_path, capsys):
     """A tokenizer with more tokens than the model's rows would make an HF folder that encodes text to
     ids the model cannot embed (``mz`` has 61 rows)."""

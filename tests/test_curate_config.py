@@ -94,6 +94,23 @@ def test_quality_model_is_checked_before_the_stages_ahead_of_it(tmp_path, capsys
     assert re.search(message, refused(tmp_path, capsys, raw)), message
 
 
+@pytest.mark.parametrize("paths, out, message", [
+    (["*/**/*.jsonl"], "out", r"input\.paths: \*/\*\*/\*\.jsonl would also match the shards this run writes under "
+     r"output\.dir out \(a rerun would ingest them\)"),
+    (["raw.jsonl", "*/*/*.jsonl.zst"], "out", r"input\.paths: \*/\*/\*\.jsonl\.zst would also match"),
+    (["old/raw.jsonl"], "old", r"input\.paths: old/raw\.jsonl is inside output\.dir old; move the input"),
+])
+def test_inputs_that_reach_into_the_output_are_refused(tmp_path, capsys, base, paths, out, message):
+    """The first run would pass, and the next would take its own shards for new documents."""
+    (tmp_path / "old" / "z").mkdir(parents=True)
+    (tmp_path / "old" / "raw.jsonl").write_text((tmp_path / "raw.jsonl").read_text())
+    (tmp_path / "old" / "z" / "part.jsonl.zst").write_bytes(b"")
+    line = refused(tmp_path, capsys, {**base, "input": {"paths": paths}, "output": {"dir": out}})
+    assert re.search(message, line), line
+    for harmless in (["*/*.jsonl"], ["old/*.jsonl"], ["**/task.jsonl"]):  # cannot reach out/STAGE/shard-*
+        build_config({**base, "input": {"paths": harmless}})
+
+
 def test_every_problem_is_reported_on_its_own_line(tmp_path, capsys, base):
     (tmp_path / "curate.yaml").write_text(yaml.safe_dump(base))
     assert main(["curate", "run", "curate.yaml", "--fuzzy_dedup.threshold", "2", "--quality.alpha", "-1"]) == 2

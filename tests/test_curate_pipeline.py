@@ -334,6 +334,17 @@ def test_parquet_and_zstd_shards_hold_the_same_documents(tmp_path, fmt):
     assert [r["id"] for r in read_shard(shards[0])][:2] == ["raw.parquet:0", "raw.parquet:1"]
 
 
+def test_a_field_of_two_types_in_a_parquet_shard_is_named(tmp_path):
+    """One Parquet column holds one type; Arrow's error named no field, file or document."""
+    docs = _docs(3)
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps({"text": d, "meta": m}) + "\n" for d, m in zip(docs, [1, 2.5, "x"])))
+    raw = config(tmp_path, [str(path)], output={"dir": str(tmp_path / "out"), "format": "parquet"}, stages=[])
+    with pytest.raises(ValueError, match=r"00-input/shard-00000-00000\.parquet: field 'meta' is number in an earlier "
+                                         r"document and str in document mixed\.jsonl:3; give the field one type"):
+        pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+
+
 def test_demo_curates_then_trains(tmp_path, monkeypatch):
     """The README's chain: build the demo, curate it, train two steps on the blend it writes."""
     monkeypatch.chdir(tmp_path)

@@ -18,6 +18,7 @@ should be.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import glob
 import os
 from dataclasses import dataclass, field
@@ -106,7 +107,8 @@ def build_config(raw: dict, base_dir: str = ".") -> CurateConfig:
     cfg = build_dataclass(CurateConfig, {k.replace("-", "_"): v for k, v in raw.items()})
     cfg.stages = [str(s).replace("-", "_") for s in cfg.stages]
     _refuse(_value_problems(cfg))
-    cfg.input.paths = expand_inputs(cfg.input.paths, base_dir)
+    patterns, cfg.input.paths = cfg.input.paths, expand_inputs(cfg.input.paths, base_dir)
+    _refuse(output_overlap(patterns, cfg.input.paths, base_dir, cfg.output.dir))
     _refuse(_file_problems(cfg))
     return cfg
 
@@ -167,3 +169,47 @@ def expand_inputs(patterns: list, base_dir: str) -> list[str]:
         raise ValueError(f"input.paths: two inputs are named {dup}; document ids are FILE:LINE, so give the "
                          "inputs distinct file names (or an id field, input.id_field)")
     return paths
+
+
+OUTPUT_FILES = tuple(f"shard-00000-00000.{fmt}" for fmt in FORMATS) + ("edges.jsonl", "removed.jsonl")
+"""The data files a run writes, each in a folder at least one level below ``output.dir``."""
+_FOLDERS = object()  # one or more folders of any name
+
+
+def output_overlap(patterns: list, paths: list[str], base_dir: str, out_dir: str) -> list[str]:
+    """An input inside ``output.dir``, or a pattern that would find the run's own shards there: the
+    first run passes, and a rerun (or the next config over the same folders) ingests its outputs
+    as new documents, every one kept twice."""
+    out = os.path.abspath(out_dir)
+    inside = [p for p in paths if os.path.abspath(p).startswith(out + os.sep)]
+    if inside:
+        return [f"input.paths: {inside[0]} is inside output.dir {out_dir}; move the input or choose another output.dir"]
+    target = [*out.split(os.sep), _FOLDERS, OUTPUT_FILES]
+    for pattern in patterns:
+        full = os.path.abspath(os.path.join(base_dir, os.path.expanduser(str(pattern))))
+        if glob.has_magic(full) and _can_match(full.split(os.sep), target):
+            return [f"input.paths: {pattern} would also match the shards this run writes under output.dir {out_dir} "
+                    "(a rerun would ingest them); choose an output.dir the pattern cannot reach, or narrow the pattern"]
+    return []
+
+
+def _can_match(pattern: list[str], target: list) -> bool:
+    """Whether glob components ``pattern`` match some path of ``target``: folder names, then
+    ``_FOLDERS``, then a tuple of file names, any one of which ends the path."""
+    if not pattern:
+        return not target
+    head, rest = pattern[0], pattern[1:]
+    if head == "**" and not rest:  # a final ** takes whatever is left
+        return True
+    if not target:
+        return head == "**" and _can_match(rest, target)
+    first = target[0]
+    if head == "**":  # zero components, or one more (recursion takes the rest)
+        if first is _FOLDERS:  # swallowing some folders leaves one or more: the same target
+            return _can_match(rest, target) or _can_match(rest, target[1:])
+        return _can_match(rest, target) or (not isinstance(first, tuple) and _can_match(pattern, target[1:]))
+    if first is _FOLDERS:  # head names one folder; more may follow
+        return _can_match(rest, target) or _can_match(rest, target[1:])
+    if isinstance(first, tuple):
+        return not rest and any(fnmatch.fnmatchcase(name, head) for name in first)
+    return fnmatch.fnmatchcase(first, head) and _can_match(rest, target[1:])

@@ -46,7 +46,12 @@ def write_shard(path: str, records: list[dict]) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist(records), tmp)
+        try:
+            table = pa.Table.from_pylist(records)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise ValueError(f"{path}: {_mixed_field(records) or exc}; give the field one type in the input, or set "
+                             "output.format to jsonl") from None
+        pq.write_table(table, tmp)
     else:
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
         if path.endswith(".gz"):
@@ -61,6 +66,19 @@ def write_shard(path: str, records: list[dict]) -> None:
         with open(tmp, "wb") as f:
             f.write(data)
     os.replace(tmp, path)
+
+
+def _mixed_field(records: list[dict]) -> str | None:
+    """The first field whose values are of more than one kind (None aside; ints with floats are
+    numbers to Arrow), said with its kinds and the first record of the second kind: a Parquet
+    column holds one type, and Arrow's own message names neither."""
+    kinds: dict[str, str] = {}
+    for i, record in enumerate(records):
+        for key, value in record.items():
+            kind = "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
+            if value is not None and kinds.setdefault(key, kind) != kind:
+                return f"field {key!r} is {kinds[key]} in an earlier document and {kind} in document {record.get('id', i)}"
+    return None
 
 
 def atomic_write_text(path: str, text) -> None:

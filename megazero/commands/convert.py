@@ -96,6 +96,8 @@ def run(args) -> int:
     if dst.resolve().is_relative_to(src.resolve()):
         raise UserError(f"{dst}: inside SRC {src}; a conversion must not write into the checkpoint it reads (a "
                         "training run would take the new folder for one of its own); give a DST outside it")
+    if args.to == "torch" and dst.suffix != ".safetensors":  # model or model.pt would not say what it holds
+        raise UserError(f"{dst}: --to torch writes one safetensors file; name it NAME.safetensors")
     if args.vocab_size is not None and args.vocab_size < 1:
         raise UserError(f"--vocab-size: must be 1 or more, got {args.vocab_size}")
     source = open_source(src, args.source, verify=not args.no_verify, vocab_size=args.vocab_size)
