@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sysconfig
+import tempfile
 
 from data_pipeline.tokenizer import read_texts, train_sentencepiece
 
@@ -52,15 +53,36 @@ def write_stdlib_jsonl(path: str, max_bytes: int = 4_000_000, root: str | None =
     return docs, total
 
 
+DEMO_FILES = ("stdlib.jsonl", "tokenizer.model", "tokenizer.vocab", "stdlib_text_document.bin",
+              "stdlib_text_document.tokenizer.json", "stdlib_text_document.idx")
+"""What a build writes into its folder, in the order it is moved in: the shard's index last, since
+its presence says a build finished (``scripts/pretrain_gpt.sh`` builds where it is missing)."""
+
+
 def build_demo_corpus(out_dir: str, max_bytes: int = 4_000_000, vocab_size: int = 4096) -> dict:
-    """The demo jsonl, a SentencePiece tokenizer trained on it, and its tokenized shard."""
+    """The demo jsonl, a SentencePiece tokenizer trained on it, and its tokenized shard.
+
+    Built in a temporary folder inside ``out_dir`` and moved in at the end, so a build that fails
+    or is stopped leaves the folder as it was; a folder holding an earlier build is refused, not
+    rebuilt over (shards and checkpoints record the tokenizer they came from by its digest)."""
     from data_pipeline.preprocess import preprocess
 
-    jsonl = os.path.join(out_dir, "stdlib.jsonl")
-    docs, nbytes = write_stdlib_jsonl(jsonl, max_bytes)
-    model = train_sentencepiece(read_texts([jsonl]), os.path.join(out_dir, "tokenizer"), vocab_size,
-                                max_sentences=200_000)
-    prefix = os.path.join(out_dir, "stdlib")
-    stats = preprocess([jsonl], prefix, model, workers=min(2, os.cpu_count() or 1))
-    return {"jsonl": jsonl, "documents": docs, "bytes": nbytes, "tokenizer": model,
-            "data_prefix": f"{prefix}_text_document", "tokens": stats.tokens}
+    there = [name for name in DEMO_FILES if os.path.exists(os.path.join(out_dir, name))]
+    if there:
+        raise ValueError(f"{os.path.join(out_dir, there[0])}: exists (a demo corpus was built here, and data "
+                         "or checkpoints may record its tokenizer); choose another folder or remove it first")
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".demo-build-") as tmp:
+        jsonl = os.path.join(tmp, "stdlib.jsonl")
+        docs, nbytes = write_stdlib_jsonl(jsonl, max_bytes)
+        model = train_sentencepiece(read_texts([jsonl]), os.path.join(tmp, "tokenizer"), vocab_size,
+                                    max_sentences=200_000)
+        stats = preprocess([jsonl], os.path.join(tmp, "stdlib"), model, workers=min(2, os.cpu_count() or 1))
+        made = sorted(os.listdir(tmp))
+        if made != sorted(DEMO_FILES):  # a file DEMO_FILES misses would be deleted with the folder
+            raise RuntimeError(f"the demo build wrote {made}, not {sorted(DEMO_FILES)}")
+        for name in DEMO_FILES:
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    return {"jsonl": os.path.join(out_dir, "stdlib.jsonl"), "documents": docs, "bytes": nbytes,
+            "tokenizer": os.path.join(out_dir, "tokenizer.model"),
+            "data_prefix": os.path.join(out_dir, "stdlib_text_document"), "tokens": stats.tokens}

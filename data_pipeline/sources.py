@@ -287,6 +287,11 @@ def _not_readable(path: str, exc: Exception) -> ValueError:
 
 
 def decode_line(line: bytes) -> str:
+    """One line as text: UTF-8 without NUL bytes (valid UTF-8, but no text file holds one, and a
+    binary file's bytes can pass for text once mapped into ASCII)."""
+    nul = line.find(b"\0")
+    if nul >= 0:
+        raise BadRecord(NOT_TEXT, f"a NUL byte at {nul}: binary data, not text")
     try:
         return line.decode("utf-8")
     except UnicodeDecodeError as exc:

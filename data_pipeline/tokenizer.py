@@ -10,6 +10,7 @@ is loaded). Any other file given as a tokenizer is one ValueError naming it, not
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
@@ -171,6 +172,18 @@ def _lines(texts: Iterable[str], max_line_bytes: int) -> Iterator[str]:
                 yield line
 
 
+def _vocabulary_problem(message: str, vocab_size: int) -> str | None:
+    """SentencePiece's vocabulary-size failures in terms of the size asked for (its own words
+    point at source lines and at an option this project does not expose)."""
+    if m := re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", message):
+        return (f"vocabulary size {vocab_size} is below the {m.group(1)} pieces the text's characters and the "
+                "special tokens need; give at least that many")
+    if m := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message):
+        return (f"vocabulary size {vocab_size} is more than this text can fill (at most {m.group(1)}); give a "
+                "smaller vocabulary or more text")
+    return None
+
+
 def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int, model_type: str = "bpe",
                         max_sentences: int = 2_000_000, num_threads: int | None = None) -> str:
     """Train a byte-fallback SentencePiece model; returns the path of the ``.model`` file.
@@ -208,12 +221,12 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
             input_sentence_size=max_sentences, shuffle_input_sentence=True,
             num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
         )
-    except RuntimeError:
+    except RuntimeError as exc:
         if failures:
             raise failures[0] from None
         if not seen[0]:
             raise ValueError("the input holds no text to train on (every file is empty, or every line blank or over 4096 bytes)") from None
-        raise
+        raise ValueError(_vocabulary_problem(str(exc), vocab_size) or str(exc)) from None
     for ext in (".model", ".vocab"):
         os.replace(tmp_prefix + ext, model_prefix + ext)
     return model_prefix + ".model"

@@ -11,3 +11,15 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """The configuration is invalid; the message names the field and the fix."""
+
+
+def utf8_text(text: str, what: str) -> str:
+    """``text`` (a command-line argument, or standard input) where it is valid UTF-8: Python keeps
+    undecodable bytes of argv as lone surrogates, which a tokenizer rejects with a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(text[exc.start]) - 0xDC00 if 0xDC80 <= ord(text[exc.start]) <= 0xDCFF else None
+        found = f"byte 0x{byte:02x}" if byte is not None else f"character {text[exc.start]!r}"
+        raise UserError(f"{what}: not valid UTF-8 text ({found} at position {exc.start})") from None
+    return text

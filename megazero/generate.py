@@ -47,7 +47,9 @@ def sample(model: GPT, prompt: list[int], new_tokens: int, temperature: float = 
             tokens.append(int(logits.argmax()))
             continue
         values, indices = torch.topk(logits, min(top_k, logits.numel()))
-        # from the largest down: a tiny temperature then gives -inf (probability 0), never inf - inf
-        choice = torch.multinomial(torch.softmax((values - values[0]) / temperature, dim=-1), 1, generator=generator)
+        # from the largest down: a tiny temperature then gives -inf (probability 0), never inf - inf; in
+        # float64, as a temperature below float32's range would round to 0 and give 0 / 0 for the largest
+        scaled = (values - values[0]).double() / temperature
+        choice = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
         tokens.append(int(indices[choice]))
     return tokens

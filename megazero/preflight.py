@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megazero.checkpoint import CheckpointError, read_manifest, start_checkpoint
+from megazero.checkpoint import CheckpointError, earlier_instead, read_manifest, start_checkpoint
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.errors import ConfigError
@@ -330,7 +330,7 @@ def _checkpoint_problems(cfg: Config) -> list[str]:
         saved = meta["config"]
         saved_model = saved["model"]
     except CheckpointError as exc:
-        return [f"{where}: {exc}"]
+        return [f"{where}: {exc}{earlier_instead(ckpt, where)}"]
     except (KeyError, TypeError):
         return [f"{where}: {ckpt} records no training config (its COMPLETE has no meta.config); it was not written "
                 "by megazero train or convert: convert it again"]
@@ -340,7 +340,9 @@ def _checkpoint_problems(cfg: Config) -> list[str]:
                      and (rope or k != "rope_theta"))
     if changed:
         return [f"{where}: {ckpt} was trained with a different model ({', '.join(f'model.{k}' for k in changed)}); "
-                "resume with the same model section, or load another checkpoint"]
+                "resume with the same model section, or "
+                + ("start a new run in another checkpoint.save_dir" if where == "checkpoint.save_dir"
+                   else "load another checkpoint")]
     if meta.get("step", 0) == 0 or cfg.checkpoint.allow_config_changes:
         return []  # nothing trained yet (a converted checkpoint): no data order or schedule to keep
     problems = _resume_changes(saved, cfg, meta["step"]) + _tokenizer_change(meta, cfg)

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import (
-    CheckpointError, CheckpointWriter, PreemptionHandler, probe_writable, read_manifest, start_checkpoint,
+    CheckpointError, CheckpointWriter, PreemptionHandler, earlier_instead, probe_writable, read_manifest,
+    start_checkpoint,
     step_dir_name,
 )
 from megazero.checkpoint.state import load_checkpoint, rank_files
@@ -125,7 +126,7 @@ class Trainer:
                                        barrier=lambda: dist.barrier(), keep_last=cfg.checkpoint.keep_last,
                                        async_save=cfg.checkpoint.async_save and device.type == "cuda")
         self._check_save_dir()
-        self._resume(ckpt, manifest)
+        self._resume(ckpt, manifest, source)
         self._log_memory()
         m = cfg.model
         self.logger = MetricsLogger(
@@ -156,7 +157,7 @@ class Trainer:
         if problem[0]:
             raise CheckpointError(problem[0])
 
-    def _resume(self, ckpt, manifest: Optional[dict]) -> None:
+    def _resume(self, ckpt, manifest: Optional[dict], source: str) -> None:
         if ckpt is None:
             unfinished = sorted(self.writer.root.glob("step_*.tmp"))
             if unfinished and self.rank == 0:
@@ -164,8 +165,11 @@ class Trainer:
                       f"{unfinished[-1].name}; starting from step 0", flush=True)
             return
         meta = manifest["meta"]
-        exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest,
-                                same_layout=meta["layout"] == layout_record(self.cfg))
+        try:
+            exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest,
+                                    same_layout=meta["layout"] == layout_record(self.cfg))
+        except CheckpointError as exc:
+            raise CheckpointError(f"{source}: {exc}{earlier_instead(ckpt, source)}") from None
         self.saved_step = meta["step"]
         self.state = TrainState(step=meta["step"], consumed=meta["consumed"], skipped=meta["skipped"],
                                 bad_in_row=meta.get("bad_in_row", 0))

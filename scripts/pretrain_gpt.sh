@@ -21,7 +21,32 @@
 # N by SIG, saved to DIR" and the script exits 75 (0: finished; any other status: failed). A second
 # Ctrl-C stops at once without saving. See "Preemption and signals" in docs/training.md.
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the knobs above, then train's own options
+  sed -n '2,/^set -euo pipefail$/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+  cd "$(dirname "$0")/.." && exec python -m megazero.cli train --help
+fi
 cd "$(dirname "$0")/.."
+
+whole() {  # NAME VALUE LOWEST [HIGHEST]: refuse what torchrun would meet with a traceback
+  if ! [[ "$2" =~ ^[0-9]+$ ]] || [ "$((10#$2))" -lt "$3" ] || { [ -n "${4:-}" ] && [ "$((10#$2))" -gt "$4" ]; }; then
+    echo "pretrain_gpt.sh: error: $1 must be a whole number from $3${4:+ to $4}, got '$2'" >&2
+    exit 2
+  fi
+}
+
+# The knobs are checked first: a bad one would otherwise be found after the demo build.
+[ -z "${NPROC_PER_NODE:-}" ] || whole NPROC_PER_NODE "$NPROC_PER_NODE" 1
+whole CPU_RANKS "${CPU_RANKS:-8}" 1
+NNODES=${NNODES:-${SLURM_NNODES:-1}}
+NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+MASTER_PORT=${MASTER_PORT:-29500}
+whole NNODES "$NNODES" 1
+whole NODE_RANK "$NODE_RANK" 0 "$((10#$NNODES - 1))"
+whole MASTER_PORT "$MASTER_PORT" 1 65535
+if [ -z "${MASTER_ADDR:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+fi
+MASTER_ADDR=${MASTER_ADDR:-localhost}
 
 demo=0
 if [ -z "${CONFIG:-}" ]; then
@@ -35,13 +60,6 @@ fi
 gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$gpus" -gt 0 ] && [ "$demo" = 0 ]; then default_ranks=$gpus; else default_ranks=${CPU_RANKS:-8}; fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-$default_ranks}
-NNODES=${NNODES:-${SLURM_NNODES:-1}}
-NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
-if [ -z "${MASTER_ADDR:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-fi
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-29500}
 # CPU ranks share the machine's cores; one thread each keeps them from fighting.
 [ "$default_ranks" = "$gpus" ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 

@@ -69,6 +69,8 @@ def files(tmp_path_factory):
     write_origin(recorded_big, tokenizer_identity(load_tokenizer(str(root / "big_tokenizer.json"))))
     (root / "notes.txt").write_text("this is not a tokenizer\n")
     (root / "empty.model").write_bytes(b"")
+    (root / "stdlib.jsonl").write_text("")  # as if a demo corpus had been built here
+    (root / "binary.txt").write_bytes(b"w1 w2\n" + bytes(range(1, 10)) + b"\0w3\n")  # ASCII, yet not text
 
     lines = {"good.jsonl": '{"text": "w1 w2 w3"}\n{"text": "w4 w5"}\n',
              "null.jsonl": '{"text": "w1"}\n{"text": null}\n',
@@ -256,6 +258,16 @@ CASES = [
     ("load-partial", lambda f: _train(f, "--checkpoint.load", f["partial"]), ["not a complete checkpoint"]),
     ("load-flipped", lambda f: _train(f, "--checkpoint.load", f["flipped"]), ["rank_00000.safetensors", "corrupted"]),
     ("load-edited-complete", lambda f: _train(f, "--checkpoint.load", f["edited"]), ["COMPLETE"]),
+    # a run's own damaged checkpoint: checkpoint.load cannot reach past it, so the way back is named
+    ("save-dir-flipped", lambda f: _train(f, "--checkpoint.save_dir", f["flipped"]),
+     ["checkpoint.save_dir: ", "rank_00000.safetensors", "corrupted", "(to resume from the checkpoint before it "
+      "instead, move", "step_0000001 out of"]),
+    ("save-dir-edited-complete", lambda f: _train(f, "--checkpoint.save_dir", f["edited"]),
+     ["checkpoint.save_dir: ", "COMPLETE", "(to resume from the checkpoint before it instead, move"]),
+    ("save-dir-other-model", lambda f: _train(f, "--checkpoint.save_dir", str(Path(f["ckpt"]).parent),
+                                              "--model.hidden_size", "64"),
+     ["checkpoint.save_dir: ", "trained with a different model (model.hidden_size)",
+      "start a new run in another checkpoint.save_dir"]),
     ("load-old-format", lambda f: _train(f, "--checkpoint.load", f["pickled"]), ["format"]),
     ("load-other-model", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.hidden_size", "64"),
      ["different model", "model.hidden_size"]),
@@ -277,6 +289,13 @@ CASES = [
     ("generate-not-tokenizer", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "notes.txt")], ["notes.txt"]),
     ("generate-bigger-tokenizer", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "big_tokenizer.json")],
      ["big_tokenizer.json", "has 258 tokens", "model has 64"]),
+    ("generate-prompt-before-load", lambda f: ["generate", f["flipped"], "--tokenizer", str(f["root"] / "tokenizer.json"),
+                                               "--prompt", ""], ["encodes to no tokens"]),  # not the damaged file
+    ("generate-prompt-not-utf8", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "tokenizer.json"),
+                                            "--prompt", "w1 \udcff"],  # argv's undecodable byte 0xff
+     ["--prompt: not valid UTF-8 text (byte 0xff at position 3)"]),
+    ("tokenizer-encode-not-utf8", lambda f: ["tokenizer", "encode", "--tokenizer", str(f["root"] / "tokenizer.json"),
+                                             "w1 \udcff"], ["TEXT: not valid UTF-8 text (byte 0xff at position 3)"]),
     *[(f"generate-temperature-{text}", (lambda text: lambda f: [
         "generate", f["ckpt"], "--tokenizer", str(f["root"] / "tokenizer.json"), "--temperature", text])(text),
        ["--temperature"]) for text in ("-1", "nan", "inf")],
@@ -303,6 +322,27 @@ CASES = [
      ["--output-prefix /proc/megazero/x: cannot create /proc/megazero"]),
     ("tokenizer-train-empty", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "empty.model"),
                                          "--model-prefix", str(f["root"] / "out" / "tk")], ["no text to train on"]),
+    ("tokenizer-train-binary", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "binary.txt"),
+                                          "--model-prefix", str(f["root"] / "out" / "tk")],
+     ["binary.txt:2: a NUL byte at 9: binary data, not text"]),
+    ("tokenizer-train-exists", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
+                                          "--model-prefix", str(f["root"] / "empty")],
+     ["empty.model: exists (data and checkpoints record the tokenizer", "choose another --model-prefix"]),
+    ("tokenizer-train-folder", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
+                                          "--model-prefix", str(f["root"]) + "/"], ["names a folder"]),
+    ("tokenizer-train-vocab-int32", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
+                                               "--model-prefix", str(f["root"] / "out" / "tk"), "--vocab-size",
+                                               "10000000000"], ["--vocab-size: must be at most 2147483647"]),
+    ("tokenizer-train-sentences", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
+                                             "--model-prefix", str(f["root"] / "out" / "tk"), "--max-sentences", "-5"],
+     ["--max-sentences: must be between 1 and"]),
+    ("tokenizer-train-vocab-high", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
+                                              "--model-prefix", str(f["root"] / "out" / "tk"), "--vocab-size", "5000"],
+     ["vocabulary size 5000 is more than this text can fill (at most", "give a smaller vocabulary or more text"]),
+    *[(f"demo-corpus-max-mb-{text}", (lambda text: lambda f: [
+        "demo-corpus", str(f["root"] / "out" / "demo"), "--max-mb", text])(text),
+       [f"--max-mb: must be a positive number of MB, got {text}"]) for text in ("inf", "nan", "0.0")],
+    ("demo-corpus-exists", lambda f: ["demo-corpus", str(f["root"])], ["stdlib.jsonl: exists", "remove it first"]),
     ("preprocess-workers", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"), "--tokenizer",
                                       str(f["root"] / "tokenizer.json"), "--output-prefix", str(f["root"] / "out" / "g"),
                                       "--workers", "0"], ["--workers"]),

@@ -176,9 +176,29 @@ def test_a_damaged_latest_pointer_falls_back_to_the_scan_with_a_warning(saved, c
     CheckpointWriter(root, rank=0, world_size=1, barrier=alone).save(2, {"m.pt": {"w": torch.ones(1)}})
     (root / "latest").write_bytes(content)
     assert latest_checkpoint(root) == saved  # the newest complete one, step 4 (the save of step 2 came later)
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"megazero: warning: {root / 'latest'}: damaged checkpoint pointer")
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 1, (out, err)  # stdout is generate's text
+    assert lines[0].startswith(f"megazero: warning: {root / 'latest'}: damaged checkpoint pointer")
     assert resolve_checkpoint(root) == saved
+
+
+@pytest.mark.parametrize("pointer, state", [("step_0000002", "is older"),
+                                            ("step_0000009", "is not a complete checkpoint")])
+def test_a_pointer_behind_the_newest_checkpoint_loses_to_it_with_a_warning(saved, capsys, pointer, state):
+    """A save cut between its rename and the pointer's update leaves ``latest`` on the step before:
+    resuming there would retrain the steps since and save over the newer checkpoint."""
+    root = saved.parent
+    CheckpointWriter(root, rank=0, world_size=1, barrier=alone).save(2, {"m.pt": {"w": torch.ones(1)}})
+    (root / "latest").write_text(pointer + "\n")
+    capsys.readouterr()
+    assert latest_checkpoint(root) == saved  # step 4
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"megazero: warning: {root / 'latest'} names {pointer}, which {state}; using "
+                                 f"step_0000004, the newest complete checkpoint in {root} (to go back to an older "
+                                 "one, move the newer ones out of it)\n")
+    (root / "latest").write_text("step_0000004\n")
+    assert latest_checkpoint(root) == saved and capsys.readouterr().err == ""
 
 
 def test_a_missing_pointer_falls_back_silently(saved, capsys):

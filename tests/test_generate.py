@@ -145,10 +145,12 @@ def test_a_smaller_tokenizer_samples_only_what_it_can_decode(trained, tmp_path, 
 
 def test_a_vanishing_temperature_samples_the_likeliest_token(trained, tmp_path, capsys):
     """A temperature so small that logits / temperature overflows (1e-45) is the greedy choice, not a
-    crash on infinite probabilities (planted: dividing before taking the largest out)."""
+    crash on infinite probabilities (planted: dividing before taking the largest out), and so is one
+    that float32 cannot hold (planted: the division in float32, 0 / 0 for the largest)."""
     tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
     args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1 w2", "--tokens", "6"]
     assert main([*args, "--temperature", "0"]) == 0
     greedy = capsys.readouterr().out
-    assert main([*args, "--temperature", "1e-45"]) == 0
-    assert capsys.readouterr().out == greedy
+    for tiny in ("1e-45", "1e-50", "5e-324"):  # below float32's range, then the smallest float64
+        assert main([*args, "--temperature", tiny]) == 0
+        assert capsys.readouterr().out == greedy, tiny

@@ -298,3 +298,26 @@ def test_one_ctrl_c_delivered_twice_is_not_a_second_one(monkeypatch):
     now[0] += module.SAME_INTERRUPT_S  # a person pressing Ctrl-C again
     handler._handle(signal.SIGINT, None)
     assert stops == [now[0]]
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE must be a whole number from 1, got '0'"),
+    ({"NPROC_PER_NODE": "abc"}, "NPROC_PER_NODE must be a whole number from 1, got 'abc'"),
+    ({"CPU_RANKS": "2x"}, "CPU_RANKS must be a whole number from 1, got '2x'"),
+    ({"NNODES": "two"}, "NNODES must be a whole number from 1, got 'two'"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be a whole number from 0 to 1, got '2'"),
+    ({"NNODES": "2", "MASTER_PORT": "99999"}, "MASTER_PORT must be a whole number from 1 to 65535, got '99999'"),
+])
+def test_a_bad_knob_is_one_line_before_anything_starts(tmp_path, knobs, message):
+    """torchrun met these with a traceback (or, for a port, the script said it was in use)."""
+    env = dict(os.environ, CONFIG="configs/demo.yaml", **knobs)
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == f"pretrain_gpt.sh: error: {message}", done.stderr
+    assert "== training" not in done.stdout
+
+
+def test_help_lists_the_knobs_then_trains_options():
+    done = subprocess.run(["bash", str(SCRIPT), "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Launch megazero pretraining with torchrun") and "NPROC_PER_NODE  ranks" in done.stdout
+    assert "--check" in done.stdout and "== training" not in done.stdout

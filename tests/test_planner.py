@@ -384,6 +384,8 @@ def test_plan_says_when_nothing_fits(capsys):
     (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "0"], ["--peak-tflops"]),
     (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "inf"], ["--peak-tflops", "finite", "got inf"]),
     (["--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "inf"], ["--gpu-memory", "finite", "got inf"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "1e-320"], ["--peak-tflops", "at least 0.001"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--intra-node-GBps", "1e-320"], ["--intra-node-GBps", "at least 0.001"]),
 ])
 def test_plan_bad_input_is_one_line(argv, words, capsys):
     code = main(["plan", "configs/gpt_1.3b.yaml", *argv])

@@ -6,14 +6,14 @@ running code, and found again safely.
 """
 
 from megazero.checkpoint.format import (
-    CheckpointError, latest_checkpoint, list_checkpoints, load_file, probe_writable, read_manifest,
+    CheckpointError, earlier_instead, latest_checkpoint, list_checkpoints, load_file, probe_writable, read_manifest,
     resolve_checkpoint, start_checkpoint, step_dir_name, verify_checkpoint,
 )
 from megazero.checkpoint.preemption import PreemptionHandler
 from megazero.checkpoint.writer import CheckpointWriter
 
 __all__ = [
-    "CheckpointError", "CheckpointWriter", "PreemptionHandler", "latest_checkpoint", "list_checkpoints",
+    "CheckpointError", "CheckpointWriter", "PreemptionHandler", "earlier_instead", "latest_checkpoint", "list_checkpoints",
     "load_file", "probe_writable", "read_manifest", "resolve_checkpoint", "start_checkpoint", "step_dir_name",
     "verify_checkpoint",
 ]

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -183,18 +184,26 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
-    """The checkpoint ``ROOT/latest`` names if it is complete, else the complete one with the highest step.
+    """The complete checkpoint with the highest step under ``root`` (None if there is none).
 
-    The pointer is the commit point of a save, so it wins; the scan covers a pointer that is
-    missing, damaged, or names a directory that was deleted by hand. A ``step_N`` directory without
-    its ``COMPLETE`` record, newer than the checkpoint chosen, is an error: a save writes
-    ``COMPLETE`` before it renames ``step_N.tmp``, and retention renames a checkpoint before deleting
-    it, so such a directory was copied or edited by hand, and the run would later save over it.
+    A save's commit is the rename of its complete ``step_N.tmp``; ``ROOT/latest`` is replaced after
+    it, so the two disagree only where a save was cut between them (or the pointer was edited):
+    then the newest checkpoint still wins, with a warning, since resuming from the older one would
+    retrain its steps and save over the newer. A pointer that is damaged or names a directory since
+    deleted is warned about too. A ``step_N`` directory without its ``COMPLETE`` record, newer than
+    the checkpoint chosen, is an error: a save writes ``COMPLETE`` before it renames ``step_N.tmp``,
+    and retention renames a checkpoint before deleting it, so such a directory was copied or edited
+    by hand, and the run would later save over it.
     """
     root = Path(root)
     named = read_pointer(root)
     found = list_checkpoints(root)
-    chosen = named if named is not None and is_complete(named) else found[-1][1] if found else None
+    chosen = found[-1][1] if found else None
+    if named is not None and named != chosen:
+        state = "is not a complete checkpoint" if not is_complete(named) else "is older"
+        print(f"megazero: warning: {root / LATEST} names {named.name}, which {state}; using "
+              f"{chosen.name if chosen is not None else 'none'}, the newest complete checkpoint in {root} (to go "
+              "back to an older one, move the newer ones out of it)", file=sys.stderr, flush=True)
     step = int(STEP_DIR.match(chosen.name).group(1)) if chosen is not None else -1
     damaged = sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name) and p.is_dir()
                      and not is_complete(p) and int(STEP_DIR.match(p.name).group(1)) > step) if root.is_dir() else []
@@ -206,8 +215,9 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
 
 
 def read_pointer(root: Path) -> Optional[Path]:
-    """The directory ``ROOT/latest`` names; None if there is no pointer, or (with a warning on stdout)
-    if it cannot be read or holds something other than a ``step_<digits>`` name."""
+    """The directory ``ROOT/latest`` names; None if there is no pointer, or (with a warning on stderr,
+    where ``generate``'s text does not go) if it cannot be read or holds something other than a
+    ``step_<digits>`` name."""
     pointer = root / LATEST
     if not pointer.is_file():
         return None
@@ -220,8 +230,17 @@ def read_pointer(root: Path) -> Optional[Path]:
             return root / name
         reason = f"it holds {name[:40]!r}, not a step_<digits> directory name"
     print(f"megazero: warning: {pointer}: damaged checkpoint pointer ({reason}); using the newest complete "
-          f"checkpoint found in {root} instead", flush=True)
+          f"checkpoint found in {root} instead", file=sys.stderr, flush=True)
     return None
+
+
+def earlier_instead(ckpt: Path, where: str) -> str:
+    """What to add to a refusal of ``ckpt``, found in ``where``: a run resumes its own newest
+    checkpoint whatever ``checkpoint.load`` says, so going back to an earlier one means moving this
+    one out of ``save_dir``."""
+    if where != "checkpoint.save_dir":
+        return ""
+    return f" (to resume from the checkpoint before it instead, move {ckpt} out of {ckpt.parent})"
 
 
 def start_checkpoint(load: Optional[str], save_dir: str | os.PathLike) -> tuple[Optional[Path], str]:

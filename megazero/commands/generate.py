@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megazero.errors import UserError
+from megazero.errors import UserError, utf8_text
 
 SOURCE = "the CHECKPOINT argument"  # what the checkpoint errors tell the user to check
 
@@ -66,13 +66,13 @@ def run(args) -> int:
     mismatch = not_trained_with(read_manifest(ckpt)["meta"], tokenizer, "--tokenizer")
     if mismatch:
         raise UserError(mismatch)
+    prompt = tokenizer.encode(utf8_text(args.prompt, "--prompt"))  # before the model is read and verified
+    if not prompt:
+        raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
     model, _ = load_model(ckpt, source=SOURCE)
     if tokenizer.vocab_size > model.vocab_size:
         raise UserError(f"--tokenizer {args.tokenizer}: has {tokenizer.vocab_size} tokens, but the checkpoint's model "
                         f"has {model.vocab_size}; use the tokenizer it was trained with")
-    prompt = tokenizer.encode(args.prompt)
-    if not prompt:
-        raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
     _note_a_cut_prompt(len(prompt), model.cfg.seq_length, args.tokens)
     out = sample(model, prompt, args.tokens, args.temperature, args.top_k, args.seed, vocab=tokenizer.vocab_size)
     print(tokenizer.decode(out))

@@ -18,6 +18,11 @@ FP32_NOTE = ("note: precision.dtype is fp32, but step times and speeds assume bf
 NUMBERS = ("memory_gib", "needed_gib", "step_s", "tokens_per_s", "tflops_per_gpu", "mfu")
 
 
+MIN_HARDWARE_FIGURE = 1e-3
+"""The least GiB, TFLOP/s or GB/s a hardware flag takes: a figure near float's smallest divides
+step times into inf and NaN (a plan of 0 tokens/s, or a traceback)."""
+
+
 def register(subparsers) -> None:
     from megazero.planner import GPUS
 
@@ -50,8 +55,9 @@ def run(args) -> int:
         raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
     for flag in ("gpu_memory", "peak_tflops", "intra_node_GBps", "inter_node_GBps"):
         value = getattr(args, flag)
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise UserError(f"--{flag.replace('_', '-')}: must be a positive, finite number, got {value}")
+        if value is not None and not (MIN_HARDWARE_FIGURE <= value and math.isfinite(value)):
+            raise UserError(f"--{flag.replace('_', '-')}: must be a finite number of at least {MIN_HARDWARE_FIGURE}, "
+                            f"got {value}")
     config_path, overrides = split_config_path(args.overrides)
     if config_path is None:
         raise UserError("give the CONFIG to plan for, e.g. megazero plan configs/gpt_1.3b.yaml --gpus 8 --gpus-per-node 8")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-from megazero.errors import UserError
+from megazero.errors import UserError, utf8_text
 
 
 def register(subparsers) -> None:
@@ -32,11 +33,26 @@ def register(subparsers) -> None:
     encode.set_defaults(func=run_encode)
 
 
+INT32_MAX = 2**31 - 1
+
+
 def run_train(args) -> int:
     from data_pipeline.tokenizer import read_texts, train_sentencepiece
 
     if args.vocab_size < 260:
         raise UserError(f"--vocab-size {args.vocab_size} is too small: byte fallback alone needs 256 pieces plus 4 specials")
+    if args.vocab_size > INT32_MAX:
+        raise UserError(f"--vocab-size: must be at most {INT32_MAX} (SentencePiece counts in 32 bits), got "
+                        f"{args.vocab_size}")
+    if not 1 <= args.max_sentences <= INT32_MAX:
+        raise UserError(f"--max-sentences: must be between 1 and {INT32_MAX}, got {args.max_sentences}")
+    if not os.path.basename(args.model_prefix):
+        raise UserError(f"--model-prefix {args.model_prefix}: names a folder; give a path and a file name stem, "
+                        "e.g. DIR/tokenizer")
+    existing = [args.model_prefix + ext for ext in (".model", ".vocab") if os.path.exists(args.model_prefix + ext)]
+    if existing:
+        raise UserError(f"{existing[0]}: exists (data and checkpoints record the tokenizer they were made with); "
+                        "choose another --model-prefix or remove it first")
     try:
         path = train_sentencepiece(read_texts(args.input, args.json_key), args.model_prefix, args.vocab_size,
                                    args.model_type, args.max_sentences)
@@ -53,6 +69,9 @@ def run_encode(args) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
-    text = args.text if args.text is not None else sys.stdin.read()
+    if args.text is not None:
+        text = utf8_text(args.text, "TEXT")
+    else:
+        text = utf8_text(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"), "standard input")
     print(" ".join(map(str, tokenizer.encode(text))))
     return 0
