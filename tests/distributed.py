@@ -50,11 +50,15 @@ def _child(rank: int, world_size: int, init_file: str, results, fn: Callable, ar
 PRELOAD = ["torch", "torch.distributed", "megazero.engine", "megazero.trainer", "tests.distributed"]
 
 
-def _context():
-    """Ranks forked from a server process that imported torch and the project once (multiprocessing's
-    fork server, started on first use and kept for the session): spawned afresh, every rank imported
-    torch again, about 11 s of two cores for a world of 8. The server is a fresh interpreter, so
-    nothing of the test process (its threads, process groups, CUDA) is forked into the ranks."""
+def _context(backend: str):
+    """On a machine without CUDA, ranks forked from a server process that imported torch and the
+    project once (multiprocessing's fork server, started on first use and kept for the session):
+    spawned afresh, every rank imported torch again, about 11 s of two cores for a world of 8. The
+    server is a fresh interpreter, so nothing of the test process (threads, process groups) is
+    forked into the ranks. Where CUDA is available ranks are spawned: importing the project asks
+    CUDA for its devices, after which torch refuses CUDA in a forked child."""
+    if backend != "gloo" or torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -63,7 +67,7 @@ def _context():
 def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0, backend: str = "gloo") -> list:
     """``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo on CPU, or ``backend="nccl"``
     with rank r on GPU r); returns results by rank."""
-    ctx = _context()
+    ctx = _context(backend)
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="megazero-dist-")
     os.close(fd)
