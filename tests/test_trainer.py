@@ -270,6 +270,7 @@ def _wait_for(predicate, proc, timeout=240):
 FIELDS = ("step", "loss", "lr", "grad_norm", "consumed_samples")
 
 
+@pytest.mark.slow  # the same launch is killed at two moments in CI by tests/test_fault_injection.py
 def test_kill_minus_nine_then_resume_is_exact(data_prefix, tmp_path):
     steps = 24
     whole = _write_config(tmp_path / "whole.yaml", data_prefix, str(tmp_path / "whole"), 8)

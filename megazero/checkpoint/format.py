@@ -28,6 +28,7 @@ never unpickles, so it runs no code whoever wrote it. The checksums catch damage
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -201,9 +202,9 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     chosen = found[-1][1] if found else None
     if named is not None and named != chosen:
         state = "is not a complete checkpoint" if not is_complete(named) else "is older"
-        print(f"megazero: warning: {root / LATEST} names {named.name}, which {state}; using "
-              f"{chosen.name if chosen is not None else 'none'}, the newest complete checkpoint in {root} (to go "
-              "back to an older one, move the newer ones out of it)", file=sys.stderr, flush=True)
+        _warn_once(f"megazero: warning: {root / LATEST} names {named.name}, which {state}; using "
+                   f"{chosen.name if chosen is not None else 'none'}, the newest complete checkpoint in {root} (to "
+                   "go back to an older one, move the newer ones out of it)")
     step = int(STEP_DIR.match(chosen.name).group(1)) if chosen is not None else -1
     damaged = sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name) and p.is_dir()
                      and not is_complete(p) and int(STEP_DIR.match(p.name).group(1)) > step) if root.is_dir() else []
@@ -229,9 +230,15 @@ def read_pointer(root: Path) -> Optional[Path]:
         if STEP_DIR.fullmatch(name):
             return root / name
         reason = f"it holds {name[:40]!r}, not a step_<digits> directory name"
-    print(f"megazero: warning: {pointer}: damaged checkpoint pointer ({reason}); using the newest complete "
-          f"checkpoint found in {root} instead", file=sys.stderr, flush=True)
+    _warn_once(f"megazero: warning: {pointer}: damaged checkpoint pointer ({reason}); using the newest complete "
+               f"checkpoint found in {root} instead")
     return None
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """On stderr, once a process: the checks before a run and the run itself look the pointer up."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def earlier_instead(ckpt: Path, where: str) -> str:
