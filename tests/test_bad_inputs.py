@@ -163,7 +163,7 @@ CASES = [
      ["schedule.decay_steps: must be set when train.train_steps is null"]),
     ("tokens-and-steps", lambda f: _train(f, "--train.train_tokens", "1000"),  # train_steps keeps its default
      ["train.train_tokens: 1000 is set and so is train.train_steps", "set train.train_steps null"]),
-    ("steps-absurd", lambda f: _train(f, "--train.train_steps", "1000000000000000"),  # ends the numbers in 0, not 00
+    ("steps-absurd", lambda f: _train(f, "--train.train_steps", "1000000000000000"),
      ["train.train_steps: 1000000000000000 steps of train.global_batch_size 4 are 4,000,000,000,000,000 samples",
       "GiB of host memory", "give a shorter run"]),
     ("tokens-absurd", lambda f: _train(f, "--train.train_steps", "null", "--train.train_tokens", "1000000000000000000",
@@ -330,15 +330,12 @@ CASES = [
      ["empty.model: exists (data and checkpoints record the tokenizer", "choose another --model-prefix"]),
     ("tokenizer-train-folder", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
                                           "--model-prefix", str(f["root"]) + "/"], ["names a folder"]),
-    ("tokenizer-train-vocab-int32", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
-                                               "--model-prefix", str(f["root"] / "out" / "tk"), "--vocab-size",
-                                               "10000000000"], ["--vocab-size: must be at most 2147483647"]),
-    ("tokenizer-train-sentences", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
-                                             "--model-prefix", str(f["root"] / "out" / "tk"), "--max-sentences", "-5"],
-     ["--max-sentences: must be between 1 and"]),
-    ("tokenizer-train-vocab-high", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
-                                              "--model-prefix", str(f["root"] / "out" / "tk"), "--vocab-size", "5000"],
-     ["vocabulary size 5000 is more than this text can fill (at most", "give a smaller vocabulary or more text"]),
+    *[(f"tokenizer-train-{flag[2:]}-{value}", (lambda flag, value: lambda f: [
+        "tokenizer", "train", "--input", str(f["root"] / "good.jsonl"), "--model-prefix", str(f["root"] / "out" / "tk"),
+        flag, value])(flag, value), words) for flag, value, words in [
+        ("--vocab-size", "10000000000", ["--vocab-size: must be at most 2147483647"]),
+        ("--max-sentences", "-5", ["--max-sentences: must be between 1 and"]),
+        ("--vocab-size", "5000", ["vocabulary size 5000 is more than this text can fill (at most", "more text"])]],
     *[(f"demo-corpus-max-mb-{text}", (lambda text: lambda f: [
         "demo-corpus", str(f["root"] / "out" / "demo"), "--max-mb", text])(text),
        [f"--max-mb: must be a positive number of MB, got {text}"]) for text in ("inf", "nan", "0.0")],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,23 @@ def test_complete_carries_its_own_checksum(saved):
         read_manifest(saved)
     with pytest.raises(CheckpointError, match="does not match its own sha256"):
         load_file(saved, "other.pt")
+
+
+@pytest.mark.parametrize("change, what", [
+    (lambda r: r.update(world_size="x"), "step 4 and world_size 'x' must be whole numbers"),
+    (lambda r: r.update(step=-1), "step -1 and world_size 1 must be whole numbers"),
+    (lambda r: r.pop("files"), "meta and files must be JSON objects"),
+    (lambda r: r["files"]["model.pt"].pop("sha256"), "file 'model.pt' must have a rank, a size in bytes and a sha256"),
+])
+def test_a_resealed_record_of_the_wrong_shape_is_refused(saved, change, what):
+    """A record edited and given a fresh checksum (or written by a tool that got the format wrong)
+    reached the readers as a traceback (int('x'), KeyError 'files')."""
+    record = json.loads((saved / "COMPLETE").read_text())
+    del record["sha256"]
+    change(record)
+    (saved / "COMPLETE").write_text(complete_text(record))
+    with pytest.raises(CheckpointError, match=re.escape(f"COMPLETE: {what}") + ".*not a record megazero writes"):
+        read_manifest(saved)
 
 
 def test_complete_without_its_checksum_is_refused(saved):

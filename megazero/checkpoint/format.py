@@ -318,7 +318,26 @@ def read_manifest(ckpt: str | os.PathLike) -> dict:
     if manifest.get(CHECKSUM) != content_digest(manifest):
         raise CheckpointError(f"{path}: its content does not match its own sha256 (a value in it was changed "
                               "or damaged); load an earlier checkpoint")
+    problem = _record_problem(manifest)
+    if problem:  # a record resealed by hand, or written by a tool that got the format wrong
+        raise CheckpointError(f"{path}: {problem}; this is not a record megazero writes: load an earlier checkpoint")
     return manifest
+
+
+def _record_problem(manifest: dict) -> Optional[str]:
+    """What in a ``COMPLETE`` record's structure the readers could not use, or None."""
+    def whole(value, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    if not whole(manifest.get("step"), 0) or not whole(manifest.get("world_size"), 1):
+        return f"step {manifest.get('step')!r} and world_size {manifest.get('world_size')!r} must be whole numbers"
+    if not isinstance(manifest.get("meta"), dict) or not isinstance(manifest.get("files"), dict):
+        return "meta and files must be JSON objects"
+    for name, entry in manifest["files"].items():
+        if not (isinstance(entry, dict) and whole(entry.get("rank"), 0) and whole(entry.get("bytes"), 0)
+                and isinstance(entry.get("sha256"), str)):
+            return f"file {name!r} must have a rank, a size in bytes and a sha256, got {entry!r}"
+    return None
 
 
 def verify_file(ckpt: Path, name: str, entry: dict) -> Path:
