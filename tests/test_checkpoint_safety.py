@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megazero.checkpoint import (
-    CheckpointError, CheckpointWriter, latest_checkpoint, load_file, read_manifest, resolve_checkpoint,
+    CheckpointError, CheckpointWriter, latest_checkpoint, list_checkpoints, load_file, read_manifest,
+    resolve_checkpoint,
     verify_checkpoint,
 )
 from megazero.checkpoint import serialization
@@ -217,6 +218,16 @@ def test_a_pointer_behind_the_newest_checkpoint_loses_to_it_with_a_warning(saved
                                  "one, move the newer ones out of it)\n")
     (root / "latest").write_text("step_0000004\n")
     assert latest_checkpoint(root) == saved and capsys.readouterr().err == ""
+
+
+def test_steps_past_seven_digits_are_ordered_by_number(tmp_path):
+    """step_10000000 sorts before step_9999999 by name: a resume would take the older one."""
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone)
+    for step in (9_999_999, 10_000_000):
+        writer.save(step, {"m.pt": {"w": torch.ones(1)}})
+    (tmp_path / "latest").unlink()
+    assert [p.name for _, p in list_checkpoints(tmp_path)] == ["step_9999999", "step_10000000"]
+    assert latest_checkpoint(tmp_path).name == "step_10000000"
 
 
 def test_a_missing_pointer_falls_back_silently(saved, capsys):

@@ -4,6 +4,7 @@ and precision/recall of the verified edges on planted near-duplicates of real pr
 from __future__ import annotations
 
 import json
+import os
 import random
 from itertools import combinations
 
@@ -141,8 +142,30 @@ def test_shingle_reader_reads_each_document_with_few_files_open(tmp_path, prose,
         prefixes.append(str(tmp_path / f"sig-{k}"))
         fz.signature_shard(str(path), prefixes[-1], "text", cfg, 3)
     order = [(k, i) for i in range(7) for k in range(len(shards))]  # every read switches shard
+    open_before = len(os.listdir("/proc/self/fd"))
     with fz.ShingleReader(prefixes, max_open=2) as reader:
         for k, i in order:
             expected = np.unique(cfg.hasher().shingles([shards[k][i]])[0])
             assert np.array_equal(np.unique(reader.shingle_set((k << fz.ROW_BITS) | i)), expected)
             assert len(reader.files) <= 2
+            assert len(os.listdir("/proc/self/fd")) <= open_before + 4  # a closed shard closes both its files
+    assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_a_big_bucket_pairs_each_member_with_its_neighbour():
+    """Past ``max_pairs`` a bucket pairs each member with the first and with its predecessor: a
+    near-duplicate like its neighbour but not the first document is still verified."""
+    pairs = {tuple(p) for p in fz._bucket_pairs(np.arange(100, 300), 64).tolist()}
+    assert (150, 151) in pairs and (100, 299) in pairs and len(pairs) == 2 * 200 - 3
+    assert len({tuple(p) for p in fz._bucket_pairs(np.arange(10), 64).tolist()}) == 45
+
+
+def test_a_threshold_of_one_removes_identical_documents(tmp_path, prose):
+    """Exact Jaccard 1.0 passes a threshold of 1.0 (>=, not >)."""
+    path = tmp_path / "twins.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in (prose[0], prose[0], prose[1])))
+    raw = {"input": {"paths": [str(path)]}, "output": {"dir": str(tmp_path / "out")}, "stages": ["fuzzy_dedup"],
+           "fuzzy_dedup": {"threshold": 1.0}}
+    stats = run_pipeline(build_config(raw), log=lambda s: None)
+    kept = [json.loads(line)["text"] for shard in stats["shards"] for line in open(shard)]
+    assert kept == [prose[0], prose[1]]

@@ -458,3 +458,27 @@ def test_exact_dedup_tells_texts_apart_by_all_128_bits(tmp_path):
     partitioned.save(str(tmp_path / "old.part"), low % np.uint64(1), [low, np.arange(4, dtype=np.int64)], 1)
     with pytest.raises(ValueError, match=r"old\.part: 1 key columns where this version writes 2; delete"):
         exact_dedup.duplicates_in_partition([str(tmp_path / "old")], 0, str(tmp_path / "drops2"))
+
+
+def test_exact_dedup_normalises_case_spaces_and_ends_and_counts_bytes(tmp_path, monkeypatch):
+    """(Found by planting bugs.) Copies differing only in case, runs of spaces or a trailing newline
+    are one text; the stage's byte counts are UTF-8 bytes, not characters; an array a killed task
+    was writing never appears under its final name."""
+    import numpy as np
+
+    from data_pipeline.curate import exact_dedup
+
+    assert len({exact_dedup.text_hash(t) for t in ("a b", " a b\n", "A  B")}) == 1
+    shard = tmp_path / "docs.jsonl"
+    shard.write_text(json.dumps({"id": "0", "text": "\u00e9" * 10}) + "\n")
+    stats = exact_dedup.filter_shard(str(shard), str(tmp_path / "out.jsonl"), "text", [], 0, "exact duplicate")
+    assert stats["bytes_in"] == stats["bytes_out"] == 20
+
+    def torn_save(path, array):
+        with open(path, "wb") as f:
+            f.write(b"x")
+        raise OSError("killed")
+    monkeypatch.setattr(exact_dedup.np, "save", torn_save)
+    with pytest.raises(OSError):
+        exact_dedup.save_array(str(tmp_path / "a.npy"), np.zeros(3))
+    assert not (tmp_path / "a.npy").exists()

@@ -62,6 +62,13 @@ def test_bad_blends_are_named():
     assert len(parse_blend([[1, f"d{i}"] for i in range(32768)])[1]) == 32768
 
 
+@pytest.mark.parametrize("weight", [float("nan"), float("inf")])
+def test_a_weight_that_is_not_a_finite_number_is_refused(weight):
+    """A NaN weight made every comparison of the greedy loop false: every sample from dataset 0."""
+    with pytest.raises(ValueError, match="non-negative numbers with a positive sum"):
+        parse_blend([[weight, "a"], [1.0, "b"]])
+
+
 def test_a_dataset_listed_twice_is_refused(tmp_path):
     """Two entries for the same data would each serve every sample of one order: every sample twice.
     The same prefix, the same object, or the same files by another path are one dataset."""

@@ -198,3 +198,71 @@ def test_largest_token_id_edge_cases(tmp_path):
         largest_token_id(prefix, str(tmp_path / "c"))
     with pytest.raises(FileNotFoundError, match=r"nope\.idx"):
         largest_token_id(str(tmp_path / "nope"), str(tmp_path / "c"))
+
+
+# --- found by planting bugs: each of these passed with its check removed --------------------------
+
+def test_a_bin_longer_than_its_index_is_refused(tmp_path):
+    prefix = write(tmp_path / "a")
+    with open(prefix + ".bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(ValueError, match=r"a\.bin: .* the \.bin is longer than its index"):
+        IndexedDataset(prefix)
+
+
+def test_a_document_index_that_falls_is_refused(tmp_path):
+    prefix = write(tmp_path / "a")
+    doc_idx = 34 + 12 * N
+    corrupt(prefix + ".idx", doc_idx + 8 * 2, struct.pack("<qq", 4, 1))  # 0, 1, 4, 1, 4, 5
+    with pytest.raises(ValueError, match=r"a\.idx: document index must rise from 0 to 5"):
+        IndexedDataset(prefix)
+
+
+def test_a_negative_length_is_named_even_where_the_pointers_agree(tmp_path):
+    prefix = str(tmp_path / "a")
+    indexed.write_index(prefix + ".idx", np.uint16, np.array([5, -2, 2], dtype=np.int32))  # pointers 0, 10, 6
+    Path(prefix + ".bin").write_bytes(b"\0" * 10)
+    with pytest.raises(ValueError, match=r"a\.idx: negative sequence length"):
+        IndexedDataset(prefix)
+
+
+def test_a_read_past_a_document_is_refused(tmp_path):
+    """A read running over would return the next document's tokens as this one's."""
+    ds = IndexedDataset(write(tmp_path / "a"))
+    for offset, length in ((0, 4), (3, 1), (-1, 2)):
+        with pytest.raises(IndexError, match=r"document 0 has 3 tokens"):
+            ds.get(0, offset, length)
+    assert ds.get(0, 1, 2).tolist() == [6, 7]
+
+
+def test_lengths_that_do_not_sum_to_the_tokens_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"lengths sum to 4 but 5 tokens were given"), \
+            IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
+        w.add_documents(np.arange(5), [2, 2])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_index_appears_only_after_its_data(tmp_path, monkeypatch):
+    """The .idx names the .bin's contents: renamed first, a crash before the .bin's rename would
+    leave a new index over an old (or no) data file."""
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("killed between the renames")
+        real(src, dst)
+    monkeypatch.setattr(indexed.os, "replace", replace)
+    with pytest.raises(OSError):
+        write(tmp_path / "a")
+    assert calls[0].endswith(".bin") and not os.path.exists(tmp_path / "a.idx")
+
+
+def test_a_merge_without_records_removes_a_record_left_at_its_name(tmp_path):
+    from data_pipeline.shard_origin import origin_path
+
+    a, b = write(tmp_path / "a"), write(tmp_path / "b", DOCS[:2])
+    out = str(tmp_path / "m")
+    Path(origin_path(out)).write_text('{"stale": true}')
+    merge_shards([a, b], out)
+    assert not os.path.exists(origin_path(out))

@@ -85,6 +85,30 @@ def test_partial_final_epoch_is_shuffled_separately():
     assert sorted(doc_index[100:].tolist()) == list(range(100))
 
 
+def test_the_final_epochs_samples_are_shuffled_among_themselves():
+    """(Found by planting bugs.) 100 documents of 10 tokens give 99 samples an epoch."""
+    sizes = np.full(100, 10, np.int32)
+    rest = build_gpt_indices(sizes, np.arange(100), seq_len=10, num_samples=120, seed=0)["shuffle_index"][99:]
+    assert sorted(rest.tolist()) == list(range(99, 199)) and not np.array_equal(rest, np.sort(rest))
+
+
+@pytest.mark.parametrize("num_samples, separate", [(177, True), (178, False), (190, False)])
+def test_the_final_epoch_is_apart_only_below_the_threshold(num_samples, separate):
+    """The last epoch is shuffled apart when it holds fewer than int(0.8 * 99) = 79 of its samples
+    (Megatron's rule, whose sample order this follows); otherwise every sample is shuffled together."""
+    sizes = np.full(100, 10, np.int32)
+    shuffle = build_gpt_indices(sizes, np.arange(100), seq_len=10, num_samples=num_samples, seed=0)["shuffle_index"]
+    assert (sorted(shuffle[:99].tolist()) == list(range(99))) == separate
+    assert separate or (shuffle[:99] >= 99).any()
+
+
+@pytest.mark.parametrize("num_samples", [None, 99])
+def test_samples_that_fill_one_epoch_take_one_epoch(num_samples):
+    """An extra epoch would double a validation set's length, every sample served twice."""
+    idx = build_gpt_indices(np.full(100, 10, np.int32), np.arange(100), seq_len=10, num_samples=num_samples, seed=0)
+    assert len(idx["document_index"]) == 100 and len(idx["shuffle_index"]) == 99
+
+
 def test_validation_split_uses_its_own_documents(tmp_path):
     data, _ = make_dataset(tmp_path / "d", n_docs=40)
     valid = GPTSamples(data, 4, None, 0, split="3,1,0", which="valid", cache_dir=str(tmp_path / "cache"))
