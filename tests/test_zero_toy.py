@@ -152,8 +152,9 @@ BINDING_CLIP_IN_CI = {(stage, "plain") for stage in (0, 1, 2, 3)} | {(stage, "bf
     | {(1, "offload"), (3, "offload"), (2, "unfused"), (1, "unfused+bf16grads"), (2, "schedule")}
 """The cases run with a binding clipping threshold outside the slow marker: each place the clipping
 factor is applied (the fused and unfused updates, 16-bit gradients, the offloaded update) at every
-stage it differs by. The rest run in a second world under ``-m slow``: the sweep is bound by the
-latency of the tiny buckets' collectives."""
+stage it differs by. At dp 2 (two groups in the world of four) CI runs the plain and overlapped
+steps of every stage, each variant's own paths being the same at dp 4. The rest run in a second
+world under ``-m slow``: the sweep is bound by the latency of the tiny buckets' collectives."""
 
 
 def _poison_retaken_gradient_memory():
@@ -167,7 +168,9 @@ def _poison_retaken_gradient_memory():
     grads.take_storage = take
 
 
-def _in_ci(clip: float, stage: int, variant: str) -> bool:
+def _in_ci(dp: int, clip: float, stage: int, variant: str) -> bool:
+    if dp == 2:
+        return variant == "overlap" and clip > 1 or variant == "plain"
     return clip > 1 or (stage, variant) in BINDING_CLIP_IN_CI
 
 
@@ -182,7 +185,7 @@ def _zero_run(rank, world_size, slow_part=False):
         group = groups[rank // dp]
         dp_rank = rank % dp
         for clip in (1e9, 0.05):
-            cases = [(stage, variant) for stage, variant in CASES if _in_ci(clip, stage, variant) != slow_part]
+            cases = [(stage, variant) for stage, variant in CASES if _in_ci(dp, clip, stage, variant) != slow_part]
             if not cases:
                 continue
             references = {v: _reference(base, STEPS, MICRO * dp, clip, v)
@@ -383,12 +386,11 @@ def zero_world_slow():
     return run_world(4, _zero_run, True)
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-@pytest.mark.parametrize("stage, variant, clip", [
-    pytest.param(stage, variant, clip, marks=() if _in_ci(clip, stage, variant) else pytest.mark.slow)
-    for clip in (1e9, 0.05) for stage, variant in CASES])
+@pytest.mark.parametrize("dp, stage, variant, clip", [
+    pytest.param(dp, stage, variant, clip, marks=() if _in_ci(dp, clip, stage, variant) else pytest.mark.slow)
+    for dp in (2, 4) for clip in (1e9, 0.05) for stage, variant in CASES])
 def test_zero_matches_single_process_adamw(request, dp, clip, stage, variant):
-    world = request.getfixturevalue("zero_world" if _in_ci(clip, stage, variant) else "zero_world_slow")
+    world = request.getfixturevalue("zero_world" if _in_ci(dp, clip, stage, variant) else "zero_world_slow")
     for rank, rank_results in enumerate(world):
         err, norms, norm_err, moment_err = rank_results[(dp, clip, stage, variant)]
         bf16_grads = variant.endswith("bf16grads")
