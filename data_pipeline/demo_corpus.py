@@ -15,7 +15,7 @@ import os
 import sysconfig
 import tempfile
 
-from data_pipeline.tokenizer import read_texts, train_sentencepiece
+from data_pipeline.tokenizer import check_vocab_size, read_texts, train_sentencepiece
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3", "turtledemo"}
 
@@ -67,6 +67,7 @@ def build_demo_corpus(out_dir: str, max_bytes: int = 4_000_000, vocab_size: int 
     rebuilt over (shards and checkpoints record the tokenizer they came from by its digest)."""
     from data_pipeline.preprocess import preprocess
 
+    check_vocab_size(vocab_size)  # before the corpus is collected
     there = [name for name in DEMO_FILES if os.path.exists(os.path.join(out_dir, name))]
     if there:
         raise ValueError(f"{os.path.join(out_dir, there[0])}: exists (a demo corpus was built here, and data "

@@ -110,6 +110,12 @@ def epoch_plan(tokens_per_epoch: int, seq_len: int, num_samples: int) -> tuple[i
     return num_epochs, num_epochs > 1 and num_samples - sans_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
 
 
+INDEX_BYTES_PER_SAMPLE = 50
+"""Host memory the sample indices take per sample while they are built: the blend's dataset and
+sample numbers (10 bytes), and each dataset's sample starts, shuffle and the int64 temporaries they
+are computed from (about 40). The data does not bound it: samples repeat over epochs."""
+
+
 def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_len: int, num_samples: int | None,
                       seed: int) -> dict:
     """The three index arrays for ``num_samples`` samples (``None``: one epoch's worth)."""

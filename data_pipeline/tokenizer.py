@@ -172,6 +172,18 @@ def _lines(texts: Iterable[str], max_line_bytes: int) -> Iterator[str]:
                 yield line
 
 
+MIN_VOCAB = 256 + 4
+"""The smallest vocabulary a model here can have: byte fallback's 256 pieces and the 4 specials."""
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    """Refuse a vocabulary below ``MIN_VOCAB`` before any text is read (SentencePiece would find it
+    only after reading the corpus)."""
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocabulary size {vocab_size} is below {MIN_VOCAB}: byte fallback alone needs 256 "
+                         "pieces, plus 4 special tokens")
+
+
 def _vocabulary_problem(message: str, vocab_size: int) -> str | None:
     """SentencePiece's vocabulary-size failures in terms of the size asked for (its own words
     point at source lines and at an option this project does not expose)."""
@@ -197,6 +209,7 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
 
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', not {model_type!r}")
+    check_vocab_size(vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     tmp_prefix = f"{model_prefix}.tmp-{os.getpid()}"
     failures = []  # what the reader raised: SentencePiece rewraps it with a printed traceback

@@ -67,16 +67,11 @@ def _stop_problems(cfg: Config) -> list[str]:
             "set train.train_steps null (and schedule.decay_steps), else unset train.train_tokens"]
 
 
-INDEX_BYTES_PER_SAMPLE = 50
-"""Host memory the sample indices take per training sample while they are built: the blend's
-dataset and sample numbers (10 bytes), and each dataset's sample starts, shuffle and the int64
-temporaries they are computed from (about 40)."""
-
-
 def _index_problems(cfg: Config) -> list[str]:
     """A run whose sample indices cannot fit the host's memory: the data does not bound them
     (samples repeat over epochs), so a step count typed with too many zeros ended, after every
     other check, in a numpy allocation traceback."""
+    from data_pipeline.gpt_samples import INDEX_BYTES_PER_SAMPLE
     from megazero.data import train_samples
 
     samples = train_samples(cfg)

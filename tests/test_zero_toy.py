@@ -170,7 +170,7 @@ def _poison_retaken_gradient_memory():
 
 def _in_ci(dp: int, clip: float, stage: int, variant: str) -> bool:
     if dp == 2:
-        return variant == "overlap" and clip > 1 or variant == "plain"
+        return variant == "plain" or (variant == "overlap" and clip > 1)
     return clip > 1 or (stage, variant) in BINDING_CLIP_IN_CI
 
 

@@ -24,9 +24,6 @@ def run(args) -> int:
 
     if not (math.isfinite(args.max_mb) and args.max_mb > 0):
         raise UserError(f"--max-mb: must be a positive number of MB, got {args.max_mb}")
-    if args.vocab_size < 260:
-        raise UserError(f"--vocab-size: must be at least 260 (byte fallback's 256 pieces and 4 specials), got "
-                        f"{args.vocab_size}")
     try:
         built = build_demo_corpus(args.out_dir, int(args.max_mb * 1e6), args.vocab_size)
     except (ValueError, OSError) as exc:

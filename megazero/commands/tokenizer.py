@@ -39,8 +39,6 @@ INT32_MAX = 2**31 - 1
 def run_train(args) -> int:
     from data_pipeline.tokenizer import read_texts, train_sentencepiece
 
-    if args.vocab_size < 260:
-        raise UserError(f"--vocab-size {args.vocab_size} is too small: byte fallback alone needs 256 pieces plus 4 specials")
     if args.vocab_size > INT32_MAX:
         raise UserError(f"--vocab-size: must be at most {INT32_MAX} (SentencePiece counts in 32 bits), got "
                         f"{args.vocab_size}")
