@@ -26,11 +26,13 @@ class ModelStateBytes:
 
 
 def zero_model_state_bytes(numel: float, dp: int, stage: int, param_bytes: int = 2, grad_bytes: int = 2,
-                           master_bytes: int = 4, moment_bytes: int = 8,
-                           full_grads: bool = False) -> ModelStateBytes:
-    """Per-device bytes; ``full_grads`` is the once-per-step pipeline mode of stages 2 and 3."""
+                           master_bytes: int = 4, moment_bytes: int = 8, full_grads: bool = False,
+                           param_shard: bool = True) -> ModelStateBytes:
+    """Per-device bytes; ``full_grads`` is the once-per-step pipeline mode of stages 2 and 3;
+    ``param_shard``: stage 3 keeps a 16-bit copy of its parameter shard, the paper's pΨ/Nd
+    (megazero's does only where the master is offloaded: it rounds the master as it gathers)."""
     shard = numel / dp
-    params = numel if stage < 3 else shard
+    params = numel if stage < 3 else shard if param_shard else 0.0
     grads = numel if stage < 2 or full_grads else shard
     states = numel if stage == 0 else shard
     return ModelStateBytes(params * param_bytes, grads * grad_bytes, states * master_bytes, states * moment_bytes)

@@ -326,7 +326,7 @@ class ShardedAdamW:
         formula = zero_model_state_bytes(
             self.layout.numel, self.dp.dp, d.stage,
             param_bytes=_itemsize(d.param_dtype), grad_bytes=_itemsize(d.grad_dtype),
-            full_grads=d.once_per_step)
+            full_grads=d.once_per_step, param_shard=d.offload)
         if self.master_grad is None:
             return formula
         return dataclasses.replace(formula, grads=formula.grads + formula.master)

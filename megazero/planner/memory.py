@@ -152,7 +152,8 @@ def _zero_states(cfg: Config, pp_rank: int) -> ModelStateBytes:
     param_bytes = DTYPE_BYTES[prec.dtype]
     grad_bytes = 4 if prec.accumulate_fp32 else param_bytes
     return zero_model_state_bytes(rank_params(cfg, pp_rank), p.dp, z.stage, param_bytes=param_bytes,
-                                  grad_bytes=grad_bytes, full_grads=p.pp > 1 and z.stage >= 2)
+                                  grad_bytes=grad_bytes, full_grads=p.pp > 1 and z.stage >= 2,
+                                  param_shard=z.offload_optimizer)
 
 
 def model_state_bytes(cfg: Config, pp_rank: int) -> float:

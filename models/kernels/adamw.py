@@ -20,6 +20,8 @@ corrections are device tensors, so a step never waits for the host.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +34,7 @@ ALIGN = 64
 
 @triton.jit
 def _adamw_tiles(tiles_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, coef_ptr, skip_ptr,
-                 corrections_ptr, lr, weight_decay, beta1, beta2, eps, BLOCK: tl.constexpr):
+                 corrections_ptr, lr, weight_decay, beta1, beta2, eps, BLOCK: tl.constexpr, ROUND_OUT: tl.constexpr):
     if tl.load(skip_ptr) != 0:
         return
     tile = tl.program_id(0)
@@ -56,7 +58,8 @@ def _adamw_tiles(tiles_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, o
     tl.store(master_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
+    if ROUND_OUT:
+        tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def tile_table(segments: list[tuple[int, int, bool]], bucket_numel: int, device: torch.device) -> torch.Tensor:
@@ -80,12 +83,14 @@ def tile_table(segments: list[tuple[int, int, bool]], bucket_numel: int, device:
 
 
 def adamw_bucket(tiles: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
-                 exp_avg_sq: torch.Tensor, out: torch.Tensor, coef: torch.Tensor, skip: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, out: Optional[torch.Tensor], coef: torch.Tensor, skip: torch.Tensor,
                  corrections: torch.Tensor, lr: float, weight_decay: float, betas: tuple[float, float],
                  eps: float) -> None:
     """One AdamW step on the tiles of one bucket (all tensors flat and of the bucket's length).
     ``coef`` (fp32) multiplies every gradient; a nonzero ``skip`` leaves everything as it was;
-    ``corrections`` holds this step's 1 - beta1^t and 1 - beta2^t (fp32)."""
+    ``corrections`` holds this step's 1 - beta1^t and 1 - beta2^t (fp32); ``out`` None: no 16-bit
+    copy to round into (ZeRO-3 rounds from the master as it gathers)."""
     _adamw_tiles[(tiles.shape[0],)](
-        tiles, grad, master, exp_avg, exp_avg_sq, out, coef, skip.view(torch.uint8), corrections,
-        lr, weight_decay, betas[0], betas[1], eps, BLOCK=BLOCK, num_warps=4)
+        tiles, grad, master, exp_avg, exp_avg_sq, master if out is None else out, coef, skip.view(torch.uint8),
+        corrections, lr, weight_decay, betas[0], betas[1], eps, BLOCK=BLOCK, ROUND_OUT=out is not None,
+        num_warps=4)

@@ -2,9 +2,14 @@
 
 Each parameter's ``.data`` is a view into its unit's flat buffer, so updating the buffer updates
 the model and a collective on a bucket moves many parameters at once. Under stage 3 a rank keeps
-only its owned slices (``shard``); a unit's full buffer is materialised by all-gather just before
-the unit runs and its storage released afterwards, while the parameter views stay attached to the
-(empty) storage. Autograd keeps references to those views for backward, so re-gathering into the
+no 16-bit values between uses: a unit's full buffer is materialised just before the unit runs, by
+rounding this rank's slices of the fp32 master into their places and all-gathering in place, and
+its storage is released afterwards, while the parameter views stay attached to the (empty)
+storage. Rounding at each gather instead of keeping a rounded copy of the shard saves 2 bytes per
+shard element (as FSDP2 does, which casts its fp32 shard as it gathers) for a cast the size of the
+shard per gather; the values are the same, since the master only changes in the optimizer step.
+An offloaded master lives in host memory, so there the rounded shard (``shard``) is kept on the
+device, where each step's uploads land. Autograd keeps references to those views for backward, so re-gathering into the
 same storage makes them valid again without touching the autograd graph. While released, a
 parameter's class is ``ReleasedParameter``: its shape, dtype, hooks and ``.grad`` stay readable,
 but reading its values (outside a forward, before ``DataParallel.wait_params()``) raises a clear
@@ -62,9 +67,15 @@ class ReleasedParameter(torch.nn.Parameter):
 
 class ParamStore:
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, group,
-                 sharded: bool, host_copies: Optional[HostCopies] = None):
+                 sharded: bool, host_copies: Optional[HostCopies] = None, master: Optional[torch.Tensor] = None):
+        """``master``: stage 3 on the device, the fp32 shard the optimizer updates in place (each
+        ``load_owned`` hands it over again), which gathers round from; ``host_copies``: an
+        offloaded master's uploads (see ``load_unit``)."""
         self.params, self.layout, self.dtype, self.group, self.sharded = params, layout, dtype, group, sharded
-        self.host_copies = host_copies  # an offloaded master's uploads (see load_unit)
+        if (master is not None) != (sharded and host_copies is None):
+            raise ValueError("stage 3 with the master on the device gathers from it: pass master there only")
+        self.host_copies = host_copies
+        self.master = master
         # An offloaded unit's work on the copy stream (its upload; a one-rank gather's local copy) that
         # the compute stream must wait for before the unit runs; ``wait`` takes it.
         self._ready: dict[int, Optional[torch.cuda.Event]] = {}
@@ -79,10 +90,10 @@ class ParamStore:
         self.gathered = [True] * len(self.units)
         self._pending: dict[int, list] = {}
         if sharded:
-            self.shard = torch.empty(layout.shard_numel, dtype=dtype, device=device)
-            for bucket in layout.buckets:
-                lo, hi = layout.owned_range(bucket)
-                self.shard_slice(bucket).copy_(self.units[bucket.unit][lo:hi])
+            if master is None:
+                self.shard = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+                for bucket in layout.buckets:
+                    self.shard_slice(bucket).copy_(self.owned_view(bucket))
             for unit in range(len(self.units)):
                 self.release(unit)
 
@@ -98,9 +109,12 @@ class ParamStore:
         lo, hi = self.layout.owned_range(bucket)
         return self.units[bucket.unit][lo:hi]
 
-    def owned_slice(self, bucket) -> torch.Tensor:
-        """Where this rank's updated 16-bit slice of ``bucket`` lives: the shard (stage 3) or the unit."""
-        return self.shard_slice(bucket) if self.sharded else self.owned_view(bucket)
+    def owned_slice(self, bucket) -> Optional[torch.Tensor]:
+        """Where this rank's updated 16-bit slice of ``bucket`` lives: the unit (stages 0-2), the shard
+        (stage 3 offloaded); None where stage 3 rounds from the master as it gathers."""
+        if not self.sharded:
+            return self.owned_view(bucket)
+        return None if self.shard is None else self.shard_slice(bucket)
 
     # --- stage 3: gather before use, release after -------------------------------------------
     def gather(self, unit: int, async_op: bool = False) -> None:
@@ -117,8 +131,15 @@ class ParamStore:
         After an offloaded update they are issued on the copy stream behind the unit's upload."""
         buf = self.units[unit]
         with self._issue_stream(unit), keep_version(buf):
-            handles = [comm.all_gather_into(buf[bucket.start:bucket.end], self.owned_slice(bucket), self.group,
-                                            async_op=async_op) for bucket in self.layout.unit_buckets(unit)]
+            handles = []
+            for bucket in self.layout.unit_buckets(unit):
+                owned = self.owned_slice(bucket)
+                if owned is None:  # round the master into place; the gather then runs in place
+                    lo, hi = self.layout.shard_range(bucket)
+                    owned = self.owned_view(bucket)
+                    owned.copy_(self.master[lo:hi])
+                handles.append(comm.all_gather_into(buf[bucket.start:bucket.end], owned, self.group,
+                                                    async_op=async_op))
             self._mark_ready(unit)
         return [h for h in handles if h is not None]
 
@@ -161,14 +182,15 @@ class ParamStore:
     # --- after the optimizer step ------------------------------------------------------------
     def load_owned(self, master_shard: torch.Tensor, unit_order: list[int]) -> None:
         """Copy updated fp32 master values into this rank's 16-bit slices (an offloaded master: unit
-        by unit in ``unit_order``, see ``load_unit``)."""
+        by unit in ``unit_order``, see ``load_unit``); stage 3 on the device only takes the master to
+        round from at its next gathers."""
+        if self.master is not None:
+            self.master = master_shard
+            return
         if master_shard.device != self.units[0].device:
             self.host_copies.synchronize()  # earlier uploads out of the pinned buffer are done
             for unit in unit_order:
                 self.load_unit(master_shard, unit, after_compute=True)
-            return
-        if self.sharded:
-            self.shard.copy_(master_shard, non_blocking=True)
             return
         for bucket in self.layout.buckets:
             lo, hi = self.layout.shard_range(bucket)

@@ -10,8 +10,11 @@ stage  16-bit parameters               gradients                shard the optimi
 1      whole                           whole, reduce-scattered  this rank's slice of every bucket
 2      whole                           owned slice (buckets     this rank's slice of every bucket
                                        reduced every backward)
-3      owned slice, units gathered     owned slice              this rank's slice of every bucket
-       around their forward/backward
+3      none: units gathered around     owned slice              this rank's slice of every bucket
+       their forward/backward, each
+       rank's slices rounded from the
+       master as it gathers (offload:
+       a rounded owned slice is kept)
 =====  ==============================  =======================  ====================================
 
 With ``once_per_step`` (the pipeline-parallel mode) stages 2 and 3 keep whole gradients across
@@ -114,7 +117,8 @@ class DataParallel:
         self._initial_shard = self._read_shard()
         self.host_copies = HostCopies(self.params[0].device) if s.offload else None
         self.store = ParamStore(self.params, self.layout, s.param_dtype, dp_group, sharded=s.stage == 3,
-                                host_copies=self.host_copies)
+                                host_copies=self.host_copies,
+                                master=self._initial_shard if s.stage == 3 and not s.offload else None)
         sharded = s.stage >= 2 and not s.once_per_step
         self.reducer = GradReducer(self.params, self.layout, dp_group, s.grad_dtype,
                                    mode="sharded" if sharded else "full", reduce_scatter=s.stage > 0,
@@ -254,9 +258,10 @@ class DataParallel:
         if self.settings.stage > 0:
             self.store.wait_all()
 
-    def owned_params(self, b: int) -> torch.Tensor:
+    def owned_params(self, b: int) -> Optional[torch.Tensor]:
         """Where this rank's 16-bit slice of bucket ``b`` lives (what ``load_shard`` writes), for an
-        update that rounds into the parameters itself (after ``before_owned_write``)."""
+        update that rounds into the parameters itself (after ``before_owned_write``); None under
+        stage 3 with the master on the device, which keeps no rounded slice."""
         return self.store.owned_slice(self.layout.buckets[b])
 
     def publish_owned(self) -> None:
