@@ -279,6 +279,10 @@ def merge_shards(prefixes: Iterable[str], output_prefix: str) -> IndexedDataset:
     shards = [IndexedDataset(p) for p in prefixes]
     if not shards:
         raise ValueError("merge needs at least one input shard")
+    other = next((s for s in shards if s.dtype != shards[0].dtype), None)
+    if other is not None:  # before any shard is copied
+        raise ValueError(f"cannot merge {other.prefix} ({other.dtype}) with {shards[0].prefix} ({shards[0].dtype}): "
+                         "every shard must use the same token dtype (same tokenizer)")
     origin = merged_origin([s.prefix for s in shards])
     with IndexedDatasetWriter(output_prefix, shards[0].dtype) as writer:
         for shard in shards:

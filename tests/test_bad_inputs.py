@@ -343,6 +343,13 @@ CASES = [
     ("preprocess-workers", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"), "--tokenizer",
                                       str(f["root"] / "tokenizer.json"), "--output-prefix", str(f["root"] / "out" / "g"),
                                       "--workers", "0"], ["--workers"]),
+    ("preprocess-prefix-folder", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"), "--tokenizer",
+                                            str(f["root"] / "tokenizer.json"), "--output-prefix", str(f["root"] / "out") + "/"],
+     ["--output-prefix", "names a folder; give a path and file-name prefix inside it"]),
+    ("preprocess-hf-split-of-a-file", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"), "--tokenizer",
+                                                 str(f["root"] / "tokenizer.json"), "--output-prefix",
+                                                 str(f["root"] / "out" / "g"), "--hf-split", "validation"],
+     ["--hf-split validation: picks the split of a Hugging Face dataset input, and none is given"]),
 ]
 
 
@@ -366,6 +373,14 @@ def test_bad_input_is_one_line_naming_the_problem(files, capsys, argv, expected)
     if after != before:  # a checksum found bad while loading: the run directory exists, but holds no record
         assert not list((files["root"] / "runs").glob("*/config.yaml")), "a refused launch must not write config.yaml"
         assert not list((files["root"] / "runs").glob("*/LOCK")), "a refused launch must release its lock"
+
+
+def test_a_refused_preprocess_creates_no_folder(files, capsys):
+    """``--workers 0`` was refused after the output prefix's folders had been made."""
+    fresh = files["root"] / "fresh"
+    assert main(["preprocess", "--input", str(files["root"] / "good.jsonl"), "--tokenizer",
+                 str(files["root"] / "tokenizer.json"), "--output-prefix", str(fresh / "sub" / "w0"), "--workers", "0"]) == 2
+    assert "--workers and --batch-size must be at least 1" in capsys.readouterr().err and not fresh.exists()
 
 
 def test_the_table_is_at_least_sixty_cases():

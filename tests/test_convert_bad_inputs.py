@@ -362,3 +362,118 @@ def test_a_tokenizer_bigger_than_the_model_is_refused(sources, tmp_path, capsys)
     err = _fails(capsys, tmp_path, sources / "mz", "--to", "hf", "--tokenizer", tmp_path / "big.json")
     assert err.endswith(f"--tokenizer {tmp_path / 'big.json'}: has 100 tokens, but the model has 61; give the "
                         "tokenizer the model was trained with"), err
+
+
+def _megatron(root: Path, drop=(), ranks: int = 1, **changes) -> Path:
+    """A Megatron-LM GPT checkpoint written by hand (no megatron-core needed): args as a Namespace,
+    one ``model`` dict per tp rank (each holding whole tensors: the argument checks come first)."""
+    import argparse
+
+    hidden, layers, seq, ffn = 16, 2, 8, 64
+    args = dict(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=4,
+                padded_vocab_size=128, max_position_embeddings=seq, seq_length=seq, openai_gelu=True)
+    args = {k: v for k, v in {**args, **changes}.items() if k not in drop}
+    model = {"embedding.word_embeddings.weight": torch.randn(128, hidden),
+             "embedding.position_embeddings.weight": torch.randn(seq, hidden),
+             "decoder.final_layernorm.weight": torch.ones(hidden), "decoder.final_layernorm.bias": torch.zeros(hidden)}
+    for i in range(layers):
+        for name, rows, cols in (("input_layernorm", hidden, 0), ("pre_mlp_layernorm", hidden, 0),
+                                 ("self_attention.linear_qkv", 3 * hidden, hidden),
+                                 ("self_attention.linear_proj", hidden, hidden), ("mlp.linear_fc1", ffn, hidden),
+                                 ("mlp.linear_fc2", hidden, ffn)):
+            model[f"decoder.layers.{i}.{name}.weight"] = torch.randn(rows, cols) if cols else torch.ones(rows)
+            model[f"decoder.layers.{i}.{name}.bias"] = torch.zeros(rows)
+    for t in range(ranks):
+        folder = root / "iter_0000005" / f"mp_rank_{t:02d}"
+        folder.mkdir(parents=True)
+        torch.save({"args": argparse.Namespace(**args), "model": model}, folder / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("5")
+    return root
+
+
+def test_a_handwritten_megatron_checkpoint_imports(tmp_path):
+    """The fixture of the Megatron cases below is a checkpoint the importer takes as it is."""
+    assert main(["convert", str(_megatron(tmp_path / "meg")), str(tmp_path / "out")]) == 0
+
+
+@pytest.mark.parametrize("drop,changes,want", [
+    ((), {"padded_vocab_size": 0}, "args.vocab_size (model.vocab_size)"),  # converted into a model of no vocabulary
+    ((), {"num_attention_heads": 3}, "args.num_attention_heads (model.num_heads)"),  # blamed on the weights
+    ((), {"num_attention_heads": 0}, "args.num_attention_heads (model.num_heads)"),  # ZeroDivisionError
+    (("hidden_size",), {}, "its args lack args.hidden_size"),  # TypeError in torch.empty
+    (("padded_vocab_size",), {}, "args record neither args.vocab_size nor args.padded_vocab_size"),
+    ((), {"hidden_size": "16"}, "args.hidden_size"),
+])
+def test_megatron_args_are_checked_as_a_model_config(tmp_path, capsys, drop, changes, want):
+    err = _fails(capsys, tmp_path, _megatron(tmp_path / "meg", drop, **changes))
+    assert want in err and "model_optim_rng.pt" in err, err
+
+
+def test_a_megatron_rank_file_without_weights_is_named(tmp_path, capsys):
+    root = _megatron(tmp_path / "meg", ranks=2)
+    second = root / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(second, weights_only=False)
+    torch.save({"args": state["args"], "model0": state["model"]}, second)
+    err = _fails(capsys, tmp_path, root)
+    assert err.endswith(f"{second}: holds model0 (a virtual-pipeline checkpoint's model chunks); only one model chunk "
+                        "per rank can be imported"), err
+    torch.save({"args": state["args"]}, second)
+    assert f"{second}: holds no 'model' weights (tp rank 1, pipeline rank 0)" in _fails(capsys, tmp_path, root)
+
+
+def test_an_hf_folder_with_two_sets_of_weights_is_refused(sources, tmp_path, capsys):
+    """transformers loads model.safetensors and ignores an index beside it; we read the index: which
+    weights a conversion took would depend on the tool."""
+    hf = _copy(sources / "hf", tmp_path)
+    shutil.copyfile(hf / "model.safetensors", hf / "model-00001-of-00001.safetensors")
+    names = json.loads(json.dumps(list(_header_names(hf / "model.safetensors"))))
+    (hf / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
+    assert "holds both model.safetensors and model.safetensors.index.json" in _fails(capsys, tmp_path, hf)
+
+
+def _header_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
+def test_an_hf_config_without_architectures_is_read_by_model_type(sources, tmp_path):
+    """What ``LlamaConfig().save_pretrained`` writes; transformers builds it from model_type."""
+    hf = _copy(sources / "hf", tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    del config["architectures"]
+    (hf / "config.json").write_text(json.dumps(config))
+    assert main(["convert", str(hf), str(tmp_path / "out")]) == 0
+
+
+def test_paths_that_are_not_what_convert_needs(sources, tmp_path, capsys):
+    """A file as SRC (the state dict --to torch writes) was a NotADirectoryError; a dangling link
+    as DST failed at the final rename, after the whole conversion; a DST under a file named a
+    training setting."""
+    assert main(["convert", str(sources / "gpt2_mz"), str(tmp_path / "sd.safetensors"), "--to", "torch"]) == 0
+    err = _fails(capsys, tmp_path, tmp_path / "sd.safetensors")
+    assert err.endswith(f"{tmp_path / 'sd.safetensors'}: is a file; SRC is a checkpoint folder (a state dict written "
+                        "by --to torch is for other tools and is not converted back)"), err
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    capsys.readouterr()
+    assert main(["convert", str(sources / "gpt2_mz"), str(tmp_path / "link")]) == 2
+    assert "link: already exists" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
+    (tmp_path / "afile").write_text("x")
+    err = _fails(capsys, tmp_path, sources / "gpt2_mz", dst=tmp_path / "afile" / "out")
+    assert f"its parent {tmp_path / 'afile'} is a file, not a folder" in err, err
+
+
+def test_a_tokenizer_transformers_cannot_take_is_refused_before_any_weight(sources, tmp_path, capsys, monkeypatch):
+    """A SentencePiece char model was refused only after every weight shard had been written."""
+    import sentencepiece as spm
+
+    from megazero.convert import hf
+
+    (tmp_path / "text.txt").write_text("".join(f"{'abcdefgh'[i % 8] * (i % 5 + 1)} abc\n" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "char"),
+                                   vocab_size=20, model_type="char", eos_id=2, pad_id=3, hard_vocab_limit=False)
+    monkeypatch.setattr(hf, "write_hf", lambda *a, **k: pytest.fail("weights written before the tokenizer check"))
+    err = _fails(capsys, tmp_path, sources / "mz", "--to", "hf", "--tokenizer", tmp_path / "char.model")
+    assert "a SentencePiece CHAR model cannot be written for transformers" in err, err

@@ -482,3 +482,40 @@ def test_exact_dedup_normalises_case_spaces_and_ends_and_counts_bytes(tmp_path, 
     with pytest.raises(OSError):
         exact_dedup.save_array(str(tmp_path / "a.npy"), np.zeros(3))
     assert not (tmp_path / "a.npy").exists()
+
+
+@pytest.mark.parametrize("weight", [1e-05, 0.5, 3e16])
+def test_the_blend_written_reads_back_with_its_weight(tmp_path, weight):
+    """``1e-05`` formatted by hand is a string to a YAML reader: the blend a run wrote was refused."""
+    from data_pipeline.blend import load_blend_preset
+
+    raw = config(tmp_path, [write_corpus(tmp_path)], stages=["clean"],
+                 preprocess={"tokenizer": _sentencepiece(tmp_path), "weight": weight})
+    blend = pipeline.run_pipeline(build_config(raw), log=lambda s: None)["blend"]
+    [[read, prefix]] = load_blend_preset(blend, str(tmp_path / "out"))
+    assert read == weight and os.path.isfile(f"{prefix}.idx")
+
+
+def test_outputs_curation_commands_refuse(tmp_path, capsys):
+    """What was taken silently or failed with a bare errno: an output.dir under a file; the demo
+    built over a folder's own files (it replaced a tokenizer shards recorded); a quality model
+    trained over an existing one (a finished quality stage then refused as changed)."""
+    corpus = write_corpus(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    raw = config(tmp_path, [corpus], out=str(tmp_path / "afile" / "sub"), stages=["clean"])
+    assert _cli(tmp_path, raw) == 2
+    assert f"output.dir: {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} is a file, not a folder" in \
+        capsys.readouterr().err
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "tokenizer.model").write_bytes(b"ours")
+    assert main(["curate", "demo", str(tmp_path / "demo")]) == 2
+    assert "demo: already holds tokenizer.model; the demo does not replace files" in capsys.readouterr().err
+    assert (tmp_path / "demo" / "tokenizer.model").read_bytes() == b"ours" and len(list((tmp_path / "demo").iterdir())) == 1
+    assert main(["curate", "train-quality", "--hq", corpus, "--lq", corpus, "--output", str(tmp_path / "afile")]) == 2
+    assert f"--output {tmp_path / 'afile'}: already exists" in capsys.readouterr().err
+    assert main(["curate", "train-quality", "--hq", corpus, "--lq", corpus, "--output",
+                 str(tmp_path / "afile" / "q.bin")]) == 2
+    assert f"{tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+    raw = config(tmp_path, [corpus], stages=["clean"])
+    raw["executor"] = None  # an empty section takes its defaults, as every other one
+    assert _cli(tmp_path, raw) == 0

@@ -76,9 +76,11 @@ def test_merge(tmp_path):
         assert Path(whole + ext).read_bytes() == Path(str(tmp_path / "m") + ext).read_bytes()
 
 
-def test_merge_refuses_mixed_dtypes(tmp_path):
+def test_merge_refuses_mixed_dtypes(tmp_path, monkeypatch):
+    """Before any shard is copied (the check ran in the copy loop, after the shards before it)."""
     a = write(tmp_path / "a", DOCS[:2], np.uint16)
     b = write(tmp_path / "b", DOCS[2:], np.int32)
+    monkeypatch.setattr(IndexedDatasetWriter, "add_shard", lambda *args: pytest.fail("a shard was copied"))
     with pytest.raises(ValueError, match="same token dtype"):
         merge_shards([a, b], str(tmp_path / "m"))
     assert not any(p.name.startswith("m.") for p in tmp_path.iterdir())

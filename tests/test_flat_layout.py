@@ -38,3 +38,38 @@ def test_every_slice_and_segment_is_aligned(units, bucket_numel, dp, rank):
             assert start % ALIGN == 0, (bucket, start)
             rounded = -(-ends[start] // ALIGN) * ALIGN
             assert rounded <= following, (bucket, start, ends[start], following)
+
+
+CASES = sorted({(str(units), bucket_numel, dp): (units, bucket_numel, dp)
+                for units, bucket_numel, dp, _ in _layouts()}.items())
+
+
+@pytest.mark.parametrize("units, bucket_numel, dp", [c for _, c in CASES])
+def test_every_parameter_element_is_owned_once_where_the_flat_space_puts_it(units, bucket_numel, dp):
+    layouts = [FlatLayout(units, bucket_numel, dp, rank, align=ALIGN) for rank in range(dp)]
+    first = layouts[0]
+    for u, total in enumerate(first.unit_numel):  # buckets tile each unit, end to end, nothing past it
+        starts = [(b.start, b.end) for b in first.unit_buckets(u)]
+        assert starts[0][0] == 0 and starts[-1][1] == total
+        assert all(end == nxt for (_, end), (nxt, _) in zip(starts, starts[1:]))
+    assert first.shard_numel * dp == first.numel
+    owner = [[None] * n for n in first.param_numel]
+    for rank, layout in enumerate(layouts):
+        for bucket in layout.buckets:  # rank r owns the r-th slice, as the reduce-scatter delivers
+            size = bucket.numel // dp
+            assert layout.owned_range(bucket) == (bucket.start + rank * size, bucket.start + (rank + 1) * size)
+        taken = set()
+        for seg in layout.segments:
+            bucket = next(b for b in layout.buckets
+                          if layout.shard_range(b)[0] <= seg.shard_offset < layout.shard_range(b)[1])
+            lo = layout.owned_range(bucket)[0] + seg.shard_offset - bucket.shard_offset
+            assert bucket.unit == layout.param_unit[seg.param]
+            assert lo == layout.param_offset[seg.param] + seg.param_offset  # the same element, seen both ways
+            assert seg.shard_offset + seg.numel <= layout.shard_range(bucket)[1] and seg.numel > 0
+            here = set(range(seg.shard_offset, seg.shard_offset + seg.numel))
+            assert not here & taken
+            taken |= here
+            for k in range(seg.param_offset, seg.param_offset + seg.numel):
+                assert owner[seg.param][k] is None, (seg, k)
+                owner[seg.param][k] = rank
+    assert all(r is not None for elements in owner for r in elements)

@@ -151,3 +151,18 @@ def test_ramp_start_above_full_is_rejected():
 def test_full_batch_must_split_into_micro_batches():
     with pytest.raises(ConfigError, match="train.global_batch_size"):
         build_batch_schedule(ScheduleConfig(), TrainConfig(micro_batch_size=4, global_batch_size=36), dp=2)
+
+
+def test_ramp_start_equal_to_full_is_accepted():
+    # only a start *above* the full batch is refused: equal means the batch is full from the first step
+    ramp = build_batch_schedule(ScheduleConfig(rampup_start_batch=32, rampup_samples=10),
+                                TrainConfig(micro_batch_size=1, global_batch_size=32), dp=1)
+    assert [ramp.global_batch(s) for s in (0, 9, 10)] == [32, 32, 32]
+
+
+@pytest.mark.parametrize("samples", [0, -5])
+def test_ramp_over_no_samples_is_rejected(samples):
+    # a start batch with rampup_samples 0 would be ignored silently (the batch is full at sample 0)
+    with pytest.raises(ConfigError, match="schedule.rampup_samples"):
+        build_batch_schedule(ScheduleConfig(rampup_start_batch=8, rampup_samples=samples),
+                             TrainConfig(micro_batch_size=1, global_batch_size=32), dp=1)

@@ -108,9 +108,20 @@ def build_config(raw: dict, base_dir: str = ".") -> CurateConfig:
     cfg.stages = [str(s).replace("-", "_") for s in cfg.stages]
     _refuse(_value_problems(cfg))
     patterns, cfg.input.paths = cfg.input.paths, expand_inputs(cfg.input.paths, base_dir)
-    _refuse(output_overlap(patterns, cfg.input.paths, base_dir, cfg.output.dir))
+    _refuse(output_overlap(patterns, cfg.input.paths, base_dir, cfg.output.dir) + _output_dir_problems(cfg.output.dir))
     _refuse(_file_problems(cfg))
     return cfg
+
+
+def _output_dir_problems(out_dir: str) -> list[str]:
+    """A file where ``output.dir`` or a folder above it should be (creating it would fail with an
+    errno that names no field)."""
+    path = os.path.abspath(out_dir)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return [f"output.dir: {out_dir}: {path} is a file, not a folder; choose another output.dir"]
+    return []
 
 
 def _refuse(problems: list[str]) -> None:

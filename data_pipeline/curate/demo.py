@@ -17,6 +17,7 @@ import os
 import random
 import re
 import sysconfig
+import tempfile
 
 from data_pipeline.demo_corpus import stdlib_files
 
@@ -113,11 +114,23 @@ def write_jsonl(path: str, texts: list[str], ids: list[str] | None = None) -> st
     return path
 
 
+DEMO_FILES = ("corpus.jsonl", os.path.join("tasks", "docs_qa.jsonl"), "hq.jsonl", "lq.jsonl", "quality.bin",
+              "tokenizer.model", "tokenizer.vocab")
+
+
 def build_demo(out_dir: str, seed: int = 0) -> dict:
-    """The planted corpus, a task file, a quality model and a tokenizer in ``out_dir``."""
+    """The planted corpus, a task file, a quality model and a tokenizer in ``out_dir``. Files already
+    there are refused, never replaced (a shard records the tokenizer it was made with, a finished
+    quality stage the model it scored with); the demo is built in a temporary folder inside
+    ``out_dir`` and moved in at the end, so a failed build leaves nothing behind."""
     from data_pipeline.curate.quality import train_quality
     from data_pipeline.tokenizer import train_sentencepiece
 
+    ours = DEMO_FILES + (() if os.path.normpath(out_dir) == DEMO_DIR else ("curate.yaml",))
+    there = [name for name in ours if os.path.lexists(os.path.join(out_dir, name))]
+    if there:
+        raise ValueError(f"{out_dir}: already holds {', '.join(there)}; the demo does not replace files: give a new "
+                         "or empty folder")
     rng = random.Random(seed)
     prose = stdlib_prose()
     if len(prose) < 200:
@@ -134,15 +147,23 @@ def build_demo(out_dir: str, seed: int = 0) -> dict:
     corpus += word_salad(vocab, rng, 60)  # low quality: the classifier should send most of these away
     corpus.append(corpus[0] + "\n\n" + task[0] + "\n\n" + corpus[1])  # contamination
     rng.shuffle(corpus)
-    files = {"corpus": write_jsonl(os.path.join(out_dir, "corpus.jsonl"), corpus),
-             "task": write_jsonl(os.path.join(out_dir, "tasks", "docs_qa.jsonl"), task),
-             "hq": write_jsonl(os.path.join(out_dir, "hq.jsonl"), hq_train),
-             "lq": write_jsonl(os.path.join(out_dir, "lq.jsonl"), lq_train)}
-    model = os.path.join(out_dir, "quality.bin")
-    quality = train_quality([files["hq"]], [files["lq"]], model, epoch=25, seed=seed)
-    tokenizer = train_sentencepiece(iter(prose), os.path.join(out_dir, "tokenizer"), 2048)
-    return {**files, "documents": len(corpus), "quality_model": model, "quality_accuracy": quality["accuracy"],
-            "tokenizer": tokenizer, "config": demo_config(out_dir)}
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".curate-demo-") as tmp:
+        hq, lq = write_jsonl(os.path.join(tmp, "hq.jsonl"), hq_train), write_jsonl(os.path.join(tmp, "lq.jsonl"), lq_train)
+        write_jsonl(os.path.join(tmp, "corpus.jsonl"), corpus)
+        write_jsonl(os.path.join(tmp, "tasks", "docs_qa.jsonl"), task)
+        quality = train_quality([hq], [lq], os.path.join(tmp, "quality.bin"), epoch=25, seed=seed)
+        train_sentencepiece(iter(prose), os.path.join(tmp, "tokenizer"), 2048)
+        for name in DEMO_FILES:
+            final = os.path.join(out_dir, name)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.replace(os.path.join(tmp, name), final)
+    files = {key: os.path.join(out_dir, name) for key, name in (
+        ("corpus", "corpus.jsonl"), ("task", os.path.join("tasks", "docs_qa.jsonl")), ("hq", "hq.jsonl"),
+        ("lq", "lq.jsonl"))}
+    return {**files, "documents": len(corpus), "quality_model": os.path.join(out_dir, "quality.bin"),
+            "quality_accuracy": quality["accuracy"], "tokenizer": os.path.join(out_dir, "tokenizer.model"),
+            "config": demo_config(out_dir)}
 
 
 DEMO_DIR = "data/curate_demo"

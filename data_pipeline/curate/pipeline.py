@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import yaml
+
 from data_pipeline.curate import decontaminate as dc
 from data_pipeline.curate import exact_dedup as ex
 from data_pipeline.curate import fuzzy_dedup as fz
@@ -282,8 +284,9 @@ def tokenize_and_blend(cfg: CurateConfig, shards: list[str], upstream: str, log)
         log(f"preprocess: {stats.summary()}")
     blend = os.path.join(out, "blend.yaml")
     rel = os.path.relpath(dataset, out)
+    # dumped by YAML, not formatted by hand: 1e-05 written as it prints is a string to a YAML reader
+    datasets = yaml.safe_dump({"datasets": [[cfg.preprocess.weight, rel]]}, default_flow_style=None)
     atomic_write_text(blend, f"# train on it: megazero train CONFIG --data.blend_preset {blend} "
-                             f"--data.blend_root {out}\n"
-                             f"datasets:\n  - [{cfg.preprocess.weight}, {rel}]\n")
+                             f"--data.blend_root {out}\n{datasets}")
     log(f"wrote {blend}")
     return blend

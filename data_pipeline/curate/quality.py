@@ -148,7 +148,14 @@ def quality_shard(in_path: str, out_path: str, text_field: str, cfg: QualityConf
 
 def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "text", epoch: int = 5,
                   valid_fraction: float = 0.1, seed: int = 0, dim: int = 64) -> dict:
-    """Train the hq/lq classifier on word 1-2-grams; returns counts and held-out accuracy."""
+    """Train the hq/lq classifier on word 1-2-grams; returns counts and held-out accuracy. An existing
+    ``output`` is refused (a quality stage that scored with it would be refused as changed, and the
+    model lost); the model is saved under a temporary name and renamed, so it is whole or absent."""
+    if os.path.lexists(output):
+        raise ValueError(f"--output {output}: already exists; give a new path or remove it first")
+    folder = os.path.dirname(os.path.abspath(output))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"--output {output}: {folder} is a file, not a folder; give another path")
     examples = [(HQ, t) for t in _texts(hq, text_field, "--hq")] + [(LQ, t) for t in _texts(lq, text_field, "--lq")]
     random.Random(seed).shuffle(examples)
     n_valid = int(len(examples) * valid_fraction) if len(examples) >= 10 else 0
@@ -163,8 +170,14 @@ def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "
         model = fasttext.train_supervised(input=train_file, wordNgrams=2, epoch=epoch, dim=dim, minCount=1,
                                           lr=0.5, thread=1, seed=seed, verbose=0)
         accuracy = model.test(valid_file)[1] if valid else float("nan")
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    model.save_model(output)
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{output}.tmp-{os.getpid()}"
+    try:
+        model.save_model(tmp)
+        os.replace(tmp, output)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return {"hq": sum(1 for label, _ in examples if label == HQ), "lq": sum(1 for label, _ in examples if label == LQ),
             "held_out": len(valid), "accuracy": accuracy}
 

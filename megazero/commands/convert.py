@@ -7,6 +7,7 @@ temporary folder beside DST and renamed to DST at the end: on any error DST does
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from megazero.errors import UserError
@@ -59,6 +60,9 @@ def open_source(path: Path, kind, verify: bool = True, vocab_size: int | None = 
 
     if not path.exists():
         raise UserError(f"{path}: does not exist; check SRC")
+    if not path.is_dir():
+        raise UserError(f"{path}: is a file; SRC is a checkpoint folder (a state dict written by --to torch is "
+                        "for other tools and is not converted back)")
     kind = kind or detect(path)
     if vocab_size is not None and kind != "megatron":
         raise UserError(f"--vocab-size: applies to a Megatron source only; {path} is a {kind} checkpoint")
@@ -91,8 +95,10 @@ def run(args) -> int:
 
     check_flags(args)
     src, dst = Path(args.src), Path(args.dst)
-    if dst.exists():
+    if os.path.lexists(dst):  # a dangling link too: the final rename would fail on it
         raise UserError(f"{dst}: already exists; give a new DST path or remove it first")
+    if dst.parent.exists() and not dst.parent.is_dir():
+        raise UserError(f"{dst}: its parent {dst.parent} is a file, not a folder; give another DST path")
     if dst.resolve().is_relative_to(src.resolve()):
         raise UserError(f"{dst}: inside SRC {src}; a conversion must not write into the checkpoint it reads (a "
                         "training run would take the new folder for one of its own); give a DST outside it")

@@ -56,7 +56,9 @@ def run_config(args) -> int:
     raw = read_yaml(args.config)
     for key, value in parse_overrides(list(args.overrides), CurateConfig):
         set_dotted(raw, key.replace("-", "_"), value)
-    executor = raw.setdefault("executor", {}) if isinstance(raw.get("executor", {}), dict) else None
+    if raw.get("executor") is None:  # an empty section takes its defaults, as every other section does
+        raw["executor"] = {}
+    executor = raw["executor"] if isinstance(raw["executor"], dict) else None
     if executor is None:
         raise UserError(f"{args.config}: executor must be a mapping (kind, workers, ray_address)")
     for flag, key in ((args.workers, "workers"), (args.executor, "kind"), (args.ray_address, "ray_address")):

@@ -43,6 +43,11 @@ def run(args) -> int:
     from data_pipeline.indexed import merge_shards
     from data_pipeline.preprocess import output_prefix_for, preprocess
 
+    if not args.merge and (args.workers < 1 or args.batch_size < 1):
+        raise UserError("--workers and --batch-size must be at least 1")
+    if args.hf_split is not None and not any(_is_dataset(name) for name in args.input or ()):
+        raise UserError(f"--hf-split {args.hf_split}: picks the split of a Hugging Face dataset input, and none is "
+                        "given (files are read whole, --merge joins shards); leave the flag out")
     _check_output_dir(args.output_prefix)
     _check_no_repeats(args)
     _check_outputs_absent(args)
@@ -54,8 +59,6 @@ def run(args) -> int:
             return 0
         if not args.tokenizer:
             raise UserError("--tokenizer is required to preprocess (a SentencePiece .model or a tokenizer.json)")
-        if args.workers < 1 or args.batch_size < 1:
-            raise UserError("--workers and --batch-size must be at least 1")
         stats = preprocess(args.input, args.output_prefix, args.tokenizer, tuple(args.json_keys), args.workers,
                            args.batch_size, not args.no_eod, args.hf_split,
                            progress=not args.no_progress and sys.stderr.isatty(),
@@ -68,8 +71,19 @@ def run(args) -> int:
     return 0
 
 
+def _is_dataset(name: str) -> bool:
+    """An input read through ``datasets`` (a saved folder or a hub name), not a jsonl or parquet file."""
+    from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
+
+    return not name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(name)
+
+
 def _check_output_dir(prefix: str) -> None:
-    """The shards' directory must be there (or makeable) and writable, said before any input is read."""
+    """The shards' directory must be there (or makeable) and writable, said before any input is read;
+    a prefix naming a folder (``out/``, or an existing folder) would write hidden files into it."""
+    if prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
+        raise UserError(f"--output-prefix {prefix}: names a folder; give a path and file-name prefix inside it, "
+                        f"e.g. {os.path.join(prefix, 'corpus')}")
     directory = os.path.dirname(os.path.abspath(prefix))
     try:
         os.makedirs(directory, exist_ok=True)

@@ -51,7 +51,10 @@ class HFSource:
         archs = self.hf.get("architectures") or []
         if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
             raise UserError(f"{config_path}: architectures is {archs!r}, not a list of class names; check SRC")
-        self.family = FAMILIES.get(archs[0]) if archs else None
+        # transformers builds the class model_type names (AutoModelForCausalLM), so a config without
+        # architectures (a bare LlamaConfig().save_pretrained) is read by its model_type
+        by_type = {f.model_type: f for f in FAMILIES.values()}
+        self.family = FAMILIES.get(archs[0]) if archs else by_type.get(self.hf.get("model_type"))
         if self.family is None:
             raise UserError(f"{config_path}: architecture {archs[0] if archs else self.hf.get('model_type')!r} is not "
                             f"one megazero can import ({', '.join(FAMILIES)}); convert such a model with its own tools")
@@ -71,6 +74,10 @@ class HFSource:
                 raise UserError(f"{index}: is not a safetensors index ({type(e).__name__}: {e}); restore it") from None
             if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
                 raise UserError(f"{index}: weight_map is not a mapping of tensor names to shard files; restore it")
+            if (self.folder / "model.safetensors").is_file() and set(weight_map.values()) != {"model.safetensors"}:
+                # transformers loads model.safetensors and ignores the index: which set is stale?
+                raise UserError(f"{self.folder}: holds both model.safetensors and {INDEX} naming other shards, "
+                                "which may hold different weights; remove the set that is stale")
         elif (self.folder / "model.safetensors").is_file():
             weight_map = {name: "model.safetensors" for name in _header(self.folder / "model.safetensors")}
         elif any(self.folder.glob("pytorch_model*.bin")):

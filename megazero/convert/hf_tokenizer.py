@@ -33,7 +33,7 @@ def load_fitting(path: str, vocab_size: int):
     """The tokenizer at ``path``, loaded once for the whole export; refused when it does not load or
     has more tokens than the model has rows (the folder written would encode text to ids the model
     cannot embed)."""
-    from data_pipeline.tokenizer import load_tokenizer
+    from data_pipeline.tokenizer import HFTokenizer, load_tokenizer
 
     try:
         tok = load_tokenizer(path)
@@ -42,6 +42,8 @@ def load_fitting(path: str, vocab_size: int):
     if tok.vocab_size > vocab_size:
         raise UserError(f"--tokenizer {path}: has {tok.vocab_size} tokens, but the model has {vocab_size}; give "
                         "the tokenizer the model was trained with")
+    if not isinstance(tok, HFTokenizer):
+        _sentencepiece_proto(tok.path)  # a kind transformers cannot take is refused before any weight is written
     return tok
 
 
@@ -80,8 +82,7 @@ def _sentencepiece_as_json(path: str) -> str:
     from tokenizers import Regex, Tokenizer, decoders, normalizers
     from tokenizers.models import BPE, Unigram
 
-    proto = pb.ModelProto()
-    proto.ParseFromString(Path(path).read_bytes())
+    proto = _sentencepiece_proto(path)
     piece_type, spec, norm = pb.ModelProto.SentencePiece, proto.trainer_spec, proto.normalizer_spec
     pieces = list(proto.pieces)
     textual = (piece_type.NORMAL, piece_type.USER_DEFINED)  # pieces that text can become directly
@@ -91,13 +92,10 @@ def _sentencepiece_as_json(path: str) -> str:
                         if t[:k] in normal and t[k:] in normal)
         model = BPE({p.piece: i for i, p in enumerate(pieces)}, [(a, b) for _, a, b in ranked],
                     unk_token=pieces[spec.unk_id].piece, fuse_unk=True, byte_fallback=spec.byte_fallback)
-    elif spec.model_type == pb.TrainerSpec.UNIGRAM:
+    else:
         never = min(p.score for p in pieces) - 1e6  # special and byte pieces: only by fallback, never from text
         model = Unigram([(p.piece, p.score if p.type in textual else never) for p in pieces], spec.unk_id,
                         spec.byte_fallback)
-    else:
-        raise UserError(f"--tokenizer {path}: a SentencePiece {pb.TrainerSpec.ModelType.Name(spec.model_type)} model "
-                        "cannot be written for transformers (bpe and unigram can); export without --tokenizer")
     tokenizer = Tokenizer(model)
     steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap else []
     if norm.remove_extra_whitespaces:
@@ -111,3 +109,16 @@ def _sentencepiece_as_json(path: str) -> str:
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
     return tokenizer.to_str()
+
+
+def _sentencepiece_proto(path: str):
+    """The SentencePiece model at ``path``; a kind other than BPE and unigram is refused."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(Path(path).read_bytes())
+    if proto.trainer_spec.model_type not in (pb.TrainerSpec.BPE, pb.TrainerSpec.UNIGRAM):
+        kind = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
+        raise UserError(f"--tokenizer {path}: a SentencePiece {kind} model cannot be written for transformers (bpe "
+                        "and unigram can); export without --tokenizer")
+    return proto

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import argparse
 import re
+import typing
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from megazero.convert.hf_models import LAYER, refuse
+from data_pipeline.typed_config import coerce
+from megazero.convert.hf_models import LAYER, refuse, validated
 from megazero.convert.sources import logical_shapes, unpadded
 from megazero.errors import UserError
 from models.config import ModelConfig
@@ -96,10 +99,6 @@ class MegatronSource:
                                     f"{p} of {self.tp} x {self.pp}); restore it")
         self.files, self._loaded = files, {}
         first = self._state(0, 0)
-        if "model" not in first:
-            keys = ", ".join(k for k in first if k.startswith("model"))
-            raise UserError(f"{files[(0, 0)]}: holds {keys or 'no model'} (a virtual-pipeline checkpoint has model0, "
-                            "model1, ...); only one model chunk per rank can be imported")
         self.args = first.get("args")
         if not isinstance(self.args, argparse.Namespace):
             raise UserError(f"{files[(0, 0)]}: records no Megatron args; cannot tell its architecture")
@@ -111,7 +110,15 @@ class MegatronSource:
 
     def _state(self, t: int, p: int) -> dict:
         if (t, p) not in self._loaded:
-            self._loaded[(t, p)] = safe_load(self.files[(t, p)])
+            state = safe_load(self.files[(t, p)])
+            if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+                chunks = ", ".join(k for k in state if isinstance(k, str) and k.startswith("model")) \
+                    if isinstance(state, dict) else ""
+                raise UserError(f"{self.files[(t, p)]}: holds {chunks} (a virtual-pipeline checkpoint's model "
+                                "chunks); only one model chunk per rank can be imported" if chunks else
+                                f"{self.files[(t, p)]}: holds no 'model' weights (tp rank {t}, pipeline rank {p}); "
+                                "the checkpoint is damaged or not Megatron-LM's: restore that file")
+            self._loaded[(t, p)] = state
         return self._loaded[(t, p)]
 
     def _model(self, t: int, p: int) -> dict:
@@ -290,18 +297,41 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     if not swiglu and not (get("openai_gelu", False) or get("bias_gelu_fusion", False)):
         print(f"megazero convert: note: {where}: Megatron computed GeLU exactly (erf); megazero uses the tanh "
               "approximation (differences up to about 5e-4 per activation)", flush=True)
+    for key in ("num_layers", "hidden_size", "num_attention_heads"):
+        if get(key) is None:
+            raise UserError(f"{where}: its args lack args.{key}; the checkpoint is incomplete")
     heads = get("num_attention_heads")
     groups = get("num_query_groups") if get("group_query_attention", False) else None
+    vocab = _vocab_size(args, where, vocab_size)
+    if vocab is None:
+        raise UserError(f"{where}: its args record neither args.vocab_size nor args.padded_vocab_size; give the "
+                        "tokenizer's vocabulary with --vocab-size")
+    length = (get("max_position_embeddings") if position == "learned" else None) or get("seq_length") \
+        or get("max_position_embeddings")
+    if length is None:
+        raise UserError(f"{where}: its args lack args.seq_length and args.max_position_embeddings; the checkpoint "
+                        "is incomplete")
     try:
-        return ModelConfig(
+        cfg = ModelConfig(
             preset="llama" if position == "rope" else "gpt2", num_layers=get("num_layers"),
             hidden_size=get("hidden_size"), num_heads=heads, num_kv_heads=None if groups in (None, heads) else groups,
-            ffn_hidden_size=get("ffn_hidden_size"), vocab_size=_vocab_size(args, where, vocab_size),
-            seq_length=(get("max_position_embeddings") if position == "learned" else None) or get("seq_length")
-            or get("max_position_embeddings"), position_embedding=position,
+            ffn_hidden_size=get("ffn_hidden_size"), vocab_size=vocab, seq_length=length, position_embedding=position,
             rope_theta=float(get("rotary_base", 10000)), norm=norm,
             norm_eps=get("norm_epsilon", get("layernorm_epsilon", 1e-5)), activation="swiglu" if swiglu else "gelu",
             tie_embeddings=not get("untie_embeddings_and_output_weights", False), bias=bias,
             dropout=get("hidden_dropout", 0.0), attention_dropout=get("attention_dropout", 0.0))
-    except TypeError as e:
-        raise UserError(f"{where}: its args lack a model size ({e}); the checkpoint is incomplete") from None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{where}: its args hold a model size that is not a number ({e}); the checkpoint is "
+                        "damaged") from None
+    hints = typing.get_type_hints(ModelConfig)
+    for field, key in ARG_NAMES.KEYS.items():  # a "16" would fail in arithmetic, not name its arg
+        setattr(cfg, field, coerce(getattr(cfg, field), hints[field], f"{where}: {key}", UserError))
+    return validated(cfg, ARG_NAMES, where)
+
+
+ARG_NAMES = SimpleNamespace(KEYS={
+    "num_layers": "args.num_layers", "hidden_size": "args.hidden_size", "num_heads": "args.num_attention_heads",
+    "num_kv_heads": "args.num_query_groups", "ffn_hidden_size": "args.ffn_hidden_size",
+    "vocab_size": "args.vocab_size", "seq_length": "args.seq_length", "norm_eps": "args.norm_epsilon",
+    "dropout": "args.hidden_dropout", "attention_dropout": "args.attention_dropout"})
+"""Our model fields' Megatron args, for the messages of ``validated``."""

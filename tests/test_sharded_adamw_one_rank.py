@@ -1,0 +1,192 @@
+"""ShardedAdamW on a world of one rank against torch's AdamW, step by step: the optimizer's own
+math (decay groups, clipping, the scheduled learning rate, skipping, the dynamic loss scale, the
+offloaded update, a resumed step count) without the 4-rank world of ``tests/test_zero_toy.py``.
+
+It reuses ``tests/test_zero_toy.py``'s toy model, data and reference. With one rank the shard is the whole model, so the first and second moments are compared element by
+element too: Adam's normalised update hides a constant factor on the gradients from the
+parameters, not from the moments. One process: a world of 1 (``run_world(1, ...)``).
+"""
+
+import copy
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megazero.optim import DynamicLossScaler
+from tests.distributed import run_world
+from tests.sharded import sharded_adamw
+from tests.test_zero_toy import STEPS, Toy, _data, _lr, _reference
+
+TOL = 2e-6
+MOMENT_TOL = 1e-5  # relative, over all moments
+
+
+def _reference_moments(model, steps, clip, variant):
+    """The reference's (exp_avg, exp_avg_sq) by parameter name, rebuilt as _reference does it."""
+    model = copy.deepcopy(model)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=False)
+        for group in opt.param_groups:
+            group["lr"] = _lr(variant, step) or 1e-2
+        model(*_data(step, 0)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {name: (opt.state[p]["exp_avg"].reshape(-1), opt.state[p]["exp_avg_sq"].reshape(-1))
+            for name, p in model.named_parameters()}
+
+
+def _moments(opt):
+    out = {}
+    for i, info in enumerate(opt.dp.info):
+        numel = opt.layout.param_numel[i]
+        m, v = torch.zeros(numel), torch.zeros(numel)
+        for seg in opt.layout.segments:
+            if seg.param == i:
+                here = slice(seg.param_offset, seg.param_offset + seg.numel)
+                m[here] = opt.exp_avg[seg.shard_offset:seg.shard_offset + seg.numel]
+                v[here] = opt.exp_avg_sq[seg.shard_offset:seg.shard_offset + seg.numel]
+        out[info.name] = (m, v)
+    return out
+
+
+def _relative(got, want, which):
+    num = torch.stack([(got[k][which] - w[which]).norm() for k, w in want.items()]).norm()
+    return (num / torch.stack([w[which].norm() for w in want.values()]).norm()).item()
+
+
+def _train(base, group, variant, clip, **settings):
+    model = copy.deepcopy(base)
+    opt = sharded_adamw(model, group, model.blocks, bucket_numel=320, lr=1e-2, clip_grad=clip, **settings)
+    for step in range(STEPS):
+        opt.scale_loss(model(*_data(step, 0))).backward()
+        opt.step(_lr(variant, step))
+    opt.dp.wait_params()
+    return model, opt
+
+
+VARIANTS = {  # name: (stage, lr variant, settings)
+    "fused": (1, "plain", {}),
+    "unfused": (2, "plain", {"fused": False}),
+    "schedule": (1, "schedule", {}),
+    "offload": (1, "schedule", {"offload": True}),
+    "stage 3": (3, "plain", {}),
+    "offload stage 3": (3, "plain", {"offload": True}),
+}
+
+
+def _skip_run(base, group, **settings):
+    """One step with an infinite loss, then a clean one: (skipped, scale after, parameters unchanged
+    by the skipped step, the clean step's parameters equal a fresh optimizer's first step)."""
+    model, fresh = copy.deepcopy(base), copy.deepcopy(base)
+    opt = sharded_adamw(model, group, model.blocks, stage=1, bucket_numel=320, lr=1e-2, **settings)
+    other = sharded_adamw(fresh, group, fresh.blocks, stage=1, bucket_numel=320, lr=1e-2, **{
+        k: v for k, v in settings.items() if k != "loss_scaler"})
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.scale_loss(model(*_data(0, 0)) * float("inf")).backward()
+    result = opt.step()
+    opt.dp.wait_params()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    scale = opt.scaler.scale
+    for o, m in ((opt, model), (other, fresh)):  # the skipped step must not count for bias correction
+        o.scale_loss(m(*_data(1, 0))).backward()
+        o.step()
+        o.dp.wait_params()
+    clean = max((p - q).abs().max().item() for p, q in zip(model.parameters(), fresh.parameters()))
+    return result.skipped, scale, unchanged, clean
+
+
+def _resume_run(base, group, offload):
+    """Two steps, the state saved and loaded into a fresh optimizer, one more step on both: equal."""
+    model = copy.deepcopy(base)
+    opt = sharded_adamw(model, group, model.blocks, stage=1, bucket_numel=320, lr=1e-2, offload=offload)
+    for step in range(2):
+        opt.scale_loss(model(*_data(step, 0))).backward()
+        opt.step()
+    state = {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in opt.sharded_state_dict().items()}
+    opt.dp.wait_params()
+    copy_model = copy.deepcopy(base)
+    resumed = sharded_adamw(copy_model, group, copy_model.blocks, stage=1, bucket_numel=320, lr=1e-2, offload=offload)
+    resumed.load_sharded_state_dict(state)
+    for o, m in ((opt, model), (resumed, copy_model)):
+        o.scale_loss(m(*_data(2, 0))).backward()
+        o.step()
+        o.dp.wait_params()
+    return state["adam_step"], max((p - q).abs().max().item() for p, q in zip(model.parameters(), copy_model.parameters()))
+
+
+def _guarded(fn, *args, **kwargs):
+    """A case that raises fails its own test (with the traceback) rather than the whole world."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - reported by the test that reads it
+        return traceback.format_exc()
+
+
+def _matches_reference(base, group, name, clip, refs):
+    stage, variant, settings = VARIANTS[name]
+    model, opt = _train(base, group, variant, clip, stage=stage, **settings)
+    (reference, _, _), ref_moments = refs[variant]
+    moments = _moments(opt)
+    err = max((p - q).abs().max().item() for p, q in zip(model.state_dict().values(), reference.state_dict().values()))
+    return err, _relative(moments, ref_moments, 0), _relative(moments, ref_moments, 1)
+
+
+def _single_rank(rank, world_size):
+    torch.manual_seed(0)
+    base = Toy()
+    group = dist.new_group([0])
+    out = {}
+    for clip in (1e9, 0.05):
+        refs = {v: (_reference(base, STEPS, 1, clip, v), _reference_moments(base, STEPS, clip, v))
+                for v in ("plain", "schedule")}
+        for name in VARIANTS:
+            out[(name, clip)] = _guarded(_matches_reference, base, group, name, clip, refs)
+    for fused in (True, False):
+        out[("skip", fused)] = _guarded(_skip_run, base, group, fused=fused)
+    out[("skip", "offload")] = _guarded(_skip_run, base, group, offload=True)
+    out[("skip", "dynamic")] = _guarded(_skip_run, base, group,
+                                        loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1))
+    for offload in (False, True):
+        out[("resume", offload)] = _guarded(_resume_run, base, group, offload)
+    return out
+
+
+def _result(single_rank, key):
+    value = single_rank[key]
+    assert not isinstance(value, str), value  # the case raised: its traceback
+    return value
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    return run_world(1, _single_rank)[0]
+
+
+@pytest.mark.parametrize("clip", [1e9, 0.05], ids=["loose clip", "binding clip"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_one_rank_matches_torch_adamw_with_its_moments(single_rank, name, clip):
+    err, m_err, v_err = _result(single_rank, (name, clip))
+    assert err < TOL, f"parameter error {err:.3g}"
+    assert m_err < MOMENT_TOL and v_err < MOMENT_TOL, (m_err, v_err)
+
+
+@pytest.mark.parametrize("kind", [True, False, "offload", "dynamic"],
+                         ids=["fused", "unfused", "offload", "dynamic scaler"])
+def test_an_overflowing_step_is_skipped_and_not_counted(single_rank, kind):
+    skipped, scale, unchanged, clean = _result(single_rank, ("skip", kind))
+    assert skipped and unchanged
+    assert scale == (512 if kind == "dynamic" else 1.0)  # hysteresis 1: the first overflow halves
+    assert clean < TOL, f"the step after the skip differs from a first step by {clean:.3g}"
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_a_loaded_state_resumes_the_step_count(single_rank, offload):
+    adam_step, diff = _result(single_rank, ("resume", offload))
+    assert adam_step == 2
+    assert diff == 0, f"resumed step differs by {diff:.3g}"
