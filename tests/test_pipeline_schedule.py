@@ -4,11 +4,12 @@ import itertools
 
 import pytest
 
-from parallel.pipeline.partition import HALF_BLOCK_GAIN, balanced_split, resolve_split, stage_layers, stage_parts
+from parallel.pipeline.partition import (HALF_BLOCK_GAIN, balanced_split, rank_work, resolve_split, stage_layers,
+                                         stage_parts)
 from parallel.pipeline.plan import (UNIT_COSTS, PipelineDeadlock, bubble_of, check_ops, comm_plan, plan_for,
                                     simulate, timeline)
-from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, interleaved_1f1b, max_live_activations,
-                                        one_f_one_b)
+from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, default_schedule, interleaved_1f1b,
+                                        max_live_activations, one_f_one_b)
 
 
 def seq(text: str) -> list[Op]:
@@ -344,3 +345,147 @@ def test_a_split_may_cut_blocks_in_half():
 
 def test_bubble_without_pipelining_is_every_other_stage():
     assert bubble_fraction(4, 8, schedule="gradient_accumulation") == 3.0
+
+
+# --- schedule.py ----------------------------------------------------------------------------------
+
+def test_sizes_and_delays_out_of_range_are_refused():
+    """No micro-batches is a configuration error, not an empty step; a negative weight-gradient delay
+    is refused rather than run as 0; interleaved_zb needs two chunks a rank. (Planted: ``m < 1``
+    loosened to ``m < 0``; ``delay < 0`` to ``delay < -1``; ``v < 2`` to ``v < 1``.)"""
+    for name in ("1f1b", "gradient_accumulation", "zb-h1", "interleaved_1f1b"):
+        with pytest.raises(ValueError, match="positive"):
+            build_schedule(name, 2, 0, 0, 2 if name == "interleaved_1f1b" else 1)
+    for name in ("zb-h1", "zb-h2"):
+        with pytest.raises(ValueError, match=">= 0"):
+            build_schedule(name, 2, 1, 4, 1, delay=-1)
+    with pytest.raises(ValueError, match="more than one model chunk"):
+        build_schedule("interleaved_zb", 2, 0, 4, 1)
+
+
+def test_an_explicit_delay_of_zero_is_kept_on_every_rank():
+    """``delay=0`` runs each W right after its B whatever the rank (it must not fall back to the rank's
+    default, ``r``). (Planted: ``delay = delay or rank``.)"""
+    assert build_schedule("zb-h1", 4, 2, 4, delay=0) == seq("F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3")
+    assert build_schedule("zb-h2", 2, 1, 3, delay=0) == seq("F0 B0 W0 F1 B1 W1 F2 B2 W2")
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_interleaved_zero_bubble_at_m_equal_pp_idles_two_thirds_of_interleaved_1f1b(pp):
+    """At m = pp every forward goes first; with equal op costs interleaved_zb then idles two thirds of
+    interleaved 1F1B's (pp - 1) / (v m), as ``bubble_fraction`` says and ``timeline`` measures.
+    (Planted: that branch of ``bubble_fraction`` returning a third.)"""
+    for v in (2, 3):
+        unit = {"F": 1 / v, "B": 2 / v, "B_input": 1 / v, "W": 1 / v}
+        plans = [plan_for("interleaved_zb", pp, r, pp, v)[1] for r in range(pp)]
+        measured = bubble_of(timeline(plans, unit))
+        assert bubble_fraction(pp, pp, v, "interleaved_zb") == pytest.approx(measured)
+        assert measured == pytest.approx((pp - 1) / (v * pp) * 2 / 3)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_zb_h2_bubble_theory_matches_the_simulator(pp):
+    """With m >= 2 pp and equal op costs ZB-H2 idles as much as ZB-H1, a third of 1F1B's (pp - 1) / m:
+    ``bubble_fraction`` says so for "zb-h2" too. (Planted: the third applied to zb-h1 and
+    interleaved_zb only, zb-h2 getting 1F1B's figure.)"""
+    for m in (2 * pp, 3 * pp, 16):
+        measured = bubble_of(timeline([plan_for("zb-h2", pp, r, m)[1] for r in range(pp)]))
+        assert bubble_fraction(pp, m, schedule="zb-h2") == pytest.approx(measured) == pytest.approx((pp - 1) / (3 * m))
+
+
+def test_default_schedule():
+    """``auto``: interleaved 1F1B with virtual stages, 1F1B for a pipeline, accumulation without one.
+    (Planted: interleaved_zb picked for v > 1.)"""
+    assert default_schedule(2, 2) == "interleaved_1f1b"
+    assert default_schedule(4, 1) == "1f1b"
+    assert default_schedule(1, 1) == "gradient_accumulation"
+
+
+# --- plan.py ----------------------------------------------------------------------------------------
+
+def test_simulator_catches_a_receive_that_is_never_sent():
+    """Rank 1 waits for an activation rank 0 never sends (rank 0's plan is empty): a deadlock, not a
+    receive that completes with no partner. (Planted: the never-sends check removed; the plan then
+    "ran".)"""
+    plans = [comm_plan([], 2, 0), comm_plan(seq("F0"), 2, 1)]
+    with pytest.raises(PipelineDeadlock, match="rank 1 waits for act.* that rank 0 never sends"):
+        simulate(plans)
+
+
+def test_bubble_is_the_idlest_ranks():
+    """1F1B, pp 2, one micro-batch, rank 1 twice as slow: rank 0 works 3 of a 9-unit step (idle 6, a
+    bubble of 2), rank 1 works 6 (0.5); ``bubble_of`` is the idlest rank's. (Planted: the least idle
+    rank's: with equal op costs every rank is equally busy and no other test told them apart.)"""
+    plans = [plan_for("1f1b", 2, r, 1)[1] for r in range(2)]
+    times = timeline(plans, [{"F": 1.0, "B": 2.0}, {"F": 2.0, "B": 4.0}])
+    assert [[(repr(op), a, b) for op, a, b in ops] for ops in times] == [
+        [("F0", 0.0, 1.0), ("B0", 7.0, 9.0)], [("F0", 1.0, 3.0), ("B0", 3.0, 7.0)]]
+    assert bubble_of(times) == pytest.approx(2.0)
+
+
+# --- partition.py -----------------------------------------------------------------------------------
+
+def test_every_chunk_keeps_a_block_under_a_heavy_head():
+    """Two chunks a rank and a head worth 40 blocks: each rank first gets at least v blocks, so every
+    chunk holds one and the split still sums to the layers. (Planted: ranks filled with at least one
+    block, which gave [2, 1, 1, 1], five blocks of four.)"""
+    assert balanced_split(4, 2, 2, head_cost=40.0) == [1, 1, 1, 1]
+    assert balanced_split(6, 3, 2, head_cost=10.0) == [1] * 6
+    for layers, pp, v, head in [(5, 2, 2, 3.0), (7, 3, 2, 30.0), (9, 2, 4, 100.0)]:
+        split = balanced_split(layers, pp, v, head_cost=head)
+        assert sum(split) == layers and min(split) >= 1, split
+
+
+def test_interleaved_halves_taken_when_the_busiest_rank_is_no_busier():
+    """12 blocks, pp 2, two chunks a rank, head 0.5: halves bring the busiest chunk from 3.5 to 3.43
+    blocks of work while the busiest rank stays at 6.5; "without adding to the busiest rank's" allows
+    equal. (Planted: the rank check made strict.)"""
+    assert balanced_split(12, 2, 2, 0.5) == [3, 3, 3, 3]
+    assert balanced_split(12, 2, 2, 0.5, 0.43) == [3, 3.5, 3, 2.5]
+
+
+def test_half_block_split_prefers_whole_blocks_on_ties():
+    """GPT 1.3B at pp 8 (docs/pipeline.md): stages filled from the last take the count nearest an even
+    share, whole blocks on ties, so the first stage gets 3 blocks, not 3.5. (Planted: ties broken
+    towards a half, which gave [3.5, 3, 3.5, ...].)"""
+    assert balanced_split(24, 8, 1, 1.753, 0.4286) == [3, 3.5, 3.5, 3, 3, 3.5, 3, 1.5]
+
+
+def test_an_infinite_head_cost_is_refused():
+    """(Planted: only the lower bound checked, so an infinite head cost went through.)"""
+    with pytest.raises(ValueError, match="head_cost"):
+        balanced_split(24, 2, 1, float("inf"), 0.4)
+    with pytest.raises(ValueError, match="head_cost"):
+        balanced_split(24, 2, 1, float("inf"))
+
+
+def test_a_chunk_outside_the_split_is_named():
+    """Chunk 1 of a one-chunk-a-rank split is virtual stage pp: a ValueError naming it, not an
+    IndexError from the bounds table. (Planted: ``stage < len(split)`` loosened to ``<=``.)"""
+    with pytest.raises(ValueError, match="outside a 2-stage split"):
+        stage_layers([2, 2], 2, 0, 1)
+    with pytest.raises(ValueError, match="outside"):
+        stage_layers([2, 2], 2, 1, 1)
+
+
+def test_rank_work_sums_every_chunk_of_the_rank():
+    """A rank's work is all its chunks' (virtual stages r, r + pp, ...), halves at their share.
+    (Planted: only chunk 0 counted.)"""
+    assert rank_work([2, 3, 4, 5], 2, 0, 0.4) == pytest.approx(6.0)
+    assert rank_work([2, 3, 4, 5], 2, 1, 0.4) == pytest.approx(8.0)
+    assert rank_work([1.5, 2.5, 2, 2], 2, 0, 0.4) == pytest.approx(2 * 0.4 + 0.6 + 2.0)
+
+
+def test_live_peaks_keeps_only_points_no_other_matches_or_exceeds():
+    """``live_peaks`` returns the fullest points only: no kept count vector is matched or exceeded in
+    every chunk by another kept one (the planner stores these per schedule). (Planted: "exceeds" made
+    strict in every chunk, which kept (2, 0) beside (2, 1); every peak stayed right, the list grew.)"""
+    from parallel.pipeline.schedule import live_peaks
+
+    for name, v in (("interleaved_1f1b", 2), ("interleaved_zb", 2), ("interleaved_1f1b", 3)):
+        for pp, m in ((2, 4), (4, 8), (2, 3)):
+            for rank in range(pp):
+                front = live_peaks(build_schedule(name, pp, rank, m, v))
+                for a in front:
+                    for b in front:
+                        assert a == b or not all(x >= y for x, y in zip(a, b)), (name, pp, m, rank, front)

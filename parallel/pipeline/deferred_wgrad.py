@@ -166,9 +166,9 @@ class WeightGradQueue:
         ``B``; outside one, compute and deliver the gradients at once."""
         if not isinstance(weight, nn.Parameter):  # the operator is handed the parameter itself
             raise TypeError(f"a deferred weight gradient came for a {type(weight).__name__}, not a parameter")
-        if not weight.requires_grad:  # frozen: nothing to compute
-            return
         bias = bias if bias is not None and bias.requires_grad else None
+        if not weight.requires_grad and bias is None:  # frozen: nothing to compute
+            return
         key = self.current if self.current is not None else object()
         self.pending.setdefault(key, []).append((weight, bias, x, grad_out))
         if self.current is None:
@@ -198,7 +198,9 @@ class WeightGradQueue:
                 count += 1
         for weight, bias, pairs in by_weight.values():
             params, grads = [], []
-            if self.sink is not None and self.sink.add_weight_grad(weight, weight_grad_products(pairs)):
+            if not weight.requires_grad:  # a frozen weight, queued for its trainable bias
+                pass
+            elif self.sink is not None and self.sink.add_weight_grad(weight, weight_grad_products(pairs)):
                 in_place += len(pairs)
             else:
                 params.append(weight)
