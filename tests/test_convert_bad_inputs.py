@@ -477,3 +477,16 @@ def test_a_tokenizer_transformers_cannot_take_is_refused_before_any_weight(sourc
     monkeypatch.setattr(hf, "write_hf", lambda *a, **k: pytest.fail("weights written before the tokenizer check"))
     err = _fails(capsys, tmp_path, sources / "mz", "--to", "hf", "--tokenizer", tmp_path / "char.model")
     assert "a SentencePiece CHAR model cannot be written for transformers" in err, err
+
+
+@pytest.mark.parametrize("changes,want", [
+    ({"scale_attn_by_inverse_layer_idx": True}, "config.json: scale_attn_by_inverse_layer_idx: True has no "
+                                                "counterpart in megazero's GPT"),
+    ({"scale_attn_weights": False}, "config.json: scale_attn_weights: False has no counterpart"),
+    ({"add_cross_attention": True}, "config.json: add_cross_attention: True has no counterpart"),
+    ({"activation_function": "gelu"}, "config.json: activation_function: 'gelu' is not megazero's tanh-approximated"),
+])
+def test_gpt2_attention_switches_without_counterpart(sources, tmp_path, capsys, changes, want):
+    hf = _copy(sources / "gpt2", tmp_path)
+    _edit_config(hf, **changes)
+    assert want in _fails(capsys, tmp_path, hf)

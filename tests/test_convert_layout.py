@@ -168,3 +168,24 @@ def test_cli_writes_the_layout(written, tmp_path):
     assert (layout["tp"], layout["pp"], layout["dp"], manifest["world_size"]) == (2, 2, 1, 4)
     recorded = manifest["meta"]["config"]["parallel"]
     assert (recorded["tp"], recorded["pp"], recorded["dp"]) == (2, 2, 1)
+
+
+def _layout(order: str):
+    cfg = resolve_config(load_config(None, MODEL + ["--parallel.pp", "2", "--zero.stage", "1",
+                                                    "--parallel.order", order]), 4)
+    assert (cfg.parallel.pp, cfg.parallel.dp) == (2, 2)
+    return training_layout(cfg)
+
+
+def test_rank_order_places_each_coordinates_plan_on_its_rank():
+    default, other = _layout("tp-dp-pp"), _layout("tp-pp-dp")
+    grid = RankGrid(tp=1, pp=2, dp=2, order="tp-pp-dp")
+    by_coord = {RankGrid(tp=1, pp=2, dp=2).coord(r): plan for r, plan in enumerate(default.ranks)}
+    assert len({tuple(p.params) for p in default.ranks}) > 1  # the stages hold different parameters
+    moved = 0
+    for rank, plan in enumerate(other.ranks):
+        want = by_coord[grid.coord(rank)]
+        assert (plan.params, plan.segments, plan.numel) == (want.params, want.segments, want.numel), rank
+        moved += plan != default.ranks[rank]
+    assert moved > 0  # the orders really differ here
+    assert other.description["order"] == "tp-pp-dp"

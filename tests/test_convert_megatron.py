@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from megazero.cli import main
+from megazero.convert.megatron import model_config
 from tests.distributed import run_world
 
 with warnings.catch_warnings():  # megatron-core warns at import about missing GPU extras
@@ -244,3 +245,52 @@ def test_padded_rows_are_named_and_left_out_with_vocab_size(megatron, tmp_path, 
     assert "--vocab-size: 129 is more than the 128 rows" in capsys.readouterr().err
     assert main(["convert", str(root / "llama"), str(tmp_path / "y"), "--vocab-size", "100", "--dtype", "bf16"]) == 2
     assert "--dtype: apply to --to hf only (this conversion writes megazero)" in capsys.readouterr().err
+
+
+def _pretrain_args(**changes) -> argparse.Namespace:
+    """Args as Megatron-LM's pretrain_gpt.py records them for a small GPT-2-style run."""
+    base = dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=1,
+                group_query_attention=False, padded_vocab_size=128, max_position_embeddings=16, seq_length=16,
+                position_embedding_type="learned_absolute", normalization="LayerNorm", norm_epsilon=1e-5,
+                swiglu=False, add_bias_linear=True, openai_gelu=True, untie_embeddings_and_output_weights=False,
+                tensor_model_parallel_size=1)
+    return argparse.Namespace(**{**base, **changes})
+
+
+def test_args_norm_epsilon_is_the_model_norm_eps():
+    assert model_config(_pretrain_args(norm_epsilon=1e-6), "ckpt").norm_eps == 1e-6
+    assert model_config(_pretrain_args(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                              norm_epsilon=3e-6), "ckpt").norm_eps == 3e-6
+
+
+def test_learned_positions_cover_max_position_embeddings_rotary_the_sequence():
+    """Megatron's learned position table has max_position_embeddings rows, which may exceed the
+    training seq_length: the model must be that long, or the table is refused as the wrong shape."""
+    assert model_config(_pretrain_args(max_position_embeddings=16, seq_length=8), "ckpt").seq_length == 16
+    rope = _pretrain_args(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                          max_position_embeddings=16, seq_length=8)
+    assert model_config(rope, "ckpt").seq_length == 8
+
+
+def test_num_query_groups_counts_only_with_group_query_attention():
+    """--num-query-groups defaults to 1 in Megatron-LM: without --group-query-attention it is not one
+    key/value head."""
+    cfg = model_config(_pretrain_args(), "ckpt")
+    assert cfg.kv_heads == cfg.num_heads == 4
+    assert model_config(_pretrain_args(group_query_attention=True, num_query_groups=2), "ckpt").kv_heads == 2
+
+
+def test_tp_copies_that_differ_import_tp_rank_0s(megatron, tmp_path, capsys):
+    """The docs promise tp rank 0's copy of a replicated tensor when copies differ (and a note)."""
+    from megazero.generate import load_model
+
+    root, _ = megatron
+    src = shutil.copytree(root / "gpt2", tmp_path / "gpt2")
+    rank0 = torch.load(src / "iter_0000005" / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)
+    path = src / "iter_0000005" / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["decoder.final_layernorm.bias"] += 0.5
+    torch.save(state, path)
+    assert main(["convert", str(src), str(tmp_path / "mz")]) == 0
+    ours, _ = load_model(tmp_path / "mz")
+    assert torch.equal(ours.final_norm.bias.detach(), rank0["model"]["decoder.final_layernorm.bias"].float())

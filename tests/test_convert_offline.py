@@ -1,0 +1,160 @@
+"""Export and offline-reshard promises the multi-rank worlds of ``tests/test_convert_hf.py`` do not
+reach, each on one process in a few seconds. Planted bugs these catch: ``torch_dtype`` recorded as float32 for a bf16
+export; a bf16 Hugging Face folder refused as "not a float type"; the offline reshard dropping the
+consumed samples, the loss-scaler state, the ``latest`` pointer or the tokenizer record;
+``--reset-step`` ignored; the ``--to torch`` file written without its model config; the Adam step
+taken as the smallest over ranks (a rank whose shard is all padding saves 0).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+
+from megazero.checkpoint import latest_checkpoint
+from megazero.checkpoint.reader import STATE_KEYS, CheckpointReader
+from megazero.cli import main
+from megazero.convert.targets import write_megazero
+from tests.test_convert_bad_inputs import _Random
+
+
+def convert(*args) -> int:
+    return main(["convert", *map(str, args)])
+
+
+def test_a_bf16_export_says_so_and_a_bf16_folder_imports(tmp_path):
+    """--dtype bf16 writes bf16 tensors and a config.json whose torch_dtype says bfloat16 (what
+    ``dtype="auto"`` loads); such a folder, the usual published kind, imports to the same values."""
+    from safetensors import safe_open
+
+    from megazero.generate import load_model
+
+    torch.manual_seed(0)
+    write_megazero(_Random(num_layers=2, position_embedding="rope", norm="rmsnorm", activation="swiglu",
+                           tie_embeddings=False), tmp_path / "mz")
+    assert convert(tmp_path / "mz", tmp_path / "hf", "--dtype", "bf16") == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 - not a dict
+        embedding = f.get_tensor("model.embed_tokens.weight")
+    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    assert auto.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert convert(tmp_path / "hf", tmp_path / "back") == 0
+    back, _ = load_model(tmp_path / "back")
+    assert torch.equal(back.embedding.tokens.weight[:embedding.shape[0]], embedding.float())
+
+
+# --- megazero -> megazero and -> torch: what the source run recorded beside its weights -------------
+
+SCALER = {"kind": "DynamicLossScaler", "scale": 4096.0, "clean_steps": 17, "hysteresis_left": 1}
+TOKENIZER = {"tokenizer_sha256": "ab" * 32, "vocab_size": 40, "name": "tok.json"}
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A consolidated megazero checkpoint at step 7, 1234 samples in, with Adam moments, an fp16
+    loss-scaler state and a tokenizer record, as a run that trained would hold."""
+    from megazero.config.schema import Config
+    from megazero.convert.checkpoint_out import write_checkpoint
+    from megazero.convert.layout import consolidated
+    from megazero.convert.sources import logical_shapes
+
+    source = _Random(num_layers=2)
+    shapes = logical_shapes(source.cfg)
+    g = torch.Generator().manual_seed(2)
+    values = {}
+    for name, shape in shapes.items():
+        values[name] = {key: torch.randn(shape, generator=g).abs() for key in STATE_KEYS}
+        if name.startswith("embedding.tokens"):
+            for t in values[name].values():
+                t[source.cfg.vocab_size:] = 0  # vocabulary padding
+    meta = {"step": 7, "consumed": 1234, "skipped": 2, "bad_in_row": 0, "config": asdict(Config(model=source.cfg)),
+            "tokenizer": TOKENIZER}
+    write_checkpoint(tmp_path / "src", consolidated(shapes, source.cfg.num_layers),
+                     lambda name, keys: {k: values[name][k] for k in keys}, step=7, meta=meta, with_moments=True,
+                     adam_step=7.0, scaler=SCALER)
+    return tmp_path / "src", values
+
+
+def test_offline_reshard_carries_progress_scaler_and_tokenizer_record(run, tmp_path):
+    src, values = run
+    assert convert(src, tmp_path / "out", "--to", "megazero") == 0
+    assert (tmp_path / "out" / "latest").read_text().strip() == "step_0000007"
+    new = CheckpointReader(latest_checkpoint(tmp_path / "out"))
+    assert (new.meta["step"], new.meta["consumed"], new.meta["skipped"]) == (7, 1234, 2)
+    assert new.meta["tokenizer"] == TOKENIZER
+    assert new.values(0, ("adam_step", "scaler")) == {"adam_step": 7.0, "scaler": SCALER}
+    for name, want in values.items():
+        got = new.read(name, STATE_KEYS)
+        for key in STATE_KEYS:
+            assert torch.equal(got[key], want[key]), (name, key)
+
+
+def test_reset_step_starts_afresh_from_the_same_weights(run, tmp_path):
+    src, values = run
+    assert convert(src, tmp_path / "out", "--to", "megazero", "--reset-step") == 0
+    new = CheckpointReader(latest_checkpoint(tmp_path / "out"))
+    assert (new.meta["step"], new.meta["consumed"]) == (0, 0)
+    assert new.values(0, ("adam_step",))["adam_step"] == 0.0
+    assert new.values(0, ("scaler",))["scaler"] != SCALER
+    for name, want in values.items():
+        got = new.read(name, STATE_KEYS)
+        assert torch.equal(got["master"], want["master"]), name
+        assert not got["exp_avg"].any() and not got["exp_avg_sq"].any(), name
+
+
+def test_state_dict_file_describes_its_model(run, tmp_path):
+    from safetensors import safe_open
+
+    from megazero.convert.targets import STATE_DICT_METADATA
+
+    src, _ = run
+    assert convert(src, tmp_path / "sd.safetensors", "--to", "torch") == 0
+    with safe_open(tmp_path / "sd.safetensors", "pt") as f:
+        recorded = json.loads(f.metadata()[STATE_DICT_METADATA])
+    assert recorded == asdict(_Random(num_layers=2).cfg)
+
+
+def test_offline_reshard_takes_the_adam_step_of_ranks_that_updated(tmp_path):
+    """At dp 16 the last ranks of this tiny model hold only padding; a training rank with nothing to
+    update saves Adam step 0, so the step carried over is the largest over ranks, not any one's."""
+    from megazero.checkpoint import read_manifest
+    from megazero.checkpoint.format import CHECKSUM, COMPLETE, complete_text, rank_manifest_name
+    from megazero.config import load_config, resolve_config
+    from megazero.convert.checkpoint_out import _write_rank, write_checkpoint
+    from megazero.convert.layout import training_layout
+    from megazero.convert.sources import logical_shapes
+
+    cfg = resolve_config(load_config(None, [
+        "--model.num_layers", "2", "--model.hidden_size", "8", "--model.num_heads", "2", "--model.vocab_size", "40",
+        "--model.seq_length", "8", "--train.micro_batch_size", "1", "--train.global_batch_size", "16",
+        "--train.device", "cpu", "--precision.dtype", "fp32", "--zero.stage", "1"]), 16)
+    layout = training_layout(cfg)
+    empty = [r for r, plan in enumerate(layout.ranks) if not plan.segments]
+    assert empty and 0 not in empty
+    shapes = logical_shapes(cfg.model, vocab_multiple=128)
+    g = torch.Generator().manual_seed(3)
+    values = {name: {key: torch.randn(shape, generator=g) for key in STATE_KEYS} for name, shape in shapes.items()}
+    for t in values["embedding.tokens.weight"].values():
+        t[40:] = 0
+
+    def read(name, keys):
+        return {k: values[name][k] for k in keys}
+
+    meta = {"step": 7, "consumed": 112, "skipped": 0, "bad_in_row": 0, "config": asdict(cfg)}
+    ckpt = write_checkpoint(tmp_path / "src", layout, read, step=7, meta=meta, with_moments=True, adam_step=7.0,
+                            scaler=SCALER)
+    record = {k: v for k, v in read_manifest(ckpt).items() if k != CHECKSUM}
+    for rank in empty:  # what those ranks of the training run saved
+        entries = _write_rank(ckpt, rank, layout.ranks[rank], read, True, 0.0, SCALER)
+        (ckpt / rank_manifest_name(rank)).write_text(json.dumps({"rank": rank, "step": 7, "files": entries}, indent=1))
+        record["files"].update(entries)
+    (ckpt / COMPLETE).write_text(complete_text(record))
+    assert convert(tmp_path / "src", tmp_path / "out", "--to", "megazero") == 0
+    new = CheckpointReader(latest_checkpoint(tmp_path / "out"))
+    assert new.values(0, ("adam_step",))["adam_step"] == 7.0
