@@ -59,7 +59,8 @@ def group_named(name: str) -> dist.ProcessGroup:
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
     """Concatenate every rank's equal-sized ``shard`` along dim 0 into ``output``."""
     if group_size(group) == 1:
-        output.copy_(shard.reshape(output.shape))
+        if shard.data_ptr() != output.data_ptr():  # in place (ZeRO's own slice) is already done
+            output.copy_(shard.reshape(output.shape))
         return None
     with named("all_gather", group, async_op):
         return _all_gather_single(output, shard.contiguous(), group=group, async_op=async_op)

@@ -9,11 +9,12 @@ storage. Rounding at each gather instead of keeping a rounded copy of the shard 
 shard element (as FSDP2 does, which casts its fp32 shard as it gathers) for a cast the size of the
 shard per gather; the values are the same, since the master only changes in the optimizer step.
 An offloaded master lives in host memory, so there the rounded shard (``shard``) is kept on the
-device, where each step's uploads land. Autograd keeps references to those views for backward, so re-gathering into the
-same storage makes them valid again without touching the autograd graph. While released, a
-parameter's class is ``ReleasedParameter``: its shape, dtype, hooks and ``.grad`` stay readable,
-but reading its values (outside a forward, before ``DataParallel.wait_params()``) raises a clear
-error instead of reading storage that holds no bytes, which crashed the process.
+device, where each step's uploads land. Autograd keeps references to the parameter views for
+backward, so re-gathering into the same storage makes them valid again without touching the
+autograd graph. While released, a parameter's class is ``ReleasedParameter``: its shape, dtype,
+hooks and ``.grad`` stay readable, but reading its values (outside a forward, before
+``DataParallel.wait_params()``) raises a clear error instead of reading storage that holds no
+bytes, which crashed the process.
 """
 
 from __future__ import annotations
