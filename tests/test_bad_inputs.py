@@ -375,14 +375,6 @@ def test_bad_input_is_one_line_naming_the_problem(files, capsys, argv, expected)
         assert not list((files["root"] / "runs").glob("*/LOCK")), "a refused launch must release its lock"
 
 
-def test_a_refused_preprocess_creates_no_folder(files, capsys):
-    """``--workers 0`` was refused after the output prefix's folders had been made."""
-    fresh = files["root"] / "fresh"
-    assert main(["preprocess", "--input", str(files["root"] / "good.jsonl"), "--tokenizer",
-                 str(files["root"] / "tokenizer.json"), "--output-prefix", str(fresh / "sub" / "w0"), "--workers", "0"]) == 2
-    assert "--workers and --batch-size must be at least 1" in capsys.readouterr().err and not fresh.exists()
-
-
 def test_the_table_is_at_least_sixty_cases():
     assert len(CASES) >= 60
 

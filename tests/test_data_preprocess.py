@@ -275,3 +275,13 @@ def test_demo_corpus_is_deterministic(tmp_path):
     assert shard_bytes(a["data_prefix"]) == shard_bytes(b["data_prefix"])
     paths = [json.loads(line)["path"] for line in Path(a["jsonl"]).read_text().splitlines()]
     assert len({p.split("/")[0] for p in paths}) > 3  # spread over the stdlib, not one package
+
+
+def test_a_refused_preprocess_creates_no_folder(tmp_path, capsys):
+    """``--workers 0`` was refused after the output prefix's folders had been made."""
+    from megazero.cli import main
+
+    fresh = tmp_path / "fresh"
+    assert main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok.json"),
+                 "--output-prefix", str(fresh / "sub" / "w0"), "--workers", "0"]) == 2
+    assert "--workers and --batch-size must be at least 1" in capsys.readouterr().err and not fresh.exists()
