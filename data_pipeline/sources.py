@@ -172,11 +172,17 @@ def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256,
         yield from _jsonl_batches(path, batch_size)
     elif path.endswith(PARQUET_SUFFIXES):
         yield from _parquet_batches(path, keys, batch_size)
-    elif os.path.isfile(path):
+    elif not reads_as_dataset(path):
         raise ValueError(f"{path}: unknown input type; use .jsonl/.json (optionally .gz or .zst), .parquet, "
                          "or a Hugging Face dataset directory or name")
     else:
         yield from _hf_batches(path, keys, batch_size, hf_split)
+
+
+def reads_as_dataset(path: str) -> bool:
+    """Whether ``iter_batches`` reads ``path`` through ``datasets`` (a saved folder or a hub name)
+    rather than as a jsonl or parquet file (which ``--hf-split`` does not apply to)."""
+    return not path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(path)
 
 
 def _jsonl_batches(path: str, batch_size: int) -> Iterator[Batch]:

@@ -31,7 +31,7 @@ from data_pipeline.curate.exact_dedup import ExactDedupConfig
 from data_pipeline.curate.fuzzy_dedup import FuzzyDedupConfig
 from data_pipeline.curate.quality import QualityConfig
 from data_pipeline.curate.runner import EXECUTORS
-from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS
+from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS, file_in_the_way
 from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.typed_config import build_dataclass
 
@@ -114,14 +114,8 @@ def build_config(raw: dict, base_dir: str = ".") -> CurateConfig:
 
 
 def _output_dir_problems(out_dir: str) -> list[str]:
-    """A file where ``output.dir`` or a folder above it should be (creating it would fail with an
-    errno that names no field)."""
-    path = os.path.abspath(out_dir)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    if not os.path.isdir(path):
-        return [f"output.dir: {out_dir}: {path} is a file, not a folder; choose another output.dir"]
-    return []
+    blocking = file_in_the_way(os.path.join(out_dir, "shard"))
+    return [f"output.dir: {out_dir}: {blocking} is a file, not a folder; choose another output.dir"] if blocking else []
 
 
 def _refuse(problems: list[str]) -> None:

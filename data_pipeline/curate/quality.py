@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from data_pipeline.curate.checks import within
-from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
+from data_pipeline.curate.shards import BadRecords, file_in_the_way, input_documents, read_shard, write_shard
 
 HQ, LQ = "__label__hq", "__label__lq"
 HIST_BINS = 20  # score histogram in stats.json, for the report
@@ -153,9 +153,9 @@ def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "
     model lost); the model is saved under a temporary name and renamed, so it is whole or absent."""
     if os.path.lexists(output):
         raise ValueError(f"--output {output}: already exists; give a new path or remove it first")
-    folder = os.path.dirname(os.path.abspath(output))
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise ValueError(f"--output {output}: {folder} is a file, not a folder; give another path")
+    blocking = file_in_the_way(output)
+    if blocking:
+        raise ValueError(f"--output {output}: {blocking} is a file, not a folder; give another path")
     examples = [(HQ, t) for t in _texts(hq, text_field, "--hq")] + [(LQ, t) for t in _texts(lq, text_field, "--lq")]
     random.Random(seed).shuffle(examples)
     n_valid = int(len(examples) * valid_fraction) if len(examples) >= 10 else 0
@@ -170,7 +170,7 @@ def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "
         model = fasttext.train_supervised(input=train_file, wordNgrams=2, epoch=epoch, dim=dim, minCount=1,
                                           lr=0.5, thread=1, seed=seed, verbose=0)
         accuracy = model.test(valid_file)[1] if valid else float("nan")
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     tmp = f"{output}.tmp-{os.getpid()}"
     try:
         model.save_model(tmp)

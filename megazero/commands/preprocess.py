@@ -42,10 +42,11 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from data_pipeline.indexed import merge_shards
     from data_pipeline.preprocess import output_prefix_for, preprocess
+    from data_pipeline.sources import reads_as_dataset
 
     if not args.merge and (args.workers < 1 or args.batch_size < 1):
         raise UserError("--workers and --batch-size must be at least 1")
-    if args.hf_split is not None and not any(_is_dataset(name) for name in args.input or ()):
+    if args.hf_split is not None and not any(reads_as_dataset(name) for name in args.input or ()):
         raise UserError(f"--hf-split {args.hf_split}: picks the split of a Hugging Face dataset input, and none is "
                         "given (files are read whole, --merge joins shards); leave the flag out")
     _check_output_dir(args.output_prefix)
@@ -69,13 +70,6 @@ def run(args) -> int:
         print(f"wrote {output_prefix_for(args.output_prefix, key)}.bin/.idx")
     print(stats.summary())
     return 0
-
-
-def _is_dataset(name: str) -> bool:
-    """An input read through ``datasets`` (a saved folder or a hub name), not a jsonl or parquet file."""
-    from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
-
-    return not name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(name)
 
 
 def _check_output_dir(prefix: str) -> None:

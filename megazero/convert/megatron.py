@@ -112,12 +112,13 @@ class MegatronSource:
         if (t, p) not in self._loaded:
             state = safe_load(self.files[(t, p)])
             if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-                chunks = ", ".join(k for k in state if isinstance(k, str) and k.startswith("model")) \
-                    if isinstance(state, dict) else ""
-                raise UserError(f"{self.files[(t, p)]}: holds {chunks} (a virtual-pipeline checkpoint's model "
-                                "chunks); only one model chunk per rank can be imported" if chunks else
-                                f"{self.files[(t, p)]}: holds no 'model' weights (tp rank {t}, pipeline rank {p}); "
-                                "the checkpoint is damaged or not Megatron-LM's: restore that file")
+                path = self.files[(t, p)]
+                chunks = [k for k in state if str(k).startswith("model")] if isinstance(state, dict) else []
+                if chunks:
+                    raise UserError(f"{path}: holds {', '.join(chunks)} (a virtual-pipeline checkpoint's model "
+                                    "chunks); only one model chunk per rank can be imported")
+                raise UserError(f"{path}: holds no 'model' weights (tp rank {t}, pipeline rank {p}); the checkpoint "
+                                "is damaged or not Megatron-LM's: restore that file")
             self._loaded[(t, p)] = state
         return self._loaded[(t, p)]
 
