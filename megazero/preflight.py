@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from data_pipeline.paths import nearest_existing
+
 from megazero.checkpoint import CheckpointError, earlier_instead, read_manifest, start_checkpoint
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
@@ -282,12 +284,7 @@ def _directory_problems(cfg: Config) -> list[str]:
 def _unwritable(path: str) -> Optional[str]:
     """Why ``path`` cannot be a directory this process writes into, or None. Creates nothing: the
     nearest existing ancestor is checked when ``path`` does not exist yet."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
+    probe = nearest_existing(path)
     if not os.path.isdir(probe):
         return f"cannot be created: {probe} is a file, not a directory"
     if not os.access(probe, os.W_OK | os.X_OK):

@@ -451,7 +451,7 @@ def test_an_hf_config_without_architectures_is_read_by_model_type(sources, tmp_p
 def test_paths_that_are_not_what_convert_needs(sources, tmp_path, capsys):
     """A file as SRC (the state dict --to torch writes) was a NotADirectoryError; a dangling link
     as DST failed at the final rename, after the whole conversion; a DST under a file named a
-    training setting."""
+    training setting (or, a folder further up, a bare errno after the source was read)."""
     assert main(["convert", str(sources / "gpt2_mz"), str(tmp_path / "sd.safetensors"), "--to", "torch"]) == 0
     err = _fails(capsys, tmp_path, tmp_path / "sd.safetensors")
     assert err.endswith(f"{tmp_path / 'sd.safetensors'}: is a file; SRC is a checkpoint folder (a state dict written "
@@ -461,8 +461,9 @@ def test_paths_that_are_not_what_convert_needs(sources, tmp_path, capsys):
     assert main(["convert", str(sources / "gpt2_mz"), str(tmp_path / "link")]) == 2
     assert "link: already exists" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
     (tmp_path / "afile").write_text("x")
-    err = _fails(capsys, tmp_path, sources / "gpt2_mz", dst=tmp_path / "afile" / "out")
-    assert f"its parent {tmp_path / 'afile'} is a file, not a folder" in err, err
+    for dst in (tmp_path / "afile" / "out", tmp_path / "afile" / "sub" / "out"):  # a parent or one above it
+        err = _fails(capsys, tmp_path, sources / "gpt2_mz", dst=dst)
+        assert err.endswith(f"{dst}: {tmp_path / 'afile'} is a file, not a folder; give another DST path"), err
 
 
 def test_a_tokenizer_transformers_cannot_take_is_refused_before_any_weight(sources, tmp_path, capsys, monkeypatch):

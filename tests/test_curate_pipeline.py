@@ -300,6 +300,14 @@ def test_empty_input_and_non_fasttext_model(tmp_path, capsys):
     empty.write_text("")
     assert _cli(tmp_path, config(tmp_path, [str(empty)])) == 2
     assert "input.paths: no documents in" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # the refused run left no empty output folder behind
+    raw = config(tmp_path, [write_corpus(tmp_path)])
+    raw["input"]["text_field"] = "txet"  # misspelt: no record has it
+    (tmp_path / "out").mkdir()  # a folder the user made stays, emptied of what the run wrote
+    assert _cli(tmp_path, raw) == 2
+    assert "'txet' string (input.text_field)" in capsys.readouterr().err
+    assert list((tmp_path / "out").iterdir()) == []
+    (tmp_path / "out").rmdir()
     fake = tmp_path / "model.bin"
     fake.write_bytes(b"not a model at all" * 10)
     raw = config(tmp_path, [write_corpus(tmp_path)], out="q", stages=["quality"], quality={"model": str(fake)})

@@ -31,7 +31,8 @@ from data_pipeline.curate.exact_dedup import ExactDedupConfig
 from data_pipeline.curate.fuzzy_dedup import FuzzyDedupConfig
 from data_pipeline.curate.quality import QualityConfig
 from data_pipeline.curate.runner import EXECUTORS
-from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS, file_in_the_way
+from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS
+from data_pipeline.paths import file_in_the_way
 from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.typed_config import build_dataclass
 

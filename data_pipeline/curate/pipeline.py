@@ -76,7 +76,8 @@ def run_ingest(ctx: Context, out_dir: str) -> dict:
                                                   i.shard_docs, ctx.cfg.strict))
              for k, path in enumerate(i.paths)]
     stats = merge_stats(ctx.run(out_dir, tasks, "input"))
-    if stats["docs_out"] == 0:
+    if stats["docs_out"] == 0:  # nothing here is worth resuming: a corrected config starts afresh
+        shutil.rmtree(out_dir)
         bad = sum(stats.get("bad_records", {}).values())
         raise ValueError(f"input.paths: no documents in {i.paths} ({bad} bad records); give jsonl or parquet "
                          f"files whose records have a {i.text_field!r} string (input.text_field)")
@@ -221,6 +222,7 @@ def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
     """Run every stage of ``cfg``; returns {"stages": [stats, ...], "shards": final shards, "blend": path or None}."""
     cfg = _absolute_paths(cfg)
     out = cfg.output.dir
+    made = not os.path.lexists(out)
     os.makedirs(out, exist_ok=True)
     executor = make_executor(cfg.executor.kind, cfg.executor.workers, cfg.executor.ray_address)
     ctx = Context(cfg, executor, progress)
@@ -238,6 +240,10 @@ def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
             all_stats.append(_run_stage(ctx, name, stage_dir, fingerprint,
                                         lambda: RUNNERS[name](ctx, shards, stage_dir), log))
             shards = list_shards(stage_dir)
+    except BaseException:
+        if made and not os.listdir(out):  # a run refused before it wrote anything leaves no empty folder
+            os.rmdir(out)
+        raise
     finally:
         executor.close()
     blend = tokenize_and_blend(cfg, shards, _digest(fingerprint), log) if cfg.preprocess.tokenizer else None

@@ -23,7 +23,8 @@ from typing import Optional
 import numpy as np
 
 from data_pipeline.curate.checks import within
-from data_pipeline.curate.shards import BadRecords, file_in_the_way, input_documents, read_shard, write_shard
+from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
+from data_pipeline.paths import file_in_the_way
 
 HQ, LQ = "__label__hq", "__label__lq"
 HIST_BINS = 20  # score histogram in stats.json, for the report

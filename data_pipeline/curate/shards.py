@@ -153,15 +153,6 @@ def _parquet_documents(path, text_field, id_field, strict, bad, default_id):
             row += 1
 
 
-def file_in_the_way(path: str) -> str | None:
-    """The file standing where ``path``'s folder or a folder above it should be, if one does
-    (creating the folders would fail with an errno that names no option), else None."""
-    here = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(here) and os.path.dirname(here) != here:
-        here = os.path.dirname(here)
-    return None if os.path.isdir(here) else here
-
-
 DEFAULT_ID_FIELD = "id"
 """``input.id_field``'s default: a record without it gets the id FILE:LINE (FILE:ROW for parquet). A
 field named otherwise is the user's choice, so a file where no record has it is a misspelling."""

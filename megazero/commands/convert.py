@@ -10,6 +10,8 @@ import math
 import os
 from pathlib import Path
 
+from data_pipeline.paths import file_in_the_way
+
 from megazero.errors import UserError
 
 TARGETS = ("hf", "megazero", "torch")
@@ -97,8 +99,9 @@ def run(args) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if os.path.lexists(dst):  # a dangling link too: the final rename would fail on it
         raise UserError(f"{dst}: already exists; give a new DST path or remove it first")
-    if dst.parent.exists() and not dst.parent.is_dir():
-        raise UserError(f"{dst}: its parent {dst.parent} is a file, not a folder; give another DST path")
+    blocking = file_in_the_way(str(dst))
+    if blocking:
+        raise UserError(f"{dst}: {blocking} is a file, not a folder; give another DST path")
     if dst.resolve().is_relative_to(src.resolve()):
         raise UserError(f"{dst}: inside SRC {src}; a conversion must not write into the checkpoint it reads (a "
                         "training run would take the new folder for one of its own); give a DST outside it")

@@ -1,0 +1,248 @@
+"""What a launch decides and says before it trains: which checkpoint it starts from, a first save
+left unfinished, settings that change nothing or cannot be met, the tokenizer a shard and a
+checkpoint record, a port in use, a wall-clock stop. Each case runs the real ``megazero`` command
+line in this process on the files of ``tests/bad_input_files.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_pipeline.indexed import IndexedDatasetWriter
+from megazero.cli import main
+from tests.bad_input_files import VOCAB, _model, _train, make_files
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return make_files(tmp_path_factory.mktemp("inputs"))
+
+
+def test_a_rendezvous_port_in_use_is_one_line(files, capsys, monkeypatch):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        code = main(_train(files))
+    finally:
+        taken.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"MASTER_PORT 127.0.0.1:{port} is already in use" in err[0] and "set MASTER_PORT" in err[0], err
+    assert not list((files["root"] / "runs").glob("*/LOCK")), "the lock is released"
+
+
+def test_an_unfinished_first_save_is_said_and_the_record_kept(files, capsys):
+    """A run whose only checkpoint died mid-save starts over, saying so; its metrics are kept, marked."""
+    run = files["root"] / "unfinished"
+    (run / "checkpoints" / "step_0000002.tmp").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')
+    assert main(["train", *_model(files["good"], str(run)), "--train.train_steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "holds no complete checkpoint, only the unfinished save step_0000002.tmp; starting from step 0" in out
+    text = (run / "metrics.jsonl").read_text()
+    assert text.startswith('{"step": 1, "loss": 9.0}\n{"step": 2, "lo\n{"event": "resume", "step": 0'), text
+
+
+def test_which_checkpoint_a_run_starts_from(tmp_path):
+    """The run's own checkpoints in save_dir come before checkpoint.load (a requeued job relaunched with
+    the same command used to start over from checkpoint.load every time), also one inside save_dir;
+    a load that no longer exists does not matter then; with nothing in save_dir the load starts the run."""
+    from megazero.checkpoint import start_checkpoint
+
+    own, other, empty = tmp_path / "own", tmp_path / "other", tmp_path / "empty"
+    for step_dir in (own / "step_0000001", own / "step_0000002", other / "step_0000005"):
+        step_dir.mkdir(parents=True)
+        (step_dir / "COMPLETE").write_text("{}")
+    empty.mkdir()
+    assert start_checkpoint(None, own) == (own / "step_0000002", "checkpoint.save_dir")
+    assert start_checkpoint(str(other), own) == (own / "step_0000002", "checkpoint.save_dir")
+    assert start_checkpoint(str(own / "step_0000001"), own) == (own / "step_0000002", "checkpoint.save_dir")
+    assert start_checkpoint(str(tmp_path / "deleted" / "step_0000009"), own) == (own / "step_0000002",
+                                                                                "checkpoint.save_dir")
+    assert start_checkpoint(str(other), empty) == (other / "step_0000005", "checkpoint.load")
+    assert start_checkpoint(None, empty) == (None, "checkpoint.save_dir")
+
+
+def test_a_relaunch_continues_from_its_own_checkpoint(files, capsys):
+    """The same command twice: the first launch starts from checkpoint.load and saves in its own
+    save_dir, the second continues from there, saying why it does not load checkpoint.load again."""
+    run = files["root"] / "relaunched"
+    argv = ["train", *_model(files["good"], str(run)), "--checkpoint.load", files["ckpt"]]
+    assert main(argv) == 0
+    assert f"resumed from {files['ckpt']} at step 1" in capsys.readouterr().out
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "resuming this run's own checkpoint" in out and "step_0000002" in out, out
+    assert "already finished at step 2" in out, out
+
+
+def test_a_warm_up_longer_than_the_run_is_said_at_its_start(files, capsys):
+    """Legal (a smoke run of a full config), but the learning rate never reaches its peak: said once."""
+    run = files["root"] / "short"
+    assert main(["train", *_model(files["good"], str(run)), "--schedule.warmup_steps", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "note: schedule.warmup_steps 8 is more than train.train_steps 2: the learning rate ends at 0.25" in out, out
+
+
+def test_an_empty_validation_split_is_refused_only_where_the_evaluation_draws(files, capsys, tmp_path):
+    """A dataset the evaluation's blend never samples may have no validation documents; one it samples
+    may not: the check follows the blend, as the run's index build does. (Megatron's greedy rule gives
+    the second dataset the blend's second sample whatever its weight, so the tiny one comes third.)"""
+    tiny = str(tmp_path / "tiny_text_document")
+    with IndexedDatasetWriter(tiny, np.uint16) as w:
+        for _ in range(5):  # 969,30,1 of 5 documents leaves validation none
+            w.add_document(np.arange(1, 40, dtype=np.uint16))
+    check = ["--data.split", "969,30,1", "--train.eval_interval", "1", "--check"]
+    good = files["good"]
+    filler = files["recorded"]  # another dataset of 64 documents, to take the blend's second sample
+    assert main(_train(files, "--data.blend", f"[[1.0, {good}], [1.0e-6, {filler}], [1.0e-6, {tiny}]]", *check)) == 0
+    capsys.readouterr()
+    assert main(_train(files, "--data.blend", f"[[1.0, {good}], [1.0e-6, {tiny}]]", *check)) == 2
+    assert "tiny_text_document no documents for valid (5 documents in all)" in capsys.readouterr().err
+
+
+def test_tokens_and_steps_together_are_refused_for_a_run_only():
+    """The refusal is preflight's, not the config's: `convert` re-validates the config a checkpoint
+    records, and a checkpoint of a run that set both (before the refusal) must still reshard."""
+    import dataclasses
+
+    from megazero.config import Config, resolve_config
+    from megazero.preflight import _stop_problems
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, train_tokens=1000))
+    assert resolve_config(cfg, 1).train.train_tokens == 1000
+    assert _stop_problems(cfg) and not _stop_problems(dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, train_steps=None)))
+
+
+def test_a_setting_that_changes_nothing_is_said_at_the_start(files, capsys):
+    """`parallel.recompute_every` without full recompute was accepted and ignored without a word."""
+    argv = ["train", *_model(files["good"], str(files["root"] / "runs" / "noted")), "--check"]
+    assert main([*argv, "--parallel.recompute_every", "3"]) == 0
+    assert "note: parallel.recompute_every 3 applies to parallel.recompute full only; with 'none'" in \
+        capsys.readouterr().out
+
+
+def test_a_wall_clock_stop_saves_even_without_save_on_exit(files, capsys):
+    """`train.max_wall_seconds` promises a save, as a preemption does; with `save_on_exit` false the
+    stop said "saving" and wrote nothing, and the steps trained were lost. A run that can save only on
+    those stops is told so at its start."""
+    run = files["root"] / "wall"
+    argv = ["train", *_model(files["good"], str(run)), "--checkpoint.save_on_exit", "false"]
+    assert main([*argv, "--train.max_wall_seconds", "1e-9"]) == 0
+    out = capsys.readouterr().out
+    assert "note: checkpoint.save_on_exit is false and checkpoint.save_interval 0" in out, out
+    assert "recompute_every" not in out
+    assert "for the wall-clock limit; saving" in out and (run / "checkpoints" / "step_0000001").is_dir(), out
+
+
+def test_a_shard_records_its_tokenizer_through_preprocess_and_merge(files, capsys):
+    """What the tokenizer checks compare with: preprocessing records the tokenizer's digest beside the
+    shard, a merge carries it over, and a run with that tokenizer passes."""
+    from data_pipeline.shard_origin import read_origin, tokenizer_identity
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tok, out = str(files["root"] / "tokenizer.json"), files["root"] / "recorded_out"
+    made = [str(out / name) for name in ("a", "b")]
+    for prefix in made:
+        assert main(["preprocess", "--input", str(files["root"] / "whole.jsonl.gz"), "--tokenizer", tok,
+                     "--output-prefix", prefix, "--no-progress"]) == 0
+    merged = str(out / "merged_text_document")
+    assert main(["preprocess", "--merge", *(f"{p}_text_document" for p in made), "--output-prefix", merged]) == 0
+    assert read_origin(merged) == read_origin(f"{made[0]}_text_document") == tokenizer_identity(load_tokenizer(tok))
+    capsys.readouterr()
+    assert main(_train(files, "--data.tokenizer", tok, "--check", prefix=merged)) == 0, capsys.readouterr().err
+    folder = files["root"] / "tokenizer_folder"  # a folder holding tokenizer.json is a tokenizer too
+    folder.mkdir()
+    shutil.copy(tok, folder / "tokenizer.json")
+    assert main(["preprocess", "--input", str(files["root"] / "good.jsonl"), "--tokenizer", str(folder),
+                 "--output-prefix", str(out / "f"), "--no-progress"]) == 0
+    assert read_origin(str(out / "f_text_document")) == read_origin(merged)
+    assert main(_train(files, "--data.tokenizer", str(folder), "--check", prefix=merged)) == 0
+
+
+def test_a_checkpoint_knows_its_tokenizer_and_refuses_another(files, capsys, tmp_path):
+    """A tokenizer of another vocabulary no larger than the model's decoded garbage in `generate` and
+    exported a Hugging Face folder encoding text to ids the model never saw, without a word. A
+    checkpoint now records the tokenizer its data came from: `data.tokenizer`, else what the shards
+    record; a reshard carries the record over."""
+    from megazero.checkpoint import read_manifest
+    from data_pipeline.shard_origin import tokenizer_identity
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tok, other = str(files["root"] / "tokenizer.json"), str(files["root"] / "other_tokenizer.json")
+    mine = tokenizer_identity(load_tokenizer(tok))
+    runs = {"named": ("--data.tokenizer", tok), "recorded": ()}  # data.tokenizer, or the shards' record only
+    for name, extra in runs.items():
+        run = tmp_path / name
+        prefix = files["recorded"] if name == "recorded" else None
+        assert main(["train", *_model(prefix or files["good"], str(run)), "--train.train_steps", "1", *extra]) == 0
+        ckpt = run / "checkpoints" / "step_0000001"
+        assert read_manifest(ckpt)["meta"]["tokenizer"] == mine
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), "--tokenizer", other, "--tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tokenizer" in err[0] and "other_tokenizer.json: is not the tokenizer this " \
+        f"checkpoint was trained with (tokenizer.json ({VOCAB} tokens, sha256 {mine['tokenizer_sha256'][:12]})" in err[0], err
+    assert main(["generate", str(ckpt), "--tokenizer", tok, "--tokens", "2", "--prompt", "w1 w2"]) == 0
+    assert main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", "--tokenizer", other]) == 2
+    assert "is not the tokenizer this checkpoint was trained with" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+    assert main(["convert", str(ckpt), str(tmp_path / "exported"), "--to", "hf", "--tokenizer", tok]) == 0
+    assert (tmp_path / "exported" / "tokenizer.json").read_bytes() != Path(tok).read_bytes()
+    capsys.readouterr()  # the exported folder rewrites the file, and holds the same pieces: accepted
+    assert main(["generate", str(ckpt), "--tokenizer", str(tmp_path / "exported"), "--tokens", "2"]) == 0, \
+        capsys.readouterr().err
+    assert main(["convert", str(ckpt), str(tmp_path / "resharded"), "--to", "megazero", "--tp", "1"]) == 0
+    resharded = next((tmp_path / "resharded").glob("step_*"))
+    assert read_manifest(resharded)["meta"]["tokenizer"] == mine
+    named = tmp_path / "named" / "checkpoints" / "step_0000001"  # trained on the unrecorded shards
+    resume = ["train", *_model(files["good"], str(tmp_path / "on")), "--checkpoint.load", str(named)]
+    capsys.readouterr()  # training on with data of another tokenizer is refused...
+    assert main([*resume, "--data.tokenizer", other]) == 2
+    assert "(step 1) was trained on ids of tokenizer.json" in capsys.readouterr().err
+    assert main(resume) == 0  # ...and data that names none keeps the checkpoint's record
+    assert read_manifest(tmp_path / "on" / "checkpoints" / "step_0000002")["meta"]["tokenizer"] == mine
+
+
+def test_a_logger_without_its_package_is_refused_before_the_run(files, capsys):
+    """``--check`` said "config ok" and the run stopped once its model was built."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    assert main(_train(files, "--logging.tensorboard", "true", "--check")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "logging.tensorboard: is on but the tensorboard package is not installed" in err[0], err
+
+
+def test_a_resume_with_the_same_data_spelled_otherwise_passes(files, capsys):
+    """The data order is compared by the files a blend names, not by how their paths are written."""
+    prefix = files["good"].replace("/good_text_document", "/./good_text_document")
+    assert prefix != files["good"]
+    code = main(_train(files, "--checkpoint.load", files["ckpt"], "--check", prefix=prefix))
+    assert code == 0, capsys.readouterr().err
+
+
+def test_the_epoch_check_skips_what_the_run_does_not_sample(files, tmp_path):
+    """A blend entry of weight 0, or a shard that cannot be opened (its own check names it), neither
+    hangs nor raises in the resume check (an empty dataset once looped forever looking for its epochs)."""
+    from megazero.config import load_config
+    from megazero.preflight import _epochs_change
+
+    cfg = load_config(None, _model(files["good"], str(tmp_path))[:-2])
+    assert _epochs_change(files["good"], 0.0, cfg, 4, 4000) is False
+    assert _epochs_change(str(tmp_path / "absent"), 1.0, cfg, 4, 4000) is False
+    assert _epochs_change(files["good"], 1.0, cfg, 4, 300) is False  # 319 samples an epoch
+    assert _epochs_change(files["good"], 1.0, cfg, 4, 320) is True
