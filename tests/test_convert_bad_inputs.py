@@ -402,7 +402,8 @@ def test_a_handwritten_megatron_checkpoint_imports(tmp_path):
     ((), {"num_attention_heads": 0}, "args.num_attention_heads (model.num_heads)"),  # ZeroDivisionError
     (("hidden_size",), {}, "its args lack args.hidden_size"),  # TypeError in torch.empty
     (("padded_vocab_size",), {}, "args record neither args.vocab_size nor args.padded_vocab_size"),
-    ((), {"hidden_size": "16"}, "args.hidden_size"),
+    ((), {"hidden_size": "16"}, "args.hidden_size: expected an integer, got '16'"),
+    ((), {"rotary_base": None, "position_embedding_type": "rope"}, "args.rotary_base: expected a number, got None"),
 ])
 def test_megatron_args_are_checked_as_a_model_config(tmp_path, capsys, drop, changes, want):
     err = _fails(capsys, tmp_path, _megatron(tmp_path / "meg", drop, **changes))

@@ -133,9 +133,9 @@ def run(args) -> int:
         from megazero.data import not_trained_with
 
         path = args.tokenizer or _run_tokenizer(source)
-        tokenizer = load_fitting(path, source.cfg.vocab_size) if path else None
+        tokenizer = load_fitting(path, source.cfg.vocab_size, source.cfg.seq_length) if path else None
         flag = "--tokenizer" if args.tokenizer else "the run's data.tokenizer"
-        mismatch = tokenizer is not None and not_trained_with(source_meta(source), tokenizer, flag)
+        mismatch = tokenizer is not None and not_trained_with(source_meta(source), tokenizer.tok, flag)
         if mismatch:
             raise UserError(mismatch)
         with staged(dst) as tmp:

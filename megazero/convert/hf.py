@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from megazero.convert.hf_models import FAMILIES, check_model_type, family_for
-from megazero.convert.hf_tokenizer import tokenizer_ids, write_tokenizer
+from megazero.convert.hf_tokenizer import ExportTokenizer, write_tokenizer
 from megazero.convert.sources import Source, logical_shapes
 from megazero.convert.streaming import StreamedSafetensors
 from megazero.errors import UserError
@@ -153,14 +154,15 @@ def _header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
         raise UserError(f"{path}: cannot be read ({e}); the file is truncated or damaged -- download it again") from None
 
 
-def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer=None, shard_bytes: int = 5 << 30) -> None:
+def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: Optional[ExportTokenizer] = None,
+             shard_bytes: int = 5 << 30) -> None:
     """Write ``source`` as a Hugging Face folder into ``out`` (an empty directory), with ``tokenizer``
-    (a loaded ``data_pipeline.tokenizer`` one, ``hf_tokenizer.load_fitting``) when given."""
+    (``hf_tokenizer.load_fitting``) when given."""
     cfg = source.cfg
     family = family_for(cfg)  # refuses an inexpressible architecture before anything is written
     torch_dtype = DTYPES[dtype]
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,  # not GPT-2's or Llama's defaults
-           **(tokenizer_ids(tokenizer) if tokenizer is not None else {})}
+           **(tokenizer.ids if tokenizer is not None else {})}
     config = {"architectures": [family.hf_class], "model_type": family.model_type, "vocab_size": cfg.vocab_size,
               **family.hf_config(cfg), "tie_word_embeddings": cfg.tie_embeddings,
               "initializer_range": cfg.init_std or 1.0 / (3 * cfg.hidden_size) ** 0.5,
@@ -187,7 +189,7 @@ def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer=None, sha
     if len(files) > 1:
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shards}, indent=2))
     if tokenizer is not None:
-        write_tokenizer(tokenizer, out, cfg.seq_length)
+        write_tokenizer(tokenizer, out)
 
 
 def hf_shapes(cfg: ModelConfig, family) -> dict[str, tuple[int, ...]]:

@@ -22,17 +22,36 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from megazero.errors import UserError
 
 SPACE = "\u2581"  # SentencePiece's visible space
 
 
-def load_fitting(path: str, vocab_size: int):
-    """The tokenizer at ``path``, loaded once for the whole export; refused when it does not load or
-    has more tokens than the model has rows (the folder written would encode text to ids the model
-    cannot embed)."""
+@dataclass(frozen=True)
+class ExportTokenizer:
+    """A tokenizer and the files an export writes for it, made in memory when it is loaded: a
+    tokenizer that does not fit the model, or that ``transformers`` cannot take, is refused before
+    any weight is written."""
+
+    tok: object  # the ``data_pipeline.tokenizer`` tokenizer: the ids training saw
+    spec: dict  # tokenizer.json
+    config: dict  # tokenizer_config.json
+    sentencepiece: Optional[str]  # the SentencePiece .model kept beside it, if that is the kind
+
+    @property
+    def ids(self) -> dict:
+        """The special token ids a Hugging Face ``config.json`` records."""
+        return {"eos_token_id": self.tok.eod_id, "pad_token_id": self.tok.pad_id}
+
+
+def load_fitting(path: str, vocab_size: int, max_length: int) -> ExportTokenizer:
+    """The tokenizer at ``path`` with its export files; refused when it does not load, is a kind
+    ``transformers`` cannot take, or has more tokens than the model has rows (the folder written would
+    encode text to ids the model cannot embed)."""
     from data_pipeline.tokenizer import HFTokenizer, load_tokenizer
 
     try:
@@ -42,18 +61,6 @@ def load_fitting(path: str, vocab_size: int):
     if tok.vocab_size > vocab_size:
         raise UserError(f"--tokenizer {path}: has {tok.vocab_size} tokens, but the model has {vocab_size}; give "
                         "the tokenizer the model was trained with")
-    if not isinstance(tok, HFTokenizer):
-        _sentencepiece_proto(tok.path)  # a kind transformers cannot take is refused before any weight is written
-    return tok
-
-
-def tokenizer_ids(tok) -> dict:
-    return {"eos_token_id": tok.eod_id, "pad_token_id": tok.pad_id}
-
-
-def write_tokenizer(tok, out: Path, max_length: int) -> None:
-    from data_pipeline.tokenizer import HFTokenizer
-
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
               "split_special_tokens": True}  # a special token's text inside text is text, as megazero encodes it
@@ -67,13 +74,18 @@ def write_tokenizer(tok, out: Path, max_length: int) -> None:
         import sentencepiece as spm
 
         spec = json.loads(_sentencepiece_as_json(tok.path))
-        shutil.copyfile(tok.path, out / "tokenizer.model")
         sp = spm.SentencePieceProcessor(model_file=tok.path)
         piece = sp.id_to_piece
         config.update(unk_token=piece(sp.unk_id()))
-    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False) + "\n", encoding="utf-8")
     config.update(eos_token=piece(tok.eod_id), pad_token=piece(tok.pad_id))
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return ExportTokenizer(tok, spec, config, None if isinstance(tok, HFTokenizer) else tok.path)
+
+
+def write_tokenizer(tokenizer: ExportTokenizer, out: Path) -> None:
+    if tokenizer.sentencepiece is not None:
+        shutil.copyfile(tokenizer.sentencepiece, out / "tokenizer.model")
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer.spec, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer.config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _sentencepiece_as_json(path: str) -> str:

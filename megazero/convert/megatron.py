@@ -312,21 +312,17 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     if length is None:
         raise UserError(f"{where}: its args lack args.seq_length and args.max_position_embeddings; the checkpoint "
                         "is incomplete")
-    try:
-        cfg = ModelConfig(
-            preset="llama" if position == "rope" else "gpt2", num_layers=get("num_layers"),
-            hidden_size=get("hidden_size"), num_heads=heads, num_kv_heads=None if groups in (None, heads) else groups,
-            ffn_hidden_size=get("ffn_hidden_size"), vocab_size=vocab, seq_length=length, position_embedding=position,
-            rope_theta=float(get("rotary_base", 10000)), norm=norm,
-            norm_eps=get("norm_epsilon", get("layernorm_epsilon", 1e-5)), activation="swiglu" if swiglu else "gelu",
-            tie_embeddings=not get("untie_embeddings_and_output_weights", False), bias=bias,
-            dropout=get("hidden_dropout", 0.0), attention_dropout=get("attention_dropout", 0.0))
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{where}: its args hold a model size that is not a number ({e}); the checkpoint is "
-                        "damaged") from None
+    values = dict(num_layers=get("num_layers"), hidden_size=get("hidden_size"), num_heads=heads,
+                  num_kv_heads=None if groups in (None, heads) else groups, ffn_hidden_size=get("ffn_hidden_size"),
+                  vocab_size=vocab, seq_length=length, rope_theta=get("rotary_base", 10000),
+                  norm_eps=get("norm_epsilon", get("layernorm_epsilon", 1e-5)), dropout=get("hidden_dropout", 0.0),
+                  attention_dropout=get("attention_dropout", 0.0))
     hints = typing.get_type_hints(ModelConfig)
     for field, key in ARG_NAMES.KEYS.items():  # a "16" would fail in arithmetic, not name its arg
-        setattr(cfg, field, coerce(getattr(cfg, field), hints[field], f"{where}: {key}", UserError))
+        values[field] = coerce(values[field], hints[field], f"{where}: {key}", UserError)
+    cfg = ModelConfig(preset="llama" if position == "rope" else "gpt2", position_embedding=position, norm=norm,
+                      activation="swiglu" if swiglu else "gelu", bias=bias,
+                      tie_embeddings=not get("untie_embeddings_and_output_weights", False), **values)
     return validated(cfg, ARG_NAMES, where)
 
 
@@ -334,5 +330,5 @@ ARG_NAMES = SimpleNamespace(KEYS={
     "num_layers": "args.num_layers", "hidden_size": "args.hidden_size", "num_heads": "args.num_attention_heads",
     "num_kv_heads": "args.num_query_groups", "ffn_hidden_size": "args.ffn_hidden_size",
     "vocab_size": "args.vocab_size", "seq_length": "args.seq_length", "norm_eps": "args.norm_epsilon",
-    "dropout": "args.hidden_dropout", "attention_dropout": "args.attention_dropout"})
+    "rope_theta": "args.rotary_base", "dropout": "args.hidden_dropout", "attention_dropout": "args.attention_dropout"})
 """Our model fields' Megatron args, for the messages of ``validated``."""
