@@ -3,11 +3,13 @@ lines it could change, and whitespace normalisation does what its docstring says
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 ftfy = pytest.importorskip("ftfy", reason="ftfy is not installed (a curation dependency)")
 
-from data_pipeline.curate.clean import CleanConfig, drop_reason, normalise_whitespace, repair_unicode
+from data_pipeline.curate.clean import CleanConfig, clean_shard, drop_reason, normalise_whitespace, repair_unicode
 from data_pipeline.curate.demo import stdlib_prose
 
 PLAIN = "A plain ASCII line with <b>no</b> entity, (brackets) and 'quotes'.\n"
@@ -57,3 +59,15 @@ def test_each_filter_drops_at_its_threshold_and_not_before():
     four = "\n".join(lines[:6] + lines[:4])
     assert drop_reason(three, CleanConfig(min_words=5, max_words=1000)) is None
     assert drop_reason(four, CleanConfig(min_words=5, max_words=1000)) == "repeated lines"
+
+
+def test_the_stage_writes_the_cleaned_text_and_counts_both_sizes(tmp_path):
+    raw = "  caf\u00c3\u00a9   au  lait  "  # mojibake and loose spaces
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "0", "text": raw}) + "\n")
+    stats = clean_shard(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "text", CleanConfig(min_words=0))
+    assert [json.loads(line)["text"] for line in open(tmp_path / "out.jsonl")] == ["caf\u00e9 au lait"]
+    assert stats["bytes_in"] == len(raw.encode("utf-8")) and stats["bytes_out"] == len("caf\u00e9 au lait".encode())
+
+
+def test_a_lone_carriage_return_is_a_line_break():
+    assert normalise_whitespace("a\rb\r\r\r\rc") == "a\nb\n\nc"

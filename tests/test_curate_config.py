@@ -166,3 +166,12 @@ def test_task_fields_of_later_records_and_lists_of_texts_count(tmp_path, base):
     _jsonl(tmp_path / "qa.jsonl", {"text": "one two three"}, {"choices": "x"})  # changed after the check
     with pytest.raises(ValueError, match=r"qa\.jsonl: 1 of 2 records hold no usable task text"):
         build_task_ngrams(cfg.decontaminate, str(tmp_path / "tasks.npz"))
+
+
+def test_a_stage_listed_twice_is_refused_and_a_sibling_folder_is_not_inside_the_output(tmp_path):
+    (tmp_path / "out2").mkdir()
+    (tmp_path / "out2" / "raw.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    build_config({"input": {"paths": [str(tmp_path / "out2" / "raw.jsonl")]}, "output": {"dir": str(tmp_path / "out")}})
+    with pytest.raises(ValueError, match="listed twice"):
+        build_config({"input": {"paths": [str(tmp_path / "out2" / "raw.jsonl")]}, "output": {"dir": str(tmp_path / "o")},
+                      "stages": ["clean", "clean"]})

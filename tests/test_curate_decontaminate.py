@@ -19,12 +19,18 @@ TASK = "The quick brown fox jumps over the lazy dog near the quiet river bank at
 FILLER = " ".join(f"word{i}" for i in range(200))  # 200 distinct words, ~1.5k characters
 
 
-def run(tmp_path, docs: list[str], **options) -> tuple[list[dict], dict]:
-    corpus, task = tmp_path / "docs.jsonl", tmp_path / "qa.jsonl"
+def run(tmp_path, docs: list[str], tasks: dict | None = None, shard_docs: int = 10_000,
+        **options) -> tuple[list[dict], dict]:
+    """Decontaminate ``docs`` against ``tasks`` (a file name under tmp_path -> its one text; qa.jsonl
+    holding TASK by default)."""
+    corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(docs)))
-    task.write_text(json.dumps({"text": TASK}) + "\n")
-    raw = {"input": {"paths": [str(corpus)]}, "output": {"dir": str(tmp_path / "out")}, "stages": ["decontaminate"],
-           "decontaminate": {"tasks": [str(task)], **options}}
+    for name, text in (tasks or {"qa.jsonl": TASK}).items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps({"text": text}) + "\n")
+    raw = {"input": {"paths": [str(corpus)], "shard_docs": shard_docs}, "output": {"dir": str(tmp_path / "out")},
+           "stages": ["decontaminate"],
+           "decontaminate": {"tasks": [str(tmp_path / name) for name in (tasks or {"qa.jsonl": TASK})], **options}}
     result = run_pipeline(build_config(raw), log=lambda s: None)
     records = [json.loads(line) for s in result["shards"] for line in open(s)]
     return records, result["stages"][-1]
@@ -155,3 +161,31 @@ def test_batches_give_each_texts_own_ngrams(monkeypatch):
             found[begin + t].append((w, k))
     assert len(batches) > 2
     assert [[k for _, k in sorted(f)] for f in found] == [a.tolist() for a in alone]
+
+
+OTHER = "seven purple elephants were dancing slowly under the pale moonlight beside an old stone mill"
+THIRD = "nine silver kettles were whistling together in the crowded kitchen of the harbour inn"
+
+
+def test_every_task_file_is_searched_and_counted(tmp_path):
+    """Only the first task file searched, or a task without hits missing from the counts, went unseen:
+    the n-grams of the others stayed in the training data."""
+    records, stats = run(tmp_path, [f"{FILLER} {OTHER} {FILLER}"],
+                         {"a.jsonl": TASK, "b.jsonl": OTHER, "c.jsonl": THIRD})
+    assert stats["hits"] == {"a": 0, "b": 3, "c": 0}
+    assert len(records) == 2 and all(OTHER not in r["text"] for r in records)
+
+
+def test_task_files_of_one_name_keep_their_own_counts(tmp_path):
+    """lambada/test.jsonl and hellaswag/test.jsonl were both 'test': one's hits replaced the other's."""
+    _, stats = run(tmp_path, [f"{FILLER} {TASK} {FILLER}"],
+                   {"lambada/test.jsonl": TASK, "hellaswag/test.jsonl": OTHER, "qa.jsonl": THIRD})
+    assert stats["hits"] == {"lambada/test": 4, "hellaswag/test": 0, "qa": 0}
+    assert decontaminate.task_names(["/x/a/t.jsonl", "/x/b/t.jsonl.gz", "/x/b/u.parquet"]) == ["a/t", "b/t", "u"]
+
+
+def test_document_frequency_is_summed_over_every_shard(tmp_path):
+    """A task n-gram in 10 documents is too common to be a leak, though no shard of 3 holds more
+    than 3: counted per shard, every copy was cut."""
+    records, stats = run(tmp_path, [f"{FILLER} {TASK} {FILLER}"] * 10, shard_docs=3)
+    assert stats["ignored_frequent_ngrams"] == 4 and len(records) == 10

@@ -169,3 +169,24 @@ def test_a_threshold_of_one_removes_identical_documents(tmp_path, prose):
     stats = run_pipeline(build_config(raw), log=lambda s: None)
     kept = [json.loads(line)["text"] for shard in stats["shards"] for line in open(shard)]
     assert kept == [prose[0], prose[1]]
+    # the audit files: each edge once (however many bands found it), the component's size with the removal
+    stage = tmp_path / "out" / "01-fuzzy_dedup"
+    edges = [json.loads(line) for line in open(stage / "edges.jsonl")]
+    assert [(e["id_a"], e["id_b"]) for e in edges] == [("twins.jsonl:1", "twins.jsonl:2")]
+    assert stats["stages"][-1]["edges"] == 1
+    assert [json.loads(line) for line in open(stage / "removed.jsonl")] == \
+        [{"id": "twins.jsonl:2", "kept": "twins.jsonl:1", "component_size": 2}]
+
+
+def test_a_document_longer_than_a_block_has_the_signature_of_the_formula():
+    """Documents of more than CHUNK shingles take a running minimum over pieces; each must still be
+    min over its shingles of (a h + b) mod 2^32 (the offset dropped there biased only long documents)."""
+    from data_pipeline.curate.minhash import CHUNK
+
+    rng = np.random.default_rng(0)
+    hasher = MinHasher()
+    sets = [np.sort(rng.choice(2**32, k, replace=False)).astype(np.uint32) for k in (5, 3 * CHUNK + 7, 9)]
+    signatures = hasher.signatures(np.concatenate(sets), np.cumsum([0] + [len(s) for s in sets]))
+    for shingles, row in zip(sets, signatures):
+        want = (hasher.perm[:, None].astype(np.uint64) * shingles + hasher.offset[:, None]) % 2**32
+        assert np.array_equal(row, want.min(axis=1).astype(np.uint32))

@@ -170,7 +170,8 @@ def test_a_change_upstream_or_in_a_file_read_reaches_every_later_stage(tmp_path)
     """A stage is stale when anything before it changed, not only its own options: another earlier
     stage (planted: fingerprints without the upstream digest, which served the old exact_dedup
     output after a new fuzzy_dedup), an input file edited in place, or the tokenizer of the
-    tokenized shards. An unfinished stage made otherwise is discarded and run again."""
+    tokenized shards (the blend of shards no longer the last stage's), a task file. An unfinished
+    stage made otherwise is discarded and run again."""
     corpus = write_corpus(tmp_path)
     quiet = lambda s: None  # noqa: E731
     pipeline.run_pipeline(build_config(config(tmp_path, [corpus], stages=["clean", "exact_dedup"])), log=quiet)
@@ -186,8 +187,18 @@ def test_a_change_upstream_or_in_a_file_read_reaches_every_later_stage(tmp_path)
     fresh = write_corpus(tmp_path / "b")
     raw = config(tmp_path, [fresh], out="tok", stages=["clean"], preprocess={"tokenizer": _sentencepiece(tmp_path)})
     pipeline.run_pipeline(build_config(raw), log=quiet)
+    with pytest.raises(ValueError, match=r"tokenized was made with other settings \(upstream differ\)"):
+        pipeline.run_pipeline(build_config({**raw, "stages": ["clean", "exact_dedup"]}), log=quiet)  # not deduplicated
     os.utime(raw["preprocess"]["tokenizer"], ns=(1, 1))  # the tokenizer file replaced
     with pytest.raises(ValueError, match=r"tokenized was made with other settings \(tokenizer differ\)"):
+        pipeline.run_pipeline(build_config(raw), log=quiet)
+
+    task = tmp_path / "qa.jsonl"
+    task.write_text(json.dumps({"text": " ".join(_docs(1)[0].split()[:20])}) + "\n")
+    raw = config(tmp_path, [fresh], out="decon", stages=["decontaminate"], decontaminate={"tasks": [str(task)]})
+    pipeline.run_pipeline(build_config(raw), log=quiet)
+    task.write_text(json.dumps({"text": " ".join(_docs(1)[0].split()[:30])}) + "\n")  # the task file edited
+    with pytest.raises(ValueError, match=r"01-decontaminate was made with other settings \(files differ\)"):
         pipeline.run_pipeline(build_config(raw), log=quiet)
 
     other = config(tmp_path, [fresh], out="partial", stages=["clean"])
@@ -527,3 +538,50 @@ def test_outputs_curation_commands_refuse(tmp_path, capsys):
     raw = config(tmp_path, [corpus], stages=["clean"])
     raw["executor"] = None  # an empty section takes its defaults, as every other one
     assert _cli(tmp_path, raw) == 0
+
+
+def test_ingest_shards_ids_and_sizes(tmp_path):
+    """Shards of exactly shard_docs documents; integer ids kept (as strings); sizes in UTF-8 bytes;
+    a record with an unpaired surrogate in a field other than the text (a JSON escape) is a bad
+    record, where it failed the whole stage at the write, naming no record."""
+    from data_pipeline.curate.shards import ingest_file, list_shards
+
+    src = tmp_path / "raw.jsonl"
+    lines = [json.dumps({"id": i, "text": "\u00e9" * 10}) for i in range(15)]
+    src.write_text("\n".join(lines[:3] + ['{"id": 99, "text": "fine", "title": "bad \\ud800 title"}'] + lines[3:]) + "\n")
+    (tmp_path / "o").mkdir()
+    stats = ingest_file(str(src), 0, str(tmp_path / "o"), "jsonl", "text", "id", 7, False)
+    shards = list_shards(str(tmp_path / "o"))
+    assert [sum(1 for _ in open(s)) for s in shards] == [7, 7, 1]
+    assert [json.loads(line)["id"] for s in shards for line in open(s)] == [str(i) for i in range(15)]
+    assert stats["bytes_in"] == stats["bytes_out"] == 15 * 20
+    assert stats["bad_records"] == {"not UTF-8": 1} and "raw.jsonl:4: field 'title'" in stats["bad_examples"][0]
+
+
+def test_stats_merge_lists_elementwise_and_the_report_shows_documents_out(tmp_path):
+    from data_pipeline.curate.report import write_report
+    from data_pipeline.curate.runner import merge_stats
+
+    assert merge_stats([{"h": [1, 2], "n": 1}, {"h": [3, 4], "n": 2}]) == {"h": [4, 6], "n": 3}
+    write_report(str(tmp_path), [{"stage": "clean", "docs_in": 52, "docs_out": 50, "bytes_out": 1e6, "seconds": 1}])
+    assert "| clean | 52 | 50 | 1.000 |" in (tmp_path / "report.md").read_text()
+
+
+def test_exact_dedup_tells_documents_apart_past_65536_rows(tmp_path):
+    """A document is found by (shard, row) packed in one integer; rows past 2^16 (shard_docs allows
+    them) must not spill into the shard's bits, where the wrong document was dropped."""
+    from data_pipeline.curate import exact_dedup as ex
+
+    n = 65_537
+    big, small = tmp_path / "shard-0.jsonl", tmp_path / "shard-1.jsonl"
+    big.write_text("".join(json.dumps({"id": f"a{i}", "text": "dup" if i in (0, n - 1) else f"t{i}"}) + "\n"
+                           for i in range(n)))
+    small.write_text(json.dumps({"id": "b0", "text": "only"}) + "\n")
+    prefixes = [str(tmp_path / "h0"), str(tmp_path / "h1")]
+    for shard, prefix in zip((big, small), prefixes):
+        ex.hash_shard(str(shard), prefix, "text", 2)
+    drops = [str(tmp_path / f"d{p}") for p in range(2)]
+    for p, drop in enumerate(drops):
+        ex.duplicates_in_partition(prefixes, p, drop)
+    assert ex.filter_shard(str(big), str(tmp_path / "o0.jsonl"), "text", drops, 0, "dup")["docs_out"] == n - 1
+    assert ex.filter_shard(str(small), str(tmp_path / "o1.jsonl"), "text", drops, 1, "dup")["docs_out"] == 1

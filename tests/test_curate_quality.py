@@ -101,3 +101,33 @@ def test_a_truncated_model_is_refused(trained, tmp_path, keep):
     with pytest.raises(ValueError, match=r"quality.model: .*cut\.bin is truncated \(\d+ bytes where its header implies "
                                          r"at least \d+\)"):
         load_model(str(cut))
+
+
+def test_the_kept_histogram_counts_kept_documents_only(tmp_path, monkeypatch):
+    from data_pipeline.curate import quality
+
+    class LowScores:  # every document at 0.05: the Pareto draw keeps few
+        def predict(self, texts, k):
+            return [[quality.HQ, quality.LQ]] * len(texts), [[0.05, 0.95]] * len(texts)
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": f"t {i}"}) + "\n" for i in range(200)))
+    monkeypatch.setattr(quality, "load_model", lambda path: LowScores())
+    stats = quality_shard(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "text", QualityConfig(model="m"))
+    assert sum(stats["kept_histogram"]) == stats["docs_out"] < 200 == sum(stats["score_histogram"])
+
+
+def test_a_retrained_model_makes_the_finished_stage_stale(trained, tmp_path):
+    import os
+    import shutil
+
+    from data_pipeline.curate.config import build_config
+    from data_pipeline.curate.pipeline import run_pipeline
+
+    model = shutil.copy(trained, tmp_path / "model.bin")
+    (tmp_path / "raw.jsonl").write_text("".join(json.dumps({"text": f"a careful report {i}"}) + "\n" for i in range(10)))
+    raw = {"input": {"paths": [str(tmp_path / "raw.jsonl")]}, "output": {"dir": str(tmp_path / "out")},
+           "stages": ["quality"], "quality": {"model": str(model)}}
+    run_pipeline(build_config(raw), log=lambda s: None)
+    os.utime(model, ns=(1, 1))  # retrained in place
+    with pytest.raises(ValueError, match=r"01-quality was made with other settings \(files differ\)"):
+        run_pipeline(build_config(raw), log=lambda s: None)

@@ -172,8 +172,8 @@ def expand_inputs(patterns: list, base_dir: str) -> list[str]:
     names = [os.path.basename(p) for p in paths]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
-        raise ValueError(f"input.paths: two inputs are named {dup}; document ids are FILE:LINE, so give the "
-                         "inputs distinct file names (or an id field, input.id_field)")
+        raise ValueError(f"input.paths: two inputs are named {dup}; a document without an id is named FILE:LINE, "
+                         "so give the inputs distinct file names")
     return paths
 
 

@@ -227,12 +227,26 @@ class NgramKeys:
             begin = end
 
 
+def task_names(paths: list[str]) -> list[str]:
+    """Each task file's name in the stats and report: its file name without extensions, led by as many
+    of its folders as make the names distinct (``lambada/test`` and ``hellaswag/test``, where two
+    ``test`` would merge their counts)."""
+    names = [os.path.splitext(os.path.basename(p).removesuffix(".gz").removesuffix(".zst"))[0] for p in paths]
+    folders = [os.path.dirname(os.path.abspath(p)).strip(os.sep).split(os.sep) for p in paths]
+    for depth in range(1, max(map(len, folders), default=0) + 1):
+        clash = {name for name in names if names.count(name) > 1}
+        if not clash:
+            break
+        names = ["/".join(f[-depth:] + [name.rsplit("/", 1)[-1]]) if name in clash else name
+                 for f, name in zip(folders, names)]
+    return names
+
+
 def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
     """Every task's n-gram keys, sorted, with the task each came from; returns per-task counts."""
     ngrams = NgramKeys(cfg.ngram)
-    keys, owner, names, short = [], [], [], {}
+    keys, owner, names, short = [], [], task_names(cfg.tasks), {}
     for t, path in enumerate(cfg.tasks):
-        names.append(os.path.splitext(os.path.basename(path).removesuffix(".gz").removesuffix(".zst"))[0])
         bad = BadRecords()  # checked before the run (``file_problems``); changed since, the stage stops
         records = list(task_texts(path, cfg.task_fields, bad))
         if bad.counts:
@@ -243,7 +257,7 @@ def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
             keys.append(k)
             owner.append(np.full(len(k), t, np.int32))
             with_ngrams += len(np.unique(text))
-        short[names[-1]] = len(texts) - with_ngrams
+        short[names[t]] = len(texts) - with_ngrams
     keys, owner = np.concatenate(keys or [np.zeros(0, np.uint64)]), np.concatenate(owner or [np.zeros(0, np.int32)])
     keys, first = np.unique(keys, return_index=True)
     tmp = f"{out_path}.tmp-{os.getpid()}.npz"

@@ -19,7 +19,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from data_pipeline.sources import BadRecord, iter_lines, parse_record, record_texts
+from data_pipeline.sources import NOT_UTF8, BadRecord, iter_lines, parse_record, record_texts
 
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet")
 TRUNCATED = "truncated file"
@@ -125,6 +125,7 @@ def input_documents(path: str, text_field: str, id_field: str, strict: bool, bad
         for lineno, line in iter_lines(path):
             try:
                 record = parse_record(line, (text_field,))
+                _check_other_fields(record, text_field)
             except BadRecord as exc:
                 bad.add(exc.reason, f"{path}:{lineno}", exc.detail, strict)
                 continue
@@ -133,6 +134,18 @@ def input_documents(path: str, text_field: str, id_field: str, strict: bool, bad
         if not os.path.exists(path) or strict:
             raise
         bad.add(TRUNCATED, f"{path}:{lineno + 1}", str(exc), strict)
+
+
+def _check_other_fields(record: dict, text_field: str) -> None:
+    """A JSON escape can put an unpaired surrogate in any field; the shard written could not hold it
+    as UTF-8, and the whole stage would fail at the write, naming no record. (Parquet's strings are
+    UTF-8 already.)"""
+    for key, value in record.items():
+        if key != text_field and not isinstance(value, (int, float, bool, type(None))):
+            try:
+                json.dumps(value, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRecord(NOT_UTF8, f"field {key!r} holds an unpaired surrogate, which is not UTF-8") from None
 
 
 def _parquet_documents(path, text_field, id_field, strict, bad, default_id):
