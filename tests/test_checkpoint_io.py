@@ -3,7 +3,9 @@ keep-last, and preemption flags set by real signals."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -285,6 +287,8 @@ def test_truncation_is_caught_by_size_naming_the_file(saved):
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=f"{path}: 100 bytes but the checkpoint manifest records"):
         load_file(saved, "optim.pt")
+    with pytest.raises(CheckpointError, match="optim.pt: 100 bytes"):  # every file is checked, not the first only
+        verify_checkpoint(saved)
 
 
 def test_missing_file_is_named(saved):
@@ -403,9 +407,19 @@ def test_range_reads_equal_the_library_and_refuse_a_bad_header(tmp_path):
     data = path.read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[:len(data) // 2])
     (tmp_path / "header.safetensors").write_bytes((len(data) * 2).to_bytes(8, "little") + data[8:])
-    for bad in ("cut.safetensors", "header.safetensors"):
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header[next(k for k in header if k != "__metadata__")]["shape"] = [37, 6]  # more elements than its bytes
+    text = json.dumps(header).encode()
+    (tmp_path / "shape.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
+    for bad in ("cut.safetensors", "header.safetensors", "shape.safetensors"):
         with pytest.raises(FileFormatError):
             RangeFile(tmp_path / bad)
+    shutil.copy(path, tmp_path / "shrinks.safetensors")
+    with RangeFile(tmp_path / "shrinks.safetensors") as f:  # cut after the header was read (a copy still running)
+        os.truncate(tmp_path / "shrinks.safetensors", len(data) - 8)
+        with pytest.raises(FileFormatError, match="is cut short"):
+            [f.read(name) for name in f.keys()]
 
 
 def test_a_retention_delete_that_fails_leaves_no_step_directory_behind(tmp_path, monkeypatch):
