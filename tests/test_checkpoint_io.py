@@ -224,10 +224,13 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path, wh
     assert torch.equal(load_file(ckpt, "model.pt")["w"], torch.arange(4.0))
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         resolve_checkpoint(root / "step_0000002.tmp")
-    # the restarted run saves the same step again over the debris
+    # the restarted run saves the same step again over the debris, none of which it keeps: a file
+    # of the died save that the new one does not write (another layout's) is gone with the rest
+    (root / "step_0000002.tmp" / "optim_rank3.pt").write_bytes(b"stale")
     CheckpointWriter(root, rank=0, world_size=1, barrier=alone).save(2, {"model.pt": {"w": torch.ones(2)}})
     assert latest_checkpoint(root) == root / "step_0000002"
     assert not (root / "step_0000002.tmp").exists()
+    assert sorted(p.name for p in (root / "step_0000002").iterdir() if p.suffix == ".pt") == ["model.pt"]
 
 
 def test_a_newer_directory_without_complete_marker_stops_a_resume(tmp_path):

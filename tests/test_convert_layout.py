@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.checkpoint import latest_checkpoint, read_manifest
+from megazero.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 from megazero.checkpoint.reader import CheckpointReader, Piece, _cover
 from megazero.checkpoint.state import load_checkpoint
 from megazero.cli import main
@@ -148,6 +148,18 @@ def test_reading_plan_takes_each_element_once_and_refuses_a_gap():
     assert _cover([first, copy], 10) == {0: [(0, 100, 6)], 1: [(6, 202, 4)]}
     after_a_gap = Piece(1, None, (10,), ((7, 300, 3),))  # elements 7-9: element 6 is nowhere
     assert _cover([first, after_a_gap], 10) is None
+    assert _cover([first], 10) is None  # the tail, elements 6-9, is nowhere
+
+
+def test_a_tensor_slice_held_by_no_rank_file_is_an_incomplete_checkpoint(written):
+    """A tp-sharded parameter whose second slice no rank file holds is refused, naming the
+    parameter and the slices found, instead of being assembled around an uninitialised half."""
+    reader = CheckpointReader(latest_checkpoint(written / "tp2-pp2-zero1"))
+    name = next(n for n, pieces in reader.pieces.items()
+                if any(p.shard is not None and p.shard.index == 1 for p in pieces))
+    reader.pieces[name] = [p for p in reader.pieces[name] if p.shard.index != 1]
+    with pytest.raises(CheckpointError, match=rf"{name!r} has tp slices \[0\] of 2.*incomplete"):
+        reader.read(name)
 
 
 def test_layout_the_model_cannot_take_is_refused(written, tmp_path, capsys):
