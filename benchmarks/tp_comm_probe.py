@@ -16,7 +16,10 @@ before each timed call, so a figure holds no host launch latency (a step whose h
 sees it). ``--sm-carveout N`` has every GEMM of the process leave N multiprocessors free, through
 cuBLASLt (torch's experimental carveout): whether collectives that wait for multiprocessors behind
 the GEMMs then hide (BENCHMARKS.md, 2026-11-28: at 24 the overlapped modes hid a third of the
-communication, while the GEMMs ran 17-24% longer).
+communication, while the GEMMs ran 17-24% longer). ``--host-time`` adds, for each linear in
+each mode, the host's microseconds per call (median of 40, issued while a long spin holds the GPU,
+so no call waits for room in the launch queue): what the operator costs a step whose host, not its
+GPU, sets the pace.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -59,9 +63,27 @@ def timed(fn, iters: int, lead_cycles: int = 0, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, lead: int, emit) -> None:
+def host_us(fn, calls: int = 40) -> float:
+    """Median microseconds the host takes to issue ``fn()``, with the GPU held busy by a spin queued
+    first (about half a second), so the calls only queue work."""
+    for _ in range(3):
+        fn()
+    dist.barrier()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, lead: int, emit, host: bool = False) -> None:
     """Each of a block's four linears, forward and backward op by op: overlapped with each transport,
-    composed (the collective, then the product, in series) and the products alone."""
+    composed (the collective, then the product, in series) and the products alone; with ``host``
+    also each mode's host time per call."""
     ops = torch.ops.megazero
     name = group.group_name
     shapes = {"qkv": ("column", 3 * h // tp), "fc1": ("column", 4 * h // tp),
@@ -106,7 +128,9 @@ def per_op(group, tp: int, h: int, n: int, dev, dt, iters: int, lead: int, emit)
                 cases[f"bwd {mode}"] = lambda mode=mode: ops.sp_row_linear_backward(
                     grad_y, x, w, name, mode, IN_BACKWARD)
         for case, fn in cases.items():
-            emit(what=f"{layer} ({kind}) {case}", ms=round(timed(fn, iters, lead), 4))
+            mode = case.split()[-1]
+            extra = {"host_us": host_us(fn)} if host and mode in MODES else {}
+            emit(what=f"{layer} ({kind}) {case}", ms=round(timed(fn, iters, lead), 4), **extra)
 
 
 def main() -> None:
@@ -116,6 +140,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--lead-cycles", type=int, default=0,
                         help="GPU clock cycles to spin before each timed call, hiding the host's launch latency")
+    parser.add_argument("--host-time", action="store_true",
+                        help="also report the host's microseconds per call of each linear in each mode")
     parser.add_argument("--sm-carveout", type=int, default=0,
                         help="multiprocessors every GEMM leaves free (cuBLASLt; 0: none)")
     args = parser.parse_args()
@@ -151,7 +177,7 @@ def main() -> None:
         emit(what="all-gather beside a GEMM of all tokens", transport=transport,
              ms=timed(gather_beside_gemm, args.iters, args.lead_cycles))
 
-    per_op(group, tp, h, n, dev, dt, args.iters, args.lead_cycles, emit)
+    per_op(group, tp, h, n, dev, dt, args.iters, args.lead_cycles, emit, args.host_time)
     dist.destroy_process_group()
 
 

@@ -96,7 +96,15 @@ def _enter_side_stream() -> torch.cuda.Stream:
 
 def all_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str) -> _SideStreamWork:
     """Start gathering every rank's ``rows`` [n, h] into ``full`` [size * n, h], rank r's at chunk r:
-    each rank stages its rows in its own slot, then pulls its peers' slots."""
+    each rank stages its rows in its own slot, then pulls its peers' slots.
+
+    The caller's stream is left waiting for the staging: the work it queues next (the product of
+    its own rows, in ``overlap``) starts once every rank's rows are ready to pull. The staging copy
+    and the barrier are kernels; queued beside a matrix product that holds every multiprocessor
+    they would wait for it to finish, and the pulls with them, which serialised the gather after
+    the product it was meant to run beside. Behind them, only the copy engines' pulls run beside
+    the product. The returned work ends with this rank's pulls; the closing barrier, which only
+    guards the workspace, follows on the side stream, where the next operation's work covers it."""
     n = rows.shape[0]
     size = full.shape[0] // n
     ws = _workspace(group_name, full.numel() * full.element_size())
@@ -104,13 +112,17 @@ def all_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str) -> _Side
     stream = _enter_side_stream()
     with torch.cuda.stream(stream):
         ws.get_buffer(rank, rows.shape, rows.dtype, rank * rows.numel()).copy_(rows)
+        full[rank * n:(rank + 1) * n].copy_(rows)
         ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
+        staged = torch.cuda.Event()
+        staged.record(stream)
         for step in range(1, size):
             peer = (rank + step) % size
             full[peer * n:(peer + 1) * n].copy_(ws.get_buffer(peer, rows.shape, rows.dtype, peer * rows.numel()))
-        full[rank * n:(rank + 1) * n].copy_(rows)
+        work = _SideStreamWork(stream, (rows,))
         ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
-        return _SideStreamWork(stream, (rows,))
+    torch.cuda.current_stream().wait_event(staged)
+    return work
 
 
 class ChunkSum:
