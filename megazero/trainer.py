@@ -79,7 +79,8 @@ class _QueuedStep:
     size: int  # samples
     lr: float
     consumed: int  # samples consumed once it is done
-    queued_at: float  # time.perf_counter()
+    queued_at: float  # time.perf_counter() as its queueing began
+    queued_by: float  # ... and as it ended: on a CPU, which computes while queueing, the step's end
 
 
 def checkpoint_split(cfg: Config, layout: dict) -> Optional[list[float]]:
@@ -121,7 +122,7 @@ class Trainer:
         self.tokenizer = tokenizer_record(cfg) if self.rank == 0 else None  # only rank 0's meta is kept
         self.state = TrainState()
         self.saved_step = 0  # the step of the newest checkpoint this run saved or resumed from
-        self._last_finished: Optional[float] = None  # when the host last read a step's results
+        self._last_finished: Optional[float] = None  # when the last step read ended (see ``_finish_step``)
         self.writer = CheckpointWriter(cfg.save_dir, rank=self.rank, world_size=self.world,
                                        barrier=lambda: dist.barrier(), keep_last=cfg.checkpoint.keep_last,
                                        async_save=cfg.checkpoint.async_save and device.type == "cuda")
@@ -325,7 +326,8 @@ class Trainer:
             self.state.step += 1
             self.state.consumed += size
             values = _HostCopy(out.loss_value, out.result.norm, out.result.overflow)
-        return _QueuedStep(values, out.result.loss_scale, self.state.step, size, lr, self.state.consumed, queued_at)
+        return _QueuedStep(values, out.result.loss_scale, self.state.step, size, lr, self.state.consumed, queued_at,
+                           time.perf_counter())
 
     def _finish_step(self, queued: _QueuedStep) -> StepMetrics:
         """Read a queued step's results (waiting for that step only) and count skipped steps."""
@@ -342,10 +344,13 @@ class Trainer:
             raise UserError(f"the loss or the gradients were NaN or inf for {self.state.bad_in_row} steps in a "
                             f"row (to step {queued.step}): the run is diverging; lower optimizer.lr, raise "
                             "schedule.warmup_steps or resume from an earlier checkpoint")
-        # Queued ahead, a step's time is from the end of the one before (or its own queueing, if
-        # later) to its end: in a steady run, the time between two steps' ends.
-        seconds = now - max(queued.queued_at, self._last_finished or 0.0)
-        self._last_finished = now
+        # A step's time is from the end of the one before (or its own queueing, if later) to its end:
+        # in a steady run, the time between two steps' ends. A GPU step ends when its results can be
+        # read; a CPU step, computed while it was queued, when its queueing did (by the time it is
+        # read, the host may have computed the next step too).
+        end = queued.queued_by if self.device.type == "cpu" else now
+        seconds = end - max(queued.queued_at, self._last_finished or 0.0)
+        self._last_finished = end
         return StepMetrics(
             step=queued.step, loss=loss, lr=queued.lr, grad_norm=grad_norm,
             tokens=queued.size * self.cfg.model.seq_length, seconds=seconds,

@@ -155,7 +155,26 @@ def _world1(rank, world_size, prefix, root):
     out["late_ahead3"] = [row["step"] for row in read_metrics(os.path.join(root, "late-ahead3", "metrics.jsonl"))]
     out["stop_mid_ahead3"] = _stop_at_third_check(f"{root}/stop-mid", _overrides(prefix, f"{root}/stop-mid", extra=(
         "--train.steps_ahead", "3")))
+    out["step_times"] = _step_times(f"{root}/timed", _overrides(prefix, f"{root}/timed", steps=6, extra=(
+        "--checkpoint.save_interval", "3", "--checkpoint.save_on_exit", "false")))
     return out
+
+
+STEP_SLEEP = {1: 0.05, 2: 0.6, 3: 0.05, 4: 0.6, 5: 0.05, 6: 0.6}
+
+
+def _step_times(run_dir, overrides):
+    """Train one process whose engine takes ``STEP_SLEEP[k]`` seconds longer over step k; returns
+    (the sleep, the logged step time) per step."""
+    def patch(trainer):
+        train_step = trainer.engine.train_step
+
+        def slowed(micro, lr):
+            time.sleep(STEP_SLEEP[trainer.state.step + 1])  # the step counter moves once the step is queued
+            return train_step(micro, lr)
+        trainer.engine.train_step = slowed
+    _train(overrides, 1, prepare=patch)
+    return [(STEP_SLEEP[row["step"]], row["step_time_s"]) for row in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
 
 
 def _stop_at_third_check(run_dir, overrides):
@@ -194,6 +213,16 @@ def test_loss_falls(layouts):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tp2_pp2_dp2_matches_one_process(layouts, stage):
     assert _close(layouts[f"stage{stage}"], layouts["single"]), (layouts[f"stage{stage}"], layouts["single"])
+
+
+def test_each_step_is_timed_by_its_own_work(layouts):
+    """On a CPU a step is computed while it is queued, and the trainer queues the next step before it
+    reads this one: a step's logged time is its own work, not the next step's, and a step the run
+    pauses after (step 3 saves) is not logged as taking no time."""
+    times = layouts["step_times"]
+    assert len(times) == 6, times
+    for sleep, seconds in times:
+        assert sleep <= seconds < sleep + 0.45, times  # the rest of a step takes 0.1-0.2 s here
 
 
 def test_profile_steps_write_one_trace_of_the_window(layouts):
