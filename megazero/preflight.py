@@ -13,7 +13,7 @@ runs on one rank only: the data is shared, and a failing rank ends the whole lau
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from data_pipeline.paths import nearest_existing
@@ -328,8 +328,11 @@ def _checkpoint_problems(cfg: Config) -> list[str]:
                 "by megazero train or convert: convert it again"]
     now = config_to_dict(cfg)
     rope = "rope" in (saved_model.get("position_embedding"), now["model"]["position_embedding"])
+    saved_built, now_built = _as_built(saved_model, cfg), _as_built(now["model"], cfg)
+    # a field is changed if it is written differently and builds differently (an unset width that a
+    # changed hidden size moves is the hidden size's change, not its own)
     changed = sorted(k for k in ARCHITECTURE_FIELDS if saved_model.get(k) != now["model"][k]
-                     and (rope or k != "rope_theta"))
+                     and saved_built.get(k) != now_built[k] and (rope or k != "rope_theta"))
     if changed:
         return [f"{where}: {ckpt} was trained with a different model ({', '.join(f'model.{k}' for k in changed)}); "
                 "resume with the same model section, or "
@@ -340,6 +343,17 @@ def _checkpoint_problems(cfg: Config) -> list[str]:
     problems = _resume_changes(saved, cfg, meta["step"]) + _tokenizer_change(meta, cfg)
     return [f"{where}: {ckpt} (step {meta['step']}) {problem}; set it back, or set "
             "checkpoint.allow_config_changes true to resume anyway" for problem in problems]
+
+
+def _as_built(model: dict, cfg: Config) -> dict:
+    """A recorded model section with an unset MLP width or key-value head count replaced by the value
+    the model is built with: an imported checkpoint records both, and a config that leaves them unset
+    builds the same model."""
+    shape = {k: model.get(k) for k in ("hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "activation")}
+    if None in (shape["hidden_size"], shape["num_heads"], shape["activation"]):
+        return model  # too little recorded to build: compared as written
+    built = replace(cfg.model, **shape)
+    return {**model, "ffn_hidden_size": built.ffn_size, "num_kv_heads": built.kv_heads}
 
 
 def _tokenizer_change(meta: dict, cfg: Config) -> list[str]:

@@ -184,6 +184,32 @@ def test_training_refuses_a_converted_checkpoint_it_cannot_take(sources, tmp_pat
     assert code == 2 and field in err, err
 
 
+def test_a_round_trip_through_hf_loads_into_the_model_it_came_from(sources, tmp_path, capsys):
+    """megazero -> HF -> megazero records the MLP width the import read (4 h) where the source's config
+    left it unset: training the source's model section from the round trip is the same model, not a
+    "different model (model.ffn_hidden_size)"; another explicit width still is."""
+    import numpy as np
+
+    from data_pipeline.indexed import IndexedDatasetWriter
+    from megazero.checkpoint import read_manifest
+    from megazero.config.loader import config_to_dict
+
+    assert main(["convert", str(sources / "gpt2"), str(tmp_path / "back")]) == 0
+    model = config_to_dict(_config_of(read_manifest(latest_checkpoint(sources / "gpt2_mz"))))["model"]
+    assert model["ffn_hidden_size"] is None
+    with IndexedDatasetWriter(str(tmp_path / "tokens"), np.uint16) as writer:
+        for start in range(1, 30):
+            writer.add_document(np.arange(start, start + 10, dtype=np.uint16))
+    args = [f"--model.{k}={json.dumps(v) if v is not None else 'null'}" for k, v in model.items() if k != "preset"]
+    args += [f"--checkpoint.load={tmp_path / 'back'}", "--train.device=cpu", f"--logging.run_dir={tmp_path / 'run'}",
+             f"--data.blend=[[1.0, {tmp_path / 'tokens'}]]", "--data.split=1", "--train.micro_batch_size=1",
+             "--train.global_batch_size=1", "--train.train_steps=2"]
+    capsys.readouterr()
+    assert main(["train", "--check", *args]) == 0, capsys.readouterr().err
+    assert main(["train", "--check", *args, "--model.ffn_hidden_size=32"]) == 2
+    assert "different model (model.ffn_hidden_size)" in capsys.readouterr().err
+
+
 def _config_of(manifest):
     from megazero.config.loader import build_dataclass
     from megazero.config.schema import Config
