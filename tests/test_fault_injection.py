@@ -124,7 +124,7 @@ def _nan_world(rank, world_size, prefix, root):
     from parallel.launch import LaunchEnv
 
     out = {}
-    for case, poisoned_steps in (("once", {3}), ("always", set(range(2, 100)))):
+    for case, poisoned_steps in (("once", {3}), ("always", set(range(2, 100))), ("apart", {2, 4, 6})):
         cfg = resolve_config(load_config(None, _overrides(prefix, f"{root}/{case}", steps=8, extra=(
             "--train.max_bad_steps", "3", "--checkpoint.save_on_exit", "false"))), world_size)
         device, topology = initialize(cfg, LaunchEnv(rank, world_size, 0, world_size))
@@ -170,6 +170,14 @@ def test_nan_gradients_with_finite_losses_stop_the_run(nan_results):
         always = result["always"]
         assert always["error"] is not None and "NaN or inf for 3 steps in a row" in always["error"], (rank, always)
         assert always["skipped"] == 3, (rank, always)
+
+
+def test_bad_steps_apart_are_no_divergence(nan_results):
+    """Three bad steps with good ones between them, under max_bad_steps 3: each is skipped, and the
+    run finishes (only bad steps in a row stop it)."""
+    for rank, result in enumerate(nan_results):
+        apart = result["apart"]
+        assert apart["error"] is None and apart["skipped"] == 3, (rank, apart)
 
 
 def _hung_peer_world(rank, world_size):

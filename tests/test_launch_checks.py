@@ -196,6 +196,10 @@ def test_a_checkpoint_knows_its_tokenizer_and_refuses_another(files, capsys, tmp
     assert len(err) == 1 and "--tokenizer" in err[0] and "other_tokenizer.json: is not the tokenizer this " \
         f"checkpoint was trained with (tokenizer.json ({VOCAB} tokens, sha256 {mine['tokenizer_sha256'][:12]})" in err[0], err
     assert main(["generate", str(ckpt), "--tokenizer", tok, "--tokens", "2", "--prompt", "w1 w2"]) == 0
+    named_ckpt = tmp_path / "named" / "checkpoints" / "step_0000001"  # a run that named its tokenizer says where
+    assert main(["generate", str(named_ckpt), "--tokenizer", other, "--tokens", "2"]) == 2
+    assert f"{VOCAB} tokens, sha256 {mine['tokenizer_sha256'][:12]}), at {tok} when it trained;" in \
+        capsys.readouterr().err
     assert main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf", "--tokenizer", other]) == 2
     assert "is not the tokenizer this checkpoint was trained with" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
@@ -214,6 +218,14 @@ def test_a_checkpoint_knows_its_tokenizer_and_refuses_another(files, capsys, tmp
     assert "(step 1) was trained on ids of tokenizer.json" in capsys.readouterr().err
     assert main(resume) == 0  # ...and data that names none keeps the checkpoint's record
     assert read_manifest(tmp_path / "on" / "checkpoints" / "step_0000002")["meta"]["tokenizer"] == mine
+
+
+def test_a_tokenizer_record_without_its_digest_identifies_nothing():
+    """Only a record with the tokenizer's sha256 identifies it: a name and a size could match another."""
+    from megazero.data import recorded_tokenizer
+
+    assert recorded_tokenizer({"tokenizer": {"name": "tokenizer.json", "vocab_size": VOCAB}}) is None
+    assert recorded_tokenizer({"tokenizer": {"tokenizer_sha256": "ab" * 32}}) is not None
 
 
 def test_a_logger_without_its_package_is_refused_before_the_run(files, capsys):

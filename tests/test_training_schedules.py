@@ -166,3 +166,16 @@ def test_ramp_over_no_samples_is_rejected(samples):
     with pytest.raises(ConfigError, match="schedule.rampup_samples"):
         build_batch_schedule(ScheduleConfig(rampup_start_batch=8, rampup_samples=samples),
                              TrainConfig(micro_batch_size=1, global_batch_size=32), dp=1)
+
+
+def test_ramp_takes_its_configured_increment():
+    # 16 -> 64 by 16: three increments, so a third of the way the batch is 32 (by the default 32: 16)
+    ramp = build_batch_schedule(ScheduleConfig(rampup_start_batch=16, rampup_increment=16, rampup_samples=300),
+                                TrainConfig(micro_batch_size=1, global_batch_size=64), dp=1)
+    assert [ramp.global_batch(s) for s in (0, 99, 100, 200, 300)] == [16, 16, 32, 48, 64]
+
+
+def test_ramp_samples_without_a_start_batch_is_no_ramp():
+    ramp = build_batch_schedule(ScheduleConfig(rampup_samples=100),
+                                TrainConfig(micro_batch_size=1, global_batch_size=32), dp=1)
+    assert [ramp.global_batch(s) for s in (0, 50, 100)] == [32, 32, 32]
