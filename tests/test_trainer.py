@@ -157,6 +157,62 @@ def _world1(rank, world_size, prefix, root):
         "--train.steps_ahead", "3")))
     out["step_times"] = _step_times(f"{root}/timed", _overrides(prefix, f"{root}/timed", steps=6, extra=(
         "--checkpoint.save_interval", "3", "--checkpoint.save_on_exit", "false")))
+    out.update(_limits_and_counters(prefix, root))
+    return out
+
+
+def _limits_and_counters(prefix, root):
+    """Single-process runs of what a step count alone does not show: a token budget, the last
+    step's periodic save, several evaluation batches, the learning rate per step, a batch ramp-up,
+    and the skip counters a resume carries."""
+    import torch.distributed as dist
+
+    from data_pipeline.loader import global_batch
+    from megazero.startup import initialize
+    from megazero.trainer import Trainer
+    from parallel.launch import LaunchEnv
+
+    def rows(name):
+        return read_metrics(os.path.join(root, name, "metrics.jsonl"))
+
+    out = {}
+    tokens = 16 * 32  # a global batch of 16 samples of 32 tokens
+    for name, budget in (("tokens2", 2 * tokens), ("tokens1.5", 3 * tokens // 2)):
+        _train(_overrides(prefix, f"{root}/{name}", extra=("--train.train_steps", "null", "--train.train_tokens",
+                                                          str(budget), "--checkpoint.save_on_exit", "false")), 1)
+        out[name] = [row["step"] for row in rows(name)]
+    _train(_overrides(prefix, f"{root}/last-save", steps=4, extra=("--checkpoint.save_interval", "2",
+                                                                   "--checkpoint.save_on_exit", "false")), 1)
+    out["last_save"] = step_dirs(os.path.join(root, "last-save", "checkpoints"))
+    out["lrs"] = [(row["step"], row["lr"]) for row in rows("single")]
+    _train(_overrides(prefix, f"{root}/ramp", steps=5, extra=(
+        "--schedule.rampup_start_batch", "8", "--schedule.rampup_increment", "8", "--schedule.rampup_samples", "32",
+        "--checkpoint.save_on_exit", "false")), 1)
+    out["ramp_tokens"] = [row["tokens"] for row in rows("ramp")]
+
+    evaluated = {}
+
+    def keep(trainer):
+        evaluated["trainer"] = trainer
+    _train(_overrides(prefix, f"{root}/eval2", steps=3, extra=(
+        "--data.split", "9,1,0", "--train.eval_interval", "3", "--train.eval_steps", "2",
+        "--checkpoint.save_on_exit", "false")), 1, prepare=keep)
+    trainer = evaluated["trainer"]
+    batches = [global_batch(trainer.valid_data, k * 16, 16, 2, 0, 1) for k in (0, 1)]
+    out["eval2"] = ([row["val_loss"] for row in rows("eval2") if row.get("val_loss") is not None],
+                    sum(trainer.engine.eval_loss(b) for b in batches) / 2)
+
+    # steps 3 and 4 go bad (under max_bad_steps 5), the run saves at step 4; a resume keeps the counts
+    def poison(trainer):
+        param = next(trainer.engine.chunks[0].parameters())
+        param.register_hook(lambda g: g.fill_(float("nan")) if trainer.state.step + 1 in (3, 4) else g)
+    counted = _overrides(prefix, f"{root}/counted", steps=4, extra=("--train.max_bad_steps", "5"))
+    _train(counted, 1, prepare=poison)
+    cfg = resolve_config(load_config(None, [*counted, "--train.train_steps", "6"]), 1)
+    device, topology = initialize(cfg, LaunchEnv(0, 1, 0, 1))
+    resumed = Trainer(cfg, device, topology)
+    out["counted"] = (resumed.state.step, resumed.state.skipped, resumed.state.bad_in_row, resumed._unsaved())
+    dist.barrier()
     return out
 
 
@@ -223,6 +279,43 @@ def test_each_step_is_timed_by_its_own_work(layouts):
     assert len(times) == 6, times
     for sleep, seconds in times:
         assert sleep <= seconds < sleep + 0.45, times  # the rest of a step takes 0.1-0.2 s here
+
+
+def test_a_token_budget_ends_at_the_step_that_reaches_it(layouts):
+    assert layouts["tokens2"] == [1, 2], layouts["tokens2"]  # exactly two batches: no third step
+    assert layouts["tokens1.5"] == [1, 2], layouts["tokens1.5"]  # a partial batch is a whole step
+
+
+def test_the_last_step_is_not_saved_when_the_exit_save_is_off(layouts):
+    """4 steps, a checkpoint every 2, checkpoint.save_on_exit false: step 4 is the last step, whose
+    save is the exit save's business, and that is off."""
+    assert layouts["last_save"] == ["step_0000002"], layouts["last_save"]
+
+
+def test_each_step_trains_at_its_own_learning_rate(layouts):
+    from megazero.config.schema import OptimizerConfig, ScheduleConfig, TrainConfig
+    from megazero.training_schedules import build_lr_schedule
+
+    lr = build_lr_schedule(OptimizerConfig(lr=3e-3, min_lr=3e-4), ScheduleConfig(warmup_steps=2, decay_steps=STEPS),
+                           TrainConfig(train_steps=STEPS))
+    assert [pytest.approx(lr(step)) for step, _ in layouts["lrs"]] == [value for _, value in layouts["lrs"]]
+    assert layouts["lrs"][0][1] == pytest.approx(1.5e-3)  # half the peak, after the first of two warm-up steps
+
+
+def test_a_batch_ramp_up_trains_the_smaller_batches_first(layouts):
+    # 8 samples a step until 32 are consumed, then the full 16
+    assert layouts["ramp_tokens"] == [8 * 32] * 4 + [16 * 32], layouts["ramp_tokens"]
+
+
+def test_an_evaluation_averages_its_batches(layouts):
+    logged, expected = layouts["eval2"]
+    assert logged == [pytest.approx(expected, rel=1e-6)], (logged, expected)
+
+
+def test_a_resume_keeps_the_skip_counters_and_knows_it_is_saved(layouts):
+    step, skipped, bad_in_row, unsaved = layouts["counted"]
+    assert (step, skipped, bad_in_row) == (4, 2, 2), layouts["counted"]
+    assert unsaved == "nothing: step 4 is saved", unsaved
 
 
 def test_profile_steps_write_one_trace_of_the_window(layouts):
