@@ -372,6 +372,23 @@ def test_plan_json(capsys):
     assert again.memory.peak / GIB == pytest.approx(best["memory_gib"], abs=0.01)
 
 
+def test_plan_holds_the_searched_fields_the_command_line_gives(capsys):
+    """A searched field given as an override (`--zero.stage 3`) is a choice the user made: every
+    ranked layout keeps it. One set in the config file only is searched around, and so is any field
+    the command line does not name."""
+    argv = ["plan", "configs/gpt_1.3b.yaml", "--gpus", "4", "--gpus-per-node", "4", "--top", "1000", "--json",
+            "--train.global_batch_size", "64"]
+    assert main(argv) == 0
+    searched = json.loads(capsys.readouterr().out)["layouts"]
+    assert {r["zero_stage"] for r in searched} == {0, 1, 2, 3} and {r["tp"] for r in searched} > {1}
+    assert main([*argv, "--zero.stage", "3", "--parallel.tp", "1"]) == 0
+    held = json.loads(capsys.readouterr().out)["layouts"]
+    assert held and {(r["zero_stage"], r["tp"]) for r in held} == {(3, 1)}
+    assert {r["pp"] for r in held} > {1}  # the fields not named are still searched
+    assert main([*argv, "--parallel.tp", "4", "--parallel.pp", "4"]) == 2
+    assert "with parallel.pp, parallel.tp as given" in capsys.readouterr().err
+
+
 def test_plan_says_when_nothing_fits(capsys):
     code = main(["plan", "configs/mtnlg_530b.yaml", "--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "40",
                  "--train.train_steps", "10", "--top", "2"])

@@ -32,7 +32,8 @@ def register(subparsers) -> None:
         description="Enumerate the layouts (tp, pp, dp, virtual stages, ZeRO stage, micro-batch, recompute, "
                     "sequence parallel) that megazero train accepts for CONFIG on the cluster, predict each "
                     "one's memory per GPU and step time, and print the fastest that fit. Dotted overrides "
-                    "(--train.global_batch_size 1024) change the config first. The formulas and their "
+                    "(--train.global_batch_size 1024) change the config first; those of a searched field "
+                    "(--zero.stage 3, --parallel.tp 2, ...) hold it at that value. The formulas and their "
                     "sources are in docs/planner.md.")
     parser.add_argument("--gpus", type=at_least(1), required=True, help="GPUs in the cluster")
     parser.add_argument("--gpus-per-node", type=at_least(1), required=True, help="GPUs per node")
@@ -49,7 +50,10 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from megazero.commands.train import split_config_path
     from megazero.config import load_config, validate_config
+    from megazero.config.loader import parse_overrides
+    from megazero.config.schema import Config
     from megazero.planner import GPUS, Cluster, custom_gpu, plan
+    from megazero.planner.search import KNOBS
 
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
@@ -65,10 +69,12 @@ def run(args) -> int:
     validate_config(cfg)  # the config's own values; each layout is validated for the world below
     gpu = custom_gpu(GPUS[args.gpu], args.gpu_memory, args.peak_tflops, args.intra_node_GBps, args.inter_node_GBps)
     cluster = Cluster(gpu, args.gpus, min(args.gpus_per_node, args.gpus))
-    ranked = plan(cfg, cluster)
+    fixed = frozenset(key.replace("-", "_") for key, _ in parse_overrides(overrides, Config)) & set(KNOBS)
+    ranked = plan(cfg, cluster, fixed)
     if not ranked:
-        raise UserError(f"no layout of {config_path} is valid on {args.gpus} GPUs: run megazero train --check with "
-                        f"WORLD_SIZE={args.gpus} LOCAL_WORLD_SIZE={args.gpus_per_node} and a layout to see why")
+        held = f" with {', '.join(sorted(fixed))} as given" if fixed else ""
+        raise UserError(f"no layout of {config_path} is valid on {args.gpus} GPUs{held}: run megazero train --check "
+                        f"with WORLD_SIZE={args.gpus} LOCAL_WORLD_SIZE={args.gpus_per_node} and a layout to see why")
     rows = [row(c) for c in ranked[:args.top]]
     fitting = sum(c.fits for c in ranked)
     note = FP32_NOTE if cfg.precision.dtype == "fp32" else None

@@ -47,6 +47,12 @@ class Layout:
         return [f"{mine[i]} {mine[i + 1]}" for i in range(0, len(mine), 2) if mine[i + 1] != theirs[i + 1]]
 
 
+KNOBS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.dp": "dp", "parallel.virtual_stages": "virtual_stages",
+         "zero.stage": "zero_stage", "train.micro_batch_size": "micro_batch_size", "parallel.recompute": "recompute",
+         "parallel.sequence_parallel": "sequence_parallel", "parallel.pipeline_schedule": "schedule"}
+"""The config fields the planner searches, by the ``Layout`` field each sets."""
+
+
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
@@ -119,14 +125,18 @@ def _schedules(pp: int, v: int, own: str) -> list[str]:
     return sorted({"auto", own} | {name for name in SPLIT_BACKWARD if schedule_problem(name, v) is None})
 
 
-def plan(cfg: Config, cluster: Cluster) -> list[Candidate]:
-    """Valid layouts: those that fit first, fastest first, then the rest by memory needed."""
+def plan(cfg: Config, cluster: Cluster, fixed: frozenset[str] = frozenset()) -> list[Candidate]:
+    """Valid layouts: those that fit first, fastest first, then the rest by memory needed. ``fixed``:
+    the searched config fields (``KNOBS``' keys) held at ``cfg``'s values instead of searched."""
+    own = layout_of(cfg)
+    held = {KNOBS[key]: getattr(own, KNOBS[key]) for key in fixed}
     found = []
     for layout in candidate_layouts(cfg, cluster):
+        if any(getattr(layout, name) != value for name, value in held.items()):
+            continue
         candidate_cfg = apply_layout(cfg, layout)
         if is_valid(candidate_cfg, cluster):
             found.append(evaluate(candidate_cfg, cluster))
-    own = layout_of(cfg)
     # Among equally fast layouts, the one closest to the config's own: no knob moves for nothing.
     return sorted(found, key=lambda c: (not c.fits, c.step.step_s if c.fits else 0.0,
                                         len(c.layout.changes_from(own)), c.memory.needed))
