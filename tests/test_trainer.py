@@ -202,6 +202,21 @@ def _limits_and_counters(prefix, root):
     out["eval2"] = ([row["val_loss"] for row in rows("eval2") if row.get("val_loss") is not None],
                     sum(trainer.engine.eval_loss(b) for b in batches) / 2)
 
+    # told to stop (time is up) just after its periodic save of step 4: that save is the exit save
+    saves = []
+
+    def stop_once_saved(trainer):
+        save = trainer.save
+
+        def counted():
+            saves.append(trainer.state.step)
+            save()
+        trainer.save = counted
+        trainer._agree = lambda preempted, late: [preempted, trainer.saved_step >= 4]
+    _train(_overrides(prefix, f"{root}/stop-saved", steps=6, extra=("--checkpoint.save_interval", "4")), 1,
+           prepare=stop_once_saved)
+    out["stop_saved"] = saves
+
     # steps 3 and 4 go bad (under max_bad_steps 5), the run saves at step 4; a resume keeps the counts
     def poison(trainer):
         param = next(trainer.engine.chunks[0].parameters())
@@ -310,6 +325,10 @@ def test_a_batch_ramp_up_trains_the_smaller_batches_first(layouts):
 def test_an_evaluation_averages_its_batches(layouts):
     logged, expected = layouts["eval2"]
     assert logged == [pytest.approx(expected, rel=1e-6)], (logged, expected)
+
+
+def test_a_stop_just_after_a_periodic_save_does_not_save_the_step_again(layouts):
+    assert layouts["stop_saved"] == [4], layouts["stop_saved"]
 
 
 def test_a_resume_keeps_the_skip_counters_and_knows_it_is_saved(layouts):
