@@ -19,6 +19,7 @@ import dataclasses
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -227,6 +228,22 @@ def _limits_and_counters(prefix, root):
     device, topology = initialize(cfg, LaunchEnv(0, 1, 0, 1))
     resumed = Trainer(cfg, device, topology)
     out["counted"] = (resumed.state.step, resumed.state.skipped, resumed.state.bad_in_row, resumed._unsaved())
+
+    # a checkpoint directory without room for one checkpoint is refused as the trainer is built
+    import collections
+    import shutil
+
+    from megazero.checkpoint import CheckpointError
+
+    usage, real = collections.namedtuple("usage", "total used free"), shutil.disk_usage
+    shutil.disk_usage = lambda path: usage(1 << 30, (1 << 30) - 1, 1)
+    try:
+        Trainer(resolve_config(load_config(None, _overrides(prefix, f"{root}/no-room")), 1), device, topology)
+        out["no_room"] = None
+    except CheckpointError as exc:
+        out["no_room"] = str(exc)
+    finally:
+        shutil.disk_usage = real
     dist.barrier()
     return out
 
@@ -329,6 +346,12 @@ def test_an_evaluation_averages_its_batches(layouts):
 
 def test_a_stop_just_after_a_periodic_save_does_not_save_the_step_again(layouts):
     assert layouts["stop_saved"] == [4], layouts["stop_saved"]
+
+
+def test_a_checkpoint_directory_without_room_is_refused_before_the_first_step(layouts):
+    """A small model's checkpoint is sized in KiB, not rounded to "0.0 GiB"."""
+    assert re.search(r"checkpoints: 1 B free, a checkpoint needs about \d+\.\d KiB; free space or set "
+                     r"checkpoint.save_dir", layouts["no_room"] or ""), layouts["no_room"]
 
 
 def test_a_resume_keeps_the_skip_counters_and_knows_it_is_saved(layouts):

@@ -408,6 +408,13 @@ def probe_writable(directory: str | os.PathLike, need_bytes: int) -> None:
         raise CheckpointError(f"{directory}: checkpoints cannot be written here: {os_error_words(e)}") from None
     free = shutil.disk_usage(directory).free
     if free < need_bytes:
-        raise CheckpointError(f"{directory}: {free / 2**30:.1f} GiB free, a checkpoint needs about "
-                              f"{need_bytes / 2**30:.1f} GiB; free space or set checkpoint.save_dir to a larger "
-                              "file system")
+        raise CheckpointError(f"{directory}: {_size(free)} free, a checkpoint needs about {_size(need_bytes)}; "
+                              "free space or set checkpoint.save_dir to a larger file system")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in GiB, or in MiB or KiB where GiB would round a small model's checkpoint to 0.0."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{int(nbytes)} B"
