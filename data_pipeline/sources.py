@@ -202,24 +202,47 @@ def _jsonl_batches(path: str, batch_size: int) -> Iterator[Batch]:
 def _parquet_batches(path: str, keys: tuple[str, ...], batch_size: int) -> Iterator[Batch]:
     import pyarrow.parquet as pq
 
-    with _parquet_errors(path, "its footer"):
+    with parquet_errors(path, "its footer"):
         pf = pq.ParquetFile(path)
     missing = [k for k in keys if k not in pf.schema_arrow.names]
     if missing:
         raise ValueError(f"{path}: no column {missing} (columns: {pf.schema_arrow.names}); choose with --json-keys")
     row, batches = 0, pf.iter_batches(batch_size=batch_size, columns=list(keys))
     while True:
-        with _parquet_errors(path, f"the rows from {row}"):
+        with parquet_errors(path, f"the rows from {row}"):
             record_batch = next(batches, None)
-            records = record_batch.to_pylist() if record_batch is not None else None
+            records = parquet_rows(record_batch) if record_batch is not None else None
         if record_batch is None:
             return
         yield Batch(path, "row", range(row, row + record_batch.num_rows), records=records)
         row += record_batch.num_rows
 
 
+def parquet_rows(record_batch) -> list[dict]:
+    """A Parquet batch's rows as dicts. A string column may hold bytes that are not UTF-8, on which
+    pyarrow's conversion fails for the whole batch, naming no row: those columns are then read as
+    bytes and decoded value by value, and a value that is not UTF-8 stays bytes, for
+    ``record_texts`` to refuse as that row's own bad record."""
+    import pyarrow as pa
+
+    try:
+        return record_batch.to_pylist()
+    except UnicodeDecodeError:
+        strings = {f.name for f in record_batch.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)}
+        schema = pa.schema([pa.field(f.name, pa.binary()) if f.name in strings else f for f in record_batch.schema])
+        rows = pa.Table.from_batches([record_batch]).cast(schema).to_pylist()
+        return [{key: _text_if_utf8(value) if key in strings else value for key, value in row.items()} for row in rows]
+
+
+def _text_if_utf8(value: bytes | None):
+    try:
+        return value.decode("utf-8") if value is not None else None
+    except UnicodeDecodeError:
+        return value
+
+
 @contextlib.contextmanager
-def _parquet_errors(path: str, what: str):
+def parquet_errors(path: str, what: str):
     """pyarrow's errors on a damaged file ("Corrupt snappy compressed data") name neither file nor row."""
     import pyarrow as pa
 
@@ -311,10 +334,15 @@ def parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[str, ...]:
 
 def parse_record(line: bytes, keys: tuple[str, ...]) -> dict:
     """One jsonl line as a JSON object whose ``keys`` hold text; BadRecord says why it is not one."""
+    text = decode_line(line)
     try:
-        record = json.loads(decode_line(line))
+        record = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadRecord(MALFORMED_JSON, f"malformed JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise BadRecord(MALFORMED_JSON, "malformed JSON (nested deeper than Python's recursion limit)") from None
+    except ValueError as exc:  # an integer of more digits than Python converts, and the like
+        raise BadRecord(MALFORMED_JSON, f"malformed JSON ({str(exc).split(';')[0]})") from None
     if not isinstance(record, dict):
         raise BadRecord(NOT_OBJECT, f"a JSON {type(record).__name__}, not an object with a {keys[0]!r} field")
     record_texts(record, keys)
@@ -328,8 +356,17 @@ def record_texts(record: dict, keys: tuple[str, ...]) -> tuple[str, ...]:
         if key not in record:
             raise BadRecord(NOT_TEXT, f"no key {key!r} (keys: {sorted(record)})")
         text = record[key]
+        if isinstance(text, bytes):  # a Parquet value that is not UTF-8 (``parquet_rows``), or a binary column's
+            try:
+                text.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise BadRecord(NOT_UTF8, f"field {key!r} is not UTF-8 (byte {exc.start} is "
+                                          f"{text[exc.start:exc.start + 1]!r})") from None
         if not isinstance(text, str):
             raise BadRecord(NOT_TEXT, f"field {key!r} is {_describe(text)}, not a string")
+        nul = text.find("\0")
+        if nul >= 0:  # a JSON escape or a parquet string can carry one that no raw text line may
+            raise BadRecord(NOT_TEXT, f"field {key!r} holds a NUL character at {nul}: binary data, not text")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:

@@ -62,7 +62,10 @@ def test_jsonl_field_that_is_not_text_is_an_error(tokenizer, tmp_path, record, m
     (b'{"text": "\xff\xfe"}', r"not UTF-8 \(byte 10 is b'\\xff'\)"),
     (b'["alpha"]', "a JSON list, not an object"),
     (b'{"text": "\\ud800"}', "field 'text' holds an unpaired surrogate"),
-], ids=["malformed", "not-utf8", "not-an-object", "lone-surrogate"])
+    (b'{"text": "alpha", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "malformed JSON .nested deeper"),
+    (b'{"text": "alpha", "n": ' + b"9" * 5000 + b"}", r"malformed JSON \(Exceeds the limit"),
+    (b'{"text": "al\\u0000pha"}', "field 'text' holds a NUL character at 2: binary data, not text"),
+], ids=["malformed", "not-utf8", "not-an-object", "lone-surrogate", "nested-too-deep", "huge-integer", "nul-escape"])
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
 def test_bad_jsonl_line_is_named_by_file_and_line(tokenizer, tmp_path, line, message, suffix):
     """Blank lines count: the number is the line an editor shows, also inside a .gz."""
@@ -99,6 +102,29 @@ def test_parquet_null_is_named_by_row(tokenizer, tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
     with pytest.raises(ValueError, match=r"n\.parquet: row 0: field 'text' is a number"):
         preprocess([str(tmp_path / "n.parquet")], str(tmp_path / "out"), tokenizer)
+
+
+def test_parquet_string_that_is_not_utf8_is_its_rows_bad_record(tokenizer, tmp_path):
+    """pyarrow fails a whole batch on one such value, naming nothing: the error names the row, and
+    --skip-bad-records skips that row alone; curation counts it and keeps the rest."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_pipeline.curate.shards import BadRecords, input_documents
+
+    text = pa.array([b"alpha", b"\xffbeta", b"gamma"], type=pa.binary()).view(pa.string())
+    ids = pa.array([b"a", b"b", b"\xfe"], type=pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": text, "id": ids}), tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match=r"d\.parquet: row 1: field 'text' is not UTF-8 \(byte 0 is b'\\xff'\)"):
+        preprocess([str(tmp_path / "d.parquet")], str(tmp_path / "out"), tokenizer)
+    stats = preprocess([str(tmp_path / "d.parquet")], str(tmp_path / "kept"), tokenizer, skip_bad_records=True)
+    assert len(IndexedDataset(str(tmp_path / "kept_text_document"))) == 2, stats
+    bad = BadRecords()
+    kept = list(input_documents(str(tmp_path / "d.parquet"), "text", "id", False, bad))
+    assert [doc_id for doc_id, _ in kept] == ["a"] and bad.counts == {"not UTF-8": 2}, (kept, bad.examples)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all" * 8)
+    with pytest.raises(ValueError, match=r"junk\.parquet: cannot read its footer as Parquet"):
+        list(input_documents(str(tmp_path / "junk.parquet"), "text", "id", False, BadRecords()))
 
 
 def test_dataset_record_without_the_key_is_named_by_index(tokenizer, tmp_path):

@@ -19,7 +19,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from data_pipeline.sources import NOT_UTF8, BadRecord, iter_lines, parse_record, record_texts
+from data_pipeline.sources import (NOT_UTF8, BadRecord, iter_lines, parquet_errors, parquet_rows, parse_record,
+                                   record_texts)
 
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet")
 TRUNCATED = "truncated file"
@@ -149,16 +150,27 @@ def _check_other_fields(record: dict, text_field: str) -> None:
 
 
 def _parquet_documents(path, text_field, id_field, strict, bad, default_id):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    with parquet_errors(path, "its footer"):
+        pf = pq.ParquetFile(path)
     if text_field not in pf.schema_arrow.names:
         raise ValueError(f"{path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); set input.text_field")
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
+    strings = {f.name for f in pf.schema_arrow if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)}
+    row, batches = 0, pf.iter_batches(batch_size=1024)
+    while True:
+        with parquet_errors(path, f"the rows from {row}"):
+            batch = next(batches, None)
+            records = parquet_rows(batch) if batch is not None else None
+        if batch is None:
+            return
+        for record in records:
             try:
                 record_texts(record, (text_field,))
+                for key, value in record.items():  # another string column's value that is not UTF-8
+                    if isinstance(value, bytes) and key in strings:
+                        raise BadRecord(NOT_UTF8, f"field {key!r} is not UTF-8")
             except BadRecord as exc:
                 bad.add(exc.reason, f"{path}: row {row}", exc.detail, strict)
             else:
