@@ -73,11 +73,28 @@ def test_train_quality_reports_held_out_accuracy(tmp_path, capsys):
 
 
 def test_train_quality_without_documents_is_one_line(tmp_path, capsys):
-    empty = tmp_path / "empty.jsonl"
+    empty, other = tmp_path / "empty.jsonl", tmp_path / "other.jsonl"
     empty.write_text("")
-    assert main(["curate", "train-quality", "--hq", str(empty), "--lq", str(empty), "--output",
+    other.write_text("")
+    assert main(["curate", "train-quality", "--hq", str(empty), "--lq", str(other), "--output",
                  str(tmp_path / "m.bin")]) == 2
     assert "--hq: no documents in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--hq", "hq.jsonl", "--lq", "./hq.jsonl"], "--lq ./hq.jsonl is listed twice (also as --hq hq.jsonl)"),
+    (["--hq", "hq.jsonl", "hq.jsonl", "--lq", "lq.jsonl"], "--hq hq.jsonl is listed twice;"),
+], ids=["hq-as-lq", "hq-twice"])
+def test_train_quality_refuses_a_file_listed_twice(tmp_path, capsys, monkeypatch, flags, said):
+    """The same file as --hq and --lq trained a classifier of nothing (accuracy 0.4, reported without a
+    word); a file listed twice put its documents in both the training and held-out rows (accuracy 1.0)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("hq.jsonl", "lq.jsonl"):
+        (tmp_path / name).write_text(json.dumps({"text": "a document"}) + "\n")
+    assert main(["curate", "train-quality", *flags, "--output", "m.bin"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert said in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "m.bin").exists()
 
 
 def test_train_quality_refuses_zero_epochs_before_training(tmp_path, capsys):

@@ -147,6 +147,20 @@ def quality_shard(in_path: str, out_path: str, text_field: str, cfg: QualityConf
             "kept_histogram": np.histogram(s[np.array(keep, dtype=bool)], edges)[0].tolist()}
 
 
+def _check_each_file_once(hq: list[str], lq: list[str]) -> None:
+    """A file given twice (however spelled) puts its documents in both the training and the held-out
+    rows, so the accuracy reported measures memory; one given as both --hq and --lq teaches nothing."""
+    seen: dict[str, tuple[str, str]] = {}
+    for flag, paths in (("--hq", hq), ("--lq", lq)):
+        for path in paths:
+            key = os.path.realpath(path)
+            if key in seen:
+                first_flag, first = seen[key]
+                also = "" if (first_flag, first) == (flag, path) else f" (also as {first_flag} {first})"
+                raise ValueError(f"{flag} {path} is listed twice{also}; list each file once, under --hq or --lq")
+            seen[key] = (flag, path)
+
+
 def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "text", epoch: int = 5,
                   valid_fraction: float = 0.1, seed: int = 0, dim: int = 64) -> dict:
     """Train the hq/lq classifier on word 1-2-grams; returns counts and held-out accuracy. An existing
@@ -157,6 +171,7 @@ def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "
     blocking = file_in_the_way(output)
     if blocking:
         raise ValueError(f"--output {output}: {blocking} is a file, not a folder; give another path")
+    _check_each_file_once(hq, lq)
     examples = [(HQ, t) for t in _texts(hq, text_field, "--hq")] + [(LQ, t) for t in _texts(lq, text_field, "--lq")]
     random.Random(seed).shuffle(examples)
     n_valid = int(len(examples) * valid_fraction) if len(examples) >= 10 else 0
