@@ -172,6 +172,12 @@ def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256,
         yield from _jsonl_batches(path, batch_size)
     elif path.endswith(PARQUET_SUFFIXES):
         yield from _parquet_batches(path, keys, batch_size)
+    elif (files := plain_data_files(path)) is not None:
+        if hf_split is not None:
+            raise ValueError(f"{path}: a folder of .jsonl/.parquet files, read file by file, has no splits for "
+                             f"--hf-split {hf_split} to choose from; leave --hf-split out")
+        for name in files:
+            yield from iter_batches(name, keys, batch_size)
     elif not reads_as_dataset(path):
         raise ValueError(f"{path}: unknown input type; use .jsonl/.json (optionally .gz or .zst), .parquet, "
                          "or a Hugging Face dataset directory or name")
@@ -181,8 +187,27 @@ def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256,
 
 def reads_as_dataset(path: str) -> bool:
     """Whether ``iter_batches`` reads ``path`` through ``datasets`` (a saved folder or a hub name)
-    rather than as a jsonl or parquet file (which ``--hf-split`` does not apply to)."""
-    return not path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(path)
+    rather than as jsonl or parquet files (which ``--hf-split`` does not apply to)."""
+    return (not path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(path)
+            and plain_data_files(path) is None)
+
+
+def plain_data_files(path: str) -> list[str] | None:
+    """The files of a folder that holds only .jsonl/.json(.gz/.zst) and .parquet files (a README and
+    hidden files aside), in name order, which megazero reads file by file with its own readers; None
+    for anything else. ``datasets`` would read such a folder as one table, converting a later file's
+    values to the first file's column type: a number or an object in a text field became text."""
+    if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, name))
+                                      for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
+        return None
+    files = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [os.path.join(root, name) for name in names
+                  if not name.startswith(".") and name.lower() not in ("readme.md", "license")]
+    files.sort()
+    data = [name for name in files if name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)]
+    return data if data and len(data) == len(files) else None
 
 
 def _jsonl_batches(path: str, batch_size: int) -> Iterator[Batch]:

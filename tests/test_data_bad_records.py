@@ -127,6 +127,23 @@ def test_parquet_string_that_is_not_utf8_is_its_rows_bad_record(tokenizer, tmp_p
         list(input_documents(str(tmp_path / "junk.parquet"), "text", "id", False, BadRecords()))
 
 
+def test_a_folder_of_jsonl_files_is_checked_file_by_file(tokenizer, tmp_path):
+    """`datasets` read such a folder as one table, converting the second file's number and boolean to
+    the first file's string type: '5' and 'true' became documents. Each file is now read as if given
+    alone, in name order."""
+    folder = tmp_path / "web"
+    (folder / "sub").mkdir(parents=True)
+    jsonl(folder / "a.jsonl", {"text": "alpha"})
+    jsonl(folder / "sub" / "b.jsonl", {"text": "beta"}, {"text": 5}, {"text": True})
+    (folder / "README.md").write_text("about these files")
+    with pytest.raises(ValueError, match=r"web/sub/b\.jsonl:2: field 'text' is a number, not a string"):
+        preprocess([str(folder)], str(tmp_path / "out"), tokenizer)
+    stats = preprocess([str(folder)], str(tmp_path / "kept"), tokenizer, skip_bad_records=True)
+    assert len(IndexedDataset(str(tmp_path / "kept_text_document"))) == 2, stats
+    with pytest.raises(ValueError, match="has no splits for --hf-split validation"):
+        preprocess([str(folder)], str(tmp_path / "split"), tokenizer, hf_split="validation")
+
+
 def test_dataset_record_without_the_key_is_named_by_index(tokenizer, tmp_path):
     """datasets fills a key one record lacks with None: that is an error, never the text "None"."""
     import datasets
