@@ -23,7 +23,7 @@ import numpy as np
 
 from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
 from data_pipeline.shard_origin import tokenizer_identity, write_origin
-from data_pipeline.sources import Batch, iter_batches
+from data_pipeline.sources import Batch, check_input, iter_batches
 from data_pipeline.tokenizer import load_tokenizer
 
 _tokenizer = None  # one per worker process, loaded by _init_worker
@@ -126,6 +126,8 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     """
     tokenizer = load_tokenizer(tokenizer_path)
     vocab_size, identity = tokenizer.vocab_size, tokenizer_identity(tokenizer)  # before any work
+    for path in inputs:
+        check_input(path, keys)
     writers = {k: IndexedDatasetWriter(output_prefix_for(output_prefix, k), token_dtype(vocab_size)) for k in keys}
     stats = PreprocessStats()
     bar = _progress_bar(progress)

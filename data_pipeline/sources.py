@@ -166,8 +166,7 @@ def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256,
                  hf_split: str | None = None) -> Iterator[Batch]:
     """Batches of documents from one input, chosen by its suffix (a directory or name means ``datasets``;
     ``hf_split`` picks its split, ``train`` when None)."""
-    if path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such input file")
+    check_input(path, keys)
     if path.endswith(JSONL_SUFFIXES):
         yield from _jsonl_batches(path, batch_size)
     elif path.endswith(PARQUET_SUFFIXES):
@@ -178,11 +177,29 @@ def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256,
                              f"--hf-split {hf_split} to choose from; leave --hf-split out")
         for name in files:
             yield from iter_batches(name, keys, batch_size)
-    elif not reads_as_dataset(path):
-        raise ValueError(f"{path}: unknown input type; use .jsonl/.json (optionally .gz or .zst), .parquet, "
-                         "or a Hugging Face dataset directory or name")
     else:
         yield from _hf_batches(path, keys, batch_size, hf_split)
+
+
+def check_input(path: str, keys: tuple[str, ...]) -> None:
+    """What can be known of an input before any input is read, so that a typo in the last of many is
+    found before hours of tokenizing the first: a file that is missing or of an unknown type, a
+    parquet file without the columns (its footer alone is read)."""
+    if path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such input file")
+    if os.path.isfile(path) and not path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):
+        raise ValueError(f"{path}: unknown input type; use .jsonl/.json (optionally .gz or .zst), .parquet, "
+                         "or a Hugging Face dataset directory or name")
+    if path.endswith(PARQUET_SUFFIXES):
+        import pyarrow.parquet as pq
+
+        with parquet_errors(path, "its footer"):
+            columns = pq.ParquetFile(path).schema_arrow.names
+        missing = [k for k in keys if k not in columns]
+        if missing:
+            raise ValueError(f"{path}: no column {missing} (columns: {columns}); choose with --json-keys")
+    for name in plain_data_files(path) or ():
+        check_input(name, keys)
 
 
 def reads_as_dataset(path: str) -> bool:
@@ -229,9 +246,6 @@ def _parquet_batches(path: str, keys: tuple[str, ...], batch_size: int) -> Itera
 
     with parquet_errors(path, "its footer"):
         pf = pq.ParquetFile(path)
-    missing = [k for k in keys if k not in pf.schema_arrow.names]
-    if missing:
-        raise ValueError(f"{path}: no column {missing} (columns: {pf.schema_arrow.names}); choose with --json-keys")
     row, batches = 0, pf.iter_batches(batch_size=batch_size, columns=list(keys))
     while True:
         with parquet_errors(path, f"the rows from {row}"):

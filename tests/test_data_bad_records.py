@@ -127,6 +127,28 @@ def test_parquet_string_that_is_not_utf8_is_its_rows_bad_record(tokenizer, tmp_p
         list(input_documents(str(tmp_path / "junk.parquet"), "text", "id", False, BadRecords()))
 
 
+def test_every_input_is_checked_before_the_first_is_read(tokenizer, tmp_path, monkeypatch):
+    """A typo in the last input, or a parquet file without the column, was found only after every
+    input before it had been tokenized: at corpus scale, hours thrown away."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import data_pipeline.preprocess as preprocess_module
+
+    good = jsonl(tmp_path / "good.jsonl", {"text": "alpha"})
+    pq.write_table(pa.table({"body": ["alpha"]}), tmp_path / "other.parquet")
+    (tmp_path / "notes.txt").write_text("alpha")
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("an input was read before every input was checked")
+    monkeypatch.setattr(preprocess_module, "iter_batches", no_reading)
+    for last, said in (("typo.jsonl", "typo.jsonl: no such input file"), ("notes.txt", "notes.txt: unknown input type"),
+                       ("other.parquet", r"other.parquet: no column \['text'\] \(columns: \['body'\]\)")):
+        with pytest.raises((ValueError, FileNotFoundError), match=said):
+            preprocess([good, str(tmp_path / last)], str(tmp_path / "out"), tokenizer)
+    assert not list(tmp_path.glob("out*"))
+
+
 def test_a_folder_of_jsonl_files_is_checked_file_by_file(tokenizer, tmp_path):
     """`datasets` read such a folder as one table, converting the second file's number and boolean to
     the first file's string type: '5' and 'true' became documents. Each file is now read as if given
