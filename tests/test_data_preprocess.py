@@ -130,6 +130,30 @@ def test_failed_run_leaves_no_output(env, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
+def test_sigterm_mid_run_leaves_no_output(env, tmp_path):
+    """What a scheduler sends at a time limit: the run stops as on Ctrl-C, in one line, and the shard
+    it was writing under a temporary name is removed (SIGTERM's default left it behind)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    big = tmp_path / "big.jsonl"
+    big.write_text(Path(env["jsonl"]).read_text() * 60)
+    proc = subprocess.Popen([sys.executable, "-m", "megazero.cli", "preprocess", "--input", str(big), "--tokenizer",
+                             env["model"], "--output-prefix", str(tmp_path / "out"), "--no-progress"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("out_text_document.bin.tmp*")):  # tokenizing, and writing
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip() == "megazero preprocess: stopped by SIGTERM", err
+    assert sorted(os.listdir(tmp_path)) == ["big.jsonl"]
+
+
 def test_empty_input_is_refused(env, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
