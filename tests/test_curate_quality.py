@@ -148,3 +148,14 @@ def test_a_retrained_model_makes_the_finished_stage_stale(trained, tmp_path):
     os.utime(model, ns=(1, 1))  # retrained in place
     with pytest.raises(ValueError, match=r"01-quality was made with other settings \(files differ\)"):
         run_pipeline(build_config(raw), log=lambda s: None)
+
+
+def test_train_quality_names_a_bad_record_without_a_flag_it_does_not_have(tmp_path, capsys):
+    """Training data is read strictly, always: the error named `--strict`, which this command lacks."""
+    hq, lq = tmp_path / "hq.jsonl", tmp_path / "lq.jsonl"
+    hq.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": 3}) + "\n")
+    lq.write_text(json.dumps({"text": "cheap"}) + "\n")
+    assert main(["curate", "train-quality", "--hq", str(hq), "--lq", str(lq), "--output", str(tmp_path / "m.bin")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{hq}:2: field 'text' is a number, not a string (the classifier trains on clean records only: fix or " \
+           "remove it)" in err and "--strict" not in err, err

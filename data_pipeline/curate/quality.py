@@ -200,7 +200,8 @@ def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "
 
 def _texts(paths: list[str], text_field: str, flag: str) -> list[str]:
     texts = [record[text_field] for path in paths
-             for _, record in input_documents(path, text_field, "id", True, BadRecords())]
+             for _, record in input_documents(path, text_field, "id", True, BadRecords(
+                 fatal_because="the classifier trains on clean records only: fix or remove it"))]
     if not texts:
         raise ValueError(f"{flag}: no documents in {paths}; give jsonl or parquet files with a {text_field!r} field")
     return texts

@@ -105,11 +105,13 @@ class BadRecords:
 
     counts: Counter = field(default_factory=Counter)
     examples: list = field(default_factory=list)
+    # why a bad record is fatal, said after it: a curation run's --strict, or a caller's own reason
+    fatal_because: str = ("--strict makes any bad record fatal; without it such records are counted in stats.json "
+                          "and left out")
 
     def add(self, reason: str, where: str, detail: str, strict: bool) -> None:
         if strict:
-            raise ValueError(f"{where}: {detail} (--strict makes any bad record fatal; without it such "
-                             "records are counted in stats.json and left out)")
+            raise ValueError(f"{where}: {detail} ({self.fatal_because})")
         self.counts[reason] += 1
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(f"{where}: {detail}")
