@@ -209,9 +209,10 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     damaged = sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name) and p.is_dir()
                      and not is_complete(p) and int(STEP_DIR.match(p.name).group(1)) > step) if root.is_dir() else []
     if damaged:
+        instead = f"use {chosen.name}" if chosen is not None else "train from step 0"
         raise CheckpointError(f"{damaged[-1]}: a checkpoint directory without its {COMPLETE} record, newer than "
-                              f"the checkpoint to resume from in {root}; restore it, or move it out of the way to "
-                              f"resume from {chosen.name if chosen is not None else 'step 0'}")
+                              f"the newest complete checkpoint in {root}; restore it, or move it out of the way to "
+                              f"{instead}")
     return chosen
 
 
