@@ -213,6 +213,9 @@ CASES = [
     ("tokenizer-train-exists", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
                                           "--model-prefix", str(f["root"] / "empty")],
      ["empty.model: exists (data and checkpoints record the tokenizer", "choose another --model-prefix"]),
+    ("tokenizer-train-input-twice", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
+                                               f"{f['root']}/./good.jsonl", "--model-prefix", str(f["root"] / "tw")],
+     ["good.jsonl is listed twice (also as", "its text would count twice"]),
     ("tokenizer-train-folder", lambda f: ["tokenizer", "train", "--input", str(f["root"] / "good.jsonl"),
                                           "--model-prefix", str(f["root"]) + "/"], ["names a folder"]),
     *[(f"tokenizer-train-{flag[2:]}-{value}", (lambda flag, value: lambda f: [

@@ -177,6 +177,11 @@ def test_cli_preprocess_and_merge(env, tmp_path, capsys):
     merged = IndexedDataset(str(tmp_path / "merged"))
     assert len(merged) == 2 * len(env["records"])
     assert merged[len(env["records"])].tolist() == merged[0].tolist()
+    # a merge re-tokenizes nothing: a tokenizer, keys or workers given with it would be ignored
+    _refused(["preprocess", "--merge", f"{out}_text_document", f"{again}_text_document", "--output-prefix",
+              str(tmp_path / "m2"), "--tokenizer", env["model"], "--workers", "0"], capsys,
+             "--merge joins shards as they are, so --tokenizer, --workers would change nothing")
+    assert not list(tmp_path.glob("m2*"))
 
 
 def _refused(argv, capsys, *words):

@@ -44,7 +44,15 @@ def run(args) -> int:
     from data_pipeline.preprocess import output_prefix_for, preprocess
     from data_pipeline.sources import reads_as_dataset
 
-    if not args.merge and (args.workers < 1 or args.batch_size < 1):
+    if args.merge:
+        given = [flag for flag, value, default in (
+            ("--tokenizer", args.tokenizer, None), ("--json-keys", args.json_keys, None), ("--workers", args.workers, 1),
+            ("--batch-size", args.batch_size, 256), ("--no-eod", args.no_eod, False),
+            ("--skip-bad-records", args.skip_bad_records, False)) if value != default]
+        if given:
+            raise UserError(f"--merge joins shards as they are, so {', '.join(given)} would change nothing; "
+                            "leave them out (they apply to --input)")
+    elif args.workers < 1 or args.batch_size < 1:
         raise UserError("--workers and --batch-size must be at least 1")
     if args.hf_split is not None and not any(reads_as_dataset(name) for name in args.input or ()):
         raise UserError(f"--hf-split {args.hf_split}: picks the split of a Hugging Face dataset input, and none is "
