@@ -228,6 +228,8 @@ CASES = [
         "demo-corpus", str(f["root"] / "out" / "demo"), "--max-mb", text])(text),
        [f"--max-mb: must be a positive number of MB, got {text}"]) for text in ("inf", "nan", "0.0")],
     ("demo-corpus-exists", lambda f: ["demo-corpus", str(f["root"])], ["stdlib.jsonl: exists", "remove it first"]),
+    ("demo-corpus-into-a-file", lambda f: ["demo-corpus", str(f["root"] / "good.jsonl" / "demo")],
+     ["good.jsonl is a file, not a folder", "give a folder to build the demo corpus in"]),
     ("preprocess-workers", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"), "--tokenizer",
                                       str(f["root"] / "tokenizer.json"), "--output-prefix", str(f["root"] / "out" / "g"),
                                       "--workers", "0"], ["--workers"]),

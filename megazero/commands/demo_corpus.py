@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 from megazero.errors import UserError
 
@@ -21,9 +22,13 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from data_pipeline.demo_corpus import build_demo_corpus
+    from data_pipeline.paths import file_in_the_way
 
     if not (math.isfinite(args.max_mb) and args.max_mb > 0):
         raise UserError(f"--max-mb: must be a positive number of MB, got {args.max_mb}")
+    blocking = args.out_dir if os.path.isfile(args.out_dir) else file_in_the_way(os.path.join(args.out_dir, "x"))
+    if blocking:
+        raise UserError(f"{args.out_dir}: {blocking} is a file, not a folder; give a folder to build the demo corpus in")
     try:
         built = build_demo_corpus(args.out_dir, int(args.max_mb * 1e6), args.vocab_size)
     except (ValueError, OSError) as exc:
