@@ -430,10 +430,46 @@ def test_a_handwritten_megatron_checkpoint_imports(tmp_path):
     (("padded_vocab_size",), {}, "args record neither args.vocab_size nor args.padded_vocab_size"),
     ((), {"hidden_size": "16"}, "args.hidden_size: expected an integer, got '16'"),
     ((), {"rotary_base": None, "position_embedding_type": "rope"}, "args.rotary_base: expected a number, got None"),
+    # settings megazero does not build: imported without them, the logits would be another model's
+    ((), {"position_embedding_type": "rope", "rotary_percent": 0.5}, "args.rotary_percent"),
+    ((), {"position_embedding_type": "rope", "rotary_interleaved": True}, "args.rotary_interleaved"),
 ])
 def test_megatron_args_are_checked_as_a_model_config(tmp_path, capsys, drop, changes, want):
     err = _fails(capsys, tmp_path, _megatron(tmp_path / "meg", drop, **changes))
     assert want in err and "model_optim_rng.pt" in err, err
+
+
+def test_a_megatron_root_without_its_tracker_imports_its_newest_iteration(tmp_path):
+    from megazero.convert.megatron import iteration_dir
+
+    root = _megatron(tmp_path / "meg")
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    shutil.copytree(root / "iter_0000005", root / "iter_0000010")
+    shutil.copytree(root / "iter_0000005", root / "iter_0000002")
+    assert iteration_dir(root).name == "iter_0000010"
+
+
+def test_a_vocabulary_size_other_than_the_args_record_is_refused(tmp_path, capsys):
+    """--vocab-size names the tokenizer's rows where args record only the padded size; where args
+    record the real size too, another --vocab-size would cut real token rows without a word."""
+    root = _megatron(tmp_path / "meg", vocab_size=100)
+    err = _fails(capsys, tmp_path, root, "--vocab-size", "90")
+    assert "--vocab-size: 90, but" in err and "records args.vocab_size 100" in err, err
+
+
+@pytest.mark.parametrize("folder, tied", [("gpt2", True), ("hf", False)], ids=["gpt2", "llama"])
+def test_a_config_without_tie_word_embeddings_takes_the_architectures_default(sources, tmp_path, folder, tied):
+    """The hub's GPT-2 config.json has no tie_word_embeddings (transformers ties by default); Llama's
+    default is untied. The import must read a missing key as transformers does."""
+    from megazero.checkpoint import read_manifest
+
+    src = _copy(sources / folder, tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (src / "config.json").write_text(json.dumps(config))
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 0
+    model = read_manifest(latest_checkpoint(tmp_path / "out"))["meta"]["config"]["model"]
+    assert model["tie_embeddings"] is tied
 
 
 def test_a_megatron_rank_file_without_weights_is_named(tmp_path, capsys):
