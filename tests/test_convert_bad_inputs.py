@@ -472,6 +472,21 @@ def test_a_config_without_tie_word_embeddings_takes_the_architectures_default(so
     assert model["tie_embeddings"] is tied
 
 
+def test_dropout_rates_keep_their_roles_through_hf_and_megatron(tmp_path):
+    """The residual and attention dropouts have separate keys in every format: exported to GPT-2 and
+    imported from Megatron, neither takes the other's rate."""
+    from megazero.checkpoint import read_manifest
+
+    write_megazero(_Random(num_layers=1, dropout=0.1, attention_dropout=0.2), tmp_path / "mz")
+    assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["resid_pdrop"], config["embd_pdrop"], config["attn_pdrop"]) == (0.1, 0.1, 0.2), config
+    assert main(["convert", str(_megatron(tmp_path / "meg", hidden_dropout=0.1, attention_dropout=0.05)),
+                 str(tmp_path / "from-meg")]) == 0
+    model = read_manifest(latest_checkpoint(tmp_path / "from-meg"))["meta"]["config"]["model"]
+    assert (model["dropout"], model["attention_dropout"]) == (0.1, 0.05), model
+
+
 def test_a_megatron_rank_file_without_weights_is_named(tmp_path, capsys):
     root = _megatron(tmp_path / "meg", ranks=2)
     second = root / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt"

@@ -73,7 +73,7 @@ def run(tmp_path):
         if name.startswith("embedding.tokens"):
             for t in values[name].values():
                 t[source.cfg.vocab_size:] = 0  # vocabulary padding
-    meta = {"step": 7, "consumed": 1234, "skipped": 2, "bad_in_row": 0, "config": asdict(Config(model=source.cfg)),
+    meta = {"step": 7, "consumed": 1234, "skipped": 2, "bad_in_row": 1, "config": asdict(Config(model=source.cfg)),
             "tokenizer": TOKENIZER}
     write_checkpoint(tmp_path / "src", consolidated(shapes, source.cfg.num_layers),
                      lambda name, keys: {k: values[name][k] for k in keys}, step=7, meta=meta, with_moments=True,
@@ -86,7 +86,7 @@ def test_offline_reshard_carries_progress_scaler_and_tokenizer_record(run, tmp_p
     assert convert(src, tmp_path / "out", "--to", "megazero") == 0
     assert (tmp_path / "out" / "latest").read_text().strip() == "step_0000007"
     new = CheckpointReader(latest_checkpoint(tmp_path / "out"))
-    assert (new.meta["step"], new.meta["consumed"], new.meta["skipped"]) == (7, 1234, 2)
+    assert (new.meta["step"], new.meta["consumed"], new.meta["skipped"], new.meta["bad_in_row"]) == (7, 1234, 2, 1)
     assert new.meta["tokenizer"] == TOKENIZER
     assert new.values(0, ("adam_step", "scaler")) == {"adam_step": 7.0, "scaler": SCALER}
     for name, want in values.items():
