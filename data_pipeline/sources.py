@@ -165,8 +165,8 @@ class Batch:
 def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256,
                  hf_split: str | None = None) -> Iterator[Batch]:
     """Batches of documents from one input, chosen by its suffix (a directory or name means ``datasets``;
-    ``hf_split`` picks its split, ``train`` when None)."""
-    check_input(path, keys)
+    ``hf_split`` picks its split, ``train`` when None). The caller has checked every input with
+    ``check_input`` before reading the first."""
     if path.endswith(JSONL_SUFFIXES):
         yield from _jsonl_batches(path, batch_size)
     elif path.endswith(PARQUET_SUFFIXES):
@@ -191,10 +191,7 @@ def check_input(path: str, keys: tuple[str, ...]) -> None:
         raise ValueError(f"{path}: unknown input type; use .jsonl/.json (optionally .gz or .zst), .parquet, "
                          "or a Hugging Face dataset directory or name")
     if path.endswith(PARQUET_SUFFIXES):
-        import pyarrow.parquet as pq
-
-        with parquet_errors(path, "its footer"):
-            columns = pq.ParquetFile(path).schema_arrow.names
+        columns = parquet_schema(path).names
         missing = [k for k in keys if k not in columns]
         if missing:
             raise ValueError(f"{path}: no column {missing} (columns: {columns}); choose with --json-keys")
@@ -242,19 +239,41 @@ def _jsonl_batches(path: str, batch_size: int) -> Iterator[Batch]:
 
 
 def _parquet_batches(path: str, keys: tuple[str, ...], batch_size: int) -> Iterator[Batch]:
+    for row, records in parquet_record_batches(path, batch_size, list(keys)):
+        yield Batch(path, "row", range(row, row + len(records)), records=records)
+
+
+def parquet_schema(path: str):
+    """A Parquet file's schema, from its footer alone."""
     import pyarrow.parquet as pq
 
-    with parquet_errors(path, "its footer"):
-        pf = pq.ParquetFile(path)
-    row, batches = 0, pf.iter_batches(batch_size=batch_size, columns=list(keys))
+    with _parquet_errors(path, "its footer"):
+        return pq.ParquetFile(path).schema_arrow
+
+
+def string_columns(schema) -> set[str]:
+    import pyarrow as pa
+
+    return {f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)}
+
+
+def parquet_record_batches(path: str, batch_size: int, columns: list[str] | None = None
+                           ) -> Iterator[tuple[int, list[dict]]]:
+    """(first row, the rows as dicts) for each batch of a Parquet file (of ``columns``, or all); a
+    damaged file is an error naming it and the rows where the damage was found."""
+    import pyarrow.parquet as pq
+
+    with _parquet_errors(path, "its footer"):
+        batches = pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=columns)
+    row = 0
     while True:
-        with parquet_errors(path, f"the rows from {row}"):
-            record_batch = next(batches, None)
-            records = parquet_rows(record_batch) if record_batch is not None else None
-        if record_batch is None:
+        with _parquet_errors(path, f"the rows from {row}"):
+            batch = next(batches, None)
+            records = parquet_rows(batch) if batch is not None else None
+        if batch is None:
             return
-        yield Batch(path, "row", range(row, row + record_batch.num_rows), records=records)
-        row += record_batch.num_rows
+        yield row, records
+        row += len(records)
 
 
 def parquet_rows(record_batch) -> list[dict]:
@@ -267,7 +286,7 @@ def parquet_rows(record_batch) -> list[dict]:
     try:
         return record_batch.to_pylist()
     except UnicodeDecodeError:
-        strings = {f.name for f in record_batch.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)}
+        strings = string_columns(record_batch.schema)
         schema = pa.schema([pa.field(f.name, pa.binary()) if f.name in strings else f for f in record_batch.schema])
         rows = pa.Table.from_batches([record_batch]).cast(schema).to_pylist()
         return [{key: _text_if_utf8(value) if key in strings else value for key, value in row.items()} for row in rows]
@@ -281,7 +300,7 @@ def _text_if_utf8(value: bytes | None):
 
 
 @contextlib.contextmanager
-def parquet_errors(path: str, what: str):
+def _parquet_errors(path: str, what: str):
     """pyarrow's errors on a damaged file ("Corrupt snappy compressed data") name neither file nor row."""
     import pyarrow as pa
 

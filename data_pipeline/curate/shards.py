@@ -19,8 +19,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from data_pipeline.sources import (NOT_UTF8, BadRecord, iter_lines, parquet_errors, parquet_rows, parse_record,
-                                   record_texts)
+from data_pipeline.sources import (NOT_UTF8, BadRecord, iter_lines, parquet_record_batches, parquet_schema,
+                                   parse_record, record_texts, string_columns)
 
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet")
 TRUNCATED = "truncated file"
@@ -152,22 +152,12 @@ def _check_other_fields(record: dict, text_field: str) -> None:
 
 
 def _parquet_documents(path, text_field, id_field, strict, bad, default_id):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    with parquet_errors(path, "its footer"):
-        pf = pq.ParquetFile(path)
-    if text_field not in pf.schema_arrow.names:
-        raise ValueError(f"{path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); set input.text_field")
-    strings = {f.name for f in pf.schema_arrow if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)}
-    row, batches = 0, pf.iter_batches(batch_size=1024)
-    while True:
-        with parquet_errors(path, f"the rows from {row}"):
-            batch = next(batches, None)
-            records = parquet_rows(batch) if batch is not None else None
-        if batch is None:
-            return
-        for record in records:
+    schema = parquet_schema(path)
+    if text_field not in schema.names:
+        raise ValueError(f"{path}: no column {text_field!r} (columns: {schema.names}); set input.text_field")
+    strings = string_columns(schema)
+    for first, records in parquet_record_batches(path, 1024):
+        for row, record in enumerate(records, first):
             try:
                 record_texts(record, (text_field,))
                 for key, value in record.items():  # another string column's value that is not UTF-8
@@ -177,7 +167,6 @@ def _parquet_documents(path, text_field, id_field, strict, bad, default_id):
                 bad.add(exc.reason, f"{path}: row {row}", exc.detail, strict)
             else:
                 yield _doc_id(record, id_field, f"{default_id}:{row}"), record
-            row += 1
 
 
 DEFAULT_ID_FIELD = "id"
