@@ -49,7 +49,7 @@ from data_pipeline.loader import to_batch
 from megazero.config import load_config, resolve_config
 from megazero.engine import Engine, pipeline_split
 from megazero.flops import device_name, flops_per_token, peak_flops
-from parallel.launch import init_process_group, pick_device, read_launch_env
+from parallel.launch import destroy_process_group, init_process_group, pick_device, read_launch_env
 from parallel.pipeline import bubble_fraction
 from parallel.pipeline.plan import weight_grad_delays
 from parallel.pipeline.schedule import SPLIT_BACKWARD
@@ -310,7 +310,7 @@ def main() -> None:
             print(json.dumps({"run": run, "world": launch.world_size, "device": device_name(device) or "cpu",
                               "mbs": cfg.train.micro_batch_size, "global_batch": cfg.train.global_batch_size,
                               **result}), flush=True)
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 if __name__ == "__main__":

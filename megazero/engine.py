@@ -29,7 +29,7 @@ from parallel.pipeline import PipelineExecutor
 from parallel.pipeline.partition import resolve_split, stage_layers, stage_parts
 from parallel.pipeline.plan import StageCosts, stage_costs
 from parallel.pipeline.schedule import SPLIT_BACKWARD, default_schedule
-from parallel.tensor_parallel.peer_memory import available as peer_memory_available
+from parallel.tensor_parallel import peer_memory
 from parallel.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,7 +53,7 @@ def parallelism(cfg: Config, device: torch.device, chunks: list[GPT]) -> Paralle
     the meta device)."""
     p = cfg.parallel
     compile_ = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
-    if p.tp_comm == "peer_memory" and not (device.type == "cuda" and peer_memory_available()):
+    if p.tp_comm == "peer_memory" and not (device.type == "cuda" and peer_memory.available()):
         raise ConfigError("parallel.tp_comm: peer_memory needs CUDA devices and a torch with symmetric memory; "
                           "set it to serial or overlap")
     if cfg.train.cuda_graphs and not (compile_ and device.type == "cuda"):
@@ -184,6 +184,11 @@ class Engine:
         self.chunks = build_chunks(cfg, topology.pp_rank)
         self.data_parallel = parallelize_gpt(self.chunks, self.stages, topology, parallelism(cfg, device, self.chunks),
                                              device)
+        if p.tp_comm == "peer_memory" and p.sequence_parallel and p.tp > 1:
+            # The largest transfer is one micro-batch's tokens, gathered or summed, at the hidden width.
+            tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+            peer_memory.reserve(topology.tp_group.group_name,
+                                tokens * cfg.model.hidden_size * self.dtype.itemsize)
         if cfg.zero.offload_optimizer and device.type == "cuda":
             # The host AdamW is multi-threaded; launchers start ranks with one thread each.
             per_rank = (os.cpu_count() or 1) // max(1, topology.ranks_per_node or 1)

@@ -16,7 +16,7 @@ from megazero.config.loader import config_to_dict
 from megazero.config.validate import config_notes
 from megazero.errors import UserError
 from megazero.run_lock import RunDirLock
-from parallel.launch import EXIT_STOPPED, LaunchEnv, LaunchError, init_process_group, pick_device
+from parallel.launch import EXIT_STOPPED, LaunchEnv, LaunchError, destroy_process_group, init_process_group, pick_device
 from parallel.topology import RankGrid, Topology
 
 PACKAGES = ("megazero", "parallel", "models", "data_pipeline")
@@ -92,7 +92,7 @@ def start_run(cfg: Config, launch: LaunchEnv) -> int:
                       "skipped)", flush=True)
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group()
         if lock is not None:
             lock.release()
     return EXIT_STOPPED if state.stopped_by else 0  # 75: a scheduler tells preemption from completion

@@ -12,6 +12,7 @@ Launcher: ``python -m parallel.launch [torchrun arguments]`` is torchrun with th
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import re
@@ -119,6 +120,23 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float
                               "job?); set MASTER_PORT to a free port") from None
         raise LaunchError(f"rank {launch.rank}: cannot reach the rendezvous at {where} "
                           f"({str(exc).splitlines()[0]}); check MASTER_ADDR and MASTER_PORT") from None
+
+
+def destroy_process_group() -> None:
+    """End the default group, after dropping torch.compile's recorded CUDA graphs.
+
+    NCCL cannot destroy a communicator while a CUDA graph that recorded one of its collectives is
+    alive (a block replayed as a graph records its tensor-parallel collectives): the destroy waits
+    for ever (pytorch issue 115388), and a run that finished would hold its nodes until the
+    scheduler's time limit. torch keeps the recorded graphs in per-thread trees beside its compile
+    caches, so both are cleared and the graphs collected first."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        torch._dynamo.reset()
+        reset_cudagraph_trees()
+        gc.collect()
+    dist.destroy_process_group()
 
 
 class LaunchError(RuntimeError):

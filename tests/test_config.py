@@ -76,8 +76,6 @@ def _error(*overrides, world=None, local=None) -> str:
     (("--train.cuda_graphs", "true", "--zero.stage", "3"), None, "train.cuda_graphs", "zero.stage 3"),
     (("--train.cuda_graphs", "true", "--parallel.pipeline_schedule", "zb-h1"), None, "train.cuda_graphs",
      "parallel.pipeline_schedule zb-h1"),
-    (("--train.cuda_graphs", "true", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
-      "--parallel.tp_comm", "peer_memory"), None, "train.cuda_graphs", "parallel.tp_comm peer_memory"),
     (("--train.cuda_graphs", "true", "--model.dropout", "0.1"), None, "train.cuda_graphs", "model.dropout"),
     (("--train.cuda_graphs", "true", "--parallel.recompute", "full"), None, "train.cuda_graphs",
      "parallel.recompute full"),

@@ -7,7 +7,7 @@ CUDA fused AdamW with its device-side unscale and skip, and bf16 kernels. Each l
 of its communication modes, also recomputed (whole blocks; the attention core under sequence
 parallelism), and (1,2,1) under 1F1B and ZB-H2 (eager, and compiled: the deferred plain linears stay out
 of the graphs), and with the blocks replayed as CUDA graphs (tp 2 with and without
-sp, dp 2 under ZeRO 2; replays counted, so a silent fallback to the plain path fails), trains 3 steps
+sp, with sp in each communication mode, dp 2 under ZeRO 2; replays counted, so a silent fallback to the plain path fails), trains 3 steps
 in bf16 and is compared with the fp32 reference of ``tests/test_engine_equivalence.py`` on the same
 global batches: the reported gradient norm every step within 2%, the losses within 2%, and the whole
 update of the 16-bit weights within 20% relative error (bf16 rounds the weights themselves, by up to
@@ -51,6 +51,7 @@ CASES = [((1, 1, 2), 1, ()), ((1, 1, 2), 2, ()), ((1, 1, 2), 3, ()),
          ((1, 2, 1), 1, ZB2), ((1, 2, 1), 1, (*ZB2, "--train.compile", "true")),
          ((1, 2, 1), 1, (*ZB2, "--train.compile", "true", "--parallel.pipeline_split", "[1.5, 2.5]"))]
 CASES_CG = [((2, 1, 1), 1, (*SP, *CG)), ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial", *CG)),
+            ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "peer_memory", *CG)),
             ((2, 1, 1), 1, CG),
             ((1, 1, 2), 2, CG)]
 

@@ -180,8 +180,7 @@ def _cuda_graph_problems(cfg: Config) -> list[str]:
     it was recorded with, so ZeRO-3, which regathers them into new memory, cannot replay. The rest are
     untested with the engine's replay, and some would fail silently: a pipeline's several forwards in
     flight (whose sent outputs it frees), a split backward's deferred weight gradients, recompute's
-    forwards inside backward, peer memory (its linears capture in the GPU test of the operators, not
-    yet inside the engine), and dropout (the tensor-parallel random stream is forked on the host,
+    forwards inside backward, and dropout (the tensor-parallel random stream is forked on the host,
     where a replay would not see it)."""
     t, p, m = cfg.train, cfg.parallel, cfg.model
     if not t.cuda_graphs:
@@ -190,7 +189,6 @@ def _cuda_graph_problems(cfg: Config) -> list[str]:
                 (p.pp > 1, f"parallel.pp {p.pp}"), (cfg.zero.stage == 3, "zero.stage 3"),
                 (p.pipeline_schedule in SPLIT_BACKWARD, f"parallel.pipeline_schedule {p.pipeline_schedule}"),
                 (p.recompute != "none", f"parallel.recompute {p.recompute}"),
-                (p.tp_comm == "peer_memory", "parallel.tp_comm peer_memory"),
                 (m.dropout > 0 or m.attention_dropout > 0, "model.dropout or model.attention_dropout above 0")]
     return [f"train.cuda_graphs: cannot replay blocks as CUDA graphs with {what}; set train.cuda_graphs false"
             for blocked, what in blockers if blocked]

@@ -72,6 +72,15 @@ def _workspace(group_name: str, nbytes: int):
     return symm.get_symm_mem_workspace(group_name, min_size=nbytes)
 
 
+def reserve(group_name: str, nbytes: int) -> None:
+    """Grow the group's workspace to ``nbytes`` now, before any block is compiled or recorded. Blocks
+    replayed as CUDA graphs run their first call eagerly with every allocation routed into the
+    graphs' memory pool; a workspace first grown there stays alive in that pool, untracked, and
+    torch refuses to record the graph (and growing it during a capture is refused outright).
+    Collective: every rank of the group calls it with the same size."""
+    _workspace(group_name, nbytes)
+
+
 class _SideStreamWork:
     """What an asynchronous collective returns: ``wait()`` orders the caller's stream after it.
 
@@ -104,11 +113,14 @@ def all_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str) -> _Side
     they would wait for it to finish, and the pulls with them, which serialised the gather after
     the product it was meant to run beside. Behind them, only the copy engines' pulls run beside
     the product. The returned work ends with this rank's pulls; the closing barrier, which only
-    guards the workspace, follows on the side stream, where the next operation's work covers it."""
+    guards the workspace, follows on the side stream, where the next operation's work covers it.
+    Inside a CUDA-graph capture the work ends with the closing barrier instead: a capture must end
+    with every stream it forked joined back, and the gather may be the last operation recorded."""
     n = rows.shape[0]
     size = full.shape[0] // n
     ws = _workspace(group_name, full.numel() * full.element_size())
     rank = ws.rank
+    capturing = torch.cuda.is_current_stream_capturing()
     stream = _enter_side_stream()
     with torch.cuda.stream(stream):
         ws.get_buffer(rank, rows.shape, rows.dtype, rank * rows.numel()).copy_(rows)
@@ -119,8 +131,11 @@ def all_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str) -> _Side
         for step in range(1, size):
             peer = (rank + step) % size
             full[peer * n:(peer + 1) * n].copy_(ws.get_buffer(peer, rows.shape, rows.dtype, peer * rows.numel()))
-        work = _SideStreamWork(stream, (rows,))
+        if not capturing:
+            work = _SideStreamWork(stream, (rows,))
         ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
+        if capturing:
+            work = _SideStreamWork(stream, (rows,))
     torch.cuda.current_stream().wait_event(staged)
     return work
 
