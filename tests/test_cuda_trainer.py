@@ -1,6 +1,7 @@
 """The trainer on GPUs: the loop that queues step N+1 (or more: ``train.steps_ahead``) before reading
 step N, its stop agreement over a gloo group beside NCCL, the pinned-memory copies of each step's
-loss and norm, evaluation and checkpoints, at world 2 (tp 2, and dp 2 under ZeRO 1) on two GPUs;
+loss and norm, evaluation and checkpoints, at world 2 (tp 2; tp 2 with sequence parallelism through
+peer memory, its blocks replayed as CUDA graphs; dp 2 under ZeRO 1) on two GPUs;
 and ``logging.profile_steps`` writing each rank's trace with its kernels and only the window's steps.
 
 Each run trains the small GPT of ``tests/test_trainer.py`` for 8 steps in fp32 (compiled, the GPU
@@ -26,6 +27,9 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2
 
 STEPS = 8
 LAYOUTS = {"tp2": ("--parallel.tp", "2"), "dp2": (),
+           # the fastest tensor-parallel setting inside a node: peer-memory linears in CUDA-graph blocks
+           "tp2-sp-pm-graphs": ("--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                                "--parallel.tp_comm", "peer_memory", "--train.cuda_graphs", "true"),
            # two steps queued ahead, steps 4-5 profiled on both ranks
            "dp2-ahead2-profiled": ("--train.steps_ahead", "2", "--logging.profile_steps", "[4, 5]",
                                    "--logging.profile_ranks", "[0, 1]")}
