@@ -29,6 +29,7 @@ import numpy as np
 from data_pipeline.gpt_samples import GPTSamples
 from data_pipeline.index_cache import cached_arrays, default_cache_dir
 from data_pipeline.indexed import IndexedDataset
+from data_pipeline.paths import listed_twice
 from data_pipeline.yaml_files import read_yaml_mapping
 
 MAX_DATASETS = np.iinfo(np.int16).max + 1
@@ -184,12 +185,9 @@ def parse_blend(blend: list) -> tuple[list[float], list[str]]:
             raise ValueError(f"data.blend entry {entry!r} must be [weight, prefix], e.g. [0.3, data/web_text_document]")
         weights.append(float(entry[0]))
         prefixes.append(entry[1])
-    first: dict[str, int] = {}
-    for i, prefix in enumerate(prefixes):  # the same data twice: each entry would serve every sample again
-        same = first.setdefault(os.path.realpath(prefix), i)
-        if same != i:
-            raise ValueError(f"data.blend lists {prefix} twice (also as {prefixes[same]}); give it once, with the "
-                             "weights summed")
+    repeat = listed_twice(("data.blend entry", prefix) for prefix in prefixes)
+    if repeat:  # the same data twice: each entry would serve every sample again
+        raise ValueError(f"{repeat}; give it once, with the weights summed")
     normalise_weights(weights)
     return weights, prefixes
 

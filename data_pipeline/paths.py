@@ -1,10 +1,12 @@
-"""Where an output path can be made: the checks every command runs on a path it will create before it
-reads any input, so a path that cannot be made is refused while nothing is lost (creating the folders
-late fails with an errno that names no option)."""
+"""Checks on the paths a command is given, run before it reads any input. Where an output path can be
+made: a path that cannot be made is refused while nothing is lost (creating the folders late fails
+with an errno that names no option). Whether an input is named twice: read twice, its documents
+would count twice, in training, in a tokenizer's statistics or in a classifier's held-out rows."""
 
 from __future__ import annotations
 
 import os
+from typing import Callable, Iterable, Optional
 
 
 def nearest_existing(path: str) -> str:
@@ -19,3 +21,21 @@ def file_in_the_way(path: str) -> str | None:
     """The file standing where ``path``'s folder or a folder above it should be, if one does, else None."""
     here = nearest_existing(os.path.dirname(os.path.abspath(path)))
     return None if os.path.isdir(here) else here
+
+
+def listed_twice(named: Iterable[tuple[str, str]], key: Callable[[str], str] = os.path.realpath) -> Optional[str]:
+    """``"LABEL PATH is listed twice (also as ...)"`` for the first ``(label, path)`` naming a file that
+    an earlier entry already named, however spelled (``key`` gives one spelling per file; links are
+    followed), else None. The earlier entry is quoted when it is written differently, with its label
+    when that differs too (``--lq ./a.jsonl is listed twice (also as --hq a.jsonl)``)."""
+    seen: dict[str, tuple[str, str]] = {}
+    for label, path in named:
+        spelling = key(path)
+        if spelling not in seen:
+            seen[spelling] = (label, path)
+            continue
+        first_label, first = seen[spelling]
+        also = ("" if (first_label, first) == (label, path) else f" (also as {first})" if first_label == label
+                else f" (also as {first_label} {first})")
+        return f"{label} {path} is listed twice{also}"
+    return None

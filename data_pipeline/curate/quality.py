@@ -24,7 +24,7 @@ import numpy as np
 
 from data_pipeline.curate.checks import within
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
-from data_pipeline.paths import file_in_the_way
+from data_pipeline.paths import file_in_the_way, listed_twice
 
 HQ, LQ = "__label__hq", "__label__lq"
 HIST_BINS = 20  # score histogram in stats.json, for the report
@@ -150,15 +150,9 @@ def quality_shard(in_path: str, out_path: str, text_field: str, cfg: QualityConf
 def _check_each_file_once(hq: list[str], lq: list[str]) -> None:
     """A file given twice (however spelled) puts its documents in both the training and the held-out
     rows, so the accuracy reported measures memory; one given as both --hq and --lq teaches nothing."""
-    seen: dict[str, tuple[str, str]] = {}
-    for flag, paths in (("--hq", hq), ("--lq", lq)):
-        for path in paths:
-            key = os.path.realpath(path)
-            if key in seen:
-                first_flag, first = seen[key]
-                also = "" if (first_flag, first) == (flag, path) else f" (also as {first_flag} {first})"
-                raise ValueError(f"{flag} {path} is listed twice{also}; list each file once, under --hq or --lq")
-            seen[key] = (flag, path)
+    repeat = listed_twice([*(("--hq", path) for path in hq), *(("--lq", path) for path in lq)])
+    if repeat:
+        raise ValueError(f"{repeat}; list each file once, under --hq or --lq")
 
 
 def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "text", epoch: int = 5,

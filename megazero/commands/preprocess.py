@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from data_pipeline.paths import listed_twice
 from megazero.errors import UserError
 
 
@@ -103,15 +104,11 @@ def _check_no_repeats(args) -> None:
     if len(set(args.json_keys)) < len(args.json_keys):
         raise UserError(f"--json-keys {' '.join(args.json_keys)}: a field is listed twice; list each once")
     flag, names = ("--merge", args.merge) if args.merge else ("--input", args.input)
-    seen: dict[str, str] = {}
-    for name in names:
-        key = _resolved(name, shard=bool(args.merge))
-        if key in seen:
-            also = f" (also as {seen[key]})" if seen[key] != name else ""
-            raise UserError(f"{flag} {name} is listed twice{also}; its documents would be trained on twice (list it "
-                            "once; a blend's weights sample a dataset more often)")
-        seen[key] = name
-    if args.merge and _resolved(args.output_prefix, shard=True) in seen:
+    repeat = listed_twice(((flag, name) for name in names), key=lambda name: _resolved(name, shard=bool(args.merge)))
+    if repeat:
+        raise UserError(f"{repeat}; its documents would be trained on twice (list it once; a blend's weights sample "
+                        "a dataset more often)")
+    if args.merge and _resolved(args.output_prefix, shard=True) in {_resolved(name, shard=True) for name in args.merge}:
         raise UserError(f"--output-prefix {args.output_prefix} is one of the --merge shards; give a new prefix")
 
 

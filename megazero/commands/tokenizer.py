@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from data_pipeline.paths import listed_twice
 from megazero.errors import UserError, utf8_text
 
 
@@ -47,13 +48,9 @@ def run_train(args) -> int:
     if not os.path.basename(args.model_prefix):
         raise UserError(f"--model-prefix {args.model_prefix}: names a folder; give a path and a file name stem, "
                         "e.g. DIR/tokenizer")
-    seen: dict[str, str] = {}
-    for name in args.input:
-        first = seen.setdefault(os.path.realpath(name), name)
-        if first is not name:
-            also = f" (also as {first})" if first != name else ""
-            raise UserError(f"--input {name} is listed twice{also}; its text would count twice in the pieces' "
-                            "frequencies (list it once)")
+    repeat = listed_twice(("--input", name) for name in args.input)
+    if repeat:
+        raise UserError(f"{repeat}; its text would count twice in the pieces' frequencies (list it once)")
     existing = [args.model_prefix + ext for ext in (".model", ".vocab") if os.path.exists(args.model_prefix + ext)]
     if existing:
         raise UserError(f"{existing[0]}: exists (data and checkpoints record the tokenizer they were made with); "
