@@ -8,7 +8,8 @@ data with ZeRO-2 and a persistence threshold, plain data parallelism, pipeline x
 that cuts a block in half). The files written in that layout
 must give back every logical tensor of the source, and the engine at that layout must load them into
 exactly the values the source holds. A layout the model cannot take is refused in one line naming the
-field, with nothing written.
+field, with nothing written. The trainer reshards a converted checkpoint (consolidated or in its own
+layout) rather than resume it as one it saved itself: the layout record names the converter.
 
 Planted bugs these caught: the offline layout ignoring the persistence threshold (stage 2 case
 differs), tensor-parallel shapes not applied offline (every tp case differs), the tied head copy named
@@ -17,6 +18,7 @@ by its own name (the pipeline cases differ).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -201,3 +203,82 @@ def test_rank_order_places_each_coordinates_plan_on_its_rank():
         moved += plan != default.ranks[rank]
     assert moved > 0  # the orders really differ here
     assert other.description["order"] == "tp-pp-dp"
+
+
+# --- a converted checkpoint is never resumed as a run's own ----------------------------------------
+
+RESUMES = {  # what `megazero convert` writes, and the run whose layout record it otherwise equals
+    "consolidated": ["--zero.stage", "0"],  # HF / Megatron import, or --to megazero without layout flags
+    "run-layout": ["--zero.stage", "1"],  # --to megazero --dp 1 --zero-stage 1
+}
+
+
+def _resume_config(root: str, name: str, converted: bool = True):
+    """The run of ``name``'s layout, from the converted checkpoint or (``converted`` False) afresh."""
+    start = ["--logging.run_dir", f"{root}/{name}/run", "--checkpoint.load", f"{root}/{name}/converted"] \
+        if converted else ["--logging.run_dir", f"{root}/{name}/fresh"]
+    return resolve_config(load_config(None, MODEL + RESUMES[name] + [
+        "--data.blend", f"[[1.0, {root}/data/tokens]]", "--data.split", "1", "--train.train_steps", "1", *start]), 1)
+
+
+def _resume_world(rank, world_size, root):
+    """Start the trainer on each converted checkpoint: what it says of the resume, whether its random
+    generators are those of the same run started afresh (not the converter's, written beside the
+    weights), and whether every parameter holds the source's value."""
+    import contextlib
+    import io
+
+    from megazero.startup import initialize
+    from megazero.trainer import Trainer
+    from parallel.launch import LaunchEnv
+
+    out = {}
+    for name in RESUMES:
+        rng = {}
+        for converted in (False, True):
+            cfg = _resume_config(root, name, converted)
+            device, topology = initialize(cfg, LaunchEnv(rank, world_size, rank, world_size))
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                trainer = Trainer(cfg, device, topology)
+            rng[converted] = torch.get_rng_state()
+        engine, source = trainer.engine, _Source(cfg.model)
+        engine.data_parallel.wait_params()
+        out[name] = {"printed": printed.getvalue(), "rng_of_a_fresh_run": torch.equal(rng[True], rng[False]),
+                     "loaded": all(torch.equal(q.detach(), _expected(chunk, n, source))
+                                   for chunk in engine.chunks for n, q in chunk.named_parameters())}
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    from data_pipeline.indexed import IndexedDatasetWriter
+
+    root = tmp_path_factory.mktemp("resume")
+    with IndexedDatasetWriter(str(root / "data" / "tokens"), np.uint16) as writer:
+        for doc in range(64):
+            writer.add_document((np.arange(40) * (doc % 5 + 1)) % VOCAB)
+    for name in RESUMES:
+        cfg = _resume_config(str(root), name)
+        write_megazero(_Source(cfg.model), root / name / "converted", run=cfg if name == "run-layout" else None)
+    return root, run_world(1, _resume_world, str(root))[0]
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_a_converted_checkpoint_is_resharded_not_resumed_exactly(resumed, name):
+    """The layout record names the converter (``written_by``): it is all that tells a converted
+    checkpoint from one the run itself saved in the same layout, whose resume would restore the
+    converter's random generators as the run's. The trainer must say it resharded, keep its own
+    generators and load the source's values (planted: ``written_by`` left out of the record; the
+    run-layout case was then resumed as "same layout", the consolidated one took the converter's
+    generators)."""
+    from megazero.engine import layout_record
+
+    root, report = resumed
+    layout = read_manifest(latest_checkpoint(root / name / "converted"))["meta"]["layout"]
+    assert layout["written_by"] == "megazero convert", layout
+    assert {k: v for k, v in layout.items() if k != "written_by"} == layout_record(_resume_config(str(root), name))
+    resumes = [line for line in report[name]["printed"].splitlines() if "resumed from" in line]
+    assert len(resumes) == 1 and "(resharded from {" in resumes[0] and "same layout" not in resumes[0], resumes
+    assert report[name]["rng_of_a_fresh_run"]
+    assert report[name]["loaded"]

@@ -280,6 +280,33 @@ def test_num_query_groups_counts_only_with_group_query_attention():
     assert model_config(_pretrain_args(group_query_attention=True, num_query_groups=2), "ckpt").kv_heads == 2
 
 
+def test_as_many_query_groups_as_heads_is_multi_head_attention(megatron, tmp_path):
+    """--group-query-attention with --num-query-groups equal to the heads is plain multi-head
+    attention (megatron-core lays its fused qkv out alike): the import records num_kv_heads unset
+    (= num_heads), as a Hugging Face import of such a model does, so the checkpoint records the same
+    model, with the same values, as without group-query attention (planted: num_kv_heads recorded as
+    the head count)."""
+    from megazero.checkpoint import latest_checkpoint
+    from megazero.checkpoint.reader import CheckpointReader
+
+    cfg = model_config(_pretrain_args(group_query_attention=True, num_query_groups=4), "ckpt")
+    assert cfg.num_kv_heads is None and cfg.kv_heads == cfg.num_heads == 4
+    root, _ = megatron
+    src = shutil.copytree(root / "gpt2", tmp_path / "gpt2")  # 4 heads, written without group-query attention
+    for path in src.glob("iter_0000005/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        state["args"].group_query_attention, state["args"].num_query_groups = True, 4
+        torch.save(state, path)
+    assert main(["convert", str(src), str(tmp_path / "gqa")]) == 0
+    assert main(["convert", str(root / "gpt2"), str(tmp_path / "mha")]) == 0
+    gqa, mha = (CheckpointReader(latest_checkpoint(tmp_path / name)) for name in ("gqa", "mha"))
+    assert gqa.meta["config"]["model"]["num_kv_heads"] is None
+    assert gqa.meta["config"]["model"] == mha.meta["config"]["model"]
+    assert set(gqa.shapes) == set(mha.shapes)
+    for name in mha.shapes:
+        assert torch.equal(gqa.read(name)["master"], mha.read(name)["master"]), name
+
+
 def test_tp_copies_that_differ_import_tp_rank_0s(megatron, tmp_path, capsys):
     """The docs promise tp rank 0's copy of a replicated tensor when copies differ (and a note)."""
     from megazero.generate import load_model

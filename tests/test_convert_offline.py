@@ -3,12 +3,15 @@ reach, each on one process in a few seconds. Planted bugs these catch: ``torch_d
 export; a bf16 Hugging Face folder refused as "not a float type"; the offline reshard dropping the
 consumed samples, the loss-scaler state, the ``latest`` pointer or the tokenizer record;
 ``--reset-step`` ignored; the ``--to torch`` file written without its model config; the Adam step
-taken as the smallest over ranks (a rank whose shard is all padding saves 0).
+taken as the smallest over ranks (a rank whose shard is all padding saves 0); ``initializer_range``
+written as the default std where ``model.init_std`` is set; a bf16 index's ``total_size`` counted at
+4 bytes an element.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 
 import pytest
@@ -47,6 +50,51 @@ def test_a_bf16_export_says_so_and_a_bf16_folder_imports(tmp_path):
     assert convert(tmp_path / "hf", tmp_path / "back") == 0
     back, _ = load_model(tmp_path / "back")
     assert torch.equal(back.embedding.tokens.weight[:embedding.shape[0]], embedding.float())
+
+
+
+@pytest.mark.parametrize("init_std", [0.05, None], ids=["set", "default"])
+def test_initializer_range_is_the_init_std(tmp_path, init_std):
+    """config.json's initializer_range (the std transformers initialises new weights with, a resized
+    embedding's rows for one) is the std megazero initialises with: ``model.init_std``, or its
+    default 1/sqrt(3 hidden) (planted: the default written where init_std is set)."""
+    from models import GPT
+
+    source = _Random(num_layers=1, init_std=init_std)
+    write_megazero(source, tmp_path / "mz")
+    assert convert(tmp_path / "mz", tmp_path / "hf") == 0
+    ours = GPT(source.cfg).init_std
+    assert ours == (init_std or 1 / (3 * source.cfg.hidden_size) ** 0.5)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())["initializer_range"]
+    assert written == ours, (written, ours)
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").initializer_range == written
+
+
+def test_a_sharded_bf16_export_indexes_its_bytes(tmp_path):
+    """A bf16 export in several files: the index's metadata.total_size is the bytes of every tensor
+    at 2 bytes an element (as transformers counts it), its weight_map names each tensor's file, and
+    transformers loads the folder (planted: the size counted at 4 bytes an element)."""
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    write_megazero(_Random(num_layers=2, position_embedding="rope", norm="rmsnorm", activation="swiglu",
+                           tie_embeddings=False), tmp_path / "mz")
+    assert convert(tmp_path / "mz", tmp_path / "hf", "--dtype", "bf16", "--shard-size-gb", 2e-6) == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files, files
+    elements, where = 0, {}
+    for file in files:
+        with safe_open(tmp_path / "hf" / file, "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                shape, dtype = f.get_slice(key).get_shape(), f.get_slice(key).get_dtype()
+                assert dtype == "BF16", (key, dtype)
+                elements += math.prod(shape)
+                where[key] = file
+    assert index["weight_map"] == where
+    assert index["metadata"]["total_size"] == 2 * elements
+    auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    assert sum(p.numel() for p in auto.parameters()) == elements
 
 
 # --- megazero -> megazero and -> torch: what the source run recorded beside its weights -------------
