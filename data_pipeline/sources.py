@@ -40,10 +40,14 @@ class BadRecord(ValueError):
 
 
 class _ZstdReader(io.RawIOBase):
-    """Decompresses every zstd frame of ``raw`` in turn and raises EOFError on a frame cut short.
+    """Streams every zstd frame of ``raw`` in turn and raises EOFError on a frame cut short.
 
     zstandard's own ``stream_reader`` ends quietly at a truncated frame, which would turn a
-    half-copied file into a silently shorter corpus.
+    half-copied file into a silently shorter corpus. What a cut frame yields before the error is
+    what zstd can decode of it: its whole blocks. A block (at most 128 KiB of text) decodes only
+    whole, so the lines of the block the cut falls in are lost, and a file of a single block (any
+    file under 128 KiB of text) cut anywhere yields no line, though gzip would give up the lines
+    before the cut.
     """
 
     def __init__(self, raw, decompressor) -> None:
@@ -59,7 +63,9 @@ class _ZstdReader(io.RawIOBase):
             chunk = self._raw.read(1 << 20)
             if not chunk:
                 if self._frame is not None and not self._frame.eof:
-                    raise EOFError("compressed file ended before the end of its last zstd frame")
+                    raise EOFError("compressed file ended before the end of its last zstd frame; zstd decodes "
+                                   "only whole blocks of up to 128 KiB of text, so the lines of the block cut "
+                                   "short are lost")
                 return 0
             self._out, self._pos = self._decompress(chunk), 0
         n = min(len(buf), len(self._out) - self._pos)

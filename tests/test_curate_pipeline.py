@@ -290,6 +290,27 @@ def test_truncated_compressed_file_is_counted_or_fatal(tmp_path, capsys, suffix,
     assert f"raw.jsonl.{suffix}: the file is truncated or corrupt" in capsys.readouterr().err
 
 
+def test_truncated_single_frame_zst_keeps_its_whole_blocks(tmp_path, capsys):
+    # one zstd frame (as `zstd file.jsonl` writes) of four blocks of 13 documents, cut inside the
+    # third: the two whole blocks' 26 documents are kept, and the cut is counted at line 27
+    import zstandard
+
+    lines = [json.dumps({"text": d}) + "\n" for d in _docs(40)]
+    cobj, data, ends = zstandard.ZstdCompressor(level=3).compressobj(), b"", []
+    for first in range(0, 52, 13):
+        data += cobj.compress("".join(lines[first:first + 13]).encode()) + cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+        ends.append(len(data))
+    path = tmp_path / "raw.jsonl.zst"
+    path.write_bytes(data[:(ends[1] + ends[2]) // 2])
+    assert _cli(tmp_path, config(tmp_path, [str(path)])) == 0
+    stats = json.loads((tmp_path / "out/00-input/stats.json").read_text())
+    assert stats["docs_out"] == 26 and stats["bad_records"] == {"truncated file": 1}
+    assert stats["bad_examples"][0].startswith(f"{path}:27: {path}: the file is truncated or corrupt (read 26 lines")
+    assert "only whole blocks of up to 128 KiB of text" in stats["bad_examples"][0]
+    assert _cli(tmp_path, config(tmp_path, [str(path)], out="strict"), "--strict") == 2
+    assert "raw.jsonl.zst: the file is truncated or corrupt (read 26 lines" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("change, message", [
     ({"stages": ["clean", "dedupe"]}, "stages: unknown stage 'dedupe'; known stages:"),
     ({"stages": ["quality"]}, "quality.model: no classifier given; train one with `megazero curate train-quality"),

@@ -259,6 +259,47 @@ def test_zst_of_several_frames_is_read_whole(tokenizer, tmp_path):
     assert np.concatenate([ds[i] for i in range(4)]).tolist() == [2, 0, 3, 0, 4, 0, 5, 0]
 
 
+def zst_of_blocks(blocks: list[bytes]) -> tuple[bytes, list[int]]:
+    """One zstd frame holding each of ``blocks`` as its own block, and where each block ends in it."""
+    import zstandard
+
+    cobj, out, ends = zstandard.ZstdCompressor().compressobj(), [], []
+    for block in blocks:
+        out += [cobj.compress(block), cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)]
+        ends.append(sum(map(len, out)))
+    return b"".join(out + [cobj.flush()]), ends
+
+
+def _lines(n: int, first: int = 0) -> bytes:
+    return b"".join(json.dumps({"text": f"alpha beta {i}"}).encode() + b"\n" for i in range(first, first + n))
+
+
+def test_truncated_zst_reads_the_lines_of_its_whole_blocks(tokenizer, tmp_path):
+    """One frame (as `zstd file.jsonl` writes) of five blocks of 100 lines, cut inside the fourth: the
+    error counts the 300 lines of the whole blocks, and says why the cut block gives none."""
+    data, ends = zst_of_blocks([_lines(100, 100 * b) for b in range(5)])
+    path = tmp_path / "d.jsonl.zst"
+    path.write_bytes(data[:(ends[2] + ends[3]) // 2])
+    with pytest.raises(OSError, match=r"d\.jsonl\.zst: the file is truncated or corrupt \(read 300 lines, then "
+                                      r"EOFError: .*only whole blocks of up to 128 KiB of text"):
+        preprocess([str(path)], str(tmp_path / "out"), tokenizer)
+    path.write_bytes(data[:ends[3]])  # cut where a block ends, not a frame: still truncated, nothing lost
+    with pytest.raises(OSError, match=r"read 400 lines, then EOFError"):
+        preprocess([str(path)], str(tmp_path / "out"), tokenizer)
+
+
+def test_zst_cut_where_a_frame_ends_is_whole(tokenizer, tmp_path):
+    """Frames are independent: a file of several that ends where one ends is a whole, shorter file."""
+    import zstandard
+
+    frames = [zstandard.ZstdCompressor().compress(_lines(100, 100 * f)) for f in range(3)]
+    (tmp_path / "d.jsonl.zst").write_bytes(b"".join(frames[:2]))
+    assert preprocess([str(tmp_path / "d.jsonl.zst")], str(tmp_path / "out"), tokenizer).documents == 200
+    (tmp_path / "d.jsonl.zst").write_bytes(b"".join(frames) + frames[2][:len(frames[2]) // 2])
+    with pytest.raises(OSError, match=r"d\.jsonl\.zst: the file is truncated or corrupt \(read 300 lines"):
+        preprocess([str(tmp_path / "d.jsonl.zst")], str(tmp_path / "out2"), tokenizer)
+
+
 def test_byte_order_mark_is_not_a_bad_record(tokenizer, tmp_path):
     (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "alpha"}).encode() + b"\n")
     assert preprocess([str(tmp_path / "d.jsonl")], str(tmp_path / "out"), tokenizer).documents == 1
