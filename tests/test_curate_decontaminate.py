@@ -44,6 +44,7 @@ def test_a_match_is_cut_out_with_200_characters_each_side(tmp_path):
     assert records[0]["text"] == doc[:start - 200].strip()
     assert records[1]["text"] == doc[start + len(TASK) + 200:].strip()
     assert stats["hits"] == {"qa": 4} and stats["docs_out"] == 2  # 16 words: four 13-grams
+    assert stats["pieces"] == 2 and stats["task_texts_shorter_than_ngram"] == {"qa": 0}
 
 
 def test_pieces_under_200_characters_are_dropped(tmp_path):
@@ -63,6 +64,26 @@ def test_a_document_split_more_than_10_times_is_dropped():
         task_keys = ngrams.keys(*ngrams.words([TASK])[::3])[0]
         pieces = cut(text, starts, ends, windows[np.isin(keys, task_keys)], cfg)
         assert (pieces is not None) == kept
+
+
+def test_touching_removals_are_one_split_and_a_piece_of_min_piece_chars_is_kept():
+    """(Found by planting bugs.) A removal that starts where the previous one ends joins it: no piece
+    lies between, so it is no further split; a piece of exactly min_piece_chars stays."""
+    cfg = DecontaminateConfig(ngram=1, margin=1, max_splits=1, min_piece_chars=5)
+    text = "aa, bb hello"  # "aa" less its margin ends at 3, where "bb" less its margin starts
+    _, starts, ends, _ = NgramKeys(1).words([text])
+    assert cut(text, starts, ends, np.array([0, 1]), cfg) == ["hello"]
+
+
+def test_every_word_of_an_ngram_is_in_its_key():
+    """(Found by planting bugs.) Changing any one of the 13 words changes the key: a document sharing
+    only 12 of them with a task is no match."""
+    ngrams = NgramKeys(13)
+    words = TASK.split()[:13]
+    key = lambda ws: ngrams.keys(*ngrams.words([" ".join(ws)])[::3])[0].tolist()  # noqa: E731
+    assert len(key(words)) == 1
+    for i in range(13):
+        assert key(words[:i] + ["zebra"] + words[i + 1:]) != key(words), i
 
 
 def test_a_passage_quoted_10_times_in_one_document_is_still_cut(tmp_path):

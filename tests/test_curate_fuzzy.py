@@ -158,6 +158,7 @@ def test_a_big_bucket_pairs_each_member_with_its_neighbour():
     pairs = {tuple(p) for p in fz._bucket_pairs(np.arange(100, 300), 64).tolist()}
     assert (150, 151) in pairs and (100, 299) in pairs and len(pairs) == 2 * 200 - 3
     assert len({tuple(p) for p in fz._bucket_pairs(np.arange(10), 64).tolist()}) == 45
+    assert len({tuple(p) for p in fz._bucket_pairs(np.arange(64), 64).tolist()}) == 64 * 63 // 2  # not more
 
 
 def test_a_threshold_of_one_removes_identical_documents(tmp_path, prose):
@@ -176,6 +177,8 @@ def test_a_threshold_of_one_removes_identical_documents(tmp_path, prose):
     assert stats["stages"][-1]["edges"] == 1
     assert [json.loads(line) for line in open(stage / "removed.jsonl")] == \
         [{"id": "twins.jsonl:2", "kept": "twins.jsonl:1", "component_size": 2}]
+    stage_stats = stats["stages"][-1]  # 20 bands, each one bucket of the twins; one component of two
+    assert (stage_stats["buckets"], stage_stats["components"], stage_stats["cluster_sizes"]) == (20, 1, {"2": 1})
 
 
 def test_a_document_longer_than_a_block_has_the_signature_of_the_formula():
@@ -190,3 +193,51 @@ def test_a_document_longer_than_a_block_has_the_signature_of_the_formula():
     for shingles, row in zip(sets, signatures):
         want = (hasher.perm[:, None].astype(np.uint64) * shingles + hasher.offset[:, None]) % 2**32
         assert np.array_equal(row, want.min(axis=1).astype(np.uint32))
+
+
+def test_a_text_shorter_than_a_shingle_is_padded_with_nul():
+    """(Found by planting bugs.) "ab" is the one shingle "ab\\0\\0\\0"; padded with spaces it was the
+    shingle of the text "ab   ", and the two texts were one."""
+    hashes, offsets = MinHasher().shingles(["ab", "ab   ", "ab\0\0\0"])
+    sets = [hashes[offsets[i]:offsets[i + 1]].tolist() for i in range(3)]
+    assert sets[0] == sets[2] != sets[1]
+
+
+def test_the_seed_chooses_the_shingle_hash_and_the_permutations(prose):
+    """(Found by planting bugs.) ``fuzzy_dedup.seed`` is an option: another seed, other hashes and
+    signatures; the same seed, the same ones."""
+    def signature(seed):
+        hasher = MinHasher(seed=seed)
+        hashes, offsets = hasher.shingles(prose[:2])
+        return hashes, hasher.signatures(hashes, offsets)
+    (h1, s1), (h1_again, s1_again), (h2, s2) = signature(1), signature(1), signature(2)
+    assert np.array_equal(h1, h1_again) and np.array_equal(s1, s1_again)
+    assert not np.array_equal(h1, h2) and not np.array_equal(s1, s2)
+
+
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_shingle_files_of_each_npy_format_version_are_read_at_their_data(tmp_path, version):
+    """(Found by planting bugs.) Formats 2 and 3 give the header length in 4 bytes, not 2."""
+    array = np.arange(10, dtype=np.uint32)
+    path = tmp_path / "a.npy"
+    with open(path, "wb") as f:
+        np.lib.format.write_array(f, array, version=version)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, array.nbytes, fz._npy_data_offset(fd, str(path))) == array.tobytes()
+    finally:
+        os.close(fd)
+
+
+def test_edges_are_listed_in_document_order_whatever_the_partitions(tmp_path, prose):
+    """(Found by planting bugs.) edges.jsonl lists each edge once, by (id_a, id_b), though the edges
+    were verified in several partitions."""
+    texts = [prose[0], prose[1], prose[0], prose[2], prose[1], prose[0], prose[2], prose[1]]
+    path = tmp_path / "copies.jsonl"
+    path.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    raw = {"input": {"paths": [str(path)], "shard_docs": 3}, "output": {"dir": str(tmp_path / "out")},
+           "stages": ["fuzzy_dedup"], "fuzzy_dedup": {"partitions": 4}}
+    run_pipeline(build_config(raw), log=lambda s: None)
+    edges = [(e["id_a"], e["id_b"]) for e in map(json.loads, open(tmp_path / "out/01-fuzzy_dedup/edges.jsonl"))]
+    want = [(f"d{i}", f"d{j}") for i, j in combinations(range(len(texts)), 2) if texts[i] == texts[j]]
+    assert edges == want

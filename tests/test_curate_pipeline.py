@@ -501,18 +501,24 @@ def test_exact_dedup_tells_texts_apart_by_all_128_bits(tmp_path):
 
 
 def test_exact_dedup_normalises_case_spaces_and_ends_and_counts_bytes(tmp_path, monkeypatch):
-    """(Found by planting bugs.) Copies differing only in case, runs of spaces or a trailing newline
-    are one text; the stage's byte counts are UTF-8 bytes, not characters; an array a killed task
-    was writing never appears under its final name."""
+    """(Found by planting bugs.) Copies differing only in case, runs of spaces or other white space
+    (tabs, newlines) or a trailing newline are one text; the stage's byte counts are UTF-8 bytes, not
+    characters, and count what is kept; no drop, no count of drops; an array a killed task was writing
+    never appears under its final name."""
     import numpy as np
 
     from data_pipeline.curate import exact_dedup
 
-    assert len({exact_dedup.text_hash(t) for t in ("a b", " a b\n", "A  B")}) == 1
+    assert len({exact_dedup.text_hash(t) for t in ("a b", " a b\n", "A  B", "a\tb", "a\n\nb")}) == 1
     shard = tmp_path / "docs.jsonl"
     shard.write_text(json.dumps({"id": "0", "text": "\u00e9" * 10}) + "\n")
     stats = exact_dedup.filter_shard(str(shard), str(tmp_path / "out.jsonl"), "text", [], 0, "exact duplicate")
-    assert stats["bytes_in"] == stats["bytes_out"] == 20
+    assert stats["bytes_in"] == stats["bytes_out"] == 20 and stats["dropped"] == {}
+    shard.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(["\u00e9" * 10, "ab"])))
+    exact_dedup.save_drops(str(tmp_path / "drops"), np.array([0]), 1)
+    stats = exact_dedup.filter_shard(str(shard), str(tmp_path / "out.jsonl"), "text", [str(tmp_path / "drops")], 0,
+                                     "exact duplicate")
+    assert (stats["bytes_in"], stats["bytes_out"], stats["dropped"]) == (22, 2, {"exact duplicate": 1})
 
     def torn_save(path, array):
         with open(path, "wb") as f:
