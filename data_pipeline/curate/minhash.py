@@ -2,9 +2,10 @@
 
 Shingles: a batch's texts are concatenated as UTF-32 code points and every window of ``ngram``
 characters is hashed at once (a random linear form of the code points, top 32 bits), windows that
-straddle two documents are masked out (hash 0, a fixed point of every permutation, becomes 1),
-and one sort gives each document its set of shingle
-hashes. A text shorter than one shingle is padded with NUL, so every document has a shingle.
+straddle two documents are masked out, and one sort gives each document its set of shingle hashes.
+A hash of 0 is stored as 1: 0 was the fixed point of every permutation before they had an offset
+``b_i``; it no longer is, but the shingle files already written keep their meaning (the merge costs
+about 2**-32 per shingle). A text shorter than one shingle is padded with NUL, so every document has a shingle.
 
 Permutations: ``h_i(x) = (a_i * x + b_i) mod 2**32`` with ``a_i`` odd is a bijection of 32-bit
 values, and since ``x`` is already a hash, the minimum over a set behaves like a random
