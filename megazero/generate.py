@@ -33,13 +33,13 @@ def load_model(path, source: str = "the checkpoint path") -> tuple[GPT, Config]:
 
 
 @torch.no_grad()
-def sample(model: GPT, prompt: list[int], new_tokens: int, temperature: float = 0.8, top_k: int = 40,
+def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 0.8, top_k: int = 40,
            seed: int = 0, vocab: int | None = None) -> list[int]:
     """Top-k sampling among the first ``vocab`` ids (default: the model's vocabulary; a tokenizer with
     fewer pieces can decode no others), feeding back the last ``seq_length`` tokens (no cache:
-    demo-sized models)."""
+    demo-sized models). Appends to ``tokens`` (the prompt) in place and returns it, so a run stopped
+    by Ctrl-C or SIGTERM leaves what it sampled there."""
     generator = torch.Generator().manual_seed(seed)
-    tokens = list(prompt)
     for _ in range(new_tokens):
         window = torch.tensor([tokens[-model.cfg.seq_length:]])
         logits = model(window)[0, -1, :min(vocab or model.vocab_size, model.vocab_size)].float()

@@ -154,3 +154,32 @@ def test_a_vanishing_temperature_samples_the_likeliest_token(trained, tmp_path, 
     for tiny in ("1e-45", "1e-50", "5e-324"):  # below float32's range, then the smallest float64
         assert main([*args, "--temperature", tiny]) == 0
         assert capsys.readouterr().out == greedy, tiny
+
+
+@pytest.mark.parametrize("stop, status, said", [(KeyboardInterrupt, 130, "interrupted"),
+                                                ("Terminated", 143, "stopped by SIGTERM")])
+def test_a_stopped_run_prints_what_it_sampled(trained, tmp_path, capsys, monkeypatch, stop, status, said):
+    """Ctrl-C or SIGTERM in the middle of a long --tokens run prints the text sampled so far before
+    the command stops (planted: it printed nothing, and minutes of sampling were lost), and says
+    how far it got on stderr."""
+    from megazero import cli
+    from models import GPT
+
+    stop = getattr(cli, stop) if isinstance(stop, str) else stop
+    forward, calls = GPT.forward, []
+
+    def stopping_forward(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # three tokens sampled
+            raise stop
+        return forward(self, *args, **kwargs)
+
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1 w2", "--temperature", "0"]
+    assert main([*args, "--tokens", "3"]) == 0
+    three = capsys.readouterr().out
+    monkeypatch.setattr(GPT, "forward", stopping_forward)
+    assert main([*args, "--tokens", "1000"]) == status
+    captured = capsys.readouterr()
+    assert captured.out == three
+    assert captured.err.splitlines() == ["note: stopped after 3 of 1000 tokens", f"megazero generate: {said}"]

@@ -74,7 +74,13 @@ def run(args) -> int:
         raise UserError(f"--tokenizer {args.tokenizer}: has {tokenizer.vocab_size} tokens, but the checkpoint's model "
                         f"has {model.vocab_size}; use the tokenizer it was trained with")
     _note_a_cut_prompt(len(prompt), model.cfg.seq_length, args.tokens)
-    out = sample(model, prompt, args.tokens, args.temperature, args.top_k, args.seed, vocab=tokenizer.vocab_size)
+    out = list(prompt)
+    try:
+        sample(model, out, args.tokens, args.temperature, args.top_k, args.seed, vocab=tokenizer.vocab_size)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (raised as one): what was sampled is printed, not lost
+        print(tokenizer.decode(out), flush=True)
+        print(f"note: stopped after {len(out) - len(prompt)} of {args.tokens} tokens", file=sys.stderr)
+        raise
     print(tokenizer.decode(out))
     return 0
 
