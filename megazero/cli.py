@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 
@@ -37,8 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = extra
     if args.command != "train":  # training saves on a stop signal, through its own handler
         signal.signal(signal.SIGTERM, _terminated)
+    stdout = sys.stdout
+    if not (args.command == "train" and not args.help_config and not args.check):  # not a training run
+        sys.stdout = _Output(stdout)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a failure is caught, not at the interpreter's exit
+        return code
+    except ReaderLeft:  # `megazero ... | head`: stop quietly, as a Unix tool killed by SIGPIPE does
+        _discard(stdout)
+        return 128 + signal.SIGPIPE
+    except OutputError as exc:
+        _discard(stdout)
+        print(f"megazero {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except UserError as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"megazero {args.command}: error: {line}", file=sys.stderr)
@@ -49,6 +62,58 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"megazero {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout = stdout
+
+
+class OutputError(UserError):
+    """Standard output cannot be written (a full disk, an I/O error)."""
+
+
+class ReaderLeft(OutputError):
+    """Standard output is a pipe whose reader has closed it."""
+
+
+class _Output:
+    """Standard output while a command (not a training run) prints: a failed write becomes one line
+    naming standard output, or a quiet stop when the reader has left, instead of a traceback."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise _output_error(exc) from None
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise _output_error(exc) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _output_error(exc: OSError) -> OutputError:
+    if isinstance(exc, BrokenPipeError):
+        return ReaderLeft()
+    return OutputError(f"standard output: cannot be written ({exc.strerror or exc}); free space where it goes, "
+                       "or send it elsewhere")
+
+
+def _discard(stream) -> None:
+    """Point ``stream``'s file descriptor at the null device, so that the text still in its buffer
+    does not fail again (with a message of Python's) when the interpreter flushes it at exit."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
 
 
 class Terminated(KeyboardInterrupt):

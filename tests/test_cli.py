@@ -1,5 +1,6 @@
 """The command line: every subcommand explains itself, and the launcher's environment is read right."""
 
+import os
 import subprocess
 import sys
 
@@ -67,3 +68,29 @@ def test_a_bad_launch_variable_is_one_line_from_train(capsys, monkeypatch):
     assert main(["train", "--train.device", "cpu", "--check"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "WORLD_SIZE='abc'" in err[0], err
+
+
+def _megazero(*argv: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "megazero.cli", *argv], stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_a_reader_that_leaves_stops_the_command_quietly():
+    """`megazero train --help-config | head` (or `megazero plan ... --json | head`): the reader closes
+    the pipe, and the command stops as a Unix tool does on SIGPIPE, with status 141 and nothing on
+    stderr (planted: a BrokenPipeError traceback)."""
+    proc = _megazero("train", "--help-config", stdout=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_standard_output_on_a_full_disk_is_one_line():
+    """Output redirected to a full disk is an error in one line naming standard output, not a traceback
+    (planted: OSError's traceback from print)."""
+    with open("/dev/full", "w") as full:
+        proc = _megazero("train", "--help-config", stdout=full)
+        err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 2, err
+    assert err.splitlines() == ["megazero train: error: standard output: cannot be written (No space left on "
+                                "device); free space where it goes, or send it elsewhere"], err
