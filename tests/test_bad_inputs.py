@@ -153,6 +153,9 @@ CASES = [
                                               "--model.hidden_size", "64"),
      ["checkpoint.save_dir: ", "trained with a different model (model.hidden_size)",
       "start a new run in another checkpoint.save_dir"]),
+    ("load-run-dir", lambda f: _train(f, "--checkpoint.load", f["run"]),
+     ["trained: holds no complete checkpoint, but", "trained/checkpoints does (a run directory keeps its checkpoints "
+      "there); give that as checkpoint.load"]),
     ("load-old-format", lambda f: _train(f, "--checkpoint.load", f["pickled"]), ["format"]),
     ("load-other-model", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.hidden_size", "64"),
      ["different model", "model.hidden_size"]),
@@ -169,6 +172,12 @@ CASES = [
     # --- generate -------------------------------------------------------------------------------
     ("generate-missing", lambda f: ["generate", str(f["root"] / "nockpt"), "--tokenizer", str(f["root"] / "tokenizer.json")],
      ["nockpt"]),
+    ("generate-run-dir", lambda f: ["generate", f["run"], "--tokenizer", str(f["root"] / "tokenizer.json")],
+     ["trained: holds no complete checkpoint, but", "trained/checkpoints does", "give that as the CHECKPOINT argument"]),
+    ("generate-a-checkpoints-file", lambda f: ["generate", str(Path(f["ckpt"]) / "COMPLETE"), "--tokenizer",
+                                               str(f["root"] / "tokenizer.json")],
+     ["step_0000001/COMPLETE: is a file, not a checkpoint directory; give the checkpoint holding it (",
+      "step_0000001) as the CHECKPOINT argument"]),
     ("generate-negative", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "tokenizer.json"), "--tokens", "-5"],
      ["--tokens"]),
     ("generate-not-tokenizer", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "notes.txt")], ["notes.txt"]),

@@ -290,8 +290,15 @@ def resolve_checkpoint(path: str | os.PathLike, source: str = "checkpoint.load")
                                   "written when the run stopped); load its parent directory for the latest "
                                   "complete one")
         return path
+    if path.is_file():  # a file of a checkpoint (its COMPLETE, a rank's tensors), or some other file
+        fix = (f"the checkpoint holding it ({path.parent})" if STEP_DIR.match(path.parent.name)
+               else "a step_* checkpoint directory, or the folder holding them,")
+        raise CheckpointError(f"{path}: is a file, not a checkpoint directory; give {fix} as {source}")
     found = latest_checkpoint(path)
     if found is None:
+        if list_checkpoints(path / "checkpoints"):  # RUN_DIR, where checkpoint.save_dir is RUN_DIR/checkpoints
+            raise CheckpointError(f"{path}: holds no complete checkpoint, but {path / 'checkpoints'} does (a run "
+                                  f"directory keeps its checkpoints there); give that as {source}")
         raise CheckpointError(f"{path}: holds no complete checkpoint (step_* directory with a {COMPLETE} "
                               f"marker); check {source}")
     return found
