@@ -34,6 +34,10 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Confi
 
 
 def read_yaml(path: str) -> dict:
+    if os.path.isdir(path):  # a run directory, say, whose resolved config.yaml is the file meant
+        inside = os.path.join(path, "config.yaml")
+        such = f", such as {inside}" if os.path.isfile(inside) else ""
+        raise ConfigError(f"{path}: is a folder, not a config file; give a YAML file{such}")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     return read_yaml_mapping(path, "of sections: model:, parallel:, ...", ConfigError)
