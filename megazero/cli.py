@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_overrides", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
     if args.command != "train":  # training saves on a stop signal, through its own handler
         signal.signal(signal.SIGTERM, _terminated)
@@ -114,6 +114,17 @@ def _discard(stream) -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, fd)
     os.close(null)
+
+
+def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` chose, whose usage lists the options it takes (the
+    top-level usage, ``megazero [-h] COMMAND ...``, lists none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None))
+            if chosen is not None:
+                return _command_parser(chosen, args)
+    return parser
 
 
 class Terminated(KeyboardInterrupt):

@@ -182,6 +182,11 @@ CASES = [
                                                str(f["root"] / "tokenizer.json")],
      ["step_0000001/COMPLETE: is a file, not a checkpoint directory; give the checkpoint holding it (",
       "step_0000001) as the CHECKPOINT argument"]),
+    ("generate-unknown-option", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "tokenizer.json"),
+                                           "--top-p", "0.9"],
+     ["megazero generate: error: unrecognized arguments: --top-p 0.9"]),  # with generate's usage, not megazero's
+    ("encode-unknown-option", lambda f: ["tokenizer", "encode", "--tokenizer", str(f["root"] / "tokenizer.json"), "x",
+                                         "--bogus"], ["megazero tokenizer encode: error: unrecognized arguments: --bogus"]),
     ("generate-negative", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "tokenizer.json"), "--tokens", "-5"],
      ["--tokens"]),
     ("generate-not-tokenizer", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "notes.txt")], ["notes.txt"]),
