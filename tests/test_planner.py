@@ -389,6 +389,20 @@ def test_plan_holds_the_searched_fields_the_command_line_gives(capsys):
     assert "with parallel.pp, parallel.tp as given" in capsys.readouterr().err
 
 
+def test_plan_keeps_a_short_step_time(capsys):
+    """A small model's step is well under 0.1 ms on an H100: its step time keeps its significant digits
+    (planted: rounded to 4 decimals, every row read 0 s beside its millions of tokens/s)."""
+    code = main(["plan", "configs/demo.yaml", "--gpus", "8", "--gpus-per-node", "8", "--top", "3", "--json",
+                 "--precision.dtype", "bf16"])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    tokens = 32 * 128  # the demo's global batch x seq_length
+    assert rows and all(r["step_s"] * r["tokens_per_s"] == pytest.approx(tokens, rel=1e-3) for r in rows), rows
+    code = main(["plan", "configs/demo.yaml", "--gpus", "8", "--gpus-per-node", "8", "--top", "1", "--precision.dtype", "bf16"])
+    best = capsys.readouterr().out.splitlines()[2].split()
+    assert code == 0 and float(best[11]) == pytest.approx(rows[0]["step_s"], rel=1e-2), best
+
+
 def test_plan_says_when_nothing_fits(capsys):
     code = main(["plan", "configs/mtnlg_530b.yaml", "--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "40",
                  "--train.train_steps", "10", "--top", "2"])

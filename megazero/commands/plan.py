@@ -100,7 +100,8 @@ def row(candidate) -> dict:
     layout, memory, step = candidate.layout, candidate.memory, candidate.step
     return {**dataclasses.asdict(layout), "fits": candidate.fits,
             "memory_gib": round(memory.peak / 2**30, 2), "needed_gib": round(memory.needed / 2**30, 2),
-            "step_s": round(step.step_s, 4), "tokens_per_s": round(step.tokens_per_s),
+            "step_s": float(f"{step.step_s:.4g}"),  # significant digits: a small model's step is under 0.1 ms
+            "tokens_per_s": round(step.tokens_per_s),
             "tflops_per_gpu": round(step.tflops_per_gpu, 1), "mfu": round(step.mfu, 3),
             "overrides": " ".join(layout.overrides())}
 
