@@ -133,6 +133,8 @@ def load_tokenizer(path: str) -> Tokenizer:
     A missing path is a FileNotFoundError; anything else that is not a tokenizer (a text file, a
     shard, an empty file, a folder without tokenizer.json) is a ValueError naming it.
     """
+    if not path:
+        raise FileNotFoundError(f"an empty path names no tokenizer file (give {WHAT_A_TOKENIZER_IS})")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise ValueError(f"{path}: a folder without tokenizer.json is not a tokenizer; give {WHAT_A_TOKENIZER_IS}")

@@ -126,6 +126,8 @@ CASES = [
     # --- tokenizers -----------------------------------------------------------------------------
     ("tokenizer-missing", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "nope.model")),
      ["data.tokenizer", "nope.model"]),
+    ("tokenizer-empty-path", lambda f: _train(f, "--data.tokenizer", ""),
+     ["data.tokenizer: an empty path names no tokenizer file"]),
     ("tokenizer-text", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "notes.txt")), ["data.tokenizer", "notes.txt"]),
     ("tokenizer-empty", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "empty.model")), ["data.tokenizer", "empty.model"]),
     ("tokenizer-dir", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "emptydir")), ["data.tokenizer", "emptydir"]),
@@ -160,6 +162,8 @@ CASES = [
     ("load-run-dir", lambda f: _train(f, "--checkpoint.load", f["run"]),
      ["trained: holds no complete checkpoint, but", "trained/checkpoints does (a run directory keeps its checkpoints "
       "there); give that as checkpoint.load"]),
+    ("load-empty-path", lambda f: _train(f, "--checkpoint.load", ""),
+     ["checkpoint.load: an empty path names no checkpoint (it would be read as the current directory)"]),
     ("load-old-format", lambda f: _train(f, "--checkpoint.load", f["pickled"]), ["format"]),
     ("load-other-model", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.hidden_size", "64"),
      ["different model", "model.hidden_size"]),
@@ -187,6 +191,10 @@ CASES = [
      ["megazero generate: error: unrecognized arguments: --top-p 0.9"]),  # with generate's usage, not megazero's
     ("encode-unknown-option", lambda f: ["tokenizer", "encode", "--tokenizer", str(f["root"] / "tokenizer.json"), "x",
                                          "--bogus"], ["megazero tokenizer encode: error: unrecognized arguments: --bogus"]),
+    ("generate-empty-checkpoint", lambda f: ["generate", "", "--tokenizer", str(f["root"] / "tokenizer.json")],
+     ["an empty path names no checkpoint (it would be read as the current directory); check the CHECKPOINT argument"]),
+    ("generate-empty-tokenizer", lambda f: ["generate", f["ckpt"], "--tokenizer", ""],
+     ["an empty path names no tokenizer file (give a SentencePiece .model file"]),
     ("generate-negative", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "tokenizer.json"), "--tokens", "-5"],
      ["--tokens"]),
     ("generate-not-tokenizer", lambda f: ["generate", f["ckpt"], "--tokenizer", str(f["root"] / "notes.txt")], ["notes.txt"]),
