@@ -79,6 +79,7 @@ def _error(*overrides, world=None, local=None) -> str:
     (("--train.cuda_graphs", "true", "--model.dropout", "0.1"), None, "train.cuda_graphs", "model.dropout"),
     (("--train.cuda_graphs", "true", "--parallel.recompute", "full"), None, "train.cuda_graphs",
      "parallel.recompute full"),
+    (("--logging.run_dir", ""), None, "logging.run_dir", "is empty"),
     (("--model.num_layers", "-2"), None, "model.num_layers", "positive"),
     (("--train.micro_batch_size", "0"), None, "train.micro_batch_size", "positive"),
     (("--zero.stage", "4"), None, "zero.stage", "0, 1, 2, 3"),

@@ -167,6 +167,15 @@ def test_existing_dst_and_not_a_checkpoint(sources, tmp_path, capsys):
     assert "not a megazero checkpoint" in _fails(capsys, tmp_path, tmp_path / "empty")
 
 
+def test_an_empty_src_or_dst_is_refused(sources, tmp_path, capsys):
+    """An unset variable in a script gives "": read as the current directory, it was named "."."""
+    assert _fails(capsys, tmp_path, "").endswith("SRC: is empty, which would be read as the current directory; "
+                                                 "give a path")
+    capsys.readouterr()
+    assert main(["convert", str(sources / "hf"), ""]) == 2
+    assert "DST: is empty" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("override,field", [("--model.hidden_size=64", "model.hidden_size"),
                                             ("--parallel.tp=3", "model.num_heads")])
 def test_training_refuses_a_converted_checkpoint_it_cannot_take(sources, tmp_path, capsys, override, field):

@@ -96,6 +96,9 @@ def run(args) -> int:
     from megazero.convert.streaming import staged
 
     check_flags(args)
+    for name, value in (("SRC", args.src), ("DST", args.dst)):
+        if not value:  # Path("") is the current directory: an unset variable in a script
+            raise UserError(f"{name}: is empty, which would be read as the current directory; give a path")
     src, dst = Path(args.src), Path(args.dst)
     if os.path.lexists(dst):  # a dangling link too: the final rename would fail on it
         raise UserError(f"{dst}: already exists; give a new DST path or remove it first")

@@ -133,6 +133,9 @@ def _value_problems(cfg: Config) -> list[str]:
         if not 0 <= get(cfg, name) < 1:
             problems.append(f"{name}: must be in [0, 1), got {get(cfg, name)} (typical: beta1 0.9, beta2 0.95)")
     problems += _profile_problems(cfg)
+    if not cfg.logging.run_dir.strip():  # an unset variable in a script: "" would be the current directory
+        problems.append("logging.run_dir: is empty, which would write the run's config, metrics and checkpoints "
+                        "into the current directory; name a folder (e.g. runs/NAME) or leave the field out")
     t = cfg.train
     if t.steps_ahead > STEPS_AHEAD_MAX:
         problems.append(f"train.steps_ahead: {t.steps_ahead} is more than {STEPS_AHEAD_MAX}; more steps in flight only "
