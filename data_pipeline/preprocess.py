@@ -12,7 +12,6 @@ counted by reason instead. Either way it never becomes a document.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -25,6 +24,7 @@ from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
 from data_pipeline.shard_origin import tokenizer_identity, write_origin
 from data_pipeline.sources import Batch, check_input, iter_batches
 from data_pipeline.tokenizer import load_tokenizer
+from data_pipeline.worker_pool import worker_pool
 
 _tokenizer = None  # one per worker process, loaded by _init_worker
 
@@ -110,8 +110,7 @@ def _encoded(batches: Iterable[Batch], tokenizer_path: str, keys, append_eod: bo
         _init_worker(tokenizer_path)
         yield from map(_encode_in_worker, jobs)
         return
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
+    with worker_pool(workers, _init_worker, (tokenizer_path,)) as pool:
         yield from pool.imap(_encode_in_worker, jobs, chunksize=1)
 
 

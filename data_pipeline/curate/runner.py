@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import glob
 import json
-import multiprocessing as mp
 import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from data_pipeline.curate.shards import atomic_write_text
+from data_pipeline.worker_pool import worker_pool
 
 
 @dataclass
@@ -56,8 +56,7 @@ class LocalExecutor:
             yield from map(_run_packed, jobs)
             return
         if self._pool is None:
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            self._pool = ctx.Pool(self.workers)
+            self._pool = worker_pool(self.workers)
         yield from self._pool.imap_unordered(_run_packed, jobs)
 
     def close(self) -> None:

@@ -1,0 +1,58 @@
+"""The data tools' worker pools end on SIGTERM whatever handler their parent runs.
+
+``megazero.cli`` turns SIGTERM into an exception in the commands' process so that they clean up; a
+forked worker inherited that handler, and a pool's ``terminate()`` (run at every pool's end)
+then sometimes waited for ever on a worker that caught the signal as an exception and went back
+to wait on the task queue the parent had locked (a test run of the curation pipeline and one of
+``preprocess --workers 2`` hung so). Every pool's workers must have SIGTERM's default action."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+from data_pipeline.curate.runner import LocalExecutor
+from data_pipeline.worker_pool import worker_pool
+from megazero.cli import _terminated
+
+
+def _sigterm_action(_=None) -> dict:
+    return {"sigterm": "default" if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL else "handled"}
+
+
+def test_workers_take_sigterms_default_under_the_commands_handler(tmp_path):
+    previous = signal.signal(signal.SIGTERM, _terminated)  # as megazero.cli installs it
+    try:
+        with worker_pool(2) as pool:
+            direct = pool.map(_sigterm_action, range(4))
+        executor = LocalExecutor(2)
+        try:  # the curation pipeline's executor
+            jobs = [(_sigterm_action, (), str(tmp_path / f"task{i}.json")) for i in range(4)]
+            curated = list(executor.run(jobs))
+        finally:
+            executor.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert direct == curated == [{"sigterm": "default"}] * 4
+    assert json.loads((tmp_path / "task0.json").read_text()) == {"sigterm": "default"}
+
+
+def test_the_initializer_still_runs(tmp_path):
+    pool = worker_pool(2, _mark, (str(tmp_path),))
+    pids = set(pool.map(_marked_pid, range(8)))
+    pool.close()
+    pool.join()  # every worker has started (and run the initializer) and ended
+    started = {p.name for p in tmp_path.iterdir()}
+    assert len(started) == 2 and {f"{pid}.started" for pid in pids} <= started  # each worker, whether or not it got work
+
+
+def _mark(folder: str) -> None:
+    import os
+
+    open(os.path.join(folder, f"{os.getpid()}.started"), "w").close()
+
+
+def _marked_pid(_) -> int:
+    import os
+
+    return os.getpid()
