@@ -184,7 +184,7 @@ class Engine:
         self.chunks = build_chunks(cfg, topology.pp_rank)
         self.data_parallel = parallelize_gpt(self.chunks, self.stages, topology, parallelism(cfg, device, self.chunks),
                                              device)
-        if p.tp_comm == "peer_memory" and p.sequence_parallel and p.tp > 1:
+        if p.tp_comm == "peer_memory":  # validated: only with sequence parallelism, so tp > 1
             # The largest transfer is one micro-batch's tokens, gathered or summed, at the hidden width.
             tokens = cfg.train.micro_batch_size * cfg.model.seq_length
             peer_memory.reserve(topology.tp_group.group_name,
