@@ -14,7 +14,7 @@
 #                                    backward (nooverlap), NCCL's Simple protocol, micro-batch 4, each twice,
 #                                    interleaved, beside one GPU at both sizes (about 9 minutes)
 #   benchmarks/gpu_suite.sh graphs   train.cuda_graphs against plain compiled blocks: one GPU, then tp 2 + sp at
-#                                    micro-batches 4 and 8 (overlap, serial), every run the first of its
+#                                    micro-batches 4 and 8 (overlap, serial: NCCL), every run the first of its
 #                                    process and plain/graphs interleaved, so losses compare one to one
 #                                    (about 9 minutes)
 #   benchmarks/gpu_suite.sh pairs    four GPUs as two pairs running at once (0,1 and 2,3), swapped between rounds: tp 2
@@ -127,17 +127,18 @@ tpdiag)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
     --runs stage1-compile stage1-mbs4-compile --warmup 3 --steps 6
   for repeat in 1 2; do
-    for r in tp2-sp-overlap-compile tp2-sp-serial-compile tp2-sp-nooverlap-compile tp2-sp-mbs4-serial-compile; do
+    for r in tp2-sp-overlap-compile tp2-sp-serial-compile tp2-sp-overlap-nooverlap-compile tp2-sp-mbs4-serial-compile; do
       run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs $r \
         --warmup 3 --steps 6
     done
     NCCL_PROTO=Simple run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
-      --runs tp2-sp-compile --warmup 3 --steps 6
+      --runs tp2-sp-overlap-compile --warmup 3 --steps 6
   done ;;
 graphs)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
     --runs stage1-compile stage1-mbs4-compile --warmup 3 --steps 6
-  for r in mbs4 mbs4-cg mbs4-serial mbs8 mbs8-cg mbs8-serial mbs8-serial-cg mbs4-cg mbs4-serial mbs4; do
+  for r in mbs4-overlap mbs4-overlap-cg mbs4-serial mbs8-overlap mbs8-overlap-cg mbs8-serial mbs8-serial-cg \
+           mbs4-overlap-cg mbs4-serial mbs4-overlap; do
     run timeout 100 torchrun --nproc_per_node 2 benchmarks/train_gpu.py configs/gpt_1.3b.yaml \
       --runs tp2-sp-$r-compile --warmup 3 --steps 6
   done ;;
@@ -148,17 +149,17 @@ pairs)
       sed "s/^/[GPUs $1 ${4:-default}] /" | tee -a "$log"
   }
   hp=TORCH_NCCL_HIGH_PRIORITY=1
-  pair 2,3 29601 tp2-sp-mbs4-compile; pair 2,3 29601 tp2-sp-mbs4-cg-compile
+  pair 2,3 29601 tp2-sp-mbs4-overlap-compile; pair 2,3 29601 tp2-sp-mbs4-overlap-cg-compile
   for cg in "" cg-; do
-    pair 0,1 29500 tp2-sp-${cg}compile & pair 2,3 29601 tp2-sp-${cg}compile $hp & wait
-    pair 0,1 29500 tp2-sp-${cg}compile $hp & pair 2,3 29601 tp2-sp-${cg}compile & wait
+    pair 0,1 29500 tp2-sp-overlap-${cg}compile & pair 2,3 29601 tp2-sp-overlap-${cg}compile $hp & wait
+    pair 0,1 29500 tp2-sp-overlap-${cg}compile $hp & pair 2,3 29601 tp2-sp-overlap-${cg}compile & wait
   done
-  pair 0,1 29500 tp2-sp-mbs4-cg-compile & pair 2,3 29601 tp2-sp-mbs4-compile $hp & wait ;;
+  pair 0,1 29500 tp2-sp-mbs4-overlap-cg-compile & pair 2,3 29601 tp2-sp-mbs4-overlap-compile $hp & wait ;;
 ctas)
   for ctas in default 4 8 16 default 16 8 4; do
     echo "# NCCL_MAX_CTAS=$ctas" | tee -a "$log"
     run env $([ $ctas = default ] || echo NCCL_MAX_CTAS=$ctas) timeout 100 torchrun --nproc_per_node 2 \
-      benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs tp2-sp-cg-compile --warmup 3 --steps 6
+      benchmarks/train_gpu.py configs/gpt_1.3b.yaml --runs tp2-sp-overlap-cg-compile --warmup 3 --steps 6
   done ;;
 gradcopy)
   run timeout 120 python benchmarks/grad_accumulate_gpu.py configs/gpt_1.3b.yaml ;;

@@ -2,7 +2,9 @@
 
     python benchmarks/model_sizes_gpu.py --sizes 125m 350m 1.3b llama-1.3b --runs megazero torch plain
 
-Each run is its own process, so each peak memory is its own:
+Each run is its own process, so each peak memory is its own. ``NPROC_PER_NODE`` (1 unless set) ranks
+run megazero, for a layout that ``--megazero-args`` sets (``--parallel.tp 2``, say); its tokens/s are
+the whole job's:
 
 * ``megazero``: ``scripts/pretrain_gpt.sh`` (torchrun, the trainer, demo data) on
   ``configs/gpt_1.3b.yaml`` resized, ZeRO stage 0, compiled, with the fused kernels (the default);
@@ -70,7 +72,7 @@ def megazero(size: str, kernels: bool, steps: int, skip: int, timeout: int, extr
                  "--train.train_steps", str(steps), "--logging.log_interval", str(steps),
                  "--checkpoint.save_on_exit", "false", "--logging.run_dir", run_dir,
                  "--data.blend", f"[[1.0, {DATA}]]", *PEER_OPTIMIZER, *extra]
-    env = dict(os.environ, CONFIG="configs/gpt_1.3b.yaml", NPROC_PER_NODE="1",
+    env = dict(os.environ, CONFIG="configs/gpt_1.3b.yaml", NPROC_PER_NODE=os.environ.get("NPROC_PER_NODE", "1"),
                MEGAZERO_KERNELS="1" if kernels else "0")
     proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", *overrides], env=env, capture_output=True, text=True,
                           timeout=timeout)

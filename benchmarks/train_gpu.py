@@ -9,8 +9,9 @@ Each run builds the engine from the config plus the run's overrides (``stageN`` 
 ``-offload`` moves the optimizer to the CPU; ``tpN``/``ppN`` set the layout; ``bucketN`` the bucket
 size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on sequence parallelism
 (``nosp`` off: with ``tp1``, for a config that sets it), whose linears communicate ``serial``,
-``overlap`` or through peer memory (``pm``); ``compile``
-compiles blocks and head (``cg``: and replays the blocks as CUDA graphs); ``zb`` and ``zb2`` pick the
+``overlap`` or through peer memory (``pm``), or as ``parallel.tp_comm auto`` picks without one of
+these; ``compile`` compiles blocks and head (``cg``: and replays the blocks as CUDA graphs, ``nocg``:
+does not; without either, ``train.cuda_graphs`` null decides, which replays them with peer memory); ``zb`` and ``zb2`` pick the
 zero-bubble schedules ZB-H1 and ZB-H2 (``izb``: interleaved with a split backward, with ``vN``;
 ``wdefault``: their weight gradients at the default delays rather than those tuned to the stages'
 op costs); ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
@@ -76,8 +77,8 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
             out += ["--parallel.sequence_parallel", str(part == "sp").lower()]
         elif part in ("serial", "overlap", "pm"):
             out += ["--parallel.tp_comm", {"pm": "peer_memory"}.get(part, part)]
-        elif part == "cg":
-            out += ["--train.cuda_graphs", "true"]
+        elif part in ("cg", "nocg"):
+            out += ["--train.cuda_graphs", str(part == "cg").lower()]
         elif part == "compile":
             out += ["--train.compile", "true"]
         elif part in ("zb", "zb2", "izb"):

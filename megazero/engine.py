@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from megazero.config import Config
+from megazero.config.auto import resolve_auto
 from megazero.errors import ConfigError
 from megazero.flops import attention_core_share, attention_share, head_blocks
 from megazero.optim import AdamWSettings, DynamicLossScaler, ShardedAdamW, StepResult
@@ -48,11 +49,11 @@ def data_parallel_settings(cfg: Config) -> DataParallelSettings:
 
 
 def parallelism(cfg: Config, device: torch.device, chunks: list[GPT]) -> Parallelism:
-    """What ``parallelize_gpt`` needs from the config: the parallel, recompute, compile and ZeRO fields;
-    refuses what this device and the resolved compile setting cannot run on ``chunks`` (still on
-    the meta device)."""
+    """What ``parallelize_gpt`` needs from ``cfg`` (its auto settings resolved: ``resolve_auto``): the
+    parallel, recompute, compile and ZeRO fields; refuses what this device cannot run on ``chunks``
+    (still on the meta device)."""
     p = cfg.parallel
-    compile_ = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
+    compile_ = cfg.train.compile
     if p.tp_comm == "peer_memory" and not (device.type == "cuda" and peer_memory.available()):
         raise ConfigError("parallel.tp_comm: peer_memory needs CUDA devices and a torch with symmetric memory; "
                           "set it to serial or overlap")
@@ -177,6 +178,7 @@ class Engine:
     """This rank's model chunks, optimizer and pipeline executor for ``cfg`` on ``topology``."""
 
     def __init__(self, cfg: Config, topology: Topology, device: torch.device):
+        cfg = resolve_auto(cfg, device.type == "cuda", peer_memory.available())
         self.cfg, self.topo, self.device = cfg, topology, device
         p = cfg.parallel
         self.dtype = DTYPES[cfg.precision.dtype]

@@ -9,6 +9,7 @@ loss, which the pipeline broadcasts to every rank.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -28,6 +29,7 @@ from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets, recorded_tokenizer, tokenizer_record, train_samples
+from megazero.device_watchdog import DeviceWatchdog
 from megazero.engine import Engine, layout_record, pipeline_split
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
@@ -116,6 +118,7 @@ class Trainer:
         self._control = None if self.world == 1 else dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s), group_desc="control")
         self.engine = Engine(cfg, topology, device)
+        self._say_resolved(cfg, self.engine.cfg)
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         self.train_data, self.valid_data = build_datasets(cfg, train_samples(cfg))
@@ -140,6 +143,20 @@ class Trainer:
             tensorboard=cfg.logging.tensorboard, device=device)
         self.profiler = StepProfiler(cfg.logging.profile_steps, cfg.logging.profile_ranks, self.rank,
                                      cfg.logging.run_dir, device)
+        self.watchdog = DeviceWatchdog(cfg.train.collective_timeout_s if device.type == "cuda" else None, self.rank,
+                                       describe=lambda: f"stopping now loses {self._unsaved()}")
+
+    def _say_resolved(self, cfg: Config, resolved: Config) -> None:
+        """Name what the tensor-parallel settings left to the run became on this machine."""
+        if self.rank != 0 or cfg.parallel.tp == 1:
+            return
+        chosen = []
+        if cfg.parallel.tp_comm == "auto":
+            chosen.append(f"parallel.tp_comm auto -> {resolved.parallel.tp_comm}")
+        if cfg.train.cuda_graphs is None:
+            chosen.append(f"train.cuda_graphs null -> {str(resolved.train.cuda_graphs).lower()}")
+        if chosen:
+            print(f"megazero: {', '.join(chosen)} on this machine", flush=True)
 
     # --- resume and save ---------------------------------------------------------------------
     def _check_save_dir(self) -> None:
@@ -254,8 +271,8 @@ class Trainer:
                       "train.train_steps or train.train_tokens to continue it, or use another logging.run_dir)",
                       flush=True)
             return self.state
-        with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger, self.profiler:
-            in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step()])
+        with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger, self.profiler, self.watchdog:
+            in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step(first=True)])
             while True:
                 late = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
                 preempted, late = self._agree(preemption.requested, late)
@@ -313,11 +330,14 @@ class Trainer:
         dist.all_gather_object(names, mine, group=self._control)
         return next(name for name in names if name is not None)
 
-    def _queue_step(self) -> _QueuedStep:
+    def _queue_step(self, first: bool = False) -> _QueuedStep:
         """Queue the next global batch's forward, backward and update on the device, without reading
-        anything back."""
+        anything back. Queueing waits on the device too (a batch's copy from pageable memory, a new
+        pinned buffer), so it has the watchdog's deadline, except the ``first`` step of the loop,
+        whose blocks compile."""
         queued_at = time.perf_counter()
-        with self.profiler.queueing(self.state.step + 1):
+        deadline = contextlib.nullcontext() if first else self.watchdog.waiting(f"step {self.state.step + 1} to queue")
+        with self.profiler.queueing(self.state.step + 1), deadline:
             size = self.batches.global_batch(self.state.consumed)
             micro = global_batch(self.train_data, self.state.consumed, size, self.cfg.train.micro_batch_size,
                                  self.topo.dp_rank, self.topo.dp_size)
@@ -332,7 +352,8 @@ class Trainer:
     def _finish_step(self, queued: _QueuedStep) -> StepMetrics:
         """Read a queued step's results (waiting for that step only) and count skipped steps."""
         reading = time.perf_counter()
-        loss, grad_norm, skipped = queued.values.read()
+        with self.watchdog.waiting(f"step {queued.step}'s results"):
+            loss, grad_norm, skipped = queued.values.read()
         now = time.perf_counter()
         skipped = skipped > 0
         self.state.skipped += int(skipped)

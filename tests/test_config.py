@@ -253,7 +253,9 @@ def test_architecture_page_names_the_module_of_every_config_field():
 
 
 def _parallelism(cfg):
+    from megazero.config.auto import resolve_auto
     from megazero.engine import build_chunks, parallelism
+    cfg = resolve_auto(cfg, on_cuda=False, peer_memory=False)  # as the engine does on this machine
     return parallelism(cfg, torch.device("cpu"), build_chunks(cfg, 0))
 
 

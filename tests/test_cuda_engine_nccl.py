@@ -7,7 +7,8 @@ CUDA fused AdamW with its device-side unscale and skip, and bf16 kernels. Each l
 of its communication modes, also recomputed (whole blocks; the attention core under sequence
 parallelism), and (1,2,1) under 1F1B and ZB-H2 (eager, and compiled: the deferred plain linears stay out
 of the graphs), and with the blocks replayed as CUDA graphs (tp 2 with and without
-sp, with sp in each communication mode, dp 2 under ZeRO 2; replays counted, so a silent fallback to the plain path fails), trains 3 steps
+sp, with sp in each communication mode and at the defaults, which choose peer memory there, dp 2 under
+ZeRO 2; replays counted, so a silent fallback to the plain path fails), trains 3 steps
 in bf16 and is compared with the fp32 reference of ``tests/test_engine_equivalence.py`` on the same
 global batches: the reported gradient norm every step within 2%, the losses within 2%, and the whole
 update of the 16-bit weights within 20% relative error (bf16 rounds the weights themselves, by up to
@@ -16,7 +17,7 @@ data-parallel ranks) within 2% of the trained reference's loss on it. Every rank
 GPUs, the three-axis layouts too: tp 2 x pp 2 with sequence parallelism under the zero-bubble
 schedule (the deferred halves of the sequence-parallel operators, over NCCL and through peer
 memory, eager, and compiled with the operators handing their weight gradients over from inside the
-graph), tp 2 x dp 2 (also as CUDA graphs) and pp 2 x dp 2.
+graph), tp 2 x dp 2 (also as CUDA graphs, through peer memory) and pp 2 x dp 2.
 
 (Skipped unless two CUDA devices are visible; the four-GPU cases unless four are.)
 """
@@ -40,18 +41,21 @@ pytestmark = [pytest.mark.cuda,
 
 SP, ZB = ("--parallel.sequence_parallel", "true"), ("--parallel.pipeline_schedule", "zb-h1")
 ZB2 = ("--parallel.pipeline_schedule", "zb-h2")
-CG = ("--train.cuda_graphs", "true")
+CG, NO_CG = ("--train.cuda_graphs", "true"), ("--train.cuda_graphs", "false")
 CASES = [((1, 1, 2), 1, ()), ((1, 1, 2), 2, ()), ((1, 1, 2), 3, ()),
-         ((2, 1, 1), 1, ()), ((2, 1, 1), 1, SP),
-         ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "peer_memory")),
+         ((2, 1, 1), 1, ()), ((2, 1, 1), 1, (*SP, *NO_CG)),
+         ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "peer_memory", *NO_CG)),
          ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial")),
          ((2, 1, 1), 1, ("--parallel.recompute", "full")), ((2, 1, 1), 1, (*SP, "--parallel.recompute", "selective")),
          ((1, 2, 1), 1, ()), ((1, 2, 1), 1, ("--parallel.virtual_stages", "2")),
          ((1, 2, 1), 1, ("--parallel.virtual_stages", "2", "--parallel.pipeline_schedule", "interleaved_zb")),
          ((1, 2, 1), 1, ZB2), ((1, 2, 1), 1, (*ZB2, "--train.compile", "true")),
          ((1, 2, 1), 1, (*ZB2, "--train.compile", "true", "--parallel.pipeline_split", "[1.5, 2.5]"))]
-CASES_CG = [((2, 1, 1), 1, (*SP, *CG)), ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial", *CG)),
-            ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "peer_memory", *CG)),
+# the defaults at tp 2 + sp on GPUs: peer-memory linears in blocks replayed as CUDA graphs
+DEFAULTS_SP = ((2, 1, 1), 1, SP)
+CASES_CG = [((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "overlap", *CG)),
+            ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "serial", *CG)),
+            ((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "peer_memory", *CG)), DEFAULTS_SP,
             ((2, 1, 1), 1, CG),
             ((1, 1, 2), 2, CG)]
 
@@ -104,7 +108,8 @@ def _case(topo, layout, stage, extra) -> dict:
                 after, before = shards[name].take(after), shards[name].take(before)
             diff_sq += (p.detach().float().cpu() - after).pow(2).sum().item()
             update_sq += (after - before).pow(2).sum().item()
-    return {"norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+    return {"tp_comm": engine.cfg.parallel.tp_comm, "cuda_graphs": engine.cfg.train.cuda_graphs,
+            "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
             "loss_err": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
             "update_err": (diff_sq / update_sq) ** 0.5,
             "graphs_replayed_3x": sum(n >= 3 for n in replays.counts.values()), "graphs": len(replays.counts),
@@ -116,7 +121,7 @@ CASES4 = [((2, 2, 1), 1, (*SP, *ZB)), ((2, 2, 1), 1, (*SP, *ZB, "--parallel.tp_c
           # compiled: the sequence-parallel operators hand their weight gradients over from inside the graph
           ((2, 2, 1), 1, (*SP, *ZB2, "--train.compile", "true")),
           ((2, 2, 1), 1, (*SP, *ZB2, "--train.compile", "true", "--parallel.tp_comm", "peer_memory")),
-          ((2, 1, 2), 2, SP), ((1, 2, 2), 1, ()), ((2, 1, 2), 2, (*SP, *CG))]
+          ((2, 1, 2), 2, (*SP, *NO_CG)), ((1, 2, 2), 1, ()), ((2, 1, 2), 2, (*SP, *CG))]
 
 
 def _all_cases(rank: int, world_size: int, cases: list) -> dict:
@@ -146,7 +151,7 @@ def _check(reports, layout, stage, extra):
         assert value["loss_err"] < 0.02, (rank, value)
         assert value["update_err"] < 0.2, (rank, value)
         assert value["eval_err"] < 0.02, (rank, value)  # the trained model's loss on the last global batch
-        if "--train.cuda_graphs" in extra:
+        if value["cuda_graphs"]:
             # a forward and a backward graph per block, each recorded (one replay) and then replayed on
             # the later micro-batches (of 2 x 3 per rank: one warms up, one records, four replay)
             assert value["graphs_replayed_3x"] >= 2 * value["blocks"], (rank, value)
@@ -162,6 +167,13 @@ def test_bf16_on_nccl_tracks_fp32_reference(reports, layout, stage, extra):
 @pytest.mark.parametrize("layout, stage, extra", CASES_CG)
 def test_cuda_graphs_on_nccl_track_fp32_reference(reports, layout, stage, extra):
     _check(reports, layout, stage, extra)
+
+
+def test_defaults_replay_peer_memory_linears_as_cuda_graphs(reports):
+    """What ``DEFAULTS_SP`` resolved to (its graphs are counted by ``_check``)."""
+    for report in reports:
+        value = report[DEFAULTS_SP]
+        assert (value["tp_comm"], value["cuda_graphs"]) == ("peer_memory", True), value
 
 
 @pytest.mark.parametrize("layout, stage, extra", CASES4)

@@ -1,7 +1,8 @@
 """The trainer on GPUs: the loop that queues step N+1 (or more: ``train.steps_ahead``) before reading
 step N, its stop agreement over a gloo group beside NCCL, the pinned-memory copies of each step's
 loss and norm, evaluation and checkpoints, at world 2 (tp 2; tp 2 with sequence parallelism through
-peer memory, its blocks replayed as CUDA graphs; dp 2 under ZeRO 1) on two GPUs;
+peer memory, its blocks replayed as CUDA graphs, as the defaults choose there; dp 2 under ZeRO 1) on
+two GPUs;
 and ``logging.profile_steps`` writing each rank's trace with its kernels and only the window's steps.
 
 Each run trains the small GPT of ``tests/test_trainer.py`` for 8 steps in fp32 (compiled, the GPU
@@ -12,7 +13,9 @@ sum in other orders), and leave checkpoints of steps 3, 6 and 8.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
 import os
 
@@ -27,9 +30,9 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2
 
 STEPS = 8
 LAYOUTS = {"tp2": ("--parallel.tp", "2"), "dp2": (),
-           # the fastest tensor-parallel setting inside a node: peer-memory linears in CUDA-graph blocks
-           "tp2-sp-pm-graphs": ("--parallel.tp", "2", "--parallel.sequence_parallel", "true",
-                                "--parallel.tp_comm", "peer_memory", "--train.cuda_graphs", "true"),
+           # the defaults pick the fastest tensor-parallel setting inside a node: peer-memory linears
+           # in CUDA-graph blocks
+           "tp2-sp": ("--parallel.tp", "2", "--parallel.sequence_parallel", "true"),
            # two steps queued ahead, steps 4-5 profiled on both ranks
            "dp2-ahead2-profiled": ("--train.steps_ahead", "2", "--logging.profile_steps", "[4, 5]",
                                    "--logging.profile_ranks", "[0, 1]")}
@@ -65,7 +68,13 @@ def _cpu(rank, world, root):
 
 
 def _gpus(rank, world, root):
-    return {name: _run(root, name, "cuda", extra, world) for name, extra in LAYOUTS.items()}
+    runs = {}
+    for name, extra in LAYOUTS.items():
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):  # rank 0's lines, among them what the auto settings became
+            runs[name] = _run(root, name, "cuda", extra, world)
+        runs[name]["said"] = said.getvalue()
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +99,9 @@ def test_profiled_steps_hold_each_ranks_kernels(runs):
     assert sorted(traces) == ["rank0_steps4-5.json.gz", "rank1_steps4-5.json.gz"], traces
     assert all(kernels > 0 and steps == ["megazero step 4", "megazero step 5"]
                for kernels, steps in traces.values()), traces
+
+
+def test_defaults_choose_peer_memory_in_cuda_graphs_for_sequence_parallel_tp(runs):
+    said = runs[1]["tp2-sp"]["said"]
+    assert "megazero: parallel.tp_comm auto -> peer_memory, train.cuda_graphs null -> true on this machine" in said
+    assert "parallel.tp_comm auto -> overlap, train.cuda_graphs null -> false" in runs[1]["tp2"]["said"]

@@ -15,6 +15,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from megazero.config.auto import TP_COMM_AUTO, graph_blockers
 from megazero.config.schema import Config
 from megazero.errors import ConfigError
 from megazero.metrics import WANDB_MODES
@@ -27,7 +28,7 @@ from parallel.data_parallel import STAGES
 from parallel.launch import DEVICES
 from parallel.tensor_parallel.overlap import MODES as TP_COMM_MODES
 from parallel.pipeline.partition import split_problem
-from parallel.pipeline.schedule import SPLIT_BACKWARD, TRAINING_SCHEDULES, schedule_problem
+from parallel.pipeline.schedule import TRAINING_SCHEDULES, schedule_problem
 from parallel.topology import ORDERS
 
 CHOICES = {
@@ -36,7 +37,7 @@ CHOICES = {
     "model.activation": ACTIVATIONS,
     "parallel.order": ORDERS,
     "parallel.recompute": RECOMPUTE_MODES,
-    "parallel.tp_comm": TP_COMM_MODES,
+    "parallel.tp_comm": (TP_COMM_AUTO, *TP_COMM_MODES),
     "parallel.pipeline_schedule": TRAINING_SCHEDULES,
     "zero.stage": STAGES,
     "precision.dtype": ("fp32", "bf16", "fp16"),
@@ -179,22 +180,11 @@ def config_notes(cfg: Config) -> list[str]:
 
 
 def _cuda_graph_problems(cfg: Config) -> list[str]:
-    """What CUDA-graph blocks are not run with. A replayed graph reads its parameters at the addresses
-    it was recorded with, so ZeRO-3, which regathers them into new memory, cannot replay. The rest are
-    untested with the engine's replay, and some would fail silently: a pipeline's several forwards in
-    flight (whose sent outputs it frees), a split backward's deferred weight gradients, recompute's
-    forwards inside backward, and dropout (the tensor-parallel random stream is forked on the host,
-    where a replay would not see it)."""
-    t, p, m = cfg.train, cfg.parallel, cfg.model
-    if not t.cuda_graphs:
+    """Why ``train.cuda_graphs true`` cannot run (null leaves graphs off where they cannot)."""
+    if cfg.train.cuda_graphs is not True:
         return []
-    blockers = [(t.compile is False, "train.compile false"), (t.device == "cpu", "train.device cpu"),
-                (p.pp > 1, f"parallel.pp {p.pp}"), (cfg.zero.stage == 3, "zero.stage 3"),
-                (p.pipeline_schedule in SPLIT_BACKWARD, f"parallel.pipeline_schedule {p.pipeline_schedule}"),
-                (p.recompute != "none", f"parallel.recompute {p.recompute}"),
-                (m.dropout > 0 or m.attention_dropout > 0, "model.dropout or model.attention_dropout above 0")]
     return [f"train.cuda_graphs: cannot replay blocks as CUDA graphs with {what}; set train.cuda_graphs false"
-            for blocked, what in blockers if blocked]
+            for what in graph_blockers(cfg)]
 
 
 def _shape_problems(cfg: Config) -> list[str]:
@@ -212,7 +202,7 @@ def _shape_problems(cfg: Config) -> list[str]:
         problems.append("parallel.sequence_parallel: needs parallel.tp > 1; set it false or raise tp")
     if p.tp_comm in ("serial", "peer_memory") and not p.sequence_parallel:
         problems.append(f"parallel.tp_comm: {p.tp_comm} is how sequence-parallel linears communicate; "
-                        "set parallel.sequence_parallel true, or leave tp_comm at overlap")
+                        "set parallel.sequence_parallel true, or leave tp_comm at auto")
     elif p.tp_comm == "peer_memory" and cfg.train.device == "cpu":
         problems.append("parallel.tp_comm: peer_memory needs CUDA devices; set it to serial or overlap on CPU")
     elif p.tp_comm == "peer_memory" and p.allow_tp_across_nodes:

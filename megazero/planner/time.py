@@ -8,6 +8,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+from megazero.config.auto import resolve_auto
 from megazero.config.schema import Config
 from megazero.engine import pipeline_costs, pipeline_schedule
 from megazero.flops import flops_per_token
@@ -37,6 +38,13 @@ HOST_S_PER_TP_BLOCK = 6.0e-3
 # with the GPUs computing a third of the time (BENCHMARKS.md): 9.3 ms a block and micro-batch.
 # Measured before the linears deferred from inside the compiled graph; to be measured again.
 HOST_S_PER_TP_BLOCK_SPLIT_BACKWARD = 9.3e-3
+# The share of the tensor-parallel term above that stays exposed when the sequence-parallel linears
+# move their tokens through peer memory (``parallel.tp_comm peer_memory``): the copy engines carry the
+# bytes, so the products beside them keep more of the multiprocessors than beside NCCL's kernels.
+# Fitted to GPT 1.3B at tp 2 + sp in CUDA-graph blocks on 2 x H200 (BENCHMARKS.md, "Auto settings"):
+# 149.9 ms a step at micro-batch 8 and 81.9 ms at 4, where the NCCL term would add 31.8 and 15.9 ms
+# to 129.6 and 64.8 ms of compute; with 0.7 the planner gives 157.0 and 81.1 ms.
+PEER_MEMORY_EXPOSED_SHARE = 0.7
 # What running a backward as its input-gradient and weight-gradient halves adds to a micro-batch's
 # compute (zero-bubble schedules): the weights' gradient GEMMs and the biases' sums no longer fuse
 # with the rest of the backward. GPT 1.3B at pp 2 on H200, rank 0: B + W 89.1 ms against a whole
@@ -74,6 +82,7 @@ def _strides(cfg: Config) -> tuple[int, int]:
 
 
 def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
+    cfg = resolve_auto(cfg, on_cuda=True, peer_memory=True)  # the cluster's GPUs, as the engine would there
     m, p, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
     gpu = cluster.gpu
     micro = micro_batches(cfg)
@@ -92,6 +101,8 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         bw = cluster.link_bytes_per_s(_group_within_node(1, p.tp, cluster), tensor_parallel=True)
         allreduce = 2 * (p.tp - 1) / p.tp * e * tokens_mb * m.hidden_size / bw
         tp_per_layer = (4 + 2 * recomputed_share) * allreduce
+        if p.tp_comm == "peer_memory":
+            tp_per_layer *= PEER_MEMORY_EXPOSED_SHARE
 
     # Pipeline parallelism: each micro-batch's activation forward and its gradient back, per chunk.
     pp_per_mb = 0.0
