@@ -1,12 +1,24 @@
-"""Checks on the paths a command is given, run before it reads any input. Where an output path can be
-made: a path that cannot be made is refused while nothing is lost (creating the folders late fails
-with an errno that names no option). Whether an input is named twice: read twice, its documents
-would count twice, in training, in a tokenizer's statistics or in a classifier's held-out rows."""
+"""Checks on the paths a command is given, run before it reads any input. Whether a path is empty:
+an unset variable in a script gives "", which ``Path`` reads as the current directory. Where an
+output path can be made: a path that cannot be made is refused while nothing is lost (creating the
+folders late fails with an errno that names no option). Whether an input is named twice: read
+twice, its documents would count twice, in training, in a tokenizer's statistics or in a
+classifier's held-out rows."""
 
 from __future__ import annotations
 
 import os
 from typing import Callable, Iterable, Optional
+
+
+def empty_path_problem(path: str | os.PathLike, what: str, fix: str) -> Optional[str]:
+    """``"an empty path names no WHAT (it would be read as the current directory); FIX"`` when ``path`` is
+    empty (``Path("")`` is ``.``: an unset variable in a script would name the current directory), else
+    None. A message rather than an exception, so that each caller keeps raising the error type its own
+    callers catch (a CheckpointError, a FileNotFoundError, a UserError)."""
+    if os.fspath(path):
+        return None
+    return f"an empty path names no {what} (it would be read as the current directory); {fix}"
 
 
 def nearest_existing(path: str) -> str:

@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
+from data_pipeline.paths import empty_path_problem
+
 # Ids the trained SentencePiece models reserve, in this order; eod is SentencePiece's </s>.
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
 
@@ -133,8 +135,9 @@ def load_tokenizer(path: str) -> Tokenizer:
     A missing path is a FileNotFoundError; anything else that is not a tokenizer (a text file, a
     shard, an empty file, a folder without tokenizer.json) is a ValueError naming it.
     """
-    if not path:
-        raise FileNotFoundError(f"an empty path names no tokenizer file (give {WHAT_A_TOKENIZER_IS})")
+    empty = empty_path_problem(path, "tokenizer file", f"give {WHAT_A_TOKENIZER_IS}")
+    if empty:
+        raise FileNotFoundError(empty)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise ValueError(f"{path}: a folder without tokenizer.json is not a tokenizer; give {WHAT_A_TOKENIZER_IS}")

@@ -169,11 +169,11 @@ def test_existing_dst_and_not_a_checkpoint(sources, tmp_path, capsys):
 
 def test_an_empty_src_or_dst_is_refused(sources, tmp_path, capsys):
     """An unset variable in a script gives "": read as the current directory, it was named "."."""
-    assert _fails(capsys, tmp_path, "").endswith("SRC: is empty, which would be read as the current directory; "
-                                                 "give a path")
+    assert _fails(capsys, tmp_path, "").endswith("SRC: an empty path names no checkpoint (it would be read as the "
+                                                 "current directory); give the checkpoint to convert")
     capsys.readouterr()
     assert main(["convert", str(sources / "hf"), ""]) == 2
-    assert "DST: is empty" in capsys.readouterr().err
+    assert "DST: an empty path names no destination" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("override,field", [("--model.hidden_size=64", "model.hidden_size"),

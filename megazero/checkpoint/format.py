@@ -39,6 +39,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from data_pipeline.paths import empty_path_problem
+
 from megazero.checkpoint import serialization
 from megazero.errors import UserError
 
@@ -281,9 +283,9 @@ def resolve_checkpoint(path: str | os.PathLike, source: str = "checkpoint.load")
     Unlike ``latest_checkpoint`` (for the implicit resume from ``save_dir``, where finding nothing
     means a fresh start), finding nothing here is an error: the user asked for a checkpoint.
     """
-    if not os.fspath(path):  # Path("") is ".": an unset variable in a script would load the current directory
-        raise CheckpointError(f"an empty path names no checkpoint (it would be read as the current directory); "
-                              f"check {source}")
+    empty = empty_path_problem(path, "checkpoint", f"check {source}")
+    if empty:
+        raise CheckpointError(empty)
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: checkpoint path does not exist; check {source}")

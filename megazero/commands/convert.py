@@ -10,7 +10,7 @@ import math
 import os
 from pathlib import Path
 
-from data_pipeline.paths import file_in_the_way
+from data_pipeline.paths import empty_path_problem, file_in_the_way
 
 from megazero.errors import UserError
 
@@ -96,9 +96,11 @@ def run(args) -> int:
     from megazero.convert.streaming import staged
 
     check_flags(args)
-    for name, value in (("SRC", args.src), ("DST", args.dst)):
-        if not value:  # Path("") is the current directory: an unset variable in a script
-            raise UserError(f"{name}: is empty, which would be read as the current directory; give a path")
+    for name, value, what, fix in (("SRC", args.src, "checkpoint", "give the checkpoint to convert"),
+                                   ("DST", args.dst, "destination", "give a new path to write")):
+        empty = empty_path_problem(value, what, fix)
+        if empty:
+            raise UserError(f"{name}: {empty}")
     src, dst = Path(args.src), Path(args.dst)
     if os.path.lexists(dst):  # a dangling link too: the final rename would fail on it
         raise UserError(f"{dst}: already exists; give a new DST path or remove it first")

@@ -1,0 +1,33 @@
+"""The shared path checks of ``data_pipeline/paths.py``: an empty path (an unset variable in a
+script) is one message naming what was meant and the fix, and each consumer raises it as the error
+type its own callers catch."""
+
+from __future__ import annotations
+
+import pytest
+
+from data_pipeline.paths import empty_path_problem
+from data_pipeline.tokenizer import load_tokenizer
+from megazero.checkpoint.format import CheckpointError, resolve_checkpoint
+
+CURRENT_DIRECTORY = "(it would be read as the current directory)"
+
+
+def test_an_empty_path_is_one_message_naming_the_thing_and_the_fix():
+    assert empty_path_problem("", "checkpoint", "check checkpoint.load") == (
+        f"an empty path names no checkpoint {CURRENT_DIRECTORY}; check checkpoint.load")
+
+
+@pytest.mark.parametrize("path", ["a", ".", " ", "runs/x"])
+def test_a_path_that_is_not_empty_is_no_problem(path):
+    """Only "" is refused: a blank name is a legal file name, and "." says the current directory on purpose."""
+    assert empty_path_problem(path, "checkpoint", "check checkpoint.load") is None
+
+
+def test_consumers_keep_their_error_types():
+    with pytest.raises(FileNotFoundError) as tokenizer:
+        load_tokenizer("")
+    assert str(tokenizer.value).startswith(f"an empty path names no tokenizer file {CURRENT_DIRECTORY}; give ")
+    with pytest.raises(CheckpointError) as checkpoint:
+        resolve_checkpoint("", source="the SRC argument")
+    assert str(checkpoint.value) == f"an empty path names no checkpoint {CURRENT_DIRECTORY}; check the SRC argument"
