@@ -6,6 +6,7 @@ embeds it as its ``model`` section.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -37,6 +38,11 @@ class ModelConfig:
     dropout: float = option(0.0, "Dropout on embeddings, attention output and MLP output")
     attention_dropout: float = option(0.0, "Dropout on attention probabilities")
     init_std: Optional[float] = option(None, "Std of the normal initialisation (None = 1/sqrt(3*hidden), as MT-NLG)")
+
+    @property
+    def effective_init_std(self) -> float:
+        """Explicit, else MT-NLG's width-dependent default 1/sqrt(3*hidden) (4e-3 at hidden 20480)."""
+        return self.init_std or 1.0 / math.sqrt(3 * self.hidden_size)
 
     @property
     def kv_heads(self) -> int:

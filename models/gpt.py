@@ -188,11 +188,6 @@ class GPT(nn.Module):
         x = self.final_norm(x)
         return self.lm_head(x) if labels is None else self.loss(x, self.lm_head, labels, reduction)
 
-    @property
-    def init_std(self) -> float:
-        """MT-NLG's width-dependent default, 1/sqrt(3*hidden) (4e-3 at hidden 20480)."""
-        return self.cfg.init_std or 1.0 / math.sqrt(3 * self.cfg.hidden_size)
-
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Matrices normal(0, std), output projections scaled by 1/sqrt(2*layers); norms 1, biases 0;
@@ -222,7 +217,7 @@ class GPT(nn.Module):
                 param.copy_(self._draw(name, param, shards.get(name), seed))
 
     def _draw(self, name: str, param: torch.Tensor, shard, seed: int) -> torch.Tensor:
-        std, key, zero_from = self.init_std, name, None
+        std, key, zero_from = self.cfg.effective_init_std, name, None
         if name.endswith(OUTPUT_PROJECTIONS):
             std /= math.sqrt(2 * self.cfg.num_layers)
         if name in VOCAB_PADDED:

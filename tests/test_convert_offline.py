@@ -4,7 +4,7 @@ export; a bf16 Hugging Face folder refused as "not a float type"; the offline re
 consumed samples, the loss-scaler state, the ``latest`` pointer or the tokenizer record;
 ``--reset-step`` ignored; the ``--to torch`` file written without its model config; the Adam step
 taken as the smallest over ranks (a rank whose shard is all padding saves 0); ``initializer_range``
-written as the default std where ``model.init_std`` is set; a bf16 index's ``total_size`` counted at
+written as the default std where ``model.init_std`` is set, or ignored on import; a bf16 index's ``total_size`` counted at
 4 bytes an element.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -57,17 +57,50 @@ def test_a_bf16_export_says_so_and_a_bf16_folder_imports(tmp_path):
 def test_initializer_range_is_the_init_std(tmp_path, init_std):
     """config.json's initializer_range (the std transformers initialises new weights with, a resized
     embedding's rows for one) is the std megazero initialises with: ``model.init_std``, or its
-    default 1/sqrt(3 hidden) (planted: the default written where init_std is set)."""
-    from models import GPT
+    default 1/sqrt(3 hidden) (planted: the default written where init_std is set). Imported back,
+    it is the std set, or unset where it was unset (not pinned to this width)."""
+    from megazero.checkpoint import read_manifest
 
     source = _Random(num_layers=1, init_std=init_std)
     write_megazero(source, tmp_path / "mz")
     assert convert(tmp_path / "mz", tmp_path / "hf") == 0
-    ours = GPT(source.cfg).init_std
-    assert ours == (init_std or 1 / (3 * source.cfg.hidden_size) ** 0.5)
+    ours = source.cfg.effective_init_std
+    assert ours == (init_std or 1 / math.sqrt(3 * source.cfg.hidden_size))
     written = json.loads((tmp_path / "hf" / "config.json").read_text())["initializer_range"]
     assert written == ours, (written, ours)
     assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").initializer_range == written
+    assert convert(tmp_path / "hf", tmp_path / "back") == 0
+    back = read_manifest(latest_checkpoint(tmp_path / "back"))["meta"]["config"]["model"]
+    assert back["init_std"] == init_std
+
+
+@pytest.mark.parametrize("initializer_range,init_std", [(0.01, 0.01), (1 / math.sqrt(3 * 32), None), (None, None)],
+                         ids=["set", "derived", "absent"])
+def test_initializer_range_imports_as_the_init_std(tmp_path, initializer_range, init_std):
+    """A folder's initializer_range is its model.init_std (planted: the field ignored); the std an
+    unset init_std derives at this width (32), and an absent field, import unset."""
+    from megazero.convert.hf import HFSource
+    from tests.test_convert_bad_inputs import _llama
+
+    hf = _llama(tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    config["initializer_range"] = initializer_range
+    if initializer_range is None:
+        del config["initializer_range"]
+    (hf / "config.json").write_text(json.dumps(config))
+    assert HFSource(hf).cfg.init_std == init_std
+
+
+def test_a_derived_std_an_ulp_off_imports_unset():
+    """Exports used to compute the derived std as 1/(3h)**0.5, an ulp from 1/sqrt(3h) at some
+    widths (2609): such a folder's initializer_range still reads back as an unset init_std."""
+    from megazero.convert.hf import without_derived_init_std
+    from models.config import ModelConfig
+
+    cfg = ModelConfig(hidden_size=2609, init_std=1 / (3 * 2609) ** 0.5)
+    assert cfg.init_std != replace(cfg, init_std=None).effective_init_std
+    assert without_derived_init_std(cfg).init_std is None
+    assert without_derived_init_std(replace(cfg, init_std=0.01)).init_std == 0.01
 
 
 def test_a_sharded_bf16_export_indexes_its_bytes(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -60,7 +61,7 @@ class HFSource:
             raise UserError(f"{config_path}: architecture {archs[0] if archs else self.hf.get('model_type')!r} is not "
                             f"one megazero can import ({', '.join(FAMILIES)}); convert such a model with its own tools")
         check_model_type(self.hf, self.family, str(config_path))
-        self.cfg = self.family.model_config(self.hf, str(config_path))
+        self.cfg = without_derived_init_std(self.family.model_config(self.hf, str(config_path)))
         self.files = self._weight_files()
         self._check_weights(hf_shapes(self.cfg, self.family))
         self.names = list(logical_shapes(self.cfg))
@@ -142,6 +143,15 @@ class HFSource:
         return self.family.from_hf(name, self._tensor, self.cfg)
 
 
+def without_derived_init_std(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with ``init_std`` unset where its ``initializer_range`` is the std an unset one derives:
+    export writes that derived std, so a config that left it unset comes back unset from a round
+    trip, not pinned to the width it was exported at. Compared within rounding: an older export
+    computed the same std another way, an ulp apart at some widths."""
+    derived = replace(cfg, init_std=None)
+    return derived if math.isclose(cfg.effective_init_std, derived.effective_init_std) else cfg
+
+
 def _header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every tensor of a safetensors file with its shape and dtype (``F32``, ...), from the header alone."""
     from safetensors import SafetensorError, safe_open
@@ -165,7 +175,7 @@ def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: Optional
            **(tokenizer.ids if tokenizer is not None else {})}
     config = {"architectures": [family.hf_class], "model_type": family.model_type, "vocab_size": cfg.vocab_size,
               **family.hf_config(cfg), "tie_word_embeddings": cfg.tie_embeddings,
-              "initializer_range": cfg.init_std or 1.0 / (3 * cfg.hidden_size) ** 0.5,
+              "initializer_range": cfg.effective_init_std,
               "torch_dtype": HF_DTYPE_NAMES[torch_dtype], "use_cache": True, **ids}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **ids}, indent=2) + "\n")

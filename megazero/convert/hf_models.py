@@ -99,9 +99,10 @@ class GPT2:
     OTHER = "convert with --to megazero or --to torch instead, or train a model with the gpt2 preset"
     KEYS = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "ffn_hidden_size": "n_inner",
             "vocab_size": "vocab_size", "seq_length": "n_positions", "norm_eps": "layer_norm_epsilon",
-            "tie_embeddings": "tie_word_embeddings", "dropout": "resid_pdrop", "attention_dropout": "attn_pdrop"}
+            "tie_embeddings": "tie_word_embeddings", "dropout": "resid_pdrop", "attention_dropout": "attn_pdrop",
+            "init_std": "initializer_range"}
     DEFAULTS = {"ffn_hidden_size": None, "seq_length": 1024, "norm_eps": 1e-5, "tie_embeddings": True,
-                "dropout": 0.0, "attention_dropout": 0.0}
+                "dropout": 0.0, "attention_dropout": 0.0, "init_std": None}
     BUFFERS = (re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"),)
     """Tensors that hold no weights (the causal-mask buffers older versions of ``transformers``
     saved, which it skips on load itself): a folder may have them; they are not imported."""
@@ -184,9 +185,10 @@ class Llama:
     KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
             "num_kv_heads": "num_key_value_heads", "ffn_hidden_size": "intermediate_size", "vocab_size": "vocab_size",
             "seq_length": "max_position_embeddings", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
-            "tie_embeddings": "tie_word_embeddings", "bias": "attention_bias", "attention_dropout": "attention_dropout"}
+            "tie_embeddings": "tie_word_embeddings", "bias": "attention_bias", "attention_dropout": "attention_dropout",
+            "init_std": "initializer_range"}
     DEFAULTS = {"num_kv_heads": None, "seq_length": 2048, "rope_theta": 10000.0, "norm_eps": 1e-6,
-                "tie_embeddings": False, "bias": False, "attention_dropout": 0.0}
+                "tie_embeddings": False, "bias": False, "attention_dropout": 0.0, "init_std": None}
     BUFFERS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
     """The rotary frequencies older versions of ``transformers`` saved: computed from rope_theta."""
 
