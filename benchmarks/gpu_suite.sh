@@ -7,7 +7,8 @@
 #   benchmarks/gpu_suite.sh layers   tensor- and pipeline-parallel benchmarks
 #   benchmarks/gpu_suite.sh trainer  scripts/pretrain_gpt.sh with a 1.3B GPT on 1 and 2 GPUs
 #   benchmarks/gpu_suite.sh axes     tp 2 and pp 2 (1F1B, zero-bubble) against one GPU, with compiled
-#                                    blocks, beside the torch-native and megatron-core peers (the
+#                                    blocks (tp 2 at the defaults: peer memory in CUDA-graph blocks since
+#                                    2026-11-30, NCCL without graphs before), beside the torch-native and megatron-core peers (the
 #                                    megatron-core wheel in $WHEELS); PROFILE=1 adds tp 2's kernel table
 #   benchmarks/gpu_suite.sh tpdiag   what bounds tp 2 + sequence parallel (0.80 of one GPU on H200 in every
 #                                    communication mode): each mode, the per-bucket partial sums moved after
@@ -212,7 +213,8 @@ eight-speed)
   run timeout 150 torchrun --nproc_per_node 1 benchmarks/train_gpu.py $config \
     --runs stage1-compile stage1-m8-compile --warmup 3 --steps 5
   run timeout 300 torchrun --nproc_per_node 8 benchmarks/train_gpu.py $config --warmup 3 --steps 5 \
-    --runs ${RUNS:-tp2-sp-pp2-m8-compile tp2-sp-pp2-m8-stage3-compile tp8-sp-compile tp8-sp-cg-compile stage3-compile}
+    --runs ${RUNS:-tp2-sp-pp2-m8-compile tp2-sp-pp2-m8-stage3-compile tp8-sp-compile tp8-sp-overlap-compile \
+      tp8-sp-overlap-cg-compile stage3-compile}
   PEERS=$PEERS NPROC=8 SIZE=$size MODES="ddp fsdp2" run bash $PEERS/run_peers.sh
   [ -n "${WHEELS:-}" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore-site \
     "$WHEELS"/megatron_core-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/mcore-site

@@ -11,7 +11,8 @@ size in MiB; ``nooverlap`` reduces gradients after backward; ``sp`` turns on seq
 (``nosp`` off: with ``tp1``, for a config that sets it), whose linears communicate ``serial``,
 ``overlap`` or through peer memory (``pm``), or as ``parallel.tp_comm auto`` picks without one of
 these; ``compile`` compiles blocks and head (``cg``: and replays the blocks as CUDA graphs, ``nocg``:
-does not; without either, ``train.cuda_graphs`` null decides, which replays them with peer memory); ``zb`` and ``zb2`` pick the
+does not; without either, ``train.cuda_graphs`` null decides: graphs where the linears use peer
+memory; the JSON line says what both became); ``zb`` and ``zb2`` pick the
 zero-bubble schedules ZB-H1 and ZB-H2 (``izb``: interleaved with a split backward, with ``vN``;
 ``wdefault``: their weight gradients at the default delays rather than those tuned to the stages'
 op costs); ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
@@ -261,6 +262,7 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
         "model_state_GiB_formula": round(predicted.total / 2**30, 2),
         "allocated_after_build_GiB": round(states_gib, 2) if states_gib is not None else None,
         "loss": round(loss, 4),
+        "tp_comm": engine.cfg.parallel.tp_comm, "cuda_graphs": engine.cfg.train.cuda_graphs,  # as resolved
         "build_s": round(build_s, 1),
         **(clock.summary() if clock is not None else {}),
         **extra,

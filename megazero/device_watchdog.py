@@ -1,14 +1,17 @@
 """A deadline on the host's waits for its device, for the collectives no process group can time out.
 
 NCCL's watchdog fails a collective that runs past ``train.collective_timeout_s`` only when the
-collective was launched as such. Blocks replayed as CUDA graphs (``train.cuda_graphs``) carry theirs,
-and the peer-memory barriers, inside the graph: a peer that never arrives leaves every other rank's
-device waiting for ever, and its host with it, blocked on the step's results. This watchdog gives
-those waits the same deadline. A thread checks the wait in progress; past the deadline it prints one
-line naming the rank and what it waited for, and ends the process at once, as NCCL's watchdog does:
-the host thread is blocked in the CUDA driver, so nothing can be raised in it, and a device that
-never finishes its step has nothing left to save. The launcher (torchrun, SLURM) then stops the
-other ranks.
+collective was launched as such. Blocks replayed as CUDA graphs (``train.cuda_graphs``) carry theirs
+inside the graph: a peer that never arrives leaves every other rank's device waiting for ever, and
+its host with it, blocked on the step's results (the peer-memory barriers give up by themselves,
+after ``peer_memory.BARRIER_TIMEOUT_MS``). This watchdog gives those waits a deadline a little past
+NCCL's (``MARGIN``), so that NCCL, whose message names the operation and its group, reports first
+where it can. A thread checks the wait in progress; past the deadline it prints one line naming the
+rank and what it waited for, and ends the process at once, as NCCL's watchdog does: the host thread
+is blocked in the CUDA driver, so nothing can be raised in it, and a device that never finishes its
+step has nothing left to save. Nothing else runs on the way out: an open profiling window and the
+TensorBoard and wandb writers are not flushed (the metrics file is, line by line). The launcher
+(torchrun, SLURM) then stops the other ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from typing import Callable, Iterator, Optional
 
 EXIT_STATUS = 3
 """The status a rank ends with when a wait passed its deadline (2 is a user error's)."""
+
+MARGIN = 1.05
+"""The deadline over the timeout it is given (the message says 5%): NCCL's watchdog, at the timeout,
+names more."""
 
 
 class DeviceWatchdog:
@@ -51,7 +58,7 @@ class DeviceWatchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="device-watchdog", daemon=True)
                 self._thread.start()
-            self._wait = (time.monotonic() + self.timeout_s, what)
+            self._wait = (time.monotonic() + self.timeout_s * MARGIN, what)
             self._changed.notify()
         try:
             yield
@@ -84,10 +91,14 @@ class DeviceWatchdog:
                 if left > 0:
                     self._changed.wait(left)
                     continue
-                extra = self.describe()
-                sys.stderr.write(f"megazero: rank {self.rank} waited {self.timeout_s:g} s for {what} on its device "
-                                 f"(train.collective_timeout_s): a collective, or a peer rank, is stuck; stopping "
-                                 f"this rank{'; ' + extra if extra else ''}\n")
+                try:
+                    extra = self.describe()
+                except Exception as exc:  # noqa: BLE001 - the rank must still end, and say why
+                    extra = f"(what stopping loses is unknown: {exc})"
+                waited = self.timeout_s * MARGIN
+                sys.stderr.write(f"megazero: rank {self.rank} waited {waited:g} s for {what} on its device "
+                                 f"(train.collective_timeout_s, and 5%): a collective, or a peer rank, is stuck; "
+                                 f"stopping this rank{'; ' + extra if extra else ''}\n")
                 sys.stderr.flush()
                 self.exit(EXIT_STATUS)
                 return

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megazero.config import Config
 from megazero.config.auto import resolve_auto
@@ -46,6 +47,16 @@ def data_parallel_settings(cfg: Config) -> DataParallelSettings:
         param_dtype=dtype, grad_dtype=grad_dtype, overlap_comm=z.overlap_comm,
         once_per_step=p.pp > 1 and z.stage >= 2, prefetch_depth=z.prefetch_depth,
         persistence_threshold=z.persistence_threshold, offload=z.offload_optimizer)
+
+
+def _peer_memory_everywhere(device: torch.device) -> bool:
+    """Whether every rank's GPU maps its peers' memory (``peer_memory.reaches_peers``): agreed over the
+    world, so every rank resolves ``parallel.tp_comm auto`` alike."""
+    if device.type != "cuda":
+        return False
+    reach = torch.tensor([1.0 if peer_memory.reaches_peers(device) else 0.0], device=device)
+    dist.all_reduce(reach, op=dist.ReduceOp.MIN)
+    return bool(reach.item())
 
 
 def parallelism(cfg: Config, device: torch.device, chunks: list[GPT]) -> Parallelism:
@@ -178,7 +189,7 @@ class Engine:
     """This rank's model chunks, optimizer and pipeline executor for ``cfg`` on ``topology``."""
 
     def __init__(self, cfg: Config, topology: Topology, device: torch.device):
-        cfg = resolve_auto(cfg, device.type == "cuda", peer_memory.available())
+        cfg = resolve_auto(cfg, device.type == "cuda", _peer_memory_everywhere(device))
         self.cfg, self.topo, self.device = cfg, topology, device
         p = cfg.parallel
         self.dtype = DTYPES[cfg.precision.dtype]

@@ -125,7 +125,9 @@ class Trainer:
         self.tokenizer = tokenizer_record(cfg) if self.rank == 0 else None  # only rank 0's meta is kept
         self.state = TrainState()
         self.saved_step = 0  # the step of the newest checkpoint this run saved or resumed from
+        self.resumed_step = 0  # the step of the checkpoint this run resumed from (0: none)
         self._last_finished: Optional[float] = None  # when the last step read ended (see ``_finish_step``)
+        self._evaluated = False  # whether an evaluation ran (compiled its forward-only blocks)
         self.writer = CheckpointWriter(cfg.save_dir, rank=self.rank, world_size=self.world,
                                        barrier=lambda: dist.barrier(), keep_last=cfg.checkpoint.keep_last,
                                        async_save=cfg.checkpoint.async_save and device.type == "cuda")
@@ -188,7 +190,7 @@ class Trainer:
                                     same_layout=meta["layout"] == layout_record(self.cfg))
         except CheckpointError as exc:
             raise CheckpointError(f"{source}: {exc}{earlier_instead(ckpt, source)}") from None
-        self.saved_step = meta["step"]
+        self.saved_step = self.resumed_step = meta["step"]
         self.state = TrainState(step=meta["step"], consumed=meta["consumed"], skipped=meta["skipped"],
                                 bad_in_row=meta.get("bad_in_row", 0))
         if self.rank == 0:
@@ -272,7 +274,7 @@ class Trainer:
                       flush=True)
             return self.state
         with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger, self.profiler, self.watchdog:
-            in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step(first=True)])
+            in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step()])
             while True:
                 late = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
                 preempted, late = self._agree(preemption.requested, late)
@@ -318,11 +320,17 @@ class Trainer:
         self.logger.record(metrics)
 
     def _unsaved(self) -> str:
-        """What stopping now, without a save, loses (said on a second Ctrl-C)."""
-        if self.state.step == self.saved_step:
-            return f"nothing: step {self.saved_step} is saved"
-        since = f"the last checkpoint is step {self.saved_step}" if self.saved_step else "no checkpoint yet"
-        return f"steps {self.saved_step + 1}-{self.state.step} ({since})"
+        """What stopping now, without a save, loses (said on a second Ctrl-C, and as the device watchdog
+        ends the process): the steps after the newest complete checkpoint. A save still being written
+        in the background is complete only once the next save or the run's end commits it."""
+        complete = self.writer.committed_step or self.resumed_step
+        if self.state.step == complete:
+            return f"nothing: step {complete} is saved"
+        writing = self.writer.pending_step
+        since = f"the last checkpoint is step {complete}" if complete else "no checkpoint yet"
+        if writing is not None:
+            since += f"; step {writing}'s is still being written and would be lost"
+        return f"steps {complete + 1}-{self.state.step} ({since})"
 
     def _agreed_signal(self, mine: Optional[str]) -> str:
         """The name of a signal some rank received (the lowest such rank's), the same on every rank."""
@@ -330,24 +338,30 @@ class Trainer:
         dist.all_gather_object(names, mine, group=self._control)
         return next(name for name in names if name is not None)
 
-    def _queue_step(self, first: bool = False) -> _QueuedStep:
+    def _queue_step(self) -> _QueuedStep:
         """Queue the next global batch's forward, backward and update on the device, without reading
-        anything back. Queueing waits on the device too (a batch's copy from pageable memory, a new
-        pinned buffer), so it has the watchdog's deadline, except the ``first`` step of the loop,
-        whose blocks compile."""
+        anything back. Queueing can wait on the device too (a kernel's first launch, a copy from
+        pageable memory), so it has the watchdog's deadline once a step's results have been read:
+        the steps queued before that compile and record their blocks on the host."""
         queued_at = time.perf_counter()
-        deadline = contextlib.nullcontext() if first else self.watchdog.waiting(f"step {self.state.step + 1} to queue")
-        with self.profiler.queueing(self.state.step + 1), deadline:
+        step = self.state.step + 1
+        with self.profiler.queueing(step):
             size = self.batches.global_batch(self.state.consumed)
             micro = global_batch(self.train_data, self.state.consumed, size, self.cfg.train.micro_batch_size,
                                  self.topo.dp_rank, self.topo.dp_size)
-            lr = self.lr(self.state.step + 1)
-            out = self.engine.train_step(micro, lr)
-            self.state.step += 1
+            lr = self.lr(step)
+            with self._device_deadline(f"step {step} to queue"):
+                out = self.engine.train_step(micro, lr)
+                values = _HostCopy(out.loss_value, out.result.norm, out.result.overflow)
+            self.state.step = step
             self.state.consumed += size
-            values = _HostCopy(out.loss_value, out.result.norm, out.result.overflow)
-        return _QueuedStep(values, out.result.loss_scale, self.state.step, size, lr, self.state.consumed, queued_at,
+        return _QueuedStep(values, out.result.loss_scale, step, size, lr, self.state.consumed, queued_at,
                            time.perf_counter())
+
+    def _device_deadline(self, what: str):
+        """The watchdog's deadline on a wait for the device, once this run has read a step's results
+        (before, the host compiles, which can take longer than any deadline)."""
+        return self.watchdog.waiting(what) if self._last_finished is not None else contextlib.nullcontext()
 
     def _finish_step(self, queued: _QueuedStep) -> StepMetrics:
         """Read a queued step's results (waiting for that step only) and count skipped steps."""
@@ -389,6 +403,10 @@ class Trainer:
         for k in range(t.eval_steps):
             micro = global_batch(self.valid_data, k * size, size, t.micro_batch_size, self.topo.dp_rank,
                                  self.topo.dp_size)
-            losses.append(self.engine.eval_loss(micro))
+            # the first evaluation compiles its forward-only blocks on the host: no deadline
+            deadline = self.watchdog.waiting(f"step {self.state.step}'s evaluation") if self._evaluated else None
+            with deadline or contextlib.nullcontext():
+                losses.append(self.engine.eval_loss(micro))
+        self._evaluated = True
         return sum(losses) / len(losses)
 

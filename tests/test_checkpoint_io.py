@@ -116,13 +116,36 @@ def test_async_save_snapshots_before_training_continues(tmp_path):
 def test_async_save_is_committed_only_by_wait(tmp_path):
     writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, async_save=True)
     writer.save(1, {"model.pt": {"w": torch.ones(3)}})
+    assert (writer.pending_step, writer.committed_step) == (1, None)
     writer.wait()
     writer.save(2, {"model.pt": {"w": torch.ones(3)}})
     assert latest_checkpoint(tmp_path).name == "step_0000001"  # step 2 still pending
+    assert (writer.pending_step, writer.committed_step) == (2, 1)
     writer.save(3, {"model.pt": {"w": torch.ones(3)}})  # finishes step 2 first
     assert latest_checkpoint(tmp_path).name == "step_0000002"
     writer.wait()
     assert latest_checkpoint(tmp_path).name == "step_0000003"
+    assert (writer.pending_step, writer.committed_step) == (None, 3)
+
+
+def test_what_stopping_loses_counts_a_save_still_written_as_lost(tmp_path):
+    """The trainer's account of what stopping now loses (a second Ctrl-C, the device watchdog): a
+    background save is not a checkpoint until it is committed."""
+    from types import SimpleNamespace
+
+    from megazero.trainer import Trainer
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, async_save=True)
+    run = SimpleNamespace(writer=writer, resumed_step=0, state=SimpleNamespace(step=12))
+    assert Trainer._unsaved(run) == "steps 1-12 (no checkpoint yet)"
+    writer.save(10, {"model.pt": {"w": torch.ones(3)}})
+    assert Trainer._unsaved(run) == "steps 1-12 (no checkpoint yet; step 10's is still being written and would be lost)"
+    writer.wait()
+    assert Trainer._unsaved(run) == "steps 11-12 (the last checkpoint is step 10)"
+    run.state.step = 10
+    assert Trainer._unsaved(run) == "nothing: step 10 is saved"
+    resumed = SimpleNamespace(writer=CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone),
+                              resumed_step=10, state=SimpleNamespace(step=10))
+    assert Trainer._unsaved(resumed) == "nothing: step 10 is saved"
 
 
 def test_a_view_of_a_large_buffer_saves_only_the_view(tmp_path):

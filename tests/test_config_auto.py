@@ -34,6 +34,8 @@ def test_tensor_parallel_inside_a_node_takes_peer_memory_in_cuda_graphs():
     ((*TP2_SP, "--train.compile", "false"), {}),
     ((*TP2_SP, "--train.cuda_graphs", "false"), {}),
     ((*TP2_SP, "--train.device", "cpu"), {}),
+    ((*TP2_SP, "--precision.dtype", "fp16"), {}),  # graphs untested with the loss scaler
+    ((*TP2_SP, "--zero.offload_optimizer", "true"), {}),
 ])
 def test_elsewhere_nccl_beside_the_products_without_graphs(overrides, machine):
     tp_comm, graphs, _ = _resolved(*overrides, **machine)
@@ -52,6 +54,10 @@ def test_a_value_set_is_kept():
     assert _resolved(*TP2_SP, "--parallel.tp_comm", "peer_memory", "--train.cuda_graphs", "false") == (
         "peer_memory", False, True)
     assert _resolved(*TP2_SP, "--train.cuda_graphs", "true", peer_memory=False) == ("overlap", True, True)
+    assert _resolved(*TP2_SP, "--train.cuda_graphs", "true") == ("peer_memory", True, True)
+    assert _resolved(*TP2_SP, "--train.cuda_graphs", "true", "--precision.dtype", "fp16") == ("peer_memory", True, True)
+    # peer memory set, its graphs blocked by the pipeline: it runs without
+    assert _resolved(*TP2_SP, "--parallel.tp_comm", "peer_memory", "--parallel.pp", "2") == ("peer_memory", False, True)
     assert _resolved("--train.compile", "true", on_cuda=False)[2] is True
 
 

@@ -59,7 +59,7 @@ def test_the_trainer_stops_a_rank_whose_step_never_finishes(tmp_path):
     assert done.returncode == EXIT_STATUS, done.stderr[-3000:]
     assert "trained to the end" not in done.stdout
     last = done.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"megazero: rank 0 waited 3 s for step (3's results|[34] to queue) on its device "
-                        r"\(train.collective_timeout_s\): a collective, or a peer rank, is stuck; stopping this "
-                        r"rank; stopping now loses steps 1-\d \(no checkpoint yet\)", last), last
+    assert re.fullmatch(r"megazero: rank 0 waited 3.15 s for step (3's results|[34] to queue) on its device "
+                        r"\(train.collective_timeout_s, and 5%\): a collective, or a peer rank, is stuck; stopping "
+                        r"this rank; stopping now loses steps 1-\d \(no checkpoint yet\)", last), last
     assert took < 120

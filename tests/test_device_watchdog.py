@@ -24,8 +24,8 @@ def test_a_wait_that_never_ends_stops_the_process_with_one_line():
     assert done.returncode == EXIT_STATUS
     assert time.monotonic() - start < 30
     assert done.stderr.splitlines() == [
-        "megazero: rank 3 waited 0.5 s for step 7's results on its device (train.collective_timeout_s): a collective, "
-        "or a peer rank, is stuck; stopping this rank; stopping now loses steps 5-7"]
+        "megazero: rank 3 waited 0.525 s for step 7's results on its device (train.collective_timeout_s, and 5%): a "
+        "collective, or a peer rank, is stuck; stopping this rank; stopping now loses steps 5-7"]
 
 
 def test_each_wait_has_its_own_deadline():
@@ -48,7 +48,7 @@ def test_a_late_wait_is_caught_after_waits_in_time(capsys):
             while not stops and time.monotonic() < deadline:
                 time.sleep(0.01)
     assert stops == [EXIT_STATUS]
-    assert "rank 1 waited 0.2 s for step 2's results" in capsys.readouterr().err
+    assert "rank 1 waited 0.21 s for step 2's results" in capsys.readouterr().err
 
 
 def test_without_a_deadline_nothing_is_watched():
@@ -58,3 +58,31 @@ def test_without_a_deadline_nothing_is_watched():
             time.sleep(0.2)
         assert watchdog._thread is None
     assert stops == []
+
+
+def test_a_wait_after_close_is_watched_again():
+    """``Trainer.train`` closes its watchdog as it returns; a second call must be watched too."""
+    stops = []
+    watchdog = DeviceWatchdog(0.2, rank=0, exit=stops.append)
+    with watchdog:
+        with watchdog.waiting("step 1's results"):
+            time.sleep(0.01)
+    with watchdog:
+        with watchdog.waiting("step 9's results"):
+            deadline = time.monotonic() + 10
+            while not stops and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert stops == [3]
+
+
+def test_a_failing_description_still_ends_the_rank(capsys):
+    def describe():
+        raise RuntimeError("state torn")
+    stops = []
+    with DeviceWatchdog(0.1, rank=0, describe=describe, exit=stops.append) as watchdog:
+        with watchdog.waiting("step 2's results"):
+            deadline = time.monotonic() + 10
+            while not stops and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert stops == [3]
+    assert "what stopping loses is unknown: state torn" in capsys.readouterr().err

@@ -88,6 +88,13 @@ class CheckpointWriter:
         self.rank, self.world_size, self.barrier = rank, world_size, barrier
         self.keep_last, self.async_save = keep_last, async_save
         self._pending: Optional[tuple[int, Optional[dict], threading.Thread, list]] = None
+        self.committed_step: Optional[int] = None  # the newest step this writer completed on disk
+
+    @property
+    def pending_step(self) -> Optional[int]:
+        """The step whose save is written (in the background, with ``async_save``) but not yet
+        committed: a process that ends before the next ``wait`` loses it."""
+        return None if self._pending is None else self._pending[0]
 
     def save(self, step: int, files: Mapping[str, Any], meta: Optional[dict] = None) -> None:
         """Save this rank's ``files`` (relative name -> a tree of tensors, dicts, lists, strings,
@@ -153,6 +160,7 @@ class CheckpointWriter:
         if not (final / COMPLETE).is_file():
             raise CheckpointError(f"{tmp}: rank 0 could not complete this checkpoint (its error names the rank "
                                   f"that failed and why); {DISCARDED}")
+        self.committed_step = step
         return final
 
     def _tmp(self, step: int) -> Path:

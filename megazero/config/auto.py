@@ -8,8 +8,8 @@ NCCL beside the products; at micro-batch 4 it ran 1.95x faster and at 350M 2.6x,
 kernels of blocks that are not replayed sets the pace. Neither half pays on its own: peer memory
 without graphs spread by 12% between runs of one command, around NCCL's figure, and graphs with NCCL
 gained half as much. So ``auto`` and null pick the pair together where both can run, and NCCL beside
-the products, without graphs, everywhere else (CPU, tp groups across nodes, pipelines, ZeRO-3,
-recompute, dropout). A value set in the config is kept, and validation refuses one that cannot run.
+the products, without graphs, everywhere else (CPU, GPUs without peer access, tp groups across
+nodes, pipelines, ZeRO-3, recompute, dropout, fp16, the host optimizer). A value set in the config is kept, and validation refuses one that cannot run.
 """
 
 from __future__ import annotations
@@ -45,16 +45,21 @@ def resolve_auto(cfg: Config, on_cuda: bool, peer_memory: bool) -> Config:
 
     ``tp_comm auto`` becomes ``peer_memory`` where the blocks will replay as graphs and the tokens can
     move through peer memory (sequence parallel, one node), else ``overlap``; ``cuda_graphs`` null
-    becomes true where the blocks can replay and the linears use peer memory, else false."""
+    becomes true where the blocks can replay and the linears use peer memory, else false (and with
+    fp16 or the host optimizer, which no GPU test has run in graphs). ``peer_memory``: every rank's
+    GPU can map its peers' memory (``engine._peer_memory_everywhere``)."""
     p, t = cfg.parallel, cfg.train
     compile_ = t.compile if t.compile is not None else on_cuda
     graphs_run = on_cuda and compile_ and not graph_blockers(cfg)
-    graphs = t.cuda_graphs if t.cuda_graphs is not None else graphs_run
+    # graphs run with fp16's loss scaling and the host optimizer too, but the defaults choose them
+    # only where the GPU tests have run them
+    graphs_tested = cfg.precision.dtype != "fp16" and not cfg.zero.offload_optimizer
+    graphs = t.cuda_graphs if t.cuda_graphs is not None else graphs_run and graphs_tested
     peer_run = on_cuda and peer_memory and p.sequence_parallel and not p.allow_tp_across_nodes
     tp_comm = p.tp_comm
     if tp_comm == TP_COMM_AUTO:
         tp_comm = "peer_memory" if peer_run and graphs else "overlap"
     if t.cuda_graphs is None:
-        graphs = graphs_run and tp_comm == "peer_memory"
+        graphs = graphs_run and graphs_tested and tp_comm == "peer_memory"
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp_comm=tp_comm),
                                train=dataclasses.replace(t, compile=compile_, cuda_graphs=graphs))

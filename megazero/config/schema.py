@@ -27,7 +27,7 @@ class ParallelConfig:
                                     "holds 2pp-1 micro-batches) or interleaved_zb (interleaved_1f1b with zb-h1's split "
                                     "backward: with virtual stages)")
     sequence_parallel: bool = option(False, "Shard norm and dropout activations along the sequence (needs tp > 1)")
-    tp_comm: str = option("auto", "How sequence-parallel linears communicate: auto (peer_memory where the blocks replay as CUDA graphs, else overlap), serial (NCCL collective, then the product), overlap (NCCL collectives beside the products) or peer_memory (the GPUs' copy engines over NVLink beside the products; CUDA, one node)")
+    tp_comm: str = option("auto", "How sequence-parallel linears communicate: auto (peer_memory where the blocks replay as CUDA graphs and the GPUs of a tensor group, in one node, map each other's memory; else overlap), serial (NCCL collective, then the product), overlap (NCCL collectives beside the products) or peer_memory (the GPUs' copy engines over NVLink beside the products; CUDA, one node)")
     order: str = option("tp-dp-pp", "Rank order from fastest to slowest axis: tp-dp-pp or tp-pp-dp")
     allow_tp_across_nodes: bool = option(False, "Permit tensor-parallel groups that span nodes (slow; off by default)")
     pipeline_split: Optional[list] = option(None, "Explicit layers per pipeline stage, e.g. [5, 6, 6, 5]; a count may end in a half, [12.5, 11.5], cutting a block between its attention and its MLP (None = balanced against the head on the last stage, in half blocks where that lowers the busiest stage's work by over 1%, with virtual stages the busiest chunk's without adding to the busiest rank's)")
@@ -124,10 +124,10 @@ class TrainConfig:
     seed: int = option(1234, "Seed of model initialisation and dropout")
     device: str = option("auto", "cpu, cuda or auto (cuda when available)")
     compile: Optional[bool] = option(None, "torch.compile each transformer block and the head (and, at tp 1, the embedding): true, false, or null (the default) = on for GPU runs, off on CPU")
-    cuda_graphs: Optional[bool] = option(None, "Replay each compiled block's forward and backward as CUDA graphs (torch.compile's reduce-overhead mode), so the host no longer launches their kernels one by one: for tensor-parallel runs, whose halved GEMMs leave the host's launch work as the bound. true, false, or null (the default) = on where parallel.tp_comm is or becomes peer_memory and the blocks can replay. Needs compile on GPUs, parallel.pp 1, zero.stage 0-2, no split-backward schedule, parallel.recompute none and no dropout. A step that waits on its device longer than train.collective_timeout_s stops the run, so a collective stuck inside a replayed graph is caught too")
+    cuda_graphs: Optional[bool] = option(None, "Replay each compiled block's forward and backward as CUDA graphs (torch.compile's reduce-overhead mode), so the host no longer launches their kernels one by one: for tensor-parallel runs, whose halved GEMMs leave the host's launch work as the bound. true, false, or null (the default) = on where parallel.tp_comm is or becomes peer_memory and the blocks can replay. Needs compile on GPUs, parallel.pp 1, zero.stage 0-2, no split-backward schedule, parallel.recompute none and no dropout. A step the trainer waits for on its device over train.collective_timeout_s (and 5%) stops the rank, so a collective stuck inside a replayed graph is caught too")
     steps_ahead: int = option(1, "Optimizer steps (1-8) the host queues on the device before it reads the oldest one's loss: 1 lets the host log and prepare the next batch while the device computes; more absorb uneven host time when the host needs nearly a whole step to queue one")
     max_bad_steps: int = option(5, "Stop after this many consecutive NaN/inf losses")
-    collective_timeout_s: float = option(600.0, "Seconds before a hung collective fails with its rank and group")
+    collective_timeout_s: float = option(600.0, "Seconds before a hung collective fails with its rank and group; on GPUs, 5% more bounds the trainer's waits for a step on its device, which reaches collectives inside CUDA graphs")
     memory_budget_gib: Optional[float] = option(None, "Device memory per rank in GiB that the planner's start-up estimate must fit (None = the GPU's own; CPU runs are then unchecked)")
 
 

@@ -46,6 +46,17 @@ def available() -> bool:
     return True
 
 
+def reaches_peers(device: torch.device) -> bool:
+    """Whether ``device`` can map the memory of every other GPU this process sees (NVLink, or PCIe
+    peer access): symmetric memory needs it, and PCIe boxes without peer access, some consumer GPUs
+    and virtual machines with it turned off lack it."""
+    if device.type != "cuda" or not available():
+        return False
+    here = device.index if device.index is not None else torch.cuda.current_device()
+    return all(torch.cuda.can_device_access_peer(here, other) for other in range(torch.cuda.device_count())
+               if other != here)
+
+
 @functools.cache
 def _side_stream(device: int) -> torch.cuda.Stream:
     # high priority: its barriers and sums are short and others wait on them
