@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
+import textwrap
 
 from data_pipeline.curate.runner import LocalExecutor
 from data_pipeline.worker_pool import worker_pool
@@ -56,3 +59,29 @@ def _marked_pid(_) -> int:
     import os
 
     return os.getpid()
+
+
+def test_a_sigterm_sent_before_the_worker_drops_the_handler_still_ends_it():
+    """The race behind a hung CI run: a worker forked under the commands' handler, sent SIGTERM (by a
+    pool's ``terminate()``) before its start-up reset that handler. Workers start with SIGTERM blocked
+    (``worker_pool``), so the signal waits, and the start-up must then let it end the worker. (Planted:
+    without the unblock the process lives on and exits 0.)"""
+    code = textwrap.dedent("""
+        import os, signal
+        from data_pipeline.worker_pool import _start_worker
+        from megazero.cli import _terminated
+        signal.signal(signal.SIGTERM, _terminated)  # inherited from the command
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as worker_pool forks
+        os.kill(os.getpid(), signal.SIGTERM)  # terminate() comes early
+        _start_worker(None, ())
+        print("still alive")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM and "still alive" not in done.stdout, (done.returncode, done.stderr)
+
+
+def test_the_parent_keeps_its_signal_mask():
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    with worker_pool(1) as pool:
+        assert pool.map(_sigterm_action, range(2)) == [{"sigterm": "default"}] * 2
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
