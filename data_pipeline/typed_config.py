@@ -41,21 +41,27 @@ def build_dataclass(cls: type, raw: Any, prefix: str = "", error: type[Exception
     return cls(**values)
 
 
-def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError) -> Any:
-    """Check ``value`` against a field annotation, converting only where it loses nothing."""
+def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError, nullable: bool = False) -> Any:
+    """Check ``value`` against a field annotation, converting only where it loses nothing. A field
+    that may be null (``Optional``) says so when refused: null is its default more often than not."""
     if typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return None if value is None else coerce(value, args[0], name, error)
+        return None if value is None else coerce(value, args[0], name, error, nullable=True)
+
+    def refused(what: str) -> Exception:
+        what = what.replace(" or ", ", ") + " or null" if nullable else what
+        return error(f"{name}: expected {what}, got {value!r}")
+
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise error(f"{name}: expected true or false, got {value!r}")
+        raise refused("true or false")
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise error(f"{name}: expected an integer, got {value!r}")
+        raise refused("an integer")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -64,24 +70,25 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
                 return float(value)
             except ValueError:
                 pass
-        raise error(f"{name}: expected a number, got {value!r}")
+        raise refused("a number")
     if hint is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):  # --data.split 1
             return str(value)
-        raise error(f"{name}: expected a string, got {value!r}")
+        raise refused("a string")
     if typing.get_origin(hint) is list:  # list[T]: a list, each item a T
         (item,) = typing.get_args(hint)
-        return [coerce(v, item, f"{name}[{k}]", error) for k, v in enumerate(coerce(value, list, name, error))]
+        return [coerce(v, item, f"{name}[{k}]", error)
+                for k, v in enumerate(coerce(value, list, name, error, nullable))]
     if hint is list:
         if isinstance(value, (list, tuple)):
             return list(value)
         if isinstance(value, str):  # one path where a list of paths goes
             return [value]
-        raise error(f"{name}: expected a list, got {value!r}")
+        raise refused("a list")
     if hint is dict:
         if value is None or isinstance(value, dict):
             return dict(value or {})
-        raise error(f"{name}: expected a mapping, got {value!r}")
+        raise refused("a mapping")
     return value

@@ -26,7 +26,7 @@ CASES = [
     # --- configs --------------------------------------------------------------------------------
     ("unknown-key", lambda f: _train(f, "--optimizer.lrr", "1"), ["optimizer.lrr: unknown key", "optimizer.lr"]),
     ("wrong-type", lambda f: _train(f, "--parallel.tp", "two"), ["parallel.tp: expected an integer"]),
-    ("bool-type", lambda f: _train(f, "--train.compile", "maybe"), ["train.compile: expected true or false"]),
+    ("bool-type", lambda f: _train(f, "--train.compile", "maybe"), ["train.compile: expected true, false or null"]),
     ("no-value", lambda f: _train(f, "--train.seed"), ["--train.seed has no value"]),
     ("not-dotted", lambda f: _train(f, "--seed", "3"), ["--seed", "--section.field"]),
     ("missing-config", lambda f: ["train", str(f["root"] / "nope.yaml")], ["config file not found", "nope.yaml"]),

@@ -284,7 +284,7 @@ def test_hf_tensor_of_another_shape(sources, tmp_path, capsys, folder, name, row
     ("hf", {"num_attention_heads": "4"}, "config.json: num_attention_heads: expected an integer, got '4'"),
     ("hf", {"num_key_value_heads": 3}, "config.json: num_key_value_heads (model.num_kv_heads): 3 must divide"),
     ("hf", {"tie_word_embeddings": "no"}, "config.json: tie_word_embeddings: expected true or false, got 'no'"),
-    ("hf", {"head_dim": "8"}, "config.json: head_dim: expected an integer, got '8'"),
+    ("hf", {"head_dim": "8"}, "config.json: head_dim: expected an integer or null, got '8'"),
     ("hf", {"mlp_bias": 1}, "config.json: mlp_bias: expected true or false, got 1"),
     ("hf", {"rope_parameters": 5}, "config.json: rope_parameters: expected a mapping, got 5"),
     ("hf", {"rope_parameters": {"rope_type": "default", "rope_theta": "fast"}}, "rope_theta: expected a number"),
