@@ -341,8 +341,7 @@ class Trainer:
     def _queue_step(self) -> _QueuedStep:
         """Queue the next global batch's forward, backward and update on the device, without reading
         anything back. Queueing can wait on the device too (a kernel's first launch, a copy from
-        pageable memory), so it has the watchdog's deadline once a step's results have been read:
-        the steps queued before that compile and record their blocks on the host."""
+        pageable memory), so it has the watchdog's deadline."""
         queued_at = time.perf_counter()
         step = self.state.step + 1
         with self.profiler.queueing(step):
@@ -350,7 +349,8 @@ class Trainer:
             micro = global_batch(self.train_data, self.state.consumed, size, self.cfg.train.micro_batch_size,
                                  self.topo.dp_rank, self.topo.dp_size)
             lr = self.lr(step)
-            with self._device_deadline(f"step {step} to queue"):
+            # before a step's results have been read, the host compiles and records the blocks
+            with self._device_deadline(f"step {step} to queue", armed=self._last_finished is not None):
                 out = self.engine.train_step(micro, lr)
                 values = _HostCopy(out.loss_value, out.result.norm, out.result.overflow)
             self.state.step = step
@@ -358,10 +358,10 @@ class Trainer:
         return _QueuedStep(values, out.result.loss_scale, step, size, lr, self.state.consumed, queued_at,
                            time.perf_counter())
 
-    def _device_deadline(self, what: str):
-        """The watchdog's deadline on a wait for the device, once this run has read a step's results
-        (before, the host compiles, which can take longer than any deadline)."""
-        return self.watchdog.waiting(what) if self._last_finished is not None else contextlib.nullcontext()
+    def _device_deadline(self, what: str, armed: bool):
+        """The watchdog's deadline on a wait for the device, where ``armed``: not where the host may
+        be compiling, which can take longer than any deadline."""
+        return self.watchdog.waiting(what) if armed else contextlib.nullcontext()
 
     def _finish_step(self, queued: _QueuedStep) -> StepMetrics:
         """Read a queued step's results (waiting for that step only) and count skipped steps."""
@@ -403,9 +403,8 @@ class Trainer:
         for k in range(t.eval_steps):
             micro = global_batch(self.valid_data, k * size, size, t.micro_batch_size, self.topo.dp_rank,
                                  self.topo.dp_size)
-            # the first evaluation compiles its forward-only blocks on the host: no deadline
-            deadline = self.watchdog.waiting(f"step {self.state.step}'s evaluation") if self._evaluated else None
-            with deadline or contextlib.nullcontext():
+            # the first evaluation compiles its forward-only blocks on the host
+            with self._device_deadline(f"step {self.state.step}'s evaluation", armed=self._evaluated):
                 losses.append(self.engine.eval_loss(micro))
         self._evaluated = True
         return sum(losses) / len(losses)
