@@ -29,6 +29,7 @@ def test_tensor_parallel_inside_a_node_takes_peer_memory_in_cuda_graphs():
     ((*TP2_SP, "--parallel.pp", "2"), {}),
     ((*TP2_SP, "--zero.stage", "3"), {}),
     ((*TP2_SP, "--parallel.recompute", "full"), {}),
+    ((*TP2_SP, "--parallel.recompute", "selective"), {}),  # its attention cores recompute inside backward too
     ((*TP2_SP, "--model.dropout", "0.1"), {}),
     ((*TP2_SP, "--model.attention_dropout", "0.1"), {}),
     ((*TP2_SP, "--train.compile", "false"), {}),
@@ -59,6 +60,7 @@ def test_a_value_set_is_kept():
     # peer memory set, its graphs blocked by the pipeline: it runs without
     assert _resolved(*TP2_SP, "--parallel.tp_comm", "peer_memory", "--parallel.pp", "2") == ("peer_memory", False, True)
     assert _resolved("--train.compile", "true", on_cuda=False)[2] is True
+    assert _resolved(*TP2_SP, "--train.compile", "false")[2] is False  # on GPUs too
 
 
 def test_compile_null_follows_the_device():
