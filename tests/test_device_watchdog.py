@@ -6,7 +6,7 @@ import sys
 import textwrap
 import time
 
-from megazero.device_watchdog import EXIT_STATUS, DeviceWatchdog
+from megazero.device_watchdog import EXIT_STATUS, MARGIN, DeviceWatchdog
 
 
 def test_a_wait_that_never_ends_stops_the_process_with_one_line():
@@ -48,7 +48,41 @@ def test_a_late_wait_is_caught_after_waits_in_time(capsys):
             while not stops and time.monotonic() < deadline:
                 time.sleep(0.01)
     assert stops == [EXIT_STATUS]
-    assert "rank 1 waited 0.21 s for step 2's results" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "rank 1 waited 0.21 s for step 2's results" in err
+    assert err.endswith("stopping this rank\n")  # nothing to add: no dangling "; "
+
+
+def test_a_wait_after_host_work_past_the_deadline_is_caught():
+    """The host's own work between waits (a checkpoint written, an evaluation's batches read) may
+    outlast the deadline; the watchdog's thread, idle meanwhile, must still take up the next wait.
+    (Planted: without the notify as a wait begins, the thread slept on for ever and missed it.)"""
+    stops = []
+    with DeviceWatchdog(0.1, rank=0, exit=stops.append) as watchdog:
+        with watchdog.waiting("step 1's results"):
+            time.sleep(0.01)
+        time.sleep(0.3)  # past step 1's deadline, with nothing waited for
+        with watchdog.waiting("step 2's results"):
+            deadline = time.monotonic() + 10
+            while not stops and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert stops == [EXIT_STATUS]
+
+
+def test_the_deadline_falls_after_nccls():
+    """NCCL's watchdog fails a collective it launched at the timeout and names the operation and its
+    group; this one must come after it (``MARGIN``), never first. The stop cannot come early, so the
+    lower bound cannot flake."""
+    stops, described = [], []
+    with DeviceWatchdog(1.0, rank=0, describe=lambda: described.append(time.monotonic()) or "",
+                        exit=stops.append) as watchdog:
+        start = time.monotonic()
+        with watchdog.waiting("step 1's results"):
+            deadline = start + 10
+            while not stops and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert stops == [EXIT_STATUS]
+    assert described[0] - start >= 1.0 * MARGIN
 
 
 def test_without_a_deadline_nothing_is_watched():
