@@ -9,11 +9,15 @@ to wait on the task queue the parent had locked (a test run of the curation pipe
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
+from data_pipeline import worker_pool as worker_pool_module
 from data_pipeline.curate.runner import LocalExecutor
 from data_pipeline.worker_pool import worker_pool
 from megazero.cli import _terminated
@@ -80,8 +84,35 @@ def test_a_sigterm_sent_before_the_worker_drops_the_handler_still_ends_it():
     assert done.returncode == -signal.SIGTERM and "still alive" not in done.stdout, (done.returncode, done.stderr)
 
 
-def test_the_parent_keeps_its_signal_mask():
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
-    with worker_pool(1) as pool:
-        assert pool.map(_sigterm_action, range(2)) == [{"sigterm": "default"}] * 2
-        assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+@pytest.mark.parametrize("parent_blocks", [False, True])
+def test_the_parent_keeps_its_signal_mask(parent_blocks):
+    """Whichever mask the parent had, SIGTERM blocked or not, it has it back. The test sets it rather
+    than takes it as found: a pool that leaked its block into an earlier test's process made the
+    mask found here the blocked one, and the check compared the leak with itself."""
+    how = signal.SIG_BLOCK if parent_blocks else signal.SIG_UNBLOCK
+    previous = signal.pthread_sigmask(how, {signal.SIGTERM})
+    try:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        with worker_pool(1) as pool:
+            assert pool.map(_sigterm_action, range(2)) == [{"sigterm": "default"}] * 2
+            assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def test_workers_are_forked_with_sigterm_blocked(tmp_path, monkeypatch):
+    """The other half of the start-up race above, which blocks SIGTERM by hand as ``worker_pool``
+    forks: the pool must fork its workers so, or a SIGTERM before the reset is lost again. Each
+    worker notes its mask as its start-up begins."""
+    start_worker = worker_pool_module._start_worker
+
+    def noting_start(*args):
+        blocked = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        (tmp_path / str(os.getpid())).write_text("blocked" if blocked else "unblocked")
+        start_worker(*args)
+
+    monkeypatch.setattr(worker_pool_module, "_start_worker", noting_start)  # forked: the workers see it
+    pool = worker_pool(2)
+    pool.close()
+    pool.join()
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["blocked", "blocked"]
