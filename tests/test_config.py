@@ -118,6 +118,21 @@ def test_bad_keys_and_types(overrides, message):
         _cfg(*overrides)
 
 
+@pytest.mark.parametrize("yaml_text, message", [
+    ("train: {max_wall_seconds: fast}", "train.max_wall_seconds: expected a number or null, got 'fast'"),
+    ("data: {blend_preset: [mtnlg]}", "data.blend_preset: expected a string or null, got ['mtnlg']"),
+    ("parallel: {pipeline_split: 5}", "parallel.pipeline_split: expected a list or null, got 5"),
+    ("logging: {profile_steps: 5}", "logging.profile_steps: expected a list or null, got 5"),  # a list[int]
+])
+def test_a_field_that_may_be_null_says_so_when_refused(tmp_path, yaml_text, message):
+    """Null is most such fields' default, and often the fix, so the message offers it, for each type
+    (true, false or null and an integer's are in test_bad_inputs and test_convert_bad_inputs)."""
+    (tmp_path / "run.yaml").write_text(yaml_text + "\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(tmp_path / "run.yaml"), [])
+    assert str(refused.value) == message
+
+
 def test_an_empty_yaml_section_takes_overrides(tmp_path):
     """``data:`` with its fields commented out is an empty section to the loader, so an override of one
     of its fields applies (it was refused as "expected a mapping, got NoneType")."""
