@@ -146,6 +146,21 @@ def test_what_stopping_loses_counts_a_save_still_written_as_lost(tmp_path):
     resumed = SimpleNamespace(writer=CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone),
                               resumed_step=10, state=SimpleNamespace(step=10))
     assert Trainer._unsaved(resumed) == "nothing: step 10 is saved"
+    resumed.writer.save(20, {"model.pt": {"w": torch.ones(3)}})
+    resumed.state.step = 25
+    assert Trainer._unsaved(resumed) == "steps 21-25 (the last checkpoint is step 20)"  # not the one resumed from
+
+
+def test_async_save_that_fails_is_not_committed(tmp_path):
+    """A save that fails is no checkpoint: what stopping loses (``Trainer._unsaved``) still counts from
+    the one before it."""
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, async_save=True)
+    writer.save(1, {"model.pt": {"w": torch.ones(3)}})
+    writer.wait()
+    writer.save(2, {"model.pt": {"w": object()}})  # refused by its writing thread
+    with pytest.raises(CheckpointError, match="could not write"):
+        writer.wait()
+    assert (writer.pending_step, writer.committed_step) == (None, 1)
 
 
 def test_a_view_of_a_large_buffer_saves_only_the_view(tmp_path):
