@@ -32,16 +32,17 @@ names more."""
 
 
 class DeviceWatchdog:
-    """Ends the process when a wait inside ``waiting`` lasts over ``timeout_s`` seconds (None: no
-    deadline, for a CPU run, whose steps compute on the host while they queue and whose gloo
-    collectives time out by themselves).
+    """Ends the process when a wait inside ``waiting`` lasts over ``timeout_s`` seconds times
+    ``MARGIN`` (None: no deadline, for a CPU run, whose steps compute on the host while they queue
+    and whose gloo collectives time out by themselves).
 
     ``describe`` is called as the deadline passes and returns what the message adds after the wait
     (what stopping now loses, say). ``exit`` is ``os._exit`` in a run; a test may pass its own."""
 
     def __init__(self, timeout_s: Optional[float], rank: int, describe: Callable[[], str] = lambda: "",
                  exit: Callable[[int], None] = os._exit):
-        self.timeout_s, self.rank, self.describe, self.exit = timeout_s, rank, describe, exit
+        self.rank, self.describe, self.exit = rank, describe, exit
+        self.deadline_s = None if timeout_s is None else timeout_s * MARGIN
         self._wait: Optional[tuple[float, str]] = None  # (deadline, what is waited for)
         self._changed = threading.Condition()
         self._closed = False
@@ -51,14 +52,14 @@ class DeviceWatchdog:
     def waiting(self, what: str) -> Iterator[None]:
         """The wait on the device inside this block has the deadline; ``what`` names it in the message
         ("step 12's results")."""
-        if self.timeout_s is None:
+        if self.deadline_s is None:
             yield
             return
         with self._changed:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="device-watchdog", daemon=True)
                 self._thread.start()
-            self._wait = (time.monotonic() + self.timeout_s * MARGIN, what)
+            self._wait = (time.monotonic() + self.deadline_s, what)
             self._changed.notify()
         try:
             yield
@@ -95,8 +96,7 @@ class DeviceWatchdog:
                     extra = self.describe()
                 except Exception as exc:  # noqa: BLE001 - the rank must still end, and say why
                     extra = f"(what stopping loses is unknown: {exc})"
-                waited = self.timeout_s * MARGIN
-                sys.stderr.write(f"megazero: rank {self.rank} waited {waited:g} s for {what} on its device "
+                sys.stderr.write(f"megazero: rank {self.rank} waited {self.deadline_s:g} s for {what} on its device "
                                  f"(train.collective_timeout_s, and 5%): a collective, or a peer rank, is stuck; "
                                  f"stopping this rank{'; ' + extra if extra else ''}\n")
                 sys.stderr.flush()

@@ -49,10 +49,12 @@ def data_parallel_settings(cfg: Config) -> DataParallelSettings:
         persistence_threshold=z.persistence_threshold, offload=z.offload_optimizer)
 
 
-def _peer_memory_everywhere(device: torch.device) -> bool:
+def _peer_memory_everywhere(cfg: Config, device: torch.device) -> bool:
     """Whether every rank's GPU maps its peers' memory (``peer_memory.reaches_peers``): agreed over the
-    world, so every rank resolves ``parallel.tp_comm auto`` alike."""
-    if device.type != "cuda":
+    world, so every rank resolves ``parallel.tp_comm auto`` alike. Asked only where ``auto`` could
+    choose peer memory (every rank holds the same config, so all ask or none do)."""
+    p = cfg.parallel
+    if device.type != "cuda" or p.tp_comm != "auto" or not p.sequence_parallel:
         return False
     reach = torch.tensor([1.0 if peer_memory.reaches_peers(device) else 0.0], device=device)
     dist.all_reduce(reach, op=dist.ReduceOp.MIN)
@@ -65,9 +67,9 @@ def parallelism(cfg: Config, device: torch.device, chunks: list[GPT]) -> Paralle
     (still on the meta device)."""
     p = cfg.parallel
     compile_ = cfg.train.compile
-    if p.tp_comm == "peer_memory" and not (device.type == "cuda" and peer_memory.available()):
-        raise ConfigError("parallel.tp_comm: peer_memory needs CUDA devices and a torch with symmetric memory; "
-                          "set it to serial or overlap")
+    if p.tp_comm == "peer_memory" and not peer_memory.reaches_peers(device):
+        raise ConfigError("parallel.tp_comm: peer_memory needs CUDA devices that map each other's memory and a "
+                          "torch with symmetric memory; set it to serial or overlap")
     if cfg.train.cuda_graphs and not (compile_ and device.type == "cuda"):
         raise ConfigError("train.cuda_graphs: replays compiled blocks on GPUs; this run compiles nothing "
                           "or has no GPU, so set train.cuda_graphs false")
@@ -189,7 +191,7 @@ class Engine:
     """This rank's model chunks, optimizer and pipeline executor for ``cfg`` on ``topology``."""
 
     def __init__(self, cfg: Config, topology: Topology, device: torch.device):
-        cfg = resolve_auto(cfg, device.type == "cuda", _peer_memory_everywhere(device))
+        cfg = resolve_auto(cfg, device.type == "cuda", _peer_memory_everywhere(cfg, device))
         self.cfg, self.topo, self.device = cfg, topology, device
         p = cfg.parallel
         self.dtype = DTYPES[cfg.precision.dtype]

@@ -9,7 +9,8 @@ kernels of blocks that are not replayed sets the pace. Neither half pays on its 
 without graphs spread by 12% between runs of one command, around NCCL's figure, and graphs with NCCL
 gained half as much. So ``auto`` and null pick the pair together where both can run, and NCCL beside
 the products, without graphs, everywhere else (CPU, GPUs without peer access, tp groups across
-nodes, pipelines, ZeRO-3, recompute, dropout, fp16, the host optimizer). A value set in the config is kept, and validation refuses one that cannot run.
+nodes, pipelines, ZeRO-3, recompute, dropout, fp16, the host optimizer). A value set in the config
+is kept, and validation refuses one that cannot run.
 """
 
 from __future__ import annotations
@@ -54,12 +55,11 @@ def resolve_auto(cfg: Config, on_cuda: bool, peer_memory: bool) -> Config:
     # graphs run with fp16's loss scaling and the host optimizer too, but the defaults choose them
     # only where the GPU tests have run them
     graphs_tested = cfg.precision.dtype != "fp16" and not cfg.zero.offload_optimizer
-    graphs = t.cuda_graphs if t.cuda_graphs is not None else graphs_run and graphs_tested
+    graphs_wanted = t.cuda_graphs if t.cuda_graphs is not None else graphs_run and graphs_tested
     peer_run = on_cuda and peer_memory and p.sequence_parallel and not p.allow_tp_across_nodes
     tp_comm = p.tp_comm
     if tp_comm == TP_COMM_AUTO:
-        tp_comm = "peer_memory" if peer_run and graphs else "overlap"
-    if t.cuda_graphs is None:
-        graphs = graphs_run and graphs_tested and tp_comm == "peer_memory"
+        tp_comm = "peer_memory" if peer_run and graphs_wanted else "overlap"
+    graphs = t.cuda_graphs if t.cuda_graphs is not None else graphs_wanted and tp_comm == "peer_memory"
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, tp_comm=tp_comm),
                                train=dataclasses.replace(t, compile=compile_, cuda_graphs=graphs))
