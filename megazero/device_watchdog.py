@@ -4,7 +4,7 @@ NCCL's watchdog fails a collective that runs past ``train.collective_timeout_s``
 collective was launched as such. Blocks replayed as CUDA graphs (``train.cuda_graphs``) carry theirs
 inside the graph: a peer that never arrives leaves every other rank's device waiting for ever, and
 its host with it, blocked on the step's results (the peer-memory barriers give up by themselves,
-after ``peer_memory.BARRIER_TIMEOUT_MS``). This watchdog gives those waits a deadline a little past
+at twice the timeout, after this deadline). This watchdog gives those waits a deadline a little past
 NCCL's (``MARGIN``), so that NCCL, whose message names the operation and its group, reports first
 where it can. A thread checks the wait in progress; past the deadline it prints one line naming the
 rank and what it waited for, and ends the process at once, as NCCL's watchdog does: the host thread

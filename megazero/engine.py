@@ -202,8 +202,11 @@ class Engine:
         if p.tp_comm == "peer_memory":  # validated: only with sequence parallelism, so tp > 1
             # The largest transfer is one micro-batch's tokens, gathered or summed, at the hidden width.
             tokens = cfg.train.micro_batch_size * cfg.model.seq_length
-            peer_memory.reserve(topology.tp_group.group_name,
-                                tokens * cfg.model.hidden_size * self.dtype.itemsize)
+            # Its barriers fail by a device-side trap, which takes the CUDA context down with a
+            # message of its own: at twice the collective timeout they stay behind NCCL's watchdog
+            # and the trainer's deadline (5% past it), whose messages name the rank and the wait.
+            peer_memory.reserve(topology.tp_group.group_name, tokens * cfg.model.hidden_size * self.dtype.itemsize,
+                                barrier_timeout_s=2 * cfg.train.collective_timeout_s)
         if cfg.zero.offload_optimizer and device.type == "cuda":
             # The host AdamW is multi-threaded; launchers start ranks with one thread each.
             per_rank = (os.cpu_count() or 1) // max(1, topology.ranks_per_node or 1)

@@ -31,6 +31,7 @@ import torch
 
 from megazero.engine import Engine
 from models import GPT
+from parallel.tensor_parallel import peer_memory
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
@@ -109,6 +110,8 @@ def _case(topo, layout, stage, extra) -> dict:
             diff_sq += (p.detach().float().cpu() - after).pow(2).sum().item()
             update_sq += (after - before).pow(2).sum().item()
     return {"tp_comm": engine.cfg.parallel.tp_comm, "cuda_graphs": engine.cfg.train.cuda_graphs,
+            "barrier_timeout_s": peer_memory.barrier_timeout_ms(topo.tp_group.group_name) / 1000,
+            "collective_timeout_s": cfg.train.collective_timeout_s,
             "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
             "loss_err": max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
             "update_err": (diff_sq / update_sq) ** 0.5,
@@ -174,6 +177,7 @@ def test_defaults_replay_peer_memory_linears_as_cuda_graphs(reports):
     for report in reports:
         value = report[DEFAULTS_SP]
         assert (value["tp_comm"], value["cuda_graphs"]) == ("peer_memory", True), value
+        assert value["barrier_timeout_s"] == 2 * value["collective_timeout_s"], value  # behind the deadlines
 
 
 @pytest.mark.parametrize("layout, stage, extra", CASES4)

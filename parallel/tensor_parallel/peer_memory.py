@@ -17,8 +17,9 @@ handle whose ``wait()`` makes its current stream wait for the side stream. Every
 stream touches is allocated on the caller's stream; the handle holds the inputs it reads until that
 wait, and the caller must wait before it uses or drops an output (every caller in ``overlap`` waits
 inside the same operator), so the caching allocator never hands memory to other work while a copy
-is still in flight. A barrier gives up after ``BARRIER_TIMEOUT_MS`` (a peer that died), as NCCL's
-watchdog would, instead of spinning for ever.
+is still in flight. A barrier gives up after the timeout its group was reserved with (``reserve``;
+``BARRIER_TIMEOUT_MS`` for a group never reserved) when a peer died, as NCCL's watchdog would,
+instead of spinning for ever.
 
 Token chunks follow ``collectives``: rank ``r`` owns rows ``[r * n, (r + 1) * n)``. Each rank's
 slot in a workspace sits at offset ``r * n`` elements, whichever operation uses it.
@@ -33,6 +34,8 @@ import torch
 
 _WORKSPACE_CHANNEL = 0
 BARRIER_TIMEOUT_MS = 600_000
+"""How long a barrier of a group that ``reserve`` never set up waits for its peers."""
+_barrier_timeouts_ms: dict[str, int] = {}
 
 
 def available() -> bool:
@@ -83,13 +86,23 @@ def _workspace(group_name: str, nbytes: int):
     return symm.get_symm_mem_workspace(group_name, min_size=nbytes)
 
 
-def reserve(group_name: str, nbytes: int) -> None:
-    """Grow the group's workspace to ``nbytes`` now, before any block is compiled or recorded. Blocks
-    replayed as CUDA graphs run their first call eagerly with every allocation routed into the
-    graphs' memory pool; a workspace first grown there stays alive in that pool, untracked, and
-    torch refuses to record the graph (and growing it during a capture is refused outright).
-    Collective: every rank of the group calls it with the same size."""
+def reserve(group_name: str, nbytes: int, barrier_timeout_s: float) -> None:
+    """Grow the group's workspace to ``nbytes`` now, before any block is compiled or recorded, and set
+    how long its barriers wait for a peer. Blocks replayed as CUDA graphs run their first call
+    eagerly with every allocation routed into the graphs' memory pool; a workspace first grown there
+    stays alive in that pool, untracked, and torch refuses to record the graph (and growing it
+    during a capture is refused outright). The timeout is read when an operation is issued (or
+    recorded into a graph), so it is set here, first. Collective: every rank of the group calls it
+    with the same size."""
+    if barrier_timeout_s <= 0:
+        raise ValueError(f"peer-memory barrier timeout must be positive, got {barrier_timeout_s} s")
+    _barrier_timeouts_ms[group_name] = min(int(barrier_timeout_s * 1000), 2**31 - 1)  # the kernel takes an int32
     _workspace(group_name, nbytes)
+
+
+def barrier_timeout_ms(group_name: str) -> int:
+    """How long the group's barriers wait for a peer before they fail."""
+    return _barrier_timeouts_ms.get(group_name, BARRIER_TIMEOUT_MS)
 
 
 class _SideStreamWork:
@@ -130,13 +143,13 @@ def all_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str) -> _Side
     n = rows.shape[0]
     size = full.shape[0] // n
     ws = _workspace(group_name, full.numel() * full.element_size())
-    rank = ws.rank
+    rank, timeout_ms = ws.rank, barrier_timeout_ms(group_name)
     capturing = torch.cuda.is_current_stream_capturing()
     stream = _enter_side_stream()
     with torch.cuda.stream(stream):
         ws.get_buffer(rank, rows.shape, rows.dtype, rank * rows.numel()).copy_(rows)
         full[rank * n:(rank + 1) * n].copy_(rows)
-        ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
+        ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=timeout_ms)
         staged = torch.cuda.Event()
         staged.record(stream)
         for step in range(1, size):
@@ -144,7 +157,7 @@ def all_gather(full: torch.Tensor, rows: torch.Tensor, group_name: str) -> _Side
             full[peer * n:(peer + 1) * n].copy_(ws.get_buffer(peer, rows.shape, rows.dtype, peer * rows.numel()))
         if not capturing:
             work = _SideStreamWork(stream, (rows,))
-        ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
+        ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=timeout_ms)
         if capturing:
             work = _SideStreamWork(stream, (rows,))
     torch.cuda.current_stream().wait_event(staged)
@@ -162,7 +175,7 @@ class ChunkSum:
         numel = chunk_shape.numel()
         self.shape, self.dtype, self.size = chunk_shape, dtype, size
         self.ws = _workspace(group_name, size * numel * dtype.itemsize)
-        self.rank = self.ws.rank
+        self.rank, self.timeout_ms = self.ws.rank, barrier_timeout_ms(group_name)
         self._reads: list[torch.Tensor] = []
 
     def _slot(self, owner: int, source: int) -> torch.Tensor:
@@ -179,7 +192,7 @@ class ChunkSum:
         stream = _enter_side_stream()
         with torch.cuda.stream(stream):
             self._slot(self.rank, self.rank).copy_(own)
-            self.ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
+            self.ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=self.timeout_ms)
             torch.sum(self.ws.get_buffer(self.rank, (self.size, *self.shape), self.dtype, 0), 0, out=total)
-            self.ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=BARRIER_TIMEOUT_MS)
+            self.ws.barrier(channel=_WORKSPACE_CHANNEL, timeout_ms=self.timeout_ms)
             return total, _SideStreamWork(stream, (*self._reads, own))
