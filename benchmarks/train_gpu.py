@@ -288,11 +288,10 @@ def main() -> None:
                     "data/demo/stdlib_text_document) instead of uniform random tokens")
     args, overrides = ap.parse_known_args()
     launch = read_launch_env()
-    base = [*PEER_OPTIMIZER, *overrides]
-    if args.cpu:
-        base += ["--train.device", "cpu", "--model.num_layers", "2", "--model.hidden_size", "64",
-                 "--model.num_heads", "4", "--model.seq_length", "64", "--model.vocab_size", "512",
-                 "--precision.dtype", "fp32"]
+    tiny = ["--train.device", "cpu", "--model.num_layers", "2", "--model.hidden_size", "64",
+            "--model.num_heads", "4", "--model.seq_length", "64", "--model.vocab_size", "512",
+            "--precision.dtype", "fp32"] if args.cpu else []
+    base = [*PEER_OPTIMIZER, *tiny, *overrides]  # the command line's overrides win, --cpu's too
     cfg0 = load_config(args.config, base)
     device = pick_device(cfg0.train.device, launch.local_rank)
     init_process_group(launch, device)
