@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from itertools import combinations
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,6 +86,19 @@ def test_lsh_candidate_rate_follows_the_banding_curve(s):
     rate = (keys[0::2] == keys[1::2]).any(axis=1).mean()
     expected = 1 - (1 - s ** 13) ** 20
     assert abs(rate - expected) < 4 * np.sqrt(expected * (1 - expected) / n) + 0.01, (rate, expected)
+
+
+def test_the_documented_candidate_rates_are_the_banding_curves():
+    """docs/curation.md's rates are what a user picks a threshold by: each must be the curve's value
+    at its similarity, to the digits the page gives."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "curation.md").read_text()
+    sentence = " ".join(page[page.index("probability `1 - (1 - s^13)^20`"):].split("(tests")[0].split())
+    rates = re.findall(r"([0-9.]+)% at ([0-9.]+)", sentence)
+    assert len(rates) >= 4, sentence
+    for percent, s in rates:
+        expected = 100 * (1 - (1 - float(s) ** 13) ** 20)
+        decimals = len(percent.partition(".")[2])
+        assert abs(float(percent) - expected) <= 0.5 * 10 ** -decimals, (percent, s, expected)
 
 
 def test_components_keep_the_first_document_whatever_the_edge_order():
