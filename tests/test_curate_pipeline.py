@@ -347,11 +347,17 @@ def test_empty_input_and_non_fasttext_model(tmp_path, capsys):
     assert f"quality.model: {fake} is not a fastText model" in capsys.readouterr().err
 
 
-def test_dotted_overrides_reach_the_stage(tmp_path):
-    raw = config(tmp_path, [write_corpus(tmp_path)])
-    assert _cli(tmp_path, raw, "--clean.min_words", "200") == 0
-    stats = json.loads((tmp_path / "out/01-clean/stats.json").read_text())
-    assert stats["docs_out"] == 0 and stats["dropped"]["too few words"] == 52
+def test_dotted_overrides_reach_the_stage(tmp_path, capsys):
+    """The override empties the corpus, which stops the run at that stage (the later stages and the
+    tokenizer would get nothing) and removes the stage, so the corrected run starts it afresh."""
+    raw = config(tmp_path, [write_corpus(tmp_path)], preprocess={"tokenizer": _sentencepiece(tmp_path)})
+    assert _cli(tmp_path, raw, "--clean.min_words", "200") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["megazero curate: error: clean: dropped all 52 documents (52 too few words); loosen the clean "
+                   "settings (override one with --clean.FIELD VALUE) and run again"], err
+    assert sorted(os.listdir(tmp_path / "out")) == ["00-input"]
+    assert _cli(tmp_path, raw) == 0
+    assert json.loads((tmp_path / "out/01-clean/stats.json").read_text())["docs_out"] > 0
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl.zst"])

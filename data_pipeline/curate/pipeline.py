@@ -204,10 +204,22 @@ def _run_stage(ctx: Context, name: str, stage_dir: str, fingerprint: dict, body:
         return stats
     start = time.perf_counter()
     stats = {"stage": name, **body()}
+    if name != "input" and stats["docs_in"] and not stats["docs_out"]:
+        _refuse_empty_stage(name, stage_dir, stats)
     stats["seconds"] = round(time.perf_counter() - start, 3)
     atomic_write_text(stats_path, json.dumps(stats, indent=1, sort_keys=True))
     log(summary_line(stats))
     return stats
+
+
+def _refuse_empty_stage(name: str, stage_dir: str, stats: dict) -> None:
+    """A stage that dropped every document leaves the later stages and the tokenizer nothing: stop
+    there, naming its drops, rather than finish a run that curated an empty corpus. Its folder goes,
+    as the input's does, so the run with corrected settings starts it afresh."""
+    shutil.rmtree(stage_dir)
+    dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.get("dropped", {}).items()))
+    raise ValueError(f"{name}: dropped all {stats['docs_in']} documents ({dropped}); loosen the {name} "
+                     f"settings (override one with --{name}.FIELD VALUE) and run again")
 
 
 def summary_line(stats: dict) -> str:
