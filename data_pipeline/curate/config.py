@@ -33,6 +33,7 @@ from data_pipeline.curate.quality import QualityConfig
 from data_pipeline.curate.runner import EXECUTORS
 from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS
 from data_pipeline.paths import file_in_the_way
+from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
 from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.typed_config import build_dataclass
 
@@ -168,6 +169,10 @@ def expand_inputs(patterns: list, base_dir: str) -> list[str]:
         missing = [p for p in found if not os.path.isfile(p)]
         if not found or missing:
             raise ValueError(f"input.paths: {missing[0] if missing else pattern}: no such file; fix the path")
+        unknown = next((p for p in found if not p.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)), None)
+        if unknown:  # read as jsonl, each of its lines would be a bad record and the file lost to a count
+            raise ValueError(f"input.paths: {unknown}: unknown input type; use .jsonl/.json (optionally .gz or "
+                             ".zst) or .parquet, or narrow the glob")
         paths += found
     names = [os.path.basename(p) for p in paths]
     dup = next((n for n in names if names.count(n) > 1), None)
