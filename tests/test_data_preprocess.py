@@ -313,4 +313,7 @@ def test_a_refused_preprocess_creates_no_folder(tmp_path, capsys):
     fresh = tmp_path / "fresh"
     assert main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok.json"),
                  "--output-prefix", str(fresh / "sub" / "w0"), "--workers", "0"]) == 2
-    assert "--workers and --batch-size must be at least 1" in capsys.readouterr().err and not fresh.exists()
+    assert "--workers: 0 must be at least 1" in capsys.readouterr().err and not fresh.exists()
+    assert main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok.json"),
+                 "--output-prefix", str(fresh / "w0"), "--batch-size", "-3"]) == 2
+    assert "--batch-size: -3 must be at least 1" in capsys.readouterr().err and not fresh.exists()

@@ -53,8 +53,10 @@ def run(args) -> int:
         if given:
             raise UserError(f"--merge joins shards as they are, so {', '.join(given)} would change nothing; "
                             "leave them out (they apply to --input)")
-    elif args.workers < 1 or args.batch_size < 1:
-        raise UserError("--workers and --batch-size must be at least 1")
+    else:
+        for flag, value in (("--workers", args.workers), ("--batch-size", args.batch_size)):
+            if value < 1:
+                raise UserError(f"{flag}: {value} must be at least 1")
     if args.hf_split is not None and not any(reads_as_dataset(name) for name in args.input or ()):
         raise UserError(f"--hf-split {args.hf_split}: picks the split of a Hugging Face dataset input, and none is "
                         "given (files are read whole, --merge joins shards); leave the flag out")
