@@ -210,3 +210,22 @@ def test_document_frequency_is_summed_over_every_shard(tmp_path):
     than 3: counted per shard, every copy was cut."""
     records, stats = run(tmp_path, [f"{FILLER} {TASK} {FILLER}"] * 10, shard_docs=3)
     assert stats["ignored_frequent_ngrams"] == 4 and len(records) == 10
+
+
+ACCENTED = "Le café où été né un garçon très âgé près du théâtre de la forêt"  # 15 words, accented
+
+
+@pytest.mark.parametrize("task_form, doc_form", [("NFD", "NFC"), ("NFC", "NFD")])
+def test_a_task_matches_in_either_unicode_form(tmp_path, task_form, doc_form):
+    """A combining mark is not a word character: compared as written, a decomposed "é" split its
+    word and the leak went unfound (0 hits, no warning)."""
+    import unicodedata
+    form = lambda f, text: unicodedata.normalize(f, text)  # noqa: E731
+    doc = f"{FILLER} {form(doc_form, ACCENTED)} {FILLER}"
+    records, stats = run(tmp_path, [doc], tasks={"qa.jsonl": form(task_form, ACCENTED)})
+    assert stats["hits"] == {"qa": 3}  # 15 words: three 13-grams
+    assert [r["id"] for r in records] == ["d0#0", "d0#1"]
+    composed = unicodedata.normalize("NFC", doc)  # a cut document's pieces come from its composed form
+    start = composed.index(form("NFC", ACCENTED))
+    assert records[0]["text"] == composed[:start - 200].strip()
+    assert records[1]["text"] == composed[start + len(form("NFC", ACCENTED)) + 200:].strip()

@@ -1,6 +1,8 @@
 """``decontaminate``: cut evaluation-task 13-grams out of the training documents (GPT-3 / MT-NLG rules).
 
-Text is compared as lower-cased words (``\\w+``, so punctuation and spacing do not matter). For
+Text is compared as lower-cased words (``\\w+``, so punctuation and spacing do not matter), in
+Unicode's composed form (NFC): an accented letter written as a letter and a combining mark is the
+same word as the precomposed letter, whichever form the task or the document uses. For
 every 13-gram of a document that also occurs in a task, the match plus ``margin`` (200) characters
 on each side is removed; the document falls apart into the pieces between removals, pieces under
 ``min_piece_chars`` (200) are dropped, and a document split more than ``max_splits`` (10) times is
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import unicodedata
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -162,6 +165,14 @@ def _classify(cps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return word, low
 
 
+def composed(text: str) -> str:
+    """``text`` in NFC, the form its words are compared in: a combining mark is not ``\\w``, so a
+    decomposed "é" would split its word and miss the task's precomposed one (the clean stage
+    composes; a task file or an uncleaned corpus may not). Most text already is NFC, which the check
+    finds without copying."""
+    return text if unicodedata.is_normalized("NFC", text) else unicodedata.normalize("NFC", text)
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: a bijection of uint64 that spreads every input bit over the output."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -185,7 +196,8 @@ class NgramKeys:
 
     def words(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(hash, start, end) of every word of ``texts`` in order (start/end index that word's text),
-        and each text's first word number (``len(texts) + 1`` entries)."""
+        and each text's first word number (``len(texts) + 1`` entries). Texts are taken as given:
+        ``batches`` and the cutting pass compose them first."""
         joined = "\n".join(texts)  # a separator that is not \\w: no word spans two texts
         cps = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         word, low = _classify(cps)
@@ -215,7 +227,9 @@ class NgramKeys:
         return key[inside], text[inside], (np.arange(windows) - offsets[text])[inside]
 
     def batches(self, texts: list[str]):
-        """(first text number, keys, text, window) for consecutive batches of about BATCH_CHARS characters."""
+        """(first text number, keys, text, window) for consecutive batches of about BATCH_CHARS
+        characters, of the texts ``composed``."""
+        texts = [composed(t) for t in texts]
         begin = 0
         while begin < len(texts):
             end, size = begin, 0
@@ -331,8 +345,9 @@ def decontaminate_shard(in_path: str, out_path: str, hits_path: str, tasks_path:
         if row not in windows:
             out.append(record)
             continue
-        _, starts, ends, _ = ngrams.words([record[text_field]])
-        pieces = cut(record[text_field], starts, ends, windows[row], cfg)
+        text = composed(record[text_field])  # the form the doc_freq pass found its hits in
+        _, starts, ends, _ = ngrams.words([text])
+        pieces = cut(text, starts, ends, windows[row], cfg)
         if not pieces:
             dropped += 1
             continue
