@@ -58,10 +58,28 @@ class MegazeroSource:
                             "`megazero convert`; check the SRC argument")
         self.cfg = build_dataclass(ModelConfig, saved["model"], prefix="model.")
         self.names = list(logical_shapes(self.cfg))
-        missing = [n for n in self.names if n not in self.reader.shapes]
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        """The files hold exactly the parameters the recorded config describes, each of the shape it
+        implies (the vocabulary padded for the tp the files were written at), before anything is
+        converted: otherwise a head beside ``tie_embeddings`` would be dropped, vocabulary rows cut
+        or zero-filled to the recorded ``vocab_size``, and other sizes fail deep in the conversion."""
+        tp = max((shard.count for index in self.reader.ranks for _, _, shard in index.params if shard is not None),
+                 default=1)
+        expected = logical_shapes(self.cfg, vocab_multiple=VOCAB_MULTIPLE * tp)
+        missing = [n for n in expected if n not in self.reader.shapes]
         if missing:
             raise UserError(f"{self.ckpt}: holds no parameter {missing[0]!r} of the model its config describes; "
                             "the checkpoint is damaged -- load another one")
+        extra = [n for n in self.reader.shapes if n not in expected]
+        if extra:
+            raise UserError(f"{self.ckpt}: holds parameter {extra[0]!r}, which the model its config describes does "
+                            "not have; the checkpoint is damaged -- load another one")
+        for name, shape in expected.items():
+            if self.reader.shapes[name] != shape:
+                raise UserError(f"{self.ckpt}: parameter {name!r} has shape {list(self.reader.shapes[name])} where "
+                                f"its config implies {list(shape)}; the checkpoint is damaged -- load another one")
 
     def read(self, name: str) -> torch.Tensor:
         return unpadded(name, self.reader.read(name)["master"], self.cfg)
