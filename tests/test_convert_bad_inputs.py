@@ -427,8 +427,11 @@ def _megatron(root: Path, drop=(), ranks: int = 1, **changes) -> Path:
 
 
 def test_a_handwritten_megatron_checkpoint_imports(tmp_path):
-    """The fixture of the Megatron cases below is a checkpoint the importer takes as it is."""
+    """The fixture of the Megatron cases below is a checkpoint the importer takes as it is, also with
+    the values Megatron records for switches that change nothing."""
     assert main(["convert", str(_megatron(tmp_path / "meg")), str(tmp_path / "out")]) == 0
+    root = _megatron(tmp_path / "meg2", kv_channels=4, rotary_seq_len_interpolation_factor=1, apply_layernorm_1p=False)
+    assert main(["convert", str(root), str(tmp_path / "out2")]) == 0
 
 
 @pytest.mark.parametrize("drop,changes,want", [
@@ -442,6 +445,11 @@ def test_a_handwritten_megatron_checkpoint_imports(tmp_path):
     # settings megazero does not build: imported without them, the logits would be another model's
     ((), {"position_embedding_type": "rope", "rotary_percent": 0.5}, "args.rotary_percent"),
     ((), {"position_embedding_type": "rope", "rotary_interleaved": True}, "args.rotary_interleaved"),
+    ((), {"apply_layernorm_1p": True}, "args.apply_layernorm_1p"),  # norm weights stored as gamma - 1
+    ((), {"position_embedding_type": "rope", "use_rope_scaling": True}, "args.use_rope_scaling"),
+    ((), {"position_embedding_type": "rope", "rotary_seq_len_interpolation_factor": 4},
+     "args.rotary_seq_len_interpolation_factor"),
+    ((), {"kv_channels": 8}, "args.kv_channels: 8 differs from args.hidden_size / args.num_attention_heads = 4"),
 ])
 def test_megatron_args_are_checked_as_a_model_config(tmp_path, capsys, drop, changes, want):
     err = _fails(capsys, tmp_path, _megatron(tmp_path / "meg", drop, **changes))

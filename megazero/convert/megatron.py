@@ -282,9 +282,13 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     fix = "megazero's GPT has no counterpart; such a model cannot be imported"
     for key, ok in (("apply_residual_connection_post_layernorm", False), ("rotary_interleaved", False),
                     ("rotary_percent", 1.0), ("squared_relu", False), ("multi_latent_attention", False),
-                    ("num_experts", None), ("qk_layernorm", False)):
+                    ("num_experts", None), ("qk_layernorm", False), ("apply_layernorm_1p", False),
+                    ("use_rope_scaling", False), ("no_rope_freq", None)):
         if get(key, ok) != ok:
             raise refuse(f"{where}: args.{key}", get(key), "is not supported", fix)
+    if get("rotary_seq_len_interpolation_factor") not in (None, 1):  # positions divided by it
+        raise refuse(f"{where}: args.rotary_seq_len_interpolation_factor", get("rotary_seq_len_interpolation_factor"),
+                     "is not supported", fix)
     position = {"learned_absolute": "learned", "rope": "rope"}.get(get("position_embedding_type", "learned_absolute"))
     if position is None:
         raise refuse(f"{where}: args.position_embedding_type", get("position_embedding_type"), "is not supported", fix)
@@ -323,7 +327,11 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     cfg = ModelConfig(preset="llama" if position == "rope" else "gpt2", position_embedding=position, norm=norm,
                       activation="swiglu" if swiglu else "gelu", bias=bias,
                       tie_embeddings=not get("untie_embeddings_and_output_weights", False), **values)
-    return validated(cfg, ARG_NAMES, where)
+    cfg = validated(cfg, ARG_NAMES, where)
+    if get("kv_channels") not in (None, cfg.head_dim):
+        raise refuse(f"{where}: args.kv_channels", get("kv_channels"), f"differs from args.hidden_size / "
+                     f"args.num_attention_heads = {cfg.head_dim}", "megazero derives the head width from those two")
+    return cfg
 
 
 ARG_NAMES = SimpleNamespace(KEYS={
