@@ -88,6 +88,10 @@ class MegatronSource:
             match = RANK_DIR.match(sub.name)
             if match:
                 files[(int(match.group(1)), int(match.group(2) or 0))] = sub / FILE
+        if not files and any(self.dir.glob("*.distcp")):
+            raise UserError(f"{self.dir}: is a torch_dist checkpoint (*.distcp files), Megatron-LM's distributed "
+                            "format; only its legacy torch format is read: save it again with Megatron-LM's "
+                            "--ckpt-convert-format torch --ckpt-convert-save DIR and convert DIR")
         if not files:
             raise UserError(f"{self.dir}: holds no mp_rank_* directories; check SRC")
         self.tp = 1 + max(t for t, _ in files)
