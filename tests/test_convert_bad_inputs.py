@@ -516,14 +516,6 @@ def test_a_megatron_rank_file_without_weights_is_named(tmp_path, capsys):
     assert f"{second}: holds no 'model' weights (tp rank 1, pipeline rank 0)" in _fails(capsys, tmp_path, root)
 
 
-def test_a_megatron_torch_dist_checkpoint_is_named_with_the_fix(tmp_path, capsys):
-    """Megatron-LM's default format: iter_* holds *.distcp files, no mp_rank_* directories."""
-    (tmp_path / "meg" / "iter_0000005").mkdir(parents=True)
-    (tmp_path / "meg" / "iter_0000005" / "__0_0.distcp").write_bytes(b"")
-    (tmp_path / "meg" / "latest_checkpointed_iteration.txt").write_text("5")
-    assert "--ckpt-convert-format torch" in _fails(capsys, tmp_path, tmp_path / "meg")
-
-
 def test_an_hf_folder_with_two_sets_of_weights_is_refused(sources, tmp_path, capsys):
     """transformers loads model.safetensors and ignores an index beside it; we read the index: which
     weights a conversion took would depend on the tool."""

@@ -66,12 +66,16 @@ def iteration_dir(path: Path) -> Path:
     if path.name.startswith("iter_"):
         return path
     tracker = path / "latest_checkpointed_iteration.txt"
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text.isdigit():
-            return path / f"iter_{int(text):07d}"
-        if text == "release":
-            return path / "release"
+    if tracker.is_file():  # Megatron-LM loads what it names, or fails: so does the import, not another one
+        text = tracker.read_text(errors="replace").strip()
+        if not (text.isdigit() or text == "release"):
+            raise UserError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'; give the "
+                            "iter_* directory to import as SRC")
+        named = path / (f"iter_{int(text):07d}" if text.isdigit() else "release")
+        if not named.is_dir():
+            raise UserError(f"{tracker}: names {named.name}, which {path} does not hold; give an iter_* directory "
+                            "it holds as SRC, or restore that one")
+        return named
     found = sorted(path.glob("iter_*"))
     if not found:
         raise UserError(f"{path}: holds no iter_* directory; check SRC")

@@ -1,0 +1,26 @@
+"""Finding a Megatron-LM checkpoint's files: the iteration its tracker names, and the format it is
+in. A wrong guess imports another iteration than the one Megatron-LM would load, or leaves the user
+with no way forward."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_convert_bad_inputs import _fails, _megatron
+
+
+@pytest.mark.parametrize("text,want", [("7", "names iter_0000007, which"), ("release", "names release, which"),
+                                       ("junk", "holds 'junk', not an iteration number")])
+def test_a_megatron_tracker_naming_no_iteration_here_is_refused(tmp_path, capsys, text, want):
+    """Megatron-LM loads the iteration its tracker names or fails; another one was imported instead."""
+    root = _megatron(tmp_path / "meg")
+    (root / "latest_checkpointed_iteration.txt").write_text(text)
+    assert want in _fails(capsys, tmp_path, root)
+
+
+def test_a_megatron_torch_dist_checkpoint_is_named_with_the_fix(tmp_path, capsys):
+    """Megatron-LM's default format: iter_* holds *.distcp files, no mp_rank_* directories."""
+    (tmp_path / "meg" / "iter_0000005").mkdir(parents=True)
+    (tmp_path / "meg" / "iter_0000005" / "__0_0.distcp").write_bytes(b"")
+    (tmp_path / "meg" / "latest_checkpointed_iteration.txt").write_text("5")
+    assert "--ckpt-convert-format torch" in _fails(capsys, tmp_path, tmp_path / "meg")
