@@ -24,3 +24,14 @@ def test_a_megatron_torch_dist_checkpoint_is_named_with_the_fix(tmp_path, capsys
     (tmp_path / "meg" / "iter_0000005" / "__0_0.distcp").write_bytes(b"")
     (tmp_path / "meg" / "latest_checkpointed_iteration.txt").write_text("5")
     assert "--ckpt-convert-format torch" in _fails(capsys, tmp_path, tmp_path / "meg")
+
+
+def test_a_megatron_checkpoint_of_the_legacy_model_is_named_with_the_fix(tmp_path, capsys):
+    """Megatron-LM's models before megatron-core nest their weights under ``language_model``."""
+    import torch
+
+    root = _megatron(tmp_path / "meg")
+    path = root / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    torch.save({"args": state["args"], "model": {"language_model": {"embedding": {}, "encoder": {}}}}, path)
+    assert "pre-megatron-core model (language_model.*)" in _fails(capsys, tmp_path, root)

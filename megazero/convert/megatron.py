@@ -127,6 +127,10 @@ class MegatronSource:
                                     "chunks); only one model chunk per rank can be imported")
                 raise UserError(f"{path}: holds no 'model' weights (tp rank {t}, pipeline rank {p}); the checkpoint "
                                 "is damaged or not Megatron-LM's: restore that file")
+            if "language_model" in state["model"]:  # else refused as missing megatron-core's keys, as if damaged
+                raise UserError(f"{self.files[(t, p)]}: holds a pre-megatron-core model (language_model.*); only "
+                                "megatron-core's GPTModel is read: convert it to that layout with Megatron-LM's "
+                                "tools/checkpoint/convert.py first")
             self._loaded[(t, p)] = state
         return self._loaded[(t, p)]
 
