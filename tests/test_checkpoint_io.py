@@ -290,6 +290,19 @@ def test_a_newer_directory_without_complete_marker_stops_a_resume(tmp_path):
         resolve_checkpoint(tmp_path / "step_0000009")
 
 
+def test_a_damaged_only_checkpoint_is_one_line_with_the_callers_way_forward(tmp_path, capsys):
+    """With no complete checkpoint left, a resume can start afresh but an explicit load (convert's
+    SRC, generate's checkpoint) cannot; and the pointer naming the damaged directory adds no warning
+    line before the error."""
+    (tmp_path / "step_0000009").mkdir()
+    (tmp_path / "latest").write_text("step_0000009\n")
+    with pytest.raises(CheckpointError, match=r"restore it, or move it out of the way to train from step 0$"):
+        latest_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=r"restore it, or give another checkpoint as the SRC argument$"):
+        resolve_checkpoint(tmp_path, source="the SRC argument")
+    assert capsys.readouterr().err == ""
+
+
 def test_empty_or_missing_root_has_no_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path / "nowhere") is None
     assert latest_checkpoint(tmp_path) is None

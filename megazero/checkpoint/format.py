@@ -186,7 +186,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
+def latest_checkpoint(root: str | os.PathLike, none_left: str = "move it out of the way to train from step 0") \
+        -> Optional[Path]:
     """The complete checkpoint with the highest step under ``root`` (None if there is none).
 
     A save's commit is the rename of its complete ``step_N.tmp``; ``ROOT/latest`` is replaced after
@@ -194,27 +195,28 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     then the newest checkpoint still wins, with a warning, since resuming from the older one would
     retrain its steps and save over the newer. A pointer that is damaged or names a directory since
     deleted is warned about too. A ``step_N`` directory without its ``COMPLETE`` record, newer than
-    the checkpoint chosen, is an error: a save writes ``COMPLETE`` before it renames ``step_N.tmp``,
-    and retention renames a checkpoint before deleting it, so such a directory was copied or edited
-    by hand, and the run would later save over it.
+    the checkpoint chosen, is an error (raised before any warning, so it is the one line printed): a
+    save writes ``COMPLETE`` before it renames ``step_N.tmp``, and retention renames a checkpoint
+    before deleting it, so such a directory was copied or edited by hand, and the run would later
+    save over it. ``none_left`` is the way forward that error offers where no complete checkpoint
+    is left: a training run can start afresh, an explicit load cannot.
     """
     root = Path(root)
-    named = read_pointer(root)
     found = list_checkpoints(root)
     chosen = found[-1][1] if found else None
+    step = int(STEP_DIR.match(chosen.name).group(1)) if chosen is not None else -1
+    damaged = sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name) and p.is_dir()
+                     and not is_complete(p) and int(STEP_DIR.match(p.name).group(1)) > step) if root.is_dir() else []
+    if damaged:
+        instead = f"move it out of the way to use {chosen.name}" if chosen is not None else none_left
+        raise CheckpointError(f"{damaged[-1]}: a checkpoint directory without its {COMPLETE} record, newer than "
+                              f"the newest complete checkpoint in {root}; restore it, or {instead}")
+    named = read_pointer(root)
     if named is not None and named != chosen:
         state = "is not a complete checkpoint" if not is_complete(named) else "is older"
         _warn_once(f"megazero: warning: {root / LATEST} names {named.name}, which {state}; using "
                    f"{chosen.name if chosen is not None else 'none'}, the newest complete checkpoint in {root} (to "
                    "go back to an older one, move the newer ones out of it)")
-    step = int(STEP_DIR.match(chosen.name).group(1)) if chosen is not None else -1
-    damaged = sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name) and p.is_dir()
-                     and not is_complete(p) and int(STEP_DIR.match(p.name).group(1)) > step) if root.is_dir() else []
-    if damaged:
-        instead = f"use {chosen.name}" if chosen is not None else "train from step 0"
-        raise CheckpointError(f"{damaged[-1]}: a checkpoint directory without its {COMPLETE} record, newer than "
-                              f"the newest complete checkpoint in {root}; restore it, or move it out of the way to "
-                              f"{instead}")
     return chosen
 
 
@@ -299,7 +301,7 @@ def resolve_checkpoint(path: str | os.PathLike, source: str = "checkpoint.load")
         fix = (f"the checkpoint holding it ({path.parent})" if STEP_DIR.match(path.parent.name)
                else "a step_* checkpoint directory, or the folder holding them,")
         raise CheckpointError(f"{path}: is a file, not a checkpoint directory; give {fix} as {source}")
-    found = latest_checkpoint(path)
+    found = latest_checkpoint(path, none_left=f"give another checkpoint as {source}")
     if found is None:
         if list_checkpoints(path / "checkpoints"):  # RUN_DIR, where checkpoint.save_dir is RUN_DIR/checkpoints
             raise CheckpointError(f"{path}: holds no complete checkpoint, but {path / 'checkpoints'} does (a run "
