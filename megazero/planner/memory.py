@@ -159,11 +159,13 @@ def _zero_states(cfg: Config, pp_rank: int) -> ModelStateBytes:
 def model_state_bytes(cfg: Config, pp_rank: int) -> float:
     """The ZeRO formula for this rank's parameters, with megazero's dtypes: 16-bit (or fp32)
     parameters, fp32 gradients under ``precision.accumulate_fp32``, an fp32 copy of the gradient
-    shard where gradients are 16-bit; master and moments on the host under offload."""
+    shard where gradients are 16-bit (an fp32 run's gradients are fp32 already, so it has none);
+    master and moments on the host under offload."""
     states = _zero_states(cfg, pp_rank)
     if cfg.zero.offload_optimizer:
         return states.params + states.grads
-    return states.total + (states.master if not cfg.precision.accumulate_fp32 else 0.0)
+    fp32_grads = cfg.precision.accumulate_fp32 or cfg.precision.dtype == "fp32"
+    return states.total + (0.0 if fp32_grads else states.master)
 
 
 def grads_outside_forward(cfg: Config, pp_rank: int) -> float:
