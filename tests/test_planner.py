@@ -431,6 +431,16 @@ def test_plan_says_when_nothing_fits(capsys):
     assert code == 0 and "0 fit" in out and "none fits" in out
 
 
+def test_layouts_that_do_not_fit_come_nearest_first(capsys):
+    """When none fits, the rows shown are those closest to fitting, least memory first (planted: the
+    config's own layout, and those a knob away from it, led layouts needing a fraction of their memory)."""
+    code = main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "2", "--gpus-per-node", "2", "--gpu-memory", "1",
+                 "--train.global_batch_size", "16", "--top", "100000", "--json"])
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert code == 0 and rows and not any(r["fits"] for r in rows)
+    assert [r["needed_gib"] for r in rows] == sorted(r["needed_gib"] for r in rows)
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--gpus", "12", "--gpus-per-node", "8"], ["--gpus 12", "--gpus-per-node 8"]),
     (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "0"], ["--peak-tflops"]),

@@ -138,7 +138,9 @@ def plan(cfg: Config, cluster: Cluster, fixed: frozenset[str] = frozenset()) -> 
         if is_valid(candidate_cfg, cluster):
             found.append(evaluate(candidate_cfg, cluster))
     # Among equally fast layouts, the one closest to the config's own: no knob moves for nothing.
-    return sorted(found, key=lambda c: (not c.fits, c.step.step_s if c.fits else 0.0,
+    # Those that do not fit come nearest to fitting first: when none fits, the table's top rows
+    # are the layouts worth adding memory or GPUs for.
+    return sorted(found, key=lambda c: (not c.fits, c.step.step_s if c.fits else c.memory.needed,
                                         len(c.layout.changes_from(own)), c.memory.needed))
 
 
