@@ -331,6 +331,28 @@ def test_plan_ranks_only_layouts_the_trainer_accepts():
         validate_config(apply_layout(cfg, candidate.layout), 16, 8)
 
 
+def test_plan_ranks_only_layouts_the_engine_builds():
+    """With dropout, a compiled tensor-parallel run cannot recompute the blocks that draw it: the engine
+    refuses such a layout as it builds its blocks, after validation (planted: the planner ranked
+    them); with train.compile false it builds them, and they are ranked."""
+    import torch
+
+    from megazero.config.auto import resolve_auto
+    from megazero.engine import build_chunks, parallelism
+
+    small = ["--model.num_layers", "4", "--model.hidden_size", "256", "--model.num_heads", "8",
+             "--model.dropout", "0.1", "--train.global_batch_size", "16"]
+    cluster = Cluster(GPUS["h100"], 4, 4)
+    ranked = plan(load_config("configs/gpt_1.3b.yaml", small), cluster)
+    for candidate in ranked:
+        cfg = resolve_auto(apply_layout(load_config("configs/gpt_1.3b.yaml", small), candidate.layout), True, True)
+        for rank in range(cfg.parallel.pp):
+            parallelism(cfg, torch.device("cuda"), build_chunks(cfg, rank))  # raises ConfigError if refused
+    assert {c.layout.tp for c in ranked} > {1}
+    uncompiled = plan(load_config("configs/gpt_1.3b.yaml", [*small, "--train.compile", "false"]), cluster)
+    assert any(c.layout.tp > 1 and c.layout.recompute != "none" for c in uncompiled)
+
+
 def test_plan_weighs_the_zero_bubble_schedules():
     """GPT 1.3B at pp 2 with 8 micro-batches on H200s (BENCHMARKS.md, 2026-11-28): ZB-H2 ran a step in
     1049 ms against ZB-H1's 1082 (call 1) and 1F1B's 1124 (call 6, against ZB-H2's 1043.5). The planner

@@ -4,15 +4,21 @@ validation accepts, and rank them by predicted speed among those that fit in mem
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from megazero.config.auto import resolve_auto
 from megazero.config.schema import Config
 from megazero.config.validate import CHOICES, validate_config
 from megazero.errors import ConfigError
 from megazero.planner.hardware import GIB, Cluster
-from megazero.planner.memory import MemoryEstimate, estimate_memory
+from megazero.planner.memory import MemoryEstimate, estimate_memory, rank_chunks
 from megazero.planner.time import StepEstimate, estimate_step
+from models.config import ModelConfig
+from models.gpt import GPT
+from models.parallelize import recompute_replays_tp_stream
+from parallel.pipeline.partition import BLOCK_PARTS
 from parallel.pipeline.schedule import SPLIT_BACKWARD, schedule_problem
 
 VIRTUAL_STAGES = (1, 2)
@@ -83,12 +89,36 @@ def evaluate(cfg: Config, cluster: Cluster) -> Candidate:
 
 
 def is_valid(cfg: Config, cluster: Cluster) -> bool:
-    """The trainer's own verdict on the layout for this world (every rule of config validation)."""
+    """The trainer's own verdict on the layout for this world (every rule of config validation, and
+    the engine's refusal of recompute it cannot compile)."""
     try:
         validate_config(cfg, cluster.num_gpus, cluster.gpus_per_node)
     except ConfigError:
         return False
-    return True
+    return not recompute_refused(cfg)
+
+
+def recompute_refused(cfg: Config) -> bool:
+    """Whether the engine, building this layout on the cluster's GPUs (``train.compile`` resolved
+    there), refuses its recompute: under tensor parallelism a recomputed module that draws dropout
+    replays the tensor-parallel random stream, which torch.compile cannot trace
+    (``engine.parallelism``). The engine asks it of the built blocks, so validation cannot; here each
+    kind of block a chunk recomputes is asked once."""
+    p = cfg.parallel
+    if p.tp == 1 or p.recompute == "none" or not resolve_auto(cfg, on_cuda=True, peer_memory=True).train.compile:
+        return False
+    every = p.recompute_every if p.recompute == "full" else 1  # the attention core is recomputed in every block
+    model = tuple(vars(cfg.model).items())
+    return any(_block_replays(model, parts, p.recompute)
+               for rank in range(p.pp) for chunk in rank_chunks(cfg, rank) for parts in chunk[::every])
+
+
+@functools.lru_cache(maxsize=256)
+def _block_replays(model_fields: tuple, parts: tuple[str, ...], recompute: str) -> bool:
+    """Whether recomputing one block holding ``parts`` replays the tensor-parallel random stream."""
+    block = GPT(ModelConfig(**dict(model_fields)), layers=[0], has_embedding=False, has_head=False, device="meta",
+                parts=None if parts == BLOCK_PARTS else {0: parts})
+    return bool(recompute_replays_tp_stream(block, recompute))
 
 
 def _powers_of_two(limit: int) -> list[int]:
