@@ -470,6 +470,9 @@ def test_layouts_that_do_not_fit_come_nearest_first(capsys):
     (["--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "inf"], ["--gpu-memory", "finite", "got inf"]),
     (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "1e-320"], ["--peak-tflops", "at least 0.001"]),
     (["--gpus", "8", "--gpus-per-node", "8", "--intra-node-GBps", "1e-320"], ["--intra-node-GBps", "at least 0.001"]),
+    # more GPUs than 24 blocks x tp 8 x a batch of 2 can use: why, and the most that can be used
+    (["--gpus", "512", "--gpus-per-node", "8", "--train.global_batch_size", "2"],
+     ["512 GPUs", "model.num_layers 24", "train.global_batch_size 2", "plan for 384 GPUs"]),
 ])
 def test_plan_bad_input_is_one_line(argv, words, capsys):
     code = main(["plan", "configs/gpt_1.3b.yaml", *argv])

@@ -53,7 +53,7 @@ def run(args) -> int:
     from megazero.config.loader import parse_overrides
     from megazero.config.schema import Config
     from megazero.planner import GPUS, Cluster, custom_gpu, plan
-    from megazero.planner.search import KNOBS
+    from megazero.planner.search import KNOBS, largest_world
 
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
@@ -72,6 +72,12 @@ def run(args) -> int:
     fixed = frozenset(key.replace("-", "_") for key, _ in parse_overrides(overrides, Config)) & set(KNOBS)
     ranked = plan(cfg, cluster, fixed)
     if not ranked:
+        usable = largest_world(cfg, args.gpus, cluster.gpus_per_node)
+        if not fixed and usable < args.gpus:
+            raise UserError(f"no layout of {config_path} is valid on {args.gpus} GPUs: they do not split as tp (a power "
+                            f"of two dividing the {cluster.gpus_per_node} GPUs of a node and the model's heads) x pp (up to "
+                            f"model.num_layers {cfg.model.num_layers}) x dp (dividing train.global_batch_size "
+                            f"{cfg.train.global_batch_size}); plan for {usable} GPUs, or raise train.global_batch_size")
         held = f" with {', '.join(sorted(fixed))} as given" if fixed else ""
         raise UserError(f"no layout of {config_path} is valid on {args.gpus} GPUs{held}: run megazero train --check "
                         f"with WORLD_SIZE={args.gpus} LOCAL_WORLD_SIZE={args.gpus_per_node} and a layout to see why")

@@ -17,7 +17,7 @@ from megazero.planner.memory import MemoryEstimate, estimate_memory, rank_chunks
 from megazero.planner.time import StepEstimate, estimate_step
 from models.config import ModelConfig
 from models.gpt import GPT
-from models.parallelize import recompute_replays_tp_stream
+from models.parallelize import recompute_replays_tp_stream, tp_layout_problems
 from parallel.pipeline.partition import BLOCK_PARTS
 from parallel.pipeline.schedule import SPLIT_BACKWARD, schedule_problem
 
@@ -153,6 +153,23 @@ def _schedules(pp: int, v: int, own: str) -> list[str]:
     if pp == 1:
         return sorted({"auto", own})
     return sorted({"auto", own} | {name for name in SPLIT_BACKWARD if schedule_problem(name, v) is None})
+
+
+def largest_world(cfg: Config, gpus: int, gpus_per_node: int) -> int:
+    """The most GPUs, up to ``gpus`` and in whole nodes beyond one, that split as tp x pp x dp the way
+    the search splits them (tp a power of two within a node that the model's widths divide, pp at most
+    a stage a block, dp a divisor of the global batch): a world larger than that has no valid layout,
+    and the plan says what it could use instead."""
+    tps = [tp for tp in _powers_of_two(gpus_per_node) if not tp_layout_problems(cfg.model, tp)]
+    batch, layers = cfg.train.global_batch_size, cfg.model.num_layers
+    for world in range(gpus, 0, -1):
+        if world > gpus_per_node and world % gpus_per_node:
+            continue
+        if any(world % (tp * pp) == 0 and batch % (world // (tp * pp)) == 0
+               and (world <= gpus_per_node or gpus_per_node % tp == 0)  # tensor groups within a node
+               for tp in tps for pp in range(1, layers + 1)):
+            return world
+    return 0
 
 
 def plan(cfg: Config, cluster: Cluster, fixed: frozenset[str] = frozenset()) -> list[Candidate]:
