@@ -2,7 +2,9 @@
 
 Two jobs given the same ``run_dir`` would otherwise share it silently: the second adopts the first's
 live checkpoint, rewrites its ``metrics.jsonl`` and races it on every save. Rank 0 of a job takes
-``RUN_DIR/LOCK`` before it writes anything there and keeps it for the job's life.
+``RUN_DIR/LOCK`` before it writes anything there and keeps it for the job's life, and likewise
+``SAVE_DIR/LOCK``: two jobs with their own run directories but one ``checkpoint.save_dir`` would
+race the same way on their checkpoints.
 
 The lock is a file created with ``O_EXCL`` (atomic on local filesystems and NFS), holding the
 holder's host, pid and start time. A holder that died without cleaning up (``kill -9``, a lost node)
@@ -56,9 +58,10 @@ def _pid_alive(pid: int) -> bool:
 class RunDirLock:
     """Held from ``acquire`` to ``release`` (or the process's end); a context manager too."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, heartbeat_s: float = HEARTBEAT_S,
-                 stale_after_s: float = STALE_AFTER_S):
+    def __init__(self, run_dir: str | os.PathLike, *, field: str = "logging.run_dir",
+                 heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
         self.path = Path(run_dir) / LOCK_FILE
+        self.field, self.what = field, "run directory" if field == "logging.run_dir" else "checkpoint directory"
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
         self._stop = threading.Event()
@@ -96,8 +99,8 @@ class RunDirLock:
                 raise RunDirBusy(self._busy_message(self.holder())) from None
             print(f"megazero: {self.path}: took over a stale lock of {_describe(holder)}", flush=True)
         except OSError as exc:
-            raise UserError(f"{self.path.parent}: cannot write the run directory ({exc.strerror}); set "
-                            "logging.run_dir to a directory this user can write") from None
+            raise UserError(f"{self.path.parent}: cannot write the {self.what} ({exc.strerror}); set "
+                            f"{self.field} to a directory this user can write") from None
         else:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
@@ -106,8 +109,8 @@ class RunDirLock:
         return self
 
     def _busy_message(self, holder: Optional[dict]) -> str:
-        return (f"{self.path.parent}: run directory is in use by {_describe(holder)}; give this job another "
-                f"logging.run_dir, or stop that job first (a lock left by a dead job on another host is taken "
+        return (f"{self.path.parent}: {self.what} is in use by {_describe(holder)}; give this job another "
+                f"{self.field}, or stop that job first (a lock left by a dead job on another host is taken "
                 f"over after {self.stale_after_s / 60:g} minutes; delete {self.path} if you are sure it is gone)")
 
     def _beat(self) -> None:

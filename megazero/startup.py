@@ -71,11 +71,19 @@ def verify_consistent(cfg: Config) -> None:
 
 
 def start_run(cfg: Config, launch: LaunchEnv) -> int:
-    """Lock the run directory (rank 0), start the process group and topology, check that every rank
-    agrees, train; returns the exit status."""
+    """Lock the run and checkpoint directories (rank 0), start the process group and topology, check
+    that every rank agrees, train; returns the exit status."""
     from megazero.trainer import Trainer
 
-    lock = RunDirLock(cfg.logging.run_dir).acquire() if launch.rank == 0 else None
+    locks = []
+    if launch.rank == 0:  # the checkpoints too: jobs of two run directories may name one save_dir
+        locks.append(RunDirLock(cfg.logging.run_dir).acquire())
+        if os.path.realpath(cfg.save_dir) != os.path.realpath(cfg.logging.run_dir):
+            try:
+                locks.append(RunDirLock(cfg.save_dir, field="checkpoint.save_dir").acquire())
+            except BaseException:
+                locks[0].release()
+                raise
     try:
         device, topology = initialize(cfg, launch)
         verify_consistent(cfg)
@@ -93,6 +101,6 @@ def start_run(cfg: Config, launch: LaunchEnv) -> int:
     finally:
         if dist.is_initialized():
             destroy_process_group()
-        if lock is not None:
+        for lock in reversed(locks):
             lock.release()
     return EXIT_STOPPED if state.stopped_by else 0  # 75: a scheduler tells preemption from completion

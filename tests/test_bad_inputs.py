@@ -143,6 +143,9 @@ CASES = [
     ("save-dir-under-file", lambda f: _train(f, "--checkpoint.save_dir", str(f["root"] / "afile" / "ck")),
      ["checkpoint.save_dir", "afile is a file"]),
     ("run-dir-locked", lambda f: _train(f, "--logging.run_dir", f["locked"]), ["run directory is in use by pid", "logging.run_dir"]),
+    # another run directory, but the checkpoints of a live job: both would save into them
+    ("save-dir-locked", lambda f: _train(f, "--checkpoint.save_dir", f["locked"]),
+     ["checkpoint directory is in use by pid", "give this job another checkpoint.save_dir"]),
     # --- checkpoints ----------------------------------------------------------------------------
     ("load-missing", lambda f: _train(f, "--checkpoint.load", str(f["root"] / "nockpt")), ["nockpt", "checkpoint.load"]),
     ("load-empty-dir", lambda f: _train(f, "--checkpoint.load", str(f["root"] / "locked")), ["holds no complete checkpoint"]),
