@@ -324,13 +324,15 @@ class Trainer:
         ends the process): the steps after the newest complete checkpoint. A save still being written
         in the background is complete only once the next save or the run's end commits it."""
         complete = self.writer.committed_step or self.resumed_step
-        if self.state.step == complete:
-            return f"nothing: step {complete} is saved"
+        if self.state.step == complete:  # step 0 of a fresh run is no checkpoint: no step had finished
+            return f"nothing: step {complete} is saved" if complete else "nothing: no step had finished"
         writing = self.writer.pending_step
         since = f"the last checkpoint is step {complete}" if complete else "no checkpoint yet"
         if writing is not None:
             since += f"; step {writing}'s is still being written and would be lost"
-        return f"steps {complete + 1}-{self.state.step} ({since})"
+        first, last = complete + 1, self.state.step
+        steps = f"step {last}" if first == last else f"steps {first}-{last}"
+        return f"{steps} ({since})"
 
     def _agreed_signal(self, mine: Optional[str]) -> str:
         """The name of a signal some rank received (the lowest such rank's), the same on every rank."""

@@ -135,7 +135,11 @@ def test_what_stopping_loses_counts_a_save_still_written_as_lost(tmp_path):
 
     from megazero.trainer import Trainer
     writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, async_save=True)
-    run = SimpleNamespace(writer=writer, resumed_step=0, state=SimpleNamespace(step=12))
+    run = SimpleNamespace(writer=writer, resumed_step=0, state=SimpleNamespace(step=0))
+    assert Trainer._unsaved(run) == "nothing: no step had finished"  # not "step 0 is saved": there is none
+    run.state.step = 1
+    assert Trainer._unsaved(run) == "step 1 (no checkpoint yet)"
+    run.state.step = 12
     assert Trainer._unsaved(run) == "steps 1-12 (no checkpoint yet)"
     writer.save(10, {"model.pt": {"w": torch.ones(3)}})
     assert Trainer._unsaved(run) == "steps 1-12 (no checkpoint yet; step 10's is still being written and would be lost)"
