@@ -130,6 +130,9 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
     if d.blend is None and d.blend_preset is None:
         return [], ["data.blend: no training data; give [[weight, prefix], ...] of preprocessed datasets "
                     "(megazero preprocess) or data.blend_preset with data.blend_root"]
+    if d.blend_preset is not None and d.blend_root and not os.path.isdir(d.blend_root):  # one line, not one a dataset
+        return [], [f"data.blend_root: {d.blend_root} is not a directory; give the directory holding the datasets "
+                    f"of data.blend_preset {d.blend_preset}"]
     try:
         weights, prefixes = parse_blend(resolve_blend(d.blend, d.blend_preset, d.blend_root))
     except (ValueError, OSError) as exc:
