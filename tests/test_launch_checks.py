@@ -132,6 +132,8 @@ def test_a_setting_that_changes_nothing_is_said_at_the_start(files, capsys):
     assert main([*argv, "--parallel.recompute_every", "3"]) == 0
     assert "note: parallel.recompute_every 3 applies to parallel.recompute full only; with 'none'" in \
         capsys.readouterr().out
+    assert main([*argv, "--data.blend_root", "shared/data"]) == 0  # data.blend's paths are not under it
+    assert "note: data.blend_root shared/data applies to data.blend_preset only" in capsys.readouterr().out
 
 
 def test_a_wall_clock_stop_saves_even_without_save_on_exit(files, capsys):

@@ -172,6 +172,9 @@ def config_notes(cfg: Config) -> list[str]:
     if cfg.parallel.recompute_every != 1 and cfg.parallel.recompute != "full":
         notes.append(f"parallel.recompute_every {cfg.parallel.recompute_every} applies to parallel.recompute full "
                      f"only; with {cfg.parallel.recompute!r} it changes nothing")
+    if cfg.data.blend_root and cfg.data.blend_preset is None:  # not a root for data.blend's prefixes
+        notes.append(f"data.blend_root {cfg.data.blend_root} applies to data.blend_preset only; data.blend's "
+                     "prefixes are read as written, so it changes nothing")
     if not c.save_on_exit and not c.save_interval:
         limit = " or reaches train.max_wall_seconds" if t.max_wall_seconds is not None else ""
         notes.append(f"checkpoint.save_on_exit is false and checkpoint.save_interval 0: this run saves a checkpoint "
