@@ -80,7 +80,7 @@ class ScheduleConfig:
 
 @dataclass
 class DataConfig:
-    blend: Optional[list] = option(None, "Datasets as [[weight, prefix], ...] (prefix of .bin/.idx files)")
+    blend: Optional[list] = option(None, "Datasets as [[weight, prefix], ...] (prefix of .bin/.idx files; weights are relative, divided by their sum)")
     blend_preset: Optional[str] = option(None, "Named blend weights, e.g. mtnlg530b (prefixes from data.blend_root)")
     blend_root: Optional[str] = option(None, "Directory holding the preset blend's datasets")
     split: str = option("969,30,1", "Train,validation,test proportions of each dataset's documents")
