@@ -61,6 +61,12 @@ def _peer_memory_everywhere(cfg: Config, device: torch.device) -> bool:
     return bool(reach.item())
 
 
+RECOMPUTE_REPLAY_PROBLEM = ("parallel.recompute: recomputing tensor-parallel modules with dropout replays the "
+                            "tensor-parallel random stream, which torch.compile cannot trace; set model.dropout and "
+                            "model.attention_dropout to 0, parallel.recompute none, or train.compile false")
+"""Refused where the blocks are built; the start-up checks ask the planner's model of the same rule."""
+
+
 def parallelism(cfg: Config, device: torch.device, chunks: list[GPT]) -> Parallelism:
     """What ``parallelize_gpt`` needs from ``cfg`` (its auto settings resolved: ``resolve_auto``): the
     parallel, recompute, compile and ZeRO fields; refuses what this device cannot run on ``chunks``
@@ -74,9 +80,7 @@ def parallelism(cfg: Config, device: torch.device, chunks: list[GPT]) -> Paralle
         raise ConfigError("train.cuda_graphs: replays compiled blocks on GPUs; this run compiles nothing "
                           "or has no GPU, so set train.cuda_graphs false")
     if compile_ and p.tp > 1 and any(recompute_replays_tp_stream(c, p.recompute, p.recompute_every) for c in chunks):
-        raise ConfigError("parallel.recompute: recomputing tensor-parallel modules with dropout replays the "
-                          "tensor-parallel random stream, which torch.compile cannot trace; set model.dropout and "
-                          "model.attention_dropout to 0, parallel.recompute none, or train.compile false")
+        raise ConfigError(RECOMPUTE_REPLAY_PROBLEM)
     return Parallelism(seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
                        tp_comm=p.tp_comm, recompute=p.recompute,
                        recompute_every=p.recompute_every, compile=compile_, cuda_graphs=cfg.train.cuda_graphs,

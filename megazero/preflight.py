@@ -39,7 +39,7 @@ def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[i
     tokens (cached) to check the largest id against the model's vocabulary; ``ranks_per_node`` keeps
     the suggested layout's tensor groups within a node."""
     problems = _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
-    problems += _memory_problems(cfg, ranks_per_node)
+    problems += _memory_problems(cfg, ranks_per_node) + _recompute_problems(cfg)
     prefixes, data_problems = _data_prefixes(cfg)
     problems += data_problems
     tokenizer, tokenizer_problems = _tokenizer(cfg)
@@ -118,6 +118,20 @@ def _memory_problems(cfg: Config, ranks_per_node: Optional[int]) -> list[str]:
 
     problem = memory_problem(cfg, ranks_per_node)
     return [problem] if problem else []
+
+
+def _recompute_problems(cfg: Config) -> list[str]:
+    """A recompute the engine would refuse once the blocks are built (after the process group and
+    the data have started) is refused here, with the engine's message."""
+    if _device_problems(cfg):
+        return []
+    import torch
+
+    from megazero.engine import RECOMPUTE_REPLAY_PROBLEM
+    from megazero.planner.search import recompute_refused
+
+    on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    return [RECOMPUTE_REPLAY_PROBLEM] if recompute_refused(cfg, on_cuda=on_cuda) else []
 
 
 def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:

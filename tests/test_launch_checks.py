@@ -260,3 +260,17 @@ def test_the_epoch_check_skips_what_the_run_does_not_sample(files, tmp_path):
     assert _epochs_change(str(tmp_path / "absent"), 1.0, cfg, 4, 4000) is False
     assert _epochs_change(files["good"], 1.0, cfg, 4, 300) is False  # 319 samples an epoch
     assert _epochs_change(files["good"], 1.0, cfg, 4, 320) is True
+
+
+def test_check_refuses_a_recompute_the_engine_would_refuse(files, capsys, monkeypatch):
+    """Recomputing tensor-parallel modules that draw dropout, compiled, was refused only once the
+    engine built its blocks, after the process group and data had started: `train --check` passed it."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    argv = ["train", *_model(files["good"], str(files["root"] / "runs" / "replay")), "--check", "--parallel.tp", "2",
+            "--parallel.recompute", "full", "--model.dropout", "0.1"]
+    assert main([*argv, "--train.compile", "true"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.recompute: recomputing tensor-parallel modules with dropout" in err[0], err
+    assert main([*argv, "--train.compile", "false"]) == 0
+    assert main(argv) == 0  # train.compile null: off on this CPU, as the engine resolves it

@@ -98,14 +98,14 @@ def is_valid(cfg: Config, cluster: Cluster) -> bool:
     return not recompute_refused(cfg)
 
 
-def recompute_refused(cfg: Config) -> bool:
-    """Whether the engine, building this layout on the cluster's GPUs (``train.compile`` resolved
-    there), refuses its recompute: under tensor parallelism a recomputed module that draws dropout
-    replays the tensor-parallel random stream, which torch.compile cannot trace
-    (``engine.parallelism``). The engine asks it of the built blocks, so validation cannot; here each
-    kind of block a chunk recomputes is asked once."""
+def recompute_refused(cfg: Config, on_cuda: bool = True) -> bool:
+    """Whether the engine, building this layout on GPUs (``on_cuda``; else the CPU) with
+    ``train.compile`` resolved there, refuses its recompute (``engine.RECOMPUTE_REPLAY_PROBLEM``):
+    under tensor parallelism a recomputed module that draws dropout replays the tensor-parallel
+    random stream, which torch.compile cannot trace. The engine asks it of the built blocks, so
+    validation cannot; here each kind of block a chunk recomputes is asked once."""
     p = cfg.parallel
-    if p.tp == 1 or p.recompute == "none" or not resolve_auto(cfg, on_cuda=True, peer_memory=True).train.compile:
+    if p.tp == 1 or p.recompute == "none" or not resolve_auto(cfg, on_cuda=on_cuda, peer_memory=True).train.compile:
         return False
     every = p.recompute_every if p.recompute == "full" else 1  # the attention core is recomputed in every block
     model = tuple(vars(cfg.model).items())
