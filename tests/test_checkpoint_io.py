@@ -18,7 +18,7 @@ import torch
 
 from megazero.checkpoint import (
     CheckpointError, CheckpointWriter, PreemptionHandler, latest_checkpoint, list_checkpoints, load_file,
-    read_manifest, resolve_checkpoint, verify_checkpoint,
+    read_manifest, resolve_checkpoint, start_checkpoint, verify_checkpoint,
 )
 from tests.distributed import run_world
 
@@ -304,6 +304,10 @@ def test_a_damaged_only_checkpoint_is_one_line_with_the_callers_way_forward(tmp_
         latest_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match=r"restore it, or give another checkpoint as the SRC argument$"):
         resolve_checkpoint(tmp_path, source="the SRC argument")
+    with pytest.raises(CheckpointError, match=r"^checkpoint.save_dir: .* to train from step 0$"):
+        start_checkpoint(None, tmp_path)
+    with pytest.raises(CheckpointError, match=r"^checkpoint.save_dir: .* to start from checkpoint.load other/run$"):
+        start_checkpoint("other/run", tmp_path)  # with a load, moving it away starts there, not at step 0
     assert capsys.readouterr().err == ""
 
 

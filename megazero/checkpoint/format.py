@@ -265,8 +265,10 @@ def start_checkpoint(load: Optional[str], save_dir: str | os.PathLike) -> tuple[
     checkpoints out of it: a ``load`` that won there would roll back again at every relaunch, while
     retention deleted the new checkpoints and kept the old, newer-numbered ones. An error names the
     setting it comes from."""
+    fresh = "move it out of the way to train from step 0" if load is None else \
+        f"move it out of the way to start from checkpoint.load {load}"
     try:
-        own = latest_checkpoint(save_dir)
+        own = latest_checkpoint(save_dir, none_left=fresh)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint.save_dir: {exc}") from None
     if own is not None or load is None:
