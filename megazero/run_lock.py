@@ -58,10 +58,10 @@ def _pid_alive(pid: int) -> bool:
 class RunDirLock:
     """Held from ``acquire`` to ``release`` (or the process's end); a context manager too."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, field: str = "logging.run_dir",
+    def __init__(self, run_dir: str | os.PathLike, *, field: str = "logging.run_dir", what: str = "run directory",
                  heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
         self.path = Path(run_dir) / LOCK_FILE
-        self.field, self.what = field, "run directory" if field == "logging.run_dir" else "checkpoint directory"
+        self.field, self.what = field, what  # the setting that names the directory, and what it is
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
         self._stop = threading.Event()

@@ -70,20 +70,27 @@ def verify_consistent(cfg: Config) -> None:
                             f"config file, overrides and megazero checkout")
 
 
+def lock_directories(cfg: Config) -> list[RunDirLock]:
+    """Rank 0's locks: the run directory, and the checkpoint directory unless it is the same one (jobs
+    of two run directories may name one ``save_dir``). "The same" is asked of the filesystem once the
+    run directory exists: two spellings of one directory (a symlink, a bind mount, a case-insensitive
+    volume) would otherwise have the job refused by its own lock."""
+    run_lock = RunDirLock(cfg.logging.run_dir).acquire()
+    if os.path.isdir(cfg.save_dir) and os.path.samefile(cfg.save_dir, cfg.logging.run_dir):
+        return [run_lock]
+    try:
+        return [run_lock, RunDirLock(cfg.save_dir, field="checkpoint.save_dir", what="checkpoint directory").acquire()]
+    except BaseException:
+        run_lock.release()
+        raise
+
+
 def start_run(cfg: Config, launch: LaunchEnv) -> int:
     """Lock the run and checkpoint directories (rank 0), start the process group and topology, check
     that every rank agrees, train; returns the exit status."""
     from megazero.trainer import Trainer
 
-    locks = []
-    if launch.rank == 0:  # the checkpoints too: jobs of two run directories may name one save_dir
-        locks.append(RunDirLock(cfg.logging.run_dir).acquire())
-        if os.path.realpath(cfg.save_dir) != os.path.realpath(cfg.logging.run_dir):
-            try:
-                locks.append(RunDirLock(cfg.save_dir, field="checkpoint.save_dir").acquire())
-            except BaseException:
-                locks[0].release()
-                raise
+    locks = lock_directories(cfg) if launch.rank == 0 else []
     try:
         device, topology = initialize(cfg, launch)
         verify_consistent(cfg)

@@ -77,3 +77,34 @@ def test_a_run_directory_that_cannot_be_written_is_one_user_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="cannot write the run directory"):
         RunDirLock(tmp_path / "file" / "run").acquire()
+
+
+def _locked(run_dir, save_dir=None) -> list:
+    import dataclasses
+
+    from megazero.config.schema import Config
+    from megazero.startup import lock_directories
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=str(run_dir)),
+                              checkpoint=dataclasses.replace(cfg.checkpoint, save_dir=save_dir))
+    return lock_directories(cfg)
+
+
+def test_a_job_locks_its_checkpoint_directory_and_not_its_run_directory_twice(tmp_path, monkeypatch):
+    """Two jobs of their own run directories could share one save_dir; a save_dir that is the run
+    directory under another name (here a symlink, a relative path) is one directory, whose lock the
+    job must not take for another job's."""
+    locks = _locked(tmp_path / "run")  # the default: RUN_DIR/checkpoints, a directory of its own
+    assert [lock.path for lock in locks] == [tmp_path / "run" / LOCK_FILE, tmp_path / "run" / "checkpoints" / LOCK_FILE]
+    with pytest.raises(RunDirBusy, match="checkpoint directory is in use by .*checkpoint.save_dir"):
+        _locked(tmp_path / "other", save_dir=str(tmp_path / "run" / "checkpoints"))
+    assert not (tmp_path / "other" / LOCK_FILE).exists()  # the run directory's lock is given back
+    for lock in reversed(locks):
+        lock.release()
+    os.symlink(tmp_path / "run", tmp_path / "alias")
+    monkeypatch.chdir(tmp_path)
+    for save_dir in (str(tmp_path / "alias"), "run"):
+        locks = _locked(tmp_path / "run", save_dir=save_dir)
+        assert [lock.path for lock in locks] == [tmp_path / "run" / LOCK_FILE]
+        locks[0].release()
