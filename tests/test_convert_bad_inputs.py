@@ -432,6 +432,9 @@ def test_a_handwritten_megatron_checkpoint_imports(tmp_path):
     assert main(["convert", str(_megatron(tmp_path / "meg")), str(tmp_path / "out")]) == 0
     root = _megatron(tmp_path / "meg2", kv_channels=4, rotary_seq_len_interpolation_factor=1, apply_layernorm_1p=False)
     assert main(["convert", str(root), str(tmp_path / "out2")]) == 0
+    # rotary settings recorded beside learned positions change nothing there
+    root = _megatron(tmp_path / "meg3", rotary_percent=0.5, use_rope_scaling=True, rotary_seq_len_interpolation_factor=4)
+    assert main(["convert", str(root), str(tmp_path / "out3")]) == 0
 
 
 @pytest.mark.parametrize("drop,changes,want", [

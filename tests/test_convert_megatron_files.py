@@ -10,7 +10,8 @@ from tests.test_convert_bad_inputs import _fails, _megatron
 
 
 @pytest.mark.parametrize("text,want", [("7", "names iter_0000007, which"), ("release", "names release, which"),
-                                       ("junk", "holds 'junk', not an iteration number")])
+                                       ("junk", "holds 'junk', not an iteration number"),
+                                       ("5²", "holds '5²', not an iteration number")])  # a digit int() refuses
 def test_a_megatron_tracker_naming_no_iteration_here_is_refused(tmp_path, capsys, text, want):
     """Megatron-LM loads the iteration its tracker names or fails; another one was imported instead."""
     root = _megatron(tmp_path / "meg")

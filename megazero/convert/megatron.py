@@ -68,7 +68,7 @@ def iteration_dir(path: Path) -> Path:
     tracker = path / "latest_checkpointed_iteration.txt"
     if tracker.is_file():  # Megatron-LM loads what it names, or fails: so does the import, not another one
         text = tracker.read_text(errors="replace").strip()
-        if not (text.isdigit() or text == "release"):
+        if not ((text.isascii() and text.isdigit()) or text == "release"):  # int() refuses "²"
             raise UserError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'; give the "
                             "iter_* directory to import as SRC")
         named = path / (f"iter_{int(text):07d}" if text.isdigit() else "release")
@@ -292,16 +292,17 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     ``vocab_size`` (``--vocab-size``) is the tokenizer's, for args that record only the padded one."""
     get = lambda key, default=None: getattr(args, key, default)
     fix = "megazero's GPT has no counterpart; such a model cannot be imported"
-    for key, ok in (("apply_residual_connection_post_layernorm", False), ("rotary_interleaved", False),
-                    ("rotary_percent", 1.0), ("squared_relu", False), ("multi_latent_attention", False),
-                    ("num_experts", None), ("qk_layernorm", False), ("apply_layernorm_1p", False),
-                    ("use_rope_scaling", False), ("no_rope_freq", None)):
+    for key, ok in (("apply_residual_connection_post_layernorm", False), ("squared_relu", False),
+                    ("multi_latent_attention", False), ("num_experts", None), ("qk_layernorm", False),
+                    ("apply_layernorm_1p", False)):
         if get(key, ok) != ok:
             raise refuse(f"{where}: args.{key}", get(key), "is not supported", fix)
-    if get("rotary_seq_len_interpolation_factor") not in (None, 1):  # positions divided by it
-        raise refuse(f"{where}: args.rotary_seq_len_interpolation_factor", get("rotary_seq_len_interpolation_factor"),
-                     "is not supported", fix)
     position = {"learned_absolute": "learned", "rope": "rope"}.get(get("position_embedding_type", "learned_absolute"))
+    # the rotary settings change nothing where positions are learned, and are recorded there too
+    for key, ok in (("rotary_interleaved", (False,)), ("rotary_percent", (1.0,)), ("use_rope_scaling", (False,)),
+                    ("no_rope_freq", (None,)), ("rotary_seq_len_interpolation_factor", (None, 1))):
+        if position == "rope" and get(key, ok[0]) not in ok:  # the factor divides the positions
+            raise refuse(f"{where}: args.{key}", get(key), "is not supported", fix)
     if position is None:
         raise refuse(f"{where}: args.position_embedding_type", get("position_embedding_type"), "is not supported", fix)
     norm = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}.get(get("normalization", "LayerNorm"))

@@ -96,7 +96,7 @@ def reserve(group_name: str, nbytes: int, barrier_timeout_s: float) -> None:
     with the same size."""
     if barrier_timeout_s <= 0:
         raise ValueError(f"peer-memory barrier timeout must be positive, got {barrier_timeout_s} s")
-    _barrier_timeouts_ms[group_name] = min(int(barrier_timeout_s * 1000), 2**31 - 1)  # the kernel takes an int32
+    _barrier_timeouts_ms[group_name] = int(barrier_timeout_s * 1000)
     _workspace(group_name, nbytes)
 
 
