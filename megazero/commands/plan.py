@@ -75,7 +75,8 @@ def run(args) -> int:
         usable = largest_world(cfg, args.gpus, cluster.gpus_per_node)
         if not fixed and usable < args.gpus:
             raise UserError(f"no layout of {config_path} is valid on {args.gpus} GPUs: they do not split as tp (a power "
-                            f"of two dividing the {cluster.gpus_per_node} GPUs of a node and the model's heads) x pp (up to "
+                            f"of two dividing the {cluster.gpus_per_node} GPUs of a node, the model's head counts and MLP "
+                            f"width) x pp (up to "
                             f"model.num_layers {cfg.model.num_layers}) x dp (dividing train.global_batch_size "
                             f"{cfg.train.global_batch_size}); plan for {usable} GPUs, or raise train.global_batch_size")
         held = f" with {', '.join(sorted(fixed))} as given" if fixed else ""
