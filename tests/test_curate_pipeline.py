@@ -357,7 +357,14 @@ def test_dotted_overrides_reach_the_stage(tmp_path, capsys):
                    "settings (override one with --clean.FIELD VALUE) and run again"], err
     assert sorted(os.listdir(tmp_path / "out")) == ["00-input"]
     assert _cli(tmp_path, raw) == 0
-    assert json.loads((tmp_path / "out/01-clean/stats.json").read_text())["docs_out"] > 0
+    stats_path = tmp_path / "out/01-clean/stats.json"
+    stats = json.loads(stats_path.read_text())
+    assert stats["docs_out"] > 0
+    # an empty stage left complete by a version that let it through is not carried on with either
+    stats_path.write_text(json.dumps({**stats, "docs_out": 0}))
+    assert _cli(tmp_path, raw) == 2
+    assert "clean: dropped all 52 documents" in capsys.readouterr().err
+    assert not (tmp_path / "out/01-clean").exists()
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl.zst"])

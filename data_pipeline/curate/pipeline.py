@@ -200,12 +200,12 @@ def _run_stage(ctx: Context, name: str, stage_dir: str, fingerprint: dict, body:
         stats = _read_json(stats_path)
         if "docs_out" not in stats:
             raise ValueError(f"{stats_path}: damaged (no docs_out); delete its stage directory and run again")
+        _refuse_empty_stage(name, stage_dir, stats)  # one finished by a version that let it through
         log(f"{name}: already complete ({stats['docs_out']} documents)")
         return stats
     start = time.perf_counter()
     stats = {"stage": name, **body()}
-    if name != "input" and stats["docs_in"] and not stats["docs_out"]:
-        _refuse_empty_stage(name, stage_dir, stats)
+    _refuse_empty_stage(name, stage_dir, stats)
     stats["seconds"] = round(time.perf_counter() - start, 3)
     atomic_write_text(stats_path, json.dumps(stats, indent=1, sort_keys=True))
     log(summary_line(stats))
@@ -216,6 +216,8 @@ def _refuse_empty_stage(name: str, stage_dir: str, stats: dict) -> None:
     """A stage that dropped every document leaves the later stages and the tokenizer nothing: stop
     there, naming its drops, rather than finish a run that curated an empty corpus. Its folder goes,
     as the input's does, so the run with corrected settings starts it afresh."""
+    if name == "input" or not stats.get("docs_in") or stats["docs_out"]:
+        return
     shutil.rmtree(stage_dir)
     dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.get("dropped", {}).items()))
     raise ValueError(f"{name}: dropped all {stats['docs_in']} documents ({dropped}); loosen the {name} "
