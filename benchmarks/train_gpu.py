@@ -294,7 +294,7 @@ def main() -> None:
     base = [*PEER_OPTIMIZER, *tiny, *overrides]  # the command line's overrides win, --cpu's too
     cfg0 = load_config(args.config, base)
     device = pick_device(cfg0.train.device, launch.local_rank)
-    init_process_group(launch, device)
+    init_process_group(launch, device, cfg0.train.collective_timeout_s)
     for run in args.runs:
         run_args, micros = parse_run(run)
         cfg = load_config(args.config, base + run_args)
