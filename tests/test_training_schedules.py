@@ -116,6 +116,25 @@ def test_mtnlg_ramp_reaches_full_size():
     assert ramp.global_batch(10**12) == 1920
 
 
+def test_mtnlg_config_schedule_spans_the_papers_tokens_through_the_ramp():
+    """MT-NLG warms up over 1B tokens and decays to 10% over 340B; the schedule counts steps, and the
+    ramp's steps are smaller than full ones, so the config's step counts must be walked through it."""
+    from megazero.config import load_config
+
+    cfg = load_config("configs/mtnlg_530b.yaml", [])
+    ramp = build_batch_schedule(cfg.schedule, cfg.train, dp=8)
+    s, seq, full = cfg.schedule, cfg.model.seq_length, cfg.train.global_batch_size
+
+    def tokens_after(steps):
+        consumed = 0
+        for _ in range(steps):
+            consumed += ramp.global_batch(consumed)
+        return consumed * seq
+
+    assert 0 <= tokens_after(s.warmup_steps) - 10**9 < full * seq
+    assert 0 <= tokens_after(s.warmup_steps + s.decay_steps) - 340 * 10**9 < full * seq
+
+
 def test_ramp_is_monotone_and_always_a_multiple_of_micro_times_dp():
     ramp = mtnlg(micro=2, dp=24)  # unit 48: 32 -> 48, 64 -> 48, 96 -> 96, ...
     sizes = [ramp.global_batch(s) for s in range(0, MTNLG_RAMP_SAMPLES + 50_000, 50_000)]
