@@ -14,6 +14,7 @@ import contextlib
 import gzip
 import io
 import json
+import logging
 import os
 import zlib
 from collections import Counter
@@ -340,7 +341,7 @@ def _hf_batches(path: str, keys: tuple[str, ...], batch_size: int, split: str | 
                              "with --hf-split")
         ds = splits[split or "train"]
     else:
-        with _read_by_datasets(path):
+        with _read_by_datasets(path), _hub_retries_unlogged():
             ds = datasets.load_dataset(path, split=split or "train", streaming=True)
     columns = ds.column_names  # None for a streamed dataset whose columns are not known up front
     missing = [k for k in keys if columns is not None and k not in columns]
@@ -370,6 +371,22 @@ def _read_by_datasets(path: str):
         raise _not_readable(path, exc) from None
     except Exception as exc:  # noqa: BLE001 - a third-party reader's many exception types
         raise _not_readable(path, exc) from None
+
+
+@contextlib.contextmanager
+def _hub_retries_unlogged():
+    """Finding a hub dataset logs a warning for every retry of a request that cannot be made: offline,
+    ten lines over half a minute before the error that says the hub cannot be reached, which then
+    reads as one line (``_read_by_datasets``). Only warnings are held back; the error still ends the run."""
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _not_readable(path: str, exc: Exception) -> ValueError:

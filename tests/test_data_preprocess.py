@@ -256,6 +256,25 @@ def test_a_folder_of_text_files_is_refused(env, tmp_path, capsys):
               str(tmp_path / "t"), "--no-progress"], capsys, f"{folder}: a folder of .txt files", "one line per document")
 
 
+def test_an_unreachable_hub_name_is_one_line(env, tmp_path, capfd, monkeypatch):
+    """Offline, the hub client warns at every retry of a name it cannot reach (ten lines before the
+    error); the run reports the error alone, in one line."""
+    datasets = pytest.importorskip("datasets")
+    from huggingface_hub.utils import logging as hub_logging
+
+    def unreachable(path, **kwargs):
+        for attempt in range(1, 6):
+            hub_logging.get_logger("huggingface_hub.utils._http").warning(f"Retrying in 1s [Retry {attempt}/5].")
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    capfd.readouterr()
+    assert main(["preprocess", "--input", "no-user/no-dataset", "--tokenizer", env["model"], "--no-progress",
+                 "--output-prefix", str(tmp_path / "hub")]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "Couldn't reach 'no-user/no-dataset' on the Hub" in err, err
+
+
 def test_hf_split_is_checked_against_the_saved_dataset(env, tmp_path, capsys):
     """A saved DatasetDict without the split asked for names its splits; a saved single Dataset has no
     split to choose, so ``--hf-split`` there is refused rather than ignored."""
