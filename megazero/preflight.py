@@ -265,7 +265,10 @@ def _largest_token_id(cfg: Config, prefixes: list[str], tokenizer) -> tuple[Opti
                             "a writable directory")
             continue
         largest = max(largest, found)
-        record = read_origin(prefix)
+        try:
+            record = read_origin(prefix)
+        except (ValueError, OSError):
+            record = None  # a damaged or stale record: reported by the tokenizer-origin check
         if record is not None and found >= record["vocab_size"]:
             problems.append(f"data.blend: {prefix} holds token id {found} but records its tokenizer as "
                             f"{describe(record)}: the shard is not what its record says (rewritten since it was "

@@ -174,6 +174,19 @@ def test_a_shard_records_its_tokenizer_through_preprocess_and_merge(files, capsy
     assert main(_train(files, "--data.tokenizer", str(folder), "--check", prefix=merged)) == 0
 
 
+def test_a_damaged_tokenizer_record_is_one_line_at_check(files, capsys, tmp_path):
+    """The data scan reads each shard's record again after the tokenizer check has reported a damaged
+    one; it raised there, so `train --check` ended in a traceback instead of the report."""
+    prefix = str(tmp_path / "shard")
+    shutil.copy(files["good"] + ".bin", prefix + ".bin")
+    shutil.copy(files["good"] + ".idx", prefix + ".idx")
+    Path(prefix + ".tokenizer.json").write_text("{}")
+    capsys.readouterr()
+    assert main(_train(files, "--check", prefix=prefix)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "shard.tokenizer.json: damaged record of the shard's tokenizer" in err, err
+
+
 def test_a_checkpoint_knows_its_tokenizer_and_refuses_another(files, capsys, tmp_path):
     """A tokenizer of another vocabulary no larger than the model's decoded garbage in `generate` and
     exported a Hugging Face folder encoding text to ids the model never saw, without a word. A
