@@ -5,7 +5,9 @@ readable by Megatron) has no room to say which one. A shard made with another to
 or a smaller vocabulary passes every other check and trains on garbage. So preprocessing writes
 ``PREFIX.tokenizer.json`` (the tokenizer file's SHA-256 and vocabulary size), merging carries it
 over, and a run compares it with ``data.tokenizer``. Shards from elsewhere have no record and are
-taken as they are.
+taken as they are. The record also holds the SHA-256 of the ``.idx`` it was written for: a shard
+rewritten at the same prefix by another tool, which leaves the record behind, is refused instead of
+vouched for.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import hashlib
 import json
 import os
 from typing import Iterable, Optional
+
+from data_pipeline.indexed import idx_path
 
 
 def origin_path(prefix: str) -> str:
@@ -48,17 +52,27 @@ def same_tokenizer(a: dict, b: dict) -> bool:
     return a["tokenizer_sha256"] == b["tokenizer_sha256"] or (pieces is not None and pieces == b.get("pieces_sha256"))
 
 
+def _idx_sha256(prefix: str) -> str:
+    """The shard's ``.idx`` digest, as ``IndexedDataset.fingerprint`` has it."""
+    digest = hashlib.sha256()
+    with open(idx_path(prefix), "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_origin(prefix: str, identity: dict) -> None:
-    """Record ``identity`` for the shard at ``prefix`` (atomically: a half-written record would read as
-    damaged)."""
+    """Record ``identity`` for the finished shard at ``prefix``, with its ``.idx`` digest (atomically: a
+    half-written record would read as damaged)."""
     tmp = f"{origin_path(prefix)}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(identity, f)
+        json.dump({**identity, "idx_sha256": _idx_sha256(prefix)}, f)
     os.replace(tmp, origin_path(prefix))
 
 
 def read_origin(prefix: str) -> Optional[dict]:
-    """The shard's record, or None where it has none (made elsewhere); a damaged one is an error."""
+    """The shard's tokenizer identity, or None where it has no record (made elsewhere); a damaged
+    record, or one written for another ``.idx`` than the shard's now, is an error."""
     path = origin_path(prefix)
     if not os.path.exists(path):
         return None
@@ -70,6 +84,11 @@ def read_origin(prefix: str) -> Optional[dict]:
     except (OSError, ValueError, AttributeError) as exc:
         raise ValueError(f"{path}: damaged record of the shard's tokenizer ({exc}); delete it to use the shard "
                          "unchecked, or preprocess again") from None
+    written_for = record.pop("idx_sha256", None)  # absent from records older than the digest
+    if written_for is not None and written_for != _idx_sha256(prefix):
+        raise ValueError(f"{path}: was written for another {idx_path(prefix)} (the shard was rewritten since), so it "
+                         "does not say which tokenizer made this one; preprocess the shard again, or delete the "
+                         "record to use the shard unchecked")
     return record
 
 

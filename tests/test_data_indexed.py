@@ -102,6 +102,23 @@ def test_merge_carries_a_shared_tokenizer_record_and_refuses_a_partial_one(tmp_p
     assert not any(p.name.startswith("m.") for p in tmp_path.iterdir())
 
 
+def test_a_record_left_beside_a_rewritten_shard_is_refused(tmp_path):
+    """Another tool writing a shard at a recorded prefix leaves the old record behind; it must not vouch
+    for the new documents (a tokenizer of the same or a smaller vocabulary passes every other check)."""
+    from data_pipeline.shard_origin import read_origin, write_origin
+
+    record = {"tokenizer_sha256": "ab" * 32, "vocab_size": 70000, "tokenizer": "t.json"}
+    prefix = write(tmp_path / "a", DOCS[:2])
+    write_origin(prefix, record)
+    assert read_origin(prefix) == record
+    for suffix in (".bin", ".idx"):
+        os.unlink(prefix + suffix)
+    write(tmp_path / "a", DOCS[1:])
+    with pytest.raises(ValueError, match=f"a.tokenizer.json: was written for another {prefix}.idx .*preprocess "
+                                         "the shard again, or delete the record"):
+        read_origin(prefix)
+
+
 def test_interrupted_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError), IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
         w.add_document([1, 2, 3])
