@@ -17,8 +17,6 @@ import json
 import os
 from typing import Iterable, Optional
 
-from data_pipeline.indexed import idx_path
-
 
 def origin_path(prefix: str) -> str:
     return f"{prefix}.tokenizer.json"
@@ -52,10 +50,16 @@ def same_tokenizer(a: dict, b: dict) -> bool:
     return a["tokenizer_sha256"] == b["tokenizer_sha256"] or (pieces is not None and pieces == b.get("pieces_sha256"))
 
 
+def _idx_path(prefix: str) -> str:
+    """The shard's index file, named as ``indexed.idx_path`` names it (``indexed`` imports this module
+    to merge shards, so it is not imported here)."""
+    return f"{prefix}.idx"
+
+
 def _idx_sha256(prefix: str) -> str:
     """The shard's ``.idx`` digest, as ``IndexedDataset.fingerprint`` has it."""
     digest = hashlib.sha256()
-    with open(idx_path(prefix), "rb") as f:
+    with open(_idx_path(prefix), "rb") as f:
         while block := f.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
@@ -86,7 +90,7 @@ def read_origin(prefix: str) -> Optional[dict]:
                          "unchecked, or preprocess again") from None
     written_for = record.pop("idx_sha256", None)  # absent from records older than the digest
     if written_for is not None and written_for != _idx_sha256(prefix):
-        raise ValueError(f"{path}: was written for another {idx_path(prefix)} (the shard was rewritten since), so it "
+        raise ValueError(f"{path}: was written for another {_idx_path(prefix)} (the shard was rewritten since), so it "
                          "does not say which tokenizer made this one; preprocess the shard again, or delete the "
                          "record to use the shard unchecked")
     return record
