@@ -40,6 +40,30 @@ def build_datasets(cfg: Config, train_samples: int):
     return train, valid
 
 
+def shard_digests(cfg: Config) -> dict[str, str]:
+    """Each training shard's ``.idx`` digest (``IndexedDataset.fingerprint``) by its real path, as
+    checkpoints record them: a resume compares them, since a shard preprocessed again in place keeps
+    its path, and the samples consumed so far would then count through other documents. Shards that
+    cannot be opened are left out (their own check says why)."""
+    import os
+
+    from data_pipeline.blend import parse_blend, resolve_blend
+    from data_pipeline.indexed import IndexedDataset
+
+    d = cfg.data
+    try:
+        _, prefixes = parse_blend(resolve_blend(d.blend, d.blend_preset, d.blend_root))
+    except (ValueError, OSError):
+        return {}
+    digests = {}
+    for prefix in prefixes:
+        try:
+            digests[os.path.realpath(prefix)] = IndexedDataset(prefix).fingerprint
+        except (ValueError, OSError):
+            continue
+    return digests
+
+
 def tokenizer_record(cfg: Config) -> dict | None:
     """The tokenizer the run's token ids come from, as its checkpoints record it (``shard_origin``'s
     identity: the file's digest, vocabulary size and name): ``data.tokenizer`` where set (preflight

@@ -360,7 +360,7 @@ def _checkpoint_problems(cfg: Config) -> list[str]:
                    else "load another checkpoint")]
     if meta.get("step", 0) == 0 or cfg.checkpoint.allow_config_changes:
         return []  # nothing trained yet (a converted checkpoint): no data order or schedule to keep
-    problems = _resume_changes(saved, cfg, meta["step"]) + _tokenizer_change(meta, cfg)
+    problems = _resume_changes(saved, cfg, meta["step"]) + _tokenizer_change(meta, cfg) + _shard_changes(meta, cfg)
     return [f"{where}: {ckpt} (step {meta['step']}) {problem}; set it back, or set "
             "checkpoint.allow_config_changes true to resume anyway" for problem in problems]
 
@@ -393,6 +393,17 @@ def _tokenizer_change(meta: dict, cfg: Config) -> list[str]:
     if now is None or same_tokenizer(recorded, now):
         return []
     return [f"was trained on ids of {describe(recorded)}, and this run's data is of {describe(now)}"]
+
+
+def _shard_changes(meta: dict, cfg: Config) -> list[str]:
+    """Shards the checkpoint's run trained on whose contents changed since (preprocessed again at the
+    same path): its samples consumed would count through other documents. Checkpoints written
+    before shards were recorded, and shards this run no longer uses, are not compared."""
+    from megazero.data import shard_digests
+
+    saved = meta.get("shards") or {}
+    changed = [path for path, digest in shard_digests(cfg).items() if path in saved and saved[path] != digest]
+    return [f"was trained on other contents of {path} (its .idx changed since)" for path in changed]
 
 
 def _resume_changes(saved: dict, cfg: Config, step: int) -> list[str]:

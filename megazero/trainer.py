@@ -28,7 +28,7 @@ from megazero.checkpoint import (
 from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
-from megazero.data import build_datasets, recorded_tokenizer, tokenizer_record, train_samples
+from megazero.data import build_datasets, recorded_tokenizer, shard_digests, tokenizer_record, train_samples
 from megazero.device_watchdog import DeviceWatchdog
 from megazero.engine import Engine, layout_record, pipeline_split
 from megazero.errors import UserError
@@ -123,6 +123,7 @@ class Trainer:
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         self.train_data, self.valid_data = build_datasets(cfg, train_samples(cfg))
         self.tokenizer = tokenizer_record(cfg) if self.rank == 0 else None  # only rank 0's meta is kept
+        self.shards = shard_digests(cfg) if self.rank == 0 else None
         self.state = TrainState()
         self.saved_step = 0  # the step of the newest checkpoint this run saved or resumed from
         self.resumed_step = 0  # the step of the checkpoint this run resumed from (0: none)
@@ -204,6 +205,8 @@ class Trainer:
                 "bad_in_row": self.state.bad_in_row, "layout": layout_record(self.cfg), "config": config_to_dict(self.cfg)}
         if self.tokenizer is not None:
             meta["tokenizer"] = self.tokenizer
+        if self.shards:
+            meta["shards"] = self.shards
         self.writer.save(self.state.step, rank_files(self.engine.chunks, self.engine.optimizer, self.rank), meta=meta)
         self.state.saved_to = str(self.writer.root / step_dir_name(self.state.step))
         self.saved_step = self.state.step

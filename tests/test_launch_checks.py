@@ -6,6 +6,8 @@ line in this process on the files of ``tests/bad_input_files.py``.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -287,3 +289,24 @@ def test_check_refuses_a_recompute_the_engine_would_refuse(files, capsys, monkey
     assert len(err) == 1 and "parallel.recompute: recomputing tensor-parallel modules with dropout" in err[0], err
     assert main([*argv, "--train.compile", "false"]) == 0
     assert main(argv) == 0  # train.compile null: off on this CPU, as the engine resolves it
+
+
+def test_a_resume_on_a_shard_rewritten_in_place_is_refused(files, capsys):
+    """A shard preprocessed again at its path kept every checked name, so the resumed run counted its
+    samples consumed through other documents without a word; checkpoints now record each shard's
+    .idx digest."""
+    prefix = str(files["root"] / "inplace_text_document")
+    for name in (".bin", ".idx"):
+        shutil.copy(files["good"] + name, prefix + name)
+    argv = ["train", *_model(prefix, str(files["root"] / "inplace"))]
+    assert main([*argv, "--train.train_steps", "1"]) == 0
+    meta = json.loads((files["root"] / "inplace/checkpoints/step_0000001/COMPLETE").read_text())["meta"]
+    assert list(meta["shards"]) == [os.path.realpath(prefix)]
+    with IndexedDatasetWriter(prefix, np.uint16) as w:  # other documents at the same path
+        for i in range(64):
+            w.add_document(np.full(80 + (i % 2), 1 + i % 7, np.uint16))
+    capsys.readouterr()
+    assert main([*argv, "--train.train_steps", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"was trained on other contents of {os.path.realpath(prefix)}" in err[0], err
+    assert main([*argv, "--train.train_steps", "2", "--checkpoint.allow_config_changes", "true"]) == 0
