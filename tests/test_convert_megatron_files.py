@@ -36,3 +36,11 @@ def test_a_megatron_checkpoint_of_the_legacy_model_is_named_with_the_fix(tmp_pat
     state = torch.load(path, weights_only=False)
     torch.save({"args": state["args"], "model": {"language_model": {"embedding": {}, "encoder": {}}}}, path)
     assert "pre-megatron-core model (language_model.*)" in _fails(capsys, tmp_path, root)
+
+
+def test_no_verify_on_a_source_without_checksums_is_refused(tmp_path, capsys):
+    """--no-verify skips a megazero source's checksums; given with a Megatron source (or a Hugging Face
+    folder), which records none, it was accepted and did nothing."""
+    err = _fails(capsys, tmp_path, _megatron(tmp_path / "meg"), "--no-verify")
+    assert err.endswith("--no-verify: skips the checksums of a megazero source's files; this megatron source "
+                        "records none, so leave the flag out"), err

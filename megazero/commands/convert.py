@@ -115,6 +115,9 @@ def run(args) -> int:
     if args.vocab_size is not None and args.vocab_size < 1:
         raise UserError(f"--vocab-size: must be 1 or more, got {args.vocab_size}")
     source = open_source(src, args.source, verify=not args.no_verify, vocab_size=args.vocab_size)
+    if args.no_verify and source.kind != "megazero":  # else it would be taken as done and do nothing
+        raise UserError(f"--no-verify: skips the checksums of a megazero source's files; this {source.kind} "
+                        "source records none, so leave the flag out")
     target = args.to or ("hf" if source.kind == "megazero" else "megazero")
     hf_only = [flag for flag, value in (("--dtype", args.dtype), ("--tokenizer", args.tokenizer),
                                         ("--shard-size-gb", args.shard_size_gb)) if value is not None]
