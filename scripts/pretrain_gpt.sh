@@ -35,6 +35,11 @@ whole() {  # NAME VALUE LOWEST [HIGHEST]: refuse what torchrun would meet with a
 }
 
 # The knobs are checked first: a bad one would otherwise be found after the demo build.
+if [ -n "${CONFIG:-}" ] && [ ! -f "$CONFIG" ]; then  # else train's own error came amid torchrun's log lines
+  echo "pretrain_gpt.sh: error: CONFIG $CONFIG: no such file (a relative path is read from the repository" \
+       "root, where this script runs); give a YAML config such as configs/gpt_1.3b.yaml" >&2
+  exit 2
+fi
 [ -z "${NPROC_PER_NODE:-}" ] || whole NPROC_PER_NODE "$NPROC_PER_NODE" 1
 whole CPU_RANKS "${CPU_RANKS:-8}" 1
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
