@@ -37,15 +37,21 @@ def cached_arrays(cache_dir: str, kind: str, description: dict, names: tuple[str
     stem = os.path.join(cache_dir, f"{description_hash(description)}-{kind}")
     done = f"{stem}-description.json"
     paths = {n: f"{stem}-{n}.npy" for n in names}
-    if not os.path.exists(done):
+    # a file deleted from the cache (by hand, or a cleaner) is built again: the cache is derived data
+    complete = lambda: os.path.exists(done) and all(map(os.path.exists, paths.values()))  # noqa: E731
+    if not complete():
         with open(f"{stem}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                if not os.path.exists(done):
+                if not complete():
                     _write(build(), paths, done, description)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
-    return {n: np.load(p, mmap_mode="r") for n, p in paths.items()}
+    try:
+        return {n: np.load(p, mmap_mode="r") for n, p in paths.items()}
+    except (OSError, ValueError) as exc:  # truncated or overwritten: not for this run to guess which
+        raise ValueError(f"{stem}-*.npy: a cached index file cannot be read ({exc}); delete the files {stem}-* "
+                         "(or the cache directory) and run again to rebuild them") from None
 
 
 def _write(arrays: dict, paths: dict, done: str, description: dict) -> None:

@@ -138,6 +138,21 @@ def test_same_description_is_loaded_not_rebuilt(tmp_path, monkeypatch):
         GPTSamples(data, 6, 70, 6, cache_dir=str(tmp_path / "cache"))  # another seed is another index
 
 
+def test_a_cached_file_deleted_is_rebuilt_and_a_damaged_one_named(tmp_path):
+    """A file deleted from the cache (its description left) ended in a bare file-not-found error;
+    the cache is derived data, so it is built again. A damaged one is named with what to delete."""
+    data, _ = make_dataset(tmp_path / "d")
+    cache = tmp_path / "cache"
+    first = GPTSamples(data, 6, 70, 5, cache_dir=str(cache))
+    shuffle = next(cache.glob("*-shuffle_index.npy"))
+    shuffle.unlink()
+    again = GPTSamples(data, 6, 70, 5, cache_dir=str(cache))
+    np.testing.assert_array_equal(first.shuffle_index, again.shuffle_index)
+    shuffle.write_bytes(b"not an array")
+    with pytest.raises(ValueError, match=r"a cached index file cannot be read .*; delete the files .* and run again"):
+        GPTSamples(data, 6, 70, 5, cache_dir=str(cache))
+
+
 @pytest.mark.parametrize("change", ["seq_len", "num_samples", "seed", "split"])
 def test_an_index_built_for_other_inputs_is_not_reused(tmp_path, change):
     """Each input of the index is in its cache key: with one of them changed, the same cache folder
