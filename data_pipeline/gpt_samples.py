@@ -148,6 +148,8 @@ class GPTSamples:
         if which not in SPLIT_NAMES:
             raise ValueError(f"which must be one of {SPLIT_NAMES}, not {which!r}")
         self.data, self.seq_len = data, seq_len
+        if len(data) == 0:
+            raise ValueError(f"{data.prefix}: holds no documents; preprocess it again")
         start, end = split_ranges(split, len(data))[SPLIT_NAMES.index(which)]
         if end <= start:
             raise ValueError(f"{data.prefix}: split {split!r} leaves no documents for {which} "

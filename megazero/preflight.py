@@ -193,6 +193,8 @@ def _split_problems(data, cfg: Config, used: tuple[str, ...]) -> list[str]:
         ranges, shares = dict(zip(SPLIT_NAMES, split_ranges(cfg.data.split, len(data)))), parse_split(cfg.data.split)
     except ValueError:
         return []  # data.split itself is reported by its own check
+    if len(data) == 0:  # no split can help: megazero never writes one, another tool may have
+        return [f"data.blend: {data.prefix} holds no documents; preprocess it again, or leave it out of the blend"]
     problems = []
     for which in used:
         start, end = ranges[which]

@@ -49,6 +49,9 @@ def make_files(root: Path) -> dict:
     garbage = str(root / "garbage_text_document")
     Path(garbage + ".idx").write_bytes(b"not an index at all" * 10)
     Path(garbage + ".bin").write_bytes(b"\0" * 64)
+    nodocs = str(root / "nodocs_text_document")  # written by another tool: megazero never writes one
+    with IndexedDatasetWriter(nodocs, np.uint16):
+        pass
     only_idx = str(root / "onlyidx_text_document")
     shutil.copy(good + ".idx", only_idx + ".idx")
 
@@ -127,5 +130,5 @@ def make_files(root: Path) -> dict:
     (root / "bad_preset.yaml").write_text("datasets: [1.0, good_text_document]\n")
     return {"root": root, "good": good, "wide": wide, "recorded": recorded, "recorded_other": recorded_other,
             "rewritten": rewritten, "recorded_big": recorded_big, "truncated": truncated, "garbage": garbage,
-            "only_idx": only_idx, "ckpt": str(ckpt), "run": str(run), "flipped": str(flipped),
+            "only_idx": only_idx, "nodocs": nodocs, "ckpt": str(ckpt), "run": str(run), "flipped": str(flipped),
             "edited": str(edited), "partial": str(nocomplete), "pickled": str(pickled), "locked": str(locked)}

@@ -125,6 +125,8 @@ CASES = [
     ("seq-longer-than-data", lambda f: _train(f, "--model.seq_length", "6000"),
      ["model.seq_length: a sample of 6000 needs 6000+1 tokens", "good_text_document's train split holds 5120 (64 "]),
     ("split-no-training", lambda f: _train(f, "--data.split", "0,0,1"), ["data.split: '0,0,1' leaves no documents"]),
+    ("shard-no-documents", lambda f: _train(f, prefix=f["nodocs"]),
+     ["data.blend:", "nodocs_text_document holds no documents; preprocess it again, or leave it out of the blend"]),
     ("data-seed", lambda f: _train(f, "--data.seed", "-5"), ["data.seed: -5 is outside"]),
     # --- tokenizers -----------------------------------------------------------------------------
     ("tokenizer-missing", lambda f: _train(f, "--data.tokenizer", str(f["root"] / "nope.model")),
