@@ -134,6 +134,7 @@ def test_a_sharded_bf16_export_indexes_its_bytes(tmp_path):
 
 SCALER = {"kind": "DynamicLossScaler", "scale": 4096.0, "clean_steps": 17, "hysteresis_left": 1}
 TOKENIZER = {"tokenizer_sha256": "ab" * 32, "vocab_size": 40, "name": "tok.json"}
+SHARDS = {"data/corpus_text_document": "cd" * 32}
 
 
 @pytest.fixture
@@ -155,20 +156,21 @@ def run(tmp_path):
             for t in values[name].values():
                 t[source.cfg.vocab_size:] = 0  # vocabulary padding
     meta = {"step": 7, "consumed": 1234, "skipped": 2, "bad_in_row": 1, "config": asdict(Config(model=source.cfg)),
-            "tokenizer": TOKENIZER}
+            "tokenizer": TOKENIZER, "shards": SHARDS}
     write_checkpoint(tmp_path / "src", consolidated(shapes, source.cfg.num_layers),
                      lambda name, keys: {k: values[name][k] for k in keys}, step=7, meta=meta, with_moments=True,
                      adam_step=7.0, scaler=SCALER)
     return tmp_path / "src", values
 
 
-def test_offline_reshard_carries_progress_scaler_and_tokenizer_record(run, tmp_path):
+def test_offline_reshard_carries_progress_scaler_tokenizer_and_shard_records(run, tmp_path):
     src, values = run
     assert convert(src, tmp_path / "out", "--to", "megazero") == 0
     assert (tmp_path / "out" / "latest").read_text().strip() == "step_0000007"
     new = CheckpointReader(latest_checkpoint(tmp_path / "out"))
     assert (new.meta["step"], new.meta["consumed"], new.meta["skipped"], new.meta["bad_in_row"]) == (7, 1234, 2, 1)
     assert new.meta["tokenizer"] == TOKENIZER
+    assert new.meta["shards"] == SHARDS  # a resume still notices a shard preprocessed again since
     assert new.values(0, ("adam_step", "scaler")) == {"adam_step": 7.0, "scaler": SCALER}
     for name, want in values.items():
         got = new.read(name, STATE_KEYS)

@@ -2,7 +2,8 @@
 single-file state dict.
 
 A checkpoint written here starts training where the source left off when the source is a megazero
-checkpoint (step, consumed samples, Adam moments and step, loss scale: an offline reshard), and
+checkpoint (step, consumed samples, Adam moments and step, loss scale, the training shards' digests:
+an offline reshard), and
 from step 0 with fresh optimizer state otherwise (or with ``reset_step``): zero moments, Adam step
 0, and the data order of a new run (consumed samples 0). Its recorded training config is the
 source's, or a default one around the source's model section, so ``megazero train`` refuses a run
@@ -48,7 +49,8 @@ def write_megazero(source: Source, root: Path, reset_step: bool = False, run: Op
 
     if carry:
         saved = source.reader.meta
-        meta = {key: saved[key] for key in ("step", "consumed", "skipped", "bad_in_row", "config") if key in saved}
+        meta = {key: saved[key] for key in ("step", "consumed", "skipped", "bad_in_row", "config", "shards")
+                if key in saved}
         adam_step, scaler = source.optimizer_scalars()
     else:
         meta = {"step": 0, "consumed": 0, "skipped": 0, "bad_in_row": 0, "config": asdict(Config(model=cfg))}
