@@ -241,3 +241,28 @@ def test_offline_reshard_takes_the_adam_step_of_ranks_that_updated(tmp_path):
     assert convert(tmp_path / "src", tmp_path / "out", "--to", "megazero") == 0
     new = CheckpointReader(latest_checkpoint(tmp_path / "out"))
     assert new.values(0, ("adam_step",))["adam_step"] == 7.0
+
+
+def test_offline_reshard_drops_the_source_layouts_own_choices(tmp_path):
+    """A tp2 x pp2 run with sequence parallelism, two virtual stages, its own split and schedule (a
+    resumed run records the split it kept) converts to one rank: none of those fit there, and no
+    flag could unset them, so they revert to their defaults instead of refusing the conversion."""
+    from megazero.config import load_config
+    from megazero.convert.checkpoint_out import write_checkpoint
+    from megazero.convert.layout import consolidated
+    from megazero.convert.sources import logical_shapes
+
+    source = _Random(num_layers=4)
+    shapes = logical_shapes(source.cfg)
+    cfg = load_config(None, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.virtual_stages", "2",
+                             "--parallel.sequence_parallel", "true", "--parallel.pipeline_split", "[1, 1, 1, 1]",
+                             "--parallel.pipeline_schedule", "interleaved_1f1b"])
+    meta = {"step": 3, "consumed": 48, "skipped": 0, "bad_in_row": 0,
+            "config": asdict(replace(cfg, model=source.cfg))}
+    write_checkpoint(tmp_path / "src", consolidated(shapes, 4), lambda name, keys: {k: torch.ones(shapes[name])
+                                                                                    for k in keys},
+                     step=3, meta=meta, with_moments=True, adam_step=3.0)
+    assert convert(tmp_path / "src", tmp_path / "out", "--to", "megazero", "--tp", "1", "--pp", "1", "--dp", "1") == 0
+    recorded = CheckpointReader(latest_checkpoint(tmp_path / "out")).meta["config"]["parallel"]
+    assert (recorded["sequence_parallel"], recorded["virtual_stages"], recorded["pipeline_split"],
+            recorded["pipeline_schedule"]) == (False, 1, None, "auto")

@@ -173,13 +173,26 @@ def run_config(source, layout: dict):
     from megazero.config.schema import Config
     from megazero.config.validate import resolve_config
     from megazero.convert.sources import source_meta
+    from parallel.pipeline.schedule import schedule_problem
 
     meta = source_meta(source)
     raw = meta.get("config") if isinstance(meta.get("config"), dict) else config_to_dict(Config(model=source.cfg))
     raw = {**raw, "model": dataclasses.asdict(source.cfg)}
+    before = dict(raw.get("parallel") or {})
     for field, value in layout.items():
         set_dotted(raw, field, value)
     p = raw["parallel"]
+    # What the source run chose for its own layout and the new one cannot take reverts to the
+    # default (no flag could unset it): sequence parallelism without tp, virtual stages without pp,
+    # a pipeline split or schedule made for another pipeline shape.
+    if p.get("tp") == 1:
+        p["sequence_parallel"], p["tp_comm"] = False, "auto"
+    if p.get("pp") == 1 and "parallel.virtual_stages" not in layout:
+        p["virtual_stages"] = 1
+    if (p.get("pp"), p.get("virtual_stages")) != (before.get("pp"), before.get("virtual_stages")):
+        p["pipeline_split"] = None
+        if schedule_problem(p.get("pipeline_schedule", "auto"), p.get("virtual_stages", 1)):
+            p["pipeline_schedule"] = "auto"
     dp = p.get("dp") or 1
     set_dotted(raw, "parallel.dp", None)  # derived from the world by validation
     cfg = build_dataclass(Config, raw, prefix="")
