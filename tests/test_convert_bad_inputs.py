@@ -57,17 +57,19 @@ def _rank_file(root: Path) -> Path:
     return latest_checkpoint(root) / "rank_00000.safetensors"
 
 
-def test_missing_rank_file(sources, tmp_path, capsys):
+@pytest.mark.parametrize("flags", [(), ("--no-verify",)])  # skipping the sha256 still checks presence and size
+def test_missing_rank_file(sources, tmp_path, capsys, flags):
     mz = _copy(sources / "mz", tmp_path)
     _rank_file(mz).unlink()
-    assert "rank_00000.safetensors: checkpoint file is missing" in _fails(capsys, tmp_path, mz)
+    assert "rank_00000.safetensors: checkpoint file is missing" in _fails(capsys, tmp_path, mz, *flags)
 
 
-def test_truncated_rank_file(sources, tmp_path, capsys):
+@pytest.mark.parametrize("flags", [(), ("--no-verify",)])
+def test_truncated_rank_file(sources, tmp_path, capsys, flags):
     mz = _copy(sources / "mz", tmp_path)
     data = _rank_file(mz).read_bytes()
     _rank_file(mz).write_bytes(data[: len(data) // 2])
-    assert "truncated" in _fails(capsys, tmp_path, mz)
+    assert "truncated" in _fails(capsys, tmp_path, mz, *flags)
 
 
 def test_checksum_mismatch(sources, tmp_path, capsys):

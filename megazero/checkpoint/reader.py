@@ -127,8 +127,8 @@ class CheckpointReader:
         if entry is None:
             raise CheckpointError(f"{self.ckpt}: {name} is not listed in {self.ckpt / 'COMPLETE'}; the checkpoint is "
                                   "damaged -- load an earlier one")
-        if self.verify and name not in self._verified:
-            verify_file(self.ckpt, name, entry)
+        if name not in self._verified:  # without ``verify``, the presence and size alone
+            verify_file(self.ckpt, name, entry, sha256=self.verify)
             self._verified.add(name)
         return self.ckpt / name
 

@@ -53,7 +53,7 @@ def register(subparsers) -> None:
                         help="From Megatron: the tokenizer's vocabulary, where its args record only the padded one "
                              "(padding rows are then left out)")
     parser.add_argument("--no-verify", action="store_true",
-                        help="Skip the sha256 check of a megazero source's files (sizes are still checked by reading)")
+                        help="Skip the sha256 check of a megazero source's files (their presence and sizes are still checked)")
     parser.set_defaults(func=run)
 
 
