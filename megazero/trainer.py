@@ -25,7 +25,7 @@ from megazero.checkpoint import (
     start_checkpoint,
     step_dir_name,
 )
-from megazero.checkpoint.state import load_checkpoint, rank_files
+from megazero.checkpoint.state import files_to_load, load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets, recorded_tokenizer, shard_digests, tokenizer_record, train_samples
@@ -186,9 +186,20 @@ class Trainer:
                       f"{unfinished[-1].name}; starting from step 0", flush=True)
             return
         meta = manifest["meta"]
+        same_layout = meta["layout"] == layout_record(self.cfg)
         try:
-            exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest,
-                                    same_layout=meta["layout"] == layout_record(self.cfg))
+            files_to_load(ckpt, self.rank, self.engine.optimizer, manifest, same_layout)
+            problem = None
+        except CheckpointError as exc:
+            problem = f"{source}: {exc}{earlier_instead(ckpt, source)}"
+        if self._control is not None:  # every rank stops on the first rank's damaged file, before loading
+            every = [None] * self.world
+            dist.all_gather_object(every, problem, group=self._control)
+            problem = next((p for p in every if p), None)
+        if problem:
+            raise CheckpointError(problem)
+        try:
+            exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest, same_layout)
         except CheckpointError as exc:
             raise CheckpointError(f"{source}: {exc}{earlier_instead(ckpt, source)}") from None
         self.saved_step = self.resumed_step = meta["step"]

@@ -533,3 +533,24 @@ def test_the_profiled_window_pauses_queueing_alike_on_every_rank(tmp_path, layou
     assert not StepProfiler(None, [0], 0, str(tmp_path), torch.device("cpu")).pauses_after(3)
     assert layouts["profiled_rank0_files"] == ["rank0_steps2-3.json.gz"]
     assert len(layouts["profiled_rank0"]) == 4
+
+
+def test_a_damaged_rank_file_stops_every_rank_with_its_one_line(data_prefix, tmp_path):
+    """A resume whose rank 1 file is damaged: rank 1 named it, rank 0 went on into the load's
+    collectives and died on the lost connection with a traceback. Every rank checks the files it
+    will read first, and all stop on the first rank's line."""
+    cfg = _write_config(tmp_path / "bad.yaml", data_prefix, str(tmp_path / "bad"), 2)
+    assert _launch(cfg, 2).wait(timeout=300) == 0
+    ckpt = latest_checkpoint(tmp_path / "bad" / "checkpoints")
+    damaged = ckpt / "rank_00001.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    damaged.write_bytes(bytes(data))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    done = subprocess.run([sys.executable, "-m", "parallel.launch", "--standalone", "--nproc_per_node", "2",
+                           "-m", "megazero.cli", "train", cfg, "--train.train_steps", "4"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    errors = sorted({line for line in out.splitlines() if "megazero train: error:" in line})
+    assert len(errors) == 1 and f"{damaged}: sha256" in errors[0], out
+    assert "Traceback" not in out and "Connection closed" not in out, out

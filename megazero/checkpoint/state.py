@@ -18,11 +18,12 @@ added or dropped by a different padding (the vocabulary is padded to 128·tp) ar
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
 
-from megazero.checkpoint.format import CheckpointError, load_file
+from megazero.checkpoint.format import CheckpointError, load_file, verify_file
 from megazero.checkpoint.reader import CheckpointReader, index_file, rank_file
 from megazero.optim import STATE_KEYS, ShardedAdamW
 from models.embedding import fit_rows
@@ -53,6 +54,34 @@ def restore_rng(chunks, state: dict) -> None:
             chunk.tp_rng.state = tp_state
 
 
+def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> list[str]:
+    """The files ``load_checkpoint`` reads on this rank (its own, or those holding its tensors), each
+    checked (size and sha256) here, before anything is loaded. A rank that meets a damaged file
+    inside the load would stop there, while its peers wait in the load's closing collectives and
+    then fail on the lost connection: checked first, every rank can agree on the error instead. (An
+    exact resume whose saved shard turns out padded otherwise falls back to resharding, whose files
+    are then checked as they are read.)"""
+    if _exact(ckpt, rank, optimizer, manifest, same_layout):
+        names = [rank_file(rank)]
+    else:
+        reader = CheckpointReader(ckpt, manifest)
+        held = set(reader.holders(name for name, _, _ in optimizer.local_tensors()))
+        if same_layout and rank_file(rank) in manifest["files"]:
+            held.add(rank)  # its random generators
+        names = [rank_file(r) for r in sorted(held)]
+    for name in names:
+        verify_file(Path(ckpt), name, manifest["files"][name])
+    return names
+
+
+def _exact(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> bool:
+    """Whether this rank's own file holds its shard laid out as it is now (the exact resume)."""
+    if not (same_layout and rank_file(rank) in manifest["files"]):
+        return False
+    mine, saved = optimizer.describe(), _description(ckpt, rank, manifest)
+    return saved["params"] == mine["params"] and torch.equal(saved["segments"], mine["segments"])
+
+
 def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> bool:
     """Load ``ckpt`` into this rank; returns True for an exact (same-layout) resume.
 
@@ -66,15 +95,12 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
     resumed exactly, must draw the same dropout masks as it does.
     """
     own_file = same_layout and rank_file(rank) in manifest["files"]
-    if own_file:
-        mine = optimizer.describe()
-        saved = _description(ckpt, rank, manifest)
-        if saved["params"] == mine["params"] and torch.equal(saved["segments"], mine["segments"]):
-            state = load_file(ckpt, rank_file(rank), manifest=manifest)
-            if state["master"].numel() == optimizer.master.numel():  # the padding may differ (older layouts)
-                optimizer.load_sharded_state_dict(state)
-                restore_rng(chunks, state["rng"])
-                return True
+    if _exact(ckpt, rank, optimizer, manifest, same_layout):
+        state = load_file(ckpt, rank_file(rank), manifest=manifest)
+        if state["master"].numel() == optimizer.master.numel():  # the padding may differ (older layouts)
+            optimizer.load_sharded_state_dict(state)
+            restore_rng(chunks, state["rng"])
+            return True
     reader = CheckpointReader(ckpt, manifest)
     load_resharded(reader, optimizer)
     if own_file:
