@@ -49,6 +49,16 @@ def test_a_config_the_files_do_not_match_is_refused(tmp_path, capsys, to, change
     assert want in _fails(capsys, tmp_path, tmp_path / "mz", "--to", to, dst=dst)
 
 
+def test_a_parameter_the_config_describes_but_the_files_lack_is_refused(tmp_path, capsys):
+    """A tied checkpoint whose config was edited to untie the head describes an ``lm_head.weight`` the
+    files do not hold: the conversion must name it in one line, not end in a KeyError traceback when
+    it compares shapes."""
+    write_megazero(_Random(**{**LLAMA, "tie_embeddings": True}), tmp_path / "mz")
+    _reseal(tmp_path / "mz", tie_embeddings=False)
+    assert "holds no parameter 'lm_head.weight' of the model its config describes" in \
+        _fails(capsys, tmp_path, tmp_path / "mz", "--to", "hf")
+
+
 def test_a_checkpoint_laid_out_at_tp2_has_the_rows_of_its_padding(tmp_path):
     """The vocabulary is padded to 128·tp of the layout the files were written at (256 rows at tp 2
     for 61 tokens): that is the config's shape, not a mismatch."""
