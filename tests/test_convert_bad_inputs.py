@@ -439,6 +439,22 @@ def test_a_handwritten_megatron_checkpoint_imports(tmp_path):
     assert main(["convert", str(root), str(tmp_path / "out3")]) == 0
 
 
+def test_megatron_rope_args_with_the_values_megatron_records_for_no_change_are_taken():
+    """A rope model's args hold the rotary switches at the values that change nothing (an interpolation
+    factor of 1 included, which Megatron-LM records for "none"): such a model must import, not be
+    refused as unsupported by the checks that guard the values megazero cannot compute."""
+    import argparse
+
+    from megazero.convert.megatron import model_config
+
+    args = argparse.Namespace(num_layers=2, hidden_size=16, ffn_hidden_size=64, num_attention_heads=4,
+                              padded_vocab_size=128, max_position_embeddings=8, seq_length=8, openai_gelu=True,
+                              position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0,
+                              rotary_interleaved=False, use_rope_scaling=False, no_rope_freq=None,
+                              rotary_seq_len_interpolation_factor=1, kv_channels=4)
+    assert model_config(args, "args").position_embedding == "rope"
+
+
 @pytest.mark.parametrize("drop,changes,want", [
     ((), {"padded_vocab_size": 0}, "args.vocab_size (model.vocab_size)"),  # converted into a model of no vocabulary
     ((), {"num_attention_heads": 3}, "args.num_attention_heads (model.num_heads)"),  # blamed on the weights
@@ -454,6 +470,7 @@ def test_a_handwritten_megatron_checkpoint_imports(tmp_path):
     ((), {"position_embedding_type": "rope", "use_rope_scaling": True}, "args.use_rope_scaling"),
     ((), {"position_embedding_type": "rope", "rotary_seq_len_interpolation_factor": 4},
      "args.rotary_seq_len_interpolation_factor"),
+    ((), {"position_embedding_type": "rope", "no_rope_freq": [3]}, "args.no_rope_freq"),  # layers without rotary
     ((), {"kv_channels": 8}, "args.kv_channels: 8 differs from args.hidden_size / args.num_attention_heads = 4"),
 ])
 def test_megatron_args_are_checked_as_a_model_config(tmp_path, capsys, drop, changes, want):
