@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_convert_bad_inputs import _fails, _megatron
+from tests.test_convert_bad_inputs import _fails, _llama, _megatron
 
 
 @pytest.mark.parametrize("text,want", [("7", "names iter_0000007, which"), ("release", "names release, which"),
@@ -38,9 +38,11 @@ def test_a_megatron_checkpoint_of_the_legacy_model_is_named_with_the_fix(tmp_pat
     assert "pre-megatron-core model (language_model.*)" in _fails(capsys, tmp_path, root)
 
 
-def test_no_verify_on_a_source_without_checksums_is_refused(tmp_path, capsys):
-    """--no-verify skips a megazero source's checksums; given with a Megatron source (or a Hugging Face
-    folder), which records none, it was accepted and did nothing."""
-    err = _fails(capsys, tmp_path, _megatron(tmp_path / "meg"), "--no-verify")
-    assert err.endswith("--no-verify: skips the checksums of a megazero source's files; this megatron source "
+@pytest.mark.parametrize("kind", ["megatron", "hf"])
+def test_no_verify_on_a_source_without_checksums_is_refused(tmp_path, capsys, kind):
+    """--no-verify skips a megazero source's checksums; given with a Megatron source or a Hugging Face
+    folder, which record none, it was accepted and did nothing."""
+    src = _megatron(tmp_path / "meg") if kind == "megatron" else _llama(tmp_path / "hf")
+    err = _fails(capsys, tmp_path, src, "--no-verify")
+    assert err.endswith(f"--no-verify: skips the checksums of a megazero source's files; this {kind} source "
                         "records none, so leave the flag out"), err
