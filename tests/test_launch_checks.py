@@ -291,6 +291,36 @@ def test_check_refuses_a_recompute_the_engine_would_refuse(files, capsys, monkey
     assert main(argv) == 0  # train.compile null: off on this CPU, as the engine resolves it
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_recompute_on_a_device_not_here_is_said_once_as_the_device(files, capsys, monkeypatch):
+    """Where train.device names CUDA and none is visible, the device is the one problem to say: the
+    recompute check, which resolves train.compile for that device, is not asked as well."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    argv = ["train", *_model(files["good"], str(files["root"] / "runs" / "replay_nocuda")), "--check",
+            "--parallel.tp", "2", "--parallel.recompute", "full", "--model.dropout", "0.1", "--train.compile", "true",
+            "--train.device", "cuda"]
+    assert main(argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.device: is 'cuda' but no CUDA device is visible here" in err[0], err
+
+
+def test_a_checkpoint_that_records_no_shards_resumes(files, capsys):
+    """Checkpoints written before shards were recorded hold no digests: they have nothing to compare,
+    and a resume from one must go on, not be refused as if every shard had been rewritten."""
+    from megazero.checkpoint.format import CHECKSUM, complete_text
+
+    argv = ["train", *_model(files["good"], str(files["root"] / "unrecorded"))]
+    assert main([*argv, "--train.train_steps", "1"]) == 0
+    path = files["root"] / "unrecorded/checkpoints/step_0000001/COMPLETE"
+    record = json.loads(path.read_text())
+    record.pop(CHECKSUM)
+    del record["meta"]["shards"]  # as an older version wrote it
+    path.write_text(complete_text(record))
+    capsys.readouterr()
+    assert main([*argv, "--train.train_steps", "2"]) == 0, capsys.readouterr().err
+
+
 def test_a_resume_on_a_shard_rewritten_in_place_is_refused(files, capsys):
     """A shard preprocessed again at its path kept every checked name, so the resumed run counted its
     samples consumed through other documents without a word; checkpoints now record each shard's
