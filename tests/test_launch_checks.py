@@ -321,6 +321,22 @@ def test_a_checkpoint_that_records_no_shards_resumes(files, capsys):
     assert main([*argv, "--train.train_steps", "2"]) == 0, capsys.readouterr().err
 
 
+def test_a_resume_on_a_shard_gone_since_is_its_own_one_line(files, capsys):
+    """A shard deleted since the checkpoint was written is said as the missing shard it is; comparing
+    the checkpoint's shard digests must leave it to that check, not end in a traceback of its own."""
+    prefix = str(files["root"] / "gone_text_document")
+    for name in (".bin", ".idx"):
+        shutil.copy(files["good"] + name, prefix + name)
+    argv = ["train", *_model(prefix, str(files["root"] / "gone"))]
+    assert main([*argv, "--train.train_steps", "1"]) == 0
+    os.remove(prefix + ".idx")
+    capsys.readouterr()
+    assert main([*argv, "--train.train_steps", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and all(line.startswith("megazero train: error: ") for line in err), err
+    assert any("gone_text_document" in line for line in err), err
+
+
 def test_a_resume_on_a_shard_rewritten_in_place_is_refused(files, capsys):
     """A shard preprocessed again at its path kept every checked name, so the resumed run counted its
     samples consumed through other documents without a word; checkpoints now record each shard's
