@@ -108,3 +108,15 @@ def test_a_job_locks_its_checkpoint_directory_and_not_its_run_directory_twice(tm
         locks = _locked(tmp_path / "run", save_dir=save_dir)
         assert [lock.path for lock in locks] == [tmp_path / "run" / LOCK_FILE]
         locks[0].release()
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_names_its_setting(tmp_path):
+    """The checkpoint directory's lock is taken beside the run directory's: where it cannot be written,
+    the error must name checkpoint.save_dir (logging.run_dir is fine and would send the user to the
+    wrong setting), and the run directory's lock is given back."""
+    from megazero.errors import UserError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="cannot write the checkpoint directory .*; set checkpoint.save_dir to"):
+        _locked(tmp_path / "run", save_dir=str(tmp_path / "file" / "checkpoints"))
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
