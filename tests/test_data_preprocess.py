@@ -258,11 +258,20 @@ def test_a_folder_of_text_files_is_refused(env, tmp_path, capsys):
 
 def test_an_unreachable_hub_name_is_one_line(env, tmp_path, capfd, monkeypatch):
     """Offline, the hub client warns at every retry of a name it cannot reach (ten lines before the
-    error); the run reports the error alone, in one line."""
+    error); the run reports the error alone, in one line. Where the warnings land depends on the
+    handler the hub's logger was first given (an earlier test's stream, in a whole-file run), so the
+    levels are checked too: warnings held back while the dataset is looked up, and the levels the
+    user set back afterwards."""
+    import logging
+
     datasets = pytest.importorskip("datasets")
     from huggingface_hub.utils import logging as hub_logging
 
+    before = [logging.getLogger(name).level for name in ("huggingface_hub", "datasets")]
+    warned = []
+
     def unreachable(path, **kwargs):
+        warned.append(hub_logging.get_logger("huggingface_hub.utils._http").isEnabledFor(logging.WARNING))
         for attempt in range(1, 6):
             hub_logging.get_logger("huggingface_hub.utils._http").warning(f"Retrying in 1s [Retry {attempt}/5].")
         raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
@@ -273,6 +282,8 @@ def test_an_unreachable_hub_name_is_one_line(env, tmp_path, capfd, monkeypatch):
                  "--output-prefix", str(tmp_path / "hub")]) == 2
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "Couldn't reach 'no-user/no-dataset' on the Hub" in err, err
+    assert warned == [False]
+    assert [logging.getLogger(name).level for name in ("huggingface_hub", "datasets")] == before
 
 
 def test_hf_split_is_checked_against_the_saved_dataset(env, tmp_path, capsys):
