@@ -119,6 +119,20 @@ def test_a_record_left_beside_a_rewritten_shard_is_refused(tmp_path):
         read_origin(prefix)
 
 
+def test_a_record_written_before_the_idx_digest_is_still_read(tmp_path):
+    """Shards preprocessed by a version that did not record the ``.idx`` digest keep their record: it
+    is read as it stands, not refused as written for another shard (every such shard would have to
+    be preprocessed again)."""
+    import json
+
+    from data_pipeline.shard_origin import origin_path, read_origin
+
+    record = {"tokenizer_sha256": "ab" * 32, "vocab_size": 70000, "tokenizer": "t.json"}
+    prefix = write(tmp_path / "a", DOCS[:2])
+    Path(origin_path(prefix)).write_text(json.dumps(record))
+    assert read_origin(prefix) == record
+
+
 def test_interrupted_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError), IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
         w.add_document([1, 2, 3])
