@@ -334,7 +334,8 @@ def test_plan_ranks_only_layouts_the_trainer_accepts():
 def test_plan_ranks_only_layouts_the_engine_builds():
     """With dropout, a compiled tensor-parallel run cannot recompute the blocks that draw it: the engine
     refuses such a layout as it builds its blocks, after validation (planted: the planner ranked
-    them); with train.compile false it builds them, and they are ranked."""
+    them); with train.compile false it builds them, and they are ranked, as are those of one tensor
+    rank, compiled or not."""
     import torch
 
     from megazero.config.auto import resolve_auto
@@ -349,8 +350,10 @@ def test_plan_ranks_only_layouts_the_engine_builds():
         for rank in range(cfg.parallel.pp):
             parallelism(cfg, torch.device("cuda"), build_chunks(cfg, rank))  # raises ConfigError if refused
     assert {c.layout.tp for c in ranked} > {1}
+    # without tensor parallelism dropout comes from the default generator, which recompute restores
+    assert any(c.layout.tp == 1 and c.layout.recompute == "full" for c in ranked)
     uncompiled = plan(load_config("configs/gpt_1.3b.yaml", [*small, "--train.compile", "false"]), cluster)
-    assert any(c.layout.tp > 1 and c.layout.recompute != "none" for c in uncompiled)
+    assert any(c.layout.tp > 1 and c.layout.recompute == "full" for c in uncompiled)
 
 
 def test_plan_weighs_the_zero_bubble_schedules():
