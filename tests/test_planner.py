@@ -466,6 +466,26 @@ def test_layouts_that_do_not_fit_come_nearest_first(capsys):
     assert [r["needed_gib"] for r in rows] == sorted(r["needed_gib"] for r in rows)
 
 
+@pytest.mark.parametrize("overrides, gpus, per_node, usable", [
+    (["--train.global_batch_size", "3"], 6, 8, 6),  # part of one node: tp 2 x dp 3
+    (["--train.global_batch_size", "2"], 512, 8, 384),  # whole nodes: 24 blocks x tp 8 x dp 2
+    (["--train.global_batch_size", "3", "--model.num_layers", "1"], 16, 8, 8),  # not 12 (tp 4 x dp 3): 1.5 nodes
+    # 12 heads take tp up to 4: 2 blocks x tp 4, not tp 8
+    (["--train.global_batch_size", "1", "--model.num_layers", "2", "--model.num_heads", "12",
+      "--model.hidden_size", "768"], 16, 8, 8),
+    # tp 4 does not divide a node of 6: beyond one node only tp 2, which 3 blocks and a batch of 1 cap at 6
+    (["--train.global_batch_size", "1", "--model.num_layers", "3"], 12, 6, 6),
+])
+def test_the_gpus_a_plan_could_use_split_as_the_search_splits_them(overrides, gpus, per_node, usable):
+    """The "plan for N GPUs" a plan with no valid layout offers: N must split as the search splits a
+    world (a part of one node or whole nodes; tp a power of two the model's widths take, within a
+    node; pp at most a stage a block; dp dividing the batch), or the user is sent to another count
+    that has no layout either."""
+    from megazero.planner.search import largest_world
+
+    assert largest_world(load_config("configs/gpt_1.3b.yaml", overrides), gpus, per_node) == usable
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--gpus", "12", "--gpus-per-node", "8"], ["--gpus 12", "--gpus-per-node 8"]),
     (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "0"], ["--peak-tflops"]),
