@@ -49,7 +49,7 @@ def cached_arrays(cache_dir: str, kind: str, description: dict, names: tuple[str
                 fcntl.flock(lock, fcntl.LOCK_UN)
     try:
         return {n: np.load(p, mmap_mode="r") for n, p in paths.items()}
-    except (OSError, ValueError) as exc:  # truncated or overwritten: not for this run to guess which
+    except (OSError, ValueError, EOFError) as exc:  # truncated (to nothing: EOFError) or overwritten
         raise ValueError(f"{stem}-*.npy: a cached index file cannot be read ({exc}); delete the files {stem}-* "
                          "(or the cache directory) and run again to rebuild them") from None
 
