@@ -291,6 +291,25 @@ def test_check_refuses_a_recompute_the_engine_would_refuse(files, capsys, monkey
     assert main(argv) == 0  # train.compile null: off on this CPU, as the engine resolves it
 
 
+def test_check_resolves_compile_for_the_gpus_it_would_run_on(files, capsys, monkeypatch):
+    """With train.device auto on a machine with GPUs, train.compile null resolves to on, as the engine
+    resolves it there: the recompute it would refuse is refused by --check too (the CPU-only answer
+    passed it). The GPUs are faked, so the memory check, which reads their size, is left out."""
+    import torch
+
+    from megazero import preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(preflight, "_memory_problems", lambda cfg, ranks_per_node: [])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    argv = ["train", *_model(files["good"], str(files["root"] / "runs" / "replay_auto")), "--check",
+            "--parallel.tp", "2", "--parallel.recompute", "full", "--model.dropout", "0.1", "--train.device", "auto"]
+    assert main(argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.recompute: recomputing tensor-parallel modules with dropout" in err[0], err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_recompute_on_a_device_not_here_is_said_once_as_the_device(files, capsys, monkeypatch):
     """Where train.device names CUDA and none is visible, the device is the one problem to say: the
