@@ -111,6 +111,9 @@ CASES = [
     ("blend-root-missing", lambda f: _train(f, "--data.blend", "null", "--data.blend_preset", "mtnlg530b",
                                             "--data.blend_root", str(f["root"] / "nope")),  # not 15 missing shards
      ["data.blend_root: ", "nope is not a directory", "data.blend_preset mtnlg530b"]),
+    ("blend-root-file", lambda f: _train(f, "--data.blend", "null", "--data.blend_preset", "mtnlg530b",
+                                         "--data.blend_root", str(f["root"] / "notes.txt")),  # a file, not a folder
+     ["data.blend_root: ", "notes.txt is not a directory", "data.blend_preset mtnlg530b"]),
     ("blend-preset-entry", lambda f: _train(f, "--data.blend", "null", "--data.blend_preset",
                                             str(f["root"] / "bad_preset.yaml"), "--data.blend_root", str(f["root"])),
      ["bad_preset.yaml", "datasets[0] is 1.0", "[weight, name]"]),
