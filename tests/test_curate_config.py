@@ -79,6 +79,8 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     ("executor.kind", "spark", r"executor\.kind: 'spark' is not one of local, ray"),
     ("input.shard_docs", "0", r"input\.shard_docs: 0 must be at least 1"),
     ("input.paths", "[raw.jsonl, notes.txt]", r"input\.paths: .*notes\.txt: unknown input type; use \.jsonl"),
+    # every file a glob matches, not only its first (empty.jsonl)
+    ("input.paths", "['[ent]*']", r"input\.paths: .*notes\.txt: unknown input type; .* or narrow the glob"),
 ])
 def test_bad_option_is_one_line_before_any_stage(tmp_path, capsys, base, field, value, message):
     line = refused(tmp_path, capsys, base, f"--{field}", value)
