@@ -478,16 +478,6 @@ def test_megatron_args_are_checked_as_a_model_config(tmp_path, capsys, drop, cha
     assert want in err and "model_optim_rng.pt" in err, err
 
 
-def test_a_megatron_root_without_its_tracker_imports_its_newest_iteration(tmp_path):
-    from megazero.convert.megatron import iteration_dir
-
-    root = _megatron(tmp_path / "meg")
-    (root / "latest_checkpointed_iteration.txt").unlink()
-    shutil.copytree(root / "iter_0000005", root / "iter_0000010")
-    shutil.copytree(root / "iter_0000005", root / "iter_0000002")
-    assert iteration_dir(root).name == "iter_0000010"
-
-
 def test_a_vocabulary_size_other_than_the_args_record_is_refused(tmp_path, capsys):
     """--vocab-size names the tokenizer's rows where args record only the padded size; where args
     record the real size too, another --vocab-size would cut real token rows without a word."""

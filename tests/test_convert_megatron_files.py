@@ -4,6 +4,8 @@ with no way forward."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from tests.test_convert_bad_inputs import _fails, _llama, _megatron
@@ -46,3 +48,13 @@ def test_no_verify_on_a_source_without_checksums_is_refused(tmp_path, capsys, ki
     err = _fails(capsys, tmp_path, src, "--no-verify")
     assert err.endswith(f"--no-verify: skips the checksums of a megazero source's files; this {kind} source "
                         "records none, so leave the flag out"), err
+
+
+def test_a_megatron_root_without_its_tracker_imports_its_newest_iteration(tmp_path):
+    from megazero.convert.megatron import iteration_dir
+
+    root = _megatron(tmp_path / "meg")
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    shutil.copytree(root / "iter_0000005", root / "iter_0000010")
+    shutil.copytree(root / "iter_0000005", root / "iter_0000002")
+    assert iteration_dir(root).name == "iter_0000010"
