@@ -199,7 +199,8 @@ class Trainer:
         if problem:
             raise CheckpointError(problem)
         try:
-            exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest, same_layout)
+            exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest, same_layout,
+                                    verified=True)
         except CheckpointError as exc:
             raise CheckpointError(f"{source}: {exc}{earlier_instead(ckpt, source)}") from None
         self.saved_step = self.resumed_step = meta["step"]

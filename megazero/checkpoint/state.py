@@ -58,9 +58,9 @@ def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same
     """The files ``load_checkpoint`` reads on this rank (its own, or those holding its tensors), each
     checked (size and sha256) here, before anything is loaded. A rank that meets a damaged file
     inside the load would stop there, while its peers wait in the load's closing collectives and
-    then fail on the lost connection: checked first, every rank can agree on the error instead. (An
-    exact resume whose saved shard turns out padded otherwise falls back to resharding, whose files
-    are then checked as they are read.)"""
+    then fail on the lost connection: checked first, every rank can agree on the error instead, and
+    the load need not hash them again (``load_checkpoint(verified=True)``; an exact resume whose saved
+    shard turns out padded otherwise falls back to resharding, whose files it checks as it reads)."""
     if _exact(ckpt, rank, optimizer, manifest, same_layout):
         names = [rank_file(rank)]
     else:
@@ -82,8 +82,10 @@ def _exact(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout
     return saved["params"] == mine["params"] and torch.equal(saved["segments"], mine["segments"])
 
 
-def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> bool:
-    """Load ``ckpt`` into this rank; returns True for an exact (same-layout) resume.
+def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: dict, same_layout: bool,
+                    verified: bool = False) -> bool:
+    """Load ``ckpt`` into this rank; returns True for an exact (same-layout) resume. ``verified``: the
+    files ``files_to_load`` names were checked already, so their sha256 is not computed again.
 
     The fast path reads only this rank's own file, random generators included, and is taken only
     when that file's shard description equals this rank's: a layout dict can match while the flat
@@ -95,13 +97,15 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
     resumed exactly, must draw the same dropout masks as it does.
     """
     own_file = same_layout and rank_file(rank) in manifest["files"]
-    if _exact(ckpt, rank, optimizer, manifest, same_layout):
-        state = load_file(ckpt, rank_file(rank), manifest=manifest)
+    exact = _exact(ckpt, rank, optimizer, manifest, same_layout)
+    if exact:
+        state = load_file(ckpt, rank_file(rank), manifest=manifest, verify=not verified)
         if state["master"].numel() == optimizer.master.numel():  # the padding may differ (older layouts)
             optimizer.load_sharded_state_dict(state)
             restore_rng(chunks, state["rng"])
             return True
-    reader = CheckpointReader(ckpt, manifest)
+    # an exact resume falling back here reads files ``files_to_load`` did not name: those are checked
+    reader = CheckpointReader(ckpt, manifest, verify=not verified or exact)
     load_resharded(reader, optimizer)
     if own_file:
         restore_rng(chunks, reader.values(rank, ("rng",))["rng"])
