@@ -1,0 +1,136 @@
+"""`megazero plan` as a user runs it: its JSON agrees with evaluating the layout it names, the fields
+the command line gives are held, nothing fitting is said and ranked nearest first, a GPU count no
+layout can use names the count that can, bad flags are one line, and an fp32 plan notes that the
+peaks are 16-bit."""
+
+import json
+
+import pytest
+
+from megazero.cli import main
+from megazero.config import load_config, resolve_config
+from megazero.planner import GPUS, Cluster, evaluate
+from megazero.planner.memory import GIB
+
+
+def test_plan_json(capsys):
+    code = main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "4", "--gpus-per-node", "4", "--gpu", "h100",
+                 "--top", "3", "--json", "--train.global_batch_size", "64"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpus"] == 4 and out["gpu"]["memory_gib"] == 80.0 and len(out["layouts"]) == 3
+    best = out["layouts"][0]
+    assert best["fits"] and best["tp"] * best["pp"] * best["dp"] == 4
+    assert [r["step_s"] for r in out["layouts"]] == sorted(r["step_s"] for r in out["layouts"])
+    # what the table predicts for a layout is what evaluating that layout predicts
+    cfg = load_config("configs/gpt_1.3b.yaml", ["--train.global_batch_size", "64", *best["overrides"].split()])
+    again = evaluate(resolve_config(cfg, 4, 4), Cluster(GPUS["h100"], 4, 4))
+    assert again.step.tokens_per_s == pytest.approx(best["tokens_per_s"], abs=1)
+    assert again.memory.peak / GIB == pytest.approx(best["memory_gib"], abs=0.01)
+
+
+def test_plan_holds_the_searched_fields_the_command_line_gives(capsys):
+    """A searched field given as an override (`--zero.stage 3`) is a choice the user made: every
+    ranked layout keeps it. One set in the config file only is searched around, and so is any field
+    the command line does not name."""
+    argv = ["plan", "configs/gpt_1.3b.yaml", "--gpus", "4", "--gpus-per-node", "4", "--top", "1000", "--json",
+            "--train.global_batch_size", "64"]
+    assert main(argv) == 0
+    searched = json.loads(capsys.readouterr().out)["layouts"]
+    assert {r["zero_stage"] for r in searched} == {0, 1, 2, 3} and {r["tp"] for r in searched} > {1}
+    assert main([*argv, "--zero.stage", "3", "--parallel.tp", "1"]) == 0
+    held = json.loads(capsys.readouterr().out)["layouts"]
+    assert held and {(r["zero_stage"], r["tp"]) for r in held} == {(3, 1)}
+    assert {r["pp"] for r in held} > {1}  # the fields not named are still searched
+    assert main([*argv, "--parallel.tp", "4", "--parallel.pp", "4"]) == 2
+    assert "with parallel.pp, parallel.tp as given" in capsys.readouterr().err
+
+
+def test_plan_keeps_a_short_step_time(capsys):
+    """A small model's step is well under 0.1 ms on an H100: its step time keeps its significant digits
+    (planted: rounded to 4 decimals, every row read 0 s beside its millions of tokens/s)."""
+    code = main(["plan", "configs/demo.yaml", "--gpus", "8", "--gpus-per-node", "8", "--top", "3", "--json",
+                 "--precision.dtype", "bf16"])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    tokens = 32 * 128  # the demo's global batch x seq_length
+    assert rows and all(r["step_s"] * r["tokens_per_s"] == pytest.approx(tokens, rel=1e-3) for r in rows), rows
+    code = main(["plan", "configs/demo.yaml", "--gpus", "8", "--gpus-per-node", "8", "--top", "1", "--precision.dtype", "bf16"])
+    best = capsys.readouterr().out.splitlines()[2].split()
+    assert code == 0 and float(best[11]) == pytest.approx(rows[0]["step_s"], rel=1e-2), best
+
+
+def test_plan_says_when_nothing_fits(capsys):
+    code = main(["plan", "configs/mtnlg_530b.yaml", "--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "40",
+                 "--train.train_steps", "10", "--top", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "0 fit" in out and "none fits" in out
+
+
+def test_layouts_that_do_not_fit_come_nearest_first(capsys):
+    """When none fits, the rows shown are those closest to fitting, least memory first (planted: the
+    config's own layout, and those a knob away from it, led layouts needing a fraction of their memory)."""
+    code = main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "2", "--gpus-per-node", "2", "--gpu-memory", "1",
+                 "--train.global_batch_size", "16", "--top", "100000", "--json"])
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert code == 0 and rows and not any(r["fits"] for r in rows)
+    assert [r["needed_gib"] for r in rows] == sorted(r["needed_gib"] for r in rows)
+
+
+@pytest.mark.parametrize("overrides, gpus, per_node, usable", [
+    (["--train.global_batch_size", "3"], 6, 8, 6),  # part of one node: tp 2 x dp 3
+    (["--train.global_batch_size", "2"], 512, 8, 384),  # whole nodes: 24 blocks x tp 8 x dp 2
+    (["--train.global_batch_size", "3", "--model.num_layers", "1"], 16, 8, 8),  # not 12 (tp 4 x dp 3): 1.5 nodes
+    # 12 heads take tp up to 4: 2 blocks x tp 4, not tp 8
+    (["--train.global_batch_size", "1", "--model.num_layers", "2", "--model.num_heads", "12",
+      "--model.hidden_size", "768"], 16, 8, 8),
+    # tp 4 does not divide a node of 6: beyond one node only tp 2, which 3 blocks and a batch of 1 cap at 6
+    (["--train.global_batch_size", "1", "--model.num_layers", "3"], 12, 6, 6),
+])
+def test_the_gpus_a_plan_could_use_split_as_the_search_splits_them(overrides, gpus, per_node, usable):
+    """The "plan for N GPUs" a plan with no valid layout offers: N must split as the search splits a
+    world (a part of one node or whole nodes; tp a power of two the model's widths take, within a
+    node; pp at most a stage a block; dp dividing the batch), or the user is sent to another count
+    that has no layout either."""
+    from megazero.planner.search import largest_world
+
+    assert largest_world(load_config("configs/gpt_1.3b.yaml", overrides), gpus, per_node) == usable
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpus", "12", "--gpus-per-node", "8"], ["--gpus 12", "--gpus-per-node 8"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "0"], ["--peak-tflops"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "inf"], ["--peak-tflops", "finite", "got inf"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "inf"], ["--gpu-memory", "finite", "got inf"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "1e-320"], ["--peak-tflops", "at least 0.001"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--intra-node-GBps", "1e-320"], ["--intra-node-GBps", "at least 0.001"]),
+    # more GPUs than 24 blocks x tp 8 x a batch of 2 can use: why, and the most that can be used
+    (["--gpus", "512", "--gpus-per-node", "8", "--train.global_batch_size", "2"],
+     ["512 GPUs", "model.num_layers 24", "train.global_batch_size 2", "plan for 384 GPUs"]),
+])
+def test_plan_bad_input_is_one_line(argv, words, capsys):
+    code = main(["plan", "configs/gpt_1.3b.yaml", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_plan_notes_that_its_speeds_are_16_bit_for_an_fp32_config(capsys):
+    """The presets' peaks are tensor-core bf16/fp16 figures: an fp32 run planned with them looks
+    several times faster than it will be, so the plan says so (on stderr under --json, keeping its
+    stdout one JSON object); a bf16 plan has no such note."""
+    argv = ["plan", "configs/gpt_1.3b.yaml", "--gpus", "1", "--gpus-per-node", "1", "--top", "1"]
+    for extra, stream in (([], "out"), (["--json"], "err")):
+        assert main([*argv, *extra, "--precision.dtype", "fp32"]) == 0
+        captured = capsys.readouterr()
+        notes = [line for line in getattr(captured, stream).splitlines() if line.startswith("note:")]
+        assert len(notes) == 1 and "precision.dtype is fp32" in notes[0] and "bf16/fp16" in notes[0], captured
+    json.loads(captured.out)
+    assert main(argv) == 0
+    assert "note:" not in "".join(capsys.readouterr())
+
+
+def test_plan_takes_a_config_that_names_a_zero_bubble_schedule(capsys):
+    """The config's own schedule is also tried at pp 1, where there are no stage costs to time it by."""
+    code = main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "h200", "--top", "2",
+                 "--parallel.pipeline_schedule", "zb-h1", "--train.global_batch_size", "64"])
+    assert code == 0, capsys.readouterr().err
