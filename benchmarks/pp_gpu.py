@@ -29,6 +29,7 @@ from models import GPT
 from models.config import ModelConfig
 from parallel.pipeline import PipelineExecutor, bubble_fraction, sum_tied_grads
 from parallel.pipeline.partition import resolve_split, stage_layers, stage_parts
+from parallel.pipeline.placement import V_SHAPED, placement_of, stage_of
 from parallel.pipeline.schedule import INTERLEAVED
 from parallel.topology import RankGrid, Topology
 
@@ -57,13 +58,14 @@ def tied_embedding_params(chunks) -> list:
     return list(found.values())
 
 
-def build_chunks(cfg: ModelConfig, pp: int, rank: int, v: int, device) -> list:
+def build_chunks(cfg: ModelConfig, pp: int, rank: int, v: int, device, placement: str = "loop") -> list:
     split = resolve_split(cfg.num_layers, pp, v, head_cost=head_blocks(cfg),
-                          attention_share=attention_share(cfg))  # as the engine splits
+                          attention_share=attention_share(cfg), placement=placement)  # as the engine splits
     chunks = []
     for chunk in range(v):
-        stage = chunk * pp + rank
-        model = GPT(cfg, layers=stage_layers(split, pp, rank, chunk), parts=stage_parts(split, pp, rank, chunk),
+        stage = stage_of(pp, rank, chunk, placement)
+        model = GPT(cfg, layers=stage_layers(split, pp, rank, chunk, placement),
+                    parts=stage_parts(split, pp, rank, chunk, placement),
                     has_embedding=stage == 0, has_head=stage == pp * v - 1, device=device)
         chunks.append(model.to(torch.bfloat16))
     return chunks
@@ -87,10 +89,10 @@ def measured_bubble(executor: PipelineExecutor, step, steps: int, device) -> flo
 
 
 def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
-    v = 2 if schedule in INTERLEAVED else 1
-    if m % topo.pp_size and v > 1:
+    v = 2 if schedule in INTERLEAVED + V_SHAPED else 1
+    if m % topo.pp_size and schedule in INTERLEAVED:
         return {}
-    chunks = build_chunks(cfg, topo.pp_size, topo.pp_rank, v, device)
+    chunks = build_chunks(cfg, topo.pp_size, topo.pp_rank, v, device, placement_of(schedule))
     shape = (args.micro_batch_size, cfg.seq_length, cfg.hidden_size)
     executor = PipelineExecutor(chunks, topo, shape, dtype=torch.bfloat16, device=device, schedule=schedule,
                                 forward_step=gpt_forward_step)
@@ -98,12 +100,13 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
     data = [dict.fromkeys(("tokens", "labels"), torch.randint(0, cfg.vocab_size, shape[:2], device=device,
                                                               generator=g)) for _ in range(m)]
     tied = tied_embedding_params(chunks)
+    tied_group = topo.embedding_group if placement_of(schedule) == "loop" else None  # a V holds both copies
 
     def one_step():
         for c in chunks:
             c.zero_grad(set_to_none=True)
         loss = executor.step(data)
-        sum_tied_grads([p.grad for p in tied if p.grad is not None], topo.embedding_group)
+        sum_tied_grads([p.grad for p in tied if p.grad is not None], tied_group)
         return loss
 
     for _ in range(2):

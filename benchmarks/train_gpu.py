@@ -14,6 +14,7 @@ these; ``compile`` compiles blocks and head (``cg``: and replays the blocks as C
 does not; without either, ``train.cuda_graphs`` null decides: graphs where the linears use peer
 memory; the JSON line says what both became); ``zb`` and ``zb2`` pick the
 zero-bubble schedules ZB-H1 and ZB-H2 (``izb``: interleaved with a split backward, with ``vN``;
+``zbv``: ZB-V, two chunks a rank in a V, with ``v2``;
 ``wdefault``: their weight gradients at the default delays rather than those tuned to the stages'
 op costs); ``vN`` N virtual stages a rank (interleaved 1F1B); ``splitA_B`` gives the
 pipeline split [A, B] (else balanced by work); ``mN`` runs N micro-batches per data-parallel rank;
@@ -82,8 +83,9 @@ def parse_run(run: str) -> tuple[list[str], Optional[int]]:
             out += ["--train.cuda_graphs", str(part == "cg").lower()]
         elif part == "compile":
             out += ["--train.compile", "true"]
-        elif part in ("zb", "zb2", "izb"):
-            out += ["--parallel.pipeline_schedule", {"zb": "zb-h1", "zb2": "zb-h2", "izb": "interleaved_zb"}[part]]
+        elif part in ("zb", "zb2", "izb", "zbv"):
+            out += ["--parallel.pipeline_schedule",
+                    {"zb": "zb-h1", "zb2": "zb-h2", "izb": "interleaved_zb", "zbv": "zb-v"}[part]]
         elif part.startswith("v") and part[1:].isdigit():
             out += ["--parallel.virtual_stages", part[1:]]
         elif part.startswith("mbs"):
@@ -242,7 +244,7 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
     if cfg.parallel.pp > 1:
         extra.update(pipeline_bubble(engine, batch), pipeline_split=pipeline_split(cfg))
         ex = engine.executor
-        if ex.schedule in SPLIT_BACKWARD:  # how many weight gradients each rank left waiting
+        if ex.schedule in SPLIT_BACKWARD and p.virtual_stages == 1:  # how many weight gradients each rank left waiting
             extra["wgrad_delays"] = (weight_grad_delays(ex.schedule, p.pp, len(batch), ex.op_costs)
                                      if ex.op_costs else tuple(range(p.pp)))
         if timeline:

@@ -29,6 +29,7 @@ from models.parallelize import Parallelism, parallelize_gpt, recompute_replays_t
 from parallel.data_parallel import DataParallelSettings
 from parallel.pipeline import PipelineExecutor
 from parallel.pipeline.partition import resolve_split, stage_layers, stage_parts
+from parallel.pipeline.placement import holder_of, placement_of, rank_stages
 from parallel.pipeline.plan import StageCosts, stage_costs
 from parallel.pipeline.schedule import SPLIT_BACKWARD, default_schedule
 from parallel.tensor_parallel import peer_memory
@@ -94,10 +95,22 @@ def pipeline_schedule(cfg: Config) -> str:
     return default_schedule(p.pp, p.virtual_stages) if p.pipeline_schedule == "auto" else p.pipeline_schedule
 
 
+def pipeline_placement(cfg: Config) -> str:
+    """Which rank holds which virtual stage: ``v`` under zb-v, else ``loop`` (``parallel.pipeline.placement``)."""
+    return placement_of(pipeline_schedule(cfg))
+
+
+def head_rank(cfg: Config) -> int:
+    """The pipeline rank holding the last virtual stage, with the head: the last rank, or the first
+    in a V."""
+    p = cfg.parallel
+    return holder_of(p.pp, p.pp * p.virtual_stages - 1, pipeline_placement(cfg))[0]
+
+
 def pipeline_stages(cfg: Config, pp_rank: int) -> list[int]:
     """The (virtual) pipeline stage of each chunk pipeline rank ``pp_rank`` runs."""
     p = cfg.parallel
-    return [c * p.pp + pp_rank for c in range(p.virtual_stages)]
+    return rank_stages(p.pp, pp_rank, p.virtual_stages, pipeline_placement(cfg))
 
 
 def pipeline_split(cfg: Config) -> list[float]:
@@ -107,26 +120,27 @@ def pipeline_split(cfg: Config) -> list[float]:
     m, p = cfg.model, cfg.parallel
     # a given split with its entries' types, so [12, 12] and [12.0, 12.0] each come back as given
     given = None if p.pipeline_split is None else tuple((type(k), k) for k in p.pipeline_split)
-    return list(_split(tuple(vars(m).items()), p.pp, p.virtual_stages, given))
+    return list(_split(tuple(vars(m).items()), p.pp, p.virtual_stages, given, pipeline_placement(cfg)))
 
 
 @functools.lru_cache(maxsize=1024)
-def _split(model_fields: tuple, pp: int, v: int, given: Optional[tuple]) -> tuple[float, ...]:
+def _split(model_fields: tuple, pp: int, v: int, given: Optional[tuple], placement: str) -> tuple[float, ...]:
     """``pipeline_split`` by every field of the model (so a field the balance comes to read is never
     left out of the key) and the layout: the planner asks for each rank of thousands of layouts,
     and the balanced split costs a search over the blocks each time."""
     m = ModelConfig(**dict(model_fields))
     split = None if given is None else [k for _, k in given]
     return tuple(resolve_split(m.num_layers, pp, v, split, head_cost=head_blocks(m),
-                               attention_share=attention_share(m)))
+                               attention_share=attention_share(m), placement=placement))
 
 
 def pipeline_costs(cfg: Config) -> Optional[StageCosts]:
     """Each pipeline rank's op costs of one micro-batch, estimated from its blocks and the head
-    (``plan.stage_costs``), by which the zero-bubble schedules time their weight gradients; None
-    without a pipeline of one chunk a rank (no schedule there uses them)."""
+    (``plan.stage_costs``), by which the zero-bubble schedules time their weight gradients; under zb-v
+    one entry per virtual stage, by which it orders its ops. None for a pipeline of several chunks a
+    rank in a loop (no schedule there uses them) or none at all."""
     m, p = cfg.model, cfg.parallel
-    if p.pp == 1 or p.virtual_stages != 1:
+    if p.pp == 1 or (p.virtual_stages != 1 and pipeline_placement(cfg) != "v"):
         return None
     core = attention_core_share(m)
     recomputed = {"none": 0.0, "selective": core, "full": 1.0 / p.recompute_every}[p.recompute]
@@ -137,20 +151,23 @@ def layout_record(cfg: Config) -> dict:
     """What a checkpoint records of the layout that wrote it (a resolved config: ``parallel.dp`` set);
     a run whose own record differs reshards on load."""
     p = cfg.parallel
-    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages, "order": p.order,
-            "zero_stage": cfg.zero.stage, "world_size": p.tp * p.pp * p.dp, "pipeline_split": pipeline_split(cfg)}
+    record = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages, "order": p.order,
+              "zero_stage": cfg.zero.stage, "world_size": p.tp * p.pp * p.dp, "pipeline_split": pipeline_split(cfg)}
+    if pipeline_placement(cfg) != "loop":  # another rank holds each stage: a resume from a loop reshards
+        record["placement"] = pipeline_placement(cfg)
+    return record
 
 
 def build_chunks(cfg: Config, pp_rank: int) -> list[GPT]:
     """Pipeline rank ``pp_rank``'s chunks on the meta device: ``parallelize_gpt`` materialises only this
     rank's shards (and an offline layout description reads their shapes alone)."""
     m, p = cfg.model, cfg.parallel
-    split = pipeline_split(cfg)
+    split, placement = pipeline_split(cfg), pipeline_placement(cfg)
     chunks = []
     for c, stage in enumerate(pipeline_stages(cfg, pp_rank)):
         torch.manual_seed(cfg.train.seed)  # identical on tensor ranks: replicated dropout agrees
-        chunks.append(GPT(m, layers=stage_layers(split, p.pp, pp_rank, c),
-                          parts=stage_parts(split, p.pp, pp_rank, c), has_embedding=stage == 0,
+        chunks.append(GPT(m, layers=stage_layers(split, p.pp, pp_rank, c, placement),
+                          parts=stage_parts(split, p.pp, pp_rank, c, placement), has_embedding=stage == 0,
                           has_head=stage == p.pp * p.virtual_stages - 1, vocab_multiple=128 * p.tp,
                           seed=cfg.train.seed, device="meta"))
     return chunks
@@ -202,7 +219,7 @@ class Engine:
         self.stages = pipeline_stages(cfg, topology.pp_rank)
         self.chunks = build_chunks(cfg, topology.pp_rank)
         self.data_parallel = parallelize_gpt(self.chunks, self.stages, topology, parallelism(cfg, device, self.chunks),
-                                             device)
+                                             device, tied_here=pipeline_placement(cfg) == "v")
         if p.tp_comm == "peer_memory":  # validated: only with sequence parallelism, so tp > 1
             # The largest transfer is one micro-batch's tokens, gathered or summed, at the hidden width.
             tokens = cfg.train.micro_batch_size * cfg.model.seq_length

@@ -66,10 +66,11 @@ class Parallelism:
 
 
 def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: Parallelism,
-                    device: torch.device) -> DataParallel:
+                    device: torch.device, tied_here: bool = False) -> DataParallel:
     """Make ``chunks`` (built on the meta device; chunk c is pipeline stage ``stages[c]``) this rank's
     tensor-parallel, checkpointed, materialised and compiled chunks, and return the data-parallel
-    wrapper over all of them."""
+    wrapper over all of them. ``tied_here``: the first and last stages sit on one rank (a V-shaped
+    pipeline), so a tied embedding's two copies are summed on that rank, with no embedding group."""
     for chunk, stage in zip(chunks, stages):
         # The tensor-parallel dropout stream differs per stage, so stages draw different masks.
         tensor_parallelize_gpt(chunk, topo.tp_group, seed=plan.seed + 1000 * stage, device=device,
@@ -84,9 +85,9 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
             tp = comm.group_size(topo.tp_group)
             compile_gpt(chunk, tp, cuda_graphs=plan.cuda_graphs, keep_handed_over=plan.split_backward)
     units = [block for chunk in chunks for block in chunk.layers.values()]
-    tied_group = topo.embedding_group if topo.pp_size > 1 else None
+    tied_group = topo.embedding_group if topo.pp_size > 1 and not tied_here else None
     return DataParallel(chunks, plan.data_parallel, topo.dp_group, units=units,
-                        info=describe_params(chunks, topo.tp_rank, tied=tied_group is not None),
+                        info=describe_params(chunks, topo.tp_rank, tied=topo.pp_size > 1),
                         tied_group=tied_group, tp_group=topo.tp_group)
 
 

@@ -19,9 +19,12 @@ from typing import Optional
 import torch.distributed as dist
 
 ORDERS = ("tp-dp-pp", "tp-pp-dp")
-GROUP_KINDS = ("tp", "dp", "pp", "pp_grad", "mp", "embedding")
+PIPELINE_KINDS = ("pp", "pp_grad", "pp_back", "pp_grad_back")
+GROUP_KINDS = ("tp", "dp", *PIPELINE_KINDS, "mp", "embedding")
 """``pp_grad`` holds the same ranks as ``pp``: a second communicator, so that the pipeline's gradients
-travel apart from its activations (``parallel.pipeline.plan.CHANNELS``)."""
+travel apart from its activations (``parallel.pipeline.plan.CHANNELS``); ``pp_back`` and
+``pp_grad_back`` are two more for a V-shaped pipeline's return leg (``plan.BACK_CHANNELS``). NCCL
+sets a communicator up at its first use, so those cost nothing to a run that never uses them."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class RankGrid:
             return [[self.rank_of(t, d, p) for t in tps] for p, d in itertools.product(pps, dps)]
         if kind == "dp":
             return [[self.rank_of(t, d, p) for d in dps] for p, t in itertools.product(pps, tps)]
-        if kind in ("pp", "pp_grad"):
+        if kind in PIPELINE_KINDS:
             return [[self.rank_of(t, d, p) for p in pps] for d, t in itertools.product(dps, tps)]
         if kind == "mp":  # tensor x pipeline: one model replica, for norms and overflow flags
             return [sorted(self.rank_of(t, d, p) for p, t in itertools.product(pps, tps)) for d in dps]
@@ -80,7 +83,7 @@ class RankGrid:
             return [self.rank_of(t, c.dp, c.pp) for t in range(self.tp)]
         if kind == "dp":
             return [self.rank_of(c.tp, d, c.pp) for d in range(self.dp)]
-        if kind in ("pp", "pp_grad"):
+        if kind in PIPELINE_KINDS:
             return [self.rank_of(c.tp, c.dp, p) for p in range(self.pp)]
         if kind == "mp":
             return sorted(self.rank_of(t, c.dp, p) for p in range(self.pp) for t in range(self.tp))

@@ -3,7 +3,8 @@
 A run saved under plain 1F1B (one chunk of two blocks a rank) is loaded into the interleaved
 schedule (two chunks of one block a rank: each rank now holds other blocks) and the other way
 round; and into a split that cuts block 1 in half (``[1.5, 2.5]``: its attention on rank 0, its MLP
-on rank 1) and back. The loader must rebuild each block's weights and Adam moments from whichever rank's file
+on rank 1) and back; and between the interleaved placement and ZB-V's (rank 0 then holds blocks 0 and
+3, the embedding and both copies of the tied head) and from ZB-V to 1F1B. The loader must rebuild each block's weights and Adam moments from whichever rank's file
 holds them; the next steps' losses then equal those of the run that was never stopped (to 1e-6
 relative: the two schedules sum the same micro-batches in another order).
 
@@ -25,11 +26,13 @@ from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
 
 SAVED_AT, STEPS, VOCAB, SEQ = 2, 4, 61, 16
-PAIRS = [("1f1b", "interleaved"), ("interleaved", "1f1b"), ("1f1b", "half block"), ("half block", "1f1b")]
+PAIRS = [("1f1b", "interleaved"), ("interleaved", "1f1b"), ("1f1b", "half block"), ("half block", "1f1b"),
+         ("interleaved", "zb-v"), ("zb-v", "1f1b")]
 
 
 LAYOUTS = {"1f1b": (), "interleaved": ("--parallel.virtual_stages", "2"),
-           "half block": ("--parallel.pipeline_split", "[1.5, 2.5]")}
+           "half block": ("--parallel.pipeline_split", "[1.5, 2.5]"),
+           "zb-v": ("--parallel.virtual_stages", "2", "--parallel.pipeline_schedule", "zb-v")}
 
 
 def _engine(topo, layout: str) -> Engine:

@@ -15,7 +15,7 @@ import pytest
 
 from megazero.cli import main
 from megazero.config import load_config, resolve_config, validate_config
-from megazero.engine import pipeline_split
+from megazero.engine import build_chunks, pipeline_split
 from megazero.planner import GPUS, Cluster, estimate_memory, estimate_step, evaluate, max_model_params, plan
 from megazero.planner.memory import GIB, layer_activation_bytes, rank_params
 from megazero.planner.search import apply_layout, layout_of
@@ -208,6 +208,19 @@ def test_parameter_count_is_the_models_own(changes, pp, v, split):
                   for c in range(v)]
         assert rank_params(cfg, rank) == sum(p.numel() for chunk in chunks for p in chunk.parameters()), (
             changes, split, rank)
+
+
+@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": False}])
+def test_parameter_count_under_zb_v_is_the_engines_own(changes):
+    """ZB-V puts the embedding and the head (with its own tied copy) on the first rank: the planner
+    counts what the engine builds there (planted: the copy left out as if one chunk held both)."""
+    model = small_model(**changes)
+    cfg = load_config(None, ["--parallel.pp", "2", "--parallel.virtual_stages", "2", "--parallel.pipeline_schedule",
+                             "zb-v", "--train.device", "cpu"])
+    cfg = resolve_config(dataclasses.replace(cfg, model=model), 2)
+    for rank in range(2):
+        built = sum(p.numel() for chunk in build_chunks(cfg, rank) for p in chunk.parameters())
+        assert rank_params(cfg, rank) == built, (changes, rank)
 
 
 def test_activations_follow_korthikanti():

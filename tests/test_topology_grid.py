@@ -61,4 +61,4 @@ def test_rejects_unknown_kind_and_order():
         RankGrid(1, 1, 1, order="pp-tp-dp")
     with pytest.raises(ValueError):
         RankGrid(1, 1, 1).groups("xx")
-    assert set(GROUP_KINDS) == {"tp", "dp", "pp", "pp_grad", "mp", "embedding"}
+    assert set(GROUP_KINDS) == {"tp", "dp", "pp", "pp_grad", "pp_back", "pp_grad_back", "mp", "embedding"}

@@ -20,17 +20,18 @@ class ParallelConfig:
     pp: int = option(1, "Pipeline-parallel size: stages the layers are split into")
     dp: Optional[int] = option(None, "Data-parallel size (None = world size / (tp*pp))")
     virtual_stages: int = option(1, "Model chunks per pipeline rank for the interleaved schedules "
-                                    "(interleaved_1f1b, interleaved_zb)")
+                                    "(interleaved_1f1b, interleaved_zb) and zb-v (2)")
     pipeline_schedule: str = option("auto", "Pipeline schedule: auto (1f1b, interleaved_1f1b with virtual stages), "
                                     "gradient_accumulation, 1f1b, interleaved_1f1b, zb-h1 (zero bubble: weight gradients "
                                     "fill the bubble), zb-h2 (zb-h1 with twice the warm-up forwards: less idle, rank 0 "
-                                    "holds 2pp-1 micro-batches) or interleaved_zb (interleaved_1f1b with zb-h1's split "
-                                    "backward: with virtual stages)")
+                                    "holds 2pp-1 micro-batches), interleaved_zb (interleaved_1f1b with zb-h1's split "
+                                    "backward: with virtual stages) or zb-v (two chunks a rank in a V, rank 0 holding the "
+                                    "first and last stage; virtual_stages 2)")
     sequence_parallel: bool = option(False, "Shard norm and dropout activations along the sequence (needs tp > 1)")
     tp_comm: str = option("auto", "How sequence-parallel linears communicate: auto (peer_memory where the blocks replay as CUDA graphs and the GPUs of a tensor group, in one node, map each other's memory; else overlap), serial (NCCL collective, then the product), overlap (NCCL collectives beside the products) or peer_memory (the GPUs' copy engines over NVLink beside the products; CUDA, one node)")
     order: str = option("tp-dp-pp", "Rank order from fastest to slowest axis: tp-dp-pp or tp-pp-dp")
     allow_tp_across_nodes: bool = option(False, "Permit tensor-parallel groups that span nodes (slow; off by default)")
-    pipeline_split: Optional[list] = option(None, "Explicit layers per pipeline stage, e.g. [5, 6, 6, 5]; a count may end in a half, [12.5, 11.5], cutting a block between its attention and its MLP (None = balanced against the head on the last stage, in half blocks where that lowers the busiest stage's work by over 1%, with virtual stages the busiest chunk's without adding to the busiest rank's)")
+    pipeline_split: Optional[list] = option(None, "Explicit layers per pipeline stage, e.g. [5, 6, 6, 5]; a count may end in a half, [12.5, 11.5], cutting a block between its attention and its MLP (None = balanced against the head on the last stage, in half blocks where that lowers the busiest stage's work by over 1%, with virtual stages the busiest chunk's without adding to the busiest rank's; under zb-v whole blocks per rank, each rank's first chunk the smaller half)")
     recompute: str = option("none", "Activation checkpointing: none, full or selective (attention core only)")
     recompute_every: int = option(1, "With full recompute, checkpoint every k-th block")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megazero.config.schema import Config
-from megazero.engine import pipeline_costs, pipeline_schedule, pipeline_split
+from megazero.engine import head_rank, pipeline_costs, pipeline_placement, pipeline_schedule, pipeline_split
 from megazero.flops import attention_share
 from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
@@ -88,13 +88,12 @@ def rank_params(cfg: Config, pp_rank: int) -> float:
     m, p = cfg.model, cfg.parallel
     numel = rank_block_params(cfg, pp_rank)
     vocab_rows = padded_vocab_size(m.vocab_size, 128 * p.tp) * m.hidden_size / p.tp
-    first, last = pp_rank == 0, pp_rank == p.pp - 1
-    if first:
+    if pp_rank == 0:
         numel += vocab_rows + (m.seq_length * m.hidden_size if m.position_embedding == "learned" else 0)
-    if last:
+    if pp_rank == head_rank(cfg):
         numel += norm_params(m)
-        if not (m.tie_embeddings and first):
-            numel += vocab_rows  # an untied head, or the tied head's copy on another stage than the embedding
+        if not (m.tie_embeddings and p.pp == 1):
+            numel += vocab_rows  # an untied head, or the tied head's copy in another chunk than the embedding
     return numel
 
 
@@ -102,11 +101,11 @@ def rank_chunks(cfg: Config, pp_rank: int) -> list[list[tuple[str, ...]]]:
     """For each chunk of pipeline rank ``pp_rank``, the parts it holds of each of its blocks:
     ``BLOCK_PARTS`` for a whole block, one of them for a block a split such as ``[12.5, 11.5]`` cuts."""
     p = cfg.parallel
-    split = pipeline_split(cfg)
+    split, placement = pipeline_split(cfg), pipeline_placement(cfg)
     held = []
     for chunk in range(p.virtual_stages):
-        parts = stage_parts(split, p.pp, pp_rank, chunk)
-        held.append([parts.get(i, BLOCK_PARTS) for i in stage_layers(split, p.pp, pp_rank, chunk)])
+        parts = stage_parts(split, p.pp, pp_rank, chunk, placement)
+        held.append([parts.get(i, BLOCK_PARTS) for i in stage_layers(split, p.pp, pp_rank, chunk, placement)])
     return held
 
 
@@ -131,7 +130,8 @@ def rank_block_params(cfg: Config, pp_rank: int) -> float:
 def rank_work(cfg: Config, pp_rank: int) -> float:
     """Blocks' worth of work pipeline rank ``pp_rank`` does: a block held in half counts its half's
     share (``attention_share``), so the time model sees what a half-block split moves."""
-    return split_rank_work(pipeline_split(cfg), cfg.parallel.pp, pp_rank, attention_share(cfg.model))
+    return split_rank_work(pipeline_split(cfg), cfg.parallel.pp, pp_rank, attention_share(cfg.model),
+                           pipeline_placement(cfg))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -181,7 +181,7 @@ def grads_outside_forward(cfg: Config, pp_rank: int) -> float:
     if micro_batches(cfg) > 1 or not whole_buffers or p.recompute == "full":
         return 0.0
     grads = _zero_states(cfg, pp_rank).grads
-    if pp_rank == p.pp - 1:
+    if pp_rank == head_rank(cfg):
         grads *= rank_block_params(cfg, pp_rank) / rank_params(cfg, pp_rank)
     return grads
 
@@ -230,7 +230,7 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
     total = weighted_peak(peaks, per_chunk)  # the chunks in flight at the peak, each its own bytes
     if every:
         total += layer_activation_bytes(cfg, recomputed=False)  # one block rebuilt at a time in backward
-    if pp_rank == p.pp - 1:
+    if pp_rank == head_rank(cfg):
         e = DTYPE_BYTES[cfg.precision.dtype]
         tokens = m.seq_length * t.micro_batch_size
         total += 2 * e * tokens * m.hidden_size + e * tokens * padded_vocab_size(m.vocab_size, 128 * p.tp) / p.tp

@@ -19,6 +19,7 @@ from models.config import ModelConfig
 from models.gpt import GPT
 from models.parallelize import recompute_replays_tp_stream, tp_layout_problems
 from parallel.pipeline.partition import BLOCK_PARTS
+from parallel.pipeline.placement import V_SHAPED
 from parallel.pipeline.schedule import SPLIT_BACKWARD, schedule_problem
 
 VIRTUAL_STAGES = (1, 2)
@@ -149,10 +150,13 @@ def candidate_layouts(cfg: Config, cluster: Cluster) -> Iterator[Layout]:
 
 
 def _schedules(pp: int, v: int, own: str) -> list[str]:
-    """The default schedule, and for a pipeline the split-backward ones that run its chunks a rank."""
+    """The default schedule, and for a pipeline the split-backward ones that run its chunks a rank.
+    ZB-V only where the config names it: its equal-cost bubble is half ZB-H1's, but on two H200s it
+    ran GPT 1.3B 1% slower than ZB-H2 (BENCHMARKS.md), so the model would rank it above a faster one."""
     if pp == 1:
         return sorted({"auto", own})
-    return sorted({"auto", own} | {name for name in SPLIT_BACKWARD if schedule_problem(name, v) is None})
+    return sorted({"auto", own} | {name for name in SPLIT_BACKWARD
+                                   if name not in V_SHAPED and schedule_problem(name, v) is None})
 
 
 def largest_world(cfg: Config, gpus: int, gpus_per_node: int) -> int:

@@ -10,7 +10,7 @@ from typing import Optional
 
 from megazero.config.auto import resolve_auto
 from megazero.config.schema import Config
-from megazero.engine import pipeline_costs, pipeline_schedule
+from megazero.engine import head_rank, pipeline_costs, pipeline_schedule
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
 from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_work
@@ -114,7 +114,7 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
     slowest = (0.0, 0.0, 0)
     for rank in range(p.pp):
         work = rank_work(cfg, rank)
-        flops = tokens_mb * (work * per_layer + (head if rank == p.pp - 1 else 0.0)) / p.tp
+        flops = tokens_mb * (work * per_layer + (head if rank == head_rank(cfg) else 0.0)) / p.tp
         compute, tp_comm = flops / gpu.flops, work * tp_per_layer
         if compute + tp_comm > slowest[0] + slowest[1]:
             slowest = (compute, tp_comm, rank)

@@ -32,7 +32,8 @@ from torch import nn
 
 from parallel.pipeline.deferred_wgrad import WeightGradQueue, WeightGradSink, defer_weight_grads
 from parallel.pipeline.p2p import StageLink, broadcast_from_last_stage, free_storage
-from parallel.pipeline.plan import Message, StageCosts, plan_for, virtual_stage
+from parallel.pipeline.placement import holder_of, placement_of, stage_of
+from parallel.pipeline.plan import Message, StageCosts, boundary_message, channels, plan_for
 from parallel.pipeline.schedule import Op, build_schedule, default_schedule, splits_backward
 
 ForwardStep = Callable[[nn.Module, Optional[torch.Tensor], Any, bool, bool], torch.Tensor]
@@ -72,7 +73,8 @@ class StepStats:
 
 
 class PipelineExecutor:
-    """Runs ``schedule`` for one pipeline rank of ``topo``; ``chunks[c]`` is virtual stage ``c*pp + rank``.
+    """Runs ``schedule`` for one pipeline rank of ``topo``; ``chunks[c]`` is virtual stage ``c*pp + rank``,
+    or under a V-shaped schedule (zb-v) ``placement.stage_of``'s: stage ``rank`` and ``2 pp - 1 - rank``.
 
     ``activation_shape`` is the shape of every tensor crossing a stage boundary on this rank: under
     sequence parallelism, the sequence-sharded one.
@@ -89,6 +91,9 @@ class PipelineExecutor:
         self.chunks, self.topo = list(chunks), topo
         self.pp, self.rank, self.v = topo.pp_size, topo.pp_rank, len(self.chunks)
         self.schedule = schedule or default_schedule(self.pp, self.v)
+        self.placement = placement_of(self.schedule)
+        # the rank holding the last virtual stage computes the loss
+        self.loss_rank = holder_of(self.pp, self.pp * self.v - 1, self.placement)[0]
         self.device = device or torch.device("cpu")
         self.forward_step, self.profile = forward_step, profile
         # every rank's op costs, by which a split-backward schedule times its weight gradients
@@ -112,11 +117,15 @@ class PipelineExecutor:
             raise ValueError("parallel.pipeline_schedule zb-h2 needs its two pipeline communicators to run "
                              "side by side, and CUDA_DEVICE_MAX_CONNECTIONS=1 can serialize them into a hang: "
                              "unset it, or use zb-h1")
-        self.link = StageLink({"act": topo.pp_group, "grad": topo.pp_grad_group}, topo.stage_rank,
+        groups = {"act": topo.pp_group, "grad": topo.pp_grad_group, "act_back": topo.group("pp_back"),
+                  "grad_back": topo.group("pp_grad_back")}
+        self.link = StageLink({c: groups[c] for c in channels(self.placement)}, topo.stage_rank,
                               tuple(activation_shape), dtype, self.device, timeout_s,
-                              label=f"rank {topo.rank} (pipeline rank {self.rank})")
+                              label=f"rank {topo.rank} (pipeline rank {self.rank})",
+                              neighbours=sorted({(self.rank - 1) % self.pp, (self.rank + 1) % self.pp} - {self.rank}))
         self.stats = StepStats()
         self._events: list = []  # CUDA (start, end) events of profiled ops, summed at the end of a step
+        self._warmed: set[tuple[str, bool]] = set()  # (schedule, with backward) run once: see ``_run``
 
     @property
     def waiting_on(self) -> str:
@@ -148,6 +157,11 @@ class PipelineExecutor:
         run = _StepRun(self, microbatches, backward_scale, keep_graph)
         run.backward_total = sum(op.kind == "B" for op in ops)
         self.stats = StepStats()
+        # The first step of a kind compiles and loads kernels, and loading a kernel waits for the
+        # compute stream. Were that stream waiting for a neighbour's message, whose host is loading a
+        # kernel of its own behind a wait for this rank, both would hang (ZB-V on two H200s did, both
+        # hosts inside a kernel load). So that step runs each op only once its inputs have landed.
+        lockstep = self.device.type == "cuda" and (schedule, keep_graph) not in self._warmed
         for k, step in enumerate(plan):
             sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
             self.stats.sent += len(sends)
@@ -156,17 +170,21 @@ class PipelineExecutor:
             if step.op is not None:
                 # the op's input, waited for before its time starts: a profiled op excludes the wait
                 received = None if step.needs is None else self.link.take(step.needs)
+                if lockstep:
+                    torch.cuda.current_stream(self.device).synchronize()
                 run_op = {"F": run.forward, "B": run.backward, "W": run.weight_grads}[step.op.kind]
                 self._timed(lambda op: run_op(op, received), step.op)
                 self.stats.ops.append(step.op)
                 self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, run.held_bytes())
         self._release(self.link.finish_sends(block=True))
-        if self.link.untaken:
-            raise RuntimeError(f"pipeline rank {self.rank}: received {self.link.untaken} but no op took them")
+        if self.link.untaken or run.handed_over:
+            raise RuntimeError(f"pipeline rank {self.rank}: received {self.link.untaken or sorted(run.handed_over)} "
+                               f"but no op took them")
         if self.wgrad is not None and len(self.wgrad):
             raise RuntimeError(f"pipeline rank {self.rank}: weight gradients of {sorted(self.wgrad.pending)} "
                                f"(micro-batch, chunk) never ran: schedule {schedule} lacks their W ops")
         loss = self._step_loss(run.loss_sum, m)
+        self._warmed.add((schedule, keep_graph))
         self._sync()
         self.stats.step_s = time.perf_counter() - start
         return loss
@@ -217,17 +235,18 @@ class PipelineExecutor:
 
     def _step_loss(self, loss_sum: Optional[torch.Tensor], m: int) -> torch.Tensor:
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        if self.topo.is_last_stage:
+        if self.rank == self.loss_rank:
             loss += loss_sum / m
             if self.topo.dp_size > 1:
                 dist.all_reduce(loss, group=self.topo.dp_group)
                 loss /= self.topo.dp_size
-        return broadcast_from_last_stage(loss, self.topo.pp_group, self.topo.stage_rank(self.pp - 1))
+        return broadcast_from_last_stage(loss, self.topo.pp_group, self.topo.stage_rank(self.loss_rank))
 
 
 class _StepRun:
     """The tensors of one step in flight: outputs kept for backward, messages to send (received inputs
-    wait in the link until their op takes them)."""
+    wait in the link until their op takes them), and messages between two chunks of this rank (a V's
+    turn), handed over in memory."""
 
     def __init__(self, executor: PipelineExecutor, microbatches: Sequence[Any], backward_scale: float,
                  keep_graph: bool):
@@ -235,17 +254,30 @@ class _StepRun:
         self.keep_graph = keep_graph
         self.last_stage = executor.pp * executor.v - 1
         self.outbox: dict[Message, torch.Tensor] = {}
+        self.handed_over: dict[Message, torch.Tensor] = {}
         self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         self.loss_sum: Optional[torch.Tensor] = None
         self.backward_ops_done, self.backward_total = 0, 0
         self.awaiting_w: set[tuple[int, int]] = set()  # backward ran, deferred weight gradients not yet
 
+    def _stage(self, op: Op) -> int:
+        return stage_of(self.ex.pp, self.ex.rank, op.chunk, self.ex.placement)
+
+    def _message(self, kind: str, microbatch: int, stage: int) -> Message:
+        return boundary_message(kind, microbatch, stage, self.ex.pp, self.ex.placement)
+
+    def _here(self, stage: int) -> bool:
+        """Whether virtual stage ``stage`` runs on this rank too."""
+        return holder_of(self.ex.pp, stage, self.ex.placement)[0] == self.ex.rank
+
     def held_bytes(self) -> int:
         return sum(out.untyped_storage().nbytes() for _, out in self.saved.values())
 
     def forward(self, op: Op, received: Optional[torch.Tensor]) -> None:
-        """``received``: the previous stage's activation (None on the first stage)."""
-        s = virtual_stage(self.ex.pp, self.ex.rank, op.chunk)
+        """``received``: the previous stage's activation (None on the first stage, or held here)."""
+        s = self._stage(op)
+        if s > 0 and self._here(s - 1):  # the previous chunk's output, cut off its graph: B runs per chunk
+            received = self.handed_over.pop(Message("act", op.microbatch, s - 1)).detach()
         x = None if s == 0 else received.requires_grad_(self.keep_graph)
         out = self.ex.forward_step(self.ex.chunks[op.chunk], x, self.microbatches[op.microbatch],
                                    s == 0, s == self.last_stage)
@@ -254,10 +286,12 @@ class _StepRun:
                 raise ValueError(f"the last pipeline stage must return a scalar loss, got shape {tuple(out.shape)}")
             detached = out.detach().float().reshape(())
             self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
+        elif self._here(s + 1):
+            self.handed_over[Message("act", op.microbatch, s)] = out
         else:
             # a contiguous send buffer that no autograd node saved, so its storage can go once sent
             out = out.clone(memory_format=torch.contiguous_format)
-            self.outbox[Message("act", op.microbatch, s)] = out
+            self.outbox[self._message("act", op.microbatch, s)] = out
         if self.keep_graph:
             self.saved[(op.microbatch, op.chunk)] = (x, out)
             self.ex.stats.peak_live = max(self.ex.stats.peak_live, len(self.saved) + len(self.awaiting_w))
@@ -267,10 +301,12 @@ class _StepRun:
         if self.ex.before_backward is not None:
             self.ex.before_backward(op, self.backward_ops_done == self.backward_total - 1)
         self.backward_ops_done += 1
-        s = virtual_stage(self.ex.pp, self.ex.rank, op.chunk)
+        s = self._stage(op)
         x, out = self.saved.pop((op.microbatch, op.chunk))
         if s == self.last_stage:
             grad = torch.full_like(out, self.backward_scale)
+        elif self._here(s + 1):
+            grad = self.handed_over.pop(Message("grad", op.microbatch, s + 1))
         else:
             grad = received
         if self.ex.wgrad is None:
@@ -283,7 +319,10 @@ class _StepRun:
             if x.grad is None:
                 raise ValueError(f"virtual stage {s} did not use its input: its output does not depend on "
                                  f"the activation it received")
-            self.outbox[Message("grad", op.microbatch, s)] = x.grad.contiguous()
+            if self._here(s - 1):
+                self.handed_over[Message("grad", op.microbatch, s)] = x.grad
+            else:
+                self.outbox[self._message("grad", op.microbatch, s)] = x.grad.contiguous()
 
     def weight_grads(self, op: Op, _received: Optional[torch.Tensor] = None) -> None:
         """The deferred weight gradients of ``op``'s micro-batch; after the last ``B``, of every one left."""

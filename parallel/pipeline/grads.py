@@ -29,11 +29,19 @@ def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
 
 def sum_tied_grads(grads: list[torch.Tensor], group) -> None:
     """Sum the gradients of the tied embedding copies on the first and last stages of the pipeline
-    over their embedding ``group``, in place.
+    over their embedding ``group``, in place; with no group, both copies are on this rank (a V-shaped
+    pipeline's first rank) and are summed here.
 
     Call it on every rank (ranks off those stages pass nothing and return at once).
     """
-    if group is None or not grads or group_size(group) == 1:
+    if group is None:
+        if len(grads) == 2:
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif grads:
+            raise ValueError(f"{len(grads)} tied gradients on this rank and no group to sum them over")
+        return
+    if not grads or group_size(group) == 1:
         return
     all_reduce_coalesced(grads, group)
 

@@ -13,12 +13,12 @@ the process group's watchdog after its own timeout.
 from __future__ import annotations
 
 import datetime
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from parallel.pipeline.plan import CHANNELS, Message, Transfer, channel_of
+from parallel.pipeline.plan import BACK_CHANNELS, CHANNELS, Message, Transfer, channel_of
 
 
 class PipelineTimeout(RuntimeError):
@@ -28,16 +28,19 @@ class PipelineTimeout(RuntimeError):
 class StageLink:
     """Sends and receives one pipeline rank's boundary tensors along its pipeline groups.
 
-    ``groups`` maps each channel of ``plan.CHANNELS`` (activations, gradients) to the process group
-    carrying it: two communicators over the same ranks, so that on NCCL, whose operations on one
-    communicator complete in order, a send waiting for its receiver holds up only later messages of
-    its own kind. ``peer_rank(pp_rank)`` maps a pipeline rank to its global rank (``Topology.stage_rank``).
+    ``groups`` maps each channel of ``plan.CHANNELS`` (activations, gradients), and for a V-shaped
+    pipeline ``plan.BACK_CHANNELS`` too, to the process group carrying it: communicators over the same
+    ranks, so that on NCCL, whose operations on one communicator complete in order, a send waiting
+    for its receiver holds up only later messages of its own channel. ``peer_rank(pp_rank)`` maps a
+    pipeline rank to its global rank (``Topology.stage_rank``); ``neighbours`` are the pipeline ranks
+    this one exchanges with.
     """
 
     def __init__(self, groups: dict[str, dist.ProcessGroup], peer_rank, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, timeout_s: float = 300.0, label: str = ""):
-        if set(groups) != set(CHANNELS):
-            raise ValueError(f"a pipeline link needs one group per channel {CHANNELS}, got {sorted(groups)}")
+                 device: torch.device, timeout_s: float = 300.0, label: str = "", neighbours: Sequence[int] = ()):
+        if set(groups) not in (set(CHANNELS), set(CHANNELS + BACK_CHANNELS)):
+            raise ValueError(f"a pipeline link needs one group per channel {CHANNELS} (and {BACK_CHANNELS} for a "
+                             f"V-shaped pipeline), got {sorted(groups)}")
         self.groups, self.peer_rank = groups, peer_rank
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -54,6 +57,24 @@ class StageLink:
             # NCCL wants every rank of a group in its first call; later batches may involve only neighbours
             for group in groups.values():
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
+            self._connect(neighbours)
+
+    def _connect(self, neighbours) -> None:
+        """One tiny exchange with each neighbour on every channel, both ways, before any step.
+
+        Why: NCCL connects two ranks for point-to-point at their first send or receive on a
+        communicator, and that set-up blocks the host until the peer's host makes its own first call
+        there. Inside a step the peer's host can be busy for long (compiling, or loading a compiled
+        kernel, which can wait for the GPU's running communication kernels to finish), and a ZB-V
+        order at pp 2 hung so on two H200s (BENCHMARKS.md)."""
+        for channel, group in self.groups.items():
+            ops = []
+            for peer in neighbours:
+                ops += [dist.P2POp(dist.isend, torch.zeros(1, device=self.device), self.peer_rank(peer), group),
+                        dist.P2POp(dist.irecv, torch.empty(1, device=self.device), self.peer_rank(peer), group)]
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    self._wait([work], f"connecting pipeline channel {channel}")
 
     def exchange(self, sends: list[tuple[Transfer, torch.Tensor]], recvs: tuple[Transfer, ...], where: str) -> None:
         """Post ``sends`` and ``recvs`` as one batch per channel; ``take`` each received message when its
@@ -72,7 +93,7 @@ class StageLink:
                                  f"{tensor.dtype}, but the pipeline was set up for {self.shape} {self.dtype}: "
                                  f"pass the activation shape each stage really outputs")
         buffers = {tr.message: torch.empty(self.shape, dtype=self.dtype, device=self.device) for tr in recvs}
-        for channel in CHANNELS:
+        for channel in self.groups:
             mine = [(tr, t) for tr, t in sends if channel_of(tr.message) == channel]
             wanted = [tr for tr in recvs if channel_of(tr.message) == channel]
             for message, works, what in self._post(self.groups[channel], mine, wanted, buffers, where):

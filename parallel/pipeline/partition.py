@@ -31,6 +31,8 @@ import itertools
 import math
 from typing import Optional, Sequence
 
+from parallel.pipeline.placement import stage_of
+
 BLOCK_PARTS = ("attention", "mlp")
 """The two halves of a transformer block, in order, that a split may put on different stages."""
 
@@ -173,19 +175,39 @@ def split_problem(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence
 
 
 def resolve_split(num_layers: int, pp: int, v: int = 1, split: Optional[Sequence[float]] = None,
-                  head_cost: float = 0.0, attention_share: Optional[float] = None) -> list[float]:
+                  head_cost: float = 0.0, attention_share: Optional[float] = None,
+                  placement: str = "loop") -> list[float]:
     """The user's split if given (validated), else ``balanced_split`` with the head's cost in blocks
-    and the attention half's share of a block."""
+    and the attention half's share of a block (``balanced_v_split`` for a V ``placement``)."""
     problem = split_problem(num_layers, pp, v, split)
     if problem:
         raise ValueError(problem)
-    return list(split) if split is not None else balanced_split(num_layers, pp, v, head_cost, attention_share)
+    if split is not None:
+        return list(split)
+    if placement == "v":
+        return balanced_v_split(num_layers, pp, head_cost)
+    return balanced_split(num_layers, pp, v, head_cost, attention_share)
 
 
-def _stage_halves(split: Sequence[float], pp: int, rank: int, chunk: int) -> tuple[int, int]:
+def balanced_v_split(num_layers: int, pp: int, head_cost: float = 0.0) -> list[float]:
+    """Whole blocks per virtual stage of a V (two chunks a rank, ``placement``): each rank's blocks as
+    ``_fill`` balances them with the head on the first rank, halved between its chunks with the odd
+    block on the second. The first chunk is the one every other rank waits for at the start of a step
+    (on the first rank) or that paces the way down, so it gets the smaller half: GPT 1.3B at pp 2
+    comes out [5, 6, 7, 6], modelled 0.5% faster than [6, 6, 6, 6] with the head."""
+    if pp < 2 or num_layers < 2 * pp:
+        raise ValueError(f"a V of {pp} pipeline ranks needs at least {2 * pp} blocks, got {num_layers}")
+    split = [0] * (2 * pp)
+    for rank, blocks in enumerate(_fill(num_layers, [head_cost if r == 0 else 0.0 for r in range(pp)], minimum=2)):
+        split[stage_of(pp, rank, 0, "v")] = blocks // 2
+        split[stage_of(pp, rank, 1, "v")] = blocks - blocks // 2
+    return split
+
+
+def _stage_halves(split: Sequence[float], pp: int, rank: int, chunk: int, placement: str = "loop") -> tuple[int, int]:
     """The half blocks [start, end) of chunk ``chunk`` of pipeline rank ``rank``: half 2i is block i's
     attention, half 2i + 1 its MLP."""
-    stage = chunk * pp + rank
+    stage = stage_of(pp, rank, chunk, placement)
     if not 0 <= stage < len(split):
         raise ValueError(f"virtual stage {stage} (rank {rank}, chunk {chunk}) is outside a {len(split)}-stage split")
     bounds = _half_bounds(tuple(split))
@@ -209,24 +231,26 @@ def halves_work(start: int, end: int, attention_share: float) -> float:
     return attention * attention_share + (end - start - attention) * (1.0 - attention_share)
 
 
-def rank_work(split: Sequence[float], pp: int, rank: int, attention_share: float) -> float:
+def rank_work(split: Sequence[float], pp: int, rank: int, attention_share: float, placement: str = "loop") -> float:
     """Blocks' worth of work of pipeline rank ``rank``'s chunks (the head not counted): a block held
     in half counts its half's share."""
-    return sum(halves_work(*_stage_halves(split, pp, rank, c), attention_share) for c in range(len(split) // pp))
+    return sum(halves_work(*_stage_halves(split, pp, rank, c, placement), attention_share)
+               for c in range(len(split) // pp))
 
 
-def stage_layers(split: Sequence[float], pp: int, rank: int, chunk: int = 0) -> range:
+def stage_layers(split: Sequence[float], pp: int, rank: int, chunk: int = 0, placement: str = "loop") -> range:
     """Global indices of the blocks chunk ``chunk`` of pipeline rank ``rank`` (virtual stage
-    chunk*pp + rank) holds, whole or in part (see ``stage_parts``)."""
-    start, end = _stage_halves(split, pp, rank, chunk)
+    ``placement.stage_of``) holds, whole or in part (see ``stage_parts``)."""
+    start, end = _stage_halves(split, pp, rank, chunk, placement)
     return range(start // 2, (end + 1) // 2)
 
 
-def stage_parts(split: Sequence[float], pp: int, rank: int, chunk: int = 0) -> dict[int, tuple[str, ...]]:
+def stage_parts(split: Sequence[float], pp: int, rank: int, chunk: int = 0,
+                placement: str = "loop") -> dict[int, tuple[str, ...]]:
     """The blocks of that chunk it holds only in part, each with the part it holds: ``("mlp",)`` for a
     block whose attention the previous stage ran, ``("attention",)`` for one whose MLP the next stage
     runs. Empty for a split of whole blocks."""
-    start, end = _stage_halves(split, pp, rank, chunk)
+    start, end = _stage_halves(split, pp, rank, chunk, placement)
     attention, mlp = BLOCK_PARTS
     parts = {}
     if start % 2:

@@ -21,17 +21,20 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from parallel.pipeline.placement import V_SHAPED, holder_of, placement_of, stage_of
 from parallel.pipeline.schedule import (INTERLEAVED, SPLIT_BACKWARD, Op, build_schedule, interleaved_warmup,
-                                        max_live_activations, splits_backward)
+                                        max_live_activations, splits_backward, zero_bubble_v)
 
 
 @dataclass(frozen=True)
 class Message:
-    """What travels between stages: ``act`` goes to virtual stage ``stage + 1``, ``grad`` to ``stage - 1``."""
+    """What travels between stages: ``act`` goes to virtual stage ``stage + 1``, ``grad`` to ``stage - 1``;
+    ``back``: on a V's return leg (``boundary_message``), which has channels of its own."""
 
     kind: str
     microbatch: int
     stage: int
+    back: bool = False
 
     def __repr__(self) -> str:
         return f"{self.kind}(mb{self.microbatch} from stage {self.stage})"
@@ -59,38 +62,46 @@ class PipelineDeadlock(RuntimeError):
     """A schedule whose communication cannot complete, or delivers a message to the wrong op."""
 
 
-def virtual_stage(pp: int, rank: int, chunk: int) -> int:
-    return chunk * pp + rank
+def boundary_message(kind: str, microbatch: int, stage: int, pp: int, placement: str = "loop") -> Message:
+    """The message ``kind`` of ``microbatch`` leaving virtual ``stage``: in a V, a stage of the return leg
+    (``stage >= pp``) sends on the back channels (``channel_of``)."""
+    return Message(kind, microbatch, stage, back=placement == "v" and stage >= pp)
 
 
-def op_io(op: Op, pp: int, rank: int, v: int) -> tuple[Optional[Transfer], Optional[Transfer]]:
-    """(what ``op`` receives, what it sends); ``None`` at the ends of the pipeline."""
+def op_io(op: Op, pp: int, rank: int, v: int, placement: str = "loop") -> tuple[Optional[Transfer], Optional[Transfer]]:
+    """(what ``op`` receives, what it sends); ``None`` at the ends of the pipeline, and where the
+    neighbouring stage is on this rank too (a V's turn: the executor hands it over in memory)."""
     if pp == 1 and v > 1:
         raise ValueError("virtual stages need pp > 1: with one rank, use a deeper single chunk instead")
-    s, last = virtual_stage(pp, rank, op.chunk), pp * v - 1
+    s, last = stage_of(pp, rank, op.chunk, placement), pp * v - 1
     if op.kind == "W":  # a weight gradient stays on its rank
         return None, None
+
+    def transfer(stage: int, kind: str, source: int) -> Optional[Transfer]:
+        if not 0 <= stage <= last:
+            return None
+        peer = holder_of(pp, stage, placement)[0]
+        return None if peer == rank else Transfer(peer, boundary_message(kind, op.microbatch, source, pp, placement))
+
     if op.kind == "F":
-        recv = Transfer((s - 1) % pp, Message("act", op.microbatch, s - 1)) if s > 0 else None
-        send = Transfer((s + 1) % pp, Message("act", op.microbatch, s)) if s < last else None
-    else:
-        recv = Transfer((s + 1) % pp, Message("grad", op.microbatch, s + 1)) if s < last else None
-        send = Transfer((s - 1) % pp, Message("grad", op.microbatch, s)) if s > 0 else None
-    return recv, send
+        return transfer(s - 1, "act", s - 1), transfer(s + 1, "act", s)
+    return transfer(s + 1, "grad", s + 1), transfer(s - 1, "grad", s)
 
 
-def comm_plan(ops: list[Op], pp: int, rank: int, v: int = 1, paired_from: Optional[int] = None) -> list[Step]:
+def comm_plan(ops: list[Op], pp: int, rank: int, v: int = 1, paired_from: Optional[int] = None,
+              placement: str = "loop") -> list[Step]:
     """Steps of rank ``rank``: one batched exchange before each op, or before each steady-state pair.
 
     Plain 1F1B exchanges before every op: the sends of the op before, the receive of the op next.
     Interleaved 1F1B (``paired_from`` = its warm-up length) runs its steady state as forward/backward
     pairs with one exchange between pairs, carrying both ops' sends and both next receives; per-op
     exchanges there would cross activations and gradients travelling between the same two ranks.
+    ``placement`` says which rank holds which virtual stage (``placement.stage_of``).
     """
     steps: list[Step] = []
     pending: tuple[Transfer, ...] = ()
     for group in _groups(ops, paired_from):
-        io = [op_io(op, pp, rank, v) for op in group]
+        io = [op_io(op, pp, rank, v, placement) for op in group]
         needs = [recv.message if recv else None for recv, _ in io]
         steps.append(Step(pending, tuple(recv for recv, _ in io if recv), group[0], needs[0]))
         steps += [Step((), (), op, need) for op, need in zip(group[1:], needs[1:])]
@@ -127,13 +138,16 @@ def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
     ``weight_grad_delays`` finds best."""
     ops = schedule_for(schedule, pp, rank, m, v, costs)
     paired_from = interleaved_warmup(pp, rank, m, v) if schedule in INTERLEAVED else None
-    return ops, comm_plan(ops, pp, rank, v, paired_from)
+    return ops, comm_plan(ops, pp, rank, v, paired_from, placement_of(schedule))
 
 
 def schedule_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
                  costs: Optional[StageCosts] = None) -> list[Op]:
     """``build_schedule``, with a split-backward schedule's weight gradients delayed as
-    ``weight_grad_delays`` finds best for the ranks' op ``costs`` (none given: the default delays)."""
+    ``weight_grad_delays`` finds best for the ranks' op ``costs`` (none given: the default delays); zb-v
+    orders its ops by each virtual stage's costs (``costs`` then holds one entry per virtual stage)."""
+    if schedule in V_SHAPED:
+        return zero_bubble_v(pp, rank, m, v, None if costs is None else costs.ops)
     if costs is None or schedule not in SPLIT_BACKWARD or v > 1:  # delays are tuned for one chunk a rank
         return build_schedule(schedule, pp, rank, m, v)
     return build_schedule(schedule, pp, rank, m, v, weight_grad_delays(schedule, pp, m, costs)[rank])
@@ -161,10 +175,21 @@ CHANNELS = ("act", "grad")
 groups), each first-in first-out per pair of ranks: a send still waiting for its receiver holds up
 later messages of its own kind only, never a gradient behind an activation or the reverse."""
 
+BACK_CHANNELS = ("act_back", "grad_back")
+"""A V's return leg has two more (``pp_back``, ``pp_grad_back``): its ranks send activations both
+ways, and on one in-order stream a first-leg activation sent early (the receiver takes it only after
+some backwards) holds up the return-leg activation the sender's next forward waits for (the plan's
+dry run deadlocks at pp 2 from 3 micro-batches)."""
+
+
+def channels(placement: str) -> tuple[str, ...]:
+    """The channels a placement's messages use."""
+    return CHANNELS + BACK_CHANNELS if placement == "v" else CHANNELS
+
 
 def channel_of(message: Message) -> str:
-    """The channel a message travels on: its kind (``CHANNELS``)."""
-    return message.kind
+    """The channel a message travels on: its kind, on a V's return leg with ``_back`` (``channels``)."""
+    return message.kind + "_back" if message.back else message.kind
 
 
 def simulate(plans: list[list[Step]], channel=channel_of) -> list[float]:
@@ -295,7 +320,7 @@ def weight_grad_delays(schedule: str, pp: int, m: int, costs: StageCosts) -> tup
 def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COSTS,
              channel=channel_of) -> list[list[tuple[Op, float, float]]]:
     """Each rank's ops with their start and end times, messages taking no time; ``costs`` is one table
-    of op costs (``UNIT_COSTS``'s keys) for every rank, or a list of one per rank; ``channel`` maps a
+    of op costs (``UNIT_COSTS``'s keys) for every rank, or a list of one per rank (itself a table, or a list of one per chunk of the rank); ``channel`` maps a
     message to the stream it travels on (a constant one folds both channels into one stream).
 
     A rank posts step k's batch when its op of step k - 1 ends, as one sub-batch per channel
@@ -319,7 +344,8 @@ COST_KEYS = tuple(UNIT_COSTS)
 class RankEvents:
     """One rank's share of an ``EventGraph``: the events of its plan, each the later of at most two
     others of the rank (-1: none, time zero) plus an op's cost for an op's end (``cost``: 0, or one
-    more than the op's index in ``COST_KEYS``), and its sub-batches in the order they meet each peer.
+    more than the op's index in ``COST_KEYS``, counted on from its chunk's, ``chunk * len(COST_KEYS)``),
+    and its sub-batches in the order they meet each peer.
 
     Events: an op's start (after the rank's op before and the sub-batch carrying its input) and end;
     a sub-batch's beginning (posted as the op before ends, after the channel's sub-batch before) and
@@ -364,7 +390,8 @@ class RankEvents:
                     ahead.append((len(self.starts), step.needs))
                 key = "B_input" if step.op.kind == "B" and split else step.op.kind
                 self.starts.append(self._event(last_end, landed))
-                last_end = self._event(self.starts[-1], -1, cost=1 + COST_KEYS.index(key))
+                last_end = self._event(self.starts[-1], -1,
+                                       cost=1 + step.op.chunk * len(COST_KEYS) + COST_KEYS.index(key))
                 self.ends.append(last_end)
                 self.ops.append(step.op)
                 self.steps.append(k)
@@ -397,8 +424,9 @@ class EventGraph:
     def __init__(self, ranks: list[RankEvents]):
         self.ranks = ranks
         self.first, self.second, self.cost, self.offsets = [], [], [], []
+        self.chunks = 1 + max((op.chunk for part in ranks for op in part.ops), default=0)
         for part in ranks:
-            at, shift = len(self.cost), part.rank * len(COST_KEYS)
+            at, shift = len(self.cost), part.rank * self.chunks * len(COST_KEYS)
             self.offsets.append(at)
             self.first += [a + at if a >= 0 else -1 for a in part.first]
             self.second += [b + at if b >= 0 else -1 for b in part.second]
@@ -495,11 +523,13 @@ class EventGraph:
         if stuck:
             raise PipelineDeadlock("pipeline deadlock: " + "; ".join(stuck))
 
-    def _event_times(self, rank_costs: list[dict]) -> list[float]:
-        table = [0.0] * (1 + len(rank_costs) * len(COST_KEYS))
+    def _event_times(self, rank_costs: list) -> list[float]:
+        table = [0.0] * (1 + len(rank_costs) * self.chunks * len(COST_KEYS))
         for index in self._costed:  # a table need only hold the kinds of ops its rank runs
-            rank, key = divmod(index - 1, len(COST_KEYS))
-            table[index] = rank_costs[rank][COST_KEYS[key]]
+            rank, rest = divmod(index - 1, self.chunks * len(COST_KEYS))
+            chunk, key = divmod(rest, len(COST_KEYS))
+            costs = rank_costs[rank]
+            table[index] = (costs[chunk] if isinstance(costs, (list, tuple)) else costs)[COST_KEYS[key]]
         t = [0.0] * (len(self.cost) + 1)  # t[-1]: a missing wait's zero
         first, second, cost = self.first, self.second, self.cost
         for e in self.order:
@@ -507,13 +537,14 @@ class EventGraph:
             t[e] = (x if x >= y else y) + table[cost[e]]
         return t
 
-    def times(self, rank_costs: list[dict]) -> list[list[tuple[Op, float, float]]]:
-        """Each rank's ops with start and end times under ``rank_costs`` (one table per rank)."""
+    def times(self, rank_costs: list) -> list[list[tuple[Op, float, float]]]:
+        """Each rank's ops with start and end times under ``rank_costs`` (one table per rank, or a list of
+        one per chunk of the rank)."""
         t = self._event_times(rank_costs)
         return [[(op, t[start + at], t[end + at]) for op, start, end in zip(part.ops, part.starts, part.ends)]
                 for part, at in zip(self.ranks, self.offsets)]
 
-    def makespan(self, rank_costs: list[dict]) -> float:
+    def makespan(self, rank_costs: list) -> float:
         """When the last op ends under ``rank_costs``."""
         t = self._event_times(rank_costs)
         return max((t[part.ends[-1] + at] for part, at in zip(self.ranks, self.offsets) if part.ends), default=0.0)

@@ -19,14 +19,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "zb-h1", "zb-h2", "interleaved_zb",
+from parallel.pipeline.placement import V_SHAPED
+from parallel.pipeline.v_order import check_costs, modelled_bubble, v_orders
+
+SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "zb-h1", "zb-h2", "interleaved_zb", "zb-v",
              "forward_only")
 TRAINING_SCHEDULES = ("auto",) + SCHEDULES[:-1]
 """The choices of ``parallel.pipeline_schedule``: ``auto`` is ``default_schedule``."""
-SPLIT_BACKWARD = ("zb-h1", "zb-h2", "interleaved_zb")
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "interleaved_zb", "zb-v")
 """The schedules that run weight gradients as ops of their own (``W``), apart from ``B``."""
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
-"""The schedules of several model chunks per rank (virtual stages)."""
+"""The schedules of several model chunks per rank (virtual stages) placed in a loop, which exchange
+before each steady-state forward/backward pair (``plan.comm_plan``)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -191,6 +195,16 @@ def interleaved_zero_bubble(pp: int, rank: int, m: int, v: int = 2, delay: Optio
     return _split_weight_grads(interleaved_1f1b(pp, rank, m, v), _delay("interleaved_zb", rank, delay))
 
 
+def zero_bubble_v(pp: int, rank: int, m: int, v: int = 2, costs: Optional[Sequence[Sequence[float]]] = None) -> list[Op]:
+    """ZB-V (``v_order``): two chunks a rank in a V, ordered by list scheduling with each
+    virtual stage's (F, B, W) ``costs`` (none: equal)."""
+    _check(pp, rank, m, v)
+    if pp < 2 or v != 2:
+        raise ValueError(f"zb-v runs two model chunks on each of at least two pipeline ranks; got pp {pp}, "
+                         f"virtual stages {v}")
+    return [Op(*op) for op in v_orders(pp, m, check_costs(pp, costs))[0][rank]]
+
+
 def forward_only(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:
     """Evaluation: every forward, chunks visited in the interleaved order, no backward."""
     _check(pp, rank, m, v)
@@ -218,6 +232,7 @@ _BUILDERS: dict[str, Callable[..., list[Op]]] = {
     "zb-h1": zero_bubble_h1,
     "zb-h2": zero_bubble_h2,
     "interleaved_zb": interleaved_zero_bubble,
+    "zb-v": zero_bubble_v,
     "forward_only": forward_only,
 }
 
@@ -227,7 +242,7 @@ def build_schedule(name: str, pp: int, rank: int, m: int, v: int = 1, delay: Opt
     only) is how many weight gradients the rank leaves waiting, see ``zero_bubble_h1``."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
-    if delay is None:
+    if delay is None or name in V_SHAPED:  # zb-v orders its weight gradients itself
         return _BUILDERS[name](pp, rank, m, v)
     if name not in SPLIT_BACKWARD:
         raise ValueError(f"{name} has no weight-gradient ops to delay")
@@ -236,9 +251,11 @@ def build_schedule(name: str, pp: int, rank: int, m: int, v: int = 1, delay: Opt
 
 def schedule_problem(name: str, v: int) -> Optional[str]:
     """Why training schedule ``name`` cannot run ``v`` model chunks per rank (None when it can)."""
+    if name in V_SHAPED:
+        return None if v == 2 else f"{name} runs two model chunks per rank; set parallel.virtual_stages to 2"
     if name in INTERLEAVED and v == 1:
         return f"{name} needs more than one model chunk per rank; raise parallel.virtual_stages"
-    if name not in ("auto", *INTERLEAVED) and v > 1:
+    if name not in ("auto", *INTERLEAVED, *V_SHAPED) and v > 1:
         return (f"{name} runs one model chunk per rank; set parallel.virtual_stages to 1 or use one of "
                 f"{', '.join(INTERLEAVED)}")
     return None
@@ -312,6 +329,8 @@ def bubble_fraction(pp: int, m: int, v: int = 1, schedule: str = "1f1b") -> floa
     """
     if schedule == "gradient_accumulation":
         return float(pp - 1)
+    if schedule in V_SHAPED:
+        return modelled_bubble(pp, m)
     ratio = (pp - 1) / (v * m)
     if schedule == "interleaved_zb":
         return ratio if m % pp else ratio * 2 / 3 if m == pp else (2 * pp - 3) / (3 * v * m)

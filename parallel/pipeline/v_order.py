@@ -1,0 +1,122 @@
+"""ZB-V (Qi et al. 2024): two chunks a rank placed in a V, backward split into ``B`` and ``W``.
+
+Why a V: under ZB-H2 at pp 2 the second rank waits a whole stage's forward for its first input after
+every optimizer step, and that wait is most of what keeps the step from its compute time (BENCHMARKS.md:
+about 40 ms of a 1.05 s step on GPT 1.3B). With the first rank holding the first and the last
+virtual stage (``placement``), the second rank waits for a chunk of about half a stage, and the
+cool-down's last input gradients run on the rank that holds the deferred weight gradients to fill it.
+
+How the order is found: by list scheduling the ops of every rank with the stages' op costs, as the
+paper's own scheduler does rather than a fixed pattern, so unequal stages (the head's weight on the
+last one) shape the order. Each rank, whenever it is free, runs the first of: an input gradient
+``B`` whose gradient has arrived, a forward ``F`` whose input has arrived, the oldest waiting weight
+gradient ``W``; otherwise it idles until an input arrives. Among ready ``B`` and ``F`` the deeper
+stage goes first (it is nearer the loss, so its backward comes sooner). A rank starts a first-chunk
+forward only while fewer than ``cap`` micro-batch chunks are in flight on it (forward run, ``W`` not);
+second-chunk forwards are not held back: each leads straight to a backward, and holding them could
+leave a rank full of first-chunk forwards waiting for a backward only its second chunk can start.
+``cap`` is searched from ``2 pp`` (1F1B's peak, counted in half stages) to ``2 (2 pp - 1)`` (ZB-H2's
+first rank), keeping the smallest that gives the shortest modelled step. Every rank computes all
+ranks' orders from the same costs, so the plans match. Messages take no time in this model; the
+plan's dry run (``plan.timeline``) then times the orders with NCCL's channel semantics and proves
+they cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+from parallel.pipeline.placement import stage_of
+
+UNIT_STAGE = (1.0, 1.0, 1.0)
+"""A stage's (forward, input gradient, weight gradient) cost when none is given: equal thirds."""
+
+
+def check_costs(pp: int, costs: Optional[Sequence[Sequence[float]]]) -> tuple:
+    """``costs`` as a table of each virtual stage's (F, B, W), in stage order (``2 pp`` entries; none:
+    ``UNIT_STAGE`` each)."""
+    table = tuple(tuple(float(x) for x in c) for c in costs) if costs is not None else (UNIT_STAGE,) * (2 * pp)
+    if len(table) != 2 * pp or any(len(c) != 3 or min(c) < 0 for c in table):
+        raise ValueError(f"zb-v needs (F, B, W) costs, none negative, for each of its {2 * pp} virtual stages")
+    return table
+
+
+@functools.lru_cache(maxsize=256)
+def v_orders(pp: int, m: int, costs: tuple) -> tuple[tuple[tuple, ...], float]:
+    """Every rank's ops as (kind, micro-batch, chunk) and the modelled step, for ``costs`` (a
+    ``check_costs`` table), at the cap that gives the shortest step (the smallest
+    such): see the module docstring."""
+    best = None
+    for cap in range(2 * pp, 2 * (2 * pp - 1) + 1):
+        ops, span = _list_schedule(pp, m, costs, cap)
+        if best is None or span < best[1] * (1 - 1e-9):
+            best = (ops, span)
+    return best
+
+
+def modelled_bubble(pp: int, m: int, costs: Optional[tuple] = None) -> float:
+    """Idle over busy time of the idlest rank in the list-scheduling model (messages free); with equal
+    costs, ``schedule.bubble_fraction``'s figure for zb-v."""
+    table = check_costs(pp, costs)
+    _, span = v_orders(pp, m, table)
+    busy = [m * (sum(table[stage_of(pp, r, 0, "v")]) + sum(table[stage_of(pp, r, 1, "v")])) for r in range(pp)]
+    return max((span - b) / b for b in busy)
+
+
+def _list_schedule(pp: int, m: int, costs: tuple, cap: int) -> tuple[tuple[tuple, ...], float]:
+    """Every rank's ops as (kind, micro-batch, chunk) and when the last ends, first-chunk forwards held
+    to ``cap`` in flight a rank."""
+    last = 2 * pp - 1
+    ends = {kind: [[None] * m for _ in range(2 * pp)] for kind in "FB"}  # ends[kind][stage][mb]
+    free = [0.0] * pp
+    next_f = [[0, 0] for _ in range(pp)]  # next micro-batch to go forward / backward, by chunk:
+    next_b = [[0, 0] for _ in range(pp)]  # each chunk runs its micro-batches in order
+    waiting_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    live = [0] * pp
+    ops: list[list] = [[] for _ in range(pp)]
+    left = 6 * pp * m
+    while left:
+        pick = None  # (start, priority, -stage, rank, kind, chunk, micro-batch)
+        for r in range(pp):
+            options = []
+            for c in (0, 1):
+                s = stage_of(pp, r, c, "v")
+                mb = next_b[r][c]
+                if mb < next_f[r][c]:  # its forward ran here
+                    arrived = ends["F"][s][mb] if s == last else ends["B"][s + 1][mb]
+                    if arrived is not None:
+                        options.append((max(arrived, free[r]), 0, -s, r, "B", c, mb))
+                mb = next_f[r][c]
+                if mb < m and (c == 1 or live[r] < cap):
+                    arrived = 0.0 if s == 0 else ends["F"][s - 1][mb]
+                    if arrived is not None:
+                        options.append((max(arrived, free[r]), 1, -s, r, "F", c, mb))
+            if waiting_w[r]:
+                c, mb = waiting_w[r][0]
+                options.append((free[r], 2, 0, r, "W", c, mb))
+            if options:
+                soonest = min(o[0] for o in options)
+                choice = min((o for o in options if o[0] <= soonest), key=lambda o: o[1:3])
+                if pick is None or (choice[0], r) < (pick[0], pick[3]):
+                    pick = choice
+        if pick is None:
+            raise RuntimeError(f"zb-v list scheduling stalled (pp {pp}, {m} micro-batches, cap {cap})")
+        start, _, _, r, kind, c, mb = pick
+        s = stage_of(pp, r, c, "v")
+        end = start + costs[s]["FBW".index(kind)]
+        free[r] = end
+        ops[r].append((kind, mb, c))
+        left -= 1
+        if kind == "F":
+            ends["F"][s][mb] = end
+            next_f[r][c] += 1
+            live[r] += 1
+        elif kind == "B":
+            ends["B"][s][mb] = end
+            next_b[r][c] += 1
+            waiting_w[r].append((c, mb))
+        else:
+            waiting_w[r].pop(0)
+            live[r] -= 1
+    return tuple(tuple(rank_ops) for rank_ops in ops), max(free)
