@@ -103,9 +103,8 @@ def epoch_plan(tokens_per_epoch: int, seq_len: int, num_samples: int) -> tuple[i
     per_epoch = samples_in(tokens_per_epoch, seq_len)
     if per_epoch == 0:
         raise ValueError(f"{tokens_per_epoch} tokens are too few for one sample of {seq_len}+1 tokens")
-    num_epochs = 1  # the fewest epochs whose tokens give num_samples samples
-    while samples_in(num_epochs * tokens_per_epoch, seq_len) < num_samples:
-        num_epochs += 1
+    # the fewest epochs whose tokens give num_samples samples: (E T - 1) // seq_len >= N, i.e. E T >= N seq_len + 1
+    num_epochs = max(1, -(-(num_samples * seq_len + 1) // tokens_per_epoch))
     sans_final = samples_in((num_epochs - 1) * tokens_per_epoch, seq_len)
     return num_epochs, num_epochs > 1 and num_samples - sans_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
 

@@ -20,7 +20,6 @@ disk: the GPT sample indices and ``largest_token_id``.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import struct
@@ -30,6 +29,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from data_pipeline.index_cache import cached_arrays, default_cache_dir
+from data_pipeline.shard_files import bin_path, file_version, idx_path, idx_sha256
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -46,14 +46,6 @@ SCAN_CHUNK_BYTES = 64 << 20  # largest_token_id reads the .bin this much at a ti
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest dtype Megatron uses for this vocabulary: uint16 below 65500 tokens, else int32."""
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
-
-
-def bin_path(prefix: str) -> str:
-    return f"{prefix}.bin"
-
-
-def idx_path(prefix: str) -> str:
-    return f"{prefix}.idx"
 
 
 def _tmp_name(path: str) -> str:
@@ -161,6 +153,7 @@ class IndexedDataset:
             raise ValueError(f"{idx}: truncated index ({idx_size} bytes, the header alone is {HEADER.size})")
         with open(idx, "rb") as f:
             magic, version, code, n_seq, n_doc = HEADER.unpack(f.read(HEADER.size))
+            self._idx_version = file_version(os.fstat(f.fileno()))
         if magic != MAGIC:
             raise ValueError(f"{idx}: not a Megatron indexed dataset (magic {magic!r}, expected {MAGIC!r})")
         if version != VERSION:
@@ -209,16 +202,18 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return int(self.sizes.astype(np.int64).sum())
 
-    @functools.cached_property
+    @property
     def fingerprint(self) -> str:
         """sha256 of the ``.idx`` bytes, which hold the dtype and every document's size and pointer.
 
         Reordered, added or removed documents change it, so it keys indices cached from this shard
-        where path and counts could not. It is cheap enough to compute at every start: for a
-        1M-document (20 MB) ``.idx`` in the page cache, measured 12 ms on an idle 2-core CPU with
-        SHA instructions, 20-40 ms on a loaded one, 60-100 ms with the SHA instructions masked off.
-        """
-        return hashlib.sha256(self._idx_map).hexdigest()
+        where path and counts could not. For a 1M-document (20 MB) ``.idx`` in the page cache it took
+        12 ms on an idle 2-core CPU with SHA instructions, 20-40 ms on a loaded one, 60-100 ms with the
+        SHA instructions masked off; a process computes it once per version of the file
+        (``shard_files.idx_sha256``), however many readers ask. Of the file as this reader opened it:
+        one rewritten since is hashed from this reader's own map."""
+        digest, version = idx_sha256(self.prefix)
+        return digest if version == self._idx_version else hashlib.sha256(self._idx_map).hexdigest()
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         size = int(self.sizes[i])

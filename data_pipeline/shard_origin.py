@@ -17,6 +17,8 @@ import json
 import os
 from typing import Iterable, Optional
 
+from data_pipeline.shard_files import idx_path, idx_sha256
+
 
 def origin_path(prefix: str) -> str:
     return f"{prefix}.tokenizer.json"
@@ -50,27 +52,12 @@ def same_tokenizer(a: dict, b: dict) -> bool:
     return a["tokenizer_sha256"] == b["tokenizer_sha256"] or (pieces is not None and pieces == b.get("pieces_sha256"))
 
 
-def _idx_path(prefix: str) -> str:
-    """The shard's index file, named as ``indexed.idx_path`` names it (``indexed`` imports this module
-    to merge shards, so it is not imported here)."""
-    return f"{prefix}.idx"
-
-
-def _idx_sha256(prefix: str) -> str:
-    """The shard's ``.idx`` digest, as ``IndexedDataset.fingerprint`` has it."""
-    digest = hashlib.sha256()
-    with open(_idx_path(prefix), "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_origin(prefix: str, identity: dict) -> None:
     """Record ``identity`` for the finished shard at ``prefix``, with its ``.idx`` digest (atomically: a
     half-written record would read as damaged)."""
     tmp = f"{origin_path(prefix)}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({**identity, "idx_sha256": _idx_sha256(prefix)}, f)
+        json.dump({**identity, "idx_sha256": idx_sha256(prefix)[0]}, f)
     os.replace(tmp, origin_path(prefix))
 
 
@@ -89,8 +76,8 @@ def read_origin(prefix: str) -> Optional[dict]:
         raise ValueError(f"{path}: damaged record of the shard's tokenizer ({exc}); delete it to use the shard "
                          "unchecked, or preprocess again") from None
     written_for = record.pop("idx_sha256", None)  # absent from records older than the digest
-    if written_for is not None and written_for != _idx_sha256(prefix):
-        raise ValueError(f"{path}: was written for another {_idx_path(prefix)} (the shard was rewritten since), so it "
+    if written_for is not None and written_for != idx_sha256(prefix)[0]:
+        raise ValueError(f"{path}: was written for another {idx_path(prefix)} (the shard was rewritten since), so it "
                          "does not say which tokenizer made this one; preprocess the shard again, or delete the "
                          "record to use the shard unchecked")
     return record

@@ -51,7 +51,9 @@ CASES = [((1, 1, 2), 1, ()), ((1, 1, 2), 2, ()), ((1, 1, 2), 3, ()),
          ((1, 2, 1), 1, ()), ((1, 2, 1), 1, ("--parallel.virtual_stages", "2")),
          ((1, 2, 1), 1, ("--parallel.virtual_stages", "2", "--parallel.pipeline_schedule", "interleaved_zb")),
          ((1, 2, 1), 1, ZB2), ((1, 2, 1), 1, (*ZB2, "--train.compile", "true")),
-         ((1, 2, 1), 1, (*ZB2, "--train.compile", "true", "--parallel.pipeline_split", "[1.5, 2.5]"))]
+         ((1, 2, 1), 1, (*ZB2, "--train.compile", "true", "--parallel.pipeline_split", "[1.5, 2.5]")),
+         ((1, 2, 1), 1, ("--parallel.virtual_stages", "2", "--parallel.pipeline_schedule", "zb-v", "--train.compile",
+                         "true"))]
 # the defaults at tp 2 + sp on GPUs: peer-memory linears in blocks replayed as CUDA graphs
 DEFAULTS_SP = ((2, 1, 1), 1, SP)
 CASES_CG = [((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "overlap", *CG)),

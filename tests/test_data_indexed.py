@@ -119,6 +119,34 @@ def test_a_record_left_beside_a_rewritten_shard_is_refused(tmp_path):
         read_origin(prefix)
 
 
+def test_the_idx_digest_is_read_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """Readers, the tokenizer record and a checkpoint's shard record all ask for the ``.idx`` digest;
+    a process reads the file once per version of it. A shard written again at the prefix is hashed
+    anew, while a reader opened before keeps its own file's digest (planted: the digest of whatever
+    the prefix holds now, for an older reader; the version left out of the key)."""
+    import hashlib
+
+    import data_pipeline.shard_files as shard_files
+    from data_pipeline.shard_origin import read_origin, write_origin
+
+    reads = []
+    real = hashlib.sha256
+    monkeypatch.setattr(shard_files.hashlib, "sha256", lambda *a: reads.append(1) or real(*a))
+    prefix = write(tmp_path / "a", DOCS[:2])
+    old = IndexedDataset(prefix)
+    write_origin(prefix, {"tokenizer_sha256": "ab" * 32, "vocab_size": 70000})
+    first = Path(prefix + ".idx").read_bytes()
+    assert old.fingerprint == IndexedDataset(prefix).fingerprint == real(first).hexdigest()
+    assert read_origin(prefix)["vocab_size"] == 70000
+    assert len(reads) == 1
+    write(tmp_path / "a", DOCS[1:])
+    second = Path(prefix + ".idx").read_bytes()
+    assert IndexedDataset(prefix).fingerprint == real(second).hexdigest() != real(first).hexdigest()
+    assert len(reads) == 2
+    assert old.fingerprint == real(first).hexdigest()  # from the older reader's own map
+    assert len(reads) == 3
+
+
 def test_a_record_written_before_the_idx_digest_is_still_read(tmp_path):
     """Shards preprocessed by a version that did not record the ``.idx`` digest keep their record: it
     is read as it stands, not refused as written for another shard (every such shard would have to

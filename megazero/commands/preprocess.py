@@ -116,7 +116,7 @@ def _check_no_repeats(args) -> None:
 
 def _resolved(name: str, shard: bool) -> str:
     """One spelling per file, links followed: a shard prefix stands for its ``.bin``."""
-    from data_pipeline.indexed import bin_path
+    from data_pipeline.shard_files import bin_path
 
     return os.path.realpath(bin_path(name) if shard else name)
 
@@ -124,7 +124,7 @@ def _resolved(name: str, shard: bool) -> str:
 def _check_outputs_absent(args) -> None:
     """A run writes a ``.bin``, ``.idx`` and tokenizer record per output shard; one already there would
     be replaced without a word and the shard it belongs to lost, so it is refused before any input is read."""
-    from data_pipeline.indexed import bin_path, idx_path
+    from data_pipeline.shard_files import bin_path, idx_path
     from data_pipeline.preprocess import output_prefix_for
     from data_pipeline.shard_origin import origin_path
 

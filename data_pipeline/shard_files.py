@@ -1,0 +1,47 @@
+"""A shard's two files, and the digest of its index, hashed once per process and file version.
+
+The reader (``indexed``) keys cached sample indices by the ``.idx`` digest; the tokenizer record
+(``shard_origin``) holds the digest of the ``.idx`` it was written for; a checkpoint records each
+training shard's (``megazero.data.shard_digests``). A run's start-up asks for the same digest from
+each of them, rank 0 up to five times a shard (the record's check, the resume's comparison, the
+checkpoint's record, the train and validation indices), and a corpus of hundreds of millions of
+documents has an ``.idx`` of gigabytes: seconds each. Both modules import this one (``indexed``
+imports ``shard_origin`` to merge shards, so neither can hold it for the other).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+
+def bin_path(prefix: str) -> str:
+    return f"{prefix}.bin"
+
+
+def idx_path(prefix: str) -> str:
+    return f"{prefix}.idx"
+
+
+def file_version(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one version of a file from another: a rewrite in place changes the size or the
+    modification time, a replacement the inode."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+_DIGESTS: dict[tuple, str] = {}  # (real path, file version) -> sha256, for this process
+
+
+def idx_sha256(prefix: str) -> tuple[str, tuple[int, int, int, int]]:
+    """sha256 of the shard's ``.idx`` bytes and the version of the file it is of (``file_version``),
+    read from the file only the first time this process asks for that version."""
+    path = idx_path(prefix)
+    with open(path, "rb") as f:
+        version = file_version(os.fstat(f.fileno()))
+        key = (os.path.realpath(path), version)
+        if key not in _DIGESTS:
+            digest = hashlib.sha256()
+            while block := f.read(1 << 20):
+                digest.update(block)
+            _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key], version
