@@ -153,7 +153,7 @@ class PipelineExecutor:
         self._sync()
         start = time.perf_counter()
         m = len(microbatches)
-        ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v, self.op_costs)
+        ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v, self.op_costs, self.placement)
         run = _StepRun(self, microbatches, backward_scale, keep_graph)
         run.backward_total = sum(op.kind == "B" for op in ops)
         self.stats = StepStats()

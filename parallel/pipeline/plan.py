@@ -131,14 +131,15 @@ def _groups(ops: list[Op], paired_from: Optional[int]) -> list[list[Op]]:
     return groups + ([waiting] if waiting else [])
 
 
-def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
-             costs: Optional[StageCosts] = None) -> tuple[list[Op], list[Step]]:
+def plan_for(schedule: str, pp: int, rank: int, m: int, v: int = 1, costs: Optional[StageCosts] = None,
+             placement: Optional[str] = None) -> tuple[list[Op], list[Step]]:
     """The op list of ``schedule`` for this rank and the communication steps that carry it out; with
     the ranks' op ``costs`` a split-backward schedule delays its weight gradients as
-    ``weight_grad_delays`` finds best."""
+    ``weight_grad_delays`` finds best. ``placement``: where the stages are (default: where
+    ``schedule`` puts them); an evaluation's ``forward_only`` runs on the training schedule's."""
     ops = schedule_for(schedule, pp, rank, m, v, costs)
     paired_from = interleaved_warmup(pp, rank, m, v) if schedule in INTERLEAVED else None
-    return ops, comm_plan(ops, pp, rank, v, paired_from, placement_of(schedule))
+    return ops, comm_plan(ops, pp, rank, v, paired_from, placement or placement_of(schedule))
 
 
 def schedule_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
