@@ -12,7 +12,7 @@ clocks shows.
 
     with ClockSampler() as clock:
         run_the_benchmark()
-    print(clock.summary())  # {"sm_MHz": 1605.0, "power_W": 691.8, "power_capped": 0.96, "clock_samples": 212}
+    print(clock.summary())  # {"sm_MHz": 1605.0, "power_W": 691.8, "power_capped": 0.96, "temp_C": 52.0, ...}
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Iterable, Optional
 # the peers' learning rate (benchmarks/peers/: fused AdamW at 1e-4, constant; betas and decay are megazero's
 # defaults already). megazero still clips gradients at 1.0, which the peers do not: work only it does.
 PEER_OPTIMIZER = ["--optimizer.lr", "1e-4", "--schedule.warmup_steps", "0", "--schedule.decay_style", "constant"]
-QUERY = "clocks.sm,power.draw,utilization.gpu,clocks_throttle_reasons.active"
+QUERY = "clocks.sm,power.draw,utilization.gpu,clocks_throttle_reasons.active,temperature.gpu"
 SW_POWER_CAP = 0x4  # the throttle-reason bit nvidia-smi sets while the driver holds the board to its power limit
 BUSY_PERCENT = 90  # samples below this utilization are start-up or compilation, not steps
 
@@ -40,22 +40,27 @@ def visible_gpu(local_index: int = 0) -> str:
 
 
 def summarize(lines: Iterable[str]) -> dict[str, Optional[float]]:
-    """Median SM clock (MHz) and power (W) over the busy samples of ``nvidia-smi --format=csv,noheader,nounits``
-    lines of ``QUERY``, the fraction of those held at the power cap, and their number; None where no
-    sample was busy (a window too short, or nvidia-smi reading another GPU than CUDA's)."""
+    """Median SM clock (MHz), power (W) and temperature (C) over the busy samples of ``nvidia-smi
+    --format=csv,noheader,nounits`` lines of ``QUERY``, the fraction of those held at the power cap,
+    and their number; None where no sample was busy (a window too short, or nvidia-smi reading another
+    GPU than CUDA's). The temperature because a hotter chip leaks more, so at the same power cap it
+    clocks lower: a pipeline's two busy cards ran 2-3% below one busy card beside an idle one, which
+    the temperature may explain."""
     busy = []
     for line in lines:
         fields = [f.strip() for f in line.split(",")]
         try:
             clock, power, util, reasons = float(fields[0]), float(fields[1]), float(fields[2]), int(fields[3], 16)
+            temperature = float(fields[4])
         except (IndexError, ValueError):  # a "[N/A]" field, or a line cut short when the sampler stopped
             continue
         if util >= BUSY_PERCENT:
-            busy.append((clock, power, bool(reasons & SW_POWER_CAP)))
+            busy.append((clock, power, bool(reasons & SW_POWER_CAP), temperature))
     if not busy:
-        return {"sm_MHz": None, "power_W": None, "power_capped": None, "clock_samples": 0}
+        return {"sm_MHz": None, "power_W": None, "power_capped": None, "temp_C": None, "clock_samples": 0}
     return {"sm_MHz": statistics.median(b[0] for b in busy), "power_W": round(statistics.median(b[1] for b in busy), 1),
-            "power_capped": round(sum(b[2] for b in busy) / len(busy), 2), "clock_samples": len(busy)}
+            "power_capped": round(sum(b[2] for b in busy) / len(busy), 2),
+            "temp_C": statistics.median(b[3] for b in busy), "clock_samples": len(busy)}
 
 
 class ClockSampler:

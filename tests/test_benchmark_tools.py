@@ -186,16 +186,16 @@ def test_text_batch_joins_documents_in_order_and_rejects_ids_outside_the_vocabul
 def test_clock_summary_takes_the_busy_samples_only_and_counts_the_power_cap():
     import power_cap
 
-    lines = ["345, 80.1, 0, 0x0000000000000001",  # idle before the run
-             "1980, 310.0, 89, 0x0000000000000000",  # compiling, just under the busy threshold
-             "1590, 692.0, 100, 0x0000000000000004",
-             "1605, 693.5, 90, 0x0000000000000004",
-             "1620, 690.0, 99, 0x0000000000000000",
-             "[N/A], [N/A], 100, 0x0",  # a field the driver could not read
+    lines = ["345, 80.1, 0, 0x0000000000000001, 31",  # idle before the run
+             "1980, 310.0, 89, 0x0000000000000000, 40",  # compiling, just under the busy threshold
+             "1590, 692.0, 100, 0x0000000000000004, 58",
+             "1605, 693.5, 90, 0x0000000000000004, 57",
+             "1620, 690.0, 99, 0x0000000000000000, 55",
+             "[N/A], [N/A], 100, 0x0, 50",  # a field the driver could not read
              "1605, 69"]  # the last line, cut short when the sampler stopped
-    assert power_cap.summarize(lines) == {"sm_MHz": 1605.0, "power_W": 692.0, "power_capped": 0.67,
+    assert power_cap.summarize(lines) == {"sm_MHz": 1605.0, "power_W": 692.0, "power_capped": 0.67, "temp_C": 57.0,
                                           "clock_samples": 3}
-    assert power_cap.summarize(lines[:2]) == {"sm_MHz": None, "power_W": None, "power_capped": None,
+    assert power_cap.summarize(lines[:2]) == {"sm_MHz": None, "power_W": None, "power_capped": None, "temp_C": None,
                                               "clock_samples": 0}
 
 
@@ -211,7 +211,8 @@ def test_clock_sampler_maps_cuda_devices_to_nvidia_smi_indices(monkeypatch):
     with power_cap.ClockSampler(interval_ms=10) as clock:  # without nvidia-smi every field is None
         pass
     if shutil.which("nvidia-smi") is None:
-        assert clock.summary() == {"sm_MHz": None, "power_W": None, "power_capped": None, "clock_samples": 0}
+        assert clock.summary() == {"sm_MHz": None, "power_W": None, "power_capped": None, "temp_C": None,
+                                   "clock_samples": 0}
 
 
 def _composed_peer_losses(processes: int, *layout: str) -> list[float]:
