@@ -1,10 +1,12 @@
 """ZB-V (Qi et al. 2024): two chunks a rank placed in a V, backward split into ``B`` and ``W``.
 
-Why a V: under ZB-H2 at pp 2 the second rank waits a whole stage's forward for its first input after
-every optimizer step, and that wait is most of what keeps the step from its compute time (BENCHMARKS.md:
-about 40 ms of a 1.05 s step on GPT 1.3B). With the first rank holding the first and the last
-virtual stage (``placement``), the second rank waits for a chunk of about half a stage, and the
-cool-down's last input gradients run on the rank that holds the deferred weight gradients to fill it.
+Why a V: after every optimizer step each later rank waits for the forwards before it, a whole stage
+each under ZB-H1 and ZB-H2. With the first rank holding the first and the last virtual stage
+(``placement``), that wait is a chunk of about half a stage, and the cool-down's last input gradients
+run on the rank that holds the deferred weight gradients to fill it: at equal costs the bubble is
+half ZB-H1's at pp 2. Where the stages are unequal it pays only if the wait falls on the busiest
+rank: GPT 1.3B at pp 2 on H200s ran 1% slower than ZB-H2, whose 40 ms wait is on its lighter rank
+while ZB-V's shorter one is on its busier (BENCHMARKS.md).
 
 How the order is found: by list scheduling the ops of every rank with the stages' op costs, as the
 paper's own scheduler does rather than a fixed pattern, so unequal stages (the head's weight on the
