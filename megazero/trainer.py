@@ -30,7 +30,7 @@ from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets, recorded_tokenizer, shard_digests, tokenizer_record, train_samples
 from megazero.device_watchdog import DeviceWatchdog
-from megazero.engine import Engine, layout_record, pipeline_split
+from megazero.engine import Engine, layout_record, pipeline_placement, pipeline_split
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
 from megazero.metrics import MetricsLogger, StepMetrics
@@ -88,14 +88,17 @@ class _QueuedStep:
 def checkpoint_split(cfg: Config, layout: dict) -> Optional[list[float]]:
     """The pipeline split to resume with, given the layout a checkpoint records: the run's own
     ``parallel.pipeline_split`` if set, else the checkpoint's when the run has its pipeline shape
-    (else None: the default). The default split can change between versions (it became balanced by
-    work), and loading into another split reshards, which does not restore the ranks' random
-    generators: the run would no longer continue exactly as it would have."""
+    and placement (else None: the default). The default split can change between versions (it became
+    balanced by work), and loading into another split reshards, which does not restore the ranks'
+    random generators: the run would no longer continue exactly as it would have. Under another
+    placement (zb-v's V against a loop) each rank holds other stages, so the load reshards anyway,
+    and the checkpoint's split was balanced for a head on another rank."""
     p = cfg.parallel
     split = layout.get("pipeline_split")
     if p.pipeline_split is not None or not isinstance(split, list):
         return p.pipeline_split
-    same_shape = (layout.get("pp"), layout.get("virtual_stages")) == (p.pp, p.virtual_stages)
+    same_shape = ((layout.get("pp"), layout.get("virtual_stages"), layout.get("placement", "loop"))
+                  == (p.pp, p.virtual_stages, pipeline_placement(cfg)))
     return list(split) if same_shape and sum(split) == cfg.model.num_layers else None
 
 

@@ -263,3 +263,23 @@ def test_a_damaged_checkpoint_is_refused_when_resharded(report, kind):
         assert error is not None, f"rank {rank} loaded a checkpoint with a flipped byte in each {kind}"
         name = rank_file if kind == "rank file" else index_file
         assert "sha256" in error and any(f"/{name(r)}:" in error for r in range(2)), (rank, error)
+
+
+def test_a_checkpoint_of_another_placement_leaves_its_split_behind():
+    """Between the loop (interleaved) and the V (zb-v) of the same pp and virtual stages each rank holds
+    other stages, so the load reshards anyway: the run takes its own default split, balanced for its
+    placement (the V's head sits on the first rank), not one balanced for the other. Planted: the
+    split kept whenever pp and virtual stages match."""
+    from megazero.config import load_config, resolve_config
+    from megazero.engine import layout_record, pipeline_split
+    from megazero.trainer import checkpoint_split
+
+    def cfg(schedule):
+        return resolve_config(load_config("configs/gpt_1.3b.yaml", [
+            "--parallel.pp", "2", "--parallel.virtual_stages", "2", "--parallel.pipeline_schedule", schedule]), 2, 2)
+
+    loop, v = cfg("interleaved_1f1b"), cfg("zb-v")
+    assert pipeline_split(loop) != pipeline_split(v)
+    assert checkpoint_split(v, layout_record(loop)) is None
+    assert checkpoint_split(loop, layout_record(v)) is None
+    assert checkpoint_split(v, layout_record(v)) == pipeline_split(v)
