@@ -44,6 +44,20 @@ def hand_over(number: int, weight: torch.Tensor, bias: Optional[torch.Tensor], x
     _TAKERS[number]().hand_over(weight, bias, x, grad_out)
 
 
+def keep_params(ctx, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+    """Keep an operator's ``weight`` and ``bias`` on ``ctx`` where they are the parameters themselves
+    (eager), for ``saved_params``: ``hand_over`` delivers to the parameter, and under full recompute
+    the tensors the operator saved come back from the forward run again in backward as detached
+    copies (every linear raised TypeError under a split-backward schedule without torch.compile). A
+    compiled graph is given the parameters when it runs, so there nothing is kept."""
+    ctx.params = (weight, bias) if isinstance(weight, torch.nn.Parameter) else None
+
+
+def saved_params(ctx, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> tuple:
+    """The ``weight`` and ``bias`` an operator saved, as the parameters ``keep_params`` kept if it did."""
+    return ctx.params or (weight, bias)
+
+
 def deferral(ctx) -> int:
     """Where the backward of a custom operator given ``weight_grads_to`` (kept on ``ctx``) sends its
     weight gradient. Handed over, the weight gradient is no output of the operator, whose input gradient

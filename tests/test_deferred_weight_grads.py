@@ -5,6 +5,7 @@ engine-level checks (every schedule against one process) are in ``tests/test_pip
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 from parallel.pipeline.deferred_wgrad import WeightGradQueue, defer_weight_grads
 
@@ -108,4 +109,19 @@ def test_a_sink_takes_the_weight_and_the_bias_still_reaches_grad():
     assert layer.weight.grad is None
     torch.testing.assert_close(sink.sums[id(layer.weight)], ref.weight.grad, rtol=1e-6, atol=1e-6)
     assert layer.bias.grad is not None
+    torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_recomputed_linear_hands_over_its_parameters():
+    """Full recompute: a checkpointed block's forward runs again inside its backward, and the tensors
+    its operators saved come back as detached copies, no longer the parameters that ``hand_over`` and
+    ``W`` deliver to. (Found: every linear raised TypeError under a split-backward schedule without
+    torch.compile, the CPU default.)"""
+    layer, ref, queue = _linear_on_a_queue()
+    for k, x in enumerate(_inputs(2)):
+        with queue.backward_of(k):
+            torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).square().sum().backward()
+        ref(x.detach()).square().sum().backward()
+    assert queue.run([0, 1]) == (2, 0)
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-6)

@@ -203,7 +203,9 @@ LAYOUTS = [((1, 2, 2), 4, ()), ((1, 4, 1), 6, ()),
            ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--train.compile", "true")),
            # and recomputed inside B: the recomputed operators hand over what W reads
            ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--train.compile", "true",
-                           "--parallel.recompute", "full"))]
+                           "--parallel.recompute", "full")),
+           # and eager, where a recomputed operator's saved weight comes back detached, not the parameter
+           ((2, 2, 1), 4, ("--parallel.sequence_parallel", "true", "--parallel.recompute", "full"))]
 
 
 def _config(tp, pp, dp, m, schedule, extra):

@@ -9,7 +9,7 @@ rank's chunks at their own costs.
 
 Engine level (one 4-rank gloo world): the real GPT with its tied embedding (both copies on the first
 rank: summed there) under ZeRO 1 at pp 2 x dp 2 (m = 4, and m = 3, not a multiple of pp; and ZeRO 2
-and 3 at m = 4), tp 2 x pp 2 with sequence parallelism, and pp 4 (8 blocks). Each trains two steps;
+and 3, and full recompute, at m = 4), tp 2 x pp 2 with sequence parallelism, and pp 4 (8 blocks). Each trains two steps;
 the losses, gradient norms and every parameter after them must equal a one-process model's, each
 rank must have run its planned ops, and every linear's weight gradient must have gone through W.
 An evaluation after a step equals one process's.
@@ -139,7 +139,8 @@ def test_default_split_gives_the_first_chunk_the_smaller_half():
 V2 = ("--parallel.virtual_stages", "2")
 LAYOUTS = [((1, 2, 2), 4, V2), ((1, 2, 2), 3, V2), ((2, 2, 1), 4, (*V2, "--parallel.sequence_parallel", "true")),
            ((1, 4, 1), 8, (*V2, "--model.num_layers", "8")),
-           ((1, 2, 2), 4, (*V2, "--zero.stage", "2")), ((1, 2, 2), 4, (*V2, "--zero.stage", "3"))]
+           ((1, 2, 2), 4, (*V2, "--zero.stage", "2")), ((1, 2, 2), 4, (*V2, "--zero.stage", "3")),
+           ((1, 2, 2), 4, (*V2, "--parallel.recompute", "full"))]
 
 
 def _evaluated(topo) -> tuple[float, float]:

@@ -52,7 +52,8 @@ from torch import nn
 
 from parallel.tensor_parallel import overlap
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.weight_grad_takers import IN_BACKWARD, deferral, hand_over, register_weight_grad_taker
+from parallel.weight_grad_takers import (IN_BACKWARD, deferral, hand_over, keep_params, register_weight_grad_taker,
+                                         saved_params)
 
 
 # A plain linear as a custom operator, forward and backward, for the reason the sequence-parallel ones
@@ -87,10 +88,12 @@ def _linear_setup(ctx, inputs, output):
     x, weight, bias, weight_grads_to = inputs
     ctx.save_for_backward(x, weight, bias)
     ctx.weight_grads_to = weight_grads_to
+    keep_params(ctx, weight, bias)
 
 
 def _linear_grad(ctx, grad_y):
     x, weight, bias = ctx.saved_tensors
+    weight, bias = saved_params(ctx, weight, bias)
     if deferral(ctx) == IN_BACKWARD:  # the input needs no gradient: every gradient here
         return (None, weight_grad([(x, grad_y)]) if ctx.needs_input_grad[1] else None,
                 bias_grad([grad_y]) if bias is not None and ctx.needs_input_grad[2] else None, None)

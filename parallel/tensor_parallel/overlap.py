@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
-from parallel.weight_grad_takers import IN_BACKWARD, deferral, hand_over
+from parallel.weight_grad_takers import IN_BACKWARD, deferral, hand_over, keep_params, saved_params
 from parallel.tensor_parallel import peer_memory as peer_memory_ops
 from parallel.tensor_parallel.collectives import token_shape
 
@@ -188,10 +188,12 @@ def _column_setup(ctx, inputs, output):
     x, weight, bias, group_name, mode, weight_grads_to = inputs
     ctx.save_for_backward(output[1], weight, bias)
     ctx.group_name, ctx.mode, ctx.weight_grads_to = group_name, mode, weight_grads_to
+    keep_params(ctx, weight, bias)
 
 
 def _column_grad(ctx, grad_y, _grad_full):
     full, weight, bias = ctx.saved_tensors
+    weight, bias = saved_params(ctx, weight, bias)
     to = deferral(ctx)
     grad_x, grad_weight, grad_bias = _column_backward(grad_y, full, weight, bias, ctx.group_name, ctx.mode, to)
     if to != IN_BACKWARD:
@@ -272,10 +274,12 @@ def _row_setup(ctx, inputs, output):
     x, weight, group_name, mode, weight_grads_to = inputs
     ctx.save_for_backward(x, weight)
     ctx.group_name, ctx.mode, ctx.weight_grads_to = group_name, mode, weight_grads_to
+    keep_params(ctx, weight)
 
 
 def _row_grad(ctx, grad_y):
     x, weight = ctx.saved_tensors
+    weight, _ = saved_params(ctx, weight)
     to = deferral(ctx)
     grad_x, grad_weight = _row_backward(grad_y, x, weight, ctx.group_name, ctx.mode, to)
     return grad_x, grad_weight if to == IN_BACKWARD else None, None, None, None
