@@ -391,6 +391,24 @@ def test_plan_weighs_the_zero_bubble_schedules():
     assert as_measured == ["zb-h2", "zb-h1", "auto"]
 
 
+def test_zb_v_is_timed_with_its_stages_costs():
+    """Under zb-v the planner's idle is the list scheduler's own step for the stages' op costs, which a
+    heavier head changes (planted: the equal-cost figure, the same whatever the head)."""
+    from megazero.engine import pipeline_costs
+    from megazero.planner.time import _split_backward_idle
+    from parallel.pipeline.v_order import modelled_span
+
+    idles = []
+    for vocab in (50304, 400000):
+        cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", [
+            "--parallel.pp", "2", "--parallel.virtual_stages", "2", "--parallel.pipeline_schedule", "zb-v",
+            "--train.global_batch_size", "64", "--model.vocab_size", str(vocab)]), 2, 2)
+        span, busy = modelled_span(2, 8, pipeline_costs(cfg).ops)
+        idles.append(_split_backward_idle(cfg, "zb-v", 8))
+        assert idles[-1] == pytest.approx(span / max(busy) - 1)
+    assert idles[0] != pytest.approx(idles[1], rel=0.05)
+
+
 # BENCHMARKS.md, "Every layout against its peers on four GPUs, and zero-bubble schedules under tensor
 # parallelism" (4 x H200): step ms of tp 2 x pp 2 with 8 micro-batches, 1F1B against ZB-H2.
 MEASURED_TP2_PP2_STEP_MS = {"1.3b": {"auto": 720.7, "zb-h2": 966.2}, "6.7b": {"auto": 854.9, "zb-h2": 1448.4}}

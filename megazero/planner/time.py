@@ -15,7 +15,9 @@ from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
 from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_work
 from parallel.pipeline.plan import StageCosts, modelled_step, weight_grad_delays
+from parallel.pipeline.placement import V_SHAPED
 from parallel.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
+from parallel.pipeline.v_order import modelled_span
 
 # The optimizer step streams each shard element's gradient, fp32 master and two moments through
 # device memory and writes the 16-bit parameter back; like the links, HBM delivers about 80% of its
@@ -151,8 +153,9 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
 def _split_backward_idle(cfg: Config, schedule: str, micro: int) -> Optional[float]:
     """The busiest rank's idle time over its busy time under ZB-H1 or ZB-H2, from the schedule timed
     with each rank's op costs (forward, input gradient, weight gradient: ``engine.pipeline_costs``) at
-    the weight-gradient delays the executor will pick; None where equal costs stand in (other
-    schedules, virtual stages, or pipelines too long to time here).
+    the weight-gradient delays the executor will pick; under ZB-V from the list scheduler's own model
+    of the order it picks with each stage's costs (messages free); None where equal costs stand in
+    (other schedules, interleaving, or pipelines too long to time here).
 
     Why not the equal-cost figure: the three halves are not equal (GPT 1.3B, 1 : 1.29 : 0.83 measured).
     ZB-H1 idles (pp - 1)(F + B - W), more than the third of 1F1B's that equal costs give, while ZB-H2
@@ -160,6 +163,9 @@ def _split_backward_idle(cfg: Config, schedule: str, micro: int) -> Optional[flo
     forward leaves the last rank short. At GPT 1.3B, pp 2, 8 micro-batches this gives 6.0% and 1.9%
     against 4.2% for both, and H200s ran ZB-H2 3.1% faster than ZB-H1 (BENCHMARKS.md, 2026-11-28)."""
     p = cfg.parallel
+    if schedule in V_SHAPED and 6 * p.pp * micro <= _TIMED_SCHEDULE_OPS:
+        span, busy = modelled_span(p.pp, micro, pipeline_costs(cfg).ops)
+        return span / max(busy) - 1
     if (schedule not in SPLIT_BACKWARD or p.pp == 1 or p.virtual_stages != 1
             or 3 * p.pp * micro > _TIMED_SCHEDULE_OPS):
         return None

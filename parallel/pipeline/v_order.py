@@ -60,10 +60,15 @@ def v_orders(pp: int, m: int, costs: tuple) -> tuple[tuple[tuple, ...], float]:
 def modelled_bubble(pp: int, m: int, costs: Optional[tuple] = None) -> float:
     """Idle over busy time of the idlest rank in the list-scheduling model (messages free); with equal
     costs, ``schedule.bubble_fraction``'s figure for zb-v."""
+    span, busy = modelled_span(pp, m, costs)
+    return max((span - b) / b for b in busy)
+
+
+def modelled_span(pp: int, m: int, costs: Optional[tuple] = None) -> tuple[float, list[float]]:
+    """The step the list-scheduling model gives (messages free), and each rank's busy time in it."""
     table = check_costs(pp, costs)
     _, span = v_orders(pp, m, table)
-    busy = [m * (sum(table[stage_of(pp, r, 0, "v")]) + sum(table[stage_of(pp, r, 1, "v")])) for r in range(pp)]
-    return max((span - b) / b for b in busy)
+    return span, [m * (sum(table[stage_of(pp, r, 0, "v")]) + sum(table[stage_of(pp, r, 1, "v")])) for r in range(pp)]
 
 
 def _list_schedule(pp: int, m: int, costs: tuple, cap: int) -> tuple[tuple[tuple, ...], float]:
