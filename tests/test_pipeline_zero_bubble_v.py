@@ -25,7 +25,7 @@ from megazero.config.validate import validate_config
 from megazero.engine import Engine, pipeline_costs, pipeline_split
 from megazero.errors import ConfigError
 from parallel.pipeline.partition import balanced_v_split
-from parallel.pipeline.placement import holder_of, rank_stages, stage_of
+from parallel.pipeline.placement import holder_of, neighbours, rank_stages, stage_of
 from parallel.pipeline.plan import (PipelineDeadlock, StageCosts, bubble_of, channel_of, check_ops, plan_for,
                                     schedule_for, timeline)
 from parallel.pipeline.schedule import Op, bubble_fraction, max_live_activations
@@ -50,6 +50,17 @@ def test_every_stage_has_one_holder(pp):
     assert rank_stages(4, 1, 2, "v") == [1, 6]
     with pytest.raises(ValueError, match="two chunks"):
         stage_of(2, 0, 2, "v")
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_neighbours_are_the_plans_peers(pp):
+    """The ranks a link connects to before the first step are those the plans exchange with (planted: a
+    ring, which links the loop's or the V's two ends that never talk)."""
+    for schedule, v, placement in (("1f1b", 1, "loop"), ("interleaved_1f1b", 2, "loop"), ("zb-v", 2, "v")):
+        for rank in range(pp):
+            plan = plan_for(schedule, pp, rank, 2 * pp, v)[1]
+            peers = sorted({t.peer for step in plan for t in step.sends + step.recvs})
+            assert neighbours(pp, rank, v, placement) == peers, (schedule, rank)
 
 
 def _hand_overs_in_order(ops: list[Op], pp: int, rank: int) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 
 from parallel.pipeline.deferred_wgrad import WeightGradQueue, WeightGradSink, defer_weight_grads
 from parallel.pipeline.p2p import StageLink, broadcast_from_last_stage, free_storage
-from parallel.pipeline.placement import holder_of, placement_of, stage_of
+from parallel.pipeline.placement import holder_of, neighbours, placement_of, stage_of
 from parallel.pipeline.plan import Message, StageCosts, boundary_message, channels, plan_for
 from parallel.pipeline.schedule import Op, build_schedule, default_schedule, splits_backward
 
@@ -122,7 +122,7 @@ class PipelineExecutor:
         self.link = StageLink({c: groups[c] for c in channels(self.placement)}, topo.stage_rank,
                               tuple(activation_shape), dtype, self.device, timeout_s,
                               label=f"rank {topo.rank} (pipeline rank {self.rank})",
-                              neighbours=sorted({(self.rank - 1) % self.pp, (self.rank + 1) % self.pp} - {self.rank}))
+                              neighbours=neighbours(self.pp, self.rank, self.v, self.placement))
         self.stats = StepStats()
         self._events: list = []  # CUDA (start, end) events of profiled ops, summed at the end of a step
         self._warmed: set[tuple[str, bool]] = set()  # (schedule, with backward) run once: see ``_run``

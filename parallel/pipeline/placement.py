@@ -44,3 +44,10 @@ def holder_of(pp: int, stage: int, placement: str = "loop") -> tuple[int, int]:
 def rank_stages(pp: int, rank: int, v: int, placement: str = "loop") -> list[int]:
     """The virtual stage of each chunk of pipeline rank ``rank``, chunk by chunk."""
     return [stage_of(pp, rank, c, placement) for c in range(v)]
+
+
+def neighbours(pp: int, rank: int, v: int, placement: str = "loop") -> list[int]:
+    """The pipeline ranks holding a stage next to one of rank ``rank``'s: those it exchanges with."""
+    last = pp * v - 1
+    return sorted({holder_of(pp, t, placement)[0] for s in rank_stages(pp, rank, v, placement)
+                   for t in (s - 1, s + 1) if 0 <= t <= last} - {rank})
