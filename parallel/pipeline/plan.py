@@ -321,8 +321,9 @@ def weight_grad_delays(schedule: str, pp: int, m: int, costs: StageCosts) -> tup
 def timeline(plans: list[list[Step]], costs: Union[dict, list[dict]] = UNIT_COSTS,
              channel=channel_of) -> list[list[tuple[Op, float, float]]]:
     """Each rank's ops with their start and end times, messages taking no time; ``costs`` is one table
-    of op costs (``UNIT_COSTS``'s keys) for every rank, or a list of one per rank (itself a table, or a list of one per chunk of the rank); ``channel`` maps a
-    message to the stream it travels on (a constant one folds both channels into one stream).
+    of op costs (``UNIT_COSTS``'s keys) for every rank, or a list of one per rank (itself a table, or
+    a list of one per chunk of the rank); ``channel`` maps a message to the stream it travels on (a
+    constant one folds every channel into one stream).
 
     A rank posts step k's batch when its op of step k - 1 ends, as one sub-batch per channel
     (``CHANNELS``). A sub-batch begins once posted and once the rank's earlier sub-batches on that

@@ -6,7 +6,8 @@ interprets these lists; the communication they imply is derived from them in ``c
 
 Model chunks and virtual stages: with ``v`` chunks per rank (interleaved 1F1B) the model is cut
 into ``pp * v`` virtual stages and rank ``r`` holds stages ``r, r + pp, r + 2 pp, ...``; its chunk
-``c`` is virtual stage ``c * pp + r``. Plain 1F1B is the case ``v = 1``.
+``c`` is virtual stage ``c * pp + r``. Plain 1F1B is the case ``v = 1``. ZB-V places its two chunks
+a rank in a V instead (``placement``): rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``.
 
 Split backward (zero-bubble schedules): an ``F`` is a forward and a ``B`` the whole backward, except
 in a schedule that also holds ``W`` ops; there ``B`` computes only the input gradient (what the
@@ -195,7 +196,8 @@ def interleaved_zero_bubble(pp: int, rank: int, m: int, v: int = 2, delay: Optio
     return _split_weight_grads(interleaved_1f1b(pp, rank, m, v), _delay("interleaved_zb", rank, delay))
 
 
-def zero_bubble_v(pp: int, rank: int, m: int, v: int = 2, costs: Optional[Sequence[Sequence[float]]] = None) -> list[Op]:
+def zero_bubble_v(pp: int, rank: int, m: int, v: int = 2,
+                  costs: Optional[Sequence[Sequence[float]]] = None) -> list[Op]:
     """ZB-V (``v_order``): two chunks a rank in a V, ordered by list scheduling with each
     virtual stage's (F, B, W) ``costs`` (none: equal)."""
     _check(pp, rank, m, v)
