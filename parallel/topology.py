@@ -24,7 +24,8 @@ GROUP_KINDS = ("tp", "dp", *PIPELINE_KINDS, "mp", "embedding")
 """``pp_grad`` holds the same ranks as ``pp``: a second communicator, so that the pipeline's gradients
 travel apart from its activations (``parallel.pipeline.plan.CHANNELS``); ``pp_back`` and
 ``pp_grad_back`` are two more for a V-shaped pipeline's return leg (``plan.BACK_CHANNELS``). NCCL
-sets a communicator up at its first use, so those cost nothing to a run that never uses them."""
+sets a communicator up at its first use, so on GPUs those cost nothing to a run that never uses them
+(gloo connects a group as it is made)."""
 
 
 @dataclass(frozen=True)
