@@ -24,11 +24,15 @@ from megazero.config import load_config
 from megazero.config.validate import validate_config
 from megazero.engine import Engine, pipeline_costs, pipeline_split
 from megazero.errors import ConfigError
+from parallel.pipeline.grads import sum_tied_grads
 from parallel.pipeline.partition import balanced_v_split
 from parallel.pipeline.placement import holder_of, neighbours, rank_stages, stage_of
-from parallel.pipeline.plan import (PipelineDeadlock, StageCosts, bubble_of, channel_of, check_ops, plan_for,
-                                    schedule_for, timeline)
-from parallel.pipeline.schedule import Op, bubble_fraction, max_live_activations
+from parallel.pipeline.plan import (CHANNELS, PipelineDeadlock, StageCosts, bubble_of, channel_of, channels, check_ops,
+                                    plan_for, schedule_for, timeline)
+from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, max_live_activations, schedule_problem,
+                                        zero_bubble_v)
+from parallel.pipeline.v_order import (UNIT_STAGE, _list_schedule, check_costs, modelled_bubble, modelled_span,
+                                       v_orders)
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
 from tests.reference import train_reference
@@ -98,6 +102,8 @@ def test_the_return_leg_needs_channels_of_its_own():
         timeline(plans, channel=lambda message: message.kind)
     assert {channel_of(t.message) for plan in plans for step in plan for t in step.sends} == {
         "act", "grad", "act_back", "grad_back"}
+    # a loop has no return leg: its links build no back channels (planted: all four for every placement)
+    assert channels("loop") == CHANNELS and set(channels("v")) == {"act", "grad", "act_back", "grad_back"}
 
 
 @pytest.mark.parametrize("m", [2, 4, 8, 16])
@@ -108,10 +114,25 @@ def test_bubble_at_equal_costs_is_half_of_zb_h1_at_pp_2(m):
     assert bubble_fraction(2, m, 2, "zb-v") == pytest.approx(bubble_fraction(2, m, 1, "zb-h1") / 2)
 
 
+@pytest.mark.parametrize("pp,m", [(2, 1), (3, 1), (3, 2), (4, 2)])
+def test_bubble_fraction_is_the_timed_plans_with_fewer_micro_batches_than_ranks(pp, m):
+    """With fewer micro-batches than ranks ZB-V idles far more than split-backward's third of interleaved
+    1F1B's (pp 4, m 2: 0.58 against 0.25); bubble_fraction gives the timed plan's figure. Planted: its
+    zb-v branch dropped (the third, the same at pp 2 from m 2, so the test above passes)."""
+    times = timeline([plan_for("zb-v", pp, r, m, 2)[1] for r in range(pp)], {"F": 1.0, "B": 2.0, "B_input": 1.0,
+                                                                           "W": 1.0})
+    assert bubble_fraction(pp, m, 2, "zb-v") == pytest.approx(bubble_of(times))
+    assert bubble_fraction(pp, m, 2, "zb-v") > (pp - 1) / (2 * m) / 3 * 1.5
+
+
+HEAVY = StageCosts(((1, 1, 1), (1, 1, 1), (1, 1, 1), (4, 1, 1)), (1.0, 1.0, 1.0, 1.0))
+"""pp 2 with a heavy last stage (the head's forward), on the first rank."""
+
+
 def test_unequal_stages_shape_the_order_and_each_chunk_is_timed_at_its_cost():
     """A heavy last stage (the head) changes the order list scheduling picks; the timeline then times
     each chunk's ops at that chunk's cost (planted: one table per rank for both chunks)."""
-    heavy = StageCosts(((1, 1, 1), (1, 1, 1), (1, 1, 1), (4, 1, 1)), (1.0, 1.0, 1.0, 1.0))
+    heavy = HEAVY
     assert [schedule_for("zb-v", 2, r, 8, 2, heavy) for r in range(2)] != [
         schedule_for("zb-v", 2, r, 8, 2) for r in range(2)]
     plans = [plan_for("zb-v", 2, r, 8, 2, heavy)[1] for r in range(2)]
@@ -123,15 +144,87 @@ def test_unequal_stages_shape_the_order_and_each_chunk_is_timed_at_its_cost():
     assert sum(end - start for _, start, end in times[0]) == 8 * (3 + 6)
 
 
+def test_modelled_busy_time_is_each_ranks_two_stages_and_the_bubble_the_idlest_ranks():
+    """modelled_span's busy time of a rank is its two stages' ops (the head's heavy forward on the first
+    rank), and modelled_bubble the idle of the idlest rank, as ``bubble_of`` measures the timed plan.
+    Planted: one chunk's costs counted twice; the busiest rank's idle (equal at equal costs)."""
+    span, busy = modelled_span(2, 8, HEAVY.ops)
+    assert busy == [8 * (3 + 6), 8 * (3 + 3)]
+    assert modelled_bubble(2, 8, HEAVY.ops) == pytest.approx((span - busy[1]) / busy[1])
+    tables = [[{"F": f, "B": b + w, "B_input": b, "W": w} for f, b, w in
+               (HEAVY.ops[stage_of(2, r, 0, "v")], HEAVY.ops[stage_of(2, r, 1, "v")])] for r in range(2)]
+    times = timeline([plan_for("zb-v", 2, r, 8, 2, HEAVY)[1] for r in range(2)], tables)
+    assert [sum(end - start for _, start, end in ops) for ops in times] == busy
+
+
+def test_costs_table_takes_free_ops_and_refuses_negative_or_missing_ones():
+    """check_costs takes an op that costs nothing (a stage with no weight gradient to compute) and
+    refuses a negative cost, or a table without one (F, B, W) for each of the 2 pp virtual stages.
+    Planted: a zero refused; the count unchecked (a short table indexed past its end, a long one cut)."""
+    assert check_costs(2, ((1, 1, 0),) * 4) == ((1.0, 1.0, 0.0),) * 4
+    assert check_costs(2, None) == (UNIT_STAGE,) * 4
+    for bad in (((1, 1, 1),) * 3, ((1, 1, 1),) * 5, ((1, 1),) * 4, ((1, 1, -1),) + ((1, 1, 1),) * 3):
+        with pytest.raises(ValueError, match="for each of its 4 virtual stages"):
+            check_costs(2, bad)
+
+
+@pytest.mark.parametrize("pp,m,costs", [
+    (3, 5, ((1, 1, 2), (3, 1, 0.5), (1, 1, 0.5), (3, 2, 0.5), (3, 0.5, 2), (3, 1, 0.5))),
+    (2, 6, ((0.5, 2, 1), (3, 1, 0.5), (0.5, 1, 0.5), (0.5, 0.5, 2)))])
+def test_the_cap_search_keeps_the_smallest_cap_of_the_shortest_step(pp, m, costs):
+    """v_orders searches caps from 2 pp to 2 (2 pp - 1) and keeps the smallest that gives the shortest
+    step. At pp 3 only the lowest cap gives it; at pp 2 a cap past ZB-H2's first rank would give a
+    shorter step, holding more than the search allows. Planted: the search from 2 pp + 1; up to
+    2 (2 pp - 1) + 1."""
+    table = check_costs(pp, costs)
+    found = {cap: _list_schedule(pp, m, table, cap) for cap in range(2 * pp, 2 * (2 * pp - 1) + 1)}
+    shortest = min(span for _, span in found.values())
+    assert v_orders(pp, m, table) == found[min(cap for cap, (_, span) in found.items() if span == shortest)]
+
+
+def test_a_first_chunk_forward_starts_only_below_the_cap():
+    """List scheduling starts a first-chunk forward only while fewer than ``cap`` micro-batch chunks are in
+    flight on its rank (forward run, W not); second-chunk forwards are not held back. Planted: <= cap."""
+    for pp, m, costs in ((2, 8, None), (2, 8, HEAVY.ops), (3, 9, None), (4, 16, None)):
+        for cap in range(2 * pp, 2 * (2 * pp - 1) + 1):
+            ops, _ = _list_schedule(pp, m, check_costs(pp, costs), cap)
+            for rank, rank_ops in enumerate(ops):
+                live = 0
+                for kind, mb, chunk in rank_ops:
+                    assert not (kind == "F" and chunk == 0 and live >= cap), (pp, m, cap, rank, mb)
+                    live += {"F": 1, "B": 0, "W": -1}[kind]
+
+
+def test_tied_copies_on_one_rank_are_summed_there():
+    """With no embedding group (both copies on a V's first rank) the two gradients are summed in place
+    and a lone one is refused. Planted: a lone gradient passed over in silence."""
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])
+    sum_tied_grads([a, b], None)
+    assert a.tolist() == b.tolist() == [11.0, 22.0]
+    sum_tied_grads([], None)
+    with pytest.raises(ValueError, match="1 tied gradients on this rank and no group to sum them over"):
+        sum_tied_grads([a], None)
+
+
 def test_zb_v_refuses_other_chunk_counts():
+    """Two chunks on each of at least two ranks, in the schedule and in the config; a weight-gradient
+    delay, which zb-v orders itself, is ignored. Planted: pp 1 taken; virtual stages 3 passing the
+    config's check (v >= 2); the delay handed to zb-v as its costs."""
     with pytest.raises(ValueError, match="two model chunks"):
         plan_for("zb-v", 2, 0, 4, 3)
     with pytest.raises(ValueError, match="two model chunks"):
         plan_for("zb-v", 2, 0, 4, 1)
-    cfg = load_config(None, ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-v", "--train.device", "cpu"])
-    with pytest.raises(ConfigError, match="^parallel.pipeline_schedule: zb-v runs two model chunks per rank; "
-                                          "set parallel.virtual_stages to 2$"):
-        validate_config(cfg, 2)
+    with pytest.raises(ValueError, match="at least two pipeline ranks; got pp 1"):
+        zero_bubble_v(1, 0, 4, 2)
+    assert build_schedule("zb-v", 2, 1, 4, 2, delay=1) == build_schedule("zb-v", 2, 1, 4, 2)
+    for v in (1, 3):
+        assert schedule_problem("zb-v", v) == "zb-v runs two model chunks per rank; set parallel.virtual_stages to 2"
+        cfg = load_config(None, ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-v", "--train.device", "cpu",
+                                 "--parallel.virtual_stages", str(v), "--model.num_layers", "6"])
+        with pytest.raises(ConfigError, match="^parallel.pipeline_schedule: zb-v runs two model chunks per rank; "
+                                              "set parallel.virtual_stages to 2$"):
+            validate_config(cfg, 2)
+    assert schedule_problem("zb-v", 2) is None
 
 
 def test_default_split_gives_the_first_chunk_the_smaller_half():
@@ -169,10 +262,21 @@ def _evaluated(topo) -> tuple[float, float]:
 
 
 def _world(rank, world_size):
+    import parallel.pipeline.executor as executor_module
+
+    linked, link = [], executor_module.StageLink  # the ranks each executor's link connects to first
+
+    def recording(*args, neighbours=(), **kwargs):
+        linked.append(list(neighbours))
+        return link(*args, neighbours=neighbours, **kwargs)
+
+    executor_module.StageLink = recording
     out = {}
     for layout, m, extra in LAYOUTS:
         topo = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
+        linked.clear()
         out[(layout, m, extra)] = _run(topo, layout, m, "zb-v", extra)
+        out[(layout, m, extra)]["linked"] = list(linked)
     out["eval"] = _evaluated(Topology(RankGrid(tp=1, pp=2, dp=2)))
     return out
 
@@ -203,6 +307,8 @@ def test_evaluation_runs_on_the_v(reports):
 
 
 def test_executor_ran_the_engines_order_and_deferred_every_linear(reports):
+    """Each rank runs the order the engine's costs give, and its link connects first to the ranks its
+    plan exchanges with (planted: the loop's neighbours, which at pp 4 link the V's two ends)."""
     for layout, m, extra in LAYOUTS:
         pp = layout[1]
         costs = pipeline_costs(_config(*layout, m, "zb-v", extra))
@@ -210,6 +316,8 @@ def test_executor_ran_the_engines_order_and_deferred_every_linear(reports):
             value = report[(layout, m, extra)]
             expected = schedule_for("zb-v", pp, value["pp_rank"], m, 2, costs)
             assert [Op(*op) for op in value["ops"]] == expected, layout
+            plan = plan_for("zb-v", pp, value["pp_rank"], m, 2, costs)[1]
+            assert value["linked"] == [sorted({t.peer for step in plan for t in step.sends + step.recvs})], layout
             assert value["peak_live"] <= max_live_activations(expected), layout
             blocks = 8 if pp == 4 else 4
             assert value["deferred"] >= m * 4 * blocks // pp, layout
