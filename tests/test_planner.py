@@ -409,6 +409,19 @@ def test_zb_v_is_timed_with_its_stages_costs():
     assert idles[0] != pytest.approx(idles[1], rel=0.05)
 
 
+def test_zb_v_times_the_head_on_the_first_rank():
+    """Under zb-v the head sits on the first rank (with the first and last stages): of two splits giving
+    one rank 16 blocks and the other 8, the one whose 16 are on the first rank, beside the head, is the
+    slower. Planted: the head's work counted on the last rank, as in a loop."""
+    def compute_s(split):
+        cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", [
+            "--parallel.pp", "2", "--parallel.virtual_stages", "2", "--parallel.pipeline_schedule", "zb-v",
+            "--parallel.pipeline_split", split]), 2, 2)
+        return estimate_step(cfg, Cluster(GPUS["h200"], 2, 2)).compute_s
+
+    assert compute_s("[2, 8, 8, 6]") < compute_s("[8, 2, 6, 8]")
+
+
 # BENCHMARKS.md, "Every layout against its peers on four GPUs, and zero-bubble schedules under tensor
 # parallelism" (4 x H200): step ms of tp 2 x pp 2 with 8 micro-batches, 1F1B against ZB-H2.
 MEASURED_TP2_PP2_STEP_MS = {"1.3b": {"auto": 720.7, "zb-h2": 966.2}, "6.7b": {"auto": 854.9, "zb-h2": 1448.4}}
