@@ -147,6 +147,32 @@ def test_the_idx_digest_is_read_once_per_version_of_the_file(tmp_path, monkeypat
     assert len(reads) == 3
 
 
+def test_an_idx_rewritten_in_place_is_a_new_version(tmp_path):
+    """A rewrite in place keeps the inode: the size and the modification time each tell the versions
+    apart (the same size written later; another size within one tick of a coarse clock). Planted: the
+    version without its mtime; without its size (the digest of the file as first read)."""
+    import hashlib
+
+    from data_pipeline.shard_files import idx_sha256
+
+    prefix = write(tmp_path / "a", DOCS[:2])
+    path = Path(prefix + ".idx")
+    first = path.read_bytes()
+    assert idx_sha256(prefix)[0] == hashlib.sha256(first).hexdigest()
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # the same inode and size, one byte changed, a later mtime
+        f.seek(len(first) - 1)
+        f.write(bytes([first[-1] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert idx_sha256(prefix)[0] == hashlib.sha256(path.read_bytes()).hexdigest() != hashlib.sha256(first).hexdigest()
+    mtime = os.stat(path).st_mtime_ns
+    with open(path, "ab") as f:  # one byte more, the mtime put back
+        f.write(b"\0")
+    os.utime(path, ns=(st.st_atime_ns, mtime))
+    assert os.stat(path).st_ino == st.st_ino
+    assert idx_sha256(prefix)[0] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def test_a_record_written_before_the_idx_digest_is_still_read(tmp_path):
     """Shards preprocessed by a version that did not record the ``.idx`` digest keep their record: it
     is read as it stands, not refused as written for another shard (every such shard would have to

@@ -126,6 +126,15 @@ def test_epochs_are_the_fewest_that_give_the_samples():
     assert gs.epoch_plan(11, 10, 10**8)[0] == 10**8 * 10 // 11 + 1
 
 
+def test_one_epoch_is_never_shuffled_apart():
+    """The final epoch is shuffled apart only when there are others before it (even no samples take one
+    epoch). Planted: a lone epoch short of the threshold marked apart."""
+    per_epoch = gs.samples_in(1000, 10)
+    for wanted in (0, 1, per_epoch // 10, per_epoch):
+        assert gs.epoch_plan(1000, 10, wanted) == (1, False), wanted
+    assert gs.epoch_plan(1000, 10, per_epoch + 1) == (2, True)
+
+
 def test_validation_split_uses_its_own_documents(tmp_path):
     data, _ = make_dataset(tmp_path / "d", n_docs=40)
     valid = GPTSamples(data, 4, None, 0, split="3,1,0", which="valid", cache_dir=str(tmp_path / "cache"))
