@@ -37,8 +37,10 @@ def cached_arrays(cache_dir: str, kind: str, description: dict, names: tuple[str
     stem = os.path.join(cache_dir, f"{description_hash(description)}-{kind}")
     done = f"{stem}-description.json"
     paths = {n: f"{stem}-{n}.npy" for n in names}
-    # a file deleted from the cache (by hand, or a cleaner) is built again: the cache is derived data
-    complete = lambda: os.path.exists(done) and all(map(os.path.exists, paths.values()))  # noqa: E731
+
+    def complete() -> bool:  # a file deleted from the cache (by hand, or a cleaner) is built again
+        return os.path.exists(done) and all(map(os.path.exists, paths.values()))
+
     if not complete():
         with open(f"{stem}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

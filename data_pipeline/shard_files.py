@@ -29,6 +29,14 @@ def file_version(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def sha256_of(f) -> str:
+    """sha256 of what is left to read of the binary file ``f``, a MiB at a time."""
+    digest = hashlib.sha256()
+    while block := f.read(1 << 20):
+        digest.update(block)
+    return digest.hexdigest()
+
+
 _DIGESTS: dict[tuple, str] = {}  # (real path, file version) -> sha256, for this process
 
 
@@ -40,8 +48,5 @@ def idx_sha256(prefix: str) -> tuple[str, tuple[int, int, int, int]]:
         version = file_version(os.fstat(f.fileno()))
         key = (os.path.realpath(path), version)
         if key not in _DIGESTS:
-            digest = hashlib.sha256()
-            while block := f.read(1 << 20):
-                digest.update(block)
-            _DIGESTS[key] = digest.hexdigest()
+            _DIGESTS[key] = sha256_of(f)
     return _DIGESTS[key], version

@@ -17,7 +17,7 @@ import json
 import os
 from typing import Iterable, Optional
 
-from data_pipeline.shard_files import idx_path, idx_sha256
+from data_pipeline.shard_files import idx_path, idx_sha256, sha256_of
 
 
 def origin_path(prefix: str) -> str:
@@ -29,12 +29,10 @@ def tokenizer_identity(tokenizer) -> dict:
     the file itself, a folder's ``tokenizer.json`` too): the file's digest, the vocabulary size, and
     the digest of its pieces in id order, which a rewrite of the same vocabulary keeps (the
     ``tokenizer.json`` that ``convert --to hf`` writes for a SentencePiece model, say)."""
-    digest = hashlib.sha256()
     with open(tokenizer.path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
+        digest = sha256_of(f)
     pieces = hashlib.sha256("\0".join(tokenizer.pieces()).encode("utf-8", "surrogatepass"))
-    return {"tokenizer_sha256": digest.hexdigest(), "vocab_size": int(tokenizer.vocab_size),
+    return {"tokenizer_sha256": digest, "vocab_size": int(tokenizer.vocab_size),
             "tokenizer": os.path.basename(tokenizer.path), "pieces_sha256": pieces.hexdigest()}
 
 

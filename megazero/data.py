@@ -43,12 +43,14 @@ def build_datasets(cfg: Config, train_samples: int):
 def shard_digests(cfg: Config) -> dict[str, str]:
     """Each training shard's ``.idx`` digest (``IndexedDataset.fingerprint``) by its real path, as
     checkpoints record them: a resume compares them, since a shard preprocessed again in place keeps
-    its path, and the samples consumed so far would then count through other documents. Shards that
-    cannot be opened are left out (their own check says why)."""
+    its path, and the samples consumed so far would then count through other documents. Read from
+    the file, without opening the shard as a dataset (whose checks pass over every document entry:
+    the data's own checks do that); shards whose ``.idx`` cannot be read are left out (their own
+    check says why)."""
     import os
 
     from data_pipeline.blend import parse_blend, resolve_blend
-    from data_pipeline.indexed import IndexedDataset
+    from data_pipeline.shard_files import idx_sha256
 
     d = cfg.data
     try:
@@ -58,8 +60,8 @@ def shard_digests(cfg: Config) -> dict[str, str]:
     digests = {}
     for prefix in prefixes:
         try:
-            digests[os.path.realpath(prefix)] = IndexedDataset(prefix).fingerprint
-        except (ValueError, OSError):
+            digests[os.path.realpath(prefix)] = idx_sha256(prefix)[0]
+        except OSError:
             continue
     return digests
 
