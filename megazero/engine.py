@@ -22,6 +22,7 @@ from megazero.config.auto import resolve_auto
 from megazero.errors import ConfigError
 from megazero.flops import attention_core_share, attention_share, head_blocks
 from megazero.optim import AdamWSettings, DynamicLossScaler, ShardedAdamW, StepResult
+from megazero.random_state import restore_rng, rng_state
 from models import GPT
 from models.config import ModelConfig
 from models.ops import IGNORE_INDEX
@@ -253,11 +254,24 @@ class Engine:
         if self.cfg.parallel.virtual_stages == 1:
             self.data_parallel.begin_microbatch(last)
 
+    def _rehearse(self, microbatches: list[dict], keep_graph: bool) -> None:
+        """The pipeline's rehearsal of a first step (``PipelineExecutor.rehearse``: it loads the step's
+        kernels before any transfer), leaving no trace: the random streams are put back and its
+        gradients dropped, so the real step is bit for bit what it would have been."""
+        streams = rng_state(self.chunks)
+        self.executor.rehearse(microbatches, keep_graph)
+        restore_rng(self.chunks, streams)
+        if keep_graph:
+            self.optimizer.zero_grad()
+            self._new_graph_step()
+
     # --- training ----------------------------------------------------------------------------
     def train_step(self, microbatches: list[dict], lr: Optional[float] = None) -> StepOutput:
         """Forward and backward every micro-batch through the pipeline, then one optimizer step."""
         self._new_graph_step()
         microbatches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
+        if self.executor.rehearsal_due(keep_graph=True):
+            self._rehearse(microbatches, keep_graph=True)
         loss = self.executor.step(microbatches, grad_scale=self.optimizer.scaler.scale)
         result = self.optimizer.step(lr, skip=~torch.isfinite(loss))  # the loss agrees on every rank
         return StepOutput(loss, result)
@@ -270,6 +284,8 @@ class Engine:
         try:
             self._new_graph_step()
             microbatches = [{k: v.to(self.device) for k, v in mb.items()} for mb in microbatches]
+            if self.executor.rehearsal_due(keep_graph=False):
+                self._rehearse(microbatches, keep_graph=False)
             return float(self.executor.forward_only(microbatches))
         finally:
             for chunk in self.chunks:

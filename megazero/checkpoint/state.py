@@ -26,6 +26,7 @@ import torch
 from megazero.checkpoint.format import CheckpointError, load_file, verify_file
 from megazero.checkpoint.reader import CheckpointReader, index_file, rank_file
 from megazero.optim import STATE_KEYS, ShardedAdamW
+from megazero.random_state import restore_rng, rng_state
 from models.embedding import fit_rows
 from models.gpt import VOCAB_PADDED
 from parallel.tensor_parallel.sharding import Shard
@@ -36,22 +37,6 @@ def rank_files(chunks, optimizer: ShardedAdamW, rank: int) -> dict:
     the random generators, and the state's description alone."""
     return {rank_file(rank): {**optimizer.sharded_state_dict(), "rng": rng_state(chunks)},
             index_file(rank): optimizer.describe()}
-
-
-def rng_state(chunks) -> dict:
-    state = {"cpu": torch.get_rng_state(), "tp": [getattr(c, "tp_rng", None) and c.tp_rng.state for c in chunks]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng(chunks, state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    for chunk, tp_state in zip(chunks, state["tp"]):
-        if tp_state is not None and getattr(chunk, "tp_rng", None) is not None:
-            chunk.tp_rng.state = tp_state
 
 
 def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> list[str]:

@@ -33,7 +33,7 @@ from torch import nn
 from parallel.pipeline.deferred_wgrad import WeightGradQueue, WeightGradSink, defer_weight_grads
 from parallel.pipeline.p2p import StageLink, broadcast_from_last_stage, free_storage
 from parallel.pipeline.placement import holder_of, neighbours, placement_of, stage_of
-from parallel.pipeline.plan import Message, StageCosts, boundary_message, channels, plan_for
+from parallel.pipeline.plan import Message, StageCosts, boundary_message, channels, op_io, plan_for
 from parallel.pipeline.schedule import Op, build_schedule, default_schedule, splits_backward
 
 ForwardStep = Callable[[nn.Module, Optional[torch.Tensor], Any, bool, bool], torch.Tensor]
@@ -125,7 +125,10 @@ class PipelineExecutor:
                               neighbours=neighbours(self.pp, self.rank, self.v, self.placement))
         self.stats = StepStats()
         self._events: list = []  # CUDA (start, end) events of profiled ops, summed at the end of a step
-        self._warmed: set[tuple[str, bool]] = set()  # (schedule, with backward) run once: see ``_run``
+        # Whether the first step of each kind (training, evaluation) is rehearsed: see ``rehearse``;
+        # a CPU test turns it on to check that a rehearsal leaves no trace.
+        self.rehearses = self.device.type == "cuda" and self.pp > 1
+        self._rehearsed: set[bool] = set()  # the kinds rehearsed, by whether they keep a graph
 
     @property
     def waiting_on(self) -> str:
@@ -149,6 +152,41 @@ class PipelineExecutor:
         with torch.no_grad():
             return self._run("forward_only", microbatches, 0.0, keep_graph=False)
 
+    def rehearsal_due(self, keep_graph: bool = True) -> bool:
+        """Whether the next step of this kind (training: ``keep_graph``; evaluation: not) should be
+        rehearsed first (``rehearse``): on CUDA, before the first of each kind."""
+        return self.rehearses and keep_graph not in self._rehearsed
+
+    def rehearse(self, microbatches: Sequence[Any], keep_graph: bool = True) -> None:
+        """Run this rank's ops of a step on ``microbatches`` with no pipeline transfer at all: zeros
+        stand in for what neighbours would send, and what this rank would send is dropped.
+
+        Why: the first step of a kind compiles and loads its kernels (Triton's, cuBLAS's), and on CUDA
+        loading a kernel can wait for the device's running kernels to finish (NVIDIA's lazy-loading
+        caveat), a posted point-to-point receive among them. Were the neighbour that must send that
+        message loading a kernel of its own behind a receive from this rank, both would hang: ZB-V and
+        ZB-H2 at pp 2 did on two H200s (BENCHMARKS.md). A rehearsal runs the step's own ops, so the
+        same shapes and the same kernels, while no pipeline transfer is in flight; tensor- and
+        data-parallel collectives still run inside it and meet their peers as ever, since no rank
+        waits on a pipeline neighbour.
+
+        Training (``keep_graph``) runs the schedule's ops, evaluation its forwards. For the real step to
+        be what it would have been, the caller puts back the random streams the rehearsal's forwards
+        drew from and drops the gradients it accumulated (``Engine._rehearse``).
+        """
+        schedule = self.schedule if keep_graph else "forward_only"
+        ops, _ = plan_for(schedule, self.pp, self.rank, len(microbatches), self.v, self.op_costs, self.placement)
+        run = _StepRun(self, microbatches, 1.0 / len(microbatches), keep_graph)
+        run.backward_total = sum(op.kind == "B" for op in ops)
+        with torch.set_grad_enabled(keep_graph):
+            for op in ops:
+                incoming = op_io(op, self.pp, self.rank, self.v, self.placement)[0]
+                stand_in = None if incoming is None else torch.zeros(self.link.shape, dtype=self.link.dtype,
+                                                                     device=self.device)
+                {"F": run.forward, "B": run.backward, "W": run.weight_grads}[op.kind](op, stand_in)
+        self._rehearsed.add(keep_graph)
+        self.stats = StepStats()
+
     def _run(self, schedule: str, microbatches: Sequence[Any], backward_scale: float, keep_graph: bool):
         self._sync()
         start = time.perf_counter()
@@ -157,11 +195,6 @@ class PipelineExecutor:
         run = _StepRun(self, microbatches, backward_scale, keep_graph)
         run.backward_total = sum(op.kind == "B" for op in ops)
         self.stats = StepStats()
-        # The first step of a kind compiles and loads kernels, and loading a kernel waits for the
-        # compute stream. Were that stream waiting for a neighbour's message, whose host is loading a
-        # kernel of its own behind a wait for this rank, both would hang (ZB-V on two H200s did, both
-        # hosts inside a kernel load). So that step runs each op only once its inputs have landed.
-        lockstep = self.device.type == "cuda" and (schedule, keep_graph) not in self._warmed
         for k, step in enumerate(plan):
             sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
             self.stats.sent += len(sends)
@@ -170,8 +203,6 @@ class PipelineExecutor:
             if step.op is not None:
                 # the op's input, waited for before its time starts: a profiled op excludes the wait
                 received = None if step.needs is None else self.link.take(step.needs)
-                if lockstep:
-                    torch.cuda.current_stream(self.device).synchronize()
                 run_op = {"F": run.forward, "B": run.backward, "W": run.weight_grads}[step.op.kind]
                 self._timed(lambda op: run_op(op, received), step.op)
                 self.stats.ops.append(step.op)
@@ -184,7 +215,6 @@ class PipelineExecutor:
             raise RuntimeError(f"pipeline rank {self.rank}: weight gradients of {sorted(self.wgrad.pending)} "
                                f"(micro-batch, chunk) never ran: schedule {schedule} lacks their W ops")
         loss = self._step_loss(run.loss_sum, m)
-        self._warmed.add((schedule, keep_graph))
         self._sync()
         self.stats.step_s = time.perf_counter() - start
         return loss
