@@ -263,7 +263,6 @@ class Engine:
         restore_rng(self.chunks, streams)
         if keep_graph:
             self.optimizer.zero_grad()
-            self._new_graph_step()
 
     # --- training ----------------------------------------------------------------------------
     def train_step(self, microbatches: list[dict], lr: Optional[float] = None) -> StepOutput:

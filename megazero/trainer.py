@@ -191,7 +191,7 @@ class Trainer:
         meta = manifest["meta"]
         same_layout = meta["layout"] == layout_record(self.cfg)
         try:
-            files_to_load(ckpt, self.rank, self.engine.optimizer, manifest, same_layout)
+            plan = files_to_load(ckpt, self.rank, self.engine.optimizer, manifest, same_layout)
             problem = None
         except CheckpointError as exc:
             problem = f"{source}: {exc}{earlier_instead(ckpt, source)}"
@@ -203,7 +203,7 @@ class Trainer:
             raise CheckpointError(problem)
         try:
             exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest, same_layout,
-                                    verified=True)
+                                    plan)
         except CheckpointError as exc:
             raise CheckpointError(f"{source}: {exc}{earlier_instead(ckpt, source)}") from None
         self.saved_step = self.resumed_step = meta["step"]

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from megazero.checkpoint import CheckpointWriter, read_manifest
 from megazero.checkpoint.reader import index_file, rank_file
-from megazero.checkpoint.state import load_checkpoint, rank_files
+import megazero.checkpoint.state as state
+from megazero.checkpoint.state import files_to_load, load_checkpoint, rank_files
 from megazero.config import load_config
 from megazero.engine import Engine
 from megazero.optim import STATE_KEYS, DynamicLossScaler
@@ -73,8 +74,15 @@ def _world(rank, world_size, root):
     for bucket_mb in (0.002, 0.0005):
         target = _engine(topo, bucket_mb)
         torch.manual_seed(1000 + rank)  # as a fresh process would have it
-        exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, manifest, same_layout=True)
+        reads, description = [], state._description  # the shard descriptions read, planning and loading
+        state._description = lambda *args: reads.append(args[1]) or description(*args)
+        try:
+            plan = files_to_load(ckpt, rank, target.optimizer, manifest, same_layout=True)
+            exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, manifest, same_layout=True, plan=plan)
+        finally:
+            state._description = description
         out[("exact", bucket_mb)] = exact
+        out[("planned", bucket_mb)] = (plan.exact, plan.files, reads)
         out[("rng restored", bucket_mb)] = torch.equal(torch.get_rng_state(), saved_rng)
         out[("next_loss", bucket_mb)] = (_next_losses(target), reference_next)
     out.update(_offload_resume(topo, rank, root + "/offload"))
@@ -194,6 +202,14 @@ def test_offloaded_run_resumes_exactly_with_or_without_offload(report):
         for offloaded in (True, False):
             got, want = r[("offload_resume", offloaded)]
             assert got == want, (offloaded, got, want)
+
+
+def test_a_resume_reads_its_shard_description_once(report):
+    """The plan made while checking the files says whether the resume is exact, and the load takes
+    it (planted: the load deciding again, which reads the description a second time)."""
+    for rank, r in enumerate(report):
+        assert r[("planned", 0.002)] == (True, [rank_file(rank)], [rank])
+        assert r[("planned", 0.0005)][0] is False and r[("planned", 0.0005)][2] == [rank]
 
 
 def test_other_buckets_reshard_instead_of_scrambling(report):

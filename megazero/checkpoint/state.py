@@ -18,6 +18,7 @@ added or dropped by a different padding (the vocabulary is padded to 128·tp) ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -39,14 +40,24 @@ def rank_files(chunks, optimizer: ShardedAdamW, rank: int) -> dict:
             index_file(rank): optimizer.describe()}
 
 
-def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> list[str]:
+@dataclass(frozen=True)
+class LoadPlan:
+    """What ``load_checkpoint`` reads on this rank, decided and checked before anything is loaded."""
+
+    files: list[str]  # checked (size and sha256) already
+    exact: bool  # this rank's own file holds its shard laid out as it is now (``_exact``)
+
+
+def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> LoadPlan:
     """The files ``load_checkpoint`` reads on this rank (its own, or those holding its tensors), each
     checked (size and sha256) here, before anything is loaded. A rank that meets a damaged file
     inside the load would stop there, while its peers wait in the load's closing collectives and
     then fail on the lost connection: checked first, every rank can agree on the error instead, and
-    the load need not hash them again (``load_checkpoint(verified=True)``; an exact resume whose saved
-    shard turns out padded otherwise falls back to resharding, whose files it checks as it reads)."""
-    if _exact(ckpt, rank, optimizer, manifest, same_layout):
+    the load, handed this plan, neither hashes them again nor reads the shard's description twice
+    (an exact resume whose saved shard turns out padded otherwise falls back to resharding, whose
+    files it checks as it reads)."""
+    exact = _exact(ckpt, rank, optimizer, manifest, same_layout)
+    if exact:
         names = [rank_file(rank)]
     else:
         reader = CheckpointReader(ckpt, manifest)
@@ -56,7 +67,7 @@ def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same
         names = [rank_file(r) for r in sorted(held)]
     for name in names:
         verify_file(Path(ckpt), name, manifest["files"][name])
-    return names
+    return LoadPlan(names, exact)
 
 
 def _exact(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> bool:
@@ -68,9 +79,9 @@ def _exact(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout
 
 
 def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: dict, same_layout: bool,
-                    verified: bool = False) -> bool:
-    """Load ``ckpt`` into this rank; returns True for an exact (same-layout) resume. ``verified``: the
-    files ``files_to_load`` names were checked already, so their sha256 is not computed again.
+                    plan: Optional[LoadPlan] = None) -> bool:
+    """Load ``ckpt`` into this rank; returns True for an exact (same-layout) resume. ``plan``: what
+    ``files_to_load`` decided and checked (without one, the load decides, and checks as it reads).
 
     The fast path reads only this rank's own file, random generators included, and is taken only
     when that file's shard description equals this rank's: a layout dict can match while the flat
@@ -82,7 +93,8 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
     resumed exactly, must draw the same dropout masks as it does.
     """
     own_file = same_layout and rank_file(rank) in manifest["files"]
-    exact = _exact(ckpt, rank, optimizer, manifest, same_layout)
+    verified = plan is not None
+    exact = plan.exact if verified else _exact(ckpt, rank, optimizer, manifest, same_layout)
     if exact:
         state = load_file(ckpt, rank_file(rank), manifest=manifest, verify=not verified)
         if state["master"].numel() == optimizer.master.numel():  # the padding may differ (older layouts)
