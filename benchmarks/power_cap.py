@@ -44,8 +44,8 @@ def summarize(lines: Iterable[str]) -> dict[str, Optional[float]]:
     --format=csv,noheader,nounits`` lines of ``QUERY``, the fraction of those held at the power cap,
     and their number; None where no sample was busy (a window too short, or nvidia-smi reading another
     GPU than CUDA's). The temperature because a hotter chip leaks more, so at the same power cap it
-    clocks lower: a pipeline's two busy cards ran 2-3% below one busy card beside an idle one, which
-    the temperature may explain."""
+    clocks lower (two one-GPU trainings side by side on two H200s, though, ran within 0.3% of one
+    alone: BENCHMARKS.md)."""
     busy = []
     for line in lines:
         fields = [f.strip() for f in line.split(",")]

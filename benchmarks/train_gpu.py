@@ -26,8 +26,8 @@ JSON line: tokens/s per GPU, model TFLOP/s per GPU, MFU against the device's den
 beside the theory and each pipeline rank's peak. The engine trains at the peers' learning rate
 (``power_cap.PEER_OPTIMIZER``, before the command line's overrides, which win): it applies no
 schedule, and on a power-capped GPU the clock depends on how the weights move. Rank 0 reports its
-GPU's median SM clock and power over the timed steps. ``--cpu`` runs a tiny model on gloo to check
-the script.
+GPU's median SM clock and power over the timed steps, and with several ranks every rank's clock and
+temperature. ``--cpu`` runs a tiny model on gloo to check the script.
 """
 
 from __future__ import annotations
@@ -174,6 +174,15 @@ def op_timeline(engine, batch) -> list[str]:
                                      for name, s, e in ops) for first, label, ops in every]
 
 
+def clocks_by_rank(mine: dict) -> dict:
+    """Every rank's median SM clock and temperature over the timed steps (``ClockSampler``), in rank
+    order: a busy pipeline rank ran the same kernels 3% slower than its neighbour, which idled 4% of
+    the step (BENCHMARKS.md), and one rank's sample cannot show such a difference."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"sm_MHz_by_rank": [c["sm_MHz"] for c in every], "temp_C_by_rank": [c["temp_C"] for c in every]}
+
+
 def peaks_by_pipeline_rank(pp_rank: int, pp: int) -> list[float]:
     """Each pipeline rank's largest allocator peak over its tensor and data ranks, GiB: the ranks of
     a pipeline hold different blocks and micro-batches in flight, so rank 0's peak alone (``peak_GiB``)
@@ -228,7 +237,7 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     dist.barrier()
-    sample = device.type == "cuda" and launch.rank == 0
+    sample = device.type == "cuda"  # every rank its own GPU: the ranks of a pipeline need not clock alike
     with ClockSampler(visible_gpu(launch.local_rank)) if sample else contextlib.nullcontext() as clock:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -251,6 +260,8 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
             extra["op_timeline"] = op_timeline(engine, batch)
     if cfg.parallel.pp > 1 and device.type == "cuda":
         extra["peak_GiB_by_pp_rank"] = peaks_by_pipeline_rank(topo.pp_rank, p.pp)
+    if sample and dist.get_world_size() > 1:
+        extra.update(clocks_by_rank(clock.summary()))
     if sync_debug and device.type == "cuda":
         extra["host_syncs"] = host_syncs(engine, batch)
     predicted = engine.optimizer.predicted_memory()

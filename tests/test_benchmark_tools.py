@@ -215,6 +215,21 @@ def test_clock_sampler_maps_cuda_devices_to_nvidia_smi_indices(monkeypatch):
                                    "clock_samples": 0}
 
 
+def _clocks_of_two_ranks(rank, world_size):
+    import train_gpu
+
+    return train_gpu.clocks_by_rank({"sm_MHz": 1500.0 + rank, "power_W": 690.0, "temp_C": 60.0 - rank})
+
+
+def test_every_ranks_clock_is_reported_in_rank_order():
+    """A pipeline's ranks need not clock alike, so a multi-rank benchmark reports each one's (planted:
+    rank 0's sample repeated for every rank)."""
+    from tests.distributed import run_world
+
+    for report in run_world(2, _clocks_of_two_ranks):
+        assert report == {"sm_MHz_by_rank": [1500.0, 1501.0], "temp_C_by_rank": [60.0, 59.0]}
+
+
 def _composed_peer_losses(processes: int, *layout: str) -> list[float]:
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
                            "--master-port", "29534", str(BENCHMARKS / "peers/composed_parallel.py"), "--cpu",
