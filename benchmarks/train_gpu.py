@@ -147,11 +147,15 @@ def host_syncs(engine, batch) -> list[str]:
 
 
 def pipeline_bubble(engine, batch, steps: int = 2) -> dict:
-    """The pipeline's measured bubble (``pp_gpu.measured_bubble``) beside its theory."""
+    """The pipeline's measured bubble (``pp_gpu.measured_bubble``) beside its theory, and how long each
+    pipeline rank's ops ran in the last profiled step (ms): the rank with the most bounds the step,
+    and what the others lack of it is what a better split could move (the split's cost model said 2%
+    where GPT 1.3B's ranks measured 5% apart, BENCHMARKS.md)."""
     p = engine.cfg.parallel
     measured = measured_bubble(engine.executor, lambda: engine.train_step(batch), steps, engine.device)
     theory = bubble_fraction(p.pp, len(batch), p.virtual_stages, engine.executor.schedule)
-    return {"bubble_measured": round(measured, 4), "bubble_theory": round(theory, 4)}
+    busy = by_pipeline_rank(engine.topo.pp_rank, p.pp, round(engine.executor.stats.compute_s * 1e3, 1))
+    return {"bubble_measured": round(measured, 4), "bubble_theory": round(theory, 4), "busy_ms_by_pp_rank": busy}
 
 
 def op_timeline(engine, batch) -> list[str]:
@@ -183,16 +187,21 @@ def clocks_by_rank(mine: dict) -> dict:
     return {"sm_MHz_by_rank": [c["sm_MHz"] for c in every], "temp_C_by_rank": [c["temp_C"] for c in every]}
 
 
+def by_pipeline_rank(pp_rank: int, pp: int, value: float) -> list[float]:
+    """``value`` of each pipeline rank, the largest over its tensor and data ranks (every rank calls)."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (pp_rank, value))
+    most = [0.0] * pp
+    for rank, v in every:
+        most[rank] = max(most[rank], v)
+    return most
+
+
 def peaks_by_pipeline_rank(pp_rank: int, pp: int) -> list[float]:
     """Each pipeline rank's largest allocator peak over its tensor and data ranks, GiB: the ranks of
     a pipeline hold different blocks and micro-batches in flight, so rank 0's peak alone (``peak_GiB``)
     need not be the run's, which is what the planner's estimate is of."""
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (pp_rank, torch.cuda.max_memory_allocated()))
-    peaks = [0.0] * pp
-    for rank, peak in every:
-        peaks[rank] = max(peaks[rank], round(peak / 2**30, 2))
-    return peaks
+    return by_pipeline_rank(pp_rank, pp, round(torch.cuda.max_memory_allocated() / 2**30, 2))
 
 
 def text_batch(prefix: str, micros: int, mbs: int, seq: int, vocab: int) -> list[dict]:
