@@ -103,7 +103,7 @@ def run_config(args, cfg, topo, device, schedule: str, m: int) -> dict:
     tied_group = topo.embedding_group if placement_of(schedule) == "loop" else None  # a V holds both copies
 
     def one_step():
-        if executor.rehearsal_due():  # the first step's kernels load before any transfer (see ``rehearse``)
+        if executor.rehearsal_due(len(data)):  # the first step's kernels load before any transfer (see ``rehearse``)
             executor.rehearse(data)
         for c in chunks:
             c.zero_grad(set_to_none=True)

@@ -269,7 +269,7 @@ class Engine:
         """Forward and backward every micro-batch through the pipeline, then one optimizer step."""
         self._new_graph_step()
         microbatches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
-        if self.executor.rehearsal_due(keep_graph=True):
+        if self.executor.rehearsal_due(len(microbatches), keep_graph=True):
             self._rehearse(microbatches, keep_graph=True)
         loss = self.executor.step(microbatches, grad_scale=self.optimizer.scaler.scale)
         result = self.optimizer.step(lr, skip=~torch.isfinite(loss))  # the loss agrees on every rank
@@ -283,7 +283,7 @@ class Engine:
         try:
             self._new_graph_step()
             microbatches = [{k: v.to(self.device) for k, v in mb.items()} for mb in microbatches]
-            if self.executor.rehearsal_due(keep_graph=False):
+            if self.executor.rehearsal_due(len(microbatches), keep_graph=False):
                 self._rehearse(microbatches, keep_graph=False)
             return float(self.executor.forward_only(microbatches))
         finally:

@@ -6,7 +6,8 @@ without any pipeline transfer, so that every kernel is loaded before a receive c
 once beside an engine that does not rehearse: losses, gradient norms, the evaluation and every
 parameter must be bit for bit the same (dropout on, so the random state must be restored, and
 gradients of the rehearsal must be dropped), the rehearsal must run this rank's forwards of the step,
-and it must exchange nothing with a neighbour.
+and it must exchange nothing with a neighbour. A batch that ramps up from one micro-batch is rehearsed
+again at its first step of several; and a rehearsal holds no more unsent messages than the step does.
 """
 
 from __future__ import annotations
@@ -22,19 +23,22 @@ from tests.test_pipeline_zero_bubble import LR, _batches, _config
 
 V2 = ("--parallel.virtual_stages", "2")
 DROPOUT = ("--model.dropout", "0.1")
-CASES = [("zb-h2", (1, 2, 2), 4, DROPOUT),
-         ("zb-v", (1, 2, 2), 4, (*V2, *DROPOUT, "--zero.stage", "3")),
-         ("1f1b", (2, 2, 1), 4, (*DROPOUT, "--parallel.sequence_parallel", "true", "--zero.stage", "2")),
-         ("interleaved_1f1b", (1, 2, 2), 4, (*V2, *DROPOUT))]
+CASES = [("zb-h2", (1, 2, 2), (4, 4), DROPOUT),
+         ("zb-v", (1, 2, 2), (4, 4), (*V2, *DROPOUT, "--zero.stage", "3")),
+         ("1f1b", (2, 2, 1), (4, 4), (*DROPOUT, "--parallel.sequence_parallel", "true", "--zero.stage", "2")),
+         ("interleaved_1f1b", (1, 2, 2), (4, 4), (*V2, *DROPOUT)),
+         ("zb-h1", (1, 2, 2), (1, 4, 2), DROPOUT)]
+"""(schedule, (tp, pp, dp), micro-batches of each step, overrides). The last ramps its batch up from one
+micro-batch: the step of four sums micro-batches, which the rehearsal of one never did."""
 
 
-def _train(cfg, topo, m: int, rehearses: bool) -> dict:
+def _train(cfg, topo, steps: tuple[int, ...], rehearses: bool) -> dict:
     torch.manual_seed(0)
     engine = Engine(cfg, topo, torch.device("cpu"))
     executor = engine.executor
     executor.rehearses = rehearses
     counts = {"exchanges": 0, "forwards": 0}
-    exchange, forward_step = executor.link.exchange, executor.forward_step
+    exchange, forward_step, rehearse = executor.link.exchange, executor.forward_step, executor.rehearse
 
     def counted_exchange(*args, **kwargs):
         counts["exchanges"] += 1
@@ -44,33 +48,64 @@ def _train(cfg, topo, m: int, rehearses: bool) -> dict:
         counts["forwards"] += 1
         return forward_step(*args)
 
-    executor.link.exchange, executor.forward_step = counted_exchange, counted_forward
-    rehearsed = {}
+    rehearsals = []  # (micro-batches, training, exchanges and forwards in it) of each rehearsal
+
+    def counted_rehearse(microbatches, keep_graph=True):
+        before = dict(counts)
+        rehearse(microbatches, keep_graph)
+        rehearsals.append((len(microbatches), keep_graph, {k: counts[k] - before[k] for k in counts}))
+
+    executor.link.exchange, executor.forward_step, executor.rehearse = counted_exchange, counted_forward, counted_rehearse
     losses, norms = [], []
-    for step in range(2):
+    for step, m in enumerate(steps):
         mine = _batches(step, m * topo.dp_size)[topo.dp_rank * m:(topo.dp_rank + 1) * m]
-        due = executor.rehearsal_due()
-        if due:  # what the rehearsal alone does: the engine's step rehearses, then runs
-            before = dict(counts)
-            engine._rehearse(mine, keep_graph=True)
-            rehearsed["train"] = {k: counts[k] - before[k] for k in counts}
-            executor._rehearsed.discard(True)
         out = engine.train_step(mine, lr=LR)
         losses.append(out.loss)
-        norms.append(out.result.grad_norm)
+        norms.append(float(out.result.grad_norm))
+    m = steps[-1]
     evaluated = engine.eval_loss(_batches(7, m * topo.dp_size)[topo.dp_rank * m:(topo.dp_rank + 1) * m])
     engine.data_parallel.wait_params()
     params = torch.cat([p.detach().reshape(-1) for chunk in engine.chunks for p in chunk.parameters()]).tolist()
-    return {"losses": losses, "norms": [float(n) for n in norms], "eval": evaluated, "params": params, "rehearsed": rehearsed,
-            "due_after": (executor.rehearsal_due(True), executor.rehearsal_due(False)), "pp_rank": topo.pp_rank}
+    return {"losses": losses, "norms": norms, "eval": evaluated, "params": params, "rehearsals": rehearsals,
+            "due_after": [executor.rehearsal_due(m, keep_graph) for m in (1, 4) for keep_graph in (True, False)],
+            "pp_rank": topo.pp_rank}
+
+
+def _held_sends(rank, world_size):
+    """The most messages rank ``rank`` held for sending after any op, rehearsing and in the step."""
+    import parallel.pipeline.executor as pipeline_executor
+
+    m = 8
+    engine = Engine(_config(1, 2, 1, m, "interleaved_1f1b", V2), Topology(RankGrid(tp=1, pp=2, dp=1)),
+                    torch.device("cpu"))
+    engine.executor.rehearses = True
+    most, phase = {"rehearsal": 0, "step": 0}, ["step"]
+    for name in ("forward", "backward"):
+        run_op = getattr(pipeline_executor._StepRun, name)
+
+        def counted(self, op, received, run_op=run_op):
+            run_op(self, op, received)
+            most[phase[0]] = max(most[phase[0]], len(self.outbox))
+        setattr(pipeline_executor._StepRun, name, counted)
+    rehearse = engine.executor.rehearse
+
+    def rehearsing(*args, **kwargs):
+        phase[0] = "rehearsal"
+        try:
+            rehearse(*args, **kwargs)
+        finally:
+            phase[0] = "step"
+    engine.executor.rehearse = rehearsing
+    engine.train_step(_batches(0, m), lr=LR)
+    return most
 
 
 def _world(rank, world_size):
     out = {}
-    for schedule, layout, m, extra in CASES:
+    for schedule, layout, steps, extra in CASES:
         topo = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
-        cfg = _config(*layout, m, schedule, extra)
-        out[schedule] = (_train(cfg, topo, m, rehearses=False), _train(cfg, topo, m, rehearses=True))
+        cfg = _config(*layout, max(steps), schedule, extra)
+        out[schedule] = (_train(cfg, topo, steps, rehearses=False), _train(cfg, topo, steps, rehearses=True))
     return out
 
 
@@ -90,14 +125,27 @@ def test_rehearsed_training_is_bit_for_bit_the_same(reports):
             assert rehearsed["params"] == plain["params"], schedule
 
 
-def test_rehearsal_runs_the_steps_forwards_and_exchanges_nothing(reports):
-    """Planted: a rehearsal that skips ops; one that posts its sends."""
+def test_rehearsals_run_the_steps_forwards_exchange_nothing_and_come_when_due(reports):
+    """A rehearsal before the first training step and the first evaluation, and again before the first
+    step over several micro-batches after one of a single micro-batch. Planted: a rehearsal that skips
+    ops; one that posts its sends; no second rehearsal when the batch ramps up."""
     for report in reports:
-        for schedule, layout, m, extra in CASES:
+        for schedule, layout, steps, extra in CASES:
             plain, rehearsed = report[schedule]
-            assert plain["rehearsed"] == {} and plain["due_after"] == (False, False), schedule
+            assert plain["rehearsals"] == [] and plain["due_after"] == [False] * 4, schedule
             v = 2 if "--parallel.virtual_stages" in extra else 1
-            ops, _ = plan_for(schedule, layout[1], rehearsed["pp_rank"], m, v)
-            assert rehearsed["rehearsed"]["train"] == {"exchanges": 0,
-                                                       "forwards": sum(op.kind == "F" for op in ops)}, schedule
-            assert rehearsed["due_after"] == (False, False), schedule
+            training = [steps[0]] + ([m for m in steps[1:] if m > 1][:1] if steps[0] == 1 else [])
+            expected = [(m, True, {"exchanges": 0, "forwards": sum(
+                op.kind == "F" for op in plan_for(schedule, layout[1], rehearsed["pp_rank"], m, v)[0])})
+                for m in training]
+            assert rehearsed["rehearsals"][:-1] == expected, schedule
+            assert rehearsed["rehearsals"][-1][:2] == (steps[-1], False), schedule  # the evaluation's
+            assert rehearsed["due_after"] == [False] * 4, schedule
+
+
+def test_rehearsal_holds_no_more_sends_than_the_step():
+    """The real step frees each send once it completes; a rehearsal that kept every dropped send until
+    its end would hold all of the step's messages at once (planted: 24 activations on rank 0, where
+    the step holds 2), memory the step itself never needs."""
+    for most in run_world(2, _held_sends):
+        assert most["rehearsal"] <= most["step"], most

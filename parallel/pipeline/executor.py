@@ -128,7 +128,9 @@ class PipelineExecutor:
         # Whether the first step of each kind (training, evaluation) is rehearsed: see ``rehearse``;
         # a CPU test turns it on to check that a rehearsal leaves no trace.
         self.rehearses = self.device.type == "cuda" and self.pp > 1
-        self._rehearsed: set[bool] = set()  # the kinds rehearsed, by whether they keep a graph
+        # the kinds rehearsed (by whether they keep a graph), each with whether its rehearsal ran
+        # several micro-batches (see ``rehearsal_due``)
+        self._rehearsed: dict[bool, bool] = {}
 
     @property
     def waiting_on(self) -> str:
@@ -152,10 +154,15 @@ class PipelineExecutor:
         with torch.no_grad():
             return self._run("forward_only", microbatches, 0.0, keep_graph=False)
 
-    def rehearsal_due(self, keep_graph: bool = True) -> bool:
-        """Whether the next step of this kind (training: ``keep_graph``; evaluation: not) should be
-        rehearsed first (``rehearse``): on CUDA, before the first of each kind."""
-        return self.rehearses and keep_graph not in self._rehearsed
+    def rehearsal_due(self, micro_batches: int, keep_graph: bool = True) -> bool:
+        """Whether the next step of this kind (training: ``keep_graph``; evaluation: not), of
+        ``micro_batches``, should be rehearsed first (``rehearse``): on CUDA, before the first of each
+        kind, and again before the first over several micro-batches after a rehearsal of one (a
+        batch-size ramp-up): summing micro-batches runs kernels one does not (the weight gradients'
+        ``addmm`` where one micro-batch's ``mm`` ran, the reducer's adds), and the reverse adds none."""
+        if not self.rehearses:
+            return False
+        return keep_graph not in self._rehearsed or (micro_batches > 1 and not self._rehearsed[keep_graph])
 
     def rehearse(self, microbatches: Sequence[Any], keep_graph: bool = True) -> None:
         """Run this rank's ops of a step on ``microbatches`` with no pipeline transfer at all: zeros
@@ -184,7 +191,8 @@ class PipelineExecutor:
                 stand_in = None if incoming is None else torch.zeros(self.link.shape, dtype=self.link.dtype,
                                                                      device=self.device)
                 {"F": run.forward, "B": run.backward, "W": run.weight_grads}[op.kind](op, stand_in)
-        self._rehearsed.add(keep_graph)
+                run.outbox.clear()  # as the real step frees each once sent: kept, the step's messages add up
+        self._rehearsed[keep_graph] = self._rehearsed.get(keep_graph, False) or len(microbatches) > 1
         self.stats = StepStats()
 
     def _run(self, schedule: str, microbatches: Sequence[Any], backward_scale: float, keep_graph: bool):
