@@ -1,7 +1,8 @@
 """Per-kernel table on one GPU: each fused body of the ops seam against its torch reference, eager and
 compiled, forward and forward+backward, at the shapes of the 1.3B models (micro-batch 8, sequence
 2048: 16,384 tokens of width 2048); plus the SDPA backends for causal and grouped-query attention,
-and (``--only gelu_profile``) the kernels inductor makes of the GPT-2 MLP's bias + GeLU.
+(``--only gelu_profile``) the kernels inductor makes of the GPT-2 MLP's bias + GeLU, and
+(``--only bias_grad``) ways to sum a split backward's bias gradients.
 
     python benchmarks/kernels_gpu.py [--json FILE]
 
@@ -218,9 +219,29 @@ def attention_rows() -> list[dict]:
     return rows
 
 
+def bias_grad_rows() -> list[dict]:
+    """A split backward's bias gradients (``deferred_wgrad.bias_grad``: ``dY.sum(0)`` over the tokens, at
+    each GPT 1.3B linear's width) against the same sum as a GEMV through cuBLAS (``ones @ dY``), and
+    compiled. On a busy pipeline rank these reductions took 23.5 ms of a 1.05 s ZB-H2 step, at about
+    55% of HBM bandwidth (BENCHMARKS.md); each variant's largest error against an fp64 sum is shown."""
+    rows = []
+    for width in (3 * HIDDEN, HIDDEN, 4 * HIDDEN):
+        grad = torch.randn(TOKENS, width, device="cuda").to(torch.bfloat16)
+        exact = grad.double().sum(0)
+        ones = torch.ones(TOKENS, device="cuda", dtype=torch.bfloat16)
+        variants = {"sum(0)": lambda g: g.sum(0), "ones @ dY": lambda g: ones @ g,
+                    "torch.compile sum(0)": torch.compile(lambda g: g.sum(0))}
+        for name, fn in variants.items():
+            ms, _ = time_ms(fn, [grad], backward=False)
+            error = (fn(grad).double() - exact).abs().max().item()
+            print(f"bias_grad {width:6d}       {name:24s} {ms:8.3f} ms   max error {error:.3g}", flush=True)
+            rows.append({"op": f"bias_grad {width}", "variant": name, "fwd_ms": round(ms, 4), "max_error": error})
+    return rows
+
+
 SECTIONS = {"cross_entropy": cross_entropy_rows, "cross_entropy_tiles": cross_entropy_tiles, "norm": norm_rows,
             "add_norm": add_norm_rows, "swiglu": swiglu_rows, "rotary": rotary_rows, "attention": attention_rows,
-            "gelu_profile": gelu_profile}
+            "gelu_profile": gelu_profile, "bias_grad": bias_grad_rows}
 
 
 def main() -> None:
