@@ -9,13 +9,16 @@
   older versions padded units less) describes itself the same, but is resharded, not copied.
 * Either way, in the same layout each rank's random generators continue from its own file.
 * A loss-scaler state saved under fp16 is not imposed on a bf16 run, and vice versa.
-* A byte flipped in the rank files or in the index files is refused while resharding, naming the file.
+* A byte flipped in the rank files or in the index files is refused while resharding, naming the file,
+  and by an exact load without a plan. A load handed its plan (``files_to_load``, which checked the
+  files) hashes none of them again; its fallback from an exact plan to resharding hashes what it reads.
 * fp16 gradients kept in 16 bits under a 2^16 loss scale: the global norm is computed in fp32, so a
   large but finite gradient is not mistaken for an overflow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -32,6 +35,19 @@ from megazero.optim import STATE_KEYS, DynamicLossScaler
 from tests.sharded import sharded_adamw
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
+
+
+@contextlib.contextmanager
+def _hashing():
+    """The names of the files whose sha256 is computed inside the block, in order."""
+    import megazero.checkpoint.format as fmt
+
+    hashed, digest = [], fmt.file_digest
+    fmt.file_digest = lambda path: hashed.append(path.name) or digest(path)
+    try:
+        yield hashed
+    finally:
+        fmt.file_digest = digest
 
 
 def _engine(topo, bucket_mb: float, dtype: str = "fp32", extra=()) -> Engine:
@@ -78,11 +94,14 @@ def _world(rank, world_size, root):
         state._description = lambda *args: reads.append(args[1]) or description(*args)
         try:
             plan = files_to_load(ckpt, rank, target.optimizer, manifest, same_layout=True)
-            exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, manifest, same_layout=True, plan=plan)
+            with _hashing() as hashed:
+                exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, manifest, same_layout=True,
+                                        plan=plan)
         finally:
             state._description = description
         out[("exact", bucket_mb)] = exact
         out[("planned", bucket_mb)] = (plan.exact, plan.files, reads)
+        out[("hashed again", bucket_mb)] = hashed
         out[("rng restored", bucket_mb)] = torch.equal(torch.get_rng_state(), saved_rng)
         out[("next_loss", bucket_mb)] = (_next_losses(target), reference_next)
     out.update(_offload_resume(topo, rank, root + "/offload"))
@@ -121,6 +140,12 @@ def _damaged_reshard(topo, rank, ckpt, root):
             out[("damaged", kind)] = None
         except CheckpointError as e:
             out[("damaged", kind)] = str(e)
+        exact = _engine(topo, 0.002)  # the same buckets: an exact resume, which without a plan checks as it reads
+        try:
+            load_checkpoint(damaged, rank, exact.chunks, exact.optimizer, read_manifest(damaged), same_layout=True)
+            out[("damaged exactly", kind)] = None
+        except CheckpointError as e:
+            out[("damaged exactly", kind)] = str(e)
         dist.barrier()
     return out
 
@@ -134,7 +159,12 @@ def _longer_shard_resume(topo, rank, root, reference_next):
     ckpt = _save(source, root, rank)
     target = _engine(topo, 0.002)
     exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
-    return exact, _next_losses(target), reference_next
+    # planned: the plan says exact (the descriptions agree), and the load falls back to resharding
+    planned = _engine(topo, 0.002)
+    plan = files_to_load(ckpt, rank, planned.optimizer, read_manifest(ckpt), same_layout=True)
+    with _hashing() as hashed:
+        load_checkpoint(ckpt, rank, planned.chunks, planned.optimizer, read_manifest(ckpt), same_layout=True, plan=plan)
+    return exact, _next_losses(target), reference_next, (plan.exact, hashed)
 
 
 def _offload_resume(topo, rank, root):
@@ -226,9 +256,21 @@ def test_random_generators_resume_in_the_same_layout_whether_exact_or_resharded(
     assert all(r[("rng restored", bucket_mb)] for r in report)
 
 
-def test_a_longer_shard_with_the_same_description_is_resharded(report):
+def test_a_planned_load_hashes_nothing_again(report):
+    """The plan's files were checked (sha256) as it was made; the load, exact or resharded, reads them
+    without hashing each again (planted: the exact load verifying again, or the resharding reader
+    made with ``verify=True`` whatever the plan)."""
     for r in report:
-        exact, got, want = r["longer_shard"]
+        assert r[("hashed again", 0.002)] == [] and r[("hashed again", 0.0005)] == []
+
+
+def test_a_longer_shard_with_the_same_description_is_resharded(report):
+    """Planned or not: the plan says exact (the descriptions agree), and the load's fallback to
+    resharding reads files the plan never checked, so it hashes them (planted: the fallback trusting
+    the plan, ``verify=not verified``)."""
+    for rank, r in enumerate(report):
+        exact, got, want, (planned_exact, hashed) = r["longer_shard"]
+        assert planned_exact is True and rank_file(rank) in hashed, (planned_exact, hashed)
         assert exact is False
         assert got == pytest.approx(want, rel=1e-6), (got, want)
 
@@ -279,6 +321,16 @@ def test_a_damaged_checkpoint_is_refused_when_resharded(report, kind):
         assert error is not None, f"rank {rank} loaded a checkpoint with a flipped byte in each {kind}"
         name = rank_file if kind == "rank file" else index_file
         assert "sha256" in error and any(f"/{name(r)}:" in error for r in range(2)), (rank, error)
+
+
+@pytest.mark.parametrize("kind", ["rank file", "index file"])
+def test_a_damaged_checkpoint_is_refused_by_an_exact_load_without_a_plan(report, kind):
+    """Without a plan (whose files were checked as it was made) the exact load checks what it reads
+    (planted: ``verify=verified`` where it is ``not verified``)."""
+    for rank, out in enumerate(report):
+        error = out[("damaged exactly", kind)]
+        name = rank_file if kind == "rank file" else index_file
+        assert error is not None and f"/{name(rank)}: sha256" in error, (rank, error)
 
 
 def test_a_checkpoint_of_another_placement_leaves_its_split_behind():

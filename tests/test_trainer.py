@@ -226,8 +226,16 @@ def _limits_and_counters(prefix, root):
     _train(counted, 1, prepare=poison)
     cfg = resolve_config(load_config(None, [*counted, "--train.train_steps", "6"]), 1)
     device, topology = initialize(cfg, LaunchEnv(0, 1, 0, 1))
-    resumed = Trainer(cfg, device, topology)
+    import megazero.checkpoint.format as fmt
+
+    hashed, digest = [], fmt.file_digest  # the files whose sha256 the resume computes
+    fmt.file_digest = lambda path: hashed.append(path.name) or digest(path)
+    try:
+        resumed = Trainer(cfg, device, topology)
+    finally:
+        fmt.file_digest = digest
     out["counted"] = (resumed.state.step, resumed.state.skipped, resumed.state.bad_in_row, resumed._unsaved())
+    out["resume_hashed"] = hashed
 
     # a checkpoint directory without room for one checkpoint is refused as the trainer is built
     import collections
@@ -352,6 +360,14 @@ def test_a_checkpoint_directory_without_room_is_refused_before_the_first_step(la
     """A small model's checkpoint is sized in KiB, not rounded to "0.0 GiB"."""
     assert re.search(r"checkpoints: 1 B free, a checkpoint needs about \d+\.\d KiB; free space or set "
                      r"checkpoint.save_dir", layouts["no_room"] or ""), layouts["no_room"]
+
+
+def test_a_resume_hashes_each_file_it_reads_once(layouts):
+    """The trainer checks the files it will load before loading (``files_to_load``) and hands that plan
+    to the load, which then neither hashes them again nor reads the shard's description again
+    (planted: the plan not passed on, which hashes the index and rank file twice)."""
+    hashed = layouts["resume_hashed"]
+    assert "rank_00000.safetensors" in hashed and len(hashed) == len(set(hashed)), hashed
 
 
 def test_a_resume_keeps_the_skip_counters_and_knows_it_is_saved(layouts):
