@@ -215,19 +215,47 @@ def test_clock_sampler_maps_cuda_devices_to_nvidia_smi_indices(monkeypatch):
                                    "clock_samples": 0}
 
 
-def _clocks_of_two_ranks(rank, world_size):
+def _two_ranks(rank, world_size):
+    """What a benchmark gathers across ranks, on two: clocks, and per pipeline rank (rank 0 is pipeline
+    rank 1 and rank 1 pipeline rank 0 in ``busy``, so that a rank mistaken for its pipeline rank shows)."""
+    from types import SimpleNamespace
+
+    import torch
     import train_gpu
 
-    return train_gpu.clocks_by_rank({"sm_MHz": 1500.0 + rank, "power_W": 690.0, "temp_C": 60.0 - rank})
+    clocks = train_gpu.clocks_by_rank({"sm_MHz": 1500.0 + rank, "power_W": 690.0, "temp_C": 60.0 - rank})
+    largest = train_gpu.by_pipeline_rank(0, 2, 5.0 - 3.0 * rank)  # both ranks on pipeline rank 0
+    stats = SimpleNamespace(bubble=0.25, compute_s=0.002 * (rank + 1), step_s=1.0)
+    engine = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(pp=2, virtual_stages=1)),
+                             executor=SimpleNamespace(profile=False, stats=stats, schedule="1f1b"),
+                             topo=SimpleNamespace(rank=rank, pp_rank=1 - rank), device=torch.device("cpu"),
+                             train_step=lambda batch: None)
+    busy = train_gpu.pipeline_bubble(engine, [{}] * 4, steps=1)["busy_ms_by_pp_rank"]
+    return {"clocks": clocks, "largest": largest, "busy": busy}
 
 
-def test_every_ranks_clock_is_reported_in_rank_order():
-    """A pipeline's ranks need not clock alike, so a multi-rank benchmark reports each one's (planted:
-    rank 0's sample repeated for every rank)."""
+@pytest.fixture(scope="module")
+def two_ranks():
     from tests.distributed import run_world
 
-    for report in run_world(2, _clocks_of_two_ranks):
-        assert report == {"sm_MHz_by_rank": [1500.0, 1501.0], "temp_C_by_rank": [60.0, 59.0]}
+    return run_world(2, _two_ranks)
+
+
+def test_every_ranks_clock_is_reported_in_rank_order(two_ranks):
+    """A pipeline's ranks need not clock alike, so a multi-rank benchmark reports each one's (planted:
+    rank 0's sample repeated for every rank)."""
+    for report in two_ranks:
+        assert report["clocks"] == {"sm_MHz_by_rank": [1500.0, 1501.0], "temp_C_by_rank": [60.0, 59.0]}
+
+
+def test_per_pipeline_rank_figures_take_each_pipeline_ranks_largest(two_ranks):
+    """``by_pipeline_rank``: each pipeline rank's largest value over its ranks, and 0 for a pipeline
+    rank no rank reported (planted: the last rank's value winning; each rank keeping its own only).
+    ``busy_ms_by_pp_rank``: each pipeline rank's compute time of the profiled step, placed by its
+    pipeline rank (planted: the step's time instead; the global rank instead of the pipeline rank)."""
+    for report in two_ranks:
+        assert report["largest"] == [5.0, 0.0]
+        assert report["busy"] == [4.0, 2.0]
 
 
 def _composed_peer_losses(processes: int, *layout: str) -> list[float]:
