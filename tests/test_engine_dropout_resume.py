@@ -12,6 +12,8 @@ attention dropout are 0.1 under tensor parallelism, with and without sequence pa
   them) gives other losses, so the exact comparison above does depend on the restored state, and
   so does dropout 0 (dropout really is on).
 
+The CUDA generator, absent here, is checked through a stand-in: captured and put back with the rest.
+
 Planted bugs this caught: the generators' state not restored on a same-layout resume, and the
 tensor-parallel generator's offset applied to the replicated stream as well.
 """
@@ -117,3 +119,19 @@ def test_the_comparison_depends_on_dropout_and_its_generators(ranks, sp):
     for report in ranks:
         assert report[sp]["without_rng"] != report[sp]["want"][SAVED_AT:]
         assert report[sp]["no_dropout"] != report[sp]["want"][0]
+
+
+def test_the_cuda_generator_is_captured_and_put_back(monkeypatch):
+    """The CUDA device's stream is one of those a checkpoint and a pipeline's rehearsal put back
+    (``megazero.random_state``); without a GPU here, a stand-in for it records what is set. Planted:
+    the CUDA state captured but never restored; or never captured."""
+    from megazero.random_state import restore_rng, rng_state
+
+    device = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *args: device["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, *args: device.update(state=state.clone()))
+    saved = rng_state([])
+    device["state"] = torch.tensor([9, 9, 9], dtype=torch.uint8)  # drawn from since
+    restore_rng([], saved)
+    assert device["state"].tolist() == [1, 2, 3]
