@@ -146,7 +146,7 @@ def test_rehearsals_run_the_steps_forwards_exchange_nothing_and_come_when_due(re
     """A rehearsal before the first training step and the first evaluation, and again before the first
     step over several micro-batches after one of a single micro-batch. Planted: a rehearsal that skips
     ops; one that posts its sends; no second rehearsal when the batch ramps up; a second step of one
-micro-batch rehearsed again (``micro_batches >= 1``)."""
+    micro-batch rehearsed again (``micro_batches >= 1``)."""
     for report in reports:
         for schedule, layout, steps, extra in CASES:
             plain, rehearsed = report[schedule]
