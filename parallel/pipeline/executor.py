@@ -33,7 +33,7 @@ from torch import nn
 from parallel.pipeline.deferred_wgrad import WeightGradQueue, WeightGradSink, defer_weight_grads
 from parallel.pipeline.p2p import StageLink, broadcast_from_last_stage, free_storage
 from parallel.pipeline.placement import holder_of, neighbours, placement_of, stage_of
-from parallel.pipeline.plan import Message, StageCosts, boundary_message, channels, op_io, plan_for
+from parallel.pipeline.plan import Message, StageCosts, boundary_message, channels, plan_for
 from parallel.pipeline.schedule import Op, build_schedule, default_schedule, splits_backward
 
 ForwardStep = Callable[[nn.Module, Optional[torch.Tensor], Any, bool, bool], torch.Tensor]
@@ -182,26 +182,24 @@ class PipelineExecutor:
         drew from and drops the gradients it accumulated (``Engine._rehearse``).
         """
         schedule = self.schedule if keep_graph else "forward_only"
-        ops, _ = plan_for(schedule, self.pp, self.rank, len(microbatches), self.v, self.op_costs, self.placement)
-        run = _StepRun(self, microbatches, 1.0 / len(microbatches), keep_graph)
-        run.backward_total = sum(op.kind == "B" for op in ops)
+        ops, plan = plan_for(schedule, self.pp, self.rank, len(microbatches), self.v, self.op_costs, self.placement)
+        run = _StepRun(self, microbatches, 1.0 / len(microbatches), keep_graph, ops)
         with torch.set_grad_enabled(keep_graph):
-            for op in ops:
-                incoming = op_io(op, self.pp, self.rank, self.v, self.placement)[0]
-                stand_in = None if incoming is None else torch.zeros(self.link.shape, dtype=self.link.dtype,
-                                                                     device=self.device)
-                {"F": run.forward, "B": run.backward, "W": run.weight_grads}[op.kind](op, stand_in)
+            for step in plan:
+                if step.op is None:
+                    continue
+                stand_in = None if step.needs is None else torch.zeros(self.link.shape, dtype=self.link.dtype,
+                                                                       device=self.device)
+                run.op(step.op, stand_in)
                 run.outbox.clear()  # as the real step frees each once sent: kept, the step's messages add up
         self._rehearsed[keep_graph] = self._rehearsed.get(keep_graph, False) or len(microbatches) > 1
-        self.stats = StepStats()
 
     def _run(self, schedule: str, microbatches: Sequence[Any], backward_scale: float, keep_graph: bool):
         self._sync()
         start = time.perf_counter()
         m = len(microbatches)
         ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v, self.op_costs, self.placement)
-        run = _StepRun(self, microbatches, backward_scale, keep_graph)
-        run.backward_total = sum(op.kind == "B" for op in ops)
+        run = _StepRun(self, microbatches, backward_scale, keep_graph, ops)
         self.stats = StepStats()
         for k, step in enumerate(plan):
             sends = [(t, run.outbox.pop(t.message)) for t in step.sends]
@@ -211,8 +209,7 @@ class PipelineExecutor:
             if step.op is not None:
                 # the op's input, waited for before its time starts: a profiled op excludes the wait
                 received = None if step.needs is None else self.link.take(step.needs)
-                run_op = {"F": run.forward, "B": run.backward, "W": run.weight_grads}[step.op.kind]
-                self._timed(lambda op: run_op(op, received), step.op)
+                self._timed(lambda op: run.op(op, received), step.op)
                 self.stats.ops.append(step.op)
                 self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, run.held_bytes())
         self._release(self.link.finish_sends(block=True))
@@ -287,7 +284,7 @@ class _StepRun:
     turn), handed over in memory."""
 
     def __init__(self, executor: PipelineExecutor, microbatches: Sequence[Any], backward_scale: float,
-                 keep_graph: bool):
+                 keep_graph: bool, ops: Sequence[Op]):
         self.ex, self.microbatches, self.backward_scale = executor, microbatches, backward_scale
         self.keep_graph = keep_graph
         self.last_stage = executor.pp * executor.v - 1
@@ -295,8 +292,13 @@ class _StepRun:
         self.handed_over: dict[Message, torch.Tensor] = {}
         self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         self.loss_sum: Optional[torch.Tensor] = None
-        self.backward_ops_done, self.backward_total = 0, 0
+        # the backwards of the step's ``ops`` run so far, and in all: the last one lets a reducer start
+        self.backward_ops_done, self.backward_total = 0, sum(op.kind == "B" for op in ops)
         self.awaiting_w: set[tuple[int, int]] = set()  # backward ran, deferred weight gradients not yet
+
+    def op(self, op: Op, received: Optional[torch.Tensor]) -> None:
+        """Run ``op`` with ``received``, its input from a neighbour (None where it takes none)."""
+        {"F": self.forward, "B": self.backward, "W": self.weight_grads}[op.kind](op, received)
 
     def _stage(self, op: Op) -> int:
         return stage_of(self.ex.pp, self.ex.rank, op.chunk, self.ex.placement)
