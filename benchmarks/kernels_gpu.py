@@ -221,19 +221,25 @@ def attention_rows() -> list[dict]:
 
 def bias_grad_rows() -> list[dict]:
     """A split backward's bias gradients (``deferred_wgrad.bias_grad``: ``dY.sum(0)`` over the tokens, at
-    each GPT 1.3B linear's width) against the same sum as a GEMV through cuBLAS (``ones @ dY``), and
-    compiled. On a busy pipeline rank these reductions took 23.5 ms of a 1.05 s ZB-H2 step, at about
-    55% of HBM bandwidth (BENCHMARKS.md); each variant's largest error against an fp64 sum is shown."""
+    each GPT 1.3B linear's width) against the same sum as a GEMV through cuBLAS (``ones @ dY``), the
+    GEMV accumulating into an fp32 buffer (what a W op now runs), and compiled. On a busy pipeline
+    rank the reductions took 23.5 ms of a 1.05 s ZB-H2 step, at about 55% of HBM bandwidth
+    (BENCHMARKS.md); each variant's largest error against an fp64 sum is shown."""
     rows = []
     for width in (3 * HIDDEN, HIDDEN, 4 * HIDDEN):
         grad = torch.randn(TOKENS, width, device="cuda").to(torch.bfloat16)
         exact = grad.double().sum(0)
         ones = torch.ones(TOKENS, device="cuda", dtype=torch.bfloat16)
+        into = torch.zeros(1, width, device="cuda")
         variants = {"sum(0)": lambda g: g.sum(0), "ones @ dY": lambda g: ones @ g,
-                    "torch.compile sum(0)": torch.compile(lambda g: g.sum(0))}
+                    "torch.compile sum(0)": torch.compile(lambda g: g.sum(0)),
+                    # what a W op runs now (``WeightGradQueue._bias_grad_products`` into the fp32 buffer)
+                    "ones @ dY added in fp32": lambda g: torch.addmm(into, ones[None], g, out_dtype=torch.float32,
+                                                                      out=into)}
         for name, fn in variants.items():
             ms, _ = time_ms(fn, [grad], backward=False)
-            error = (fn(grad).double() - exact).abs().max().item()
+            into.zero_()  # the accumulating variant's buffer, after its timed calls
+            error = (fn(grad).double().view(-1) - exact).abs().max().item()
             print(f"bias_grad {width:6d}       {name:24s} {ms:8.3f} ms   max error {error:.3g}", flush=True)
             rows.append({"op": f"bias_grad {width}", "variant": name, "fwd_ms": round(ms, 4), "max_error": error})
     return rows

@@ -94,11 +94,11 @@ class _TakeEverything:
         return True
 
 
-def test_a_sink_takes_the_weight_and_the_bias_still_reaches_grad():
-    """Where the sink takes a weight's gradient, ``run`` counts every micro-batch's GEMM it took (two
-    micro-batches summed at one W: 2, not one per weight), and the bias, which the sink never takes,
-    still gets its summed gradient through autograd. (Planted: ``in_place`` counting weights; the bias
-    handed to autograd only when the sink declined the weight.)"""
+def test_a_sink_takes_the_weight_and_the_bias():
+    """Where the sink takes a linear's gradients, ``run`` counts every micro-batch's weight GEMM it took
+    (two micro-batches summed at one W: 2, not one per weight), and the bias's comes as GEMV factors
+    ``(1^T, dY)`` whose sum is autograd's bias gradient; nothing reaches ``.grad``. (Planted:
+    ``in_place`` counting weights; the bias handed to autograd beside the sink.)"""
     sink = _TakeEverything()
     layer, ref, queue = _linear_on_a_queue(sink)
     for k, x in enumerate(_inputs(2)):
@@ -106,9 +106,29 @@ def test_a_sink_takes_the_weight_and_the_bias_still_reaches_grad():
             layer(x).square().sum().backward()
         ref(x.detach()).square().sum().backward()
     assert queue.run([0, 1]) == (2, 2)
-    assert layer.weight.grad is None
+    assert layer.weight.grad is None and layer.bias.grad is None
     torch.testing.assert_close(sink.sums[id(layer.weight)], ref.weight.grad, rtol=1e-6, atol=1e-6)
-    assert layer.bias.grad is not None
+    torch.testing.assert_close(sink.sums[id(layer.bias)].view(-1), ref.bias.grad, rtol=1e-6, atol=1e-6)
+
+
+class _TakeWeights(_TakeEverything):
+    """A sink that declines 1-D parameters (a bias), as one whose buffer cannot take them would."""
+
+    def add_weight_grad(self, weight, products):
+        return weight.dim() > 1 and super().add_weight_grad(weight, products)
+
+
+def test_a_bias_the_sink_declines_reaches_grad():
+    """The weight goes to the sink and the declined bias gets its summed gradient through autograd.
+    (Planted: a declined bias dropped.)"""
+    sink = _TakeWeights()
+    layer, ref, queue = _linear_on_a_queue(sink)
+    for k, x in enumerate(_inputs(2)):
+        with queue.backward_of(k):
+            layer(x).square().sum().backward()
+        ref(x.detach()).square().sum().backward()
+    assert queue.run([0, 1]) == (2, 2)
+    assert layer.weight.grad is None and id(layer.bias) not in sink.sums
     torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-6)
 
 

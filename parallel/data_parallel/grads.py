@@ -217,7 +217,7 @@ class GradReducer:
             return False
         if i in self.copying:
             self._land()
-        region = self.param_grad(i).view(self.params[i].shape)
+        region = self.param_grad(i).view(products[0][0].shape[0], products[0][1].shape[1])  # a bias: (1, n)
         with torch.no_grad():  # the factors are saved activations, which may require grad
             for k, (a, b) in enumerate(products):
                 matmul_into(region, a, b, accumulate=self.written[i] or k > 0)

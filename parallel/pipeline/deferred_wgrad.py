@@ -5,9 +5,10 @@ stage waits for, and the weight gradient ``dW = dY^T X``, which nothing waits fo
 step. ``WeightGradQueue.linear`` computes the first in backward and queues what the second needs
 (its input and output gradient, kept alive until then); the executor runs the queue at the
 schedule's ``W`` op for that micro-batch. The linear's bias moves with its weight: its gradient is a
-sum of ``dY`` over the tokens, which ``W`` computes as one plain reduction, whereas left in ``B``
-torch.compile fused it into the activation's backward as a reduction kernel three times slower than
-that kernel alone (1.3B GPT on H100, BENCHMARKS.md). Everything else in the model (norms,
+sum of ``dY`` over the tokens, which ``W`` computes on its own (a GEMV ``1^T dY`` where the sink below
+takes it, else a plain reduction), whereas left in ``B`` torch.compile fused it into the activation's
+backward as a reduction kernel three times slower than that kernel alone (1.3B GPT on H100,
+BENCHMARKS.md). Everything else in the model (norms,
 embeddings, attention itself) still gets its gradient in ``B``: only the linears move.
 
 The deferred ``dW`` reaches ``param.grad`` the way autograd's own does, through the parameter's
@@ -31,9 +32,9 @@ schedule blocks and head compile with buffer reuse off (``models.parallelize.com
 
 Where the data-parallel wrapper keeps whole fp32 gradient buffers (ZeRO stages 0 and 1, and every
 stage in a pipeline's once-per-step mode), a ``W`` op adds each weight's gradient GEMM straight into
-its buffer instead (``WeightGradSink``, given at construction): the GEMM accumulates in fp32 and
-writes there, so the 16-bit gradient, autograd's accumulation and the hook's conversion and add of
-every micro-batch disappear (GPT 1.3B, pp 2, ZB-H2: those adds took 25 ms of the first stage's
+its buffer instead (``WeightGradSink``, given at construction), and each bias's GEMV too: the GEMM
+accumulates in fp32 and writes there, so the 16-bit gradient, autograd's accumulation and the hook's
+conversion and add of every micro-batch disappear (GPT 1.3B, pp 2, ZB-H2: those adds took 25 ms of the first stage's
 1.08 s step; the step became 1% faster, BENCHMARKS.md).
 
 ``defer_weight_grads`` is the hook that turns the layers on: plain ``nn.Linear`` get an instance
@@ -126,10 +127,11 @@ def bias_grad(grad_outs: list[torch.Tensor]) -> torch.Tensor:
 
 
 class WeightGradSink(Protocol):
-    """Where a weight's gradient can be accumulated without autograd (``DataParallel``)."""
+    """Where a linear's weight and bias gradients can be accumulated without autograd (``DataParallel``)."""
 
     def add_weight_grad(self, weight: torch.Tensor, products: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Add ``sum a @ b`` to ``weight``'s gradient as if autograd had delivered it; False if declined."""
+        """Add ``sum a @ b`` to ``weight``'s gradient (a weight's or a bias's) as if autograd had delivered
+        it; False if declined."""
 
 
 class WeightGradQueue:
@@ -147,6 +149,7 @@ class WeightGradQueue:
                                                  torch.Tensor]]] = {}
         # what the linears' backward operators call with the factors (``hand_over``)
         self.number = register_weight_grad_taker(self)
+        self._ones: Optional[torch.Tensor] = None  # a row of ones as long as a micro-batch's tokens
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``F.linear`` with deferrable weight and bias gradients (traced into a compiled graph: the
@@ -208,12 +211,32 @@ class WeightGradQueue:
             else:
                 params.append(weight)
                 grads.append(weight_grad(pairs))
-            if bias is not None:
+            if bias is None:
+                pass
+            elif self.sink is not None and self.sink.add_weight_grad(bias, self._bias_grad_products(pairs)):
+                pass
+            else:
                 params.append(bias)
                 grads.append(bias_grad([g for _, g in pairs]))
             if params:
                 torch.autograd.backward(params, grads)
         return count, in_place
+
+    def _bias_grad_products(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor,
+                                                                                             torch.Tensor]]:
+        """The factors ``(1^T, dY)`` of each pair's bias gradient, ``1^T dY``: a GEMV, which the sink
+        accumulates in fp32 like a weight's GEMM, in place of a 16-bit ``dY.sum(0)`` handed to
+        autograd, its hook, and the conversion and add of every micro-batch's bias gradient (GPT
+        1.3B, pp 2: a W op's bias gradients were 23.5 ms of a 1.05 s step on the busiest rank, and
+        ``ones @ dY`` ran 10-30% faster than ``sum(0)`` at every width, BENCHMARKS.md)."""
+        products = []
+        for _, g in pairs:
+            g = g.reshape(-1, g.shape[-1])
+            if self._ones is None or self._ones.shape[1] != g.shape[0] or self._ones.dtype != g.dtype \
+                    or self._ones.device != g.device:
+                self._ones = torch.ones(1, g.shape[0], dtype=g.dtype, device=g.device)
+            products.append((self._ones, g))
+        return products
 
     def __len__(self) -> int:
         """Micro-batches with weight gradients still queued."""
