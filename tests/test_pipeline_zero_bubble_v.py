@@ -26,7 +26,7 @@ from megazero.engine import Engine, pipeline_costs, pipeline_split
 from megazero.errors import ConfigError
 from parallel.pipeline.grads import sum_tied_grads
 from parallel.pipeline.partition import balanced_v_split
-from parallel.pipeline.placement import holder_of, neighbours, rank_stages, stage_of
+from parallel.pipeline.placement import holder_of, neighbours, rank_stages, sends_per_microbatch, stage_of
 from parallel.pipeline.plan import (CHANNELS, PipelineDeadlock, StageCosts, bubble_of, channel_of, channels, check_ops,
                                     plan_for, schedule_for, timeline)
 from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, max_live_activations, schedule_problem,
@@ -65,6 +65,18 @@ def test_neighbours_are_the_plans_peers(pp):
             plan = plan_for(schedule, pp, rank, 2 * pp, v)[1]
             peers = sorted({t.peer for step in plan for t in step.sends + step.recvs})
             assert neighbours(pp, rank, v, placement) == peers, (schedule, rank)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_sends_per_microbatch_are_the_plans(pp):
+    """What the planner charges a rank for its pipeline transfers (``sends_per_microbatch``) is what
+    its plan sends per micro-batch (planted: ``2 v`` for every rank, the planner's old count)."""
+    m = 2 * pp
+    for schedule, v, placement in (("1f1b", 1, "loop"), ("interleaved_1f1b", 2, "loop"), ("zb-v", 2, "v")):
+        for rank in range(pp):
+            plan = plan_for(schedule, pp, rank, m, v)[1]
+            sent = sum(len(step.sends) for step in plan)
+            assert sends_per_microbatch(pp, rank, v, placement) * m == sent, (schedule, rank)
 
 
 def _hand_overs_in_order(ops: list[Op], pp: int, rank: int) -> None:

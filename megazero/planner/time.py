@@ -15,7 +15,7 @@ from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
 from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_work
 from parallel.pipeline.plan import StageCosts, modelled_step, weight_grad_delays
-from parallel.pipeline.placement import V_SHAPED
+from parallel.pipeline.placement import V_SHAPED, placement_of, sends_per_microbatch
 from parallel.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 from parallel.pipeline.v_order import modelled_span
 
@@ -106,22 +106,23 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         if p.tp_comm == "peer_memory":
             tp_per_layer *= PEER_MEMORY_EXPOSED_SHARE
 
-    # Pipeline parallelism: each micro-batch's activation forward and its gradient back, per chunk.
-    pp_per_mb = 0.0
+    # Pipeline parallelism: per micro-batch, each activation a rank hands to another rank's stage and
+    # each gradient it hands back (``sends_per_microbatch``: the V's turn stays on its rank).
+    schedule = pipeline_schedule(cfg)
+    send_s = 0.0
     if p.pp > 1:
         bw = cluster.link_bytes_per_s(_group_within_node(pp_stride, p.pp, cluster))
-        sent = e * tokens_mb * m.hidden_size / (p.tp if p.sequence_parallel else 1)
-        pp_per_mb = 2 * p.virtual_stages * sent / bw
+        send_s = e * tokens_mb * m.hidden_size / (p.tp if p.sequence_parallel else 1) / bw
 
-    slowest = (0.0, 0.0, 0)
+    slowest = (0.0, 0.0, 0.0, 0)
     for rank in range(p.pp):
         work = rank_work(cfg, rank)
         flops = tokens_mb * (work * per_layer + (head if rank == head_rank(cfg) else 0.0)) / p.tp
         compute, tp_comm = flops / gpu.flops, work * tp_per_layer
-        if compute + tp_comm > slowest[0] + slowest[1]:
-            slowest = (compute, tp_comm, rank)
-    compute_mb, tp_mb, rank = slowest
-    schedule = pipeline_schedule(cfg)
+        pp_comm = send_s * sends_per_microbatch(p.pp, rank, p.virtual_stages, placement_of(schedule))
+        if compute + tp_comm + pp_comm > sum(slowest[:3]):
+            slowest = (compute, tp_comm, pp_comm, rank)
+    compute_mb, tp_mb, pp_per_mb, rank = slowest
     if schedule in SPLIT_BACKWARD:  # input and weight gradients computed apart cost more
         compute_mb *= 1 + SPLIT_BACKWARD_COST
     host_launches = 0.0

@@ -51,3 +51,13 @@ def neighbours(pp: int, rank: int, v: int, placement: str = "loop") -> list[int]
     last = pp * v - 1
     return sorted({holder_of(pp, t, placement)[0] for s in rank_stages(pp, rank, v, placement)
                    for t in (s - 1, s + 1) if 0 <= t <= last} - {rank})
+
+
+def sends_per_microbatch(pp: int, rank: int, v: int, placement: str = "loop") -> int:
+    """How many messages rank ``rank`` sends for one micro-batch: an activation after each of its
+    stages whose next stage another rank holds, a gradient before each whose previous one does.
+    At pp 2 a loop with two chunks sends 3 a rank and a V 2 (its turn stays on the last rank)."""
+    last = pp * v - 1
+    return sum((s < last and holder_of(pp, s + 1, placement)[0] != rank)
+               + (s > 0 and holder_of(pp, s - 1, placement)[0] != rank)
+               for s in rank_stages(pp, rank, v, placement))
