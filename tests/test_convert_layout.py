@@ -1,11 +1,11 @@
-"""`megazero convert --tp --pp --dp --zero-stage --virtual-stages`: a checkpoint written offline in a
-run's own layout.
+"""`megazero convert --tp --pp --dp --zero-stage --virtual-stages --pipeline-schedule`: a checkpoint
+written offline in a run's own layout.
 
 The layout is computed without a process group (``convert.layout.training_layout``); it must equal,
 rank by rank, the shard description the engine's optimizer gives when that run really starts (on
-4 gloo ranks, five layouts: tensor x pipeline, pipeline x data with interleaving and ZeRO-3, tensor x
+4 gloo ranks, six layouts: tensor x pipeline, pipeline x data with interleaving and ZeRO-3, tensor x
 data with ZeRO-2 and a persistence threshold, plain data parallelism, pipeline x data with a split
-that cuts a block in half). The files written in that layout
+that cuts a block in half, pipeline x data in zb-v's V). The files written in that layout
 must give back every logical tensor of the source, and the engine at that layout must load them into
 exactly the values the source holds. A layout the model cannot take is refused in one line naming the
 field, with nothing written. The trainer reshards a converted checkpoint (consolidated or in its own
@@ -48,6 +48,8 @@ LAYOUTS = {
     "tp2-dp2-zero2-persist": ["--parallel.tp", "2", "--zero.stage", "2", "--zero.persistence_threshold", "100"],
     "dp4-zero0": ["--zero.stage", "0", "--model.preset", "llama"],
     "pp2-dp2-half-zero1": ["--parallel.pp", "2", "--parallel.pipeline_split", "[1.5, 2.5]", "--zero.stage", "1"],
+    "pp2-dp2-zbv-zero1": ["--parallel.pp", "2", "--parallel.virtual_stages", "2", "--parallel.pipeline_schedule",
+                          "zb-v", "--zero.stage", "1"],
 }
 
 
@@ -282,3 +284,39 @@ def test_a_converted_checkpoint_is_resharded_not_resumed_exactly(resumed, name):
     assert len(resumes) == 1 and "(resharded from {" in resumes[0] and "same layout" not in resumes[0], resumes
     assert report[name]["rng_of_a_fresh_run"]
     assert report[name]["loaded"]
+
+
+def test_cli_writes_a_v_layout(written, tmp_path, capsys):
+    """``--pipeline-schedule zb-v``: the files of a V, whose first rank holds the first and the last
+    stage, recorded as such, and a name that is no schedule refused in one line with nothing written.
+    (Planted: the flag's value dropped, which wrote a loop, its first rank holding stages 0 and 2.)"""
+    src = latest_checkpoint(written / "dp4-zero0")
+    dst = tmp_path / "zbv"
+    assert main(["convert", str(src), str(dst), "--to", "megazero", "--pp", "2", "--virtual-stages", "2",
+                 "--dp", "1", "--pipeline-schedule", "zb-v"]) == 0
+    ckpt = latest_checkpoint(dst)
+    manifest = read_manifest(ckpt)
+    assert manifest["meta"]["layout"]["placement"] == "v"
+    assert manifest["meta"]["config"]["parallel"]["pipeline_schedule"] == "zb-v"
+    pieces = CheckpointReader(ckpt).pieces
+    holders = {layer: {p.rank for name, held in pieces.items() if name.startswith(f"layers.{layer}.") for p in held}
+               for layer in range(4)}
+    assert holders == {0: {0}, 1: {1}, 2: {1}, 3: {0}}, holders
+    bad = tmp_path / "bad"
+    assert main(["convert", str(src), str(bad), "--to", "megazero", "--pp", "2", "--pipeline-schedule", "zb-x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "parallel.pipeline_schedule" in err and "zb-x" in err, err
+    assert not bad.exists()
+
+
+def test_a_split_made_for_a_loop_is_not_carried_into_a_v(tmp_path):
+    """A source run's own split balanced a loop's ranks; the same pipeline shape laid out as a V puts
+    other stages together, so the converted run takes the V's default split. (Planted: the split kept.)"""
+    cfg = resolve_config(load_config(None, MODEL + ["--parallel.pp", "2", "--parallel.virtual_stages", "2",
+                                                    "--parallel.pipeline_split", "[1.5, 0.5, 1, 1]"]), 4)
+    write_megazero(_Source(cfg.model), tmp_path / "src", run=cfg)
+    src = latest_checkpoint(tmp_path / "src")
+    for name, extra, split in (("loop", [], [1.5, 0.5, 1, 1]), ("v", ["--pipeline-schedule", "zb-v"], None)):
+        assert main(["convert", str(src), str(tmp_path / name), "--to", "megazero", "--dp", "1", *extra]) == 0
+        recorded = read_manifest(latest_checkpoint(tmp_path / name))["meta"]["config"]["parallel"]
+        assert recorded["pipeline_split"] == split, (name, recorded["pipeline_split"])

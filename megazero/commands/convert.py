@@ -16,7 +16,8 @@ from megazero.errors import UserError
 
 TARGETS = ("hf", "megazero", "torch")
 LAYOUT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--dp": "parallel.dp", "--zero-stage": "zero.stage",
-                "--virtual-stages": "parallel.virtual_stages"}
+                "--virtual-stages": "parallel.virtual_stages", "--pipeline-schedule": "parallel.pipeline_schedule"}
+TEXT_FLAGS = ("--pipeline-schedule",)  # the others are integers
 SIZE_FLAGS = ("--tp", "--pp", "--dp", "--virtual-stages")
 SOURCES = ("megazero", "hf", "megatron")
 
@@ -28,8 +29,8 @@ def register(subparsers) -> None:
                     "Megatron-LM legacy checkpoint) into DST, streaming one tensor at a time. "
                     "--to megazero writes a consolidated checkpoint (world size 1) that `megazero train "
                     "--checkpoint.load DST` reshards into its own layout, or, given any of --tp --pp --dp "
-                    "--zero-stage --virtual-stages, one file per rank of a run with that layout (each rank "
-                    "then reads only the files of its pipeline stage).")
+                    "--zero-stage --virtual-stages --pipeline-schedule, one file per rank of a run with that "
+                    "layout (each rank then reads only the files of its pipeline stage).")
     parser.add_argument("src", help="Checkpoint to read: a step_* directory or its root, a folder with "
                                     "config.json, or a Megatron root / iter_* directory")
     parser.add_argument("dst", help="Path to create (must not exist): a folder, or a .safetensors file for --to torch")
@@ -47,8 +48,10 @@ def register(subparsers) -> None:
                         help="--to megazero from megazero: start at step 0 with fresh optimizer state")
     layout = parser.add_argument_group("--to megazero: the layout of the run that will load DST (default: consolidated)")
     for flag, field in LAYOUT_FLAGS.items():
-        layout.add_argument(flag, type=int, default=None, dest=field.replace(".", "_"),
-                            help=f"{field} of that run (others from the source run's config, else defaults)")
+        layout.add_argument(flag, type=str if flag in TEXT_FLAGS else int, default=None, dest=field.replace(".", "_"),
+                            help=f"{field} of that run (others from the source run's config, else defaults)"
+                                 + ("; zb-v places each rank's two chunks in a V, so its ranks hold other stages "
+                                    "than a loop's" if flag == "--pipeline-schedule" else ""))
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="From Megatron: the tokenizer's vocabulary, where its args record only the padded one "
                              "(padding rows are then left out)")
@@ -173,6 +176,7 @@ def run_config(source, layout: dict):
     from megazero.config.schema import Config
     from megazero.config.validate import resolve_config
     from megazero.convert.sources import source_meta
+    from parallel.pipeline.placement import V_SHAPED
     from parallel.pipeline.schedule import schedule_problem
 
     meta = source_meta(source)
@@ -191,8 +195,11 @@ def run_config(source, layout: dict):
         p["virtual_stages"] = 1
     if (p.get("pp"), p.get("virtual_stages")) != (before.get("pp"), before.get("virtual_stages")):
         p["pipeline_split"] = None
-        if schedule_problem(p.get("pipeline_schedule", "auto"), p.get("virtual_stages", 1)):
+        if "parallel.pipeline_schedule" not in layout and \
+                schedule_problem(p.get("pipeline_schedule", "auto"), p.get("virtual_stages", 1)):
             p["pipeline_schedule"] = "auto"
+    if (p.get("pipeline_schedule") in V_SHAPED) != (before.get("pipeline_schedule") in V_SHAPED):
+        p["pipeline_split"] = None  # the split was made for stages the ranks no longer hold in that order
     dp = p.get("dp") or 1
     set_dotted(raw, "parallel.dp", None)  # derived from the world by validation
     cfg = build_dataclass(Config, raw, prefix="")
