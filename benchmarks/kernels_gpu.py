@@ -233,7 +233,7 @@ def bias_grad_rows() -> list[dict]:
         into = torch.zeros(1, width, device="cuda")
         variants = {"sum(0)": lambda g: g.sum(0), "ones @ dY": lambda g: ones @ g,
                     "torch.compile sum(0)": torch.compile(lambda g: g.sum(0)),
-                    # what a W op runs now (``WeightGradQueue._bias_grad_products`` into the fp32 buffer)
+                    # what a W op runs now (``WeightGradQueue._bias_grad_to_sink`` into the fp32 buffer)
                     "ones @ dY added in fp32": lambda g: torch.addmm(into, ones[None], g, out_dtype=torch.float32,
                                                                       out=into)}
         for name, fn in variants.items():

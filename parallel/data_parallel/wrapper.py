@@ -222,8 +222,8 @@ class DataParallel:
     def add_weight_grad(self, weight: torch.Tensor, products: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Add ``sum a @ b`` to ``weight``'s gradient (a weight's or a bias's) straight into its fp32
         buffer, as if it had arrived through autograd (whole-gradient buffers: stages 0 and 1, and
-        every stage in the pipeline's ``once_per_step`` mode); False where that cannot be done in place (see
-        ``GradReducer.add_products``): the caller then hands the gradient to autograd."""
+        every stage in the pipeline's ``once_per_step`` mode); False where that cannot be done in
+        place (see ``GradReducer.add_products``): the caller then hands the gradient to autograd."""
         i = self.index.get(id(weight))
         return i is not None and self.reducer.add_products(i, products)
 

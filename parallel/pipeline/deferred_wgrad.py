@@ -8,8 +8,8 @@ schedule's ``W`` op for that micro-batch. The linear's bias moves with its weigh
 sum of ``dY`` over the tokens, which ``W`` computes on its own (a GEMV ``1^T dY`` where the sink below
 takes it, else a plain reduction), whereas left in ``B`` torch.compile fused it into the activation's
 backward as a reduction kernel three times slower than that kernel alone (1.3B GPT on H100,
-BENCHMARKS.md). Everything else in the model (norms,
-embeddings, attention itself) still gets its gradient in ``B``: only the linears move.
+BENCHMARKS.md). Everything else in the model (norms, embeddings, attention itself) still gets its
+gradient in ``B``: only the linears move.
 
 The deferred ``dW`` reaches ``param.grad`` the way autograd's own does, through the parameter's
 gradient accumulator (``torch.autograd.backward`` from the parameter itself), so post-accumulate-grad
@@ -34,8 +34,8 @@ Where the data-parallel wrapper keeps whole fp32 gradient buffers (ZeRO stages 0
 stage in a pipeline's once-per-step mode), a ``W`` op adds each weight's gradient GEMM straight into
 its buffer instead (``WeightGradSink``, given at construction), and each bias's GEMV too: the GEMM
 accumulates in fp32 and writes there, so the 16-bit gradient, autograd's accumulation and the hook's
-conversion and add of every micro-batch disappear (GPT 1.3B, pp 2, ZB-H2: those adds took 25 ms of the first stage's
-1.08 s step; the step became 1% faster, BENCHMARKS.md).
+conversion and add of every micro-batch disappear (GPT 1.3B, pp 2, ZB-H2: those adds took 25 ms of
+the first stage's 1.08 s step; the step became 1% faster, BENCHMARKS.md).
 
 ``defer_weight_grads`` is the hook that turns the layers on: plain ``nn.Linear`` get an instance
 ``forward`` calling ``queue.linear``; the tensor-parallel linears get the queue as their
@@ -211,32 +211,30 @@ class WeightGradQueue:
             else:
                 params.append(weight)
                 grads.append(weight_grad(pairs))
-            if bias is None:
-                pass
-            elif self.sink is not None and self.sink.add_weight_grad(bias, self._bias_grad_products(pairs)):
-                pass
-            else:
+            if bias is not None and not self._bias_grad_to_sink(bias, pairs):
                 params.append(bias)
                 grads.append(bias_grad([g for _, g in pairs]))
             if params:
                 torch.autograd.backward(params, grads)
         return count, in_place
 
-    def _bias_grad_products(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor,
-                                                                                             torch.Tensor]]:
-        """The factors ``(1^T, dY)`` of each pair's bias gradient, ``1^T dY``: a GEMV, which the sink
-        accumulates in fp32 like a weight's GEMM, in place of a 16-bit ``dY.sum(0)`` handed to
-        autograd, its hook, and the conversion and add of every micro-batch's bias gradient (GPT
-        1.3B, pp 2: a W op's bias gradients were 23.5 ms of a 1.05 s step on the busiest rank, and
-        ``ones @ dY`` ran 10-30% faster than ``sum(0)`` at every width, BENCHMARKS.md)."""
+    def _bias_grad_to_sink(self, bias: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Hand the sink ``bias``'s gradient as the GEMVs ``1^T dY`` of ``pairs``, which it accumulates in
+        fp32 like a weight's GEMMs; False where there is no sink or it declines. This replaces a 16-bit
+        ``dY.sum(0)`` handed to autograd, its hook, and the conversion and add of every micro-batch's
+        bias gradient (GPT 1.3B, pp 2: a W op's bias gradients were 23.5 ms of a 1.05 s step on the
+        busiest rank, and ``ones @ dY`` ran 10-35% faster than ``sum(0)`` at every width, and rounded
+        once instead of once a micro-batch, BENCHMARKS.md)."""
+        if self.sink is None:
+            return False
         products = []
         for _, g in pairs:
             g = g.reshape(-1, g.shape[-1])
-            if self._ones is None or self._ones.shape[1] != g.shape[0] or self._ones.dtype != g.dtype \
-                    or self._ones.device != g.device:
-                self._ones = torch.ones(1, g.shape[0], dtype=g.dtype, device=g.device)
-            products.append((self._ones, g))
-        return products
+            ones = self._ones
+            if ones is None or ones.shape[1] != g.shape[0] or ones.dtype != g.dtype or ones.device != g.device:
+                ones = self._ones = torch.ones(1, g.shape[0], dtype=g.dtype, device=g.device)
+            products.append((ones, g))
+        return self.sink.add_weight_grad(bias, products)
 
     def __len__(self) -> int:
         """Micro-batches with weight gradients still queued."""
