@@ -20,6 +20,7 @@ disk: the GPT sample indices and ``largest_token_id``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
@@ -74,8 +75,14 @@ class IndexedDatasetWriter:
 
     def _write_tokens(self, tokens) -> int:
         tokens = np.ascontiguousarray(tokens, dtype=self.dtype)
-        self._bin.write(tokens.data)
+        self._write(tokens.data)
         return tokens.size
+
+    def _write(self, data) -> None:
+        try:
+            self._bin.write(data)
+        except OSError as exc:
+            raise _not_written(self.prefix, exc) from None
 
     def add_document(self, tokens) -> None:
         self._sizes.append(self._write_tokens(tokens))
@@ -96,17 +103,30 @@ class IndexedDatasetWriter:
                              "every shard must use the same token dtype (same tokenizer)")
         with open(bin_path(other.prefix), "rb") as src:
             while block := src.read(64 << 20):
-                self._bin.write(block)
+                self._write(block)
         self._sizes.frombytes(np.asarray(other.sizes, dtype=np.int32).tobytes())
 
     def finish(self) -> None:
-        self._bin.close()
-        write_index(self._idx_tmp, self.dtype, np.frombuffer(self._sizes, dtype=np.int32))
-        os.replace(self._bin_tmp, bin_path(self.prefix))
-        os.replace(self._idx_tmp, idx_path(self.prefix))
+        """Write the ``.idx`` and put both files in place; a failure on the way (a disk that fills
+        while the index is written) removes the temporary files, which would otherwise keep the
+        space the next attempt needs."""
+        try:
+            self._bin.close()
+            write_index(self._idx_tmp, self.dtype, np.frombuffer(self._sizes, dtype=np.int32))
+            os.replace(self._bin_tmp, bin_path(self.prefix))
+            os.replace(self._idx_tmp, idx_path(self.prefix))
+        except OSError as exc:
+            self.abort()
+            raise _not_written(self.prefix, exc) from None
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
-        self._bin.close()
+        """Remove the temporary files. Closing flushes what is still buffered, which fails again on
+        the full disk that failed the write; the file is closed all the same, and is removed."""
+        with contextlib.suppress(OSError):
+            self._bin.close()
         for path in (self._bin_tmp, self._idx_tmp):
             if os.path.exists(path):
                 os.unlink(path)
@@ -119,6 +139,12 @@ class IndexedDatasetWriter:
             self.finish()
         else:
             self.abort()
+
+
+def _not_written(prefix: str, exc: OSError) -> OSError:
+    """A write error naming the shard (a full disk's ``[Errno 28]`` alone names no file)."""
+    return OSError(f"{prefix}: the shard cannot be written ({exc.strerror or exc}); free space there or give "
+                   "another output prefix")
 
 
 def write_index(path: str, dtype: np.dtype, sizes: np.ndarray) -> None:

@@ -146,6 +146,9 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
         if stats.documents == 0:
             raise ValueError(f"no documents in {inputs} ({stats.skipped_summary()}): nothing to write "
                              "(megatron-core cannot even open an empty shard)")
+        for w in writers.values():  # a key whose shard cannot be finished leaves no other key's temporary files
+            w.finish()
+            write_origin(w.prefix, identity)
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -153,9 +156,6 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     finally:
         if bar is not None:
             bar.close()
-    for w in writers.values():
-        w.finish()
-        write_origin(w.prefix, identity)
     stats.seconds = time.perf_counter() - start
     return stats
 

@@ -4,6 +4,7 @@ the demo corpus is deterministic."""
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
@@ -128,6 +129,46 @@ def test_failed_run_leaves_no_output(env, tmp_path):
     with pytest.raises(ValueError, match="no key 'text'"):
         preprocess([str(bad)], str(tmp_path / "out"), env["model"], workers=2, batch_size=4)
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
+
+
+class _FullDisk:
+    """A shard file on a full disk: every write fails, and so does the flush that closing does (the
+    file is closed all the same, as a buffered file is)."""
+
+    def __init__(self, path, mode):
+        self._f = open(path, mode)
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self._f.close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["tokens", "index"])
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_files(env, tmp_path, capsys, monkeypatch, where):
+    """A full disk, while the tokens or the index were written, was a traceback naming no file and left
+    the temporary .bin (and .idx) behind, holding the space a second attempt needs; the keys listed
+    after the one that failed left theirs too."""
+    import data_pipeline.indexed as indexed
+
+    if where == "tokens":
+        monkeypatch.setattr(indexed, "open", _FullDisk, raising=False)
+    else:
+        def full(path, *args):
+            Path(path).write_bytes(b"MMIDIDX")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(indexed, "write_index", full)
+    records = tmp_path / "in.jsonl"
+    records.write_text(json.dumps({"text": "alpha", "title": "beta"}) + "\n")
+    assert main(["preprocess", "--input", str(records), "--tokenizer", env["model"], "--output-prefix",
+                 str(tmp_path / "out"), "--json-keys", "text", "title"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"megazero preprocess: error: {tmp_path / 'out'}_text_document: the shard cannot be written "
+                   "(No space left on device); free space there or give another output prefix"), err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 
 
 def test_sigterm_mid_run_leaves_no_output(env, tmp_path):
