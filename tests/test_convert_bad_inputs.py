@@ -349,6 +349,23 @@ def test_outputs_that_would_lose_or_damage_something(sources, tmp_path, capsys):
     assert "inside SRC" in _fails(capsys, tmp_path, tmp_path / "mz", dst=step.parent / "step_0000099")
 
 
+@pytest.mark.parametrize("src,to", [("gpt2_mz", "hf"), ("gpt2_mz", "torch"), ("hf", "megazero")])
+def test_a_full_disk_is_one_line_naming_dst(sources, tmp_path, capsys, monkeypatch, src, to):
+    """A destination that fills up mid-tensor was a traceback ending in ``OSError: [Errno 28]``."""
+    import errno
+
+    from megazero.checkpoint.format import HashingWriter
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(HashingWriter, "write", full)
+    dst = tmp_path / ("out.safetensors" if to == "torch" else "out")
+    err = _fails(capsys, tmp_path, sources / src, "--to", to, dst=dst)
+    assert err.endswith(f"error: {dst}: cannot be written (No space left on device); free space beside it or give "
+                        "a DST on another disk"), err
+
+
 def test_hf_missing_or_non_float_tensor(sources, tmp_path, capsys):
     hf = _copy(sources / "hf", tmp_path)
     _edit_weights(hf, lambda tensors: tensors.pop("model.norm.weight"))

@@ -9,6 +9,7 @@ and the bytes follow one piece at a time, hashed on the way. The result reads ba
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -22,6 +23,10 @@ import torch
 from megazero.checkpoint import serialization
 from megazero.checkpoint.format import HashingWriter, os_error_words
 from megazero.errors import UserError
+
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""The write errors of a destination that cannot hold the conversion (a full disk, a quota, a file-size
+limit): a one-line error naming DST, not a traceback from deep inside a tensor's write."""
 
 
 class StreamedSafetensors:
@@ -107,5 +112,10 @@ def staged(dst: Path, single_file: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         os.rename(tmp / dst.name if single_file else tmp, dst)
+    except OSError as e:
+        if e.errno not in OUT_OF_SPACE:  # only writes fail so; a read of SRC failing otherwise is its own error
+            raise
+        raise UserError(f"{dst}: cannot be written ({e.strerror}); free space beside it or give a DST on another "
+                        "disk") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
