@@ -545,6 +545,26 @@ def test_a_megatron_rank_file_without_weights_is_named(tmp_path, capsys):
     assert f"{second}: holds no 'model' weights (tp rank 1, pipeline rank 0)" in _fails(capsys, tmp_path, root)
 
 
+@pytest.mark.parametrize("key,value,want", [
+    ("decoder.final_layernorm.weight", None, "maps 'decoder.final_layernorm.weight' to a NoneType"),
+    ("decoder.final_layernorm.weight", [1.0] * 16, "maps 'decoder.final_layernorm.weight' to a list"),
+    (3, torch.ones(2), "maps 3 to a Tensor"),
+])
+def test_a_megatron_model_entry_that_is_not_a_named_tensor_is_named(tmp_path, capsys, key, value, want):
+    """A weight saved as something other than a tensor, or under a key that is not a name, was a
+    traceback (``'NoneType' object has no attribute 'shape'``) where its shape was first read.
+    ``_extra_state`` entries, which hold no weights, may be anything."""
+    root = _megatron(tmp_path / "meg", ranks=2)
+    second = root / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(second, weights_only=False)
+    state["model"]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None
+    state["model"][key] = value
+    torch.save(state, second)
+    err = _fails(capsys, tmp_path, root)
+    assert err.endswith(f"{second}: its 'model' {want}, where megatron-core saves weight names and tensors (tp rank "
+                        "1, pipeline rank 0); the checkpoint is damaged or not Megatron-LM's: restore that file"), err
+
+
 def test_an_hf_folder_with_two_sets_of_weights_is_refused(sources, tmp_path, capsys):
     """transformers loads model.safetensors and ignores an index beside it; we read the index: which
     weights a conversion took would depend on the tool."""

@@ -131,6 +131,12 @@ class MegatronSource:
                 raise UserError(f"{self.files[(t, p)]}: holds a pre-megatron-core model (language_model.*); only "
                                 "megatron-core's GPTModel is read: convert it to that layout with Megatron-LM's "
                                 "tools/checkpoint/convert.py first")
+            stray = next(((k, v) for k, v in state["model"].items() if not isinstance(k, str) or not (
+                isinstance(v, torch.Tensor) or k.endswith("._extra_state"))), None)
+            if stray is not None:  # else a traceback where its shape or name is first looked at
+                raise UserError(f"{self.files[(t, p)]}: its 'model' maps {stray[0]!r} to a {type(stray[1]).__name__}, "
+                                f"where megatron-core saves weight names and tensors (tp rank {t}, pipeline rank {p}); "
+                                "the checkpoint is damaged or not Megatron-LM's: restore that file")
             self._loaded[(t, p)] = state
         return self._loaded[(t, p)]
 
