@@ -378,7 +378,8 @@ def test_demo_corpus_is_deterministic(tmp_path):
 
 
 def test_a_refused_preprocess_creates_no_folder(tmp_path, capsys):
-    """``--workers 0`` was refused after the output prefix's folders had been made."""
+    """``--workers 0`` was refused after the output prefix's folders had been made, and a missing tokenizer after
+    they had been made to check that they could be."""
     from megazero.cli import main
 
     fresh = tmp_path / "fresh"
@@ -388,3 +389,7 @@ def test_a_refused_preprocess_creates_no_folder(tmp_path, capsys):
     assert main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok.json"),
                  "--output-prefix", str(fresh / "w0"), "--batch-size", "-3"]) == 2
     assert "--batch-size: -3 must be at least 1" in capsys.readouterr().err and not fresh.exists()
+    # refused after the output folder was checked: a missing tokenizer left the folders made for the check
+    assert main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok.json"),
+                 "--output-prefix", str(fresh / "sub" / "w0")]) == 2
+    assert "tok.json: tokenizer file not found" in capsys.readouterr().err and not fresh.exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from data_pipeline.paths import listed_twice
+from data_pipeline.paths import listed_twice, nearest_existing
 from megazero.errors import UserError
 
 
@@ -85,17 +85,24 @@ def run(args) -> int:
 
 def _check_output_dir(prefix: str) -> None:
     """The shards' directory must be there (or makeable) and writable, said before any input is read;
-    a prefix naming a folder (``out/``, or an existing folder) would write hidden files into it."""
+    a prefix naming a folder (``out/``, or an existing folder) would write hidden files into it. The
+    folders it lacks are made to see that they can be, and removed again: a run refused later (a
+    missing input, a file that is no tokenizer) leaves none behind; the shard writer makes them."""
     if prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
         raise UserError(f"--output-prefix {prefix}: names a folder; give a path and file-name prefix inside it, "
                         f"e.g. {os.path.join(prefix, 'corpus')}")
     directory = os.path.dirname(os.path.abspath(prefix))
+    existing = nearest_existing(directory)
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--output-prefix {prefix}: cannot create {directory} ({exc.strerror})") from None
-    if not os.access(directory, os.W_OK):
-        raise UserError(f"--output-prefix {prefix}: {directory} is not writable")
+    writable = os.access(directory, os.W_OK)
+    while directory != existing:
+        os.rmdir(directory)
+        directory = os.path.dirname(directory)
+    if not writable:
+        raise UserError(f"--output-prefix {prefix}: {os.path.dirname(os.path.abspath(prefix))} is not writable")
 
 
 def _check_no_repeats(args) -> None:
