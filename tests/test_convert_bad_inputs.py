@@ -635,3 +635,39 @@ def test_gpt2_attention_switches_without_counterpart(sources, tmp_path, capsys, 
     hf = _copy(sources / "gpt2", tmp_path)
     _edit_config(hf, **changes)
     assert want in _fails(capsys, tmp_path, hf)
+
+
+class _Diverged(_Random):
+    """A source whose first block's query-key-value weight holds a NaN and an infinity."""
+
+    def read(self, name):
+        t = super().read(name)
+        if name.startswith("layers.0.") and name.endswith("weight") and t.dim() == 2:
+            t[0, 0], t[-1, -1] = float("nan"), float("inf")
+        return t
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_weights_that_are_not_finite_are_refused(sources, tmp_path, capsys, value):
+    """A NaN or an infinity in a weight is one line naming the file and tensor, from each source kind
+    (Hugging Face, Megatron, megazero), with nothing written: a model started from it computes NaN
+    from its first token. (Planted: the check left out of each source's read.)"""
+    hf = _copy(sources / "hf", tmp_path)
+
+    def poison(tensors):
+        tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
+    _edit_weights(hf, poison)
+    err = _fails(capsys, tmp_path, hf)
+    assert "model.safetensors: tensor model.layers.1.mlp.up_proj.weight: holds 1 NaN or infinite values" in err, err
+
+    root = _megatron(tmp_path / "meg")
+    path = root / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["decoder.layers.1.mlp.linear_fc2.weight"][0, 0] = value
+    torch.save(state, path)
+    err = _fails(capsys, tmp_path, root, dst=tmp_path / "out_meg")
+    assert "decoder.layers.1.mlp.linear_fc2.weight: holds 1 NaN" in err, err
+
+    write_megazero(_Diverged(num_layers=2), tmp_path / "mz")
+    err = _fails(capsys, tmp_path, tmp_path / "mz", dst=tmp_path / "out_mz")
+    assert "parameter 'layers.0." in err and "holds 2 NaN or infinite values" in err, err

@@ -23,7 +23,7 @@ import torch
 
 from megazero.convert.hf_models import FAMILIES, check_model_type, family_for
 from megazero.convert.hf_tokenizer import ExportTokenizer, write_tokenizer
-from megazero.convert.sources import Source, logical_shapes
+from megazero.convert.sources import Source, finite, logical_shapes
 from megazero.convert.streaming import StreamedSafetensors
 from megazero.errors import UserError
 from models.config import ModelConfig
@@ -134,10 +134,11 @@ class HFSource:
         shard = self.files[name]
         try:
             with safe_open(self.folder / shard, framework="pt") as f:
-                return f.get_tensor(name).float()
+                tensor = f.get_tensor(name).float()
         except SafetensorError as e:
             raise UserError(f"{self.folder / shard}: cannot be read ({e}); the file is truncated or damaged -- "
                             "download it again") from None
+        return finite(tensor, f"{self.folder / shard}: tensor {name}")
 
     def read(self, name: str) -> torch.Tensor:
         return self.family.from_hf(name, self._tensor, self.cfg)

@@ -29,7 +29,7 @@ import torch
 
 from data_pipeline.typed_config import coerce
 from megazero.convert.hf_models import LAYER, refuse, validated
-from megazero.convert.sources import logical_shapes, unpadded
+from megazero.convert.sources import finite, logical_shapes, unpadded
 from megazero.errors import UserError
 from models.config import ModelConfig
 from models.gpt import VOCAB_PADDED
@@ -174,7 +174,7 @@ class MegatronSource:
         return p, index - self.offsets[p]
 
     def read(self, name: str) -> torch.Tensor:
-        return unpadded(name, self._read(name), self.cfg)
+        return finite(unpadded(name, self._read(name), self.cfg), f"{self.dir}: {self._locate(name)[1]}")
 
     def _read(self, name: str) -> torch.Tensor:
         p, key, split = self._locate(name)

@@ -38,6 +38,17 @@ def logical_shapes(cfg: ModelConfig, vocab_multiple: int = VOCAB_MULTIPLE) -> di
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def finite(t: torch.Tensor, where: str) -> torch.Tensor:
+    """``t``, refused where it holds a NaN or an infinity (``where`` names the file and tensor): such
+    weights come from a damaged file or a diverged run, and a model started from them, or exported,
+    computes NaN from its first token on, far from the conversion that could have said so."""
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        bad = int(t.numel() - torch.isfinite(t).sum())
+        raise UserError(f"{where}: holds {bad} NaN or infinite values of {t.numel()}; the checkpoint is damaged "
+                        "or its run diverged -- convert another copy or an earlier checkpoint")
+    return t
+
+
 def unpadded(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return fit_rows(t, cfg.vocab_size) if name in VOCAB_PADDED else t
 
@@ -82,10 +93,11 @@ class MegazeroSource:
                                 f"its config implies {list(shape)}; the checkpoint is damaged -- load another one")
 
     def read(self, name: str) -> torch.Tensor:
-        return unpadded(name, self.reader.read(name)["master"], self.cfg)
+        return finite(unpadded(name, self.reader.read(name)["master"], self.cfg), f"{self.ckpt}: parameter {name!r}")
 
     def read_state(self, name: str, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        return {k: unpadded(name, t, self.cfg) for k, t in self.reader.read(name, keys).items()}
+        return {k: finite(unpadded(name, t, self.cfg), f"{self.ckpt}: parameter {name!r} ({k})")
+                for k, t in self.reader.read(name, keys).items()}
 
     def optimizer_scalars(self) -> tuple[float, Optional[dict]]:
         """The Adam step (the largest over ranks: a rank whose shard was all padding saved 0) and rank
