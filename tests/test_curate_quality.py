@@ -4,11 +4,13 @@ id, and a fastText classifier trained by `megazero curate train-quality`."""
 from __future__ import annotations
 
 import json
+import struct
 
 import numpy as np
 import pytest
 
-from data_pipeline.curate.quality import QualityConfig, keep_probability, load_model, pareto_keep, quality_shard, scores
+from data_pipeline.curate.quality import (_HEADER, FASTTEXT_MAGIC, QualityConfig, keep_probability, load_model,
+                                          pareto_keep, quality_shard, scores)
 from megazero.cli import main
 from tests.curation import train_quality_model
 
@@ -107,17 +109,36 @@ def test_train_quality_refuses_zero_epochs_before_training(tmp_path, capsys):
     assert not (tmp_path / "q.bin").exists()
 
 
-@pytest.mark.parametrize("keep", [1000, 300_000, -4096])
+@pytest.mark.parametrize("keep", [1000, 300_000, -4096, 8, 60, 85])
 def test_a_truncated_model_is_refused(trained, tmp_path, keep):
     """fastText loads a file cut short without a word: cut inside its matrices, every document scored
-    about 0.5; cut inside its dictionary, the load read on forever. Both are refused by size first
-    (planted: the matrices' check skipped, the last cut loads)."""
+    about 0.5; cut inside its dictionary, the load read on forever; cut inside its header, it read no
+    labels or failed to allocate. All are refused by size first (planted: the matrices' check
+    skipped, the last cut loads)."""
     data = open(trained, "rb").read()
     cut = tmp_path / "cut.bin"
     cut.write_bytes(data[:keep])
     with pytest.raises(ValueError, match=r"quality.model: .*cut\.bin is truncated \(\d+ bytes where its header implies "
                                          r"at least \d+\)"):
         load_model(str(cut))
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("Unknown loss"), MemoryError("std::bad_alloc")])
+def test_a_model_whose_header_fasttext_cannot_use_is_one_error(tmp_path, monkeypatch, raised):
+    """fastText's magic and a whole header it cannot use: fastText raises a RuntimeError (an unknown
+    loss) or fails to allocate (dimensions read past the end), which would reach the user as a
+    traceback. Which one a given file meets depends on memory fastText leaves unset, so fastText's
+    load is made to raise each here."""
+    import fasttext
+
+    def load(path):
+        raise raised
+
+    monkeypatch.setattr(fasttext, "load_model", load)
+    damaged = tmp_path / "damaged.bin"
+    damaged.write_bytes(struct.pack("<ii", FASTTEXT_MAGIC, 12) + bytes(_HEADER.size - 8))
+    with pytest.raises(ValueError, match=r"quality.model: .*damaged\.bin is a damaged fastText model; copy it again"):
+        load_model(str(damaged))
 
 
 def test_the_kept_histogram_counts_kept_documents_only(tmp_path, monkeypatch):

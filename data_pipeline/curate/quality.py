@@ -70,6 +70,9 @@ def load_model(path: Optional[str]):
     except ValueError:
         raise ValueError(f"quality.model: {path} is not a fastText model; train one with "
                          "`megazero curate train-quality`") from None
+    except (RuntimeError, MemoryError):  # fastText's magic, then a header it cannot use (an unknown loss, sizes)
+        raise ValueError(f"quality.model: {path} is a damaged fastText model; copy it again or train it again "
+                         "with `megazero curate train-quality`") from None
     _check_matrices_fit(path, model)
     if HQ not in model.get_labels():
         raise ValueError(f"quality.model: {path} has labels {model.get_labels()}, not {HQ}; train it with "
@@ -95,8 +98,10 @@ def _check_dictionary_fits(path: str) -> None:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(_HEADER.size)
-    if len(head) < _HEADER.size or _HEADER.unpack(head)[0] != FASTTEXT_MAGIC:
+    if head[:4] != struct.pack("<i", FASTTEXT_MAGIC):
         return  # not a fastText model at all: fastText's own refusal names it
+    if len(head) < _HEADER.size:  # cut inside the header: fastText reads no labels, or allocates without end
+        raise _truncated(path, size, _HEADER.size)
     entries = _HEADER.unpack(head)[15]
     if size < _HEADER.size + 11 * entries:
         raise _truncated(path, size, _HEADER.size + 11 * entries)
