@@ -191,12 +191,13 @@ def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256,
 def check_input(path: str, keys: tuple[str, ...]) -> None:
     """What can be known of an input before any input is read, so that a typo in the last of many is
     found before hours of tokenizing the first: a file that is missing or of an unknown type, a
-    parquet file without the columns (its footer alone is read)."""
+    compressed file that is not, a parquet file without the columns (its footer alone is read)."""
     if path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such input file")
     if os.path.isfile(path) and not path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):
         raise ValueError(f"{path}: unknown input type; use .jsonl/.json (optionally .gz or .zst), .parquet, "
                          "or a Hugging Face dataset directory or name")
+    check_compression(path)
     if path.endswith(PARQUET_SUFFIXES):
         columns = parquet_schema(path).names
         missing = [k for k in keys if k not in columns]
@@ -204,6 +205,25 @@ def check_input(path: str, keys: tuple[str, ...]) -> None:
             raise ValueError(f"{path}: no column {missing} (columns: {columns}); choose with --json-keys")
     for name in plain_data_files(path) or ():
         check_input(name, keys)
+
+
+def check_compression(path: str) -> None:
+    """A ``.gz`` or ``.zst`` file that does not open as one (plain jsonl given a compressed name, or
+    the other compressor's output): read, it ends on its first bytes as "truncated or corrupt", and
+    every document in it is lost to one bad-record count. An empty file reads as no lines."""
+    for suffix, name, is_magic in _COMPRESSIONS:
+        if path.endswith(suffix):
+            with open(path, "rb") as f:
+                head = f.read(4)
+            if head and not is_magic(head):
+                raise ValueError(f"{path}: not {name} data (it starts with {head!r}), though named {suffix}; "
+                                 "rename it to match what it holds")
+
+
+_COMPRESSIONS = (  # a zstd file may open with a skippable frame (magic 0x184D2A50 to 0x184D2A5F)
+    (".gz", "gzip", lambda head: head[:2] == b"\x1f\x8b"),
+    (".zst", "zstd", lambda head: head == b"\x28\xb5\x2f\xfd" or (head[1:] == b"\x2a\x4d\x18" and head[0] >> 4 == 5)),
+)
 
 
 def reads_as_dataset(path: str) -> bool:

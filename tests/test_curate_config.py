@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -25,6 +27,8 @@ def base(tmp_path, monkeypatch) -> dict:
     (tmp_path / "task.jsonl").write_text(json.dumps({"text": task, "label": 1}) + "\n")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "notes.txt").write_text("not a tokenizer\n")
+    (tmp_path / "plain.jsonl.gz").write_text((tmp_path / "raw.jsonl").read_text())  # named compressed, but plain
+    pq.write_table(pa.table({"body": ["a document in a column of another name"]}), tmp_path / "body.parquet")
     return {"input": {"paths": ["raw.jsonl"], "shard_docs": 7}, "output": {"dir": "out"},
             "stages": ["clean", "exact_dedup", "fuzzy_dedup", "decontaminate"],
             "clean": {"min_words": 20}, "decontaminate": {"tasks": ["task.jsonl"]}}
@@ -79,6 +83,11 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     ("executor.kind", "spark", r"executor\.kind: 'spark' is not one of local, ray"),
     ("input.shard_docs", "0", r"input\.shard_docs: 0 must be at least 1"),
     ("input.paths", "[raw.jsonl, notes.txt]", r"input\.paths: .*notes\.txt: unknown input type; use \.jsonl"),
+    # read, the whole file would be one bad record; found before the inputs ahead of it are ingested
+    ("input.paths", "[raw.jsonl, plain.jsonl.gz]", r"input\.paths: .*plain\.jsonl\.gz: not gzip data \(it starts with "
+     r"b'\{\"te'\), though named \.gz; rename it"),
+    ("input.paths", "[raw.jsonl, body.parquet]", r"input\.paths: .*body\.parquet: no column 'text' \(columns: "
+     r"\['body'\]\); set input\.text_field"),
     # every file a glob matches, not only its first (empty.jsonl)
     ("input.paths", "['[ent]*']", r"input\.paths: .*notes\.txt: unknown input type; .* or narrow the glob"),
 ])

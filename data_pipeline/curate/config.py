@@ -33,7 +33,7 @@ from data_pipeline.curate.quality import QualityConfig
 from data_pipeline.curate.runner import EXECUTORS
 from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS
 from data_pipeline.paths import file_in_the_way
-from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
+from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES, check_compression, parquet_schema
 from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.typed_config import build_dataclass
 
@@ -111,7 +111,7 @@ def build_config(raw: dict, base_dir: str = ".") -> CurateConfig:
     _refuse(_value_problems(cfg))
     patterns, cfg.input.paths = cfg.input.paths, expand_inputs(cfg.input.paths, base_dir)
     _refuse(output_overlap(patterns, cfg.input.paths, base_dir, cfg.output.dir) + _output_dir_problems(cfg.output.dir))
-    _refuse(_file_problems(cfg))
+    _refuse(_input_problems(cfg.input.paths, cfg.input.text_field) + _file_problems(cfg))
     return cfg
 
 
@@ -148,6 +148,22 @@ def _stage_list_problems(stages: list[str]) -> list[str]:
             problems.append(f"stages: unknown stage {name!r}; {hint}")
     if len(set(stages)) != len(stages):
         problems.append(f"stages: a stage is listed twice in {stages}")
+    return problems
+
+
+def _input_problems(paths: list[str], text_field: str) -> list[str]:
+    """What each input's first bytes or footer show, so that a file ingest would fail on, or lose
+    whole, is found before the inputs ahead of it are ingested: a compressed name on other data, a
+    parquet footer that does not read or lacks the text column."""
+    problems = []
+    for path in paths:
+        try:
+            check_compression(path)
+            if path.endswith(PARQUET_SUFFIXES) and text_field not in (names := parquet_schema(path).names):
+                problems.append(f"input.paths: {path}: no column {text_field!r} (columns: {names}); "
+                                "set input.text_field")
+        except ValueError as exc:
+            problems.append(f"input.paths: {exc}")
     return problems
 
 
