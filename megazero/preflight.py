@@ -18,7 +18,7 @@ from typing import Optional
 
 from data_pipeline.paths import nearest_existing
 
-from megazero.checkpoint import CheckpointError, earlier_instead, read_manifest, start_checkpoint
+from megazero.checkpoint import CheckpointError, earlier_instead, read_manifest, start_checkpoint, verify_file
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.errors import ConfigError
@@ -331,8 +331,9 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
 
 
 def _checkpoint_problems(cfg: Config) -> list[str]:
-    """The checkpoint the run will resume from must be complete, intact in its record, and of this
-    model; its files' checksums are verified as they are loaded."""
+    """The checkpoint the run will resume from must be complete, intact in its record, hold every file
+    it lists at its recorded size (a stat each, so that ``--check`` finds a file cut short or gone,
+    as the launch would), and be of this model; its files' checksums are verified as they are loaded."""
     try:
         ckpt, where = start_checkpoint(cfg.checkpoint.load, cfg.save_dir)
     except CheckpointError as exc:  # it names the setting
@@ -340,7 +341,10 @@ def _checkpoint_problems(cfg: Config) -> list[str]:
     if ckpt is None:
         return []
     try:
-        meta = read_manifest(ckpt)["meta"]
+        manifest = read_manifest(ckpt)
+        for name, entry in manifest["files"].items():
+            verify_file(ckpt, name, entry, sha256=False)
+        meta = manifest["meta"]
         saved = meta["config"]
         saved_model = saved["model"]
     except CheckpointError as exc:

@@ -116,6 +116,10 @@ def make_files(root: Path) -> dict:
     nocomplete = root / "partial" / "step_0000001"
     shutil.copytree(ckpt, nocomplete)
     (nocomplete / "COMPLETE").unlink()
+    cut = root / "cut" / "step_0000001"  # a copy that stopped part-way through a file
+    shutil.copytree(ckpt, cut)
+    target = next(cut.glob("rank_*.safetensors"))
+    target.write_bytes(target.read_bytes()[:100])
     pickled = root / "pickled" / "step_0000001"
     shutil.copytree(ckpt, pickled)
     record = json.loads((pickled / "COMPLETE").read_text())
@@ -132,4 +136,5 @@ def make_files(root: Path) -> dict:
     return {"root": root, "good": good, "wide": wide, "recorded": recorded, "recorded_other": recorded_other,
             "rewritten": rewritten, "recorded_big": recorded_big, "truncated": truncated, "garbage": garbage,
             "only_idx": only_idx, "nodocs": nodocs, "ckpt": str(ckpt), "run": str(run), "flipped": str(flipped),
-            "edited": str(edited), "partial": str(nocomplete), "pickled": str(pickled), "locked": str(locked)}
+            "edited": str(edited), "partial": str(nocomplete), "cut": str(cut), "pickled": str(pickled),
+            "locked": str(locked)}

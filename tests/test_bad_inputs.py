@@ -159,6 +159,13 @@ CASES = [
     ("load-empty-dir", lambda f: _train(f, "--checkpoint.load", str(f["root"] / "locked")), ["holds no complete checkpoint"]),
     ("load-partial", lambda f: _train(f, "--checkpoint.load", f["partial"]), ["not a complete checkpoint"]),
     ("load-flipped", lambda f: _train(f, "--checkpoint.load", f["flipped"]), ["rank_00000.safetensors", "corrupted"]),
+    # --check stats every file, as the launch does before it loads (the checksums are left to the load)
+    ("load-cut-check", lambda f: _train(f, "--checkpoint.load", f["cut"], "--check"),
+     ["checkpoint.load: ", "rank_00000.safetensors: 100 bytes but the checkpoint manifest records",
+      "the file is truncated or was modified"]),
+    ("save-dir-cut-check", lambda f: _train(f, "--checkpoint.save_dir", str(Path(f["cut"]).parent), "--check"),
+     ["checkpoint.save_dir: ", "rank_00000.safetensors: 100 bytes", "(to resume from the checkpoint before it "
+      "instead, move"]),
     ("load-edited-complete", lambda f: _train(f, "--checkpoint.load", f["edited"]), ["COMPLETE"]),
     # a run's own damaged checkpoint: checkpoint.load cannot reach past it, so the way back is named
     ("save-dir-flipped", lambda f: _train(f, "--checkpoint.save_dir", f["flipped"]),

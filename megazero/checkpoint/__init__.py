@@ -7,7 +7,7 @@ running code, and found again safely.
 
 from megazero.checkpoint.format import (
     CheckpointError, earlier_instead, latest_checkpoint, list_checkpoints, load_file, probe_writable, read_manifest,
-    resolve_checkpoint, start_checkpoint, step_dir_name, verify_checkpoint,
+    resolve_checkpoint, start_checkpoint, step_dir_name, verify_checkpoint, verify_file,
 )
 from megazero.checkpoint.preemption import PreemptionHandler
 from megazero.checkpoint.writer import CheckpointWriter
@@ -15,5 +15,5 @@ from megazero.checkpoint.writer import CheckpointWriter
 __all__ = [
     "CheckpointError", "CheckpointWriter", "PreemptionHandler", "earlier_instead", "latest_checkpoint", "list_checkpoints",
     "load_file", "probe_writable", "read_manifest", "resolve_checkpoint", "start_checkpoint", "step_dir_name",
-    "verify_checkpoint",
+    "verify_checkpoint", "verify_file",
 ]
