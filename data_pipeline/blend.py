@@ -180,16 +180,28 @@ def parse_blend(blend: list) -> tuple[list[float], list[str]]:
                          "stored in 16 bits, as Megatron's); join small datasets first (`megazero preprocess --merge`)")
     weights, prefixes = [], []
     for entry in blend:
-        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)
-                and isinstance(entry[0], (int, float)) and not isinstance(entry[0], bool)):
+        pair = isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)
+        weight = blend_weight(entry[0]) if pair else None
+        if weight is None:
             raise ValueError(f"data.blend entry {entry!r} must be [weight, prefix], e.g. [0.3, data/web_text_document]")
-        weights.append(float(entry[0]))
+        weights.append(weight)
         prefixes.append(entry[1])
     repeat = listed_twice(("data.blend entry", prefix) for prefix in prefixes)
     if repeat:  # the same data twice: each entry would serve every sample again
         raise ValueError(f"{repeat}; give it once, with the weights summed")
     normalise_weights(weights)
     return weights, prefixes
+
+
+def blend_weight(value) -> float | None:
+    """A blend entry's weight as a float, or None where it is no number. A string that reads as one
+    counts, as for every float field of the config: YAML 1.1 reads ``5e-1`` (no dot) as a string."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def resolve_blend(blend: list | None, preset: str | None, root: str | None) -> list:
@@ -217,9 +229,9 @@ def load_blend_preset(name: str, root: str) -> list:
     blend = []
     for i, entry in enumerate(entries):
         ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)
-        weight = entry[0] if ok else None
-        if not (ok and isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0):
+        weight = blend_weight(entry[0]) if ok else None
+        if weight is None or not weight > 0:
             raise ValueError(f"{path}: datasets[{i}] is {entry!r}; each entry is [weight, name] with a "
                              "positive weight and a dataset name")
-        blend.append([float(weight), os.path.join(root, entry[1])])
+        blend.append([weight, os.path.join(root, entry[1])])
     return blend

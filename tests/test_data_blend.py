@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import yaml
 
 from data_pipeline.blend import build_blended_samples, greedy_blend, load_blend_preset, parse_blend, resolve_blend
 from data_pipeline.gpt_samples import GPTSamples
@@ -67,6 +68,20 @@ def test_a_weight_that_is_not_a_finite_number_is_refused(weight):
     """A NaN weight made every comparison of the greedy loop false: every sample from dataset 0."""
     with pytest.raises(ValueError, match="non-negative numbers with a positive sum"):
         parse_blend([[weight, "a"], [1.0, "b"]])
+
+
+def test_a_weight_yaml_reads_as_a_string_is_a_number(tmp_path):
+    """YAML 1.1 reads 5e-1 (no dot) as a string, in data.blend and in a preset file alike; every float
+    field of the config takes it, so a blend does too, and a string that is no number stays refused."""
+    blend = yaml.safe_load("[[5e-1, a], [1e0, b]]")
+    assert blend[0][0] == "5e-1"
+    assert parse_blend(blend) == ([0.5, 1.0], ["a", "b"])
+    assert resolve_blend(blend, None, None) == [[0.5, "a"], [1.0, "b"]]
+    (tmp_path / "preset.yaml").write_text("datasets:\n  - [2.5e-1, web_text_document]\n"
+                                          "  - [75e-2, wiki_text_document]\n")
+    assert [w for w, _ in load_blend_preset(str(tmp_path / "preset.yaml"), "root")] == [0.25, 0.75]
+    with pytest.raises(ValueError, match="must be \\[weight, prefix\\]"):
+        parse_blend([["half", "a"]])
 
 
 def test_a_dataset_listed_twice_is_refused(tmp_path):
