@@ -145,3 +145,69 @@ def test_a_recomputed_linear_hands_over_its_parameters():
     assert queue.run([0, 1]) == (2, 0)
     torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-6)
+
+
+class _TakeMatchingFactors(_TakeEverything):
+    """A sink that, as the data-parallel buffers' GEMM does, needs factors of one dtype whose inner
+    dimensions match; it records each bias's ``1^T`` factor."""
+
+    def __init__(self):
+        super().__init__()
+        self.ones = []
+
+    def add_weight_grad(self, weight, products):
+        for a, b in products:
+            assert a.dtype == b.dtype and a.shape[1] == b.shape[0], (a.dtype, b.dtype, a.shape, b.shape)
+        if weight.dim() == 1:
+            self.ones += [a for a, _ in products]
+        return super().add_weight_grad(weight, products)
+
+
+def test_a_bias_gemv_row_of_ones_follows_each_micro_batch():
+    """The row of ones a bias's GEMV ``1^T dY`` is built from is kept between W ops, and must be made
+    again when a micro-batch has another number of tokens or another dtype: micro-batches of 3, 5
+    and 3 tokens, then a float64 one, each give the sink matching factors and autograd's bias
+    gradient. (Planted: the cached row reused whatever its length, or whatever its dtype.)"""
+    sink = _TakeMatchingFactors()
+    layer, ref, queue = _linear_on_a_queue(sink)
+    g = torch.Generator().manual_seed(2)
+    for k, tokens in enumerate((3, 5, 3)):
+        x = torch.randn(tokens, 6, generator=g, requires_grad=True)
+        with queue.backward_of(k):
+            layer(x).square().sum().backward()
+        ref(x.detach()).square().sum().backward()
+        assert queue.run([k]) == (1, 1)
+    torch.testing.assert_close(sink.sums[id(layer.bias)].view(-1), ref.bias.grad, rtol=1e-6, atol=1e-6)
+    assert [a.shape[1] for a in sink.ones] == [3, 5, 3]
+
+    layer.double()
+    sink.sums.clear()
+    x = torch.randn(3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    with queue.backward_of(3):
+        layer(x).sum().backward()
+    assert queue.run([3]) == (1, 1)
+    assert sink.ones[-1].dtype == torch.float64
+    torch.testing.assert_close(sink.sums[id(layer.bias)].view(-1), torch.full((4,), 3.0), check_dtype=False)
+
+
+def test_micro_batches_summed_at_one_w_round_to_16_bits_once():
+    """Without a sink, W sums a bf16 weight's and bias's gradients over its micro-batches in fp32 and
+    rounds that sum to bf16 once, as one backward over all of them would not be worse than: the
+    result is the fp32 sum of the micro-batches' products rounded once. (Planted: the micro-batches'
+    16-bit gradients added one after another in bf16, rounding at every add.)"""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    queue = WeightGradQueue()
+    defer_weight_grads([layer], queue)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(64, 16, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(8)]
+    dys = [torch.randn(64, 8, generator=g).to(torch.bfloat16) for _ in range(8)]
+    for k, (x, dy) in enumerate(zip(xs, dys)):
+        with queue.backward_of(k):
+            layer(x).backward(dy)
+    assert queue.run(range(8)) == (8, 0)
+    weight = torch.stack([(dy.t() @ x.detach()).float() for x, dy in zip(xs, dys)]).sum(0).to(torch.bfloat16)
+    bias = torch.stack([dy.sum(0).float() for dy in dys]).sum(0).to(torch.bfloat16)
+    assert layer.weight.grad.dtype == torch.bfloat16
+    assert torch.equal(layer.weight.grad, weight)
+    assert torch.equal(layer.bias.grad, bias)
