@@ -47,3 +47,65 @@ def test_a_region_is_written_then_accumulated_in_place(device, dtype, tol):
     assert region.dtype == FP32
     assert torch.allclose(region.double(), both, rtol=0, atol=2 * tol * both.abs().max())
     assert torch.all(flat[:7] == 123.0) and torch.all(flat[37:] == 123.0)
+
+
+# --- the data-parallel buffers taking a W op's products (``GradReducer.add_products``) ------------
+
+def _reducer(group, mode="full", on_final=None):
+    """A weight (6, 5) and a bias (6) in one unit, each alone in its bucket (buckets of 64 elements)."""
+    from parallel.data_parallel.grads import GradReducer
+    from parallel.data_parallel.layout import FlatLayout
+
+    params = [torch.nn.Parameter(torch.zeros(6, 5)), torch.nn.Parameter(torch.zeros(6))]
+    layout = FlatLayout([[30, 6]], bucket_numel=64, dp=1, dp_rank=0)
+    return GradReducer(params, layout, group, FP32, mode, reduce_scatter=False, on_final=on_final,
+                       max_in_flight=0)
+
+
+def test_add_products_declines_what_it_cannot_add_in_place(one_rank_group):
+    """``add_products`` does nothing and returns False for a sharded reducer, and for a list in which
+    any pair is 16-bit on the CPU (even beside fp32 pairs): the caller then hands the gradient to
+    autograd, so taking part of it would count it twice. (Planted: ``or`` for ``and`` between the
+    mode and factor checks; ``any`` for ``all`` over the pairs.)"""
+    _, _, products = _region_case("cpu", FP32)
+    sharded = _reducer(one_rank_group, mode="sharded")
+    assert not sharded.add_products(0, products)
+    assert not sharded.written[0] and torch.all(sharded.shard == 0)
+
+    full = _reducer(one_rank_group)
+    assert not full.add_products(0, [(a.to(BF16), b.to(BF16)) for a, b in products])
+    assert not full.add_products(0, [products[0], tuple(t.to(BF16) for t in products[1])])
+    assert not full.written[0]
+    assert torch.all(full.accumulated_grad(0) == 0)  # nothing arrived: zero, not a partial sum
+
+
+def test_add_products_sums_with_a_hook_delivered_gradient_and_starts_its_bucket(one_rank_group):
+    """A gradient the parameter's hook delivered (its copy into the buffer queued, not yet landed) and
+    a W op's products for the same parameter add up, in either order; in the step's last backward,
+    products that complete a bucket start its reduction at once (``on_final`` hears of it before
+    ``finish``). (Planted: the queued copy not landed first, so it later overwrote the products;
+    ``_arrived`` skipped, so the bucket waited for ``finish``.)"""
+    _, _, products = _region_case("cpu", FP32)
+    exact = sum(a.double() @ b.double() for a, b in products)
+    hooked = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+
+    reducer = _reducer(one_rank_group)
+    reducer._accumulate(0, hooked)  # the first gradient of the step: its copy queued
+    assert 0 in reducer.copying
+    assert reducer.add_products(0, products)
+    torch.testing.assert_close(reducer.accumulated_grad(0).view(6, 5).double(), hooked.double() + exact,
+                               rtol=1e-5, atol=1e-4)
+
+    reducer = _reducer(one_rank_group)  # products first, then the hook's gradient
+    assert reducer.add_products(0, products)
+    reducer._accumulate(0, hooked)
+    torch.testing.assert_close(reducer.accumulated_grad(0).view(6, 5).double(), hooked.double() + exact,
+                               rtol=1e-5, atol=1e-4)
+
+    heard = []
+    reducer = _reducer(one_rank_group, on_final=heard.append)
+    reducer.begin_microbatch(last=True)
+    assert reducer.add_products(0, products)
+    assert heard == [0]  # the weight's bucket, not the bias's
+    reducer.finish()
+    assert heard == [0, 1]
