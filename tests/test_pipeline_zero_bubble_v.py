@@ -56,6 +56,16 @@ def test_every_stage_has_one_holder(pp):
         stage_of(2, 0, 2, "v")
 
 
+def test_an_unknown_placement_is_refused():
+    """A placement name other than ``loop`` or ``v`` (a caller's typo, ``"V"``) is refused, not taken
+    for a loop, which would give the V's second-chunk ranks a loop's stages. (Planted: the check
+    dropped.)"""
+    with pytest.raises(ValueError, match="unknown stage placement 'V'"):
+        stage_of(2, 0, 1, "V")
+    with pytest.raises(ValueError, match="unknown stage placement"):
+        rank_stages(2, 0, 2, "zb-v")
+
+
 @pytest.mark.parametrize("pp", [2, 3, 4])
 def test_neighbours_are_the_plans_peers(pp):
     """The ranks a link connects to before the first step are those the plans exchange with (planted: a
