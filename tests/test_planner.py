@@ -525,3 +525,65 @@ def test_time_model_sees_what_a_half_block_split_moves():
     assert estimate_step(halves, cluster).step_s > estimate_step(at(2), cluster).step_s
     assert estimate_step(at(4, [6.5, 6.5, 6.5, 4.5]), cluster).step_s < estimate_step(at(4, [6, 7, 6, 5]), cluster).step_s
     assert pipeline_split(at(4)) == [6.5, 6.5, 6.5, 4.5]  # the default takes the halves where they pay
+
+
+def _pp_run(world, *extra):
+    return resolve_config(load_config("configs/gpt_1.3b.yaml", ["--train.global_batch_size", "64", *extra]), world, world)
+
+
+def _send_s(cfg, cluster, within_node, tp_split=1):
+    """One activation (or its gradient) of a micro-batch over the pipeline's link: bf16 at 1.3B."""
+    assert cfg.precision.dtype == "bf16"
+    m, t = cfg.model, cfg.train
+    return 2 * m.seq_length * t.micro_batch_size * m.hidden_size / tp_split / cluster.link_bytes_per_s(within_node)
+
+
+def test_pipeline_transfers_are_each_ranks_sends_over_its_link():
+    """``pp_comm_s`` is the micro-batches times the busiest rank's sends (``sends_per_microbatch``) times
+    one activation's bytes over the pipeline group's link: a loop at pp 2 sends once a rank, interleaved
+    three times, a V twice (its turn stays on the last rank); sequence parallelism splits the activation
+    over tp; a pipeline group that spans nodes takes the inter-node link (here its data-parallel group
+    does not); and the step counts the transfers: it is the sum of its parts. (Planted: the loop's count
+    for a V; the tp split with or without sequence parallelism; the data-parallel stride for the
+    pipeline's; no transfers at pp 2; one micro-batch's transfers; the bytes per element dropped; the
+    transfers left out of the step.)"""
+    from megazero.planner.memory import micro_batches
+
+    node = Cluster(GPUS["h200"], 2, 2)
+    for extra, sends in (([], 1), (["--parallel.virtual_stages", "2"], 3),
+                         (["--parallel.virtual_stages", "2", "--parallel.pipeline_schedule", "zb-v"], 2)):
+        cfg = _pp_run(2, "--parallel.pp", "2", *extra)
+        est = estimate_step(cfg, node)
+        assert est.pp_comm_s == pytest.approx(micro_batches(cfg) * sends * _send_s(cfg, node, True)), extra
+        parts = (est.compute_s + est.tp_comm_s + est.host_s + est.pp_comm_s + est.bubble_s + est.dp_comm_s
+                 + est.optimizer_s)
+        assert est.step_s == pytest.approx(parts), extra
+
+    node4 = Cluster(GPUS["h200"], 4, 4)
+    for sequence_parallel, split in (("true", 2), ("false", 1)):
+        cfg = _pp_run(4, "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", sequence_parallel)
+        assert estimate_step(cfg, node4).pp_comm_s == pytest.approx(
+            micro_batches(cfg) * _send_s(cfg, node4, True, split)), sequence_parallel
+
+    two_nodes = Cluster(GPUS["h200"], 8, 4)
+    cfg = _pp_run(8, "--parallel.pp", "2")  # dp 4 within a node, the pipeline's two ranks 4 apart
+    assert (cfg.parallel.dp, cfg.parallel.order) == (4, "tp-dp-pp")
+    assert estimate_step(cfg, two_nodes).pp_comm_s == pytest.approx(micro_batches(cfg) * _send_s(cfg, two_nodes, False))
+
+
+def test_the_slowest_rank_is_chosen_with_its_transfers():
+    """At pp 3 with blocks split [9, 8, 7], the first rank computes most, but over a slow link the middle
+    rank, which sends twice a micro-batch against the ends' once, takes longest: the step is that rank's,
+    its compute, its transfers and its parameters' optimizer step; over a fast link it is the first
+    rank's. (Planted: the slowest rank chosen by compute alone; every rank charged the first rank's
+    sends; the first rank's parameters used whichever rank was slowest.)"""
+    from megazero.planner.hardware import custom_gpu
+
+    cfg = _pp_run(3, "--parallel.pp", "3", "--parallel.pipeline_split", "[9, 8, 7]")
+    slow = Cluster(custom_gpu(GPUS["h200"], inter_node_GBps=1.0), 3, 1)
+    fast = Cluster(GPUS["h200"], 3, 1)
+    by_link, by_compute = estimate_step(cfg, slow), estimate_step(cfg, fast)
+    micro = by_link.pp_comm_s / _send_s(cfg, slow, False)
+    assert micro == pytest.approx(2 * by_compute.pp_comm_s / _send_s(cfg, fast, False))  # two sends, not one
+    assert by_link.compute_s / by_compute.compute_s == pytest.approx(8 / 9)
+    assert by_link.optimizer_s / by_compute.optimizer_s == pytest.approx(rank_params(cfg, 1) / rank_params(cfg, 0))
