@@ -320,3 +320,46 @@ def test_a_split_made_for_a_loop_is_not_carried_into_a_v(tmp_path):
         assert main(["convert", str(src), str(tmp_path / name), "--to", "megazero", "--dp", "1", *extra]) == 0
         recorded = read_manifest(latest_checkpoint(tmp_path / name))["meta"]["config"]["parallel"]
         assert recorded["pipeline_split"] == split, (name, recorded["pipeline_split"])
+
+
+def _source_run(tmp_path, *layout):
+    """A megazero checkpoint (consolidated) whose recorded run had ``layout`` on 4 ranks."""
+    cfg = resolve_config(load_config(None, MODEL + list(layout)), 4)
+    write_megazero(_Source(cfg.model), tmp_path / "src", run=cfg)
+    return latest_checkpoint(tmp_path / "src")
+
+
+def test_a_change_of_virtual_stages_alone_drops_the_runs_split_and_schedule(tmp_path):
+    """From pp 2 with two virtual stages, its own four-stage split and interleaved 1F1B, ``--virtual-stages
+    1`` keeps the pipeline's depth but not its stages: the split and the schedule made for them revert
+    to their defaults rather than refuse the conversion. (Planted: only a change of pp counted as a new
+    pipeline shape, so the four-stage split was kept for two stages and the conversion refused.)"""
+    src = _source_run(tmp_path, "--parallel.pp", "2", "--parallel.virtual_stages", "2",
+                      "--parallel.pipeline_split", "[1.5, 0.5, 1, 1]", "--parallel.pipeline_schedule", "interleaved_1f1b")
+    assert main(["convert", str(src), str(tmp_path / "out"), "--to", "megazero", "--virtual-stages", "1"]) == 0
+    recorded = read_manifest(latest_checkpoint(tmp_path / "out"))["meta"]["config"]["parallel"]
+    assert (recorded["pp"], recorded["virtual_stages"], recorded["pipeline_split"], recorded["pipeline_schedule"]) \
+        == (2, 1, None, "auto"), recorded
+
+
+def test_explicit_layout_flags_are_taken_as_given(tmp_path, capsys):
+    """What the layout flags name is never replaced by a default: ``--dp 2`` writes a dp 2 layout (4
+    ranks at tp 2), and ``--pp 1 --virtual-stages 2`` or ``--pp 4 --pipeline-schedule interleaved_1f1b``
+    (without virtual stages) is refused in one line naming the field, not quietly made ``1`` or
+    ``auto`` as the source run's own values are. (Planted: dp taken as 1 for the world; the virtual
+    stages reset at pp 1 though flagged; the schedule reset for a new pipeline shape though flagged.)"""
+    src = _source_run(tmp_path, "--parallel.pp", "2", "--parallel.virtual_stages", "2")
+    assert main(["convert", str(src), str(tmp_path / "dp2"), "--to", "megazero", "--tp", "2", "--pp", "1",
+                 "--dp", "2"]) == 0
+    manifest = read_manifest(latest_checkpoint(tmp_path / "dp2"))
+    layout = manifest["meta"]["layout"]
+    assert (layout["tp"], layout["pp"], layout["dp"], manifest["world_size"]) == (2, 1, 2, 4)
+
+    for name, flags, field in (("v", ["--pp", "1", "--virtual-stages", "2"], "parallel.virtual_stages"),
+                               ("sched", ["--pp", "4", "--virtual-stages", "1", "--pipeline-schedule",
+                                          "interleaved_1f1b"], "parallel.pipeline_schedule")):
+        capsys.readouterr()
+        assert main(["convert", str(src), str(tmp_path / name), "--to", "megazero", "--dp", "1", *flags]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and field in err, err
+        assert not (tmp_path / name).exists()
