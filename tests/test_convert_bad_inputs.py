@@ -399,6 +399,17 @@ def test_bad_numeric_flags(sources, tmp_path, capsys, flags, want):
     assert _fails(capsys, tmp_path, sources / "gpt2_mz", *flags).endswith(f"error: {want}")
 
 
+@pytest.mark.parametrize("to,dst,flags", [("torch", "model.safetensors", ["--tp", "2"]),
+                                           ("hf", "out", ["--pp", "2", "--pipeline-schedule", "zb-v"])])
+def test_layout_flags_apply_to_a_megazero_target_only(sources, tmp_path, capsys, to, dst, flags):
+    """A run's layout means nothing to a state dict or an HF folder: the flags are refused, naming them,
+    rather than ignored. (Planted: refused for ``--to hf`` only, so ``--to torch --tp 2`` wrote a whole
+    state dict as if no flag had been given.)"""
+    err = _fails(capsys, tmp_path, sources / "gpt2_mz", "--to", to, *flags, dst=tmp_path / dst)
+    names = ", ".join(flag for flag in flags if flag.startswith("--"))
+    assert err.endswith(f"{names}: apply to --to megazero only"), err
+
+
 @pytest.mark.parametrize("name", ["model", "model.pt"])
 def test_a_state_dict_file_must_be_named_safetensors(sources, tmp_path, capsys, name):
     """``--to torch`` writes safetensors; a file named ``model.pt`` would be taken for a pickle."""
