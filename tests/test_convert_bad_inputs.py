@@ -17,6 +17,7 @@ from megazero.checkpoint import latest_checkpoint
 from megazero.cli import main
 from megazero.convert.targets import write_megazero
 from models.config import ModelConfig
+from tests.convert_sources import fails as _fails, megatron_checkpoint as _megatron
 
 
 def _llama(folder: Path) -> Path:
@@ -37,16 +38,6 @@ def sources(tmp_path_factory):
     write_megazero(_Random(num_layers=2), root / "gpt2_mz")
     assert main(["convert", str(root / "gpt2_mz"), str(root / "gpt2")]) == 0
     return root
-
-
-def _fails(capsys, tmp_path, *args, dst=None) -> str:
-    dst = dst or tmp_path / "out"
-    capsys.readouterr()
-    assert main(["convert", *map(str, args), str(dst)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert not dst.exists() and not list(dst.parent.glob(f".{dst.name}.*")), list(dst.parent.iterdir())
-    return err
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
@@ -429,91 +420,6 @@ def test_a_tokenizer_bigger_than_the_model_is_refused(sources, tmp_path, capsys)
                         "tokenizer the model was trained with"), err
 
 
-def _megatron(root: Path, drop=(), ranks: int = 1, **changes) -> Path:
-    """A Megatron-LM GPT checkpoint written by hand (no megatron-core needed): args as a Namespace,
-    one ``model`` dict per tp rank (each holding whole tensors: the argument checks come first)."""
-    import argparse
-
-    hidden, layers, seq, ffn = 16, 2, 8, 64
-    args = dict(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=4,
-                padded_vocab_size=128, max_position_embeddings=seq, seq_length=seq, openai_gelu=True)
-    args = {k: v for k, v in {**args, **changes}.items() if k not in drop}
-    model = {"embedding.word_embeddings.weight": torch.randn(128, hidden),
-             "embedding.position_embeddings.weight": torch.randn(seq, hidden),
-             "decoder.final_layernorm.weight": torch.ones(hidden), "decoder.final_layernorm.bias": torch.zeros(hidden)}
-    for i in range(layers):
-        for name, rows, cols in (("input_layernorm", hidden, 0), ("pre_mlp_layernorm", hidden, 0),
-                                 ("self_attention.linear_qkv", 3 * hidden, hidden),
-                                 ("self_attention.linear_proj", hidden, hidden), ("mlp.linear_fc1", ffn, hidden),
-                                 ("mlp.linear_fc2", hidden, ffn)):
-            model[f"decoder.layers.{i}.{name}.weight"] = torch.randn(rows, cols) if cols else torch.ones(rows)
-            model[f"decoder.layers.{i}.{name}.bias"] = torch.zeros(rows)
-    for t in range(ranks):
-        folder = root / "iter_0000005" / f"mp_rank_{t:02d}"
-        folder.mkdir(parents=True)
-        torch.save({"args": argparse.Namespace(**args), "model": model}, folder / "model_optim_rng.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text("5")
-    return root
-
-
-def test_a_handwritten_megatron_checkpoint_imports(tmp_path):
-    """The fixture of the Megatron cases below is a checkpoint the importer takes as it is, also with
-    the values Megatron records for switches that change nothing."""
-    assert main(["convert", str(_megatron(tmp_path / "meg")), str(tmp_path / "out")]) == 0
-    root = _megatron(tmp_path / "meg2", kv_channels=4, rotary_seq_len_interpolation_factor=1, apply_layernorm_1p=False)
-    assert main(["convert", str(root), str(tmp_path / "out2")]) == 0
-    # rotary settings recorded beside learned positions change nothing there
-    root = _megatron(tmp_path / "meg3", rotary_percent=0.5, use_rope_scaling=True, rotary_seq_len_interpolation_factor=4)
-    assert main(["convert", str(root), str(tmp_path / "out3")]) == 0
-
-
-def test_megatron_rope_args_with_the_values_megatron_records_for_no_change_are_taken():
-    """A rope model's args hold the rotary switches at the values that change nothing (an interpolation
-    factor of 1 included, which Megatron-LM records for "none"): such a model must import, not be
-    refused as unsupported by the checks that guard the values megazero cannot compute."""
-    import argparse
-
-    from megazero.convert.megatron import model_config
-
-    args = argparse.Namespace(num_layers=2, hidden_size=16, ffn_hidden_size=64, num_attention_heads=4,
-                              padded_vocab_size=128, max_position_embeddings=8, seq_length=8, openai_gelu=True,
-                              position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0,
-                              rotary_interleaved=False, use_rope_scaling=False, no_rope_freq=None,
-                              rotary_seq_len_interpolation_factor=1, kv_channels=4)
-    assert model_config(args, "args").position_embedding == "rope"
-
-
-@pytest.mark.parametrize("drop,changes,want", [
-    ((), {"padded_vocab_size": 0}, "args.vocab_size (model.vocab_size)"),  # converted into a model of no vocabulary
-    ((), {"num_attention_heads": 3}, "args.num_attention_heads (model.num_heads)"),  # blamed on the weights
-    ((), {"num_attention_heads": 0}, "args.num_attention_heads (model.num_heads)"),  # ZeroDivisionError
-    (("hidden_size",), {}, "its args lack args.hidden_size"),  # TypeError in torch.empty
-    (("padded_vocab_size",), {}, "args record neither args.vocab_size nor args.padded_vocab_size"),
-    ((), {"hidden_size": "16"}, "args.hidden_size: expected an integer, got '16'"),
-    ((), {"rotary_base": None, "position_embedding_type": "rope"}, "args.rotary_base: expected a number, got None"),
-    # settings megazero does not build: imported without them, the logits would be another model's
-    ((), {"position_embedding_type": "rope", "rotary_percent": 0.5}, "args.rotary_percent"),
-    ((), {"position_embedding_type": "rope", "rotary_interleaved": True}, "args.rotary_interleaved"),
-    ((), {"apply_layernorm_1p": True}, "args.apply_layernorm_1p"),  # norm weights stored as gamma - 1
-    ((), {"position_embedding_type": "rope", "use_rope_scaling": True}, "args.use_rope_scaling"),
-    ((), {"position_embedding_type": "rope", "rotary_seq_len_interpolation_factor": 4},
-     "args.rotary_seq_len_interpolation_factor"),
-    ((), {"position_embedding_type": "rope", "no_rope_freq": [3]}, "args.no_rope_freq"),  # layers without rotary
-    ((), {"kv_channels": 8}, "args.kv_channels: 8 differs from args.hidden_size / args.num_attention_heads = 4"),
-])
-def test_megatron_args_are_checked_as_a_model_config(tmp_path, capsys, drop, changes, want):
-    err = _fails(capsys, tmp_path, _megatron(tmp_path / "meg", drop, **changes))
-    assert want in err and "model_optim_rng.pt" in err, err
-
-
-def test_a_vocabulary_size_other_than_the_args_record_is_refused(tmp_path, capsys):
-    """--vocab-size names the tokenizer's rows where args record only the padded size; where args
-    record the real size too, another --vocab-size would cut real token rows without a word."""
-    root = _megatron(tmp_path / "meg", vocab_size=100)
-    err = _fails(capsys, tmp_path, root, "--vocab-size", "90")
-    assert "--vocab-size: 90, but" in err and "records args.vocab_size 100" in err, err
-
-
 @pytest.mark.parametrize("folder, tied", [("gpt2", True), ("hf", False)], ids=["gpt2", "llama"])
 def test_a_config_without_tie_word_embeddings_takes_the_architectures_default(sources, tmp_path, folder, tied):
     """The hub's GPT-2 config.json has no tie_word_embeddings (transformers ties by default); Llama's
@@ -542,38 +448,6 @@ def test_dropout_rates_keep_their_roles_through_hf_and_megatron(tmp_path):
                  str(tmp_path / "from-meg")]) == 0
     model = read_manifest(latest_checkpoint(tmp_path / "from-meg"))["meta"]["config"]["model"]
     assert (model["dropout"], model["attention_dropout"]) == (0.1, 0.05), model
-
-
-def test_a_megatron_rank_file_without_weights_is_named(tmp_path, capsys):
-    root = _megatron(tmp_path / "meg", ranks=2)
-    second = root / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt"
-    state = torch.load(second, weights_only=False)
-    torch.save({"args": state["args"], "model0": state["model"]}, second)
-    err = _fails(capsys, tmp_path, root)
-    assert err.endswith(f"{second}: holds model0 (a virtual-pipeline checkpoint's model chunks); only one model chunk "
-                        "per rank can be imported"), err
-    torch.save({"args": state["args"]}, second)
-    assert f"{second}: holds no 'model' weights (tp rank 1, pipeline rank 0)" in _fails(capsys, tmp_path, root)
-
-
-@pytest.mark.parametrize("key,value,want", [
-    ("decoder.final_layernorm.weight", None, "maps 'decoder.final_layernorm.weight' to a NoneType"),
-    ("decoder.final_layernorm.weight", [1.0] * 16, "maps 'decoder.final_layernorm.weight' to a list"),
-    (3, torch.ones(2), "maps 3 to a Tensor"),
-])
-def test_a_megatron_model_entry_that_is_not_a_named_tensor_is_named(tmp_path, capsys, key, value, want):
-    """A weight saved as something other than a tensor, or under a key that is not a name, was a
-    traceback (``'NoneType' object has no attribute 'shape'``) where its shape was first read.
-    ``_extra_state`` entries, which hold no weights, may be anything."""
-    root = _megatron(tmp_path / "meg", ranks=2)
-    second = root / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt"
-    state = torch.load(second, weights_only=False)
-    state["model"]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None
-    state["model"][key] = value
-    torch.save(state, second)
-    err = _fails(capsys, tmp_path, root)
-    assert err.endswith(f"{second}: its 'model' {want}, where megatron-core saves weight names and tensors (tp rank "
-                        "1, pipeline rank 0); the checkpoint is damaged or not Megatron-LM's: restore that file"), err
 
 
 def test_an_hf_folder_with_two_sets_of_weights_is_refused(sources, tmp_path, capsys):

@@ -1,0 +1,49 @@
+"""Helpers shared by the tests of `megazero convert`'s bad inputs: the one-line-error check, and a
+Megatron-LM checkpoint written by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megazero.cli import main
+
+
+def fails(capsys, tmp_path, *args, dst=None) -> str:
+    """Run `megazero convert ARGS DST`, which must fail with exit status 2, one line on stderr (returned)
+    and nothing at DST, not even a temporary folder beside it."""
+    dst = dst or tmp_path / "out"
+    capsys.readouterr()
+    assert main(["convert", *map(str, args), str(dst)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert not dst.exists() and not list(dst.parent.glob(f".{dst.name}.*")), list(dst.parent.iterdir())
+    return err
+
+
+def megatron_checkpoint(root: Path, drop=(), ranks: int = 1, **changes) -> Path:
+    """A Megatron-LM GPT checkpoint written by hand (no megatron-core needed): args as a Namespace,
+    one ``model`` dict per tp rank (each holding whole tensors: the argument checks come first)."""
+    import argparse
+
+    hidden, layers, seq, ffn = 16, 2, 8, 64
+    args = dict(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=4,
+                padded_vocab_size=128, max_position_embeddings=seq, seq_length=seq, openai_gelu=True)
+    args = {k: v for k, v in {**args, **changes}.items() if k not in drop}
+    model = {"embedding.word_embeddings.weight": torch.randn(128, hidden),
+             "embedding.position_embeddings.weight": torch.randn(seq, hidden),
+             "decoder.final_layernorm.weight": torch.ones(hidden), "decoder.final_layernorm.bias": torch.zeros(hidden)}
+    for i in range(layers):
+        for name, rows, cols in (("input_layernorm", hidden, 0), ("pre_mlp_layernorm", hidden, 0),
+                                 ("self_attention.linear_qkv", 3 * hidden, hidden),
+                                 ("self_attention.linear_proj", hidden, hidden), ("mlp.linear_fc1", ffn, hidden),
+                                 ("mlp.linear_fc2", hidden, ffn)):
+            model[f"decoder.layers.{i}.{name}.weight"] = torch.randn(rows, cols) if cols else torch.ones(rows)
+            model[f"decoder.layers.{i}.{name}.bias"] = torch.zeros(rows)
+    for t in range(ranks):
+        folder = root / "iter_0000005" / f"mp_rank_{t:02d}"
+        folder.mkdir(parents=True)
+        torch.save({"args": argparse.Namespace(**args), "model": model}, folder / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("5")
+    return root
