@@ -457,7 +457,8 @@ def _data_order_changes(before: Config, cfg: Config) -> list[str]:
         old, new = datasets(before), datasets(cfg)
     except (ValueError, OSError):
         old, new = None, None  # a preset gone or broken: compare what the runs name
-    fields = [f"data.{k}" for k in ("split", "seed") if getattr(before.data, k) != getattr(cfg.data, k)]
+    fields = ["data.split"] if _split_shares(before) != _split_shares(cfg) else []
+    fields += ["data.seed"] if before.data.seed != cfg.data.seed else []
     if old != new or (old is None and _named_data(before) != _named_data(cfg)):
         fields.insert(0, "data.blend")
     if fields:
@@ -471,6 +472,17 @@ def _data_order_changes(before: Config, cfg: Config) -> list[str]:
                     f"(train.train_steps, train_tokens or global_batch_size) take {prefix} through another number "
                     "of epochs, or another share of its last, which reshuffles every sample"]
     return []
+
+
+def _split_shares(c: Config):
+    """The shares ``data.split`` gives train, validation and test, which alone place each split's
+    documents (``split_ranges``): ``1`` and ``1,0,0`` are one split. Its text where it does not parse."""
+    from data_pipeline.gpt_samples import parse_split
+
+    try:
+        return parse_split(c.data.split)
+    except ValueError:
+        return c.data.split
 
 
 # The data fields a run's sample order follows (with its total sample count).

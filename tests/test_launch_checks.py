@@ -264,6 +264,17 @@ def test_a_resume_with_the_same_data_spelled_otherwise_passes(files, capsys):
     assert code == 0, capsys.readouterr().err
 
 
+def test_a_resume_with_the_same_split_spelled_otherwise_passes(files, capsys):
+    """The split is compared by the shares it gives, which alone place the documents: the checkpoint's
+    ``1`` is ``1,0,0`` or ``2``, whereas ``1,1`` halves the training documents. (Planted: the split's
+    text compared, which refused the respelled split as another data order.)"""
+    for same in ("1,0,0", "2"):
+        code = main(_train(files, "--checkpoint.load", files["ckpt"], "--check", "--data.split", same))
+        assert code == 0, (same, capsys.readouterr().err)
+    assert main(_train(files, "--checkpoint.load", files["ckpt"], "--check", "--data.split", "1,1")) == 2
+    assert "another data order (data.split changed)" in capsys.readouterr().err
+
+
 def test_the_epoch_check_skips_what_the_run_does_not_sample(files, tmp_path):
     """A blend entry of weight 0, or a shard that cannot be opened (its own check names it), neither
     hangs nor raises in the resume check (an empty dataset once looped forever looking for its epochs)."""
