@@ -66,8 +66,8 @@ class IndexedDatasetWriter:
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"{prefix}: dtype {self.dtype} has no code in the indexed format; "
                              f"use one of {sorted(str(np.dtype(t)) for t in DTYPE_CODES.values())}")
-        directory = os.path.dirname(os.path.abspath(prefix))
-        os.makedirs(directory, exist_ok=True)
+        self._made = _make_folders(prefix)  # the folders this writer created, outermost first
+        self._published: list[str] = []  # the final paths it has put files at
         self._bin_tmp = _tmp_name(bin_path(prefix))
         self._idx_tmp = _tmp_name(idx_path(prefix))
         self._bin = open(self._bin_tmp, "wb")
@@ -106,30 +106,47 @@ class IndexedDatasetWriter:
                 self._write(block)
         self._sizes.frombytes(np.asarray(other.sizes, dtype=np.int32).tobytes())
 
-    def finish(self) -> None:
-        """Write the ``.idx`` and put both files in place; a failure on the way (a disk that fills
-        while the index is written) removes the temporary files, which would otherwise keep the
-        space the next attempt needs."""
+    def seal(self) -> None:
+        """Close the ``.bin`` and write the ``.idx``, both still under temporary names: the step a full
+        disk can fail, done for every shard of a run before any is put in place (``publish``)."""
         try:
             self._bin.close()
             write_index(self._idx_tmp, self.dtype, np.frombuffer(self._sizes, dtype=np.int32))
-            os.replace(self._bin_tmp, bin_path(self.prefix))
-            os.replace(self._idx_tmp, idx_path(self.prefix))
         except OSError as exc:
-            self.abort()
             raise _not_written(self.prefix, exc) from None
+
+    def publish(self) -> None:
+        """Put the sealed files at their final paths (renames only)."""
+        for tmp, final in ((self._bin_tmp, bin_path(self.prefix)), (self._idx_tmp, idx_path(self.prefix))):
+            try:
+                os.replace(tmp, final)
+            except OSError as exc:
+                raise _not_written(self.prefix, exc) from None
+            self._published.append(final)
+
+    def finish(self) -> None:
+        """``seal`` and ``publish``; a failure on the way undoes everything (``abort``)."""
+        try:
+            self.seal()
+            self.publish()
         except BaseException:
             self.abort()
             raise
 
     def abort(self) -> None:
-        """Remove the temporary files. Closing flushes what is still buffered, which fails again on
-        the full disk that failed the write; the file is closed all the same, and is removed."""
+        """Undo what this writer did: its temporary files (which would keep the space a full disk's
+        next attempt needs), any file it had put in place, and the folders it created where they are
+        still empty. Closing flushes what is still buffered, which fails again on the full disk that
+        failed the write; the file is closed all the same, and is removed."""
         with contextlib.suppress(OSError):
             self._bin.close()
-        for path in (self._bin_tmp, self._idx_tmp):
-            if os.path.exists(path):
+        for path in (self._bin_tmp, self._idx_tmp, *self._published):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        self._published.clear()
+        for folder in reversed(self._made):
+            with contextlib.suppress(OSError):  # another job's files in it: it is theirs now too
+                os.rmdir(folder)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
@@ -139,6 +156,28 @@ class IndexedDatasetWriter:
             self.finish()
         else:
             self.abort()
+
+
+def _make_folders(prefix: str) -> list[str]:
+    """Create the folders ``prefix`` lacks, one level at a time, and return those this call created
+    (a folder another job creates meanwhile is left out, so an abort never removes it)."""
+    missing, here = [], os.path.dirname(os.path.abspath(prefix))
+    while not os.path.lexists(here):
+        missing.append(here)
+        here = os.path.dirname(here)
+    made = []
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            for own in reversed(made):
+                with contextlib.suppress(OSError):
+                    os.rmdir(own)
+            raise OSError(f"{prefix}: cannot create {folder} ({exc.strerror}); give another output prefix") from None
+        made.append(folder)
+    return made
 
 
 def _not_written(prefix: str, exc: OSError) -> OSError:

@@ -12,6 +12,7 @@ counted by reason instead. Either way it never becomes a document.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -21,7 +22,7 @@ from itertools import chain
 import numpy as np
 
 from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
-from data_pipeline.shard_origin import tokenizer_identity, write_origin
+from data_pipeline.shard_origin import origin_path, tokenizer_identity, write_origin
 from data_pipeline.sources import Batch, check_input, iter_batches
 from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.worker_pool import worker_pool
@@ -129,6 +130,7 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
         check_input(path, keys)
     writers = {k: IndexedDatasetWriter(output_prefix_for(output_prefix, k), token_dtype(vocab_size)) for k in keys}
     stats = PreprocessStats()
+    recorded: list[str] = []  # the tokenizer records written, removed with the shards on a failure
     bar = _progress_bar(progress)
     start = time.perf_counter()
     try:
@@ -146,12 +148,20 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
         if stats.documents == 0:
             raise ValueError(f"no documents in {inputs} ({stats.skipped_summary()}): nothing to write "
                              "(megatron-core cannot even open an empty shard)")
-        for w in writers.values():  # a key whose shard cannot be finished leaves no other key's temporary files
-            w.finish()
-            write_origin(w.prefix, identity)
-    except BaseException:
+        # every key's files sealed before any is put in place: a key whose shard cannot be written
+        # (a full disk) leaves no other key's shard, which would block the next attempt as existing
         for w in writers.values():
+            w.seal()
+        for w in writers.values():
+            w.publish()
+        for w in writers.values():
+            write_origin(w.prefix, identity)
+            recorded.append(origin_path(w.prefix))
+    except BaseException:
+        for w in reversed(writers.values()):  # the first made the folders: it removes them once they are empty
             w.abort()
+        for path in recorded:
+            os.unlink(path)
         raise
     finally:
         if bar is not None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from data_pipeline.demo_corpus import build_demo_corpus, write_stdlib_jsonl
-from data_pipeline.indexed import IndexedDataset
+from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
 from data_pipeline.preprocess import preprocess
 from data_pipeline.tokenizer import load_tokenizer, read_texts, train_sentencepiece
 from megazero.cli import main
@@ -169,6 +169,63 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_files(env, tmp_path, ca
     assert err == (f"megazero preprocess: error: {tmp_path / 'out'}_text_document: the shard cannot be written "
                    "(No space left on device); free space there or give another output prefix"), err
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize("fails", ["index", "rename"])
+def test_a_second_key_that_cannot_be_written_leaves_no_shard_of_the_first(env, tmp_path, capsys, monkeypatch, fails):
+    """Of two ``--json-keys``, the second's ``.idx`` meets a full disk (or its files cannot be put in
+    place): the first key's shard, already finished, stayed with its tokenizer record, and blocked the
+    rerun as existing output; so did the folders made for the run. Now nothing is left, and the rerun
+    writes both. (Planted: each key finished in turn, and an abort that removes temporary files only.)"""
+    import data_pipeline.indexed as indexed
+
+    calls = []
+    if fails == "index":
+        real = indexed.write_index
+
+        def flaky(path, *args):
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(path, *args)
+        monkeypatch.setattr(indexed, "write_index", flaky)
+    else:
+        real = os.replace
+
+        def flaky(src, dst):
+            calls.append(dst)
+            if len(calls) == 3:  # the second key's .bin, after the first key's two files
+                raise OSError(errno.EIO, "Input/output error")
+            real(src, dst)
+        monkeypatch.setattr(indexed.os, "replace", flaky)
+    records = tmp_path / "in.jsonl"
+    records.write_text(json.dumps({"text": "alpha", "title": "beta"}) + "\n")
+    argv = ["preprocess", "--input", str(records), "--tokenizer", env["model"], "--output-prefix",
+            str(tmp_path / "new" / "deeper" / "out"), "--json-keys", "text", "title"]
+    assert main(argv) == 2
+    assert "out_title_document" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+    monkeypatch.undo()
+    assert main(argv) == 0
+    assert sorted(p.name for p in (tmp_path / "new" / "deeper").iterdir()) == [
+        f"out_{key}_document.{ext}" for key in ("text", "title") for ext in ("bin", "idx", "tokenizer.json")]
+
+
+def test_a_run_that_fails_while_tokenizing_removes_the_folders_it_made(env, tmp_path, capsys):
+    """A record that is not text, met after the shard writers made ``new/deeper/``, left those folders
+    behind; a folder that was there before, or that holds another job's file, stays. (Planted: an
+    abort that leaves the folders.)"""
+    records = tmp_path / "in.jsonl"
+    records.write_text(json.dumps({"text": "alpha"}) + "\n" + json.dumps({"text": 5}) + "\n")
+    assert main(["preprocess", "--input", str(records), "--tokenizer", env["model"], "--output-prefix",
+                 str(tmp_path / "new" / "deeper" / "out"), "--no-progress"]) == 2
+    assert "in.jsonl:2" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+    (tmp_path / "kept").mkdir()
+    writer = IndexedDatasetWriter(str(tmp_path / "kept" / "shared" / "mine" / "out"), np.uint16)
+    (tmp_path / "kept" / "shared" / "theirs.bin").write_bytes(b"x")  # another job writes beside it
+    writer.abort()
+    assert sorted(p.name for p in (tmp_path / "kept").rglob("*")) == ["shared", "theirs.bin"]
 
 
 def test_sigterm_mid_run_leaves_no_output(env, tmp_path):

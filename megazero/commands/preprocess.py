@@ -84,25 +84,19 @@ def run(args) -> int:
 
 
 def _check_output_dir(prefix: str) -> None:
-    """The shards' directory must be there (or makeable) and writable, said before any input is read;
-    a prefix naming a folder (``out/``, or an existing folder) would write hidden files into it. The
-    folders it lacks are made to see that they can be, and removed again: a run refused later (a
-    missing input, a file that is no tokenizer) leaves none behind; the shard writer makes them."""
+    """The shards' directory must be there or makeable, and writable, said before any input is read;
+    a prefix naming a folder (``out/``, or an existing folder) would write hidden files into it.
+    Nothing is created here: the shard writer makes the folders it lacks (and removes them again
+    should the run fail), so a run refused before then leaves none behind, and a job beside this one
+    writing into the same new folder never finds it removed under it."""
     if prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
         raise UserError(f"--output-prefix {prefix}: names a folder; give a path and file-name prefix inside it, "
                         f"e.g. {os.path.join(prefix, 'corpus')}")
-    directory = os.path.dirname(os.path.abspath(prefix))
-    existing = nearest_existing(directory)
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--output-prefix {prefix}: cannot create {directory} ({exc.strerror})") from None
-    writable = os.access(directory, os.W_OK)
-    while directory != existing:
-        os.rmdir(directory)
-        directory = os.path.dirname(directory)
-    if not writable:
-        raise UserError(f"--output-prefix {prefix}: {os.path.dirname(os.path.abspath(prefix))} is not writable")
+    existing = nearest_existing(os.path.dirname(os.path.abspath(prefix)))
+    if not os.path.isdir(existing):
+        raise UserError(f"--output-prefix {prefix}: {existing} is a file, not a folder; give another output prefix")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--output-prefix {prefix}: {existing} is not writable")
 
 
 def _check_no_repeats(args) -> None:
