@@ -36,8 +36,10 @@ class DataFacts:
 def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[int] = None) -> DataFacts:
     """Raise one ``ConfigError`` listing every problem with the device, its memory, data, tokenizer
     and directories of ``cfg`` (resolved: ``parallel.dp`` set); ``scan_data`` also reads every shard's
-    tokens (cached) to check the largest id against the model's vocabulary; ``ranks_per_node`` keeps
-    the suggested layout's tensor groups within a node."""
+    tokens (cached) to check the largest id against the model's vocabulary, and looks at every file
+    of the checkpoint to resume (one rank does, or ``--check``: a world of ranks each looking at
+    every rank's file would load a shared filesystem with world² requests); ``ranks_per_node``
+    keeps the suggested layout's tensor groups within a node."""
     problems = _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
     problems += _memory_problems(cfg, ranks_per_node) + _recompute_problems(cfg)
     prefixes, data_problems = _data_prefixes(cfg)
@@ -50,7 +52,7 @@ def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[i
         largest, scan_problems = _largest_token_id(cfg, prefixes, tokenizer)
         problems += scan_problems
     problems += _directory_problems(cfg)
-    problems += _checkpoint_problems(cfg)
+    problems += _checkpoint_problems(cfg, every_file=scan_data)
     problems += _logger_problems(cfg)
     if problems:
         raise ConfigError("\n".join(problems))
@@ -330,10 +332,11 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                        "tie_embeddings", "bias")
 
 
-def _checkpoint_problems(cfg: Config) -> list[str]:
+def _checkpoint_problems(cfg: Config, every_file: bool = True) -> list[str]:
     """The checkpoint the run will resume from must be complete, intact in its record, hold every file
-    it lists at its recorded size (a stat each, so that ``--check`` finds a file cut short or gone,
-    as the launch would), and be of this model; its files' checksums are verified as they are loaded."""
+    it lists at its recorded size (with ``every_file``, a stat each, so that ``--check`` finds a file
+    cut short or gone, as the load would), and be of this model; its files' checksums are verified
+    as they are loaded."""
     try:
         ckpt, where = start_checkpoint(cfg.checkpoint.load, cfg.save_dir)
     except CheckpointError as exc:  # it names the setting
@@ -342,7 +345,7 @@ def _checkpoint_problems(cfg: Config) -> list[str]:
         return []
     try:
         manifest = read_manifest(ckpt)
-        for name, entry in manifest["files"].items():
+        for name, entry in manifest["files"].items() if every_file else ():
             verify_file(ckpt, name, entry, sha256=False)
         meta = manifest["meta"]
         saved = meta["config"]

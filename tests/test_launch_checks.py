@@ -275,6 +275,18 @@ def test_a_resume_with_the_same_split_spelled_otherwise_passes(files, capsys):
     assert "another data order (data.split changed)" in capsys.readouterr().err
 
 
+def test_only_the_reporting_rank_looks_at_every_checkpoint_file(files):
+    """Every rank of a launch runs the checks, and a stat of every rank's file on every rank is world²
+    requests to a shared filesystem: the rank that reports (and ``--check``) looks at each file; the
+    others leave a file cut short to their load. (Planted: the files looked at on every rank.)"""
+    from megazero.config import load_config, resolve_config
+    from megazero.preflight import _checkpoint_problems
+
+    cfg = resolve_config(load_config(None, _train(files, "--checkpoint.load", files["cut"])[1:]), 1)
+    assert "the file is truncated" in " ".join(_checkpoint_problems(cfg, every_file=True))
+    assert _checkpoint_problems(cfg, every_file=False) == []
+
+
 def test_the_epoch_check_skips_what_the_run_does_not_sample(files, tmp_path):
     """A blend entry of weight 0, or a shard that cannot be opened (its own check names it), neither
     hangs nor raises in the resume check (an empty dataset once looped forever looking for its epochs)."""
