@@ -8,6 +8,7 @@ classifier's held-out rows."""
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Callable, Iterable, Optional
 
 
@@ -33,6 +34,24 @@ def file_in_the_way(path: str) -> str | None:
     """The file standing where ``path``'s folder or a folder above it should be, if one does, else None."""
     here = nearest_existing(os.path.dirname(os.path.abspath(path)))
     return None if os.path.isdir(here) else here
+
+
+def output_folder_problem(path: str) -> Optional[str]:
+    """Why the folder that is to hold the output ``path`` cannot be made or written to, else None:
+    asked before any input is read, so that no work is lost to it. It creates (and removes) a folder
+    of its own, uniquely named, in the nearest folder that exists, rather than the output's folders:
+    a command refused later leaves none behind, and a job beside it writing into the same new folder
+    never finds it removed under it. (``os.access`` alone says yes to root on a read-only mount.)"""
+    directory = os.path.dirname(os.path.abspath(path))
+    existing = nearest_existing(directory)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
+    except OSError as exc:
+        return f"cannot create {directory} ({exc.strerror})" if directory != existing else \
+            f"{directory} is not writable ({exc.strerror})"
+    return None
 
 
 def listed_twice(named: Iterable[tuple[str, str]], key: Callable[[str], str] = os.path.realpath) -> Optional[str]:

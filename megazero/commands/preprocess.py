@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from data_pipeline.paths import listed_twice, nearest_existing
+from data_pipeline.paths import listed_twice, output_folder_problem
 from megazero.errors import UserError
 
 
@@ -84,19 +84,15 @@ def run(args) -> int:
 
 
 def _check_output_dir(prefix: str) -> None:
-    """The shards' directory must be there or makeable, and writable, said before any input is read;
-    a prefix naming a folder (``out/``, or an existing folder) would write hidden files into it.
-    Nothing is created here: the shard writer makes the folders it lacks (and removes them again
-    should the run fail), so a run refused before then leaves none behind, and a job beside this one
-    writing into the same new folder never finds it removed under it."""
+    """The shards' directory must be there or makeable, and writable, said before any input is read
+    (``output_folder_problem``); a prefix naming a folder (``out/``, or an existing folder) would
+    write hidden files into it."""
     if prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
         raise UserError(f"--output-prefix {prefix}: names a folder; give a path and file-name prefix inside it, "
                         f"e.g. {os.path.join(prefix, 'corpus')}")
-    existing = nearest_existing(os.path.dirname(os.path.abspath(prefix)))
-    if not os.path.isdir(existing):
-        raise UserError(f"--output-prefix {prefix}: {existing} is a file, not a folder; give another output prefix")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--output-prefix {prefix}: {existing} is not writable")
+    problem = output_folder_problem(prefix)
+    if problem:
+        raise UserError(f"--output-prefix {prefix}: {problem}")
 
 
 def _check_no_repeats(args) -> None:

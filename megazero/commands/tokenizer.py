@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from data_pipeline.paths import listed_twice
+from data_pipeline.paths import empty_path_problem, listed_twice, output_folder_problem
 from megazero.errors import UserError, utf8_text
 
 
@@ -48,6 +48,10 @@ def run_train(args) -> int:
     if not os.path.basename(args.model_prefix):
         raise UserError(f"--model-prefix {args.model_prefix}: names a folder; give a path and a file name stem, "
                         "e.g. DIR/tokenizer")
+    problem = output_folder_problem(args.model_prefix)
+    if problem:
+        raise UserError(f"--model-prefix {args.model_prefix}: {problem}; choose another --model-prefix")
+    _check_inputs(args.input)
     repeat = listed_twice(("--input", name) for name in args.input)
     if repeat:
         raise UserError(f"{repeat}; its text would count twice in the pieces' frequencies (list it once)")
@@ -62,6 +66,25 @@ def run_train(args) -> int:
         raise UserError(str(exc)) from None
     print(f"wrote {path} ({args.vocab_size} pieces, {args.model_type}, byte fallback)")
     return 0
+
+
+def _check_inputs(names: list[str]) -> None:
+    """Every --input is a file that opens as its name says, checked before any is read: training reads
+    them in order, so a typo in the last of many would otherwise be found after reading all the rest."""
+    from data_pipeline.sources import check_compression
+
+    for name in names:
+        empty = empty_path_problem(name, "input file", "give a text or .jsonl file")
+        if empty:
+            raise UserError(f"--input: {empty}")
+        if os.path.isdir(name):
+            raise UserError(f"--input {name}: is a folder; give the text or .jsonl files in it")
+        if not os.path.isfile(name):
+            raise UserError(f"--input {name}: no such file")
+        try:
+            check_compression(name)
+        except (ValueError, OSError) as exc:
+            raise UserError(f"--input {exc}") from None
 
 
 def run_encode(args) -> int:
