@@ -294,7 +294,8 @@ CASES = [
         "tokenizer", "train", "--input", str(f["root"] / "good.jsonl"), "--model-prefix", str(f["root"] / "out" / "tk"),
         flag, value])(flag, value), words) for flag, value, words in [
         ("--vocab-size", "10000000000", ["--vocab-size: must be at most 2147483647"]),
-        ("--max-sentences", "-5", ["--max-sentences: must be between 1 and"]),
+        ("--max-sentences", "-5", ["--max-sentences: must be between 101 and"]),
+        ("--max-sentences", "100", ["--max-sentences: must be between 101 and 2147483647, got 100"]),
         ("--vocab-size", "5000", ["vocabulary size 5000 is more than this text can fill (at most", "more text"])]],
     *[(f"demo-corpus-max-mb-{text}", (lambda text: lambda f: [
         "demo-corpus", str(f["root"] / "out" / "demo"), "--max-mb", text])(text),

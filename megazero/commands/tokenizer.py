@@ -25,7 +25,7 @@ def register(subparsers) -> None:
     train.add_argument("--vocab-size", type=int, default=32000, help="Vocabulary size (default: 32000)")
     train.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe", help="Algorithm (default: bpe)")
     train.add_argument("--max-sentences", type=int, default=2_000_000,
-                       help="Lines sampled for training (default: 2000000)")
+                       help="Lines sampled for training, more than 100 (default: 2000000)")
     train.set_defaults(func=run_train)
 
     encode = actions.add_parser("encode", help="Print the token ids of some text")
@@ -35,6 +35,8 @@ def register(subparsers) -> None:
 
 
 INT32_MAX = 2**31 - 1
+MIN_SENTENCES = 101
+"""SentencePiece samples more than 100 lines or none (its own check, worded as an internal error)."""
 
 
 def run_train(args) -> int:
@@ -43,8 +45,8 @@ def run_train(args) -> int:
     if args.vocab_size > INT32_MAX:
         raise UserError(f"--vocab-size: must be at most {INT32_MAX} (SentencePiece counts in 32 bits), got "
                         f"{args.vocab_size}")
-    if not 1 <= args.max_sentences <= INT32_MAX:
-        raise UserError(f"--max-sentences: must be between 1 and {INT32_MAX}, got {args.max_sentences}")
+    if not MIN_SENTENCES <= args.max_sentences <= INT32_MAX:
+        raise UserError(f"--max-sentences: must be between {MIN_SENTENCES} and {INT32_MAX}, got {args.max_sentences}")
     if not os.path.basename(args.model_prefix):
         raise UserError(f"--model-prefix {args.model_prefix}: names a folder; give a path and a file name stem, "
                         "e.g. DIR/tokenizer")
