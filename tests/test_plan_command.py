@@ -114,6 +114,15 @@ def test_plan_bad_input_is_one_line(argv, words, capsys):
     assert code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
 
 
+@pytest.mark.timeout(60)
+def test_a_gpu_count_with_zeros_too_many_is_answered_at_once(capsys):
+    """The GPUs a plan could use come from the model's splits, not from counting down from --gpus: a
+    count a billion strong took minutes to refuse."""
+    code = main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "1000000000", "--gpus-per-node", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "1000000000 GPUs" in err[0] and "plan for 98304 GPUs" in err[0], err
+
+
 def test_plan_notes_that_its_speeds_are_16_bit_for_an_fp32_config(capsys):
     """The presets' peaks are tensor-core bf16/fp16 figures: an fp32 run planned with them looks
     several times faster than it will be, so the plan says so (on stderr under --json, keeping its

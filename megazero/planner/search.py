@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -163,17 +164,14 @@ def largest_world(cfg: Config, gpus: int, gpus_per_node: int) -> int:
     """The most GPUs, up to ``gpus`` and in whole nodes beyond one, that split as tp x pp x dp the way
     the search splits them (tp a power of two within a node that the model's widths divide, pp at most
     a stage a block, dp a divisor of the global batch): a world larger than that has no valid layout,
-    and the plan says what it could use instead."""
+    and the plan says what it could use instead. The splits themselves are enumerated, not the worlds
+    below ``gpus``: a --gpus with a few zeros too many would take minutes to count down."""
     tps = [tp for tp in _powers_of_two(gpus_per_node) if not tp_layout_problems(cfg.model, tp)]
-    batch, layers = cfg.train.global_batch_size, cfg.model.num_layers
-    for world in range(gpus, 0, -1):
-        if world > gpus_per_node and world % gpus_per_node:
-            continue
-        if any(world % (tp * pp) == 0 and batch % (world // (tp * pp)) == 0
-               and (world <= gpus_per_node or gpus_per_node % tp == 0)  # tensor groups within a node
-               for tp in tps for pp in range(1, layers + 1)):
-            return world
-    return 0
+    batch = cfg.train.global_batch_size
+    dps = {d for k in range(1, math.isqrt(batch) + 1) if batch % k == 0 for d in (k, batch // k)}
+    worlds = (tp * pp * dp for tp in tps for pp in range(1, cfg.model.num_layers + 1) for dp in dps
+              if tp * pp * dp <= gpus_per_node or (tp * pp * dp % gpus_per_node == 0 and gpus_per_node % tp == 0))
+    return max((world for world in worlds if world <= gpus), default=0)
 
 
 def plan(cfg: Config, cluster: Cluster, fixed: frozenset[str] = frozenset()) -> list[Candidate]:
