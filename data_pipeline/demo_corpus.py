@@ -15,6 +15,7 @@ import os
 import sysconfig
 import tempfile
 
+from data_pipeline.paths import made_folder
 from data_pipeline.tokenizer import check_vocab_size, read_texts, train_sentencepiece
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3", "turtledemo"}
@@ -63,8 +64,9 @@ def build_demo_corpus(out_dir: str, max_bytes: int = 4_000_000, vocab_size: int 
     """The demo jsonl, a SentencePiece tokenizer trained on it, and its tokenized shard.
 
     Built in a temporary folder inside ``out_dir`` and moved in at the end, so a build that fails
-    or is stopped leaves the folder as it was; a folder holding an earlier build is refused, not
-    rebuilt over (shards and checkpoints record the tokenizer they came from by its digest)."""
+    or is stopped leaves the folder as it was (or absent, if it was); a folder holding an earlier
+    build is refused, not rebuilt over (shards and checkpoints record the tokenizer they came from
+    by its digest)."""
     from data_pipeline.preprocess import preprocess
 
     check_vocab_size(vocab_size)  # before the corpus is collected
@@ -72,8 +74,7 @@ def build_demo_corpus(out_dir: str, max_bytes: int = 4_000_000, vocab_size: int 
     if there:
         raise ValueError(f"{os.path.join(out_dir, there[0])}: exists (a demo corpus was built here, and data "
                          "or checkpoints may record its tokenizer); choose another folder or remove it first")
-    os.makedirs(out_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".demo-build-") as tmp:
+    with made_folder(out_dir), tempfile.TemporaryDirectory(dir=out_dir, prefix=".demo-build-") as tmp:
         jsonl = os.path.join(tmp, "stdlib.jsonl")
         docs, nbytes = write_stdlib_jsonl(jsonl, max_bytes)
         model = train_sentencepiece(read_texts([jsonl]), os.path.join(tmp, "tokenizer"), vocab_size,

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from data_pipeline.index_cache import cached_arrays, default_cache_dir
+from data_pipeline.paths import make_folders, remove_made
 from data_pipeline.shard_files import bin_path, file_version, idx_path, idx_sha256
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -66,7 +67,11 @@ class IndexedDatasetWriter:
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"{prefix}: dtype {self.dtype} has no code in the indexed format; "
                              f"use one of {sorted(str(np.dtype(t)) for t in DTYPE_CODES.values())}")
-        self._made = _make_folders(prefix)  # the folders this writer created, outermost first
+        try:  # the folders this writer created, outermost first: an abort removes them
+            self._made = make_folders(os.path.dirname(os.path.abspath(prefix)))
+        except OSError as exc:
+            raise OSError(f"{prefix}: cannot create {exc.filename} ({exc.strerror}); give another output "
+                          "prefix") from None
         self._published: list[str] = []  # the final paths it has put files at
         self._bin_tmp = _tmp_name(bin_path(prefix))
         self._idx_tmp = _tmp_name(idx_path(prefix))
@@ -144,9 +149,7 @@ class IndexedDatasetWriter:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._published.clear()
-        for folder in reversed(self._made):
-            with contextlib.suppress(OSError):  # another job's files in it: it is theirs now too
-                os.rmdir(folder)
+        remove_made(self._made)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
@@ -156,28 +159,6 @@ class IndexedDatasetWriter:
             self.finish()
         else:
             self.abort()
-
-
-def _make_folders(prefix: str) -> list[str]:
-    """Create the folders ``prefix`` lacks, one level at a time, and return those this call created
-    (a folder another job creates meanwhile is left out, so an abort never removes it)."""
-    missing, here = [], os.path.dirname(os.path.abspath(prefix))
-    while not os.path.lexists(here):
-        missing.append(here)
-        here = os.path.dirname(here)
-    made = []
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder)
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            for own in reversed(made):
-                with contextlib.suppress(OSError):
-                    os.rmdir(own)
-            raise OSError(f"{prefix}: cannot create {folder} ({exc.strerror}); give another output prefix") from None
-        made.append(folder)
-    return made
 
 
 def _not_written(prefix: str, exc: OSError) -> OSError:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Callable, Iterable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Optional
 
 
 def empty_path_problem(path: str | os.PathLike, what: str, fix: str) -> Optional[str]:
@@ -52,6 +53,50 @@ def output_folder_problem(path: str) -> Optional[str]:
         return f"cannot create {directory} ({exc.strerror})" if directory != existing else \
             f"{directory} is not writable ({exc.strerror})"
     return None
+
+
+def make_folders(directory: str) -> list[str]:
+    """Create the folders ``directory`` lacks, one level at a time, and return those this call created,
+    outermost first: a folder another job creates meanwhile is not among them, so ``remove_made``
+    never takes it away from under that job. A failure part-way removes what was made, then raises."""
+    missing, here = [], os.path.abspath(directory)
+    while not os.path.lexists(here):
+        missing.append(here)
+        here = os.path.dirname(here)
+    made = []
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            continue
+        except OSError:
+            remove_made(made)
+            raise
+        made.append(folder)
+    return made
+
+
+def remove_made(made: list[str]) -> None:
+    """Remove the folders ``make_folders`` returned, innermost first, where they are still empty (one
+    holding another job's files stays, theirs too now)."""
+    for folder in reversed(made):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+
+
+@contextmanager
+def made_folder(directory: str) -> Iterator[None]:
+    """Make ``directory`` (and the folders above it that are missing) for the block's outputs; if the
+    block fails or is stopped, the folders it made are removed again where still empty, so a refused
+    or interrupted command leaves the tree as it found it."""
+    made = make_folders(directory)
+    try:
+        yield
+    except BaseException:
+        remove_made(made)
+        raise
 
 
 def listed_twice(named: Iterable[tuple[str, str]], key: Callable[[str], str] = os.path.realpath) -> Optional[str]:

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from data_pipeline.paths import empty_path_problem
+from data_pipeline.paths import empty_path_problem, made_folder
 
 # Ids the trained SentencePiece models reserve, in this order; eod is SentencePiece's </s>.
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
@@ -215,7 +215,6 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', not {model_type!r}")
     check_vocab_size(vocab_size)
-    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     tmp_prefix = f"{model_prefix}.tmp-{os.getpid()}"
     failures = []  # what the reader raised: SentencePiece rewraps it with a printed traceback
     seen = [0]
@@ -230,15 +229,16 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
             raise
 
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences(),
-            model_prefix=tmp_prefix, vocab_size=vocab_size, model_type=model_type,
-            character_coverage=0.9995, byte_fallback=True, normalization_rule_name="identity",
-            remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
-            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOD_ID, pad_id=PAD_ID,
-            input_sentence_size=max_sentences, shuffle_input_sentence=True,
-            num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
-        )
+        with made_folder(os.path.dirname(os.path.abspath(model_prefix))):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=sentences(),
+                model_prefix=tmp_prefix, vocab_size=vocab_size, model_type=model_type,
+                character_coverage=0.9995, byte_fallback=True, normalization_rule_name="identity",
+                remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+                unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOD_ID, pad_id=PAD_ID,
+                input_sentence_size=max_sentences, shuffle_input_sentence=True,
+                num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
+            )
     except RuntimeError as exc:
         if failures:
             raise failures[0] from None

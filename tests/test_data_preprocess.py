@@ -434,6 +434,13 @@ def test_demo_corpus_is_deterministic(tmp_path):
     assert len({p.split("/")[0] for p in paths}) > 3  # spread over the stdlib, not one package
 
 
+def test_a_failed_demo_build_leaves_no_folder(tmp_path):
+    """A vocabulary the collected text cannot fill fails in training, after the folder was made."""
+    with pytest.raises(ValueError, match="more than this text can fill"):
+        build_demo_corpus(str(tmp_path / "new" / "demo"), max_bytes=20_000, vocab_size=100_000)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_refused_preprocess_creates_no_folder(tmp_path, capsys):
     """``--workers 0`` was refused after the output prefix's folders had been made, and a missing tokenizer after
     they had been made to check that they could be."""

@@ -178,3 +178,11 @@ def test_training_on_bad_text_raises_the_reader_error(tmp_path):
     with pytest.raises(ValueError, match=r"^\S*d\.jsonl:2: malformed JSON \([^\n]*\)$"):
         train_sentencepiece(read_texts([str(tmp_path / "d.jsonl")]), str(tmp_path / "tok"), 300)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
+
+
+def test_a_failed_training_leaves_no_folder(tmp_path):
+    """The model's folder is made for SentencePiece to write into; a training that fails removes it."""
+    (tmp_path / "d.txt").write_text("a few words\n")
+    with pytest.raises(ValueError, match="more than this text can fill"):
+        train_sentencepiece(read_texts([str(tmp_path / "d.txt")]), str(tmp_path / "new" / "sub" / "tok"), 100_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt"]

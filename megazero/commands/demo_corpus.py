@@ -22,8 +22,11 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from data_pipeline.demo_corpus import build_demo_corpus
-    from data_pipeline.paths import file_in_the_way
+    from data_pipeline.paths import empty_path_problem, file_in_the_way
 
+    empty = empty_path_problem(args.out_dir, "folder", "give a folder to build the demo corpus in")
+    if empty:
+        raise UserError(f"OUT_DIR: {empty}")
     if not (math.isfinite(args.max_mb) and args.max_mb > 0):
         raise UserError(f"--max-mb: must be a positive number of MB, got {args.max_mb}")
     blocking = args.out_dir if os.path.isfile(args.out_dir) else file_in_the_way(os.path.join(args.out_dir, "x"))
