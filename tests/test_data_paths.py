@@ -31,3 +31,29 @@ def test_consumers_keep_their_error_types():
     with pytest.raises(CheckpointError) as checkpoint:
         resolve_checkpoint("", source="the SRC argument")
     assert str(checkpoint.value) == f"an empty path names no checkpoint {CURRENT_DIRECTORY}; check the SRC argument"
+
+
+def test_folders_made_part_way_are_removed_and_only_ones_own():
+    """``make_folders`` failing at its last level (a name too long) leaves none of the levels it made,
+    and ``remove_made`` never removes a folder another job made or wrote into meanwhile. (Planted:
+    ``os.makedirs``, which leaves the levels it made; removal up to the nearest existing folder.)"""
+    import os
+    import tempfile
+
+    from data_pipeline.indexed import IndexedDatasetWriter
+    from data_pipeline.paths import make_folders, remove_made
+
+    root = tempfile.mkdtemp()
+    with pytest.raises(OSError):
+        make_folders(os.path.join(root, "a", "b", "x" * 300))
+    assert os.listdir(root) == []
+    made = make_folders(os.path.join(root, "a", "b"))
+    assert made == [os.path.join(root, "a"), os.path.join(root, "a", "b")]
+    open(os.path.join(root, "a", "theirs"), "w").close()  # another job's file beside this one's folder
+    remove_made(made)
+    assert sorted(os.listdir(root)) == ["a"] and os.listdir(os.path.join(root, "a")) == ["theirs"]
+    assert make_folders(root) == []  # nothing to make: nothing to remove later
+    long = os.path.join(root, "c", "d", "y" * 300)
+    with pytest.raises(OSError, match=rf"^{long}/out: cannot create {long} \(File name too long\); give another"):
+        IndexedDatasetWriter(os.path.join(long, "out"), "uint16")
+    assert sorted(os.listdir(root)) == ["a"]
