@@ -109,3 +109,26 @@ def test_add_products_sums_with_a_hook_delivered_gradient_and_starts_its_bucket(
     assert heard == [0]  # the weight's bucket, not the bias's
     reducer.finish()
     assert heard == [0, 1]
+
+
+def test_a_bias_gradient_arrives_as_gemvs_into_its_region(one_rank_group):
+    """A W op hands a bias's gradient as ``(1^T, dY)`` products: the reducer adds them into the bias's
+    1-D region as ``dY.sum(0)`` over every micro-batch, with a hook-delivered gradient in either order.
+    A product of another shape than the parameter's is refused: a GEMM's ``out=`` would reshape the
+    region and write the transposed values. (Planted: the region viewed as the parameter's own 1-D
+    shape; viewed from the factors, which took the transposed product.)"""
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(7, 6, generator=g) for _ in range(2)]
+    products = [(torch.ones(1, 7), dy) for dy in grads]
+    exact = sum(dy.double().sum(0) for dy in grads)
+    hooked = torch.randn(6, generator=g)
+    for hook_first in (True, False):
+        reducer = _reducer(one_rank_group)
+        if hook_first:
+            reducer._accumulate(1, hooked)
+        assert reducer.add_products(1, products)
+        if not hook_first:
+            reducer._accumulate(1, hooked)
+        torch.testing.assert_close(reducer.accumulated_grad(1).double(), hooked.double() + exact, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"a product of shape \(5, 6\) for parameter 0 of shape \(6, 5\)"):
+        _reducer(one_rank_group).add_products(0, [(torch.ones(5, 7), torch.ones(7, 6))])  # the weight transposed

@@ -217,7 +217,12 @@ class GradReducer:
             return False
         if i in self.copying:
             self._land()
-        region = self.param_grad(i).view(products[0][0].shape[0], products[0][1].shape[1])  # a bias: (1, n)
+        param = self.params[i]
+        region = self.param_grad(i).view(param.shape if param.dim() > 1 else (1, param.numel()))  # a bias: a row
+        wrong = next(((a, b) for a, b in products if (a.shape[0], b.shape[1]) != region.shape), None)
+        if wrong is not None:  # a GEMM's out= would reshape the view and write another layout's values
+            raise ValueError(f"a product of shape ({wrong[0].shape[0]}, {wrong[1].shape[1]}) for parameter {i} "
+                             f"of shape {tuple(param.shape)}")
         with torch.no_grad():  # the factors are saved activations, which may require grad
             for k, (a, b) in enumerate(products):
                 matmul_into(region, a, b, accumulate=self.written[i] or k > 0)
