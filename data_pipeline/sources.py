@@ -212,9 +212,11 @@ def check_compression(path: str) -> None:
     the other compressor's output): read, it ends on its first bytes as "truncated or corrupt", and
     every document in it is lost to one bad-record count. An empty file reads as no lines."""
     for suffix, name, is_magic in _COMPRESSIONS:
-        if path.endswith(suffix):
+        if path.endswith(suffix) and os.path.isfile(path):  # a folder or a hub name is read otherwise
             with open(path, "rb") as f:
                 head = f.read(4)
+            if 0 < len(head) < 4:
+                raise ValueError(f"{path}: {len(head)} bytes, too short for {name} data; the file is truncated")
             if head and not is_magic(head):
                 raise ValueError(f"{path}: not {name} data (it starts with {head!r}), though named {suffix}; "
                                  "rename it to match what it holds")

@@ -187,3 +187,21 @@ def test_a_stage_listed_twice_is_refused_and_a_sibling_folder_is_not_inside_the_
     with pytest.raises(ValueError, match="listed twice"):
         build_config({"input": {"paths": [str(tmp_path / "out2" / "raw.jsonl")]}, "output": {"dir": str(tmp_path / "o")},
                       "stages": ["clean", "clean"]})
+
+
+def test_an_input_that_cannot_be_read_is_one_line(tmp_path, capsys, base, monkeypatch):
+    """An input whose first bytes cannot be read (no permission, an I/O error) is named in the config's
+    one line, not a traceback from the input check. (Planted: only ValueError caught there.)"""
+    import errno
+
+    import data_pipeline.sources as sources
+
+    def unreadable(path, *args, **kwargs):
+        if str(path).endswith("more.jsonl.gz"):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return open(path, *args, **kwargs)
+
+    (tmp_path / "more.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00")
+    monkeypatch.setattr(sources, "open", unreadable, raising=False)
+    line = refused(tmp_path, capsys, base, "--input.paths", "[more.jsonl.gz]")
+    assert re.search(r"input\.paths: .*more\.jsonl\.gz: cannot be read \(Permission denied\)", line), line

@@ -192,9 +192,9 @@ def test_a_bias_gemv_row_of_ones_follows_each_micro_batch():
 
 def test_micro_batches_summed_at_one_w_round_to_16_bits_once():
     """Without a sink, W sums a bf16 weight's and bias's gradients over its micro-batches in fp32 and
-    rounds that sum to bf16 once, as one backward over all of them would not be worse than: the
-    result is the fp32 sum of the micro-batches' products rounded once. (Planted: the micro-batches'
-    16-bit gradients added one after another in bf16, rounding at every add.)"""
+    rounds that sum to bf16 once: the result is the fp32 sum of the micro-batches' products, rounded
+    once. (Planted: the micro-batches' 16-bit gradients added one after another in bf16, rounding at
+    every add.)"""
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8).to(torch.bfloat16)
     queue = WeightGradQueue()

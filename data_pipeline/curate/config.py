@@ -164,6 +164,8 @@ def _input_problems(paths: list[str], text_field: str) -> list[str]:
                                 "set input.text_field")
         except ValueError as exc:
             problems.append(f"input.paths: {exc}")
+        except OSError as exc:  # unreadable: said here, not as a traceback from the first read
+            problems.append(f"input.paths: {path}: cannot be read ({exc.strerror})")
     return problems
 
 

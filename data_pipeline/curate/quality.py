@@ -70,9 +70,12 @@ def load_model(path: Optional[str]):
     except ValueError:
         raise ValueError(f"quality.model: {path} is not a fastText model; train one with "
                          "`megazero curate train-quality`") from None
-    except (RuntimeError, MemoryError):  # fastText's magic, then a header it cannot use (an unknown loss, sizes)
+    except RuntimeError:  # fastText's magic, then a header it cannot use (an unknown loss)
         raise ValueError(f"quality.model: {path} is a damaged fastText model; copy it again or train it again "
                          "with `megazero curate train-quality`") from None
+    except MemoryError:  # sizes in a damaged header, or a model too large for this machine
+        raise ValueError(f"quality.model: {path} does not fit in memory here: it is damaged (copy it again) or "
+                         "too large for this machine") from None
     _check_matrices_fit(path, model)
     if HQ not in model.get_labels():
         raise ValueError(f"quality.model: {path} has labels {model.get_labels()}, not {HQ}; train it with "

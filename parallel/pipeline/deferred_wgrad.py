@@ -222,9 +222,9 @@ class WeightGradQueue:
         """Hand the sink ``bias``'s gradient as the GEMVs ``1^T dY`` of ``pairs``, which it accumulates in
         fp32 like a weight's GEMMs; False where there is no sink or it declines. This replaces a 16-bit
         ``dY.sum(0)`` handed to autograd, its hook, and the conversion and add of every micro-batch's
-        bias gradient (GPT 1.3B, pp 2: a W op's bias gradients were 23.5 ms of a 1.05 s step on the
-        busiest rank, and ``ones @ dY`` ran 10-35% faster than ``sum(0)`` at every width, and rounded
-        once instead of once a micro-batch, BENCHMARKS.md)."""
+        bias gradient: the GEMV ran 10-35% faster than ``sum(0)`` at GPT 1.3B's widths on an H200, and
+        the sum stays in fp32 (the bias gradients were 23.5 ms of a 1.05 s pp 2 step on the busiest
+        rank; the step's change was within the runs' noise, BENCHMARKS.md)."""
         if self.sink is None:
             return False
         products = []
