@@ -536,7 +536,8 @@ class _Diverged(_Random):
 def test_weights_that_are_not_finite_are_refused(sources, tmp_path, capsys, value):
     """A NaN or an infinity in a weight is one line naming the file and tensor, from each source kind
     (Hugging Face, Megatron, megazero), with nothing written: a model started from it computes NaN
-    from its first token. (Planted: the check left out of each source's read.)"""
+    from its first token. (Planted: the check left out of each source's read, and of a megazero
+    source's optimizer state.)"""
     hf = _copy(sources / "hf", tmp_path)
 
     def poison(tensors):
@@ -551,8 +552,11 @@ def test_weights_that_are_not_finite_are_refused(sources, tmp_path, capsys, valu
     state["model"]["decoder.layers.1.mlp.linear_fc2.weight"][0, 0] = value
     torch.save(state, path)
     err = _fails(capsys, tmp_path, root, dst=tmp_path / "out_meg")
-    assert "decoder.layers.1.mlp.linear_fc2.weight: holds 1 NaN" in err, err
+    assert f"{path}: decoder.layers.1.mlp.linear_fc2.weight: holds 1 NaN" in err, err
 
     write_megazero(_Diverged(num_layers=2), tmp_path / "mz")
     err = _fails(capsys, tmp_path, tmp_path / "mz", dst=tmp_path / "out_mz")
     assert "parameter 'layers.0." in err and "holds 2 NaN or infinite values" in err, err
+    # megazero to megazero carries the optimizer's state too, each tensor checked
+    err = _fails(capsys, tmp_path, tmp_path / "mz", "--to", "megazero", dst=tmp_path / "out_mz2")
+    assert "parameter 'layers.0." in err and "(master): holds 2 NaN or infinite values" in err, err

@@ -155,7 +155,9 @@ class MegatronSource:
         return offsets
 
     def _pieces(self, p: int, key: str) -> list[torch.Tensor]:
-        return [self._model(t, p)[key].float() for t in range(self.tp)]  # there, shaped: ``_check_shapes``
+        """Each tp rank's ``key`` (there and shaped: ``_check_shapes``), refused where it is not finite,
+        naming the rank file that holds it."""
+        return [finite(self._model(t, p)[key].float(), f"{self.files[(t, p)]}: {key}") for t in range(self.tp)]
 
     def _replicated(self, p: int, key: str) -> torch.Tensor:
         """A tensor each tp rank holds whole: tp rank 0's copy. Training keeps the copies equal; if
@@ -174,7 +176,7 @@ class MegatronSource:
         return p, index - self.offsets[p]
 
     def read(self, name: str) -> torch.Tensor:
-        return finite(unpadded(name, self._read(name), self.cfg), f"{self.dir}: {self._locate(name)[1]}")
+        return unpadded(name, self._read(name), self.cfg)
 
     def _read(self, name: str) -> torch.Tensor:
         p, key, split = self._locate(name)
