@@ -30,6 +30,7 @@ from data_pipeline.gpt_samples import GPTSamples
 from data_pipeline.index_cache import cached_arrays, default_cache_dir
 from data_pipeline.indexed import IndexedDataset
 from data_pipeline.paths import listed_twice
+from data_pipeline.typed_config import coerce
 from data_pipeline.yaml_files import read_yaml_mapping
 
 MAX_DATASETS = np.iinfo(np.int16).max + 1
@@ -195,13 +196,11 @@ def parse_blend(blend: list) -> tuple[list[float], list[str]]:
 
 def blend_weight(value) -> float | None:
     """A blend entry's weight as a float, or None where it is no number. A string that reads as one
-    counts, as for every float field of the config: YAML 1.1 reads ``5e-1`` (no dot) as a string."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    counts, as for every float field of the config (``coerce``): YAML 1.1 reads ``5e-1`` as a string."""
+    try:
+        return coerce(value, float, "weight")
+    except ValueError:
+        return None
 
 
 def resolve_blend(blend: list | None, preset: str | None, root: str | None) -> list:

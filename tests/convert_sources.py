@@ -1,5 +1,6 @@
-"""Helpers shared by the tests of `megazero convert`'s bad inputs: the one-line-error check, and a
-Megatron-LM checkpoint written by hand."""
+"""Sources shared by the tests of `megazero convert`: a Llama folder saved by transformers, a source
+of random weights in an architecture of the test's choosing, a Megatron-LM checkpoint written by
+hand, and the check that a bad input is one line with nothing written."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 
 from megazero.cli import main
+from models.config import ModelConfig
 
 
 def fails(capsys, tmp_path, *args, dst=None) -> str:
@@ -47,3 +49,32 @@ def megatron_checkpoint(root: Path, drop=(), ranks: int = 1, **changes) -> Path:
         torch.save({"args": argparse.Namespace(**args), "model": model}, folder / "model_optim_rng.pt")
     (root / "latest_checkpointed_iteration.txt").write_text("5")
     return root
+
+
+def llama_folder(folder: Path) -> Path:
+    """A small Llama (GQA, untied) saved by ``transformers`` into ``folder``."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=61, max_position_embeddings=16)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+class RandomSource:
+    """A source with an architecture of our choosing and random weights."""
+
+    kind = "test"
+
+    def __init__(self, **fields):
+        from megazero.convert.sources import logical_shapes
+
+        self.cfg = ModelConfig(**{"num_layers": 1, "hidden_size": 16, "num_heads": 4, "vocab_size": 40,
+                                  "seq_length": 8, **fields})
+        self.shapes = logical_shapes(self.cfg)
+        self.names = list(self.shapes)
+
+    def read(self, name):
+        shape = self.shapes[name]
+        return torch.randn((self.cfg.vocab_size, *shape[1:]) if name.startswith(("embedding.tok", "lm_head")) else shape)

@@ -16,16 +16,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from megazero.checkpoint import latest_checkpoint
 from megazero.cli import main
 from megazero.convert.targets import write_megazero
-from models.config import ModelConfig
-from tests.convert_sources import fails as _fails, megatron_checkpoint as _megatron
-
-
-def _llama(folder: Path) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=61, max_position_embeddings=16)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+from tests.convert_sources import RandomSource, fails, llama_folder, megatron_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +24,9 @@ def sources(tmp_path_factory):
     """``hf``: a Llama folder saved by ``transformers``, and ``mz`` its import; ``gpt2``: a GPT-2
     folder exported by megazero (2 layers, tied head, vocab 40)."""
     root = tmp_path_factory.mktemp("bad")
-    hf = _llama(root / "hf")
+    hf = llama_folder(root / "hf")
     assert main(["convert", str(hf), str(root / "mz")]) == 0
-    write_megazero(_Random(num_layers=2), root / "gpt2_mz")
+    write_megazero(RandomSource(num_layers=2), root / "gpt2_mz")
     assert main(["convert", str(root / "gpt2_mz"), str(root / "gpt2")]) == 0
     return root
 
@@ -52,7 +43,7 @@ def _rank_file(root: Path) -> Path:
 def test_missing_rank_file(sources, tmp_path, capsys, flags):
     mz = _copy(sources / "mz", tmp_path)
     _rank_file(mz).unlink()
-    assert "rank_00000.safetensors: checkpoint file is missing" in _fails(capsys, tmp_path, mz, *flags)
+    assert "rank_00000.safetensors: checkpoint file is missing" in fails(capsys, tmp_path, mz, *flags)
 
 
 @pytest.mark.parametrize("flags", [(), ("--no-verify",)])
@@ -60,7 +51,7 @@ def test_truncated_rank_file(sources, tmp_path, capsys, flags):
     mz = _copy(sources / "mz", tmp_path)
     data = _rank_file(mz).read_bytes()
     _rank_file(mz).write_bytes(data[: len(data) // 2])
-    assert "truncated" in _fails(capsys, tmp_path, mz, *flags)
+    assert "truncated" in fails(capsys, tmp_path, mz, *flags)
 
 
 def test_checksum_mismatch(sources, tmp_path, capsys):
@@ -68,33 +59,33 @@ def test_checksum_mismatch(sources, tmp_path, capsys):
     data = bytearray(_rank_file(mz).read_bytes())
     data[-100] ^= 0xFF
     _rank_file(mz).write_bytes(bytes(data))
-    assert "does not match the manifest" in _fails(capsys, tmp_path, mz)
+    assert "does not match the manifest" in fails(capsys, tmp_path, mz)
 
 
 def test_missing_and_truncated_hf_shard(sources, tmp_path, capsys):
     hf = _copy(sources / "hf", tmp_path)
     weights = hf / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64])
-    assert "model.safetensors: cannot be read" in _fails(capsys, tmp_path, hf)
+    assert "model.safetensors: cannot be read" in fails(capsys, tmp_path, hf)
     weights.rename(hf / "model-00001-of-00002.safetensors")
     (hf / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors",
                         "lm_head.weight": "model-00002-of-00002.safetensors"}}))
-    assert "model-00002-of-00002.safetensors: weight shard listed" in _fails(capsys, tmp_path, hf)
+    assert "model-00002-of-00002.safetensors: weight shard listed" in fails(capsys, tmp_path, hf)
 
 
 def test_unknown_hf_architecture(sources, tmp_path, capsys):
     hf = _copy(sources / "hf", tmp_path)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
-    assert "'BertForMaskedLM' is not one megazero can import" in _fails(capsys, tmp_path, hf)
+    assert "'BertForMaskedLM' is not one megazero can import" in fails(capsys, tmp_path, hf)
 
 
 def test_hf_config_megazero_cannot_express(sources, tmp_path, capsys):
     hf = _copy(sources / "hf", tmp_path)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
-    assert "mlp_bias" in _fails(capsys, tmp_path, hf)
+    assert "mlp_bias" in fails(capsys, tmp_path, hf)
 
 
 @pytest.mark.parametrize("changes, expected", [
@@ -108,7 +99,7 @@ def test_hf_config_of_another_model_type_or_a_sliding_window(sources, tmp_path, 
     hf = _copy(sources / "hf", tmp_path)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, **changes}))
-    assert expected in _fails(capsys, tmp_path, hf)
+    assert expected in fails(capsys, tmp_path, hf)
 
 
 @pytest.mark.parametrize("window", ["switched off", "as long as the context"])
@@ -123,32 +114,14 @@ def test_hf_config_with_a_window_that_does_not_apply_imports(sources, tmp_path, 
     assert main(["convert", str(hf), str(tmp_path / "mz")]) == 0
 
 
-class _Random:
-    """A source with an architecture of our choosing and random weights."""
-
-    kind = "test"
-
-    def __init__(self, **fields):
-        from megazero.convert.sources import logical_shapes
-
-        self.cfg = ModelConfig(**{"num_layers": 1, "hidden_size": 16, "num_heads": 4, "vocab_size": 40,
-                                  "seq_length": 8, **fields})
-        self.shapes = logical_shapes(self.cfg)
-        self.names = list(self.shapes)
-
-    def read(self, name):
-        shape = self.shapes[name]
-        return torch.randn((self.cfg.vocab_size, *shape[1:]) if name.startswith(("embedding.tok", "lm_head")) else shape)
-
-
 @pytest.mark.parametrize("fields,field", [
     ({"position_embedding": "rope", "norm": "layernorm", "activation": "swiglu"}, "model.norm"),
     ({"position_embedding": "rope", "norm": "rmsnorm", "activation": "gelu"}, "model.activation"),
     ({"position_embedding": "learned", "num_kv_heads": 2}, "model.num_kv_heads"),
 ])
 def test_architecture_hf_cannot_express(tmp_path, capsys, fields, field):
-    write_megazero(_Random(**fields), tmp_path / "mz")
-    assert _fails(capsys, tmp_path, tmp_path / "mz").startswith(f"megazero convert: error: {field}:")
+    write_megazero(RandomSource(**fields), tmp_path / "mz")
+    assert fails(capsys, tmp_path, tmp_path / "mz").startswith(f"megazero convert: error: {field}:")
 
 
 def test_existing_dst_and_not_a_checkpoint(sources, tmp_path, capsys):
@@ -157,12 +130,12 @@ def test_existing_dst_and_not_a_checkpoint(sources, tmp_path, capsys):
     assert main(["convert", str(sources / "hf"), str(tmp_path / "taken")]) == 2
     assert "already exists" in capsys.readouterr().err and not any((tmp_path / "taken").iterdir())
     (tmp_path / "empty").mkdir()
-    assert "not a megazero checkpoint" in _fails(capsys, tmp_path, tmp_path / "empty")
+    assert "not a megazero checkpoint" in fails(capsys, tmp_path, tmp_path / "empty")
 
 
 def test_an_empty_src_or_dst_is_refused(sources, tmp_path, capsys):
     """An unset variable in a script gives "": read as the current directory, it was named "."."""
-    assert _fails(capsys, tmp_path, "").endswith("SRC: an empty path names no checkpoint (it would be read as the "
+    assert fails(capsys, tmp_path, "").endswith("SRC: an empty path names no checkpoint (it would be read as the "
                                                  "current directory); give the checkpoint to convert")
     capsys.readouterr()
     assert main(["convert", str(sources / "hf"), ""]) == 2
@@ -259,7 +232,7 @@ def _resize(name: str, rows: int):
 def test_hf_tensor_of_another_shape(sources, tmp_path, capsys, folder, name, rows, want):
     hf = _copy(sources / folder, tmp_path)
     _edit_weights(hf, _resize(name, rows))
-    assert f"model.safetensors: tensor {name} has shape {want}" in _fails(capsys, tmp_path, hf)
+    assert f"model.safetensors: tensor {name} has shape {want}" in fails(capsys, tmp_path, hf)
 
 
 @pytest.mark.parametrize("folder,changes,want", [
@@ -285,16 +258,16 @@ def test_hf_tensor_of_another_shape(sources, tmp_path, capsys, folder, name, row
 def test_hf_config_the_weights_do_not_match(sources, tmp_path, capsys, folder, changes, want):
     hf = _copy(sources / folder, tmp_path)
     _edit_config(hf, **changes)
-    assert want in _fails(capsys, tmp_path, hf)
+    assert want in fails(capsys, tmp_path, hf)
 
 
 def test_hf_config_incomplete_or_not_a_mapping(sources, tmp_path, capsys):
     hf = _copy(sources / "gpt2", tmp_path)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "n_embd"}))
-    assert "config.json: has no 'n_embd' field, which GPT2LMHeadModel needs" in _fails(capsys, tmp_path, hf)
+    assert "config.json: has no 'n_embd' field, which GPT2LMHeadModel needs" in fails(capsys, tmp_path, hf)
     (hf / "config.json").write_text("[]")
-    assert "config.json: holds a list, not a mapping of fields" in _fails(capsys, tmp_path, hf)
+    assert "config.json: holds a list, not a mapping of fields" in fails(capsys, tmp_path, hf)
 
 
 def test_hf_index_and_config_that_do_not_hold_what_they_claim(sources, tmp_path, capsys):
@@ -308,18 +281,18 @@ def test_hf_index_and_config_that_do_not_hold_what_they_claim(sources, tmp_path,
     index = hf / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {n: "model.safetensors" for n in names}}))
     assert ("model.safetensors: holds tensor 'lm_head.weight', which model.safetensors.index.json does not list in "
-            "it; the index does not match its shards") in _fails(capsys, tmp_path, hf)
+            "it; the index does not match its shards") in fails(capsys, tmp_path, hf)
     for weight_map in ([], {"lm_head.weight": None}):
         index.write_text(json.dumps({"weight_map": weight_map}))
-        assert "weight_map is not a mapping of tensor names to shard files" in _fails(capsys, tmp_path, hf)
+        assert "weight_map is not a mapping of tensor names to shard files" in fails(capsys, tmp_path, hf)
     index.write_text("[]")
-    assert "model.safetensors.index.json: is not a safetensors index (TypeError" in _fails(capsys, tmp_path, hf)
+    assert "model.safetensors.index.json: is not a safetensors index (TypeError" in fails(capsys, tmp_path, hf)
     index.unlink()
     _edit_config(hf, architectures="LlamaForCausalLM")
-    assert "architectures is 'LlamaForCausalLM', not a list of class names" in _fails(capsys, tmp_path, hf)
+    assert "architectures is 'LlamaForCausalLM', not a list of class names" in fails(capsys, tmp_path, hf)
     _edit_config(hf, architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "default", "rope_theta": 1e4},
                  rope_scaling={"type": "linear", "factor": 2.0})
-    assert "rope_scaling: 'linear' has no counterpart" in _fails(capsys, tmp_path, hf)
+    assert "rope_scaling: 'linear' has no counterpart" in fails(capsys, tmp_path, hf)
 
 
 def test_outputs_that_would_lose_or_damage_something(sources, tmp_path, capsys):
@@ -327,17 +300,17 @@ def test_outputs_that_would_lose_or_damage_something(sources, tmp_path, capsys):
     the checkpoint a run resumes from."""
     from megazero.convert.targets import write_megazero
 
-    write_megazero(_Random(num_layers=1), tmp_path / "mz")
+    write_megazero(RandomSource(num_layers=1), tmp_path / "mz")
     step = latest_checkpoint(tmp_path / "mz")
-    big = _Random(num_layers=1)
+    big = RandomSource(num_layers=1)
     read = big.read
     big.read = lambda name: read(name) * (1e6 if name == "final_norm.weight" else 1.0)
     write_megazero(big, tmp_path / "big")
-    err = _fails(capsys, tmp_path, tmp_path / "big", "--dtype", "fp16")
+    err = fails(capsys, tmp_path, tmp_path / "big", "--dtype", "fp16")
     assert re.search(r"transformer\.ln_f\.weight: holds values up to [\d.e+]+, beyond what float16 can hold \(they "
                      r"would be written as inf\)", err), err
     assert main(["convert", str(tmp_path / "big"), str(tmp_path / "bf"), "--dtype", "bf16"]) == 0
-    assert "inside SRC" in _fails(capsys, tmp_path, tmp_path / "mz", dst=step.parent / "step_0000099")
+    assert "inside SRC" in fails(capsys, tmp_path, tmp_path / "mz", dst=step.parent / "step_0000099")
 
 
 @pytest.mark.parametrize("src,to", [("gpt2_mz", "hf"), ("gpt2_mz", "torch"), ("hf", "megazero")])
@@ -352,7 +325,7 @@ def test_a_full_disk_is_one_line_naming_dst(sources, tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(HashingWriter, "write", full)
     dst = tmp_path / ("out.safetensors" if to == "torch" else "out")
-    err = _fails(capsys, tmp_path, sources / src, "--to", to, dst=dst)
+    err = fails(capsys, tmp_path, sources / src, "--to", to, dst=dst)
     assert err.endswith(f"error: {dst}: cannot be written (No space left on device); free space beside it or give "
                         "a DST on another disk"), err
 
@@ -360,9 +333,9 @@ def test_a_full_disk_is_one_line_naming_dst(sources, tmp_path, capsys, monkeypat
 def test_hf_missing_or_non_float_tensor(sources, tmp_path, capsys):
     hf = _copy(sources / "hf", tmp_path)
     _edit_weights(hf, lambda tensors: tensors.pop("model.norm.weight"))
-    assert "has no tensor 'model.norm.weight' (1 missing in all)" in _fails(capsys, tmp_path, hf)
+    assert "has no tensor 'model.norm.weight' (1 missing in all)" in fails(capsys, tmp_path, hf)
     _edit_weights(hf, lambda tensors: tensors.update({"model.norm.weight": torch.ones(32, dtype=torch.int8)}))
-    assert "tensor model.norm.weight is I8, not a float type" in _fails(capsys, tmp_path, hf)
+    assert "tensor model.norm.weight is I8, not a float type" in fails(capsys, tmp_path, hf)
 
 
 @pytest.mark.parametrize("folder,buffer", [("gpt2", "transformer.h.1.attn.bias"),
@@ -387,7 +360,7 @@ def test_hf_buffers_without_weights_are_skipped(sources, tmp_path, folder, buffe
     (["--shard-size-gb", "-1"], "--shard-size-gb: must be a positive number of GB, got -1.0"),
 ])
 def test_bad_numeric_flags(sources, tmp_path, capsys, flags, want):
-    assert _fails(capsys, tmp_path, sources / "gpt2_mz", *flags).endswith(f"error: {want}")
+    assert fails(capsys, tmp_path, sources / "gpt2_mz", *flags).endswith(f"error: {want}")
 
 
 @pytest.mark.parametrize("to,dst,flags", [("torch", "model.safetensors", ["--tp", "2"]),
@@ -396,7 +369,7 @@ def test_layout_flags_apply_to_a_megazero_target_only(sources, tmp_path, capsys,
     """A run's layout means nothing to a state dict or an HF folder: the flags are refused, naming them,
     rather than ignored. (Planted: refused for ``--to hf`` only, so ``--to torch --tp 2`` wrote a whole
     state dict as if no flag had been given.)"""
-    err = _fails(capsys, tmp_path, sources / "gpt2_mz", "--to", to, *flags, dst=tmp_path / dst)
+    err = fails(capsys, tmp_path, sources / "gpt2_mz", "--to", to, *flags, dst=tmp_path / dst)
     names = ", ".join(flag for flag in flags if flag.startswith("--"))
     assert err.endswith(f"{names}: apply to --to megazero only"), err
 
@@ -404,7 +377,7 @@ def test_layout_flags_apply_to_a_megazero_target_only(sources, tmp_path, capsys,
 @pytest.mark.parametrize("name", ["model", "model.pt"])
 def test_a_state_dict_file_must_be_named_safetensors(sources, tmp_path, capsys, name):
     """``--to torch`` writes safetensors; a file named ``model.pt`` would be taken for a pickle."""
-    err = _fails(capsys, tmp_path, sources / "gpt2_mz", "--to", "torch", dst=tmp_path / name)
+    err = fails(capsys, tmp_path, sources / "gpt2_mz", "--to", "torch", dst=tmp_path / name)
     assert err.endswith(f"{tmp_path / name}: --to torch writes one safetensors file; name it NAME.safetensors"), err
 
 
@@ -415,7 +388,7 @@ def test_a_tokenizer_bigger_than_the_model_is_refused(sources, tmp_path, capsys)
 
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(99)} | {"</s>": 99}, unk_token="</s>")).save(
         str(tmp_path / "big.json"))
-    err = _fails(capsys, tmp_path, sources / "mz", "--to", "hf", "--tokenizer", tmp_path / "big.json")
+    err = fails(capsys, tmp_path, sources / "mz", "--to", "hf", "--tokenizer", tmp_path / "big.json")
     assert err.endswith(f"--tokenizer {tmp_path / 'big.json'}: has 100 tokens, but the model has 61; give the "
                         "tokenizer the model was trained with"), err
 
@@ -440,11 +413,11 @@ def test_dropout_rates_keep_their_roles_through_hf_and_megatron(tmp_path):
     imported from Megatron, neither takes the other's rate."""
     from megazero.checkpoint import read_manifest
 
-    write_megazero(_Random(num_layers=1, dropout=0.1, attention_dropout=0.2), tmp_path / "mz")
+    write_megazero(RandomSource(num_layers=1, dropout=0.1, attention_dropout=0.2), tmp_path / "mz")
     assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "hf")]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["resid_pdrop"], config["embd_pdrop"], config["attn_pdrop"]) == (0.1, 0.1, 0.2), config
-    assert main(["convert", str(_megatron(tmp_path / "meg", hidden_dropout=0.1, attention_dropout=0.05)),
+    assert main(["convert", str(megatron_checkpoint(tmp_path / "meg", hidden_dropout=0.1, attention_dropout=0.05)),
                  str(tmp_path / "from-meg")]) == 0
     model = read_manifest(latest_checkpoint(tmp_path / "from-meg"))["meta"]["config"]["model"]
     assert (model["dropout"], model["attention_dropout"]) == (0.1, 0.05), model
@@ -458,7 +431,7 @@ def test_an_hf_folder_with_two_sets_of_weights_is_refused(sources, tmp_path, cap
     names = json.loads(json.dumps(list(_header_names(hf / "model.safetensors"))))
     (hf / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
-    assert "holds both model.safetensors and model.safetensors.index.json" in _fails(capsys, tmp_path, hf)
+    assert "holds both model.safetensors and model.safetensors.index.json" in fails(capsys, tmp_path, hf)
 
 
 def _header_names(path: Path) -> list[str]:
@@ -482,7 +455,7 @@ def test_paths_that_are_not_what_convert_needs(sources, tmp_path, capsys):
     as DST failed at the final rename, after the whole conversion; a DST under a file named a
     training setting (or, a folder further up, a bare errno after the source was read)."""
     assert main(["convert", str(sources / "gpt2_mz"), str(tmp_path / "sd.safetensors"), "--to", "torch"]) == 0
-    err = _fails(capsys, tmp_path, tmp_path / "sd.safetensors")
+    err = fails(capsys, tmp_path, tmp_path / "sd.safetensors")
     assert err.endswith(f"{tmp_path / 'sd.safetensors'}: is a file; SRC is a checkpoint folder (a state dict written "
                         "by --to torch is for other tools and is not converted back)"), err
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
@@ -491,7 +464,7 @@ def test_paths_that_are_not_what_convert_needs(sources, tmp_path, capsys):
     assert "link: already exists" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
     (tmp_path / "afile").write_text("x")
     for dst in (tmp_path / "afile" / "out", tmp_path / "afile" / "sub" / "out"):  # a parent or one above it
-        err = _fails(capsys, tmp_path, sources / "gpt2_mz", dst=dst)
+        err = fails(capsys, tmp_path, sources / "gpt2_mz", dst=dst)
         assert err.endswith(f"{dst}: {tmp_path / 'afile'} is a file, not a folder; give another DST path"), err
 
 
@@ -505,7 +478,7 @@ def test_a_tokenizer_transformers_cannot_take_is_refused_before_any_weight(sourc
     spm.SentencePieceTrainer.train(input=str(tmp_path / "text.txt"), model_prefix=str(tmp_path / "char"),
                                    vocab_size=20, model_type="char", eos_id=2, pad_id=3, hard_vocab_limit=False)
     monkeypatch.setattr(hf, "write_hf", lambda *a, **k: pytest.fail("weights written before the tokenizer check"))
-    err = _fails(capsys, tmp_path, sources / "mz", "--to", "hf", "--tokenizer", tmp_path / "char.model")
+    err = fails(capsys, tmp_path, sources / "mz", "--to", "hf", "--tokenizer", tmp_path / "char.model")
     assert "a SentencePiece CHAR model cannot be written for transformers" in err, err
 
 
@@ -519,10 +492,10 @@ def test_a_tokenizer_transformers_cannot_take_is_refused_before_any_weight(sourc
 def test_gpt2_attention_switches_without_counterpart(sources, tmp_path, capsys, changes, want):
     hf = _copy(sources / "gpt2", tmp_path)
     _edit_config(hf, **changes)
-    assert want in _fails(capsys, tmp_path, hf)
+    assert want in fails(capsys, tmp_path, hf)
 
 
-class _Diverged(_Random):
+class _Diverged(RandomSource):
     """A source whose first block's query-key-value weight holds a NaN and an infinity."""
 
     def read(self, name):
@@ -543,20 +516,20 @@ def test_weights_that_are_not_finite_are_refused(sources, tmp_path, capsys, valu
     def poison(tensors):
         tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
     _edit_weights(hf, poison)
-    err = _fails(capsys, tmp_path, hf)
+    err = fails(capsys, tmp_path, hf)
     assert "model.safetensors: tensor model.layers.1.mlp.up_proj.weight: holds 1 NaN or infinite values" in err, err
 
-    root = _megatron(tmp_path / "meg")
+    root = megatron_checkpoint(tmp_path / "meg")
     path = root / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=False)
     state["model"]["decoder.layers.1.mlp.linear_fc2.weight"][0, 0] = value
     torch.save(state, path)
-    err = _fails(capsys, tmp_path, root, dst=tmp_path / "out_meg")
+    err = fails(capsys, tmp_path, root, dst=tmp_path / "out_meg")
     assert f"{path}: decoder.layers.1.mlp.linear_fc2.weight: holds 1 NaN" in err, err
 
     write_megazero(_Diverged(num_layers=2), tmp_path / "mz")
-    err = _fails(capsys, tmp_path, tmp_path / "mz", dst=tmp_path / "out_mz")
+    err = fails(capsys, tmp_path, tmp_path / "mz", dst=tmp_path / "out_mz")
     assert "parameter 'layers.0." in err and "holds 2 NaN or infinite values" in err, err
     # megazero to megazero carries the optimizer's state too, each tensor checked
-    err = _fails(capsys, tmp_path, tmp_path / "mz", "--to", "megazero", dst=tmp_path / "out_mz2")
+    err = fails(capsys, tmp_path, tmp_path / "mz", "--to", "megazero", dst=tmp_path / "out_mz2")
     assert "parameter 'layers.0." in err and "(master): holds 2 NaN or infinite values" in err, err

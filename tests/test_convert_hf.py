@@ -234,10 +234,10 @@ def test_bias_choices_export_with_our_logits(tmp_path, fields):
     written)."""
     from megazero.convert.targets import write_megazero
     from megazero.generate import load_model
-    from tests.test_convert_bad_inputs import _Random
+    from tests.convert_sources import RandomSource
 
     torch.manual_seed(0)
-    write_megazero(_Random(num_layers=2, **fields), tmp_path / "mz")
+    write_megazero(RandomSource(num_layers=2, **fields), tmp_path / "mz")
     assert convert(tmp_path / "mz", tmp_path / "hf") == 0
     ours, cfg = load_model(tmp_path / "mz")
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))

@@ -7,17 +7,17 @@ import pytest
 import torch
 
 from megazero.cli import main
-from tests.convert_sources import fails as _fails, megatron_checkpoint as _megatron
+from tests.convert_sources import fails, megatron_checkpoint
 
 
 def test_a_handwritten_megatron_checkpoint_imports(tmp_path):
     """The fixture of the Megatron cases below is a checkpoint the importer takes as it is, also with
     the values Megatron records for switches that change nothing."""
-    assert main(["convert", str(_megatron(tmp_path / "meg")), str(tmp_path / "out")]) == 0
-    root = _megatron(tmp_path / "meg2", kv_channels=4, rotary_seq_len_interpolation_factor=1, apply_layernorm_1p=False)
+    assert main(["convert", str(megatron_checkpoint(tmp_path / "meg")), str(tmp_path / "out")]) == 0
+    root = megatron_checkpoint(tmp_path / "meg2", kv_channels=4, rotary_seq_len_interpolation_factor=1, apply_layernorm_1p=False)
     assert main(["convert", str(root), str(tmp_path / "out2")]) == 0
     # rotary settings recorded beside learned positions change nothing there
-    root = _megatron(tmp_path / "meg3", rotary_percent=0.5, use_rope_scaling=True, rotary_seq_len_interpolation_factor=4)
+    root = megatron_checkpoint(tmp_path / "meg3", rotary_percent=0.5, use_rope_scaling=True, rotary_seq_len_interpolation_factor=4)
     assert main(["convert", str(root), str(tmp_path / "out3")]) == 0
 
 
@@ -56,28 +56,28 @@ def test_megatron_rope_args_with_the_values_megatron_records_for_no_change_are_t
     ((), {"kv_channels": 8}, "args.kv_channels: 8 differs from args.hidden_size / args.num_attention_heads = 4"),
 ])
 def test_megatron_args_are_checked_as_a_model_config(tmp_path, capsys, drop, changes, want):
-    err = _fails(capsys, tmp_path, _megatron(tmp_path / "meg", drop, **changes))
+    err = fails(capsys, tmp_path, megatron_checkpoint(tmp_path / "meg", drop, **changes))
     assert want in err and "model_optim_rng.pt" in err, err
 
 
 def test_a_vocabulary_size_other_than_the_args_record_is_refused(tmp_path, capsys):
     """--vocab-size names the tokenizer's rows where args record only the padded size; where args
     record the real size too, another --vocab-size would cut real token rows without a word."""
-    root = _megatron(tmp_path / "meg", vocab_size=100)
-    err = _fails(capsys, tmp_path, root, "--vocab-size", "90")
+    root = megatron_checkpoint(tmp_path / "meg", vocab_size=100)
+    err = fails(capsys, tmp_path, root, "--vocab-size", "90")
     assert "--vocab-size: 90, but" in err and "records args.vocab_size 100" in err, err
 
 
 def test_a_megatron_rank_file_without_weights_is_named(tmp_path, capsys):
-    root = _megatron(tmp_path / "meg", ranks=2)
+    root = megatron_checkpoint(tmp_path / "meg", ranks=2)
     second = root / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt"
     state = torch.load(second, weights_only=False)
     torch.save({"args": state["args"], "model0": state["model"]}, second)
-    err = _fails(capsys, tmp_path, root)
+    err = fails(capsys, tmp_path, root)
     assert err.endswith(f"{second}: holds model0 (a virtual-pipeline checkpoint's model chunks); only one model chunk "
                         "per rank can be imported"), err
     torch.save({"args": state["args"]}, second)
-    assert f"{second}: holds no 'model' weights (tp rank 1, pipeline rank 0)" in _fails(capsys, tmp_path, root)
+    assert f"{second}: holds no 'model' weights (tp rank 1, pipeline rank 0)" in fails(capsys, tmp_path, root)
 
 
 @pytest.mark.parametrize("key,value,want", [
@@ -89,12 +89,12 @@ def test_a_megatron_model_entry_that_is_not_a_named_tensor_is_named(tmp_path, ca
     """A weight saved as something other than a tensor, or under a key that is not a name, was a
     traceback (``'NoneType' object has no attribute 'shape'``) where its shape was first read.
     ``_extra_state`` entries, which hold no weights, may be anything."""
-    root = _megatron(tmp_path / "meg", ranks=2)
+    root = megatron_checkpoint(tmp_path / "meg", ranks=2)
     second = root / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt"
     state = torch.load(second, weights_only=False)
     state["model"]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None
     state["model"][key] = value
     torch.save(state, second)
-    err = _fails(capsys, tmp_path, root)
+    err = fails(capsys, tmp_path, root)
     assert err.endswith(f"{second}: its 'model' {want}, where megatron-core saves weight names and tensors (tp rank "
                         "1, pipeline rank 0); the checkpoint is damaged or not Megatron-LM's: restore that file"), err

@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 from megazero.checkpoint import latest_checkpoint
 from megazero.checkpoint.format import CHECKSUM, complete_text
 from megazero.convert.targets import write_megazero
-from tests.test_convert_bad_inputs import _Random, _fails
+from tests.convert_sources import RandomSource, fails
 
 LLAMA = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 129,
          "position_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu", "tie_embeddings": False}
@@ -43,20 +43,20 @@ def _reseal(root, **model) -> None:
                                "not have"),  # the head would be dropped
 ], ids=["ffn", "kv-heads", "fewer-tokens", "more-tokens", "tied"])
 def test_a_config_the_files_do_not_match_is_refused(tmp_path, capsys, to, changes, want):
-    write_megazero(_Random(**LLAMA), tmp_path / "mz")
+    write_megazero(RandomSource(**LLAMA), tmp_path / "mz")
     _reseal(tmp_path / "mz", **changes)
     dst = tmp_path / ("out.safetensors" if to == "torch" else "out")
-    assert want in _fails(capsys, tmp_path, tmp_path / "mz", "--to", to, dst=dst)
+    assert want in fails(capsys, tmp_path, tmp_path / "mz", "--to", to, dst=dst)
 
 
 def test_a_parameter_the_config_describes_but_the_files_lack_is_refused(tmp_path, capsys):
     """A tied checkpoint whose config was edited to untie the head describes an ``lm_head.weight`` the
     files do not hold: the conversion must name it in one line, not end in a KeyError traceback when
     it compares shapes."""
-    write_megazero(_Random(**{**LLAMA, "tie_embeddings": True}), tmp_path / "mz")
+    write_megazero(RandomSource(**{**LLAMA, "tie_embeddings": True}), tmp_path / "mz")
     _reseal(tmp_path / "mz", tie_embeddings=False)
     assert "holds no parameter 'lm_head.weight' of the model its config describes" in \
-        _fails(capsys, tmp_path, tmp_path / "mz", "--to", "hf")
+        fails(capsys, tmp_path, tmp_path / "mz", "--to", "hf")
 
 
 def test_a_checkpoint_laid_out_at_tp2_has_the_rows_of_its_padding(tmp_path):
@@ -64,7 +64,7 @@ def test_a_checkpoint_laid_out_at_tp2_has_the_rows_of_its_padding(tmp_path):
     for 61 tokens): that is the config's shape, not a mismatch."""
     from megazero.cli import main
 
-    write_megazero(_Random(**{**LLAMA, "vocab_size": 61}), tmp_path / "mz")
+    write_megazero(RandomSource(**{**LLAMA, "vocab_size": 61}), tmp_path / "mz")
     assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "tp2"), "--to", "megazero", "--tp", "2",
                  "--pp", "2", "--dp", "1"]) == 0
     assert main(["convert", str(tmp_path / "tp2"), str(tmp_path / "hf")]) == 0

@@ -23,7 +23,7 @@ from megazero.checkpoint import latest_checkpoint
 from megazero.checkpoint.reader import STATE_KEYS, CheckpointReader
 from megazero.cli import main
 from megazero.convert.targets import write_megazero
-from tests.test_convert_bad_inputs import _Random
+from tests.convert_sources import RandomSource
 
 
 def convert(*args) -> int:
@@ -38,7 +38,7 @@ def test_a_bf16_export_says_so_and_a_bf16_folder_imports(tmp_path):
     from megazero.generate import load_model
 
     torch.manual_seed(0)
-    write_megazero(_Random(num_layers=2, position_embedding="rope", norm="rmsnorm", activation="swiglu",
+    write_megazero(RandomSource(num_layers=2, position_embedding="rope", norm="rmsnorm", activation="swiglu",
                            tie_embeddings=False), tmp_path / "mz")
     assert convert(tmp_path / "mz", tmp_path / "hf", "--dtype", "bf16") == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -61,7 +61,7 @@ def test_initializer_range_is_the_init_std(tmp_path, init_std):
     it is the std set, or unset where it was unset (not pinned to this width)."""
     from megazero.checkpoint import read_manifest
 
-    source = _Random(num_layers=1, init_std=init_std)
+    source = RandomSource(num_layers=1, init_std=init_std)
     write_megazero(source, tmp_path / "mz")
     assert convert(tmp_path / "mz", tmp_path / "hf") == 0
     ours = source.cfg.effective_init_std
@@ -80,9 +80,9 @@ def test_initializer_range_imports_as_the_init_std(tmp_path, initializer_range, 
     """A folder's initializer_range is its model.init_std (planted: the field ignored); the std an
     unset init_std derives at this width (32), and an absent field, import unset."""
     from megazero.convert.hf import HFSource
-    from tests.test_convert_bad_inputs import _llama
+    from tests.convert_sources import llama_folder
 
-    hf = _llama(tmp_path / "hf")
+    hf = llama_folder(tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())
     config["initializer_range"] = initializer_range
     if initializer_range is None:
@@ -110,7 +110,7 @@ def test_a_sharded_bf16_export_indexes_its_bytes(tmp_path):
     from safetensors import safe_open
 
     torch.manual_seed(0)
-    write_megazero(_Random(num_layers=2, position_embedding="rope", norm="rmsnorm", activation="swiglu",
+    write_megazero(RandomSource(num_layers=2, position_embedding="rope", norm="rmsnorm", activation="swiglu",
                            tie_embeddings=False), tmp_path / "mz")
     assert convert(tmp_path / "mz", tmp_path / "hf", "--dtype", "bf16", "--shard-size-gb", 2e-6) == 0
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
@@ -146,7 +146,7 @@ def run(tmp_path):
     from megazero.convert.layout import consolidated
     from megazero.convert.sources import logical_shapes
 
-    source = _Random(num_layers=2)
+    source = RandomSource(num_layers=2)
     shapes = logical_shapes(source.cfg)
     g = torch.Generator().manual_seed(2)
     values = {}
@@ -200,7 +200,7 @@ def test_state_dict_file_describes_its_model(run, tmp_path):
     assert convert(src, tmp_path / "sd.safetensors", "--to", "torch") == 0
     with safe_open(tmp_path / "sd.safetensors", "pt") as f:
         recorded = json.loads(f.metadata()[STATE_DICT_METADATA])
-    assert recorded == asdict(_Random(num_layers=2).cfg)
+    assert recorded == asdict(RandomSource(num_layers=2).cfg)
 
 
 def test_offline_reshard_takes_the_adam_step_of_ranks_that_updated(tmp_path):
@@ -252,7 +252,7 @@ def test_offline_reshard_drops_the_source_layouts_own_choices(tmp_path):
     from megazero.convert.layout import consolidated
     from megazero.convert.sources import logical_shapes
 
-    source = _Random(num_layers=4)
+    source = RandomSource(num_layers=4)
     shapes = logical_shapes(source.cfg)
     cfg = load_config(None, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.virtual_stages", "2",
                              "--parallel.sequence_parallel", "true", "--parallel.pipeline_split", "[1, 1, 1, 1]",

@@ -17,7 +17,7 @@ from megazero.errors import UserError
 TARGETS = ("hf", "megazero", "torch")
 LAYOUT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--dp": "parallel.dp", "--zero-stage": "zero.stage",
                 "--virtual-stages": "parallel.virtual_stages", "--pipeline-schedule": "parallel.pipeline_schedule"}
-TEXT_FLAGS = ("--pipeline-schedule",)  # the others are integers
+SCHEDULE_FLAG = "--pipeline-schedule"  # a name, checked by the config's validation; the others are integers
 SIZE_FLAGS = ("--tp", "--pp", "--dp", "--virtual-stages")
 SOURCES = ("megazero", "hf", "megatron")
 
@@ -48,10 +48,12 @@ def register(subparsers) -> None:
                         help="--to megazero from megazero: start at step 0 with fresh optimizer state")
     layout = parser.add_argument_group("--to megazero: the layout of the run that will load DST (default: consolidated)")
     for flag, field in LAYOUT_FLAGS.items():
-        layout.add_argument(flag, type=str if flag in TEXT_FLAGS else int, default=None, dest=field.replace(".", "_"),
-                            help=f"{field} of that run (others from the source run's config, else defaults)"
-                                 + ("; zb-v places each rank's two chunks in a V, so its ranks hold other stages "
-                                    "than a loop's" if flag == "--pipeline-schedule" else ""))
+        if flag != SCHEDULE_FLAG:
+            layout.add_argument(flag, type=int, default=None, dest=field.replace(".", "_"),
+                                help=f"{field} of that run (others from the source run's config, else defaults)")
+    layout.add_argument(SCHEDULE_FLAG, default=None, dest=LAYOUT_FLAGS[SCHEDULE_FLAG].replace(".", "_"),
+                        help="parallel.pipeline_schedule of that run: zb-v places each rank's two chunks in a V, "
+                             "so its ranks hold other stages than a loop's")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="From Megatron: the tokenizer's vocabulary, where its args record only the padded one "
                              "(padding rows are then left out)")
