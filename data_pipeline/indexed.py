@@ -72,10 +72,17 @@ class IndexedDatasetWriter:
         except OSError as exc:
             raise OSError(f"{prefix}: cannot create {exc.filename} ({exc.strerror}); give another output "
                           "prefix") from None
-        self._published: list[str] = []  # the final paths it has put files at
+        # the final paths it has put files at, each with its file's identity: an abort removes a path
+        # only while it still holds that file, never one another run has put there since
+        self._published: list[tuple[str, tuple[int, int]]] = []
+        self._sealed = False
         self._bin_tmp = _tmp_name(bin_path(prefix))
         self._idx_tmp = _tmp_name(idx_path(prefix))
-        self._bin = open(self._bin_tmp, "wb")
+        try:
+            self._bin = open(self._bin_tmp, "wb")
+        except OSError as exc:
+            remove_made(self._made)
+            raise _not_written(prefix, exc) from None
         self._sizes = array("i")  # int32 lengths, appended without a numpy object per document
 
     def _write_tokens(self, tokens) -> int:
@@ -114,23 +121,30 @@ class IndexedDatasetWriter:
     def seal(self) -> None:
         """Close the ``.bin`` and write the ``.idx``, both still under temporary names: the step a full
         disk can fail, done for every shard of a run before any is put in place (``publish``)."""
+        if self._sealed:
+            return
         try:
             self._bin.close()
             write_index(self._idx_tmp, self.dtype, np.frombuffer(self._sizes, dtype=np.int32))
         except OSError as exc:
             raise _not_written(self.prefix, exc) from None
+        self._sealed = True
 
     def publish(self) -> None:
         """Put the sealed files at their final paths (renames only)."""
         for tmp, final in ((self._bin_tmp, bin_path(self.prefix)), (self._idx_tmp, idx_path(self.prefix))):
+            if any(path == final for path, _ in self._published):
+                continue
             try:
+                identity = _identity(tmp)
                 os.replace(tmp, final)
             except OSError as exc:
                 raise _not_written(self.prefix, exc) from None
-            self._published.append(final)
+            self._published.append((final, identity))
 
     def finish(self) -> None:
-        """``seal`` and ``publish``; a failure on the way undoes everything (``abort``)."""
+        """``seal`` and ``publish`` (what is done already is not done again); a failure on the way
+        undoes everything (``abort``)."""
         try:
             self.seal()
             self.publish()
@@ -145,9 +159,13 @@ class IndexedDatasetWriter:
         failed the write; the file is closed all the same, and is removed."""
         with contextlib.suppress(OSError):
             self._bin.close()
-        for path in (self._bin_tmp, self._idx_tmp, *self._published):
+        for path in (self._bin_tmp, self._idx_tmp):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        for path, identity in self._published:
+            with contextlib.suppress(FileNotFoundError):
+                if _identity(path) == identity:
+                    os.unlink(path)
         self._published.clear()
         remove_made(self._made)
 
@@ -159,6 +177,12 @@ class IndexedDatasetWriter:
             self.finish()
         else:
             self.abort()
+
+
+def _identity(path: str) -> tuple[int, int]:
+    """Which file ``path`` holds (device and inode), followed through a rename."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def _not_written(prefix: str, exc: OSError) -> OSError:

@@ -12,6 +12,7 @@ counted by reason instead. Either way it never becomes a document.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
@@ -128,12 +129,14 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     vocab_size, identity = tokenizer.vocab_size, tokenizer_identity(tokenizer)  # before any work
     for path in inputs:
         check_input(path, keys)
-    writers = {k: IndexedDatasetWriter(output_prefix_for(output_prefix, k), token_dtype(vocab_size)) for k in keys}
+    writers: dict[str, IndexedDatasetWriter] = {}
     stats = PreprocessStats()
     recorded: list[str] = []  # the tokenizer records written, removed with the shards on a failure
     bar = _progress_bar(progress)
     start = time.perf_counter()
     try:
+        for k in keys:  # one at a time inside the try: a key whose writer fails leaves no other's files
+            writers[k] = IndexedDatasetWriter(output_prefix_for(output_prefix, k), token_dtype(vocab_size))
         batches = chain.from_iterable(iter_batches(p, keys, batch_size, hf_split) for p in inputs)
         for encoded in _encoded(batches, tokenizer_path, keys, append_eod, skip_bad_records, workers):
             for key, (tokens, lengths) in encoded.arrays.items():
@@ -158,10 +161,11 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
             write_origin(w.prefix, identity)
             recorded.append(origin_path(w.prefix))
     except BaseException:
+        for path in recorded:  # first: a record left in a folder would keep it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         for w in reversed(writers.values()):  # the first made the folders: it removes them once they are empty
             w.abort()
-        for path in recorded:
-            os.unlink(path)
         raise
     finally:
         if bar is not None:

@@ -12,6 +12,7 @@ vouched for.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -54,9 +55,15 @@ def write_origin(prefix: str, identity: dict) -> None:
     """Record ``identity`` for the finished shard at ``prefix``, with its ``.idx`` digest (atomically: a
     half-written record would read as damaged)."""
     tmp = f"{origin_path(prefix)}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({**identity, "idx_sha256": idx_sha256(prefix)[0]}, f)
-    os.replace(tmp, origin_path(prefix))
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({**identity, "idx_sha256": idx_sha256(prefix)[0]}, f)
+        os.replace(tmp, origin_path(prefix))
+    except OSError as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise OSError(f"{origin_path(prefix)}: the shard's tokenizer record cannot be written ({exc.strerror or exc}); "
+                      "free space there or give another output prefix") from None
 
 
 def read_origin(prefix: str) -> Optional[dict]:

@@ -57,3 +57,38 @@ def test_folders_made_part_way_are_removed_and_only_ones_own():
     with pytest.raises(OSError, match=rf"^{long}/out: cannot create {long} \(File name too long\); give another"):
         IndexedDatasetWriter(os.path.join(long, "out"), "uint16")
     assert sorted(os.listdir(root)) == ["a"]
+
+
+def test_a_shard_writer_undoes_only_its_own_files():
+    """An abort after ``publish`` removes the files this writer put in place, but not ones another
+    run has put at the same paths since; a writer whose temporary file cannot be opened removes the
+    folders it made; and a writer finished by hand inside its ``with`` block is not finished twice
+    (which failed on its moved files and aborted, deleting the shard). (Planted: unlinking the
+    published paths by name; no cleanup when the open fails; no record of what was done.)"""
+    import os
+    import tempfile
+
+    import numpy as np
+
+    from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
+
+    root = tempfile.mkdtemp()
+    prefix = os.path.join(root, "out")
+    first = IndexedDatasetWriter(prefix, np.uint16)
+    first.add_document(np.arange(3))
+    first.seal()
+    first.publish()
+    with IndexedDatasetWriter(prefix, np.uint16) as second:  # another run, finishing after it
+        second.add_document(np.arange(5))
+    first.abort()
+    assert list(IndexedDataset(prefix).sizes) == [5]
+
+    with pytest.raises(OSError, match=r"the shard cannot be written \(File name too long\)"):
+        IndexedDatasetWriter(os.path.join(root, "new", "deeper", "z" * 300), np.uint16)
+    assert sorted(os.listdir(root)) == ["out.bin", "out.idx"]
+
+    with IndexedDatasetWriter(os.path.join(root, "hand"), np.uint16) as writer:
+        writer.add_document(np.arange(2))
+        writer.seal()
+        writer.publish()
+    assert list(IndexedDataset(os.path.join(root, "hand")).sizes) == [2]

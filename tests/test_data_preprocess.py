@@ -171,12 +171,14 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_files(env, tmp_path, ca
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 
 
-@pytest.mark.parametrize("fails", ["index", "rename"])
+@pytest.mark.parametrize("fails", ["index", "rename", "origin"])
 def test_a_second_key_that_cannot_be_written_leaves_no_shard_of_the_first(env, tmp_path, capsys, monkeypatch, fails):
     """Of two ``--json-keys``, the second's ``.idx`` meets a full disk (or its files cannot be put in
     place): the first key's shard, already finished, stayed with its tokenizer record, and blocked the
     rerun as existing output; so did the folders made for the run. Now nothing is left, and the rerun
-    writes both. (Planted: each key finished in turn, and an abort that removes temporary files only.)"""
+    writes both; so does a tokenizer record that cannot be written. (Planted: each key finished in
+    turn, and an abort that removes temporary files only; the records removed after the writers'
+    abort, whose folders they then kept.)"""
     import data_pipeline.indexed as indexed
 
     calls = []
@@ -189,7 +191,7 @@ def test_a_second_key_that_cannot_be_written_leaves_no_shard_of_the_first(env, t
                 raise OSError(errno.ENOSPC, "No space left on device")
             real(path, *args)
         monkeypatch.setattr(indexed, "write_index", flaky)
-    else:
+    elif fails == "rename":
         real = os.replace
 
         def flaky(src, dst):
@@ -198,6 +200,17 @@ def test_a_second_key_that_cannot_be_written_leaves_no_shard_of_the_first(env, t
                 raise OSError(errno.EIO, "Input/output error")
             real(src, dst)
         monkeypatch.setattr(indexed.os, "replace", flaky)
+    else:
+        import data_pipeline.shard_origin as shard_origin
+
+        real = shard_origin.idx_sha256
+
+        def flaky(prefix):  # the second key's record meets a full disk, the first key's is written
+            calls.append(prefix)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(prefix)
+        monkeypatch.setattr(shard_origin, "idx_sha256", flaky)
     records = tmp_path / "in.jsonl"
     records.write_text(json.dumps({"text": "alpha", "title": "beta"}) + "\n")
     argv = ["preprocess", "--input", str(records), "--tokenizer", env["model"], "--output-prefix",
