@@ -45,6 +45,8 @@ def output_folder_problem(path: str) -> Optional[str]:
     never finds it removed under it. (``os.access`` alone says yes to root on a read-only mount.)"""
     directory = os.path.dirname(os.path.abspath(path))
     existing = nearest_existing(directory)
+    if os.path.islink(existing) and not os.path.exists(existing):
+        return f"{existing} is a link to {os.readlink(existing)}, which does not exist"
     if not os.path.isdir(existing):
         return f"{existing} is a file, not a folder"
     try:

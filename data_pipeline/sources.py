@@ -210,21 +210,25 @@ def check_input(path: str, keys: tuple[str, ...]) -> None:
 def check_compression(path: str) -> None:
     """A ``.gz`` or ``.zst`` file that does not open as one (plain jsonl given a compressed name, or
     the other compressor's output): read, it ends on its first bytes as "truncated or corrupt", and
-    every document in it is lost to one bad-record count. An empty file reads as no lines."""
-    for suffix, name, is_magic in _COMPRESSIONS:
-        if path.endswith(suffix) and os.path.isfile(path):  # a folder or a hub name is read otherwise
+    every document in it is lost to one bad-record count. An empty file reads as no lines; one of
+    fewer bytes than a header that begins as one is cut short. A folder, a pipe or a hub name with
+    such a name is left to its own reader."""
+    for suffix, name, usual, opens in _COMPRESSIONS:
+        if path.endswith(suffix) and os.path.isfile(path):
             with open(path, "rb") as f:
                 head = f.read(4)
-            if 0 < len(head) < 4:
-                raise ValueError(f"{path}: {len(head)} bytes, too short for {name} data; the file is truncated")
-            if head and not is_magic(head):
+            if head and not opens(head + usual[len(head):]):
                 raise ValueError(f"{path}: not {name} data (it starts with {head!r}), though named {suffix}; "
                                  "rename it to match what it holds")
+            if 0 < len(head) < 4:
+                raise ValueError(f"{path}: only {len(head)} byte(s), too short for {name} data; the file is truncated")
 
 
-_COMPRESSIONS = (  # a zstd file may open with a skippable frame (magic 0x184D2A50 to 0x184D2A5F)
-    (".gz", "gzip", lambda head: head[:2] == b"\x1f\x8b"),
-    (".zst", "zstd", lambda head: head == b"\x28\xb5\x2f\xfd" or (head[1:] == b"\x2a\x4d\x18" and head[0] >> 4 == 5)),
+_COMPRESSIONS = (  # suffix, name, a usual first 4 bytes, and whether 4 bytes open such a file
+    (".gz", "gzip", b"\x1f\x8b\x08\x00", lambda head: head[:2] == b"\x1f\x8b"),
+    # a zstd file may open with a skippable frame (magic 0x184D2A50 to 0x184D2A5F)
+    (".zst", "zstd", b"\x28\xb5\x2f\xfd",
+     lambda head: head == b"\x28\xb5\x2f\xfd" or (head[1:] == b"\x2a\x4d\x18" and head[0] >> 4 == 5)),
 )
 
 

@@ -33,13 +33,14 @@ class DataFacts:
     tokenizer_vocab: Optional[int]
 
 
-def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[int] = None) -> DataFacts:
+def check_run(cfg: Config, *, scan_data: bool = True, checkpoint_files: bool = True,
+              ranks_per_node: Optional[int] = None) -> DataFacts:
     """Raise one ``ConfigError`` listing every problem with the device, its memory, data, tokenizer
     and directories of ``cfg`` (resolved: ``parallel.dp`` set); ``scan_data`` also reads every shard's
-    tokens (cached) to check the largest id against the model's vocabulary, and looks at every file
-    of the checkpoint to resume (one rank does, or ``--check``: a world of ranks each looking at
-    every rank's file would load a shared filesystem with world² requests); ``ranks_per_node``
-    keeps the suggested layout's tensor groups within a node."""
+    tokens (cached) to check the largest id against the model's vocabulary; ``checkpoint_files``
+    looks at every file of the checkpoint to resume (the ranks that report do, one a node, as
+    ``--check`` does: every rank looking at every rank's file would load a shared filesystem with
+    world² requests); ``ranks_per_node`` keeps the suggested layout's tensor groups within a node."""
     problems = _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
     problems += _memory_problems(cfg, ranks_per_node) + _recompute_problems(cfg)
     prefixes, data_problems = _data_prefixes(cfg)
@@ -52,7 +53,7 @@ def check_run(cfg: Config, *, scan_data: bool = True, ranks_per_node: Optional[i
         largest, scan_problems = _largest_token_id(cfg, prefixes, tokenizer)
         problems += scan_problems
     problems += _directory_problems(cfg)
-    problems += _checkpoint_problems(cfg, every_file=scan_data)
+    problems += _checkpoint_problems(cfg, every_file=checkpoint_files)
     problems += _logger_problems(cfg)
     if problems:
         raise ConfigError("\n".join(problems))

@@ -247,7 +247,7 @@ CASES = [
                                                    str(f["root"] / "stub.jsonl.gz"), "--tokenizer",
                                                    str(f["root"] / "tokenizer.json"), "--output-prefix",
                                                    str(f["root"] / "out" / "stub"), "--no-progress"],
-     ["stub.jsonl.gz: 2 bytes, too short for gzip data; the file is truncated"]),
+     ["stub.jsonl.gz: only 2 byte(s), too short for gzip data; the file is truncated"]),
     ("preprocess-missing-input", lambda f: ["preprocess", "--input", str(f["root"] / "none.jsonl"), "--tokenizer",
                                             str(f["root"] / "tokenizer.json"), "--output-prefix", str(f["root"] / "out" / "n")],
      ["none.jsonl"]),

@@ -1,8 +1,11 @@
 """The shared path checks of ``data_pipeline/paths.py``: an empty path (an unset variable in a
 script) is one message naming what was meant and the fix, and each consumer raises it as the error
-type its own callers catch."""
+type its own callers catch; the folders a writer makes, and removes again, are only its own; and
+the first bytes of a compressed input say whether it is one."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -92,3 +95,34 @@ def test_a_shard_writer_undoes_only_its_own_files():
         writer.seal()
         writer.publish()
     assert list(IndexedDataset(os.path.join(root, "hand")).sizes) == [2]
+
+
+@pytest.mark.parametrize("head,said", [
+    (b"{\"", "not gzip data (it starts with b'{\"'), though named .gz"),  # plain text, however short
+    (b"\x1f", "only 1 byte(s), too short for gzip data; the file is truncated"),  # gzip's magic, cut
+    (b"\x1f\x8b\x08", "only 3 byte(s), too short for gzip data"),
+])
+def test_a_short_compressed_file_is_named_for_what_it_is(tmp_path, head, said):
+    """A file of fewer than four bytes named ``.gz`` is cut short only where its bytes begin gzip's
+    header; otherwise it is no gzip at all. (Planted: every short file called truncated.)"""
+    from data_pipeline.sources import check_compression
+
+    path = tmp_path / "x.jsonl.gz"
+    path.write_bytes(head)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        check_compression(str(path))
+    (tmp_path / "folder.jsonl.gz").mkdir()
+    check_compression(str(tmp_path / "folder.jsonl.gz"))  # a folder is read as a dataset, not here
+
+
+def test_an_output_under_a_dangling_link_says_so(tmp_path):
+    """The nearest existing path above an output is a link to nothing: said as such, not as "a file".
+    (Planted: every non-folder called a file.)"""
+    import os
+
+    from data_pipeline.paths import output_folder_problem
+
+    os.symlink(tmp_path / "gone", tmp_path / "link")
+    assert output_folder_problem(str(tmp_path / "link" / "out")) == \
+        f"{tmp_path / 'link'} is a link to {tmp_path / 'gone'}, which does not exist"
+    assert output_folder_problem(str(tmp_path / "new" / "out")) is None and os.listdir(tmp_path) == ["link"]

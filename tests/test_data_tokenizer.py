@@ -186,3 +186,19 @@ def test_a_failed_training_leaves_no_folder(tmp_path):
     with pytest.raises(ValueError, match="more than this text can fill"):
         train_sentencepiece(read_texts([str(tmp_path / "d.txt")]), str(tmp_path / "new" / "sub" / "tok"), 100_000)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt"]
+
+
+def test_a_pipe_is_an_input_and_a_missing_file_is_not(tmp_path):
+    """``--input <(zcat a.txt.gz)`` names a pipe, not a regular file: the input check takes it (the
+    training reads it), and still refuses a path that is not there. (Planted: ``os.path.isfile``,
+    which refused every pipe as "no such file".)"""
+    import os
+
+    from megazero.commands.tokenizer import _check_inputs
+    from megazero.errors import UserError
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    _check_inputs([str(pipe)])
+    with pytest.raises(UserError, match=r"none\.txt: no such file"):
+        _check_inputs([str(tmp_path / "none.txt")])

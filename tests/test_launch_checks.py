@@ -275,16 +275,26 @@ def test_a_resume_with_the_same_split_spelled_otherwise_passes(files, capsys):
     assert "another data order (data.split changed)" in capsys.readouterr().err
 
 
-def test_only_the_reporting_rank_looks_at_every_checkpoint_file(files):
+def test_only_the_reporting_ranks_look_at_every_checkpoint_file(files):
     """Every rank of a launch runs the checks, and a stat of every rank's file on every rank is world²
-    requests to a shared filesystem: the rank that reports (and ``--check``) looks at each file; the
-    others leave a file cut short to their load. (Planted: the files looked at on every rank.)"""
-    from megazero.config import load_config, resolve_config
-    from megazero.preflight import _checkpoint_problems
+    requests to a shared filesystem: the ranks that report (rank 0, and each node's first on several
+    nodes) and ``--check`` look at each file; the others leave a file cut short to their load.
+    (Planted: the files looked at on every rank; only on rank 0, though a node's first also reports.)"""
+    from types import SimpleNamespace
 
-    cfg = resolve_config(load_config(None, _train(files, "--checkpoint.load", files["cut"])[1:]), 1)
-    assert "the file is truncated" in " ".join(_checkpoint_problems(cfg, every_file=True))
-    assert _checkpoint_problems(cfg, every_file=False) == []
+    from megazero.commands.train import checked_config
+    from megazero.errors import ConfigError
+    from parallel.launch import LaunchEnv
+
+    overrides = _train(files, "--checkpoint.load", files["cut"])[1:]
+    for launch, check, refused in ((LaunchEnv(1, 2, 1, 2), False, False), (LaunchEnv(0, 2, 0, 2), False, True),
+                                   (LaunchEnv(1, 2, 1, 2), True, True), (LaunchEnv(1, 2, 0, 1), False, True)):
+        args = SimpleNamespace(overrides=overrides, check=check)
+        if refused:
+            with pytest.raises(ConfigError, match="the file is truncated"):
+                checked_config(args, launch)
+        else:
+            checked_config(args, launch)
 
 
 def test_the_epoch_check_skips_what_the_run_does_not_sample(files, tmp_path):

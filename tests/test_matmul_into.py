@@ -65,14 +65,16 @@ def _reducer(group, mode="full", on_final=None):
 def test_add_products_declines_what_it_cannot_add_in_place(one_rank_group):
     """``add_products`` does nothing and returns False for a sharded reducer, and for a list in which
     any pair is 16-bit on the CPU (even beside fp32 pairs): the caller then hands the gradient to
-    autograd, so taking part of it would count it twice. (Planted: ``or`` for ``and`` between the
-    mode and factor checks; ``any`` for ``all`` over the pairs.)"""
+    autograd, so taking part of it would count it twice; an empty list is declined too, or the
+    region's old contents would count as this step's gradient. (Planted: ``or`` for ``and`` between
+    the mode and factor checks; ``any`` for ``all`` over the pairs; no check for an empty list.)"""
     _, _, products = _region_case("cpu", FP32)
     sharded = _reducer(one_rank_group, mode="sharded")
     assert not sharded.add_products(0, products)
     assert not sharded.written[0] and torch.all(sharded.shard == 0)
 
     full = _reducer(one_rank_group)
+    assert not full.add_products(0, [])  # nothing to add must not count as the gradient arriving
     assert not full.add_products(0, [(a.to(BF16), b.to(BF16)) for a, b in products])
     assert not full.add_products(0, [products[0], tuple(t.to(BF16) for t in products[1])])
     assert not full.written[0]

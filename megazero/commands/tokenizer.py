@@ -81,7 +81,7 @@ def _check_inputs(names: list[str]) -> None:
             raise UserError(f"--input: {empty}")
         if os.path.isdir(name):
             raise UserError(f"--input {name}: is a folder; give the text or .jsonl files in it")
-        if not os.path.isfile(name):
+        if not os.path.exists(name):  # a pipe (``<(zcat ...)``) is no regular file, but it is an input
             raise UserError(f"--input {name}: no such file")
         try:
             check_compression(name)

@@ -205,15 +205,16 @@ class GradReducer:
     def add_products(self, i: int, products: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Add ``sum a @ b`` over ``products`` to parameter i's gradient in its region, the GEMMs
         accumulating in the buffer's dtype, as if that sum had arrived through the parameter's hook;
-        False (nothing done) where this cannot be done in place: sharded mode, a 16-bit buffer, or
-        16-bit factors off CUDA.
+        False (nothing done) where this cannot be done in place: no products, sharded mode, a 16-bit
+        buffer, or 16-bit factors off CUDA. A product of another shape than the parameter's raises
+        ValueError.
 
         This is the split-backward schedules' weight gradient (``pipeline.deferred_wgrad``): computed
         outside autograd anyway, it can skip the 16-bit product, the hook and the separate
         conversion and add of every micro-batch's gradient into fp32 (gradient accumulation fused
         into the GEMM, as Megatron-LM does for its ``main_grad``).
         """
-        if self.mode != "full" or not all(can_matmul_into(self.dtype, a, b) for a, b in products):
+        if not products or self.mode != "full" or not all(can_matmul_into(self.dtype, a, b) for a, b in products):
             return False
         if i in self.copying:
             self._land()
