@@ -9,6 +9,7 @@ is loaded). Any other file given as a tokenizer is one ValueError naming it, not
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -228,8 +229,8 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
             failures.append(exc)
             raise
 
-    try:
-        with made_folder(os.path.dirname(os.path.abspath(model_prefix))):
+    with made_folder(os.path.dirname(os.path.abspath(model_prefix))):
+        try:
             spm.SentencePieceTrainer.train(
                 sentence_iterator=sentences(),
                 model_prefix=tmp_prefix, vocab_size=vocab_size, model_type=model_type,
@@ -239,12 +240,18 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
                 input_sentence_size=max_sentences, shuffle_input_sentence=True,
                 num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
             )
-    except RuntimeError as exc:
-        if failures:
-            raise failures[0] from None
-        if not seen[0]:
-            raise ValueError("the input holds no text to train on (every file is empty, or every line blank or over 4096 bytes)") from None
-        raise ValueError(_vocabulary_problem(str(exc), vocab_size) or str(exc)) from None
-    for ext in (".model", ".vocab"):
-        os.replace(tmp_prefix + ext, model_prefix + ext)
+            for ext in (".model", ".vocab"):
+                os.replace(tmp_prefix + ext, model_prefix + ext)
+        except BaseException as exc:
+            for ext in (".model", ".vocab"):  # a half-written pair would keep the folder made for it
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp_prefix + ext)
+            if not isinstance(exc, RuntimeError):
+                raise
+            if failures:
+                raise failures[0] from None
+            if not seen[0]:
+                raise ValueError("the input holds no text to train on (every file is empty, or every line blank or "
+                                 "over 4096 bytes)") from None
+            raise ValueError(_vocabulary_problem(str(exc), vocab_size) or str(exc)) from None
     return model_prefix + ".model"
