@@ -494,7 +494,8 @@ DATA_ORDER_FIELDS = ("blend", "blend_preset", "blend_root", "split", "seed")
 
 
 def _named_data(c: Config) -> tuple:
-    return tuple(getattr(c.data, k) for k in DATA_ORDER_FIELDS)
+    """The blend as the config names it (split and seed are compared on their own)."""
+    return tuple(getattr(c.data, k) for k in DATA_ORDER_FIELDS if k not in ("split", "seed"))
 
 
 def _epochs_change(prefix: str, weight: float, cfg: Config, n_old: int, n_new: int) -> bool:
