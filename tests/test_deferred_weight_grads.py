@@ -24,6 +24,16 @@ def _linear_on_a_queue(sink=None, frozen=()):
     return layer, ref, queue
 
 
+def _backward_two(layer, ref, queue, forward=None):
+    """Two micro-batches' backwards through ``layer`` (``forward``: how it is called), each queued under
+    its number, and through the plain ``ref`` (when given) for the reference gradients."""
+    for k, x in enumerate(_inputs(2)):
+        with queue.backward_of(k):
+            (forward or layer)(x).square().sum().backward()
+        if ref is not None:
+            ref(x.detach()).square().sum().backward()
+
+
 def _inputs(count):
     g = torch.Generator().manual_seed(1)
     return [torch.randn(3, 6, generator=g, requires_grad=True) for _ in range(count)]
@@ -34,18 +44,13 @@ def test_a_frozen_half_of_a_deferred_linear_gets_no_gradient():
     weight queues nothing at all and W raises nothing. (Planted: the frozen checks removed; W then
     handed autograd a gradient for a tensor that needs none, and raised.)"""
     layer, ref, queue = _linear_on_a_queue(frozen=("bias",))
-    for k, x in enumerate(_inputs(2)):
-        with queue.backward_of(k):
-            layer(x).square().sum().backward()
-        ref(x.detach()).square().sum().backward()
+    _backward_two(layer, ref, queue)
     assert queue.run([0, 1]) == (2, 0) and len(queue) == 0
     torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
     assert layer.bias.grad is None
 
     layer, _, queue = _linear_on_a_queue(frozen=("weight", "bias"))
-    for k, x in enumerate(_inputs(2)):
-        with queue.backward_of(k):
-            layer(x).square().sum().backward()
+    _backward_two(layer, None, queue)
     assert queue.run([0, 1]) == (0, 0) and len(queue) == 0
     assert layer.weight.grad is None and layer.bias.grad is None
 
@@ -101,10 +106,7 @@ def test_a_sink_takes_the_weight_and_the_bias():
     ``in_place`` counting weights; the bias handed to autograd beside the sink.)"""
     sink = _TakeEverything()
     layer, ref, queue = _linear_on_a_queue(sink)
-    for k, x in enumerate(_inputs(2)):
-        with queue.backward_of(k):
-            layer(x).square().sum().backward()
-        ref(x.detach()).square().sum().backward()
+    _backward_two(layer, ref, queue)
     assert queue.run([0, 1]) == (2, 2)
     assert layer.weight.grad is None and layer.bias.grad is None
     torch.testing.assert_close(sink.sums[id(layer.weight)], ref.weight.grad, rtol=1e-6, atol=1e-6)
@@ -123,10 +125,7 @@ def test_a_bias_the_sink_declines_reaches_grad():
     (Planted: a declined bias dropped.)"""
     sink = _TakeWeights()
     layer, ref, queue = _linear_on_a_queue(sink)
-    for k, x in enumerate(_inputs(2)):
-        with queue.backward_of(k):
-            layer(x).square().sum().backward()
-        ref(x.detach()).square().sum().backward()
+    _backward_two(layer, ref, queue)
     assert queue.run([0, 1]) == (2, 2)
     assert layer.weight.grad is None and id(layer.bias) not in sink.sums
     torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-6)
@@ -138,10 +137,7 @@ def test_a_recomputed_linear_hands_over_its_parameters():
     ``W`` deliver to. (Found: every linear raised TypeError under a split-backward schedule without
     torch.compile, the CPU default.)"""
     layer, ref, queue = _linear_on_a_queue()
-    for k, x in enumerate(_inputs(2)):
-        with queue.backward_of(k):
-            torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).square().sum().backward()
-        ref(x.detach()).square().sum().backward()
+    _backward_two(layer, ref, queue, lambda x: torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False))
     assert queue.run([0, 1]) == (2, 0)
     torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-6)
