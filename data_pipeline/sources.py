@@ -198,13 +198,20 @@ def check_input(path: str, keys: tuple[str, ...]) -> None:
         raise ValueError(f"{path}: unknown input type; use .jsonl/.json (optionally .gz or .zst), .parquet, "
                          "or a Hugging Face dataset directory or name")
     check_compression(path)
-    if path.endswith(PARQUET_SUFFIXES):
-        columns = parquet_schema(path).names
-        missing = [k for k in keys if k not in columns]
-        if missing:
-            raise ValueError(f"{path}: no column {missing} (columns: {columns}); choose with --json-keys")
+    missing, columns = missing_columns(path, keys)
+    if missing:
+        raise ValueError(f"{path}: no column {missing} (columns: {columns}); choose with --json-keys")
     for name in plain_data_files(path) or ():
         check_input(name, keys)
+
+
+def missing_columns(path: str, keys: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The ``keys`` a parquet input lacks and the columns it has, from its footer alone (none for an
+    input of another kind, whose fields show only as its records are read)."""
+    if not path.endswith(PARQUET_SUFFIXES):
+        return [], []
+    columns = parquet_schema(path).names
+    return [k for k in keys if k not in columns], columns
 
 
 def check_compression(path: str) -> None:

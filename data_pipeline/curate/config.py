@@ -33,7 +33,7 @@ from data_pipeline.curate.quality import QualityConfig
 from data_pipeline.curate.runner import EXECUTORS
 from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS
 from data_pipeline.paths import file_in_the_way
-from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES, check_compression, parquet_schema
+from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES, check_compression, missing_columns
 from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.typed_config import build_dataclass
 
@@ -159,8 +159,9 @@ def _input_problems(paths: list[str], text_field: str) -> list[str]:
     for path in paths:
         try:
             check_compression(path)
-            if path.endswith(PARQUET_SUFFIXES) and text_field not in (names := parquet_schema(path).names):
-                problems.append(f"input.paths: {path}: no column {text_field!r} (columns: {names}); "
+            missing, columns = missing_columns(path, (text_field,))
+            if missing:
+                problems.append(f"input.paths: {path}: no column {text_field!r} (columns: {columns}); "
                                 "set input.text_field")
         except ValueError as exc:
             problems.append(f"input.paths: {exc}")
