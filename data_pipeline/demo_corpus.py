@@ -15,7 +15,7 @@ import os
 import sysconfig
 import tempfile
 
-from data_pipeline.paths import made_folder
+from data_pipeline.paths import made_folder, temp_name
 from data_pipeline.tokenizer import check_vocab_size, read_texts, train_sentencepiece
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3", "turtledemo"}
@@ -36,7 +36,7 @@ def write_stdlib_jsonl(path: str, max_bytes: int = 4_000_000, root: str | None =
     """Write ``{"text", "path"}`` records to ``path`` (atomically); returns (documents, bytes)."""
     root = root or sysconfig.get_paths()["stdlib"]
     docs = total = 0
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = temp_name(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(tmp, "w", encoding="utf-8") as out:
         for rel in stdlib_files(root):

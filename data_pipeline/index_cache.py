@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from data_pipeline.paths import temp_name
+
 
 def default_cache_dir(prefix: str) -> str:
     """``index-cache`` in the folder of the shard ``prefix``."""
@@ -60,10 +62,10 @@ def _write(arrays: dict, paths: dict, done: str, description: dict) -> None:
     if set(arrays) != set(paths):
         raise ValueError(f"index builder returned {sorted(arrays)}, expected {sorted(paths)}")
     for name, path in paths.items():
-        tmp = f"{path}.tmp-{os.getpid()}.npy"
+        tmp = temp_name(path, ".npy")
         np.save(tmp, arrays[name], allow_pickle=False)
         os.replace(tmp, path)
-    tmp = f"{done}.tmp-{os.getpid()}"
+    tmp = temp_name(done)
     with open(tmp, "w") as f:
         json.dump(description, f, indent=1, sort_keys=True)
     os.replace(tmp, done)

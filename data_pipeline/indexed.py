@@ -12,7 +12,9 @@ All integers are little-endian. In a pretraining corpus one sequence is one docu
 document index is simply ``0..n``; the writer still keeps the two apart because Megatron does.
 
 Writes are atomic: both files are written under temporary names and renamed only once complete,
-``.bin`` first, so an ``.idx`` on disk always describes a whole ``.bin``.
+``.bin`` first, so an ``.idx`` on disk always describes a whole ``.bin``. A writer told not to replace
+(what ``megazero preprocess`` and its merge use) links instead of renaming, so of two runs on one
+prefix the second to finish stops rather than replace the first's shard.
 
 A shard's ``fingerprint`` (sha256 of its ``.idx``) keys everything derived from it and cached on
 disk: the GPT sample indices and ``largest_token_id``.
@@ -30,7 +32,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from data_pipeline.index_cache import cached_arrays, default_cache_dir
-from data_pipeline.paths import make_folders, remove_made
+from data_pipeline.paths import make_folders, put_new, remove_made, temp_name
 from data_pipeline.shard_files import bin_path, file_version, idx_path, idx_sha256
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -50,19 +52,20 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
 
 
-def _tmp_name(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}"
-
-
 class IndexedDatasetWriter:
     """Append documents, then ``finish()``; used as a context manager it cleans up on failure.
 
     Tokens stream straight to the temporary ``.bin``; only the per-document lengths stay in memory
     (4 bytes a document), so a billion-token shard needs no more memory than its index.
+
+    ``replace``: whether publishing may replace files already at the final paths. Without it, a file
+    that has appeared there since the caller checked (another run writing the same prefix) stops
+    this one when it publishes, and is left as it is (``put_new``).
     """
 
-    def __init__(self, prefix: str, dtype) -> None:
+    def __init__(self, prefix: str, dtype, replace: bool = True) -> None:
         self.prefix = prefix
+        self.replace = replace
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"{prefix}: dtype {self.dtype} has no code in the indexed format; "
@@ -76,8 +79,8 @@ class IndexedDatasetWriter:
         # only while it still holds that file, never one another run has put there since
         self._published: list[tuple[str, tuple[int, int]]] = []
         self._sealed = False
-        self._bin_tmp = _tmp_name(bin_path(prefix))
-        self._idx_tmp = _tmp_name(idx_path(prefix))
+        self._bin_tmp = temp_name(bin_path(prefix))
+        self._idx_tmp = temp_name(idx_path(prefix))
         try:
             self._bin = open(self._bin_tmp, "wb")
         except OSError as exc:
@@ -131,13 +134,20 @@ class IndexedDatasetWriter:
         self._sealed = True
 
     def publish(self) -> None:
-        """Put the sealed files at their final paths (renames only)."""
+        """Put the sealed files at their final paths (renames, or links where nothing may be replaced)."""
         for tmp, final in ((self._bin_tmp, bin_path(self.prefix)), (self._idx_tmp, idx_path(self.prefix))):
             if any(path == final for path, _ in self._published):
                 continue
             try:
                 identity = _identity(tmp)
-                os.replace(tmp, final)
+                if self.replace:
+                    os.replace(tmp, final)
+                else:
+                    put_new(tmp, final)
+            except FileExistsError:
+                raise FileExistsError(f"{final}: appeared while this run was writing it (another run on the same "
+                                      "output prefix?); it is left as it is and this run keeps none of its files: "
+                                      "give a new output prefix") from None
             except OSError as exc:
                 raise _not_written(self.prefix, exc) from None
             self._published.append((final, identity))
@@ -336,9 +346,10 @@ def _scan_largest(data: IndexedDataset, binf: str) -> int:
     return largest
 
 
-def merge_shards(prefixes: Iterable[str], output_prefix: str) -> IndexedDataset:
+def merge_shards(prefixes: Iterable[str], output_prefix: str, replace: bool = True) -> IndexedDataset:
     """Join shards, in the given order, into one; each must use the same token dtype, and record the
-    same tokenizer (``shard_origin``), which the merged shard then records, or all record none."""
+    same tokenizer (``shard_origin``), which the merged shard then records, or all record none.
+    ``replace`` as in ``IndexedDatasetWriter``."""
     from data_pipeline.shard_origin import merged_origin, origin_path, write_origin
 
     shards = [IndexedDataset(p) for p in prefixes]
@@ -349,7 +360,7 @@ def merge_shards(prefixes: Iterable[str], output_prefix: str) -> IndexedDataset:
         raise ValueError(f"cannot merge {other.prefix} ({other.dtype}) with {shards[0].prefix} ({shards[0].dtype}): "
                          "every shard must use the same token dtype (same tokenizer)")
     origin = merged_origin([s.prefix for s in shards])
-    with IndexedDatasetWriter(output_prefix, shards[0].dtype) as writer:
+    with IndexedDatasetWriter(output_prefix, shards[0].dtype, replace) as writer:
         for shard in shards:
             writer.add_shard(shard)
     if origin is not None:

@@ -7,7 +7,9 @@ classifier's held-out rows."""
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import tempfile
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Optional
@@ -117,3 +119,29 @@ def listed_twice(named: Iterable[tuple[str, str]], key: Callable[[str], str] = o
                 else f" (also as {first_label} {first})")
         return f"{label} {path} is listed twice{also}"
     return None
+
+
+def temp_name(path: str, suffix: str = "") -> str:
+    """A name beside ``path`` to write it under before the rename that makes it appear whole. The
+    process id alone is not unique: ranks on different nodes sharing a file system (each node in its
+    own container) can have the same one, and would write one temporary file between them."""
+    return f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+
+
+def put_new(tmp: str, final: str) -> None:
+    """Move the finished ``tmp`` to ``final`` in one step unless a file is there already, which raises
+    FileExistsError and leaves both as they are. A hard link does this where a rename would replace
+    the file (two runs writing one output, each having checked at its start that it was free); a file
+    system without hard links gets the name claimed first (created exclusively, empty), then the
+    rename onto the claim."""
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+        os.close(os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.replace(tmp, final)
+        return
+    os.unlink(tmp)

@@ -136,7 +136,9 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     start = time.perf_counter()
     try:
         for k in keys:  # one at a time inside the try: a key whose writer fails leaves no other's files
-            writers[k] = IndexedDatasetWriter(output_prefix_for(output_prefix, k), token_dtype(vocab_size))
+            # never replacing: the caller checked the names were free, another run may have taken them since
+            writers[k] = IndexedDatasetWriter(output_prefix_for(output_prefix, k), token_dtype(vocab_size),
+                                              replace=False)
         batches = chain.from_iterable(iter_batches(p, keys, batch_size, hf_split) for p in inputs)
         for encoded in _encoded(batches, tokenizer_path, keys, append_eod, skip_bad_records, workers):
             for key, (tokens, lengths) in encoded.arrays.items():

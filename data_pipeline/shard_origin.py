@@ -18,6 +18,7 @@ import json
 import os
 from typing import Iterable, Optional
 
+from data_pipeline.paths import temp_name
 from data_pipeline.shard_files import idx_path, idx_sha256, sha256_of
 
 
@@ -54,7 +55,7 @@ def same_tokenizer(a: dict, b: dict) -> bool:
 def write_origin(prefix: str, identity: dict) -> None:
     """Record ``identity`` for the finished shard at ``prefix``, with its ``.idx`` digest (atomically: a
     half-written record would read as damaged)."""
-    tmp = f"{origin_path(prefix)}.tmp-{os.getpid()}"
+    tmp = temp_name(origin_path(prefix))
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({**identity, "idx_sha256": idx_sha256(prefix)[0]}, f)

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from data_pipeline.paths import empty_path_problem, made_folder
+from data_pipeline.paths import empty_path_problem, made_folder, temp_name
 
 # Ids the trained SentencePiece models reserve, in this order; eod is SentencePiece's </s>.
 UNK_ID, BOS_ID, EOD_ID, PAD_ID = 0, 1, 2, 3
@@ -216,7 +216,7 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', not {model_type!r}")
     check_vocab_size(vocab_size)
-    tmp_prefix = f"{model_prefix}.tmp-{os.getpid()}"
+    tmp_prefix = temp_name(model_prefix)
     failures = []  # what the reader raised: SentencePiece rewraps it with a printed traceback
     seen = [0]
 

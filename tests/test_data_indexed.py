@@ -353,3 +353,48 @@ def test_a_merge_without_records_removes_a_record_left_at_its_name(tmp_path):
     Path(origin_path(out)).write_text('{"stale": true}')
     merge_shards([a, b], out)
     assert not os.path.exists(origin_path(out))
+
+
+def test_writers_that_may_not_replace_keep_the_first_shard_published(tmp_path, monkeypatch):
+    """Two writers on one prefix at once, in processes with the same id (ranks on two nodes, each in
+    its own container): each writes its own temporary files, and the second to publish stops with a
+    FileExistsError naming the file, keeping the first's shard and none of its own files. A writer
+    allowed to replace still does. (Planted: temporary names from the process id alone; publishing
+    by rename.)"""
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    prefix = str(tmp_path / "s")
+    first, second = (IndexedDatasetWriter(prefix, np.uint16, replace=False) for _ in range(2))
+    first.add_document([1, 2, 3])
+    second.add_document([9] * 5)
+    first.finish()
+    with pytest.raises(FileExistsError, match=rf"^{prefix}.bin: appeared while this run was writing it .*"
+                                              "give a new output prefix$"):
+        second.finish()
+    assert sorted(os.listdir(tmp_path)) == ["s.bin", "s.idx"]
+    assert list(IndexedDataset(prefix).sizes) == [3] and list(IndexedDataset(prefix)[0]) == [1, 2, 3]
+    write(prefix, [[4]])  # the default writer replaces
+    assert list(IndexedDataset(prefix).sizes) == [1]
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_put_new_moves_a_file_only_to_a_free_name(tmp_path, monkeypatch, links):
+    """``put_new`` moves the file whole or raises FileExistsError and changes nothing, also on a file
+    system without hard links (its claim-then-rename path). (Planted: the fallback renaming without
+    the exclusive claim.)"""
+    import errno
+
+    from data_pipeline.paths import put_new
+
+    if not links:
+        def no_links(src, dst):
+            raise OSError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(os, "link", no_links)
+    tmp, final = tmp_path / "a.tmp", tmp_path / "a"
+    tmp.write_bytes(b"new")
+    final.write_bytes(b"old")
+    with pytest.raises(FileExistsError):
+        put_new(str(tmp), str(final))
+    assert final.read_bytes() == b"old" and tmp.read_bytes() == b"new"
+    final.unlink()
+    put_new(str(tmp), str(final))
+    assert final.read_bytes() == b"new" and not tmp.exists()

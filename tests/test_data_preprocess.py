@@ -191,15 +191,15 @@ def test_a_second_key_that_cannot_be_written_leaves_no_shard_of_the_first(env, t
                 raise OSError(errno.ENOSPC, "No space left on device")
             real(path, *args)
         monkeypatch.setattr(indexed, "write_index", flaky)
-    elif fails == "rename":
-        real = os.replace
+    elif fails == "rename":  # a shard is put in place by a link (it never replaces: ``put_new``)
+        real = os.link
 
         def flaky(src, dst):
             calls.append(dst)
             if len(calls) == 3:  # the second key's .bin, after the first key's two files
                 raise OSError(errno.EIO, "Input/output error")
             real(src, dst)
-        monkeypatch.setattr(indexed.os, "replace", flaky)
+        monkeypatch.setattr(os, "link", flaky)
     else:
         import data_pipeline.shard_origin as shard_origin
 
@@ -320,6 +320,36 @@ def test_cli_refuses_to_replace_an_existing_shard(env, tmp_path, capsys):
     _refused(["preprocess", "--merge", f"{out}_text_document", "--output-prefix", str(tmp_path / "m")], capsys,
              "m.tokenizer.json: already exists")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_shard_written_by_another_run_meanwhile_is_kept(env, tmp_path, capsys, monkeypatch):
+    """Two runs started at once on one prefix both pass the check for existing output; the one that
+    finishes second used to replace the first's shard. Now it stops in one line naming the file, and
+    leaves the other run's shard as it was and none of its own files (no tokenizer record either);
+    so does a merge. (Planted: publishing by rename.)"""
+    import data_pipeline.indexed as indexed
+
+    out = tmp_path / "o"
+    shard = f"{out}_text_document"
+    source = str(tmp_path / "src" / "s")  # a shard to merge, not the other run's
+    assert main(["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix", source,
+                 "--no-progress"]) == 0
+    real_seal = indexed.IndexedDatasetWriter.seal
+
+    def other_run_finishes_first(self):  # while this run seals, the other one finishes its shard
+        real_seal(self)
+        if self.replace is False:  # this run's writer, not the other's
+            with IndexedDatasetWriter(self.prefix, np.uint16) as other:
+                other.add_document([7, 7, 7])
+    monkeypatch.setattr(indexed.IndexedDatasetWriter, "seal", other_run_finishes_first)
+    _refused(["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix", str(out),
+              "--no-progress"], capsys, f"{shard}.bin: appeared while this run was writing it", "give a new output prefix")
+    assert sorted(os.listdir(tmp_path)) == ["o_text_document.bin", "o_text_document.idx", "src"]
+    assert list(IndexedDataset(shard).sizes) == [3]
+    _refused(["preprocess", "--merge", f"{source}_text_document", "--output-prefix", str(tmp_path / "m")], capsys,
+             f"{tmp_path / 'm'}.bin: appeared while this run was writing it")
+    assert sorted(os.listdir(tmp_path)) == ["m.bin", "m.idx", "o_text_document.bin", "o_text_document.idx", "src"]
+    assert list(IndexedDataset(str(tmp_path / "m")).sizes) == [3]
 
 
 def test_cli_refuses_an_input_listed_twice(env, tmp_path, capsys, monkeypatch):

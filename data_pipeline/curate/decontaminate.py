@@ -25,6 +25,7 @@ import numpy as np
 from data_pipeline.curate.checks import within
 from data_pipeline.curate.exact_dedup import save_array
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
+from data_pipeline.paths import temp_name
 from data_pipeline.sources import BadRecord, iter_lines, record_texts
 
 HIT = np.dtype([("row", np.int64), ("window", np.int64), ("key", np.uint64)])  # a task n-gram in a shard
@@ -274,7 +275,7 @@ def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
         short[names[t]] = len(texts) - with_ngrams
     keys, owner = np.concatenate(keys or [np.zeros(0, np.uint64)]), np.concatenate(owner or [np.zeros(0, np.int32)])
     keys, first = np.unique(keys, return_index=True)
-    tmp = f"{out_path}.tmp-{os.getpid()}.npz"
+    tmp = temp_name(out_path, ".npz")
     np.savez(tmp, keys=keys, task=owner[first], names=np.array(names))
     os.replace(tmp, out_path)
     return {"task_ngrams": len(keys), "task_texts_shorter_than_ngram": short}

@@ -20,6 +20,7 @@ import numpy as np
 
 from data_pipeline.curate import partitioned
 from data_pipeline.curate.shards import read_shard, write_shard
+from data_pipeline.paths import temp_name
 
 _SPACE = re.compile(r"\s+")
 ROW_BITS = 32
@@ -68,7 +69,7 @@ def load_keyed(prefix: str, part: int, key_columns: int = 1) -> tuple[list[np.nd
 
 def save_array(path: str, array: np.ndarray) -> None:
     """np.save to a temporary name, then rename: a killed task leaves no half-written array."""
-    tmp = f"{path}.tmp-{os.getpid()}.npy"
+    tmp = temp_name(path, ".npy")
     np.save(tmp, array)
     os.replace(tmp, path)
 

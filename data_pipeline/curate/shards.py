@@ -19,6 +19,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
+from data_pipeline.paths import temp_name
 from data_pipeline.sources import (NOT_UTF8, BadRecord, iter_lines, parquet_record_batches, parquet_schema,
                                    parse_record, record_texts, string_columns)
 
@@ -42,7 +43,7 @@ def read_shard(path: str) -> list[dict]:
 
 def write_shard(path: str, records: list[dict]) -> None:
     """Write atomically and byte-reproducibly (gzip without a timestamp, parquet without statistics drift)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = temp_name(path)
     if path.endswith(".parquet"):
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -93,7 +94,7 @@ def atomic_write_bytes(path: str, chunks) -> None:
 
 
 def _atomic_write(path: str, chunks, binary: bool) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = temp_name(path)
     with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as f:
         f.writelines(chunks)
     os.replace(tmp, path)

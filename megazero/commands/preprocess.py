@@ -65,7 +65,7 @@ def run(args) -> int:
     _check_outputs_absent(args)
     try:
         if args.merge:
-            merged = merge_shards(args.merge, args.output_prefix)
+            merged = merge_shards(args.merge, args.output_prefix, replace=False)
             print(f"merged {len(args.merge)} shards into {args.output_prefix}: {len(merged)} documents, "
                   f"{merged.num_tokens} tokens")
             return 0
