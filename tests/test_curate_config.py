@@ -48,6 +48,9 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     ("fuzzy_dedup.threshold", "5", r"fuzzy_dedup\.threshold: 5\.0 is outside \[0, 1\]; it is the exact Jaccard"),
     ("fuzzy_dedup.threshold", "-1", r"fuzzy_dedup\.threshold: -1\.0 is outside \[0, 1\]"),
     ("fuzzy_dedup.bands", "0", r"fuzzy_dedup\.bands: 0 must be at least 1"),
+    ("fuzzy_dedup.num_perm", "1000000000000", r"fuzzy_dedup\.num_perm: 1000000000000 is outside \[1, 8192\]; more "
+     r"permutations refine the estimate little"),
+    ("fuzzy_dedup.num_perm", "0", r"fuzzy_dedup\.num_perm: 0 is outside \[1, 8192\]"),
     ("fuzzy_dedup.bands", "30", r"fuzzy_dedup\.bands: bands x rows \(30 x 13\) needs at most num_perm \(260\)"),
     ("fuzzy_dedup.ngram", "0", r"fuzzy_dedup\.ngram: 0 must be at least 1"),
     ("fuzzy_dedup.seed", "-1", r"fuzzy_dedup\.seed: -1 must be at least 0"),

@@ -25,12 +25,16 @@ import numpy as np
 from data_pipeline.curate.checks import within
 
 CHUNK = 4096  # shingles per (permutations x shingles) block: about 4 MB of uint32
+# Beyond this many permutations the Jaccard estimate barely improves (its error falls as one over the
+# square root), while each costs every worker CHUNK x 4 bytes of hashing block: 128 MiB at this bound.
+MAX_PERMUTATIONS = 8192
 
 
 def parameter_problems(num_perm: int, ngram: int, bands: int, rows: int, seed: int) -> list[str]:
     """What makes these MinHash parameters unusable, as sentences naming the ``fuzzy_dedup`` fields."""
-    problems = []
-    for name, value in (("num_perm", num_perm), ("ngram", ngram), ("bands", bands), ("rows", rows)):
+    problems = within("fuzzy_dedup.num_perm", num_perm, 1, MAX_PERMUTATIONS,
+                      f"more permutations refine the estimate little and cost each worker {CHUNK * 4} bytes apiece")
+    for name, value in (("ngram", ngram), ("bands", bands), ("rows", rows)):
         problems += within(f"fuzzy_dedup.{name}", value, 1)
     problems += within("fuzzy_dedup.seed", seed, 0)  # numpy's generators take no negative seed
     if not problems and bands * rows > num_perm:
