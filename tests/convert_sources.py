@@ -62,6 +62,21 @@ def llama_folder(folder: Path) -> Path:
     return folder
 
 
+def gpt2_folder(folder: Path) -> Path:
+    """A small GPT-2 (tied head, learned positions, biases) saved by ``transformers`` into ``folder``."""
+    import transformers
+
+    torch.manual_seed(1)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=61, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if ".ln_" in name else 0.0, 0.2)
+    model.save_pretrained(folder)
+    return folder
+
+
 class RandomSource:
     """A source with an architecture of our choosing and random weights."""
 

@@ -244,7 +244,7 @@ def test_padded_rows_are_named_and_left_out_with_vocab_size(megatron, tmp_path, 
     assert main(["convert", str(root / "llama"), str(tmp_path / "x"), "--vocab-size", "129"]) == 2
     assert "--vocab-size: 129 is more than the 128 rows" in capsys.readouterr().err
     assert main(["convert", str(root / "llama"), str(tmp_path / "y"), "--vocab-size", "100", "--dtype", "bf16"]) == 2
-    assert "--dtype: apply to --to hf only (this conversion writes megazero)" in capsys.readouterr().err
+    assert "--dtype: applies to --to hf and --to megatron only (this conversion writes megazero" in capsys.readouterr().err
 
 
 def _pretrain_args(**changes) -> argparse.Namespace:

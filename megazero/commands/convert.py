@@ -14,7 +14,7 @@ from data_pipeline.paths import empty_path_problem, file_in_the_way
 
 from megazero.errors import UserError
 
-TARGETS = ("hf", "megazero", "torch")
+TARGETS = ("hf", "megazero", "torch", "megatron")
 LAYOUT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--dp": "parallel.dp", "--zero-stage": "zero.stage",
                 "--virtual-stages": "parallel.virtual_stages", "--pipeline-schedule": "parallel.pipeline_schedule"}
 SCHEDULE_FLAG = "--pipeline-schedule"  # a name, checked by the config's validation; the others are integers
@@ -30,7 +30,8 @@ def register(subparsers) -> None:
                     "--to megazero writes a consolidated checkpoint (world size 1) that `megazero train "
                     "--checkpoint.load DST` reshards into its own layout, or, given any of --tp --pp --dp "
                     "--zero-stage --virtual-stages --pipeline-schedule, one file per rank of a run with that "
-                    "layout (each rank then reads only the files of its pipeline stage).")
+                    "layout (each rank then reads only the files of its pipeline stage). --to megatron writes "
+                    "Megatron-LM's legacy torch checkpoint (a release one: the model alone) for --tp x --pp.")
     parser.add_argument("src", help="Checkpoint to read: a step_* directory or its root, a folder with "
                                     "config.json, or a Megatron root / iter_* directory")
     parser.add_argument("dst", help="Path to create (must not exist): a folder, or a .safetensors file for --to torch")
@@ -39,14 +40,15 @@ def register(subparsers) -> None:
     parser.add_argument("--from", dest="source", choices=SOURCES, default=None,
                         help="Source format (default: detected from SRC's files)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                        help="--to hf: weight dtype (from the fp32 master; default fp32)")
+                        help="--to hf or megatron: weight dtype (from the fp32 master; default fp32)")
     parser.add_argument("--tokenizer", default=None,
                         help="--to hf: tokenizer to include (default: the source run's data.tokenizer, if present)")
     parser.add_argument("--shard-size-gb", type=float, default=None,
                         help="--to hf: largest weight shard, in GB (default 5)")
     parser.add_argument("--reset-step", action="store_true",
                         help="--to megazero from megazero: start at step 0 with fresh optimizer state")
-    layout = parser.add_argument_group("--to megazero: the layout of the run that will load DST (default: consolidated)")
+    layout = parser.add_argument_group("--to megazero: the layout of the run that will load DST (default: consolidated); "
+                                       "--to megatron: --tp and --pp (default 1)")
     for flag, field in LAYOUT_FLAGS.items():
         if flag != SCHEDULE_FLAG:
             layout.add_argument(flag, type=int, default=None, dest=field.replace(".", "_"),
@@ -124,18 +126,25 @@ def run(args) -> int:
         raise UserError(f"--no-verify: skips the checksums of a megazero source's files; this {source.kind} "
                         "source records none, so leave the flag out")
     target = args.to or ("hf" if source.kind == "megazero" else "megazero")
-    hf_only = [flag for flag, value in (("--dtype", args.dtype), ("--tokenizer", args.tokenizer),
-                                        ("--shard-size-gb", args.shard_size_gb)) if value is not None]
+    hf_only = [flag for flag, value in (("--tokenizer", args.tokenizer), ("--shard-size-gb", args.shard_size_gb))
+               if value is not None]
     if hf_only and target != "hf":
         raise UserError(f"{', '.join(hf_only)}: apply to --to hf only (this conversion writes {target})")
+    if args.dtype is not None and target not in ("hf", "megatron"):
+        raise UserError(f"--dtype: applies to --to hf and --to megatron only (this conversion writes {target}, "
+                        "whose weights stay fp32)")
     if args.reset_step and (target != "megazero" or source.kind != "megazero"):
         raise UserError("--reset-step: applies to --to megazero from a megazero checkpoint only (other sources "
                         "always start at step 0)")
     layout = {field: getattr(args, field.replace(".", "_")) for field in LAYOUT_FLAGS.values()}
     layout = {field: value for field, value in layout.items() if value is not None}
-    if layout and target != "megazero":
-        raise UserError(f"{', '.join(k for k, f in LAYOUT_FLAGS.items() if f in layout)}: apply to --to megazero only")
-    run_cfg = run_config(source, layout) if layout else None
+    allowed = ("parallel.tp", "parallel.pp") if target == "megatron" else tuple(LAYOUT_FLAGS.values())
+    refused = [flag for flag, field in LAYOUT_FLAGS.items() if field in layout and
+               (target not in ("megazero", "megatron") or field not in allowed)]
+    if refused:
+        also = " (a Megatron checkpoint's layout is --tp and --pp)" if target == "megatron" else ""
+        raise UserError(f"{', '.join(refused)}: apply to --to megazero only{also}")
+    run_cfg = run_config(source, layout) if layout and target == "megazero" else None
     if target == "hf":
         from megazero.convert.hf import write_hf
         from megazero.convert.hf_models import family_for
@@ -153,6 +162,15 @@ def run(args) -> int:
             raise UserError(mismatch)
         with staged(dst) as tmp:
             write_hf(source, tmp, args.dtype or "fp32", tokenizer, int((args.shard_size_gb or 5.0) * 1e9))
+    elif target == "megatron":
+        from megazero.convert.megatron_out import layout_problem, write_megatron
+
+        tp, pp = layout.get("parallel.tp", 1), layout.get("parallel.pp", 1)
+        problem = layout_problem(source.cfg, tp, pp)
+        if problem:  # before DST's temporary folder exists
+            raise UserError(problem)
+        with staged(dst) as tmp:
+            write_megatron(source, tmp, tp, pp, args.dtype or "fp32")
     elif target == "torch":
         from megazero.convert.targets import write_state_dict
 

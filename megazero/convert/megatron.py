@@ -189,30 +189,18 @@ class MegatronSource:
         return torch.cat(pieces, dim=1 if split == "columns" else 0)
 
     def _locate(self, name: str) -> tuple[int, str, str]:
-        """Where our parameter ``name`` is in the checkpoint: the pipeline rank, Megatron's key, and
-        how its tp ranks hold it: ``whole`` (each a copy), ``rows`` or ``columns`` (each a slice of
-        that dimension; the vocabulary's rows padded), ``swiglu`` (each its gate rows, then its up rows)."""
-        module, leaf = name.rsplit(".", 1)
-        if module == "embedding.tokens":
-            return 0, "embedding.word_embeddings.weight", "rows"
-        if module == "embedding.positions":
-            return 0, "embedding.position_embeddings.weight", "whole"
-        if module == "final_norm":
-            return self.pp - 1, f"decoder.final_layernorm.{leaf}", "whole"
-        if module == "lm_head":
-            return self.pp - 1, "output_layer.weight", "rows"
-        layer = LAYER.match(module)
-        p, local = self._layer(int(layer.group(1)))
-        prefix, part = f"decoder.layers.{local}", layer.group(2)
-        if part in ("attn_norm", "mlp_norm"):
-            own = f"{prefix}.{'input_layernorm' if part == 'attn_norm' else 'pre_mlp_layernorm'}.{leaf}"
-            fused = f"{prefix}.{'self_attention.linear_qkv' if part == 'attn_norm' else 'mlp.linear_fc1'}.layer_norm_{leaf}"
-            return p, own if own in self._model(0, p) else fused, "whole"
-        key = {"attention.qkv": "self_attention.linear_qkv", "attention.out": "self_attention.linear_proj",
-               "mlp.fc_in": "mlp.linear_fc1", "mlp.fc_out": "mlp.linear_fc2"}[part]
-        if part in ("attention.out", "mlp.fc_out"):  # row-parallel: weight split by columns, bias whole
-            return p, f"{prefix}.{key}.{leaf}", "whole" if leaf == "bias" else "columns"
-        return p, f"{prefix}.{key}.{leaf}", "swiglu" if part == "mlp.fc_in" and self.cfg.activation == "swiglu" else "rows"
+        """Where our parameter ``name`` is in the checkpoint: the pipeline rank, Megatron's key and how
+        its tp ranks hold it (``core_key``). A layer's norm may be fused into the linear after it
+        (Transformer Engine's layer spec)."""
+        layer, key, split = core_key(name, self.cfg.activation == "swiglu")
+        if layer is None:
+            return (0 if key.startswith("embedding.") else self.pp - 1), key, split
+        p, local = self._layer(layer)
+        own = f"decoder.layers.{local}.{key}"
+        norm, leaf = key.rsplit(".", 1)
+        if norm in FUSED_NORM and own not in self._model(0, p):
+            return p, f"decoder.layers.{local}.{FUSED_NORM[norm]}.layer_norm_{leaf}", split
+        return p, own, split
 
     def _check_shapes(self) -> None:
         """Every tensor the args imply, on every tp rank, of the shape they imply, before anything is
@@ -267,6 +255,34 @@ class MegatronSource:
                        if key == "output_layer.weight" else "")
                 raise UserError(f"{path}: holds {key!r}, which its args do not account for{why}; it would be "
                                 "dropped: the checkpoint does not match its args")
+
+
+FUSED_NORM = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
+"""The linear a layer's norm is fused into under Transformer Engine's layer spec (``layer_norm_weight``)."""
+
+LINEARS = {"attention.qkv": "self_attention.linear_qkv", "attention.out": "self_attention.linear_proj",
+           "mlp.fc_in": "mlp.linear_fc1", "mlp.fc_out": "mlp.linear_fc2"}
+
+
+def core_key(name: str, swiglu: bool) -> tuple[int | None, str, str]:
+    """Where megatron-core's ``GPTModel`` (local layer spec) keeps our parameter ``name``: our layer
+    index (None outside the layers), its key (for a layer, the part after ``decoder.layers.N.``, N
+    counted within the layer's stage), and how the tp ranks hold it: ``whole`` (each a copy),
+    ``rows`` or ``columns`` (each a slice of that dimension; the vocabulary's rows padded),
+    ``swiglu`` (each its slice of the gate rows, then its slice of the up rows; ours interleaves them)."""
+    module, leaf = name.rsplit(".", 1)
+    top = {"embedding.tokens": ("embedding.word_embeddings.weight", "rows"),
+           "embedding.positions": ("embedding.position_embeddings.weight", "whole"),
+           "final_norm": (f"decoder.final_layernorm.{leaf}", "whole"), "lm_head": ("output_layer.weight", "rows")}
+    if module in top:
+        return None, *top[module]
+    layer = LAYER.match(module)
+    index, part = int(layer.group(1)), layer.group(2)
+    if part in ("attn_norm", "mlp_norm"):
+        return index, f"{'input_layernorm' if part == 'attn_norm' else 'pre_mlp_layernorm'}.{leaf}", "whole"
+    if part in ("attention.out", "mlp.fc_out"):  # row-parallel: weight split by columns, bias whole
+        return index, f"{LINEARS[part]}.{leaf}", "whole" if leaf == "bias" else "columns"
+    return index, f"{LINEARS[part]}.{leaf}", "swiglu" if part == "mlp.fc_in" and swiglu else "rows"
 
 
 def _vocab_size(args: argparse.Namespace, where: str, given: int | None) -> int:
