@@ -68,6 +68,18 @@ def test_a_megatron_checkpoint_imports_back_bit_for_bit(sources, tmp_path, name,
     assert args.padded_vocab_size == 128 * tp and args.vocab_size == VOCAB
 
 
+def test_a_megatron_checkpoint_is_resharded_to_another_tp_and_pp(sources, tmp_path):
+    """Megatron in and Megatron out: tp2 x pp2 rewritten as tp1 x pp2 and back to one state dict, the
+    same tensors (Megatron-LM's legacy checkpoints reshard only through its own conversion tools)."""
+    assert convert(sources["gpt2"], tmp_path / "a", "--to", "megatron", "--tp", 2, "--pp", 2) == 0
+    assert convert(tmp_path / "a", tmp_path / "b", "--to", "megatron", "--pp", 2) == 0
+    assert safe_load(tmp_path / "b" / "release" / "mp_rank_00_001" / "model_optim_rng.pt")["args"].padded_vocab_size == 128
+    assert convert(tmp_path / "b", tmp_path / "back.safetensors", "--to", "torch") == 0
+    assert convert(sources["gpt2"], tmp_path / "direct.safetensors", "--to", "torch") == 0
+    back, direct = _state_dict(tmp_path / "back.safetensors"), _state_dict(tmp_path / "direct.safetensors")
+    assert back.keys() == direct.keys() and all(torch.equal(back[k], direct[k]) for k in direct)
+
+
 def test_bf16_weights_are_the_rounded_master(sources, tmp_path):
     out = tmp_path / "megatron"
     assert convert(sources["llama"], out, "--to", "megatron", "--dtype", "bf16", "--tp", 2) == 0
