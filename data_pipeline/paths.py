@@ -142,6 +142,10 @@ def put_new(tmp: str, final: str) -> None:
         if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
             raise
         os.close(os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            os.unlink(final)  # the empty claim, which would block the next run as an existing file
+            raise
         return
     os.unlink(tmp)

@@ -31,7 +31,7 @@ def megatron_checkpoint(root: Path, drop=(), ranks: int = 1, **changes) -> Path:
 
     hidden, layers, seq, ffn = 16, 2, 8, 64
     args = dict(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=4,
-                padded_vocab_size=128, max_position_embeddings=seq, seq_length=seq, openai_gelu=True)
+                padded_vocab_size=128, max_position_embeddings=seq, seq_length=seq, bias_gelu_fusion=True)
     args = {k: v for k, v in {**args, **changes}.items() if k not in drop}
     model = {"embedding.word_embeddings.weight": torch.randn(128, hidden),
              "embedding.position_embeddings.weight": torch.randn(seq, hidden),

@@ -47,7 +47,7 @@ MODELS = {
                        "num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 4},
               "share": False},
     "gpt2": {"args": {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
-                      "add_bias_linear": True, "openai_gelu": True, "untie_embeddings_and_output_weights": False,
+                      "add_bias_linear": True, "bias_gelu_fusion": True, "untie_embeddings_and_output_weights": False,
                       "num_attention_heads": 4},
              "share": True},
 }
@@ -252,7 +252,7 @@ def _pretrain_args(**changes) -> argparse.Namespace:
     base = dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=1,
                 group_query_attention=False, padded_vocab_size=128, max_position_embeddings=16, seq_length=16,
                 position_embedding_type="learned_absolute", normalization="LayerNorm", norm_epsilon=1e-5,
-                swiglu=False, add_bias_linear=True, openai_gelu=True, untie_embeddings_and_output_weights=False,
+                swiglu=False, add_bias_linear=True, bias_gelu_fusion=True, untie_embeddings_and_output_weights=False,
                 tensor_model_parallel_size=1)
     return argparse.Namespace(**{**base, **changes})
 
@@ -270,6 +270,18 @@ def test_learned_positions_cover_max_position_embeddings_rotary_the_sequence():
     rope = _pretrain_args(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                           max_position_embeddings=16, seq_length=8)
     assert model_config(rope, "ckpt").seq_length == 8
+
+
+@pytest.mark.parametrize("changes, erf", [
+    ({}, False),  # biases and Megatron-LM's default bias_gelu_fusion: its fused bias-GeLU, the tanh one
+    ({"bias_gelu_fusion": False}, True),  # --no-bias-gelu-fusion: F.gelu, exact
+    ({"add_bias_linear": False, "bias_gelu_fusion": False}, True),
+    ({"bias_gelu_fusion": False, "openai_gelu": True}, True),  # megatron-core's config does not read openai_gelu
+])
+def test_megatron_cores_gelu_is_tanh_only_in_its_fused_bias_gelu(capsys, changes, erf):
+    """(Planted: openai_gelu taken for the tanh GeLU.)"""
+    model_config(_pretrain_args(**changes), "ckpt")
+    assert ("Megatron computed GeLU exactly (erf)" in capsys.readouterr().out) == erf
 
 
 def test_num_query_groups_counts_only_with_group_query_attention():

@@ -26,6 +26,7 @@ from tests.distributed import run_world
 
 VOCAB, SEQ = 61, 8
 MAKERS = {"llama": llama_folder, "gpt2": gpt2_folder}
+TO_LOCAL = ("--to", "megatron", "--transformer-impl", "local")
 
 
 def convert(*args) -> int:
@@ -52,7 +53,7 @@ def test_a_megatron_checkpoint_imports_back_bit_for_bit(sources, tmp_path, name,
     stage's copy of the embedding only where there are several stages (megatron-core's own
     layout). (Planted: the SwiGLU halves swapped per rank; the tied copy left out at pp 2.)"""
     out = tmp_path / "megatron"
-    assert convert(sources[name], out, "--to", "megatron", "--tp", tp, "--pp", pp) == 0
+    assert convert(sources[name], out, *TO_LOCAL, "--tp", tp, "--pp", pp) == 0
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
     assert convert(out, tmp_path / "back.safetensors", "--to", "torch") == 0
     assert convert(sources[name], tmp_path / "direct.safetensors", "--to", "torch") == 0
@@ -71,8 +72,8 @@ def test_a_megatron_checkpoint_imports_back_bit_for_bit(sources, tmp_path, name,
 def test_a_megatron_checkpoint_is_resharded_to_another_tp_and_pp(sources, tmp_path):
     """Megatron in and Megatron out: tp2 x pp2 rewritten as tp1 x pp2 and back to one state dict, the
     same tensors (Megatron-LM's legacy checkpoints reshard only through its own conversion tools)."""
-    assert convert(sources["gpt2"], tmp_path / "a", "--to", "megatron", "--tp", 2, "--pp", 2) == 0
-    assert convert(tmp_path / "a", tmp_path / "b", "--to", "megatron", "--pp", 2) == 0
+    assert convert(sources["gpt2"], tmp_path / "a", *TO_LOCAL, "--tp", 2, "--pp", 2) == 0
+    assert convert(tmp_path / "a", tmp_path / "b", *TO_LOCAL, "--pp", 2) == 0
     assert safe_load(tmp_path / "b" / "release" / "mp_rank_00_001" / "model_optim_rng.pt")["args"].padded_vocab_size == 128
     assert convert(tmp_path / "b", tmp_path / "back.safetensors", "--to", "torch") == 0
     assert convert(sources["gpt2"], tmp_path / "direct.safetensors", "--to", "torch") == 0
@@ -82,7 +83,7 @@ def test_a_megatron_checkpoint_is_resharded_to_another_tp_and_pp(sources, tmp_pa
 
 def test_bf16_weights_are_the_rounded_master(sources, tmp_path):
     out = tmp_path / "megatron"
-    assert convert(sources["llama"], out, "--to", "megatron", "--dtype", "bf16", "--tp", 2) == 0
+    assert convert(sources["llama"], out, *TO_LOCAL, "--dtype", "bf16", "--tp", 2) == 0
     state = safe_load(out / "release" / "mp_rank_01" / "model_optim_rng.pt")
     assert {t.dtype for t in state["model"].values()} == {torch.bfloat16}
     assert state["args"].bf16 and state["args"].params_dtype == torch.bfloat16
@@ -104,13 +105,86 @@ def test_bf16_weights_are_the_rounded_master(sources, tmp_path):
 ])
 def test_a_layout_megatron_cannot_take_is_one_line_before_anything_is_written(sources, tmp_path, capsys, flags,
                                                                               message):
-    err = fails(capsys, tmp_path, sources["llama"], "--to", "megatron", *flags)
+    err = fails(capsys, tmp_path, sources["llama"], *TO_LOCAL, *flags)
     assert message in err, err
 
 
 def test_dtype_applies_to_hf_and_megatron_only(sources, tmp_path, capsys):
     err = fails(capsys, tmp_path, sources["llama"], "--to", "megazero", "--dtype", "bf16")
     assert "--dtype: applies to --to hf and --to megatron only (this conversion writes megazero" in err, err
+    err = fails(capsys, tmp_path, sources["llama"], "--to", "hf", "--tp", "2")
+    assert "--tp: apply to --to megazero only (and --tp, --pp to --to megatron)" in err, err
+
+
+def test_the_layer_implementation_is_never_guessed(sources, tmp_path, capsys):
+    """Megatron-LM loads a file named for the other implementation without strictness, the norms left
+    at their initial values: the flag is required, and applies to --to megatron alone."""
+    err = fails(capsys, tmp_path, sources["llama"], "--to", "megatron")
+    assert "--transformer-impl: give it with --to megatron, as the Megatron-LM run that loads DST has it" in err, err
+    err = fails(capsys, tmp_path, sources["llama"], "--to", "hf", "--transformer-impl", "local")
+    assert "--transformer-impl: applies to --to megatron only (this conversion writes hf)" in err, err
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_transformer_engine_names_fuse_the_norms_and_import_back(sources, tmp_path, name):
+    """Under Transformer Engine's layer spec a layer's norms are the ``layer_norm_*`` of the linear
+    after them (the final norm keeps its own module); the rest is as in the local spec, and the
+    files import back to the same tensors. (Planted: the local names written for both.)"""
+    out = tmp_path / "te"
+    assert convert(sources[name], out, "--to", "megatron", "--transformer-impl", "transformer_engine",
+                   "--tp", 2, "--pp", 2) == 0
+    assert convert(sources[name], tmp_path / "local", *TO_LOCAL, "--tp", 2, "--pp", 2) == 0
+    for rank in ("mp_rank_00_000", "mp_rank_01_001"):
+        te = safe_load(out / "release" / rank / "model_optim_rng.pt")
+        local = safe_load(tmp_path / "local" / "release" / rank / "model_optim_rng.pt")
+        assert te["args"].transformer_impl == "transformer_engine"
+        renamed = {}
+        for key, value in local["model"].items():
+            for norm, linear in (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                                 ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")):
+                key = key.replace(norm, linear)
+            renamed[key] = value
+        assert te["model"].keys() == renamed.keys()
+        assert all(torch.equal(te["model"][k], renamed[k]) for k in renamed)
+    assert convert(out, tmp_path / "back.safetensors", "--to", "torch") == 0
+    assert convert(sources[name], tmp_path / "direct.safetensors", "--to", "torch") == 0
+    back, direct = _state_dict(tmp_path / "back.safetensors"), _state_dict(tmp_path / "direct.safetensors")
+    assert back.keys() == direct.keys() and all(torch.equal(back[k], direct[k]) for k in direct)
+
+
+def test_args_megatron_lm_compares_and_its_gelu(sources, tmp_path, capsys):
+    """add_position_embedding is Megatron-LM's default (True) under rotary too, or a run with its
+    default flags fails ``check_checkpoint_args``; a GeLU model with biases runs megatron-core's
+    fused bias-GeLU, the tanh one (``bias_gelu_fusion``), and one without biases runs the exact GeLU,
+    which the export says in a note. (Planted: add_position_embedding from the position type.)"""
+    from tests.convert_sources import RandomSource
+    from megazero.convert.megatron_out import write_megatron
+
+    assert convert(sources["llama"], tmp_path / "l", *TO_LOCAL) == 0
+    assert convert(sources["gpt2"], tmp_path / "g", *TO_LOCAL) == 0
+    llama = safe_load(tmp_path / "l" / "release" / "mp_rank_00" / "model_optim_rng.pt")["args"]
+    gpt2 = safe_load(tmp_path / "g" / "release" / "mp_rank_00" / "model_optim_rng.pt")["args"]
+    assert llama.add_position_embedding and llama.position_embedding_type == "rope" and not llama.bias_gelu_fusion
+    assert gpt2.add_position_embedding and gpt2.bias_gelu_fusion and not gpt2.openai_gelu
+    assert "computes the GeLU" not in capsys.readouterr().out
+    write_megatron(RandomSource(bias=False), tmp_path / "nobias", 1, 1, "local")
+    assert "megatron-core computes the GeLU of a model without linear biases exactly (erf)" in capsys.readouterr().out
+    assert not safe_load(tmp_path / "nobias" / "release" / "mp_rank_00" / "model_optim_rng.pt")["args"].bias_gelu_fusion
+
+
+def test_fp16_refuses_weights_beyond_its_range(sources, tmp_path, capsys):
+    """A weight past 65,504 would be written as inf (and refused by megazero's own import); the
+    conversion stops naming it, as --to hf does. (Planted: a plain cast.)"""
+    from megazero.convert.megatron_out import write_megatron
+    from megazero.errors import UserError
+    from tests.convert_sources import RandomSource
+
+    source = RandomSource()
+    real = source.read
+    source.read = lambda name: real(name) * (1e6 if name.endswith("qkv.weight") else 1)
+    with pytest.raises(UserError, match=r"^layers\.0\.attention\.qkv\.weight: holds values up to .* beyond what "
+                                        r"float16 can hold"):
+        write_megatron(source, tmp_path / "fp16", 1, 1, "local", "fp16")
 
 
 def test_a_full_disk_is_one_line(sources, tmp_path, capsys, monkeypatch):
@@ -126,7 +200,7 @@ def test_a_full_disk_is_one_line(sources, tmp_path, capsys, monkeypatch):
             f.write = write
         return f
     monkeypatch.setattr("builtins.open", full_disk)
-    err = fails(capsys, tmp_path, sources["gpt2"], "--to", "megatron")
+    err = fails(capsys, tmp_path, sources["gpt2"], *TO_LOCAL)
     assert err.endswith(f"{tmp_path / 'out'}: cannot be written (No space left on device); free space beside it or "
                         "give a DST on another disk"), err
 
@@ -152,13 +226,14 @@ def _world(rank, world_size, root):
     for name in MAKERS:
         state = safe_load(f"{root}/{name}/release/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt")
         a = state["args"]
+        exact = not (a.add_bias_linear and a.bias_gelu_fusion)  # megatron-core's fused bias-GeLU is the tanh one
         config = TransformerConfig(
             num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
             num_query_groups=a.num_query_groups, kv_channels=a.kv_channels, ffn_hidden_size=a.ffn_hidden_size,
             use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=2,
             pipeline_model_parallel_size=2, normalization=a.normalization, layernorm_epsilon=a.norm_epsilon,
             gated_linear_unit=a.swiglu, add_bias_linear=a.add_bias_linear, add_qkv_bias=a.add_qkv_bias,
-            activation_func=F.silu if a.swiglu else (lambda x: F.gelu(x, approximate="tanh")),
+            activation_func=F.silu if a.swiglu else (lambda x: F.gelu(x, approximate="none" if exact else "tanh")),
             hidden_dropout=0.0, attention_dropout=0.0)
         model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=a.normalization),
                          vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
@@ -188,7 +263,7 @@ def exported(sources, tmp_path_factory):
         pytest.importorskip("megatron.core.models.gpt", reason="megatron-core is not installed")
     root = tmp_path_factory.mktemp("exported")
     for name, folder in sources.items():
-        assert convert(folder, root / name, "--to", "megatron", "--tp", 2, "--pp", 2) == 0
+        assert convert(folder, root / name, *TO_LOCAL, "--tp", 2, "--pp", 2) == 0
     return run_world(4, _world, str(root))[2]
 
 

@@ -398,3 +398,13 @@ def test_put_new_moves_a_file_only_to_a_free_name(tmp_path, monkeypatch, links):
     final.unlink()
     put_new(str(tmp), str(final))
     assert final.read_bytes() == b"new" and not tmp.exists()
+    if not links:  # a rename that fails after the claim leaves no empty claim behind to block the next run
+        tmp.write_bytes(b"newer")
+        final.unlink()
+
+        def failing(src, dst):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(os, "replace", failing)
+        with pytest.raises(OSError, match="Input/output error"):
+            put_new(str(tmp), str(final))
+        assert not final.exists() and tmp.read_bytes() == b"newer"

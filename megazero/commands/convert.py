@@ -56,6 +56,9 @@ def register(subparsers) -> None:
     layout.add_argument(SCHEDULE_FLAG, default=None, dest=LAYOUT_FLAGS[SCHEDULE_FLAG].replace(".", "_"),
                         help="parallel.pipeline_schedule of that run: zb-v places each rank's two chunks in a V, "
                              "so its ranks hold other stages than a loop's")
+    parser.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
+                        help="--to megatron (required): the layer implementation of the Megatron-LM run that will "
+                             "load DST (its --transformer-impl), which names a layer's norms")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="From Megatron: the tokenizer's vocabulary, where its args record only the padded one "
                              "(padding rows are then left out)")
@@ -142,8 +145,15 @@ def run(args) -> int:
     refused = [flag for flag, field in LAYOUT_FLAGS.items() if field in layout and
                (target not in ("megazero", "megatron") or field not in allowed)]
     if refused:
-        also = " (a Megatron checkpoint's layout is --tp and --pp)" if target == "megatron" else ""
+        also = " (a Megatron checkpoint's layout is --tp and --pp)" if target == "megatron" else \
+            " (and --tp, --pp to --to megatron)" if set(refused) <= {"--tp", "--pp"} else ""
         raise UserError(f"{', '.join(refused)}: apply to --to megazero only{also}")
+    if (args.transformer_impl is None) == (target == "megatron"):
+        raise UserError("--transformer-impl: give it with --to megatron, as the Megatron-LM run that loads DST has it "
+                        "(local or transformer_engine): the two name a layer's norms differently, and Megatron-LM "
+                        "leaves the norms of a file named for the other at their initial values without a word"
+                        if target == "megatron" else f"--transformer-impl: applies to --to megatron only (this "
+                        f"conversion writes {target})")
     run_cfg = run_config(source, layout) if layout and target == "megazero" else None
     if target == "hf":
         from megazero.convert.hf import write_hf
@@ -170,7 +180,7 @@ def run(args) -> int:
         if problem:  # before DST's temporary folder exists
             raise UserError(problem)
         with staged(dst) as tmp:
-            write_megatron(source, tmp, tp, pp, args.dtype or "fp32")
+            write_megatron(source, tmp, tp, pp, args.transformer_impl, args.dtype or "fp32")
     elif target == "torch":
         from megazero.convert.targets import write_state_dict
 

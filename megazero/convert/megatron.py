@@ -307,6 +307,14 @@ def _vocab_size(args: argparse.Namespace, where: str, given: int | None) -> int:
     return padded
 
 
+def tanh_gelu(bias: bool, bias_gelu_fusion: bool) -> bool:
+    """Whether megatron-core computes a GeLU MLP with the tanh approximation (megazero's): only in its
+    fused bias-GeLU, which runs with linear biases and Megatron-LM's ``bias_gelu_fusion`` (on unless
+    ``--no-bias-gelu-fusion``); elsewhere it is exact (erf). ``openai_gelu`` is not read by its
+    transformer config."""
+    return bias and bool(bias_gelu_fusion)
+
+
 def rank_dir(t: int, p: int, pp: int) -> str:
     return f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
 
@@ -336,7 +344,7 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     if bool(get("add_qkv_bias", bias)) != bias:
         raise refuse(f"{where}: args.add_qkv_bias", get("add_qkv_bias"), "differs from args.add_bias_linear", fix)
     swiglu = bool(get("swiglu", False))
-    if not swiglu and not (get("openai_gelu", False) or get("bias_gelu_fusion", False)):
+    if not swiglu and not tanh_gelu(bias, get("bias_gelu_fusion", True)):
         print(f"megazero convert: note: {where}: Megatron computed GeLU exactly (erf); megazero uses the tanh "
               "approximation (differences up to about 5e-4 per activation)", flush=True)
     for key in ("num_layers", "hidden_size", "num_attention_heads"):

@@ -3,10 +3,12 @@
 Layout: ``ROOT/latest_checkpointed_iteration.txt`` naming ``release``, and ``ROOT/release/
 mp_rank_TT[_PPP]/model_optim_rng.pt`` for each tensor rank ``TT`` and pipeline rank ``PPP``, each
 holding ``args`` (an ``argparse.Namespace``), ``checkpoint_version`` 3.0, ``iteration`` 0 and
-``model``: that rank's state dict of megatron-core's ``GPTModel`` built with the local layer spec
-(``get_gpt_layer_local_spec``; Megatron-LM's ``--transformer-impl local``), whose norms are modules
-of their own. Transformer Engine's spec fuses them into the linear after them under other names, so
-a Transformer Engine model does not load these files.
+``model``: that rank's state dict of megatron-core's ``GPTModel``, named for the layer implementation
+the Megatron-LM run will use (``--transformer-impl``). The two name a layer's norms differently: the
+local spec (``get_gpt_layer_local_spec``) keeps them as modules of their own, Transformer Engine's
+fuses each into the linear after it (``linear_qkv.layer_norm_weight``). Megatron-LM loads a file of
+the other naming without a word, retrying without strictness when its strict load fails, and leaves
+those norms at their initial values; so the implementation is never guessed.
 
 Why ``release``: Megatron-LM loads only the model from a release checkpoint and starts at iteration
 0 with an optimizer and random state of its own, which is what a converted model needs (no optimizer
@@ -15,8 +17,8 @@ state is written; a numbered iteration would have it look for one).
 Megatron's own conventions: layers split evenly over the stages; the vocabulary padded to a multiple
 of ``make_vocab_size_divisible_by`` (128) x tp, here with zero rows; a tied head, on a pipeline of
 several stages, kept as a copy of the embedding in the last stage's ``output_layer.weight``. The
-args record the model as Megatron-LM's flags would (``openai_gelu``: the tanh GeLU that megazero
-computes) and every field its ``check_checkpoint_args`` compares, so none is missing when it loads.
+args record the model as Megatron-LM's flags would, and the fields its ``check_checkpoint_args``
+compares by default, so none is missing when it loads.
 A stage's files are built together (host memory: one stage of the model), each tensor slice copied
 out of the whole so a file holds only its rank's share.
 """
@@ -28,15 +30,16 @@ from pathlib import Path
 
 import torch
 
-from megazero.convert.megatron import FILE, core_key, rank_dir
+from megazero.convert.hf import DTYPES
+from megazero.convert.megatron import FILE, FUSED_NORM, core_key, rank_dir, tanh_gelu
 from megazero.convert.sources import Source, logical_shapes
+from megazero.convert.streaming import cast_checked
 from megazero.errors import UserError
 from models.config import ModelConfig
 from models.embedding import fit_rows
 from models.gpt import VOCAB_PADDED
 
 VOCAB_DIVISOR = 128  # Megatron-LM's default --make-vocab-size-divisible-by
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIED = "embedding.tokens.weight"  # also the head, where the model ties them
 
 
@@ -52,20 +55,25 @@ def layout_problem(cfg: ModelConfig, tp: int, pp: int) -> str | None:
     return None
 
 
-def megatron_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype) -> argparse.Namespace:
-    """The ``args`` Megatron-LM would have recorded for this model and layout. Its tokenizer is not
-    known here, and Megatron-LM compares ``tokenizer_type`` only for tokenizers given by
-    ``--vocab-file``, the BPE ones: GPT-2's where the vocabulary is GPT-2's 50,257, else unset."""
+def megatron_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, impl: str) -> argparse.Namespace:
+    """The ``args`` Megatron-LM would have recorded for this model and layout. Where its flags do not
+    change the model, their defaults: ``add_position_embedding`` is True unless
+    ``--no-position-embedding``, which rotary runs do not pass either (megatron-core goes by
+    ``position_embedding_type``). The GeLU: megatron-core's tanh one needs ``bias_gelu_fusion`` and
+    biases (``tanh_gelu``). Its tokenizer is not known here, and Megatron-LM compares
+    ``tokenizer_type`` only for tokenizers given by ``--vocab-file``, the BPE ones: GPT-2's where the
+    vocabulary is GPT-2's 50,257, else unset."""
     learned = cfg.position_embedding == "learned"
     multiple = VOCAB_DIVISOR * tp
     return argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_size,
         num_attention_heads=cfg.num_heads, kv_channels=cfg.head_dim, group_query_attention=cfg.kv_heads != cfg.num_heads,
         num_query_groups=cfg.kv_heads, max_position_embeddings=cfg.seq_length, seq_length=cfg.seq_length,
-        position_embedding_type="learned_absolute" if learned else "rope", add_position_embedding=learned,
+        position_embedding_type="learned_absolute" if learned else "rope", add_position_embedding=True,
         rotary_base=cfg.rope_theta, rotary_percent=1.0, rotary_interleaved=False,
         normalization="LayerNorm" if cfg.norm == "layernorm" else "RMSNorm", norm_epsilon=cfg.norm_eps,
-        swiglu=cfg.activation == "swiglu", openai_gelu=cfg.activation == "gelu", add_bias_linear=cfg.bias,
+        swiglu=cfg.activation == "swiglu", bias_gelu_fusion=cfg.bias and cfg.activation == "gelu",
+        openai_gelu=False, add_bias_linear=cfg.bias, transformer_impl=impl,
         add_qkv_bias=cfg.bias, untie_embeddings_and_output_weights=not cfg.tie_embeddings,
         hidden_dropout=cfg.dropout, attention_dropout=cfg.attention_dropout, vocab_size=cfg.vocab_size,
         padded_vocab_size=-(-cfg.vocab_size // multiple) * multiple, make_vocab_size_divisible_by=VOCAB_DIVISOR,
@@ -84,13 +92,17 @@ def tp_slices(t: torch.Tensor, split: str, tp: int) -> list[torch.Tensor]:
     return [piece.clone() for piece in t.chunk(tp, dim=1 if split == "columns" else 0)]
 
 
-def write_megatron(source: Source, root: Path, tp: int, pp: int, dtype: str = "fp32") -> None:
-    """Write ``source`` under ``root`` as Megatron-LM's legacy checkpoint for ``tp`` x ``pp``."""
+def write_megatron(source: Source, root: Path, tp: int, pp: int, impl: str, dtype: str = "fp32") -> None:
+    """Write ``source`` under ``root`` as Megatron-LM's legacy checkpoint for ``tp`` x ``pp``, named for
+    the layer implementation ``impl``."""
     cfg = source.cfg
     problem = layout_problem(cfg, tp, pp)
     if problem:
         raise UserError(problem)
-    args = megatron_args(cfg, tp, pp, DTYPES[dtype])
+    args = megatron_args(cfg, tp, pp, DTYPES[dtype], impl)
+    if cfg.activation == "gelu" and not tanh_gelu(cfg.bias, args.bias_gelu_fusion):
+        print("megazero convert: note: megatron-core computes the GeLU of a model without linear biases exactly "
+              "(erf); megazero's is the tanh approximation (differences up to about 5e-4 per activation)", flush=True)
     swiglu = cfg.activation == "swiglu"
     per_stage = cfg.num_layers // pp
     release = root / "release"
@@ -99,6 +111,9 @@ def write_megatron(source: Source, root: Path, tp: int, pp: int, dtype: str = "f
         for name in logical_shapes(cfg):
             layer, key, split = core_key(name, swiglu)
             if layer is not None:
+                norm, leaf = key.rsplit(".", 1)
+                if impl == "transformer_engine" and norm in FUSED_NORM:
+                    key = f"{FUSED_NORM[norm]}.layer_norm_{leaf}"
                 stage, key = layer // per_stage, f"decoder.layers.{layer % per_stage}.{key}"
             elif name == TIED and cfg.tie_embeddings and pp > 1 and p == pp - 1:
                 stage, key = p, "output_layer.weight"  # the last stage's copy of a tied embedding
@@ -110,7 +125,7 @@ def write_megatron(source: Source, root: Path, tp: int, pp: int, dtype: str = "f
             if name in VOCAB_PADDED:
                 tensor = fit_rows(tensor, args.padded_vocab_size)
             for rank, piece in enumerate(tp_slices(tensor, split, tp)):
-                models[rank][key] = piece.to(DTYPES[dtype])
+                models[rank][key] = cast_checked(piece, DTYPES[dtype], name)
         for t, model in enumerate(models):
             folder = release / rank_dir(t, p, pp)
             folder.mkdir(parents=True)

@@ -45,13 +45,7 @@ class StreamedSafetensors:
     def write(self, piece: torch.Tensor) -> None:
         """The next elements of the current tensor (or the start of the next one)."""
         name, dtype = self._take(piece.numel())
-        cast = piece.detach().to(dtype)
-        if cast.dtype != piece.dtype and cast.is_floating_point() and not bool(torch.isfinite(cast).all()) \
-                and bool(torch.isfinite(piece).all()):
-            raise UserError(f"{name}: holds values up to {piece.abs().max().item():.4g}, beyond what "
-                            f"{str(dtype).removeprefix('torch.')} can hold (they would be written as inf); "
-                            "write it as bf16 or fp32 (--dtype)")
-        data = cast.contiguous().reshape(-1).view(torch.uint8).numpy()
+        data = cast_checked(piece, dtype, name).contiguous().reshape(-1).view(torch.uint8).numpy()
         self.writer.write(memoryview(data))
         self.left -= len(data)
 
@@ -87,6 +81,18 @@ class StreamedSafetensors:
         os.fsync(self.f.fileno())
         self.f.close()
         return {"bytes": self.writer.bytes, "sha256": self.writer.sha256.hexdigest()}
+
+
+def cast_checked(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``t`` in ``dtype``, refused (naming the tensor) where finite values would become inf: fp16
+    holds nothing beyond 65,504, and an exported model with inf weights computes NaN."""
+    cast = t.detach().to(dtype)
+    if cast.dtype != t.dtype and cast.is_floating_point() and not bool(torch.isfinite(cast).all()) \
+            and bool(torch.isfinite(t).all()):
+        raise UserError(f"{name}: holds values up to {t.abs().max().item():.4g}, beyond what "
+                        f"{str(dtype).removeprefix('torch.')} can hold (they would be written as inf); "
+                        "write it as bf16 or fp32 (--dtype)")
+    return cast
 
 
 def declare(tree: Any) -> tuple[str, dict[str, torch.Tensor]]:
