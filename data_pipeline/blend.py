@@ -2,12 +2,15 @@
 
 Sample ``i`` of the blend goes to the dataset furthest below its target ``weight * i`` (ties to the
 first such dataset); this is Megatron's rule, so a blend here picks the same datasets in the same
-order as Megatron's for the same weights. At every prefix of ``N`` samples each dataset's count
-stays within about one sample of ``weight * N``. The rule is sequential by nature (each choice
-depends on every earlier one) and does not vectorise, so it runs as a small C loop, compiled on
-first use into the user's cache directory and called through ctypes, as fast as megatron-core's
-helper; without a working C compiler the same loop runs in Python (about 30x slower, identical
-output) and says so in one line on stderr, once per process, naming the compiler it looked for.
+order as Megatron's for the same weights. A dataset of weight 0 is never drawn: at sample 1 every
+error is 0, and Megatron's helper, taking the first, gives one sample to a weight-0 dataset listed
+first (a source switched off would still be opened and trained on). At every prefix of ``N``
+samples each dataset's count stays within about one sample of ``weight * N``. The rule is
+sequential by nature (each choice depends on every earlier one) and does not vectorise, so it runs
+as a small C loop, compiled on first use into the user's cache directory and called through ctypes,
+as fast as megatron-core's helper; without a working C compiler the same loop runs in Python (about
+30x slower, identical output) and says so in one line on stderr, once per process, naming the
+compiler it looked for.
 
 Config: ``data.blend: [[weight, prefix], ...]``, or ``data.blend_preset: NAME`` with
 ``data.blend_root`` for a named preset in ``configs/blends/NAME.yaml``.
@@ -33,6 +36,7 @@ from data_pipeline.paths import listed_twice
 from data_pipeline.typed_config import coerce
 from data_pipeline.yaml_files import read_yaml_mapping
 
+BLEND_RULE = 2  # 2: a dataset of weight 0 is never drawn (1 gave one listed first a sample)
 MAX_DATASETS = np.iinfo(np.int16).max + 1
 """Datasets a blend can name: ``dataset_index`` is int16 (Megatron's format), so more would wrap."""
 PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "blends")
@@ -51,11 +55,12 @@ void greedy_blend(const double *w, int64_t n, int64_t size, int16_t *dataset_ind
                   int64_t *counts) {
     for (int64_t i = 0; i < size; i++) {
         double x = i > 1 ? (double)i : 1.0;
-        int64_t best = 0;
-        double best_err = w[0] * x - (double)counts[0];
-        for (int64_t d = 1; d < n; d++) {
+        int64_t best = -1;
+        double best_err = 0.0;
+        for (int64_t d = 0; d < n; d++) {
+            if (w[d] <= 0.0) continue;
             double err = w[d] * x - (double)counts[d];
-            if (err > best_err) { best = d; best_err = err; }
+            if (best < 0 || err > best_err) { best = d; best_err = err; }
         }
         dataset_index[i] = (int16_t)best;
         sample_index[i] = counts[best];
@@ -85,13 +90,13 @@ def greedy_blend_python(w: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarra
     counts = [0] * n
     dataset_index = np.empty(size, dtype=np.int16)
     sample_index = np.empty(size, dtype=np.int64)
-    rest = range(1, n)
+    drawn = [d for d in range(n) if w[d] > 0]
     for i in range(size):
         x = float(i) if i > 1 else 1.0
-        best, best_err = 0, w[0] * x - counts[0]
-        for d in rest:
+        best, best_err = -1, 0.0
+        for d in drawn:
             err = w[d] * x - counts[d]
-            if err > best_err:
+            if best < 0 or err > best_err:
                 best, best_err = d, err
         dataset_index[i] = best
         sample_index[i] = counts[best]
@@ -163,7 +168,7 @@ def build_blended_samples(blend: list, seq_len: int, num_samples: int, seed: int
     """``blend`` is ``[[weight, prefix], ...]``; each dataset gets exactly the samples the blend takes."""
     weights, prefixes = parse_blend(blend)
     cache_dir = cache_dir or default_cache_dir(prefixes[0])
-    description = {"weights": [float(w) for w in normalise_weights(weights)], "size": num_samples}
+    description = {"rule": BLEND_RULE, "weights": [float(w) for w in normalise_weights(weights)], "size": num_samples}
     arrays = cached_arrays(cache_dir, "blend", description, ("dataset_index", "sample_index"),
                            lambda: dict(zip(("dataset_index", "sample_index"), greedy_blend(weights, num_samples))))
     counts = np.bincount(arrays["dataset_index"], minlength=len(prefixes))

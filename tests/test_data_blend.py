@@ -170,3 +170,22 @@ def test_a_zero_weight_dataset_is_never_opened(tmp_path):
                                     cache_dir=str(tmp_path / "cache"))
     assert blended.datasets[1] is None and blended.dataset_index.tolist() == [0] * 50
     assert len(blended.datasets[0]) >= 50 and blended[49].tolist() == blended.datasets[0][49].tolist()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_zero_weight_dataset_listed_first_is_never_drawn(tmp_path, compiled, monkeypatch):
+    """At sample 1 every dataset's error is 0, and the rule's tie went to the first dataset, so a
+    weight-0 entry listed first took one sample: its shard was opened (absent, the run stopped) and
+    trained on. Neither loop may draw it, and the other datasets keep their shares."""
+    import data_pipeline.blend as blend
+
+    if not compiled:
+        monkeypatch.setattr(blend, "compiled_blend", lambda: None)
+    for weights in ([0.0, 1.0], [0.0, 0.5, 0.5], [0.0, 0.0, 3.0, 1.0]):
+        counts = np.bincount(greedy_blend(weights, 1000)[0], minlength=len(weights))
+        assert counts[np.asarray(weights) == 0].sum() == 0, weights
+    assert greedy_blend([0.0, 3.0, 1.0], 1000)[0].tolist() == (greedy_blend([3.0, 1.0], 1000)[0] + 1).tolist()
+    kept = make_shard(tmp_path / "kept", 0)
+    blended = blend.build_blended_samples([[0.0, str(tmp_path / "withdrawn")], [1.0, kept]], 8, 50, 0,
+                                          cache_dir=str(tmp_path / "cache"))
+    assert blended.datasets[0] is None and blended.dataset_index.tolist() == [1] * 50
