@@ -62,10 +62,14 @@ def samples_in(num_tokens: int, seq_len: int) -> int:
 
 def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
                          separate_final_epoch: bool) -> np.ndarray:
+    """The documents of every epoch, shuffled: int32 as Megatron's, int64 where a document number
+    exceeds int32 (a shard of over 2**31 documents), which int32 would wrap to negative numbers that
+    index other documents from the end."""
     if separate_final_epoch and num_epochs > 1:
         return np.concatenate([build_document_index(documents, num_epochs - 1, rng, False),
                                build_document_index(documents, 1, rng, False)])
-    index = np.tile(documents.astype(np.int32), num_epochs)
+    fits32 = int(np.max(documents, initial=0)) <= np.iinfo(np.int32).max
+    index = np.tile(documents.astype(np.int32 if fits32 else np.int64), num_epochs)
     rng.shuffle(index)
     return index
 

@@ -264,3 +264,13 @@ def test_identical_index_elsewhere_reuses_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(gs, "build_gpt_indices", lambda *a, **k: pytest.fail("rebuilt for an identical .idx"))
     np.testing.assert_array_equal(GPTSamples(copy, 6, 70, 5, cache_dir=str(tmp_path / "cache")).shuffle_index,
                                   first.shuffle_index)
+
+
+def test_document_numbers_past_int32_are_kept():
+    """A shard of over 2**31 documents: the document index was int32 whatever the numbers, so the
+    last documents' numbers wrapped negative and read other documents (from the end) unnoticed."""
+    documents = np.arange(2**31 - 2, 2**31 + 2, dtype=np.int64)
+    index = gs.build_document_index(documents, 2, np.random.RandomState(0), True)
+    assert sorted(index.tolist()) == sorted(documents.tolist() * 2)
+    small = gs.build_document_index(np.arange(10), 2, np.random.RandomState(0), False)
+    assert small.dtype == np.int32  # Megatron's dtype wherever the numbers fit
