@@ -37,6 +37,9 @@ def build_datasets(cfg: Config, train_samples: int):
                                           "valid", d.cache_dir)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"data: {exc}") from None
+    except OSError as exc:  # the index cache: a full disk, or data made read-only since preflight cached its facts
+        raise ConfigError(f"data.cache_dir: the sample indices cannot be written ({exc}); free space there or set "
+                          "data.cache_dir to a writable directory") from None
     return train, valid
 
 

@@ -408,3 +408,23 @@ def test_a_resume_on_a_shard_rewritten_in_place_is_refused(files, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"was trained on other contents of {os.path.realpath(prefix)}" in err[0], err
     assert main([*argv, "--train.train_steps", "2", "--checkpoint.allow_config_changes", "true"]) == 0
+
+
+def test_sample_indices_that_cannot_be_written_are_one_line(files, tmp_path, monkeypatch):
+    """The index cache fails to take the indices (a full disk, or read-only data whose largest-id
+    fact preflight had cached before): an OSError other than a missing file escaped the data's
+    errors as a traceback on every rank; it is one line naming data.cache_dir."""
+    import errno
+
+    from megazero.config import load_config
+    from megazero.data import build_datasets, train_samples
+    from megazero.errors import ConfigError
+
+    cfg = load_config(None, [*_model(files["good"], str(tmp_path / "run")), "--data.cache_dir", str(tmp_path / "c")])
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(ConfigError, match=r"^data.cache_dir: the sample indices cannot be written \(\[Errno 28\]"):
+        build_datasets(cfg, train_samples(cfg))
