@@ -8,6 +8,7 @@ names and renamed, and a description ``.json`` is written last, so its presence 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -62,10 +63,23 @@ def _write(arrays: dict, paths: dict, done: str, description: dict) -> None:
     if set(arrays) != set(paths):
         raise ValueError(f"index builder returned {sorted(arrays)}, expected {sorted(paths)}")
     for name, path in paths.items():
-        tmp = temp_name(path, ".npy")
-        np.save(tmp, arrays[name], allow_pickle=False)
-        os.replace(tmp, path)
-    tmp = temp_name(done)
-    with open(tmp, "w") as f:
-        json.dump(description, f, indent=1, sort_keys=True)
-    os.replace(tmp, done)
+        with _removed_on_failure(temp_name(path, ".npy")) as tmp:
+            np.save(tmp, arrays[name], allow_pickle=False)
+            os.replace(tmp, path)
+    with _removed_on_failure(temp_name(done)) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(description, f, indent=1, sort_keys=True)
+        os.replace(tmp, done)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(tmp: str):
+    """Yield ``tmp``, removed if the block fails: a write cut short by a full disk would otherwise
+    leave a partial array under a temporary name (never read, never removed) holding the space the
+    next attempt needs, and every rank and every retry would leave another."""
+    try:
+        yield tmp
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

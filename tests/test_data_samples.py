@@ -182,6 +182,30 @@ def test_a_cached_file_deleted_is_rebuilt_and_a_damaged_one_named(tmp_path):
             GPTSamples(data, 6, 70, 5, cache_dir=str(cache))
 
 
+def test_a_write_cut_short_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A full disk stops the cache's write partway through an array: the partial file, under a
+    temporary name nothing reads or removes, was left holding the space (another per rank and per
+    retry). The cache folder keeps nothing but the lock, and a later build completes."""
+    import errno
+
+    data, _ = make_dataset(tmp_path / "d")
+    cache = tmp_path / "cache"
+    real_save = np.save
+
+    def full(path, array, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"\x93NUMPY partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(OSError, match="No space left"):
+        GPTSamples(data, 6, 70, 5, cache_dir=str(cache))
+    assert [p.suffix for p in cache.iterdir()] == [".lock"]
+    monkeypatch.setattr(np, "save", real_save)
+    assert len(GPTSamples(data, 6, 70, 5, cache_dir=str(cache))) >= 70
+    assert not list(cache.glob("*.tmp-*"))
+
+
 @pytest.mark.parametrize("change", ["seq_len", "num_samples", "seed", "split"])
 def test_an_index_built_for_other_inputs_is_not_reused(tmp_path, change):
     """Each input of the index is in its cache key: with one of them changed, the same cache folder
