@@ -368,9 +368,14 @@ def _checkpoint_problems(cfg: Config, every_file: bool = True) -> list[str]:
                 "resume with the same model section, or "
                 + ("start a new run in another checkpoint.save_dir" if where == "checkpoint.save_dir"
                    else "load another checkpoint")]
-    if meta.get("step", 0) == 0 or cfg.checkpoint.allow_config_changes:
-        return []  # nothing trained yet (a converted checkpoint): no data order or schedule to keep
-    problems = _resume_changes(saved, cfg, meta["step"]) + _tokenizer_change(meta, cfg) + _shard_changes(meta, cfg)
+    if cfg.checkpoint.allow_config_changes:
+        return []
+    # At step 0 (a converted checkpoint, or one reset with --reset-step) there is no data order or
+    # schedule to keep, but its weights may still have been trained on another tokenizer's ids.
+    if meta.get("step", 0) == 0:
+        problems = _tokenizer_change(meta, cfg)
+    else:
+        problems = _resume_changes(saved, cfg, meta["step"]) + _tokenizer_change(meta, cfg) + _shard_changes(meta, cfg)
     return [f"{where}: {ckpt} (step {meta['step']}) {problem}; set it back, or set "
             "checkpoint.allow_config_changes true to resume anyway" for problem in problems]
 

@@ -237,6 +237,23 @@ def test_a_checkpoint_knows_its_tokenizer_and_refuses_another(files, capsys, tmp
     assert read_manifest(tmp_path / "on" / "checkpoints" / "step_0000002")["meta"]["tokenizer"] == mine
 
 
+def test_a_checkpoint_reset_to_step_0_still_refuses_another_tokenizer(files, capsys, tmp_path):
+    """`convert --reset-step` keeps the weights and their tokenizer record at step 0, where no data
+    order or schedule is compared: the tokenizer still is, or the weights learn other pieces' ids
+    without a word (it was skipped with the rest at step 0)."""
+    tok, other = str(files["root"] / "tokenizer.json"), str(files["root"] / "other_tokenizer.json")
+    run = tmp_path / "trained"
+    assert main(["train", *_model(files["good"], str(run)), "--train.train_steps", "1", "--data.tokenizer", tok]) == 0
+    assert main(["convert", str(run / "checkpoints"), str(tmp_path / "reset"), "--to", "megazero",
+                 "--reset-step"]) == 0
+    resume = ["train", *_model(files["good"], str(tmp_path / "on")), "--checkpoint.load", str(tmp_path / "reset")]
+    capsys.readouterr()
+    assert main([*resume, "--data.tokenizer", other, "--check"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(step 0) was trained on ids of tokenizer.json" in err[0], err
+    assert main([*resume, "--data.tokenizer", tok, "--check"]) == 0
+
+
 def test_a_tokenizer_record_without_its_digest_identifies_nothing():
     """Only a record with the tokenizer's sha256 identifies it: a name and a size could match another."""
     from megazero.data import recorded_tokenizer
