@@ -193,9 +193,11 @@ class ParamStore:
             for unit in unit_order:
                 self.load_unit(master_shard, unit, after_compute=True)
             return
+        # the unit (stages 0-2), or the kept 16-bit shard of an offloaded stage 3 on a CPU run (its
+        # host master shares the units' device; the units themselves are released)
         for bucket in self.layout.buckets:
             lo, hi = self.layout.shard_range(bucket)
-            self.owned_view(bucket).copy_(master_shard[lo:hi], non_blocking=True)
+            self.owned_slice(bucket).copy_(master_shard[lo:hi], non_blocking=True)
 
     def load_unit(self, host_master: torch.Tensor, unit: int, after_compute: bool = False) -> None:
         """Offload: round ``unit``'s slices of the host master to 16 bits, into a reused pinned
