@@ -398,6 +398,20 @@ def test_a_field_of_two_types_in_a_parquet_shard_is_named(tmp_path):
         pipeline.run_pipeline(build_config(raw), log=lambda s: None)
 
 
+def test_a_parquet_shard_keeps_fields_its_first_document_lacks(tmp_path):
+    """Arrow took a shard's columns from its first record: a field only later documents had (a url
+    on every second one) was dropped from the whole shard."""
+    from data_pipeline.curate.shards import read_shard
+
+    path = tmp_path / "meta.jsonl"
+    path.write_text("".join(json.dumps({"text": d, **({"url": f"u{i}"} if i % 2 else {})}) + "\n"
+                            for i, d in enumerate(_docs(4))))
+    raw = config(tmp_path, [str(path)], output={"dir": str(tmp_path / "out"), "format": "parquet"}, stages=[])
+    shards = pipeline.run_pipeline(build_config(raw), log=lambda s: None)["shards"]
+    urls = [r["url"] for s in shards for r in read_shard(s)]
+    assert urls == [f"u{i}" if i % 2 else None for i in range(len(_docs(4)))]
+
+
 def test_demo_curates_then_trains(tmp_path, monkeypatch):
     """The README's chain: build the demo, curate it, train two steps on the blend it writes."""
     monkeypatch.chdir(tmp_path)

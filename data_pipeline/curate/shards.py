@@ -48,8 +48,11 @@ def write_shard(path: str, records: list[dict]) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        # every record's fields, in the order first seen: from_pylist takes the first record's alone,
+        # and a field that record lacks (metadata present in some documents) was dropped from them all
+        names = dict.fromkeys(name for record in records for name in record)
         try:
-            table = pa.Table.from_pylist(records)
+            table = pa.Table.from_pydict({name: [record.get(name) for record in records] for name in names})
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise ValueError(f"{path}: {_mixed_field(records) or exc}; give the field one type in the input, or set "
                              "output.format to jsonl") from None
