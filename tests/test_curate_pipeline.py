@@ -485,6 +485,19 @@ def test_sigkill_mid_run_then_rerun_gives_identical_output(tmp_path, markers):
     assert tree_digest(str(tmp_path / "killed")) == tree_digest(str(tmp_path / "whole"))
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_shard_a_stage_emptied_is_tokenized_as_no_documents(tmp_path, fmt):
+    """The last shard (two junk documents) left clean empty: as parquet it had no columns, and the
+    tokenizing step stopped the finished run on "no column ['text']"."""
+    raw = config(tmp_path, [write_corpus(tmp_path)], output={"dir": str(tmp_path / "out"), "format": fmt},
+                 stages=["clean"], preprocess={"tokenizer": _sentencepiece(tmp_path)})
+    raw["input"]["shard_docs"] = 2
+    pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+    from data_pipeline.indexed import IndexedDataset
+
+    assert len(IndexedDataset(str(tmp_path / "out/tokenized/curated_text_document"))) == 50
+
+
 @pytest.mark.parametrize("weight", [1e-05, 0.5, 3e16])
 def test_the_blend_written_reads_back_with_its_weight(tmp_path, weight):
     """``1e-05`` formatted by hand is a string to a YAML reader: the blend a run wrote was refused."""

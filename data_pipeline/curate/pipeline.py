@@ -286,6 +286,15 @@ def _absolute_paths(cfg: CurateConfig) -> CurateConfig:
         decontaminate=dataclasses.replace(cfg.decontaminate, tasks=[absolute(t) for t in cfg.decontaminate.tasks]))
 
 
+def _with_documents(shards: list[str]) -> list[str]:
+    """The shards that hold a document. A parquet shard a stage emptied has no columns (Arrow finds
+    none in no records), and preprocess refuses a parquet file without the text column, which
+    stopped the run after every stage had finished; an empty jsonl shard reads as no documents."""
+    import pyarrow.parquet as pq
+
+    return [s for s in shards if not s.endswith(".parquet") or pq.ParquetFile(s).metadata.num_rows]
+
+
 def tokenize_and_blend(cfg: CurateConfig, shards: list[str], upstream: str, log) -> str:
     """Tokenize the curated shards into OUT/tokenized and write OUT/blend.yaml for `megazero train`;
     ``upstream`` is the last stage's digest, so shards tokenized from another run's documents or with
@@ -299,7 +308,7 @@ def tokenize_and_blend(cfg: CurateConfig, shards: list[str], upstream: str, log)
                    "text_field": cfg.input.text_field}
     _check_fingerprint(os.path.dirname(prefix), fingerprint, os.path.isfile(f"{dataset}.idx"), log)
     if not os.path.isfile(f"{dataset}.idx"):
-        stats = preprocess(shards, prefix, cfg.preprocess.tokenizer, (cfg.input.text_field,),
+        stats = preprocess(_with_documents(shards), prefix, cfg.preprocess.tokenizer, (cfg.input.text_field,),
                            workers=cfg.preprocess.workers)
         log(f"preprocess: {stats.summary()}")
     blend = os.path.join(out, "blend.yaml")
