@@ -182,3 +182,23 @@ def test_train_quality_names_a_bad_record_without_a_flag_it_does_not_have(tmp_pa
     err = capsys.readouterr().err.strip()
     assert f"{hq}:2: field 'text' is a number, not a string (the classifier trains on clean records only: fix or " \
            "remove it)" in err and "--strict" not in err, err
+
+
+def test_a_model_of_more_labels_scores_p_hq(tmp_path):
+    """Only the top two labels were asked for: a document of a third class (code, say) left hq out
+    of them and scored 1 - P(lq), near 1, so it was always kept."""
+    import fasttext
+
+    rng = np.random.default_rng(0)
+    vocab = {"hq": "river report careful history committee", "lq": "casino pills click buy lol",
+             "code": "def return import class lambda"}
+    with open(tmp_path / "train.txt", "w") as f:
+        for _ in range(200):
+            for label, words in vocab.items():
+                f.write(f"__label__{label} " + " ".join(rng.choice(words.split(), 20)) + "\n")
+    fasttext.train_supervised(input=str(tmp_path / "train.txt"), wordNgrams=2, epoch=5, dim=64, lr=0.5, thread=1,
+                              seed=0, verbose=0).save_model(str(tmp_path / "three.bin"))
+    model = load_model(str(tmp_path / "three.bin"))
+    [s] = scores(model, ["def return import class lambda def"])
+    labels, probs = model.predict("def return import class lambda def", k=-1)
+    assert s == pytest.approx(dict(zip(labels, probs))["__label__hq"]) and s < 0.1

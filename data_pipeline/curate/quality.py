@@ -121,12 +121,13 @@ def _check_matrices_fit(path: str, model) -> None:
 
 
 def scores(model, texts: list[str]) -> np.ndarray:
-    """P(hq) for each text."""
+    """P(hq) for each text. Every label's probability is asked for (k=-1): with the top two only, a
+    model of more labels than hq and lq left hq out for a document of a third class, which then
+    scored 1 - P(lq), near 1, however low its P(hq)."""
     if not texts:
         return np.zeros(0)
-    labels, probs = model.predict([_one_line(t) for t in texts], k=2)
-    return np.array([dict(zip(ls, ps)).get(HQ, 1.0 - dict(zip(ls, ps)).get(LQ, 0.0))
-                     for ls, ps in zip(labels, probs)]).clip(0.0, 1.0)
+    labels, probs = model.predict([_one_line(t) for t in texts], k=-1)
+    return np.array([dict(zip(ls, ps)).get(HQ, 0.0) for ls, ps in zip(labels, probs)]).clip(0.0, 1.0)
 
 
 def pareto_keep(doc_id: str, score: float, alpha: float, seed: int) -> bool:
