@@ -498,6 +498,19 @@ def test_a_shard_a_stage_emptied_is_tokenized_as_no_documents(tmp_path, fmt):
     assert len(IndexedDataset(str(tmp_path / "out/tokenized/curated_text_document"))) == 50
 
 
+def test_a_tokenizing_step_killed_outright_is_redone_to_the_same_files(tmp_path):
+    """kill -9 between putting the .bin and the .idx in place left the .bin and a temporary .idx:
+    every rerun tokenized the corpus again, then stopped on the .bin as another run's."""
+    raw = config(tmp_path, [write_corpus(tmp_path)], stages=["clean"],
+                 preprocess={"tokenizer": _sentencepiece(tmp_path)})
+    pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+    whole, dataset = tree_digest(str(tmp_path / "out")), tmp_path / "out/tokenized/curated_text_document"
+    os.remove(f"{dataset}.tokenizer.json")
+    os.replace(f"{dataset}.idx", f"{dataset}.idx.tmp-999-0123abcd")
+    pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+    assert tree_digest(str(tmp_path / "out")) == whole
+
+
 @pytest.mark.parametrize("weight", [1e-05, 0.5, 3e16])
 def test_the_blend_written_reads_back_with_its_weight(tmp_path, weight):
     """``1e-05`` formatted by hand is a string to a YAML reader: the blend a run wrote was refused."""

@@ -20,6 +20,7 @@ earlier config made); an incomplete one is discarded and run again.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -295,19 +296,32 @@ def _with_documents(shards: list[str]) -> list[str]:
     return [s for s in shards if not s.endswith(".parquet") or pq.ParquetFile(s).metadata.num_rows]
 
 
+def _remove_unfinished(dataset: str) -> None:
+    """What a tokenizing step killed outright (kill -9 leaves no cleanup) put under ``dataset``: its
+    temporary files, as large as the shard, and a ``.bin`` or ``.idx`` already put in place, which
+    preprocess, never replacing a shard, refused as another run's on every rerun after the whole
+    corpus was tokenized again. The folder is this run's (its stage.json matched)."""
+    for path in glob.glob(f"{glob.escape(dataset)}.*"):
+        os.remove(path)
+
+
 def tokenize_and_blend(cfg: CurateConfig, shards: list[str], upstream: str, log) -> str:
     """Tokenize the curated shards into OUT/tokenized and write OUT/blend.yaml for `megazero train`;
     ``upstream`` is the last stage's digest, so shards tokenized from another run's documents or with
     another tokenizer are never taken for these."""
     from data_pipeline.preprocess import output_prefix_for, preprocess
+    from data_pipeline.shard_origin import origin_path
 
     out = cfg.output.dir
     prefix = os.path.join(out, "tokenized", "curated")
     dataset = output_prefix_for(prefix, cfg.input.text_field)
     fingerprint = {"upstream": upstream, "tokenizer": _file_facts(cfg.preprocess.tokenizer),
                    "text_field": cfg.input.text_field}
-    _check_fingerprint(os.path.dirname(prefix), fingerprint, os.path.isfile(f"{dataset}.idx"), log)
-    if not os.path.isfile(f"{dataset}.idx"):
+    # finished once its tokenizer record, written last, is there (``preprocess``)
+    done = os.path.isfile(f"{dataset}.idx") and os.path.isfile(origin_path(dataset))
+    _check_fingerprint(os.path.dirname(prefix), fingerprint, done, log)
+    if not done:
+        _remove_unfinished(dataset)
         stats = preprocess(_with_documents(shards), prefix, cfg.preprocess.tokenizer, (cfg.input.text_field,),
                            workers=cfg.preprocess.workers)
         log(f"preprocess: {stats.summary()}")
