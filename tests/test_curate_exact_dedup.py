@@ -101,3 +101,20 @@ def test_exact_dedup_tells_documents_apart_past_65536_rows(tmp_path):
         ex.duplicates_in_partition(prefixes, p, drop)
     assert ex.filter_shard(str(big), str(tmp_path / "o0.jsonl"), "text", drops, 0, "dup")["docs_out"] == n - 1
     assert ex.filter_shard(str(small), str(tmp_path / "o1.jsonl"), "text", drops, 1, "dup")["docs_out"] == 1
+
+
+def test_shards_past_five_digits_are_listed_in_document_order(tmp_path):
+    """Shards were listed by name: the 100000th input file's (``shard-100000-00000``) came between
+    the 10000th's and the 10001st's, and so did its documents, in every later stage and the first
+    copy a dedup keeps."""
+    from data_pipeline.curate.shards import ingest_file, list_shards
+
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps({"text": "the same text"}) + "\n")
+    (tmp_path / "o").mkdir()
+    for k in (100_000, 10_001, 10_000, 9_999):
+        ingest_file(str(src), k, str(tmp_path / "o"), "jsonl", "text", "id", 1, False)
+    (tmp_path / "o/shard-09999-100000.jsonl").write_text("")  # a file's 100001st shard
+    names = [p.rsplit("/", 1)[1] for p in list_shards(str(tmp_path / "o"))]
+    assert names == ["shard-09999-00000.jsonl", "shard-09999-100000.jsonl", "shard-10000-00000.jsonl",
+                     "shard-10001-00000.jsonl", "shard-100000-00000.jsonl"]

@@ -29,8 +29,18 @@ MAX_EXAMPLES = 20  # bad-record locations kept per stage in stats.json; the coun
 
 
 def list_shards(directory: str) -> list[str]:
-    """The shards of a stage directory, in document order (their names sort that way)."""
-    return sorted(p for fmt in FORMATS for p in glob.glob(os.path.join(directory, f"shard-*.{fmt}")))
+    """The shards of a stage directory, in document order: by input file number, then shard number.
+    Not by name: the numbers are five digits wide until they outgrow them, and then the 100000th
+    input file's shards sorted between the 10000th's and the 10001st's."""
+    return sorted((p for fmt in FORMATS for p in glob.glob(os.path.join(directory, f"shard-*.{fmt}"))),
+                  key=_shard_numbers)
+
+
+def _shard_numbers(path: str) -> tuple:
+    """(input file number, shard number) of ``shard-FFFFF-SSSSS.FORMAT``, then the name."""
+    name = os.path.basename(path)
+    numbers = name.split(".")[0].split("-")[1:]
+    return tuple(int(n) if n.isdigit() else -1 for n in numbers), name
 
 
 def read_shard(path: str) -> list[dict]:
