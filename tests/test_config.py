@@ -87,6 +87,9 @@ def _error(*overrides, world=None, local=None) -> str:
     (("--train.seed", "99999999999999999999"), None, "train.seed", "outside 0 to 2**32 - 1"),
     (("--precision.dtype", "fp16", "--precision.min_loss_scale", "1e9"), None, "precision.min_loss_scale",
      "exceeds precision.initial_loss_scale 65536.0"),
+    # torch's deadlines: 1e300 s raised OverflowError at the process group, 1e-9 s (0 ms) failed every rendezvous
+    (("--train.collective_timeout_s", "1e300"), None, "train.collective_timeout_s", "give seconds such as 600"),
+    (("--train.collective_timeout_s", "1e-9"), None, "train.collective_timeout_s", "outside 0.001 to 1e+09 s"),
 ])
 def test_validation_names_field(overrides, world, field, fix):
     local = 4 if overrides == ("--parallel.tp", "8") else None

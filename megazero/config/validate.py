@@ -65,6 +65,11 @@ POSITIVE = [
 STEPS_AHEAD_MAX = 8
 """More steps in flight only delay stops and NaN checks: a host that needs more is the bound."""
 
+COLLECTIVE_TIMEOUT_S = (1e-3, 1e9)
+"""The timeouts torch's process groups can hold: below a millisecond the store's deadline is 0 ms and
+every rendezvous fails at once (reported as an unreachable MASTER_ADDR); above about 30 years its
+nanosecond deadlines overflow (1e10 s fails the same way, 1e300 s raised OverflowError)."""
+
 NON_NEGATIVE = [
     "model.dropout", "model.attention_dropout", "zero.persistence_threshold",
     "optimizer.min_lr", "optimizer.weight_decay", "optimizer.clip_grad",
@@ -141,6 +146,10 @@ def _value_problems(cfg: Config) -> list[str]:
     if t.steps_ahead > STEPS_AHEAD_MAX:
         problems.append(f"train.steps_ahead: {t.steps_ahead} is more than {STEPS_AHEAD_MAX}; more steps in flight only "
                         "delay stops and NaN checks")
+    low, high = COLLECTIVE_TIMEOUT_S
+    if t.collective_timeout_s > 0 and not low <= t.collective_timeout_s <= high:
+        problems.append(f"train.collective_timeout_s: {t.collective_timeout_s:g} is outside {low:g} to {high:g} s, "
+                        "the timeouts torch's process groups can hold; give seconds such as 600")
     if t.train_steps is None and t.train_tokens is None:
         problems.append("train.train_steps: is null and so is train.train_tokens; give one of them to say when "
                         "training ends")
