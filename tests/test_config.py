@@ -90,6 +90,9 @@ def _error(*overrides, world=None, local=None) -> str:
     # torch's deadlines: 1e300 s raised OverflowError at the process group, 1e-9 s (0 ms) failed every rendezvous
     (("--train.collective_timeout_s", "1e300"), None, "train.collective_timeout_s", "give seconds such as 600"),
     (("--train.collective_timeout_s", "1e-9"), None, "train.collective_timeout_s", "outside 0.001 to 1e+09 s"),
+    # the scale seeds the backward as an fp32 tensor: beyond float32 it was a traceback at the first backward
+    (("--precision.dtype", "fp16", "--precision.initial_loss_scale", "1e39"), None, "precision.initial_loss_scale",
+     "above float32's largest value"),
 ])
 def test_validation_names_field(overrides, world, field, fix):
     local = 4 if overrides == ("--parallel.tp", "8") else None

@@ -70,6 +70,11 @@ COLLECTIVE_TIMEOUT_S = (1e-3, 1e9)
 every rendezvous fails at once (reported as an unreachable MASTER_ADDR); above about 30 years its
 nanosecond deadlines overflow (1e10 s fails the same way, 1e300 s raised OverflowError)."""
 
+LOSS_SCALE_MAX = 3.4028234663852886e38
+"""float32's largest value: the loss scale (over a step's micro-batches) seeds the backward as an
+fp32 tensor, so a larger ``precision.initial_loss_scale`` failed at the first backward with a
+traceback where the micro-batches did not bring it below, and overflowed every gradient where they did."""
+
 NON_NEGATIVE = [
     "model.dropout", "model.attention_dropout", "zero.persistence_threshold",
     "optimizer.min_lr", "optimizer.weight_decay", "optimizer.clip_grad",
@@ -158,7 +163,10 @@ def _value_problems(cfg: Config) -> list[str]:
     if not 0 <= t.seed < 2**32:  # offsets per tensor rank and stage are added to it, within torch's 64 bits
         problems.append(f"train.seed: {t.seed} is outside 0 to 2**32 - 1")
     prec = cfg.precision
-    if prec.dtype == "fp16" and prec.min_loss_scale > prec.initial_loss_scale:
+    if prec.dtype == "fp16" and prec.initial_loss_scale > LOSS_SCALE_MAX:
+        problems.append(f"precision.initial_loss_scale: {prec.initial_loss_scale:g} is above float32's largest value "
+                        f"{LOSS_SCALE_MAX:g}; give a power of two such as 65536")
+    elif prec.dtype == "fp16" and prec.min_loss_scale > prec.initial_loss_scale:
         problems.append(f"precision.min_loss_scale: {prec.min_loss_scale} exceeds precision.initial_loss_scale "
                         f"{prec.initial_loss_scale}; the run would stop at its first overflows as diverging")
     if not problems:
