@@ -305,6 +305,8 @@ CASES = [
     *[(f"demo-corpus-max-mb-{text}", (lambda text: lambda f: [
         "demo-corpus", str(f["root"] / "out" / "demo"), "--max-mb", text])(text),
        [f"--max-mb: must be a positive number of MB, got {text}"]) for text in ("inf", "nan", "0.0")],
+    ("demo-corpus-vocab-beyond-int32", lambda f: ["demo-corpus", str(f["root"] / "out" / "demo"), "--vocab-size",
+                                                  "99999999999"], ["--vocab-size: must be at most 2147483647"]),
     ("demo-corpus-empty-path", lambda f: ["demo-corpus", ""],
      ["OUT_DIR: an empty path names no folder (it would be read as the current directory); give a folder"]),
     ("demo-corpus-exists", lambda f: ["demo-corpus", str(f["root"])], ["stdlib.jsonl: exists", "remove it first"]),
