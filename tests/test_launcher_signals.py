@@ -324,3 +324,37 @@ def test_help_lists_the_knobs_then_trains_options():
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("Launch megazero pretraining with torchrun") and "NPROC_PER_NODE  ranks" in done.stdout
     assert "--check" in done.stdout and "== training" not in done.stdout
+
+
+SBATCH = REPO / "scripts" / "slurm_pretrain_gpt.sbatch"
+
+
+@pytest.mark.parametrize("srun_status, requeued", [(0, False), (75, True), (137, True)])
+def test_the_batch_script_requeues_after_the_warning_unless_the_run_finished(tmp_path, srun_status, requeued):
+    """SLURM's warning, then srun's status: a run that finished (0) in its last minutes was requeued
+    too, and came back to a finished run on freshly queued nodes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    started = tmp_path / "srun_started"
+    (bin_dir / "srun").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        trap 'exit {srun_status}' USR1
+        touch {started}
+        while true; do sleep 0.1; done
+        """))
+    (bin_dir / "scontrol").write_text(f"#!/usr/bin/env bash\n[ \"$1\" = show ] && echo node1 || echo \"$@\" >> "
+                                      f"{tmp_path / 'scontrol.log'}\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node1", SLURM_JOB_ID="42")
+    proc = subprocess.Popen(["bash", str(SBATCH)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # past `step=$!`, so the trap reaches srun
+    proc.send_signal(signal.SIGUSR1)  # the warning (#SBATCH --signal=B:USR1@300)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == srun_status, out
+    log = tmp_path / "scontrol.log"
+    assert (log.read_text() if log.exists() else "") == ("requeue 42\n" if requeued else ""), out
