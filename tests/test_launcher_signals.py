@@ -358,3 +358,28 @@ def test_the_batch_script_requeues_after_the_warning_unless_the_run_finished(tmp
     assert proc.returncode == srun_status, out
     log = tmp_path / "scontrol.log"
     assert (log.read_text() if log.exists() else "") == ("requeue 42\n" if requeued else ""), out
+
+
+@pytest.mark.parametrize("config, threads", [(None, "1"), ("configs/gpt_1.3b.yaml", "unset")])
+def test_the_demo_runs_its_cpu_ranks_one_thread_each_on_a_gpu_machine(tmp_path, config, threads):
+    """On a machine with 8 GPUs the demo still trains 8 CPU ranks; their count matched the GPUs', so
+    OMP_NUM_THREADS was left unset and each rank took every core. A stand-in ``python`` says 8 GPUs
+    and records what the launcher would have been given."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "launcher_env"
+    (bin_dir / "python").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        case "$*" in
+          *device_count*) echo 8 ;;
+          *parallel.launch*) echo "${{OMP_NUM_THREADS:-unset}} $*" > {seen} ;;
+          -c*) printf 'runs/demo/checkpoints\\ndata/demo/tokenizer.model\\n' ;;
+        esac
+        """))
+    (bin_dir / "python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "OMP_NUM_THREADS", "NPROC_PER_NODE")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", **({"CONFIG": config} if config else {}))
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    given, args = seen.read_text().split(" ", 1)
+    assert given == threads and "--nproc_per_node 8" in args, args
