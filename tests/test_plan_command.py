@@ -143,3 +143,24 @@ def test_plan_takes_a_config_that_names_a_zero_bubble_schedule(capsys):
     code = main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "h200", "--top", "2",
                  "--parallel.pipeline_schedule", "zb-h1", "--train.global_batch_size", "64"])
     assert code == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("held, column, value", [
+    (["--parallel.virtual_stages", "2"], "virtual_stages", 2),
+    (["--parallel.sequence_parallel", "true"], "sequence_parallel", True),
+    (["--parallel.pipeline_schedule", "interleaved_1f1b"], "schedule", "interleaved_1f1b"),
+])
+def test_a_held_field_needs_no_other_field_of_the_configs_own_layout(held, column, value, capsys):
+    """The config's own tp 1 and pp 1 are where the search starts, not a limit on it: holding
+    virtual stages, sequence parallelism or an interleaved schedule was refused up front as needing
+    pp > 1 or tp > 1, though the search had such layouts to offer."""
+    code = main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "4", "--gpus-per-node", "4", "--top", "1000", "--json",
+                 "--train.global_batch_size", "64", *held])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert rows and {r[column] for r in rows} == {value}
+
+
+def test_a_held_field_the_model_refuses_is_named(capsys):
+    assert main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "8", "--gpus-per-node", "8", "--parallel.tp", "3"]) == 2
+    assert "model.num_heads: 16 is not divisible by parallel.tp 3" in capsys.readouterr().err

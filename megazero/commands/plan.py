@@ -52,6 +52,7 @@ def run(args) -> int:
     from megazero.config import load_config, validate_config
     from megazero.config.loader import parse_overrides
     from megazero.config.schema import Config
+    from megazero.config.validate import validate_without_layout
     from megazero.planner import GPUS, Cluster, custom_gpu, plan
     from megazero.planner.search import KNOBS, largest_world
 
@@ -66,7 +67,7 @@ def run(args) -> int:
     if config_path is None:
         raise UserError("give the CONFIG to plan for, e.g. megazero plan configs/gpt_1.3b.yaml --gpus 8 --gpus-per-node 8")
     cfg = load_config(config_path, overrides)
-    validate_config(cfg)  # the config's own values; each layout is validated for the world below
+    validate_without_layout(cfg)  # the config's own values; each layout is validated whole for the world below
     gpu = custom_gpu(GPUS[args.gpu], args.gpu_memory, args.peak_tflops, args.intra_node_GBps, args.inter_node_GBps)
     cluster = Cluster(gpu, args.gpus, min(args.gpus_per_node, args.gpus))
     fixed = frozenset(key.replace("-", "_") for key, _ in parse_overrides(overrides, Config)) & set(KNOBS)
@@ -79,6 +80,7 @@ def run(args) -> int:
                             f"width) x pp (up to "
                             f"model.num_layers {cfg.model.num_layers}) x dp (dividing train.global_batch_size "
                             f"{cfg.train.global_batch_size}); plan for {usable} GPUs, or raise train.global_batch_size")
+        validate_config(cfg)  # what is wrong with the config's own layout (a held tp 3 with 16 heads), if anything
         held = f" with {', '.join(sorted(fixed))} as given" if fixed else ""
         raise UserError(f"no layout of {config_path} is valid on {args.gpus} GPUs{held}: run megazero train --check "
                         f"with WORLD_SIZE={args.gpus} LOCAL_WORLD_SIZE={args.gpus_per_node} and a layout to see why")

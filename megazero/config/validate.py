@@ -99,6 +99,18 @@ def validate_config(cfg: Config, world_size: Optional[int] = None, local_world_s
         raise ConfigError("\n".join(problems))
 
 
+def validate_without_layout(cfg: Config) -> None:
+    """Raise one ``ConfigError`` listing the problems no parallel layout changes: the values, and the
+    model's own shape. ``megazero plan`` checks these before it searches, and each layout it tries
+    whole with ``validate_config``: the config's own tp, pp, virtual stages, schedule and sequence
+    parallelism are only where the search starts (a held one need not be valid with the config's
+    others), so holding ``--parallel.virtual_stages 2`` on a config of pp 1 was refused as needing
+    pp > 1, though the search had layouts of pp > 1 to offer."""
+    problems = _value_problems(cfg) or _model_problems(cfg.model)
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
 def resolve_config(cfg: Config, world_size: int, local_world_size: Optional[int] = None) -> Config:
     """Validate for this world and fill the derived fields (``parallel.dp``)."""
     validate_config(cfg, world_size, local_world_size)
@@ -207,8 +219,8 @@ def _cuda_graph_problems(cfg: Config) -> list[str]:
             for what in graph_blockers(cfg)]
 
 
-def _shape_problems(cfg: Config) -> list[str]:
-    m, p = cfg.model, cfg.parallel
+def _model_problems(m) -> list[str]:
+    """The model's shape on its own, whatever the layout."""
     problems = []
     if m.hidden_size % m.num_heads:
         problems.append(f"model.hidden_size: {m.hidden_size} is not divisible by model.num_heads {m.num_heads}")
@@ -217,6 +229,12 @@ def _shape_problems(cfg: Config) -> list[str]:
         problems.append(f"model.num_kv_heads: {kv} must divide model.num_heads {m.num_heads}")
     if m.position_embedding == "rope" and (m.hidden_size // m.num_heads) % 2:
         problems.append("model.hidden_size: rotary embeddings need an even head size (hidden_size / num_heads)")
+    return problems
+
+
+def _shape_problems(cfg: Config) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    problems = _model_problems(m)
     problems += tp_layout_problems(m, p.tp)
     if p.sequence_parallel and p.tp == 1:
         problems.append("parallel.sequence_parallel: needs parallel.tp > 1; set it false or raise tp")
