@@ -35,6 +35,11 @@ whole() {  # NAME VALUE LOWEST [HIGHEST]: refuse what torchrun would meet with a
 }
 
 # The knobs are checked first: a bad one would otherwise be found after the demo build.
+if [ $# -gt 0 ] && [[ "$1" != --* ]]; then  # else every rank refused it as an override, naming no CONFIG
+  echo "pretrain_gpt.sh: error: unexpected argument '$1': arguments are overrides of megazero train" \
+       "(--section.field VALUE); give a config file as CONFIG=$1 $0" >&2
+  exit 2
+fi
 if [ -n "${CONFIG:-}" ] && [ ! -f "$CONFIG" ]; then  # else train's own error came amid torchrun's log lines
   echo "pretrain_gpt.sh: error: CONFIG $CONFIG: no such file (a relative path is read from the repository" \
        "root, where this script runs); give a YAML config such as configs/gpt_1.3b.yaml" >&2

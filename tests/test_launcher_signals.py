@@ -319,6 +319,17 @@ def test_a_bad_knob_is_one_line_before_anything_starts(tmp_path, knobs, message)
     assert "== training" not in done.stdout
 
 
+def test_a_config_given_as_an_argument_is_one_line_naming_config():
+    """The arguments are train's overrides: a config path among them was refused by every rank as an
+    override (after the demo build, in the demo), without a word about CONFIG."""
+    done = subprocess.run(["bash", str(SCRIPT), "configs/gpt_1.3b.yaml", "--train.train_steps", "5"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "pretrain_gpt.sh: error: unexpected argument 'configs/gpt_1.3b.yaml': arguments are overrides of megazero "
+        f"train (--section.field VALUE); give a config file as CONFIG=configs/gpt_1.3b.yaml {SCRIPT}"), done.stderr
+    assert "== " not in done.stdout
+
+
 def test_help_lists_the_knobs_then_trains_options():
     done = subprocess.run(["bash", str(SCRIPT), "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
