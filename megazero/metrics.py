@@ -116,7 +116,7 @@ class MetricsLogger:
         if wandb is not None:
             self._wandb = _start_wandb(run_dir, **wandb)
         if tensorboard:
-            self._tensorboard = _start_tensorboard(Path(run_dir) / "tensorboard")
+            self._tensorboard = _start_tensorboard(Path(run_dir) / "tensorboard", start_step)
 
     def record(self, m: StepMetrics) -> dict[str, Any]:
         """Store one step (every rank may call it; only the writer does I/O); returns its JSON object."""
@@ -268,9 +268,12 @@ def _start_wandb(run_dir, project: str = "megazero", mode: str = "offline", conf
     return wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=name)
 
 
-def _start_tensorboard(log_dir: Path):
+def _start_tensorboard(log_dir: Path, start_step: int = 0):
+    """A writer that hides the events of steps after ``start_step`` left by an earlier run in
+    ``log_dir`` (``purge_step``): a resumed run recomputes them, and TensorBoard would otherwise plot
+    both values of each such step, as ``read_metrics`` does not."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise UserError(missing_logger("logging.tensorboard", "tensorboard")) from None
-    return SummaryWriter(log_dir=str(log_dir))
+    return SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1)

@@ -248,3 +248,24 @@ def test_tensorboard_writes_events_or_says_how_to_install(tmp_path):
     with logger(tmp_path, tensorboard=True) as log:
         log.record(step(1))
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_a_resumed_run_hides_the_tensorboard_events_it_recomputes(tmp_path, monkeypatch):
+    """Resumed at step 3, a run logs steps 4 on again; the events of those steps that the run before
+    wrote (it got further before it died) are purged, as read_metrics supersedes their rows."""
+    made = []
+
+    class Writer:
+        def __init__(self, log_dir, **kw):
+            made.append(kw)
+
+        def add_scalar(self, *args):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    with logger(tmp_path, tensorboard=True, start_step=3) as log:
+        log.record(step(4))
+    assert made == [{"purge_step": 4}], made
