@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch.distributed as dist
 import yaml
@@ -85,16 +86,17 @@ def lock_directories(cfg: Config) -> list[RunDirLock]:
         raise
 
 
-def start_run(cfg: Config, launch: LaunchEnv) -> int:
+def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -> int:
     """Lock the run and checkpoint directories (rank 0), start the process group and topology, check
-    that every rank agrees, train; returns the exit status."""
+    that every rank agrees, train; returns the exit status. ``started`` (``time.monotonic()``) is when
+    the command began, from which ``train.max_wall_seconds`` counts (None: from building the trainer)."""
     from megazero.trainer import Trainer
 
     locks = lock_directories(cfg) if launch.rank == 0 else []
     try:
         device, topology = initialize(cfg, launch)
         verify_consistent(cfg)
-        trainer = Trainer(cfg, device, topology)
+        trainer = Trainer(cfg, device, topology, started)
         if topology.rank == 0:
             record_config(cfg)
         state = trainer.train()

@@ -103,7 +103,12 @@ def checkpoint_split(cfg: Config, layout: dict) -> Optional[list[float]]:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, device: torch.device, topology):
+    def __init__(self, cfg: Config, device: torch.device, topology, started: Optional[float] = None):
+        """``started``: the ``time.monotonic()`` the run's clock for ``train.max_wall_seconds`` starts at
+        (the command's start; None: now). Building the engine and the sample indices and loading a
+        checkpoint take minutes at scale, and a limit sized to a job's allocation (Megatron's
+        ``--exit-duration-in-mins`` counts from the process's start) must count them."""
+        self.started = time.monotonic() if started is None else started
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         ckpt, source = start_checkpoint(cfg.checkpoint.load, cfg.save_dir)
         if cfg.checkpoint.load and source == "checkpoint.save_dir" and self.rank == 0:
@@ -283,7 +288,7 @@ class Trainer:
         round once the queue is full): one seen then stops after the steps in flight; one that
         arrives later, after the steps queued next. A profiled window (``logging.profile_steps``) is
         written however the loop ends."""
-        start = time.monotonic()
+        start = self.started
         t = self.cfg.train
         if self._done():
             if self.rank == 0:

@@ -151,6 +151,28 @@ def test_a_wall_clock_stop_saves_even_without_save_on_exit(files, capsys):
     assert "for the wall-clock limit; saving" in out and (run / "checkpoints" / "step_0000001").is_dir(), out
 
 
+def test_the_wall_clock_limit_counts_the_start_up(files, capsys, monkeypatch):
+    """`train.max_wall_seconds` counts from the command's start, as Megatron's --exit-duration-in-mins
+    from the process's: a start-up (here building the sample indices) that takes longer than the limit
+    stops the run after its first step. The clock started with the training loop, so a limit sized to
+    a job's allocation was overrun by the start-up (minutes at scale), and this run trained to the end."""
+    import time
+
+    import megazero.trainer
+
+    build = megazero.trainer.build_datasets
+
+    def slow(*args):
+        time.sleep(1.5)
+        return build(*args)
+    monkeypatch.setattr(megazero.trainer, "build_datasets", slow)
+    run = files["root"] / "wall-start"
+    assert main(["train", *_model(files["good"], str(run)), "--train.train_steps", "5",
+                 "--train.max_wall_seconds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "stopping at step 1 for the wall-clock limit; saving" in out, out
+
+
 def test_a_shard_records_its_tokenizer_through_preprocess_and_merge(files, capsys):
     """What the tokenizer checks compare with: preprocessing records the tokenizer's digest beside the
     shard, a merge carries it over, and a run with that tokenizer passes."""

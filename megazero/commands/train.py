@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from megazero.config import field_docs, load_config, resolve_config
 from megazero.errors import UserError
 
@@ -21,6 +23,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    started = time.monotonic()  # train.max_wall_seconds counts from here, through the checks and start-up
     if args.help_config:
         for name, default, help_text in field_docs():
             print(f"{name:36s} {default!r:>14}  {help_text}")
@@ -54,7 +57,7 @@ def run(args) -> int:
         return 0
     from megazero.startup import start_run
 
-    return start_run(cfg, launch)
+    return start_run(cfg, launch, started)
 
 
 def checked_config(args, launch):

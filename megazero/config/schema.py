@@ -119,7 +119,7 @@ class TrainConfig:
     global_batch_size: int = option(16, "Samples per optimizer step over all data-parallel ranks")
     train_steps: Optional[int] = option(100, "Stop after this many optimizer steps")
     train_tokens: Optional[int] = option(None, "Stop after this many tokens (None = no token limit); set train_steps null with it (and schedule.decay_steps)")
-    max_wall_seconds: Optional[float] = option(None, "Save and stop after this much wall-clock time")
+    max_wall_seconds: Optional[float] = option(None, "Save and stop after this much wall-clock time, counted from the command's start (start-up and checkpoint loading included, as Megatron's --exit-duration-in-mins)")
     eval_interval: int = option(0, "Evaluate every N steps (0 = never)")
     eval_steps: int = option(4, "Batches per evaluation")
     seed: int = option(1234, "Seed of model initialisation and dropout")
