@@ -37,6 +37,8 @@ from parallel.tensor_parallel import peer_memory
 from parallel.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PIPELINE_SEED_OFFSET = 100
+"""The default generator of pipeline rank r is seeded ``train.seed + 100 * r`` (``build_chunks``)."""
 
 
 def data_parallel_settings(cfg: Config) -> DataParallelSettings:
@@ -161,12 +163,17 @@ def layout_record(cfg: Config) -> dict:
 
 def build_chunks(cfg: Config, pp_rank: int) -> list[GPT]:
     """Pipeline rank ``pp_rank``'s chunks on the meta device: ``parallelize_gpt`` materialises only this
-    rank's shards (and an offline layout description reads their shapes alone)."""
+    rank's shards (and an offline layout description reads their shapes alone).
+
+    Seeds the default generator, from which dropout on replicated activations draws: identically on
+    the tensor ranks of a stage, so their copies agree, but offset by the pipeline rank, as
+    Megatron-LM does: with one seed everywhere each pipeline rank drew the very masks of the first
+    (a later stage's blocks repeated the embedding's and the first blocks' dropout, mask for mask)."""
     m, p = cfg.model, cfg.parallel
     split, placement = pipeline_split(cfg), pipeline_placement(cfg)
+    torch.manual_seed(cfg.train.seed + PIPELINE_SEED_OFFSET * pp_rank)
     chunks = []
     for c, stage in enumerate(pipeline_stages(cfg, pp_rank)):
-        torch.manual_seed(cfg.train.seed)  # identical on tensor ranks: replicated dropout agrees
         chunks.append(GPT(m, layers=stage_layers(split, p.pp, pp_rank, c, placement),
                           parts=stage_parts(split, p.pp, pp_rank, c, placement), has_embedding=stage == 0,
                           has_head=stage == p.pp * p.virtual_stages - 1, vocab_multiple=128 * p.tp,

@@ -1,4 +1,5 @@
-"""Dropout across tensor ranks, and an exact resume of its generators, on a real 2-rank world (tp 2).
+"""Dropout across tensor and pipeline ranks, and an exact resume of its generators, on a real 2-rank
+world (tp 2; one case pp 2).
 
 Every equivalence test runs with dropout 0, where the generators do not matter. Here dropout and
 attention dropout are 0.1 under tensor parallelism, with and without sequence parallelism:
@@ -10,7 +11,9 @@ attention dropout are 0.1 under tensor parallelism, with and without sequence pa
   again) continues with exactly the losses of the uninterrupted run, bit for bit;
 * the same resume without restoring the generators (the resharding path, which does not carry
   them) gives other losses, so the exact comparison above does depend on the restored state, and
-  so does dropout 0 (dropout really is on).
+  so does dropout 0 (dropout really is on);
+* at pp 2 the two stages draw different masks: the k-th residual-branch mask the second stage draws
+  is not the k-th the first draws (it was, mask for mask: one seed on every pipeline rank).
 
 The CUDA generator, absent here, is checked through a stand-in: captured and put back with the rest.
 
@@ -35,11 +38,12 @@ from tests.distributed import run_world
 STEPS, SAVED_AT, VOCAB, SEQ = 4, 2, 61, 16
 
 
-def _engine(topo, sp: bool, dropout: float = 0.1) -> Engine:
+def _engine(topo, sp: bool, dropout: float = 0.1, tp: int = 2, pp: int = 1) -> Engine:
     cfg = load_config(None, ["--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
                              "--model.vocab_size", str(VOCAB), "--model.seq_length", str(SEQ),
                              "--model.dropout", str(dropout), "--model.attention_dropout", str(dropout),
-                             "--parallel.tp", "2", "--parallel.sequence_parallel", str(sp).lower(),
+                             "--parallel.tp", str(tp), "--parallel.pp", str(pp),
+                             "--parallel.sequence_parallel", str(sp).lower(),
                              "--zero.stage", "1", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
                              "--train.device", "cpu", "--optimizer.lr", "1e-2", "--train.seed", "3"])
     return Engine(cfg, topo, torch.device("cpu"))
@@ -92,9 +96,26 @@ def _case(topo, rank, root, sp: bool) -> dict:
             "no_dropout": _step(_engine(topo, sp, dropout=0.0), 0), "replicated_differ": replicated_differ}
 
 
+def _stages_share_masks(topo) -> list[int]:
+    """At pp 2: the positions k at which the second stage's k-th residual-branch dropout mask of a step
+    equals the first stage's k-th (every such mask is [micro-batch, seq, hidden])."""
+    engine = _engine(topo, sp=False, tp=1, pp=2)
+    masks = []
+    for chunk in engine.chunks:
+        for module in chunk.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.register_forward_hook(lambda m, args, out: masks.append((out == 0) & (args[0] != 0)))
+    _step(engine, 0)
+    both = [torch.empty_like(torch.stack(masks[:4])) for _ in range(2)]
+    dist.all_gather(both, torch.stack(masks[:4]), group=topo.pp_group)
+    return [k for k in range(4) if torch.equal(both[0][k], both[1][k])]
+
+
 def _world(rank, world_size, root):
     topo = Topology(RankGrid(tp=2, pp=1, dp=1))
-    return {sp: _case(topo, rank, f"{root}/sp{int(sp)}", sp) for sp in (False, True)}
+    out = {sp: _case(topo, rank, f"{root}/sp{int(sp)}", sp) for sp in (False, True)}
+    out["stages_share_masks"] = _stages_share_masks(Topology(RankGrid(tp=1, pp=2, dp=1)))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +140,13 @@ def test_the_comparison_depends_on_dropout_and_its_generators(ranks, sp):
     for report in ranks:
         assert report[sp]["without_rng"] != report[sp]["want"][SAVED_AT:]
         assert report[sp]["no_dropout"] != report[sp]["want"][0]
+
+
+def test_pipeline_stages_draw_their_own_masks(ranks):
+    """Planted by the one seed every pipeline rank had: the second stage's first blocks dropped
+    exactly what the embedding and the first stage's blocks dropped."""
+    for report in ranks:
+        assert report["stages_share_masks"] == []
 
 
 def test_the_cuda_generator_is_captured_and_put_back(monkeypatch):
