@@ -171,6 +171,22 @@ def check_ops(ops: list[Op], m: int, v: int) -> None:
         raise PipelineDeadlock(f"ops missing: {sorted(expected - seen)[:4]}, extra: {sorted(seen - expected)[:4]}")
 
 
+def v_orders_span(pp: int, orders: Sequence[Sequence[tuple]], costs: Sequence[Sequence[float]]) -> Optional[float]:
+    """When the last op of zb-v's ``orders`` (every rank's ops as (kind, micro-batch, chunk)) ends by
+    ``timeline``, with each virtual stage's (F, B, W) ``costs``; None when their plans deadlock.
+
+    Why: ``v_order`` finds the orders in a model where an op waits only for its own input, and the
+    executor's batches per channel complete as a whole; the orders it would pick deadlock under
+    unequal stages from pp 3 (``v_order``'s docstring), so it checks each here."""
+    try:
+        graph = EventGraph([RankEvents(comm_plan([Op(*op) for op in ops], pp, r, 2, placement="v"), r)
+                            for r, ops in enumerate(orders)])
+    except PipelineDeadlock:
+        return None
+    return graph.makespan([[{"F": f, "B": b + w, "B_input": b, "W": w}
+                            for f, b, w in (costs[stage_of(pp, r, c, "v")] for c in (0, 1))] for r in range(pp)])
+
+
 CHANNELS = ("act", "grad")
 """Activations and gradients travel on separate communicators (``Topology``'s ``pp`` and ``pp_grad``
 groups), each first-in first-out per pair of ranks: a send still waiting for its receiver holds up
