@@ -14,7 +14,7 @@ from megazero.engine import head_rank, pipeline_costs, pipeline_schedule
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
 from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_work
-from parallel.pipeline.plan import StageCosts, modelled_step, weight_grad_delays
+from parallel.pipeline.plan import StageCosts, modelled_step, v_orders_span, weight_grad_delays
 from parallel.pipeline.placement import V_SHAPED, placement_of, sends_per_microbatch
 from parallel.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 from parallel.pipeline.v_order import modelled_span
@@ -165,7 +165,7 @@ def _split_backward_idle(cfg: Config, schedule: str, micro: int) -> Optional[flo
     against 4.2% for both, and H200s ran ZB-H2 3.1% faster than ZB-H1 (BENCHMARKS.md, 2026-11-28)."""
     p = cfg.parallel
     if schedule in V_SHAPED and 6 * p.pp * micro <= _TIMED_SCHEDULE_OPS:
-        span, busy = modelled_span(p.pp, micro, pipeline_costs(cfg).ops)
+        span, busy = modelled_span(p.pp, micro, pipeline_costs(cfg).ops, runs=v_orders_span)
         return span / max(busy) - 1
     if (schedule not in SPLIT_BACKWARD or p.pp == 1 or p.virtual_stages != 1
             or 3 * p.pp * micro > _TIMED_SCHEDULE_OPS):

@@ -13,7 +13,7 @@ the process group's watchdog after its own timeout.
 from __future__ import annotations
 
 import datetime
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist

@@ -148,7 +148,7 @@ def schedule_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
     ``weight_grad_delays`` finds best for the ranks' op ``costs`` (none given: the default delays); zb-v
     orders its ops by each virtual stage's costs (``costs`` then holds one entry per virtual stage)."""
     if schedule in V_SHAPED:
-        return zero_bubble_v(pp, rank, m, v, None if costs is None else costs.ops)
+        return zero_bubble_v(pp, rank, m, v, None if costs is None else costs.ops, runs=v_orders_span)
     if costs is None or schedule not in SPLIT_BACKWARD or v > 1:  # delays are tuned for one chunk a rank
         return build_schedule(schedule, pp, rank, m, v)
     return build_schedule(schedule, pp, rank, m, v, weight_grad_delays(schedule, pp, m, costs)[rank])
@@ -177,7 +177,7 @@ def v_orders_span(pp: int, orders: Sequence[Sequence[tuple]], costs: Sequence[Se
 
     Why: ``v_order`` finds the orders in a model where an op waits only for its own input, and the
     executor's batches per channel complete as a whole; the orders it would pick deadlock under
-    unequal stages from pp 3 (``v_order``'s docstring), so it checks each here."""
+    unequal stages from pp 3 (``v_order``'s docstring), so ``v_orders`` checks each with this."""
     try:
         graph = EventGraph([RankEvents(comm_plan([Op(*op) for op in ops], pp, r, 2, placement="v"), r)
                             for r, ops in enumerate(orders)])

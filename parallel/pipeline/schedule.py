@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from parallel.pipeline.placement import V_SHAPED
-from parallel.pipeline.v_order import check_costs, modelled_bubble, v_orders
+from parallel.pipeline.v_order import RunSpan, check_costs, modelled_bubble, v_orders
 
 SCHEDULES = ("gradient_accumulation", "1f1b", "interleaved_1f1b", "zb-h1", "zb-h2", "interleaved_zb", "zb-v",
              "forward_only")
@@ -196,15 +196,15 @@ def interleaved_zero_bubble(pp: int, rank: int, m: int, v: int = 2, delay: Optio
     return _split_weight_grads(interleaved_1f1b(pp, rank, m, v), _delay("interleaved_zb", rank, delay))
 
 
-def zero_bubble_v(pp: int, rank: int, m: int, v: int = 2,
-                  costs: Optional[Sequence[Sequence[float]]] = None) -> list[Op]:
+def zero_bubble_v(pp: int, rank: int, m: int, v: int = 2, costs: Optional[Sequence[Sequence[float]]] = None,
+                  runs: Optional[RunSpan] = None) -> list[Op]:
     """ZB-V (``v_order``): two chunks a rank in a V, ordered by list scheduling with each
-    virtual stage's (F, B, W) ``costs`` (none: equal)."""
+    virtual stage's (F, B, W) ``costs`` (none: equal), among orders ``runs`` finds deadlock-free."""
     _check(pp, rank, m, v)
     if pp < 2 or v != 2:
         raise ValueError(f"zb-v runs two model chunks on each of at least two pipeline ranks; got pp {pp}, "
                          f"virtual stages {v}")
-    return [Op(*op) for op in v_orders(pp, m, check_costs(pp, costs))[0][rank]]
+    return [Op(*op) for op in v_orders(pp, m, check_costs(pp, costs), runs)[0][rank]]
 
 
 def forward_only(pp: int, rank: int, m: int, v: int = 1) -> list[Op]:

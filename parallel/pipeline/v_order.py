@@ -32,7 +32,7 @@ runs at every size the tests check, pp up to 16) is taken.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from parallel.pipeline.placement import holder_of, stage_of
 
@@ -49,42 +49,48 @@ def check_costs(pp: int, costs: Optional[Sequence[Sequence[float]]]) -> tuple:
     return table
 
 
-@functools.lru_cache(maxsize=256)
-def v_orders(pp: int, m: int, costs: tuple) -> tuple[tuple[tuple, ...], float]:
-    """Every rank's ops as (kind, micro-batch, chunk) and the modelled step, for ``costs`` (a
-    ``check_costs`` table), at the cap that gives the shortest step (the smallest such) of those
-    whose plans cannot deadlock; if none, the equal-cost order, its step timed by ``plan.timeline``:
-    see the module docstring."""
-    from parallel.pipeline.plan import v_orders_span  # plan builds on schedule, which builds on this module
+RunSpan = Callable[[int, Sequence[Sequence[tuple]], tuple], Optional[float]]
+"""(pp, every rank's ops, costs) -> the step their plans take, or None where they deadlock: the plan's
+dry run (``plan.v_orders_span``), which this module cannot import (the plan builds on the schedules,
+which build on it), so its callers that run orders hand it in."""
 
+
+@functools.lru_cache(maxsize=256)
+def v_orders(pp: int, m: int, costs: tuple, runs: Optional[RunSpan] = None) -> tuple[tuple[tuple, ...], float]:
+    """Every rank's ops as (kind, micro-batch, chunk) and the modelled step, for ``costs`` (a
+    ``check_costs`` table), at the cap that gives the shortest step (the smallest such). Given
+    ``runs``, only among orders whose plans cannot deadlock; if none, the equal-cost order, its step
+    timed by ``runs``: see the module docstring."""
     found = [_list_schedule(pp, m, costs, cap) for cap in range(2 * pp, 2 * (2 * pp - 1) + 1)]
     while found:
         best = None
         for ops, span in found:
             if best is None or span < best[1] * (1 - 1e-9):
                 best = (ops, span)
-        if v_orders_span(pp, best[0], costs) is not None:
+        if runs is None or runs(pp, best[0], costs) is not None:
             return best
         found.remove(best)
     unit = check_costs(pp, None)
     if costs != unit:
-        ops, _ = v_orders(pp, m, unit)
-        return ops, v_orders_span(pp, ops, costs)
+        ops, _ = v_orders(pp, m, unit, runs)
+        return ops, runs(pp, ops, costs)
     raise ValueError(f"parallel.pipeline_schedule zb-v finds no order for pp {pp} and {m} micro-batches that "
                      f"cannot deadlock; use zb-h1 or zb-h2")
 
 
-def modelled_bubble(pp: int, m: int, costs: Optional[tuple] = None) -> float:
+def modelled_bubble(pp: int, m: int, costs: Optional[tuple] = None, runs: Optional[RunSpan] = None) -> float:
     """Idle over busy time of the idlest rank in the list-scheduling model (messages free); with equal
     costs, ``schedule.bubble_fraction``'s figure for zb-v."""
-    span, busy = modelled_span(pp, m, costs)
+    span, busy = modelled_span(pp, m, costs, runs)
     return max((span - b) / b for b in busy)
 
 
-def modelled_span(pp: int, m: int, costs: Optional[tuple] = None) -> tuple[float, list[float]]:
-    """The step the list-scheduling model gives (messages free), and each rank's busy time in it."""
+def modelled_span(pp: int, m: int, costs: Optional[tuple] = None,
+                  runs: Optional[RunSpan] = None) -> tuple[float, list[float]]:
+    """The step the list-scheduling model gives (messages free), and each rank's busy time in it;
+    ``runs`` as in ``v_orders``."""
     table = check_costs(pp, costs)
-    _, span = v_orders(pp, m, table)
+    _, span = v_orders(pp, m, table, runs)
     return span, [m * (sum(table[stage_of(pp, r, 0, "v")]) + sum(table[stage_of(pp, r, 1, "v")])) for r in range(pp)]
 
 
