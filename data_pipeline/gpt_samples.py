@@ -31,7 +31,7 @@ from data_pipeline.indexed import IndexedDataset
 # Megatron shuffles a final epoch separately when fewer than this share of it is used, so that the
 # samples drawn from the partial epoch do not crowd the front of the shuffled order.
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
-INDEX_VERSION = 2  # 2: keyed on the .idx fingerprint, not on path and counts
+INDEX_VERSION = 3  # 2: keyed on the .idx fingerprint, not on path and counts; 3: int64 document numbers past int32
 SPLIT_NAMES = ("train", "valid", "test")
 
 

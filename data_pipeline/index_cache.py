@@ -29,14 +29,21 @@ def description_hash(description: dict) -> str:
     return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
 
+class CacheWriteError(OSError):
+    """The cache itself cannot be written (a full disk, a read-only folder): told apart from an
+    ``OSError`` of ``build``, which reads the data, so that neither is reported as the other."""
+
+
 def cached_arrays(cache_dir: str, kind: str, description: dict, names: tuple[str, ...],
                   build: Callable[[], dict]) -> dict:
     """Load ``names`` for this description from ``cache_dir``, building them first if absent.
 
     ``build()`` returns a dict of numpy arrays with exactly ``names`` as keys. Loaded arrays are
-    memory-mapped read-only, so every rank shares one copy in the page cache.
+    memory-mapped read-only, so every rank shares one copy in the page cache. Writing the cache (its
+    folder, lock and files) raises ``CacheWriteError``.
     """
-    os.makedirs(cache_dir, exist_ok=True)
+    with _writing(cache_dir):
+        os.makedirs(cache_dir, exist_ok=True)
     stem = os.path.join(cache_dir, f"{description_hash(description)}-{kind}")
     done = f"{stem}-description.json"
     paths = {n: f"{stem}-{n}.npy" for n in names}
@@ -45,11 +52,15 @@ def cached_arrays(cache_dir: str, kind: str, description: dict, names: tuple[str
         return os.path.exists(done) and all(map(os.path.exists, paths.values()))
 
     if not complete():
-        with open(f"{stem}.lock", "w") as lock:
+        with _writing(cache_dir):
+            lock = open(f"{stem}.lock", "w")
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 if not complete():
-                    _write(build(), paths, done, description)
+                    arrays = build()
+                    with _writing(cache_dir):
+                        _write(arrays, paths, done, description)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
     try:
@@ -70,6 +81,17 @@ def _write(arrays: dict, paths: dict, done: str, description: dict) -> None:
         with open(tmp, "w") as f:
             json.dump(description, f, indent=1, sort_keys=True)
         os.replace(tmp, done)
+
+
+@contextlib.contextmanager
+def _writing(cache_dir: str):
+    """An ``OSError`` of the block, raised as ``CacheWriteError`` naming ``cache_dir``."""
+    try:
+        yield
+    except CacheWriteError:
+        raise
+    except OSError as exc:
+        raise CacheWriteError(f"{cache_dir}: {exc.strerror or exc}") from exc
 
 
 @contextlib.contextmanager

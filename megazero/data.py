@@ -21,6 +21,7 @@ def train_samples(cfg: Config) -> int:
 def build_datasets(cfg: Config, train_samples: int):
     """(train, validation or None) sample sequences of ``seq_length + 1`` tokens."""
     from data_pipeline.blend import build_blended_samples, resolve_blend
+    from data_pipeline.index_cache import CacheWriteError
 
     d = cfg.data
     if d.blend is None and d.blend_preset is None:
@@ -35,11 +36,11 @@ def build_datasets(cfg: Config, train_samples: int):
             valid = build_blended_samples(blend, cfg.model.seq_length,
                                           cfg.train.eval_steps * cfg.train.global_batch_size, d.seed, d.split,
                                           "valid", d.cache_dir)
-    except (ValueError, FileNotFoundError) as exc:
-        raise ConfigError(f"data: {exc}") from None
-    except OSError as exc:  # the index cache: a full disk, or data made read-only since preflight cached its facts
+    except CacheWriteError as exc:  # a full disk, or data made read-only since preflight cached its facts
         raise ConfigError(f"data.cache_dir: the sample indices cannot be written ({exc}); free space there or set "
                           "data.cache_dir to a writable directory") from None
+    except (ValueError, OSError) as exc:  # a shard that cannot be read: the error names it
+        raise ConfigError(f"data: {exc}") from None
     return train, valid
 
 

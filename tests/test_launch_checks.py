@@ -465,5 +465,18 @@ def test_sample_indices_that_cannot_be_written_are_one_line(files, tmp_path, mon
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(np, "save", full)
-    with pytest.raises(ConfigError, match=r"^data.cache_dir: the sample indices cannot be written \(\[Errno 28\]"):
+    with pytest.raises(ConfigError, match=rf"^data.cache_dir: the sample indices cannot be written \({tmp_path / 'c'}: "
+                                          r"No space left on device\); free space there"):
         build_datasets(cfg, train_samples(cfg))
+    monkeypatch.undo()
+    real_memmap = np.memmap
+
+    def unreadable(path, *args, **kwargs):  # the data, not the cache: not reported as the cache's
+        if str(path).endswith(".bin"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real_memmap(path, *args, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", unreadable)
+    with pytest.raises(ConfigError, match=r"^data: \[Errno 5\] Input/output error: .*\.bin"):
+        build_datasets(load_config(None, [*_model(files["good"], str(tmp_path / "run2")),
+                                          "--data.cache_dir", str(tmp_path / "c2")]), train_samples(cfg))
