@@ -68,12 +68,12 @@ if [ -z "${CONFIG:-}" ]; then
   fi
 fi
 gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-cpu_ranks=1  # the demo trains on CPU ranks even where GPUs are visible
-if [ "$gpus" -gt 0 ] && [ "$demo" = 0 ]; then cpu_ranks=0; default_ranks=$gpus; else default_ranks=${CPU_RANKS:-8}; fi
+on_cpu=1  # the demo trains on CPU ranks even where GPUs are visible
+if [ "$gpus" -gt 0 ] && [ "$demo" = 0 ]; then on_cpu=0; default_ranks=$gpus; else default_ranks=${CPU_RANKS:-8}; fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-$default_ranks}
 # CPU ranks share the machine's cores; one thread each keeps them from fighting. (Not told apart by
 # their count: the demo's 8 CPU ranks on an 8-GPU machine each took every core.)
-[ "$cpu_ranks" = 0 ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+[ "$on_cpu" = 0 ] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 if [ "$NNODES" -eq 1 ]; then
   rendezvous=(--standalone)

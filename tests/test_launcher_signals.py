@@ -340,10 +340,11 @@ def test_help_lists_the_knobs_then_trains_options():
 SBATCH = REPO / "scripts" / "slurm_pretrain_gpt.sbatch"
 
 
-@pytest.mark.parametrize("srun_status, requeued", [(0, False), (75, True), (137, True)])
-def test_the_batch_script_requeues_after_the_warning_unless_the_run_finished(tmp_path, srun_status, requeued):
-    """SLURM's warning, then srun's status: a run that finished (0) in its last minutes was requeued
-    too, and came back to a finished run on freshly queued nodes."""
+@pytest.mark.parametrize("srun_status", [0, 75, 137])
+def test_the_batch_script_requeues_after_the_warning_whatever_srun_says(tmp_path, srun_status):
+    """SLURM's warning, then srun's status: the job comes back whatever it is. 0 is not taken for a
+    finished run: a stop at train.max_wall_seconds also exits 0 with steps left, and a run that did
+    finish comes back only to say so."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     started = tmp_path / "srun_started"
@@ -363,12 +364,16 @@ def test_the_batch_script_requeues_after_the_warning_unless_the_run_finished(tmp
     deadline = time.monotonic() + 30
     while not started.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.2)  # past `step=$!`, so the trap reaches srun
-    proc.send_signal(signal.SIGUSR1)  # the warning (#SBATCH --signal=B:USR1@300)
-    out, _ = proc.communicate(timeout=60)
+    out = None
+    while out is None and time.monotonic() < deadline:  # again until it lands past `step=$!` (a loaded machine)
+        proc.send_signal(signal.SIGUSR1)  # the warning (#SBATCH --signal=B:USR1@300)
+        try:
+            out, _ = proc.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
     assert proc.returncode == srun_status, out
     log = tmp_path / "scontrol.log"
-    assert (log.read_text() if log.exists() else "") == ("requeue 42\n" if requeued else ""), out
+    assert log.read_text() == "requeue 42\n", out
 
 
 @pytest.mark.parametrize("config, threads", [(None, "1"), ("configs/gpt_1.3b.yaml", "unset")])
