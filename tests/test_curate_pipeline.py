@@ -166,6 +166,19 @@ def test_rerun_with_other_options_is_refused(tmp_path):
         pipeline.run_pipeline(build_config(raw), log=lambda s: None)
 
 
+def test_stages_made_by_earlier_rules_are_refused(tmp_path):
+    """A finished run's stages made by code whose stages compute otherwise (``pipeline.RULES`` raised
+    with a fix) are refused naming the rules, not kept beside stages the new code makes. (Planted:
+    no rules in the fingerprint.)"""
+    corpus = write_corpus(tmp_path)
+    pipeline.run_pipeline(build_config(config(tmp_path, [corpus])), log=lambda s: None)
+    stage = next((tmp_path / "out").glob("00-input")) / "stage.json"
+    recorded = json.loads(stage.read_text())
+    stage.write_text(json.dumps({**recorded, "rules": pipeline.RULES - 1}))
+    with pytest.raises(ValueError, match=r"00-input was made with other settings \(rules differ\)"):
+        pipeline.run_pipeline(build_config(config(tmp_path, [corpus])), log=lambda s: None)
+
+
 def test_a_change_upstream_or_in_a_file_read_reaches_every_later_stage(tmp_path):
     """A stage is stale when anything before it changed, not only its own options: another earlier
     stage (planted: fingerprints without the upstream digest, which served the old exact_dedup

@@ -159,6 +159,13 @@ def _file_facts(path: str) -> list:
     return [path, st.st_size, st.st_mtime_ns]
 
 
+RULES = 2
+"""What the stages compute, in the input stage's fingerprint (so in every later one's upstream digest):
+raised when a fix changes what a stage writes from the same inputs and options, so a finished stage
+made by the code before is refused by name, not kept beside new ones. 2: parquet shards keep every
+record's fields, quality scores are P(hq) among every label, shards in numeric order."""
+
+
 def _digest(fingerprint: dict) -> str:
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
 
@@ -243,7 +250,7 @@ def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
     ctx = Context(cfg, executor, progress)
     try:
         in_dir = os.path.join(out, "00-input")
-        fingerprint = {"inputs": [_file_facts(p) for p in cfg.input.paths], "format": cfg.output.format,
+        fingerprint = {"rules": RULES, "inputs": [_file_facts(p) for p in cfg.input.paths], "format": cfg.output.format,
                        "strict": cfg.strict, **{k: v for k, v in dataclasses.asdict(cfg.input).items() if k != "paths"}}
         all_stats = [_run_stage(ctx, "input", in_dir, fingerprint, lambda: run_ingest(ctx, in_dir), log)]
         shards = list_shards(in_dir)
