@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 
-from megazero.commands.tokenizer import INT32_MAX
+from megazero.commands.tokenizer import check_vocab_flag
 from megazero.errors import UserError
 
 
@@ -30,9 +30,7 @@ def run(args) -> int:
         raise UserError(f"OUT_DIR: {empty}")
     if not (math.isfinite(args.max_mb) and args.max_mb > 0):
         raise UserError(f"--max-mb: must be a positive number of MB, got {args.max_mb}")
-    if args.vocab_size > INT32_MAX:  # else SentencePiece's own "cannot parse as int", once the corpus is collected
-        raise UserError(f"--vocab-size: must be at most {INT32_MAX} (SentencePiece counts in 32 bits), got "
-                        f"{args.vocab_size}")
+    check_vocab_flag(args.vocab_size)
     blocking = args.out_dir if os.path.isfile(args.out_dir) else file_in_the_way(os.path.join(args.out_dir, "x"))
     if blocking:
         raise UserError(f"{args.out_dir}: {blocking} is a file, not a folder; give a folder to build the demo corpus in")

@@ -39,12 +39,17 @@ MIN_SENTENCES = 101
 """SentencePiece samples more than 100 lines or none (its own check, worded as an internal error)."""
 
 
+def check_vocab_flag(vocab_size: int) -> None:
+    """``--vocab-size`` within what SentencePiece counts (32 bits), checked before any text is read:
+    its own "cannot parse as int" comes only once the corpus is collected."""
+    if vocab_size > INT32_MAX:
+        raise UserError(f"--vocab-size: must be at most {INT32_MAX} (SentencePiece counts in 32 bits), got {vocab_size}")
+
+
 def run_train(args) -> int:
     from data_pipeline.tokenizer import read_texts, train_sentencepiece
 
-    if args.vocab_size > INT32_MAX:
-        raise UserError(f"--vocab-size: must be at most {INT32_MAX} (SentencePiece counts in 32 bits), got "
-                        f"{args.vocab_size}")
+    check_vocab_flag(args.vocab_size)
     if not MIN_SENTENCES <= args.max_sentences <= INT32_MAX:
         raise UserError(f"--max-sentences: must be between {MIN_SENTENCES} and {INT32_MAX}, got {args.max_sentences}")
     if not os.path.basename(args.model_prefix):
