@@ -15,7 +15,7 @@ import os
 import sysconfig
 import tempfile
 
-from data_pipeline.paths import made_folder, temp_name
+from data_pipeline.paths import made_folder, written_whole
 from data_pipeline.tokenizer import check_vocab_size, read_texts, train_sentencepiece
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3", "turtledemo"}
@@ -36,9 +36,8 @@ def write_stdlib_jsonl(path: str, max_bytes: int = 4_000_000, root: str | None =
     """Write ``{"text", "path"}`` records to ``path`` (atomically); returns (documents, bytes)."""
     root = root or sysconfig.get_paths()["stdlib"]
     docs = total = 0
-    tmp = temp_name(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(tmp, "w", encoding="utf-8") as out:
+    with written_whole(path) as tmp, open(tmp, "w", encoding="utf-8") as out:
         for rel in stdlib_files(root):
             try:
                 with open(os.path.join(root, rel), encoding="utf-8") as f:
@@ -50,7 +49,6 @@ def write_stdlib_jsonl(path: str, max_bytes: int = 4_000_000, root: str | None =
                 continue
             out.write(json.dumps({"text": text, "path": rel.replace(os.sep, "/")}) + "\n")
             docs, total = docs + 1, total + size
-    os.replace(tmp, path)
     return docs, total
 
 

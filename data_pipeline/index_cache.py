@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from data_pipeline.paths import temp_name
+from data_pipeline.paths import written_whole
 
 
 def default_cache_dir(prefix: str) -> str:
@@ -74,13 +74,10 @@ def _write(arrays: dict, paths: dict, done: str, description: dict) -> None:
     if set(arrays) != set(paths):
         raise ValueError(f"index builder returned {sorted(arrays)}, expected {sorted(paths)}")
     for name, path in paths.items():
-        with _removed_on_failure(temp_name(path, ".npy")) as tmp:
+        with written_whole(path, ".npy") as tmp:
             np.save(tmp, arrays[name], allow_pickle=False)
-            os.replace(tmp, path)
-    with _removed_on_failure(temp_name(done)) as tmp:
-        with open(tmp, "w") as f:
-            json.dump(description, f, indent=1, sort_keys=True)
-        os.replace(tmp, done)
+    with written_whole(done) as tmp, open(tmp, "w") as f:
+        json.dump(description, f, indent=1, sort_keys=True)
 
 
 @contextlib.contextmanager
@@ -92,16 +89,3 @@ def _writing(cache_dir: str):
         raise
     except OSError as exc:
         raise CacheWriteError(f"{cache_dir}: {exc.strerror or exc}") from exc
-
-
-@contextlib.contextmanager
-def _removed_on_failure(tmp: str):
-    """Yield ``tmp``, removed if the block fails: a write cut short by a full disk would otherwise
-    leave a partial array under a temporary name (never read, never removed) holding the space the
-    next attempt needs, and every rank and every retry would leave another."""
-    try:
-        yield tmp
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

@@ -7,6 +7,7 @@ classifier's held-out rows."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -126,6 +127,21 @@ def temp_name(path: str, suffix: str = "") -> str:
     process id alone is not unique: ranks on different nodes sharing a file system (each node in its
     own container) can have the same one, and would write one temporary file between them."""
     return f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+
+
+@contextmanager
+def written_whole(path: str, suffix: str = "") -> Iterator[str]:
+    """A temporary name beside ``path`` (``temp_name``) for the block to write; renamed onto ``path``
+    when the block succeeds, so a reader never sees half a file, and removed when it fails (a full
+    disk, a kill), so no partial file is left holding the space a retry needs."""
+    tmp = temp_name(path, suffix)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def put_new(tmp: str, final: str) -> None:

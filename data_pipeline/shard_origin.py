@@ -12,13 +12,12 @@ vouched for.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 from typing import Iterable, Optional
 
-from data_pipeline.paths import temp_name
+from data_pipeline.paths import written_whole
 from data_pipeline.shard_files import idx_path, idx_sha256, sha256_of
 
 
@@ -55,14 +54,10 @@ def same_tokenizer(a: dict, b: dict) -> bool:
 def write_origin(prefix: str, identity: dict) -> None:
     """Record ``identity`` for the finished shard at ``prefix``, with its ``.idx`` digest (atomically: a
     half-written record would read as damaged)."""
-    tmp = temp_name(origin_path(prefix))
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with written_whole(origin_path(prefix)) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump({**identity, "idx_sha256": idx_sha256(prefix)[0]}, f)
-        os.replace(tmp, origin_path(prefix))
     except OSError as exc:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
         raise OSError(f"{origin_path(prefix)}: the shard's tokenizer record cannot be written ({exc.strerror or exc}); "
                       "free space there or give another output prefix") from None
 

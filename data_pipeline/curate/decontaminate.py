@@ -25,7 +25,7 @@ import numpy as np
 from data_pipeline.curate.checks import within
 from data_pipeline.curate.exact_dedup import save_array
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
-from data_pipeline.paths import temp_name
+from data_pipeline.paths import written_whole
 from data_pipeline.sources import BadRecord, iter_lines, record_texts
 
 HIT = np.dtype([("row", np.int64), ("window", np.int64), ("key", np.uint64)])  # a task n-gram in a shard
@@ -275,9 +275,8 @@ def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
         short[names[t]] = len(texts) - with_ngrams
     keys, owner = np.concatenate(keys or [np.zeros(0, np.uint64)]), np.concatenate(owner or [np.zeros(0, np.int32)])
     keys, first = np.unique(keys, return_index=True)
-    tmp = temp_name(out_path, ".npz")
-    np.savez(tmp, keys=keys, task=owner[first], names=np.array(names))
-    os.replace(tmp, out_path)
+    with written_whole(out_path, ".npz") as tmp:
+        np.savez(tmp, keys=keys, task=owner[first], names=np.array(names))
     return {"task_ngrams": len(keys), "task_texts_shorter_than_ngram": short}
 
 

@@ -11,7 +11,6 @@ by hash partition),
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -20,7 +19,7 @@ import numpy as np
 
 from data_pipeline.curate import partitioned
 from data_pipeline.curate.shards import read_shard, write_shard
-from data_pipeline.paths import temp_name
+from data_pipeline.paths import written_whole
 
 _SPACE = re.compile(r"\s+")
 ROW_BITS = 32
@@ -69,9 +68,8 @@ def load_keyed(prefix: str, part: int, key_columns: int = 1) -> tuple[list[np.nd
 
 def save_array(path: str, array: np.ndarray) -> None:
     """np.save to a temporary name, then rename: a killed task leaves no half-written array."""
-    tmp = temp_name(path, ".npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
+    with written_whole(path, ".npy") as tmp:
+        np.save(tmp, array)
 
 
 def duplicates_in_partition(prefixes: list[str], part: int, out_path: str) -> dict:

@@ -24,7 +24,7 @@ import numpy as np
 
 from data_pipeline.curate.checks import within
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
-from data_pipeline.paths import file_in_the_way, listed_twice, temp_name
+from data_pipeline.paths import file_in_the_way, listed_twice, written_whole
 
 HQ, LQ = "__label__hq", "__label__lq"
 HIST_BINS = 20  # score histogram in stats.json, for the report
@@ -190,13 +190,8 @@ def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "
                                           lr=0.5, thread=1, seed=seed, verbose=0)
         accuracy = model.test(valid_file)[1] if valid else float("nan")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    tmp = temp_name(output)
-    try:
+    with written_whole(output) as tmp:
         model.save_model(tmp)
-        os.replace(tmp, output)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return {"hq": sum(1 for label, _ in examples if label == HQ), "lq": sum(1 for label, _ in examples if label == LQ),
             "held_out": len(valid), "accuracy": accuracy}
 

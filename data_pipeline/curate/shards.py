@@ -19,7 +19,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from data_pipeline.paths import temp_name
+from data_pipeline.paths import written_whole
 from data_pipeline.sources import (NOT_UTF8, BadRecord, iter_lines, parquet_record_batches, parquet_schema,
                                    parse_record, record_texts, string_columns)
 
@@ -53,7 +53,6 @@ def read_shard(path: str) -> list[dict]:
 
 def write_shard(path: str, records: list[dict]) -> None:
     """Write atomically and byte-reproducibly (gzip without a timestamp, parquet without statistics drift)."""
-    tmp = temp_name(path)
     if path.endswith(".parquet"):
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -66,7 +65,8 @@ def write_shard(path: str, records: list[dict]) -> None:
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise ValueError(f"{path}: {_mixed_field(records) or exc}; give the field one type in the input, or set "
                              "output.format to jsonl") from None
-        pq.write_table(table, tmp)
+        with written_whole(path) as tmp:
+            pq.write_table(table, tmp)
     else:
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
         if path.endswith(".gz"):
@@ -78,9 +78,7 @@ def write_shard(path: str, records: list[dict]) -> None:
             import zstandard
 
             data = zstandard.ZstdCompressor(level=3).compress(data)
-        with open(tmp, "wb") as f:
-            f.write(data)
-    os.replace(tmp, path)
+        _atomic_write(path, [data], binary=True)
 
 
 def _mixed_field(records: list[dict]) -> str | None:
@@ -107,10 +105,8 @@ def atomic_write_bytes(path: str, chunks) -> None:
 
 
 def _atomic_write(path: str, chunks, binary: bool) -> None:
-    tmp = temp_name(path)
-    with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as f:
+    with written_whole(path) as tmp, open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as f:
         f.writelines(chunks)
-    os.replace(tmp, path)
 
 
 @dataclass
