@@ -148,12 +148,12 @@ def run(args) -> int:
         also = " (a Megatron checkpoint's layout is --tp and --pp)" if target == "megatron" else \
             " (and --tp, --pp to --to megatron)" if set(refused) <= {"--tp", "--pp"} else ""
         raise UserError(f"{', '.join(refused)}: apply to --to megazero only{also}")
-    if (args.transformer_impl is None) == (target == "megatron"):
+    if target == "megatron" and args.transformer_impl is None:
         raise UserError("--transformer-impl: give it with --to megatron, as the Megatron-LM run that loads DST has it "
                         "(local or transformer_engine): the two name a layer's norms differently, and Megatron-LM "
-                        "leaves the norms of a file named for the other at their initial values without a word"
-                        if target == "megatron" else f"--transformer-impl: applies to --to megatron only (this "
-                        f"conversion writes {target})")
+                        "leaves the norms of a file named for the other at their initial values without a word")
+    if target != "megatron" and args.transformer_impl is not None:
+        raise UserError(f"--transformer-impl: applies to --to megatron only (this conversion writes {target})")
     run_cfg = run_config(source, layout) if layout and target == "megazero" else None
     if target == "hf":
         from megazero.convert.hf import write_hf

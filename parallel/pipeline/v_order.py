@@ -78,10 +78,10 @@ def v_orders(pp: int, m: int, costs: tuple, runs: Optional[RunSpan] = None) -> t
                      f"cannot deadlock; use zb-h1 or zb-h2")
 
 
-def modelled_bubble(pp: int, m: int, costs: Optional[tuple] = None, runs: Optional[RunSpan] = None) -> float:
+def modelled_bubble(pp: int, m: int, costs: Optional[tuple] = None) -> float:
     """Idle over busy time of the idlest rank in the list-scheduling model (messages free); with equal
     costs, ``schedule.bubble_fraction``'s figure for zb-v."""
-    span, busy = modelled_span(pp, m, costs, runs)
+    span, busy = modelled_span(pp, m, costs)
     return max((span - b) / b for b in busy)
 
 
