@@ -373,11 +373,14 @@ def _checkpoint_problems(cfg: Config, every_file: bool = True) -> list[str]:
     # At step 0 (a converted checkpoint, or one reset with --reset-step) there is no data order or
     # schedule to keep, but its weights may still have been trained on another tokenizer's ids.
     if meta.get("step", 0) == 0:
-        problems = _tokenizer_change(meta, cfg)
+        problems, older_code = _tokenizer_change(meta, cfg), []
     else:
         problems = _resume_changes(saved, cfg, meta["step"]) + _tokenizer_change(meta, cfg) + _shard_changes(meta, cfg)
-    return [f"{where}: {ckpt} (step {meta['step']}) {problem}; set it back, or set "
-            "checkpoint.allow_config_changes true to resume anyway" for problem in problems]
+        older_code = _blend_rule_change(meta, cfg)
+    head, allow = f"{where}: {ckpt} (step {meta['step']})", "checkpoint.allow_config_changes true"
+    return ([f"{head} {problem}; set it back, or set {allow} to resume anyway" for problem in problems]
+            + [f"{head} {problem}; resume with the version that wrote it, or set {allow} to go on in the new order"
+               for problem in older_code])
 
 
 def _as_built(model: dict, cfg: Config) -> dict:
@@ -419,6 +422,25 @@ def _shard_changes(meta: dict, cfg: Config) -> list[str]:
     saved = meta.get("shards") or {}
     changed = [path for path, digest in shard_digests(cfg).items() if path in saved and saved[path] != digest]
     return [f"was trained on other contents of {path} (its .idx changed since)" for path in changed]
+
+
+def _blend_rule_change(meta: dict, cfg: Config) -> list[str]:
+    """A checkpoint whose run drew its blend by an older rule (``data_pipeline.blend.BLEND_RULE``;
+    one without a record is of rule 1) where the rules draw differently: rule 1 gave a weight-0
+    dataset listed first one sample, so every later sample of the blend sits elsewhere under rule 2,
+    and the samples consumed would count through another order."""
+    from data_pipeline.blend import BLEND_RULE, parse_blend, resolve_blend
+
+    if meta.get("blend_rule", 1) == BLEND_RULE:
+        return []
+    try:
+        weights, prefixes = parse_blend(resolve_blend(cfg.data.blend, cfg.data.blend_preset, cfg.data.blend_root))
+    except (ValueError, OSError):
+        return []  # the data checks name it
+    if weights[0] != 0:
+        return []
+    return [f"drew its blend by an older rule, which took one sample of {prefixes[0]} (weight 0, listed first) "
+            "and this version takes none, so every later sample comes in another order"]
 
 
 def _resume_changes(saved: dict, cfg: Config, step: int) -> list[str]:

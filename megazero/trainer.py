@@ -37,6 +37,7 @@ from megazero.metrics import MetricsLogger, StepMetrics
 from megazero.training_schedules import build_batch_schedule, build_lr_schedule
 from megazero.optim.memory import memory_report
 from megazero.profiling import StepProfiler
+from data_pipeline.blend import BLEND_RULE
 from data_pipeline.loader import global_batch
 from parallel import comm
 
@@ -222,7 +223,8 @@ class Trainer:
 
     def save(self) -> None:
         meta = {"step": self.state.step, "consumed": self.state.consumed, "skipped": self.state.skipped,
-                "bad_in_row": self.state.bad_in_row, "layout": layout_record(self.cfg), "config": config_to_dict(self.cfg)}
+                "bad_in_row": self.state.bad_in_row, "layout": layout_record(self.cfg),
+                "config": config_to_dict(self.cfg), "blend_rule": BLEND_RULE}
         if self.tokenizer is not None:
             meta["tokenizer"] = self.tokenizer
         if self.shards:

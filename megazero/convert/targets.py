@@ -49,8 +49,8 @@ def write_megazero(source: Source, root: Path, reset_step: bool = False, run: Op
 
     if carry:
         saved = source.reader.meta
-        meta = {key: saved[key] for key in ("step", "consumed", "skipped", "bad_in_row", "config", "shards")
-                if key in saved}
+        carried = ("step", "consumed", "skipped", "bad_in_row", "config", "shards", "blend_rule")
+        meta = {key: saved[key] for key in carried if key in saved}
         adam_step, scaler = source.optimizer_scalars()
     else:
         meta = {"step": 0, "consumed": 0, "skipped": 0, "bad_in_row": 0, "config": asdict(Config(model=cfg))}
