@@ -67,9 +67,21 @@ if [ -z "${CONFIG:-}" ]; then
     python -m megazero.cli demo-corpus data/demo
   fi
 fi
-gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-on_cpu=1  # the demo trains on CPU ranks even where GPUs are visible
-if [ "$gpus" -gt 0 ] && [ "$demo" = 0 ]; then on_cpu=0; default_ranks=$gpus; else default_ranks=${CPU_RANKS:-8}; fi
+# The visible GPUs, and the device the config (with its overrides) trains on: a config of
+# train.device cpu, such as the demo's, runs CPU ranks even where GPUs are visible. A config that
+# does not load counts as auto here; train itself names what is wrong with it.
+placement=$(python -c 'import sys
+import torch
+from megazero.config import load_config
+from megazero.errors import UserError
+try:
+    device = load_config(sys.argv[1], sys.argv[2:]).train.device
+except UserError:
+    device = "auto"
+print(torch.cuda.device_count(), device)' "$CONFIG" "$@" 2>/dev/null || echo "0 auto")
+gpus=${placement% *}
+on_cpu=1
+if [ "$gpus" -gt 0 ] && [ "${placement#* }" != cpu ]; then on_cpu=0; default_ranks=$gpus; else default_ranks=${CPU_RANKS:-8}; fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-$default_ranks}
 # CPU ranks share the machine's cores; one thread each keeps them from fighting. (Not told apart by
 # their count: the demo's 8 CPU ranks on an 8-GPU machine each took every core.)

@@ -376,18 +376,22 @@ def test_the_batch_script_requeues_after_the_warning_whatever_srun_says(tmp_path
     assert log.read_text() == "requeue 42\n", out
 
 
-@pytest.mark.parametrize("config, threads", [(None, "1"), ("configs/gpt_1.3b.yaml", "unset")])
-def test_the_demo_runs_its_cpu_ranks_one_thread_each_on_a_gpu_machine(tmp_path, config, threads):
+@pytest.mark.parametrize("config, overrides, threads", [(None, [], "1"), ("configs/gpt_1.3b.yaml", [], "unset"),
+                                                       ("configs/gpt_1.3b.yaml", ["--train.device", "cpu"], "1")])
+def test_cpu_ranks_run_one_thread_each_on_a_gpu_machine(tmp_path, config, overrides, threads):
     """On a machine with 8 GPUs the demo still trains 8 CPU ranks; their count matched the GPUs', so
-    OMP_NUM_THREADS was left unset and each rank took every core. A stand-in ``python`` says 8 GPUs
-    and records what the launcher would have been given."""
-    bin_dir = tmp_path / "bin"
+    OMP_NUM_THREADS was left unset and each rank took every core. So did any config whose
+    train.device is cpu (the demo's flag alone decided). Python runs with torch saying 8 GPUs; a
+    stand-in for the launcher records what it would have been given."""
+    bin_dir, fake = tmp_path / "bin", tmp_path / "fake"
     bin_dir.mkdir()
+    fake.mkdir()
+    (fake / "sitecustomize.py").write_text("import torch\ntorch.cuda.device_count = lambda: 8\n")
     seen = tmp_path / "launcher_env"
     (bin_dir / "python").write_text(textwrap.dedent(f"""\
         #!/usr/bin/env bash
         case "$*" in
-          *device_count*) echo 8 ;;
+          *device_count*) PYTHONPATH={fake}:{REPO} exec {sys.executable} "$@" ;;
           *parallel.launch*) echo "${{OMP_NUM_THREADS:-unset}} $*" > {seen} ;;
           -c*) printf 'runs/demo/checkpoints\\ndata/demo/tokenizer.model\\n' ;;
         esac
@@ -395,7 +399,8 @@ def test_the_demo_runs_its_cpu_ranks_one_thread_each_on_a_gpu_machine(tmp_path, 
     (bin_dir / "python").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "OMP_NUM_THREADS", "NPROC_PER_NODE")}
     env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", **({"CONFIG": config} if config else {}))
-    done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["bash", str(SCRIPT), *overrides], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     given, args = seen.read_text().split(" ", 1)
     assert given == threads and "--nproc_per_node 8" in args, args
