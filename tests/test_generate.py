@@ -12,8 +12,9 @@ from tests.distributed import run_world
 VOCAB = 61
 
 
-def _save_trained_checkpoint(rank, world_size, root):
-    """What `megazero train` would leave after one step: a one-rank checkpoint with its config."""
+def _save_trained_checkpoint(rank, world_size, root, diverged=False):
+    """What `megazero train` would leave after one step: a one-rank checkpoint with its config
+    (``diverged``: with NaN in its master weights, as a run that diverged would save them)."""
     import torch.distributed as dist
 
     from megazero.checkpoint import CheckpointWriter
@@ -29,6 +30,8 @@ def _save_trained_checkpoint(rank, world_size, root):
     engine = Engine(cfg, Topology(RankGrid(tp=1, pp=1, dp=1)), torch.device("cpu"))
     tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
     engine.train_step([{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}])
+    if diverged:
+        engine.optimizer.master[:5] = float("nan")
     CheckpointWriter(root, rank=0, world_size=1, barrier=dist.barrier).save(
         1, rank_files(engine.chunks, engine.optimizer, 0), meta={"config": config_to_dict(cfg)})
     return {name: p.detach().numpy().copy() for name, p in engine.chunks[0].named_parameters()}  # by value
@@ -131,6 +134,26 @@ def test_a_tokenizer_beyond_the_models_vocabulary_is_named(trained, tmp_path, ca
     small = _tokenizer(tmp_path / "small.json", 10)
     err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", small, "--prompt", ""])
     assert err.endswith("--prompt '' encodes to no tokens; give some text to continue")
+
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    root = tmp_path_factory.mktemp("diverged") / "checkpoints"
+    run_world(1, _save_trained_checkpoint, str(root), True)
+    return root
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_a_checkpoint_with_nan_weights_is_refused(diverged, tmp_path, capsys, temperature):
+    """NaN weights make every logit NaN: greedy decoding printed token 0 over and over as if the model
+    chose it, and sampling stopped with torch.multinomial's traceback. The load names the checkpoint
+    and the parameter instead."""
+    root = diverged
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    err = _error_line(capsys, ["generate", str(root), "--tokenizer", tok, "--prompt", "w1 w2", "--tokens", "3",
+                               "--temperature", temperature])
+    assert err.startswith(f"megazero generate: error: {root / 'step_0000001'}: parameter ")
+    assert "holds 5 NaN or infinite values" in err
 
 
 def test_a_smaller_tokenizer_samples_only_what_it_can_decode(trained, tmp_path, capsys):
