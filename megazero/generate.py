@@ -15,15 +15,22 @@ from megazero.config.schema import Config
 from models import GPT
 
 
-def load_model(path, source: str = "the checkpoint path") -> tuple[GPT, Config]:
-    """The single-process GPT holding a checkpoint's weights, and the config it was trained with.
-    ``source`` names where ``path`` came from, for the error messages."""
+def saved_config(path, source: str = "the checkpoint path") -> Config:
+    """The config a checkpoint was trained with, read from its manifest alone: what the model will be
+    is known, and can be checked, before its weights are read."""
     ckpt = resolve_checkpoint(path, source=source)
     saved = read_manifest(ckpt)["meta"].get("config")
     if not isinstance(saved, dict):
         raise CheckpointError(f"{ckpt}: records no training config, so it was not saved by `megazero train`; "
                               f"check {source}")
-    cfg = build_dataclass(Config, saved, prefix="")
+    return build_dataclass(Config, saved, prefix="")
+
+
+def load_model(path, source: str = "the checkpoint path") -> tuple[GPT, Config]:
+    """The single-process GPT holding a checkpoint's weights, and the config it was trained with.
+    ``source`` names where ``path`` came from, for the error messages."""
+    ckpt = resolve_checkpoint(path, source=source)
+    cfg = saved_config(ckpt, source)
     model = GPT(cfg.model, seed=cfg.train.seed)
     weights = load_full_weights(ckpt)
     with torch.no_grad():

@@ -156,6 +156,18 @@ def test_a_checkpoint_with_nan_weights_is_refused(diverged, tmp_path, capsys, te
     assert "holds 5 NaN or infinite values" in err
 
 
+def test_a_too_large_tokenizer_is_refused_before_the_weights_are_read(trained, tmp_path, capsys, monkeypatch):
+    """Reading and verifying a large model's weights takes minutes; the vocabulary the model was
+    trained with is in the checkpoint's manifest, so the refusal comes first (it came after the load)."""
+    import megazero.generate
+
+    reads = []
+    monkeypatch.setattr(megazero.generate, "load_full_weights", lambda ckpt: reads.append(ckpt))
+    tok = _tokenizer(tmp_path / "tokenizer.json", 100)
+    err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w9"])
+    assert err.endswith("use the tokenizer it was trained with") and reads == []
+
+
 def test_a_smaller_tokenizer_samples_only_what_it_can_decode(trained, tmp_path, capsys):
     """A model may have more rows than its tokenizer has pieces (a vocabulary set above the tokenizer's):
     sampling stays among the ids the tokenizer decodes (it sampled the others, and decoding failed)."""

@@ -56,7 +56,7 @@ def run(args) -> int:
     from data_pipeline.tokenizer import load_tokenizer
     from megazero.checkpoint import read_manifest, resolve_checkpoint
     from megazero.data import not_trained_with
-    from megazero.generate import load_model, sample
+    from megazero.generate import load_model, sample, saved_config
 
     ckpt = resolve_checkpoint(args.checkpoint, source=SOURCE)  # before the tokenizer: the cheaper check
     try:
@@ -69,10 +69,11 @@ def run(args) -> int:
     prompt = tokenizer.encode(utf8_text(args.prompt, "--prompt"))  # before the model is read and verified
     if not prompt:
         raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
-    model, _ = load_model(ckpt, source=SOURCE)
-    if tokenizer.vocab_size > model.vocab_size:
+    vocab_size = saved_config(ckpt, source=SOURCE).model.vocab_size  # before the weights are read
+    if tokenizer.vocab_size > vocab_size:
         raise UserError(f"--tokenizer {args.tokenizer}: has {tokenizer.vocab_size} tokens, but the checkpoint's model "
-                        f"has {model.vocab_size}; use the tokenizer it was trained with")
+                        f"has {vocab_size}; use the tokenizer it was trained with")
+    model, _ = load_model(ckpt, source=SOURCE)
     _note_a_cut_prompt(len(prompt), model.cfg.seq_length, args.tokens)
     out = list(prompt)
     try:
