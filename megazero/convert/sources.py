@@ -40,12 +40,12 @@ def logical_shapes(cfg: ModelConfig, vocab_multiple: int = VOCAB_MULTIPLE) -> di
 
 def finite(t: torch.Tensor, where: str) -> torch.Tensor:
     """``t``, refused where it holds a NaN or an infinity (``where`` names the file and tensor): such
-    weights come from a damaged file or a diverged run, and a model started from them, or exported,
-    computes NaN from its first token on, far from the conversion that could have said so."""
+    weights come from a damaged file or a diverged run, and a model started from them, exported or
+    sampled from computes NaN from its first token on, far from the load that could have said so."""
     if t.is_floating_point() and not torch.isfinite(t).all():
         bad = int(t.numel() - torch.isfinite(t).sum())
         raise UserError(f"{where}: holds {bad} NaN or infinite values of {t.numel()}; the checkpoint is damaged "
-                        "or its run diverged -- convert another copy or an earlier checkpoint")
+                        "or its run diverged -- use another copy or an earlier checkpoint")
     return t
 
 
