@@ -97,7 +97,7 @@ def _sentencepiece_as_json(path: str) -> str:
     proto = _sentencepiece_proto(path)
     piece_type, spec, norm = pb.ModelProto.SentencePiece, proto.trainer_spec, proto.normalizer_spec
     pieces = list(proto.pieces)
-    textual = (piece_type.NORMAL, piece_type.USER_DEFINED)  # pieces that text can become directly
+    textual = _textual_types()
     if spec.model_type == pb.TrainerSpec.BPE:
         normal = {p.piece: (-p.score, i) for i, p in enumerate(pieces) if p.type == piece_type.NORMAL}
         ranked = sorted((normal[t], t[:k], t[k:]) for t in normal for k in range(1, len(t))
@@ -133,4 +133,48 @@ def _sentencepiece_proto(path: str):
         kind = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
         raise UserError(f"--tokenizer {path}: a SentencePiece {kind} model cannot be written for transformers (bpe "
                         "and unigram can); export without --tokenizer")
+    special = _special_text_reached(proto)
+    if special:
+        raise UserError(f"--tokenizer {path}: {special}; retrain the model with every character of its special "
+                        "pieces covered (character_coverage=1.0), or export without --tokenizer")
     return proto
+
+
+def _special_text_reached(proto) -> Optional[str]:
+    """Which special piece (control, unknown, byte, unused) the translated model would make from
+    text, where SentencePiece never does. tokenizers' BPE starts from single characters, so it
+    gives a one-character special piece its id; its unigram lattice holds every piece, and a piece
+    it cannot spell otherwise beats the unknown token (scored below every piece), so the text
+    ``</s>`` becomes ``</s>`` in a model without a piece for ``<``."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    kinds = _textual_types()
+    textual = {p.piece for p in proto.pieces if p.type in kinds}
+    unigram = proto.trainer_spec.model_type == pb.TrainerSpec.UNIGRAM
+    for i, p in enumerate(proto.pieces):
+        reachable = unigram or len(p.piece) == 1
+        if p.type in kinds or not reachable or _spelled(p.piece, textual):
+            continue
+        missing = next(c for c in p.piece if c not in textual)
+        model = "unigram" if unigram else "BPE"
+        return (f"the text {p.piece!r} would become the special piece {p.piece!r} (id {i}) in transformers but not "
+                f"in SentencePiece, as this {model} model has no piece for {missing!r}")
+    return None
+
+
+def _textual_types() -> tuple:
+    """The SentencePiece piece types text can become directly (the rest come only from ids or fallback)."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    piece_type = pb.ModelProto.SentencePiece
+    return piece_type.NORMAL, piece_type.USER_DEFINED
+
+
+def _spelled(text: str, pieces: set) -> bool:
+    """Whether ``text`` is a sequence of ``pieces``."""
+    reached = [True] + [False] * len(text)
+    for start in range(len(text)):
+        if reached[start]:
+            for end in range(start + 1, len(text) + 1):
+                reached[end] = reached[end] or text[start:end] in pieces
+    return reached[-1]

@@ -1,0 +1,55 @@
+"""SentencePiece models that megazero's own ``tokenizer train`` does not make, as a user may bring
+them to ``megazero convert --to hf``: the exported tokenizer encodes every text as the model does,
+or the export is refused, in one line naming the model and what cannot be exported, before any
+file is written."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install tokenizers)")
+
+from megazero.convert.hf_tokenizer import load_fitting
+from megazero.errors import UserError
+
+LINES = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1", "a  b   c\td",
+         "pack my box with five dozen liquor jugs", "0123456789 sphinx of black quartz, judge my vow"]
+
+
+def train(tmp_path, name, **options):
+    """A small SentencePiece model of ``options`` over ``LINES`` (ids as megazero reserves them)."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(LINES * 20) + "\n")
+    settings = dict(input=str(corpus), model_prefix=str(tmp_path / name), vocab_size=360, unk_id=0, bos_id=1, eos_id=2,
+                    pad_id=3, minloglevel=2, hard_vocab_limit=False, **options)
+    spm.SentencePieceTrainer.train(**settings)
+    return str(tmp_path / f"{name}.model")
+
+
+def exported(path):
+    """The tokenizer ``convert --to hf`` would write for ``path``, as ``transformers`` encodes with it."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(__import__("json").dumps(load_fitting(path, 1 << 20, 64).spec))
+    tok.encode_special_tokens = True  # split_special_tokens, as the exported config asks
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+def refusal(path) -> str:
+    with pytest.raises(UserError) as caught:
+        load_fitting(path, 1 << 20, 64)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("options,special", [
+    ({"model_type": "unigram"}, "'<unk>' (id 0)"),
+    ({"model_type": "bpe", "control_symbols": ["q"]}, "'q' (id 4)")], ids=["unigram", "bpe"])
+def test_a_special_piece_that_text_would_become_is_refused(tmp_path, options, special):
+    """Nothing in LINES has a '<': tokenizers' unigram lattice read the text '<unk>' or '</s>' as that
+    special id, which SentencePiece never gives text; its BPE gives a one-character special piece
+    (here a control symbol 'q') to the character itself."""
+    path = train(tmp_path, "sp", byte_fallback=True, **options)
+    err = refusal(path)
+    assert err.startswith(f"--tokenizer {path}: the text ") and special in err and "\n" not in err, err
