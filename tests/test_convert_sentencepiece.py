@@ -5,6 +5,8 @@ file is written."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install tokenizers)")
@@ -32,7 +34,7 @@ def exported(path):
     """The tokenizer ``convert --to hf`` would write for ``path``, as ``transformers`` encodes with it."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_str(__import__("json").dumps(load_fitting(path, 1 << 20, 64).spec))
+    tok = Tokenizer.from_str(json.dumps(load_fitting(path, 1 << 20, 64).spec))
     tok.encode_special_tokens = True  # split_special_tokens, as the exported config asks
     return lambda text: tok.encode(text, add_special_tokens=False).ids
 
@@ -53,3 +55,31 @@ def test_a_special_piece_that_text_would_become_is_refused(tmp_path, options, sp
     path = train(tmp_path, "sp", byte_fallback=True, **options)
     err = refusal(path)
     assert err.startswith(f"--tokenizer {path}: the text ") and special in err and "\n" not in err, err
+
+
+def disagreeing(path, texts):
+    """The texts the exported tokenizer encodes otherwise than the SentencePiece model at ``path``."""
+    import sentencepiece as spm
+
+    sp, theirs = spm.SentencePieceProcessor(model_file=path), exported(path)
+    return [text for text in texts if theirs(text) != sp.encode(text)]
+
+
+SYMBOL_TEXTS = ["x<sep>y", "<sep>", "<sep><sep>", "[INST] hi", "a [INST]b", "abc def", "define undef", "  <sep>  ",
+                "<se p> <sepp>", "the theme"]
+
+
+def test_bpe_user_defined_pieces_are_taken_whole(tmp_path):
+    """SentencePiece's BPE takes a user-defined piece wherever its text occurs; the export never gave
+    them (no merges lead to them)."""
+    path = train(tmp_path, "sp", model_type="bpe", byte_fallback=True, add_dummy_prefix=False,
+                 normalization_rule_name="identity", user_defined_symbols=["<sep>", "[INST]", "ab", "def", "\u2581the"])
+    assert disagreeing(path, SYMBOL_TEXTS) == []
+
+
+def test_bpe_user_defined_pieces_behind_a_dummy_prefix_are_refused(tmp_path):
+    """tokenizers looks for an added token as the normaliser makes its text: with SentencePiece's
+    dummy prefix, '<sep>' would be looked for as '▁<sep>'."""
+    path = train(tmp_path, "sp", model_type="bpe", byte_fallback=True, user_defined_symbols=["<sep>"])
+    err = refusal(path)
+    assert err.startswith(f"--tokenizer {path}: the user-defined piece '<sep>' of this BPE model cannot be exported"), err

@@ -117,10 +117,28 @@ def _sentencepiece_as_json(path: str) -> str:
     if norm.escape_whitespaces:
         steps.append(normalizers.Replace(" ", SPACE))
     tokenizer.normalizer = normalizers.Sequence(steps)
+    if spec.model_type == pb.TrainerSpec.BPE:
+        _add_user_defined(tokenizer, path, [p.piece for p in pieces if p.type == piece_type.USER_DEFINED])
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
     return tokenizer.to_str()
+
+
+def _add_user_defined(tokenizer, path: str, symbols: list) -> None:
+    """SentencePiece's BPE takes a user-defined piece whole wherever its text occurs (after
+    normalisation) and never merges into or across it, which tokenizers' BPE cannot do from
+    merges: they become added tokens, cut out of the normalised text before the model runs.
+    tokenizers normalises an added token's own text to find it, so one that normalisation would
+    change is never found."""
+    from tokenizers import AddedToken
+
+    for symbol in symbols:
+        if tokenizer.normalizer.normalize_str(symbol) != symbol:
+            raise UserError(f"--tokenizer {path}: the user-defined piece {symbol!r} of this BPE model cannot be "
+                            "exported (transformers would look for it as "
+                            f"{tokenizer.normalizer.normalize_str(symbol)!r}); export without --tokenizer")
+    tokenizer.add_tokens([AddedToken(symbol, normalized=True, special=False) for symbol in symbols])
 
 
 def _sentencepiece_proto(path: str):
