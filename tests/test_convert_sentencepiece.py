@@ -16,14 +16,15 @@ from megazero.errors import UserError
 
 LINES = ["the quick brown fox jumps over the lazy dog", "def f(x): return x + 1", "a  b   c\td",
          "pack my box with five dozen liquor jugs", "0123456789 sphinx of black quartz, judge my vow"]
+SPECIALS = "if a < b or c > d: x = a / b  # ABCDEF"  # the characters of <unk>, </s>, <pad>, <0x0A>, ...
 
 
-def train(tmp_path, name, **options):
-    """A small SentencePiece model of ``options`` over ``LINES`` (ids as megazero reserves them)."""
+def train(tmp_path, name, lines=(*LINES, SPECIALS), **options):
+    """A small SentencePiece model of ``options`` over ``lines`` (ids as megazero reserves them)."""
     import sentencepiece as spm
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(LINES * 20) + "\n")
+    corpus.write_text("\n".join(list(lines) * 20) + "\n")
     settings = dict(input=str(corpus), model_prefix=str(tmp_path / name), vocab_size=360, unk_id=0, bos_id=1, eos_id=2,
                     pad_id=3, minloglevel=2, hard_vocab_limit=False, **options)
     spm.SentencePieceTrainer.train(**settings)
@@ -52,7 +53,7 @@ def test_a_special_piece_that_text_would_become_is_refused(tmp_path, options, sp
     """Nothing in LINES has a '<': tokenizers' unigram lattice read the text '<unk>' or '</s>' as that
     special id, which SentencePiece never gives text; its BPE gives a one-character special piece
     (here a control symbol 'q') to the character itself."""
-    path = train(tmp_path, "sp", byte_fallback=True, **options)
+    path = train(tmp_path, "sp", LINES, byte_fallback=True, **options)
     err = refusal(path)
     assert err.startswith(f"--tokenizer {path}: the text ") and special in err and "\n" not in err, err
 
@@ -83,3 +84,12 @@ def test_bpe_user_defined_pieces_behind_a_dummy_prefix_are_refused(tmp_path):
     path = train(tmp_path, "sp", model_type="bpe", byte_fallback=True, user_defined_symbols=["<sep>"])
     err = refusal(path)
     assert err.startswith(f"--tokenizer {path}: the user-defined piece '<sep>' of this BPE model cannot be exported"), err
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_a_written_visible_space_at_the_end_goes_with_trailing_whitespace(tmp_path, model_type):
+    """SentencePiece drops trailing whitespace after turning spaces into '\u2581', so a '\u2581' written at
+    the end of the text is dropped too (not at the start, nor between words)."""
+    path = train(tmp_path, "sp", model_type=model_type, byte_fallback=True, normalization_rule_name="identity")
+    texts = ["a\u2581", "a \u2581 ", "\u2581", "x  \u2581\u2581", "\u2581 a", "a \u2581 b", " \u2581a\u2581 \u2581"]
+    assert disagreeing(path, texts) == []

@@ -91,7 +91,7 @@ def write_tokenizer(tokenizer: ExportTokenizer, out: Path) -> None:
 def _sentencepiece_as_json(path: str) -> str:
     """A ``tokenizers`` pipeline that encodes as the SentencePiece model at ``path`` does."""
     from sentencepiece import sentencepiece_model_pb2 as pb
-    from tokenizers import Regex, Tokenizer, decoders, normalizers
+    from tokenizers import Tokenizer, decoders
     from tokenizers.models import BPE, Unigram
 
     proto = _sentencepiece_proto(path)
@@ -109,20 +109,32 @@ def _sentencepiece_as_json(path: str) -> str:
         model = Unigram([(p.piece, p.score if p.type in textual else never) for p in pieces], spec.unk_id,
                         spec.byte_fallback)
     tokenizer = Tokenizer(model)
-    steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap else []
-    if norm.remove_extra_whitespaces:
-        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
-    if norm.add_dummy_prefix:
-        steps.append(normalizers.Prepend(" "))
-    if norm.escape_whitespaces:
-        steps.append(normalizers.Replace(" ", SPACE))
-    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.normalizer = _normalizer(norm)
     if spec.model_type == pb.TrainerSpec.BPE:
         _add_user_defined(tokenizer, path, [p.piece for p in pieces if p.type == piece_type.USER_DEFINED])
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
     return tokenizer.to_str()
+
+
+def _normalizer(norm):
+    """SentencePiece's normalisation of ``norm`` (its ``normalizer_spec``), step by step in its order.
+    It removes trailing whitespace after escaping it, so a ``\u2581`` written at the end of the text
+    goes as well; leading and repeated whitespace it removes before, where a written ``\u2581`` is
+    not whitespace."""
+    from tokenizers import Regex, normalizers
+
+    steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap else []
+    if norm.remove_extra_whitespaces:
+        steps += [normalizers.Replace(Regex(r"\A +"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if norm.add_dummy_prefix:
+        steps.append(normalizers.Prepend(" "))
+    if norm.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", SPACE))
+    if norm.remove_extra_whitespaces:
+        steps.append(normalizers.Replace(Regex(f"{SPACE if norm.escape_whitespaces else ' '}+\\z"), ""))
+    return normalizers.Sequence(steps)
 
 
 def _add_user_defined(tokenizer, path: str, symbols: list) -> None:
