@@ -20,13 +20,15 @@ SPECIALS = "if a < b or c > d: x = a / b  # ABCDEF"  # the characters of <unk>, 
 
 
 def train(tmp_path, name, lines=(*LINES, SPECIALS), **options):
-    """A small SentencePiece model of ``options`` over ``lines`` (ids as megazero reserves them)."""
+    """A small SentencePiece model of ``options`` over ``lines`` (ids as megazero reserves them, no
+    character map unless ``options`` name one)."""
     import sentencepiece as spm
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(list(lines) * 20) + "\n")
     settings = dict(input=str(corpus), model_prefix=str(tmp_path / name), vocab_size=360, unk_id=0, bos_id=1, eos_id=2,
-                    pad_id=3, minloglevel=2, hard_vocab_limit=False, **options)
+                    pad_id=3, minloglevel=2, hard_vocab_limit=False, normalization_rule_name="identity")
+    settings.update(options)
     spm.SentencePieceTrainer.train(**settings)
     return str(tmp_path / f"{name}.model")
 
@@ -74,7 +76,7 @@ def test_bpe_user_defined_pieces_are_taken_whole(tmp_path):
     """SentencePiece's BPE takes a user-defined piece wherever its text occurs; the export never gave
     them (no merges lead to them)."""
     path = train(tmp_path, "sp", model_type="bpe", byte_fallback=True, add_dummy_prefix=False,
-                 normalization_rule_name="identity", user_defined_symbols=["<sep>", "[INST]", "ab", "def", "\u2581the"])
+                 user_defined_symbols=["<sep>", "[INST]", "ab", "def", "\u2581the"])
     assert disagreeing(path, SYMBOL_TEXTS) == []
 
 
@@ -90,6 +92,15 @@ def test_bpe_user_defined_pieces_behind_a_dummy_prefix_are_refused(tmp_path):
 def test_a_written_visible_space_at_the_end_goes_with_trailing_whitespace(tmp_path, model_type):
     """SentencePiece drops trailing whitespace after turning spaces into '\u2581', so a '\u2581' written at
     the end of the text is dropped too (not at the start, nor between words)."""
-    path = train(tmp_path, "sp", model_type=model_type, byte_fallback=True, normalization_rule_name="identity")
+    path = train(tmp_path, "sp", model_type=model_type, byte_fallback=True)
     texts = ["a\u2581", "a \u2581 ", "\u2581", "x  \u2581\u2581", "\u2581 a", "a \u2581 b", " \u2581a\u2581 \u2581"]
     assert disagreeing(path, texts) == []
+
+
+def test_a_character_map_is_refused(tmp_path):
+    """SentencePiece's default nmt_nfkc normalisation: tokenizers' Precompiled maps a grapheme cluster
+    by its first character, so '\\r\\n' became one space (SentencePiece: two) and 'Ａ' with a combining
+    accent became 'A' (SentencePiece: 'Á')."""
+    path = train(tmp_path, "sp", model_type="unigram", byte_fallback=True, normalization_rule_name="nmt_nfkc")
+    err = refusal(path)
+    assert err.startswith(f"--tokenizer {path}: its nmt_nfkc normalisation cannot be written for transformers"), err

@@ -119,13 +119,13 @@ def _sentencepiece_as_json(path: str) -> str:
 
 
 def _normalizer(norm):
-    """SentencePiece's normalisation of ``norm`` (its ``normalizer_spec``), step by step in its order.
-    It removes trailing whitespace after escaping it, so a ``\u2581`` written at the end of the text
-    goes as well; leading and repeated whitespace it removes before, where a written ``\u2581`` is
-    not whitespace."""
+    """SentencePiece's whitespace handling of ``norm`` (its ``normalizer_spec``; a character map is
+    refused before), step by step in its order. It removes trailing whitespace after escaping it,
+    so a ``\u2581`` written at the end of the text goes as well; leading and repeated whitespace it
+    removes before, where a written ``\u2581`` is not whitespace."""
     from tokenizers import Regex, normalizers
 
-    steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap else []
+    steps = []
     if norm.remove_extra_whitespaces:
         steps += [normalizers.Replace(Regex(r"\A +"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
     if norm.add_dummy_prefix:
@@ -163,6 +163,11 @@ def _sentencepiece_proto(path: str):
         kind = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
         raise UserError(f"--tokenizer {path}: a SentencePiece {kind} model cannot be written for transformers (bpe "
                         "and unigram can); export without --tokenizer")
+    if proto.normalizer_spec.precompiled_charsmap:
+        raise UserError(f"--tokenizer {path}: its {proto.normalizer_spec.name or 'custom'} normalisation cannot be "
+                        "written for transformers, whose tokenizers applies SentencePiece's character map to whole "
+                        "grapheme clusters (a letter with a combining accent, or \\r\\n, would encode otherwise); "
+                        "export without --tokenizer (models trained with normalization_rule_name=identity export)")
     special = _special_text_reached(proto)
     if special:
         raise UserError(f"--tokenizer {path}: {special}; retrain the model with every character of its special "
