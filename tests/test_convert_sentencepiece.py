@@ -85,7 +85,8 @@ def test_bpe_user_defined_pieces_behind_a_dummy_prefix_are_refused(tmp_path):
     dummy prefix, '<sep>' would be looked for as '▁<sep>'."""
     path = train(tmp_path, "sp", model_type="bpe", byte_fallback=True, user_defined_symbols=["<sep>"])
     err = refusal(path)
-    assert err.startswith(f"--tokenizer {path}: the user-defined piece '<sep>' of this BPE model cannot be exported"), err
+    want = f"--tokenizer {path}: the user-defined piece '<sep>' of this BPE model cannot be exported"
+    assert err.startswith(want), err
 
 
 @pytest.mark.parametrize("model_type", ["unigram", "bpe"])
@@ -104,3 +105,17 @@ def test_a_character_map_is_refused(tmp_path):
     path = train(tmp_path, "sp", model_type="unigram", byte_fallback=True, normalization_rule_name="nmt_nfkc")
     err = refusal(path)
     assert err.startswith(f"--tokenizer {path}: its nmt_nfkc normalisation cannot be written for transformers"), err
+
+
+def test_a_translation_that_disagrees_anywhere_is_refused(tmp_path, monkeypatch):
+    """The last check encodes fixed texts, characters of the model's pieces and its user-defined
+    pieces both ways: a translation wrong in a part no other check covers (here: user-defined pieces
+    left out) is refused naming the first text it gets wrong."""
+    from megazero.convert import hf_tokenizer
+
+    path = train(tmp_path, "sp", model_type="bpe", byte_fallback=True, add_dummy_prefix=False,
+                 user_defined_symbols=["<sep>"])
+    monkeypatch.setattr(hf_tokenizer, "_add_user_defined", lambda *args: None)
+    err = refusal(path)
+    assert err.startswith(f"--tokenizer {path}: the translation for transformers encodes '<sep>' as "), err
+    assert "where SentencePiece gives ['<sep>']" in err and "\n" not in err, err

@@ -115,7 +115,44 @@ def _sentencepiece_as_json(path: str) -> str:
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
+    _refuse_disagreement(path, tokenizer, PROBES + _own_probes(pieces))
     return tokenizer.to_str()
+
+
+PROBES = ["def f(x):\n  return x + 1\n", " two  spaces\tand tab\n\n", " leading", "trailing ", "\n\nnewlines",
+          "ünïcødé ✓ 日本語 🙂", "year 2024, pi 3.14159", "</s> <pad> <unk> <s> <|endoftext|> <0x0A>",
+          "a\r\nb\rc", "\u2581 a\u2581b \u2581", "x\u0301 e\u0308", "CAPS, lower; (brackets) [x] {y}", "", " ", "\t"]
+"""Texts any exported SentencePiece model must encode as SentencePiece does: code, whitespace at
+both ends, special pieces' text, other scripts. No run of three or more spaces: where a unigram
+model can split one into the same pieces in two orders, SentencePiece's float32 sums pick one by
+rounding, which tokenizers' float64 sums cannot follow (a tie, either split as good)."""
+
+
+def _own_probes(pieces: list) -> list:
+    """Up to 256 characters of the model's own pieces, spread over them, and its user-defined pieces:
+    what the fixed probes may not touch."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    kinds = _textual_types()
+    characters = sorted({c for p in pieces if p.type in kinds for c in p.piece} - {SPACE})
+    user_defined = [p.piece for p in pieces if p.type == pb.ModelProto.SentencePiece.USER_DEFINED]
+    return characters[:: max(1, len(characters) // 256)] + user_defined
+
+
+def _refuse_disagreement(path: str, tokenizer, texts: list) -> None:
+    """The last check, on the translation as a whole: ``texts`` encoded both ways, and the first one
+    they disagree on named, before anything is written. It holds back a tokenizer that would feed
+    the model ids other than training did, whatever part of the translation is wrong."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=path)
+    tokenizer.encode_special_tokens = True  # split_special_tokens, as tokenizer_config.json asks
+    theirs = tokenizer.encode_batch(texts, add_special_tokens=False)
+    for text, ours, encoding in zip(texts, sp.encode(texts), theirs):
+        if encoding.ids != ours:
+            raise UserError(f"--tokenizer {path}: the translation for transformers encodes {text!r} as "
+                            f"{encoding.tokens} where SentencePiece gives {[sp.id_to_piece(i) for i in ours]}; "
+                            "export without --tokenizer")
 
 
 def _normalizer(norm):
