@@ -119,3 +119,30 @@ def test_a_translation_that_disagrees_anywhere_is_refused(tmp_path, monkeypatch)
     err = refusal(path)
     assert err.startswith(f"--tokenizer {path}: the translation for transformers encodes '<sep>' as "), err
     assert "where SentencePiece gives ['<sep>']" in err and "\n" not in err, err
+
+
+def test_a_run_tokenizer_that_cannot_be_exported_names_its_source_and_the_way_out(tmp_path, capsys):
+    """A checkpoint's own data.tokenizer is exported by default; one that cannot be exported was
+    refused with "export without --tokenizer", which a user who gave no --tokenizer could not do.
+    The line names the run's data.tokenizer, and ``--tokenizer none`` exports the weights alone."""
+    import numpy as np
+
+    from data_pipeline.indexed import IndexedDatasetWriter
+    from megazero.cli import main
+    from tests.bad_input_files import _model
+
+    path = train(tmp_path, "sp", model_type="unigram", byte_fallback=True, normalization_rule_name="nmt_nfkc")
+    prefix = str(tmp_path / "text_document")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for doc in np.random.default_rng(0).integers(4, 300, (32, 40)):
+            w.add_document(doc.astype(np.uint16))
+    run = tmp_path / "run"
+    assert main(["train", *_model(prefix, str(run)), "--train.train_steps", "1", "--model.vocab_size", "512",
+                 "--data.tokenizer", path]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(run / "checkpoints"), str(tmp_path / "hf"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the run's data.tokenizer {path}: its nmt_nfkc normalisation" in err[0], err
+    assert err[0].endswith("export without a tokenizer (--tokenizer none)") and not (tmp_path / "hf").exists(), err
+    assert main(["convert", str(run / "checkpoints"), str(tmp_path / "hf"), "--to", "hf", "--tokenizer", "none"]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file() and not (tmp_path / "hf" / "tokenizer.json").exists()

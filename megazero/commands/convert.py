@@ -20,6 +20,7 @@ LAYOUT_FLAGS = {"--tp": "parallel.tp", "--pp": "parallel.pp", "--dp": "parallel.
 SCHEDULE_FLAG = "--pipeline-schedule"  # a name, checked by the config's validation; the others are integers
 SIZE_FLAGS = ("--tp", "--pp", "--dp", "--virtual-stages")
 SOURCES = ("megazero", "hf", "megatron")
+NO_TOKENIZER = "none"  # --tokenizer none: export the weights alone
 
 
 def register(subparsers) -> None:
@@ -42,7 +43,8 @@ def register(subparsers) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="--to hf or megatron: weight dtype (from the fp32 master; default fp32)")
     parser.add_argument("--tokenizer", default=None,
-                        help="--to hf: tokenizer to include (default: the source run's data.tokenizer, if present)")
+                        help="--to hf: tokenizer to include (default: the source run's data.tokenizer, if present; "
+                             f"{NO_TOKENIZER}: none)")
     parser.add_argument("--shard-size-gb", type=float, default=None,
                         help="--to hf: largest weight shard, in GB (default 5)")
     parser.add_argument("--reset-step", action="store_true",
@@ -165,8 +167,9 @@ def run(args) -> int:
         from megazero.data import not_trained_with
 
         path = args.tokenizer or _run_tokenizer(source)
-        tokenizer = load_fitting(path, source.cfg.vocab_size, source.cfg.seq_length) if path else None
         flag = "--tokenizer" if args.tokenizer else "the run's data.tokenizer"
+        export = path is not None and args.tokenizer != NO_TOKENIZER
+        tokenizer = load_fitting(path, source.cfg.vocab_size, source.cfg.seq_length, flag) if export else None
         mismatch = tokenizer is not None and not_trained_with(source_meta(source), tokenizer.tok, flag)
         if mismatch:
             raise UserError(mismatch)

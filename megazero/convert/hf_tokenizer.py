@@ -29,6 +29,12 @@ from typing import Optional
 from megazero.errors import UserError
 
 SPACE = "\u2581"  # SentencePiece's visible space
+WITHOUT = "export without a tokenizer (--tokenizer none)"
+
+
+class Untranslatable(ValueError):
+    """Why a SentencePiece model cannot be written for ``transformers`` so that it encodes alike;
+    ``load_fitting`` names the tokenizer and its source."""
 
 
 @dataclass(frozen=True)
@@ -48,18 +54,18 @@ class ExportTokenizer:
         return {"eos_token_id": self.tok.eod_id, "pad_token_id": self.tok.pad_id}
 
 
-def load_fitting(path: str, vocab_size: int, max_length: int) -> ExportTokenizer:
+def load_fitting(path: str, vocab_size: int, max_length: int, where: str = "--tokenizer") -> ExportTokenizer:
     """The tokenizer at ``path`` with its export files; refused when it does not load, is a kind
     ``transformers`` cannot take, or has more tokens than the model has rows (the folder written would
-    encode text to ids the model cannot embed)."""
+    encode text to ids the model cannot embed). ``where`` names where the path came from."""
     from data_pipeline.tokenizer import HFTokenizer, load_tokenizer
 
     try:
         tok = load_tokenizer(path)
     except (ValueError, OSError) as e:
-        raise UserError(f"--tokenizer {path}: {e}") from None
+        raise UserError(f"{where} {path}: {e}") from None
     if tok.vocab_size > vocab_size:
-        raise UserError(f"--tokenizer {path}: has {tok.vocab_size} tokens, but the model has {vocab_size}; give "
+        raise UserError(f"{where} {path}: has {tok.vocab_size} tokens, but the model has {vocab_size}; give "
                         "the tokenizer the model was trained with")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
@@ -73,7 +79,10 @@ def load_fitting(path: str, vocab_size: int, max_length: int) -> ExportTokenizer
     else:
         import sentencepiece as spm
 
-        spec = json.loads(_sentencepiece_as_json(tok.path))
+        try:
+            spec = json.loads(_sentencepiece_as_json(tok.path))
+        except Untranslatable as e:
+            raise UserError(f"{where} {path}: {e}; {WITHOUT}") from None
         sp = spm.SentencePieceProcessor(model_file=tok.path)
         piece = sp.id_to_piece
         config.update(unk_token=piece(sp.unk_id()))
@@ -111,7 +120,7 @@ def _sentencepiece_as_json(path: str) -> str:
     tokenizer = Tokenizer(model)
     tokenizer.normalizer = _normalizer(norm)
     if spec.model_type == pb.TrainerSpec.BPE:
-        _add_user_defined(tokenizer, path, [p.piece for p in pieces if p.type == piece_type.USER_DEFINED])
+        _add_user_defined(tokenizer, [p.piece for p in pieces if p.type == piece_type.USER_DEFINED])
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
@@ -150,9 +159,8 @@ def _refuse_disagreement(path: str, tokenizer, texts: list) -> None:
     theirs = tokenizer.encode_batch(texts, add_special_tokens=False)
     for text, ours, encoding in zip(texts, sp.encode(texts), theirs):
         if encoding.ids != ours:
-            raise UserError(f"--tokenizer {path}: the translation for transformers encodes {text!r} as "
-                            f"{encoding.tokens} where SentencePiece gives {[sp.id_to_piece(i) for i in ours]}; "
-                            "export without --tokenizer")
+            raise Untranslatable(f"the translation for transformers encodes {text!r} as {encoding.tokens} where "
+                                 f"SentencePiece gives {[sp.id_to_piece(i) for i in ours]}")
 
 
 def _normalizer(norm):
@@ -174,7 +182,7 @@ def _normalizer(norm):
     return normalizers.Sequence(steps)
 
 
-def _add_user_defined(tokenizer, path: str, symbols: list) -> None:
+def _add_user_defined(tokenizer, symbols: list) -> None:
     """SentencePiece's BPE takes a user-defined piece whole wherever its text occurs (after
     normalisation) and never merges into or across it, which tokenizers' BPE cannot do from
     merges: they become added tokens, cut out of the normalised text before the model runs.
@@ -184,9 +192,8 @@ def _add_user_defined(tokenizer, path: str, symbols: list) -> None:
 
     for symbol in symbols:
         if tokenizer.normalizer.normalize_str(symbol) != symbol:
-            raise UserError(f"--tokenizer {path}: the user-defined piece {symbol!r} of this BPE model cannot be "
-                            "exported (transformers would look for it as "
-                            f"{tokenizer.normalizer.normalize_str(symbol)!r}); export without --tokenizer")
+            raise Untranslatable(f"the user-defined piece {symbol!r} of this BPE model cannot be exported "
+                                 f"(transformers would look for it as {tokenizer.normalizer.normalize_str(symbol)!r})")
     tokenizer.add_tokens([AddedToken(symbol, normalized=True, special=False) for symbol in symbols])
 
 
@@ -198,17 +205,16 @@ def _sentencepiece_proto(path: str):
     proto.ParseFromString(Path(path).read_bytes())
     if proto.trainer_spec.model_type not in (pb.TrainerSpec.BPE, pb.TrainerSpec.UNIGRAM):
         kind = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
-        raise UserError(f"--tokenizer {path}: a SentencePiece {kind} model cannot be written for transformers (bpe "
-                        "and unigram can); export without --tokenizer")
+        raise Untranslatable(f"a SentencePiece {kind} model cannot be written for transformers (bpe and unigram can)")
     if proto.normalizer_spec.precompiled_charsmap:
-        raise UserError(f"--tokenizer {path}: its {proto.normalizer_spec.name or 'custom'} normalisation cannot be "
-                        "written for transformers, whose tokenizers applies SentencePiece's character map to whole "
-                        "grapheme clusters (a letter with a combining accent, or \\r\\n, would encode otherwise); "
-                        "export without --tokenizer (models trained with normalization_rule_name=identity export)")
+        raise Untranslatable(f"its {proto.normalizer_spec.name or 'custom'} normalisation cannot be written for "
+                             "transformers, whose tokenizers applies SentencePiece's character map to whole grapheme "
+                             "clusters (a letter with a combining accent, or \\r\\n, would encode otherwise; models "
+                             "trained with normalization_rule_name=identity export)")
     special = _special_text_reached(proto)
     if special:
-        raise UserError(f"--tokenizer {path}: {special}; retrain the model with every character of its special "
-                        "pieces covered (character_coverage=1.0), or export without --tokenizer")
+        raise Untranslatable(f"{special}; retrain the model with every character of its special pieces covered "
+                             "(character_coverage=1.0)")
     return proto
 
 
