@@ -4,10 +4,12 @@ engine-level checks (every schedule against one process) are in ``tests/test_pip
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.utils.checkpoint
 
 from parallel.pipeline.deferred_wgrad import WeightGradQueue, defer_weight_grads
+from tests.sharded import sharded_adamw
 
 
 def _linear_on_a_queue(sink=None, frozen=()):
@@ -97,6 +99,9 @@ class _TakeEverything:
         total = sum(a.float() @ b.float() for a, b in products)
         self.sums[id(weight)] = self.sums.get(id(weight), 0) + total
         return True
+
+    def add_grad(self, param, grad):
+        return False  # gradients already computed go through autograd
 
 
 def test_a_sink_takes_the_weight_and_the_bias():
@@ -207,3 +212,24 @@ def test_micro_batches_summed_at_one_w_round_to_16_bits_once():
     assert layer.weight.grad.dtype == torch.bfloat16
     assert torch.equal(layer.weight.grad, weight)
     assert torch.equal(layer.bias.grad, bias)
+
+
+def test_a_sum_over_micro_batches_reaches_fp32_buffers_unrounded(one_rank_group):
+    """fp16 weights, fp32 gradient buffers: two micro-batches' gradients of 40000 each fit in fp16, and
+    1F1B adds them into the fp32 buffer one at a time. A W op sums them first; that sum (80000) must
+    reach the buffer in fp32, not be rounded to fp16 on the way (inf: the step was skipped as an
+    overflow that no other schedule had). It is the path of whatever the sink cannot add as 16-bit
+    products in place: off CUDA, both the weight and the bias. (Planted: the sum handed to autograd.)"""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(2, 2)
+    optimizer = sharded_adamw(layer, one_rank_group, stage=1, param_dtype=torch.float16, clip_grad=0.0)
+    queue = WeightGradQueue(optimizer.dp)
+    defer_weight_grads([layer], queue)
+    for k in range(2):
+        with queue.backward_of(k):  # the input needs a gradient, or the layer would not defer
+            out = layer(torch.ones(1, 2, dtype=torch.float16, requires_grad=True))
+            out.backward(torch.full_like(out, 40000.0))
+    queue.run([0, 1])
+    result = optimizer.step()
+    assert not result.skipped
+    assert result.grad_norm == pytest.approx(80000.0 * 6**0.5)  # six gradient elements of 80000

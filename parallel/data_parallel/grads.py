@@ -231,6 +231,15 @@ class GradReducer:
         self._arrived(i)
         return True
 
+    def add_grad(self, i: int, grad: torch.Tensor) -> bool:
+        """Add ``grad`` to parameter i's gradient in its region, as its hook would, in whatever dtype it
+        comes (a sum over micro-batches in fp32 stays unrounded in an fp32 buffer); False in sharded
+        mode, whose per-backward reduction runs only from within a backward."""
+        if self.mode != "full":
+            return False
+        self._accumulate(i, grad.detach())  # computed from saved activations, which may require grad
+        return True
+
     def _copy(self, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)``, in the next batch (see the module doc)."""
         self.copies.append((dst, src))

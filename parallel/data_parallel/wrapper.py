@@ -227,6 +227,14 @@ class DataParallel:
         i = self.index.get(id(weight))
         return i is not None and self.reducer.add_products(i, products)
 
+    def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Add ``grad``, computed outside autograd (a split-backward schedule's sum over micro-batches,
+        in fp32), to ``param``'s gradient as if it had arrived through autograd, but without autograd
+        rounding it to the parameter's 16 bits first (whole-gradient buffers, as ``add_weight_grad``);
+        False where it cannot be."""
+        i = self.index.get(id(param))
+        return i is not None and self.reducer.add_grad(i, grad)
+
     def finish_reduction(self) -> None:
         """At the accumulation boundary: tied copies summed over the tied group (the pipeline's first
         and last stage), then every bucket reduced over the data-parallel group."""

@@ -35,7 +35,11 @@ stage in a pipeline's once-per-step mode), a ``W`` op adds each weight's gradien
 its buffer instead (``WeightGradSink``, given at construction), and each bias's GEMV too: the GEMM
 accumulates in fp32 and writes there, so the 16-bit gradient, autograd's accumulation and the hook's
 conversion and add of every micro-batch disappear (GPT 1.3B, pp 2, ZB-H2: those adds took 25 ms of
-the first stage's 1.08 s step; the step became 1% faster, BENCHMARKS.md).
+the first stage's 1.08 s step; the step became 1% faster, BENCHMARKS.md). What the sink cannot add
+as products (16-bit factors off CUDA) is summed over the micro-batches in fp32 and handed to it as
+it is: through autograd the sum would be rounded to the parameter's 16 bits, where under fp16 a sum
+of gradients that each fit overflows, and the step is skipped where 1F1B, which adds them one by one
+into the fp32 buffer, trains.
 
 ``defer_weight_grads`` is the hook that turns the layers on: plain ``nn.Linear`` get an instance
 ``forward`` calling ``queue.linear``; the tensor-parallel linears get the queue as their
@@ -105,10 +109,11 @@ _linear.register_autograd(_linear_grad, setup_context=_linear_setup)
 
 
 def _summed(grads: list[torch.Tensor]) -> torch.Tensor:
-    """One gradient from several micro-batches', summed in fp32 so a 16-bit sum is rounded once."""
+    """One gradient from several micro-batches', summed in fp32 (and left there: rounding is for the
+    place it goes to decide)."""
     if len(grads) == 1:
         return grads[0]
-    return torch.stack([g.float() for g in grads]).sum(0).to(grads[0].dtype)
+    return torch.stack([g.float() for g in grads]).sum(0)
 
 
 def weight_grad_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -117,7 +122,8 @@ def weight_grad_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list
 
 
 def weight_grad(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``sum dY^T X`` over ``(X, dY)`` pairs, every leading dimension flattened, in ``X``'s dtype."""
+    """``sum dY^T X`` over ``(X, dY)`` pairs, every leading dimension flattened (in ``X``'s dtype for one
+    pair, fp32 for several)."""
     return _summed([a @ b for a, b in weight_grad_products(pairs)])
 
 
@@ -132,6 +138,10 @@ class WeightGradSink(Protocol):
     def add_weight_grad(self, weight: torch.Tensor, products: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Add ``sum a @ b`` to ``weight``'s gradient (a weight's or a bias's) as if autograd had delivered
         it; False if declined."""
+
+    def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Add ``grad`` (fp32 when summed over micro-batches) to ``param``'s gradient as if autograd had
+        delivered it, without rounding it to ``param``'s dtype first; False if declined."""
 
 
 class WeightGradQueue:
@@ -203,20 +213,24 @@ class WeightGradQueue:
                 by_weight.setdefault(id(weight), (weight, bias, []))[2].append((x, grad_out))
                 count += 1
         for weight, bias, pairs in by_weight.values():
-            params, grads = [], []
+            summed = []
             if not weight.requires_grad:  # a frozen weight, queued for its trainable bias
                 pass
             elif self.sink is not None and self.sink.add_weight_grad(weight, weight_grad_products(pairs)):
                 in_place += len(pairs)
             else:
-                params.append(weight)
-                grads.append(weight_grad(pairs))
+                summed.append((weight, weight_grad(pairs)))
             if bias is not None and not self._bias_grad_to_sink(bias, pairs):
-                params.append(bias)
-                grads.append(bias_grad([g for _, g in pairs]))
-            if params:
-                torch.autograd.backward(params, grads)
+                summed.append((bias, bias_grad([g for _, g in pairs])))
+            self._deliver(summed)
         return count, in_place
+
+    def _deliver(self, summed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each ``(parameter, gradient)`` to the sink where it takes it, unrounded; the others through
+        autograd, in the parameter's dtype."""
+        rest = [(p, g) for p, g in summed if self.sink is None or not self.sink.add_grad(p, g)]
+        if rest:
+            torch.autograd.backward([p for p, _ in rest], [g.to(p.dtype) for p, g in rest])
 
     def _bias_grad_to_sink(self, bias: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Hand the sink ``bias``'s gradient as the GEMVs ``1^T dY`` of ``pairs``, which it accumulates in
