@@ -228,7 +228,26 @@ def _zero_run(rank, world_size, slow_part=False):
         results[("released read", dp)] = _released_read(base, group)
         results[("skipped after overlap", dp)] = _skipped_after_overlap(base, group, dp_rank)
         results[("clip 0", dp)] = _clip_zero_means_no_clipping(base, group, dp_rank)
+        results[("fp16 sums", dp)] = _fp16_gradients_that_each_fit(base, group)
     return results
+
+
+FITS_IN_FP16 = 40000.0  # fp16's largest is 65504: two ranks' sum of it is not
+
+
+def _fp16_gradients_that_each_fit(base, group):
+    """fp16 gradient buffers whose every element is 40000 on every rank: one process, whose gradient
+    is the ranks' mean, trains on, so the step must not be skipped as an overflow (the ranks' sum,
+    80000 or more, is inf in fp16). Returns (skipped, gradient norm, parameter count) by stage."""
+    out = {}
+    for stage in (0, 1, 2):
+        model = copy.deepcopy(base)
+        opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, clip_grad=0.0,
+                            param_dtype=torch.float16, grad_dtype=torch.float16)
+        (sum(p.float().sum() for p in model.parameters()) * FITS_IN_FP16).backward()
+        result = opt.step()
+        out[stage] = (bool(result.skipped), float(result.grad_norm), sum(p.numel() for p in model.parameters()))
+    return out
 
 
 def _clip_zero_means_no_clipping(base, group, dp_rank):
@@ -492,3 +511,13 @@ def test_clip_grad_zero_turns_clipping_off(zero_world, dp):
     for rank, rank_results in enumerate(zero_world):
         difference, moved = rank_results[("clip 0", dp)]
         assert difference == 0 and moved > 1e-3, (rank, difference, moved)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_fp16_gradients_that_each_fit_are_averaged_not_summed_to_inf(zero_world, dp):
+    """Summed over the ranks in fp16 buffers and divided by dp only in the optimizer, gradients held dp
+    times one process's and overflowed dp times sooner: a step one process trains was skipped, and
+    the loss scale fell with every rank added. (Planted: fp16 buffers summed as the others.)"""
+    for rank, rank_results in enumerate(zero_world):
+        for stage, (skipped, norm, numel) in rank_results[("fp16 sums", dp)].items():
+            assert not skipped and norm == pytest.approx(FITS_IN_FP16 * numel**0.5), (rank, stage, norm)

@@ -1,7 +1,8 @@
 """AdamW over the fp32 shard a ``DataParallel`` wrapper describes: master, moments, step, loss scale.
 
 The step is the math of single-process AdamW: gradients are summed over ranks and micro-batches by
-the wrapper, divided by (dp x loss scale) and clipped by the global norm in a single multiply here,
+the wrapper (fp16 buffers hold the ranks' mean: ``grads_summed_over``), divided by (dp x loss scale)
+and clipped by the global norm in a single multiply here,
 then AdamW updates the master shard and the 16-bit parameters are rounded from it. On a GPU with
 Triton, one kernel per bucket does both in a single pass over the shard (``models.kernels.adamw``);
 otherwise torch's AdamW (fused on GPU, multi-threaded fused on CPU where torch has it) updates the
@@ -164,7 +165,7 @@ class ShardedAdamW:
         flag) forces the skip."""
         self.dp.finish_reduction()
         scale = self.scaler.scale
-        unscale = 1.0 / (self.dp.dp * scale)
+        unscale = 1.0 / (self.dp.grads_summed_over * scale)
         grad_norm = self._global_norm_sq().sqrt() * unscale
         overflow = ~torch.isfinite(grad_norm) | skip  # a bool needs no copy to the device
         grad_norm = grad_norm.masked_fill(overflow, math.inf)

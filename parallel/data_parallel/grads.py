@@ -37,8 +37,9 @@ are summed over ``partial_group`` as their bucket is launched, all of a bucket's
 just before the data-parallel reduction reads them.
 
 Reductions are sums: dividing by the data-parallel size is folded into the optimizer's single
-unscale-and-clip multiply. Buckets are launched in the same order on every rank (backward order,
-then bucket index for stragglers), so collectives never cross. That needs the usual data-parallel
+unscale-and-clip multiply (``DataParallel.grads_summed_over``), except in fp16 buffers, which are
+divided before the sum (``averages``). Buckets are launched in the same order on every rank
+(backward order, then bucket index for stragglers), so collectives never cross. That needs the usual data-parallel
 contract: in a step, every rank's backward reaches the same parameters (a parameter may go unused,
 but then on every rank), as it does for a GPT, whose every parameter is used by every token.
 """
@@ -63,6 +64,11 @@ class GradReducer:
         assert mode in ("full", "sharded")
         self.params, self.layout, self.group, self.dtype, self.mode = params, layout, group, dtype, mode
         self.reduce_scatter, self.max_in_flight = reduce_scatter, max_in_flight
+        # fp16's range is 65504: gradients that each fit can sum over the ranks to an inf where one
+        # process (whose gradient is their mean) trains on, so fp16 buffers are divided by dp before
+        # the sum, as Megatron-LM scales its gradients; the others sum, and the optimizer divides
+        self.ranks = comm.group_size(group)
+        self.averages = dtype == torch.float16 and self.ranks > 1
         device = params[0].device
         self.needed = [layout.bucket_param_numel(b) for b in layout.buckets]
         self.bucket_index = {b: i for i, b in enumerate(layout.buckets)}
@@ -324,6 +330,8 @@ class GradReducer:
         self._sum_partial(b)
         if self.mode == "full":
             buf = self._flat(bucket.unit, bucket.start, bucket.end)
+            if self.averages:
+                buf.div_(self.ranks)
             if self.reduce_scatter:
                 handle = comm.reduce_scatter_into(self.bucket_grad(b), buf, self.group, async_op=True)
             else:
@@ -337,6 +345,8 @@ class GradReducer:
             add = self.reduced[b]
             out = scratch[self.layout.dp_rank * size:(self.layout.dp_rank + 1) * size] if add else self._shard_slice(bucket)
             self.reduced[b] = True
+            if self.averages:
+                scratch[:bucket.numel].div_(self.ranks)
             handle = comm.reduce_scatter_into(out, scratch[:bucket.numel], self.group, async_op=True)
             self.in_flight.append((b, handle, scratch, add))
         self.launched[b] = True

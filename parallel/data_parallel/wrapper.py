@@ -235,6 +235,12 @@ class DataParallel:
         i = self.index.get(id(param))
         return i is not None and self.reducer.add_grad(i, grad)
 
+    @property
+    def grads_summed_over(self) -> int:
+        """How many data-parallel ranks' gradients the reduced buffers hold the sum of, which the
+        optimizer divides by: 1 where the reducer divided fp16 buffers before the sum."""
+        return 1 if self.reducer.averages else self.dp
+
     def finish_reduction(self) -> None:
         """At the accumulation boundary: tied copies summed over the tied group (the pipeline's first
         and last stage), then every bucket reduced over the data-parallel group."""
