@@ -75,6 +75,7 @@ def test_unknown_recompute_mode():
     ("NVIDIA H200", "bf16", 989), ("NVIDIA GH200 480GB", "bf16", 989),
     ("NVIDIA A100-SXM4-80GB", "bf16", 312), ("NVIDIA A100 80GB PCIe", "fp32", 19.5),
     ("Tesla V100-SXM2-32GB", "fp16", 125), ("Tesla V100-PCIE-16GB", "fp16", 112),
+    ("Tesla V100S-PCIE-32GB", "fp16", 130),
     ("NVIDIA L40S", "bf16", 362), ("NVIDIA L40", "bf16", 181), ("NVIDIA L4", "bf16", 121),
     ("AMD Instinct MI300X", "bf16", 1307.4),
 ])
