@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from megazero.config.schema import OptimizerConfig, ScheduleConfig, TrainConfig
 from megazero.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the config package validates with these schedules
+    from megazero.config.schema import OptimizerConfig, ScheduleConfig, TrainConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 
