@@ -375,7 +375,8 @@ def _checkpoint_problems(cfg: Config, every_file: bool = True) -> list[str]:
     if meta.get("step", 0) == 0:
         problems, older_code = _tokenizer_change(meta, cfg), []
     else:
-        problems = _resume_changes(saved, cfg, meta["step"]) + _tokenizer_change(meta, cfg) + _shard_changes(meta, cfg)
+        problems = (_resume_changes(saved, cfg, meta["step"], meta.get("consumed", 0)) + _tokenizer_change(meta, cfg)
+                    + _shard_changes(meta, cfg))
         older_code = _blend_rule_change(meta, cfg)
     head, allow = f"{where}: {ckpt} (step {meta['step']})", "checkpoint.allow_config_changes true"
     return ([f"{head} {problem}; set it back, or set {allow} to resume anyway" for problem in problems]
@@ -443,11 +444,11 @@ def _blend_rule_change(meta: dict, cfg: Config) -> list[str]:
             "and this version takes none, so every later sample comes in another order"]
 
 
-def _resume_changes(saved: dict, cfg: Config, step: int) -> list[str]:
-    """How resuming from a checkpoint of ``step``, written with config ``saved``, would silently differ
-    from continuing its run: another data order (the samples consumed so far would no longer say
-    where the run stands in it), or a jump in the learning rate (a longer ``train.train_steps``
-    stretches a decay that had ended, for one)."""
+def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int) -> list[str]:
+    """How resuming from a checkpoint of ``step`` (``consumed`` samples), written with config ``saved``,
+    would silently differ from continuing its run: another data order (the samples consumed so far
+    would no longer say where the run stands in it), other global batches ahead, or a jump in the
+    learning rate (a longer ``train.train_steps`` stretches a decay that had ended, for one)."""
     from megazero.config.loader import build_dataclass
     from megazero.training_schedules import build_lr_schedule
 
@@ -457,7 +458,7 @@ def _resume_changes(saved: dict, cfg: Config, step: int) -> list[str]:
         data, now = saved.get("data") or {}, config_to_dict(cfg)["data"]
         changed = [f"data.{k}" for k in DATA_ORDER_FIELDS if data.get(k) != now[k]]
         return [f"was trained on another data order ({', '.join(changed)} changed)"] if changed else []
-    problems = _data_order_changes(before, cfg)
+    problems = _data_order_changes(before, cfg) + _batch_changes(before, cfg, consumed)
     was = build_lr_schedule(before.optimizer, before.schedule, before.train)(step + 1)
     will = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)(step + 1)
     if abs(will - was) > 1e-6 * max(abs(was), abs(will)):
@@ -503,6 +504,39 @@ def _data_order_changes(before: Config, cfg: Config) -> list[str]:
                     f"(train.train_steps, train_tokens or global_batch_size) take {prefix} through another number "
                     "of epochs, or another share of its last, which reshuffles every sample"]
     return []
+
+
+def _batch_changes(before: Config, cfg: Config, consumed: int) -> list[str]:
+    """The first step ahead whose global batch differs between the run that wrote the checkpoint
+    (``before``) and this one with the same batch settings: a ramp-up rounds each step's batch to a
+    multiple of micro_batch_size x dp, so another layout mid ramp-up groups the samples ahead into
+    other steps (a changed batch or ramp setting is a change the config states). The sizes are
+    followed to the ramp's end."""
+    from megazero.training_schedules import build_batch_schedule
+
+    settings = [("train", "global_batch_size")] + [("schedule", k) for k in RAMPUP_FIELDS]
+    if any(getattr(getattr(before, sec), k) != getattr(getattr(cfg, sec), k) for sec, k in settings):
+        return []
+    try:
+        old = build_batch_schedule(before.schedule, before.train, before.parallel.dp or 1)
+        new = build_batch_schedule(cfg.schedule, cfg.train, cfg.parallel.dp or 1)
+    except ConfigError:
+        return []  # the config's own check names it
+    at = consumed
+    while old.start is not None and at < old.rampup_samples:
+        was, will = old.global_batch(at), new.global_batch(at)
+        if was != will:
+            layout = [f for f, a, b in (("parallel.dp", before.parallel.dp, cfg.parallel.dp),
+                                        ("train.micro_batch_size", before.train.micro_batch_size,
+                                         cfg.train.micro_batch_size)) if a != b]
+            return [f"would train the step at sample {at} on a global batch of {will} instead of {was}: the batch "
+                    f"ramp-up rounds each step's batch to a multiple of micro_batch_size x dp, and "
+                    f"{' and '.join(layout)} changed"]
+        at += was
+    return []
+
+
+RAMPUP_FIELDS = ("rampup_start_batch", "rampup_increment", "rampup_samples")
 
 
 def _split_shares(c: Config):

@@ -512,3 +512,26 @@ def test_a_resume_drawn_by_the_older_blend_rule_is_refused(files, capsys, tmp_pa
     capsys.readouterr()
     assert main([*resume, *swapped]) == 2  # another blend is its own change...
     assert "another data order (data.blend changed)" in capsys.readouterr().err
+
+
+def test_a_resume_at_another_dp_during_the_batch_ramp_up_is_refused(files, capsys, monkeypatch, tmp_path):
+    """The ramp-up rounds each step's batch to a multiple of micro_batch_size x dp: a checkpoint of dp 1
+    at sample 2 of a ramp from 2 resumed at dp 2 would train its next step on 4 samples, not 2, and
+    group every sample ahead into other steps without a word. The same dp resumes; changing the batch
+    settings themselves is a change the config states. (Planted: no batch comparison.)"""
+    ramp = ["--train.global_batch_size", "8", "--schedule.rampup_start_batch", "2", "--schedule.rampup_increment",
+            "2", "--schedule.rampup_samples", "64"]
+    run = tmp_path / "run"
+    argv = ["train", *_model(files["good"], str(run)), *ramp]
+    assert main([*argv, "--train.train_steps", "1"]) == 0
+    resume = [*argv, "--checkpoint.load", str(run / "checkpoints" / "step_0000001"), "--logging.run_dir",
+              str(tmp_path / "on"), "--check"]
+    capsys.readouterr()
+    assert main(resume) == 0, capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert main(resume) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(step 1) would train the step at sample 2 on a global batch of 4 instead of 2" in err[0]
+    assert "parallel.dp changed" in err[0], err
+    assert main([*resume, "--schedule.rampup_start_batch", "4"]) == 0, capsys.readouterr().err
