@@ -101,7 +101,7 @@ def test_bf16_weights_are_the_rounded_master(sources, tmp_path):
     (["--pp", "3"], "--pp 3: the model's 2 layers do not split evenly over 3 stages (Megatron-LM's split)"),
     (["--dp", "2"], "--dp: apply to --to megazero only (a Megatron checkpoint's layout is --tp and --pp)"),
     (["--zero-stage", "1", "--tp", "2"], "--zero-stage: apply to --to megazero only"),
-    (["--tokenizer", "t.model"], "--tokenizer: apply to --to hf only (this conversion writes megatron)"),
+    (["--tokenizer", "t.model"], "--tokenizer: applies to --to hf only (this conversion writes megatron)"),
 ])
 def test_a_layout_megatron_cannot_take_is_one_line_before_anything_is_written(sources, tmp_path, capsys, flags,
                                                                               message):

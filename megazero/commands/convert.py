@@ -134,7 +134,8 @@ def run(args) -> int:
     hf_only = [flag for flag, value in (("--tokenizer", args.tokenizer), ("--shard-size-gb", args.shard_size_gb))
                if value is not None]
     if hf_only and target != "hf":
-        raise UserError(f"{', '.join(hf_only)}: apply to --to hf only (this conversion writes {target})")
+        verb = "apply" if len(hf_only) > 1 else "applies"
+        raise UserError(f"{', '.join(hf_only)}: {verb} to --to hf only (this conversion writes {target})")
     if args.dtype is not None and target not in ("hf", "megatron"):
         raise UserError(f"--dtype: applies to --to hf and --to megatron only (this conversion writes {target}, "
                         "whose weights stay fp32)")
