@@ -340,7 +340,7 @@ def test_the_epoch_check_skips_what_the_run_does_not_sample(files, tmp_path):
     """A blend entry of weight 0, or a shard that cannot be opened (its own check names it), neither
     hangs nor raises in the resume check (an empty dataset once looped forever looking for its epochs)."""
     from megazero.config import load_config
-    from megazero.preflight import _epochs_change
+    from megazero.resume_checks import _epochs_change
 
     cfg = load_config(None, _model(files["good"], str(tmp_path))[:-2])
     assert _epochs_change(files["good"], 0.0, cfg, 4, 4000) is False
