@@ -4,14 +4,17 @@ moves 16 bytes at a time and rounds each parameter's run up to 64 elements, into
 For random units of odd parameter sizes, every data-parallel size and bucket size: every rank's
 slice of every bucket starts and ends on a multiple of 64 elements in its shard, so does every
 segment's start, and a segment rounded up to 64 elements stays inside its slice and short of the
-next segment. Runs without a GPU: the layout is arithmetic.
+next segment. Runs without a GPU: the layout is arithmetic. Also which unit a parameter joins
+under stage 3's persistence threshold (shapes only, on the meta device).
 """
 
 import random
 
 import pytest
+import torch
 
 from parallel.data_parallel.layout import FlatLayout
+from parallel.data_parallel.wrapper import DataParallelSettings, flat_layout
 
 ALIGN = 64
 
@@ -73,3 +76,16 @@ def test_every_parameter_element_is_owned_once_where_the_flat_space_puts_it(unit
                 assert owner[seg.param][k] is None, (seg, k)
                 owner[seg.param][k] = rank
     assert all(r is not None for elements in owner for r in elements)
+
+
+def test_persistence_threshold_keeps_only_smaller_parameters_whole():
+    """``zero.persistence_threshold`` keeps parameters of *fewer* elements whole, in the persistent unit;
+    one of exactly the threshold stays in its block's unit and is gathered with it. (Planted: ``>`` for
+    ``>=`` moved every parameter of the threshold's size out of its block.)"""
+    blocks = torch.nn.ModuleList(torch.nn.Linear(4, 6, device="meta") for _ in range(2))  # weights 24, biases 6
+    settings = DataParallelSettings(stage=3, bucket_numel=64, persistence_threshold=24)
+    params, unit_modules, layout = flat_layout([blocks], list(blocks), settings, dp=2, dp_rank=0)
+    homes = {id(p): unit_modules[layout.param_unit[i]] for i, p in enumerate(params)}
+    for block in blocks:
+        assert homes[id(block.weight)] is block
+        assert homes[id(block.bias)] is None
