@@ -44,6 +44,9 @@ VARIANTS = {  # name: (stage, lr variant, settings)
     "unfused": (2, "plain", {"fused": False}),
     "schedule": (1, "schedule", {}),
     "offload": (1, "schedule", {"offload": True}),
+    # the host multiplies the gradients by the unscale-and-clip factor itself (planted: it did not,
+    # which only the binding clip's moments showed)
+    "offload unfused": (1, "plain", {"offload": True, "fused": False}),
     "stage 3": (3, "plain", {}),
     "offload stage 3": (3, "plain", {"offload": True}),
 }
@@ -92,6 +95,25 @@ def _resume_run(base, group, offload, stage=1):
     return state["adam_step"], max((p - q).abs().max().item() for p, q in zip(model.parameters(), copy_model.parameters()))
 
 
+def _load_over_pending(base, group):
+    """An offloaded optimizer whose last step is still pending (each unit is updated at its next use)
+    loads a saved state: what comes after is the saved state, not the saved state updated again by
+    the pending step. Returns how far the parameters then are from those saved."""
+    model = copy.deepcopy(base)
+    opt = sharded_adamw(model, group, model.blocks, stage=1, bucket_numel=320, lr=1e-2, offload=True)
+    for step in range(2):
+        opt.scale_loss(model(*_data(step, 0))).backward()
+        opt.step()
+    state = {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in opt.sharded_state_dict().items()}
+    opt.dp.wait_params()
+    saved = [p.detach().clone() for p in model.parameters()]
+    opt.scale_loss(model(*_data(2, 0))).backward()
+    opt.step()
+    opt.load_sharded_state_dict(state)
+    opt.dp.wait_params()
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), saved))
+
+
 def _guarded(fn, *args, **kwargs):
     """A case that raises fails its own test (with the traceback) rather than the whole world."""
     try:
@@ -125,6 +147,7 @@ def _single_rank(rank, world_size):
     for offload in (False, True):
         for stage in (1, 3):
             out[("resume", offload, stage)] = _guarded(_resume_run, base, group, offload, stage)
+    out["load over pending"] = _guarded(_load_over_pending, base, group)
     return out
 
 
@@ -162,3 +185,10 @@ def test_a_loaded_state_resumes_the_step_count(single_rank, offload, stage):
     adam_step, diff = _result(single_rank, ("resume", offload, stage))
     assert adam_step == 2
     assert diff == 0, f"resumed step differs by {diff:.3g}"
+
+
+def test_a_load_replaces_a_pending_offloaded_update(single_rank):
+    """A state loaded while an offloaded step is still pending replaces that step. (Planted:
+    ``load_sharded_state_dict`` not applying the pending units first, whose late update then moved
+    the loaded master on by one more step.)"""
+    assert _result(single_rank, "load over pending") == 0
