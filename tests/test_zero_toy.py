@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.data_parallel import UnmaterializedParameterError
+from parallel.data_parallel.storage import holds_storage
 from megazero.optim import DynamicLossScaler
 from tests.sharded import sharded_adamw
 from tests.distributed import run_world
@@ -86,8 +87,9 @@ def _left_out(variant, step, index):
     "unused" variant leaves block 1 out of step 1: stale gradients must not leak into it.
     "unused_micro" leaves block 1's norm out of step 1's second micro-batch only: that norm's
     gradient of the first micro-batch must not stand in for the second's, in a bucket that the
-    rest of the block fills (stages 2-3 reduce each backward from fresh buffers)."""
-    if step == 1 and variant == "unused":
+    rest of the block fills (stages 2-3 reduce each backward from fresh buffers). A variant ending
+    in "+unused" leaves block 1 out as "unused" does."""
+    if step == 1 and variant.split("+")[-1] == "unused":
         return {"skip": 1}
     if step == 1 and variant == "unused_micro" and index % MICRO == 1:
         return {"skip_norm": 1}
@@ -141,11 +143,14 @@ def _first_moments(opt, group):
 
 CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "overlap")] + [
     (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "persist"), (1, "offload"), (3, "offload"),
-    (0, "offload"), (1, "offload+overlap"), (2, "offload+overlap"),
+    (0, "offload"), (1, "offload+overlap"), (2, "offload+overlap"), (1, "offload+overlap+unused"),
     (0, "bf16grads"), (1, "bf16grads"), (2, "bf16grads"), (3, "bf16grads"),
     (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused"), (0, "unused_micro"), (2, "unused_micro"),
     (3, "unused_micro"),
     (2, "unfused"), (1, "unfused+bf16grads"), (2, "schedule")]
+# "offload+overlap+unused": block 1's update, left pending by step 1's forward that skips it, must be
+# applied before step 1's buckets, sent to the host during the last backward, overwrite the gradients
+# it reads.
 # "unfused": torch's unfused AdamW (``optimizer.fused: false``), which takes the unscale-and-clip
 # factor and the skip decision from the wrapper, where the fused one takes them as its own inputs.
 BINDING_CLIP_IN_CI = {(stage, "plain") for stage in (0, 1, 2, 3)} | {(stage, "bf16grads") for stage in (0, 1, 2, 3)} \
@@ -202,13 +207,13 @@ def _zero_run(rank, world_size, slow_part=False):
                 norms = []
                 for step in range(STEPS):
                     for micro in range(MICRO):
-                        opt.dp.begin_microbatch(last=variant.endswith("overlap") and micro == MICRO - 1)
+                        opt.dp.begin_microbatch(last="overlap" in variant and micro == MICRO - 1)
                         index = dp_rank * MICRO + micro
                         loss = model(*_data(step, index), **_left_out(variant, step, index)) / MICRO
                         opt.scale_loss(loss).backward()
                     norms.append(opt.step(_lr(variant, step)).grad_norm)
                 opt.dp.wait_params()
-                reference, ref_norms, ref_moments = references.get(variant, references["plain"])
+                reference, ref_norms, ref_moments = references.get(variant.split("+")[-1], references["plain"])
                 moments = _first_moments(opt, group)
                 moment_err = (torch.stack([(moments[k] - m).norm() for k, m in ref_moments.items()]).norm()
                               / torch.stack([m.norm() for m in ref_moments.values()]).norm()).item()
@@ -229,6 +234,8 @@ def _zero_run(rank, world_size, slow_part=False):
         results[("skipped after overlap", dp)] = _skipped_after_overlap(base, group, dp_rank)
         results[("clip 0", dp)] = _clip_zero_means_no_clipping(base, group, dp_rank)
         results[("fp16 sums", dp)] = _fp16_gradients_that_each_fit(base, group)
+        results[("stage 3 residency", dp)] = _stage3_residency(base, group, dp_rank)
+        results[("launched in backward", dp)] = _launched_in_last_backward(base, group, dp_rank)
     return results
 
 
@@ -248,6 +255,44 @@ def _fp16_gradients_that_each_fit(base, group):
         result = opt.step()
         out[stage] = (bool(result.skipped), float(result.grad_norm), sum(p.numel() for p in model.parameters()))
     return out
+
+
+def _launched_in_last_backward(base, group, dp_rank):
+    """Buckets whose reduction had started when a stage-1 step's last backward returned, with
+    ``overlap_comm`` on and off (the caller flags the last backward either way)."""
+    out = {}
+    for overlap in (True, False):
+        model = copy.deepcopy(base)
+        opt = sharded_adamw(model, group, model.blocks, stage=1, bucket_numel=320, lr=1e-2, overlap_comm=overlap)
+        opt.dp.begin_microbatch(last=True)
+        opt.scale_loss(model(*_data(0, dp_rank))).backward()
+        out[overlap] = sum(opt.dp.reducer.launched), len(opt.layout.buckets)
+        opt.step()
+    return out
+
+
+def _stage3_residency(base, group, dp_rank):
+    """Which blocks hold gathered parameters (storage) in a stage-3 step of prefetch depth 1: as each
+    block's forward starts, as its output's gradient arrives (the stage-3 hooks ran first, as they
+    were registered first), after the backward and after the step. Block 1's norm gets no gradient,
+    so that block's release waits for the end of the backward."""
+    model = copy.deepcopy(base)
+    opt = sharded_adamw(model, group, model.blocks, stage=3, bucket_numel=320, lr=1e-2)
+    seen = {}
+
+    def record(key):
+        seen[key] = tuple(holds_storage(block.fc.weight) for block in model.blocks)
+
+    def on_output(output, k):
+        output.register_hook(lambda grad: record(("backward", k)))
+    for k, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda module, args, k=k: record(("forward", k)))
+        block.register_forward_hook(lambda module, args, output, k=k: on_output(output, k))
+    opt.scale_loss(model(*_data(0, dp_rank), skip_norm=1)).backward()
+    record("after backward")
+    opt.step()
+    record("after step")
+    return seen
 
 
 def _clip_zero_means_no_clipping(base, group, dp_rank):
@@ -521,3 +566,28 @@ def test_fp16_gradients_that_each_fit_are_averaged_not_summed_to_inf(zero_world,
     for rank, rank_results in enumerate(zero_world):
         for stage, (skipped, norm, numel) in rank_results[("fp16 sums", dp)].items():
             assert not skipped and norm == pytest.approx(FITS_IN_FP16 * numel**0.5), (rank, stage, norm)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_stage3_holds_only_the_running_and_prefetched_blocks(zero_world, dp):
+    """Stage 3 gathers a block just before it runs, prefetches the next one in the pass's direction
+    and releases a block after its forward and once its gradients are all in (at the end of the
+    backward where some never came). (Planted: the backward prefetching the block after instead of
+    before, no prefetch at depth 1, no release after the forward, none after the gradients, none at
+    the end of the backward: each step still equalled AdamW, and the memory after it the formula.)"""
+    ahead, running = (True, True, False), (False, True, True)
+    expected = {("forward", 0): ahead, ("forward", 1): running, ("forward", 2): (False, False, True),
+                ("backward", 2): running, ("backward", 1): ahead,
+                ("backward", 0): ahead,  # block 1, whose norm got no gradient, waits for the end
+                "after backward": (False,) * 3, "after step": (False,) * 3}
+    for rank, rank_results in enumerate(zero_world):
+        assert rank_results[("stage 3 residency", dp)] == expected, rank
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_overlap_comm_decides_whether_the_last_backward_reduces(zero_world, dp):
+    """``zero.overlap_comm`` starts every bucket's reduction inside the last backward, and when off
+    none before the step. (Planted: the setting ignored, so turning it off changed nothing.)"""
+    for rank, rank_results in enumerate(zero_world):
+        launched = rank_results[("launched in backward", dp)]
+        assert launched[True][0] == launched[True][1] > 0 and launched[False][0] == 0, (rank, launched)
