@@ -134,6 +134,21 @@ def rank_work(cfg: Config, pp_rank: int) -> float:
                            pipeline_placement(cfg))
 
 
+def rank_recomputed_work(cfg: Config, pp_rank: int) -> float:
+    """Blocks' worth of forward work pipeline rank ``pp_rank`` repeats in its backward under full
+    recompute. Each chunk checkpoints its every ``recompute_every``-th block from its first (as
+    ``apply_activation_checkpointing`` counts, and ``activation_bytes`` below), so a chunk of n blocks
+    repeats ceil(n / k) of them, not n / k: GPT 6 x h at pp 2 and k 2 repeats 4 blocks, not 3. A
+    block held in half repeats its half."""
+    p = cfg.parallel
+    if p.recompute != "full":
+        return 0.0
+    share = attention_share(cfg.model)
+    weight = {"attention": share, "mlp": 1.0 - share}
+    return sum(sum(weight[part] for part in parts) for chunk in rank_chunks(cfg, pp_rank)
+               for index, parts in enumerate(chunk) if index % p.recompute_every == 0)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _live_peaks(schedule: str, pp: int, pp_rank: int, micro: int, v: int, costs: Optional[StageCosts]) -> tuple:
     """``live_peaks`` of pipeline rank ``pp_rank``'s ops, as the engine builds them from the ranks' op

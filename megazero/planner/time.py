@@ -13,7 +13,7 @@ from megazero.config.schema import Config
 from megazero.engine import head_rank, pipeline_costs, pipeline_schedule
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
-from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_work
+from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_recomputed_work, rank_work
 from parallel.pipeline.plan import StageCosts, modelled_step, v_orders_span, weight_grad_delays
 from parallel.pipeline.placement import V_SHAPED, placement_of, sends_per_microbatch
 from parallel.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
@@ -90,21 +90,24 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
     micro = micro_batches(cfg)
     tokens_mb = m.seq_length * t.micro_batch_size
     e = DTYPE_BYTES[cfg.precision.dtype]
-    hardware = flops_per_token(m, p.recompute, p.recompute_every)
     head = 6 * m.hidden_size * m.vocab_size
-    per_layer = (hardware - head) / m.num_layers
-    recomputed_share = 1.0 if p.recompute == "full" else 0.0
+    per_layer = (flops_per_token(m) - head) / m.num_layers  # a block's forward and backward
+    block_forward = per_layer / 3
+    # repeated forwards, per rank: the attention core of every block (selective), or every k-th block
+    # of each chunk (full), whose collectives repeat too
+    selective = flops_per_token(m, "selective") - flops_per_token(m) if p.recompute == "selective" else 0.0
+    recomputed = [rank_recomputed_work(cfg, rank) for rank in range(p.pp)]
+    hardware = flops_per_token(m) + sum(recomputed) * block_forward + selective
     dp_stride, pp_stride = _strides(cfg)
 
     # Tensor parallelism: per block, two all-reduces (or all-gather + reduce-scatter pairs under
     # sequence parallelism, the same bytes) forward, two backward, two more in a recomputed forward.
-    tp_per_layer = 0.0
+    tp_allreduce = 0.0  # one of them, for a micro-batch's activations
     if p.tp > 1:
         bw = cluster.link_bytes_per_s(_group_within_node(1, p.tp, cluster), tensor_parallel=True)
-        allreduce = 2 * (p.tp - 1) / p.tp * e * tokens_mb * m.hidden_size / bw
-        tp_per_layer = (4 + 2 * recomputed_share) * allreduce
+        tp_allreduce = 2 * (p.tp - 1) / p.tp * e * tokens_mb * m.hidden_size / bw
         if p.tp_comm == "peer_memory":
-            tp_per_layer *= PEER_MEMORY_EXPOSED_SHARE
+            tp_allreduce *= PEER_MEMORY_EXPOSED_SHARE
 
     # Pipeline parallelism: per micro-batch, each activation a rank hands to another rank's stage and
     # each gradient it hands back (``sends_per_microbatch``: the V's turn stays on its rank).
@@ -117,8 +120,9 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
     slowest = (0.0, 0.0, 0.0, 0)
     for rank in range(p.pp):
         work = rank_work(cfg, rank)
-        flops = tokens_mb * (work * per_layer + (head if rank == head_rank(cfg) else 0.0)) / p.tp
-        compute, tp_comm = flops / gpu.flops, work * tp_per_layer
+        repeated = recomputed[rank] * block_forward + work / m.num_layers * selective
+        flops = tokens_mb * (work * per_layer + repeated + (head if rank == head_rank(cfg) else 0.0)) / p.tp
+        compute, tp_comm = flops / gpu.flops, (4 * work + 2 * recomputed[rank]) * tp_allreduce
         pp_comm = send_s * sends_per_microbatch(p.pp, rank, p.virtual_stages, placement_of(schedule))
         if compute + tp_comm + pp_comm > sum(slowest[:3]):
             slowest = (compute, tp_comm, pp_comm, rank)
