@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from models import GPT, ops
 from models.config import ModelConfig
 from models.init import seeded_normal
-from models.parallelize import check_tp_layout
+from models.parallelize import check_tp_layout, tensor_parallelize_gpt
 from models.presets import MODEL_PRESETS
 from parallel.tensor_parallel.sharding import Shard
 
@@ -224,3 +224,34 @@ def test_rotary_scores_depend_only_on_the_relative_position():
         return float(rq @ rk)
     assert score(5, 2) == pytest.approx(score(9, 6), rel=1e-6) == pytest.approx(score(3, 0), rel=1e-6)  # fp32 angles
     assert score(5, 2) != pytest.approx(score(5, 3), rel=1e-3)
+
+
+def _forward_runs(module, runs: list, key) -> None:
+    """Count each run of ``module``'s own forward in ``runs`` under ``key``: a recompute wraps the
+    forward in place, so the count includes the re-run in backward."""
+    forward = module.forward
+
+    def counted(*args, **kwargs):
+        runs.append(key)
+        return forward(*args, **kwargs)
+    module.forward = counted
+
+
+@pytest.mark.parametrize("recompute,layers,recomputed", [("selective", range(0, 4), [0, 1, 2, 3]),
+                                                          ("full", range(1, 4), [1, 3])])
+def test_recompute_every_picks_whole_blocks_from_the_stages_first(one_rank_group, recompute, layers, recomputed):
+    """``recompute_every 2`` recomputes every other whole block, counted from a stage's own first block
+    (the planner and the FLOPs count assume that), and never thins selective recompute: every attention
+    core is re-run. (Planted: the count started at the second match; the every-th core alone recomputed
+    under selective.)"""
+    cfg = config("gpt2")
+    model = GPT(cfg, layers=layers, has_embedding=layers[0] == 0, has_head=True, seed=3)
+    runs = []
+    for i, block in model.layers.items():
+        _forward_runs(block.attention.core if recompute == "selective" else block, runs, int(i))
+    tensor_parallelize_gpt(model, one_rank_group, seed=3, recompute=recompute, recompute_every=2)
+    ids, labels = batch(cfg)
+    x = ids if layers[0] == 0 else torch.randn(2, cfg.seq_length, cfg.hidden_size, requires_grad=True)
+    model(x, labels, reduction="sum").backward()
+    assert sorted(i for i in set(runs) if runs.count(i) == 2) == recomputed
+    assert sorted(set(runs)) == list(layers)
