@@ -13,7 +13,9 @@ attention dropout are 0.1 under tensor parallelism, with and without sequence pa
   them) gives other losses, so the exact comparison above does depend on the restored state, and
   so does dropout 0 (dropout really is on);
 * at pp 2 the two stages draw different masks: the k-th residual-branch mask the second stage draws
-  is not the k-th the first draws (it was, mask for mask: one seed on every pipeline rank).
+  is not the k-th the first draws (it was, mask for mask: one seed on every pipeline rank); the
+  tensor-parallel streams of two chunks made stages 0 and 1 differ too;
+* evaluation runs without dropout: its loss is that of the same weights built with dropout 0.
 
 The CUDA generator, absent here, is checked through a stand-in: captured and put back with the rest.
 
@@ -31,6 +33,9 @@ from megazero.checkpoint import CheckpointWriter, read_manifest, step_dir_name
 from megazero.checkpoint.state import load_checkpoint, rank_files
 from megazero.config import load_config
 from megazero.engine import Engine
+from models import GPT
+from models.config import ModelConfig
+from models.parallelize import Parallelism, parallelize_gpt
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
@@ -111,9 +116,34 @@ def _stages_share_masks(topo) -> list[int]:
     return [k for k in range(4) if torch.equal(both[0][k], both[1][k])]
 
 
+def _stage_tp_streams_agree(topo) -> bool:
+    """Whether two chunks made pipeline stages 0 and 1 by ``parallelize_gpt`` draw the same numbers from
+    their tensor-parallel streams (those of attention dropout, on this rank's heads)."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, vocab_size=VOCAB, seq_length=SEQ,
+                      attention_dropout=0.1)
+    chunks = [GPT(cfg, layers=[stage], has_embedding=stage == 0, has_head=stage == 1, vocab_multiple=256,
+                  device="meta") for stage in (0, 1)]
+    parallelize_gpt(chunks, [0, 1], topo, Parallelism(seed=3), torch.device("cpu"))
+    draws = []
+    for chunk in chunks:
+        with chunk.tp_rng.fork():
+            draws.append(torch.rand(64))
+    return torch.equal(*draws)
+
+
+def _eval_losses(topo, sp: bool) -> list[float]:
+    """The evaluation loss of one batch by a fresh engine with dropout 0.1, and by one with dropout 0."""
+    g = torch.Generator().manual_seed(90)
+    tokens = torch.randint(0, VOCAB, (2, 2, SEQ + 1), generator=g)
+    batch = [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
+    return [_engine(topo, sp, dropout).eval_loss(batch) for dropout in (0.1, 0.0)]
+
+
 def _world(rank, world_size, root):
     topo = Topology(RankGrid(tp=2, pp=1, dp=1))
     out = {sp: _case(topo, rank, f"{root}/sp{int(sp)}", sp) for sp in (False, True)}
+    out["eval"] = {sp: _eval_losses(topo, sp) for sp in (False, True)}
+    out["stage_tp_streams_agree"] = _stage_tp_streams_agree(topo)
     out["stages_share_masks"] = _stages_share_masks(Topology(RankGrid(tp=1, pp=2, dp=1)))
     return out
 
@@ -147,6 +177,24 @@ def test_pipeline_stages_draw_their_own_masks(ranks):
     exactly what the embedding and the first stage's blocks dropped."""
     for report in ranks:
         assert report["stages_share_masks"] == []
+
+
+def test_pipeline_stages_get_their_own_tensor_parallel_stream(ranks):
+    """The sharded regions' dropout (attention probabilities, a token chunk's residual branches) of a
+    later stage must not repeat the first stage's. (Planted: every chunk's tensor-parallel stream
+    seeded alike, whatever its stage.)"""
+    for report in ranks:
+        assert report["stage_tp_streams_agree"] is False
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_evaluation_drops_nothing(ranks, sp):
+    """An evaluation with dropout configured equals one of the same weights without: masks drawn there
+    would make every evaluation loss noisy and higher. (Planted: ``eval_loss`` left the chunks in
+    training mode.)"""
+    for report in ranks:
+        with_dropout, without = report["eval"][sp]
+        assert with_dropout == without
 
 
 def test_the_cuda_generator_is_captured_and_put_back(monkeypatch):
