@@ -228,6 +228,13 @@ def _run(topo, layout, m, schedule, extra):
     tp, pp, dp = layout
     cfg = _config(tp, pp, dp, m, schedule, extra)
     engine = Engine(cfg, topo, torch.device("cpu"))
+    launched = []  # each step: buckets whose reduction had started when the optimizer came to finish them
+    finish = engine.data_parallel.finish_reduction
+
+    def finish_counted():
+        launched.append(sum(engine.data_parallel.reducer.launched))
+        finish()
+    engine.data_parallel.finish_reduction = finish_counted
     torch._dynamo.utils.counters.clear()
     losses, norms = [], []
     for step in range(STEPS):
@@ -250,7 +257,7 @@ def _run(topo, layout, m, schedule, extra):
             "ops": [(op.kind, op.microbatch, op.chunk) for op in stats.ops], "peak_live": stats.peak_live,
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
-            "norms": norms, "pp_rank": topo.pp_rank,
+            "norms": norms, "pp_rank": topo.pp_rank, "launched": launched,
             "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
 
 
@@ -292,6 +299,17 @@ def test_zero_bubble_equals_one_process_and_1f1b(reports):
             base = report[(layout, m, extra, "interleaved_1f1b")]["norms"]
             zb = report[(layout, m, extra, "interleaved_zb")]["norms"]
             assert zb == pytest.approx(base, rel=1e-6), (rank, layout)
+
+
+def test_buckets_start_reducing_in_the_tail_of_the_step(reports):
+    """With one chunk a rank the engine tells the data-parallel wrapper which backward is the step's
+    last, so ZeRO's buckets start reducing while that backward (and the W ops after it) still computes:
+    by the optimizer step some are under way, on every rank of every step. (Planted: the engine never
+    passing the flag on, which left every reduction to the optimizer step.)"""
+    for report in reports:
+        for key, value in report.items():
+            if key[3] in ("zb-h1", "zb-h2", "1f1b"):
+                assert len(value["launched"]) == STEPS and min(value["launched"]) > 0, (key, value["launched"])
 
 
 def test_compiled_sequence_parallel_blocks_defer_without_breaking_their_graphs(reports):
