@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megazero.engine import gpt_forward_step
 from models import GPT, ops
 from models.config import ModelConfig
 from models.init import seeded_normal
@@ -255,3 +256,17 @@ def test_recompute_every_picks_whole_blocks_from_the_stages_first(one_rank_group
     model(x, labels, reduction="sum").backward()
     assert sorted(i for i in set(runs) if runs.count(i) == 2) == recomputed
     assert sorted(set(runs)) == list(layers)
+
+
+def test_the_engines_last_stage_loss_is_the_mean_over_real_labels():
+    """The pipeline's last stage returns a micro-batch's mean token loss, ignored labels left out of
+    the count as well as the sum (a micro-batch of ignored labels alone gives 0, not NaN). (Planted:
+    the sum divided by every label, ignored ones included.)"""
+    cfg = config("gpt2")
+    model = GPT(cfg, seed=3)
+    ids, labels = batch(cfg)
+    per_token = model(ids, labels)
+    loss = gpt_forward_step(model, None, {"tokens": ids, "labels": labels}, True, True)
+    assert close(loss, per_token.sum() / (labels != ops.IGNORE_INDEX).sum())
+    ignored = torch.full_like(labels, ops.IGNORE_INDEX)
+    assert gpt_forward_step(model, None, {"tokens": ids, "labels": ignored}, True, True).item() == 0.0
