@@ -104,13 +104,46 @@ def test_four_ranks_write_in_parallel_and_rank0_commits(tmp_path, async_save):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_async_save_snapshots_before_training_continues(tmp_path):
+def test_async_save_snapshots_before_training_continues(tmp_path, monkeypatch):
+    """The writing thread is held until the next optimizer step has changed the tensor, so the file
+    can only hold the saved values if ``save`` copied them first. (Planted: a CPU tensor kept by
+    reference, which passed while the thread happened to finish before the step.)"""
+    from megazero.checkpoint import serialization
+
+    stepped, write = threading.Event(), serialization.write
+    monkeypatch.setattr(serialization, "write", lambda obj, f: (stepped.wait(30), write(obj, f)))
     weight = torch.zeros(1000)
     writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, async_save=True)
     writer.save(1, {"model.pt": {"w": weight}})
-    weight.add_(1.0)  # the next optimizer step, while the file may still be being written
+    weight.add_(1.0)  # the next optimizer step, while the file is still to be written
+    stepped.set()
     assert writer.wait() == tmp_path / "step_0000001"
     assert torch.equal(load_file(tmp_path / "step_0000001", "model.pt")["w"], torch.zeros(1000))
+
+
+def test_async_save_writes_only_after_the_device_copies_land(tmp_path, monkeypatch):
+    """On a GPU the snapshot's device-to-host copies are non-blocking, so the writing thread may start
+    only once the device has finished them, or it hashes and writes host buffers still being filled.
+    Without a GPU here, a stand-in device records its synchronize beside the thread's write.
+    (Planted: the thread started before, or without, waiting for the device.)"""
+    from megazero.checkpoint import serialization
+
+    events, write = [], serialization.write
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: events.append("synchronize"))
+    monkeypatch.setattr(serialization, "write", lambda obj, f: (events.append("write"), write(obj, f)))
+
+    class Thread(threading.Thread):
+        def start(self):
+            events.append("thread")
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", Thread)
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, async_save=True)
+    writer.save(1, {"model.pt": {"w": torch.ones(3)}})
+    writer.wait()
+    assert events == ["synchronize", "thread", "write"]
 
 
 def test_async_save_is_committed_only_by_wait(tmp_path):
@@ -278,20 +311,21 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path, wh
 def test_a_newer_directory_without_complete_marker_stops_a_resume(tmp_path):
     """A save writes COMPLETE before its rename and retention deletes only older checkpoints, so a
     newer step directory without one was made or edited by hand. Resuming from the older complete
-    one would later save over it (the step directory is replaced): it is named instead. Older ones
-    (a deletion that stopped part-way) are skipped."""
+    one would later save over it (the step directory is replaced): it is named instead, even the very
+    next step. Older ones (a deletion that stopped part-way) are skipped. (Planted: only directories
+    more than one step newer counted.)"""
     CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone).save(1, {"m.pt": {"w": torch.ones(1)}})
     (tmp_path / "step_0000000").mkdir()
     assert latest_checkpoint(tmp_path) == tmp_path / "step_0000001"
-    (tmp_path / "step_0000009").mkdir()  # renamed by hand, or a foreign directory: no COMPLETE
-    (tmp_path / "step_0000009" / "m.pt").write_bytes(b"x")
-    (tmp_path / "latest").write_text("step_0000009\n")
+    (tmp_path / "step_0000002").mkdir()  # renamed by hand, or a foreign directory: no COMPLETE
+    (tmp_path / "step_0000002" / "m.pt").write_bytes(b"x")
+    (tmp_path / "latest").write_text("step_0000002\n")
     assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
     for find in (latest_checkpoint, resolve_checkpoint):
-        with pytest.raises(CheckpointError, match="step_0000009: a checkpoint directory without its COMPLETE record"):
+        with pytest.raises(CheckpointError, match="step_0000002: a checkpoint directory without its COMPLETE record"):
             find(tmp_path)
-    with pytest.raises(CheckpointError, match="step_0000009: not a complete checkpoint"):
-        resolve_checkpoint(tmp_path / "step_0000009")
+    with pytest.raises(CheckpointError, match="step_0000002: not a complete checkpoint"):
+        resolve_checkpoint(tmp_path / "step_0000002")
 
 
 def test_a_damaged_only_checkpoint_is_one_line_with_the_callers_way_forward(tmp_path, capsys):
@@ -417,17 +451,22 @@ def test_signal_to_a_process_sets_the_flag_and_it_exits_cleanly(signum):
 
 
 def test_install_and_uninstall_restore_previous_handlers():
+    """The stop is reported by its first signal (SLURM's warning, not the SIGTERM after it), and a
+    handler taken off can be put back. (Planted: the last signal reported; ``uninstall`` keeping the
+    replaced handlers, so a second ``install`` said it was already installed.)"""
     seen = []
     previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
     try:
         handler = PreemptionHandler().install()
         os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
         assert handler.requested and handler.signal_name == "SIGUSR1" and seen == []
         handler.uninstall()
         os.kill(os.getpid(), signal.SIGUSR1)
         assert seen == [signal.SIGUSR1]
         handler.clear()
         assert not handler.requested
+        handler.install().uninstall()
     finally:
         signal.signal(signal.SIGUSR1, previous)
 
