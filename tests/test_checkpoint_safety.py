@@ -50,23 +50,30 @@ def test_every_dtype_and_shape_round_trips_bit_for_bit(tmp_path):
 
 
 def test_json_values_round_trip_exactly_and_tuples_become_lists(tmp_path):
+    """Tensors are stored under their path in the tree, so a key holding a slash must not name the
+    same path as a nested key. (Planted: keys left unescaped, so ``{"a/b": x, "a": {"b": y}}`` stored
+    one tensor and loaded it for both.)"""
     tree = {"adam_step": 0.1 + 0.2, "big": 2**70, "inf": float("inf"), "flag": True, "none": None, "text": "é/~",
             "params": [("a.weight", (4, 2), None), ("b", (3,), (0, 1, 2))],
-            "keys/with~slashes": {"a/b": torch.ones(2), "a~1b": torch.zeros(2)}}
+            "keys/with~slashes": {"a/b": torch.ones(2), "a~1b": torch.zeros(2), "a": {"b": torch.full((2,), 3.0)}}}
     loaded, _ = write_read(tmp_path, tree)
     assert loaded["adam_step"] == 0.1 + 0.2 and loaded["big"] == 2**70 and loaded["inf"] == float("inf")
     assert loaded["params"] == [["a.weight", [4, 2], None], ["b", [3], [0, 1, 2]]]
     assert (loaded["flag"], loaded["none"], loaded["text"]) == (True, None, "é/~")
     nested = loaded["keys/with~slashes"]
     assert torch.equal(nested["a/b"], torch.ones(2)) and torch.equal(nested["a~1b"], torch.zeros(2))
+    assert torch.equal(nested["a"]["b"], torch.full((2,), 3.0))
 
 
 def test_files_are_plain_safetensors(tmp_path):
+    """Readable by the safetensors library, with the tensor data starting 8-byte aligned as it writes
+    it (so a memory map gives aligned tensors). (Planted: the header left unpadded.)"""
     from safetensors.torch import load_file as safetensors_load
 
     tree = {"master": torch.arange(6.0), "rng": {"tp": [None, torch.ones(3, dtype=torch.uint8)]}}
     _, path = write_read(tmp_path, tree)
     assert set(safetensors_load(path)) == {"master", "rng/tp/1"}
+    assert int.from_bytes(path.read_bytes()[:8], "little") % 8 == 0
 
 
 @pytest.mark.parametrize("value, words", [
