@@ -211,3 +211,22 @@ def test_the_cuda_generator_is_captured_and_put_back(monkeypatch):
     device["state"] = torch.tensor([9, 9, 9], dtype=torch.uint8)  # drawn from since
     restore_rng([], saved)
     assert device["state"].tolist() == [1, 2, 3]
+
+
+def test_every_chunks_tensor_parallel_stream_is_put_back():
+    """With virtual stages a rank holds several chunks, each drawing its sharded dropout from its own
+    tensor-parallel stream (a chunk without tensor parallelism has none). (Planted: only the first
+    chunk's stream put back, which no resume here covered: it needs tp, virtual stages and dropout.)"""
+    from types import SimpleNamespace
+
+    from megazero.random_state import restore_rng, rng_state
+    from parallel.tensor_parallel.random import TensorParallelRNG
+
+    chunks = [SimpleNamespace(tp_rng=TensorParallelRNG(3 + i, tp_rank=1)) for i in range(2)] + [SimpleNamespace()]
+    saved = rng_state(chunks)
+    for chunk in chunks[:2]:
+        with chunk.tp_rng.fork():
+            torch.rand(8)  # drawn from since
+    restore_rng(chunks, saved)
+    assert saved["tp"][2] is None
+    assert [torch.equal(c.tp_rng.state, s) for c, s in zip(chunks[:2], saved["tp"])] == [True, True]
