@@ -90,6 +90,17 @@ def test_bad_layouts_and_exhaustion(samples):
         to_batch([])
 
 
+def test_the_last_whole_batch_of_the_dataset_is_served():
+    """A blend holds exactly the samples the run asked for (train steps x global batch), so its last
+    step reads the dataset's last sample. (Planted: ``>=`` for ``>`` refusing that step, or ``<`` for
+    ``<=`` ending the iteration one batch early.)"""
+    dataset = [np.full(SEQ + 1, i) for i in range(3 * GLOBAL)]
+    last = global_batch(dataset, 2 * GLOBAL, GLOBAL, MICRO, 0, 1)
+    assert [m["tokens"][:, 0].tolist() for m in last][-1] == [len(dataset) - 2, len(dataset) - 1]
+    assert [consumed for consumed, _ in iterate_global_batches(dataset, 0, GLOBAL, MICRO, 0, 1)] == \
+        [GLOBAL, 2 * GLOBAL, 3 * GLOBAL]
+
+
 def _gloo_ranks(rank, world_size, directory, k):
     import torch.distributed as dist
 
