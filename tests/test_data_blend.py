@@ -152,14 +152,24 @@ def test_whole_blend_reproducible_from_weights_and_seed(tmp_path):
     assert tokens[0] != tokens[2]
 
 
-def test_a_blend_reweighted_in_the_same_cache_is_rebuilt(tmp_path):
-    """New weights for the same datasets, the cache beside them kept (as when a user re-weights
-    data.blend and relaunches): the mixture must be the new one, not the cached old one."""
+@pytest.mark.parametrize("change", ["weights", "size", "rule"])
+def test_a_blend_changed_in_the_same_cache_is_rebuilt(tmp_path, monkeypatch, change):
+    """New weights for the same datasets, more samples (a longer run) or a newer blend rule, the cache
+    beside them kept (as when a user re-weights data.blend and relaunches): the blend must be the one
+    a fresh build gives, not the cached old one. (Planted: the sample count or the rule left out of
+    the cache key: a longer run then had too few samples, an upgrade drew by the old rule.)"""
+    import data_pipeline.blend as blend
+
     prefixes = [make_shard(tmp_path / f"d{i}", i) for i in range(2)]
-    cache = str(tmp_path / "cache")
-    build_blended_samples([[0.8, prefixes[0]], [0.2, prefixes[1]]], 8, 100, 0, cache_dir=cache)
-    reweighted = build_blended_samples([[0.2, prefixes[0]], [0.8, prefixes[1]]], 8, 100, 0, cache_dir=cache)
-    assert np.bincount(reweighted.dataset_index).tolist() == [20, 80]
+    build_blended_samples([[0.8, prefixes[0]], [0.2, prefixes[1]]], 8, 100, 0, cache_dir=str(tmp_path / "cache"))
+    weights, size = ([0.2, 0.8], 100) if change == "weights" else ([0.8, 0.2], 150 if change == "size" else 100)
+    if change == "rule":  # a stand-in for a rule that draws otherwise: every sample from the second dataset
+        monkeypatch.setattr(blend, "BLEND_RULE", blend.BLEND_RULE + 1)
+        monkeypatch.setattr(blend, "greedy_blend", lambda w, n: (np.ones(n, np.int16), np.arange(n, dtype=np.int64)))
+    again, fresh = (build_blended_samples([[w, p] for w, p in zip(weights, prefixes)], 8, size, 0,
+                                          cache_dir=str(tmp_path / cache)) for cache in ("cache", "fresh"))
+    assert again.dataset_index.tolist() == fresh.dataset_index.tolist()
+    assert len(again) == size and (change != "weights" or np.bincount(again.dataset_index).tolist() == [20, 80])
 
 
 def test_a_zero_weight_dataset_is_never_opened(tmp_path):

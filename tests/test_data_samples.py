@@ -6,6 +6,7 @@ they were built for."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import numpy as np
 import pytest
@@ -239,6 +240,7 @@ def _build_in_process(prefix, cache_dir, queue):
 
     def counting(*args, **kwargs):
         build_calls.append(1)
+        time.sleep(0.5)  # long enough for every process to find no cache and wait on the lock
         return real(*args, **kwargs)
 
     gs.build_gpt_indices = counting
@@ -247,7 +249,9 @@ def _build_in_process(prefix, cache_dir, queue):
 
 
 def test_concurrent_processes_build_once(tmp_path):
-    """Four processes race for the same indices: exactly one builds, all read the same arrays."""
+    """Four processes race for the same indices: exactly one builds, all read the same arrays.
+    (Planted: the cache not looked at again once the lock is taken, so each waiting process built
+    the indices again; it passed while the first build ended before the others looked.)"""
     make_dataset(tmp_path / "d", n_docs=300)
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
