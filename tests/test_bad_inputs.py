@@ -187,6 +187,9 @@ CASES = [
      ["different model", "model.hidden_size"]),
     ("load-other-norm-eps", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.norm_eps", "1e-6"),
      ["different model", "model.norm_eps"]),
+    # a model without biases would load the checkpoint's other weights and silently leave its biases behind
+    ("load-without-bias", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.bias", "false"),
+     ["different model", "model.bias"]),
     ("resume-other-data-order", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--data.seed", "99"),
      ["(step 1) was trained on another data order (data.seed changed)", "checkpoint.allow_config_changes true"]),
     ("resume-more-epochs", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--train.global_batch_size", "200"),
