@@ -178,6 +178,26 @@ def test_offline_reshard_carries_progress_scaler_tokenizer_and_shard_records(run
             assert torch.equal(got[key], want[key]), (name, key)
 
 
+@pytest.mark.parametrize("target", ["megazero", "torch"])
+def test_every_file_a_conversion_publishes_was_synced_first(run, tmp_path, monkeypatch, target):
+    """DST appears by a rename; its files (the index, manifests, ``COMPLETE`` were plain writes) are
+    fsynced before it, or a power loss after the rename could leave a DST of empty files. Every file
+    under DST keeps its inode through the rename, so each must have been fsynced by inode, and DST's
+    folder after. (Planted: no sync before the rename.)"""
+    import os
+
+    synced = set()
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.add(os.fstat(fd).st_ino), fsync(fd))[1])
+    src, _ = run
+    dst = tmp_path / ("out" if target == "megazero" else "sd.safetensors")
+    assert convert(src, dst, "--to", target) == 0
+    published = [dst] if dst.is_file() else [p for p in dst.rglob("*")]
+    assert published and all(p.stat().st_ino in synced for p in published), [p for p in published
+                                                                              if p.stat().st_ino not in synced]
+    assert tmp_path.stat().st_ino in synced
+
+
 def test_reset_step_starts_afresh_from_the_same_weights(run, tmp_path):
     src, values = run
     assert convert(src, tmp_path / "out", "--to", "megazero", "--reset-step") == 0

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from megazero.checkpoint import serialization
-from megazero.checkpoint.format import HashingWriter, os_error_words
+from megazero.checkpoint.format import HashingWriter, fsync_dir, os_error_words
 from megazero.errors import UserError
 
 OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -102,6 +102,17 @@ def declare(tree: Any) -> tuple[str, dict[str, torch.Tensor]]:
     return json.dumps(serialization.split(tree, "", tensors)), tensors
 
 
+def _make_durable(root: Path) -> None:
+    """fsync every file and folder under ``root`` before the rename publishes it: after a power loss
+    a published DST must not hold empty files or miss entries (the index, manifests and ``COMPLETE``
+    were plain writes; the training checkpoint's writer syncs the same way before its rename)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(folder))
+
+
 @contextmanager
 def staged(dst: Path, single_file: bool = False) -> Iterator[Path]:
     """A fresh folder beside ``dst`` to write into; renamed to ``dst`` when the block succeeds (with
@@ -117,7 +128,9 @@ def staged(dst: Path, single_file: bool = False) -> Iterator[Path]:
         raise UserError(f"{dst.parent}: cannot write the conversion here: {os_error_words(e)}") from None
     try:
         yield tmp
+        _make_durable(tmp)
         os.rename(tmp / dst.name if single_file else tmp, dst)
+        fsync_dir(dst.parent)
     except OSError as e:
         if e.errno not in OUT_OF_SPACE:  # only writes fail so; a read of SRC failing otherwise is its own error
             raise
