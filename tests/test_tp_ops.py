@@ -50,6 +50,11 @@ def _cross_entropy(topo: Topology, tp: int, vocab: int) -> dict:
     labels = torch.randint(0, vocab, (3, 7), generator=g)
     labels[0, :4] = -100
     labels[2, 6] = vocab - 1
+    # the last id of a rank's slice and the first of the next, where a label is on the wrong side of
+    # an off-by-one bound would be picked by two ranks (planted: ``<=`` for ``<``, it passed)
+    slice_ = padded // tp
+    edges = [i for start in range(slice_, vocab, slice_) for i in (start - 1, start)]
+    labels[1, :len(edges)] = torch.tensor(edges, dtype=labels.dtype)
     local = full.chunk(tp, dim=-1)[topo.tp_rank].clone().requires_grad_(True)
     loss = vocab_parallel_cross_entropy(local, labels, vocab, topo.tp_group)
     total = vocab_parallel_cross_entropy(local, labels, vocab, topo.tp_group, reduction="sum")
