@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from megazero.config import load_config
-from megazero.engine import Engine
+from megazero.engine import Engine, data_parallel_settings
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
 
@@ -171,3 +171,16 @@ def test_fp16_scale_too_large_skips_until_gradients_fit(ranks):
         assert first_clean >= 1 and not any(skipped[first_clean:]), (rank, skipped)
         assert [s["scale"] for s in steps[:first_clean + 1]] == [2.0**(20 - k) for k in range(first_clean + 1)]
         assert not any(s["update"].any() for s in steps[:first_clean])
+
+
+@pytest.mark.parametrize("accumulate_fp32,itemsize", [(True, 4), (False, 2)])
+def test_buckets_are_sized_in_gradients_as_they_accumulate(accumulate_fp32, itemsize):
+    """``zero.bucket_size_mb`` counts the bytes of the gradients a bucket holds: fp32 ones under 16-bit
+    parameters with ``precision.accumulate_fp32``, 16-bit ones without. (Planted: sized by the
+    parameters' dtype, which made every fp32 gradient bucket twice the size asked for.)"""
+    cfg = load_config(None, ["--model.vocab_size", str(VOCAB), "--precision.dtype", "bf16",
+                             "--precision.accumulate_fp32", str(accumulate_fp32).lower(),
+                             "--zero.bucket_size_mb", "2", "--train.device", "cpu"])
+    settings = data_parallel_settings(cfg)
+    assert settings.grad_dtype == (torch.float32 if accumulate_fp32 else torch.bfloat16)
+    assert settings.bucket_numel == 2 * 2**20 // itemsize
