@@ -112,6 +112,7 @@ def _case(topo, tp, pp, dp, stage, extra=()):
         norms.append(out.result.grad_norm)
     engine.data_parallel.wait_params()
     result = _compare(engine, cfg, dp, losses, norms)
+    result["reduces"] = (stage, pp, engine.data_parallel.reducer.mode)
     held = [weakref.ref(p) for chunk in engine.chunks for p in chunk.parameters()]
     del engine
     gc.collect()
@@ -229,6 +230,19 @@ def test_every_layout_and_stage_matches_single_process(world):
         for key, value in report.items():
             assert value["param_err"] < PARAM_TOL, (rank, key, value)
             assert value["loss_err"] < 1e-5, (rank, key, value)
+
+
+def test_a_pipeline_reduces_zero_2_and_3_gradients_once_a_step(world):
+    """Under a pipeline, stages 2 and 3 keep whole gradients across the micro-batches and reduce them
+    once a step (``once_per_step``); reducing them after every backward gives the same numbers with
+    a reduction per micro-batch, so only the mode can show it. Without a pipeline they reduce each
+    backward. (Planted: the engine not asking for the once-a-step mode, which an untied model at
+    pp > 1 ran without any error.)"""
+    _, reports = world
+    for rank, report in enumerate(reports):
+        for key, value in report.items():
+            stage, pp, mode = value["reduces"]
+            assert mode == ("sharded" if stage >= 2 and pp == 1 else "full"), (rank, key, mode)
 
 
 def test_reported_gradient_norm_equals_the_reference_every_step(world):
