@@ -73,12 +73,11 @@ class StreamedSafetensors:
         return name, dtype
 
     def close(self) -> dict:
-        """Finish the file; returns its manifest entry fields (bytes, sha256)."""
+        """Finish the file; returns its manifest entry fields (bytes, sha256). It is synced with the rest
+        of DST by ``staged``, before the rename that publishes them."""
         if self.left or self.pending:
             raise ValueError(f"{self.path}: closed with tensors unwritten")
         self.f.truncate()  # a file that ends in a hole ends here
-        self.f.flush()
-        os.fsync(self.f.fileno())
         self.f.close()
         return {"bytes": self.writer.bytes, "sha256": self.writer.sha256.hexdigest()}
 
@@ -104,8 +103,9 @@ def declare(tree: Any) -> tuple[str, dict[str, torch.Tensor]]:
 
 def _make_durable(root: Path) -> None:
     """fsync every file and folder under ``root`` before the rename publishes it: after a power loss
-    a published DST must not hold empty files or miss entries (the index, manifests and ``COMPLETE``
-    were plain writes; the training checkpoint's writer syncs the same way before its rename)."""
+    a published DST must not hold empty files or miss entries. One pass for every file the writers
+    made (weights, index, manifests, ``COMPLETE``), as the training checkpoint's writer syncs before
+    its rename."""
     for folder, _, files in os.walk(root):
         for name in files:
             with open(os.path.join(folder, name), "rb") as f:
