@@ -79,11 +79,11 @@ def load_fitting(path: str, vocab_size: int, max_length: int, where: str = "--to
     else:
         import sentencepiece as spm
 
+        sp = spm.SentencePieceProcessor(model_file=tok.path)
         try:
-            spec = json.loads(_sentencepiece_as_json(tok.path))
+            spec = json.loads(_sentencepiece_as_json(tok.path, sp))
         except Untranslatable as e:
             raise UserError(f"{where} {path}: {e}; {WITHOUT}") from None
-        sp = spm.SentencePieceProcessor(model_file=tok.path)
         piece = sp.id_to_piece
         config.update(unk_token=piece(sp.unk_id()))
     config.update(eos_token=piece(tok.eod_id), pad_token=piece(tok.pad_id))
@@ -97,8 +97,8 @@ def write_tokenizer(tokenizer: ExportTokenizer, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer.config, indent=2, ensure_ascii=False) + "\n")
 
 
-def _sentencepiece_as_json(path: str) -> str:
-    """A ``tokenizers`` pipeline that encodes as the SentencePiece model at ``path`` does."""
+def _sentencepiece_as_json(path: str, sp) -> str:
+    """A ``tokenizers`` pipeline that encodes as the SentencePiece model at ``path`` (loaded: ``sp``) does."""
     from sentencepiece import sentencepiece_model_pb2 as pb
     from tokenizers import Tokenizer, decoders
     from tokenizers.models import BPE, Unigram
@@ -124,7 +124,7 @@ def _sentencepiece_as_json(path: str) -> str:
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
-    _refuse_disagreement(path, tokenizer, PROBES + _own_probes(pieces))
+    _refuse_disagreement(sp, tokenizer, PROBES + _own_probes(pieces))
     return tokenizer.to_str()
 
 
@@ -148,13 +148,11 @@ def _own_probes(pieces: list) -> list:
     return characters[:: max(1, len(characters) // 256)] + user_defined
 
 
-def _refuse_disagreement(path: str, tokenizer, texts: list) -> None:
-    """The last check, on the translation as a whole: ``texts`` encoded both ways, and the first one
-    they disagree on named, before anything is written. It holds back a tokenizer that would feed
-    the model ids other than training did, whatever part of the translation is wrong."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=path)
+def _refuse_disagreement(sp, tokenizer, texts: list) -> None:
+    """The last check, on the translation as a whole: ``texts`` encoded both ways (``sp``: the
+    SentencePiece model), and the first one they disagree on named, before anything is written. It
+    holds back a tokenizer that would feed the model ids other than training did, whatever part of
+    the translation is wrong."""
     tokenizer.encode_special_tokens = True  # split_special_tokens, as tokenizer_config.json asks
     theirs = tokenizer.encode_batch(texts, add_special_tokens=False)
     for text, ours, encoding in zip(texts, sp.encode(texts), theirs):
