@@ -249,8 +249,10 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
     sample = device.type == "cuda"  # every rank its own GPU: the ranks of a pipeline need not clock alike
     with ClockSampler(visible_gpu(launch.local_rank)) if sample else contextlib.nullcontext() as clock:
         t0 = time.perf_counter()
+        norms = []
         for _ in range(steps):
             out = engine.train_step(batch)  # not read until the end: a loop that logs nothing never syncs
+            norms.append(out.result.norm)
         loss = out.loss
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -284,6 +286,9 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
         "model_state_GiB_formula": round(predicted.total / 2**30, 2),
         "allocated_after_build_GiB": round(states_gib, 2) if states_gib is not None else None,
         "loss": round(loss, 4),
+        # whether clipping acted on the timed steps: a schedule that updated before the global norm
+        # was known (the zero-bubble paper's post-validation) would redo each step whose norm is above it
+        "grad_norms": [round(float(n), 3) for n in norms], "clip_grad": cfg.optimizer.clip_grad,
         "tp_comm": engine.cfg.parallel.tp_comm, "cuda_graphs": engine.cfg.train.cuda_graphs,  # as resolved
         "build_s": round(build_s, 1),
         **(clock.summary() if clock is not None else {}),
