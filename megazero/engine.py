@@ -29,7 +29,7 @@ from models.ops import IGNORE_INDEX
 from models.parallelize import Parallelism, parallelize_gpt, recompute_replays_tp_stream
 from parallel.data_parallel import DataParallelSettings
 from parallel.pipeline import PipelineExecutor
-from parallel.pipeline.partition import resolve_split, stage_layers, stage_parts
+from parallel.pipeline.partition import recomputed_work, resolve_split, stage_layers, stage_parts
 from parallel.pipeline.placement import holder_of, placement_of, rank_stages
 from parallel.pipeline.plan import StageCosts, stage_costs
 from parallel.pipeline.schedule import SPLIT_BACKWARD, default_schedule
@@ -145,9 +145,12 @@ def pipeline_costs(cfg: Config) -> Optional[StageCosts]:
     m, p = cfg.model, cfg.parallel
     if p.pp == 1 or (p.virtual_stages != 1 and pipeline_placement(cfg) != "v"):
         return None
-    core = attention_core_share(m)
-    recomputed = {"none": 0.0, "selective": core, "full": 1.0 / p.recompute_every}[p.recompute]
-    return stage_costs(pipeline_split(cfg), head_blocks(m), core, recomputed)
+    core, split = attention_core_share(m), pipeline_split(cfg)
+    if p.recompute == "full":
+        recomputed = [recomputed_work(split, stage, p.recompute_every, attention_share(m)) for stage in range(len(split))]
+    else:
+        recomputed = [b * core if p.recompute == "selective" else 0.0 for b in split]
+    return stage_costs(split, head_blocks(m), core, recomputed)
 
 
 def layout_record(cfg: Config) -> dict:

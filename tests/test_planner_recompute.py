@@ -5,20 +5,23 @@ of n blocks recomputes ceil(n / k) of each; the time model once spread ``L / k``
 the ranks, 3 where the engine recomputes 4 at GPT 6 x h, pp 2, k 2, and its step time and TFLOP/s
 came out low by that block."""
 
+import dataclasses
+
 import pytest
 
 from megazero.config import load_config, resolve_config
-from megazero.engine import build_chunks
-from megazero.flops import flops_per_token
+from megazero.engine import build_chunks, pipeline_costs
+from megazero.flops import attention_share, flops_per_token
 from megazero.planner import GPUS, Cluster, estimate_step
 from megazero.planner.memory import rank_recomputed_work
 from models.parallelize import RECOMPUTE_TARGETS
 from parallel.tensor_parallel.apply import apply_activation_checkpointing
 
 
-def _config(layers: int, pp: int, every: int, virtual: int = 1):
-    """Whole blocks, evenly split: the engine's checkpointed modules are then blocks' worth of work."""
-    split = [layers // (pp * virtual)] * (pp * virtual)
+def _config(layers: int, pp: int, every: int, virtual: int = 1, split=None):
+    """Whole blocks, evenly split unless ``split`` says otherwise: the engine's checkpointed modules
+    are then blocks' worth of work."""
+    split = split or [layers // (pp * virtual)] * (pp * virtual)
     return resolve_config(load_config(None, ["--parallel.pipeline_split", str(split),
         "--model.num_layers", str(layers), "--model.hidden_size", "64", "--model.num_heads", "4",
         "--model.vocab_size", "500", "--model.seq_length", "32", "--parallel.pp", str(pp),
@@ -47,3 +50,33 @@ def test_the_step_estimate_counts_the_recomputed_blocks():
     block_forward = (model - 6 * cfg.model.hidden_size * cfg.model.vocab_size) / cfg.model.num_layers / 3
     hardware_over_model = est.tflops_per_gpu / (est.mfu * gpu.peak_tflops)
     assert hardware_over_model == pytest.approx((model + 4 * block_forward) / model, rel=1e-9)
+
+
+def _recomputed_by_stage(cfg) -> list[float]:
+    """What each stage's input-gradient op costs beyond the same layout without recompute, in blocks'
+    forwards: the forward work the zero-bubble schedules expect its backward to repeat."""
+    plain = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, recompute="none"))
+    with_recompute, without = pipeline_costs(cfg), pipeline_costs(plain)
+    return [a[1] - b[1] for a, b in zip(with_recompute.ops, without.ops)]
+
+
+@pytest.mark.parametrize("layers, pp, every", [(6, 2, 2), (8, 2, 3), (8, 4, 3)])
+def test_zero_bubble_op_costs_count_the_blocks_the_engine_checkpoints(layers, pp, every):
+    """The op costs that time the zero-bubble schedules' weight gradients repeat what the engine
+    checkpoints: ceil(n / k) blocks of a stage of n (planted: n / k, a third of a block short at 8
+    blocks a rank and k 3)."""
+    cfg = _config(layers, pp, every)
+    for rank, again in enumerate(_recomputed_by_stage(cfg)):
+        (chunk,) = build_chunks(cfg, rank)
+        checkpointed = len(apply_activation_checkpointing(chunk, RECOMPUTE_TARGETS["full"], every))
+        assert again == pytest.approx(checkpointed), (rank, checkpointed)
+
+
+def test_a_half_block_repeats_its_half():
+    """Split [3.5, 3.5], every second block: the first stage checkpoints blocks 0 and 2, the second
+    block 3's MLP half and block 5, both in the op costs and in the planner's count."""
+    cfg = _config(7, 2, 2, split=[3.5, 3.5])
+    share = attention_share(cfg.model)
+    expected = [2.0, (1.0 - share) + 1.0]
+    assert _recomputed_by_stage(cfg) == pytest.approx(expected)
+    assert [rank_recomputed_work(cfg, rank) for rank in range(2)] == pytest.approx(expected)

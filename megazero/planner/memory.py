@@ -18,7 +18,8 @@ from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
-from parallel.pipeline.partition import BLOCK_PARTS, rank_work as split_rank_work, stage_layers, stage_parts
+from parallel.pipeline.partition import BLOCK_PARTS, rank_work as split_rank_work, recomputed_work, stage_layers, stage_parts
+from parallel.pipeline.placement import stage_of
 from parallel.pipeline.plan import StageCosts, schedule_for
 from parallel.pipeline.schedule import SPLIT_BACKWARD, live_peaks, weighted_peak
 
@@ -136,17 +137,13 @@ def rank_work(cfg: Config, pp_rank: int) -> float:
 
 def rank_recomputed_work(cfg: Config, pp_rank: int) -> float:
     """Blocks' worth of forward work pipeline rank ``pp_rank`` repeats in its backward under full
-    recompute. Each chunk checkpoints its every ``recompute_every``-th block from its first (as
-    ``apply_activation_checkpointing`` counts, and ``activation_bytes`` below), so a chunk of n blocks
-    repeats ceil(n / k) of them, not n / k: GPT 6 x h at pp 2 and k 2 repeats 4 blocks, not 3. A
-    block held in half repeats its half."""
+    recompute: its chunks' ``recomputed_work`` (GPT 6 x h at pp 2 and k 2 repeats 4 blocks, not 3)."""
     p = cfg.parallel
     if p.recompute != "full":
         return 0.0
-    share = attention_share(cfg.model)
-    weight = {"attention": share, "mlp": 1.0 - share}
-    return sum(sum(weight[part] for part in parts) for chunk in rank_chunks(cfg, pp_rank)
-               for index, parts in enumerate(chunk) if index % p.recompute_every == 0)
+    split, placement = pipeline_split(cfg), pipeline_placement(cfg)
+    return sum(recomputed_work(split, stage_of(p.pp, pp_rank, chunk, placement), p.recompute_every,
+                               attention_share(cfg.model)) for chunk in range(p.virtual_stages))
 
 
 @functools.lru_cache(maxsize=1 << 16)

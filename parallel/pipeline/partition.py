@@ -239,6 +239,17 @@ def rank_work(split: Sequence[float], pp: int, rank: int, attention_share: float
                for c in range(len(split) // pp))
 
 
+def recomputed_work(split: Sequence[float], stage: int, every: int, attention_share: float) -> float:
+    """Blocks' worth of forward work virtual stage ``stage`` repeats in its backward under full
+    recompute: each stage checkpoints its every ``every``-th block from its first (as
+    ``apply_activation_checkpointing`` counts), so a stage of n blocks repeats ceil(n / every) of them,
+    not n / every; a block held in half repeats its half."""
+    bounds = _half_bounds(tuple(split))
+    start, end = bounds[stage], bounds[stage + 1]
+    return sum(halves_work(max(start, 2 * block), min(end, 2 * block + 2), attention_share)
+               for index, block in enumerate(range(start // 2, (end + 1) // 2)) if index % every == 0)
+
+
 def stage_layers(split: Sequence[float], pp: int, rank: int, chunk: int = 0, placement: str = "loop") -> range:
     """Global indices of the blocks chunk ``chunk`` of pipeline rank ``rank`` (virtual stage
     ``placement.stage_of``) holds, whole or in part (see ``stage_parts``)."""

@@ -239,10 +239,12 @@ ATTENTION_BACKWARD = 2.5
 products against two (flash attention's backward)."""
 
 
-def stage_costs(blocks: Sequence[float], head: float, core_share: float, recomputed: float = 0.0) -> StageCosts:
+def stage_costs(blocks: Sequence[float], head: float, core_share: float,
+                recomputed: Optional[Sequence[float]] = None) -> StageCosts:
     """Op costs of one micro-batch on each rank, in blocks' forwards, from its ``blocks`` and the
-    last rank's LM ``head`` (its matrix work in blocks); ``recomputed`` is the share of a block's
-    forward that its backward runs again (1 under full recompute, ``core_share`` under selective).
+    last rank's LM ``head`` (its matrix work in blocks); ``recomputed[r]`` is the forward work, in
+    blocks, that rank ``r``'s backward runs again (its checkpointed blocks under full recompute, each
+    block's ``core_share`` under selective; none when not given).
 
     A block's weight gradient is its linears' products again, its forward less the attention core
     (``core_share`` of it); its input gradient is the linears' products plus the core's backward. The
@@ -253,9 +255,13 @@ def stage_costs(blocks: Sequence[float], head: float, core_share: float, recompu
     core spread evenly (the split's own work model puts the core in the attention half: at most a
     few hundredths of a block apart)."""
     linears = 1.0 - core_share
-    input_grad = linears + ATTENTION_BACKWARD * core_share + recomputed
+    input_grad = linears + ATTENTION_BACKWARD * core_share
+    recomputed = [0.0] * len(blocks) if recomputed is None else recomputed
+    if len(recomputed) != len(blocks):
+        raise ValueError(f"recomputed work for {len(recomputed)} stages, blocks for {len(blocks)}")
     last = len(blocks) - 1
-    ops = tuple((b + (3 * head if r == last else 0.0), b * input_grad, b * linears) for r, b in enumerate(blocks))
+    ops = tuple((b + (3 * head if r == last else 0.0), b * input_grad + again, b * linears)
+                for r, (b, again) in enumerate(zip(blocks, recomputed)))
     return StageCosts(ops, tuple(float(b) for b in blocks))
 
 
