@@ -12,7 +12,8 @@ import pytest
 
 from data_pipeline.demo_corpus import write_stdlib_jsonl
 from data_pipeline.indexed import IndexedDatasetWriter
-from data_pipeline.tokenizer import EOD_ID, PAD_ID, HFTokenizer, load_tokenizer, read_texts, train_sentencepiece
+from data_pipeline.tokenizer import (EOD_ID, MIN_VOCAB, PAD_ID, HFTokenizer, check_vocab_size, load_tokenizer, read_texts,
+                                     train_sentencepiece)
 from megazero.cli import main
 
 SAMPLES = ["def f(x):\n    return x + 1\n", "  two  spaces\tand tab\n\n", "ünïcødé ✓ 日本語 🙂", "12345 67"]
@@ -171,6 +172,44 @@ def test_read_texts_names_file_and_line_of_bad_text(tmp_path):
     with pytest.raises(OSError, match=r"cut\.jsonl\.gz: the file is truncated or corrupt"):
         list(read_texts([str(tmp_path / "cut.jsonl.gz")]))
 
+
+def test_text_lines_lose_their_windows_line_ends(tmp_path):
+    """A text file written on Windows ends its lines in CR LF: both go, or every line would train the
+    tokenizer on a trailing carriage return. (Planted: only the LF stripped.)"""
+    (tmp_path / "crlf.txt").write_bytes(b"first line\r\n\r\nsecond\r\n")
+    assert list(read_texts([str(tmp_path / "crlf.txt")])) == ["first line", "second"]
+
+
+def test_a_file_named_json_is_read_as_records(tmp_path):
+    """Preprocessing reads ``.json`` (and ``.json.gz``) as jsonl, and so must tokenizer training: read
+    as plain text, each record's braces, key and escapes would be trained on as if they were the
+    text. (Planted: only ``.jsonl`` names taken for records.)"""
+    lines = json.dumps({"text": "alpha"}) + "\n" + json.dumps({"text": "beta \u00e9"}) + "\n"
+    (tmp_path / "d.json").write_text(lines)
+    (tmp_path / "d.json.gz").write_bytes(gzip.compress(lines.encode()))
+    assert list(read_texts([str(tmp_path / "d.json"), str(tmp_path / "d.json.gz")])) == ["alpha", "beta \u00e9"] * 2
+
+
+def test_documents_of_blank_lines_are_no_text_to_train_on(tmp_path):
+    """Training reads lines with something on them: documents that hold only newlines and spaces
+    give none, which is said as such. (Planted: blank lines passed on to SentencePiece.)"""
+    (tmp_path / "blank.jsonl").write_text(json.dumps({"text": "\n   \n\t\n"}) + "\n" + json.dumps({"text": ""}) + "\n")
+    with pytest.raises(ValueError, match="the input holds no text to train on"):
+        train_sentencepiece(read_texts([str(tmp_path / "blank.jsonl")]), str(tmp_path / "tok"), 300)
+
+def test_a_vocabulary_below_the_minimum_is_refused_before_any_text_is_read(tmp_path):
+    """259 pieces cannot hold byte fallback's 256 and the 4 specials; the refusal comes before the
+    first line is read (SentencePiece would say so only after reading the whole corpus), and 260 is
+    enough. (Planted: the bound one lower.)"""
+    def never_read():
+        raise AssertionError("the text was read")
+        yield
+
+    assert MIN_VOCAB == 260
+    check_vocab_size(260)
+    with pytest.raises(ValueError, match="vocabulary size 259 is below 260"):
+        train_sentencepiece(never_read(), str(tmp_path / "tok"), 259)
+    assert not list(tmp_path.iterdir())
 
 def test_training_on_bad_text_raises_the_reader_error(tmp_path):
     """SentencePiece would wrap it in a RuntimeError carrying a printed traceback."""
