@@ -52,6 +52,15 @@ def test_ranks_partition_each_global_batch(dp):
         assert sorted(idx.tolist()) == list(range(consumed, consumed + GLOBAL))
 
 
+
+def test_each_micro_batch_step_reads_the_next_samples_across_the_ranks():
+    """Megatron's layout: micro-batch step m of the group reads the micro x dp samples that follow, rank
+    r the r-th micro of them, so every step of the accumulation takes consecutive samples of the global
+    order. (Planted: each rank given a contiguous quarter of the global batch, which every partition
+    and resume check still passed.)"""
+    got = [[i.tolist() for i in micro_batch_indices(16, 16, 2, r, 4)] for r in range(4)]
+    assert got == [[[16, 17], [24, 25]], [[18, 19], [26, 27]], [[20, 21], [28, 29]], [[22, 23], [30, 31]]]
+
 @pytest.mark.parametrize("dp", [1, 2, 4])
 @pytest.mark.parametrize("k", [8, 24, 48])
 def test_resume_equals_uninterrupted_tail(samples, dp, k):
