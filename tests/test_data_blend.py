@@ -97,6 +97,13 @@ def test_a_dataset_listed_twice_is_refused(tmp_path):
         resolve_blend([[0.5, "a"], [0.5, "./a"]], None, None)
 
 
+def test_a_preset_entry_of_weight_zero_is_refused(tmp_path):
+    """A preset names the datasets of a published mixture, each with a positive share; a zero there is
+    a mistake in the file, named with its entry. (Planted: only negative weights refused.)"""
+    (tmp_path / "preset.yaml").write_text("datasets:\n  - [0.5, web_text_document]\n  - [0, wiki_text_document]\n")
+    with pytest.raises(ValueError, match=r"preset\.yaml: datasets\[1\] is \[0, 'wiki_text_document'\]; .* positive"):
+        load_blend_preset(str(tmp_path / "preset.yaml"), "root")
+
 def test_mtnlg_preset():
     blend = load_blend_preset("mtnlg530b", "root")
     assert [w for w, _ in blend] == list(MTNLG.values())
@@ -199,3 +206,19 @@ def test_a_zero_weight_dataset_listed_first_is_never_drawn(tmp_path, compiled, m
     blended = blend.build_blended_samples([[0.0, str(tmp_path / "withdrawn")], [1.0, kept]], 8, 50, 0,
                                           cache_dir=str(tmp_path / "cache"))
     assert blended.datasets[0] is None and blended.dataset_index.tolist() == [1] * 50
+
+
+def test_each_dataset_is_built_for_exactly_the_samples_the_blend_takes(tmp_path):
+    """Two shards of 10 documents of 10 tokens give 99 // 9 = 11 samples of 9+1 tokens an epoch; a
+    blend of 22 samples at equal weights takes 11 from each, so each is one epoch, every document
+    once. (Planted: one sample more asked of each dataset, which took a second epoch and reshuffled
+    every sample with it; the per-sample checks passed, comparing against indices built the same way.)"""
+    prefixes = []
+    for i in range(2):
+        with IndexedDatasetWriter(str(tmp_path / f"d{i}"), np.uint16) as w:
+            for doc in range(10):
+                w.add_document(np.arange(10) + 100 * doc + 1000 * i)
+        prefixes.append(str(tmp_path / f"d{i}"))
+    blended = build_blended_samples([[0.5, prefixes[0]], [0.5, prefixes[1]]], 9, 22, 0, cache_dir=str(tmp_path / "c"))
+    for dataset in blended.datasets:
+        assert len(dataset) == 11 and sorted(dataset.document_index.tolist()) == list(range(10))
