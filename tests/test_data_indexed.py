@@ -246,6 +246,16 @@ def test_truncated_idx(tmp_path):
         IndexedDataset(prefix)
 
 
+def test_an_idx_longer_than_its_header_describes_is_refused(tmp_path):
+    """Bytes past the document index (two indices written into one file, a copy appended to) mean
+    the header does not describe the file. (Planted: only a short index refused.)"""
+    prefix = write(tmp_path / "a")
+    size = os.path.getsize(prefix + ".idx")
+    with open(prefix + ".idx", "ab") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(ValueError, match=rf"a\.idx: index is {size + 8} bytes but its header .* needs {size}"):
+        IndexedDataset(prefix)
+
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.idx: no such file"):
         IndexedDataset(str(tmp_path / "nope"))
