@@ -1,0 +1,38 @@
+"""Reading a folder of input files: the files it is read as, and in which order (which fixes the
+order of the shard's documents)."""
+
+from __future__ import annotations
+
+import json
+
+from data_pipeline.sources import iter_batches, plain_data_files, reads_as_dataset
+
+
+def write_jsonl(path, texts):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+def test_a_folders_files_are_read_in_name_order(tmp_path):
+    """The documents of a folder come file by file in name order, whatever order the file system
+    lists them in, so a shard made from it is reproducible; a README and hidden files are not data and
+    do not stop the folder being read so. (Planted: the listing left unsorted; hidden files counted.)"""
+    names = ["07.jsonl", "02.jsonl", "sub/01.jsonl", "05.jsonl", "11.jsonl", "00.jsonl", "09.jsonl", "03.jsonl"]
+    for name in names:
+        write_jsonl(tmp_path / name, [f"{name} first", f"{name} second"])
+    (tmp_path / "README.md").write_text("about these files\n")
+    (tmp_path / ".hidden").write_text("not data\n")
+    ordered = sorted(names, key=lambda name: str(tmp_path / name))
+    assert plain_data_files(str(tmp_path)) == [str(tmp_path / name) for name in ordered]
+    texts = [json.loads(line)["text"] for batch in iter_batches(str(tmp_path), ("text",), batch_size=3)
+             for line in batch.lines]
+    assert texts == [f"{name} {which}" for name in ordered for which in ("first", "second")]
+
+
+def test_a_folder_with_a_file_of_another_kind_is_not_read_as_plain_files(tmp_path):
+    """Read file by file, a folder holding something besides jsonl and parquet (a README and hidden
+    files aside) would lose that file's documents without a word; it goes to the datasets reader,
+    which reads or refuses it whole. (Planted: the other file dropped and the rest read.)"""
+    write_jsonl(tmp_path / "a.jsonl", ["alpha"])
+    (tmp_path / "b.csv").write_text("text\nbeta\n")
+    assert plain_data_files(str(tmp_path)) is None and reads_as_dataset(str(tmp_path))
