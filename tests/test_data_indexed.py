@@ -315,6 +315,15 @@ def test_a_document_index_that_falls_is_refused(tmp_path):
         IndexedDataset(prefix)
 
 
+@pytest.mark.parametrize("entry, value", [(0, 1), (N, N - 1)], ids=["not from 0", "not to the count"])
+def test_a_document_index_that_rises_but_not_from_0_to_the_count_is_refused(tmp_path, entry, value):
+    """A document index runs from 0 to the sequence count: one that rises from 1, or stops at 4 of 5
+    sequences, leaves a sequence outside every document. (Planted: each end's check removed.)"""
+    prefix = write(tmp_path / "a")
+    corrupt(prefix + ".idx", 34 + 12 * N + 8 * entry, struct.pack("<q", value))
+    with pytest.raises(ValueError, match=rf"a\.idx: document index must rise from 0 to {N}"):
+        IndexedDataset(prefix)
+
 def test_a_negative_length_is_named_even_where_the_pointers_agree(tmp_path):
     prefix = str(tmp_path / "a")
     indexed.write_index(prefix + ".idx", np.uint16, np.array([5, -2, 2], dtype=np.int32))  # pointers 0, 10, 6
