@@ -290,6 +290,9 @@ def test_largest_token_id_edge_cases(tmp_path):
     prefix = write(tmp_path / "neg", [[1, 2], [-5, 3]], np.int32)
     with pytest.raises(ValueError, match=r"neg\.bin: token 2 is -5, a negative id"):
         largest_token_id(prefix, str(tmp_path / "c"))
+    prefix = write(tmp_path / "pad", [[1, 2, 3], [-1]], np.int32)  # -1, the padding some writers use
+    with pytest.raises(ValueError, match=r"pad\.bin: token 3 is -1, a negative id"):
+        largest_token_id(prefix, str(tmp_path / "c"))
     prefix = write(tmp_path / "float", [[1.5]], np.float32)
     with pytest.raises(ValueError, match=r"float\.bin: holds float32 values, not integer token ids"):
         largest_token_id(prefix, str(tmp_path / "c"))
@@ -335,7 +338,7 @@ def test_a_negative_length_is_named_even_where_the_pointers_agree(tmp_path):
 def test_a_read_past_a_document_is_refused(tmp_path):
     """A read running over would return the next document's tokens as this one's."""
     ds = IndexedDataset(write(tmp_path / "a"))
-    for offset, length in ((0, 4), (3, 1), (-1, 2)):
+    for offset, length in ((0, 4), (3, 1), (-1, 2), (1, -1)):  # a count of -1 would read to the end of the .bin
         with pytest.raises(IndexError, match=r"document 0 has 3 tokens"):
             ds.get(0, offset, length)
     assert ds.get(0, 1, 2).tolist() == [6, 7]
