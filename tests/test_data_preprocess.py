@@ -292,6 +292,9 @@ def test_cli_preprocess_and_merge(env, tmp_path, capsys):
     _refused(["preprocess", "--merge", f"{out}_text_document", f"{again}_text_document", "--output-prefix",
               str(tmp_path / "m2"), "--tokenizer", env["model"], "--workers", "0"], capsys,
              "--merge joins shards as they are, so --tokenizer, --workers would change nothing")
+    _refused(["preprocess", "--merge", f"{out}_text_document", f"{again}_text_document", "--output-prefix",
+              str(tmp_path / "m2"), "--json-keys", "text", "--batch-size", "8", "--no-eod", "--skip-bad-records"],
+             capsys, "so --json-keys, --batch-size, --no-eod, --skip-bad-records would change nothing")
     assert not list(tmp_path.glob("m2*"))
 
 
@@ -359,6 +362,11 @@ def test_cli_refuses_an_input_listed_twice(env, tmp_path, capsys, monkeypatch):
     out = str(tmp_path / "o")
     _refused(["preprocess", "--input", name, f"./{name}", "--tokenizer", env["model"], "--output-prefix", out,
               "--no-progress"], capsys, f"--input ./{name} is listed twice (also as {name})", "trained on twice")
+    link = tmp_path / "link.jsonl"  # another name for the same file
+    link.symlink_to(env["jsonl"])
+    _refused(["preprocess", "--input", name, str(link), "--tokenizer", env["model"], "--output-prefix", out,
+              "--no-progress"], capsys, f"--input {link} is listed twice (also as {name})")
+    link.unlink()
     assert main(["preprocess", "--input", name, "--tokenizer", env["model"], "--output-prefix", out,
                  "--no-progress"]) == 0
     shard = f"{out}_text_document"
