@@ -102,6 +102,22 @@ def test_merge_carries_a_shared_tokenizer_record_and_refuses_a_partial_one(tmp_p
     assert not any(p.name.startswith("m.") for p in tmp_path.iterdir())
 
 
+def test_shards_of_two_tokenizers_are_not_merged_and_one_rewritten_tokenizer_is_one(tmp_path):
+    """Two tokenizer files are two tokenizers, unless both records hold the same pieces' digest (one
+    vocabulary written as another file); records without that digest (written before it was kept)
+    compare by file alone. (Planted: two records lacking the digest taken for the same tokenizer.)"""
+    from data_pipeline.shard_origin import read_origin, write_origin
+
+    a, b = write(tmp_path / "a", DOCS[:2]), write(tmp_path / "b", DOCS[2:])
+    write_origin(a, {"tokenizer_sha256": "ab" * 32, "vocab_size": 70000, "tokenizer": "t.json"})
+    write_origin(b, {"tokenizer_sha256": "cd" * 32, "vocab_size": 70000, "tokenizer": "u.json"})
+    with pytest.raises(ValueError, match=f"{b} was tokenized with u.json .*, {a} with t.json .*must share a tokenizer"):
+        merge_shards([a, b], str(tmp_path / "m"))
+    first = {"tokenizer_sha256": "ab" * 32, "vocab_size": 70000, "tokenizer": "t.model", "pieces_sha256": "ee" * 32}
+    write_origin(a, first)
+    write_origin(b, {**first, "tokenizer_sha256": "cd" * 32, "tokenizer": "tokenizer.json"})
+    assert read_origin(str(merge_shards([a, b], str(tmp_path / "m")).prefix)) == first
+
 def test_a_record_left_beside_a_rewritten_shard_is_refused(tmp_path):
     """Another tool writing a shard at a recorded prefix leaves the old record behind; it must not vouch
     for the new documents (a tokenizer of the same or a smaller vocabulary passes every other check)."""
