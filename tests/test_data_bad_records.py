@@ -168,11 +168,14 @@ def test_a_folder_of_jsonl_files_is_checked_file_by_file(tokenizer, tmp_path):
 
 
 def test_dataset_record_without_the_key_is_named_by_index(tokenizer, tmp_path):
-    """datasets fills a key one record lacks with None: that is an error, never the text "None"."""
+    """datasets fills a key one record lacks with None: that is an error, never the text "None". It is
+    named by its index counted over every batch (planted: each batch counted from the previous
+    batch's length, which held for the first two batches only)."""
     import datasets
 
-    datasets.Dataset.from_list([{"text": "alpha"}, {"text": "beta"}, {"title": "gamma"}]).save_to_disk(tmp_path / "hf")
-    with pytest.raises(ValueError, match=r"hf: index 2: field 'text' is null"):
+    records = [{"text": "alpha"}, {"text": "beta"}, {"text": "gamma"}, {"text": "delta"}, {"title": "epsilon"}]
+    datasets.Dataset.from_list(records).save_to_disk(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"hf: index 4: field 'text' is null"):
         preprocess([str(tmp_path / "hf")], str(tmp_path / "out"), tokenizer, batch_size=2)
 
 
