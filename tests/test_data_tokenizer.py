@@ -90,6 +90,24 @@ def test_special_token_text_in_a_document_stays_text(tmp_path):
         assert tok.decode(ids) == text
 
 
+def test_a_tokenizer_jsons_template_adds_no_tokens_to_a_document(tmp_path):
+    """Many tokenizer.json files carry a post-processor that puts a BOS or EOS around every text;
+    a document is its text's tokens alone (preprocessing appends the one EOD), in a batch as alone.
+    (Planted: the batch encoded with the template's special tokens.)"""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    (tmp_path / "plain").mkdir()
+    plain = make_hf_tokenizer(tmp_path / "plain" / "tokenizer.json")
+    hf = Tokenizer.from_file(plain)
+    eod, pad = hf.token_to_id("<|endoftext|>"), hf.token_to_id("<pad>")
+    hf.post_processor = TemplateProcessing(single="<|endoftext|> $A <pad>", special_tokens=[("<|endoftext|>", eod),
+                                                                                           ("<pad>", pad)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("a").ids[0] == eod  # the template applies
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.encode_batch(SAMPLES) == [tok.encode(t) for t in SAMPLES] == load_tokenizer(plain).encode_batch(SAMPLES)
+
 def test_hf_tokenizer_without_eod_is_refused(tmp_path):
     pytest.importorskip("tokenizers")
     path = make_hf_tokenizer(tmp_path / "tokenizer.json", specials=("<weird>",))
