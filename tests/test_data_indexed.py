@@ -203,6 +203,19 @@ def test_a_record_written_before_the_idx_digest_is_still_read(tmp_path):
     assert read_origin(prefix) == record
 
 
+def test_a_record_without_a_whole_vocabulary_size_is_damaged(tmp_path):
+    """The vocabulary size is what a run compares with its model; a record without it as a whole number
+    is named as damaged where it is read, not a KeyError later. (Planted: only the digest checked.)"""
+    import json
+
+    from data_pipeline.shard_origin import origin_path, read_origin
+
+    prefix = write(tmp_path / "a", DOCS[:2])
+    for record in ({"tokenizer_sha256": "ab" * 32}, {"tokenizer_sha256": "ab" * 32, "vocab_size": "70000"}):
+        Path(origin_path(prefix)).write_text(json.dumps(record))
+        with pytest.raises(ValueError, match=r"a\.tokenizer\.json: damaged record of the shard's tokenizer"):
+            read_origin(prefix)
+
 def test_interrupted_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError), IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
         w.add_document([1, 2, 3])
