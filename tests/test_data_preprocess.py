@@ -104,6 +104,11 @@ def test_several_keys_and_no_eod(env, tmp_path):
     texts = IndexedDataset(str(tmp_path / "o_text_document"))
     assert paths[3].tolist() == tok.encode(env["records"][3]["path"])
     assert texts[3].tolist() == tok.encode(env["records"][3]["text"])
+    # the command's flag too (planted: --no-eod parsed but EOD appended all the same)
+    assert main(["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--json-keys", "path",
+                 "--no-eod", "--output-prefix", str(tmp_path / "cli"), "--no-progress"]) == 0
+    cli = IndexedDataset(str(tmp_path / "cli_path_document"))
+    assert [cli[i].tolist() for i in range(len(cli))] == [paths[i].tolist() for i in range(len(paths))]
 
 
 def test_large_hf_vocabulary_writes_int32(env, tmp_path):
