@@ -84,6 +84,10 @@ def test_merge_refuses_mixed_dtypes(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="same token dtype"):
         merge_shards([a, b], str(tmp_path / "m"))
     assert not any(p.name.startswith("m.") for p in tmp_path.iterdir())
+    monkeypatch.undo()  # a writer given a shard of another dtype refuses it too, rather than copy its bytes
+    with pytest.raises(ValueError, match="same token dtype"), IndexedDatasetWriter(str(tmp_path / "w"), np.int32) as w:
+        w.add_shard(IndexedDataset(a))
+    assert not any(p.name.startswith("w.") for p in tmp_path.iterdir())
 
 
 def test_merge_carries_a_shared_tokenizer_record_and_refuses_a_partial_one(tmp_path):
