@@ -55,6 +55,13 @@ def test_sentencepiece_learns_the_corpus(sp_model):
     assert len(tok.encode(text)) < len(text.encode()) / 2
 
 
+def test_sentencepiece_numbers_are_split_into_digits(sp_model):
+    """Every digit is its own piece (split_digits), so a number's tokens spell it digit by digit,
+    whatever numbers the corpus held. (Planted: digits left to merge, which learned '00' and '000'.)"""
+    tok = load_tokenizer(sp_model)
+    pieces = [tok.pieces()[i] for i in tok.encode("x = 1000 + 2024")]
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == list("10002024")
+
 def make_hf_tokenizer(path, specials=("<|endoftext|>", "<pad>")):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -107,6 +114,25 @@ def test_a_tokenizer_jsons_template_adds_no_tokens_to_a_document(tmp_path):
     assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("a").ids[0] == eod  # the template applies
     tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
     assert tok.encode_batch(SAMPLES) == [tok.encode(t) for t in SAMPLES] == load_tokenizer(plain).encode_batch(SAMPLES)
+
+def test_the_most_specific_end_of_document_name_is_taken(tmp_path):
+    """A tokenizer.json holding several of the usual names takes the first of EOD_NAMES, most specific
+    first: "<|endoftext|>" over "</s>" and "[SEP]" (a BERT-style separator is no document end).
+    (Planted: the names tried in reverse.)"""
+    pytest.importorskip("tokenizers")
+    tok = load_tokenizer(make_hf_tokenizer(tmp_path / "tokenizer.json", ("[SEP]", "</s>", "<|endoftext|>", "[PAD]")))
+    assert tok.pieces()[tok.eod_id] == "<|endoftext|>" and tok.pieces()[tok.pad_id] == "[PAD]"
+
+
+def test_a_sentencepiece_model_without_an_end_of_document_piece_is_refused(tmp_path):
+    """A model trained elsewhere with eos_id=-1 has no </s>; its eod_id would be -1, a token id no
+    shard can hold. (Planted: the check removed.)"""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(SAMPLES * 50), model_prefix=str(tmp_path / "no_eos"),
+                                   vocab_size=40, eos_id=-1, minloglevel=2)
+    with pytest.raises(ValueError, match=r"no_eos\.model: the SentencePiece model has no </s> piece"):
+        load_tokenizer(str(tmp_path / "no_eos.model"))
 
 def test_hf_tokenizer_without_eod_is_refused(tmp_path):
     pytest.importorskip("tokenizers")
