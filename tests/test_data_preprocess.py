@@ -328,6 +328,10 @@ def test_cli_refuses_to_replace_an_existing_shard(env, tmp_path, capsys):
     _refused(["preprocess", "--merge", f"{out}_text_document", "--output-prefix", str(tmp_path / "m")], capsys,
              "m.tokenizer.json: already exists")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    # a link whose target is gone still takes the name: found before tokenizing, not when publishing
+    (tmp_path / "d_text_document.idx").symlink_to(tmp_path / "gone.idx")
+    _refused(["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix",
+              str(tmp_path / "d"), "--no-progress"], capsys, "d_text_document.idx: already exists")
 
 
 def test_a_shard_written_by_another_run_meanwhile_is_kept(env, tmp_path, capsys, monkeypatch):
