@@ -84,6 +84,8 @@ def test_hf_tokenizer_json(tmp_path):
         assert tok.decode(tok.encode(text)) == text
     assert tok.encode_batch(SAMPLES) == [tok.encode(t) for t in SAMPLES]
     assert load_tokenizer(str(tmp_path)).vocab_size == tok.vocab_size  # a folder holding tokenizer.json
+    (tmp_path / "gpt2.json").write_bytes((tmp_path / "tokenizer.json").read_bytes())  # any .json name
+    assert isinstance(load_tokenizer(str(tmp_path / "gpt2.json")), HFTokenizer)
 
 
 def test_special_token_text_in_a_document_stays_text(tmp_path):
