@@ -81,12 +81,18 @@ class IndexedDatasetWriter:
         self._sealed = False
         self._bin_tmp = temp_name(bin_path(prefix))
         self._idx_tmp = temp_name(idx_path(prefix))
-        try:
-            self._bin = open(self._bin_tmp, "wb")
-        except OSError as exc:
-            remove_made(self._made)
-            raise _not_written(prefix, exc) from None
         self._sizes = array("i")  # int32 lengths, appended without a numpy object per document
+        try:  # the last step: once it returns, the caller holds a writer that can abort
+            self._bin = open(self._bin_tmp, "wb")
+        except BaseException as exc:
+            # an interrupt (SIGTERM, Ctrl-C) handled as open() returns comes after the file exists;
+            # a failed open made none, and its name may not even be valid (too long)
+            with contextlib.suppress(OSError):
+                os.unlink(self._bin_tmp)
+            remove_made(self._made)
+            if isinstance(exc, OSError):
+                raise _not_written(prefix, exc) from None
+            raise
 
     def _write_tokens(self, tokens) -> int:
         tokens = np.ascontiguousarray(tokens, dtype=self.dtype)

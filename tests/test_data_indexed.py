@@ -227,6 +227,21 @@ def test_interrupted_write_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_interrupt_as_the_temporary_file_opens_leaves_nothing(tmp_path, monkeypatch):
+    """SIGTERM (raised as Ctrl-C is) or Ctrl-C handled as open() returns comes after the temporary .bin
+    exists but before the writer holds it; the writer was never made, so nothing aborted it, and the
+    file stayed (a run stopped by SIGTERM left it now and then under load)."""
+    real_open = open
+
+    def interrupted(path, *args, **kwargs):
+        real_open(path, *args, **kwargs).close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(indexed, "open", interrupted, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        IndexedDatasetWriter(str(tmp_path / "new" / "a"), np.uint16)
+    assert list(tmp_path.iterdir()) == []  # neither the file nor the folder made for it
+
 def test_unfinished_write_is_not_visible(tmp_path):
     w = IndexedDatasetWriter(str(tmp_path / "a"), np.uint16)
     w.add_document([1, 2, 3])
