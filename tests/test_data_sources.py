@@ -1,11 +1,13 @@
-"""Reading a folder of input files: the files it is read as, and in which order (which fixes the
-order of the shard's documents)."""
+"""Inputs: a missing file is named as missing, and a folder is read as the files it holds, in name
+order (which fixes the order of the shard's documents)."""
 
 from __future__ import annotations
 
 import json
 
-from data_pipeline.sources import iter_batches, plain_data_files, reads_as_dataset
+import pytest
+
+from data_pipeline.sources import check_input, iter_batches, plain_data_files, reads_as_dataset
 
 
 def write_jsonl(path, texts):
@@ -36,3 +38,11 @@ def test_a_folder_with_a_file_of_another_kind_is_not_read_as_plain_files(tmp_pat
     write_jsonl(tmp_path / "a.jsonl", ["alpha"])
     (tmp_path / "b.csv").write_text("text\nbeta\n")
     assert plain_data_files(str(tmp_path)) is None and reads_as_dataset(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["gone.jsonl", "gone.jsonl.zst", "gone.parquet"])
+def test_a_missing_input_file_is_named_as_missing(tmp_path, name):
+    """A file name that is not there is "no such input file", for parquet too (planted: a missing
+    .parquet reported as a file whose footer cannot be read)."""
+    with pytest.raises(FileNotFoundError, match=rf"{name}: no such input file"):
+        check_input(str(tmp_path / name), ("text",))
