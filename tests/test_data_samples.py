@@ -149,6 +149,11 @@ def test_too_little_data_names_the_dataset(tmp_path):
         w.add_document([1, 2, 3])
     with pytest.raises(ValueError, match=r"tiny: 1 documents hold 3 tokens, too few for one sample of 8\+1"):
         GPTSamples(IndexedDataset(str(tmp_path / "tiny")), 8, 10, 0, cache_dir=str(tmp_path / "cache"))
+    with IndexedDatasetWriter(str(tmp_path / "empty"), np.uint16):
+        pass
+    # said as an empty shard, not as a split to change (planted: the check removed)
+    with pytest.raises(ValueError, match=r"empty: holds no documents; preprocess it again"):
+        GPTSamples(IndexedDataset(str(tmp_path / "empty")), 8, 10, 0, cache_dir=str(tmp_path / "cache"))
 
 
 def test_same_description_is_loaded_not_rebuilt(tmp_path, monkeypatch):
