@@ -118,6 +118,8 @@ def test_resolve_blend_from_config_values():
     assert resolve_blend(None, "mtnlg530b", "root")[0] == [0.19336, "root/openwebtext2_text_document"]
     with pytest.raises(ValueError, match="exactly one of data.blend"):
         resolve_blend(None, None, None)
+    with pytest.raises(ValueError, match="exactly one of data.blend"):  # both: one would be ignored
+        resolve_blend([[1, "a"]], "mtnlg530b", "root")
     with pytest.raises(ValueError, match="needs data.blend_root"):
         resolve_blend(None, "mtnlg530b", None)
 
