@@ -103,6 +103,7 @@ def test_a_tokenizer_jsons_template_adds_no_tokens_to_a_document(tmp_path):
     """Many tokenizer.json files carry a post-processor that puts a BOS or EOS around every text;
     a document is its text's tokens alone (preprocessing appends the one EOD), in a batch as alone.
     (Planted: the batch encoded with the template's special tokens.)"""
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
 
