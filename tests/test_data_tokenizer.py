@@ -159,6 +159,8 @@ def test_read_texts_names_bad_lines(tmp_path):
     plain = tmp_path / "plain.txt"
     plain.write_text("line one\n\nline two\n")
     assert list(read_texts([str(plain)])) == ["line one", "line two"]
+    path.write_text(json.dumps({"text": "not this", "body": "but this"}) + "\n")  # the field asked for
+    assert list(read_texts([str(path)], json_key="body")) == ["but this"]
 
 
 def not_tokenizers(root):
