@@ -58,6 +58,10 @@ def test_bad_blends_are_named():
         parse_blend([])
     with pytest.raises(ValueError, match="must be \\[weight, prefix\\]"):  # YAML's true is no weight
         parse_blend([[True, "a"]])
+    with pytest.raises(ValueError, match="must be \\[weight, prefix\\]"):  # nor is YAML's null a prefix
+        parse_blend([[0.5, None], [0.5, "b"]])
+    with pytest.raises(ValueError, match="non-negative numbers with a positive sum"):  # every source off
+        parse_blend([[0, "a"], [0.0, "b"]])
     with pytest.raises(ValueError, match="lists 32769 datasets, more than 32768"):  # the int16 index would wrap
         parse_blend([[1, f"d{i}"] for i in range(32769)])
     assert len(parse_blend([[1, f"d{i}"] for i in range(32768)])[1]) == 32768
