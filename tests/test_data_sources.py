@@ -1,5 +1,5 @@
-"""Inputs: a missing file is named as missing, and a folder is read as the files it holds, in name
-order (which fixes the order of the shard's documents)."""
+"""Inputs: a missing file is named as missing, a zstd file may open with any skippable frame, and a
+folder is read as the files it holds, in name order (which fixes the order of the shard's documents)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from data_pipeline.sources import check_input, iter_batches, plain_data_files, reads_as_dataset
+from data_pipeline.sources import (check_compression, check_input, iter_batches, iter_lines, plain_data_files,
+                                   reads_as_dataset)
 
 
 def write_jsonl(path, texts):
@@ -46,3 +47,15 @@ def test_a_missing_input_file_is_named_as_missing(tmp_path, name):
     .parquet reported as a file whose footer cannot be read)."""
     with pytest.raises(FileNotFoundError, match=rf"{name}: no such input file"):
         check_input(str(tmp_path / name), ("text",))
+
+
+@pytest.mark.parametrize("nibble", [0x0, 0x7, 0xF])
+def test_a_zstd_file_may_open_with_any_skippable_frame(tmp_path, nibble):
+    """zstd's skippable frames have 16 magic numbers, 0x184D2A50 to 0x184D2A5F (tools put metadata
+    there); each opens a zstd file, and the lines after it are read. (Planted: only 0x184D2A50.)"""
+    zstandard = pytest.importorskip("zstandard")
+    path = tmp_path / "d.jsonl.zst"
+    skippable = bytes([0x50 | nibble, 0x2A, 0x4D, 0x18]) + (3).to_bytes(4, "little") + b"abc"
+    path.write_bytes(skippable + zstandard.ZstdCompressor().compress(b'{"text": "kept"}\n'))
+    check_compression(str(path))
+    assert [line for _, line in iter_lines(str(path))] == [b'{"text": "kept"}\n']
