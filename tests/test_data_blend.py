@@ -108,6 +108,7 @@ def test_a_preset_entry_of_weight_zero_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"preset\.yaml: datasets\[1\] is \[0, 'wiki_text_document'\]; .* positive"):
         load_blend_preset(str(tmp_path / "preset.yaml"), "root")
 
+
 def test_mtnlg_preset():
     blend = load_blend_preset("mtnlg530b", "root")
     assert [w for w, _ in blend] == list(MTNLG.values())

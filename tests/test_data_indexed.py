@@ -122,6 +122,7 @@ def test_shards_of_two_tokenizers_are_not_merged_and_one_rewritten_tokenizer_is_
     write_origin(b, {**first, "tokenizer_sha256": "cd" * 32, "tokenizer": "tokenizer.json"})
     assert read_origin(str(merge_shards([a, b], str(tmp_path / "m")).prefix)) == first
 
+
 def test_a_record_left_beside_a_rewritten_shard_is_refused(tmp_path):
     """Another tool writing a shard at a recorded prefix leaves the old record behind; it must not vouch
     for the new documents (a tokenizer of the same or a smaller vocabulary passes every other check)."""
@@ -220,6 +221,7 @@ def test_a_record_without_a_whole_vocabulary_size_is_damaged(tmp_path):
         with pytest.raises(ValueError, match=r"a\.tokenizer\.json: damaged record of the shard's tokenizer"):
             read_origin(prefix)
 
+
 def test_interrupted_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError), IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
         w.add_document([1, 2, 3])
@@ -241,6 +243,7 @@ def test_an_interrupt_as_the_temporary_file_opens_leaves_nothing(tmp_path, monke
     with pytest.raises(KeyboardInterrupt):
         IndexedDatasetWriter(str(tmp_path / "new" / "a"), np.uint16)
     assert list(tmp_path.iterdir()) == []  # neither the file nor the folder made for it
+
 
 def test_unfinished_write_is_not_visible(tmp_path):
     w = IndexedDatasetWriter(str(tmp_path / "a"), np.uint16)
@@ -303,6 +306,7 @@ def test_an_idx_longer_than_its_header_describes_is_refused(tmp_path):
         f.write(b"\0" * 8)
     with pytest.raises(ValueError, match=rf"a\.idx: index is {size + 8} bytes but its header .* needs {size}"):
         IndexedDataset(prefix)
+
 
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.idx: no such file"):
@@ -374,6 +378,7 @@ def test_a_document_index_that_rises_but_not_from_0_to_the_count_is_refused(tmp_
     corrupt(prefix + ".idx", 34 + 12 * N + 8 * entry, struct.pack("<q", value))
     with pytest.raises(ValueError, match=rf"a\.idx: document index must rise from 0 to {N}"):
         IndexedDataset(prefix)
+
 
 def test_a_negative_length_is_named_even_where_the_pointers_agree(tmp_path):
     prefix = str(tmp_path / "a")

@@ -61,6 +61,7 @@ def test_each_micro_batch_step_reads_the_next_samples_across_the_ranks():
     got = [[i.tolist() for i in micro_batch_indices(16, 16, 2, r, 4)] for r in range(4)]
     assert got == [[[16, 17], [24, 25]], [[18, 19], [26, 27]], [[20, 21], [28, 29]], [[22, 23], [30, 31]]]
 
+
 @pytest.mark.parametrize("dp", [1, 2, 4])
 @pytest.mark.parametrize("k", [8, 24, 48])
 def test_resume_equals_uninterrupted_tail(samples, dp, k):

@@ -62,6 +62,7 @@ def test_sentencepiece_numbers_are_split_into_digits(sp_model):
     pieces = [tok.pieces()[i] for i in tok.encode("x = 1000 + 2024")]
     assert [p for p in pieces if any(c.isdigit() for c in p)] == list("10002024")
 
+
 def make_hf_tokenizer(path, specials=("<|endoftext|>", "<pad>")):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -118,6 +119,7 @@ def test_a_tokenizer_jsons_template_adds_no_tokens_to_a_document(tmp_path):
     tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
     assert tok.encode_batch(SAMPLES) == [tok.encode(t) for t in SAMPLES] == load_tokenizer(plain).encode_batch(SAMPLES)
 
+
 def test_the_most_specific_end_of_document_name_is_taken(tmp_path):
     """A tokenizer.json holding several of the usual names takes the first of EOD_NAMES, most specific
     first: "<|endoftext|>" over "</s>" and "[SEP]" (a BERT-style separator is no document end).
@@ -136,6 +138,7 @@ def test_a_sentencepiece_model_without_an_end_of_document_piece_is_refused(tmp_p
                                    vocab_size=40, eos_id=-1, minloglevel=2)
     with pytest.raises(ValueError, match=r"no_eos\.model: the SentencePiece model has no </s> piece"):
         load_tokenizer(str(tmp_path / "no_eos.model"))
+
 
 def test_hf_tokenizer_without_eod_is_refused(tmp_path):
     pytest.importorskip("tokenizers")
@@ -246,6 +249,7 @@ def test_documents_of_blank_lines_are_no_text_to_train_on(tmp_path):
     with pytest.raises(ValueError, match="the input holds no text to train on"):
         train_sentencepiece(read_texts([str(tmp_path / "blank.jsonl")]), str(tmp_path / "tok"), 300)
 
+
 def test_a_vocabulary_below_the_minimum_is_refused_before_any_text_is_read(tmp_path):
     """259 pieces cannot hold byte fallback's 256 and the 4 specials; the refusal comes before the
     first line is read (SentencePiece would say so only after reading the whole corpus), and 260 is
@@ -259,6 +263,7 @@ def test_a_vocabulary_below_the_minimum_is_refused_before_any_text_is_read(tmp_p
     with pytest.raises(ValueError, match="vocabulary size 259 is below 260"):
         train_sentencepiece(never_read(), str(tmp_path / "tok"), 259)
     assert not list(tmp_path.iterdir())
+
 
 def test_training_on_bad_text_raises_the_reader_error(tmp_path):
     """SentencePiece would wrap it in a RuntimeError carrying a printed traceback."""
