@@ -3,6 +3,7 @@ id, and a fastText classifier trained by `megazero curate train-quality`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
@@ -202,3 +203,45 @@ def test_a_model_of_more_labels_scores_p_hq(tmp_path):
     [s] = scores(model, ["def return import class lambda def"])
     labels, probs = model.predict("def return import class lambda def", k=-1)
     assert s == pytest.approx(dict(zip(labels, probs))["__label__hq"]) and s < 0.1
+
+
+def test_each_draw_is_the_documented_pareto_of_the_seed_and_the_ids_hash():
+    """A document's draw is numpy's Pareto(alpha) from a generator seeded by [seed, the 64-bit
+    BLAKE2b of its id read little-endian], kept when it exceeds 1 - score, so a corpus curated again
+    keeps the documents it kept before (planted: the seed and the id's hash swapped, which keeps
+    another set at the same rate). A score just above the threshold the draw sets keeps, just below drops."""
+    checked = 0
+    for i in range(40):
+        doc_id = f"doc-{i}"
+        key = int.from_bytes(hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest(), "little")
+        draw = np.random.default_rng([7, key]).pareto(3.0)
+        if draw < 0.99:  # a threshold some score in [0, 1] meets
+            checked += 1
+            assert pareto_keep(doc_id, 1.0 - draw + 1e-9, 3.0, seed=7), doc_id
+            assert not pareto_keep(doc_id, 1.0 - draw - 1e-9, 3.0, seed=7), doc_id
+    assert checked >= 20
+
+
+def test_copies_of_one_text_are_drawn_each_by_its_own_id(trained, tmp_path):
+    """The stage's draw is keyed by the document id, not its text: 200 copies of one low-scoring text
+    keep exactly the ids the rule keeps at that score, about an eighth of them (planted: the text as
+    the key, which keeps every copy or none)."""
+    text = "free casino pills, click now lol"
+    shard = tmp_path / "in.jsonl"
+    shard.write_text("".join(json.dumps({"id": f"d{i}", "text": text}) + "\n" for i in range(200)))
+    quality_shard(str(shard), str(tmp_path / "out.jsonl"), "text", QualityConfig(model=trained, seed=3))
+    [score] = scores(load_model(trained), [text])
+    expected = [f"d{i}" for i in range(200) if pareto_keep(f"d{i}", float(score), 3.0, seed=3)]
+    assert [json.loads(line)["id"] for line in open(tmp_path / "out.jsonl")] == expected
+    assert 0 < len(expected) < 100
+
+
+def test_train_quality_holds_out_a_tenth_from_ten_documents_on(tmp_path, capsys):
+    """Ten documents hold one out for the accuracy; nine hold none, and the accuracy is not a number."""
+    for total, said in ((10, "on 1;"), (9, "accuracy nan on 0;")):
+        hq, lq = tmp_path / f"hq{total}.jsonl", tmp_path / f"lq{total}.jsonl"
+        hq.write_text("".join(json.dumps({"text": f"careful river report {i}"}) + "\n" for i in range(5)))
+        lq.write_text("".join(json.dumps({"text": f"cheap casino pills {i}"}) + "\n" for i in range(total - 5)))
+        assert main(["curate", "train-quality", "--hq", str(hq), "--lq", str(lq), "--output",
+                     str(tmp_path / f"m{total}.bin")]) == 0
+        assert said in capsys.readouterr().out
