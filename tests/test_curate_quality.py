@@ -10,8 +10,8 @@ import struct
 import numpy as np
 import pytest
 
-from data_pipeline.curate.quality import (_HEADER, FASTTEXT_MAGIC, QualityConfig, keep_probability, load_model,
-                                          pareto_keep, quality_shard, scores)
+from data_pipeline.curate.quality import (_HEADER, FASTTEXT_MAGIC, QualityConfig, _check_dictionary_fits,
+                                          keep_probability, load_model, pareto_keep, quality_shard, scores)
 from megazero.cli import main
 from tests.curation import train_quality_model
 
@@ -245,3 +245,24 @@ def test_train_quality_holds_out_a_tenth_from_ten_documents_on(tmp_path, capsys)
         assert main(["curate", "train-quality", "--hq", str(hq), "--lq", str(lq), "--output",
                      str(tmp_path / f"m{total}.bin")]) == 0
         assert said in capsys.readouterr().out
+
+
+def test_a_model_cut_anywhere_inside_its_dictionary_is_refused(trained, tmp_path):
+    """fastText's load never returns on a file cut inside its dictionary (it reads a word's characters
+    on past the end). A bound of 11 bytes an entry let through the cuts past it, inside the longer
+    words; every cut from the header's end to the dictionary's is refused now, and the whole
+    dictionary is not. The dictionary's end comes from fastText's own word list: each entry is the
+    word, a NUL, its count (8 bytes) and its type (1 byte). The check is called alone here, since
+    fastText would hang on a cut it let through."""
+    import fasttext
+
+    model = fasttext.load_model(trained)
+    end = _HEADER.size + sum(len(w.encode("utf-8")) + 10 for w in model.get_words() + model.get_labels())
+    data = open(trained, "rb").read()
+    cut = tmp_path / "cut.bin"
+    for keep in range(_HEADER.size, end):
+        cut.write_bytes(data[:keep])
+        with pytest.raises(ValueError, match=rf"cut\.bin is truncated \({keep} bytes where its header implies"):
+            _check_dictionary_fits(str(cut))
+    cut.write_bytes(data[:end])
+    _check_dictionary_fits(str(cut))

@@ -13,6 +13,7 @@ never depends on how the corpus was sharded or how many workers ran.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import random
 import struct
@@ -97,17 +98,24 @@ def _truncated(path: str, size: int, needed: int) -> ValueError:
 def _check_dictionary_fits(path: str) -> None:
     """fastText reads a file cut short without an error: inside its dictionary it reads on forever,
     inside its matrices it leaves the rest unset (every document then scores about 0.5). Each of
-    the dictionary's entries takes at least 11 bytes (a character, its end, a count, a type)."""
+    the dictionary's entries is a word, its NUL end, a count (8 bytes) and a type (1 byte), so the
+    entries are walked to where the last one ends: a bound of 11 bytes an entry let a file cut
+    inside the dictionary's longer words through, and fastText's load then never returned."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(_HEADER.size)
-    if head[:4] != struct.pack("<i", FASTTEXT_MAGIC):
-        return  # not a fastText model at all: fastText's own refusal names it
-    if len(head) < _HEADER.size:  # cut inside the header: fastText reads no labels, or allocates without end
-        raise _truncated(path, size, _HEADER.size)
-    entries = _HEADER.unpack(head)[15]
-    if size < _HEADER.size + 11 * entries:
-        raise _truncated(path, size, _HEADER.size + 11 * entries)
+        if head[:4] != struct.pack("<i", FASTTEXT_MAGIC):
+            return  # not a fastText model at all: fastText's own refusal names it
+        if len(head) < _HEADER.size:  # cut inside the header: fastText reads no labels, or allocates without end
+            raise _truncated(path, size, _HEADER.size)
+        entries = _HEADER.unpack(head)[15]
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:  # pages of the dictionary only
+            end = _HEADER.size
+            for left in range(entries - 1, -1, -1):
+                nul = data.find(b"\0", end)
+                end = (size if nul < 0 else nul) + 10
+                if end > size:  # the entries left need at least 11 bytes each
+                    raise _truncated(path, size, end + 11 * left)
 
 
 def _check_matrices_fit(path: str, model) -> None:
