@@ -43,6 +43,7 @@ def test_normalise_whitespace():
     text = "  a \t b\u00a0\u00a0c\u3000d  \r\n\r\n\r\n\r\ne\u2003f \n\n\n\n  g  "
     assert normalise_whitespace(text) == "a b c d\n\ne f\n\ng"
     assert normalise_whitespace("x y") == "x y" and normalise_whitespace("x\u00a0y\tz") == "x y z"
+    assert normalise_whitespace("a\n\n\nb\n\nc") == "a\n\nb\n\nc"  # three newlines are already too many
 
 
 def test_each_filter_drops_at_its_threshold_and_not_before():
@@ -71,3 +72,10 @@ def test_the_stage_writes_the_cleaned_text_and_counts_both_sizes(tmp_path):
 
 def test_a_lone_carriage_return_is_a_line_break():
     assert normalise_whitespace("a\rb\r\r\r\rc") == "a\nb\n\nc"
+
+
+def test_blank_lines_between_paragraphs_are_not_repeated_lines():
+    """Only non-blank lines count towards the repeated-line share: prose of ten paragraphs has nine
+    equal blank lines between them and is kept (planted: blank lines counted, 8 repeats of 19 lines)."""
+    prose = "\n\n".join(" ".join(f"p{k}w{i}" for i in range(10)) for k in range(10))
+    assert drop_reason(prose, CleanConfig(min_words=5)) is None
