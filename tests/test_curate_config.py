@@ -208,3 +208,44 @@ def test_an_input_that_cannot_be_read_is_one_line(tmp_path, capsys, base, monkey
     monkeypatch.setattr(sources, "open", unreadable, raising=False)
     line = refused(tmp_path, capsys, base, "--input.paths", "[more.jsonl.gz]")
     assert re.search(r"input\.paths: .*more\.jsonl\.gz: cannot be read \(Permission denied\)", line), line
+
+
+def test_the_documented_defaults_are_the_configs():
+    """Every default in docs/curation.md's option table is the one a config gets (planted: a default
+    changed in code, such as fuzzy_dedup.max_bucket_pairs or decontaminate.margin, and the docs left
+    saying the old one). A row lists options and defaults in the same order, split at ", " and " / ";
+    an option without a section is in the one before it."""
+    from pathlib import Path
+
+    from data_pipeline.curate.config import CurateConfig
+
+    doc = (Path(__file__).parent.parent / "docs" / "curation.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| (`[a-z_]+\.[^|]*) \| ([^|]*) \|", doc, flags=re.M)
+    defaults, checked = CurateConfig(), 0
+    for options, values in rows:
+        names, values = re.split(r", | / ", options), re.split(r", | / ", values)
+        assert len(names) == len(values), (options, values)
+        for name, value in zip(names, values):
+            name = name.strip("`")
+            if "." in name:
+                section, name = name.split(".")
+            assert getattr(getattr(defaults, section), name) == yaml.safe_load(value.strip("`")), (section, name)
+            checked += 1
+    assert checked == 25
+
+
+def test_the_workers_flag_is_executor_workers(tmp_path, capsys, base):
+    """``--workers`` sets executor.workers and is checked as it is (planted: the flag dropped, so the
+    run went on with the config's workers and said nothing)."""
+    line = refused(tmp_path, capsys, base, "--workers", "0")
+    assert re.search(r"executor\.workers: 0 must be at least 1", line), line
+
+
+def test_two_inputs_of_one_file_name_are_refused(tmp_path, capsys, base):
+    """A record without an id is named FILE:LINE, so a/raw.jsonl and b/raw.jsonl would give two
+    documents one id: one Pareto draw for both, and audits that cannot tell them apart."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "raw.jsonl").write_text((tmp_path / "raw.jsonl").read_text())
+    line = refused(tmp_path, capsys, {**base, "input": {"paths": ["a/raw.jsonl", "b/raw.jsonl"]}})
+    assert "input.paths: two inputs are named raw.jsonl; a document without an id is named FILE:LINE" in line, line
