@@ -203,6 +203,9 @@ def test_task_files_of_one_name_keep_their_own_counts(tmp_path):
                    {"lambada/test.jsonl": TASK, "hellaswag/test.jsonl": OTHER, "qa.jsonl": THIRD})
     assert stats["hits"] == {"lambada/test": 4, "hellaswag/test": 0, "qa": 0}
     assert decontaminate.task_names(["/x/a/t.jsonl", "/x/b/t.jsonl.gz", "/x/b/u.parquet"]) == ["a/t", "b/t", "u"]
+    # folders are added until the names differ: two test files under x/ need the folder above it too
+    assert decontaminate.task_names(["/r/a/x/test.jsonl", "/r/b/x/test.jsonl", "/r/c/qa.jsonl"]) == \
+        ["a/x/test", "b/x/test", "qa"]
 
 
 def test_document_frequency_is_summed_over_every_shard(tmp_path):
@@ -229,3 +232,15 @@ def test_a_task_matches_in_either_unicode_form(tmp_path, task_form, doc_form):
     start = composed.index(form("NFC", ACCENTED))
     assert records[0]["text"] == composed[:start - 200].strip()
     assert records[1]["text"] == composed[start + len(form("NFC", ACCENTED)) + 200:].strip()
+
+
+def test_the_ngram_option_sets_the_words_compared_in_every_pass(tmp_path):
+    """decontaminate.ngram reaches the document pass as well as the tasks': a task of 8 words is one
+    8-gram, found and cut with its margins (planted: the document pass kept comparing 13-grams,
+    found nothing, and the leak stayed in)."""
+    task = " ".join(OTHER.split()[:8])
+    doc = f"{FILLER} {task} {FILLER}"
+    records, stats = run(tmp_path, [doc], {"qa.jsonl": task}, ngram=8)
+    assert stats["hits"] == {"qa": 1}
+    start = doc.index(task)
+    assert [r["text"] for r in records] == [doc[:start - 200].strip(), doc[start + len(task) + 200:].strip()]
