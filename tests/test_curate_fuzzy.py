@@ -246,7 +246,8 @@ def test_shingle_files_of_each_npy_format_version_are_read_at_their_data(tmp_pat
 
 def test_edges_are_listed_in_document_order_whatever_the_partitions(tmp_path, prose):
     """(Found by planting bugs.) edges.jsonl lists each edge once, by (id_a, id_b), though the edges
-    were verified in several partitions."""
+    were verified in several partitions: the four asked for, not one per shard (the option sets how
+    many tasks share the buckets and edges, so how much each holds; planted: the option ignored)."""
     texts = [prose[0], prose[1], prose[0], prose[2], prose[1], prose[0], prose[2], prose[1]]
     path = tmp_path / "copies.jsonl"
     path.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
@@ -256,3 +257,6 @@ def test_edges_are_listed_in_document_order_whatever_the_partitions(tmp_path, pr
     edges = [(e["id_a"], e["id_b"]) for e in map(json.loads, open(tmp_path / "out/01-fuzzy_dedup/edges.jsonl"))]
     want = [(f"d{i}", f"d{j}") for i, j in combinations(range(len(texts)), 2) if texts[i] == texts[j]]
     assert edges == want
+    for sub, suffix in (("buckets", "pairs"), ("edges", "npy")):
+        made = sorted(name for name in os.listdir(tmp_path / "out/01-fuzzy_dedup" / sub) if name.endswith(suffix))
+        assert made == [f"part-{p:05d}.{suffix}" for p in range(4)], sub
