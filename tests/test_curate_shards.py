@@ -1,0 +1,37 @@
+"""Shard files hold nothing of when or under what name they were written, so a stage resumed or run
+again writes the bytes an uninterrupted run does (the runs are compared file by file)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from data_pipeline.curate.shards import read_shard, write_shard
+
+
+def test_a_gzip_shard_holds_no_time_and_no_file_name(tmp_path):
+    """RFC 1952: a gzip member's bytes 4-7 are its modification time, and flag bit 3 says a file name
+    follows the header. Both are empty in a shard (planted: the time left to gzip, which wrote the
+    clock's seconds, so a shard written a second later differed)."""
+    records = [{"id": "a", "text": "one caf\u00e9"}, {"id": "b", "text": "two"}]
+    path = tmp_path / "shard-00000-00000.jsonl.gz"
+    write_shard(str(path), records)
+    data = path.read_bytes()
+    assert data[:3] == b"\x1f\x8b\x08" and data[3] & 0x08 == 0 and data[4:8] == bytes(4)
+    assert gzip.decompress(data) == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    assert read_shard(str(path)) == records
+
+
+def test_only_a_string_or_integer_id_names_a_document(tmp_path):
+    """A string or integer id is kept (as a string); true, a float, a list or no id give FILE:LINE
+    (planted: true taken as an integer, so every record whose id is true was the one document "True")."""
+    from data_pipeline.curate.shards import ingest_file, list_shards
+
+    ids = ["a7", 7, True, 1.5, [1], None]
+    src = tmp_path / "raw.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": "words"}) + "\n" for i in ids))
+    (tmp_path / "o").mkdir()
+    ingest_file(str(src), 0, str(tmp_path / "o"), "jsonl", "text", "id", 100, False)
+    [shard] = list_shards(str(tmp_path / "o"))
+    assert [r["id"] for r in read_shard(shard)] == ["a7", "7", "raw.jsonl:3", "raw.jsonl:4", "raw.jsonl:5",
+                                                     "raw.jsonl:6"]
