@@ -152,12 +152,29 @@ def test_one_line_per_log_interval_with_interval_means(tmp_path):
         assert field in lines[1]
 
 
+def test_interval_mean_loss_leaves_out_a_skipped_nan_step(tmp_path):
+    """A NaN step (skipped by the loss scaler) inside an interval does not turn its mean into nan:
+    the line averages the finite losses, (1 + 4) / 2."""
+    out = io.StringIO()
+    with logger(tmp_path, out, log_interval=3) as log:
+        for n, loss in zip((1, 2, 3), (1.0, float("nan"), 4.0)):
+            log.record(step(n, loss=loss))
+    assert "loss 2.500000" in out.getvalue()
+
+
 def test_eval_step_adds_val_loss_and_perplexity(tmp_path):
     out = io.StringIO()
     with logger(tmp_path, out, log_interval=100) as log:
         row = log.record(step(3, val_loss=2.0))
     assert row["val_loss"] == 2.0 and row["val_ppl"] == pytest.approx(math.exp(2.0), rel=1e-12)
     assert "val loss 2.000000 ppl 7.39" in out.getvalue()
+
+
+def test_perplexity_of_a_diverged_eval_is_capped_not_an_overflow(tmp_path):
+    """exp of a loss above 709 overflows a double; the row holds exp(700) instead of raising."""
+    with logger(tmp_path, log_interval=100) as log:
+        row = log.record(step(3, val_loss=800.0))
+    assert row["val_loss"] == 800.0 and row["val_ppl"] == math.exp(700.0)
 
 
 def test_nonfinite_loss_is_null_not_invalid_json(tmp_path):
@@ -194,6 +211,19 @@ def test_resume_supersedes_later_steps_and_a_torn_line_without_truncating(tmp_pa
     assert "metrics.jsonl: skipping malformed line 6" in warnings.getvalue()
 
 
+def test_each_step_is_on_disk_before_the_next_and_resume_markers_are_not_rows(tmp_path):
+    """A step's line is flushed as it is recorded, so another process (or a run killed before it
+    closes the file) reads it; read_metrics returns step rows only, never the resume marker."""
+    path = tmp_path / "metrics.jsonl"
+    with logger(tmp_path) as log:
+        log.record(step(1))
+        assert [r["step"] for r in read_metrics(path)] == [1]
+    with logger(tmp_path, start_step=1) as log:
+        log.record(step(2))
+    rows = read_metrics(path)
+    assert [r["step"] for r in rows] == [1, 2] and all("event" not in r for r in rows)
+
+
 def test_a_fresh_start_over_old_lines_is_marked_not_erased(tmp_path):
     with logger(tmp_path) as log:
         log.record(step(1, loss=5.0))
@@ -218,6 +248,15 @@ def test_cpu_memory_is_reported(tmp_path):
         assert log.record(step(1))["rss_peak_gib"] > 0
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the kernel's own figure in /proc")
+def test_cpu_peak_rss_is_in_gib(tmp_path):
+    """Linux reports peak RSS in KiB: the figure matches the kernel's VmHWM (kB) over 2**20."""
+    reported = memory_gib(torch.device("cpu"))["rss_peak_gib"]
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    high_water_gib = int(status["VmHWM"].split()[0]) / 2**20
+    assert reported == pytest.approx(high_water_gib, rel=0.05)
+
+
 def test_wandb_is_offline_by_default_and_gets_each_step(tmp_path, monkeypatch):
     calls = {"log": []}
 
@@ -235,8 +274,10 @@ def test_wandb_is_offline_by_default_and_gets_each_step(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     with logger(tmp_path, wandb={"project": "p"}) as log:
         log.record(step(1))
+        log.record(step(2, seconds=0.0))  # no time measured: no throughput, which wandb is not sent as None
     assert calls["init"]["mode"] == "offline" and calls["init"]["project"] == "p"
     assert calls["log"][0][0] == 1 and calls["log"][0][1]["loss"] == 2.5
+    assert calls["log"][1][0] == 2 and not {"tokens_per_s", "tflops_per_device", "mfu"} & set(calls["log"][1][1])
     assert calls["finished"]
 
 
