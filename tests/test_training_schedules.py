@@ -86,6 +86,12 @@ def test_token_limited_run_needs_decay_steps():
         lr_schedule(decay=None, train_steps=None)
 
 
+@pytest.mark.parametrize("style", ["cosin", "Linear"])
+def test_an_unknown_decay_style_is_refused_not_run_as_cosine(style):
+    with pytest.raises(ConfigError, match="schedule.decay_style"):
+        lr_schedule(style=style)
+
+
 # --- batch-size ramp-up -------------------------------------------------------------------------
 
 MTNLG_RAMP_SAMPLES = 12_000_000_000 // 2048  # 12B tokens of 2048-token samples = 5,859,375 samples
@@ -184,6 +190,14 @@ def test_ramp_over_no_samples_is_rejected(samples):
     # a start batch with rampup_samples 0 would be ignored silently (the batch is full at sample 0)
     with pytest.raises(ConfigError, match="schedule.rampup_samples"):
         build_batch_schedule(ScheduleConfig(rampup_start_batch=8, rampup_samples=samples),
+                             TrainConfig(micro_batch_size=1, global_batch_size=32), dp=1)
+
+
+@pytest.mark.parametrize("increment", [0, -32])
+def test_ramp_without_a_positive_increment_is_rejected(increment):
+    # an increment of 0 would divide by zero at the first step instead of naming the field
+    with pytest.raises(ConfigError, match="schedule.rampup_increment"):
+        build_batch_schedule(ScheduleConfig(rampup_start_batch=8, rampup_increment=increment, rampup_samples=100),
                              TrainConfig(micro_batch_size=1, global_batch_size=32), dp=1)
 
 
