@@ -191,7 +191,7 @@ def small_model(**changes) -> ModelConfig:
 
 
 @pytest.mark.parametrize("changes", [{}, {"tie_embeddings": False}, {"bias": False, "norm": "rmsnorm"}, {"norm": "rmsnorm"},
-                                     {"activation": "swiglu", "num_kv_heads": 2, "position_embedding": "rope"}])
+                                     {"bias": False}, {"activation": "swiglu", "num_kv_heads": 2, "position_embedding": "rope"}])
 @pytest.mark.parametrize("pp, v, split", [(1, 1, None), (2, 1, None), (2, 1, [2.5, 1.5]), (2, 2, [0.5, 1.5, 1.5, 0.5])])
 def test_parameter_count_is_the_models_own(changes, pp, v, split):
     """Each rank's parameters, counted by the planner, are those of the stage the engine builds, half

@@ -1,0 +1,125 @@
+"""The planner's memory terms against figures worked out by hand from their formulas (docs/planner.md):
+the peak and its margins, the vocabulary padding a tensor rank holds, the model states of a pipeline
+under ZeRO 2 and under optimizer offload, and the gradients no forward runs beside.
+
+The model is a small GPT (4 blocks of width 64, learned positions, LayerNorm, biases, tied
+embeddings), whose parameters are counted here by hand: a block holds its QKV, projection and two
+MLP matrices with their biases and two LayerNorms, 12h^2 + 13h."""
+
+import pytest
+
+from megazero.config import load_config, resolve_config
+from megazero.planner.hardware import GIB
+from megazero.planner.memory import MemoryEstimate, grads_outside_forward, model_state_bytes, rank_params
+
+H, LAYERS, SEQ = 64, 4, 32
+BLOCK = 12 * H * H + 13 * H
+
+
+def config(world, *overrides):
+    return resolve_config(load_config(None, [
+        "--model.num_layers", str(LAYERS), "--model.hidden_size", str(H), "--model.num_heads", "4",
+        "--model.seq_length", str(SEQ), "--model.vocab_size", "512", "--precision.dtype", "bf16",
+        "--train.micro_batch_size", "1", *overrides]), world, world)
+
+
+def test_peak_is_the_activations_or_the_optimizer_steps_and_needed_adds_the_margins():
+    """With gradients released before the forward, the optimizer step (all model states) can be the
+    peak rather than the activations beside the rest: max(10 - 4 + 1, 10) + 2 = 12 GiB; with more
+    activations 10 - 4 + 6 + 2 = 14. Needed adds 10% fragmentation and 1.5 GiB outside the allocator."""
+    optimizer_bound = MemoryEstimate(10 * GIB, 1 * GIB, 2 * GIB, 0, grads_outside_forward=4 * GIB)
+    activation_bound = MemoryEstimate(10 * GIB, 6 * GIB, 2 * GIB, 0, grads_outside_forward=4 * GIB)
+    assert optimizer_bound.peak == pytest.approx(12 * GIB)
+    assert activation_bound.peak == pytest.approx(14 * GIB)
+    assert optimizer_bound.needed == pytest.approx((12 * 1.1 + 1.5) * GIB)
+
+
+def test_a_tensor_rank_holds_its_share_of_the_vocabulary_padded_to_128_times_tp():
+    """Vocabulary 600 at tp 2 pads to 768 rows (a multiple of 256), not 640 (of 128): 384 a rank.
+    Per tensor rank a block holds half its matrices and column biases (12h^2 + 7h) and whole its
+    norms and row-parallel biases (6h); then the learned positions and the final norm."""
+    cfg = config(2, "--parallel.tp", "2", "--model.vocab_size", "600")
+    blocks = LAYERS * ((12 * H * H + 7 * H) / 2 + 6 * H)
+    assert rank_params(cfg, 0) == pytest.approx(blocks + 768 * H / 2 + SEQ * H + 2 * H)
+
+
+def _pipeline(*overrides):
+    """pp 2 x dp 2, blocks split [2, 2], one micro-batch a step on each data-parallel rank."""
+    return config(4, "--parallel.pp", "2", "--parallel.pipeline_split", "[2, 2]", "--train.global_batch_size", "2",
+                  *overrides)
+
+
+# rank 0: two blocks, the embedding and the positions; rank 1: two blocks, the final norm and the
+# tied head's own copy of the embedding (a pipeline's head is in another chunk)
+PIPELINE_PARAMS = (2 * BLOCK + 512 * H + SEQ * H, 2 * BLOCK + 2 * H + 512 * H)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_2_and_3_under_a_pipeline_keep_whole_fp32_gradients(stage):
+    """A pipeline reduces once a step, so each rank keeps its whole fp32 gradients (4 bytes a
+    parameter), beside the sharded master and moments (12 / dp) and, below stage 3, whole bf16
+    parameters (2); stage 3 rounds the master as it gathers and keeps no 16-bit shard."""
+    cfg = _pipeline("--zero.stage", str(stage))
+    params = 2 if stage == 2 else 0
+    for rank, numel in enumerate(PIPELINE_PARAMS):
+        assert model_state_bytes(cfg, rank) == pytest.approx(numel * (params + 4 + 12 / 2)), rank
+
+
+@pytest.mark.parametrize("stage, per_param", [(2, 2 + 4 / 2), (3, 2 / 2 + 4 / 2)])
+def test_offloaded_optimizer_leaves_parameters_and_gradients_on_the_device(stage, per_param):
+    """Master and moments live on the host: the device holds bf16 parameters (whole, or the shard
+    stage 3 keeps for the host's update) and the fp32 gradient shard, nothing else."""
+    cfg = config(2, "--zero.stage", str(stage), "--zero.offload_optimizer", "true", "--train.global_batch_size", "2")
+    numel = LAYERS * BLOCK + 512 * H + SEQ * H + 2 * H
+    assert model_state_bytes(cfg, 0) == pytest.approx(numel * per_param)
+
+
+def test_whole_gradients_of_a_pipeline_are_not_beside_a_lone_micro_batchs_forward():
+    """Under a pipeline, stages 2 and 3 keep whole gradient buffers, taken back by the backward: with
+    one micro-batch a step no forward runs beside them. On the head's rank the unit outside the blocks
+    is taken back as the backward starts, so only its blocks' gradients (fp32) count."""
+    for stage in (1, 2, 3):
+        cfg = _pipeline("--zero.stage", str(stage))
+        assert [grads_outside_forward(cfg, rank) for rank in range(2)] == pytest.approx(
+            [4 * PIPELINE_PARAMS[0], 4 * 2 * BLOCK]), stage
+    # without a pipeline stage 2 reduces each gradient as it comes: no whole buffer to leave out
+    assert grads_outside_forward(config(2, "--zero.stage", "2", "--train.global_batch_size", "2"), 0) == 0
+
+
+def test_a_block_without_dropout_keeps_no_masks_and_gqa_keeps_its_narrower_keys_and_values():
+    """Bytes a block keeps per token (bf16, tp 1): each half its norm's and linear's inputs (2 x 2h),
+    then attention Q, K, V and its output (q + 2 kv + q elements: 64 + 2 x 32 + 64 with 2 of 4 heads
+    for keys and values) and SwiGLU's gate and up outputs and the down matrix's input (3f, f = 128);
+    no dropout, so no one-byte masks."""
+    from megazero.planner.memory import layer_activation_bytes
+
+    cfg = config(1, "--model.num_kv_heads", "2", "--model.activation", "swiglu", "--model.ffn_hidden_size", "128",
+                 "--train.micro_batch_size", "2", "--train.global_batch_size", "2")
+    attention = 2 * 2 * H + 2 * (64 + 2 * 32 + 64)
+    mlp = 2 * 2 * H + 2 * 3 * 128
+    assert layer_activation_bytes(cfg, False) == pytest.approx(SEQ * 2 * (attention + mlp))
+
+
+def test_the_head_rank_keeps_its_share_of_the_logits_under_tensor_parallelism():
+    """tp 2 without sequence parallelism, one micro-batch of 2 in flight: each block keeps per token
+    its halves' norm and linear inputs whole (4 x 2h bytes) and its split tensors halved (12h
+    elements: Q, K, V, attention output, then the MLP's 4h and 4h, at 2 bytes over 2 ranks); the head
+    adds the final hidden state and its norm's output (2 x 2h) and this rank's 256 of the 512 logits."""
+    from megazero.planner.memory import activation_bytes
+
+    cfg = config(2, "--parallel.tp", "2", "--train.micro_batch_size", "2", "--train.global_batch_size", "2")
+    block = 4 * 2 * H + 12 * H * 2 / 2
+    assert activation_bytes(cfg, 0) == pytest.approx(SEQ * 2 * (LAYERS * block + 2 * 2 * H + 2 * 512 / 2))
+
+
+def test_gradient_buckets_are_two_at_most_the_gradients_and_none_without_data_parallelism():
+    """Two buckets (one reducing while the next fills), but never more than the rank's fp32 gradients
+    (a model smaller than a bucket has one partial bucket's worth); a single data-parallel rank
+    reduces nothing and holds none."""
+    from megazero.planner.memory import buffer_bytes
+
+    numel = LAYERS * BLOCK + 512 * H + SEQ * H + 2 * H
+    assert buffer_bytes(config(2, "--train.global_batch_size", "2"), 0) == pytest.approx(4 * numel)
+    small_buckets = config(2, "--zero.bucket_size_mb", "0.25", "--train.global_batch_size", "2")
+    assert buffer_bytes(small_buckets, 0) == pytest.approx(2 * 0.25 * 2**20)
+    assert buffer_bytes(config(1, "--train.global_batch_size", "1"), 0) == 0
