@@ -115,7 +115,7 @@ def test_the_head_rank_keeps_its_share_of_the_logits_under_tensor_parallelism():
 def test_gradient_buckets_are_two_at_most_the_gradients_and_none_without_data_parallelism():
     """Two buckets (one reducing while the next fills), but never more than the rank's fp32 gradients
     (a model smaller than a bucket has one partial bucket's worth); a single data-parallel rank
-    reduces nothing and holds none."""
+    reduces and gathers nothing and holds none, at stage 3 too."""
     from megazero.planner.memory import buffer_bytes
 
     numel = LAYERS * BLOCK + 512 * H + SEQ * H + 2 * H
@@ -123,3 +123,4 @@ def test_gradient_buckets_are_two_at_most_the_gradients_and_none_without_data_pa
     small_buckets = config(2, "--zero.bucket_size_mb", "0.25", "--train.global_batch_size", "2")
     assert buffer_bytes(small_buckets, 0) == pytest.approx(2 * 0.25 * 2**20)
     assert buffer_bytes(config(1, "--train.global_batch_size", "1"), 0) == 0
+    assert buffer_bytes(config(1, "--zero.stage", "3", "--train.global_batch_size", "1"), 0) == 0  # nothing to gather
