@@ -1,0 +1,110 @@
+"""The planner's step-time terms against figures worked out by hand from docs/planner.md: the
+optimizer step's bytes over HBM, the data-parallel traffic each ZeRO stage exposes with and without
+overlap, the tensor-parallel all-reduces (recomputed forwards included), the host-bound stage, the
+1F1B bubble, and MFU against hardware TFLOP/s.
+
+The model is a small GPT (4 blocks of width 64, vocabulary 512, sequence 32, bf16, fp32 gradient
+accumulation) with 12h^2 + 13h parameters a block, counted by hand; its FLOPs per token come from
+``flops_per_token``, itself checked by hand in test_metrics."""
+
+import pytest
+
+from megazero.config import load_config, resolve_config
+from megazero.flops import flops_per_token
+from megazero.planner import GPUS, Cluster, estimate_step
+from megazero.planner.hardware import custom_gpu
+
+H, LAYERS, SEQ, VOCAB = 64, 4, 32, 512
+NUMEL = LAYERS * (12 * H * H + 13 * H) + VOCAB * H + SEQ * H + 2 * H  # blocks, embedding, positions, final norm
+H100 = GPUS["h100"]  # 989 TFLOP/s at 0.58, HBM 3350 GB/s, NVLink 450 GB/s (0.45 for tensor parallelism)
+LINK = 0.8  # what a link delivers of its datasheet figure
+
+
+def config(world, *overrides):
+    return resolve_config(load_config(None, [
+        "--model.num_layers", str(LAYERS), "--model.hidden_size", str(H), "--model.num_heads", "4",
+        "--model.seq_length", str(SEQ), "--model.vocab_size", str(VOCAB), "--precision.dtype", "bf16",
+        "--train.micro_batch_size", "1", *overrides]), world, world)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_optimizer_step_streams_its_shard_through_hbm(stage):
+    """Per shard element: master and two moments read and written (24 bytes), the fp32 gradient read
+    (4) and the bf16 parameter written (2), at 80% of 3350 GB/s; ZeRO 1-3 shard over dp 2."""
+    cfg = config(2, "--zero.stage", str(stage), "--train.global_batch_size", "2")
+    shard = NUMEL / (2 if stage else 1)
+    assert estimate_step(cfg, Cluster(H100, 2, 2)).optimizer_s == pytest.approx(shard * 30 / (3350e9 * 0.8))
+
+
+def _data_parallel(stage, overlap):
+    """dp 2 within a node of GPUs doing 1 GFLOP/s over 10 MB/s links, two micro-batches a step: a
+    micro-batch's compute and the gradients' traffic are then of a size."""
+    gpu = custom_gpu(H100, peak_tflops=0.001, intra_node_GBps=0.01)
+    cfg = config(2, "--zero.stage", str(stage), "--zero.overlap_comm", str(overlap).lower(),
+                 "--train.global_batch_size", "4")
+    bw = 0.01e9 * LINK
+    reduce_scatter, gather = NUMEL / 2 * 4 / bw, NUMEL / 2 * 2 / bw  # (d-1)/d of fp32 gradients, bf16 parameters
+    compute = SEQ * flops_per_token(cfg.model) / (0.001e12 * H100.efficiency)
+    return estimate_step(cfg, Cluster(gpu, 2, 2)).dp_comm_s, reduce_scatter, gather, compute
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_data_parallel_traffic_of_each_stage_without_overlap(stage):
+    """Stage 0 all-reduces (reduce-scatter and gather of the gradients), stage 1 reduces once and
+    gathers the parameters, stage 2 reduce-scatters each of the 2 micro-batches, stage 3 gathers the
+    parameters for each forward and backward and reduce-scatters each micro-batch."""
+    exposed, rs, gather, _ = _data_parallel(stage, overlap=False)
+    expected = {0: 2 * rs, 1: rs + gather, 2: 2 * rs + gather, 3: 2 * (2 * gather + rs)}[stage]
+    assert exposed == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_data_parallel_traffic_hides_behind_the_backward_and_forward(stage):
+    """With overlap, the reduction hides behind the last backward (2/3 of a micro-batch's compute c),
+    the gather behind the next forward (c/3), stage 2's per-micro-batch reduction behind each
+    backward, stage 3's traffic behind each whole micro-batch."""
+    exposed, rs, gather, c = _data_parallel(stage, overlap=True)
+    assert 2 * c / 3 < rs and c / 3 < gather  # every term still shows
+    expected = {0: 2 * rs - 2 * c / 3, 1: rs - 2 * c / 3 + gather - c / 3, 2: 2 * (rs - 2 * c / 3) + gather - c / 3,
+                3: 2 * (2 * gather + rs - c)}[stage]
+    assert exposed == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("recompute, every, all_reduces", [("none", 1, 4 * 4), ("full", 1, 4 * 4 + 2 * 4),
+                                                           ("full", 2, 4 * 4 + 2 * 2)])
+def test_tensor_parallel_all_reduces_per_block_and_recomputed_forward(recompute, every, all_reduces):
+    """tp 2: four all-reduces a block (two forward, two backward) and two more in each recomputed
+    forward (every block, or blocks 0 and 2 of 4), each moving 2(t-1)/t of a micro-batch's bf16
+    activations (2 x 32 tokens x 64) over NVLink at the tensor-parallel efficiency."""
+    cfg = config(2, "--parallel.tp", "2", "--parallel.recompute", recompute, "--parallel.recompute_every", str(every),
+                 "--train.micro_batch_size", "2", "--train.global_batch_size", "2")
+    all_reduce = 2 * (2 - 1) / 2 * 2 * (SEQ * 2) * H / (450e9 * H100.tp_link_efficiency)
+    assert estimate_step(cfg, Cluster(H100, 2, 2)).tp_comm_s == pytest.approx(all_reduces * all_reduce)
+
+
+@pytest.mark.parametrize("pp, split, blocks", [(1, None, 4), (2, "[1, 3]", 3)])
+def test_a_host_bound_stage_takes_the_hosts_time(pp, split, blocks):
+    """A tensor-parallel model this small, its blocks not replayed as graphs, waits on the host: each
+    micro-batch of the busiest stage takes 6 ms a block, its compute and tensor-parallel traffic
+    inside that, whichever rank it is (here the last, with 3 of the 4 blocks)."""
+    extra = ["--parallel.pipeline_split", split] if split else []
+    cfg = config(2 * pp, "--parallel.tp", "2", "--parallel.pp", str(pp), "--train.global_batch_size", "4", *extra)
+    est = estimate_step(cfg, Cluster(H100, 2 * pp, 2 * pp))
+    assert est.host_s > 0
+    assert est.compute_s + est.tp_comm_s + est.host_s == pytest.approx(4 * blocks * 6e-3)
+
+
+def test_the_1f1b_bubble_is_p_minus_1_over_m_of_the_useful_time():
+    """pp 2, 4 micro-batches a step: (p - 1)/m = 1/4 of the slowest stage's time for the 4."""
+    est = estimate_step(config(2, "--parallel.pp", "2", "--train.global_batch_size", "4"), Cluster(H100, 2, 2))
+    assert est.bubble_s == pytest.approx((est.compute_s + est.tp_comm_s + est.host_s + est.pp_comm_s) / 4)
+
+
+def test_mfu_counts_the_models_flops_and_tflops_the_recomputed_ones_too():
+    """Full recompute of every block: TFLOP/s per GPU counts each block's forward again (the FLOPs
+    executed), MFU the model's alone against the dense peak, over the step's 2 x 32 tokens on 2 GPUs."""
+    cfg = config(2, "--parallel.recompute", "full", "--train.global_batch_size", "2")
+    est = estimate_step(cfg, Cluster(H100, 2, 2))
+    tokens_per_gpu_s = 2 * SEQ / est.step_s / 2
+    assert est.tflops_per_gpu == pytest.approx(flops_per_token(cfg.model, "full") * tokens_per_gpu_s / 1e12)
+    assert est.mfu == pytest.approx(flops_per_token(cfg.model) * tokens_per_gpu_s / 989e12)
