@@ -108,3 +108,44 @@ def test_mfu_counts_the_models_flops_and_tflops_the_recomputed_ones_too():
     tokens_per_gpu_s = 2 * SEQ / est.step_s / 2
     assert est.tflops_per_gpu == pytest.approx(flops_per_token(cfg.model, "full") * tokens_per_gpu_s / 1e12)
     assert est.mfu == pytest.approx(flops_per_token(cfg.model) * tokens_per_gpu_s / 989e12)
+
+
+BLOCK = 12 * H * H + 13 * H
+HEAD_RANK_PARAMS = 2 * BLOCK + 2 * H + VOCAB * H  # two blocks, the final norm, the tied head's own copy
+
+
+def test_a_data_parallel_group_strided_across_nodes_takes_infiniband():
+    """tp-pp-dp on nodes of 2: the pipeline's two ranks are neighbours, the data-parallel pair 2
+    apart, on two nodes; without overlap stage 1 under a pipeline reduces once and gathers once,
+    the head rank's parameters over its 50 GB/s InfiniBand share."""
+    cfg = config(4, "--parallel.pp", "2", "--parallel.order", "tp-pp-dp", "--parallel.pipeline_split", "[2, 2]",
+                 "--zero.overlap_comm", "false", "--train.global_batch_size", "4")
+    bw = 50e9 * LINK
+    expected = HEAD_RANK_PARAMS / 2 * (4 + 2) / bw
+    assert estimate_step(cfg, Cluster(H100, 4, 2)).dp_comm_s == pytest.approx(expected)
+
+
+def test_interleaving_reduces_after_the_last_backward_and_stage_3_pipelines_hide_behind_it():
+    """On slow GPUs over NVLink: interleaved (two chunks a rank) ZeRO 1 reduces after the last
+    backward, hiding none of it, while its gather still hides behind the next forward; one chunk a
+    rank under ZeRO 3 hides its gathers behind each micro-batch and its reduction behind the last
+    backward, exposing nothing."""
+    gpu = custom_gpu(H100, peak_tflops=0.001)
+    interleaved = config(4, "--parallel.pp", "2", "--parallel.virtual_stages", "2", "--parallel.pipeline_split",
+                         "[1, 1, 1, 1]", "--train.global_batch_size", "8")
+    reduce_scatter = HEAD_RANK_PARAMS / 2 * 4 / (450e9 * LINK)
+    assert estimate_step(interleaved, Cluster(gpu, 4, 4)).dp_comm_s == pytest.approx(reduce_scatter)
+    stage3 = config(4, "--parallel.pp", "2", "--zero.stage", "3", "--train.global_batch_size", "8")
+    assert estimate_step(stage3, Cluster(gpu, 4, 4)).dp_comm_s == 0
+
+
+def test_selective_recompute_repeats_the_attention_cores_of_a_ranks_own_blocks():
+    """pp 2 split [2, 2]: the head's rank computes its two blocks' forward and backward, their two
+    attention cores again (half the model's selective extra), and the head, for 4 micro-batches."""
+    cfg = config(2, "--parallel.pp", "2", "--parallel.pipeline_split", "[2, 2]", "--parallel.recompute", "selective",
+                 "--train.global_batch_size", "4")
+    model, selective = flops_per_token(cfg.model), flops_per_token(cfg.model, "selective")
+    head = 6 * H * VOCAB
+    per_token = (model - head) / 2 + (selective - model) / 2 + head
+    expected = 4 * SEQ * per_token / (989e12 * H100.efficiency)
+    assert estimate_step(cfg, Cluster(H100, 2, 2)).compute_s == pytest.approx(expected)
