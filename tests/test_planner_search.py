@@ -1,0 +1,38 @@
+"""How the planner's search picks among layouts: the nearest layout that fits changes the fewest
+knobs, the config's own micro-batch size is searched even when not a power of two, and a layout
+fits when it needs exactly the device's memory."""
+
+from megazero.config import load_config, resolve_config
+from megazero.planner import GPUS, Cluster, estimate_memory, plan
+from megazero.planner.hardware import GIB, custom_gpu
+from megazero.planner.search import evaluate, layout_of, nearest_fitting
+
+
+def small(*overrides):
+    """A 4-block GPT of width 256 over 512-token samples on 2 GPUs: its activations dominate."""
+    return resolve_config(load_config(None, [
+        "--model.num_layers", "4", "--model.hidden_size", "256", "--model.num_heads", "4", "--model.seq_length", "512",
+        "--model.vocab_size", "512", "--precision.dtype", "bf16", *overrides]), 2, 2)
+
+
+def test_the_nearest_fitting_layout_changes_fewest_knobs_before_it_is_fastest():
+    """At 97% of what its own layout needs, ZeRO 0 at micro-batch 8 does not fit. The fastest layouts
+    that do change two knobs (a ZeRO stage and a smaller micro-batch); halving the micro-batch
+    alone fits too, and that single change is what the start-up check names."""
+    cfg = small("--train.micro_batch_size", "8", "--train.global_batch_size", "16", "--zero.stage", "0")
+    own = layout_of(cfg)
+    cluster = Cluster(custom_gpu(GPUS["h100"], memory_gib=0.97 * estimate_memory(cfg).needed / GIB), 2, 2)
+    fastest = next(c for c in plan(cfg, cluster) if c.fits)
+    assert len(fastest.layout.changes_from(own)) == 2
+    assert nearest_fitting(cfg, cluster).layout.changes_from(own) == ["--train.micro_batch_size 4"]
+
+
+def test_the_configs_own_micro_batch_is_searched_beside_the_powers_of_two():
+    cfg = small("--train.micro_batch_size", "3", "--train.global_batch_size", "6")
+    assert layout_of(cfg) in {c.layout for c in plan(cfg, Cluster(GPUS["h100"], 2, 2))}
+
+
+def test_a_layout_needing_exactly_the_devices_memory_fits():
+    cfg = small("--train.micro_batch_size", "8", "--train.global_batch_size", "16")
+    exact = custom_gpu(GPUS["h100"], memory_gib=estimate_memory(cfg).needed / GIB)
+    assert evaluate(cfg, Cluster(exact, 2, 2)).fits
