@@ -29,6 +29,19 @@ def test_plan_json(capsys):
     assert again.memory.peak / GIB == pytest.approx(best["memory_gib"], abs=0.01)
 
 
+def test_plan_takes_each_hardware_flag_as_its_own_figure(capsys):
+    """Each flag replaces its own preset figure (planted: the two bandwidths swapped), and a cluster
+    smaller than a node is one node of its own GPUs."""
+    code = main(["plan", "configs/demo.yaml", "--gpus", "2", "--gpus-per-node", "8", "--gpu", "a100-80gb",
+                 "--gpu-memory", "40", "--peak-tflops", "500", "--intra-node-GBps", "100", "--inter-node-GBps", "12.5",
+                 "--top", "1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and (out["gpus"], out["gpus_per_node"]) == (2, 2)
+    gpu = out["gpu"]
+    assert (gpu["memory_gib"], gpu["peak_tflops"], gpu["intra_node_GBps"], gpu["inter_node_GBps"]) == (40, 500, 100, 12.5)
+    assert (gpu["hbm_GBps"], gpu["efficiency"]) == (2039.0, GPUS["a100-80gb"].efficiency)  # the rest is the preset's
+
+
 def test_plan_holds_the_searched_fields_the_command_line_gives(capsys):
     """A searched field given as an override (`--zero.stage 3`) is a choice the user made: every
     ranked layout keeps it. One set in the config file only is searched around, and so is any field
