@@ -1,6 +1,8 @@
 """How the planner's search picks among layouts: the nearest layout that fits changes the fewest
-knobs, the config's own micro-batch size is searched even when not a power of two, and a layout
+knobs, the config's own micro-batch size and schedule are searched beside the usual ones, and a layout
 fits when it needs exactly the device's memory."""
+
+import pytest
 
 from megazero.config import load_config, resolve_config
 from megazero.planner import GPUS, Cluster, estimate_memory, plan
@@ -27,8 +29,12 @@ def test_the_nearest_fitting_layout_changes_fewest_knobs_before_it_is_fastest():
     assert nearest_fitting(cfg, cluster).layout.changes_from(own) == ["--train.micro_batch_size 4"]
 
 
-def test_the_configs_own_micro_batch_is_searched_beside_the_powers_of_two():
-    cfg = small("--train.micro_batch_size", "3", "--train.global_batch_size", "6")
+@pytest.mark.parametrize("overrides", [["--train.micro_batch_size", "3", "--train.global_batch_size", "6"],
+                                       ["--parallel.pipeline_schedule", "gradient_accumulation"]])
+def test_the_configs_own_values_are_searched_beside_the_usual_ones(overrides):
+    """A micro-batch of 3 beside the powers of two, a schedule named for one pipeline stage beside
+    auto: the config's own layout is always among those ranked."""
+    cfg = small(*overrides)
     assert layout_of(cfg) in {c.layout for c in plan(cfg, Cluster(GPUS["h100"], 2, 2))}
 
 
