@@ -2,10 +2,13 @@
 knobs, the config's own micro-batch size and schedule are searched beside the usual ones, and a layout
 fits when it needs exactly the device's memory."""
 
+import dataclasses
+
 import pytest
 
 from megazero.config import load_config, resolve_config
 from megazero.planner import GPUS, Cluster, estimate_memory, plan
+from megazero.planner.fit import memory_problem
 from megazero.planner.hardware import GIB, custom_gpu
 from megazero.planner.search import evaluate, layout_of, nearest_fitting
 
@@ -39,6 +42,9 @@ def test_the_configs_own_values_are_searched_beside_the_usual_ones(overrides):
 
 
 def test_a_layout_needing_exactly_the_devices_memory_fits():
+    """The planner's search and the start-up memory check both fit a layout whose need equals the memory."""
     cfg = small("--train.micro_batch_size", "8", "--train.global_batch_size", "16")
-    exact = custom_gpu(GPUS["h100"], memory_gib=estimate_memory(cfg).needed / GIB)
-    assert evaluate(cfg, Cluster(exact, 2, 2)).fits
+    needed = estimate_memory(cfg).needed / GIB
+    assert evaluate(cfg, Cluster(custom_gpu(GPUS["h100"], memory_gib=needed), 2, 2)).fits
+    # the start-up check agrees: a stated budget of exactly what the run needs raises nothing
+    assert memory_problem(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_budget_gib=needed))) is None
