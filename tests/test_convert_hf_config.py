@@ -1,0 +1,74 @@
+"""A Hugging Face ``config.json`` is read as ``transformers`` reads it: a key it leaves out takes the
+value ``transformers`` gives it, a rotary base kept in ``rope_parameters`` (where ``transformers``
+5 saves it) is the model's, and a head width other than hidden_size / heads is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+
+from megazero.convert.hf import HFSource
+from tests.convert_sources import fails, llama_folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A GPT-2 of transformers' default context (1024 positions, so its n_positions can be left out)
+    and a Llama, each saved by transformers."""
+    root = tmp_path_factory.mktemp("hf_config")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=61)
+    transformers.GPT2LMHeadModel(config).save_pretrained(root / "gpt2")
+    return {"gpt2": root / "gpt2", "llama": llama_folder(root / "llama")}
+
+
+def _saved(folder: Path, tmp_path: Path, drop: str) -> Path:
+    """A copy of ``folder`` whose config.json lacks ``drop``."""
+    copy = Path(shutil.copytree(folder, tmp_path / folder.name))
+    config = json.loads((copy / "config.json").read_text())
+    del config[drop]
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.parametrize("family, key, field", [
+    ("gpt2", "n_positions", "seq_length"),
+    ("gpt2", "layer_norm_epsilon", "norm_eps"),
+    ("llama", "rms_norm_eps", "norm_eps"),
+    ("llama", "max_position_embeddings", "seq_length"),
+    ("llama", "attention_dropout", "attention_dropout"),
+])
+def test_a_key_left_out_takes_the_value_transformers_gives_it(folders, tmp_path, family, key, field):
+    """The model imported is the one ``from_pretrained`` builds from the same file: Llama's RMSNorm
+    epsilon is 1e-6 there when the file has none, not GPT-2's 1e-5."""
+    folder = _saved(folders[family], tmp_path, key)
+    assert getattr(HFSource(folder).cfg, field) == getattr(transformers.AutoConfig.from_pretrained(folder), key)
+
+
+def test_a_rotary_base_in_rope_parameters_is_the_models(tmp_path):
+    """transformers 5 keeps rope_theta only inside rope_parameters: a Llama 3 base of 500,000 read as
+    the default 10,000 would put every position at other angles."""
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      vocab_size=61, max_position_embeddings=16, rope_theta=500000.0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    saved = json.loads((tmp_path / "llama" / "config.json").read_text())
+    assert "rope_theta" not in saved and saved["rope_parameters"]["rope_theta"] == 500000.0
+    assert HFSource(tmp_path / "llama").cfg.rope_theta == 500000.0
+
+
+def test_a_head_width_other_than_the_models_is_refused_by_name(tmp_path, capsys):
+    """A Llama whose head_dim (16) is not hidden_size / num_attention_heads (32 / 4 = 8) cannot be
+    built by megazero, which derives the width; the refusal names head_dim, not a tensor shape."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      head_dim=16, vocab_size=61, max_position_embeddings=16)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    err = fails(capsys, tmp_path, tmp_path / "llama")
+    assert err.endswith("head_dim: 16 differs from hidden_size / num_attention_heads = 8; megazero derives the "
+                        "head width from those two"), err
