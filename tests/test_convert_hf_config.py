@@ -40,13 +40,16 @@ def _saved(folder: Path, tmp_path: Path, drop: str) -> Path:
 @pytest.mark.parametrize("family, key, field", [
     ("gpt2", "n_positions", "seq_length"),
     ("gpt2", "layer_norm_epsilon", "norm_eps"),
+    ("gpt2", "resid_pdrop", "dropout"),
+    ("gpt2", "attn_pdrop", "attention_dropout"),
     ("llama", "rms_norm_eps", "norm_eps"),
     ("llama", "max_position_embeddings", "seq_length"),
     ("llama", "attention_dropout", "attention_dropout"),
 ])
 def test_a_key_left_out_takes_the_value_transformers_gives_it(folders, tmp_path, family, key, field):
     """The model imported is the one ``from_pretrained`` builds from the same file: Llama's RMSNorm
-    epsilon is 1e-6 there when the file has none, not GPT-2's 1e-5."""
+    epsilon is 1e-6 there when the file has none, not GPT-2's 1e-5, and GPT-2's dropout rates are 0.1
+    (they were read as 0: a fine-tuning run from the import trained without dropout)."""
     folder = _saved(folders[family], tmp_path, key)
     assert getattr(HFSource(folder).cfg, field) == getattr(transformers.AutoConfig.from_pretrained(folder), key)
 

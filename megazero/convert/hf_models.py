@@ -102,7 +102,9 @@ class GPT2:
             "tie_embeddings": "tie_word_embeddings", "dropout": "resid_pdrop", "attention_dropout": "attn_pdrop",
             "init_std": "initializer_range"}
     DEFAULTS = {"ffn_hidden_size": None, "seq_length": 1024, "norm_eps": 1e-5, "tie_embeddings": True,
-                "dropout": 0.0, "attention_dropout": 0.0, "init_std": None}
+                "dropout": 0.1, "attention_dropout": 0.1, "init_std": None}
+    """GPT2Config's own defaults (its dropout rates are 0.1): a key left out means what
+    ``from_pretrained`` makes of it."""
     BUFFERS = (re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"),)
     """Tensors that hold no weights (the causal-mask buffers older versions of ``transformers``
     saved, which it skips on load itself): a folder may have them; they are not imported."""
