@@ -1,0 +1,35 @@
+"""Megatron imports at their edges: tp copies of a replicated tensor that differ by a rounding's
+worth are still named, and a --vocab-size of exactly the padded rows is taken."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megazero.cli import main
+from megazero.convert.megatron import _vocab_size
+from megazero.convert.megatron_out import write_megatron
+from tests.convert_sources import RandomSource
+
+
+def test_tp_copies_that_differ_by_a_little_are_named(tmp_path, capsys):
+    """Any difference between the tp copies of a replicated tensor means Megatron's ranks computed
+    with different weights: one of 1e-4 (a bf16 drift) is named like a large one."""
+    write_megatron(RandomSource(num_layers=2, hidden_size=16, num_heads=4), tmp_path / "meg", tp=2, pp=1,
+                   impl="local")
+    path = tmp_path / "meg" / "release" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["decoder.final_layernorm.weight"][3] += 1e-4
+    torch.save(state, path)
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "meg"), str(tmp_path / "mz")]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "different copies" in line]
+    assert len(notes) == 1 and "decoder.final_layernorm.weight (largest difference 0.0001)" in notes[0], notes
+
+
+def test_a_vocab_size_of_exactly_the_padded_rows_is_taken():
+    """--vocab-size may name every padded row (a tokenizer of 128 pieces for 128 rows): refused only
+    beyond them."""
+    args = argparse.Namespace(padded_vocab_size=128, tensor_model_parallel_size=1)
+    assert _vocab_size(args, "ckpt", 128) == 128
