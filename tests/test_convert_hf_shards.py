@@ -28,3 +28,22 @@ def test_a_shard_size_counts_the_dtype_bytes():
     planned = _plan_shards({"a": (10,), "b": (15,), "c": (10,)}, torch.bfloat16, 50)
     assert planned == {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
                        "c": "model-00002-of-00002.safetensors"}
+
+
+def test_shard_size_gb_counts_decimal_gigabytes(tmp_path):
+    """--shard-size-gb 0.0000082 is 8,200 bytes (GB, as Hugging Face's max_shard_size counts them, not
+    GiB: 8,804). The one-layer GPT-2's fp32 tensors then fill three files, of 7,680 bytes (embeddings,
+    first norm, attention, second norm), 4,352 (c_fc) and 4,288 (the MLP's c_proj and the final norm)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from megazero.cli import main
+    from megazero.convert.targets import write_megazero
+    from tests.convert_sources import RandomSource
+
+    write_megazero(RandomSource(num_layers=1), tmp_path / "mz")
+    assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "hf"), "--shard-size-gb", "0.0000082"]) == 0
+    files = sorted(set(json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    sizes = [sum(t.numel() * t.element_size() for t in load_file(tmp_path / "hf" / f).values()) for f in files]
+    assert sizes == [7680, 4352, 4288]
