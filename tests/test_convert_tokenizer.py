@@ -71,3 +71,21 @@ def test_exported_tokenizer_encodes_as_ours(tokenizers, checkpoint, tmp_path, ki
         assert theirs.encode(text) == ids, text
         assert theirs(text)["input_ids"] == ids, text
         assert theirs.decode(ids) == ours.decode(ids), text
+
+
+def test_a_run_tokenizer_gone_from_this_machine_exports_the_weights_alone(tmp_path):
+    """A checkpoint converted on another machine than it trained on may name a data.tokenizer that is
+    not there: without --tokenizer the export writes the weights alone rather than failing on a
+    tokenizer nobody asked for."""
+    from megazero.checkpoint import read_manifest
+    from megazero.checkpoint.format import CHECKSUM, COMPLETE, complete_text
+    from megazero.convert.targets import write_megazero
+    from tests.convert_sources import RandomSource
+
+    ckpt = write_megazero(RandomSource(num_layers=1), tmp_path / "mz")
+    record = {k: v for k, v in read_manifest(ckpt).items() if k != CHECKSUM}
+    record["meta"]["config"]["data"]["tokenizer"] = str(tmp_path / "elsewhere" / "tokenizer.model")
+    (ckpt / COMPLETE).write_text(complete_text(record))
+    assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "hf")]) == 0
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json",
+                                                                    "model.safetensors"]
