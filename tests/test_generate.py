@@ -98,6 +98,8 @@ def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
     ("--top-k", "0", "argument --top-k: must be 1 or more, got 0"),
     ("--seed", "99999999999999999999", "argument --seed: must be below 9223372036854775808"),
     ("--seed", "-1", "argument --seed: must be 0 or more"),
+    ("--temperature", "inf", "argument --temperature: must be a finite number of 0 or more, got inf"),
+    ("--temperature", "-0.5", "argument --temperature: must be a finite number of 0 or more, got -0.5"),
 ])
 def test_bad_numbers_are_refused_by_the_parser(capsys, option, value, words):
     with pytest.raises(SystemExit) as exit_info:
@@ -131,6 +133,10 @@ def test_a_tokenizer_beyond_the_models_vocabulary_is_named(trained, tmp_path, ca
     err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w9"])
     assert err.endswith(f"--tokenizer {tok}: has 101 tokens, but the checkpoint's model has {VOCAB}; use the "
                         "tokenizer it was trained with")
+    one_more = _tokenizer(tmp_path / "one_more.json", VOCAB)  # VOCAB words and </s>: one id beyond the rows
+    err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", one_more, "--prompt", "w9"])
+    assert err.endswith(f"has {VOCAB + 1} tokens, but the checkpoint's model has {VOCAB}; use the tokenizer it "
+                        "was trained with")
     small = _tokenizer(tmp_path / "small.json", 10)
     err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", small, "--prompt", ""])
     assert err.endswith("--prompt '' encodes to no tokens; give some text to continue")
