@@ -89,3 +89,19 @@ def test_a_run_tokenizer_gone_from_this_machine_exports_the_weights_alone(tmp_pa
     assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "hf")]) == 0
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json",
                                                                     "model.safetensors"]
+
+
+def test_a_tokenizer_one_token_beyond_the_model_is_refused(tmp_path):
+    """A tokenizer of exactly as many tokens as the model has rows exports; one more token would be
+    an id the model cannot embed, and is refused before anything is written."""
+    from tokenizers import Tokenizer, models
+
+    from megazero.convert.hf_tokenizer import load_fitting
+    from megazero.errors import UserError
+
+    for words in (60, 61):
+        Tokenizer(models.WordLevel({f"w{i}": i for i in range(words)} | {"</s>": words}, unk_token="</s>")).save(
+            str(tmp_path / f"{words}.json"))
+    assert load_fitting(str(tmp_path / "60.json"), 61, 16).tok.vocab_size == 61
+    with pytest.raises(UserError, match="has 62 tokens, but the model has 61"):
+        load_fitting(str(tmp_path / "61.json"), 61, 16)
