@@ -375,6 +375,16 @@ def test_layout_flags_apply_to_a_megazero_target_only(sources, tmp_path, capsys,
     assert err.endswith(f"{names}: apply to --to megazero only{also}"), err
 
 
+@pytest.mark.parametrize("src,to", [("hf", "megazero"), ("gpt2_mz", "torch")])
+def test_reset_step_applies_to_a_megazero_reshard_only(sources, tmp_path, capsys, src, to):
+    """An HF folder always starts at step 0 and a state dict has no step: --reset-step is refused
+    there rather than taken as done."""
+    dst = tmp_path / ("out.safetensors" if to == "torch" else "out")
+    err = fails(capsys, tmp_path, sources / src, "--to", to, "--reset-step", dst=dst)
+    assert err.endswith("--reset-step: applies to --to megazero from a megazero checkpoint only (other sources "
+                        "always start at step 0)"), err
+
+
 @pytest.mark.parametrize("name", ["model", "model.pt"])
 def test_a_state_dict_file_must_be_named_safetensors(sources, tmp_path, capsys, name):
     """``--to torch`` writes safetensors; a file named ``model.pt`` would be taken for a pickle."""
