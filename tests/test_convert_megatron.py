@@ -276,6 +276,7 @@ def test_learned_positions_cover_max_position_embeddings_rotary_the_sequence():
     ({}, False),  # biases and Megatron-LM's default bias_gelu_fusion: its fused bias-GeLU, the tanh one
     ({"bias_gelu_fusion": False}, True),  # --no-bias-gelu-fusion: F.gelu, exact
     ({"add_bias_linear": False, "bias_gelu_fusion": False}, True),
+    ({"add_bias_linear": False}, True),  # the fused bias-GeLU needs a bias: without one, F.gelu
     ({"bias_gelu_fusion": False, "openai_gelu": True}, True),  # megatron-core's config does not read openai_gelu
 ])
 def test_megatron_cores_gelu_is_tanh_only_in_its_fused_bias_gelu(capsys, changes, erf):
