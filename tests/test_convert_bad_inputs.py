@@ -358,6 +358,7 @@ def test_hf_buffers_without_weights_are_skipped(sources, tmp_path, folder, buffe
     (["--shard-size-gb", "inf"], "--shard-size-gb: must be a positive number of GB, got inf"),
     (["--shard-size-gb", "0"], "--shard-size-gb: must be a positive number of GB, got 0.0"),
     (["--shard-size-gb", "-1"], "--shard-size-gb: must be a positive number of GB, got -1.0"),
+    (["--vocab-size", "0"], "--vocab-size: must be 1 or more, got 0"),
 ])
 def test_bad_numeric_flags(sources, tmp_path, capsys, flags, want):
     assert fails(capsys, tmp_path, sources / "gpt2_mz", *flags).endswith(f"error: {want}")
