@@ -46,3 +46,16 @@ def test_a_piece_longer_than_its_tensor_owes_is_refused(tmp_path, dtype, message
     out.write(torch.zeros(3, dtype=dtype))
     with pytest.raises(ValueError, match=message):
         out.write(torch.zeros(2, dtype=dtype))
+
+
+def test_a_file_ending_in_zeros_holds_them(tmp_path):
+    """Zeros are left as a hole; a file whose last tensor ends in one must still be as long as its
+    header says (fresh optimizer moments are the last tensors of a converted rank file)."""
+    out = StreamedSafetensors(tmp_path / "x.safetensors", _declared(), {"format": "pt"})
+    out.write(torch.ones(4))
+    out.write(torch.tensor([5.0]))
+    out.write_zeros(5)
+    entry = out.close()
+    assert entry["bytes"] == (tmp_path / "x.safetensors").stat().st_size
+    back = load_file(tmp_path / "x.safetensors")
+    assert torch.equal(back["b"], torch.tensor([[5.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
