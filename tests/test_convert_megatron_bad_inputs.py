@@ -54,6 +54,9 @@ def test_megatron_rope_args_with_the_values_megatron_records_for_no_change_are_t
      "args.rotary_seq_len_interpolation_factor"),
     ((), {"position_embedding_type": "rope", "no_rope_freq": [3]}, "args.no_rope_freq"),  # layers without rotary
     ((), {"kv_channels": 8}, "args.kv_channels: 8 differs from args.hidden_size / args.num_attention_heads = 4"),
+    # biases on every linear but the qkv one (megazero's model.bias covers all): the qkv bias is not Megatron's
+    ((), {"add_qkv_bias": False}, "args.add_qkv_bias: False differs from args.add_bias_linear"),
+    ((), {"add_bias_linear": False, "add_qkv_bias": True}, "args.add_qkv_bias: True differs from args.add_bias_linear"),
 ])
 def test_megatron_args_are_checked_as_a_model_config(tmp_path, capsys, drop, changes, want):
     err = fails(capsys, tmp_path, megatron_checkpoint(tmp_path / "meg", drop, **changes))
