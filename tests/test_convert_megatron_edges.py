@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from megazero.cli import main
@@ -33,3 +34,13 @@ def test_a_vocab_size_of_exactly_the_padded_rows_is_taken():
     beyond them."""
     args = argparse.Namespace(padded_vocab_size=128, tensor_model_parallel_size=1)
     assert _vocab_size(args, "ckpt", 128) == 128
+
+
+def test_layers_that_do_not_split_evenly_over_the_stages_are_refused(tmp_path):
+    """Megatron-LM gives every stage num_layers / pp layers: 3 layers over 2 stages would be written
+    as one a stage, the third left out, so the export is refused naming --pp."""
+    from megazero.errors import UserError
+
+    with pytest.raises(UserError, match="--pp 2: the model's 3 layers do not split evenly over 2 stages"):
+        write_megatron(RandomSource(num_layers=3), tmp_path / "meg", tp=1, pp=2, impl="local")
+    assert not (tmp_path / "meg").exists()
