@@ -45,11 +45,14 @@ def _saved(folder: Path, tmp_path: Path, drop: str) -> Path:
     ("llama", "rms_norm_eps", "norm_eps"),
     ("llama", "max_position_embeddings", "seq_length"),
     ("llama", "attention_dropout", "attention_dropout"),
+    ("gpt2", "initializer_range", "init_std"),
+    ("llama", "initializer_range", "init_std"),
 ])
 def test_a_key_left_out_takes_the_value_transformers_gives_it(folders, tmp_path, family, key, field):
     """The model imported is the one ``from_pretrained`` builds from the same file: Llama's RMSNorm
     epsilon is 1e-6 there when the file has none, not GPT-2's 1e-5, and GPT-2's dropout rates are 0.1
-    (they were read as 0: a fine-tuning run from the import trained without dropout)."""
+    (they were read as 0: a fine-tuning run from the import trained without dropout), the initial
+    standard deviation 0.02 (it was read as the width's own, which a re-export then wrote out)."""
     folder = _saved(folders[family], tmp_path, key)
     assert getattr(HFSource(folder).cfg, field) == getattr(transformers.AutoConfig.from_pretrained(folder), key)
 
@@ -75,3 +78,17 @@ def test_a_head_width_other_than_the_models_is_refused_by_name(tmp_path, capsys)
     err = fails(capsys, tmp_path, tmp_path / "llama")
     assert err.endswith("head_dim: 16 differs from hidden_size / num_attention_heads = 8; megazero derives the "
                         "head width from those two"), err
+
+
+def test_an_embedding_dropout_other_than_the_residuals_is_refused_by_name(folders, tmp_path, capsys):
+    """megazero's one ``model.dropout`` covers the embeddings and both residual branches: a GPT-2 whose
+    embd_pdrop differs would train with the residual rate on its embeddings, so it is refused."""
+    copy = Path(shutil.copytree(folders["gpt2"], tmp_path / "gpt2"))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "embd_pdrop": 0.2, "resid_pdrop": 0.1}))
+    err = fails(capsys, tmp_path, copy)
+    assert err.endswith("embd_pdrop: 0.2 differs from resid_pdrop = 0.1, and megazero has one dropout rate for the "
+                        "embeddings and the residual branches; give both one rate"), err
+    del config["embd_pdrop"], config["resid_pdrop"]  # both left out: transformers' 0.1 each
+    (copy / "config.json").write_text(json.dumps(config))
+    assert HFSource(copy).cfg.dropout == 0.1

@@ -102,9 +102,9 @@ class GPT2:
             "tie_embeddings": "tie_word_embeddings", "dropout": "resid_pdrop", "attention_dropout": "attn_pdrop",
             "init_std": "initializer_range"}
     DEFAULTS = {"ffn_hidden_size": None, "seq_length": 1024, "norm_eps": 1e-5, "tie_embeddings": True,
-                "dropout": 0.1, "attention_dropout": 0.1, "init_std": None}
-    """GPT2Config's own defaults (its dropout rates are 0.1): a key left out means what
-    ``from_pretrained`` makes of it."""
+                "dropout": 0.1, "attention_dropout": 0.1, "init_std": 0.02}
+    """GPT2Config's own defaults (its dropout rates are 0.1, its initializer_range 0.02): a key left out
+    means what ``from_pretrained`` makes of it."""
     BUFFERS = (re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"),)
     """Tensors that hold no weights (the causal-mask buffers older versions of ``transformers``
     saved, which it skips on load itself): a folder may have them; they are not imported."""
@@ -136,6 +136,10 @@ class GPT2:
         if act not in TANH_GELUS:
             raise refuse(f"{where}: activation_function", act, "is not megazero's tanh-approximated GeLU",
                          "only gelu_new / gelu_pytorch_tanh models can be imported")
+        embedding, residual = hf.get("embd_pdrop", 0.1), hf.get("resid_pdrop", 0.1)
+        if embedding != residual:
+            raise refuse(f"{where}: embd_pdrop", embedding, f"differs from resid_pdrop = {residual!r}, and megazero has "
+                         "one dropout rate for the embeddings and the residual branches", "give both one rate")
         for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                         ("add_cross_attention", False)):
             if hf.get(key, ok) != ok:
@@ -190,7 +194,7 @@ class Llama:
             "tie_embeddings": "tie_word_embeddings", "bias": "attention_bias", "attention_dropout": "attention_dropout",
             "init_std": "initializer_range"}
     DEFAULTS = {"num_kv_heads": None, "seq_length": 2048, "rope_theta": 10000.0, "norm_eps": 1e-6,
-                "tie_embeddings": False, "bias": False, "attention_dropout": 0.0, "init_std": None}
+                "tie_embeddings": False, "bias": False, "attention_dropout": 0.0, "init_std": 0.02}
     BUFFERS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
     """The rotary frequencies older versions of ``transformers`` saved: computed from rope_theta."""
 
