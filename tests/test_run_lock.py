@@ -120,3 +120,13 @@ def test_a_checkpoint_directory_that_cannot_be_written_names_its_setting(tmp_pat
     with pytest.raises(UserError, match="cannot write the checkpoint directory .*; set checkpoint.save_dir to"):
         _locked(tmp_path / "run", save_dir=str(tmp_path / "file" / "checkpoints"))
     assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
+def test_release_leaves_a_lock_another_job_took_over(tmp_path):
+    """A job whose heartbeat stalled past ``stale_after_s`` has had its lock taken over by another
+    job; as it ends, its release must not delete the lock the other job now holds."""
+    lock = RunDirLock(tmp_path).acquire()
+    successor = {"host": "node-that-is-not-this-one", "pid": 1, "started": time.time()}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(successor))
+    lock.release()
+    assert json.loads((tmp_path / LOCK_FILE).read_text()) == successor
