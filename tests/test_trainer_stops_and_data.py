@@ -1,0 +1,152 @@
+"""What a run trains and keeps, checked against values worked out apart from the trainer.
+
+* Each step trains the global batch that starts where the steps before it stopped consuming, also
+  while a batch ramp-up changes the batch size from step to step.
+* The last step is saved on exit even when a periodic save came before it.
+* A stop signal saves the step it stopped at, with ``checkpoint.save_on_exit`` false, and the
+  command exits 75 (preempted).
+* A signal that reaches one rank of two stops both at the same step, and both name it.
+* The free space asked of the checkpoint directory before the first step is one checkpoint's.
+
+The runs are the real ``megazero train`` command (in this process) or real trainers on a gloo world.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from megazero.checkpoint import verify_checkpoint
+from megazero.cli import main
+from megazero.metrics import read_metrics
+from parallel.launch import EXIT_STOPPED
+from tests.distributed import run_world
+from tests.test_trainer import VOCAB, step_dirs, write_arithmetic_shard
+
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory):
+    return write_arithmetic_shard(str(tmp_path_factory.mktemp("data") / "arith_text_document"), 200)
+
+
+def _overrides(prefix: str, run_dir, steps: int, *extra: str) -> list[str]:
+    return ["--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
+            "--model.vocab_size", str(VOCAB), "--model.seq_length", "16", "--train.micro_batch_size", "2",
+            "--train.global_batch_size", str(BATCH), "--train.train_steps", str(steps), "--train.device", "cpu",
+            "--data.blend", f"[[1.0, {prefix}]]", "--data.split", "1", "--logging.run_dir", str(run_dir),
+            "--logging.log_interval", "1", *extra]
+
+
+def _record_steps(monkeypatch, on_step=None) -> list:
+    """Record the tokens of every global batch the engine trains (``on_step(n)`` runs as the n-th
+    step is queued)."""
+    from megazero.engine import Engine
+
+    batches, train_step = [], Engine.train_step
+
+    def recorded(engine, microbatches, lr=None):
+        batches.append(torch.cat([m["tokens"] for m in microbatches]))
+        if on_step is not None:
+            on_step(len(batches))
+        return train_step(engine, microbatches, lr)
+    monkeypatch.setattr(Engine, "train_step", recorded)
+    return batches
+
+
+def test_each_step_trains_the_samples_after_those_consumed(prefix, tmp_path, monkeypatch):
+    """A ramp-up of 2 samples a step until 4 are consumed, then 4: steps 1-4 train samples 0-1, 2-3,
+    4-7 and 8-11 of the training set, whose order the seed alone fixes."""
+    from megazero.config import load_config, resolve_config
+    from megazero.data import build_datasets, train_samples
+
+    argv = _overrides(prefix, tmp_path / "run", 4, "--schedule.rampup_start_batch", "2",
+                      "--schedule.rampup_increment", "2", "--schedule.rampup_samples", "4",
+                      "--checkpoint.save_on_exit", "false")
+    batches = _record_steps(monkeypatch)
+    assert main(["train", *argv]) == 0
+    cfg = resolve_config(load_config(None, argv), 1)
+    train, _ = build_datasets(cfg, train_samples(cfg))
+    expected = [np.stack([train[i] for i in range(start, end)])[:, :-1] for start, end in ((0, 2), (2, 4), (4, 8), (8, 12))]
+    assert [b.tolist() for b in batches] == [e.tolist() for e in expected]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [row["consumed_samples"] for row in rows] == [2, 4, 8, 12], rows
+
+
+def test_the_last_step_is_saved_on_exit_after_a_periodic_save(prefix, tmp_path):
+    """3 steps, a checkpoint every 2: step 2's periodic save, then step 3's on exit, which a relaunch
+    resumes from."""
+    assert main(["train", *_overrides(prefix, tmp_path / "run", 3, "--checkpoint.save_interval", "2")]) == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert step_dirs(checkpoints) == ["step_0000002", "step_0000003"]
+    assert verify_checkpoint(checkpoints / "step_0000003")["step"] == 3
+
+
+def test_a_stop_signal_saves_its_step_even_with_the_exit_save_off(prefix, tmp_path, monkeypatch, capsys):
+    """SIGTERM while step 2 is queued: step 2 finishes, is saved though ``save_on_exit`` is false,
+    no step 3 is trained, and the command's status is 75."""
+    _record_steps(monkeypatch, lambda n: n == 2 and os.kill(os.getpid(), signal.SIGTERM))
+    run = tmp_path / "run"
+    assert main(["train", *_overrides(prefix, run, 10, "--checkpoint.save_on_exit", "false")]) == EXIT_STOPPED
+    assert [row["step"] for row in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    assert step_dirs(run / "checkpoints") == ["step_0000002"]
+    assert f"preempted at step 2 by SIGTERM, saved to {run / 'checkpoints' / 'step_0000002'}" in capsys.readouterr().out
+
+
+def _signal_to_rank1(rank, world_size, prefix, root):
+    """Two data-parallel ranks; only rank 1 receives SIGUSR1, while its step 3 is queued."""
+    import torch.distributed as dist
+
+    from megazero.config import load_config, resolve_config
+    from megazero.startup import initialize
+    from megazero.trainer import Trainer
+    from parallel.launch import LaunchEnv
+
+    cfg = resolve_config(load_config(None, _overrides(prefix, f"{root}/run", 10, "--checkpoint.save_on_exit",
+                                                      "false")), world_size)
+    device, topology = initialize(cfg, LaunchEnv(rank, world_size, rank, world_size))
+    trainer = Trainer(cfg, device, topology)
+    train_step = trainer.engine.train_step
+
+    def step(microbatches, lr):
+        if rank == 1 and trainer.state.step + 1 == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return train_step(microbatches, lr)
+    trainer.engine.train_step = step
+    state = trainer.train()
+    dist.barrier()
+    return state.step, state.stopped_by, state.saved_to
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(prefix, tmp_path):
+    """The ranks agree on stopping before each step is queued: rank 1's signal, seen after step 3 is
+    queued, stops both ranks after step 3, both name it, and the save of step 3 holds both ranks."""
+    results = run_world(2, _signal_to_rank1, prefix, str(tmp_path), timeout=240)
+    saved = str(tmp_path / "run" / "checkpoints" / "step_0000003")
+    assert results == [(3, "SIGUSR1", saved), (3, "SIGUSR1", saved)], results
+    files = verify_checkpoint(saved)["files"]
+    assert {entry["rank"] for entry in files.values()} == {0, 1}, files
+
+
+def test_the_room_asked_for_one_checkpoint_is_12_bytes_a_parameter(prefix, tmp_path, monkeypatch, capsys):
+    """A checkpoint holds the fp32 master weights and Adam's two moments: 12 bytes a parameter (a
+    little more for the shard's padding). A directory with one byte less than 12 a parameter is
+    refused before the first step; one with 13 a parameter trains."""
+    import shutil
+
+    from megazero.config import load_config, resolve_config
+    from models.gpt import GPT
+
+    argv = _overrides(prefix, tmp_path / "run", 1)
+    cfg = resolve_config(load_config(None, argv), 1)
+    params = sum(p.numel() for p in GPT(cfg.model, device="meta").parameters())
+    usage = shutil.disk_usage
+    for free, code in ((12 * params - 1, 2), (13 * params, 0)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=free))
+        assert main(["train", *argv]) == code, capsys.readouterr().err
+    assert "a checkpoint needs about" in capsys.readouterr().err
