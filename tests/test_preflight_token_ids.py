@@ -1,6 +1,7 @@
 """The preflight check of the largest token id at its boundary: ids run from 0 to vocabulary - 1, so
 a shard holding the id equal to a vocabulary's size is past it (the model's embedding, the
-tokenizer the shard records, ``data.tokenizer``), and one whose largest id is one less fits."""
+tokenizer the shard records, ``data.tokenizer``), and one whose largest id is one less fits. The
+largest id ``--check`` reports is the largest of every dataset in the blend."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ VOCAB = 64
 
 
 def _shard(path, largest: int) -> str:
+    """16 documents of ids from 1 to 54, each ending with ``largest``."""
     prefix = str(path)
     with IndexedDatasetWriter(prefix, np.uint16) as w:
         for k in range(16):
@@ -30,11 +32,11 @@ def _tokenizer(path) -> str:
     return str(path)
 
 
-def _check(prefix: str, tmp_path, vocab: int, *extra: str) -> list:
+def _check(prefix: str, tmp_path, vocab: int, *extra: str, blend: str = "") -> list:
     return ["train", "--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
             "--model.vocab_size", str(vocab), "--model.seq_length", "16", "--train.micro_batch_size", "2",
             "--train.global_batch_size", "4", "--train.train_steps", "2", "--train.device", "cpu",
-            "--data.blend", f"[[1.0, {prefix}]]", "--data.split", "1", "--logging.run_dir", str(tmp_path / "run"),
+            "--data.blend", blend or f"[[1.0, {prefix}]]", "--data.split", "1", "--logging.run_dir", str(tmp_path / "run"),
             "--data.cache_dir", str(tmp_path / "cache"), *extra, "--check"]
 
 
@@ -67,3 +69,11 @@ def test_a_shard_may_not_hold_the_id_the_named_tokenizer_lacks(tmp_path, capsys,
     prefix = _shard(tmp_path / "plain_text_document", largest)
     argv = _check(prefix, tmp_path, 2 * VOCAB, "--data.tokenizer", _tokenizer(tmp_path / "tokenizer.json"))
     _passes_or_refuses(argv, capsys, fits, f"holds token id {VOCAB}, beyond the {VOCAB} tokens of data.tokenizer")
+
+
+def test_check_reports_the_largest_id_of_every_dataset(tmp_path, capsys):
+    """The largest id ``--check`` reports is over the whole blend, not the last dataset's."""
+    wide, narrow = _shard(tmp_path / "wide_text_document", VOCAB - 1), _shard(tmp_path / "narrow_text_document", 0)
+    argv = _check(wide, tmp_path, VOCAB, blend=f"[[1.0, {wide}], [1.0, {narrow}]]")
+    assert main(argv) == 0
+    assert f"largest token id {VOCAB - 1}," in capsys.readouterr().out
