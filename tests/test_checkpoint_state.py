@@ -312,6 +312,8 @@ def test_a_run_without_a_split_resumes_with_its_checkpoints_split():
     # a split the user sets wins; another pipeline shape takes the default (and reshards)
     assert checkpoint_split(cfg("--parallel.pipeline_split", "[14, 10]"), layout_record(old)) == [14, 10]
     assert checkpoint_split(cfg("--parallel.virtual_stages", "2"), layout_record(old)) is None
+    # nor is a split of another depth kept: its stages would not hold the model's blocks
+    assert checkpoint_split(cfg("--model.num_layers", "26"), layout_record(old)) is None
 
 
 @pytest.mark.parametrize("kind", ["rank file", "index file"])
