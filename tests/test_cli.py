@@ -94,3 +94,20 @@ def test_standard_output_on_a_full_disk_is_one_line():
     assert proc.wait(timeout=120) == 2, err
     assert err.splitlines() == ["megazero train: error: standard output: cannot be written (No space left on "
                                 "device); free space where it goes, or send it elsewhere"], err
+
+
+def test_a_node_with_fewer_ranks_is_a_node_of_its_own():
+    """6 ranks at 4 a node are 2 nodes (the second holds 2), so the second node's first rank reports
+    the errors only its files cause."""
+    from megazero.commands.train import reports_errors
+
+    first, second = (read_launch_env({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4", "RANK": rank, "LOCAL_RANK": local})
+                     for rank, local in (("0", "0"), ("4", "0")))
+    assert (second.num_nodes, reports_errors(first), reports_errors(second)) == (2, True, True)
+
+
+def test_world_size_without_a_node_size_is_one_node():
+    """``WORLD_SIZE 8 megazero train --check``: eight ranks of one node, whose tensor groups may span
+    all eight, not eight nodes of one rank."""
+    launch = read_launch_env({"WORLD_SIZE": "8"})
+    assert (launch.rank, launch.local_world_size, launch.num_nodes) == (0, 8, 1)
