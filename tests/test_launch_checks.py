@@ -111,6 +111,10 @@ def test_an_empty_validation_split_is_refused_only_where_the_evaluation_draws(fi
     capsys.readouterr()
     assert main(_train(files, "--data.blend", f"[[1.0, {good}], [1.0e-6, {tiny}]]", *check)) == 2
     assert "tiny_text_document no documents for valid (5 documents in all)" in capsys.readouterr().err
+    # one evaluation batch is 4 samples (global_batch_size), of which the second is the tiny one's
+    blend = f"[[1.0, {good}], [1.0e-6, {tiny}]]"
+    assert main(_train(files, "--data.blend", blend, *check, "--train.eval_steps", "1")) == 2
+    assert "tiny_text_document no documents for valid" in capsys.readouterr().err
 
 
 def test_tokens_and_steps_together_are_refused_for_a_run_only():
@@ -151,22 +155,25 @@ def test_a_wall_clock_stop_saves_even_without_save_on_exit(files, capsys):
     assert "for the wall-clock limit; saving" in out and (run / "checkpoints" / "step_0000001").is_dir(), out
 
 
-def test_the_wall_clock_limit_counts_the_start_up(files, capsys, monkeypatch):
+@pytest.mark.parametrize("module, slowed", [("megazero.trainer", "build_datasets"),
+                                            ("megazero.preflight", "check_run")])
+def test_the_wall_clock_limit_counts_the_start_up(files, capsys, monkeypatch, module, slowed):
     """`train.max_wall_seconds` counts from the command's start, as Megatron's --exit-duration-in-mins
-    from the process's: a start-up (here building the sample indices) that takes longer than the limit
-    stops the run after its first step. The clock started with the training loop, so a limit sized to
-    a job's allocation was overrun by the start-up (minutes at scale), and this run trained to the end."""
+    from the process's: a start-up (here building the sample indices, or the checks before the
+    process group starts, which scan every shard at scale) that takes longer than the limit stops
+    the run after its first step. The clock started with the training loop, so a limit sized to a
+    job's allocation was overrun by the start-up (minutes at scale), and this run trained to the end."""
+    import importlib
     import time
 
-    import megazero.trainer
+    owner = importlib.import_module(module)
+    original = getattr(owner, slowed)
 
-    build = megazero.trainer.build_datasets
-
-    def slow(*args):
+    def slow(*args, **kwargs):
         time.sleep(1.5)
-        return build(*args)
-    monkeypatch.setattr(megazero.trainer, "build_datasets", slow)
-    run = files["root"] / "wall-start"
+        return original(*args, **kwargs)
+    monkeypatch.setattr(owner, slowed, slow)
+    run = files["root"] / f"wall-start-{slowed}"
     assert main(["train", *_model(files["good"], str(run)), "--train.train_steps", "5",
                  "--train.max_wall_seconds", "1"]) == 0
     out = capsys.readouterr().out
