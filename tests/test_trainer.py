@@ -256,7 +256,9 @@ def _limits_and_counters(prefix, root):
     return out
 
 
-STEP_SLEEP = {1: 0.05, 2: 0.6, 3: 0.05, 4: 0.6, 5: 0.05, 6: 0.6}
+STEP_SLEEP = {1: 0.05, 2: 1.2, 3: 0.05, 4: 1.2, 5: 0.05, 6: 1.2}
+"""Long and short steps alternate: a step logged with its neighbour's work is off by more than a
+second, so the check leaves a busy machine a second of slack."""
 
 
 def _step_times(run_dir, overrides):
@@ -318,7 +320,7 @@ def test_each_step_is_timed_by_its_own_work(layouts):
     times = layouts["step_times"]
     assert len(times) == 6, times
     for sleep, seconds in times:
-        assert sleep <= seconds < sleep + 0.45, times  # the rest of a step takes 0.1-0.2 s here
+        assert sleep <= seconds < sleep + 1.1, times  # the rest of a step takes 0.1-0.2 s on an idle machine
 
 
 def test_a_token_budget_ends_at_the_step_that_reaches_it(layouts):
