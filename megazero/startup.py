@@ -98,7 +98,7 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
         verify_consistent(cfg)
         trainer = Trainer(cfg, device, topology, started)
         if topology.rank == 0:
-            record_config(cfg)
+            record_config(trainer.cfg)  # with what the checkpoint kept (its pipeline split): what trains
         state = trainer.train()
         if dist.get_rank() == 0:
             if state.stopped_by:

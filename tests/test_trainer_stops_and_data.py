@@ -150,3 +150,27 @@ def test_the_room_asked_for_one_checkpoint_is_12_bytes_a_parameter(prefix, tmp_p
         monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=free))
         assert main(["train", *argv]) == code, capsys.readouterr().err
     assert "a checkpoint needs about" in capsys.readouterr().err
+
+
+def _run_pipeline(rank, world_size, argv):
+    """``megazero train``'s run on a two-rank pipeline: locks, checks, training, the config's record."""
+    from megazero.config import load_config, resolve_config
+    from megazero.startup import start_run
+    from parallel.launch import LaunchEnv
+
+    return start_run(resolve_config(load_config(None, argv), world_size), LaunchEnv(rank, world_size, rank, world_size))
+
+
+def test_the_config_record_holds_the_pipeline_split_that_trains(prefix, tmp_path):
+    """A run saved with the split [1, 3] and resumed with none given keeps the checkpoint's split, and
+    its config.yaml says so: the record is what trains (planted: the config as given, whose split was
+    none, was written, so a relaunch from the record would have trained another split)."""
+    import yaml
+
+    run = tmp_path / "run"
+    base = [*_overrides(prefix, run, 1, "--parallel.pp", "2"), "--model.num_layers", "4"]
+    assert run_world(2, _run_pipeline, [*base, "--parallel.pipeline_split", "[1, 3]"], timeout=240) == [0, 0]
+    assert run_world(2, _run_pipeline, [*base, "--train.train_steps", "2"], timeout=240) == [0, 0]
+    assert step_dirs(run / "checkpoints") == ["step_0000001", "step_0000002"]
+    record = yaml.safe_load((run / "config.yaml").read_text())
+    assert record["parallel"]["pipeline_split"] == [1, 3], record["parallel"]
