@@ -147,7 +147,8 @@ def pipeline_costs(cfg: Config) -> Optional[StageCosts]:
         return None
     core, split = attention_core_share(m), pipeline_split(cfg)
     if p.recompute == "full":
-        recomputed = [recomputed_work(split, stage, p.recompute_every, attention_share(m)) for stage in range(len(split))]
+        recomputed = [recomputed_work(split, stage, p.recompute_every, attention_share(m))
+                      for stage in range(len(split))]
     else:
         recomputed = [b * core if p.recompute == "selective" else 0.0 for b in split]
     return stage_costs(split, head_blocks(m), core, recomputed)

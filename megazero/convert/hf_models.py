@@ -138,8 +138,8 @@ class GPT2:
                          "only gelu_new / gelu_pytorch_tanh models can be imported")
         embedding, residual = hf.get("embd_pdrop", 0.1), hf.get("resid_pdrop", 0.1)
         if embedding != residual:
-            raise refuse(f"{where}: embd_pdrop", embedding, f"differs from resid_pdrop = {residual!r}, and megazero has "
-                         "one dropout rate for the embeddings and the residual branches", "give both one rate")
+            raise refuse(f"{where}: embd_pdrop", embedding, f"differs from resid_pdrop = {residual!r}, and megazero "
+                         "has one dropout rate for the embeddings and the residual branches", "give both one rate")
         for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                         ("add_cross_attention", False)):
             if hf.get(key, ok) != ok:

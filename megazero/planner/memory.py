@@ -18,7 +18,8 @@ from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
-from parallel.pipeline.partition import BLOCK_PARTS, rank_work as split_rank_work, recomputed_work, stage_layers, stage_parts
+from parallel.pipeline.partition import (BLOCK_PARTS, rank_work as split_rank_work, recomputed_work, stage_layers,
+                                         stage_parts)
 from parallel.pipeline.placement import stage_of
 from parallel.pipeline.plan import StageCosts, schedule_for
 from parallel.pipeline.schedule import SPLIT_BACKWARD, live_peaks, weighted_peak
