@@ -74,11 +74,12 @@ def test_initializer_range_is_the_init_std(tmp_path, init_std):
     assert back["init_std"] == init_std
 
 
-@pytest.mark.parametrize("initializer_range,init_std", [(0.01, 0.01), (1 / math.sqrt(3 * 32), None), (None, None)],
+@pytest.mark.parametrize("initializer_range,init_std", [(0.01, 0.01), (1 / math.sqrt(3 * 32), None), (None, 0.02)],
                          ids=["set", "derived", "absent"])
 def test_initializer_range_imports_as_the_init_std(tmp_path, initializer_range, init_std):
     """A folder's initializer_range is its model.init_std (planted: the field ignored); the std an
-    unset init_std derives at this width (32), and an absent field, import unset."""
+    unset init_std derives at this width (32) imports unset, and an absent field as transformers
+    reads it, 0.02 (a re-export then writes what the folder meant, not this width's std)."""
     from megazero.convert.hf import HFSource
     from tests.convert_sources import llama_folder
 
