@@ -1,6 +1,6 @@
 """How the planner's search picks among layouts: the nearest layout that fits changes the fewest
-knobs, the config's own micro-batch size and schedule are searched beside the usual ones, and a layout
-fits when it needs exactly the device's memory."""
+knobs, the config's own micro-batch size, schedule and tensor-parallel size are searched beside the
+usual ones, and a layout fits when it needs exactly the device's memory."""
 
 import dataclasses
 
@@ -39,6 +39,18 @@ def test_the_configs_own_values_are_searched_beside_the_usual_ones(overrides):
     auto: the config's own layout is always among those ranked."""
     cfg = small(*overrides)
     assert layout_of(cfg) in {c.layout for c in plan(cfg, Cluster(GPUS["h100"], 2, 2))}
+
+
+def test_the_configs_own_tensor_parallel_size_is_searched_beside_the_powers_of_two():
+    """tp 3 on a node of 3 (6 heads of width 32, an MLP of 768): not a power of two, but a layout the
+    trainer accepts, so the plan ranks it, and a plan holding it (`--parallel.tp 3`) has rows."""
+    cfg = resolve_config(load_config(None, [
+        "--model.num_layers", "4", "--model.hidden_size", "192", "--model.num_heads", "6", "--model.seq_length", "512",
+        "--model.vocab_size", "512", "--precision.dtype", "bf16", "--parallel.tp", "3",
+        "--train.global_batch_size", "8"]), 3, 3)
+    ranked = plan(cfg, Cluster(GPUS["h100"], 3, 3))
+    assert layout_of(cfg) in {c.layout for c in ranked}
+    assert {c.layout.tp for c in ranked} == {1, 3}
 
 
 def test_a_layout_needing_exactly_the_devices_memory_fits():
