@@ -1,7 +1,8 @@
 """The planner's step-time terms against figures worked out by hand from docs/planner.md: the
 optimizer step's bytes over HBM, the data-parallel traffic each ZeRO stage exposes with and without
 overlap, the tensor-parallel all-reduces (recomputed forwards included), the host-bound stage, the
-1F1B bubble, and MFU against hardware TFLOP/s.
+1F1B bubble, the zero-bubble schedules' idle against their busiest rank, and MFU against hardware
+TFLOP/s.
 
 The model is a small GPT (4 blocks of width 64, vocabulary 512, sequence 32, bf16, fp32 gradient
 accumulation) with 12h^2 + 13h parameters a block, counted by hand; its FLOPs per token come from
@@ -149,3 +150,16 @@ def test_selective_recompute_repeats_the_attention_cores_of_a_ranks_own_blocks()
     per_token = (model - head) / 2 + (selective - model) / 2 + head
     expected = 4 * SEQ * per_token / (989e12 * H100.efficiency)
     assert estimate_step(cfg, Cluster(H100, 2, 2)).compute_s == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+def test_a_timed_zero_bubble_idle_is_over_the_busiest_ranks_work(schedule):
+    """Two ranks, the second twice as heavy (forward, input and weight gradient 2 each against 1), four
+    micro-batches: the second rank starts after the first's forward (1) and is never starved after,
+    so the step is 1 + 4 x 6 = 25 and the busiest rank's 24 idle 1/24 of it. Measured against the
+    lighter rank's 12 it would read as 13/12, a bubble longer than the work."""
+    from megazero.planner.time import _timed_idle
+    from parallel.pipeline.plan import StageCosts
+
+    costs = StageCosts(((1.0, 1.0, 1.0), (2.0, 2.0, 2.0)), (1.0, 1.0))
+    assert _timed_idle(schedule, 2, 4, costs) == pytest.approx(1 / 24)
