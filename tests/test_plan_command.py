@@ -1,7 +1,7 @@
 """`megazero plan` as a user runs it: its JSON agrees with evaluating the layout it names, the fields
 the command line gives are held, nothing fitting is said and ranked nearest first, a GPU count no
-layout can use names the count that can, bad flags are one line, and an fp32 plan notes that the
-peaks are 16-bit."""
+layout can use names the count that can (or, with a field held, the held field), bad flags are one
+line, and an fp32 plan notes that the peaks are 16-bit."""
 
 import json
 
@@ -108,6 +108,17 @@ def test_the_gpus_a_plan_could_use_split_as_the_search_splits_them(overrides, gp
     from megazero.planner.search import largest_world
 
     assert largest_world(load_config("configs/gpt_1.3b.yaml", overrides), gpus, per_node) == usable
+
+
+def test_a_held_field_on_a_gpu_count_no_layout_splits_names_the_field_not_another_count(capsys):
+    """512 GPUs do not split for 24 blocks and a batch of 2: the most a layout can use is 384 (tp 8 x
+    pp 24 x dp 2). Holding tp 1, 384 do not split either (pp 24 x dp 2 is 48), so the line names the
+    held field, not a count of GPUs the user would find refused in turn."""
+    argv = ["plan", "configs/gpt_1.3b.yaml", "--gpus-per-node", "8", "--train.global_batch_size", "2", "--parallel.tp", "1"]
+    for gpus in ("512", "384"):
+        assert main([*argv, "--gpus", gpus]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "with parallel.tp as given" in err[0] and "plan for" not in err[0], err
 
 
 @pytest.mark.parametrize("argv, words", [
