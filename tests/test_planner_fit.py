@@ -1,0 +1,42 @@
+"""The start-up memory check's suggestion, for a run whose layout is predicted not to fit: it keeps
+each tensor-parallel group within a node of the run's ranks, and among equally near layouts it
+ranks by the speed of the GPU the budget is for (an H100 where a stated budget names no device)."""
+
+import dataclasses
+
+from megazero.config import load_config, resolve_config
+from megazero.planner import estimate_memory
+from megazero.planner.fit import memory_problem
+from megazero.planner.hardware import GIB
+
+
+def budgeted(share, *overrides):
+    """A CPU run of a 4-block GPT (4 heads, 512-token samples, 2 micro-batches of 8 per replica at dp 2)
+    on 2 ranks, with ``train.memory_budget_gib`` at ``share`` of what its own layout needs."""
+    cfg = resolve_config(load_config(None, [
+        "--model.num_layers", "4", "--model.num_heads", "4", "--model.seq_length", "512", "--model.vocab_size", "512",
+        "--precision.dtype", "bf16", "--train.device", "cpu", "--train.global_batch_size", "16", *overrides]), 2, 2)
+    budget = share * estimate_memory(cfg).needed / GIB
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_budget_gib=budget))
+
+
+def test_the_suggested_layout_keeps_tensor_parallelism_within_a_node():
+    """tp 1 x dp 2 of width 256 at ZeRO 0 and micro-batch 1, with 97% of its need: on one node of two
+    the nearest layout that fits is tp 2, but with one rank a node a tensor-parallel group would span
+    the network, which the trainer refuses, so the suggestion there changes other knobs."""
+    cfg = budgeted(0.97, "--model.hidden_size", "256", "--zero.stage", "0", "--train.micro_batch_size", "1")
+    assert "nearest layout that fits: --parallel.tp 2 (" in memory_problem(cfg, ranks_per_node=2)
+    apart = memory_problem(cfg, ranks_per_node=1)
+    assert "nearest layout that fits:" in apart and "--parallel.tp" not in apart, apart
+
+
+def test_a_stated_budget_on_a_cpu_run_ranks_near_layouts_by_h100_speed():
+    """Width 1024 at ZeRO 3, full recompute, micro-batch 8, with 90% of its need: tp 2 and pp 2 each
+    fit with one change. On an H100 this model's forward and backward with recompute take about
+    1.8 TFLOP a micro-batch, 3 ms at 989 TFLOP/s x 0.58: pp 2's 1F1B step of two micro-batches is
+    (2 + 1) x 1.6 ms, about 5 ms, while tp 2 waits on the host launching its blocks, 6 ms a block
+    and micro-batch, 48 ms a step. A V100 (37.5 TFLOP/s) would hide those launches behind 48 ms of
+    compute a micro-batch and rank tp 2 first, pp 2's bubble then costing 24 ms."""
+    cfg = budgeted(0.9, "--model.hidden_size", "1024", "--zero.stage", "3", "--parallel.recompute", "full",
+                   "--train.micro_batch_size", "8")
+    assert "nearest layout that fits: --parallel.pp 2 (" in memory_problem(cfg)
