@@ -3,7 +3,8 @@
 Each chunk checkpoints its every ``recompute_every``-th block from its first, so a rank with chunks
 of n blocks recomputes ceil(n / k) of each; the time model once spread ``L / k`` blocks evenly over
 the ranks, 3 where the engine recomputes 4 at GPT 6 x h, pp 2, k 2, and its step time and TFLOP/s
-came out low by that block."""
+came out low by that block. The planner's refusal of a recompute that replays the tensor-parallel
+random stream is the engine's verdict on the same checkpointed blocks."""
 
 import dataclasses
 
@@ -80,3 +81,26 @@ def test_a_half_block_repeats_its_half():
     expected = [2.0, (1.0 - share) + 1.0]
     assert _recomputed_by_stage(cfg) == pytest.approx(expected)
     assert [rank_recomputed_work(cfg, rank) for rank in range(2)] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("split, every", [("[1.5, 2.5]", 2), ("[2.5, 1.5]", 3), ("[0.5, 3.5]", 2), ("[1.5, 1, 1.5]", 2)])
+@pytest.mark.parametrize("dropout, refused", [("--model.attention_dropout", True), ("--model.dropout", True), (None, False)])
+def test_the_recompute_refused_is_what_the_engine_refuses_of_its_built_blocks(split, every, dropout, refused):
+    """tp 2 with full recompute of every k-th block, half blocks at the stage ends: the engine refuses
+    (under torch.compile) when a checkpointed block of a rank's chunks draws dropout, counting from
+    each chunk's first block. The first stage always checkpoints its first block, which holds block
+    0's attention, so attention dropout alone is refused as surely as dropout on every branch, and a
+    model without dropout never is; the planner's verdict, asked of each kind of block once, agrees."""
+    from megazero.engine import build_chunks
+    from megazero.planner.search import recompute_refused
+    from models.parallelize import recompute_replays_tp_stream
+
+    pp = len(split.split(","))
+    cfg = resolve_config(load_config(None, ["--parallel.pipeline_split", split,
+        "--model.num_layers", "4", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.vocab_size", "500",
+        "--model.seq_length", "32", "--parallel.tp", "2", "--parallel.pp", str(pp), "--parallel.recompute", "full",
+        "--parallel.recompute_every", str(every), "--train.global_batch_size", "8", *([dropout, "0.1"] if dropout else [])]),
+        2 * pp, 2 * pp)
+    engine = any(recompute_replays_tp_stream(chunk, "full", every) for rank in range(pp) for chunk in build_chunks(cfg, rank))
+    assert engine == refused
+    assert recompute_refused(cfg, on_cuda=True) == refused
