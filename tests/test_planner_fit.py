@@ -1,8 +1,9 @@
 """The start-up memory check's suggestion, for a run whose layout is predicted not to fit: it keeps
 each tensor-parallel group within a node of the run's ranks, and among equally near layouts it
-ranks by the speed of the GPU the budget is for (an H100 where a stated budget names no device)."""
+ranks by the speed of the GPU the run trains on (an H100 for a CPU run with a stated budget)."""
 
 import dataclasses
+from types import SimpleNamespace
 
 from megazero.config import load_config, resolve_config
 from megazero.planner import estimate_memory
@@ -40,3 +41,18 @@ def test_a_stated_budget_on_a_cpu_run_ranks_near_layouts_by_h100_speed():
     cfg = budgeted(0.9, "--model.hidden_size", "1024", "--zero.stage", "3", "--parallel.recompute", "full",
                    "--train.micro_batch_size", "8")
     assert "nearest layout that fits: --parallel.pp 2 (" in memory_problem(cfg)
+
+
+def test_a_stated_budget_on_a_gpu_run_ranks_near_layouts_by_that_gpus_speed(monkeypatch):
+    """The same run and budget on a V100 (a GPU run stating less memory than the device has): its
+    compute hides tp 2's launches and pp 2's bubble is the larger cost, so tp 2 is named. Ranked by
+    the H100 regardless, it named pp 2, a layout about 40% slower on the V100 at hand."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(name="Tesla V100-SXM2-32GB", total_memory=32 * 2**30))
+    cfg = budgeted(0.9, "--model.hidden_size", "1024", "--zero.stage", "3", "--parallel.recompute", "full",
+                   "--train.micro_batch_size", "8")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cuda"))
+    assert "nearest layout that fits: --parallel.tp 2 (" in memory_problem(cfg)

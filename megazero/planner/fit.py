@@ -22,19 +22,25 @@ class Budget:
 
 def device_budget(cfg: Config) -> Optional[Budget]:
     """The memory a rank of this run may use, or None where nothing is known (a CPU run without
-    ``train.memory_budget_gib``)."""
-    stated = cfg.train.memory_budget_gib
+    ``train.memory_budget_gib``). A stated budget on a GPU run is less memory on that same GPU, so
+    its speed still ranks the layouts; the H100 stands in where there is no GPU."""
+    stated, props = cfg.train.memory_budget_gib, _visible_gpu(cfg)
+    name = "" if props is None else props.name.upper()
+    preset = next((k for k in GPUS if k.split("-")[0].upper() in name), "h100")
     if stated is not None:
-        return Budget(stated, "train.memory_budget_gib", "h100")
+        return Budget(stated, "train.memory_budget_gib", preset)
+    if props is None:
+        return None
+    return Budget(props.total_memory / GIB, f"the {props.name}'s memory", preset)
+
+
+def _visible_gpu(cfg: Config):
+    """The properties of the GPU this run will train on, or None for a CPU run."""
     if cfg.train.device == "cpu":
         return None
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    props = torch.cuda.get_device_properties(0)
-    preset = next((k for k in GPUS if k.split("-")[0].upper() in props.name.upper()), "h100")
-    return Budget(props.total_memory / GIB, f"the {props.name}'s memory", preset)
+    return torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
 
 
 def estimate_line(cfg: Config) -> str:
