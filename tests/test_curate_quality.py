@@ -268,6 +268,26 @@ def test_a_model_cut_anywhere_inside_its_dictionary_is_refused(trained, tmp_path
     _check_dictionary_fits(str(cut))
 
 
+def test_a_damaged_entry_count_is_refused_without_walking_the_file(trained, tmp_path):
+    """A header claiming 2^31 - 1 dictionary entries cannot fit any file (11 bytes an entry at the
+    least): it is refused at once, naming the size the count implies, not after a walk through every
+    entry the file holds, here 1.5 million of them (planted: the bound dropped, so only the walk, a
+    second or more, refused it)."""
+    import time
+
+    with open(trained, "rb") as f:
+        fields = list(_HEADER.unpack(f.read(_HEADER.size)))
+    fields[15] = 2**31 - 1
+    damaged = tmp_path / "damaged.bin"
+    damaged.write_bytes(_HEADER.pack(*fields) + (b"a\0" + bytes(9)) * 1_500_000)
+    size = damaged.stat().st_size
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"damaged\.bin is truncated \({size} bytes where its header implies at "
+                                         rf"least {_HEADER.size + 11 * (2**31 - 1)}\)"):
+        _check_dictionary_fits(str(damaged))
+    assert time.perf_counter() - start < 0.3
+
+
 def test_held_out_documents_are_left_out_of_training_and_chosen_by_the_seed(tmp_path, capsys):
     """Each document holds a word of its own: the words missing from the trained model's vocabulary
     are those of the held-out documents, exactly as many as reported (planted: every document

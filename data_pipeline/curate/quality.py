@@ -109,6 +109,8 @@ def _check_dictionary_fits(path: str) -> None:
         if len(head) < _HEADER.size:  # cut inside the header: fastText reads no labels, or allocates without end
             raise _truncated(path, size, _HEADER.size)
         entries = _HEADER.unpack(head)[15]
+        if size < _HEADER.size + 11 * entries:  # each entry takes 11 bytes at least: refused without a walk
+            raise _truncated(path, size, _HEADER.size + 11 * entries)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:  # pages of the dictionary only
             end = _HEADER.size
             for left in range(entries - 1, -1, -1):
