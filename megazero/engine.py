@@ -145,13 +145,17 @@ def pipeline_costs(cfg: Config) -> Optional[StageCosts]:
     m, p = cfg.model, cfg.parallel
     if p.pp == 1 or (p.virtual_stages != 1 and pipeline_placement(cfg) != "v"):
         return None
-    core, split = attention_core_share(m), pipeline_split(cfg)
+    return stage_costs(pipeline_split(cfg), head_blocks(m), attention_core_share(m), stage_recomputed_work(cfg))
+
+
+def stage_recomputed_work(cfg: Config) -> list[float]:
+    """Blocks' worth of forward work each virtual stage repeats in its backward: every block's
+    attention core under selective recompute; under full, the blocks it checkpoints, every
+    ``recompute_every``-th from its first (``partition.recomputed_work``)."""
+    m, p, split = cfg.model, cfg.parallel, pipeline_split(cfg)
     if p.recompute == "full":
-        recomputed = [recomputed_work(split, stage, p.recompute_every, attention_share(m))
-                      for stage in range(len(split))]
-    else:
-        recomputed = [b * core if p.recompute == "selective" else 0.0 for b in split]
-    return stage_costs(split, head_blocks(m), core, recomputed)
+        return [recomputed_work(split, stage, p.recompute_every, attention_share(m)) for stage in range(len(split))]
+    return [b * attention_core_share(m) if p.recompute == "selective" else 0.0 for b in split]
 
 
 def layout_record(cfg: Config) -> dict:

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megazero.config.schema import Config
-from megazero.engine import head_rank, pipeline_costs, pipeline_placement, pipeline_schedule, pipeline_split
+from megazero.engine import (head_rank, pipeline_costs, pipeline_placement, pipeline_schedule, pipeline_split,
+                             stage_recomputed_work)
 from megazero.flops import attention_share
 from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
-from parallel.pipeline.partition import (BLOCK_PARTS, rank_work as split_rank_work, recomputed_work, stage_layers,
-                                         stage_parts)
+from parallel.pipeline.partition import BLOCK_PARTS, rank_work as split_rank_work, stage_layers, stage_parts
 from parallel.pipeline.placement import stage_of
 from parallel.pipeline.plan import StageCosts, schedule_for
 from parallel.pipeline.schedule import SPLIT_BACKWARD, live_peaks, weighted_peak
@@ -138,13 +138,12 @@ def rank_work(cfg: Config, pp_rank: int) -> float:
 
 def rank_recomputed_work(cfg: Config, pp_rank: int) -> float:
     """Blocks' worth of forward work pipeline rank ``pp_rank`` repeats in its backward under full
-    recompute: its chunks' ``recomputed_work`` (GPT 6 x h at pp 2 and k 2 repeats 4 blocks, not 3)."""
+    recompute: its chunks' ``stage_recomputed_work`` (GPT 6 x h at pp 2 and k 2 repeats 4 blocks, not 3)."""
     p = cfg.parallel
     if p.recompute != "full":
         return 0.0
-    split, placement = pipeline_split(cfg), pipeline_placement(cfg)
-    return sum(recomputed_work(split, stage_of(p.pp, pp_rank, chunk, placement), p.recompute_every,
-                               attention_share(cfg.model)) for chunk in range(p.virtual_stages))
+    repeated, placement = stage_recomputed_work(cfg), pipeline_placement(cfg)
+    return sum(repeated[stage_of(p.pp, pp_rank, chunk, placement)] for chunk in range(p.virtual_stages))
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -90,14 +90,14 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
     micro = micro_batches(cfg)
     tokens_mb = m.seq_length * t.micro_batch_size
     e = DTYPE_BYTES[cfg.precision.dtype]
-    head = 6 * m.hidden_size * m.vocab_size
-    per_layer = (flops_per_token(m) - head) / m.num_layers  # a block's forward and backward
+    head, model_flops = 6 * m.hidden_size * m.vocab_size, flops_per_token(m)
+    per_layer = (model_flops - head) / m.num_layers  # a block's forward and backward
     block_forward = per_layer / 3
     # repeated forwards, per rank: the attention core of every block (selective), or every k-th block
     # of each chunk (full), whose collectives repeat too
-    selective = flops_per_token(m, "selective") - flops_per_token(m) if p.recompute == "selective" else 0.0
+    selective = flops_per_token(m, "selective") - model_flops if p.recompute == "selective" else 0.0
     recomputed = [rank_recomputed_work(cfg, rank) for rank in range(p.pp)]
-    hardware = flops_per_token(m) + sum(recomputed) * block_forward + selective
+    hardware = model_flops + sum(recomputed) * block_forward + selective
     dp_stride, pp_stride = _strides(cfg)
 
     # Tensor parallelism: per block, two all-reduces (or all-gather + reduce-scatter pairs under
