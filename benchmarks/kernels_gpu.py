@@ -1,6 +1,7 @@
 """Per-kernel table on one GPU: each fused body of the ops seam against its torch reference, eager and
 compiled, forward and forward+backward, at the shapes of the 1.3B models (micro-batch 8, sequence
-2048: 16,384 tokens of width 2048); plus the SDPA backends for causal and grouped-query attention,
+2048: 16,384 tokens of width 2048); plus the SDPA backends and FlashAttention 4 (where installed) for
+causal and grouped-query attention,
 (``--only gelu_profile``) the kernels inductor makes of the GPT-2 MLP's bias + GeLU, and
 (``--only bias_grad``) ways to sum a split backward's bias gradients.
 
@@ -205,16 +206,19 @@ ATTENTION_SHAPES = {"mha 16x128": (8, 16, 16, 128), "mha 12x64 (125m)": (16, 12,
 
 
 def attention_rows() -> list[dict]:
-    """Causal SDPA: torch's own choice of backend (the seam's body), then each backend forced."""
+    """Causal SDPA: torch's own choice of backend, then each backend forced; then FlashAttention 4
+    (the seam's body on Hopper where it fits, when flash-attn-4 is installed)."""
     rows = []
     for name, (batch, heads, kv, dim) in ATTENTION_SHAPES.items():
         q, k, v = leaf(batch, heads, 2048, dim), leaf(batch, kv, 2048, dim), leaf(batch, kv, 2048, dim)
-        variants = {"torch default": lambda q, k, v: ops.attention(q, k, v, 0.0)}
+        variants = {"torch default": lambda q, k, v: ops.sdpa_attention(q, k, v, 0.0)}
         for backend, choice in BACKENDS.items():
             def attend(q, k, v, choice=choice):
                 with sdpa_kernel([choice]):
-                    return ops.attention(q, k, v, 0.0)
+                    return ops.sdpa_attention(q, k, v, 0.0)
             variants[backend] = attend
+        if kernels.HAS_FLASH:
+            variants["flash-attn-4"] = kernels.flash_attention.attention
         rows += [r for variant, fn in variants.items() if (r := row(f"attention {name}", variant, fn, [q, k, v]))]
     return rows
 
@@ -256,7 +260,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=list(SECTIONS),
                         default=["cross_entropy", "norm", "add_norm", "swiglu", "rotary", "attention"])
     args = parser.parse_args()
-    print(torch.__version__, torch.cuda.get_device_name(), f"liger: {kernels.HAS_LIGER}", flush=True)
+    print(torch.__version__, torch.cuda.get_device_name(), f"liger: {kernels.HAS_LIGER}",
+          f"flash-attn-4: {kernels.HAS_FLASH}", flush=True)
     rows = []
     for name in args.only:
         rows += SECTIONS[name]()

@@ -119,12 +119,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
     """Causal attention; q [batch, heads, seq, head_dim], k and v [batch, kv_heads, seq, head_dim].
 
     Grouped-query attention: query head ``i`` reads key/value head ``i // (heads // kv_heads)``.
-    No fused body: on an H100 with torch 2.11, SDPA's own choice for bf16 is already cuDNN's
-    attention, 1.8x faster forward+backward than its flash backend and as fast as forcing cuDNN
-    (causal and grouped-query alike; BENCHMARKS.md, benchmarks/kernels_gpu.py).
+    On Hopper, FlashAttention 4's kernels replace SDPA where ``kernels.use_flash_attention`` says so
+    (BENCHMARKS.md has the measurement); ``attention.reference`` is SDPA alone.
     """
+    if kernels.use_flash_attention(q, dropout_p):
+        return kernels.flash_attention.attention(q, k, v)
+    return sdpa_attention(q, k, v, dropout_p)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """``attention`` through torch's SDPA, which picks its backend itself: cuDNN's attention on an
+    H100 with torch 2.11 for bf16, 1.8x faster forward+backward than its flash backend and as fast
+    as forcing cuDNN (causal and grouped-query alike; BENCHMARKS.md, benchmarks/kernels_gpu.py)."""
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+attention.reference = sdpa_attention
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

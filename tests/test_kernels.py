@@ -135,6 +135,54 @@ def test_rotary_on_qkv_slices(dtype):
               [qkv, cos.requires_grad_(False), sin.requires_grad_(False)], dtype)
 
 
+def _needs_flash_attention() -> None:
+    if not (kernels.HAS_FLASH and torch.cuda.get_device_capability()[0] == 9):
+        pytest.skip("needs flash-attn-4 and a Hopper GPU")
+
+
+def _heads(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model hands them to the seam: strided views of qkv [batch, seq, groups, r + 2, dim]."""
+    r = qkv.shape[3] - 2
+    return (qkv[..., :r, :].flatten(2, 3).transpose(1, 2), qkv[..., r, :].transpose(1, 2),
+            qkv[..., r + 1, :].transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("groups,r,dim", [(4, 1, 128), (2, 3, 64), (1, 4, 96)])
+def test_flash_attention_on_qkv_views(dtype, groups, r, dim):
+    """FlashAttention 4 on the model's q, k, v views (multi-head, and grouped-query with 3 and 4 query
+    heads a group; head sizes 128, 64, 96) against SDPA; 200 positions leave a part-filled last tile."""
+    _needs_flash_attention()
+    from models.kernels import flash_attention
+    qkv = randn(2, 200, groups, r + 2, dim)
+    check(lambda qkv: flash_attention.attention(*_heads(qkv)),
+          lambda qkv: ops.attention.reference(*_heads(qkv), 0.0), [qkv], dtype)
+
+
+def test_flash_attention_is_chosen_where_it_applies_and_is_deterministic():
+    """The seam runs it for bf16 and fp16 without dropout and with enough (batch, head) pairs (half a
+    pair per multiprocessor), SDPA otherwise; its backward gives the same bits twice; compiled whole (one
+    graph) it gives the eager op's output and gradient."""
+    _needs_flash_attention()
+    heads = torch.cuda.get_device_properties(0).multi_processor_count
+    q = torch.zeros(1, heads, 8, 64, device="cuda", dtype=torch.bfloat16)
+    assert kernels.use_flash_attention(q, 0.0) and kernels.use_flash_attention(q.half(), 0.0)
+    assert not kernels.use_flash_attention(q, 0.1) and not kernels.use_flash_attention(q.float(), 0.0)
+    assert kernels.use_flash_attention(q[:, :(heads + 1) // 2], 0.0)
+    assert not kernels.use_flash_attention(q[:, :(heads + 1) // 2 - 1], 0.0)
+    qkv = randn(1, 256, heads, 3, 128).to(torch.bfloat16).detach().requires_grad_(True)
+    weight = torch.randn(1, heads, 256, 128, device="cuda")
+    grads = []
+    for fn in (ops.attention, ops.attention, torch.compile(ops.attention, fullgraph=True)):
+        qkv.grad = None
+        out = fn(*_heads(qkv), 0.0)
+        (out.float() * weight).sum().backward()
+        grads.append((out.detach(), qkv.grad.clone()))
+    assert torch.equal(grads[0][1], grads[1][1]), "two backward passes differ"
+    for eager, compiled in zip(grads[0], grads[2]):
+        assert torch.equal(eager, compiled)
+
+
 def _linear_ce_inputs(tokens=(3, 250), hidden=64, vocab=1100, padded=1152, ignored=17):
     h, w = randn(*tokens, hidden), randn(padded, hidden, scale=0.3)
     labels = torch.randint(0, vocab, tokens, device="cuda")
@@ -204,6 +252,7 @@ def _gpt(preset: str, dtype) -> GPT:
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpt_loss_and_gradients_with_and_without_kernels(preset, compiled, monkeypatch):
     """The whole model in bf16 with every fused body on, against the same weights with all off."""
+    monkeypatch.setattr(kernels, "FLASH_PAIRS_PER_MULTIPROCESSOR", 0)  # FlashAttention 4 too, where installed
     tokens = torch.randint(0, 1000, (4, 64), device="cuda")
     labels = torch.randint(0, 1000, (4, 64), device="cuda")
     labels[0, :5] = ops.IGNORE_INDEX

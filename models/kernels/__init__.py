@@ -13,7 +13,9 @@ and BENCHMARKS.md):
 | swiglu, apply_rotary   | ours: one Triton kernel forward, one backward      | no: inductor fuses it  |
 | layer_norm, gelu       | none: torch's eager kernels are one pass already   | (inductor's)           |
 | add_layer_norm         | none: ours (``norms``) lost to torch's eager pair  | (inductor's)           |
-| attention              | none: SDPA already picks cuDNN's kernel, the best  | (the same)             |
+| attention              | FlashAttention 4's CuTe kernels on Hopper, when    | yes, as a traced op    |
+|                        | importable (``flash_attention``); else SDPA's own  |                        |
+|                        | choice (cuDNN's kernel there)                      |                        |
 
 Beside the ops, ``adamw`` is the optimizer's one-pass update (AdamW on the fp32 shard that also
 writes the 16-bit parameters), which ``megazero.optim`` runs when ``use_fused`` says so.
@@ -23,8 +25,8 @@ a compiled graph. Elementwise ops are left to inductor there: it fuses them with
 (the residual add, the bias, the transposes around them), which an opaque kernel would prevent.
 
 ``MEGAZERO_KERNELS=0`` in the environment turns every fused body off (the torch reference runs
-everywhere), to compare or to rule the kernels out when a result looks wrong. Triton and
-liger-kernel are optional: without them the reference runs.
+everywhere), to compare or to rule the kernels out when a result looks wrong. Triton, liger-kernel
+and flash-attn-4 are optional: without them the reference runs.
 """
 
 from __future__ import annotations
@@ -44,7 +46,45 @@ HAS_LIGER = HAS_TRITON and importlib.util.find_spec("liger_kernel") is not None
 """Looked up once, without importing either: dynamo reads these constants while it traces."""
 
 
+def _has_flash_attention_4() -> bool:
+    """Whether ``flash_attn.cute`` (the flash-attn-4 wheel) is installed, found without importing it:
+    ``flash_attn`` may be FlashAttention 2's package, whose import loads its CUDA extension."""
+    spec = importlib.util.find_spec("flash_attn")
+    return spec is not None and any(os.path.isfile(os.path.join(folder, "cute", "interface.py"))
+                                    for folder in spec.submodule_search_locations or ())
+
+
+HAS_FLASH = _has_flash_attention_4()
+
+
 NEEDS = {"triton": HAS_TRITON, "liger": HAS_LIGER}
+
+
+def use_flash_attention(q: torch.Tensor, dropout_p: float) -> bool:
+    """Whether ``models.ops.attention`` on ``q`` [batch, heads, seq, head_dim] runs FlashAttention 4
+    (``flash_attention``) rather than SDPA. Eager and compiled alike: the op is traced as one node."""
+    return (ENABLED and HAS_FLASH and q.is_cuda
+            and flash_attention_fits(q.shape, q.dtype, dropout_p, torch.cuda.get_device_properties(q.device)))
+
+
+def flash_attention_fits(shape: torch.Size, dtype: torch.dtype, dropout_p: float, gpu) -> bool:
+    """The cases FlashAttention 4 was measured faster than SDPA's cuDNN attention in a compiled
+    training step (BENCHMARKS.md): a Hopper GPU (``gpu``: its device properties), bf16 or fp16, no
+    dropout (the kernels have none), a head size the kernels take, and enough (batch, head) pairs to
+    keep the multiprocessors busy: its deterministic backward sums each query tile's gradient in
+    order, so with few pairs the multiprocessors wait on each other. On an H200 (132 of them) the
+    GPT 1.3B step ran 2% slower than with SDPA at 2 x 16 pairs and 0.5-3% faster at 8 x 16 and more
+    (125M, 350M, 1.3B, Llama 1.3B); the kernel alone was 1.7x slower at 2 x 32. The bound sits
+    between: half a pair per multiprocessor (66 on an H200)."""
+    batch, heads, _, head_dim = shape
+    return (gpu.major == 9 and dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
+            and head_dim % 8 == 0 and head_dim <= 256
+            and batch * heads >= FLASH_PAIRS_PER_MULTIPROCESSOR * gpu.multi_processor_count)
+
+
+FLASH_PAIRS_PER_MULTIPROCESSOR = 0.5
+"""``flash_attention_fits``'s least count of (batch, head) pairs, per multiprocessor (tests set 0 to run
+FlashAttention 4 on small shapes)."""
 
 
 def use_fused(x: torch.Tensor, in_graph: bool = False, needs: str = "triton") -> bool:
@@ -70,3 +110,7 @@ call_between_graphs = torch.compiler.disable(call) if torch.cuda.is_available() 
 """``call`` for bodies that also replace the reference inside a compiled region: dynamo stops its
 graph there and runs the kernel (with its own Python loop and collectives) eagerly.
 (Without a GPU no body runs, and importing dynamo would only slow every process's start.)"""
+
+
+if HAS_FLASH:  # registers its custom ops; flash_attn itself is imported at their first run
+    flash_attention = importlib.import_module(f"{__name__}.flash_attention")

@@ -1,0 +1,109 @@
+"""The FlashAttention 4 path of the attention seam, without a GPU.
+
+The kernels themselves are checked on a GPU (``tests/test_kernels.py``: against SDPA, forward and
+backward, deterministic, compiled). What a CPU can check is everything around them: that the package
+is found without importing it, which shapes the seam sends to it, that ``models.ops.attention`` routes
+there and nowhere else, and that the custom ops' shape-only bodies (what torch.compile traces) give
+the shapes, dtypes and gradients' plumbing of the real ones, on the meta device, also compiled into
+one graph.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+import torch
+
+from models import kernels, ops
+from models.kernels import flash_attention
+
+H200 = types.SimpleNamespace(major=9, multi_processor_count=132)
+
+
+def _package(root, *files: str) -> None:
+    for name in files:
+        path = root.joinpath(*name.split("/"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("raise ImportError('must not be imported to be found')\n")
+
+
+@pytest.mark.parametrize("files,found", [
+    (("flash_attn/cute/interface.py",), True),  # flash-attn-4's wheel: a namespace package
+    (("flash_attn/__init__.py", "flash_attn/cute/interface.py"), True),  # beside FlashAttention 2
+    (("flash_attn/__init__.py", "flash_attn/flash_attn_interface.py"), False),  # FlashAttention 2 alone
+    ((), False),
+])
+def test_flash_attention_4_is_found_without_importing_it(tmp_path, monkeypatch, files, found):
+    _package(tmp_path, *files)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert kernels._has_flash_attention_4() is found
+
+
+@pytest.mark.parametrize("shape,dtype,dropout,gpu,fits", [
+    ((8, 16, 2048, 128), torch.bfloat16, 0.0, H200, True),  # GPT 1.3B at micro-batch 8
+    ((8, 16, 2048, 64), torch.float16, 0.0, H200, True),
+    ((16, 12, 2048, 64), torch.bfloat16, 0.0, H200, True),  # 125M at 16
+    ((8, 16, 2048, 128), torch.float32, 0.0, H200, False),  # the kernels have no fp32
+    ((8, 16, 2048, 128), torch.bfloat16, 0.1, H200, False),  # nor dropout
+    ((8, 16, 2048, 128), torch.bfloat16, 0.0, types.SimpleNamespace(major=8, multi_processor_count=108), False),
+    ((8, 16, 2048, 128), torch.bfloat16, 0.0, types.SimpleNamespace(major=10, multi_processor_count=148), False),
+    ((8, 16, 2048, 260), torch.bfloat16, 0.0, H200, False),
+    ((8, 16, 2048, 100), torch.bfloat16, 0.0, H200, False),
+    ((2, 16, 2048, 128), torch.bfloat16, 0.0, H200, False),  # 32 pairs: measured slower than SDPA
+    ((2, 32, 2048, 128), torch.bfloat16, 0.0, H200, False),  # 64
+    ((1, 66, 2048, 128), torch.bfloat16, 0.0, H200, True),  # half a pair per multiprocessor
+    ((1, 65, 2048, 128), torch.bfloat16, 0.0, H200, False),
+])
+def test_flash_attention_fits_the_measured_cases(shape, dtype, dropout, gpu, fits):
+    assert kernels.flash_attention_fits(torch.Size(shape), dtype, dropout, gpu) is fits
+
+
+def test_the_seam_routes_to_flash_attention_only_when_it_fits(monkeypatch):
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    assert not kernels.use_flash_attention(q, 0.0)  # a CPU tensor
+    calls = []
+    monkeypatch.setattr(kernels, "flash_attention", types.SimpleNamespace(
+        attention=lambda *args: calls.append(args) or torch.zeros(())), raising=False)
+    monkeypatch.setattr(kernels, "use_flash_attention", lambda q, p: p == 0.0)
+    assert ops.attention(q, k, v, 0.0).shape == () and len(calls) == 1 and calls[0][0] is q
+    torch.manual_seed(0)
+    got = ops.attention(q, k, v, 0.5)
+    torch.manual_seed(0)
+    assert torch.equal(got, ops.sdpa_attention(q, k, v, 0.5)) and len(calls) == 1
+    assert ops.attention.reference is ops.sdpa_attention
+
+
+def _qkv_views(batch=2, seq=64, groups=2, r=3, dim=16):
+    qkv = torch.empty(batch, seq, groups, r + 2, dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    q = qkv[..., :r, :].flatten(2, 3).transpose(1, 2)
+    return qkv, q, qkv[..., r, :].transpose(1, 2), qkv[..., r + 1, :].transpose(1, 2)
+
+
+def test_the_custom_ops_shape_bodies_match_the_kernels_outputs():
+    """The kernels return out [batch, seq, heads, dim] and the fp32 log-sum-exp [batch, heads, seq],
+    both contiguous; the backward returns gradients shaped as its inputs (fewer kv heads: GQA)."""
+    qkv, q, k, v = _qkv_views()
+    out, lse = torch.ops.megazero.flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2),
+                                                          v.transpose(1, 2), 0.25)
+    assert out.shape == (2, 64, 6, 16) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert lse.shape == (2, 6, 64) and lse.dtype == torch.float32 and lse.is_contiguous()
+    grads = torch.ops.megazero.flash_attention_backward(out, q.transpose(1, 2), k.transpose(1, 2),
+                                                        v.transpose(1, 2), out, lse, 0.25)
+    assert [g.shape for g in grads] == [(2, 64, 6, 16), (2, 64, 2, 16), (2, 64, 2, 16)]
+    assert all(g.is_contiguous() and g.dtype == torch.bfloat16 for g in grads)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gradients_reach_the_projection_through_the_ops(compiled):
+    """The seam's layout in and out, and autograd from the output back to the fused qkv projection,
+    eagerly and compiled into one graph (no break: the ops are traced as nodes)."""
+    qkv, q, k, v = _qkv_views()
+    attend = torch.compile(flash_attention.attention, fullgraph=True, backend="aot_eager") if compiled \
+        else flash_attention.attention
+    out = attend(q, k, v)
+    assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()
+    out.sum().backward()
+    assert qkv.grad is not None and qkv.grad.shape == qkv.shape
