@@ -190,15 +190,21 @@ def _streams(topo: Topology) -> dict:
     snapshot_ctx, replay_ctx = rng.checkpoint_contexts()
     with rng.fork():
         first = torch.rand(4)
+    with rng.fork():  # a later block's draws, made before the first block is recomputed
+        second = torch.rand(4)
     with replay_ctx, rng.fork():
         replayed = torch.rand(4)
     with rng.fork():
         after = torch.rand(4)
+    unreplayed = TensorParallelRNG(seed=5, tp_rank=topo.tp_rank)
+    with unreplayed.fork():
+        expected_after = [torch.rand(4) for _ in range(4)][-1]  # sharded, first, second, after
     both = [torch.empty(8) for _ in range(topo.tp_size)]
     dist.all_gather(both, torch.cat([sharded, replicated]), group=topo.tp_group)
     return {"sharded_differ": not torch.equal(both[0][:4], both[1][:4]),
             "replicated_agree": torch.equal(both[0][4:], both[1][4:]),
-            "replayed": torch.equal(first, replayed), "advanced": not torch.equal(first, after)}
+            "replayed": torch.equal(first, replayed), "advanced": not torch.equal(first, after),
+            "resumed": torch.equal(after, expected_after) and not torch.equal(after, second)}
 
 
 def _small_tp_model(preset: str, topo: Topology, sp: bool, recompute: str = "none", dropout: float = 0.0):
@@ -263,6 +269,31 @@ def _masks_per_rank(topo: Topology) -> dict:
     return report
 
 
+def _fake_shapes(topo: Topology) -> list[str]:
+    """torch.library.opcheck's comparison of each sequence-parallel linear's shape function (what a
+    compiled graph plans its buffers by) with what the operator returns, forward and backward; the
+    failures. The eager runs here never read those functions, and a compiled run on GPUs would."""
+    from parallel.tensor_parallel import overlap
+    from parallel.weight_grad_takers import IN_BACKWARD
+
+    name, tp = topo.tp_group.group_name, topo.tp_size
+    g = torch.Generator().manual_seed(5)
+    chunk, whole = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4 * tp, 6, generator=g)  # [batch, tokens, 8 or 6]
+    weight, bias = torch.randn(6, 8, generator=g), torch.randn(6, generator=g)
+    full = torch.randn(2 * 4 * tp, 8, generator=g)
+    cases = [(overlap._column, (chunk, weight, bias, name, "overlap", IN_BACKWARD)),
+             (overlap._column_backward, (whole, full, weight, bias, name, "overlap", IN_BACKWARD)),
+             (overlap._row, (whole, weight.t().contiguous(), name, "overlap", IN_BACKWARD)),
+             (overlap._row_backward, (chunk, whole, weight.t().contiguous(), name, "overlap", IN_BACKWARD))]
+    failures = []
+    for op, args in cases:
+        try:
+            torch.library.opcheck(op, args, test_utils="test_faketensor")
+        except Exception as exc:  # noqa: BLE001 - reported by name
+            failures.append(f"{op}: {exc}")
+    return failures
+
+
 def _partial_without_group() -> str:
     """The data-parallel wrapper refuses partial gradients it has no tensor group to sum over."""
     layer = torch.nn.LayerNorm(4)
@@ -280,7 +311,7 @@ def _checks(rank, world_size):
            "fused_ce": {case: _fused_cross_entropy(topologies[case[0]], *case) for case in FUSED_CE_CASES},
            "collectives": {(n, tp): _collective(n, topologies[tp]) for n in COLLECTIVES for tp in (2, 4)},
            "streams": _streams(topologies[2]), "dropout": {}, "masks": _masks_per_rank(topologies[2]),
-           "partial_without_group": _partial_without_group()}
+           "partial_without_group": _partial_without_group(), "fake_shapes": _fake_shapes(topologies[2])}
     for preset, tp, sp in DROPOUT_CASES:
         topo = topologies[tp]
         base_loss, base_grads = _dropout_run(preset, topo, sp, "none", 0.1)
@@ -330,8 +361,30 @@ def test_tp_stream_differs_across_ranks_and_default_stream_agrees(results):
 
 
 def test_checkpoint_context_replays_the_tp_stream(results):
+    """A recompute replays the stream from the block's snapshot, then puts back where the forward left
+    it: left at the replayed point, the next step's first block would redraw the masks a later block
+    drew this step."""
     for result in results:
         assert result["streams"]["replayed"] and result["streams"]["advanced"]
+        assert result["streams"]["resumed"]
+
+
+def test_a_tied_parameter_split_two_ways_is_refused():
+    """A weight shared by two modules is split once and both get that one shard; a second style that
+    splits it along another dimension would otherwise be handed the first style's shard silently."""
+    from parallel.tensor_parallel.layers import _shard_param
+    from parallel.tensor_parallel.sharding import Shard
+
+    tied, memo = torch.nn.Parameter(torch.randn(8, 4)), {}
+    first = _shard_param(tied, Shard(0, 1, 2), memo)
+    assert torch.equal(first, tied[4:]) and _shard_param(tied, Shard(0, 1, 2), memo) is first
+    with pytest.raises(ValueError, match="split two ways"):
+        _shard_param(tied, Shard(1, 1, 2), memo)
+
+
+def test_sequence_parallel_linears_shape_functions_match_their_outputs(results):
+    for result in results:
+        assert not result["fake_shapes"], result["fake_shapes"]
 
 
 def test_partial_gradients_without_a_tensor_group_are_refused(results):
