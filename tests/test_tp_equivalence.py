@@ -1,9 +1,10 @@
 """Tensor parallelism computes the single-process model: one 4-rank gloo world, every layout.
 
 Each rank builds the plain model (the reference) and, for every case, the tensor-parallel model
-(tp 1, 2 or 4 with data parallelism filling the world), runs forward and backward on the same batch,
-gathers logits and every parameter gradient back to full shape and reports the largest relative
-difference: max|tp - ref| / max|ref|. Tolerance: fp32, RTOL = 1e-5. No case builds the very model
+(tp 1, 2 or 4 with data parallelism filling the world; sequence parallelism in the serial and the
+overlapped communication mode), runs forward and backward on the same batch, gathers logits and
+every parameter gradient back to full shape and reports the largest relative difference:
+max|tp - ref| / max|ref|. Tolerance: fp32, RTOL = 1e-5. No case builds the very model
 it is compared with (``test_no_case_compares_the_reference_with_itself``).
 """
 
@@ -27,18 +28,20 @@ SEED = 11
 WORLD = 4
 TPS = (1, 2, 4)
 PRESETS = ("gpt2", "llama")
-VARIANTS = [  # (sequence_parallel, recompute, meta-device build); sp is dropped at tp=1
+VARIANTS = [  # (sequence parallelism: False or its communication mode, recompute, meta-device build)
     (False, "none", False),
-    (True, "none", True),
+    ("serial", "none", False),
+    ("overlap", "none", True),
     (False, "full", True),
-    (True, "selective", False),
-    (True, "full", False),
+    ("overlap", "selective", False),
+    ("overlap", "full", False),
     (False, "selective", True),
 ]
-# At tp 1 the plain variant builds exactly the reference model, so it would compare the model with
-# itself: every tp 1 case takes another code path (recompute or the meta-device build).
-CASES = [(p, tp, sp and tp > 1, rc, meta) for p, tp, (sp, rc, meta) in itertools.product(PRESETS, TPS, VARIANTS)
-         if tp > 1 or rc != "none" or meta]
+# Sequence parallelism is dropped at tp 1. There the plain variant builds exactly the reference model,
+# so it would compare the model with itself: every tp 1 case takes another code path (recompute or the
+# meta-device build).
+CASES = [(p, tp, sp if tp > 1 else False, rc, meta)
+         for p, tp, (sp, rc, meta) in itertools.product(PRESETS, TPS, VARIANTS) if tp > 1 or rc != "none" or meta]
 
 
 def config(preset: str) -> ModelConfig:
@@ -54,6 +57,9 @@ def batch(cfg: ModelConfig):
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
     labels[1, 5:9] = -100
+    # the last id of a vocabulary shard and the first of the next (shards of 256 rows at tp 2, 128 at
+    # tp 4): an embedding whose range check let its first row past the end through would index out of it
+    ids[0, :4] = torch.tensor([127, 128, 255, 256])
     return ids, labels
 
 
@@ -94,7 +100,8 @@ def _equivalence(rank, world_size):
         preset, tp, sp, recompute, meta = case
         cfg, group = config(preset), topologies[tp].tp_group
         model = GPT(cfg, vocab_multiple=128 * tp, seed=SEED, device="meta" if meta else "cpu")
-        tensor_parallelize_gpt(model, group, seed=SEED, sequence_parallel=sp, recompute=recompute, recompute_every=2)
+        tensor_parallelize_gpt(model, group, seed=SEED, sequence_parallel=bool(sp), tp_comm=sp or "overlap",
+                               recompute=recompute, recompute_every=2)
         if meta:
             model.to_empty(device="cpu")
             model.init_weights(SEED)
@@ -106,7 +113,8 @@ def _equivalence(rank, world_size):
         full_logits = gather(logits, shards.get("lm_head.weight"), group, dim=-1)
         out = {"logits": rel(full_logits[..., :cfg.vocab_size], ref_logits[..., :cfg.vocab_size]),
                "loss": max(rel(a, b) for a, b in zip(loss, ref_loss)),
-               "grads": {}, "weights": {}, "layout": {}, "padding_grad": 0.0}
+               "grads": {}, "weights": {}, "layout": {}, "padding_grad": 0.0,
+               "comm": {m.comm_mode for m in model.modules() if hasattr(m, "comm_mode")}}
         for name, param in model.named_parameters():
             shard = shards.get(name)
             weight, grad = gather(param.detach(), shard, group), gather(param.grad, shard, group)
@@ -130,7 +138,7 @@ def reports():
 
 def ids(case):
     preset, tp, sp, recompute, meta = case
-    return f"{preset}-tp{tp}{'-sp' if sp else ''}-{recompute}{'-meta' if meta else ''}"
+    return f"{preset}-tp{tp}{f'-sp-{sp}' if sp else ''}-{recompute}{'-meta' if meta else ''}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids)
@@ -175,6 +183,14 @@ def test_each_rank_holds_a_tp_th_of_sharded_weights_and_all_of_the_rest(reports,
                 assert list(local) == expect, name
             else:
                 assert dim is None and list(local) == full, name
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] > 1], ids=ids)
+def test_the_linears_communicate_in_the_mode_asked_for(reports, case):
+    """Serial and overlapped communication compute the same sums, so equal results cannot show that
+    the mode asked for reached the layers; a mode dropped on the way would go unnoticed."""
+    for report in reports:
+        assert report[case]["comm"] == {case[2] or "overlap"}
 
 
 def test_no_case_compares_the_reference_with_itself():
