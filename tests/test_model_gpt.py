@@ -94,6 +94,25 @@ def test_logits_are_padded_to_the_vocab_multiple_and_padding_is_zero():
     assert model.lm_head.weight[cfg.vocab_size:].abs().sum() == 0
 
 
+@pytest.mark.parametrize("parts", [("attention", "mlp"), ("attention",), ("mlp",)])
+def test_dropout_covers_every_residual_branch_and_the_embedding(parts):
+    """With dropout 1 in training every branch a block adds to the residual stream is dropped whole, so
+    a block (or either half of one) returns its input unchanged and the embedding returns zeros. A
+    branch added without its dropout would be regularised by nothing, which no loss comparison run
+    at dropout 0 can show."""
+    from models.gpt import Block
+
+    cfg = config("gpt2", dropout=1.0)
+    model = GPT(cfg, seed=3)
+    block = Block(cfg, parts=parts)
+    block.load_state_dict(model.layers["0"].state_dict(), strict=False)
+    x = torch.randn(2, cfg.seq_length, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(block(x), x)
+    assert torch.equal(model.embedding(batch(cfg)[0]), torch.zeros(2, cfg.seq_length, cfg.hidden_size))
+    block.eval()
+    assert not torch.equal(block(x), x)  # the branches themselves are not zero
+
+
 def test_meta_build_then_init_equals_eager_build():
     cfg = config("llama")
     eager = GPT(cfg, seed=5)
@@ -126,8 +145,8 @@ def test_initialisation_scales():
     model = GPT(cfg, seed=0)
     std = 1 / math.sqrt(3 * 256)
     assert abs(model.layers["0"].attention.qkv.weight.std().item() / std - 1) < 0.02
-    out_std = model.layers["0"].mlp.fc_out.weight.std().item()
-    assert abs(out_std / (std / math.sqrt(16)) - 1) < 0.02
+    for projection in (model.layers["0"].mlp.fc_out, model.layers["0"].attention.out):  # both residual outputs
+        assert abs(projection.weight.std().item() / (std / math.sqrt(16)) - 1) < 0.02
     assert torch.equal(model.layers["0"].attn_norm.weight, torch.ones(256))
     assert model.layers["0"].attention.qkv.bias.abs().sum() == 0
     other = GPT(cfg, seed=1)
@@ -170,6 +189,8 @@ def test_unknown_loss_reduction_is_refused():
 def test_layers_outside_the_model_are_refused():
     with pytest.raises(ValueError, match="num_layers"):
         GPT(config("gpt2"), layers=range(2, 6))
+    with pytest.raises(ValueError, match="num_layers"):  # the first index past the last block
+        GPT(config("gpt2"), layers=[4])
     with pytest.raises(ValueError, match="outside layers"):
         GPT(config("gpt2"), layers=range(0, 2), parts={2: MLP})
     with pytest.raises(ValueError, match="non-empty subset"):

@@ -54,6 +54,7 @@ def test_embedding_groups_pair_first_and_last_stage():
 def test_describe_names_layout_and_nodes():
     assert RankGrid(8, 35, 8).describe(8) == "tp8 x dp8 x pp35 = 2240 ranks on 280 nodes; tp groups within nodes"
     assert "SPANNING" in RankGrid(16, 1, 1).describe(8)
+    assert RankGrid(2, 1, 5).describe(4).endswith("= 10 ranks on 3 nodes; tp groups within nodes")  # a part-full node
 
 
 def test_rejects_unknown_kind_and_order():
