@@ -89,3 +89,15 @@ def test_hung_collective_names_rank_operation_and_group(world):
     world_size, reports = world
     message = reports[0]["hang"]
     assert message.startswith("rank 0: all_reduce on the tp group of 2 ranks [0, 1] failed"), message
+
+
+def test_coalesced_sum_applies_its_scale_to_a_lone_tensor_of_its_dtype(one_rank_group):
+    """The data-parallel mean of the pipeline's gradients is a coalesced sum times ``1 / dp``; a dtype
+    with a single gradient is summed in place, and must be scaled all the same (a group of one rank
+    sums nothing, so only the scale shows)."""
+    from parallel.comm import all_reduce_coalesced
+
+    lone, pair = torch.ones(3, dtype=torch.float64), [torch.ones(2), torch.full((2, 2), 2.0)]
+    all_reduce_coalesced([lone, *pair], one_rank_group, scale=0.5)
+    assert torch.equal(lone, torch.full((3,), 0.5, dtype=torch.float64))
+    assert torch.equal(pair[0], torch.full((2,), 0.5)) and torch.equal(pair[1], torch.ones(2, 2))
