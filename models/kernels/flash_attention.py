@@ -22,7 +22,11 @@ from torch import Tensor
 
 
 def _interface():
-    from flash_attn.cute import interface  # first use: imports the CuTe DSL (a second or two)
+    """The package's forward and backward functions, called directly (its autograd function runs both
+    inside one Python object that dynamo cannot trace as an op); they are not its public API, which
+    is why the ``flash`` extra pins the version measured. Imported at first use: the CuTe DSL takes a
+    few seconds to import."""
+    from flash_attn.cute import interface
 
     return interface
 
