@@ -6,10 +6,11 @@ import pytest
 
 from parallel.pipeline.partition import (HALF_BLOCK_GAIN, balanced_split, rank_work, resolve_split, stage_layers,
                                          stage_parts)
+from parallel.pipeline.placement import holder_of, placement_of
 from parallel.pipeline.plan import (UNIT_COSTS, PipelineDeadlock, bubble_of, check_ops, comm_plan, plan_for,
                                     simulate, timeline)
 from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, default_schedule, interleaved_1f1b,
-                                        max_live_activations, one_f_one_b)
+                                        max_live_activations, one_f_one_b, schedule_problem)
 
 
 def seq(text: str) -> list[Op]:
@@ -398,7 +399,22 @@ def test_default_schedule():
     (Planted: interleaved_zb picked for v > 1.)"""
     assert default_schedule(2, 2) == "interleaved_1f1b"
     assert default_schedule(4, 1) == "1f1b"
+    assert default_schedule(2, 1) == "1f1b"  # the smallest pipeline pipelines too (planted: pp > 2)
     assert default_schedule(1, 1) == "gradient_accumulation"
+
+
+def test_config_names_a_schedule_that_cannot_run_its_chunk_count():
+    """Config validation refuses a one-chunk schedule given virtual stages, and an interleaved one given
+    none, before launch: passed, the first fails only when the executor builds its op list. (Planted:
+    only more than two chunks refused, so the common v = 2 passed.)"""
+    for name in ("gradient_accumulation", "1f1b", "zb-h1", "zb-h2"):
+        assert schedule_problem(name, 1) is None
+        for v in (2, 3):
+            assert "runs one model chunk per rank" in schedule_problem(name, v), (name, v)
+    for name in ("interleaved_1f1b", "interleaved_zb"):
+        assert "needs more than one model chunk per rank" in schedule_problem(name, 1)
+        assert schedule_problem(name, 2) is None and schedule_problem(name, 4) is None
+    assert schedule_problem("auto", 1) is None and schedule_problem("auto", 3) is None
 
 
 # --- plan.py ----------------------------------------------------------------------------------------
@@ -410,6 +426,31 @@ def test_simulator_catches_a_receive_that_is_never_sent():
     plans = [comm_plan([], 2, 0), comm_plan(seq("F0"), 2, 1)]
     with pytest.raises(PipelineDeadlock, match="rank 1 waits for act.* that rank 0 never sends"):
         simulate(plans)
+
+
+@pytest.mark.parametrize("name,pp,m,v", [("1f1b", 3, 5, 1), ("zb-h2", 4, 8, 1), ("interleaved_1f1b", 3, 6, 2),
+                                         ("interleaved_zb", 4, 8, 2), ("zb-v", 3, 6, 2)])
+def test_no_op_starts_before_the_op_whose_output_it_takes_has_ended(name, pp, m, v):
+    """Timed with unequal stages (a slow first rank), every op that takes a neighbour's activation or
+    gradient starts after the op producing it ends. A middle rank's exchange sends to one neighbour and
+    receives from the other in one batch, which completes only once both have posted theirs; the
+    timeline must wait for both, or it times ops before their inputs exist and passes orders (zb-v's,
+    ``v_orders_span``) whose plans would deadlock. (Planted: such a batch waiting for one partner.)"""
+    placement = placement_of(name)
+    plans = [plan_for(name, pp, r, m, v)[1] for r in range(pp)]
+    costs = [{"F": 3.0 if r == 0 else 1.0, "B": 2.0 + r, "B_input": 1.0 + r, "W": 1.0} for r in range(pp)]
+    times = timeline(plans, costs)
+    ends = {(r, op): end for r, ops in enumerate(times) for op, _, end in ops}
+    checked = 0
+    for r, (plan, ops) in enumerate(zip(plans, times)):
+        starts = {op: start for op, start, _ in ops}
+        for step in plan:
+            if step.needs is not None:
+                holder, chunk = holder_of(pp, step.needs.stage, placement)
+                made_by = Op("F" if step.needs.kind == "act" else "B", step.needs.microbatch, chunk)
+                assert starts[step.op] >= ends[(holder, made_by)], (r, step.op, step.needs)
+                checked += 1
+    assert checked == 2 * m * (pp * v - 1 - (placement == "v"))  # every boundary but a V's turn, both ways
 
 
 def test_bubble_is_the_idlest_ranks():
