@@ -11,7 +11,8 @@ from torch import nn
 from models import GPT
 from models.config import ModelConfig
 from parallel.pipeline import PipelineExecutor
-from parallel.pipeline.p2p import free_storage
+from parallel.pipeline.p2p import StageLink, free_storage
+from parallel.pipeline.plan import Message, Transfer
 from parallel.pipeline.schedule import max_live_activations
 from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
@@ -185,3 +186,23 @@ def test_a_coalesced_batch_keeps_its_send_buffer_until_it_completes():
     had not written yet.)"""
     early, late, untaken, waits = run_world(1, _coalesced_sends, timeout=60)[0]
     assert (early, late, untaken, waits) == (0, 1, [], 1)
+
+
+def test_a_link_refuses_a_boundary_tensor_of_another_dtype_and_missing_channels(one_rank_group):
+    """The receiver allocates its buffer in the pipeline's dtype, so a bf16 activation sent where fp32
+    was set up would be read as the wrong bytes (or never match its receive): the link refuses it by
+    name before posting anything. A V-shaped pipeline's link needs the return leg's groups too; one built
+    with only the first leg's would never post those messages. (Planted: only the shape compared; the
+    channel set unchecked.)"""
+    def link(channels):
+        return StageLink({c: one_rank_group for c in channels}, lambda r: r, (2,), torch.float32,
+                         torch.device("cpu"))
+
+    sent = link(("act", "grad"))
+    with pytest.raises(ValueError, match=r"is \(2,\) torch.bfloat16, but the pipeline was set up for \(2,\) "
+                                         r"torch.float32"):
+        sent.exchange([(Transfer(0, Message("act", 0, 0)), torch.ones(2, dtype=torch.bfloat16))], (), "test")
+    assert sent.finish_sends(block=True) == [] and sent.untaken == []
+    for channels in (("act",), ("act", "grad", "act_back"), ("act", "grad", "pp")):
+        with pytest.raises(ValueError, match="needs one group per channel"):
+            link(channels)
