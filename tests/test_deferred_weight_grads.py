@@ -60,23 +60,38 @@ def test_a_frozen_half_of_a_deferred_linear_gets_no_gradient():
 def test_a_trainable_bias_behind_a_frozen_weight_gets_its_gradient():
     """Bias-only fine-tuning: with the weight frozen, the bias of a deferring linear never received a
     gradient, in or out of a B op (its operator returns none, and ``hand_over`` returned for the
-    frozen weight before it queued the bias)."""
+    frozen weight before it queued the bias). The input's gradient, which the layers before wait for,
+    is still the plain layer's. (Planted: deferral decided by whether the weight needs a gradient, not
+    the input; a frozen weight then sent no input gradient at all. And the bias's gradient computed in
+    backward only where the weight needs one.)"""
     layer, ref, queue = _linear_on_a_queue(frozen=("weight",))
     x = _inputs(1)[0]
+    x_ref = x.detach().requires_grad_()
     with queue.backward_of(0):
         layer(x).square().sum().backward()
-    ref(x.detach()).square().sum().backward()
+    ref(x_ref).square().sum().backward()
     queue.run([0])
     assert layer.bias.grad is not None
+    torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    layer.bias.grad = ref.bias.grad = None
+    x = x.detach()  # an input needing no gradient: the operator computes the bias's in its own backward
+    layer(x).square().sum().backward()
+    ref(x).square().sum().backward()
     torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-6)
 
 
 def test_a_backward_after_a_b_op_delivers_at_once():
     """Leaving ``backward_of`` ends the micro-batch: a later backward outside a B op computes its weight
-    gradient at once, nothing left queued. (Planted: ``current`` not reset on exit, so the later
-    backward was queued under the finished micro-batch's key.)"""
+    gradient at once, nothing left queued, also after a B op that raised. (Planted: ``current`` not
+    reset on exit, or not on an exception, so the later backward was queued under the finished
+    micro-batch's key.)"""
     layer, ref, queue = _linear_on_a_queue()
     first, second = _inputs(2)
+    with pytest.raises(RuntimeError, match="timed out"):  # a B op that raised ends its micro-batch too
+        with queue.backward_of(1):
+            raise RuntimeError("timed out")
+    assert queue.current is None
     with queue.backward_of(0):
         layer(first).sum().backward()
     assert queue.current is None
@@ -233,3 +248,36 @@ def test_a_sum_over_micro_batches_reaches_fp32_buffers_unrounded(one_rank_group)
     result = optimizer.step()
     assert not result.skipped
     assert result.grad_norm == pytest.approx(80000.0 * 6**0.5)  # six gradient elements of 80000
+
+
+def test_a_split_backward_step_refuses_weight_gradients_it_did_not_run(one_rank_group, monkeypatch):
+    """A one-stage executor under zb-h1: a step whose plan lacks the W ops would leave every linear's
+    weight gradient queued and ``.grad`` unset, and linears that queue nothing at their W (all frozen
+    here; or compiled so that backward computed them) mean the split is not happening: each raises,
+    naming what went wrong, instead of returning a loss. (Planted: either check removed.)"""
+    import parallel.pipeline.executor as executor_module
+    from parallel.pipeline import PipelineExecutor
+    from parallel.pipeline.plan import comm_plan
+    from parallel.topology import RankGrid, Topology
+
+    topo = Topology(RankGrid(tp=1, pp=1, dp=1))
+    data = [(x, None) for x in _inputs(2)]
+
+    def executor(frozen=False):
+        layer = torch.nn.Linear(6, 4).requires_grad_(not frozen)
+        return PipelineExecutor([layer], topo, (3, 4), schedule="zb-h1",
+                                forward_step=lambda module, x, mb, first, last: module(mb[0]).square().mean())
+
+    planned = executor_module.plan_for
+
+    def without_w(*args):
+        ops = [op for op in planned(*args)[0] if op.kind != "W"]
+        return ops, comm_plan(ops, 1, 0)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(executor_module, "plan_for", without_w)
+        with pytest.raises(RuntimeError, match=r"weight gradients of \[\(0, 0\), \(1, 0\)\] .*never ran"):
+            executor().step(data)
+    with pytest.raises(RuntimeError, match="W0 found no weight gradients queued by its B"):
+        executor(frozen=True).step(data)
+    executor().step(data)  # and the schedule as planned runs
