@@ -2,9 +2,9 @@
 math (decay groups, clipping, the scheduled learning rate, skipping, the dynamic loss scale, the
 offloaded update, a resumed step count) without the 4-rank world of ``tests/test_zero_toy.py``.
 
-It reuses ``tests/test_zero_toy.py``'s toy model, data and reference. With one rank the shard is the whole model, so the first moments are compared element by element too:
-Adam's normalised update hides a constant factor on the gradients from the parameters, not from
-the moments. One process: a world of 1 (``run_world(1, ...)``).
+It trains the toy model of ``tests/toy.py`` against its reference. With one rank the shard is the
+whole model, so the first moments are compared element by element too: Adam's normalised update
+hides a constant factor on the gradients from the parameters, not from the moments. One process: a world of 1 (``run_world(1, ...)``).
 """
 
 import copy
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megazero.optim import DynamicLossScaler
 from tests.distributed import run_world
 from tests.sharded import sharded_adamw
-from tests.test_zero_toy import STEPS, Toy, _data, _first_moments, _lr, _reference
+from tests.toy import STEPS, Toy, _data, _first_moments, _lr, _reference
 
 TOL = 2e-6
 MOMENT_TOL = 1e-5  # relative, over all moments
