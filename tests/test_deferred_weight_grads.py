@@ -229,22 +229,39 @@ def test_micro_batches_summed_at_one_w_round_to_16_bits_once():
     assert torch.equal(layer.bias.grad, bias)
 
 
-def test_a_sum_over_micro_batches_reaches_fp32_buffers_unrounded(one_rank_group):
+def _fp16_linear_on_a_queue(group):
+    """An fp16 ``nn.Linear(2, 2)`` under ZeRO 1 with fp32 gradient buffers, deferring to a queue whose
+    sink is the data-parallel wrapper: off CUDA it takes each W op's sums through ``add_grad``."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(2, 2)
+    optimizer = sharded_adamw(layer, group, stage=1, param_dtype=torch.float16, clip_grad=0.0)
+    queue = WeightGradQueue(optimizer.dp)
+    defer_weight_grads([layer], queue)
+    return layer, optimizer, queue
+
+
+def _backward_of_40000(layer, queue, k):
+    """Micro-batch ``k``'s backward, queued under ``k``: each of the layer's six gradient elements is 40000."""
+    with queue.backward_of(k):  # the input needs a gradient, or the layer would not defer
+        out = layer(torch.ones(1, 2, dtype=torch.float16, requires_grad=True))
+        out.backward(torch.full_like(out, 40000.0))
+
+
+@pytest.mark.parametrize("w_ops", [[[0, 1]], [[0], [1]]], ids=["one W", "a W each"])
+def test_a_sum_over_micro_batches_reaches_fp32_buffers_unrounded(one_rank_group, w_ops):
     """fp16 weights, fp32 gradient buffers: two micro-batches' gradients of 40000 each fit in fp16, and
     1F1B adds them into the fp32 buffer one at a time. A W op sums them first; that sum (80000) must
     reach the buffer in fp32, not be rounded to fp16 on the way (inf: the step was skipped as an
     overflow that no other schedule had). It is the path of whatever the sink cannot add as 16-bit
-    products in place: off CUDA, both the weight and the bias. (Planted: the sum handed to autograd.)"""
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(2, 2)
-    optimizer = sharded_adamw(layer, one_rank_group, stage=1, param_dtype=torch.float16, clip_grad=0.0)
-    queue = WeightGradQueue(optimizer.dp)
-    defer_weight_grads([layer], queue)
+    products in place: off CUDA, both the weight and the bias. (Planted: the sum handed to autograd.)
+    With a W op per micro-batch, back to back as a schedule's cool-down runs them, the first W's
+    gradient is still a queued copy when the second's arrives: it must land before the second is
+    added to it, or the copy lands over the sum and one micro-batch's gradient is lost."""
+    layer, optimizer, queue = _fp16_linear_on_a_queue(one_rank_group)
     for k in range(2):
-        with queue.backward_of(k):  # the input needs a gradient, or the layer would not defer
-            out = layer(torch.ones(1, 2, dtype=torch.float16, requires_grad=True))
-            out.backward(torch.full_like(out, 40000.0))
-    queue.run([0, 1])
+        _backward_of_40000(layer, queue, k)
+    for keys in w_ops:
+        queue.run(keys)
     result = optimizer.step()
     assert not result.skipped
     assert result.grad_norm == pytest.approx(80000.0 * 6**0.5)  # six gradient elements of 80000
@@ -281,3 +298,17 @@ def test_a_split_backward_step_refuses_weight_gradients_it_did_not_run(one_rank_
     with pytest.raises(RuntimeError, match="W0 found no weight gradients queued by its B"):
         executor(frozen=True).step(data)
     executor().step(data)  # and the schedule as planned runs
+
+
+def test_a_step_dropped_after_its_w_ops_leaves_no_gradient_behind(one_rank_group):
+    """A rehearsal of the first step runs its W ops and then drops the step (``zero_grad``), releasing
+    the gradient buffers: W gradients still queued as copies must be dropped with it, not landed by
+    the next step's first gradient into buffers that hold no memory (it raised) or over its values.
+    (Planted: ``zero`` keeping the queued copies.)"""
+    layer, optimizer, queue = _fp16_linear_on_a_queue(one_rank_group)
+    _backward_of_40000(layer, queue, 0)
+    queue.run([0])
+    optimizer.zero_grad()
+    _backward_of_40000(layer, queue, 1)
+    queue.run([1])
+    assert optimizer.step().grad_norm == pytest.approx(40000.0 * 6**0.5)

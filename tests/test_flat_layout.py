@@ -78,6 +78,24 @@ def test_every_parameter_element_is_owned_once_where_the_flat_space_puts_it(unit
     assert all(r is not None for elements in owner for r in elements)
 
 
+@pytest.mark.parametrize("units, bucket_numel, dp", [c for _, c in CASES])
+def test_a_parameter_lists_exactly_the_buckets_holding_its_elements(units, bucket_numel, dp):
+    """The gradient reducer counts each parameter's elements into the buckets ``param_buckets`` names
+    and launches a bucket's reduction when its count reaches ``bucket_param_numel``. A bucket that only
+    touches a parameter's end (starting where it stops) would be counted zero elements once more,
+    after it may have completed: its reduction would run twice, on a scratch buffer holding anything.
+    A count above the bucket's real elements never completes, and the reduction waits for the step."""
+    layout = FlatLayout(units, bucket_numel, dp, 0, align=ALIGN)
+    real = [torch.zeros(n, dtype=torch.int64) for n in layout.unit_numel]  # 1 where a parameter element sits
+    for p, numel in enumerate(layout.param_numel):
+        lo, hi = layout.param_offset[p], layout.param_offset[p] + numel
+        real[layout.param_unit[p]][lo:hi] = 1
+        holding = [b for b in layout.unit_buckets(layout.param_unit[p]) if min(hi, b.end) > max(lo, b.start)]
+        assert layout.param_buckets(p) == holding, (p, lo, hi)
+    for bucket in layout.buckets:
+        assert layout.bucket_param_numel(bucket) == int(real[bucket.unit][bucket.start:bucket.end].sum()), bucket
+
+
 def test_persistence_threshold_keeps_only_smaller_parameters_whole():
     """``zero.persistence_threshold`` keeps parameters of *fewer* elements whole, in the persistent unit;
     one of exactly the threshold stays in its block's unit and is gathered with it. (Planted: ``>`` for
