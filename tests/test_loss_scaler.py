@@ -78,3 +78,18 @@ def test_halving_is_clamped_to_the_minimum():
     assert s.scale == 4
     with pytest.raises(LossScaleError):
         s.update(True)
+
+
+def test_the_engine_builds_the_scaler_from_every_precision_setting():
+    """fp16 takes each ``precision`` setting in its place: a window passed as the hysteresis would let a
+    thousand overflows go before the scale halved, and a minimum left at the default would let it fall
+    below the configured floor instead of stopping the run. bf16 and fp32 train unscaled."""
+    from megazero.config import load_config
+    from megazero.engine import loss_scaler
+
+    s = loss_scaler(load_config(None, ["--precision.dtype", "fp16", "--precision.initial_loss_scale", "1024",
+                                       "--precision.loss_scale_window", "7", "--precision.hysteresis", "3",
+                                       "--precision.min_loss_scale", "4"]))
+    assert (s.scale, s.window, s.hysteresis, s.hysteresis_left, s.min_scale) == (1024.0, 7, 3, 3, 4.0)
+    for dtype in ("bf16", "fp32"):
+        assert loss_scaler(load_config(None, ["--precision.dtype", dtype])) is None

@@ -15,13 +15,18 @@ step, each 16-bit run is compared with the fp32 run on:
 Skips, with ``result.skipped`` asserted: an inf injected into one rank's gradient skips that one
 step on both ranks, fp16 under the dynamic scaler (hysteresis 2: the scale holds; hysteresis 1: it
 halves) and bf16/fp32 without one (the non-finite norm alone decides); the weights stay exactly as
-they were and the next step trains again. An fp16 run started at a scale too large for fp16 skips
-its first steps, halving the scale each time, until the gradients fit.
+they were and the next step trains again. A loss that is not finite while the gradients are
+("fp32_loss") skips its step too: the engine hands the optimizer that flag itself. An fp16 run
+started at a scale too large for fp16 skips its first steps, halving the scale each time, until the
+gradients fit.
 
 Planted bugs this caught (each passed the former 4-step loss comparison): 16-bit weights never
 rebuilt from the master; the engine not passing the fp16 loss scale to backward; the optimizer
-dividing by the loss scale twice; a skipped step that still ran AdamW.
+dividing by the loss scale twice; a skipped step that still ran AdamW. And one that passed the rest:
+the engine not passing a non-finite loss on as a skip (a step on finite gradients then trained).
 """
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,12 +73,20 @@ def _poison_on(engine, rank_to_poison: int, topo):
     return param.register_hook(lambda grad: grad * float("inf"))
 
 
-def _run(topo, dtype, stage, poison_step=None, extra=()):
+def _infinite_loss(engine, rank_to_poison: int, topo):
+    """Make the step's loss infinite on every rank (the loss agrees on every rank) while its gradients
+    stay finite: only the engine's own check of the loss can skip that step."""
+    step = engine.executor.step
+    engine.executor.step = lambda *args, **kwargs: step(*args, **kwargs) * float("inf")
+    return SimpleNamespace(remove=lambda: delattr(engine.executor, "step"))
+
+
+def _run(topo, dtype, stage, poison_step=None, extra=(), poison=_poison_on):
     engine = _engine(topo, dtype, stage, extra)
     before = _weights(engine)
     steps = []
     for step in range(STEPS):
-        hook = _poison_on(engine, 1, topo) if step == poison_step else None
+        hook = poison(engine, 1, topo) if step == poison_step else None
         out = engine.train_step(_batches(step, topo.dp_rank))
         if hook is not None:
             hook.remove()
@@ -88,14 +101,15 @@ def _run(topo, dtype, stage, poison_step=None, extra=()):
 
 COMPARED = [("bf16", 1), ("bf16", 3), ("fp16", 2), ("fp16", 3)]
 SKIPS = {"fp16_hysteresis2": ("fp16", 1, ()), "fp16_hysteresis1": ("fp16", 2, ("--precision.hysteresis", "1")),
-         "bf16": ("bf16", 2, ()), "fp32": ("fp32", 3, ())}
+         "bf16": ("bf16", 2, ()), "fp32": ("fp32", 3, ()), "fp32_loss": ("fp32", 1, ())}
 
 
 def _world(rank, world_size):
     topo = Topology(RankGrid(tp=1, pp=1, dp=2))
     out = {(dtype, stage): _run(topo, dtype, stage) for dtype, stage in [("fp32", 1), *COMPARED]}
     for name, (dtype, stage, extra) in SKIPS.items():
-        out[name] = _run(topo, dtype, stage, poison_step=POISONED, extra=extra)
+        poison = _infinite_loss if name.endswith("_loss") else _poison_on
+        out[name] = _run(topo, dtype, stage, poison_step=POISONED, extra=extra, poison=poison)
     out["too_large_scale"] = _run(topo, "fp16", 1, extra=("--precision.initial_loss_scale", str(2.0**20),
                                                           "--precision.hysteresis", "1"))
     return out

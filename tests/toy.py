@@ -82,6 +82,9 @@ def _reference(model, steps, batches_per_step, clip, variant="plain"):
             group["lr"] = _lr(variant, step) or 1e-2
         for index in range(batches_per_step):
             (model(*_data(step, index), **_left_out(variant, step, index)) / batches_per_step).backward()
+        if variant == "fp16grads":  # one micro-batch's gradients, as fp16 buffers hold them
+            for p in model.parameters():
+                p.grad = p.grad.half().float()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
     moments = {name: opt.state[p]["exp_avg"].reshape(-1) for name, p in model.named_parameters()}
