@@ -50,6 +50,7 @@ MAX_STAGING_BUFFERS = 4
 CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "overlap")] + [
     (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "persist"), (1, "offload"), (3, "offload"),
     (0, "offload"), (1, "offload+overlap"), (2, "offload+overlap"), (1, "offload+overlap+unused"),
+    (3, "offload+unused"),
     (0, "bf16grads"), (1, "bf16grads"), (2, "bf16grads"), (3, "bf16grads"),
     (0, "unused"), (1, "unused"), (2, "unused"), (3, "unused"), (0, "unused_micro"), (2, "unused_micro"),
     (3, "unused_micro"),
@@ -57,6 +58,9 @@ CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "ov
 # "offload+overlap+unused": block 1's update, left pending by step 1's forward that skips it, must be
 # applied before step 1's buckets, sent to the host during the last backward, overwrite the gradients
 # it reads.
+# "offload+unused" at stage 3: block 1, prefetched by block 0's forward but skipped, is still being
+# gathered when step 1 ends; that gather must be finished before the block is released, or its next
+# update finds it pending, does not gather again, and step 2 runs block 1 without step 1's update.
 # "unfused": torch's unfused AdamW (``optimizer.fused: false``), which takes the unscale-and-clip
 # factor and the skip decision from the wrapper, where the fused one takes them as its own inputs.
 BINDING_CLIP_IN_CI = {(stage, "plain") for stage in (0, 1, 2, 3)} | {(stage, "bf16grads") for stage in (0, 1, 2, 3)} \
@@ -180,8 +184,8 @@ def _launched_in_last_backward(base, group, dp_rank):
 def _stage3_residency(base, group, dp_rank):
     """Which blocks hold gathered parameters (storage) in a stage-3 step of prefetch depth 1: as each
     block's forward starts, as its output's gradient arrives (the stage-3 hooks ran first, as they
-    were registered first), after the backward and after the step. Block 1's norm gets no gradient,
-    so that block's release waits for the end of the backward."""
+    were registered first), after the backward, after the step and after a forward without gradients.
+    Block 1's norm gets no gradient, so that block's release waits for the end of the backward."""
     model = copy.deepcopy(base)
     opt = sharded_adamw(model, group, model.blocks, stage=3, bucket_numel=320, lr=1e-2)
     seen = {}
@@ -191,13 +195,19 @@ def _stage3_residency(base, group, dp_rank):
 
     def on_output(output, k):
         output.register_hook(lambda grad: record(("backward", k)))
+    handles = []
     for k, block in enumerate(model.blocks):
-        block.register_forward_pre_hook(lambda module, args, k=k: record(("forward", k)))
-        block.register_forward_hook(lambda module, args, output, k=k: on_output(output, k))
+        handles.append(block.register_forward_pre_hook(lambda module, args, k=k: record(("forward", k))))
+        handles.append(block.register_forward_hook(lambda module, args, output, k=k: on_output(output, k)))
     opt.scale_loss(model(*_data(0, dp_rank), skip_norm=1)).backward()
     record("after backward")
     opt.step()
     record("after step")
+    for handle in handles:
+        handle.remove()
+    with torch.no_grad():  # an evaluation's forward
+        model(*_data(1, dp_rank))
+    record("after a forward without gradients")
     return seen
 
 
@@ -271,28 +281,33 @@ def _memory_and_overflow(base, group, dp, dp_rank):
                 opt.memory_bytes(), predicted, len(opt.dp.reducer.pool), scratch,
                 max(b.numel for b in opt.layout.buckets) * _itemsize(grad_dtype))
     out[("overflow", dp)] = _overflow_on_last_rank(
-        base, group, dp, dp_rank, loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1))
+        base, group, dp, dp_rank, stage=3, loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1))
     for fused in (True, False):
         out[("overflow at a constant scale", dp, fused)] = _overflow_on_last_rank(base, group, dp, dp_rank,
                                                                                  fused=fused)
     return out
 
 
-def _overflow_on_last_rank(base, group, dp, dp_rank, **settings):
-    """A stage-2 step whose loss is infinite on the last rank only: (skipped, loss scale after,
-    parameters unchanged). With a constant scale (bf16, fp32) no scaler reads the overflow flag:
-    the update itself must skip, or the NaN gradients become NaN parameters on every rank."""
+def _overflow_on_last_rank(base, group, dp, dp_rank, stage=2, **settings):
+    """A step whose loss is infinite on the last rank only: (skipped, loss scale after, parameters
+    unchanged, the parameters still gathered after the step). With a constant scale (bf16, fp32) no
+    scaler reads the overflow flag: the update itself must skip, or the NaN gradients become NaN
+    parameters on every rank. A skip the dynamic scaler saw leaves the parameters alone, but under
+    stage 3 must still release what the step gathered (the embeddings and final norm, kept gathered
+    through a step)."""
     model = copy.deepcopy(base)
-    opt = sharded_adamw(model, group, model.blocks, stage=2, bucket_numel=320, lr=1e-2, **settings)
+    opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, **settings)
+    opt.dp.wait_params()
     before = [p.detach().clone() for p in model.parameters()]
     loss = model(*_data(0, dp_rank))
     if dp_rank == dp - 1:
         loss = loss * float("inf")
     opt.scale_loss(loss).backward()
     result = opt.step()
+    gathered = [name for name, p in model.named_parameters() if holds_storage(p)]
     opt.dp.wait_params()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    return result.skipped, opt.scaler.scale, unchanged
+    return result.skipped, opt.scaler.scale, unchanged, gathered
 
 
 def _queued_after_backward(base, group, dp_rank) -> dict:
@@ -444,16 +459,19 @@ def test_reading_a_released_stage3_parameter_is_a_clear_error(zero_world, dp):
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_overflow_on_one_rank_skips_everywhere(zero_world, dp):
+    """Under stage 3 the skipped step releases what the step kept gathered. (Planted: the skip leaving
+    it gathered, held into the next step after every fp16 overflow.)"""
     for rank_results in zero_world:
-        skipped, scale, unchanged = rank_results[("overflow", dp)]
+        skipped, scale, unchanged, gathered = rank_results[("overflow", dp)]
         assert skipped and unchanged and scale == 512.0
+        assert gathered == [], gathered
 
 
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("fused", [True, False])
 def test_overflow_at_a_constant_loss_scale_skips_everywhere(zero_world, dp, fused):
     for rank, rank_results in enumerate(zero_world):
-        skipped, scale, unchanged = rank_results[("overflow at a constant scale", dp, fused)]
+        skipped, scale, unchanged, _ = rank_results[("overflow at a constant scale", dp, fused)]
         assert skipped and unchanged and scale == 1.0, (rank, skipped, unchanged)
 
 
@@ -478,14 +496,17 @@ def test_fp16_gradients_that_each_fit_are_averaged_not_summed_to_inf(zero_world,
 def test_stage3_holds_only_the_running_and_prefetched_blocks(zero_world, dp):
     """Stage 3 gathers a block just before it runs, prefetches the next one in the pass's direction
     and releases a block after its forward and once its gradients are all in (at the end of the
-    backward where some never came). (Planted: the backward prefetching the block after instead of
-    before, no prefetch at depth 1, no release after the forward, none after the gradients, none at
-    the end of the backward: each step still equalled AdamW, and the memory after it the formula.)"""
+    backward where some never came), and after a forward without gradients (an evaluation's, which no
+    backward follows). (Planted: the backward prefetching the block after instead of before, no
+    prefetch at depth 1, no release after the forward, none after the gradients, none at the end of
+    the backward, none after a forward without gradients, which left the whole model gathered: each
+    step still equalled AdamW, and the memory after it the formula.)"""
     ahead, running = (True, True, False), (False, True, True)
     expected = {("forward", 0): ahead, ("forward", 1): running, ("forward", 2): (False, False, True),
                 ("backward", 2): running, ("backward", 1): ahead,
                 ("backward", 0): ahead,  # block 1, whose norm got no gradient, waits for the end
-                "after backward": (False,) * 3, "after step": (False,) * 3}
+                "after backward": (False,) * 3, "after step": (False,) * 3,
+                "after a forward without gradients": (False,) * 3}
     for rank, rank_results in enumerate(zero_world):
         assert rank_results[("stage 3 residency", dp)] == expected, rank
 
