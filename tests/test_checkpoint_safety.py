@@ -172,6 +172,7 @@ def test_complete_carries_its_own_checksum(saved):
 @pytest.mark.parametrize("change, what", [
     (lambda r: r.update(world_size="x"), "step 4 and world_size 'x' must be whole numbers"),
     (lambda r: r.update(step=-1), "step -1 and world_size 1 must be whole numbers"),
+    (lambda r: r.update(world_size=0), "step 4 and world_size 0 must be whole numbers"),  # a world has a rank
     (lambda r: r.pop("files"), "meta and files must be JSON objects"),
     (lambda r: r["files"]["model.pt"].pop("sha256"), "file 'model.pt' must have a rank, a size in bytes and a sha256"),
 ])

@@ -144,15 +144,20 @@ def test_files_give_back_every_logical_tensor(written, name):
 def test_reading_plan_takes_each_element_once_and_refuses_a_gap():
     """The reader's plan over the rank files' segments: an element two files hold (a tied head's
     copy, cut at other offsets than the embedding it copies) is read once, a segment overlapping
-    what is already read gives only its new tail, from the matching place in its shard, and a
-    single element held nowhere makes the parameter incomplete instead of leaving it as whatever
-    the uninitialised buffer held."""
+    what is already read gives only its new tail, from the matching place in its shard, one lying
+    wholly inside it (ending before or where the read part ends) adds nothing, and a single element
+    held nowhere makes the parameter incomplete instead of leaving it as whatever the uninitialised
+    buffer held. (Planted: copies inside the read part not skipped, which planned reads of negative
+    or zero length and moved the read part's end back.)"""
     first = Piece(0, None, (10,), ((0, 100, 6),))  # elements 0-5 at offset 100 of rank 0's shard
     copy = Piece(1, None, (10,), ((4, 200, 6),))  # elements 4-9 at offset 200 of rank 1's
     assert _cover([first, copy], 10) == {0: [(0, 100, 6)], 1: [(6, 202, 4)]}
+    inside = Piece(2, None, (10,), ((1, 300, 3), (2, 400, 4)))  # elements 1-3 and 2-5, read from rank 0
+    assert _cover([first, inside, copy], 10) == {0: [(0, 100, 6)], 1: [(6, 202, 4)]}
     after_a_gap = Piece(1, None, (10,), ((7, 300, 3),))  # elements 7-9: element 6 is nowhere
     assert _cover([first, after_a_gap], 10) is None
     assert _cover([first], 10) is None  # the tail, elements 6-9, is nowhere
+    assert _cover([Piece(0, None, (10,), ((0, 100, 9),))], 10) is None  # the last element alone is nowhere
 
 
 def test_a_tensor_slice_held_by_no_rank_file_is_an_incomplete_checkpoint(written):
