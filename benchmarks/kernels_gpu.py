@@ -207,10 +207,12 @@ ATTENTION_SHAPES = {"mha 16x128": (8, 16, 16, 128), "mha 12x64 (125m)": (16, 12,
 
 def attention_rows() -> list[dict]:
     """Causal SDPA: torch's own choice of backend, then each backend forced; then FlashAttention 4
-    (the seam's body on Hopper where it fits, when flash-attn-4 is installed)."""
+    (the seam's body on Hopper where it fits, when flash-attn-4 is installed). Every variant gets what
+    the model hands the seam: ``[batch, heads, seq, head_dim]`` views of ``[batch, seq, heads, head_dim]``
+    storage (the ``qkv`` projection's layout), which FlashAttention 4 reads without a copy."""
     rows = []
     for name, (batch, heads, kv, dim) in ATTENTION_SHAPES.items():
-        q, k, v = leaf(batch, heads, 2048, dim), leaf(batch, kv, 2048, dim), leaf(batch, kv, 2048, dim)
+        q, k, v = (leaf(batch, 2048, n, dim).transpose(1, 2) for n in (heads, kv, kv))
         variants = {"torch default": lambda q, k, v: ops.sdpa_attention(q, k, v, 0.0)}
         for backend, choice in BACKENDS.items():
             def attend(q, k, v, choice=choice):
