@@ -17,7 +17,9 @@ data-parallel ranks) within 2% of the trained reference's loss on it. Every rank
 GPUs, the three-axis layouts too: tp 2 x pp 2 with sequence parallelism under the zero-bubble
 schedule (the deferred halves of the sequence-parallel operators, over NCCL and through peer
 memory, eager, and compiled with the operators handing their weight gradients over from inside the
-graph), tp 2 x dp 2 (also as CUDA graphs, through peer memory) and pp 2 x dp 2.
+graph), tp 2 x dp 2 (also as CUDA graphs, through peer memory) and pp 2 x dp 2. Where flash-attn-4 is
+installed on a Hopper GPU, every case runs its attention through FlashAttention 4 (the pair bound of
+``kernels.flash_attention_fits`` set to 0 for these small shapes), and its calls are counted.
 
 (Skipped unless two CUDA devices are visible; the four-GPU cases unless four are.)
 """
@@ -25,12 +27,13 @@ graph), tp 2 x dp 2 (also as CUDA graphs, through peer memory) and pp 2 x dp 2.
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 import torch
 
 from megazero.engine import Engine
-from models import GPT
+from models import GPT, kernels
 from parallel.tensor_parallel import peer_memory
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
@@ -63,6 +66,35 @@ CASES_CG = [((2, 1, 1), 1, (*SP, "--parallel.tp_comm", "overlap", *CG)),
             ((1, 1, 2), 2, CG)]
 
 
+class _CountedFlash:
+    """Counts the calls of FlashAttention 4's forward kernel launcher while active. It is patched below
+    the custom op (whose body dynamo does not trace), not at the seam: a counting wrapper inside a
+    compiled block would change what dynamo traces (the blocks then never replayed as CUDA graphs).
+    Replayed graphs launch without Python, so the recorded and warm-up calls are what is counted."""
+
+    def __enter__(self):
+        self.calls = 0
+        if kernels.HAS_FLASH:
+            from flash_attn.cute import interface
+
+            self._interface, self._original = interface, interface._flash_attn_fwd
+
+            @functools.wraps(self._original)  # with its attributes: it reads its kernel cache off itself
+            def forward(*args, **kwargs):
+                self.calls += 1
+                return self._original(*args, **kwargs)
+            interface._flash_attn_fwd = forward
+        return self
+
+    def __exit__(self, *exc):
+        if kernels.HAS_FLASH:
+            self._interface._flash_attn_fwd = self._original
+
+
+def _flash_expected() -> bool:
+    return kernels.HAS_FLASH and torch.cuda.get_device_capability()[0] == 9
+
+
 class _CountedReplays:
     """Counts each CUDA graph's replays while active (recording replays a graph once too): a torch
     that fell back to running a block, or only its backward, without graphs (it may, silently) would
@@ -87,7 +119,7 @@ def _case(topo, layout, stage, extra) -> dict:
     torch._dynamo.reset()  # each case compiles afresh, far from the limit of recompilations per function
     engine = Engine(cfg, topo, torch.device("cuda", torch.cuda.current_device()))
     losses, norms = [], []
-    with _CountedReplays() as replays:
+    with _CountedReplays() as replays, _CountedFlash() as flash:
         for step in range(STEPS):
             batches = _batches(step, dp)
             mine = batches[topo.dp_rank * MICROS_PER_RANK:(topo.dp_rank + 1) * MICROS_PER_RANK]
@@ -119,7 +151,7 @@ def _case(topo, layout, stage, extra) -> dict:
             "update_err": (diff_sq / update_sq) ** 0.5,
             "graphs_replayed_3x": sum(n >= 3 for n in replays.counts.values()), "graphs": len(replays.counts),
             "eval_err": abs(eval_loss - ref_eval) / ref_eval,
-            "blocks": cfg.model.num_layers // pp}
+            "blocks": cfg.model.num_layers // pp, "flash_calls": flash.calls}
 
 
 CASES4 = [((2, 2, 1), 1, (*SP, *ZB)), ((2, 2, 1), 1, (*SP, *ZB, "--parallel.tp_comm", "peer_memory")),
@@ -130,6 +162,7 @@ CASES4 = [((2, 2, 1), 1, (*SP, *ZB)), ((2, 2, 1), 1, (*SP, *ZB, "--parallel.tp_c
 
 
 def _all_cases(rank: int, world_size: int, cases: list) -> dict:
+    kernels.FLASH_PAIRS_PER_MULTIPROCESSOR = 0  # FlashAttention 4 on these shapes, where installed
     report = {}
     for layout, stage, extra in cases:
         topo = Topology(RankGrid(tp=layout[0], pp=layout[1], dp=layout[2]))
@@ -162,6 +195,7 @@ def _check(reports, layout, stage, extra):
             assert value["graphs_replayed_3x"] >= 2 * value["blocks"], (rank, value)
         else:
             assert value["graphs"] == 0, (rank, value)
+        assert (value["flash_calls"] > 0) == _flash_expected(), (rank, value)
 
 
 @pytest.mark.parametrize("layout, stage, extra", CASES)
