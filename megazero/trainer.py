@@ -39,6 +39,7 @@ from megazero.optim.memory import memory_report
 from megazero.profiling import StepProfiler
 from data_pipeline.blend import BLEND_RULE
 from data_pipeline.loader import global_batch
+from models import kernels
 from parallel import comm
 
 
@@ -159,8 +160,14 @@ class Trainer:
                                        describe=lambda: f"stopping now loses {self._unsaved()}")
 
     def _say_resolved(self, cfg: Config, resolved: Config) -> None:
-        """Name what the tensor-parallel settings left to the run became on this machine."""
-        if self.rank != 0 or cfg.parallel.tp == 1:
+        """Name what the tensor-parallel settings left to the run became on this machine, and an
+        installed flash-attn-4 that attention does not run."""
+        if self.rank != 0:
+            return
+        unused = kernels.flash_attention_unused(self.device)
+        if unused:
+            print(f"megazero: {unused}", flush=True)
+        if cfg.parallel.tp == 1:
             return
         chosen = []
         if cfg.parallel.tp_comm == "auto":

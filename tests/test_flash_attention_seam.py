@@ -11,6 +11,8 @@ one graph.
 from __future__ import annotations
 
 import importlib
+import pathlib
+import re
 import types
 
 import pytest
@@ -29,17 +31,69 @@ def _package(root, *files: str) -> None:
         path.write_text("raise ImportError('must not be imported to be found')\n")
 
 
-@pytest.mark.parametrize("files,found", [
-    (("flash_attn/cute/interface.py",), True),  # flash-attn-4's wheel: a namespace package
-    (("flash_attn/__init__.py", "flash_attn/cute/interface.py"), True),  # beside FlashAttention 2
-    (("flash_attn/__init__.py", "flash_attn/flash_attn_interface.py"), False),  # FlashAttention 2 alone
-    ((), False),
+def _record(root, version: str) -> None:
+    """The package record pip writes beside an installed wheel."""
+    folder = root / f"flash_attn_4-{version}.dist-info"
+    folder.mkdir()
+    (folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash-attn-4\nVersion: {version}\n")
+
+
+@pytest.mark.parametrize("files,record,version", [
+    (("flash_attn/cute/interface.py",), "4.0.0b36", "4.0.0b36"),  # flash-attn-4's wheel: a namespace package
+    (("flash_attn/__init__.py", "flash_attn/cute/interface.py"), "4.0.0b36", "4.0.0b36"),  # beside FA 2
+    (("flash_attn/cute/interface.py",), "4.0.1", "4.0.1"),
+    (("flash_attn/__init__.py", "flash_attn/cute/interface.py"), None, ""),  # a source tree
+    (("flash_attn/__init__.py", "flash_attn/flash_attn_interface.py"), None, None),  # FlashAttention 2 alone
+    (("flash_attn/__init__.py", "flash_attn/flash_attn_interface.py"), "4.0.0b36", None),  # a record, no files
+    ((), None, None),
 ])
-def test_flash_attention_4_is_found_without_importing_it(tmp_path, monkeypatch, files, found):
+def test_flash_attention_4_is_found_without_importing_it(tmp_path, monkeypatch, files, record, version):
     _package(tmp_path, *files)
+    if record:
+        _record(tmp_path, record)
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    assert kernels._has_flash_attention_4() is found
+    assert kernels._flash_attention_4_version() == version
+
+
+@pytest.mark.parametrize("version,runs", [("4.0.0b36", True), ("4.0.1", False)])
+def test_the_package_runs_at_the_tested_release_only(tmp_path, monkeypatch, version, runs):
+    """``HAS_FLASH`` and ``FLASH_UNUSED`` as the package computes them on import."""
+    _package(tmp_path, "flash_attn/cute/interface.py")
+    _record(tmp_path, version)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    try:
+        importlib.reload(kernels)
+        assert (kernels.FLASH_VERSION, kernels.HAS_FLASH) == (version, runs)
+        assert (kernels.FLASH_UNUSED is None) is runs
+    finally:
+        monkeypatch.undo()
+        importlib.invalidate_caches()
+        importlib.reload(kernels)
+    assert kernels.FLASH_VERSION is None or kernels.FLASH_VERSION != version
+
+
+def test_only_the_tested_release_runs_and_another_is_named():
+    """The seam calls flash-attn-4 below its public API: another release (or a source tree, with no
+    version) is left unused, and the line the trainer prints names it, what runs instead and the fix."""
+    setup = (pathlib.Path(__file__).parents[1] / "setup.cfg").read_text()
+    assert re.findall(r"flash-attn-4==(\S+)", setup) == list(kernels.FLASH_VERSIONS)  # the ``flash`` extra's pin
+    assert kernels._flash_attention_unused(None) is None and kernels._flash_attention_unused("4.0.0b36") is None
+    line = kernels._flash_attention_unused("4.0.1")
+    assert "flash-attn-4 4.0.1 is installed" in line and "runs only 4.0.0b36" in line and "SDPA" in line
+    assert "pip install -e '.[flash]'" in line and "\n" not in line
+    assert "source tree" in kernels._flash_attention_unused("")
+
+
+def test_the_unused_release_is_named_on_hopper_only(monkeypatch):
+    monkeypatch.setattr(kernels, "FLASH_UNUSED", "flash-attn-4 4.0.1 is installed, ...")
+    assert kernels.flash_attention_unused(torch.device("cpu")) is None
+    for major, said in ((9, True), (8, False), (10, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, major=major: (major, 0))
+        assert (kernels.flash_attention_unused(torch.device("cuda", 0)) is not None) is said
+    monkeypatch.setattr(kernels, "FLASH_UNUSED", None)
+    assert kernels.flash_attention_unused(torch.device("cuda", 0)) is None
 
 
 @pytest.mark.parametrize("shape,dtype,dropout,gpu,fits", [

@@ -26,14 +26,17 @@ a compiled graph. Elementwise ops are left to inductor there: it fuses them with
 
 ``MEGAZERO_KERNELS=0`` in the environment turns every fused body off (the torch reference runs
 everywhere), to compare or to rule the kernels out when a result looks wrong. Triton, liger-kernel
-and flash-attn-4 are optional: without them the reference runs.
+and flash-attn-4 are optional: without them the reference runs (flash-attn-4 only at the releases of
+``FLASH_VERSIONS``; the trainer says so when another is installed).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
+from typing import Optional
 
 import torch
 
@@ -46,15 +49,47 @@ HAS_LIGER = HAS_TRITON and importlib.util.find_spec("liger_kernel") is not None
 """Looked up once, without importing either: dynamo reads these constants while it traces."""
 
 
-def _has_flash_attention_4() -> bool:
-    """Whether ``flash_attn.cute`` (the flash-attn-4 wheel) is installed, found without importing it:
-    ``flash_attn`` may be FlashAttention 2's package, whose import loads its CUDA extension."""
+FLASH_VERSIONS = ("4.0.0b36",)
+"""The flash-attn-4 releases the attention seam runs: it calls the package's forward and backward
+functions below its public API (``flash_attention._interface``), whose arguments a later release may
+change, so only releases it was tested and measured with are used (the ``flash`` extra pins one)."""
+
+
+def _flash_attention_4_version() -> Optional[str]:
+    """The installed flash-attn-4's version: None when its files (``flash_attn/cute``) are absent, ""
+    when they are there without the package's record (a source tree). Found without importing
+    ``flash_attn``: it may be FlashAttention 2's package, whose import loads its CUDA extension."""
     spec = importlib.util.find_spec("flash_attn")
-    return spec is not None and any(os.path.isfile(os.path.join(folder, "cute", "interface.py"))
-                                    for folder in spec.submodule_search_locations or ())
+    if spec is None or not any(os.path.isfile(os.path.join(folder, "cute", "interface.py"))
+                               for folder in spec.submodule_search_locations or ()):
+        return None
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
-HAS_FLASH = _has_flash_attention_4()
+def _flash_attention_unused(version: Optional[str]) -> Optional[str]:
+    """Why an installed flash-attn-4 is not used (one line for the run's log), None when it is or
+    when none is installed."""
+    if version is None or version in FLASH_VERSIONS:
+        return None
+    return (f"flash-attn-4 {version or '(a source tree: no version recorded)'} is installed, but megazero "
+            f"runs only {', '.join(FLASH_VERSIONS)} (it calls functions outside the package's public API), so "
+            "attention runs SDPA; pip install -e '.[flash]' installs that release")
+
+
+FLASH_VERSION = _flash_attention_4_version()
+HAS_FLASH = FLASH_VERSION in FLASH_VERSIONS
+FLASH_UNUSED = _flash_attention_unused(FLASH_VERSION)
+
+
+def flash_attention_unused(device: torch.device) -> Optional[str]:
+    """``FLASH_UNUSED`` where it matters: on a Hopper GPU, the only one the seam runs FlashAttention 4
+    on (elsewhere no release of it would run, so there is nothing to say)."""
+    if FLASH_UNUSED is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    return FLASH_UNUSED
 
 
 NEEDS = {"triton": HAS_TRITON, "liger": HAS_LIGER}
