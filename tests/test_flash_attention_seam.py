@@ -96,6 +96,17 @@ def test_the_unused_release_is_named_on_hopper_only(monkeypatch):
     assert kernels.flash_attention_unused(torch.device("cuda", 0)) is None
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_trainer_prints_the_unused_release_on_rank_0(monkeypatch, capsys, rank):
+    from megazero.config import load_config
+    from megazero.trainer import Trainer
+
+    monkeypatch.setattr(kernels, "flash_attention_unused", lambda device: f"flash-attn-4 4.0.1 ... on {device}")
+    cfg = load_config(None, [])
+    Trainer._say_resolved(types.SimpleNamespace(rank=rank, device=torch.device("cuda", 0)), cfg, cfg)
+    assert capsys.readouterr().out == ("megazero: flash-attn-4 4.0.1 ... on cuda:0\n" if rank == 0 else "")
+
+
 @pytest.mark.parametrize("shape,dtype,dropout,gpu,fits", [
     ((8, 16, 2048, 128), torch.bfloat16, 0.0, H200, True),  # GPT 1.3B at micro-batch 8
     ((8, 16, 2048, 64), torch.float16, 0.0, H200, True),
