@@ -33,6 +33,7 @@ import torch
 
 from megazero.cli import main
 from megazero.convert.megatron import model_config
+from megazero.errors import UserError
 from tests.distributed import run_world
 
 with warnings.catch_warnings():  # megatron-core warns at import about missing GPU extras
@@ -261,6 +262,20 @@ def test_args_norm_epsilon_is_the_model_norm_eps():
     assert model_config(_pretrain_args(norm_epsilon=1e-6), "ckpt").norm_eps == 1e-6
     assert model_config(_pretrain_args(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
                               norm_epsilon=3e-6), "ckpt").norm_eps == 3e-6
+
+
+@pytest.mark.parametrize("recorded", [dict(layernorm_epsilon=2e-6), dict(norm_epsilon=2e-6, layernorm_epsilon=2e-6)])
+def test_args_layernorm_epsilon_is_the_model_norm_eps_too(recorded):
+    args = _pretrain_args(**recorded)
+    if "norm_epsilon" not in recorded:
+        del args.norm_epsilon
+    assert model_config(args, "ckpt").norm_eps == 2e-6
+
+
+def test_args_with_two_epsilons_that_disagree_are_refused():
+    with pytest.raises(UserError, match=r"^ckpt: args.norm_epsilon: 1e-06 differs from args.layernorm_epsilon "
+                                        r"1e-05, .*set both to the value its run trained with$"):
+        model_config(_pretrain_args(norm_epsilon=1e-6, layernorm_epsilon=1e-5), "ckpt")
 
 
 def test_learned_positions_cover_max_position_embeddings_rotary_the_sequence():

@@ -361,6 +361,13 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     if length is None:
         raise UserError(f"{where}: its args lack args.seq_length and args.max_position_embeddings; the checkpoint "
                         "is incomplete")
+    # Megatron-LM's args name the epsilon norm_epsilon (--norm-epsilon), older ones layernorm_epsilon, as
+    # does megatron-core's config, under which newer releases record --norm-epsilon: two values disagree
+    both = (get("norm_epsilon"), get("layernorm_epsilon"))
+    if None not in both and both[0] != both[1]:
+        raise refuse(f"{where}: args.norm_epsilon", both[0], f"differs from args.layernorm_epsilon {both[1]!r}, "
+                     "and each names the norms' epsilon in some Megatron release", "the checkpoint's args "
+                     "contradict themselves: set both to the value its run trained with")
     values = dict(num_layers=get("num_layers"), hidden_size=get("hidden_size"), num_heads=heads,
                   num_kv_heads=None if groups in (None, heads) else groups, ffn_hidden_size=get("ffn_hidden_size"),
                   vocab_size=vocab, seq_length=length, rope_theta=get("rotary_base", 10000),
