@@ -361,8 +361,8 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     if length is None:
         raise UserError(f"{where}: its args lack args.seq_length and args.max_position_embeddings; the checkpoint "
                         "is incomplete")
-    # Megatron-LM's args name the epsilon norm_epsilon (--norm-epsilon), older ones layernorm_epsilon, as
-    # does megatron-core's config, under which newer releases record --norm-epsilon: two values disagree
+    # Megatron-LM records the norms' epsilon as norm_epsilon (--norm-epsilon); older releases, and newer ones
+    # that parse the flag into megatron-core's config field, as layernorm_epsilon. Both present must agree.
     both = (get("norm_epsilon"), get("layernorm_epsilon"))
     if None not in both and both[0] != both[1]:
         raise refuse(f"{where}: args.norm_epsilon", both[0], f"differs from args.layernorm_epsilon {both[1]!r}, "
