@@ -45,6 +45,30 @@ def test_every_field_is_documented():
     assert {name.split(".")[0] for name, _, _ in rows} == {f.name for f in dataclasses.fields(Config)}
 
 
+def test_every_documented_default_is_the_fields_default():
+    """``megazero train --help-config`` prints ``field_docs``' defaults: each must be what a config
+    that leaves the field out gets, a list made by a factory included."""
+    from megazero.config.validate import get
+
+    rows = field_docs()
+    assert ("logging.profile_ranks", [0]) in [(name, default) for name, default, _ in rows]
+    assert [(name, default) for name, default, _ in rows] == [(name, get(Config(), name)) for name, _, _ in rows]
+
+
+def test_a_note_is_said_only_where_a_setting_changes_less_than_it_seems():
+    """The start-up notes of ``config_notes``: none for the defaults, nor for a warm-up that ends on the
+    last step (which reaches the peak rate); each where a setting does less than its name says."""
+    from megazero.config.validate import config_notes
+
+    assert config_notes(_cfg()) == []
+    assert config_notes(_cfg("--schedule.warmup_steps", "100")) == []  # train_steps 100: it ends at the peak
+    assert config_notes(_cfg("--data.blend_root", "shared", "--data.blend_preset", "mtnlg530b")) == []
+    notes = config_notes(_cfg("--parallel.recompute", "selective", "--parallel.recompute_every", "2"))
+    assert [n.split(";")[0] for n in notes] == ["parallel.recompute_every 2 applies to parallel.recompute full only"]
+    notes = config_notes(_cfg("--checkpoint.save_on_exit", "false", "--train.max_wall_seconds", "60"))
+    assert len(notes) == 1 and notes[0].endswith("only if it is preempted or reaches train.max_wall_seconds"), notes
+
+
 def _error(*overrides, world=None, local=None) -> str:
     with pytest.raises(ConfigError) as info:
         validate_config(_cfg(*overrides), world, local)
@@ -93,6 +117,21 @@ def _error(*overrides, world=None, local=None) -> str:
     # the scale seeds the backward as an fp32 tensor: beyond float32 it was a traceback at the first backward
     (("--precision.dtype", "fp16", "--precision.initial_loss_scale", "1e39"), None, "precision.initial_loss_scale",
      "above float32's largest value"),
+    (("--optimizer.weight_decay", "-0.1"), None, "optimizer.weight_decay", "must be zero or more"),
+    (("--model.attention_dropout", "1.0"), None, "model.attention_dropout", "must be below 1"),
+    (("--optimizer.beta2", "1.0"), None, "optimizer.beta2", "must be in [0, 1)"),
+    (("--data.seed", str(2**32)), None, "data.seed", "outside 0 to 2**32 - 1"),
+    (("--train.seed", str(2**32)), None, "train.seed", "outside 0 to 2**32 - 1"),
+    (("--logging.profile_steps", "[0, 2]"), None, "logging.profile_steps", "1 <= first <= last"),
+    (("--logging.profile_ranks", "[-1]"), None, "logging.profile_ranks", "at least one rank"),
+    (("--logging.profile_steps", "[1, 1]", "--logging.profile_ranks", "[1]"), 1, "logging.profile_ranks", "below 1"),
+    (("--parallel.tp", "2", "--parallel.tp_comm", "peer_memory"), None, "parallel.tp_comm", "sequence_parallel true"),
+    (("--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--model.seq_length", "127"), None,
+     "model.seq_length", "not divisible by parallel.tp 2"),
+    (("--model.num_heads", "8", "--model.num_kv_heads", "3"), None, "model.num_kv_heads",
+     "must divide model.num_heads 8"),
+    (("--model.position_embedding", "rope", "--model.hidden_size", "36"), None, "model.hidden_size", "even head size"),
+    (("--logging.run_dir", "  "), None, "logging.run_dir", "is empty"),
 ])
 def test_validation_names_field(overrides, world, field, fix):
     local = 4 if overrides == ("--parallel.tp", "8") else None
@@ -102,6 +141,37 @@ def test_validation_names_field(overrides, world, field, fix):
     assert message.startswith(field) or f"\n{field}" in message or field in message.split(":")[0], message
     if fix:
         assert fix in message, message
+
+
+@pytest.mark.parametrize("overrides", [
+    ("--optimizer.lr", "0.001", "--optimizer.min_lr", "0.001"),  # a constant rate after warm-up
+    ("--optimizer.beta1", "0"),
+    ("--train.steps_ahead", "8"),
+    ("--train.collective_timeout_s", "0.001"),
+    ("--train.collective_timeout_s", "1e9"),
+    ("--precision.dtype", "fp16", "--precision.min_loss_scale", "65536"),
+    ("--data.seed", str(2**32 - 1), "--train.seed", str(2**32 - 1)),
+    ("--optimizer.weight_decay", "0", "--model.dropout", "0", "--optimizer.clip_grad", "0"),
+    ("--logging.profile_steps", "[1, 1]", "--logging.profile_ranks", "[0]"),
+])
+def test_values_at_the_edges_of_their_ranges_are_accepted(overrides):
+    """Each range's closed end is a setting a user may mean (a min_lr equal to lr, beta1 0, the last
+    seed numpy takes, eight steps ahead): validation must pass it, as the refusals above show where
+    the range ends."""
+    validate_config(_cfg(*overrides), 1, 1)
+
+
+def test_a_plan_refuses_a_model_that_no_layout_can_build():
+    """``megazero plan`` checks the model's own shape before it searches: a head count that does not
+    divide the width is named once, not left for every layout tried to fail."""
+    from megazero.config.validate import validate_without_layout
+
+    for overrides, message in [
+            (("--model.hidden_size", "66"), "model.hidden_size: 66 is not divisible by model.num_heads 4"),
+            (("--model.num_kv_heads", "3"), "model.num_kv_heads: 3 must divide model.num_heads 4")]:
+        with pytest.raises(ConfigError, match=message):
+            validate_without_layout(_cfg(*overrides))
+    validate_without_layout(_cfg("--parallel.virtual_stages", "2"))  # a layout's problem is the search's
 
 
 def test_tp_across_nodes_can_be_forced():
@@ -169,6 +239,32 @@ def test_text_fields_take_the_command_line_as_typed(tmp_path):
     (tmp_path / "tok.yaml").write_text("model: {vocab_size: auto}\ndata: {tokenizer: [tok.json]}\n")
     with pytest.raises(ConfigError, match=r"data.tokenizer: expected a path, got \['tok.json'\]"):
         load_config(str(tmp_path / "tok.yaml"))
+
+
+def test_null_is_text_for_a_text_field_that_cannot_be_null():
+    """``null`` (or YAML's ``~``) empties an optional text field; a required one, such as the run
+    directory, takes it as the name typed, not as a missing value to refuse."""
+    cfg = _cfg("--logging.run_dir", "null", "--data.tokenizer", "~", "--checkpoint.load", "null")
+    assert (cfg.logging.run_dir, cfg.data.tokenizer, cfg.checkpoint.load) == ("null", None, None)
+
+
+def test_vocab_auto_with_a_missing_tokenizer_names_the_field(tmp_path):
+    """A tokenizer path that does not exist is one ConfigError naming ``data.tokenizer`` (load_tokenizer
+    raises FileNotFoundError for it, not the ValueError of a file that is no tokenizer)."""
+    with pytest.raises(ConfigError, match=r"^data.tokenizer: .*absent.json: tokenizer file not found"):
+        _cfg("--model.vocab_size", "auto", "--data.tokenizer", str(tmp_path / "absent.json"))
+
+
+def test_a_folder_given_as_the_config_suggests_only_a_config_it_holds(tmp_path):
+    """A run directory holds its resolved config.yaml, which the message offers; an empty folder
+    holds none, and the message must not send the user to a file that is not there."""
+    with pytest.raises(ConfigError) as refused:
+        read_yaml(str(tmp_path))
+    assert str(refused.value) == f"{tmp_path}: is a folder, not a config file; give a YAML file"
+    (tmp_path / "config.yaml").write_text("train: {seed: 1}\n")
+    with pytest.raises(ConfigError) as refused:
+        read_yaml(str(tmp_path))
+    assert str(refused.value).endswith(f"give a YAML file, such as {tmp_path / 'config.yaml'}")
 
 
 def test_resolve_fills_dp():
@@ -319,6 +415,4 @@ def test_yaml_merge_keys_are_not_repeated_keys(tmp_path):
 def test_a_merged_mapping_that_overrides_its_own_merge_is_no_repeat(tmp_path):
     path = tmp_path / "nested.yaml"
     path.write_text("a: &a {x: 1}\ndefaults:\n  inner: &b\n    <<: *a\n    x: 3\nc:\n  <<: *b\n  y: 5\n")
-    import yaml
-
     assert read_yaml(str(path)) == yaml.safe_load(path.read_text())

@@ -54,3 +54,20 @@ def test_every_rank_names_the_odd_one(outcomes, case, odd, what):
     message = messages.pop()
     assert message.startswith(f"ranks {odd} run a different {what} from rank 0"), message
     assert "\n" not in message
+
+
+def test_the_fingerprint_covers_every_package_a_run_imports():
+    """Ranks of two checkouts that differ only in the model or the data pipeline train apart all the
+    same: every package of this checkout that a training run imports must be in the fingerprint."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    for module in ("megazero.cli", "megazero.trainer"):  # what ``megazero train`` imports
+        importlib.import_module(module)
+    root = Path(startup.__file__).resolve().parent.parent
+    files = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
+    imported = {name.split(".")[0] for name, file in files.items()  # torch.ops names a bare "_ops.py"
+                if file and Path(file).is_absolute() and Path(file).resolve().is_relative_to(root)}
+    assert {"megazero", "models", "parallel", "data_pipeline"} <= imported
+    assert imported - {"tests"} <= set(startup.PACKAGES)

@@ -117,6 +117,9 @@ def test_the_trainer_prints_the_unused_release_on_rank_0(monkeypatch, capsys, ra
     ((8, 16, 2048, 128), torch.bfloat16, 0.0, types.SimpleNamespace(major=10, multi_processor_count=148), False),
     ((8, 16, 2048, 260), torch.bfloat16, 0.0, H200, False),
     ((8, 16, 2048, 100), torch.bfloat16, 0.0, H200, False),
+    ((8, 16, 2048, 256), torch.bfloat16, 0.0, H200, True),  # the kernels' largest head
+    ((8, 16, 2048, 264), torch.bfloat16, 0.0, H200, False),
+    ((8, 16, 2048, 72), torch.bfloat16, 0.0, H200, True),  # a multiple of 8, not of 16
     ((2, 16, 2048, 128), torch.bfloat16, 0.0, H200, False),  # 32 pairs: measured slower than SDPA
     ((2, 32, 2048, 128), torch.bfloat16, 0.0, H200, False),  # 64
     ((1, 66, 2048, 128), torch.bfloat16, 0.0, H200, True),  # half a pair per multiprocessor
@@ -124,6 +127,22 @@ def test_the_trainer_prints_the_unused_release_on_rank_0(monkeypatch, capsys, ra
 ])
 def test_flash_attention_fits_the_measured_cases(shape, dtype, dropout, gpu, fits):
     assert kernels.flash_attention_fits(torch.Size(shape), dtype, dropout, gpu) is fits
+
+
+def test_flash_attention_runs_only_on_cuda_tensors_with_the_kernels_on(monkeypatch):
+    """With the package present and a shape that fits, a CUDA tensor takes FlashAttention 4; a CPU
+    tensor, or any tensor under ``MEGAZERO_KERNELS=0``, keeps SDPA. (The CUDA tensor is a stand-in
+    holding what the choice reads, and the GPU's properties an H200's.)"""
+    def q(is_cuda):
+        return types.SimpleNamespace(is_cuda=is_cuda, shape=torch.Size((8, 16, 2048, 128)), dtype=torch.bfloat16,
+                                     device=torch.device("cuda" if is_cuda else "cpu"))
+
+    monkeypatch.setattr(kernels, "HAS_FLASH", True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H200)
+    assert kernels.use_flash_attention(q(True), 0.0)
+    assert not kernels.use_flash_attention(q(False), 0.0)
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    assert not kernels.use_flash_attention(q(True), 0.0)
 
 
 def test_the_seam_routes_to_flash_attention_only_when_it_fits(monkeypatch):

@@ -130,3 +130,113 @@ def test_release_leaves_a_lock_another_job_took_over(tmp_path):
     (tmp_path / LOCK_FILE).write_text(json.dumps(successor))
     lock.release()
     assert json.loads((tmp_path / LOCK_FILE).read_text()) == successor
+
+
+def test_of_two_jobs_taking_over_at_once_the_one_renamed_last_wins(tmp_path, monkeypatch, capsys):
+    """Two jobs that find one stale lock both rename their record over it; the lock file holds the
+    record renamed last, and the job whose record was replaced must read that back and be refused,
+    not run beside the winner in the same directory."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    holder = RunDirLock(tmp_path).record
+    (tmp_path / LOCK_FILE).write_text(json.dumps({**holder, "pid": dead.pid}))
+    winner = {"host": "node-that-is-not-this-one", "pid": 4242, "started": time.time()}
+    real_replace = os.replace
+
+    def replace_then_lose(src, dst):
+        real_replace(src, dst)
+        (tmp_path / "winner").write_text(json.dumps(winner))
+        real_replace(tmp_path / "winner", dst)  # the other job's rename lands just after ours
+
+    monkeypatch.setattr(os, "replace", replace_then_lose)
+    lock = RunDirLock(tmp_path)
+    with pytest.raises(RunDirBusy, match="in use by pid 4242 on host node-that-is-not-this-one"):
+        lock.acquire()
+    assert lock._thread is None and "took over" not in capsys.readouterr().out
+    assert json.loads((tmp_path / LOCK_FILE).read_text()) == winner
+
+
+def test_a_live_process_of_another_user_keeps_its_lock(tmp_path, monkeypatch):
+    """Signalling another user's process fails with PermissionError although it runs: its lock is
+    in use, not stale. (The tests run as root, whom no signal refuses, so the refusal is simulated.)"""
+    def refused(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    holder = {**RunDirLock(tmp_path).record, "pid": os.getpid()}  # a live pid whose /proc entry says so
+    (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
+    monkeypatch.setattr(os, "kill", refused)
+    with pytest.raises(RunDirBusy, match=rf"in use by pid {os.getpid()} "):
+        RunDirLock(tmp_path).acquire()
+
+
+def test_without_proc_a_live_holder_is_trusted_to_the_signal(tmp_path, monkeypatch):
+    """Where ``/proc`` cannot be read (another OS, or the entry gone) the signal's answer stands: a
+    holder the signal reaches is alive and keeps its lock."""
+    import megazero.run_lock as run_lock
+
+    def no_proc(path, *args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    holder = {**RunDirLock(tmp_path).record, "pid": os.getpid()}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
+    monkeypatch.setattr(run_lock, "open", no_proc, raising=False)
+    with pytest.raises(RunDirBusy, match="is in use by"):
+        RunDirLock(tmp_path).acquire()
+
+
+def test_an_unreadable_lock_is_in_use_until_its_heartbeat_stops(tmp_path):
+    """A lock file cut short (a full disk, a write in progress) names no holder: it is refused as in
+    use while fresh, saying so, and taken over once untouched for ``stale_after_s``."""
+    (tmp_path / LOCK_FILE).write_text('{"host": "no')
+    with pytest.raises(RunDirBusy, match=r"in use by another job \(its lock file is unreadable\)"):
+        RunDirLock(tmp_path, stale_after_s=60).acquire()
+    old = time.time() - 120
+    os.utime(tmp_path / LOCK_FILE, (old, old))
+    with RunDirLock(tmp_path, stale_after_s=60) as lock:
+        assert lock.holder() == lock.record
+
+
+def test_a_lock_released_while_it_is_read_is_taken(tmp_path):
+    """The holder may release its lock between this job finding the file and reading it: a lock gone
+    by then is free, not a job's whose record cannot be read."""
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "node-that-is-not-this-one", "pid": 1, "started": 0}))
+    lock = RunDirLock(tmp_path)
+
+    def released_meanwhile():
+        (tmp_path / LOCK_FILE).unlink()
+        del lock.holder  # back to the method for the read-back
+        return None
+
+    lock.holder = released_meanwhile
+    with lock:
+        assert json.loads((tmp_path / LOCK_FILE).read_text()) == lock.record
+
+
+def test_a_run_directory_is_made_with_its_parents_and_the_message_counts_minutes(tmp_path):
+    """``runs/NAME`` in a fresh checkout has no ``runs`` yet; and the refusal gives the takeover delay in
+    minutes, as it says."""
+    with RunDirLock(tmp_path / "runs" / "first"):
+        other = RunDirLock(tmp_path / "runs" / "first")
+        other.record = {**other.record, "pid": os.getpid() + 1}
+        with pytest.raises(RunDirBusy, match="taken over after 10 minutes;"):
+            other.acquire()
+
+
+def test_only_the_jobs_rank_0_locks_its_directories(monkeypatch):
+    """Every node has a local rank 0; on the shared filesystem of a multi-node job, a second node's
+    taking the lock would find it held by its own job's rank 0 and refuse the run."""
+    import megazero.startup as startup
+    from megazero.config.schema import Config
+    from parallel.launch import LaunchEnv
+
+    locked = []
+    monkeypatch.setattr(startup, "lock_directories", lambda cfg: locked.append(cfg) or [])
+
+    def started(cfg, launch):
+        raise RuntimeError("stopped after the locks")
+
+    monkeypatch.setattr(startup, "initialize", started)
+    for rank, local_rank in ((0, 0), (8, 0), (3, 3)):  # two nodes of 8 ranks
+        with pytest.raises(RuntimeError, match="stopped after the locks"):
+            startup.start_run(Config(), LaunchEnv(rank, 16, local_rank, 8))
+    assert len(locked) == 1
