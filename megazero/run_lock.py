@@ -89,24 +89,38 @@ class RunDirLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            holder = self.holder()
-            if not self.is_stale(holder):
-                raise RunDirBusy(self._busy_message(holder)) from None
-            tmp = self.path.with_name(f"{LOCK_FILE}.{self.record['host']}.{os.getpid()}")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, self.path)
-            if self.holder() != self.record:
-                raise RunDirBusy(self._busy_message(self.holder())) from None
-            print(f"megazero: {self.path}: took over a stale lock of {_describe(holder)}", flush=True)
+            fd = None
         except OSError as exc:
-            raise UserError(f"{self.path.parent}: cannot write the {self.what} ({exc.strerror}); set "
-                            f"{self.field} to a directory this user can write") from None
+            raise self._unwritable(exc) from None
+        if fd is None:
+            self._take_over(text)
         else:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
         self._thread = threading.Thread(target=self._beat, name="run-dir-lock", daemon=True)
         self._thread.start()
         return self
+
+    def _take_over(self, text: str) -> None:
+        """Replace a stale lock with this job's record, or raise ``RunDirBusy`` where it is not stale or
+        another job's takeover landed last. Its writes fail as creating the lock does, with one line
+        (they raised a traceback where the directory had become unwritable since the lock was left)."""
+        holder = self.holder()
+        if not self.is_stale(holder):
+            raise RunDirBusy(self._busy_message(holder))
+        tmp = self.path.with_name(f"{LOCK_FILE}.{self.record['host']}.{os.getpid()}")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            raise self._unwritable(exc) from None
+        if self.holder() != self.record:
+            raise RunDirBusy(self._busy_message(self.holder()))
+        print(f"megazero: {self.path}: took over a stale lock of {_describe(holder)}", flush=True)
+
+    def _unwritable(self, exc: OSError) -> UserError:
+        return UserError(f"{self.path.parent}: cannot write the {self.what} ({exc.strerror}); set {self.field} to a "
+                         "directory this user can write")
 
     def _busy_message(self, holder: Optional[dict]) -> str:
         return (f"{self.path.parent}: {self.what} is in use by {_describe(holder)}; give this job another "

@@ -240,3 +240,21 @@ def test_only_the_jobs_rank_0_locks_its_directories(monkeypatch):
         with pytest.raises(RuntimeError, match="stopped after the locks"):
             startup.start_run(Config(), LaunchEnv(rank, 16, local_rank, 8))
     assert len(locked) == 1
+
+
+def test_a_stale_lock_in_a_directory_that_cannot_be_written_is_one_user_error(tmp_path, monkeypatch):
+    """Taking over a stale lock writes the directory as creating one does: where that fails (another
+    user's run directory, a read-only mount), the user gets the same one line naming the setting, not
+    a traceback. (Root writes anywhere, so the refusal is simulated.)"""
+    from megazero.errors import UserError
+
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "node-that-is-not-this-one", "pid": 1, "started": 0}))
+    old = time.time() - 1200
+    os.utime(tmp_path / LOCK_FILE, (old, old))
+
+    def refused(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(UserError, match="cannot write the run directory .Permission denied.; set logging.run_dir"):
+        RunDirLock(tmp_path).acquire()
