@@ -17,6 +17,7 @@ record is in the file wins and the other fails with the usual message.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -113,6 +114,8 @@ class RunDirLock:
             tmp.write_text(text, encoding="utf-8")
             os.replace(tmp, self.path)
         except OSError as exc:
+            with contextlib.suppress(OSError):  # written, then not renamed: leave no stray record behind
+                tmp.unlink()
             raise self._unwritable(exc) from None
         if self.holder() != self.record:
             raise RunDirBusy(self._busy_message(self.holder()))

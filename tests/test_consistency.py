@@ -66,8 +66,10 @@ def test_the_fingerprint_covers_every_package_a_run_imports():
     for module in ("megazero.cli", "megazero.trainer"):  # what ``megazero train`` imports
         importlib.import_module(module)
     root = Path(startup.__file__).resolve().parent.parent
+    installed = Path(sys.prefix).resolve()  # a virtual environment may sit inside the checkout
     files = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
     imported = {name.split(".")[0] for name, file in files.items()  # torch.ops names a bare "_ops.py"
-                if file and Path(file).is_absolute() and Path(file).resolve().is_relative_to(root)}
+                if file and Path(file).is_absolute() and Path(file).resolve().is_relative_to(root)
+                and not Path(file).resolve().is_relative_to(installed)}
     assert {"megazero", "models", "parallel", "data_pipeline"} <= imported
     assert imported - {"tests"} <= set(startup.PACKAGES)

@@ -258,3 +258,4 @@ def test_a_stale_lock_in_a_directory_that_cannot_be_written_is_one_user_error(tm
     monkeypatch.setattr(os, "replace", refused)
     with pytest.raises(UserError, match="cannot write the run directory .Permission denied.; set logging.run_dir"):
         RunDirLock(tmp_path).acquire()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]  # the record written for the rename is gone
