@@ -190,6 +190,13 @@ CASES = [
     # a model without biases would load the checkpoint's other weights and silently leave its biases behind
     ("load-without-bias", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.bias", "false"),
      ["different model", "model.bias"]),
+    # an untied head would start from a fresh matrix; another context or kv-head count reshapes weights
+    ("load-untied", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.tie_embeddings", "false"),
+     ["different model", "model.tie_embeddings"]),
+    ("load-other-seq-length", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.seq_length", "32"),
+     ["different model", "model.seq_length"]),
+    ("load-other-kv-heads", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--model.num_kv_heads", "2"),
+     ["different model", "model.num_kv_heads"]),
     ("resume-other-data-order", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--data.seed", "99"),
      ["(step 1) was trained on another data order (data.seed changed)", "checkpoint.allow_config_changes true"]),
     ("resume-more-epochs", lambda f: _train(f, "--checkpoint.load", f["ckpt"], "--train.global_batch_size", "200"),

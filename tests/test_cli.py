@@ -1,13 +1,14 @@
 """The command line: every subcommand explains itself, and the launcher's environment is read right."""
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from megazero.cli import SUBCOMMANDS, build_parser
-from parallel.launch import read_launch_env
+from parallel.launch import EXIT_STOPPED, read_launch_env
 
 
 def test_top_level_help_lists_every_subcommand():
@@ -36,6 +37,14 @@ def test_slurm_environment_without_torchrun():
     env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "8(x2)"}
     launch = read_launch_env(env)
     assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (9, 16, 1, 8)
+
+
+def test_slurm_ntasks_per_node_sizes_the_node():
+    """``sbatch --ntasks-per-node 4`` sets SLURM_NTASKS_PER_NODE (and SLURM_TASKS_PER_NODE only on some
+    versions): 8 tasks are then 2 nodes of 4, whose first ranks each report a node's errors."""
+    env = {"SLURM_PROCID": "4", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4"}
+    launch = read_launch_env(env)
+    assert (launch.local_world_size, launch.num_nodes) == (4, 2)
 
 
 def test_no_launcher_is_a_world_of_one():
@@ -111,3 +120,53 @@ def test_world_size_without_a_node_size_is_one_node():
     all eight, not eight nodes of one rank."""
     launch = read_launch_env({"WORLD_SIZE": "8"})
     assert (launch.rank, launch.local_world_size, launch.num_nodes) == (0, 8, 1)
+
+
+def test_only_rank_0_prints_the_memory_estimate(tmp_path, capsys, monkeypatch):
+    """Every rank runs the start-up checks, but the planner's estimate is one line of the launch, not
+    one a rank."""
+    import numpy as np
+
+    from data_pipeline.indexed import IndexedDatasetWriter
+    from megazero.cli import main
+    from tests.bad_input_files import VOCAB, _model
+
+    prefix = str(tmp_path / "small_text_document")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for _ in range(8):
+            w.add_document(np.arange(1, VOCAB, dtype=np.uint16))
+    printed = []
+    for rank in ("0", "1"):
+        for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+            monkeypatch.setenv(name, value)
+        assert main(["train", *_model(prefix, str(tmp_path / "run")), "--check"]) == 0
+        printed.append("planner memory estimate" in capsys.readouterr().out)
+    assert printed == [True, False]
+
+
+@pytest.mark.parametrize("codes, signum, status", [
+    ((EXIT_STOPPED, -9), None, EXIT_STOPPED),  # one worker saved: a save ends with a barrier of all ranks
+    ((2, 1), None, 2),  # a worker said in one line what to fix
+    ((2,), signal.SIGTERM, 128 + signal.SIGTERM),  # stopped without a save: the signal's status, said once
+    ((1,), None, None)])  # any other failure is torchrun's own, report and all
+def test_the_launchers_status_follows_its_workers(monkeypatch, capsys, codes, signum, status):
+    """``python -m parallel.launch`` turns its workers' exit statuses into one status of its own."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from parallel import launch
+
+    def torchrun(argv):
+        raise ChildFailedError("megazero", {rank: ProcessFailure(rank, 100 + rank, code, "")
+                                            for rank, code in enumerate(codes)})
+
+    monkeypatch.setattr(torch.distributed.run, "main", torchrun)
+    monkeypatch.setattr(launch._StopForwarder, "install", lambda self: (setattr(self, "signum", signum), self)[1])
+    if status is None:
+        with pytest.raises(ChildFailedError):
+            launch.main([])
+        return
+    assert launch.main([]) == status
+    err = capsys.readouterr().err
+    said = "megazero: the workers stopped on SIGTERM without saving (exit statuses 2)\n" if signum else ""
+    assert err == said, err

@@ -321,6 +321,8 @@ def test_cli_refuses_to_replace_an_existing_shard(env, tmp_path, capsys):
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     _refused(argv, capsys, f"{out}_text_document.bin: already exists",
              "give a new --output-prefix or remove it first")
+    # every field's shard is looked for, not the first field's alone
+    _refused([*argv, "--json-keys", "path", "text"], capsys, f"{out}_text_document.bin: already exists")
     _refused(["preprocess", "--merge", f"{out}_text_document", "--output-prefix", f"{out}_text_document"], capsys,
              f"--output-prefix {out}_text_document is one of the --merge shards")
     (tmp_path / "m.tokenizer.json").write_text("{}")  # a record alone is output too

@@ -15,7 +15,8 @@ attention dropout are 0.1 under tensor parallelism, with and without sequence pa
 * at pp 2 the two stages draw different masks: the k-th residual-branch mask the second stage draws
   is not the k-th the first draws (it was, mask for mask: one seed on every pipeline rank); the
   tensor-parallel streams of two chunks made stages 0 and 1 differ too;
-* evaluation runs without dropout: its loss is that of the same weights built with dropout 0.
+* evaluation runs without dropout: its loss is that of the same weights built with dropout 0; the
+  training step after it draws its masks again.
 
 The CUDA generator, absent here, is checked through a stand-in: captured and put back with the rest.
 
@@ -132,11 +133,14 @@ def _stage_tp_streams_agree(topo) -> bool:
 
 
 def _eval_losses(topo, sp: bool) -> list[float]:
-    """The evaluation loss of one batch by a fresh engine with dropout 0.1, and by one with dropout 0."""
+    """The evaluation loss of one batch by a fresh engine with dropout 0.1, and by one with dropout 0;
+    then the first training step of the engine with dropout that evaluated."""
     g = torch.Generator().manual_seed(90)
     tokens = torch.randint(0, VOCAB, (2, 2, SEQ + 1), generator=g)
     batch = [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
-    return [_engine(topo, sp, dropout).eval_loss(batch) for dropout in (0.1, 0.0)]
+    evaluated = _engine(topo, sp)
+    losses = [evaluated.eval_loss(batch), _engine(topo, sp, dropout=0.0).eval_loss(batch)]
+    return [*losses, _step(evaluated, 0)]
 
 
 def _world(rank, world_size, root):
@@ -193,8 +197,17 @@ def test_evaluation_drops_nothing(ranks, sp):
     would make every evaluation loss noisy and higher. (Planted: ``eval_loss`` left the chunks in
     training mode.)"""
     for report in ranks:
-        with_dropout, without = report["eval"][sp]
+        with_dropout, without, _ = report["eval"][sp]
         assert with_dropout == without
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_training_after_an_evaluation_drops_again(ranks, sp):
+    """An evaluation puts the chunks back in training mode: the step after it draws its dropout masks,
+    and its loss is that of a first step taken without an evaluation before it."""
+    for report in ranks:
+        after_eval = report["eval"][sp][2]
+        assert after_eval == report[sp]["want"][0] and after_eval != report[sp]["no_dropout"]
 
 
 def test_the_cuda_generator_is_captured_and_put_back(monkeypatch):

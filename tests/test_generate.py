@@ -78,9 +78,25 @@ def test_the_command_samples_greedily(trained, tmp_path, capsys):
     assert capsys.readouterr().out.split() == ["w1", "w2", "w3"]
 
 
+def test_the_command_samples_by_its_seed_and_top_k(trained, tmp_path, capsys):
+    """``--seed`` picks the draw (the same seed, the same text; other seeds, other text) and ``--top-k 1``
+    leaves only the likeliest token, so sampling at temperature 1 is then greedy decoding."""
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1 w2 w3", "--tokens", "8"]
+
+    def text(*flags):
+        assert main([*args, *flags]) == 0
+        return capsys.readouterr().out
+
+    drawn = [text("--temperature", "1", "--seed", str(seed)) for seed in (1, 2, 3, 4)]
+    assert drawn[0] == text("--temperature", "1", "--seed", "1") and len(set(drawn)) > 1, drawn
+    assert text("--temperature", "1", "--top-k", "1", "--seed", "5") == text("--temperature", "0")
+
+
 def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
     """The model (seq_length 16) reads only the last 16 of a 20-token prompt; the text printed is
-    the whole prompt and its continuation, so a line on stderr says what was read."""
+    the whole prompt and its continuation, so a line on stderr says what was read (and nothing is
+    said of a prompt that fits)."""
     tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
     args = ["generate", str(trained[0]), "--tokenizer", tok, "--temperature", "0", "--tokens", "2"]
     assert main([*args, "--prompt", " ".join(f"w{i}" for i in range(20))]) == 0
@@ -88,7 +104,7 @@ def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
     assert len(captured.out.split()) == 22
     assert captured.err.splitlines() == ["note: --prompt is 20 tokens, more than the model's context of 16 "
                                          "(model.seq_length); only its last 16 tokens are read"]
-    assert main([*args, "--prompt", "w1 w2"]) == 0
+    assert main([*args, "--prompt", " ".join(f"w{i}" for i in range(16))]) == 0  # exactly the context: read whole
     assert capsys.readouterr().err == ""
 
 
@@ -97,6 +113,7 @@ def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
     ("--tokens", "many", "argument --tokens: 'many' is not an integer"),
     ("--top-k", "0", "argument --top-k: must be 1 or more, got 0"),
     ("--seed", "99999999999999999999", "argument --seed: must be below 9223372036854775808"),
+    ("--seed", str(2**63), "argument --seed: must be below 9223372036854775808, got 9223372036854775808"),
     ("--seed", "-1", "argument --seed: must be 0 or more"),
     ("--temperature", "inf", "argument --temperature: must be a finite number of 0 or more, got inf"),
     ("--temperature", "-0.5", "argument --temperature: must be a finite number of 0 or more, got -0.5"),

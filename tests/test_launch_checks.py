@@ -117,6 +117,21 @@ def test_an_empty_validation_split_is_refused_only_where_the_evaluation_draws(fi
     assert "tiny_text_document no documents for valid" in capsys.readouterr().err
 
 
+def test_a_dataset_of_weight_zero_needs_no_training_sample(files, capsys, tmp_path):
+    """A dataset the blend gives weight 0 is never drawn for training: one too short for a single
+    sample is accepted there, and refused at any positive weight."""
+    short = str(tmp_path / "short_text_document")
+    with IndexedDatasetWriter(short, np.uint16) as w:
+        w.add_document(np.arange(1, 6, dtype=np.uint16))
+    check = ["--check", "--train.eval_interval", "0"]
+    assert main(_train(files, "--data.blend", f"[[1.0, {files['good']}], [0, {short}]]", *check)) == 0, \
+        capsys.readouterr().err
+    capsys.readouterr()
+    assert main(_train(files, "--data.blend", f"[[1.0, {files['good']}], [0.5, {short}]]", *check)) == 2
+    err = capsys.readouterr().err
+    assert "model.seq_length: a sample of 16 needs 16+1 tokens" in err and "short_text_document's train" in err, err
+
+
 def test_tokens_and_steps_together_are_refused_for_a_run_only():
     """The refusal is preflight's, not the config's: `convert` re-validates the config a checkpoint
     records, and a checkpoint of a run that set both (before the refusal) must still reshard."""
@@ -130,6 +145,16 @@ def test_tokens_and_steps_together_are_refused_for_a_run_only():
     assert resolve_config(cfg, 1).train.train_tokens == 1000
     assert _stop_problems(cfg) and not _stop_problems(dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, train_steps=None)))
+
+
+def test_a_rotary_base_is_no_change_to_a_model_of_learned_positions(files, capsys):
+    """``model.rope_theta`` shapes nothing where positions are learned: a resume that sets another one
+    is the same model and is accepted, while one that switches to rotary embeddings is not."""
+    resume = _train(files, "--checkpoint.load", files["ckpt"], "--check")
+    assert main([*resume, "--model.rope_theta", "500000"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main([*resume, "--model.position_embedding", "rope"]) == 2
+    assert "different model (model.position_embedding)" in capsys.readouterr().err
 
 
 def test_a_setting_that_changes_nothing_is_said_at_the_start(files, capsys):

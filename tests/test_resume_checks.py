@@ -29,3 +29,11 @@ def test_the_learning_rate_compared_is_that_of_the_next_step_under_both_configs(
     assert was != pytest.approx(will)
     assert problem.startswith(f"would change the learning rate of step 5 from {was:.4g} to {will:.4g} "
                               "(train.train_steps changed"), problem
+
+
+def test_a_learning_rate_a_few_percent_off_is_a_change():
+    """Only rounding is forgiven: a peak rate 5% higher changes every step ahead, and is named."""
+    saved = _config()
+    nudged = _config("--optimizer.lr", repr(saved.optimizer.lr * 1.05))
+    (problem,) = _resume_changes(config_to_dict(saved), nudged, 4, 16)
+    assert problem.startswith("would change the learning rate of step 5") and "(optimizer.lr changed)" in problem

@@ -55,6 +55,16 @@ def test_describe_names_layout_and_nodes():
     assert RankGrid(8, 35, 8).describe(8) == "tp8 x dp8 x pp35 = 2240 ranks on 280 nodes; tp groups within nodes"
     assert "SPANNING" in RankGrid(16, 1, 1).describe(8)
     assert RankGrid(2, 1, 5).describe(4).endswith("= 10 ranks on 3 nodes; tp groups within nodes")  # a part-full node
+    assert RankGrid(2, 1, 2).describe(8).endswith("= 4 ranks on 1 node; tp groups within nodes")
+
+
+def test_a_tensor_group_that_does_not_divide_the_node_spans_nodes():
+    """tp 4 on nodes of 6 ranks fits a node by count, but the second group (ranks 4-7) straddles the
+    first two nodes: it must be reported as spanning, not within."""
+    grid = RankGrid(tp=4, pp=1, dp=3)
+    assert len({r // 6 for r in grid.groups("tp")[1]}) == 2
+    assert not grid.tp_within_nodes(6) and "SPANNING" in grid.describe(6)
+    assert grid.tp_within_nodes(8) and RankGrid(tp=3, pp=1, dp=2).tp_within_nodes(6)
 
 
 def test_rejects_unknown_kind_and_order():
@@ -62,4 +72,7 @@ def test_rejects_unknown_kind_and_order():
         RankGrid(1, 1, 1, order="pp-tp-dp")
     with pytest.raises(ValueError):
         RankGrid(1, 1, 1).groups("xx")
+    for sizes in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
+        with pytest.raises(ValueError, match="grid sizes must be positive"):
+            RankGrid(*sizes)
     assert set(GROUP_KINDS) == {"tp", "dp", "pp", "pp_grad", "pp_back", "pp_grad_back", "mp", "embedding"}

@@ -33,6 +33,11 @@ def _membership(rank, world_size):
         out = torch.zeros(2)
         comm.reduce_scatter_into(out, full, topo.dp_group)
         report[(tp, pp, dp, order, "reduce_scatter")] = out.tolist()
+    try:
+        Topology(RankGrid(tp=2, pp=1, dp=1))
+    except ValueError as exc:
+        report["mismatch"] = str(exc)
+    report["world"] = comm.describe_group(None)
     report["hang"] = _hang(rank)
     return report
 
@@ -89,6 +94,21 @@ def test_hung_collective_names_rank_operation_and_group(world):
     world_size, reports = world
     message = reports[0]["hang"]
     assert message.startswith("rank 0: all_reduce on the tp group of 2 ranks [0, 1] failed"), message
+
+
+def test_a_grid_of_another_size_is_refused_on_every_rank(world):
+    """A grid that does not cover the world would leave ranks outside every group (or name ranks that
+    do not exist); each rank refuses it before making any group."""
+    world_size, reports = world
+    for report in reports:
+        assert report.get("mismatch") == f"grid tp2 x dp1 x pp1 = 2 ranks does not match the world size {world_size}"
+
+
+def test_a_group_is_described_with_its_first_eight_ranks(world):
+    """Up to eight ranks are listed whole; only a larger group's list ends in an ellipsis."""
+    world_size, reports = world
+    listed = ", ".join(map(str, range(world_size)))
+    assert reports[0]["world"] == f"world group of {world_size} ranks [{listed}]"
 
 
 def test_coalesced_sum_applies_its_scale_to_a_lone_tensor_of_its_dtype(one_rank_group):
