@@ -14,7 +14,7 @@ from megazero.engine import gpt_forward_step
 from models import GPT, ops
 from models.config import ModelConfig
 from models.init import seeded_normal
-from models.parallelize import check_tp_layout, tensor_parallelize_gpt
+from models.parallelize import check_tp_layout, recompute_replays_tp_stream, tensor_parallelize_gpt
 from models.presets import MODEL_PRESETS
 from parallel.tensor_parallel.sharding import Shard
 
@@ -208,6 +208,31 @@ def test_layouts_that_do_not_split_are_refused_naming_the_field(preset, override
     with pytest.raises(ValueError, match=field):
         check_tp_layout(model, tp)
     check_tp_layout(model, 1)
+
+
+def test_a_vocabulary_padded_for_another_tp_is_refused():
+    """A vocabulary padded to a multiple that tp does not divide cannot be split into equal row blocks."""
+    model = GPT(config("gpt2", num_heads=8), vocab_multiple=2, device="meta")  # 300 rows: heads and MLP split by 8
+    with pytest.raises(ValueError, match="padded vocabulary 300 is not divisible by tp 8"):
+        check_tp_layout(model, 8)
+    check_tp_layout(model, 4)
+
+
+def test_a_one_rank_group_refuses_sequence_parallelism_and_unknown_recompute(one_rank_group):
+    """Both would otherwise build a model other than the one asked for (sequence parallelism over one
+    rank is the plain model, silently) or fail on a lookup that names neither field."""
+    model = GPT(config("gpt2"), seed=3)
+    with pytest.raises(ValueError, match="sequence parallelism needs a tensor-parallel group of more than one"):
+        tensor_parallelize_gpt(model, one_rank_group, seed=3, sequence_parallel=True)
+    with pytest.raises(ValueError, match="recompute 'ful'"):
+        tensor_parallelize_gpt(model, one_rank_group, seed=3, recompute="ful")
+
+
+def test_no_recompute_replays_no_tp_stream():
+    """The engine asks this of every compiled tensor-parallel run, recompute off included."""
+    model = GPT(config("gpt2", attention_dropout=0.1), device="meta")
+    assert recompute_replays_tp_stream(model, "none") == []
+    assert recompute_replays_tp_stream(model, "selective") == [f"layers.{i}.attention.core" for i in range(4)]
 
 
 def _rotate_half_by_hand(x: torch.Tensor, theta: float) -> torch.Tensor:

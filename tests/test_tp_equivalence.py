@@ -18,6 +18,7 @@ from models import GPT
 from models.config import ModelConfig
 from models.parallelize import tensor_parallelize_gpt
 from parallel.tensor_parallel.partial_grads import sum_partial_grads
+from parallel.tensor_parallel.random import TensorParallelRNG
 from models.presets import MODEL_PRESETS
 from parallel.tensor_parallel.sharding import param_shards
 from parallel.topology import RankGrid, Topology
@@ -102,6 +103,8 @@ def _equivalence(rank, world_size):
         model = GPT(cfg, vocab_multiple=128 * tp, seed=SEED, device="meta" if meta else "cpu")
         tensor_parallelize_gpt(model, group, seed=SEED, sequence_parallel=bool(sp), tp_comm=sp or "overlap",
                                recompute=recompute, recompute_every=2)
+        # the stream of this tp rank's seed: the same on every data-parallel replica
+        tp_stream = tp == 1 or torch.equal(model.tp_rng.state, TensorParallelRNG(SEED, topologies[tp].tp_rank).state)
         if meta:
             model.to_empty(device="cpu")
             model.init_weights(SEED)
@@ -114,7 +117,7 @@ def _equivalence(rank, world_size):
         out = {"logits": rel(full_logits[..., :cfg.vocab_size], ref_logits[..., :cfg.vocab_size]),
                "loss": max(rel(a, b) for a, b in zip(loss, ref_loss)),
                "grads": {}, "weights": {}, "layout": {}, "padding_grad": 0.0,
-               "comm": {m.comm_mode for m in model.modules() if hasattr(m, "comm_mode")}}
+               "tp_stream": tp_stream, "comm": {m.comm_mode for m in model.modules() if hasattr(m, "comm_mode")}}
         for name, param in model.named_parameters():
             shard = shards.get(name)
             weight, grad = gather(param.detach(), shard, group), gather(param.grad, shard, group)
@@ -191,6 +194,13 @@ def test_the_linears_communicate_in_the_mode_asked_for(reports, case):
     the mode asked for reached the layers; a mode dropped on the way would go unnoticed."""
     for report in reports:
         assert report[case]["comm"] == {case[2] or "overlap"}
+
+
+def test_the_tp_stream_is_seeded_by_the_tensor_parallel_rank(reports):
+    """Not by the global rank: data-parallel replicas (ranks 2 and 3 at tp 2) would then draw other
+    tp-stream masks than replica 0, and a run's masks would change with its data-parallel size."""
+    for report in reports:
+        assert all(report[case]["tp_stream"] for case in CASES if case[1] > 1)
 
 
 def test_no_case_compares_the_reference_with_itself():

@@ -1,5 +1,6 @@
 """Tensor-parallel ops on 4 gloo ranks: the autograd collectives, vocab-parallel cross-entropy, the tp
-random stream, dropout under checkpointing, and the form the collectives take in compiled blocks.
+random stream, dropout under checkpointing, the form the collectives take in compiled blocks, and what
+the sequence-parallel linears and a plan's application refuse.
 
 Tolerances: collectives only move and sum data, compared at 1e-6 relative; the cross-entropy (per
 token, and summed: the gradient is the sum's) is compared with torch.nn.functional.cross_entropy at
@@ -269,12 +270,20 @@ def _masks_per_rank(topo: Topology) -> dict:
     return report
 
 
+class _Discard:
+    """A weight-gradient taker that drops what it is handed: only the backward's own outputs are checked."""
+
+    def hand_over(self, weight, bias, x, grad_out) -> None:
+        pass
+
+
 def _fake_shapes(topo: Topology) -> list[str]:
     """torch.library.opcheck's comparison of each sequence-parallel linear's shape function (what a
-    compiled graph plans its buffers by) with what the operator returns, forward and backward; the
-    failures. The eager runs here never read those functions, and a compiled run on GPUs would."""
+    compiled graph plans its buffers by) with what the operator returns, forward and backward, the
+    backward also with its weight gradient handed to a taker (a split-backward schedule's, compiled);
+    the failures. The eager runs here never read those functions, and a compiled run on GPUs would."""
     from parallel.tensor_parallel import overlap
-    from parallel.weight_grad_takers import IN_BACKWARD
+    from parallel.weight_grad_takers import IN_BACKWARD, register_weight_grad_taker
 
     name, tp = topo.tp_group.group_name, topo.tp_size
     g = torch.Generator().manual_seed(5)
@@ -285,6 +294,10 @@ def _fake_shapes(topo: Topology) -> list[str]:
              (overlap._column_backward, (whole, full, weight, bias, name, "overlap", IN_BACKWARD)),
              (overlap._row, (whole, weight.t().contiguous(), name, "overlap", IN_BACKWARD)),
              (overlap._row_backward, (chunk, whole, weight.t().contiguous(), name, "overlap", IN_BACKWARD))]
+    taker = _Discard()
+    deferred = register_weight_grad_taker(taker)
+    cases += [(overlap._column_backward, (whole, full, weight, bias, name, "overlap", deferred)),
+              (overlap._row_backward, (chunk, whole, weight.t().contiguous(), name, "overlap", deferred))]
     failures = []
     for op, args in cases:
         try:
@@ -292,6 +305,29 @@ def _fake_shapes(topo: Topology) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - reported by name
             failures.append(f"{op}: {exc}")
     return failures
+
+
+def _linear_refusals(topo: Topology) -> dict:
+    """What the sequence-parallel linears raise for a communication mode they do not know (otherwise
+    run as another mode, silently) and for tokens that do not split into tp equal chunks (the
+    overlapped row linear would leave the remainder out of every chunk); empty where nothing is raised.
+    Every rank makes the same calls, so a linear that does not refuse runs its collectives everywhere."""
+    from parallel.tensor_parallel import overlap
+
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(6, 8, generator=g)
+    even, odd = torch.randn(1, 4, 8, generator=g), torch.randn(1, 3, 8, generator=g)  # tokens: 4 split in 2, 3 do not
+    calls = {"column_mode": lambda: overlap.column_linear(even, weight, None, topo.tp_group, "overlapped"),
+             "row_mode": lambda: overlap.row_linear(even, weight, topo.tp_group, "overlapped"),
+             "row_tokens": lambda: overlap.row_linear(odd, weight, topo.tp_group, "overlap")}
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = ""
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
 
 
 def _partial_without_group() -> str:
@@ -311,7 +347,8 @@ def _checks(rank, world_size):
            "fused_ce": {case: _fused_cross_entropy(topologies[case[0]], *case) for case in FUSED_CE_CASES},
            "collectives": {(n, tp): _collective(n, topologies[tp]) for n in COLLECTIVES for tp in (2, 4)},
            "streams": _streams(topologies[2]), "dropout": {}, "masks": _masks_per_rank(topologies[2]),
-           "partial_without_group": _partial_without_group(), "fake_shapes": _fake_shapes(topologies[2])}
+           "partial_without_group": _partial_without_group(), "fake_shapes": _fake_shapes(topologies[2]),
+           "linear_refusals": _linear_refusals(topologies[2])}
     for preset, tp, sp in DROPOUT_CASES:
         topo = topologies[tp]
         base_loss, base_grads = _dropout_run(preset, topo, sp, "none", 0.1)
@@ -385,6 +422,40 @@ def test_a_tied_parameter_split_two_ways_is_refused():
 def test_sequence_parallel_linears_shape_functions_match_their_outputs(results):
     for result in results:
         assert not result["fake_shapes"], result["fake_shapes"]
+
+
+def test_sequence_parallel_linears_refuse_unknown_modes_and_uneven_tokens(results):
+    for result in results:
+        refusals = result["linear_refusals"]
+        assert "use one of" in refusals["column_mode"] and "use one of" in refusals["row_mode"], refusals
+        assert "do not split into 2 equal" in refusals["row_tokens"], refusals
+
+
+def test_tp_stream_is_not_the_default_stream_of_the_same_seed():
+    """The engine seeds the default generator and the tp stream from the one run seed (the tp stream
+    with an offset): were the two equal on tp rank 0, its attention-dropout masks would repeat the
+    replicated dropouts' masks drawn from the same state."""
+    rng = TensorParallelRNG(seed=5, tp_rank=0)
+    torch.manual_seed(5)
+    replicated = torch.rand(16)
+    with rng.fork():
+        sharded = torch.rand(16)
+    assert not torch.equal(replicated, sharded)
+
+
+def test_a_plan_with_an_unknown_style_or_a_style_on_the_wrong_module_is_refused():
+    """A misspelt style, or a split style on a module it cannot split, is named rather than failing
+    inside a layer's constructor; a checkpoint interval below 1 too. Nothing here reaches the group."""
+    from parallel.tensor_parallel.apply import apply_activation_checkpointing, apply_tensor_parallel
+
+    model = GPT(ModelConfig(num_layers=1, vocab_size=200, seq_length=16), device="meta")
+    rng = TensorParallelRNG(seed=0, tp_rank=0)
+    with pytest.raises(ValueError, match=r"unknown tensor-parallel styles \['colwize'\]"):
+        apply_tensor_parallel(model, {"layers.*.mlp.fc_in": "colwize"}, None, rng=rng)
+    with pytest.raises(ValueError, match="layers.0.mlp: style 'colwise' needs a Linear, got MLP"):
+        apply_tensor_parallel(model, {"layers.*.mlp": "colwise"}, None, rng=rng)
+    with pytest.raises(ValueError, match="must be at least 1"):
+        apply_activation_checkpointing(model, "layers.*", every=0)
 
 
 def test_partial_gradients_without_a_tensor_group_are_refused(results):
