@@ -19,17 +19,14 @@ from models.config import ModelConfig
 from models.embedding import fit_rows, padded_vocab_size
 from models.mlp import MLP
 from models.norms import LayerNorm, build_norm
-from models.presets import MODEL_PRESETS
+from tests.test_model_gpt import config as gpt_config
 
 RTOL = 1e-5
 
 
 def config(preset: str, **overrides) -> ModelConfig:
-    fields = dict(MODEL_PRESETS[preset], num_layers=1, hidden_size=32, num_heads=4, vocab_size=100, seq_length=8)
-    if preset == "llama":
-        fields["num_kv_heads"] = 2
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    """``test_model_gpt``'s configs, one small block."""
+    return gpt_config(preset, **{"num_layers": 1, "hidden_size": 32, "vocab_size": 100, "seq_length": 8, **overrides})
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:

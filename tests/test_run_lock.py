@@ -13,6 +13,14 @@ import pytest
 from megazero.run_lock import LOCK_FILE, RunDirBusy, RunDirLock
 
 
+def _taken_once_stale(tmp_path) -> None:
+    """The lock file, left untouched past ``stale_after_s``, is taken over by the next job."""
+    old = time.time() - 120
+    os.utime(tmp_path / LOCK_FILE, (old, old))
+    with RunDirLock(tmp_path, stale_after_s=60) as lock:
+        assert lock.holder() == lock.record
+
+
 def test_a_second_holder_is_refused_naming_host_and_pid(tmp_path):
     with RunDirLock(tmp_path):
         other = RunDirLock(tmp_path)
@@ -56,10 +64,7 @@ def test_another_hosts_lock_is_stale_only_once_its_heartbeat_stops(tmp_path):
     (tmp_path / LOCK_FILE).write_text(json.dumps(foreign))
     with pytest.raises(RunDirBusy, match="node-that-is-not-this-one"):
         RunDirLock(tmp_path, stale_after_s=60).acquire()
-    old = time.time() - 120
-    os.utime(tmp_path / LOCK_FILE, (old, old))
-    with RunDirLock(tmp_path, stale_after_s=60) as lock:
-        assert lock.holder() == lock.record
+    _taken_once_stale(tmp_path)
 
 
 def test_the_holder_refreshes_its_heartbeat(tmp_path):
@@ -190,10 +195,7 @@ def test_an_unreadable_lock_is_in_use_until_its_heartbeat_stops(tmp_path):
     (tmp_path / LOCK_FILE).write_text('{"host": "no')
     with pytest.raises(RunDirBusy, match=r"in use by another job \(its lock file is unreadable\)"):
         RunDirLock(tmp_path, stale_after_s=60).acquire()
-    old = time.time() - 120
-    os.utime(tmp_path / LOCK_FILE, (old, old))
-    with RunDirLock(tmp_path, stale_after_s=60) as lock:
-        assert lock.holder() == lock.record
+    _taken_once_stale(tmp_path)
 
 
 def test_a_lock_released_while_it_is_read_is_taken(tmp_path):
