@@ -129,6 +129,7 @@ class Trainer:
             backend="gloo", timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s), group_desc="control")
         self.engine = Engine(cfg, topology, device)
         self._say_resolved(cfg, self.engine.cfg)
+        self._say_unused_flash_attention()
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         self.train_data, self.valid_data = build_datasets(cfg, train_samples(cfg))
@@ -160,14 +161,8 @@ class Trainer:
                                        describe=lambda: f"stopping now loses {self._unsaved()}")
 
     def _say_resolved(self, cfg: Config, resolved: Config) -> None:
-        """Name what the tensor-parallel settings left to the run became on this machine, and an
-        installed flash-attn-4 that attention does not run."""
-        if self.rank != 0:
-            return
-        unused = kernels.flash_attention_unused(self.device)
-        if unused:
-            print(f"megazero: {unused}", flush=True)
-        if cfg.parallel.tp == 1:
+        """Name what the tensor-parallel settings left to the run became on this machine."""
+        if self.rank != 0 or cfg.parallel.tp == 1:
             return
         chosen = []
         if cfg.parallel.tp_comm == "auto":
@@ -176,6 +171,12 @@ class Trainer:
             chosen.append(f"train.cuda_graphs null -> {str(resolved.train.cuda_graphs).lower()}")
         if chosen:
             print(f"megazero: {', '.join(chosen)} on this machine", flush=True)
+
+    def _say_unused_flash_attention(self) -> None:
+        """Name an installed flash-attn-4 release that attention does not run (rank 0, once)."""
+        unused = kernels.flash_attention_unused(self.device) if self.rank == 0 else None
+        if unused:
+            print(f"megazero: {unused}", flush=True)
 
     # --- resume and save ---------------------------------------------------------------------
     def _check_save_dir(self) -> None:

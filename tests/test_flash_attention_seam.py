@@ -58,7 +58,7 @@ def test_flash_attention_4_is_found_without_importing_it(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("version,runs", [("4.0.0b36", True), ("4.0.1", False)])
 def test_the_package_runs_at_the_tested_release_only(tmp_path, monkeypatch, version, runs):
-    """``HAS_FLASH`` and ``FLASH_UNUSED`` as the package computes them on import."""
+    """``HAS_FLASH`` and the line naming an unused release, as the package computes them on import."""
     _package(tmp_path, "flash_attn/cute/interface.py")
     _record(tmp_path, version)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -66,7 +66,7 @@ def test_the_package_runs_at_the_tested_release_only(tmp_path, monkeypatch, vers
     try:
         importlib.reload(kernels)
         assert (kernels.FLASH_VERSION, kernels.HAS_FLASH) == (version, runs)
-        assert (kernels.FLASH_UNUSED is None) is runs
+        assert (kernels._flash_attention_unused(kernels.FLASH_VERSION) is None) is runs
     finally:
         monkeypatch.undo()
         importlib.invalidate_caches()
@@ -87,23 +87,21 @@ def test_only_the_tested_release_runs_and_another_is_named():
 
 
 def test_the_unused_release_is_named_on_hopper_only(monkeypatch):
-    monkeypatch.setattr(kernels, "FLASH_UNUSED", "flash-attn-4 4.0.1 is installed, ...")
+    monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.1")
     assert kernels.flash_attention_unused(torch.device("cpu")) is None
     for major, said in ((9, True), (8, False), (10, False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, major=major: (major, 0))
         assert (kernels.flash_attention_unused(torch.device("cuda", 0)) is not None) is said
-    monkeypatch.setattr(kernels, "FLASH_UNUSED", None)
+    monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.0b36")
     assert kernels.flash_attention_unused(torch.device("cuda", 0)) is None
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_the_trainer_prints_the_unused_release_on_rank_0(monkeypatch, capsys, rank):
-    from megazero.config import load_config
     from megazero.trainer import Trainer
 
     monkeypatch.setattr(kernels, "flash_attention_unused", lambda device: f"flash-attn-4 4.0.1 ... on {device}")
-    cfg = load_config(None, [])
-    Trainer._say_resolved(types.SimpleNamespace(rank=rank, device=torch.device("cuda", 0)), cfg, cfg)
+    Trainer._say_unused_flash_attention(types.SimpleNamespace(rank=rank, device=torch.device("cuda", 0)))
     assert capsys.readouterr().out == ("megazero: flash-attn-4 4.0.1 ... on cuda:0\n" if rank == 0 else "")
 
 

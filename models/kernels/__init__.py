@@ -81,15 +81,14 @@ def _flash_attention_unused(version: Optional[str]) -> Optional[str]:
 
 FLASH_VERSION = _flash_attention_4_version()
 HAS_FLASH = FLASH_VERSION in FLASH_VERSIONS
-FLASH_UNUSED = _flash_attention_unused(FLASH_VERSION)
 
 
 def flash_attention_unused(device: torch.device) -> Optional[str]:
-    """``FLASH_UNUSED`` where it matters: on a Hopper GPU, the only one the seam runs FlashAttention 4
-    on (elsewhere no release of it would run, so there is nothing to say)."""
-    if FLASH_UNUSED is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+    """Why an installed flash-attn-4 is not used, where it matters: on a Hopper GPU, the only one the
+    seam runs FlashAttention 4 on (elsewhere no release of it would run, so there is nothing to say)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
-    return FLASH_UNUSED
+    return _flash_attention_unused(FLASH_VERSION)
 
 
 NEEDS = {"triton": HAS_TRITON, "liger": HAS_LIGER}
