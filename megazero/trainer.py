@@ -129,7 +129,7 @@ class Trainer:
             backend="gloo", timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s), group_desc="control")
         self.engine = Engine(cfg, topology, device)
         self._say_resolved(cfg, self.engine.cfg)
-        self._say_unused_flash_attention()
+        self._settle_flash_attention()
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         self.train_data, self.valid_data = build_datasets(cfg, train_samples(cfg))
@@ -172,10 +172,11 @@ class Trainer:
         if chosen:
             print(f"megazero: {', '.join(chosen)} on this machine", flush=True)
 
-    def _say_unused_flash_attention(self) -> None:
-        """Name an installed flash-attn-4 release that attention does not run (rank 0, once)."""
-        unused = kernels.flash_attention_unused(self.device) if self.rank == 0 else None
-        if unused:
+    def _settle_flash_attention(self) -> None:
+        """Settle whether attention runs FlashAttention 4, on every rank (each imports it, and turns it
+        off where the import fails); rank 0 names an installed flash-attn-4 that attention does not run."""
+        unused = kernels.settle_flash_attention(self.device)
+        if unused and self.rank == 0:
             print(f"megazero: {unused}", flush=True)
 
     # --- resume and save ---------------------------------------------------------------------

@@ -88,20 +88,68 @@ def test_only_the_tested_release_runs_and_another_is_named():
 
 def test_the_unused_release_is_named_on_hopper_only(monkeypatch):
     monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.1")
-    assert kernels.flash_attention_unused(torch.device("cpu")) is None
+    monkeypatch.setattr(kernels, "HAS_FLASH", False)
+    assert kernels.settle_flash_attention(torch.device("cpu")) is None
     for major, said in ((9, True), (8, False), (10, False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, major=major: (major, 0))
-        assert (kernels.flash_attention_unused(torch.device("cuda", 0)) is not None) is said
+        assert (kernels.settle_flash_attention(torch.device("cuda", 0)) is not None) is said
     monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.0b36")
-    assert kernels.flash_attention_unused(torch.device("cuda", 0)) is None
+    assert kernels.settle_flash_attention(torch.device("cuda", 0)) is None
+
+
+def _interface_that(monkeypatch, outcome) -> list:
+    """Replace flash-attn-4's import by ``outcome`` (an exception to raise, or None); returns the calls."""
+    calls = []
+
+    def load():
+        calls.append(1)
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr(flash_attention, "load_interface", load)
+    monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.0b36")
+    monkeypatch.setattr(kernels, "HAS_FLASH", True)
+    return calls
+
+
+@pytest.mark.parametrize("major", [9, 8])
+def test_the_release_that_runs_is_imported_before_the_first_step(monkeypatch, major):
+    """On Hopper the run imports flash-attn-4 at its start and keeps it on; elsewhere it imports
+    nothing (the seam would not run it)."""
+    calls = _interface_that(monkeypatch, None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (major, 0))
+    assert kernels.settle_flash_attention(torch.device("cuda", 0)) is None
+    assert kernels.HAS_FLASH and len(calls) == (major == 9)
+    assert kernels.settle_flash_attention(torch.device("cpu")) is None and len(calls) == (major == 9)
+
+
+@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'cutlass'"),
+                                   OSError("libcuda.so.1: cannot open shared object file\nmore lines")])
+def test_a_release_that_does_not_import_is_turned_off_and_named(monkeypatch, error):
+    """The tested release whose import fails (a CuTe DSL missing or off the path) would fail the first
+    step with a traceback: it is turned off, attention runs SDPA, and one line says why and the fix."""
+    calls = _interface_that(monkeypatch, error)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    line = kernels.settle_flash_attention(torch.device("cuda", 0))
+    assert len(calls) == 1 and not kernels.HAS_FLASH
+    assert line.startswith("flash-attn-4 4.0.0b36 is installed but does not import (")
+    assert f"{type(error).__name__}: {str(error).splitlines()[0]}" in line and "\n" not in line
+    assert "runs SDPA" in line and "pip install -e '.[flash]'" in line
+    q = types.SimpleNamespace(is_cuda=True, shape=torch.Size((8, 16, 2048, 128)), dtype=torch.bfloat16,
+                              device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H200)
+    assert not kernels.use_flash_attention(q, 0.0)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_the_trainer_prints_the_unused_release_on_rank_0(monkeypatch, capsys, rank):
+def test_every_rank_settles_flash_attention_and_rank_0_says_why_not(monkeypatch, capsys, rank):
     from megazero.trainer import Trainer
 
-    monkeypatch.setattr(kernels, "flash_attention_unused", lambda device: f"flash-attn-4 4.0.1 ... on {device}")
-    Trainer._say_unused_flash_attention(types.SimpleNamespace(rank=rank, device=torch.device("cuda", 0)))
+    settled = []
+    monkeypatch.setattr(kernels, "settle_flash_attention",
+                        lambda device: settled.append(device) or f"flash-attn-4 4.0.1 ... on {device}")
+    Trainer._settle_flash_attention(types.SimpleNamespace(rank=rank, device=torch.device("cuda", 0)))
+    assert settled == [torch.device("cuda", 0)]
     assert capsys.readouterr().out == ("megazero: flash-attn-4 4.0.1 ... on cuda:0\n" if rank == 0 else "")
 
 

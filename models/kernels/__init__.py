@@ -51,7 +51,7 @@ HAS_LIGER = HAS_TRITON and importlib.util.find_spec("liger_kernel") is not None
 
 FLASH_VERSIONS = ("4.0.0b36",)
 """The flash-attn-4 releases the attention seam runs: it calls the package's forward and backward
-functions below its public API (``flash_attention._interface``), whose arguments a later release may
+functions below its public API (``flash_attention.load_interface``), whose arguments a later release may
 change, so only releases it was tested and measured with are used (the ``flash`` extra pins one)."""
 
 
@@ -83,12 +83,29 @@ FLASH_VERSION = _flash_attention_4_version()
 HAS_FLASH = FLASH_VERSION in FLASH_VERSIONS
 
 
-def flash_attention_unused(device: torch.device) -> Optional[str]:
-    """Why an installed flash-attn-4 is not used, where it matters: on a Hopper GPU, the only one the
-    seam runs FlashAttention 4 on (elsewhere no release of it would run, so there is nothing to say)."""
+def settle_flash_attention(device: torch.device) -> Optional[str]:
+    """Settle, before the first step, whether the seam runs FlashAttention 4 on ``device``; returns why
+    an installed flash-attn-4 is not used (one line for the run's log), or None. Only a Hopper GPU
+    matters: the seam runs FlashAttention 4 nowhere else, so elsewhere there is nothing to say.
+
+    The release megazero runs is imported here rather than at the first step: an install that does
+    not import (its CuTe DSL missing, or not on the path, as after ``pip install --target`` whose
+    ``.pth`` files Python never reads) would otherwise fail that step with a traceback, after the data
+    and the checkpoint were loaded. Where the import fails, ``HAS_FLASH`` turns off and attention runs
+    SDPA, which computes the same attention."""
+    global HAS_FLASH
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
-    return _flash_attention_unused(FLASH_VERSION)
+    if not HAS_FLASH:
+        return _flash_attention_unused(FLASH_VERSION)
+    try:
+        importlib.import_module(f"{__name__}.flash_attention").load_interface()
+    except Exception as exc:  # ImportError, or whatever a library it loads raises (OSError, RuntimeError)
+        HAS_FLASH = False
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        return (f"flash-attn-4 {FLASH_VERSION} is installed but does not import ({type(exc).__name__}: {reason}), "
+                "so attention runs SDPA; reinstall it with pip install -e '.[flash]'")
+    return None
 
 
 NEEDS = {"triton": HAS_TRITON, "liger": HAS_LIGER}

@@ -21,10 +21,11 @@ import torch
 from torch import Tensor
 
 
-def _interface():
+def load_interface():
     """The package's forward and backward functions, called directly (its autograd function runs both
     inside one Python object that dynamo cannot trace as an op); they are not its public API, which
-    is why the ``flash`` extra pins the version measured. Imported at first use: the CuTe DSL takes a
+    is why the ``flash`` extra pins the version measured. Imported when a run starts
+    (``kernels.settle_flash_attention``) or at first use, not with this module: the CuTe DSL takes a
     few seconds to import."""
     from flash_attn.cute import interface
 
@@ -33,7 +34,7 @@ def _interface():
 
 @torch.library.custom_op("megazero::flash_attention_forward", mutates_args=(), device_types="cuda")
 def _forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
+    out, lse, *_ = load_interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
     return out.contiguous(), lse.contiguous()
 
 
@@ -46,7 +47,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("megazero::flash_attention_backward", mutates_args=(), device_types="cuda")
 def _backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = _interface()._flash_attn_bwd(q, k, v, out, grad.contiguous(), lse, scale, True,
+    dq, dk, dv = load_interface()._flash_attn_bwd(q, k, v, out, grad.contiguous(), lse, scale, True,
                                               deterministic=True)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
