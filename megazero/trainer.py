@@ -129,7 +129,7 @@ class Trainer:
             backend="gloo", timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s), group_desc="control")
         self.engine = Engine(cfg, topology, device)
         self._say_resolved(cfg, self.engine.cfg)
-        self._settle_flash_attention()
+        self._settle_kernels()
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         self.train_data, self.valid_data = build_datasets(cfg, train_samples(cfg))
@@ -172,12 +172,12 @@ class Trainer:
         if chosen:
             print(f"megazero: {', '.join(chosen)} on this machine", flush=True)
 
-    def _settle_flash_attention(self) -> None:
-        """Settle whether attention runs FlashAttention 4, on every rank (each imports it, and turns it
-        off where the import fails); rank 0 names an installed flash-attn-4 that attention does not run."""
-        unused = kernels.settle_flash_attention(self.device)
-        if unused and self.rank == 0:
-            print(f"megazero: {unused}", flush=True)
+    def _settle_kernels(self) -> None:
+        """Settle which optional kernel packages the seam runs, on every rank (each imports them, and
+        turns off one whose import fails); rank 0 names those installed but not run."""
+        lines = kernels.settle_kernels(self.device)
+        for line in lines if self.rank == 0 else ():
+            print(f"megazero: {line}", flush=True)
 
     # --- resume and save ---------------------------------------------------------------------
     def _check_save_dir(self) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from models import kernels, ops
 from models.kernels import flash_attention
+from models.kernels import liger as kernels_liger
 
 H200 = types.SimpleNamespace(major=9, multi_processor_count=132)
 
@@ -89,49 +90,58 @@ def test_only_the_tested_release_runs_and_another_is_named():
 def test_the_unused_release_is_named_on_hopper_only(monkeypatch):
     monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.1")
     monkeypatch.setattr(kernels, "HAS_FLASH", False)
-    assert kernels.settle_flash_attention(torch.device("cpu")) is None
-    for major, said in ((9, True), (8, False), (10, False)):
+    monkeypatch.setattr(kernels, "HAS_LIGER", False)
+    assert kernels.settle_kernels(torch.device("cpu")) == []
+    for major, said in ((9, 1), (8, 0), (10, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, major=major: (major, 0))
-        assert (kernels.settle_flash_attention(torch.device("cuda", 0)) is not None) is said
+        assert len(kernels.settle_kernels(torch.device("cuda", 0))) == said
     monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.0b36")
-    assert kernels.settle_flash_attention(torch.device("cuda", 0)) is None
+    assert kernels.settle_kernels(torch.device("cuda", 0)) == []
 
 
-def _interface_that(monkeypatch, outcome) -> list:
-    """Replace flash-attn-4's import by ``outcome`` (an exception to raise, or None); returns the calls."""
-    calls = []
+def _imports_that(monkeypatch, flash=None, liger=None) -> list:
+    """Both optional packages installed, their imports replaced by ``flash`` and ``liger`` (an exception
+    to raise, or None to succeed); returns the names of the imports tried."""
+    tried = []
 
-    def load():
-        calls.append(1)
-        if outcome is not None:
-            raise outcome
+    def load(name, outcome):
+        def attempt():
+            tried.append(name)
+            if outcome is not None:
+                raise outcome
+        return attempt
 
-    monkeypatch.setattr(flash_attention, "load_interface", load)
+    monkeypatch.setattr(flash_attention, "load_interface", load("flash", flash))
+    monkeypatch.setattr(kernels_liger, "load_rms_norm", load("liger", liger))
     monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.0b36")
     monkeypatch.setattr(kernels, "HAS_FLASH", True)
-    return calls
+    monkeypatch.setattr(kernels, "HAS_LIGER", True)
+    monkeypatch.setitem(kernels.NEEDS, "liger", True)
+    return tried
 
 
 @pytest.mark.parametrize("major", [9, 8])
-def test_the_release_that_runs_is_imported_before_the_first_step(monkeypatch, major):
-    """On Hopper the run imports flash-attn-4 at its start and keeps it on; elsewhere it imports
-    nothing (the seam would not run it)."""
-    calls = _interface_that(monkeypatch, None)
+def test_the_packages_that_run_are_imported_before_the_first_step(monkeypatch, major):
+    """On a GPU the run imports the optional packages the seam would run there (flash-attn-4 on Hopper
+    only) at its start, and keeps them on; on the CPU it imports nothing."""
+    tried = _imports_that(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (major, 0))
-    assert kernels.settle_flash_attention(torch.device("cuda", 0)) is None
-    assert kernels.HAS_FLASH and len(calls) == (major == 9)
-    assert kernels.settle_flash_attention(torch.device("cpu")) is None and len(calls) == (major == 9)
+    assert kernels.settle_kernels(torch.device("cpu")) == [] and tried == []
+    assert kernels.settle_kernels(torch.device("cuda", 0)) == []
+    assert tried == (["flash", "liger"] if major == 9 else ["liger"])
+    assert kernels.HAS_FLASH and kernels.HAS_LIGER and kernels.NEEDS["liger"]
 
 
 @pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'cutlass'"),
                                    OSError("libcuda.so.1: cannot open shared object file\nmore lines")])
-def test_a_release_that_does_not_import_is_turned_off_and_named(monkeypatch, error):
-    """The tested release whose import fails (a CuTe DSL missing or off the path) would fail the first
-    step with a traceback: it is turned off, attention runs SDPA, and one line says why and the fix."""
-    calls = _interface_that(monkeypatch, error)
+def test_a_package_that_does_not_import_is_turned_off_and_named(monkeypatch, error):
+    """An installed package whose import fails (a dependency missing or off the path) would fail the
+    first step with a traceback: it is turned off, its op runs the torch body, and one line says why
+    and the fix. The other package is untouched."""
+    _imports_that(monkeypatch, flash=error)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
-    line = kernels.settle_flash_attention(torch.device("cuda", 0))
-    assert len(calls) == 1 and not kernels.HAS_FLASH
+    [line] = kernels.settle_kernels(torch.device("cuda", 0))
+    assert not kernels.HAS_FLASH and kernels.NEEDS["liger"]
     assert line.startswith("flash-attn-4 4.0.0b36 is installed but does not import (")
     assert f"{type(error).__name__}: {str(error).splitlines()[0]}" in line and "\n" not in line
     assert "runs SDPA" in line and "pip install -e '.[flash]'" in line
@@ -140,17 +150,24 @@ def test_a_release_that_does_not_import_is_turned_off_and_named(monkeypatch, err
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H200)
     assert not kernels.use_flash_attention(q, 0.0)
 
+    _imports_that(monkeypatch, liger=error)
+    [line] = kernels.settle_kernels(torch.device("cuda", 0))
+    assert kernels.HAS_FLASH and not kernels.HAS_LIGER and not kernels.NEEDS["liger"]
+    assert line.startswith(f"liger-kernel is installed but does not import ({type(error).__name__}: ")
+    assert "rms_norm runs its torch body" in line and "pip install -e '.[gpu]'" in line
+    x = types.SimpleNamespace(is_cuda=True)
+    assert not kernels.use_fused(x, needs="liger") and kernels.use_fused(x, needs="triton") == kernels.HAS_TRITON
+
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_every_rank_settles_flash_attention_and_rank_0_says_why_not(monkeypatch, capsys, rank):
+def test_every_rank_settles_the_kernels_and_rank_0_says_why_not(monkeypatch, capsys, rank):
     from megazero.trainer import Trainer
 
     settled = []
-    monkeypatch.setattr(kernels, "settle_flash_attention",
-                        lambda device: settled.append(device) or f"flash-attn-4 4.0.1 ... on {device}")
-    Trainer._settle_flash_attention(types.SimpleNamespace(rank=rank, device=torch.device("cuda", 0)))
+    monkeypatch.setattr(kernels, "settle_kernels", lambda device: settled.append(device) or ["a ...", "b ..."])
+    Trainer._settle_kernels(types.SimpleNamespace(rank=rank, device=torch.device("cuda", 0)))
     assert settled == [torch.device("cuda", 0)]
-    assert capsys.readouterr().out == ("megazero: flash-attn-4 4.0.1 ... on cuda:0\n" if rank == 0 else "")
+    assert capsys.readouterr().out == ("megazero: a ...\nmegazero: b ...\n" if rank == 0 else "")
 
 
 @pytest.mark.parametrize("shape,dtype,dropout,gpu,fits", [

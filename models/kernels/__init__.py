@@ -83,29 +83,45 @@ FLASH_VERSION = _flash_attention_4_version()
 HAS_FLASH = FLASH_VERSION in FLASH_VERSIONS
 
 
-def settle_flash_attention(device: torch.device) -> Optional[str]:
-    """Settle, before the first step, whether the seam runs FlashAttention 4 on ``device``; returns why
-    an installed flash-attn-4 is not used (one line for the run's log), or None. Only a Hopper GPU
-    matters: the seam runs FlashAttention 4 nowhere else, so elsewhere there is nothing to say.
+def settle_kernels(device: torch.device) -> list[str]:
+    """Settle, before the first step, which optional kernel packages the seam runs on ``device``;
+    returns one line for the run's log per installed package it will not run, saying why.
 
-    The release megazero runs is imported here rather than at the first step: an install that does
-    not import (its CuTe DSL missing, or not on the path, as after ``pip install --target`` whose
-    ``.pth`` files Python never reads) would otherwise fail that step with a traceback, after the data
-    and the checkpoint were loaded. Where the import fails, ``HAS_FLASH`` turns off and attention runs
-    SDPA, which computes the same attention."""
-    global HAS_FLASH
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return None
-    if not HAS_FLASH:
-        return _flash_attention_unused(FLASH_VERSION)
+    The packages are imported here rather than at the first step: an install that does not import (a
+    dependency missing or off the path, as after ``pip install --target``, whose ``.pth`` files Python
+    never reads: flash-attn-4's CuTe DSL needs one) would otherwise fail that step with a traceback,
+    after the data and the checkpoint were loaded. Where an import fails, the package is turned off
+    (``HAS_FLASH``, ``HAS_LIGER``) and the torch body runs instead, computing the same op. Only a GPU
+    matters (no body runs elsewhere), and for FlashAttention 4 only Hopper, the one GPU it runs on."""
+    global HAS_FLASH, HAS_LIGER
+    lines = []
+    if device.type != "cuda":
+        return lines
+    if torch.cuda.get_device_capability(device)[0] == 9:
+        if HAS_FLASH and (failure := _import_failure(_body_module("flash_attention").load_interface)):
+            HAS_FLASH = False
+            lines.append(f"flash-attn-4 {FLASH_VERSION} is installed but does not import ({failure}), so "
+                         "attention runs SDPA; reinstall it with pip install -e '.[flash]'")
+        elif unused := _flash_attention_unused(FLASH_VERSION):
+            lines.append(unused)
+    if HAS_LIGER and (failure := _import_failure(_body_module("liger").load_rms_norm)):
+        HAS_LIGER = NEEDS["liger"] = False
+        lines.append(f"liger-kernel is installed but does not import ({failure}), so rms_norm runs its torch "
+                     "body; reinstall it with pip install -e '.[gpu]'")
+    return lines
+
+
+def _import_failure(load) -> Optional[str]:
+    """Why ``load()`` failed, as "ErrorType: its first line", or None when it imported."""
     try:
-        importlib.import_module(f"{__name__}.flash_attention").load_interface()
+        load()
     except Exception as exc:  # ImportError, or whatever a library it loads raises (OSError, RuntimeError)
-        HAS_FLASH = False
-        reason = (str(exc).strip().splitlines() or [""])[0]
-        return (f"flash-attn-4 {FLASH_VERSION} is installed but does not import ({type(exc).__name__}: {reason}), "
-                "so attention runs SDPA; reinstall it with pip install -e '.[flash]'")
+        return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
     return None
+
+
+def _body_module(name: str):
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 NEEDS = {"triton": HAS_TRITON, "liger": HAS_LIGER}
@@ -154,7 +170,7 @@ def use_fused(x: torch.Tensor, in_graph: bool = False, needs: str = "triton") ->
 def call(body: str, *args, **kwargs):
     """Run ``models.kernels.<module>.<function>`` (imported on first use: Triton stays optional)."""
     module, name = body.rsplit(".", 1)
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)(*args, **kwargs)
+    return getattr(_body_module(module), name)(*args, **kwargs)
 
 
 call_between_graphs = torch.compiler.disable(call) if torch.cuda.is_available() else call
@@ -164,4 +180,4 @@ graph there and runs the kernel (with its own Python loop and collectives) eager
 
 
 if HAS_FLASH:  # registers its custom ops; flash_attn itself is imported at their first run
-    flash_attention = importlib.import_module(f"{__name__}.flash_attention")
+    flash_attention = _body_module("flash_attention")

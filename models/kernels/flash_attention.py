@@ -25,7 +25,7 @@ def load_interface():
     """The package's forward and backward functions, called directly (its autograd function runs both
     inside one Python object that dynamo cannot trace as an op); they are not its public API, which
     is why the ``flash`` extra pins the version measured. Imported when a run starts
-    (``kernels.settle_flash_attention``) or at first use, not with this module: the CuTe DSL takes a
+    (``kernels.settle_kernels``) or at first use, not with this module: the CuTe DSL takes a
     few seconds to import."""
     from flash_attn.cute import interface
 

@@ -12,8 +12,13 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def load_rms_norm():
+    """liger's RMSNorm function, imported when a run starts (``kernels.settle_kernels``) or at first use."""
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-    return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
+    return LigerRMSNormFunction
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return load_rms_norm().apply(x, weight, eps, 0.0, "llama", False)
 
