@@ -6,6 +6,9 @@ resharding a layout change uses), so a model trained at tp2 x pp2 x dp2 samples 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
 from megazero.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
@@ -16,28 +19,54 @@ from megazero.convert.sources import finite
 from models import GPT
 
 
-def saved_config(path, source: str = "the checkpoint path") -> Config:
-    """The config a checkpoint was trained with, read from its manifest alone: what the model will be
-    is known, and can be checked, before its weights are read."""
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A checkpoint directory and its ``COMPLETE`` record, read and checked once. Everything a command
+    learns of the checkpoint comes from this one record, and its weights are verified against it: a
+    directory replaced after it was read (a training run re-saving that step, or its retention
+    deleting it) is refused when the weights are read, never loaded as another run's weights under
+    this one's config."""
+
+    path: Path
+    manifest: dict
+    source: str  # what the user set to name it, for the error messages
+
+    @property
+    def meta(self) -> dict:
+        return self.manifest["meta"]
+
+
+def open_checkpoint(path, source: str = "the checkpoint path") -> OpenedCheckpoint:
+    """The checkpoint ``path`` names (itself, or the latest under it), with its record read once."""
     ckpt = resolve_checkpoint(path, source=source)
-    saved = read_manifest(ckpt)["meta"].get("config")
+    return OpenedCheckpoint(ckpt, read_manifest(ckpt), source)
+
+
+def saved_config(ckpt: OpenedCheckpoint) -> Config:
+    """The config a checkpoint was trained with, from its record alone: what the model will be is
+    known, and can be checked, before its weights are read."""
+    saved = ckpt.meta.get("config")
     if not isinstance(saved, dict):
-        raise CheckpointError(f"{ckpt}: records no training config, so it was not saved by `megazero train`; "
-                              f"check {source}")
+        raise CheckpointError(f"{ckpt.path}: records no training config, so it was not saved by `megazero train`; "
+                              f"check {ckpt.source}")
     return build_dataclass(Config, saved, prefix="")
 
 
 def load_model(path, source: str = "the checkpoint path") -> tuple[GPT, Config]:
     """The single-process GPT holding a checkpoint's weights, and the config it was trained with.
     ``source`` names where ``path`` came from, for the error messages."""
-    ckpt = resolve_checkpoint(path, source=source)
-    cfg = saved_config(ckpt, source)
+    return load_opened(open_checkpoint(path, source))
+
+
+def load_opened(ckpt: OpenedCheckpoint) -> tuple[GPT, Config]:
+    """``load_model`` for a checkpoint already opened: config and weights from its one record."""
+    cfg = saved_config(ckpt)
     model = GPT(cfg.model, seed=cfg.train.seed)
-    weights = load_full_weights(ckpt)
+    weights = load_full_weights(ckpt.path, ckpt.manifest)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            value = finite(weights[name], f"{ckpt}: parameter {name!r}")  # NaN logits would pass for token 0
-            param.copy_(fit_to_shard(value, None, tuple(param.shape), name, ckpt))
+            value = finite(weights[name], f"{ckpt.path}: parameter {name!r}")  # NaN logits would pass for token 0
+            param.copy_(fit_to_shard(value, None, tuple(param.shape), name, ckpt.path))
     return model.eval(), cfg
 
 

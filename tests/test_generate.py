@@ -185,10 +185,51 @@ def test_a_too_large_tokenizer_is_refused_before_the_weights_are_read(trained, t
     import megazero.generate
 
     reads = []
-    monkeypatch.setattr(megazero.generate, "load_full_weights", lambda ckpt: reads.append(ckpt))
+    monkeypatch.setattr(megazero.generate, "load_full_weights", lambda *args: reads.append(args))
     tok = _tokenizer(tmp_path / "tokenizer.json", 100)
     err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w9"])
     assert err.endswith("use the tokenizer it was trained with") and reads == []
+
+
+def test_the_command_reads_the_checkpoints_record_once(trained, tmp_path, capsys, monkeypatch):
+    """The tokenizer check, the vocabulary check, the config and the weights' checksums all come from
+    one read of ``COMPLETE`` (planted: each re-read it, four reads, and a directory replaced between
+    them gave a config from one checkpoint and weights from another)."""
+    from megazero.checkpoint import format
+
+    read_json, reads = format.read_json, []
+
+    def counting(path, what):
+        reads.append(path.name)
+        return read_json(path, what)
+
+    monkeypatch.setattr(format, "read_json", counting)
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    assert main(["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1", "--tokens", "1"]) == 0
+    assert reads == ["COMPLETE"], reads
+
+
+def test_a_checkpoint_replaced_after_it_was_read_is_refused(trained, diverged, tmp_path, capsys, monkeypatch):
+    """A training run re-saving the step swaps its directory: once generate has read the record, the
+    weights found there are refused by their checksums, never taken for the record's (planted: the
+    weights' reader read the new record, and loaded the other checkpoint's weights)."""
+    import shutil
+
+    import megazero.generate
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(trained[0], root)
+    load = megazero.generate.load_full_weights
+
+    def replaced_first(ckpt, *args):
+        shutil.rmtree(ckpt)
+        shutil.copytree(diverged / ckpt.name, ckpt)
+        return load(ckpt, *args)
+
+    monkeypatch.setattr(megazero.generate, "load_full_weights", replaced_first)
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    err = _error_line(capsys, ["generate", str(root), "--tokenizer", tok, "--prompt", "w1", "--tokens", "1"])
+    assert "does not match the manifest's" in err and "the file is corrupted" in err, err
 
 
 def test_a_smaller_tokenizer_samples_only_what_it_can_decode(trained, tmp_path, capsys):

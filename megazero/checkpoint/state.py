@@ -135,9 +135,10 @@ def load_resharded(reader: CheckpointReader, optimizer: ShardedAdamW) -> None:
     optimizer.load_local_state(local_values(), adam_step, scaler)
 
 
-def load_full_weights(ckpt) -> dict[str, torch.Tensor]:
-    """Every logical parameter's fp32 master value, whole (for a single-process model or export)."""
-    reader = CheckpointReader(ckpt)
+def load_full_weights(ckpt, manifest: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """Every logical parameter's fp32 master value, whole (for a single-process model or export).
+    ``manifest``: the record the caller read already, which the files must then match."""
+    reader = CheckpointReader(ckpt, manifest)
     return dict((name, value["master"]) for name, value in reader.read_many(reader.shapes))
 
 

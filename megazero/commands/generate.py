@@ -54,26 +54,25 @@ def temperature(text: str) -> float:
 
 def run(args) -> int:
     from data_pipeline.tokenizer import load_tokenizer
-    from megazero.checkpoint import read_manifest, resolve_checkpoint
     from megazero.data import not_trained_with
-    from megazero.generate import load_model, sample, saved_config
+    from megazero.generate import load_opened, open_checkpoint, sample, saved_config
 
-    ckpt = resolve_checkpoint(args.checkpoint, source=SOURCE)  # before the tokenizer: the cheaper check
+    ckpt = open_checkpoint(args.checkpoint, source=SOURCE)  # before the tokenizer: the cheaper check
     try:
         tokenizer = load_tokenizer(args.tokenizer)
     except (ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
-    mismatch = not_trained_with(read_manifest(ckpt)["meta"], tokenizer, "--tokenizer")
+    mismatch = not_trained_with(ckpt.meta, tokenizer, "--tokenizer")
     if mismatch:
         raise UserError(mismatch)
     prompt = tokenizer.encode(utf8_text(args.prompt, "--prompt"))  # before the model is read and verified
     if not prompt:
         raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
-    vocab_size = saved_config(ckpt, source=SOURCE).model.vocab_size  # before the weights are read
+    vocab_size = saved_config(ckpt).model.vocab_size  # before the weights are read
     if tokenizer.vocab_size > vocab_size:
         raise UserError(f"--tokenizer {args.tokenizer}: has {tokenizer.vocab_size} tokens, but the checkpoint's model "
                         f"has {vocab_size}; use the tokenizer it was trained with")
-    model, _ = load_model(ckpt, source=SOURCE)
+    model, _ = load_opened(ckpt)
     _note_a_cut_prompt(len(prompt), model.cfg.seq_length, args.tokens)
     out = list(prompt)
     try:
