@@ -26,6 +26,9 @@ if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the knobs above, then
   cd "$(dirname "$0")/.." && exec python -m megazero.cli train --help
 fi
 cd "$(dirname "$0")/.."
+for arg in "$@"; do  # the fields, once: under torchrun every rank listed them (after the demo build)
+  [ "$arg" != --help-config ] || exec python -m megazero.cli train --help-config
+done
 
 whole() {  # NAME VALUE LOWEST [HIGHEST]: refuse what torchrun would meet with a traceback
   if ! [[ "$2" =~ ^[0-9]+$ ]] || [ "$((10#$2))" -lt "$3" ] || { [ -n "${4:-}" ] && [ "$((10#$2))" -gt "$4" ]; }; then
@@ -67,21 +70,18 @@ if [ -z "${CONFIG:-}" ]; then
     python -m megazero.cli demo-corpus data/demo
   fi
 fi
-# The visible GPUs, and the device the config (with its overrides) trains on: a config of
-# train.device cpu, such as the demo's, runs CPU ranks even where GPUs are visible. A config that
-# does not load counts as auto here; train itself names what is wrong with it.
-placement=$(python -c 'import sys
-import torch
-from megazero.config import load_config
-from megazero.errors import UserError
-try:
-    device = load_config(sys.argv[1], sys.argv[2:]).train.device
-except UserError:
-    device = "auto"
-print(torch.cuda.device_count(), device)' "$CONFIG" "$@" 2>/dev/null || echo "0 auto")
-gpus=${placement% *}
+# What this launch is, read once, from CONFIG and the arguments as every rank's `megazero train` reads
+# them (megazero.commands.train.launch_facts): the visible GPUs, the device the config (with its
+# overrides) trains on, whether it trains or only checks (--check), and the checkpoints and tokenizer
+# the demo samples with afterwards. A config of train.device cpu, such as the demo's, runs CPU ranks
+# even where GPUs are visible. A config that does not load counts as auto here; train names what is wrong.
+facts=$(python -c 'import sys
+from megazero.commands.train import launch_facts
+print("\n".join(launch_facts(sys.argv[1:])))' "$CONFIG" "$@" 2>/dev/null) || facts=$'0\nauto\ntrain'
+mapfile -t launch <<<"$facts"
+gpus=${launch[0]} device=${launch[1]} action=${launch[2]} checkpoints=${launch[3]:-} tokenizer=${launch[4]:-}
 on_cpu=1
-if [ "$gpus" -gt 0 ] && [ "${placement#* }" != cpu ]; then on_cpu=0; default_ranks=$gpus; else default_ranks=${CPU_RANKS:-8}; fi
+if [ "$gpus" -gt 0 ] && [ "$device" != cpu ]; then on_cpu=0; default_ranks=$gpus; else default_ranks=${CPU_RANKS:-8}; fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-$default_ranks}
 # CPU ranks share the machine's cores; one thread each keeps them from fighting. (Not told apart by
 # their count: the demo's 8 CPU ranks on an 8-GPU machine each took every core.)
@@ -129,15 +129,7 @@ done
 wait "$launcher" && status=0 || status=$?
 [ "$status" = 0 ] || exit "$status"  # 75: preempted, and rank 0 said where it saved
 
-if [ "$demo" = 1 ]; then
-  # The checkpoints and tokenizer this run used, whatever the overrides said.
-  resolved=$(python -c 'import os, sys
-from megazero.config import load_config
-cfg = load_config(sys.argv[1], sys.argv[2:])
-print(cfg.checkpoint.save_dir or os.path.join(cfg.logging.run_dir, "checkpoints"))
-print(cfg.data.tokenizer)' "$CONFIG" "$@")
-  checkpoints=${resolved%%$'\n'*}
-  tokenizer=${resolved#*$'\n'}
+if [ "$demo" = 1 ] && [ "$action" = train ]; then  # the checkpoints and tokenizer read at the launch
   echo "== a sample from the trained model ($checkpoints)"
   python -m megazero.cli generate "$checkpoints" --tokenizer "$tokenizer" --prompt "def " --tokens 48
 fi

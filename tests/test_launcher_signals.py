@@ -337,6 +337,15 @@ def test_help_lists_the_knobs_then_trains_options():
     assert "--check" in done.stdout and "== training" not in done.stdout
 
 
+def test_help_config_lists_the_fields_once_without_a_launch():
+    """Under torchrun every rank printed train's field list (the demo's 8 ranks, after its corpus build),
+    then the demo sampled a checkpoint nothing had trained."""
+    done = subprocess.run(["bash", str(SCRIPT), "--train.seed", "3", "--help-config"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("checkpoint.keep_last") == 1 and "== " not in done.stdout, done.stdout
+
+
 SBATCH = REPO / "scripts" / "slurm_pretrain_gpt.sbatch"
 
 
@@ -376,31 +385,71 @@ def test_the_batch_script_requeues_after_the_warning_whatever_srun_says(tmp_path
     assert log.read_text() == "requeue 42\n", out
 
 
+def _on_eight_gpus(tmp_path, config, args, root=REPO, cpu_ranks=None, on_launch="") -> list[str]:
+    """Run the script where torch says 8 GPUs; a stand-in for every other python records its
+    arguments (the launcher's with its OMP_NUM_THREADS first) and the command lines it was given,
+    running ``on_launch`` in place of the launcher. Returns those lines."""
+    bin_dir, fake = tmp_path / "bin", tmp_path / "fake"
+    bin_dir.mkdir(parents=True)
+    fake.mkdir()
+    (fake / "sitecustomize.py").write_text("import torch\ntorch.cuda.device_count = lambda: 8\n")
+    seen = tmp_path / "python_calls"
+    (bin_dir / "python").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        case "$*" in
+          *launch_facts*) PYTHONPATH={fake}:{REPO} exec {sys.executable} "$@" ;;
+          *parallel.launch*) echo "${{OMP_NUM_THREADS:-unset}} $*" >> {seen}; {on_launch} ;;
+          *) echo "$*" >> {seen} ;;
+        esac
+        """))
+    (bin_dir / "python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "OMP_NUM_THREADS", "NPROC_PER_NODE")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", **({"CONFIG": config} if config else {}),
+               **({"CPU_RANKS": cpu_ranks} if cpu_ranks else {}))
+    done = subprocess.run(["bash", str(root / "scripts" / SCRIPT.name), *args], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return seen.read_text().splitlines()
+
+
+def _launched(calls: list[str]) -> tuple[str, str]:
+    """(OMP_NUM_THREADS, the launcher's arguments) from ``_on_eight_gpus``' calls."""
+    [launch] = [call for call in calls if "parallel.launch" in call]
+    threads, args = launch.split(" ", 1)
+    return threads, args
+
+
 @pytest.mark.parametrize("config, overrides, threads", [(None, [], "1"), ("configs/gpt_1.3b.yaml", [], "unset"),
                                                        ("configs/gpt_1.3b.yaml", ["--train.device", "cpu"], "1")])
 def test_cpu_ranks_run_one_thread_each_on_a_gpu_machine(tmp_path, config, overrides, threads):
     """On a machine with 8 GPUs the demo still trains 8 CPU ranks; their count matched the GPUs', so
     OMP_NUM_THREADS was left unset and each rank took every core. So did any config whose
-    train.device is cpu (the demo's flag alone decided). Python runs with torch saying 8 GPUs; a
-    stand-in for the launcher records what it would have been given."""
-    bin_dir, fake = tmp_path / "bin", tmp_path / "fake"
-    bin_dir.mkdir()
-    fake.mkdir()
-    (fake / "sitecustomize.py").write_text("import torch\ntorch.cuda.device_count = lambda: 8\n")
-    seen = tmp_path / "launcher_env"
-    (bin_dir / "python").write_text(textwrap.dedent(f"""\
-        #!/usr/bin/env bash
-        case "$*" in
-          *device_count*) PYTHONPATH={fake}:{REPO} exec {sys.executable} "$@" ;;
-          *parallel.launch*) echo "${{OMP_NUM_THREADS:-unset}} $*" > {seen} ;;
-          -c*) printf 'runs/demo/checkpoints\\ndata/demo/tokenizer.model\\n' ;;
-        esac
-        """))
-    (bin_dir / "python").chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "OMP_NUM_THREADS", "NPROC_PER_NODE")}
-    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", **({"CONFIG": config} if config else {}))
-    done = subprocess.run(["bash", str(SCRIPT), *overrides], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
-    given, args = seen.read_text().split(" ", 1)
+    train.device is cpu (the demo's flag alone decided)."""
+    given, args = _launched(_on_eight_gpus(tmp_path, config, overrides))
     assert given == threads and "--nproc_per_node 8" in args, args
+
+
+def test_a_check_lays_out_the_ranks_the_run_would(tmp_path):
+    """``--check`` goes to train, not to the config: the script took it for an override, the config
+    failed to load, and a CPU config was checked on one rank per GPU (8, not CPU_RANKS 2)."""
+    args = ["--train.device", "cpu", "--check"]
+    given, launched = _launched(_on_eight_gpus(tmp_path, "configs/gpt_1.3b.yaml", args, cpu_ranks="2"))
+    assert given == "1" and "--nproc_per_node 2" in launched and launched.endswith(" ".join(args)), launched
+
+
+def test_the_demo_samples_the_checkpoints_it_launched_with(tmp_path):
+    """The demo's sample comes from the config read at the launch: one edited while the run trained
+    sent it to another run's checkpoints (planted: the config read again after training); and a
+    ``--check`` trains nothing, so nothing is sampled (it read the config with --check as an override,
+    a traceback)."""
+    root = tmp_path / "project"
+    (root / "scripts").mkdir(parents=True)
+    (root / "configs").mkdir()
+    (root / "scripts" / SCRIPT.name).write_bytes(SCRIPT.read_bytes())
+    (root / "configs" / "demo.yaml").write_bytes((REPO / "configs" / "demo.yaml").read_bytes())
+    edit = "sed -i s@runs/demo@runs/other@ configs/demo.yaml"
+    calls = _on_eight_gpus(tmp_path / "trains", None, [], root=root, on_launch=edit)
+    assert calls[-1].startswith("-m megazero.cli generate runs/demo/checkpoints --tokenizer "), calls
+    (root / "configs" / "demo.yaml").write_bytes((REPO / "configs" / "demo.yaml").read_bytes())
+    calls = _on_eight_gpus(tmp_path / "checks", None, ["--check"], root=root)
+    assert not [call for call in calls if "generate" in call], calls

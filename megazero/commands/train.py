@@ -77,6 +77,33 @@ def reports_errors(launch) -> bool:
     return launch.rank == 0 or (launch.num_nodes > 1 and launch.local_rank == 0)
 
 
+def launch_facts(argv: list[str]) -> list[str]:
+    """What ``scripts/pretrain_gpt.sh`` decides before it starts torchrun, one value a line: the GPUs
+    visible, the device the config trains on, what the launch does (``train``, or ``check`` for
+    ``--check``), where it saves checkpoints and the tokenizer it reads (the demo samples from those
+    after training). ``argv`` is what the script hands to every rank's ``megazero train``, parsed
+    here as train parses it: train's own flags taken for overrides failed the load, so a CPU config
+    given ``--check`` was laid out on the GPUs. Read once, at the launch:
+    the demo's sample once read the config again after training, so a file edited during the run
+    sent it to another run's checkpoints. A config that does not load gives device auto and no paths
+    (train itself says what is wrong with it)."""
+    import os
+
+    import torch
+
+    from megazero.cli import build_parser
+
+    args, extra = build_parser().parse_known_args(["train", *argv])
+    action = "check" if args.check else "train"
+    gpus = str(torch.cuda.device_count())
+    try:
+        cfg = load_config(*split_config_path(extra))
+    except UserError:
+        return [gpus, "auto", action, "", ""]
+    checkpoints = cfg.checkpoint.save_dir or os.path.join(cfg.logging.run_dir, "checkpoints")
+    return [gpus, cfg.train.device, action, checkpoints, cfg.data.tokenizer or ""]
+
+
 def split_config_path(extra: list[str]) -> tuple[str | None, list[str]]:
     """The optional leading CONFIG path, then the dotted overrides."""
     if extra and not extra[0].startswith("--"):
