@@ -42,7 +42,8 @@ class ZeroConfig:
     bucket_size_mb: float = option(200.0, "Size of each gradient/parameter communication bucket in MiB (of gradients); one block's fp32 gradients or more lets stage 3 gather a block in one collective")
     prefetch_depth: int = option(1, "Stage 3: blocks whose parameters are gathered ahead of use")
     persistence_threshold: int = option(0, "Stage 3: parameters with fewer elements stay whole on every rank")
-    overlap_comm: bool = option(True, "Overlap bucket communication with backward computation")
+    overlap_comm: bool = option(True, "Start the whole-gradient reductions (stages 0-1; 2-3 under a pipeline) in the "
+                                        "last backward, not after it")
     offload_optimizer: bool = option(False, "Keep master weights and Adam state on the CPU and step there")
 
 
@@ -95,7 +96,8 @@ class CheckpointConfig:
     save_dir: Optional[str] = option(None, "Checkpoint directory (None = RUN_DIR/checkpoints)")
     save_interval: int = option(0, "Save every N steps (0 = only at the end and on preemption)")
     save_on_exit: bool = option(True, "Save when training ends (a stop for train.max_wall_seconds or a preemption saves either way)")
-    keep_last: int = option(3, "Number of newest checkpoints kept")
+    keep_last: int = option(3, "Number of newest complete checkpoints kept in save_dir; older ones are "
+                                 "removed after each save")
     load: Optional[str] = option(None, "Checkpoint to start from while save_dir holds none; once the run has saved its own, a relaunch continues from save_dir (to roll back, move save_dir's newer checkpoints out of it). None: the latest in save_dir, if any")
     async_save: bool = option(True, "On GPU, write checkpoints in a background thread")
     allow_config_changes: bool = option(False, "Resume although the data order (the blend's files and weights, data.split, data.seed, or a sample count that changes a dataset's epochs) or the learning rate of the next step differs from the checkpoint's run; refused by default, naming the fields")
