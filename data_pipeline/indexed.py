@@ -78,6 +78,7 @@ class IndexedDatasetWriter:
         # the final paths it has put files at, each with its file's identity: an abort removes a path
         # only while it still holds that file, never one another run has put there since
         self._published: list[tuple[str, tuple[int, int]]] = []
+        self._records: list[str] = []  # the tokenizer record, once this writer writes it
         self._sealed = False
         self._bin_tmp = temp_name(bin_path(prefix))
         self._idx_tmp = temp_name(idx_path(prefix))
@@ -145,7 +146,10 @@ class IndexedDatasetWriter:
             if any(path == final for path, _ in self._published):
                 continue
             try:
-                identity = _identity(tmp)
+                # counted as put in place before it is: an interrupt raised as the link or rename
+                # returns would otherwise leave a file the abort does not know of (a .bin without its
+                # .idx, blocking the next run); the identity keeps the abort off a file not this one
+                self._published.append((final, _identity(tmp)))
                 if self.replace:
                     os.replace(tmp, final)
                 else:
@@ -156,7 +160,15 @@ class IndexedDatasetWriter:
                                       "give a new output prefix") from None
             except OSError as exc:
                 raise _not_written(self.prefix, exc) from None
-            self._published.append((final, identity))
+
+    def record_origin(self, identity: dict) -> None:
+        """Write the published shard's tokenizer record (``shard_origin``); an abort removes it. It is
+        counted before it is written, so an interrupt as its rename returns cannot leave it behind
+        without the shard (a file that would keep the folder and block the next run)."""
+        from data_pipeline.shard_origin import origin_path, write_origin
+
+        self._records.append(origin_path(self.prefix))
+        write_origin(self.prefix, identity)
 
     def finish(self) -> None:
         """``seal`` and ``publish`` (what is done already is not done again); a failure on the way
@@ -175,7 +187,7 @@ class IndexedDatasetWriter:
         failed the write; the file is closed all the same, and is removed."""
         with contextlib.suppress(OSError):
             self._bin.close()
-        for path in (self._bin_tmp, self._idx_tmp):
+        for path in (*self._records, self._bin_tmp, self._idx_tmp):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         for path, identity in self._published:
@@ -183,6 +195,7 @@ class IndexedDatasetWriter:
                 if _identity(path) == identity:
                     os.unlink(path)
         self._published.clear()
+        self._records.clear()
         remove_made(self._made)
 
     def __enter__(self) -> IndexedDatasetWriter:
@@ -356,7 +369,7 @@ def merge_shards(prefixes: Iterable[str], output_prefix: str, replace: bool = Tr
     """Join shards, in the given order, into one; each must use the same token dtype, and record the
     same tokenizer (``shard_origin``), which the merged shard then records, or all record none.
     ``replace`` as in ``IndexedDatasetWriter``."""
-    from data_pipeline.shard_origin import merged_origin, origin_path, write_origin
+    from data_pipeline.shard_origin import merged_origin, origin_path
 
     shards = [IndexedDataset(p) for p in prefixes]
     if not shards:
@@ -369,8 +382,12 @@ def merge_shards(prefixes: Iterable[str], output_prefix: str, replace: bool = Tr
     with IndexedDatasetWriter(output_prefix, shards[0].dtype, replace) as writer:
         for shard in shards:
             writer.add_shard(shard)
-    if origin is not None:
-        write_origin(output_prefix, origin)
-    elif os.path.exists(origin_path(output_prefix)):
-        os.unlink(origin_path(output_prefix))  # a record left by an earlier shard of this name
+        writer.seal()
+        writer.publish()
+        # inside the writer: a record that cannot be written (or an interrupt) takes the shard with it,
+        # which would otherwise stay, unrecorded, and be trained on unchecked against the tokenizer
+        if origin is not None:
+            writer.record_origin(origin)
+        elif os.path.exists(origin_path(output_prefix)):
+            os.unlink(origin_path(output_prefix))  # a record left by an earlier shard of this name
     return IndexedDataset(output_prefix)

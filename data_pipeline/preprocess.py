@@ -12,8 +12,6 @@ counted by reason instead. Either way it never becomes a document.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -23,7 +21,7 @@ from itertools import chain
 import numpy as np
 
 from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
-from data_pipeline.shard_origin import origin_path, tokenizer_identity, write_origin
+from data_pipeline.shard_origin import tokenizer_identity
 from data_pipeline.sources import Batch, check_input, iter_batches
 from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.worker_pool import worker_pool
@@ -131,7 +129,6 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
         check_input(path, keys)
     writers: dict[str, IndexedDatasetWriter] = {}
     stats = PreprocessStats()
-    recorded: list[str] = []  # the tokenizer records written, removed with the shards on a failure
     bar = _progress_bar(progress)
     start = time.perf_counter()
     try:
@@ -160,12 +157,8 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
         for w in writers.values():
             w.publish()
         for w in writers.values():
-            write_origin(w.prefix, identity)
-            recorded.append(origin_path(w.prefix))
+            w.record_origin(identity)
     except BaseException:
-        for path in recorded:  # first: a record left in a folder would keep it
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
         for w in reversed(writers.values()):  # the first made the folders: it removes them once they are empty
             w.abort()
         raise

@@ -270,6 +270,63 @@ def test_sigterm_mid_run_leaves_no_output(env, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["big.jsonl"]
 
 
+INTERRUPTED_AS_PUT_IN_PLACE = """
+import os, signal, sys
+from megazero.cli import main
+
+call, suffix = sys.argv[1], sys.argv[2]
+real = getattr(os, call)
+
+
+def then_sigterm(src, dst, *args, **kwargs):  # the signal lands as the link or rename returns
+    real(src, dst, *args, **kwargs)
+    if str(dst).endswith(suffix):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+setattr(os, call, then_sigterm)
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("call, suffix", [("link", ".bin"), ("link", ".idx"), ("replace", ".tokenizer.json")])
+def test_sigterm_as_a_file_is_put_in_place_leaves_nothing(env, tmp_path, call, suffix):
+    """SIGTERM landing just as the .bin, the .idx or the tokenizer record reaches its final name: the
+    run removes that file too, so it leaves no output and a re-run succeeds (planted: each counted as
+    put in place only after the link or rename, so a .bin without its .idx, an .idx without its .bin
+    or a record without its shard stayed behind, and the re-run was refused as existing)."""
+    import signal
+    import subprocess
+    import sys
+
+    argv = ["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix",
+            str(tmp_path / "out" / "o"), "--no-progress"]
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_AS_PUT_IN_PLACE, call, suffix, *argv],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stderr.strip() == "megazero preprocess: stopped by SIGTERM", done.stderr
+    assert os.listdir(tmp_path) == []
+    assert main(argv) == 0
+
+
+def test_a_merge_whose_tokenizer_record_fails_leaves_no_shard(env, tmp_path, capsys, monkeypatch):
+    """The merged shard's record is written while its writer can still take the shard back: a record
+    that cannot be written (a full disk) left the merged .bin/.idx in place unrecorded, so a run took
+    them unchecked against its tokenizer, and a re-run was refused as existing."""
+    import data_pipeline.shard_origin as shard_origin
+
+    source = str(tmp_path / "src" / "s")
+    assert main(["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix", source,
+                 "--no-progress"]) == 0
+
+    def full_disk(prefix, identity):
+        raise OSError(f"{shard_origin.origin_path(prefix)}: the shard's tokenizer record cannot be written")
+    monkeypatch.setattr(shard_origin, "write_origin", full_disk)
+    _refused(["preprocess", "--merge", f"{source}_text_document", "--output-prefix", str(tmp_path / "m")], capsys,
+             "m.tokenizer.json: the shard's tokenizer record cannot be written")
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
 def test_empty_input_is_refused(env, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
