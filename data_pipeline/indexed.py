@@ -14,7 +14,8 @@ document index is simply ``0..n``; the writer still keeps the two apart because 
 Writes are atomic: both files are written under temporary names and renamed only once complete,
 ``.bin`` first, so an ``.idx`` on disk always describes a whole ``.bin``. A writer told not to replace
 (what ``megazero preprocess`` and its merge use) links instead of renaming, so of two runs on one
-prefix the second to finish stops rather than replace the first's shard.
+prefix the second to finish stops rather than replace the first's shard. A writer killed outright
+leaves its temporaries; the next writer of the prefix removes them (``remove_stale_temporaries``).
 
 A shard's ``fingerprint`` (sha256 of its ``.idx``) keys everything derived from it and cached on
 disk: the GPT sample indices and ``largest_token_id``.
@@ -23,6 +24,8 @@ disk: the GPT sample indices and ``largest_token_id``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import hashlib
 import os
 import struct
@@ -80,16 +83,20 @@ class IndexedDatasetWriter:
         self._published: list[tuple[str, tuple[int, int]]] = []
         self._records: list[str] = []  # the tokenizer record, once this writer writes it
         self._sealed = False
+        remove_stale_temporaries(prefix)
         self._bin_tmp = temp_name(bin_path(prefix))
-        self._idx_tmp = temp_name(idx_path(prefix))
+        self._idx_tmp = _idx_temporary(prefix, self._bin_tmp)
         self._sizes = array("i")  # int32 lengths, appended without a numpy object per document
+        self._lock: int | None = None
         try:  # the last step: once it returns, the caller holds a writer that can abort
             self._bin = open(self._bin_tmp, "wb")
+            self._lock = _writing_lock(self._bin_tmp)
         except BaseException as exc:
             # an interrupt (SIGTERM, Ctrl-C) handled as open() returns comes after the file exists;
             # a failed open made none, and its name may not even be valid (too long)
             with contextlib.suppress(OSError):
                 os.unlink(self._bin_tmp)
+            self._unlock()
             remove_made(self._made)
             if isinstance(exc, OSError):
                 raise _not_written(prefix, exc) from None
@@ -160,6 +167,12 @@ class IndexedDatasetWriter:
                                       "give a new output prefix") from None
             except OSError as exc:
                 raise _not_written(self.prefix, exc) from None
+        self._unlock()  # nothing of this writer's is left under a temporary name
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def record_origin(self, identity: dict) -> None:
         """Write the published shard's tokenizer record (``shard_origin``); an abort removes it. It is
@@ -196,6 +209,7 @@ class IndexedDatasetWriter:
                     os.unlink(path)
         self._published.clear()
         self._records.clear()
+        self._unlock()
         remove_made(self._made)
 
     def __enter__(self) -> IndexedDatasetWriter:
@@ -206,6 +220,51 @@ class IndexedDatasetWriter:
             self.finish()
         else:
             self.abort()
+
+
+def _idx_temporary(prefix: str, bin_tmp: str) -> str:
+    """The ``.idx`` temporary of the writer whose ``.bin`` temporary is ``bin_tmp``: the same tag, so
+    a sweep finds it from the ``.bin``'s."""
+    return idx_path(prefix) + bin_tmp[len(bin_path(prefix)):]
+
+
+def _writing_lock(bin_tmp: str) -> int | None:
+    """A descriptor holding an exclusive lock on a writer's ``.bin`` temporary until the writer has
+    published or aborted: what tells its files from those of a killed writer. None where the file
+    system takes no locks (its temporaries are then never swept)."""
+    try:
+        fd = os.open(bin_tmp, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def remove_stale_temporaries(prefix: str) -> None:
+    """Remove the temporary files that writers of ``prefix`` killed outright (SIGKILL, the OOM killer,
+    a crash) left behind: no cleanup of theirs ran, and nothing else would ever remove them, while a
+    large shard's ``.bin`` keeps its size on the disk. A live writer holds the lock on its ``.bin``
+    temporary (``_writing_lock``, on this node or, where the file system shares locks, another), so
+    one whose lock can be taken belongs to no running writer."""
+    for tmp in glob.glob(glob.escape(bin_path(prefix)) + ".tmp-*"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except OSError:
+            continue  # published or aborted meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held by a live writer (or locks are not supported there: left as it is)
+        else:
+            for path in (tmp, _idx_temporary(prefix, tmp)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        finally:
+            os.close(fd)
 
 
 def _identity(path: str) -> tuple[int, int]:

@@ -253,6 +253,24 @@ def test_unfinished_write_is_not_visible(tmp_path):
     assert IndexedDataset(str(tmp_path / "a"))[0].tolist() == [1, 2, 3]
 
 
+def test_a_killed_writers_temporaries_are_swept_and_a_live_ones_kept(tmp_path):
+    """A writer killed outright (SIGKILL, the OOM killer) runs no cleanup: its temporaries stayed for
+    ever, a large shard's .bin holding its size on the disk (planted: no sweep). The next writer of
+    the prefix removes those whose lock no process holds, and leaves a live writer's, sealed or not."""
+    prefix = str(tmp_path / "a")
+    for name in ("a.bin.tmp-99999-0badcafe", "a.idx.tmp-99999-0badcafe"):
+        (tmp_path / name).write_bytes(b"\0" * 64)
+    sealed = IndexedDatasetWriter(prefix, np.uint16)
+    sealed.add_document([1, 2])
+    sealed.seal()
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["a.bin.tmp", "a.idx.tmp"]
+    writing = IndexedDatasetWriter(prefix, np.uint16)
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["a.bin.tmp", "a.bin.tmp", "a.idx.tmp"]
+    sealed.finish()
+    writing.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.idx"]
+
+
 def corrupt(path, offset, data):
     with open(path, "r+b") as f:
         f.seek(offset)

@@ -246,10 +246,9 @@ def test_a_run_that_fails_while_tokenizing_removes_the_folders_it_made(env, tmp_
     assert sorted(p.name for p in (tmp_path / "kept").rglob("*")) == ["shared", "theirs.bin"]
 
 
-def test_sigterm_mid_run_leaves_no_output(env, tmp_path):
-    """What a scheduler sends at a time limit: the run stops as on Ctrl-C, in one line, and the shard
-    it was writing under a temporary name is removed (SIGTERM's default left it behind)."""
-    import signal
+def _stopped_while_writing(env, tmp_path, signum):
+    """``megazero preprocess`` on a large input in a process of its own, sent ``signum`` once it is
+    writing its shard; returns the process, finished, and its stderr."""
     import subprocess
     import sys
     import time
@@ -263,11 +262,32 @@ def test_sigterm_mid_run_leaves_no_output(env, tmp_path):
     while not list(tmp_path.glob("out_text_document.bin.tmp*")):  # tokenizing, and writing
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
         time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    proc.send_signal(signum)
+    return proc, proc.communicate(timeout=60)[1]
+
+
+def test_sigterm_mid_run_leaves_no_output(env, tmp_path):
+    """What a scheduler sends at a time limit: the run stops as on Ctrl-C, in one line, and the shard
+    it was writing under a temporary name is removed (SIGTERM's default left it behind)."""
+    import signal
+
+    proc, err = _stopped_while_writing(env, tmp_path, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert err.strip() == "megazero preprocess: stopped by SIGTERM", err
     assert sorted(os.listdir(tmp_path)) == ["big.jsonl"]
+
+
+def test_a_killed_runs_temporary_is_removed_by_the_next_run(env, tmp_path):
+    """SIGKILL (the OOM killer) runs no cleanup: the shard's temporary .bin stayed for ever beside the
+    next run's output (planted: no sweep of temporaries no live writer holds)."""
+    import signal
+
+    proc, err = _stopped_while_writing(env, tmp_path, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL and list(tmp_path.glob("out_text_document.bin.tmp-*")), err
+    assert main(["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix",
+                 str(tmp_path / "out"), "--no-progress"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["big.jsonl", *(f"out_text_document{ext}" for ext in (".bin", ".idx",
+                                                                                                 ".tokenizer.json"))]
 
 
 INTERRUPTED_AS_PUT_IN_PLACE = """
