@@ -87,13 +87,14 @@ def launch_facts(argv: list[str]) -> list[str]:
     the demo's sample once read the config again after training, so a file edited during the run
     sent it to another run's checkpoints. A config that does not load gives device auto and no paths
     (train itself says what is wrong with it)."""
+    import argparse
     import os
 
     import torch
 
-    from megazero.cli import build_parser
-
-    args, extra = build_parser().parse_known_args(["train", *argv])
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())  # train's own parser, without importing the command line back
+    args, extra = parser.parse_known_args(["train", *argv])
     action = "check" if args.check else "train"
     gpus = str(torch.cuda.device_count())
     try:
