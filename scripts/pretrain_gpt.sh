@@ -21,13 +21,15 @@
 # N by SIG, saved to DIR" and the script exits 75 (0: finished; any other status: failed). A second
 # Ctrl-C stops at once without saving. See "Preemption and signals" in docs/training.md.
 set -euo pipefail
-if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the knobs above, then train's own options
-  sed -n '2,/^set -euo pipefail$/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
-  cd "$(dirname "$0")/.." && exec python -m megazero.cli train --help
-fi
+script=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # read by --help after the cd below
 cd "$(dirname "$0")/.."
-for arg in "$@"; do  # the fields, once: under torchrun every rank listed them (after the demo build)
-  [ "$arg" != --help-config ] || exec python -m megazero.cli train --help-config
+for arg in "$@"; do  # wherever they stand, once: under torchrun every rank printed them (after the demo build)
+  case "$arg" in
+    -h|--help)  # the knobs above, then train's own options
+      sed -n '2,/^set -euo pipefail$/p' "$script" | sed -e '$d' -e 's/^# \{0,1\}//'
+      exec python -m megazero.cli train --help ;;
+    --help-config) exec python -m megazero.cli train --help-config ;;
+  esac
 done
 
 whole() {  # NAME VALUE LOWEST [HIGHEST]: refuse what torchrun would meet with a traceback

@@ -330,8 +330,11 @@ def test_a_config_given_as_an_argument_is_one_line_naming_config():
     assert "== " not in done.stdout
 
 
-def test_help_lists_the_knobs_then_trains_options():
-    done = subprocess.run(["bash", str(SCRIPT), "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["--train.seed", "3", "--help"]])
+def test_help_lists_the_knobs_then_trains_options(tmp_path, args):
+    """Also after overrides: there, the launch's own parse printed the help where the GPU count belonged,
+    and torchrun's ranks printed it again."""
+    done = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("Launch megazero pretraining with torchrun") and "NPROC_PER_NODE  ranks" in done.stdout
     assert "--check" in done.stdout and "== training" not in done.stdout
