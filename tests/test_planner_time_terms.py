@@ -50,12 +50,14 @@ def _data_parallel(stage, overlap):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_data_parallel_traffic_of_each_stage_without_overlap(stage):
-    """Stage 0 all-reduces (reduce-scatter and gather of the gradients), stage 1 reduces once and
-    gathers the parameters, stage 2 reduce-scatters each of the 2 micro-batches, stage 3 gathers the
-    parameters for each forward and backward and reduce-scatters each micro-batch."""
-    exposed, rs, gather, _ = _data_parallel(stage, overlap=False)
-    expected = {0: 2 * rs, 1: rs + gather, 2: 2 * rs + gather, 3: 2 * (2 * gather + rs)}[stage]
+def test_overlap_comm_off_exposes_the_whole_gradient_reductions_only(stage):
+    """``zero.overlap_comm false`` starts the once-a-step reductions after the backward (stage 0's
+    all-reduce, stage 1's reduction: all exposed); the wrapper overlaps everything else all the same
+    (stage 1-2 gathers behind the next forward, stage 2's per-micro-batch reduce-scatters behind each
+    backward, stage 3's traffic behind each micro-batch), and so does the model."""
+    exposed, rs, gather, c = _data_parallel(stage, overlap=False)
+    expected = {0: 2 * rs, 1: rs + gather - c / 3, 2: 2 * (rs - 2 * c / 3) + gather - c / 3,
+                3: 2 * (2 * gather + rs - c)}[stage]
     assert exposed == pytest.approx(expected)
 
 
@@ -117,12 +119,12 @@ HEAD_RANK_PARAMS = 2 * BLOCK + 2 * H + VOCAB * H  # two blocks, the final norm, 
 
 def test_a_data_parallel_group_strided_across_nodes_takes_infiniband():
     """tp-pp-dp on nodes of 2: the pipeline's two ranks are neighbours, the data-parallel pair 2
-    apart, on two nodes; without overlap stage 1 under a pipeline reduces once and gathers once,
-    the head rank's parameters over its 50 GB/s InfiniBand share."""
+    apart, on two nodes; without overlap stage 0 under a pipeline all-reduces the head rank's fp32
+    gradients once, all exposed, over its 50 GB/s InfiniBand share."""
     cfg = config(4, "--parallel.pp", "2", "--parallel.order", "tp-pp-dp", "--parallel.pipeline_split", "[2, 2]",
-                 "--zero.overlap_comm", "false", "--train.global_batch_size", "4")
+                 "--zero.stage", "0", "--zero.overlap_comm", "false", "--train.global_batch_size", "4")
     bw = 50e9 * LINK
-    expected = HEAD_RANK_PARAMS / 2 * (4 + 2) / bw
+    expected = 2 * HEAD_RANK_PARAMS / 2 * 4 / bw
     assert estimate_step(cfg, Cluster(H100, 4, 2)).dp_comm_s == pytest.approx(expected)
 
 

@@ -188,11 +188,12 @@ def _timed_idle(schedule: str, pp: int, micro: int, costs: StageCosts) -> float:
 def _data_parallel_exposed(cfg: Config, cluster: Cluster, numel: float, compute_mb: float, micro: int,
                            stride: int) -> float:
     """Seconds of ZeRO traffic left after overlap with compute. Stages 0-1 (and 2-3 under a pipeline,
-    once per step) reduce gradients during the last micro-batch's backward; stages 1-2 gather the
-    updated parameters during the next forward; stage 2 without a pipeline reduce-scatters every
-    micro-batch's gradients during its backward; stage 3 also gathers each block's parameters for
-    every forward and backward, prefetched behind the compute. Interleaving reduces after the last
-    backward, with nothing left to hide behind."""
+    once per step) reduce gradients during the last micro-batch's backward, where ``zero.overlap_comm``
+    lets them (otherwise after it, all exposed); interleaving reduces after the last backward, with
+    nothing left to hide behind. The rest overlaps whatever that option says, as the wrapper does:
+    stages 1-2 gather the updated parameters during the next forward; stage 2 without a pipeline
+    reduce-scatters every micro-batch's gradients during its backward; stage 3 also gathers each
+    block's parameters for every forward and backward, prefetched behind the compute."""
     p, z, prec = cfg.parallel, cfg.zero, cfg.precision
     d = p.dp
     if d == 1:
@@ -202,15 +203,17 @@ def _data_parallel_exposed(cfg: Config, cluster: Cluster, numel: float, compute_
     g = 4 if prec.accumulate_fp32 else e
     reduce_scatter = (d - 1) / d * numel * g / bw
     gather = (d - 1) / d * numel * e / bw
-    overlap = z.overlap_comm and p.virtual_stages == 1
-    backward = 2 / 3 * compute_mb if overlap else 0.0
-    forward = 1 / 3 * compute_mb if z.overlap_comm else 0.0
+    backward, forward = 2 / 3 * compute_mb, 1 / 3 * compute_mb
+    last_backward = backward if z.overlap_comm and p.virtual_stages == 1 else 0.0  # the whole-gradient reductions
     once_per_step = z.stage < 2 or p.pp > 1
     if z.stage == 0:
-        return max(0.0, 2 * reduce_scatter - backward)
+        return max(0.0, 2 * reduce_scatter - last_backward)
     if z.stage == 3:
         per_mb = 2 * gather + (0.0 if once_per_step else reduce_scatter)
         tail = reduce_scatter if once_per_step else 0.0
-        return micro * max(0.0, per_mb - (compute_mb if z.overlap_comm else 0.0)) + max(0.0, tail - backward)
-    reduce = max(0.0, reduce_scatter - backward) * (1 if once_per_step else micro)
+        return micro * max(0.0, per_mb - compute_mb) + max(0.0, tail - last_backward)
+    if once_per_step:
+        reduce = max(0.0, reduce_scatter - last_backward)
+    else:
+        reduce = micro * max(0.0, reduce_scatter - backward)
     return reduce + max(0.0, gather - forward)
