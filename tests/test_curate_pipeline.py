@@ -19,7 +19,7 @@ from data_pipeline.curate import pipeline
 from data_pipeline.curate.config import build_config
 from data_pipeline.curate.runner import LocalExecutor, _run_packed
 from megazero.cli import main
-from tests.curation import train_quality_model
+from tests.curation import shown_demo_chain, train_quality_model
 
 WORDS = ("river stone market garden lantern harbor pencil orchard violet thunder meadow copper "
          "whisper canyon ribbon saddle marble cobalt feather glacier").split()
@@ -426,21 +426,26 @@ def test_a_parquet_shard_keeps_fields_its_first_document_lacks(tmp_path):
 
 
 def test_demo_curates_then_trains(tmp_path, monkeypatch):
-    """The README's chain: build the demo, curate it, train two steps on the blend it writes."""
+    """The chain README.md and docs/curation.md show, run as shown from a checkout (training cut to two
+    steps): build the demo, curate it, train on the blend it writes, in a run directory of its own
+    (curation.md's once trained in the demo config's, where a README reader's main job had saved
+    another model, and was refused)."""
+    from megazero.config import load_config
+
+    root = Path(__file__).resolve().parent.parent
+    demo, curate, train = shown_demo_chain(root / "docs" / "curation.md")
+    assert [demo, curate, train] == shown_demo_chain(root / "README.md")
     monkeypatch.chdir(tmp_path)
-    config_path = Path(__file__).resolve().parent.parent / "configs" / "curate_demo.yaml"
-    assert main(["curate", "demo", "data/curate_demo"]) == 0
-    assert main(["curate", "run", str(config_path), "--no-progress"]) == 0
+    (tmp_path / "configs").symlink_to(root / "configs")
+    assert main(demo) == 0
+    assert main(curate) == 0
     stats = [json.loads(p.read_text()) for p in Path("data/curate_demo/out").glob("*/stats.json")]
     by_stage = {s["stage"]: s for s in stats}
     assert by_stage["fuzzy_dedup"]["dropped"]["near duplicate"] >= 60
     assert by_stage["exact_dedup"]["dropped"]["exact duplicate"] >= 30
-    demo_train = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-    assert main(["train", str(demo_train), "--parallel.tp", "1", "--parallel.pp", "1", "--train.train_steps", "2",
-                 "--train.global_batch_size", "4", "--train.eval_interval", "0", "--data.blend", "null",
-                 "--data.blend_preset", "data/curate_demo/out/blend.yaml", "--data.blend_root", "data/curate_demo/out",
-                 "--data.tokenizer", "data/curate_demo/tokenizer.model", "--model.vocab_size", "auto",
-                 "--logging.run_dir", "run"]) == 0
+    assert load_config(train[1], train[2:]).logging.run_dir != load_config(train[1]).logging.run_dir
+    two_steps = ["--train.train_steps", "2", "--train.global_batch_size", "4", "--train.eval_interval", "0"]
+    assert main(train + two_steps) == 0
 
 
 def test_a_damaged_completion_marker_reruns_its_task(tmp_path):
