@@ -100,7 +100,7 @@ class RankGrid:
     def describe(self, ranks_per_node: Optional[int] = None) -> str:
         """One line for the start-up log, e.g. ``tp8 x dp8 x pp35 = 2240 ranks on 280 nodes; ...``."""
         axes = " x ".join(f"{a}{getattr(self, a)}" for a in self.order.split("-"))
-        line = f"{axes} = {self.world_size} ranks"
+        line = f"{axes} = {self.world_size} rank{'s' if self.world_size > 1 else ''}"
         if ranks_per_node:
             nodes = -(-self.world_size // ranks_per_node)
             where = "within nodes" if self.tp_within_nodes(ranks_per_node) else "SPANNING nodes"

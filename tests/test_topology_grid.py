@@ -56,6 +56,7 @@ def test_describe_names_layout_and_nodes():
     assert "SPANNING" in RankGrid(16, 1, 1).describe(8)
     assert RankGrid(2, 1, 5).describe(4).endswith("= 10 ranks on 3 nodes; tp groups within nodes")  # a part-full node
     assert RankGrid(2, 1, 2).describe(8).endswith("= 4 ranks on 1 node; tp groups within nodes")
+    assert RankGrid(1, 1, 1).describe(1) == "tp1 x dp1 x pp1 = 1 rank on 1 node; tp groups within nodes"
 
 
 def test_a_tensor_group_that_does_not_divide_the_node_spans_nodes():
