@@ -229,6 +229,8 @@ class Trainer:
                 self.tokenizer = recorded_tokenizer(meta)
             how = "same layout" if exact else f"resharded from {meta['layout']}"
             print(f"megazero: resumed from {ckpt} at step {self.state.step} ({how})", flush=True)
+            if self.engine.optimizer.scaler_note:
+                print(f"megazero: note: {self.engine.optimizer.scaler_note}", flush=True)
 
     def save(self) -> None:
         meta = {"step": self.state.step, "consumed": self.state.consumed, "skipped": self.state.skipped,

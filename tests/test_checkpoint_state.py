@@ -8,7 +8,8 @@
 * A shard saved with more padding after its last segment than this layout has (the flat layout of
   older versions padded units less) describes itself the same, but is resharded, not copied.
 * Either way, in the same layout each rank's random generators continue from its own file.
-* A loss-scaler state saved under fp16 is not imposed on a bf16 run, and vice versa.
+* A loss-scaler state saved under fp16 is not imposed on a bf16 run, and vice versa; the load prints
+  nothing (rank 0 of a launch says it, once).
 * A byte flipped in the rank files or in the index files is refused while resharding, naming the file,
   and by an exact load without a plan. A load handed its plan (``files_to_load``, which checked the
   files) hashes none of them again; its fallback from an exact plan to resharding hashes what it reads.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -107,8 +109,10 @@ def _world(rank, world_size, root):
     out.update(_offload_resume(topo, rank, root + "/offload"))
     out["longer_shard"] = _longer_shard_resume(topo, rank, root + "/longer", reference_next)
     fp16 = _engine(topo, 0.002, "fp16")
-    load_checkpoint(ckpt, rank, fp16.chunks, fp16.optimizer, manifest, same_layout=True)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        load_checkpoint(ckpt, rank, fp16.chunks, fp16.optimizer, manifest, same_layout=True)
     out["fp16_scale_after_fp32_ckpt"] = fp16.optimizer.scaler.scale
+    out["fp16_load_note"] = (printed.getvalue(), fp16.optimizer.scaler_note)
     out["fp16_norm"] = _fp16_norm(topo)
     out["files_read"] = _pipeline_reshard_reads(rank, root)
     out.update(_damaged_reshard(topo, rank, ckpt, root + "/damaged"))
@@ -276,7 +280,12 @@ def test_a_longer_shard_with_the_same_description_is_resharded(report):
 
 
 def test_loss_scale_not_carried_across_precisions(report):
+    """The scale starts afresh, and the optimizer leaves saying so to the trainer's rank 0: it printed
+    the line itself, once per rank of the launch (planted back: every rank's load printed)."""
     assert all(r["fp16_scale_after_fp32_ckpt"] == 65536.0 for r in report)
+    for r in report:
+        printed, note = r["fp16_load_note"]
+        assert printed == "" and "ConstantLossScaler" in note and "DynamicLossScaler" in note, r["fp16_load_note"]
 
 
 def test_fp16_gradient_norm_is_computed_in_fp32(report):

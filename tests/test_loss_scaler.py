@@ -2,7 +2,8 @@
 
 import pytest
 
-from megazero.optim import DynamicLossScaler, LossScaleError
+from megazero.optim import ConstantLossScaler, DynamicLossScaler, LossScaleError
+from megazero.optim.loss_scaler import scaler_change
 
 
 def test_defaults_match_the_spec():
@@ -93,3 +94,14 @@ def test_the_engine_builds_the_scaler_from_every_precision_setting():
     assert (s.scale, s.window, s.hysteresis, s.hysteresis_left, s.min_scale) == (1024.0, 7, 3, 3, 4.0)
     for dtype in ("bf16", "fp32"):
         assert loss_scaler(load_config(None, ["--precision.dtype", dtype])) is None
+
+
+def test_a_resume_says_what_scaler_state_it_drops():
+    """A converted model saves no scaler: in a bf16 or fp32 run that loses nothing and is not mentioned (it
+    once printed "loss scaler None not carried over" on every rank); in an fp16 run the starting scale is
+    named; a checkpoint of another precision names both scalers."""
+    assert scaler_change("DynamicLossScaler", DynamicLossScaler()) is None
+    assert scaler_change(None, ConstantLossScaler()) is None
+    assert "starts at 1024" in scaler_change(None, DynamicLossScaler(initial_scale=1024))
+    note = scaler_change("DynamicLossScaler", ConstantLossScaler())
+    assert "DynamicLossScaler" in note and "ConstantLossScaler" in note and "precision.dtype" in note

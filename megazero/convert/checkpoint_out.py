@@ -30,7 +30,7 @@ ReadLogical = Callable[[str, tuple[str, ...]], dict[str, torch.Tensor]]
 """(logical name, keys) -> {key: the whole logical tensor, shaped as the layout's full shape}."""
 
 FRESH_SCALER = {"kind": None}
-"""No loss-scaler state: the run's own scaler starts afresh (the loader says so in one line)."""
+"""No loss-scaler state: the run's own scaler starts afresh (a resume says so where that loses anything)."""
 
 
 def write_checkpoint(root: Path, layout: RankLayout, read: ReadLogical, *, step: int, meta: dict,

@@ -9,6 +9,8 @@ bf16 and fp32 use ``ConstantLossScaler`` (scale 1, never skips for scale reasons
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megazero.errors import UserError
 
 
@@ -68,3 +70,17 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.hysteresis_left = int(state["hysteresis_left"])
+
+
+def scaler_change(saved_kind: Optional[str], scaler) -> Optional[str]:
+    """What a resume should say about the loss scaler a checkpoint saved (``saved_kind``: its class name,
+    None for a converted model, which saves none) when it is not ``scaler``'s kind; None when nothing
+    is lost. A constant scale has no state, so a converted model loses nothing in a bf16 or fp32 run."""
+    run_kind = type(scaler).__name__
+    if saved_kind == run_kind or (saved_kind is None and not scaler.dynamic):
+        return None
+    if saved_kind is None:
+        return ("the checkpoint holds no loss-scaler state (a converted model): the fp16 loss scale starts at "
+                f"{scaler.scale:g}")
+    return (f"the checkpoint's {saved_kind} is not carried over to this run's {run_kind} (precision.dtype changed); "
+            "it starts afresh")

@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from megazero.optim.loss_scaler import ConstantLossScaler
+from megazero.optim.loss_scaler import ConstantLossScaler, scaler_change
 from megazero.optim.memory import zero_model_state_bytes
 from megazero.optim.offload import OffloadedUpdate
 from models import kernels
@@ -71,6 +71,7 @@ class ShardedAdamW:
         self.dp, self.s, self.mp_group = dp, settings, mp_group
         self.layout = dp.layout
         self.scaler = loss_scaler or ConstantLossScaler()
+        self.scaler_note: Optional[str] = None  # what the last load did not carry over, for rank 0 to say
         offload = dp.settings.offload
         self.master = dp.take_initial_shard()  # in host memory when offloaded
         # AdamW needs fp32 gradients beside the fp32 master: a 16-bit gradient shard, or one that
@@ -302,11 +303,9 @@ class ShardedAdamW:
             state["step"].fill_(adam_step)
         scaler = dict(scaler)
         kind = scaler.pop("kind", None)
+        self.scaler_note = scaler_change(kind, self.scaler)  # another precision: the saved scale means nothing here
         if kind == type(self.scaler).__name__:
             self.scaler.load_state_dict(scaler)
-        else:  # precision changed (e.g. fp16 -> bf16): the saved scale means nothing to this run
-            print(f"megazero: loss scaler {kind} not carried over to {type(self.scaler).__name__}; "
-                  "it starts afresh", flush=True)
         self.dp.load_shard(self.master)
 
     # --- inspection --------------------------------------------------------------------------
