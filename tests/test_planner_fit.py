@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from megazero.config import load_config, resolve_config
 from megazero.planner import estimate_memory
-from megazero.planner.fit import memory_problem
+from megazero.planner.fit import decimals_apart, memory_problem
 from megazero.planner.hardware import GIB
 
 
@@ -56,3 +56,15 @@ def test_a_stated_budget_on_a_gpu_run_ranks_near_layouts_by_that_gpus_speed(monk
                    "--train.micro_batch_size", "8")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cuda"))
     assert "nearest layout that fits: --parallel.tp 2 (" in memory_problem(cfg)
+
+
+def test_the_refusal_shows_the_need_above_the_budget():
+    """A budget just under the need read "predicts 1.5 GiB ... but 1.5 GiB is available", and a budget of
+    0.01 GiB "0.0 GiB is available": the figures carry the decimals that tell them apart."""
+    import re
+
+    assert decimals_apart(1.517, 1.51) == 2 and decimals_apart(1.517, 1.2) == 1 and decimals_apart(1.5, 0.01) == 2
+    cfg = budgeted(0.999, "--model.hidden_size", "256", "--zero.stage", "0", "--train.micro_batch_size", "1")
+    line = memory_problem(cfg)
+    needed, budget = re.search(r"predicts ([0-9.]+) GiB .* but ([0-9.]+) GiB is available", line).groups()
+    assert float(needed) > float(budget), line

@@ -63,6 +63,7 @@ def memory_problem(cfg: Config, ranks_per_node: Optional[int] = None) -> Optiona
         return None
     p = cfg.parallel
     world = p.tp * p.pp * p.dp
+    digits = decimals_apart(needed, budget.gib)
     cluster = Cluster(custom_gpu(GPUS[budget.device], memory_gib=budget.gib), world, ranks_per_node or world)
     nearest = nearest_fitting(cfg, cluster)
     if nearest is None:
@@ -70,7 +71,17 @@ def memory_problem(cfg: Config, ranks_per_node: Optional[int] = None) -> Optiona
                "or shrink the model")
     else:
         changes = " ".join(nearest.layout.changes_from(layout_of(cfg))) or "(this layout with a smaller estimate)"
-        fix = f"nearest layout that fits: {changes} ({nearest.memory.needed / GIB:.1f} GiB)"
-    return (f"memory: the planner predicts {needed:.1f} GiB per GPU for tp{p.tp} pp{p.pp} dp{p.dp} ZeRO-{cfg.zero.stage} "
-            f"(margins included) but {budget.gib:.1f} GiB is available ({budget.source}); {fix}")
+        fix = f"nearest layout that fits: {changes} ({nearest.memory.needed / GIB:.{digits}f} GiB)"
+    return (f"memory: the planner predicts {needed:.{digits}f} GiB per GPU for tp{p.tp} pp{p.pp} dp{p.dp} "
+            f"ZeRO-{cfg.zero.stage} (margins included) but {budget.gib:.{digits}f} GiB is available "
+            f"({budget.source}); {fix}")
+
+
+def decimals_apart(needed: float, budget: float) -> int:
+    """The fewest decimals (one at least) that show ``needed`` above ``budget`` and a budget above 0 as
+    more than 0: at one, 1.52 GiB needed of a 1.51 GiB budget read "1.5 GiB ... but 1.5 GiB is available"."""
+    digits = 1
+    while digits < 6 and (f"{needed:.{digits}f}" == f"{budget:.{digits}f}" or float(f"{budget:.{digits}f}") == 0):
+        digits += 1
+    return digits
 
