@@ -169,6 +169,21 @@ def layout_record(cfg: Config) -> dict:
     return record
 
 
+def describe_layout(record: dict) -> str:
+    """A checkpoint's layout record as a log line says it (``tp2 x pp2 x dp1, ZeRO-1, split [3, 1]``),
+    naming the tool that wrote it where that was not a training run."""
+    get = record.get
+    parts = [f"tp{get('tp', '?')} x pp{get('pp', '?')} x dp{get('dp', '?')}", f"ZeRO-{get('zero_stage', '?')}"]
+    if get("virtual_stages", 1) > 1:
+        parts.append(f"{record['virtual_stages']} chunks a rank")
+    if get("pp", 1) > 1:
+        placed = f" placed {record['placement']}" if "placement" in record else ""
+        parts.append(f"split {get('pipeline_split')}{placed}")
+    if "written_by" in record:
+        parts.append(f"written by {record['written_by']}")
+    return ", ".join(parts)
+
+
 def build_chunks(cfg: Config, pp_rank: int) -> list[GPT]:
     """Pipeline rank ``pp_rank``'s chunks on the meta device: ``parallelize_gpt`` materialises only this
     rank's shards (and an offline layout description reads their shapes alone).

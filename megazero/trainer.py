@@ -30,7 +30,7 @@ from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets, recorded_tokenizer, shard_digests, tokenizer_record, train_samples
 from megazero.device_watchdog import DeviceWatchdog
-from megazero.engine import Engine, layout_record, pipeline_placement, pipeline_split
+from megazero.engine import Engine, describe_layout, layout_record, pipeline_placement, pipeline_split
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
 from megazero.metrics import MetricsLogger, StepMetrics
@@ -227,7 +227,7 @@ class Trainer:
         if self.rank == 0:
             if self.tokenizer is None:  # the data names none: the weights still take the loaded ids
                 self.tokenizer = recorded_tokenizer(meta)
-            how = "same layout" if exact else f"resharded from {meta['layout']}"
+            how = "same layout" if exact else f"resharded from {describe_layout(meta['layout'])}"
             print(f"megazero: resumed from {ckpt} at step {self.state.step} ({how})", flush=True)
             if self.engine.optimizer.scaler_note:
                 print(f"megazero: note: {self.engine.optimizer.scaler_note}", flush=True)

@@ -362,3 +362,18 @@ def test_a_checkpoint_of_another_placement_leaves_its_split_behind():
     assert checkpoint_split(v, layout_record(loop)) is None
     assert checkpoint_split(loop, layout_record(v)) is None
     assert checkpoint_split(v, layout_record(v)) == pipeline_split(v)
+
+
+@pytest.mark.parametrize("record,line", [
+    ({"tp": 2, "pp": 2, "dp": 2, "virtual_stages": 1, "order": "tp-dp-pp", "zero_stage": 1, "world_size": 8,
+      "pipeline_split": [3, 1]}, "tp2 x pp2 x dp2, ZeRO-1, split [3, 1]"),
+    ({"tp": 1, "pp": 2, "dp": 1, "virtual_stages": 2, "zero_stage": 3, "pipeline_split": [1, 1, 1, 1],
+      "placement": "v"}, "tp1 x pp2 x dp1, ZeRO-3, 2 chunks a rank, split [1, 1, 1, 1] placed v"),
+    ({"tp": 1, "pp": 1, "dp": 1, "virtual_stages": 1, "zero_stage": 0, "pipeline_split": [4],
+      "written_by": "megazero convert"}, "tp1 x pp1 x dp1, ZeRO-0, written by megazero convert"),
+])
+def test_a_resharded_resume_names_the_layout_it_came_from_in_words(record, line):
+    """The resume line read "resharded from {'tp': 1, ...}", the record as a Python dict."""
+    from megazero.engine import describe_layout
+
+    assert describe_layout(record) == line

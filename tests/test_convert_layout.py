@@ -279,14 +279,16 @@ def test_a_converted_checkpoint_is_resharded_not_resumed_exactly(resumed, name):
     generators and load the source's values (planted: ``written_by`` left out of the record; the
     run-layout case was then resumed as "same layout", the consolidated one took the converter's
     generators)."""
-    from megazero.engine import layout_record
+    from megazero.engine import describe_layout, layout_record
 
     root, report = resumed
     layout = read_manifest(latest_checkpoint(root / name / "converted"))["meta"]["layout"]
     assert layout["written_by"] == "megazero convert", layout
     assert {k: v for k, v in layout.items() if k != "written_by"} == layout_record(_resume_config(str(root), name))
     resumes = [line for line in report[name]["printed"].splitlines() if "resumed from" in line]
-    assert len(resumes) == 1 and "(resharded from {" in resumes[0] and "same layout" not in resumes[0], resumes
+    assert len(resumes) == 1 and "same layout" not in resumes[0], resumes
+    assert resumes[0].endswith(f"(resharded from {describe_layout(layout)})")
+    assert "written by megazero convert" in resumes[0]
     assert report[name]["rng_of_a_fresh_run"]
     assert report[name]["loaded"]
 
