@@ -12,9 +12,10 @@ All integers are little-endian. In a pretraining corpus one sequence is one docu
 document index is simply ``0..n``; the writer still keeps the two apart because Megatron does.
 
 Writes are atomic: both files are written under temporary names and renamed only once complete,
-``.bin`` first, so an ``.idx`` on disk always describes a whole ``.bin``. A writer told not to replace
-(what ``megazero preprocess`` and its merge use) links instead of renaming, so of two runs on one
-prefix the second to finish stops rather than replace the first's shard. A writer killed outright
+``.bin`` first (an ``.idx`` being replaced is removed before it), so an ``.idx`` on disk always
+describes a whole ``.bin``. A writer told not to replace (what ``megazero preprocess`` and its merge
+use) links instead of renaming, so of two runs on one prefix the second to finish stops rather than
+replace the first's shard. A writer killed outright
 leaves its temporaries; the next writer of the prefix removes them (``remove_stale_temporaries``).
 
 A shard's ``fingerprint`` (sha256 of its ``.idx``) keys everything derived from it and cached on
@@ -148,7 +149,14 @@ class IndexedDatasetWriter:
         self._sealed = True
 
     def publish(self) -> None:
-        """Put the sealed files at their final paths (renames, or links where nothing may be replaced)."""
+        """Put the sealed files at their final paths (renames, or links where nothing may be replaced).
+        Replacing, the old ``.idx`` goes first: killed between its two renames, a writer would leave the
+        new ``.bin`` beside the old ``.idx``, which reads it with the old document boundaries wherever
+        the two ``.bin`` files are of a size (the same documents merged in another order); without an
+        ``.idx`` the shard is refused instead."""
+        if self.replace and not self._published:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(idx_path(self.prefix))
         for tmp, final in ((self._bin_tmp, bin_path(self.prefix)), (self._idx_tmp, idx_path(self.prefix))):
             if any(path == final for path, _ in self._published):
                 continue

@@ -469,6 +469,31 @@ def test_writers_that_may_not_replace_keep_the_first_shard_published(tmp_path, m
     assert list(IndexedDataset(prefix).sizes) == [1]
 
 
+class Killed(BaseException):
+    """The process dying where it is raised: no cleanup of the writer's runs."""
+
+
+def test_a_replacing_writer_killed_between_its_renames_leaves_no_stale_index(tmp_path, monkeypatch):
+    """The same six tokens in documents of other lengths replace a shard; killed after its ``.bin``
+    was renamed into place, the writer must not leave the old ``.idx`` beside the new ``.bin``, which
+    would read it with the old document boundaries (the two ``.bin`` files are of a size). (Planted:
+    the old ``.idx`` left in place until its replacement's rename.)"""
+    prefix = str(tmp_path / "s")
+    write(prefix, [[1, 2, 3], [4, 5, 6]])
+    rename = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith(".idx"):
+            raise Killed
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(IndexedDatasetWriter, "abort", lambda self: None)
+    with pytest.raises(Killed):
+        write(prefix, [[7, 8], [9, 10, 11, 12]])
+    assert os.path.getsize(f"{prefix}.bin") == 12 and not os.path.exists(f"{prefix}.idx")
+
+
 @pytest.mark.parametrize("links", [True, False])
 def test_put_new_moves_a_file_only_to_a_free_name(tmp_path, monkeypatch, links):
     """``put_new`` moves the file whole or raises FileExistsError and changes nothing, also on a file
