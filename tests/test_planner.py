@@ -476,10 +476,11 @@ def test_startup_refuses_a_run_that_cannot_fit(shard, tmp_path, capsys):
 
 
 def test_startup_without_a_budget_on_cpu_checks_nothing(shard, tmp_path, capsys):
+    """...and says its estimate per rank, without the GPU's margins it is measured against nowhere."""
     code = main(big_run(shard, str(tmp_path / "run"), "--check"))
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "planner memory estimate" in x)
-    assert code == 0 and " of " not in line, out
+    assert code == 0 and " of " not in line and " per rank (" in line and "margins" not in line, out
 
 
 def test_startup_budget_must_be_positive(shard, tmp_path, capsys):

@@ -124,3 +124,14 @@ def test_gradient_buckets_are_two_at_most_the_gradients_and_none_without_data_pa
     assert buffer_bytes(small_buckets, 0) == pytest.approx(2 * 0.25 * 2**20)
     assert buffer_bytes(config(1, "--train.global_batch_size", "1"), 0) == 0
     assert buffer_bytes(config(1, "--zero.stage", "3", "--train.global_batch_size", "1"), 0) == 0  # nothing to gather
+
+
+def test_the_estimate_says_sizes_below_a_gib_in_mib():
+    """A small model's estimate read '0.0 GiB' for every part."""
+    from megazero.planner.memory import GIB, MemoryEstimate
+
+    est = MemoryEstimate(model_states=25 * 2**20, activations=1.25 * GIB, buffers=0.0, pp_rank=0)
+    assert est.describe() == ("1.3 GiB per GPU (model states 25 MiB, activations 1.2 GiB, buffers 0 MiB; "
+                              "2.9 GiB with margins)")
+    assert est.describe("rank", margins=False) == ("1.3 GiB per rank (model states 25 MiB, activations 1.2 GiB, "
+                                                   "buffers 0 MiB)")

@@ -47,7 +47,8 @@ def estimate_line(cfg: Config) -> str:
     """What rank 0 prints at start-up."""
     budget = device_budget(cfg)
     against = f" of {budget.gib:.1f} GiB ({budget.source})" if budget else ""
-    return f"megazero: planner memory estimate {estimate_memory(cfg).describe()}{against}"
+    per = "GPU" if _visible_gpu(cfg) is not None else "rank"  # a CPU run's budget stands in for a GPU's
+    return f"megazero: planner memory estimate {estimate_memory(cfg).describe(per, budget is not None)}{against}"
 
 
 def memory_problem(cfg: Config, ranks_per_node: Optional[int] = None) -> Optional[str]:

@@ -56,12 +56,19 @@ class MemoryEstimate:
         """Device memory the layout needs, margins included."""
         return self.peak * (1 + FRAGMENTATION) + RUNTIME_RESERVED_GIB * GIB
 
-    def describe(self) -> str:
-        released = (f", of which gradients {self.grads_outside_forward / GIB:.1f} not held beside the activations"
+    def describe(self, per: str = "GPU", margins: bool = True) -> str:
+        """The estimate as the start-up line says it, ``per`` GPU or rank, with the margins (which stand
+        for the CUDA runtime and its allocator) where a budget is measured against them."""
+        released = (f", of which gradients {_size(self.grads_outside_forward)} not held beside the activations"
                     if self.grads_outside_forward else "")
-        return (f"{self.peak / GIB:.1f} GiB per GPU (model states {self.model_states / GIB:.1f}{released}, "
-                f"activations {self.activations / GIB:.1f}, buffers {self.buffers / GIB:.1f}; "
-                f"{self.needed / GIB:.1f} GiB with margins)")
+        with_margins = f"; {_size(self.needed)} with margins" if margins else ""
+        return (f"{_size(self.peak)} per {per} (model states {_size(self.model_states)}{released}, "
+                f"activations {_size(self.activations)}, buffers {_size(self.buffers)}{with_margins})")
+
+
+def _size(nbytes: float) -> str:
+    """GiB to one decimal, or MiB below one GiB (a small model's estimate read 0.0 GiB throughout)."""
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.0f} MiB"
 
 
 def block_params(m: ModelConfig, parts: tuple[str, ...] = BLOCK_PARTS) -> tuple[int, int]:
