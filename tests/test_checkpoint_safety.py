@@ -1,12 +1,14 @@
 """Loading a checkpoint runs no code and trusts nothing unchecked: files are safetensors whose JSON tree
 round-trips exactly, a pickle (with a payload, or the old format 1) is refused, COMPLETE checks its
-own content, and a damaged ``latest`` pointer falls back to the scan."""
+own content, a damaged ``latest`` pointer falls back to the scan, and the bytes loaded are the bytes
+checked: a file replaced or rewritten after its check is refused, never read unchecked."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import json
+import os
 import re
 from pathlib import Path
 
@@ -242,3 +244,90 @@ def test_a_missing_pointer_falls_back_silently(saved, capsys):
     (saved.parent / "latest").unlink()
     assert latest_checkpoint(saved.parent) == saved
     assert capsys.readouterr().out == ""
+
+
+# --- the bytes checked are the bytes read -------------------------------------------------------
+
+def flipped(path: Path) -> bytes:
+    """The file's bytes with its last byte (tensor data, not the header) changed: another file of
+    the same size, as a later save of the same step would be."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    return bytes(data)
+
+
+def swap_after_hashing(monkeypatch, path: Path, in_place: bool = False) -> None:
+    """Once ``path`` is hashed, another file of its size is there: renamed over it (a re-save swapping
+    the step directory, retention deleting it and a new save reusing the name), or, ``in_place``,
+    written into it. Its modification time is set back first, so that the write is seen whatever the
+    clock's resolution."""
+    from megazero.checkpoint import format as checkpoint_format
+
+    digest, other = checkpoint_format.file_digest, flipped(path)
+    os.utime(path, ns=(0, 0))
+
+    def hashing_then_swapping(f):
+        nonlocal other
+        result = digest(f)
+        if Path(f.name) == path and other is not None:
+            if in_place:
+                with open(path, "r+b") as out:
+                    out.write(other)
+            else:
+                (path.parent / "replacement").write_bytes(other)
+                os.replace(path.parent / "replacement", path)
+            other = None  # once
+        return result
+    monkeypatch.setattr(checkpoint_format, "file_digest", hashing_then_swapping)
+
+
+def test_a_file_swapped_after_its_check_loads_the_bytes_checked(saved, monkeypatch):
+    """The file is parsed through the descriptor it was hashed through (planted: ``load_file``
+    opening the path again after ``verify_file``, which read the swapped-in file unchecked)."""
+    swap_after_hashing(monkeypatch, saved / "model.pt")
+    assert torch.equal(load_file(saved, "model.pt")["w"], torch.ones(3))
+
+
+def test_a_file_rewritten_after_its_check_is_refused(saved, monkeypatch):
+    """A write into the very file hashed lands in what is parsed: the descriptor's modification time
+    tells (planted: no identity check after the read)."""
+    path = saved / "model.pt"
+    swap_after_hashing(monkeypatch, path, in_place=True)
+    with pytest.raises(CheckpointError) as error:
+        load_file(saved, "model.pt")
+    assert str(error.value).startswith(f"{path}: the checkpoint changed while it was read")
+
+
+def reader_checkpoint(root: Path) -> Path:
+    """A one-rank checkpoint of two parameters, ``a`` and ``b``, which the reader reads one opening
+    of the rank file each."""
+    from megazero.checkpoint.reader import index_file, rank_file
+
+    flat = torch.arange(8.0)
+    files = {rank_file(0): {"master": flat, "exp_avg": flat * 2, "exp_avg_sq": flat * 3, "adam_step": 1},
+             index_file(0): {"params": [["a", [4], None], ["b", [4], None]],
+                             "segments": torch.tensor([[0, 0, 0, 4], [1, 0, 4, 4]])}}
+    CheckpointWriter(root, rank=0, world_size=1, barrier=alone).save(1, files)
+    return root / "step_0000001"
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_range_reads_refuse_a_rank_file_swapped_after_its_check(tmp_path, monkeypatch, in_place):
+    """The reader (resharding loads, ``megazero generate``, ``megazero convert``) hashes a rank file
+    at its first opening and reads the first tensor through that descriptor; every later opening must
+    find that very file, and is refused before any of another file is parsed (planted: the reader
+    opening the path again after ``verify_file``, which read ``b`` from the swapped-in file; the
+    identity compared after the reads only)."""
+    from megazero.checkpoint.reader import CheckpointReader, rank_file
+
+    ckpt = reader_checkpoint(tmp_path)
+    reader = CheckpointReader(ckpt)
+    swap_after_hashing(monkeypatch, ckpt / rank_file(0), in_place)
+    if not in_place:
+        assert torch.equal(reader.read("a")["master"], torch.arange(4.0))
+    parsed, range_file = [], serialization.RangeFile
+    monkeypatch.setattr(serialization, "RangeFile", lambda f: parsed.append(f) or range_file(f))
+    with pytest.raises(CheckpointError) as error:
+        reader.read("b")
+    assert str(error.value).startswith(f"{ckpt / rank_file(0)}: the checkpoint changed while it was read")
+    assert len(parsed) == in_place  # rewritten in place, the change shows once the reads are done

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def _hashing():
     import megazero.checkpoint.format as fmt
 
     hashed, digest = [], fmt.file_digest
-    fmt.file_digest = lambda path: hashed.append(path.name) or digest(path)
+    fmt.file_digest = lambda f: hashed.append(os.path.basename(f.name)) or digest(f)
     try:
         yield hashed
     finally:
@@ -197,13 +198,13 @@ def _pipeline_reshard_reads(rank, root):
     source = _engine(topo, 0.002, extra=untied)
     _step(source, 0)
     ckpt = _save(source, root + "/pp", rank)
-    reads, real = set(), CheckpointReader._path
-    CheckpointReader._path = lambda self, r: (reads.add(rank_file(r)), real(self, r))[1]
+    reads, real = set(), CheckpointReader._open
+    CheckpointReader._open = lambda self, r: (reads.add(rank_file(r)), real(self, r))[1]
     try:
         target = _engine(topo, 0.0005, extra=untied)
         load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
     finally:
-        CheckpointReader._path = real
+        CheckpointReader._open = real
     return sorted(reads)
 
 

@@ -232,6 +232,37 @@ def test_a_checkpoint_replaced_after_it_was_read_is_refused(trained, diverged, t
     assert "does not match the manifest's" in err and "the file is corrupted" in err, err
 
 
+def test_a_rank_file_replaced_after_its_check_is_refused(trained, diverged, tmp_path, capsys, monkeypatch):
+    """The weights are read one tensor per opening of the rank file: once it is hashed, a training
+    run re-saving the step (here: the diverged checkpoint's file of the same size renamed over it) is
+    refused at the next opening (planted: each opening read the path again unchecked, and generated
+    from the other checkpoint's weights, or stopped at their NaN as if they were this one's)."""
+    import os
+    import shutil
+
+    from megazero.checkpoint import format
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(trained[0], root)
+    path, other = root / "step_0000001" / "rank_00000.safetensors", diverged / "step_0000001" / "rank_00000.safetensors"
+    assert path.stat().st_size == other.stat().st_size
+    digest = format.file_digest
+
+    def hashing_then_replacing(f):
+        result = digest(f)
+        if f.name == str(path) and other.exists():
+            shutil.copy(other, path.with_name("new"))
+            os.replace(path.with_name("new"), path)
+        return result
+
+    monkeypatch.setattr(format, "file_digest", hashing_then_replacing)
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    err = _error_line(capsys, ["generate", str(root), "--tokenizer", tok, "--prompt", "w1", "--tokens", "1"])
+    assert err == f"megazero generate: error: {path}: the checkpoint changed while it was read (this file was " \
+                  "replaced or rewritten after its sha256 was checked); load it again once nothing writes to it, " \
+                  "or load an earlier checkpoint", err
+
+
 def test_a_smaller_tokenizer_samples_only_what_it_can_decode(trained, tmp_path, capsys):
     """A model may have more rows than its tokenizer has pieces (a vocabulary set above the tokenizer's):
     sampling stays among the ids the tokenizer decodes (it sampled the others, and decoding failed)."""

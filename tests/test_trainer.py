@@ -229,7 +229,7 @@ def _limits_and_counters(prefix, root):
     import megazero.checkpoint.format as fmt
 
     hashed, digest = [], fmt.file_digest  # the files whose sha256 the resume computes
-    fmt.file_digest = lambda path: hashed.append(path.name) or digest(path)
+    fmt.file_digest = lambda f: hashed.append(os.path.basename(f.name)) or digest(f)
     try:
         resumed = Trainer(cfg, device, topology)
     finally:

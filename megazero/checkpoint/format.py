@@ -37,7 +37,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, NamedTuple, Optional
 
 from data_pipeline.paths import empty_path_problem
 
@@ -163,11 +163,12 @@ def read_json(path: Path, what: str) -> dict:
         raise CheckpointError(f"{path}: {what} is not valid JSON ({e}); the file is damaged") from None
 
 
-def file_digest(path: Path) -> str:
+def file_digest(f: BinaryIO) -> str:
+    """sha256 of an open file's bytes from its start, streamed (``f`` is left at its end)."""
     sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            sha.update(chunk)
+    f.seek(0)
+    while chunk := f.read(CHUNK):
+        sha.update(chunk)
     return sha.hexdigest()
 
 
@@ -357,25 +358,85 @@ def _record_problem(manifest: dict) -> Optional[str]:
     return None
 
 
-def verify_file(ckpt: Path, name: str, entry: dict, sha256: bool = True) -> Path:
-    """Check one file's size, then (unless ``sha256`` is False) its sha256, against its manifest
-    ``entry``; returns its path."""
+class FileIdentity(NamedTuple):
+    """Which file an open descriptor reads, and which version of it: a file replaced at its path (a
+    re-save of the step swapping its directory, retention deleting it and a later save reusing the
+    name) is another inode, and one rewritten in place has another modification time."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, f: BinaryIO) -> "FileIdentity":
+        st = os.fstat(f.fileno())
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def open_checked(ckpt: Path, name: str, entry: dict, checked: dict[str, FileIdentity],
+                 sha256: bool = True) -> BinaryIO:
+    """One file of a checkpoint, opened once and checked through the descriptor returned, so that
+    what the caller reads from it is what was checked: a check by path followed by a read that opens
+    the path again could meet two different files.
+
+    The size is checked against the manifest ``entry``, then (unless ``sha256`` is False) the sha256,
+    and the file's identity is recorded in ``checked`` under ``name``. A file already in ``checked``
+    (hashed earlier, e.g. by a load's plan) is not hashed again: it must still be that very file.
+    """
     path = ckpt / name
-    if not path.is_file():
+    try:
+        f = open(path, "rb")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise CheckpointError(f"{path}: checkpoint file is missing (listed in {ckpt / COMPLETE}); "
-                              "restore it or load an earlier checkpoint")
-    size = path.stat().st_size
+                              "restore it or load an earlier checkpoint") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: checkpoint file cannot be read: {e.strerror or e}") from None
+    try:
+        identity = FileIdentity.of(f)
+        if name in checked:
+            confirm_unchanged(f, path, checked[name])
+        else:
+            _check_content(f, path, entry, identity.size, sha256)
+            if sha256:
+                checked[name] = identity
+        f.seek(0)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _check_content(f: BinaryIO, path: Path, entry: dict, size: int, sha256: bool) -> None:
+    """The open file's ``size``, then (with ``sha256``) its digest, against its manifest ``entry``."""
     if size != entry["bytes"]:
         raise CheckpointError(f"{path}: {size} bytes but the checkpoint manifest records {entry['bytes']}; "
                               "the file is truncated or was modified -- restore it or load an earlier checkpoint")
     if not sha256:
-        return path
-    digest = file_digest(path)
+        return
+    digest = file_digest(f)
     if digest != entry["sha256"]:
         raise CheckpointError(f"{path}: sha256 {digest[:16]}... does not match the manifest's "
                               f"{entry['sha256'][:16]}...; the file is corrupted -- restore it or load an "
                               "earlier checkpoint")
-    return path
+
+
+def confirm_unchanged(f: BinaryIO, path: Path, expected: Optional[FileIdentity]) -> None:
+    """The open file ``f`` must be the file whose sha256 was checked as ``expected`` (None: nothing was
+    checked), unchanged: called on opening a file checked before, and again after reading, since a
+    write in place lands in the bytes read through any descriptor."""
+    if expected is not None and FileIdentity.of(f) != expected:
+        raise CheckpointError(f"{path}: the checkpoint changed while it was read (this file was replaced or "
+                              "rewritten after its sha256 was checked); load it again once nothing writes "
+                              "to it, or load an earlier checkpoint")
+
+
+def verify_file(ckpt: Path, name: str, entry: dict, sha256: bool = True,
+                checked: Optional[dict[str, FileIdentity]] = None) -> None:
+    """Check one file's size, then (unless ``sha256`` is False) its sha256, against its manifest
+    ``entry``; ``checked`` as for ``open_checked``, which records the file there."""
+    with open_checked(ckpt, name, entry, {} if checked is None else checked, sha256):
+        pass
 
 
 def verify_checkpoint(ckpt: str | os.PathLike) -> dict:
@@ -387,8 +448,10 @@ def verify_checkpoint(ckpt: str | os.PathLike) -> dict:
     return manifest
 
 
-def load_file(ckpt: str | os.PathLike, name: str, *, verify: bool = True, manifest: Optional[dict] = None) -> Any:
-    """One file of a complete checkpoint, checked against the manifest, with its tensors on the CPU.
+def load_file(ckpt: str | os.PathLike, name: str, *, verify: bool = True, manifest: Optional[dict] = None,
+              checked: Optional[dict[str, FileIdentity]] = None) -> Any:
+    """One file of a complete checkpoint, checked against the manifest, with its tensors on the CPU;
+    checked and parsed through one descriptor (``open_checked``, whose ``checked`` this is).
 
     Reading runs no code from the file (see ``serialization``). Pass ``manifest`` (from
     ``read_manifest``) when loading many files to parse ``COMPLETE`` once.
@@ -400,12 +463,15 @@ def load_file(ckpt: str | os.PathLike, name: str, *, verify: bool = True, manife
         names = sorted(manifest["files"])
         held = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         raise CheckpointError(f"{ckpt}: has no file {name!r} (it holds {held})")
-    path = verify_file(ckpt, name, entry, sha256=verify)
-    try:
-        return serialization.read(path)
-    except serialization.FileFormatError as e:
-        raise CheckpointError(f"{path}: {e}; the file is damaged or was not written by megazero -- restore it "
-                              "or load an earlier checkpoint") from None
+    path, checked = ckpt / name, {} if checked is None else checked
+    with open_checked(ckpt, name, entry, checked, sha256=verify) as f:
+        try:
+            tree = serialization.read(f)
+        except serialization.FileFormatError as e:
+            raise CheckpointError(f"{path}: {e}; the file is damaged or was not written by megazero -- restore "
+                                  "it or load an earlier checkpoint") from None
+        confirm_unchanged(f, path, checked.get(name))
+    return tree
 
 
 # --- before the first step ----------------------------------------------------------------------

@@ -14,14 +14,17 @@ tensors without ever loading the model:
   RAM), so host memory stays near one logical tensor whatever the size of the model or the files.
 
 Checksums: a rank file is verified against ``COMPLETE`` (size, then sha256, as ``format.load_file``
-does) the first time any of its bytes are needed, before they are used. Hashing streams the file
-in 1 MiB chunks, so the check costs one extra sequential read and no memory; a file the
-conversion does not need is not read at all. The check catches damage, not forgery, as in
-``format``.
+does) the first time any of its bytes are needed, before they are used, through the descriptor its
+first ranges are read from. Hashing streams the file, so the check costs one extra sequential read
+and no memory; a file the conversion does not need is not read at all. Each later opening (one per
+logical tensor) must find the very file that was hashed, unchanged after its reads too
+(``format.open_checked``, ``format.confirm_unchanged``): a checkpoint replaced while it is read is
+refused, not mixed into the one checked. The check catches damage, not forgery, as in ``format``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -32,7 +35,9 @@ from typing import Any, Optional
 import torch
 
 from megazero.checkpoint import serialization
-from megazero.checkpoint.format import CheckpointError, load_file, read_manifest, verify_file
+from megazero.checkpoint.format import (
+    CheckpointError, FileIdentity, confirm_unchanged, load_file, open_checked, read_manifest,
+)
 from megazero.optim import STATE_KEYS  # the flat per-rank tensors holding parameter elements
 from parallel.tensor_parallel.sharding import Shard
 
@@ -69,15 +74,20 @@ class RankIndex:
 
 
 class CheckpointReader:
-    """A complete checkpoint directory, readable by logical parameter (see the module docstring)."""
+    """A complete checkpoint directory, readable by logical parameter (see the module docstring).
 
-    def __init__(self, ckpt, manifest: Optional[dict] = None, verify: bool = True):
+    ``checked``: the identities of files of ``ckpt`` hashed already (a load's plan), which are read
+    unhashed if they are still those files; the files this reader hashes are added to it. Without
+    ``verify``, a file not in it is checked for its size alone."""
+
+    def __init__(self, ckpt, manifest: Optional[dict] = None, verify: bool = True,
+                 checked: Optional[dict[str, FileIdentity]] = None):
         self.ckpt = Path(ckpt)
         self.manifest = manifest if manifest is not None else read_manifest(self.ckpt)
         self.verify = verify
+        self.checked = {} if checked is None else checked
         self.world_size = int(self.manifest["world_size"])
         self.ranks = [self._rank_index(r) for r in range(self.world_size)]
-        self._verified: set[str] = set()
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.pieces: dict[str, list[Piece]] = {}
         for r, index in enumerate(self.ranks):
@@ -109,7 +119,7 @@ class CheckpointReader:
         if name == rank_file(rank):  # a checkpoint without index files: the description is in the rank file
             described = self.values(rank, ("params", "segments"))
         else:
-            described = load_file(self.ckpt, name, manifest=self.manifest, verify=self.verify)
+            described = load_file(self.ckpt, name, manifest=self.manifest, verify=self.verify, checked=self.checked)
         try:
             params = [(str(n), tuple(int(d) for d in shape), None if s is None else Shard(*(int(v) for v in s)))
                       for n, shape, s in described["params"]]
@@ -120,29 +130,26 @@ class CheckpointReader:
         return RankIndex(params, segments)
 
     # --- reading -----------------------------------------------------------------------------
-    def _path(self, rank: int) -> Path:
-        """A rank file's path, verified against the manifest the first time it is asked for."""
+    @contextlib.contextmanager
+    def _open(self, rank: int) -> Iterator[serialization.RangeFile]:
+        """A rank file for range reads, checked through the descriptor they read (hashed at its first
+        opening, the same file at every later one) and, once they are done, still unchanged."""
         name = rank_file(rank)
         entry = self.manifest["files"].get(name)
         if entry is None:
             raise CheckpointError(f"{self.ckpt}: {name} is not listed in {self.ckpt / 'COMPLETE'}; the checkpoint is "
                                   "damaged -- load an earlier one")
-        if name not in self._verified:  # without ``verify``, the presence and size alone
-            verify_file(self.ckpt, name, entry, sha256=self.verify)
-            self._verified.add(name)
-        return self.ckpt / name
-
-    def _open(self, rank: int) -> serialization.RangeFile:
-        path = self._path(rank)
-        try:
-            return serialization.RangeFile(path)
-        except serialization.FileFormatError as e:
-            raise CheckpointError(f"{path}: {e}; restore it or load an earlier checkpoint") from None
+        with open_checked(self.ckpt, name, entry, self.checked, sha256=self.verify) as f:
+            try:
+                yield serialization.RangeFile(f)
+            except serialization.FileFormatError as e:
+                raise CheckpointError(f"{self.ckpt / name}: {e}; restore it or load an earlier checkpoint") from None
+            confirm_unchanged(f, self.ckpt / name, self.checked.get(name))
 
     def values(self, rank: int, keys: Iterable[str]) -> dict[str, Any]:
         """Top-level entries ``keys`` of a rank file (``adam_step``, ``scaler``, ``rng``, ...), with only
         the tensors inside them read."""
-        path = self._path(rank)
+        path = self.ckpt / rank_file(rank)
         with self._open(rank) as f:
             tree = json.loads(f.metadata.get(serialization.TREE, "null"))
             if not isinstance(tree, dict):

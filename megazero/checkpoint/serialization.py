@@ -91,14 +91,18 @@ class RangeFile:
     """A safetensors file read by element ranges with plain reads. ``safetensors.safe_open`` maps the
     whole file into memory, which a host may refuse for a file larger than its RAM (an 80 GiB
     consolidated 7B checkpoint on a 24 GiB machine: ENOMEM); here only the header and the bytes
-    asked for are read. The header is checked against the file's size before anything is used."""
+    asked for are read. The header is checked against the file's size before anything is used.
+
+    ``source`` is a path, or a binary file already open, which stays its caller's to close: a
+    checkpoint file is read through the descriptor its checksum was computed through."""
 
     MAX_HEADER = 100 * 2**20
 
-    def __init__(self, path):
-        self.path = path
-        self.f = open(path, "rb")
+    def __init__(self, source: str | os.PathLike | BinaryIO):
+        self.owned = isinstance(source, (str, os.PathLike))
+        self.f = open(source, "rb") if self.owned else source
         try:
+            self.f.seek(0)
             size = os.fstat(self.f.fileno()).st_size
             (length,) = struct.unpack("<Q", self.f.read(8).ljust(8, b"\0"))
             if not 0 < length <= min(self.MAX_HEADER, size - 8):
@@ -113,10 +117,10 @@ class RangeFile:
                     raise FileFormatError(f"tensor {name!r} does not fit the file ({begin}..{end})")
                 self.entries[name] = (dtype, tuple(shape), begin)
         except FileFormatError:
-            self.f.close()
+            self.close()
             raise
         except (ValueError, KeyError, TypeError, struct.error) as e:
-            self.f.close()
+            self.close()
             raise FileFormatError(f"not a safetensors file ({e})") from None
 
     def keys(self):
@@ -135,7 +139,8 @@ class RangeFile:
         return out.view(shape) if whole else out
 
     def close(self) -> None:
-        self.f.close()
+        if self.owned:
+            self.f.close()
 
     def __enter__(self):
         return self
@@ -145,9 +150,10 @@ class RangeFile:
 
 
 
-def read(path) -> Any:
-    """The tree written by ``write``, with tensors on the CPU; ``FileFormatError`` if the file is not one."""
-    with RangeFile(path) as f:
+def read(source: str | os.PathLike | BinaryIO) -> Any:
+    """The tree written by ``write``, with tensors on the CPU; ``FileFormatError`` if the file is not one.
+    ``source`` as for ``RangeFile``."""
+    with RangeFile(source) as f:
         metadata = f.metadata
         tensors = {name: f.read(name) for name in f.keys()}
     if TREE not in metadata:
