@@ -12,7 +12,8 @@
   nothing (rank 0 of a launch says it, once).
 * A byte flipped in the rank files or in the index files is refused while resharding, naming the file,
   and by an exact load without a plan. A load handed its plan (``files_to_load``, which checked the
-  files) hashes none of them again; its fallback from an exact plan to resharding hashes what it reads.
+  files) hashes none of them again, but refuses them if they are no longer the files hashed; its
+  fallback from an exact plan to resharding hashes what it reads.
 * fp16 gradients kept in 16 bits under a 2^16 loss scale: the global norm is computed in fp32, so a
   large but finite gradient is not mistaken for an overflow.
 """
@@ -117,6 +118,7 @@ def _world(rank, world_size, root):
     out["fp16_norm"] = _fp16_norm(topo)
     out["files_read"] = _pipeline_reshard_reads(rank, root)
     out.update(_damaged_reshard(topo, rank, ckpt, root + "/damaged"))
+    out.update(_swapped_after_plan(topo, rank, ckpt, root + "/swapped"))
     return out
 
 
@@ -152,6 +154,39 @@ def _damaged_reshard(topo, rank, ckpt, root):
         except CheckpointError as e:
             out[("damaged exactly", kind)] = str(e)
         dist.barrier()
+    return out
+
+
+def _swapped_after_plan(topo, rank, ckpt, root):
+    """Every rank file replaced by another of its size (a re-save of the step swapping the directory)
+    between the plan, which hashed it, and the load, which reads it unhashed: exactly or resharded,
+    each rank must refuse it rather than load bytes nobody checked."""
+    import shutil
+    from megazero.checkpoint import CheckpointError
+
+    out = {}
+    for bucket_mb in (0.002, 0.0005):
+        swapped = f"{root}/{bucket_mb}"
+        if rank == 0:
+            shutil.copytree(ckpt, swapped)
+        dist.barrier()
+        target = _engine(topo, bucket_mb)
+        manifest = read_manifest(swapped)
+        plan = files_to_load(swapped, rank, target.optimizer, manifest, same_layout=True)
+        dist.barrier()
+        if rank == 0:
+            for r in range(2):
+                data = bytearray(open(f"{swapped}/{rank_file(r)}", "rb").read())
+                data[-1] ^= 0x40
+                with open(f"{swapped}/new", "wb") as f:
+                    f.write(data)
+                os.replace(f"{swapped}/new", f"{swapped}/{rank_file(r)}")
+        dist.barrier()
+        try:
+            load_checkpoint(swapped, rank, target.chunks, target.optimizer, manifest, same_layout=True, plan=plan)
+            out[("swapped after plan", bucket_mb)] = (plan.exact, None)
+        except CheckpointError as e:
+            out[("swapped after plan", bucket_mb)] = (plan.exact, str(e))
     return out
 
 
@@ -271,11 +306,12 @@ def test_a_planned_load_hashes_nothing_again(report):
 
 def test_a_longer_shard_with_the_same_description_is_resharded(report):
     """Planned or not: the plan says exact (the descriptions agree), and the load's fallback to
-    resharding reads files the plan never checked, so it hashes them (planted: the fallback trusting
-    the plan, ``verify=not verified``)."""
+    resharding reads files the plan never checked, so it hashes them, and them alone (planted: the
+    fallback trusting the plan, ``verify=False``; or forgetting what the plan hashed)."""
     for rank, r in enumerate(report):
         exact, got, want, (planned_exact, hashed) = r["longer_shard"]
-        assert planned_exact is True and rank_file(rank) in hashed, (planned_exact, hashed)
+        other = 1 - rank
+        assert planned_exact is True and sorted(hashed) == [index_file(other), rank_file(other)], hashed
         assert exact is False
         assert got == pytest.approx(want, rel=1e-6), (got, want)
 
@@ -333,6 +369,16 @@ def test_a_damaged_checkpoint_is_refused_when_resharded(report, kind):
         assert error is not None, f"rank {rank} loaded a checkpoint with a flipped byte in each {kind}"
         name = rank_file if kind == "rank file" else index_file
         assert "sha256" in error and any(f"/{name(r)}:" in error for r in range(2)), (rank, error)
+
+
+@pytest.mark.parametrize("bucket_mb, exact", [(0.002, True), (0.0005, False)])
+def test_a_file_swapped_between_the_plan_and_the_load_is_refused(report, bucket_mb, exact):
+    """The plan's files are read unhashed only if they are the files it hashed (planted: the plan
+    keeping their names alone, and the load checking their sizes, which loaded the swapped bytes)."""
+    for rank, out in enumerate(report):
+        planned_exact, error = out[("swapped after plan", bucket_mb)]
+        assert planned_exact is exact and error is not None, (rank, error)
+        assert "changed while it was read" in error and "/rank_0000" in error and "\n" not in error, (rank, error)
 
 
 @pytest.mark.parametrize("kind", ["rank file", "index file"])

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from megazero.checkpoint.format import CheckpointError, load_file, verify_file
+from megazero.checkpoint.format import CheckpointError, FileIdentity, load_file, verify_file
 from megazero.checkpoint.reader import CheckpointReader, index_file, rank_file
 from megazero.optim import STATE_KEYS, ShardedAdamW
 from megazero.random_state import restore_rng, rng_state
@@ -46,6 +46,9 @@ class LoadPlan:
 
     files: list[str]  # checked (size and sha256) already
     exact: bool  # this rank's own file holds its shard laid out as it is now (``_exact``)
+    # every file hashed while planning (``files``, the shard descriptions read), by name: the load
+    # reads them unhashed only if it finds these very files (``format.open_checked``)
+    checked: dict[str, FileIdentity]
 
 
 def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> LoadPlan:
@@ -55,26 +58,29 @@ def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same
     then fail on the lost connection: checked first, every rank can agree on the error instead, and
     the load, handed this plan, neither hashes them again nor reads the shard's description twice
     (an exact resume whose saved shard turns out padded otherwise falls back to resharding, whose
-    files it checks as it reads)."""
-    exact = _exact(ckpt, rank, optimizer, manifest, same_layout)
+    files it checks as it reads). A file replaced or rewritten between the plan and the load is
+    refused by the load, on that rank alone."""
+    checked: dict[str, FileIdentity] = {}
+    exact = _exact(ckpt, rank, optimizer, manifest, same_layout, checked)
     if exact:
         names = [rank_file(rank)]
     else:
-        reader = CheckpointReader(ckpt, manifest)
+        reader = CheckpointReader(ckpt, manifest, checked=checked)
         held = set(reader.holders(name for name, _, _ in optimizer.local_tensors()))
         if same_layout and rank_file(rank) in manifest["files"]:
             held.add(rank)  # its random generators
         names = [rank_file(r) for r in sorted(held)]
     for name in names:
-        verify_file(Path(ckpt), name, manifest["files"][name])
-    return LoadPlan(names, exact)
+        verify_file(Path(ckpt), name, manifest["files"][name], checked=checked)
+    return LoadPlan(names, exact, checked)
 
 
-def _exact(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> bool:
+def _exact(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool,
+           checked: dict[str, FileIdentity]) -> bool:
     """Whether this rank's own file holds its shard laid out as it is now (the exact resume)."""
     if not (same_layout and rank_file(rank) in manifest["files"]):
         return False
-    mine, saved = optimizer.describe(), _description(ckpt, rank, manifest)
+    mine, saved = optimizer.describe(), _description(ckpt, rank, manifest, checked)
     return saved["params"] == mine["params"] and torch.equal(saved["segments"], mine["segments"])
 
 
@@ -93,25 +99,25 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
     resumed exactly, must draw the same dropout masks as it does.
     """
     own_file = same_layout and rank_file(rank) in manifest["files"]
-    verified = plan is not None
-    exact = plan.exact if verified else _exact(ckpt, rank, optimizer, manifest, same_layout)
+    checked = dict(plan.checked) if plan is not None else {}  # each file is hashed once in all
+    exact = plan.exact if plan is not None else _exact(ckpt, rank, optimizer, manifest, same_layout, checked)
     if exact:
-        state = load_file(ckpt, rank_file(rank), manifest=manifest, verify=not verified)
+        state = load_file(ckpt, rank_file(rank), manifest=manifest, checked=checked)
         if state["master"].numel() == optimizer.master.numel():  # the padding may differ (older layouts)
             optimizer.load_sharded_state_dict(state)
             restore_rng(chunks, state["rng"])
             return True
-    # an exact resume falling back here reads files ``files_to_load`` did not name: those are checked
-    reader = CheckpointReader(ckpt, manifest, verify=not verified or exact)
+    # an exact resume falling back here reads files ``files_to_load`` did not name: those are hashed
+    reader = CheckpointReader(ckpt, manifest, checked=checked)
     load_resharded(reader, optimizer)
     if own_file:
         restore_rng(chunks, reader.values(rank, ("rng",))["rng"])
     return False
 
 
-def _description(ckpt, rank: int, manifest: dict) -> dict:
+def _description(ckpt, rank: int, manifest: dict, checked: dict[str, FileIdentity]) -> dict:
     name = index_file(rank) if index_file(rank) in manifest["files"] else rank_file(rank)
-    return load_file(ckpt, name, manifest=manifest)
+    return load_file(ckpt, name, manifest=manifest, checked=checked)
 
 
 def load_resharded(reader: CheckpointReader, optimizer: ShardedAdamW) -> None:
