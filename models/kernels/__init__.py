@@ -51,8 +51,8 @@ HAS_LIGER = HAS_TRITON and importlib.util.find_spec("liger_kernel") is not None
 
 FLASH_VERSIONS = ("4.0.0b36",)
 """The flash-attn-4 releases the attention seam runs: it calls the package's forward and backward
-functions below its public API (``flash_attention.load_interface``), whose arguments a later release may
-change, so only releases it was tested and measured with are used (the ``flash`` extra pins one)."""
+functions below its public API (``flash_attention.load_interface``), whose arguments a later release
+may change, so only releases it was tested and measured with are used (the ``flash`` extra pins one)."""
 
 
 def _flash_attention_4_version() -> Optional[str]:
@@ -121,6 +121,7 @@ def _import_failure(load) -> Optional[str]:
 
 
 def _body_module(name: str):
+    """``models.kernels.<name>``, imported on first use."""
     return importlib.import_module(f"{__name__}.{name}")
 
 

@@ -48,7 +48,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
 def _backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               scale: float) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = load_interface()._flash_attn_bwd(q, k, v, out, grad.contiguous(), lse, scale, True,
-                                              deterministic=True)
+                                                  deterministic=True)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
