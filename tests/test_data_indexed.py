@@ -253,13 +253,30 @@ def test_unfinished_write_is_not_visible(tmp_path):
     assert IndexedDataset(str(tmp_path / "a"))[0].tolist() == [1, 2, 3]
 
 
+KILLED_AFTER_SEAL = """
+import os, signal, sys
+import numpy as np
+from data_pipeline.indexed import IndexedDatasetWriter
+
+writer = IndexedDatasetWriter(sys.argv[1], np.uint16)
+writer.add_document([1, 2])
+writer.seal()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
 def test_a_killed_writers_temporaries_are_swept_and_a_live_ones_kept(tmp_path):
     """A writer killed outright (SIGKILL, the OOM killer) runs no cleanup: its temporaries stayed for
     ever, a large shard's .bin holding its size on the disk (planted: no sweep). The next writer of
-    the prefix removes those whose lock no process holds, and leaves a live writer's, sealed or not."""
+    the prefix removes those whose lock no process holds, its sealed .idx with its .bin (planted: the
+    .idx temporary under a tag of its own, which the sweep did not find), and leaves a live writer's,
+    sealed or not."""
+    import subprocess
+    import sys
+
     prefix = str(tmp_path / "a")
-    for name in ("a.bin.tmp-99999-0badcafe", "a.idx.tmp-99999-0badcafe"):
-        (tmp_path / name).write_bytes(b"\0" * 64)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_SEAL, prefix], capture_output=True, text=True)
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["a.bin.tmp", "a.idx.tmp"], killed.stderr
     sealed = IndexedDatasetWriter(prefix, np.uint16)
     sealed.add_document([1, 2])
     sealed.seal()
@@ -269,6 +286,19 @@ def test_a_killed_writers_temporaries_are_swept_and_a_live_ones_kept(tmp_path):
     sealed.finish()
     writing.abort()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.idx"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's descriptors in /proc")
+@pytest.mark.parametrize("end", ["finish", "abort"])
+def test_a_writer_that_is_done_holds_no_descriptor(tmp_path, end):
+    """The lock that keeps a writer's temporaries from the sweep is let go once it has published or
+    aborted: held on, it cost one descriptor per shard for the life of the process, which a merge or
+    a preprocess of many keys runs out of (planted: no unlock on either way out)."""
+    before = len(os.listdir("/proc/self/fd"))
+    writer = IndexedDatasetWriter(str(tmp_path / "a"), np.uint16)
+    writer.add_document([1, 2])
+    getattr(writer, end)()
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def corrupt(path, offset, data):
