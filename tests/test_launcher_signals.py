@@ -440,6 +440,21 @@ def test_a_check_lays_out_the_ranks_the_run_would(tmp_path):
     assert given == "1" and "--nproc_per_node 2" in launched and launched.endswith(" ".join(args)), launched
 
 
+@pytest.mark.parametrize("args, facts", [
+    ([], ["cpu", "train", "runs/demo/checkpoints", "data/demo/tokenizer.model"]),
+    (["--checkpoint.save_dir", "ckpt", "--data.tokenizer", "tok.model", "--check"],
+     ["cpu", "check", "ckpt", "tok.model"]),
+    (["--model.layers", "zero"], ["auto", "train", "", ""]),
+])
+def test_the_launch_reads_the_device_action_checkpoints_and_tokenizer_train_will(args, facts):
+    """The demo samples where the run saved: checkpoint.save_dir, where given, before the run dir's
+    checkpoints, and the tokenizer the run read (planted: each left out). A config that does not
+    load counts as device auto, not cpu: train names what is wrong, on the ranks the GPUs would take."""
+    from megazero.commands.train import launch_facts
+
+    assert launch_facts([str(REPO / "configs" / "demo.yaml"), *args])[1:] == facts
+
+
 def test_the_demo_samples_the_checkpoints_it_launched_with(tmp_path):
     """The demo's sample comes from the config read at the launch: one edited while the run trained
     sent it to another run's checkpoints (planted: the config read again after training); and a
