@@ -263,6 +263,29 @@ def test_a_rank_file_replaced_after_its_check_is_refused(trained, diverged, tmp_
                   "or load an earlier checkpoint", err
 
 
+@pytest.mark.parametrize("config", [None, "configs/gpt_1.3b.yaml"])
+def test_a_checkpoint_without_its_training_config_names_the_checkpoint_argument(trained, tmp_path, capsys, config):
+    """A record with no training config, or one no run writes (a file name), leaves nothing to build the
+    model from: one line naming the directory and the CHECKPOINT argument (planted: only a missing
+    config checked, a traceback; the default 'checkpoint path' named)."""
+    import json
+    import shutil
+
+    from megazero.checkpoint import latest_checkpoint
+    from megazero.checkpoint.format import CHECKSUM, complete_text
+
+    shutil.copytree(trained[0], tmp_path / "checkpoints")
+    ckpt = latest_checkpoint(tmp_path / "checkpoints")
+    record = json.loads((ckpt / "COMPLETE").read_text())
+    record.pop(CHECKSUM)
+    record["meta"]["config"] = config
+    (ckpt / "COMPLETE").write_text(complete_text(record))
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    err = _error_line(capsys, ["generate", str(tmp_path / "checkpoints"), "--tokenizer", tok, "--prompt", "w1"])
+    assert err == (f"megazero generate: error: {ckpt}: records no training config, so it was not saved by "
+                   "`megazero train`; check the CHECKPOINT argument"), err
+
+
 def test_a_smaller_tokenizer_samples_only_what_it_can_decode(trained, tmp_path, capsys):
     """A model may have more rows than its tokenizer has pieces (a vocabulary set above the tokenizer's):
     sampling stays among the ids the tokenizer decodes (it sampled the others, and decoding failed)."""
