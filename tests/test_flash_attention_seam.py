@@ -87,16 +87,22 @@ def test_only_the_tested_release_runs_and_another_is_named():
     assert "source tree" in kernels._flash_attention_unused("")
 
 
-def test_the_unused_release_is_named_on_hopper_only(monkeypatch):
-    monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.1")
+@pytest.mark.parametrize("version, said", [("4.0.1", "flash-attn-4 4.0.1 is installed, but megazero runs only"),
+                                           (None, None)], ids=["another release", "none"])
+def test_the_unused_release_is_named_on_hopper_only(monkeypatch, version, said):
+    """A release the seam does not run is named, on Hopper only, and neither it nor an absent
+    flash-attn-4 is imported (planted: imported all the same, and every Hopper run without the package
+    told it 'is installed but does not import')."""
+    tried = _imports_that(monkeypatch)
+    monkeypatch.setattr(kernels, "FLASH_VERSION", version)
     monkeypatch.setattr(kernels, "HAS_FLASH", False)
     monkeypatch.setattr(kernels, "HAS_LIGER", False)
     assert kernels.settle_kernels(torch.device("cpu")) == []
-    for major, said in ((9, 1), (8, 0), (10, 0)):
+    for major, hopper in ((9, True), (8, False), (10, False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, major=major: (major, 0))
-        assert len(kernels.settle_kernels(torch.device("cuda", 0))) == said
-    monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.0b36")
-    assert kernels.settle_kernels(torch.device("cuda", 0)) == []
+        lines = kernels.settle_kernels(torch.device("cuda", 0))
+        assert [line[:len(said)] for line in lines] == ([said] if said and hopper else []), lines
+    assert tried == []
 
 
 def _imports_that(monkeypatch, flash=None, liger=None) -> list:
@@ -132,18 +138,19 @@ def test_the_packages_that_run_are_imported_before_the_first_step(monkeypatch, m
     assert kernels.HAS_FLASH and kernels.HAS_LIGER and kernels.NEEDS["liger"]
 
 
-@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'cutlass'"),
+@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'cutlass'"), ImportError(),
                                    OSError("libcuda.so.1: cannot open shared object file\nmore lines")])
 def test_a_package_that_does_not_import_is_turned_off_and_named(monkeypatch, error):
     """An installed package whose import fails (a dependency missing or off the path) would fail the
     first step with a traceback: it is turned off, its op runs the torch body, and one line says why
-    and the fix. The other package is untouched."""
+    and the fix, also for an error without a message (planted: an IndexError in its place). The other
+    package is untouched."""
     _imports_that(monkeypatch, flash=error)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
     [line] = kernels.settle_kernels(torch.device("cuda", 0))
     assert not kernels.HAS_FLASH and kernels.NEEDS["liger"]
     assert line.startswith("flash-attn-4 4.0.0b36 is installed but does not import (")
-    assert f"{type(error).__name__}: {str(error).splitlines()[0]}" in line and "\n" not in line
+    assert f"({type(error).__name__}: {str(error).partition(chr(10))[0]})" in line and "\n" not in line
     assert "runs SDPA" in line and "pip install -e '.[flash]'" in line
     q = types.SimpleNamespace(is_cuda=True, shape=torch.Size((8, 16, 2048, 128)), dtype=torch.bfloat16,
                               device=torch.device("cuda", 0))
