@@ -68,3 +68,5 @@ def test_the_refusal_shows_the_need_above_the_budget():
     line = memory_problem(cfg)
     needed, budget = re.search(r"predicts ([0-9.]+) GiB .* but ([0-9.]+) GiB is available", line).groups()
     assert float(needed) > float(budget), line
+    fits = re.search(r"nearest layout that fits: .* \(([0-9.]+) GiB\)$", line).group(1)  # at one decimal, 1.6 > 1.59
+    assert float(fits) <= float(budget) and len(fits) == len(budget), line

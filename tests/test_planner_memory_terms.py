@@ -135,3 +135,5 @@ def test_the_estimate_says_sizes_below_a_gib_in_mib():
                               "2.9 GiB with margins)")
     assert est.describe("rank", margins=False) == ("1.3 GiB per rank (model states 25 MiB, activations 1.2 GiB, "
                                                    "buffers 0 MiB)")
+    whole = MemoryEstimate(model_states=GIB, activations=0.0, buffers=0.0, pp_rank=0)
+    assert whole.describe(margins=False) == "1.0 GiB per GPU (model states 1.0 GiB, activations 0 MiB, buffers 0 MiB)"
