@@ -217,6 +217,7 @@ def test_rank_order_places_each_coordinates_plan_on_its_rank():
 RESUMES = {  # what `megazero convert` writes, and the run whose layout record it otherwise equals
     "consolidated": ["--zero.stage", "0"],  # HF / Megatron import, or --to megazero without layout flags
     "run-layout": ["--zero.stage", "1"],  # --to megazero --dp 1 --zero-stage 1
+    "fp16": ["--zero.stage", "0", "--precision.dtype", "fp16"],  # a converted model trained in fp16
 }
 
 
@@ -252,7 +253,7 @@ def _resume_world(rank, world_size, root):
         engine, source = trainer.engine, _Source(cfg.model)
         engine.data_parallel.wait_params()
         out[name] = {"printed": printed.getvalue(), "rng_of_a_fresh_run": torch.equal(rng[True], rng[False]),
-                     "loaded": all(torch.equal(q.detach(), _expected(chunk, n, source))
+                     "loaded": all(torch.equal(q.detach(), _expected(chunk, n, source).to(q.dtype))
                                    for chunk in engine.chunks for n, q in chunk.named_parameters())}
     return out
 
@@ -278,7 +279,8 @@ def test_a_converted_checkpoint_is_resharded_not_resumed_exactly(resumed, name):
     converter's random generators as the run's. The trainer must say it resharded, keep its own
     generators and load the source's values (planted: ``written_by`` left out of the record; the
     run-layout case was then resumed as "same layout", the consolidated one took the converter's
-    generators)."""
+    generators). The loss scaler the converter saves none of is named once, in an fp16 run only,
+    where its scale starts afresh (planted: the note dropped, or said in a bf16 run)."""
     from megazero.engine import describe_layout, layout_record
 
     root, report = resumed
@@ -289,6 +291,9 @@ def test_a_converted_checkpoint_is_resharded_not_resumed_exactly(resumed, name):
     assert len(resumes) == 1 and "same layout" not in resumes[0], resumes
     assert resumes[0].endswith(f"(resharded from {describe_layout(layout)})")
     assert "written by megazero convert" in resumes[0]
+    notes = [line for line in report[name]["printed"].splitlines() if "note:" in line]
+    assert notes == (["megazero: note: the checkpoint holds no loss-scaler state (a converted model): the fp16 "
+                      "loss scale starts at 65536"] if name == "fp16" else []), notes
     assert report[name]["rng_of_a_fresh_run"]
     assert report[name]["loaded"]
 
