@@ -104,4 +104,5 @@ def test_a_resume_says_what_scaler_state_it_drops():
     assert scaler_change(None, ConstantLossScaler()) is None
     assert "starts at 1024" in scaler_change(None, DynamicLossScaler(initial_scale=1024))
     note = scaler_change("DynamicLossScaler", ConstantLossScaler())
-    assert "DynamicLossScaler" in note and "ConstantLossScaler" in note and "precision.dtype" in note
+    assert note.startswith("the checkpoint's DynamicLossScaler is not carried over to this run's ConstantLossScaler")
+    assert "precision.dtype" in note
