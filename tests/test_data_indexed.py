@@ -106,6 +106,27 @@ def test_merge_carries_a_shared_tokenizer_record_and_refuses_a_partial_one(tmp_p
     assert not any(p.name.startswith("m.") for p in tmp_path.iterdir())
 
 
+def test_an_interrupt_as_a_merges_record_is_put_in_place_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM landing as the merged shard's tokenizer record reaches its name: the merge takes
+    the record with the shard (planted: the record written past the writer, left alone in a folder it
+    kept, and the re-run refused as existing)."""
+    from data_pipeline.shard_origin import write_origin
+
+    source = write(tmp_path / "src" / "a", DOCS)
+    write_origin(source, {"tokenizer_sha256": "ab" * 32, "vocab_size": 70000, "tokenizer": "t.json"})
+    rename = os.replace
+
+    def replace_then_interrupt(src, dst):
+        rename(src, dst)
+        if str(dst).endswith(".tokenizer.json"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", replace_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        merge_shards([source], str(tmp_path / "out" / "m"), replace=False)
+    assert os.listdir(tmp_path) == ["src"]
+
+
 def test_shards_of_two_tokenizers_are_not_merged_and_one_rewritten_tokenizer_is_one(tmp_path):
     """Two tokenizer files are two tokenizers, unless both records hold the same pieces' digest (one
     vocabulary written as another file); records without that digest (written before it was kept)
