@@ -465,6 +465,7 @@ def test_startup_refuses_a_run_that_cannot_fit(shard, tmp_path, capsys):
     assert code == 2 and len(err) == 1, err
     line = err[0]
     assert "memory:" in line and "5.0 GiB is available (train.memory_budget_gib)" in line, line
+    assert " GiB per rank for tp" in line, line  # a CPU run, as its start-up estimate says
     assert "nearest layout that fits: --" in line, line
     fix = line.split("nearest layout that fits: ")[1].split(" (")[0].split()
     assert not (tmp_path / "run").exists(), "a refused run touches nothing"

@@ -34,6 +34,12 @@ def device_budget(cfg: Config) -> Optional[Budget]:
     return Budget(props.total_memory / GIB, f"the {props.name}'s memory", preset)
 
 
+def _device_word(cfg: Config) -> str:
+    """What one rank's memory is called in the planner's lines: a GPU's, or, on a CPU run (whose
+    stated budget stands in for a GPU's), a rank's."""
+    return "GPU" if _visible_gpu(cfg) is not None else "rank"
+
+
 def _visible_gpu(cfg: Config):
     """The properties of the GPU this run will train on, or None for a CPU run."""
     if cfg.train.device == "cpu":
@@ -47,7 +53,7 @@ def estimate_line(cfg: Config) -> str:
     """What rank 0 prints at start-up."""
     budget = device_budget(cfg)
     against = f" of {budget.gib:.1f} GiB ({budget.source})" if budget else ""
-    per = "GPU" if _visible_gpu(cfg) is not None else "rank"  # a CPU run's budget stands in for a GPU's
+    per = _device_word(cfg)
     return f"megazero: planner memory estimate {estimate_memory(cfg).describe(per, budget is not None)}{against}"
 
 
@@ -73,8 +79,8 @@ def memory_problem(cfg: Config, ranks_per_node: Optional[int] = None) -> Optiona
     else:
         changes = " ".join(nearest.layout.changes_from(layout_of(cfg))) or "(this layout with a smaller estimate)"
         fix = f"nearest layout that fits: {changes} ({nearest.memory.needed / GIB:.{digits}f} GiB)"
-    return (f"memory: the planner predicts {needed:.{digits}f} GiB per GPU for tp{p.tp} pp{p.pp} dp{p.dp} "
-            f"ZeRO-{cfg.zero.stage} (margins included) but {budget.gib:.{digits}f} GiB is available "
+    return (f"memory: the planner predicts {needed:.{digits}f} GiB per {_device_word(cfg)} for tp{p.tp} pp{p.pp} "
+            f"dp{p.dp} ZeRO-{cfg.zero.stage} (margins included) but {budget.gib:.{digits}f} GiB is available "
             f"({budget.source}); {fix}")
 
 

@@ -112,11 +112,13 @@ def settle_kernels(device: torch.device) -> list[str]:
 
 
 def _import_failure(load) -> Optional[str]:
-    """Why ``load()`` failed, as "ErrorType: its first line", or None when it imported."""
+    """Why ``load()`` failed, as "ErrorType: its first line" (the type alone for an error without a
+    message), or None when it imported."""
     try:
         load()
     except Exception as exc:  # ImportError, or whatever a library it loads raises (OSError, RuntimeError)
-        return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        first = str(exc).strip().partition("\n")[0]
+        return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     return None
 
 
