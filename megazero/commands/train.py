@@ -83,10 +83,10 @@ def launch_facts(argv: list[str]) -> list[str]:
     ``--check``), where it saves checkpoints and the tokenizer it reads (the demo samples from those
     after training). ``argv`` is what the script hands to every rank's ``megazero train``, parsed
     here as train parses it: train's own flags taken for overrides failed the load, so a CPU config
-    given ``--check`` was laid out on the GPUs. Read once, at the launch:
-    the demo's sample once read the config again after training, so a file edited during the run
-    sent it to another run's checkpoints. A config that does not load gives device auto and no paths
-    (train itself says what is wrong with it)."""
+    given ``--check`` was laid out on the GPUs. Read once, at the launch: the demo's sample once read
+    the config again after training, so a file edited during the run sent it to another run's
+    checkpoints. A config that does not load gives device auto and no paths (train itself says what
+    is wrong with it)."""
     import argparse
     import os
 
