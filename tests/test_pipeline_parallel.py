@@ -13,7 +13,9 @@ A second world runs the wider matrix under ``-m slow``.
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,5 +332,9 @@ def test_profiled_timelines_of_two_stages_share_a_clock():
 
 
 def test_hang_fails_fast_and_names_what_it_waited_on():
+    """Also the example docs/pipeline.md quotes, which is this very hang: the message begins with it."""
     results = run_world(2, _hang, timeout=60)
     assert "pipeline rank 1" in results[1] and "recv act(mb2 from stage 0) from pipeline rank 0" in results[1]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "pipeline.md").read_text(encoding="utf-8")
+    quoted = re.search(r"e\.g\. `(rank \d+ \(pipeline rank \d+\) gave up after [^`]+)`", " ".join(page.split()))
+    assert quoted and results[1].startswith(quoted.group(1)), (quoted, results[1])

@@ -1,12 +1,14 @@
 """Pipeline schedules as data: exact op orders, activation bounds, and a deadlock-free communication plan."""
 
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 
 from parallel.pipeline.partition import (HALF_BLOCK_GAIN, balanced_split, rank_work, resolve_split, stage_layers,
                                          stage_parts)
-from parallel.pipeline.placement import holder_of, placement_of
+from parallel.pipeline.placement import V_SHAPED, holder_of, placement_of
 from parallel.pipeline.plan import (UNIT_COSTS, PipelineDeadlock, bubble_of, check_ops, comm_plan, plan_for,
                                     simulate, timeline)
 from parallel.pipeline.schedule import (Op, bubble_fraction, build_schedule, default_schedule, interleaved_1f1b,
@@ -51,6 +53,24 @@ def test_op_sequence_matches_definition(key):
     name, pp, m, v = key
     for rank, text in enumerate(EXPECTED[key]):
         assert build_schedule(name, pp, rank, m, v) == seq(text), f"rank {rank}"
+
+
+PAGE_DIAGRAM = re.compile(r"```\npp=(\d+), m=(\d+)(?:, v=(\d+))?, ([\w-]+)[^\n]*\n(.*?)```", re.S)
+
+
+def test_the_pipeline_pages_diagrams_are_the_schedules_built():
+    """Each op order docs/pipeline.md draws ("pp=2, m=4, zb-h2" over "rank 0: F0 F1 ...") is what
+    ``build_schedule`` returns for that rank: a reader takes the page's orders as the schedules'.
+    (Planted: two ops of the page's zb-h2 rank 1 swapped.)"""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "pipeline.md").read_text(encoding="utf-8")
+    drawn = PAGE_DIAGRAM.findall(page)
+    assert {name for *_, name, _ in drawn} >= {"1f1b", "zb-h1", "zb-h2", "interleaved_zb", "zb-v"}
+    for pp, m, v, name, body in drawn:
+        chunks = int(v) if v else 2 if name in V_SHAPED else 1
+        for line in body.strip().splitlines():
+            rank, _, ops = line.partition(":")
+            built = build_schedule(name, int(pp), int(rank.split()[1]), int(m), chunks)
+            assert built == seq(ops), (name, line)
 
 
 CASES = [("1f1b", pp, m, 1) for pp in (1, 2, 3, 4, 8) for m in (1, 2, 3, pp, 2 * pp, 2 * pp + 1, 17)]
