@@ -21,7 +21,7 @@ from megazero.checkpoint import (
     verify_checkpoint,
 )
 from megazero.checkpoint import serialization
-from megazero.checkpoint.format import complete_text
+from megazero.checkpoint.format import FileIdentity, complete_text, confirm_unchanged, verify_file
 
 
 def alone() -> None:
@@ -256,11 +256,12 @@ def flipped(path: Path) -> bytes:
     return bytes(data)
 
 
-def swap_after_hashing(monkeypatch, path: Path, in_place: bool = False) -> None:
+def swap_after_hashing(monkeypatch, path: Path, in_place: bool = False, keep_time: bool = False) -> None:
     """Once ``path`` is hashed, another file of its size is there: renamed over it (a re-save swapping
     the step directory, retention deleting it and a new save reusing the name), or, ``in_place``,
     written into it. Its modification time is set back first, so that the write is seen whatever the
-    clock's resolution."""
+    clock's resolution; ``keep_time`` gives the file renamed over it that time too (a copy that keeps
+    times, as ``cp -p`` or ``rsync -a`` make), so that only its inode tells it apart."""
     from megazero.checkpoint import format as checkpoint_format
 
     digest, other = checkpoint_format.file_digest, flipped(path)
@@ -275,6 +276,8 @@ def swap_after_hashing(monkeypatch, path: Path, in_place: bool = False) -> None:
                     out.write(other)
             else:
                 (path.parent / "replacement").write_bytes(other)
+                if keep_time:
+                    os.utime(path.parent / "replacement", ns=(0, 0))
                 os.replace(path.parent / "replacement", path)
             other = None  # once
         return result
@@ -311,18 +314,19 @@ def reader_checkpoint(root: Path) -> Path:
     return root / "step_0000001"
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_range_reads_refuse_a_rank_file_swapped_after_its_check(tmp_path, monkeypatch, in_place):
+@pytest.mark.parametrize("in_place, keep_time", [(False, False), (True, False), (False, True)])
+def test_range_reads_refuse_a_rank_file_swapped_after_its_check(tmp_path, monkeypatch, in_place, keep_time):
     """The reader (resharding loads, ``megazero generate``, ``megazero convert``) hashes a rank file
     at its first opening and reads the first tensor through that descriptor; every later opening must
     find that very file, and is refused before any of another file is parsed (planted: the reader
     opening the path again after ``verify_file``, which read ``b`` from the swapped-in file; the
-    identity compared after the reads only)."""
+    identity compared after the reads only; the inode left out of it, which let a copy keeping its
+    size and time through)."""
     from megazero.checkpoint.reader import CheckpointReader, rank_file
 
     ckpt = reader_checkpoint(tmp_path)
     reader = CheckpointReader(ckpt)
-    swap_after_hashing(monkeypatch, ckpt / rank_file(0), in_place)
+    swap_after_hashing(monkeypatch, ckpt / rank_file(0), in_place, keep_time)
     if not in_place:
         assert torch.equal(reader.read("a")["master"], torch.arange(4.0))
     parsed, range_file = [], serialization.RangeFile
@@ -331,3 +335,26 @@ def test_range_reads_refuse_a_rank_file_swapped_after_its_check(tmp_path, monkey
         reader.read("b")
     assert str(error.value).startswith(f"{ckpt / rank_file(0)}: the checkpoint changed while it was read")
     assert len(parsed) == in_place  # rewritten in place, the change shows once the reads are done
+
+
+@pytest.mark.parametrize("field", FileIdentity._fields)
+def test_a_file_differing_in_any_part_of_its_identity_is_refused(saved, field):
+    """Device, inode, size and modification time each tell a checked file from another (planted: the
+    size left out of the comparison, which no swap above tells on its own)."""
+    path = saved / "model.pt"
+    with open(path, "rb") as f:
+        identity = FileIdentity.of(f)
+        confirm_unchanged(f, path, identity)
+        with pytest.raises(CheckpointError, match="changed while it was read"):
+            confirm_unchanged(f, path, identity._replace(**{field: getattr(identity, field) + 1}))
+
+
+def test_a_size_only_check_does_not_stand_for_a_hash(saved):
+    """A file checked for its size alone is not recorded as hashed: a later load sharing the record
+    hashes it (planted: every check recorded, which loaded a damaged file of the right size)."""
+    path, checked = saved / "model.pt", {}
+    path.write_bytes(flipped(path))
+    verify_file(saved, "model.pt", read_manifest(saved)["files"]["model.pt"], sha256=False, checked=checked)
+    assert checked == {}
+    with pytest.raises(CheckpointError, match="does not match the manifest's"):
+        load_file(saved, "model.pt", checked=checked)
