@@ -11,6 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -256,15 +257,17 @@ def flipped(path: Path) -> bytes:
     return bytes(data)
 
 
-def swap_after_hashing(monkeypatch, path: Path, in_place: bool = False, keep_time: bool = False) -> None:
+def swap_after_hashing(monkeypatch, path: Path, in_place: bool = False, keep_time: bool = False,
+                       replacement: Optional[bytes] = None) -> None:
     """Once ``path`` is hashed, another file of its size is there: renamed over it (a re-save swapping
     the step directory, retention deleting it and a new save reusing the name), or, ``in_place``,
     written into it. Its modification time is set back first, so that the write is seen whatever the
     clock's resolution; ``keep_time`` gives the file renamed over it that time too (a copy that keeps
-    times, as ``cp -p`` or ``rsync -a`` make), so that only its inode tells it apart."""
+    times, as ``cp -p`` or ``rsync -a`` make), so that only its inode tells it apart. The other file's
+    bytes are ``replacement``, or by default ``path``'s with its last byte changed."""
     from megazero.checkpoint import format as checkpoint_format
 
-    digest, other = checkpoint_format.file_digest, flipped(path)
+    digest, other = checkpoint_format.file_digest, flipped(path) if replacement is None else replacement
     os.utime(path, ns=(0, 0))
 
     def hashing_then_swapping(f):
@@ -335,6 +338,21 @@ def test_range_reads_refuse_a_rank_file_swapped_after_its_check(tmp_path, monkey
         reader.read("b")
     assert str(error.value).startswith(f"{ckpt / rank_file(0)}: the checkpoint changed while it was read")
     assert len(parsed) == in_place  # rewritten in place, the change shows once the reads are done
+
+
+@pytest.mark.parametrize("by", ["load_file", "reader"])
+def test_a_file_rewritten_unreadable_after_its_check_is_named_as_changed(tmp_path, monkeypatch, by):
+    """A rewrite that lands in the header fails the parse: the file changed, it is not damage to
+    restore from a backup (planted: the parse error reported first, which told the user to restore a
+    checkpoint that a run was re-saving)."""
+    from megazero.checkpoint.reader import CheckpointReader, rank_file
+
+    ckpt = reader_checkpoint(tmp_path)
+    path = ckpt / rank_file(0)
+    swap_after_hashing(monkeypatch, path, in_place=True, replacement=bytes(path.stat().st_size))
+    with pytest.raises(CheckpointError) as error:
+        load_file(ckpt, rank_file(0)) if by == "load_file" else CheckpointReader(ckpt).read("a")
+    assert str(error.value).startswith(f"{path}: the checkpoint changed while it was read")
 
 
 @pytest.mark.parametrize("field", FileIdentity._fields)

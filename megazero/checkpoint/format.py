@@ -468,6 +468,7 @@ def load_file(ckpt: str | os.PathLike, name: str, *, verify: bool = True, manife
         try:
             tree = serialization.read(f)
         except serialization.FileFormatError as e:
+            confirm_unchanged(f, path, checked.get(name))  # a file rewritten under the read is not damaged
             raise CheckpointError(f"{path}: {e}; the file is damaged or was not written by megazero -- restore "
                                   "it or load an earlier checkpoint") from None
         confirm_unchanged(f, path, checked.get(name))

@@ -143,6 +143,7 @@ class CheckpointReader:
             try:
                 yield serialization.RangeFile(f)
             except serialization.FileFormatError as e:
+                confirm_unchanged(f, self.ckpt / name, self.checked.get(name))  # changed under the reads: not damage
                 raise CheckpointError(f"{self.ckpt / name}: {e}; restore it or load an earlier checkpoint") from None
             confirm_unchanged(f, self.ckpt / name, self.checked.get(name))
 
