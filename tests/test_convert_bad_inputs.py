@@ -57,6 +57,17 @@ def test_a_rank_file_cut_or_grown(sources, tmp_path, capsys, flags, grown):
     assert "bytes but the checkpoint manifest records" in fails(capsys, tmp_path, mz, *flags)
 
 
+def test_a_rank_file_that_does_not_parse_under_no_verify(sources, tmp_path, capsys):
+    """Without the sha256, a rank file of the right size whose header is damaged is refused as the
+    reader opens it, in one line naming it (planted: the reader's parse error swallowed, which
+    converted uninitialised memory as the weights)."""
+    mz = _copy(sources / "mz", tmp_path)
+    data = bytearray(_rank_file(mz).read_bytes())
+    data[:8] = (1 << 40).to_bytes(8, "little")  # a header longer than the file
+    _rank_file(mz).write_bytes(bytes(data))
+    assert f"{_rank_file(mz)}: not a safetensors file" in fails(capsys, tmp_path, mz, "--no-verify")
+
+
 def test_no_verify_hashes_no_file(sources, tmp_path, monkeypatch):
     """--no-verify skips every file's sha256, the shard descriptions' too, as docs/checkpoints.md says
     (planted: the descriptions hashed whatever the flag)."""
