@@ -424,3 +424,57 @@ def test_a_resharded_resume_names_the_layout_it_came_from_in_words(record, line)
     from megazero.engine import describe_layout
 
     assert describe_layout(record) == line
+
+
+class _StubOptimizer:
+    """The two questions a load's plan asks of a rank's optimizer: the shard it holds, and the
+    logical tensors it needs."""
+
+    def __init__(self, description: dict, tensors: list):
+        self.description, self.tensors = description, tensors
+
+    def describe(self) -> dict:
+        return self.description
+
+    def local_tensors(self) -> list:
+        return self.tensors
+
+
+def _padding_rank_checkpoint(root) -> str:
+    """A two-rank checkpoint of one parameter ``a``, all of it in rank 0's file: rank 1's shard was
+    padding alone. Written by one process (the writer's rank 0 takes any file names), then its record
+    resealed as two ranks'."""
+    import json
+
+    from megazero.checkpoint.format import COMPLETE, CHECKSUM, complete_text
+
+    flat = torch.arange(4.0)
+    files = {}
+    for r, (master, segments) in enumerate([(flat, [[0, 0, 0, 4]]), (torch.zeros(4), [])]):
+        files[rank_file(r)] = {"master": master, "exp_avg": master, "exp_avg_sq": master, "adam_step": 1 - r,
+                               "scaler": None, "rng": {}}
+        files[index_file(r)] = {"params": [["a", [4], None]],
+                                "segments": torch.tensor(segments, dtype=torch.int64).reshape(-1, 4)}
+    CheckpointWriter(root, rank=0, world_size=1, barrier=lambda: None).save(1, files)
+    ckpt = root / "step_0000001"
+    record = {k: v for k, v in json.loads((ckpt / COMPLETE).read_text()).items() if k != CHECKSUM}
+    (ckpt / COMPLETE).write_text(complete_text({**record, "world_size": 2}))
+    return str(ckpt)
+
+
+def test_a_plan_checks_the_own_file_a_resharded_rank_takes_its_generators_from(tmp_path):
+    """In the same layout a resharded rank restores its random generators from its own file, so the
+    plan checks that file with the ones holding its tensors, though it holds none of them: damaged, it
+    is refused before the load, with every rank's plan, not inside it on this rank alone (planted: the
+    plan naming the holders only)."""
+    ckpt = _padding_rank_checkpoint(tmp_path)
+    rank1 = _StubOptimizer({"params": [["a", [4], None]], "segments": torch.tensor([[0, 0, 0, 4]])},
+                           [("a", (4,), None)])
+    plan = files_to_load(ckpt, 1, rank1, read_manifest(ckpt), same_layout=True)
+    assert (plan.exact, plan.files) == (False, [rank_file(0), rank_file(1)])
+    path = tmp_path / "step_0000001" / rank_file(1)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(state.CheckpointError, match=f"{path}: sha256"):
+        files_to_load(ckpt, 1, rank1, read_manifest(ckpt), same_layout=True)
