@@ -22,7 +22,7 @@ from megazero.checkpoint import (
     verify_checkpoint,
 )
 from megazero.checkpoint import serialization
-from megazero.checkpoint.format import FileIdentity, complete_text, confirm_unchanged, verify_file
+from megazero.checkpoint.format import COMPLETE, FileIdentity, complete_text, confirm_unchanged, verify_file
 
 
 def alone() -> None:
@@ -376,3 +376,17 @@ def test_a_size_only_check_does_not_stand_for_a_hash(saved):
     assert checked == {}
     with pytest.raises(CheckpointError, match="does not match the manifest's"):
         load_file(saved, "model.pt", checked=checked)
+
+
+def test_a_rank_file_the_record_does_not_list_is_refused_in_one_line(tmp_path):
+    """Shard descriptions naming a rank whose file ``COMPLETE`` does not list (a record resealed by
+    hand) are refused as a damaged checkpoint, not read against no entry (planted: the listing left
+    unchecked, a TypeError from inside the check)."""
+    from megazero.checkpoint.reader import CheckpointReader, rank_file
+
+    ckpt = reader_checkpoint(tmp_path)
+    record = json.loads((ckpt / COMPLETE).read_text())
+    del record["files"][rank_file(0)]
+    (ckpt / COMPLETE).write_text(complete_text(record))
+    with pytest.raises(CheckpointError, match=f"{rank_file(0)} is not listed in {ckpt / COMPLETE}; the checkpoint"):
+        CheckpointReader(ckpt).read("a")
