@@ -446,7 +446,7 @@ def _padding_rank_checkpoint(root) -> str:
     resealed as two ranks'."""
     import json
 
-    from megazero.checkpoint.format import COMPLETE, CHECKSUM, complete_text
+    from megazero.checkpoint.format import COMPLETE, complete_text
 
     flat = torch.arange(4.0)
     files = {}
@@ -457,7 +457,7 @@ def _padding_rank_checkpoint(root) -> str:
                                 "segments": torch.tensor(segments, dtype=torch.int64).reshape(-1, 4)}
     CheckpointWriter(root, rank=0, world_size=1, barrier=lambda: None).save(1, files)
     ckpt = root / "step_0000001"
-    record = {k: v for k, v in json.loads((ckpt / COMPLETE).read_text()).items() if k != CHECKSUM}
+    record = json.loads((ckpt / COMPLETE).read_text())
     (ckpt / COMPLETE).write_text(complete_text({**record, "world_size": 2}))
     return str(ckpt)
 
