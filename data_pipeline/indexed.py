@@ -15,8 +15,8 @@ Writes are atomic: both files are written under temporary names and renamed only
 ``.bin`` first (an ``.idx`` being replaced is removed before it), so an ``.idx`` on disk always
 describes a whole ``.bin``. A writer told not to replace (what ``megazero preprocess`` and its merge
 use) links instead of renaming, so of two runs on one prefix the second to finish stops rather than
-replace the first's shard. A writer killed outright
-leaves its temporaries; the next writer of the prefix removes them (``remove_stale_temporaries``).
+replace the first's shard. A writer killed outright leaves its temporaries; the next writer of the
+prefix removes them (``remove_stale_temporaries``).
 
 A shard's ``fingerprint`` (sha256 of its ``.idx``) keys everything derived from it and cached on
 disk: the GPT sample indices and ``largest_token_id``.
@@ -82,7 +82,7 @@ class IndexedDatasetWriter:
         # the final paths it has put files at, each with its file's identity: an abort removes a path
         # only while it still holds that file, never one another run has put there since
         self._published: list[tuple[str, tuple[int, int]]] = []
-        self._records: list[str] = []  # the tokenizer record, once this writer writes it
+        self._recorded = False  # whether this writer wrote the shard's tokenizer record (an abort removes it)
         self._sealed = False
         remove_stale_temporaries(prefix)
         self._bin_tmp = temp_name(bin_path(prefix))
@@ -91,7 +91,7 @@ class IndexedDatasetWriter:
         self._lock: int | None = None
         try:  # the last step: once it returns, the caller holds a writer that can abort
             self._bin = open(self._bin_tmp, "wb")
-            self._lock = _writing_lock(self._bin_tmp)
+            self._lock = _try_lock(self._bin_tmp)
         except BaseException as exc:
             # an interrupt (SIGTERM, Ctrl-C) handled as open() returns comes after the file exists;
             # a failed open made none, and its name may not even be valid (too long)
@@ -186,9 +186,9 @@ class IndexedDatasetWriter:
         """Write the published shard's tokenizer record (``shard_origin``); an abort removes it. It is
         counted before it is written, so an interrupt as its rename returns cannot leave it behind
         without the shard (a file that would keep the folder and block the next run)."""
-        from data_pipeline.shard_origin import origin_path, write_origin
+        from data_pipeline.shard_origin import write_origin
 
-        self._records.append(origin_path(self.prefix))
+        self._recorded = True
         write_origin(self.prefix, identity)
 
     def finish(self) -> None:
@@ -206,9 +206,12 @@ class IndexedDatasetWriter:
         next attempt needs), any file it had put in place, and the folders it created where they are
         still empty. Closing flushes what is still buffered, which fails again on the full disk that
         failed the write; the file is closed all the same, and is removed."""
+        from data_pipeline.shard_origin import origin_path
+
         with contextlib.suppress(OSError):
             self._bin.close()
-        for path in (*self._records, self._bin_tmp, self._idx_tmp):
+        record = [origin_path(self.prefix)] if self._recorded else []
+        for path in (*record, self._bin_tmp, self._idx_tmp):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         for path, identity in self._published:
@@ -216,7 +219,7 @@ class IndexedDatasetWriter:
                 if _identity(path) == identity:
                     os.unlink(path)
         self._published.clear()
-        self._records.clear()
+        self._recorded = False
         self._unlock()
         remove_made(self._made)
 
@@ -236,10 +239,11 @@ def _idx_temporary(prefix: str, bin_tmp: str) -> str:
     return idx_path(prefix) + bin_tmp[len(bin_path(prefix)):]
 
 
-def _writing_lock(bin_tmp: str) -> int | None:
-    """A descriptor holding an exclusive lock on a writer's ``.bin`` temporary until the writer has
-    published or aborted: what tells its files from those of a killed writer. None where the file
-    system takes no locks (its temporaries are then never swept)."""
+def _try_lock(bin_tmp: str) -> int | None:
+    """A descriptor holding an exclusive lock on a ``.bin`` temporary, or None where it cannot be had
+    (the file gone, the lock held, a file system that takes no locks). A writer holds its own until it
+    has published or aborted: what tells its files from those of a killed writer (a writer without
+    one is never swept)."""
     try:
         fd = os.open(bin_tmp, os.O_RDONLY)
     except OSError:
@@ -256,18 +260,13 @@ def remove_stale_temporaries(prefix: str) -> None:
     """Remove the temporary files that writers of ``prefix`` killed outright (SIGKILL, the OOM killer,
     a crash) left behind: no cleanup of theirs ran, and nothing else would ever remove them, while a
     large shard's ``.bin`` keeps its size on the disk. A live writer holds the lock on its ``.bin``
-    temporary (``_writing_lock``, on this node or, where the file system shares locks, another), so
-    one whose lock can be taken belongs to no running writer."""
+    temporary (``_try_lock``, on this node or, where the file system shares locks, another), so one
+    whose lock can be taken belongs to no running writer."""
     for tmp in glob.glob(glob.escape(bin_path(prefix)) + ".tmp-*"):
+        fd = _try_lock(tmp)
+        if fd is None:
+            continue  # a live writer's, published or aborted meanwhile, or on a file system without locks
         try:
-            fd = os.open(tmp, os.O_RDONLY)
-        except OSError:
-            continue  # published or aborted meanwhile
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # held by a live writer (or locks are not supported there: left as it is)
-        else:
             for path in (tmp, _idx_temporary(prefix, tmp)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
