@@ -82,7 +82,7 @@ def cross_entropy_rows() -> list[dict]:
     labels = torch.randint(0, VOCAB, (TOKENS,), device="cuda")
 
     extra = {}
-    if kernels.HAS_LIGER:
+    if kernels.NEEDS["liger"]:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
         # the padded weight, as ours gets, so rows of logits stay 16-byte aligned (padding is counted)
         extra["liger (sum)"] = lambda h, w: LigerFusedLinearCrossEntropyFunction.apply(
@@ -131,7 +131,7 @@ def cross_entropy_tiles() -> list[dict]:
 def norm_rows() -> list[dict]:
     x, w, b = leaf(TOKENS, HIDDEN), leaf(HIDDEN), leaf(HIDDEN)
     fused_rms = fused_ln = None
-    if kernels.HAS_LIGER:
+    if kernels.NEEDS["liger"]:
         from models.kernels import liger
         fused_rms = lambda x, w: liger.rms_norm(x, w, 1e-5)
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
@@ -183,7 +183,7 @@ def swiglu_rows() -> list[dict]:
     def pairs(fn):
         return lambda h: fn(h.unflatten(-1, (-1, 2))[..., 0], h.unflatten(-1, (-1, 2))[..., 1])
     extra = {}
-    if kernels.HAS_LIGER:
+    if kernels.NEEDS["liger"]:
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
         extra["liger (contiguous)"] = pairs(lambda g, u: LigerSiLUMulFunction.apply(g.contiguous(), u.contiguous()))
     return compare("swiglu", pairs(ops.swiglu.reference), pairs(swiglu), [h], extra)
@@ -262,7 +262,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=list(SECTIONS),
                         default=["cross_entropy", "norm", "add_norm", "swiglu", "rotary", "attention"])
     args = parser.parse_args()
-    print(torch.__version__, torch.cuda.get_device_name(), f"liger: {kernels.HAS_LIGER}",
+    print(torch.__version__, torch.cuda.get_device_name(), f"liger: {kernels.NEEDS['liger']}",
           f"flash-attn-4: {kernels.HAS_FLASH}", flush=True)
     rows = []
     for name in args.only:

@@ -92,11 +92,12 @@ def test_only_the_tested_release_runs_and_another_is_named():
 def test_the_unused_release_is_named_on_hopper_only(monkeypatch, version, said):
     """A release the seam does not run is named, on Hopper only, and neither it nor an absent
     flash-attn-4 is imported (planted: imported all the same, and every Hopper run without the package
-    told it 'is installed but does not import')."""
+    told it 'is installed but does not import'; where liger-kernel is installed, planted too: the kernel
+    settling reading a copy of whether liger-kernel runs that the test's NEEDS["liger"] did not turn off)."""
     tried = _imports_that(monkeypatch)
     monkeypatch.setattr(kernels, "FLASH_VERSION", version)
     monkeypatch.setattr(kernels, "HAS_FLASH", False)
-    monkeypatch.setattr(kernels, "HAS_LIGER", False)
+    monkeypatch.setitem(kernels.NEEDS, "liger", False)
     assert kernels.settle_kernels(torch.device("cpu")) == []
     for major, hopper in ((9, True), (8, False), (10, False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, major=major: (major, 0))
@@ -121,7 +122,6 @@ def _imports_that(monkeypatch, flash=None, liger=None) -> list:
     monkeypatch.setattr(kernels_liger, "load_rms_norm", load("liger", liger))
     monkeypatch.setattr(kernels, "FLASH_VERSION", "4.0.0b36")
     monkeypatch.setattr(kernels, "HAS_FLASH", True)
-    monkeypatch.setattr(kernels, "HAS_LIGER", True)
     monkeypatch.setitem(kernels.NEEDS, "liger", True)
     return tried
 
@@ -129,13 +129,15 @@ def _imports_that(monkeypatch, flash=None, liger=None) -> list:
 @pytest.mark.parametrize("major", [9, 8])
 def test_the_packages_that_run_are_imported_before_the_first_step(monkeypatch, major):
     """On a GPU the run imports the optional packages the seam would run there (flash-attn-4 on Hopper
-    only) at its start, and keeps them on; on the CPU it imports nothing."""
+    only) at its start, and keeps them on; on the CPU it imports nothing. Whether liger-kernel runs is
+    one record, ``NEEDS``, which settling and the choice both read (planted: a copy of it that settling
+    read, which a machine without liger-kernel kept off here, so its import was never tried)."""
     tried = _imports_that(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (major, 0))
     assert kernels.settle_kernels(torch.device("cpu")) == [] and tried == []
     assert kernels.settle_kernels(torch.device("cuda", 0)) == []
     assert tried == (["flash", "liger"] if major == 9 else ["liger"])
-    assert kernels.HAS_FLASH and kernels.HAS_LIGER and kernels.NEEDS["liger"]
+    assert kernels.HAS_FLASH and kernels.NEEDS["liger"]
 
 
 @pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'cutlass'"), ImportError(),
@@ -160,11 +162,12 @@ def test_a_package_that_does_not_import_is_turned_off_and_named(monkeypatch, err
 
     _imports_that(monkeypatch, liger=error)
     [line] = kernels.settle_kernels(torch.device("cuda", 0))
-    assert kernels.HAS_FLASH and not kernels.HAS_LIGER and not kernels.NEEDS["liger"]
+    assert kernels.HAS_FLASH and not kernels.NEEDS["liger"]
     assert line.startswith(f"liger-kernel is installed but does not import ({reason})")
     assert "rms_norm runs its torch body" in line and "pip install -e '.[gpu]'" in line
     x = types.SimpleNamespace(is_cuda=True)
-    assert not kernels.use_fused(x, needs="liger") and kernels.use_fused(x, needs="triton") == kernels.HAS_TRITON
+    assert not kernels.use_fused(x, needs="liger")
+    assert kernels.use_fused(x, needs="triton") == kernels.NEEDS["triton"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -29,7 +29,7 @@ from models.config import ModelConfig
 from models.presets import MODEL_PRESETS
 
 pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not (torch.cuda.is_available() and kernels.HAS_TRITON),
+              pytest.mark.skipif(not (torch.cuda.is_available() and kernels.NEEDS["triton"]),
                                  reason="needs a CUDA device and Triton")]
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -78,7 +78,7 @@ def randn(*shape, grad=True, scale=1.0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm(dtype):
-    if not kernels.HAS_LIGER:
+    if not kernels.NEEDS["liger"]:
         pytest.skip("liger-kernel is not importable")
     from models.kernels import liger
     x, w = randn(4, 96, 1024, scale=3.0), randn(1024, scale=0.5)

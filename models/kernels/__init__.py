@@ -44,9 +44,16 @@ ENABLED = os.environ.get("MEGAZERO_KERNELS", "1") != "0"
 """False when MEGAZERO_KERNELS=0: every op runs its torch reference."""
 
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-HAS_LIGER = HAS_TRITON and importlib.util.find_spec("liger_kernel") is not None
-"""Looked up once, without importing either: dynamo reads these constants while it traces."""
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be found, without importing it."""
+    return importlib.util.find_spec(package) is not None
+
+
+NEEDS = {"triton": _installed("triton"), "liger": _installed("triton") and _installed("liger_kernel")}
+"""Whether each optional package a body runs on (``use_fused``'s ``needs``) is there to run it: looked
+up once, without importing either, since dynamo reads it while it traces; ``settle_kernels`` turns one
+off whose import fails. The one record of it: every reader (and a test standing in another machine)
+goes through this dict, so no second copy can disagree with what ``use_fused`` chooses."""
 
 
 FLASH_VERSIONS = ("4.0.0b36",)
@@ -91,9 +98,9 @@ def settle_kernels(device: torch.device) -> list[str]:
     dependency missing or off the path, as after ``pip install --target``, whose ``.pth`` files Python
     never reads: flash-attn-4's CuTe DSL needs one) would otherwise fail that step with a traceback,
     after the data and the checkpoint were loaded. Where an import fails, the package is turned off
-    (``HAS_FLASH``, ``HAS_LIGER``) and the torch body runs instead, computing the same op. Only a GPU
+    (``HAS_FLASH``, ``NEEDS["liger"]``) and the torch body runs instead, computing the same op. Only a GPU
     matters (no body runs elsewhere), and for FlashAttention 4 only Hopper, the one GPU it runs on."""
-    global HAS_FLASH, HAS_LIGER
+    global HAS_FLASH
     lines = []
     if device.type != "cuda":
         return lines
@@ -104,8 +111,8 @@ def settle_kernels(device: torch.device) -> list[str]:
                          "attention runs SDPA; reinstall it with pip install -e '.[flash]'")
         elif unused := _flash_attention_unused(FLASH_VERSION):
             lines.append(unused)
-    if HAS_LIGER and (failure := _import_failure(_body_module("liger").load_rms_norm)):
-        HAS_LIGER = NEEDS["liger"] = False
+    if NEEDS["liger"] and (failure := _import_failure(_body_module("liger").load_rms_norm)):
+        NEEDS["liger"] = False
         lines.append(f"liger-kernel is installed but does not import ({failure}), so rms_norm runs its torch "
                      "body; reinstall it with pip install -e '.[gpu]'")
     return lines
@@ -125,9 +132,6 @@ def _import_failure(load) -> Optional[str]:
 def _body_module(name: str):
     """``models.kernels.<name>``, imported on first use."""
     return importlib.import_module(f"{__name__}.{name}")
-
-
-NEEDS = {"triton": HAS_TRITON, "liger": HAS_LIGER}
 
 
 def use_flash_attention(q: torch.Tensor, dropout_p: float) -> bool:
