@@ -1,0 +1,190 @@
+"""Indexed dataset writes that leave no half-made shard: the temporary files a write goes through, put
+in place only whole and in the right order, removed when a writer fails, is interrupted or (by the
+next writer of the prefix) was killed outright; and writers on one prefix at once, which never take
+each other's files."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import data_pipeline.indexed as indexed
+from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
+from tests.test_data_indexed import write
+
+
+def test_interrupted_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError), IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
+        w.add_document([1, 2, 3])
+        raise RuntimeError("killed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_as_the_temporary_file_opens_leaves_nothing(tmp_path, monkeypatch):
+    """SIGTERM (raised as Ctrl-C is) or Ctrl-C handled as open() returns comes after the temporary .bin
+    exists but before the writer holds it; the writer was never made, so nothing aborted it, and the
+    file stayed (a run stopped by SIGTERM left it now and then under load)."""
+    real_open = open
+
+    def interrupted(path, *args, **kwargs):
+        real_open(path, *args, **kwargs).close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(indexed, "open", interrupted, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        IndexedDatasetWriter(str(tmp_path / "new" / "a"), np.uint16)
+    assert list(tmp_path.iterdir()) == []  # neither the file nor the folder made for it
+
+
+def test_unfinished_write_is_not_visible(tmp_path):
+    w = IndexedDatasetWriter(str(tmp_path / "a"), np.uint16)
+    w.add_document([1, 2, 3])
+    assert not os.path.exists(tmp_path / "a.bin") and not os.path.exists(tmp_path / "a.idx")
+    w.finish()
+    assert IndexedDataset(str(tmp_path / "a"))[0].tolist() == [1, 2, 3]
+
+
+KILLED_AFTER_SEAL = """
+import os, signal, sys
+import numpy as np
+from data_pipeline.indexed import IndexedDatasetWriter
+
+writer = IndexedDatasetWriter(sys.argv[1], np.uint16)
+writer.add_document([1, 2])
+writer.seal()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_writers_temporaries_are_swept_and_a_live_ones_kept(tmp_path):
+    """A writer killed outright (SIGKILL, the OOM killer) runs no cleanup: its temporaries stayed for
+    ever, a large shard's .bin holding its size on the disk (planted: no sweep). The next writer of
+    the prefix removes those whose lock no process holds, its sealed .idx with its .bin (planted: the
+    .idx temporary under a tag of its own, which the sweep did not find), and leaves a live writer's,
+    sealed or not."""
+    import subprocess
+    import sys
+
+    prefix = str(tmp_path / "a")
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_SEAL, prefix], capture_output=True, text=True)
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["a.bin.tmp", "a.idx.tmp"], killed.stderr
+    sealed = IndexedDatasetWriter(prefix, np.uint16)
+    sealed.add_document([1, 2])
+    sealed.seal()
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["a.bin.tmp", "a.idx.tmp"]
+    writing = IndexedDatasetWriter(prefix, np.uint16)
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["a.bin.tmp", "a.bin.tmp", "a.idx.tmp"]
+    sealed.finish()
+    writing.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.idx"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's descriptors in /proc")
+@pytest.mark.parametrize("end", ["finish", "abort"])
+def test_a_writer_that_is_done_holds_no_descriptor(tmp_path, end):
+    """The lock that keeps a writer's temporaries from the sweep is let go once it has published or
+    aborted: held on, it cost one descriptor per shard for the life of the process, which a merge or
+    a preprocess of many keys runs out of (planted: no unlock on either way out)."""
+    before = len(os.listdir("/proc/self/fd"))
+    writer = IndexedDatasetWriter(str(tmp_path / "a"), np.uint16)
+    writer.add_document([1, 2])
+    getattr(writer, end)()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_the_index_appears_only_after_its_data(tmp_path, monkeypatch):
+    """The .idx names the .bin's contents: renamed first, a crash before the .bin's rename would
+    leave a new index over an old (or no) data file."""
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("killed between the renames")
+        real(src, dst)
+    monkeypatch.setattr(indexed.os, "replace", replace)
+    with pytest.raises(OSError):
+        write(tmp_path / "a")
+    assert calls[0].endswith(".bin") and not os.path.exists(tmp_path / "a.idx")
+
+
+def test_writers_that_may_not_replace_keep_the_first_shard_published(tmp_path, monkeypatch):
+    """Two writers on one prefix at once, in processes with the same id (ranks on two nodes, each in
+    its own container): each writes its own temporary files, and the second to publish stops with a
+    FileExistsError naming the file, keeping the first's shard and none of its own files. A writer
+    allowed to replace still does. (Planted: temporary names from the process id alone; publishing
+    by rename.)"""
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    prefix = str(tmp_path / "s")
+    first, second = (IndexedDatasetWriter(prefix, np.uint16, replace=False) for _ in range(2))
+    first.add_document([1, 2, 3])
+    second.add_document([9] * 5)
+    first.finish()
+    with pytest.raises(FileExistsError, match=rf"^{prefix}.bin: appeared while this run was writing it .*"
+                                              "give a new output prefix$"):
+        second.finish()
+    assert sorted(os.listdir(tmp_path)) == ["s.bin", "s.idx"]
+    assert list(IndexedDataset(prefix).sizes) == [3] and list(IndexedDataset(prefix)[0]) == [1, 2, 3]
+    write(prefix, [[4]])  # the default writer replaces
+    assert list(IndexedDataset(prefix).sizes) == [1]
+
+
+class Killed(BaseException):
+    """The process dying where it is raised: no cleanup of the writer's runs."""
+
+
+def test_a_replacing_writer_killed_between_its_renames_leaves_no_stale_index(tmp_path, monkeypatch):
+    """The same six tokens in documents of other lengths replace a shard; killed after its ``.bin``
+    was renamed into place, the writer must not leave the old ``.idx`` beside the new ``.bin``, which
+    would read it with the old document boundaries (the two ``.bin`` files are of a size). (Planted:
+    the old ``.idx`` left in place until its replacement's rename.)"""
+    prefix = str(tmp_path / "s")
+    write(prefix, [[1, 2, 3], [4, 5, 6]])
+    rename = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith(".idx"):
+            raise Killed
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(IndexedDatasetWriter, "abort", lambda self: None)
+    with pytest.raises(Killed):
+        write(prefix, [[7, 8], [9, 10, 11, 12]])
+    assert os.path.getsize(f"{prefix}.bin") == 12 and not os.path.exists(f"{prefix}.idx")
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_put_new_moves_a_file_only_to_a_free_name(tmp_path, monkeypatch, links):
+    """``put_new`` moves the file whole or raises FileExistsError and changes nothing, also on a file
+    system without hard links (its claim-then-rename path). (Planted: the fallback renaming without
+    the exclusive claim.)"""
+    import errno
+
+    from data_pipeline.paths import put_new
+
+    if not links:
+        def no_links(src, dst):
+            raise OSError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(os, "link", no_links)
+    tmp, final = tmp_path / "a.tmp", tmp_path / "a"
+    tmp.write_bytes(b"new")
+    final.write_bytes(b"old")
+    with pytest.raises(FileExistsError):
+        put_new(str(tmp), str(final))
+    assert final.read_bytes() == b"old" and tmp.read_bytes() == b"new"
+    final.unlink()
+    put_new(str(tmp), str(final))
+    assert final.read_bytes() == b"new" and not tmp.exists()
+    if not links:  # a rename that fails after the claim leaves no empty claim behind to block the next run
+        tmp.write_bytes(b"newer")
+        final.unlink()
+
+        def failing(src, dst):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(os, "replace", failing)
+        with pytest.raises(OSError, match="Input/output error"):
+            put_new(str(tmp), str(final))
+        assert not final.exists() and tmp.read_bytes() == b"newer"
