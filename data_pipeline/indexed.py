@@ -74,6 +74,7 @@ class IndexedDatasetWriter:
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"{prefix}: dtype {self.dtype} has no code in the indexed format; "
                              f"use one of {sorted(str(np.dtype(t)) for t in DTYPE_CODES.values())}")
+        _refuse_folders_in_the_way(prefix)
         try:  # the folders this writer created, outermost first: an abort removes them
             self._made = make_folders(os.path.dirname(os.path.abspath(prefix)))
         except OSError as exc:
@@ -154,6 +155,7 @@ class IndexedDatasetWriter:
         new ``.bin`` beside the old ``.idx``, which reads it with the old document boundaries wherever
         the two ``.bin`` files are of a size (the same documents merged in another order); without an
         ``.idx`` the shard is refused instead."""
+        _refuse_folders_in_the_way(self.prefix)  # one made since the writer started
         if self.replace and not self._published:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(idx_path(self.prefix))
@@ -231,6 +233,16 @@ class IndexedDatasetWriter:
             self.finish()
         else:
             self.abort()
+
+
+def _refuse_folders_in_the_way(prefix: str) -> None:
+    """Refuse a folder at the shard's ``.bin`` or ``.idx`` path, which no writer can put its file at (a
+    rename onto it, or removing it to replace it, fails with a bare "Is a directory"): checked as the
+    writer starts, before it writes a token, and again as it publishes."""
+    for path in (bin_path(prefix), idx_path(prefix)):
+        if os.path.isdir(path):
+            raise FileExistsError(f"{path}: is a folder, where the shard's file goes; remove the folder or give a "
+                                  "new output prefix")
 
 
 def _idx_temporary(prefix: str, bin_tmp: str) -> str:

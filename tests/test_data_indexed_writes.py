@@ -188,3 +188,22 @@ def test_put_new_moves_a_file_only_to_a_free_name(tmp_path, monkeypatch, links):
         with pytest.raises(OSError, match="Input/output error"):
             put_new(str(tmp), str(final))
         assert not final.exists() and tmp.read_bytes() == b"newer"
+
+
+@pytest.mark.parametrize("replace", [True, False], ids=["replacing", "not replacing"])
+@pytest.mark.parametrize("ext", [".bin", ".idx"])
+def test_a_folder_where_a_shard_file_goes_is_one_line_before_any_work(tmp_path, replace, ext):
+    """A folder at the shard's ``.idx`` (or ``.bin``) path: a replacing writer stopped on it with a bare
+    IsADirectoryError traceback once the shard was written, and one that may not replace blamed another
+    run for it. Both refuse it as they start, naming it, and a folder made while they write as they
+    publish, keeping none of their files. (Planted: no check at either point.)"""
+    prefix, folder = tmp_path / "s", tmp_path / f"s{ext}"
+    refused = rf"^{folder}: is a folder, where the shard's file goes; remove the folder or give a new output prefix$"
+    folder.mkdir()
+    with pytest.raises(FileExistsError, match=refused):
+        IndexedDatasetWriter(str(prefix), np.uint16, replace=replace)
+    folder.rmdir()
+    with pytest.raises(FileExistsError, match=refused), IndexedDatasetWriter(str(prefix), np.uint16, replace) as w:
+        w.add_document([1, 2, 3])
+        folder.mkdir()
+    assert os.listdir(tmp_path) == [folder.name]
