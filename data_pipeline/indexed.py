@@ -16,7 +16,8 @@ Writes are atomic: both files are written under temporary names and renamed only
 describes a whole ``.bin``. A writer told not to replace (what ``megazero preprocess`` and its merge
 use) links instead of renaming, so of two runs on one prefix the second to finish stops rather than
 replace the first's shard. A writer killed outright leaves its temporaries; the next writer of the
-prefix removes them (``remove_stale_temporaries``).
+prefix removes them (``remove_stale_temporaries``), also an ``.idx`` left by one killed between its
+two renames.
 
 A shard's ``fingerprint`` (sha256 of its ``.idx``) keys everything derived from it and cached on
 disk: the GPT sample indices and ``largest_token_id``.
@@ -86,13 +87,12 @@ class IndexedDatasetWriter:
         self._recorded = False  # whether this writer wrote the shard's tokenizer record (an abort removes it)
         self._sealed = False
         remove_stale_temporaries(prefix)
-        self._bin_tmp = temp_name(bin_path(prefix))
-        self._idx_tmp = _idx_temporary(prefix, self._bin_tmp)
+        self._bin_tmp, self._idx_tmp = _temporaries(prefix, temp_name(bin_path(prefix)))
         self._sizes = array("i")  # int32 lengths, appended without a numpy object per document
-        self._lock: int | None = None
+        self._locks: list[int] = []  # one on each temporary it has written: what keeps them from a sweep
         try:  # the last step: once it returns, the caller holds a writer that can abort
             self._bin = open(self._bin_tmp, "wb")
-            self._lock = _try_lock(self._bin_tmp)
+            self._hold(self._bin_tmp)
         except BaseException as exc:
             # an interrupt (SIGTERM, Ctrl-C) handled as open() returns comes after the file exists;
             # a failed open made none, and its name may not even be valid (too long)
@@ -147,6 +147,9 @@ class IndexedDatasetWriter:
             write_index(self._idx_tmp, self.dtype, np.frombuffer(self._sizes, dtype=np.int32))
         except OSError as exc:
             raise _not_written(self.prefix, exc) from None
+        # taken before the .bin is put in place: from then on the .bin's lock is on the shard's own
+        # file, which no sweep looks at, and this one keeps the .idx temporary from the sweep
+        self._hold(self._idx_tmp)
         self._sealed = True
 
     def publish(self) -> None:
@@ -179,10 +182,15 @@ class IndexedDatasetWriter:
                 raise _not_written(self.prefix, exc) from None
         self._unlock()  # nothing of this writer's is left under a temporary name
 
+    def _hold(self, tmp: str) -> None:
+        """Lock the temporary ``tmp`` for as long as this writer lives (``_try_lock``)."""
+        fd = _try_lock(tmp)
+        if fd is not None:
+            self._locks.append(fd)
+
     def _unlock(self) -> None:
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        while self._locks:
+            os.close(self._locks.pop())
 
     def record_origin(self, identity: dict) -> None:
         """Write the published shard's tokenizer record (``shard_origin``); an abort removes it. It is
@@ -245,19 +253,20 @@ def _refuse_folders_in_the_way(prefix: str) -> None:
                                   "new output prefix")
 
 
-def _idx_temporary(prefix: str, bin_tmp: str) -> str:
-    """The ``.idx`` temporary of the writer whose ``.bin`` temporary is ``bin_tmp``: the same tag, so
-    a sweep finds it from the ``.bin``'s."""
-    return idx_path(prefix) + bin_tmp[len(bin_path(prefix)):]
+def _temporaries(prefix: str, tmp: str) -> tuple[str, str]:
+    """The ``.bin`` and ``.idx`` temporaries of the writer whose temporary (either) is ``tmp``: they
+    share its tag (``.tmp-PID-RANDOM``), so a sweep finds each from the other."""
+    tag = "".join(tmp.rpartition(".tmp-")[1:])
+    return bin_path(prefix) + tag, idx_path(prefix) + tag
 
 
-def _try_lock(bin_tmp: str) -> int | None:
-    """A descriptor holding an exclusive lock on a ``.bin`` temporary, or None where it cannot be had
-    (the file gone, the lock held, a file system that takes no locks). A writer holds its own until it
-    has published or aborted: what tells its files from those of a killed writer (a writer without
+def _try_lock(tmp: str) -> int | None:
+    """A descriptor holding an exclusive lock on a writer's temporary file, or None where it cannot be
+    had (the file gone, the lock held, a file system that takes no locks). A writer holds its own until
+    it has published or aborted: what tells its files from those of a killed writer (a writer without
     one is never swept)."""
     try:
-        fd = os.open(bin_tmp, os.O_RDONLY)
+        fd = os.open(tmp, os.O_RDONLY)
     except OSError:
         return None
     try:
@@ -271,19 +280,32 @@ def _try_lock(bin_tmp: str) -> int | None:
 def remove_stale_temporaries(prefix: str) -> None:
     """Remove the temporary files that writers of ``prefix`` killed outright (SIGKILL, the OOM killer,
     a crash) left behind: no cleanup of theirs ran, and nothing else would ever remove them, while a
-    large shard's ``.bin`` keeps its size on the disk. A live writer holds the lock on its ``.bin``
-    temporary (``_try_lock``, on this node or, where the file system shares locks, another), so one
-    whose lock can be taken belongs to no running writer."""
-    for tmp in glob.glob(glob.escape(bin_path(prefix)) + ".tmp-*"):
-        fd = _try_lock(tmp)
-        if fd is None:
-            continue  # a live writer's, published or aborted meanwhile, or on a file system without locks
-        try:
-            for path in (tmp, _idx_temporary(prefix, tmp)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        finally:
-            os.close(fd)
+    large shard's ``.bin`` keeps its size on the disk. A live writer holds a lock on each temporary
+    it has written (``_try_lock``, on this node or, where the file system shares locks, another), so
+    one whose lock can be taken belongs to no running writer.
+
+    A ``.bin`` temporary is judged by its own lock, and takes its ``.idx`` with it: while the ``.bin``
+    is there, its writer may be writing the ``.idx``, not yet locked. An ``.idx`` temporary left
+    without its ``.bin`` (put in place by a writer killed before the ``.idx``'s rename) is judged by
+    its own: its writer locked it before putting the ``.bin`` in place."""
+    for bin_tmp in glob.glob(glob.escape(bin_path(prefix)) + ".tmp-*"):
+        _remove_unlocked(bin_tmp, _temporaries(prefix, bin_tmp))
+    for idx_tmp in glob.glob(glob.escape(idx_path(prefix)) + ".tmp-*"):
+        if not os.path.lexists(_temporaries(prefix, idx_tmp)[0]):
+            _remove_unlocked(idx_tmp, (idx_tmp,))
+
+
+def _remove_unlocked(tmp: str, paths: Iterable[str]) -> None:
+    """Remove ``paths`` where the lock on the temporary ``tmp`` can be taken: no live writer holds it."""
+    fd = _try_lock(tmp)
+    if fd is None:
+        return  # a live writer's, published or aborted meanwhile, or on a file system without locks
+    try:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    finally:
+        os.close(fd)
 
 
 def _identity(path: str) -> tuple[int, int]:

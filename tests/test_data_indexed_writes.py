@@ -46,16 +46,37 @@ def test_unfinished_write_is_not_visible(tmp_path):
     assert IndexedDataset(str(tmp_path / "a"))[0].tolist() == [1, 2, 3]
 
 
-KILLED_AFTER_SEAL = """
+KILLED_WRITER = """
 import os, signal, sys
 import numpy as np
-from data_pipeline.indexed import IndexedDatasetWriter
+from data_pipeline import indexed
 
-writer = IndexedDatasetWriter(sys.argv[1], np.uint16)
+prefix, where, replace = sys.argv[1:]
+writer = indexed.IndexedDatasetWriter(prefix, np.uint16, replace=replace == "replace")
 writer.add_document([1, 2])
 writer.seal()
+if where == "between renames":  # the writer takes each temporary's identity just before putting it in place
+    identity = indexed._identity
+    indexed._identity = lambda path: os.kill(os.getpid(), signal.SIGKILL) if ".idx.tmp-" in path else identity(path)
+    writer.publish()
 os.kill(os.getpid(), signal.SIGKILL)
 """
+
+
+def _kill_a_writer(prefix: str, where: str, replace: bool = True) -> None:
+    """Run a writer of ``prefix`` in a process of its own, killed outright (SIGKILL) ``where``: "after
+    seal", or "between renames" (its .bin put in place, its .idx not)."""
+    import subprocess
+    import sys
+
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, prefix, where, "replace" if replace else "keep"],
+                            capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+
+
+def _names(folder) -> list[str]:
+    """The files in ``folder``, each temporary's tag cut off."""
+    return sorted(p.name.split("-")[0] for p in folder.iterdir())
 
 
 def test_a_killed_writers_temporaries_are_swept_and_a_live_ones_kept(tmp_path):
@@ -64,23 +85,56 @@ def test_a_killed_writers_temporaries_are_swept_and_a_live_ones_kept(tmp_path):
     the prefix removes those whose lock no process holds, its sealed .idx with its .bin (planted: the
     .idx temporary under a tag of its own, which the sweep did not find), and leaves a live writer's,
     sealed or not."""
-    import subprocess
-    import sys
-
     prefix = str(tmp_path / "a")
-    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_SEAL, prefix], capture_output=True, text=True)
-    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["a.bin.tmp", "a.idx.tmp"], killed.stderr
+    _kill_a_writer(prefix, "after seal")
+    assert _names(tmp_path) == ["a.bin.tmp", "a.idx.tmp"]
     sealed = IndexedDatasetWriter(prefix, np.uint16)
     sealed.add_document([1, 2])
     sealed.seal()
-    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["a.bin.tmp", "a.idx.tmp"]
+    assert _names(tmp_path) == ["a.bin.tmp", "a.idx.tmp"]
     writing = IndexedDatasetWriter(prefix, np.uint16)
-    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["a.bin.tmp", "a.bin.tmp", "a.idx.tmp"]
+    assert _names(tmp_path) == ["a.bin.tmp", "a.bin.tmp", "a.idx.tmp"]
     sealed.finish()
     writing.abort()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.idx"]
+    assert _names(tmp_path) == ["a.bin", "a.idx"]
 
 
+class Killed(BaseException):
+    """The process dying where it is raised: no cleanup of the writer's runs."""
+
+
+@pytest.mark.parametrize("replace", [True, False], ids=["replacing", "not replacing"])
+def test_an_idx_left_by_a_writer_killed_between_its_renames_is_swept_and_a_live_ones_kept(tmp_path, monkeypatch,
+                                                                                          replace):
+    """Killed once its .bin was put in place, a writer left its .idx temporary with no .bin temporary
+    beside it, which the sweep (finding temporaries by the .bin's) never removed (planted: the sweep
+    of .bin temporaries alone). A live writer stopped at the same point keeps its own: it holds the
+    .idx temporary's lock from before the .bin's rename (planted: no lock on it, so any sweep took it),
+    and then publishes its shard whole."""
+    prefix = str(tmp_path / "a")
+    _kill_a_writer(prefix, "between renames", replace)
+    assert _names(tmp_path) == ["a.bin", "a.idx.tmp"]
+    live = IndexedDatasetWriter(prefix, np.uint16)
+    assert _names(tmp_path) == ["a.bin", "a.bin.tmp"]
+    live.add_document([3, 4, 5])
+    live.seal()
+    identity = indexed._identity
+
+    def stopped_at_the_idx(path):
+        if ".idx.tmp-" in path:
+            raise Killed
+        return identity(path)
+
+    monkeypatch.setattr(indexed, "_identity", stopped_at_the_idx)
+    with pytest.raises(Killed):
+        live.publish()
+    assert _names(tmp_path) == ["a.bin", "a.idx.tmp"]
+    later = IndexedDatasetWriter(prefix, np.uint16)
+    assert _names(tmp_path) == ["a.bin", "a.bin.tmp", "a.idx.tmp"]
+    monkeypatch.undo()
+    live.publish()
+    later.abort()
+    assert _names(tmp_path) == ["a.bin", "a.idx"] and IndexedDataset(prefix)[0].tolist() == [3, 4, 5]
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's descriptors in /proc")
 @pytest.mark.parametrize("end", ["finish", "abort"])
 def test_a_writer_that_is_done_holds_no_descriptor(tmp_path, end):
@@ -129,10 +183,6 @@ def test_writers_that_may_not_replace_keep_the_first_shard_published(tmp_path, m
     assert list(IndexedDataset(prefix).sizes) == [3] and list(IndexedDataset(prefix)[0]) == [1, 2, 3]
     write(prefix, [[4]])  # the default writer replaces
     assert list(IndexedDataset(prefix).sizes) == [1]
-
-
-class Killed(BaseException):
-    """The process dying where it is raised: no cleanup of the writer's runs."""
 
 
 def test_a_replacing_writer_killed_between_its_renames_leaves_no_stale_index(tmp_path, monkeypatch):
