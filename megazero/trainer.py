@@ -205,20 +205,10 @@ class Trainer:
             return
         meta = manifest["meta"]
         same_layout = meta["layout"] == layout_record(self.cfg)
-        try:
-            plan = files_to_load(ckpt, self.rank, self.engine.optimizer, manifest, same_layout)
-            problem = None
-        except CheckpointError as exc:
-            problem = f"{source}: {exc}{earlier_instead(ckpt, source)}"
-        if self._control is not None:  # every rank stops on the first rank's damaged file, before loading
-            every = [None] * self.world
-            dist.all_gather_object(every, problem, group=self._control)
-            problem = next((p for p in every if p), None)
-        if problem:
-            raise CheckpointError(problem)
-        try:
+        try:  # every rank stops on the first rank's damaged or changed file (on the control group)
+            plan = files_to_load(ckpt, self.rank, self.engine.optimizer, manifest, same_layout, self._control)
             exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest, same_layout,
-                                    plan)
+                                    plan, self._control)
         except CheckpointError as exc:
             raise CheckpointError(f"{source}: {exc}{earlier_instead(ckpt, source)}") from None
         self.saved_step = self.resumed_step = meta["step"]

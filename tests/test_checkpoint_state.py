@@ -13,7 +13,8 @@
 * A byte flipped in the rank files or in the index files is refused while resharding, naming the file,
   and by an exact load without a plan. A load handed its plan (``files_to_load``, which checked the
   files) hashes none of them again, but refuses them if they are no longer the files hashed; its
-  fallback from an exact plan to resharding hashes what it reads.
+  fallback from an exact plan to resharding hashes what it reads. A file changed under one rank's
+  load stops every rank of the load's group with that rank's line.
 * fp16 gradients kept in 16 bits under a 2^16 loss scale: the global norm is computed in fp32, so a
   large but finite gradient is not mistaken for an overflow.
 """
@@ -119,6 +120,7 @@ def _world(rank, world_size, root):
     out["files_read"] = _pipeline_reshard_reads(rank, root)
     out.update(_damaged_reshard(topo, rank, ckpt, root + "/damaged"))
     out.update(_swapped_after_plan(topo, rank, ckpt, root + "/swapped"))
+    out["swapped on rank 0"] = _swapped_on_one_rank(topo, rank, ckpt, root + "/swapped_on_one")
     return out
 
 
@@ -176,11 +178,7 @@ def _swapped_after_plan(topo, rank, ckpt, root):
         dist.barrier()
         if rank == 0:
             for r in range(2):
-                data = bytearray(open(f"{swapped}/{rank_file(r)}", "rb").read())
-                data[-1] ^= 0x40
-                with open(f"{swapped}/new", "wb") as f:
-                    f.write(data)
-                os.replace(f"{swapped}/new", f"{swapped}/{rank_file(r)}")
+                _swap_for_a_flipped_copy(f"{swapped}/{rank_file(r)}")
         dist.barrier()
         try:
             load_checkpoint(swapped, rank, target.chunks, target.optimizer, manifest, same_layout=True, plan=plan)
@@ -188,6 +186,40 @@ def _swapped_after_plan(topo, rank, ckpt, root):
         except CheckpointError as e:
             out[("swapped after plan", bucket_mb)] = (plan.exact, str(e))
     return out
+
+
+def _swap_for_a_flipped_copy(path: str) -> None:
+    """Replace ``path`` by a copy of it of the same size, its last byte flipped (a re-save's rename)."""
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0x40
+    with open(f"{path}.new", "wb") as f:
+        f.write(data)
+    os.replace(f"{path}.new", path)
+
+
+def _swapped_on_one_rank(topo, rank, ckpt, root):
+    """Rank 0's file alone replaced between the plan and an exact load, which loads the ranks as one
+    group: rank 0 meets the change, and rank 1, reading its own whole file, must stop too, with rank
+    0's line, rather than wait in the load's all-gather for a rank that has stopped. Returns the
+    error this rank raised (None: it loaded)."""
+    import shutil
+    from megazero.checkpoint import CheckpointError
+
+    if rank == 0:
+        shutil.copytree(ckpt, root)
+    dist.barrier()
+    target, manifest = _engine(topo, 0.002), read_manifest(root)
+    plan = files_to_load(root, rank, target.optimizer, manifest, same_layout=True, group=dist.group.WORLD)
+    dist.barrier()
+    if rank == 0:
+        _swap_for_a_flipped_copy(f"{root}/{rank_file(0)}")
+    dist.barrier()
+    try:
+        load_checkpoint(root, rank, target.chunks, target.optimizer, manifest, same_layout=True, plan=plan,
+                        group=dist.group.WORLD)
+    except CheckpointError as e:
+        return str(e)
+    return None
 
 
 def _longer_shard_resume(topo, rank, root, reference_next):
@@ -379,6 +411,16 @@ def test_a_file_swapped_between_the_plan_and_the_load_is_refused(report, bucket_
         planned_exact, error = out[("swapped after plan", bucket_mb)]
         assert planned_exact is exact and error is not None, (rank, error)
         assert "changed while it was read" in error and "/rank_0000" in error and "\n" not in error, (rank, error)
+
+
+def test_a_file_changed_under_one_ranks_load_stops_every_rank_with_that_ranks_line(report):
+    """Only rank 0 read the replaced file: rank 1 loaded its own and went on into the load's
+    all-gather, where it waited for rank 0, which had stopped with the one line (planted: no agreement
+    before the load's all-gather). Both raise rank 0's line, naming that rank and its file."""
+    errors = [r["swapped on rank 0"] for r in report]
+    assert errors[0] is not None and errors[1] == errors[0], errors
+    assert errors[0].startswith("rank 0: ") and "\n" not in errors[0], errors[0]
+    assert f"/swapped_on_one/{rank_file(0)}: the checkpoint changed while it was read" in errors[0], errors[0]
 
 
 @pytest.mark.parametrize("kind", ["rank file", "index file"])

@@ -18,11 +18,13 @@ added or dropped by a different padding (the vocabulary is padded to 128·tp) ar
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from megazero.checkpoint.format import CheckpointError, FileIdentity, load_file, verify_file
 from megazero.checkpoint.reader import CheckpointReader, index_file, rank_file
@@ -51,15 +53,42 @@ class LoadPlan:
     checked: dict[str, FileIdentity]
 
 
-def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> LoadPlan:
+def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool,
+                  group: Optional[dist.ProcessGroup] = None) -> LoadPlan:
     """The files ``load_checkpoint`` reads on this rank (its own, or those holding its tensors), each
-    checked (size and sha256) here, before anything is loaded. A rank that meets a damaged file
-    inside the load would stop there, while its peers wait in the load's closing collectives and
-    then fail on the lost connection: checked first, every rank can agree on the error instead, and
-    the load, handed this plan, neither hashes them again nor reads the shard's description twice
-    (an exact resume whose saved shard turns out padded otherwise falls back to resharding, whose
-    files it checks as it reads). A file replaced or rewritten between the plan and the load is
-    refused by the load, on that rank alone."""
+    checked (size and sha256) here, before anything is loaded: the load, handed this plan, neither
+    hashes them again nor reads the shard's description twice (an exact resume whose saved shard
+    turns out padded otherwise falls back to resharding, whose files it checks as it reads).
+    ``group``: the ranks loading together, which all stop on the first one's damaged file
+    (``agreed_on_errors``)."""
+    with agreed_on_errors(rank, group):
+        return _plan(ckpt, rank, optimizer, manifest, same_layout)
+
+
+@contextlib.contextmanager
+def agreed_on_errors(rank: int, group: Optional[dist.ProcessGroup]) -> Iterator[None]:
+    """Run the block on every rank of the process ``group``, then agree on its outcome: where any rank
+    met a ``CheckpointError``, every rank raises the first such rank's, naming that rank. A rank that
+    stopped alone would leave its peers waiting in the load's next collective, to fail there on the
+    lost connection with a traceback each. ``group`` None: this rank alone, which raises its own."""
+    error: Optional[CheckpointError] = None
+    try:
+        yield
+    except CheckpointError as exc:
+        if group is None:
+            raise
+        error = exc
+    if group is None:
+        return
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, None if error is None else (rank, str(error)), group=group)
+    first = next((outcome for outcome in every if outcome is not None), None)
+    if first is not None:
+        raise CheckpointError(f"rank {first[0]}: {first[1]}")
+
+
+def _plan(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> LoadPlan:
+    """``files_to_load`` on this rank alone."""
     checked: dict[str, FileIdentity] = {}
     exact = _exact(ckpt, rank, optimizer, manifest, same_layout, checked)
     if exact:
@@ -85,9 +114,13 @@ def _exact(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout
 
 
 def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: dict, same_layout: bool,
-                    plan: Optional[LoadPlan] = None) -> bool:
+                    plan: Optional[LoadPlan] = None, group: Optional[dist.ProcessGroup] = None) -> bool:
     """Load ``ckpt`` into this rank; returns True for an exact (same-layout) resume. ``plan``: what
     ``files_to_load`` decided and checked (without one, the load decides, and checks as it reads).
+    ``group``: the ranks loading together. A file replaced or rewritten under a rank's reads (since
+    the plan hashed it, or during them) is met by that rank alone: the ranks agree on their reads
+    (``agreed_on_errors``) before the parameters' all-gather that ends every rank's load, so each
+    stops with that rank's one line instead of its peers waiting in that collective.
 
     The fast path reads only this rank's own file, random generators included, and is taken only
     when that file's shard description equals this rank's: a layout dict can match while the flat
@@ -98,21 +131,31 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
     at the same tensor, pipeline and data coordinates, and its tensor-group peers, which may have
     resumed exactly, must draw the same dropout masks as it does.
     """
+    with agreed_on_errors(rank, group):
+        exact, rng = _read_into(ckpt, rank, optimizer, manifest, same_layout, plan)
+    optimizer.publish_loaded()
+    if rng is not None:
+        restore_rng(chunks, rng)
+    return exact
+
+
+def _read_into(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool,
+               plan: Optional[LoadPlan]) -> tuple[bool, Optional[dict]]:
+    """Every read of ``load_checkpoint``, the optimizer's shard filled and not yet published; returns
+    whether the load was exact and the random generators' states to restore (None: none saved for
+    this rank)."""
     own_file = same_layout and rank_file(rank) in manifest["files"]
     checked = dict(plan.checked) if plan is not None else {}  # each file is hashed once in all
     exact = plan.exact if plan is not None else _exact(ckpt, rank, optimizer, manifest, same_layout, checked)
     if exact:
         state = load_file(ckpt, rank_file(rank), manifest=manifest, checked=checked)
         if state["master"].numel() == optimizer.master.numel():  # the padding may differ (older layouts)
-            optimizer.load_sharded_state_dict(state)
-            restore_rng(chunks, state["rng"])
-            return True
+            optimizer.load_sharded_state_dict(state, publish=False)
+            return True, state["rng"]
     # an exact resume falling back here reads files ``files_to_load`` did not name: those are hashed
     reader = CheckpointReader(ckpt, manifest, checked=checked)
     load_resharded(reader, optimizer)
-    if own_file:
-        restore_rng(chunks, reader.values(rank, ("rng",))["rng"])
-    return False
+    return False, reader.values(rank, ("rng",))["rng"] if own_file else None
 
 
 def _description(ckpt, rank: int, manifest: dict, checked: dict[str, FileIdentity]) -> dict:
@@ -123,7 +166,8 @@ def _description(ckpt, rank: int, manifest: dict, checked: dict[str, FileIdentit
 def load_resharded(reader: CheckpointReader, optimizer: ShardedAdamW) -> None:
     """Any other layout: rebuild each logical tensor this rank needs, one at a time, and take the new
     slice of it. Only the rank files holding such a tensor are opened (a pipeline stage reads its own
-    stage's files, not the whole checkpoint)."""
+    stage's files, not the whole checkpoint). The shard is left unpublished (``load_checkpoint``
+    publishes it once every rank's reads succeeded)."""
     ckpt = reader.ckpt
     wanted = optimizer.local_tensors()
     holders = reader.holders(name for name, _, _ in wanted)
@@ -138,7 +182,7 @@ def load_resharded(reader: CheckpointReader, optimizer: ShardedAdamW) -> None:
         for name, shape, shard in wanted:
             full = reader.read(name, STATE_KEYS)
             yield {key: fit_to_shard(full[key], shard, shape, name, ckpt) for key in STATE_KEYS}
-    optimizer.load_local_state(local_values(), adam_step, scaler)
+    optimizer.load_local_state(local_values(), adam_step, scaler, publish=False)
 
 
 def load_full_weights(ckpt, manifest: Optional[dict] = None) -> dict[str, torch.Tensor]:
