@@ -17,7 +17,9 @@ describes a whole ``.bin``. A writer told not to replace (what ``megazero prepro
 use) links instead of renaming, so of two runs on one prefix the second to finish stops rather than
 replace the first's shard. A writer killed outright leaves its temporaries; the next writer of the
 prefix removes them (``remove_stale_temporaries``), also an ``.idx`` left by one killed between its
-two renames.
+two renames. A live writer's are kept by the lock it takes on each as it makes it; a ``.bin`` one
+removed in the moment before that lock is made again under a new name (its ``.idx`` one, made
+later, is kept by the ``.bin``'s lock).
 
 A shard's ``fingerprint`` (sha256 of its ``.idx``) keys everything derived from it and cached on
 disk: the GPT sample indices and ``largest_token_id``.
@@ -87,15 +89,14 @@ class IndexedDatasetWriter:
         self._recorded = False  # whether this writer wrote the shard's tokenizer record (an abort removes it)
         self._sealed = False
         remove_stale_temporaries(prefix)
-        self._bin_tmp, self._idx_tmp = _temporaries(prefix, temp_name(bin_path(prefix)))
         self._sizes = array("i")  # int32 lengths, appended without a numpy object per document
-        self._locks: list[int] = []  # one on each temporary it has written: what keeps them from a sweep
+        self._locks: list[int] = []  # one on each temporary it has made: what keeps them from a sweep
         try:  # the last step: once it returns, the caller holds a writer that can abort
+            self._claim_temporaries()
             self._bin = open(self._bin_tmp, "wb")
-            self._hold(self._bin_tmp)
         except BaseException as exc:
-            # an interrupt (SIGTERM, Ctrl-C) handled as open() returns comes after the file exists;
-            # a failed open made none, and its name may not even be valid (too long)
+            # an interrupt (SIGTERM, Ctrl-C) handled as a file is made comes after it exists; a failed
+            # creation made none, and its name may not even be valid (too long)
             with contextlib.suppress(OSError):
                 os.unlink(self._bin_tmp)
             self._unlock()
@@ -103,6 +104,16 @@ class IndexedDatasetWriter:
             if isinstance(exc, OSError):
                 raise _not_written(prefix, exc) from None
             raise
+
+    def _claim_temporaries(self) -> None:
+        """Name this writer's temporaries and make its ``.bin`` one, locked (``_create_locked``). Where
+        another writer's sweep removed the file before its lock was taken, the name is given up for a
+        new one: written on, the file would be unlinked, and the shard lost as it was published."""
+        while True:
+            self._bin_tmp, self._idx_tmp = _temporaries(self.prefix, temp_name(bin_path(self.prefix)))
+            with contextlib.suppress(_Swept):
+                self._hold_new(self._bin_tmp)
+                return
 
     def _write_tokens(self, tokens) -> int:
         tokens = np.ascontiguousarray(tokens, dtype=self.dtype)
@@ -144,12 +155,12 @@ class IndexedDatasetWriter:
             return
         try:
             self._bin.close()
+            # locked before the .bin is put in place: from then on the .bin's lock is on the shard's own
+            # file, which no sweep looks at, and this one keeps the .idx temporary from the sweep
+            self._hold_new(self._idx_tmp)
             write_index(self._idx_tmp, self.dtype, np.frombuffer(self._sizes, dtype=np.int32))
         except OSError as exc:
             raise _not_written(self.prefix, exc) from None
-        # taken before the .bin is put in place: from then on the .bin's lock is on the shard's own
-        # file, which no sweep looks at, and this one keeps the .idx temporary from the sweep
-        self._hold(self._idx_tmp)
         self._sealed = True
 
     def publish(self) -> None:
@@ -182,9 +193,9 @@ class IndexedDatasetWriter:
                 raise _not_written(self.prefix, exc) from None
         self._unlock()  # nothing of this writer's is left under a temporary name
 
-    def _hold(self, tmp: str) -> None:
-        """Lock the temporary ``tmp`` for as long as this writer lives (``_try_lock``)."""
-        fd = _try_lock(tmp)
+    def _hold_new(self, tmp: str) -> None:
+        """Make the temporary ``tmp``, holding its lock for as long as this writer lives (``_create_locked``)."""
+        fd = _create_locked(tmp)
         if fd is not None:
             self._locks.append(fd)
 
@@ -260,18 +271,50 @@ def _temporaries(prefix: str, tmp: str) -> tuple[str, str]:
     return bin_path(prefix) + tag, idx_path(prefix) + tag
 
 
+class _Swept(Exception):
+    """A new temporary removed by another writer's sweep before its own writer had locked it."""
+
+
+def _lock(fd: int, wait: bool) -> bool:
+    """Take the exclusive lock on the file open at ``fd``; False where the file system takes no locks,
+    or (``wait`` off) another descriptor holds it. A writer holds one on each of its temporaries until
+    it has published or aborted: what tells its files from those of a killed writer."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def _create_locked(tmp: str) -> int | None:
+    """Create the temporary ``tmp`` and return a descriptor holding its lock, or None on a file system
+    that takes no locks (where no sweep removes a temporary either). No call makes a file and locks it
+    in one step: between the two, a sweep by another writer of the prefix can take the lock first and
+    remove the file as a killed writer's. The lock is waited for (a sweep holds it only to remove the
+    file), then ``tmp`` is checked to hold the locked file still: raises ``_Swept`` where it does not.
+    Once locked, it is safe from every sweep."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        if not _lock(fd, wait=True):
+            os.close(fd)
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
+                return fd
+        raise _Swept(tmp)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _try_lock(tmp: str) -> int | None:
-    """A descriptor holding an exclusive lock on a writer's temporary file, or None where it cannot be
-    had (the file gone, the lock held, a file system that takes no locks). A writer holds its own until
-    it has published or aborted: what tells its files from those of a killed writer (a writer without
-    one is never swept)."""
+    """A descriptor holding the lock on the temporary ``tmp`` (``_lock``), or None where it cannot be
+    had (the file gone, the lock held, a file system that takes no locks): what the sweep asks."""
     try:
         fd = os.open(tmp, os.O_RDONLY)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    if not _lock(fd, wait=False):
         os.close(fd)
         return None
     return fd
@@ -281,13 +324,15 @@ def remove_stale_temporaries(prefix: str) -> None:
     """Remove the temporary files that writers of ``prefix`` killed outright (SIGKILL, the OOM killer,
     a crash) left behind: no cleanup of theirs ran, and nothing else would ever remove them, while a
     large shard's ``.bin`` keeps its size on the disk. A live writer holds a lock on each temporary
-    it has written (``_try_lock``, on this node or, where the file system shares locks, another), so
-    one whose lock can be taken belongs to no running writer.
+    it has made (``_lock``, on this node or, where the file system shares locks, another), so one
+    whose lock can be taken belongs to no running writer, or to one that has only just made it and
+    then takes a new name (``_create_locked``).
 
     A ``.bin`` temporary is judged by its own lock, and takes its ``.idx`` with it: while the ``.bin``
-    is there, its writer may be writing the ``.idx``, not yet locked. An ``.idx`` temporary left
-    without its ``.bin`` (put in place by a writer killed before the ``.idx``'s rename) is judged by
-    its own: its writer locked it before putting the ``.bin`` in place."""
+    is there, its writer may have just made the ``.idx``, not yet locked, and no new name can be
+    taken for it alone (the pair shares a tag). An ``.idx`` temporary left without its ``.bin`` (put
+    in place by a writer killed before the ``.idx``'s rename) is judged by its own: its writer locked
+    it before putting the ``.bin`` in place."""
     for bin_tmp in glob.glob(glob.escape(bin_path(prefix)) + ".tmp-*"):
         _remove_unlocked(bin_tmp, _temporaries(prefix, bin_tmp))
     for idx_tmp in glob.glob(glob.escape(idx_path(prefix)) + ".tmp-*"):

@@ -257,3 +257,30 @@ def test_a_folder_where_a_shard_file_goes_is_one_line_before_any_work(tmp_path, 
         w.add_document([1, 2, 3])
         folder.mkdir()
     assert os.listdir(tmp_path) == [folder.name]
+
+
+@pytest.mark.parametrize("made", [1, 2], ids=[".bin", ".idx"])
+def test_a_sweep_between_a_temporarys_creation_and_its_lock_leaves_the_writer_whole(tmp_path, monkeypatch, made):
+    """Another writer of the prefix, starting just as this one makes a temporary, sweeps it before this
+    one has locked it: the .bin one was removed, and the writer wrote on into an unlinked file, then
+    failed as it published with an error blaming the disk (planted: the name not checked once the
+    lock is held, so the writer goes on with a file it does not hold, which the next sweep takes). The
+    .idx one is kept by the .bin's lock (planted: an .idx judged by its own lock beside its .bin).
+    Either way the writer's files are held from then on, and it publishes its shard whole."""
+    prefix, lock = str(tmp_path / "a"), indexed._lock
+    waits = []
+
+    def sweep_first(fd, wait):
+        waits.append(wait)  # the writer waits for the lock on its new file; a sweep never waits
+        if wait and waits.count(True) == made:
+            indexed.remove_stale_temporaries(prefix)
+        return lock(fd, wait)
+
+    monkeypatch.setattr(indexed, "_lock", sweep_first)
+    writer = IndexedDatasetWriter(prefix, np.uint16)
+    writer.add_document([1, 2, 3])
+    writer.seal()
+    assert waits.count(False) == 1  # the sweep judged the writer's .bin temporary by its lock
+    indexed.remove_stale_temporaries(prefix)  # a later writer's
+    writer.publish()
+    assert _names(tmp_path) == ["a.bin", "a.idx"] and IndexedDataset(prefix)[0].tolist() == [1, 2, 3]
