@@ -6,7 +6,15 @@ else is a bug and keeps its traceback.
 
 
 class UserError(Exception):
-    """Something the user can fix: bad input, a missing file, an impossible layout."""
+    """Something the user can fix: bad input, a missing file, an impossible layout.
+
+    ``agreed``: raised on every rank of a launch, rank 0 among them, once the ranks agreed on it: each
+    raises this same line, but for a rank it names, which raises the error it met. ``megazero train``
+    has rank 0 alone print it (a world of 8 printed it 8 times)."""
+
+    def __init__(self, *args, agreed: bool = False) -> None:
+        super().__init__(*args)
+        self.agreed = agreed
 
 
 class ConfigError(UserError):

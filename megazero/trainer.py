@@ -205,12 +205,12 @@ class Trainer:
             return
         meta = manifest["meta"]
         same_layout = meta["layout"] == layout_record(self.cfg)
-        try:  # every rank stops on the first rank's damaged or changed file (on the control group)
+        try:  # every rank stops on the first rank's error: a damaged or changed file, or any other (control group)
             plan = files_to_load(ckpt, self.rank, self.engine.optimizer, manifest, same_layout, self._control)
             exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest, same_layout,
                                     plan, self._control)
         except CheckpointError as exc:
-            raise CheckpointError(f"{source}: {exc}{earlier_instead(ckpt, source)}") from None
+            raise CheckpointError(f"{source}: {exc}{earlier_instead(ckpt, source)}", agreed=exc.agreed) from None
         self.saved_step = self.resumed_step = meta["step"]
         self.state = TrainState(step=meta["step"], consumed=meta["consumed"], skipped=meta["skipped"],
                                 bad_in_row=meta.get("bad_in_row", 0))

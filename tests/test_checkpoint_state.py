@@ -14,7 +14,8 @@
   and by an exact load without a plan. A load handed its plan (``files_to_load``, which checked the
   files) hashes none of them again, but refuses them if they are no longer the files hashed; its
   fallback from an exact plan to resharding hashes what it reads. A file changed under one rank's
-  load stops every rank of the load's group with that rank's line.
+  load stops every rank of the load's group with that rank's line; an error of another kind on one
+  rank (a bug, an unreadable file) too, the rank raising its own.
 * fp16 gradients kept in 16 bits under a 2^16 loss scale: the global norm is computed in fp32, so a
   large but finite gradient is not mistaken for an overflow.
 """
@@ -25,6 +26,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import traceback
 
 import pytest
 import torch
@@ -421,6 +423,38 @@ def test_a_file_changed_under_one_ranks_load_stops_every_rank_with_that_ranks_li
     assert errors[0] is not None and errors[1] == errors[0], errors
     assert errors[0].startswith("rank 0: ") and "\n" not in errors[0], errors[0]
     assert f"/swapped_on_one/{rank_file(0)}: the checkpoint changed while it was read" in errors[0], errors[0]
+
+
+def _refused_on_rank_1(rank, world_size, root):
+    """An exact load whose rank 1 meets an error that is no ``CheckpointError`` (the optimizer refusing
+    the saved shard): returns what each rank raised, with whether it is agreed on and the function
+    whose frame ends its traceback."""
+    topo = Topology(RankGrid(tp=1, pp=1, dp=2))
+    source = _engine(topo, 0.002)
+    _step(source, 0)
+    ckpt = _save(source, root, rank)
+    target = _engine(topo, 0.002)
+    if rank == 1:
+        def refuse(*args, **kwargs):
+            raise ValueError("the saved shard\nis laid out differently")
+        target.optimizer.load_sharded_state_dict = refuse
+    try:
+        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True,
+                        group=dist.group.WORLD)
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return type(e).__name__, str(e), getattr(e, "agreed", None), traceback.extract_tb(e.__traceback__)[-1].name
+    return None
+
+
+def test_an_error_of_any_kind_on_one_rank_stops_its_peers_with_its_one_line(tmp_path):
+    """Rank 1's ValueError passed the ranks' agreement, which took only a ``CheckpointError``: rank 0 waited
+    in it for rank 1 (until the group's timeout, minutes, or its lost connection), then died with a
+    traceback (planted: ``except CheckpointError``).
+    Rank 1 raises its own error, its traceback kept; rank 0 one line naming rank 1 and that error, marked
+    agreed (rank 0 says it for every rank that raises it)."""
+    failed, refused = run_world(2, _refused_on_rank_1, str(tmp_path), timeout=60)
+    assert refused == ("ValueError", "the saved shard\nis laid out differently", None, "refuse"), refused
+    assert failed[:3] == ("CheckpointError", "rank 1: ValueError: the saved shard is laid out differently", True)
 
 
 @pytest.mark.parametrize("kind", ["rank file", "index file"])

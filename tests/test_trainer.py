@@ -556,7 +556,8 @@ def test_the_profiled_window_pauses_queueing_alike_on_every_rank(tmp_path, layou
 def test_a_damaged_rank_file_stops_every_rank_with_its_one_line(data_prefix, tmp_path):
     """A resume whose rank 1 file is damaged: rank 1 named it, rank 0 went on into the load's
     collectives and died on the lost connection with a traceback. Every rank checks the files it
-    will read first, and all stop on the first rank's line."""
+    will read first, and all stop on the first rank's line, which rank 0 alone prints (planted: every
+    rank printing it, a line per rank)."""
     cfg = _write_config(tmp_path / "bad.yaml", data_prefix, str(tmp_path / "bad"), 2)
     assert _launch(cfg, 2).wait(timeout=300) == 0
     ckpt = latest_checkpoint(tmp_path / "bad" / "checkpoints")
@@ -569,6 +570,6 @@ def test_a_damaged_rank_file_stops_every_rank_with_its_one_line(data_prefix, tmp
                            "-m", "megazero.cli", "train", cfg, "--train.train_steps", "4"], env=env,
                           capture_output=True, text=True, timeout=300)
     out = done.stdout + done.stderr
-    errors = sorted({line for line in out.splitlines() if "megazero train: error:" in line})
-    assert len(errors) == 1 and f"{damaged}: sha256" in errors[0], out
+    errors = [line for line in out.splitlines() if "megazero train: error:" in line]
+    assert len(errors) == 1 and f"rank 1: {damaged}: sha256" in errors[0], out
     assert "Traceback" not in out and "Connection closed" not in out, out

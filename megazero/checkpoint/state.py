@@ -68,23 +68,38 @@ def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same
 @contextlib.contextmanager
 def agreed_on_errors(rank: int, group: Optional[dist.ProcessGroup]) -> Iterator[None]:
     """Run the block on every rank of the process ``group``, then agree on its outcome: where any rank
-    met a ``CheckpointError``, every rank raises the first such rank's, naming that rank. A rank that
-    stopped alone would leave its peers waiting in the load's next collective, to fail there on the
-    lost connection with a traceback each. ``group`` None: this rank alone, which raises its own."""
-    error: Optional[CheckpointError] = None
+    met an error, every rank stops. A rank that stopped alone would leave its peers waiting, in the
+    load's next collective or in this agreement's until the group's timeout (minutes), to fail there
+    with a traceback each. The first such rank's error is the one named: a ``CheckpointError`` every
+    rank raises, naming that rank; any other (a bug, a file that cannot be read) each rank that met
+    it raises itself, with its traceback, and its peers raise a ``CheckpointError`` naming the rank
+    and that error in one line. What they raise is ``agreed`` (``UserError``): rank 0 says it for
+    all. ``group`` None: this rank alone, which raises its own."""
+    error: Optional[Exception] = None
     try:
         yield
-    except CheckpointError as exc:
+    except Exception as exc:  # noqa: BLE001 - agreed on below, then raised
         if group is None:
             raise
         error = exc
     if group is None:
         return
     every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, None if error is None else (rank, str(error)), group=group)
+    dist.all_gather_object(every, None if error is None else (rank, _one_line(error)), group=group)
     first = next((outcome for outcome in every if outcome is not None), None)
+    if error is not None and not isinstance(error, CheckpointError):
+        raise error
     if first is not None:
-        raise CheckpointError(f"rank {first[0]}: {first[1]}")
+        raise CheckpointError(f"rank {first[0]}: {first[1]}", agreed=True)
+
+
+def _one_line(error: Exception) -> str:
+    """``error`` as its peers name it: a ``CheckpointError``'s line as it is (it names its path), any
+    other's type and message, on one line."""
+    if isinstance(error, CheckpointError):
+        return str(error)
+    message = " ".join(str(error).split())
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def _plan(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> LoadPlan:

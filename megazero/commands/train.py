@@ -57,7 +57,12 @@ def run(args) -> int:
         return 0
     from megazero.startup import start_run
 
-    return start_run(cfg, launch, started)
+    try:
+        return start_run(cfg, launch, started)
+    except UserError as exc:
+        if launch.rank == 0 or not exc.agreed:
+            raise
+        return 2  # every rank raised it alike (``UserError.agreed``): rank 0 says it for all
 
 
 def checked_config(args, launch):
