@@ -68,7 +68,7 @@ def verify_consistent(cfg: Config) -> None:
         odd = [r for r, fp in enumerate(everyone) if fp[k] != everyone[0][k]]
         if odd:
             raise UserError(f"ranks {odd} run a different {what} from rank 0; launch every rank with the same "
-                            f"config file, overrides and megazero checkout")
+                            f"config file, overrides and megazero checkout", agreed=True)
 
 
 def lock_directories(cfg: Config) -> list[RunDirLock]:

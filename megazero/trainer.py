@@ -194,7 +194,7 @@ class Trainer:
                 problem = [str(exc)]
         dist.broadcast_object_list(problem, src=0)
         if problem[0]:
-            raise CheckpointError(problem[0])
+            raise CheckpointError(problem[0], agreed=True)
 
     def _resume(self, ckpt, manifest: Optional[dict], source: str) -> None:
         if ckpt is None:
@@ -406,7 +406,7 @@ class Trainer:
         if self.state.bad_in_row >= self.cfg.train.max_bad_steps:
             raise UserError(f"the loss or the gradients were NaN or inf for {self.state.bad_in_row} steps in a "
                             f"row (to step {queued.step}): the run is diverging; lower optimizer.lr, raise "
-                            "schedule.warmup_steps or resume from an earlier checkpoint")
+                            "schedule.warmup_steps or resume from an earlier checkpoint", agreed=True)
         # A step's time is from the end of the one before (or its own queueing, if later) to its end:
         # in a steady run, the time between two steps' ends. A GPU step ends when its results can be
         # read; a CPU step, computed while it was queued, when its queueing did (by the time it is

@@ -21,6 +21,7 @@ def _outcome(cfg) -> str:
         startup.verify_consistent(cfg)
         return "ok"
     except UserError as exc:
+        assert exc.agreed, "every rank raises this line: rank 0 alone should print it"
         return str(exc)
 
 

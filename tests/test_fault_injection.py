@@ -144,7 +144,7 @@ def _nan_world(rank, world_size, prefix, root):
             trainer.train()
             out[case] = {"error": None}
         except UserError as exc:
-            out[case] = {"error": str(exc)}
+            out[case] = {"error": str(exc), "agreed": exc.agreed}
         masters[trainer.state.step] = trainer.engine.optimizer.master.clone()
         snapshots = {step: bool(torch.equal(masters[step - 1], masters[step])) for step in masters if step - 1 in masters}
         out[case].update(unchanged=snapshots, skipped=trainer.state.skipped)
@@ -169,6 +169,7 @@ def test_nan_gradients_with_finite_losses_stop_the_run(nan_results):
     for rank, result in enumerate(nan_results):
         always = result["always"]
         assert always["error"] is not None and "NaN or inf for 3 steps in a row" in always["error"], (rank, always)
+        assert always["agreed"], "every rank stops on this line: rank 0 alone should print it"
         assert always["skipped"] == 3, (rank, always)
 
 
