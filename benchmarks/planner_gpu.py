@@ -13,8 +13,10 @@ with the planner's predicted tokens/s and peak memory for the same config, layou
 chosen by the device's name), and the ratios. Runs: ``1gpu`` (ZeRO 1), ``2gpu-zero1``,
 ``2gpu-zero3``, ``2gpu-pp2``, ``2gpu-tp2`` (sequence parallel on), and ``2gpu-tp2-mbs4`` (the same at
 micro-batch 4: a check of the tensor-parallel constant, which was fitted on ``2gpu-tp2``). The efficiency constants in
-``megazero/planner/hardware.py`` are recalibrated from the ``1gpu`` run: measured tokens/s over
-predicted, times the preset's efficiency.
+``megazero/planner/hardware.py`` can be checked on the ``1gpu`` run: measured tokens/s over predicted,
+times the preset's efficiency (which scales the micro-batch's fixed cost with it: the H100/H200
+figures were fitted together with that cost, from ``benchmarks/train_gpu.py`` runs of one step's
+sequences in micro-batches of 1 to 16, ``compile-m16-mbs1`` ... ``compile-m1-mbs16``).
 """
 
 from __future__ import annotations

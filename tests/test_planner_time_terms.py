@@ -8,6 +8,8 @@ The model is a small GPT (4 blocks of width 64, vocabulary 512, sequence 32, bf1
 accumulation) with 12h^2 + 13h parameters a block, counted by hand; its FLOPs per token come from
 ``flops_per_token``, itself checked by hand in test_metrics."""
 
+import dataclasses
+
 import pytest
 
 from megazero.config import load_config, resolve_config
@@ -17,7 +19,9 @@ from megazero.planner.hardware import custom_gpu
 
 H, LAYERS, SEQ, VOCAB = 64, 4, 32, 512
 NUMEL = LAYERS * (12 * H * H + 13 * H) + VOCAB * H + SEQ * H + 2 * H  # blocks, embedding, positions, final norm
-H100 = GPUS["h100"]  # 989 TFLOP/s at 0.58, HBM 3350 GB/s, NVLink 450 GB/s (0.45 for tensor parallelism)
+# 989 TFLOP/s at 0.62, HBM 3350 GB/s, NVLink 450 GB/s (0.45 for tensor parallelism); without the fixed cost
+# of a micro-batch, which has its own test, so that each other term shows alone
+H100 = dataclasses.replace(GPUS["h100"], block_overhead_s=None)
 LINK = 0.8  # what a link delivers of its datasheet figure
 
 
@@ -26,6 +30,34 @@ def config(world, *overrides):
         "--model.num_layers", str(LAYERS), "--model.hidden_size", str(H), "--model.num_heads", "4",
         "--model.seq_length", str(SEQ), "--model.vocab_size", str(VOCAB), "--precision.dtype", "bf16",
         "--train.micro_batch_size", "1", *overrides]), world, world)
+
+
+@pytest.mark.parametrize("mbs, recompute", [(1, "none"), (4, "none"), (1, "full")])
+def test_a_micro_batch_costs_its_weights_traffic_and_its_blocks_whatever_its_tokens(mbs, recompute):
+    """Per micro-batch: each bf16 weight read twice (forward, input gradient) and each fp32 gradient read
+    and written (12 bytes a parameter) at 80% of 3350 GB/s, plus 0.26 ms a block (a recomputed forward a
+    third of that), on top of the FLOPs; the same for 1 sequence or 4 (planted: the traffic counted once
+    per step, not per micro-batch; recomputed blocks left out)."""
+    cfg = config(1, "--train.micro_batch_size", str(mbs), "--train.global_batch_size", str(4 * mbs),
+                 "--parallel.recompute", recompute)
+    with_fixed, flops_only = (estimate_step(cfg, Cluster(gpu, 1, 1)).compute_s for gpu in (GPUS["h100"], H100))
+    fixed = with_fixed - flops_only
+    blocks = LAYERS * (4 / 3 if recompute == "full" else 1)
+    assert fixed == pytest.approx(4 * (NUMEL * 12 / (3350e9 * 0.8) + blocks * 0.26e-3))
+
+
+def test_each_pipeline_rank_pays_for_its_own_weights_and_blocks():
+    """pp 2 split [3, 1]: the first rank's fixed cost is its three blocks, embedding and positions, the
+    second's its one block and final norm (the head is tied to the embedding on the first rank, whose
+    copy the second holds too)."""
+    from megazero.planner.memory import rank_params
+    from megazero.planner.time import _micro_batch_fixed_s
+
+    cfg = config(2, "--parallel.pp", "2", "--parallel.pipeline_split", "[3, 1]", "--train.global_batch_size", "4")
+    for rank, blocks in ((0, 3), (1, 1)):
+        expected = rank_params(cfg, rank) * 12 / (3350e9 * 0.8) + blocks * 0.26e-3
+        assert _micro_batch_fixed_s(cfg, GPUS["h100"], rank, blocks) == pytest.approx(expected)
+    assert rank_params(cfg, 0) > 3 * (12 * H * H + 13 * H) > rank_params(cfg, 1)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -1,17 +1,19 @@
 """The machines the planner plans for: one GPU's memory, speed and links, and how many there are.
 
 A preset holds datasheet figures (memory, dense 16-bit peak, HBM bandwidth, per-GPU NVLink and
-InfiniBand bandwidth in one direction) and one measured figure, ``efficiency``: the fraction of peak
-that a GPT's matrix work reaches on that GPU in practice. The step-time model divides FLOPs by
-``peak * efficiency`` and adds what it predicts for communication and pipeline bubbles on top, so
-``efficiency`` is meant to be measured where those are absent or small (one GPU, or data parallelism
-that overlaps its reduction). Each constant below says where it came from; ``benchmarks/planner_gpu.py``
-measures it again on a lent GPU.
+InfiniBand bandwidth in one direction) and measured figures: ``efficiency``, the fraction of peak
+that a GPT's matrix work reaches on that GPU in practice, and, where measured, ``block_overhead_s``,
+what each block's kernels cost a micro-batch whatever its token count. The step-time model divides
+FLOPs by ``peak * efficiency``, adds each micro-batch's fixed cost, and what it predicts for
+communication and pipeline bubbles on top, so both are meant to be measured where those are absent
+or small (one GPU, or data parallelism that overlaps its reduction). Each constant below says where
+it came from; ``benchmarks/planner_gpu.py`` measures the efficiency again on a lent GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 GIB = 2.0**30
 
@@ -26,10 +28,15 @@ LINK_EFFICIENCY = 0.8
 # pass, not during it: 2 * 31/32 * 1.7e9 * 2 bytes at 20 GB/s per GPU is 0.33 s of a 3.6 s step. The
 # compute alone therefore ran at 137 * 3.6 / (3.6 - 0.33) = 150 TFLOP/s, 48% of peak.
 A100_EFFICIENCY = 0.48
-# H100 and H200 (same dense peak): the GPT 1.3B of configs/gpt_1.3b.yaml trained by `megazero train`
-# on one H100 (benchmarks/planner_gpu.py, BENCHMARKS.md "The planner against megazero train"):
-# 62.4k tokens/s, i.e. the matrix work at 58% of peak once the optimizer step is taken out.
-H100_EFFICIENCY = 0.58
+# H100 and H200 (same dense peak): the GPT 1.3B of configs/gpt_1.3b.yaml, compiled, on one H200 with 16
+# sequences a step in micro-batches of 1, 2, 4, 8 and 16 (BENCHMARKS.md, "The planner's micro-batch
+# term"): the steps lie on a line of 10.35 ms per micro-batch plus 486 ms for the step's 32,768
+# tokens once the optimizer step is taken out, i.e. the tokens' matrix work at 62% of peak. Of the
+# 10.35 ms, 4.1 are the weights' traffic the time model derives (``planner.time``), the rest, 6.2 ms,
+# is 0.26 ms per block: its kernels' start and drain, and products too small to fill every
+# multiprocessor. (Before this term: 0.58 at micro-batch 8 alone, megazero train on one H100.)
+H100_EFFICIENCY = 0.62
+H100_BLOCK_OVERHEAD_S = 0.26e-3
 # Tensor-parallel collectives: the fraction of the NVLink datasheet bandwidth that the exposed
 # sequence-parallel all-gathers and reduce-scatters effectively reach, everything they cost around
 # the GEMMs included (smaller per-rank GEMMs, the extra elementwise passes). A100: the link
@@ -54,6 +61,10 @@ class GPU:
     inter_node_GBps: float   # the node's InfiniBand divided among its GPUs, per GPU, one direction
     efficiency: float
     tp_link_efficiency: float = LINK_EFFICIENCY  # what tensor-parallel collectives reach (see above)
+    # per block and micro-batch (see above); None where ``efficiency`` comes from a published end-to-end
+    # figure, whose run's fixed costs it already holds at that run's micro-batch, which the source
+    # does not state
+    block_overhead_s: Optional[float] = None
 
     @property
     def flops(self) -> float:
@@ -67,9 +78,11 @@ GPUS = {
     # DGX A100: NVLink 3 (300 GB/s each way), 8 x 200 Gb/s HDR InfiniBand per node of 8.
     "a100-80gb": GPU("A100-SXM4-80GB", 80.0, 312.0, 2039.0, 300.0, 200 / 8, A100_EFFICIENCY),
     # DGX H100: NVLink 4 (450 GB/s each way), 8 x 400 Gb/s NDR InfiniBand per node of 8.
-    "h100": GPU("H100-SXM5-80GB", 80.0, 989.0, 3350.0, 450.0, 400 / 8, H100_EFFICIENCY, H100_TP_LINK_EFFICIENCY),
+    "h100": GPU("H100-SXM5-80GB", 80.0, 989.0, 3350.0, 450.0, 400 / 8, H100_EFFICIENCY, H100_TP_LINK_EFFICIENCY,
+                H100_BLOCK_OVERHEAD_S),
     # HGX H200: as the H100 with 141 GB (140 GiB usable as torch reports it) of faster HBM3e.
-    "h200": GPU("H200-SXM-141GB", 140.0, 989.0, 4800.0, 450.0, 400 / 8, H100_EFFICIENCY, H100_TP_LINK_EFFICIENCY),
+    "h200": GPU("H200-SXM-141GB", 140.0, 989.0, 4800.0, 450.0, 400 / 8, H100_EFFICIENCY, H100_TP_LINK_EFFICIENCY,
+                H100_BLOCK_OVERHEAD_S),
 }
 
 
