@@ -215,20 +215,30 @@ def missing_columns(path: str, keys: tuple[str, ...]) -> tuple[list[str], list[s
 
 
 def check_compression(path: str) -> None:
-    """A ``.gz`` or ``.zst`` file that does not open as one (plain jsonl given a compressed name, or
-    the other compressor's output): read, it ends on its first bytes as "truncated or corrupt", and
-    every document in it is lost to one bad-record count. An empty file reads as no lines; one of
-    fewer bytes than a header that begins as one is cut short. A folder, a pipe or a hub name with
-    such a name is left to its own reader."""
-    for suffix, name, usual, opens in _COMPRESSIONS:
-        if path.endswith(suffix) and os.path.isfile(path):
-            with open(path, "rb") as f:
-                head = f.read(4)
-            if head and not opens(head + usual[len(head):]):
-                raise ValueError(f"{path}: not {name} data (it starts with {head!r}), though named {suffix}; "
-                                 "rename it to match what it holds")
-            if 0 < len(head) < 4:
-                raise ValueError(f"{path}: only {len(head)} byte(s), too short for {name} data; the file is truncated")
+    """A file whose first bytes contradict its name. A ``.gz`` or ``.zst`` file that does not open as
+    one (plain jsonl given a compressed name, or the other compressor's output): read, it ends on its
+    first bytes as "truncated or corrupt", and every document in it is lost to one bad-record count.
+    An empty file reads as no lines; one of fewer bytes than a header that begins as one is cut short.
+    A text or jsonl file that opens as gzip or zstd (a compressed file that lost its suffix) would be
+    read as text, its bytes one or two bad records, its documents lost alike. A folder, a pipe or a
+    hub name is left to its own reader; a parquet file, to its footer's check."""
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as f:
+        head = f.read(4)
+    named = [entry for entry in _COMPRESSIONS if path.endswith(entry[0])]
+    for suffix, name, usual, opens in named:
+        if head and not opens(head + usual[len(head):]):
+            raise ValueError(f"{path}: not {name} data (it starts with {head!r}), though named {suffix}; "
+                             "rename it to match what it holds")
+        if 0 < len(head) < 4:
+            raise ValueError(f"{path}: only {len(head)} byte(s), too short for {name} data; the file is truncated")
+    if named or path.endswith(PARQUET_SUFFIXES) or len(head) < 4:
+        return
+    for suffix, name, _, opens in _COMPRESSIONS:
+        if opens(head):
+            raise ValueError(f"{path}: {name} data (it starts with {head!r}), though not named {suffix}, so it would "
+                             f"be read as text; rename it {os.path.basename(path)}{suffix}")
 
 
 _COMPRESSIONS = (  # suffix, name, a usual first 4 bytes, and whether 4 bytes open such a file

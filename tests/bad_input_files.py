@@ -92,6 +92,7 @@ def make_files(root: Path) -> dict:
         (root / name).write_text(text)
     (root / "plain.jsonl.gz").write_text(lines["good.jsonl"])  # named compressed, but plain text
     (root / "stub.jsonl.gz").write_bytes(b"\x1f\x8b")  # cut inside gzip's header
+    (root / "packed.jsonl").write_bytes(gzip.compress(lines["good.jsonl"].encode()))  # compressed, named plain
     (root / "latin1.jsonl").write_bytes(b'{"text": "w1"}\n{"text": "caf\xe9"}\n')
     with gzip.open(root / "whole.jsonl.gz", "wb") as f:
         f.write(('{"text": "w1 w2"}\n' * 2000).encode())

@@ -4,6 +4,7 @@ what is allowed, and the output directory is never created."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 
@@ -28,6 +29,7 @@ def base(tmp_path, monkeypatch) -> dict:
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "notes.txt").write_text("not a tokenizer\n")
     (tmp_path / "plain.jsonl.gz").write_text((tmp_path / "raw.jsonl").read_text())  # named compressed, but plain
+    (tmp_path / "packed.jsonl").write_bytes(gzip.compress((tmp_path / "raw.jsonl").read_bytes()))  # the reverse
     pq.write_table(pa.table({"body": ["a document in a column of another name"]}), tmp_path / "body.parquet")
     return {"input": {"paths": ["raw.jsonl"], "shard_docs": 7}, "output": {"dir": "out"},
             "stages": ["clean", "exact_dedup", "fuzzy_dedup", "decontaminate"],
@@ -89,6 +91,8 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     # read, the whole file would be one bad record; found before the inputs ahead of it are ingested
     ("input.paths", "[raw.jsonl, plain.jsonl.gz]", r"input\.paths: .*plain\.jsonl\.gz: not gzip data \(it starts with "
      r"b'\{\"te'\), though named \.gz; rename it"),
+    ("input.paths", "[raw.jsonl, packed.jsonl]", r"input\.paths: .*packed\.jsonl: gzip data \(it starts with "
+     r"b'\\x1f\\x8b.*\), though not named \.gz, so it would be read as text; rename it packed\.jsonl\.gz"),
     ("input.paths", "[raw.jsonl, body.parquet]", r"input\.paths: .*body\.parquet: no column 'text' \(columns: "
      r"\['body'\]\); set input\.text_field"),
     # every file a glob matches, not only its first (empty.jsonl)

@@ -115,6 +115,27 @@ def test_a_short_compressed_file_is_named_for_what_it_is(tmp_path, head, said):
     check_compression(str(tmp_path / "folder.jsonl.gz"))  # a folder is read as a dataset, not here
 
 
+@pytest.mark.parametrize("name,head,said", [
+    ("x.jsonl", b"\x1f\x8b\x08\x00", "x.jsonl: gzip data (it starts with b'\\x1f\\x8b\\x08\\x00'), though not named .gz, "
+     "so it would be read as text; rename it x.jsonl.gz"),
+    ("x.txt", b"\x28\xb5\x2f\xfd", "x.txt: zstd data (it starts with b'(\\xb5/\\xfd'), though not named .zst, "
+     "so it would be read as text; rename it x.txt.zst"),
+])
+def test_a_compressed_file_without_its_suffix_is_refused(tmp_path, name, head, said):
+    """Read as text, a compressed file's bytes are a bad record or two and its documents are lost
+    to that count (a curation run went on without them). (Planted: only compressed names checked.)"""
+    from data_pipeline.sources import check_compression
+
+    path = tmp_path / name
+    path.write_bytes(head + b"rest of the stream")
+    with pytest.raises(ValueError, match=re.escape(said)):
+        check_compression(str(path))
+    path.write_bytes(b'{"text": "plain"}\n')
+    check_compression(str(path))
+    (tmp_path / "x.parquet").write_bytes(head)  # left to the parquet footer's own check
+    check_compression(str(tmp_path / "x.parquet"))
+
+
 def test_an_output_under_a_dangling_link_says_so(tmp_path):
     """The nearest existing path above an output is a link to nothing: said as such, not as "a file".
     (Planted: every non-folder called a file.)"""
