@@ -32,7 +32,7 @@ from data_pipeline.curate.fuzzy_dedup import FuzzyDedupConfig
 from data_pipeline.curate.quality import QualityConfig
 from data_pipeline.curate.runner import EXECUTORS
 from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS
-from data_pipeline.paths import file_in_the_way
+from data_pipeline.paths import empty_path_problem, file_in_the_way
 from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES, check_compression, missing_columns
 from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.typed_config import build_dataclass
@@ -126,7 +126,7 @@ def _refuse(problems: list[str]) -> None:
 
 
 def _value_problems(cfg: CurateConfig) -> list[str]:
-    problems = _stage_list_problems(cfg.stages)
+    problems = _stage_list_problems(cfg.stages) + _empty_path_problems(cfg)
     if cfg.output.format not in FORMATS:
         problems.append(f"output.format: {cfg.output.format!r} is not one of {', '.join(FORMATS)}")
     if cfg.executor.kind not in EXECUTORS:
@@ -136,6 +136,20 @@ def _value_problems(cfg: CurateConfig) -> list[str]:
     problems += cfg.preprocess.problems()
     for name in STAGES:
         problems += getattr(cfg, name).problems()
+    return problems
+
+
+def _empty_path_problems(cfg: CurateConfig) -> list[str]:
+    """``output.dir`` or ``preprocess.tokenizer`` given as an empty string (an unset variable in a
+    generated config): the run would write its stages into the current folder, or skip tokenizing
+    as if no tokenizer were set, and say nothing of either."""
+    problems = []
+    folder = empty_path_problem(cfg.output.dir, "folder", "give the folder to write the run into")
+    if folder:
+        problems.append(f"output.dir: {folder}")
+    if cfg.preprocess.tokenizer == "":
+        problems.append("preprocess.tokenizer: an empty path names no tokenizer; give the tokenizer file to tokenize "
+                        "the curated shards with, or leave the field out to stop before tokenizing")
     return problems
 
 
