@@ -36,6 +36,26 @@ def test_consumers_keep_their_error_types():
     assert str(checkpoint.value) == f"an empty path names no checkpoint {CURRENT_DIRECTORY}; check the SRC argument"
 
 
+def test_preprocess_refuses_an_empty_output_prefix(tmp_path, monkeypatch, capsys):
+    """An empty ``--output-prefix`` (an unset variable) names the current folder: a merge wrote hidden
+    ``.bin``/``.idx`` files there, preprocessing ``_text_document`` ones. (Planted: no empty check.)"""
+    import numpy as np
+
+    from data_pipeline.indexed import IndexedDatasetWriter
+    from megazero.cli import main
+
+    with IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as writer:
+        writer.add_document(np.arange(3))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["preprocess", "--merge", str(tmp_path / "a"), "--output-prefix", ""]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"megazero preprocess: error: --output-prefix: an empty path names no shard {CURRENT_DIRECTORY}; give a path "
+        "and file-name prefix, e.g. data/corpus"]
+    assert list(work.iterdir()) == []
+
+
 def test_folders_made_part_way_are_removed_and_only_ones_own():
     """``make_folders`` failing at its last level (a name too long) leaves none of the levels it made,
     and ``remove_made`` never removes a folder another job made or wrote into meanwhile. (Planted:

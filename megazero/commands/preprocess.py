@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from data_pipeline.paths import listed_twice, output_folder_problem
+from data_pipeline.paths import empty_path_problem, listed_twice, output_folder_problem
 from megazero.errors import UserError
 
 
@@ -86,7 +86,10 @@ def run(args) -> int:
 def _check_output_dir(prefix: str) -> None:
     """The shards' directory must be there or makeable, and writable, said before any input is read
     (``output_folder_problem``); a prefix naming a folder (``out/``, or an existing folder) would
-    write hidden files into it."""
+    write hidden files into it, and so would an empty one (an unset variable), into the current folder."""
+    empty = empty_path_problem(prefix, "shard", "give a path and file-name prefix, e.g. data/corpus")
+    if empty:
+        raise UserError(f"--output-prefix: {empty}")
     if prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
         raise UserError(f"--output-prefix {prefix}: names a folder; give a path and file-name prefix inside it, "
                         f"e.g. {os.path.join(prefix, 'corpus')}")
