@@ -100,6 +100,23 @@ def test_train_quality_refuses_a_file_listed_twice(tmp_path, capsys, monkeypatch
     assert not (tmp_path / "m.bin").exists()
 
 
+@pytest.mark.parametrize("output, said", [
+    ("", "--output: an empty path names no model file (it would be read as the current directory); give a path "
+     "such as quality.bin"),
+    ("new/", "--output new/: names a folder; give a file path inside it, e.g. new/quality.bin"),
+])
+def test_train_quality_refuses_an_output_that_names_no_file_before_training(tmp_path, capsys, monkeypatch,
+                                                                            output, said):
+    """Both trained the model, then failed to rename it into place, blaming the temporary file.
+    (Planted: no check: the missing inputs were named instead, as the first thing read.)"""
+    from megazero.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["curate", "train-quality", "--hq", "a.jsonl", "--lq", "b.jsonl", "--output", output]) == 2
+    assert capsys.readouterr().err.strip() == f"megazero curate: error: {said}"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_train_quality_refuses_zero_epochs_before_training(tmp_path, capsys):
     """``--epoch 0`` saved an untrained 512 MB model that scored every document 0.5."""
     from megazero.cli import main

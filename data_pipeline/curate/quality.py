@@ -25,7 +25,7 @@ import numpy as np
 
 from data_pipeline.curate.checks import within
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
-from data_pipeline.paths import file_in_the_way, listed_twice, written_whole
+from data_pipeline.paths import empty_path_problem, file_in_the_way, listed_twice, written_whole
 
 HQ, LQ = "__label__hq", "__label__lq"
 HIST_BINS = 20  # score histogram in stats.json, for the report
@@ -178,7 +178,15 @@ def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "
                   valid_fraction: float = 0.1, seed: int = 0, dim: int = 64) -> dict:
     """Train the hq/lq classifier on word 1-2-grams; returns counts and held-out accuracy. An existing
     ``output`` is refused (a quality stage that scored with it would be refused as changed, and the
-    model lost); the model is saved under a temporary name and renamed, so it is whole or absent."""
+    model lost), and so is one that names no file (empty, or ending in a separator), which failed
+    only at the final rename, after training; the model is saved under a temporary name and
+    renamed, so it is whole or absent."""
+    empty = empty_path_problem(output, "model file", "give a path such as quality.bin")
+    if empty:
+        raise ValueError(f"--output: {empty}")
+    if output.endswith(("/", os.sep)):
+        raise ValueError(f"--output {output}: names a folder; give a file path inside it, e.g. "
+                         f"{os.path.join(output, 'quality.bin')}")
     if os.path.lexists(output):
         raise ValueError(f"--output {output}: already exists; give a new path or remove it first")
     blocking = file_in_the_way(output)
