@@ -45,6 +45,24 @@ def _state_dict(path) -> dict:
     return load_file(path)
 
 
+@pytest.mark.parametrize("lost, key", [("mp_rank_01_*", "tensor_model_parallel_size"),
+                                       ("mp_rank_*_001", "pipeline_model_parallel_size")])
+def test_a_megatron_checkpoint_short_of_the_ranks_its_args_record_is_named(sources, tmp_path, capsys, lost, key):
+    """A tp2 x pp2 save whose second tp rank or stage was lost: refused for the rank grid its args
+    record, not for a tensor's shape or the layer count, as if the weights did not match their args.
+    (Planted: no comparison with the args.)"""
+    import shutil
+
+    out = tmp_path / "megatron"
+    assert convert(sources["llama"], out, *TO_LOCAL, "--tp", 2, "--pp", 2) == 0
+    for folder in (out / "release").glob(lost):
+        shutil.rmtree(folder)
+    found = "tp 1 x pp 2" if key.startswith("tensor") else "tp 2 x pp 1"
+    assert fails(capsys, tmp_path, out).endswith(
+        f"{out / 'release'}: holds the rank directories of {found}, but its args record args.{key} 2; restore the "
+        "missing mp_rank_* directories, or remove those another save left")
+
+
 @pytest.mark.parametrize("name", MAKERS)
 @pytest.mark.parametrize("tp, pp", [(2, 2), (1, 1), (2, 1)])
 def test_a_megatron_checkpoint_imports_back_bit_for_bit(sources, tmp_path, name, tp, pp):

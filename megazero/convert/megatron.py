@@ -110,11 +110,25 @@ class MegatronSource:
         self.args = first.get("args")
         if not isinstance(self.args, argparse.Namespace):
             raise UserError(f"{files[(0, 0)]}: records no Megatron args; cannot tell its architecture")
+        self._check_rank_grid()
         self.cfg = model_config(self.args, str(files[(0, 0)]), vocab_size)
         self.offsets = self._layer_offsets()
         self.names = list(logical_shapes(self.cfg))
         self._check_shapes()
         self._check_every_tensor_used()
+
+    def _check_rank_grid(self) -> None:
+        """The tp x pp of the rank directories against the one the args record: a save whose last tp
+        ranks or stages were lost (or a folder holding another save's extra ranks) was otherwise
+        refused for the shape of its first split tensor, or for its count of layers, as weights that
+        do not match their args. Args that record neither (hand-made ones) are not compared."""
+        stated = {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp}
+        for key, found in stated.items():
+            recorded = getattr(self.args, key, None)
+            if isinstance(recorded, int) and recorded != found:
+                raise UserError(f"{self.dir}: holds the rank directories of tp {self.tp} x pp {self.pp}, but its args "
+                                f"record args.{key} {recorded}; restore the missing mp_rank_* directories, or remove "
+                                "those another save left")
 
     def _state(self, t: int, p: int) -> dict:
         if (t, p) not in self._loaded:
