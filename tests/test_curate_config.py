@@ -85,7 +85,8 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     ("preprocess.tokenizer", "missing.model", r"preprocess\.tokenizer: missing\.model: tokenizer file not found"),
     # an unset variable in a generated config: the run would write into the current folder, or skip tokenizing
     ("output.dir", "''", r"output\.dir: an empty path names no folder \(it would be read as the current directory\)"),
-    ("preprocess.tokenizer", "''", r"preprocess\.tokenizer: an empty path names no tokenizer; .*or leave the field out"),
+    ("preprocess.tokenizer", "''",
+     r"preprocess\.tokenizer: an empty path names no tokenizer; .*or leave the field out"),
     ("preprocess.tokenizer", "notes.txt", r"preprocess\.tokenizer: notes\.txt: not a tokenizer"),
     ("executor.workers", "0", r"executor\.workers: 0 must be at least 1"),
     ("executor.kind", "spark", r"executor\.kind: 'spark' is not one of local, ray"),

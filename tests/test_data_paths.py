@@ -136,8 +136,8 @@ def test_a_short_compressed_file_is_named_for_what_it_is(tmp_path, head, said):
 
 
 @pytest.mark.parametrize("name,head,said", [
-    ("x.jsonl", b"\x1f\x8b\x08\x00", "x.jsonl: gzip data (it starts with b'\\x1f\\x8b\\x08\\x00'), though not named .gz, "
-     "so it would be read as text; rename it x.jsonl.gz"),
+    ("x.jsonl", b"\x1f\x8b\x08\x00", "x.jsonl: gzip data (it starts with b'\\x1f\\x8b\\x08\\x00'), though not named "
+     ".gz, so it would be read as text; rename it x.jsonl.gz"),
     ("x.txt", b"\x28\xb5\x2f\xfd", "x.txt: zstd data (it starts with b'(\\xb5/\\xfd'), though not named .zst, "
      "so it would be read as text; rename it x.txt.zst"),
 ])
