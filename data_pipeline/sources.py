@@ -191,13 +191,17 @@ def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256,
 def check_input(path: str, keys: tuple[str, ...]) -> None:
     """What can be known of an input before any input is read, so that a typo in the last of many is
     found before hours of tokenizing the first: a file that is missing or of an unknown type, a
-    compressed file that is not, a parquet file without the columns (its footer alone is read)."""
+    compressed file that is not, a folder the datasets reader would not read whole, a parquet file
+    without the columns (its footer alone is read)."""
     if path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such input file")
     if os.path.isfile(path) and not path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):
         raise ValueError(f"{path}: unknown input type; use .jsonl/.json (optionally .gz or .zst), .parquet, "
                          "or a Hugging Face dataset directory or name")
     check_compression(path)
+    problem = _folder_problem(path)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
     missing, columns = missing_columns(path, keys)
     if missing:
         raise ValueError(f"{path}: no column {missing} (columns: {columns}); choose with --json-keys")
@@ -261,17 +265,52 @@ def plain_data_files(path: str) -> list[str] | None:
     hidden files aside), in name order, which megazero reads file by file with its own readers; None
     for anything else. ``datasets`` would read such a folder as one table, converting a later file's
     values to the first file's column type: a number or an object in a text field became text."""
+    files = _folder_files(path)
+    data = [name for name in files if name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)]
+    return data if data and len(data) == len(files) else None
+
+
+def _folder_files(path: str) -> list[str]:
+    """The files under a folder that is not a ``save_to_disk`` dataset, in name order, a README, a
+    LICENSE and hidden files aside (not data); none for anything else."""
     if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, name))
                                       for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
-        return None
+        return []
     files = []
     for root, dirs, names in os.walk(path):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         files += [os.path.join(root, name) for name in names
                   if not name.startswith(".") and name.lower() not in ("readme.md", "license")]
-    files.sort()
-    data = [name for name in files if name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)]
-    return data if data and len(data) == len(files) else None
+    return sorted(files)
+
+
+def _folder_problem(path: str) -> str | None:
+    """Why a folder the ``datasets`` reader would read cannot be read whole; None where it can. That
+    reader takes one kind of file from a folder and leaves the others out without a word (``a.jsonl``
+    beside ``b.csv`` read as ``a.jsonl`` alone), and reads ``.txt`` one line per document."""
+    kinds: dict[str, list[str]] = {}
+    for name in _folder_files(path):
+        kinds.setdefault(_file_kind(name), []).append(os.path.relpath(name, path))
+    if set(kinds) <= {"jsonl", "parquet"}:  # read file by file (``plain_data_files``), or nothing to read
+        return None
+    if len(kinds) > 1:
+        found = "; ".join(f"{kind}: {', '.join(names[:2])}{', ...' if len(names) > 2 else ''}"
+                          for kind, names in sorted(kinds.items()))
+        return (f"a folder of mixed kinds of file ({found}), of which the datasets reader would read one kind and "
+                "leave the others out; give a folder of .jsonl/.json(.gz/.zst) and .parquet files, or of one kind")
+    if ".txt" in kinds:
+        return ("a folder of .txt files, which would be read one line per document (every document's lines torn "
+                "apart); give .jsonl or .parquet files, or a save_to_disk directory")
+    return None
+
+
+def _file_kind(name: str) -> str:
+    """What the folder readers take a file for: jsonl (plain or compressed), parquet, or its suffix."""
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return os.path.splitext(name)[1].lower() or "no suffix"
 
 
 def _jsonl_batches(path: str, batch_size: int) -> Iterator[Batch]:
@@ -368,10 +407,6 @@ def _hf_batches(path: str, keys: tuple[str, ...], batch_size: int, split: str | 
         import datasets
     except ImportError:
         raise ImportError(f"{path}: reading Hugging Face datasets needs the datasets package") from None
-    if os.path.isdir(path) and any(name.endswith(".txt") for _, _, names in os.walk(path) for name in names) \
-            and not os.path.isfile(os.path.join(path, "dataset_info.json")):
-        raise ValueError(f"{path}: a folder of .txt files, which would be read one line per document (every "
-                         "document's lines torn apart); give .jsonl or .parquet files, or a save_to_disk directory")
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json")):
         if split is not None:
             raise ValueError(f"{path}: a saved dataset of one split, which --hf-split {split} cannot choose from; "

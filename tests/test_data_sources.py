@@ -34,8 +34,8 @@ def test_a_folders_files_are_read_in_name_order(tmp_path):
 
 def test_a_folder_with_a_file_of_another_kind_is_not_read_as_plain_files(tmp_path):
     """Read file by file, a folder holding something besides jsonl and parquet (a README and hidden
-    files aside) would lose that file's documents without a word; it goes to the datasets reader,
-    which reads or refuses it whole. (Planted: the other file dropped and the rest read.)"""
+    files aside) would lose that file's documents without a word; it is left to the datasets reader's
+    checks, which refuse it (below). (Planted: the other file dropped and the rest read.)"""
     write_jsonl(tmp_path / "a.jsonl", ["alpha"])
     (tmp_path / "b.csv").write_text("text\nbeta\n")
     assert plain_data_files(str(tmp_path)) is None and reads_as_dataset(str(tmp_path))
@@ -59,3 +59,19 @@ def test_a_zstd_file_may_open_with_any_skippable_frame(tmp_path, nibble):
     path.write_bytes(skippable + zstandard.ZstdCompressor().compress(b'{"text": "kept"}\n'))
     check_compression(str(path))
     assert [line for _, line in iter_lines(str(path))] == [b'{"text": "kept"}\n']
+
+
+@pytest.mark.parametrize("other, kind", [("notes.txt", ".txt"), ("b.csv", ".csv")])
+def test_a_folder_of_mixed_kinds_is_refused_naming_them(tmp_path, other, kind):
+    """The datasets reader takes one kind of file from a folder and leaves the rest out without a word
+    (``a.jsonl`` beside ``b.csv`` came back as ``a.jsonl`` alone), so a folder of two kinds is refused
+    before any input is read, naming each kind; one with a .txt file among jsonl files was called "a
+    folder of .txt files". (Planted: the kinds not compared; a mix called a folder of .txt files.)"""
+    write_jsonl(tmp_path / "a.jsonl", ["alpha"])
+    (tmp_path / other).write_text("text\nbeta\n")
+    with pytest.raises(ValueError) as refused:
+        check_input(str(tmp_path), ("text",))
+    assert str(refused.value) == (
+        f"{tmp_path}: a folder of mixed kinds of file ({kind}: {other}; jsonl: a.jsonl), of which the datasets reader "
+        "would read one kind and leave the others out; give a folder of .jsonl/.json(.gz/.zst) and .parquet files, or "
+        "of one kind")
