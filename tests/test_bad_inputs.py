@@ -336,6 +336,11 @@ CASES = [
     ("preprocess-prefix-existing-folder", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"), "--tokenizer",
                                                      str(f["root"] / "tokenizer.json"), "--output-prefix", str(f["root"])],
      ["--output-prefix", "names a folder; give a path and file-name prefix inside it"]),
+    # refused with the other flags: it was found as the first record was read, as that record's missing field
+    ("preprocess-empty-json-key", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"), "--tokenizer",
+                                             str(f["root"] / "tokenizer.json"), "--output-prefix",
+                                             str(f["root"] / "out" / "g"), "--json-keys", ""],
+     ["--json-keys: an empty field name names no field of a record; give the field to tokenize"]),
     ("preprocess-hf-split-of-a-file", lambda f: ["preprocess", "--input", str(f["root"] / "good.jsonl"), "--tokenizer",
                                                  str(f["root"] / "tokenizer.json"), "--output-prefix",
                                                  str(f["root"] / "out" / "g"), "--hf-split", "validation"],

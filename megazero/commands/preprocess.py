@@ -61,6 +61,7 @@ def run(args) -> int:
         raise UserError(f"--hf-split {args.hf_split}: picks the split of a Hugging Face dataset input, and none is "
                         "given (files are read whole, --merge joins shards); leave the flag out")
     _check_output_dir(args.output_prefix)
+    _check_json_keys(args)
     _check_no_repeats(args)
     _check_outputs_absent(args)
     try:
@@ -98,13 +99,21 @@ def _check_output_dir(prefix: str) -> None:
         raise UserError(f"--output-prefix {prefix}: {problem}")
 
 
-def _check_no_repeats(args) -> None:
-    """An input named twice (however spelled) would be read twice, its documents trained on twice; a
-    merge into one of its own shards would replace that shard; a field listed twice would write its
-    shard twice. All are refused before anything is read or written (``--json-keys`` defaults here)."""
+def _check_json_keys(args) -> None:
+    """The fields to tokenize (``text`` when none is given): an empty name, which no record has, was
+    found only as the first record was read; a field listed twice would write its shard twice."""
     args.json_keys = args.json_keys or ["text"]
+    if "" in args.json_keys:
+        raise UserError("--json-keys: an empty field name names no field of a record; give the field to tokenize, "
+                        "e.g. --json-keys text")
     if len(set(args.json_keys)) < len(args.json_keys):
         raise UserError(f"--json-keys {' '.join(args.json_keys)}: a field is listed twice; list each once")
+
+
+def _check_no_repeats(args) -> None:
+    """An input named twice (however spelled) would be read twice, its documents trained on twice; a
+    merge into one of its own shards would replace that shard. Both are refused before anything is
+    read or written."""
     flag, names = ("--merge", args.merge) if args.merge else ("--input", args.input)
     repeat = listed_twice(((flag, name) for name in names), key=lambda name: _resolved(name, shard=bool(args.merge)))
     if repeat:
