@@ -189,7 +189,8 @@ def parse_blend(blend: list) -> tuple[list[float], list[str]]:
         pair = isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)
         weight = blend_weight(entry[0]) if pair else None
         if weight is None:
-            raise ValueError(f"data.blend entry {entry!r} must be [weight, prefix], e.g. [0.3, data/web_text_document]")
+            raise ValueError(f"data.blend entry {entry!r} must be [weight, prefix], its weight a number (unquoted), "
+                             "e.g. [0.3, data/web_text_document]")
         weights.append(weight)
         prefixes.append(entry[1])
     repeat = listed_twice(("data.blend entry", prefix) for prefix in prefixes)
@@ -200,8 +201,8 @@ def parse_blend(blend: list) -> tuple[list[float], list[str]]:
 
 
 def blend_weight(value) -> float | None:
-    """A blend entry's weight as a float, or None where it is no number. A string that reads as one
-    counts, as for every float field of the config (``coerce``): YAML 1.1 reads ``5e-1`` as a string."""
+    """A blend entry's weight as a float, or None where it is no number, as for every float field of
+    the config (``coerce``): YAML 1.1's string ``5e-1`` counts, a quoted ``"1"`` does not."""
     try:
         return coerce(value, float, "weight")
     except ValueError:
@@ -236,6 +237,6 @@ def load_blend_preset(name: str, root: str) -> list:
         weight = blend_weight(entry[0]) if ok else None
         if weight is None or not weight > 0:
             raise ValueError(f"{path}: datasets[{i}] is {entry!r}; each entry is [weight, name] with a "
-                             "positive weight and a dataset name")
+                             "positive weight (a number, unquoted) and a dataset name")
         blend.append([weight, os.path.join(root, entry[1])])
     return blend

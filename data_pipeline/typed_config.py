@@ -3,16 +3,22 @@ config share (it sits here, below both, because ``data_pipeline`` may not import
 
 Values are checked against the dataclass annotations as they arrive, converting only where nothing
 is lost (an integral float to int, YAML 1.1's string ``3e-4`` to float, a number to a string, one
-string to a one-item list), so a wrong type or a misspelled key fails with its dotted field name
-before anything runs. The caller picks the exception type its users see.
+string to a one-item list; a number in quotes is text, which a number field refuses), so a wrong
+type or a misspelled key fails with its dotted field name before anything runs. The caller picks
+the exception type its users see.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from typing import Any
+
+# A float with an exponent, as YAML 1.2 reads one; YAML 1.1 leaves it text where it lacks a dot or
+# the exponent's sign (3e-4, 1.0e5)
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+")
 
 
 def build_dataclass(cls: type, raw: Any, prefix: str = "", error: type[Exception] = ValueError) -> Any:
@@ -65,11 +71,8 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        if isinstance(value, str) and _number_yaml_left_as_text(value):
+            return float(value)
         raise refused("a number")
     if hint is str:
         if isinstance(value, str):
@@ -92,3 +95,11 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
             return dict(value or {})
         raise refused("a mapping")
     return value
+
+
+def _number_yaml_left_as_text(text: str) -> bool:
+    """Whether a float field's string is a number YAML 1.1 read as text: an exponent's float, or
+    nan/inf (left for the field's own check to refuse by name). Any other string is text a number
+    field does not take: a number written in quotes (``"1"``) was meant as text, and Python's
+    ``float`` would also take ``" 1 "`` and ``"1_0"`` (10.0)."""
+    return bool(_EXPONENT_FLOAT.fullmatch(text)) or text.lower().lstrip("+-") in ("nan", "inf", "infinity")

@@ -105,6 +105,8 @@ CASES = [
      ["model.vocab_size: 64 is smaller than the 258 tokens of the tokenizer", "recorded_big_text_document records",
       "set model.vocab_size 258"]),
     ("blend-weight", lambda f: _train(f, "--data.blend", f"[[-1.0, {f['good']}]]"), ["data.blend"]),
+    ("blend-weight-quoted", lambda f: _train(f, "--data.blend", f'[["1", {f["good"]}]]'),
+     ["data.blend", "good_text_document'] must be [weight, prefix], its weight a number (unquoted)"]),
     ("blend-shape", lambda f: _train(f, "--data.blend", "[1, 2, 3]"), ["data.blend"]),
     ("blend-preset", lambda f: _train(f, "--data.blend", "null", "--data.blend_preset", "nope",
                                       "--data.blend_root", str(f["root"])), ["nope"]),

@@ -205,6 +205,9 @@ def test_tp_across_nodes_can_be_forced():
     (("--train.seed", "two"), "train.seed: expected an integer, got 'two'"),
     (("--model.bias", "1"), "model.bias: expected true or false"),
     (("--optimizer.lr", "fast"), "optimizer.lr: expected a number"),
+    # a number in quotes is text: float() took "1", " 1 " and "1_0" (10.0); YAML 1.1's 3e-4 stays a number
+    *[(("--optimizer.lr", text), f"optimizer.lr: expected a number, got {value!r}")
+      for text, value in (('"1"', "1"), ('" 1 "', " 1 "), ('"1_0"', "1_0"))],
     (("--model.preset", "gpt5"), "model.preset: unknown preset"),
     (("--logging.profile_steps", "[2, x]"), r"logging.profile_steps\[1\]: expected an integer, got 'x'"),
     (("--logging.profile_ranks", "[0.5]"), r"logging.profile_ranks\[0\]: expected an integer, got 0.5"),

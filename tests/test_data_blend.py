@@ -88,6 +88,19 @@ def test_a_weight_yaml_reads_as_a_string_is_a_number(tmp_path):
         parse_blend([["half", "a"]])
 
 
+def test_a_weight_in_quotes_is_refused_naming_its_entry(tmp_path):
+    """A quoted number is text, as in every float field of the config: ``["1", a]`` was taken as 1.0
+    without a word. (Planted: blend_weight taking any string float() reads.)"""
+    blend = yaml.safe_load('[["1", a], [1, b]]')
+    with pytest.raises(ValueError) as refused:
+        parse_blend(blend)
+    assert str(refused.value) == ("data.blend entry ['1', 'a'] must be [weight, prefix], its weight a number "
+                                  "(unquoted), e.g. [0.3, data/web_text_document]")
+    (tmp_path / "preset.yaml").write_text('datasets:\n  - ["0.5", web_text_document]\n')
+    with pytest.raises(ValueError, match=r"datasets\[0\] is \['0.5', 'web_text_document'\]; .*a number, unquoted"):
+        load_blend_preset(str(tmp_path / "preset.yaml"), "root")
+
+
 def test_a_dataset_listed_twice_is_refused(tmp_path):
     """Two entries for the same data would each serve every sample of one order: every sample twice.
     The same prefix, the same object, or the same files by another path are one dataset."""
