@@ -7,7 +7,9 @@ Output order equals input order for any number of workers, so a shard is reprodu
 
 A record whose field is not a string, a malformed json line or one that is not UTF-8 stops the
 run with an error naming the file and the record; with ``skip_bad_records`` it is left out and
-counted by reason instead. Either way it never becomes a document.
+counted by reason instead. Either way it never becomes a document. An input file that holds
+records but not one good one is an error even then: that is a file of another shape, not a few
+bad records (``no_documents_problem``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
 from data_pipeline.shard_origin import tokenizer_identity
-from data_pipeline.sources import Batch, check_input, iter_batches
+from data_pipeline.sources import Batch, check_input, iter_batches, no_documents_problem
 from data_pipeline.tokenizer import load_tokenizer
 from data_pipeline.worker_pool import worker_pool
 
@@ -74,10 +76,33 @@ def _init_worker(tokenizer_path: str) -> None:
 class EncodedBatch:
     """Per key: (all tokens of the batch's documents as one array, per-document lengths)."""
 
+    path: str  # the input file the batch was read from
     arrays: dict
     documents: int
     text_bytes: int
     skipped: Counter  # bad records left out, by reason
+
+
+@dataclass
+class _InputTally:
+    """Documents and skipped records of the input file being read, batch by batch (a file's batches
+    come back together and in order), so that a file of which not one record was a document is
+    refused by name once it has been read, never counted as bad records and passed over."""
+
+    path: str | None = None
+    documents: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def add(self, encoded: EncodedBatch, keys: tuple[str, ...]) -> None:
+        if encoded.path != self.path:
+            self.check(keys)
+            self.path, self.documents, self.skipped = encoded.path, 0, Counter()
+        self.documents += encoded.documents
+        self.skipped.update(encoded.skipped)
+
+    def check(self, keys: tuple[str, ...]) -> None:
+        if self.path is not None and not self.documents and self.skipped:
+            raise ValueError(no_documents_problem(self.path, self.skipped, keys, "choose the field with --json-keys"))
 
 
 def encode_batch(batch: Batch, keys: tuple[str, ...], append_eod: bool, skip_bad: bool = False) -> EncodedBatch:
@@ -95,7 +120,7 @@ def encode_batch(batch: Batch, keys: tuple[str, ...], append_eod: bool, skip_bad
         lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
         tokens = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
         out[key] = (tokens, lengths)
-    return EncodedBatch(out, len(documents), nbytes, skipped)
+    return EncodedBatch(batch.path, out, len(documents), nbytes, skipped)
 
 
 def _encode_in_worker(args) -> EncodedBatch:
@@ -121,14 +146,15 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
 
     A record that is not text (null, number, object, list, missing key), malformed json or not
     UTF-8 raises a ValueError naming its file and position, or with ``skip_bad_records`` is left
-    out of every key's shard and counted in ``stats.skipped``.
+    out of every key's shard and counted in ``stats.skipped``; an input file of records none of
+    which is good raises a ValueError naming the file either way.
     """
     tokenizer = load_tokenizer(tokenizer_path)
     vocab_size, identity = tokenizer.vocab_size, tokenizer_identity(tokenizer)  # before any work
     for path in inputs:
         check_input(path, keys)
     writers: dict[str, IndexedDatasetWriter] = {}
-    stats = PreprocessStats()
+    stats, tally = PreprocessStats(), _InputTally()
     bar = _progress_bar(progress)
     start = time.perf_counter()
     try:
@@ -144,9 +170,11 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
             stats.tokens += sum(int(lengths.sum()) for _, lengths in encoded.arrays.values())
             stats.text_bytes += encoded.text_bytes
             stats.skipped.update(encoded.skipped)
+            tally.add(encoded, keys)
             if bar is not None:
                 bar.update(encoded.documents)
                 bar.set_postfix_str(f"{stats.text_bytes / 1e6 / (time.perf_counter() - start):.2f} MB/s", refresh=False)
+        tally.check(keys)
         if stats.documents == 0:
             raise ValueError(f"no documents in {inputs} ({stats.skipped_summary()}): nothing to write "
                              "(megatron-core cannot even open an empty shard)")

@@ -474,6 +474,23 @@ def _not_readable(path: str, exc: Exception) -> ValueError:
                       "written by save_to_disk, or a hub dataset name")
 
 
+def no_documents_problem(path: str, skipped: Counter, fields: tuple[str, ...], choose_field: str) -> str:
+    """What to say of an input file that holds records of which not one is a document (``skipped``
+    counts them by reason). Bad records are counted and left out so that one broken line in a million
+    does not stop a run, but a whole file lost is no such line: it is most often a file in another
+    shape, a JSON array or objects printed over several lines, each line of which is malformed JSON,
+    or a text field named wrong (``fields``; ``choose_field`` says how the user names another)."""
+    reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
+    if MALFORMED_JSON in skipped or NOT_OBJECT in skipped:
+        fix = ("it is likely not JSON lines: one JSON document per line (a JSON array, or an object printed over "
+               "several lines, is not); write each record on a line of its own")
+    elif set(skipped) == {NOT_TEXT}:
+        fix = f"no record holds {' and '.join(map(repr, fields))} as a string; {choose_field}"
+    else:
+        fix = "fix the file, or leave it out of the inputs"
+    return f"{path}: not one of its {sum(skipped.values())} records could be read ({reasons}): {fix}"
+
+
 def decode_line(line: bytes) -> str:
     """One line as text: UTF-8 without NUL bytes (valid UTF-8, but no text file holds one, and a
     binary file's bytes can pass for text once mapped into ASCII)."""

@@ -52,7 +52,8 @@ def test_truncated_compressed_file_is_counted_or_fatal(tmp_path, capsys, suffix,
     stats = json.loads((tmp_path / "out/00-input/stats.json").read_text())
     read = stats["docs_out"]
     assert stats["bad_records"] == {"truncated file": 1} and 20 <= read < 40
-    assert stats["bad_examples"][0].startswith(f"{path}:{read + 1}: ") and "truncated or corrupt" in stats["bad_examples"][0]
+    first = stats["bad_examples"][0]
+    assert first.startswith(f"{path}:{read + 1}: ") and "truncated or corrupt" in first
     assert _cli(tmp_path, config(tmp_path, [str(path)], out="strict"), "--strict") == 2
     assert f"raw.jsonl.{suffix}: the file is truncated or corrupt" in capsys.readouterr().err
 
@@ -76,3 +77,32 @@ def test_truncated_single_frame_zst_keeps_its_whole_blocks(tmp_path, capsys):
     assert "only whole blocks of up to 128 KiB of text" in stats["bad_examples"][0]
     assert _cli(tmp_path, config(tmp_path, [str(path)], out="strict"), "--strict") == 2
     assert "raw.jsonl.zst: the file is truncated or corrupt (read 26 lines" in capsys.readouterr().err
+
+
+NOT_JSON_LINES = ("it is likely not JSON lines: one JSON document per line (a JSON array, or an object printed over "
+                  "several lines, is not); write each record on a line of its own")
+
+
+@pytest.mark.parametrize("name, text, said", [
+    ("array.json", '[{"text": "a"}, {"text": "b"}]\n', "not one of its 1 records could be read (1 not a JSON object): "
+     + NOT_JSON_LINES),
+    ("pretty.json", '{\n  "text": "a"\n}\n{\n  "text": "b"\n}\n', "not one of its 6 records could be read (6 malformed "
+     "JSON): " + NOT_JSON_LINES),
+    ("body.jsonl", '{"body": "a"}\n{"body": "b"}\n', "not one of its 2 records could be read (2 not text): no record "
+     "holds 'text' as a string; set input.text_field"),
+])
+def test_an_input_file_without_one_good_record_is_an_error(tmp_path, capsys, name, text, said):
+    """Bad records are counted, not fatal, so that one broken line in a million does not stop a run; an
+    input file of which not one record could be read is no such line, but a file of another shape,
+    and a run without --strict went on without it, saying only "N bad records". The input stage is
+    removed: the fix changes an input or input.text_field, so a rerun would discard it. (Planted: the
+    check in ingest_file removed.)"""
+    corpus = write_corpus(tmp_path)
+    (tmp_path / name).write_text(text)
+    assert _cli(tmp_path, config(tmp_path, [corpus, str(tmp_path / name)])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"megazero curate: error: input.paths: {tmp_path / name}: {said}"], err
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "also.json").write_text(text)
+    assert _cli(tmp_path, config(tmp_path, [str(tmp_path / name), corpus, str(tmp_path / "also.json")])) == 2
+    assert f"{name}: {said} (and 1 more input files alike)" in capsys.readouterr().err

@@ -281,7 +281,8 @@ def test_empty_input_and_non_fasttext_model(tmp_path, capsys):
     raw["input"]["text_field"] = "txet"  # misspelt: no record has it
     (tmp_path / "out").mkdir()  # a folder the user made stays, emptied of what the run wrote
     assert _cli(tmp_path, raw) == 2
-    assert "'txet' string (input.text_field)" in capsys.readouterr().err
+    assert "raw.jsonl: not one of its 52 records could be read (52 not text): no record holds 'txet' as a string; " \
+           "set input.text_field" in capsys.readouterr().err
     assert list((tmp_path / "out").iterdir()) == []
     (tmp_path / "out").rmdir()
     fake = tmp_path / "model.bin"

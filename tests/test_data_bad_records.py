@@ -207,10 +207,28 @@ def test_skipped_record_leaves_every_key_shard(tokenizer, tmp_path):
     assert [titles[i].tolist() for i in range(2)] == [[3, 0], [0]]
 
 
-def test_only_bad_records_is_refused_with_the_counts(tokenizer, tmp_path):
-    path = jsonl(tmp_path / "d.jsonl", {"text": None}, b"{")
-    with pytest.raises(ValueError, match=r"no documents in .*skipped 2 bad records \(1 malformed JSON, 1 not text\)"):
-        preprocess([path], str(tmp_path / "out"), tokenizer, skip_bad_records=True)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_input_file_without_one_good_record_is_refused_by_name(tokenizer, tmp_path, workers):
+    """--skip-bad-records leaves out a broken line or two; an input of which not one record could be
+    read is a file of another shape (a JSON array, objects printed over several lines), and the run
+    went on without it, counting its lines as bad records. It is refused by name once read, among
+    good inputs and over several batches, and nothing is written. (Planted: the tally not checked.)"""
+    good = jsonl(tmp_path / "good.jsonl", {"text": "alpha"}, {"text": None})
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text("".join(json.dumps({"text": w}, indent=2) + "\n" for w in WORDS))
+    array = jsonl(tmp_path / "array.json", "[" + ", ".join(json.dumps({"text": w}) for w in WORDS) + "]")
+    for inputs, bad, said in (([str(pretty), good], str(pretty), "12 records could be read (12 malformed JSON)"),
+                              ([good, array], array, "1 records could be read (1 not a JSON object)")):
+        with pytest.raises(ValueError) as refused:
+            preprocess(inputs, str(tmp_path / "out"), tokenizer, workers=workers, batch_size=2, skip_bad_records=True)
+        assert str(refused.value) == (f"{bad}: not one of its {said}: it is likely not JSON lines: one JSON document "
+                                      "per line (a JSON array, or an object printed over several lines, is not); "
+                                      "write each record on a line of its own")
+    assert not list(tmp_path.glob("out*"))
+    body = jsonl(tmp_path / "body.jsonl", {"body": "alpha"}, {"text": 5})
+    with pytest.raises(ValueError, match=r"body\.jsonl: not one of its 2 records could be read \(2 not text\): no "
+                                         r"record holds 'text' as a string; choose the field with --json-keys"):
+        preprocess([body, good], str(tmp_path / "out"), tokenizer, skip_bad_records=True)
 
 
 def test_cli_strict_by_default_and_skip_on_request(tokenizer, tmp_path, capsys):

@@ -38,7 +38,7 @@ from data_pipeline.curate.clean import clean_shard
 from data_pipeline.curate.config import CurateConfig
 from data_pipeline.curate.quality import quality_shard
 from data_pipeline.curate.runner import Task, make_executor, merge_stats, run_tasks
-from data_pipeline.curate.shards import atomic_write_text, ingest_file, list_shards
+from data_pipeline.curate.shards import UNREADABLE, atomic_write_text, ingest_file, list_shards
 
 
 @dataclass
@@ -76,7 +76,13 @@ def run_ingest(ctx: Context, out_dir: str) -> dict:
     tasks = [Task(f"input-{k:05d}", ingest_file, (path, k, out_dir, ctx.cfg.output.format, i.text_field, i.id_field,
                                                   i.shard_docs, ctx.cfg.strict))
              for k, path in enumerate(i.paths)]
-    stats = merge_stats(ctx.run(out_dir, tasks, "input"))
+    results = ctx.run(out_dir, tasks, "input")
+    unreadable = [r[UNREADABLE] for r in results if UNREADABLE in r]
+    if unreadable:  # its fix changes an input or input.text_field, and so this stage's fingerprint: none is kept
+        shutil.rmtree(out_dir)
+        more = f" (and {len(unreadable) - 1} more input files alike)" if len(unreadable) > 1 else ""
+        raise ValueError(f"input.paths: {unreadable[0]}{more}")
+    stats = merge_stats(results)
     if stats["docs_out"] == 0:  # nothing here is worth resuming: a corrected config starts afresh
         shutil.rmtree(out_dir)
         bad = sum(stats.get("bad_records", {}).values())

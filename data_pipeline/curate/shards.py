@@ -20,8 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from data_pipeline.paths import written_whole
-from data_pipeline.sources import (NOT_UTF8, BadRecord, iter_lines, parquet_record_batches, parquet_schema,
-                                   parse_record, record_texts, string_columns)
+from data_pipeline.sources import (NOT_UTF8, BadRecord, iter_lines, no_documents_problem, parquet_record_batches,
+                                   parquet_schema, parse_record, record_texts, string_columns)
 
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet")
 TRUNCATED = "truncated file"
@@ -179,6 +179,9 @@ def _parquet_documents(path, text_field, id_field, strict, bad, default_id):
                 yield _doc_id(record, id_field, f"{default_id}:{row}"), record
 
 
+UNREADABLE = "unreadable"
+"""The stats key under which ``ingest_file`` says why not one of a file's records is a document."""
+
 DEFAULT_ID_FIELD = "id"
 """``input.id_field``'s default: a record without it gets the id FILE:LINE (FILE:ROW for parquet). A
 field named otherwise is the user's choice, so a file where no record has it is a misspelling."""
@@ -191,7 +194,9 @@ def _doc_id(record: dict, id_field: str, default: str) -> str:
 
 def ingest_file(path: str, file_index: int, out_dir: str, fmt: str, text_field: str, id_field: str,
                 shard_docs: int, strict: bool) -> dict:
-    """Split one input file into shards ``shard-FFFFF-SSSSS`` of ``shard_docs`` documents, ids attached."""
+    """Split one input file into shards ``shard-FFFFF-SSSSS`` of ``shard_docs`` documents, ids attached.
+    A file that holds records, none of them good, says why under ``UNREADABLE`` in its stats, for the
+    stage to refuse, strict or not, once every file is read."""
     bad = BadRecords()
     records, shard, docs, nbytes, with_id, keys = [], 0, 0, 0, 0, None
 
@@ -214,5 +219,8 @@ def ingest_file(path: str, file_index: int, out_dir: str, fmt: str, text_field: 
                          "fix input.id_field")
     if records or shard == 0:
         flush()
-    return {"docs_in": docs, "docs_out": docs, "bytes_in": nbytes, "bytes_out": nbytes,
-            "bad_records": dict(bad.counts), "bad_examples": bad.examples}
+    stats = {"docs_in": docs, "docs_out": docs, "bytes_in": nbytes, "bytes_out": nbytes,
+             "bad_records": dict(bad.counts), "bad_examples": bad.examples}
+    if not docs and bad.counts:  # a file of another shape, not a few bad records: the stage refuses it
+        stats[UNREADABLE] = no_documents_problem(path, bad.counts, (text_field,), "set input.text_field")
+    return stats
