@@ -25,7 +25,7 @@ import numpy as np
 from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
 from data_pipeline.shard_origin import tokenizer_identity
 from data_pipeline.sources import Batch, check_input, iter_batches, no_documents_problem
-from data_pipeline.tokenizer import load_tokenizer
+from data_pipeline.tokenizer import load_tokenizer, require_eod
 from data_pipeline.worker_pool import worker_pool
 
 _tokenizer = None  # one per worker process, loaded by _init_worker
@@ -151,6 +151,8 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     """
     tokenizer = load_tokenizer(tokenizer_path)
     vocab_size, identity = tokenizer.vocab_size, tokenizer_identity(tokenizer)  # before any work
+    if append_eod:
+        require_eod(tokenizer, "to end each document with (--no-eod writes none, and needs none)")
     for path in inputs:
         check_input(path, keys)
     writers: dict[str, IndexedDatasetWriter] = {}

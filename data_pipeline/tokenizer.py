@@ -2,7 +2,8 @@
 
 Preprocessing and training need only five things from a tokenizer: ``encode``, ``decode``,
 ``vocab_size`` (one more than the largest id it can produce), ``eod_id`` (appended after every
-document) and ``pad_id``. Two back ends provide them: SentencePiece ``.model`` files and Hugging
+document; None for a ``tokenizer.json`` without one, which only what writes it refuses, through
+``require_eod``) and ``pad_id``. Two back ends provide them: SentencePiece ``.model`` files and Hugging
 Face ``tokenizer.json`` files (through the ``tokenizers`` package, imported only when such a file
 is loaded). Any other file given as a tokenizer is one ValueError naming it, not a traceback.
 """
@@ -28,8 +29,8 @@ WHAT_A_TOKENIZER_IS = "a SentencePiece .model file or a Hugging Face tokenizer.j
 
 class Tokenizer(Protocol):
     vocab_size: int  # every id encode() returns is below it
-    eod_id: int
-    pad_id: int
+    eod_id: int | None  # None: a tokenizer.json with no end-of-document token (``require_eod``)
+    pad_id: int | None  # the end-of-document token where there is no padding one
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -94,7 +95,8 @@ class HFTokenizer:
         # ids may leave gaps (added tokens placed far above the vocabulary): the count is not enough
         ids = self._tok.get_vocab(with_added_tokens=True).values()
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
-        self.eod_id = self._find(eod_token, EOD_NAMES, "end-of-document")
+        # none is needed to encode, train or generate: what writes one asks for it (``require_eod``)
+        self.eod_id = self._find(eod_token, EOD_NAMES, "end-of-document", required=False)
         pad = self._find(pad_token, PAD_NAMES, "padding", required=False)
         self.pad_id = self.eod_id if pad is None else pad
 
@@ -122,6 +124,15 @@ class HFTokenizer:
     def pieces(self) -> list[str]:
         """Every id's token, in id order ("" for an id no token has): the vocabulary itself."""
         return [self._tok.id_to_token(i) or "" for i in range(self.vocab_size)]
+
+
+def require_eod(tokenizer: Tokenizer, purpose: str) -> int:
+    """The tokenizer's end-of-document id, for a caller that writes it (``purpose`` says what for);
+    a ``tokenizer.json`` without one is refused there, naming the tokens looked for."""
+    if tokenizer.eod_id is None:
+        raise ValueError(f"{tokenizer.path}: no end-of-document token among {list(EOD_NAMES)} {purpose}; add one of "
+                         "these to the tokenizer's special tokens")
+    return tokenizer.eod_id
 
 
 def _not_a_tokenizer(path: str, backend: str, exc: Exception) -> ValueError:

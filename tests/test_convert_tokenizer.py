@@ -105,3 +105,18 @@ def test_a_tokenizer_one_token_beyond_the_model_is_refused(tmp_path):
     assert load_fitting(str(tmp_path / "60.json"), 61, 16).tok.vocab_size == 61
     with pytest.raises(UserError, match="has 62 tokens, but the model has 61"):
         load_fitting(str(tmp_path / "61.json"), 61, 16)
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused_for_export(tmp_path):
+    """Such a tokenizer loads (preprocess --no-eod and training need no such token), but the exported
+    config names one as eos_token_id: refused there, before anything is written, saying so.
+    (Planted: the export's require_eod removed: a TypeError from the tokenizers library.)"""
+    from tokenizers import Tokenizer, models
+
+    from megazero.convert.hf_tokenizer import load_fitting
+    from megazero.errors import UserError
+
+    Tokenizer(models.WordLevel({"w0": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "bare.json"))
+    with pytest.raises(UserError, match=r"--tokenizer .*bare\.json: .*bare\.json: no end-of-document token among "
+                                        r"\[.*\] for the exported config's eos_token_id; add one"):
+        load_fitting(str(tmp_path / "bare.json"), 8, 16)

@@ -28,12 +28,19 @@ def base(tmp_path, monkeypatch) -> dict:
     (tmp_path / "task.jsonl").write_text(json.dumps({"text": task, "label": 1}) + "\n")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "notes.txt").write_text("not a tokenizer\n")
+    _tokenizer_without_eod(tmp_path / "noeod.json")
     (tmp_path / "plain.jsonl.gz").write_text((tmp_path / "raw.jsonl").read_text())  # named compressed, but plain
     (tmp_path / "packed.jsonl").write_bytes(gzip.compress((tmp_path / "raw.jsonl").read_bytes()))  # the reverse
     pq.write_table(pa.table({"body": ["a document in a column of another name"]}), tmp_path / "body.parquet")
     return {"input": {"paths": ["raw.jsonl"], "shard_docs": 7}, "output": {"dir": "out"},
             "stages": ["clean", "exact_dedup", "fuzzy_dedup", "decontaminate"],
             "clean": {"min_words": 20}, "decontaminate": {"tasks": ["task.jsonl"]}}
+
+
+def _tokenizer_without_eod(path) -> None:
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"[UNK]": 0, "word": 1}, unk_token="[UNK]")).save(str(path))
 
 
 def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
@@ -88,6 +95,9 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     ("preprocess.tokenizer", "''",
      r"preprocess\.tokenizer: an empty path names no tokenizer; .*or leave the field out"),
     ("preprocess.tokenizer", "notes.txt", r"preprocess\.tokenizer: notes\.txt: not a tokenizer"),
+    # it loads (--no-eod and training take it), but the curated shard ends each document with the token
+    ("preprocess.tokenizer", "noeod.json", r"preprocess\.tokenizer: noeod\.json: no end-of-document token among "
+     r"\[.*\] to end each curated document with"),
     ("executor.workers", "0", r"executor\.workers: 0 must be at least 1"),
     ("executor.kind", "spark", r"executor\.kind: 'spark' is not one of local, ray"),
     ("input.shard_docs", "0", r"input\.shard_docs: 0 must be at least 1"),

@@ -140,13 +140,38 @@ def test_a_sentencepiece_model_without_an_end_of_document_piece_is_refused(tmp_p
         load_tokenizer(str(tmp_path / "no_eos.model"))
 
 
-def test_hf_tokenizer_without_eod_is_refused(tmp_path):
+def test_hf_tokenizer_without_eod_is_refused_only_where_one_is_written(tmp_path, capsys):
+    """A tokenizer.json without an end-of-document token was refused as it loaded, so --no-eod, which
+    writes none, could not use it, nor could training (its data.tokenizer) or encoding, which read
+    none. It loads; preprocess without --no-eod refuses it before any input is read, saying what the
+    token is for; with --no-eod its shard holds the bare tokens and records the tokenizer as ever, and
+    a run takes its vocabulary. A token named outright must be there. (Planted: eod required at load.)"""
     pytest.importorskip("tokenizers")
+    from data_pipeline.indexed import IndexedDataset
+    from data_pipeline.shard_origin import read_origin
+    from megazero.config.loader import load_config
+
     path = make_hf_tokenizer(tmp_path / "tokenizer.json", specials=("<weird>",))
-    with pytest.raises(ValueError, match="no end-of-document token"):
-        load_tokenizer(path)
-    tok = HFTokenizer(path, eod_token="<weird>")
-    assert tok.eod_id == tok.pad_id == 0
+    tok = load_tokenizer(path)
+    assert tok.eod_id is None and tok.pad_id is None
+    with pytest.raises(ValueError, match="no end-of-document token among"):
+        HFTokenizer(path, eod_token="<end>")
+    assert HFTokenizer(path, eod_token="<weird>").eod_id == 0
+    docs = tmp_path / "d.jsonl"
+    docs.write_text(json.dumps({"text": "hello world"}) + "\n")
+    argv = ["preprocess", "--input", str(docs), "--tokenizer", path, "--no-progress", "--output-prefix"]
+    assert main([*argv, str(tmp_path / "eod")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"megazero preprocess: error: {path}: no end-of-document token among ['<|endoftext|>', '<|end_of_text|>', "
+        "'</s>', '<eos>', '<|eot_id|>', '[SEP]'] to end each document with (--no-eod writes none, and needs none); add "
+        "one of these to the tokenizer's special tokens")
+    assert not list(tmp_path.glob("eod*"))
+    assert main([*argv, str(tmp_path / "bare"), "--no-eod"]) == 0
+    shard = str(tmp_path / "bare_text_document")
+    assert IndexedDataset(shard)[0].tolist() == tok.encode("hello world")
+    assert read_origin(shard)["vocab_size"] == tok.vocab_size
+    cfg = load_config(None, ["--model.vocab_size", "auto", "--data.tokenizer", path])
+    assert cfg.model.vocab_size == tok.vocab_size
 
 
 def test_missing_tokenizer_file(tmp_path):

@@ -34,7 +34,7 @@ from data_pipeline.curate.runner import EXECUTORS
 from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS
 from data_pipeline.paths import empty_path_problem, file_in_the_way
 from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES, check_compression, missing_columns
-from data_pipeline.tokenizer import load_tokenizer
+from data_pipeline.tokenizer import load_tokenizer, require_eod
 from data_pipeline.typed_config import build_dataclass
 
 STAGES = ("clean", "quality", "exact_dedup", "fuzzy_dedup", "decontaminate")
@@ -78,7 +78,7 @@ class PreprocessConfig:
         if not self.tokenizer:
             return []
         try:
-            load_tokenizer(self.tokenizer)
+            require_eod(load_tokenizer(self.tokenizer), "to end each curated document with")
         except (OSError, ValueError) as exc:
             return [f"preprocess.tokenizer: {exc}"]
         return []

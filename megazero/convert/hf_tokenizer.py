@@ -58,10 +58,11 @@ def load_fitting(path: str, vocab_size: int, max_length: int, where: str = "--to
     """The tokenizer at ``path`` with its export files; refused when it does not load, is a kind
     ``transformers`` cannot take, or has more tokens than the model has rows (the folder written would
     encode text to ids the model cannot embed). ``where`` names where the path came from."""
-    from data_pipeline.tokenizer import HFTokenizer, load_tokenizer
+    from data_pipeline.tokenizer import HFTokenizer, load_tokenizer, require_eod
 
     try:
         tok = load_tokenizer(path)
+        require_eod(tok, "for the exported config's eos_token_id")
     except (ValueError, OSError) as e:
         raise UserError(f"{where} {path}: {e}") from None
     if tok.vocab_size > vocab_size:
