@@ -57,10 +57,9 @@ class SentencePieceTokenizer:
         except Exception as exc:  # sentencepiece raises RuntimeError or OSError, worded for its developers
             raise _not_a_tokenizer(path, "SentencePiece", exc) from None
         self.vocab_size = self._sp.get_piece_size()
-        eos = self._sp.eos_id()
-        if eos < 0:
-            raise ValueError(f"{path}: the SentencePiece model has no </s> piece to use as end-of-document; "
-                             "retrain it with eos_id set (megazero tokenizer train does)")
+        # sentencepiece says -1 for a piece the model lacks, a token id no shard can hold: None instead,
+        # and what writes an end-of-document token asks for one (``require_eod``)
+        eos = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.eod_id = eos
         self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else eos
 
@@ -128,7 +127,11 @@ class HFTokenizer:
 
 def require_eod(tokenizer: Tokenizer, purpose: str) -> int:
     """The tokenizer's end-of-document id, for a caller that writes it (``purpose`` says what for);
-    a ``tokenizer.json`` without one is refused there, naming the tokens looked for."""
+    a tokenizer without one is refused there, naming the tokens looked for (a SentencePiece model: its
+    </s> piece)."""
+    if tokenizer.eod_id is None and isinstance(tokenizer, SentencePieceTokenizer):
+        raise ValueError(f"{tokenizer.path}: the SentencePiece model has no </s> piece {purpose}; retrain it with "
+                         "eos_id set (megazero tokenizer train does)")
     if tokenizer.eod_id is None:
         raise ValueError(f"{tokenizer.path}: no end-of-document token among {list(EOD_NAMES)} {purpose}; add one of "
                          "these to the tokenizer's special tokens")

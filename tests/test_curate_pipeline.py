@@ -275,7 +275,8 @@ def test_empty_input_and_non_fasttext_model(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert _cli(tmp_path, config(tmp_path, [str(empty)])) == 2
-    assert "input.paths: no documents in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "input.paths: no documents in" in err and "every input file is empty" in err
     assert not (tmp_path / "out").exists()  # the refused run left no empty output folder behind
     raw = config(tmp_path, [write_corpus(tmp_path)])
     raw["input"]["text_field"] = "txet"  # misspelt: no record has it

@@ -129,15 +129,28 @@ def test_the_most_specific_end_of_document_name_is_taken(tmp_path):
     assert tok.pieces()[tok.eod_id] == "<|endoftext|>" and tok.pieces()[tok.pad_id] == "[PAD]"
 
 
-def test_a_sentencepiece_model_without_an_end_of_document_piece_is_refused(tmp_path):
+def test_a_sentencepiece_model_without_an_end_of_document_piece_is_refused_only_where_one_is_written(tmp_path,
+                                                                                                     capsys):
     """A model trained elsewhere with eos_id=-1 has no </s>; its eod_id would be -1, a token id no
-    shard can hold. (Planted: the check removed.)"""
+    shard can hold. It loads with none (as a tokenizer.json does), preprocess refuses it before any
+    input is read unless --no-eod, which writes none. (Planted: the -1 kept as the id; the check
+    removed from preprocess.)"""
     import sentencepiece as spm
 
     spm.SentencePieceTrainer.train(sentence_iterator=iter(SAMPLES * 50), model_prefix=str(tmp_path / "no_eos"),
                                    vocab_size=40, eos_id=-1, minloglevel=2)
-    with pytest.raises(ValueError, match=r"no_eos\.model: the SentencePiece model has no </s> piece"):
-        load_tokenizer(str(tmp_path / "no_eos.model"))
+    path = str(tmp_path / "no_eos.model")
+    tok = load_tokenizer(path)
+    assert tok.eod_id is None and tok.pad_id is None
+    docs = tmp_path / "d.jsonl"
+    docs.write_text(json.dumps({"text": SAMPLES[0]}) + "\n")
+    argv = ["preprocess", "--input", str(docs), "--tokenizer", path, "--no-progress", "--output-prefix"]
+    assert main([*argv, str(tmp_path / "eod")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"megazero preprocess: error: {path}: the SentencePiece model has no </s> piece to end each document with "
+        "(--no-eod writes none, and needs none); retrain it with eos_id set (megazero tokenizer train does)")
+    assert not list(tmp_path.glob("eod*"))
+    assert main([*argv, str(tmp_path / "bare"), "--no-eod"]) == 0
 
 
 def test_hf_tokenizer_without_eod_is_refused_only_where_one_is_written(tmp_path, capsys):

@@ -84,10 +84,9 @@ def run_ingest(ctx: Context, out_dir: str) -> dict:
         raise ValueError(f"input.paths: {unreadable[0]}{more}")
     stats = merge_stats(results)
     if stats["docs_out"] == 0:  # nothing here is worth resuming: a corrected config starts afresh
-        shutil.rmtree(out_dir)
-        bad = sum(stats.get("bad_records", {}).values())
-        raise ValueError(f"input.paths: no documents in {i.paths} ({bad} bad records); give jsonl or parquet "
-                         f"files whose records have a {i.text_field!r} string (input.text_field)")
+        shutil.rmtree(out_dir)  # (a file with records but no good one was refused above: every file is empty)
+        raise ValueError(f"input.paths: no documents in {i.paths}: every input file is empty; give jsonl or parquet "
+                         f"files of records with a {i.text_field!r} string (input.text_field)")
     return stats
 
 
