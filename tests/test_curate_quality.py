@@ -10,8 +10,9 @@ import struct
 import numpy as np
 import pytest
 
-from data_pipeline.curate.quality import (_HEADER, FASTTEXT_MAGIC, QualityConfig, _check_dictionary_fits,
-                                          keep_probability, load_model, pareto_keep, quality_shard, scores)
+from data_pipeline.curate.quality import (_HEADER, FASTTEXT_BUCKETS, FASTTEXT_MAGIC, MIN_BUCKETS, QualityConfig,
+                                          _check_dictionary_fits, keep_probability, load_model, pareto_keep,
+                                          quality_shard, scores, train_quality)
 from megazero.cli import main
 from tests.curation import train_quality_model
 
@@ -48,6 +49,7 @@ def test_train_quality_separates_the_classes(trained, capsys):
     model = load_model(trained)
     s = scores(model, ["a careful report on the river and its water", "free casino pills, click now lol"])
     assert s[0] > 0.9 and s[1] < 0.1
+    assert model.f.getArgs().bucket == MIN_BUCKETS  # the rows asked for reach fastText (planted: dropped)
 
 
 def test_the_stage_keeps_good_documents_at_the_high_scores_rate(trained, tmp_path):
@@ -73,6 +75,7 @@ def test_train_quality_reports_held_out_accuracy(tmp_path, capsys):
     assert main(["curate", "train-quality", "--hq", str(hq), "--lq", str(lq), "--output",
                  str(tmp_path / "m.bin")]) == 0
     assert "held-out accuracy 1.000 on 6" in capsys.readouterr().out
+    assert load_model(str(tmp_path / "m.bin")).f.getArgs().bucket == FASTTEXT_BUCKETS == 2_000_000  # fastText's
 
 
 def test_train_quality_without_documents_is_one_line(tmp_path, capsys):
@@ -125,6 +128,17 @@ def test_train_quality_refuses_zero_epochs_before_training(tmp_path, capsys):
                  str(tmp_path / "q.bin"), "--epoch", "0"]) == 2
     assert "--epoch: must be 1 or more, got 0" in capsys.readouterr().err
     assert not (tmp_path / "q.bin").exists()
+
+
+def test_fewer_bigram_rows_than_fasttext_writes_are_refused_before_training(tmp_path):
+    """Under 2**18 rows fastText's table came from reused heap memory, which it reads before writing:
+    training went to NaN in most runs after NaN-filled arrays were freed (planted: the floor removed)."""
+    for name, words in (("hq", "careful river report"), ("lq", "cheap casino pills")):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{words} {i}"}) + "\n" for i in range(20)))
+    with pytest.raises(ValueError, match=rf"bucket: {MIN_BUCKETS - 1} word-bigram rows, fewer than {MIN_BUCKETS}"):
+        train_quality([str(tmp_path / "hq.jsonl")], [str(tmp_path / "lq.jsonl")], str(tmp_path / "m.bin"),
+                      epoch=1, bucket=MIN_BUCKETS - 1)
+    assert not (tmp_path / "m.bin").exists()
 
 
 @pytest.mark.parametrize("keep", [1000, 300_000, -4096, 8, 60, 85])
@@ -215,7 +229,7 @@ def test_a_model_of_more_labels_scores_p_hq(tmp_path):
             for label, words in vocab.items():
                 f.write(f"__label__{label} " + " ".join(rng.choice(words.split(), 20)) + "\n")
     fasttext.train_supervised(input=str(tmp_path / "train.txt"), wordNgrams=2, epoch=5, dim=64, lr=0.5, thread=1,
-                              seed=0, verbose=0).save_model(str(tmp_path / "three.bin"))
+                              seed=0, verbose=0, bucket=MIN_BUCKETS).save_model(str(tmp_path / "three.bin"))
     model = load_model(str(tmp_path / "three.bin"))
     [s] = scores(model, ["def return import class lambda def"])
     labels, probs = model.predict("def return import class lambda def", k=-1)

@@ -123,7 +123,7 @@ def build_demo(out_dir: str, seed: int = 0) -> dict:
     there are refused, never replaced (a shard records the tokenizer it was made with, a finished
     quality stage the model it scored with); the demo is built in a temporary folder inside
     ``out_dir`` and moved in at the end, so a failed build leaves nothing behind."""
-    from data_pipeline.curate.quality import train_quality
+    from data_pipeline.curate.quality import MIN_BUCKETS, train_quality
     from data_pipeline.tokenizer import train_sentencepiece
 
     ours = DEMO_FILES + (() if os.path.normpath(out_dir) == DEMO_DIR else ("curate.yaml",))
@@ -152,7 +152,8 @@ def build_demo(out_dir: str, seed: int = 0) -> dict:
         hq, lq = write_jsonl(os.path.join(tmp, "hq.jsonl"), hq_train), write_jsonl(os.path.join(tmp, "lq.jsonl"), lq_train)
         write_jsonl(os.path.join(tmp, "corpus.jsonl"), corpus)
         write_jsonl(os.path.join(tmp, "tasks", "docs_qa.jsonl"), task)
-        quality = train_quality([hq], [lq], os.path.join(tmp, "quality.bin"), epoch=25, seed=seed)
+        quality = train_quality([hq], [lq], os.path.join(tmp, "quality.bin"), epoch=25, seed=seed,
+                                bucket=MIN_BUCKETS)  # its 40,000 word bigrams: 64 MiB, not fastText's 488
         train_sentencepiece(iter(prose), os.path.join(tmp, "tokenizer"), 2048)
         for name in DEMO_FILES:
             final = os.path.join(out_dir, name)

@@ -28,6 +28,15 @@ from data_pipeline.curate.shards import BadRecords, input_documents, read_shard,
 from data_pipeline.paths import empty_path_problem, file_in_the_way, listed_twice, written_whole
 
 HQ, LQ = "__label__hq", "__label__lq"
+FASTTEXT_BUCKETS = 2_000_000
+"""fastText's default count of hashed word-bigram rows. The model holds that many rows of ``dim`` floats
+whatever its corpus (488 MiB at dim 64), and every quality task reads it whole: a classifier of a few
+thousand documents is as large and as slow to load as one of millions, unless it asks for fewer."""
+MIN_BUCKETS = 1 << 18
+"""Fewer rows are refused: fastText reads its input matrix before it writes every row of it, which
+is harmless only while the matrix comes fresh (zeroed) from the OS, as glibc's allocations over 32 MiB
+do; a smaller one reuses freed heap memory and trained to NaN losses (measured, 29 runs of 30 after
+freeing NaN-filled arrays at 4096 rows, none at 2**18)."""
 HIST_BINS = 20  # score histogram in stats.json, for the report
 
 
@@ -175,18 +184,21 @@ def _check_each_file_once(hq: list[str], lq: list[str]) -> None:
 
 
 def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "text", epoch: int = 5,
-                  valid_fraction: float = 0.1, seed: int = 0, dim: int = 64) -> dict:
-    """Train the hq/lq classifier on word 1-2-grams; returns counts and held-out accuracy. An existing
-    ``output`` is refused (a quality stage that scored with it would be refused as changed, and the
-    model lost), and so is one that names no file (empty, or ending in a separator), which failed
-    only at the final rename, after training; the model is saved under a temporary name and
-    renamed, so it is whole or absent."""
+                  valid_fraction: float = 0.1, seed: int = 0, dim: int = 64, bucket: int = FASTTEXT_BUCKETS) -> dict:
+    """Train the hq/lq classifier on word 1-2-grams, the bigrams hashed into ``bucket`` rows; returns
+    counts and held-out accuracy. An existing ``output`` is refused (a quality stage that scored with
+    it would be refused as changed, and the model lost), and so is one that names no file (empty, or
+    ending in a separator), which failed only at the final rename, after training; the model is saved
+    under a temporary name and renamed, so it is whole or absent."""
     empty = empty_path_problem(output, "model file", "give a path such as quality.bin")
     if empty:
         raise ValueError(f"--output: {empty}")
     if output.endswith(("/", os.sep)):
         raise ValueError(f"--output {output}: names a folder; give a file path inside it, e.g. "
                          f"{os.path.join(output, 'quality.bin')}")
+    if bucket < MIN_BUCKETS:
+        raise ValueError(f"bucket: {bucket} word-bigram rows, fewer than {MIN_BUCKETS} (fastText would train on "
+                         "memory it never wrote)")
     if os.path.lexists(output):
         raise ValueError(f"--output {output}: already exists; give a new path or remove it first")
     blocking = file_in_the_way(output)
@@ -205,7 +217,7 @@ def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "
             with open(path, "w", encoding="utf-8") as f:
                 f.writelines(f"{label} {_one_line(text)}\n" for label, text in rows)
         model = fasttext.train_supervised(input=train_file, wordNgrams=2, epoch=epoch, dim=dim, minCount=1,
-                                          lr=0.5, thread=1, seed=seed, verbose=0)
+                                          lr=0.5, thread=1, seed=seed, verbose=0, bucket=bucket)
         accuracy = model.test(valid_file)[1] if valid else float("nan")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with written_whole(output) as tmp:
