@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -356,9 +357,11 @@ SBATCH = REPO / "scripts" / "slurm_pretrain_gpt.sbatch"
 def test_the_batch_script_requeues_after_the_warning_whatever_srun_says(tmp_path, srun_status):
     """SLURM's warning, then srun's status: the job comes back whatever it is. 0 is not taken for a
     finished run: a stop at train.max_wall_seconds also exits 0 with steps left, and a run that did
-    finish comes back only to say so."""
+    finish comes back only to say so. The script waits for srun in 5 s slices; a stand-in ``sleep``
+    cuts each to 0.1 s, or every case waited out a slice after srun had gone."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    (bin_dir / "sleep").write_text(f"#!/usr/bin/env bash\nexec {shutil.which('sleep')} 0.1\n")
     started = tmp_path / "srun_started"
     (bin_dir / "srun").write_text(textwrap.dedent(f"""\
         #!/usr/bin/env bash
@@ -368,7 +371,7 @@ def test_the_batch_script_requeues_after_the_warning_whatever_srun_says(tmp_path
         """))
     (bin_dir / "scontrol").write_text(f"#!/usr/bin/env bash\n[ \"$1\" = show ] && echo node1 || echo \"$@\" >> "
                                       f"{tmp_path / 'scontrol.log'}\n")
-    for tool in ("srun", "scontrol"):
+    for tool in ("srun", "scontrol", "sleep"):
         (bin_dir / tool).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node1", SLURM_JOB_ID="42")
     proc = subprocess.Popen(["bash", str(SBATCH)], cwd=REPO, env=env, stdout=subprocess.PIPE,
