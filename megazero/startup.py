@@ -4,6 +4,7 @@ This is each worker's start-up; the launcher that starts the workers is ``parall
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import os
 from pathlib import Path
@@ -89,9 +90,13 @@ def lock_directories(cfg: Config) -> list[RunDirLock]:
 def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -> int:
     """Lock the run and checkpoint directories (rank 0), start the process group and topology, check
     that every rank agrees, train; returns the exit status. ``started`` (``time.monotonic()``) is when
-    the command began, from which ``train.max_wall_seconds`` counts (None: from building the trainer)."""
+    the command began, from which ``train.max_wall_seconds`` counts (None: from building the trainer).
+
+    A rank that dies in native code (a segmentation fault in a library) prints every thread's Python
+    stack first: without it the launcher reports an exit code of -11 and nothing of where."""
     from megazero.trainer import Trainer
 
+    faulthandler.enable(all_threads=True)
     locks = lock_directories(cfg) if launch.rank == 0 else []
     try:
         device, topology = initialize(cfg, launch)

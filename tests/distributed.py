@@ -29,6 +29,7 @@ def _child(rank: int, world_size: int, init_file: str, results, fn: Callable, ar
     os.environ.clear()  # the caller's environment, not the one the fork server started with
     os.environ.update(environ)
     torch.set_num_threads(1)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a native crash shows every thread's stack
     faulthandler.dump_traceback_later(max(timeout - 10, 5), exit=False, file=sys.stderr)
     try:
         device = {}
