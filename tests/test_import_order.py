@@ -37,3 +37,25 @@ def test_every_module_imports_first():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "", done.stdout
+
+
+# The command line's parser, every subcommand registered, and a data command run to its end.
+DATA_COMMAND = """
+import sys
+from megazero.cli import main
+code = main(["tokenizer", "train", "--input", sys.argv[1], "--vocab-size", "300", "--model-prefix", sys.argv[2]])
+print(code, sorted(m for m in ("torch", "models", "megazero.config") if m in sys.modules))
+"""
+
+
+def test_the_data_commands_do_not_import_torch(tmp_path):
+    """Every ``megazero`` command builds every subcommand's parser; train's imported the config, and
+    plan's the whole planner, for its GPU presets: both pull in the model and torch, about 2 s that
+    ``megazero preprocess``, ``curate`` and ``tokenizer`` paid on each call for nothing (planted: the
+    config imported at train's top again; the planner package loading its modules eagerly)."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(f'{{"text": "document {i} of a few words, repeated {i} times"}}\n' for i in range(200)))
+    done = subprocess.run([sys.executable, "-c", DATA_COMMAND, str(docs), str(tmp_path / "tok")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr

@@ -1,10 +1,13 @@
-"""`megazero train CONFIG [--section.field VALUE ...]`: validate, check, lay out the ranks, train."""
+"""`megazero train CONFIG [--section.field VALUE ...]`: validate, check, lay out the ranks, train.
+
+The config package (and through it the model and torch) is imported where a function needs it:
+every ``megazero`` command registers this one's parser, and the data commands would otherwise pay
+torch's import, about 2 s, on every call."""
 
 from __future__ import annotations
 
 import time
 
-from megazero.config import field_docs, load_config, resolve_config
 from megazero.errors import UserError
 
 
@@ -25,6 +28,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     started = time.monotonic()  # train.max_wall_seconds counts from here, through the checks and start-up
     if args.help_config:
+        from megazero.config import field_docs
+
         for name, default, help_text in field_docs():
             print(f"{name:36s} {default!r:>14}  {help_text}")
         return 0
@@ -68,6 +73,7 @@ def run(args) -> int:
 def checked_config(args, launch):
     """The resolved config and the facts the checks learned, or a ``UserError`` listing every problem
     with the config, device, data, tokenizer and directories, before any process group exists."""
+    from megazero.config import load_config, resolve_config
     from megazero.preflight import check_run
 
     config_path, overrides = split_config_path(args.overrides)
@@ -96,6 +102,8 @@ def launch_facts(argv: list[str]) -> list[str]:
     import os
 
     import torch
+
+    from megazero.config import load_config
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())  # train's own parser, without importing the command line back
