@@ -4,8 +4,10 @@ This is each worker's start-up; the launcher that starts the workers is ``parall
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
+import io
 import os
 from pathlib import Path
 from typing import Optional
@@ -96,7 +98,8 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
     stack first: without it the launcher reports an exit code of -11 and nothing of where."""
     from megazero.trainer import Trainer
 
-    faulthandler.enable(all_threads=True)
+    with contextlib.suppress(io.UnsupportedOperation, AttributeError, ValueError):
+        faulthandler.enable(all_threads=True)  # not where stderr is no file (a caller capturing it in memory)
     locks = lock_directories(cfg) if launch.rank == 0 else []
     try:
         device, topology = initialize(cfg, launch)
