@@ -135,6 +135,8 @@ def test_an_idx_left_by_a_writer_killed_between_its_renames_is_swept_and_a_live_
     live.publish()
     later.abort()
     assert _names(tmp_path) == ["a.bin", "a.idx"] and IndexedDataset(prefix)[0].tolist() == [3, 4, 5]
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's descriptors in /proc")
 @pytest.mark.parametrize("end", ["finish", "abort"])
 def test_a_writer_that_is_done_holds_no_descriptor(tmp_path, end):
