@@ -4,11 +4,10 @@ This is each worker's start-up; the launcher that starts the workers is ``parall
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import hashlib
-import io
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -89,6 +88,18 @@ def lock_directories(cfg: Config) -> list[RunDirLock]:
         raise
 
 
+def _crash_output() -> int:
+    """The descriptor the fault handler writes a crash's stacks to: ``sys.stderr``'s, or, where that
+    stream has none (captured in memory by a test harness or a notebook), the process's own standard
+    error, where a native crash's message goes anyway. The handler writes from a signal handler, so
+    it takes a descriptor, never a Python stream (given one without, ``enable`` raised and no rank
+    started)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no stream, or one without a descriptor
+        return 2
+
+
 def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -> int:
     """Lock the run and checkpoint directories (rank 0), start the process group and topology, check
     that every rank agrees, train; returns the exit status. ``started`` (``time.monotonic()``) is when
@@ -98,8 +109,7 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
     stack first: without it the launcher reports an exit code of -11 and nothing of where."""
     from megazero.trainer import Trainer
 
-    with contextlib.suppress(io.UnsupportedOperation, AttributeError, ValueError):
-        faulthandler.enable(all_threads=True)  # not where stderr is no file (a caller capturing it in memory)
+    faulthandler.enable(file=_crash_output(), all_threads=True)
     locks = lock_directories(cfg) if launch.rank == 0 else []
     try:
         device, topology = initialize(cfg, launch)
