@@ -122,7 +122,8 @@ def _world(rank, world_size, root):
     out["files_read"] = _pipeline_reshard_reads(rank, root)
     out.update(_damaged_reshard(topo, rank, ckpt, root + "/damaged"))
     out.update(_swapped_after_plan(topo, rank, ckpt, root + "/swapped"))
-    out["swapped on rank 0"] = _swapped_on_one_rank(topo, rank, ckpt, root + "/swapped_on_one")
+    for swapped in ((0,), (0, 1)):
+        out["swapped", swapped] = _swapped_under_the_load(topo, rank, ckpt, root + f"/swapped_{len(swapped)}", swapped)
     return out
 
 
@@ -199,11 +200,13 @@ def _swap_for_a_flipped_copy(path: str) -> None:
     os.replace(f"{path}.new", path)
 
 
-def _swapped_on_one_rank(topo, rank, ckpt, root):
-    """Rank 0's file alone replaced between the plan and an exact load, which loads the ranks as one
-    group: rank 0 meets the change, and rank 1, reading its own whole file, must stop too, with rank
-    0's line, rather than wait in the load's all-gather for a rank that has stopped. Returns the
-    error this rank raised (None: it loaded)."""
+def _swapped_under_the_load(topo, rank, ckpt, root, swapped):
+    """The files of the ranks ``swapped`` replaced between the plan and an exact load, which loads the
+    ranks as one group: rank 0 meets the change, and rank 1, reading its own whole file or meeting its
+    change too, must stop with rank 0's line, the first rank's, rather than wait in the load's
+    all-gather for a rank that has stopped. Returns the error this rank raised (None: it loaded) and
+    a sum over the data-parallel group after it, which a collective one rank started alone (the
+    load's all-gather) would leave out of step."""
     import shutil
     from megazero.checkpoint import CheckpointError
 
@@ -214,14 +217,18 @@ def _swapped_on_one_rank(topo, rank, ckpt, root):
     plan = files_to_load(root, rank, target.optimizer, manifest, same_layout=True, group=dist.group.WORLD)
     dist.barrier()
     if rank == 0:
-        _swap_for_a_flipped_copy(f"{root}/{rank_file(0)}")
+        for r in swapped:
+            _swap_for_a_flipped_copy(f"{root}/{rank_file(r)}")
     dist.barrier()
+    error = None
     try:
         load_checkpoint(root, rank, target.chunks, target.optimizer, manifest, same_layout=True, plan=plan,
                         group=dist.group.WORLD)
     except CheckpointError as e:
-        return str(e)
-    return None
+        error = str(e)
+    total = torch.ones(1)
+    dist.all_reduce(total, group=topo.dp_group)
+    return error, total.item()
 
 
 def _longer_shard_resume(topo, rank, root, reference_next):
@@ -415,14 +422,26 @@ def test_a_file_swapped_between_the_plan_and_the_load_is_refused(report, bucket_
         assert "changed while it was read" in error and "/rank_0000" in error and "\n" not in error, (rank, error)
 
 
-def test_a_file_changed_under_one_ranks_load_stops_every_rank_with_that_ranks_line(report):
+@pytest.mark.parametrize("swapped", [(0,), (0, 1)], ids=["rank-0", "both"])
+def test_a_file_changed_under_one_ranks_load_stops_every_rank_with_that_ranks_line(report, swapped):
     """Only rank 0 read the replaced file: rank 1 loaded its own and went on into the load's
     all-gather, where it waited for rank 0, which had stopped with the one line (planted: no agreement
-    before the load's all-gather). Both raise rank 0's line, naming that rank and its file."""
-    errors = [r["swapped on rank 0"] for r in report]
+    before the load's all-gather; the all-gather started before it). Both raise rank 0's line as it
+    is, naming that rank and its file, and so where both ranks met a change (planted: the last rank's
+    line; the line prefixed with its type), and the data-parallel group is still in step."""
+    outcomes = [r["swapped", swapped] for r in report]
+    errors = [error for error, _ in outcomes]
     assert errors[0] is not None and errors[1] == errors[0], errors
-    assert errors[0].startswith("rank 0: ") and "\n" not in errors[0], errors[0]
-    assert f"/swapped_on_one/{rank_file(0)}: the checkpoint changed while it was read" in errors[0], errors[0]
+    assert errors[0].startswith(f"rank 0: /") and "\n" not in errors[0], errors[0]
+    assert f"/swapped_{len(swapped)}/{rank_file(0)}: the checkpoint changed while it was read" in errors[0], errors[0]
+    assert [total for _, total in outcomes] == [2.0, 2.0], outcomes
+
+
+def test_an_error_without_a_message_is_named_by_its_type():
+    """A peer's line names the error a rank met by its type where it says nothing (planted: an empty
+    line after the rank)."""
+    assert state._one_line(AssertionError()) == "AssertionError"
+    assert state._one_line(KeyError("rng")) == "KeyError: 'rng'"
 
 
 def _refused_on_rank_1(rank, world_size, root):
