@@ -122,26 +122,59 @@ def test_world_size_without_a_node_size_is_one_node():
     assert (launch.rank, launch.local_world_size, launch.num_nodes) == (0, 8, 1)
 
 
-def test_only_rank_0_prints_the_memory_estimate(tmp_path, capsys, monkeypatch):
-    """Every rank runs the start-up checks, but the planner's estimate is one line of the launch, not
-    one a rank."""
+def _small_run(tmp_path) -> list[str]:
+    """A config of a small model over a small written shard: what ``megazero train`` takes."""
     import numpy as np
 
     from data_pipeline.indexed import IndexedDatasetWriter
-    from megazero.cli import main
     from tests.bad_input_files import VOCAB, _model
 
     prefix = str(tmp_path / "small_text_document")
     with IndexedDatasetWriter(prefix, np.uint16) as w:
         for _ in range(8):
             w.add_document(np.arange(1, VOCAB, dtype=np.uint16))
+    return _model(prefix, str(tmp_path / "run"))
+
+
+def _as_rank(monkeypatch, rank: str) -> None:
+    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_only_rank_0_prints_the_memory_estimate(tmp_path, capsys, monkeypatch):
+    """Every rank runs the start-up checks, but the planner's estimate is one line of the launch, not
+    one a rank."""
+    from megazero.cli import main
+
+    config = _small_run(tmp_path)
     printed = []
     for rank in ("0", "1"):
-        for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
-            monkeypatch.setenv(name, value)
-        assert main(["train", *_model(prefix, str(tmp_path / "run")), "--check"]) == 0
+        _as_rank(monkeypatch, rank)
+        assert main(["train", *config, "--check"]) == 0
         printed.append("planner memory estimate" in capsys.readouterr().out)
     assert printed == [True, False]
+
+
+def test_an_agreed_error_is_printed_by_rank_0_alone(tmp_path, capsys, monkeypatch):
+    """An error every rank raised alike (``UserError.agreed``) is rank 0's to print, and every rank
+    still fails; an error of one rank's own is printed by that rank (planted: rank 1 printing the
+    agreed line, or silent on its own error, or exiting 0)."""
+    import megazero.startup
+    from megazero.cli import main
+    from megazero.errors import UserError
+
+    config = _small_run(tmp_path)
+    seen = {}
+    for agreed in (True, False):
+        def start_run(cfg, launch, started=None, agreed=agreed):
+            raise UserError(f"the line (agreed {agreed})", agreed=agreed)
+        monkeypatch.setattr(megazero.startup, "start_run", start_run)
+        for rank in ("0", "1"):
+            _as_rank(monkeypatch, rank)
+            code = main(["train", *config])
+            seen[rank, agreed] = code, "the line" in capsys.readouterr().err
+    assert seen == {("0", True): (2, True), ("1", True): (2, False), ("0", False): (2, True),
+                    ("1", False): (2, True)}, seen
 
 
 @pytest.mark.parametrize("codes, signum, status", [
