@@ -139,10 +139,15 @@ def test_an_idx_left_by_a_writer_killed_between_its_renames_is_swept_and_a_live_
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's descriptors in /proc")
 @pytest.mark.parametrize("end", ["finish", "abort"])
-def test_a_writer_that_is_done_holds_no_descriptor(tmp_path, end):
+@pytest.mark.parametrize("locks", [True, False], ids=["locks", "no-locks"])
+def test_a_writer_that_is_done_holds_no_descriptor(tmp_path, monkeypatch, end, locks):
     """The lock that keeps a writer's temporaries from the sweep is let go once it has published or
     aborted: held on, it cost one descriptor per shard for the life of the process, which a merge or
-    a preprocess of many keys runs out of (planted: no unlock on either way out)."""
+    a preprocess of many keys runs out of (planted: no unlock on either way out). On a file system
+    that takes no locks the writer keeps no descriptor either, and writes as ever (planted: the
+    descriptor of a lock refused left open; no lock recorded as one)."""
+    if not locks:
+        monkeypatch.setattr(indexed, "_lock", lambda fd, wait: False)
     before = len(os.listdir("/proc/self/fd"))
     writer = IndexedDatasetWriter(str(tmp_path / "a"), np.uint16)
     writer.add_document([1, 2])
