@@ -205,9 +205,10 @@ def test_tp_across_nodes_can_be_forced():
     (("--train.seed", "two"), "train.seed: expected an integer, got 'two'"),
     (("--model.bias", "1"), "model.bias: expected true or false"),
     (("--optimizer.lr", "fast"), "optimizer.lr: expected a number"),
-    # a number in quotes is text: float() took "1", " 1 " and "1_0" (10.0); YAML 1.1's 3e-4 stays a number
+    # a number in quotes is text: float() took "1", " 1 " and "1_0" (10.0); YAML 1.1's 3e-4 stays a number,
+    # and text that only begins as one is text
     *[(("--optimizer.lr", text), f"optimizer.lr: expected a number, got {value!r}")
-      for text, value in (('"1"', "1"), ('" 1 "', " 1 "), ('"1_0"', "1_0"))],
+      for text, value in (('"1"', "1"), ('" 1 "', " 1 "), ('"1_0"', "1_0"), ("3e-4x", "3e-4x"))],
     (("--model.preset", "gpt5"), "model.preset: unknown preset"),
     (("--logging.profile_steps", "[2, x]"), r"logging.profile_steps\[1\]: expected an integer, got 'x'"),
     (("--logging.profile_ranks", "[0.5]"), r"logging.profile_ranks\[0\]: expected an integer, got 0.5"),
@@ -215,6 +216,18 @@ def test_tp_across_nodes_can_be_forced():
 def test_bad_keys_and_types(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("?", r"\?").replace("(", r"\(")):
         _cfg(*overrides)
+
+
+@pytest.mark.parametrize("text", ["1e3", "1E+3", ".5e3", "-2e-3", "+1.5e2", "nan", "-inf", "+Infinity"])
+def test_a_float_yaml_1_1_reads_as_text_is_the_number_it_spells(text):
+    """YAML 1.1 reads an exponent's float without a dot or without its exponent's sign as text, and
+    nan and inf unless written .nan and .inf: a float field takes each as its number, nan and inf
+    left for the field's own check to refuse by name (planted: the pattern matching without a sign, a
+    leading dot or a signed exponent; nan and inf refused as no number)."""
+    from data_pipeline.typed_config import coerce
+
+    assert yaml.safe_load(text) == text  # what a config's reader hands on
+    assert repr(coerce(text, float, "optimizer.lr")) == repr(float(text))
 
 
 @pytest.mark.parametrize("yaml_text, message", [
