@@ -41,6 +41,26 @@ def test_a_folder_with_a_file_of_another_kind_is_not_read_as_plain_files(tmp_pat
     assert plain_data_files(str(tmp_path)) is None and reads_as_dataset(str(tmp_path))
 
 
+def test_a_folder_of_jsonl_and_parquet_files_is_read_file_by_file(tmp_path):
+    """Both kinds are read by megazero's own readers, file by file, so a folder of the two is no mix
+    for the datasets reader to half read (planted: any two kinds refused)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_jsonl(tmp_path / "a.jsonl", ["alpha"])
+    pq.write_table(pa.table({"text": ["beta"]}), tmp_path / "b.parquet")
+    check_input(str(tmp_path), ("text",))
+    assert plain_data_files(str(tmp_path)) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")]
+
+
+def test_a_folder_of_text_files_in_capitals_is_refused_as_text_files(tmp_path):
+    """The datasets reader takes a suffix in any case, so NOTES.TXT is read one line per document as a
+    .txt file is (planted: suffixes compared as written)."""
+    (tmp_path / "NOTES.TXT").write_text("a document\nof two lines\n")
+    with pytest.raises(ValueError, match=r": a folder of \.txt files, which would be read one line per document"):
+        check_input(str(tmp_path), ("text",))
+
+
 @pytest.mark.parametrize("name", ["gone.jsonl", "gone.jsonl.zst", "gone.parquet"])
 def test_a_missing_input_file_is_named_as_missing(tmp_path, name):
     """A file name that is not there is "no such input file", for parquet too (planted: a missing
