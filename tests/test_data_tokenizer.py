@@ -153,6 +153,17 @@ def test_a_sentencepiece_model_without_an_end_of_document_piece_is_refused_only_
     assert main([*argv, str(tmp_path / "bare"), "--no-eod"]) == 0
 
 
+def test_a_sentencepiece_end_of_document_piece_at_id_0_is_one(tmp_path):
+    """Id 0 is a piece like any other: a model trained with eos_id=0 ends each document with it, and
+    pads with it where it has no padding piece (planted: ids above 0 taken, 0 taken for none)."""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(SAMPLES * 50), model_prefix=str(tmp_path / "eos_0"),
+                                   vocab_size=40, eos_id=0, unk_id=1, bos_id=-1, minloglevel=2)
+    tok = load_tokenizer(str(tmp_path / "eos_0.model"))
+    assert (tok.eod_id, tok.pad_id) == (0, 0)
+
+
 def test_hf_tokenizer_without_eod_is_refused_only_where_one_is_written(tmp_path, capsys):
     """A tokenizer.json without an end-of-document token was refused as it loaded, so --no-eod, which
     writes none, could not use it, nor could training (its data.tokenizer) or encoding, which read
