@@ -444,10 +444,11 @@ def test_an_error_without_a_message_is_named_by_its_type():
     assert state._one_line(KeyError("rng")) == "KeyError: 'rng'"
 
 
-def _refused_on_rank_1(rank, world_size, root):
-    """An exact load whose rank 1 meets an error that is no ``CheckpointError`` (the optimizer refusing
-    the saved shard): returns what each rank raised, with whether it is agreed on and the function
-    whose frame ends its traceback."""
+def _refused_on_rank_1(rank, world_size, root, exactly):
+    """A load, exact or resharded, whose rank 1 meets an error that is no ``CheckpointError`` (the
+    optimizer refusing the saved values): returns what each rank raised, with whether it is agreed on
+    and the function whose frame ends its traceback, and a sum over the data-parallel group after it,
+    which a rank that started the load's all-gather before the agreement leaves out of step."""
     topo = Topology(RankGrid(tp=1, pp=1, dp=2))
     source = _engine(topo, 0.002)
     _step(source, 0)
@@ -456,24 +457,31 @@ def _refused_on_rank_1(rank, world_size, root):
     if rank == 1:
         def refuse(*args, **kwargs):
             raise ValueError("the saved shard\nis laid out differently")
-        target.optimizer.load_sharded_state_dict = refuse
+        setattr(target.optimizer, "load_sharded_state_dict" if exactly else "load_local_state", refuse)
+    raised = None
     try:
-        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True,
+        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=exactly,
                         group=dist.group.WORLD)
     except Exception as e:  # noqa: BLE001 - what each rank raised is the result
-        return type(e).__name__, str(e), getattr(e, "agreed", None), traceback.extract_tb(e.__traceback__)[-1].name
-    return None
+        raised = type(e).__name__, str(e), getattr(e, "agreed", None), traceback.extract_tb(e.__traceback__)[-1].name
+    total = torch.ones(1)
+    dist.all_reduce(total, group=topo.dp_group)
+    return raised, total.item()
 
 
-def test_an_error_of_any_kind_on_one_rank_stops_its_peers_with_its_one_line(tmp_path):
+@pytest.mark.parametrize("exactly", [True, False], ids=["exact", "resharded"])
+def test_an_error_of_any_kind_on_one_rank_stops_its_peers_with_its_one_line(tmp_path, exactly):
     """Rank 1's ValueError passed the ranks' agreement, which took only a ``CheckpointError``: rank 0 waited
     in it for rank 1 (until the group's timeout, minutes, or its lost connection), then died with a
-    traceback (planted: ``except CheckpointError``).
+    traceback (planted: ``except CheckpointError``; rank 0's reads publishing its shard, the load's
+    all-gather, before the agreement, exact or resharded).
     Rank 1 raises its own error, its traceback kept; rank 0 one line naming rank 1 and that error, marked
-    agreed (rank 0 says it for every rank that raises it)."""
-    failed, refused = run_world(2, _refused_on_rank_1, str(tmp_path), timeout=60)
+    agreed (rank 0 says it for every rank that raises it); the data-parallel group is still in step."""
+    (failed, failed_sum), (refused, refused_sum) = run_world(2, _refused_on_rank_1, str(tmp_path), exactly,
+                                                             timeout=60)
     assert refused == ("ValueError", "the saved shard\nis laid out differently", None, "refuse"), refused
     assert failed[:3] == ("CheckpointError", "rank 1: ValueError: the saved shard is laid out differently", True)
+    assert failed_sum == refused_sum == 2.0
 
 
 @pytest.mark.parametrize("kind", ["rank file", "index file"])
