@@ -229,6 +229,11 @@ def test_an_input_file_without_one_good_record_is_refused_by_name(tokenizer, tmp
     with pytest.raises(ValueError, match=r"body\.jsonl: not one of its 2 records could be read \(2 not text\): no "
                                          r"record holds 'text' as a string; choose the field with --json-keys"):
         preprocess([body, good], str(tmp_path / "out"), tokenizer, skip_bad_records=True)
+    mixed = tmp_path / "mixed.jsonl"  # a field not text and a line not UTF-8: no field name would fix it
+    mixed.write_bytes(b'{"text": 5}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"mixed\.jsonl: not one of its 2 records could be read \(1 not UTF-8, 1 not "
+                                         r"text\): fix the file, or leave it out of the inputs$"):
+        preprocess([str(mixed), good], str(tmp_path / "out"), tokenizer, skip_bad_records=True)
 
 
 def test_cli_strict_by_default_and_skip_on_request(tokenizer, tmp_path, capsys):
