@@ -79,12 +79,13 @@ def _names(folder) -> list[str]:
     return sorted(p.name.split("-")[0] for p in folder.iterdir())
 
 
+@pytest.mark.timeout(60)
 def test_a_killed_writers_temporaries_are_swept_and_a_live_ones_kept(tmp_path):
     """A writer killed outright (SIGKILL, the OOM killer) runs no cleanup: its temporaries stayed for
     ever, a large shard's .bin holding its size on the disk (planted: no sweep). The next writer of
     the prefix removes those whose lock no process holds, its sealed .idx with its .bin (planted: the
     .idx temporary under a tag of its own, which the sweep did not find), and leaves a live writer's,
-    sealed or not."""
+    sealed or not, without waiting for its lock (planted: the sweep waiting, which hung)."""
     prefix = str(tmp_path / "a")
     _kill_a_writer(prefix, "after seal")
     assert _names(tmp_path) == ["a.bin.tmp", "a.idx.tmp"]
