@@ -125,17 +125,16 @@ class HFTokenizer:
         return [self._tok.id_to_token(i) or "" for i in range(self.vocab_size)]
 
 
-def require_eod(tokenizer: Tokenizer, purpose: str) -> int:
-    """The tokenizer's end-of-document id, for a caller that writes it (``purpose`` says what for);
-    a tokenizer without one is refused there, naming the tokens looked for (a SentencePiece model: its
-    </s> piece)."""
+def require_eod(tokenizer: Tokenizer, purpose: str) -> None:
+    """Refuse a tokenizer without an end-of-document id, for a caller about to write one (``purpose``
+    says what for), naming the tokens looked for (a SentencePiece model: its </s> piece); the caller
+    then reads ``tokenizer.eod_id`` where it writes it."""
     if tokenizer.eod_id is None and isinstance(tokenizer, SentencePieceTokenizer):
         raise ValueError(f"{tokenizer.path}: the SentencePiece model has no </s> piece {purpose}; retrain it with "
                          "eos_id set (megazero tokenizer train does)")
     if tokenizer.eod_id is None:
         raise ValueError(f"{tokenizer.path}: no end-of-document token among {list(EOD_NAMES)} {purpose}; add one of "
                          "these to the tokenizer's special tokens")
-    return tokenizer.eod_id
 
 
 def _not_a_tokenizer(path: str, backend: str, exc: Exception) -> ValueError:
