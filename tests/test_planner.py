@@ -185,24 +185,6 @@ def test_tp2_composed_with_dp2_and_pp2_within_10_percent_of_measured():
     assert pipeline.step_s * 1e3 == pytest.approx(MEASURED_TP2_PP2_1F1B_STEP_MS, rel=0.10)
 
 
-# One H200, GPT 1.3B compiled, ZeRO 0, 16 sequences a step (BENCHMARKS.md, "The planner's micro-batch
-# term"): step ms by micro-batch size (micro-batch 8: the mean of the call's two runs).
-MEASURED_MICRO_BATCH_STEP_MS = {1: 665.9, 2: 571.6, 4: 537.5, 8: 515.55, 16: 512.8}
-
-
-def test_smaller_micro_batches_run_slower_as_measured():
-    """Each micro-batch reads every weight and accumulates every gradient whatever its tokens, so the
-    same 16 sequences take 1.29 times as long in micro-batches of 1 as of 8; the planner once gave
-    every micro-batch size the same speed (planted: the fixed cost left out, or counted per step)."""
-    steps = {}
-    for mbs, measured in MEASURED_MICRO_BATCH_STEP_MS.items():
-        cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", [
-            "--train.micro_batch_size", str(mbs), "--train.global_batch_size", "16", "--zero.stage", "0"]), 1, 1)
-        steps[mbs] = estimate_step(cfg, Cluster(GPUS["h200"], 1, 1)).step_s * 1e3
-        assert steps[mbs] == pytest.approx(measured, rel=0.03), mbs
-    assert steps[1] > steps[2] > steps[4] > steps[8] > steps[16]
-
-
 def small_model(**changes) -> ModelConfig:
     return dataclasses.replace(ModelConfig(num_layers=4, hidden_size=64, num_heads=4, vocab_size=500, seq_length=32),
                                **changes)

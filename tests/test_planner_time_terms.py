@@ -1,8 +1,9 @@
 """The planner's step-time terms against figures worked out by hand from docs/planner.md: the
 optimizer step's bytes over HBM, the data-parallel traffic each ZeRO stage exposes with and without
 overlap, the tensor-parallel all-reduces (recomputed forwards included), the host-bound stage, the
-1F1B bubble, the zero-bubble schedules' idle against their busiest rank, and MFU against hardware
-TFLOP/s.
+1F1B bubble, the zero-bubble schedules' idle against their busiest rank, MFU against hardware
+TFLOP/s, and each micro-batch's fixed cost (by hand, and against a measured micro-batch sweep of GPT
+1.3B on one H200).
 
 The model is a small GPT (4 blocks of width 64, vocabulary 512, sequence 32, bf16, fp32 gradient
 accumulation) with 12h^2 + 13h parameters a block, counted by hand; its FLOPs per token come from
@@ -197,3 +198,21 @@ def test_a_timed_zero_bubble_idle_is_over_the_busiest_ranks_work(schedule):
 
     costs = StageCosts(((1.0, 1.0, 1.0), (2.0, 2.0, 2.0)), (1.0, 1.0))
     assert _timed_idle(schedule, 2, 4, costs) == pytest.approx(1 / 24)
+
+
+# One H200, GPT 1.3B compiled, ZeRO 0, 16 sequences a step (BENCHMARKS.md, "The planner's micro-batch
+# term"): step ms by micro-batch size (micro-batch 8: the mean of the call's two runs).
+MEASURED_MICRO_BATCH_STEP_MS = {1: 665.9, 2: 571.6, 4: 537.5, 8: 515.55, 16: 512.8}
+
+
+def test_smaller_micro_batches_run_slower_as_measured():
+    """Each micro-batch reads every weight and accumulates every gradient whatever its tokens, so the
+    same 16 sequences take 1.29 times as long in micro-batches of 1 as of 8; the planner once gave
+    every micro-batch size the same speed (planted: the fixed cost left out, or counted per step)."""
+    steps = {}
+    for mbs, measured in MEASURED_MICRO_BATCH_STEP_MS.items():
+        cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", [
+            "--train.micro_batch_size", str(mbs), "--train.global_batch_size", "16", "--zero.stage", "0"]), 1, 1)
+        steps[mbs] = estimate_step(cfg, Cluster(GPUS["h200"], 1, 1)).step_s * 1e3
+        assert steps[mbs] == pytest.approx(measured, rel=0.03), mbs
+    assert steps[1] > steps[2] > steps[4] > steps[8] > steps[16]
