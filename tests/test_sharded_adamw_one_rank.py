@@ -97,6 +97,7 @@ def _resume_run(base, group, offload, stage=1):
     resumed = sharded_adamw(copy_model, group, copy_model.blocks, stage=stage, bucket_numel=320, lr=1e-2,
                             offload=offload)
     resumed.load_sharded_state_dict(state)
+    resumed.publish_loaded()
     for o, m in ((opt, model), (resumed, copy_model)):
         o.scale_loss(m(*_data(2, 0))).backward()
         o.step()
@@ -119,6 +120,7 @@ def _load_over_pending(base, group):
     opt.scale_loss(model(*_data(2, 0))).backward()
     opt.step()
     opt.load_sharded_state_dict(state)
+    opt.publish_loaded()
     opt.dp.wait_params()
     return max((p - q).abs().max().item() for p, q in zip(model.parameters(), saved))
 

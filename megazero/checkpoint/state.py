@@ -165,7 +165,7 @@ def _read_into(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_la
     if exact:
         state = load_file(ckpt, rank_file(rank), manifest=manifest, checked=checked)
         if state["master"].numel() == optimizer.master.numel():  # the padding may differ (older layouts)
-            optimizer.load_sharded_state_dict(state, publish=False)
+            optimizer.load_sharded_state_dict(state)
             return True, state["rng"]
     # an exact resume falling back here reads files ``files_to_load`` did not name: those are hashed
     reader = CheckpointReader(ckpt, manifest, checked=checked)
@@ -197,7 +197,7 @@ def load_resharded(reader: CheckpointReader, optimizer: ShardedAdamW) -> None:
         for name, shape, shard in wanted:
             full = reader.read(name, STATE_KEYS)
             yield {key: fit_to_shard(full[key], shard, shape, name, ckpt) for key in STATE_KEYS}
-    optimizer.load_local_state(local_values(), adam_step, scaler, publish=False)
+    optimizer.load_local_state(local_values(), adam_step, scaler)
 
 
 def load_full_weights(ckpt, manifest: Optional[dict] = None) -> dict[str, torch.Tensor]:

@@ -267,9 +267,9 @@ class ShardedAdamW:
         return {**self.describe(), **{key: getattr(self, key) for key in STATE_KEYS},
                 "adam_step": float(step), "scaler": {"kind": type(self.scaler).__name__, **self.scaler.state_dict()}}
 
-    def load_sharded_state_dict(self, state: dict, publish: bool = True) -> None:
-        """Load a shard saved by an optimizer with the same description (an exact resume); ``publish``
-        as for ``load_local_state``."""
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Load a shard saved by an optimizer with the same description (an exact resume); the
+        parameters take it at ``publish_loaded``."""
         mine = self.describe()
         if (state["params"] != mine["params"] or not torch.equal(state["segments"], mine["segments"])
                 or state["master"].numel() != self.master.numel()):
@@ -277,20 +277,18 @@ class ShardedAdamW:
         self.dp.apply_deferred()  # an update applied after the load would overwrite it
         for key in STATE_KEYS:
             getattr(self, key).copy_(state[key])
-        self._finish_load(state["adam_step"], state["scaler"], publish)
+        self._finish_load(state["adam_step"], state["scaler"])
 
     def local_tensors(self) -> list[tuple[str, tuple, object]]:
         """For each parameter: (logical name, local shape, tensor-parallel slice or None), what
         ``load_local_state`` expects values for."""
         return [(info.name, tuple(p.shape), info.shard) for info, p in zip(self.dp.info, self.dp.params)]
 
-    def load_local_state(self, values: Iterable[dict[str, torch.Tensor]], adam_step: float, scaler: dict,
-                         publish: bool = True) -> None:
+    def load_local_state(self, values: Iterable[dict[str, torch.Tensor]], adam_step: float, scaler: dict) -> None:
         """Load from each parameter's local (this rank's tensor-parallel slice) value of every state
         key, in ``local_tensors`` order: the path of a checkpoint saved in another layout. ``values``
-        is consumed one parameter at a time, so a caller can build each just before it is used.
-        ``publish``: whether to ``publish_loaded`` here; a caller whose reads may fail on some ranks
-        only leaves it to after they agree that all succeeded."""
+        is consumed one parameter at a time, so a caller can build each just before it is used. The
+        parameters take it at ``publish_loaded``."""
         self.dp.apply_deferred()
         by_param: dict[int, list] = {}
         for seg in self.layout.segments:
@@ -300,9 +298,9 @@ class ShardedAdamW:
                 for key in STATE_KEYS:
                     getattr(self, key)[seg.shard_offset:seg.shard_offset + seg.numel] = \
                         value[key].reshape(-1)[seg.param_offset:seg.param_offset + seg.numel]
-        self._finish_load(adam_step, scaler, publish)
+        self._finish_load(adam_step, scaler)
 
-    def _finish_load(self, adam_step: float, scaler: dict, publish: bool) -> None:
+    def _finish_load(self, adam_step: float, scaler: dict) -> None:
         for state in self.adam.state.values():
             state["step"].fill_(adam_step)
         scaler = dict(scaler)
@@ -310,12 +308,12 @@ class ShardedAdamW:
         self.scaler_note = scaler_change(kind, self.scaler)  # another precision: the saved scale means nothing here
         if kind == type(self.scaler).__name__:
             self.scaler.load_state_dict(scaler)
-        if publish:
-            self.publish_loaded()
 
     def publish_loaded(self) -> None:
         """Round the loaded shard into the 16-bit parameters and start their all-gather: the load's one
-        collective, which every rank of the data-parallel group must reach."""
+        collective, which every rank of the data-parallel group must reach. Apart from the loads, so
+        that a caller whose reads may fail on some ranks reaches it only once they agree all succeeded
+        (``checkpoint.state.load_checkpoint``)."""
         self.dp.load_shard(self.master)
 
     # --- inspection --------------------------------------------------------------------------
