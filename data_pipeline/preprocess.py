@@ -89,20 +89,22 @@ class _InputTally:
     come back together and in order), so that a file of which not one record was a document is
     refused by name once it has been read, never counted as bad records and passed over."""
 
+    keys: tuple[str, ...]  # the fields read, named when no record holds them
     path: str | None = None
     documents: int = 0
     skipped: Counter = field(default_factory=Counter)
 
-    def add(self, encoded: EncodedBatch, keys: tuple[str, ...]) -> None:
+    def add(self, encoded: EncodedBatch) -> None:
         if encoded.path != self.path:
-            self.check(keys)
+            self.check()
             self.path, self.documents, self.skipped = encoded.path, 0, Counter()
         self.documents += encoded.documents
         self.skipped.update(encoded.skipped)
 
-    def check(self, keys: tuple[str, ...]) -> None:
+    def check(self) -> None:
         if self.path is not None and not self.documents and self.skipped:
-            raise ValueError(no_documents_problem(self.path, self.skipped, keys, "choose the field with --json-keys"))
+            raise ValueError(no_documents_problem(self.path, self.skipped, self.keys,
+                                                  "choose the field with --json-keys"))
 
 
 def encode_batch(batch: Batch, keys: tuple[str, ...], append_eod: bool, skip_bad: bool = False) -> EncodedBatch:
@@ -156,7 +158,7 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     for path in inputs:
         check_input(path, keys)
     writers: dict[str, IndexedDatasetWriter] = {}
-    stats, tally = PreprocessStats(), _InputTally()
+    stats, tally = PreprocessStats(), _InputTally(keys)
     bar = _progress_bar(progress)
     start = time.perf_counter()
     try:
@@ -172,11 +174,11 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
             stats.tokens += sum(int(lengths.sum()) for _, lengths in encoded.arrays.values())
             stats.text_bytes += encoded.text_bytes
             stats.skipped.update(encoded.skipped)
-            tally.add(encoded, keys)
+            tally.add(encoded)
             if bar is not None:
                 bar.update(encoded.documents)
                 bar.set_postfix_str(f"{stats.text_bytes / 1e6 / (time.perf_counter() - start):.2f} MB/s", refresh=False)
-        tally.check(keys)
+        tally.check()
         if stats.documents == 0:
             raise ValueError(f"no documents in {inputs} ({stats.skipped_summary()}): nothing to write "
                              "(megatron-core cannot even open an empty shard)")
