@@ -444,7 +444,7 @@ def test_an_error_without_a_message_is_named_by_its_type():
     assert state._one_line(KeyError("rng")) == "KeyError: 'rng'"
 
 
-def _refused_on_rank_1(rank, world_size, root, exactly):
+def _refused_on_rank_1(rank, world_size, root, exactly, error=ValueError):
     """A load, exact or resharded, whose rank 1 meets an error that is no ``CheckpointError`` (the
     optimizer refusing the saved values): returns what each rank raised, with whether it is agreed on
     and the function whose frame ends its traceback, and a sum over the data-parallel group after it,
@@ -456,13 +456,13 @@ def _refused_on_rank_1(rank, world_size, root, exactly):
     target = _engine(topo, 0.002)
     if rank == 1:
         def refuse(*args, **kwargs):
-            raise ValueError("the saved shard\nis laid out differently")
+            raise error("the saved shard\nis laid out differently")
         setattr(target.optimizer, "load_sharded_state_dict" if exactly else "load_local_state", refuse)
     raised = None
     try:
         load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=exactly,
                         group=dist.group.WORLD)
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+    except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
         raised = type(e).__name__, str(e), getattr(e, "agreed", None), traceback.extract_tb(e.__traceback__)[-1].name
     total = torch.ones(1)
     dist.all_reduce(total, group=topo.dp_group)
@@ -482,6 +482,17 @@ def test_an_error_of_any_kind_on_one_rank_stops_its_peers_with_its_one_line(tmp_
     assert refused == ("ValueError", "the saved shard\nis laid out differently", None, "refuse"), refused
     assert failed[:3] == ("CheckpointError", "rank 1: ValueError: the saved shard is laid out differently", True)
     assert failed_sum == refused_sum == 2.0
+
+
+def test_an_interrupt_on_one_rank_stops_its_peers_with_its_one_line(tmp_path):
+    """A Ctrl-C (or SIGTERM, raised as a ``KeyboardInterrupt``) that reached rank 1 alone inside its load
+    passed the agreement, which took ``Exception``: rank 0 waited for rank 1 until the group's timeout
+    (planted: ``except Exception``). Rank 1 raises its interrupt; rank 0 one line naming it."""
+    (stopped, _), (interrupted, _) = run_world(2, _refused_on_rank_1, str(tmp_path), True, KeyboardInterrupt,
+                                               timeout=60)
+    assert interrupted[0] == "KeyboardInterrupt", interrupted
+    assert stopped[:3] == ("CheckpointError", "rank 1: KeyboardInterrupt: the saved shard is laid out differently",
+                           True), stopped
 
 
 @pytest.mark.parametrize("kind", ["rank file", "index file"])

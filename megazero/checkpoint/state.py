@@ -74,11 +74,13 @@ def agreed_on_errors(rank: int, group: Optional[dist.ProcessGroup]) -> Iterator[
     rank raises, naming that rank; any other (a bug, a file that cannot be read) each rank that met
     it raises itself, with its traceback, and its peers raise a ``CheckpointError`` naming the rank
     and that error in one line. What they raise is ``agreed`` (``UserError``): rank 0 says it for
-    all. ``group`` None: this rank alone, which raises its own."""
-    error: Optional[Exception] = None
+    all. A ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM raised as one) is agreed on too: a signal that
+    reached one rank alone would otherwise leave its peers waiting. ``group`` None: this rank alone,
+    which raises its own."""
+    error: Optional[BaseException] = None
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - agreed on below, then raised
+    except BaseException as exc:  # noqa: BLE001 - agreed on below, then raised
         if group is None:
             raise
         error = exc
@@ -93,7 +95,7 @@ def agreed_on_errors(rank: int, group: Optional[dist.ProcessGroup]) -> Iterator[
         raise CheckpointError(f"rank {first[0]}: {first[1]}", agreed=True)
 
 
-def _one_line(error: Exception) -> str:
+def _one_line(error: BaseException) -> str:
     """``error`` as its peers name it: a ``CheckpointError``'s line as it is (it names its path), any
     other's type and message, on one line."""
     if isinstance(error, CheckpointError):
