@@ -17,9 +17,9 @@ describes a whole ``.bin``. A writer told not to replace (what ``megazero prepro
 use) links instead of renaming, so of two runs on one prefix the second to finish stops rather than
 replace the first's shard. A writer killed outright leaves its temporaries; the next writer of the
 prefix removes them (``remove_stale_temporaries``), also an ``.idx`` left by one killed between its
-two renames. A live writer's are kept by the lock it takes on each as it makes it; a ``.bin`` one
-removed in the moment before that lock is made again under a new name (its ``.idx`` one, made
-later, is kept by the ``.bin``'s lock).
+two renames. A live writer's are kept by the lock it takes on each as it makes it (and writes it
+through: ``_create_locked`` says why); a ``.bin`` one removed in the moment before that lock is
+made again under a new name (its ``.idx`` one, made later, is kept by the ``.bin``'s lock).
 
 A shard's ``fingerprint`` (sha256 of its ``.idx``) keys everything derived from it and cached on
 disk: the GPT sample indices and ``largest_token_id``.
@@ -35,6 +35,7 @@ import os
 import struct
 from array import array
 from collections.abc import Iterable
+from typing import BinaryIO
 
 import numpy as np
 
@@ -90,10 +91,11 @@ class IndexedDatasetWriter:
         self._sealed = False
         remove_stale_temporaries(prefix)
         self._sizes = array("i")  # int32 lengths, appended without a numpy object per document
-        self._locks: list[int] = []  # one on each temporary it has made: what keeps them from a sweep
+        # a descriptor of each temporary it has made, holding its lock (what keeps it from a sweep) and
+        # the one its bytes are written through, with the file's identity
+        self._held: list[tuple[int, tuple[int, int]]] = []
         try:  # the last step: once it returns, the caller holds a writer that can abort
             self._claim_temporaries()
-            self._bin = open(self._bin_tmp, "wb")
         except BaseException as exc:
             # an interrupt (SIGTERM, Ctrl-C) handled as a file is made comes after it exists; a failed
             # creation made none, and its name may not even be valid (too long)
@@ -106,13 +108,14 @@ class IndexedDatasetWriter:
             raise
 
     def _claim_temporaries(self) -> None:
-        """Name this writer's temporaries and make its ``.bin`` one, locked (``_create_locked``). Where
-        another writer's sweep removed the file before its lock was taken, the name is given up for a
-        new one: written on, the file would be unlinked, and the shard lost as it was published."""
+        """Name this writer's temporaries and make its ``.bin`` one, locked (``_create_locked``), to
+        stream the tokens into. Where another writer's sweep removed the file before its lock was
+        taken, the name is given up for a new one: written on, the file would be unlinked, and the
+        shard lost as it was published."""
         while True:
             self._bin_tmp, self._idx_tmp = _temporaries(self.prefix, temp_name(bin_path(self.prefix)))
             with contextlib.suppress(_Swept):
-                self._hold_new(self._bin_tmp)
+                self._bin = open(self._hold_new(self._bin_tmp), "wb", closefd=False)
                 return
 
     def _write_tokens(self, tokens) -> int:
@@ -157,8 +160,8 @@ class IndexedDatasetWriter:
             self._bin.close()
             # locked before the .bin is put in place: from then on the .bin's lock is on the shard's own
             # file, which no sweep looks at, and this one keeps the .idx temporary from the sweep
-            self._hold_new(self._idx_tmp)
-            write_index(self._idx_tmp, self.dtype, np.frombuffer(self._sizes, dtype=np.int32))
+            with open(self._hold_new(self._idx_tmp), "wb", closefd=False) as f:
+                write_index(f, self.dtype, np.frombuffer(self._sizes, dtype=np.int32))
         except OSError as exc:
             raise _not_written(self.prefix, exc) from None
         self._sealed = True
@@ -193,15 +196,20 @@ class IndexedDatasetWriter:
                 raise _not_written(self.prefix, exc) from None
         self._unlock()  # nothing of this writer's is left under a temporary name
 
-    def _hold_new(self, tmp: str) -> None:
-        """Make the temporary ``tmp``, holding its lock for as long as this writer lives (``_create_locked``)."""
+    def _hold_new(self, tmp: str) -> int:
+        """Make the temporary ``tmp`` and return the descriptor to write it through, holding its lock
+        (``_create_locked``) until this writer has published or aborted."""
         fd = _create_locked(tmp)
-        if fd is not None:
-            self._locks.append(fd)
+        identity = _fd_identity(fd)
+        _HELD_HERE.add(identity)
+        self._held.append((fd, identity))
+        return fd
 
     def _unlock(self) -> None:
-        while self._locks:
-            os.close(self._locks.pop())
+        while self._held:
+            fd, identity = self._held.pop()
+            _HELD_HERE.discard(identity)
+            os.close(fd)
 
     def record_origin(self, identity: dict) -> None:
         """Write the published shard's tokenizer record (``shard_origin``); an abort removes it. It is
@@ -275,6 +283,21 @@ class _Swept(Exception):
     """A new temporary removed by another writer's sweep before its own writer had locked it."""
 
 
+# the temporaries this process's writers hold, by identity: where a file system keeps locks per process
+# (NFS takes flock as a POSIX record lock), this process's own sweep would take a lock it holds, and
+# closing the sweep's descriptor would drop it; the sweep passes these by without opening them
+_HELD_HERE: set[tuple[int, int]] = set()
+
+
+def _held_here(tmp: str) -> bool:
+    """Whether a writer of this process holds the temporary ``tmp`` (``_HELD_HERE``)."""
+    try:
+        st = os.stat(tmp)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) in _HELD_HERE
+
+
 def _lock(fd: int, wait: bool) -> bool:
     """Take the exclusive lock on the file open at ``fd``; False where the file system takes no locks,
     or (``wait`` off) another descriptor holds it. A writer holds one on each of its temporaries until
@@ -286,18 +309,21 @@ def _lock(fd: int, wait: bool) -> bool:
     return True
 
 
-def _create_locked(tmp: str) -> int | None:
-    """Create the temporary ``tmp`` and return a descriptor holding its lock, or None on a file system
-    that takes no locks (where no sweep removes a temporary either). No call makes a file and locks it
-    in one step: between the two, a sweep by another writer of the prefix can take the lock first and
-    remove the file as a killed writer's. The lock is waited for (a sweep holds it only to remove the
-    file), then ``tmp`` is checked to hold the locked file still: raises ``_Swept`` where it does not.
-    Once locked, it is safe from every sweep."""
-    fd = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def _create_locked(tmp: str) -> int:
+    """Create the temporary ``tmp`` and return a descriptor that writes it, holding its lock (on a file
+    system that takes no locks, none; no sweep removes a temporary there either). The file is written
+    through this descriptor alone, never one opened beside it: NFS takes an exclusive lock only on a
+    descriptor open for writing, and drops a process's lock when any of its descriptors of the file
+    closes; SMB refuses reads and writes of a locked file through any other descriptor.
+
+    No call makes a file and locks it in one step: between the two, a sweep by another writer of the
+    prefix can take the lock first and remove the file as a killed writer's. The lock is waited for (a
+    sweep holds it only to remove the file), then ``tmp`` is checked to hold the locked file still:
+    raises ``_Swept`` where it does not. Once locked, it is safe from every sweep."""
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         if not _lock(fd, wait=True):
-            os.close(fd)
-            return None
+            return fd
         with contextlib.suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.stat(tmp)):
                 return fd
@@ -311,7 +337,7 @@ def _try_lock(tmp: str) -> int | None:
     """A descriptor holding the lock on the temporary ``tmp`` (``_lock``), or None where it cannot be
     had (the file gone, the lock held, a file system that takes no locks): what the sweep asks."""
     try:
-        fd = os.open(tmp, os.O_RDONLY)
+        fd = os.open(tmp, os.O_RDWR)
     except OSError:
         return None
     if not _lock(fd, wait=False):
@@ -342,6 +368,8 @@ def remove_stale_temporaries(prefix: str) -> None:
 
 def _remove_unlocked(tmp: str, paths: Iterable[str]) -> None:
     """Remove ``paths`` where the lock on the temporary ``tmp`` can be taken: no live writer holds it."""
+    if _held_here(tmp):
+        return
     fd = _try_lock(tmp)
     if fd is None:
         return  # a live writer's, published or aborted meanwhile, or on a file system without locks
@@ -359,23 +387,28 @@ def _identity(path: str) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def _fd_identity(fd: int) -> tuple[int, int]:
+    """Which file the descriptor ``fd`` is open on (device and inode)."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
 def _not_written(prefix: str, exc: OSError) -> OSError:
     """A write error naming the shard (a full disk's ``[Errno 28]`` alone names no file)."""
     return OSError(f"{prefix}: the shard cannot be written ({exc.strerror or exc}); free space there or give "
                    "another output prefix")
 
 
-def write_index(path: str, dtype: np.dtype, sizes: np.ndarray) -> None:
-    """The ``.idx`` for one document per sequence of the given lengths."""
+def write_index(f: BinaryIO, dtype: np.dtype, sizes: np.ndarray) -> None:
+    """The ``.idx`` for one document per sequence of the given lengths, written into the open file ``f``."""
     sizes = np.asarray(sizes, dtype=np.int32)
     pointers = np.zeros(len(sizes), dtype=np.int64)
     np.cumsum(sizes[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
     doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
-    with open(path, "wb") as f:
-        f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[np.dtype(dtype)], len(sizes), len(doc_idx)))
-        f.write(sizes.tobytes())
-        f.write(pointers.tobytes())
-        f.write(doc_idx.tobytes())
+    f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[np.dtype(dtype)], len(sizes), len(doc_idx)))
+    f.write(sizes.tobytes())
+    f.write(pointers.tobytes())
+    f.write(doc_idx.tobytes())
 
 
 class IndexedDataset:

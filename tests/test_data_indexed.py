@@ -373,7 +373,8 @@ def test_a_document_index_that_rises_but_not_from_0_to_the_count_is_refused(tmp_
 
 def test_a_negative_length_is_named_even_where_the_pointers_agree(tmp_path):
     prefix = str(tmp_path / "a")
-    indexed.write_index(prefix + ".idx", np.uint16, np.array([5, -2, 2], dtype=np.int32))  # pointers 0, 10, 6
+    with open(prefix + ".idx", "wb") as f:
+        indexed.write_index(f, np.uint16, np.array([5, -2, 2], dtype=np.int32))  # pointers 0, 10, 6
     Path(prefix + ".bin").write_bytes(b"\0" * 10)
     with pytest.raises(ValueError, match=r"a\.idx: negative sequence length"):
         IndexedDataset(prefix)

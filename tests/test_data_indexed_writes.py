@@ -5,7 +5,11 @@ each other's files."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -66,9 +70,6 @@ os.kill(os.getpid(), signal.SIGKILL)
 def _kill_a_writer(prefix: str, where: str, replace: bool = True) -> None:
     """Run a writer of ``prefix`` in a process of its own, killed outright (SIGKILL) ``where``: "after
     seal", or "between renames" (its .bin put in place, its .idx not)."""
-    import subprocess
-    import sys
-
     killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, prefix, where, "replace" if replace else "keep"],
                             capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr
@@ -267,6 +268,63 @@ def test_a_folder_where_a_shard_file_goes_is_one_line_before_any_work(tmp_path, 
     assert os.listdir(tmp_path) == [folder.name]
 
 
+def record_lock(fd: int, wait: bool) -> bool:
+    """``indexed._lock`` as NFS takes it: a POSIX record lock on the whole file, which only a descriptor
+    open for writing can take, which a process never conflicts with itself on, and which it drops as
+    it closes any descriptor of that file."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+SWEEP_ELSEWHERE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from data_pipeline import indexed
+from tests.test_data_indexed_writes import record_lock
+indexed._lock = record_lock
+indexed.remove_stale_temporaries(sys.argv[2])
+"""
+
+
+def test_writers_keep_their_temporaries_where_locks_are_per_process(tmp_path, monkeypatch):
+    """On NFS a lock is a POSIX record lock: the writer's lock, taken on a descriptor open for reading,
+    was refused, so a killed writer's temporaries were never swept there (planted: the sweep or the
+    writer opening for reading); a writer's own sweep took the lock of another writer of the process
+    and removed its files (planted: no record of the temporaries held here); and closing the .bin's
+    separate descriptor at seal dropped its lock, for another process's sweep to take (planted: the
+    tokens written through a descriptor of their own). Each writer keeps its files, and publishes."""
+    prefix = str(tmp_path / "a")
+    _kill_a_writer(prefix, "after seal")
+    monkeypatch.setattr(indexed, "_lock", record_lock)
+    sealed = IndexedDatasetWriter(prefix, np.uint16)
+    assert _names(tmp_path) == ["a.bin.tmp"]  # the killed writer's swept
+    sealed.add_document([1, 2])
+    sealed.seal()
+    writing = IndexedDatasetWriter(prefix, np.uint16)
+    writing.add_document([3])
+    elsewhere = subprocess.run([sys.executable, "-c", SWEEP_ELSEWHERE, str(Path(__file__).parents[1]), prefix],
+                               capture_output=True, text=True)
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert _names(tmp_path) == ["a.bin.tmp", "a.bin.tmp", "a.idx.tmp"]
+    sealed.finish()
+    writing.abort()
+    assert _names(tmp_path) == ["a.bin", "a.idx"] and IndexedDataset(prefix)[0].tolist() == [1, 2]
+
+
+def _swept_by_another_process(prefix: str) -> None:
+    """``remove_stale_temporaries`` as another process runs it: this one's writers' files are not its
+    own, so it judges them by their locks alone."""
+    held = set(indexed._HELD_HERE)
+    indexed._HELD_HERE.clear()
+    try:
+        indexed.remove_stale_temporaries(prefix)
+    finally:
+        indexed._HELD_HERE.update(held)
+
+
 @pytest.mark.parametrize("made", [1, 2], ids=[".bin", ".idx"])
 def test_a_sweep_between_a_temporarys_creation_and_its_lock_leaves_the_writer_whole(tmp_path, monkeypatch, made):
     """Another writer of the prefix, starting just as this one makes a temporary, sweeps it before this
@@ -281,7 +339,7 @@ def test_a_sweep_between_a_temporarys_creation_and_its_lock_leaves_the_writer_wh
     def sweep_first(fd, wait):
         waits.append(wait)  # the writer waits for the lock on its new file; a sweep never waits
         if wait and waits.count(True) == made:
-            indexed.remove_stale_temporaries(prefix)
+            _swept_by_another_process(prefix)
         return lock(fd, wait)
 
     monkeypatch.setattr(indexed, "_lock", sweep_first)
@@ -289,6 +347,6 @@ def test_a_sweep_between_a_temporarys_creation_and_its_lock_leaves_the_writer_wh
     writer.add_document([1, 2, 3])
     writer.seal()
     assert waits.count(False) == 1  # the sweep judged the writer's .bin temporary by its lock
-    indexed.remove_stale_temporaries(prefix)  # a later writer's
+    _swept_by_another_process(prefix)  # a later writer's
     writer.publish()
     assert _names(tmp_path) == ["a.bin", "a.idx"] and IndexedDataset(prefix)[0].tolist() == [1, 2, 3]

@@ -140,8 +140,8 @@ class _FullDisk:
     """A shard file on a full disk: every write fails, and so does the flush that closing does (the
     file is closed all the same, as a buffered file is)."""
 
-    def __init__(self, path, mode):
-        self._f = open(path, mode)
+    def __init__(self, file, mode, **kwargs):
+        self._f = open(file, mode, **kwargs)
 
     def write(self, data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -161,8 +161,8 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_files(env, tmp_path, ca
     if where == "tokens":
         monkeypatch.setattr(indexed, "open", _FullDisk, raising=False)
     else:
-        def full(path, *args):
-            Path(path).write_bytes(b"MMIDIDX")
+        def full(f, *args):
+            f.write(b"MMIDIDX")
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(indexed, "write_index", full)
@@ -190,11 +190,11 @@ def test_a_second_key_that_cannot_be_written_leaves_no_shard_of_the_first(env, t
     if fails == "index":
         real = indexed.write_index
 
-        def flaky(path, *args):
-            calls.append(path)
+        def flaky(f, *args):
+            calls.append(f)
             if len(calls) == 2:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            real(path, *args)
+            real(f, *args)
         monkeypatch.setattr(indexed, "write_index", flaky)
     elif fails == "rename":  # a shard is put in place by a link (it never replaces: ``put_new``)
         real = os.link
