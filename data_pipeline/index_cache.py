@@ -2,13 +2,15 @@
 
 Several ranks (or several jobs) may ask for the same indices at the same time. Without
 torch.distributed here, a file lock decides: the first process to take it builds and writes, the
-others block on the lock and then find the files and load them. Files are written under temporary
-names and renamed, and a description ``.json`` is written last, so its presence means complete.
+others block on the lock and then find the files and load them (where the file system gives no
+locks, each builds them). Files are written under temporary names and renamed, and a description
+``.json`` is written last, so its presence means complete.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -54,20 +56,35 @@ def cached_arrays(cache_dir: str, kind: str, description: dict, names: tuple[str
     if not complete():
         with _writing(cache_dir):
             lock = open(f"{stem}.lock", "w")
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if not complete():
-                    arrays = build()
-                    with _writing(cache_dir):
-                        _write(arrays, paths, done, description)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with lock, _held(lock):
+            if not complete():
+                arrays = build()
+                with _writing(cache_dir):
+                    _write(arrays, paths, done, description)
     try:
         return {n: np.load(p, mmap_mode="r") for n, p in paths.items()}
     except (OSError, ValueError, EOFError) as exc:  # truncated (to nothing: EOFError) or overwritten
         raise ValueError(f"{stem}-*.npy: a cached index file cannot be read ({exc}); delete the files {stem}-* "
                          "(or the cache directory) and run again to rebuild them") from None
+
+
+@contextlib.contextmanager
+def _held(lock):
+    """The block under an exclusive lock on the open file ``lock``, or without one where the file
+    system has none to give (NFS without its lock service fails with ENOLCK): every process then
+    builds the arrays itself, which costs time but not correctness, each file being put in place
+    whole."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as exc:
+        if exc.errno != errno.ENOLCK:
+            raise
+        yield
+        return
+    try:
+        yield
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _write(arrays: dict, paths: dict, done: str, description: dict) -> None:

@@ -170,6 +170,28 @@ def test_same_description_is_loaded_not_rebuilt(tmp_path, monkeypatch):
         GPTSamples(data, 6, 70, 6, cache_dir=str(tmp_path / "cache"))  # another seed is another index
 
 
+def test_indices_are_built_where_the_file_system_gives_no_locks(tmp_path, monkeypatch):
+    """NFS without its lock service refuses every lock (ENOLCK): the first run on such a folder died
+    with a traceback before a step (planted: the error raised). Each process builds the indices then,
+    each file put in place whole; a later run loads them; another error of the lock still stops it."""
+    import errno
+
+    import data_pipeline.index_cache as index_cache
+
+    def refused(fd, operation, code=errno.ENOLCK):
+        raise OSError(code, "No locks available")
+
+    monkeypatch.setattr(index_cache.fcntl, "flock", refused)
+    data, _ = make_dataset(tmp_path / "d")
+    built = GPTSamples(data, 6, 70, 5, cache_dir=str(tmp_path / "cache"))
+    loaded = GPTSamples(data, 6, 70, 5, cache_dir=str(tmp_path / "cache"))
+    np.testing.assert_array_equal(built.shuffle_index, loaded.shuffle_index)
+    assert np.array_equal(built[3], loaded[3])
+    monkeypatch.setattr(index_cache.fcntl, "flock", lambda fd, op: refused(fd, op, errno.EIO))
+    with pytest.raises(OSError, match="No locks available"):
+        GPTSamples(data, 6, 70, 6, cache_dir=str(tmp_path / "cache"))
+
+
 def test_a_cached_file_deleted_is_rebuilt_and_a_damaged_one_named(tmp_path):
     """A file deleted from the cache (its description left) ended in a bare file-not-found error;
     the cache is derived data, so it is built again. A damaged one is named with what to delete."""
