@@ -36,9 +36,10 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 
 def parse_split(split: str) -> list[float]:
-    """``"969,30,1"`` -> normalised proportions of train, validation and test (missing ones are 0)."""
+    """``"969,30,1"`` -> normalised proportions of train, validation and test (missing ones are 0).
+    An empty part is refused, not skipped: ``"98,,2"`` would otherwise give validation the 2."""
     try:
-        parts = [float(p) for p in str(split).replace("/", ",").split(",") if p.strip()]
+        parts = [float(p) for p in str(split).replace("/", ",").split(",")]
     except ValueError:
         raise ValueError(f"split {split!r} must be comma-separated numbers such as '969,30,1'") from None
     if not 1 <= len(parts) <= 3 or not all(0 <= p < math.inf for p in parts) or sum(parts) <= 0:

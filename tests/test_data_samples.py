@@ -36,9 +36,18 @@ def reference_samples(docs, document_index, seq_len):
 def test_parse_split():
     assert parse_split("969,30,1") == pytest.approx([0.969, 0.030, 0.001])
     assert parse_split("1") == [1.0, 0.0, 0.0]
-    for bad in ("a,b", "1,2,3,4", "0,0", "-1,2"):
+    # an infinite share makes every share NaN (planted: only negative shares refused, which passed)
+    for bad in ("a,b", "1,2,3,4", "0,0", "-1,2", "inf,1", "1,inf"):
         with pytest.raises(ValueError, match="split"):
             parse_split(bad)
+
+
+@pytest.mark.parametrize("split", ["98,,2", "969,30,1,", ",1"])
+def test_a_split_with_an_empty_part_is_refused(split):
+    """An empty part was skipped, so ``98,,2`` (meant as no validation) read as 98,2: validation took
+    2% of the documents and test none, without a word (Megatron refuses it too)."""
+    with pytest.raises(ValueError, match=rf"split '{split}' must be comma-separated numbers such as '969,30,1'"):
+        parse_split(split)
 
 
 def test_split_ranges_cover_all_documents():
