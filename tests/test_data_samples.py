@@ -102,6 +102,16 @@ def test_the_final_epochs_samples_are_shuffled_among_themselves():
     assert sorted(rest.tolist()) == list(range(99, 199)) and not np.array_equal(rest, np.sort(rest))
 
 
+def test_the_shuffle_index_keeps_every_sample_past_16_bits():
+    """A run of more than 65,536 samples: the shuffle must still be a permutation of all of them, each
+    part within itself. (Planted: a 16-bit shuffle index, whose sample numbers wrapped, serving the
+    first 65,536 samples again; every smaller test passed.)"""
+    first, total = 40_000, 70_000
+    shuffle = gs.build_shuffle_index(first, total, np.random.RandomState(0))
+    assert np.array_equal(np.sort(shuffle[:first]), np.arange(first))
+    assert np.array_equal(np.sort(shuffle[first:]), np.arange(first, total))
+
+
 @pytest.mark.parametrize("num_samples, separate", [(177, True), (178, False), (190, False)])
 def test_the_final_epoch_is_apart_only_below_the_threshold(num_samples, separate):
     """The last epoch is shuffled apart when it holds fewer than int(0.8 * 99) = 79 of its samples
