@@ -95,6 +95,18 @@ def test_partial_final_epoch_is_shuffled_separately():
     assert sorted(doc_index[100:].tolist()) == list(range(100))
 
 
+def test_the_final_epoch_apart_comes_last():
+    """Three epochs, the last used for 21 of its 99 samples: the documents of the two whole epochs come
+    first, shuffled together (each document twice), then the last epoch's. (Planted: the lone epoch
+    put first; with two epochs both halves are one epoch each, so only more epochs tell.)"""
+    sizes = np.full(100, 10, np.int32)
+    idx = build_gpt_indices(sizes, np.arange(100), seq_len=10, num_samples=220, seed=0)
+    doc_index = idx["document_index"]
+    assert len(doc_index) == 300
+    assert np.bincount(doc_index[:200], minlength=100).tolist() == [2] * 100
+    assert sorted(doc_index[200:].tolist()) == list(range(100))
+
+
 def test_the_final_epochs_samples_are_shuffled_among_themselves():
     """(Found by planting bugs.) 100 documents of 10 tokens give 99 samples an epoch."""
     sizes = np.full(100, 10, np.int32)
@@ -161,6 +173,13 @@ def test_validation_split_uses_its_own_documents(tmp_path):
     assert set(valid.document_index.tolist()) <= set(range(30, 40))
     with pytest.raises(ValueError, match="leaves no documents for test"):
         GPTSamples(data, 4, None, 0, split="3,1,0", which="test", cache_dir=str(tmp_path / "cache"))
+
+
+def test_a_sequence_length_below_one_is_refused(tmp_path):
+    """Not a division by zero deep in the index build. (Planted: only a negative length refused.)"""
+    data, _ = make_dataset(tmp_path / "d")
+    with pytest.raises(ValueError, match="seq_len must be positive, got 0"):
+        GPTSamples(data, 0, 10, 0, cache_dir=str(tmp_path / "cache"))
 
 
 def test_too_little_data_names_the_dataset(tmp_path):
