@@ -77,13 +77,15 @@ def test_sample_index_matches_megatron_helper(seq_len, epochs, seed):
     np.testing.assert_array_equal(ours, theirs)
 
 
-@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1, 1], [0.19336, 0.14336, 0.15652, 0.13017, 0.09446,
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [1, 1], [0.19336, 0.14336, 0.15652, 0.13017, 0.09446,
                                                                 0.08962, 0.05689, 0.04771, 0.02897, 0.01588,
                                                                 0.01359, 0.01007, 0.00873, 0.00859, 0.00208]])
 @pytest.mark.parametrize("compiled", [True, False], ids=["c", "python"])
 def test_blend_matches_megatron_helper(weights, compiled, monkeypatch):
     """Both loops, the compiled one and the Python one used without a C compiler. (Planted: the Python
-    loop's ties going to the last dataset, or its first samples weighed by i + 1.)"""
+    loop's ties going to the last dataset, or its first samples weighed by i + 1; either loop weighing
+    sample 0 as 0, not 1, which gives it to the first dataset, not the heaviest: every other blend
+    here lists its heaviest first, so only [0.1, 0.6, 0.3] tells.)"""
     import data_pipeline.blend as blend
 
     if not compiled:
