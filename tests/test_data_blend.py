@@ -122,6 +122,14 @@ def test_a_preset_entry_of_weight_zero_is_refused(tmp_path):
         load_blend_preset(str(tmp_path / "preset.yaml"), "root")
 
 
+def test_a_preset_names_its_datasets_under_the_root_folders_and_all(tmp_path):
+    """A preset may keep its datasets in folders of blend_root; each name is a path under it. (Planted:
+    each name's folders dropped, which every preset shipped, of bare names, passed.)"""
+    (tmp_path / "preset.yaml").write_text("datasets:\n  - [0.5, web/cc_text_document]\n  - [0.5, wiki_text_document]\n")
+    assert load_blend_preset(str(tmp_path / "preset.yaml"), "root") == [[0.5, "root/web/cc_text_document"],
+                                                                         [0.5, "root/wiki_text_document"]]
+
+
 def test_mtnlg_preset():
     blend = load_blend_preset("mtnlg530b", "root")
     assert [w for w, _ in blend] == list(MTNLG.values())
