@@ -94,6 +94,12 @@ def test_bad_layouts_and_exhaustion(samples):
         micro_batch_indices(0, 10, 2, 0, 4)
     with pytest.raises(ValueError, match="outside a data-parallel group"):
         micro_batch_indices(0, 8, 2, 2, 2)
+    # a negative rank would read the samples of the rank below 0; a micro-batch of 0 divides by zero
+    # (planted: each check dropped, both passed)
+    with pytest.raises(ValueError, match="dp_rank -1 is outside a data-parallel group of 2"):
+        micro_batch_indices(0, 8, 2, -1, 2)
+    with pytest.raises(ValueError, match="global batch 8 must be a positive multiple of micro batch x dp = 0 x 1"):
+        micro_batch_indices(0, 8, 0, 0, 1)
     with pytest.raises(ValueError, match="build it for more samples"):
         global_batch(samples, len(samples) - 4, GLOBAL, MICRO, 0, 1)
     with pytest.raises(ValueError):
