@@ -2,6 +2,7 @@
 
 * Each step trains the global batch that starts where the steps before it stopped consuming, also
   while a batch ramp-up changes the batch size from step to step.
+* The training and validation samples come from their split's documents, as many as the run reads.
 * The last step is saved on exit even when a periodic save came before it.
 * A stop signal saves the step it stopped at, with ``checkpoint.save_on_exit`` false, and the
   command exits 75 (preempted).
@@ -76,6 +77,27 @@ def test_each_step_trains_the_samples_after_those_consumed(prefix, tmp_path, mon
     assert [b.tolist() for b in batches] == [e.tolist() for e in expected]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [row["consumed_samples"] for row in rows] == [2, 4, 8, 12], rows
+
+
+def test_a_runs_datasets_hold_the_samples_it_reads_from_the_documents_of_their_split(prefix, tmp_path):
+    """Validation draws eval_steps global batches from the validation documents alone, training from
+    the training documents, and a token budget's indices hold the whole batch that reaches it.
+    (Planted: the validation blend built from the training split, or for eval_steps micro-batches, or
+    a budget's samples not rounded up to a batch; each passed every fast test, the first evaluating
+    on text the model trains on, the second skipping every evaluation without a word.)"""
+    from megazero.config import load_config, resolve_config
+    from megazero.data import build_datasets, train_samples
+
+    argv = _overrides(prefix, tmp_path / "run", 2, "--data.split", "8,2,0", "--train.eval_interval", "1",
+                      "--train.eval_steps", "2", "--data.cache_dir", str(tmp_path / "cache"))
+    cfg = resolve_config(load_config(None, argv), 1)
+    train, valid = build_datasets(cfg, train_samples(cfg))
+    assert (len(train), len(valid)) == (2 * BATCH, 2 * BATCH)
+    assert set(train.datasets[0].document_index.tolist()) <= set(range(160))
+    assert set(valid.datasets[0].document_index.tolist()) <= set(range(160, 200))
+    budget = resolve_config(load_config(None, [*argv, "--train.train_steps", "null", "--schedule.decay_steps", "2",
+                                               "--train.train_tokens", str(3 * BATCH * 16 // 2)]), 1)  # 1.5 batches
+    assert len(build_datasets(budget, train_samples(budget))[0]) >= 2 * BATCH
 
 
 def test_the_last_step_is_saved_on_exit_after_a_periodic_save(prefix, tmp_path):
