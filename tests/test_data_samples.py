@@ -359,6 +359,15 @@ def test_identical_index_elsewhere_reuses_the_cache(tmp_path, monkeypatch):
                                   first.shuffle_index)
 
 
+def test_sample_starts_past_2_to_the_31_tokens_are_kept():
+    """A stream of over 2**31 tokens (a few billion-token epochs): where each sample starts is counted
+    in 64 bits. (Planted: the cumulative token counts summed in int32, which wrapped negative past
+    2**31 and placed every later sample in the first document; every test of small data passed.)"""
+    sizes = np.full(3, 2**30, np.int32)
+    index = gs.build_sample_index(sizes, np.arange(3), 2**29)
+    assert index.tolist() == [[0, 0], [0, 2**29], [1, 0], [1, 2**29], [2, 0], [2, 2**29]]
+
+
 def test_document_numbers_past_int32_are_kept():
     """A shard of over 2**31 documents: the document index was int32 whatever the numbers, so the
     last documents' numbers wrapped negative and read other documents (from the end) unnoticed."""
