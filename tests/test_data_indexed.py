@@ -101,9 +101,11 @@ def test_merge_carries_a_shared_tokenizer_record_and_refuses_a_partial_one(tmp_p
         write_origin(prefix, record)
     assert read_origin(str(merge_shards([a, b], str(tmp_path / "ab")).prefix)) == record
     assert read_origin(str(merge_shards([bare, bare], str(tmp_path / "bb")).prefix)) is None
-    with pytest.raises(ValueError, match=f"{bare} records no tokenizer but {a} records t.json .*merge only "
-                                         "unrecorded shards"):
-        merge_shards([a, bare], str(tmp_path / "m"))
+    # either way round (planted: the shards after the first recorded one alone checked, which passed)
+    for order in ([a, bare], [bare, a]):
+        with pytest.raises(ValueError, match=f"{bare} records no tokenizer but {a} records t.json .*merge only "
+                                             "unrecorded shards"):
+            merge_shards(order, str(tmp_path / "m"))
     assert not any(p.name.startswith("m.") for p in tmp_path.iterdir())
 
 
@@ -232,13 +234,15 @@ def test_a_record_written_before_the_idx_digest_is_still_read(tmp_path):
 
 def test_a_record_without_a_whole_vocabulary_size_is_damaged(tmp_path):
     """The vocabulary size is what a run compares with its model; a record without it as a whole number
-    is named as damaged where it is read, not a KeyError later. (Planted: only the digest checked.)"""
+    is named as damaged where it is read, not a KeyError later; so is one without the tokenizer's digest,
+    which every comparison reads. (Planted: only the digest checked; only the size checked.)"""
     import json
 
     from data_pipeline.shard_origin import origin_path, read_origin
 
     prefix = write(tmp_path / "a", DOCS[:2])
-    for record in ({"tokenizer_sha256": "ab" * 32}, {"tokenizer_sha256": "ab" * 32, "vocab_size": "70000"}):
+    for record in ({"tokenizer_sha256": "ab" * 32}, {"tokenizer_sha256": "ab" * 32, "vocab_size": "70000"},
+                   {"vocab_size": 70000}, {"tokenizer_sha256": None, "vocab_size": 70000}):
         Path(origin_path(prefix)).write_text(json.dumps(record))
         with pytest.raises(ValueError, match=r"a\.tokenizer\.json: damaged record of the shard's tokenizer"):
             read_origin(prefix)
