@@ -424,7 +424,7 @@ class IndexedDataset:
         for path in (idx, binf):
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path}: no such file (expected a .bin/.idx pair for prefix {prefix!r}; "
-                                        "write one with `megazero preprocess`)")
+                                        f"{_fix_for_missing(prefix)})")
         idx_size = os.path.getsize(idx)
         if idx_size < HEADER.size:
             raise ValueError(f"{idx}: truncated index ({idx_size} bytes, the header alone is {HEADER.size})")
@@ -503,6 +503,15 @@ class IndexedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
+
+
+def _fix_for_missing(prefix: str) -> str:
+    """What to do where ``prefix`` names no shard: a prefix written with its file's suffix
+    (``web_text_document.bin``) names a shard that is there, and preprocessing it again is not the fix."""
+    stem, suffix = os.path.splitext(prefix)
+    if suffix in (".bin", ".idx") and os.path.isfile(bin_path(stem)) and os.path.isfile(idx_path(stem)):
+        return f"give the prefix without {suffix}: {stem}"
+    return "write one with `megazero preprocess`"
 
 
 def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:

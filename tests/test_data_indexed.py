@@ -304,8 +304,17 @@ def test_an_idx_longer_than_its_header_describes_is_refused(tmp_path):
 
 
 def test_missing_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"nope\.idx: no such file"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.idx: no such file .*; write one with `megazero preprocess`"):
         IndexedDataset(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".idx"])
+def test_a_prefix_given_with_its_files_suffix_is_told_the_prefix(tmp_path, suffix):
+    """``data.blend: [[1, web_text_document.bin]]`` names a shard that is there; the line told the user
+    to preprocess it again, not to drop the suffix."""
+    prefix = write(tmp_path / "web_text_document")
+    with pytest.raises(FileNotFoundError, match=rf"give the prefix without \{suffix}: {prefix}\)$"):
+        IndexedDataset(prefix + suffix)
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
