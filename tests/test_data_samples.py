@@ -99,13 +99,14 @@ def test_the_final_epoch_apart_comes_last():
     """Three epochs, the last used for 21 of its 99 samples: the documents of the two whole epochs come
     first, shuffled together (each document twice), then the last epoch's; so do their samples, of
     which the two epochs' 2000 tokens give 199, not 2 x 99. (Planted: the lone epoch put first, which
-    with two epochs, one each side, passed; the two epochs' samples counted as 2 x 99: both were caught
-    only by the megatron-core comparison.)"""
+    with two epochs, one each side, passed; the two epochs' samples counted as 2 x 99; the whole epochs
+    shuffled apart too: each was caught only by the megatron-core comparison.)"""
     sizes = np.full(100, 10, np.int32)
     idx = build_gpt_indices(sizes, np.arange(100), seq_len=10, num_samples=220, seed=0)
     doc_index, shuffle = idx["document_index"], idx["shuffle_index"]
     assert len(doc_index) == 300 and len(shuffle) == 299
     assert np.bincount(doc_index[:200], minlength=100).tolist() == [2] * 100
+    assert sorted(doc_index[:100].tolist()) != list(range(100))  # the two shuffled as one, not each apart
     assert sorted(doc_index[200:].tolist()) == list(range(100))
     assert sorted(shuffle[:199].tolist()) == list(range(199))
     assert sorted(shuffle[199:].tolist()) == list(range(199, 299))
