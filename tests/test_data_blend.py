@@ -60,6 +60,9 @@ def test_bad_blends_are_named():
         parse_blend([[True, "a"]])
     with pytest.raises(ValueError, match="must be \\[weight, prefix\\]"):  # nor is YAML's null a prefix
         parse_blend([[0.5, None], [0.5, "b"]])
+    # a third item (a second dataset written into one entry) is not dropped (planted: taken, passed)
+    with pytest.raises(ValueError, match="entry \\[0.5, 'a', 'b'\\] must be \\[weight, prefix\\]"):
+        parse_blend([[0.5, "a", "b"]])
     with pytest.raises(ValueError, match="non-negative numbers with a positive sum"):  # every source off
         parse_blend([[0, "a"], [0.0, "b"]])
     with pytest.raises(ValueError, match="lists 32769 datasets, more than 32768"):  # the int16 index would wrap
@@ -119,6 +122,9 @@ def test_a_preset_entry_of_weight_zero_is_refused(tmp_path):
     a mistake in the file, named with its entry. (Planted: only negative weights refused.)"""
     (tmp_path / "preset.yaml").write_text("datasets:\n  - [0.5, web_text_document]\n  - [0, wiki_text_document]\n")
     with pytest.raises(ValueError, match=r"preset\.yaml: datasets\[1\] is \[0, 'wiki_text_document'\]; .* positive"):
+        load_blend_preset(str(tmp_path / "preset.yaml"), "root")
+    (tmp_path / "preset.yaml").write_text("datasets:\n  - [0.5, web_text_document, 0.5]\n")  # (planted: taken as its first two)
+    with pytest.raises(ValueError, match=r"datasets\[0\] is \[0.5, 'web_text_document', 0.5\]; each entry is \["):
         load_blend_preset(str(tmp_path / "preset.yaml"), "root")
 
 
