@@ -123,7 +123,8 @@ def test_a_preset_entry_of_weight_zero_is_refused(tmp_path):
     (tmp_path / "preset.yaml").write_text("datasets:\n  - [0.5, web_text_document]\n  - [0, wiki_text_document]\n")
     with pytest.raises(ValueError, match=r"preset\.yaml: datasets\[1\] is \[0, 'wiki_text_document'\]; .* positive"):
         load_blend_preset(str(tmp_path / "preset.yaml"), "root")
-    (tmp_path / "preset.yaml").write_text("datasets:\n  - [0.5, web_text_document, 0.5]\n")  # (planted: taken as its first two)
+    # an entry of three items (planted: taken as its first two)
+    (tmp_path / "preset.yaml").write_text("datasets:\n  - [0.5, web_text_document, 0.5]\n")
     with pytest.raises(ValueError, match=r"datasets\[0\] is \[0.5, 'web_text_document', 0.5\]; each entry is \["):
         load_blend_preset(str(tmp_path / "preset.yaml"), "root")
 

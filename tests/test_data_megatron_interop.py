@@ -77,9 +77,9 @@ def test_sample_index_matches_megatron_helper(seq_len, epochs, seed):
     np.testing.assert_array_equal(ours, theirs)
 
 
-@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [1, 1], [0.19336, 0.14336, 0.15652, 0.13017, 0.09446,
-                                                                0.08962, 0.05689, 0.04771, 0.02897, 0.01588,
-                                                                0.01359, 0.01007, 0.00873, 0.00859, 0.00208]])
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [1, 1],
+                                     [0.19336, 0.14336, 0.15652, 0.13017, 0.09446, 0.08962, 0.05689, 0.04771,
+                                      0.02897, 0.01588, 0.01359, 0.01007, 0.00873, 0.00859, 0.00208]])
 @pytest.mark.parametrize("compiled", [True, False], ids=["c", "python"])
 def test_blend_matches_megatron_helper(weights, compiled, monkeypatch):
     """Both loops, the compiled one and the Python one used without a C compiler. (Planted: the Python
