@@ -365,9 +365,9 @@ def test_identical_index_elsewhere_reuses_the_cache(tmp_path, monkeypatch):
 
 
 def test_sample_starts_past_2_to_the_31_tokens_are_kept():
-    """A stream of over 2**31 tokens (a few billion-token epochs): where each sample starts is counted
-    in 64 bits. (Planted: the cumulative token counts summed in int32, which wrapped negative past
-    2**31 and placed every later sample in the first document; every test of small data passed.)"""
+    """A stream of over 2**31 tokens (a few epochs of a billion-token corpus): where each sample starts
+    is counted in 64 bits. (Planted: the cumulative token counts summed in int32, which wrapped negative
+    past 2**31 and placed every sample past the last document; every test of small data passed.)"""
     sizes = np.full(3, 2**30, np.int32)
     index = gs.build_sample_index(sizes, np.arange(3), 2**29)
     assert index.tolist() == [[0, 0], [0, 2**29], [1, 0], [1, 2**29], [2, 0], [2, 2**29]]
