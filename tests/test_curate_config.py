@@ -78,6 +78,9 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     ("decontaminate.tasks", "[missing.jsonl]", r"decontaminate\.tasks: missing\.jsonl: no such file"),
     ("decontaminate.tasks", "[empty.jsonl]", r"decontaminate\.tasks: empty\.jsonl holds no records"),
     ("decontaminate.tasks", "[]", r"decontaminate\.tasks: no task files"),
+    # its hits were counted under the first entry, and the report gave the second's none
+    ("decontaminate.tasks", "[task.jsonl, ./task.jsonl]", r"decontaminate\.tasks: \./task\.jsonl is listed twice "
+     r"\(also as task\.jsonl\); list each task file once"),
     ("quality.alpha", "0", r"quality\.alpha: 0\.0 must be above 0; it is the Pareto shape"),
     ("quality.alpha", ".nan", r"quality\.alpha: nan is not a finite number"),
     ("quality.seed", "-1", r"quality\.seed: -1 must be at least 0"),

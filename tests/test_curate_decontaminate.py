@@ -4,6 +4,7 @@ common in the training corpus are ignored."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 
@@ -21,13 +22,14 @@ FILLER = " ".join(f"word{i}" for i in range(200))  # 200 distinct words, ~1.5k c
 
 def run(tmp_path, docs: list[str], tasks: dict | None = None, shard_docs: int = 10_000,
         **options) -> tuple[list[dict], dict]:
-    """Decontaminate ``docs`` against ``tasks`` (a file name under tmp_path -> its one text; qa.jsonl
-    holding TASK by default)."""
+    """Decontaminate ``docs`` against ``tasks`` (a file name under tmp_path -> its one text, gzipped
+    where the name says so; qa.jsonl holding TASK by default)."""
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(docs)))
     for name, text in (tasks or {"qa.jsonl": TASK}).items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(json.dumps({"text": text}) + "\n")
+        record = (json.dumps({"text": text}) + "\n").encode()
+        (tmp_path / name).write_bytes(gzip.compress(record) if name.endswith(".gz") else record)
     raw = {"input": {"paths": [str(corpus)], "shard_docs": shard_docs}, "output": {"dir": str(tmp_path / "out")},
            "stages": ["decontaminate"],
            "decontaminate": {"tasks": [str(tmp_path / name) for name in (tasks or {"qa.jsonl": TASK})], **options}}
@@ -206,6 +208,17 @@ def test_task_files_of_one_name_keep_their_own_counts(tmp_path):
     # folders are added until the names differ: two test files under x/ need the folder above it too
     assert decontaminate.task_names(["/r/a/x/test.jsonl", "/r/b/x/test.jsonl", "/r/c/qa.jsonl"]) == \
         ["a/x/test", "b/x/test", "qa"]
+    # no folder tells apart two files of one folder and one name: they keep their extensions
+    assert decontaminate.task_names(["/x/a/test.jsonl", "/x/a/test.parquet", "/x/b/test.jsonl"]) == \
+        ["test.jsonl", "test.parquet", "test"]
+
+
+def test_task_files_of_one_folder_and_name_keep_their_own_counts(tmp_path):
+    """qa.jsonl and qa.jsonl.gz beside it were both named by their whole folder and 'qa': the second's
+    count replaced the first's, and the report said its leak had no hits (planted: names by the
+    stem alone, however many folders lead it)."""
+    _, stats = run(tmp_path, [f"{FILLER} {TASK} {FILLER}"], {"qa.jsonl": TASK, "qa.jsonl.gz": OTHER})
+    assert stats["hits"] == {"qa.jsonl": 4, "qa.jsonl.gz": 0}
 
 
 def test_document_frequency_is_summed_over_every_shard(tmp_path):

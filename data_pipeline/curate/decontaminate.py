@@ -25,7 +25,7 @@ import numpy as np
 from data_pipeline.curate.checks import within
 from data_pipeline.curate.exact_dedup import save_array
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
-from data_pipeline.paths import written_whole
+from data_pipeline.paths import listed_twice, written_whole
 from data_pipeline.sources import BadRecord, iter_lines, record_texts
 
 HIT = np.dtype([("row", np.int64), ("window", np.int64), ("key", np.uint64)])  # a task n-gram in a shard
@@ -60,11 +60,15 @@ class DecontaminateConfig:
         """Task files that are missing or empty, whose records lack the first task field (the one every
         record needs) or hold no text in a listed field, whose texts are all shorter than an n-gram,
         and further task fields no file has (a misspelling): each would leave the stage with less to
-        look for than asked, and it would remove less without a word. Reads every record (evaluation sets are small), once for the
-        fields and once for the texts."""
+        look for than asked, and it would remove less without a word. A file listed twice (however
+        spelled) is refused first: its hits went to the first entry and the report gave the second's
+        none. Reads every record (evaluation sets are small), once for the fields and once for the texts."""
         if not self.tasks:
             return ["decontaminate.tasks: no task files; list jsonl or parquet files of evaluation texts "
                     "(their decontaminate.task_fields hold the text)"]
+        repeat = listed_twice(("decontaminate.tasks:", path) for path in self.tasks)
+        if repeat:
+            return [f"{repeat}; list each task file once"]
         problems, seen = [], set()
         for path in self.tasks:
             if not os.path.isfile(path):
@@ -245,9 +249,13 @@ class NgramKeys:
 def task_names(paths: list[str]) -> list[str]:
     """Each task file's name in the stats and report: its file name without extensions, led by as many
     of its folders as make the names distinct (``lambada/test`` and ``hellaswag/test``, where two
-    ``test`` would merge their counts)."""
-    names = [os.path.splitext(os.path.basename(p).removesuffix(".gz").removesuffix(".zst"))[0] for p in paths]
+    ``test`` would merge their counts). Files of one folder and one name (``test.jsonl`` and
+    ``test.parquet``) keep their extensions: no folder tells them apart, and one's counts replaced
+    the other's."""
+    stems = [os.path.splitext(os.path.basename(p).removesuffix(".gz").removesuffix(".zst"))[0] for p in paths]
     folders = [os.path.dirname(os.path.abspath(p)).strip(os.sep).split(os.sep) for p in paths]
+    places = list(zip(map(tuple, folders), stems))
+    names = [os.path.basename(p) if places.count(place) > 1 else stem for p, stem, place in zip(paths, stems, places)]
     for depth in range(1, max(map(len, folders), default=0) + 1):
         clash = {name for name in names if names.count(name) > 1}
         if not clash:
