@@ -194,6 +194,8 @@ def test_a_threshold_of_one_removes_identical_documents(tmp_path, prose):
         [{"id": "twins.jsonl:2", "kept": "twins.jsonl:1", "component_size": 2}]
     stage_stats = stats["stages"][-1]  # 20 bands, each one bucket of the twins; one component of two
     assert (stage_stats["buckets"], stage_stats["components"], stage_stats["cluster_sizes"]) == (20, 1, {"2": 1})
+    # the documents it says it removed are the ones dropped (planted: every member of a component counted)
+    assert stage_stats["removed"] == stage_stats["dropped"]["near duplicate"] == 1
 
 
 def test_a_document_longer_than_a_block_has_the_signature_of_the_formula():
