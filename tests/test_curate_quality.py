@@ -216,24 +216,38 @@ def test_train_quality_names_a_bad_record_without_a_flag_it_does_not_have(tmp_pa
            "remove it)" in err and "--strict" not in err, err
 
 
-def test_a_model_of_more_labels_scores_p_hq(tmp_path):
-    """Only the top two labels were asked for: a document of a third class (code, say) left hq out
-    of them and scored 1 - P(lq), near 1, so it was always kept."""
+def _labelled_model(path, vocab: dict) -> str:
+    """A small fastText model of the labels ``vocab`` names, each trained on its words."""
     import fasttext
 
     rng = np.random.default_rng(0)
-    vocab = {"hq": "river report careful history committee", "lq": "casino pills click buy lol",
-             "code": "def return import class lambda"}
-    with open(tmp_path / "train.txt", "w") as f:
+    with open(f"{path}.txt", "w") as f:
         for _ in range(200):
             for label, words in vocab.items():
                 f.write(f"__label__{label} " + " ".join(rng.choice(words.split(), 20)) + "\n")
-    fasttext.train_supervised(input=str(tmp_path / "train.txt"), wordNgrams=2, epoch=5, dim=64, lr=0.5, thread=1,
-                              seed=0, verbose=0, bucket=MIN_BUCKETS).save_model(str(tmp_path / "three.bin"))
-    model = load_model(str(tmp_path / "three.bin"))
+    fasttext.train_supervised(input=f"{path}.txt", wordNgrams=2, epoch=5, dim=64, lr=0.5, thread=1,
+                              seed=0, verbose=0, bucket=MIN_BUCKETS).save_model(str(path))
+    return str(path)
+
+
+def test_a_model_of_more_labels_scores_p_hq(tmp_path):
+    """Only the top two labels were asked for: a document of a third class (code, say) left hq out
+    of them and scored 1 - P(lq), near 1, so it was always kept."""
+    vocab = {"hq": "river report careful history committee", "lq": "casino pills click buy lol",
+             "code": "def return import class lambda"}
+    model = load_model(_labelled_model(tmp_path / "three.bin", vocab))
     [s] = scores(model, ["def return import class lambda def"])
     labels, probs = model.predict("def return import class lambda def", k=-1)
     assert s == pytest.approx(dict(zip(labels, probs))["__label__hq"]) and s < 0.1
+
+
+def test_a_model_without_the_hq_label_is_refused(tmp_path):
+    """A fastText model of other labels scores every document P(hq) = 0, so the stage would keep an
+    eighth of the corpus at random: refused by name (planted: the label check dropped, passed)."""
+    path = _labelled_model(tmp_path / "good_bad.bin", {"good": "river report careful", "bad": "casino pills lol"})
+    with pytest.raises(ValueError, match=r"quality\.model: .*good_bad\.bin has labels \['__label__\w+', "
+                                         r"'__label__\w+'\], not __label__hq; train it with `megazero curate"):
+        load_model(path)
 
 
 def test_each_draw_is_the_documented_pareto_of_the_seed_and_the_ids_hash():
