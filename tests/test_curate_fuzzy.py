@@ -262,3 +262,13 @@ def test_edges_are_listed_in_document_order_whatever_the_partitions(tmp_path, pr
     for sub, suffix in (("buckets", "pairs"), ("edges", "npy")):
         made = sorted(name for name in os.listdir(tmp_path / "out/01-fuzzy_dedup" / sub) if name.endswith(suffix))
         assert made == [f"part-{p:05d}.{suffix}" for p in range(4)], sub
+
+
+def test_candidate_pairs_spread_over_the_partitions():
+    """Each verification task reads one partition's pairs, so a partition's share is what bounds its
+    memory: pairs of documents in one shard, or of neighbours, spread evenly too (planted: every pair
+    in partition 0, which left the output alone and one task holding every candidate, passed)."""
+    rows = np.arange(2000, dtype=np.int64)
+    for pairs in (np.stack([rows, rows + 1], axis=1), np.stack([rows, (np.int64(3) << fz.ROW_BITS) + rows], axis=1)):
+        counts = np.bincount(fz._pair_partition(pairs, 4).astype(np.int64), minlength=4)
+        assert counts.min() > 400, counts
