@@ -175,17 +175,36 @@ def test_a_model_whose_header_fasttext_cannot_use_is_one_error(tmp_path, monkeyp
         load_model(str(damaged))
 
 
-def test_the_kept_histogram_counts_kept_documents_only(tmp_path, monkeypatch):
+def _score_every_document(monkeypatch, score: float) -> None:
+    """The stage's classifier, replaced by one that gives every document P(hq) = ``score``."""
     from data_pipeline.curate import quality
 
-    class LowScores:  # every document at 0.05: the Pareto draw keeps few
+    class Constant:
         def predict(self, texts, k):
-            return [[quality.HQ, quality.LQ]] * len(texts), [[0.05, 0.95]] * len(texts)
+            return [[quality.HQ, quality.LQ]] * len(texts), [[score, 1.0 - score]] * len(texts)
 
+    monkeypatch.setattr(quality, "load_model", lambda path: Constant())
+
+
+def test_the_kept_histogram_counts_kept_documents_only(tmp_path, monkeypatch):
+    _score_every_document(monkeypatch, 0.05)  # the Pareto draw keeps few
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": f"t {i}"}) + "\n" for i in range(200)))
-    monkeypatch.setattr(quality, "load_model", lambda path: LowScores())
     stats = quality_shard(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "text", QualityConfig(model="m"))
     assert sum(stats["kept_histogram"]) == stats["docs_out"] < 200 == sum(stats["score_histogram"])
+
+
+@pytest.mark.parametrize("alpha", [1.0, 3.0])
+def test_the_stage_draws_with_the_configured_alpha_and_seed(tmp_path, monkeypatch, alpha):
+    """quality.alpha and quality.seed reach each document's draw: the stage keeps exactly the ids the
+    rule keeps with them, about half at alpha 1 and an eighth at 3 for a score near 0 (planted: the
+    stage drawing at MT-NLG's alpha 3 whatever was set, passed)."""
+    _score_every_document(monkeypatch, 0.05)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": f"t {i}"}) + "\n" for i in range(200)))
+    quality_shard(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "text",
+                  QualityConfig(model="m", alpha=alpha, seed=5))
+    kept = [json.loads(line)["id"] for line in open(tmp_path / "out.jsonl")]
+    assert kept == [f"d{i}" for i in range(200) if pareto_keep(f"d{i}", 0.05, alpha, seed=5)]
+    assert abs(len(kept) / 200 - 1.95 ** -alpha) < 0.1
 
 
 def test_a_retrained_model_makes_the_finished_stage_stale(trained, tmp_path):
