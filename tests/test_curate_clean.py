@@ -79,3 +79,13 @@ def test_blank_lines_between_paragraphs_are_not_repeated_lines():
     equal blank lines between them and is kept (planted: blank lines counted, 8 repeats of 19 lines)."""
     prose = "\n\n".join(" ".join(f"p{k}w{i}" for i in range(10)) for k in range(10))
     assert drop_reason(prose, CleanConfig(min_words=5)) is None
+
+
+def test_fix_unicode_off_leaves_the_text_unrepaired(tmp_path):
+    """clean.fix_unicode: false keeps what ftfy would change (mojibake, entities) and still
+    normalises white space (planted: the option ignored, every text repaired, passed)."""
+    from data_pipeline.curate.clean import clean_text
+
+    raw = "  caf\u00c3\u00a9 &amp;   au  lait  "
+    assert clean_text(raw, CleanConfig(fix_unicode=False)) == "caf\u00c3\u00a9 &amp; au lait"
+    assert clean_text(raw, CleanConfig()) == "caf\u00e9 & au lait"
