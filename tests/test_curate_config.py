@@ -78,6 +78,10 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     ("decontaminate.tasks", "[missing.jsonl]", r"decontaminate\.tasks: missing\.jsonl: no such file"),
     ("decontaminate.tasks", "[empty.jsonl]", r"decontaminate\.tasks: empty\.jsonl holds no records"),
     ("decontaminate.tasks", "[]", r"decontaminate\.tasks: no task files"),
+    # read as text, the one said to hold no records and the other to be corrupt
+    ("decontaminate.tasks", "[packed.jsonl]", r"decontaminate\.tasks: .*packed\.jsonl: gzip data \(it starts with "
+     r"b'\\x1f\\x8b.*\), though not named \.gz, so it would be read as text; rename it packed\.jsonl\.gz"),
+    ("decontaminate.tasks", "[plain.jsonl.gz]", r"decontaminate\.tasks: .*plain\.jsonl\.gz: not gzip data"),
     # its hits were counted under the first entry, and the report gave the second's none
     ("decontaminate.tasks", "[task.jsonl, ./task.jsonl]", r"decontaminate\.tasks: \./task\.jsonl is listed twice "
      r"\(also as task\.jsonl\); list each task file once"),

@@ -26,7 +26,7 @@ from data_pipeline.curate.checks import within
 from data_pipeline.curate.exact_dedup import save_array
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
 from data_pipeline.paths import listed_twice, written_whole
-from data_pipeline.sources import BadRecord, iter_lines, record_texts
+from data_pipeline.sources import BadRecord, check_compression, iter_lines, record_texts
 
 HIT = np.dtype([("row", np.int64), ("window", np.int64), ("key", np.uint64)])  # a task n-gram in a shard
 BATCH_CHARS = 1 << 20  # characters hashed together: amortises numpy's per-call cost, bounds the arrays
@@ -73,6 +73,11 @@ class DecontaminateConfig:
         for path in self.tasks:
             if not os.path.isfile(path):
                 problems.append(f"decontaminate.tasks: {path}: no such file; fix the path")
+                continue
+            try:  # a gzip file without .gz read as text: its record a bad line, the file said to hold none
+                check_compression(path)
+            except ValueError as exc:
+                problems.append(f"decontaminate.tasks: {exc}")
                 continue
             keys = _record_keys(path)
             if not keys:
