@@ -106,3 +106,23 @@ def test_an_input_file_without_one_good_record_is_an_error(tmp_path, capsys, nam
     (tmp_path / "also.json").write_text(text)
     assert _cli(tmp_path, config(tmp_path, [str(tmp_path / name), corpus, str(tmp_path / "also.json")])) == 2
     assert f"{name}: {said} (and 1 more input files alike)" in capsys.readouterr().err
+
+
+def test_only_the_first_twenty_bad_records_are_listed_and_every_one_counted(tmp_path):
+    """stats.json lists where the first twenty bad records are, and counts all of them: a file of
+    millions of bad lines would otherwise write each into the stats and the report (planted: no
+    limit, passed), and a run of several files lists twenty in all."""
+    from data_pipeline.curate.runner import merge_stats
+    from data_pipeline.curate.shards import ingest_file
+
+    (tmp_path / "o").mkdir()
+    results = []
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text(json.dumps({"text": "a good document"}) + "\n" + "{not json\n" * 25)
+        results.append(ingest_file(str(tmp_path / name), len(results), str(tmp_path / "o"), "jsonl", "text", "id",
+                                   10, False))
+    assert results[0]["bad_records"] == {"malformed JSON": 25}
+    first = [f"{tmp_path / 'a.jsonl'}:{line}" for line in range(2, 22)]
+    assert [e.split(": ")[0] for e in results[0]["bad_examples"]] == first
+    merged = merge_stats(results)
+    assert merged["bad_records"] == {"malformed JSON": 50} and merged["bad_examples"] == results[0]["bad_examples"]
