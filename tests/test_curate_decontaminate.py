@@ -107,6 +107,13 @@ def test_ngrams_in_10_or_more_training_documents_are_ignored(tmp_path):
     assert len(records) == 18 and stats["hits"] == {"qa": 36}
 
 
+def test_the_max_doc_freq_option_sets_how_common_an_ignored_ngram_is(tmp_path):
+    """decontaminate.max_doc_freq reaches the frequency pass: at 3, a task passage in three documents
+    is a common phrase and stays (planted: the pass kept the default 10, and cut all three, passed)."""
+    records, stats = run(tmp_path, [f"{FILLER} {TASK} {FILLER}"] * 3, max_doc_freq=3)
+    assert len(records) == 3 and stats["ignored_frequent_ngrams"] == 4 and stats["hits"] == {"qa": 0}
+
+
 def test_no_task_files_is_one_line(tmp_path):
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text(json.dumps({"text": FILLER}) + "\n")
