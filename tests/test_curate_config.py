@@ -69,6 +69,9 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     ("decontaminate.ngram", "0", r"decontaminate\.ngram: 0 must be at least 1"),
     ("decontaminate.ngram", "-2", r"decontaminate\.ngram: -2 must be at least 1"),
     ("decontaminate.margin", "-1", r"decontaminate\.margin: -1 must be at least 0"),
+    # below 0, every document with a match would be dropped whole, however few its splits
+    ("decontaminate.max_splits", "-1", r"decontaminate\.max_splits: -1 must be at least 0"),
+    ("decontaminate.min_piece_chars", "-5", r"decontaminate\.min_piece_chars: -5 must be at least 0"),
     ("decontaminate.task_fields", "[question]",
      r"decontaminate\.task_fields: question \(the first, which every record needs\) not in task\.jsonl \(its "
      r"records have label, text\)"),
