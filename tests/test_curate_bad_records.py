@@ -24,6 +24,8 @@ def test_bad_records_are_counted_with_file_and_line(tmp_path, capsys):
     assert stats["bad_records"] == {"malformed JSON": 1, "not text": 1, "not a JSON object": 1, "not UTF-8": 1}
     assert stats["bad_examples"][0].startswith(f"{corpus}:53: malformed JSON")
     assert "4 bad records" in capsys.readouterr().out
+    report = (tmp_path / "out/report.md").read_text()  # planted: the report without the examples, passed
+    assert all(f"- `{example}`" in report for example in stats["bad_examples"]) and len(stats["bad_examples"]) == 4
 
 
 def test_strict_makes_a_bad_record_fatal(tmp_path, capsys):
