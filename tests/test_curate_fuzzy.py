@@ -272,3 +272,16 @@ def test_candidate_pairs_spread_over_the_partitions():
     for pairs in (np.stack([rows, rows + 1], axis=1), np.stack([rows, (np.int64(3) << fz.ROW_BITS) + rows], axis=1)):
         counts = np.bincount(fz._pair_partition(pairs, 4).astype(np.int64), minlength=4)
         assert counts.min() > 400, counts
+
+
+@pytest.mark.parametrize("max_bucket_pairs, candidates", [(64, 10), (4, 7)])
+def test_max_bucket_pairs_reaches_the_buckets(tmp_path, prose, max_bucket_pairs, candidates):
+    """Five copies of a text share every band's bucket: all 10 pairs are candidates, or, past
+    fuzzy_dedup.max_bucket_pairs, each copy paired with the first and its predecessor, 7 (planted:
+    the stage kept the default 64, passed); either way four copies go."""
+    path = tmp_path / "copies.jsonl"
+    path.write_text("".join(json.dumps({"text": prose[0]}) + "\n" for _ in range(5)))
+    raw = {"input": {"paths": [str(path)]}, "output": {"dir": str(tmp_path / "out")}, "stages": ["fuzzy_dedup"],
+           "fuzzy_dedup": {"max_bucket_pairs": max_bucket_pairs}}
+    stats = run_pipeline(build_config(raw), log=lambda s: None)["stages"][-1]
+    assert (stats["candidate_pairs"], stats["dropped"]) == (candidates, {"near duplicate": 4})
