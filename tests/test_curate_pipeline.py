@@ -157,12 +157,16 @@ def test_killed_run_resumes_to_identical_output(tmp_path, monkeypatch, budget):
 
 
 def test_rerun_with_other_options_is_refused(tmp_path):
+    """Another stage option, or --strict (which decides whether a bad record stops the input stage;
+    planted: strict left out of its fingerprint, passed)."""
     corpus = write_corpus(tmp_path)
     pipeline.run_pipeline(build_config(config(tmp_path, [corpus])), log=lambda s: None)
     raw = config(tmp_path, [corpus])
     raw["clean"]["min_words"] = 5
     with pytest.raises(ValueError, match=r"01-clean was made with other settings \(options differ\); delete it"):
         pipeline.run_pipeline(build_config(raw), log=lambda s: None)
+    with pytest.raises(ValueError, match=r"00-input was made with other settings \(strict differ\); delete it"):
+        pipeline.run_pipeline(build_config({**config(tmp_path, [corpus]), "strict": True}), log=lambda s: None)
 
 
 def test_stages_made_by_earlier_rules_are_refused(tmp_path):
