@@ -285,3 +285,13 @@ def test_max_bucket_pairs_reaches_the_buckets(tmp_path, prose, max_bucket_pairs,
            "fuzzy_dedup": {"max_bucket_pairs": max_bucket_pairs}}
     stats = run_pipeline(build_config(raw), log=lambda s: None)["stages"][-1]
     assert (stats["candidate_pairs"], stats["dropped"]) == (candidates, {"near duplicate": 4})
+
+
+def test_audit_ids_are_found_past_65536_rows(tmp_path):
+    """shard_docs allows shards past 2^16 documents: the audit files name a document by the row in
+    the low 32 bits of its number (planted: 16 bits, which named row 65536 as row 0, passed)."""
+    (tmp_path / "s0.ids.json").write_text(json.dumps(["first"]))
+    (tmp_path / "s1.ids.json").write_text(json.dumps([f"r{i}" for i in range(65_537)]))
+    gids = np.array([0, (1 << fz.ROW_BITS) | 65_536, 1 << fz.ROW_BITS])
+    prefixes = [str(tmp_path / "s0"), str(tmp_path / "s1")]
+    assert fz._ids_of(gids, prefixes) == {0: "first", int(gids[1]): "r65536", int(gids[2]): "r0"}
