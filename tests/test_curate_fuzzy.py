@@ -295,3 +295,21 @@ def test_audit_ids_are_found_past_65536_rows(tmp_path):
     gids = np.array([0, (1 << fz.ROW_BITS) | 65_536, 1 << fz.ROW_BITS])
     prefixes = [str(tmp_path / "s0"), str(tmp_path / "s1")]
     assert fz._ids_of(gids, prefixes) == {0: "first", int(gids[1]): "r65536", int(gids[2]): "r0"}
+
+
+def test_the_signature_pass_hashes_with_the_configured_shape(tmp_path):
+    """fuzzy_dedup.ngram, bands and rows reach the signature pass: "abcdefg" is five 3-grams, and each
+    document has a key per band, each of its rows' minima (planted: 5-grams, or 20 bands of 13 rows,
+    whatever was set, both passed)."""
+    from data_pipeline.curate.exact_dedup import load_keyed
+
+    cfg = fz.FuzzyDedupConfig(num_perm=16, bands=4, rows=3, ngram=3)
+    shard = tmp_path / "shard.jsonl"
+    shard.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(["abcdefg", "xyz"])))
+    fz.signature_shard(str(shard), str(tmp_path / "sig"), "text", cfg, 1)
+    assert np.load(tmp_path / "sig.offsets.npy").tolist() == [0, 5, 6]
+    (keys,), rows = load_keyed(str(tmp_path / "sig.bands"), 0)
+    hasher = MinHasher(16, 3, 4, 3, cfg.seed)
+    hashes, offsets = hasher.shingles(["abcdefg", "xyz"])
+    assert rows.tolist() == [0] * 4 + [1] * 4
+    assert keys.tolist() == hasher.band_keys(hasher.signatures(hashes, offsets)).ravel().tolist()
