@@ -175,8 +175,9 @@ def test_a_model_whose_header_fasttext_cannot_use_is_one_error(tmp_path, monkeyp
         load_model(str(damaged))
 
 
-def _score_every_document(monkeypatch, score: float) -> None:
-    """The stage's classifier, replaced by one that gives every document P(hq) = ``score``."""
+def _scored_shard(tmp_path, monkeypatch, score: float) -> str:
+    """A shard of 200 short documents d0, d1, ..., and the stage's classifier replaced by one that
+    gives every document P(hq) = ``score``."""
     from data_pipeline.curate import quality
 
     class Constant:
@@ -184,12 +185,14 @@ def _score_every_document(monkeypatch, score: float) -> None:
             return [[quality.HQ, quality.LQ]] * len(texts), [[score, 1.0 - score]] * len(texts)
 
     monkeypatch.setattr(quality, "load_model", lambda path: Constant())
+    shard = tmp_path / "in.jsonl"
+    shard.write_text("".join(json.dumps({"id": f"d{i}", "text": f"t {i}"}) + "\n" for i in range(200)))
+    return str(shard)
 
 
 def test_the_kept_histogram_counts_kept_documents_only(tmp_path, monkeypatch):
-    _score_every_document(monkeypatch, 0.05)  # the Pareto draw keeps few
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": f"t {i}"}) + "\n" for i in range(200)))
-    stats = quality_shard(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "text", QualityConfig(model="m"))
+    shard = _scored_shard(tmp_path, monkeypatch, 0.05)  # the Pareto draw keeps few
+    stats = quality_shard(shard, str(tmp_path / "out.jsonl"), "text", QualityConfig(model="m"))
     assert sum(stats["kept_histogram"]) == stats["docs_out"] < 200 == sum(stats["score_histogram"])
 
 
@@ -198,10 +201,8 @@ def test_the_stage_draws_with_the_configured_alpha_and_seed(tmp_path, monkeypatc
     """quality.alpha and quality.seed reach each document's draw: the stage keeps exactly the ids the
     rule keeps with them, about half at alpha 1 and an eighth at 3 for a score near 0 (planted: the
     stage drawing at MT-NLG's alpha 3 whatever was set, passed)."""
-    _score_every_document(monkeypatch, 0.05)
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": f"t {i}"}) + "\n" for i in range(200)))
-    quality_shard(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "text",
-                  QualityConfig(model="m", alpha=alpha, seed=5))
+    shard = _scored_shard(tmp_path, monkeypatch, 0.05)
+    quality_shard(shard, str(tmp_path / "out.jsonl"), "text", QualityConfig(model="m", alpha=alpha, seed=5))
     kept = [json.loads(line)["id"] for line in open(tmp_path / "out.jsonl")]
     assert kept == [f"d{i}" for i in range(200) if pareto_keep(f"d{i}", 0.05, alpha, seed=5)]
     assert abs(len(kept) / 200 - 1.95 ** -alpha) < 0.1
