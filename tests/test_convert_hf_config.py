@@ -1,6 +1,7 @@
 """A Hugging Face ``config.json`` is read as ``transformers`` reads it: a key it leaves out takes the
 value ``transformers`` gives it, a rotary base kept in ``rope_parameters`` (where ``transformers``
-5 saves it) is the model's, and a head width other than hidden_size / heads is refused by name."""
+5 saves it) is the model's, and a head width other than hidden_size / heads is refused by name. An
+export's config.json imports back to the model section it was written from."""
 
 from __future__ import annotations
 
@@ -92,3 +93,39 @@ def test_an_embedding_dropout_other_than_the_residuals_is_refused_by_name(folder
     del config["embd_pdrop"], config["resid_pdrop"]  # both left out: transformers' 0.1 each
     (copy / "config.json").write_text(json.dumps(config))
     assert HFSource(copy).cfg.dropout == 0.1
+
+
+MODEL_SECTIONS = {
+    "gpt2": {"norm_eps": 1e-3, "seq_length": 12, "dropout": 0.25, "attention_dropout": 0.125, "init_std": 0.05,
+             "tie_embeddings": False},
+    "llama": {"position_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False,
+              "num_kv_heads": 2, "rope_theta": 500.0, "norm_eps": 1e-3, "seq_length": 12, "attention_dropout": 0.125,
+              "init_std": 0.05, "tie_embeddings": True},
+}
+
+
+@pytest.mark.parametrize("family", MODEL_SECTIONS)
+def test_an_export_imports_back_to_the_model_section_it_was_written_from(tmp_path, family):
+    """Every field config.json carries, away from both defaults, comes back as written: an epsilon or
+    a rotary base written as the family's default would export another model, silently, with the
+    right weights (planted: layer_norm_epsilon, rms_norm_eps and rope_theta written as defaults)."""
+    from megazero.convert.hf import write_hf
+    from tests.convert_sources import RandomSource
+
+    source = RandomSource(num_layers=2, **MODEL_SECTIONS[family])
+    (tmp_path / "hf").mkdir()
+    write_hf(source, tmp_path / "hf")
+    back = HFSource(tmp_path / "hf").cfg
+    for field in ("num_layers", "hidden_size", "num_heads", "kv_heads", "ffn_size", "vocab_size",
+                  *MODEL_SECTIONS[family]):
+        assert getattr(back, field) == getattr(source.cfg, field), field
+
+
+def test_a_llama_config_without_a_rotary_base_takes_transformers_default(folders, tmp_path):
+    """A Llama config.json with no rope_theta at all (nor in rope_parameters) is built by transformers
+    with its default base, 10,000: imported with another, every position would turn at other angles
+    (planted: the default 1,000)."""
+    copy = _saved(folders["llama"], tmp_path, "rope_parameters")
+    assert "rope_theta" not in json.loads((copy / "config.json").read_text())
+    want = transformers.AutoConfig.from_pretrained(copy).rope_parameters["rope_theta"]
+    assert HFSource(copy).cfg.rope_theta == want == 10000.0
