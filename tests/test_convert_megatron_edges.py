@@ -19,10 +19,11 @@ def test_tp_copies_that_differ_by_a_little_are_named(tmp_path, capsys):
     with different weights: one of 1e-4 (a bf16 drift) is named like a large one."""
     write_megatron(RandomSource(num_layers=2, hidden_size=16, num_heads=4), tmp_path / "meg", tp=2, pp=1,
                    impl="local")
-    path = tmp_path / "meg" / "release" / "mp_rank_01" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
-    state["model"]["decoder.final_layernorm.weight"][3] += 1e-4
-    torch.save(state, path)
+    for rank, value in enumerate((0.0, 1e-4)):  # a difference of 1e-4 exactly, whatever the random weights
+        path = tmp_path / "meg" / "release" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        state["model"]["decoder.final_layernorm.weight"][3] = value
+        torch.save(state, path)
     capsys.readouterr()
     assert main(["convert", str(tmp_path / "meg"), str(tmp_path / "mz")]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if "different copies" in line]
@@ -44,3 +45,4 @@ def test_layers_that_do_not_split_evenly_over_the_stages_are_refused(tmp_path):
     with pytest.raises(UserError, match="--pp 2: the model's 3 layers do not split evenly over 2 stages"):
         write_megatron(RandomSource(num_layers=3), tmp_path / "meg", tp=1, pp=2, impl="local")
     assert not (tmp_path / "meg").exists()
+
