@@ -1,5 +1,6 @@
 """Megatron imports at their edges: tp copies of a replicated tensor that differ by a rounding's
-worth are still named, and a --vocab-size of exactly the padded rows is taken."""
+worth are still named, a --vocab-size of exactly the padded rows is taken, and the args an export
+records import back to the model section it was written from."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ def test_layers_that_do_not_split_evenly_over_the_stages_are_refused(tmp_path):
         write_megatron(RandomSource(num_layers=3), tmp_path / "meg", tp=1, pp=2, impl="local")
     assert not (tmp_path / "meg").exists()
 
+
+@pytest.mark.parametrize("fields", [
+    {"norm_eps": 1e-3, "seq_length": 12, "dropout": 0.25, "attention_dropout": 0.125, "tie_embeddings": False},
+    {"position_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "num_kv_heads": 2,
+     "rope_theta": 500.0, "norm_eps": 1e-3, "seq_length": 12, "tie_embeddings": True},
+], ids=["gpt2", "llama"])
+def test_an_export_imports_back_to_the_model_section_it_was_written_from(tmp_path, fields):
+    """The args an export records give back every field of the model it was written from, each away
+    from Megatron's default: an epsilon or rotary base recorded as the default would have Megatron-LM
+    (or a later import) run another model with the right weights (planted: norm_epsilon and
+    rotary_base written as defaults, rotary_base not read)."""
+    from megazero.convert.megatron import MegatronSource
+
+    source = RandomSource(num_layers=2, **fields)
+    write_megatron(source, tmp_path / "meg", tp=2, pp=1, impl="local")
+    back = MegatronSource(tmp_path / "meg").cfg
+    for field in ("num_layers", "hidden_size", "num_heads", "kv_heads", "ffn_size", "vocab_size", *fields):
+        assert getattr(back, field) == getattr(source.cfg, field), field
