@@ -146,3 +146,25 @@ def test_a_run_tokenizer_that_cannot_be_exported_names_its_source_and_the_way_ou
     assert err[0].endswith("export without a tokenizer (--tokenizer none)") and not (tmp_path / "hf").exists(), err
     assert main(["convert", str(run / "checkpoints"), str(tmp_path / "hf"), "--to", "hf", "--tokenizer", "none"]) == 0
     assert (tmp_path / "hf" / "config.json").is_file() and not (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("count", [200, 300, 1000])
+def test_own_probes_take_up_to_256_characters_spread_over_the_pieces(count):
+    """A model's own characters are probed up to 256 of them, from first to last, so a character the
+    fixed probes miss is reached wherever it sorts (planted: the first character alone, passed;
+    300 characters gave all 300 and 1,000 gave 334)."""
+    from types import SimpleNamespace
+
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from megazero.convert.hf_tokenizer import _own_probes
+
+    normal, user = pb.ModelProto.SentencePiece.NORMAL, pb.ModelProto.SentencePiece.USER_DEFINED
+    characters = [chr(0x4E00 + i) for i in range(count)]
+    user_defined = characters[0] + characters[-1]  # probed whole, adding no character of its own
+    pieces = [SimpleNamespace(piece=c, type=normal) for c in characters]
+    pieces.append(SimpleNamespace(piece=user_defined, type=user))
+    *own, last = _own_probes(pieces)
+    step = -(-count // 256)  # every step-th character: the last probed is within one step of the end
+    assert last == user_defined and min(count, 128) <= len(own) <= 256
+    assert own[0] == characters[0] and characters.index(own[-1]) >= count - step

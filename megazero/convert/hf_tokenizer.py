@@ -146,7 +146,7 @@ def _own_probes(pieces: list) -> list:
     kinds = _textual_types()
     characters = sorted({c for p in pieces if p.type in kinds for c in p.piece} - {SPACE})
     user_defined = [p.piece for p in pieces if p.type == pb.ModelProto.SentencePiece.USER_DEFINED]
-    return characters[:: max(1, len(characters) // 256)] + user_defined
+    return characters[:: -(-len(characters) // 256) or 1] + user_defined
 
 
 def _refuse_disagreement(sp, tokenizer, texts: list) -> None:
