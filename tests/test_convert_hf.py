@@ -224,14 +224,15 @@ def test_offline_reshard_keeps_master_and_moments(world, tmp_path):
 
 @pytest.mark.parametrize("fields", [
     {"bias": False},  # GPT-2 without biases: written as zero biases, which GPT2LMHeadModel always holds
+    {"bias": False, "tie_embeddings": False},  # ... and with a head of its own, which has no bias there
     {"position_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu", "num_kv_heads": 2,
      "tie_embeddings": False, "bias": True},  # Llama with biases: attention_bias and mlp_bias
-], ids=["gpt2-without-biases", "llama-with-biases"])
+], ids=["gpt2-without-biases", "gpt2-untied-without-biases", "llama-with-biases"])
 def test_bias_choices_export_with_our_logits(tmp_path, fields):
     """The two bias choices the presets do not make: ``transformers`` loads every tensor it expects from
     the export, nothing else, and gives the logits of our single-process model (planted: the zero
     biases left out, which transformers would fill in itself with a warning; ``mlp_bias`` not
-    written)."""
+    written; a zero bias written for an untied head, which transformers reports as unexpected)."""
     from megazero.convert.targets import write_megazero
     from megazero.generate import load_model
     from tests.convert_sources import RandomSource
