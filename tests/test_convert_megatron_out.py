@@ -63,6 +63,24 @@ def test_a_megatron_checkpoint_short_of_the_ranks_its_args_record_is_named(sourc
         "missing mp_rank_* directories, or remove those another save left")
 
 
+@pytest.mark.parametrize("lost", ["folder", "file"])
+def test_a_megatron_rank_lost_inside_its_grid_is_named(sources, tmp_path, capsys, lost):
+    """tp rank 1 of stage 0 lost from a tp2 x pp2 save whose other ranks still span the grid: named as
+    that rank's missing file, not a KeyError or a load error where its weights are first read.
+    (Planted: no check that every rank of the grid has its file.)"""
+    import shutil
+
+    out = tmp_path / "megatron"
+    assert convert(sources["llama"], out, *TO_LOCAL, "--tp", 2, "--pp", 2) == 0
+    rank = out / "release" / "mp_rank_01_000"
+    if lost == "folder":
+        shutil.rmtree(rank)
+    else:
+        (rank / "model_optim_rng.pt").unlink()
+    assert fails(capsys, tmp_path, out).endswith(
+        f"{rank / 'model_optim_rng.pt'}: missing (tp rank 1, pipeline rank 0 of 2 x 2); restore it")
+
+
 @pytest.mark.parametrize("name", MAKERS)
 @pytest.mark.parametrize("tp, pp", [(2, 2), (1, 1), (2, 1)])
 def test_a_megatron_checkpoint_imports_back_bit_for_bit(sources, tmp_path, name, tp, pp):
