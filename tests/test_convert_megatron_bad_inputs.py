@@ -49,6 +49,11 @@ def test_megatron_rope_args_with_the_values_megatron_records_for_no_change_are_t
     ((), {"position_embedding_type": "rope", "rotary_percent": 0.5}, "args.rotary_percent"),
     ((), {"position_embedding_type": "rope", "rotary_interleaved": True}, "args.rotary_interleaved"),
     ((), {"apply_layernorm_1p": True}, "args.apply_layernorm_1p"),  # norm weights stored as gamma - 1
+    ((), {"apply_residual_connection_post_layernorm": True}, "args.apply_residual_connection_post_layernorm"),
+    ((), {"squared_relu": True}, "args.squared_relu"),
+    ((), {"multi_latent_attention": True}, "args.multi_latent_attention"),
+    ((), {"num_experts": 8}, "args.num_experts"),
+    ((), {"qk_layernorm": True}, "args.qk_layernorm"),
     ((), {"position_embedding_type": "rope", "use_rope_scaling": True}, "args.use_rope_scaling"),
     ((), {"position_embedding_type": "rope", "rotary_seq_len_interpolation_factor": 4},
      "args.rotary_seq_len_interpolation_factor"),
