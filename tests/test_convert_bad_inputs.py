@@ -117,6 +117,9 @@ def test_hf_config_megazero_cannot_express(sources, tmp_path, capsys):
     ({"model_type": "mistral", "sliding_window": 8}, "model_type: 'mistral' is not LlamaForCausalLM's 'llama'"),
     ({"sliding_window": 8}, "sliding_window: 8 asks for sliding-window attention"),
     ({"use_sliding_window": True, "sliding_window": 8}, "sliding_window: 8 asks for sliding-window attention"),
+    # compared with the context as text, each was a TypeError
+    ({"sliding_window": "8"}, "sliding_window: expected an integer or null, got '8'"),
+    ({"sliding_window": 8, "max_position_embeddings": "16"}, "max_position_embeddings: expected an integer or null"),
 ])
 def test_hf_config_of_another_model_type_or_a_sliding_window(sources, tmp_path, capsys, changes, expected):
     """transformers builds what model_type names (a Mistral here, with its window), whatever the

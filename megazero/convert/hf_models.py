@@ -88,7 +88,8 @@ def check_model_type(hf: dict, family, where: str) -> None:
         raise refuse(f"{where}: model_type", model_type, f"is not {family.hf_class}'s {family.model_type!r} "
                      "(transformers builds the model model_type names, whatever architectures says)",
                      "convert such a model with its own tools")
-    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    window, context = (coerce(hf.get(key), Optional[int], f"{where}: {key}", UserError)
+                       for key in ("sliding_window", "max_position_embeddings"))
     if window is not None and hf.get("use_sliding_window") is not False and not (context and window >= context):
         raise refuse(f"{where}: sliding_window", window, "asks for sliding-window attention, which megazero's "
                      "attention does not have", "only full-attention models can be imported")
