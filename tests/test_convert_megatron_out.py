@@ -317,3 +317,17 @@ def test_megatron_core_loads_the_files_strictly_and_computes_our_logits(sources,
     want = want[..., :VOCAB]
     assert got.shape == want.shape
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+
+
+def test_each_rank_file_holds_its_share_alone(tmp_path):
+    """torch.save keeps a view's whole storage: a tp slice saved as a view of the full tensor carries
+    every rank's share into each rank's file, tp times the model on disk (planted: the slices not
+    copied out, passed)."""
+    from megazero.convert.megatron_out import write_megatron
+    from tests.convert_sources import RandomSource
+
+    write_megatron(RandomSource(num_layers=2), tmp_path / "meg", 2, 1, "local")
+    for rank in range(2):
+        model = safe_load(tmp_path / "meg" / "release" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt")["model"]
+        for key, t in model.items():
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), key
