@@ -87,7 +87,8 @@ def test_a_megatron_checkpoint_imports_back_bit_for_bit(sources, tmp_path, name,
     """Hugging Face -> Megatron at tp x pp -> one fp32 state dict equals Hugging Face -> the same
     state dict: every tensor sliced, padded, renamed and put back exactly. A tied head is the last
     stage's copy of the embedding only where there are several stages (megatron-core's own
-    layout). (Planted: the SwiGLU halves swapped per rank; the tied copy left out at pp 2.)"""
+    layout). (Planted: the SwiGLU halves swapped per rank; the tied copy left out at pp 2; checkpoint_version
+    2.0.)"""
     out = tmp_path / "megatron"
     assert convert(sources[name], out, *TO_LOCAL, "--tp", tp, "--pp", pp) == 0
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
@@ -100,6 +101,7 @@ def test_a_megatron_checkpoint_imports_back_bit_for_bit(sources, tmp_path, name,
     last = out / "release" / (f"mp_rank_00_{pp - 1:03d}" if pp > 1 else "mp_rank_00") / "model_optim_rng.pt"
     state = safe_load(last)
     assert ("output_layer.weight" in state["model"]) == (name == "llama" or pp > 1)
+    assert (state["checkpoint_version"], state["iteration"]) == (3.0, 0)  # below 2.0 Megatron-LM reorders the qkv rows
     args = state["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
     assert args.padded_vocab_size == 128 * tp and args.vocab_size == VOCAB
