@@ -267,6 +267,8 @@ def test_text_fields_take_the_command_line_as_typed(tmp_path):
 
     assert parse_overrides(["--output.dir", "007", "--executor.ray-address", "null"], CurateConfig) == [
         ("output.dir", "007"), ("executor.ray-address", None)]
+    # a field named with hyphens is the same text field (planted: looked up as typed, YAML read 2024_01)
+    assert parse_overrides(["--executor.ray-address", "2024_01"], CurateConfig) == [("executor.ray-address", "2024_01")]
     with pytest.raises(ConfigError, match=r"model.preset: unknown preset '\[gpt2\]'"):
         _cfg("--model.preset", "[gpt2]")
     (tmp_path / "list.yaml").write_text("model: {preset: [gpt2]}\n")
