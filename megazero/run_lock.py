@@ -69,11 +69,16 @@ class RunDirLock:
         self._thread: Optional[threading.Thread] = None
 
     def holder(self) -> Optional[dict]:
-        """The record in the lock file, or None when there is none (or it is unreadable)."""
+        """The record in the lock file, or None when there is none, it is unreadable, or it is not a
+        record this module writes: a file left by another tool, or edited by hand, names no process
+        to look for, so it is in use until its heartbeat stops, as an unreadable one is (a number or
+        a list in it raised a traceback, and a record without a pid signalled pid -1, every process
+        this user may signal, and was in use for ever)."""
         try:
-            return json.loads(self.path.read_text(encoding="utf-8"))
+            record = json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
+        return record if _is_record(record) else None
 
     def is_stale(self, holder: Optional[dict]) -> bool:
         if holder is None or holder.get("host") != self.record["host"]:
@@ -82,7 +87,7 @@ class RunDirLock:
             except FileNotFoundError:
                 return True
             return age > self.stale_after_s
-        return not _pid_alive(int(holder.get("pid", -1)))
+        return not _pid_alive(holder["pid"])
 
     def acquire(self) -> "RunDirLock":
         text = json.dumps(self.record)
@@ -152,8 +157,28 @@ class RunDirLock:
         self.release()
 
 
+def _is_record(record) -> bool:
+    """Whether ``record`` is a holder's record as ``RunDirLock`` writes it: a host, a process id that
+    names one process (0 and negative ids name groups of them; a C int holds every pid), and a start
+    time the clock can give."""
+    if not isinstance(record, dict):
+        return False
+    pid = record.get("pid")
+    return (isinstance(record.get("host"), str) and type(pid) is int and 0 < pid < 2**31
+            and _since(record.get("started")) is not None)
+
+
+def _since(started) -> Optional[str]:
+    """A holder's start time as a local date and time, or None where ``started`` is no such time."""
+    if type(started) not in (int, float):
+        return None
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
 def _describe(holder: Optional[dict]) -> str:
     if holder is None:
         return "another job (its lock file is unreadable)"
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-    return f"pid {holder.get('pid')} on host {holder.get('host')} (since {started})"
+    return f"pid {holder['pid']} on host {holder['host']} (since {_since(holder['started'])})"

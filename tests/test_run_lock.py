@@ -198,6 +198,26 @@ def test_an_unreadable_lock_is_in_use_until_its_heartbeat_stops(tmp_path):
     _taken_once_stale(tmp_path)
 
 
+@pytest.mark.parametrize("record", [
+    42, ["host", 1], {"host": "HOST"}, {"host": "HOST", "pid": "1", "started": 0},
+    {"host": "HOST", "pid": -1, "started": 0}, {"host": "HOST", "pid": 2**40, "started": 0},
+    {"host": "HOST", "pid": True, "started": 0}, {"host": "HOST", "pid": 1, "started": "today"},
+    {"host": "HOST", "pid": 1, "started": 1e300}, {"host": None, "pid": 1, "started": 0}])
+def test_a_lock_that_holds_no_record_of_a_job_is_in_use_until_its_heartbeat_stops(tmp_path, record):
+    """A lock file of valid JSON but no record this module writes (another tool's, or edited by hand)
+    names no process to look for: it is an unreadable lock, not a traceback (a number or a list, a
+    pid or start time of the wrong type), nor a lock of this host in use for ever (no pid, or pid -1,
+    which signals every process this user may signal). (Planted before the fix: each case raised,
+    or was refused with the takeover never coming.)"""
+    import socket
+
+    text = json.dumps(record).replace("HOST", socket.gethostname())
+    (tmp_path / LOCK_FILE).write_text(text)
+    with pytest.raises(RunDirBusy, match=r"in use by another job \(its lock file is unreadable\)"):
+        RunDirLock(tmp_path, stale_after_s=60).acquire()
+    _taken_once_stale(tmp_path)
+
+
 def test_a_lock_released_while_it_is_read_is_taken(tmp_path):
     """The holder may release its lock between this job finding the file and reading it: a lock gone
     by then is free, not a job's whose record cannot be read."""
