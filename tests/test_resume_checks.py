@@ -31,6 +31,15 @@ def test_the_learning_rate_compared_is_that_of_the_next_step_under_both_configs(
                               "(train.train_steps changed"), problem
 
 
+def test_the_decay_a_longer_run_is_told_to_keep_is_the_one_it_had():
+    """A longer run is told the schedule.decay_steps that continues the checkpoint's decay: its steps
+    after warm-up, and the resume so set passes (planted: the warm-up counted in, passed)."""
+    saved, longer = _config(), ("--train.train_steps", "20")
+    (problem,) = _resume_changes(config_to_dict(saved), _config(*longer), 4, 16)
+    assert problem.endswith("(train.train_steps changed; to continue its decay, set schedule.decay_steps 8)"), problem
+    assert _resume_changes(config_to_dict(saved), _config(*longer, "--schedule.decay_steps", "8"), 4, 16) == []
+
+
 def test_a_learning_rate_a_few_percent_off_is_a_change():
     """Only rounding is forgiven: a peak rate 5% higher changes every step ahead, and is named."""
     saved = _config()
