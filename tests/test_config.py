@@ -204,6 +204,9 @@ def test_tp_across_nodes_can_be_forced():
     (("--modle.num_layers", "2"), "modle: unknown key; did you mean model?"),
     (("--train.seed", "two"), "train.seed: expected an integer, got 'two'"),
     (("--model.bias", "1"), "model.bias: expected true or false"),
+    # YAML's booleans are ints to Python: true was a seed of 1 and a learning rate of 1.0 (planted: passed)
+    (("--train.seed", "true"), "train.seed: expected an integer, got True"),
+    (("--optimizer.lr", "true"), "optimizer.lr: expected a number, got True"),
     (("--optimizer.lr", "fast"), "optimizer.lr: expected a number"),
     # a number in quotes is text: float() took "1", " 1 " and "1_0" (10.0); YAML 1.1's 3e-4 stays a number,
     # and text that only begins as one is text
