@@ -91,3 +91,13 @@ def test_every_field_that_shapes_the_model_refuses_a_resume(tmp_path):
     for name, value in CHANGED.items():
         (problem,) = _problems(tmp_path / name, saved, "--model.position_embedding", "rope", f"--model.{name}", value)
         assert f"was trained with a different model (model.{name})" in problem, (name, problem)
+
+
+def test_blend_weights_are_compared_as_the_shares_they_give(tmp_path):
+    """Weights are relative: a blend written with every weight doubled draws the same order and
+    resumes, while another share of one dataset is refused (planted: weights compared as written,
+    which refused the first, passed)."""
+    saved = _config("--data.blend", "[[1, a], [3, b]]")
+    assert _problems(tmp_path / "doubled", saved, "--data.blend", "[[2, a], [6, b]]") == []
+    (problem,) = _problems(tmp_path / "other", saved, "--data.blend", "[[1, a], [1, b]]")
+    assert "was trained on another data order (data.blend changed)" in problem, problem
