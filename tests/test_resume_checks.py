@@ -101,3 +101,22 @@ def test_blend_weights_are_compared_as_the_shares_they_give(tmp_path):
     assert _problems(tmp_path / "doubled", saved, "--data.blend", "[[2, a], [6, b]]") == []
     (problem,) = _problems(tmp_path / "other", saved, "--data.blend", "[[1, a], [1, b]]")
     assert "was trained on another data order (data.blend changed)" in problem, problem
+
+
+def test_the_epoch_check_of_a_blend_probes_the_shares_within_one(tmp_path):
+    """A blend's greedy share of n samples is within one of weight x n: the check asks for each count
+    in that range and no other. At half of 319 samples an epoch, 636 and 637 samples give shares of
+    317 to 319, one epoch either way, and resume; 638 may give 320, a second epoch, and is refused.
+    (Planted: the exact share alone, passed; a probe at two above it refused the first.)"""
+    import numpy as np
+
+    from data_pipeline.indexed import IndexedDatasetWriter
+    from megazero.resume_checks import _epochs_change
+
+    prefix = str(tmp_path / "data")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for _ in range(64):
+            w.add_document(np.ones(80, np.uint16))  # 5120 tokens: 319 samples of 16 + 1
+    cfg = _config("--model.seq_length", "16", "--data.split", "1")
+    assert _epochs_change(prefix, 0.5, cfg, 636, 637) is False
+    assert _epochs_change(prefix, 0.5, cfg, 636, 638) is True
