@@ -120,3 +120,19 @@ def test_the_epoch_check_of_a_blend_probes_the_shares_within_one(tmp_path):
     cfg = _config("--model.seq_length", "16", "--data.split", "1")
     assert _epochs_change(prefix, 0.5, cfg, 636, 637) is False
     assert _epochs_change(prefix, 0.5, cfg, 636, 638) is True
+
+
+def test_a_checkpoint_that_records_no_tokenizer_resumes_on_data_that_names_one(monkeypatch):
+    """An older checkpoint, or one imported from another framework, records no tokenizer: there is
+    nothing to compare, and data that names one resumes; a record of another is refused. (Planted:
+    the absent record compared, passed.)"""
+    import megazero.data
+    from megazero.resume_checks import _tokenizer_change
+
+    mine, other = ({"tokenizer": name, "vocab_size": 512, "tokenizer_sha256": digit * 64} for name, digit in
+                   (("mine.json", "a"), ("other.json", "b")))
+    monkeypatch.setattr(megazero.data, "tokenizer_record", lambda cfg: mine)
+    assert _tokenizer_change({"step": 4}, _config()) == []
+    assert _tokenizer_change({"step": 4, "tokenizer": mine}, _config()) == []
+    (problem,) = _tokenizer_change({"step": 4, "tokenizer": other}, _config())
+    assert problem.startswith("was trained on ids of other.json (512 tokens"), problem
