@@ -254,6 +254,8 @@ def test_an_empty_yaml_section_takes_overrides(tmp_path):
     (tmp_path / "empty.yaml").write_text("data:\ntrain:\n  train_steps: 2\n")
     cfg = load_config(str(tmp_path / "empty.yaml"), ["--data.split", "1"])
     assert (cfg.data.split, cfg.train.train_steps) == ("1", 2)
+    # and without one it takes the section's defaults (planted: refused as no mapping, passed)
+    assert load_config(str(tmp_path / "empty.yaml")).data == Config().data
 
 
 def test_text_fields_take_the_command_line_as_typed(tmp_path):
