@@ -147,6 +147,23 @@ def test_tokens_and_steps_together_are_refused_for_a_run_only():
         cfg, train=dataclasses.replace(cfg.train, train_steps=None)))
 
 
+def test_a_run_whose_sample_index_outgrows_the_host_memory_is_refused(monkeypatch):
+    """The index of a run's samples takes INDEX_BYTES_PER_SAMPLE bytes a sample: a run whose index
+    fits the host's memory exactly passes, one a sample longer is refused (planted: a thousand times
+    the memory allowed, passed: the only other case asks for millions of times more)."""
+    from data_pipeline.gpt_samples import INDEX_BYTES_PER_SAMPLE
+    from megazero.config import Config
+    from megazero.preflight import _index_problems
+
+    cfg = Config()  # 100 steps of 16 samples
+    pages = {"SC_PAGE_SIZE": INDEX_BYTES_PER_SAMPLE, "SC_PHYS_PAGES": 1600}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    assert _index_problems(cfg) == []
+    pages["SC_PHYS_PAGES"] = 1599
+    assert _index_problems(cfg)[0].startswith("train.train_steps: 100 steps of train.global_batch_size 16 are 1,600 "
+                                              "samples, whose index needs about")
+
+
 def test_a_rotary_base_is_no_change_to_a_model_of_learned_positions(files, capsys):
     """``model.rope_theta`` shapes nothing where positions are learned: a resume that sets another one
     is the same model and is accepted, while one that switches to rotary embeddings is not."""
