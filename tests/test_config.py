@@ -153,6 +153,9 @@ def _error(*overrides, world=None, local=None) -> str:
      "must divide model.num_heads 8"),
     (("--model.position_embedding", "rope", "--model.hidden_size", "36"), None, "model.hidden_size", "even head size"),
     (("--logging.run_dir", "  "), None, "logging.run_dir", "is empty"),
+    # read as unset: the checkpoints went to the run directory, the index cache beside the data (planted: passed)
+    (("--checkpoint.save_dir", ""), None, "checkpoint.save_dir", "is empty, which names no folder"),
+    (("--data.cache_dir", " "), None, "data.cache_dir", "is empty, which names no folder"),
 ])
 def test_validation_names_field(overrides, world, field, fix):
     local = 4 if overrides == ("--parallel.tp", "8") else None
