@@ -153,6 +153,11 @@ def _error(*overrides, world=None, local=None) -> str:
      "must divide model.num_heads 8"),
     (("--model.position_embedding", "rope", "--model.hidden_size", "36"), None, "model.hidden_size", "even head size"),
     (("--logging.run_dir", "  "), None, "logging.run_dir", "is empty"),
+    # checked before any process group exists, not when the trainer builds its schedule (planted: passed)
+    (("--train.train_steps", "null", "--train.train_tokens", "1000"), None, "schedule.decay_steps",
+     "must be set when train.train_steps is null"),
+    (("--logging.profile_steps", "[3, 3]", "--train.train_steps", "2"), None, "logging.profile_steps",
+     "step 3 comes after the run's last step"),
     # read as unset: the checkpoints went to the run directory, the index cache beside the data (planted: passed)
     (("--checkpoint.save_dir", ""), None, "checkpoint.save_dir", "is empty, which names no folder"),
     (("--data.cache_dir", " "), None, "data.cache_dir", "is empty, which names no folder"),
@@ -177,6 +182,7 @@ def test_validation_names_field(overrides, world, field, fix):
     ("--data.seed", str(2**32 - 1), "--train.seed", str(2**32 - 1)),
     ("--optimizer.weight_decay", "0", "--model.dropout", "0", "--optimizer.clip_grad", "0"),
     ("--logging.profile_steps", "[1, 1]", "--logging.profile_ranks", "[0]"),
+    ("--logging.profile_steps", "[2, 2]", "--train.train_steps", "2"),  # the last step (planted: one past it passed)
 ])
 def test_values_at_the_edges_of_their_ranges_are_accepted(overrides):
     """Each range's closed end is a setting a user may mean (a min_lr equal to lr, beta1 0, the last
