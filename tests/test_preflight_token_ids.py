@@ -1,7 +1,8 @@
 """The preflight check of the largest token id at its boundary: ids run from 0 to vocabulary - 1, so
 a shard holding the id equal to a vocabulary's size is past it (the model's embedding, the
 tokenizer the shard records, ``data.tokenizer``), and one whose largest id is one less fits. The
-largest id ``--check`` reports is the largest of every dataset in the blend."""
+largest id ``--check`` reports is the largest of every dataset in the blend, and the model holds every
+token of the tokenizer the data names or records."""
 
 from __future__ import annotations
 
@@ -77,3 +78,20 @@ def test_check_reports_the_largest_id_of_every_dataset(tmp_path, capsys):
     argv = _check(wide, tmp_path, VOCAB, blend=f"[[1.0, {wide}], [1.0, {narrow}]]")
     assert main(argv) == 0
     assert f"largest token id {VOCAB - 1}," in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source", ["named", "recorded"])
+@pytest.mark.parametrize("vocab, fits", [(VOCAB - 1, False), (VOCAB, True)])
+def test_the_model_vocabulary_must_hold_the_tokenizers(tmp_path, capsys, source, vocab, fits):
+    """A model one row short of its tokenizer, named by ``data.tokenizer`` or recorded by the shards,
+    is refused though the data's ids fit it; one of exactly the tokenizer's size passes. (Planted:
+    either bound one off, passed.)"""
+    from data_pipeline.shard_origin import tokenizer_identity, write_origin
+    from data_pipeline.tokenizer import load_tokenizer
+
+    prefix, tokenizer = _shard(tmp_path / "small_text_document", 1), _tokenizer(tmp_path / "tokenizer.json")
+    extra = ("--data.tokenizer", tokenizer) if source == "named" else ()
+    if source == "recorded":
+        write_origin(prefix, tokenizer_identity(load_tokenizer(tokenizer)))
+    refusal = f"model.vocab_size: {vocab} is smaller than the {VOCAB} tokens of "
+    _passes_or_refuses(_check(prefix, tmp_path, vocab, *extra), capsys, fits, refusal)
