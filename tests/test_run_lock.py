@@ -84,6 +84,19 @@ def test_a_run_directory_that_cannot_be_written_is_one_user_error(tmp_path):
         RunDirLock(tmp_path / "file" / "run").acquire()
 
 
+def test_a_run_directory_this_user_cannot_write_is_refused_before_the_run(tmp_path, monkeypatch):
+    """Preflight finds what the lock would, before any process starts: a folder, or the nearest one
+    above a folder not made yet, that this user may not write or enter. (Root writes anywhere, so the
+    refusal is simulated; planted: asked whether it can be read, passed.)"""
+    import megazero.preflight as preflight
+
+    monkeypatch.setattr(preflight.os, "access", lambda path, mode: not mode & (os.W_OK | os.X_OK))
+    assert preflight._unwritable(str(tmp_path)) == "is not writable"
+    assert preflight._unwritable(str(tmp_path / "new" / "run")) == f"cannot be created ({tmp_path} is not writable)"
+    monkeypatch.undo()
+    assert preflight._unwritable(str(tmp_path / "new" / "run")) is None
+
+
 def _locked(run_dir, save_dir=None) -> list:
     import dataclasses
 
