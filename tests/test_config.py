@@ -153,11 +153,14 @@ def _error(*overrides, world=None, local=None) -> str:
      "must divide model.num_heads 8"),
     (("--model.position_embedding", "rope", "--model.hidden_size", "36"), None, "model.hidden_size", "even head size"),
     (("--logging.run_dir", "  "), None, "logging.run_dir", "is empty"),
-    # checked before any process group exists, not when the trainer builds its schedule (planted: passed)
+    # checked before any process group exists, not when the trainer builds its schedules (planted: passed)
     (("--train.train_steps", "null", "--train.train_tokens", "1000"), None, "schedule.decay_steps",
      "must be set when train.train_steps is null"),
     (("--logging.profile_steps", "[3, 3]", "--train.train_steps", "2"), None, "logging.profile_steps",
      "step 3 comes after the run's last step"),
+    (("--schedule.rampup_start_batch", "8"), 1, "schedule.rampup_samples", "ramps nothing up"),
+    (("--schedule.rampup_start_batch", "32", "--schedule.rampup_samples", "64"), 1, "schedule.rampup_start_batch",
+     "exceeds train.global_batch_size"),
     # read as unset: the checkpoints went to the run directory, the index cache beside the data (planted: passed)
     (("--checkpoint.save_dir", ""), None, "checkpoint.save_dir", "is empty, which names no folder"),
     (("--data.cache_dir", " "), None, "data.cache_dir", "is empty, which names no folder"),
