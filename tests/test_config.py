@@ -88,6 +88,8 @@ def test_a_note_is_said_only_where_a_setting_changes_less_than_it_seems():
     assert [n.split(";")[0] for n in notes] == ["parallel.recompute_every 2 applies to parallel.recompute full only"]
     notes = config_notes(_cfg("--checkpoint.save_on_exit", "false", "--train.max_wall_seconds", "60"))
     assert len(notes) == 1 and notes[0].endswith("only if it is preempted or reaches train.max_wall_seconds"), notes
+    # saving at an interval is saving (planted: said for any run without save_on_exit, passed)
+    assert config_notes(_cfg("--checkpoint.save_on_exit", "false", "--checkpoint.save_interval", "10")) == []
 
 
 def _error(*overrides, world=None, local=None) -> str:
