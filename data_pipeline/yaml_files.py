@@ -3,7 +3,9 @@ blend presets all go through here (it sits in ``data_pipeline``, below ``megazer
 
 Plain YAML keeps the last of two equal keys in one mapping, so a config that repeats a section
 (``train:`` twice, say) silently loses the first section's fields, and a repeated field its earlier
-value. Here a repeated key is an error naming its line and the line it first appeared on.
+value. Here a repeated key is an error naming its line and the line it first appeared on. And
+YAML 1.1 reads some text as numbers (``98:1:1``, ``2024_01``): a caller may name the text fields
+whose unquoted values are read as written.
 """
 
 from __future__ import annotations
@@ -13,12 +15,31 @@ import os
 import yaml
 
 
+_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key appearing twice in one mapping as written.
+    """``yaml.SafeLoader`` that refuses a key appearing twice in one mapping as written, and reads the
+    unquoted values of ``text_fields`` (``(section, field)`` pairs) as written.
 
     The check runs when a mapping is flattened, before its merge keys (``<<: *anchor``) bring in the
     anchored mapping's keys, which its own keys may override: a mapping merged into another is
     flattened, and checked, first, and only once."""
+
+    def __init__(self, stream, text_fields: frozenset = frozenset()):
+        super().__init__(stream)
+        self.text_fields = text_fields
+
+    def construct_document(self, node):
+        """YAML 1.1 reads ``98:1:1`` as a base-60 number and ``2024_01`` as 202401: a text field given
+        one kept only its digits (a split of one share, all documents to training), while the same
+        value on the command line is taken as typed. A number for a text field is read as its text."""
+        for section, fields in node.value if isinstance(node, yaml.MappingNode) else ():
+            for key, value in fields.value if isinstance(fields, yaml.MappingNode) else ():
+                if ((section.value, key.value) in self.text_fields and isinstance(value, yaml.ScalarNode)
+                        and value.style is None and value.tag in _NUMBERS):
+                    value.tag = "tag:yaml.org,2002:str"
+        return super().construct_document(node)
 
     def flatten_mapping(self, node):
         checked = self.__dict__.setdefault("_checked", set())
@@ -41,15 +62,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         super().flatten_mapping(node)
 
 
-def read_yaml_mapping(path: str, what: str, error: type[Exception] = ValueError) -> dict:
+def read_yaml_mapping(path: str, what: str, error: type[Exception] = ValueError,
+                      text_fields: frozenset = frozenset()) -> dict:
     """The mapping in YAML file ``path`` ({} when empty); ``what`` names what the top level must hold
     in the message when it is not a mapping. Every problem is one ``error`` naming the file (and
-    line, where YAML knows it)."""
+    line, where YAML knows it). An unquoted number given to one of ``text_fields`` (``(section,
+    field)`` pairs) is read as written."""
     if not os.path.isfile(path):
         raise error(f"{path}: file not found")
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+            raw = yaml.load(f, Loader=lambda stream: _UniqueKeyLoader(stream, text_fields))  # noqa: S506 - a SafeLoader
     except UnicodeDecodeError:
         raise error(f"{path}: not a text file (not UTF-8)") from None
     except yaml.YAMLError as exc:

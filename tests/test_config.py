@@ -299,6 +299,23 @@ def test_text_fields_take_the_command_line_as_typed(tmp_path):
         load_config(str(tmp_path / "tok.yaml"))
 
 
+def test_a_config_file_gives_its_text_fields_as_written(tmp_path):
+    """In a YAML file, too, an unquoted text field is taken as written: YAML 1.1 read ``98:1:1`` as a
+    base-60 number, a split of one share that sent every document to training, and ``2024_01`` as
+    202401; number fields keep YAML's reading, and null stays null. (It kept the digits, silently.)"""
+    (tmp_path / "run.yaml").write_text("data: {split: 98:1:1, cache_dir: null, seed: 1_000}\n"
+                                       "logging: {run_dir: 2024_01, wandb_project: '7'}\n")
+    cfg = load_config(str(tmp_path / "run.yaml"))
+    assert (cfg.data.split, cfg.data.cache_dir, cfg.data.seed) == ("98:1:1", None, 1000)
+    assert (cfg.logging.run_dir, cfg.logging.wandb_project) == ("2024_01", "7")
+    typed = load_config(None, ["--data.split", "98:1:1", "--logging.run_dir", "2024_01"])
+    assert (typed.data.split, typed.logging.run_dir) == (cfg.data.split, cfg.logging.run_dir)
+    from data_pipeline.curate.config import CurateConfig  # the curation config is read the same way
+
+    (tmp_path / "curate.yaml").write_text("output: {dir: 007}\n")
+    assert read_yaml(str(tmp_path / "curate.yaml"), CurateConfig) == {"output": {"dir": "007"}}
+
+
 def test_null_is_text_for_a_text_field_that_cannot_be_null():
     """``null`` (or YAML's ``~``) empties an optional text field; a required one, such as the run
     directory, takes it as the name typed, not as a missing value to refuse."""

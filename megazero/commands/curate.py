@@ -53,7 +53,7 @@ def run_config(args) -> int:
     from data_pipeline.curate.pipeline import run_pipeline
     from megazero.config.loader import parse_overrides, read_yaml, set_dotted
 
-    raw = read_yaml(args.config)
+    raw = read_yaml(args.config, CurateConfig)
     for key, value in parse_overrides(list(args.overrides), CurateConfig):
         set_dotted(raw, key.replace("-", "_"), value)
     if raw.get("executor") is None:  # an empty section takes its defaults, as every other section does

@@ -33,14 +33,15 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Confi
     return build_dataclass(Config, raw, prefix="")
 
 
-def read_yaml(path: str) -> dict:
+def read_yaml(path: str, schema: type = Config) -> dict:
+    """The sections of config file ``path``, the unquoted values of ``schema``'s text fields as written."""
     if os.path.isdir(path):  # a run directory, say, whose resolved config.yaml is the file meant
         inside = os.path.join(path, "config.yaml")
         such = f", such as {inside}" if os.path.isfile(inside) else ""
         raise ConfigError(f"{path}: is a folder, not a config file; give a YAML file{such}")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
-    return read_yaml_mapping(path, "of sections: model:, parallel:, ...", ConfigError)
+    return read_yaml_mapping(path, "of sections: model:, parallel:, ...", ConfigError, _text_fields(schema))
 
 
 def parse_overrides(args: list[str], schema: type | None = None) -> list[tuple[str, Any]]:
@@ -90,6 +91,12 @@ def _text_field(schema: type | None, key: str) -> tuple[bool, bool]:
     union = typing.get_origin(node) in (typing.Union, types.UnionType)  # Optional[str] or str | None
     options = set(typing.get_args(node)) if union else {node}
     return options - {type(None)} == {str}, type(None) in options
+
+
+def _text_fields(schema: type) -> frozenset:
+    """The ``(section, field)`` pairs of ``schema``'s text fields, whose unquoted values a YAML file
+    gives as written, as the command line does."""
+    return frozenset(tuple(name.split(".")) for name, _, _ in field_docs(schema) if _text_field(schema, name)[0])
 
 
 def set_dotted(raw: dict, key: str, value: Any) -> None:
