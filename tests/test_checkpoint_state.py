@@ -432,7 +432,7 @@ def test_a_file_changed_under_one_ranks_load_stops_every_rank_with_that_ranks_li
     outcomes = [r["swapped", swapped] for r in report]
     errors = [error for error, _ in outcomes]
     assert errors[0] is not None and errors[1] == errors[0], errors
-    assert errors[0].startswith(f"rank 0: /") and "\n" not in errors[0], errors[0]
+    assert errors[0].startswith("rank 0: /") and "\n" not in errors[0], errors[0]
     assert f"/swapped_{len(swapped)}/{rank_file(0)}: the checkpoint changed while it was read" in errors[0], errors[0]
     assert [total for _, total in outcomes] == [2.0, 2.0], outcomes
 
