@@ -8,11 +8,13 @@ race the same way on their checkpoints.
 
 The lock is a file created with ``O_EXCL`` (atomic on local filesystems and NFS), holding the
 holder's host, pid and start time. A holder that died without cleaning up (``kill -9``, a lost node)
-must not block its own resume, so a lock is *stale* when its process is gone (same host), or when its
-holder stopped refreshing it: the holder touches the file every ``HEARTBEAT_S`` seconds, and one
-untouched for ``STALE_AFTER_S`` is taken over (the only test possible across hosts). A stale lock
-is replaced by an atomic rename, then read back: of two jobs taking over at once, the one whose
-record is in the file wins and the other fails with the usual message.
+must not block its own resume, so a lock is *stale* when its process is gone (same host: its pid
+is not running, or runs another process, started since: a reboot or a restarted container hands
+pids out again, often the same low ones), or when its holder stopped refreshing it: the holder
+touches the file every ``HEARTBEAT_S`` seconds, and one untouched for ``STALE_AFTER_S`` is taken
+over (the only test possible across hosts). A stale lock is replaced by an atomic rename, then
+read back: of two jobs taking over at once, the one whose record is in the file wins and the other
+fails with the usual message.
 """
 
 from __future__ import annotations
@@ -56,6 +58,20 @@ def _pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _process_identity(pid: int) -> Optional[str]:
+    """What tells process ``pid`` from a later one given the same pid: this boot's id and the process's
+    start time in clock ticks since boot (``/proc``); None where they cannot be read (not Linux, or the
+    process gone)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat") as f:
+            start = f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime; the name may hold spaces
+    except (OSError, IndexError):
+        return None
+    return f"{boot}:{start}"
+
+
 class RunDirLock:
     """Held from ``acquire`` to ``release`` (or the process's end); a context manager too."""
 
@@ -64,7 +80,8 @@ class RunDirLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.field, self.what = field, what  # the setting that names the directory, and what it is
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                       "process": _process_identity(os.getpid())}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -87,7 +104,12 @@ class RunDirLock:
             except FileNotFoundError:
                 return True
             return age > self.stale_after_s
-        return not _pid_alive(holder["pid"])
+        if not _pid_alive(holder["pid"]):
+            return True
+        # the pid runs, but another process may hold it now; a record without the holder's identity
+        # (its host had no /proc) can only be trusted
+        now = _process_identity(holder["pid"])
+        return holder.get("process") is not None and now is not None and now != holder["process"]
 
     def acquire(self) -> "RunDirLock":
         text = json.dumps(self.record)
@@ -165,7 +187,7 @@ def _is_record(record) -> bool:
         return False
     pid = record.get("pid")
     return (isinstance(record.get("host"), str) and type(pid) is int and 0 < pid < 2**31
-            and _since(record.get("started")) is not None)
+            and _since(record.get("started")) is not None and isinstance(record.get("process"), (str, type(None))))
 
 
 def _since(started) -> Optional[str]:

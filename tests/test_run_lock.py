@@ -59,6 +59,24 @@ def test_a_lock_of_a_killed_process_not_yet_reaped_is_taken_over(tmp_path, capsy
         zombie.wait()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="process start times are read from /proc")
+def test_a_lock_whose_pid_now_runs_another_process_is_taken_over(tmp_path, capsys):
+    """After a reboot, or in a restarted container, pids are handed out again, often the same low ones:
+    the dead holder's pid ran another process (in a container, often the relaunched job itself), and
+    the lock was in use for ever (planted: the pid's liveness alone). The holder's identity (boot
+    and start time) tells them apart; a holder whose identity matches keeps its lock."""
+    live = RunDirLock(tmp_path).record
+    assert live["process"] is not None
+    (tmp_path / LOCK_FILE).write_text(json.dumps(live))
+    with pytest.raises(RunDirBusy, match=rf"in use by pid {os.getpid()} "):
+        RunDirLock(tmp_path).acquire()
+    boot, start = live["process"].split(":")
+    (tmp_path / LOCK_FILE).write_text(json.dumps({**live, "process": f"{boot}:{int(start) - 1}"}))
+    with RunDirLock(tmp_path) as lock:
+        assert lock.holder() == lock.record
+    assert "took over a stale lock" in capsys.readouterr().out
+
+
 def test_another_hosts_lock_is_stale_only_once_its_heartbeat_stops(tmp_path):
     foreign = {"host": "node-that-is-not-this-one", "pid": 1, "started": time.time()}
     (tmp_path / LOCK_FILE).write_text(json.dumps(foreign))
@@ -215,7 +233,8 @@ def test_an_unreadable_lock_is_in_use_until_its_heartbeat_stops(tmp_path):
     42, ["host", 1], {"host": "HOST"}, {"host": "HOST", "pid": "1", "started": 0},
     {"host": "HOST", "pid": -1, "started": 0}, {"host": "HOST", "pid": 2**40, "started": 0},
     {"host": "HOST", "pid": True, "started": 0}, {"host": "HOST", "pid": 1, "started": "today"},
-    {"host": "HOST", "pid": 1, "started": 1e300}, {"host": None, "pid": 1, "started": 0}])
+    {"host": "HOST", "pid": 1, "started": 1e300}, {"host": None, "pid": 1, "started": 0},
+    {"host": "HOST", "pid": 1, "started": 0, "process": 7}])
 def test_a_lock_that_holds_no_record_of_a_job_is_in_use_until_its_heartbeat_stops(tmp_path, record):
     """A lock file of valid JSON but no record this module writes (another tool's, or edited by hand)
     names no process to look for: it is an unreadable lock, not a traceback (a number or a list, a
