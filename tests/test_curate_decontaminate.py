@@ -47,6 +47,7 @@ def test_a_match_is_cut_out_with_200_characters_each_side(tmp_path):
     assert records[1]["text"] == doc[start + len(TASK) + 200:].strip()
     assert stats["hits"] == {"qa": 4} and stats["docs_out"] == 2  # 16 words: four 13-grams
     assert stats["pieces"] == 2 and stats["task_texts_shorter_than_ngram"] == {"qa": 0}
+    assert stats["ngram"] == 13  # the report's plot names it
 
 
 def test_pieces_under_200_characters_are_dropped(tmp_path):

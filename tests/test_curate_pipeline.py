@@ -528,3 +528,18 @@ def test_stats_merge_lists_elementwise_and_the_report_shows_documents_out(tmp_pa
     assert merge_stats([{"h": [1, 2], "n": 1}, {"h": [3, 4], "n": 2}]) == {"h": [4, 6], "n": 3}
     write_report(str(tmp_path), [{"stage": "clean", "docs_in": 52, "docs_out": 50, "bytes_out": 1e6, "seconds": 1}])
     assert "| clean | 52 | 50 | 1.000 |" in (tmp_path / "report.md").read_text()
+
+
+def test_the_hits_plot_names_the_configured_n_gram(tmp_path, monkeypatch):
+    """The decontamination plot's axis said "13-gram hits" whatever ``decontaminate.ngram`` was (planted:
+    the stage's stats without the n-gram, or the label written as 13)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from data_pipeline.curate.report import write_report
+
+    labels = []
+    monkeypatch.setattr(Axes, "set_ylabel", lambda ax, label, *a, **k: labels.append(label))
+    write_report(str(tmp_path), [{"stage": "decontaminate", "docs_in": 2, "docs_out": 2, "bytes_out": 10, "ngram": 8,
+                                  "hits": {"qa": 3}}])
+    assert labels[-1] == "8-gram hits" and "13-gram hits" not in labels, labels

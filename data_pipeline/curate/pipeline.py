@@ -151,7 +151,7 @@ def run_decontaminate(ctx: Context, shards: list[str], out_dir: str) -> dict:
     stats = merge_stats(ctx.map_shards(shards, out_dir, dc.decontaminate_shard,
                                        lambda i, s: (f"{prefixes[i]}.hits.npy", tasks_path, ignored_path,
                                                      ctx.text_field, d), "decontaminate"))
-    return {**stats, **task_stats, "ignored_frequent_ngrams": len(frequent)}
+    return {**stats, **task_stats, "ignored_frequent_ngrams": len(frequent), "ngram": d.ngram}
 
 
 RUNNERS = {"clean": run_clean, "quality": run_quality, "exact_dedup": run_exact_dedup,

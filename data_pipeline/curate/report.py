@@ -86,6 +86,6 @@ def _plots(plot_dir: str, stages: list[dict]) -> list[tuple[str, str]]:
         if s.get("hits"):
             fig, ax = plt.subplots(figsize=(6, 3.5))
             ax.bar(list(s["hits"]), list(s["hits"].values()))
-            ax.set_ylabel("13-gram hits")
+            ax.set_ylabel(f"{s['ngram']}-gram hits" if "ngram" in s else "n-gram hits")  # older stats lack it
             save(fig, "Decontamination hits per task", "decontamination.png")
     return made
