@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
 from megazero.convert.hf import HFSource
+from megazero.errors import UserError
 from tests.convert_sources import fails, llama_folder
 
 
@@ -67,6 +68,16 @@ def test_a_rotary_base_in_rope_parameters_is_the_models(tmp_path):
     saved = json.loads((tmp_path / "llama" / "config.json").read_text())
     assert "rope_theta" not in saved and saved["rope_parameters"]["rope_theta"] == 500000.0
     assert HFSource(tmp_path / "llama").cfg.rope_theta == 500000.0
+
+    # both places, agreeing, is the same model; disagreeing, transformers 4 reads one and 5 the other
+    saved["rope_theta"] = 500000
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(saved))
+    assert HFSource(tmp_path / "llama").cfg.rope_theta == 500000.0
+    saved["rope_theta"] = 10000.0
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match=r"rope_theta: 10000.0 differs from the rotary base its rope settings hold "
+                                        r"\(500000.0\).*keep one of the two"):
+        HFSource(tmp_path / "llama")
 
 
 def test_a_head_width_other_than_the_models_is_refused_by_name(tmp_path, capsys):

@@ -228,6 +228,10 @@ class Llama:
                              "megazero's rotary embedding", "only models with plain rotary positions can be imported")
         rope = ropes["rope_parameters"] or ropes["rope_scaling"]
         theta = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}  # newer files keep it there
+        if theta and hf.get("rope_theta") not in (None, theta["rope_theta"]):
+            raise refuse(f"{where}: rope_theta", hf["rope_theta"], f"differs from the rotary base its rope settings "
+                         f"hold ({theta['rope_theta']}), and versions of transformers differ in which they read",
+                         "keep one of the two")
         values = typed({**hf, **theta}, cls, where)
         mlp_bias = coerce(hf.get("mlp_bias", False), bool, f"{where}: mlp_bias", UserError)
         if mlp_bias != values["bias"]:
