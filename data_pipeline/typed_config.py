@@ -2,15 +2,16 @@
 config share (it sits here, below both, because ``data_pipeline`` may not import ``megazero``).
 
 Values are checked against the dataclass annotations as they arrive, converting only where nothing
-is lost (an integral float to int, YAML 1.1's string ``3e-4`` to float, a number to a string, one
-string to a one-item list; a number in quotes is text, which a number field refuses), so a wrong
-type or a misspelled key fails with its dotted field name before anything runs. The caller picks
-the exception type its users see.
+is lost (an integral float to int, YAML 1.1's strings ``3e-4`` to float and ``3e11`` to int, a
+number to a string, one string to a one-item list; a number in quotes is text, which a number
+field refuses), so a wrong type or a misspelled key fails with its dotted field name before
+anything runs. The caller picks the exception type its users see.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import difflib
 import re
 import typing
@@ -67,6 +68,10 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value):  # a token budget of 3e11
+            exact = decimal.Decimal(value)
+            if exact == exact.to_integral_value():
+                return int(exact)
         raise refused("an integer")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
