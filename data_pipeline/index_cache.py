@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from data_pipeline.paths import written_whole
+from data_pipeline.paths import put_new, temp_name
 
 
 def default_cache_dir(prefix: str) -> str:
@@ -72,29 +72,45 @@ def cached_arrays(cache_dir: str, kind: str, description: dict, names: tuple[str
 def _held(lock):
     """The block under an exclusive lock on the open file ``lock``, or without one where the file
     system has none to give (NFS without its lock service fails with ENOLCK): every process then
-    builds the arrays itself, which costs time but not correctness, each file being put in place
-    whole."""
+    builds the arrays itself, which costs time but not correctness: each file is put in place whole,
+    and only where none is there yet (``_kept_if_there``)."""
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        locked = True
     except OSError as exc:
         if exc.errno != errno.ENOLCK:
             raise
-        yield
-        return
+        locked = False  # the build's own errors are not raised inside this handler, which would chain them
     try:
         yield
     finally:
-        fcntl.flock(lock, fcntl.LOCK_UN)
+        if locked:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _write(arrays: dict, paths: dict, done: str, description: dict) -> None:
     if set(arrays) != set(paths):
         raise ValueError(f"index builder returned {sorted(arrays)}, expected {sorted(paths)}")
     for name, path in paths.items():
-        with written_whole(path, ".npy") as tmp:
+        with _kept_if_there(path, ".npy") as tmp:
             np.save(tmp, arrays[name], allow_pickle=False)
-    with written_whole(done) as tmp, open(tmp, "w") as f:
+    with _kept_if_there(done) as tmp, open(tmp, "w") as f:
         json.dump(description, f, indent=1, sort_keys=True)
+
+
+@contextlib.contextmanager
+def _kept_if_there(path: str, suffix: str = ""):
+    """A temporary name beside ``path`` for the block to write, put at ``path`` whole unless a file is
+    there already, which is kept: the same description builds the same arrays, and another process
+    may have that file memory-mapped (replaced on NFS, its pages go stale under it: a bus error)."""
+    tmp = temp_name(path, suffix)
+    try:
+        yield tmp
+        with contextlib.suppress(FileExistsError):
+            put_new(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 @contextlib.contextmanager

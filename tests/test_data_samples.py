@@ -215,24 +215,38 @@ def test_same_description_is_loaded_not_rebuilt(tmp_path, monkeypatch):
 
 def test_indices_are_built_where_the_file_system_gives_no_locks(tmp_path, monkeypatch):
     """NFS without its lock service refuses every lock (ENOLCK): the first run on such a folder died
-    with a traceback before a step (planted: the error raised). Each process builds the indices then,
-    each file put in place whole; a later run loads them; another error of the lock still stops it."""
+    with a traceback before a step (planted: the error raised). Each process builds the indices then;
+    one finding a file already put in place keeps it, since a rank may have it memory-mapped (planted:
+    replaced); a build error is raised as itself; another error of the lock still stops the run."""
     import errno
 
     import data_pipeline.index_cache as index_cache
+
+    data, _ = make_dataset(tmp_path / "d")
+    cache = tmp_path / "cache"
 
     def refused(fd, operation, code=errno.ENOLCK):
         raise OSError(code, "No locks available")
 
     monkeypatch.setattr(index_cache.fcntl, "flock", refused)
-    data, _ = make_dataset(tmp_path / "d")
-    built = GPTSamples(data, 6, 70, 5, cache_dir=str(tmp_path / "cache"))
-    loaded = GPTSamples(data, 6, 70, 5, cache_dir=str(tmp_path / "cache"))
-    np.testing.assert_array_equal(built.shuffle_index, loaded.shuffle_index)
-    assert np.array_equal(built[3], loaded[3])
+    built = GPTSamples(data, 6, 70, 5, cache_dir=str(cache))
+    files = {p.name: p.stat().st_ino for p in cache.glob("*.npy")}
+    next(cache.glob("*-description.json")).unlink()  # as if another process built them meanwhile
+    again = GPTSamples(data, 6, 70, 5, cache_dir=str(cache))
+    assert {p.name: p.stat().st_ino for p in cache.glob("*.npy")} == files
+    np.testing.assert_array_equal(built.shuffle_index, again.shuffle_index)
+    assert np.array_equal(built[3], again[3]) and len(list(cache.glob("*-description.json"))) == 1
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("the build")
+
+    monkeypatch.setattr(gs, "build_gpt_indices", broken)
+    with pytest.raises(ZeroDivisionError) as failed:
+        GPTSamples(data, 6, 70, 6, cache_dir=str(cache))
+    assert failed.value.__context__ is None  # not "during handling of" the refused lock
     monkeypatch.setattr(index_cache.fcntl, "flock", lambda fd, op: refused(fd, op, errno.EIO))
     with pytest.raises(OSError, match="No locks available"):
-        GPTSamples(data, 6, 70, 6, cache_dir=str(tmp_path / "cache"))
+        GPTSamples(data, 6, 70, 6, cache_dir=str(cache))
 
 
 def test_a_cached_file_deleted_is_rebuilt_and_a_damaged_one_named(tmp_path):
