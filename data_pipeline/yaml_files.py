@@ -15,7 +15,23 @@ import os
 import yaml
 
 
-_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_READ_AS_TEXT = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool")
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+def _pairs(node) -> list:
+    """The (key, value) nodes of a mapping node, with those its merge keys bring in; none for any other
+    node."""
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    pairs = []
+    for key, value in node.value:
+        if key.tag == _MERGE:
+            for merged in value.value if isinstance(value, yaml.SequenceNode) else [value]:
+                pairs += _pairs(merged)
+        else:
+            pairs.append((key, value))
+    return pairs
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -31,13 +47,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         self.text_fields = text_fields
 
     def construct_document(self, node):
-        """YAML 1.1 reads ``98:1:1`` as a base-60 number and ``2024_01`` as 202401: a text field given
-        one kept only its digits (a split of one share, all documents to training), while the same
-        value on the command line is taken as typed. A number for a text field is read as its text."""
-        for section, fields in node.value if isinstance(node, yaml.MappingNode) else ():
-            for key, value in fields.value if isinstance(fields, yaml.MappingNode) else ():
-                if ((section.value, key.value) in self.text_fields and isinstance(value, yaml.ScalarNode)
-                        and value.style is None and value.tag in _NUMBERS):
+        """YAML 1.1 reads ``98:1:1`` as a base-60 number, ``2024_01`` as 202401 and ``no`` as false,
+        where the command line takes a text field's value as typed: an unquoted number or boolean
+        given to a text field (directly or through a merge key) is read as its text."""
+        for section, fields in _pairs(node):
+            for key, value in _pairs(fields) if isinstance(section, yaml.ScalarNode) else ():
+                if (isinstance(key, yaml.ScalarNode) and (section.value, key.value) in self.text_fields
+                        and isinstance(value, yaml.ScalarNode) and value.style is None and value.tag in _READ_AS_TEXT):
                     value.tag = "tag:yaml.org,2002:str"
         return super().construct_document(node)
 
@@ -47,7 +63,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             checked.add(id(node))
             first_line: dict = {}
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
+                if key_node.tag == _MERGE:
                     continue
                 key = self.construct_object(key_node, deep=True)
                 try:

@@ -333,6 +333,20 @@ def test_a_config_file_gives_its_text_fields_as_written(tmp_path):
     assert read_yaml(str(tmp_path / "curate.yaml"), CurateConfig) == {"output": {"dir": "007"}}
 
 
+def test_text_fields_as_written_reach_through_merge_keys_and_booleans(tmp_path):
+    """A text field brought in by a merge key kept YAML 1.1's number (planted: a section's own keys
+    alone), and ``no`` for a text field was false where the command line takes it as typed (planted:
+    numbers alone); a key that is no plain scalar is refused in one line, not a TypeError (planted:
+    every key looked up)."""
+    (tmp_path / "run.yaml").write_text("data: {<<: {split: 98:1:1}, seed: 3}\nlogging: {wandb_project: no}\n")
+    cfg = load_config(str(tmp_path / "run.yaml"))
+    assert (cfg.data.split, cfg.data.seed, cfg.logging.wandb_project) == ("98:1:1", 3, "no")
+    (tmp_path / "run.yaml").write_text("data: {[a, b]: 1}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(tmp_path / "run.yaml"))
+    assert "\n" not in str(refused.value), refused.value
+
+
 def test_null_is_text_for_a_text_field_that_cannot_be_null():
     """``null`` (or YAML's ``~``) empties an optional text field; a required one, such as the run
     directory, takes it as the name typed, not as a missing value to refuse."""
