@@ -17,6 +17,7 @@ import re
 import typing
 from typing import Any
 
+_INT_DIGITS = 30  # more than any count a config holds; an integer spelled with an exponent is refused past it
 # A float with an exponent, as YAML 1.2 reads one; YAML 1.1 leaves it text where it lacks a dot or
 # the exponent's sign (3e-4, 1.0e5)
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+")
@@ -70,7 +71,8 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
             return int(value)
         if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value):  # a token budget of 3e11
             exact = decimal.Decimal(value)
-            if exact == exact.to_integral_value():
+            # bounded before it is spelled out: 1e10000000 took minutes to turn into an int
+            if exact.adjusted() <= _INT_DIGITS and exact == exact.to_integral_value():
                 return int(exact)
         raise refused("an integer")
     if hint is float:
