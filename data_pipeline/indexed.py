@@ -337,7 +337,12 @@ def _try_lock(tmp: str) -> int | None:
     """A descriptor holding the lock on the temporary ``tmp`` (``_lock``), or None where it cannot be
     had (the file gone, the lock held, a file system that takes no locks): what the sweep asks."""
     try:
-        fd = os.open(tmp, os.O_RDWR)
+        fd = os.open(tmp, os.O_RDWR)  # NFS takes an exclusive lock only on a descriptor open for writing
+    except PermissionError:  # another user's, in a shared folder: flock locks it through a reading one
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except OSError:
+            return None
     except OSError:
         return None
     if not _lock(fd, wait=False):

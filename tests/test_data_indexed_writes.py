@@ -314,6 +314,24 @@ def test_writers_keep_their_temporaries_where_locks_are_per_process(tmp_path, mo
     assert _names(tmp_path) == ["a.bin", "a.idx"] and IndexedDataset(prefix)[0].tolist() == [1, 2]
 
 
+def test_another_users_killed_writer_is_swept(tmp_path, monkeypatch):
+    """A killed writer's temporaries owned by another user (a shared, group-writable data folder) cannot
+    be opened for writing; the sweep opening them only so left a multi-GB .bin.tmp for ever (planted:
+    no read-only retry). The refusal is simulated: the tests run as root."""
+    prefix = str(tmp_path / "a")
+    _kill_a_writer(prefix, "after seal")
+    real_open = os.open
+
+    def not_ours(path, flags, *args):
+        if ".tmp-" in str(path) and flags & os.O_RDWR and not flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", not_ours)
+    IndexedDatasetWriter(prefix, np.uint16).abort()
+    assert _names(tmp_path) == []
+
+
 def _swept_by_another_process(prefix: str) -> None:
     """``remove_stale_temporaries`` as another process runs it: this one's writers' files are not its
     own, so it judges them by their locks alone."""
