@@ -485,7 +485,7 @@ def test_an_error_of_any_kind_on_one_rank_stops_its_peers_with_its_one_line(tmp_
 
 
 def test_an_interrupt_on_one_rank_stops_its_peers_with_its_one_line(tmp_path):
-    """A Ctrl-C (or SIGTERM, raised as a ``KeyboardInterrupt``) that reached rank 1 alone inside its load
+    """A Ctrl-C (a ``KeyboardInterrupt``) that reached rank 1 alone inside its load
     passed the agreement, which took ``Exception``: rank 0 waited for rank 1 until the group's timeout
     (planted: ``except Exception``). Rank 1 raises its interrupt; rank 0 one line naming it."""
     (stopped, _), (interrupted, _) = run_world(2, _refused_on_rank_1, str(tmp_path), True, KeyboardInterrupt,

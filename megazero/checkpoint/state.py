@@ -74,8 +74,8 @@ def agreed_on_errors(rank: int, group: Optional[dist.ProcessGroup]) -> Iterator[
     rank raises, naming that rank; any other (a bug, a file that cannot be read) each rank that met
     it raises itself, with its traceback, and its peers raise a ``CheckpointError`` naming the rank
     and that error in one line. What they raise is ``agreed`` (``UserError``): rank 0 says it for
-    all. A ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM raised as one) is agreed on too: a signal that
-    reached one rank alone would otherwise leave its peers waiting. ``group`` None: this rank alone,
+    all. A ``KeyboardInterrupt`` (Ctrl-C) is agreed on too: one that reached one rank alone would
+    otherwise leave its peers waiting. ``group`` None: this rank alone,
     which raises its own."""
     error: Optional[BaseException] = None
     try:
