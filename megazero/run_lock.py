@@ -8,11 +8,12 @@ race the same way on their checkpoints.
 
 The lock is a file created with ``O_EXCL`` (atomic on local filesystems and NFS), holding the
 holder's host, pid and start time. A holder that died without cleaning up (``kill -9``, a lost node)
-must not block its own resume, so a lock is *stale* when its process is gone (same host: its pid
-is not running, or runs another process, started since: a reboot or a restarted container hands
-pids out again, often the same low ones), or when its holder stopped refreshing it: the holder
-touches the file every ``HEARTBEAT_S`` seconds, and one untouched for ``STALE_AFTER_S`` is taken
-over (the only test possible across hosts). A stale lock is replaced by an atomic rename, then
+must not block its own resume, so a lock is *stale* when its process is gone (same host and pid
+namespace: its pid is not running, or runs another process, started since: a reboot or a restarted
+container hands pids out again, often the same low ones), or when its holder stopped refreshing it:
+the holder touches the file every ``HEARTBEAT_S`` seconds, and one untouched for ``STALE_AFTER_S``
+is taken over (the only test possible across hosts and pid namespaces, or where the holder's
+process cannot be told from another). A stale lock is replaced by an atomic rename, then
 read back: of two jobs taking over at once, the one whose record is in the file wins and the other
 fails with the usual message.
 """
@@ -72,6 +73,15 @@ def _process_identity(pid: int) -> Optional[str]:
     return f"{boot}:{start}"
 
 
+def _pid_namespace() -> Optional[str]:
+    """This process's pid namespace (``/proc/self/ns/pid``), or None where it cannot be read: two
+    containers of one host name (host networking) number their processes apart."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 class RunDirLock:
     """Held from ``acquire`` to ``release`` (or the process's end); a context manager too."""
 
@@ -81,7 +91,7 @@ class RunDirLock:
         self.field, self.what = field, what  # the setting that names the directory, and what it is
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                       "process": _process_identity(os.getpid())}
+                       "pid_ns": _pid_namespace(), "process": _process_identity(os.getpid())}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -98,18 +108,22 @@ class RunDirLock:
         return record if _is_record(record) else None
 
     def is_stale(self, holder: Optional[dict]) -> bool:
-        if holder is None or holder.get("host") != self.record["host"]:
-            try:
-                age = time.time() - self.path.stat().st_mtime
-            except FileNotFoundError:
-                return True
-            return age > self.stale_after_s
-        if not _pid_alive(holder["pid"]):
+        """Whether the lock's holder is gone. Its process is looked for only where this job sees the
+        holder's pids (same host and pid namespace); where the pid runs, it must be the holder's own
+        process (boot and start time), and where that cannot be told (a record of an older version, no
+        ``/proc``), or the pids are not this job's to see, the heartbeat decides."""
+        same_pids = holder is not None and holder.get("host") == self.record["host"] and (
+            holder.get("pid_ns") in (None, self.record["pid_ns"]))
+        if same_pids and not _pid_alive(holder["pid"]):
             return True
-        # the pid runs, but another process may hold it now; a record without the holder's identity
-        # (its host had no /proc) can only be trusted
-        now = _process_identity(holder["pid"])
-        return holder.get("process") is not None and now is not None and now != holder["process"]
+        then, now = (holder.get("process"), _process_identity(holder["pid"])) if same_pids else (None, None)
+        if then is not None and now is not None:
+            return now != then
+        try:
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return True
+        return age > self.stale_after_s
 
     def acquire(self) -> "RunDirLock":
         text = json.dumps(self.record)
@@ -187,7 +201,8 @@ def _is_record(record) -> bool:
         return False
     pid = record.get("pid")
     return (isinstance(record.get("host"), str) and type(pid) is int and 0 < pid < 2**31
-            and _since(record.get("started")) is not None and isinstance(record.get("process"), (str, type(None))))
+            and _since(record.get("started")) is not None
+            and all(isinstance(record.get(key), (str, type(None))) for key in ("pid_ns", "process")))
 
 
 def _since(started) -> Optional[str]:

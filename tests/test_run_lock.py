@@ -77,6 +77,30 @@ def test_a_lock_whose_pid_now_runs_another_process_is_taken_over(tmp_path, capsy
     assert "took over a stale lock" in capsys.readouterr().out
 
 
+def test_a_lock_of_another_pid_namespace_is_stale_only_once_its_heartbeat_stops(tmp_path):
+    """Two containers with the host's network share its name but number their processes apart: the
+    holder's pid, absent here, was taken for a dead job and a live job's lock taken over at once
+    (planted: the namespace not compared)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    holder = {**RunDirLock(tmp_path).record, "pid": dead.pid, "pid_ns": "pid:[1]"}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
+    with pytest.raises(RunDirBusy, match=rf"in use by pid {dead.pid} "):
+        RunDirLock(tmp_path, stale_after_s=60).acquire()
+    _taken_once_stale(tmp_path)
+
+
+def test_a_live_pid_of_an_older_record_is_stale_once_its_heartbeat_stops(tmp_path):
+    """A record of an older version holds no process identity: its pid running after a container's
+    restart (another process, or the relaunched job itself) kept the lock in use for ever (planted:
+    the pid's liveness alone); the heartbeat, which a live holder keeps, decides."""
+    old = {key: value for key, value in RunDirLock(tmp_path).record.items() if key not in ("pid_ns", "process")}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(old))
+    with pytest.raises(RunDirBusy, match=rf"in use by pid {os.getpid()} "):
+        RunDirLock(tmp_path, stale_after_s=60).acquire()
+    _taken_once_stale(tmp_path)
+
+
 def test_another_hosts_lock_is_stale_only_once_its_heartbeat_stops(tmp_path):
     foreign = {"host": "node-that-is-not-this-one", "pid": 1, "started": time.time()}
     (tmp_path / LOCK_FILE).write_text(json.dumps(foreign))
