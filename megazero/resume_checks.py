@@ -233,13 +233,17 @@ RAMPUP_FIELDS = ("rampup_start_batch", "rampup_increment", "rampup_samples")
 
 def _split_shares(c: Config):
     """The shares ``data.split`` gives train, validation and test, which alone place each split's
-    documents (``split_ranges``): ``1`` and ``1,0,0`` are one split. Its text where it does not parse."""
+    documents (``split_ranges``): ``1`` and ``1,0,0`` are one split. A checkpoint's split with an empty
+    part (``969,30,1,``), which versions before it was refused read without that part, is read so
+    again. Its text where it does not parse."""
     from data_pipeline.gpt_samples import parse_split
 
-    try:
-        return parse_split(c.data.split)
-    except ValueError:
-        return c.data.split
+    for split in (c.data.split, ",".join(part for part in c.data.split.replace("/", ",").split(",") if part.strip())):
+        try:
+            return parse_split(split)
+        except ValueError:
+            pass
+    return c.data.split
 
 
 # The data fields a run's sample order follows (with its total sample count).

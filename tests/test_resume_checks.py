@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megazero.config import load_config
@@ -147,3 +149,15 @@ def test_a_config_of_another_schema_still_has_its_data_order_compared():
     assert _resume_changes(saved, _config(), 4, 16) == []
     assert _resume_changes(saved, _config("--data.seed", "7"), 4, 16) == [
         "was trained on another data order (data.seed changed)"]
+
+
+@pytest.mark.parametrize("recorded, now", [("969,30,1,", "969,30,1"), ("98,,2", "98,2")])
+def test_a_split_recorded_with_an_empty_part_is_read_as_its_version_read_it(recorded, now):
+    """Versions that skipped an empty part of ``data.split`` recorded it so in their checkpoints; now
+    refused, the corrected split was then taken for another data order (planted: the recorded text
+    compared as text)."""
+    from megazero.resume_checks import _split_shares
+
+    old = _config()
+    old = dataclasses.replace(old, data=dataclasses.replace(old.data, split=recorded))
+    assert _split_shares(old) == _split_shares(_config("--data.split", now))
