@@ -272,8 +272,8 @@ def _epochs_change(prefix: str, weight: float, cfg: Config, n_old: int, n_new: i
     tokens = int(data.sizes[start:end].sum(dtype="int64"))
     if weight == 0 or samples_in(tokens, seq) == 0:
         return False
-    # the plan only grows with the count, so the ends of the share's range say whether any count in it
-    # differs (a probe two above the share refused resumes whose order no count within one changed)
+    # a greedy share is within one of weight x n, and the plan only grows with the count, so the ends
+    # of that range say whether any count in it differs
     spread = (0,) if weight == 1 else (-1, 1)
     plans = {epoch_plan(tokens, seq, max(int(weight * n) + d, 1)) for n in (n_old, n_new) for d in spread}
     return len(plans) > 1

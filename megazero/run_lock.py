@@ -98,9 +98,8 @@ class RunDirLock:
     def holder(self) -> Optional[dict]:
         """The record in the lock file, or None when there is none, it is unreadable, or it is not a
         record this module writes: a file left by another tool, or edited by hand, names no process
-        to look for, so it is in use until its heartbeat stops, as an unreadable one is (a number or
-        a list in it raised a traceback, and a record without a pid signalled pid -1, every process
-        this user may signal, and was in use for ever)."""
+        to look for (a pid of -1 would signal every process this user may signal), so it is in use
+        until its heartbeat stops, as an unreadable one is."""
         try:
             record = json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError):

@@ -75,9 +75,9 @@ LOSS_SCALE_MAX = 3.4028234663852886e38
 fp32 tensor, so a larger ``precision.initial_loss_scale`` failed at the first backward with a
 traceback where the micro-batches did not bring it below, and overflowed every gradient where they did."""
 
-EMPTY_MEANS_DEFAULT = ("checkpoint.save_dir", "data.cache_dir")
-"""Folders whose empty value the code reads as unset: a script's unset variable (``--checkpoint.save_dir
-$CKPT``) silently saved into the run directory, and the start-up check looked at the current one."""
+EMPTY_REFUSED = ("checkpoint.save_dir", "data.cache_dir")
+"""Folder fields whose empty value is refused: the code reads it as unset (null, the default), so a
+script's unset variable (``--checkpoint.save_dir $CKPT``) would save somewhere the user never named."""
 
 NON_NEGATIVE = [
     "model.dropout", "model.attention_dropout", "zero.persistence_threshold",
@@ -163,7 +163,7 @@ def _value_problems(cfg: Config) -> list[str]:
     if not cfg.logging.run_dir.strip():  # an unset variable in a script: "" would be the current directory
         problems.append("logging.run_dir: is empty, which would write the run's config, metrics and checkpoints "
                         "into the current directory; name a folder (e.g. runs/NAME) or leave the field out")
-    for name in EMPTY_MEANS_DEFAULT:
+    for name in EMPTY_REFUSED:
         if get(cfg, name) is not None and not get(cfg, name).strip():
             problems.append(f"{name}: is empty, which names no folder (its default is null); name one, or leave the "
                             "field out")
