@@ -3,8 +3,8 @@
 Several ranks (or several jobs) may ask for the same indices at the same time. Without
 torch.distributed here, a file lock decides: the first process to take it builds and writes, the
 others block on the lock and then find the files and load them (where the file system gives no
-locks, each builds them). Files are written under temporary names and renamed, and a description
-``.json`` is written last, so its presence means complete.
+locks, each builds them). Files are written under temporary names and put in place whole, only where
+none is there yet, and a description ``.json`` is written last, so its presence means complete.
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ def _write(arrays: dict, paths: dict, done: str, description: dict) -> None:
 def _kept_if_there(path: str, suffix: str = ""):
     """A temporary name beside ``path`` for the block to write, put at ``path`` whole unless a file is
     there already, which is kept: the same description builds the same arrays, and another process
-    may have that file memory-mapped (replaced on NFS, its pages go stale under it: a bus error)."""
+    may have that file memory-mapped (replaced on NFS, its pages go stale under it: a bus error). On a
+    file system without hard links and without locks, ``put_new`` claims the name empty first, which
+    a process loading at that moment reads as a damaged file (named, with what to delete)."""
     tmp = temp_name(path, suffix)
     try:
         yield tmp

@@ -338,7 +338,8 @@ def _try_lock(tmp: str) -> int | None:
     had (the file gone, the lock held, a file system that takes no locks): what the sweep asks."""
     try:
         fd = os.open(tmp, os.O_RDWR)  # NFS takes an exclusive lock only on a descriptor open for writing
-    except PermissionError:  # another user's, in a shared folder: flock locks it through a reading one
+    except PermissionError:  # another user's, in a shared folder: a local flock locks it through a reading
+        # descriptor (NFS's record lock does not, so there it is kept)
         try:
             fd = os.open(tmp, os.O_RDONLY)
         except OSError:
@@ -380,7 +381,7 @@ def _remove_unlocked(tmp: str, paths: Iterable[str]) -> None:
         return  # a live writer's, published or aborted meanwhile, or on a file system without locks
     try:
         for path in paths:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, PermissionError):  # another user's, in a sticky folder
                 os.unlink(path)
     finally:
         os.close(fd)

@@ -19,16 +19,16 @@ _READ_AS_TEXT = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.o
 _MERGE = "tag:yaml.org,2002:merge"
 
 
-def _pairs(node) -> list:
-    """The (key, value) nodes of a mapping node, with those its merge keys bring in; none for any other
-    node."""
-    if not isinstance(node, yaml.MappingNode):
+def _pairs(node, seen: frozenset = frozenset()) -> list:
+    """The (key, value) nodes of a mapping node, with those its merge keys bring in (a mapping merged
+    into itself once); none for any other node."""
+    if not isinstance(node, yaml.MappingNode) or id(node) in seen:
         return []
     pairs = []
     for key, value in node.value:
         if key.tag == _MERGE:
             for merged in value.value if isinstance(value, yaml.SequenceNode) else [value]:
-                pairs += _pairs(merged)
+                pairs += _pairs(merged, seen | {id(node)})
         else:
             pairs.append((key, value))
     return pairs

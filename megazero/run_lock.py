@@ -9,8 +9,8 @@ race the same way on their checkpoints.
 The lock is a file created with ``O_EXCL`` (atomic on local filesystems and NFS), holding the
 holder's host, pid and start time. A holder that died without cleaning up (``kill -9``, a lost node)
 must not block its own resume, so a lock is *stale* when its process is gone (same host and pid
-namespace: its pid is not running, or runs another process, started since: a reboot or a restarted
-container hands pids out again, often the same low ones), or when its holder stopped refreshing it:
+namespace: its pid is not running, or runs another process, started since a reboot handed pids out
+again), or when its holder stopped refreshing it:
 the holder touches the file every ``HEARTBEAT_S`` seconds, and one untouched for ``STALE_AFTER_S``
 is taken over (the only test possible across hosts and pid namespaces, or where the holder's
 process cannot be told from another). A stale lock is replaced by an atomic rename, then
@@ -167,8 +167,9 @@ class RunDirLock:
 
     def _busy_message(self, holder: Optional[dict]) -> str:
         return (f"{self.path.parent}: {self.what} is in use by {_describe(holder)}; give this job another "
-                f"{self.field}, or stop that job first (a lock left by a dead job on another host is taken "
-                f"over after {self.stale_after_s / 60:g} minutes; delete {self.path} if you are sure it is gone)")
+                f"{self.field}, or stop that job first (a lock left by a dead job on another host, or in another "
+                f"container of this one, is taken over after {self.stale_after_s / 60:g} minutes; delete {self.path} "
+                "if you are sure it is gone)")
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):

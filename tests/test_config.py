@@ -338,10 +338,12 @@ def test_text_fields_as_written_reach_through_merge_keys_and_booleans(tmp_path):
     """A text field brought in by a merge key kept YAML 1.1's number (planted: a section's own keys
     alone), and ``no`` for a text field was false where the command line takes it as typed (planted:
     numbers alone); a key that is no plain scalar is refused in one line, not a TypeError (planted:
-    every key looked up)."""
+    every key looked up); a mapping merged into itself is read, not recursed into for ever."""
     (tmp_path / "run.yaml").write_text("data: {<<: {split: 98:1:1}, seed: 3}\nlogging: {wandb_project: no}\n")
     cfg = load_config(str(tmp_path / "run.yaml"))
     assert (cfg.data.split, cfg.data.seed, cfg.logging.wandb_project) == ("98:1:1", 3, "no")
+    (tmp_path / "run.yaml").write_text("data: &a {split: 98:1:1, <<: *a}\n")  # merged into itself
+    assert load_config(str(tmp_path / "run.yaml")).data.split == "98:1:1"
     (tmp_path / "run.yaml").write_text("data: {[a, b]: 1}\n")
     with pytest.raises(ConfigError) as refused:
         load_config(str(tmp_path / "run.yaml"))

@@ -330,6 +330,21 @@ def test_another_users_killed_writer_is_swept(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "open", not_ours)
     IndexedDatasetWriter(prefix, np.uint16).abort()
     assert _names(tmp_path) == []
+    # in a sticky folder (/tmp's mode) only the owner may remove it: the sweep leaves it, and the writer
+    # starts (planted: the refused unlink raised, and no shard could be written there)
+    _kill_a_writer(prefix, "after seal")
+    real_unlink = os.unlink
+
+    def sticky(path, *args, **kwargs):
+        if ".tmp-" in str(path):
+            raise PermissionError(1, "Operation not permitted", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", sticky)
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        writer.add_document([1])
+        monkeypatch.setattr(os, "unlink", real_unlink)
+    assert _names(tmp_path) == ["a.bin", "a.bin.tmp", "a.idx", "a.idx.tmp"]
 
 
 def _swept_by_another_process(prefix: str) -> None:

@@ -61,9 +61,8 @@ def test_a_lock_of_a_killed_process_not_yet_reaped_is_taken_over(tmp_path, capsy
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="process start times are read from /proc")
 def test_a_lock_whose_pid_now_runs_another_process_is_taken_over(tmp_path, capsys):
-    """After a reboot, or in a restarted container, pids are handed out again, often the same low ones:
-    the dead holder's pid ran another process (in a container, often the relaunched job itself), and
-    the lock was in use for ever (planted: the pid's liveness alone). The holder's identity (boot
+    """After a reboot pids are handed out again, often the same low ones: the dead holder's pid ran
+    another process, and the lock was in use for ever (planted: the pid's liveness alone). The holder's identity (boot
     and start time) tells them apart; a holder whose identity matches keeps its lock."""
     live = RunDirLock(tmp_path).record
     assert live["process"] is not None
