@@ -292,10 +292,9 @@ _HELD_HERE: set[tuple[int, int]] = set()
 def _held_here(tmp: str) -> bool:
     """Whether a writer of this process holds the temporary ``tmp`` (``_HELD_HERE``)."""
     try:
-        st = os.stat(tmp)
+        return _identity(tmp) in _HELD_HERE
     except FileNotFoundError:
         return False
-    return (st.st_dev, st.st_ino) in _HELD_HERE
 
 
 def _lock(fd: int, wait: bool) -> bool:

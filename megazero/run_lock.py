@@ -51,12 +51,20 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, owned by another user
         pass
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] not in ("Z", "X")  # no /proc (not Linux), or gone since: trust the signal
+
+
+def _stat_fields(pid: int) -> Optional[list[str]]:
+    """The fields of ``/proc/PID/stat`` after the process's name (the state is the first, the start time
+    the twentieth), or None where they cannot be read. The name, in parentheses, may hold spaces and
+    parentheses itself, so the fields are split after its last closing one."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]  # the name in parentheses may hold spaces
+            fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return True  # no /proc (not Linux), or gone since: trust the signal
-    return state not in ("Z", "X")
+        return None
+    return fields if len(fields) >= 20 else None
 
 
 def _process_identity(pid: int) -> Optional[str]:
@@ -66,11 +74,10 @@ def _process_identity(pid: int) -> Optional[str]:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        with open(f"/proc/{pid}/stat") as f:
-            start = f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime; the name may hold spaces
-    except (OSError, IndexError):
+    except OSError:
         return None
-    return f"{boot}:{start}"
+    fields = _stat_fields(pid)
+    return None if fields is None else f"{boot}:{fields[19]}"  # field 22 of the file, starttime
 
 
 def _pid_namespace() -> Optional[str]:
