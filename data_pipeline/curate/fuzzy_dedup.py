@@ -192,12 +192,15 @@ def connected_components(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.n
     """(nodes, root of each node) for an edge list; a root is the smallest node of its component.
 
     Min-label propagation with pointer jumping, vectorised: each round every edge pulls both ends'
-    roots to the smaller one, so the rounds needed grow with the log of a component's diameter.
+    roots to the smaller one, so the rounds needed grow with the log of a component's diameter. A
+    round carries a component's smallest node at least one edge further, so no component needs more
+    rounds than it has nodes: the loop is bounded by that, and a round rule that stopped making
+    progress fails here instead of hanging a dedup run.
     """
     nodes, inverse = np.unique(np.concatenate([a, b]), return_inverse=True)
     ea, eb = inverse[:len(a)], inverse[len(a):]
     root = np.arange(len(nodes))
-    while True:
+    for _ in range(len(nodes) + 1):
         ra, rb = root[ea], root[eb]
         if (ra == rb).all():
             return nodes, nodes[root]
@@ -206,6 +209,7 @@ def connected_components(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.n
         np.minimum.at(root, rb, low)
         while not (root[root] == root).all():
             root = root[root]
+    raise RuntimeError(f"connected components did not settle in {len(nodes) + 1} rounds over {len(nodes)} nodes")
 
 
 def components(edge_paths: list[str], prefixes: list[str], out_dir: str) -> dict:
