@@ -112,6 +112,24 @@ def test_norms_use_the_configs_epsilon_and_bias(kind, bias):
         assert torch.equal(total, x + branch) and close(normed, expected)
 
 
+def test_bf16_rms_norm_rounds_before_the_weight_and_the_loss_is_fp32():
+    """In bf16 two conventions give other numbers from the same weights: RMSNorm rounds the normalised
+    activations to bf16 and then multiplies by the weight, as Llama's checkpoints were trained
+    (planted: the product rounded instead, every value of a converted Llama off by a rounding); the
+    per-token loss is computed from the bf16 logits in fp32 (planted: in bf16, a loss of 10.4 read as
+    10.375 and the gradient scaled by it)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    weight = (torch.rand(64, generator=g) + 0.5).to(torch.bfloat16)
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert torch.equal(ops.rms_norm(x, weight, 1e-5), weight * normed)
+    logits = (3 * torch.randn(6, 100, generator=g)).to(torch.bfloat16)
+    labels = torch.randint(0, 100, (6,), generator=g)
+    loss = ops.cross_entropy(logits, labels)
+    assert loss.dtype == torch.float32 and torch.equal(loss, F.cross_entropy(logits.float(), labels, reduction="none"))
+
+
 def test_attention_dropout_is_off_in_eval():
     """Generation and evaluation run the model in eval mode: attention probabilities are then not dropped."""
     g = torch.Generator().manual_seed(0)
