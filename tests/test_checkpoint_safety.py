@@ -90,6 +90,54 @@ def test_values_outside_tensors_and_json_are_refused_when_saved(value, words):
         serialization.write(value, io.BytesIO())
 
 
+def rewrite_header(data: bytes, change) -> bytes:
+    """A safetensors file's bytes with its JSON header replaced by ``change(header)`` (text, or JSON)."""
+    length = int.from_bytes(data[:8], "little")
+    header = change(json.loads(data[8:8 + length]))
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data[8 + length:]
+
+
+def _set(field, value, tensor="a"):
+    return lambda header: {**header, tensor: {**header[tensor], field: value}}
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda header: [header], "its header is a JSON list, not an object"),
+    (lambda header: b"[" * 100_000 + b"]" * 100_000, "RecursionError"),
+    (lambda header: {**header, "__metadata__": ["x"]}, "__metadata__ is not an object of strings"),
+    (_set("shape", [-6, -4]), "shape [-6, -4] is not a list of whole numbers"),  # the same element count
+    (_set("shape", [6.0, 4]), "shape [6.0, 4] is not a list of whole numbers"),
+    (_set("dtype", "F8"), "dtype 'F8' is not one of"),
+    (_set("data_offsets", [96, 192, 0]), "data_offsets [96, 192, 0] are not two whole numbers"),
+    (_set("data_offsets", [0.0, 96]), "data_offsets [0.0, 96] are not two whole numbers"),
+    (lambda header: {**header, "b": {**header["b"], "data_offsets": header["a"]["data_offsets"]}},
+     "tensors 'a' and 'b' overlap in the file"),
+    (lambda header: {**header, "a": {**header["a"], "extra": 1}}, "not dtype, shape and data_offsets"),
+])
+def test_a_damaged_or_hand_made_header_is_refused_naming_the_file(tmp_path, change, words):
+    """Every field of a header is checked before a byte is read: a shape, dtype or offset that does
+    not describe the bytes, or two tensors sharing bytes, would read as wrong numbers, and a header
+    that is not an object as a traceback."""
+    _, path = write_read(tmp_path, {"a": torch.ones(6, 4), "b": torch.zeros(6, 4)})
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(rewrite_header(path.read_bytes(), change))
+    with pytest.raises(serialization.FileFormatError) as error:
+        serialization.read(bad)
+    assert str(error.value).startswith(f"{bad}: ") and words in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name, start, count", [("a", 20, 5), ("a", -1, 2), ("a", 3, -1), ("c", 0, 1)])
+def test_a_range_read_outside_its_tensor_is_refused(tmp_path, name, start, count):
+    """A range past a tensor's end would read the next tensor's bytes: a damaged shard index asking for
+    it gets an error naming the file, not another tensor's numbers."""
+    _, path = write_read(tmp_path, {"a": torch.ones(6, 4), "b": torch.zeros(6, 4)})
+    with serialization.RangeFile(path) as f, pytest.raises(serialization.FileFormatError, match=f"^{path}: "):
+        f.read(name, start, count)
+    with serialization.RangeFile(path) as f:
+        assert torch.equal(f.read("a", 20, 4), torch.ones(4))
+
+
 # --- code in a file is never run ----------------------------------------------------------------
 
 class RunsCode:

@@ -101,6 +101,8 @@ class RangeFile:
     def __init__(self, source: str | os.PathLike | BinaryIO):
         self.owned = isinstance(source, (str, os.PathLike))
         self.f = open(source, "rb") if self.owned else source
+        # a path is named in the errors; an open file's caller names it (``load_file``, the reader)
+        self.where = f"{os.fspath(source)}: " if self.owned else ""
         try:
             self.f.seek(0)
             size = os.fstat(self.f.fileno()).st_size
@@ -108,34 +110,41 @@ class RangeFile:
             if not 0 < length <= min(self.MAX_HEADER, size - 8):
                 raise FileFormatError(f"not a safetensors file (header length {length} in a {size}-byte file)")
             fields = json.loads(self.f.read(length))
+            if not isinstance(fields, dict):
+                raise FileFormatError(f"not a safetensors file (its header is a JSON {type(fields).__name__}, "
+                                      "not an object)")
             self.metadata = fields.pop("__metadata__", None) or {}
+            if not (isinstance(self.metadata, dict) and all(isinstance(v, str) for v in self.metadata.values())):
+                raise FileFormatError("not a safetensors file (its __metadata__ is not an object of strings)")
             self.base = 8 + length
-            self.entries = {}
-            for name, entry in fields.items():
-                dtype, shape, (begin, end) = _DTYPE_OF[entry["dtype"]], entry["shape"], entry["data_offsets"]
-                if not 0 <= begin <= end <= size - self.base or end - begin != math.prod(shape) * dtype.itemsize:
-                    raise FileFormatError(f"tensor {name!r} does not fit the file ({begin}..{end})")
-                self.entries[name] = (dtype, tuple(shape), begin)
-        except FileFormatError:
+            self.entries = {name: _entry(name, entry, size - self.base) for name, entry in fields.items()}
+            _refuse_overlaps(self.entries)
+        except (FileFormatError, ValueError, KeyError, TypeError, struct.error, RecursionError) as e:
             self.close()
-            raise
-        except (ValueError, KeyError, TypeError, struct.error) as e:
-            self.close()
-            raise FileFormatError(f"not a safetensors file ({e})") from None
+            if isinstance(e, FileFormatError):
+                raise FileFormatError(f"{self.where}{e}") from None
+            raise FileFormatError(f"{self.where}not a safetensors file ({type(e).__name__}: {e})") from None
 
     def keys(self):
         return self.entries.keys()
 
     def read(self, name: str, start: int = 0, count: Optional[int] = None) -> torch.Tensor:
-        """Elements ``start:start+count`` of tensor ``name``, flattened (all of it, shaped, by default)."""
-        dtype, shape, begin = self.entries[name]
+        """Elements ``start:start+count`` of tensor ``name``, flattened (all of it, shaped, by default).
+        A range outside the tensor is refused: its bytes would be another tensor's (a damaged index)."""
+        if name not in self.entries:
+            raise FileFormatError(f"{self.where}holds no tensor {name!r}")
+        dtype, shape, begin, _ = self.entries[name]
+        numel = math.prod(shape)
         whole = count is None
-        count = math.prod(shape) - start if whole else count
+        count = numel - start if whole else count
+        if not 0 <= start <= start + count <= numel:
+            raise FileFormatError(f"{self.where}elements {start}..{start + count} are outside tensor {name!r} "
+                                  f"of {numel} elements")
         out = torch.empty(count, dtype=dtype)
         self.f.seek(self.base + begin + start * dtype.itemsize)
         view = memoryview(out.view(torch.uint8).numpy())
         if self.f.readinto(view) != len(view):
-            raise FileFormatError(f"tensor {name!r} is cut short")
+            raise FileFormatError(f"{self.where}tensor {name!r} is cut short")
         return out.view(shape) if whole else out
 
     def close(self) -> None:
@@ -148,6 +157,34 @@ class RangeFile:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+def _entry(name: str, entry: Any, data_size: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """A header entry as (dtype, shape, begin, end), each field checked: a hand-made or damaged
+    header must be refused, not read as wrong numbers (a negative dimension or offset, a float)."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise FileFormatError(f"tensor {name!r}: its header entry is not dtype, shape and data_offsets ({entry!r})")
+    dtype, shape, offsets = _DTYPE_OF.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
+    if dtype is None:
+        raise FileFormatError(f"tensor {name!r}: dtype {entry['dtype']!r} is not one of {', '.join(_DTYPE_OF)}")
+    if not (isinstance(shape, list) and all(whole(d) for d in shape)):
+        raise FileFormatError(f"tensor {name!r}: shape {shape!r} is not a list of whole numbers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(whole(o) for o in offsets)):
+        raise FileFormatError(f"tensor {name!r}: data_offsets {offsets!r} are not two whole numbers")
+    begin, end = offsets
+    if not begin <= end <= data_size or end - begin != math.prod(shape) * dtype.itemsize:
+        raise FileFormatError(f"tensor {name!r} does not fit the file ({begin}..{end})")
+    return dtype, tuple(shape), begin, end
+
+
+def _refuse_overlaps(entries: dict[str, tuple]) -> None:
+    """Two tensors sharing bytes: one of them would be read as the other's numbers."""
+    spans = sorted((begin, end, name) for name, (_, _, begin, end) in entries.items() if end > begin)
+    for (_, end, name), (begin, _, other) in zip(spans, spans[1:]):
+        if begin < end:
+            raise FileFormatError(f"tensors {name!r} and {other!r} overlap in the file")
 
 
 def read(source: str | os.PathLike | BinaryIO) -> Any:
