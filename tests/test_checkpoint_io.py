@@ -214,8 +214,12 @@ def test_file_names_must_be_unique_across_ranks(tmp_path):
     assert latest_checkpoint(tmp_path) is None
 
 
-@pytest.mark.parametrize("name", ["/abs.pt", "../up.pt", "COMPLETE", "manifest.rank00000.json", ""])
+@pytest.mark.parametrize("name", ["/abs.pt", "../up.pt", "COMPLETE", "manifest.rank00000.json", "", "COMPLETE.tmp",
+                                  "./a.pt", "sub//a.pt", "sub/", "sub/./a.pt", "."])
 def test_bad_file_names_are_rejected(tmp_path, name):
+    """A name must be the one spelling of a file of its own: ``./a.pt`` beside another rank's ``a.pt``
+    is the same file, which the commit's check of unique names would not see, and ``COMPLETE.tmp``
+    is the marker's own temporary."""
     with pytest.raises(ValueError, match="checkpoint file name"):
         CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone).save(1, {name: 1})
 

@@ -67,10 +67,15 @@ def _snapshot(obj: Any) -> Any:
 
 
 def _check_name(name: str) -> None:
-    parts = Path(name).parts
-    if not name or Path(name).is_absolute() or ".." in parts or name.startswith("manifest.") or name == COMPLETE:
-        raise ValueError(f"checkpoint file name {name!r} must be a relative path inside the checkpoint, "
-                         f"without '..', and not {COMPLETE} or manifest.*")
+    """A file name must name one file of its own inside the checkpoint: written as the manifest
+    records it (``./a.pt``, ``sub//a.pt`` or ``sub/`` is another spelling of a name, which the
+    commit's check of names unique across ranks would miss), and clear of the files a save writes
+    itself (``COMPLETE``, the manifests, and their temporaries)."""
+    if (any(part in ("", ".", "..") for part in name.split("/")) or name.startswith("manifest.")
+            or name in (COMPLETE, COMPLETE + ".tmp")):
+        raise ValueError(f"checkpoint file name {name!r} must be a relative path inside the checkpoint, written "
+                         f"without '..', '.', empty parts or a trailing '/', and not {COMPLETE}, {COMPLETE}.tmp "
+                         "or manifest.*")
 
 
 def _reason(e: Exception) -> str:
