@@ -70,13 +70,16 @@ def test_json_values_round_trip_exactly_and_tuples_become_lists(tmp_path):
 
 def test_files_are_plain_safetensors(tmp_path):
     """Readable by the safetensors library, with the tensor data starting 8-byte aligned as it writes
-    it (so a memory map gives aligned tensors). (Planted: the header left unpadded.)"""
+    it (so a memory map gives aligned tensors). (Planted: the header left unpadded; padded by its length
+    modulo 8 instead of up to the next multiple.)"""
     from safetensors.torch import load_file as safetensors_load
 
     tree = {"master": torch.arange(6.0), "rng": {"tp": [None, torch.ones(3, dtype=torch.uint8)]}}
     _, path = write_read(tmp_path, tree)
     assert set(safetensors_load(path)) == {"master", "rng/tp/1"}
-    assert int.from_bytes(path.read_bytes()[:8], "little") % 8 == 0
+    for extra in range(8):  # a header of every length modulo 8 is padded to the next multiple
+        _, path = write_read(tmp_path, {"m" * (1 + extra): torch.arange(6.0)})
+        assert int.from_bytes(path.read_bytes()[:8], "little") % 8 == 0, extra
 
 
 @pytest.mark.parametrize("value, words", [
