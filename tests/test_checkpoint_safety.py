@@ -185,12 +185,18 @@ def test_a_file_that_would_run_code_is_refused_and_the_code_never_runs(saved, tm
     assert not marker.exists()
 
 
-def test_a_file_whose_tree_names_a_missing_tensor_is_refused(saved, tmp_path):
+@pytest.mark.parametrize("metadata, words", [
+    ({serialization.TREE: '{"w": {"__tensor__": "v"}}'}, "its 'megazero.tree' metadata is damaged"),
+    ({serialization.TREE: '{"w": {"__tensor__": "w", "x": 1}}'}, "its 'megazero.tree' metadata is damaged"),
+    ({}, "a safetensors file without the 'megazero.tree' metadata"),  # written by another tool
+], ids=["missing-tensor", "beside-a-tensor", "no-tree"])
+def test_a_file_whose_tree_does_not_match_its_tensors_is_refused_in_one_line(saved, metadata, words):
+    """A tree naming a tensor the file lacks, a value beside a tensor's reference (which the load
+    would drop), or no tree at all is a damaged file, refused in one line naming it."""
     buffer = io.BytesIO()
     serialization.write({"w": torch.ones(1)}, buffer)
-    data = buffer.getvalue().replace(b'\\"__tensor__\\": \\"w\\"', b'\\"__tensor__\\": \\"v\\"')
-    forge(saved, "model.pt", data)
-    with pytest.raises(CheckpointError, match="model.pt: its 'megazero.tree' metadata is damaged"):
+    forge(saved, "model.pt", rewrite_header(buffer.getvalue(), lambda header: {**header, "__metadata__": metadata}))
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(saved / 'model.pt'))}: {words}"):
         load_file(saved, "model.pt")
 
 
