@@ -108,7 +108,7 @@ def _set(field, value, tensor="a"):
 @pytest.mark.parametrize("change, words", [
     (lambda header: [header], "its header is a JSON list, not an object"),
     (lambda header: b"[" * 100_000 + b"]" * 100_000, "RecursionError"),
-    (lambda header: {**header, "__metadata__": ["x"]}, "__metadata__ is not an object of strings"),
+    (lambda header: {**header, "__metadata__": {serialization.TREE: 5}}, "__metadata__ is not an object of strings"),
     (_set("shape", [-6, -4]), "shape [-6, -4] is not a list of whole numbers"),  # the same element count
     (_set("shape", [6.0, 4]), "shape [6.0, 4] is not a list of whole numbers"),
     (_set("dtype", "F8"), "dtype 'F8' is not one of"),
@@ -189,7 +189,8 @@ def test_a_file_that_would_run_code_is_refused_and_the_code_never_runs(saved, tm
     ({serialization.TREE: '{"w": {"__tensor__": "v"}}'}, "its 'megazero.tree' metadata is damaged"),
     ({serialization.TREE: '{"w": {"__tensor__": "w", "x": 1}}'}, "its 'megazero.tree' metadata is damaged"),
     ({}, "a safetensors file without the 'megazero.tree' metadata"),  # written by another tool
-], ids=["missing-tensor", "beside-a-tensor", "no-tree"])
+    ({serialization.TREE: "[" * 100_000 + "]" * 100_000}, "its 'megazero.tree' metadata is damaged"),
+], ids=["missing-tensor", "beside-a-tensor", "no-tree", "too-deep"])
 def test_a_file_whose_tree_does_not_match_its_tensors_is_refused_in_one_line(saved, metadata, words):
     """A tree naming a tensor the file lacks, a value beside a tensor's reference (which the load
     would drop), or no tree at all is a damaged file, refused in one line naming it."""
