@@ -361,15 +361,16 @@ def test_a_file_rewritten_after_its_check_is_refused(saved, monkeypatch):
     assert str(error.value).startswith(f"{path}: the checkpoint changed while it was read")
 
 
-def reader_checkpoint(root: Path) -> Path:
+def reader_checkpoint(root: Path, segments=((0, 0, 0, 4), (1, 0, 4, 4))) -> Path:
     """A one-rank checkpoint of two parameters, ``a`` and ``b``, which the reader reads one opening
-    of the rank file each."""
+    of the rank file each; ``segments`` as a rank describes them (param, param offset, shard offset,
+    count)."""
     from megazero.checkpoint.reader import index_file, rank_file
 
     flat = torch.arange(8.0)
     files = {rank_file(0): {"master": flat, "exp_avg": flat * 2, "exp_avg_sq": flat * 3, "adam_step": 1},
              index_file(0): {"params": [["a", [4], None], ["b", [4], None]],
-                             "segments": torch.tensor([[0, 0, 0, 4], [1, 0, 4, 4]])}}
+                             "segments": torch.tensor(segments)}}
     CheckpointWriter(root, rank=0, world_size=1, barrier=alone).save(1, files)
     return root / "step_0000001"
 
@@ -447,3 +448,20 @@ def test_a_rank_file_the_record_does_not_list_is_refused_in_one_line(tmp_path):
     (ckpt / COMPLETE).write_text(complete_text(record))
     with pytest.raises(CheckpointError, match=f"{rank_file(0)} is not listed in {ckpt / COMPLETE}; the checkpoint"):
         CheckpointReader(ckpt).read("a")
+
+
+@pytest.mark.parametrize("segments, words", [
+    ([[0, 0, 0, 4], [1, 0, 4, 3]], "the rank files hold only part of parameter 'b'"),
+    ([[0, 0, 0, 4], [1, 0, 4, 4], [1, 3, 4, 2]], "its shard description is damaged (segment (1, 3, 2) lies outside"),
+    ([[0, 0, 0, 4], [1, 0, 6, 4]], "elements 6..10 are outside tensor 'master'"),
+], ids=["short", "past-its-parameter", "past-the-shard"])
+def test_a_hand_made_shard_description_is_refused_not_read_as_other_numbers(tmp_path, segments, words):
+    """A segment the parameter does not end with, one past the parameter's end (a traceback), or one
+    past the end of the flat shard (which read the next tensor's bytes, Adam's first moment, as
+    weights) is refused in one line naming the file."""
+    from megazero.checkpoint.reader import CheckpointReader
+
+    ckpt = reader_checkpoint(tmp_path, segments)
+    with pytest.raises(CheckpointError, match=re.escape(words)) as error:
+        CheckpointReader(ckpt).read("b")
+    assert str(error.value).startswith(str(ckpt)) and "\n" not in str(error.value)

@@ -124,6 +124,10 @@ class CheckpointReader:
             params = [(str(n), tuple(int(d) for d in shape), None if s is None else Shard(*(int(v) for v in s)))
                       for n, shape, s in described["params"]]
             segments = [tuple(int(v) for v in row) for row in described["segments"].reshape(-1, 4).tolist()]
+            for param, param_offset, _, numel in segments:  # a segment past its parameter fills no element
+                if not (0 <= param < len(params) and 0 <= param_offset and 0 <= numel
+                        and param_offset + numel <= math.prod(params[param][1])):
+                    raise ValueError(f"segment {param, param_offset, numel} lies outside its parameter")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"{self.ckpt / name}: its shard description is damaged ({e}); restore the file "
                                   "or load an earlier checkpoint") from None
