@@ -465,3 +465,14 @@ def test_a_hand_made_shard_description_is_refused_not_read_as_other_numbers(tmp_
     with pytest.raises(CheckpointError, match=re.escape(words)) as error:
         CheckpointReader(ckpt).read("b")
     assert str(error.value).startswith(str(ckpt)) and "\n" not in str(error.value)
+
+
+def test_a_rank_file_without_an_entry_a_load_needs_is_refused_naming_it(tmp_path):
+    """A rank file lacking an entry (random generators, an older writer's file) is refused naming the
+    entry, not read as None: a resharded resume would skip restoring its generators in silence."""
+    from megazero.checkpoint.reader import CheckpointReader
+
+    reader = CheckpointReader(reader_checkpoint(tmp_path))
+    assert reader.values(0, ("adam_step",)) == {"adam_step": 1}
+    with pytest.raises(CheckpointError, match="rank_00000.safetensors: holds no entry 'rng'; it was not written by"):
+        reader.values(0, ("adam_step", "rng"))
