@@ -217,6 +217,15 @@ def test_format_1_checkpoints_of_pickles_are_refused_with_the_reason(tmp_path):
     assert not marker.exists()
 
 
+def test_a_checkpoint_of_a_newer_format_is_refused(saved):
+    """A format this release does not know (written by a newer one) is refused naming both formats,
+    not read as if it were format 2."""
+    record = json.loads((saved / "COMPLETE").read_text())
+    (saved / "COMPLETE").write_text(complete_text({**record, "format": 3}))
+    with pytest.raises(CheckpointError, match="COMPLETE: checkpoint format 3 is not the supported format 2"):
+        read_manifest(saved)
+
+
 # --- COMPLETE checks itself ---------------------------------------------------------------------
 
 def test_complete_carries_its_own_checksum(saved):
