@@ -205,10 +205,10 @@ def test_probe_of_a_directory_that_refuses_writes(tmp_path, monkeypatch, error, 
 def test_probe_of_a_directory_without_enough_space(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(format_module.shutil, "disk_usage", lambda path: usage(8 << 30, 6.5 * 2**30, 1.5 * 2**30))
-    probe_writable(tmp_path, 1 << 30)
+    probe_writable(tmp_path, 1.5 * 2**30)  # just enough
     with pytest.raises(CheckpointError) as failure:
-        probe_writable(tmp_path, 4 << 30)
-    assert str(failure.value) == (f"{tmp_path}: 1.5 GiB free, a checkpoint needs about 4.0 GiB; free space or set "
+        probe_writable(tmp_path, 2 << 30)  # a third more than there is
+    assert str(failure.value) == (f"{tmp_path}: 1.5 GiB free, a checkpoint needs about 2.0 GiB; free space or set "
                                   "checkpoint.save_dir to a larger file system")
 
 
