@@ -382,6 +382,19 @@ def test_flipped_byte_fails_the_checksum_naming_the_file(saved):
     load_file(saved, "optim.pt")  # an undamaged file of the same checkpoint still loads
 
 
+def test_a_byte_flipped_past_the_first_read_chunk_fails_the_checksum(tmp_path):
+    """The sha256 streams a file in chunks of a MiB: every chunk counts, the intact file's and the
+    damaged one's past its first chunk."""
+    CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone).save(1, {"big.pt": {"w": torch.zeros(600_000)}})
+    path = tmp_path / "step_0000001" / "big.pt"
+    assert torch.equal(load_file(path.parent, "big.pt")["w"], torch.zeros(600_000))  # whole, it is checked whole
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{path}: sha256 .* does not match"):
+        load_file(tmp_path / "step_0000001", "big.pt")
+
+
 def test_truncation_is_caught_by_size_naming_the_file(saved):
     path = saved / "optim.pt"
     path.write_bytes(path.read_bytes()[:100])
