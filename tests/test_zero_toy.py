@@ -145,6 +145,7 @@ def _zero_run(rank, world_size, slow_part=False):
         results[("clip 0", dp)] = _clip_zero_means_no_clipping(base, group, dp_rank)
         results[("fp16 sums", dp)] = _fp16_gradients_that_each_fit(base, group)
         results[("stage 3 residency", dp)] = _stage3_residency(base, group, dp_rank)
+        results[("stage 3 once per step", dp)] = _stage3_kept_through_the_step(base, group, dp_rank)
         results[("launched in backward", dp)] = _launched_in_last_backward(base, group, dp_rank)
     return results
 
@@ -208,6 +209,20 @@ def _stage3_residency(base, group, dp_rank):
     with torch.no_grad():  # an evaluation's forward
         model(*_data(1, dp_rank))
     record("after a forward without gradients")
+    return seen
+
+
+def _stage3_kept_through_the_step(base, group, dp_rank):
+    """Which blocks hold gathered parameters after each backward of a stage-3 step in the pipeline's
+    ``once_per_step`` mode, then after the step."""
+    model = copy.deepcopy(base)
+    opt = sharded_adamw(model, group, model.blocks, stage=3, bucket_numel=320, lr=1e-2, once_per_step=True)
+    seen = []
+    for micro in range(MICRO):
+        opt.scale_loss(model(*_data(0, dp_rank * MICRO + micro)) / MICRO).backward()
+        seen.append(tuple(holds_storage(block.fc.weight) for block in model.blocks))
+    opt.step()
+    seen.append(tuple(holds_storage(block.fc.weight) for block in model.blocks))
     return seen
 
 
@@ -509,6 +524,17 @@ def test_stage3_holds_only_the_running_and_prefetched_blocks(zero_world, dp):
                 "after a forward without gradients": (False,) * 3}
     for rank, rank_results in enumerate(zero_world):
         assert rank_results[("stage 3 residency", dp)] == expected, rank
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_stage3_under_a_pipeline_gathers_a_block_once_a_step(zero_world, dp):
+    """In the pipeline's ``once_per_step`` mode a stage-3 block gathered at its first use stays gathered
+    through every micro-batch of the step and is released by the step: gathering it around each
+    micro-batch's forward and backward would multiply its all-gathers by twice the micro-batch count,
+    which no comparison of the numbers shows."""
+    for rank, rank_results in enumerate(zero_world):
+        kept = rank_results[("stage 3 once per step", dp)]
+        assert kept == [(True,) * 3] * MICRO + [(False,) * 3], (rank, kept)
 
 
 @pytest.mark.parametrize("dp", [2, 4])
