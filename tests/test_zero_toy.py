@@ -45,6 +45,9 @@ NORM_TOL = 1e-5
 # Staged gradients (stages 2-3) take bucket-sized buffers from a pool: two reductions in flight,
 # the one being launched, and the bucket being filled (see docs/zero.md).
 MAX_STAGING_BUFFERS = 4
+# The modes that change what a rank holds beyond its stage: whole gradients in the pipeline's once-per-step
+# mode, a rounded 16-bit shard kept on the device beside an offloaded master (stage 3).
+MEMORY_MODES = [(2, "once_per_step"), (3, "once_per_step"), (3, "offload")]
 
 
 CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "overlap")] + [
@@ -297,6 +300,13 @@ def _memory_and_overflow(base, group, dp, dp_rank):
             out[("memory after steps", dp, stage, grad_dtype)] = (
                 opt.memory_bytes(), predicted, len(opt.dp.reducer.pool), scratch,
                 max(b.numel for b in opt.layout.buckets) * _itemsize(grad_dtype))
+    for stage, mode in MEMORY_MODES:
+        model = copy.deepcopy(base)
+        opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, param_dtype=torch.bfloat16,
+                            **{mode: True})
+        predicted = opt.predicted_memory()
+        out[("memory", dp, stage, mode)] = (opt.memory_bytes(), {k: getattr(predicted, k) for k in
+                                                                 ("params", "grads", "master", "optimizer")})
     out[("overflow", dp)] = _overflow_on_last_rank(
         base, group, dp, dp_rank, stage=3, loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1))
     for fused in (True, False):
@@ -418,6 +428,17 @@ def test_memory_held_equals_zero_formula(zero_world, dp, stage, grad_dtype):
     for rank_results in zero_world:
         measured, predicted = rank_results[("memory", dp, stage, grad_dtype)]
         assert measured == pytest.approx(predicted, abs=0), (measured, predicted)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("stage, mode", MEMORY_MODES)
+def test_memory_held_equals_zero_formula_under_a_pipeline_and_offload(zero_world, dp, stage, mode):
+    """The start-up memory report compares what a rank holds with this formula, so the formula follows
+    the modes: a pipeline's stages 2-3 hold whole gradients through the step, an offloaded stage 3
+    keeps its 16-bit shard on the device."""
+    for rank, rank_results in enumerate(zero_world):
+        measured, predicted = rank_results[("memory", dp, stage, mode)]
+        assert measured == predicted, (rank, measured, predicted)
 
 
 @pytest.mark.parametrize("dp", [2, 4])
