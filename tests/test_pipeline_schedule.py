@@ -337,6 +337,8 @@ def test_user_split_validated_and_mapped_to_chunks():
         resolve_split(6, 2, 1, [2, 3])
     with pytest.raises(ValueError, match="4 positive"):
         resolve_split(6, 2, 2, [3, 3])
+    with pytest.raises(ValueError, match="2 positive"):  # an entry past the stages would hold blocks no rank runs
+        resolve_split(6, 2, 1, [2, 2, 2])
     with pytest.raises(ValueError, match="positive"):
         resolve_split(6, 2, 1, [0, 6])
     split = resolve_split(8, 2, 2)
