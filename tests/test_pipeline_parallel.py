@@ -331,6 +331,16 @@ def test_profiled_timelines_of_two_stages_share_a_clock():
     assert second["first_op_at"] >= first_f0_end - 5e-4
 
 
+def test_a_last_stage_returning_per_token_losses_is_refused_by_name(one_rank_group):
+    """The loss is summed over micro-batches as a scalar: a ``forward_step`` that hands back its
+    per-token losses (no mean) stops with the shape it returned, not a reshape error inside the executor."""
+    topo = Topology(RankGrid(tp=1, pp=1, dp=1))
+    executor = PipelineExecutor([Stage(full_params(1), [0], True, True)], topo, (MICRO, SEQ, HIDDEN),
+                                forward_step=lambda module, x, mb, first, last: module(*mb) * torch.ones(MICRO, SEQ))
+    with pytest.raises(ValueError, match=r"must return a scalar loss, got shape \(2, 4\)"):
+        executor.step(batches(2))
+
+
 def test_hang_fails_fast_and_names_what_it_waited_on():
     """Also the example docs/pipeline.md quotes, which is this very hang: the message begins with it."""
     results = run_world(2, _hang, timeout=60)
