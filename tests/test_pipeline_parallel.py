@@ -341,6 +341,30 @@ def test_a_last_stage_returning_per_token_losses_is_refused_by_name(one_rank_gro
         executor.step(batches(2))
 
 
+def test_a_stage_that_ignores_its_input_is_refused_by_name():
+    """A stage whose output does not depend on the activation it received would send its predecessor
+    no gradient: the backward says which virtual stage, instead of failing on a missing ``.grad``. Two
+    chunks of one rank hand over in memory, so no process group is needed."""
+    from types import SimpleNamespace
+
+    from parallel.pipeline.executor import _StepRun, default_forward_step
+    from parallel.pipeline.schedule import Op
+
+    class Ignoring(Stage):
+        def forward(self, x, targets=None):
+            return super().forward(torch.zeros_like(x), targets)
+
+    full = full_params(2)
+    chunks = [Stage(full, [0], True, False), Ignoring(full, [1], False, True)]
+    executor = SimpleNamespace(pp=1, rank=0, v=2, placement="loop", chunks=chunks, forward_step=default_forward_step,
+                               before_backward=None, wgrad=None, stats=SimpleNamespace(peak_live=0))
+    run = _StepRun(executor, batches(1), 1.0, True, [Op("B", 0, 1)])
+    run.op(Op("F", 0, 0), None)
+    run.op(Op("F", 0, 1), None)
+    with pytest.raises(ValueError, match="virtual stage 1 did not use its input"):
+        run.op(Op("B", 0, 1), None)
+
+
 def test_hang_fails_fast_and_names_what_it_waited_on():
     """Also the example docs/pipeline.md quotes, which is this very hang: the message begins with it."""
     results = run_world(2, _hang, timeout=60)
