@@ -199,6 +199,15 @@ def test_modelled_busy_time_is_each_ranks_two_stages_and_the_bubble_the_idlest_r
     assert [sum(end - start for _, start, end in ops) for ops in times] == busy
 
 
+def test_list_scheduling_times_input_and_weight_gradients_at_their_own_costs():
+    """One micro-batch at pp 2 with (F, B, W) = (1, 2, 3) on every stage: four forwards down and back
+    (4), the input gradients of the last three stages in a chain (6), then the second rank's two weight
+    gradients (6), whatever the first rank does meanwhile. Planted: B timed at W's cost and W at B's
+    (the order and the modelled step of unequal stages change; equal costs cannot tell)."""
+    span, busy = modelled_span(2, 1, ((1, 2, 3),) * 4)
+    assert (span, busy) == (16.0, [12.0, 12.0])
+
+
 def test_costs_table_takes_free_ops_and_refuses_negative_or_missing_ones():
     """check_costs takes an op that costs nothing (a stage with no weight gradient to compute) and
     refuses a negative cost, or a table without one (F, B, W) for each of the 2 pp virtual stages.
