@@ -31,7 +31,9 @@ from parallel.topology import RankGrid, Topology
 from tests.distributed import run_world
 
 RTOL = 1e-5
-CE_CASES = [(2, 300), (4, 300), (4, 100)]  # (tp, vocab): at tp=4, vocab 100 leaves three shards all padding
+# (tp, vocab): at tp=4, vocab 100 leaves three shards all padding; at tp=2, vocab 255 leaves the last shard one
+# padding column, which a bound off by one would leave in the sum of exponentials
+CE_CASES = [(2, 300), (4, 300), (4, 100), (2, 255)]
 FUSED_CE_CASES = [(2, 300, False), (2, 300, True), (4, 300, True), (4, 100, False)]  # (tp, vocab, sequence parallel)
 DROPOUT_CASES = [("gpt2", 2, False), ("llama", 2, True), ("gpt2", 4, True), ("llama", 4, False)]
 COMPILED_CASES = [("gpt2", False, "none"), ("gpt2", True, "none"), ("llama", False, "none"),
@@ -66,7 +68,12 @@ def _cross_entropy(topo: Topology, tp: int, vocab: int) -> dict:
     ref_logits = full[..., :vocab].clone().requires_grad_(True)
     ref = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
     ref.sum().backward()
+    # 16-bit logits (the head's output under mixed precision) are reduced in fp32 all the same
+    half = vocab_parallel_cross_entropy(local.detach().bfloat16(), labels, vocab, topo.tp_group)
+    half_ref = F.cross_entropy(full[..., :vocab].bfloat16().float().flatten(0, 1), labels.flatten(),
+                               ignore_index=-100, reduction="none")
     return {"loss": rel(loss, ref.view(3, 7)), "sum": rel(total, ref.sum()),
+            "half": (half.dtype, rel(half, half_ref.view(3, 7))),
             "grad": rel(grad[..., :vocab], ref_logits.grad), "padding_grad": grad[..., vocab:].abs().max().item(),
             "ignored": loss[0, :4].abs().max().item()}
 
@@ -382,6 +389,14 @@ def test_vocab_parallel_cross_entropy_equals_torch_on_full_logits(results, case)
         ce = result["ce"][case]
         assert ce["loss"] <= RTOL and ce["sum"] <= RTOL and ce["grad"] <= RTOL
         assert ce["padding_grad"] == 0.0 and ce["ignored"] == 0.0
+
+
+@pytest.mark.parametrize("case", CE_CASES, ids=lambda c: f"tp{c[0]}-vocab{c[1]}")
+def test_vocab_parallel_cross_entropy_of_16_bit_logits_is_computed_in_fp32(results, case):
+    """bf16 logits summed in bf16 lose about two digits of the loss; the loss is fp32 whatever comes in."""
+    for result in results:
+        dtype, error = result["ce"][case]["half"]
+        assert dtype == torch.float32 and error <= RTOL, (dtype, error)
 
 
 @pytest.mark.parametrize("case", FUSED_CE_CASES, ids=lambda c: f"tp{c[0]}-vocab{c[1]}{'-sp' if c[2] else ''}")
