@@ -70,6 +70,20 @@ def test_a_launch_variable_out_of_range_is_named(env, name):
         read_launch_env(env)
 
 
+def test_a_multi_rank_launch_without_a_rendezvous_address_is_named(monkeypatch):
+    """Two ranks under srun without MASTER_ADDR exported: the error says what to export (or to start
+    with torchrun), not torch's own from inside its rendezvous."""
+    import torch
+
+    from parallel import launch
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
+    with pytest.raises(launch.LaunchError, match="MASTER_ADDR/MASTER_PORT are not set"):
+        launch.init_process_group(launch.LaunchEnv(1, 2, 1, 2), torch.device("cpu"))
+
+
 def test_a_bad_launch_variable_is_one_line_from_train(capsys, monkeypatch):
     from megazero.cli import main
 
