@@ -108,18 +108,29 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float
     if launch.world_size == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
-    if "MASTER_ADDR" not in os.environ:
-        raise LaunchError("MASTER_ADDR/MASTER_PORT are not set: start multi-rank runs with torchrun "
-                          "(scripts/pretrain_gpt.sh does) or export them under srun")
+    _check_rendezvous_env(os.environ)
     try:
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
     except dist.DistNetworkError as exc:
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         if "EADDRINUSE" in str(exc):
             raise LaunchError(f"rank {launch.rank}: MASTER_PORT {where} is already in use on this host (another "
                               "job?); set MASTER_PORT to a free port") from None
         raise LaunchError(f"rank {launch.rank}: cannot reach the rendezvous at {where} "
                           f"({str(exc).splitlines()[0]}); check MASTER_ADDR and MASTER_PORT") from None
+
+
+def _check_rendezvous_env(env: Mapping[str, str]) -> None:
+    """The rendezvous address a multi-rank start needs, both halves of it: torch's own errors for a
+    missing or malformed one are tracebacks from inside its rendezvous (torch has no default port)."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if missing:
+        raise LaunchError(f"{'/'.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: start multi-rank "
+                          "runs with torchrun (scripts/pretrain_gpt.sh does) or export MASTER_ADDR and "
+                          "MASTER_PORT under srun")
+    port = env["MASTER_PORT"]
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise LaunchError(f"environment variable MASTER_PORT={port!r}: expected a port number from 1 to 65535")
 
 
 def destroy_process_group() -> None:

@@ -70,17 +70,22 @@ def test_a_launch_variable_out_of_range_is_named(env, name):
         read_launch_env(env)
 
 
-def test_a_multi_rank_launch_without_a_rendezvous_address_is_named(monkeypatch):
-    """Two ranks under srun without MASTER_ADDR exported: the error says what to export (or to start
-    with torchrun), not torch's own from inside its rendezvous."""
+@pytest.mark.parametrize("env, message", [({}, "MASTER_ADDR/MASTER_PORT are not set"),
+                                          ({"MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT is not set"),
+                                          ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"}, "MASTER_PORT='http'")])
+def test_a_multi_rank_launch_without_a_rendezvous_address_is_named(monkeypatch, env, message):
+    """Two ranks under srun without MASTER_ADDR and MASTER_PORT exported, or with a port that is not a
+    number: the error says what to export, not torch's own from inside its rendezvous (a traceback)."""
     import torch
 
     from parallel import launch
 
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
-    with pytest.raises(launch.LaunchError, match="MASTER_ADDR/MASTER_PORT are not set"):
+    with pytest.raises(launch.LaunchError, match=message):
         launch.init_process_group(launch.LaunchEnv(1, 2, 1, 2), torch.device("cpu"))
 
 
