@@ -89,6 +89,16 @@ def test_a_multi_rank_launch_without_a_rendezvous_address_is_named(monkeypatch, 
         launch.init_process_group(launch.LaunchEnv(1, 2, 1, 2), torch.device("cpu"))
 
 
+def test_cuda_ranks_talk_over_nccl_and_cpu_ranks_over_gloo():
+    """The GPU tests start their ranks on NCCL themselves, not through the launcher: a run whose CUDA
+    ranks got gloo would move every collective through host copies, or fail at the first reduce-scatter."""
+    import torch
+
+    from parallel.launch import backend_for
+
+    assert (backend_for(torch.device("cuda", 0)), backend_for(torch.device("cpu"))) == ("nccl", "gloo")
+
+
 def test_a_bad_launch_variable_is_one_line_from_train(capsys, monkeypatch):
     from megazero.cli import main
 
