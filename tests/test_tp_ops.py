@@ -317,7 +317,8 @@ def _fake_shapes(topo: Topology) -> list[str]:
 def _linear_refusals(topo: Topology) -> dict:
     """What the sequence-parallel linears raise for a communication mode they do not know (otherwise
     run as another mode, silently) and for tokens that do not split into tp equal chunks (the
-    overlapped row linear would leave the remainder out of every chunk); empty where nothing is raised.
+    overlapped row linear would leave the remainder out of every chunk; splitting the sequence would
+    fail reshaping the chunk, with a traceback that names no size); empty where nothing is raised.
     Every rank makes the same calls, so a linear that does not refuse runs its collectives everywhere."""
     from parallel.tensor_parallel import overlap
 
@@ -326,7 +327,8 @@ def _linear_refusals(topo: Topology) -> dict:
     even, odd = torch.randn(1, 4, 8, generator=g), torch.randn(1, 3, 8, generator=g)  # tokens: 4 split in 2, 3 do not
     calls = {"column_mode": lambda: overlap.column_linear(even, weight, None, topo.tp_group, "overlapped"),
              "row_mode": lambda: overlap.row_linear(even, weight, topo.tp_group, "overlapped"),
-             "row_tokens": lambda: overlap.row_linear(odd, weight, topo.tp_group, "overlap")}
+             "row_tokens": lambda: overlap.row_linear(odd, weight, topo.tp_group, "overlap"),
+             "split_tokens": lambda: C.split_sequence(odd, topo.tp_group)}
     out = {}
     for name, call in calls.items():
         try:
@@ -444,6 +446,7 @@ def test_sequence_parallel_linears_refuse_unknown_modes_and_uneven_tokens(result
         refusals = result["linear_refusals"]
         assert "use one of" in refusals["column_mode"] and "use one of" in refusals["row_mode"], refusals
         assert "do not split into 2 equal" in refusals["row_tokens"], refusals
+        assert "sequence length 3 is not divisible by the tensor-parallel size 2" in refusals["split_tokens"], refusals
 
 
 def test_tp_stream_is_not_the_default_stream_of_the_same_seed():
