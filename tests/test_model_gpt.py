@@ -83,6 +83,9 @@ def test_tied_head_on_a_later_stage_starts_equal_to_the_embedding():
     assert torch.equal(first.embedding.tokens.weight, last.lm_head.weight)
     whole = GPT(cfg)
     assert whole.lm_head.weight is whole.embedding.tokens.weight
+    # only a stage without the embedding holds a copy: the shared weight itself enters the gradient norm
+    assert whole.tied_head_copy is None and first.tied_head_copy is None
+    assert last.tied_head_copy is last.lm_head.weight
 
 
 def test_logits_are_padded_to_the_vocab_multiple_and_padding_is_zero():
@@ -147,7 +150,8 @@ def test_initialisation_scales():
     assert abs(model.layers["0"].attention.qkv.weight.std().item() / std - 1) < 0.02
     for projection in (model.layers["0"].mlp.fc_out, model.layers["0"].attention.out):  # both residual outputs
         assert abs(projection.weight.std().item() / (std / math.sqrt(16)) - 1) < 0.02
-    assert torch.equal(model.layers["0"].attn_norm.weight, torch.ones(256))
+    for norm in (model.layers["0"].attn_norm, model.layers["0"].mlp_norm, model.final_norm):  # an identity at start
+        assert torch.equal(norm.weight, torch.ones(256)) and torch.equal(norm.bias, torch.zeros(256))
     assert model.layers["0"].attention.qkv.bias.abs().sum() == 0
     other = GPT(cfg, seed=1)
     assert not torch.equal(model.layers["0"].attention.qkv.weight, other.layers["0"].attention.qkv.weight)
