@@ -257,3 +257,20 @@ def test_a_save_is_durable_before_it_is_named(tmp_path, monkeypatch):
     pointer = at(("replace", str(tmp_path / "latest.tmp"), str(tmp_path / "latest")))
     assert commit < at(("fsync", str(tmp_path))) < pointer, "the commit's rename was not made durable first"
     assert at(("fsync", str(tmp_path / "latest.tmp"))) < pointer
+
+
+def test_a_directory_cut_before_its_rename_or_while_retired_is_never_a_checkpoint(tmp_path):
+    """``step_N.tmp`` holds ``COMPLETE`` between the commit record and its rename, and a retired
+    ``step_N.old`` still holds it until it is deleted: neither may be listed or resumed from."""
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone)
+    writer.save(1, small(0, 1.0))
+    shutil.copytree(tmp_path / "step_0000001", tmp_path / "step_0000002.tmp")
+    shutil.copytree(tmp_path / "step_0000001", tmp_path / "step_0000003.old")
+    assert (tmp_path / "step_0000002.tmp" / "COMPLETE").is_file()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_0000001"
+    writer.save(2, small(0, 2.0))  # the next save clears both and commits its own step 2
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_0000002"
+    assert torch.equal(load_file(tmp_path / "step_0000002", "rank0.pt")["w"], torch.full((4,), 2.0))
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.old"))
