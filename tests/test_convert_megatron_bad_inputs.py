@@ -62,6 +62,12 @@ def test_megatron_rope_args_with_the_values_megatron_records_for_no_change_are_t
     # biases on every linear but the qkv one (megazero's model.bias covers all): the qkv bias is not Megatron's
     ((), {"add_qkv_bias": False}, "args.add_qkv_bias: False differs from args.add_bias_linear"),
     ((), {"add_bias_linear": False, "add_qkv_bias": True}, "args.add_qkv_bias: True differs from args.add_bias_linear"),
+    # switches are bools in Megatron's argparse: read with bool(), a "False" would build the other model
+    ((), {"add_bias_linear": "False"}, "args.add_bias_linear: 'False' is not true or false"),
+    ((), {"swiglu": "False"}, "args.swiglu: 'False' is not true or false"),
+    ((), {"untie_embeddings_and_output_weights": 1}, "args.untie_embeddings_and_output_weights: 1 is not true"),
+    ((), {"group_query_attention": None}, "args.group_query_attention: None is not true or false"),
+    ((), {"bias_gelu_fusion": "no"}, "args.bias_gelu_fusion: 'no' is not true or false"),
 ])
 def test_megatron_args_are_checked_as_a_model_config(tmp_path, capsys, drop, changes, want):
     err = fails(capsys, tmp_path, megatron_checkpoint(tmp_path / "meg", drop, **changes))

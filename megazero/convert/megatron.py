@@ -326,7 +326,7 @@ def tanh_gelu(bias: bool, bias_gelu_fusion: bool) -> bool:
     fused bias-GeLU, which runs with linear biases and Megatron-LM's ``bias_gelu_fusion`` (on unless
     ``--no-bias-gelu-fusion``); elsewhere it is exact (erf). ``openai_gelu`` is not read by its
     transformer config."""
-    return bias and bool(bias_gelu_fusion)
+    return bias and bias_gelu_fusion
 
 
 def rank_dir(t: int, p: int, pp: int) -> str:
@@ -337,6 +337,16 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     """Our model config from Megatron's args; refuses (naming the arg) what our GPT cannot compute.
     ``vocab_size`` (``--vocab-size``) is the tokenizer's, for args that record only the padded one."""
     get = lambda key, default=None: getattr(args, key, default)
+
+    def flag(key: str, default: bool) -> bool:
+        """A switch of Megatron's argparse (always a bool there): a "False" read by ``bool()`` would
+        import a model with the wrong layers, so anything else is refused, naming the arg."""
+        value = get(key, default)
+        if not isinstance(value, bool):
+            raise refuse(f"{where}: args.{key}", value, "is not true or false", "set it to the boolean the "
+                         "checkpoint's run trained with")
+        return value
+
     fix = "megazero's GPT has no counterpart; such a model cannot be imported"
     for key, ok in (("apply_residual_connection_post_layernorm", False), ("squared_relu", False),
                     ("multi_latent_attention", False), ("num_experts", None), ("qk_layernorm", False),
@@ -354,18 +364,18 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     norm = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}.get(get("normalization", "LayerNorm"))
     if norm is None:
         raise refuse(f"{where}: args.normalization", get("normalization"), "is not supported", fix)
-    bias = bool(get("add_bias_linear", True))
-    if bool(get("add_qkv_bias", bias)) != bias:
+    bias = flag("add_bias_linear", True)
+    if flag("add_qkv_bias", bias) != bias:
         raise refuse(f"{where}: args.add_qkv_bias", get("add_qkv_bias"), "differs from args.add_bias_linear", fix)
-    swiglu = bool(get("swiglu", False))
-    if not swiglu and not tanh_gelu(bias, get("bias_gelu_fusion", True)):
+    swiglu = flag("swiglu", False)
+    if not swiglu and not tanh_gelu(bias, flag("bias_gelu_fusion", True)):
         print(f"megazero convert: note: {where}: Megatron computed GeLU exactly (erf); megazero uses the tanh "
               "approximation (differences up to about 5e-4 per activation)", flush=True)
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if get(key) is None:
             raise UserError(f"{where}: its args lack args.{key}; the checkpoint is incomplete")
     heads = get("num_attention_heads")
-    groups = get("num_query_groups") if get("group_query_attention", False) else None
+    groups = get("num_query_groups") if flag("group_query_attention", False) else None
     vocab = _vocab_size(args, where, vocab_size)
     if vocab is None:
         raise UserError(f"{where}: its args record neither args.vocab_size nor args.padded_vocab_size; give the "
@@ -392,7 +402,7 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
         values[field] = coerce(values[field], hints[field], f"{where}: {key}", UserError)
     cfg = ModelConfig(preset="llama" if position == "rope" else "gpt2", position_embedding=position, norm=norm,
                       activation="swiglu" if swiglu else "gelu", bias=bias,
-                      tie_embeddings=not get("untie_embeddings_and_output_weights", False), **values)
+                      tie_embeddings=not flag("untie_embeddings_and_output_weights", False), **values)
     cfg = validated(cfg, ARG_NAMES, where)
     if get("kv_channels") not in (None, cfg.head_dim):
         raise refuse(f"{where}: args.kv_channels", get("kv_channels"), f"differs from args.hidden_size / "
