@@ -420,13 +420,12 @@ class Trainer:
             loss_scale=queued.loss_scale, skipped_steps=self.state.skipped,
             consumed_samples=queued.consumed, host_wait_s=now - reading)
 
-    def _evaluate(self):
+    def _evaluate(self) -> float:
         """Mean loss over the first ``eval_steps`` global batches of the validation split (the same
-        batches every time, so evaluations are comparable)."""
+        batches every time, so evaluations are comparable). The split was built with exactly that many
+        samples (``build_datasets``), and one without documents refused at the start."""
         t = self.cfg.train
         size = t.global_batch_size
-        if self.valid_data is None or len(self.valid_data) < size * t.eval_steps:
-            return None
         losses = []
         for k in range(t.eval_steps):
             micro = global_batch(self.valid_data, k * size, size, t.micro_batch_size, self.topo.dp_rank,
