@@ -116,7 +116,7 @@ MODEL_SECTIONS = {
 
 
 @pytest.mark.parametrize("family", MODEL_SECTIONS)
-def test_an_export_imports_back_to_the_model_section_it_was_written_from(tmp_path, family):
+def test_an_hf_export_imports_back_to_the_model_section_it_was_written_from(tmp_path, family):
     """Every field config.json carries, away from both defaults, comes back as written: an epsilon or
     a rotary base written as the family's default would export another model, silently, with the
     right weights (planted: layer_norm_epsilon, rms_norm_eps and rope_theta written as defaults)."""

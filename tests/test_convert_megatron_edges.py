@@ -53,7 +53,7 @@ def test_layers_that_do_not_split_evenly_over_the_stages_are_refused(tmp_path):
     {"position_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu", "bias": False, "num_kv_heads": 2,
      "rope_theta": 500.0, "norm_eps": 1e-3, "seq_length": 12, "tie_embeddings": True},
 ], ids=["gpt2", "llama"])
-def test_an_export_imports_back_to_the_model_section_it_was_written_from(tmp_path, fields):
+def test_a_megatron_export_imports_back_to_the_model_section_it_was_written_from(tmp_path, fields):
     """The args an export records give back every field of the model it was written from, each away
     from Megatron's default: an epsilon or rotary base recorded as the default would have Megatron-LM
     (or a later import) run another model with the right weights (planted: norm_epsilon and

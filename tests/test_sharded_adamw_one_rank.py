@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from megazero.optim import DynamicLossScaler
-from parallel.data_parallel import DataParallel, DataParallelSettings, ParamInfo
 from tests.distributed import run_world
 from tests.sharded import sharded_adamw
 from tests.toy import STEPS, Toy, _data, _first_moments, _lr, _reference
@@ -211,15 +210,3 @@ def test_a_load_replaces_a_pending_offloaded_update(single_rank):
     ``load_sharded_state_dict`` not applying the pending units first, whose late update then moved
     the loaded master on by one more step.)"""
     assert _result(single_rank, "load over pending") == 0
-
-
-def test_partial_gradients_without_a_tensor_group_are_refused(one_rank_group):
-    """Sequence-parallel norms and biases hold only their tokens' share of a gradient: a wrapper given
-    such parameters but no tensor group to sum them over would reduce the shares as whole gradients.
-    It refuses at construction, naming what to pass."""
-    model = Toy()
-    info = {id(p): ParamInfo(name, None, counts_for_norm=True, tp_partial=p.dim() == 1)
-            for name, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="pass tp_group"):
-        DataParallel([model], DataParallelSettings(stage=1, bucket_numel=320), one_rank_group,
-                     units=list(model.blocks), info=lambda p: info[id(p)])
