@@ -35,3 +35,11 @@ def test_report_line_names_rank_and_categories():
     predicted = zero_model_state_bytes(2**30, 2, 1)
     line = memory_report({"params": 2**31, "grads": 2**31, "master": 2**31, "optimizer": 2**32}, predicted, 3, 1)
     assert line.startswith("[rank 3] ZeRO-1") and "params 2.000/2.000" in line and "optimizer 4.000/4.000" in line
+
+
+def test_report_total_sums_every_category():
+    """The total is all four measured categories against the formula's total: the moments, the largest
+    of them, counted too (planted: the total left the optimizer category out)."""
+    predicted = zero_model_state_bytes(2**30, 1, 1)  # 2 + 2 + 4 + 8 GiB
+    line = memory_report({"params": 2**31, "grads": 2**31, "master": 2**32, "optimizer": 2**33}, predicted, 0, 1)
+    assert line.endswith("; total 16.000/16.000")
