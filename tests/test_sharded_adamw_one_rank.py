@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.optim import DynamicLossScaler
+from megazero.optim import STATE_KEYS, DynamicLossScaler
 from tests.distributed import run_world
 from tests.sharded import sharded_adamw
 from tests.toy import STEPS, Toy, _data, _first_moments, _lr, _reference
@@ -105,10 +105,22 @@ def _resume_run(base, group, offload, stage=1):
     return state["adam_step"], max((p - q).abs().max().item() for p, q in zip(model.parameters(), copy_model.parameters()))
 
 
-def _load_over_pending(base, group):
+def _local_values(opt, state):
+    """Each parameter's value of every state key, cut from a one-rank ``state``: what a resharding
+    load hands ``load_local_state``."""
+    values = [{key: torch.zeros(shape).reshape(-1) for key in STATE_KEYS} for _, shape, _ in opt.local_tensors()]
+    for seg in opt.layout.segments:
+        for key in STATE_KEYS:
+            values[seg.param][key][seg.param_offset:seg.param_offset + seg.numel] = \
+                state[key][seg.shard_offset:seg.shard_offset + seg.numel]
+    return values
+
+
+def _load_over_pending(base, group, local=False):
     """An offloaded optimizer whose last step is still pending (each unit is updated at its next use)
     loads a saved state: what comes after is the saved state, not the saved state updated again by
-    the pending step. Returns how far the parameters then are from those saved."""
+    the pending step. Returns how far the parameters then are from those saved. ``local``: loaded
+    through each parameter's values (``load_local_state``, a resharded resume) instead of the shard."""
     model = copy.deepcopy(base)
     opt = sharded_adamw(model, group, model.blocks, stage=1, bucket_numel=320, lr=1e-2, offload=True)
     for step in range(2):
@@ -119,7 +131,10 @@ def _load_over_pending(base, group):
     saved = [p.detach().clone() for p in model.parameters()]
     opt.scale_loss(model(*_data(2, 0))).backward()
     opt.step()
-    opt.load_sharded_state_dict(state)
+    if local:
+        opt.load_local_state(_local_values(opt, state), state["adam_step"], state["scaler"])
+    else:
+        opt.load_sharded_state_dict(state)
     opt.publish_loaded()
     opt.dp.wait_params()
     return max((p - q).abs().max().item() for p, q in zip(model.parameters(), saved))
@@ -160,7 +175,8 @@ def _single_rank(rank, world_size):
     for offload in (False, True):
         for stage in (1, 3):
             out[("resume", offload, stage)] = _guarded(_resume_run, base, group, offload, stage)
-    out["load over pending"] = _guarded(_load_over_pending, base, group)
+    for local in (False, True):
+        out[("load over pending", local)] = _guarded(_load_over_pending, base, group, local)
     return out
 
 
@@ -205,8 +221,10 @@ def test_a_loaded_state_resumes_the_step_count(single_rank, offload, stage):
     assert diff == 0, f"resumed step differs by {diff:.3g}"
 
 
-def test_a_load_replaces_a_pending_offloaded_update(single_rank):
-    """A state loaded while an offloaded step is still pending replaces that step. (Planted:
-    ``load_sharded_state_dict`` not applying the pending units first, whose late update then moved
-    the loaded master on by one more step.)"""
-    assert _result(single_rank, "load over pending") == 0
+@pytest.mark.parametrize("local", [False, True], ids=["same shard", "per parameter"])
+def test_a_load_replaces_a_pending_offloaded_update(single_rank, local):
+    """A state loaded while an offloaded step is still pending replaces that step, whether it is read
+    as the same shard or per parameter (a resharded resume). (Planted: ``load_sharded_state_dict``,
+    then ``load_local_state``, not applying the pending units first, whose late update then moved the
+    loaded master on by one more step.)"""
+    assert _result(single_rank, ("load over pending", local)) == 0
