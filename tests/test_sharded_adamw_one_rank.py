@@ -140,6 +140,25 @@ def _load_over_pending(base, group, local=False):
     return max((p - q).abs().max().item() for p, q in zip(model.parameters(), saved))
 
 
+def _other_layouts_refused(base, group):
+    """What loading a shard of another description reports: one saved with another bucket size
+    (the same parameters and shard length, the segments elsewhere), and one of other parameter
+    names. None where the load went through."""
+    model, other = copy.deepcopy(base), copy.deepcopy(base)
+    opt = sharded_adamw(model, group, model.blocks, stage=1, bucket_numel=320, lr=1e-2)
+    moved = sharded_adamw(other, group, other.blocks, stage=1, bucket_numel=640, lr=1e-2).sharded_state_dict()
+    assert moved["master"].numel() == opt.master.numel() and moved["params"] == opt.describe()["params"]
+    renamed = {**opt.sharded_state_dict(), "params": [[f"other.{name}", *rest] for name, *rest in moved["params"]]}
+    refusals = []
+    for state in (moved, renamed):
+        try:
+            opt.load_sharded_state_dict(state)
+            refusals.append(None)
+        except ValueError as exc:
+            refusals.append(str(exc))
+    return refusals
+
+
 def _guarded(fn, *args, **kwargs):
     """A case that raises fails its own test (with the traceback) rather than the whole world."""
     try:
@@ -175,6 +194,7 @@ def _single_rank(rank, world_size):
     for offload in (False, True):
         for stage in (1, 3):
             out[("resume", offload, stage)] = _guarded(_resume_run, base, group, offload, stage)
+    out["other layouts"] = _guarded(_other_layouts_refused, base, group)
     for local in (False, True):
         out[("load over pending", local)] = _guarded(_load_over_pending, base, group, local)
     return out
@@ -228,3 +248,11 @@ def test_a_load_replaces_a_pending_offloaded_update(single_rank, local):
     then ``load_local_state``, not applying the pending units first, whose late update then moved the
     loaded master on by one more step.)"""
     assert _result(single_rank, ("load over pending", local)) == 0
+
+
+def test_a_shard_of_another_description_is_refused(single_rank):
+    """A shard whose segments lie elsewhere (another bucket size: the same length, so a copy would go
+    through and scramble every parameter) or whose parameters are others is refused, not copied.
+    (Planted: only the shard's length compared, passed.)"""
+    assert _result(single_rank, "other layouts") == ["the saved shard is laid out differently; load it through "
+                                                     "its logical tensors"] * 2
