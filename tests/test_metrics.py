@@ -152,6 +152,16 @@ def test_one_line_per_log_interval_with_interval_means(tmp_path):
         assert field in lines[1]
 
 
+def test_interval_throughput_is_its_tokens_over_its_wall_time(tmp_path):
+    """Steps of 0.5 s and 1.5 s with 4096 tokens each: the line says 8192 tokens over 2 s, not the last
+    step's rate (2,731 tok/s), nor the mean of the two rates (5,461 tok/s)."""
+    out = io.StringIO()
+    with logger(tmp_path, out, log_interval=2) as log:
+        log.record(step(1, seconds=0.5))
+        log.record(step(2, seconds=1.5))
+    assert "| 4,096 tok/s | 0.002048 TFLOP/s/device | MFU 0.2%" in out.getvalue(), out.getvalue()
+
+
 def test_interval_mean_loss_leaves_out_a_skipped_nan_step(tmp_path):
     """A NaN step (skipped by the loss scaler) inside an interval does not turn its mean into nan:
     the line averages the finite losses, (1 + 4) / 2."""
