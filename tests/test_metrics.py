@@ -91,8 +91,8 @@ def test_unknown_device_or_dtype_has_no_peak(name, dtype):
 
 # --- the logger ---------------------------------------------------------------------------------
 
-def step(n, loss=2.5, seconds=0.5, **kw):
-    return StepMetrics(step=n, loss=loss, lr=1e-4 * n, grad_norm=0.75, tokens=4096, seconds=seconds, **kw)
+def step(n, loss=2.5, seconds=0.5, grad_norm=0.75, **kw):
+    return StepMetrics(step=n, loss=loss, lr=1e-4 * n, grad_norm=grad_norm, tokens=4096, seconds=seconds, **kw)
 
 
 def logger(tmp_path, stream=None, **kw):
@@ -187,12 +187,14 @@ def test_perplexity_of_a_diverged_eval_is_capped_not_an_overflow(tmp_path):
     assert row["val_loss"] == 800.0 and row["val_ppl"] == math.exp(700.0)
 
 
-def test_nonfinite_loss_is_null_not_invalid_json(tmp_path):
+def test_nonfinite_loss_and_grad_norm_are_null_not_invalid_json(tmp_path):
+    """An overflowed step's loss and gradient norm: JSON has no NaN or Infinity, the row holds null."""
     out = io.StringIO()
     with logger(tmp_path, out, log_interval=1) as log:
-        log.record(step(1, loss=float("nan")))
-    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] is None
-    assert "loss nan" in out.getvalue()
+        log.record(step(1, loss=float("nan"), grad_norm=float("inf")))
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row["loss"] is None and row["grad_norm"] is None
+    assert "loss nan" in out.getvalue() and "grad norm nan" in out.getvalue()
 
 
 def test_non_writer_rank_does_no_io(tmp_path):
