@@ -260,6 +260,20 @@ def test_cpu_memory_is_reported(tmp_path):
         assert log.record(step(1))["rss_peak_gib"] > 0
 
 
+def test_cuda_memory_is_reported_and_on_the_line(tmp_path, monkeypatch):
+    """On CUDA a row holds the memory allocated now, its peak and the reserved peak (what CUDA-graph pools
+    use), each from its own counter, and the line says allocated/peak."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1.3 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 3.5 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 4.5 * gib)
+    out = io.StringIO()
+    with logger(tmp_path, out, log_interval=1, device=types.SimpleNamespace(type="cuda")) as log:
+        row = log.record(step(1))
+    assert (row["mem_gib"], row["mem_peak_gib"], row["mem_reserved_peak_gib"]) == (1.3, 3.5, 4.5)
+    assert out.getvalue().rstrip().endswith("| mem 1.3/3.5 GiB"), out.getvalue()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the kernel's own figure in /proc")
 def test_cpu_peak_rss_is_in_gib(tmp_path):
     """Linux reports peak RSS in KiB: the figure matches the kernel's VmHWM (kB) over 2**20."""
