@@ -165,7 +165,7 @@ def test_interleaving_reduces_after_the_last_backward_and_stage_3_pipelines_hide
     """On slow GPUs over NVLink: interleaved (two chunks a rank) ZeRO 1 reduces after the last
     backward, hiding none of it, while its gather still hides behind the next forward; one chunk a
     rank under ZeRO 3 hides its gathers behind each micro-batch and its reduction behind the last
-    backward, exposing nothing."""
+    backward, exposing nothing, and without ``zero.overlap_comm`` exposes that reduction whole."""
     gpu = custom_gpu(H100, peak_tflops=0.001)
     interleaved = config(4, "--parallel.pp", "2", "--parallel.virtual_stages", "2", "--parallel.pipeline_split",
                          "[1, 1, 1, 1]", "--train.global_batch_size", "8")
@@ -173,6 +173,10 @@ def test_interleaving_reduces_after_the_last_backward_and_stage_3_pipelines_hide
     assert estimate_step(interleaved, Cluster(gpu, 4, 4)).dp_comm_s == pytest.approx(reduce_scatter)
     stage3 = config(4, "--parallel.pp", "2", "--zero.stage", "3", "--train.global_batch_size", "8")
     assert estimate_step(stage3, Cluster(gpu, 4, 4)).dp_comm_s == 0
+    # the same stage 3 pipeline without overlap: its once-a-step reduction, after the backward, all shows
+    unhidden = config(4, "--parallel.pp", "2", "--zero.stage", "3", "--zero.overlap_comm", "false",
+                      "--parallel.pipeline_split", "[2, 2]", "--train.global_batch_size", "8")
+    assert estimate_step(unhidden, Cluster(gpu, 4, 4)).dp_comm_s == pytest.approx(reduce_scatter)
 
 
 def test_selective_recompute_repeats_the_attention_cores_of_a_ranks_own_blocks():
