@@ -118,13 +118,16 @@ def test_tensor_parallel_all_reduces_per_block_and_recomputed_forward(recompute,
     assert estimate_step(cfg, Cluster(H100, 2, 2)).tp_comm_s == pytest.approx(all_reduces * all_reduce)
 
 
-@pytest.mark.parametrize("pp, split, blocks", [(1, None, 4), (2, "[1, 3]", 3)])
-def test_a_host_bound_stage_takes_the_hosts_time(pp, split, blocks):
+@pytest.mark.parametrize("pp, split, blocks, vocab", [(1, None, 4, VOCAB), (2, "[1, 3]", 3, VOCAB),
+                                                     (2, "[3, 1]", 3, 32768)])
+def test_a_host_bound_stage_takes_the_hosts_time(pp, split, blocks, vocab):
     """A tensor-parallel model this small, its blocks not replayed as graphs, waits on the host: each
     micro-batch of the busiest stage takes 6 ms a block, its compute and tensor-parallel traffic
-    inside that, whichever rank it is (here the last, with 3 of the 4 blocks)."""
+    inside that, whichever rank it is (the last, with 3 of the 4 blocks; or the first, with 3, while
+    the last, with one block and a head of 32768 words, 39 blocks' work, is the GPUs' slowest)."""
     extra = ["--parallel.pipeline_split", split] if split else []
-    cfg = config(2 * pp, "--parallel.tp", "2", "--parallel.pp", str(pp), "--train.global_batch_size", "4", *extra)
+    cfg = config(2 * pp, "--parallel.tp", "2", "--parallel.pp", str(pp), "--train.global_batch_size", "4",
+                 "--model.vocab_size", str(vocab), *extra)
     est = estimate_step(cfg, Cluster(H100, 2 * pp, 2 * pp))
     assert est.host_s > 0
     assert est.compute_s + est.tp_comm_s + est.host_s == pytest.approx(4 * blocks * 6e-3)
