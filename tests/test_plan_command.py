@@ -27,6 +27,10 @@ def test_plan_json(capsys):
     again = evaluate(resolve_config(cfg, 4, 4), Cluster(GPUS["h100"], 4, 4))
     assert again.step.tokens_per_s == pytest.approx(best["tokens_per_s"], abs=1)
     assert again.memory.peak / GIB == pytest.approx(best["memory_gib"], abs=0.01)
+    assert again.memory.needed / GIB == pytest.approx(best["needed_gib"], abs=0.01)  # margins included
+    assert again.step.step_s == pytest.approx(best["step_s"], rel=1e-3)
+    assert again.step.tflops_per_gpu == pytest.approx(best["tflops_per_gpu"], abs=0.05)
+    assert again.step.mfu == pytest.approx(best["mfu"], abs=5e-4) and 0 < best["mfu"] < 1  # a fraction, not %
 
 
 def test_plan_takes_each_hardware_flag_as_its_own_figure(capsys):
