@@ -156,7 +156,7 @@ def test_a_gpu_count_with_zeros_too_many_is_answered_at_once(capsys):
 def test_plan_notes_that_its_speeds_are_16_bit_for_an_fp32_config(capsys):
     """The presets' peaks are tensor-core bf16/fp16 figures: an fp32 run planned with them looks
     several times faster than it will be, so the plan says so (on stderr under --json, keeping its
-    stdout one JSON object); a bf16 plan has no such note."""
+    stdout one JSON object); a bf16 or fp16 plan has no such note."""
     argv = ["plan", "configs/gpt_1.3b.yaml", "--gpus", "1", "--gpus-per-node", "1", "--top", "1"]
     for extra, stream in (([], "out"), (["--json"], "err")):
         assert main([*argv, *extra, "--precision.dtype", "fp32"]) == 0
@@ -164,8 +164,9 @@ def test_plan_notes_that_its_speeds_are_16_bit_for_an_fp32_config(capsys):
         notes = [line for line in getattr(captured, stream).splitlines() if line.startswith("note:")]
         assert len(notes) == 1 and "precision.dtype is fp32" in notes[0] and "bf16/fp16" in notes[0], captured
     json.loads(captured.out)
-    assert main(argv) == 0
-    assert "note:" not in "".join(capsys.readouterr())
+    for dtype in ([], ["--precision.dtype", "fp16"]):  # the config's own bf16, and fp16: both 16-bit
+        assert main([*argv, *dtype]) == 0
+        assert "note:" not in "".join(capsys.readouterr()), dtype
 
 
 def test_plan_takes_a_config_that_names_a_zero_bubble_schedule(capsys):
