@@ -144,6 +144,15 @@ def test_plan_bad_input_is_one_line(argv, words, capsys):
     assert code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
 
 
+def test_plan_takes_the_least_hardware_figure_each_flag_allows(capsys):
+    """0.001 is the least figure a hardware flag takes, itself included."""
+    code = main(["plan", "configs/demo.yaml", "--gpus", "1", "--gpus-per-node", "1", "--top", "1", "--json",
+                 "--gpu-memory", "0.001", "--peak-tflops", "0.001", "--intra-node-GBps", "0.001",
+                 "--inter-node-GBps", "0.001"])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["gpu"]["peak_tflops"] == 0.001
+
+
 @pytest.mark.timeout(60)
 def test_a_gpu_count_with_zeros_too_many_is_answered_at_once(capsys):
     """The GPUs a plan could use come from the model's splits, not from counting down from --gpus: a
