@@ -70,3 +70,11 @@ def test_the_refusal_shows_the_need_above_the_budget():
     assert float(needed) > float(budget), line
     fits = re.search(r"nearest layout that fits: .* \(([0-9.]+) GiB\)$", line).group(1)  # at one decimal, 1.6 > 1.59
     assert float(fits) <= float(budget) and len(fits) == len(budget), line
+
+
+def test_a_budget_no_layout_fits_says_what_would_help():
+    """A hundredth of what the run needs: no layout of its two ranks fits, and the line says so and what
+    would help, where a traceback came of an empty search."""
+    line = memory_problem(budgeted(0.01, "--model.hidden_size", "256"))
+    assert line.endswith("; no layout of 2 GPUs fits; add GPUs, offload the optimizer (--zero.offload_optimizer true) "
+                         "or shrink the model"), line
