@@ -72,3 +72,12 @@ def test_among_equally_fast_layouts_the_configs_own_knobs_lead():
     ranked = plan(small("--zero.stage", "2", world=1), Cluster(GPUS["h100"], 1, 1))
     assert {c.layout.zero_stage for c in ranked if c.step.step_s == ranked[0].step.step_s} == {0, 1, 2, 3}
     assert ranked[0].layout.zero_stage == 2 and ranked[1].memory.needed < ranked[0].memory.needed
+
+
+def test_among_equally_near_and_fast_fitting_layouts_the_one_using_the_most_memory_is_named():
+    """One GPU at just under what ZeRO 2 needs there: stages 0, 1 and 3 each fit with one change and run
+    as fast; the start-up check names stage 3, the smallest step back from what was asked."""
+    cfg = small("--zero.stage", "2", "--train.micro_batch_size", "16", "--train.global_batch_size", "16", world=1)
+    budget = 0.999 * estimate_memory(cfg).needed / GIB
+    nearest = nearest_fitting(cfg, Cluster(custom_gpu(GPUS["h100"], memory_gib=budget), 1, 1))
+    assert nearest.layout.changes_from(layout_of(cfg)) == ["--zero.stage 3"]
