@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from megazero.config import load_config, resolve_config
 from megazero.planner import estimate_memory
-from megazero.planner.fit import decimals_apart, memory_problem
+from megazero.planner.fit import Budget, decimals_apart, device_budget, memory_problem
 from megazero.planner.hardware import GIB
 
 
@@ -47,15 +47,28 @@ def test_a_stated_budget_on_a_gpu_run_ranks_near_layouts_by_that_gpus_speed(monk
     """The same run and budget on a V100 (a GPU run stating less memory than the device has): its
     compute hides tp 2's launches and pp 2's bubble is the larger cost, so tp 2 is named. Ranked by
     the H100 regardless, it named pp 2, a layout about 40% slower on the V100 at hand."""
+    cfg = budgeted(0.9, "--model.hidden_size", "1024", "--zero.stage", "3", "--parallel.recompute", "full",
+                   "--train.micro_batch_size", "8")
+    assert "nearest layout that fits: --parallel.tp 2 (" in memory_problem(on_gpu(monkeypatch, cfg, "Tesla V100-SXM2-32GB"))
+
+
+def on_gpu(monkeypatch, cfg, name, gib=32):
+    """``cfg`` as a CUDA run on a GPU torch reports as ``name`` with ``gib`` GiB."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: SimpleNamespace(name="Tesla V100-SXM2-32GB", total_memory=32 * 2**30))
-    cfg = budgeted(0.9, "--model.hidden_size", "1024", "--zero.stage", "3", "--parallel.recompute", "full",
-                   "--train.micro_batch_size", "8")
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cuda"))
-    assert "nearest layout that fits: --parallel.tp 2 (" in memory_problem(cfg)
+                        lambda index: SimpleNamespace(name=name, total_memory=gib * 2**30))
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cuda"))
+
+
+def test_a_gpu_run_without_a_stated_budget_is_measured_against_the_gpus_memory(monkeypatch):
+    """No ``train.memory_budget_gib``: the budget is the memory torch reports, in GiB, and the GPU's
+    preset ranks the near layouts."""
+    cfg = budgeted(1.0)
+    cfg = on_gpu(monkeypatch, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_budget_gib=None)),
+                 "NVIDIA H200", gib=140)
+    assert device_budget(cfg) == Budget(140.0, "the NVIDIA H200's memory", "h200")
 
 
 def test_the_refusal_shows_the_need_above_the_budget():
