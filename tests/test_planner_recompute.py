@@ -104,3 +104,16 @@ def test_the_recompute_refused_is_what_the_engine_refuses_of_its_built_blocks(sp
     engine = any(recompute_replays_tp_stream(chunk, "full", every) for rank in range(pp) for chunk in build_chunks(cfg, rank))
     assert engine == refused
     assert recompute_refused(cfg, on_cuda=True) == refused
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recompute_with_dropout_on_one_tensor_rank_is_not_refused(recompute):
+    """Without tensor parallelism dropout draws from the default generator, which recompute restores
+    itself: a compiled run recomputes such blocks, and the plan keeps those layouts."""
+    from megazero.planner.search import recompute_refused
+
+    cfg = resolve_config(load_config(None, [
+        "--model.num_layers", "4", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.vocab_size", "500",
+        "--model.seq_length", "32", "--parallel.recompute", recompute, "--model.dropout", "0.1",
+        "--train.global_batch_size", "8"]), 1, 1)
+    assert not recompute_refused(cfg, on_cuda=True)
