@@ -96,7 +96,7 @@ def test_the_command_samples_by_its_seed_and_top_k(trained, tmp_path, capsys):
 def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
     """The model (seq_length 16) reads only the last 16 of a 20-token prompt; the text printed is
     the whole prompt and its continuation, so a line on stderr says what was read (and nothing is
-    said of a prompt that fits)."""
+    said of a prompt that fits, nor where no token is sampled and the model reads nothing)."""
     tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
     args = ["generate", str(trained[0]), "--tokenizer", tok, "--temperature", "0", "--tokens", "2"]
     assert main([*args, "--prompt", " ".join(f"w{i}" for i in range(20))]) == 0
@@ -105,6 +105,8 @@ def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
     assert captured.err.splitlines() == ["note: --prompt is 20 tokens, more than the model's context of 16 "
                                          "(model.seq_length); only its last 16 tokens are read"]
     assert main([*args, "--prompt", " ".join(f"w{i}" for i in range(16))]) == 0  # exactly the context: read whole
+    assert capsys.readouterr().err == ""
+    assert main([*args, "--tokens", "0", "--prompt", " ".join(f"w{i}" for i in range(20))]) == 0  # nothing read
     assert capsys.readouterr().err == ""
 
 
