@@ -4,6 +4,7 @@
   while a batch ramp-up changes the batch size from step to step.
 * The training and validation samples come from their split's documents, as many as the run reads.
 * The last step is saved on exit even when a periodic save came before it.
+* fp16 overflows, skipped while the loss scale comes down, are not taken for divergence.
 * A stop signal saves the step it stopped at, with ``checkpoint.save_on_exit`` false, and the
   command exits 75 (preempted).
 * A signal that reaches one rank of two stops both at the same step, and both name it.
@@ -107,6 +108,18 @@ def test_the_last_step_is_saved_on_exit_after_a_periodic_save(prefix, tmp_path):
     checkpoints = tmp_path / "run" / "checkpoints"
     assert step_dirs(checkpoints) == ["step_0000002", "step_0000003"]
     assert verify_checkpoint(checkpoints / "step_0000003")["step"] == 3
+
+
+def test_fp16_overflows_with_finite_losses_are_no_divergence(prefix, tmp_path):
+    """A loss scale set far too high overflows every fp16 gradient while the dynamic scaler lowers it:
+    each such step is skipped, but its loss is finite, so three in a row under ``max_bad_steps`` 2
+    still train on (the scaler stops the run at ``min_loss_scale``; only non-finite losses, or skips
+    under bf16 or fp32, are divergence)."""
+    run = tmp_path / "run"
+    assert main(["train", *_overrides(prefix, run, 3, "--precision.dtype", "fp16", "--precision.initial_loss_scale",
+                                      "1e30", "--precision.hysteresis", "1", "--train.max_bad_steps", "2",
+                                      "--checkpoint.save_on_exit", "false")]) == 0
+    assert [row["skipped_steps"] for row in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_a_stop_signal_saves_its_step_even_with_the_exit_save_off(prefix, tmp_path, monkeypatch, capsys):
