@@ -171,7 +171,8 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(prefix, tmp_path
 def test_the_room_asked_for_one_checkpoint_is_12_bytes_a_parameter(prefix, tmp_path, monkeypatch, capsys):
     """A checkpoint holds the fp32 master weights and Adam's two moments: 12 bytes a parameter (a
     little more for the shard's padding). A directory with one byte less than 12 a parameter is
-    refused before the first step; one with 13 a parameter trains."""
+    refused before the first step; one with 13 a parameter trains. Sharded over ranks, the room is
+    still the whole checkpoint's, every rank's shard (planted: rank 0's shard alone)."""
     import shutil
 
     from megazero.config import load_config, resolve_config
@@ -185,6 +186,32 @@ def test_the_room_asked_for_one_checkpoint_is_12_bytes_a_parameter(prefix, tmp_p
         monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=free))
         assert main(["train", *argv]) == code, capsys.readouterr().err
     assert "a checkpoint needs about" in capsys.readouterr().err
+    # two data-parallel ranks hold half the optimizer each: the room asked is for both halves
+    refusals = run_world(2, _refused_for_room, _overrides(prefix, tmp_path / "dp2", 1), 12 * params - 1, timeout=240)
+    assert all(refusals) and "a checkpoint needs about" in refusals[0], refusals
+
+
+def _refused_for_room(rank, world_size, argv, free):
+    """Build a trainer on a world whose checkpoint directory has ``free`` bytes: its refusal, or None."""
+    import shutil
+
+    from megazero.checkpoint import CheckpointError
+    from megazero.config import load_config, resolve_config
+    from megazero.startup import initialize
+    from megazero.trainer import Trainer
+    from parallel.launch import LaunchEnv
+
+    cfg = resolve_config(load_config(None, argv), world_size)
+    device, topology = initialize(cfg, LaunchEnv(rank, world_size, rank, world_size))
+    usage = shutil.disk_usage
+    shutil.disk_usage = lambda path: usage(path)._replace(free=free)
+    try:
+        Trainer(cfg, device, topology)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        shutil.disk_usage = usage
+    return None
 
 
 def _run_pipeline(rank, world_size, argv):
