@@ -8,7 +8,8 @@
 * A stop signal saves the step it stopped at, with ``checkpoint.save_on_exit`` false, and the
   command exits 75 (preempted).
 * A signal that reaches one rank of two stops both at the same step, and both name it.
-* The free space asked of the checkpoint directory before the first step is one checkpoint's.
+* The free space asked of the checkpoint directory before the first step is one checkpoint's, every
+  rank's shard; the memory line printed at the start is the most loaded rank's.
 
 The runs are the real ``megazero train`` command (in this process) or real trainers on a gloo world.
 """
@@ -168,7 +169,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(prefix, tmp_path
     assert {entry["rank"] for entry in files.values()} == {0, 1}, files
 
 
-def test_the_room_asked_for_one_checkpoint_is_12_bytes_a_parameter(prefix, tmp_path, monkeypatch, capsys):
+def test_the_room_asked_for_one_checkpoint_is_12_bytes_a_parameter(prefix, tmp_path, monkeypatch, capsys, two_stages):
     """A checkpoint holds the fp32 master weights and Adam's two moments: 12 bytes a parameter (a
     little more for the shard's padding). A directory with one byte less than 12 a parameter is
     refused before the first step; one with 13 a parameter trains. Sharded over ranks, the room is
@@ -186,13 +187,36 @@ def test_the_room_asked_for_one_checkpoint_is_12_bytes_a_parameter(prefix, tmp_p
         monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=free))
         assert main(["train", *argv]) == code, capsys.readouterr().err
     assert "a checkpoint needs about" in capsys.readouterr().err
-    # two data-parallel ranks hold half the optimizer each: the room asked is for both halves
-    refusals = run_world(2, _refused_for_room, _overrides(prefix, tmp_path / "dp2", 1), 12 * params - 1, timeout=240)
+    # two pipeline stages hold a part of the optimizer each: the room asked is for both parts
+    refusals = [refusal for _, refusal in two_stages]
     assert all(refusals) and "a checkpoint needs about" in refusals[0], refusals
 
 
-def _refused_for_room(rank, world_size, argv, free):
-    """Build a trainer on a world whose checkpoint directory has ``free`` bytes: its refusal, or None."""
+def test_the_memory_line_is_the_most_loaded_ranks(two_stages):
+    """At the start rank 0 prints one rank's ZeRO memory line, the most loaded rank's (rank 1's here,
+    three blocks and the head against rank 0's one block), and the spread over the ranks."""
+    said = two_stages[0][0]
+    lines = [line for line in said.splitlines() if "model states" in line]
+    assert lines[0].startswith("[rank 1] ZeRO-1 model states"), said
+    assert lines[1].startswith("megazero: model states over 2 ranks: "), said
+
+
+@pytest.fixture(scope="module")
+def two_stages(prefix, tmp_path_factory):
+    """Trainers built on a two-stage pipeline of split [1, 3], by rank: (what the one with room to save
+    printed, the refusal of one whose checkpoint directory lacks a byte of 12 a parameter)."""
+    from megazero.config import load_config, resolve_config
+    from models.gpt import GPT
+
+    argv = [*_overrides(prefix, tmp_path_factory.mktemp("two-stages"), 1, "--parallel.pp", "2",
+                        "--parallel.pipeline_split", "[1, 3]"), "--model.num_layers", "4"]
+    params = sum(p.numel() for p in GPT(resolve_config(load_config(None, argv), 2).model, device="meta").parameters())
+    return run_world(2, _start_two_stages, argv, 12 * params - 1, timeout=240)
+
+
+def _start_two_stages(rank, world_size, argv, free):
+    import contextlib
+    import io
     import shutil
 
     from megazero.checkpoint import CheckpointError
@@ -203,15 +227,19 @@ def _refused_for_room(rank, world_size, argv, free):
 
     cfg = resolve_config(load_config(None, argv), world_size)
     device, topology = initialize(cfg, LaunchEnv(rank, world_size, rank, world_size))
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        Trainer(cfg, device, topology)
     usage = shutil.disk_usage
     shutil.disk_usage = lambda path: usage(path)._replace(free=free)
     try:
         Trainer(cfg, device, topology)
+        refusal = None
     except CheckpointError as exc:
-        return str(exc)
+        refusal = str(exc)
     finally:
         shutil.disk_usage = usage
-    return None
+    return said.getvalue(), refusal
 
 
 def _run_pipeline(rank, world_size, argv):
