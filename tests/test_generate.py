@@ -62,6 +62,7 @@ def test_the_model_holds_the_trained_weights(trained):
     root, weights = trained
     model, cfg = load_model(root)
     assert cfg.model.vocab_size == VOCAB
+    assert not model.training  # a model trained with dropout samples and converts without it
     loaded = dict(model.named_parameters())
     assert set(loaded) == set(weights)
     for name, value in weights.items():
