@@ -123,6 +123,18 @@ def test_fp16_overflows_with_finite_losses_are_no_divergence(prefix, tmp_path):
     assert [row["skipped_steps"] for row in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_a_step_that_fails_as_it_is_queued_leaves_the_step_before_it_logged(prefix, tmp_path, monkeypatch):
+    """Ctrl-C while step 3 is queued, step 2 still in flight: step 2 trained, so its results are read
+    and logged before the interrupt ends the command (130)."""
+    def interrupt(n):
+        if n == 3:
+            raise KeyboardInterrupt
+    _record_steps(monkeypatch, interrupt)
+    run = tmp_path / "run"
+    assert main(["train", *_overrides(prefix, run, 5, "--checkpoint.save_on_exit", "false")]) == 130
+    assert [row["step"] for row in read_metrics(run / "metrics.jsonl")] == [1, 2]
+
+
 def test_a_stop_signal_saves_its_step_even_with_the_exit_save_off(prefix, tmp_path, monkeypatch, capsys):
     """SIGTERM while step 2 is queued: step 2 finishes, is saved though ``save_on_exit`` is false,
     no step 3 is trained, and the command's status is 75."""
