@@ -3,6 +3,7 @@
 * Each step trains the global batch that starts where the steps before it stopped consuming, also
   while a batch ramp-up changes the batch size from step to step.
 * The training and validation samples come from their split's documents, as many as the run reads.
+* An evaluation reads whole global batches, also during a batch ramp-up.
 * The last step is saved on exit even when a periodic save came before it.
 * fp16 overflows, skipped while the loss scale comes down, are not taken for divergence.
 * A stop signal saves the step it stopped at, with ``checkpoint.save_on_exit`` false, and the
@@ -79,6 +80,24 @@ def test_each_step_trains_the_samples_after_those_consumed(prefix, tmp_path, mon
     assert [b.tolist() for b in batches] == [e.tolist() for e in expected]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [row["consumed_samples"] for row in rows] == [2, 4, 8, 12], rows
+
+
+def test_an_evaluation_during_a_batch_ramp_up_reads_whole_global_batches(prefix, tmp_path, monkeypatch):
+    """Evaluations compare only over the same batches: while a ramp-up trains 2 samples a step, each
+    still reads ``eval_steps`` global batches of 4, as every later one does."""
+    from megazero.engine import Engine
+
+    read, eval_loss = [], Engine.eval_loss
+
+    def recorded(engine, microbatches):
+        read.append(sum(m["tokens"].shape[0] for m in microbatches))
+        return eval_loss(engine, microbatches)
+    monkeypatch.setattr(Engine, "eval_loss", recorded)
+    argv = _overrides(prefix, tmp_path / "run", 2, "--data.split", "8,2,0", "--train.eval_interval", "1",
+                      "--train.eval_steps", "2", "--schedule.rampup_start_batch", "2", "--schedule.rampup_increment",
+                      "2", "--schedule.rampup_samples", "4", "--checkpoint.save_on_exit", "false")
+    assert main(["train", *argv]) == 0
+    assert read == [BATCH] * 4, read  # two evaluations of two batches
 
 
 def test_a_runs_datasets_hold_the_samples_it_reads_from_the_documents_of_their_split(prefix, tmp_path):
