@@ -1,6 +1,6 @@
 """`megazero.generate.sample` against a model whose next-token logits are known, so each rule of the
-sampler is checked against a value computed here: the window the model reads, the top-k cut, the
-temperature's effect on the probabilities, and the seed."""
+sampler is checked against a value computed here: the window the model reads, the position whose
+logits give the next token, the top-k cut, the temperature's effect on the probabilities, and the seed."""
 
 from __future__ import annotations
 
@@ -35,6 +35,26 @@ def test_the_model_reads_the_last_seq_length_tokens():
     out = sample(model, [0, 1, 0, 1, 0], 3, temperature=0)
     assert out == [0, 1, 0, 1, 0, 2, 2, 2]
     assert model.windows == [[1, 0, 1, 0], [0, 1, 0, 2], [1, 0, 2, 2]]
+
+
+class Successor(torch.nn.Module):
+    """Predicts at each position the id after the one there (mod the vocabulary), as a model whose
+    logits do depend on the tokens: greedy decoding then counts on from the last token."""
+
+    def __init__(self, vocab_size: int, seq_length: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.cfg = SimpleNamespace(seq_length=seq_length)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot((tokens + 1) % self.vocab_size, self.vocab_size).float()
+
+
+def test_the_next_token_is_drawn_from_the_last_positions_logits():
+    """The logits at the window's last position predict the next token; any other position's predict
+    a token already there."""
+    assert sample(Successor(5, seq_length=4), [3, 0, 1], 4, temperature=0) == [3, 0, 1, 2, 3, 4, 0]
+    assert sample(Successor(5, seq_length=4), [3, 0, 1], 4, temperature=1.0, top_k=1) == [3, 0, 1, 2, 3, 4, 0]
 
 
 def test_only_the_top_k_tokens_are_sampled():
