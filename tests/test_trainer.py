@@ -263,7 +263,7 @@ second, so the check leaves a busy machine a second of slack."""
 
 def _step_times(run_dir, overrides):
     """Train one process whose engine takes ``STEP_SLEEP[k]`` seconds longer over step k; returns
-    (the sleep, the logged step time) per step."""
+    (the sleep, the logged step time, the logged wait for its results) per step."""
     def patch(trainer):
         train_step = trainer.engine.train_step
 
@@ -272,7 +272,8 @@ def _step_times(run_dir, overrides):
             return train_step(micro, lr)
         trainer.engine.train_step = slowed
     _train(overrides, 1, prepare=patch)
-    return [(STEP_SLEEP[row["step"]], row["step_time_s"]) for row in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
+    return [(STEP_SLEEP[row["step"]], row["step_time_s"], row["host_wait_s"])
+            for row in read_metrics(os.path.join(run_dir, "metrics.jsonl"))]
 
 
 def _stop_at_third_check(run_dir, overrides):
@@ -316,11 +317,13 @@ def test_tp2_pp2_dp2_matches_one_process(layouts, stage):
 def test_each_step_is_timed_by_its_own_work(layouts):
     """On a CPU a step is computed while it is queued, and the trainer queues the next step before it
     reads this one: a step's logged time is its own work, not the next step's, and a step the run
-    pauses after (step 3 saves) is not logged as taking no time."""
+    pauses after (step 3 saves) is not logged as taking no time. Its results are ready as it is read:
+    the host's wait for them is not the step's own time (planted: counted from its queueing)."""
     times = layouts["step_times"]
     assert len(times) == 6, times
-    for sleep, seconds in times:
+    for sleep, seconds, wait in times:
         assert sleep <= seconds < sleep + 1.1, times  # the rest of a step takes 0.1-0.2 s on an idle machine
+        assert 0 <= wait < 1.0, times
 
 
 def test_a_token_budget_ends_at_the_step_that_reaches_it(layouts):
