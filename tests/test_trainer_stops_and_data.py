@@ -121,6 +121,18 @@ def test_a_runs_datasets_hold_the_samples_it_reads_from_the_documents_of_their_s
     assert len(build_datasets(budget, train_samples(budget))[0]) >= 2 * BATCH
 
 
+def test_a_shard_whose_index_cannot_be_read_leaves_the_others_digested(prefix, tmp_path):
+    """The shard digests a checkpoint records, and a resume compares, leave out a shard whose .idx
+    cannot be read (its own check names it) and still hold every other: a resume then also names a
+    shard rewritten since, in the same pass."""
+    from data_pipeline.shard_files import idx_sha256
+    from megazero.config import load_config
+    from megazero.data import shard_digests
+
+    cfg = load_config(None, ["--data.blend", f"[[1.0, {tmp_path / 'gone_text_document'}], [1.0, {prefix}]]"])
+    assert shard_digests(cfg) == {os.path.realpath(prefix): idx_sha256(prefix)[0]}
+
+
 def test_the_last_step_is_saved_on_exit_after_a_periodic_save(prefix, tmp_path):
     """3 steps, a checkpoint every 2: step 2's periodic save, then step 3's on exit, which a relaunch
     resumes from."""
