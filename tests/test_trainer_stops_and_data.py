@@ -244,10 +244,18 @@ def test_the_memory_line_is_the_most_loaded_ranks(two_stages):
     assert lines[1].startswith("megazero: model states over 2 ranks: "), said
 
 
+def test_the_start_up_line_counts_the_nodes_the_launcher_gives(two_stages):
+    """The layout line counts nodes by the ranks the launcher starts on each (``LOCAL_WORLD_SIZE``), by
+    which it also says whether tensor groups span nodes; not by the world's size."""
+    said = two_stages[0][0]
+    assert "megazero: tp1 x dp1 x pp2 = 2 ranks on 2 nodes; tp groups within nodes (cpu)" in said.splitlines(), said
+
+
 @pytest.fixture(scope="module")
 def two_stages(prefix, tmp_path_factory):
-    """Trainers built on a two-stage pipeline of split [1, 3], by rank: (what the one with room to save
-    printed, the refusal of one whose checkpoint directory lacks a byte of 12 a parameter)."""
+    """Trainers built on a two-stage pipeline of split [1, 3] over two nodes of one rank each, by rank:
+    (what the start-up and the one with room to save printed, the refusal of one whose checkpoint
+    directory lacks a byte of 12 a parameter)."""
     from megazero.config import load_config, resolve_config
     from models.gpt import GPT
 
@@ -269,9 +277,9 @@ def _start_two_stages(rank, world_size, argv, free):
     from parallel.launch import LaunchEnv
 
     cfg = resolve_config(load_config(None, argv), world_size)
-    device, topology = initialize(cfg, LaunchEnv(rank, world_size, rank, world_size))
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
+        device, topology = initialize(cfg, LaunchEnv(rank, world_size, 0, 1))  # two nodes of one rank each
         Trainer(cfg, device, topology)
     usage = shutil.disk_usage
     shutil.disk_usage = lambda path: usage(path)._replace(free=free)
