@@ -142,16 +142,17 @@ def test_the_last_step_is_saved_on_exit_after_a_periodic_save(prefix, tmp_path):
     assert verify_checkpoint(checkpoints / "step_0000003")["step"] == 3
 
 
-def test_fp16_overflows_with_finite_losses_are_no_divergence(prefix, tmp_path):
+def test_fp16_overflows_with_finite_losses_are_no_divergence(prefix, tmp_path, capsys):
     """A loss scale set far too high overflows every fp16 gradient while the dynamic scaler lowers it:
     each such step is skipped, but its loss is finite, so three in a row under ``max_bad_steps`` 2
     still train on (the scaler stops the run at ``min_loss_scale``; only non-finite losses, or skips
-    under bf16 or fp32, are divergence)."""
+    under bf16 or fp32, are divergence), and the last line counts them."""
     run = tmp_path / "run"
     assert main(["train", *_overrides(prefix, run, 3, "--precision.dtype", "fp16", "--precision.initial_loss_scale",
                                       "1e30", "--precision.hysteresis", "1", "--train.max_bad_steps", "2",
                                       "--checkpoint.save_on_exit", "false")]) == 0
     assert [row["skipped_steps"] for row in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    assert "megazero: finished at step 3 (12 samples, 3 skipped)" in capsys.readouterr().out.splitlines()
 
 
 def test_a_step_that_fails_as_it_is_queued_leaves_the_step_before_it_logged(prefix, tmp_path, monkeypatch):
