@@ -44,13 +44,14 @@ def test_a_rendezvous_port_in_use_is_one_line(files, capsys, monkeypatch):
 
 
 def test_an_unfinished_first_save_is_said_and_the_record_kept(files, capsys):
-    """A run whose only checkpoint died mid-save starts over, saying so; its metrics are kept, marked."""
+    """A run whose checkpoints all died mid-save starts over, naming the newest; its metrics are kept, marked."""
     run = files["root"] / "unfinished"
-    (run / "checkpoints" / "step_0000002.tmp").mkdir(parents=True)
+    for step in (2, 10):
+        (run / "checkpoints" / f"step_{step:07d}.tmp").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')
     assert main(["train", *_model(files["good"], str(run)), "--train.train_steps", "1"]) == 0
     out = capsys.readouterr().out
-    assert "holds no complete checkpoint, only the unfinished save step_0000002.tmp; starting from step 0" in out
+    assert "holds no complete checkpoint, only the unfinished save step_0000010.tmp; starting from step 0" in out
     text = (run / "metrics.jsonl").read_text()
     assert text.startswith('{"step": 1, "loss": 9.0}\n{"step": 2, "lo\n{"event": "resume", "step": 0'), text
 
