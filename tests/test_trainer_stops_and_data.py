@@ -295,24 +295,36 @@ def _start_two_stages(rank, world_size, argv, free):
 
 
 def _run_pipeline(rank, world_size, argv):
-    """``megazero train``'s run on a two-rank pipeline: locks, checks, training, the config's record."""
+    """``megazero train``'s run on a two-rank pipeline: locks, checks, training, the config's record;
+    its status and what it printed."""
+    import contextlib
+    import io
+
     from megazero.config import load_config, resolve_config
     from megazero.startup import start_run
     from parallel.launch import LaunchEnv
 
-    return start_run(resolve_config(load_config(None, argv), world_size), LaunchEnv(rank, world_size, rank, world_size))
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        status = start_run(resolve_config(load_config(None, argv), world_size),
+                           LaunchEnv(rank, world_size, rank, world_size))
+    return status, said.getvalue()
 
 
 def test_the_config_record_holds_the_pipeline_split_that_trains(prefix, tmp_path):
     """A run saved with the split [1, 3] and resumed with none given keeps the checkpoint's split, and
     its config.yaml says so: the record is what trains (planted: the config as given, whose split was
-    none, was written, so a relaunch from the record would have trained another split)."""
+    none, was written, so a relaunch from the record would have trained another split). The start says
+    which split it keeps, against the default."""
     import yaml
 
     run = tmp_path / "run"
     base = [*_overrides(prefix, run, 1, "--parallel.pp", "2"), "--model.num_layers", "4"]
-    assert run_world(2, _run_pipeline, [*base, "--parallel.pipeline_split", "[1, 3]"], timeout=240) == [0, 0]
-    assert run_world(2, _run_pipeline, [*base, "--train.train_steps", "2"], timeout=240) == [0, 0]
+    saved = run_world(2, _run_pipeline, [*base, "--parallel.pipeline_split", "[1, 3]"], timeout=240)
+    assert [status for status, _ in saved] == [0, 0]
+    resumed = run_world(2, _run_pipeline, [*base, "--train.train_steps", "2"], timeout=240)
+    assert [status for status, _ in resumed] == [0, 0]
+    assert "megazero: keeping the checkpoint's pipeline split [1, 3] (the default is now " in resumed[0][1], resumed
     assert step_dirs(run / "checkpoints") == ["step_0000001", "step_0000002"]
     record = yaml.safe_load((run / "config.yaml").read_text())
     assert record["parallel"]["pipeline_split"] == [1, 3], record["parallel"]
