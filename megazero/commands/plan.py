@@ -70,7 +70,8 @@ def run(args) -> int:
     validate_without_layout(cfg)  # the config's own values; each layout is validated whole for the world below
     gpu = custom_gpu(GPUS[args.gpu], args.gpu_memory, args.peak_tflops, args.intra_node_GBps, args.inter_node_GBps)
     cluster = Cluster(gpu, args.gpus, min(args.gpus_per_node, args.gpus))
-    fixed = frozenset(key.replace("-", "_") for key, _ in parse_overrides(overrides, Config)) & set(KNOBS)
+    # the knobs the command line holds, named as the config spells them (load_config refused any other spelling)
+    fixed = frozenset(key for key, _ in parse_overrides(overrides, Config)) & set(KNOBS)
     ranked = plan(cfg, cluster, fixed)
     if not ranked:
         usable = largest_world(cfg, args.gpus, cluster.gpus_per_node)
