@@ -81,3 +81,14 @@ def test_among_equally_near_and_fast_fitting_layouts_the_one_using_the_most_memo
     budget = 0.999 * estimate_memory(cfg).needed / GIB
     nearest = nearest_fitting(cfg, Cluster(custom_gpu(GPUS["h100"], memory_gib=budget), 1, 1))
     assert nearest.layout.changes_from(layout_of(cfg)) == ["--zero.stage 3"]
+
+
+def test_zb_v_is_planned_only_where_the_config_names_it():
+    """ZB-V's equal-cost bubble is half ZB-H1's, yet it ran slower than ZB-H2 on H200s: the search tries
+    it only for a config that names it, beside the other zero-bubble schedules it tries for any pipeline."""
+    cluster = Cluster(GPUS["h100"], 2, 2)
+    searched = {c.layout.schedule for c in plan(small("--train.global_batch_size", "8"), cluster)}
+    assert {"zb-h1", "zb-h2"} <= searched and "zb-v" not in searched
+    named = small("--train.global_batch_size", "8", "--parallel.pipeline_schedule", "zb-v", "--parallel.pp", "2",
+                  "--parallel.virtual_stages", "2")
+    assert "zb-v" in {c.layout.schedule for c in plan(named, cluster)}
