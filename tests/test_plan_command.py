@@ -19,6 +19,7 @@ def test_plan_json(capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["gpus"] == 4 and out["gpu"]["memory_gib"] == 80.0 and len(out["layouts"]) == 3
+    assert out["valid_layouts"] >= out["fitting_layouts"] > 3  # every layout counted, not the rows shown
     best = out["layouts"][0]
     assert best["fits"] and best["tp"] * best["pp"] * best["dp"] == 4
     assert [r["step_s"] for r in out["layouts"]] == sorted(r["step_s"] for r in out["layouts"])
