@@ -72,7 +72,7 @@ def test_unknown_recompute_mode():
     ("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 80GB HBM3", "fp32", 67),
     ("NVIDIA H100 PCIe", "bf16", 756), ("NVIDIA H100 NVL", "fp16", 835),
     ("NVIDIA H800", "bf16", 989), ("NVIDIA H800 PCIe", "bf16", 756),  # the PCIe card had the SXM's peak
-    ("NVIDIA H200", "bf16", 989), ("NVIDIA GH200 480GB", "bf16", 989),
+    ("NVIDIA H200", "bf16", 989), ("NVIDIA H200 NVL", "bf16", 835), ("NVIDIA GH200 480GB", "bf16", 989),
     ("NVIDIA A100-SXM4-80GB", "bf16", 312), ("NVIDIA A100 80GB PCIe", "fp32", 19.5),
     ("Tesla V100-SXM2-32GB", "fp16", 125), ("Tesla V100-PCIE-16GB", "fp16", 112),
     ("Tesla V100S-PCIE-32GB", "fp16", 130),
