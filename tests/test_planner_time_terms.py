@@ -61,13 +61,16 @@ def test_each_pipeline_rank_pays_for_its_own_weights_and_blocks():
     assert rank_params(cfg, 0) > 3 * (12 * H * H + 13 * H) > rank_params(cfg, 1)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_optimizer_step_streams_its_shard_through_hbm(stage):
+@pytest.mark.parametrize("stage, accumulate_fp32", [(0, True), (1, True), (2, True), (3, True), (1, False)])
+def test_optimizer_step_streams_its_shard_through_hbm(stage, accumulate_fp32):
     """Per shard element: master and two moments read and written (24 bytes), the fp32 gradient read
-    (4) and the bf16 parameter written (2), at 80% of 3350 GB/s; ZeRO 1-3 shard over dp 2."""
-    cfg = config(2, "--zero.stage", str(stage), "--train.global_batch_size", "2")
+    (4, or 2 for bf16 gradients) and the bf16 parameter written (2), at 80% of 3350 GB/s; ZeRO 1-3
+    shard over dp 2."""
+    cfg = config(2, "--zero.stage", str(stage), "--train.global_batch_size", "2",
+                 "--precision.accumulate_fp32", str(accumulate_fp32).lower())
     shard = NUMEL / (2 if stage else 1)
-    assert estimate_step(cfg, Cluster(H100, 2, 2)).optimizer_s == pytest.approx(shard * 30 / (3350e9 * 0.8))
+    per_element = 24 + (4 if accumulate_fp32 else 2) + 2
+    assert estimate_step(cfg, Cluster(H100, 2, 2)).optimizer_s == pytest.approx(shard * per_element / (3350e9 * 0.8))
 
 
 def _data_parallel(stage, overlap):
