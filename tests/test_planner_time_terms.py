@@ -33,18 +33,18 @@ def config(world, *overrides):
         "--train.micro_batch_size", "1", *overrides]), world, world)
 
 
-@pytest.mark.parametrize("mbs, recompute", [(1, "none"), (4, "none"), (1, "full")])
-def test_a_micro_batch_costs_its_weights_traffic_and_its_blocks_whatever_its_tokens(mbs, recompute):
+@pytest.mark.parametrize("mbs, recompute, grad_bytes", [(1, "none", 4), (4, "none", 4), (1, "full", 4), (1, "none", 2)])
+def test_a_micro_batch_costs_its_weights_traffic_and_its_blocks_whatever_its_tokens(mbs, recompute, grad_bytes):
     """Per micro-batch: each bf16 weight read twice (forward, input gradient) and each fp32 gradient read
-    and written (12 bytes a parameter) at 80% of 3350 GB/s, plus 0.26 ms a block (a recomputed forward a
-    third of that), on top of the FLOPs; the same for 1 sequence or 4 (planted: the traffic counted once
-    per step, not per micro-batch; recomputed blocks left out)."""
+    and written (12 bytes a parameter; 8 with bf16 gradients) at 80% of 3350 GB/s, plus 0.26 ms a block (a
+    recomputed forward a third of that), on top of the FLOPs; the same for 1 sequence or 4 (planted: the
+    traffic counted once per step, not per micro-batch; recomputed blocks left out)."""
     cfg = config(1, "--train.micro_batch_size", str(mbs), "--train.global_batch_size", str(4 * mbs),
-                 "--parallel.recompute", recompute)
+                 "--parallel.recompute", recompute, "--precision.accumulate_fp32", str(grad_bytes == 4).lower())
     with_fixed, flops_only = (estimate_step(cfg, Cluster(gpu, 1, 1)).compute_s for gpu in (GPUS["h100"], H100))
     fixed = with_fixed - flops_only
     blocks = LAYERS * (4 / 3 if recompute == "full" else 1)
-    assert fixed == pytest.approx(4 * (NUMEL * 12 / (3350e9 * 0.8) + blocks * 0.26e-3))
+    assert fixed == pytest.approx(4 * (NUMEL * (4 + 2 * grad_bytes) / (3350e9 * 0.8) + blocks * 0.26e-3))
 
 
 def test_each_pipeline_rank_pays_for_its_own_weights_and_blocks():
