@@ -49,7 +49,8 @@ def test_a_stated_budget_on_a_gpu_run_ranks_near_layouts_by_that_gpus_speed(monk
     the H100 regardless, it named pp 2, a layout about 40% slower on the V100 at hand."""
     cfg = budgeted(0.9, "--model.hidden_size", "1024", "--zero.stage", "3", "--parallel.recompute", "full",
                    "--train.micro_batch_size", "8")
-    assert "nearest layout that fits: --parallel.tp 2 (" in memory_problem(on_gpu(monkeypatch, cfg, "Tesla V100-SXM2-32GB"))
+    cfg = on_gpu(monkeypatch, cfg, "Tesla V100-SXM2-32GB")
+    assert "nearest layout that fits: --parallel.tp 2 (" in memory_problem(cfg)
 
 
 def on_gpu(monkeypatch, cfg, name, gib=32):
