@@ -113,13 +113,15 @@ def test_the_head_rank_keeps_its_share_of_the_logits_under_tensor_parallelism():
 
 
 def test_gradient_buckets_are_two_at_most_the_gradients_and_none_without_data_parallelism():
-    """Two buckets (one reducing while the next fills), but never more than the rank's fp32 gradients
-    (a model smaller than a bucket has one partial bucket's worth); a single data-parallel rank
+    """Two buckets (one reducing while the next fills), but never more than the rank's gradients, fp32 or
+    bf16 (a model smaller than a bucket has one partial bucket's worth); a single data-parallel rank
     reduces and gathers nothing and holds none, at stage 3 too."""
     from megazero.planner.memory import buffer_bytes
 
     numel = LAYERS * BLOCK + 512 * H + SEQ * H + 2 * H
     assert buffer_bytes(config(2, "--train.global_batch_size", "2"), 0) == pytest.approx(4 * numel)
+    bf16_grads = config(2, "--precision.accumulate_fp32", "false", "--train.global_batch_size", "2")
+    assert buffer_bytes(bf16_grads, 0) == pytest.approx(2 * numel)  # bf16 gradients, bf16 buckets
     small_buckets = config(2, "--zero.bucket_size_mb", "0.25", "--train.global_batch_size", "2")
     assert buffer_bytes(small_buckets, 0) == pytest.approx(2 * 0.25 * 2**20)
     assert buffer_bytes(config(1, "--train.global_batch_size", "1"), 0) == 0
