@@ -187,6 +187,13 @@ def test_perplexity_of_a_diverged_eval_is_capped_not_an_overflow(tmp_path):
     assert row["val_loss"] == 800.0 and row["val_ppl"] == math.exp(700.0)
 
 
+def test_a_nan_eval_loss_and_its_perplexity_are_null(tmp_path):
+    with logger(tmp_path, log_interval=100) as log:
+        row = log.record(step(3, val_loss=float("nan")))
+    written = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert (row["val_loss"], row["val_ppl"]) == (written["val_loss"], written["val_ppl"]) == (None, None)
+
+
 def test_nonfinite_loss_and_grad_norm_are_null_not_invalid_json(tmp_path):
     """An overflowed step's loss and gradient norm: JSON has no NaN or Infinity, the row holds null."""
     out = io.StringIO()
