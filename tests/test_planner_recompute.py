@@ -83,6 +83,19 @@ def test_a_half_block_repeats_its_half():
     assert [rank_recomputed_work(cfg, rank) for rank in range(2)] == pytest.approx(expected)
 
 
+def test_selective_recompute_repeats_each_blocks_attention_core():
+    """Selective recompute repeats each block's attention core, the work ``flops_per_token`` counts for
+    it, in the op costs that time the zero-bubble schedules (planted: the whole attention half, its
+    projections included, passed)."""
+    cfg = _config(6, 2, 1)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, recompute="selective"))
+    m = cfg.model
+    block_forward = (flops_per_token(m) - 6 * m.hidden_size * m.vocab_size) / m.num_layers / 3
+    core = (flops_per_token(m, "selective") - flops_per_token(m)) / m.num_layers / block_forward
+    assert 0 < core < attention_share(m)
+    assert _recomputed_by_stage(cfg) == pytest.approx([3 * core, 3 * core])
+
+
 @pytest.mark.parametrize("split, every", [("[1.5, 2.5]", 2), ("[2.5, 1.5]", 3), ("[0.5, 3.5]", 2), ("[1.5, 1, 1.5]", 2)])
 @pytest.mark.parametrize("dropout, refused", [("--model.attention_dropout", True), ("--model.dropout", True), (None, False)])
 def test_the_recompute_refused_is_what_the_engine_refuses_of_its_built_blocks(split, every, dropout, refused):
