@@ -107,3 +107,35 @@ def test_persistence_threshold_keeps_only_smaller_parameters_whole():
     for block in blocks:
         assert homes[id(block.weight)] is block
         assert homes[id(block.bias)] is None
+
+
+def _tile_table():
+    """The one-pass AdamW kernel's table of tiles over a bucket's segments (its module imports Triton)."""
+    pytest.importorskip("triton")
+    from models.kernels.adamw import tile_table
+
+    return tile_table
+
+
+def test_adamw_tiles_cut_each_segment_from_its_start_with_its_decay():
+    """Tiles of at most 1024 elements from each segment's start, the last one short, each with its
+    segment's weight-decay flag. (Planted: every tile marked as decaying, which would decay biases
+    and norm weights.)"""
+    table = _tile_table()([(0, 2500, True), (2560, 10, False)], 2624, torch.device("cpu"))
+    assert table.dtype == torch.int32
+    assert table.tolist() == [[0, 1024, 1], [1024, 1024, 1], [2048, 452, 1], [2560, 10, 0]]
+
+
+@pytest.mark.parametrize("segments, bucket_numel, words", [
+    ([(0, 10, True), (96, 10, True)], 192, "segment at 96 of length 10"),  # starts inside a 16-byte group
+    ([(0, 70, True), (64, 10, True)], 128, "segment at 0 of length 70 is followed at 64"),  # rounded into the next
+    ([(0, 70, True), (128, 10, True)], 160, "segment at 128 of length 10 is followed at 160"),  # past the slice
+    ([], 2**32, "int32 offsets"),
+], ids=["misaligned start", "no padding before the next", "no padding before the end", "too large"])
+def test_adamw_tiles_refuse_a_layout_the_kernel_cannot_run(segments, bucket_numel, words):
+    """The kernel loads whole 64-element groups, rounding each segment's end up into the padding, and
+    addresses the bucket with int32 offsets: a layout that breaks either is refused, not run over its
+    neighbours. (Planted: the start's alignment not checked; each segment's end checked against the
+    bucket's end instead of the next segment's start; the size not checked.)"""
+    with pytest.raises(ValueError, match=words):
+        _tile_table()(segments, bucket_numel, torch.device("cpu"))
