@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.optim import STATE_KEYS, DynamicLossScaler
+from parallel.data_parallel.storage import holds_storage
 from tests.distributed import run_world
 from tests.sharded import sharded_adamw
 from tests.toy import STEPS, Toy, _data, _first_moments, _lr, _reference
@@ -80,6 +81,18 @@ def _skip_run(base, group, forced=False, **settings):
         o.dp.wait_params()
     clean = max((p - q).abs().max().item() for p, q in zip(model.parameters(), fresh.parameters()))
     return result.skipped, scale, unchanged, clean, result.grad_norm
+
+
+def _skipped_stage3_release(base, group):
+    """A stage-3 step of the pipeline's ``once_per_step`` mode (every block kept gathered through the
+    backward) skipped for an fp16 overflow: which blocks hold gathered parameters before and after it."""
+    model = copy.deepcopy(base)
+    opt = sharded_adamw(model, group, model.blocks, stage=3, bucket_numel=320, lr=1e-2, once_per_step=True,
+                        loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1))
+    opt.scale_loss(model(*_data(0, 0)) * float("inf")).backward()
+    before = tuple(holds_storage(block.fc.weight) for block in model.blocks)
+    skipped = opt.step().skipped
+    return before, skipped, tuple(holds_storage(block.fc.weight) for block in model.blocks)
 
 
 def _resume_run(base, group, offload, stage=1):
@@ -191,6 +204,7 @@ def _single_rank(rank, world_size):
                                         loss_scaler=DynamicLossScaler(initial_scale=1024, hysteresis=1))
     for fused in (True, False):
         out[("skip", "forced", fused)] = _guarded(_skip_run, base, group, forced=True, fused=fused)
+    out["skipped stage 3"] = _guarded(_skipped_stage3_release, base, group)
     for offload in (False, True):
         for stage in (1, 3):
             out[("resume", offload, stage)] = _guarded(_resume_run, base, group, offload, stage)
@@ -231,6 +245,13 @@ def test_an_overflowing_step_is_skipped_and_not_counted(single_rank, kind):
     assert skipped and unchanged and norm == float("inf")
     assert scale == (512 if kind == "dynamic" else 1.0)  # hysteresis 1: the first overflow halves
     assert clean < TOL, f"the step after the skip differs from a first step by {clean:.3g}"
+
+
+def test_a_skipped_stage3_step_releases_its_gathered_blocks(single_rank):
+    """A step the fp16 loss scaler skips still ends as a taken one: stage 3 keeps only its shards, not
+    every block it gathered for the backward. (Planted: the skipped step returning without ending the
+    step, passed.)"""
+    assert _result(single_rank, "skipped stage 3") == ((True,) * 3, True, (False,) * 3)
 
 
 @pytest.mark.parametrize("stage", [1, 3], ids=["stage 1", "stage 3"])
