@@ -98,7 +98,8 @@ def _skipped_stage3_release(base, group):
 def _resume_run(base, group, offload, stage=1):
     """Two steps, the state saved and loaded into a fresh optimizer, one more step on both: equal.
     Under stage 3 offloaded on the host, the load rounds into the kept 16-bit shard, not into the
-    released unit buffers (which crashed the resume of such a CPU run)."""
+    released unit buffers (which crashed the resume of such a CPU run). Also returns the saved scaler
+    state as the load left it."""
     model = copy.deepcopy(base)
     opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, offload=offload)
     for step in range(2):
@@ -115,7 +116,8 @@ def _resume_run(base, group, offload, stage=1):
         o.scale_loss(m(*_data(2, 0))).backward()
         o.step()
         o.dp.wait_params()
-    return state["adam_step"], max((p - q).abs().max().item() for p, q in zip(model.parameters(), copy_model.parameters()))
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), copy_model.parameters()))
+    return state["adam_step"], diff, state["scaler"]
 
 
 def _local_values(opt, state):
@@ -257,9 +259,12 @@ def test_a_skipped_stage3_step_releases_its_gathered_blocks(single_rank):
 @pytest.mark.parametrize("stage", [1, 3], ids=["stage 1", "stage 3"])
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 def test_a_loaded_state_resumes_the_step_count(single_rank, offload, stage):
-    adam_step, diff = _result(single_rank, ("resume", offload, stage))
+    """The load leaves the state it read as it was, so it can be loaded again (planted: the scaler's kind
+    popped from the caller's dict, whose next load then took it for a converted model's, passed)."""
+    adam_step, diff, scaler = _result(single_rank, ("resume", offload, stage))
     assert adam_step == 2
     assert diff == 0, f"resumed step differs by {diff:.3g}"
+    assert scaler == {"kind": "ConstantLossScaler", "scale": 1.0}
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["same shard", "per parameter"])
