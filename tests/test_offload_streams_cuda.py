@@ -42,3 +42,32 @@ def test_forward_waits_for_its_units_upload(one_rank_group, stage):
     assert held_back, "the forward did not wait for the uploads of its units"
     assert torch.equal(during, after), "the forward read weights its upload had not written yet"
     assert not torch.equal(during, before.detach()), "the step did not change the weights"
+
+
+def _stepped_twice(group, stage, stall):
+    """A forward after two offloaded steps (whose host updates run lazily, from this forward's hooks
+    and the second step's); with ``stall``, each step's gradient copies to the host queue behind a
+    long sleep on the copy stream, and nothing on the host waits for the device in between."""
+    torch.manual_seed(0)
+    model = Toy().cuda()
+    opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, offload=True,
+                        param_dtype=torch.bfloat16)
+    tokens, labels = (t.cuda() for t in _data(0, 0))
+    for _ in range(2):
+        if stall:
+            with torch.cuda.stream(opt.dp.host_copies.stream):
+                torch.cuda._sleep(STALL_CYCLES)
+        model(tokens, labels).backward()
+        opt.step()
+    with torch.no_grad():
+        out = model(tokens, labels)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_host_update_waits_for_its_gradients_to_arrive(one_rank_group, stage):
+    """The host AdamW reads the gradients the copy stream brings: however late the copies run, the
+    step must equal one whose copies were not held back (planted: the step not waiting for them)."""
+    assert torch.equal(_stepped_twice(one_rank_group, stage, stall=True),
+                       _stepped_twice(one_rank_group, stage, stall=False))
