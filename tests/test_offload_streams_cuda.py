@@ -1,7 +1,9 @@
 """On a GPU, an offloaded step uploads each unit's new weights on a copy stream of its own, lazily,
 from the next forward's hooks. However late those uploads run, the forward must compute with the
 new weights: here the copy stream is stalled by a long sleep right after the step, and the forward
-that follows must equal one computed again after everything has finished. (Skipped without CUDA.)
+that follows must equal one computed again after everything has finished. The gradients travel the
+other way on the same stream: however late they arrive, the host update must read them, not what
+the buffer held before. (Skipped without CUDA.)
 """
 
 import time
