@@ -127,10 +127,10 @@ def test_adamw_tiles_cut_each_segment_from_its_start_with_its_decay():
 
 
 @pytest.mark.parametrize("segments, bucket_numel, words", [
-    ([(0, 10, True), (96, 10, True)], 192, "segment at 96 of length 10"),  # starts inside a 16-byte group
-    ([(0, 70, True), (64, 10, True)], 128, "segment at 0 of length 70 is followed at 64"),  # rounded into the next
+    ([(0, 10, True), (96, 10, True)], 192, "segment at 96 of length 10"),  # starts inside a 64-element group
+    ([(0, 70, True), (64, 10, True)], 128, "segment at 0 of length 70 is followed at 64"),  # into the next segment
     ([(0, 70, True), (128, 10, True)], 160, "segment at 128 of length 10 is followed at 160"),  # past the slice
-    ([], 2**32, "int32 offsets"),
+    ([], 2**31, "int32 offsets"),
 ], ids=["misaligned start", "no padding before the next", "no padding before the end", "too large"])
 def test_adamw_tiles_refuse_a_layout_the_kernel_cannot_run(segments, bucket_numel, words):
     """The kernel loads whole 64-element groups, rounding each segment's end up into the padding, and

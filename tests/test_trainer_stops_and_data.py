@@ -2,15 +2,19 @@
 
 * Each step trains the global batch that starts where the steps before it stopped consuming, also
   while a batch ramp-up changes the batch size from step to step.
-* The training and validation samples come from their split's documents, as many as the run reads.
+* The training and validation samples come from their split's documents, as many as the run reads;
+  a shard whose index cannot be read is left out of the recorded digests, the others kept.
 * An evaluation reads whole global batches, also during a batch ramp-up.
 * The last step is saved on exit even when a periodic save came before it.
 * fp16 overflows, skipped while the loss scale comes down, are not taken for divergence.
+* Ctrl-C as a step is queued still logs the step in flight before it.
 * A stop signal saves the step it stopped at, with ``checkpoint.save_on_exit`` false, and the
   command exits 75 (preempted).
 * A signal that reaches one rank of two stops both at the same step, and both name it.
 * The free space asked of the checkpoint directory before the first step is one checkpoint's, every
-  rank's shard; the memory line printed at the start is the most loaded rank's.
+  rank's shard; the memory line printed at the start is the most loaded rank's, and the start-up
+  line counts the nodes the launcher gives.
+* The config a run records holds the pipeline split that trains, a kept one said so.
 
 The runs are the real ``megazero train`` command (in this process) or real trainers on a gloo world.
 """
