@@ -19,13 +19,19 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 STALL_CYCLES = 1_000_000_000  # about half a second of GPU clock
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_forward_waits_for_its_units_upload(one_rank_group, stage):
+def _offloaded(group, stage):
+    """A bf16 toy model with its offloaded optimizer at ``stage``, and one batch, on the GPU."""
     torch.manual_seed(0)
     model = Toy().cuda()
-    opt = sharded_adamw(model, one_rank_group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, offload=True,
+    opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, offload=True,
                         param_dtype=torch.bfloat16)
     tokens, labels = (t.cuda() for t in _data(0, 0))
+    return model, opt, tokens, labels
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_forward_waits_for_its_units_upload(one_rank_group, stage):
+    model, opt, tokens, labels = _offloaded(one_rank_group, stage)
     for _ in range(2):  # the second step finds its pinned buffers made: nothing in the way but the stall
         before = model(tokens, labels)
         before.backward()
@@ -50,11 +56,7 @@ def _stepped_twice(group, stage, stall):
     """A forward after two offloaded steps (whose host updates run lazily, from this forward's hooks
     and the second step's); with ``stall``, each step's gradient copies to the host queue behind a
     long sleep on the copy stream, and nothing on the host waits for the device in between."""
-    torch.manual_seed(0)
-    model = Toy().cuda()
-    opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, offload=True,
-                        param_dtype=torch.bfloat16)
-    tokens, labels = (t.cuda() for t in _data(0, 0))
+    model, opt, tokens, labels = _offloaded(group, stage)
     for _ in range(2):
         if stall:
             with torch.cuda.stream(opt.dp.host_copies.stream):
