@@ -7,6 +7,7 @@ integer goes or a misspelled key fails here, with the dotted field name, before 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import types
 import typing
@@ -84,7 +85,7 @@ def _text_field(schema: type | None, key: str) -> tuple[bool, bool]:
     """(whether dotted ``key`` names a ``str`` field of dataclass ``schema``, whether it may be None)."""
     node: Any = schema
     for name in key.split("."):
-        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        hints = typed_config.field_types(node) if dataclasses.is_dataclass(node) else {}
         if name not in hints:
             return False, False
         node = hints[name]
@@ -93,6 +94,7 @@ def _text_field(schema: type | None, key: str) -> tuple[bool, bool]:
     return options - {type(None)} == {str}, type(None) in options
 
 
+@functools.lru_cache(maxsize=None)
 def _text_fields(schema: type) -> frozenset:
     """The ``(section, field)`` pairs of ``schema``'s text fields, whose unquoted values a YAML file
     gives as written, as the command line does."""
@@ -163,7 +165,7 @@ def field_docs(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str
     """(dotted name, default, help) for every leaf field, in declaration order."""
     rows = []
     for f in dataclasses.fields(cls):
-        hint = typing.get_type_hints(cls)[f.name]
+        hint = typed_config.field_types(cls)[f.name]
         if dataclasses.is_dataclass(hint):
             rows.extend(field_docs(hint, f"{prefix}{f.name}."))
         else:
