@@ -356,9 +356,12 @@ def test_plan_ranks_only_layouts_the_engine_builds():
     small = ["--model.num_layers", "4", "--model.hidden_size", "256", "--model.num_heads", "8",
              "--model.dropout", "0.1", "--train.global_batch_size", "16"]
     cluster = Cluster(GPUS["h100"], 4, 4)
-    ranked = plan(load_config("configs/gpt_1.3b.yaml", small), cluster)
-    for candidate in ranked:
-        cfg = resolve_auto(apply_layout(load_config("configs/gpt_1.3b.yaml", small), candidate.layout), True, True)
+    base = load_config("configs/gpt_1.3b.yaml", small)
+    ranked = plan(base, cluster)
+    # the micro-batch size is the one knob that does not change which blocks are built or how
+    built = {dataclasses.replace(c.layout, micro_batch_size=1) for c in ranked}
+    for layout in built:
+        cfg = resolve_auto(apply_layout(base, layout), True, True)
         for rank in range(cfg.parallel.pp):
             parallelism(cfg, torch.device("cuda"), build_chunks(cfg, rank))  # raises ConfigError if refused
     assert {c.layout.tp for c in ranked} > {1}
