@@ -95,16 +95,15 @@ def _first_moments(opt, group):
     """Each parameter's AdamW first moment, assembled by name from every rank's shard. Unlike the
     parameters, it is not invariant to a constant factor on the gradients: an unscale or clipping
     coefficient left out shows here even where Adam's normalised update hides it."""
-    moments = {}
-    for i, info in enumerate(opt.dp.info):
-        numel = opt.layout.param_numel[i]
-        value, owners = torch.zeros(numel), torch.zeros(numel)
-        for seg in opt.layout.segments:
-            if seg.param == i:
-                here = slice(seg.param_offset, seg.param_offset + seg.numel)
-                value[here] = opt.exp_avg[seg.shard_offset:seg.shard_offset + seg.numel].cpu()
-                owners[here] = 1
-        dist.all_reduce(value, group=group)
-        dist.all_reduce(owners, group=group)  # stage 0 keeps a whole copy on every rank
-        moments[info.name] = value / owners
-    return moments
+    numels = opt.layout.param_numel
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    # every parameter's values, then how many ranks hold each (stage 0 keeps a whole copy on every
+    # rank), summed over the group in one reduction
+    values = torch.zeros(2, sum(numels))
+    for seg in opt.layout.segments:
+        here = slice(starts[seg.param] + seg.param_offset, starts[seg.param] + seg.param_offset + seg.numel)
+        values[0, here] = opt.exp_avg[seg.shard_offset:seg.shard_offset + seg.numel].cpu()
+        values[1, here] = 1
+    dist.all_reduce(values, group=group)
+    return {info.name: values[0, start:start + numel] / values[1, start:start + numel]
+            for info, start, numel in zip(opt.dp.info, starts, numels)}
