@@ -1,7 +1,18 @@
 """Fixtures shared by several test modules."""
 
+import os
+
 import pytest
+import torch
 import torch.distributed as dist
+
+# Inductor compiles a graph's kernels in a pool of worker processes, one pool in each process that
+# compiles; with the ranks of a test world on CI's two cores, starting a pool in every rank cost more
+# than it saved (the zero-bubble world's first compiled case: 52 s with pools, 46 s without, cold).
+# Ranks inherit the environment, and inductor reads it when first imported, after this. GPU machines
+# keep their pools: their kernels compile with Triton, and the cores are many.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ reports against the reference's, every step, to 1e-5 relative; every parameter a
 the losses. Every rank's report is checked. Layouts (tp, pp, dp) run in a 4-rank and an 8-rank world:
 dp 2: (2,1,2) (1,2,2) (2,2,2); dp 4: (1,1,4) (1,2,4) (2,1,4) — every value of every axis with every
 ZeRO stage. Under the ``slow`` marker, in worlds of their own: the stage sweeps of (2,1,2) and
-(1,2,2), whose axes (2,2,2) sweeps with every stage, and two compiled cases (``SLOW_IN_4``); the
-8-rank layouts (1,2,4) and (2,1,4), dp 4 beside pipelines or tensor parallelism, whose parts the
-CI worlds cover apart (``SLOW_IN_8``); and the layouts (1,1,2) and (2,2,4), in 2- and 16-rank
-worlds. The clipping threshold does not bind (it is still applied, with coefficient 1), because a
+(1,2,2), whose axes (2,2,2) sweeps with every stage, two compiled cases, and stages 0 and 1 of
+(1,1,4) (``SLOW_IN_4``); the 8-rank layouts (1,2,4) and (2,1,4), dp 4 beside pipelines or tensor
+parallelism, whose parts the CI worlds cover apart (``SLOW_IN_8``); and the layouts (1,1,2) and
+(2,2,4), in 2- and 16-rank worlds. The clipping threshold does not bind (it is still applied, with coefficient 1), because a
 binding one hides a constant factor on the gradients: clipping rescales them to the threshold and
 Adam normalises what remains. One case of (2,1,2) and one of (1,2,4) clip with a binding threshold.
 
@@ -61,9 +61,10 @@ LAYOUTS = {4: [(2, 1, 2), (1, 2, 2), (1, 1, 4)], 8: [(2, 2, 2), (1, 2, 4), (2, 1
 # Parts of the 4-rank world's matrix that run under the slow marker, in a 4-rank world of their own:
 # the stage sweeps of layouts whose axes the 8-rank world sweeps with every stage, and two of the
 # three compiled cases (compiling on four ranks of two cores, with a cold cache as on a fresh
-# machine, took over half the world's time; the sequence-parallel compiled case stays).
+# machine, took over half the world's time; the sequence-parallel compiled case stays), and stages 0
+# and 1 of pure data parallelism (1,1,4), which the toy ZeRO world sweeps at dp 4 with every stage.
 SLOW_IN_4 = {(2, 1, 2, stage) for stage in (0, 1, 2, 3)} | {(1, 2, 2, stage) for stage in (0, 1, 2, 3)} \
-    | {(2, 1, 2, "recompute+compile"), (1, 1, 4, "compile")}
+    | {(2, 1, 2, "recompute+compile"), (1, 1, 4, "compile"), (1, 1, 4, 0), (1, 1, 4, 1)}
 # Layouts of the 8-rank world that run under the slow marker, in an 8-rank world of their own (kept
 # the CI run under its time: the world took 98 s of two cores).
 SLOW_IN_8 = {(1, 2, 4), (2, 1, 4)}
