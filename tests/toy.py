@@ -96,14 +96,13 @@ def _first_moments(opt, group):
     parameters, it is not invariant to a constant factor on the gradients: an unscale or clipping
     coefficient left out shows here even where Adam's normalised update hides it."""
     numels = opt.layout.param_numel
-    starts = [sum(numels[:i]) for i in range(len(numels))]
-    # every parameter's values, then how many ranks hold each (stage 0 keeps a whole copy on every
-    # rank), summed over the group in one reduction
-    values = torch.zeros(2, sum(numels))
+    # each parameter's moment, then how many ranks hold each element (stage 0 keeps a whole copy on
+    # every rank), all summed over the group in one reduction
+    held = [torch.zeros(2, numel) for numel in numels]
     for seg in opt.layout.segments:
-        here = slice(starts[seg.param] + seg.param_offset, starts[seg.param] + seg.param_offset + seg.numel)
-        values[0, here] = opt.exp_avg[seg.shard_offset:seg.shard_offset + seg.numel].cpu()
-        values[1, here] = 1
-    dist.all_reduce(values, group=group)
-    return {info.name: values[0, start:start + numel] / values[1, start:start + numel]
-            for info, start, numel in zip(opt.dp.info, starts, numels)}
+        here = slice(seg.param_offset, seg.param_offset + seg.numel)
+        held[seg.param][0, here] = opt.exp_avg[seg.shard_offset:seg.shard_offset + seg.numel].cpu()
+        held[seg.param][1, here] = 1
+    summed = torch.cat(held, dim=1)
+    dist.all_reduce(summed, group=group)
+    return {info.name: value / owners for info, (value, owners) in zip(opt.dp.info, summed.split(numels, dim=1))}
