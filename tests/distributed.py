@@ -48,15 +48,20 @@ def _child(rank: int, world_size: int, init_file: str, results, fn: Callable, ar
             dist.destroy_process_group()
 
 
-PRELOAD = ["torch", "torch.distributed", "megazero.engine", "megazero.trainer", "tests.distributed"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "megazero.engine",
+           "megazero.trainer", "tests.distributed"]
+"""What the fork server imports once for every rank. torch imports ``torch._dynamo`` lazily, and a
+model built on the meta device reaches it through the reference implementations of its
+initialisers: 2.5 s of a core in every rank of nearly every world (11 s of wall time for a world of
+8 on two cores), and inductor's compiler 2.4 s more where a world compiles."""
 
 
 def _context(backend: str):
     """On a machine without CUDA, ranks forked from a server process that imported torch and the
     project once (multiprocessing's fork server, started on first use and kept for the session):
-    spawned afresh, every rank imported torch again, about 11 s of two cores for a world of 8. The
-    server is a fresh interpreter, so nothing of the test process (threads, process groups) is
-    forked into the ranks. Where CUDA is available ranks are spawned: importing the project asks
+    spawned afresh, every rank imported torch again, about 11 s of two cores for a world of 8 (see
+    ``PRELOAD``). The server is a fresh interpreter, so nothing of the test process (threads,
+    process groups) is forked into the ranks. Where CUDA is available ranks are spawned: importing the project asks
     CUDA for its devices, after which torch refuses CUDA in a forked child."""
     if backend != "gloo" or torch.cuda.is_available():
         return mp.get_context("spawn")
