@@ -49,11 +49,12 @@ def _child(rank: int, world_size: int, init_file: str, results, fn: Callable, ar
 
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "megazero.engine",
-           "megazero.trainer", "tests.distributed"]
+           "megazero.trainer", "pytest", "tests.distributed"]
 """What the fork server imports once for every rank. torch imports ``torch._dynamo`` lazily, and a
 model built on the meta device reaches it through the reference implementations of its
 initialisers: 2.5 s of a core in every rank of nearly every world (11 s of wall time for a world of
-8 on two cores), and inductor's compiler 2.4 s more where a world compiles."""
+8 on two cores), and inductor's compiler 2.4 s more where a world compiles. A rank unpickles its
+function by importing the test module, and so pytest."""
 
 
 def _context(backend: str):
