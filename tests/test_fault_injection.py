@@ -31,7 +31,8 @@ from megazero.checkpoint import latest_checkpoint, verify_checkpoint
 from megazero.checkpoint.state import load_full_weights
 from megazero.metrics import read_metrics
 from tests.distributed import run_world
-from tests.test_trainer import FIELDS, _launch, _overrides, _signal_tree, _wait_for, _write_config, data_prefix  # noqa: F401
+from tests.test_trainer import (FIELDS, _launch, _overrides, _signal_tree, _wait_for, _write_config,  # noqa: F401
+                                data_prefix, train_from_file)
 
 STEPS = 16
 SAVE_EVERY = 2
@@ -41,9 +42,7 @@ SAVE_EVERY = 2
 def reference(data_prefix, tmp_path_factory):  # noqa: F811 - the fixture imported above
     root = tmp_path_factory.mktemp("reference")
     cfg = _write_config(root / "run.yaml", data_prefix, str(root / "run"), SAVE_EVERY)
-    proc = _launch(cfg, STEPS, nproc=2)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    run_world(2, train_from_file, cfg, STEPS)  # trains as the launch does, bit for bit
     rows = read_metrics(root / "run" / "metrics.jsonl")
     weights = load_full_weights(latest_checkpoint(root / "run" / "checkpoints"))
     return rows, weights

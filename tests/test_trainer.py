@@ -69,16 +69,17 @@ def _overrides(prefix: str, run_dir: str, tp=1, pp=1, stage=1, steps=STEPS, extr
             "--data.split", "1", "--logging.run_dir", run_dir, "--logging.log_interval", "1", *extra]
 
 
-def _train(overrides, world_size, prepare=None):
+def _train(overrides, world_size, prepare=None, config_path=None):
     """Build and run a Trainer inside an already started world (``prepare(trainer)`` first, if
-    given); returns the losses it logged."""
+    given), from ``overrides`` on top of ``config_path`` or the defaults; returns the losses it
+    logged."""
     import torch.distributed as dist
 
     from megazero.startup import initialize
     from megazero.trainer import Trainer
     from parallel.launch import LaunchEnv
 
-    cfg = resolve_config(load_config(None, overrides), world_size)
+    cfg = resolve_config(load_config(config_path, overrides), world_size)
     rank = dist.get_rank()  # one node: the local rank is the rank (it picks the GPU on a CUDA world)
     device, topology = initialize(cfg, LaunchEnv(rank, world_size, rank, world_size))
     trainer = Trainer(cfg, device, topology)
@@ -87,6 +88,13 @@ def _train(overrides, world_size, prepare=None):
     trainer.train()
     dist.barrier()
     return [row["loss"] for row in read_metrics(os.path.join(cfg.logging.run_dir, "metrics.jsonl"))]
+
+
+def train_from_file(rank, world_size, config_path, steps):
+    """A world's run of a written config for ``steps`` steps: what ``megazero train CONFIG
+    --train.train_steps STEPS`` trains, without a launch's start-up of a fresh interpreter for every
+    rank (seconds of two cores each)."""
+    return _train(["--train.train_steps", str(steps)], world_size, config_path=config_path)
 
 
 def step_dirs(checkpoints: str) -> list[str]:
@@ -564,7 +572,7 @@ def test_a_damaged_rank_file_stops_every_rank_with_its_one_line(data_prefix, tmp
     will read first, and all stop on the first rank's line, which rank 0 alone prints (planted: every
     rank printing it, a line per rank)."""
     cfg = _write_config(tmp_path / "bad.yaml", data_prefix, str(tmp_path / "bad"), 2)
-    assert _launch(cfg, 2).wait(timeout=300) == 0
+    run_world(2, train_from_file, cfg, 2)
     ckpt = latest_checkpoint(tmp_path / "bad" / "checkpoints")
     damaged = ckpt / "rank_00001.safetensors"
     data = bytearray(damaged.read_bytes())
