@@ -21,12 +21,11 @@ Row layouts that differ:
 from __future__ import annotations
 
 import re
-import typing
 from typing import Callable, Optional
 
 import torch
 
-from data_pipeline.typed_config import coerce
+from data_pipeline.typed_config import coerce, field_types
 from megazero.errors import ConfigError, UserError
 from models.config import ModelConfig
 
@@ -45,7 +44,7 @@ def typed(hf: dict, family, where: str) -> dict:
     key takes ``family.DEFAULTS``, and one without a default is required), each checked against
     ``ModelConfig``'s type the way `megazero train` checks a config: a ``"4096"`` is refused here,
     naming its key, rather than failing later in arithmetic on it."""
-    hints = typing.get_type_hints(ModelConfig)
+    hints = field_types(ModelConfig)
     values = {}
     for field, key in family.KEYS.items():
         if key in hf:

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import typing
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from data_pipeline.typed_config import coerce
+from data_pipeline.typed_config import coerce, field_types
 from megazero.convert.hf_models import LAYER, refuse, validated
 from megazero.convert.sources import finite, logical_shapes, unpadded
 from megazero.errors import UserError
@@ -397,7 +396,7 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
                   vocab_size=vocab, seq_length=length, rope_theta=get("rotary_base", 10000),
                   norm_eps=get("norm_epsilon", get("layernorm_epsilon", 1e-5)), dropout=get("hidden_dropout", 0.0),
                   attention_dropout=get("attention_dropout", 0.0))
-    hints = typing.get_type_hints(ModelConfig)
+    hints = field_types(ModelConfig)
     for field, key in ARG_NAMES.KEYS.items():  # a "16" would fail in arithmetic, not name its arg
         values[field] = coerce(values[field], hints[field], f"{where}: {key}", UserError)
     cfg = ModelConfig(preset="llama" if position == "rope" else "gpt2", position_embedding=position, norm=norm,
