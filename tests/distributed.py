@@ -62,8 +62,8 @@ def _context(backend: str):
     project once (multiprocessing's fork server, started on first use and kept for the session):
     spawned afresh, every rank imported torch again, about 11 s of two cores for a world of 8 (see
     ``PRELOAD``). The server is a fresh interpreter, so nothing of the test process (threads,
-    process groups) is forked into the ranks. Where CUDA is available ranks are spawned: importing the project asks
-    CUDA for its devices, after which torch refuses CUDA in a forked child."""
+    process groups) is forked into the ranks. Where CUDA is available ranks are spawned: importing
+    the project asks CUDA for its devices, after which torch refuses CUDA in a forked child."""
     if backend != "gloo" or torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

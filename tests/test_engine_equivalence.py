@@ -11,8 +11,8 @@ ZeRO stage. Under the ``slow`` marker, in worlds of their own: the stage sweeps 
 (1,1,4) (``SLOW_IN_4``); the 8-rank layouts (1,2,4) and (2,1,4), dp 4 beside pipelines or tensor
 parallelism, whose parts the CI worlds cover apart (``SLOW_IN_8``); and the layouts (1,1,2) and
 (2,2,4), in 2- and 16-rank worlds. The clipping threshold does not bind (it is still applied, with
-coefficient 1), because a binding one hides a constant factor on the gradients: clipping rescales them to the threshold and
-Adam normalises what remains. One case of (2,1,2) and one of (1,2,4) clip with a binding threshold.
+coefficient 1), because a binding one hides a constant factor on the gradients: clipping rescales
+them to the threshold and Adam normalises what remains. One case of (2,1,2) and one of (1,2,4) clip with a binding threshold.
 
 Every case also drops its engine and checks that no parameter outlives it.
 

@@ -73,8 +73,8 @@ BINDING_CLIP_IN_CI = {(stage, "plain") for stage in (0, 1, 2, 3)} | {(stage, "bf
 """The cases run with a binding clipping threshold outside the slow marker: each place the clipping
 factor is applied (the fused and unfused updates, 16-bit gradients, the offloaded update) at every
 stage it differs by. At dp 2 (two groups in the world of four) CI runs the plain step of every
-stage, each variant's own paths (the overlap, clipping) being the same at dp 4. The rest run in a second
-world under ``-m slow``: the sweep is bound by the latency of the tiny buckets' collectives."""
+stage, each variant's own paths (the overlap, clipping) being the same at dp 4. The rest run in a
+second world under ``-m slow``: the sweep is bound by the latency of the tiny buckets' collectives."""
 
 
 def _poison_retaken_gradient_memory():
