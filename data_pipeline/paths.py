@@ -122,6 +122,35 @@ def listed_twice(named: Iterable[tuple[str, str]], key: Callable[[str], str] = o
     return None
 
 
+def inside_another(named: Iterable[tuple[str, str]]) -> Optional[str]:
+    """``"LABEL PATH lies inside LABEL FOLDER, which reads it already"`` for the first ``(label, path)``
+    below a folder another entry names (links followed), else None: a file beside the folder that
+    holds it (``in`` and ``in/a.jsonl``), or a folder and one of its subfolders, would be read twice
+    without being listed twice."""
+    entries = [(label, path, os.path.realpath(path)) for label, path in named if os.path.lexists(path)]  # not hub names
+    folders = {real: (label, path) for label, path, real in entries if os.path.isdir(real)}
+    for label, path, real in entries:
+        here = os.path.dirname(real)
+        while here not in folders and os.path.dirname(here) != here:
+            here = os.path.dirname(here)
+        if here in folders:
+            outer_label, outer = folders[here]
+            return f"{label} {path} lies inside {outer_label} {outer}, which reads it already"
+    return None
+
+
+def output_inside(output: str, folders: Iterable[str]) -> Optional[str]:
+    """The first of ``folders`` (existing folders among inputs; links followed) that the output file
+    ``output`` would be written into, directly or below, else None: its files, and then the output
+    itself, would be among that folder's files the next time it is read."""
+    target = os.path.realpath(os.path.dirname(os.path.abspath(output)))
+    for folder in folders:
+        real = os.path.realpath(folder)
+        if os.path.isdir(real) and (target == real or target.startswith(real.rstrip(os.sep) + os.sep)):
+            return folder
+    return None
+
+
 def temp_name(path: str, suffix: str = "") -> str:
     """A name beside ``path`` to write it under before the rename that makes it appear whole. The
     process id alone is not unique: ranks on different nodes sharing a file system (each node in its

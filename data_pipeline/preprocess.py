@@ -24,7 +24,7 @@ import numpy as np
 
 from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
 from data_pipeline.shard_origin import tokenizer_identity
-from data_pipeline.sources import Batch, check_input, iter_batches, no_documents_problem
+from data_pipeline.sources import Batch, check_input, input_files, iter_batches, no_documents_problem
 from data_pipeline.tokenizer import load_tokenizer, require_eod
 from data_pipeline.worker_pool import worker_pool
 
@@ -157,6 +157,7 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
         require_eod(tokenizer, "to end each document with (--no-eod writes none, and needs none)")
     for path in inputs:
         check_input(path, keys)
+    reads = [name for path in inputs for name in input_files(path, hf_split)]  # before the writers' files exist
     writers: dict[str, IndexedDatasetWriter] = {}
     stats, tally = PreprocessStats(), _InputTally(keys)
     bar = _progress_bar(progress)
@@ -166,7 +167,7 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
             # never replacing: the caller checked the names were free, another run may have taken them since
             writers[k] = IndexedDatasetWriter(output_prefix_for(output_prefix, k), token_dtype(vocab_size),
                                               replace=False)
-        batches = chain.from_iterable(iter_batches(p, keys, batch_size, hf_split) for p in inputs)
+        batches = chain.from_iterable(iter_batches(name, keys, batch_size, hf_split) for name in reads)
         for encoded in _encoded(batches, tokenizer_path, keys, append_eod, skip_bad_records, workers):
             for key, (tokens, lengths) in encoded.arrays.items():
                 writers[key].add_documents(tokens, lengths)

@@ -169,21 +169,30 @@ class Batch:
         return good, skipped
 
 
+def input_files(path: str, hf_split: str | None = None) -> list[str]:
+    """What reading the input ``path`` reads, listed once and before anything is written: the files of a
+    folder of .jsonl/.parquet files in name order, else ``path`` itself (a file, a saved dataset or a
+    hub name). Listed later, a folder that is to receive this run's output would hold its temporary
+    files by then, and would no longer read file by file (``plain_data_files``)."""
+    files = plain_data_files(path)
+    if files is None:
+        return [path]
+    if hf_split is not None:
+        raise ValueError(f"{path}: a folder of .jsonl/.parquet files, read file by file, has no splits for "
+                         f"--hf-split {hf_split} to choose from; leave --hf-split out")
+    return files
+
+
 def iter_batches(path: str, keys: tuple[str, ...], batch_size: int = 256,
                  hf_split: str | None = None) -> Iterator[Batch]:
-    """Batches of documents from one input, chosen by its suffix (a directory or name means ``datasets``;
-    ``hf_split`` picks its split, ``train`` when None). The caller has checked every input with
-    ``check_input`` before reading the first."""
+    """Batches of documents from one input file, saved dataset or hub name (one of ``input_files``),
+    chosen by its suffix (a directory or name means ``datasets``; ``hf_split`` picks its split,
+    ``train`` when None). The caller has checked every input with ``check_input`` before reading the
+    first."""
     if path.endswith(JSONL_SUFFIXES):
         yield from _jsonl_batches(path, batch_size)
     elif path.endswith(PARQUET_SUFFIXES):
         yield from _parquet_batches(path, keys, batch_size)
-    elif (files := plain_data_files(path)) is not None:
-        if hf_split is not None:
-            raise ValueError(f"{path}: a folder of .jsonl/.parquet files, read file by file, has no splits for "
-                             f"--hf-split {hf_split} to choose from; leave --hf-split out")
-        for name in files:
-            yield from iter_batches(name, keys, batch_size)
     else:
         yield from _hf_batches(path, keys, batch_size, hf_split)
 

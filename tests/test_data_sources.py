@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from data_pipeline.sources import (check_compression, check_input, iter_batches, iter_lines, plain_data_files,
-                                   reads_as_dataset)
+from data_pipeline.sources import (check_compression, check_input, input_files, iter_batches, iter_lines,
+                                   plain_data_files, reads_as_dataset)
 
 
 def write_jsonl(path, texts):
@@ -27,8 +27,9 @@ def test_a_folders_files_are_read_in_name_order(tmp_path):
     (tmp_path / ".hidden").write_text("not data\n")
     ordered = sorted(names, key=lambda name: str(tmp_path / name))
     assert plain_data_files(str(tmp_path)) == [str(tmp_path / name) for name in ordered]
-    texts = [json.loads(line)["text"] for batch in iter_batches(str(tmp_path), ("text",), batch_size=3)
-             for line in batch.lines]
+    assert input_files(str(tmp_path)) == plain_data_files(str(tmp_path))
+    texts = [json.loads(line)["text"] for name in input_files(str(tmp_path))
+             for batch in iter_batches(name, ("text",), batch_size=3) for line in batch.lines]
     assert texts == [f"{name} {which}" for name in ordered for which in ("first", "second")]
 
 

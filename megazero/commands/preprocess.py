@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from data_pipeline.paths import empty_path_problem, listed_twice, output_folder_problem
+from data_pipeline.paths import empty_path_problem, inside_another, listed_twice, output_folder_problem, output_inside
 from megazero.errors import UserError
 
 
@@ -111,14 +111,21 @@ def _check_json_keys(args) -> None:
 
 
 def _check_no_repeats(args) -> None:
-    """An input named twice (however spelled) would be read twice, its documents trained on twice; a
-    merge into one of its own shards would replace that shard. Both are refused before anything is
-    read or written."""
+    """An input named twice (however spelled), or named beside a folder that holds it, would be read
+    twice, its documents trained on twice; a merge into one of its own shards would replace that
+    shard; shards written into an input folder would make that folder unreadable as input (a folder
+    of shards is no folder of .jsonl/.parquet files). All are refused before anything is read or
+    written."""
     flag, names = ("--merge", args.merge) if args.merge else ("--input", args.input)
     repeat = listed_twice(((flag, name) for name in names), key=lambda name: _resolved(name, shard=bool(args.merge)))
+    repeat = repeat or (None if args.merge else inside_another(("--input", name) for name in names))
     if repeat:
         raise UserError(f"{repeat}; its documents would be trained on twice (list it once; a blend's weights sample "
                         "a dataset more often)")
+    folder = None if args.merge else output_inside(args.output_prefix, names)
+    if folder:
+        raise UserError(f"--output-prefix {args.output_prefix}: inside the input folder {folder}, whose next read "
+                        "would take these shards for input; write them outside it")
     if args.merge and _resolved(args.output_prefix, shard=True) in {_resolved(name, shard=True) for name in args.merge}:
         raise UserError(f"--output-prefix {args.output_prefix} is one of the --merge shards; give a new prefix")
 
