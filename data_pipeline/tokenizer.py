@@ -167,20 +167,47 @@ def read_texts(paths: Iterable[str], json_key: str = "text") -> Iterator[str]:
     """Documents from text files (one per line) or jsonl files (``json_key`` of each record).
 
     A line that is not UTF-8, malformed json or a record whose ``json_key`` is not a string is a
-    ValueError naming the file and line, as in preprocessing.
+    ValueError naming the file and line, as in preprocessing. Records are read from the files named
+    as preprocessing reads them (``.jsonl``/``.json``, optionally ``.gz`` or ``.zst``); a file of
+    another name whose first line is a record with ``json_key`` (``corpus.JSONL``, ``.ndjson``) is
+    a ValueError, not text.
     """
-    from data_pipeline.sources import BadRecord, decode_line, iter_lines, parse_line
+    from data_pipeline.sources import JSONL_SUFFIXES, BadRecord, decode_line, iter_lines, parse_line
 
     for path in paths:
-        is_jsonl = ".jsonl" in os.path.basename(path) or ".json" in os.path.basename(path)
-        for lineno, line in iter_lines(path):
+        is_jsonl = path.endswith(JSONL_SUFFIXES)  # the names preprocessing reads as records
+        for count, (lineno, line) in enumerate(iter_lines(path)):
             try:
                 if is_jsonl:
                     yield parse_line(line, (json_key,))[0]
-                else:
-                    yield decode_line(line).rstrip("\r\n")
+                    continue
+                if count == 0 and is_record_of(line, json_key):
+                    raise ValueError(json_lines_named_as_text(path, json_key))
+                yield decode_line(line).rstrip("\r\n")
             except BadRecord as bad:
                 raise ValueError(f"{path}:{lineno}: {bad.detail}") from None
+
+
+def is_record_of(line: bytes, json_key: str) -> bool:
+    """Whether ``line`` is a JSON object with the field ``json_key``: what a JSON-lines file holds, never
+    the first line of a text corpus."""
+    import json
+
+    if not line.lstrip().startswith(b"{"):
+        return False
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and json_key in record
+
+
+def json_lines_named_as_text(path: str, json_key: str) -> str:
+    """The error for JSON records in a file read as text (its first non-blank line is one): trained on as
+    text, the records' braces, keys and escapes would become pieces of the vocabulary."""
+    return (f"{path}: its first non-blank line is a JSON record with the field {json_key!r}, but only files named "
+            ".jsonl/.json (optionally .gz or .zst) are read as records, so it would be trained on as text, braces "
+            "and keys too; rename it to end in .jsonl")
 
 
 def _lines(texts: Iterable[str], max_line_bytes: int) -> Iterator[str]:

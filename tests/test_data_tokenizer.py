@@ -281,6 +281,31 @@ def test_text_lines_lose_their_windows_line_ends(tmp_path):
     assert list(read_texts([str(tmp_path / "crlf.txt")])) == ["first line", "second"]
 
 
+def test_records_in_a_file_not_named_as_records_are_refused(tmp_path, capsys):
+    """A JSON-lines file named otherwise (``.JSONL``, ``.ndjson``) was trained on as text, its braces,
+    keys and escapes learnt as pieces, with exit 0; it is refused, by the command before any input is
+    read and by the reader itself (a pipe), while text that only looks like JSON still trains.
+    (Planted: the first line not checked; the old substring test for ``.json`` in the name.)"""
+    records = "\n" + json.dumps({"text": "alpha", "url": "x"}) + "\n" + json.dumps({"text": "beta"}) + "\n"
+    for name in ("corpus.JSONL", "corpus.ndjson"):
+        (tmp_path / name).write_text(records)
+        with pytest.raises(ValueError, match=rf"{name}: its first non-blank line is a JSON record with the field "
+                                             "'text'.*rename it to end in .jsonl"):
+            list(read_texts([str(tmp_path / name)]))
+        capsys.readouterr()
+        assert main(["tokenizer", "train", "--input", str(tmp_path / name),
+                     "--model-prefix", str(tmp_path / "tok"), "--vocab-size", "300"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and f"--input {tmp_path / name}: its first non-blank line" in err, err
+    assert list(read_texts([str(tmp_path / "corpus.ndjson")], json_key="body")) == [records.split("\n")[1],
+                                                                                   records.split("\n")[2]]
+    (tmp_path / "code.txt").write_text('{"a": 1}\n[1, 2]\n')  # JSON, but no record with the field
+    assert list(read_texts([str(tmp_path / "code.txt")])) == ['{"a": 1}', "[1, 2]"]
+    (tmp_path / "notes.json.txt").write_text("plain words\n")  # ".json" inside the name, read as text
+    assert list(read_texts([str(tmp_path / "notes.json.txt")])) == ["plain words"]
+    assert not any(p.name.startswith("tok") for p in tmp_path.iterdir())
+
+
 def test_a_file_named_json_is_read_as_records(tmp_path):
     """Preprocessing reads ``.json`` (and ``.json.gz``) as jsonl, and so must tokenizer training: read
     as plain text, each record's braces, key and escapes would be trained on as if they were the
@@ -341,6 +366,6 @@ def test_a_pipe_is_an_input_and_a_missing_file_is_not(tmp_path):
 
     pipe = tmp_path / "pipe"
     os.mkfifo(pipe)
-    _check_inputs([str(pipe)])
+    _check_inputs([str(pipe)], "text")  # not opened: a pipe is read once, by training
     with pytest.raises(UserError, match=r"none\.txt: no such file"):
-        _check_inputs([str(tmp_path / "none.txt")])
+        _check_inputs([str(tmp_path / "none.txt")], "text")

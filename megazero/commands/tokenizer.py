@@ -58,7 +58,7 @@ def run_train(args) -> int:
     problem = output_folder_problem(args.model_prefix)
     if problem:
         raise UserError(f"--model-prefix {args.model_prefix}: {problem}; choose another --model-prefix")
-    _check_inputs(args.input)
+    _check_inputs(args.input, args.json_key)
     repeat = listed_twice(("--input", name) for name in args.input)
     if repeat:
         raise UserError(f"{repeat}; its text would count twice in the pieces' frequencies (list it once)")
@@ -75,10 +75,12 @@ def run_train(args) -> int:
     return 0
 
 
-def _check_inputs(names: list[str]) -> None:
-    """Every --input is a file that opens as its name says, checked before any is read: training reads
-    them in order, so a typo in the last of many would otherwise be found after reading all the rest."""
-    from data_pipeline.sources import check_compression
+def _check_inputs(names: list[str], json_key: str) -> None:
+    """Every --input is a file that opens as its name says, and a file read as text does not open with a
+    JSON record, checked before any is read: training reads them in order, so a typo in the last of
+    many would otherwise be found after reading all the rest."""
+    from data_pipeline.sources import JSONL_SUFFIXES, check_compression, iter_lines
+    from data_pipeline.tokenizer import is_record_of, json_lines_named_as_text
 
     for name in names:
         empty = empty_path_problem(name, "input file", "give a text or .jsonl file")
@@ -90,6 +92,10 @@ def _check_inputs(names: list[str]) -> None:
             raise UserError(f"--input {name}: no such file")
         try:
             check_compression(name)
+            if os.path.isfile(name) and not name.endswith(JSONL_SUFFIXES):  # a pipe is read once, by training
+                _, first = next(iter_lines(name), (0, b""))
+                if is_record_of(first, json_key):
+                    raise ValueError(json_lines_named_as_text(name, json_key))
         except (ValueError, OSError) as exc:
             raise UserError(f"--input {exc}") from None
 
