@@ -347,9 +347,7 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
         return value
 
     fix = "megazero's GPT has no counterpart; such a model cannot be imported"
-    for key, ok in (("apply_residual_connection_post_layernorm", False), ("squared_relu", False),
-                    ("multi_latent_attention", False), ("num_experts", None), ("qk_layernorm", False),
-                    ("apply_layernorm_1p", False)):
+    for key, ok in UNSUPPORTED_ARGS:
         if get(key, ok) != ok:
             raise refuse(f"{where}: args.{key}", get(key), "is not supported", fix)
     position = {"learned_absolute": "learned", "rope": "rope"}.get(get("position_embedding_type", "learned_absolute"))
@@ -408,6 +406,20 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
                      f"args.num_attention_heads = {cfg.head_dim}", "megazero derives the head width from those two")
     return cfg
 
+
+UNSUPPORTED_ARGS = (
+    ("apply_residual_connection_post_layernorm", False), ("squared_relu", False), ("multi_latent_attention", False),
+    ("num_experts", None), ("qk_layernorm", False), ("qk_l2_norm", False), ("apply_layernorm_1p", False),
+    ("window_size", None), ("softmax_type", "vanilla"), ("softmax_scale", None), ("glu_linear_offset", 0.0),
+    ("activation_func_clamp_value", None), ("quick_geglu", False), ("attention_output_gate", False),
+    ("experimental_attention_variant", None), ("mtp_num_layers", None), ("is_hybrid_model", False),
+    ("hybrid_override_pattern", None), ("heterogeneous_layers_config_path", None),
+    ("heterogeneous_layers_config_encoded_json", None))
+"""Megatron args that change what the model computes (sliding-window attention, another softmax or
+scale, an offset or clamp in the gated MLP, gates, multi-token prediction, experts, hybrid or
+heterogeneous layers), each with the value under which it changes nothing. A checkpoint trained
+with another value is refused naming the arg: imported, its weights would load into a model that
+computes something else (the logits of a sliding-window model moved by more than their size)."""
 
 ARG_NAMES = SimpleNamespace(KEYS={
     "num_layers": "args.num_layers", "hidden_size": "args.hidden_size", "num_heads": "args.num_attention_heads",
