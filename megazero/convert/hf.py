@@ -63,6 +63,7 @@ class HFSource:
         check_model_type(self.hf, self.family, str(config_path))
         self.cfg = without_derived_init_std(self.family.model_config(self.hf, str(config_path)))
         self.files = self._weight_files()
+        self.stored = self._stored_names()
         self._check_weights(hf_shapes(self.cfg, self.family))
         self.names = list(logical_shapes(self.cfg))
 
@@ -94,6 +95,15 @@ class HFSource:
                                 "download it again")
         return weight_map
 
+    def _stored_names(self) -> dict[str, str]:
+        """Each tensor's name as the causal-LM class names it -> its name in the files. A folder saved
+        from the bare base model (no name starts with the family's ``base_model_prefix``) is read as
+        ``transformers`` reads it: every name under that prefix; a head it lacks is missing."""
+        prefix = f"{self.family.BASE}."
+        if any(name.startswith(prefix) for name in self.files):
+            return {name: name for name in self.files}
+        return {prefix + name: name for name in self.files}
+
     def _check_weights(self, expected: dict[str, tuple[int, ...]]) -> None:
         """The weights are what config.json says, before anything is converted: every tensor it
         implies is there, in a float dtype, with the shape it implies (vocabulary rows included:
@@ -107,7 +117,7 @@ class HFSource:
             if unlisted:  # a tensor the index leaves out would be dropped unseen (a head beside a tied config)
                 raise UserError(f"{self.folder / shard}: holds tensor {unlisted[0]!r}, which {INDEX} does not list "
                                 f"in it; the index does not match its shards -- restore it")
-            found.update({name: (shard, *info) for name, info in header.items()})
+            found.update({name: (shard, *header[stored]) for name, stored in self.stored.items() if stored in header})
         missing = [name for name in expected if name not in found]
         if missing:
             raise UserError(f"{self.folder}: has no tensor {missing[0]!r} ({len(missing)} missing in all), which its "
@@ -131,10 +141,11 @@ class HFSource:
     def _tensor(self, name: str) -> torch.Tensor:
         from safetensors import SafetensorError, safe_open
 
-        shard = self.files[name]
+        stored = self.stored[name]
+        shard = self.files[stored]
         try:
             with safe_open(self.folder / shard, framework="pt") as f:
-                tensor = f.get_tensor(name).float()
+                tensor = f.get_tensor(stored).float()
         except SafetensorError as e:
             raise UserError(f"{self.folder / shard}: cannot be read ({e}); the file is truncated or damaged -- "
                             "download it again") from None

@@ -108,6 +108,9 @@ class GPT2:
     BUFFERS = (re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"),)
     """Tensors that hold no weights (the causal-mask buffers older versions of ``transformers``
     saved, which it skips on load itself): a folder may have them; they are not imported."""
+    BASE = "transformer"
+    """``transformers``' ``base_model_prefix``: a folder saved from the bare ``GPT2Model`` (as the hub's
+    ``openai-community/gpt2`` is) names its tensors without it (``wte.weight``, ``h.0.attn.c_attn.weight``)."""
 
     @classmethod
     def check(cls, cfg: ModelConfig) -> None:
@@ -197,6 +200,8 @@ class Llama:
                 "tie_embeddings": False, "bias": False, "attention_dropout": 0.0, "init_std": 0.02}
     BUFFERS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
     """The rotary frequencies older versions of ``transformers`` saved: computed from rope_theta."""
+    BASE = "model"
+    """``transformers``' ``base_model_prefix`` (a bare ``LlamaModel`` saves ``embed_tokens.weight``)."""
 
     @classmethod
     def check(cls, cfg: ModelConfig) -> None:
