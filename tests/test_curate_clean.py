@@ -62,6 +62,32 @@ def test_each_filter_drops_at_its_threshold_and_not_before():
     assert drop_reason(four, CleanConfig(min_words=5, max_words=1000)) == "repeated lines"
 
 
+def test_combining_marks_are_parts_of_words_and_unspaced_scripts_count_by_character():
+    """The vowel signs and viramas of Devanagari, Tamil and Bengali (categories Mn and Mc) are parts of
+    letters: counted as symbols, ordinary prose (0.30-0.38 of its characters) was dropped as "symbol
+    ratio" by default, a whole language lost; they also split every word in two. Han and kana are
+    written without spaces, so each counts as a word, not each clause. (Planted: marks left out of
+    the word characters; Han counted by runs.)"""
+    cfg = CleanConfig(min_words=8)
+    prose = {"hindi": "यह एक साधारण हिंदी वाक्य है जिसमें कई शब्द हैं और मात्राएँ भी हैं।",
+             "tamil": "இது ஒரு சாதாரண தமிழ் வாக்கியம் இதில் பல சொற்கள் உள்ளன.",
+             "bengali": "এটি একটি সাধারণ বাংলা বাক্য যেখানে অনেক শব্দ আছে।"}
+    for name, text in prose.items():
+        assert drop_reason(text, cfg) is None, name
+        assert drop_reason(text, CleanConfig(min_words=len(text.split()) + 1)) == "too few words", name
+    assert drop_reason(prose["hindi"], CleanConfig(min_words=len(prose["hindi"].split()))) is None
+    chinese = "今天天气很好，我们去公园散步吧。"  # 14 characters in two clauses
+    assert drop_reason(chinese, CleanConfig(min_words=14)) is None
+    assert drop_reason(chinese, CleanConfig(min_words=15)) == "too few words"
+
+
+def test_a_zero_width_space_is_no_space():
+    """U+200B is a break hint inside a word (or between Thai words), not white space: it was made a
+    space, splitting the word. (Planted: the space ranges up to U+200B.)"""
+    for text in ("super\u200bcalifragilistic", "東京\u200b都", "ภาษา\u200bไทย"):
+        assert normalise_whitespace(text) == text
+
+
 def test_the_stage_writes_the_cleaned_text_and_counts_both_sizes(tmp_path):
     raw = "  caf\u00c3\u00a9   au  lait  "  # mojibake and loose spaces
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": "0", "text": raw}) + "\n")
