@@ -1,8 +1,9 @@
 """``decontaminate``: cut evaluation-task 13-grams out of the training documents (GPT-3 / MT-NLG rules).
 
-Text is compared as lower-cased words (``\\w+``, so punctuation and spacing do not matter), in
-Unicode's composed form (NFC): an accented letter written as a letter and a combining mark is the
-same word as the precomposed letter, whichever form the task or the document uses. For
+Text is compared as lower-cased words (runs of ``\\w`` and combining marks, so punctuation and spacing
+do not matter), in Unicode's composed form (NFC): an accented letter written as a letter and a
+combining mark is the same word as the precomposed letter, whichever form the task or the document
+uses. Task texts are searched as written and as the clean stage's Unicode repair makes them. For
 every 13-gram of a document that also occurs in a task, the match plus ``margin`` (200) characters
 on each side is removed; the document falls apart into the pieces between removals, pieces under
 ``min_piece_chars`` (200) are dropped, and a document split more than ``max_splits`` (10) times is
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from data_pipeline.curate.checks import within
+from data_pipeline.curate.clean import repair_unicode
 from data_pipeline.curate.exact_dedup import save_array
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
 from data_pipeline.paths import listed_twice, written_whole
@@ -151,13 +153,25 @@ def task_texts(path: str, fields: list, bad: BadRecords):
         yield texts
 
 
+def _is_word_char(ch: str) -> bool:
+    """``re``'s ``\\w`` (alphanumeric or ``_``) or a combining mark: the vowel signs and viramas of
+    Indic scripts are parts of their letters, and would otherwise split every word in two."""
+    return ch.isalnum() or ch == "_" or unicodedata.category(ch)[0] == "M"
+
+
+def _lower(ch: str) -> int:
+    """The lower-case code point (the first, where lower-casing gives several), with Greek's final
+    sigma as sigma: lower-cased one character at a time, a capital word's last sigma is no final one
+    (``ΕΛΛΑΔΟΣ`` gives ``ελλαδοσ``, the lower-case text ``ελλαδος``)."""
+    low = ch.lower()[0]
+    return ord("σ") if low == "ς" else ord(low)
+
+
 @functools.cache
 def _bmp_tables() -> tuple[np.ndarray, np.ndarray]:
-    """For each code point below 0x10000: is it a word character (``re``'s ``\\w``: alphanumeric or
-    ``_``), and its lower-case code point (the first, where lower-casing gives several)."""
+    """For each code point below 0x10000: is it a word character, and its lower-case code point."""
     chars = [chr(c) for c in range(0x10000)]
-    return (np.array([ch.isalnum() or ch == "_" for ch in chars]),
-            np.array([ord(ch.lower()[0]) for ch in chars], dtype=np.uint64))
+    return np.array([_is_word_char(ch) for ch in chars]), np.array([_lower(ch) for ch in chars], dtype=np.uint64)
 
 
 def _classify(cps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -170,15 +184,15 @@ def _classify(cps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if astral.any():
         values, inverse = np.unique(cps[astral], return_inverse=True)
         chars = [chr(c) for c in values.tolist()]
-        word[astral] = np.array([ch.isalnum() or ch == "_" for ch in chars])[inverse]
-        low[astral] = np.array([ord(ch.lower()[0]) for ch in chars], dtype=np.uint64)[inverse]
+        word[astral] = np.array([_is_word_char(ch) for ch in chars])[inverse]
+        low[astral] = np.array([_lower(ch) for ch in chars], dtype=np.uint64)[inverse]
     return word, low
 
 
 def composed(text: str) -> str:
-    """``text`` in NFC, the form its words are compared in: a combining mark is not ``\\w``, so a
-    decomposed "é" would split its word and miss the task's precomposed one (the clean stage
-    composes; a task file or an uncleaned corpus may not). Most text already is NFC, which the check
+    """``text`` in NFC, the form its words are compared in: a decomposed "é" (a letter and a combining
+    mark) would hash unlike the task's precomposed one (the clean stage composes; a task file or an
+    uncleaned corpus may not). Most text already is NFC, which the check
     finds without copying."""
     return text if unicodedata.is_normalized("NFC", text) else unicodedata.normalize("NFC", text)
 
@@ -193,7 +207,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 class NgramKeys:
     """64-bit keys of lower-cased word n-grams, computed for many texts at once with numpy.
 
-    A word is a run of ``\\w`` characters (so punctuation and spacing never matter). Its hash sums its
+    A word is a run of ``\\w`` characters and combining marks (so punctuation and spacing never matter). Its hash sums its
     lower-cased code points times a per-position odd multiplier, mixed; an n-gram's key folds its
     words' hashes with fixed odd multipliers. Task texts and training documents go through this same
     function, so only a 64-bit collision could make a false match.
@@ -271,7 +285,10 @@ def task_names(paths: list[str]) -> list[str]:
 
 
 def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
-    """Every task's n-gram keys, sorted, with the task each came from; returns per-task counts."""
+    """Every task's n-gram keys, sorted, with the task each came from; returns per-task counts. A text
+    the clean stage's Unicode repair would change (mojibake, ligatures, full-width letters, HTML
+    entities) gives its n-grams in both forms: a corpus cleaned before this stage holds the repaired
+    form of a passage copied into it, an uncleaned one the form as written."""
     ngrams = NgramKeys(cfg.ngram)
     keys, owner, names, short = [], [], task_names(cfg.tasks), {}
     for t, path in enumerate(cfg.tasks):
@@ -280,12 +297,14 @@ def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
         if bad.counts:
             raise ValueError(_bad_records_problem(path, len(records), bad))
         texts = [text for record in records for text in record]
+        written = len(texts)  # the texts as written, then their repaired forms
+        texts += [fixed for text in texts if (fixed := repair_unicode(text)) != text]
         with_ngrams = 0
-        for _, k, text, _ in ngrams.batches(texts):
+        for begin, k, text, _ in ngrams.batches(texts):
             keys.append(k)
             owner.append(np.full(len(k), t, np.int32))
-            with_ngrams += len(np.unique(text))
-        short[names[t]] = len(texts) - with_ngrams
+            with_ngrams += int(np.count_nonzero(np.unique(text) + begin < written))
+        short[names[t]] = written - with_ngrams
     keys, owner = np.concatenate(keys or [np.zeros(0, np.uint64)]), np.concatenate(owner or [np.zeros(0, np.int32)])
     keys, first = np.unique(keys, return_index=True)
     with written_whole(out_path, ".npz") as tmp:
