@@ -68,18 +68,24 @@ def cached_arrays(cache_dir: str, kind: str, description: dict, names: tuple[str
                          "(or the cache directory) and run again to rebuild them") from None
 
 
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+"""What ``flock`` fails with on a file system that takes no locks: NFS without its lock service
+(ENOLCK), Lustre mounted without flock support (ENOSYS), FUSE file systems (EOPNOTSUPP, EINVAL)."""
+
+
 @contextlib.contextmanager
 def _held(lock):
     """The block under an exclusive lock on the open file ``lock``, or without one where the file
-    system has none to give (NFS without its lock service fails with ENOLCK): every process then
+    system has none to give (``NO_LOCKS``: NFS without its lock service, Lustre mounted without
+    flock, some FUSE file systems): every process then
     builds the arrays itself, which costs time but not correctness: each file is put in place whole,
     and only where none is there yet (``_kept_if_there``)."""
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         locked = True
     except OSError as exc:
-        if exc.errno != errno.ENOLCK:
-            raise
+        if exc.errno not in NO_LOCKS:
+            raise OSError(exc.errno, f"{lock.name}: cannot be locked ({exc.strerror})") from None
         locked = False  # the build's own errors are not raised inside this handler, which would chain them
     try:
         yield
