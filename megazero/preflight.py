@@ -137,7 +137,9 @@ def _recompute_problems(cfg: Config) -> list[str]:
 
 
 def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
-    """The training shards' prefixes, each opened (which checks its header and sizes)."""
+    """The prefixes of the shards the run samples from, each opened (which checks its header and
+    sizes). A dataset of weight 0 is never read (``blend``), so nothing of it is checked: neither
+    its files, nor its tokenizer record, nor its token ids could change the run."""
     from data_pipeline.blend import parse_blend, resolve_blend
     from data_pipeline.gpt_samples import parse_split
     from data_pipeline.indexed import IndexedDataset
@@ -165,12 +167,13 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
                             "969,30,1, or set train.eval_interval 0")
     except ValueError as exc:
         problems.append(f"data.split: {exc}")
-    for prefix, used in zip(prefixes, _splits_sampled(weights, cfg)):
+    sampled = [(prefix, used) for prefix, used in zip(prefixes, _splits_sampled(weights, cfg)) if used]
+    for prefix, used in sampled:
         try:
             problems += _split_problems(IndexedDataset(prefix), cfg, used)
         except (ValueError, OSError) as exc:
             problems.append(f"data.blend: {exc}")
-    return prefixes, problems
+    return [prefix for prefix, _ in sampled], problems
 
 
 def _splits_sampled(weights: list[float], cfg: Config) -> list[tuple[str, ...]]:

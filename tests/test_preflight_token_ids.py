@@ -80,6 +80,16 @@ def test_check_reports_the_largest_id_of_every_dataset(tmp_path, capsys):
     assert f"largest token id {VOCAB - 1}," in capsys.readouterr().out
 
 
+def test_a_dataset_of_weight_0_is_not_checked(tmp_path, capsys):
+    """A blend entry of weight 0 is never read (the blend never draws it); its shard missing, or
+    holding ids beyond the vocabulary, refused the run all the same. (Planted: every entry opened.)"""
+    kept, beyond = _shard(tmp_path / "kept_text_document", 0), _shard(tmp_path / "beyond_text_document", VOCAB)
+    for withdrawn in (str(tmp_path / "missing_text_document"), beyond):
+        argv = _check(kept, tmp_path, VOCAB, blend=f"[[1.0, {kept}], [0.0, {withdrawn}]]")
+        assert main(argv) == 0, capsys.readouterr().err
+        assert "data: 1 dataset(s), largest token id 54," in capsys.readouterr().out  # the kept one's
+
+
 @pytest.mark.parametrize("source", ["named", "recorded"])
 @pytest.mark.parametrize("vocab, fits", [(VOCAB - 1, False), (VOCAB, True)])
 def test_the_model_vocabulary_must_hold_the_tokenizers(tmp_path, capsys, source, vocab, fits):
