@@ -91,6 +91,8 @@ class IndexedDatasetWriter:
         self._sealed = False
         remove_stale_temporaries(prefix)
         self._sizes = array("i")  # int32 lengths, appended without a numpy object per document
+        # (first sequence, document index) of each added shard whose documents span several sequences
+        self._grouped: list[tuple[int, np.ndarray]] = []
         # a descriptor of each temporary it has made, holding its lock (what keeps it from a sweep) and
         # the one its bytes are written through, with the file's identity
         self._held: list[tuple[int, tuple[int, int]]] = []
@@ -142,14 +144,28 @@ class IndexedDatasetWriter:
         self._sizes.frombytes(lengths.tobytes())
 
     def add_shard(self, other: IndexedDataset) -> None:
-        """Append every document of an existing shard, copying its ``.bin`` in large blocks."""
+        """Append every document of an existing shard, copying its ``.bin`` in large blocks, and keeping
+        which sequences make up each of its documents (a Megatron shard of sentences, ``--split-sentences``,
+        holds several per document, which document-level datasets read back whole)."""
         if other.dtype != self.dtype:
             raise ValueError(f"cannot merge {other.prefix} ({other.dtype}) into {self.prefix} ({self.dtype}): "
                              "every shard must use the same token dtype (same tokenizer)")
         with open(bin_path(other.prefix), "rb") as src:
             while block := src.read(64 << 20):
                 self._write(block)
+        if len(other.document_indices) != len(other) + 1:
+            self._grouped.append((len(self._sizes), np.array(other.document_indices)))
         self._sizes.frombytes(np.asarray(other.sizes, dtype=np.int32).tobytes())
+
+    def _document_indices(self) -> np.ndarray:
+        """Where each document's sequences begin, and the end: one document a sequence, but where an
+        added shard grouped its sequences into documents."""
+        starts = np.ones(len(self._sizes) + 1, dtype=bool)
+        for first, documents in self._grouped:
+            inner = np.ones(int(documents[-1]) + 1, dtype=bool)
+            inner[documents] = False  # its own boundaries stay
+            starts[first:first + len(inner)] &= ~inner
+        return np.flatnonzero(starts).astype(np.int64)
 
     def seal(self) -> None:
         """Close the ``.bin`` and write the ``.idx``, both still under temporary names: the step a full
@@ -161,7 +177,7 @@ class IndexedDatasetWriter:
             # locked before the .bin is put in place: from then on the .bin's lock is on the shard's own
             # file, which no sweep looks at, and this one keeps the .idx temporary from the sweep
             with open(self._hold_new(self._idx_tmp), "wb", closefd=False) as f:
-                write_index(f, self.dtype, np.frombuffer(self._sizes, dtype=np.int32))
+                write_index(f, self.dtype, np.frombuffer(self._sizes, dtype=np.int32), self._document_indices())
         except OSError as exc:
             raise _not_written(self.prefix, exc) from None
         self._sealed = True
@@ -404,12 +420,13 @@ def _not_written(prefix: str, exc: OSError) -> OSError:
                    "another output prefix")
 
 
-def write_index(f: BinaryIO, dtype: np.dtype, sizes: np.ndarray) -> None:
-    """The ``.idx`` for one document per sequence of the given lengths, written into the open file ``f``."""
+def write_index(f: BinaryIO, dtype: np.dtype, sizes: np.ndarray, document_indices: np.ndarray | None = None) -> None:
+    """The ``.idx`` for sequences of the given lengths, written into the open file ``f``: one document
+    per sequence, or the documents ``document_indices`` (each one's first sequence, then the count)."""
     sizes = np.asarray(sizes, dtype=np.int32)
     pointers = np.zeros(len(sizes), dtype=np.int64)
     np.cumsum(sizes[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
-    doc_idx = np.arange(len(sizes) + 1, dtype=np.int64)
+    doc_idx = np.arange(len(sizes) + 1, dtype=np.int64) if document_indices is None else document_indices
     f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[np.dtype(dtype)], len(sizes), len(doc_idx)))
     f.write(sizes.tobytes())
     f.write(pointers.tobytes())

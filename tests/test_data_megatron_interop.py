@@ -66,6 +66,37 @@ def test_megatron_shards_load_in_ours(tmp_path, dtype):
         assert Path(prefix + ext).read_bytes() == Path(str(tmp_path / "ours") + ext).read_bytes()
 
 
+def test_a_merge_keeps_the_documents_of_sentence_shards_as_megatron_does(tmp_path):
+    """A shard of sentences (``preprocess_data.py --split-sentences``) holds several sequences per
+    document; merged, every sequence became a document of its own, and Megatron's document-level
+    datasets lost the documents. Our merge must write the files megatron-core's merge writes.
+    (Planted: the merged shard's document index written as one document a sequence.)"""
+    from data_pipeline.indexed import merge_shards
+
+    prefixes = []
+    for k, sentences in enumerate([[3, 1, 2], [1], [2, 2]]):  # sentences per document, shard by shard
+        prefix = str(tmp_path / f"sentences{k}")
+        builder = mc_indexed.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+        for d, count in enumerate(sentences):
+            for sentence in range(count):
+                builder.add_item(torch.arange(1, 2 + d + sentence) + 10 * k)
+            builder.end_document()
+        builder.finalize(prefix + ".idx")
+        prefixes.append(prefix)
+    plain = str(tmp_path / "plain")  # one sequence a document, between two grouped shards
+    with IndexedDatasetWriter(plain, np.uint16) as w:
+        w.add_document(np.arange(5, 9))
+    order = [prefixes[0], plain, prefixes[1], prefixes[2]]
+    merged = merge_shards(order, str(tmp_path / "ours"))
+    builder = mc_indexed.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=np.uint16)
+    for prefix in order:
+        builder.add_index(prefix)
+    builder.finalize(str(tmp_path / "theirs.idx"))
+    assert merged.document_indices.tolist() == [0, 3, 4, 6, 7, 8, 10, 12]
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"theirs{ext}").read_bytes()
+
+
 @pytest.mark.parametrize("seq_len,epochs,seed", [(7, 1, 0), (16, 3, 1), (2, 2, 2), (64, 4, 3)])
 def test_sample_index_matches_megatron_helper(seq_len, epochs, seed):
     rng = np.random.default_rng(seed)
