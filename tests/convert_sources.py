@@ -77,6 +77,19 @@ def gpt2_folder(folder: Path) -> Path:
     return folder
 
 
+def layernorm_without_biases(folder: Path) -> Path:
+    """A megazero checkpoint of a model with LayerNorm and no biases (SwiGLU, rotary, untied), random
+    weights, in ``folder``: megatron-core's LayerNorm keeps a bias under ``--disable-bias-linear``,
+    megazero's ``model.bias false`` has none."""
+    from megazero.convert.targets import write_megazero
+
+    torch.manual_seed(2)
+    write_megazero(RandomSource(num_layers=2, hidden_size=32, vocab_size=61, seq_length=16, norm="layernorm",
+                                activation="swiglu", position_embedding="rope", bias=False, tie_embeddings=False),
+                   folder)
+    return folder
+
+
 class RandomSource:
     """A source with an architecture of our choosing and random weights."""
 

@@ -125,3 +125,21 @@ def test_a_megatron_model_entry_that_is_not_a_named_tensor_is_named(tmp_path, ca
     err = fails(capsys, tmp_path, root)
     assert err.endswith(f"{second}: its 'model' {want}, where megatron-core saves weight names and tensors (tp rank "
                         "1, pipeline rank 0); the checkpoint is damaged or not Megatron-LM's: restore that file"), err
+
+
+def test_layernorm_biases_beside_no_linear_biases_import_only_when_zero(tmp_path, capsys):
+    """Megatron-LM's --disable-bias-linear leaves its LayerNorms their biases; megazero's model.bias
+    false has none. Zero (as initialised) they change nothing and import; trained, they are refused
+    in one line naming the tensor, not as a checkpoint that does not match its args."""
+    root = megatron_checkpoint(tmp_path / "meg", add_bias_linear=False)
+    path = root / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"] = {k: v for k, v in state["model"].items() if "linear" not in k or not k.endswith(".bias")}
+    torch.save(state, path)
+    assert main(["convert", str(root), str(tmp_path / "zero")]) == 0
+    state["model"]["decoder.layers.1.pre_mlp_layernorm.bias"] = torch.full((16,), 0.5)
+    torch.save(state, path)
+    err = fails(capsys, tmp_path, root)
+    assert err.endswith(f"{path}: holds decoder.layers.1.pre_mlp_layernorm.bias, a LayerNorm bias that is not zero, "
+                        "beside args.add_bias_linear False; megazero's model.bias false has no norm biases, so such a "
+                        "model cannot be imported"), err

@@ -126,6 +126,10 @@ def write_megatron(source: Source, root: Path, tp: int, pp: int, impl: str, dtyp
                 tensor = fit_rows(tensor, args.padded_vocab_size)
             for rank, piece in enumerate(tp_slices(tensor, split, tp)):
                 models[rank][key] = cast_checked(piece, DTYPES[dtype], name)
+                if cfg.norm == "layernorm" and not cfg.bias and name.endswith("norm.weight"):
+                    # megatron-core's LayerNorm always has a bias (--disable-bias-linear keeps it); ours has
+                    # none without linear biases: zero is exactly none, and a strict load finds every key
+                    models[rank][key[: -len("weight")] + "bias"] = torch.zeros_like(models[rank][key])
         for t, model in enumerate(models):
             folder = release / rank_dir(t, p, pp)
             folder.mkdir(parents=True)
