@@ -375,3 +375,18 @@ def test_explicit_layout_flags_are_taken_as_given(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and field in err, err
         assert not (tmp_path / name).exists()
+
+
+def test_a_model_without_a_run_takes_any_dp(tmp_path):
+    """A Hugging Face model has no run, so the default batch (16 samples, micro-batches of 4) stands in
+    for one; at ``--dp 3`` it divided into no whole number of micro-batches per rank, and the refusal
+    told the user to change train.global_batch_size, which convert has no flag for. It becomes the
+    next multiple of dp micro-batches. (Planted: the default kept: refused.)"""
+    from tests.convert_sources import llama_folder
+
+    assert main(["convert", str(llama_folder(tmp_path / "hf")), str(tmp_path / "dp3"), "--to", "megazero",
+                 "--dp", "3"]) == 0
+    manifest = read_manifest(latest_checkpoint(tmp_path / "dp3"))
+    assert manifest["meta"]["layout"]["dp"] == 3
+    train = manifest["meta"]["config"]["train"]
+    assert (train["micro_batch_size"], train["global_batch_size"]) == (4, 24)

@@ -201,7 +201,8 @@ def run(args) -> int:
 
 def run_config(source, layout: dict):
     """The config of the run DST is laid out for: the source run's recorded config (a megazero
-    source), else defaults around the source's model, with the layout flags applied; validated for
+    source), else defaults around the source's model (the global batch made a whole number of
+    micro-batches per data-parallel rank), with the layout flags applied; validated for
     the world tp x pp x dp, so a layout the model cannot take is refused (one line per problem,
     naming the field) before anything is written."""
     import dataclasses
@@ -214,7 +215,8 @@ def run_config(source, layout: dict):
     from parallel.pipeline.schedule import schedule_problem
 
     meta = source_meta(source)
-    raw = meta.get("config") if isinstance(meta.get("config"), dict) else config_to_dict(Config(model=source.cfg))
+    recorded = isinstance(meta.get("config"), dict)
+    raw = meta.get("config") if recorded else config_to_dict(Config(model=source.cfg))
     raw = {**raw, "model": dataclasses.asdict(source.cfg)}
     before = dict(raw.get("parallel") or {})
     for field, value in layout.items():
@@ -235,6 +237,10 @@ def run_config(source, layout: dict):
     if (p.get("pipeline_schedule") in V_SHAPED) != (before.get("pipeline_schedule") in V_SHAPED):
         p["pipeline_split"] = None  # the split was made for stages the ranks no longer hold in that order
     dp = p.get("dp") or 1
+    if not recorded:  # no run chose the default batch: a multiple of dp micro-batches, as a --dp needs
+        train = raw["train"]
+        per_step = train["micro_batch_size"] * dp
+        train["global_batch_size"] = -(-train["global_batch_size"] // per_step) * per_step
     set_dotted(raw, "parallel.dp", None)  # derived from the world by validation
     cfg = build_dataclass(Config, raw, prefix="")
     return resolve_config(cfg, p["tp"] * p["pp"] * dp)
