@@ -245,6 +245,15 @@ def test_input_globs_recurse_and_a_misspelt_id_field_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"part0.jsonl: input.id_field 'uid' is in none of its records \(their keys: "
                                          r"\['id', 'text'\]\); fix input.id_field"):
         pipeline.run_pipeline(build_config(raw), log=quiet)
+    # a record's own 'id' beside another input.id_field would be replaced by the document id: lost without
+    # a word (planted: replaced); an 'id' equal to it loses nothing
+    records = [{"uid": "u0", "id": "u0", "text": _docs(2)[0]}, {"uid": "u1", "id": 1000, "text": _docs(2)[1]}]
+    (tmp_path / "both.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    raw = config(tmp_path, [str(tmp_path / "both.jsonl")], out="both", stages=[])
+    raw["input"]["id_field"] = "uid"
+    with pytest.raises(ValueError, match=r"both.jsonl: the record of uid 'u1' also has a field 'id' \(1000\), which "
+                                         r"the output's 'id' \(the document id\) would replace"):
+        pipeline.run_pipeline(build_config(raw), log=quiet)
 
 
 def _sentencepiece(tmp_path: Path) -> str:

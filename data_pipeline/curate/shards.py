@@ -198,7 +198,7 @@ def ingest_file(path: str, file_index: int, out_dir: str, fmt: str, text_field: 
     A file that holds records, none of them good, says why under ``UNREADABLE`` in its stats, for the
     stage to refuse, strict or not, once every file is read."""
     bad = BadRecords()
-    records, shard, docs, nbytes, with_id, keys = [], 0, 0, 0, 0, None
+    records, shard, docs, nbytes, with_id, keys, clash = [], 0, 0, 0, 0, None, None
 
     def flush():
         nonlocal records, shard
@@ -208,6 +208,10 @@ def ingest_file(path: str, file_index: int, out_dir: str, fmt: str, text_field: 
     for doc_id, record in input_documents(path, text_field, id_field, strict, bad):
         with_id += id_field in record
         keys = keys or sorted(record)
+        if id_field != "id" and "id" in record and str(record["id"]) != doc_id and clash is None:
+            clash = (f"{path}: the record of {id_field} {doc_id!r} also has a field 'id' ({record['id']!r}), which the "
+                     "output's 'id' (the document id) would replace; rename that field in the input, or set "
+                     "input.id_field id")
         record = {"id": doc_id, **{k: v for k, v in record.items() if k != "id"}}
         records.append(record)
         docs += 1
@@ -217,6 +221,8 @@ def ingest_file(path: str, file_index: int, out_dir: str, fmt: str, text_field: 
     if docs and not with_id and id_field != DEFAULT_ID_FIELD:  # a misspelt field: ids silently FILE:LINE
         raise ValueError(f"{path}: input.id_field {id_field!r} is in none of its records (their keys: {keys}); "
                          "fix input.id_field")
+    if clash:  # a record's own id, lost without a word
+        raise ValueError(clash)
     if records or shard == 0:
         flush()
     stats = {"docs_in": docs, "docs_out": docs, "bytes_in": nbytes, "bytes_out": nbytes,
