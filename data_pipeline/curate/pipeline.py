@@ -38,7 +38,7 @@ from data_pipeline.curate.clean import clean_shard
 from data_pipeline.curate.config import CurateConfig
 from data_pipeline.curate.quality import quality_shard
 from data_pipeline.curate.runner import Task, make_executor, merge_stats, run_tasks
-from data_pipeline.curate.shards import UNREADABLE, atomic_write_text, ingest_file, list_shards
+from data_pipeline.curate.shards import UNREADABLE, atomic_write_text, ingest_file, list_shards, mixed_schemas
 
 
 @dataclass
@@ -82,6 +82,10 @@ def run_ingest(ctx: Context, out_dir: str) -> dict:
         shutil.rmtree(out_dir)
         more = f" (and {len(unreadable) - 1} more input files alike)" if len(unreadable) > 1 else ""
         raise ValueError(f"input.paths: {unreadable[0]}{more}")
+    mixed = ctx.cfg.output.format == "parquet" and mixed_schemas(sorted(glob.glob(os.path.join(out_dir, "*.parquet"))))
+    if mixed:  # later stages only drop documents: their shards agree where these do
+        shutil.rmtree(out_dir)
+        raise ValueError(f"input.paths: {mixed}; give the field one type in the input, or set output.format to jsonl")
     stats = merge_stats(results)
     if stats["docs_out"] == 0:  # nothing here is worth resuming: a corrected config starts afresh
         shutil.rmtree(out_dir)  # (a file with records but no good one was refused above: every file is empty)

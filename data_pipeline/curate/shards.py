@@ -94,6 +94,25 @@ def _mixed_field(records: list[dict]) -> str | None:
     return None
 
 
+def mixed_schemas(paths: list[str]) -> str | None:
+    """The first field that two parquet shards hold in different types (a column of nulls aside), said
+    with both; None where they agree. Each shard is written from its own documents, whose types agree
+    (``write_shard``), but one type in one shard and another in the next make a dataset no reader
+    takes as one (Arrow refuses int64 beside string, and beside double)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    seen: dict[str, tuple[pa.DataType, str]] = {}
+    for path in paths:
+        for field in pq.read_schema(path):
+            if pa.types.is_null(field.type):
+                continue
+            first = seen.setdefault(field.name, (field.type, path))
+            if first[0] != field.type:
+                return f"field {field.name!r} is {first[0]} in {first[1]} and {field.type} in {path}"
+    return None
+
+
 def atomic_write_text(path: str, text) -> None:
     """Write a string, or an iterable of strings as they come (an audit file need not exist whole in memory)."""
     _atomic_write(path, [text] if isinstance(text, str) else text, binary=False)
