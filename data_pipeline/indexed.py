@@ -91,8 +91,7 @@ class IndexedDatasetWriter:
         self._sealed = False
         remove_stale_temporaries(prefix)
         self._sizes = array("i")  # int32 lengths, appended without a numpy object per document
-        # (first sequence, document index) of each added shard whose documents span several sequences
-        self._grouped: list[tuple[int, np.ndarray]] = []
+        self._grouped: list[tuple[int, np.ndarray]] = []  # (first sequence, document index) of such shards
         # a descriptor of each temporary it has made, holding its lock (what keeps it from a sweep) and
         # the one its bytes are written through, with the file's identity
         self._held: list[tuple[int, tuple[int, int]]] = []
@@ -144,9 +143,8 @@ class IndexedDatasetWriter:
         self._sizes.frombytes(lengths.tobytes())
 
     def add_shard(self, other: IndexedDataset) -> None:
-        """Append every document of an existing shard, copying its ``.bin`` in large blocks, and keeping
-        which sequences make up each of its documents (a Megatron shard of sentences, ``--split-sentences``,
-        holds several per document, which document-level datasets read back whole)."""
+        """Append every document of an existing shard, copying its ``.bin`` in large blocks; a document
+        of several sequences (Megatron's ``--split-sentences``) stays one."""
         if other.dtype != self.dtype:
             raise ValueError(f"cannot merge {other.prefix} ({other.dtype}) into {self.prefix} ({self.dtype}): "
                              "every shard must use the same token dtype (same tokenizer)")
@@ -158,8 +156,7 @@ class IndexedDatasetWriter:
         self._sizes.frombytes(np.asarray(other.sizes, dtype=np.int32).tobytes())
 
     def _document_indices(self) -> np.ndarray:
-        """Where each document's sequences begin, and the end: one document a sequence, but where an
-        added shard grouped its sequences into documents."""
+        """Each document's first sequence, then the count: one a sequence, but as an added shard grouped them."""
         starts = np.ones(len(self._sizes) + 1, dtype=bool)
         for first, documents in self._grouped:
             inner = np.ones(int(documents[-1]) + 1, dtype=bool)

@@ -58,10 +58,10 @@ def test_parquet_shards_whose_types_differ_are_refused_before_any_stage(tmp_path
     metas = [None] * 3 + [1] * 3 + ["one"] * 3  # shards of 3: nulls, ints, strings
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": f"document {i}", "meta": m}) + "\n" for i, m in enumerate(metas)))
-    raw = {"input": {"paths": [str(src)], "shard_docs": 3}, "output": {"dir": str(tmp_path / "out"), "format": "parquet"},
-           "stages": []}
-    with pytest.raises(ValueError, match=r"input.paths: field 'meta' is int64 in \S+shard-00000-00001.parquet and string "
-                                         r"in \S+shard-00000-00002.parquet; give the field one type in the input"):
+    raw = {"input": {"paths": [str(src)], "shard_docs": 3}, "stages": [],
+           "output": {"dir": str(tmp_path / "out"), "format": "parquet"}}
+    with pytest.raises(ValueError, match=r"input.paths: field 'meta' is int64 in \S+shard-00000-00001.parquet and "
+                                         r"string in \S+shard-00000-00002.parquet; give the field one type in the input"):
         run_pipeline(build_config(raw), log=lambda line: None)
     src.write_text("".join(json.dumps({"text": f"document {i}", "meta": m}) + "\n" for i, m in enumerate(metas[:6])))
     result = run_pipeline(build_config(raw), log=lambda line: None)

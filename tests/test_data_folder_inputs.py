@@ -73,6 +73,7 @@ def test_nesting_is_judged_on_real_paths(tmp_path):
     assert inside_another([("--input", str(tmp_path / "in2")), ("--input", str(tmp_path / "in"))]) is None
     assert inside_another([("--input", "."), ("--input", "org/dataset")]) is None
     found = inside_another([("--input", str(tmp_path / "link" / "a.jsonl")), ("--input", f"{tmp_path}/./in/")])
-    assert found == f"--input {tmp_path / 'link' / 'a.jsonl'} lies inside --input {tmp_path}/./in/, which reads it already"
+    assert found == (f"--input {tmp_path / 'link' / 'a.jsonl'} lies inside --input {tmp_path}/./in/, which reads it "
+                     "already")
     assert output_inside(str(tmp_path / "in2" / "web"), [str(tmp_path / "in")]) is None
     assert output_inside(str(tmp_path / "link" / "new" / "web"), [str(tmp_path / "in")]) == str(tmp_path / "in")

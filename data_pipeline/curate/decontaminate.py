@@ -207,9 +207,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
 class NgramKeys:
     """64-bit keys of lower-cased word n-grams, computed for many texts at once with numpy.
 
-    A word is a run of ``\\w`` characters and combining marks (so punctuation and spacing never matter). Its hash sums its
-    lower-cased code points times a per-position odd multiplier, mixed; an n-gram's key folds its
-    words' hashes with fixed odd multipliers. Task texts and training documents go through this same
+    A word is a run of ``\\w`` characters and combining marks (so punctuation and spacing never matter). Its
+    hash sums its lower-cased code points times a per-position odd multiplier, mixed; an n-gram's key folds
+    its words' hashes with fixed odd multipliers. Task texts and training documents go through this same
     function, so only a 64-bit collision could make a false match.
     """
 

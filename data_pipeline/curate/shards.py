@@ -104,12 +104,12 @@ def mixed_schemas(paths: list[str]) -> str | None:
 
     seen: dict[str, tuple[pa.DataType, str]] = {}
     for path in paths:
-        for field in pq.read_schema(path):
-            if pa.types.is_null(field.type):
+        for column in pq.read_schema(path):
+            if pa.types.is_null(column.type):
                 continue
-            first = seen.setdefault(field.name, (field.type, path))
-            if first[0] != field.type:
-                return f"field {field.name!r} is {first[0]} in {first[1]} and {field.type} in {path}"
+            first = seen.setdefault(column.name, (column.type, path))
+            if first[0] != column.type:
+                return f"field {column.name!r} is {first[0]} in {first[1]} and {column.type} in {path}"
     return None
 
 
