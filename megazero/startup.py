@@ -107,7 +107,7 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
 
     A rank that dies in native code (a segmentation fault in a library) prints every thread's Python
     stack first: without it the launcher reports an exit code of -11 and nothing of where."""
-    from megazero.trainer import Trainer
+    from megazero.trainer import WALL_CLOCK, Trainer
 
     faulthandler.enable(file=_crash_output(), all_threads=True)
     locks = lock_directories(cfg) if launch.rank == 0 else []
@@ -120,8 +120,8 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
         state = trainer.train()
         if dist.get_rank() == 0:
             if state.stopped_by:
-                print(f"megazero: preempted at step {state.step} by {state.stopped_by}, saved to {state.saved_to}",
-                      flush=True)
+                print(f"megazero: {'stopped' if state.stopped_by == WALL_CLOCK else 'preempted'} at step "
+                      f"{state.step} by {state.stopped_by}, saved to {state.saved_to}", flush=True)
             else:
                 print(f"megazero: finished at step {state.step} ({state.consumed} samples, {state.skipped} "
                       "skipped)", flush=True)
@@ -130,4 +130,4 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
             destroy_process_group()
         for lock in reversed(locks):
             lock.release()
-    return EXIT_STOPPED if state.stopped_by else 0  # 75: a scheduler tells preemption from completion
+    return EXIT_STOPPED if state.stopped_by else 0  # 75: a scheduler tells a stop with steps left from the end

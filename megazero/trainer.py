@@ -42,6 +42,8 @@ from data_pipeline.loader import global_batch
 from models import kernels
 from parallel import comm
 
+WALL_CLOCK = "the wall-clock limit (train.max_wall_seconds)"
+
 
 @dataclass
 class TrainState:
@@ -49,7 +51,7 @@ class TrainState:
     consumed: int = 0  # training samples consumed
     skipped: int = 0  # steps skipped for a NaN/inf loss or an fp16 overflow
     bad_in_row: int = 0  # consecutive skipped steps (a non-finite loss or gradient, an fp16 overflow)
-    stopped_by: Optional[str] = None  # the signal that stopped the run early, e.g. "SIGTERM"
+    stopped_by: Optional[str] = None  # what stopped the run with steps left: a signal ("SIGTERM") or WALL_CLOCK
     saved_to: Optional[str] = None  # the checkpoint written as the run stopped
 
 
@@ -327,8 +329,10 @@ class Trainer:
             self.profiler.close()  # before the exit save, which is not part of any step
             if preempted:
                 self.state.stopped_by = self._agreed_signal(preemption.signal_name)
+            elif late and not self._done():  # steps left: stopped, not finished (a scheduler requeues on 75)
+                self.state.stopped_by = WALL_CLOCK
             if (preempted or late) and self.rank == 0:
-                why = self.state.stopped_by or "the wall-clock limit"
+                why = self.state.stopped_by or WALL_CLOCK
                 print(f"megazero: stopping at step {self.state.step} for {why}; saving", flush=True)
             saved = self.state.saved_to is not None and self.saved_step == self.state.step
             if (self.cfg.checkpoint.save_on_exit or self.state.stopped_by or late) and not saved:

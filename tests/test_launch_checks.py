@@ -188,14 +188,19 @@ def test_a_setting_that_changes_nothing_is_said_at_the_start(files, capsys):
 def test_a_wall_clock_stop_saves_even_without_save_on_exit(files, capsys):
     """`train.max_wall_seconds` promises a save, as a preemption does; with `save_on_exit` false the
     stop said "saving" and wrote nothing, and the steps trained were lost. A run that can save only on
-    those stops is told so at its start."""
+    those stops is told so at its start. With steps left the run is stopped, not finished: status 75,
+    as after a signal, so a batch script requeues it (it exited 0 and said "finished", and a job whose
+    limit came before SLURM's warning ended with its steps untrained; planted: status 0)."""
     run = files["root"] / "wall"
     argv = ["train", *_model(files["good"], str(run)), "--checkpoint.save_on_exit", "false"]
-    assert main([*argv, "--train.max_wall_seconds", "1e-9"]) == 0
+    assert main([*argv, "--train.max_wall_seconds", "1e-9"]) == 75
     out = capsys.readouterr().out
     assert "note: checkpoint.save_on_exit is false and checkpoint.save_interval 0" in out, out
     assert "recompute_every" not in out
-    assert "for the wall-clock limit; saving" in out and (run / "checkpoints" / "step_0000001").is_dir(), out
+    assert "for the wall-clock limit (train.max_wall_seconds); saving" in out, out
+    saved = run / "checkpoints" / "step_0000001"
+    assert saved.is_dir() and "finished" not in out, out
+    assert f"megazero: stopped at step 1 by the wall-clock limit (train.max_wall_seconds), saved to {saved}" in out
 
 
 @pytest.mark.parametrize("module, slowed", [("megazero.trainer", "build_datasets"),
@@ -218,9 +223,9 @@ def test_the_wall_clock_limit_counts_the_start_up(files, capsys, monkeypatch, mo
     monkeypatch.setattr(owner, slowed, slow)
     run = files["root"] / f"wall-start-{slowed}"
     assert main(["train", *_model(files["good"], str(run)), "--train.train_steps", "5",
-                 "--train.max_wall_seconds", "1"]) == 0
+                 "--train.max_wall_seconds", "1"]) == 75
     out = capsys.readouterr().out
-    assert "stopping at step 1 for the wall-clock limit; saving" in out, out
+    assert "stopping at step 1 for the wall-clock limit (train.max_wall_seconds); saving" in out, out
 
 
 def test_a_shard_records_its_tokenizer_through_preprocess_and_merge(files, capsys):

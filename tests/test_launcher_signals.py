@@ -355,9 +355,9 @@ SBATCH = REPO / "scripts" / "slurm_pretrain_gpt.sbatch"
 
 @pytest.mark.parametrize("srun_status", [0, 75, 137])
 def test_the_batch_script_requeues_after_the_warning_whatever_srun_says(tmp_path, srun_status):
-    """SLURM's warning, then srun's status: the job comes back whatever it is. 0 is not taken for a
-    finished run: a stop at train.max_wall_seconds also exits 0 with steps left, and a run that did
-    finish comes back only to say so. The script waits for srun in 5 s slices; a stand-in ``sleep``
+    """SLURM's warning, then srun's status: the job comes back whatever it is. After the warning 0 is
+    not taken for a finished run: a node killed by --kill-on-bad-exit as another exits 75 may end
+    srun's status, and a run that did finish comes back only to say so. The script waits for srun in 5 s slices; a stand-in ``sleep``
     cuts each to 0.1 s, or every case waited out a slice after srun had gone."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
