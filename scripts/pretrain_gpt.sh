@@ -6,7 +6,8 @@
 # once), train configs/demo.yaml on 8 CPU ranks, then print a sample from the final checkpoint.
 #
 # Knobs (environment variables):
-#   CONFIG          YAML config (default: configs/demo.yaml, the CPU demo described above)
+#   CONFIG          YAML config (default: configs/demo.yaml, the CPU demo described above); a relative
+#                   path is read from the current folder, else from the repository (configs/...)
 #   NPROC_PER_NODE  ranks per node (default: number of visible GPUs, else CPU_RANKS)
 #   CPU_RANKS       ranks on a machine without GPUs (default: 8, for tp2 x pp2 x dp2)
 #   NNODES          nodes taking part (default: 1, or SLURM_NNODES under SLURM)
@@ -15,14 +16,18 @@
 #   MASTER_PORT     rendezvous port (default: 29500)
 # Every argument is passed through to `megazero train` as an override, e.g.
 #   scripts/pretrain_gpt.sh --train.train_steps 50 --parallel.tp 1
+# Relative paths in the config and the overrides are the current folder's (the demo's, the checkout's).
 #
 # Stopping: SIGTERM, SIGUSR1 (SLURM's warning) and SIGINT (Ctrl-C) sent to this script reach every
 # worker, which saves a checkpoint after its current step; rank 0 prints "megazero: preempted at step
 # N by SIG, saved to DIR" and the script exits 75 (0: finished; any other status: failed). A second
 # Ctrl-C stops at once without saving. See "Preemption and signals" in docs/training.md.
 set -euo pipefail
-script=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # read by --help after the cd below
-cd "$(dirname "$0")/.."
+# The run starts in the caller's folder, so relative paths among the overrides (logging.run_dir,
+# data.blend, checkpoint.load, ...) and in CONFIG are the caller's; the demo alone runs in the checkout.
+repo=$(cd "$(dirname "$0")/.." && pwd)
+script=$repo/scripts/$(basename "$0")
+export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}  # this checkout's packages, from any folder
 for arg in "$@"; do  # wherever they stand, once: under torchrun every rank printed them (after the demo build)
   case "$arg" in
     -h|--help)  # the knobs above, then train's own options
@@ -45,9 +50,12 @@ if [ $# -gt 0 ] && [[ "$1" != --* ]]; then  # else every rank refused it as an o
        "(--section.field VALUE); give a config file as CONFIG=$1 $0" >&2
   exit 2
 fi
+if [ -n "${CONFIG:-}" ] && [ ! -f "$CONFIG" ] && [[ "$CONFIG" != /* ]] && [ -f "$repo/$CONFIG" ]; then
+  CONFIG=$repo/$CONFIG  # a config shipped in the checkout (configs/gpt_1.3b.yaml), named from elsewhere
+fi
 if [ -n "${CONFIG:-}" ] && [ ! -f "$CONFIG" ]; then  # else train's own error came amid torchrun's log lines
-  echo "pretrain_gpt.sh: error: CONFIG $CONFIG: no such file (a relative path is read from the repository" \
-       "root, where this script runs); give a YAML config such as configs/gpt_1.3b.yaml" >&2
+  echo "pretrain_gpt.sh: error: CONFIG $CONFIG: no such file (a relative path is read from the current folder," \
+       "then from the repository); give a YAML config such as configs/gpt_1.3b.yaml" >&2
   exit 2
 fi
 [ -z "${NPROC_PER_NODE:-}" ] || whole NPROC_PER_NODE "$NPROC_PER_NODE" 1
@@ -66,6 +74,7 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 demo=0
 if [ -z "${CONFIG:-}" ]; then
   demo=1
+  cd "$repo"  # the demo's data and runs are the checkout's (data/demo, runs/demo)
   CONFIG=configs/demo.yaml
   if [ ! -f data/demo/stdlib_text_document.idx ]; then
     echo "== building the demo corpus, its tokenizer and its shard in data/demo"

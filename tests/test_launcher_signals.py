@@ -309,7 +309,7 @@ def test_one_ctrl_c_delivered_twice_is_not_a_second_one(monkeypatch):
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be a whole number from 0 to 1, got '2'"),
     ({"NNODES": "2", "MASTER_PORT": "99999"}, "MASTER_PORT must be a whole number from 1 to 65535, got '99999'"),
     ({"CONFIG": "configs/nope.yaml"}, "CONFIG configs/nope.yaml: no such file (a relative path is read from the "
-                                      "repository root, where this script runs); give a YAML config such as "
+                                      "current folder, then from the repository); give a YAML config such as "
                                       "configs/gpt_1.3b.yaml"),
 ])
 def test_a_bad_knob_is_one_line_before_anything_starts(tmp_path, knobs, message):
@@ -318,6 +318,22 @@ def test_a_bad_knob_is_one_line_before_anything_starts(tmp_path, knobs, message)
     done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip() == f"pretrain_gpt.sh: error: {message}", done.stderr
     assert "== training" not in done.stdout
+
+
+def test_relative_paths_are_the_callers(config, tmp_path):
+    """Started from another folder, the script ran the training in the repository, so a relative
+    logging.run_dir (and every other relative path, CONFIG's included) was taken from there: the
+    checkpoints went into the code's checkout, and the log named a folder the user did not have.
+    (Planted: the script's old change of folder.)"""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(config, work / "cfg.yaml")
+    env = dict(os.environ, CONFIG="cfg.yaml", NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([str(SCRIPT), "--train.train_steps", "1", "--logging.run_dir", "runs/relative"], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (work / "runs" / "relative" / "checkpoints" / "step_0000001").is_dir()
+    assert not (REPO / "runs" / "relative").exists()
 
 
 def test_a_config_given_as_an_argument_is_one_line_naming_config():
