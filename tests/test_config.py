@@ -166,6 +166,9 @@ def _error(*overrides, world=None, local=None) -> str:
     # read as unset: the checkpoints went to the run directory, the index cache beside the data (planted: passed)
     (("--checkpoint.save_dir", ""), None, "checkpoint.save_dir", "is empty, which names no folder"),
     (("--data.cache_dir", " "), None, "data.cache_dir", "is empty, which names no folder"),
+    # '~' is expanded by neither YAML nor a shell after '=': a folder named '~' was made (planted: passed)
+    (("--logging.run_dir", "~/runs/x"), None, "logging.run_dir", "would make a folder named '~' in the current one"),
+    (("--checkpoint.save_dir", "~/ckpt"), None, "checkpoint.save_dir", "with the home folder spelled out, e.g. /"),
 ])
 def test_validation_names_field(overrides, world, field, fix):
     local = 4 if overrides == ("--parallel.tp", "8") else None

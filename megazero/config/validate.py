@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Optional
 
 from megazero.config.auto import TP_COMM_AUTO, graph_blockers
@@ -167,6 +168,11 @@ def _value_problems(cfg: Config) -> list[str]:
         if get(cfg, name) is not None and not get(cfg, name).strip():
             problems.append(f"{name}: is empty, which names no folder (its default is null); name one, or leave the "
                             "field out")
+    for name in ("logging.run_dir", *EMPTY_REFUSED):
+        folder = get(cfg, name)
+        if folder is not None and folder.startswith("~"):  # YAML never expands it, nor a shell after "="
+            problems.append(f"{name}: {folder!r} would make a folder named '~' in the current one; give the path "
+                            f"with the home folder spelled out, e.g. {os.path.expanduser(folder)}")
     t = cfg.train
     if t.steps_ahead > STEPS_AHEAD_MAX:
         problems.append(f"train.steps_ahead: {t.steps_ahead} is more than {STEPS_AHEAD_MAX}; more steps in flight only "
