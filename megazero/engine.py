@@ -169,6 +169,16 @@ def layout_record(cfg: Config) -> dict:
     return record
 
 
+def same_ranks(record: dict, cfg: Config) -> bool:
+    """Whether a checkpoint's layout ``record`` puts every rank of this run at the tensor, pipeline and
+    data coordinates (and chunks) it saved from: the record equal to this run's but for the ZeRO
+    stage, which shards the optimizer's state differently and draws no random number. Such a rank's
+    own file holds the random generators it would have now; elsewhere the generators start afresh
+    (a resumed run with dropout then draws other masks than the uninterrupted one)."""
+    mine = layout_record(cfg)
+    return {**record, "zero_stage": None} == {**mine, "zero_stage": None}
+
+
 def describe_layout(record: dict) -> str:
     """A checkpoint's layout record as a log line says it (``tp2 x pp2 x dp1, ZeRO-1, split [3, 1]``),
     naming the tool that wrote it where that was not a training run."""

@@ -30,7 +30,7 @@ from megazero.config import Config
 from megazero.config.loader import config_to_dict
 from megazero.data import build_datasets, recorded_tokenizer, shard_digests, tokenizer_record, train_samples
 from megazero.device_watchdog import DeviceWatchdog
-from megazero.engine import Engine, describe_layout, layout_record, pipeline_placement, pipeline_split
+from megazero.engine import Engine, describe_layout, layout_record, pipeline_placement, pipeline_split, same_ranks
 from megazero.errors import UserError
 from megazero.flops import device_name, flops_per_token, peak_flops
 from megazero.metrics import MetricsLogger, StepMetrics
@@ -206,10 +206,10 @@ class Trainer:
                       f"{unfinished[-1].name}; starting from step 0", flush=True)
             return
         meta = manifest["meta"]
-        same_layout = meta["layout"] == layout_record(self.cfg)
+        in_place = same_ranks(meta["layout"], self.cfg)
         try:  # every rank stops on the first rank's error: a damaged or changed file, or any other (control group)
-            plan = files_to_load(ckpt, self.rank, self.engine.optimizer, manifest, same_layout, self._control)
-            exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest, same_layout,
+            plan = files_to_load(ckpt, self.rank, self.engine.optimizer, manifest, in_place, self._control)
+            exact = load_checkpoint(ckpt, self.rank, self.engine.chunks, self.engine.optimizer, manifest, in_place,
                                     plan, self._control)
         except CheckpointError as exc:
             raise CheckpointError(f"{source}: {exc}{earlier_instead(ckpt, source)}", agreed=exc.agreed) from None
@@ -219,7 +219,9 @@ class Trainer:
         if self.rank == 0:
             if self.tokenizer is None:  # the data names none: the weights still take the loaded ids
                 self.tokenizer = recorded_tokenizer(meta)
-            how = "same layout" if exact else f"resharded from {describe_layout(meta['layout'])}"
+            how = (("same layout" if meta["layout"] == layout_record(self.cfg) else
+                    f"same shards as {describe_layout(meta['layout'])}") if exact else
+                   f"resharded from {describe_layout(meta['layout'])}")
             print(f"megazero: resumed from {ckpt} at step {self.state.step} ({how})", flush=True)
             if self.engine.optimizer.scaler_note:
                 print(f"megazero: note: {self.engine.optimizer.scaler_note}", flush=True)

@@ -100,9 +100,9 @@ def _world(rank, world_size, root):
         reads, description = [], state._description  # the shard descriptions read, planning and loading
         state._description = lambda *args: reads.append(args[1]) or description(*args)
         try:
-            plan = files_to_load(ckpt, rank, target.optimizer, manifest, same_layout=True)
+            plan = files_to_load(ckpt, rank, target.optimizer, manifest, same_ranks=True)
             with _hashing() as hashed:
-                exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, manifest, same_layout=True,
+                exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, manifest, same_ranks=True,
                                         plan=plan)
         finally:
             state._description = description
@@ -115,7 +115,7 @@ def _world(rank, world_size, root):
     out["longer_shard"] = _longer_shard_resume(topo, rank, root + "/longer", reference_next)
     fp16 = _engine(topo, 0.002, "fp16")
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        load_checkpoint(ckpt, rank, fp16.chunks, fp16.optimizer, manifest, same_layout=True)
+        load_checkpoint(ckpt, rank, fp16.chunks, fp16.optimizer, manifest, same_ranks=True)
     out["fp16_scale_after_fp32_ckpt"] = fp16.optimizer.scaler.scale
     out["fp16_load_note"] = (printed.getvalue(), fp16.optimizer.scaler_note)
     out["fp16_norm"] = _fp16_norm(topo)
@@ -148,13 +148,13 @@ def _damaged_reshard(topo, rank, ckpt, root):
         dist.barrier()
         target = _engine(topo, 0.0005)
         try:
-            load_checkpoint(damaged, rank, target.chunks, target.optimizer, read_manifest(damaged), same_layout=False)
+            load_checkpoint(damaged, rank, target.chunks, target.optimizer, read_manifest(damaged), same_ranks=False)
             out[("damaged", kind)] = None
         except CheckpointError as e:
             out[("damaged", kind)] = str(e)
         exact = _engine(topo, 0.002)  # the same buckets: an exact resume, which without a plan checks as it reads
         try:
-            load_checkpoint(damaged, rank, exact.chunks, exact.optimizer, read_manifest(damaged), same_layout=True)
+            load_checkpoint(damaged, rank, exact.chunks, exact.optimizer, read_manifest(damaged), same_ranks=True)
             out[("damaged exactly", kind)] = None
         except CheckpointError as e:
             out[("damaged exactly", kind)] = str(e)
@@ -177,14 +177,14 @@ def _swapped_after_plan(topo, rank, ckpt, root):
         dist.barrier()
         target = _engine(topo, bucket_mb)
         manifest = read_manifest(swapped)
-        plan = files_to_load(swapped, rank, target.optimizer, manifest, same_layout=True)
+        plan = files_to_load(swapped, rank, target.optimizer, manifest, same_ranks=True)
         dist.barrier()
         if rank == 0:
             for r in range(2):
                 _swap_for_a_flipped_copy(f"{swapped}/{rank_file(r)}")
         dist.barrier()
         try:
-            load_checkpoint(swapped, rank, target.chunks, target.optimizer, manifest, same_layout=True, plan=plan)
+            load_checkpoint(swapped, rank, target.chunks, target.optimizer, manifest, same_ranks=True, plan=plan)
             out[("swapped after plan", bucket_mb)] = (plan.exact, None)
         except CheckpointError as e:
             out[("swapped after plan", bucket_mb)] = (plan.exact, str(e))
@@ -214,7 +214,7 @@ def _swapped_under_the_load(topo, rank, ckpt, root, swapped):
         shutil.copytree(ckpt, root)
     dist.barrier()
     target, manifest = _engine(topo, 0.002), read_manifest(root)
-    plan = files_to_load(root, rank, target.optimizer, manifest, same_layout=True, group=dist.group.WORLD)
+    plan = files_to_load(root, rank, target.optimizer, manifest, same_ranks=True, group=dist.group.WORLD)
     dist.barrier()
     if rank == 0:
         for r in swapped:
@@ -222,7 +222,7 @@ def _swapped_under_the_load(topo, rank, ckpt, root, swapped):
     dist.barrier()
     error = None
     try:
-        load_checkpoint(root, rank, target.chunks, target.optimizer, manifest, same_layout=True, plan=plan,
+        load_checkpoint(root, rank, target.chunks, target.optimizer, manifest, same_ranks=True, plan=plan,
                         group=dist.group.WORLD)
     except CheckpointError as e:
         error = str(e)
@@ -239,12 +239,12 @@ def _longer_shard_resume(topo, rank, root, reference_next):
         setattr(source.optimizer, key, torch.cat([getattr(source.optimizer, key), torch.zeros(64)]))
     ckpt = _save(source, root, rank)
     target = _engine(topo, 0.002)
-    exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
+    exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_ranks=True)
     # planned: the plan says exact (the descriptions agree), and the load falls back to resharding
     planned = _engine(topo, 0.002)
-    plan = files_to_load(ckpt, rank, planned.optimizer, read_manifest(ckpt), same_layout=True)
+    plan = files_to_load(ckpt, rank, planned.optimizer, read_manifest(ckpt), same_ranks=True)
     with _hashing() as hashed:
-        load_checkpoint(ckpt, rank, planned.chunks, planned.optimizer, read_manifest(ckpt), same_layout=True, plan=plan)
+        load_checkpoint(ckpt, rank, planned.chunks, planned.optimizer, read_manifest(ckpt), same_ranks=True, plan=plan)
     return exact, _next_losses(target), reference_next, (plan.exact, hashed)
 
 
@@ -260,7 +260,7 @@ def _offload_resume(topo, rank, root):
     out = {}
     for extra in (offload, ()):
         target = _engine(topo, 0.002, extra=extra)
-        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
+        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_ranks=True)
         out[("offload_resume", bool(extra))] = (_next_losses(target), want)
     return out
 
@@ -278,7 +278,7 @@ def _pipeline_reshard_reads(rank, root):
     CheckpointReader._open = lambda self, r: (reads.add(rank_file(r)), real(self, r))[1]
     try:
         target = _engine(topo, 0.0005, extra=untied)
-        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
+        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_ranks=True)
     finally:
         CheckpointReader._open = real
     return sorted(reads)
@@ -460,7 +460,7 @@ def _refused_on_rank_1(rank, world_size, root, exactly, error=ValueError):
         setattr(target.optimizer, "load_sharded_state_dict" if exactly else "load_local_state", refuse)
     raised = None
     try:
-        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=exactly,
+        load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_ranks=exactly,
                         group=dist.group.WORLD)
     except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
         raised = type(e).__name__, str(e), getattr(e, "agreed", None), traceback.extract_tb(e.__traceback__)[-1].name
@@ -584,11 +584,30 @@ def test_a_plan_checks_the_own_file_a_resharded_rank_takes_its_generators_from(t
     ckpt = _padding_rank_checkpoint(tmp_path)
     rank1 = _StubOptimizer({"params": [["a", [4], None]], "segments": torch.tensor([[0, 0, 0, 4]])},
                            [("a", (4,), None)])
-    plan = files_to_load(ckpt, 1, rank1, read_manifest(ckpt), same_layout=True)
+    plan = files_to_load(ckpt, 1, rank1, read_manifest(ckpt), same_ranks=True)
     assert (plan.exact, plan.files) == (False, [rank_file(0), rank_file(1)])
     path = tmp_path / "step_0000001" / rank_file(1)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x40
     path.write_bytes(bytes(data))
     with pytest.raises(state.CheckpointError, match=f"{path}: sha256"):
-        files_to_load(ckpt, 1, rank1, read_manifest(ckpt), same_layout=True)
+        files_to_load(ckpt, 1, rank1, read_manifest(ckpt), same_ranks=True)
+
+
+def test_a_rank_stays_in_place_when_only_the_zero_stage_changes():
+    """``same_ranks`` decides whether a resumed rank takes its random generators from its own file: a
+    layout that changed only its ZeRO stage leaves every rank at its coordinates (its generators are
+    the uninterrupted run's); any other change, and a checkpoint a converter wrote, moves them.
+    (Planted: the layout records compared whole, as before.)"""
+    from megazero.config import resolve_config
+    from megazero.engine import layout_record, same_ranks
+
+    def cfg(*overrides):
+        return resolve_config(load_config(None, ["--model.num_heads", "4", *overrides]), 4)
+
+    saved = layout_record(cfg("--parallel.tp", "2", "--zero.stage", "1"))
+    assert same_ranks(saved, cfg("--parallel.tp", "2", "--zero.stage", "3"))
+    assert same_ranks(saved, cfg("--parallel.tp", "2", "--zero.stage", "1"))
+    assert not same_ranks(saved, cfg("--parallel.tp", "4", "--zero.stage", "1"))
+    assert not same_ranks(saved, cfg("--parallel.pp", "2", "--parallel.tp", "2", "--zero.stage", "1"))
+    assert not same_ranks({**saved, "written_by": "megazero convert"}, cfg("--parallel.tp", "2", "--zero.stage", "1"))

@@ -96,7 +96,7 @@ def _world(rank, world_size, root):
         loaded = Engine(cfg, topo, torch.device("cpu"))
         ckpt = latest_checkpoint(base / "imported")
         out[(preset, "exact")] = load_checkpoint(ckpt, rank, loaded.chunks, loaded.optimizer, read_manifest(ckpt),
-                                                 same_layout=False)
+                                                 same_ranks=False)
         _save(loaded, cfg, str(base / "resaved"), 0)
         out[(preset, "loss")] = loaded.train_step(_micro(_batch(7), topo.dp_rank)).loss
     return out

@@ -84,7 +84,7 @@ def _world(rank, world_size, root):
         offline = shard_description(plan.params, plan.segments)
         same = offline["params"] == mine["params"] and torch.equal(offline["segments"], mine["segments"])
         ckpt = latest_checkpoint(f"{root}/{name}")
-        load_checkpoint(ckpt, rank, engine.chunks, engine.optimizer, read_manifest(ckpt), same_layout=True)
+        load_checkpoint(ckpt, rank, engine.chunks, engine.optimizer, read_manifest(ckpt), same_ranks=True)
         source = _Source(cfg.model)
         engine.data_parallel.wait_params()
         loaded = all(torch.equal(q.detach(), _expected(chunk, n, source))

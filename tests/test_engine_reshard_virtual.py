@@ -58,7 +58,7 @@ def _case(topo, rank, root, source_layout: str, target_layout: str) -> dict:
     want += [_step(source, step) for step in range(SAVED_AT, STEPS)]
     ckpt = f"{root}/{step_dir_name(SAVED_AT)}"
     target = _engine(topo, target_layout)
-    exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_layout=True)
+    exact = load_checkpoint(ckpt, rank, target.chunks, target.optimizer, read_manifest(ckpt), same_ranks=True)
     got = [_step(target, step) for step in range(SAVED_AT, STEPS)]
     return {"exact": exact, "want": want[SAVED_AT:], "got": got}
 

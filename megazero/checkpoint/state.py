@@ -53,7 +53,7 @@ class LoadPlan:
     checked: dict[str, FileIdentity]
 
 
-def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool,
+def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_ranks: bool,
                   group: Optional[dist.ProcessGroup] = None) -> LoadPlan:
     """The files ``load_checkpoint`` reads on this rank (its own, or those holding its tensors), each
     checked (size and sha256) here, before anything is loaded: the load, handed this plan, neither
@@ -62,7 +62,7 @@ def files_to_load(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same
     ``group``: the ranks loading together, which all stop on the first one's damaged file
     (``agreed_on_errors``)."""
     with agreed_on_errors(rank, group):
-        return _plan(ckpt, rank, optimizer, manifest, same_layout)
+        return _plan(ckpt, rank, optimizer, manifest, same_ranks)
 
 
 @contextlib.contextmanager
@@ -104,16 +104,16 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
-def _plan(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool) -> LoadPlan:
+def _plan(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_ranks: bool) -> LoadPlan:
     """``files_to_load`` on this rank alone."""
     checked: dict[str, FileIdentity] = {}
-    exact = _exact(ckpt, rank, optimizer, manifest, same_layout, checked)
+    exact = _exact(ckpt, rank, optimizer, manifest, same_ranks, checked)
     if exact:
         names = [rank_file(rank)]
     else:
         reader = CheckpointReader(ckpt, manifest, checked=checked)
         held = set(reader.holders(name for name, _, _ in optimizer.local_tensors()))
-        if same_layout and rank_file(rank) in manifest["files"]:
+        if same_ranks and rank_file(rank) in manifest["files"]:
             held.add(rank)  # its random generators
         names = [rank_file(r) for r in sorted(held)]
     for name in names:
@@ -121,18 +121,20 @@ def _plan(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout:
     return LoadPlan(names, exact, checked)
 
 
-def _exact(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool,
+def _exact(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_ranks: bool,
            checked: dict[str, FileIdentity]) -> bool:
     """Whether this rank's own file holds its shard laid out as it is now (the exact resume)."""
-    if not (same_layout and rank_file(rank) in manifest["files"]):
+    if not (same_ranks and rank_file(rank) in manifest["files"]):
         return False
     mine, saved = optimizer.describe(), _description(ckpt, rank, manifest, checked)
     return saved["params"] == mine["params"] and torch.equal(saved["segments"], mine["segments"])
 
 
-def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: dict, same_layout: bool,
+def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: dict, same_ranks: bool,
                     plan: Optional[LoadPlan] = None, group: Optional[dist.ProcessGroup] = None) -> bool:
-    """Load ``ckpt`` into this rank; returns True for an exact (same-layout) resume. ``plan``: what
+    """Load ``ckpt`` into this rank; returns True for an exact resume. ``same_ranks``: every rank sits at
+    the coordinates it saved from (``engine.same_ranks``: the layout unchanged, the ZeRO stage aside),
+    so this rank's own file holds its random generators, and may hold its shard as it is now. ``plan``: what
     ``files_to_load`` decided and checked (without one, the load decides, and checks as it reads).
     ``group``: the ranks loading together. A file replaced or rewritten under a rank's reads (since
     the plan hashed it, or during them) is met by that rank alone: the ranks agree on their reads
@@ -143,27 +145,27 @@ def load_checkpoint(ckpt, rank: int, chunks, optimizer: ShardedAdamW, manifest: 
     when that file's shard description equals this rank's: a layout dict can match while the flat
     buckets differ (another bucket size, precision or persistence threshold), and copying shards
     then would scramble every parameter; and the shard's length must match too (a description does
-    not record the padding after the last segment). Otherwise the checkpoint is resharded. In the
-    same layout a resharded rank still takes its random generators from its own file: the rank sits
-    at the same tensor, pipeline and data coordinates, and its tensor-group peers, which may have
-    resumed exactly, must draw the same dropout masks as it does.
+    not record the padding after the last segment). Otherwise the checkpoint is resharded. At the
+    same coordinates a resharded rank still takes its random generators from its own file: its
+    tensor-group peers, which may have resumed exactly, must draw the same dropout masks as it does,
+    and a resume that changed only the ZeRO stage draws the masks the uninterrupted run would.
     """
     with agreed_on_errors(rank, group):
-        exact, rng = _read_into(ckpt, rank, optimizer, manifest, same_layout, plan)
+        exact, rng = _read_into(ckpt, rank, optimizer, manifest, same_ranks, plan)
     optimizer.publish_loaded()
     if rng is not None:
         restore_rng(chunks, rng)
     return exact
 
 
-def _read_into(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_layout: bool,
+def _read_into(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_ranks: bool,
                plan: Optional[LoadPlan]) -> tuple[bool, Optional[dict]]:
     """Every read of ``load_checkpoint``, the optimizer's shard filled and not yet published; returns
     whether the load was exact and the random generators' states to restore (None: none saved for
     this rank)."""
-    own_file = same_layout and rank_file(rank) in manifest["files"]
+    own_file = same_ranks and rank_file(rank) in manifest["files"]
     checked = dict(plan.checked) if plan is not None else {}  # each file is hashed once in all
-    exact = plan.exact if plan is not None else _exact(ckpt, rank, optimizer, manifest, same_layout, checked)
+    exact = plan.exact if plan is not None else _exact(ckpt, rank, optimizer, manifest, same_ranks, checked)
     if exact:
         state = load_file(ckpt, rank_file(rank), manifest=manifest, checked=checked)
         if state["master"].numel() == optimizer.master.numel():  # the padding may differ (older layouts)
