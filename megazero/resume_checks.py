@@ -67,8 +67,8 @@ def checkpoint_problems(cfg: Config, every_file: bool = True) -> list[str]:
     if meta.get("step", 0) == 0:
         problems, older_code = _tokenizer_change(meta, cfg), []
     else:
-        problems = (_resume_changes(saved, cfg, meta["step"], meta.get("consumed", 0)) + _tokenizer_change(meta, cfg)
-                    + _shard_changes(meta, cfg))
+        problems = (_resume_changes(saved, cfg, meta["step"], meta.get("consumed", 0), meta.get("shards") or {})
+                    + _tokenizer_change(meta, cfg) + _shard_changes(meta, cfg))
         older_code = _blend_rule_change(meta, cfg)
     head, allow = f"{where}: {ckpt} (step {meta['step']})", "checkpoint.allow_config_changes true"
     return ([f"{head} {problem}; set it back, or set {allow} to resume anyway" for problem in problems]
@@ -136,7 +136,7 @@ def _blend_rule_change(meta: dict, cfg: Config) -> list[str]:
             "and this version takes none, so every later sample comes in another order"]
 
 
-def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int) -> list[str]:
+def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int, digests: dict | None = None) -> list[str]:
     """How resuming from a checkpoint of ``step`` (``consumed`` samples), written with config ``saved``,
     would silently differ from continuing its run: another data order (the samples consumed so far
     would no longer say where the run stands in it), other global batches ahead, or a jump in the
@@ -150,7 +150,7 @@ def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int) -> list[
         data, now = saved.get("data") or {}, config_to_dict(cfg)["data"]
         changed = [f"data.{k}" for k in DATA_ORDER_FIELDS if data.get(k) != now[k]]
         return [f"was trained on another data order ({', '.join(changed)} changed)"] if changed else []
-    problems = _data_order_changes(before, cfg) + _batch_changes(before, cfg, consumed)
+    problems = _data_order_changes(before, cfg, digests or {}) + _batch_changes(before, cfg, consumed)
     was = build_lr_schedule(before.optimizer, before.schedule, before.train)(step + 1)
     will = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)(step + 1)
     if abs(will - was) > 1e-6 * max(abs(was), abs(will)):
@@ -166,19 +166,22 @@ def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int) -> list[
     return problems
 
 
-def _data_order_changes(before: Config, cfg: Config) -> list[str]:
+def _data_order_changes(before: Config, cfg: Config, digests: dict) -> list[str]:
     """What changes the order of the training samples between the run that wrote a checkpoint
-    (``before``) and this one: the datasets (compared by their files, not the spelling of their
-    paths), weights, split or seed, or a sample count that changes a dataset's epochs."""
+    (``before``) and this one: the datasets, weights, split or seed, or a sample count that changes a
+    dataset's epochs. A dataset is its files, not the spelling of its path: the same path, or, where
+    the checkpoint recorded its shards' ``.idx`` digests (``digests``, by real path), the same
+    contents at any path (shards copied to another mount or cluster order the samples as before)."""
     from data_pipeline.blend import normalise_weights, parse_blend, resolve_blend
-    from megazero.data import train_samples
+    from megazero.data import shard_digests, train_samples
 
-    def datasets(c: Config):
+    def datasets(c: Config, known: dict):
         weights, prefixes = parse_blend(resolve_blend(c.data.blend, c.data.blend_preset, c.data.blend_root))
-        return [(round(float(w), 12), os.path.realpath(p)) for w, p in zip(normalise_weights(weights), prefixes)]
+        return [(round(float(w), 12), known.get(os.path.realpath(p), os.path.realpath(p)))
+                for w, p in zip(normalise_weights(weights), prefixes)]
 
     try:
-        old, new = datasets(before), datasets(cfg)
+        old, new = datasets(before, digests), datasets(cfg, shard_digests(cfg) if digests else {})
     except (ValueError, OSError):
         old, new = None, None  # a preset gone or broken: compare what the runs name
     fields = ["data.split"] if _split_shares(before) != _split_shares(cfg) else []
@@ -190,7 +193,7 @@ def _data_order_changes(before: Config, cfg: Config) -> list[str]:
     n_old, n_new = train_samples(before), train_samples(cfg)
     if n_old == n_new or new is None:
         return []
-    for weight, prefix in new:
+    for weight, prefix in datasets(cfg, {}):  # by path, to read
         if _epochs_change(prefix, weight, cfg, n_old, n_new):
             return [f"was trained on another data order: {n_new} training samples in all instead of {n_old} "
                     f"(train.train_steps, train_tokens or global_batch_size) take {prefix} through another number "

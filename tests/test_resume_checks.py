@@ -50,14 +50,14 @@ def test_a_learning_rate_a_few_percent_off_is_a_change():
     assert problem.startswith("would change the learning rate of step 5") and "(optimizer.lr changed)" in problem
 
 
-def _checkpoint(tmp_path, saved, step: int = 4, consumed: int = 16) -> str:
-    """A checkpoint directory whose ``COMPLETE`` records ``saved`` as its run's config and no files:
-    what the resume checks read, without training a step."""
+def _checkpoint(tmp_path, saved, step: int = 4, consumed: int = 16, shards: dict | None = None) -> str:
+    """A checkpoint directory whose ``COMPLETE`` records ``saved`` as its run's config (and ``shards``'
+    digests, where given) and no files: what the resume checks read, without training a step."""
     from megazero.checkpoint.format import FORMAT_VERSION, complete_text
 
     ckpt = tmp_path / f"step_{step:07d}"
     ckpt.mkdir(parents=True)
-    meta = {"config": config_to_dict(saved), "step": step, "consumed": consumed}
+    meta = {"config": config_to_dict(saved), "step": step, "consumed": consumed, **({"shards": shards} if shards else {})}
     record = {"format": FORMAT_VERSION, "step": step, "world_size": 1, "meta": meta, "files": {}}
     (ckpt / "COMPLETE").write_text(complete_text(record))
     return str(ckpt)
@@ -102,6 +102,37 @@ def test_blend_weights_are_compared_as_the_shares_they_give(tmp_path):
     saved = _config("--data.blend", "[[1, a], [3, b]]")
     assert _problems(tmp_path / "doubled", saved, "--data.blend", "[[2, a], [6, b]]") == []
     (problem,) = _problems(tmp_path / "other", saved, "--data.blend", "[[1, a], [1, b]]")
+    assert "was trained on another data order (data.blend changed)" in problem, problem
+
+
+def test_shards_moved_to_another_path_resume_by_their_recorded_contents(tmp_path):
+    """Shards copied to another mount or cluster order the samples exactly as before: where the
+    checkpoint recorded their ``.idx`` digests they are compared by contents, not path (they were
+    refused as "data.blend changed", and the only way on switched off every other check); other
+    contents at the new path are still another data order. (Planted: datasets compared by path.)"""
+    import shutil
+
+    import numpy as np
+
+    from data_pipeline.indexed import IndexedDatasetWriter
+    from megazero.data import shard_digests
+
+    first = str(tmp_path / "a" / "web")
+    (tmp_path / "a").mkdir()
+    with IndexedDatasetWriter(first, np.uint16) as w:
+        for k in range(8):
+            w.add_document(np.arange(1, 30 + k, dtype=np.uint16))
+    (tmp_path / "b").mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copy(first + ext, tmp_path / "b" / f"web{ext}")
+    saved = _config("--data.blend", f"[[1, {first}]]")
+    ckpt = _checkpoint(tmp_path / "ck", saved, shards=shard_digests(saved))
+    now = ("--checkpoint.load", ckpt, "--logging.run_dir", str(tmp_path / "run"))
+    moved = str(tmp_path / "b" / "web")
+    assert checkpoint_problems(_config(*now, "--data.blend", f"[[1, {moved}]]")) == []
+    with IndexedDatasetWriter(moved, np.uint16) as w:  # preprocessed again: other documents
+        w.add_document(np.arange(1, 30, dtype=np.uint16))
+    (problem,) = checkpoint_problems(_config(*now, "--data.blend", f"[[1, {moved}]]"))
     assert "was trained on another data order (data.blend changed)" in problem, problem
 
 
