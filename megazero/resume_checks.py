@@ -48,6 +48,10 @@ def checkpoint_problems(cfg: Config, every_file: bool = True) -> list[str]:
     except (KeyError, TypeError):
         return [f"{where}: {ckpt} records no training config (its COMPLETE has no meta.config); it was not written "
                 "by megazero train or convert: convert it again"]
+    missing = _meta_problem(meta)
+    if missing:
+        return [f"{where}: {ckpt}: its COMPLETE's meta {missing}, which a resume reads; it was not written by megazero "
+                f"train or convert: convert it again{earlier_instead(ckpt, where)}"]
     now = config_to_dict(cfg)
     rope = "rope" in (saved_model.get("position_embedding"), now["model"]["position_embedding"])
     saved_built, now_built = _as_built(saved_model, cfg), _as_built(now["model"], cfg)
@@ -74,6 +78,25 @@ def checkpoint_problems(cfg: Config, every_file: bool = True) -> list[str]:
     return ([f"{head} {problem}; set it back, or set {allow} to resume anyway" for problem in problems]
             + [f"{head} {problem}; resume with the version that wrote it, or set {allow} to go on in the new order"
                for problem in older_code])
+
+
+def _meta_problem(meta: dict) -> str | None:
+    """What of the fields a resume reads from a checkpoint's ``meta`` is missing or of another type
+    (a record resealed by hand, or by a tool that got the format wrong): the run would otherwise pass
+    its checks and stop at its start with a traceback."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(meta.get("layout"), dict):
+        return f"has no layout record (layout {meta.get('layout')!r})"
+    for key in ("step", "consumed", "skipped"):
+        if key not in meta:
+            return f"has no {key}"
+        if not whole(meta[key]):
+            return f"holds {key} {meta[key]!r}, not a whole number"
+    if not whole(meta.get("bad_in_row", 0)):
+        return f"holds bad_in_row {meta.get('bad_in_row')!r}, not a whole number"
+    return None
 
 
 def _as_built(model: dict, cfg: Config) -> dict:
@@ -169,19 +192,26 @@ def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int, digests:
 def _data_order_changes(before: Config, cfg: Config, digests: dict) -> list[str]:
     """What changes the order of the training samples between the run that wrote a checkpoint
     (``before``) and this one: the datasets, weights, split or seed, or a sample count that changes a
-    dataset's epochs. A dataset is its files, not the spelling of its path: the same path, or, where
-    the checkpoint recorded its shards' ``.idx`` digests (``digests``, by real path), the same
-    contents at any path (shards copied to another mount or cluster order the samples as before)."""
+    dataset's epochs. A dataset is its files, not the spelling of its path: the same path (whose
+    contents ``_shard_changes`` compares), or, where the checkpoint recorded its shards' ``.idx``
+    digests (``digests``, by real path), the same contents at another path (shards copied to another
+    mount or cluster order the samples as before)."""
     from data_pipeline.blend import normalise_weights, parse_blend, resolve_blend
     from megazero.data import shard_digests, train_samples
 
-    def datasets(c: Config, known: dict):
+    def datasets(c: Config):
         weights, prefixes = parse_blend(resolve_blend(c.data.blend, c.data.blend_preset, c.data.blend_root))
-        return [(round(float(w), 12), known.get(os.path.realpath(p), os.path.realpath(p)))
-                for w, p in zip(normalise_weights(weights), prefixes)]
+        return [(round(float(w), 12), os.path.realpath(p)) for w, p in zip(normalise_weights(weights), prefixes)]
+
+    def moved(was: str, now: str, now_digests: dict) -> bool:  # another path, the recorded contents
+        return digests.get(was) is not None and digests.get(was) == now_digests.get(now)
 
     try:
-        old, new = datasets(before, digests), datasets(cfg, shard_digests(cfg) if digests else {})
+        old, new = datasets(before), datasets(cfg)
+        if old != new and digests and len(old) == len(new):
+            now_digests = shard_digests(cfg)
+            if all(w == v and (p == q or moved(p, q, now_digests)) for (w, p), (v, q) in zip(old, new)):
+                old = new
     except (ValueError, OSError):
         old, new = None, None  # a preset gone or broken: compare what the runs name
     fields = ["data.split"] if _split_shares(before) != _split_shares(cfg) else []
@@ -193,7 +223,7 @@ def _data_order_changes(before: Config, cfg: Config, digests: dict) -> list[str]
     n_old, n_new = train_samples(before), train_samples(cfg)
     if n_old == n_new or new is None:
         return []
-    for weight, prefix in datasets(cfg, {}):  # by path, to read
+    for weight, prefix in new:
         if _epochs_change(prefix, weight, cfg, n_old, n_new):
             return [f"was trained on another data order: {n_new} training samples in all instead of {n_old} "
                     f"(train.train_steps, train_tokens or global_batch_size) take {prefix} through another number "

@@ -57,7 +57,8 @@ def _checkpoint(tmp_path, saved, step: int = 4, consumed: int = 16, shards: dict
 
     ckpt = tmp_path / f"step_{step:07d}"
     ckpt.mkdir(parents=True)
-    meta = {"config": config_to_dict(saved), "step": step, "consumed": consumed, **({"shards": shards} if shards else {})}
+    meta = {"config": config_to_dict(saved), "step": step, "consumed": consumed, "skipped": 0,
+            "layout": {"tp": 1, "pp": 1, "dp": 1}, **({"shards": shards} if shards else {})}
     record = {"format": FORMAT_VERSION, "step": step, "world_size": 1, "meta": meta, "files": {}}
     (ckpt / "COMPLETE").write_text(complete_text(record))
     return str(ckpt)
@@ -103,6 +104,26 @@ def test_blend_weights_are_compared_as_the_shares_they_give(tmp_path):
     assert _problems(tmp_path / "doubled", saved, "--data.blend", "[[2, a], [6, b]]") == []
     (problem,) = _problems(tmp_path / "other", saved, "--data.blend", "[[1, a], [1, b]]")
     assert "was trained on another data order (data.blend changed)" in problem, problem
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda meta: meta.pop("layout"), "its COMPLETE's meta has no layout record (layout None)"),
+    (lambda meta: meta.pop("consumed"), "its COMPLETE's meta has no consumed"),
+    (lambda meta: meta.update(consumed="16"), "its COMPLETE's meta holds consumed '16', not a whole number"),
+    (lambda meta: meta.update(skipped=-1), "its COMPLETE's meta holds skipped -1, not a whole number"),
+])
+def test_a_record_without_what_a_resume_reads_is_one_line(tmp_path, change, said):
+    """A ``COMPLETE`` resealed by hand (or by a tool that got the format wrong) passed ``--check``, then
+    the launch stopped at its start with a KeyError or TypeError traceback. (Planted: the check left out.)"""
+    from megazero.checkpoint.format import complete_text, read_manifest
+
+    saved = _config()
+    ckpt = _checkpoint(tmp_path, saved)
+    record = read_manifest(ckpt)
+    change(record["meta"])
+    (tmp_path / "step_0000004" / "COMPLETE").write_text(complete_text(record))
+    (problem,) = checkpoint_problems(_config("--checkpoint.load", ckpt, "--logging.run_dir", str(tmp_path / "run")))
+    assert said in problem and "which a resume reads" in problem, problem
 
 
 def test_shards_moved_to_another_path_resume_by_their_recorded_contents(tmp_path):
