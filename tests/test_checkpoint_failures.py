@@ -177,6 +177,23 @@ def test_probe_creates_the_directory_and_leaves_nothing_behind(tmp_path):
     assert list((tmp_path / "a" / "b").iterdir()) == []
 
 
+def test_probe_refuses_a_folder_named_latest(tmp_path):
+    """Every save renames its pointer onto ``latest``; a folder of that name passed the probe, and the
+    run trained to its first save, which failed ("Is a directory") naming neither the folder nor the
+    fix. A link to a folder is replaced like a file. (Planted: the probe without the check.)"""
+    (tmp_path / "ckpt" / "latest").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"ckpt/latest: is a folder, where every save writes its pointer to the "
+                                              r"newest checkpoint \(a file\); move it out of "):
+        probe_writable(tmp_path / "ckpt", 1)
+    (tmp_path / "ckpt" / "latest").rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "ckpt" / "latest").symlink_to(tmp_path / "elsewhere")
+    probe_writable(tmp_path / "ckpt", 1)
+    writer = CheckpointWriter(tmp_path / "ckpt", rank=0, world_size=1, barrier=alone)
+    writer.save(1, small(0, 1.0))
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_0000001"
+
+
 def test_probe_of_a_path_under_a_file(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="file/ckpt: checkpoints cannot be written here: a part of the path is a "

@@ -480,8 +480,13 @@ def load_file(ckpt: str | os.PathLike, name: str, *, verify: bool = True, manife
 def probe_writable(directory: str | os.PathLike, need_bytes: int) -> None:
     """Fail now, not at the first save hours into a run, if checkpoints cannot be written to
     ``directory``: create it, write, fsync and remove a small file, and compare its free space
-    with ``need_bytes`` (the caller's estimate of one checkpoint)."""
+    with ``need_bytes`` (the caller's estimate of one checkpoint). A folder where each save puts its
+    pointer to the newest checkpoint (``latest``) would fail every save: the rename cannot replace it."""
     directory = Path(directory)
+    pointer = directory / LATEST
+    if pointer.is_dir() and not pointer.is_symlink():
+        raise CheckpointError(f"{pointer}: is a folder, where every save writes its pointer to the newest checkpoint "
+                              f"(a file); move it out of {directory}")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=directory)
