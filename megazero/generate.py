@@ -72,22 +72,25 @@ def load_opened(ckpt: OpenedCheckpoint) -> tuple[GPT, Config]:
 
 @torch.no_grad()
 def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 0.8, top_k: int = 40,
-           seed: int = 0, vocab: int | None = None) -> list[int]:
+           seed: int = 0, vocab: int | None = None, stop: int | None = None) -> list[int]:
     """Top-k sampling among the first ``vocab`` ids (default: the model's vocabulary; a tokenizer with
     fewer pieces can decode no others), feeding back the last ``seq_length`` tokens (no cache:
-    demo-sized models). Appends to ``tokens`` (the prompt) in place and returns it, so a run stopped
-    by Ctrl-C or SIGTERM leaves what it sampled there."""
+    demo-sized models), until ``new_tokens`` are drawn or the id ``stop`` is (the end of a document:
+    what follows it was trained as the start of an unrelated one). Appends to ``tokens`` (the prompt)
+    in place and returns it, so a run stopped by Ctrl-C or SIGTERM leaves what it sampled there."""
     generator = torch.Generator().manual_seed(seed)
     for _ in range(new_tokens):
         window = torch.tensor([tokens[-model.cfg.seq_length:]])
         logits = model(window)[0, -1, :min(vocab or model.vocab_size, model.vocab_size)].float()
         if temperature <= 0:
             tokens.append(int(logits.argmax()))
-            continue
-        values, indices = torch.topk(logits, min(top_k, logits.numel()))
-        # from the largest down: a tiny temperature then gives -inf (probability 0), never inf - inf; in
-        # float64, as a temperature below float32's range would round to 0 and give 0 / 0 for the largest
-        scaled = (values - values[0]).double() / temperature
-        choice = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
-        tokens.append(int(indices[choice]))
+        else:
+            values, indices = torch.topk(logits, min(top_k, logits.numel()))
+            # from the largest down: a tiny temperature then gives -inf (probability 0), never inf - inf; in
+            # float64, as a temperature below float32's range would round to 0 and give 0 / 0 for the largest
+            scaled = (values - values[0]).double() / temperature
+            choice = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
+            tokens.append(int(indices[choice]))
+        if tokens[-1] == stop:
+            break
     return tokens

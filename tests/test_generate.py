@@ -294,9 +294,24 @@ def test_a_smaller_tokenizer_samples_only_what_it_can_decode(trained, tmp_path, 
     sampling stays among the ids the tokenizer decodes (it sampled the others, and decoding failed)."""
     small = _tokenizer(tmp_path / "small.json", 10)
     assert main(["generate", str(trained[0]), "--tokenizer", small, "--prompt", "w1 w2", "--tokens", "40",
-                 "--temperature", "5", "--top-k", str(VOCAB)]) == 0
+                 "--temperature", "5", "--top-k", str(VOCAB), "--past-eod"]) == 0
     words = capsys.readouterr().out.split()
     assert len(words) >= 30 and set(words) <= {f"w{i}" for i in range(10)} | {"</s>"}, words
+
+
+def test_the_command_stops_at_the_end_of_the_document(trained, tmp_path, capsys):
+    """What follows the end-of-document token was trained as the start of an unrelated document: the
+    command stops there, says so on stderr, and ``--past-eod`` samples on. (Planted: no stop.)"""
+    small = _tokenizer(tmp_path / "small.json", 10)
+    args = ["generate", str(trained[0]), "--tokenizer", small, "--prompt", "w1 w2", "--tokens", "40",
+            "--temperature", "5", "--top-k", str(VOCAB)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    words = captured.out.split()
+    assert words[-1] == "</s>" and words.count("</s>") == 1 and len(words) < 42, words
+    assert f"note: the document ended after {len(words) - 2} of 40 tokens" in captured.err, captured.err
+    assert main([*args, "--past-eod"]) == 0
+    assert len(capsys.readouterr().out.split()) == 42
 
 
 def test_a_vanishing_temperature_samples_the_likeliest_token(trained, tmp_path, capsys):

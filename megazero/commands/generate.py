@@ -22,6 +22,8 @@ def register(subparsers) -> None:
     parser.add_argument("--temperature", type=temperature, default=0.8, help="0 for greedy, else a positive number")
     parser.add_argument("--top-k", type=at_least(1), default=40, help="Sample among the k likeliest tokens (1 or more)")
     parser.add_argument("--seed", type=at_least(0, below=2**63), default=0, help="Sampling seed, 0 to 2**63 - 1")
+    parser.add_argument("--past-eod", action="store_true",
+                        help="Keep sampling after the end-of-document token (default: stop there, as a document ends)")
     parser.set_defaults(func=run)
 
 
@@ -75,13 +77,17 @@ def run(args) -> int:
     model, _ = load_opened(ckpt)
     _note_a_cut_prompt(len(prompt), model.cfg.seq_length, args.tokens)
     out = list(prompt)
+    stop = None if args.past_eod else tokenizer.eod_id
     try:
-        sample(model, out, args.tokens, args.temperature, args.top_k, args.seed, vocab=tokenizer.vocab_size)
+        sample(model, out, args.tokens, args.temperature, args.top_k, args.seed, vocab=tokenizer.vocab_size, stop=stop)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (raised as one): what was sampled is printed, not lost
         print(tokenizer.decode(out), flush=True)
         print(f"note: stopped after {len(out) - len(prompt)} of {args.tokens} tokens", file=sys.stderr)
         raise
     print(tokenizer.decode(out))
+    drawn = len(out) - len(prompt)
+    if stop is not None and drawn and out[-1] == stop and drawn < args.tokens:
+        print(f"note: the document ended after {drawn} of {args.tokens} tokens (--past-eod samples on)", file=sys.stderr)
     return 0
 
 
