@@ -174,9 +174,11 @@ def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int, digests:
         changed = [f"data.{k}" for k in DATA_ORDER_FIELDS if data.get(k) != now[k]]
         return [f"was trained on another data order ({', '.join(changed)} changed)"] if changed else []
     problems = _data_order_changes(before, cfg, digests or {}) + _batch_changes(before, cfg, consumed)
-    was = build_lr_schedule(before.optimizer, before.schedule, before.train)(step + 1)
-    will = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)(step + 1)
-    if abs(will - was) > 1e-6 * max(abs(was), abs(will)):
+    old, new = (build_lr_schedule(c.optimizer, c.schedule, c.train) for c in (before, cfg))
+    changed_at = next((s for s in _schedule_probes(before, step) if abs(new(s) - old(s)) > 1e-6 * max(abs(old(s)),
+                                                                                                     abs(new(s)))), None)
+    if changed_at is not None:
+        was, will = old(changed_at), new(changed_at)
         now = config_to_dict(cfg)
         fields = sorted(f"{section}.{k}" for section in ("optimizer", "schedule", "train")
                         for k in ("lr", "min_lr", "warmup_steps", "decay_steps", "decay_style", "train_steps")
@@ -184,9 +186,22 @@ def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int, digests:
         decay = (before.train.train_steps or 0) - before.schedule.warmup_steps
         keep = (f"; to continue its decay, set schedule.decay_steps {decay}"
                 if fields == ["train.train_steps"] and before.schedule.decay_steps is None and decay > 0 else "")
-        problems.append(f"would change the learning rate of step {step + 1} from {was:.4g} to {will:.4g} "
+        problems.append(f"would change the learning rate of step {changed_at} from {was:.4g} to {will:.4g} "
                         f"({', '.join(fields) or 'the schedule'} changed{keep})")
     return problems
+
+
+def _schedule_probes(before: Config, step: int) -> list[int]:
+    """The steps ahead at which the resumed schedule must give the checkpoint's run's rates: the next
+    one, the ends of its warm-up and decay, and 256 steps spread up to its last (or its decay's end,
+    for a run by tokens). Resumed during warm-up, a changed floor, decay style or length showed at
+    none of the next step's rate and passed, to change every rate after the warm-up; steps after the
+    checkpoint's run would have ended are the resumed run's own."""
+    warmup, decay = before.schedule.warmup_steps, before.schedule.decay_steps
+    last = before.train.train_steps or warmup + (decay or 0)
+    marks = {step + 1, warmup, warmup + 1, *((warmup + decay, warmup + decay + 1) if decay else ())}
+    spread = range(step + 1, last + 1, max(1, (last - step) // 256))
+    return sorted(s for s in {*marks, *spread, last} if step < s <= max(last, step + 1))
 
 
 def _data_order_changes(before: Config, cfg: Config, digests: dict) -> list[str]:

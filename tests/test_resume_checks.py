@@ -42,6 +42,19 @@ def test_the_decay_a_longer_run_is_told_to_keep_is_the_one_it_had():
     assert _resume_changes(config_to_dict(saved), _config(*longer, "--schedule.decay_steps", "8"), 4, 16) == []
 
 
+@pytest.mark.parametrize("change, field", [(("--optimizer.min_lr", "1e-6"), "optimizer.min_lr"),
+                                           (("--schedule.decay_style", "linear"), "schedule.decay_style")])
+def test_a_schedule_changed_during_warm_up_is_a_change(change, field):
+    """Resumed during warm-up, a changed floor or decay style leaves the next step's rate alone and
+    changes every rate after the warm-up: the first step whose rate differs is named. (Planted: the
+    next step's rate alone compared, which passed both.)"""
+    saved = _config("--schedule.warmup_steps", "5")
+    assert _resume_changes(config_to_dict(saved), saved, 2, 8) == []
+    (problem,) = _resume_changes(config_to_dict(saved), _config("--schedule.warmup_steps", "5", *change), 2, 8)
+    assert problem.startswith("would change the learning rate of step ") and f"({field} changed)" in problem, problem
+    assert not problem.startswith("would change the learning rate of step 3 ")
+
+
 def test_a_learning_rate_a_few_percent_off_is_a_change():
     """Only rounding is forgiven: a peak rate 5% higher changes every step ahead, and is named."""
     saved = _config()
