@@ -165,9 +165,11 @@ class BlendedSamples:
 
 def build_blended_samples(blend: list, seq_len: int, num_samples: int, seed: int, split: str = "1",
                           which: str = "train", cache_dir: str | None = None) -> BlendedSamples:
-    """``blend`` is ``[[weight, prefix], ...]``; each dataset gets exactly the samples the blend takes."""
+    """``blend`` is ``[[weight, prefix], ...]``; each dataset gets exactly the samples the blend takes.
+    The indices are cached in ``cache_dir``, by default beside the first dataset drawn from (one of
+    weight 0 is never read, and its folder may not exist)."""
     weights, prefixes = parse_blend(blend)
-    cache_dir = cache_dir or default_cache_dir(prefixes[0])
+    cache_dir = cache_dir or default_cache_dir(next(p for w, p in zip(weights, prefixes) if w > 0))
     description = {"rule": BLEND_RULE, "weights": [float(w) for w in normalise_weights(weights)], "size": num_samples}
     arrays = cached_arrays(cache_dir, "blend", description, ("dataset_index", "sample_index"),
                            lambda: dict(zip(("dataset_index", "sample_index"), greedy_blend(weights, num_samples))))

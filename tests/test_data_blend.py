@@ -222,6 +222,9 @@ def test_a_zero_weight_dataset_is_never_opened(tmp_path):
                                     cache_dir=str(tmp_path / "cache"))
     assert blended.datasets[1] is None and blended.dataset_index.tolist() == [0] * 50
     assert len(blended.datasets[0]) >= 50 and blended[49].tolist() == blended.datasets[0][49].tolist()
+    # listed first, its folder did not hold the cache either (planted: the first entry's folder, made for it)
+    build_blended_samples([[0.0, str(tmp_path / "gone" / "withdrawn")], [1.0, kept]], 8, 50, 0)
+    assert not (tmp_path / "gone").exists()
 
 
 @pytest.mark.parametrize("compiled", [True, False])
