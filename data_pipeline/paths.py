@@ -130,12 +130,10 @@ def inside_another(named: Iterable[tuple[str, str]]) -> Optional[str]:
     entries = [(label, path, os.path.realpath(path)) for label, path in named if os.path.lexists(path)]  # not hub names
     folders = {real: (label, path) for label, path, real in entries if os.path.isdir(real)}
     for label, path, real in entries:
-        here = os.path.dirname(real)
-        while here not in folders and os.path.dirname(here) != here:
-            here = os.path.dirname(here)
-        if here in folders:
-            outer_label, outer = folders[here]
-            return f"{label} {path} lies inside {outer_label} {outer}, which reads it already"
+        outer = _enclosing(os.path.dirname(real), folders)
+        if outer is not None:
+            outer_label, outer_path = folders[outer]
+            return f"{label} {path} lies inside {outer_label} {outer_path}, which reads it already"
     return None
 
 
@@ -143,12 +141,20 @@ def output_inside(output: str, folders: Iterable[str]) -> Optional[str]:
     """The first of ``folders`` (existing folders among inputs; links followed) that the output file
     ``output`` would be written into, directly or below, else None: its files, and then the output
     itself, would be among that folder's files the next time it is read."""
-    target = os.path.realpath(os.path.dirname(os.path.abspath(output)))
-    for folder in folders:
-        real = os.path.realpath(folder)
-        if os.path.isdir(real) and (target == real or target.startswith(real.rstrip(os.sep) + os.sep)):
-            return folder
-    return None
+    real = {os.path.realpath(folder): folder for folder in folders if os.path.isdir(folder)}
+    found = _enclosing(os.path.realpath(os.path.dirname(os.path.abspath(output))), real)
+    return None if found is None else real[found]
+
+
+def _enclosing(real: str, folders) -> Optional[str]:
+    """The nearest of ``folders`` (real paths) that is the real path ``real`` or holds it, else None:
+    a walk up its parents, so that thousands of inputs cost one lookup each."""
+    while real not in folders:
+        parent = os.path.dirname(real)
+        if parent == real:
+            return None
+        real = parent
+    return real
 
 
 def temp_name(path: str, suffix: str = "") -> str:
