@@ -255,3 +255,22 @@ def test_every_chunks_tensor_parallel_stream_is_put_back():
     restore_rng(chunks, saved)
     assert saved["tp"][2] is None
     assert [torch.equal(c.tp_rng.state, s) for c, s in zip(chunks[:2], saved["tp"])] == [True, True]
+
+
+def test_a_rank_stays_in_place_when_only_the_zero_stage_changes():
+    """``same_ranks`` decides whether a resumed rank takes its random generators from its own file: a
+    layout that changed only its ZeRO stage leaves every rank at its coordinates (its generators are
+    the uninterrupted run's); any other change, and a checkpoint a converter wrote, moves them.
+    (Planted: the layout records compared whole, as before.)"""
+    from megazero.config import resolve_config
+    from megazero.engine import layout_record, same_ranks
+
+    def cfg(*overrides):
+        return resolve_config(load_config(None, ["--model.num_heads", "4", *overrides]), 4)
+
+    saved = layout_record(cfg("--parallel.tp", "2", "--zero.stage", "1"))
+    assert same_ranks(saved, cfg("--parallel.tp", "2", "--zero.stage", "3"))
+    assert same_ranks(saved, cfg("--parallel.tp", "2", "--zero.stage", "1"))
+    assert not same_ranks(saved, cfg("--parallel.tp", "4", "--zero.stage", "1"))
+    assert not same_ranks(saved, cfg("--parallel.pp", "2", "--parallel.tp", "2", "--zero.stage", "1"))
+    assert not same_ranks({**saved, "written_by": "megazero convert"}, cfg("--parallel.tp", "2", "--zero.stage", "1"))
