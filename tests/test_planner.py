@@ -245,13 +245,18 @@ def test_activations_follow_korthikanti():
 
 
 def test_stage3_buffers_hold_the_gathered_blocks():
-    """Stage 3 adds the 16-bit parameters of the block in use and those prefetched to the buckets."""
+    """Stage 3 adds the 16-bit parameters of the block in use and those prefetched to stage 2's
+    scratch buckets (four of zero.bucket_size_mb); whole gradient buffers (stages 0-1) reduce in place."""
     from megazero.planner.memory import block_params, buffer_bytes
 
     cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", ["--zero.prefetch_depth", "2"]), 2, 2)
     split, replicated = block_params(cfg.model)
-    stage3 = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=3))
-    assert buffer_bytes(stage3, 0) - buffer_bytes(cfg, 0) == pytest.approx(3 * (split + replicated) * 2)
+
+    def at_stage(stage):
+        return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage))
+    assert buffer_bytes(at_stage(0), 0) == buffer_bytes(at_stage(1), 0) == 0
+    assert buffer_bytes(at_stage(2), 0) == 4 * cfg.zero.bucket_size_mb * 2**20
+    assert buffer_bytes(at_stage(3), 0) - buffer_bytes(at_stage(2), 0) == pytest.approx(3 * (split + replicated) * 2)
 
 
 def test_pipeline_ranks_hold_the_micro_batches_1f1b_keeps_in_flight():

@@ -55,23 +55,37 @@ PIPELINE_PARAMS = (2 * BLOCK + 512 * H + SEQ * H, 2 * BLOCK + 2 * H + 512 * H)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_2_and_3_under_a_pipeline_keep_whole_fp32_gradients(stage):
+def test_zero_2_and_3_under_a_pipeline_keep_whole_fp32_gradients_and_bf16_parameters(stage):
     """A pipeline reduces once a step, so each rank keeps its whole fp32 gradients (4 bytes a
-    parameter), beside the sharded master and moments (12 / dp) and, below stage 3, whole bf16
-    parameters (2); stage 3 rounds the master as it gathers and keeps no 16-bit shard."""
+    parameter), beside the sharded master and moments (12 / dp) and whole bf16 parameters (2): stage
+    3 gathers each unit at its first use and keeps it to the step."""
     cfg = _pipeline("--zero.stage", str(stage))
-    params = 2 if stage == 2 else 0
     for rank, numel in enumerate(PIPELINE_PARAMS):
-        assert model_state_bytes(cfg, rank) == pytest.approx(numel * (params + 4 + 12 / 2)), rank
+        assert model_state_bytes(cfg, rank) == pytest.approx(numel * (2 + 4 + 12 / 2)), rank
+
+
+OUTSIDE_BLOCKS = 512 * H + SEQ * H + 2 * H  # embedding, positions, final norm: stage 3's persistent unit
 
 
 @pytest.mark.parametrize("stage, per_param", [(2, 2 + 4 / 2), (3, 2 / 2 + 4 / 2)])
 def test_offloaded_optimizer_leaves_parameters_and_gradients_on_the_device(stage, per_param):
     """Master and moments live on the host: the device holds bf16 parameters (whole, or the shard
-    stage 3 keeps for the host's update) and the fp32 gradient shard, nothing else."""
+    stage 3 keeps for the host's update, and its persistent unit gathered whole to the step) and the
+    fp32 gradient shard, nothing else."""
     cfg = config(2, "--zero.stage", str(stage), "--zero.offload_optimizer", "true", "--train.global_batch_size", "2")
-    numel = LAYERS * BLOCK + 512 * H + SEQ * H + 2 * H
-    assert model_state_bytes(cfg, 0) == pytest.approx(numel * per_param)
+    numel = LAYERS * BLOCK + OUTSIDE_BLOCKS
+    persistent = 2 * OUTSIDE_BLOCKS if stage == 3 else 0
+    assert model_state_bytes(cfg, 0) == pytest.approx(numel * per_param + persistent)
+
+
+def test_stage_3_persistent_unit_takes_the_block_tensors_under_the_threshold():
+    """zero.persistence_threshold 100 keeps each block's two norms' weights and biases and its
+    attention and MLP output biases (6 tensors of h = 64 elements) whole beside the embedding; the
+    column biases (3h and 4h) and matrices are gathered per block."""
+    from megazero.planner.memory import persistent_params
+
+    cfg = config(2, "--zero.stage", "3", "--zero.persistence_threshold", "100", "--train.global_batch_size", "2")
+    assert persistent_params(cfg, 0) == pytest.approx(OUTSIDE_BLOCKS + LAYERS * 6 * H)
 
 
 def test_whole_gradients_of_a_pipeline_are_not_beside_a_lone_micro_batchs_forward():
@@ -112,20 +126,23 @@ def test_the_head_rank_keeps_its_share_of_the_logits_under_tensor_parallelism():
     assert activation_bytes(cfg, 0) == pytest.approx(SEQ * 2 * (LAYERS * block + 2 * 2 * H + 2 * 512 / 2))
 
 
-def test_gradient_buckets_are_two_at_most_the_gradients_and_none_without_data_parallelism():
-    """Two buckets (one reducing while the next fills), but never more than the rank's gradients, fp32 or
-    bf16 (a model smaller than a bucket has one partial bucket's worth); a single data-parallel rank
-    reduces and gathers nothing and holds none, at stage 3 too."""
+def test_sharded_gradients_hold_four_scratch_buckets_of_at_most_a_units_gradients():
+    """Where gradients are reduce-scattered every backward (stages 2-3 without a pipeline): four
+    buckets (two reducing, one filling, one a late gradient keeps open), each no larger than the
+    largest unit's gradients (a block's 12h^2 + 13h here, fp32 or bf16), a single data-parallel rank
+    too (it reduces into scratch alike); none where whole gradient buffers reduce in place (stages
+    0-1, a pipeline). Stage 3 adds the gathered block and the one prefetched, at dp 1 too."""
     from megazero.planner.memory import buffer_bytes
 
-    numel = LAYERS * BLOCK + 512 * H + SEQ * H + 2 * H
-    assert buffer_bytes(config(2, "--train.global_batch_size", "2"), 0) == pytest.approx(4 * numel)
-    bf16_grads = config(2, "--precision.accumulate_fp32", "false", "--train.global_batch_size", "2")
-    assert buffer_bytes(bf16_grads, 0) == pytest.approx(2 * numel)  # bf16 gradients, bf16 buckets
-    small_buckets = config(2, "--zero.bucket_size_mb", "0.25", "--train.global_batch_size", "2")
-    assert buffer_bytes(small_buckets, 0) == pytest.approx(2 * 0.25 * 2**20)
-    assert buffer_bytes(config(1, "--train.global_batch_size", "1"), 0) == 0
-    assert buffer_bytes(config(1, "--zero.stage", "3", "--train.global_batch_size", "1"), 0) == 0  # nothing to gather
+    def buffers(world, *overrides):
+        return buffer_bytes(config(world, "--train.global_batch_size", str(world), *overrides), 0)
+    assert buffers(2, "--zero.stage", "2") == pytest.approx(4 * 4 * BLOCK)
+    assert buffers(2, "--zero.stage", "2", "--precision.accumulate_fp32", "false") == pytest.approx(4 * 2 * BLOCK)
+    assert buffers(2, "--zero.stage", "2", "--zero.bucket_size_mb", "0.1") == pytest.approx(4 * 0.1 * 2**20)
+    assert buffers(1, "--zero.stage", "2") == pytest.approx(4 * 4 * BLOCK)
+    assert buffers(1, "--zero.stage", "3") == pytest.approx(4 * 4 * BLOCK + 2 * 2 * BLOCK)
+    assert buffers(2, "--zero.stage", "1") == buffers(2, "--zero.stage", "0") == 0
+    assert buffer_bytes(_pipeline("--zero.stage", "3"), 0) == 0
 
 
 def test_the_estimate_says_sizes_below_a_gib_in_mib():

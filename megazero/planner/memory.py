@@ -7,6 +7,7 @@ and the larger is the run's. See docs/planner.md for every term and where it com
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -19,6 +20,7 @@ from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
+from parallel.data_parallel.grads import MAX_IN_FLIGHT
 from parallel.pipeline.partition import BLOCK_PARTS, rank_work as split_rank_work, stage_layers, stage_parts
 from parallel.pipeline.placement import stage_of
 from parallel.pipeline.plan import StageCosts, schedule_for
@@ -32,6 +34,11 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # 10% and 1.5 GiB are this project's margins, not a published figure.
 FRAGMENTATION = 0.10
 RUNTIME_RESERVED_GIB = 1.5
+
+SCRATCH_BUCKETS = MAX_IN_FLIGHT + 2
+"""Gradient scratch buffers sharded reduction holds at once: the reductions in flight, the bucket
+filling and one a late gradient keeps open (the embedding's, which the backward reaches last);
+measured on the engine for every bucket size, vocabulary and tying tried."""
 
 
 @dataclass(frozen=True)
@@ -73,17 +80,25 @@ def _size(nbytes: float) -> str:
 
 def block_params(m: ModelConfig, parts: tuple[str, ...] = BLOCK_PARTS) -> tuple[int, int]:
     """(parameters tensor parallelism splits, parameters every tensor rank holds whole) of one block,
-    or of the ``parts`` of it a stage holds (a split such as ``[12.5, 11.5]``): each half has its norm,
-    its column-parallel linear (split, with its bias) and its row-parallel one (split; its bias not)."""
+    or of the ``parts`` of it a stage holds (a split such as ``[12.5, 11.5]``)."""
+    tensors = block_tensors(m, parts)
+    return sum(n for n, split in tensors if split), sum(n for n, split in tensors if not split)
+
+
+def block_tensors(m: ModelConfig, parts: tuple[str, ...] = BLOCK_PARTS) -> list[tuple[int, bool]]:
+    """(elements, whether tensor parallelism splits it) of each parameter of one block's ``parts``:
+    each half has its norm, its column-parallel linear (split, with its bias) and its row-parallel
+    one (split; its bias not)."""
     h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_size
     gates = 2 if m.activation == "swiglu" else 1
     widths = {"attention": (q + 2 * kv, q), "mlp": (f * gates, f)}  # (column outputs, row inputs)
-    split = replicated = 0
+    tensors = []
     for part in parts:
         columns, rows = widths[part]
-        split += h * columns + rows * h + (columns if m.bias else 0)
-        replicated += norm_params(m) + (h if m.bias else 0)
-    return split, replicated
+        tensors += [(h, False)] * (norm_params(m) // h) + [(h * columns, True), (rows * h, True)]
+        if m.bias:
+            tensors += [(columns, True), (h, False)]
+    return tensors
 
 
 def norm_params(m: ModelConfig) -> int:
@@ -125,15 +140,11 @@ def rank_blocks(cfg: Config, pp_rank: int) -> list[tuple[str, ...]]:
 
 def rank_block_params(cfg: Config, pp_rank: int) -> float:
     """Parameters of pipeline rank ``pp_rank``'s blocks on one tensor rank."""
-    def on_one_tensor_rank(parts: tuple[str, ...]) -> float:
-        split, replicated = block_params(cfg.model, parts)
-        return split / cfg.parallel.tp + replicated
-
     blocks = rank_blocks(cfg, pp_rank)
     # whole blocks counted once and multiplied: the planner asks this of every rank of thousands of
     # layouts, and 530B's ranks hold up to 105 blocks; a half block (at a chunk's ends) on its own
     halves = [parts for parts in blocks if parts != BLOCK_PARTS]
-    return (len(blocks) - len(halves)) * on_one_tensor_rank(BLOCK_PARTS) + sum(map(on_one_tensor_rank, halves))
+    return (len(blocks) - len(halves)) * _block_on_rank(cfg) + sum(_block_on_rank(cfg, parts) for parts in halves)
 
 
 def rank_work(cfg: Config, pp_rank: int) -> float:
@@ -170,9 +181,30 @@ def _zero_states(cfg: Config, pp_rank: int) -> ModelStateBytes:
     p, z, prec = cfg.parallel, cfg.zero, cfg.precision
     param_bytes = DTYPE_BYTES[prec.dtype]
     grad_bytes = 4 if prec.accumulate_fp32 else param_bytes
-    return zero_model_state_bytes(rank_params(cfg, pp_rank), p.dp, z.stage, param_bytes=param_bytes,
-                                  grad_bytes=grad_bytes, full_grads=p.pp > 1 and z.stage >= 2,
-                                  param_shard=z.offload_optimizer)
+    states = zero_model_state_bytes(rank_params(cfg, pp_rank), p.dp, z.stage, param_bytes=param_bytes,
+                                    grad_bytes=grad_bytes, full_grads=p.pp > 1 and z.stage >= 2,
+                                    param_shard=z.offload_optimizer)
+    return dataclasses.replace(states, params=states.params + gathered_until_step(cfg, pp_rank) * param_bytes)
+
+
+def gathered_until_step(cfg: Config, pp_rank: int) -> float:
+    """Stage 3: elements of this rank's 16-bit parameters gathered whole at their first use and held
+    to the optimizer step (``parallel/data_parallel/gather.py``). Under a pipeline every unit is (its
+    gathers happen once per step), so the rank holds all its parameters as stages 0-2 do; without
+    one the persistent unit is."""
+    if cfg.zero.stage < 3:
+        return 0.0
+    return rank_params(cfg, pp_rank) if cfg.parallel.pp > 1 else persistent_params(cfg, pp_rank)
+
+
+def persistent_params(cfg: Config, pp_rank: int) -> float:
+    """Elements of stage 3's persistent unit on one tensor rank, gathered as a pipeline chunk's forward
+    starts: what no block holds (embedding, final norm, head) and the block tensors with fewer than
+    ``zero.persistence_threshold`` elements on a tensor rank."""
+    tp, threshold = cfg.parallel.tp, cfg.zero.persistence_threshold
+    small = sum(on_rank for parts in rank_blocks(cfg, pp_rank) for numel, split in block_tensors(cfg.model, parts)
+                for on_rank in [numel / tp if split else numel] if on_rank < threshold)
+    return rank_params(cfg, pp_rank) - rank_block_params(cfg, pp_rank) + small
 
 
 def model_state_bytes(cfg: Config, pp_rank: int) -> float:
@@ -257,15 +289,34 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
 
 
 def buffer_bytes(cfg: Config, pp_rank: int) -> float:
-    """Communication buffers: two gradient buckets (one reducing while the next fills); under stage
-    3 also the gathered 16-bit parameters of the blocks in use and prefetched."""
+    """Communication buffers: ``bucket_bytes``, and under stage 3 without a pipeline the gathered 16-bit
+    parameters of the block in use and of those prefetched (under a pipeline every unit stays
+    gathered, in the model states: ``gathered_until_step``)."""
     z, p = cfg.zero, cfg.parallel
-    grads = rank_params(cfg, pp_rank) * (4 if cfg.precision.accumulate_fp32 else DTYPE_BYTES[cfg.precision.dtype])
-    buffers = min(2 * z.bucket_size_mb * 2**20, grads) if p.dp > 1 else 0.0
-    if z.stage == 3 and p.dp > 1:
-        split, replicated = block_params(cfg.model)
-        buffers += (z.prefetch_depth + 1) * (split / p.tp + replicated) * DTYPE_BYTES[cfg.precision.dtype]
+    buffers = bucket_bytes(cfg, pp_rank)
+    if z.stage == 3 and p.pp == 1:
+        buffers += (z.prefetch_depth + 1) * _block_on_rank(cfg) * DTYPE_BYTES[cfg.precision.dtype]
     return buffers
+
+
+def bucket_bytes(cfg: Config, pp_rank: int) -> float:
+    """Gradient scratch buffers: where gradients are reduce-scattered every backward (stages 2-3 without
+    a pipeline) each bucket is filled in a buffer of its own, ``SCRATCH_BUCKETS`` of them at most, each
+    the size of the largest bucket (a unit's gradients where that is smaller than
+    ``zero.bucket_size_mb``). Whole gradient buffers (stages 0-1, and 2-3 under a pipeline) are
+    reduced in place."""
+    z, p = cfg.zero, cfg.parallel
+    if z.stage < 2 or p.pp > 1:
+        return 0.0
+    grad_bytes = 4 if cfg.precision.accumulate_fp32 else DTYPE_BYTES[cfg.precision.dtype]
+    largest_unit = max(_block_on_rank(cfg), rank_params(cfg, pp_rank) - rank_block_params(cfg, pp_rank))
+    return SCRATCH_BUCKETS * min(z.bucket_size_mb * 2**20, largest_unit * grad_bytes)
+
+
+def _block_on_rank(cfg: Config, parts: tuple[str, ...] = BLOCK_PARTS) -> float:
+    """Parameters of one block (or the ``parts`` of it a stage holds) on a tensor rank."""
+    split, replicated = block_params(cfg.model, parts)
+    return split / cfg.parallel.tp + replicated
 
 
 def estimate_memory(cfg: Config) -> MemoryEstimate:

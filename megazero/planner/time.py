@@ -13,7 +13,8 @@ from megazero.config.schema import Config
 from megazero.engine import head_rank, pipeline_costs, pipeline_schedule
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
-from megazero.planner.memory import DTYPE_BYTES, micro_batches, rank_params, rank_recomputed_work, rank_work
+from megazero.planner.memory import (DTYPE_BYTES, micro_batches, persistent_params, rank_params, rank_recomputed_work,
+                                     rank_work)
 from parallel.pipeline.plan import StageCosts, modelled_step, v_orders_span, weight_grad_delays
 from parallel.pipeline.placement import V_SHAPED, placement_of, sends_per_microbatch
 from parallel.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
@@ -141,7 +142,7 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         idle = bubble_fraction(p.pp, micro, p.virtual_stages, schedule)
     bubble = idle * micro * stage_mb
 
-    dp_exposed = _data_parallel_exposed(cfg, cluster, rank_params(cfg, rank), compute_mb, micro, dp_stride)
+    dp_exposed = _data_parallel_exposed(cfg, cluster, rank, compute_mb, micro, dp_stride)
     shard = rank_params(cfg, rank) / (p.dp if z.stage >= 1 else 1)
     grad_bytes = 4 if cfg.precision.accumulate_fp32 else e
     optimizer = shard * (ADAM_BYTES_PER_ELEMENT + grad_bytes + e) / (gpu.hbm_GBps * 1e9 * HBM_EFFICIENCY)
@@ -201,15 +202,17 @@ def _timed_idle(schedule: str, pp: int, micro: int, costs: StageCosts) -> float:
     return span / max(micro * sum(ops) for ops in costs.ops) - 1
 
 
-def _data_parallel_exposed(cfg: Config, cluster: Cluster, numel: float, compute_mb: float, micro: int,
+def _data_parallel_exposed(cfg: Config, cluster: Cluster, rank: int, compute_mb: float, micro: int,
                            stride: int) -> float:
-    """Seconds of ZeRO traffic left after overlap with compute. Stages 0-1 (and 2-3 under a pipeline,
-    once per step) reduce gradients during the last micro-batch's backward, where ``zero.overlap_comm``
-    lets them (otherwise after it, all exposed); interleaving reduces after the last backward, with
-    nothing left to hide behind. The rest overlaps whatever that option says, as the wrapper does:
-    stages 1-2 gather the updated parameters during the next forward; stage 2 without a pipeline
-    reduce-scatters every micro-batch's gradients during its backward; stage 3 also gathers each
-    block's parameters for every forward and backward, prefetched behind the compute."""
+    """Seconds of ZeRO traffic left after overlap with compute on pipeline rank ``rank``. Stages 0-1
+    (and 2-3 under a pipeline, once per step) reduce gradients during the last micro-batch's backward,
+    where ``zero.overlap_comm`` lets them (otherwise after it, all exposed); interleaving reduces after
+    the last backward, with nothing left to hide behind. The rest overlaps whatever that option says,
+    as the wrapper does: stages 1-2 gather the updated parameters during the next forward; stage 2
+    without a pipeline reduce-scatters every micro-batch's gradients during its backward. Stage 3
+    gathers its persistent unit as the forward starts, with nothing to hide behind, once per step;
+    under a pipeline its blocks once per step too, during the first forward; without one each block
+    for every forward and backward, prefetched behind the compute."""
     p, z, prec = cfg.parallel, cfg.zero, cfg.precision
     d = p.dp
     if d == 1:
@@ -217,6 +220,7 @@ def _data_parallel_exposed(cfg: Config, cluster: Cluster, numel: float, compute_
     bw = cluster.link_bytes_per_s(_group_within_node(stride, d, cluster))
     e = DTYPE_BYTES[prec.dtype]
     g = 4 if prec.accumulate_fp32 else e
+    numel = rank_params(cfg, rank)
     reduce_scatter = (d - 1) / d * numel * g / bw
     gather = (d - 1) / d * numel * e / bw
     backward, forward = 2 / 3 * compute_mb, 1 / 3 * compute_mb
@@ -224,12 +228,14 @@ def _data_parallel_exposed(cfg: Config, cluster: Cluster, numel: float, compute_
     once_per_step = z.stage < 2 or p.pp > 1
     if z.stage == 0:
         return max(0.0, 2 * reduce_scatter - last_backward)
+    exposed = 0.0
     if z.stage == 3:
-        per_mb = 2 * gather + (0.0 if once_per_step else reduce_scatter)
-        tail = reduce_scatter if once_per_step else 0.0
-        return micro * max(0.0, per_mb - compute_mb) + max(0.0, tail - last_backward)
+        persistent = gather * persistent_params(cfg, rank) / numel
+        exposed, gather = persistent, gather - persistent
+        if not once_per_step:
+            return exposed + micro * max(0.0, 2 * gather + reduce_scatter - compute_mb)
     if once_per_step:
         reduce = max(0.0, reduce_scatter - last_backward)
     else:
         reduce = micro * max(0.0, reduce_scatter - backward)
-    return reduce + max(0.0, gather - forward)
+    return exposed + reduce + max(0.0, gather - forward)

@@ -57,10 +57,16 @@ from parallel import comm
 from parallel.matmul import can_matmul_into, matmul_into
 
 
+MAX_IN_FLIGHT = 2
+"""Bucket reductions left running while the backward goes on. Sharded mode holds a scratch buffer for
+each, and one for each bucket still filling: the current one, and any a gradient arriving out of the
+layout's order keeps open (the planner counts one such, as measured: ``SCRATCH_BUCKETS``)."""
+
+
 class GradReducer:
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group, dtype: torch.dtype,
                  mode: str, reduce_scatter: bool, on_final: Optional[Callable[[int], None]] = None,
-                 max_in_flight: int = 2, partial: Sequence[int] = (), partial_group=None):
+                 max_in_flight: int = MAX_IN_FLIGHT, partial: Sequence[int] = (), partial_group=None):
         assert mode in ("full", "sharded")
         self.params, self.layout, self.group, self.dtype, self.mode = params, layout, group, dtype, mode
         self.reduce_scatter, self.max_in_flight = reduce_scatter, max_in_flight
