@@ -98,6 +98,19 @@ class BatchSchedule:
         """Micro-batches each data-parallel rank accumulates in the step starting at this sample count."""
         return self.global_batch(consumed_samples) // self.unit
 
+    def sizes(self) -> list[int]:
+        """Every global batch size the schedule names, smallest first, the full one included: under a
+        ramp-up each stretch's (a stretch too short for one step is still listed, so this can name a
+        size the run skips, never miss one it takes). At most ``full // unit`` sizes: where the
+        increment is below ``unit`` every multiple of ``unit`` from the first size on is reached."""
+        if self.start is None:
+            return [self.full]
+        if self.increment >= self.unit:
+            nominal = range(self.start, self.full, self.increment)
+        else:
+            nominal = range(self.start // self.unit * self.unit, self.full, self.unit)
+        return sorted({max(self.unit, n // self.unit * self.unit) for n in nominal} | {self.full})
+
 
 def build_batch_schedule(schedule: ScheduleConfig, train: TrainConfig, dp: int) -> BatchSchedule:
     """The run's batch schedule for ``dp`` data-parallel ranks; rejects a ramp that cannot work."""

@@ -552,3 +552,36 @@ def test_live_peaks_keeps_only_points_no_other_matches_or_exceeds():
                 for a in front:
                     for b in front:
                         assert a == b or not all(x >= y for x, y in zip(a, b)), (name, pp, m, rank, front)
+
+
+def test_fullest_counts_cover_every_count_of_a_ramp_on_every_rank():
+    """A ramp-up's steps run counts of micro-batches from 1 to the full batch's; on each rank the
+    fullest points (``live_peaks``) of every count must be matched or exceeded, chunk by chunk, at one
+    of the counts ``fullest_counts`` keeps, or a memory estimate built from those alone misses a step
+    that holds more. Each schedule with its default delays, and the split-backward ones with delays
+    tuned to unequal op costs as well: at pp 3 under ZB-H2 the costs pinned here move the middle
+    rank's delay only at 5 micro-batches, where it holds 5 against 4 at 6 or more."""
+    import random
+
+    from parallel.pipeline.plan import StageCosts, schedule_for
+    from parallel.pipeline.ramp import fullest_counts
+    from parallel.pipeline.schedule import live_peaks
+
+    def covered(peaks, by):
+        return all(any(all(a <= b for a, b in zip(counts, cover)) for cover in by) for counts in peaks)
+
+    draw = random.Random(0)
+    for name, pp, v in itertools.product(("1f1b", "interleaved_1f1b", "zb-h1", "zb-h2", "interleaved_zb", "zb-v"),
+                                         range(2, 5), (1, 2)):
+        if schedule_problem(name, v) is not None:
+            continue
+        unequal = StageCosts(tuple(tuple(draw.uniform(0.3, 2) for _ in range(3)) for _ in range(pp * v)),
+                             tuple(draw.uniform(0.5, 2) for _ in range(pp * v)))
+        pinned = [StageCosts(((1.3, 1.1, 1.3), (1.0, 1.3, 0.8), (0.6, 0.6, 1.3)), (1.5, 1.2, 0.6))] if (pp, v) == (3, 1) else []
+        for costs, full in itertools.product([None, unequal, *pinned], range(1, 2 * pp + 3)):
+            for rank in range(pp):
+                peaks = {m: live_peaks(schedule_for(name, pp, rank, m, v, costs)) for m in range(1, full + 1)}
+                for counts in (range(1, full + 1), range(pp, full + 1, pp)):  # a unit of 1, and of pp
+                    kept = fullest_counts(name, pp, v, counts, costs) if counts else []
+                    cover = [vector for m in kept for vector in peaks[m]]
+                    assert all(covered(peaks[m], cover) for m in counts), (name, pp, v, costs, counts, rank, kept)

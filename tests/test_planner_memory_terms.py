@@ -10,7 +10,8 @@ import pytest
 
 from megazero.config import load_config, resolve_config
 from megazero.planner.hardware import GIB
-from megazero.planner.memory import MemoryEstimate, grads_outside_forward, model_state_bytes, rank_params
+from megazero.planner.memory import (MemoryEstimate, activation_bytes, estimate_memory, grads_outside_forward,
+                                     layer_activation_bytes, micro_batch_counts, model_state_bytes, rank_params)
 
 H, LAYERS, SEQ = 64, 4, 32
 BLOCK = 12 * H * H + 13 * H
@@ -156,3 +157,22 @@ def test_the_estimate_says_sizes_below_a_gib_in_mib():
                                                    "buffers 0 MiB)")
     whole = MemoryEstimate(model_states=GIB, activations=0.0, buffers=0.0, pp_rank=0)
     assert whole.describe(margins=False) == "1.0 GiB per GPU (model states 1.0 GiB, activations 0 MiB, buffers 0 MiB)"
+
+
+def test_a_batch_ramp_up_counts_its_fullest_step_not_the_full_batchs():
+    """Interleaved 1F1B runs every forward first when a step's micro-batches are not a multiple of pp.
+    pp 2 with two chunks a rank (one block each), a full batch of 8 micro-batches: the last rank holds
+    five chunks' worth of blocks at its fullest. A ramp from 3 by 1 passes through 7, where it holds
+    all 14 chunks beside the head's logits, and the estimate is that step's. 1F1B's in-flight count
+    only grows with the step's micro-batches, so there a ramp changes nothing."""
+    interleaved = ["--parallel.pp", "2", "--parallel.virtual_stages", "2", "--train.global_batch_size", "8"]
+    ramp = ["--schedule.rampup_start_batch", "3", "--schedule.rampup_increment", "1", "--schedule.rampup_samples", "100"]
+    full, ramped = config(2, *interleaved), config(2, *interleaved, *ramp)
+    block = layer_activation_bytes(full, False)
+    assert micro_batch_counts(ramped) == [8, 7, 6, 5, 4, 3] and micro_batch_counts(full) == [8]
+    assert activation_bytes(ramped, 1, 7) == pytest.approx(14 * block + activation_bytes(ramped, 1, 1) - 2 * block)
+    estimate = estimate_memory(ramped)
+    assert (estimate.pp_rank, estimate.activations) == (1, pytest.approx(activation_bytes(ramped, 1, 7)))
+    assert estimate_memory(full).activations < estimate.activations / 2
+    one_f_one_b = ["--parallel.pp", "2", "--train.global_batch_size", "8"]
+    assert estimate_memory(config(2, *one_f_one_b, *ramp)) == estimate_memory(config(2, *one_f_one_b))

@@ -161,6 +161,18 @@ def test_partial_last_increment_ends_at_full():
     assert [ramp.global_batch(s) for s in (0, 100, 200, 300, 400, 499, 500)] == [10, 30, 50, 70, 90, 90, 100]
 
 
+def test_sizes_list_every_size_the_ramp_takes_and_no_other():
+    """``sizes`` against the sizes ``global_batch`` gives at every sample count of the ramp: an
+    increment wider than the unit (the partial last one included), one narrower (every multiple of the
+    unit reached), and a ramp that starts below one unit."""
+    for ramp in (BatchSchedule(full=100, unit=10, start=10, increment=20, rampup_samples=500),
+                 BatchSchedule(full=1920, unit=48, start=32, increment=32, rampup_samples=59_000),
+                 BatchSchedule(full=64, unit=16, start=3, increment=5, rampup_samples=1_000)):
+        taken = {ramp.global_batch(s) for s in range(ramp.rampup_samples + 1)}
+        assert ramp.sizes() == sorted(taken), ramp
+    assert BatchSchedule(full=32, unit=8).sizes() == [32]
+
+
 def test_no_rampup_is_the_full_batch():
     ramp = build_batch_schedule(ScheduleConfig(), TrainConfig(micro_batch_size=4, global_batch_size=32), dp=2)
     assert ramp.global_batch(0) == 32

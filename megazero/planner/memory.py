@@ -18,12 +18,14 @@ from megazero.engine import (head_rank, pipeline_costs, pipeline_placement, pipe
 from megazero.flops import attention_share
 from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
+from megazero.training_schedules import build_batch_schedule
 from models.config import ModelConfig
 from models.embedding import padded_vocab_size
 from parallel.data_parallel.grads import MAX_IN_FLIGHT
 from parallel.pipeline.partition import BLOCK_PARTS, rank_work as split_rank_work, stage_layers, stage_parts
 from parallel.pipeline.placement import stage_of
 from parallel.pipeline.plan import StageCosts, schedule_for
+from parallel.pipeline.ramp import fullest_counts
 from parallel.pipeline.schedule import SPLIT_BACKWARD, live_peaks, weighted_peak
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -172,9 +174,20 @@ def _live_peaks(schedule: str, pp: int, pp_rank: int, micro: int, v: int, costs:
 
 
 def micro_batches(cfg: Config) -> int:
-    """Micro-batches per step on each data-parallel rank."""
+    """Micro-batches per step on each data-parallel rank, at the full batch."""
     t = cfg.train
     return max(1, t.global_batch_size // (t.micro_batch_size * cfg.parallel.dp))
+
+
+def micro_batch_counts(cfg: Config) -> list[int]:
+    """Every count of micro-batches a data-parallel rank's step runs, largest first: the full batch's,
+    and under a batch ramp-up (``schedule.rampup_*``) each smaller one the ramp names. Most schedules
+    hold the most in flight at the largest count, but interleaved 1F1B runs every forward first when
+    the count is not a multiple of pp (``interleaved_warmup``), so a ramp's step can hold more."""
+    if cfg.schedule.rampup_start_batch is None:
+        return [micro_batches(cfg)]
+    batches = build_batch_schedule(cfg.schedule, cfg.train, cfg.parallel.dp)
+    return [size // batches.unit for size in reversed(batches.sizes())]
 
 
 def _zero_states(cfg: Config, pp_rank: int) -> ModelStateBytes:
@@ -219,17 +232,17 @@ def model_state_bytes(cfg: Config, pp_rank: int) -> float:
     return states.total + (0.0 if fp32_grads else states.master)
 
 
-def grads_outside_forward(cfg: Config, pp_rank: int) -> float:
+def grads_outside_forward(cfg: Config, pp_rank: int, micro: Optional[int] = None) -> float:
     """Gradient bytes no activations' peak runs beside. Whole gradient buffers (stages 0-1, and stages
     2-3 under a pipeline) hold memory only from the backward that reaches them to the end of the step,
     so with one micro-batch per step no forward runs beside them; with more, later forwards run beside
     the gradients accumulated so far. Not with full recompute either: each block is rebuilt inside the
     backward, beside the gradients taken back by then. On the rank holding the head, the unit outside
     the blocks (final norm, head, a tied embedding) is taken back as the backward starts, beside every
-    activation, so it counts."""
+    activation, so it counts. ``micro``: the step's micro-batches (default the full batch's)."""
     p, z = cfg.parallel, cfg.zero
     whole_buffers = z.stage < 2 or p.pp > 1
-    if micro_batches(cfg) > 1 or not whole_buffers or p.recompute == "full":
+    if (micro or micro_batches(cfg)) > 1 or not whole_buffers or p.recompute == "full":
         return 0.0
     grads = _zero_states(cfg, pp_rank).grads
     if pp_rank == head_rank(cfg):
@@ -262,12 +275,13 @@ def layer_activation_bytes(cfg: Config, recomputed: bool, parts: tuple[str, ...]
     return sum(sbh * ((2 * e + mask) / sp + widths[part] / h * e / p.tp) for part in parts)
 
 
-def activation_bytes(cfg: Config, pp_rank: int) -> float:
+def activation_bytes(cfg: Config, pp_rank: int, micro: Optional[int] = None) -> float:
     """Activations on pipeline rank ``pp_rank`` at its fullest: the micro-batch chunks in flight (read
     from the schedule the executor runs), each with its own chunk's blocks, plus the recomputed block being
     rebuilt, plus the head's final hidden state and logits on the last rank. Under full recompute
     each chunk checkpoints its every ``recompute_every``-th block from its first (as
-    ``apply_activation_checkpointing`` counts), which keeps its input alone."""
+    ``apply_activation_checkpointing`` counts), which keeps its input alone. ``micro``: the step's
+    micro-batches (default the full batch's)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     every = p.recompute_every if p.recompute == "full" else 0
 
@@ -277,7 +291,7 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
     per_chunk = [sum(kept(i, parts) for i, parts in enumerate(chunk)) for chunk in rank_chunks(cfg, pp_rank)]
     schedule = pipeline_schedule(cfg)
     costs = pipeline_costs(cfg) if schedule in SPLIT_BACKWARD else None  # no other schedule reads them
-    peaks = _live_peaks(schedule, p.pp, pp_rank, micro_batches(cfg), p.virtual_stages, costs)
+    peaks = _live_peaks(schedule, p.pp, pp_rank, micro or micro_batches(cfg), p.virtual_stages, costs)
     total = weighted_peak(peaks, per_chunk)  # the chunks in flight at the peak, each its own bytes
     if every:
         total += layer_activation_bytes(cfg, recomputed=False)  # one block rebuilt at a time in backward
@@ -326,16 +340,21 @@ def estimate_memory(cfg: Config) -> MemoryEstimate:
     among the middle ranks holding the same blocks and halves in each chunk the first is the fullest
     (no such schedule holds more micro-batches on a later rank), so the ends and the first middle rank
     of each such holding are the ones looked at; the zero-bubble schedules' delays, tuned rank by
-    rank (``plan.weight_grad_delays``), can give a later rank more, so there every rank is."""
-    pp = cfg.parallel.pp
+    rank (``plan.weight_grad_delays``), can give a later rank more, so there every rank is. Under a
+    batch ramp-up, each count of micro-batches that can hold more than the full batch's is looked at
+    too (``fullest_counts``)."""
+    pp, schedule = cfg.parallel.pp, pipeline_schedule(cfg)
     first_holding = {}
     for rank in range(1, pp - 1):
         first_holding.setdefault(tuple(map(tuple, rank_chunks(cfg, rank))), rank)
-    ranks = range(pp) if pipeline_schedule(cfg) in SPLIT_BACKWARD else {0, pp - 1, *first_holding.values()}
+    ranks = range(pp) if schedule in SPLIT_BACKWARD else {0, pp - 1, *first_holding.values()}
+    costs = pipeline_costs(cfg) if schedule in SPLIT_BACKWARD else None
+    counts = fullest_counts(schedule, pp, cfg.parallel.virtual_stages, micro_batch_counts(cfg), costs)
     estimates = []
     for rank in sorted(ranks):
-        estimates.append(MemoryEstimate(model_state_bytes(cfg, rank), activation_bytes(cfg, rank),
-                                        buffer_bytes(cfg, rank), rank, grads_outside_forward(cfg, rank)))
+        states, buffers = model_state_bytes(cfg, rank), buffer_bytes(cfg, rank)
+        estimates += [MemoryEstimate(states, activation_bytes(cfg, rank, micro), buffers, rank,
+                                     grads_outside_forward(cfg, rank, micro)) for micro in counts]
     return max(estimates, key=lambda e: e.peak)
 
 

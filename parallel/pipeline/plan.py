@@ -149,9 +149,16 @@ def schedule_for(schedule: str, pp: int, rank: int, m: int, v: int = 1,
     orders its ops by each virtual stage's costs (``costs`` then holds one entry per virtual stage)."""
     if schedule in V_SHAPED:
         return zero_bubble_v(pp, rank, m, v, None if costs is None else costs.ops, runs=v_orders_span)
-    if costs is None or schedule not in SPLIT_BACKWARD or v > 1:  # delays are tuned for one chunk a rank
+    if not tunes_delays(schedule, pp, m, v, costs):
         return build_schedule(schedule, pp, rank, m, v)
     return build_schedule(schedule, pp, rank, m, v, weight_grad_delays(schedule, pp, m, costs)[rank])
+
+
+def tunes_delays(schedule: str, pp: int, m: int, v: int = 1, costs: Optional[StageCosts] = None) -> bool:
+    """Whether ``schedule_for`` may move weight-gradient delays off their defaults: a split-backward
+    schedule of one chunk a rank (the delays are tuned for that), given op costs, small enough to search."""
+    return (costs is not None and schedule in SPLIT_BACKWARD and schedule not in V_SHAPED and v == 1 and pp > 1
+            and 3 * pp * m * pp * pp <= _DELAY_SEARCH_BUDGET)
 
 
 def check_ops(ops: list[Op], m: int, v: int) -> None:
@@ -318,7 +325,7 @@ def weight_grad_delays(schedule: str, pp: int, m: int, costs: StageCosts) -> tup
     defaults = tuple(range(pp))
     if len(costs.ops) != pp or len(costs.held) != pp:
         raise ValueError(f"op costs for {len(costs.ops)} pipeline ranks, the pipeline has {pp}")
-    if pp == 1 or 3 * pp * m * pp * pp > _DELAY_SEARCH_BUDGET:
+    if not tunes_delays(schedule, pp, m, 1, costs):
         return defaults
 
     def held(r: int, delay: int) -> float:
