@@ -18,7 +18,7 @@ def test_plan_json(capsys):
                  "--top", "3", "--json", "--train.global_batch_size", "64"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["gpus"] == 4 and out["gpu"]["memory_gib"] == 80.0 and len(out["layouts"]) == 3
+    assert out["gpus"] == 4 and out["gpu"]["memory_gib"] == 79.2 and len(out["layouts"]) == 3
     assert out["valid_layouts"] >= out["fitting_layouts"] > 3  # every layout counted, not the rows shown
     best = out["layouts"][0]
     assert best["fits"] and best["tp"] * best["pp"] * best["dp"] == 4
@@ -85,6 +85,27 @@ def test_plan_says_when_nothing_fits(capsys):
                  "--train.global_batch_size", "16", "--top", "2"])
     out = capsys.readouterr().out
     assert code == 0 and "0 fit" in out and "none fits" in out
+    # what it suggests was not tried: every micro-batch size was, offloading was not; held fields are named
+    assert out.splitlines()[-1] == "none fits: add GPUs, offload the optimizer (--zero.offload_optimizer true) or shrink the model"
+    code = main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "2", "--gpus-per-node", "2", "--gpu-memory", "1",
+                 "--train.global_batch_size", "16", "--top", "2", "--zero.offload_optimizer", "true",
+                 "--train.micro_batch_size", "2"])
+    assert code == 0 and capsys.readouterr().out.splitlines()[-1] == (
+        "none fits: add GPUs, search --train.micro_batch_size instead of holding it at 2 or shrink the model")
+
+
+def test_plan_fits_layouts_in_the_configs_memory_budget(capsys):
+    """``train.memory_budget_gib``, the cap the run's start-up check holds each rank to, is the memory
+    the plan fits layouts in: at 20 GiB on H100s, layouts that fit the whole GPU do not."""
+    argv = ["plan", "configs/gpt_1.3b.yaml", "--gpus", "4", "--gpus-per-node", "4", "--json", "--top", "400",
+            "--train.global_batch_size", "64"]
+    assert main(argv) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--train.memory_budget_gib", "20"]) == 0
+    capped = json.loads(capsys.readouterr().out)
+    assert capped["gpu"]["memory_gib"] == 20 and whole["fitting_layouts"] > capped["fitting_layouts"] > 0
+    assert all(row["needed_gib"] <= 20 for row in capped["layouts"] if row["fits"])
+    assert any(20 < row["needed_gib"] <= 79.2 for row in whole["layouts"] if row["fits"])
 
 
 def test_layouts_that_do_not_fit_come_nearest_first(capsys):
@@ -135,6 +156,10 @@ def test_a_held_field_on_a_gpu_count_no_layout_splits_names_the_field_not_anothe
     (["--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "inf"], ["--gpu-memory", "finite", "got inf"]),
     (["--gpus", "8", "--gpus-per-node", "8", "--peak-tflops", "1e-320"], ["--peak-tflops", "at least 0.001"]),
     (["--gpus", "8", "--gpus-per-node", "8", "--intra-node-GBps", "1e-320"], ["--intra-node-GBps", "at least 0.001"]),
+    # a run's memory cap above what the GPU planned for has (the start-up check refuses it too)
+    (["--gpus", "8", "--gpus-per-node", "8", "--train.memory_budget_gib", "100"],
+     ["train.memory_budget_gib: 100 GiB is more than the 79.2 GiB of the H100-SXM5-80GB", "--gpu-memory"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--train.memory_budget_gib", "0"], ["train.memory_budget_gib", "positive"]),
     # more GPUs than 24 blocks x tp 8 x a batch of 2 can use: why, and the most that can be used
     (["--gpus", "512", "--gpus-per-node", "8", "--train.global_batch_size", "2"],
      ["512 GPUs", "model.num_layers 24", "train.global_batch_size 2", "plan for 384 GPUs"]),

@@ -92,3 +92,14 @@ def test_a_budget_no_layout_fits_says_what_would_help():
     line = memory_problem(budgeted(0.01, "--model.hidden_size", "256"))
     assert line.endswith("; no layout of 2 GPUs fits; add GPUs, offload the optimizer (--zero.offload_optimizer true) "
                          "or shrink the model"), line
+    offloaded = memory_problem(budgeted(0.01, "--model.hidden_size", "256", "--zero.offload_optimizer", "true"))
+    assert offloaded.endswith("; no layout of 2 GPUs fits; add GPUs or shrink the model"), offloaded  # not what it has
+
+
+def test_a_stated_budget_above_the_gpus_memory_is_refused(monkeypatch):
+    """A budget of 40 GiB on a 32 GiB GPU would pass layouts that run out of memory: the check names
+    the field, both figures and the fix, before any work."""
+    cfg = on_gpu(monkeypatch, budgeted(1.0), "Tesla V100-SXM2-32GB", gib=32)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_budget_gib=40.0))
+    assert memory_problem(cfg) == ("train.memory_budget_gib: 40 GiB is more than the 32.0 GiB of the Tesla "
+                                   "V100-SXM2-32GB; lower it, or set it null to use the whole GPU")

@@ -54,7 +54,8 @@ def run(args) -> int:
     from megazero.config.schema import Config
     from megazero.config.validate import validate_without_layout
     from megazero.planner import GPUS, Cluster, custom_gpu, plan
-    from megazero.planner.search import KNOBS, largest_world
+    from megazero.planner.fit import STATED, budget_problem, none_fits_advice
+    from megazero.planner.search import KNOBS, largest_world, layout_of
 
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
@@ -69,6 +70,12 @@ def run(args) -> int:
     cfg = load_config(config_path, overrides)
     validate_without_layout(cfg)  # the config's own values; each layout is validated whole for the world below
     gpu = custom_gpu(GPUS[args.gpu], args.gpu_memory, args.peak_tflops, args.intra_node_GBps, args.inter_node_GBps)
+    budget = cfg.train.memory_budget_gib
+    if budget is not None:  # the run's own cap on a rank's memory, which its start-up check holds it to
+        problem = budget_problem(budget, gpu.memory_gib, f"of the {gpu.name} (--gpu, --gpu-memory)")
+        if problem:
+            raise UserError(problem)
+        gpu = custom_gpu(gpu, memory_gib=budget)
     cluster = Cluster(gpu, args.gpus, min(args.gpus_per_node, args.gpus))
     # the knobs the command line holds, named as the config spells them (load_config refused any other spelling)
     fixed = frozenset(key for key, _ in parse_overrides(overrides, Config)) & set(KNOBS)
@@ -97,10 +104,12 @@ def run(args) -> int:
     m, t = cfg.model, cfg.train
     print(f"{config_path}: {m.num_layers} layers x hidden {m.hidden_size}, global batch {t.global_batch_size} x "
           f"{m.seq_length} tokens on {cluster.num_gpus} x {gpu.name} ({cluster.nodes} node(s) of "
-          f"{cluster.gpus_per_node}, {gpu.memory_gib:g} GiB each); {len(ranked)} valid layouts, {fitting} fit")
+          f"{cluster.gpus_per_node}, {gpu.memory_gib:g} GiB each{f' by {STATED}' if budget is not None else ''}); "
+          f"{len(ranked)} valid layouts, {fitting} fit")
     print(format_table(rows))
     if not fitting:
-        print("none fits: add GPUs, lower train.micro_batch_size, or offload the optimizer (zero.offload_optimizer)")
+        held = {f"--{key}": getattr(layout_of(cfg), KNOBS[key]) for key in fixed}
+        print(f"none fits: {none_fits_advice(cfg, held)}")
     if note:
         print(note)
     return 0

@@ -4,6 +4,7 @@ layout that fits when it does not."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -11,6 +12,9 @@ from megazero.config.schema import Config
 from megazero.planner.hardware import GIB, GPUS, Cluster, custom_gpu
 from megazero.planner.memory import estimate_memory
 from megazero.planner.search import layout_of, nearest_fitting
+
+
+STATED = "train.memory_budget_gib"
 
 
 @dataclass(frozen=True)
@@ -28,10 +32,22 @@ def device_budget(cfg: Config) -> Optional[Budget]:
     name = "" if props is None else props.name.upper()
     preset = next((k for k in GPUS if k.split("-")[0].upper() in name), "h100")
     if stated is not None:
-        return Budget(stated, "train.memory_budget_gib", preset)
+        return Budget(stated, STATED, preset)
     if props is None:
         return None
     return Budget(props.total_memory / GIB, f"the {props.name}'s memory", preset)
+
+
+def budget_problem(stated: float, device_gib: float, device: str) -> Optional[str]:
+    """The line for a ``train.memory_budget_gib`` no rank can have, or None: not positive, or more than
+    the ``device_gib`` ``device`` has (words such as "of the NVIDIA H200"). A budget is less memory on
+    the same GPU; a larger one passed layouts that then ran out of memory."""
+    if not stated > 0:
+        return f"{STATED}: must be positive, got {stated}"
+    if stated > device_gib:
+        return (f"{STATED}: {stated:g} GiB is more than the {device_gib:.1f} GiB {device}; lower it, or set it "
+                "null to use the whole GPU")
+    return None
 
 
 def _device_word(cfg: Config) -> str:
@@ -63,8 +79,12 @@ def memory_problem(cfg: Config, ranks_per_node: Optional[int] = None) -> Optiona
     budget = device_budget(cfg)
     if budget is None:
         return None
-    if not budget.gib > 0:
-        return f"train.memory_budget_gib: must be positive, got {budget.gib}"
+    props = _visible_gpu(cfg)
+    if budget.source == STATED:
+        problem = budget_problem(budget.gib, props.total_memory / GIB if props else math.inf,
+                                 f"of the {props.name}" if props else "")
+        if problem:
+            return problem
     needed = estimate_memory(cfg).needed / GIB
     if needed <= budget.gib:
         return None
@@ -74,14 +94,25 @@ def memory_problem(cfg: Config, ranks_per_node: Optional[int] = None) -> Optiona
     cluster = Cluster(custom_gpu(GPUS[budget.device], memory_gib=budget.gib), world, ranks_per_node or world)
     nearest = nearest_fitting(cfg, cluster)
     if nearest is None:
-        fix = (f"no layout of {world} GPUs fits; add GPUs, offload the optimizer (--zero.offload_optimizer true) "
-               "or shrink the model")
+        fix = f"no layout of {world} GPUs fits; {none_fits_advice(cfg)}"
     else:
         changes = " ".join(nearest.layout.changes_from(layout_of(cfg))) or "(this layout with a smaller estimate)"
         fix = f"nearest layout that fits: {changes} ({nearest.memory.needed / GIB:.{digits}f} GiB)"
     return (f"memory: the planner predicts {needed:.{digits}f} GiB per {_device_word(cfg)} for tp{p.tp} pp{p.pp} "
             f"dp{p.dp} ZeRO-{cfg.zero.stage} (margins included) but {budget.gib:.{digits}f} GiB is available "
             f"({budget.source}); {fix}")
+
+
+def none_fits_advice(cfg: Config, held: Optional[dict[str, object]] = None) -> str:
+    """What could make a layout fit where none searched does: more GPUs, offloading the optimizer where
+    it is not on, releasing the searched fields ``held`` at a value (``--section.field``: value; every
+    value of the others was tried), a smaller model. Nothing already tried is suggested."""
+    steps = ["add GPUs"]
+    if not cfg.zero.offload_optimizer:
+        steps.append("offload the optimizer (--zero.offload_optimizer true)")
+    steps += [f"search {flag} instead of holding it at {value}" for flag, value in sorted((held or {}).items())]
+    steps.append("shrink the model")
+    return ", ".join(steps[:-1]) + " or " + steps[-1]
 
 
 def decimals_apart(needed: float, budget: float) -> int:
