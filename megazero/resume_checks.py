@@ -64,20 +64,21 @@ def checkpoint_problems(cfg: Config, every_file: bool = True) -> list[str]:
                 "resume with the same model section, or "
                 + ("start a new run in another checkpoint.save_dir" if where == "checkpoint.save_dir"
                    else "load another checkpoint")]
-    if cfg.checkpoint.allow_config_changes:
-        return []
-    # At step 0 (a converted checkpoint, or one reset with --reset-step) there is no data order or
-    # schedule to keep, but its weights may still have been trained on another tokenizer's ids.
-    if meta.get("step", 0) == 0:
-        problems, older_code = _tokenizer_change(meta, cfg), []
-    else:
-        problems = (_resume_changes(saved, cfg, meta["step"], meta.get("consumed", 0), meta.get("shards") or {})
-                    + _tokenizer_change(meta, cfg) + _shard_changes(meta, cfg))
-        older_code = _blend_rule_change(meta, cfg)
     head, allow = f"{where}: {ckpt} (step {meta['step']})", "checkpoint.allow_config_changes true"
-    return ([f"{head} {problem}; set it back, or set {allow} to resume anyway" for problem in problems]
+    # Even at step 0 (a converted checkpoint, or one reset with --reset-step), which has no data order
+    # or schedule to keep, the weights may have been trained on another tokenizer's ids; a change of
+    # data order or schedule allowed is no leave to change what the ids mean.
+    tokenizer = ([] if cfg.checkpoint.allow_tokenizer_change else
+                 [f"{head} {problem}; train on data of the checkpoint's tokenizer, or set "
+                  "checkpoint.allow_tokenizer_change true to change tokenizers on purpose"
+                  for problem in _tokenizer_change(meta, cfg)])
+    if cfg.checkpoint.allow_config_changes or meta.get("step", 0) == 0:
+        return tokenizer
+    problems = (_resume_changes(saved, cfg, meta["step"], meta.get("consumed", 0), meta.get("shards") or {})
+                + _shard_changes(meta, cfg))
+    return ([f"{head} {problem}; set it back, or set {allow} to resume anyway" for problem in problems] + tokenizer
             + [f"{head} {problem}; resume with the version that wrote it, or set {allow} to go on in the new order"
-               for problem in older_code])
+               for problem in _blend_rule_change(meta, cfg)])
 
 
 def _meta_problem(meta: dict) -> str | None:

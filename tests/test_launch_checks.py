@@ -328,7 +328,12 @@ def test_a_checkpoint_reset_to_step_0_still_refuses_another_tokenizer(files, cap
     assert main([*resume, "--data.tokenizer", other, "--check"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "(step 0) was trained on ids of tokenizer.json" in err[0], err
+    assert "checkpoint.allow_tokenizer_change true" in err[0], err
     assert main([*resume, "--data.tokenizer", tok, "--check"]) == 0
+    # leave to change the data order or schedule is no leave to change what the ids mean; its own flag is
+    assert main([*resume, "--data.tokenizer", other, "--check", "--checkpoint.allow_config_changes", "true"]) == 2
+    assert "was trained on ids of tokenizer.json" in capsys.readouterr().err
+    assert main([*resume, "--data.tokenizer", other, "--check", "--checkpoint.allow_tokenizer_change", "true"]) == 0
 
 
 def test_a_tokenizer_record_without_its_digest_identifies_nothing():
