@@ -264,7 +264,8 @@ class MegatronSource:
                                         "args.untie_embeddings_and_output_weights); the checkpoint does not match its "
                                         "args")
                     continue
-                if self._zero_norm_bias(t, p, key):
+                if self._is_norm_bias_without_linear_biases(key):
+                    self._require_zero(t, p, key)
                     continue
                 why = (" (args tie the head to the embedding: no args.untie_embeddings_and_output_weights)"
                        if key == "output_layer.weight" else "")
@@ -272,18 +273,18 @@ class MegatronSource:
                                 "dropped: the checkpoint does not match its args")
 
 
-    def _zero_norm_bias(self, t: int, p: int, key: str) -> bool:
-        """Whether ``key`` is a LayerNorm bias of a model without linear biases, all zeros: megatron-core's
-        LayerNorm keeps its bias under ``--disable-bias-linear``, megazero's ``model.bias false`` has
-        none, and a zero bias is exactly none. A trained, non-zero one is refused: imported without it,
-        every norm's output would move."""
-        if self.cfg.bias or self.cfg.norm != "layernorm" or not key.endswith(("layernorm.bias", "layer_norm_bias")):
-            return False
-        if not torch.count_nonzero(self._model(t, p)[key]):
-            return True
-        raise UserError(f"{self.files[(t, p)]}: holds {key}, a LayerNorm bias that is not zero, beside "
-                        "args.add_bias_linear False; megazero's model.bias false has no norm biases, so such a model "
-                        "cannot be imported")
+    def _is_norm_bias_without_linear_biases(self, key: str) -> bool:
+        """Whether ``key`` is a LayerNorm bias of a model without linear biases: megatron-core's LayerNorm
+        keeps its bias under ``--disable-bias-linear``; megazero's ``model.bias false`` has none."""
+        return not self.cfg.bias and self.cfg.norm == "layernorm" and key.endswith(("layernorm.bias", "layer_norm_bias"))
+
+    def _require_zero(self, t: int, p: int, key: str) -> None:
+        """A zero norm bias is exactly none, and is left out; a trained, non-zero one is refused: imported
+        without it, every norm's output would move."""
+        if torch.count_nonzero(self._model(t, p)[key]):
+            raise UserError(f"{self.files[(t, p)]}: holds {key}, a LayerNorm bias that is not zero, beside "
+                            "args.add_bias_linear False; megazero's model.bias false has no norm biases, so such a "
+                            "model cannot be imported")
 
 
 FUSED_NORM = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
