@@ -18,16 +18,23 @@ def test_window_of_clean_steps_doubles():
         assert s.scale == expected
 
 
-def test_hysteresis_delays_the_halving():
+def test_hysteresis_delays_the_first_halving_only():
+    """As Megatron's and DeepSpeed's scalers: the overflows tolerated are spent until the scale grows, so
+    a scale far too high falls a halving a step once they are (re-arming them at each halving took
+    32 skipped steps from 2^32 to 2^16 at hysteresis 2, Megatron 17)."""
     s = DynamicLossScaler(initial_scale=64, window=100, hysteresis=2)
     s.update(True)
     assert s.scale == 64  # first overflow tolerated
-    s.update(True)
-    assert s.scale == 32  # second halves and re-arms the hysteresis
-    s.update(True)
-    assert s.scale == 32
-    s.update(True)
-    assert s.scale == 16
+    scales = []
+    for _ in range(3):
+        s.update(True)
+        scales.append(s.scale)
+    assert scales == [32, 16, 8]
+    skipped, s = 0, DynamicLossScaler(initial_scale=2.0**32, window=1000, hysteresis=2)
+    while s.scale > 2.0**16:
+        s.update(True)
+        skipped += 1
+    assert skipped == 17
 
 
 def test_clean_steps_reset_after_overflow():
@@ -41,11 +48,13 @@ def test_clean_steps_reset_after_overflow():
 
 
 def test_overflow_at_minimum_is_a_clear_error():
+    """Raised on every rank from the same flag, so it is agreed: rank 0 alone prints it."""
     s = DynamicLossScaler(initial_scale=2, window=100, hysteresis=1, min_scale=1)
     s.update(True)
     assert s.scale == 1
-    with pytest.raises(LossScaleError, match="minimum loss scale 1"):
+    with pytest.raises(LossScaleError, match="minimum loss scale 1") as raised:
         s.update(True)
+    assert raised.value.agreed
 
 
 def test_state_round_trip():

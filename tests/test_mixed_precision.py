@@ -16,7 +16,9 @@ Skips, with ``result.skipped`` asserted: an inf injected into one rank's gradien
 step on both ranks, fp16 under the dynamic scaler (hysteresis 2: the scale holds; hysteresis 1: it
 halves) and bf16/fp32 without one (the non-finite norm alone decides); the weights stay exactly as
 they were and the next step trains again. A loss that is not finite while the gradients are
-("fp32_loss") skips its step too: the engine hands the optimizer that flag itself. An fp16 run
+("fp32_loss") skips its step too: the engine hands the optimizer that flag itself. At tp 2, an inf in
+the second tensor rank's copy of a norm's weight (a copy the gradient norm leaves out) skips its step
+on both ranks too. An fp16 run
 started at a scale too large for fp16 skips its first steps, halving the scale each time, until the
 gradients fit.
 
@@ -54,7 +56,8 @@ def _engine(topo, dtype, stage, extra=()):
     cfg = load_config(None, ["--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_heads", "4",
                              "--model.vocab_size", str(VOCAB), "--model.seq_length", str(SEQ),
                              "--precision.dtype", dtype, "--zero.stage", str(stage), "--zero.bucket_size_mb", "0.01",
-                             "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--parallel.dp", "2",
+                             "--train.micro_batch_size", "2", "--train.global_batch_size", str(4 * topo.dp_size),
+                             "--parallel.tp", str(topo.tp_size), "--parallel.dp", str(topo.dp_size),
                              "--train.device", "cpu", "--optimizer.lr", "1e-2", "--optimizer.eps", "1e-4", *extra])
     return Engine(cfg, topo, torch.device("cpu"))
 
@@ -69,6 +72,15 @@ def _poison_on(engine, rank_to_poison: int, topo):
     """Multiply one parameter's gradient by inf on one data-parallel rank: a local overflow."""
     param = next(iter(engine.chunks[0].parameters()))
     if topo.dp_rank != rank_to_poison:
+        return None
+    return param.register_hook(lambda grad: grad * float("inf"))
+
+
+def _poison_a_copy(engine, rank_to_poison: int, topo):
+    """Multiply the gradient of a norm's weight, which every tensor rank holds whole, by inf on one
+    tensor rank: the gradient norm counts that copy on the first tensor rank alone."""
+    param = dict(engine.chunks[0].named_parameters())["layers.0.attn_norm.weight"]
+    if topo.tp_rank != rank_to_poison:
         return None
     return param.register_hook(lambda grad: grad * float("inf"))
 
@@ -96,7 +108,8 @@ def _run(topo, dtype, stage, poison_step=None, extra=(), poison=_poison_on):
         before = after
     dtypes = {p.dtype for chunk in engine.chunks for p in chunk.parameters()}
     return {"steps": steps, "param_dtypes": dtypes, "master": engine.optimizer.master.dtype,
-            "scale_after": engine.optimizer.scaler.scale}
+            "scale_after": engine.optimizer.scaler.scale,
+            "copy": dict(engine.chunks[0].named_parameters())["layers.0.attn_norm.weight"].detach().float().tolist()}
 
 
 COMPARED = [("bf16", 1), ("bf16", 3), ("fp16", 2), ("fp16", 3)]
@@ -112,6 +125,10 @@ def _world(rank, world_size):
         out[name] = _run(topo, dtype, stage, poison_step=POISONED, extra=extra, poison=poison)
     out["too_large_scale"] = _run(topo, "fp16", 1, extra=("--precision.initial_loss_scale", str(2.0**20),
                                                           "--precision.hysteresis", "1"))
+    tensor_parallel = Topology(RankGrid(tp=2, pp=1, dp=1))
+    for dtype in ("fp16", "bf16"):
+        out[f"{dtype}_tp_copy"] = _run(tensor_parallel, dtype, 1, poison_step=POISONED, poison=_poison_a_copy,
+                                       extra=("--precision.hysteresis", "1"))
     return out
 
 
@@ -168,6 +185,19 @@ def test_one_overflowing_rank_skips_exactly_that_step_everywhere(ranks, name):
         assert steps[POISONED]["norm"] == float("inf")
         assert not steps[POISONED]["update"].any(), "a skipped step changed weights"
         assert all(s["update"].any() for i, s in enumerate(steps) if i != POISONED)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_an_overflow_in_a_tensor_parallel_copy_skips_the_step_everywhere(ranks, dtype):
+    """tp 2: an inf in the second tensor rank's copy of a norm's weight, which the gradient norm leaves
+    out (the first rank counts it), still skips that step on both ranks, and the copies stay equal.
+    (Before: the step ran, that copy turned NaN, and every later step was skipped.)"""
+    runs = [report[f"{dtype}_tp_copy"] for report in ranks]
+    for rank, run in enumerate(runs):
+        steps = run["steps"]
+        assert [s["skipped"] for s in steps] == [step == POISONED for step in range(STEPS)], (rank, dtype)
+        assert not steps[POISONED]["update"].any() and all(s["update"].any() for s in steps[POISONED + 1:])
+    assert runs[0]["copy"] == runs[1]["copy"]
 
 
 def test_fp16_single_skip_holds_or_halves_the_scale_by_hysteresis(ranks):

@@ -52,7 +52,7 @@ class PrecisionConfig:
     dtype: str = option("fp32", "Parameter and activation dtype: fp32, bf16 or fp16 (master weights stay fp32)")
     initial_loss_scale: float = option(65536.0, "fp16: starting dynamic loss scale (at most float32's largest, about 3.4e38)")
     loss_scale_window: int = option(1000, "fp16: clean steps before the loss scale doubles")
-    hysteresis: int = option(2, "fp16: overflows tolerated before the loss scale halves")
+    hysteresis: int = option(2, "fp16: overflows tolerated before the loss scale halves, re-armed each time the scale grows (then every overflow halves it, as Megatron's)")
     min_loss_scale: float = option(1.0, "fp16: the run stops with an error if the scale falls below this")
     accumulate_fp32: bool = option(True, "Accumulate gradients across micro-batches in fp32")
 

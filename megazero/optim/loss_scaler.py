@@ -1,7 +1,9 @@
 """Loss scaling for fp16: keep small gradients representable without letting large ones overflow.
 
-The dynamic scaler starts high (2^16), halves after ``hysteresis`` overflowing steps, doubles after
-``window`` clean steps in a row, and refuses to go below ``min_scale``: a run that overflows even
+The dynamic scaler starts high (2^16), doubles after ``window`` clean steps in a row, and halves on
+an overflowing step once ``hysteresis`` of them have been tolerated since it last grew (Megatron's
+and DeepSpeed's rule: re-armed only by growth, so a scale far too high falls by one halving a step
+once they are spent), and refuses to go below ``min_scale``: a run that overflows even
 there is diverging, and continuing would only skip every step silently. Whether a step overflowed
 is decided by the caller from an all-reduced flag, so every rank moves the scaler identically.
 bf16 and fp32 use ``ConstantLossScaler`` (scale 1, never skips for scale reasons).
@@ -48,15 +50,15 @@ class DynamicLossScaler:
         """Advance the state machine after a step; ``overflow`` must agree on every rank."""
         if overflow:
             self.clean_steps = 0
-            self.hysteresis_left -= 1
+            self.hysteresis_left = max(self.hysteresis_left - 1, 0)
             if self.hysteresis_left > 0:
                 return
-            if self.scale <= self.min_scale:
+            if self.scale <= self.min_scale:  # every rank decides this from the same flag
                 raise LossScaleError(
                     f"fp16 gradients overflow even at the minimum loss scale {self.min_scale:g}: the run is "
-                    "diverging; lower optimizer.lr, use precision.dtype bf16, or resume from an earlier checkpoint")
+                    "diverging; lower optimizer.lr, use precision.dtype bf16, or resume from an earlier checkpoint",
+                    agreed=True)
             self.scale = max(self.scale / self.factor, self.min_scale)
-            self.hysteresis_left = self.hysteresis
             return
         self.clean_steps += 1
         if self.clean_steps % self.window == 0:

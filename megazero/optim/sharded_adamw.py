@@ -85,6 +85,8 @@ class ShardedAdamW:
         self._grads = [dp.segment_grad(seg) for seg in self.layout.segments]
         self._norm_views = [g for seg, g in zip(self.layout.segments, self._grads)
                             if dp.info[seg.param].counts_for_norm]
+        self._copy_views = [g for seg, g in zip(self.layout.segments, self._grads)
+                            if not dp.info[seg.param].counts_for_norm]
         self._tiles = self._bucket_tiles() if self._one_pass() else None
         self._build_adam()
         if self._tiles is not None:  # the kernel's bias corrections are computed from them on the device
@@ -229,12 +231,14 @@ class ShardedAdamW:
     def _global_norm_sq(self) -> torch.Tensor:
         """Sum of squares over the whole model: this rank's counted segments, summed over the
         model-parallel group and (when gradients are sharded) the data-parallel group. NaN or inf
-        anywhere makes the sum non-finite on every rank, which is the overflow signal."""
-        views = self._norm_views
-        device = views[0].device if views else self.dp.params[0].device
-        # fp32 per-segment norms: a 16-bit norm of loss-scaled gradients overflows long before they do
-        local = (torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).double().pow(2).sum() if views
-                 else torch.zeros((), dtype=torch.float64, device=device))
+        anywhere makes the sum non-finite on every rank, which is the overflow signal: in a copy too
+        (a tensor-parallel replica off the first tensor rank, a tied head), which the norm leaves out
+        as its first holder counts it. Copies are equal but for a fault, and a fault there went
+        unseen: that copy turned NaN and every later step was skipped."""
+        device = self.dp.params[0].device
+        local = _sum_of_squares(self._norm_views, device)
+        if self._copy_views:  # 0 times a finite sum is 0; times inf or NaN, NaN
+            local = local + 0.0 * _sum_of_squares(self._copy_views, device)
         if self.mp_group is not None:
             comm.all_reduce(local, self.mp_group)
         if self.dp.settings.stage > 0:
@@ -367,3 +371,11 @@ def _cpu_fused_supported() -> bool:
         return True
     except (RuntimeError, ValueError):
         return False
+
+
+def _sum_of_squares(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The fp64 sum of the squared fp32 norms of ``views`` (a 16-bit norm of loss-scaled gradients
+    overflows long before they do); 0 for none."""
+    if not views:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).double().pow(2).sum()
