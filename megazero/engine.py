@@ -280,7 +280,8 @@ class Engine:
             dtype=self.dtype, device=device, forward_step=gpt_forward_step,
             schedule=pipeline_schedule(cfg),
             timeout_s=cfg.train.collective_timeout_s, before_backward=self._before_backward,
-            weight_grad_sink=self.data_parallel, op_costs=pipeline_costs(cfg))
+            weight_grad_sink=self.data_parallel, op_costs=pipeline_costs(cfg),
+            costs_at=cfg.train.global_batch_size // (cfg.train.micro_batch_size * topology.dp_size))
 
     def _new_graph_step(self) -> None:
         """Blocks replayed as CUDA graphs write their outputs into memory the next replay reuses:

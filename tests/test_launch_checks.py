@@ -310,6 +310,10 @@ def test_a_checkpoint_knows_its_tokenizer_and_refuses_another(files, capsys, tmp
     capsys.readouterr()  # training on with data of another tokenizer is refused...
     assert main([*resume, "--data.tokenizer", other]) == 2
     assert "(step 1) was trained on ids of tokenizer.json" in capsys.readouterr().err
+    # leave to change the data order is none to change tokenizers; their own flag is
+    assert main([*resume, "--data.tokenizer", other, "--checkpoint.allow_config_changes", "true", "--check"]) == 2
+    assert "(step 1) was trained on ids of tokenizer.json" in capsys.readouterr().err
+    assert main([*resume, "--data.tokenizer", other, "--checkpoint.allow_tokenizer_change", "true", "--check"]) == 0
     assert main(resume) == 0  # ...and data that names none keeps the checkpoint's record
     assert read_manifest(tmp_path / "on" / "checkpoints" / "step_0000002")["meta"]["tokenizer"] == mine
 

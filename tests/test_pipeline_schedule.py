@@ -558,12 +558,13 @@ def test_fullest_counts_cover_every_count_of_a_ramp_on_every_rank():
     """A ramp-up's steps run counts of micro-batches from 1 to the full batch's; on each rank the
     fullest points (``live_peaks``) of every count must be matched or exceeded, chunk by chunk, at one
     of the counts ``fullest_counts`` keeps, or a memory estimate built from those alone misses a step
-    that holds more. Each schedule with its default delays, and the split-backward ones with delays
-    tuned to unequal op costs as well: at pp 3 under ZB-H2 the costs pinned here move the middle
-    rank's delay only at 5 micro-batches, where it holds 5 against 4 at 6 or more."""
+    that holds more. Each schedule with its default delays, and the split-backward ones with the full
+    count's delays tuned to unequal op costs as well, as the executor orders them (``costs_at``): at pp
+    3 under ZB-H2 the costs pinned here move the middle rank's delay at 5 micro-batches, where it
+    holds 5 against 4 at 6 or more, so tuned at every count the steps of 5 would be the fullest."""
     import random
 
-    from parallel.pipeline.plan import StageCosts, schedule_for
+    from parallel.pipeline.plan import StageCosts, schedule_for, weight_grad_delays
     from parallel.pipeline.ramp import fullest_counts
     from parallel.pipeline.schedule import live_peaks
 
@@ -580,8 +581,14 @@ def test_fullest_counts_cover_every_count_of_a_ramp_on_every_rank():
         pinned = [StageCosts(((1.3, 1.1, 1.3), (1.0, 1.3, 0.8), (0.6, 0.6, 1.3)), (1.5, 1.2, 0.6))] if (pp, v) == (3, 1) else []
         for costs, full in itertools.product([None, unequal, *pinned], range(1, 2 * pp + 3)):
             for rank in range(pp):
-                peaks = {m: live_peaks(schedule_for(name, pp, rank, m, v, costs)) for m in range(1, full + 1)}
                 for counts in (range(1, full + 1), range(pp, full + 1, pp)):  # a unit of 1, and of pp
-                    kept = fullest_counts(name, pp, v, counts, costs) if counts else []
+                    if not counts:
+                        continue
+                    largest = max(counts)
+                    peaks = {m: live_peaks(schedule_for(name, pp, rank, m, v, costs if m == largest else None))
+                             for m in counts}
+                    kept = fullest_counts(name, pp, v, counts)
                     cover = [vector for m in kept for vector in peaks[m]]
                     assert all(covered(peaks[m], cover) for m in counts), (name, pp, v, costs, counts, rank, kept)
+    pinned = StageCosts(((1.3, 1.1, 1.3), (1.0, 1.3, 0.8), (0.6, 0.6, 1.3)), (1.5, 1.2, 0.6))
+    assert weight_grad_delays("zb-h2", 3, 5, pinned) == (0, 2, 2)  # the case the executor's rule avoids

@@ -18,7 +18,7 @@ def test_plan_json(capsys):
                  "--top", "3", "--json", "--train.global_batch_size", "64"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["gpus"] == 4 and out["gpu"]["memory_gib"] == 79.2 and len(out["layouts"]) == 3
+    assert out["gpus"] == 4 and out["gpu"]["memory_gib"] == 79.18 and len(out["layouts"]) == 3
     assert out["valid_layouts"] >= out["fitting_layouts"] > 3  # every layout counted, not the rows shown
     best = out["layouts"][0]
     assert best["fits"] and best["tp"] * best["pp"] * best["dp"] == 4
@@ -105,7 +105,7 @@ def test_plan_fits_layouts_in_the_configs_memory_budget(capsys):
     capped = json.loads(capsys.readouterr().out)
     assert capped["gpu"]["memory_gib"] == 20 and whole["fitting_layouts"] > capped["fitting_layouts"] > 0
     assert all(row["needed_gib"] <= 20 for row in capped["layouts"] if row["fits"])
-    assert any(20 < row["needed_gib"] <= 79.2 for row in whole["layouts"] if row["fits"])
+    assert any(20 < row["needed_gib"] <= 79.18 for row in whole["layouts"] if row["fits"])
 
 
 def test_layouts_that_do_not_fit_come_nearest_first(capsys):
@@ -158,7 +158,9 @@ def test_a_held_field_on_a_gpu_count_no_layout_splits_names_the_field_not_anothe
     (["--gpus", "8", "--gpus-per-node", "8", "--intra-node-GBps", "1e-320"], ["--intra-node-GBps", "at least 0.001"]),
     # a run's memory cap above what the GPU planned for has (the start-up check refuses it too)
     (["--gpus", "8", "--gpus-per-node", "8", "--train.memory_budget_gib", "100"],
-     ["train.memory_budget_gib: 100 GiB is more than the 79.2 GiB of the H100-SXM5-80GB", "--gpu-memory"]),
+     ["train.memory_budget_gib: 100 GiB is more than the 79.2 GiB of the H100-SXM5-80GB (--gpu h100)"]),
+    (["--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "40", "--train.memory_budget_gib", "60"],
+     ["train.memory_budget_gib: 60 GiB is more than the 40.0 GiB given by --gpu-memory"]),
     (["--gpus", "8", "--gpus-per-node", "8", "--train.memory_budget_gib", "0"], ["train.memory_budget_gib", "positive"]),
     # more GPUs than 24 blocks x tp 8 x a batch of 2 can use: why, and the most that can be used
     (["--gpus", "512", "--gpus-per-node", "8", "--train.global_batch_size", "2"],

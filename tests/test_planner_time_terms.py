@@ -205,3 +205,46 @@ def test_interleaving_reduces_after_the_last_backward_and_stage_3_pipelines_gath
     unhidden = config(4, "--parallel.pp", "2", "--zero.stage", "3", "--zero.overlap_comm", "false",
                       "--parallel.pipeline_split", "[2, 2]", "--train.global_batch_size", "8")
     assert estimate_step(unhidden, Cluster(gpu, 4, 4)).dp_comm_s == pytest.approx(head_gather + reduce_scatter)
+
+
+def test_selective_recompute_repeats_the_attention_cores_of_a_ranks_own_blocks():
+    """pp 2 split [2, 2]: the head's rank computes its two blocks' forward and backward, their two
+    attention cores again (half the model's selective extra), and the head, for 4 micro-batches."""
+    cfg = config(2, "--parallel.pp", "2", "--parallel.pipeline_split", "[2, 2]", "--parallel.recompute", "selective",
+                 "--train.global_batch_size", "4")
+    model, selective = flops_per_token(cfg.model), flops_per_token(cfg.model, "selective")
+    head = 6 * H * VOCAB
+    per_token = (model - head) / 2 + (selective - model) / 2 + head
+    expected = 4 * SEQ * per_token / (989e12 * H100.efficiency)
+    assert estimate_step(cfg, Cluster(H100, 2, 2)).compute_s == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+def test_a_timed_zero_bubble_idle_is_over_the_busiest_ranks_work(schedule):
+    """Two ranks, the second twice as heavy (forward, input and weight gradient 2 each against 1), four
+    micro-batches: the second rank starts after the first's forward (1) and is never starved after,
+    so the step is 1 + 4 x 6 = 25 and the busiest rank's 24 idle 1/24 of it. Measured against the
+    lighter rank's 12 it would read as 13/12, a bubble longer than the work."""
+    from megazero.planner.time import _timed_idle
+    from parallel.pipeline.plan import StageCosts
+
+    costs = StageCosts(((1.0, 1.0, 1.0), (2.0, 2.0, 2.0)), (1.0, 1.0))
+    assert _timed_idle(schedule, 2, 4, costs) == pytest.approx(1 / 24)
+
+
+# One H200, GPT 1.3B compiled, ZeRO 0, 16 sequences a step (BENCHMARKS.md, "The planner's micro-batch
+# term"): step ms by micro-batch size (micro-batch 8: the mean of the call's two runs).
+MEASURED_MICRO_BATCH_STEP_MS = {1: 665.9, 2: 571.6, 4: 537.5, 8: 515.55, 16: 512.8}
+
+
+def test_smaller_micro_batches_run_slower_as_measured():
+    """Each micro-batch reads every weight and accumulates every gradient whatever its tokens, so the
+    same 16 sequences take 1.29 times as long in micro-batches of 1 as of 8; the planner once gave
+    every micro-batch size the same speed (planted: the fixed cost left out, or counted per step)."""
+    steps = {}
+    for mbs, measured in MEASURED_MICRO_BATCH_STEP_MS.items():
+        cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", [
+            "--train.micro_batch_size", str(mbs), "--train.global_batch_size", "16", "--zero.stage", "0"]), 1, 1)
+        steps[mbs] = estimate_step(cfg, Cluster(GPUS["h200"], 1, 1)).step_s * 1e3
+        assert steps[mbs] == pytest.approx(measured, rel=0.03), mbs
+    assert steps[1] > steps[2] > steps[4] > steps[8] > steps[16]

@@ -55,7 +55,7 @@ def run(args) -> int:
     from megazero.config.validate import validate_without_layout
     from megazero.planner import GPUS, Cluster, custom_gpu, plan
     from megazero.planner.fit import STATED, budget_problem, none_fits_advice
-    from megazero.planner.search import KNOBS, largest_world, layout_of
+    from megazero.planner.search import KNOBS, held_knobs, largest_world
 
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
@@ -72,7 +72,8 @@ def run(args) -> int:
     gpu = custom_gpu(GPUS[args.gpu], args.gpu_memory, args.peak_tflops, args.intra_node_GBps, args.inter_node_GBps)
     budget = cfg.train.memory_budget_gib
     if budget is not None:  # the run's own cap on a rank's memory, which its start-up check holds it to
-        problem = budget_problem(budget, gpu.memory_gib, f"of the {gpu.name} (--gpu, --gpu-memory)")
+        source = "given by --gpu-memory" if args.gpu_memory is not None else f"of the {gpu.name} (--gpu {args.gpu})"
+        problem = budget_problem(budget, gpu.memory_gib, source)
         if problem:
             raise UserError(problem)
         gpu = custom_gpu(gpu, memory_gib=budget)
@@ -108,7 +109,7 @@ def run(args) -> int:
           f"{len(ranked)} valid layouts, {fitting} fit")
     print(format_table(rows))
     if not fitting:
-        held = {f"--{key}": getattr(layout_of(cfg), KNOBS[key]) for key in fixed}
+        held = held_knobs(cfg, fixed)
         print(f"none fits: {none_fits_advice(cfg, held)}")
     if note:
         print(note)

@@ -45,8 +45,9 @@ def budget_problem(stated: float, device_gib: float, device: str) -> Optional[st
     if not stated > 0:
         return f"{STATED}: must be positive, got {stated}"
     if stated > device_gib:
-        return (f"{STATED}: {stated:g} GiB is more than the {device_gib:.1f} GiB {device}; lower it, or set it "
-                "null to use the whole GPU")
+        digits = decimals_apart(stated, device_gib)
+        return (f"{STATED}: {stated:g} GiB is more than the {device_gib:.{digits}f} GiB {device}; lower it, or "
+                "set it null to use the whole GPU")
     return None
 
 

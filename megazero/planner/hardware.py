@@ -74,15 +74,16 @@ class GPU:
 
 # Memory is what torch reports as a device's ``total_memory`` (what the start-up check measures a
 # run against), not the datasheet's gigabytes: 32,494 MiB on a V100 32GB, 81,251 on an A100-SXM4-80GB
-# and 81,089 on an H100 80GB HBM3 as printed in public logs, 139.8 GiB on the H200s this project
-# benchmarks on (BENCHMARKS.md). A plan at 80 GiB passed layouts the start-up check then refused.
+# and 81,089 on an H100 80GB HBM3 as printed in public logs, 139.80 GiB on the H200s this project
+# benchmarks on (BENCHMARKS.md); rounded down, never up. A plan at 80 GiB passed layouts the start-up
+# check then refused.
 GPUS = {
     # DGX-2: 16 GPUs on NVSwitch (150 GB/s each way), 8 x 100 Gb/s EDR InfiniBand per node.
     "v100-32gb": GPU("V100-SXM3-32GB", 31.7, 125.0, 900.0, 150.0, 8 * 100 / 8 / 16, V100_EFFICIENCY),
     # DGX A100: NVLink 3 (300 GB/s each way), 8 x 200 Gb/s HDR InfiniBand per node of 8.
     "a100-80gb": GPU("A100-SXM4-80GB", 79.3, 312.0, 2039.0, 300.0, 200 / 8, A100_EFFICIENCY),
     # DGX H100: NVLink 4 (450 GB/s each way), 8 x 400 Gb/s NDR InfiniBand per node of 8.
-    "h100": GPU("H100-SXM5-80GB", 79.2, 989.0, 3350.0, 450.0, 400 / 8, H100_EFFICIENCY, H100_TP_LINK_EFFICIENCY,
+    "h100": GPU("H100-SXM5-80GB", 79.18, 989.0, 3350.0, 450.0, 400 / 8, H100_EFFICIENCY, H100_TP_LINK_EFFICIENCY,
                 H100_BLOCK_OVERHEAD_S),
     # HGX H200: as the H100 with 141 GB of faster HBM3e.
     "h200": GPU("H200-SXM-141GB", 139.8, 989.0, 4800.0, 450.0, 400 / 8, H100_EFFICIENCY, H100_TP_LINK_EFFICIENCY,

@@ -289,9 +289,10 @@ def activation_bytes(cfg: Config, pp_rank: int, micro: Optional[int] = None) -> 
         return layer_activation_bytes(cfg, every > 0 and index % every == 0, parts)
 
     per_chunk = [sum(kept(i, parts) for i, parts in enumerate(chunk)) for chunk in rank_chunks(cfg, pp_rank)]
-    schedule = pipeline_schedule(cfg)
-    costs = pipeline_costs(cfg) if schedule in SPLIT_BACKWARD else None  # no other schedule reads them
-    peaks = _live_peaks(schedule, p.pp, pp_rank, micro or micro_batches(cfg), p.virtual_stages, costs)
+    schedule, full = pipeline_schedule(cfg), micro_batches(cfg)
+    # no other schedule reads the op costs, and the engine orders by them at the full batch alone
+    costs = pipeline_costs(cfg) if schedule in SPLIT_BACKWARD and (micro or full) == full else None
+    peaks = _live_peaks(schedule, p.pp, pp_rank, micro or full, p.virtual_stages, costs)
     total = weighted_peak(peaks, per_chunk)  # the chunks in flight at the peak, each its own bytes
     if every:
         total += layer_activation_bytes(cfg, recomputed=False)  # one block rebuilt at a time in backward
@@ -348,8 +349,7 @@ def estimate_memory(cfg: Config) -> MemoryEstimate:
     for rank in range(1, pp - 1):
         first_holding.setdefault(tuple(map(tuple, rank_chunks(cfg, rank))), rank)
     ranks = range(pp) if schedule in SPLIT_BACKWARD else {0, pp - 1, *first_holding.values()}
-    costs = pipeline_costs(cfg) if schedule in SPLIT_BACKWARD else None
-    counts = fullest_counts(schedule, pp, cfg.parallel.virtual_stages, micro_batch_counts(cfg), costs)
+    counts = fullest_counts(schedule, pp, cfg.parallel.virtual_stages, micro_batch_counts(cfg))
     estimates = []
     for rank in sorted(ranks):
         states, buffers = model_state_bytes(cfg, rank), buffer_bytes(cfg, rank)

@@ -61,6 +61,19 @@ KNOBS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.dp": "dp", "paralle
 """The config fields the planner searches, by the ``Layout`` field each sets."""
 
 
+LEAST_MEMORY = {"train.micro_batch_size": "1", "parallel.recompute": "full", "parallel.sequence_parallel": "true"}
+"""Searched fields at the value no other value of theirs needs less memory than."""
+
+
+def held_knobs(cfg: Config, fixed: frozenset[str]) -> dict[str, str]:
+    """The searched fields ``fixed`` holds at ``cfg``'s values, by flag, spelled as the flags take them,
+    but for those at their ``LEAST_MEMORY`` value: searching those could add no layout that fits."""
+    own = layout_of(cfg)
+    flags = own.overrides() + ["--parallel.dp", str(own.dp)]
+    spelled = dict(zip(flags[::2], flags[1::2]))
+    return {f"--{key}": spelled[f"--{key}"] for key in sorted(fixed) if LEAST_MEMORY.get(key) != spelled[f"--{key}"]}
+
+
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout

@@ -85,7 +85,8 @@ class PipelineExecutor:
                  schedule: Optional[str] = None, forward_step: ForwardStep = default_forward_step,
                  timeout_s: float = 300.0, profile: bool = False,
                  before_backward: Optional[Callable[[Op, bool], None]] = None,
-                 weight_grad_sink: Optional[WeightGradSink] = None, op_costs: Optional[StageCosts] = None):
+                 weight_grad_sink: Optional[WeightGradSink] = None, op_costs: Optional[StageCosts] = None,
+                 costs_at: Optional[int] = None):
         if not chunks:
             raise ValueError("a pipeline rank needs at least one model chunk")
         self.chunks, self.topo = list(chunks), topo
@@ -97,8 +98,11 @@ class PipelineExecutor:
         self.device = device or torch.device("cpu")
         self.forward_step, self.profile = forward_step, profile
         # every rank's op costs, by which a split-backward schedule times its weight gradients
-        # (``plan.weight_grad_delays``); the same on every rank, so the ranks' plans still match
-        self.op_costs = op_costs
+        # (``plan.weight_grad_delays``); the same on every rank, so the ranks' plans still match.
+        # ``costs_at``: the one count of micro-batches they order (the full batch's; None: every count).
+        # A batch ramp-up's smaller steps run the default order, which holds no more than the full
+        # batch's on any rank, where delays tuned at a smaller count could (``parallel.pipeline.ramp``).
+        self.op_costs, self.costs_at = op_costs, costs_at
         # Called before each backward with whether it is the step's last on this rank: a gradient
         # reducer can then start communicating buckets as that backward completes them.
         self.before_backward = before_backward
@@ -182,7 +186,8 @@ class PipelineExecutor:
         drew from and drops the gradients it accumulated (``Engine._rehearse``).
         """
         schedule = self.schedule if keep_graph else "forward_only"
-        ops, plan = plan_for(schedule, self.pp, self.rank, len(microbatches), self.v, self.op_costs, self.placement)
+        m = len(microbatches)
+        ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v, self._costs_for(m), self.placement)
         run = _StepRun(self, microbatches, 1.0 / len(microbatches), keep_graph, ops)
         with torch.set_grad_enabled(keep_graph):
             for step in plan:
@@ -194,11 +199,15 @@ class PipelineExecutor:
                 run.outbox.clear()  # as the real step frees each once sent: kept, the step's messages add up
         self._rehearsed[keep_graph] = self._rehearsed.get(keep_graph, False) or len(microbatches) > 1
 
+    def _costs_for(self, m: int) -> Optional[StageCosts]:
+        """The op costs a step of ``m`` micro-batches is ordered by (``costs_at``)."""
+        return self.op_costs if self.costs_at is None or m == self.costs_at else None
+
     def _run(self, schedule: str, microbatches: Sequence[Any], backward_scale: float, keep_graph: bool):
         self._sync()
         start = time.perf_counter()
         m = len(microbatches)
-        ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v, self.op_costs, self.placement)
+        ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v, self._costs_for(m), self.placement)
         run = _StepRun(self, microbatches, backward_scale, keep_graph, ops)
         self.stats = StepStats()
         for k, step in enumerate(plan):
