@@ -92,6 +92,26 @@ def test_a_note_is_said_only_where_a_setting_changes_less_than_it_seems():
     assert config_notes(_cfg("--checkpoint.save_on_exit", "false", "--checkpoint.save_interval", "10")) == []
 
 
+def test_an_interleaved_pipeline_that_runs_every_forward_first_is_noted():
+    """Interleaved schedules at micro-batches a pipeline that are not a multiple of pp, or are pp, hold
+    all of them in flight: noted at the full batch, and where only a ramp-up's steps do; not at 8."""
+    from megazero.config.validate import config_notes
+
+    def notes(*overrides):
+        return config_notes(resolve_config(_cfg("--model.num_layers", "4", "--parallel.pp", "2", "--parallel.virtual_stages",
+                                                "2", "--train.micro_batch_size", "1", *overrides), 2, 2))
+
+    assert notes("--train.global_batch_size", "8") == []
+    for batch in ("3", "2"):
+        (line,) = notes("--train.global_batch_size", batch)
+        assert line.startswith(f"interleaved_1f1b runs every forward of a step first at {batch} micro-batches"), line
+    (line,) = notes("--train.global_batch_size", "8", "--schedule.rampup_start_batch", "3",
+                    "--schedule.rampup_increment", "2", "--schedule.rampup_samples", "100")
+    assert "ramp-up's steps" in line and "(between 3 and 7)" in line, line
+    assert notes("--train.global_batch_size", "8", "--schedule.rampup_start_batch", "4",  # 4, 6 and 8 only
+                 "--schedule.rampup_increment", "2", "--schedule.rampup_samples", "100") == []
+
+
 def _error(*overrides, world=None, local=None) -> str:
     with pytest.raises(ConfigError) as info:
         validate_config(_cfg(*overrides), world, local)

@@ -29,7 +29,7 @@ from parallel.data_parallel import STAGES
 from parallel.launch import DEVICES
 from parallel.tensor_parallel.overlap import MODES as TP_COMM_MODES
 from parallel.pipeline.partition import split_problem
-from parallel.pipeline.schedule import TRAINING_SCHEDULES, schedule_problem
+from parallel.pipeline.schedule import INTERLEAVED, TRAINING_SCHEDULES, default_schedule, schedule_problem
 from parallel.topology import ORDERS
 
 CHOICES = {
@@ -222,7 +222,30 @@ def config_notes(cfg: Config) -> list[str]:
         limit = " or reaches train.max_wall_seconds" if t.max_wall_seconds is not None else ""
         notes.append(f"checkpoint.save_on_exit is false and checkpoint.save_interval 0: this run saves a checkpoint "
                      f"only if it is preempted{limit}")
-    return notes
+    return notes + _all_forwards_first(cfg)
+
+
+def _all_forwards_first(cfg: Config) -> list[str]:
+    """An interleaved schedule runs every forward of a step first where its micro-batches are not a
+    multiple of pp, or are pp (``interleaved_warmup``): all of them in flight at once, GPipe's memory
+    and not 1F1B's, whether at the full batch or in the steps of a batch ramp-up."""
+    p, t = cfg.parallel, cfg.train
+    name = default_schedule(p.pp, p.virtual_stages) if p.pipeline_schedule == "auto" else p.pipeline_schedule
+    if p.pp < 2 or name not in INTERLEAVED or not p.dp or t.global_batch_size % (t.micro_batch_size * p.dp):
+        return []
+    batches = build_batch_schedule(cfg.schedule, t, p.dp)
+    counts = [size // batches.unit for size in batches.sizes()]
+    ahead = [m for m in counts if m % p.pp or m == p.pp]
+    bound = f"a multiple of parallel.pp {p.pp} above {p.pp}"
+    if counts[-1] in ahead:
+        return [f"{name} runs every forward of a step first at {counts[-1]} micro-batches a pipeline (train."
+                f"global_batch_size / (micro_batch_size x dp)): all {counts[-1]} x {p.virtual_stages} chunks' "
+                f"activations at once; {bound} keeps 1F1B's bound"]
+    if ahead:
+        return [f"{name} runs every forward of a step first in the batch ramp-up's steps whose micro-batches a "
+                f"pipeline are not {bound} (between {ahead[0]} and {ahead[-1]}): all their chunks' activations at "
+                "once, which the start-up memory estimate counts"]
+    return []
 
 
 def _cuda_graph_problems(cfg: Config) -> list[str]:
