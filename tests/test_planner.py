@@ -251,12 +251,10 @@ def test_stage3_buffers_hold_the_gathered_blocks():
 
     cfg = resolve_config(load_config("configs/gpt_1.3b.yaml", ["--zero.prefetch_depth", "2"]), 2, 2)
     split, replicated = block_params(cfg.model)
-
-    def at_stage(stage):
-        return dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage))
-    assert buffer_bytes(at_stage(0), 0) == buffer_bytes(at_stage(1), 0) == 0
-    assert buffer_bytes(at_stage(2), 0) == 4 * cfg.zero.bucket_size_mb * 2**20
-    assert buffer_bytes(at_stage(3), 0) - buffer_bytes(at_stage(2), 0) == pytest.approx(3 * (split + replicated) * 2)
+    at_stage = [dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage)) for stage in range(4)]
+    assert buffer_bytes(at_stage[0], 0) == buffer_bytes(at_stage[1], 0) == 0
+    assert buffer_bytes(at_stage[2], 0) == 4 * cfg.zero.bucket_size_mb * 2**20
+    assert buffer_bytes(at_stage[3], 0) - buffer_bytes(at_stage[2], 0) == pytest.approx(3 * (split + replicated) * 2)
 
 
 def test_pipeline_ranks_hold_the_micro_batches_1f1b_keeps_in_flight():
