@@ -174,7 +174,7 @@ def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int, digests:
         data, now = saved.get("data") or {}, config_to_dict(cfg)["data"]
         changed = [f"data.{k}" for k in DATA_ORDER_FIELDS if data.get(k) != now[k]]
         return [f"was trained on another data order ({', '.join(changed)} changed)"] if changed else []
-    problems = _data_order_changes(before, cfg, digests or {}) + _batch_changes(before, cfg, consumed)
+    problems = _data_order_changes(before, cfg, digests or {}) + batch_changes(before, cfg, consumed)
     old, new = (build_lr_schedule(c.optimizer, c.schedule, c.train) for c in (before, cfg))
     changed_at = next((s for s in _schedule_probes(before, step) if abs(new(s) - old(s)) > 1e-6 * max(abs(old(s)),
                                                                                                      abs(new(s)))), None)
@@ -247,7 +247,7 @@ def _data_order_changes(before: Config, cfg: Config, digests: dict) -> list[str]
     return []
 
 
-def _batch_changes(before: Config, cfg: Config, consumed: int) -> list[str]:
+def batch_changes(before: Config, cfg: Config, consumed: int) -> list[str]:
     """The first step ahead whose global batch differs between the run that wrote the checkpoint
     (``before``) and this one with the same batch settings: a ramp-up rounds each step's batch to a
     multiple of micro_batch_size x dp, so another layout mid ramp-up groups the samples ahead into

@@ -390,3 +390,29 @@ def test_a_model_without_a_run_takes_any_dp(tmp_path):
     assert manifest["meta"]["layout"]["dp"] == 3
     train = manifest["meta"]["config"]["train"]
     assert (train["micro_batch_size"], train["global_batch_size"]) == (4, 24)
+
+
+def test_a_dp_that_regroups_a_batch_ramp_up_ahead_is_refused(tmp_path, capsys):
+    """A checkpoint converted with its progress records DST's layout as its run's, so the resume's check
+    that a new dp does not regroup a ramp-up's samples into other steps compared dp 4 with dp 4 and
+    passed: at step 3 (12 samples) of a ramp from 2 by 2 at dp 4, whose steps are rounded to multiples
+    of 4 samples, dp 2 makes the next step 2 samples, not 4. Convert refuses it in one line, and takes dp 2 once the ramp is over, or with --reset-step."""
+    from megazero.convert.sources import MegazeroSource
+
+    ramp = ["--schedule.rampup_start_batch", "2", "--schedule.rampup_increment", "2"]
+    for name, samples in (("mid", "100"), ("after", "12")):
+        source = MegazeroSource(_source_run(tmp_path / name, *ramp, "--schedule.rampup_samples", samples))
+        source.reader.meta.update(step=3, consumed=12)  # as a run three steps into its ramp-up saved it
+        write_megazero(source, tmp_path / name / "run")
+    capsys.readouterr()
+    argv = ["convert", str(latest_checkpoint(tmp_path / "mid" / "run")), str(tmp_path / "dp2"), "--to", "megazero",
+            "--dp", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("megazero convert: error: --dp 2: the checkpoint (step 3) would train "
+                                              "the step at sample 12 on a global batch of 2 instead of 4"), err
+    assert "keep the run's dp 4" in err and not (tmp_path / "dp2").exists()
+    assert main([*argv, "--reset-step"]) == 0
+    assert main(["convert", str(latest_checkpoint(tmp_path / "after" / "run")), str(tmp_path / "after_dp2"),
+                 "--to", "megazero", "--dp", "2"]) == 0
+

@@ -158,6 +158,8 @@ def run(args) -> int:
     if target != "megatron" and args.transformer_impl is not None:
         raise UserError(f"--transformer-impl: applies to --to megatron only (this conversion writes {target})")
     run_cfg = run_config(source, layout) if layout and target == "megazero" else None
+    if run_cfg is not None and not args.reset_step:
+        _refuse_another_ramp(source, run_cfg)
     if target == "hf":
         from megazero.convert.hf import write_hf
         from megazero.convert.hf_models import family_for
@@ -205,6 +207,7 @@ def run_config(source, layout: dict):
     micro-batches per data-parallel rank), with the layout flags applied; validated for
     the world tp x pp x dp, so a layout the model cannot take is refused (one line per problem,
     naming the field) before anything is written."""
+    import copy
     import dataclasses
 
     from megazero.config.loader import build_dataclass, config_to_dict, set_dotted
@@ -216,7 +219,8 @@ def run_config(source, layout: dict):
 
     meta = source_meta(source)
     recorded = isinstance(meta.get("config"), dict)
-    raw = meta.get("config") if recorded else config_to_dict(Config(model=source.cfg))
+    # a copy: the layout flags below are set into it, and the source's record stays the run's own
+    raw = copy.deepcopy(meta["config"]) if recorded else config_to_dict(Config(model=source.cfg))
     raw = {**raw, "model": dataclasses.asdict(source.cfg)}
     before = dict(raw.get("parallel") or {})
     for field, value in layout.items():
@@ -244,6 +248,28 @@ def run_config(source, layout: dict):
     set_dotted(raw, "parallel.dp", None)  # derived from the world by validation
     cfg = build_dataclass(Config, raw, prefix="")
     return resolve_config(cfg, p["tp"] * p["pp"] * dp)
+
+
+def _refuse_another_ramp(source, run_cfg) -> None:
+    """A checkpoint converted with its progress keeps its step and samples, but records DST's layout as
+    its run's: a --dp that regroups a batch ramp-up's samples ahead into other steps would pass the
+    resume's own check of that (``resume_checks.batch_changes``), which compares with the record. So
+    the check is made here, against the source run's record."""
+    import dataclasses
+
+    from megazero.config.loader import build_dataclass
+    from megazero.config.schema import Config
+    from megazero.convert.sources import source_meta
+    from megazero.resume_checks import batch_changes
+
+    meta = source_meta(source)
+    if not isinstance(meta.get("config"), dict) or not meta.get("step"):
+        return  # no run, or none begun: no place in a ramp-up to keep
+    before = build_dataclass(Config, {**meta["config"], "model": dataclasses.asdict(source.cfg)}, prefix="")
+    for problem in batch_changes(before, run_cfg, int(meta.get("consumed", 0))):
+        raise UserError(f"--dp {run_cfg.parallel.dp}: the checkpoint (step {meta.get('step', 0)}) {problem}; keep the "
+                        f"run's dp {before.parallel.dp} until its batch ramp-up ends, or add --reset-step to start a "
+                        "new run from these weights")
 
 
 def _run_tokenizer(source):
