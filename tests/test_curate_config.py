@@ -61,7 +61,12 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
      r"permutations refine the estimate little"),
     ("fuzzy_dedup.num_perm", "0", r"fuzzy_dedup\.num_perm: 0 is outside \[1, 8192\]"),
     ("fuzzy_dedup.bands", "30", r"fuzzy_dedup\.bands: bands x rows \(30 x 13\) needs at most num_perm \(260\)"),
-    ("fuzzy_dedup.ngram", "0", r"fuzzy_dedup\.ngram: 0 must be at least 1"),
+    ("fuzzy_dedup.ngram", "0", r"fuzzy_dedup\.ngram: 0 is outside \[1, 64\]"),
+    # a shingle as long as a document hashed each text that many times: minutes, printing nothing
+    ("fuzzy_dedup.ngram", "100000", r"fuzzy_dedup\.ngram: 100000 is outside \[1, 64\]; characters a shingle holds"),
+    # the default banding (turning at 0.79) would compare 18% of the pairs at 0.7: one that fits is named
+    ("fuzzy_dedup.threshold", "0.7", r"fuzzy_dedup\.threshold: 0\.7 with bands 20 x rows 13 compares only 18% of "
+     r"the pairs at that similarity .* set --fuzzy_dedup\.bands 28 --fuzzy_dedup\.rows 9 \(68%\)"),
     ("fuzzy_dedup.seed", "-1", r"fuzzy_dedup\.seed: -1 must be at least 0"),
     ("fuzzy_dedup.partitions", "-1", r"fuzzy_dedup\.partitions: -1 must be at least 0"),
     ("decontaminate.max_doc_freq", "0", r"decontaminate\.max_doc_freq: 0 must be at least 2; .*nothing would be removed"),

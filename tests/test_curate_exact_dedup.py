@@ -63,6 +63,8 @@ def test_exact_dedup_normalises_case_spaces_and_ends_and_counts_bytes(tmp_path, 
     from data_pipeline.curate import exact_dedup
 
     assert len({exact_dedup.text_hash(t) for t in ("a b", " a b\n", "A  B", "a\tb", "a\n\nb")}) == 1
+    # an accent precomposed or as a combining mark, whether or not the clean stage composed it first
+    assert exact_dedup.text_hash("Vi\u1ec7t caf\u00e9") == exact_dedup.text_hash("Vie\u0323\u0302t cafe\u0301")
     shard = tmp_path / "docs.jsonl"
     shard.write_text(json.dumps({"id": "0", "text": "\u00e9" * 10}) + "\n")
     stats = exact_dedup.filter_shard(str(shard), str(tmp_path / "out.jsonl"), "text", [], 0, "exact duplicate")

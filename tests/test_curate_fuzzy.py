@@ -274,6 +274,21 @@ def test_candidate_pairs_spread_over_the_partitions():
         assert counts.min() > 400, counts
 
 
+def test_shingles_are_of_the_composed_text_and_a_pair_is_one_candidate(tmp_path, prose):
+    """A text with its accents written as combining marks has the precomposed copy's shingles (they
+    shared a twentieth of them: both survived without the clean stage); and two documents sharing all
+    20 bands are one candidate pair, not 20 (the pair was listed once a band where only pairs filled
+    the buckets)."""
+    hasher = MinHasher()
+    nfc, nfd = "Ti\u1ebfng Vi\u1ec7t c\u00f3 d\u1ea5u " * 4, "Tie\u0302\u0301ng Vie\u0323\u0302t co\u0301 da\u0302\u0301u " * 4
+    assert np.array_equal(hasher.shingles([nfc])[0], hasher.shingles([nfd])[0])
+    path = tmp_path / "twins.jsonl"
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in (prose[0], prose[0], nfc, nfd)))
+    raw = {"input": {"paths": [str(path)]}, "output": {"dir": str(tmp_path / "out")}, "stages": ["fuzzy_dedup"]}
+    stats = run_pipeline(build_config(raw), log=lambda s: None)["stages"][-1]
+    assert (stats["candidate_pairs"], stats["dropped"]) == (2, {"near duplicate": 2})
+
+
 @pytest.mark.parametrize("max_bucket_pairs, candidates", [(64, 10), (4, 7)])
 def test_max_bucket_pairs_reaches_the_buckets(tmp_path, prose, max_bucket_pairs, candidates):
     """Five copies of a text share every band's bucket: all 10 pairs are candidates, or, past

@@ -27,6 +27,7 @@ from data_pipeline.curate.checks import within
 from data_pipeline.curate.clean import repair_unicode
 from data_pipeline.curate.exact_dedup import save_array
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
+from data_pipeline.curate.text_forms import composed
 from data_pipeline.paths import listed_twice, written_whole
 from data_pipeline.sources import BadRecord, check_compression, iter_lines, record_texts
 
@@ -187,14 +188,6 @@ def _classify(cps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         word[astral] = np.array([_is_word_char(ch) for ch in chars])[inverse]
         low[astral] = np.array([_lower(ch) for ch in chars], dtype=np.uint64)[inverse]
     return word, low
-
-
-def composed(text: str) -> str:
-    """``text`` in NFC, the form its words are compared in: a decomposed "é" (a letter and a combining
-    mark) would hash unlike the task's precomposed one (the clean stage composes; a task file or an
-    uncleaned corpus may not). Most text already is NFC, which the check
-    finds without copying."""
-    return text if unicodedata.is_normalized("NFC", text) else unicodedata.normalize("NFC", text)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

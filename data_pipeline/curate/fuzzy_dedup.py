@@ -28,7 +28,7 @@ import numpy as np
 from data_pipeline.curate import partitioned
 from data_pipeline.curate.checks import within
 from data_pipeline.curate.exact_dedup import ROW_BITS, load_keyed, save_array, save_drops, save_keyed
-from data_pipeline.curate.minhash import MinHasher, jaccard, parameter_problems
+from data_pipeline.curate.minhash import MinHasher, banding_problems, jaccard, parameter_problems
 from data_pipeline.curate.shards import atomic_write_text, read_shard
 
 BATCH = 256  # documents hashed together: large enough to amortise numpy's per-call cost
@@ -49,9 +49,10 @@ class FuzzyDedupConfig:
     def problems(self) -> list[str]:
         """Out-of-range options: the MinHash parameters' own rules, and a threshold that is a Jaccard
         similarity (above 1 nothing would be removed, below 0 every candidate pair would)."""
-        return (parameter_problems(self.num_perm, self.ngram, self.bands, self.rows, self.seed)
-                + within("fuzzy_dedup.threshold", self.threshold, 0, 1,
-                         "it is the exact Jaccard similarity at which a candidate pair counts as near duplicates")
+        problems = parameter_problems(self.num_perm, self.ngram, self.bands, self.rows, self.seed)
+        return (problems + within("fuzzy_dedup.threshold", self.threshold, 0, 1,
+                                  "it is the exact Jaccard similarity at which a candidate pair counts as near duplicates")
+                + ([] if problems else banding_problems(self.threshold, self.num_perm, self.bands, self.rows))
                 + within("fuzzy_dedup.max_bucket_pairs", self.max_bucket_pairs, 1)
                 + within("fuzzy_dedup.partitions", self.partitions, 0, meaning="0 gives one per shard"))
 
@@ -94,7 +95,7 @@ def bucket_partition(prefixes: list[str], part: int, parts: int, out_path: str, 
     pairs = [np.stack([gids[starts[sizes == 2]], gids[starts[sizes == 2] + 1]], axis=1)]
     for s, size in zip(starts[sizes > 2], sizes[sizes > 2]):
         pairs.append(_bucket_pairs(gids[s:s + size], max_bucket_pairs))
-    pairs = np.unique(np.concatenate(pairs), axis=0) if len(pairs) > 1 else pairs[0]
+    pairs = np.unique(np.concatenate(pairs), axis=0)  # a pair that shares several bands, once
     pairs = pairs.astype(np.int64).reshape(-1, 2)
     partitioned.save(out_path, _pair_partition(pairs, parts), [pairs[:, 0], pairs[:, 1]], parts)
     return {"buckets": int((sizes >= 2).sum()), "candidate_pairs": len(pairs)}

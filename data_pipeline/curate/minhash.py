@@ -23,24 +23,60 @@ from __future__ import annotations
 import numpy as np
 
 from data_pipeline.curate.checks import within
+from data_pipeline.curate.text_forms import composed
 
 CHUNK = 4096  # shingles per (permutations x shingles) block: about 4 MB of uint32
 # Beyond this many permutations the Jaccard estimate barely improves (its error falls as one over the
 # square root), while each costs every worker CHUNK x 4 bytes of hashing block: 128 MiB at this bound.
 MAX_PERMUTATIONS = 8192
+MAX_NGRAM = 64
+"""Longest character shingle: each text is hashed once per character of it, and at 2,000 a batch took
+a second (at 100,000 the stage ran on for minutes, printing nothing); near-duplicate search uses 3-9."""
 
 
 def parameter_problems(num_perm: int, ngram: int, bands: int, rows: int, seed: int) -> list[str]:
     """What makes these MinHash parameters unusable, as sentences naming the ``fuzzy_dedup`` fields."""
     problems = within("fuzzy_dedup.num_perm", num_perm, 1, MAX_PERMUTATIONS,
                       f"more permutations refine the estimate little and cost each worker {CHUNK * 4} bytes apiece")
-    for name, value in (("ngram", ngram), ("bands", bands), ("rows", rows)):
+    problems += within("fuzzy_dedup.ngram", ngram, 1, MAX_NGRAM, "characters a shingle holds")
+    for name, value in (("bands", bands), ("rows", rows)):
         problems += within(f"fuzzy_dedup.{name}", value, 1)
     problems += within("fuzzy_dedup.seed", seed, 0)  # numpy's generators take no negative seed
     if not problems and bands * rows > num_perm:
         problems.append(f"fuzzy_dedup.bands: bands x rows ({bands} x {rows}) needs at most num_perm ({num_perm}) "
                         "permutations; lower fuzzy_dedup.bands or fuzzy_dedup.rows or raise fuzzy_dedup.num_perm")
     return problems
+
+
+def candidate_probability(similarity: float, bands: int, rows: int) -> float:
+    """The chance LSH makes a pair at Jaccard ``similarity`` a candidate: some band's rows all agree."""
+    return 1 - (1 - similarity**rows) ** bands
+
+
+MIN_THRESHOLD_RECALL = 0.5
+"""Least chance the banding gives a pair at the threshold of being compared at all: 20 x 13 gives 0.68
+at its 0.8; left at 20 x 13, a threshold of 0.7 compared 18% of the pairs there, without a word."""
+
+
+def banding_for(threshold: float, num_perm: int) -> tuple[int, int]:
+    """(bands, rows) within ``num_perm`` permutations that compare at least ``MIN_THRESHOLD_RECALL`` of
+    the pairs at ``threshold`` and whose S-curve turns nearest it: the midpoint (1/bands)^(1/rows) (20
+    x 13 in 260 turns at 0.79). A single row always qualifies."""
+    options = [(num_perm // rows, rows) for rows in range(1, num_perm + 1)
+               if candidate_probability(threshold, num_perm // rows, rows) >= MIN_THRESHOLD_RECALL]
+    return min(options or [(num_perm, 1)], key=lambda br: abs((1 / br[0]) ** (1 / br[1]) - threshold))
+
+
+def banding_problems(threshold: float, num_perm: int, bands: int, rows: int) -> list[str]:
+    """The banding refused for a threshold it would compare too few pairs at, naming one that fits."""
+    if not 0 < threshold <= 1 or candidate_probability(threshold, bands, rows) >= MIN_THRESHOLD_RECALL:
+        return []
+    fit_bands, fit_rows = banding_for(threshold, num_perm)
+    return [f"fuzzy_dedup.threshold: {threshold:g} with bands {bands} x rows {rows} compares only "
+            f"{candidate_probability(threshold, bands, rows):.0%} of the pairs at that similarity (the banding "
+            f"turns at {(1 / bands) ** (1 / rows):.2f}); set --fuzzy_dedup.bands {fit_bands} --fuzzy_dedup.rows "
+            f"{fit_rows} ({candidate_probability(threshold, fit_bands, fit_rows):.0%}) or another banding "
+            "that turns near the threshold"]
 
 
 class MinHasher:
@@ -59,6 +95,7 @@ class MinHasher:
     def shingles(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Each text's sorted unique shingle hashes (uint32), concatenated, and offsets (len(texts) + 1)."""
         n = self.ngram
+        texts = [composed(t) for t in texts]  # one form of each accented letter (text_forms)
         texts = [t if len(t) >= n else t + "\0" * (n - len(t)) for t in texts]
         lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
         if not len(texts):
