@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -191,7 +192,11 @@ class RunDirLock:
             self._thread.join()
             self._thread = None
             if self.holder() == self.record:
-                self.path.unlink(missing_ok=True)
+                try:
+                    self.path.unlink(missing_ok=True)
+                except OSError as exc:  # a folder turned read-only: the run's own error, not this, is the news
+                    print(f"megazero: warning: could not remove the run lock {self.path} ({exc.strerror}); the next "
+                          "launch takes it over, as its holder has ended", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "RunDirLock":
         return self.acquire()

@@ -43,6 +43,10 @@ from models import kernels
 from parallel import comm
 
 WALL_CLOCK = "the wall-clock limit (train.max_wall_seconds)"
+RANK_FILES_ALLOWANCE = 2**20
+"""Bytes a rank's checkpoint holds beyond its master and moments: file headers, the manifests, the
+random and data state, file-system blocks. Without it a disk with room for just the tensors passed
+the start-up probe, and every relaunch trained up to the first save and failed there."""
 
 
 @dataclass
@@ -184,9 +188,11 @@ class Trainer:
     # --- resume and save ---------------------------------------------------------------------
     def _check_save_dir(self) -> None:
         """Probe the checkpoint directory for writing and for room for one checkpoint (the fp32 master
-        and two Adam moments of every rank's shard) before the first step, not at the first save.
-        Rank 0 probes the shared directory; every rank raises the same error."""
-        shard_bytes = torch.tensor([12.0 * self.engine.optimizer.master.numel()], device=self.device)
+        and two Adam moments of every rank's shard, and ``RANK_FILES_ALLOWANCE`` for the rest of its
+        files) before the first step, not at the first save. Rank 0 probes the shared directory; every
+        rank raises the same error."""
+        shard_bytes = torch.tensor([12.0 * self.engine.optimizer.master.numel() + RANK_FILES_ALLOWANCE],
+                                   device=self.device)
         comm.all_reduce(shard_bytes, dist.group.WORLD)
         problem = [None]
         if self.rank == 0:
@@ -329,15 +335,13 @@ class Trainer:
                 if stopping or (not in_flight and self._done()):
                     break
             self.profiler.close()  # before the exit save, which is not part of any step
-            if preempted:
-                self.state.stopped_by = self._agreed_signal(preemption.signal_name)
-            elif late and not self._done():  # steps left: stopped, not finished (a scheduler requeues on 75)
-                self.state.stopped_by = WALL_CLOCK
-            if (preempted or late) and self.rank == 0:
-                why = self.state.stopped_by or WALL_CLOCK
+            why = self._agreed_signal(preemption.signal_name) if preempted else WALL_CLOCK if late else None
+            if not self._done():  # steps left: stopped, not finished (a scheduler requeues on 75)
+                self.state.stopped_by = why
+            if why and self.rank == 0:
                 print(f"megazero: stopping at step {self.state.step} for {why}; saving", flush=True)
             saved = self.state.saved_to is not None and self.saved_step == self.state.step
-            if (self.cfg.checkpoint.save_on_exit or self.state.stopped_by or late) and not saved:
+            if (self.cfg.checkpoint.save_on_exit or why) and not saved:
                 self.save()
             self.writer.wait()
         return self.state

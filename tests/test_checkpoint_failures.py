@@ -291,3 +291,15 @@ def test_a_directory_cut_before_its_rename_or_while_retired_is_never_a_checkpoin
     assert latest_checkpoint(tmp_path) == tmp_path / "step_0000002"
     assert torch.equal(load_file(tmp_path / "step_0000002", "rank0.pt")["w"], torch.full((4,), 2.0))
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.old"))
+
+
+def test_a_checkpoint_counts_as_committed_once_the_pointer_names_it(tmp_path, monkeypatch):
+    """What a second Ctrl-C says it loses reads ``committed_step``: it was set only as the save's wait
+    returned, after the older checkpoints were pruned, so a stop in between claimed a step lost that
+    was complete and named by ``latest``. It is set before the pruning starts."""
+    seen = []
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, keep_last=1)
+    monkeypatch.setattr(writer, "_prune", lambda step: seen.append((step, writer.committed_step)))
+    writer.save(5, {"m.pt": {"w": torch.ones(1)}})
+    writer.wait()
+    assert seen == [(5, 5)]

@@ -336,3 +336,16 @@ def test_a_stale_lock_in_a_directory_that_cannot_be_written_is_one_user_error(tm
     with pytest.raises(UserError, match="cannot write the run directory .Permission denied.; set logging.run_dir"):
         RunDirLock(tmp_path).acquire()
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]  # the record written for the rename is gone
+
+
+def test_a_lock_that_cannot_be_removed_is_one_warning_not_an_error(tmp_path, monkeypatch, capsys):
+    """A save folder turned read-only under a run: the save's own one-line error is the news, and the
+    lock's removal at the end (in a ``finally``) replaced it with a traceback. It is a warning."""
+    from pathlib import Path
+
+    def read_only(self, missing_ok=False):
+        raise OSError(30, "Read-only file system")
+    with RunDirLock(tmp_path):
+        monkeypatch.setattr(Path, "unlink", read_only)
+    assert "could not remove the run lock" in capsys.readouterr().err
+    assert (tmp_path / LOCK_FILE).exists()  # left for the next launch, which finds its pid gone

@@ -182,6 +182,18 @@ def test_a_stop_signal_saves_its_step_even_with_the_exit_save_off(prefix, tmp_pa
     assert f"preempted at step 2 by SIGTERM, saved to {run / 'checkpoints' / 'step_0000002'}" in capsys.readouterr().out
 
 
+def test_a_stop_signal_in_the_last_step_is_a_finished_run(prefix, tmp_path, monkeypatch, capsys):
+    """SIGTERM while the last of 3 steps is queued: the run has no steps left, so it is finished (status
+    0, its checkpoint saved), not preempted with status 75, which a scheduler would requeue only for the
+    relaunch to say there is nothing left to train."""
+    _record_steps(monkeypatch, lambda n: n == 3 and os.kill(os.getpid(), signal.SIGTERM))
+    run = tmp_path / "run"
+    assert main(["train", *_overrides(prefix, run, 3, "--checkpoint.save_on_exit", "false")]) == 0
+    assert step_dirs(run / "checkpoints") == ["step_0000003"]
+    out = capsys.readouterr().out
+    assert "stopping at step 3 for SIGTERM; saving" in out and "preempted at step" not in out, out
+
+
 def _signal_to_rank1(rank, world_size, prefix, root):
     """Two data-parallel ranks; only rank 1 receives SIGUSR1, while its step 3 is queued."""
     import torch.distributed as dist
@@ -219,9 +231,11 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(prefix, tmp_path
 
 def test_the_room_asked_for_one_checkpoint_is_12_bytes_a_parameter(prefix, tmp_path, monkeypatch, capsys, two_stages):
     """A checkpoint holds the fp32 master weights and Adam's two moments: 12 bytes a parameter (a
-    little more for the shard's padding). A directory with one byte less than 12 a parameter is
-    refused before the first step; one with 13 a parameter trains. Sharded over ranks, the room is
-    still the whole checkpoint's, every rank's shard (planted: rank 0's shard alone)."""
+    little more for the shard's padding), and its other files (``RANK_FILES_ALLOWANCE`` a rank). A
+    directory with one byte less than that is refused before the first step; one with 13 a parameter
+    more trains. Sharded over ranks, the room is still the whole checkpoint's, every rank's shard
+    (planted: rank 0's shard alone)."""
+    from megazero.trainer import RANK_FILES_ALLOWANCE
     import shutil
 
     from megazero.config import load_config, resolve_config
@@ -231,7 +245,7 @@ def test_the_room_asked_for_one_checkpoint_is_12_bytes_a_parameter(prefix, tmp_p
     cfg = resolve_config(load_config(None, argv), 1)
     params = sum(p.numel() for p in GPT(cfg.model, device="meta").parameters())
     usage = shutil.disk_usage
-    for free, code in ((12 * params - 1, 2), (13 * params, 0)):
+    for free, code in ((12 * params + RANK_FILES_ALLOWANCE - 1, 2), (13 * params + RANK_FILES_ALLOWANCE, 0)):
         monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=free))
         assert main(["train", *argv]) == code, capsys.readouterr().err
     assert "a checkpoint needs about" in capsys.readouterr().err

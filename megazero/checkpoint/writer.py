@@ -223,6 +223,7 @@ class CheckpointWriter:
             if old.exists():
                 os.replace(old, final)
             raise
+        self.committed_step = step  # complete on disk, and named by the pointer: what a second Ctrl-C keeps
         shutil.rmtree(old, ignore_errors=True)
         try:
             self._prune(step)
