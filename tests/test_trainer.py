@@ -372,7 +372,7 @@ def test_a_stop_just_after_a_periodic_save_does_not_save_the_step_again(layouts)
 def test_a_checkpoint_directory_without_room_is_refused_before_the_first_step(layouts):
     """A small model's checkpoint is sized in KiB, not rounded to "0.0 GiB". Every rank raises rank 0's
     line, so it is marked for rank 0 alone to print."""
-    assert re.search(r"checkpoints: 1 B free, a checkpoint needs about \d+\.\d KiB; free space or set "
+    assert re.search(r"checkpoints: 1 B free, a checkpoint needs about \d+\.\d [KM]iB; free space or set "
                      r"checkpoint.save_dir", layouts["no_room"] or ""), layouts["no_room"]
     assert layouts["no_room_agreed"]
 
