@@ -23,7 +23,7 @@ from megazero.checkpoint.format import HashingWriter
 from tests.test_checkpoint_io import save_rank_files
 
 BIG = 1 << 18  # float32 elements: a 1 MiB tensor
-NO_SPACE = "no space left on device: free space or lower checkpoint.keep_last"
+NO_SPACE = "no space left on device: free space, or lower checkpoint.keep_last where older checkpoints take it"
 DISCARDED = "the partial checkpoint was removed and the previous one, if any, is still the latest"
 
 
@@ -73,7 +73,8 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_removes_the_partial_save(t
 
 @pytest.mark.parametrize("error, words", [
     (errno.ENOSPC, NO_SPACE),
-    (errno.EDQUOT, "disk quota exceeded: free space in the quota or lower checkpoint.keep_last"),
+    (errno.EDQUOT, "disk quota exceeded: free space in the quota, or lower checkpoint.keep_last where older "
+                   "checkpoints take it"),
     (errno.EACCES, "permission denied: make the directory writable or set checkpoint.save_dir to another one"),
     (errno.EROFS, "read-only file system: set checkpoint.save_dir to a writable directory"),
     (errno.ENAMETOOLONG, "injected failure"),  # no words of our own: the system's

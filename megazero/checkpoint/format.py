@@ -58,8 +58,9 @@ class CheckpointError(UserError):
 
 NOT_WRITABLE = "make the directory writable or set checkpoint.save_dir to another one"
 OS_ERROR_WORDS = {
-    errno.ENOSPC: "no space left on device: free space or lower checkpoint.keep_last",
-    errno.EDQUOT: "disk quota exceeded: free space in the quota or lower checkpoint.keep_last",
+    errno.ENOSPC: "no space left on device: free space, or lower checkpoint.keep_last where older checkpoints take it",
+    errno.EDQUOT: "disk quota exceeded: free space in the quota, or lower checkpoint.keep_last where older "
+                  "checkpoints take it",
     errno.EROFS: "read-only file system: set checkpoint.save_dir to a writable directory",
     errno.EACCES: f"permission denied: {NOT_WRITABLE}",
     errno.EPERM: f"operation not permitted: {NOT_WRITABLE}",
