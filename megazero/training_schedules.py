@@ -111,6 +111,10 @@ class BatchSchedule:
             nominal = range(self.start // self.unit * self.unit, self.full, self.unit)
         return sorted({max(self.unit, n // self.unit * self.unit) for n in nominal} | {self.full})
 
+    def micro_batch_counts(self) -> list[int]:
+        """Micro-batches a data-parallel rank accumulates in a step of each of ``sizes``, fewest first."""
+        return [size // self.unit for size in self.sizes()]
+
 
 def build_batch_schedule(schedule: ScheduleConfig, train: TrainConfig, dp: int) -> BatchSchedule:
     """The run's batch schedule for ``dp`` data-parallel ranks; rejects a ramp that cannot work."""

@@ -29,7 +29,8 @@ from parallel.data_parallel import STAGES
 from parallel.launch import DEVICES
 from parallel.tensor_parallel.overlap import MODES as TP_COMM_MODES
 from parallel.pipeline.partition import split_problem
-from parallel.pipeline.schedule import INTERLEAVED, TRAINING_SCHEDULES, default_schedule, schedule_problem
+from parallel.pipeline.schedule import (INTERLEAVED, TRAINING_SCHEDULES, default_schedule, forwards_first,
+                                        schedule_problem)
 from parallel.topology import ORDERS
 
 CHOICES = {
@@ -233,9 +234,8 @@ def _all_forwards_first(cfg: Config) -> list[str]:
     name = default_schedule(p.pp, p.virtual_stages) if p.pipeline_schedule == "auto" else p.pipeline_schedule
     if p.pp < 2 or name not in INTERLEAVED or not p.dp or t.global_batch_size % (t.micro_batch_size * p.dp):
         return []
-    batches = build_batch_schedule(cfg.schedule, t, p.dp)
-    counts = [size // batches.unit for size in batches.sizes()]
-    ahead = [m for m in counts if m % p.pp or m == p.pp]
+    counts = build_batch_schedule(cfg.schedule, t, p.dp).micro_batch_counts()
+    ahead = [m for m in counts if forwards_first(p.pp, m)]
     bound = f"a multiple of parallel.pp {p.pp} above {p.pp}"
     if counts[-1] in ahead:
         return [f"{name} runs every forward of a step first at {counts[-1]} micro-batches a pipeline (train."

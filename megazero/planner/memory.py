@@ -186,8 +186,7 @@ def micro_batch_counts(cfg: Config) -> list[int]:
     the count is not a multiple of pp (``interleaved_warmup``), so a ramp's step can hold more."""
     if cfg.schedule.rampup_start_batch is None:
         return [micro_batches(cfg)]
-    batches = build_batch_schedule(cfg.schedule, cfg.train, cfg.parallel.dp)
-    return [size // batches.unit for size in reversed(batches.sizes())]
+    return build_batch_schedule(cfg.schedule, cfg.train, cfg.parallel.dp).micro_batch_counts()[::-1]
 
 
 def _zero_states(cfg: Config, pp_rank: int) -> ModelStateBytes:

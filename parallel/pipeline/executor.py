@@ -188,7 +188,7 @@ class PipelineExecutor:
         schedule = self.schedule if keep_graph else "forward_only"
         m = len(microbatches)
         ops, plan = plan_for(schedule, self.pp, self.rank, m, self.v, self._costs_for(m), self.placement)
-        run = _StepRun(self, microbatches, 1.0 / len(microbatches), keep_graph, ops)
+        run = _StepRun(self, microbatches, 1.0 / m, keep_graph, ops)
         with torch.set_grad_enabled(keep_graph):
             for step in plan:
                 if step.op is None:

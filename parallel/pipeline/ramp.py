@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from parallel.pipeline.placement import V_SHAPED
-from parallel.pipeline.schedule import INTERLEAVED
+from parallel.pipeline.schedule import INTERLEAVED, forwards_first
 
 
 def fullest_counts(schedule: str, pp: int, v: int, counts: Sequence[int]) -> list[int]:
@@ -28,5 +28,5 @@ def fullest_counts(schedule: str, pp: int, v: int, counts: Sequence[int]) -> lis
         return sorted(set(counts), reverse=True)
     kept = {largest}
     if schedule in INTERLEAVED:
-        kept.add(max((c for c in counts if c % pp or c == pp), default=largest))
+        kept.add(max((c for c in counts if forwards_first(pp, c)), default=largest))
     return sorted(kept, reverse=True)

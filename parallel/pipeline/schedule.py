@@ -224,7 +224,13 @@ def interleaved_warmup(pp: int, rank: int, m: int, v: int) -> int:
     as GPipe does. Choose m as a multiple of pp to keep the 1F1B memory bound.
     """
     total = m * v
-    return total if m == pp or m % pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    return total if forwards_first(pp, m) else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+
+
+def forwards_first(pp: int, m: int) -> bool:
+    """Whether an interleaved schedule of ``m`` micro-batches runs every forward first
+    (``interleaved_warmup``): ``m`` is pp, or not a multiple of it."""
+    return m == pp or m % pp != 0
 
 
 _BUILDERS: dict[str, Callable[..., list[Op]]] = {
