@@ -148,7 +148,8 @@ class Trainer:
         self._evaluated = False  # whether an evaluation ran (compiled its forward-only blocks)
         self.writer = CheckpointWriter(cfg.save_dir, rank=self.rank, world_size=self.world,
                                        barrier=lambda: dist.barrier(), keep_last=cfg.checkpoint.keep_last,
-                                       async_save=cfg.checkpoint.async_save and device.type == "cuda")
+                                       async_save=cfg.checkpoint.async_save and device.type == "cuda",
+                                       gather=None if self.world == 1 else self._gather)
         self._check_save_dir()
         self._resume(ckpt, manifest, source)
         self._log_memory()
@@ -372,9 +373,13 @@ class Trainer:
 
     def _agreed_signal(self, mine: Optional[str]) -> str:
         """The name of a signal some rank received (the lowest such rank's), the same on every rank."""
-        names = [None] * self.world
-        dist.all_gather_object(names, mine, group=self._control)
-        return next(name for name in names if name is not None)
+        return next(name for name in self._gather(mine) if name is not None)
+
+    def _gather(self, mine) -> list:
+        """Every rank's ``mine``, in rank order (host to host, on the control group)."""
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self._control)
+        return everyone
 
     def _queue_step(self) -> _QueuedStep:
         """Queue the next global batch's forward, backward and update on the device, without reading

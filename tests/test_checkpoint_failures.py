@@ -71,6 +71,20 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_removes_the_partial_save(t
     assert latest_checkpoint(tmp_path).name == "step_0000002"
 
 
+@pytest.mark.parametrize("failing", [0, 1, 2])
+def test_ranks_that_gather_all_raise_the_failing_ranks_words_once(tmp_path, monkeypatch, failing):
+    """Given a gather (the trainer's ranks have one), every rank raises the failing rank's own line,
+    marked agreed, so a launch prints the cause once instead of one line a rank."""
+    monkeypatch.setattr(HashingWriter, "write", failing_write(errno.ENOSPC, 1 << 20))
+    files = [small(r, 1.0) for r in range(3)]
+    files[failing] = {f"rank{failing}.pt": {"w": torch.zeros(BIG)}}
+    errors = save_rank_files(tmp_path, 1, files, gathers=True)
+    expected = f"{tmp_path / 'step_0000001.tmp'}: rank {failing} could not write its checkpoint files: {NO_SPACE}; {DISCARDED}"
+    assert [str(e) for e in errors] == [expected] * 3
+    assert all(isinstance(e, CheckpointError) and e.agreed for e in errors)
+    assert not list(tmp_path.glob("step_*"))
+
+
 @pytest.mark.parametrize("error, words", [
     (errno.ENOSPC, NO_SPACE),
     (errno.EDQUOT, "disk quota exceeded: free space in the quota, or lower checkpoint.keep_last where older "

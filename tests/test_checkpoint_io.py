@@ -50,16 +50,26 @@ def save_on_threads(root: Path, world: int, step: int, async_save: bool, names=N
 
 
 def save_rank_files(root: Path, step: int, files_by_rank: list[dict], async_save: bool = False, keep_last: int = 3,
-                    meta=None) -> list:
+                    meta=None, gathers: bool = False) -> list:
     """Save ``step`` with one thread per rank writing its ``files_by_rank`` entry; returns each rank's
-    exception or None. The barrier times out rather than hangs when a rank is left waiting."""
+    exception or None. The barrier times out rather than hangs when a rank is left waiting;
+    ``gathers`` gives the writers a gather across the threads, as the trainer gives its ranks one."""
     world = len(files_by_rank)
     barrier = threading.Barrier(world, timeout=30)
     errors: list = [None] * world
+    slots: list = [None] * world
+
+    def gather(rank: int, value) -> list:
+        slots[rank] = value
+        barrier.wait()
+        everyone = list(slots)
+        barrier.wait()  # all have read before any writes the next round
+        return everyone
 
     def rank_main(rank: int) -> None:
         writer = CheckpointWriter(root, rank=rank, world_size=world, barrier=barrier.wait,
-                                  keep_last=keep_last, async_save=async_save)
+                                  keep_last=keep_last, async_save=async_save,
+                                  gather=(lambda value: gather(rank, value)) if gathers else None)
         try:
             writer.save(step, files_by_rank[rank], meta=meta)
             writer.wait()

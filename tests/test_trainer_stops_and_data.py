@@ -194,19 +194,25 @@ def test_a_stop_signal_in_the_last_step_is_a_finished_run(prefix, tmp_path, monk
     assert "stopping at step 3 for SIGTERM; saving" in out and "preempted at step" not in out, out
 
 
-def _signal_to_rank1(rank, world_size, prefix, root):
-    """Two data-parallel ranks; only rank 1 receives SIGUSR1, while its step 3 is queued."""
+def _two_data_parallel_ranks(rank, world_size, prefix, root):
+    """Two data-parallel ranks. First only rank 1 receives SIGUSR1, while its step 3 is queued; then
+    only rank 1's disk is full when the run saves (its checkpoint writes fail with ENOSPC)."""
+    import errno
+
     import torch.distributed as dist
 
+    from megazero.checkpoint import CheckpointError
+    from megazero.checkpoint.format import HashingWriter
     from megazero.config import load_config, resolve_config
     from megazero.startup import initialize
     from megazero.trainer import Trainer
     from parallel.launch import LaunchEnv
 
-    cfg = resolve_config(load_config(None, _overrides(prefix, f"{root}/run", 10, "--checkpoint.save_on_exit",
-                                                      "false")), world_size)
-    device, topology = initialize(cfg, LaunchEnv(rank, world_size, rank, world_size))
-    trainer = Trainer(cfg, device, topology)
+    def trainer_for(run: str, *extra: str) -> Trainer:
+        cfg = resolve_config(load_config(None, _overrides(prefix, f"{root}/{run}", 10, *extra)), world_size)
+        return Trainer(cfg, *initialize(cfg, LaunchEnv(rank, world_size, rank, world_size)))
+
+    trainer = trainer_for("run", "--checkpoint.save_on_exit", "false")
     train_step = trainer.engine.train_step
 
     def step(microbatches, lr):
@@ -216,17 +222,48 @@ def _signal_to_rank1(rank, world_size, prefix, root):
     trainer.engine.train_step = step
     state = trainer.train()
     dist.barrier()
-    return state.step, state.stopped_by, state.saved_to
+    signalled = (state.step, state.stopped_by, state.saved_to)
+
+    trainer = trainer_for("full-disk", "--checkpoint.save_interval", "2")
+    if rank == 1:
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        HashingWriter.write = write
+    try:
+        trainer.train()
+        failed = None
+    except CheckpointError as exc:
+        failed = (str(exc), exc.agreed)
+    dist.barrier()
+    return signalled, failed
 
 
-def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(prefix, tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(prefix, tmp_path_factory):
+    root = tmp_path_factory.mktemp("two-ranks")
+    return root, run_world(2, _two_data_parallel_ranks, prefix, str(root), timeout=240)
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(two_ranks):
     """The ranks agree on stopping before each step is queued: rank 1's signal, seen after step 3 is
     queued, stops both ranks after step 3, both name it, and the save of step 3 holds both ranks."""
-    results = run_world(2, _signal_to_rank1, prefix, str(tmp_path), timeout=240)
-    saved = str(tmp_path / "run" / "checkpoints" / "step_0000003")
-    assert results == [(3, "SIGUSR1", saved), (3, "SIGUSR1", saved)], results
+    root, results = two_ranks
+    saved = str(root / "run" / "checkpoints" / "step_0000003")
+    assert [signalled for signalled, _ in results] == [(3, "SIGUSR1", saved), (3, "SIGUSR1", saved)], results
     files = verify_checkpoint(saved)["files"]
     assert {entry["rank"] for entry in files.values()} == {0, 1}, files
+
+
+def test_a_save_failing_on_one_rank_is_one_agreed_line_with_that_ranks_reason(two_ranks):
+    """Both ranks raise rank 1's own words (the full disk), marked agreed, so the launch prints it once
+    (rank 0 had said only that rank 1 did not finish; rank 1 the reason; the launch printed both)."""
+    root, results = two_ranks
+    tmp = root / "full-disk" / "checkpoints" / "step_0000002.tmp"
+    line = (f"{tmp}: rank 1 could not write its checkpoint files: no space left on device: free space, or lower "
+            "checkpoint.keep_last where older checkpoints take it; the partial checkpoint was removed and the "
+            "previous one, if any, is still the latest")
+    assert [failed for _, failed in results] == [(line, True), (line, True)], results
+    assert not (root / "full-disk" / "checkpoints").exists() or not step_dirs(root / "full-disk" / "checkpoints")
 
 
 def test_the_room_asked_for_one_checkpoint_is_12_bytes_a_parameter(prefix, tmp_path, monkeypatch, capsys, two_stages):

@@ -13,14 +13,15 @@ Protocol (every rank calls ``save`` for the same step, at the same point of the 
 
 A save that fails anywhere (a full disk, a read-only mount, lost permissions) fails on every rank
 with one ``CheckpointError`` naming the directory and the rank, and the reason in words on the rank
-it happened to; the partial directory is removed (a full disk is not left fuller) and the previous
+it happened to; given ``gather`` (every rank's value, in rank order), every rank raises that rank's
+own words, marked agreed, so a launch prints the cause once, not a line a rank; the partial directory is removed (a full disk is not left fuller) and the previous
 complete checkpoint stays the latest (a ``latest`` that cannot be replaced undoes the rename). Every
 rank still passes every barrier, so none is left waiting. Only removing older checkpoints may fail
 after the commit: that is a warning, since the new checkpoint is complete.
 
-The ranks must share a filesystem: rank 0 renames a directory the others wrote into. The barrier is
-injected (``lambda: dist.barrier(group)`` in the trainer, ``threading.Barrier(n).wait`` in tests) so
-this module needs no process group; it is only ever called from the thread that calls ``save`` and
+The ranks must share a filesystem: rank 0 renames a directory the others wrote into. The barrier and
+the gather are injected (``dist.barrier`` and ``dist.all_gather_object`` in the trainer, a
+``threading.Barrier`` in tests) so this module needs no process group; it is only ever called from the thread that calls ``save`` and
 ``wait``, so it never races the training loop's own collectives.
 
 Asynchronous saves copy every tensor to CPU (pinned memory when CUDA is present) before ``save``
@@ -78,6 +79,10 @@ def _check_name(name: str) -> None:
                          "or manifest.*")
 
 
+class _UnfinishedRank(CheckpointError):
+    """Rank 0 found another rank's files unfinished: that rank's own error gives the cause."""
+
+
 def _reason(e: Exception) -> str:
     return os_error_words(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
 
@@ -86,11 +91,11 @@ class CheckpointWriter:
     """Writes this rank's part of each checkpoint under ``root`` and, on rank 0, commits it."""
 
     def __init__(self, root: str | os.PathLike, *, rank: int, world_size: int, barrier: Callable[[], None],
-                 keep_last: int = 3, async_save: bool = False):
+                 keep_last: int = 3, async_save: bool = False, gather: Optional[Callable[[Any], list]] = None):
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         self.root = Path(root)
-        self.rank, self.world_size, self.barrier = rank, world_size, barrier
+        self.rank, self.world_size, self.barrier, self.gather = rank, world_size, barrier, gather
         self.keep_last, self.async_save = keep_last, async_save
         self._pending: Optional[tuple[int, Optional[dict], threading.Thread, list]] = None
         self.committed_step: Optional[int] = None  # the newest step this writer completed on disk
@@ -147,18 +152,25 @@ class CheckpointWriter:
             thread.join()
         self.barrier()  # every rank has written its files, or failed to
         tmp = self._tmp(step)
+        points_elsewhere = False  # rank 0's error only says another rank failed, which says why itself
         if self.rank == 0:
             if not errors:
                 try:
                     self._commit(step, meta)
                 except CheckpointError as e:  # a rank's files are missing, or two ranks wrote one name
                     errors.append(CheckpointError(f"{e}; {DISCARDED}"))
+                    points_elsewhere = isinstance(e, _UnfinishedRank)
                 except Exception as e:  # noqa: BLE001 - re-raised after the barrier, so no rank is left waiting
                     errors.append(CheckpointError(f"{tmp}: rank 0 could not complete this checkpoint: "
                                                   f"{_reason(e)}; {DISCARDED}"))
             if errors:
                 shutil.rmtree(tmp, ignore_errors=True)
         self.barrier()
+        if self.gather is not None:
+            told = [e for e in self.gather((str(errors[0]), points_elsewhere) if errors else None) if e is not None]
+            if told:  # every rank raises the first cause found on its own rank
+                raise CheckpointError(next((text for text, elsewhere in told if not elsewhere), told[0][0]),
+                                      agreed=True)
         if errors:
             raise errors[0]
         final = self.root / step_dir_name(step)
@@ -198,7 +210,7 @@ class CheckpointWriter:
         files: dict[str, dict] = {}
         for rank in range(self.world_size):
             if not (tmp / rank_manifest_name(rank)).is_file():
-                raise CheckpointError(f"{tmp}: rank {rank} did not finish writing its checkpoint files (its own "
+                raise _UnfinishedRank(f"{tmp}: rank {rank} did not finish writing its checkpoint files (its own "
                                       "error says why)")
             record = read_json(tmp / rank_manifest_name(rank), f"rank {rank}'s manifest")
             for name, entry in record["files"].items():
