@@ -32,15 +32,18 @@ class DataFacts:
     tokenizer_vocab: Optional[int]
 
 
-def check_run(cfg: Config, *, scan_data: bool = True, checkpoint_files: bool = True,
+def check_run(cfg: Config, *, scan_data: bool = True, checkpoint_files: bool = True, locks: bool = True,
               ranks_per_node: Optional[int] = None) -> DataFacts:
     """Raise one ``ConfigError`` listing every problem with the device, its memory, data, tokenizer
     and directories of ``cfg`` (resolved: ``parallel.dp`` set); ``scan_data`` also reads every shard's
     tokens (cached) to check the largest id against the model's vocabulary; ``checkpoint_files``
     looks at every file of the checkpoint to resume (the ranks that report do, one a node, as
     ``--check`` does: every rank looking at every rank's file would load a shared filesystem with
-    world² requests); ``ranks_per_node`` keeps the suggested layout's tensor groups within a node."""
-    problems = _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
+    world² requests); ``locks`` asks whether a live job holds the run or checkpoint directory (rank 0
+    only, which takes the locks: another rank could find them already taken by its own job's rank 0);
+    ``ranks_per_node`` keeps the suggested layout's tensor groups within a node."""
+    busy = _busy_problems(cfg) if locks else []
+    problems = busy + _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
     problems += _memory_problems(cfg, ranks_per_node) + _recompute_problems(cfg)
     prefixes, data_problems = _data_prefixes(cfg)
     problems += data_problems
@@ -52,7 +55,8 @@ def check_run(cfg: Config, *, scan_data: bool = True, checkpoint_files: bool = T
         largest, scan_problems = _largest_token_id(cfg, prefixes, tokenizer)
         problems += scan_problems
     problems += _directory_problems(cfg)
-    problems += checkpoint_problems(cfg, every_file=checkpoint_files)
+    if not busy:  # else the checkpoint is the live job's, and its checks would speak of that job's run
+        problems += checkpoint_problems(cfg, every_file=checkpoint_files)
     problems += _logger_problems(cfg)
     if problems:
         raise ConfigError("\n".join(problems))
@@ -290,6 +294,16 @@ def _largest_token_id(cfg: Config, prefixes: list[str], tokenizer) -> tuple[Opti
                             f"model.vocab_size to at least {found + 1} (or auto with data.tokenizer), or "
                             "preprocess the data with this model's tokenizer")
     return largest, problems
+
+
+def _busy_problems(cfg: Config) -> list[str]:
+    """The run and checkpoint directories must not be held by a live job (``RunDirLock``)."""
+    from megazero.run_lock import RunDirLock
+
+    locks = [RunDirLock(cfg.logging.run_dir)]
+    if os.path.abspath(cfg.save_dir) != os.path.abspath(cfg.logging.run_dir):
+        locks.append(RunDirLock(cfg.save_dir, field="checkpoint.save_dir", what="checkpoint directory"))
+    return [message for message in (lock.busy() for lock in locks) if message]
 
 
 def _directory_problems(cfg: Config) -> list[str]:

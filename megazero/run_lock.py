@@ -132,6 +132,15 @@ class RunDirLock:
             return True
         return age > self.stale_after_s
 
+    def busy(self) -> Optional[str]:
+        """Why this lock cannot be taken now (a live holder's), or None; takes nothing. A launch asks
+        before its other checks: the directory of a live job holds that job's checkpoints and config,
+        which another launch's checks would misread as its own."""
+        if not self.path.exists():
+            return None
+        holder = self.holder()
+        return None if self.is_stale(holder) else self._busy_message(holder)
+
     def acquire(self) -> "RunDirLock":
         text = json.dumps(self.record)
         try:

@@ -131,6 +131,9 @@ def make_files(root: Path) -> dict:
     locked = root / "locked"
     locked.mkdir()
     (locked / "LOCK").write_text(json.dumps({"host": os.uname().nodename, "pid": os.getpid(), "started": time.time()}))
+    live = root / "live"  # a run still training: its checkpoint, and the lock of its live job
+    shutil.copytree(run, live)
+    shutil.copy(locked / "LOCK", live / "LOCK")
     (root / "afile").write_text("x")
     (root / "emptydir").mkdir()
     (root / "dup.yaml").write_text("train:\n  seed: 3\nmodel:\n  num_layers: 2\ntrain:\n  train_steps: 5\n")
@@ -139,4 +142,4 @@ def make_files(root: Path) -> dict:
             "rewritten": rewritten, "recorded_big": recorded_big, "truncated": truncated, "garbage": garbage,
             "only_idx": only_idx, "nodocs": nodocs, "ckpt": str(ckpt), "run": str(run), "flipped": str(flipped),
             "edited": str(edited), "partial": str(nocomplete), "cut": str(cut), "pickled": str(pickled),
-            "locked": str(locked)}
+            "locked": str(locked), "live": str(live)}

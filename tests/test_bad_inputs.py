@@ -154,6 +154,8 @@ CASES = [
      ["checkpoint.save_dir", "afile is a file"]),
     ("run-dir-locked", lambda f: _train(f, "--logging.run_dir", f["locked"]), ["run directory is in use by pid", "logging.run_dir"]),
     # another run directory, but the checkpoints of a live job: both would save into them
+    ("run-dir-live-other-config", lambda f: _train(f, "--logging.run_dir", f["live"], "--model.num_layers", "4"),
+     ["run directory is in use by pid", "logging.run_dir"]),  # not the live run's checkpoint's layers
     ("save-dir-locked", lambda f: _train(f, "--checkpoint.save_dir", f["locked"]),
      ["checkpoint directory is in use by pid", "give this job another checkpoint.save_dir"]),
     # --- checkpoints ----------------------------------------------------------------------------

@@ -349,3 +349,19 @@ def test_a_lock_that_cannot_be_removed_is_one_warning_not_an_error(tmp_path, mon
         monkeypatch.setattr(Path, "unlink", read_only)
     assert "could not remove the run lock" in capsys.readouterr().err
     assert (tmp_path / LOCK_FILE).exists()  # left for the next launch, which finds its pid gone
+
+
+def test_busy_names_a_live_holder_without_taking_the_lock(tmp_path):
+    """What a launch asks before its other checks: a live holder's message; none for no lock or a dead
+    holder's (whose run the relaunch resumes); and the file untouched either way."""
+    assert RunDirLock(tmp_path).busy() is None and not (tmp_path / LOCK_FILE).exists()
+    with RunDirLock(tmp_path) as held:
+        message = RunDirLock(tmp_path).busy()
+        assert message.startswith(f"{tmp_path}: run directory is in use by pid {os.getpid()} "), message
+        assert held.holder() == held.record
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({**RunDirLock(tmp_path).record, "pid": dead.pid}))
+    before = (tmp_path / LOCK_FILE).read_text()
+    assert RunDirLock(tmp_path).busy() is None
+    assert (tmp_path / LOCK_FILE).read_text() == before

@@ -79,7 +79,8 @@ def checked_config(args, launch):
     config_path, overrides = split_config_path(args.overrides)
     cfg = resolve_config(load_config(config_path, overrides), launch.world_size, launch.local_world_size)
     return cfg, check_run(cfg, scan_data=args.check or launch.rank == 0,
-                          checkpoint_files=args.check or reports_errors(launch), ranks_per_node=launch.local_world_size)
+                          checkpoint_files=args.check or reports_errors(launch), locks=args.check or launch.rank == 0,
+                          ranks_per_node=launch.local_world_size)
 
 
 def reports_errors(launch) -> bool:
