@@ -9,7 +9,8 @@ import pytest
 
 ftfy = pytest.importorskip("ftfy", reason="ftfy is not installed (a curation dependency)")
 
-from data_pipeline.curate.clean import CleanConfig, clean_shard, drop_reason, normalise_whitespace, repair_unicode
+from data_pipeline.curate.clean import (CleanConfig, clean_shard, count_words, drop_reason, normalise_whitespace,
+                                        repair_unicode)
 from data_pipeline.curate.demo import stdlib_prose
 
 PLAIN = "A plain ASCII line with <b>no</b> entity, (brackets) and 'quotes'.\n"
@@ -40,8 +41,8 @@ def test_repair_is_ftfy_fix_text_on_real_prose():
 
 
 def test_normalise_whitespace():
-    text = "  a \t b\u00a0\u00a0c\u3000d  \r\n\r\n\r\n\r\ne\u2003f \n\n\n\n  g  "
-    assert normalise_whitespace(text) == "a b c d\n\ne f\n\ng"
+    text = "\n  a \t b\u00a0\u00a0c\u3000d  \r\n\r\n \r\n\r\ne\u2003f \n\n\n\n  g  \n"
+    assert normalise_whitespace(text) == "  a b c d\n\ne f\n\n  g"
     assert normalise_whitespace("x y") == "x y" and normalise_whitespace("x\u00a0y\tz") == "x y z"
     assert normalise_whitespace("a\n\n\nb\n\nc") == "a\n\nb\n\nc"  # three newlines are already too many
 
@@ -79,6 +80,16 @@ def test_combining_marks_are_parts_of_words_and_unspaced_scripts_count_by_charac
     chinese = "今天天气很好，我们去公园散步吧。"  # 14 characters in two clauses
     assert drop_reason(chinese, CleanConfig(min_words=14)) is None
     assert drop_reason(chinese, CleanConfig(min_words=15)) == "too few words"
+    # a run of letters or digits stops at the first Han character: 在, 2023, 年, then one word a character
+    dated = "在2023年发布了新版本abc的东西"
+    assert count_words(dated) == 13 and count_words("2023年" * 40) == 80
+
+
+def test_indentation_is_kept():
+    """Code and verse keep their lines' leading spaces and tabs (every line was stripped at both ends,
+    flattening every program in the corpus); runs inside a line and blank lines' spaces still go."""
+    code = "def f(x):\n    if x:\n\treturn  1   \n    return 2\n   \n  g  "
+    assert normalise_whitespace(code) == "def f(x):\n    if x:\n\treturn 1\n    return 2\n\n  g"
 
 
 def test_a_zero_width_space_is_no_space():
@@ -89,7 +100,7 @@ def test_a_zero_width_space_is_no_space():
 
 
 def test_the_stage_writes_the_cleaned_text_and_counts_both_sizes(tmp_path):
-    raw = "  caf\u00c3\u00a9   au  lait  "  # mojibake and loose spaces
+    raw = "\ncaf\u00c3\u00a9   au  lait  "  # mojibake and loose spaces
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": "0", "text": raw}) + "\n")
     stats = clean_shard(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "text", CleanConfig(min_words=0))
     assert [json.loads(line)["text"] for line in open(tmp_path / "out.jsonl")] == ["caf\u00e9 au lait"]
@@ -112,6 +123,6 @@ def test_fix_unicode_off_leaves_the_text_unrepaired(tmp_path):
     normalises white space (planted: the option ignored, every text repaired, passed)."""
     from data_pipeline.curate.clean import clean_text
 
-    raw = "  caf\u00c3\u00a9 &amp;   au  lait  "
+    raw = "caf\u00c3\u00a9 &amp;   au  lait  "
     assert clean_text(raw, CleanConfig(fix_unicode=False)) == "caf\u00c3\u00a9 &amp; au lait"
     assert clean_text(raw, CleanConfig()) == "caf\u00e9 & au lait"

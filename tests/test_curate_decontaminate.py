@@ -79,6 +79,16 @@ def test_touching_removals_are_one_split_and_a_piece_of_min_piece_chars_is_kept(
     assert cut(text, starts, ends, np.array([0, 1]), cfg) == ["hello"]
 
 
+def test_min_piece_chars_0_keeps_every_piece_but_writes_no_empty_document():
+    """A match at a document's start leaves nothing before it: at ``min_piece_chars`` 0 that empty
+    piece was written as a document of its own."""
+    cfg = DecontaminateConfig(ngram=1, margin=0, min_piece_chars=0)
+    text = "leak rest of the document"
+    _, starts, ends, _ = NgramKeys(1).words([text])
+    assert cut(text, starts, ends, np.array([0]), cfg) == ["rest of the document"]
+    assert cut(text, starts, ends, np.array([0, 4]), cfg) == ["rest of the"]  # at its end too
+
+
 def test_every_word_of_an_ngram_is_in_its_key():
     """(Found by planting bugs.) Changing any one of the 13 words changes the key: a document sharing
     only 12 of them with a task is no match."""
@@ -225,6 +235,14 @@ def test_every_task_file_is_searched_and_counted(tmp_path):
                          {"a.jsonl": TASK, "b.jsonl": OTHER, "c.jsonl": THIRD})
     assert stats["hits"] == {"a": 0, "b": 3, "c": 0}
     assert len(records) == 2 and all(OTHER not in r["text"] for r in records)
+
+
+def test_an_ngram_of_several_tasks_is_a_hit_of_each(tmp_path):
+    """Two benchmarks that quote one passage both leaked: the hit was credited to the first task file
+    alone, and the report said the second had none. Hits of a task's own n-grams stay its own."""
+    _, stats = run(tmp_path, [f"{FILLER} {TASK} {FILLER}", f"{FILLER} {OTHER} {FILLER}"],
+                   {"a.jsonl": f"{OTHER} {TASK}", "b.jsonl": TASK, "c.jsonl": THIRD})
+    assert stats["hits"] == {"a": 7, "b": 4, "c": 0}  # a: TASK's four 13-grams and OTHER's three
 
 
 def test_task_files_of_one_name_keep_their_own_counts(tmp_path):

@@ -23,9 +23,10 @@ _FTFY_CAN_CHANGE = re.compile(r"[^\t\n\x20-\x25\x27-\x7e]")
 # zero-width space U+200B is no space: a break hint inside a word, or between the words of Thai)
 _SPACES = re.compile(r"[ \t\f\v\u00a0\u2000-\u200a\u3000]{2,}|[\t\f\v\u00a0\u2000-\u200a\u3000]")
 _BLANK_LINES = re.compile(r"\n{3,}")
+_INDENT = re.compile(r"[ \t]*")
 # Han ideographs and kana: scripts written without spaces between words, where a run between spaces is a
 # clause or a sentence; each counts as a word (a Chinese word is one to two of them)
-_UNSPACED = "[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]"
+_UNSPACED_CHAR = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 
 
 @functools.cache
@@ -47,7 +48,16 @@ def _letters_and_marks() -> tuple[re.Pattern, re.Pattern]:
             ranges.append(f"\\u{start:04x}-\\u{cp - 1:04x}")
             start = None
     marks = "".join(ranges)
-    return re.compile(f"{_UNSPACED}|[\\w{marks}]+"), re.compile(f"[^\\w\\s{marks}]")
+    return re.compile(f"[\\w{marks}]+"), re.compile(f"[^\\w\\s{marks}]")
+
+
+def count_words(text: str) -> int:
+    """Runs of letters, digits and marks, each Han or kana character a word of its own: a run stops at
+    one ("在2023年" is three words; counted as runs, a line of Chinese after a digit was one word)."""
+    run = _letters_and_marks()[0]
+    if _UNSPACED_CHAR.search(text) is None:  # most text: one pass of one character class
+        return len(run.findall(text))
+    return len(_UNSPACED_CHAR.findall(text)) + len(run.findall(_UNSPACED_CHAR.sub(" ", text)))
 
 
 @dataclass
@@ -70,15 +80,20 @@ class CleanConfig:
 
 
 def normalise_whitespace(text: str) -> str:
-    """Runs of spaces become one space, lines lose trailing spaces, 3+ newlines become two."""
-    text = _SPACES.sub(" ", text.replace("\r\n", "\n").replace("\r", "\n"))  # one call: no run spans a line
-    return _BLANK_LINES.sub("\n\n", "\n".join(line.strip() for line in text.split("\n"))).strip()
+    """Runs of spaces become one space, lines lose trailing spaces, 3+ newlines become two. A line's
+    indentation (its leading spaces and tabs) stays as written: it is the structure of code, verse
+    and lists, which a corpus for code and prose must keep."""
+    lines = []
+    for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
+        indent = _INDENT.match(line).end()
+        rest = _SPACES.sub(" ", line[indent:]).rstrip()
+        lines.append(line[:indent] + rest if rest else "")
+    return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip("\n")
 
 
 def drop_reason(text: str, cfg: CleanConfig) -> str | None:
     """Why ``text`` is dropped, or None to keep it."""
-    word, symbol = _letters_and_marks()
-    words = len(word.findall(text))
+    words, symbol = count_words(text), _letters_and_marks()[1]
     if words < cfg.min_words:
         return "too few words"
     if words > cfg.max_words:

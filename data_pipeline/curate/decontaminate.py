@@ -278,7 +278,8 @@ def task_names(paths: list[str]) -> list[str]:
 
 
 def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
-    """Every task's n-gram keys, sorted, with the task each came from; returns per-task counts. A text
+    """Every task's n-gram keys, sorted, with the tasks each came from (an n-gram several tasks share is
+    every one's: a hit on it is a leak of each); returns per-task counts. A text
     the clean stage's Unicode repair would change (mojibake, ligatures, full-width letters, HTML
     entities) gives its n-grams in both forms: a corpus cleaned before this stage holds the repaired
     form of a passage copied into it, an uncleaned one the form as written."""
@@ -299,15 +300,30 @@ def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
             with_ngrams += int(np.count_nonzero(np.unique(text) + begin < written))
         short[names[t]] = written - with_ngrams
     keys, owner = np.concatenate(keys or [np.zeros(0, np.uint64)]), np.concatenate(owner or [np.zeros(0, np.int32)])
-    keys, first = np.unique(keys, return_index=True)
+    pairs = np.unique(np.stack([keys, owner.astype(np.uint64)], axis=1), axis=0)  # by key, then task
     with written_whole(out_path, ".npz") as tmp:
-        np.savez(tmp, keys=keys, task=owner[first], names=np.array(names))
-    return {"task_ngrams": len(keys), "task_texts_shorter_than_ngram": short}
+        np.savez(tmp, keys=np.unique(pairs[:, 0]), pair_keys=pairs[:, 0], pair_tasks=pairs[:, 1].astype(np.int32),
+                 names=np.array(names))
+    return {"task_ngrams": len(np.unique(pairs[:, 0])), "task_texts_shorter_than_ngram": short}
 
 
 def _load_tasks(path: str):
     data = np.load(path)
-    return data["keys"], data["task"], [str(n) for n in data["names"]]
+    return data["keys"], (data["pair_keys"], data["pair_tasks"]), [str(n) for n in data["names"]]
+
+
+def hits_per_task(hit_keys: np.ndarray, pairs: tuple[np.ndarray, np.ndarray], tasks: int) -> np.ndarray:
+    """How many hits each task's n-grams took: a hit on an n-gram of several tasks counts for each."""
+    pair_keys, pair_tasks = pairs
+    lo, hi = np.searchsorted(pair_keys, hit_keys, "left"), np.searchsorted(pair_keys, hit_keys, "right")
+    owners = pair_tasks[np.repeat(lo, hi - lo) + _ranges(hi - lo)]
+    return np.bincount(owners, minlength=tasks)
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """0 .. n-1 for each n of ``lengths``, end to end."""
+    ends = np.cumsum(lengths)
+    return np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - lengths, lengths)
 
 
 def doc_freq_shard(in_path: str, tasks_path: str, out_prefix: str, text_field: str, n: int) -> dict:
@@ -349,18 +365,17 @@ def cut(text: str, starts: np.ndarray, ends: np.ndarray, hit_windows: np.ndarray
         return None
     bounds = [0] + [x for r in removed for x in r] + [len(text)]
     pieces = [text[bounds[k]:bounds[k + 1]].strip() for k in range(0, len(bounds), 2)]
-    return [p for p in pieces if len(p) >= cfg.min_piece_chars]
+    return [p for p in pieces if p and len(p) >= cfg.min_piece_chars]  # never an empty document
 
 
 def decontaminate_shard(in_path: str, out_path: str, hits_path: str, tasks_path: str, ignored_path: str,
                         text_field: str, cfg: DecontaminateConfig) -> dict:
     """Cut the hits the ``doc_freq`` pass found, less the frequent n-grams; only documents with a hit
     are split into words again (for their character positions)."""
-    keys, owner, names = _load_tasks(tasks_path)
+    _, pairs, names = _load_tasks(tasks_path)
     hits = np.load(hits_path)
     hits = hits[~np.isin(hits["key"], np.load(ignored_path))]
-    per_task = np.bincount(owner[np.searchsorted(keys, hits["key"])], minlength=len(names)) if len(hits) else \
-        np.zeros(len(names), np.int64)
+    per_task = hits_per_task(hits["key"], pairs, len(names))
     rows, first = np.unique(hits["row"], return_index=True)
     windows = dict(zip(rows.tolist(), np.split(hits["window"], first[1:]))) if len(hits) else {}
     ngrams = NgramKeys(cfg.ngram)

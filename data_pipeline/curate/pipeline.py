@@ -168,12 +168,13 @@ def _file_facts(path: str) -> list:
     return [path, st.st_size, st.st_mtime_ns]
 
 
-RULES = 3
+RULES = 4
 """What the stages compute, in the input stage's fingerprint (so in every later one's upstream digest):
 raised when a fix changes what a stage writes from the same inputs and options, so a finished stage
 made by the code before is refused by name, not kept beside new ones. 2: parquet shards keep every
 record's fields, quality scores are P(hq) among every label, shards in numeric order. 3: exact and
-fuzzy dedup compare text in NFC."""
+fuzzy dedup compare text in NFC. 4: clean keeps indentation and counts a Han or kana character after
+a letter or digit as a word of its own; decontamination credits an n-gram of several tasks to each."""
 
 
 def _digest(fingerprint: dict) -> str:
