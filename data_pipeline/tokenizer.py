@@ -11,7 +11,10 @@ is loaded). Any other file given as a tokenizer is one ValueError naming it, not
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import os
+import random
 import re
 from collections.abc import Iterable, Iterator
 from typing import Protocol
@@ -164,17 +167,23 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def read_texts(paths: Iterable[str], json_key: str = "text") -> Iterator[str]:
-    """Documents from text files (one per line) or jsonl files (``json_key`` of each record).
+    """Documents from text files (one per line), jsonl files or Parquet files (``json_key`` of each
+    record or row).
 
     A line that is not UTF-8, malformed json or a record whose ``json_key`` is not a string is a
     ValueError naming the file and line, as in preprocessing. Records are read from the files named
-    as preprocessing reads them (``.jsonl``/``.json``, optionally ``.gz`` or ``.zst``); a file of
-    another name whose first line is a record with ``json_key`` (``corpus.JSONL``, ``.ndjson``) is
-    a ValueError, not text.
+    as preprocessing reads them (``.jsonl``/``.json``, optionally ``.gz`` or ``.zst``, and
+    ``.parquet``); a file of another name whose first line is a record with ``json_key``
+    (``corpus.JSONL``, ``.ndjson``) is a ValueError, not text.
     """
-    from data_pipeline.sources import JSONL_SUFFIXES, BadRecord, decode_line, iter_lines, parse_line
+    from data_pipeline.sources import (JSONL_SUFFIXES, PARQUET_SUFFIXES, BadRecord, decode_line, iter_batches,
+                                       iter_lines, parse_line)
 
     for path in paths:
+        if path.endswith(PARQUET_SUFFIXES):
+            for batch in iter_batches(path, (json_key,)):
+                yield from (texts[0] for texts in batch.documents((json_key,), skip_bad=False)[0])
+            continue
         is_jsonl = path.endswith(JSONL_SUFFIXES)  # the names preprocessing reads as records
         for count, (lineno, line) in enumerate(iter_lines(path)):
             try:
@@ -210,12 +219,54 @@ def json_lines_named_as_text(path: str, json_key: str) -> str:
             "and keys too; rename it to end in .jsonl")
 
 
-def _lines(texts: Iterable[str], max_line_bytes: int) -> Iterator[str]:
-    """SentencePiece trains on lines: split documents at newlines and drop over-long lines."""
+MAX_LINE_BYTES = 4096
+"""The longest line handed to SentencePiece, which skips longer ones (its limit is 4192 bytes)."""
+
+
+def _lines(texts: Iterable[str], max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[str]:
+    """SentencePiece trains on lines: documents split at newlines, and a line over ``max_line_bytes``
+    into parts of at most that, each ending before a space where the part holds one. Dropped, such
+    lines took whole documents written as one paragraph out of training: 4 KiB is 1,365 Chinese
+    characters, so a script's text could be absent from the vocabulary."""
     for text in texts:
         for line in text.split("\n"):
-            if line.strip() and len(line.encode("utf-8")) <= max_line_bytes:
-                yield line
+            if not line.strip():
+                continue
+            data = line.encode("utf-8")
+            while len(data) > max_line_bytes:
+                part = data[:max_line_bytes].decode("utf-8", "ignore")  # whole characters only
+                space = part.rfind(" ")
+                part = part[:space] if space > 0 else part
+                if part.strip():
+                    yield part
+                data = data[len(part.encode("utf-8")):]
+            if data.strip():
+                yield data.decode("utf-8")
+
+
+def sample_lines(lines: Iterable[str], k: int, seed: int) -> list[str]:
+    """A uniform sample of ``k`` of ``lines`` (all of them, in order, when there are no more), the
+    same for the same lines and seed: SentencePiece's own sampling of its input is unseeded, so two
+    trainings on one corpus of more lines than it samples gave different vocabularies. Reservoir
+    sampling with geometric skips (Li's algorithm L): one pass, ``k`` lines held, a random draw
+    only per line taken."""
+    rng = random.Random(seed)
+
+    def uniform() -> float:  # in (0, 1): a draw of 0 has no logarithm
+        return rng.random() or uniform()
+
+    it = iter(lines)
+    reservoir = [line for _, line in zip(range(k), it)]
+    if len(reservoir) < k:
+        return reservoir
+    w = math.exp(math.log(uniform()) / k)
+    while True:
+        skip = int(math.log(uniform()) / math.log1p(-w))
+        line = next(itertools.islice(it, skip, None), None)
+        if line is None:
+            return reservoir
+        reservoir[rng.randrange(k)] = line
+        w *= math.exp(math.log(uniform()) / k)
 
 
 MIN_VOCAB = 256 + 4
@@ -243,13 +294,14 @@ def _vocabulary_problem(message: str, vocab_size: int) -> str | None:
 
 
 def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int, model_type: str = "bpe",
-                        max_sentences: int = 2_000_000, num_threads: int | None = None) -> str:
+                        max_sentences: int = 2_000_000, num_threads: int | None = None, seed: int = 0) -> str:
     """Train a byte-fallback SentencePiece model; returns the path of the ``.model`` file.
 
     Whitespace is kept as it is (identity normalisation, no collapsing of spaces) so code and
     indentation survive the round trip; characters outside the vocabulary fall back to bytes, so
     nothing ever becomes ``<unk>``. Newlines are not seen in training (SentencePiece reads lines)
-    and encode as the byte piece ``<0x0A>``.
+    and encode as the byte piece ``<0x0A>``. At most ``max_sentences`` lines train it, sampled with
+    ``seed`` (``sample_lines``): the same corpus and seed give the same model.
     """
     import sentencepiece as spm
 
@@ -257,27 +309,18 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
         raise ValueError(f"model_type must be 'bpe' or 'unigram', not {model_type!r}")
     check_vocab_size(vocab_size)
     tmp_prefix = temp_name(model_prefix)
-    failures = []  # what the reader raised: SentencePiece rewraps it with a printed traceback
-    seen = [0]
-
-    def sentences() -> Iterator[str]:
-        try:
-            for line in _lines(texts, max_line_bytes=4096):
-                seen[0] += 1
-                yield line
-        except Exception as exc:
-            failures.append(exc)
-            raise
-
+    sample = sample_lines(_lines(texts), max_sentences, seed)  # a reader's error is raised here, as it is
+    if not sample:
+        raise ValueError("the input holds no text to train on (every file is empty, or every line blank)")
     with made_folder(os.path.dirname(os.path.abspath(model_prefix))):
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=sentences(),
+                sentence_iterator=iter(sample),
                 model_prefix=tmp_prefix, vocab_size=vocab_size, model_type=model_type,
                 character_coverage=0.9995, byte_fallback=True, normalization_rule_name="identity",
                 remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
                 unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOD_ID, pad_id=PAD_ID,
-                input_sentence_size=max_sentences, shuffle_input_sentence=True,
+                input_sentence_size=0, shuffle_input_sentence=False,  # sampled above
                 num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
             )
             for ext in (".model", ".vocab"):
@@ -288,10 +331,5 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
                     os.unlink(tmp_prefix + ext)
             if not isinstance(exc, RuntimeError):
                 raise
-            if failures:
-                raise failures[0] from None
-            if not seen[0]:
-                raise ValueError("the input holds no text to train on (every file is empty, or every line blank or "
-                                 "over 4096 bytes)") from None
             raise ValueError(_vocabulary_problem(str(exc), vocab_size) or str(exc)) from None
     return model_prefix + ".model"

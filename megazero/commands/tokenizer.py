@@ -19,13 +19,16 @@ def register(subparsers) -> None:
 
     train = actions.add_parser("train", help="Train a SentencePiece model (BPE or unigram, byte fallback)")
     train.add_argument("--input", nargs="+", required=True,
-                       help="Text files (one document per line) or .jsonl/.jsonl.gz/.jsonl.zst files")
-    train.add_argument("--json-key", default="text", help="Key of the text in jsonl records (default: text)")
+                       help="Text files (one document per line), .jsonl/.jsonl.gz/.jsonl.zst or .parquet files")
+    train.add_argument("--json-key", default="text",
+                       help="Key of the text in jsonl records, or its column in parquet files (default: text)")
     train.add_argument("--model-prefix", required=True, help="Writes PREFIX.model and PREFIX.vocab")
     train.add_argument("--vocab-size", type=int, default=32000, help="Vocabulary size (default: 32000)")
     train.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe", help="Algorithm (default: bpe)")
     train.add_argument("--max-sentences", type=int, default=2_000_000,
                        help="Lines sampled for training, more than 100 (default: 2000000)")
+    train.add_argument("--seed", type=int, default=0,
+                       help="Seed of the sample of lines, when the input has more than --max-sentences (default: 0)")
     train.set_defaults(func=run_train)
 
     encode = actions.add_parser("encode", help="Print the token ids of some text")
@@ -68,7 +71,7 @@ def run_train(args) -> int:
                         "choose another --model-prefix or remove it first")
     try:
         path = train_sentencepiece(read_texts(args.input, args.json_key), args.model_prefix, args.vocab_size,
-                                   args.model_type, args.max_sentences)
+                                   args.model_type, args.max_sentences, seed=args.seed)
     except (ValueError, OSError, RuntimeError) as exc:
         raise UserError(str(exc)) from None
     print(f"wrote {path} ({args.vocab_size} pieces, {args.model_type}, byte fallback)")
@@ -79,7 +82,7 @@ def _check_inputs(names: list[str], json_key: str) -> None:
     """Every --input is a file that opens as its name says, and a file read as text does not open with a
     JSON record, checked before any is read: training reads them in order, so a typo in the last of
     many would otherwise be found after reading all the rest."""
-    from data_pipeline.sources import JSONL_SUFFIXES, check_compression, iter_lines
+    from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES, check_compression, iter_lines, missing_columns
     from data_pipeline.tokenizer import is_record_of, json_lines_named_as_text
 
     for name in names:
@@ -92,7 +95,10 @@ def _check_inputs(names: list[str], json_key: str) -> None:
             raise UserError(f"--input {name}: no such file")
         try:
             check_compression(name)
-            if os.path.isfile(name) and not name.endswith(JSONL_SUFFIXES):  # a pipe is read once, by training
+            missing, columns = missing_columns(name, (json_key,))
+            if missing:
+                raise ValueError(f"{name}: no column {json_key!r} (columns: {columns}); choose one with --json-key")
+            if os.path.isfile(name) and not name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):  # a pipe is read once, by training
                 _, first = next(iter_lines(name), (0, b""))
                 if is_record_of(first, json_key):
                     raise ValueError(json_lines_named_as_text(name, json_key))
