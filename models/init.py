@@ -19,6 +19,7 @@ import torch
 from parallel.tensor_parallel.sharding import Shard
 
 _ROW_BITS = 23  # rows per weight < 8M (vocabularies, widths, sequence lengths all fit)
+MAX_ROWS = 1 << _ROW_BITS  # the rows a weight may have: the config's checks hold the vocabulary and positions to it
 
 
 def _row_seed(base: int, row: int) -> int:
@@ -32,8 +33,8 @@ def seeded_normal(full_shape: tuple[int, int], std: float, seed: int, key: str,
     Rows at or past ``zero_rows_from`` are zero (the padding rows of a vocabulary).
     """
     rows, cols = full_shape
-    if rows >= 1 << _ROW_BITS:
-        raise ValueError(f"{key}: {rows} rows exceed the {1 << _ROW_BITS} the seeded initialisation supports")
+    if rows >= MAX_ROWS:
+        raise ValueError(f"{key}: {rows} rows exceed the {MAX_ROWS} the seeded initialisation supports")
     base = int.from_bytes(hashlib.blake2b(f"{seed}/{key}".encode(), digest_size=5).digest(), "little")
     row_range, col_slice = range(rows), slice(None)
     if shard is not None and shard.dim == 0:

@@ -21,7 +21,8 @@ from megazero.config.schema import Config
 from megazero.errors import ConfigError
 from megazero.metrics import WANDB_MODES
 from megazero.training_schedules import DECAY_STYLES, build_batch_schedule, build_lr_schedule
-from models.embedding import POSITION_EMBEDDINGS
+from models.embedding import POSITION_EMBEDDINGS, VOCAB_MULTIPLE, padded_vocab_size
+from models.init import MAX_ROWS
 from models.mlp import ACTIVATIONS
 from models.norms import NORM_KINDS
 from models.parallelize import RECOMPUTE_MODES, tp_layout_problems
@@ -269,9 +270,23 @@ def _model_problems(m) -> list[str]:
     return problems
 
 
+def _row_problems(m, tp: int) -> list[str]:
+    """Weights of more rows than the seeded initialisation numbers (``models.init.MAX_ROWS``): found
+    when the model was built, after the launch, and named by the weight, not the field."""
+    problems = []
+    padded = padded_vocab_size(m.vocab_size, VOCAB_MULTIPLE * tp)
+    if padded >= MAX_ROWS:
+        problems.append(f"model.vocab_size: {m.vocab_size} (padded to {padded} for parallel.tp {tp}) must be below "
+                        f"{MAX_ROWS}, the rows the model's initialisation numbers")
+    if m.position_embedding == "learned" and m.seq_length >= MAX_ROWS:
+        problems.append(f"model.seq_length: {m.seq_length} learned positions must be fewer than {MAX_ROWS}, the rows "
+                        "the model's initialisation numbers; use model.position_embedding rope")
+    return problems
+
+
 def _shape_problems(cfg: Config) -> list[str]:
     m, p = cfg.model, cfg.parallel
-    problems = _model_problems(m)
+    problems = _model_problems(m) + _row_problems(m, p.tp)
     problems += tp_layout_problems(m, p.tp)
     if p.sequence_parallel and p.tp == 1:
         problems.append("parallel.sequence_parallel: needs parallel.tp > 1; set it false or raise tp")
