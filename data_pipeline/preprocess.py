@@ -138,7 +138,7 @@ def _encoded(batches: Iterable[Batch], tokenizer_path: str, keys, append_eod: bo
         yield from map(_encode_in_worker, jobs)
         return
     with worker_pool(workers, _init_worker, (tokenizer_path,)) as pool:
-        yield from pool.imap(_encode_in_worker, jobs, chunksize=1)
+        yield from watched(pool, pool.imap(_encode_in_worker, jobs, chunksize=1), "a batch of documents")
 
 
 def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys: tuple[str, ...] = ("text",),

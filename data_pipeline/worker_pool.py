@@ -19,8 +19,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
+
+POLL_S = 1.0  # how often a wait for results looks for workers that died
+
+
+class WorkerDied(OSError):
+    """A worker process ended (killed by the OOM killer, or a crash in native code) with a task of its
+    own unfinished: the pool replaces the worker, but the task is lost and its result never comes."""
 
 
 def _start_worker(initializer: Optional[Callable[..., None]], initargs: tuple) -> None:
@@ -40,3 +47,26 @@ def worker_pool(workers: int, initializer: Optional[Callable[..., None]] = None,
         return ctx.Pool(workers, initializer=_start_worker, initargs=(initializer, initargs))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def watched(pool: Any, results: Any, what: str) -> Iterator[Any]:
+    """The results of ``pool.imap`` or ``imap_unordered``, raising ``WorkerDied`` once a worker has
+    ended while results are still awaited (a pool waits for a lost task's result for ever: a worker
+    killed for memory hung the command with every other worker idle). ``what``: the task, as the
+    error names it ("a shard's task")."""
+    workers = list(pool._pool)  # every worker is started with the pool; one only ends by dying
+    while True:
+        try:
+            yield results.next(POLL_S)
+        except StopIteration:
+            return
+        except mp.TimeoutError:
+            dead = next((w for w in workers if w.exitcode is not None), None)
+            if dead is not None:
+                code = dead.exitcode
+                how = (f"was killed by signal {-code} ({signal.Signals(-code).name}"
+                       f"{': out of memory?' if -code == signal.SIGKILL else ''})" if code < 0 else
+                       f"exited with status {code}")
+                raise WorkerDied(f"a worker process (pid {dead.pid}) {how} while running {what}, which is lost; run "
+                                 "again (finished work is kept where the command resumes) with fewer workers or "
+                                 "more memory")

@@ -37,3 +37,24 @@ def test_a_stage_error_on_ray_is_the_same_one_line_error(tmp_path):
     task.unlink()  # after the config's checks, so that the stage's task is what fails
     with pytest.raises(OSError, match="vanishing.jsonl"):
         pipeline.run_pipeline(cfg, log=lambda s: None)
+
+
+def _dies(i: int) -> dict:
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer ends a worker
+    return {"i": i}
+
+
+def test_a_ray_worker_that_dies_is_one_line(tmp_path):
+    """Ray raises WorkerCrashedError (or its out-of-memory error) for a task whose worker died: it
+    escaped the command's handler as a 50-line traceback (planted: RayTaskError alone caught)."""
+    from data_pipeline.curate.runner import RayExecutor
+    from data_pipeline.worker_pool import WorkerDied
+
+    executor = RayExecutor(workers=2)
+    with pytest.raises(WorkerDied, match=r"^a Ray worker ended \(\w+\) while running a task of this stage, which is "
+                                         "lost; run again"):
+        list(executor.run([(_dies, (0,), str(tmp_path / "task0.json"))]))
+    executor.close()

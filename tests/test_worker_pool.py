@@ -116,3 +116,32 @@ def test_workers_are_forked_with_sigterm_blocked(tmp_path, monkeypatch):
     pool.close()
     pool.join()
     assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["blocked", "blocked"]
+
+
+def _dies_on_3(i: int) -> int:
+    if i == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer ends a worker
+    return i
+
+
+def _dies_on_3_task(i: int) -> dict:
+    return {"i": _dies_on_3(i)}
+
+
+def test_a_worker_killed_mid_task_fails_the_wait_instead_of_hanging_it(tmp_path):
+    """A pool replaces a dead worker, but its task's result never comes: the curation stage and
+    preprocessing waited for it for ever (planted: the bare imap). Both waits now end within
+    seconds, naming the signal."""
+    from data_pipeline.worker_pool import WorkerDied, watched
+
+    with worker_pool(2) as pool:
+        with pytest.raises(WorkerDied, match=r"was killed by signal 9 \(SIGKILL: out of memory\?\) while running "
+                                             "a batch"):
+            list(watched(pool, pool.imap(_dies_on_3, range(8), chunksize=1), "a batch"))
+    executor = LocalExecutor(2)
+    try:
+        jobs = [(_dies_on_3_task, (i,), str(tmp_path / f"task{i}.json")) for i in range(6)]
+        with pytest.raises(WorkerDied, match="while running a task of this stage, which is lost; run again"):
+            list(executor.run(jobs))
+    finally:
+        executor.close()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from data_pipeline.curate.shards import atomic_write_text
-from data_pipeline.worker_pool import worker_pool
+from data_pipeline.worker_pool import WorkerDied, watched, worker_pool
 
 
 @dataclass
@@ -57,7 +57,7 @@ class LocalExecutor:
             return
         if self._pool is None:
             self._pool = worker_pool(self.workers)
-        yield from self._pool.imap_unordered(_run_packed, jobs)
+        yield from watched(self._pool, self._pool.imap_unordered(_run_packed, jobs), "a task of this stage")
 
     def close(self) -> None:
         """Stop the workers; every result has been collected by then, or a task failed and the run stops."""
@@ -96,6 +96,10 @@ class RayExecutor:
             except ray.exceptions.RayTaskError as exc:
                 cause = getattr(exc, "cause", None)
                 raise (cause if isinstance(cause, Exception) else exc) from None
+            except ray.exceptions.RayError as exc:  # the worker itself died (out of memory, a crash), or its node
+                raise WorkerDied(f"a Ray worker ended ({type(exc).__name__}) while running a task of this stage, which "
+                                 "is lost; run again (finished tasks are kept) with fewer workers or more memory a "
+                                 "worker") from None
 
     def close(self) -> None:
         if self._started:
