@@ -26,7 +26,7 @@ from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
 from data_pipeline.shard_origin import tokenizer_identity
 from data_pipeline.sources import Batch, check_input, input_files, iter_batches, no_documents_problem
 from data_pipeline.tokenizer import load_tokenizer, require_eod
-from data_pipeline.worker_pool import worker_pool
+from data_pipeline.worker_pool import watched, worker_pool
 
 _tokenizer = None  # one per worker process, loaded by _init_worker
 
