@@ -128,3 +128,26 @@ def test_only_the_first_twenty_bad_records_are_listed_and_every_one_counted(tmp_
     assert [e.split(": ")[0] for e in results[0]["bad_examples"]] == first
     merged = merge_stats(results)
     assert merged["bad_records"] == {"malformed JSON": 50} and merged["bad_examples"] == results[0]["bad_examples"]
+
+
+def test_ids_keep_the_users_value_and_one_that_is_no_id_is_a_bad_record(tmp_path, capsys):
+    """pandas writes an integer id column with a gap as floats: every id 1001.0 became FILE:LINE, as did
+    true or an object, and the user's ids were lost without a word. A whole float is its integer;
+    null and NaN are no id (FILE:LINE); any other value is a bad record (fatal under --strict)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    text = " ".join(f"w{i}" for i in range(30))
+    ids = [1001.0, None, True, {"doc": 7}, "a7", 12, 2.5]
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"id": v, "text": text}) + "\n" for v in ids))
+    pq.write_table(pa.table({"id": [1001.0, float("nan"), 3.0], "text": [text] * 3}), tmp_path / "ids.parquet")
+    raw = config(tmp_path, [str(tmp_path / "ids.jsonl"), str(tmp_path / "ids.parquet")], stages=[])
+    assert _cli(tmp_path, raw) == 0
+    out = [json.loads(line)["id"] for shard in sorted((tmp_path / "out/00-input").glob("shard-*")) for line in open(shard)]
+    assert out == ["1001", "ids.jsonl:2", "a7", "12", "1001", "ids.parquet:1", "3"]
+    stats = json.loads((tmp_path / "out/00-input/stats.json").read_text())
+    assert stats["bad_records"] == {"not an id": 3}
+    assert stats["bad_examples"][0] == f"{tmp_path / 'ids.jsonl'}:3: field 'id' holds True, not an id (a string or " \
+                                       "an integer)"
+    assert _cli(tmp_path, {**raw, "output": {"dir": str(tmp_path / "strict")}}, "--strict") == 2
+    assert "ids.jsonl:3: field 'id' holds True" in capsys.readouterr().err

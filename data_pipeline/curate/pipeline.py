@@ -174,7 +174,8 @@ raised when a fix changes what a stage writes from the same inputs and options, 
 made by the code before is refused by name, not kept beside new ones. 2: parquet shards keep every
 record's fields, quality scores are P(hq) among every label, shards in numeric order. 3: exact and
 fuzzy dedup compare text in NFC. 4: clean keeps indentation and counts a Han or kana character after
-a letter or digit as a word of its own; decontamination credits an n-gram of several tasks to each."""
+a letter or digit as a word of its own; decontamination credits an n-gram of several tasks to each;
+input keeps a whole-float id as its integer and counts an id of another kind as a bad record."""
 
 
 def _digest(fingerprint: dict) -> str:

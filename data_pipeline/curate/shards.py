@@ -15,6 +15,7 @@ import glob
 import gzip
 import io
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from data_pipeline.sources import (NOT_UTF8, BadRecord, iter_lines, no_documents
 
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet")
 TRUNCATED = "truncated file"
+NOT_AN_ID = "not an id"
 MAX_EXAMPLES = 20  # bad-record locations kept per stage in stats.json; the count is always complete
 
 
@@ -158,10 +160,11 @@ def input_documents(path: str, text_field: str, id_field: str, strict: bool, bad
             try:
                 record = parse_record(line, (text_field,))
                 _check_other_fields(record, text_field)
+                doc_id = _doc_id(record, id_field, f"{default_id}:{lineno}")
             except BadRecord as exc:
                 bad.add(exc.reason, f"{path}:{lineno}", exc.detail, strict)
                 continue
-            yield _doc_id(record, id_field, f"{default_id}:{lineno}"), record
+            yield doc_id, record
     except OSError as exc:
         if not os.path.exists(path) or strict:
             raise
@@ -192,10 +195,11 @@ def _parquet_documents(path, text_field, id_field, strict, bad, default_id):
                 for key, value in record.items():  # another string column's value that is not UTF-8
                     if isinstance(value, bytes) and key in strings:
                         raise BadRecord(NOT_UTF8, f"field {key!r} is not UTF-8")
+                doc_id = _doc_id(record, id_field, f"{default_id}:{row}")
             except BadRecord as exc:
                 bad.add(exc.reason, f"{path}: row {row}", exc.detail, strict)
             else:
-                yield _doc_id(record, id_field, f"{default_id}:{row}"), record
+                yield doc_id, record
 
 
 UNREADABLE = "unreadable"
@@ -207,8 +211,18 @@ field named otherwise is the user's choice, so a file where no record has it is 
 
 
 def _doc_id(record: dict, id_field: str, default: str) -> str:
+    """The record's id: its ``id_field`` as a string; ``default`` where it has none (missing, null, or
+    NaN, which is how pandas writes a missing integer). A whole float is its integer (pandas writes an
+    integer column with a gap as floats: 1001.0 is 1001); any other value (a fraction, a boolean, an
+    object) is a bad record: replaced by FILE:LINE, the user's id was lost without a word."""
     value = record.get(id_field)
-    return str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else default
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise BadRecord(NOT_AN_ID, f"field {id_field!r} holds {value!r}, not an id (a string or an integer)")
+    return str(value)
 
 
 def ingest_file(path: str, file_index: int, out_dir: str, fmt: str, text_field: str, id_field: str,
