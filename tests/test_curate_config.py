@@ -282,3 +282,15 @@ def test_two_inputs_of_one_file_name_are_refused(tmp_path, capsys, base):
         (tmp_path / folder / "raw.jsonl").write_text((tmp_path / "raw.jsonl").read_text())
     line = refused(tmp_path, capsys, {**base, "input": {"paths": ["a/raw.jsonl", "b/raw.jsonl"]}})
     assert "input.paths: two inputs are named raw.jsonl; a document without an id is named FILE:LINE" in line, line
+
+
+def test_a_home_folder_in_any_path_is_expanded(tmp_path, monkeypatch):
+    """Inputs took ``~`` as the home folder; the model, task files, tokenizer and output folder looked
+    for a folder named ``~`` (``quality.model: ~/q.bin: no such file`` for a file that was there)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    corpus = write_corpus(tmp_path)
+    (tmp_path / "task.jsonl").write_text(json.dumps({"text": " ".join(f"w{i}" for i in range(20))}) + "\n")
+    cfg = build_config({"input": {"paths": [corpus]}, "output": {"dir": "~/curated"}, "stages": ["decontaminate"],
+                        "decontaminate": {"tasks": ["~/task.jsonl"]}, "quality": {"model": "~/q.bin"}})
+    assert cfg.output.dir == str(tmp_path / "curated") and cfg.decontaminate.tasks == [str(tmp_path / "task.jsonl")]
+    assert cfg.quality.model == str(tmp_path / "q.bin")

@@ -374,3 +374,30 @@ def test_held_out_documents_are_left_out_of_training_and_chosen_by_the_seed(tmp_
 
     first = held_out("a.bin", seed=5)
     assert held_out("b.bin", seed=5) == first != held_out("c.bin", seed=6)
+
+
+def test_a_documents_label_words_are_text_not_labels(tmp_path):
+    """fastText takes any word beginning ``__label__`` for a label: a document about fastText (or one
+    written to game the filter) added labels in training, here a third, and its own words steered
+    which labels it was trained as; in scoring they were taken out of its words."""
+    hq, lq = tmp_path / "hq.jsonl", tmp_path / "lq.jsonl"
+    words = {"hq": "the committee published a careful report on river water quality", "lq": "click buy now cheap pills"}
+    for path, kind, extra in ((hq, "hq", " __label__lq"), (lq, "lq", " __label__spam")):
+        path.write_text("".join(json.dumps({"text": words[kind] + (extra if i % 4 == 0 else "")}) + "\n"
+                                for i in range(40)))
+    train_quality([str(hq)], [str(lq)], str(tmp_path / "m.bin"), bucket=MIN_BUCKETS, epoch=5)
+    assert sorted(load_model(str(tmp_path / "m.bin")).get_labels()) == ["__label__hq", "__label__lq"]
+
+
+def test_without_fasttext_the_quality_stage_says_what_to_install(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_fasttext(name, *args, **kwargs):
+        if name == "fasttext":
+            raise ImportError("No module named 'fasttext'")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_fasttext)
+    with pytest.raises(ImportError, match=r"^the quality stage needs fastText: pip install fasttext-numpy2$"):
+        load_model(__file__)

@@ -109,10 +109,21 @@ def build_config(raw: dict, base_dir: str = ".") -> CurateConfig:
     cfg = build_dataclass(CurateConfig, {k.replace("-", "_"): v for k, v in raw.items()})
     cfg.stages = [str(s).replace("-", "_") for s in cfg.stages]
     _refuse(_value_problems(cfg))
+    _expand_home(cfg)
     patterns, cfg.input.paths = cfg.input.paths, expand_inputs(cfg.input.paths, base_dir)
     _refuse(output_overlap(patterns, cfg.input.paths, base_dir, cfg.output.dir) + _output_dir_problems(cfg.output.dir))
     _refuse(_input_problems(cfg.input.paths, cfg.input.text_field) + _file_problems(cfg))
     return cfg
+
+
+def _expand_home(cfg: CurateConfig) -> None:
+    """``~`` in the paths besides the inputs' (which ``expand_inputs`` expands) is the user's home, as
+    a shell would make it: ``quality.model: ~/q.bin`` was looked for under a folder named ``~``."""
+    home = os.path.expanduser
+    cfg.output.dir = home(cfg.output.dir)
+    cfg.quality.model = cfg.quality.model and home(cfg.quality.model)
+    cfg.decontaminate.tasks = [home(str(t)) for t in cfg.decontaminate.tasks]
+    cfg.preprocess.tokenizer = cfg.preprocess.tokenizer and home(cfg.preprocess.tokenizer)
 
 
 def _output_dir_problems(out_dir: str) -> list[str]:

@@ -27,7 +27,8 @@ from data_pipeline.curate.checks import within
 from data_pipeline.curate.shards import BadRecords, input_documents, read_shard, write_shard
 from data_pipeline.paths import empty_path_problem, file_in_the_way, listed_twice, written_whole
 
-HQ, LQ = "__label__hq", "__label__lq"
+LABEL_PREFIX = "__label__"  # what fastText takes a word for a label by
+HQ, LQ = LABEL_PREFIX + "hq", LABEL_PREFIX + "lq"
 FASTTEXT_BUCKETS = 2_000_000
 """fastText's default count of hashed word-bigram rows. The model holds that many rows of ``dim`` floats
 whatever its corpus (488 MiB at dim 64), and every quality task reads it whole: a classifier of a few
@@ -62,7 +63,19 @@ class QualityConfig:
 
 
 def _one_line(text: str) -> str:
-    return " ".join(text.split())  # fastText reads one example per line
+    """One example a line, as fastText reads them; a word that begins with fastText's label prefix
+    loses it: left in, a document's ``__label__lq`` made it an example of that label too in training
+    (a new label where none had that name), and was taken out of its words in scoring."""
+    return " ".join(word.replace(LABEL_PREFIX, "label__", 1) if word.startswith(LABEL_PREFIX) else word
+                    for word in text.split())
+
+
+def _fasttext():
+    try:
+        import fasttext
+    except ImportError:
+        raise ImportError("the quality stage needs fastText: pip install fasttext-numpy2") from None
+    return fasttext
 
 
 def load_model(path: Optional[str]):
@@ -71,7 +84,7 @@ def load_model(path: Optional[str]):
                          "--hq FILES --lq FILES --output MODEL.bin` and set quality.model")
     if not os.path.isfile(path):
         raise ValueError(f"quality.model: {path}: no such file; train one with `megazero curate train-quality`")
-    import fasttext
+    fasttext = _fasttext()
 
     _check_dictionary_fits(path)
     fasttext.FastText.eprint = lambda *args, **kwargs: None  # its load-time warning is noise here
@@ -209,7 +222,7 @@ def train_quality(hq: list[str], lq: list[str], output: str, text_field: str = "
     random.Random(seed).shuffle(examples)
     n_valid = int(len(examples) * valid_fraction) if len(examples) >= 10 else 0
     valid, train = examples[:n_valid], examples[n_valid:]
-    import fasttext
+    fasttext = _fasttext()
 
     with tempfile.TemporaryDirectory() as tmp:
         train_file, valid_file = os.path.join(tmp, "train.txt"), os.path.join(tmp, "valid.txt")
