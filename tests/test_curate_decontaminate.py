@@ -56,6 +56,7 @@ def test_pieces_under_200_characters_are_dropped(tmp_path):
     assert [r["id"] for r in records] == ["d0"]  # one piece left: it keeps the id
     assert records[0]["text"].startswith("word") and TASK not in records[0]["text"]
     assert stats["dropped"] == {"contaminated": 1}
+    assert (stats["cut"], stats["pieces"]) == (1, 1) and stats["docs_out"] == stats["docs_in"] - 1 - 1 + 1
 
 
 def test_a_document_split_more_than_10_times_is_dropped():

@@ -552,3 +552,25 @@ def test_the_hits_plot_names_the_configured_n_gram(tmp_path, monkeypatch):
     write_report(str(tmp_path), [{"stage": "decontaminate", "docs_in": 2, "docs_out": 2, "bytes_out": 10, "ngram": 8,
                                   "hits": {"qa": 3}}])
     assert labels[-1] == "8-gram hits" and "13-gram hits" not in labels, labels
+
+
+def test_the_report_adds_up_with_documents_cut_into_pieces_and_leaves_matplotlib_as_it_was(tmp_path):
+    """Decontamination's row said 324 in, 3 dropped, 322 out: the documents it cut into pieces were not
+    said (planted: pieces left out). Drawing the plots switched the caller's matplotlib backend to Agg
+    (a notebook's inline plots with it)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from data_pipeline.curate.pipeline import summary_line
+    from data_pipeline.curate.report import write_report
+
+    stats = {"stage": "decontaminate", "docs_in": 324, "docs_out": 322, "bytes_out": 1e6, "seconds": 1, "ngram": 13,
+             "dropped": {"contaminated": 3}, "cut": 10, "pieces": 11, "hits": {"qa": 4}}
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        write_report(str(tmp_path), [stats])
+        assert matplotlib.get_backend() == "svg" and (tmp_path / "report/decontamination.png").is_file()
+    finally:
+        matplotlib.use(before)
+    assert "| decontaminate | 324 | 322 | 1.000 | 1.0 | 3 contaminated, 10 cut into 11 pieces |" in \
+        (tmp_path / "report.md").read_text()
+    assert summary_line(stats).endswith("; 3 contaminated, 10 cut into 11 pieces")

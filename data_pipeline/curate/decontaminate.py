@@ -380,7 +380,7 @@ def decontaminate_shard(in_path: str, out_path: str, hits_path: str, tasks_path:
     windows = dict(zip(rows.tolist(), np.split(hits["window"], first[1:]))) if len(hits) else {}
     ngrams = NgramKeys(cfg.ngram)
     records = read_shard(in_path)
-    out, dropped, pieces_made = [], 0, 0
+    out, dropped, cut_docs, pieces_made = [], 0, 0, 0
     for row, record in enumerate(records):
         if row not in windows:
             out.append(record)
@@ -391,11 +391,11 @@ def decontaminate_shard(in_path: str, out_path: str, hits_path: str, tasks_path:
         if not pieces:
             dropped += 1
             continue
-        pieces_made += len(pieces)
+        cut_docs, pieces_made = cut_docs + 1, pieces_made + len(pieces)
         for j, piece in enumerate(pieces):
             out.append({**record, "id": f"{record['id']}#{j}" if len(pieces) > 1 else record["id"], text_field: piece})
     write_shard(out_path, out)
     size = lambda rs: sum(len(r[text_field].encode("utf-8")) for r in rs)  # noqa: E731
     return {"docs_in": len(records), "docs_out": len(out), "bytes_in": size(records), "bytes_out": size(out),
-            "dropped": {"contaminated": dropped} if dropped else {}, "pieces": pieces_made,
+            "dropped": {"contaminated": dropped} if dropped else {}, "cut": cut_docs, "pieces": pieces_made,
             "hits": dict(zip(names, per_task.tolist()))}

@@ -37,6 +37,7 @@ from data_pipeline.curate import fuzzy_dedup as fz
 from data_pipeline.curate.clean import clean_shard
 from data_pipeline.curate.config import CurateConfig
 from data_pipeline.curate.quality import quality_shard
+from data_pipeline.curate.report import changes, write_report
 from data_pipeline.curate.runner import Task, make_executor, merge_stats, run_tasks
 from data_pipeline.curate.shards import UNREADABLE, atomic_write_text, ingest_file, list_shards, mixed_schemas
 
@@ -245,11 +246,10 @@ def _refuse_empty_stage(name: str, stage_dir: str, stats: dict) -> None:
 
 
 def summary_line(stats: dict) -> str:
-    dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.get("dropped", {}).items()))
-    bad = sum(stats.get("bad_records", {}).values())
+    done, bad = changes(stats), sum(stats.get("bad_records", {}).values())
     return (f"{stats['stage']}: {stats['docs_in']} -> {stats['docs_out']} documents, "
             f"{stats['bytes_out'] / 1e6:.2f} MB in {stats['seconds']:.1f} s"
-            + (f"; dropped {dropped}" if dropped else "") + (f"; {bad} bad records (see stats.json)" if bad else ""))
+            + (f"; {done}" if done else "") + (f"; {bad} bad records (see stats.json)" if bad else ""))
 
 
 def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
@@ -281,8 +281,6 @@ def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
     finally:
         executor.close()
     blend = tokenize_and_blend(cfg, shards, _digest(fingerprint), log) if cfg.preprocess.tokenizer else None
-    from data_pipeline.curate.report import write_report
-
     write_report(out, all_stats)
     return {"stages": all_stats, "shards": shards, "blend": blend}
 
