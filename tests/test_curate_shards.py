@@ -25,18 +25,20 @@ def test_a_gzip_shard_holds_no_time_and_no_file_name(tmp_path):
 
 
 def test_only_a_string_or_integer_id_names_a_document(tmp_path):
-    """A string or integer id is kept (as a string); true, a float, a list or no id give FILE:LINE
-    (planted: true taken as an integer, so every record whose id is true was the one document "True")."""
+    """A string or integer id is kept (as a string), a whole float as its integer; no id (missing or
+    null) gives FILE:LINE; true, a fraction or a list is a bad record (planted: true taken as an
+    integer, so every record whose id is true was the one document "True"; then such ids replaced by
+    FILE:LINE without a word)."""
     from data_pipeline.curate.shards import ingest_file, list_shards
 
-    ids = ["a7", 7, True, 1.5, [1], None]
+    ids = ["a7", 7, True, 1.5, [1], None, 3.0]
     src = tmp_path / "raw.jsonl"
     src.write_text("".join(json.dumps({"id": i, "text": "words"}) + "\n" for i in ids))
     (tmp_path / "o").mkdir()
-    ingest_file(str(src), 0, str(tmp_path / "o"), "jsonl", "text", "id", 100, False)
+    stats = ingest_file(str(src), 0, str(tmp_path / "o"), "jsonl", "text", "id", 100, False)
     [shard] = list_shards(str(tmp_path / "o"))
-    assert [r["id"] for r in read_shard(shard)] == ["a7", "7", "raw.jsonl:3", "raw.jsonl:4", "raw.jsonl:5",
-                                                     "raw.jsonl:6"]
+    assert [r["id"] for r in read_shard(shard)] == ["a7", "7", "raw.jsonl:6", "3"]
+    assert stats["bad_records"] == {"not an id": 3}
 
 
 def test_a_null_is_no_second_type_of_a_parquet_field(tmp_path):
@@ -66,3 +68,26 @@ def test_parquet_shards_whose_types_differ_are_refused_before_any_stage(tmp_path
     src.write_text("".join(json.dumps({"text": f"document {i}", "meta": m}) + "\n" for i, m in enumerate(metas[:6])))
     result = run_pipeline(build_config(raw), log=lambda line: None)
     assert sum(len(read_shard(s)) for s in result["shards"]) == 6
+
+
+def test_every_parquet_shard_of_every_stage_has_the_inputs_schema(tmp_path):
+    """A shard whose kept values of a field were all null wrote a null column, and one emptied by a
+    stage no columns: Arrow refused to read the stage's shards as one dataset (planted: each shard's
+    schema from its own records). Ingest shards take their union's schema, later ones their input's."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    from data_pipeline.curate.config import build_config
+    from data_pipeline.curate.pipeline import run_pipeline
+
+    long = " ".join(f"w{i}" for i in range(30))  # kept by clean; "short" is dropped
+    docs = [("short", {"src": "web"}), ("short", None), (long, None), (long, None), (long, {"src": "web"})]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t, "meta": m}) + "\n" for t, m in docs))
+    raw = {"input": {"paths": [str(src)], "shard_docs": 2}, "stages": ["clean"], "clean": {"min_words": 5},
+           "output": {"dir": str(tmp_path / "out"), "format": "parquet"}}
+    result = run_pipeline(build_config(raw), log=lambda line: None)
+    schemas = {str(pq.read_schema(s)) for s in result["shards"]}
+    assert len(schemas) == 1 and "meta: struct<src: string>" in schemas.pop()
+    table = ds.dataset(result["shards"], format="parquet").to_table()
+    assert table.num_rows == 3 and table["meta"].to_pylist() == [None, None, {"src": "web"}]

@@ -149,6 +149,6 @@ def clean_shard(in_path: str, out_path: str, text_field: str, cfg: CleanConfig) 
         record[text_field] = text
         bytes_out += len(text.encode("utf-8"))
         kept.append(record)
-    write_shard(out_path, kept)
+    write_shard(out_path, kept, like=in_path)
     return {"docs_in": len(records), "docs_out": len(kept), "bytes_in": bytes_in, "bytes_out": bytes_out,
             "dropped": dropped}

@@ -394,7 +394,7 @@ def decontaminate_shard(in_path: str, out_path: str, hits_path: str, tasks_path:
         cut_docs, pieces_made = cut_docs + 1, pieces_made + len(pieces)
         for j, piece in enumerate(pieces):
             out.append({**record, "id": f"{record['id']}#{j}" if len(pieces) > 1 else record["id"], text_field: piece})
-    write_shard(out_path, out)
+    write_shard(out_path, out, like=in_path)
     size = lambda rs: sum(len(r[text_field].encode("utf-8")) for r in rs)  # noqa: E731
     return {"docs_in": len(records), "docs_out": len(out), "bytes_in": size(records), "bytes_out": size(out),
             "dropped": {"contaminated": dropped} if dropped else {}, "cut": cut_docs, "pieces": pieces_made,

@@ -109,7 +109,7 @@ def filter_shard(in_path: str, out_path: str, text_field: str, drop_paths: list[
     records = read_shard(in_path)
     drop = set(rows_to_drop(drop_paths, shard).tolist())
     kept = [r for i, r in enumerate(records) if i not in drop]
-    write_shard(out_path, kept)
+    write_shard(out_path, kept, like=in_path)
     size = lambda rs: sum(len(r[text_field].encode("utf-8")) for r in rs)  # noqa: E731
     return {"docs_in": len(records), "docs_out": len(kept), "bytes_in": size(records), "bytes_out": size(kept),
             "dropped": {reason: len(records) - len(kept)} if drop else {}}

@@ -39,7 +39,8 @@ from data_pipeline.curate.config import CurateConfig
 from data_pipeline.curate.quality import quality_shard
 from data_pipeline.curate.report import changes, write_report
 from data_pipeline.curate.runner import Task, make_executor, merge_stats, run_tasks
-from data_pipeline.curate.shards import UNREADABLE, atomic_write_text, ingest_file, list_shards, mixed_schemas
+from data_pipeline.curate.shards import (UNREADABLE, atomic_write_text, conform_shards, ingest_file, list_shards,
+                                         mixed_schemas)
 
 
 @dataclass
@@ -83,10 +84,13 @@ def run_ingest(ctx: Context, out_dir: str) -> dict:
         shutil.rmtree(out_dir)
         more = f" (and {len(unreadable) - 1} more input files alike)" if len(unreadable) > 1 else ""
         raise ValueError(f"input.paths: {unreadable[0]}{more}")
-    mixed = ctx.cfg.output.format == "parquet" and mixed_schemas(sorted(glob.glob(os.path.join(out_dir, "*.parquet"))))
+    parquet = sorted(glob.glob(os.path.join(out_dir, "*.parquet")))
+    mixed = parquet and mixed_schemas(parquet)
     if mixed:  # later stages only drop documents: their shards agree where these do
         shutil.rmtree(out_dir)
         raise ValueError(f"input.paths: {mixed}; give the field one type in the input, or set output.format to jsonl")
+    if parquet:  # one schema, which every later stage's shard keeps (``write_shard``'s ``like``)
+        conform_shards(parquet)
     stats = merge_stats(results)
     if stats["docs_out"] == 0:  # nothing here is worth resuming: a corrected config starts afresh
         shutil.rmtree(out_dir)  # (a file with records but no good one was refused above: every file is empty)
@@ -176,7 +180,8 @@ made by the code before is refused by name, not kept beside new ones. 2: parquet
 record's fields, quality scores are P(hq) among every label, shards in numeric order. 3: exact and
 fuzzy dedup compare text in NFC. 4: clean keeps indentation and counts a Han or kana character after
 a letter or digit as a word of its own; decontamination credits an n-gram of several tasks to each;
-input keeps a whole-float id as its integer and counts an id of another kind as a bad record."""
+input keeps a whole-float id as its integer and counts an id of another kind as a bad record; parquet
+shards keep the input's schema through every stage."""
 
 
 def _digest(fingerprint: dict) -> str:
@@ -305,9 +310,8 @@ def _absolute_paths(cfg: CurateConfig) -> CurateConfig:
 
 
 def _with_documents(shards: list[str]) -> list[str]:
-    """The shards that hold a document. A parquet shard a stage emptied has no columns (Arrow finds
-    none in no records), and preprocess refuses a parquet file without the text column, which
-    stopped the run after every stage had finished; an empty jsonl shard reads as no documents."""
+    """The shards that hold a document: preprocess refuses an input file without one, which stopped
+    the run after every stage had finished; an empty jsonl shard reads as no documents."""
     import pyarrow.parquet as pq
 
     return [s for s in shards if not s.endswith(".parquet") or pq.ParquetFile(s).metadata.num_rows]

@@ -179,7 +179,7 @@ def quality_shard(in_path: str, out_path: str, text_field: str, cfg: QualityConf
     s = scores(model, [r[text_field] for r in records])
     keep = [pareto_keep(r["id"], float(x), cfg.alpha, cfg.seed) for r, x in zip(records, s)]
     kept = [r for r, k in zip(records, keep) if k]
-    write_shard(out_path, kept)
+    write_shard(out_path, kept, like=in_path)
     size = lambda rs: sum(len(r[text_field].encode("utf-8")) for r in rs)  # noqa: E731
     edges = np.linspace(0.0, 1.0, HIST_BINS + 1)
     return {"docs_in": len(records), "docs_out": len(kept), "bytes_in": size(records), "bytes_out": size(kept),

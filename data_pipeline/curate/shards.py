@@ -53,8 +53,12 @@ def read_shard(path: str) -> list[dict]:
     return [json.loads(line) for _, line in iter_lines(path)]
 
 
-def write_shard(path: str, records: list[dict]) -> None:
-    """Write atomically and byte-reproducibly (gzip without a timestamp, parquet without statistics drift)."""
+def write_shard(path: str, records: list[dict], like: str | None = None) -> None:
+    """Write atomically and byte-reproducibly (gzip without a timestamp, parquet without statistics drift).
+    ``like``: the shard the records came from; a parquet one gives its schema to the output, so a
+    shard whose kept values of a field are all null (a null column), or that kept no document (no
+    columns), still reads as one dataset with the others (Arrow refused to cast such a shard's
+    column, and the datasets library an empty one)."""
     if path.endswith(".parquet"):
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -67,6 +71,8 @@ def write_shard(path: str, records: list[dict]) -> None:
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise ValueError(f"{path}: {_mixed_field(records) or exc}; give the field one type in the input, or set "
                              "output.format to jsonl") from None
+        if like is not None and like.endswith(".parquet"):
+            table = conformed(table, pq.read_schema(like))
         with written_whole(path) as tmp:
             pq.write_table(table, tmp)
     else:
@@ -113,6 +119,44 @@ def mixed_schemas(paths: list[str]) -> str | None:
             if first[0] != column.type:
                 return f"field {column.name!r} is {first[0]} in {first[1]} and {column.type} in {path}"
     return None
+
+
+def unified_schema(paths: list[str]):
+    """Every field of the parquet shards ``paths``, in the order first seen, each of the type some shard
+    gives it (a column of nulls takes the others' type); ``mixed_schemas`` has found no two types."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fields: dict[str, pa.DataType] = {}
+    for path in paths:
+        for column in pq.read_schema(path):
+            if pa.types.is_null(fields.get(column.name, pa.null())):
+                fields[column.name] = column.type
+    return pa.schema(list(fields.items()))
+
+
+def conformed(table, schema):
+    """``table`` with ``schema``'s columns first, of its types (a field the table lacks, all null), then
+    any other column the table has."""
+    import pyarrow as pa
+
+    columns = [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(len(table), f.type)
+               for f in schema]
+    extra = [name for name in table.column_names if name not in schema.names]
+    return pa.table(columns + [table[name] for name in extra], names=schema.names + extra)
+
+
+def conform_shards(paths: list[str]) -> None:
+    """Rewrite the parquet shards whose schema is not their union's (``unified_schema``), so that every
+    later stage, which writes each shard in its input's schema, writes one dataset."""
+    import pyarrow.parquet as pq
+
+    schema = unified_schema(paths)
+    for path in paths:
+        if not pq.read_schema(path).equals(schema):
+            table = conformed(pq.read_table(path), schema)
+            with written_whole(path) as tmp:
+                pq.write_table(table, tmp)
 
 
 def atomic_write_text(path: str, text) -> None:
