@@ -282,6 +282,12 @@ def test_two_inputs_of_one_file_name_are_refused(tmp_path, capsys, base):
         (tmp_path / folder / "raw.jsonl").write_text((tmp_path / "raw.jsonl").read_text())
     line = refused(tmp_path, capsys, {**base, "input": {"paths": ["a/raw.jsonl", "b/raw.jsonl"]}})
     assert "input.paths: two inputs are named raw.jsonl; a document without an id is named FILE:LINE" in line, line
+    # one file found by two patterns is listed twice, not two files of one name; a folder is no file
+    line = refused(tmp_path, capsys, {**base, "input": {"paths": ["a/r*.jsonl", "a/raw.jsonl"]}})
+    assert re.search(r"input\.paths: \S*a/raw\.jsonl is listed twice \(two patterns find it\)", line), line
+    (tmp_path / "c.jsonl").mkdir()
+    line = refused(tmp_path, capsys, {**base, "input": {"paths": ["*.jsonl"]}})
+    assert re.search(r"input\.paths: \S*c\.jsonl: is a folder; give the files in it", line), line
 
 
 def test_a_home_folder_in_any_path_is_expanded(tmp_path, monkeypatch):

@@ -138,6 +138,7 @@ class DyingExecutor(LocalExecutor):
                 if out.endswith(".jsonl"):
                     fn(*args)  # the output is complete, its marker missing
                     Path(f"{out}.tmp-999").write_text("half a shard")
+                Path(f"{marker}.tmp-999").write_text("{")  # and its marker's, in .done
                 raise _Killed
             DyingExecutor.budget -= 1
             yield _run_packed((fn, args, marker))
@@ -154,6 +155,7 @@ def test_killed_run_resumes_to_identical_output(tmp_path, monkeypatch, budget):
     monkeypatch.undo()
     pipeline.run_pipeline(build_config(config(tmp_path, [corpus], out="killed")), log=lambda s: None)
     assert tree_digest(str(tmp_path / "killed")) == tree_digest(str(tmp_path / "whole"))
+    assert not [f for _, _, files in os.walk(tmp_path / "killed") for f in files if ".tmp-" in f]  # .done's too
 
 
 def test_rerun_with_other_options_is_refused(tmp_path):

@@ -210,6 +210,10 @@ def expand_inputs(patterns: list, base_dir: str) -> list[str]:
     for pattern in patterns:
         pattern = os.path.normpath(os.path.join(base_dir, os.path.expanduser(str(pattern))))
         found = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        folder = next((p for p in found if os.path.isdir(p)), None)
+        if folder:
+            raise ValueError(f"input.paths: {folder}: is a folder; give the files in it (a glob such as "
+                             f"{os.path.join(folder, '*.jsonl')}), or narrow the glob")
         missing = [p for p in found if not os.path.isfile(p)]
         if not found or missing:
             raise ValueError(f"input.paths: {missing[0] if missing else pattern}: no such file; fix the path")
@@ -218,6 +222,10 @@ def expand_inputs(patterns: list, base_dir: str) -> list[str]:
             raise ValueError(f"input.paths: {unknown}: unknown input type; use .jsonl/.json (optionally .gz or "
                              ".zst) or .parquet, or narrow the glob")
         paths += found
+    real = [os.path.realpath(p) for p in paths]
+    twice = next((p for i, p in enumerate(paths) if real[i] in real[:i]), None)
+    if twice is not None:  # its documents would be ingested twice, each a duplicate of itself
+        raise ValueError(f"input.paths: {twice} is listed twice (two patterns find it); list each file once")
     names = [os.path.basename(p) for p in paths]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:

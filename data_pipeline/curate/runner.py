@@ -121,8 +121,9 @@ def run_tasks(executor, directory: str, tasks: list[Task], desc: str, progress: 
     """Run the tasks without a completion marker; return every task's stats, in task order."""
     markers = os.path.join(directory, ".done")
     os.makedirs(markers, exist_ok=True)
-    for stale in glob.glob(os.path.join(directory, "**", "*.tmp-*"), recursive=True):
-        os.remove(stale)  # left by a killed run; the task that owns it reruns
+    stale = glob.glob(os.path.join(directory, "**", "*.tmp-*"), recursive=True)  # ** passes over .done
+    for path in stale + glob.glob(os.path.join(markers, "*.tmp-*")):
+        os.remove(path)  # left by a killed run; the task that owns it reruns
     marker = {t.name: os.path.join(markers, f"{t.name}.json") for t in tasks}
     if len(marker) != len(tasks):
         raise AssertionError(f"{directory}: task names must be unique")
