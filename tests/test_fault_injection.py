@@ -5,8 +5,8 @@
   inside a save (while a ``step_N.tmp`` directory exists). Every relaunch resumes on its own and
   ends with a ``metrics.jsonl`` whose rows equal the uninterrupted run's exactly (loss, lr, grad
   norm, consumed samples: bit for bit, since floats are written at full precision) and a final
-  checkpoint whose weights are bitwise the uninterrupted run's. Two kill points run in CI, twenty
-  under ``-m slow``.
+  checkpoint whose weights are bitwise the uninterrupted run's. Two kill points run in CI, the other
+  eighteen under ``-m slow`` (all twenty with a plain ``pytest``).
 * A NaN written into one rank's gradient: the step is skipped on every rank (the weights do not
   move anywhere), training goes on, and a NaN gradient every step stops the run with the divergence
   message even though every loss is finite.
