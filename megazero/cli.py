@@ -8,6 +8,7 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import signal
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         sys.stdout = stdout
+        # what the command left in reference cycles (a trainer and its process groups, after an error
+        # too) is freed now, not as the interpreter shuts down (``parallel.launch.destroy_process_group``)
+        gc.collect()
 
 
 class OutputError(UserError):

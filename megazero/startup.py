@@ -126,6 +126,7 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
                 print(f"megazero: finished at step {state.step} ({state.consumed} samples, {state.skipped} "
                       "skipped)", flush=True)
     finally:
+        trainer = None  # its groups are freed with the process group (``destroy_process_group``)
         if dist.is_initialized():
             destroy_process_group()
         for lock in reversed(locks):

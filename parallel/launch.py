@@ -134,13 +134,19 @@ def _check_rendezvous_env(env: Mapping[str, str]) -> None:
 
 
 def destroy_process_group() -> None:
-    """End the default group, after dropping torch.compile's recorded CUDA graphs.
+    """End every group, after dropping torch.compile's recorded CUDA graphs, and free them now.
 
     NCCL cannot destroy a communicator while a CUDA graph that recorded one of its collectives is
     alive (a block replayed as a graph records its tensor-parallel collectives): the destroy waits
     for ever (pytorch issue 115388), and a run that finished would hold its nodes until the
     scheduler's time limit. torch keeps the recorded graphs in per-thread trees beside its compile
-    caches, so both are cleared and the graphs collected first."""
+    caches, so both are cleared and the graphs collected first.
+
+    The groups' objects are then collected while the interpreter is whole: objects that still hold a
+    group (a trainer, in a reference cycle) were otherwise freed, if at all, as the interpreter shut
+    down. Twice a rank that had saved and finished aborted at exit ("terminate called without an
+    active exception", status -6), the mark of native threads still running at shutdown; freeing the
+    groups here is meant to rule that out (the abort was not reproduced on demand)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
@@ -148,6 +154,7 @@ def destroy_process_group() -> None:
         reset_cudagraph_trees()
         gc.collect()
     dist.destroy_process_group()
+    gc.collect()
 
 
 class LaunchError(RuntimeError):
