@@ -177,12 +177,16 @@ def read_texts(paths: Iterable[str], json_key: str = "text") -> Iterator[str]:
     (``corpus.JSONL``, ``.ndjson``) is a ValueError, not text.
     """
     from data_pipeline.sources import (JSONL_SUFFIXES, PARQUET_SUFFIXES, BadRecord, decode_line, iter_batches,
-                                       iter_lines, parse_line)
+                                       iter_lines, parse_line, record_texts)
 
     for path in paths:
         if path.endswith(PARQUET_SUFFIXES):
             for batch in iter_batches(path, (json_key,)):
-                yield from (texts[0] for texts in batch.documents((json_key,), skip_bad=False)[0])
+                for row, record in zip(batch.numbers, batch.records):
+                    try:
+                        yield record_texts(record, (json_key,))[0]
+                    except BadRecord as bad:
+                        raise ValueError(f"{path}: row {row}: {bad.detail}") from None
             continue
         is_jsonl = path.endswith(JSONL_SUFFIXES)  # the names preprocessing reads as records
         for count, (lineno, line) in enumerate(iter_lines(path)):
@@ -232,16 +236,16 @@ def _lines(texts: Iterable[str], max_line_bytes: int = MAX_LINE_BYTES) -> Iterat
         for line in text.split("\n"):
             if not line.strip():
                 continue
-            data = line.encode("utf-8")
-            while len(data) > max_line_bytes:
-                part = data[:max_line_bytes].decode("utf-8", "ignore")  # whole characters only
+            data, start = line.encode("utf-8"), 0
+            while len(data) - start > max_line_bytes:  # an offset: slicing off the rest was quadratic
+                part = data[start:start + max_line_bytes].decode("utf-8", "ignore")  # whole characters only
                 space = part.rfind(" ")
                 part = part[:space] if space > 0 else part
                 if part.strip():
                     yield part
-                data = data[len(part.encode("utf-8")):]
-            if data.strip():
-                yield data.decode("utf-8")
+                start += len(part.encode("utf-8"))
+            if data[start:].strip():
+                yield data[start:].decode("utf-8")
 
 
 def sample_lines(lines: Iterable[str], k: int, seed: int) -> list[str]:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from data_pipeline.curate.quality import (_HEADER, FASTTEXT_BUCKETS, FASTTEXT_MAGIC, MIN_BUCKETS, QualityConfig,
-                                          _check_dictionary_fits, keep_probability, load_model, pareto_keep,
-                                          quality_shard, scores, train_quality)
+                                          _check_dictionary_fits, _one_line, keep_probability, load_model,
+                                          pareto_keep, quality_shard, scores, train_quality)
 from megazero.cli import main
 from tests.curation import train_quality_model
 
@@ -387,6 +387,7 @@ def test_a_documents_label_words_are_text_not_labels(tmp_path):
                                 for i in range(40)))
     train_quality([str(hq)], [str(lq)], str(tmp_path / "m.bin"), bucket=MIN_BUCKETS, epoch=5)
     assert sorted(load_model(str(tmp_path / "m.bin")).get_labels()) == ["__label__hq", "__label__lq"]
+    assert _one_line("a\0__label__zz  b\n__label__hq") == "a label__zz b label__hq"  # fastText splits at NUL
 
 
 def test_without_fasttext_the_quality_stage_says_what_to_install(monkeypatch):

@@ -91,3 +91,21 @@ def test_every_parquet_shard_of_every_stage_has_the_inputs_schema(tmp_path):
     assert len(schemas) == 1 and "meta: struct<src: string>" in schemas.pop()
     table = ds.dataset(result["shards"], format="parquet").to_table()
     assert table.num_rows == 3 and table["meta"].to_pylist() == [None, None, {"src": "web"}]
+
+
+def test_a_shard_of_empty_lists_takes_the_other_shards_list_type(tmp_path):
+    """A shard whose lists were all empty holds ``list<null>``: the run was refused as if the input had
+    two types (planted: nulls promoted at the top level only). Types that do differ still are."""
+    import pyarrow.parquet as pq
+
+    from data_pipeline.curate.config import build_config
+    from data_pipeline.curate.pipeline import run_pipeline
+
+    tags = [[], [], ["a"], ["b", "c"]]  # shards of 2: empty lists, then strings
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i}", "tags": t}) + "\n" for i, t in enumerate(tags)))
+    raw = {"input": {"paths": [str(src)], "shard_docs": 2}, "stages": [],
+           "output": {"dir": str(tmp_path / "out"), "format": "parquet"}}
+    result = run_pipeline(build_config(raw), log=lambda line: None)
+    assert {str(pq.read_schema(s).field("tags").type) for s in result["shards"]} == {"list<element: string>"}
+    assert [r["tags"] for s in result["shards"] for r in read_shard(s)] == tags

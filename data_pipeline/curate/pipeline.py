@@ -181,7 +181,8 @@ record's fields, quality scores are P(hq) among every label, shards in numeric o
 fuzzy dedup compare text in NFC. 4: clean keeps indentation and counts a Han or kana character after
 a letter or digit as a word of its own; decontamination credits an n-gram of several tasks to each;
 input keeps a whole-float id as its integer and counts an id of another kind as a bad record; parquet
-shards keep the input's schema through every stage."""
+shards keep the input's schema through every stage; the quality stage reads a document's ``__label__``
+words as text."""
 
 
 def _digest(fingerprint: dict) -> str:

@@ -66,8 +66,11 @@ def _one_line(text: str) -> str:
     """One example a line, as fastText reads them; a word that begins with fastText's label prefix
     loses it: left in, a document's ``__label__lq`` made it an example of that label too in training
     (a new label where none had that name), and was taken out of its words in scoring."""
+    words = text.replace("\0", " ").split()  # fastText ends a word at NUL too
+    if LABEL_PREFIX not in text:
+        return " ".join(words)
     return " ".join(word.replace(LABEL_PREFIX, "label__", 1) if word.startswith(LABEL_PREFIX) else word
-                    for word in text.split())
+                    for word in words)
 
 
 def _fasttext():

@@ -103,36 +103,43 @@ def _mixed_field(records: list[dict]) -> str | None:
 
 
 def mixed_schemas(paths: list[str]) -> str | None:
-    """The first field that two parquet shards hold in different types (a column of nulls aside), said
-    with both; None where they agree. Each shard is written from its own documents, whose types agree
-    (``write_shard``), but one type in one shard and another in the next make a dataset no reader
-    takes as one (Arrow refuses int64 beside string, and beside double)."""
+    """The first field that two parquet shards hold in different types, said with both; None where they
+    agree. Each shard is written from its own documents, whose types agree (``write_shard``), but one
+    type in one shard and another in the next make a dataset no reader takes as one (Arrow refuses
+    int64 beside string, and beside double). Nulls are no type: a column of them, or a list or struct
+    holding only them (``list<null>`` where a shard's lists were all empty), takes the others' type."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    seen: dict[str, tuple[pa.DataType, str]] = {}
+    merged, where = pa.schema([]), {}
     for path in paths:
-        for column in pq.read_schema(path):
-            if pa.types.is_null(column.type):
-                continue
-            first = seen.setdefault(column.name, (column.type, path))
-            if first[0] != column.type:
-                return f"field {column.name!r} is {first[0]} in {first[1]} and {column.type} in {path}"
+        schema = pq.read_schema(path)
+        for column in schema:
+            one = merged.field(column.name) if column.name in merged.names else None
+            if one is not None and _merged([pa.schema([one]), pa.schema([column])]) is None:
+                return f"field {column.name!r} is {one.type} in {where[column.name]} and {column.type} in {path}"
+            if one is None or pa.types.is_null(one.type):
+                where[column.name] = path
+        merged = _merged([merged, schema])
     return None
+
+
+def _merged(schemas: list):
+    """The schemas as one, nulls taking the other's type at any depth; None where a field's types clash."""
+    import pyarrow as pa
+
+    try:
+        return pa.unify_schemas(schemas, promote_options="default")
+    except (pa.ArrowTypeError, pa.ArrowInvalid):
+        return None
 
 
 def unified_schema(paths: list[str]):
     """Every field of the parquet shards ``paths``, in the order first seen, each of the type some shard
-    gives it (a column of nulls takes the others' type); ``mixed_schemas`` has found no two types."""
-    import pyarrow as pa
+    gives it (nulls take the others' type, at any depth); ``mixed_schemas`` has found no two types."""
     import pyarrow.parquet as pq
 
-    fields: dict[str, pa.DataType] = {}
-    for path in paths:
-        for column in pq.read_schema(path):
-            if pa.types.is_null(fields.get(column.name, pa.null())):
-                fields[column.name] = column.type
-    return pa.schema(list(fields.items()))
+    return _merged([pq.read_schema(path) for path in paths]).remove_metadata()
 
 
 def conformed(table, schema):
