@@ -300,11 +300,15 @@ def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
             with_ngrams += int(np.count_nonzero(np.unique(text) + begin < written))
         short[names[t]] = written - with_ngrams
     keys, owner = np.concatenate(keys or [np.zeros(0, np.uint64)]), np.concatenate(owner or [np.zeros(0, np.int32)])
-    pairs = np.unique(np.stack([keys, owner.astype(np.uint64)], axis=1), axis=0)  # by key, then task
+    order = np.lexsort((owner, keys))  # by key, then task (a quarter of np.unique(axis=0)'s time)
+    keys, owner = keys[order], owner[order]
+    new = np.ones(len(keys), bool)
+    new[1:] = (keys[1:] != keys[:-1]) | (owner[1:] != owner[:-1])
+    pair_keys, pair_tasks = keys[new], owner[new]
+    unique_keys = np.unique(pair_keys)
     with written_whole(out_path, ".npz") as tmp:
-        np.savez(tmp, keys=np.unique(pairs[:, 0]), pair_keys=pairs[:, 0], pair_tasks=pairs[:, 1].astype(np.int32),
-                 names=np.array(names))
-    return {"task_ngrams": len(np.unique(pairs[:, 0])), "task_texts_shorter_than_ngram": short}
+        np.savez(tmp, keys=unique_keys, pair_keys=pair_keys, pair_tasks=pair_tasks, names=np.array(names))
+    return {"task_ngrams": len(unique_keys), "task_texts_shorter_than_ngram": short}
 
 
 def _load_tasks(path: str):
