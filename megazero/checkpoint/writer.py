@@ -14,15 +14,17 @@ Protocol (every rank calls ``save`` for the same step, at the same point of the 
 A save that fails anywhere (a full disk, a read-only mount, lost permissions) fails on every rank
 with one ``CheckpointError`` naming the directory and the rank, and the reason in words on the rank
 it happened to; given ``gather`` (every rank's value, in rank order), every rank raises that rank's
-own words, marked agreed, so a launch prints the cause once, not a line a rank; the partial directory is removed (a full disk is not left fuller) and the previous
-complete checkpoint stays the latest (a ``latest`` that cannot be replaced undoes the rename). Every
+own words, marked agreed, so a launch prints the cause once, not a line a rank. The partial
+directory is removed (a full disk is not left fuller) and the previous complete checkpoint stays
+the latest (a ``latest`` that cannot be replaced undoes the rename). Every
 rank still passes every barrier, so none is left waiting. Only removing older checkpoints may fail
 after the commit: that is a warning, since the new checkpoint is complete.
 
 The ranks must share a filesystem: rank 0 renames a directory the others wrote into. The barrier and
 the gather are injected (``dist.barrier`` and ``dist.all_gather_object`` in the trainer, a
-``threading.Barrier`` in tests) so this module needs no process group; it is only ever called from the thread that calls ``save`` and
-``wait``, so it never races the training loop's own collectives.
+``threading.Barrier`` in tests) so this module needs no process group; they are only ever called
+from the thread that calls ``save`` and ``wait``, so they never race the training loop's own
+collectives.
 
 Asynchronous saves copy every tensor to CPU (pinned memory when CUDA is present) before ``save``
 returns -- training may then overwrite the originals -- and write the files in a thread. The

@@ -98,7 +98,8 @@ def _check_inputs(names: list[str], json_key: str) -> None:
             missing, columns = missing_columns(name, (json_key,))
             if missing:
                 raise ValueError(f"{name}: no column {json_key!r} (columns: {columns}); choose one with --json-key")
-            if os.path.isfile(name) and not name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):  # a pipe is read once, by training
+            # a pipe is read once, by training
+            if os.path.isfile(name) and not name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):
                 _, first = next(iter_lines(name), (0, b""))
                 if is_record_of(first, json_key):
                     raise ValueError(json_lines_named_as_text(name, json_key))
