@@ -297,13 +297,10 @@ def _largest_token_id(cfg: Config, prefixes: list[str], tokenizer) -> tuple[Opti
 
 
 def _busy_problems(cfg: Config) -> list[str]:
-    """The run and checkpoint directories must not be held by a live job (``RunDirLock``)."""
-    from megazero.run_lock import RunDirLock
+    """The run's directories (``run_locks``) must not be held by a live job."""
+    from megazero.run_lock import run_locks
 
-    locks = [RunDirLock(cfg.logging.run_dir)]
-    if os.path.abspath(cfg.save_dir) != os.path.abspath(cfg.logging.run_dir):
-        locks.append(RunDirLock(cfg.save_dir, field="checkpoint.save_dir", what="checkpoint directory"))
-    return [message for message in (lock.busy() for lock in locks) if message]
+    return [message for message in (lock.busy() for lock in run_locks(cfg.logging.run_dir, cfg.save_dir)) if message]
 
 
 def _directory_problems(cfg: Config) -> list[str]:

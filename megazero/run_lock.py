@@ -214,6 +214,17 @@ class RunDirLock:
         self.release()
 
 
+def run_locks(run_dir: str, save_dir: str) -> list[RunDirLock]:
+    """A run's locks: its run directory's, and its checkpoint directory's unless that is the same one
+    (jobs of two run directories may name one ``save_dir``). "The same" is asked of the filesystem
+    where both exist: two spellings of one directory (a symlink, a bind mount, a case-insensitive
+    volume) would otherwise have the job refused by its own lock."""
+    same = (os.path.isdir(save_dir) and os.path.isdir(run_dir) and os.path.samefile(save_dir, run_dir)
+            or os.path.abspath(save_dir) == os.path.abspath(run_dir))
+    locks = [RunDirLock(run_dir)]
+    return locks if same else locks + [RunDirLock(save_dir, field="checkpoint.save_dir", what="checkpoint directory")]
+
+
 def _is_record(record) -> bool:
     """Whether ``record`` is a holder's record as ``RunDirLock`` writes it: a host, a process id that
     names one process (0 and negative ids name groups of them; a C int holds every pid), and a start

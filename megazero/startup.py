@@ -18,7 +18,7 @@ from megazero.config import Config, save_config
 from megazero.config.loader import config_to_dict
 from megazero.config.validate import config_notes
 from megazero.errors import UserError
-from megazero.run_lock import RunDirLock
+from megazero.run_lock import RunDirLock, run_locks
 from parallel.launch import EXIT_STOPPED, LaunchEnv, LaunchError, destroy_process_group, init_process_group, pick_device
 from parallel.topology import RankGrid, Topology
 
@@ -74,18 +74,16 @@ def verify_consistent(cfg: Config) -> None:
 
 
 def lock_directories(cfg: Config) -> list[RunDirLock]:
-    """Rank 0's locks: the run directory, and the checkpoint directory unless it is the same one (jobs
-    of two run directories may name one ``save_dir``). "The same" is asked of the filesystem once the
-    run directory exists: two spellings of one directory (a symlink, a bind mount, a case-insensitive
-    volume) would otherwise have the job refused by its own lock."""
-    run_lock = RunDirLock(cfg.logging.run_dir).acquire()
-    if os.path.isdir(cfg.save_dir) and os.path.samefile(cfg.save_dir, cfg.logging.run_dir):
-        return [run_lock]
+    """Rank 0's locks (``run_locks``), taken in turn; one that cannot be taken releases the others."""
+    held: list[RunDirLock] = []
     try:
-        return [run_lock, RunDirLock(cfg.save_dir, field="checkpoint.save_dir", what="checkpoint directory").acquire()]
+        for lock in run_locks(cfg.logging.run_dir, cfg.save_dir):
+            held.append(lock.acquire())
     except BaseException:
-        run_lock.release()
+        for lock in reversed(held):
+            lock.release()
         raise
+    return held
 
 
 def _crash_output() -> int:
