@@ -40,7 +40,7 @@ from data_pipeline.curate.quality import quality_shard
 from data_pipeline.curate.report import changes, write_report
 from data_pipeline.curate.runner import Task, make_executor, merge_stats, run_tasks
 from data_pipeline.curate.shards import (UNREADABLE, atomic_write_text, conform_shards, ingest_file, list_shards,
-                                         mixed_schemas)
+                                         unified_schema)
 
 
 @dataclass
@@ -85,12 +85,14 @@ def run_ingest(ctx: Context, out_dir: str) -> dict:
         more = f" (and {len(unreadable) - 1} more input files alike)" if len(unreadable) > 1 else ""
         raise ValueError(f"input.paths: {unreadable[0]}{more}")
     parquet = sorted(glob.glob(os.path.join(out_dir, "*.parquet")))
-    mixed = parquet and mixed_schemas(parquet)
-    if mixed:  # later stages only drop documents: their shards agree where these do
-        shutil.rmtree(out_dir)
-        raise ValueError(f"input.paths: {mixed}; give the field one type in the input, or set output.format to jsonl")
     if parquet:  # one schema, which every later stage's shard keeps (``write_shard``'s ``like``)
-        conform_shards(parquet)
+        try:
+            schema = unified_schema(parquet)
+        except ValueError as mixed:
+            shutil.rmtree(out_dir)
+            raise ValueError(f"input.paths: {mixed}; give the field one type in the input, or set output.format "
+                             "to jsonl") from None
+        conform_shards(parquet, schema)
     stats = merge_stats(results)
     if stats["docs_out"] == 0:  # nothing here is worth resuming: a corrected config starts afresh
         shutil.rmtree(out_dir)  # (a file with records but no good one was refused above: every file is empty)

@@ -102,26 +102,30 @@ def _mixed_field(records: list[dict]) -> str | None:
     return None
 
 
-def mixed_schemas(paths: list[str]) -> str | None:
-    """The first field that two parquet shards hold in different types, said with both; None where they
-    agree. Each shard is written from its own documents, whose types agree (``write_shard``), but one
-    type in one shard and another in the next make a dataset no reader takes as one (Arrow refuses
-    int64 beside string, and beside double). Nulls are no type: a column of them, or a list or struct
-    holding only them (``list<null>`` where a shard's lists were all empty), takes the others' type."""
+def unified_schema(paths: list[str]):
+    """Every field of the parquet shards ``paths``, in the order first seen, each of the type the shards
+    give it. Nulls are no type: a column of them, or a list or struct holding only them (``list<null>``
+    where a shard's lists were all empty), takes the others' type. A ValueError names the first field
+    that two shards hold in different types: each shard is written from its own documents, whose types
+    agree (``write_shard``), but one type in one shard and another in the next make a dataset no reader
+    takes as one (Arrow refuses int64 beside string, and beside double)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    merged, where = pa.schema([]), {}
+    merged, typed_in = pa.schema([]), {}  # and the shard that gave each field its type
     for path in paths:
         schema = pq.read_schema(path)
+        both = _merged([merged, schema])
+        if both is None:
+            column = next(c for c in schema if c.name in merged.names
+                          and _merged([pa.schema([merged.field(c.name)]), pa.schema([c])]) is None)
+            raise ValueError(f"field {column.name!r} is {merged.field(column.name).type} in {typed_in[column.name]} "
+                             f"and {column.type} in {path}")
         for column in schema:
-            one = merged.field(column.name) if column.name in merged.names else None
-            if one is not None and _merged([pa.schema([one]), pa.schema([column])]) is None:
-                return f"field {column.name!r} is {one.type} in {where[column.name]} and {column.type} in {path}"
-            if one is None or pa.types.is_null(one.type):
-                where[column.name] = path
-        merged = _merged([merged, schema])
-    return None
+            if column.name not in merged.names or pa.types.is_null(merged.field(column.name).type):
+                typed_in[column.name] = path
+        merged = both
+    return merged.remove_metadata()
 
 
 def _merged(schemas: list):
@@ -132,14 +136,6 @@ def _merged(schemas: list):
         return pa.unify_schemas(schemas, promote_options="default")
     except (pa.ArrowTypeError, pa.ArrowInvalid):
         return None
-
-
-def unified_schema(paths: list[str]):
-    """Every field of the parquet shards ``paths``, in the order first seen, each of the type some shard
-    gives it (nulls take the others' type, at any depth); ``mixed_schemas`` has found no two types."""
-    import pyarrow.parquet as pq
-
-    return _merged([pq.read_schema(path) for path in paths]).remove_metadata()
 
 
 def conformed(table, schema):
@@ -153,12 +149,11 @@ def conformed(table, schema):
     return pa.table(columns + [table[name] for name in extra], names=schema.names + extra)
 
 
-def conform_shards(paths: list[str]) -> None:
-    """Rewrite the parquet shards whose schema is not their union's (``unified_schema``), so that every
-    later stage, which writes each shard in its input's schema, writes one dataset."""
+def conform_shards(paths: list[str], schema) -> None:
+    """Rewrite the parquet shards whose schema is not ``schema`` (their ``unified_schema``), so that
+    every later stage, which writes each shard in its input's schema, writes one dataset."""
     import pyarrow.parquet as pq
 
-    schema = unified_schema(paths)
     for path in paths:
         if not pq.read_schema(path).equals(schema):
             table = conformed(pq.read_table(path), schema)
