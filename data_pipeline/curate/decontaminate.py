@@ -305,7 +305,7 @@ def build_task_ngrams(cfg: DecontaminateConfig, out_path: str) -> dict:
     new = np.ones(len(keys), bool)
     new[1:] = (keys[1:] != keys[:-1]) | (owner[1:] != owner[:-1])
     pair_keys, pair_tasks = keys[new], owner[new]
-    unique_keys = np.unique(pair_keys)
+    unique_keys = pair_keys[np.r_[True, pair_keys[1:] != pair_keys[:-1]]] if len(pair_keys) else pair_keys
     with written_whole(out_path, ".npz") as tmp:
         np.savez(tmp, keys=unique_keys, pair_keys=pair_keys, pair_tasks=pair_tasks, names=np.array(names))
     return {"task_ngrams": len(unique_keys), "task_texts_shorter_than_ngram": short}
@@ -316,18 +316,13 @@ def _load_tasks(path: str):
     return data["keys"], (data["pair_keys"], data["pair_tasks"]), [str(n) for n in data["names"]]
 
 
-def hits_per_task(hit_keys: np.ndarray, pairs: tuple[np.ndarray, np.ndarray], tasks: int) -> np.ndarray:
-    """How many hits each task's n-grams took: a hit on an n-gram of several tasks counts for each."""
+def hits_per_task(hit_keys: np.ndarray, keys: np.ndarray, pairs: tuple[np.ndarray, np.ndarray],
+                  tasks: int) -> np.ndarray:
+    """How many hits each task's n-grams took (``keys``: every task n-gram once, sorted; ``pairs``: each
+    (n-gram, task) once): a hit on an n-gram of several tasks counts for each."""
     pair_keys, pair_tasks = pairs
-    lo, hi = np.searchsorted(pair_keys, hit_keys, "left"), np.searchsorted(pair_keys, hit_keys, "right")
-    owners = pair_tasks[np.repeat(lo, hi - lo) + _ranges(hi - lo)]
-    return np.bincount(owners, minlength=tasks)
-
-
-def _ranges(lengths: np.ndarray) -> np.ndarray:
-    """0 .. n-1 for each n of ``lengths``, end to end."""
-    ends = np.cumsum(lengths)
-    return np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - lengths, lengths)
+    per_key = np.bincount(np.searchsorted(keys, hit_keys), minlength=len(keys))
+    return np.bincount(pair_tasks, weights=per_key[np.searchsorted(keys, pair_keys)], minlength=tasks).astype(np.int64)
 
 
 def doc_freq_shard(in_path: str, tasks_path: str, out_prefix: str, text_field: str, n: int) -> dict:
@@ -376,10 +371,10 @@ def decontaminate_shard(in_path: str, out_path: str, hits_path: str, tasks_path:
                         text_field: str, cfg: DecontaminateConfig) -> dict:
     """Cut the hits the ``doc_freq`` pass found, less the frequent n-grams; only documents with a hit
     are split into words again (for their character positions)."""
-    _, pairs, names = _load_tasks(tasks_path)
+    keys, pairs, names = _load_tasks(tasks_path)
     hits = np.load(hits_path)
     hits = hits[~np.isin(hits["key"], np.load(ignored_path))]
-    per_task = hits_per_task(hits["key"], pairs, len(names))
+    per_task = hits_per_task(hits["key"], keys, pairs, len(names))
     rows, first = np.unique(hits["row"], return_index=True)
     windows = dict(zip(rows.tolist(), np.split(hits["window"], first[1:]))) if len(hits) else {}
     ngrams = NgramKeys(cfg.ngram)
