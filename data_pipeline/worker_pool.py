@@ -32,6 +32,10 @@ class WorkerDied(OSError):
     own unfinished: the pool replaces the worker, but the task is lost and its result never comes."""
 
 
+RERUN = "run again (finished work is kept where the command resumes) with fewer workers or more memory a worker"
+"""What a ``WorkerDied`` message tells the user to do, whichever executor's worker died."""
+
+
 def _start_worker(initializer: Optional[Callable[..., None]], initargs: tuple) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one sent meanwhile ends this worker now
@@ -67,8 +71,7 @@ def watched(pool: Any, results: Any, what: str) -> Iterator[Any]:
             if dead is not None:
                 _abandon(pool)
                 raise WorkerDied(f"a worker process (pid {dead.pid}) {_ended(dead.exitcode)} while results of {what} "
-                                 "were awaited (a task it ran is lost); run again (finished work is kept where the "
-                                 "command resumes) with fewer workers or more memory")
+                                 f"were awaited (a task it ran is lost); {RERUN}")
 
 
 def _ended(code: int) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from data_pipeline.curate.shards import atomic_write_text
-from data_pipeline.worker_pool import WorkerDied, watched, worker_pool
+from data_pipeline.worker_pool import RERUN, WorkerDied, watched, worker_pool
 
 
 @dataclass
@@ -98,8 +98,7 @@ class RayExecutor:
                 raise (cause if isinstance(cause, Exception) else exc) from None
             except ray.exceptions.RayError as exc:  # the worker itself died (out of memory, a crash), or its node
                 raise WorkerDied(f"a Ray worker ended ({type(exc).__name__}) while running a task of this stage, which "
-                                 "is lost; run again (finished tasks are kept) with fewer workers or more memory a "
-                                 "worker") from None
+                                 f"is lost; {RERUN}") from None
 
     def close(self) -> None:
         if self._started:
