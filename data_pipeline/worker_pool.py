@@ -17,9 +17,7 @@ unblock it once they have its default action: one sent before that waits, and th
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
-import os
 import signal
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -69,7 +67,6 @@ def watched(pool: Any, results: Any, what: str) -> Iterator[Any]:
         except mp.TimeoutError:
             dead = next((w for w in workers if w.exitcode is not None), None)
             if dead is not None:
-                _abandon(pool)
                 raise WorkerDied(f"a worker process (pid {dead.pid}) {_ended(dead.exitcode)} while results of {what} "
                                  f"were awaited (a task it ran is lost); {RERUN}")
 
@@ -82,16 +79,3 @@ def _ended(code: int) -> str:
     except ValueError:  # a signal without a name (a real-time one)
         return f"was killed by signal {-code}"
     return f"was killed by signal {-code} ({name}{': out of memory?' if -code == signal.SIGKILL else ''})"
-
-
-def _abandon(pool: Any) -> None:
-    """Make a pool with a dead worker end at its ``terminate()``: an idle worker waits for its next task
-    holding the task queue's read lock, and one killed there holds it for ever, so ``terminate()``,
-    which takes that lock first, waited for ever (the command hung after saying what had died). The
-    other workers are killed (their results are no longer awaited) and the lock released."""
-    for worker in list(pool._pool):
-        if worker.exitcode is None:
-            with contextlib.suppress(OSError):
-                os.kill(worker.pid, signal.SIGKILL)
-    with contextlib.suppress(ValueError):  # not held: released too many times
-        pool._inqueue._rlock.release()
