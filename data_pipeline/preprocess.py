@@ -26,7 +26,7 @@ from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
 from data_pipeline.shard_origin import tokenizer_identity
 from data_pipeline.sources import Batch, check_input, input_files, iter_batches, no_documents_problem
 from data_pipeline.tokenizer import load_tokenizer, require_eod
-from data_pipeline.worker_pool import watched, worker_pool
+from data_pipeline.worker_pool import WorkerPool
 
 _tokenizer = None  # one per worker process, loaded by _init_worker
 
@@ -137,8 +137,8 @@ def _encoded(batches: Iterable[Batch], tokenizer_path: str, keys, append_eod: bo
         _init_worker(tokenizer_path)
         yield from map(_encode_in_worker, jobs)
         return
-    with worker_pool(workers, _init_worker, (tokenizer_path,)) as pool:
-        yield from watched(pool, pool.imap(_encode_in_worker, jobs, chunksize=1), "a batch of documents")
+    with WorkerPool(workers, _init_worker, (tokenizer_path,)) as pool:
+        yield from pool.imap(_encode_in_worker, jobs, "a batch of documents")
 
 
 def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys: tuple[str, ...] = ("text",),

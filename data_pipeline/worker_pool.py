@@ -1,12 +1,20 @@
 """The process pool the data tools run their workers in.
 
-Workers are forked where the platform can (they start without re-importing the project) and each
-ends on SIGTERM at once, as a process with no handler does. The commands turn SIGTERM into an
-exception in the parent so that it can clean up (``megazero.cli``), and a forked worker inherits
-that handler: a pool's ``terminate()``, which every stop and every normal end of a pool runs,
-sends its workers SIGTERM and then waits for them, and a worker that caught it as an exception
-could be left waiting for a task queue the parent had already locked, hanging the command for ever.
-The parent alone cleans up; its workers only compute.
+It is built on ``concurrent.futures.ProcessPoolExecutor`` rather than ``multiprocessing.Pool``
+because of how each treats a worker that dies (the OOM killer, a crash in native code). A
+``Pool`` replaces the worker and waits for its task's result for ever; and an idle worker waits
+for tasks holding the task queue's lock, so one killed while idle leaves that lock taken, and the
+pool's ``terminate()`` then waits on it for ever too. The executor watches every worker's exit and,
+at the first death, fails every awaited result and kills the other workers without touching the
+queue's locks, so a death anywhere ends the command with one line (``WorkerDied``).
+
+Workers are forked where the platform can (they start without re-importing the project) and end on
+SIGTERM at once, as a process with no handler does. The commands turn SIGTERM into an exception in
+the parent so that it can clean up (``megazero.cli``), and a forked worker inherits that handler:
+a worker that caught the signal as an exception would report it as its task's error and live on,
+and the pool's end, which sends its workers SIGTERM, would then wait for it for ever. The parent
+alone cleans up; its workers only compute. For the same reason they ignore SIGINT: a Ctrl-C reaches
+the whole process group, and the parent's stop then ends them.
 
 Resetting the handler in the worker is not enough by itself: a SIGTERM that arrives between the fork
 and the reset trips the inherited handler, which Python runs only at its next check, and by then
@@ -19,15 +27,20 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
-from collections.abc import Callable, Iterator
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Optional
 
-POLL_S = 1.0  # how often a wait for results looks for workers that died
+AHEAD = 4  # tasks handed out per worker before their results are taken: enough to keep each busy
+DEATH_S = 10.0  # how long a broken pool's workers are given to end before the error names the first death
 
 
 class WorkerDied(OSError):
-    """A worker process ended (killed by the OOM killer, or a crash in native code) with a task of its
-    own unfinished: the pool replaces the worker, but the task is lost and its result never comes."""
+    """A worker process ended (killed by the OOM killer, or a crash in native code): the tasks it and
+    the others were running are lost, and the pool is stopped."""
 
 
 RERUN = "run again (finished work is kept where the command resumes) with fewer workers or more memory a worker"
@@ -36,39 +49,88 @@ RERUN = "run again (finished work is kept where the command resumes) with fewer 
 
 def _start_worker(initializer: Optional[Callable[..., None]], initargs: tuple) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one sent meanwhile ends this worker now
     if initializer is not None:
         initializer(*initargs)
 
 
-def worker_pool(workers: int, initializer: Optional[Callable[..., None]] = None, initargs: tuple = ()) -> Any:
-    """A ``multiprocessing`` pool of ``workers`` processes (fork where available, else spawn) whose
-    workers die on SIGTERM; ``initializer(*initargs)`` runs in each after that."""
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    # the workers, and the pool's thread that replaces any that die, inherit this thread's mask
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        return ctx.Pool(workers, initializer=_start_worker, initargs=(initializer, initargs))
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+class WorkerPool:
+    """``workers`` processes (fork where available, else spawn) whose workers die on SIGTERM;
+    ``initializer(*initargs)`` runs in each after that. A context manager: leaving it stops the
+    workers, also while they run tasks."""
 
+    def __init__(self, workers: int, initializer: Optional[Callable[..., None]] = None, initargs: tuple = ()):
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        self.workers = workers
+        self._executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
+                                             initargs=(initializer, initargs))
+        self._processes: dict[int, Any] = {}  # every worker started, dead ones kept: the error names them
 
-def watched(pool: Any, results: Any, what: str) -> Iterator[Any]:
-    """The results of ``pool.imap`` or ``imap_unordered``, raising ``WorkerDied`` once a worker has
-    ended while results are still awaited (a pool waits for a lost task's result for ever: a worker
-    killed for memory hung the command with every other worker idle). ``what``: the task, as the
-    error names it ("a shard's task")."""
-    workers = list(pool._pool)  # every worker is started with the pool; one only ends by dying
-    while True:
+    def imap(self, fn: Callable[[Any], Any], jobs: Iterable[Any], what: str, ordered: bool = True) -> Iterator[Any]:
+        """``fn(job)`` for every job, in the jobs' order or (``ordered=False``) as they finish. At most
+        ``AHEAD`` jobs a worker are taken from ``jobs`` before their results are consumed, so a long
+        iterable is not read into memory. A task's exception is raised here; a worker's death raises
+        ``WorkerDied``, naming its signal and ``what`` was awaited ("a shard's task")."""
+        jobs = iter(jobs)
+        pending: deque[Future] = deque()
         try:
-            yield results.next(POLL_S)
-        except StopIteration:
-            return
-        except mp.TimeoutError:
-            dead = next((w for w in workers if w.exitcode is not None), None)
-            if dead is not None:
-                raise WorkerDied(f"a worker process (pid {dead.pid}) {_ended(dead.exitcode)} while results of {what} "
-                                 f"were awaited (a task it ran is lost); {RERUN}")
+            while True:
+                while len(pending) < AHEAD * self.workers:
+                    job = next(jobs, _END)
+                    if job is _END:
+                        break
+                    pending.append(self._submit(fn, job))
+                if not pending:
+                    return
+                if ordered:
+                    yield pending.popleft().result()
+                else:
+                    wait(pending, return_when=FIRST_COMPLETED)
+                    done = next(f for f in pending if f.done())
+                    pending.remove(done)
+                    yield done.result()
+        except BrokenProcessPool:
+            raise WorkerDied(f"{self._dead()} while results of {what} were awaited (the tasks running are lost); "
+                             f"{RERUN}") from None
+
+    def _submit(self, fn: Callable[[Any], Any], job: Any) -> Future:
+        # a submit may fork workers (all of them at the first, with fork), which inherit this thread's mask
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            future = self._executor.submit(fn, job)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        self._processes.update(self._executor._processes or {})
+        return future
+
+    def _dead(self) -> str:
+        """The first death: once the executor sees one it sends every other worker SIGTERM."""
+        deadline = time.monotonic() + DEATH_S
+        for process in self._processes.values():
+            # a dead worker's pipes close a moment before its exit status can be read
+            process.join(max(0.0, deadline - time.monotonic()))
+        ended = [p for p in self._processes.values() if p.exitcode is not None]
+        first = next((p for p in ended if p.exitcode != -signal.SIGTERM), ended[0] if ended else None)
+        if first is None:
+            return "a worker process ended"
+        return f"a worker process (pid {first.pid}) {_ended(first.exitcode)}"
+
+    def close(self) -> None:
+        """Stop the workers now, running tasks and all; every result wanted has been taken by then."""
+        for process in list(self._processes.values()):
+            if process.exitcode is None:
+                process.terminate()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_END = object()
 
 
 def _ended(code: int) -> str:

@@ -1,10 +1,11 @@
-"""The data tools' worker pools end on SIGTERM whatever handler their parent runs.
+"""The data tools' worker pools end on SIGTERM whatever handler their parent runs, and end the
+command with one line when a worker dies, busy or idle.
 
 ``megazero.cli`` turns SIGTERM into an exception in the commands' process so that they clean up; a
-forked worker inherited that handler, and a pool's ``terminate()`` (run at every pool's end)
-then sometimes waited for ever on a worker that caught the signal as an exception and went back
-to wait on the task queue the parent had locked (a test run of the curation pipeline and one of
-``preprocess --workers 2`` hung so). Every pool's workers must have SIGTERM's default action."""
+forked worker inherited that handler, and a pool's end (which sends its workers SIGTERM) then
+sometimes waited for ever on a worker that caught the signal as an exception (a test run of the
+curation pipeline and one of ``preprocess --workers 2`` hung so). Every pool's workers must have
+SIGTERM's default action."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 
 from data_pipeline import worker_pool as worker_pool_module
 from data_pipeline.curate.runner import LocalExecutor
-from data_pipeline.worker_pool import worker_pool
+from data_pipeline.worker_pool import WorkerDied, WorkerPool
 from megazero.cli import _terminated
 
 
@@ -31,8 +32,8 @@ def _sigterm_action(_=None) -> dict:
 def test_workers_take_sigterms_default_under_the_commands_handler(tmp_path):
     previous = signal.signal(signal.SIGTERM, _terminated)  # as megazero.cli installs it
     try:
-        with worker_pool(2) as pool:
-            direct = pool.map(_sigterm_action, range(4))
+        with WorkerPool(2) as pool:
+            direct = list(pool.imap(_sigterm_action, range(4), "a test"))
         executor = LocalExecutor(2)
         try:  # the curation pipeline's executor
             jobs = [(_sigterm_action, (), str(tmp_path / f"task{i}.json")) for i in range(4)]
@@ -45,25 +46,61 @@ def test_workers_take_sigterms_default_under_the_commands_handler(tmp_path):
     assert json.loads((tmp_path / "task0.json").read_text()) == {"sigterm": "default"}
 
 
-def test_the_initializer_still_runs(tmp_path):
-    pool = worker_pool(2, _mark, (str(tmp_path),))
-    pids = set(pool.map(_marked_pid, range(8)))
-    pool.close()
-    pool.join()  # every worker has started (and run the initializer) and ended
-    started = {p.name for p in tmp_path.iterdir()}
-    assert len(started) == 2 and {f"{pid}.started" for pid in pids} <= started  # each worker, whether or not it got work
+def test_the_initializer_runs_in_every_worker(tmp_path):
+    with WorkerPool(2, _mark, (str(tmp_path),)) as pool:
+        pids = set(pool.imap(_marked_pid, range(8), "a test", ordered=False))
+        started = _wait_for_files(tmp_path, 2)  # each worker, whether or not it got work
+    assert {f"{pid}.started" for pid in pids} <= started
+
+
+def _wait_for_files(folder, count: int) -> set:
+    deadline = time.monotonic() + 60
+    while len(list(folder.iterdir())) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {p.name for p in folder.iterdir()}
 
 
 def _mark(folder: str) -> None:
-    import os
-
     open(os.path.join(folder, f"{os.getpid()}.started"), "w").close()
 
 
 def _marked_pid(_) -> int:
-    import os
-
     return os.getpid()
+
+
+def test_results_come_in_order_or_as_they_finish_and_the_jobs_are_read_as_needed():
+    """``imap`` keeps the jobs' order unless told not to, and takes jobs from the iterable only a few
+    a worker ahead of the results taken (preprocessing hands it a whole corpus's batches)."""
+    taken = []
+
+    def jobs():
+        for i in range(40):
+            taken.append(i)
+            yield i
+
+    with WorkerPool(2) as pool:
+        ordered = pool.imap(_square_after, jobs(), "a test")
+        assert next(ordered) == 0 and len(taken) <= 2 * worker_pool_module.AHEAD
+        assert list(ordered) == [i * i for i in range(1, 40)]
+        finished = list(pool.imap(_square_after, [500, 0], "a test", ordered=False))
+    assert finished == [0, 250000]  # the job of 0 ms is back first
+
+
+def _square_after(i: int) -> int:
+    time.sleep(i / 1000)
+    return i * i
+
+
+def test_a_tasks_exception_is_raised_as_itself():
+    with WorkerPool(2) as pool:
+        with pytest.raises(ValueError, match="bad record 3"):
+            list(pool.imap(_fails_on_3, range(6), "a test"))
+
+
+def _fails_on_3(i: int) -> int:
+    if i == 3:
+        raise ValueError("bad record 3")
+    return i
 
 
 def test_a_sigterm_sent_before_the_worker_drops_the_handler_still_ends_it():
@@ -94,8 +131,8 @@ def test_the_parent_keeps_its_signal_mask(parent_blocks):
     previous = signal.pthread_sigmask(how, {signal.SIGTERM})
     try:
         before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
-        with worker_pool(1) as pool:
-            assert pool.map(_sigterm_action, range(2)) == [{"sigterm": "default"}] * 2
+        with WorkerPool(1) as pool:
+            assert list(pool.imap(_sigterm_action, range(2), "a test")) == [{"sigterm": "default"}] * 2
             assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
@@ -113,9 +150,9 @@ def test_workers_are_forked_with_sigterm_blocked(tmp_path, monkeypatch):
         start_worker(*args)
 
     monkeypatch.setattr(worker_pool_module, "_start_worker", noting_start)  # forked: the workers see it
-    pool = worker_pool(2)
-    pool.close()
-    pool.join()
+    with WorkerPool(2) as pool:
+        list(pool.imap(_marked_pid, range(2), "a test"))  # the workers are forked at the first task
+        _wait_for_files(tmp_path, 2)
     assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["blocked", "blocked"]
 
 
@@ -130,15 +167,13 @@ def _dies_on_3_task(i: int) -> dict:
 
 
 def test_a_worker_killed_mid_task_fails_the_wait_instead_of_hanging_it(tmp_path):
-    """A pool replaces a dead worker, but its task's result never comes: the curation stage and
-    preprocessing waited for it for ever (planted: the bare imap). Both waits now end within
-    seconds, naming the signal."""
-    from data_pipeline.worker_pool import WorkerDied, watched
-
-    with worker_pool(2) as pool:
+    """A ``multiprocessing.Pool`` replaces a dead worker, but its task's result never comes: the
+    curation stage and preprocessing waited for it for ever. Both waits now end within seconds,
+    naming the signal."""
+    with WorkerPool(2) as pool:
         with pytest.raises(WorkerDied, match=r"was killed by signal 9 \(SIGKILL: out of memory\?\) while results of "
-                                             r"a batch were awaited \(a task it ran is lost\)"):
-            list(watched(pool, pool.imap(_dies_on_3, range(8), chunksize=1), "a batch"))
+                                             r"a batch were awaited \(the tasks running are lost\)"):
+            list(pool.imap(_dies_on_3, range(8), "a batch"))
     executor = LocalExecutor(2)
     try:
         jobs = [(_dies_on_3_task, (i,), str(tmp_path / f"task{i}.json")) for i in range(6)]
@@ -159,8 +194,41 @@ def _idles_or_sleeps(i: int) -> tuple:
 def test_a_signal_without_a_name_is_said_by_number():
     """A real-time signal has no name in ``signal.Signals``: looking one up raised ValueError in place
     of the message (planted: the lookup unguarded)."""
-    from data_pipeline.worker_pool import WorkerDied, watched
-
-    with worker_pool(2) as pool:
+    with WorkerPool(2) as pool:
         with pytest.raises(WorkerDied, match=rf"was killed by signal {int(signal.SIGRTMIN) + 3} while"):
-            list(watched(pool, pool.imap(_idles_or_sleeps, [2]), "a task"))
+            list(pool.imap(_idles_or_sleeps, [2], "a task"))
+
+
+def test_a_worker_killed_while_idle_ends_the_pool_too():
+    """An idle worker waits for tasks holding the task queue's lock: killed there, it left the lock
+    taken, and ``multiprocessing.Pool``'s end waited on it for ever (planted: this script on a
+    ``Pool``, which hangs). The pool now fails the wait at once, naming the signal, and its end
+    kills the busy worker instead of waiting out its task. Run in a process of its own, so that a
+    hang is a failed test, not a hung suite."""
+    code = textwrap.dedent("""
+        import time
+        from data_pipeline.worker_pool import WorkerDied, WorkerPool
+        from tests.test_worker_pool import _kills_the_others
+        start = time.monotonic()
+        with WorkerPool(3) as pool:
+            list(pool.imap(_kills_the_others, [()], "a start"))  # every worker is forked at the first task
+            try:
+                list(pool.imap(_kills_the_others, [tuple(pool._processes)], "a long task"))
+            except WorkerDied as exc:
+                print(exc)
+        print(f"ended after {time.monotonic() - start:.1f} s")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    said, ended = done.stdout.splitlines()
+    assert "was killed by signal 9 (SIGKILL: out of memory?) while results of a long task were awaited" in said
+    assert float(ended.split()[2]) < 20  # the long task sleeps 30 s: it was killed, not waited for
+
+
+def _kills_the_others(pids: tuple) -> None:
+    """Kill every other worker (idle: there is one task), then work for 30 s."""
+    if pids:
+        for pid in pids:
+            if pid != os.getpid():
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(30)

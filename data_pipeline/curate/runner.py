@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from data_pipeline.curate.shards import atomic_write_text
-from data_pipeline.worker_pool import RERUN, WorkerDied, watched, worker_pool
+from data_pipeline.worker_pool import RERUN, WorkerDied, WorkerPool
 
 
 @dataclass
@@ -56,14 +56,13 @@ class LocalExecutor:
             yield from map(_run_packed, jobs)
             return
         if self._pool is None:
-            self._pool = worker_pool(self.workers)
-        yield from watched(self._pool, self._pool.imap_unordered(_run_packed, jobs), "a task of this stage")
+            self._pool = WorkerPool(self.workers)
+        yield from self._pool.imap(_run_packed, jobs, "a task of this stage", ordered=False)
 
     def close(self) -> None:
         """Stop the workers; every result has been collected by then, or a task failed and the run stops."""
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            self._pool.close()
             self._pool = None
 
 
