@@ -33,16 +33,18 @@ class DataFacts:
 
 
 def check_run(cfg: Config, *, scan_data: bool = True, checkpoint_files: bool = True, locks: bool = True,
-              ranks_per_node: Optional[int] = None) -> DataFacts:
+              own_job: Optional[str] = None, ranks_per_node: Optional[int] = None) -> DataFacts:
     """Raise one ``ConfigError`` listing every problem with the device, its memory, data, tokenizer
     and directories of ``cfg`` (resolved: ``parallel.dp`` set); ``scan_data`` also reads every shard's
     tokens (cached) to check the largest id against the model's vocabulary; ``checkpoint_files``
     looks at every file of the checkpoint to resume (the ranks that report do, one a node, as
     ``--check`` does: every rank looking at every rank's file would load a shared filesystem with
-    world² requests); ``locks`` asks whether a live job holds the run or checkpoint directory (rank 0
-    only, which takes the locks: another rank could find them already taken by its own job's rank 0);
+    world² requests); ``locks`` asks whether another live job holds the run or checkpoint directory
+    (the reporting ranks ask: the checkpoint checks they would run next are of no use then), where
+    the locks of ``own_job`` (``run_lock.job_identity`` on ranks other than 0, which take no lock
+    and may find their own rank 0's) are not another's;
     ``ranks_per_node`` keeps the suggested layout's tensor groups within a node."""
-    busy = _busy_problems(cfg) if locks else []
+    busy = _busy_problems(cfg, own_job) if locks else []
     problems = busy + _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
     problems += _memory_problems(cfg, ranks_per_node) + _recompute_problems(cfg)
     prefixes, data_problems = _data_prefixes(cfg)
@@ -296,11 +298,12 @@ def _largest_token_id(cfg: Config, prefixes: list[str], tokenizer) -> tuple[Opti
     return largest, problems
 
 
-def _busy_problems(cfg: Config) -> list[str]:
-    """The run's directories (``run_locks``) must not be held by a live job."""
+def _busy_problems(cfg: Config, own_job: Optional[str]) -> list[str]:
+    """The run's directories (``run_locks``) must not be held by another live job."""
     from megazero.run_lock import run_locks
 
-    return [message for message in (lock.busy() for lock in run_locks(cfg.logging.run_dir, cfg.save_dir)) if message]
+    locks = run_locks(cfg.logging.run_dir, cfg.save_dir)
+    return [message for message in (lock.busy(own_job) for lock in locks) if message]
 
 
 def _directory_problems(cfg: Config) -> list[str]:

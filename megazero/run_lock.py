@@ -16,6 +16,10 @@ is taken over (the only test possible across hosts and pid namespaces, or where 
 process cannot be told from another). A stale lock is replaced by an atomic rename, then
 read back: of two jobs taking over at once, the one whose record is in the file wins and the other
 fails with the usual message.
+
+The record also names the holder's job by its rendezvous address (``job_identity``), which every
+rank of one job shares and no two live jobs can: the first rank of another node, checking the
+directories before it trains, can then tell its own job's fresh lock from another job's.
 """
 
 from __future__ import annotations
@@ -39,6 +43,14 @@ STALE_AFTER_S = 600.0
 
 class RunDirBusy(UserError):
     """Another live job holds the run directory."""
+
+
+def job_identity(env=os.environ) -> Optional[str]:
+    """The launch's rendezvous address (``MASTER_ADDR:MASTER_PORT``, with torchrun's run id), the same
+    on every rank of a job and bound by one live job at a time; None for a launch without one."""
+    if not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
+        return None
+    return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}/{env.get('TORCHELASTIC_RUN_ID', '')}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -99,7 +111,7 @@ class RunDirLock:
         self.field, self.what = field, what  # the setting that names the directory, and what it is
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                       "pid_ns": _pid_namespace(), "process": _process_identity(os.getpid())}
+                       "pid_ns": _pid_namespace(), "process": _process_identity(os.getpid()), "job": job_identity()}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -132,13 +144,16 @@ class RunDirLock:
             return True
         return age > self.stale_after_s
 
-    def busy(self) -> Optional[str]:
-        """Why this lock cannot be taken now (a live holder's), or None; takes nothing. A launch asks
+    def busy(self, own_job: Optional[str] = None) -> Optional[str]:
+        """Why another job holds this lock now (a live holder's), or None; takes nothing. A launch asks
         before its other checks: the directory of a live job holds that job's checkpoints and config,
-        which another launch's checks would misread as its own."""
+        which another launch's checks would misread as its own. A lock of ``own_job`` (a rank's own
+        job, whose rank 0 may have taken it already) is not busy."""
         if not self.path.exists():
             return None
         holder = self.holder()
+        if own_job is not None and holder is not None and holder.get("job") == own_job:
+            return None
         return None if self.is_stale(holder) else self._busy_message(holder)
 
     def acquire(self) -> "RunDirLock":
@@ -234,7 +249,7 @@ def _is_record(record) -> bool:
     pid = record.get("pid")
     return (isinstance(record.get("host"), str) and type(pid) is int and 0 < pid < 2**31
             and _since(record.get("started")) is not None
-            and all(isinstance(record.get(key), (str, type(None))) for key in ("pid_ns", "process")))
+            and all(isinstance(record.get(key), (str, type(None))) for key in ("pid_ns", "process", "job")))
 
 
 def _since(started) -> Optional[str]:

@@ -365,3 +365,22 @@ def test_busy_names_a_live_holder_without_taking_the_lock(tmp_path):
     before = (tmp_path / LOCK_FILE).read_text()
     assert RunDirLock(tmp_path).busy() is None
     assert (tmp_path / LOCK_FILE).read_text() == before
+
+
+def test_the_lock_names_its_job_by_the_rendezvous_address(tmp_path, monkeypatch):
+    """Every rank of a job sees one ``MASTER_ADDR:MASTER_PORT`` and run id, and no two live jobs can
+    bind one address: the record written by rank 0 carries it for the other nodes' checks; a
+    launch without one names no job, and a record whose job is not text is not this module's."""
+    from megazero.run_lock import job_identity
+
+    assert job_identity({}) is None and job_identity({"MASTER_ADDR": "n1"}) is None
+    monkeypatch.setenv("MASTER_ADDR", "n1")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4242")
+    with RunDirLock(tmp_path) as held:
+        assert held.holder()["job"] == "n1:29400/4242" == job_identity()
+        assert RunDirLock(tmp_path).busy(own_job="n1:29400/4242") is None
+        assert "in use by" in RunDirLock(tmp_path).busy(own_job="n1:29401/4242")
+    record = {**RunDirLock(tmp_path).record, "job": 5}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(record))
+    assert RunDirLock(tmp_path).holder() is None

@@ -75,11 +75,13 @@ def checked_config(args, launch):
     with the config, device, data, tokenizer and directories, before any process group exists."""
     from megazero.config import load_config, resolve_config
     from megazero.preflight import check_run
+    from megazero.run_lock import job_identity
 
     config_path, overrides = split_config_path(args.overrides)
     cfg = resolve_config(load_config(config_path, overrides), launch.world_size, launch.local_world_size)
-    return cfg, check_run(cfg, scan_data=args.check or launch.rank == 0,
-                          checkpoint_files=args.check or reports_errors(launch), locks=args.check or launch.rank == 0,
+    reports = args.check or reports_errors(launch)
+    return cfg, check_run(cfg, scan_data=args.check or launch.rank == 0, checkpoint_files=reports, locks=reports,
+                          own_job=None if args.check or launch.rank == 0 else job_identity(),
                           ranks_per_node=launch.local_world_size)
 
 
