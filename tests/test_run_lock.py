@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from megazero.run_lock import LOCK_FILE, RunDirBusy, RunDirLock
+from tests.bad_input_files import _train, make_files
 
 
 def _taken_once_stale(tmp_path) -> None:
@@ -384,3 +386,39 @@ def test_the_lock_names_its_job_by_the_rendezvous_address(tmp_path, monkeypatch)
     record = {**RunDirLock(tmp_path).record, "job": 5}
     (tmp_path / LOCK_FILE).write_text(json.dumps(record))
     assert RunDirLock(tmp_path).holder() is None
+
+
+def test_another_nodes_first_rank_tells_a_live_jobs_lock_from_its_own(tmp_path_factory, tmp_path, monkeypatch):
+    """A launch into a live job's run directory, with a config other than that job's: the first rank
+    of another node, which reports too, spoke of the live job's checkpoint (its layer count) where
+    rank 0 said the directory is in use. It now asks the lock as well, and passes a lock of its own
+    job, which its rank 0 may hold by then: the lock names its job by the rendezvous address.
+    (Planted: the lock asked on rank 0 only.)"""
+    from types import SimpleNamespace
+
+    from megazero.commands.train import checked_config
+    from megazero.errors import ConfigError
+    from megazero.run_lock import RunDirLock
+    from parallel.launch import LaunchEnv
+
+    files = make_files(tmp_path_factory.mktemp("inputs"))
+    live = tmp_path / "live"
+    shutil.copytree(files["live"], live)
+    holder = {**RunDirLock(live).record, "job": "node-a:29400/777"}  # this process: a live holder
+    (live / "LOCK").write_text(json.dumps(holder))
+    args = SimpleNamespace(overrides=_train(files, "--logging.run_dir", str(live), "--model.num_layers", "4")[1:],
+                           check=False)
+    first_of_node_1 = LaunchEnv(rank=1, world_size=2, local_rank=0, local_world_size=1)
+    monkeypatch.setenv("MASTER_ADDR", "node-b")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "778")
+    with pytest.raises(ConfigError) as refused:
+        checked_config(args, first_of_node_1)
+    assert "run directory is in use by pid" in str(refused.value) and "num_layers" not in str(refused.value)
+    monkeypatch.setenv("MASTER_ADDR", "node-a")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "777")  # its own job's lock: the checks go on
+    with pytest.raises(ConfigError) as checked:
+        checked_config(args, first_of_node_1)
+    assert "in use" not in str(checked.value) and "num_layers" in str(checked.value), checked.value
+    with pytest.raises(ConfigError, match="run directory is in use by pid"):  # rank 0 takes the lock: any is another's
+        checked_config(args, LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=1))
