@@ -26,14 +26,15 @@ def fails(capsys, tmp_path, *args, dst=None) -> str:
 
 def megatron_checkpoint(root: Path, drop=(), ranks: int = 1, **changes) -> Path:
     """A Megatron-LM GPT checkpoint written by hand (no megatron-core needed): args as a Namespace,
-    one ``model`` dict per tp rank (each holding whole tensors: the argument checks come first)."""
+    one ``model`` dict per tp rank (each holding whole tensors but its share of the 128 vocabulary
+    rows: the argument checks come first, and the first tensor checked fits)."""
     import argparse
 
     hidden, layers, seq, ffn = 16, 2, 8, 64
     args = dict(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=4,
                 padded_vocab_size=128, max_position_embeddings=seq, seq_length=seq, bias_gelu_fusion=True)
     args = {k: v for k, v in {**args, **changes}.items() if k not in drop}
-    model = {"embedding.word_embeddings.weight": torch.randn(128, hidden),
+    model = {"embedding.word_embeddings.weight": torch.randn(128 // ranks, hidden),
              "embedding.position_embeddings.weight": torch.randn(seq, hidden),
              "decoder.final_layernorm.weight": torch.ones(hidden), "decoder.final_layernorm.bias": torch.zeros(hidden)}
     for i in range(layers):

@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
 from megazero.convert.hf import HFSource
+from megazero.convert.hf_models import GPT2
 from megazero.errors import UserError
 from tests.convert_sources import fails, llama_folder
 
@@ -75,9 +76,40 @@ def test_a_rotary_base_in_rope_parameters_is_the_models(tmp_path):
     assert HFSource(tmp_path / "llama").cfg.rope_theta == 500000.0
     saved["rope_theta"] = 10000.0
     (tmp_path / "llama" / "config.json").write_text(json.dumps(saved))
-    with pytest.raises(UserError, match=r"rope_theta: 10000.0 differs from the rotary base its rope settings hold "
-                                        r"\(500000.0\).*keep one of the two"):
+    with pytest.raises(UserError, match=r"rope_theta: 10000.0 differs from the rotary base in "
+                                        r"rope_parameters.rope_theta \(500000.0\).*keep one of the two"):
         HFSource(tmp_path / "llama")
+
+    # the two rope settings, disagreeing (transformers 5 computed with the other base)
+    del saved["rope_theta"]
+    saved["rope_scaling"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match=r"rope_parameters.rope_theta: 500000.0 differs from the rotary base in "
+                                        r"rope_scaling.rope_theta \(10000.0\)"):
+        HFSource(tmp_path / "llama")
+    saved["rope_scaling"]["rope_theta"] = 500000  # agreeing
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(saved))
+    assert HFSource(tmp_path / "llama").cfg.rope_theta == 500000.0
+
+
+def test_gpt2_sizes_under_transformers_other_names(tmp_path):
+    """GPT2Config reads num_attention_heads, num_hidden_layers, hidden_size and max_position_embeddings
+    as its n_* sizes, and the alias wins where both are given: a file with an alias alone was refused
+    as incomplete, and one with both, disagreeing, imported another model (the alias's is the one
+    transformers builds)."""
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=61, n_positions=16)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    path = tmp_path / "gpt2" / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "num_attention_heads": 2}))
+    with pytest.raises(UserError, match=r"num_attention_heads: 2 differs from n_head = 4, and transformers reads "
+                                        r"num_attention_heads, another tool n_head; keep one of the two"):
+        HFSource(tmp_path / "gpt2")
+    renamed = {k: v for k, v in saved.items() if k not in ("n_head", "n_layer")}
+    path.write_text(json.dumps({**renamed, "num_attention_heads": 2, "num_hidden_layers": 1, "n_embd": 32}))
+    built = transformers.AutoConfig.from_pretrained(tmp_path / "gpt2")
+    read = GPT2.model_config(json.loads(path.read_text()), str(path))  # the config alone: the weights have 2 layers
+    assert (read.num_heads, read.num_layers, read.hidden_size) == (built.n_head, built.n_layer, built.n_embd) == (2, 1, 32)
 
 
 def test_a_head_width_other_than_the_models_is_refused_by_name(tmp_path, capsys):

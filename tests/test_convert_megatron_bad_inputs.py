@@ -38,7 +38,17 @@ def test_megatron_rope_args_with_the_values_megatron_records_for_no_change_are_t
 
 
 @pytest.mark.parametrize("drop,changes,want", [
-    ((), {"padded_vocab_size": 0}, "args.vocab_size (model.vocab_size)"),  # converted into a model of no vocabulary
+    ((), {"padded_vocab_size": 0}, "args.padded_vocab_size: 0 is not a positive whole number"),  # no vocabulary
+    # a value of the wrong type failed in arithmetic or a lookup with a traceback
+    ((), {"padded_vocab_size": "16"}, "args.padded_vocab_size: '16' is not a positive whole number"),
+    ((), {"padded_vocab_size": []}, "args.padded_vocab_size: [] is not a positive whole number"),
+    ((), {"tensor_model_parallel_size": "16"}, "args.tensor_model_parallel_size: '16' is not a positive whole"),
+    ((), {"make_vocab_size_divisible_by": "16"}, "args.make_vocab_size_divisible_by: '16' is not a positive whole"),
+    ((), {"position_embedding_type": []}, "args.position_embedding_type: [] is not supported"),
+    ((), {"normalization": {}}, "args.normalization: {} is not supported"),
+    # padding rows the args do not record: imported, the extra rows were cut without a word
+    ((), {"padded_vocab_size": 100}, "embedding.word_embeddings.weight has shape [128, 16] where its args imply [100, 16]"),
+    ((), {"padded_vocab_size": 120, "vocab_size": 121}, "records args.vocab_size 121, more than args.padded_vocab_size"),
     ((), {"num_attention_heads": 3}, "args.num_attention_heads (model.num_heads)"),  # blamed on the weights
     ((), {"num_attention_heads": 0}, "args.num_attention_heads (model.num_heads)"),  # ZeroDivisionError
     (("hidden_size",), {}, "its args lack args.hidden_size"),  # TypeError in torch.empty
@@ -93,6 +103,19 @@ def test_a_vocabulary_size_other_than_the_args_record_is_refused(tmp_path, capsy
     root = megatron_checkpoint(tmp_path / "meg", vocab_size=100)
     err = fails(capsys, tmp_path, root, "--vocab-size", "90")
     assert "--vocab-size: 90, but" in err and "records args.vocab_size 100" in err, err
+
+
+def test_a_null_tokenizers_end_of_document_row_is_imported(tmp_path, capsys):
+    """Megatron's NullTokenizer takes args.vocab_size ids and gives end-of-document the id after them:
+    its vocabulary is one token more. The import left that row out without a word, and refused the
+    --vocab-size that would have kept it."""
+    from megazero.convert.megatron import MegatronSource
+
+    root = megatron_checkpoint(tmp_path / "meg", vocab_size=100, tokenizer_type="NullTokenizer")
+    assert MegatronSource(root).cfg.vocab_size == MegatronSource(root, vocab_size=101).cfg.vocab_size == 101
+    err = fails(capsys, tmp_path, root, "--vocab-size", "100")
+    assert "records a NullTokenizer of args.vocab_size 100 and its end-of-document, 101 tokens" in err, err
+    assert MegatronSource(megatron_checkpoint(tmp_path / "bpe", vocab_size=100)).cfg.vocab_size == 100
 
 
 def test_a_megatron_rank_file_without_weights_is_named(tmp_path, capsys):

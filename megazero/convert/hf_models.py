@@ -47,6 +47,12 @@ def typed(hf: dict, family, where: str) -> dict:
     hints = field_types(ModelConfig)
     values = {}
     for field, key in family.KEYS.items():
+        alias = family.ALIASES.get(key)
+        if alias in hf:  # transformers sets the alias after the key: it wins
+            if key in hf and hf[key] != hf[alias]:
+                raise refuse(f"{where}: {alias}", hf[alias], f"differs from {key} = {hf[key]!r}, and transformers "
+                             f"reads {alias}, another tool {key}", "keep one of the two")
+            key = alias
         if key in hf:
             values[field] = coerce(hf[key], hints[field], f"{where}: {key}", UserError)
         elif field in family.DEFAULTS:
@@ -103,6 +109,9 @@ class GPT2:
             "init_std": "initializer_range"}
     DEFAULTS = {"ffn_hidden_size": None, "seq_length": 1024, "norm_eps": 1e-5, "tie_embeddings": True,
                 "dropout": 0.1, "attention_dropout": 0.1, "init_std": 0.02}
+    ALIASES = {"n_embd": "hidden_size", "n_positions": "max_position_embeddings", "n_head": "num_attention_heads",
+               "n_layer": "num_hidden_layers"}
+    """GPT2Config's ``attribute_map``: a ``config.json`` may give a size under either name."""
     """GPT2Config's own defaults (its dropout rates are 0.1, its initializer_range 0.02): a key left out
     means what ``from_pretrained`` makes of it."""
     BUFFERS = (re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"),)
@@ -198,6 +207,7 @@ class Llama:
             "init_std": "initializer_range"}
     DEFAULTS = {"num_kv_heads": None, "seq_length": 2048, "rope_theta": 10000.0, "norm_eps": 1e-6,
                 "tie_embeddings": False, "bias": False, "attention_dropout": 0.0, "init_std": 0.02}
+    ALIASES: dict[str, str] = {}
     BUFFERS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
     """The rotary frequencies older versions of ``transformers`` saved: computed from rope_theta."""
     BASE = "model"
@@ -230,12 +240,14 @@ class Llama:
             if rope.get("rope_type", rope.get("type", "default")) != "default":
                 raise refuse(f"{where}: {key}", rope.get("rope_type", rope.get("type")), "has no counterpart in "
                              "megazero's rotary embedding", "only models with plain rotary positions can be imported")
-        rope = ropes["rope_parameters"] or ropes["rope_scaling"]
-        theta = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}  # newer files keep it there
-        if theta and hf.get("rope_theta") not in (None, theta["rope_theta"]):
-            raise refuse(f"{where}: rope_theta", hf["rope_theta"], f"differs from the rotary base its rope settings "
-                         f"hold ({theta['rope_theta']}), and versions of transformers differ in which they read",
-                         "keep one of the two")
+        # newer files keep the rotary base in the rope settings; every place that gives one must agree
+        bases = {"rope_theta": hf["rope_theta"]} if hf.get("rope_theta") is not None else {}
+        bases.update({f"{key}.rope_theta": rope["rope_theta"] for key, rope in ropes.items() if "rope_theta" in rope})
+        if len({float(base) if isinstance(base, (int, float)) else repr(base) for base in bases.values()}) > 1:
+            (key, base), (other, other_base) = list(bases.items())[:2]
+            raise refuse(f"{where}: {key}", base, f"differs from the rotary base in {other} ({other_base!r}), and "
+                         "versions of transformers differ in which they read", "keep one of the two")
+        theta = {"rope_theta": next(iter(bases.values()))} if bases else {}
         values = typed({**hf, **theta}, cls, where)
         mlp_bias = coerce(hf.get("mlp_bias", False), bool, f"{where}: mlp_bias", UserError)
         if mlp_bias != values["bias"]:

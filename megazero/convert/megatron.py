@@ -111,6 +111,7 @@ class MegatronSource:
             raise UserError(f"{files[(0, 0)]}: records no Megatron args; cannot tell its architecture")
         self._check_rank_grid()
         self.cfg = model_config(self.args, str(files[(0, 0)]), vocab_size)
+        self.padded = _whole(self.args, "padded_vocab_size", str(files[(0, 0)]))
         self.offsets = self._layer_offsets()
         self.names = list(logical_shapes(self.cfg))
         self._check_shapes()
@@ -228,7 +229,9 @@ class MegatronSource:
                     raise UserError(f"{self.files[(t, p)]}: has no {key!r}, which args imply; the checkpoint does "
                                     "not match its args")
                 got, want = tuple(model[key].shape), list(shape)
-                if vocab:  # padded rows, as many on each rank, covering the vocabulary
+                if vocab and self.padded is not None:  # the padded rows the args record, split over tp
+                    want[0] = self.padded // self.tp if self.padded % self.tp == 0 else self.padded / self.tp
+                elif vocab:  # padded rows, as many on each rank, covering the vocabulary
                     want[0] = max(self._model(0, p)[key].shape[0], -(-self.cfg.vocab_size // self.tp))
                 elif split != "whole":
                     dim = 1 if split == "columns" else 0
@@ -315,21 +318,41 @@ def core_key(name: str, swiglu: bool) -> tuple[int | None, str, str]:
     return index, f"{LINEARS[part]}.{leaf}", "swiglu" if part == "mlp.fc_in" and swiglu else "rows"
 
 
+def _whole(args: argparse.Namespace, key: str, where: str) -> int | None:
+    """An arg that Megatron's argparse makes a whole number, or None where it is not recorded; any
+    other value is refused naming it (a "16" failed in arithmetic with a traceback)."""
+    value = getattr(args, key, None)
+    if value is not None and (type(value) is not int or value < 1):
+        raise refuse(f"{where}: args.{key}", value, "is not a positive whole number", "the checkpoint's args are "
+                     "damaged: set it to the value its run trained with")
+    return value
+
+
 def _vocab_size(args: argparse.Namespace, where: str, given: int | None) -> int:
     """The tokenizer's vocabulary. Megatron pads it to a multiple of make_vocab_size_divisible_by x tp
     (GPT-2's 50,257 to 50,304) and often records only the padded size: imported as the vocabulary,
-    the padding rows would become tokens no tokenizer has. Where the args cannot tell, say so."""
-    recorded, padded = getattr(args, "vocab_size", None), getattr(args, "padded_vocab_size", None)
+    the padding rows would become tokens no tokenizer has. Where the args cannot tell, say so.
+    ``args.vocab_size`` is the ``--vocab-size`` of Megatron's NullTokenizer, whose end-of-document
+    id is that number: its vocabulary has one token more."""
+    recorded, padded = _whole(args, "vocab_size", where), _whole(args, "padded_vocab_size", where)
+    null = recorded is not None and getattr(args, "tokenizer_type", None) == "NullTokenizer"
+    if null:
+        recorded += 1
+    what = f"a NullTokenizer of args.vocab_size {recorded - 1} and its end-of-document, {recorded} tokens" if null \
+        else f"args.vocab_size {recorded}"
+    if recorded is not None and padded is not None and recorded > padded:
+        raise UserError(f"{where}: records {what}, more than args.padded_vocab_size {padded}; the checkpoint's args "
+                        "contradict themselves")
     if given is not None:
         if recorded is not None and given != recorded:
-            raise UserError(f"--vocab-size: {given}, but {where} records args.vocab_size {recorded}; leave the flag out")
+            raise UserError(f"--vocab-size: {given}, but {where} records {what}; leave the flag out")
         if padded is not None and given > padded:
             raise UserError(f"--vocab-size: {given} is more than the {padded} rows of {where} (args.padded_vocab_size)")
         return given
     if recorded is not None or padded is None:
         return recorded
-    multiple = (getattr(args, "make_vocab_size_divisible_by", None) or 128) * (
-        getattr(args, "tensor_model_parallel_size", None) or 1)
+    multiple = (_whole(args, "make_vocab_size_divisible_by", where) or 128) * (
+        _whole(args, "tensor_model_parallel_size", where) or 1)
     if padded % multiple == 0:
         print(f"megazero convert: note: {where}: args record only padded_vocab_size ({padded}, a multiple of "
               f"{multiple}): every row is imported as a token; if the tokenizer has fewer (50,257 for GPT-2), give "
@@ -367,7 +390,8 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     for key, ok in UNSUPPORTED_ARGS:
         if get(key, ok) != ok:
             raise refuse(f"{where}: args.{key}", get(key), "is not supported", fix)
-    position = {"learned_absolute": "learned", "rope": "rope"}.get(get("position_embedding_type", "learned_absolute"))
+    named = lambda key, default: value if isinstance(value := get(key, default), str) else None  # a list is no name
+    position = {"learned_absolute": "learned", "rope": "rope"}.get(named("position_embedding_type", "learned_absolute"))
     # the rotary settings change nothing where positions are learned, and are recorded there too
     for key, ok in (("rotary_interleaved", (False,)), ("rotary_percent", (1.0,)), ("use_rope_scaling", (False,)),
                     ("no_rope_freq", (None,)), ("rotary_seq_len_interpolation_factor", (None, 1))):
@@ -375,7 +399,7 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
             raise refuse(f"{where}: args.{key}", get(key), "is not supported", fix)
     if position is None:
         raise refuse(f"{where}: args.position_embedding_type", get("position_embedding_type"), "is not supported", fix)
-    norm = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}.get(get("normalization", "LayerNorm"))
+    norm = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}.get(named("normalization", "LayerNorm"))
     if norm is None:
         raise refuse(f"{where}: args.normalization", get("normalization"), "is not supported", fix)
     bias = flag("add_bias_linear", True)
