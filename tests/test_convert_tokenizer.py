@@ -124,3 +124,30 @@ def test_a_tokenizer_without_an_end_of_document_token_is_refused_for_export(tmp_
     with pytest.raises(UserError, match=r"--tokenizer .*bare\.json: .*bare\.json: no end-of-document token among "
                                         r"\[.*\] for the exported config's eos_token_id; add one"):
         load_fitting(str(tmp_path / "bare.json"), 8, 16)
+
+
+def test_an_imported_folders_tokenizer_is_recorded_and_exported_back(tokenizers, tmp_path, capsys):
+    """A Hugging Face folder's tokenizer came in without a word: the checkpoint recorded none, so a run
+    from it took data of any tokenizer that fit, and an export back had no tokenizer. It is now the
+    checkpoint's record and its data.tokenizer: another tokenizer is refused, and the export back
+    encodes as it does. A folder without one imports with a note. (Planted: no record.)"""
+    from megazero.checkpoint.format import latest_checkpoint
+    from megazero.checkpoint.reader import CheckpointReader
+    from megazero.data import not_trained_with
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      vocab_size=600, max_position_embeddings=16)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "bare")]) == 0
+    assert "no tokenizer megazero can read" in capsys.readouterr().out
+    (tmp_path / "hf" / "tokenizer.json").write_text(Path(tokenizers["json"]).read_text())
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "mz")]) == 0
+    meta = CheckpointReader(latest_checkpoint(tmp_path / "mz")).meta
+    assert meta["config"]["data"]["tokenizer"] == str((tmp_path / "hf" / "tokenizer.json").resolve())
+    assert not_trained_with(meta, load_tokenizer(tokenizers["json"]), "data.tokenizer") is None
+    refused = not_trained_with(meta, load_tokenizer(tokenizers["bpe"]), "data.tokenizer")
+    assert refused is not None and "is not the tokenizer this checkpoint was trained with" in refused
+    assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    ours = load_tokenizer(tokenizers["json"])
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+    assert [theirs.encode(t, add_special_tokens=False) for t in TEXTS] == [ours.encode(t) for t in TEXTS]

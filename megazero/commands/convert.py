@@ -213,14 +213,14 @@ def run_config(source, layout: dict):
     from megazero.config.loader import build_dataclass, config_to_dict, set_dotted
     from megazero.config.schema import Config
     from megazero.config.validate import resolve_config
-    from megazero.convert.sources import source_meta
+    from megazero.convert.sources import fresh_config, source_meta
     from parallel.pipeline.placement import V_SHAPED
     from parallel.pipeline.schedule import schedule_problem
 
     meta = source_meta(source)
     recorded = isinstance(meta.get("config"), dict)
     # a copy: the layout flags below are set into it, and the source's record stays the run's own
-    raw = copy.deepcopy(meta["config"]) if recorded else config_to_dict(Config(model=source.cfg))
+    raw = copy.deepcopy(meta["config"]) if recorded else config_to_dict(fresh_config(source))
     raw = {**raw, "model": dataclasses.asdict(source.cfg)}
     before = dict(raw.get("parallel") or {})
     for field, value in layout.items():

@@ -66,6 +66,26 @@ class HFSource:
         self.stored = self._stored_names()
         self._check_weights(hf_shapes(self.cfg, self.family))
         self.names = list(logical_shapes(self.cfg))
+        self.tokenizer_path, self.meta = self._tokenizer()
+
+    def _tokenizer(self) -> tuple[Optional[str], dict]:
+        """The folder's tokenizer (``tokenizer.json``, else a SentencePiece ``tokenizer.model``) and its
+        record as a checkpoint keeps it (``tokenizer_identity``): these weights take its ids, so a run
+        from the import on data of another tokenizer is refused, and an export back writes it. A
+        folder without one megazero can read imports with a note and no record."""
+        from data_pipeline.shard_origin import tokenizer_identity
+        from data_pipeline.tokenizer import load_tokenizer
+
+        found = [self.folder / name for name in ("tokenizer.json", "tokenizer.model") if (self.folder / name).is_file()]
+        for path in found:
+            try:
+                return str(path.resolve()), {"tokenizer": tokenizer_identity(load_tokenizer(str(path)))}
+            except (ValueError, OSError) as exc:
+                print(f"megazero convert: note: {path}: not read as a tokenizer ({exc})", flush=True)
+        print(f"megazero convert: note: {self.folder}: no tokenizer megazero can read (tokenizer.json or a SentencePiece "
+              "tokenizer.model); the checkpoint records none: give data.tokenizer the one the model was trained with",
+              flush=True)
+        return None, {}
 
     def _weight_files(self) -> dict[str, str]:
         """Tensor name -> shard file name, from the index or the single file."""

@@ -107,8 +107,18 @@ class MegazeroSource:
 
 
 def source_meta(source) -> dict:
-    """What a megazero checkpoint's manifest records beside its tensors ({} for other sources)."""
-    return getattr(getattr(source, "reader", None), "meta", None) or {}
+    """What a megazero checkpoint's manifest records beside its tensors; for other sources what they
+    tell of the same (a Hugging Face folder: its tokenizer's record), else {}."""
+    return getattr(getattr(source, "reader", None), "meta", None) or getattr(source, "meta", None) or {}
+
+
+def fresh_config(source):
+    """The training config recorded for ``source``'s weights where no run of ours recorded one: the
+    defaults around its model section, and the tokenizer that came with the weights (``tokenizer_path``
+    of a Hugging Face folder), so that a run, ``generate`` or an export back finds it."""
+    from megazero.config.schema import Config, DataConfig
+
+    return Config(model=source.cfg, data=DataConfig(tokenizer=getattr(source, "tokenizer_path", None)))
 
 
 def detect(path: Path) -> str:

@@ -22,7 +22,7 @@ import torch
 from megazero.config.schema import Config
 from megazero.convert.checkpoint_out import write_checkpoint
 from megazero.convert.layout import consolidated, training_layout
-from megazero.convert.sources import Source, logical_shapes, source_meta
+from megazero.convert.sources import Source, fresh_config, logical_shapes, source_meta
 from megazero.convert.streaming import StreamedSafetensors
 from models.embedding import fit_rows
 from models.gpt import VOCAB_PADDED
@@ -53,7 +53,7 @@ def write_megazero(source: Source, root: Path, reset_step: bool = False, run: Op
         meta = {key: saved[key] for key in carried if key in saved}
         adam_step, scaler = source.optimizer_scalars()
     else:
-        meta = {"step": 0, "consumed": 0, "skipped": 0, "bad_in_row": 0, "config": asdict(Config(model=cfg))}
+        meta = {"step": 0, "consumed": 0, "skipped": 0, "bad_in_row": 0, "config": asdict(fresh_config(source))}
         adam_step, scaler = 0.0, None
     if run is not None:
         meta["config"] = asdict(run)
