@@ -116,10 +116,18 @@ echo "== training $CONFIG on $NNODES node(s) x $NPROC_PER_NODE rank(s)"
 # torchrun itself (python -m parallel.launch). It runs in a session of its own, so that a Ctrl-C at
 # the terminal reaches it once, through here: this script passes on every signal a terminal or a
 # scheduler sends (SIGHUP and SIGQUIT torchrun handles as it always does).
+# A signal is held until the launcher has put in its handlers (it does once torch is imported, seconds
+# after it starts): before that, SIGTERM or SIGUSR1 would kill it without a word, and a SIGINT would be
+# lost (a background job starts with SIGINT ignored) and the run would train on.
 launcher=""
 pending=""  # a stop signal received and not yet passed on
+catches_stops() {  # whether the launcher catches SIGUSR1 yet (its handlers go in together); no /proc: yes
+  local caught
+  caught=$(sed -n 's/^SigCgt:[[:space:]]*//p' "/proc/$launcher/status" 2>/dev/null) || return 0
+  [ -z "$caught" ] || (( (16#$caught >> 9) & 1 ))  # SIGUSR1 is signal 10: bit 9
+}
 pass_on() {
-  if [ -n "$launcher" ] && [ -n "$pending" ]; then
+  if [ -n "$launcher" ] && [ -n "$pending" ] && catches_stops; then
     kill -s "$pending" "$launcher" 2>/dev/null || true
     pending=""
   fi
@@ -130,11 +138,11 @@ done
 setsid python -m parallel.launch "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" \
   -m megazero.cli train "$CONFIG" "$@" &
 launcher=$!
-pass_on  # a signal that came while the launcher was starting
-# A trapped signal cuts `wait` short, so wait in slices until the launcher is gone, then collect its
-# status (bash keeps it for `wait`).
+# A trapped signal cuts `wait` short, so wait in slices until the launcher is gone, passing on a held
+# signal once it can take it, then collect its status (bash keeps it for `wait`).
 while kill -0 "$launcher" 2>/dev/null; do
-  sleep 0.5 &
+  pass_on
+  sleep 0.2 &
   wait $! || true
 done
 wait "$launcher" && status=0 || status=$?

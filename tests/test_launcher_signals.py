@@ -193,6 +193,28 @@ def test_sigterm_at_the_rendezvous_stops_without_a_failure_report(config, run_di
     assert "exitcode" not in out and _processes_of(run_dir) == [], out
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_as_the_launcher_starts_is_held_until_it_can_take_it(config, run_dir, signum):
+    """The script passed a signal on as soon as the launcher was forked, seconds before the launcher
+    put in its handlers (it imports torch first): a SIGINT, ignored by a background job until then,
+    was lost and the run trained to its end with status 0; a SIGTERM killed the launcher without a
+    word. (Planted: the script passing the signal on at once.)"""
+    proc = _start(config, run_dir)
+    deadline = time.monotonic() + 300
+    while (launcher := _launcher(proc)) is None:
+        assert time.monotonic() < deadline and proc.poll() is None, "the launcher did not start"
+        time.sleep(0.005)
+    assert not _catches(launcher, signum)  # it cannot take the signal yet
+    proc.send_signal(signum)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, out
+    name = signal.Signals(signum).name  # the launcher may have started the workers by the time it takes it
+    assert (f"megazero: {name} before the workers started; nothing to save" in out
+            or f"megazero: the workers stopped on {name} without saving" in out), out
+    assert "exitcode" not in out and "Traceback" not in out, out
+    assert not (run_dir / "checkpoints").exists() and _processes_of(run_dir) == []
+
+
 def test_killing_torchrun_stops_every_worker(config, run_dir):
     proc = _start(config, run_dir)
     _wait_for_training(proc, run_dir)
