@@ -330,13 +330,17 @@ def test_one_ctrl_c_delivered_twice_is_not_a_second_one(monkeypatch):
     ({"NNODES": "two"}, "NNODES must be a whole number from 1, got 'two'"),
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be a whole number from 0 to 1, got '2'"),
     ({"NNODES": "2", "MASTER_PORT": "99999"}, "MASTER_PORT must be a whole number from 1 to 65535, got '99999'"),
+    # each node hosted a rendezvous of its own on localhost, waited 10 minutes, then printed a traceback
+    ({"NNODES": "2"}, "NNODES 2 needs MASTER_ADDR, the address of the node of NODE_RANK 0, on every node (under "
+                      "SLURM it is found from SLURM_JOB_NODELIST)"),
     ({"CONFIG": "configs/nope.yaml"}, "CONFIG configs/nope.yaml: no such file (a relative path is read from the "
                                       "current folder, then from the repository); give a YAML config such as "
                                       "configs/gpt_1.3b.yaml"),
 ])
 def test_a_bad_knob_is_one_line_before_anything_starts(tmp_path, knobs, message):
     """torchrun met these with a traceback (or, for a port, the script said it was in use)."""
-    env = dict(os.environ, **{"CONFIG": "configs/demo.yaml", **knobs})
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "SLURM_JOB_NODELIST")}
+    env.update({"CONFIG": "configs/demo.yaml", **knobs})
     done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip() == f"pretrain_gpt.sh: error: {message}", done.stderr
     assert "== training" not in done.stdout
