@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from megazero.errors import UserError
+from megazero.errors import Terminated, UserError, raise_terminated
 
 SUBCOMMANDS = ("train", "generate", "preprocess", "tokenizer", "demo_corpus", "curate", "convert", "plan")
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
     if args.command != "train":  # training saves on a stop signal, through its own handler
-        signal.signal(signal.SIGTERM, _terminated)
+        signal.signal(signal.SIGTERM, raise_terminated)
     stdout = sys.stdout
     if not (args.command == "train" and not args.help_config and not args.check):  # not a training run
         sys.stdout = _Output(stdout)
@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"megazero {args.command}: error: {line}", file=sys.stderr)
         return 2
-    except Terminated:
-        print(f"megazero {args.command}: stopped by SIGTERM", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except Terminated as stop:
+        print(f"megazero {args.command}: stopped by {signal.Signals(stop.signum).name}", file=sys.stderr)
+        return 128 + stop.signum
     except KeyboardInterrupt:
         print(f"megazero {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -130,15 +130,6 @@ def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentP
                 return _command_parser(chosen, args)
     return parser
 
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the command is, as Ctrl-C is: a scheduler's time limit or a cancelled
-    job then runs the cleanup a Ctrl-C runs (a shard being written is removed, not left half
-    written under a temporary name), where SIGTERM's default ended the process on the spot."""
-
-
-def _terminated(signum, frame) -> None:
-    raise Terminated
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ The command line prints a ``UserError`` as one line (no traceback) and exits non
 else is a bug and keeps its traceback.
 """
 
+import signal
+
 
 class UserError(Exception):
     """Something the user can fix: bad input, a missing file, an impossible layout.
@@ -31,3 +33,19 @@ def utf8_text(text: str, what: str) -> str:
         found = f"byte 0x{byte:02x}" if byte is not None else f"character {text[exc.start]!r}"
         raise UserError(f"{what}: not valid UTF-8 text ({found} at position {exc.start})") from None
     return text
+
+
+class Terminated(KeyboardInterrupt):
+    """A stop signal (SIGTERM; SIGUSR1 too while a run starts), raised where the command is, as Ctrl-C
+    is: a scheduler's time limit or a cancelled job then runs the cleanup a Ctrl-C runs (a shard being
+    written is removed, not left half written under a temporary name; a run's directory lock is
+    released), where the signal's default ended the process on the spot."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_terminated(signum, frame) -> None:
+    """A signal handler: raise ``Terminated`` for ``signum``."""
+    raise Terminated(signum)

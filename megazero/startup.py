@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import hashlib
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -17,7 +18,7 @@ import yaml
 from megazero.config import Config, save_config
 from megazero.config.loader import config_to_dict
 from megazero.config.validate import config_notes
-from megazero.errors import UserError
+from megazero.errors import UserError, raise_terminated
 from megazero.run_lock import RunDirLock, run_locks
 from parallel.launch import EXIT_STOPPED, LaunchEnv, LaunchError, destroy_process_group, init_process_group, pick_device
 from parallel.topology import RankGrid, Topology
@@ -108,7 +109,15 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
     from megazero.trainer import WALL_CLOCK, Trainer
 
     faulthandler.enable(file=_crash_output(), all_threads=True)
-    locks = lock_directories(cfg) if launch.rank == 0 else []
+    previous = {signum: signal.getsignal(signum) for signum in STOPS}
+    if launch.rank == 0:  # until the trainer takes them: a stop must not leave the locks behind
+        for signum in STOPS:
+            signal.signal(signum, raise_terminated)
+    try:
+        locks = lock_directories(cfg) if launch.rank == 0 else []
+    except BaseException:
+        _restore(previous)
+        raise
     try:
         device, topology = initialize(cfg, launch)
         verify_consistent(cfg)
@@ -116,6 +125,8 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
         if topology.rank == 0:
             record_config(trainer.cfg)  # with what the checkpoint kept (its pipeline split): what trains
         state = trainer.train()
+        for signum in STOPS:  # the run is over, and saved: a stop now would only make it look lost
+            signal.signal(signum, signal.SIG_IGN)
         if dist.get_rank() == 0:
             if state.stopped_by:
                 print(f"megazero: {'stopped' if state.stopped_by == WALL_CLOCK else 'preempted'} at step "
@@ -124,9 +135,23 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
                 print(f"megazero: finished at step {state.step} ({state.consumed} samples, {state.skipped} "
                       "skipped)", flush=True)
     finally:
+        for lock in reversed(locks):  # first: the group's end may wait on ranks, or be cut by a Ctrl-C
+            lock.release()
         trainer = None  # its groups are freed with the process group (``destroy_process_group``)
         if dist.is_initialized():
             destroy_process_group()
-        for lock in reversed(locks):
-            lock.release()
+        _restore(previous)
     return EXIT_STOPPED if state.stopped_by else 0  # 75: a scheduler tells a stop with steps left from the end
+
+
+STOPS = (signal.SIGTERM, signal.SIGUSR1)
+"""The stop signals the trainer saves on (with SIGINT, which Python raises as KeyboardInterrupt
+already). Outside its loop their default action ended rank 0 on the spot, leaving its run and
+checkpoint locks, which another host's relaunch (a requeued job) must then wait out; so rank 0
+raises them (``Terminated``) until the trainer takes over, and once the run is over every rank
+ignores them: the run has finished and saved, and its end is not cut short into a lost-looking one."""
+
+
+def _restore(handlers: dict) -> None:
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -422,3 +423,44 @@ def test_another_nodes_first_rank_tells_a_live_jobs_lock_from_its_own(tmp_path_f
     assert "in use" not in str(checked.value) and "num_layers" in str(checked.value), checked.value
     with pytest.raises(ConfigError, match="run directory is in use by pid"):  # rank 0 takes the lock: any is another's
         checked_config(args, LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=1))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_while_the_run_starts_or_ends_releases_the_locks(tmp_path_factory, tmp_path, monkeypatch,
+                                                                       capsys, signum):
+    """Outside the trainer's loop a stop signal's default action ended rank 0 on the spot, leaving the
+    run and checkpoint locks: a requeued job on another host was refused for ten minutes. During the
+    start-up it now stops in one line with the locks released; after a finished run it is ignored,
+    and the run ends as finished. The handler found is a note here, where a process has the default
+    action: planted (rank 0 keeping it), the start-up goes on and trains. (Planted too: no ignoring
+    after the run, which then stops as lost.)"""
+    from megazero import startup
+    from megazero.cli import main
+
+    noted = []
+    note = signal.signal(signum, lambda got, frame: noted.append(got))
+    previous = signal.getsignal(signum)
+    try:
+        _stopped_at_the_start_and_the_end(tmp_path_factory, tmp_path, monkeypatch, capsys, signum, startup, main)
+        assert signal.getsignal(signum) == previous and noted == []  # put back as found; never reached it
+    finally:
+        signal.signal(signum, note)
+
+
+def _stopped_at_the_start_and_the_end(tmp_path_factory, tmp_path, monkeypatch, capsys, signum, startup, main):
+    files = make_files(tmp_path_factory.mktemp("inputs"))
+    run = tmp_path / "run"
+    args = _train(files, "--logging.run_dir", str(run))
+    consistent = startup.verify_consistent
+    monkeypatch.setattr(startup, "verify_consistent", lambda cfg: (os.kill(os.getpid(), signum), consistent(cfg)))
+    assert main(args) == 128 + signum
+    name = signal.Signals(signum).name
+    assert capsys.readouterr().err.strip().splitlines() == [f"megazero train: stopped by {name}"]
+    assert not list(run.rglob(LOCK_FILE)) and not list(run.rglob("step_*"))  # nothing trained, nothing saved
+
+    monkeypatch.setattr(startup, "verify_consistent", consistent)
+    destroy = startup.destroy_process_group
+    monkeypatch.setattr(startup, "destroy_process_group", lambda: (os.kill(os.getpid(), signum), destroy()))
+    assert main(args) == 0
+    assert "megazero: finished at step" in capsys.readouterr().out
+    assert not list(run.rglob(LOCK_FILE)) and list(run.rglob("step_*"))

@@ -22,7 +22,7 @@ import pytest
 from data_pipeline import worker_pool as worker_pool_module
 from data_pipeline.curate.runner import LocalExecutor
 from data_pipeline.worker_pool import WorkerDied, WorkerPool
-from megazero.cli import _terminated
+from megazero.errors import raise_terminated
 
 
 def _sigterm_action(_=None) -> dict:
@@ -30,7 +30,7 @@ def _sigterm_action(_=None) -> dict:
 
 
 def test_workers_take_sigterms_default_under_the_commands_handler(tmp_path):
-    previous = signal.signal(signal.SIGTERM, _terminated)  # as megazero.cli installs it
+    previous = signal.signal(signal.SIGTERM, raise_terminated)  # as megazero.cli installs it
     try:
         with WorkerPool(2) as pool:
             direct = list(pool.imap(_sigterm_action, range(4), "a test"))
@@ -111,8 +111,8 @@ def test_a_sigterm_sent_before_the_worker_drops_the_handler_still_ends_it():
     code = textwrap.dedent("""
         import os, signal
         from data_pipeline.worker_pool import _start_worker
-        from megazero.cli import _terminated
-        signal.signal(signal.SIGTERM, _terminated)  # inherited from the command
+        from megazero.errors import raise_terminated
+        signal.signal(signal.SIGTERM, raise_terminated)  # inherited from the command
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as worker_pool forks
         os.kill(os.getpid(), signal.SIGTERM)  # terminate() comes early
         _start_worker(None, ())
