@@ -237,6 +237,19 @@ class _StopForwarder:
         self.forwarded = True
 
 
+class _QuietOwnStatuses(logging.Filter):
+    """Drops torchrun's notes on workers that end with a status this launcher says in its workers' own
+    line (2: an input the user must fix; 75: saved and stopped), and its note that it stops the
+    other workers: under a one-line error they read as a crash. Any other failure keeps its report."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "Sending process %s closing signal %s":
+            return False
+        if str(record.msg).startswith("failed (exitcode: %s)") and isinstance(record.args, tuple) and record.args:
+            return record.args[0] not in (EXIT_USAGE, EXIT_STOPPED)
+        return True
+
+
 def _children() -> list[int]:
     pids: list[int] = []
     for task in os.listdir("/proc/self/task"):
@@ -267,6 +280,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.run import main as torchrun
 
     stop = _StopForwarder().install()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietOwnStatuses())
     try:
         torchrun(["--signals-to-handle", "SIGHUP,SIGQUIT", *(sys.argv[1:] if argv is None else argv)])
     except SignalException as e:

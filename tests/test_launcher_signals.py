@@ -215,6 +215,44 @@ def test_a_stop_signal_as_the_launcher_starts_is_held_until_it_can_take_it(confi
     assert not (run_dir / "checkpoints").exists() and _processes_of(run_dir) == []
 
 
+def test_an_input_error_through_the_script_is_one_line(config, tmp_path):
+    """A bad input is the workers' one line and status 2; torchrun's notes on the worker that failed
+    and on stopping the others followed it, reading as a crash. (Planted: no filter on those notes.)"""
+    env = dict(os.environ, CONFIG=str(config), NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
+    done = subprocess.run([str(SCRIPT), "--logging.run_dir", str(tmp_path / "run"), "--data.blend",
+                           f"[[1.0, {tmp_path / 'nothing'}]]"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"megazero train: error: data.blend: {tmp_path / 'nothing'}.idx: no "
+                                                f"such file (expected a .bin/.idx pair for prefix "
+                                                f"'{tmp_path / 'nothing'}'; write one with `megazero preprocess`)"]
+
+
+SLOW_RANK_0 = """
+import os, time
+if os.environ.get("RANK") == "0":
+    import megazero.preflight as preflight
+    scan = preflight._largest_token_id
+    preflight._largest_token_id = lambda *args: (time.sleep(3), scan(*args))[1]
+"""
+
+
+def test_an_input_error_is_said_even_where_rank_0_checks_longer(config, tmp_path):
+    """Every rank finds a bad tokenizer path, but rank 0 also scans the data first: rank 1 exited at
+    once, the launcher stopped rank 0 a tenth of a second later, and nothing was said. The other
+    ranks now wait for rank 0 to say it. (Planted: no wait.)"""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_RANK_0)
+    env = dict(os.environ, CONFIG=str(config), NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]))
+    done = subprocess.run([str(SCRIPT), "--logging.run_dir", str(tmp_path / "run"), "--data.tokenizer",
+                           str(tmp_path / "none.model")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("megazero train: error: data.tokenizer:") and "none.model" in line, line
+
+
 def test_killing_torchrun_stops_every_worker(config, run_dir):
     proc = _start(config, run_dir)
     _wait_for_training(proc, run_dir)

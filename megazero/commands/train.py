@@ -10,6 +10,8 @@ import time
 
 from megazero.errors import UserError
 
+REPORTER_WAIT_S = 600.0  # the longest a rank whose checks failed waits for rank 0 to say so (and end it)
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -44,7 +46,11 @@ def run(args) -> int:
     except UserError:
         if reports_errors(launch):
             raise
-        return 2  # rank 0 says what is wrong; the same lines from every rank would only bury it
+        # Rank 0 says what is wrong (the same lines from every rank would only bury it), after checks
+        # this rank skips (the data scan), so it is given time to: an exit here made the launcher stop
+        # rank 0 within a tenth of a second, before it had said anything. Its exit ends this wait.
+        time.sleep(REPORTER_WAIT_S)
+        return 2
     if launch.rank == 0:
         from megazero.planner.fit import estimate_line
 
