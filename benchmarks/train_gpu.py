@@ -227,7 +227,8 @@ def measure(cfg, launch, device, warmup: int, steps: int, profile_dir: str | Non
             run_name: str = "", sync_debug: bool = False, timeline: bool = False, text: str | None = None,
             default_delays: bool = False) -> dict:
     p = cfg.parallel
-    topo = Topology(RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order), ranks_per_node=launch.local_world_size)
+    topo = Topology(RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order), ranks_per_node=launch.local_world_size,
+                    timeout_s=cfg.train.collective_timeout_s)
     t0 = time.perf_counter()
     engine = Engine(cfg, topo, device)
     if default_delays:

@@ -35,7 +35,7 @@ def initialize(cfg: Config, launch: LaunchEnv):
         raise UserError(str(exc)) from None
     p = cfg.parallel
     grid = RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order)
-    topology = Topology(grid, ranks_per_node=launch.local_world_size)
+    topology = Topology(grid, ranks_per_node=launch.local_world_size, timeout_s=cfg.train.collective_timeout_s)
     if topology.rank == 0:
         print(f"megazero: {topology.describe()} ({device.type})", flush=True)
         for note in config_notes(cfg):

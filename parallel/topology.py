@@ -12,6 +12,7 @@ pipeline stages slowest, across nodes; ``tp-pp-dp`` swaps the two slower axes.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 from dataclasses import dataclass
 from typing import Optional
@@ -116,7 +117,10 @@ class Topology:
     ones it belongs to.
     """
 
-    def __init__(self, grid: RankGrid, rank: Optional[int] = None, ranks_per_node: Optional[int] = None):
+    def __init__(self, grid: RankGrid, rank: Optional[int] = None, ranks_per_node: Optional[int] = None,
+                 timeout_s: Optional[float] = None):
+        """``timeout_s``: how long the groups' collectives wait for a peer (None: torch's default, 30
+        minutes on gloo and 10 on NCCL, which a group takes whatever the default group's is)."""
         world = dist.get_world_size()
         if grid.world_size != world:
             raise ValueError(f"grid {grid.describe()} does not match the world size {world}")
@@ -126,9 +130,10 @@ class Topology:
         self.ranks_per_node = ranks_per_node
         self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
         self._members: dict[str, list[int]] = {}
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         for kind in GROUP_KINDS:
             for members in grid.groups(kind):
-                group = dist.new_group(members, group_desc=kind) if world > 1 else dist.group.WORLD
+                group = dist.new_group(members, timeout=timeout, group_desc=kind) if world > 1 else dist.group.WORLD
                 if self.rank in members and kind not in self._groups:
                     self._groups[kind], self._members[kind] = group, members
 
