@@ -47,8 +47,10 @@ def test_megatron_rope_args_with_the_values_megatron_records_for_no_change_are_t
     ((), {"position_embedding_type": []}, "args.position_embedding_type: [] is not supported"),
     ((), {"normalization": {}}, "args.normalization: {} is not supported"),
     # padding rows the args do not record: imported, the extra rows were cut without a word
-    ((), {"padded_vocab_size": 100}, "embedding.word_embeddings.weight has shape [128, 16] where its args imply [100, 16]"),
-    ((), {"padded_vocab_size": 120, "vocab_size": 121}, "records args.vocab_size 121, more than args.padded_vocab_size"),
+    ((), {"padded_vocab_size": 100},
+     "embedding.word_embeddings.weight has shape [128, 16] where its args imply [100, 16]"),
+    ((), {"padded_vocab_size": 120, "vocab_size": 121},
+     "records args.vocab_size 121, more than args.padded_vocab_size"),
     ((), {"num_attention_heads": 3}, "args.num_attention_heads (model.num_heads)"),  # blamed on the weights
     ((), {"num_attention_heads": 0}, "args.num_attention_heads (model.num_heads)"),  # ZeroDivisionError
     (("hidden_size",), {}, "its args lack args.hidden_size"),  # TypeError in torch.empty

@@ -433,6 +433,28 @@ def test_help_config_lists_the_fields_once_without_a_launch():
 SBATCH = REPO / "scripts" / "slurm_pretrain_gpt.sbatch"
 
 
+def test_the_batch_script_finds_the_checkout_or_says_where_to_submit(tmp_path):
+    """sbatch runs a spooled copy of the file from the submit folder: submitted from elsewhere, every
+    node failed with "No such file" and the job ended for good. The checkout is MEGAZERO_HOME, else
+    the submit folder, and a wrong one is one line. (srun stands in: it prints what it would run.)"""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho node1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node1", SLURM_JOB_ID="42",
+               SLURM_SUBMIT_DIR=str(tmp_path))
+    env.pop("MEGAZERO_HOME", None)
+    done = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"slurm_pretrain_gpt.sbatch: error: {tmp_path}/scripts/pretrain_gpt.sh: no such file; submit from the "
+        "megazero checkout, or set MEGAZERO_HOME to it"), done.stderr
+    done = subprocess.run(["bash", str(SBATCH), "--train.seed", "3"], cwd=tmp_path,
+                          env={**env, "MEGAZERO_HOME": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"{REPO}/scripts/pretrain_gpt.sh --train.seed 3" in done.stdout, done.stderr
+
+
 @pytest.mark.parametrize("srun_status", [0, 75, 137])
 def test_the_batch_script_requeues_after_the_warning_whatever_srun_says(tmp_path, srun_status):
     """SLURM's warning, then srun's status: the job comes back whatever it is. After the warning 0 is

@@ -82,9 +82,9 @@ class HFSource:
                 return str(path.resolve()), {"tokenizer": tokenizer_identity(load_tokenizer(str(path)))}
             except (ValueError, OSError) as exc:
                 print(f"megazero convert: note: {path}: not read as a tokenizer ({exc})", flush=True)
-        print(f"megazero convert: note: {self.folder}: no tokenizer megazero can read (tokenizer.json or a SentencePiece "
-              "tokenizer.model); the checkpoint records none: give data.tokenizer the one the model was trained with",
-              flush=True)
+        print(f"megazero convert: note: {self.folder}: no tokenizer megazero can read (tokenizer.json or a "
+              "SentencePiece tokenizer.model); the checkpoint records none: give data.tokenizer the one the model "
+              "was trained with", flush=True)
         return None, {}
 
     def _weight_files(self) -> dict[str, str]:
