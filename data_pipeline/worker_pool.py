@@ -35,6 +35,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Optional
 
 AHEAD = 4  # tasks handed out per worker before their results are taken: enough to keep each busy
+POLL_S = 1.0  # how often a wait for results looks for workers that died
 DEATH_S = 10.0  # how long a broken pool's workers are given to end before the error names the first death
 
 
@@ -83,16 +84,23 @@ class WorkerPool:
                     pending.append(self._submit(fn, job))
                 if not pending:
                     return
-                if ordered:
-                    yield pending.popleft().result()
-                else:
-                    wait(pending, return_when=FIRST_COMPLETED)
-                    done = next(f for f in pending if f.done())
-                    pending.remove(done)
-                    yield done.result()
-        except BrokenProcessPool:
+                yield self._finished(pending, ordered).result()
+        except (BrokenProcessPool, _Died):
             raise WorkerDied(f"{self._dead()} while results of {what} were awaited (the tasks running are lost); "
                              f"{RERUN}") from None
+
+    def _finished(self, pending: deque[Future], ordered: bool) -> Future:
+        """The first pending future (``ordered``) or any, once done, taken out of ``pending``. The workers
+        are looked at meanwhile: one killed while it sent a result left the executor's own watch
+        reading the rest of that message for ever, and no future ever failed."""
+        while True:
+            done, _ = wait([pending[0]] if ordered else pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            if done:
+                future = pending[0] if ordered else next(f for f in pending if f in done)
+                pending.remove(future)
+                return future
+            if any(process.exitcode is not None for process in self._processes.values()):
+                raise _Died
 
     def _submit(self, fn: Callable[[Any], Any], job: Any) -> Future:
         # a submit may fork workers (all of them at the first, with fork), which inherit this thread's mask
@@ -105,11 +113,13 @@ class WorkerPool:
         return future
 
     def _dead(self) -> str:
-        """The first death: once the executor sees one it sends every other worker SIGTERM."""
+        """The first death. A dead worker's pipes close a moment before its exit status can be read, and
+        once the executor sees the death it sends every other worker SIGTERM: the statuses are read
+        after the first can be, and a moment more."""
         deadline = time.monotonic() + DEATH_S
-        for process in self._processes.values():
-            # a dead worker's pipes close a moment before its exit status can be read
-            process.join(max(0.0, deadline - time.monotonic()))
+        while not any(p.exitcode is not None for p in self._processes.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
         ended = [p for p in self._processes.values() if p.exitcode is not None]
         first = next((p for p in ended if p.exitcode != -signal.SIGTERM), ended[0] if ended else None)
         if first is None:
@@ -117,10 +127,18 @@ class WorkerPool:
         return f"a worker process (pid {first.pid}) {_ended(first.exitcode)}"
 
     def close(self) -> None:
-        """Stop the workers now, running tasks and all; every result wanted has been taken by then."""
+        """Stop the workers now, running tasks and all; every result wanted has been taken by then. A
+        worker ended while it sent a result leaves the executor's watch reading the rest of it; this
+        process's own copy of the results pipe's sending end kept that read open for ever, so it is
+        closed once no worker is left, and the read ends."""
         for process in list(self._processes.values()):
             if process.exitcode is None:
                 process.terminate()
+        for process in list(self._processes.values()):
+            process.join()
+        results = self._executor._result_queue
+        if results is not None:
+            results._writer.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> WorkerPool:
@@ -131,6 +149,10 @@ class WorkerPool:
 
 
 _END = object()
+
+
+class _Died(Exception):
+    """A worker was seen dead while a result was awaited (``WorkerPool._finished``)."""
 
 
 def _ended(code: int) -> str:

@@ -232,3 +232,50 @@ def _kills_the_others(pids: tuple) -> None:
             if pid != os.getpid():
                 os.kill(pid, signal.SIGKILL)
         time.sleep(30)
+
+
+def test_a_worker_killed_while_it_sends_its_result_ends_the_pool_too():
+    """A worker killed part-way through sending a large result (where it holds the most memory, so
+    where the OOM killer finds it) left the executor's own watch reading the rest of the message for
+    ever: no result failed, and the pool's end waited on that read. So did a pool stopped while its
+    workers sent results. Both now end within seconds. (Planted: no look at the workers while
+    waiting, and the results pipe left open at the end: the script hangs.)"""
+    code = textwrap.dedent("""
+        import time
+        from data_pipeline.worker_pool import WorkerDied, WorkerPool
+        from tests.test_worker_pool import _dies_while_sending, _large
+        start = time.monotonic()
+        for delay in [0.02 * i for i in range(1, 16)]:  # some land while the result is being sent
+            with WorkerPool(1) as pool:
+                try:
+                    list(pool.imap(_dies_while_sending, [delay], "a large result"))
+                    print("no death")
+                except WorkerDied as exc:
+                    print(exc)
+        for _ in range(3):
+            pool = WorkerPool(2)
+            results = pool.imap(_large, [200_000] * 40, "a test")
+            for _ in range(5):
+                next(results)
+            pool.close()
+        print(f"ended after {time.monotonic() - start:.1f} s")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    *said, ended = done.stdout.splitlines()
+    died = [line for line in said if "was killed by signal 9 (SIGKILL: out of memory?) while results of a large "
+            "result" in line]
+    assert died and len(died) + said.count("no death") == len(said), said  # a fast sender may finish first
+    assert float(ended.split()[2]) < 60
+
+
+def _dies_while_sending(delay: float) -> bytes:
+    import threading
+
+    threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return b"x" * 100_000_000
+
+
+def _large(size: int) -> bytes:
+    time.sleep(0.01)
+    return b"x" * size
