@@ -40,12 +40,15 @@ def check_run(cfg: Config, *, scan_data: bool = True, checkpoint_files: bool = T
     looks at every file of the checkpoint to resume (the ranks that report do, one a node, as
     ``--check`` does: every rank looking at every rank's file would load a shared filesystem with
     world² requests); ``locks`` asks whether another live job holds the run or checkpoint directory
-    (the reporting ranks ask: the checkpoint checks they would run next are of no use then), where
-    the locks of ``own_job`` (``run_lock.job_identity`` on ranks other than 0, which take no lock
-    and may find their own rank 0's) are not another's;
+    (the reporting ranks ask: the checkpoint checks they would run next would speak of that job's
+    run). ``own_job`` is given on ranks other than 0 (``run_lock.job_identity``): they take no lock
+    and may find their own rank 0's, which is not another's; and another job's lock only skips their
+    checkpoint checks, for rank 0 decides whether it is in use (a dead holder on rank 0's host is
+    taken over at once, where another host waits out its heartbeat);
     ``ranks_per_node`` keeps the suggested layout's tensor groups within a node."""
     busy = _busy_problems(cfg, own_job) if locks else []
-    problems = busy + _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
+    problems = busy if own_job is None else []
+    problems += _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
     problems += _memory_problems(cfg, ranks_per_node) + _recompute_problems(cfg)
     prefixes, data_problems = _data_prefixes(cfg)
     problems += data_problems

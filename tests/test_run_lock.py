@@ -392,9 +392,11 @@ def test_the_lock_names_its_job_by_the_rendezvous_address(tmp_path, monkeypatch)
 def test_another_nodes_first_rank_tells_a_live_jobs_lock_from_its_own(tmp_path_factory, tmp_path, monkeypatch):
     """A launch into a live job's run directory, with a config other than that job's: the first rank
     of another node, which reports too, spoke of the live job's checkpoint (its layer count) where
-    rank 0 said the directory is in use. It now asks the lock as well, and passes a lock of its own
-    job, which its rank 0 may hold by then: the lock names its job by the rendezvous address.
-    (Planted: the lock asked on rank 0 only.)"""
+    rank 0 said the directory is in use. It now asks the lock as well and skips those checks, but
+    leaves the verdict to rank 0 (a dead holder on rank 0's host is taken over at once, where this
+    host would wait out the heartbeat); a lock of its own job, which its rank 0 may hold by then, is
+    no other's: the lock names its job by the rendezvous address. (Planted: the lock asked on rank 0
+    only.)"""
     from types import SimpleNamespace
 
     from megazero.commands.train import checked_config
@@ -413,9 +415,7 @@ def test_another_nodes_first_rank_tells_a_live_jobs_lock_from_its_own(tmp_path_f
     monkeypatch.setenv("MASTER_ADDR", "node-b")
     monkeypatch.setenv("MASTER_PORT", "29400")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "778")
-    with pytest.raises(ConfigError) as refused:
-        checked_config(args, first_of_node_1)
-    assert "run directory is in use by pid" in str(refused.value) and "num_layers" not in str(refused.value)
+    checked_config(args, first_of_node_1)  # no word of the live job's checkpoint, nor a verdict on its lock
     monkeypatch.setenv("MASTER_ADDR", "node-a")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "777")  # its own job's lock: the checks go on
     with pytest.raises(ConfigError) as checked:
