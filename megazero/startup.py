@@ -20,7 +20,8 @@ from megazero.config.loader import config_to_dict
 from megazero.config.validate import config_notes
 from megazero.errors import UserError, raise_terminated
 from megazero.run_lock import RunDirLock, run_locks
-from parallel.launch import EXIT_STOPPED, LaunchEnv, LaunchError, destroy_process_group, init_process_group, pick_device
+from parallel.launch import (EXIT_STOPPED, LaunchEnv, LaunchError, destroy_process_group, init_process_group, pick_device,
+                             started_by_torchrun)
 from parallel.topology import RankGrid, Topology
 
 PACKAGES = ("megazero", "parallel", "models", "data_pipeline")
@@ -110,23 +111,24 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
 
     faulthandler.enable(file=_crash_output(), all_threads=True)
     previous = {signum: signal.getsignal(signum) for signum in STOPS}
-    if launch.rank == 0:  # until the trainer takes them: a stop must not leave the locks behind
-        for signum in STOPS:
-            signal.signal(signum, raise_terminated)
+    locks: list[RunDirLock] = []
+    finished = False
     try:
-        locks = lock_directories(cfg) if launch.rank == 0 else []
-    except BaseException:
-        _restore(previous)
-        raise
-    try:
+        if launch.rank == 0:  # until the trainer takes them: a stop must not leave the locks behind
+            for signum in STOPS:
+                signal.signal(signum, raise_terminated)
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # none between a lock's file and its record
+            try:
+                locks = lock_directories(cfg)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one that came is raised now
         device, topology = initialize(cfg, launch)
         verify_consistent(cfg)
         trainer = Trainer(cfg, device, topology, started)
         if topology.rank == 0:
             record_config(trainer.cfg)  # with what the checkpoint kept (its pipeline split): what trains
         state = trainer.train()
-        for signum in STOPS:  # the run is over, and saved: a stop now would only make it look lost
-            signal.signal(signum, signal.SIG_IGN)
+        finished = True
         if dist.get_rank() == 0:
             if state.stopped_by:
                 print(f"megazero: {'stopped' if state.stopped_by == WALL_CLOCK else 'preempted'} at step "
@@ -135,12 +137,15 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
                 print(f"megazero: finished at step {state.step} ({state.consumed} samples, {state.skipped} "
                       "skipped)", flush=True)
     finally:
+        for signum in STOPS:  # the clean-up runs whole (and a finished run is not made to look lost)
+            signal.signal(signum, signal.SIG_IGN)
         for lock in reversed(locks):  # first: the group's end may wait on ranks, or be cut by a Ctrl-C
             lock.release()
         trainer = None  # its groups are freed with the process group (``destroy_process_group``)
         if dist.is_initialized():
             destroy_process_group()
-        _restore(previous)
+        if not (finished and started_by_torchrun()):  # a finished worker keeps ignoring them until it exits
+            _restore(previous)
     return EXIT_STOPPED if state.stopped_by else 0  # 75: a scheduler tells a stop with steps left from the end
 
 
@@ -148,8 +153,10 @@ STOPS = (signal.SIGTERM, signal.SIGUSR1)
 """The stop signals the trainer saves on (with SIGINT, which Python raises as KeyboardInterrupt
 already). Outside its loop their default action ended rank 0 on the spot, leaving its run and
 checkpoint locks, which another host's relaunch (a requeued job) must then wait out; so rank 0
-raises them (``Terminated``) until the trainer takes over, and once the run is over every rank
-ignores them: the run has finished and saved, and its end is not cut short into a lost-looking one."""
+raises them (``Terminated``) until the trainer takes over, and from the clean-up on every rank
+ignores them: the locks are released and the group ended whole, and a run that finished and saved
+is not cut short into a lost-looking one (a worker keeps ignoring them to its exit; a caller in
+this process gets its handlers back)."""
 
 
 def _restore(handlers: dict) -> None:

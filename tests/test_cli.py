@@ -232,3 +232,31 @@ def test_the_launchers_status_follows_its_workers(monkeypatch, capsys, codes, si
     err = capsys.readouterr().err
     said = "megazero: the workers stopped on SIGTERM without saving (exit statuses 2)\n" if signum else ""
     assert err == said, err
+
+
+def test_a_rank_leaves_an_error_to_rank_0_but_not_for_ever(monkeypatch):
+    """A rank whose checks failed exits quietly where rank 0 says the same; under torchrun it waits
+    first (its exit had torchrun stop rank 0 before rank 0 said anything), and says the error itself
+    once the wait runs out. Outside torchrun nothing stops rank 0, and it exits at once."""
+    from megazero.commands import train
+    from megazero.errors import UserError
+
+    error = UserError("data.blend: missing")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert train._left_to_rank_0(error) == 2
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "7")
+    monkeypatch.setattr(train, "REPORTER_WAIT_S", 0.01)
+    with pytest.raises(UserError, match="data.blend: missing"):
+        train._left_to_rank_0(error)
+
+
+def test_check_on_any_rank_says_what_is_wrong(monkeypatch, capsys, tmp_path):
+    """``--check`` is its own launch: on a rank other than 0 (under srun, say) it said nothing and
+    exited 2, as a training rank leaves the error to rank 0. (Planted: reports_errors alone.)"""
+    from megazero.cli import main
+
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert main(["train", "--check", "--train.device", "cpu", "--data.blend", f"[[1.0, {tmp_path / 'none'}]]"]) == 2
+    assert f"{tmp_path / 'none'}.idx: no such file" in capsys.readouterr().err

@@ -43,14 +43,10 @@ def run(args) -> int:
         raise UserError(str(exc)) from None
     try:
         cfg, facts = checked_config(args, launch)
-    except UserError:
-        if reports_errors(launch):
+    except UserError as exc:
+        if args.check or reports_errors(launch):
             raise
-        # Rank 0 says what is wrong (the same lines from every rank would only bury it), after checks
-        # this rank skips (the data scan), so it is given time to: an exit here made the launcher stop
-        # rank 0 within a tenth of a second, before it had said anything. Its exit ends this wait.
-        time.sleep(REPORTER_WAIT_S)
-        return 2
+        return _left_to_rank_0(exc)  # it finds the same, after checks this rank skips (the data scan)
     if launch.rank == 0:
         from megazero.planner.fit import estimate_line
 
@@ -73,7 +69,20 @@ def run(args) -> int:
     except UserError as exc:
         if launch.rank == 0 or not exc.agreed:
             raise
-        return 2  # every rank raised it alike (``UserError.agreed``): rank 0 says it for all
+        return _left_to_rank_0(exc)  # every rank raised it alike (``UserError.agreed``): rank 0 says it for all
+
+
+def _left_to_rank_0(error: UserError) -> int:
+    """The exit of a rank whose error rank 0 says for all (the same lines from every rank would only
+    bury it). Under torchrun the rank waits for that: its exit made torchrun stop rank 0 a tenth of a
+    second later, before rank 0 had said anything, and rank 0's own exit ends this wait. A rank still
+    here after ``REPORTER_WAIT_S`` says the error itself."""
+    from parallel.launch import started_by_torchrun
+
+    if not started_by_torchrun():
+        return 2
+    time.sleep(REPORTER_WAIT_S)
+    raise error
 
 
 def checked_config(args, launch):
