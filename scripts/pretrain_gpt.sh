@@ -126,13 +126,17 @@ echo "== training $CONFIG on $NNODES node(s) x $NPROC_PER_NODE rank(s)"
 # lost (a background job starts with SIGINT ignored) and the run would train on.
 launcher=""
 pending=""  # a stop signal received and not yet passed on
-catches_stops() {  # whether the launcher catches SIGUSR1 yet (its handlers go in together); no /proc: yes
-  local caught
+catches() {  # whether the launcher catches signal $1 yet (TERM, USR1, INT; others: once it catches USR1)
+  local caught number
+  [ -r "/proc/$launcher/status" ] || return 0  # gone, or no /proc: pass it on
+  # the forked shell, before it runs python, still holds this script's traps
+  tr '\0' ' ' < "/proc/$launcher/cmdline" 2>/dev/null | grep -q 'parallel\.launch' || return 1
   caught=$(sed -n 's/^SigCgt:[[:space:]]*//p' "/proc/$launcher/status" 2>/dev/null) || return 0
-  [ -z "$caught" ] || (( (16#$caught >> 9) & 1 ))  # SIGUSR1 is signal 10: bit 9
+  case "$1" in TERM|USR1|INT) number=$(kill -l "$1") ;; *) number=$(kill -l USR1) ;; esac
+  [ -z "$caught" ] || (( (16#$caught >> (number - 1)) & 1 ))
 }
 pass_on() {
-  if [ -n "$launcher" ] && [ -n "$pending" ] && catches_stops; then
+  if [ -n "$launcher" ] && [ -n "$pending" ] && catches "$pending"; then
     kill -s "$pending" "$launcher" 2>/dev/null || true
     pending=""
   fi
