@@ -90,6 +90,12 @@ def test_a_rotary_base_in_rope_parameters_is_the_models(tmp_path):
     saved["rope_scaling"]["rope_theta"] = 500000  # agreeing
     (tmp_path / "llama" / "config.json").write_text(json.dumps(saved))
     assert HFSource(tmp_path / "llama").cfg.rope_theta == 500000.0
+    # three places, the last the odd one: the message names a pair that differs
+    saved.update(rope_theta=500000, rope_scaling={"rope_type": "default", "rope_theta": 10000})
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match=r"rope_theta: 500000.0 differs from the rotary base in "
+                                        r"rope_scaling.rope_theta \(10000.0\)"):
+        HFSource(tmp_path / "llama")
 
 
 def test_gpt2_sizes_under_transformers_other_names(tmp_path):

@@ -20,6 +20,7 @@ Row layouts that differ:
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Callable, Optional
 
@@ -109,11 +110,11 @@ class GPT2:
             "init_std": "initializer_range"}
     DEFAULTS = {"ffn_hidden_size": None, "seq_length": 1024, "norm_eps": 1e-5, "tie_embeddings": True,
                 "dropout": 0.1, "attention_dropout": 0.1, "init_std": 0.02}
+    """GPT2Config's own defaults (its dropout rates are 0.1, its initializer_range 0.02): a key left out
+    means what ``from_pretrained`` makes of it."""
     ALIASES = {"n_embd": "hidden_size", "n_positions": "max_position_embeddings", "n_head": "num_attention_heads",
                "n_layer": "num_hidden_layers"}
     """GPT2Config's ``attribute_map``: a ``config.json`` may give a size under either name."""
-    """GPT2Config's own defaults (its dropout rates are 0.1, its initializer_range 0.02): a key left out
-    means what ``from_pretrained`` makes of it."""
     BUFFERS = (re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"),)
     """Tensors that hold no weights (the causal-mask buffers older versions of ``transformers``
     saved, which it skips on load itself): a folder may have them; they are not imported."""
@@ -243,10 +244,11 @@ class Llama:
         # newer files keep the rotary base in the rope settings; every place that gives one must agree
         bases = {"rope_theta": hf["rope_theta"]} if hf.get("rope_theta") is not None else {}
         bases.update({f"{key}.rope_theta": rope["rope_theta"] for key, rope in ropes.items() if "rope_theta" in rope})
-        if len({float(base) if isinstance(base, (int, float)) else repr(base) for base in bases.values()}) > 1:
-            (key, base), (other, other_base) = list(bases.items())[:2]
-            raise refuse(f"{where}: {key}", base, f"differs from the rotary base in {other} ({other_base!r}), and "
-                         "versions of transformers differ in which they read", "keep one of the two")
+        bases = {key: coerce(base, float, f"{where}: {key}", UserError) for key, base in bases.items()}
+        for (key, base), (other, other_base) in itertools.combinations(bases.items(), 2):
+            if base != other_base:
+                raise refuse(f"{where}: {key}", base, f"differs from the rotary base in {other} ({other_base!r}), "
+                             "and versions of transformers differ in which they read", "keep one of the two")
         theta = {"rope_theta": next(iter(bases.values()))} if bases else {}
         values = typed({**hf, **theta}, cls, where)
         mlp_bias = coerce(hf.get("mlp_bias", False), bool, f"{where}: mlp_bias", UserError)
