@@ -47,7 +47,7 @@ def check_run(cfg: Config, *, scan_data: bool = True, checkpoint_files: bool = T
     taken over at once, where another host waits out its heartbeat);
     ``ranks_per_node`` keeps the suggested layout's tensor groups within a node."""
     busy = _busy_problems(cfg, own_job) if locks else []
-    problems = busy if own_job is None else []
+    problems = list(busy) if own_job is None else []  # a copy: busy is asked again below
     problems += _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
     problems += _memory_problems(cfg, ranks_per_node) + _recompute_problems(cfg)
     prefixes, data_problems = _data_prefixes(cfg)
