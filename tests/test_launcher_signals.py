@@ -441,7 +441,8 @@ def test_the_batch_script_finds_the_checkout_or_says_where_to_submit(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "$@"\n')
     (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho node1\n")
-    for tool in ("srun", "scontrol"):
+    (bin_dir / "sleep").write_text(f"#!/usr/bin/env bash\nexec {shutil.which('sleep')} 0.1\n")  # its 5 s slices
+    for tool in ("srun", "scontrol", "sleep"):
         (bin_dir / tool).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node1", SLURM_JOB_ID="42",
                SLURM_SUBMIT_DIR=str(tmp_path))
