@@ -6,7 +6,9 @@ because of how each treats a worker that dies (the OOM killer, a crash in native
 for tasks holding the task queue's lock, so one killed while idle leaves that lock taken, and the
 pool's ``terminate()`` then waits on it for ever too. The executor watches every worker's exit and,
 at the first death, fails every awaited result and kills the other workers without touching the
-queue's locks, so a death anywhere ends the command with one line (``WorkerDied``).
+queue's locks; and the wait for a result here looks at the workers too, for one killed while it
+sends a result leaves the executor reading the rest of that message for ever. So a death anywhere
+ends the command with one line (``WorkerDied``).
 
 Workers are forked where the platform can (they start without re-importing the project) and end on
 SIGTERM at once, as a process with no handler does. The commands turn SIGTERM into an exception in
@@ -85,7 +87,7 @@ class WorkerPool:
                 if not pending:
                     return
                 yield self._finished(pending, ordered).result()
-        except (BrokenProcessPool, _Died):
+        except BrokenProcessPool:
             raise WorkerDied(f"{self._dead()} while results of {what} were awaited (the tasks running are lost); "
                              f"{RERUN}") from None
 
@@ -100,7 +102,7 @@ class WorkerPool:
                 pending.remove(future)
                 return future
             if any(process.exitcode is not None for process in self._processes.values()):
-                raise _Died
+                raise BrokenProcessPool  # as the executor fails a result when it sees the death itself
 
     def _submit(self, fn: Callable[[Any], Any], job: Any) -> Future:
         # a submit may fork workers (all of them at the first, with fork), which inherit this thread's mask
@@ -149,10 +151,6 @@ class WorkerPool:
 
 
 _END = object()
-
-
-class _Died(Exception):
-    """A worker was seen dead while a result was awaited (``WorkerPool._finished``)."""
 
 
 def _ended(code: int) -> str:
