@@ -6,7 +6,8 @@ process is a world of one, which still gets a (gloo, in-memory) process group so
 is the same whatever the world size. A worker started by torchrun exits when torchrun is gone.
 
 Launcher: ``python -m parallel.launch [torchrun arguments]`` is torchrun with the stop signals
-(SIGTERM, SIGUSR1, SIGINT) passed to the workers instead of handled by torchrun; see ``main``.
+(SIGTERM, SIGUSR1, SIGINT) passed to the workers instead of handled by torchrun; see ``main``. The
+workers start with those signals blocked, and ``megazero`` takes them once it can.
 """
 
 from __future__ import annotations
@@ -250,6 +251,25 @@ class _QuietOwnStatuses(logging.Filter):
         return True
 
 
+def _start_workers_with_stops_held() -> None:
+    """torchrun's workers start with the stop signals blocked (the mask passes through fork and exec),
+    and ``megazero`` unblocks them once it can take them (``megazero.cli``): one forwarded while a
+    worker's interpreter was still starting cut it short, a SIGINT with a fatal-error traceback from
+    its ``site`` import. A signal sent in that time waits, pending, and is taken at the unblock."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    popen = SubprocessHandler._popen
+
+    def popen_held(handler, *args, **kwargs):
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return popen(handler, *args, **kwargs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    SubprocessHandler._popen = popen_held
+
+
 def _children() -> list[int]:
     pids: list[int] = []
     for task in os.listdir("/proc/self/task"):
@@ -280,6 +300,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.run import main as torchrun
 
     stop = _StopForwarder().install()
+    _start_workers_with_stops_held()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietOwnStatuses())
     try:
         torchrun(["--signals-to-handle", "SIGHUP,SIGQUIT", *(sys.argv[1:] if argv is None else argv)])
