@@ -162,6 +162,57 @@ class LaunchError(RuntimeError):
     """The launch environment is wrong (rendezvous address, port); the message says what to set."""
 
 
+# --- rank 0's start-up checks, told through torchrun's store ---------------------------------------
+
+CHECKS_KEY = "megazero/rank-0-checks"  # torchrun makes a new store for each start of its workers
+CHECKS_PASSED, CHECKS_FAILED = b"passed", b"failed"
+CHECKS_POLL_S = 0.2
+STORE_TIMEOUT_S = 300.0  # for one request to a store that is already up
+
+
+def tell_checks(passed: bool) -> None:
+    """Rank 0's verdict on its start-up checks, for ``rank_0_checks`` on the other ranks."""
+    store = _agent_store()
+    if store is not None:
+        store.set(CHECKS_KEY, CHECKS_PASSED if passed else CHECKS_FAILED)
+
+
+def rank_0_checks(rank: int) -> Optional[bool]:
+    """Whether rank 0's start-up checks passed, once it knows; None where torchrun serves no store.
+
+    Rank 0 alone scans the data before any process group exists (every shard's largest token id,
+    cached after the first start). The other ranks went straight on to the rendezvous, where they
+    wait ``train.collective_timeout_s`` at most: a first start on a large corpus outlasted that, and
+    they failed with a store timeout naming neither rank 0 nor the scan. They now wait here for as
+    long as rank 0 takes, which torchrun bounds: it ends them if rank 0 dies, and they end with it."""
+    store = _agent_store()
+    if store is None:
+        return None
+    exit_with_launcher(rank)
+    try:
+        while not store.check([CHECKS_KEY]):
+            time.sleep(CHECKS_POLL_S)
+        return store.get(CHECKS_KEY) == CHECKS_PASSED
+    except (RuntimeError, dist.DistError) as exc:  # the store's host (rank 0's node) is gone
+        raise LaunchError(f"rank {rank}: lost torchrun's store at {_store_address()} while rank 0 checked the "
+                          f"run ({str(exc).splitlines()[0]}); see rank 0's node") from None
+
+
+def _agent_store() -> Optional[dist.TCPStore]:
+    """A client of the store torchrun's agent serves before it starts any worker (None without one)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = _store_address().rsplit(":", 1)
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    except (RuntimeError, dist.DistError) as exc:
+        raise LaunchError(f"cannot reach torchrun's store at {_store_address()} ({str(exc).splitlines()[0]})") from None
+
+
+def _store_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+
 # --- a worker ends with its launcher ------------------------------------------------------------
 
 EXIT_ORPHANED = 1
@@ -182,6 +233,8 @@ def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:
     exits (every rank at once, before a dying peer breaks their collectives); where pidfds are missing
     it polls ``getppid`` every ``poll_s`` seconds.
     """
+    if any(thread.name == "launcher-watch" for thread in threading.enumerate()):
+        return  # watched since an earlier wait
     threading.Thread(target=_exit_when_gone, args=(os.getppid(), rank, poll_s), name="launcher-watch",
                      daemon=True).start()
 

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -248,6 +249,58 @@ def test_a_rank_leaves_an_error_to_rank_0_but_not_for_ever(monkeypatch):
     monkeypatch.setattr(train, "REPORTER_WAIT_S", 0.01)
     with pytest.raises(UserError, match="data.blend: missing"):
         train._left_to_rank_0(error)
+
+
+@pytest.fixture
+def agent_store(monkeypatch):
+    """A store served as torchrun's agent serves its workers one, with their variables set."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "7")
+    yield store
+
+
+@pytest.mark.parametrize("passed", [True, False])
+def test_the_other_ranks_wait_for_rank_0s_verdict(agent_store, passed):
+    import threading
+
+    from parallel.launch import rank_0_checks, tell_checks
+
+    threading.Timer(0.5, tell_checks, args=(passed,)).start()
+    started = time.monotonic()
+    assert rank_0_checks(1) is passed
+    assert time.monotonic() - started >= 0.45
+
+
+def test_no_store_no_wait(monkeypatch):
+    from parallel.launch import rank_0_checks, tell_checks
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    tell_checks(True)
+    assert rank_0_checks(1) is None
+
+
+def test_a_rank_says_an_error_rank_0_passed_at_once(agent_store, monkeypatch, capsys, tmp_path):
+    """A rank whose checks failed where rank 0's passed would wait for rank 0 to say it, which rank 0
+    never does: it says it itself, at once. (Planted: no look at rank 0's verdict.)"""
+    from megazero.cli import main
+    from megazero.commands import train
+    from parallel.launch import tell_checks
+
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(train, "REPORTER_WAIT_S", 60.0)
+    tell_checks(True)
+    started = time.monotonic()
+    assert main(["train", "--train.device", "cpu", "--data.blend", f"[[1.0, {tmp_path / 'none'}]]"]) == 2
+    assert time.monotonic() - started < 30
+    assert f"{tmp_path / 'none'}.idx: no such file" in capsys.readouterr().err
 
 
 def test_check_on_any_rank_says_what_is_wrong(monkeypatch, capsys, tmp_path):

@@ -284,6 +284,21 @@ def test_an_input_error_is_said_even_where_rank_0_checks_longer(config, tmp_path
     assert line.startswith("megazero train: error: data.tokenizer:") and "none.model" in line, line
 
 
+def test_the_other_ranks_wait_for_rank_0s_checks_however_long(config, tmp_path):
+    """Rank 0 scans the data before any process group exists; the other ranks went on to the
+    rendezvous and gave up after ``train.collective_timeout_s``, so a first start on a large corpus
+    failed there. They now wait for rank 0's verdict in torchrun's store. (Planted: no wait.)"""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_RANK_0.replace("time.sleep(3)", "time.sleep(8)"))
+    env = dict(os.environ, CONFIG=str(config), NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]))
+    done = subprocess.run([str(SCRIPT), "--logging.run_dir", str(tmp_path / "run"), "--train.train_steps", "2",
+                           "--train.collective_timeout_s", "3"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "megazero: finished at step 2" in done.stdout, done.stdout
+
+
 def test_killing_torchrun_stops_every_worker(config, run_dir):
     proc = _start(config, run_dir)
     _wait_for_training(proc, run_dir)

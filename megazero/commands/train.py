@@ -6,6 +6,7 @@ torch's import, about 2 s, on every call."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from megazero.errors import UserError
@@ -44,9 +45,16 @@ def run(args) -> int:
     try:
         cfg, facts = checked_config(args, launch)
     except UserError as exc:
-        if args.check or reports_errors(launch):
-            raise
+        if not args.check:
+            with contextlib.suppress(UserError):  # this error is the one to say
+                _tell_rank_0_checks(launch, passed=False)
+        if args.check or reports_errors(launch) or _rank_0_checks(launch):
+            raise  # the last: rank 0 passed what this rank failed, and will not say it
         return _left_to_rank_0(exc)  # it finds the same, after checks this rank skips (the data scan)
+    if not args.check:
+        _tell_rank_0_checks(launch, passed=True)
+        if _rank_0_checks(launch) is False:  # rank 0 says why, for all
+            return _left_to_rank_0(UserError("rank 0's start-up checks failed; its error says why"))
     if launch.rank == 0:
         from megazero.planner.fit import estimate_line
 
@@ -70,6 +78,29 @@ def run(args) -> int:
         if launch.rank == 0 or not exc.agreed:
             raise
         return _left_to_rank_0(exc)  # every rank raised it alike (``UserError.agreed``): rank 0 says it for all
+
+
+def _tell_rank_0_checks(launch, passed: bool) -> None:
+    """Rank 0 tells the other ranks how its checks went, where they wait for it (``rank_0_checks``)."""
+    from parallel.launch import LaunchError, tell_checks
+
+    if launch.rank == 0 and launch.world_size > 1:
+        try:
+            tell_checks(passed)
+        except LaunchError as exc:
+            raise UserError(str(exc)) from None
+
+
+def _rank_0_checks(launch):
+    """On the other ranks: whether rank 0's checks passed, once it knows (None: nothing to wait on)."""
+    from parallel.launch import LaunchError, rank_0_checks
+
+    if launch.rank == 0:
+        return None
+    try:
+        return rank_0_checks(launch.rank)
+    except LaunchError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _left_to_rank_0(error: UserError) -> int:
