@@ -260,16 +260,39 @@ EXIT_USAGE = 2  # what a worker exits with after printing an error the user can 
 
 
 class _StopForwarder:
-    """Passes each stop signal on to this process's children, torchrun's workers."""
+    """Passes each stop signal on to torchrun's workers, which it has torchrun start with those
+    signals blocked: ``megazero`` unblocks them once it can take them. One forwarded while a
+    worker's interpreter was still starting cut it short, a SIGINT with a fatal-error traceback from
+    its ``site`` import; now it waits, pending, and is taken at the unblock."""
 
     def __init__(self):
         self.signum: Optional[int] = None  # the first stop signal received
         self.forwarded = False
+        self.workers: list = []  # every worker torchrun started (``subprocess.Popen``)
 
     def install(self) -> "_StopForwarder":
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
+            SubprocessHandler)
+
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._forward)
+        popen = SubprocessHandler._popen
+
+        def popen_held(handler, *args, **kwargs):  # the mask passes through fork and exec
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            try:
+                worker = popen(handler, *args, **kwargs)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            self.workers.append(worker)
+            return worker
+
+        SubprocessHandler._popen = popen_held
         return self
+
+    def finished(self) -> bool:
+        """Whether workers were started and every one has exited with status 0."""
+        return bool(self.workers) and all(worker.poll() == 0 for worker in self.workers)
 
     def _forward(self, signum, frame) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -280,8 +303,8 @@ class _StopForwarder:
             # workers' own lines say what happened.
             logging.disable(logging.ERROR)
         workers = _children()
-        if not workers and not self.forwarded:  # still at the rendezvous: nothing to save, stop there
-            raise SignalException(f"{signal.Signals(signum).name} before the workers started",
+        if not workers and not self.forwarded:  # at the rendezvous, or at the exit barrier: nothing to save
+            raise SignalException(f"{signal.Signals(signum).name} with no worker running",
                                   sigval=signal.Signals(signum))
         for pid in workers:
             try:
@@ -302,25 +325,6 @@ class _QuietOwnStatuses(logging.Filter):
         if str(record.msg).startswith("failed (exitcode: %s)") and isinstance(record.args, tuple) and record.args:
             return record.args[0] not in (EXIT_USAGE, EXIT_STOPPED)
         return True
-
-
-def _start_workers_with_stops_held() -> None:
-    """torchrun's workers start with the stop signals blocked (the mask passes through fork and exec),
-    and ``megazero`` unblocks them once it can take them (``megazero.cli``): one forwarded while a
-    worker's interpreter was still starting cut it short, a SIGINT with a fatal-error traceback from
-    its ``site`` import. A signal sent in that time waits, pending, and is taken at the unblock."""
-    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
-
-    popen = SubprocessHandler._popen
-
-    def popen_held(handler, *args, **kwargs):
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            return popen(handler, *args, **kwargs)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-    SubprocessHandler._popen = popen_held
 
 
 def _children() -> list[int]:
@@ -345,7 +349,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     checkpoint is complete (a save ends with a barrier of all ranks), so 75 is this process's status,
     without the report. When no worker saved after a stop signal (it came while they were starting
     up, or a second Ctrl-C followed), the status is 128 + the signal, after one line; the workers'
-    own output says why. A worker that exits 2 has printed what the user must fix, in one line: 2 is
+    own output says why; after this node's workers finished (torchrun waits for the other nodes'
+    there) it is 0, after one line. A worker that exits 2 has printed what the user must fix, in one line: 2 is
     the status, without the report. Any other failure is torchrun's, report and all.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -353,13 +358,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.run import main as torchrun
 
     stop = _StopForwarder().install()
-    _start_workers_with_stops_held()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietOwnStatuses())
     try:
         torchrun(["--signals-to-handle", "SIGHUP,SIGQUIT", *(sys.argv[1:] if argv is None else argv)])
     except SignalException as e:
         if e.sigval not in STOP_SIGNALS:  # SIGHUP, SIGQUIT: torchrun's own shutdown
             raise
+        if stop.finished():  # torchrun waited for other nodes' workers to finish (its exit barrier)
+            print(f"megazero: {e.sigval.name} after this node's workers finished; nothing to save", file=sys.stderr)
+            return 0
+        if stop.workers:  # they failed, and torchrun was about to say so
+            statuses = ", ".join(str(worker.poll()) for worker in stop.workers)
+            print(f"megazero: {e.sigval.name} after the workers ended (exit statuses {statuses})", file=sys.stderr)
+            return 128 + e.sigval
         print(f"megazero: {e.sigval.name} before the workers started; nothing to save", file=sys.stderr)
         return 128 + e.sigval
     except ChildFailedError as failed:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -244,6 +245,55 @@ def test_a_stop_signal_while_the_workers_start_waits_until_they_can_take_it(conf
     assert out.count("megazero train: interrupted") == 2, out
     assert "megazero: the workers stopped on SIGINT without saving (exit statuses 130)" in out, out
     assert _processes_of(run_dir) == []
+
+
+NODE_WORKER = """
+import os, sys, time
+if os.environ["GROUP_RANK"] == "0":  # this node's worker finishes first
+    open(sys.argv[1], "w").close()
+else:  # the other node's a few seconds later
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
+    time.sleep(4)
+"""
+
+
+def test_a_stop_signal_after_this_nodes_workers_finished_is_no_failure(tmp_path):
+    """torchrun waits at its exit barrier for the other nodes' workers after its own have finished
+    (it takes the signal once that wait ends): a stop signal there said "before the workers started"
+    and exited 143, a finished node reading as stopped. (Planted: no look at the workers that ran.)"""
+    worker, done = tmp_path / "worker.py", tmp_path / "finished"
+    worker.write_text(NODE_WORKER)
+    port = _free_port()
+    launchers = [subprocess.Popen([sys.executable, "-m", "parallel.launch", "--nnodes", "2", "--node_rank", str(node),
+                                   "--rdzv_backend", "c10d", "--rdzv_id", "barrier", "--rdzv_endpoint",
+                                   f"127.0.0.1:{port}", "--nproc_per_node", "1", str(worker), str(done)],
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                 for node in (0, 1)]
+    try:
+        deadline = time.monotonic() + 300
+        while not (done.exists() and _children(launchers[0].pid) == []):  # node 0 waits at its exit barrier
+            assert time.monotonic() < deadline and launchers[0].poll() is None, launchers[0].communicate()[0]
+            time.sleep(0.05)
+        launchers[0].send_signal(signal.SIGTERM)
+        out, _ = launchers[0].communicate(timeout=60)
+    finally:
+        for launcher in launchers:
+            with contextlib.suppress(ProcessLookupError):  # gone with its session
+                os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launchers[0].returncode == 0, out
+    assert "megazero: SIGTERM after this node's workers finished; nothing to save" in out, out
+    assert "Traceback" not in out, out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_an_input_error_through_the_script_is_one_line(config, tmp_path):
