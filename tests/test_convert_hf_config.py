@@ -6,6 +6,7 @@ export's config.json imports back to the model section it was written from."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -117,6 +118,10 @@ def test_gpt2_sizes_under_transformers_other_names(tmp_path):
     read = GPT2.model_config(json.loads(path.read_text()), str(path))  # the config alone: the weights have 2 layers
     assert (read.num_heads, read.num_layers, read.hidden_size) == (built.n_head, built.n_layer, built.n_embd)
     assert (read.num_heads, read.num_layers) == (2, 1)
+    path.write_text(json.dumps({**renamed, "num_attention_heads": 3, "num_hidden_layers": 1, "n_embd": 32}))
+    with pytest.raises(UserError, match=r"num_attention_heads \(model\.num_heads\)") as refused:  # the file's key
+        GPT2.model_config(json.loads(path.read_text()), str(path))
+    assert not re.search(r"\bn_head\b", str(refused.value)), refused.value
 
 
 def test_a_head_width_other_than_the_models_is_refused_by_name(tmp_path, capsys):

@@ -47,13 +47,11 @@ def typed(hf: dict, family, where: str) -> dict:
     naming its key, rather than failing later in arithmetic on it."""
     hints = field_types(ModelConfig)
     values = {}
-    for field, key in family.KEYS.items():
-        alias = family.ALIASES.get(key)
-        if alias in hf:  # transformers sets the alias after the key: it wins
-            if key in hf and hf[key] != hf[alias]:
-                raise refuse(f"{where}: {alias}", hf[alias], f"differs from {key} = {hf[key]!r}, and transformers "
-                             f"reads {alias}, another tool {key}", "keep one of the two")
-            key = alias
+    for field, key in file_keys(hf, family).items():
+        named = family.KEYS[field]
+        if key != named and named in hf and hf[named] != hf[key]:
+            raise refuse(f"{where}: {key}", hf[key], f"differs from {named} = {hf[named]!r}, and transformers "
+                         f"reads {key}, another tool {named}", "keep one of the two")
         if key in hf:
             values[field] = coerce(hf[key], hints[field], f"{where}: {key}", UserError)
         elif field in family.DEFAULTS:
@@ -63,17 +61,23 @@ def typed(hf: dict, family, where: str) -> dict:
     return values
 
 
-def validated(cfg: ModelConfig, family, where: str) -> ModelConfig:
+def file_keys(hf: dict, family) -> dict[str, str]:
+    """Our field -> the ``config.json`` key that gives it in this file: ``family.KEYS``', or the alias
+    where the file has one (``family.ALIASES``; transformers sets the alias after the key: it wins)."""
+    return {field: family.ALIASES[key] if family.ALIASES.get(key) in hf else key for field, key in family.KEYS.items()}
+
+
+def validated(cfg: ModelConfig, keys: dict[str, str], where: str) -> ModelConfig:
     """``cfg`` if `megazero train` would take it as its model section (positive sizes, heads dividing
     the width, ...), else a ``UserError`` with one line per problem, each field it names given as
-    the ``config.json`` key behind it. Without this a model with -1 layers converts into one with
+    the file's key behind it (``keys``: our field -> that key). Without this a model with -1 layers converts into one with
     none, and heads that do not divide the width fail deep inside the conversion."""
     from megazero.config.schema import Config
     from megazero.config.validate import validate_config
 
     def key(match: re.Match) -> str:
         field = match.group(1)
-        return f"{family.KEYS[field]} ({match.group(0)})" if field in family.KEYS else match.group(0)
+        return f"{keys[field]} ({match.group(0)})" if field in keys else match.group(0)
 
     try:
         validate_config(Config(model=cfg))
@@ -160,7 +164,7 @@ class GPT2:
                              f"only models with {key}={ok} can be imported")
         cfg = ModelConfig(preset="gpt2", position_embedding="learned", norm="layernorm", activation="gelu",
                           bias=True, **typed(hf, cls, where))
-        return validated(cfg, cls, where)
+        return validated(cfg, file_keys(hf, cls), where)
 
     LAYER_NAMES = {"attn_norm": "ln_1", "mlp_norm": "ln_2", "attention.qkv": "attn.c_attn",
                    "attention.out": "attn.c_proj", "mlp.fc_in": "mlp.c_fc", "mlp.fc_out": "mlp.c_proj"}
@@ -258,7 +262,7 @@ class Llama:
         if values["num_kv_heads"] == values["num_heads"]:
             values["num_kv_heads"] = None
         cfg = validated(ModelConfig(preset="llama", position_embedding="rope", norm="rmsnorm", activation="swiglu",
-                                    **values), cls, where)
+                                    **values), file_keys(hf, cls), where)
         head_dim = coerce(hf.get("head_dim"), Optional[int], f"{where}: head_dim", UserError)
         if head_dim not in (None, cfg.head_dim):
             raise refuse(f"{where}: head_dim", head_dim, f"differs from hidden_size / num_attention_heads = "

@@ -441,7 +441,7 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     cfg = ModelConfig(preset="llama" if position == "rope" else "gpt2", position_embedding=position, norm=norm,
                       activation="swiglu" if swiglu else "gelu", bias=bias,
                       tie_embeddings=not flag("untie_embeddings_and_output_weights", False), **values)
-    cfg = validated(cfg, ARG_NAMES, where)
+    cfg = validated(cfg, ARG_NAMES.KEYS, where)
     if get("kv_channels") not in (None, cfg.head_dim):
         raise refuse(f"{where}: args.kv_channels", get("kv_channels"), f"differs from args.hidden_size / "
                      f"args.num_attention_heads = {cfg.head_dim}", "megazero derives the head width from those two")
