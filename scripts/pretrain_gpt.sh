@@ -112,8 +112,10 @@ else
          "MASTER_PORT to a free port" >&2
     exit 2
   fi
-  rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --rdzv_backend c10d
-              --rdzv_id "${SLURM_JOB_ID:-megazero}" --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT")
+  # torchrun's static rendezvous: node NODE_RANK runs ranks NODE_RANK x NPROC_PER_NODE onward, and
+  # node 0 (MASTER_ADDR) serves the store. The c10d rendezvous ignores --node_rank and numbers the
+  # nodes by host name and process id, so rank 0 (its output, its files) could be on any node.
+  rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
 fi
 echo "== training $CONFIG on $NNODES node(s) x $NPROC_PER_NODE rank(s)"
 

@@ -266,8 +266,8 @@ def test_a_stop_signal_after_this_nodes_workers_finished_is_no_failure(tmp_path)
     worker.write_text(NODE_WORKER)
     port = _free_port()
     launchers = [subprocess.Popen([sys.executable, "-m", "parallel.launch", "--nnodes", "2", "--node_rank", str(node),
-                                   "--rdzv_backend", "c10d", "--rdzv_id", "barrier", "--rdzv_endpoint",
-                                   f"127.0.0.1:{port}", "--nproc_per_node", "1", str(worker), str(done)],
+                                   "--master_addr", "127.0.0.1", "--master_port", str(port), "--nproc_per_node",
+                                   "1", str(worker), str(done)],
                                   cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   start_new_session=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
                  for node in (0, 1)]
@@ -286,6 +286,22 @@ def test_a_stop_signal_after_this_nodes_workers_finished_is_no_failure(tmp_path)
     assert launchers[0].returncode == 0, out
     assert "megazero: SIGTERM after this node's workers finished; nothing to save" in out, out
     assert "Traceback" not in out, out
+
+
+def test_node_rank_0_runs_rank_0_whichever_node_starts_first(config, tmp_path):
+    """Two nodes on this host, node 1 started first: under torchrun's c10d rendezvous the node that
+    joined with the lower process id became node 0, and rank 0 ran on NODE_RANK 1. (Planted: c10d.)"""
+    env = dict(os.environ, CONFIG=str(config), NPROC_PER_NODE="1", OMP_NUM_THREADS="1", NNODES="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    args = [str(SCRIPT), "--logging.run_dir", str(tmp_path / "run"), "--train.train_steps", "2"]
+    nodes = {}
+    for node in (1, 0):
+        nodes[node] = subprocess.Popen(args, cwd=REPO, env=dict(env, NODE_RANK=str(node)), stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        time.sleep(2 if node == 1 else 0)
+    out = {node: proc.communicate(timeout=300)[0] for node, proc in nodes.items()}
+    assert [nodes[0].returncode, nodes[1].returncode] == [0, 0], out
+    assert "megazero: finished at step 2" in out[0] and "finished at step" not in out[1], out
 
 
 def _free_port() -> int:
