@@ -215,27 +215,34 @@ def _data_order_changes(before: Config, cfg: Config, digests: dict) -> list[str]
     from data_pipeline.blend import normalise_weights, parse_blend, resolve_blend
     from megazero.data import shard_digests, train_samples
 
-    def datasets(c: Config):
+    def datasets(c: Config, recorded: tuple[str, ...] = ()):
         weights, prefixes = parse_blend(resolve_blend(c.data.blend, c.data.blend_preset, c.data.blend_root))
-        return [(round(float(w), 12), os.path.realpath(p)) for w, p in zip(normalise_weights(weights), prefixes)]
+        # where the checkpoint recorded its shards (by real path, in the blend's order), those paths:
+        # a link in the blend since pointed elsewhere resolves, today, to where the run did not train
+        paths = recorded if len(recorded) == len(prefixes) else [os.path.realpath(p) for p in prefixes]
+        return [(round(float(w), 12), p) for w, p in zip(normalise_weights(weights), paths)]
 
     def moved(was: str, now: str, now_digests: dict) -> bool:  # another path, the recorded contents
         return digests.get(was) is not None and digests.get(was) == now_digests.get(now)
 
     try:
-        old, new = datasets(before), datasets(cfg)
+        old, new = datasets(before, tuple(digests)), datasets(cfg)
         if old != new and digests and len(old) == len(new):
             now_digests = shard_digests(cfg)
             if all(w == v and (p == q or moved(p, q, now_digests)) for (w, p), (v, q) in zip(old, new)):
                 old = new
     except (ValueError, OSError):
         old, new = None, None  # a preset gone or broken: compare what the runs name
+    relinked = []  # the blend as written, its entries leading elsewhere
+    if old != new and old is not None and len(old) == len(new) and _named_data(before) == _named_data(cfg):
+        relinked = [f"was trained on {p}, and the same blend entry now leads to {q}, other contents (a link in "
+                    "its path changed?)" for (_, p), (_, q) in zip(old, new) if p != q]
     fields = ["data.split"] if _split_shares(before) != _split_shares(cfg) else []
     fields += ["data.seed"] if before.data.seed != cfg.data.seed else []
-    if old != new or (old is None and _named_data(before) != _named_data(cfg)):
+    if (old != new and not relinked) or (old is None and _named_data(before) != _named_data(cfg)):
         fields.insert(0, "data.blend")
-    if fields:
-        return [f"was trained on another data order ({', '.join(fields)} changed)"]
+    if fields or relinked:
+        return relinked + ([f"was trained on another data order ({', '.join(fields)} changed)"] if fields else [])
     n_old, n_new = train_samples(before), train_samples(cfg)
     if n_old == n_new or new is None:
         return []

@@ -512,6 +512,37 @@ def test_a_resume_on_a_shard_rewritten_in_place_is_refused(files, capsys):
     assert main([*argv, "--train.train_steps", "2", "--checkpoint.allow_config_changes", "true"]) == 0
 
 
+def test_a_resume_through_a_link_pointed_elsewhere_is_refused(files, capsys):
+    """The blend names data/current/..., a link the user pointed at another corpus after the
+    checkpoint: the blend's text and every shard recorded were unchanged, and the run resumed on
+    other documents without a word (the saved config's paths were resolved today, through the new
+    link). The entries are now compared where the checkpoint recorded them. A link pointed at a copy
+    of the same shard still resumes. (Planted: the saved paths resolved today.)"""
+    root = files["root"] / "linked"
+    for version in ("v1", "v2", "copy"):
+        (root / version).mkdir(parents=True)
+    for name in (".bin", ".idx"):
+        shutil.copy(files["good"] + name, str(root / "v1" / "web") + name)
+        shutil.copy(files["good"] + name, str(root / "copy" / "web") + name)
+    with IndexedDatasetWriter(str(root / "v2" / "web"), np.uint16) as w:  # another corpus
+        for i in range(64):
+            w.add_document(np.full(80 + (i % 2), 1 + i % 7, np.uint16))
+    (root / "current").symlink_to("v1")
+    argv = ["train", *_model(str(root / "current" / "web"), str(root / "run"))]
+    assert main([*argv, "--train.train_steps", "1"]) == 0
+    (root / "current").unlink()
+    (root / "current").symlink_to("copy")
+    capsys.readouterr()
+    assert main([*argv, "--train.train_steps", "2", "--check"]) == 0, capsys.readouterr().err
+    (root / "current").unlink()
+    (root / "current").symlink_to("v2")
+    assert main([*argv, "--train.train_steps", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert (f"was trained on {root / 'v1' / 'web'}, and the same blend entry now leads to {root / 'v2' / 'web'}, "
+            "other contents") in err[0], err
+
+
 def test_sample_indices_that_cannot_be_written_are_one_line(files, tmp_path, monkeypatch):
     """The index cache fails to take the indices (a full disk, or read-only data whose largest-id
     fact preflight had cached before): an OSError other than a missing file escaped the data's
