@@ -208,6 +208,7 @@ def check_input(path: str, keys: tuple[str, ...]) -> None:
         raise ValueError(f"{path}: unknown input type; use .jsonl/.json (optionally .gz or .zst), .parquet, "
                          "or a Hugging Face dataset directory or name")
     check_compression(path)
+    check_json_lines(path)
     problem = _folder_problem(path)
     if problem:
         raise ValueError(f"{path}: {problem}")
@@ -216,6 +217,19 @@ def check_input(path: str, keys: tuple[str, ...]) -> None:
         raise ValueError(f"{path}: no column {missing} (columns: {columns}); choose with --json-keys")
     for name in plain_data_files(path) or ():
         check_input(name, keys)
+
+
+def check_json_lines(path: str) -> None:
+    """Refuse a ``.json``/``.jsonl`` file holding one JSON array, not JSON lines. Printed one element a
+    line, every line but the last (without its comma) is malformed JSON: where bad records are
+    skipped, that one record was the file's only document, the rest counted as skipped, status 0."""
+    if not (path.endswith(JSONL_SUFFIXES) and os.path.isfile(path)):
+        return
+    for lineno, line in iter_lines(path):
+        if line.lstrip().startswith(b"["):
+            raise ValueError(f"{path}:{lineno}: starts a JSON array, not JSON lines (one JSON object per line); "
+                             "write each record on a line of its own")
+        return
 
 
 def missing_columns(path: str, keys: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -307,19 +321,31 @@ def _folder_problem(path: str) -> str | None:
                           for kind, names in sorted(kinds.items()))
         return (f"a folder of mixed kinds of file ({found}), of which the datasets reader would read one kind and "
                 "leave the others out; give a folder of .jsonl/.json(.gz/.zst) and .parquet files, or of one kind")
-    if ".txt" in kinds:
-        return ("a folder of .txt files, which would be read one line per document (every document's lines torn "
+    [kind] = kinds
+    if kind.startswith(".txt"):
+        return (f"a folder of {kind} files, which would be read one line per document (every document's lines torn "
                 "apart); give .jsonl or .parquet files, or a save_to_disk directory")
+    if kind.startswith((".jsonl.", ".json.")):
+        return (f"a folder of {kind} files, which megazero reads only plain, .gz or .zst (the datasets reader would "
+                "read them as one table, turning a number in a text field into text); recompress them as .gz or .zst")
     return None
 
 
+OTHER_COMPRESSIONS = (".bz2", ".xz", ".lz4", ".gz", ".zst", ".zip")
+"""Suffixes the datasets reader decompresses by: a kind is the suffix under one (``.txt.gz``)."""
+
+
 def _file_kind(name: str) -> str:
-    """What the folder readers take a file for: jsonl (plain or compressed), parquet, or its suffix."""
+    """What the folder readers take a file for: jsonl (plain, .gz or .zst), parquet, or its suffix,
+    with the one under a compression's (``.txt.gz``, ``.jsonl.bz2``)."""
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
     if name.endswith(PARQUET_SUFFIXES):
         return "parquet"
-    return os.path.splitext(name)[1].lower() or "no suffix"
+    stem, suffix = os.path.splitext(name.lower())
+    if suffix in OTHER_COMPRESSIONS:
+        return (os.path.splitext(stem)[1] or "no suffix") + suffix
+    return suffix or "no suffix"
 
 
 def _jsonl_batches(path: str, batch_size: int) -> Iterator[Batch]:

@@ -85,9 +85,20 @@ NOT_JSON_LINES = ("it is likely not JSON lines: one JSON document per line (a JS
                   "several lines, is not); write each record on a line of its own")
 
 
+@pytest.mark.parametrize("text", ['[{"text": "a"}, {"text": "b"}]\n', '[\n{"text": "a"},\n{"text": "b"}\n]\n'])
+def test_a_json_array_is_refused_before_any_input_is_read(tmp_path, capsys, text):
+    """Printed one element a line, a JSON array's last line parses: that record was the file's one
+    document and the others counted as bad records, the run going on. (Planted: no look at it.)"""
+    corpus = write_corpus(tmp_path)
+    (tmp_path / "array.json").write_text(text)
+    assert _cli(tmp_path, config(tmp_path, [corpus, str(tmp_path / "array.json")])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"megazero curate: error: input.paths: {tmp_path / 'array.json'}:")
+    assert "starts a JSON array, not JSON lines" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("name, text, said", [
-    ("array.json", '[{"text": "a"}, {"text": "b"}]\n', "not one of its 1 records could be read (1 not a JSON object): "
-     + NOT_JSON_LINES),
     ("pretty.json", '{\n  "text": "a"\n}\n{\n  "text": "b"\n}\n', "not one of its 6 records could be read (6 malformed "
      "JSON): " + NOT_JSON_LINES),
     ("body.jsonl", '{"body": "a"}\n{"body": "b"}\n', "not one of its 2 records could be read (2 not text): no record "

@@ -82,6 +82,32 @@ def test_a_zstd_file_may_open_with_any_skippable_frame(tmp_path, nibble):
     assert [line for _, line in iter_lines(str(path))] == [b'{"text": "kept"}\n']
 
 
+@pytest.mark.parametrize("text", ['[\n{"text": "a"},\n{"text": "b"}\n]\n', '\n  [{"text": "a"}, {"text": "b"}]\n'])
+def test_a_json_array_is_refused_before_it_is_read(tmp_path, text):
+    """A JSON array printed one element a line has one line that parses (the last, without its comma):
+    under --skip-bad-records it was the file's one document, the others skipped, status 0. A file whose
+    first record opens an array is refused up front. (Planted: no look at the first line.)"""
+    path = tmp_path / "array.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"array\.json:\d: starts a JSON array, not JSON lines"):
+        check_input(str(path), ("text",))
+
+
+@pytest.mark.parametrize("name, refusal", [
+    ("a.txt.gz", "a folder of .txt.gz files, which would be read one line per document"),
+    ("a.jsonl.bz2", "a folder of .jsonl.bz2 files, which megazero reads only plain, .gz or .zst"),
+    ("a.json.xz", "a folder of .json.xz files, which megazero reads only plain, .gz or .zst")])
+def test_a_folder_of_files_compressed_otherwise_is_refused(tmp_path, name, refusal):
+    """A folder of compressed files whose kind megazero does not read itself went to the datasets
+    reader, the kind taken from the compression's suffix alone: .txt.gz files were read one line per
+    document, and .jsonl.bz2 files as one table, a number in a text field becoming text; each is
+    refused as its plain kind is. (Planted: the kind from the last suffix.)"""
+    (tmp_path / name).write_bytes(b"not read")
+    with pytest.raises(ValueError) as refused:
+        check_input(str(tmp_path), ("text",))
+    assert str(refused.value).startswith(f"{tmp_path}: {refusal}"), refused.value
+
+
 @pytest.mark.parametrize("other, kind", [("notes.txt", ".txt"), ("b.csv", ".csv")])
 def test_a_folder_of_mixed_kinds_is_refused_naming_them(tmp_path, other, kind):
     """The datasets reader takes one kind of file from a folder and leaves the rest out without a word

@@ -33,7 +33,7 @@ from data_pipeline.curate.quality import QualityConfig
 from data_pipeline.curate.runner import EXECUTORS
 from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS
 from data_pipeline.paths import empty_path_problem, file_in_the_way
-from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES, check_compression, missing_columns
+from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES, check_compression, check_json_lines, missing_columns
 from data_pipeline.tokenizer import load_tokenizer, require_eod
 from data_pipeline.typed_config import build_dataclass
 
@@ -179,11 +179,12 @@ def _stage_list_problems(stages: list[str]) -> list[str]:
 def _input_problems(paths: list[str], text_field: str) -> list[str]:
     """What each input's first bytes or footer show, so that a file ingest would fail on, or lose
     whole, is found before the inputs ahead of it are ingested: a compressed name on other data, a
-    parquet footer that does not read or lacks the text column."""
+    JSON array, a parquet footer that does not read or lacks the text column."""
     problems = []
     for path in paths:
         try:
             check_compression(path)
+            check_json_lines(path)
             missing, columns = missing_columns(path, (text_field,))
             if missing:
                 problems.append(f"input.paths: {path}: no column {text_field!r} (columns: {columns}); "
