@@ -99,6 +99,11 @@ class HFTokenizer:
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
         # none is needed to encode, train or generate: what writes one asks for it (``require_eod``)
         self.eod_id = self._find(eod_token, EOD_NAMES, "end-of-document", required=False)
+        added = self._tok.get_added_tokens_decoder().get(self.eod_id)
+        if added is not None and not added.special:  # ``encode_special_tokens`` keeps special ones from text only
+            raise ValueError(f"{path}: the end-of-document token {added.content!r} is an added token not marked "
+                             "special, so that text in a document would encode as a document boundary; set "
+                             '"special": true on it in the file\'s added_tokens')
         pad = self._find(pad_token, PAD_NAMES, "padding", required=False)
         self.pad_id = self.eod_id if pad is None else pad
 

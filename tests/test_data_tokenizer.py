@@ -100,6 +100,25 @@ def test_special_token_text_in_a_document_stays_text(tmp_path):
         assert tok.decode(ids) == text
 
 
+def test_an_end_of_document_token_not_marked_special_is_refused(tmp_path):
+    """An added token not marked special is matched in text whatever ``encode_special_tokens`` says:
+    as the EOD, "<|endoftext|>" in a document cut it in two. (Planted: no look at the flag.)"""
+    pytest.importorskip("tokenizers")
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    hf = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_tokens([AddedToken("<|endoftext|>", special=False)])
+    hf.save(str(tmp_path / "plain.json"))
+    with pytest.raises(ValueError, match=r"plain\.json: the end-of-document token '<\|endoftext\|>' is an added "
+                                         r"token not marked special"):
+        load_tokenizer(str(tmp_path / "plain.json"))
+    hf.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    hf.save(str(tmp_path / "special.json"))
+    tok = load_tokenizer(str(tmp_path / "special.json"))
+    assert tok.eod_id not in tok.encode("a <|endoftext|> b")
+
+
 def test_a_tokenizer_jsons_template_adds_no_tokens_to_a_document(tmp_path):
     """Many tokenizer.json files carry a post-processor that puts a BOS or EOS around every text;
     a document is its text's tokens alone (preprocessing appends the one EOD), in a batch as alone.
