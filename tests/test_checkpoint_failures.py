@@ -20,6 +20,7 @@ from megazero.checkpoint import format as format_module
 from megazero.checkpoint import probe_writable
 from megazero.checkpoint import writer as writer_module
 from megazero.checkpoint.format import HashingWriter
+from megazero.checkpoint.writer import RETIRED
 from tests.test_checkpoint_io import save_rank_files
 
 BIG = 1 << 18  # float32 elements: a 1 MiB tensor
@@ -293,11 +294,12 @@ def test_a_save_is_durable_before_it_is_named(tmp_path, monkeypatch):
 
 def test_a_directory_cut_before_its_rename_or_while_retired_is_never_a_checkpoint(tmp_path):
     """``step_N.tmp`` holds ``COMPLETE`` between the commit record and its rename, and a retired
-    ``step_N.old`` still holds it until it is deleted: neither may be listed or resumed from."""
+    ``step_N.retired-by-megazero`` still holds it until it is deleted: neither may be listed or resumed
+    from."""
     writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone)
     writer.save(1, small(0, 1.0))
     shutil.copytree(tmp_path / "step_0000001", tmp_path / "step_0000002.tmp")
-    shutil.copytree(tmp_path / "step_0000001", tmp_path / "step_0000003.old")
+    shutil.copytree(tmp_path / "step_0000001", tmp_path / f"step_0000003{RETIRED}")
     assert (tmp_path / "step_0000002.tmp" / "COMPLETE").is_file()
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_0000001"
@@ -305,7 +307,19 @@ def test_a_directory_cut_before_its_rename_or_while_retired_is_never_a_checkpoin
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_0000002"
     assert torch.equal(load_file(tmp_path / "step_0000002", "rank0.pt")["w"], torch.full((4,), 2.0))
-    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.old"))
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(f"*{RETIRED}"))
+
+
+def test_a_checkpoint_moved_aside_by_hand_is_kept(tmp_path):
+    """A person rolling back renamed step_4 to step_4.old, to keep it: the next save deleted it with the
+    writer's own leftovers, and so did a save of step 4 again. (Planted: the writer's retired name .old.)"""
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone, keep_last=1)
+    writer.save(4, small(0, 4.0))
+    (tmp_path / "step_0000004").rename(tmp_path / "step_0000004.old")
+    for step in (3, 4):
+        writer.save(step, small(0, float(step)))
+    assert torch.equal(load_file(tmp_path / "step_0000004.old", "rank0.pt")["w"], torch.full((4,), 4.0))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4] and not list(tmp_path.glob(f"*{RETIRED}"))
 
 
 def test_a_checkpoint_counts_as_committed_once_the_pointer_names_it(tmp_path, monkeypatch):

@@ -224,7 +224,7 @@ class CheckpointWriter:
                     "meta": meta or {}, "files": files}
         write_text_atomic(tmp / COMPLETE, complete_text(complete))
         final = self.root / step_dir_name(step)
-        old = final.with_name(final.name + ".old")
+        old = final.with_name(final.name + RETIRED)
         if final.exists():  # re-saving a step (after a resume): swap, then drop the old copy
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
@@ -252,13 +252,19 @@ class CheckpointWriter:
         for path in older[: max(len(older) - (self.keep_last - 1), 0)]:
             # renamed first: a deletion that stops part-way leaves a leftover, never a step_N without
             # its COMPLETE, which would stop the next launch (``latest_checkpoint``)
-            retired = path.with_name(path.name + ".old")
+            retired = path.with_name(path.name + RETIRED)
             os.replace(path, retired)
             shutil.rmtree(retired)
         for leftover in self.root.glob("step_*.tmp"):
             shutil.rmtree(leftover, ignore_errors=True)
-        for leftover in self.root.glob("step_*.old"):
+        for leftover in self.root.glob(f"step_*{RETIRED}"):
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+RETIRED = ".retired-by-megazero"
+"""The suffix of a checkpoint the writer set aside to delete (a step saved again, or one past
+``keep_last``): a name of its own, since everything under it is deleted without a word, and
+``step_N.old`` is what a person names a checkpoint they move aside to keep."""
 
 
 def _synchronize_cuda() -> None:
