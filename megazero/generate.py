@@ -13,7 +13,7 @@ import torch
 
 from megazero.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
 from megazero.checkpoint.state import fit_to_shard, load_full_weights
-from megazero.config.loader import build_dataclass
+from megazero.config.loader import build_dataclass, known_fields
 from megazero.config.schema import Config
 from megazero.convert.sources import finite
 from models import GPT
@@ -49,7 +49,12 @@ def saved_config(ckpt: OpenedCheckpoint) -> Config:
     if not isinstance(saved, dict):
         raise CheckpointError(f"{ckpt.path}: records no training config, so it was not saved by `megazero train`; "
                               f"check {ckpt.source}")
-    return build_dataclass(Config, saved, prefix="")
+    known, dropped = known_fields(Config, saved)  # fields of the version that wrote it, dropped since
+    unknown_model = [name for name in dropped if name.startswith("model.")]
+    if unknown_model:  # the rest (parallel layout, logging, ...) does not change what the model computes
+        raise CheckpointError(f"{ckpt.path}: its model sets {', '.join(unknown_model)}, which this version of "
+                              "megazero does not know; sample from it with the version that trained it")
+    return build_dataclass(Config, known, prefix="")
 
 
 def load_model(path, source: str = "the checkpoint path") -> tuple[GPT, Config]:

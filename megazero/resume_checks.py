@@ -165,11 +165,11 @@ def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int, digests:
     would silently differ from continuing its run: another data order (the samples consumed so far
     would no longer say where the run stands in it), other global batches ahead, or a jump in the
     learning rate (a longer ``train.train_steps`` stretches a decay that had ended, for one)."""
-    from megazero.config.loader import build_dataclass
+    from megazero.config.loader import build_dataclass, known_fields
     from megazero.training_schedules import build_lr_schedule
 
-    try:
-        before = build_dataclass(Config, saved, prefix="")
+    try:  # a field of another version's (dropped since) must not turn the checks below off
+        before = build_dataclass(Config, known_fields(Config, saved)[0], prefix="")
     except (ConfigError, KeyError, TypeError, ValueError):  # a config of another schema version
         data, now = saved.get("data") or {}, config_to_dict(cfg)["data"]
         changed = [f"data.{k}" for k in DATA_ORDER_FIELDS if data.get(k) != now[k]]

@@ -543,6 +543,43 @@ def test_a_resume_through_a_link_pointed_elsewhere_is_refused(files, capsys):
             "other contents") in err[0], err
 
 
+def _reseal(step_dir: Path, edit) -> None:
+    """A checkpoint's COMPLETE record edited and sealed again, as another version would have written it."""
+    from megazero.checkpoint.format import CHECKSUM, complete_text
+
+    path = step_dir / "COMPLETE"
+    record = json.loads(path.read_text())
+    record.pop(CHECKSUM)
+    edit(record["meta"]["config"])
+    path.write_text(complete_text(record))
+
+
+def test_a_field_of_another_version_leaves_every_resume_check_on(files, capsys):
+    """A checkpoint whose record holds a config field this version has dropped (one version recorded
+    parallel.tp_sm_carveout): the saved config no longer built, and the resume fell back to comparing
+    the data fields alone, so a jump in the learning rate resumed without a word. Sampling was refused
+    naming a field the user never set. (Planted: the record built as written.)"""
+    from megazero.checkpoint import CheckpointError
+    from megazero.generate import load_model
+
+    runs = {name: str(files["root"] / "skew" / name) for name in ("as_written", "other_version")}
+    for run in runs.values():
+        assert main(["train", *_model(files["good"], run), "--train.train_steps", "1"]) == 0
+    step = Path(runs["other_version"]) / "checkpoints" / "step_0000001"
+    _reseal(step, lambda config: config["parallel"].update(tp_sm_carveout=0))
+    capsys.readouterr()
+    said = {}
+    for name, run in runs.items():
+        assert main(["train", *_model(files["good"], run), "--train.train_steps", "4"]) == 2
+        said[name] = capsys.readouterr().err.replace(run, "RUN")
+    assert said["other_version"] == said["as_written"] and "learning rate" in said["as_written"], said
+    assert load_model(step)[1].model.num_layers == 2
+    _reseal(step, lambda config: config["model"].update(sliding_window=8))
+    with pytest.raises(CheckpointError, match=r"its model sets model\.sliding_window, which this version of megazero "
+                                              r"does not know"):
+        load_model(step)
+
+
 def test_sample_indices_that_cannot_be_written_are_one_line(files, tmp_path, monkeypatch):
     """The index cache fails to take the indices (a full disk, or read-only data whose largest-id
     fact preflight had cached before): an OSError other than a missing file escaped the data's

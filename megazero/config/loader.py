@@ -148,6 +148,23 @@ def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
     return typed_config.build_dataclass(cls, raw, prefix, error=ConfigError)
 
 
+def known_fields(cls: type, raw: Any) -> tuple[Any, list[str]]:
+    """``raw`` without the keys ``cls`` has no field for (in every section), and those keys, dotted:
+    a checkpoint's record of its config, written by a version with a field this one has since
+    dropped, read for what this version knows of it."""
+    if not (dataclasses.is_dataclass(cls) and isinstance(raw, dict)):
+        return raw, []
+    hints = typed_config.field_types(cls)
+    kept, dropped = {}, []
+    for key, value in raw.items():
+        if key not in hints:
+            dropped.append(str(key))
+            continue
+        kept[key], inner = known_fields(hints[key], value)
+        dropped += [f"{key}.{name}" for name in inner]
+    return kept, dropped
+
+
 def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
