@@ -15,6 +15,7 @@ import decimal
 import difflib
 import functools
 import re
+import reprlib
 import types
 import typing
 from typing import Any
@@ -38,7 +39,7 @@ def build_dataclass(cls: type, raw: Any, prefix: str = "", error: type[Exception
     missing or null section takes its defaults)."""
     where = prefix.rstrip(".") or "config"
     if not isinstance(raw, dict):
-        raise error(f"{where}: expected a mapping of fields, got {type(raw).__name__} {raw!r}")
+        raise error(f"{where}: expected a mapping of fields, got {type(raw).__name__} {shown(raw)}")
     hints = field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
@@ -68,7 +69,7 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
 
     def refused(what: str) -> Exception:
         what = what.replace(" or ", ", ") + " or null" if nullable else what
-        return error(f"{name}: expected {what}, got {value!r}")
+        return error(f"{name}: expected {what}, got {shown(value)}")
 
     if hint is bool:
         if isinstance(value, bool):
@@ -87,7 +88,10 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
         raise refused("an integer")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer of hundreds of digits
+                raise refused("a number within a float's range") from None
         if isinstance(value, str) and _number_yaml_left_as_text(value):
             return float(value)
         raise refused("a number")
@@ -112,6 +116,37 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
             return dict(value or {})
         raise refused("a mapping")
     return value
+
+
+SHOWN_CHARS = 200
+
+
+def shown(value: Any) -> str:
+    """A refused value as an error line shows it, cut to about ``SHOWN_CHARS``: a YAML alias tree of a
+    few hundred bytes spells out to gigabytes, which the one-line error printed whole (after
+    building it in memory)."""
+    if _size_within(value, SHOWN_CHARS) is not None:
+        return repr(value)
+    limited = reprlib.Repr()
+    limited.maxlevel, limited.maxlist, limited.maxdict = 3, 4, 4
+    limited.maxstring = limited.maxother = limited.maxlong = SHOWN_CHARS // 4
+    return f"{limited.repr(value)[:SHOWN_CHARS]} (cut)"
+
+
+def _size_within(value: Any, budget: int) -> int | None:
+    """What is left of ``budget`` after ``value``'s items and characters, None once it runs out
+    (without walking the rest: the tree may be too large to walk)."""
+    if isinstance(value, (list, tuple, set, dict)):
+        for item in (value.items() if isinstance(value, dict) else value):
+            budget -= 1
+            if budget < 0 or (budget := _size_within(item, budget)) is None:
+                return None
+        return budget
+    if isinstance(value, (str, bytes)):
+        budget -= len(value)
+    else:  # an integer's digits, or a float's or a date's few characters
+        budget -= value.bit_length() // 3 + 1 if isinstance(value, int) else 8
+    return budget if budget >= 0 else None
 
 
 def _number_yaml_left_as_text(text: str) -> bool:

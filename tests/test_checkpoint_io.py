@@ -429,6 +429,9 @@ def test_damaged_complete_marker_is_named(saved):
     (saved / "COMPLETE").write_text("{not json")
     with pytest.raises(CheckpointError, match="COMPLETE: the completion marker is not valid JSON"):
         read_manifest(saved)
+    (saved / "COMPLETE").write_text("[" * 100_000 + "]" * 100_000)  # was a RecursionError traceback
+    with pytest.raises(CheckpointError, match="COMPLETE: the completion marker is nested too deeply"):
+        read_manifest(saved)
 
 
 # --- keep last ----------------------------------------------------------------------------------

@@ -162,6 +162,9 @@ def read_json(path: Path, what: str) -> dict:
         raise CheckpointError(f"{path}: {what} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: {what} is not valid JSON ({e}); the file is damaged") from None
+    except RecursionError:  # nested deeper than any record this version writes
+        raise CheckpointError(f"{path}: {what} is nested too deeply to be a checkpoint's record; the file is "
+                              "damaged") from None
 
 
 def file_digest(f: BinaryIO) -> str:

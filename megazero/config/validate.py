@@ -65,6 +65,18 @@ POSITIVE = [
     "checkpoint.keep_last", "logging.log_interval",
 ]
 
+LARGEST = {
+    "model.num_layers": 10_000, "model.hidden_size": 1 << 20, "model.num_heads": 1 << 16,
+    "model.ffn_hidden_size": 1 << 22,
+}
+"""Sizes far past any model trained (GPT-3 has 96 layers of width 12,288): a larger one is a typo,
+which the checks' own arithmetic did not survive (``model.num_layers 1e29`` hung the planner's
+estimate; ``model.hidden_size 1e29`` passed ``--check`` and failed allocating)."""
+
+COUNT_MAX = 2 ** 53
+"""The largest count (steps, tokens, samples) a float still holds exactly: the checks divide them, and
+a count of hundreds of digits ended in an OverflowError."""
+
 STEPS_AHEAD_MAX = 8
 """More steps in flight only delay stops and NaN checks: a host that needs more is the bound."""
 
@@ -150,6 +162,14 @@ def _value_problems(cfg: Config) -> list[str]:
         value = get(cfg, name)
         if value is not None and value <= 0:
             problems.append(f"{name}: must be positive, got {value}")
+    for name, largest in LARGEST.items():
+        value = get(cfg, name)
+        if value is not None and value > largest:
+            problems.append(f"{name}: {value} is more than {largest:,}, far past any model trained; check the value")
+    for name in POSITIVE + NON_NEGATIVE:
+        value = get(cfg, name)
+        if isinstance(value, int) and name not in LARGEST and value > COUNT_MAX:
+            problems.append(f"{name}: {value} is more than 2^53; check the value")
     for name in NON_NEGATIVE:
         value = get(cfg, name)
         if value is not None and value < 0:
