@@ -380,6 +380,19 @@ def saved(tmp_path) -> Path:
     return tmp_path / "step_0000007"
 
 
+def test_a_checkpoint_is_found_through_a_link_or_dot_and_a_renamed_one_is_named(saved, monkeypatch):
+    """A checkpoint given as ".", from inside it, or through a link named "best", was said to hold no
+    checkpoint, and so was a copy under another name. The first two now load; the copy is named as
+    what it is. (Planted: the name checked as typed.)"""
+    (saved.parent / "best").symlink_to(saved.name)
+    assert resolve_checkpoint(saved.parent / "best") == saved
+    monkeypatch.chdir(saved)
+    assert resolve_checkpoint(".") == saved
+    shutil.copytree(saved, saved.parent / "mine")
+    with pytest.raises(CheckpointError, match=r"mine: holds a checkpoint under a name other than step_NNNNNNN"):
+        resolve_checkpoint(saved.parent / "mine")
+
+
 def test_flipped_byte_fails_the_checksum_naming_the_file(saved):
     path = saved / "model.pt"
     data = bytearray(path.read_bytes())

@@ -298,6 +298,12 @@ def resolve_checkpoint(path: str | os.PathLike, source: str = "checkpoint.load")
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: checkpoint path does not exist; check {source}")
+    if not STEP_DIR.match(path.name) and STEP_DIR.match(path.resolve().name):  # ".", or a link named "best"
+        path = path.resolve()
+    if (path.is_dir() and not STEP_DIR.match(path.name) and not path.name.endswith(".tmp")
+            and (path / COMPLETE).is_file()):
+        raise CheckpointError(f"{path}: holds a checkpoint under a name other than step_NNNNNNN, the name megazero "
+                              f"finds checkpoints by; rename it, or link it under that name, and give that as {source}")
     if STEP_DIR.match(path.name) or path.name.endswith(".tmp"):
         if not is_complete(path):
             raise CheckpointError(f"{path}: not a complete checkpoint (no {COMPLETE} marker; it was being "
