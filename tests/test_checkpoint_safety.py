@@ -485,3 +485,30 @@ def test_a_rank_file_without_an_entry_a_load_needs_is_refused_naming_it(tmp_path
     assert reader.values(0, ("adam_step",)) == {"adam_step": 1}
     with pytest.raises(CheckpointError, match="rank_00000.safetensors: holds no entry 'rng'; it was not written by"):
         reader.values(0, ("adam_step", "rng"))
+
+
+@pytest.mark.parametrize("entry, value, words", [
+    ("adam_step", "four", "its entry 'adam_step' is a str, which megazero never writes there"),
+    ("adam_step", True, "its entry 'adam_step' is a bool"), ("scaler", [1], "its entry 'scaler' is a list"),
+    ("rng", None, "holds no entry 'rng'")])
+def test_a_rank_files_entries_are_checked_before_a_load_uses_them(tmp_path, entry, value, words):
+    """A rank file whose record checks out (sealed again by hand, or another tool's) with an entry of
+    another type, or none, stopped a resume with a TypeError or KeyError from deep in the load: the
+    exact load and the resharded one check what they read. (Planted: no check.)"""
+    from megazero.checkpoint.reader import CheckpointReader, rank_file
+    from megazero.checkpoint.state import RANK_ENTRIES, checked_entries
+
+    good = {**{key: torch.zeros(2) for key in ("master", "exp_avg", "exp_avg_sq")}, "params": [],
+            "segments": torch.zeros((0, 4), dtype=torch.int64),
+            "adam_step": 3.0, "scaler": {"kind": "NoScaler"}, "rng": {"cpu": torch.zeros(2)}}
+    assert checked_entries(tmp_path / "f", good, RANK_ENTRIES) is good
+    bad = {k: v for k, v in good.items() if k != entry or value is not None}
+    if value is not None:
+        bad[entry] = value
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        checked_entries(tmp_path / "f", bad, RANK_ENTRIES)
+    CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone).save(1, {rank_file(0): bad})
+    from megazero.checkpoint.state import _values
+
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        _values(CheckpointReader(tmp_path / "step_0000001"), 0, entry)

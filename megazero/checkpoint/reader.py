@@ -156,7 +156,11 @@ class CheckpointReader:
         the tensors inside them read."""
         path = self.ckpt / rank_file(rank)
         with self._open(rank) as f:
-            tree = json.loads(f.metadata.get(serialization.TREE, "null"))
+            try:
+                tree = json.loads(f.metadata.get(serialization.TREE, "null"))
+            except (ValueError, RecursionError) as e:  # as ``serialization.read`` says it
+                raise CheckpointError(f"{path}: its {serialization.TREE!r} metadata is damaged ({e}); restore it or "
+                                      "load an earlier checkpoint") from None
             if not isinstance(tree, dict):
                 raise CheckpointError(f"{path}: a safetensors file without megazero's metadata; restore it or "
                                       "load an earlier checkpoint")

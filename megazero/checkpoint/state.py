@@ -167,14 +167,39 @@ def _read_into(ckpt, rank: int, optimizer: ShardedAdamW, manifest: dict, same_ra
     checked = dict(plan.checked) if plan is not None else {}  # each file is hashed once in all
     exact = plan.exact if plan is not None else _exact(ckpt, rank, optimizer, manifest, same_ranks, checked)
     if exact:
-        state = load_file(ckpt, rank_file(rank), manifest=manifest, checked=checked)
+        state = checked_entries(Path(ckpt) / rank_file(rank), load_file(ckpt, rank_file(rank), manifest=manifest,
+                                                                         checked=checked), RANK_ENTRIES)
         if state["master"].numel() == optimizer.master.numel():  # the padding may differ (older layouts)
             optimizer.load_sharded_state_dict(state)
             return True, state["rng"]
     # an exact resume falling back here reads files ``files_to_load`` did not name: those are hashed
     reader = CheckpointReader(ckpt, manifest, checked=checked)
     load_resharded(reader, optimizer)
-    return False, reader.values(rank, ("rng",))["rng"] if own_file else None
+    return False, _values(reader, rank, "rng") if own_file else None
+
+
+RANK_ENTRIES = {**{key: torch.Tensor for key in STATE_KEYS}, "params": list, "segments": torch.Tensor,
+                "adam_step": (int, float), "scaler": dict, "rng": dict}
+"""A rank file's entries and what each is: a file whose record checks out (sealed again by hand, or
+written by another tool) with an entry missing or of another type stopped a resume with a KeyError
+or a TypeError from deep in the load."""
+
+
+def checked_entries(path: Path, values: dict, keys) -> dict:
+    """``values`` (a rank file's entries) once each of ``keys`` is there and of its type."""
+    for key in keys:
+        if key not in values:
+            raise CheckpointError(f"{path}: holds no entry {key!r}; it was not written by this version of megazero")
+        value = values[key]
+        if not isinstance(value, RANK_ENTRIES[key]) or isinstance(value, bool):
+            raise CheckpointError(f"{path}: its entry {key!r} is a {type(value).__name__}, which megazero never "
+                                  "writes there; restore the file, or load an earlier checkpoint")
+    return values
+
+
+def _values(reader: CheckpointReader, rank: int, key: str):
+    """One entry of a rank file, read alone and checked (``checked_entries``)."""
+    return checked_entries(reader.ckpt / rank_file(rank), reader.values(rank, (key,)), (key,))[key]
 
 
 def _description(ckpt, rank: int, manifest: dict, checked: dict[str, FileIdentity]) -> dict:
@@ -194,8 +219,8 @@ def load_resharded(reader: CheckpointReader, optimizer: ShardedAdamW) -> None:
         raise CheckpointError(f"{ckpt}: holds no parameter of this rank's model part; was it saved from a "
                               "different model?")
     # A rank whose shard was all padding saved step 0: take the largest.
-    adam_step = max(reader.values(r, ("adam_step",))["adam_step"] for r in holders)
-    scaler = reader.values(holders[0], ("scaler",))["scaler"]
+    adam_step = max(_values(reader, r, "adam_step") for r in holders)
+    scaler = _values(reader, holders[0], "scaler")
 
     def local_values():
         for name, shape, shard in wanted:
