@@ -331,8 +331,7 @@ def _folder_problem(path: str) -> str | None:
     return None
 
 
-OTHER_COMPRESSIONS = (".bz2", ".xz", ".lz4", ".gz", ".zst", ".zip")
-"""Suffixes the datasets reader decompresses by: a kind is the suffix under one (``.txt.gz``)."""
+OTHER_COMPRESSIONS = (".bz2", ".xz", ".lz4", ".gz", ".zst", ".zip")  # the datasets reader decompresses by these
 
 
 def _file_kind(name: str) -> str:
