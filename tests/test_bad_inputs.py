@@ -252,7 +252,7 @@ CASES = [
         "--output-prefix", str(f["root"] / "out" / name), "--no-progress"])(name), [f"{name}.jsonl:{line}", *words])
       for name, line, words in [("null", 2, ["text", "null"]), ("nested", 1, ["text", "object"]),
                                 ("number", 1, ["text"]), ("nokey", 2, ["text"]), ("broken", 2, ["malformed JSON"]),
-                                ("latin1", 2, ["not UTF-8"]), ("array", 1, ["text"])]],
+                                ("latin1", 2, ["not UTF-8"]), ("array", 1, ["starts a JSON array"])]],
     ("preprocess-cut-gz", lambda f: ["preprocess", "--input", str(f["root"] / "cut.jsonl.gz"), "--tokenizer",
                                      str(f["root"] / "tokenizer.json"), "--output-prefix", str(f["root"] / "out" / "cut"),
                                      "--no-progress"], ["cut.jsonl.gz"]),

@@ -73,9 +73,10 @@ LARGEST = {
 which the checks' own arithmetic did not survive (``model.num_layers 1e29`` hung the planner's
 estimate; ``model.hidden_size 1e29`` passed ``--check`` and failed allocating)."""
 
-COUNT_MAX = 2 ** 53
-"""The largest count (steps, tokens, samples) a float still holds exactly: the checks divide them, and
-a count of hundreds of digits ended in an OverflowError."""
+COUNT_MAX = 2 ** 63 - 1
+"""The largest count (steps, tokens, samples) the data's int64 indices hold: the checks divide them,
+and a count of hundreds of digits ended in an OverflowError (the checks of absurd run lengths below
+it say how long the run would be)."""
 
 STEPS_AHEAD_MAX = 8
 """More steps in flight only delay stops and NaN checks: a host that needs more is the bound."""
@@ -169,7 +170,7 @@ def _value_problems(cfg: Config) -> list[str]:
     for name in POSITIVE + NON_NEGATIVE:
         value = get(cfg, name)
         if isinstance(value, int) and name not in LARGEST and value > COUNT_MAX:
-            problems.append(f"{name}: {value} is more than 2^53; check the value")
+            problems.append(f"{name}: {value} is more than int64's largest, {COUNT_MAX}; check the value")
     for name in NON_NEGATIVE:
         value = get(cfg, name)
         if value is not None and value < 0:
