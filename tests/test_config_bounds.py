@@ -12,6 +12,7 @@ from megazero.errors import ConfigError
     (["--train.train_steps", "1" + "0" * 400], "train.train_steps: 1000"),
     (["--model.num_layers", "1e29"], "model.num_layers: 100000000000000000000000000000 is more than 10,000"),
     (["--model.hidden_size", "1e29"], "model.hidden_size: 100000000000000000000000000000 is more than 1,048,576"),
+    (["--model.rope_theta", "1e-320"], "model.rope_theta: 9.99989e-321 must be more than 1"),
 ])
 def test_values_past_any_use_are_refused_by_name(override, said):
     """Values of hundreds of digits, or sizes far past any model: a float field raised OverflowError, a

@@ -171,6 +171,9 @@ def _value_problems(cfg: Config) -> list[str]:
         value = get(cfg, name)
         if isinstance(value, int) and name not in LARGEST and value > COUNT_MAX:
             problems.append(f"{name}: {value} is more than int64's largest, {COUNT_MAX}; check the value")
+    if 0 < cfg.model.rope_theta <= 1:  # 1e-320 passed, and the run diverged with advice about the learning rate
+        problems.append(f"model.rope_theta: {cfg.model.rope_theta:g} must be more than 1 (the rotary base: 10000 in "
+                        "GPT-NeoX and Llama 2, 500000 in Llama 3)")
     for name in NON_NEGATIVE:
         value = get(cfg, name)
         if value is not None and value < 0:
