@@ -125,7 +125,7 @@ def start_run(cfg: Config, launch: LaunchEnv, started: Optional[float] = None) -
         device, topology = initialize(cfg, launch)
         verify_consistent(cfg)
         trainer = Trainer(cfg, device, topology, started)
-        if topology.rank == 0:
+        if topology.rank == 0 and not trainer.done():  # a finished run's record stays what it trained with
             record_config(trainer.cfg)  # with what the checkpoint kept (its pipeline split): what trains
         state = trainer.train()
         finished = True

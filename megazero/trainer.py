@@ -273,7 +273,8 @@ class Trainer:
         comm.all_reduce(flags, self._control, op=dist.ReduceOp.MAX)
         return [value > 0 for value in flags.tolist()]
 
-    def _done(self) -> bool:
+    def done(self) -> bool:
+        """Whether the run has reached train.train_steps or train.train_tokens (a relaunch of a finished run)."""
         t = self.cfg.train
         if t.train_steps is not None and self.state.step >= t.train_steps:
             return True
@@ -285,13 +286,13 @@ class Trainer:
     def _saves(self, step: int) -> bool:
         """Whether ``step`` gets a periodic checkpoint (the last step's is the exit save's business)."""
         interval = self.cfg.checkpoint.save_interval
-        return bool(interval and step % interval == 0) and not self._done()
+        return bool(interval and step % interval == 0) and not self.done()
 
     def _pause_after(self, step: int) -> bool:
         """Whether the step just queued must finish before the next is queued: it is evaluated, saved
         or the last, and those read or write the parameters as that step left them; or it bounds a
         profiled window, whose trace holds only the window's steps."""
-        return self._done() or self._evaluates(step) or self._saves(step) or self.profiler.pauses_after(step)
+        return self.done() or self._evaluates(step) or self._saves(step) or self.profiler.pauses_after(step)
 
     def train(self) -> TrainState:
         """Steps are queued ahead (``train.steps_ahead``, 1 by default): the host reads step N's loss
@@ -304,7 +305,7 @@ class Trainer:
         written however the loop ends."""
         start = self.started
         t = self.cfg.train
-        if self._done():
+        if self.done():
             if self.rank == 0:
                 print(f"megazero: this run already finished at step {self.state.step}; nothing to train (raise "
                       "train.train_steps or train.train_tokens to continue it, or use another logging.run_dir)",
@@ -331,13 +332,13 @@ class Trainer:
                         self.save()
                     while stopping and in_flight:  # a stop lets the steps already queued finish
                         self._complete(in_flight.popleft())
-                elif not (stopping or self._done()):  # after an evaluation or a save
+                elif not (stopping or self.done()):  # after an evaluation or a save
                     in_flight.append(self._queue_step())
-                if stopping or (not in_flight and self._done()):
+                if stopping or (not in_flight and self.done()):
                     break
             self.profiler.close()  # before the exit save, which is not part of any step
             why = self._agreed_signal(preemption.signal_name) if preempted else WALL_CLOCK if late else None
-            if not self._done():  # steps left: stopped, not finished (a scheduler requeues on 75)
+            if not self.done():  # steps left: stopped, not finished (a scheduler requeues on 75)
                 self.state.stopped_by = why
             if why and self.rank == 0:
                 print(f"megazero: stopping at step {self.state.step} for {why}; saving", flush=True)
