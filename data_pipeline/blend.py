@@ -33,6 +33,7 @@ from data_pipeline.gpt_samples import GPTSamples
 from data_pipeline.index_cache import cached_arrays, default_cache_dir
 from data_pipeline.indexed import IndexedDataset
 from data_pipeline.paths import listed_twice
+from data_pipeline.shard_files import shard_identity
 from data_pipeline.typed_config import coerce
 from data_pipeline.yaml_files import read_yaml_mapping
 
@@ -195,7 +196,7 @@ def parse_blend(blend: list) -> tuple[list[float], list[str]]:
                              "e.g. [0.3, data/web_text_document]")
         weights.append(weight)
         prefixes.append(entry[1])
-    repeat = listed_twice(("data.blend entry", prefix) for prefix in prefixes)
+    repeat = listed_twice((("data.blend entry", prefix) for prefix in prefixes), key=shard_identity)
     if repeat:  # the same data twice: each entry would serve every sample again
         raise ValueError(f"{repeat}; give it once, with the weights summed")
     normalise_weights(weights)

@@ -23,6 +23,12 @@ def idx_path(prefix: str) -> str:
     return f"{prefix}.idx"
 
 
+def shard_identity(prefix: str) -> str:
+    """One spelling per shard, links followed: its ``.bin``'s real path. Two prefixes whose ``.bin``
+    files are one (a folder or the files linked) name the same tokens."""
+    return os.path.realpath(bin_path(prefix))
+
+
 def file_version(st: os.stat_result) -> tuple[int, int, int, int]:
     """What tells one version of a file from another: a rewrite in place changes the size or the
     modification time, a replacement the inode."""

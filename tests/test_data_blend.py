@@ -115,6 +115,11 @@ def test_a_dataset_listed_twice_is_refused(tmp_path):
             parse_blend([[0.5, prefix], [0.2, "other"], [0.5, other]])
     with pytest.raises(ValueError, match="twice"):
         resolve_blend([[0.5, "a"], [0.5, "./a"]], None, None)
+    for ext in (".bin", ".idx"):  # another prefix whose files are links to the first's
+        (tmp_path / f"web_text_document{ext}").write_bytes(b"")
+        (tmp_path / f"alias{ext}").symlink_to(tmp_path / f"web_text_document{ext}")
+    with pytest.raises(ValueError, match=r"alias is listed twice \(also as .*web_text_document\); give it once"):
+        parse_blend([[0.5, prefix], [0.5, str(tmp_path / "alias")]])
 
 
 def test_a_preset_entry_of_weight_zero_is_refused(tmp_path):

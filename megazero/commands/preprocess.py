@@ -132,9 +132,9 @@ def _check_no_repeats(args) -> None:
 
 def _resolved(name: str, shard: bool) -> str:
     """One spelling per file, links followed: a shard prefix stands for its ``.bin``."""
-    from data_pipeline.shard_files import bin_path
+    from data_pipeline.shard_files import shard_identity
 
-    return os.path.realpath(bin_path(name) if shard else name)
+    return shard_identity(name) if shard else os.path.realpath(name)
 
 
 def _check_outputs_absent(args) -> None:
