@@ -541,14 +541,16 @@ def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:
     bounded for any shard (a scan through the memory map would leave the whole shard resident in
     this process, which job schedulers count against it). The answer is cached in ``cache_dir``
     (default: ``index-cache`` beside the shard, as for the sample indices) under the ``.idx``
-    fingerprint and the ``.bin`` size and modification time, so a second start reads one small
-    file instead of the whole shard. A negative id or a shard of float values raises ValueError
+    fingerprint and the ``.bin``'s size, modification time and change time, so a second start reads
+    one small file instead of the whole shard (the change time because a copy or edit in place can
+    set the modification time back, and nothing can set the change time). A negative id or a shard of float values raises ValueError
     naming the ``.bin``.
     """
     data = IndexedDataset(prefix)
     binf = bin_path(prefix)
     stat = os.stat(binf)
-    description = {"idx_sha256": data.fingerprint, "bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns}
+    description = {"idx_sha256": data.fingerprint, "bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns,
+                   "bin_ctime_ns": stat.st_ctime_ns}
     arrays = cached_arrays(cache_dir or default_cache_dir(prefix), "largest-token", description, ("largest",),
                            lambda: {"largest": np.array([_scan_largest(data, binf)], dtype=np.int64)})
     return int(arrays["largest"][0])

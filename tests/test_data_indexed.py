@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -339,6 +340,12 @@ def test_largest_token_id_is_cached_by_content(tmp_path, monkeypatch):
     prefix = write(tmp_path / "a", [[1, 2, 3], [1], [], [60000, 2, 3, 4, 9], [8, 8]])  # the first .idx, new tokens
     os.utime(prefix + ".bin", ns=(1, 1))  # a new mtime even where the clock ticks coarsely
     assert largest_token_id(prefix) == 60000 and len(scans) == 2
+    before = os.stat(prefix + ".bin")
+    time.sleep(0.05)  # past the file system's clock tick
+    with open(prefix + ".bin", "r+b") as f:  # an edit in place, its modification time set back
+        f.write(np.array([61000], np.uint16).tobytes())
+    os.utime(prefix + ".bin", ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert largest_token_id(prefix) == 61000 and len(scans) == 3
 
 
 def test_largest_token_id_edge_cases(tmp_path):
