@@ -15,10 +15,7 @@ import signal
 import sys
 
 from megazero.errors import Terminated, UserError, raise_terminated
-
-HELD_BY_THE_LAUNCHER = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-"""The stop signals ``python -m parallel.launch`` starts its workers with blocked (its
-``STOP_SIGNALS``): one sent before the command can take it waits until here."""
+from parallel.stop_signals import STOP_SIGNALS
 
 SUBCOMMANDS = ("train", "generate", "preprocess", "tokenizer", "demo_corpus", "curate", "convert", "plan")
 
@@ -47,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.command == "train" and not args.help_config and not args.check):  # not a training run
         sys.stdout = _Output(stdout)
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_BY_THE_LAUNCHER)  # from here a stop is handled
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held by the launcher until here, where it is handled
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a failure is caught, not at the interpreter's exit
         return code

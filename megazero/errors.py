@@ -4,6 +4,7 @@ The command line prints a ``UserError`` as one line (no traceback) and exits non
 else is a bug and keeps its traceback.
 """
 
+import contextlib
 import signal
 
 
@@ -17,6 +18,17 @@ class UserError(Exception):
     def __init__(self, *args, agreed: bool = False) -> None:
         super().__init__(*args)
         self.agreed = agreed
+
+
+@contextlib.contextmanager
+def said_in_one_line(*kinds: type[Exception]):
+    """Raise errors of ``kinds`` as a ``UserError`` of their message: for a lower layer's errors
+    (``parallel.launch.LaunchError``) whose message already names the fix, and which cannot import
+    this module to raise one itself."""
+    try:
+        yield
+    except kinds as exc:
+        raise UserError(str(exc)) from None
 
 
 class ConfigError(UserError):

@@ -18,7 +18,7 @@ import yaml
 from megazero.config import Config, save_config
 from megazero.config.loader import config_to_dict
 from megazero.config.validate import config_notes
-from megazero.errors import UserError, raise_terminated
+from megazero.errors import UserError, raise_terminated, said_in_one_line
 from megazero.run_lock import RunDirLock, run_locks
 from parallel.launch import (EXIT_STOPPED, LaunchEnv, LaunchError, destroy_process_group, init_process_group, pick_device,
                              started_by_torchrun)
@@ -30,10 +30,8 @@ PACKAGES = ("megazero", "parallel", "models", "data_pipeline")
 def initialize(cfg: Config, launch: LaunchEnv):
     """Start the process group and build the topology; returns (device, topology)."""
     device = pick_device(cfg.train.device, launch.local_rank)
-    try:
+    with said_in_one_line(LaunchError):
         init_process_group(launch, device, cfg.train.collective_timeout_s)
-    except LaunchError as exc:
-        raise UserError(str(exc)) from None
     p = cfg.parallel
     grid = RankGrid(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order)
     topology = Topology(grid, ranks_per_node=launch.local_world_size, timeout_s=cfg.train.collective_timeout_s)

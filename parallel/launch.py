@@ -28,6 +28,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from parallel.stop_signals import STOP_SIGNALS
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -170,22 +172,23 @@ CHECKS_POLL_S = 0.2
 STORE_TIMEOUT_S = 300.0  # for one request to a store that is already up
 
 
-def tell_checks(passed: bool) -> None:
-    """Rank 0's verdict on its start-up checks, for ``rank_0_checks`` on the other ranks."""
-    store = _agent_store()
+def tell_checks(rank: int, passed: bool) -> None:
+    """Rank 0's verdict on its start-up checks, for ``rank_0_checks`` on the other ranks (a no-op on those)."""
+    store = _agent_store() if rank == 0 else None
     if store is not None:
         store.set(CHECKS_KEY, CHECKS_PASSED if passed else CHECKS_FAILED)
 
 
 def rank_0_checks(rank: int) -> Optional[bool]:
-    """Whether rank 0's start-up checks passed, once it knows; None where torchrun serves no store.
+    """Whether rank 0's start-up checks passed, once it knows; None on rank 0 itself, and where
+    torchrun serves no store.
 
     Rank 0 alone scans the data before any process group exists (every shard's largest token id,
     cached after the first start). The other ranks went straight on to the rendezvous, where they
     wait ``train.collective_timeout_s`` at most: a first start on a large corpus outlasted that, and
     they failed with a store timeout naming neither rank 0 nor the scan. They now wait here for as
     long as rank 0 takes, which torchrun bounds: it ends them if rank 0 dies, and they end with it."""
-    store = _agent_store()
+    store = _agent_store() if rank != 0 else None
     if store is None:
         return None
     exit_with_launcher(rank)
@@ -233,10 +236,14 @@ def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:
     exits (every rank at once, before a dying peer breaks their collectives); where pidfds are missing
     it polls ``getppid`` every ``poll_s`` seconds.
     """
-    if any(thread.name == "launcher-watch" for thread in threading.enumerate()):
-        return  # watched since an earlier wait
-    threading.Thread(target=_exit_when_gone, args=(os.getppid(), rank, poll_s), name="launcher-watch",
-                     daemon=True).start()
+    global _launcher_watch
+    if _launcher_watch is None:  # else watched since an earlier wait (rank 0's checks, then the rendezvous)
+        _launcher_watch = threading.Thread(target=_exit_when_gone, args=(os.getppid(), rank, poll_s),
+                                           name="launcher-watch", daemon=True)
+        _launcher_watch.start()
+
+
+_launcher_watch: Optional[threading.Thread] = None
 
 
 def _exit_when_gone(parent: int, rank: int, poll_s: float) -> None:
@@ -254,7 +261,6 @@ def _exit_when_gone(parent: int, rank: int, poll_s: float) -> None:
 
 # --- the launcher: torchrun, with the stop signals passed to the workers --------------------------
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_STOPPED = os.EX_TEMPFAIL  # 75: what a worker exits with once it has saved and stopped on a signal
 EXIT_USAGE = 2  # what a worker exits with after printing an error the user can fix (bad config, data, input)
 
@@ -302,7 +308,7 @@ class _StopForwarder:
             # From here torchrun's notes on workers it stops or sees exit read as failures: the
             # workers' own lines say what happened.
             logging.disable(logging.ERROR)
-        workers = _children()
+        workers = [worker.pid for worker in self.workers if worker.returncode is None]
         if not workers and not self.forwarded:  # at the rendezvous, or at the exit barrier: nothing to save
             raise SignalException(f"{signal.Signals(signum).name} with no worker running",
                                   sigval=signal.Signals(signum))
@@ -325,17 +331,6 @@ class _QuietOwnStatuses(logging.Filter):
         if str(record.msg).startswith("failed (exitcode: %s)") and isinstance(record.args, tuple) and record.args:
             return record.args[0] not in (EXIT_USAGE, EXIT_STOPPED)
         return True
-
-
-def _children() -> list[int]:
-    pids: list[int] = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/children") as f:
-                pids += [int(pid) for pid in f.read().split()]
-        except FileNotFoundError:  # the thread just ended
-            pass
-    return pids
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -272,17 +272,28 @@ def test_the_other_ranks_wait_for_rank_0s_verdict(agent_store, passed):
 
     from parallel.launch import rank_0_checks, tell_checks
 
-    threading.Timer(0.5, tell_checks, args=(passed,)).start()
+    threading.Timer(0.5, tell_checks, args=(0, passed)).start()
     started = time.monotonic()
     assert rank_0_checks(1) is passed
     assert time.monotonic() - started >= 0.45
+
+
+def test_only_rank_0_tells_and_it_waits_for_no_one(agent_store):
+    """Rank 0 returns at once with nothing to wait for; another rank's ``tell_checks`` sets nothing
+    (its verdict would stand for rank 0's). (Planted: either rank test dropped.)"""
+    from parallel.launch import CHECKS_KEY, rank_0_checks, tell_checks
+
+    tell_checks(1, False)
+    assert not agent_store.check([CHECKS_KEY])
+    started = time.monotonic()
+    assert rank_0_checks(0) is None and time.monotonic() - started < 5
 
 
 def test_no_store_no_wait(monkeypatch):
     from parallel.launch import rank_0_checks, tell_checks
 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    tell_checks(True)
+    tell_checks(0, True)
     assert rank_0_checks(1) is None
 
 
@@ -296,7 +307,7 @@ def test_a_rank_says_an_error_rank_0_passed_at_once(agent_store, monkeypatch, ca
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(train, "REPORTER_WAIT_S", 60.0)
-    tell_checks(True)
+    tell_checks(0, True)
     started = time.monotonic()
     assert main(["train", "--train.device", "cpu", "--data.blend", f"[[1.0, {tmp_path / 'none'}]]"]) == 2
     assert time.monotonic() - started < 30

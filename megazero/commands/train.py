@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from megazero.errors import UserError
+from megazero.errors import UserError, said_in_one_line
 
 REPORTER_WAIT_S = 600.0  # the longest a rank whose checks failed waits for rank 0 to say so (and end it)
 
@@ -36,24 +36,26 @@ def run(args) -> int:
         for name, default, help_text in field_docs():
             print(f"{name:36s} {default!r:>14}  {help_text}")
         return 0
-    from parallel.launch import LaunchError, read_launch_env
+    from parallel.launch import LaunchError, rank_0_checks, read_launch_env, tell_checks
 
-    try:
+    with said_in_one_line(LaunchError):
         launch = read_launch_env()
-    except LaunchError as exc:
-        raise UserError(str(exc)) from None
     try:
         cfg, facts = checked_config(args, launch)
     except UserError as exc:
-        if not args.check:
-            with contextlib.suppress(UserError):  # this error is the one to say
-                _tell_rank_0_checks(launch, passed=False)
-        if args.check or reports_errors(launch) or _rank_0_checks(launch):
-            raise  # the last: rank 0 passed what this rank failed, and will not say it
+        if args.check:
+            raise
+        with contextlib.suppress(LaunchError):  # this error is the one to say
+            tell_checks(launch.rank, passed=False)
+        with said_in_one_line(LaunchError):
+            if reports_errors(launch) or rank_0_checks(launch.rank):
+                raise exc from None  # the last: rank 0 passed what this rank failed, and will not say it
         return _left_to_rank_0(exc)  # it finds the same, after checks this rank skips (the data scan)
     if not args.check:
-        _tell_rank_0_checks(launch, passed=True)
-        if _rank_0_checks(launch) is False:  # rank 0 says why, for all
+        with said_in_one_line(LaunchError):
+            tell_checks(launch.rank, passed=True)
+            rank_0_passed = rank_0_checks(launch.rank)
+        if rank_0_passed is False:  # rank 0 says why, for all
             return _left_to_rank_0(UserError("rank 0's start-up checks failed; its error says why"))
     if launch.rank == 0:
         from megazero.planner.fit import estimate_line
@@ -78,29 +80,6 @@ def run(args) -> int:
         if launch.rank == 0 or not exc.agreed:
             raise
         return _left_to_rank_0(exc)  # every rank raised it alike (``UserError.agreed``): rank 0 says it for all
-
-
-def _tell_rank_0_checks(launch, passed: bool) -> None:
-    """Rank 0 tells the other ranks how its checks went, where they wait for it (``rank_0_checks``)."""
-    from parallel.launch import LaunchError, tell_checks
-
-    if launch.rank == 0 and launch.world_size > 1:
-        try:
-            tell_checks(passed)
-        except LaunchError as exc:
-            raise UserError(str(exc)) from None
-
-
-def _rank_0_checks(launch):
-    """On the other ranks: whether rank 0's checks passed, once it knows (None: nothing to wait on)."""
-    from parallel.launch import LaunchError, rank_0_checks
-
-    if launch.rank == 0:
-        return None
-    try:
-        return rank_0_checks(launch.rank)
-    except LaunchError as exc:
-        raise UserError(str(exc)) from None
 
 
 def _left_to_rank_0(error: UserError) -> int:

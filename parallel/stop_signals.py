@@ -1,0 +1,9 @@
+"""The signals that ask a run to stop: SIGTERM (a scheduler's, a person's ``kill``), SIGUSR1 (SLURM's
+warning before the time limit) and SIGINT (Ctrl-C). The launcher (``parallel.launch``) passes them
+to its workers, which it starts with them blocked; ``megazero``'s command line unblocks them once it
+can take them. Kept apart from the launcher, which imports torch, for that command line, which does
+not."""
+
+import signal
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
