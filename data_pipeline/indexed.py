@@ -541,9 +541,8 @@ def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:
     bounded for any shard (a scan through the memory map would leave the whole shard resident in
     this process, which job schedulers count against it). The answer is cached in ``cache_dir``
     (default: ``index-cache`` beside the shard, as for the sample indices) under the ``.idx``
-    fingerprint and the ``.bin``'s size, modification time and change time, so a second start reads
-    one small file instead of the whole shard (the change time because a copy or edit in place can
-    set the modification time back, and nothing can set the change time). A negative id or a shard of float values raises ValueError
+    fingerprint and the ``.bin``'s size, modification and change times (an edit can set the first
+    back, never the second), so a second start reads one small file instead of the whole shard. A negative id or a shard of float values raises ValueError
     naming the ``.bin``.
     """
     data = IndexedDataset(prefix)
