@@ -89,19 +89,6 @@ def test_a_relaunch_continues_from_its_own_checkpoint(files, capsys):
     assert "already finished at step 2" in out, out
 
 
-def test_a_finished_run_relaunched_shorter_keeps_its_config_record(files, capsys):
-    """Asking a run that finished at step 2 for 1 step trains nothing, and its config.yaml still says
-    what it trained with (the relaunch's overrides used to be written over it)."""
-    run = files["root"] / "shortened"
-    assert main(["train", *_model(files["good"], str(run))]) == 0
-    record = (run / "config.yaml").read_text()
-    assert "train_steps: 2" in record, record
-    capsys.readouterr()
-    assert main(["train", *_model(files["good"], str(run)), "--train.train_steps", "1"]) == 0
-    assert "already finished at step 2" in capsys.readouterr().out
-    assert (run / "config.yaml").read_text() == record
-
-
 def test_a_warm_up_longer_than_the_run_is_said_at_its_start(files, capsys):
     """Legal (a smoke run of a full config), but the learning rate never reaches its peak: said once."""
     run = files["root"] / "short"

@@ -1,5 +1,5 @@
-"""Resumes from what a checkpoint recorded: a blend entry whose link now leads elsewhere, and a record
-of another version's config."""
+"""Resumes from what a checkpoint recorded: a blend entry whose link now leads elsewhere, a record of
+another version's config, and the record a finished run keeps when relaunched."""
 
 from __future__ import annotations
 
@@ -86,3 +86,16 @@ def test_a_field_of_another_version_leaves_every_resume_check_on(files, capsys):
     with pytest.raises(CheckpointError, match=r"its model sets model\.sliding_window, which this version of megazero "
                                               r"does not know"):
         load_model(step)
+
+
+def test_a_finished_run_relaunched_shorter_keeps_its_config_record(files, capsys):
+    """Asking a run that finished at step 2 for 1 step trains nothing, and its config.yaml still says
+    what it trained with (the relaunch's overrides used to be written over it)."""
+    run = files["root"] / "shortened"
+    assert main(["train", *_model(files["good"], str(run))]) == 0
+    record = (run / "config.yaml").read_text()
+    assert "train_steps: 2" in record, record
+    capsys.readouterr()
+    assert main(["train", *_model(files["good"], str(run)), "--train.train_steps", "1"]) == 0
+    assert "already finished at step 2" in capsys.readouterr().out
+    assert (run / "config.yaml").read_text() == record
