@@ -32,7 +32,7 @@ class ModelConfig:
     rope_theta: float = option(10000.0, "Rotary base frequency (rope only)")
     norm: str = option("layernorm", "Normalisation: layernorm or rmsnorm")
     norm_eps: float = option(1e-5, "Epsilon added inside the norm")
-    activation: str = option("gelu", "MLP activation: gelu or swiglu")
+    activation: str = option("gelu", "MLP activation: gelu (tanh approximation, as GPT-2), gelu_exact (erf) or swiglu")
     tie_embeddings: bool = option(True, "Share the token embedding with the LM head")
     bias: bool = option(True, "Add biases to linear layers")
     dropout: float = option(0.0, "Dropout on embeddings, attention output and MLP output")

@@ -13,13 +13,14 @@ from torch import nn
 from models import ops
 from models.config import ModelConfig
 
-ACTIVATIONS = ("gelu", "swiglu")  # the values of model.activation
+ACTIVATIONS = ("gelu", "gelu_exact", "swiglu")  # the values of model.activation
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
         self.gated = cfg.activation == "swiglu"
+        self.exact_gelu = cfg.activation == "gelu_exact"
         if cfg.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation: unknown activation {cfg.activation!r}; use one of {', '.join(ACTIVATIONS)}")
         inner = cfg.ffn_size * (2 if self.gated else 1)
@@ -32,5 +33,5 @@ class MLP(nn.Module):
             pairs = h.unflatten(-1, (-1, 2))
             h = ops.swiglu(pairs[..., 0], pairs[..., 1])
         else:
-            h = ops.gelu(h)
+            h = ops.gelu(h, exact=self.exact_gelu)
         return self.fc_out(h)

@@ -80,14 +80,17 @@ def add_rms_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor,
     return total, rms_norm(total, weight, eps)
 
 
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """The tanh approximation of GeLU, as GPT-2 and Megatron use.
+def gelu(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """GeLU: by default its tanh approximation, as GPT-2 and Megatron's fused bias-GeLU compute it;
+    ``exact``: with erf, as megatron-core computes it elsewhere (a model without linear biases) and
+    Hugging Face's ``gelu``. The two differ by up to about 5e-4 an activation, so a converted model
+    keeps the one it was trained with.
 
     No fused body: the bias is already added in the GEMM's epilogue (cuBLAS, eager and compiled),
     and GeLU is then one pass each way, at memory bandwidth under torch.compile (BENCHMARKS.md); only
     moving GeLU into the GEMM's epilogue too could save more.
     """
-    return F.gelu(x, approximate="tanh")
+    return F.gelu(x, approximate="none" if exact else "tanh")
 
 
 @fused_by("elementwise.swiglu")

@@ -91,6 +91,18 @@ def layernorm_without_biases(folder: Path) -> Path:
     return folder
 
 
+def exact_gelu(folder: Path) -> Path:
+    """A megazero checkpoint of a GPT-2-shaped model (learned positions, LayerNorm, biases, a tied head)
+    whose GeLU is the exact one (``gelu_exact``), random weights, in ``folder``: megatron-core runs its
+    fused bias-GeLU, the tanh one, unless ``bias_gelu_fusion`` is off."""
+    from megazero.convert.targets import write_megazero
+
+    torch.manual_seed(3)
+    write_megazero(RandomSource(num_layers=2, hidden_size=32, vocab_size=61, seq_length=16, activation="gelu_exact"),
+                   folder)
+    return folder
+
+
 class RandomSource:
     """A source with an architecture of our choosing and random weights."""
 

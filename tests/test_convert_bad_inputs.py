@@ -527,7 +527,8 @@ def test_a_tokenizer_transformers_cannot_take_is_refused_before_any_weight(sourc
                                                 "counterpart in megazero's GPT"),
     ({"scale_attn_weights": False}, "config.json: scale_attn_weights: False has no counterpart"),
     ({"add_cross_attention": True}, "config.json: add_cross_attention: True has no counterpart"),
-    ({"activation_function": "gelu"}, "config.json: activation_function: 'gelu' is not megazero's tanh-approximated"),
+    ({"activation_function": "relu"}, "config.json: activation_function: 'relu' is not a GeLU megazero computes; "
+                                      "only gelu_new / gelu_pytorch_tanh (the tanh approximation) and gelu (exact)"),
 ])
 def test_gpt2_attention_switches_without_counterpart(sources, tmp_path, capsys, changes, want):
     hf = _copy(sources / "gpt2", tmp_path)

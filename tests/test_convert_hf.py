@@ -227,12 +227,14 @@ def test_offline_reshard_keeps_master_and_moments(world, tmp_path):
     {"bias": False, "tie_embeddings": False},  # ... and with a head of its own, which has no bias there
     {"position_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu", "num_kv_heads": 2,
      "tie_embeddings": False, "bias": True},  # Llama with biases: attention_bias and mlp_bias
-], ids=["gpt2-without-biases", "gpt2-untied-without-biases", "llama-with-biases"])
-def test_bias_choices_export_with_our_logits(tmp_path, fields):
-    """The two bias choices the presets do not make: ``transformers`` loads every tensor it expects from
-    the export, nothing else, and gives the logits of our single-process model (planted: the zero
-    biases left out, which transformers would fill in itself with a warning; ``mlp_bias`` not
-    written; a zero bias written for an untied head, which transformers reports as unexpected)."""
+    {"activation": "gelu_exact"},  # GPT-2 with the exact GeLU: transformers' "gelu"
+], ids=["gpt2-without-biases", "gpt2-untied-without-biases", "llama-with-biases", "gpt2-exact-gelu"])
+def test_choices_the_presets_do_not_make_export_and_import_with_our_logits(tmp_path, fields):
+    """The bias and GeLU choices the presets do not make: ``transformers`` loads every tensor it
+    expects from the export, nothing else, and gives the logits of our single-process model, as does
+    the export imported back (planted: the zero biases left out, which transformers would fill in
+    itself with a warning; ``mlp_bias`` not written; a zero bias written for an untied head, which
+    transformers reports as unexpected; the exact GeLU written or read as the tanh one)."""
     from megazero.convert.targets import write_megazero
     from megazero.generate import load_model
     from tests.convert_sources import RandomSource
@@ -250,6 +252,11 @@ def test_bias_choices_export_with_our_logits(tmp_path, fields):
     assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
     assert got.shape == want.shape
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+    assert convert(tmp_path / "hf", tmp_path / "back", "--to", "megazero") == 0
+    back, back_cfg = load_model(tmp_path / "back")
+    assert back_cfg.model.activation == cfg.model.activation
+    with torch.no_grad():
+        assert (back(tokens)[..., :cfg.model.vocab_size] - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 @pytest.mark.parametrize("fields", [{}, {"position_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu",

@@ -21,11 +21,12 @@ import torch
 
 from megazero.cli import main
 from megazero.convert.megatron import safe_load
-from tests.convert_sources import fails, gpt2_folder, layernorm_without_biases, llama_folder
+from tests.convert_sources import exact_gelu, fails, gpt2_folder, layernorm_without_biases, llama_folder
 from tests.distributed import run_world
 
 VOCAB, SEQ = 61, 8
-MAKERS = {"llama": llama_folder, "gpt2": gpt2_folder, "layernorm-no-bias": layernorm_without_biases}
+MAKERS = {"llama": llama_folder, "gpt2": gpt2_folder, "layernorm-no-bias": layernorm_without_biases,
+          "exact-gelu": exact_gelu}
 TO_LOCAL = ("--to", "megatron", "--transformer-impl", "local")
 
 
@@ -100,7 +101,8 @@ def test_a_megatron_checkpoint_imports_back_bit_for_bit(sources, tmp_path, name,
         assert torch.equal(back[key], direct[key]), key
     last = out / "release" / (f"mp_rank_00_{pp - 1:03d}" if pp > 1 else "mp_rank_00") / "model_optim_rng.pt"
     state = safe_load(last)
-    assert ("output_layer.weight" in state["model"]) == (name != "gpt2" or pp > 1)  # gpt2 alone is tied
+    tied = name in ("gpt2", "exact-gelu")
+    assert ("output_layer.weight" in state["model"]) == (not tied or pp > 1)
     assert (state["checkpoint_version"], state["iteration"]) == (3.0, 0)  # below 2.0 Megatron-LM reorders the qkv rows
     args = state["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
@@ -193,10 +195,12 @@ def test_transformer_engine_names_fuse_the_norms_and_import_back(sources, tmp_pa
 def test_args_megatron_lm_compares_and_its_gelu(sources, tmp_path, capsys):
     """add_position_embedding is Megatron-LM's default (True) under rotary too, or a run with its
     default flags fails ``check_checkpoint_args``; a GeLU model with biases runs megatron-core's
-    fused bias-GeLU, the tanh one (``bias_gelu_fusion``), and one without biases runs the exact GeLU,
-    which the export says in a note. (Planted: add_position_embedding from the position type.)"""
-    from tests.convert_sources import RandomSource
+    fused bias-GeLU, the tanh one (``bias_gelu_fusion``), and one without biases runs the exact GeLU:
+    megazero's tanh GeLU without biases is refused (it was written, with a note), its exact one is
+    written. (Planted: add_position_embedding from the position type; the refusal dropped.)"""
     from megazero.convert.megatron_out import write_megatron
+    from megazero.errors import UserError
+    from tests.convert_sources import RandomSource
 
     assert convert(sources["llama"], tmp_path / "l", *TO_LOCAL) == 0
     assert convert(sources["gpt2"], tmp_path / "g", *TO_LOCAL) == 0
@@ -205,9 +209,12 @@ def test_args_megatron_lm_compares_and_its_gelu(sources, tmp_path, capsys):
     assert llama.add_position_embedding and llama.position_embedding_type == "rope" and not llama.bias_gelu_fusion
     assert gpt2.add_position_embedding and gpt2.bias_gelu_fusion and not gpt2.openai_gelu
     assert "computes the GeLU" not in capsys.readouterr().out
-    write_megatron(RandomSource(bias=False), tmp_path / "nobias", 1, 1, "local")
-    assert "megatron-core computes the GeLU of a model without linear biases exactly (erf)" in capsys.readouterr().out
-    assert not safe_load(tmp_path / "nobias" / "release" / "mp_rank_00" / "model_optim_rng.pt")["args"].bias_gelu_fusion
+    with pytest.raises(UserError, match=r"^model\.activation: 'gelu' \(the tanh approximation\) without linear "
+                                        r"biases .* exactly \(erf, megazero's gelu_exact\); export it to Hugging Face"):
+        write_megatron(RandomSource(bias=False), tmp_path / "nobias", 1, 1, "local")
+    assert not (tmp_path / "nobias").exists()
+    write_megatron(RandomSource(bias=False, activation="gelu_exact"), tmp_path / "exact", 1, 1, "local")
+    assert not safe_load(tmp_path / "exact" / "release" / "mp_rank_00" / "model_optim_rng.pt")["args"].bias_gelu_fusion
 
 
 def test_fp16_refuses_weights_beyond_its_range(sources, tmp_path, capsys):

@@ -74,17 +74,17 @@ def test_attention_is_textbook_grouped_query_attention(preset):
         assert close(attention(x), _textbook_attention(attention, x, cfg))
 
 
-@pytest.mark.parametrize("preset", ["gpt2", "llama"])
-def test_mlp_is_tanh_gelu_or_swiglu_over_interleaved_gate_and_up_rows(preset):
-    cfg = config(preset, bias=True)
+@pytest.mark.parametrize("preset, activation", [("gpt2", "gelu"), ("gpt2", "gelu_exact"), ("llama", "swiglu")])
+def test_mlp_is_tanh_or_exact_gelu_or_swiglu_over_interleaved_gate_and_up_rows(preset, activation):
+    cfg = config(preset, bias=True, activation=activation)
     mlp = _block(cfg).mlp
-    x = torch.randn(2, cfg.seq_length, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = 4 * torch.randn(2, cfg.seq_length, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     h = mlp.fc_in(x)
-    if preset == "llama":
+    if activation == "swiglu":
         gate, up = h[..., 0::2], h[..., 1::2]  # rows gate_0, up_0, gate_1, up_1, ...
         expected = mlp.fc_out(F.silu(gate) * up)
     else:
-        expected = mlp.fc_out(F.gelu(h, approximate="tanh"))
+        expected = mlp.fc_out(F.gelu(h, approximate="tanh" if activation == "gelu" else "none"))
     with torch.no_grad():
         assert close(mlp(x), expected)
 

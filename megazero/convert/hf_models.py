@@ -33,7 +33,9 @@ from models.config import ModelConfig
 Read = Callable[[str], torch.Tensor]
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 MODEL_FIELD = re.compile(r"\bmodel\.(\w+)")
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # Hugging Face's names for our (tanh-approximated) GeLU
+GELUS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
+"""Hugging Face's names of the GeLUs megazero computes, to ``model.activation``: its ``gelu`` is the
+exact one (erf), the other two the tanh approximation."""
 
 
 def refuse(field: str, value, why: str, fix: str) -> UserError:
@@ -132,7 +134,7 @@ class GPT2:
         as zeros, which computes the same."""
         if cfg.norm != "layernorm":
             raise refuse("model.norm", cfg.norm, "cannot be expressed by GPT2LMHeadModel (LayerNorm only)", cls.OTHER)
-        if cfg.activation != "gelu":
+        if cfg.activation not in ("gelu", "gelu_exact"):
             raise refuse("model.activation", cfg.activation, "cannot be expressed by GPT2LMHeadModel (its MLP is not "
                          "gated)", cls.OTHER)
         if cfg.kv_heads != cfg.num_heads:
@@ -142,7 +144,8 @@ class GPT2:
     @staticmethod
     def hf_config(cfg: ModelConfig) -> dict:
         return {"n_positions": cfg.seq_length, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
-                "n_head": cfg.num_heads, "n_inner": cfg.ffn_size, "activation_function": "gelu_new",
+                "n_head": cfg.num_heads, "n_inner": cfg.ffn_size,
+                "activation_function": "gelu" if cfg.activation == "gelu_exact" else "gelu_new",
                 "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.attention_dropout,
                 "layer_norm_epsilon": cfg.norm_eps, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
@@ -150,9 +153,10 @@ class GPT2:
     @classmethod
     def model_config(cls, hf: dict, where: str) -> ModelConfig:
         act = hf.get("activation_function", "gelu_new")
-        if act not in TANH_GELUS:
-            raise refuse(f"{where}: activation_function", act, "is not megazero's tanh-approximated GeLU",
-                         "only gelu_new / gelu_pytorch_tanh models can be imported")
+        if not isinstance(act, str) or act not in GELUS:
+            raise refuse(f"{where}: activation_function", act, "is not a GeLU megazero computes",
+                         "only gelu_new / gelu_pytorch_tanh (the tanh approximation) and gelu (exact) models can be "
+                         "imported")
         embedding, residual = hf.get("embd_pdrop", 0.1), hf.get("resid_pdrop", 0.1)
         if embedding != residual:
             raise refuse(f"{where}: embd_pdrop", embedding, f"differs from resid_pdrop = {residual!r}, and megazero "
@@ -162,7 +166,7 @@ class GPT2:
             if hf.get(key, ok) != ok:
                 raise refuse(f"{where}: {key}", hf[key], "has no counterpart in megazero's GPT",
                              f"only models with {key}={ok} can be imported")
-        cfg = ModelConfig(preset="gpt2", position_embedding="learned", norm="layernorm", activation="gelu",
+        cfg = ModelConfig(preset="gpt2", position_embedding="learned", norm="layernorm", activation=GELUS[act],
                           bias=True, **typed(hf, cls, where))
         return validated(cfg, file_keys(hf, cls), where)
 

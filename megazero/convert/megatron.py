@@ -361,10 +361,10 @@ def _vocab_size(args: argparse.Namespace, where: str, given: int | None) -> int:
 
 
 def tanh_gelu(bias: bool, bias_gelu_fusion: bool) -> bool:
-    """Whether megatron-core computes a GeLU MLP with the tanh approximation (megazero's): only in its
-    fused bias-GeLU, which runs with linear biases and Megatron-LM's ``bias_gelu_fusion`` (on unless
-    ``--no-bias-gelu-fusion``); elsewhere it is exact (erf). ``openai_gelu`` is not read by its
-    transformer config."""
+    """Whether megatron-core computes a GeLU MLP with the tanh approximation (megazero's ``gelu``): only
+    in its fused bias-GeLU, which runs with linear biases and Megatron-LM's ``bias_gelu_fusion`` (on
+    unless ``--no-bias-gelu-fusion``); elsewhere it is exact (erf, megazero's ``gelu_exact``).
+    ``openai_gelu`` is not read by its transformer config."""
     return bias and bias_gelu_fusion
 
 
@@ -406,9 +406,7 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     if flag("add_qkv_bias", bias) != bias:
         raise refuse(f"{where}: args.add_qkv_bias", get("add_qkv_bias"), "differs from args.add_bias_linear", fix)
     swiglu = flag("swiglu", False)
-    if not swiglu and not tanh_gelu(bias, flag("bias_gelu_fusion", True)):
-        print(f"megazero convert: note: {where}: Megatron computed GeLU exactly (erf); megazero uses the tanh "
-              "approximation (differences up to about 5e-4 per activation)", flush=True)
+    activation = "swiglu" if swiglu else "gelu" if tanh_gelu(bias, flag("bias_gelu_fusion", True)) else "gelu_exact"
     for key in ("num_layers", "hidden_size", "num_attention_heads"):
         if get(key) is None:
             raise UserError(f"{where}: its args lack args.{key}; the checkpoint is incomplete")
@@ -439,7 +437,7 @@ def model_config(args: argparse.Namespace, where: str, vocab_size: int | None = 
     for field, key in ARG_NAMES.KEYS.items():  # a "16" would fail in arithmetic, not name its arg
         values[field] = coerce(values[field], hints[field], f"{where}: {key}", UserError)
     cfg = ModelConfig(preset="llama" if position == "rope" else "gpt2", position_embedding=position, norm=norm,
-                      activation="swiglu" if swiglu else "gelu", bias=bias,
+                      activation=activation, bias=bias,
                       tie_embeddings=not flag("untie_embeddings_and_output_weights", False), **values)
     cfg = validated(cfg, ARG_NAMES.KEYS, where)
     if get("kv_channels") not in (None, cfg.head_dim):

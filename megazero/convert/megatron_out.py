@@ -60,9 +60,9 @@ def megatron_args(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype, impl: 
     change the model, their defaults: ``add_position_embedding`` is True unless
     ``--no-position-embedding``, which rotary runs do not pass either (megatron-core goes by
     ``position_embedding_type``). The GeLU: megatron-core's tanh one needs ``bias_gelu_fusion`` and
-    biases (``tanh_gelu``). Its tokenizer is not known here, and Megatron-LM compares
-    ``tokenizer_type`` only for tokenizers given by ``--vocab-file``, the BPE ones: GPT-2's where the
-    vocabulary is GPT-2's 50,257, else unset."""
+    biases (``tanh_gelu``); without the switch it computes the exact one. Its tokenizer is not known
+    here, and Megatron-LM compares ``tokenizer_type`` only for tokenizers given by ``--vocab-file``,
+    the BPE ones: GPT-2's where the vocabulary is GPT-2's 50,257, else unset."""
     learned = cfg.position_embedding == "learned"
     multiple = VOCAB_DIVISOR * tp
     return argparse.Namespace(
@@ -101,8 +101,9 @@ def write_megatron(source: Source, root: Path, tp: int, pp: int, impl: str, dtyp
         raise UserError(problem)
     args = megatron_args(cfg, tp, pp, DTYPES[dtype], impl)
     if cfg.activation == "gelu" and not tanh_gelu(cfg.bias, args.bias_gelu_fusion):
-        print("megazero convert: note: megatron-core computes the GeLU of a model without linear biases exactly "
-              "(erf); megazero's is the tanh approximation (differences up to about 5e-4 per activation)", flush=True)
+        raise UserError("model.activation: 'gelu' (the tanh approximation) without linear biases (model.bias false) "
+                        "cannot be expressed by megatron-core, which computes the GeLU of such a model exactly (erf, "
+                        "megazero's gelu_exact); export it to Hugging Face instead")
     swiglu = cfg.activation == "swiglu"
     per_stage = cfg.num_layers // pp
     release = root / "release"
