@@ -197,7 +197,8 @@ def _schedule_probes(before: Config, step: int) -> list[int]:
     one, the ends of its warm-up and decay, and 256 steps spread up to its last (or its decay's end,
     for a run by tokens). Resumed during warm-up, a changed floor, decay style or length showed at
     none of the next step's rate and passed, to change every rate after the warm-up; steps after the
-    checkpoint's run would have ended are the resumed run's own."""
+    checkpoint's run would have ended are the resumed run's own, but for the next one: a finished run
+    extended (its decay stretched, say) is compared at the rate it would have gone on with."""
     warmup, decay = before.schedule.warmup_steps, before.schedule.decay_steps
     last = before.train.train_steps or warmup + (decay or 0)
     marks = {step + 1, warmup, warmup + 1, *((warmup + decay, warmup + decay + 1) if decay else ())}

@@ -100,7 +100,7 @@ class CheckpointConfig:
                                  "removed after each save")
     load: Optional[str] = option(None, "Checkpoint to start from while save_dir holds none; once the run has saved its own, a relaunch continues from save_dir (to roll back, move save_dir's newer checkpoints out of it). None: the latest in save_dir, if any")
     async_save: bool = option(True, "On GPU, write checkpoints in a background thread")
-    allow_config_changes: bool = option(False, "Resume although the data order (the blend's files and weights, data.split, data.seed, or a sample count that changes a dataset's epochs) or the learning rate of a step ahead (up to the checkpoint's run's last) differs from the checkpoint's run; refused by default, naming the fields")
+    allow_config_changes: bool = option(False, "Resume although the data order (the blend's files and weights, data.split, data.seed, or a sample count that changes a dataset's epochs) or the learning rate of the next step or of any step ahead up to the checkpoint's run's last differs from the checkpoint's run; refused by default, naming the fields")
     allow_tokenizer_change: bool = option(False, "Train on from a checkpoint with data of another tokenizer than the one it records, whose ids its embedding rows do not mean (a deliberate change of tokenizer); refused by default, whatever checkpoint.allow_config_changes says")
 
 
