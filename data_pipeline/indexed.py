@@ -12,8 +12,8 @@ All integers are little-endian. In a pretraining corpus one sequence is one docu
 document index is simply ``0..n``; the writer still keeps the two apart because Megatron does.
 
 Writes are atomic: both files are written under temporary names and renamed only once complete,
-``.bin`` first (an ``.idx`` being replaced is removed before it), so an ``.idx`` on disk always
-describes a whole ``.bin``. A writer told not to replace (what ``megazero preprocess`` and its merge
+``.bin`` first (an ``.idx`` being replaced is removed before it), the shard's tokenizer record
+before both, so an ``.idx`` on disk always describes a whole ``.bin`` beside its record. A writer told not to replace (what ``megazero preprocess`` and its merge
 use) links instead of renaming, so of two runs on one prefix the second to finish stops rather than
 replace the first's shard. A writer killed outright leaves its temporaries; the next writer of the
 prefix removes them (``remove_stale_temporaries``), also an ``.idx`` left by one killed between its
@@ -22,7 +22,7 @@ through: ``_create_locked`` says why); a ``.bin`` one removed in the moment befo
 made again under a new name (its ``.idx`` one, made later, is kept by the ``.bin``'s lock).
 
 A shard's ``fingerprint`` (sha256 of its ``.idx``) keys everything derived from it and cached on
-disk: the GPT sample indices and ``largest_token_id``.
+disk: the GPT sample indices and ``token_range.largest_token_id``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from typing import BinaryIO
 
 import numpy as np
 
-from data_pipeline.index_cache import cached_arrays, default_cache_dir
 from data_pipeline.paths import make_folders, put_new, remove_made, temp_name
 from data_pipeline.shard_files import bin_path, file_version, idx_path, idx_sha256
 
@@ -52,7 +51,6 @@ DTYPE_CODES = {
     5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
 }
 CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
-SCAN_CHUNK_BYTES = 64 << 20  # largest_token_id reads the .bin this much at a time
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -180,15 +178,10 @@ class IndexedDatasetWriter:
         self._sealed = True
 
     def publish(self) -> None:
-        """Put the sealed files at their final paths (renames, or links where nothing may be replaced).
-        Replacing, the old ``.idx`` goes first: killed between its two renames, a writer would leave the
-        new ``.bin`` beside the old ``.idx``, which reads it with the old document boundaries wherever
-        the two ``.bin`` files are of a size (the same documents merged in another order); without an
-        ``.idx`` the shard is refused instead."""
+        """Put the sealed files at their final paths (renames, or links where nothing may be replaced),
+        the ``.idx`` last (``record_origin``)."""
         _refuse_folders_in_the_way(self.prefix)  # one made since the writer started
-        if self.replace and not self._published:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(idx_path(self.prefix))
+        self._retire_old_index()
         for tmp, final in ((self._bin_tmp, bin_path(self.prefix)), (self._idx_tmp, idx_path(self.prefix))):
             if any(path == final for path, _ in self._published):
                 continue
@@ -209,6 +202,15 @@ class IndexedDatasetWriter:
                 raise _not_written(self.prefix, exc) from None
         self._unlock()  # nothing of this writer's is left under a temporary name
 
+    def _retire_old_index(self) -> None:
+        """Replacing, the old ``.idx`` goes before any new file is put in place: a writer killed then
+        would leave the new ``.bin`` (or record) beside the old ``.idx``, which reads it with the old
+        document boundaries wherever the two ``.bin`` files are of a size; without an ``.idx`` the
+        shard is refused instead."""
+        if self.replace and not self._published:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(idx_path(self.prefix))
+
     def _hold_new(self, tmp: str) -> int:
         """Make the temporary ``tmp`` and return the descriptor to write it through, holding its lock
         (``_create_locked``) until this writer has published or aborted."""
@@ -225,13 +227,16 @@ class IndexedDatasetWriter:
             os.close(fd)
 
     def record_origin(self, identity: dict) -> None:
-        """Write the published shard's tokenizer record (``shard_origin``); an abort removes it. It is
-        counted before it is written, so an interrupt as its rename returns cannot leave it behind
-        without the shard (a file that would keep the folder and block the next run)."""
+        """Write the sealed shard's tokenizer record (``shard_origin``) before ``publish``, whose ``.idx``
+        comes last: a writer killed in between leaves the record beside no shard, or beside a ``.bin``
+        that no reader takes without its ``.idx``; never a shard without its record, which a training
+        takes for one made elsewhere and uses unchecked. Replacing, the old ``.idx`` goes first. The
+        record is counted before it is written, so an abort removes it."""
         from data_pipeline.shard_origin import write_origin
 
+        self._retire_old_index()
         self._recorded = True
-        write_origin(self.prefix, identity)
+        write_origin(self.prefix, identity, self._idx_tmp)
 
     def finish(self) -> None:
         """``seal`` and ``publish`` (what is done already is not done again); a failure on the way
@@ -533,45 +538,6 @@ def _fix_for_missing(prefix: str) -> str:
     return "write one with `megazero preprocess`"
 
 
-def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:
-    """``largest_token_id(prefix: str, cache_dir: str | None = None) -> int``: the largest token id
-    in shard ``prefix``, or -1 if it holds no tokens; a model's vocabulary must exceed it.
-
-    The ``.bin`` is read SCAN_CHUNK_BYTES at a time into one reusable buffer, so memory stays
-    bounded for any shard (a scan through the memory map would leave the whole shard resident in
-    this process, which job schedulers count against it). The answer is cached in ``cache_dir``
-    (default: ``index-cache`` beside the shard, as for the sample indices) under the ``.idx``
-    fingerprint and the ``.bin``'s size, modification and change times (an edit can set the first
-    back, never the second), so a second start reads one small file instead of the whole shard. A negative id or a shard of float values raises ValueError
-    naming the ``.bin``.
-    """
-    data = IndexedDataset(prefix)
-    binf = bin_path(prefix)
-    stat = os.stat(binf)
-    description = {"idx_sha256": data.fingerprint, "bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns,
-                   "bin_ctime_ns": stat.st_ctime_ns}
-    arrays = cached_arrays(cache_dir or default_cache_dir(prefix), "largest-token", description, ("largest",),
-                           lambda: {"largest": np.array([_scan_largest(data, binf)], dtype=np.int64)})
-    return int(arrays["largest"][0])
-
-
-def _scan_largest(data: IndexedDataset, binf: str) -> int:
-    dtype = data.dtype
-    if dtype.kind not in "iu":
-        raise ValueError(f"{binf}: holds {dtype} values, not integer token ids")
-    buf = np.empty(max(SCAN_CHUNK_BYTES // dtype.itemsize, 1), dtype)
-    largest, start = -1, 0
-    with open(binf, "rb") as f:
-        while count := f.readinto(buf) // dtype.itemsize:
-            chunk = buf[:count]
-            if dtype.kind == "i" and chunk.min() < 0:
-                at = int(np.argmax(chunk < 0))
-                raise ValueError(f"{binf}: token {start + at} is {int(chunk[at])}, a negative id; the shard is corrupt")
-            largest = max(largest, int(chunk.max()))
-            start += count
-    return largest
-
-
 def merge_shards(prefixes: Iterable[str], output_prefix: str, replace: bool = True) -> IndexedDataset:
     """Join shards, in the given order, into one; each must use the same token dtype, and record the
     same tokenizer (``shard_origin``), which the merged shard then records, or all record none.
@@ -590,11 +556,11 @@ def merge_shards(prefixes: Iterable[str], output_prefix: str, replace: bool = Tr
         for shard in shards:
             writer.add_shard(shard)
         writer.seal()
-        writer.publish()
-        # inside the writer: a record that cannot be written (or an interrupt) takes the shard with it,
-        # which would otherwise stay, unrecorded, and be trained on unchecked against the tokenizer
+        # before the shard is put in place (``record_origin``), inside the writer: a record that cannot
+        # be written (or an interrupt) takes the shard with it
         if origin is not None:
             writer.record_origin(origin)
         elif os.path.exists(origin_path(output_prefix)):
             os.unlink(origin_path(output_prefix))  # a record left by an earlier shard of this name
+        writer.publish()
     return IndexedDataset(output_prefix)

@@ -187,10 +187,10 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
         # (a full disk) leaves no other key's shard, which would block the next attempt as existing
         for w in writers.values():
             w.seal()
+        for w in writers.values():  # each record before its shard (``record_origin``)
+            w.record_origin(identity)
         for w in writers.values():
             w.publish()
-        for w in writers.values():
-            w.record_origin(identity)
     except BaseException:
         for w in reversed(writers.values()):  # the first made the folders: it removes them once they are empty
             w.abort()

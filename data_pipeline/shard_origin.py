@@ -51,12 +51,18 @@ def same_tokenizer(a: dict, b: dict) -> bool:
     return a["tokenizer_sha256"] == b["tokenizer_sha256"] or (pieces is not None and pieces == b.get("pieces_sha256"))
 
 
-def write_origin(prefix: str, identity: dict) -> None:
-    """Record ``identity`` for the finished shard at ``prefix``, with its ``.idx`` digest (atomically: a
-    half-written record would read as damaged)."""
+def write_origin(prefix: str, identity: dict, idx_file: Optional[str] = None) -> None:
+    """Record ``identity`` for the shard at ``prefix``, with the digest of its ``.idx`` (``idx_file``
+    where the ``.idx`` is still under a writer's temporary name), atomically: a half-written record
+    would read as damaged."""
     try:
+        if idx_file is None:
+            digest = idx_sha256(prefix)[0]
+        else:
+            with open(idx_file, "rb") as f:
+                digest = sha256_of(f)
         with written_whole(origin_path(prefix)) as tmp, open(tmp, "w", encoding="utf-8") as f:
-            json.dump({**identity, "idx_sha256": idx_sha256(prefix)[0]}, f)
+            json.dump({**identity, "idx_sha256": digest}, f)
     except OSError as exc:
         raise OSError(f"{origin_path(prefix)}: the shard's tokenizer record cannot be written ({exc.strerror or exc}); "
                       "free space there or give another output prefix") from None

@@ -302,6 +302,19 @@ def _vocabulary_problem(message: str, vocab_size: int) -> str | None:
     return None
 
 
+def _record_prefix(model_file: str, model_prefix: str) -> None:
+    """Rewrite the trained model's record of the prefix it was written under (its trainer spec keeps
+    the temporary name, so no two trainings gave the same bytes) as ``model_prefix``."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(model_file, "rb") as f:
+        proto.ParseFromString(f.read())
+    proto.trainer_spec.model_prefix = model_prefix
+    with open(model_file, "wb") as f:
+        f.write(proto.SerializeToString(deterministic=True))
+
+
 def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int, model_type: str = "bpe",
                         max_sentences: int = 2_000_000, num_threads: int | None = None, seed: int = 0) -> str:
     """Train a byte-fallback SentencePiece model; returns the path of the ``.model`` file.
@@ -310,7 +323,10 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     indentation survive the round trip; characters outside the vocabulary fall back to bytes, so
     nothing ever becomes ``<unk>``. Newlines are not seen in training (SentencePiece reads lines)
     and encode as the byte piece ``<0x0A>``. At most ``max_sentences`` lines train it, sampled with
-    ``seed`` (``sample_lines``): the same corpus and seed give the same model.
+    ``seed`` (``sample_lines``): the same corpus and seed give the same model, byte for byte (the
+    file records ``model_prefix``, not the temporary name it is trained under). The ``.vocab`` is put
+    in place before the ``.model``, which is what every reader opens: a run killed between the two
+    leaves a ``.vocab`` alone, never a model without its list of pieces.
     """
     import sentencepiece as spm
 
@@ -321,6 +337,7 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     sample = sample_lines(_lines(texts), max_sentences, seed)  # a reader's error is raised here, as it is
     if not sample:
         raise ValueError("the input holds no text to train on (every file is empty, or every line blank)")
+    renaming = False
     with made_folder(os.path.dirname(os.path.abspath(model_prefix))):
         try:
             spm.SentencePieceTrainer.train(
@@ -332,12 +349,18 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
                 input_sentence_size=0, shuffle_input_sentence=False,  # sampled above
                 num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
             )
-            for ext in (".model", ".vocab"):
+            _record_prefix(tmp_prefix + ".model", model_prefix)
+            renaming = True
+            for ext in (".vocab", ".model"):
                 os.replace(tmp_prefix + ext, model_prefix + ext)
         except BaseException as exc:
-            for ext in (".model", ".vocab"):  # a half-written pair would keep the folder made for it
+            # a half-written or half-placed pair would keep the folder made for it (and block a rerun)
+            left = [tmp_prefix + ".model", tmp_prefix + ".vocab"]
+            if renaming and os.path.exists(tmp_prefix + ".model") and not os.path.exists(tmp_prefix + ".vocab"):
+                left.append(model_prefix + ".vocab")  # put in place, and its .model not
+            for path in left:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp_prefix + ext)
+                    os.unlink(path)
             if not isinstance(exc, RuntimeError):
                 raise
             raise ValueError(_vocabulary_problem(str(exc), vocab_size) or str(exc)) from None

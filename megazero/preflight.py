@@ -266,7 +266,7 @@ def _largest_token_id(cfg: Config, prefixes: list[str], tokenizer) -> tuple[Opti
     ``data.tokenizer`` (``tokenizer``, loaded, or None): a model padded past its tokenizer (50,257
     tokens in 50,304 rows) would take ids no tokenizer made, and a shard rewritten after its record
     claims a tokenizer it was not made with."""
-    from data_pipeline.indexed import largest_token_id
+    from data_pipeline.token_range import largest_token_id
     from data_pipeline.shard_origin import describe, read_origin
 
     problems, largest = [], -1

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import data_pipeline.indexed as indexed
-from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter, largest_token_id, merge_shards, token_dtype
+import data_pipeline.token_range as token_range
+from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter, merge_shards, token_dtype
+from data_pipeline.token_range import largest_token_id
 
 DOCS = [[5, 6, 7], [1], [], [65000, 2, 3, 4, 9], [8, 8]]
 
@@ -321,7 +323,7 @@ def test_a_prefix_given_with_its_files_suffix_is_told_the_prefix(tmp_path, suffi
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
 def test_largest_token_id_scans_every_chunk(tmp_path, monkeypatch, dtype):
     prefix = write(tmp_path / "a", [[5, 6], [], [9, 1, 65000, 2], [3]], dtype)
-    monkeypatch.setattr(indexed, "SCAN_CHUNK_BYTES", 3 * np.dtype(dtype).itemsize)  # 3 tokens a chunk
+    monkeypatch.setattr(token_range, "SCAN_CHUNK_BYTES", 3 * np.dtype(dtype).itemsize)  # 3 tokens a chunk
     assert largest_token_id(prefix, str(tmp_path / "c1")) == 65000
     prefix = write(tmp_path / "b", [[5, 6], [7, 1, 2, 8, 70]], dtype)  # the largest alone in the last chunk
     assert largest_token_id(prefix, str(tmp_path / "c2")) == 70
@@ -332,8 +334,8 @@ def test_largest_token_id_is_cached_by_content(tmp_path, monkeypatch):
     assert largest_token_id(prefix) == 65000
     assert os.path.isdir(tmp_path / "index-cache")  # beside the data by default
     scans = []
-    real_scan = indexed._scan_largest
-    monkeypatch.setattr(indexed, "_scan_largest", lambda *a: scans.append(1) or real_scan(*a))
+    real_scan = token_range._scan_largest
+    monkeypatch.setattr(token_range, "_scan_largest", lambda *a: scans.append(1) or real_scan(*a))
     assert largest_token_id(prefix) == 65000 and not scans  # a second start reads the cache
     prefix = write(tmp_path / "a", DOCS[::-1])  # same counts, other order: another .idx
     assert largest_token_id(prefix) == 65000 and len(scans) == 1

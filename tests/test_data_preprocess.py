@@ -208,14 +208,13 @@ def test_a_second_key_that_cannot_be_written_leaves_no_shard_of_the_first(env, t
     else:
         import data_pipeline.shard_origin as shard_origin
 
-        real = shard_origin.idx_sha256
+        real = shard_origin.sha256_of
 
-        def flaky(prefix):  # the second key's record meets a full disk, the first key's is written
-            calls.append(prefix)
-            if len(calls) == 2:
+        def flaky(f):  # the second key's record meets a full disk, the first key's is written
+            if "out_title_document.idx" in str(f.name):
                 raise OSError(errno.ENOSPC, "No space left on device")
-            return real(prefix)
-        monkeypatch.setattr(shard_origin, "idx_sha256", flaky)
+            return real(f)
+        monkeypatch.setattr(shard_origin, "sha256_of", flaky)
     records = tmp_path / "in.jsonl"
     records.write_text(json.dumps({"text": "alpha", "title": "beta"}) + "\n")
     argv = ["preprocess", "--input", str(records), "--tokenizer", env["model"], "--output-prefix",
@@ -339,7 +338,7 @@ def test_a_merge_whose_tokenizer_record_fails_leaves_no_shard(env, tmp_path, cap
     assert main(["preprocess", "--input", env["jsonl"], "--tokenizer", env["model"], "--output-prefix", source,
                  "--no-progress"]) == 0
 
-    def full_disk(prefix, identity):
+    def full_disk(prefix, identity, idx_file=None):
         raise OSError(f"{shard_origin.origin_path(prefix)}: the shard's tokenizer record cannot be written")
     monkeypatch.setattr(shard_origin, "write_origin", full_disk)
     _refused(["preprocess", "--merge", f"{source}_text_document", "--output-prefix", str(tmp_path / "m")], capsys,

@@ -146,6 +146,10 @@ def _check_outputs_absent(args) -> None:
 
     prefix = args.output_prefix
     for shard in [prefix] if args.merge else [output_prefix_for(prefix, key) for key in args.json_keys]:
-        for path in (bin_path(shard), idx_path(shard), origin_path(shard)):
-            if os.path.lexists(path):
-                raise UserError(f"{path}: already exists; give a new --output-prefix or remove it first")
+        there = [path for path in (bin_path(shard), idx_path(shard), origin_path(shard)) if os.path.lexists(path)]
+        if there and os.path.lexists(idx_path(shard)):  # a shard
+            raise UserError(f"{there[0]}: already exists; give a new --output-prefix or remove it first")
+        if there:  # part of one, named whole: removed one file at a time, each was refused by a run of its own
+            raise UserError(f"{', '.join(there)}: already exist{'s' if len(there) == 1 else ''} without the "
+                            f"shard's .idx (what a run killed as it put its files in place leaves); give a new "
+                            f"--output-prefix or remove {'it' if len(there) == 1 else 'them'} first")

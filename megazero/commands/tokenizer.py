@@ -66,6 +66,9 @@ def run_train(args) -> int:
     if repeat:
         raise UserError(f"{repeat}; its text would count twice in the pieces' frequencies (list it once)")
     existing = [args.model_prefix + ext for ext in (".model", ".vocab") if os.path.exists(args.model_prefix + ext)]
+    if existing == [args.model_prefix + ".vocab"]:
+        raise UserError(f"{existing[0]}: exists without its .model (what a run killed as it put its files in place "
+                        "leaves); remove it or choose another --model-prefix")
     if existing:
         raise UserError(f"{existing[0]}: exists (data and checkpoints record the tokenizer they were made with); "
                         "choose another --model-prefix or remove it first")

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from data_pipeline.paths import make_folders, remove_made
 from megazero.checkpoint import serialization
 from megazero.checkpoint.format import HashingWriter, fsync_dir, os_error_words
 from megazero.errors import UserError
@@ -117,19 +118,27 @@ def _make_durable(root: Path) -> None:
 def staged(dst: Path, single_file: bool = False) -> Iterator[Path]:
     """A fresh folder beside ``dst`` to write into; renamed to ``dst`` when the block succeeds (with
     ``single_file``, the file of ``dst``'s name inside it is), removed when it fails, so ``dst``
-    never holds a partial result. Refuses an existing ``dst``."""
+    never holds a partial result, with the folders made above it for the purpose. Refuses an
+    existing ``dst``. The folder gets the permissions a plain ``mkdir`` would (``mkdtemp`` makes it
+    private to its owner, which the rename kept: others sharing a cluster could not read a checkpoint
+    converted for them)."""
     dst = Path(dst)
     if dst.exists():
         raise UserError(f"{dst}: already exists; give a new DST path or remove it first")
+    made: list[str] = []
     try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        made = make_folders(str(dst.parent))
         tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+        tmp.chmod(0o777 & ~_umask())
     except OSError as e:
+        remove_made(made)
         raise UserError(f"{dst.parent}: cannot write the conversion here: {os_error_words(e)}") from None
+    done = False
     try:
         yield tmp
         _make_durable(tmp)
         os.rename(tmp / dst.name if single_file else tmp, dst)
+        done = True
         fsync_dir(dst.parent)
     except OSError as e:
         if e.errno not in OUT_OF_SPACE:  # only writes fail so; a read of SRC failing otherwise is its own error
@@ -138,3 +147,12 @@ def staged(dst: Path, single_file: bool = False) -> Iterator[Path]:
                         "disk") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            remove_made(made)
+
+
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it, the only way, and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
