@@ -23,11 +23,17 @@ and the reset trips the inherited handler, which Python runs only at its next ch
 the handler is the default, which Python does not run: the signal is lost and the worker lives on
 (a CI run hung so in ``preprocess --workers 2``). So workers are forked with SIGTERM blocked, and
 unblock it once they have its default action: one sent before that waits, and then ends them.
+
+A parent killed outright (SIGKILL, the OOM killer) runs none of this, and its workers, waiting on
+their pipes to it, lived on for good, holding the locks of its temporary files (which then kept a
+rerun from sweeping them). On Linux each worker asks the kernel for a SIGTERM when its parent dies.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
 import signal
 import time
 from collections import deque
@@ -50,12 +56,28 @@ RERUN = "run again (finished work is kept where the command resumes) with fewer 
 """What a ``WorkerDied`` message tells the user to do, whichever executor's worker died."""
 
 
-def _start_worker(initializer: Optional[Callable[..., None]], initargs: tuple) -> None:
+PR_SET_PDEATHSIG = 1  # prctl's request for a signal at the parent's death (linux/prctl.h)
+
+
+def _start_worker(parent: int, initializer: Optional[Callable[..., None]], initargs: tuple) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _end_with(parent)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one sent meanwhile ends this worker now
     if initializer is not None:
         initializer(*initargs)
+
+
+def _end_with(parent: int) -> None:
+    """Have the kernel send this worker SIGTERM when ``parent`` (the process that forked it, from its
+    main thread) dies; one that died before the request is the signal's now. Elsewhere than Linux,
+    nothing."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    if prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0 and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class WorkerPool:
@@ -67,7 +89,7 @@ class WorkerPool:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self.workers = workers
         self._executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
-                                             initargs=(initializer, initargs))
+                                             initargs=(os.getpid(), initializer, initargs))
         self._processes: dict[int, Any] = {}  # every worker started, dead ones kept: the error names them
 
     def imap(self, fn: Callable[[Any], Any], jobs: Iterable[Any], what: str, ordered: bool = True) -> Iterator[Any]:

@@ -115,11 +115,49 @@ def test_a_sigterm_sent_before_the_worker_drops_the_handler_still_ends_it():
         signal.signal(signal.SIGTERM, raise_terminated)  # inherited from the command
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as worker_pool forks
         os.kill(os.getpid(), signal.SIGTERM)  # terminate() comes early
-        _start_worker(None, ())
+        _start_worker(os.getppid(), None, ())
         print("still alive")
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == -signal.SIGTERM and "still alive" not in done.stdout, (done.returncode, done.stderr)
+
+
+def test_workers_end_when_their_parent_is_killed_outright():
+    """A command killed with SIGKILL (or by the OOM killer) runs no clean-up: its workers, waiting on
+    their pipes to it, lived on for good, holding the locks of its temporary files. They now end
+    with it. (Planted: no parent-death signal.)"""
+    code = textwrap.dedent("""
+        import time
+        from data_pipeline.worker_pool import WorkerPool
+        with WorkerPool(2) as pool:
+            list(pool.imap(time.sleep, [60] * 4, "sleeping"))
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        workers: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            workers = [int(pid) for task in os.listdir(f"/proc/{parent.pid}/task")
+                       for pid in _read(f"/proc/{parent.pid}/task/{task}/children").split()]
+        assert len(workers) == 2, workers
+        time.sleep(0.5)  # past their start-up
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in workers), "workers outlived their parent by 10 s"
+    finally:
+        parent.kill()
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:  # a thread that just ended
+        return ""
 
 
 @pytest.mark.parametrize("parent_blocks", [False, True])
