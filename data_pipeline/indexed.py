@@ -13,13 +13,13 @@ document index is simply ``0..n``; the writer still keeps the two apart because 
 
 Writes are atomic: both files are written under temporary names and renamed only once complete,
 ``.bin`` first (an ``.idx`` being replaced is removed before it), the shard's tokenizer record
-before both, so an ``.idx`` on disk always describes a whole ``.bin`` beside its record. A writer told not to replace (what ``megazero preprocess`` and its merge
-use) links instead of renaming, so of two runs on one prefix the second to finish stops rather than
-replace the first's shard. A writer killed outright leaves its temporaries; the next writer of the
+before both, so an ``.idx`` on disk always describes a whole ``.bin`` beside its record. A writer
+told not to replace (what ``megazero preprocess`` and its merge use) links instead of renaming, so
+of two runs on one prefix the second to finish stops rather than replace the first's shard. A writer killed outright leaves its temporaries; the next writer of the
 prefix removes them (``remove_stale_temporaries``), also an ``.idx`` left by one killed between its
 two renames. A live writer's are kept by the lock it takes on each as it makes it (and writes it
-through: ``_create_locked`` says why); a ``.bin`` one removed in the moment before that lock is
-made again under a new name (its ``.idx`` one, made later, is kept by the ``.bin``'s lock).
+through: ``file_locks.create_locked`` says why); a ``.bin`` one removed in the moment before that
+lock is made again under a new name (its ``.idx`` one, made later, is kept by the ``.bin``'s lock).
 
 A shard's ``fingerprint`` (sha256 of its ``.idx``) keys everything derived from it and cached on
 disk: the GPT sample indices and ``token_range.largest_token_id``.
@@ -28,7 +28,6 @@ disk: the GPT sample indices and ``token_range.largest_token_id``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import hashlib
 import os
@@ -39,6 +38,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from data_pipeline import file_locks
 from data_pipeline.paths import make_folders, put_new, remove_made, temp_name
 from data_pipeline.shard_files import bin_path, file_version, idx_path, idx_sha256
 
@@ -107,13 +107,13 @@ class IndexedDatasetWriter:
             raise
 
     def _claim_temporaries(self) -> None:
-        """Name this writer's temporaries and make its ``.bin`` one, locked (``_create_locked``), to
-        stream the tokens into. Where another writer's sweep removed the file before its lock was
-        taken, the name is given up for a new one: written on, the file would be unlinked, and the
-        shard lost as it was published."""
+        """Name this writer's temporaries and make its ``.bin`` one, locked
+        (``file_locks.create_locked``), to stream the tokens into. Where another writer's sweep removed
+        the file before its lock was taken, the name is given up for a new one: written on, the file
+        would be unlinked, and the shard lost as it was published."""
         while True:
             self._bin_tmp, self._idx_tmp = _temporaries(self.prefix, temp_name(bin_path(self.prefix)))
-            with contextlib.suppress(_Swept):
+            with contextlib.suppress(file_locks.Swept):
                 self._bin = open(self._hold_new(self._bin_tmp), "wb", closefd=False)
                 return
 
@@ -213,8 +213,8 @@ class IndexedDatasetWriter:
 
     def _hold_new(self, tmp: str) -> int:
         """Make the temporary ``tmp`` and return the descriptor to write it through, holding its lock
-        (``_create_locked``) until this writer has published or aborted."""
-        fd = _create_locked(tmp)
+        (``file_locks.create_locked``) until this writer has published or aborted."""
+        fd = file_locks.create_locked(tmp)
         identity = _fd_identity(fd)
         _HELD_HERE.add(identity)
         self._held.append((fd, identity))
@@ -297,10 +297,6 @@ def _temporaries(prefix: str, tmp: str) -> tuple[str, str]:
     return bin_path(prefix) + tag, idx_path(prefix) + tag
 
 
-class _Swept(Exception):
-    """A new temporary removed by another writer's sweep before its own writer had locked it."""
-
-
 # the temporaries this process's writers hold, by identity: where a file system keeps locks per process
 # (NFS takes flock as a POSIX record lock), this process's own sweep would take a lock it holds, and
 # closing the sweep's descriptor would drop it; the sweep passes these by without opening them
@@ -315,67 +311,13 @@ def _held_here(tmp: str) -> bool:
         return False
 
 
-def _lock(fd: int, wait: bool) -> bool:
-    """Take the exclusive lock on the file open at ``fd``; False where the file system takes no locks,
-    or (``wait`` off) another descriptor holds it. A writer holds one on each of its temporaries until
-    it has published or aborted: what tells its files from those of a killed writer."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    return True
-
-
-def _create_locked(tmp: str) -> int:
-    """Create the temporary ``tmp`` and return a descriptor that writes it, holding its lock (on a file
-    system that takes no locks, none; no sweep removes a temporary there either). The file is written
-    through this descriptor alone, never one opened beside it: NFS takes an exclusive lock only on a
-    descriptor open for writing, and drops a process's lock when any of its descriptors of the file
-    closes; SMB refuses reads and writes of a locked file through any other descriptor.
-
-    No call makes a file and locks it in one step: between the two, a sweep by another writer of the
-    prefix can take the lock first and remove the file as a killed writer's. The lock is waited for (a
-    sweep holds it only to remove the file), then ``tmp`` is checked to hold the locked file still:
-    raises ``_Swept`` where it does not. Once locked, it is safe from every sweep."""
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        if not _lock(fd, wait=True):
-            return fd
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
-                return fd
-        raise _Swept(tmp)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _try_lock(tmp: str) -> int | None:
-    """A descriptor holding the lock on the temporary ``tmp`` (``_lock``), or None where it cannot be
-    had (the file gone, the lock held, a file system that takes no locks): what the sweep asks."""
-    try:
-        fd = os.open(tmp, os.O_RDWR)  # NFS takes an exclusive lock only on a descriptor open for writing
-    except PermissionError:  # another user's, in a shared folder: a local flock locks it through a reading
-        # descriptor (NFS's record lock does not, so there it is kept)
-        try:
-            fd = os.open(tmp, os.O_RDONLY)
-        except OSError:
-            return None
-    except OSError:
-        return None
-    if not _lock(fd, wait=False):
-        os.close(fd)
-        return None
-    return fd
-
-
 def remove_stale_temporaries(prefix: str) -> None:
     """Remove the temporary files that writers of ``prefix`` killed outright (SIGKILL, the OOM killer,
     a crash) left behind: no cleanup of theirs ran, and nothing else would ever remove them, while a
     large shard's ``.bin`` keeps its size on the disk. A live writer holds a lock on each temporary
-    it has made (``_lock``, on this node or, where the file system shares locks, another), so one
-    whose lock can be taken belongs to no running writer, or to one that has only just made it and
-    then takes a new name (``_create_locked``).
+    it has made (``file_locks.lock``, on this node or, where the file system shares locks, another),
+    so one whose lock can be taken belongs to no running writer, or to one that has only just made it
+    and then takes a new name (``file_locks.create_locked``).
 
     A ``.bin`` temporary is judged by its own lock, and takes its ``.idx`` with it: while the ``.bin``
     is there, its writer may have just made the ``.idx``, not yet locked, and no new name can be
@@ -393,7 +335,7 @@ def _remove_unlocked(tmp: str, paths: Iterable[str]) -> None:
     """Remove ``paths`` where the lock on the temporary ``tmp`` can be taken: no live writer holds it."""
     if _held_here(tmp):
         return
-    fd = _try_lock(tmp)
+    fd = file_locks.try_lock(tmp)
     if fd is None:
         return  # a live writer's, published or aborted meanwhile, or on a file system without locks
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import data_pipeline.file_locks as file_locks
 import data_pipeline.indexed as indexed
 from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
 from tests.test_data_indexed import write
@@ -149,7 +150,7 @@ def test_a_writer_that_is_done_holds_no_descriptor(tmp_path, monkeypatch, end, l
     that takes no locks the writer keeps no descriptor either, and writes as ever (planted: the
     descriptor of a lock refused left open; no lock recorded as one)."""
     if not locks:
-        monkeypatch.setattr(indexed, "_lock", lambda fd, wait: False)
+        monkeypatch.setattr(file_locks, "lock", lambda fd, wait: False)
     before = len(os.listdir("/proc/self/fd"))
     writer = IndexedDatasetWriter(str(tmp_path / "a"), np.uint16)
     writer.add_document([1, 2])
@@ -269,7 +270,7 @@ def test_a_folder_where_a_shard_file_goes_is_one_line_before_any_work(tmp_path, 
 
 
 def record_lock(fd: int, wait: bool) -> bool:
-    """``indexed._lock`` as NFS takes it: a POSIX record lock on the whole file, which only a descriptor
+    """``file_locks.lock`` as NFS takes it: a POSIX record lock on the whole file, which only a descriptor
     open for writing can take, which a process never conflicts with itself on, and which it drops as
     it closes any descriptor of that file."""
     try:
@@ -282,9 +283,9 @@ def record_lock(fd: int, wait: bool) -> bool:
 SWEEP_ELSEWHERE = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from data_pipeline import indexed
+from data_pipeline import file_locks, indexed
 from tests.test_data_indexed_writes import record_lock
-indexed._lock = record_lock
+file_locks.lock = record_lock
 indexed.remove_stale_temporaries(sys.argv[2])
 """
 
@@ -298,7 +299,7 @@ def test_writers_keep_their_temporaries_where_locks_are_per_process(tmp_path, mo
     tokens written through a descriptor of their own). Each writer keeps its files, and publishes."""
     prefix = str(tmp_path / "a")
     _kill_a_writer(prefix, "after seal")
-    monkeypatch.setattr(indexed, "_lock", record_lock)
+    monkeypatch.setattr(file_locks, "lock", record_lock)
     sealed = IndexedDatasetWriter(prefix, np.uint16)
     assert _names(tmp_path) == ["a.bin.tmp"]  # the killed writer's swept
     sealed.add_document([1, 2])
@@ -366,7 +367,7 @@ def test_a_sweep_between_a_temporarys_creation_and_its_lock_leaves_the_writer_wh
     lock is held, so the writer goes on with a file it does not hold, which the next sweep takes). The
     .idx one is kept by the .bin's lock (planted: an .idx judged by its own lock beside its .bin).
     Either way the writer's files are held from then on, and it publishes its shard whole."""
-    prefix, lock = str(tmp_path / "a"), indexed._lock
+    prefix, lock = str(tmp_path / "a"), file_locks.lock
     waits = []
 
     def sweep_first(fd, wait):
@@ -375,7 +376,7 @@ def test_a_sweep_between_a_temporarys_creation_and_its_lock_leaves_the_writer_wh
             _swept_by_another_process(prefix)
         return lock(fd, wait)
 
-    monkeypatch.setattr(indexed, "_lock", sweep_first)
+    monkeypatch.setattr(file_locks, "lock", sweep_first)
     writer = IndexedDatasetWriter(prefix, np.uint16)
     writer.add_document([1, 2, 3])
     writer.seal()

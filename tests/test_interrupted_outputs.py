@@ -153,3 +153,27 @@ def test_a_conversion_is_readable_by_others_and_an_interrupted_one_leaves_no_fol
     monkeypatch.setattr(streaming, "_make_durable", interrupted)
     assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "new" / "deeper" / "hf"), "--to", "hf"]) == 130
     assert not (tmp_path / "new").exists()
+
+
+def test_a_conversion_removes_the_staging_folders_of_conversions_killed_outright(tmp_path):
+    """A conversion killed outright left its hidden staging folder, a whole checkpoint's size, and each
+    retry under the same DST left another. The next conversion to that DST removes those whose lock
+    it can take, and keeps one a live conversion holds. (Planted: no sweep; the lock not taken.)"""
+    from data_pipeline import file_locks
+    from megazero.convert.streaming import STAGING_LOCK
+    from megazero.convert.targets import write_megazero
+    from tests.convert_sources import RandomSource
+
+    write_megazero(RandomSource(num_layers=1), tmp_path / "mz")
+    killed, live = tmp_path / ".hf.killed.tmp", tmp_path / ".hf.live.tmp"
+    for folder in (killed, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 1024)
+        os.close(file_locks.create_locked(str(folder / STAGING_LOCK)))  # its writer gone: the lock with it
+    held = file_locks.try_lock(str(live / STAGING_LOCK))  # a live conversion's
+    try:
+        assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+        assert not killed.exists() and live.exists()
+    finally:
+        os.close(held)
+    assert not (tmp_path / "hf" / STAGING_LOCK).exists()

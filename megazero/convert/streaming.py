@@ -10,16 +10,18 @@ and the bytes follow one piece at a time, hashed on the way. The result reads ba
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 
+from data_pipeline import file_locks
 from data_pipeline.paths import make_folders, remove_made
 from megazero.checkpoint import serialization
 from megazero.checkpoint.format import HashingWriter, fsync_dir, os_error_words
@@ -121,21 +123,34 @@ def staged(dst: Path, single_file: bool = False) -> Iterator[Path]:
     never holds a partial result, with the folders made above it for the purpose. Refuses an
     existing ``dst``. The folder gets the permissions a plain ``mkdir`` would (``mkdtemp`` makes it
     private to its owner, which the rename kept: others sharing a cluster could not read a checkpoint
-    converted for them)."""
+    converted for them).
+
+    A conversion killed outright (SIGKILL, the OOM killer) leaves its folder, a whole checkpoint's
+    size, which nothing removed; each is now locked while its conversion lives (``STAGING_LOCK``,
+    ``data_pipeline.file_locks``), and the next conversion to the same ``dst`` removes those whose
+    lock it can take."""
     dst = Path(dst)
     if dst.exists():
         raise UserError(f"{dst}: already exists; give a new DST path or remove it first")
     made: list[str] = []
+    held = None
     try:
         made = make_folders(str(dst.parent))
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
-        tmp.chmod(0o777 & ~_umask())
+        _remove_abandoned(dst)
+        while held is None:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+            tmp.chmod(0o777 & ~_umask())
+            with suppress(file_locks.Swept):  # another conversion's sweep took it before it was locked
+                held = file_locks.create_locked(str(tmp / STAGING_LOCK))
     except OSError as e:
         remove_made(made)
         raise UserError(f"{dst.parent}: cannot write the conversion here: {os_error_words(e)}") from None
     done = False
     try:
         yield tmp
+        # still held, the lock goes first: no sweep finds the folder from here, and the durable pass
+        # does not open and close the lock file (which drops an NFS lock)
+        os.unlink(tmp / STAGING_LOCK)
         _make_durable(tmp)
         os.rename(tmp / dst.name if single_file else tmp, dst)
         done = True
@@ -147,8 +162,25 @@ def staged(dst: Path, single_file: bool = False) -> Iterator[Path]:
                         "disk") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(held)
         if not done:
             remove_made(made)
+
+
+STAGING_LOCK = ".converting"
+"""The file in a conversion's staging folder whose lock says the conversion is alive (``staged``)."""
+
+
+def _remove_abandoned(dst: Path) -> None:
+    """Remove the staging folders of conversions to ``dst`` killed outright: those whose lock file can
+    be locked. A folder without one is just made (or about to be renamed) by a live conversion."""
+    for folder in glob.glob(os.path.join(glob.escape(str(dst.parent)), f".{glob.escape(dst.name)}.*.tmp")):
+        fd = file_locks.try_lock(os.path.join(folder, STAGING_LOCK))
+        if fd is not None:
+            try:
+                shutil.rmtree(folder, ignore_errors=True)
+            finally:
+                os.close(fd)
 
 
 def _umask() -> int:
