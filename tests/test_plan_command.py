@@ -4,6 +4,7 @@ layout can use names the count that can (or, with a field held, the held field),
 line, and an fp32 plan notes that the peaks are 16-bit."""
 
 import json
+import re
 
 import pytest
 
@@ -32,6 +33,23 @@ def test_plan_json(capsys):
     assert again.step.step_s == pytest.approx(best["step_s"], rel=1e-3)
     assert again.step.tflops_per_gpu == pytest.approx(best["tflops_per_gpu"], abs=0.05)
     assert again.step.mfu == pytest.approx(best["mfu"], abs=5e-4) and 0 < best["mfu"] < 1  # a fraction, not %
+
+
+def test_a_plans_flags_hold_where_the_config_file_names_its_dp(tmp_path, capsys):
+    """A config file naming ``parallel.dp`` (laid out for 2 GPUs) planned for 4: the rows' flags left
+    dp out, as following from the world size, so the file's dp stood beside each row's tp and pp and
+    the trainer refused every row. Every row's flags now resolve for the world planned. (Planted: dp
+    left out of the flags.)"""
+    from pathlib import Path
+
+    (tmp_path / "c.yaml").write_text(Path("configs/gpt_1.3b.yaml").read_text() + "parallel:\n  dp: 2\n")
+    assert main(["plan", str(tmp_path / "c.yaml"), "--gpus", "4", "--gpus-per-node", "4", "--gpu", "h100",
+                 "--top", "50", "--json", "--train.global_batch_size", "64"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert any(r["dp"] != 2 for r in rows)
+    for row in rows:
+        cfg = load_config(str(tmp_path / "c.yaml"), ["--train.global_batch_size", "64", *row["overrides"].split()])
+        assert resolve_config(cfg, 4, 4).parallel.dp == row["dp"], row
 
 
 def test_plan_takes_each_hardware_flag_as_its_own_figure(capsys):
@@ -133,9 +151,21 @@ def test_the_gpus_a_plan_could_use_split_as_the_search_splits_them(overrides, gp
     world (a part of one node or whole nodes; tp a power of two the model's widths take, within a
     node; pp at most a stage a block; dp dividing the batch), or the user is sent to another count
     that has no layout either."""
-    from megazero.planner.search import largest_world
+    from megazero.planner.search import split_worlds
 
-    assert largest_world(load_config("configs/gpt_1.3b.yaml", overrides), gpus, per_node) == usable
+    assert split_worlds(load_config("configs/gpt_1.3b.yaml", overrides), gpus, per_node)[0] == usable
+
+
+def test_the_gpus_a_plan_offers_have_a_valid_layout(capsys):
+    """32 GPUs for 3 blocks and a batch of 7 with CUDA-graph blocks: 24 split (tp 8 x pp 3), but CUDA
+    graphs take no pipeline and a batch of 7 no dp of 2 or more, so 24 had no layout either, and the
+    user was sent from one refusal to another. The count offered now plans. (Planted: the largest
+    split offered.)"""
+    argv = ["plan", "configs/gpt_1.3b.yaml", "--gpus-per-node", "8", "--train.global_batch_size", "7",
+            "--model.num_layers", "3", "--train.cuda_graphs", "true"]
+    assert main([*argv, "--gpus", "32"]) == 2
+    offered = re.search(r"plan for (\d+) GPUs", capsys.readouterr().err).group(1)
+    assert main([*argv, "--gpus", offered, "--json"]) == 0, capsys.readouterr().err
 
 
 def test_a_held_field_on_a_gpu_count_no_layout_splits_names_the_field_not_another_count(capsys):

@@ -26,7 +26,7 @@ def test_the_suggested_layout_keeps_tensor_parallelism_within_a_node():
     the nearest layout that fits is tp 2, but with one rank a node a tensor-parallel group would span
     the network, which the trainer refuses, so the suggestion there changes other knobs."""
     cfg = budgeted(0.98, "--model.hidden_size", "256", "--zero.stage", "0", "--train.micro_batch_size", "1")
-    assert "nearest layout that fits: --parallel.tp 2 (" in memory_problem(cfg, ranks_per_node=2)
+    assert "nearest layout that fits: --parallel.tp 2 --parallel.dp 1 (" in memory_problem(cfg, ranks_per_node=2)
     apart = memory_problem(cfg, ranks_per_node=1)
     assert "nearest layout that fits:" in apart and "--parallel.tp" not in apart, apart
 
@@ -40,7 +40,7 @@ def test_a_stated_budget_on_a_cpu_run_ranks_near_layouts_by_h100_speed():
     compute a micro-batch and rank tp 2 first, pp 2's bubble then costing 24 ms."""
     cfg = budgeted(0.92, "--model.hidden_size", "1024", "--zero.stage", "2", "--parallel.recompute", "full",
                    "--train.micro_batch_size", "8")
-    assert "nearest layout that fits: --parallel.pp 2 (" in memory_problem(cfg)
+    assert "nearest layout that fits: --parallel.pp 2 --parallel.dp 1 (" in memory_problem(cfg)
 
 
 def test_a_stated_budget_on_a_gpu_run_ranks_near_layouts_by_that_gpus_speed(monkeypatch):
@@ -50,7 +50,7 @@ def test_a_stated_budget_on_a_gpu_run_ranks_near_layouts_by_that_gpus_speed(monk
     cfg = budgeted(0.92, "--model.hidden_size", "1024", "--zero.stage", "2", "--parallel.recompute", "full",
                    "--train.micro_batch_size", "8")
     cfg = on_gpu(monkeypatch, cfg, "Tesla V100-SXM2-32GB")
-    assert "nearest layout that fits: --parallel.tp 2 (" in memory_problem(cfg)
+    assert "nearest layout that fits: --parallel.tp 2 --parallel.dp 1 (" in memory_problem(cfg)
 
 
 def on_gpu(monkeypatch, cfg, name, gib=32):

@@ -55,7 +55,7 @@ def run(args) -> int:
     from megazero.config.validate import validate_without_layout
     from megazero.planner import GPUS, Cluster, custom_gpu, plan
     from megazero.planner.fit import STATED, budget_problem, none_fits_advice
-    from megazero.planner.search import KNOBS, held_knobs, largest_world
+    from megazero.planner.search import KNOBS, held_knobs, usable_world
 
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
@@ -82,8 +82,8 @@ def run(args) -> int:
     fixed = frozenset(key for key, _ in parse_overrides(overrides, Config)) & set(KNOBS)
     ranked = plan(cfg, cluster, fixed)
     if not ranked:
-        usable = largest_world(cfg, args.gpus, cluster.gpus_per_node)
-        if not fixed and usable < args.gpus:
+        usable = 0 if fixed else usable_world(cfg, cluster)
+        if usable:
             raise UserError(f"no layout of {config_path} is valid on {args.gpus} GPUs: they do not split as tp (a power "
                             f"of two dividing the {cluster.gpus_per_node} GPUs of a node, the model's head counts and MLP "
                             f"width) x pp (up to "
@@ -92,7 +92,7 @@ def run(args) -> int:
         validate_config(cfg)  # what is wrong with the config's own layout (a held tp 3 with 16 heads), if anything
         held = f" with {', '.join(sorted(fixed))} as given" if fixed else ""
         raise UserError(f"no layout of {config_path} is valid on {args.gpus} GPUs{held}: run megazero train --check "
-                        f"with WORLD_SIZE={args.gpus} LOCAL_WORLD_SIZE={args.gpus_per_node} and a layout to see why")
+                        f"with WORLD_SIZE={args.gpus} LOCAL_WORLD_SIZE={cluster.gpus_per_node} and a layout to see why")
     rows = [row(c) for c in ranked[:args.top]]
     fitting = sum(c.fits for c in ranked)
     note = FP32_NOTE if cfg.precision.dtype == "fp32" else None

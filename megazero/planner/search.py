@@ -42,8 +42,10 @@ class Layout:
     schedule: str
 
     def overrides(self) -> list[str]:
-        """The ``megazero train`` flags that select this layout (dp follows from the world size)."""
-        return ["--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp),
+        """The ``megazero train`` flags that select this layout. dp among them: it follows from the world
+        size only where the config leaves it unset, and one that names it refused the layout's tp and
+        pp beside its own dp."""
+        return ["--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp), "--parallel.dp", str(self.dp),
                 "--parallel.virtual_stages", str(self.virtual_stages), "--zero.stage", str(self.zero_stage),
                 "--train.micro_batch_size", str(self.micro_batch_size), "--parallel.recompute", self.recompute,
                 "--parallel.sequence_parallel", str(self.sequence_parallel).lower(),
@@ -53,6 +55,11 @@ class Layout:
         """The flags of this layout whose values differ from ``other``'s."""
         mine, theirs = self.overrides(), other.overrides()
         return [f"{mine[i]} {mine[i + 1]}" for i in range(0, len(mine), 2) if mine[i + 1] != theirs[i + 1]]
+
+    def knobs_changed(self, other: "Layout") -> int:
+        """How many of ``other``'s choices this layout changes: dp is not one, in a world of the same
+        size it follows from tp and pp."""
+        return sum(not flag.startswith("--parallel.dp ") for flag in self.changes_from(other))
 
 
 KNOBS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.dp": "dp", "parallel.virtual_stages": "virtual_stages",
@@ -69,7 +76,7 @@ def held_knobs(cfg: Config, fixed: frozenset[str]) -> dict[str, str]:
     """The searched fields ``fixed`` holds at ``cfg``'s values, by flag, spelled as the flags take them,
     but for those at their ``LEAST_MEMORY`` value: searching those could add no layout that fits."""
     own = layout_of(cfg)
-    flags = own.overrides() + ["--parallel.dp", str(own.dp)]
+    flags = own.overrides()
     spelled = dict(zip(flags[::2], flags[1::2]))
     return {f"--{key}": spelled[f"--{key}"] for key in sorted(fixed) if LEAST_MEMORY.get(key) != spelled[f"--{key}"]}
 
@@ -173,18 +180,33 @@ def _schedules(pp: int, v: int, own: str) -> list[str]:
                                    if name not in V_SHAPED and schedule_problem(name, v) is None})
 
 
-def largest_world(cfg: Config, gpus: int, gpus_per_node: int) -> int:
-    """The most GPUs, up to ``gpus`` and in whole nodes beyond one, that split as tp x pp x dp the way
+def split_worlds(cfg: Config, gpus: int, gpus_per_node: int) -> list[int]:
+    """The GPU counts, up to ``gpus`` and in whole nodes beyond one, that split as tp x pp x dp the way
     the search splits them (tp a power of two within a node that the model's widths divide, pp at most
-    a stage a block, dp a divisor of the global batch): a world larger than that has no valid layout,
-    and the plan says what it could use instead. The splits themselves are enumerated, not the worlds
-    below ``gpus``: a --gpus with a few zeros too many would take minutes to count down."""
+    a stage a block, dp a divisor of the global batch), most first: a world not among them has no
+    valid layout, and the plan offers one of these instead (``usable_world``). The splits themselves
+    are enumerated, not the worlds below ``gpus``: a --gpus with a few zeros too many would take
+    minutes to count down."""
     tps = [tp for tp in _powers_of_two(gpus_per_node) if not tp_layout_problems(cfg.model, tp)]
     batch = cfg.train.global_batch_size
     dps = {d for k in range(1, math.isqrt(batch) + 1) if batch % k == 0 for d in (k, batch // k)}
     worlds = (tp * pp * dp for tp in tps for pp in range(1, cfg.model.num_layers + 1) for dp in dps
               if tp * pp * dp <= gpus_per_node or (tp * pp * dp % gpus_per_node == 0 and gpus_per_node % tp == 0))
-    return max((world for world in worlds if world <= gpus), default=0)
+    return sorted({world for world in worlds if world <= gpus}, reverse=True)
+
+
+WORLDS_TRIED = 16
+"""How many of the split worlds, most GPUs first, ``usable_world`` plans before it gives up."""
+
+
+def usable_world(cfg: Config, cluster: Cluster) -> int:
+    """The most GPUs, up to the cluster's, on which some layout of ``cfg`` is valid (0: none among the
+    first ``WORLDS_TRIED`` that split): a world that splits may still have none, its pp forbidden by
+    ``train.cuda_graphs``, say, and the batch not dividing over the dp left."""
+    for world in split_worlds(cfg, cluster.num_gpus, cluster.gpus_per_node)[:WORLDS_TRIED]:
+        if plan(cfg, dataclasses.replace(cluster, num_gpus=world, gpus_per_node=min(cluster.gpus_per_node, world))):
+            return world
+    return 0
 
 
 def plan(cfg: Config, cluster: Cluster, fixed: frozenset[str] = frozenset()) -> list[Candidate]:
@@ -203,7 +225,7 @@ def plan(cfg: Config, cluster: Cluster, fixed: frozenset[str] = frozenset()) -> 
     # Those that do not fit come nearest to fitting first: when none fits, the table's top rows
     # are the layouts worth adding memory or GPUs for.
     return sorted(found, key=lambda c: (not c.fits, step_time(c) if c.fits else c.memory.needed,
-                                        len(c.layout.changes_from(own)), c.memory.needed))
+                                        c.layout.knobs_changed(own), c.memory.needed))
 
 
 def nearest_fitting(cfg: Config, cluster: Cluster) -> Optional[Candidate]:
@@ -213,7 +235,7 @@ def nearest_fitting(cfg: Config, cluster: Cluster) -> Optional[Candidate]:
     fitting = [c for c in plan(cfg, cluster) if c.fits]
     if not fitting:
         return None
-    return min(fitting, key=lambda c: (len(c.layout.changes_from(own)), step_time(c), -c.memory.needed))
+    return min(fitting, key=lambda c: (c.layout.knobs_changed(own), step_time(c), -c.memory.needed))
 
 
 def step_time(candidate: Candidate) -> float:
