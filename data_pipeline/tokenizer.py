@@ -11,6 +11,7 @@ is loaded). Any other file given as a tokenizer is one ValueError naming it, not
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
 import math
 import os
@@ -19,6 +20,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
+from data_pipeline import file_locks
 from data_pipeline.paths import empty_path_problem, made_folder, temp_name
 
 # Ids the trained SentencePiece models reserve, in this order; eod is SentencePiece's </s>.
@@ -333,12 +335,13 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', not {model_type!r}")
     check_vocab_size(vocab_size)
-    tmp_prefix = temp_name(model_prefix)
     sample = sample_lines(_lines(texts), max_sentences, seed)  # a reader's error is raised here, as it is
     if not sample:
         raise ValueError("the input holds no text to train on (every file is empty, or every line blank)")
     renaming = False
     with made_folder(os.path.dirname(os.path.abspath(model_prefix))):
+        _remove_abandoned(model_prefix)
+        tmp_prefix, held = _claim_temporaries(model_prefix)
         try:
             spm.SentencePieceTrainer.train(
                 sentence_iterator=iter(sample),
@@ -364,4 +367,33 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
             if not isinstance(exc, RuntimeError):
                 raise
             raise ValueError(_vocabulary_problem(str(exc), vocab_size) or str(exc)) from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_prefix + ".lock")  # still held: no sweep takes it for an abandoned one
+            os.close(held)
     return model_prefix + ".model"
+
+
+def _claim_temporaries(model_prefix: str) -> tuple[str, int]:
+    """A temporary prefix to train ``model_prefix`` under, and the descriptor holding the lock of its
+    ``.lock`` file (``data_pipeline.file_locks``), which tells this live training's temporaries from
+    those of one killed outright (``_remove_abandoned``)."""
+    while True:
+        tmp_prefix = temp_name(model_prefix)
+        with contextlib.suppress(file_locks.Swept):  # another training's sweep took it before its lock
+            return tmp_prefix, file_locks.create_locked(tmp_prefix + ".lock")
+
+
+def _remove_abandoned(model_prefix: str) -> None:
+    """Remove what trainings of ``model_prefix`` killed outright (SIGKILL, the OOM killer) left under
+    their temporary names: no clean-up of theirs ran, and nothing else would remove them."""
+    for lock in glob.glob(glob.escape(model_prefix) + ".tmp-*.lock"):
+        fd = file_locks.try_lock(lock)
+        if fd is None:  # a live training's
+            continue
+        try:
+            for path in (lock.removesuffix(".lock") + ".model", lock.removesuffix(".lock") + ".vocab", lock):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        finally:
+            os.close(fd)

@@ -177,3 +177,23 @@ def test_a_conversion_removes_the_staging_folders_of_conversions_killed_outright
     finally:
         os.close(held)
     assert not (tmp_path / "hf" / STAGING_LOCK).exists()
+
+
+def test_a_tokenizer_training_removes_what_trainings_killed_outright_left(tmp_path):
+    """A training killed outright after SentencePiece wrote its files left them under their temporary
+    names for good. The next training of the same prefix removes those whose lock it can take, and
+    keeps a live training's. (Planted: no sweep.)"""
+    from data_pipeline import file_locks
+
+    killed, live = tmp_path / "t.tmp-1-aaaa", tmp_path / "t.tmp-2-bbbb"
+    for stem in (killed, live):
+        for ext in (".model", ".vocab"):
+            Path(f"{stem}{ext}").write_bytes(b"x")
+        os.close(file_locks.create_locked(f"{stem}.lock"))
+    held = file_locks.try_lock(f"{live}.lock")
+    try:
+        train_sentencepiece(iter(LINES), str(tmp_path / "t"), 300, num_threads=1)
+    finally:
+        os.close(held)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.model", "t.tmp-2-bbbb.lock", "t.tmp-2-bbbb.model",
+                                                          "t.tmp-2-bbbb.vocab", "t.vocab"]
