@@ -52,6 +52,19 @@ def test_a_plans_flags_hold_where_the_config_file_names_its_dp(tmp_path, capsys)
         assert resolve_config(cfg, 4, 4).parallel.dp == row["dp"], row
 
 
+def test_the_table_ends_with_the_launch_of_its_first_row(capsys):
+    """The flags of a row were in the JSON alone: the table's reader turned its columns into flags by
+    hand. The launch printed holds the plan's own overrides and the first row's flags."""
+    assert main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "8", "--gpus-per-node", "8", "--top", "2",
+                 "--train.global_batch_size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert main(["plan", "configs/gpt_1.3b.yaml", "--gpus", "8", "--gpus-per-node", "8", "--top", "1", "--json",
+                 "--train.global_batch_size", "64"]) == 0
+    first = json.loads(capsys.readouterr().out)["layouts"][0]["overrides"]
+    assert out.splitlines()[-1] == ("to train the first: CONFIG=configs/gpt_1.3b.yaml scripts/pretrain_gpt.sh "
+                                    f"--train.global_batch_size 64 {first}")
+
+
 def test_plan_takes_each_hardware_flag_as_its_own_figure(capsys):
     """Each flag replaces its own preset figure (planted: the two bandwidths swapped), and a cluster
     smaller than a node is one node of its own GPUs."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 import sys
 
 from megazero.commands.generate import at_least
@@ -108,7 +109,10 @@ def run(args) -> int:
           f"{cluster.gpus_per_node}, {gpu.memory_gib:g} GiB each{f' by {STATED}' if budget is not None else ''}); "
           f"{len(ranked)} valid layouts, {fitting} fit")
     print(format_table(rows))
-    if not fitting:
+    if fitting:  # the first row, fastest of those that fit, as the launch that trains it
+        print(f"to train the first: CONFIG={shlex.quote(config_path)} scripts/pretrain_gpt.sh "
+              f"{shlex.join(overrides)}{' ' if overrides else ''}{rows[0]['overrides']}")
+    else:
         held = held_knobs(cfg, fixed)
         print(f"none fits: {none_fits_advice(cfg, held)}")
     if note:
