@@ -323,12 +323,19 @@ def remove_stale_temporaries(prefix: str) -> None:
     is there, its writer may have just made the ``.idx``, not yet locked, and no new name can be
     taken for it alone (the pair shares a tag). An ``.idx`` temporary left without its ``.bin`` (put
     in place by a writer killed before the ``.idx``'s rename) is judged by its own: its writer locked
-    it before putting the ``.bin`` in place."""
+    it before putting the ``.bin`` in place. A tokenizer record's temporary goes once no ``.bin`` or
+    ``.idx`` one is left: a writer writes its record while it holds both (``record_origin``)."""
+    from data_pipeline.shard_origin import origin_path
+
     for bin_tmp in glob.glob(glob.escape(bin_path(prefix)) + ".tmp-*"):
         _remove_unlocked(bin_tmp, _temporaries(prefix, bin_tmp))
     for idx_tmp in glob.glob(glob.escape(idx_path(prefix)) + ".tmp-*"):
         if not os.path.lexists(_temporaries(prefix, idx_tmp)[0]):
             _remove_unlocked(idx_tmp, (idx_tmp,))
+    if not any(glob.glob(glob.escape(path) + ".tmp-*") for path in (bin_path(prefix), idx_path(prefix))):
+        for record_tmp in glob.glob(glob.escape(origin_path(prefix)) + ".tmp-*"):
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                os.unlink(record_tmp)
 
 
 def _remove_unlocked(tmp: str, paths: Iterable[str]) -> None:

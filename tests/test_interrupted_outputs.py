@@ -197,3 +197,22 @@ def test_a_tokenizer_training_removes_what_trainings_killed_outright_left(tmp_pa
         os.close(held)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.model", "t.tmp-2-bbbb.lock", "t.tmp-2-bbbb.model",
                                                           "t.tmp-2-bbbb.vocab", "t.vocab"]
+
+
+def test_a_shard_writer_removes_a_killed_writers_record_temporary(tmp_path):
+    """A preprocess killed while writing a shard's tokenizer record left the record's temporary for
+    good. The next writer of the prefix removes it, unless a live writer (one holding its .bin
+    temporary) may be writing it. (Planted: no sweep of records.)"""
+    import numpy as np
+
+    from data_pipeline.indexed import IndexedDatasetWriter
+
+    prefix = str(tmp_path / "s")
+    record_tmp = tmp_path / "s.tokenizer.json.tmp-1-aaaa"
+    live = IndexedDatasetWriter(prefix, np.uint16)
+    record_tmp.write_text("{")
+    IndexedDatasetWriter(prefix, np.uint16).abort()  # the live writer's temporaries are locked
+    assert record_tmp.exists()
+    live.abort()
+    IndexedDatasetWriter(prefix, np.uint16).abort()
+    assert not record_tmp.exists()
