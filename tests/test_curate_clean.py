@@ -85,6 +85,17 @@ def test_combining_marks_are_parts_of_words_and_unspaced_scripts_count_by_charac
     assert count_words(dated) == 13 and count_words("2023年" * 40) == 80
 
 
+def test_underscores_are_symbols_not_letters():
+    """``\\w`` holds ``_``: a line of form blanks counted as words and passed, and 200 underscores
+    weighed nothing in the symbol ratio where 200 dashes dropped the document. (Planted: ``_`` a
+    letter in either count.)"""
+    cfg = CleanConfig(min_words=5)
+    assert count_words("____ ____ ____ ____ ____ ____") == 0 and count_words("snake_case_name") == 3
+    assert drop_reason("____ ____ ____ ____ ____ ____", cfg) == "too few words"
+    for junk in ("_" * 200, "-" * 200):
+        assert drop_reason("one two three four five six " + junk, cfg) == "symbol ratio", junk
+
+
 def test_indentation_is_kept():
     """Code and verse keep their lines' leading spaces and tabs (every line was stripped at both ends,
     flattening every program in the corpus); runs inside a line and blank lines' spaces still go."""

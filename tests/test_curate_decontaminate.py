@@ -51,6 +51,16 @@ def test_a_match_is_cut_out_with_200_characters_each_side(tmp_path):
     assert stats["ngram"] == 13  # the report's plot names it
 
 
+def test_underscores_do_not_hide_a_match(tmp_path):
+    """``_`` joined words as ``\\w`` does: markdown's ``_quick_`` and a ``snake_case`` join made words
+    no task has, and the text passed whole. (Planted: ``_`` a word character.)"""
+    italic = TASK.replace("quick", "_quick_").replace("lazy", "__lazy__")
+    joined = TASK.replace("quick brown", "quick_brown")
+    records, stats = run(tmp_path, [f"{FILLER} {italic} {FILLER}", f"{FILLER} {joined} {FILLER}"])
+    assert [r["id"] for r in records] == ["d0#0", "d0#1", "d1#0", "d1#1"]
+    assert stats["cut"] == 2
+
+
 def test_pieces_under_200_characters_are_dropped(tmp_path):
     records, stats = run(tmp_path, [f"short intro {TASK} {FILLER}", f"{TASK}"])
     assert [r["id"] for r in records] == ["d0"]  # one piece left: it keeps the id
@@ -154,11 +164,11 @@ def test_task_files_with_nothing_to_find_are_named(tmp_path):
             build_config(raw)
 
 
-def test_the_word_table_is_res_word_class_and_the_combining_marks():
+def test_the_word_table_is_res_word_class_but_underscore_and_the_combining_marks():
     import unicodedata
 
     is_word, _ = _bmp_tables()
-    assert is_word.tolist() == [re.fullmatch(r"\w", chr(c)) is not None or unicodedata.category(chr(c))[0] == "M"
+    assert is_word.tolist() == [re.fullmatch(r"[^\W_]", chr(c)) is not None or unicodedata.category(chr(c))[0] == "M"
                                 for c in range(0x10000)]
 
 
@@ -174,7 +184,7 @@ def test_indic_words_are_whole_and_greek_capitals_match_their_final_sigma():
     assert hashes[0] == hashes[2] == hashes[4] and hashes[1] == hashes[3]
 
 
-def test_words_are_res_word_runs_and_compare_lower_cased():
+def test_words_are_res_word_runs_but_underscore_and_compare_lower_cased():
     """Above the BMP too: Deseret's capitals and small letters are one word (planted: code points
     past 0xFFFF compared as written, which a test of caseless astral letters alone let through)."""
     texts = ["Hello, WORLD! hello world_2 ... Istanbul ISTANBUL listen silent", "",
@@ -185,7 +195,7 @@ def test_words_are_res_word_runs_and_compare_lower_cased():
     words = []
     for t, text in enumerate(texts):
         ours = list(zip(starts[offsets[t]:offsets[t + 1]].tolist(), ends[offsets[t]:offsets[t + 1]].tolist()))
-        assert ours == [m.span() for m in re.finditer(r"\w+", text)], text
+        assert ours == [m.span() for m in re.finditer(r"[^\W_]+", text)], text
         words += [text[a:b] for a, b in ours]
     for i, u in enumerate(words):
         for j, v in enumerate(words):

@@ -53,8 +53,10 @@ def _letters_and_marks() -> tuple[re.Pattern, re.Pattern]:
 
 def count_words(text: str) -> int:
     """Runs of letters, digits and marks, each Han or kana character a word of its own: a run stops at
-    one ("在2023年" is three words; counted as runs, a line of Chinese after a digit was one word)."""
+    one ("在2023年" is three words; counted as runs, a line of Chinese after a digit was one word).
+    ``\w``'s underscore is no letter: a line of ``____`` blanks counted as words, and passed."""
     run = _letters_and_marks()[0]
+    text = text.replace("_", " ")
     if _UNSPACED_CHAR.search(text) is None:  # most text: one pass of one character class
         return len(run.findall(text))
     return len(_UNSPACED_CHAR.findall(text)) + len(run.findall(_UNSPACED_CHAR.sub(" ", text)))
@@ -98,7 +100,7 @@ def drop_reason(text: str, cfg: CleanConfig) -> str | None:
         return "too few words"
     if words > cfg.max_words:
         return "too many words"
-    if len(symbol.findall(text)) > cfg.max_symbol_ratio * len(text):
+    if len(symbol.findall(text)) + text.count("_") > cfg.max_symbol_ratio * len(text):  # ``\w`` holds ``_``
         return "symbol ratio"
     lines = [line for line in text.split("\n") if line.strip()]
     if lines and (len(lines) - len(set(lines))) > cfg.max_repeated_line_ratio * len(lines):

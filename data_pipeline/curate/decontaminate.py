@@ -155,9 +155,10 @@ def task_texts(path: str, fields: list, bad: BadRecords):
 
 
 def _is_word_char(ch: str) -> bool:
-    """``re``'s ``\\w`` (alphanumeric or ``_``) or a combining mark: the vowel signs and viramas of
-    Indic scripts are parts of their letters, and would otherwise split every word in two."""
-    return ch.isalnum() or ch == "_" or unicodedata.category(ch)[0] == "M"
+    """A letter, digit or combining mark (the vowel signs and viramas of Indic scripts are parts of
+    their letters, and would otherwise split every word in two). Not ``_``: markdown's ``_quick_`` and
+    ``snake_case`` joins hid every 13-gram around them, and a task's text leaked through."""
+    return ch.isalnum() or unicodedata.category(ch)[0] == "M"
 
 
 def _lower(ch: str) -> int:
