@@ -302,6 +302,18 @@ def test_max_bucket_pairs_reaches_the_buckets(tmp_path, prose, max_bucket_pairs,
     assert (stats["candidate_pairs"], stats["dropped"]) == (candidates, {"near duplicate": 4})
 
 
+def test_a_pair_is_one_candidate_however_many_partitions_find_it(tmp_path, prose):
+    """Two copies share all 20 bands, whose keys fall in several of 4 partitions: each partition found
+    the pair, and the stage's candidate count summed them (236 candidates for 93 pairs on the demo).
+    (Planted: candidates counted where the buckets are.)"""
+    path = tmp_path / "twins.jsonl"
+    path.write_text("".join(json.dumps({"text": prose[0]}) + "\n" for _ in range(2)))
+    raw = {"input": {"paths": [str(path)]}, "output": {"dir": str(tmp_path / "out")}, "stages": ["fuzzy_dedup"],
+           "fuzzy_dedup": {"partitions": 4}}
+    stats = run_pipeline(build_config(raw), log=lambda s: None)["stages"][-1]
+    assert (stats["candidate_pairs"], stats["edges"], stats["buckets"]) == (1, 1, 20)
+
+
 def test_audit_ids_are_found_past_65536_rows(tmp_path):
     """shard_docs allows shards past 2^16 documents: the audit files name a document by the row in
     the low 32 bits of its number (planted: 16 bits, which named row 65536 as row 0, passed)."""

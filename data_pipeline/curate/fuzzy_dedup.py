@@ -98,7 +98,9 @@ def bucket_partition(prefixes: list[str], part: int, parts: int, out_path: str, 
     pairs = np.unique(np.concatenate(pairs), axis=0)  # a pair that shares several bands, once
     pairs = pairs.astype(np.int64).reshape(-1, 2)
     partitioned.save(out_path, _pair_partition(pairs, parts), [pairs[:, 0], pairs[:, 1]], parts)
-    return {"buckets": int((sizes >= 2).sum()), "candidate_pairs": len(pairs)}
+    # the pairs are counted where verified: one sharing bands whose keys fall in several partitions is
+    # found by each of them, and summed here it counted once a partition
+    return {"buckets": int((sizes >= 2).sum())}
 
 
 def _bucket_pairs(members: np.ndarray, max_pairs: int) -> np.ndarray:
@@ -129,7 +131,7 @@ def verify_partition(bucket_paths: list[str], prefixes: list[str], part: int, th
             if j >= threshold:
                 edges.append((a, b, j))
     save_array(out_path, np.array(edges, dtype=EDGE))
-    return {"candidates_verified": len(pairs), "edges": len(edges)}
+    return {"candidate_pairs": len(pairs), "edges": len(edges)}
 
 
 def _npy_data_offset(fd: int, path: str) -> int:
