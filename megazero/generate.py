@@ -6,6 +6,7 @@ resharding a layout change uses), so a model trained at tp2 x pp2 x dp2 samples 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,20 +78,23 @@ def load_opened(ckpt: OpenedCheckpoint) -> tuple[GPT, Config]:
 
 @torch.no_grad()
 def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 0.8, top_k: int = 40,
-           seed: int = 0, vocab: int | None = None, stop: int | None = None) -> list[int]:
-    """Top-k sampling among the first ``vocab`` ids (default: the model's vocabulary; a tokenizer with
-    fewer pieces can decode no others), feeding back the last ``seq_length`` tokens (no cache:
-    demo-sized models), until ``new_tokens`` are drawn or the id ``stop`` is (the end of a document:
-    what follows it was trained as the start of an unrelated one). Appends to ``tokens`` (the prompt)
-    in place and returns it, so a run stopped by Ctrl-C or SIGTERM leaves what it sampled there."""
+           seed: int = 0, ids: Sequence[int] | None = None, stop: int | None = None) -> list[int]:
+    """Top-k sampling among ``ids`` (default: the model's vocabulary; a tokenizer decodes only the ids
+    it has a token for, which may leave gaps below its largest), feeding back the last ``seq_length``
+    tokens (no cache: demo-sized models), until ``new_tokens`` are drawn or the id ``stop`` is (the end
+    of a document: what follows it was trained as the start of an unrelated one). Appends to
+    ``tokens`` (the prompt) in place and returns it, so a run stopped by Ctrl-C or SIGTERM leaves what
+    it sampled there."""
     generator = torch.Generator().manual_seed(seed)
+    drawable = torch.arange(model.vocab_size) if ids is None else torch.tensor(sorted(set(ids)), dtype=torch.long)
     for _ in range(new_tokens):
         window = torch.tensor([tokens[-model.cfg.seq_length:]])
-        logits = model(window)[0, -1, :min(vocab or model.vocab_size, model.vocab_size)].float()
+        logits = model(window)[0, -1, :model.vocab_size].float()[drawable]
         if temperature <= 0:
-            tokens.append(int(logits.argmax()))
+            tokens.append(int(drawable[logits.argmax()]))
         else:
             values, indices = torch.topk(logits, min(top_k, logits.numel()))
+            indices = drawable[indices]
             # from the largest down: a tiny temperature then gives -inf (probability 0), never inf - inf; in
             # float64, as a temperature below float32's range would round to 0 and give 0 / 0 for the largest
             scaled = (values - values[0]).double() / temperature

@@ -299,6 +299,22 @@ def test_a_smaller_tokenizer_samples_only_what_it_can_decode(trained, tmp_path, 
     assert len(words) >= 30 and set(words) <= {f"w{i}" for i in range(10)} | {"</s>"}, words
 
 
+def test_ids_between_a_tokenizers_tokens_are_not_sampled(trained, tmp_path, capsys):
+    """A tokenizer.json whose ids leave a gap (w0..w9, then its end-of-document token far above them):
+    the ids in the gap were sampled and decoded to nothing, the text silently shorter than the count
+    drawn. Every id drawn now decodes. (Planted: sampling among every id below the largest.)"""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {**{f"w{i}": i for i in range(10)}, "</s>": VOCAB - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "gap.json"))
+    assert main(["generate", str(trained[0]), "--tokenizer", str(tmp_path / "gap.json"), "--prompt", "w1 w2",
+                 "--tokens", "40", "--temperature", "5", "--top-k", str(VOCAB), "--past-eod"]) == 0
+    words = capsys.readouterr().out.split()
+    assert len(words) == 42 and set(words) <= {f"w{i}" for i in range(10)} | {"</s>"}, words
+
+
 def test_the_command_stops_at_the_end_of_the_document(trained, tmp_path, capsys):
     """What follows the end-of-document token was trained as the start of an unrelated document: the
     command stops there, says so on stderr, and ``--past-eod`` samples on. (Planted: no stop.)"""

@@ -79,7 +79,7 @@ def run(args) -> int:
     out = list(prompt)
     stop = None if args.past_eod else tokenizer.eod_id
     try:
-        sample(model, out, args.tokens, args.temperature, args.top_k, args.seed, vocab=tokenizer.vocab_size, stop=stop)
+        sample(model, out, args.tokens, args.temperature, args.top_k, args.seed, ids=decodable(tokenizer), stop=stop)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (raised as one): what was sampled is printed, not lost
         print(tokenizer.decode(out), flush=True)
         print(f"note: stopped after {len(out) - len(prompt)} of {args.tokens} tokens", file=sys.stderr)
@@ -89,6 +89,13 @@ def run(args) -> int:
     if stop is not None and drawn and out[-1] == stop and drawn < args.tokens:
         print(f"note: the document ended after {drawn} of {args.tokens} tokens (--past-eod samples on)", file=sys.stderr)
     return 0
+
+
+def decodable(tokenizer) -> list[int]:
+    """The ids ``tokenizer`` has a token for: a ``tokenizer.json`` may leave gaps below its largest id
+    (added tokens placed far above the vocabulary), and an id drawn there decoded to nothing, silently
+    shortening the text (and the note counting what was drawn)."""
+    return [i for i, piece in enumerate(tokenizer.pieces()) if piece]
 
 
 def _note_a_cut_prompt(prompt_tokens: int, context: int, new_tokens: int) -> None:
