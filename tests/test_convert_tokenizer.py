@@ -151,3 +151,26 @@ def test_an_imported_folders_tokenizer_is_recorded_and_exported_back(tokenizers,
     ours = load_tokenizer(tokenizers["json"])
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
     assert [theirs.encode(t, add_special_tokens=False) for t in TEXTS] == [ours.encode(t) for t in TEXTS]
+
+
+def test_an_import_says_what_its_tokenizer_and_config_add_around_a_text(tokenizers, tmp_path, capsys):
+    """A folder whose tokenizer.json adds BOS to every text, and whose model ends a text with ids other
+    than megazero's end-of-document token: both came in without a word, and `megazero generate` then
+    fed prompts without the BOS and sampled past the model's own end of text. Each is a note now;
+    a folder whose eos_token_id is the end-of-document token gets neither. (Planted: no notes.)"""
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      vocab_size=600, max_position_embeddings=16, eos_token_id=0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "plain")
+    (tmp_path / "plain" / "tokenizer.json").write_text(Path(tokenizers["json"]).read_text())
+    (tmp_path / "plain" / "generation_config.json").unlink(missing_ok=True)
+    assert main(["convert", str(tmp_path / "plain"), str(tmp_path / "plain_mz")]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+    config.eos_token_id = [0, 1]
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(Path(tokenizers["json-bos"]).read_text())
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "mz")]) == 0
+    out = capsys.readouterr().out
+    assert "its post-processor puts <s> around every text, and megazero encodes without it" in out, out
+    assert "the model ends a text with <|endoftext|> (0), <pad> (1) (eos_token_id), megazero's end-of-document " \
+           "token is <|endoftext|> (0)" in out, out

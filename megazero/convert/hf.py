@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from megazero.convert.hf_models import FAMILIES, check_model_type, family_for
-from megazero.convert.hf_tokenizer import ExportTokenizer, write_tokenizer
+from megazero.convert.hf_tokenizer import ExportTokenizer, import_notes, write_tokenizer
 from megazero.convert.sources import Source, finite, logical_shapes
 from megazero.convert.streaming import StreamedSafetensors
 from megazero.errors import UserError
@@ -79,9 +79,14 @@ class HFSource:
         found = [self.folder / name for name in ("tokenizer.json", "tokenizer.model") if (self.folder / name).is_file()]
         for path in found:
             try:
-                return str(path.resolve()), {"tokenizer": tokenizer_identity(load_tokenizer(str(path)))}
+                tokenizer = load_tokenizer(str(path))
+                record = {"tokenizer": tokenizer_identity(tokenizer)}
             except (ValueError, OSError) as exc:
                 print(f"megazero convert: note: {path}: not read as a tokenizer ({exc})", flush=True)
+                continue
+            for note in import_notes(self.folder, path, tokenizer, self.hf):
+                print(f"megazero convert: note: {note}", flush=True)
+            return str(path.resolve()), record
         print(f"megazero convert: note: {self.folder}: no tokenizer megazero can read (tokenizer.json or a "
               "SentencePiece tokenizer.model); the checkpoint records none: give data.tokenizer the one the model "
               "was trained with", flush=True)

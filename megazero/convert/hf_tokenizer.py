@@ -20,6 +20,7 @@ encodes it: SentencePiece never matches special pieces in text, and ``HFTokenize
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -255,3 +256,39 @@ def _spelled(text: str, pieces: set) -> bool:
             for end in range(start + 1, len(text) + 1):
                 reached[end] = reached[end] or text[start:end] in pieces
     return reached[-1]
+
+
+def import_notes(folder: Path, path: Path, tokenizer, config: dict) -> list[str]:
+    """What an imported folder's model was run with around a text that megazero does not do: a
+    post-processor adding tokens (a BOS) to every text, which megazero's encoding leaves out (its
+    documents are separated by the end-of-document token alone), and end-of-text ids (``config.json``
+    and ``generation_config.json``'s ``eos_token_id``) other than the end-of-document token megazero
+    finds by name, the one ``megazero generate`` stops at. Said on import, as nothing later would."""
+    notes = []
+    if path.suffix == ".json":
+        from tokenizers import Tokenizer
+
+        hf = Tokenizer.from_file(str(path))
+        plain, full = (hf.encode("a", add_special_tokens=flag).ids for flag in (False, True))
+        added = [hf.id_to_token(i) for i in full if i not in plain]
+        if added:
+            notes.append(f"{path}: its post-processor puts {' '.join(added)} around every text, and megazero encodes "
+                         f"without it: prompts to `megazero generate` and shards of `megazero preprocess` hold no "
+                         f"{' '.join(added)}, which this model was trained to see")
+    eos = set(_eos_ids(config))
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            eos |= set(_eos_ids(json.loads(generation.read_text(encoding="utf-8"))))
+    if eos and eos != {tokenizer.eod_id}:
+        names = ", ".join(f"{tokenizer.pieces()[i] if 0 <= i < tokenizer.vocab_size else '?'} ({i})" for i in sorted(eos))
+        ours = "none" if tokenizer.eod_id is None else f"{tokenizer.pieces()[tokenizer.eod_id]} ({tokenizer.eod_id})"
+        notes.append(f"{folder}: the model ends a text with {names} (eos_token_id), megazero's end-of-document "
+                     f"token is {ours}: `megazero generate` stops at that one alone")
+    return notes
+
+
+def _eos_ids(config: dict) -> list[int]:
+    value = config.get("eos_token_id") if isinstance(config, dict) else None
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
