@@ -97,7 +97,9 @@ def test_the_command_samples_by_its_seed_and_top_k(trained, tmp_path, capsys):
 def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
     """The model (seq_length 16) reads only the last 16 of a 20-token prompt; the text printed is
     the whole prompt and its continuation, so a line on stderr says what was read (and nothing is
-    said of a prompt that fits, nor where no token is sampled and the model reads nothing)."""
+    said of a prompt that fits with what is drawn, nor where no token is sampled and the model reads
+    nothing). A prompt that fits, but not with the tokens drawn, slides out of view: said too (it was
+    not). (Planted: only the prompt's length looked at.)"""
     tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
     args = ["generate", str(trained[0]), "--tokenizer", tok, "--temperature", "0", "--tokens", "2"]
     assert main([*args, "--prompt", " ".join(f"w{i}" for i in range(20))]) == 0
@@ -105,8 +107,13 @@ def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
     assert len(captured.out.split()) == 22
     assert captured.err.splitlines() == ["note: --prompt is 20 tokens, more than the model's context of 16 "
                                          "(model.seq_length); only its last 16 tokens are read"]
-    assert main([*args, "--prompt", " ".join(f"w{i}" for i in range(16))]) == 0  # exactly the context: read whole
+    exact = " ".join(f"w{i}" for i in range(16))
+    assert main([*args, "--tokens", "1", "--prompt", exact]) == 0  # exactly the context: read whole
     assert capsys.readouterr().err == ""
+    assert main([*args, "--prompt", exact]) == 0  # the second draw reads the last 16 of 17: the prompt slides
+    assert capsys.readouterr().err.splitlines() == [
+        "note: the model's context is 16 tokens (model.seq_length): from token 2 drawn on, it reads the last 16 "
+        "alone and the prompt's start slides out of view"]
     assert main([*args, "--tokens", "0", "--prompt", " ".join(f"w{i}" for i in range(20))]) == 0  # nothing read
     assert capsys.readouterr().err == ""
 
@@ -369,4 +376,4 @@ def test_a_stopped_run_prints_what_it_sampled(trained, tmp_path, capsys, monkeyp
     assert main([*args, "--tokens", "1000"]) == status
     captured = capsys.readouterr()
     assert captured.out == three
-    assert captured.err.splitlines() == ["note: stopped after 3 of 1000 tokens", f"megazero generate: {said}"]
+    assert captured.err.splitlines()[-2:] == ["note: stopped after 3 of 1000 tokens", f"megazero generate: {said}"]

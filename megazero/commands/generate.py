@@ -100,7 +100,15 @@ def decodable(tokenizer) -> list[int]:
 
 def _note_a_cut_prompt(prompt_tokens: int, context: int, new_tokens: int) -> None:
     """The model sees at most ``context`` tokens, so a longer prompt is continued from its end alone,
-    while the whole of it is printed as if continued; say so on stderr (stdout is the text)."""
-    if new_tokens and prompt_tokens > context:
+    while the whole of it is printed as if continued; and where the prompt fits but the prompt and
+    the tokens drawn do not, each draw reads the last ``context`` tokens, the prompt's start sliding
+    out of view. Say so on stderr (stdout is the text)."""
+    if not new_tokens:
+        return  # nothing is read
+    if prompt_tokens > context:
         print(f"note: --prompt is {prompt_tokens} tokens, more than the model's context of {context} "
               f"(model.seq_length); only its last {context} tokens are read", file=sys.stderr)
+    elif prompt_tokens + new_tokens - 1 > context:  # the k-th draw (from 0) reads prompt + k tokens
+        print(f"note: the model's context is {context} tokens (model.seq_length): from token "
+              f"{context - prompt_tokens + 2} drawn on, it reads the last {context} alone and the prompt's start "
+              "slides out of view", file=sys.stderr)
