@@ -269,11 +269,14 @@ def test_zb_v_refuses_other_chunk_counts():
         zero_bubble_v(1, 0, 4, 2)
     assert build_schedule("zb-v", 2, 1, 4, 2, delay=1) == build_schedule("zb-v", 2, 1, 4, 2)
     for v in (1, 3):
-        assert schedule_problem("zb-v", v) == "zb-v runs two model chunks per rank; set parallel.virtual_stages to 2"
+        assert schedule_problem("zb-v", v) == ("zb-v runs two model chunks per rank of a pipeline; set "
+                                               "parallel.virtual_stages to 2, with parallel.pp 2 or more (on one "
+                                               "GPU, another schedule)")
         cfg = load_config(None, ["--parallel.pp", "2", "--parallel.pipeline_schedule", "zb-v", "--train.device", "cpu",
                                  "--parallel.virtual_stages", str(v), "--model.num_layers", "6"])
-        with pytest.raises(ConfigError, match="^parallel.pipeline_schedule: zb-v runs two model chunks per rank; "
-                                              "set parallel.virtual_stages to 2$"):
+        with pytest.raises(ConfigError, match=r"^parallel.pipeline_schedule: zb-v runs two model chunks per rank "
+                                              r"of a pipeline; set parallel.virtual_stages to 2, with parallel.pp 2 "
+                                              r"or more \(on one GPU, another schedule\)$"):
             validate_config(cfg, 2)
     assert schedule_problem("zb-v", 2) is None
 

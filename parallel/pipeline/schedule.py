@@ -260,7 +260,9 @@ def build_schedule(name: str, pp: int, rank: int, m: int, v: int = 1, delay: Opt
 def schedule_problem(name: str, v: int) -> Optional[str]:
     """Why training schedule ``name`` cannot run ``v`` model chunks per rank (None when it can)."""
     if name in V_SHAPED:
-        return None if v == 2 else f"{name} runs two model chunks per rank; set parallel.virtual_stages to 2"
+        return None if v == 2 else (f"{name} runs two model chunks per rank of a pipeline; set "
+                                    "parallel.virtual_stages to 2, with parallel.pp 2 or more (on one GPU, another "
+                                    "schedule)")
     if name in INTERLEAVED and v == 1:
         return f"{name} needs more than one model chunk per rank; raise parallel.virtual_stages"
     if name not in ("auto", *INTERLEAVED, *V_SHAPED) and v > 1:
