@@ -4,13 +4,15 @@ A writer holds an exclusive lock on each temporary it makes until it has put it 
 it; a later writer of the same output removes ("sweeps") the temporaries whose lock it can take,
 which no live writer holds. The locks are ``flock``s, which NFS takes as POSIX record locks: hence
 the rules below on which descriptor takes and keeps a lock. Used by the shard writer (``indexed``)
-and the checkpoint conversion's staging folders."""
+the checkpoint conversion's staging folders and the tokenizer trainer."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import shutil
+from collections.abc import Iterable
 
 
 class Swept(Exception):
@@ -69,3 +71,20 @@ def try_lock(tmp: str) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def remove_abandoned(lock_file: str, paths: Iterable[str]) -> None:
+    """Remove ``paths`` (files, or folders with all they hold) where the lock on ``lock_file`` can be
+    taken (``try_lock``): no live writer holds it, so they are what a writer killed outright left."""
+    fd = try_lock(lock_file)
+    if fd is None:
+        return  # a live writer's, done meanwhile, or on a file system without locks
+    try:
+        for path in paths:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError, PermissionError):  # another user's, in a sticky folder
+                    os.unlink(path)
+    finally:
+        os.close(fd)

@@ -339,18 +339,10 @@ def remove_stale_temporaries(prefix: str) -> None:
 
 
 def _remove_unlocked(tmp: str, paths: Iterable[str]) -> None:
-    """Remove ``paths`` where the lock on the temporary ``tmp`` can be taken: no live writer holds it."""
-    if _held_here(tmp):
-        return
-    fd = file_locks.try_lock(tmp)
-    if fd is None:
-        return  # a live writer's, published or aborted meanwhile, or on a file system without locks
-    try:
-        for path in paths:
-            with contextlib.suppress(FileNotFoundError, PermissionError):  # another user's, in a sticky folder
-                os.unlink(path)
-    finally:
-        os.close(fd)
+    """Remove ``paths`` where the lock on the temporary ``tmp`` can be taken: no live writer holds it
+    (one of this process's holds it here already: ``_held_here``)."""
+    if not _held_here(tmp):
+        file_locks.remove_abandoned(tmp, paths)
 
 
 def _identity(path: str) -> tuple[int, int]:

@@ -388,12 +388,5 @@ def _remove_abandoned(model_prefix: str) -> None:
     """Remove what trainings of ``model_prefix`` killed outright (SIGKILL, the OOM killer) left under
     their temporary names: no clean-up of theirs ran, and nothing else would remove them."""
     for lock in glob.glob(glob.escape(model_prefix) + ".tmp-*.lock"):
-        fd = file_locks.try_lock(lock)
-        if fd is None:  # a live training's
-            continue
-        try:
-            for path in (lock.removesuffix(".lock") + ".model", lock.removesuffix(".lock") + ".vocab", lock):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        finally:
-            os.close(fd)
+        stem = lock.removesuffix(".lock")
+        file_locks.remove_abandoned(lock, (stem + ".model", stem + ".vocab", lock))

@@ -175,12 +175,7 @@ def _remove_abandoned(dst: Path) -> None:
     """Remove the staging folders of conversions to ``dst`` killed outright: those whose lock file can
     be locked. A folder without one is just made (or about to be renamed) by a live conversion."""
     for folder in glob.glob(os.path.join(glob.escape(str(dst.parent)), f".{glob.escape(dst.name)}.*.tmp")):
-        fd = file_locks.try_lock(os.path.join(folder, STAGING_LOCK))
-        if fd is not None:
-            try:
-                shutil.rmtree(folder, ignore_errors=True)
-            finally:
-                os.close(fd)
+        file_locks.remove_abandoned(os.path.join(folder, STAGING_LOCK), [folder])
 
 
 def _umask() -> int:
