@@ -3,7 +3,7 @@
 A writer holds an exclusive lock on each temporary it makes until it has put it in place or removed
 it; a later writer of the same output removes ("sweeps") the temporaries whose lock it can take,
 which no live writer holds. The locks are ``flock``s, which NFS takes as POSIX record locks: hence
-the rules below on which descriptor takes and keeps a lock. Used by the shard writer (``indexed``)
+the rules below on which descriptor takes and keeps a lock. Used by the shard writer (``indexed``),
 the checkpoint conversion's staging folders and the tokenizer trainer."""
 
 from __future__ import annotations

@@ -43,16 +43,20 @@ def sha256_of(f) -> str:
     return digest.hexdigest()
 
 
-_DIGESTS: dict[tuple, str] = {}  # (real path, file version) -> sha256, for this process
+_DIGESTS: dict[tuple, str] = {}  # file version -> sha256, for this process
 
 
 def idx_sha256(prefix: str) -> tuple[str, tuple[int, int, int, int]]:
-    """sha256 of the shard's ``.idx`` bytes and the version of the file it is of (``file_version``),
-    read from the file only the first time this process asks for that version."""
-    path = idx_path(prefix)
+    """sha256 of the shard's ``.idx`` bytes and the version of the file it is of (``file_version``)."""
+    return file_sha256(idx_path(prefix))
+
+
+def file_sha256(path: str) -> tuple[str, tuple[int, int, int, int]]:
+    """sha256 of the file at ``path`` and its version, read only the first time this process asks for
+    that version. The version names the file (device and inode) wherever it is: a writer's temporary
+    ``.idx``, hashed for its record, is not read again once renamed into place."""
     with open(path, "rb") as f:
         version = file_version(os.fstat(f.fileno()))
-        key = (os.path.realpath(path), version)
-        if key not in _DIGESTS:
-            _DIGESTS[key] = sha256_of(f)
-    return _DIGESTS[key], version
+        if version not in _DIGESTS:
+            _DIGESTS[version] = sha256_of(f)
+    return _DIGESTS[version], version

@@ -18,7 +18,7 @@ import os
 from typing import Iterable, Optional
 
 from data_pipeline.paths import written_whole
-from data_pipeline.shard_files import idx_path, idx_sha256, sha256_of
+from data_pipeline.shard_files import file_sha256, idx_path, idx_sha256, sha256_of
 
 
 def origin_path(prefix: str) -> str:
@@ -56,11 +56,7 @@ def write_origin(prefix: str, identity: dict, idx_file: Optional[str] = None) ->
     where the ``.idx`` is still under a writer's temporary name), atomically: a half-written record
     would read as damaged."""
     try:
-        if idx_file is None:
-            digest = idx_sha256(prefix)[0]
-        else:
-            with open(idx_file, "rb") as f:
-                digest = sha256_of(f)
+        digest = file_sha256(idx_path(prefix) if idx_file is None else idx_file)[0]
         with written_whole(origin_path(prefix)) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump({**identity, "idx_sha256": digest}, f)
     except OSError as exc:

@@ -5,6 +5,7 @@ scanned in bounded chunks and cached by content. (Writes that leave no half-made
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import time
@@ -428,3 +429,23 @@ def test_a_merge_without_records_removes_a_record_left_at_its_name(tmp_path):
     assert not os.path.exists(origin_path(out))
 
 
+
+
+def test_a_writers_index_is_hashed_once_for_its_record_and_its_readers(tmp_path, monkeypatch):
+    """The record is written for the sealed ``.idx`` under its temporary name; renamed into place it
+    is the same file, and a reader's digest in the same process reads it no second time (a corpus's
+    ``.idx`` is gigabytes). (Planted: digests cached by path.)"""
+    import data_pipeline.shard_files as shard_files
+    from data_pipeline.shard_files import idx_sha256
+
+    reads = []
+    real = shard_files.sha256_of
+    monkeypatch.setattr(shard_files, "sha256_of", lambda f: reads.append(1) or real(f))
+    prefix = str(tmp_path / "s")
+    w = IndexedDatasetWriter(prefix, np.uint16)
+    w.add_document([1, 2, 3])
+    w.seal()
+    w.record_origin({"tokenizer_sha256": "ab" * 32, "vocab_size": 70000})
+    w.publish()
+    assert idx_sha256(prefix)[0] == json.loads((tmp_path / "s.tokenizer.json").read_text())["idx_sha256"]
+    assert len(reads) == 1

@@ -208,13 +208,13 @@ def test_a_second_key_that_cannot_be_written_leaves_no_shard_of_the_first(env, t
     else:
         import data_pipeline.shard_origin as shard_origin
 
-        real = shard_origin.sha256_of
+        real = shard_origin.file_sha256
 
-        def flaky(f):  # the second key's record meets a full disk, the first key's is written
-            if "out_title_document.idx" in str(f.name):
+        def flaky(path):  # the second key's record meets a full disk, the first key's is written
+            if "out_title_document.idx" in str(path):
                 raise OSError(errno.ENOSPC, "No space left on device")
-            return real(f)
-        monkeypatch.setattr(shard_origin, "sha256_of", flaky)
+            return real(path)
+        monkeypatch.setattr(shard_origin, "file_sha256", flaky)
     records = tmp_path / "in.jsonl"
     records.write_text(json.dumps({"text": "alpha", "title": "beta"}) + "\n")
     argv = ["preprocess", "--input", str(records), "--tokenizer", env["model"], "--output-prefix",
