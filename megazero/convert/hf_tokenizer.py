@@ -281,8 +281,9 @@ def import_notes(folder: Path, path: Path, tokenizer, config: dict) -> list[str]
         with contextlib.suppress(OSError, ValueError):
             eos |= set(_eos_ids(json.loads(generation.read_text(encoding="utf-8"))))
     if eos and eos != {tokenizer.eod_id}:
-        names = ", ".join(f"{tokenizer.pieces()[i] if 0 <= i < tokenizer.vocab_size else '?'} ({i})" for i in sorted(eos))
-        ours = "none" if tokenizer.eod_id is None else f"{tokenizer.pieces()[tokenizer.eod_id]} ({tokenizer.eod_id})"
+        pieces = tokenizer.pieces()  # every id's token: built once (a vocabulary may be 200,000 ids)
+        names = ", ".join(f"{pieces[i] if 0 <= i < len(pieces) else '?'} ({i})" for i in sorted(eos))
+        ours = "none" if tokenizer.eod_id is None else f"{pieces[tokenizer.eod_id]} ({tokenizer.eod_id})"
         notes.append(f"{folder}: the model ends a text with {names} (eos_token_id), megazero's end-of-document "
                      f"token is {ours}: `megazero generate` stops at that one alone")
     return notes
