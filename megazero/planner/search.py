@@ -204,8 +204,9 @@ def usable_world(cfg: Config, cluster: Cluster) -> int:
     first ``WORLDS_TRIED`` that split): a world that splits may still have none, its pp forbidden by
     ``train.cuda_graphs``, say, and the batch not dividing over the dp left."""
     for world in split_worlds(cfg, cluster.num_gpus, cluster.gpus_per_node)[:WORLDS_TRIED]:
-        if plan(cfg, dataclasses.replace(cluster, num_gpus=world, gpus_per_node=min(cluster.gpus_per_node, world))):
-            return world
+        there = dataclasses.replace(cluster, num_gpus=world, gpus_per_node=min(cluster.gpus_per_node, world))
+        if any(is_valid(apply_layout(cfg, layout), there) for layout in candidate_layouts(cfg, there)):
+            return world  # validity alone: no layout's memory and time are needed for the count
     return 0
 
 
