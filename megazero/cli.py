@@ -15,7 +15,7 @@ import signal
 import sys
 
 from megazero.errors import Terminated, UserError, raise_terminated
-from parallel.stop_signals import STOP_SIGNALS
+from parallel.stop_signals import STOP_SIGNALS, started_by_torchrun
 
 SUBCOMMANDS = ("train", "generate", "preprocess", "tokenizer", "demo_corpus", "curate", "convert", "plan")
 
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "accepts_overrides", False):
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
+    sigterm = signal.getsignal(signal.SIGTERM)
     if args.command != "train":  # training saves on a stop signal, through its own handler
         signal.signal(signal.SIGTERM, raise_terminated)
     stdout = sys.stdout
@@ -60,16 +61,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megazero {args.command}: error: {line}", file=sys.stderr)
         return 2
     except Terminated as stop:
+        _stopping()
         print(f"megazero {args.command}: stopped by {signal.Signals(stop.signum).name}", file=sys.stderr)
         return 128 + stop.signum
     except KeyboardInterrupt:
+        _stopping()
         print(f"megazero {args.command}: interrupted", file=sys.stderr)
         return 130
     finally:
+        if not started_by_torchrun():  # a worker keeps ignoring it to its exit (``_stopping``)
+            signal.signal(signal.SIGTERM, sigterm)
         sys.stdout = stdout
         # what the command left in reference cycles (a trainer and its process groups, after an error
         # too) is freed now, not as the interpreter shuts down (``parallel.launch.destroy_process_group``)
         gc.collect()
+
+
+def _stopping() -> None:
+    """A command stopping on a signal ignores SIGTERM until it returns (a torchrun worker, to its
+    exit): torchrun sends one to the workers still running once the first has exited, and a worker
+    that had taken the same stop and was exiting died of it (its status -15 beside the others' 130),
+    or a data command showed it as a traceback from its clean-up."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class OutputError(UserError):

@@ -28,7 +28,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from parallel.stop_signals import STOP_SIGNALS
+from parallel.stop_signals import STOP_SIGNALS, started_by_torchrun
 
 
 @dataclass(frozen=True)
@@ -219,10 +219,6 @@ def _store_address() -> str:
 # --- a worker ends with its launcher ------------------------------------------------------------
 
 EXIT_ORPHANED = 1
-
-
-def started_by_torchrun(env: Mapping[str, str] = os.environ) -> bool:
-    return "TORCHELASTIC_RUN_ID" in env
 
 
 def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:

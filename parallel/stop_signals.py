@@ -4,6 +4,12 @@ to its workers, which it starts with them blocked; ``megazero``'s command line u
 can take them. Kept apart from the launcher, which imports torch, for that command line, which does
 not."""
 
+import os
 import signal
+from typing import Mapping
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def started_by_torchrun(env: Mapping[str, str] = os.environ) -> bool:
+    return "TORCHELASTIC_RUN_ID" in env

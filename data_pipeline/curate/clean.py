@@ -54,7 +54,7 @@ def _letters_and_marks() -> tuple[re.Pattern, re.Pattern]:
 def count_words(text: str) -> int:
     """Runs of letters, digits and marks, each Han or kana character a word of its own: a run stops at
     one ("在2023年" is three words; counted as runs, a line of Chinese after a digit was one word).
-    ``\w``'s underscore is no letter: a line of ``____`` blanks counted as words, and passed."""
+    ``\\w``'s underscore is no letter: a line of ``____`` blanks counted as words, and passed."""
     run = _letters_and_marks()[0]
     text = text.replace("_", " ")
     if _UNSPACED_CHAR.search(text) is None:  # most text: one pass of one character class
