@@ -6,7 +6,7 @@ resharding a layout change uses), so a model trained at tp2 x pp2 x dp2 samples 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,10 +78,10 @@ def load_opened(ckpt: OpenedCheckpoint) -> tuple[GPT, Config]:
 
 @torch.no_grad()
 def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 0.8, top_k: int = 40,
-           seed: int = 0, ids: Sequence[int] | None = None, stop: int | None = None) -> list[int]:
+           seed: int = 0, ids: Sequence[int] | None = None, stop: Collection[int] = ()) -> list[int]:
     """Top-k sampling among ``ids`` (default: the model's vocabulary; a tokenizer decodes only the ids
     it has a token for, which may leave gaps below its largest), feeding back the last ``seq_length``
-    tokens (no cache: demo-sized models), until ``new_tokens`` are drawn or the id ``stop`` is (the end
+    tokens (no cache: demo-sized models), until ``new_tokens`` are drawn or an id in ``stop`` is (the end
     of a document: what follows it was trained as the start of an unrelated one). Appends to
     ``tokens`` (the prompt) in place and returns it, so a run stopped by Ctrl-C or SIGTERM leaves what
     it sampled there."""
@@ -100,6 +100,6 @@ def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 
             scaled = (values - values[0]).double() / temperature
             choice = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
             tokens.append(int(indices[choice]))
-        if tokens[-1] == stop:
+        if tokens[-1] in stop:
             break
     return tokens

@@ -166,7 +166,8 @@ def test_a_tokenizer_beyond_the_models_vocabulary_is_named(trained, tmp_path, ca
                         "was trained with")
     small = _tokenizer(tmp_path / "small.json", 10)
     err = _error_line(capsys, ["generate", str(trained[0]), "--tokenizer", small, "--prompt", ""])
-    assert err.endswith("--prompt '' encodes to no tokens; give some text to continue")
+    assert err.endswith("--prompt '' encodes to no tokens; give some text to continue "
+                        "(or --prepend the token the model's texts open with)")
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +336,46 @@ def test_the_command_stops_at_the_end_of_the_document(trained, tmp_path, capsys)
     assert f"note: the document ended after {len(words) - 2} of 40 tokens" in captured.err, captured.err
     assert main([*args, "--past-eod"]) == 0
     assert len(capsys.readouterr().out.split()) == 42
+
+
+def test_prepended_tokens_are_read_and_not_printed(trained, tmp_path, capsys):
+    """``--prepend`` puts named tokens before the prompt (the BOS an imported model opened every text
+    with): the model reads them, so the greedy continuation is the one of the prompt with them written
+    out, and the text printed is the prompt and its continuation alone. With them, an empty prompt is
+    a start to continue from. (Planted: the tokens left out of what the model reads; printed.)"""
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    args = ["generate", str(trained[0]), "--tokenizer", tok, "--temperature", "0", "--tokens", "12", "--past-eod"]
+
+    def text(*flags):
+        assert main([*args, *flags]) == 0
+        return capsys.readouterr().out.split()
+
+    written_out = text("--prompt", "w7 w7 w1 w2")
+    assert text("--prepend", "w7", "--prepend", "w7", "--prompt", "w1 w2") == written_out[2:]
+    assert text("--prepend", "w7", "--prompt", "") == text("--prompt", "w7")[1:]
+    assert text("--prompt", "w1 w2") != written_out[2:]  # what was prepended changes the continuation
+
+
+def test_sampling_stops_at_a_named_token(trained, tmp_path, capsys):
+    """``--stop-at`` ends the sample at the first drawn token it names (an imported model's end-of-turn
+    id, which is not megazero's end of document), printed, and a note says so; a name the tokenizer
+    lacks is one line naming the option. (Planted: the named tokens not passed to the sampler.)"""
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1 w2", "--temperature", "0",
+            "--tokens", "20", "--past-eod"]
+    assert main(args) == 0
+    drawn = capsys.readouterr().out.split()[2:]
+    first = next(word for i, word in enumerate(drawn) if i and word not in drawn[:i])  # a later first draw
+    assert main([*args, "--stop-at", first]) == 0
+    captured = capsys.readouterr()
+    stopped = drawn[:drawn.index(first) + 1]
+    assert captured.out.split() == ["w1", "w2", *stopped], (captured.out, drawn)
+    assert f"note: stopped at {first} (--stop-at) after {len(stopped)} of 20 tokens" in captured.err, captured.err
+    err = _error_line(capsys, [*args, "--stop-at", "w1", "--stop-at", "<eot>"])
+    assert err == (f"megazero generate: error: --stop-at '<eot>': no such token in --tokenizer {tok}; name one of "
+                   "its tokens exactly as its vocabulary spells it"), err
+    err = _error_line(capsys, [*args, "--prepend", "<s>"])
+    assert err.startswith("megazero generate: error: --prepend '<s>': no such token"), err
 
 
 def test_a_vanishing_temperature_samples_the_likeliest_token(trained, tmp_path, capsys):

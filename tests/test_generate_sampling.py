@@ -88,7 +88,7 @@ def test_sampling_stops_at_the_end_of_the_document():
     """A model trained on documents each ended by EOD continues past it with the start of an unrelated
     document: sampling stops once ``stop`` is drawn (kept, so the caller sees why), and without one
     runs on. (Planted: the stop checked before the draw, or never.)"""
-    assert sample(Successor(6, seq_length=4), [0], 10, temperature=0, stop=3) == [0, 1, 2, 3]
-    assert sample(Successor(6, seq_length=4), [0], 10, temperature=1.0, top_k=1, stop=3) == [0, 1, 2, 3]
+    assert sample(Successor(6, seq_length=4), [0], 10, temperature=0, stop={3}) == [0, 1, 2, 3]
+    assert sample(Successor(6, seq_length=4), [0], 10, temperature=1.0, top_k=1, stop={3}) == [0, 1, 2, 3]
     assert sample(Successor(6, seq_length=4), [0], 4, temperature=0) == [0, 1, 2, 3, 4]
-    assert sample(Successor(6, seq_length=4), [0], 2, temperature=0, stop=3) == [0, 1, 2]
+    assert sample(Successor(6, seq_length=4), [0], 2, temperature=0, stop={3}) == [0, 1, 2]

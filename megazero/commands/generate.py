@@ -24,6 +24,12 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=at_least(0, below=2**63), default=0, help="Sampling seed, 0 to 2**63 - 1")
     parser.add_argument("--past-eod", action="store_true",
                         help="Keep sampling after the end-of-document token (default: stop there, as a document ends)")
+    parser.add_argument("--prepend", action="append", default=[], metavar="TOKEN",
+                        help="A token put before the prompt, named as the tokenizer spells it (e.g. '<s>'); repeat "
+                             "for more. For a model trained with a token opening every text, as imported ones may be")
+    parser.add_argument("--stop-at", action="append", default=[], metavar="TOKEN",
+                        help="Stop also when this token is drawn, named as the tokenizer spells it (e.g. "
+                             "'<|eot_id|>'); repeat for more")
     parser.set_defaults(func=run)
 
 
@@ -67,9 +73,14 @@ def run(args) -> int:
     mismatch = not_trained_with(ckpt.meta, tokenizer, "--tokenizer")
     if mismatch:
         raise UserError(mismatch)
-    prompt = tokenizer.encode(utf8_text(args.prompt, "--prompt"))  # before the model is read and verified
+    pieces = tokenizer.pieces()  # every id's token: built once (a vocabulary may be 200,000 ids)
+    prefix = token_ids(args.prepend, pieces, "--prepend", args.tokenizer)
+    stops = set(token_ids(args.stop_at, pieces, "--stop-at", args.tokenizer))
+    # before the model is read and verified; a prepended token is a start of its own to continue from
+    prompt = prefix + tokenizer.encode(utf8_text(args.prompt, "--prompt"))
     if not prompt:
-        raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
+        raise UserError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue "
+                        "(or --prepend the token the model's texts open with)")
     vocab_size = saved_config(ckpt).model.vocab_size  # before the weights are read
     if tokenizer.vocab_size > vocab_size:
         raise UserError(f"--tokenizer {args.tokenizer}: has {tokenizer.vocab_size} tokens, but the checkpoint's model "
@@ -77,25 +88,39 @@ def run(args) -> int:
     model, _ = load_opened(ckpt)
     _note_a_cut_prompt(len(prompt), model.cfg.seq_length, args.tokens)
     out = list(prompt)
-    stop = None if args.past_eod else tokenizer.eod_id
+    eod = set() if args.past_eod or tokenizer.eod_id is None else {tokenizer.eod_id}
     try:
-        sample(model, out, args.tokens, args.temperature, args.top_k, args.seed, ids=decodable(tokenizer), stop=stop)
+        sample(model, out, args.tokens, args.temperature, args.top_k, args.seed, ids=decodable(pieces),
+               stop=eod | stops)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (raised as one): what was sampled is printed, not lost
-        print(tokenizer.decode(out), flush=True)
+        print(tokenizer.decode(out[len(prefix):]), flush=True)
         print(f"note: stopped after {len(out) - len(prompt)} of {args.tokens} tokens", file=sys.stderr)
         raise
-    print(tokenizer.decode(out))
+    print(tokenizer.decode(out[len(prefix):]))  # the prepended tokens are not the user's text
     drawn = len(out) - len(prompt)
-    if stop is not None and drawn and out[-1] == stop and drawn < args.tokens:
+    if drawn and drawn < args.tokens and out[-1] in stops:
+        print(f"note: stopped at {pieces[out[-1]]} (--stop-at) after {drawn} of {args.tokens} tokens", file=sys.stderr)
+    elif drawn and drawn < args.tokens and out[-1] in eod:
         print(f"note: the document ended after {drawn} of {args.tokens} tokens (--past-eod samples on)", file=sys.stderr)
     return 0
 
 
-def decodable(tokenizer) -> list[int]:
-    """The ids ``tokenizer`` has a token for: a ``tokenizer.json`` may leave gaps below its largest id
-    (added tokens placed far above the vocabulary), and an id drawn there decoded to nothing, silently
-    shortening the text (and the note counting what was drawn)."""
-    return [i for i, piece in enumerate(tokenizer.pieces()) if piece]
+def token_ids(names: list[str], pieces: list[str], option: str, tokenizer: str) -> list[int]:
+    """The ids of the tokens ``names`` spells, as the tokenizer's vocabulary does; a name it lacks is an
+    error naming ``option`` (an id given by number would be a guess at what the text means)."""
+    where = {piece: i for i, piece in enumerate(pieces) if piece}
+    missing = [name for name in names if name not in where]
+    if missing:
+        raise UserError(f"{option} {missing[0]!r}: no such token in --tokenizer {tokenizer}; name one of its "
+                        "tokens exactly as its vocabulary spells it")
+    return [where[name] for name in names]
+
+
+def decodable(pieces: list[str]) -> list[int]:
+    """The ids a tokenizer has a token for (``pieces``, in id order): a ``tokenizer.json`` may leave gaps
+    below its largest id (added tokens placed far above the vocabulary), and an id drawn there decoded
+    to nothing, silently shortening the text (and the note counting what was drawn)."""
+    return [i for i, piece in enumerate(pieces) if piece]
 
 
 def _note_a_cut_prompt(prompt_tokens: int, context: int, new_tokens: int) -> None:

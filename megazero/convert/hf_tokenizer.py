@@ -271,10 +271,12 @@ def import_notes(folder: Path, path: Path, tokenizer, config: dict) -> list[str]
         hf = Tokenizer.from_file(str(path))
         plain, full = (hf.encode("a", add_special_tokens=flag).ids for flag in (False, True))
         added = [hf.id_to_token(i) for i in full if i not in plain]
+        leading = [hf.id_to_token(i) for i in full[:full.index(plain[0])]] if plain and plain[0] in full else []
         if added:
+            hint = f"; give `megazero generate` {' '.join(f'--prepend {t}' for t in leading)}" if leading else ""
             notes.append(f"{path}: its post-processor puts {' '.join(added)} around every text, and megazero encodes "
                          f"without it: prompts to `megazero generate` and shards of `megazero preprocess` hold no "
-                         f"{' '.join(added)}, which this model was trained to see")
+                         f"{' '.join(added)}, which this model was trained to see{hint}")
     eos = set(_eos_ids(config))
     generation = folder / "generation_config.json"
     if generation.is_file():
@@ -284,8 +286,11 @@ def import_notes(folder: Path, path: Path, tokenizer, config: dict) -> list[str]
         pieces = tokenizer.pieces()  # every id's token: built once (a vocabulary may be 200,000 ids)
         names = ", ".join(f"{pieces[i] if 0 <= i < len(pieces) else '?'} ({i})" for i in sorted(eos))
         ours = "none" if tokenizer.eod_id is None else f"{pieces[tokenizer.eod_id]} ({tokenizer.eod_id})"
+        others = " ".join(f"--stop-at {pieces[i]}" for i in sorted(eos - {tokenizer.eod_id})
+                          if 0 <= i < len(pieces) and pieces[i])
         notes.append(f"{folder}: the model ends a text with {names} (eos_token_id), megazero's end-of-document "
-                     f"token is {ours}: `megazero generate` stops at that one alone")
+                     f"token is {ours}: `megazero generate` stops at that one alone"
+                     + (f" unless given {others}" if others else ""))
     return notes
 
 
