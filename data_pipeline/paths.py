@@ -13,7 +13,7 @@ import os
 import secrets
 import tempfile
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Hashable, Iterable, Iterator, Optional
 
 
 def empty_path_problem(path: str | os.PathLike, what: str, fix: str) -> Optional[str]:
@@ -104,12 +104,22 @@ def made_folder(directory: str) -> Iterator[None]:
         raise
 
 
-def listed_twice(named: Iterable[tuple[str, str]], key: Callable[[str], str] = os.path.realpath) -> Optional[str]:
+def file_identity(path: str) -> Hashable:
+    """One value per file however it is reached: its device and inode where it exists (a hard link is
+    the same file under another name, which a resolved path does not show), else its real path."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return st.st_dev, st.st_ino
+
+
+def listed_twice(named: Iterable[tuple[str, str]], key: Callable[[str], Hashable] = file_identity) -> Optional[str]:
     """``"LABEL PATH is listed twice (also as ...)"`` for the first ``(label, path)`` naming a file that
-    an earlier entry already named, however spelled (``key`` gives one spelling per file; links are
-    followed), else None. The earlier entry is quoted when it is written differently, with its label
-    when that differs too (``--lq ./a.jsonl is listed twice (also as --hq a.jsonl)``)."""
-    seen: dict[str, tuple[str, str]] = {}
+    an earlier entry already named, however spelled (``key`` gives one value per file; links, hard or
+    symbolic, are followed), else None. The earlier entry is quoted when it is written differently,
+    with its label when that differs too (``--lq ./a.jsonl is listed twice (also as --hq a.jsonl)``)."""
+    seen: dict[Hashable, tuple[str, str]] = {}
     for label, path in named:
         spelling = key(path)
         if spelling not in seen:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Hashable
+
+from data_pipeline.paths import file_identity
 
 
 def bin_path(prefix: str) -> str:
@@ -23,10 +26,11 @@ def idx_path(prefix: str) -> str:
     return f"{prefix}.idx"
 
 
-def shard_identity(prefix: str) -> str:
-    """One spelling per shard, links followed: its ``.bin``'s real path. Two prefixes whose ``.bin``
-    files are one (a folder or the files linked) name the same tokens."""
-    return os.path.realpath(bin_path(prefix))
+def shard_identity(prefix: str) -> Hashable:
+    """One value per shard, links followed: its ``.bin``'s identity (``paths.file_identity``). Two
+    prefixes whose ``.bin`` files are one (a folder or the files linked, hard or symbolic) name the
+    same tokens."""
+    return file_identity(bin_path(prefix))
 
 
 def file_version(st: os.stat_result) -> tuple[int, int, int, int]:

@@ -4,6 +4,8 @@ samples of the right component datasets."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import yaml
@@ -106,7 +108,8 @@ def test_a_weight_in_quotes_is_refused_naming_its_entry(tmp_path):
 
 def test_a_dataset_listed_twice_is_refused(tmp_path):
     """Two entries for the same data would each serve every sample of one order: every sample twice.
-    The same prefix, the same object, or the same files by another path are one dataset."""
+    The same prefix, the same object, or the same files by another path or another name (symbolic or
+    hard links) are one dataset. (Planted: paths resolved, the hard links passed.)"""
     prefix = str(tmp_path / "web_text_document")
     (tmp_path / "link").symlink_to(tmp_path)
     for other in (prefix, prefix + "", str(tmp_path / "." / "web_text_document"), str(tmp_path / "link" / "web_text_document")):
@@ -120,6 +123,10 @@ def test_a_dataset_listed_twice_is_refused(tmp_path):
         (tmp_path / f"alias{ext}").symlink_to(tmp_path / f"web_text_document{ext}")
     with pytest.raises(ValueError, match=r"alias is listed twice \(also as .*web_text_document\); give it once"):
         parse_blend([[0.5, prefix], [0.5, str(tmp_path / "alias")]])
+    for ext in (".bin", ".idx"):  # hard links: the same files under other names, which no path resolves to
+        os.link(tmp_path / f"web_text_document{ext}", tmp_path / f"hard{ext}")
+    with pytest.raises(ValueError, match=r"hard is listed twice \(also as .*web_text_document\); give it once"):
+        parse_blend([[0.5, prefix], [0.5, str(tmp_path / "hard")]])
 
 
 def test_a_preset_entry_of_weight_zero_is_refused(tmp_path):

@@ -8,6 +8,7 @@ import errno
 import gzip
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -443,7 +444,8 @@ def test_a_shard_written_by_another_run_meanwhile_is_kept(env, tmp_path, capsys,
 
 
 def test_cli_refuses_an_input_listed_twice(env, tmp_path, capsys, monkeypatch):
-    """The same file twice, however spelled, would put every document in the shard twice."""
+    """The same file twice, however spelled or linked (symbolic or hard), would put every document in the
+    shard twice. (Planted: paths resolved, the hard links passed.)"""
     monkeypatch.chdir(Path(env["jsonl"]).parent)
     name = os.path.basename(env["jsonl"])
     out = str(tmp_path / "o")
@@ -454,11 +456,22 @@ def test_cli_refuses_an_input_listed_twice(env, tmp_path, capsys, monkeypatch):
     _refused(["preprocess", "--input", name, str(link), "--tokenizer", env["model"], "--output-prefix", out,
               "--no-progress"], capsys, f"--input {link} is listed twice (also as {name})")
     link.unlink()
+    os.link(env["jsonl"], link)  # a hard link: the same file under a name no path resolves to
+    _refused(["preprocess", "--input", name, str(link), "--tokenizer", env["model"], "--output-prefix", out,
+              "--no-progress"], capsys, f"--input {link} is listed twice (also as {name})")
+    link.unlink()
     assert main(["preprocess", "--input", name, "--tokenizer", env["model"], "--output-prefix", out,
                  "--no-progress"]) == 0
     shard = f"{out}_text_document"
     _refused(["preprocess", "--merge", shard, shard, "--output-prefix", str(tmp_path / "m")], capsys,
              f"--merge {shard} is listed twice;")
+    hard = tmp_path / "hard" / "o_text_document"
+    hard.parent.mkdir()
+    for ext in (".bin", ".idx", ".tokenizer.json"):
+        os.link(f"{shard}{ext}", f"{hard}{ext}")
+    _refused(["preprocess", "--merge", shard, str(hard), "--output-prefix", str(tmp_path / "m")], capsys,
+             f"--merge {hard} is listed twice (also as {shard});")
+    shutil.rmtree(hard.parent)
     written = [f"o_text_document{ext}" for ext in (".bin", ".idx", ".tokenizer.json")]
     assert sorted(p.name for p in tmp_path.iterdir()) == written  # the refused merge wrote nothing
 

@@ -130,11 +130,12 @@ def _check_no_repeats(args) -> None:
         raise UserError(f"--output-prefix {args.output_prefix} is one of the --merge shards; give a new prefix")
 
 
-def _resolved(name: str, shard: bool) -> str:
-    """One spelling per file, links followed: a shard prefix stands for its ``.bin``."""
+def _resolved(name: str, shard: bool):
+    """One value per file, links followed: a shard prefix stands for its ``.bin``."""
+    from data_pipeline.paths import file_identity
     from data_pipeline.shard_files import shard_identity
 
-    return shard_identity(name) if shard else os.path.realpath(name)
+    return shard_identity(name) if shard else file_identity(name)
 
 
 def _check_outputs_absent(args) -> None:
