@@ -18,6 +18,7 @@ from megazero.config.loader import build_dataclass, known_fields
 from megazero.config.schema import Config
 from megazero.convert.sources import finite
 from models import GPT
+from models.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -78,18 +79,27 @@ def load_opened(ckpt: OpenedCheckpoint) -> tuple[GPT, Config]:
 
 @torch.no_grad()
 def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 0.8, top_k: int = 40,
-           seed: int = 0, ids: Sequence[int] | None = None, stop: Collection[int] = ()) -> list[int]:
+           seed: int = 0, ids: Sequence[int] | None = None, stop: Collection[int] = (),
+           device: torch.device | str = "cpu") -> list[int]:
     """Top-k sampling among ``ids`` (default: the model's vocabulary; a tokenizer decodes only the ids
-    it has a token for, which may leave gaps below its largest), feeding back the last ``seq_length``
-    tokens (no cache: demo-sized models), until ``new_tokens`` are drawn or an id in ``stop`` is (the end
-    of a document: what follows it was trained as the start of an unrelated one). Appends to
-    ``tokens`` (the prompt) in place and returns it, so a run stopped by Ctrl-C or SIGTERM leaves what
-    it sampled there."""
+    it has a token for, which may leave gaps below its largest) until ``new_tokens`` are drawn or an
+    id in ``stop`` is (the end of a document: what follows it was trained as the start of an
+    unrelated one). While prompt and draws fit the model's ``seq_length`` a ``KVCache`` keeps what
+    was read, so each draw reads one token; past it, each draw reads the last ``seq_length`` tokens
+    afresh (every one of them then sits a position earlier than when it was read). The model is on
+    ``device``; the draws are made on the CPU, so a seed gives the same text on any device the
+    logits agree on. Appends to ``tokens`` (the prompt) in place and returns it, so a run stopped by
+    Ctrl-C or SIGTERM leaves what it sampled there."""
     generator = torch.Generator().manual_seed(seed)
     drawable = torch.arange(model.vocab_size) if ids is None else torch.tensor(sorted(set(ids)), dtype=torch.long)
+    context = model.cfg.seq_length
+    cache = KVCache(context)
     for _ in range(new_tokens):
-        window = torch.tensor([tokens[-model.cfg.seq_length:]])
-        logits = model(window)[0, -1, :model.vocab_size].float()[drawable]
+        if len(tokens) <= context:
+            out = model.decode(torch.tensor([tokens[cache.length:]], device=device), cache)
+        else:
+            out = model(torch.tensor([tokens[-context:]], device=device))[:, -1]
+        logits = out[0, :model.vocab_size].float().cpu()[drawable]
         if temperature <= 0:
             tokens.append(int(drawable[logits.argmax()]))
         else:

@@ -10,11 +10,14 @@ pass infers how many groups it holds from the projection's output width.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from models import ops
 from models.config import ModelConfig
+from models.kv_cache import LayerCache
 
 
 class AttentionCore(nn.Module):
@@ -62,23 +65,32 @@ class Attention(nn.Module):
         self.rotary_cos.copy_(cos)
         self.rotary_sin.copy_(sin)
 
-    def rotary(self, seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions 0..seq-1 in ``dtype``: the tables' rows (rounded from fp32, as
-        ``ops.rotary_tables`` rounds), or computed for a sequence longer than the config's."""
-        if seq > self.rotary_cos.shape[0]:
-            return ops.rotary_tables(seq, self.head_dim, self.rope_theta, self.rotary_cos.device, dtype)
-        return self.rotary_cos[:seq].to(dtype), self.rotary_sin[:seq].to(dtype)
+    def rotary(self, seq: int, dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions start..start+seq-1 in ``dtype``: the tables' rows (rounded from
+        fp32, as ``ops.rotary_tables`` rounds), or computed for a sequence longer than the config's."""
+        end = start + seq
+        if end > self.rotary_cos.shape[0]:
+            cos, sin = ops.rotary_tables(end, self.head_dim, self.rope_theta, self.rotary_cos.device, dtype)
+            return cos[start:], sin[start:]
+        return self.rotary_cos[start:end].to(dtype), self.rotary_sin[start:end].to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [batch, seq, hidden] -> [batch, seq, hidden]; heads held = qkv output width / group width."""
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """x [batch, seq, hidden] -> [batch, seq, hidden]; heads held = qkv output width / group width.
+        With a ``cache`` (decoding, no dropout) the tokens of ``x`` follow those it holds, and their
+        queries read its keys and values as well as their own."""
         qkv = self.qkv(x)
         batch, seq = qkv.shape[:2]  # not x's: under sequence parallelism x holds a chunk of the tokens
         r = self.queries_per_group
         groups = qkv.view(batch, seq, -1, r + 2, self.head_dim)
         q = groups[..., :r, :].flatten(2, 3)  # [batch, seq, heads, head_dim]
         k, v = groups[..., r, :], groups[..., r + 1, :]  # [batch, seq, kv_heads, head_dim]
+        start = 0 if cache is None else cache.start
         if self.rope_theta is not None:
-            cos, sin = self.rotary(seq, q.dtype)
+            cos, sin = self.rotary(seq, q.dtype, start)
             q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
-        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is None:
+            y = self.core(q, k, v)
+        else:
+            y = ops.attention_from(q, *cache.extend(k, v), start)
         return self.out(y.transpose(1, 2).reshape(batch, seq, -1))

@@ -37,8 +37,9 @@ class Embedding(nn.Module):
                           if cfg.position_embedding == "learned" else None)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``start``: the position of the first of ``ids`` (decoding after the tokens a cache holds)."""
         x = self.tokens(ids)
         if self.positions is not None:
-            x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
+            x = x + self.positions(torch.arange(start, start + ids.shape[1], device=ids.device))
         return self.dropout(x)

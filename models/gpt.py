@@ -35,6 +35,7 @@ from models.attention import Attention
 from models.config import ModelConfig
 from models.embedding import VOCAB_MULTIPLE, Embedding, padded_vocab_size
 from models.init import seeded_normal
+from models.kv_cache import KVCache, LayerCache
 from models.mlp import MLP
 from models.norms import NORMS, build_norm
 from parallel.pipeline.partition import BLOCK_PARTS
@@ -87,10 +88,13 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, device) if "mlp" in parts else None
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         if self.attention is None:
             return x + self.dropout(self.mlp(self.mlp_norm(x)))
-        branch = self.dropout(self.attention(self.attn_norm(x)))
+        normed = self.attn_norm(x)
+        # the cache only where there is one: what wraps the attention (tensor parallelism, ZeRO-3's
+        # gathers, compiled and graphed blocks) sees the call it always did
+        branch = self.dropout(self.attention(normed) if cache is None else self.attention(normed, cache))
         if self.mlp is None:
             return x + branch
         x, normed = self.mlp_norm(x, branch)
@@ -180,6 +184,18 @@ class GPT(nn.Module):
         if self.lm_head is None:
             return x
         return self.head(x, labels, reduction)
+
+    @torch.no_grad()
+    def decode(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The logits [batch, padded_vocab] after the last of ``ids`` [batch, seq], which follow the
+        tokens ``cache`` holds; the cache takes theirs. The whole model on one device only: decoding
+        reads a prompt once, then each drawn token alone, and needs the logits of the last position
+        alone (the rest would cost a vocabulary-wide product per prompt token)."""
+        x = self.embedding(ids, cache.length)
+        for name, block in self.layers.items():
+            x = block(x, cache.layer(name))
+        cache.advance(ids.shape[1])
+        return self.lm_head(self.final_norm(x[:, -1]))
 
     def head(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, reduction: str = "none") -> torch.Tensor:
         """Final norm, then the logits, or (given labels) the loss, reduced as ``reduction`` says: the

@@ -141,6 +141,17 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 attention.reference = sdpa_attention
 
 
+def attention_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of queries at positions ``start ..`` over keys and values at ``0 ..`` (the
+    tokens a decoding cache holds, then the queries' own), without dropout: SDPA's ``is_causal``
+    aligns its mask to the first key, which is right only when the two start together."""
+    if start == 0:
+        return attention(q, k, v, 0.0)
+    rows = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
+    visible = torch.arange(k.shape[2], device=q.device)[None, :] <= rows
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-token loss (fp32) of logits [..., vocab] against labels [...]; ignored positions give 0."""
     flat = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,

@@ -79,6 +79,59 @@ def test_the_command_samples_greedily(trained, tmp_path, capsys):
     assert capsys.readouterr().out.split() == ["w1", "w2", "w3"]
 
 
+def _greedy_without_cache(model, tokens: list[int], new_tokens: int) -> list[int]:
+    """The reference the cached sampler must give: each token the argmax of a whole forward over the
+    last ``seq_length`` tokens."""
+    for _ in range(new_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens[-model.cfg.seq_length:]]))[0, -1, :model.vocab_size]
+        tokens = [*tokens, int(logits.argmax())]
+    return tokens
+
+
+def test_the_cached_draws_are_the_whole_forwards(trained, tmp_path, capsys):
+    """The command reads the prompt once and each drawn token alone (a KV cache) while they fit the
+    context (16), then the last 16 afresh: its greedy text is the one each draw's whole forward
+    gives, across that change (3 + 20 tokens). (Planted: each read the last token alone, the prompt
+    never read. Positions are checked where they move the draws: test_generate_sampling.py.)"""
+    from megazero.generate import load_model
+
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    assert main(["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1 w2 w3", "--temperature", "0",
+                 "--tokens", "20", "--past-eod", "--device", "cpu"]) == 0
+    words = capsys.readouterr().out.split()
+    expected = _greedy_without_cache(load_model(trained[0])[0], [1, 2, 3], 20)
+    assert words == ["</s>" if i == VOCAB - 1 else f"w{i}" for i in expected]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_a_device_that_is_not_here_is_one_line(trained, tmp_path, capsys):
+    """``--device cuda`` on a machine without a GPU, or a name torch does not read, is refused in one
+    line naming the option, before the weights are read. (Planted: no check; CUDA's own error.)"""
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1"]
+    err = _error_line(capsys, [*args, "--device", "cuda"])
+    assert err == "megazero generate: error: --device cuda: this machine has no GPU torch can use; use --device cpu"
+    for name in ("gpu", "cuda:x", "meta"):
+        err = _error_line(capsys, [*args, "--device", name])
+        assert err == f"megazero generate: error: --device {name!r}: not a device; use cpu, cuda or cuda:N", err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sampling_on_the_gpu_gives_the_cpus_text(trained, tmp_path, capsys):
+    """The model on the GPU, the draws on the CPU: greedy and seeded samples are the CPU's text (the
+    demo model's likeliest tokens are far apart, so rounding does not change them)."""
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1 w2 w3", "--tokens", "20", "--past-eod"]
+    for flags in (["--temperature", "0"], ["--temperature", "1", "--seed", "3"]):
+        texts = []
+        for device in ("cpu", "cuda"):
+            assert main([*args, *flags, "--device", device]) == 0
+            texts.append(capsys.readouterr().out)
+        assert texts[0] == texts[1], (flags, texts)
+
+
 def test_the_command_samples_by_its_seed_and_top_k(trained, tmp_path, capsys):
     """``--seed`` picks the draw (the same seed, the same text; other seeds, other text) and ``--top-k 1``
     leaves only the likeliest token, so sampling at temperature 1 is then greedy decoding."""
@@ -401,19 +454,19 @@ def test_a_stopped_run_prints_what_it_sampled(trained, tmp_path, capsys, monkeyp
     from models import GPT
 
     stop = getattr(cli, stop) if isinstance(stop, str) else stop
-    forward, calls = GPT.forward, []
+    decode, calls = GPT.decode, []
 
-    def stopping_forward(self, *args, **kwargs):
+    def stopping_decode(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 4:  # three tokens sampled
+        if len(calls) == 4:  # three tokens sampled (within the context: each read through the cache)
             raise stop
-        return forward(self, *args, **kwargs)
+        return decode(self, *args, **kwargs)
 
     tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
     args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1 w2", "--temperature", "0"]
     assert main([*args, "--tokens", "3"]) == 0
     three = capsys.readouterr().out
-    monkeypatch.setattr(GPT, "forward", stopping_forward)
+    monkeypatch.setattr(GPT, "decode", stopping_decode)
     assert main([*args, "--tokens", "1000"]) == status
     captured = capsys.readouterr()
     assert captured.out == three

@@ -7,9 +7,13 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megazero.generate import sample
+from models import GPT
+from models.config import ModelConfig
+from models.presets import MODEL_PRESETS
 
 
 class KnownLogits(torch.nn.Module):
@@ -27,14 +31,22 @@ class KnownLogits(torch.nn.Module):
         self.windows.append(tokens[0].tolist())
         return self.logits.expand(1, tokens.shape[1], -1)
 
+    def decode(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        cache.advance(tokens.shape[1])
+        return self(tokens)[:, -1]
+
 
 def test_the_model_reads_the_last_seq_length_tokens():
-    """Each step feeds the model exactly the last ``seq_length`` tokens of the prompt and what was
-    sampled so far: a window one short loses context the model was trained to use."""
+    """Past ``seq_length`` tokens, each step feeds the model exactly the last ``seq_length`` tokens of
+    the prompt and what was sampled so far: a window one short loses context the model was trained to
+    use. Below it, the cache holds what was read: the prompt, then each drawn token alone."""
     model = KnownLogits([0.0, 0.0, 5.0], seq_length=4)
     out = sample(model, [0, 1, 0, 1, 0], 3, temperature=0)
     assert out == [0, 1, 0, 1, 0, 2, 2, 2]
     assert model.windows == [[1, 0, 1, 0], [0, 1, 0, 2], [1, 0, 2, 2]]
+    model = KnownLogits([0.0, 0.0, 5.0], seq_length=4)
+    assert sample(model, [0, 1], 4, temperature=0) == [0, 1, 2, 2, 2, 2]
+    assert model.windows == [[0, 1], [2], [2], [1, 2, 2, 2]]
 
 
 class Successor(torch.nn.Module):
@@ -48,6 +60,10 @@ class Successor(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.one_hot((tokens + 1) % self.vocab_size, self.vocab_size).float()
+
+    def decode(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        cache.advance(tokens.shape[1])
+        return self(tokens)[:, -1]
 
 
 def test_the_next_token_is_drawn_from_the_last_positions_logits():
@@ -92,3 +108,22 @@ def test_sampling_stops_at_the_end_of_the_document():
     assert sample(Successor(6, seq_length=4), [0], 10, temperature=1.0, top_k=1, stop={3}) == [0, 1, 2, 3]
     assert sample(Successor(6, seq_length=4), [0], 4, temperature=0) == [0, 1, 2, 3, 4]
     assert sample(Successor(6, seq_length=4), [0], 2, temperature=0, stop={3}) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_cached_greedy_draws_are_the_whole_forwards(preset):
+    """With a real decoder (weights drawn large, so its logits depend strongly on each token's position
+    and context), greedy draws through the KV cache, and past the context (8) through windows read
+    afresh, are each the argmax of the whole forward over the last ``seq_length`` tokens: what the
+    sampler did before it kept a cache. (Planted: learned positions or rotary angles counted from 0
+    in each cached read.)"""
+    fields = dict(MODEL_PRESETS[preset], num_layers=2, hidden_size=32, num_heads=4, vocab_size=50, seq_length=8,
+                  init_std=0.5)
+    model = GPT(ModelConfig(**fields), seed=2).eval()
+    prompt = [3, 1, 4]
+    expected = list(prompt)
+    for _ in range(12):
+        with torch.no_grad():
+            logits = model(torch.tensor([expected[-8:]]))[0, -1, :50]
+        expected.append(int(logits.argmax()))
+    assert sample(model, list(prompt), 12, temperature=0) == expected

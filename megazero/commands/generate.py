@@ -30,6 +30,9 @@ def register(subparsers) -> None:
     parser.add_argument("--stop-at", action="append", default=[], metavar="TOKEN",
                         help="Stop also when this token is drawn, named as the tokenizer spells it (e.g. "
                              "'<|eot_id|>'); repeat for more")
+    parser.add_argument("--device", default="auto", metavar="DEVICE",
+                        help="Where the model runs: cpu, cuda or cuda:N (default: auto, the first GPU if there is "
+                             "one, else the CPU); the draws themselves are made on the CPU")
     parser.set_defaults(func=run)
 
 
@@ -85,13 +88,15 @@ def run(args) -> int:
     if tokenizer.vocab_size > vocab_size:
         raise UserError(f"--tokenizer {args.tokenizer}: has {tokenizer.vocab_size} tokens, but the checkpoint's model "
                         f"has {vocab_size}; use the tokenizer it was trained with")
+    device = chosen_device(args.device)  # before the model is read
     model, _ = load_opened(ckpt)
+    model.to(device)
     _note_a_cut_prompt(len(prompt), model.cfg.seq_length, args.tokens)
     out = list(prompt)
     eod = set() if args.past_eod or tokenizer.eod_id is None else {tokenizer.eod_id}
     try:
         sample(model, out, args.tokens, args.temperature, args.top_k, args.seed, ids=decodable(pieces),
-               stop=eod | stops)
+               stop=eod | stops, device=device)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (raised as one): what was sampled is printed, not lost
         print(tokenizer.decode(out[len(prefix):]), flush=True)
         print(f"note: stopped after {len(out) - len(prompt)} of {args.tokens} tokens", file=sys.stderr)
@@ -103,6 +108,28 @@ def run(args) -> int:
     elif drawn and drawn < args.tokens and out[-1] in eod:
         print(f"note: the document ended after {drawn} of {args.tokens} tokens (--past-eod samples on)", file=sys.stderr)
     return 0
+
+
+def chosen_device(name: str):
+    """The torch device ``--device`` names, checked to exist here (a GPU asked for on a machine
+    without one is said before the weights are read, not as CUDA's traceback after)."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {name!r}: not a device; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"--device {name}: this machine has no GPU torch can use; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise UserError(f"--device {name}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    return device
 
 
 def token_ids(names: list[str], pieces: list[str], option: str, tokenizer: str) -> list[int]:

@@ -1,0 +1,66 @@
+"""Keys and values of the tokens a model has read, kept so the next token's forward reads that token alone.
+
+Without a cache each drawn token re-ran the whole context through the model: a 1.3B model continuing
+a 500-token prompt on a CPU does about 500 times the work a token needs. Only the single-device
+model decodes (``megazero generate``); training never builds one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class KVCache:
+    """Every attention layer's keys and values (rotary applied) for positions ``0 .. length - 1``.
+
+    Positions are absolute, so the cache holds at most ``capacity`` tokens (the model's
+    ``seq_length``: its learned positions and rotary tables end there). A layer's buffers are made at
+    its first ``extend``, in that call's batch, dtype and device.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.length = 0
+        self._layers: dict[str, LayerCache] = {}
+
+    def layer(self, name: str) -> LayerCache:
+        """The cache of the layer named ``name`` (a block's name in the model)."""
+        if name not in self._layers:
+            self._layers[name] = LayerCache(self)
+        return self._layers[name]
+
+    def advance(self, tokens: int) -> None:
+        """Count ``tokens`` more positions as read: every layer has extended by them."""
+        if self.length + tokens > self.capacity:
+            raise ValueError(f"a KV cache of {self.capacity} positions cannot take {tokens} more after {self.length}")
+        self.length += tokens
+
+
+class LayerCache:
+    """One layer's part of a ``KVCache``: its keys and values, written where the cache's length says."""
+
+    def __init__(self, owner: KVCache):
+        self.owner = owner
+        self.keys: Optional[torch.Tensor] = None  # [batch, kv_heads, capacity, head_dim]
+        self.values: Optional[torch.Tensor] = None
+
+    @property
+    def start(self) -> int:
+        """The position of the first token of the forward in progress."""
+        return self.owner.length
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' ``k`` and ``v`` ([batch, kv_heads, seq, head_dim]) after the ones read
+        before, and return the keys and values of every position read, these included."""
+        start, end = self.start, self.start + k.shape[2]
+        if end > self.owner.capacity:
+            raise ValueError(f"a KV cache of {self.owner.capacity} positions cannot take positions {start}..{end - 1}")
+        if self.keys is None:
+            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
+            self.keys = k.new_empty(shape)
+            self.values = v.new_empty(shape)
+        self.keys[:, :, start:end] = k
+        self.values[:, :, start:end] = v
+        return self.keys[:, :, :end], self.values[:, :, :end]

@@ -1,0 +1,58 @@
+"""Decoding with a ``KVCache`` computes what the whole forward does, a token or a chunk at a time.
+
+The cached forward reads the new tokens alone, at positions after those the cache holds: learned
+positions, rotary angles and the causal mask must all count from there. fp32 on CPU; the products
+run on other shapes than the whole forward's, so the logits agree to rounding (2e-5 relative), and
+a position off by one moves them by far more (about 1e-1 at these sizes).
+"""
+
+import pytest
+import torch
+
+from models import GPT
+from models.config import ModelConfig
+from models.kv_cache import KVCache
+from models.presets import MODEL_PRESETS
+
+RTOL = 2e-5
+
+
+def config(preset: str) -> ModelConfig:
+    fields = dict(MODEL_PRESETS[preset], num_layers=3, hidden_size=64, num_heads=4, vocab_size=300, seq_length=16)
+    if preset == "llama":
+        fields["num_kv_heads"] = 2  # grouped-query attention: two query heads read each key/value head
+    return ModelConfig(**fields)
+
+
+@pytest.mark.parametrize("chunks", [[16], [5, 1, 1, 1, 3, 1, 4], [1] * 16], ids=["at once", "mixed", "one by one"])
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_cached_chunks_give_the_whole_forwards_logits(preset, chunks):
+    """The logits after each chunk read after what the cache holds (a prompt, then drawn tokens one at
+    a time, and chunks of several, whose queries must not see each other's later tokens) equal the
+    whole sequence's causal forward at that position; the cache then holds every position.
+    (Planted: positions or rotary angles counted from 0 in each chunk; the mask aligned to the
+    chunk's first key, as SDPA's ``is_causal`` does.)"""
+    cfg = config(preset)
+    model = GPT(cfg, seed=5).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = model(ids)
+    cache = KVCache(cfg.seq_length)
+    ends = torch.tensor(chunks).cumsum(0)
+    cached = torch.stack([model.decode(ids[:, end - size:end], cache) for size, end in zip(chunks, ends)], dim=1)
+    whole = whole[:, ends - 1]
+    assert cache.length == cfg.seq_length
+    error = (cached - whole).abs().max().item()
+    assert error <= RTOL * whole.abs().max().item(), (preset, chunks, error)
+
+
+def test_a_cache_refuses_positions_past_its_capacity():
+    """Learned positions and rotary tables end at ``seq_length``: a token past it has no position the
+    model was trained on, so the cache says so rather than growing."""
+    cfg = config("llama")
+    model = GPT(cfg, seed=5).eval()
+    cache = KVCache(cfg.seq_length)
+    model.decode(torch.zeros(1, cfg.seq_length - 1, dtype=torch.long), cache)
+    model.decode(torch.zeros(1, 1, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="a KV cache of 16 positions cannot take positions 16..16"):
+        model.decode(torch.zeros(1, 1, dtype=torch.long), cache)
