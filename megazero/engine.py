@@ -43,14 +43,23 @@ PIPELINE_SEED_OFFSET = 100
 
 def data_parallel_settings(cfg: Config) -> DataParallelSettings:
     """The ZeRO wrapper's settings from the config (also what an offline layout needs)."""
-    p, z, prec = cfg.parallel, cfg.zero, cfg.precision
+    z, prec = cfg.zero, cfg.precision
     dtype = DTYPES[prec.dtype]
     grad_dtype = torch.float32 if prec.accumulate_fp32 else dtype  # buckets are sized in gradients
     return DataParallelSettings(
         stage=z.stage, bucket_numel=int(z.bucket_size_mb * 2**20) // torch.empty((), dtype=grad_dtype).element_size(),
         param_dtype=dtype, grad_dtype=grad_dtype, overlap_comm=z.overlap_comm,
-        once_per_step=p.pp > 1 and z.stage >= 2, prefetch_depth=z.prefetch_depth,
+        once_per_step=reduces_once_per_step(cfg), prefetch_depth=z.prefetch_depth,
         persistence_threshold=z.persistence_threshold, offload=z.offload_optimizer)
+
+
+def reduces_once_per_step(cfg: Config) -> bool:
+    """Whether ZeRO 2-3 keep whole gradients (stage 3 its gathered parameters too) for the step and
+    reduce them once at its end, rather than after each unit's backward: under a pipeline, whose
+    micro-batches' backwards interleave with other forwards, and under a split-backward schedule
+    even without one, whose weight gradients come after the input gradients' pass had released
+    the unit (stage 3 then read a parameter it no longer held)."""
+    return cfg.zero.stage >= 2 and (cfg.parallel.pp > 1 or pipeline_schedule(cfg) in SPLIT_BACKWARD)
 
 
 def _peer_memory_everywhere(cfg: Config, device: torch.device) -> bool:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from megazero.config.schema import Config
 from megazero.engine import (head_rank, pipeline_costs, pipeline_placement, pipeline_schedule, pipeline_split,
-                             stage_recomputed_work)
+                             reduces_once_per_step, stage_recomputed_work)
 from megazero.flops import attention_share
 from megazero.optim.memory import ModelStateBytes, zero_model_state_bytes
 from megazero.planner.hardware import GIB
@@ -194,19 +194,19 @@ def _zero_states(cfg: Config, pp_rank: int) -> ModelStateBytes:
     param_bytes = DTYPE_BYTES[prec.dtype]
     grad_bytes = 4 if prec.accumulate_fp32 else param_bytes
     states = zero_model_state_bytes(rank_params(cfg, pp_rank), p.dp, z.stage, param_bytes=param_bytes,
-                                    grad_bytes=grad_bytes, full_grads=p.pp > 1 and z.stage >= 2,
+                                    grad_bytes=grad_bytes, full_grads=reduces_once_per_step(cfg),
                                     param_shard=z.offload_optimizer)
     return dataclasses.replace(states, params=states.params + gathered_until_step(cfg, pp_rank) * param_bytes)
 
 
 def gathered_until_step(cfg: Config, pp_rank: int) -> float:
     """Stage 3: elements of this rank's 16-bit parameters gathered whole at their first use and held
-    to the optimizer step (``parallel/data_parallel/gather.py``). Under a pipeline every unit is (its
-    gathers happen once per step), so the rank holds all its parameters as stages 0-2 do; without
-    one the persistent unit is."""
+    to the optimizer step (``parallel/data_parallel/gather.py``). Where gradients are reduced once per
+    step (a pipeline, or a split-backward schedule: ``reduces_once_per_step``) every unit is, so the
+    rank holds all its parameters as stages 0-2 do; otherwise the persistent unit is."""
     if cfg.zero.stage < 3:
         return 0.0
-    return rank_params(cfg, pp_rank) if cfg.parallel.pp > 1 else persistent_params(cfg, pp_rank)
+    return rank_params(cfg, pp_rank) if reduces_once_per_step(cfg) else persistent_params(cfg, pp_rank)
 
 
 def persistent_params(cfg: Config, pp_rank: int) -> float:
@@ -240,7 +240,7 @@ def grads_outside_forward(cfg: Config, pp_rank: int, micro: Optional[int] = None
     the blocks (final norm, head, a tied embedding) is taken back as the backward starts, beside every
     activation, so it counts. ``micro``: the step's micro-batches (default the full batch's)."""
     p, z = cfg.parallel, cfg.zero
-    whole_buffers = z.stage < 2 or p.pp > 1
+    whole_buffers = z.stage < 2 or reduces_once_per_step(cfg)
     if (micro or micro_batches(cfg)) > 1 or not whole_buffers or p.recompute == "full":
         return 0.0
     grads = _zero_states(cfg, pp_rank).grads
@@ -303,24 +303,24 @@ def activation_bytes(cfg: Config, pp_rank: int, micro: Optional[int] = None) -> 
 
 
 def buffer_bytes(cfg: Config, pp_rank: int) -> float:
-    """Communication buffers: ``bucket_bytes``, and under stage 3 without a pipeline the gathered 16-bit
-    parameters of the block in use and of those prefetched (under a pipeline every unit stays
-    gathered, in the model states: ``gathered_until_step``)."""
-    z, p = cfg.zero, cfg.parallel
+    """Communication buffers: ``bucket_bytes``, and under stage 3 reducing every backward the gathered
+    16-bit parameters of the block in use and of those prefetched (reducing once per step every unit
+    stays gathered, in the model states: ``gathered_until_step``)."""
+    z = cfg.zero
     buffers = bucket_bytes(cfg, pp_rank)
-    if z.stage == 3 and p.pp == 1:
+    if z.stage == 3 and not reduces_once_per_step(cfg):
         buffers += (z.prefetch_depth + 1) * _block_on_rank(cfg) * DTYPE_BYTES[cfg.precision.dtype]
     return buffers
 
 
 def bucket_bytes(cfg: Config, pp_rank: int) -> float:
     """Gradient scratch buffers: where gradients are reduce-scattered every backward (stages 2-3 without
-    a pipeline) each bucket is filled in a buffer of its own, ``SCRATCH_BUCKETS`` of them at most, each
+    a pipeline or a split-backward schedule) each bucket is filled in a buffer of its own, ``SCRATCH_BUCKETS`` of them at most, each
     the size of the largest bucket (a unit's gradients where that is smaller than
-    ``zero.bucket_size_mb``). Whole gradient buffers (stages 0-1, and 2-3 under a pipeline) are
-    reduced in place."""
-    z, p = cfg.zero, cfg.parallel
-    if z.stage < 2 or p.pp > 1:
+    ``zero.bucket_size_mb``). Whole gradient buffers (stages 0-1, and 2-3 reducing once per step:
+    ``reduces_once_per_step``) are reduced in place."""
+    z = cfg.zero
+    if z.stage < 2 or reduces_once_per_step(cfg):
         return 0.0
     grad_bytes = 4 if cfg.precision.accumulate_fp32 else DTYPE_BYTES[cfg.precision.dtype]
     largest_unit = max(_block_on_rank(cfg), rank_params(cfg, pp_rank) - rank_block_params(cfg, pp_rank))

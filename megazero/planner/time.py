@@ -10,7 +10,7 @@ from typing import Optional
 
 from megazero.config.auto import resolve_auto
 from megazero.config.schema import Config
-from megazero.engine import head_rank, pipeline_costs, pipeline_schedule
+from megazero.engine import head_rank, pipeline_costs, pipeline_schedule, reduces_once_per_step
 from megazero.flops import flops_per_token
 from megazero.planner.hardware import Cluster
 from megazero.planner.memory import (DTYPE_BYTES, micro_batches, persistent_params, rank_params, rank_recomputed_work,
@@ -225,7 +225,7 @@ def _data_parallel_exposed(cfg: Config, cluster: Cluster, rank: int, compute_mb:
     gather = (d - 1) / d * numel * e / bw
     backward, forward = 2 / 3 * compute_mb, 1 / 3 * compute_mb
     last_backward = backward if z.overlap_comm and p.virtual_stages == 1 else 0.0  # the whole-gradient reductions
-    once_per_step = z.stage < 2 or p.pp > 1
+    once_per_step = z.stage < 2 or reduces_once_per_step(cfg)
     if z.stage == 0:
         return max(0.0, 2 * reduce_scatter - last_backward)
     exposed = 0.0
