@@ -20,6 +20,8 @@ import types
 import typing
 from typing import Any
 
+from data_pipeline.yaml_files import ambiguous_number
+
 _INT_DIGITS = 30  # more than any count a config holds; an integer spelled with an exponent is refused past it
 # A float with an exponent, as YAML 1.2 reads one; YAML 1.1 leaves it text where it lacks a dot or
 # the exponent's sign (3e-4, 1.0e5)
@@ -80,6 +82,8 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
+        if isinstance(value, str) and ambiguous_number(value):  # 08: YAML 1.1 left it text, not octal
+            raise error(f"{name}: {ambiguous_number(value)}")
         if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value):  # a token budget of 3e11
             exact = decimal.Decimal(value)
             # bounded before it is spelled out: 1e10000000 took minutes to turn into an int

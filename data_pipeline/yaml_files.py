@@ -5,17 +5,47 @@ Plain YAML keeps the last of two equal keys in one mapping, so a config that rep
 (``train:`` twice, say) silently loses the first section's fields, and a repeated field its earlier
 value. Here a repeated key is an error naming its line and the line it first appeared on. And
 YAML 1.1 reads some text as numbers (``98:1:1``, ``2024_01``): a caller may name the text fields
-whose unquoted values are read as written.
+whose unquoted values are read as written; an unquoted number of any other field that YAML 1.1
+reads as something else than it looks (``0042`` as octal 34, ``1:30`` as 90) is refused.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from typing import Any, Optional
 
 import yaml
 
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_READ_AS_TEXT = (_INT, _FLOAT, "tag:yaml.org,2002:bool")
+_LEADING_ZERO = re.compile(r"[-+]?0[0-9_]+")
+_BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
 
-_READ_AS_TEXT = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool")
+
+def ambiguous_number(text: str) -> Optional[str]:
+    """Why the unquoted ``text`` does not read as the number it looks like, else None. YAML 1.1 reads
+    a leading zero as octal (``0042`` is 34, ``010`` is 8) or, where a digit is 8 or 9, as text, and
+    colons as base 60 (``1:30`` is 90): a seed or a step count would change without a word."""
+    if _LEADING_ZERO.fullmatch(text):
+        return f"{text} has a leading zero, which YAML 1.1 reads as octal (or as text); write the number without it"
+    if _BASE_60.fullmatch(text):
+        return f"{text} is a base-60 number to YAML 1.1; write the number itself (or quote it for text)"
+    return None
+
+
+class AmbiguousNumber(yaml.constructor.ConstructorError):
+    """An unquoted number YAML 1.1 reads as another value than it looks (``ambiguous_number``)."""
+
+
+def _plainly(construct):
+    """``construct`` for a number tag, refusing an unquoted scalar that ``ambiguous_number`` names."""
+    def checked(loader, node):
+        problem = ambiguous_number(node.value) if node.style is None else None
+        if problem:
+            raise AmbiguousNumber(None, None, problem, node.start_mark)
+        return construct(loader, node)
+    return checked
 _MERGE = "tag:yaml.org,2002:merge"
 
 
@@ -78,6 +108,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         super().flatten_mapping(node)
 
 
+_UniqueKeyLoader.add_constructor(_INT, _plainly(yaml.SafeLoader.construct_yaml_int))
+_UniqueKeyLoader.add_constructor(_FLOAT, _plainly(yaml.SafeLoader.construct_yaml_float))
+
+
+def read_yaml_value(text: str) -> Any:
+    """One value written on a command line (``--train.seed 42``), read as a config file's would be:
+    an ``AmbiguousNumber`` where the file's reader refuses one too."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+
+
 def read_yaml_mapping(path: str, what: str, error: type[Exception] = ValueError,
                       text_fields: frozenset = frozenset()) -> dict:
     """The mapping in YAML file ``path`` ({} when empty); ``what`` names what the top level must hold
@@ -91,6 +131,9 @@ def read_yaml_mapping(path: str, what: str, error: type[Exception] = ValueError,
             raw = yaml.load(f, Loader=lambda stream: _UniqueKeyLoader(stream, text_fields))  # noqa: S506 - a SafeLoader
     except UnicodeDecodeError:
         raise error(f"{path}: not a text file (not UTF-8)") from None
+    except AmbiguousNumber as exc:
+        mark = exc.problem_mark
+        raise error(f"{path} (line {mark.line + 1}, column {mark.column + 1}): {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

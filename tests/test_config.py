@@ -357,6 +357,31 @@ def test_a_config_file_gives_its_text_fields_as_written(tmp_path):
     assert read_yaml(str(tmp_path / "curate.yaml"), CurateConfig) == {"output": {"dir": "007"}}
 
 
+def test_a_number_yaml_reads_as_another_is_refused(tmp_path):
+    """YAML 1.1 reads ``0042`` as octal 34 and ``1:30`` as 90: a seed or a step count changed without a
+    word. Such a number of a number field is refused, in a file (naming its line) and on the command
+    line, and so is ``08``, which YAML left as text and the integer check called no integer; quoted
+    they are text, and a text field takes them as written. (Planted: YAML's reading kept.)"""
+    (tmp_path / "run.yaml").write_text("train:\n  seed: 0042\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(tmp_path / "run.yaml"))
+    assert str(refused.value) == (f"{tmp_path / 'run.yaml'} (line 2, column 9): 0042 has a leading zero, which YAML "
+                                  "1.1 reads as octal (or as text); write the number without it")
+    (tmp_path / "run.yaml").write_text("optimizer: {lr: 1:30}\n")
+    with pytest.raises(ConfigError, match=r"run.yaml \(line 1, column 17\): 1:30 is a base-60 number to YAML 1.1"):
+        load_config(str(tmp_path / "run.yaml"))
+    for typed, shown in (("010", "--train.train_steps: 010"), ("08", "train.train_steps: 08"), ("-07", "--train.train_steps: -07")):
+        with pytest.raises(ConfigError) as refused:
+            _cfg("--train.train_steps", typed)
+        assert str(refused.value) == f"{shown} has a leading zero, which YAML 1.1 reads as octal (or as text); " \
+                                     "write the number without it"
+    with pytest.raises(ConfigError, match="--train.max_wall_seconds: 1:30 is a base-60 number"):
+        _cfg("--train.max_wall_seconds", "1:30")
+    assert _cfg("--train.seed", "0", "--optimizer.lr", "0.5", "--logging.run_dir", "007").logging.run_dir == "007"
+    (tmp_path / "run.yaml").write_text("train: {seed: 0}\noptimizer: {lr: 0.001}\nlogging: {run_dir: 0042}\n")
+    assert load_config(str(tmp_path / "run.yaml")).logging.run_dir == "0042"
+
+
 def test_text_fields_as_written_reach_through_merge_keys_and_booleans(tmp_path):
     """A text field brought in by a merge key kept YAML 1.1's number (planted: a section's own keys
     alone), and ``no`` for a text field was false where the command line takes it as typed (planted:

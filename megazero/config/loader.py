@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import yaml
 
 from data_pipeline import typed_config
-from data_pipeline.yaml_files import read_yaml_mapping
+from data_pipeline.yaml_files import AmbiguousNumber, read_yaml_mapping, read_yaml_value
 from models.presets import MODEL_PRESETS
 from megazero.config.schema import Config
 from megazero.errors import ConfigError
@@ -73,7 +73,9 @@ def parse_overrides(args: list[str], schema: type | None = None) -> list[tuple[s
             value = None if optional and text in ("null", "~") else text
         else:
             try:
-                value = yaml.safe_load(text)
+                value = read_yaml_value(text)
+            except AmbiguousNumber as exc:
+                raise ConfigError(f"--{key}: {exc.problem}") from None
             except yaml.YAMLError:
                 value = text
         pairs.append((key, value))
