@@ -51,7 +51,8 @@ MEMORY_MODES = [(2, "once_per_step"), (3, "once_per_step"), (3, "offload")]
 
 
 CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "overlap")] + [
-    (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "persist"), (1, "offload"), (3, "offload"),
+    (2, "once_per_step"), (3, "once_per_step"), (3, "prefetch2"), (3, "prefetch_all"), (3, "persist"), (1, "offload"),
+    (3, "offload"),
     (0, "offload"), (1, "offload+overlap"), (2, "offload+overlap"), (1, "offload+overlap+unused"),
     (3, "offload+unused"), (1, "offload+unused"),
     (0, "bf16grads"), (1, "bf16grads"), (2, "bf16grads"), (3, "bf16grads"),
@@ -66,6 +67,8 @@ CASES = [(stage, variant) for stage in (0, 1, 2, 3) for variant in ("plain", "ov
 # update finds it pending, does not gather again, and step 2 runs block 1 without step 1's update.
 # "offload+unused" at stage 1: without the overlap no bucket applies block 1's pending update during the
 # backward, so the step itself must apply it before the step's gradients reach the host buffer it reads.
+# "prefetch_all": a prefetch depth past every unit fetches those there are (it walked 10**18 steps
+# past them on the first forward, never ending).
 # "unfused": torch's unfused AdamW (``optimizer.fused: false``), which takes the unscale-and-clip
 # factor and the skip decision from the wrapper, where the fused one takes them as its own inputs.
 BINDING_CLIP_IN_CI = {(stage, "plain") for stage in (0, 1, 2, 3)} | {(stage, "bf16grads") for stage in (0, 1, 2, 3)} \
@@ -114,7 +117,7 @@ def _zero_run(rank, world_size, slow_part=False):
                 model = copy.deepcopy(base)
                 opt = sharded_adamw(model, group, model.blocks, stage=stage, bucket_numel=320, lr=1e-2, clip_grad=clip,
                                     once_per_step=variant == "once_per_step",
-                                    prefetch_depth=2 if variant == "prefetch2" else 1,
+                                    prefetch_depth={"prefetch2": 2, "prefetch_all": 10**18}.get(variant, 1),
                                     persistence_threshold=100 if variant == "persist" else 0,
                                     offload=variant.startswith("offload"),
                                     grad_dtype=torch.bfloat16 if variant.endswith("bf16grads") else torch.float32,

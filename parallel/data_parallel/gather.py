@@ -59,9 +59,11 @@ class Stage3Hooks:
             self.fetch(u, False)
 
     def _prefetch(self, unit: int, direction: int) -> None:
+        """Fetch up to ``prefetch_depth`` units after ``unit`` in ``direction``: those the model has (a
+        depth of 10**18 walked 10**18 steps past them, the first step never ending)."""
         k = self.position[unit]
-        for step in range(1, self.prefetch_depth + 1):
-            j = k + direction * step
+        ahead = range(k + direction, k + direction * (self.prefetch_depth + 1), direction)
+        for j in ahead[:len(self.forward_order)]:
             if 0 <= j < len(self.forward_order):
                 self.fetch(self.forward_order[j], True)
 
