@@ -18,6 +18,11 @@ def train_samples(cfg: Config) -> int:
     return -(-t.train_tokens // cfg.model.seq_length) + t.global_batch_size
 
 
+def eval_samples(cfg: Config) -> int:
+    """The samples one evaluation reads, for which the validation index is built."""
+    return cfg.train.eval_steps * cfg.train.global_batch_size
+
+
 def build_datasets(cfg: Config, train_samples: int):
     """(train, validation or None) sample sequences of ``seq_length + 1`` tokens."""
     from data_pipeline.blend import build_blended_samples, resolve_blend
@@ -33,9 +38,8 @@ def build_datasets(cfg: Config, train_samples: int):
                                       d.cache_dir)
         valid = None
         if cfg.train.eval_interval:
-            valid = build_blended_samples(blend, cfg.model.seq_length,
-                                          cfg.train.eval_steps * cfg.train.global_batch_size, d.seed, d.split,
-                                          "valid", d.cache_dir)
+            valid = build_blended_samples(blend, cfg.model.seq_length, eval_samples(cfg), d.seed, d.split, "valid",
+                                          d.cache_dir)
     except CacheWriteError as exc:  # a full disk, or data made read-only since preflight cached its facts
         raise ConfigError(f"data.cache_dir: the sample indices cannot be written ({exc}); free space there or set "
                           "data.cache_dir to a writable directory") from None

@@ -83,19 +83,29 @@ def _stop_problems(cfg: Config) -> list[str]:
 def _index_problems(cfg: Config) -> list[str]:
     """A run whose sample indices cannot fit the host's memory: the data does not bound them
     (samples repeat over epochs), so a step count typed with too many zeros ended, after every
-    other check, in a numpy allocation traceback."""
-    from data_pipeline.gpt_samples import INDEX_BYTES_PER_SAMPLE
-    from megazero.data import train_samples
+    other check, in a numpy allocation traceback; so did ``train.eval_steps``, whose validation
+    index is built alike."""
+    from megazero.data import eval_samples, train_samples
 
-    samples = train_samples(cfg)
-    need, have = samples * INDEX_BYTES_PER_SAMPLE, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need <= have:
-        return []
     t = cfg.train
-    field = (f"train.train_steps: {t.train_steps} steps of train.global_batch_size {t.global_batch_size}"
-             if t.train_steps is not None else f"train.train_tokens: {t.train_tokens} tokens")
-    return [f"{field} are {samples:,} samples, whose index needs about {need / 2**30:,.0f} GiB of host memory, "
-            f"more than this host's {have / 2**30:,.0f} GiB; give a shorter run"]
+    counts = {(f"train.train_steps: {t.train_steps} steps of train.global_batch_size {t.global_batch_size}"
+               if t.train_steps is not None else f"train.train_tokens: {t.train_tokens} tokens"): train_samples(cfg)}
+    if t.eval_interval:
+        counts[f"train.eval_steps: {t.eval_steps} batches of {t.global_batch_size}"] = eval_samples(cfg)
+    have = _host_memory()
+    return [f"{field} are {samples:,} samples, whose index needs about {_index_bytes(samples) / 2**30:,.0f} GiB of "
+            f"host memory, more than this host's {have / 2**30:,.0f} GiB; give a shorter run"
+            for field, samples in counts.items() if _index_bytes(samples) > have]
+
+
+def _index_bytes(samples: int) -> int:
+    from data_pipeline.gpt_samples import INDEX_BYTES_PER_SAMPLE
+
+    return samples * INDEX_BYTES_PER_SAMPLE
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _logger_problems(cfg: Config) -> list[str]:
@@ -189,10 +199,13 @@ def _splits_sampled(weights: list[float], cfg: Config) -> list[tuple[str, ...]]:
     """The splits the run draws samples from, per dataset of the blend: training where its weight is
     positive, and validation where the evaluation's blend (``eval_steps`` batches) takes any of it."""
     from data_pipeline.blend import greedy_blend
+    from megazero.data import eval_samples
 
     valid = set()
-    if cfg.train.eval_interval:
-        valid = set(greedy_blend(weights, cfg.train.eval_steps * cfg.train.global_batch_size)[0].tolist())
+    if cfg.train.eval_interval and _index_bytes(eval_samples(cfg)) > _host_memory():  # _index_problems says so
+        valid = {i for i, w in enumerate(weights) if w > 0}
+    elif cfg.train.eval_interval:
+        valid = set(greedy_blend(weights, eval_samples(cfg))[0].tolist())
     return [(("train",) if w > 0 else ()) + (("valid",) if i in valid else ()) for i, w in enumerate(weights)]
 
 

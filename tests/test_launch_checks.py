@@ -165,6 +165,19 @@ def test_a_run_whose_sample_index_outgrows_the_host_memory_is_refused(monkeypatc
                                               "samples, whose index needs about")
 
 
+def test_an_evaluation_whose_sample_index_outgrows_the_host_memory_is_refused(files, capsys):
+    """The validation index is built for ``train.eval_steps`` batches like the training one for the
+    run's: ``--check`` with an eval_steps typed with too many zeros ended in numpy's allocation
+    traceback (blending the evaluation's samples); it is one line naming the field now, and nothing
+    is said with evaluation off. (Planted: the validation index left out of the check.)"""
+    args = [*_train(files, "--check"), "--train.eval_interval", "2"]
+    assert main([*args, "--train.eval_steps", "1e12"]) == 2
+    err = capsys.readouterr().err
+    assert "train.eval_steps: 1000000000000 batches of " in err and "whose index needs about" in err, err
+    assert "Traceback" not in err
+    assert main([*args, "--train.eval_steps", "1e12", "--train.eval_interval", "0"]) == 0, capsys.readouterr().err
+
+
 def test_a_rotary_base_is_no_change_to_a_model_of_learned_positions(files, capsys):
     """``model.rope_theta`` shapes nothing where positions are learned: a resume that sets another one
     is the same model and is accepted, while one that switches to rotary embeddings is not."""
