@@ -265,7 +265,12 @@ def _start_wandb(run_dir, project: str = "megazero", mode: str = "offline", conf
         import wandb
     except ImportError:
         raise UserError(missing_logger("logging.wandb", "wandb")) from None
-    return wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=name)
+    try:
+        return wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=name)
+    except wandb.errors.Error as exc:  # online without a login or a reachable server: its own traceback
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"logging.wandb_mode {mode}: wandb could not start ({said}); log in (`wandb login`, or "
+                        "WANDB_API_KEY), or set logging.wandb_mode offline and `wandb sync` the run later") from None
 
 
 def _start_tensorboard(log_dir: Path, start_step: int = 0):

@@ -314,6 +314,26 @@ def test_wandb_is_offline_by_default_and_gets_each_step(tmp_path, monkeypatch):
     assert calls["finished"]
 
 
+def test_wandb_online_without_a_login_is_one_line(tmp_path, monkeypatch):
+    """``logging.wandb_mode online`` on a machine with no W&B login ended the run's start in wandb's
+    own traceback; it is one line naming the field and the two ways out. (Planted: wandb's error
+    let through.)"""
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no settings file with a key
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # no terminal to prompt on
+    with pytest.raises(UserError) as refused:
+        logger(tmp_path / "run", wandb={"project": "p", "mode": "online"})
+    said = str(refused.value)
+    assert said.startswith("logging.wandb_mode online: wandb could not start (") and "\n" not in said, said
+    assert said.endswith("log in (`wandb login`, or WANDB_API_KEY), or set logging.wandb_mode offline and "
+                         "`wandb sync` the run later"), said
+
+
 def test_tensorboard_writes_events_or_says_how_to_install(tmp_path):
     try:
         import tensorboard  # noqa: F401
