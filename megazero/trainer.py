@@ -151,6 +151,7 @@ class Trainer:
                                        async_save=cfg.checkpoint.async_save and device.type == "cuda",
                                        gather=None if self.world == 1 else self._gather)
         self._check_save_dir()
+        self.started_from = source  # the setting naming the checkpoint started from, for the messages
         self._resume(ckpt, manifest, source)
         self._log_memory()
         m = cfg.model
@@ -204,6 +205,20 @@ class Trainer:
         dist.broadcast_object_list(problem, src=0)
         if problem[0]:
             raise CheckpointError(problem[0], agreed=True)
+
+    def _finished_already(self) -> str:
+        """What to do about a run that starts where it ends, by where its checkpoint came from: another
+        logging.run_dir is no way out where the checkpoints are kept apart from it, or named by
+        checkpoint.load."""
+        step, more = self.state.step, "raise train.train_steps or train.train_tokens to train on"
+        if self.started_from == "checkpoint.load":
+            return (f"checkpoint.load {self.cfg.checkpoint.load} is at step {step}, where this run ends; nothing to "
+                    f"train ({more}, or start a new run from its weights: `megazero convert "
+                    f"{self.cfg.checkpoint.load} DST --to megazero --reset-step`, then checkpoint.load DST)")
+        if self.cfg.checkpoint.save_dir is not None:
+            return (f"checkpoint.save_dir {self.cfg.save_dir} holds a run that finished at step {step}; nothing to "
+                    f"train ({more}, or give a new run another checkpoint.save_dir)")
+        return f"this run already finished at step {step}; nothing to train ({more}, or use another logging.run_dir)"
 
     def _resume(self, ckpt, manifest: Optional[dict], source: str) -> None:
         if ckpt is None:
@@ -307,9 +322,7 @@ class Trainer:
         t = self.cfg.train
         if self.done():
             if self.rank == 0:
-                print(f"megazero: this run already finished at step {self.state.step}; nothing to train (raise "
-                      "train.train_steps or train.train_tokens to continue it, or use another logging.run_dir)",
-                      flush=True)
+                print(f"megazero: {self._finished_already()}", flush=True)
             return self.state
         with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger, self.profiler, self.watchdog:
             in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step()])

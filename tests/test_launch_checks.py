@@ -86,7 +86,22 @@ def test_a_relaunch_continues_from_its_own_checkpoint(files, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "resuming this run's own checkpoint" in out and "step_0000002" in out, out
-    assert "already finished at step 2" in out, out
+    assert "this run already finished at step 2; nothing to train (raise train.train_steps or train.train_tokens " \
+           "to train on, or use another logging.run_dir)" in out, out
+    # a finished run's checkpoints started from elsewhere: another logging.run_dir is no way out there
+    # (planted: the message above for each, which the user had already followed)
+    saved = str(run / "checkpoints")
+    argv = ["train", *_model(files["good"], str(files["root"] / "other")), "--checkpoint.load", saved]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint.load {saved} is at step 2, where this run ends; nothing to train (raise train.train_steps " \
+           f"or train.train_tokens to train on, or start a new run from its weights: `megazero convert {saved} DST " \
+           "--to megazero --reset-step`, then checkpoint.load DST)" in out, out
+    argv = ["train", *_model(files["good"], str(files["root"] / "third")), "--checkpoint.save_dir", saved]
+    assert main(argv) == 0
+    assert f"checkpoint.save_dir {saved} holds a run that finished at step 2; nothing to train (raise " \
+           "train.train_steps or train.train_tokens to train on, or give a new run another checkpoint.save_dir)" \
+           in capsys.readouterr().out
 
 
 def test_a_warm_up_longer_than_the_run_is_said_at_its_start(files, capsys):
