@@ -272,7 +272,7 @@ def batch_changes(before: Config, cfg: Config, consumed: int) -> list[str]:
     except ConfigError:
         return []  # the config's own check names it
     at = consumed
-    while old.start is not None and at < old.rampup_samples:
+    while old != new and old.start is not None and at < old.rampup_samples:
         was, will = old.global_batch(at), new.global_batch(at)
         if was != will:
             layout = [f for f, a, b in (("parallel.dp", before.parallel.dp, cfg.parallel.dp),
@@ -281,7 +281,9 @@ def batch_changes(before: Config, cfg: Config, consumed: int) -> list[str]:
             return [f"would train the step at sample {at} on a global batch of {will} instead of {was}: the batch "
                     f"ramp-up rounds each step's batch to a multiple of micro_batch_size x dp, and "
                     f"{' and '.join(layout)} changed"]
-        at += was
+        # both sizes hold to the end of this stretch of the ramp: on to the first step at or past it
+        # (a step at a time took a minute at every launch of a ramp over 1e8 samples)
+        at += max(1, -(-(old.stretch_end(at) - at) // was)) * was
     return []
 
 

@@ -89,10 +89,21 @@ class BatchSchedule:
     def global_batch(self, consumed_samples: int) -> int:
         if self.start is None or consumed_samples >= self.rampup_samples:
             return self.full
-        increments = -(-(self.full - self.start) // self.increment)  # the last one may be partial
-        stretch = consumed_samples * increments // self.rampup_samples
-        nominal = min(self.start + stretch * self.increment, self.full)
+        nominal = min(self.start + self._stretch(consumed_samples) * self.increment, self.full)
         return max(self.unit, nominal // self.unit * self.unit)
+
+    def stretch_end(self, consumed_samples: int) -> int:
+        """The sample count where the ramp's stretch holding ``consumed_samples`` ends: the batch is
+        the same up to there (``rampup_samples`` past the ramp)."""
+        if self.start is None or consumed_samples >= self.rampup_samples or not self._increments():
+            return self.rampup_samples  # past the ramp, or a ramp that starts full: one stretch
+        return -(-(self._stretch(consumed_samples) + 1) * self.rampup_samples // self._increments())
+
+    def _increments(self) -> int:
+        return -(-(self.full - self.start) // self.increment)  # the last one may be partial
+
+    def _stretch(self, consumed_samples: int) -> int:
+        return consumed_samples * self._increments() // self.rampup_samples
 
     def micro_batches(self, consumed_samples: int) -> int:
         """Micro-batches each data-parallel rank accumulates in the step starting at this sample count."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -224,3 +225,41 @@ def test_ramp_samples_without_a_start_batch_is_no_ramp():
     ramp = build_batch_schedule(ScheduleConfig(rampup_samples=100),
                                 TrainConfig(micro_batch_size=1, global_batch_size=32), dp=1)
     assert [ramp.global_batch(s) for s in (0, 50, 100)] == [32, 32, 32]
+
+
+def test_a_stretch_holds_one_batch_size_to_its_end():
+    """``stretch_end`` is where the batch may next change: the size is the same up to it, and the next
+    stretch starts there; past the ramp, and for a ramp that starts full, it is the ramp's end."""
+    ramp = BatchSchedule(full=1920, unit=16, start=32, increment=32, rampup_samples=5000)
+    for consumed in (0, 1, 83, 84, 85, 2500, 4999):
+        end = ramp.stretch_end(consumed)
+        assert consumed < end <= 5000
+        assert {ramp.global_batch(c) for c in range(consumed, end)} == {ramp.global_batch(consumed)}
+        assert end == 5000 or ramp.global_batch(end) != ramp.global_batch(consumed) or ramp._stretch(end) > \
+            ramp._stretch(consumed)
+    assert ramp.stretch_end(6000) == 5000
+    assert BatchSchedule(full=64, unit=8, start=64, increment=8, rampup_samples=100).stretch_end(3) == 100
+
+
+def test_a_resumes_batch_comparison_jumps_over_each_stretch(monkeypatch):
+    """A resume compares the batch sizes ahead of the checkpoint through the ramp; stepping one batch at
+    a time took a minute at every launch of a ramp over 1e8 samples. It looks once a stretch now and
+    finds the same first difference. (Planted: a step at a time, 25 million looks here.)"""
+    from megazero.config import Config
+    from megazero.resume_checks import batch_changes
+
+    def config(dp: int, start: int) -> Config:
+        base = Config()
+        return dataclasses.replace(
+            base, parallel=dataclasses.replace(base.parallel, dp=dp),
+            train=dataclasses.replace(base.train, global_batch_size=64, micro_batch_size=2),
+            schedule=dataclasses.replace(base.schedule, rampup_start_batch=start, rampup_increment=start,
+                                         rampup_samples=10**8))
+
+    looks = []
+    global_batch = BatchSchedule.global_batch
+    monkeypatch.setattr(BatchSchedule, "global_batch", lambda self, c: looks.append(c) or global_batch(self, c))
+    assert batch_changes(config(1, 4), config(2, 4), 0) == []  # every size a multiple of 4: dp 2 changes none
+    assert len(looks) < 100, len(looks)
+    assert batch_changes(config(1, 2), config(2, 2), 0)[0].startswith(
+        "would train the step at sample 0 on a global batch of 4 instead of 2")
