@@ -93,7 +93,7 @@ def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 
     generator = torch.Generator().manual_seed(seed)
     drawable = torch.arange(model.vocab_size) if ids is None else torch.tensor(sorted(set(ids)), dtype=torch.long)
     context = model.cfg.seq_length
-    cache = KVCache(context)
+    cache = KVCache(min(context, len(tokens) + new_tokens))  # what the draws read, not the whole context
     for _ in range(new_tokens):
         if len(tokens) <= context:
             out = model.decode(torch.tensor([tokens[cache.length:]], device=device), cache)

@@ -191,6 +191,7 @@ class GPT(nn.Module):
         tokens ``cache`` holds; the cache takes theirs. The whole model on one device only: decoding
         reads a prompt once, then each drawn token alone, and needs the logits of the last position
         alone (the rest would cost a vocabulary-wide product per prompt token)."""
+        cache.check_room(ids.shape[1])  # before the positions are looked up: a learned table ends there
         x = self.embedding(ids, cache.length)
         for name, block in self.layers.items():
             x = block(x, cache.layer(name))

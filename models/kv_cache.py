@@ -15,9 +15,10 @@ import torch
 class KVCache:
     """Every attention layer's keys and values (rotary applied) for positions ``0 .. length - 1``.
 
-    Positions are absolute, so the cache holds at most ``capacity`` tokens (the model's
-    ``seq_length``: its learned positions and rotary tables end there). A layer's buffers are made at
-    its first ``extend``, in that call's batch, dtype and device.
+    Positions are absolute, so the cache holds at most ``capacity`` tokens: no more than the model's
+    ``seq_length`` (its learned positions and rotary tables end there), and no more than decoding will
+    read (a context of 131072 tokens is gigabytes of keys a layer). A layer's buffers are made at its
+    first ``extend``, in that call's batch, dtype and device.
     """
 
     def __init__(self, capacity: int):
@@ -31,10 +32,14 @@ class KVCache:
             self._layers[name] = LayerCache(self)
         return self._layers[name]
 
+    def check_room(self, tokens: int) -> None:
+        """Refuse ``tokens`` more positions where they do not fit, before any layer is written."""
+        if self.length + tokens > self.capacity:
+            raise ValueError(f"a KV cache of {self.capacity} positions cannot take positions "
+                             f"{self.length}..{self.length + tokens - 1}")
+
     def advance(self, tokens: int) -> None:
         """Count ``tokens`` more positions as read: every layer has extended by them."""
-        if self.length + tokens > self.capacity:
-            raise ValueError(f"a KV cache of {self.capacity} positions cannot take {tokens} more after {self.length}")
         self.length += tokens
 
 
@@ -55,8 +60,6 @@ class LayerCache:
         """Store the new tokens' ``k`` and ``v`` ([batch, kv_heads, seq, head_dim]) after the ones read
         before, and return the keys and values of every position read, these included."""
         start, end = self.start, self.start + k.shape[2]
-        if end > self.owner.capacity:
-            raise ValueError(f"a KV cache of {self.owner.capacity} positions cannot take positions {start}..{end - 1}")
         if self.keys is None:
             shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
             self.keys = k.new_empty(shape)

@@ -172,7 +172,7 @@ def test_an_import_says_what_its_tokenizer_and_config_add_around_a_text(tokenize
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "mz")]) == 0
     out = capsys.readouterr().out
     assert "its post-processor puts <s> around every text, and megazero encodes without it" in out, out
-    assert "which this model was trained to see; give `megazero generate` --prepend <s>" in out, out
+    assert "which this model was trained to see; give `megazero generate` --prepend '<s>'" in out, out
     assert "the model ends a text with <|endoftext|> (0), <pad> (1) (eos_token_id), megazero's end-of-document " \
-           "token is <|endoftext|> (0): `megazero generate` stops at that one alone unless given --stop-at <pad>" \
+           "token is <|endoftext|> (0): `megazero generate` stops at that one alone unless given --stop-at '<pad>'" \
            in out, out

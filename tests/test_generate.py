@@ -112,9 +112,11 @@ def test_a_device_that_is_not_here_is_one_line(trained, tmp_path, capsys):
     args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1"]
     err = _error_line(capsys, [*args, "--device", "cuda"])
     assert err == "megazero generate: error: --device cuda: this machine has no GPU torch can use; use --device cpu"
-    for name in ("gpu", "cuda:x", "meta"):
+    for name in ("gpu", "cuda:x"):
         err = _error_line(capsys, [*args, "--device", name])
         assert err == f"megazero generate: error: --device {name!r}: not a device; use cpu, cuda or cuda:N", err
+    err = _error_line(capsys, [*args, "--device", "meta"])
+    assert err == "megazero generate: error: --device 'meta': megazero samples on cpu or cuda only; use cpu, cuda or cuda:N"
 
 
 @pytest.mark.cuda
@@ -169,6 +171,15 @@ def test_a_prompt_longer_than_the_context_is_noted(trained, tmp_path, capsys):
         "alone and the prompt's start slides out of view"]
     assert main([*args, "--tokens", "0", "--prompt", " ".join(f"w{i}" for i in range(20))]) == 0  # nothing read
     assert capsys.readouterr().err == ""
+    # the --prepend tokens are read first, so they are the first not read (planted: counted as prompt)
+    assert main([*args, "--prepend", "w0", "--prepend", "w1", "--prompt", " ".join(f"w{i}" for i in range(15))]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --prepend and --prompt are 17 tokens, more than the model's context of 16 (model.seq_length); only "
+        "the last 16 are read, not the first --prepend token"]
+    assert main([*args, "--prepend", "w0", "--prompt", " ".join(f"w{i}" for i in range(15))]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "note: the model's context is 16 tokens (model.seq_length): from token 2 drawn on, it reads the last 16 "
+        "alone and the --prepend tokens, then the prompt's start, slide out of view"]
 
 
 @pytest.mark.parametrize("option, value, words", [

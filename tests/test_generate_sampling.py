@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megazero.generate import sample
+from models.kv_cache import KVCache
 from models import GPT
 from models.config import ModelConfig
 from models.presets import MODEL_PRESETS
@@ -127,3 +128,16 @@ def test_cached_greedy_draws_are_the_whole_forwards(preset):
             logits = model(torch.tensor([expected[-8:]]))[0, -1, :50]
         expected.append(int(logits.argmax()))
     assert sample(model, list(prompt), 12, temperature=0) == expected
+
+
+def test_the_cache_holds_what_the_draws_read(monkeypatch):
+    """The cache is made for the prompt and the tokens drawn, not the whole context: an imported model's
+    context of 131072 tokens is gigabytes of keys a layer, for a prompt of three words. (Planted: the
+    cache sized to ``seq_length``.)"""
+    import megazero.generate as generate
+
+    made = []
+    monkeypatch.setattr(generate, "KVCache", lambda capacity: made.append(capacity) or KVCache(capacity))
+    sample(Successor(50, seq_length=4096), [0, 1, 2], 5, temperature=0)
+    sample(Successor(50, seq_length=6), [0, 1, 2], 5, temperature=0)
+    assert made == [8, 6]

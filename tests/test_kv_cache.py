@@ -46,13 +46,21 @@ def test_cached_chunks_give_the_whole_forwards_logits(preset, chunks):
     assert error <= RTOL * whole.abs().max().item(), (preset, chunks, error)
 
 
-def test_a_cache_refuses_positions_past_its_capacity():
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_a_cache_refuses_positions_past_its_capacity(preset):
     """Learned positions and rotary tables end at ``seq_length``: a token past it has no position the
-    model was trained on, so the cache says so rather than growing."""
-    cfg = config("llama")
+    model was trained on, so the cache says so rather than growing, before anything is read (the
+    learned table's own IndexError came first); so does a cache made smaller, for what decoding will
+    read, past its end."""
+    cfg = config(preset)
     model = GPT(cfg, seed=5).eval()
     cache = KVCache(cfg.seq_length)
     model.decode(torch.zeros(1, cfg.seq_length - 1, dtype=torch.long), cache)
     model.decode(torch.zeros(1, 1, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="a KV cache of 16 positions cannot take positions 16..16"):
         model.decode(torch.zeros(1, 1, dtype=torch.long), cache)
+    small = KVCache(5)
+    model.decode(torch.zeros(1, 3, dtype=torch.long), small)
+    with pytest.raises(ValueError, match="a KV cache of 5 positions cannot take positions 3..5"):
+        model.decode(torch.zeros(1, 3, dtype=torch.long), small)
+    assert small.length == 3 and small.layer("0").keys.shape[2] == 5  # the layers hold only what was asked

@@ -91,7 +91,7 @@ def run(args) -> int:
     device = chosen_device(args.device)  # before the model is read
     model, _ = load_opened(ckpt)
     model.to(device)
-    _note_a_cut_prompt(len(prompt), model.cfg.seq_length, args.tokens)
+    _note_a_cut_prompt(len(prefix), len(prompt) - len(prefix), model.cfg.seq_length, args.tokens)
     out = list(prompt)
     eod = set() if args.past_eod or tokenizer.eod_id is None else {tokenizer.eod_id}
     try:
@@ -122,7 +122,7 @@ def chosen_device(name: str):
     except RuntimeError:
         raise UserError(f"--device {name!r}: not a device; use cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
-        raise UserError(f"--device {name!r}: not a device; use cpu, cuda or cuda:N")
+        raise UserError(f"--device {name!r}: megazero samples on cpu or cuda only; use cpu, cuda or cuda:N")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -150,17 +150,28 @@ def decodable(pieces: list[str]) -> list[int]:
     return [i for i, piece in enumerate(pieces) if piece]
 
 
-def _note_a_cut_prompt(prompt_tokens: int, context: int, new_tokens: int) -> None:
+def _note_a_cut_prompt(prefix_tokens: int, prompt_tokens: int, context: int, new_tokens: int) -> None:
     """The model sees at most ``context`` tokens, so a longer prompt is continued from its end alone,
     while the whole of it is printed as if continued; and where the prompt fits but the prompt and
     the tokens drawn do not, each draw reads the last ``context`` tokens, the prompt's start sliding
-    out of view. Say so on stderr (stdout is the text)."""
+    out of view. The ``--prepend`` tokens go first (a BOS the model was trained to see): said by
+    name. Say so on stderr (stdout is the text)."""
     if not new_tokens:
         return  # nothing is read
-    if prompt_tokens > context:
-        print(f"note: --prompt is {prompt_tokens} tokens, more than the model's context of {context} "
-              f"(model.seq_length); only its last {context} tokens are read", file=sys.stderr)
-    elif prompt_tokens + new_tokens - 1 > context:  # the k-th draw (from 0) reads prompt + k tokens
+    total = prefix_tokens + prompt_tokens
+    if total > context:
+        cut = total - context
+        if not prefix_tokens:
+            print(f"note: --prompt is {prompt_tokens} tokens, more than the model's context of {context} "
+                  f"(model.seq_length); only its last {context} tokens are read", file=sys.stderr)
+        else:
+            unread = ("the --prepend tokens" if cut >= prefix_tokens else "the first --prepend token" if cut == 1
+                      else f"the first {cut} --prepend tokens")
+            print(f"note: --prepend and --prompt are {total} tokens, more than the model's context of {context} "
+                  f"(model.seq_length); only the last {context} are read, not {unread}", file=sys.stderr)
+    elif total + new_tokens - 1 > context:  # the k-th draw (from 0) reads prompt + k tokens
+        sliding = ("the --prepend tokens, then the prompt's start, slide" if prefix_tokens
+                   else "the prompt's start slides")
         print(f"note: the model's context is {context} tokens (model.seq_length): from token "
-              f"{context - prompt_tokens + 2} drawn on, it reads the last {context} alone and the prompt's start "
-              "slides out of view", file=sys.stderr)
+              f"{context - total + 2} drawn on, it reads the last {context} alone and {sliding} out of view",
+              file=sys.stderr)

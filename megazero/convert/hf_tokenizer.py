@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,7 +274,8 @@ def import_notes(folder: Path, path: Path, tokenizer, config: dict) -> list[str]
         added = [hf.id_to_token(i) for i in full if i not in plain]
         leading = [hf.id_to_token(i) for i in full[:full.index(plain[0])]] if plain and plain[0] in full else []
         if added:
-            hint = f"; give `megazero generate` {' '.join(f'--prepend {t}' for t in leading)}" if leading else ""
+            hint = f"; give `megazero generate` {' '.join(f'--prepend {shlex.quote(t)}' for t in leading)}" \
+                if leading else ""
             notes.append(f"{path}: its post-processor puts {' '.join(added)} around every text, and megazero encodes "
                          f"without it: prompts to `megazero generate` and shards of `megazero preprocess` hold no "
                          f"{' '.join(added)}, which this model was trained to see{hint}")
@@ -286,7 +288,7 @@ def import_notes(folder: Path, path: Path, tokenizer, config: dict) -> list[str]
         pieces = tokenizer.pieces()  # every id's token: built once (a vocabulary may be 200,000 ids)
         names = ", ".join(f"{pieces[i] if 0 <= i < len(pieces) else '?'} ({i})" for i in sorted(eos))
         ours = "none" if tokenizer.eod_id is None else f"{pieces[tokenizer.eod_id]} ({tokenizer.eod_id})"
-        others = " ".join(f"--stop-at {pieces[i]}" for i in sorted(eos - {tokenizer.eod_id})
+        others = " ".join(f"--stop-at {shlex.quote(pieces[i])}" for i in sorted(eos - {tokenizer.eod_id})
                           if 0 <= i < len(pieces) and pieces[i])
         notes.append(f"{folder}: the model ends a text with {names} (eos_token_id), megazero's end-of-document "
                      f"token is {ours}: `megazero generate` stops at that one alone"

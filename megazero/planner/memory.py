@@ -233,7 +233,7 @@ def model_state_bytes(cfg: Config, pp_rank: int) -> float:
 
 def grads_outside_forward(cfg: Config, pp_rank: int, micro: Optional[int] = None) -> float:
     """Gradient bytes no activations' peak runs beside. Whole gradient buffers (stages 0-1, and stages
-    2-3 under a pipeline) hold memory only from the backward that reaches them to the end of the step,
+    2-3 reducing once per step) hold memory only from the backward that reaches them to the end of the step,
     so with one micro-batch per step no forward runs beside them; with more, later forwards run beside
     the gradients accumulated so far. Not with full recompute either: each block is rebuilt inside the
     backward, beside the gradients taken back by then. On the rank holding the head, the unit outside
@@ -315,9 +315,9 @@ def buffer_bytes(cfg: Config, pp_rank: int) -> float:
 
 def bucket_bytes(cfg: Config, pp_rank: int) -> float:
     """Gradient scratch buffers: where gradients are reduce-scattered every backward (stages 2-3 without
-    a pipeline or a split-backward schedule) each bucket is filled in a buffer of its own, ``SCRATCH_BUCKETS`` of them at most, each
-    the size of the largest bucket (a unit's gradients where that is smaller than
-    ``zero.bucket_size_mb``). Whole gradient buffers (stages 0-1, and 2-3 reducing once per step:
+    a pipeline or a split-backward schedule) each bucket is filled in a buffer of its own,
+    ``SCRATCH_BUCKETS`` of them at most, each the size of the largest bucket (a unit's gradients
+    where that is smaller than ``zero.bucket_size_mb``). Whole gradient buffers (stages 0-1, and 2-3 reducing once per step:
     ``reduces_once_per_step``) are reduced in place."""
     z = cfg.zero
     if z.stage < 2 or reduces_once_per_step(cfg):

@@ -205,14 +205,15 @@ def _timed_idle(schedule: str, pp: int, micro: int, costs: StageCosts) -> float:
 def _data_parallel_exposed(cfg: Config, cluster: Cluster, rank: int, compute_mb: float, micro: int,
                            stride: int) -> float:
     """Seconds of ZeRO traffic left after overlap with compute on pipeline rank ``rank``. Stages 0-1
-    (and 2-3 under a pipeline, once per step) reduce gradients during the last micro-batch's backward,
+    (and 2-3 reducing once per step: ``reduces_once_per_step``) reduce gradients during the last
+    micro-batch's backward,
     where ``zero.overlap_comm`` lets them (otherwise after it, all exposed); interleaving reduces after
     the last backward, with nothing left to hide behind. The rest overlaps whatever that option says,
     as the wrapper does: stages 1-2 gather the updated parameters during the next forward; stage 2
-    without a pipeline reduce-scatters every micro-batch's gradients during its backward. Stage 3
-    gathers its persistent unit as the forward starts, with nothing to hide behind, once per step;
-    under a pipeline its blocks once per step too, during the first forward; without one each block
-    for every forward and backward, prefetched behind the compute."""
+    otherwise reduce-scatters every micro-batch's gradients during its backward. Stage 3 gathers its
+    persistent unit as the forward starts, with nothing to hide behind, once per step; reducing once
+    per step its blocks once per step too, during the first forward; otherwise each block for every
+    forward and backward, prefetched behind the compute."""
     p, z, prec = cfg.parallel, cfg.zero, cfg.precision
     d = p.dp
     if d == 1:

@@ -17,10 +17,11 @@ stage  16-bit parameters               gradients                shard the optimi
        a rounded owned slice is kept)
 =====  ==============================  =======================  ====================================
 
-With ``once_per_step`` (the pipeline-parallel mode) stages 2 and 3 keep whole gradients across
-micro-batches and reduce them once at the step, and stage 3 keeps a unit gathered from its first
-use to the step: a pipeline runs many micro-batches through each unit, and gathering or reducing
-for each would multiply the communication by the micro-batch count.
+With ``once_per_step`` stages 2 and 3 keep whole gradients across micro-batches and reduce them
+once at the step, and stage 3 keeps a unit gathered from its first use to the step: a pipeline
+runs many micro-batches through each unit, and gathering or reducing for each would multiply the
+communication by the micro-batch count; a split-backward schedule computes a unit's weight
+gradients after the backward that would have released it.
 
 It knows torch and process groups, nothing of optimizers: it hands over the fp32 values of the
 shard (``take_initial_shard``), the reduced gradient of each shard segment, and takes new values
@@ -222,7 +223,7 @@ class DataParallel:
     def add_weight_grad(self, weight: torch.Tensor, products: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Add ``sum a @ b`` to ``weight``'s gradient (a weight's or a bias's) straight into its fp32
         buffer, as if it had arrived through autograd (whole-gradient buffers: stages 0 and 1, and
-        every stage in the pipeline's ``once_per_step`` mode); False where that cannot be done in
+        every stage in the ``once_per_step`` mode); False where that cannot be done in
         place (see ``GradReducer.add_products``): the caller then hands the gradient to autograd."""
         i = self.index.get(id(weight))
         return i is not None and self.reducer.add_products(i, products)
