@@ -87,11 +87,13 @@ def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 
     unrelated one). While prompt and draws fit the model's ``seq_length`` a ``KVCache`` keeps what
     was read, so each draw reads one token; past it, each draw reads the last ``seq_length`` tokens
     afresh (every one of them then sits a position earlier than when it was read). The model is on
-    ``device``; the draws are made on the CPU, so a seed gives the same text on any device the
-    logits agree on. Appends to ``tokens`` (the prompt) in place and returns it, so a run stopped by
+    ``device``, and so are the choice of the top-k and the greedy argmax (a vocabulary's logits
+    copied to the host each draw cost a GPU decode more than its products); the draw among the
+    top-k is made on the CPU, so a seed gives the same text on any device the logits agree on. Appends to ``tokens`` (the prompt) in place and returns it, so a run stopped by
     Ctrl-C or SIGTERM leaves what it sampled there."""
     generator = torch.Generator().manual_seed(seed)
     drawable = torch.arange(model.vocab_size) if ids is None else torch.tensor(sorted(set(ids)), dtype=torch.long)
+    drawable = drawable.to(device)
     context = model.cfg.seq_length
     cache = KVCache(min(context, len(tokens) + new_tokens))  # what the draws read, not the whole context
     for _ in range(new_tokens):
@@ -99,12 +101,12 @@ def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 
             out = model.decode(torch.tensor([tokens[cache.length:]], device=device), cache)
         else:
             out = model(torch.tensor([tokens[-context:]], device=device))[:, -1]
-        logits = out[0, :model.vocab_size].float().cpu()[drawable]
+        logits = out[0, :model.vocab_size].float()[drawable]
         if temperature <= 0:
             tokens.append(int(drawable[logits.argmax()]))
         else:
             values, indices = torch.topk(logits, min(top_k, logits.numel()))
-            indices = drawable[indices]
+            values, indices = values.cpu(), drawable[indices].cpu()
             # from the largest down: a tiny temperature then gives -inf (probability 0), never inf - inf; in
             # float64, as a temperature below float32's range would round to 0 and give 0 / 0 for the largest
             scaled = (values - values[0]).double() / temperature

@@ -144,9 +144,12 @@ attention.reference = sdpa_attention
 def attention_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Causal attention of queries at positions ``start ..`` over keys and values at ``0 ..`` (the
     tokens a decoding cache holds, then the queries' own), without dropout: SDPA's ``is_causal``
-    aligns its mask to the first key, which is right only when the two start together."""
+    aligns its mask to the first key, which is right only when the two start together. One query
+    (a drawn token) sees every key: no mask, whose making cost a decode five launches a layer."""
     if start == 0:
         return attention(q, k, v, 0.0)
+    if q.shape[2] == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
     rows = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
     visible = torch.arange(k.shape[2], device=q.device)[None, :] <= rows
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])

@@ -32,7 +32,7 @@ def register(subparsers) -> None:
                              "'<|eot_id|>'); repeat for more")
     parser.add_argument("--device", default="auto", metavar="DEVICE",
                         help="Where the model runs: cpu, cuda or cuda:N (default: auto, the first GPU if there is "
-                             "one, else the CPU); the draws themselves are made on the CPU")
+                             "one, else the CPU); the draw among the top-k is made on the CPU")
     parser.set_defaults(func=run)
 
 
