@@ -158,6 +158,7 @@ class GPTSamples:
         if end <= start:
             raise ValueError(f"{data.prefix}: split {split!r} leaves no documents for {which} "
                              f"({len(data)} documents in all); change data.split")
+        self.documents = range(start, end)  # the split's documents
         description = {"version": INDEX_VERSION, "idx_sha256": data.fingerprint, "range": [start, end],
                        "seq_len": seq_len, "num_samples": num_samples, "seed": seed}
         arrays = cached_arrays(cache_dir or default_cache_dir(data.prefix), f"gpt-{which}", description,
@@ -175,6 +176,11 @@ class GPTSamples:
 
     def __len__(self) -> int:
         return len(self.shuffle_index)
+
+    def samples_per_epoch(self) -> int:
+        """The distinct samples the split's documents give (past them, samples repeat)."""
+        documents = self.documents
+        return samples_in(int(self.data.sizes[documents.start:documents.stop].astype(np.int64).sum()), self.seq_len)
 
     def __getitem__(self, i: int) -> np.ndarray:
         """Sample ``i`` of the shuffled order as ``seq_len + 1`` int64 tokens."""

@@ -23,6 +23,26 @@ def eval_samples(cfg: Config) -> int:
     return cfg.train.eval_steps * cfg.train.global_batch_size
 
 
+def repeated_validation(valid, cfg: Config) -> list[str]:
+    """Notes for the datasets whose validation split holds fewer samples than an evaluation reads from
+    it: the same samples are then read again and again (the last time in part), which weighs them
+    unevenly and costs evaluation time for nothing; Megatron does the same without a word."""
+    if valid is None:
+        return []
+    import numpy as np
+
+    counts = np.bincount(valid.dataset_index, minlength=len(valid.datasets))
+    notes = []
+    for dataset, count in zip(valid.datasets, counts.tolist()):
+        held = dataset.samples_per_epoch() if dataset is not None else count  # none: weight 0, nothing read
+        if count > held:
+            notes.append(f"an evaluation reads {count:,} samples of {dataset.data.prefix}'s validation split, "
+                         f"which holds {held:,}: each is read about {count / held:.1f} times (train.eval_steps "
+                         f"{cfg.train.eval_steps} x train.global_batch_size {cfg.train.global_batch_size}); fewer "
+                         "eval_steps read each once")
+    return notes
+
+
 def build_datasets(cfg: Config, train_samples: int):
     """(train, validation or None) sample sequences of ``seq_length + 1`` tokens."""
     from data_pipeline.blend import build_blended_samples, resolve_blend

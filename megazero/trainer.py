@@ -28,7 +28,8 @@ from megazero.checkpoint import (
 from megazero.checkpoint.state import files_to_load, load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
-from megazero.data import build_datasets, recorded_tokenizer, shard_digests, tokenizer_record, train_samples
+from megazero.data import (build_datasets, recorded_tokenizer, repeated_validation, shard_digests, tokenizer_record,
+                           train_samples)
 from megazero.device_watchdog import DeviceWatchdog
 from megazero.engine import Engine, describe_layout, layout_record, pipeline_placement, pipeline_split, same_ranks
 from megazero.errors import UserError
@@ -139,6 +140,8 @@ class Trainer:
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         self.train_data, self.valid_data = build_datasets(cfg, train_samples(cfg))
+        for note in repeated_validation(self.valid_data, cfg) if self.rank == 0 else ():
+            print(f"megazero: {note}", flush=True)
         self.tokenizer = tokenizer_record(cfg) if self.rank == 0 else None  # only rank 0's meta is kept
         self.shards = shard_digests(cfg) if self.rank == 0 else None
         self.state = TrainState()

@@ -626,3 +626,18 @@ def test_a_resume_at_another_dp_during_the_batch_ramp_up_is_refused(files, capsy
     assert len(err) == 1 and "(step 1) would train the step at sample 2 on a global batch of 4 instead of 2" in err[0]
     assert "parallel.dp changed" in err[0], err
     assert main([*resume, "--schedule.rampup_start_batch", "4"]) == 0, capsys.readouterr().err
+
+
+def test_an_evaluation_reading_its_split_more_than_once_is_noted(files, capsys):
+    """An evaluation of more samples than the validation split holds reads the same ones again (the
+    last time in part): said once at the start, with the fields that size it; nothing is said where
+    the split holds them. (Planted: no note.)"""
+    args = [*_train(files, "--data.split", "90,10,0", "--train.eval_interval", "2", "--train.train_steps", "2"),
+            "--logging.run_dir", str(files["root"] / "runs" / "evaluated")]
+    assert main([*args, "--train.eval_steps", "20"]) == 0
+    out = capsys.readouterr().out
+    assert (f"megazero: an evaluation reads 80 samples of {files['good']}'s validation split, which holds 29: each "
+            "is read about 2.8 times (train.eval_steps 20 x train.global_batch_size 4); fewer eval_steps read each "
+            "once") in out, out
+    assert main([*args, "--train.eval_steps", "7", "--logging.run_dir", str(files["root"] / "runs" / "once")]) == 0
+    assert "an evaluation reads" not in capsys.readouterr().out
