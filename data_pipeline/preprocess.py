@@ -23,6 +23,7 @@ from itertools import chain
 import numpy as np
 
 from data_pipeline.indexed import IndexedDatasetWriter, token_dtype
+from data_pipeline.paths import listed_twice
 from data_pipeline.shard_origin import tokenizer_identity
 from data_pipeline.sources import Batch, check_input, input_files, iter_batches, no_documents_problem
 from data_pipeline.tokenizer import load_tokenizer, require_eod
@@ -158,6 +159,10 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer_path: str, keys:
     for path in inputs:
         check_input(path, keys)
     reads = [name for path in inputs for name in input_files(path, hf_split)]  # before the writers' files exist
+    repeat = listed_twice(("input file", name) for name in reads)
+    if repeat:  # a folder holding two links to one file, or a file beside a link to it in a folder
+        raise ValueError(f"{repeat}, one file under two names; its documents would be trained on twice (read it "
+                         "once)")
     writers: dict[str, IndexedDatasetWriter] = {}
     stats, tally = PreprocessStats(), _InputTally(keys)
     bar = _progress_bar(progress)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 
 import pyarrow as pa
@@ -284,7 +285,11 @@ def test_two_inputs_of_one_file_name_are_refused(tmp_path, capsys, base):
     assert "input.paths: two inputs are named raw.jsonl; a document without an id is named FILE:LINE" in line, line
     # one file found by two patterns is listed twice, not two files of one name; a folder is no file
     line = refused(tmp_path, capsys, {**base, "input": {"paths": ["a/r*.jsonl", "a/raw.jsonl"]}})
-    assert re.search(r"input\.paths: \S*a/raw\.jsonl is listed twice \(two patterns find it\)", line), line
+    assert re.search(r"input\.paths: \S*a/raw\.jsonl is listed twice \(two patterns find it, or it is a link to "
+                     r"another input\)", line), line
+    os.link(tmp_path / "a" / "raw.jsonl", tmp_path / "a" / "hard.jsonl")  # a hard link: the same file (planted: paths)
+    line = refused(tmp_path, capsys, {**base, "input": {"paths": ["a/raw.jsonl", "a/hard.jsonl"]}})
+    assert re.search(r"input\.paths: \S*a/hard\.jsonl is listed twice", line), line
     (tmp_path / "c.jsonl").mkdir()
     line = refused(tmp_path, capsys, {**base, "input": {"paths": ["*.jsonl"]}})
     assert re.search(r"input\.paths: \S*c\.jsonl: is a folder; give the files in it", line), line

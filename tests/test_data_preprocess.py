@@ -476,6 +476,28 @@ def test_cli_refuses_an_input_listed_twice(env, tmp_path, capsys, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == written  # the refused merge wrote nothing
 
 
+def test_one_file_under_two_names_in_a_folder_is_read_once_or_refused(env, tmp_path, capsys):
+    """A folder holding two links to one file (hard, or a symbolic link beside its target), or a file
+    listed beside a folder holding a hard link to it, would read its documents twice though no name
+    is listed twice: refused in one line, before any shard is written. (Planted: no check of the
+    folders' files.)"""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    os.link(env["jsonl"], folder / "a.jsonl")
+    os.link(env["jsonl"], folder / "b.jsonl")
+    out = str(tmp_path / "o")
+    argv = ["preprocess", "--tokenizer", env["model"], "--output-prefix", out, "--no-progress", "--input"]
+    _refused([*argv, str(folder)], capsys, f"input file {folder / 'b.jsonl'} is listed twice (also as "
+             f"{folder / 'a.jsonl'}), one file under two names; its documents would be trained on twice")
+    (folder / "b.jsonl").unlink()
+    (folder / "b.jsonl").symlink_to(folder / "a.jsonl")
+    _refused([*argv, str(folder)], capsys, "b.jsonl is listed twice")
+    (folder / "b.jsonl").unlink()
+    _refused([*argv, env["jsonl"], str(folder)], capsys, f"input file {folder / 'a.jsonl'} is listed twice")
+    assert not list(tmp_path.glob("o*"))  # nothing written
+    assert main([*argv, str(folder)]) == 0
+
+
 def test_repeated_input_and_merge_flags_add_up(env, tmp_path, capsys):
     """``--input A --input B`` reads both (argparse alone would keep only B, dropping A's documents);
     so does ``--merge``; a field listed twice in ``--json-keys`` is refused."""

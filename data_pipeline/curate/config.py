@@ -32,7 +32,7 @@ from data_pipeline.curate.fuzzy_dedup import FuzzyDedupConfig
 from data_pipeline.curate.quality import QualityConfig
 from data_pipeline.curate.runner import EXECUTORS
 from data_pipeline.curate.shards import DEFAULT_ID_FIELD, FORMATS
-from data_pipeline.paths import empty_path_problem, file_in_the_way
+from data_pipeline.paths import empty_path_problem, file_identity, file_in_the_way
 from data_pipeline.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES, check_compression, check_json_lines, missing_columns
 from data_pipeline.tokenizer import load_tokenizer, require_eod
 from data_pipeline.typed_config import build_dataclass
@@ -223,10 +223,11 @@ def expand_inputs(patterns: list, base_dir: str) -> list[str]:
             raise ValueError(f"input.paths: {unknown}: unknown input type; use .jsonl/.json (optionally .gz or "
                              ".zst) or .parquet, or narrow the glob")
         paths += found
-    real = [os.path.realpath(p) for p in paths]
-    twice = next((p for i, p in enumerate(paths) if real[i] in real[:i]), None)
+    same = [file_identity(p) for p in paths]  # links followed, hard ones too
+    twice = next((p for i, p in enumerate(paths) if same[i] in same[:i]), None)
     if twice is not None:  # its documents would be ingested twice, each a duplicate of itself
-        raise ValueError(f"input.paths: {twice} is listed twice (two patterns find it); list each file once")
+        raise ValueError(f"input.paths: {twice} is listed twice (two patterns find it, or it is a link to "
+                         "another input); list each file once")
     names = [os.path.basename(p) for p in paths]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
