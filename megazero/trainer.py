@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import datetime
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -328,30 +329,35 @@ class Trainer:
                 print(f"megazero: {self._finished_already()}", flush=True)
             return self.state
         with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger, self.profiler, self.watchdog:
-            in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step()])
-            while True:
-                late = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
-                preempted, late = self._agree(preemption.requested, late)
-                stopping = preempted or late
-                if in_flight:
-                    try:
-                        while (not stopping and len(in_flight) <= t.steps_ahead
-                               and not self._pause_after(in_flight[-1].step)):
-                            in_flight.append(self._queue_step())
-                    except BaseException:  # the steps before still get their lines (or their own error)
-                        while in_flight:
-                            self.logger.record(self._finish_step(in_flight.popleft()))
-                        raise
-                    done = in_flight.popleft()
-                    self._complete(done)
-                    if not stopping and self._saves(done.step):
-                        self.save()
-                    while stopping and in_flight:  # a stop lets the steps already queued finish
-                        self._complete(in_flight.popleft())
-                elif not (stopping or self.done()):  # after an evaluation or a save
-                    in_flight.append(self._queue_step())
-                if stopping or (not in_flight and self.done()):
-                    break
+            try:
+                in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step()])
+                while True:
+                    late = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
+                    preempted, late = self._agree(preemption.requested, late)
+                    stopping = preempted or late
+                    if in_flight:
+                        try:
+                            while (not stopping and len(in_flight) <= t.steps_ahead
+                                   and not self._pause_after(in_flight[-1].step)):
+                                in_flight.append(self._queue_step())
+                        except BaseException:  # the steps before still get their lines (or their own error)
+                            while in_flight:
+                                self.logger.record(self._finish_step(in_flight.popleft()))
+                            raise
+                        done = in_flight.popleft()
+                        self._complete(done)
+                        if not stopping and self._saves(done.step):
+                            self.save()
+                        while stopping and in_flight:  # a stop lets the steps already queued finish
+                            self._complete(in_flight.popleft())
+                    elif not (stopping or self.done()):  # after an evaluation or a save
+                        in_flight.append(self._queue_step())
+                    if stopping or (not in_flight and self.done()):
+                        break
+            except BaseException as exc:
+                if getattr(exc, "agreed", False):  # every rank stops here, so the save's barriers are safe
+                    self._commit_pending_save()
+                raise
             self.profiler.close()  # before the exit save, which is not part of any step
             why = self._agreed_signal(preemption.signal_name) if preempted else WALL_CLOCK if late else None
             if not self.done():  # steps left: stopped, not finished (a scheduler requeues on 75)
@@ -363,6 +369,17 @@ class Trainer:
                 self.save()
             self.writer.wait()
         return self.state
+
+    def _commit_pending_save(self) -> None:
+        """Commit a background save a stopping run leaves written but not committed (it is committed at
+        the next save or the run's end, which a diverging run never reaches): its checkpoint is the
+        one the error tells the user to resume from. A failure of that save is said, not raised over
+        the error that stopped the run."""
+        try:
+            self.writer.wait()
+        except CheckpointError as exc:
+            if self.rank == 0:
+                print(f"megazero: {exc}", file=sys.stderr, flush=True)
 
     def _complete(self, queued: _QueuedStep) -> None:
         """Read a queued step's results, evaluate if this step is due, and log it (a profiled window

@@ -342,6 +342,28 @@ def test_a_newer_directory_without_complete_marker_stops_a_resume(tmp_path):
         resolve_checkpoint(tmp_path / "step_0000002")
 
 
+def test_a_checkpoint_under_another_steps_name_is_refused(tmp_path):
+    """Checkpoints are found, ordered and pruned by their folder's name: a copy of step 4's under step
+    6's name was resumed as step 4 without a word, chosen over a real step 5, and its step's name
+    left for retention to count. Its record is checked against its name now. A save cut between its
+    COMPLETE record and its rename is said as such, not as one without a record. (Planted: no check
+    of the name; the .tmp's record not looked for.)"""
+    writer = CheckpointWriter(tmp_path, rank=0, world_size=1, barrier=alone)
+    writer.save(4, {"m.pt": {"w": torch.ones(1)}})
+    writer.save(5, {"m.pt": {"w": torch.ones(1)}})
+    shutil.copytree(tmp_path / "step_0000004", tmp_path / "step_0000006")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_0000006"
+    with pytest.raises(CheckpointError, match=r"step_0000006: its COMPLETE records step 4, not the step its name "
+                                              r"says \(a checkpoint copied under another name\?\); name it "
+                                              r"step_0000004, or move it out of the way"):
+        read_manifest(resolve_checkpoint(tmp_path))
+    assert read_manifest(tmp_path / "step_0000005")["step"] == 5
+    shutil.copytree(tmp_path / "step_0000005", tmp_path / "step_0000007.tmp")  # written whole, not renamed
+    with pytest.raises(CheckpointError, match=r"step_0000007.tmp: a save stopped after writing its COMPLETE record, "
+                                              r"before renaming the directory into place; rename it step_0000007"):
+        resolve_checkpoint(tmp_path / "step_0000007.tmp")
+
+
 def test_a_damaged_only_checkpoint_is_one_line_with_the_callers_way_forward(tmp_path, capsys):
     """With no complete checkpoint left, a resume can start afresh but an explicit load (convert's
     SRC, generate's checkpoint) cannot; and the pointer naming the damaged directory adds no warning

@@ -122,12 +122,17 @@ def _nan_world(rank, world_size, prefix, root):
     from megazero.trainer import Trainer
     from parallel.launch import LaunchEnv
 
+    from megazero.checkpoint import latest_checkpoint
+
     out = {}
-    for case, poisoned_steps in (("once", {3}), ("always", set(range(2, 100))), ("apart", {2, 4, 6})):
-        cfg = resolve_config(load_config(None, _overrides(prefix, f"{root}/{case}", steps=8, extra=(
-            "--train.max_bad_steps", "3", "--checkpoint.save_on_exit", "false"))), world_size)
+    for case, poisoned_steps in (("once", {3}), ("always", set(range(2, 100))), ("apart", {2, 4, 6}),
+                                 ("saved", set(range(6, 100)))):
+        cfg = resolve_config(load_config(None, _overrides(prefix, f"{root}/{case}", steps=12, extra=(
+            "--train.max_bad_steps", "3", "--checkpoint.save_on_exit", "false", "--checkpoint.save_interval",
+            "4" if case == "saved" else "0"))), world_size)
         device, topology = initialize(cfg, LaunchEnv(rank, world_size, 0, world_size))
         trainer = Trainer(cfg, device, topology)
+        trainer.writer.async_save = True  # what checkpoint.async_save does on a GPU (the save's thread)
         param = next(trainer.engine.chunks[0].parameters())
         if rank == 1:  # only this rank's gradient goes bad
             param.register_hook(lambda g: g.fill_(float("nan")) if trainer.state.step + 1 in poisoned_steps else g)
@@ -146,7 +151,8 @@ def _nan_world(rank, world_size, prefix, root):
             out[case] = {"error": str(exc), "agreed": exc.agreed}
         masters[trainer.state.step] = trainer.engine.optimizer.master.clone()
         snapshots = {step: bool(torch.equal(masters[step - 1], masters[step])) for step in masters if step - 1 in masters}
-        out[case].update(unchanged=snapshots, skipped=trainer.state.skipped)
+        out[case].update(unchanged=snapshots, skipped=trainer.state.skipped,
+                         committed=str(latest_checkpoint(cfg.save_dir)))
         dist.barrier()
     return out
 
@@ -170,6 +176,17 @@ def test_nan_gradients_with_finite_losses_stop_the_run(nan_results):
         assert always["error"] is not None and "NaN or inf for 3 steps in a row" in always["error"], (rank, always)
         assert always["agreed"], "every rank stops on this line: rank 0 alone should print it"
         assert always["skipped"] == 3, (rank, always)
+
+
+def test_a_diverging_run_commits_the_save_its_background_thread_wrote(nan_results, tmp_path_factory):
+    """A save written in the background is committed at the next save or the run's end; a run stopped
+    by divergence (steps 6 on NaN, stopped at 8) reached neither, so its step-4 checkpoint, written
+    whole, stayed an unfinished .tmp, and the relaunch its error advises started from step 0. Every
+    rank stops on that error together, so the save is committed first. (Planted: not committed.)"""
+    for rank, result in enumerate(nan_results):
+        saved = result["saved"]
+        assert "NaN or inf for 3 steps in a row" in saved["error"], (rank, saved)
+        assert saved["committed"].endswith("saved/checkpoints/step_0000004"), (rank, saved)
 
 
 def test_bad_steps_apart_are_no_divergence(nan_results):

@@ -305,6 +305,10 @@ def resolve_checkpoint(path: str | os.PathLike, source: str = "checkpoint.load")
         raise CheckpointError(f"{path}: holds a checkpoint under a name other than step_NNNNNNN, the name megazero "
                               f"finds checkpoints by; rename it, or link it under that name, and give that as {source}")
     if STEP_DIR.match(path.name) or path.name.endswith(".tmp"):
+        if path.name.endswith(".tmp") and (path / COMPLETE).is_file():  # cut between the record and the rename
+            raise CheckpointError(f"{path}: a save stopped after writing its {COMPLETE} record, before renaming "
+                                  f"the directory into place; rename it {path.name[:-len('.tmp')]} to load it, or "
+                                  "load its parent directory for the latest complete one")
         if not is_complete(path):
             raise CheckpointError(f"{path}: not a complete checkpoint (no {COMPLETE} marker; it was being "
                                   "written when the run stopped); load its parent directory for the latest "
@@ -349,6 +353,11 @@ def read_manifest(ckpt: str | os.PathLike) -> dict:
     problem = _record_problem(manifest)
     if problem:  # a record resealed by hand, or written by a tool that got the format wrong
         raise CheckpointError(f"{path}: {problem}; this is not a record megazero writes: load an earlier checkpoint")
+    named = STEP_DIR.match(ckpt.name)
+    if named and int(named.group(1)) != manifest["step"]:  # checkpoints are found, ordered and pruned by name
+        raise CheckpointError(f"{ckpt}: its {COMPLETE} records step {manifest['step']}, not the step its name says "
+                              f"(a checkpoint copied under another name?); name it step_{manifest['step']:07d}, or "
+                              "move it out of the way")
     return manifest
 
 
