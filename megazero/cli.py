@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.command == "train" and not args.help_config and not args.check):  # not a training run
         sys.stdout = _Output(stdout)
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held by the launcher until here, where it is handled
+        _take_stop_signals()
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a failure is caught, not at the interpreter's exit
         return code
@@ -75,6 +75,25 @@ def main(argv: list[str] | None = None) -> int:
         # what the command left in reference cycles (a trainer and its process groups, after an error
         # too) is freed now, not as the interpreter shuts down (``parallel.launch.destroy_process_group``)
         gc.collect()
+
+
+def _take_stop_signals() -> None:
+    """Unblock the stop signals the launcher held until the command can handle them, taking those that
+    arrived meanwhile as one stop: a worker still starting when torchrun sent SIGTERM after a
+    sibling's Ctrl-C exit holds both, and took the SIGTERM at training's default (it died, status -15
+    beside 130) or as a second stop raised inside the first's handling. A Ctrl-C among them wins; a
+    SIGTERM alone is taken as the command takes one (training's default ends the process, as
+    torchrun means it to when a sibling failed)."""
+    arrived = []
+    held = {signum: signal.signal(signum, lambda signum, frame: arrived.append(signum))
+            for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # the held ones are taken in here
+    for signum, handler in held.items():
+        signal.signal(signum, handler)
+    if signal.SIGINT in arrived:
+        raise KeyboardInterrupt
+    if signal.SIGTERM in arrived:
+        signal.raise_signal(signal.SIGTERM)
 
 
 def _stopping() -> None:
