@@ -82,8 +82,8 @@ def coerce(value: Any, hint: Any, name: str, error: type[Exception] = ValueError
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str) and ambiguous_number(value):  # 08: YAML 1.1 left it text, not octal
-            raise error(f"{name}: {ambiguous_number(value)}")
+        if isinstance(value, str) and (problem := ambiguous_number(value)):  # 08: YAML 1.1 left it text
+            raise error(f"{name}: {problem}")
         if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value):  # a token budget of 3e11
             exact = decimal.Decimal(value)
             # bounded before it is spelled out: 1e10000000 took minutes to turn into an int

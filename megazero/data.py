@@ -34,7 +34,9 @@ def repeated_validation(valid, cfg: Config) -> list[str]:
     counts = np.bincount(valid.dataset_index, minlength=len(valid.datasets))
     notes = []
     for dataset, count in zip(valid.datasets, counts.tolist()):
-        held = dataset.samples_per_epoch() if dataset is not None else count  # none: weight 0, nothing read
+        if dataset is None:  # weight 0: nothing read
+            continue
+        held = dataset.samples_per_epoch()
         if count > held:
             notes.append(f"an evaluation reads {count:,} samples of {dataset.data.prefix}'s validation split, "
                          f"which holds {held:,}: each is read about {count / held:.1f} times (train.eval_steps "

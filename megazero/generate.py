@@ -89,8 +89,9 @@ def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 
     afresh (every one of them then sits a position earlier than when it was read). The model is on
     ``device``, and so are the choice of the top-k and the greedy argmax (a vocabulary's logits
     copied to the host each draw cost a GPU decode more than its products); the draw among the
-    top-k is made on the CPU, so a seed gives the same text on any device the logits agree on. Appends to ``tokens`` (the prompt) in place and returns it, so a run stopped by
-    Ctrl-C or SIGTERM leaves what it sampled there."""
+    top-k is made on the CPU, so a seed gives the same text on any device the logits agree on.
+    Appends to ``tokens`` (the prompt) in place and returns it, so a run stopped by Ctrl-C or
+    SIGTERM leaves what it sampled there."""
     generator = torch.Generator().manual_seed(seed)
     drawable = torch.arange(model.vocab_size) if ids is None else torch.tensor(sorted(set(ids)), dtype=torch.long)
     drawable = drawable.to(device)

@@ -283,7 +283,7 @@ def batch_changes(before: Config, cfg: Config, consumed: int) -> list[str]:
                     f"{' and '.join(layout)} changed"]
         # both sizes hold to the end of this stretch of the ramp: on to the first step at or past it
         # (a step at a time took a minute at every launch of a ramp over 1e8 samples)
-        at += max(1, -(-(old.stretch_end(at) - at) // was)) * was
+        at += -(-(old.stretch_end(at) - at) // was) * was
     return []
 
 

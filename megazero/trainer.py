@@ -322,38 +322,13 @@ class Trainer:
         round once the queue is full): one seen then stops after the steps in flight; one that
         arrives later, after the steps queued next. A profiled window (``logging.profile_steps``) is
         written however the loop ends."""
-        start = self.started
-        t = self.cfg.train
         if self.done():
             if self.rank == 0:
                 print(f"megazero: {self._finished_already()}", flush=True)
             return self.state
         with PreemptionHandler(unsaved=self._unsaved) as preemption, self.logger, self.profiler, self.watchdog:
             try:
-                in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step()])
-                while True:
-                    late = t.max_wall_seconds is not None and time.monotonic() - start > t.max_wall_seconds
-                    preempted, late = self._agree(preemption.requested, late)
-                    stopping = preempted or late
-                    if in_flight:
-                        try:
-                            while (not stopping and len(in_flight) <= t.steps_ahead
-                                   and not self._pause_after(in_flight[-1].step)):
-                                in_flight.append(self._queue_step())
-                        except BaseException:  # the steps before still get their lines (or their own error)
-                            while in_flight:
-                                self.logger.record(self._finish_step(in_flight.popleft()))
-                            raise
-                        done = in_flight.popleft()
-                        self._complete(done)
-                        if not stopping and self._saves(done.step):
-                            self.save()
-                        while stopping and in_flight:  # a stop lets the steps already queued finish
-                            self._complete(in_flight.popleft())
-                    elif not (stopping or self.done()):  # after an evaluation or a save
-                        in_flight.append(self._queue_step())
-                    if stopping or (not in_flight and self.done()):
-                        break
+                preempted, late = self._run_steps(preemption)
             except BaseException as exc:
                 if getattr(exc, "agreed", False):  # every rank stops here, so the save's barriers are safe
                     self._commit_pending_save()
@@ -369,6 +344,35 @@ class Trainer:
                 self.save()
             self.writer.wait()
         return self.state
+
+    def _run_steps(self, preemption: PreemptionHandler) -> tuple[bool, bool]:
+        """Queue, finish, evaluate and save steps until the run is done or agrees to stop; returns
+        whether a stop signal and whether the time limit stopped it."""
+        t = self.cfg.train
+        in_flight: collections.deque[_QueuedStep] = collections.deque([self._queue_step()])
+        while True:
+            late = t.max_wall_seconds is not None and time.monotonic() - self.started > t.max_wall_seconds
+            preempted, late = self._agree(preemption.requested, late)
+            stopping = preempted or late
+            if in_flight:
+                try:
+                    while (not stopping and len(in_flight) <= t.steps_ahead
+                           and not self._pause_after(in_flight[-1].step)):
+                        in_flight.append(self._queue_step())
+                except BaseException:  # the steps before still get their lines (or their own error)
+                    while in_flight:
+                        self.logger.record(self._finish_step(in_flight.popleft()))
+                    raise
+                done = in_flight.popleft()
+                self._complete(done)
+                if not stopping and self._saves(done.step):
+                    self.save()
+                while stopping and in_flight:  # a stop lets the steps already queued finish
+                    self._complete(in_flight.popleft())
+            elif not (stopping or self.done()):  # after an evaluation or a save
+                in_flight.append(self._queue_step())
+            if stopping or (not in_flight and self.done()):
+                return preempted, late
 
     def _commit_pending_save(self) -> None:
         """Commit a background save a stopping run leaves written but not committed (it is committed at

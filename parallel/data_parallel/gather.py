@@ -62,8 +62,8 @@ class Stage3Hooks:
         """Fetch up to ``prefetch_depth`` units after ``unit`` in ``direction``: those the model has (a
         depth of 10**18 walked 10**18 steps past them, the first step never ending)."""
         k = self.position[unit]
-        ahead = range(k + direction, k + direction * (self.prefetch_depth + 1), direction)
-        for j in ahead[:len(self.forward_order)]:
+        for step in range(1, min(self.prefetch_depth, len(self.forward_order)) + 1):
+            j = k + direction * step
             if 0 <= j < len(self.forward_order):
                 self.fetch(self.forward_order[j], True)
 
