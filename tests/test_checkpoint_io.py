@@ -1,5 +1,5 @@
 """Checkpoint files: round trips on threads and on real gloo ranks, kill -9 mid-save, damage detection,
-keep-last, and preemption flags set by real signals."""
+keep-last (the preemption flag that asks for the save is in ``test_preemption_handler.py``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megazero.checkpoint import (
-    CheckpointError, CheckpointWriter, PreemptionHandler, latest_checkpoint, list_checkpoints, load_file,
+    CheckpointError, CheckpointWriter, latest_checkpoint, list_checkpoints, load_file,
     read_manifest, resolve_checkpoint, start_checkpoint, verify_checkpoint,
 )
 from tests.distributed import run_world
@@ -490,66 +490,6 @@ def test_resaving_a_step_replaces_it(tmp_path):
 
 
 # --- preemption ---------------------------------------------------------------------------------
-
-POLLING_TRAINER = textwrap.dedent("""
-    import time
-    from megazero.checkpoint import PreemptionHandler
-
-    with PreemptionHandler() as preemption:
-        print("READY", flush=True)
-        deadline = time.monotonic() + 60
-        while not preemption.requested and time.monotonic() < deadline:
-            time.sleep(0.01)  # one "training step"
-        print("SAVING AFTER", preemption.signal_name, flush=True)
-""")
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_signal_to_a_process_sets_the_flag_and_it_exits_cleanly(signum):
-    proc = subprocess.Popen([sys.executable, "-c", POLLING_TRAINER], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "READY"
-    proc.send_signal(signum)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    assert out.strip() == f"SAVING AFTER {signal.Signals(signum).name}"
-
-
-def test_install_and_uninstall_restore_previous_handlers():
-    """The stop is reported by its first signal (SLURM's warning, not the SIGTERM after it), and a
-    handler taken off can be put back. (Planted: the last signal reported; ``uninstall`` keeping the
-    replaced handlers, so a second ``install`` said it was already installed.)"""
-    seen = []
-    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
-    try:
-        handler = PreemptionHandler().install()
-        os.kill(os.getpid(), signal.SIGUSR1)
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert handler.requested and handler.signal_name == "SIGUSR1" and seen == []
-        handler.uninstall()
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert seen == [signal.SIGUSR1]
-        handler.clear()
-        assert not handler.requested
-        handler.install().uninstall()
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
-
-
-def test_install_off_the_main_thread_is_refused():
-    errors = []
-    thread = threading.Thread(target=lambda: errors.append(_try_install()))
-    thread.start()
-    thread.join()
-    assert "main thread" in errors[0]
-
-
-def _try_install() -> str:
-    try:
-        PreemptionHandler().install()
-    except RuntimeError as e:
-        return str(e)
-    return "installed"
 
 
 def test_range_reads_equal_the_library_and_refuse_a_bad_header(tmp_path):

@@ -14,7 +14,7 @@ from data_pipeline.indexed import IndexedDataset
 from data_pipeline.paths import inside_another, output_inside
 from data_pipeline.preprocess import preprocess
 from data_pipeline.tokenizer import train_sentencepiece
-from tests.test_data_preprocess import _refused
+from tests.preprocess_inputs import refused
 
 TEXTS = [f"document number {i} with a few words about folders and shards" for i in range(40)]
 
@@ -52,12 +52,12 @@ def test_cli_refuses_an_input_inside_another_and_shards_inside_an_input(model, t
     sub.mkdir()
     (sub / "b.jsonl").write_text(json.dumps({"text": TEXTS[20]}) + "\n")
     common = ["--tokenizer", model, "--no-progress", "--output-prefix"]
-    _refused(["preprocess", "--input", str(folder), str(folder / "a.jsonl"), *common, str(tmp_path / "o")], capsys,
+    refused(["preprocess", "--input", str(folder), str(folder / "a.jsonl"), *common, str(tmp_path / "o")], capsys,
              f"--input {folder / 'a.jsonl'} lies inside --input {folder}, which reads it already", "trained on twice")
-    _refused(["preprocess", "--input", str(sub), str(folder), *common, str(tmp_path / "o")], capsys,
+    refused(["preprocess", "--input", str(sub), str(folder), *common, str(tmp_path / "o")], capsys,
              f"--input {sub} lies inside --input {folder}")
     for prefix in (folder / "web", folder / "shards" / "web"):
-        _refused(["preprocess", "--input", str(folder), *common, str(prefix)], capsys,
+        refused(["preprocess", "--input", str(folder), *common, str(prefix)], capsys,
                  f"--output-prefix {prefix}: inside the input folder {folder}", "write them outside it")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
     assert sorted(p.name for p in folder.iterdir()) == ["a.jsonl", "c.parquet", "sub"]

@@ -7,8 +7,6 @@
 * A stop while torchrun or the workers start stops them without a torchrun failure report.
 * torchrun killed with SIGKILL: every worker notices and exits within seconds, each with a line.
 * The demo samples the run directory it trained, and not after a preemption.
-* ``PreemptionHandler``: a second Ctrl-C during the save stops the process at once, saying what is
-  lost; the same Ctrl-C delivered twice (by a scheduler and by the launcher) is one.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import pytest
 import yaml
 
 from megazero.checkpoint import verify_checkpoint
-from megazero.checkpoint.preemption import UNSAVED
 from megazero.config import load_config
 from parallel.launch import EXIT_STOPPED
 from tests.test_trainer import VOCAB, write_arithmetic_shard
@@ -315,58 +312,6 @@ def test_demo_samples_the_run_it_trained_and_not_after_a_preemption(tmp_path):
 
 
 # --- Ctrl-C in one process ----------------------------------------------------------------------
-
-SLOW_SAVE = textwrap.dedent("""
-    import sys, time
-    from megazero.checkpoint import PreemptionHandler
-
-    unsaved = (lambda: "steps 41-57 (the last checkpoint is step 40)") if sys.argv[1] == "described" else None
-    with PreemptionHandler(unsaved=unsaved) as preemption:
-        print("READY", flush=True)
-        while not preemption.requested:
-            time.sleep(0.01)  # training steps
-        print("SAVING AFTER", preemption.signal_name, flush=True)
-        time.sleep(float(sys.argv[2]))  # a save that takes a while
-    print("SAVED", flush=True)
-""")
-
-
-def _slow_saver(described: bool, save_s: float) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, "described" if described else "plain", str(save_s)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "READY"
-    return proc
-
-
-@pytest.mark.parametrize("described", [True, False])
-def test_second_ctrl_c_during_the_save_stops_at_once_saying_what_is_lost(described):
-    proc = _slow_saver(described, save_s=60)
-    proc.send_signal(signal.SIGINT)
-    assert proc.stdout.readline().strip() == "SAVING AFTER SIGINT"
-    time.sleep(1.0)  # a person's second Ctrl-C, not the first one delivered twice
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=10)
-    assert proc.returncode == 130 and "SAVED" not in out
-    lost = "steps 41-57 (the last checkpoint is step 40)" if described else UNSAVED
-    assert err.strip() == f"megazero: second interrupt: stopping now without saving; lost: {lost}", err
-
-
-def test_one_ctrl_c_delivered_twice_is_not_a_second_one(monkeypatch):
-    from megazero.checkpoint import preemption as module
-
-    now = [100.0]
-    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
-    handler = module.PreemptionHandler()
-    stops = []
-    monkeypatch.setattr(handler, "_stop_now", lambda: stops.append(now[0]))
-    handler._handle(signal.SIGINT, None)
-    now[0] += 0.05  # the copy the launch script passed on, just after the scheduler's own
-    handler._handle(signal.SIGINT, None)
-    assert handler.signal_name == "SIGINT" and stops == []
-    now[0] += module.SAME_INTERRUPT_S  # a person pressing Ctrl-C again
-    handler._handle(signal.SIGINT, None)
-    assert stops == [now[0]]
 
 
 @pytest.mark.parametrize("knobs, message", [
