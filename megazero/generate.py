@@ -18,6 +18,7 @@ from megazero.config.loader import build_dataclass, known_fields
 from megazero.config.schema import Config
 from megazero.convert.sources import finite
 from models import GPT
+from models.decode_graph import DecodeGraph
 from models.kv_cache import KVCache
 
 
@@ -85,7 +86,7 @@ def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 
     it has a token for, which may leave gaps below its largest) until ``new_tokens`` are drawn or an
     id in ``stop`` is (the end of a document: what follows it was trained as the start of an
     unrelated one). While prompt and draws fit the model's ``seq_length`` a ``KVCache`` keeps what
-    was read, so each draw reads one token; past it, each draw reads the last ``seq_length`` tokens
+    was read, so each draw reads one token (on a GPU, replayed from a ``DecodeGraph``); past it, each draw reads the last ``seq_length`` tokens
     afresh (every one of them then sits a position earlier than when it was read). The model is on
     ``device``, and so are the choice of the top-k and the greedy argmax (a vocabulary's logits
     copied to the host each draw cost a GPU decode more than its products); the draw among the
@@ -97,9 +98,13 @@ def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 
     drawable = drawable.to(device)
     context = model.cfg.seq_length
     cache = KVCache(min(context, len(tokens) + new_tokens))  # what the draws read, not the whole context
+    graph = None
     for _ in range(new_tokens):
         if len(tokens) <= context:
-            out = model.decode(torch.tensor([tokens[cache.length:]], device=device), cache)
+            fresh = torch.tensor([tokens[cache.length:]], device=device)
+            if graph is None and cache.length and fresh.device.type == "cuda":  # the prompt is read
+                graph = DecodeGraph(model, cache, batch=1, device=fresh.device)
+            out = model.decode(fresh, cache) if graph is None else graph(fresh)
         else:
             out = model(torch.tensor([tokens[-context:]], device=device))[:, -1]
         logits = out[0, :model.vocab_size].float()[drawable]

@@ -17,7 +17,7 @@ from torch import nn
 
 from models import ops
 from models.config import ModelConfig
-from models.kv_cache import LayerCache
+from models.kv_cache import LayerCache, Start, positions
 
 
 class AttentionCore(nn.Module):
@@ -65,9 +65,13 @@ class Attention(nn.Module):
         self.rotary_cos.copy_(cos)
         self.rotary_sin.copy_(sin)
 
-    def rotary(self, seq: int, dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, seq: int, dtype: torch.dtype, start: Start = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for positions start..start+seq-1 in ``dtype``: the tables' rows (rounded from
-        fp32, as ``ops.rotary_tables`` rounds), or computed for a sequence longer than the config's."""
+        fp32, as ``ops.rotary_tables`` rounds), or computed for a sequence longer than the config's.
+        A device ``start`` (a CUDA graph's decode) is inside the tables: its cache is no longer."""
+        if not isinstance(start, int):
+            rows = positions(start, seq, self.rotary_cos.device)
+            return self.rotary_cos.index_select(0, rows).to(dtype), self.rotary_sin.index_select(0, rows).to(dtype)
         end = start + seq
         if end > self.rotary_cos.shape[0]:
             cos, sin = ops.rotary_tables(end, self.head_dim, self.rope_theta, self.rotary_cos.device, dtype)

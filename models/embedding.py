@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
+from models.kv_cache import Start, positions
 
 POSITION_EMBEDDINGS = ("learned", "rope")  # the values of model.position_embedding: a table here, or rotary in attention
 VOCAB_MULTIPLE = 128
@@ -37,9 +38,9 @@ class Embedding(nn.Module):
                           if cfg.position_embedding == "learned" else None)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, start: Start = 0) -> torch.Tensor:
         """``start``: the position of the first of ``ids`` (decoding after the tokens a cache holds)."""
         x = self.tokens(ids)
         if self.positions is not None:
-            x = x + self.positions(torch.arange(start, start + ids.shape[1], device=ids.device))
+            x = x + self.positions(positions(start, ids.shape[1], ids.device))
         return self.dropout(x)

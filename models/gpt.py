@@ -192,7 +192,7 @@ class GPT(nn.Module):
         reads a prompt once, then each drawn token alone, and needs the logits of the last position
         alone (the rest would cost a vocabulary-wide product per prompt token)."""
         cache.check_room(ids.shape[1])  # before the positions are looked up: a learned table ends there
-        x = self.embedding(ids, cache.length)
+        x = self.embedding(ids, cache.start)
         for name, block in self.layers.items():
             x = block(x, cache.layer(name))
         cache.advance(ids.shape[1])

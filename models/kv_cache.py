@@ -7,9 +7,20 @@ model decodes (``megazero generate``); training never builds one.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
+
+Start = Union[int, torch.Tensor]
+"""Where a forward's tokens begin: a host int, or a device scalar while the forward runs inside a CUDA
+graph (whose replays each decode at another position, which a host int would have baked in)."""
+
+
+def positions(start: Start, count: int, device) -> torch.Tensor:
+    """Positions ``start .. start + count - 1`` on ``device``."""
+    if isinstance(start, int):
+        return torch.arange(start, start + count, device=device)
+    return start + torch.arange(count, device=device)
 
 
 class KVCache:
@@ -24,7 +35,14 @@ class KVCache:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.length = 0
+        self.position: Optional[torch.Tensor] = None  # set for a CUDA graph's forwards: see ``start``
         self._layers: dict[str, LayerCache] = {}
+
+    @property
+    def start(self) -> Start:
+        """The position of the first token of the forward in progress: ``length``, or, once
+        ``position`` is set, that device scalar (its owner keeps it equal to ``length``)."""
+        return self.length if self.position is None else self.position
 
     def layer(self, name: str) -> LayerCache:
         """The cache of the layer named ``name`` (a block's name in the model)."""
@@ -52,18 +70,26 @@ class LayerCache:
         self.values: Optional[torch.Tensor] = None
 
     @property
-    def start(self) -> int:
+    def start(self) -> Start:
         """The position of the first token of the forward in progress."""
-        return self.owner.length
+        return self.owner.start
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' ``k`` and ``v`` ([batch, kv_heads, seq, head_dim]) after the ones read
-        before, and return the keys and values of every position read, these included."""
-        start, end = self.start, self.start + k.shape[2]
+        before, and return the keys and values of every position read, these included. At a device
+        ``start`` they are every position the cache can hold (shapes a graph can replay), those past
+        the new tokens unwritten or stale: the causal mask from ``start`` hides them."""
         if self.keys is None:
             shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
             self.keys = k.new_empty(shape)
             self.values = v.new_empty(shape)
+        start = self.start
+        if not isinstance(start, int):
+            at = positions(start, k.shape[2], k.device)
+            self.keys.index_copy_(2, at, k)
+            self.values.index_copy_(2, at, v)
+            return self.keys, self.values
+        end = start + k.shape[2]
         self.keys[:, :, start:end] = k
         self.values[:, :, start:end] = v
         return self.keys[:, :, :end], self.values[:, :, :end]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from models import kernels
+from models.kv_cache import Start, positions
 
 IGNORE_INDEX = -100
 """Label value whose position contributes neither loss nor gradient (padding, document masks)."""
@@ -141,16 +142,19 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 attention.reference = sdpa_attention
 
 
-def attention_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def attention_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: Start) -> torch.Tensor:
     """Causal attention of queries at positions ``start ..`` over keys and values at ``0 ..`` (the
     tokens a decoding cache holds, then the queries' own), without dropout: SDPA's ``is_causal``
     aligns its mask to the first key, which is right only when the two start together. One query
-    (a drawn token) sees every key: no mask, whose making cost a decode five launches a layer."""
-    if start == 0:
-        return attention(q, k, v, 0.0)
-    if q.shape[2] == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
-    rows = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
+    (a drawn token) at a host ``start`` sees every key: no mask, whose making cost a decode five
+    launches a layer. At a device ``start`` (a CUDA graph's replays) the mask is always made: it
+    hides the keys past the queries, which the cache then returns too."""
+    if isinstance(start, int):
+        if start == 0:
+            return attention(q, k, v, 0.0)
+        if q.shape[2] == 1:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+    rows = positions(start, q.shape[2], q.device)[:, None]
     visible = torch.arange(k.shape[2], device=q.device)[None, :] <= rows
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
 

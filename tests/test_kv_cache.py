@@ -64,3 +64,56 @@ def test_a_cache_refuses_positions_past_its_capacity(preset):
     with pytest.raises(ValueError, match="a KV cache of 5 positions cannot take positions 3..5"):
         model.decode(torch.zeros(1, 3, dtype=torch.long), small)
     assert small.length == 3 and small.layer("0").keys.shape[2] == 5  # the layers hold only what was asked
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_a_position_held_on_the_device_gives_the_same_logits(preset):
+    """A CUDA graph's decode reads the position from a tensor (``KVCache.position``), writes keys and
+    values at it and attends over the whole cache under a causal mask: here on the CPU, with stale
+    keys left past the position, each one-token step after a prompt equals the whole forward.
+    (Planted: the mask not made for one query, so the stale keys were read; the learned or rotary
+    positions taken from the host count.)"""
+    cfg = config(preset)
+    model = GPT(cfg, seed=5).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = model(ids)
+        cache = KVCache(cfg.seq_length)
+        model.decode(ids[:, :5], cache)
+        for layer in cache._layers.values():  # what a warm-up or an earlier text left there
+            layer.keys[:, :, 5:] = 100.0
+            layer.values[:, :, 5:] = -100.0
+        cache.position = torch.tensor(5)
+        steps = []
+        for end in range(6, cfg.seq_length + 1):
+            cache.position.fill_(cache.length)
+            cache.length = 0  # a host count the device path must not read (it is restored below)
+            steps.append(model.decode(ids[:, end - 1:end], cache))
+            cache.length = end
+    cached = torch.stack(steps, dim=1)
+    error = (cached - whole[:, 5:]).abs().max().item()
+    assert error <= RTOL * whole.abs().max().item(), (preset, error)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_a_decode_graphs_replays_give_the_whole_forwards_logits(preset):
+    """Each replay of a ``DecodeGraph`` (the GPU's fused kernels, captured after a prompt) reads its
+    own token at its own position: its logits equal the whole forward's at every step, and the cache
+    counts each position once."""
+    from models.decode_graph import DecodeGraph
+
+    cfg = config(preset)
+    model = GPT(cfg, seed=5).eval().cuda()
+    ids = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        whole = model(ids)
+        cache = KVCache(cfg.seq_length)
+        model.decode(ids[:, :5], cache)
+        graph = DecodeGraph(model, cache, batch=1, device=ids.device)
+        assert cache.length == 5
+        steps = [graph(ids[:, end - 1:end]).clone() for end in range(6, cfg.seq_length + 1)]
+    assert cache.length == cfg.seq_length
+    error = (torch.stack(steps, dim=1) - whole[:, 5:]).abs().max().item()
+    assert error <= 1e-4 * whole.abs().max().item(), (preset, error)
