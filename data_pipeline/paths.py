@@ -174,15 +174,42 @@ def temp_name(path: str, suffix: str = "") -> str:
     return f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}{suffix}"
 
 
+def fsync_dir(path) -> None:
+    """Make a rename or a new entry in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def written_whole(path: str, suffix: str = "") -> Iterator[str]:
     """A temporary name beside ``path`` (``temp_name``) for the block to write; renamed onto ``path``
     when the block succeeds, so a reader never sees half a file, and removed when it fails (a full
-    disk, a kill), so no partial file is left holding the space a retry needs."""
+    disk, a kill), so no partial file is left holding the space a retry needs. The file's bytes reach
+    the disk before its rename, and the rename before the block's caller goes on: a power loss left
+    a curation shard cut short under its final name, with the completion marker written after it
+    intact, and the next stage read a shard missing documents, or a damaged one."""
     tmp = temp_name(path, suffix)
     try:
         yield tmp
+        _fsync_file(tmp)
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

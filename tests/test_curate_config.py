@@ -72,8 +72,14 @@ def refused(tmp_path, capsys, raw: dict, *overrides: str) -> str:
     ("fuzzy_dedup.partitions", "-1", r"fuzzy_dedup\.partitions: -1 must be at least 0"),
     ("decontaminate.max_doc_freq", "0", r"decontaminate\.max_doc_freq: 0 must be at least 2; .*nothing would be removed"),
     ("decontaminate.max_doc_freq", "1", r"decontaminate\.max_doc_freq: 1 must be at least 2"),
-    ("decontaminate.ngram", "0", r"decontaminate\.ngram: 0 must be at least 1"),
-    ("decontaminate.ngram", "-2", r"decontaminate\.ngram: -2 must be at least 1"),
+    ("decontaminate.ngram", "0", r"decontaminate\.ngram: 0 is outside \[1, 1000\]"),
+    ("decontaminate.ngram", "-2", r"decontaminate\.ngram: -2 is outside \[1, 1000\]"),
+    # asked numpy for terabytes of multipliers while the config was checked: its traceback
+    ("decontaminate.ngram", "1000000000000", r"decontaminate\.ngram: 1000000000000 is outside \[1, 1000\]; it is the "
+     r"words in a compared n-gram"),
+    # a task record's fields are names: a nested list was a TypeError's traceback
+    ("decontaminate.task_fields", "[[text]]", r"decontaminate\.task_fields\[0\]: .*a string"),
+    ("decontaminate.task_fields", "[text, [answer]]", r"decontaminate\.task_fields\[1\]: .*a string"),
     ("decontaminate.margin", "-1", r"decontaminate\.margin: -1 must be at least 0"),
     # below 0, every document with a match would be dropped whole, however few its splits
     ("decontaminate.max_splits", "-1", r"decontaminate\.max_splits: -1 must be at least 0"),

@@ -167,9 +167,10 @@ def test_task_files_with_nothing_to_find_are_named(tmp_path):
 def test_the_word_table_is_res_word_class_but_underscore_and_the_combining_marks():
     import unicodedata
 
-    is_word, _ = _bmp_tables()
+    is_word, _, invisible = _bmp_tables()
     assert is_word.tolist() == [re.fullmatch(r"[^\W_]", chr(c)) is not None or unicodedata.category(chr(c))[0] == "M"
                                 for c in range(0x10000)]
+    assert invisible.tolist() == [unicodedata.category(chr(c)) == "Cf" for c in range(0x10000)]
 
 
 def test_indic_words_are_whole_and_greek_capitals_match_their_final_sigma():
@@ -337,3 +338,27 @@ def test_a_task_is_found_in_the_form_the_clean_stage_repairs_it_to(tmp_path, fix
     assert result["stages"][-1]["hits"] == {"qa": len(NgramKeys(13).words([held])[0]) - 12}  # every 13-gram
     assert [r["id"] for r in records] == ["d0#0", "d0#1"]
     assert not any("caf" in r["text"] for r in records)
+
+
+@pytest.mark.parametrize("mark", ["\u00ad", "\u200b", "\u200c", "\u200d", "\u2060", "\ufeff"])
+@pytest.mark.parametrize("where", ["document", "task"])
+def test_invisible_characters_inside_a_word_do_not_hide_a_match(tmp_path, mark, where):
+    """A soft hyphen (web text's ``&shy;``, which the clean stage keeps), a zero-width space, joiner
+    or non-joiner, a word joiner or a byte-order mark inside a word split it in two, so every 13-gram
+    over that word missed: the leak passed whole (planted: format characters read as breaks). The
+    cut still counts the document's characters as written."""
+    hidden = TASK.replace("quiet", f"qui{mark}et").replace("lazy", f"la{mark}{mark}zy")
+    doc_text, task_text = (hidden, TASK) if where == "document" else (TASK, hidden)
+    doc = f"{FILLER} {doc_text} {FILLER}"
+    records, stats = run(tmp_path, [doc], tasks={"qa.jsonl": task_text})
+    assert stats["hits"] == {"qa": 4}, stats
+    start = doc.index(doc_text)
+    assert [r["text"] for r in records] == [doc[:start - 200].strip(), doc[start + len(doc_text) + 200:].strip()]
+
+
+def test_a_word_read_through_invisible_characters_keeps_its_place_in_the_text():
+    text = "\u00adsoft\u00adhyphen\u200b and\u2060 \u200b\u200bmore"
+    _, starts, ends, _ = NgramKeys(13).words([text, "next"])
+    assert [text[a:b] for a, b in zip(starts.tolist()[:3], ends.tolist()[:3])] == [
+        "soft\u00adhyphen", "and", "more"]
+    assert starts.tolist()[3] == 0 and ends.tolist()[3] == 4  # the next text's word, in its own places

@@ -109,3 +109,37 @@ def test_a_shard_of_empty_lists_takes_the_other_shards_list_type(tmp_path):
     result = run_pipeline(build_config(raw), log=lambda line: None)
     assert {str(pq.read_schema(s).field("tags").type) for s in result["shards"]} == {"list<element: string>"}
     assert [r["tags"] for s in result["shards"] for r in read_shard(s)] == tags
+
+
+@pytest.mark.parametrize("name", ["shard-00000-00000.jsonl", "shard-00000-00000.jsonl.gz", "shard-00000-00000.parquet"])
+def test_a_damaged_shard_is_named_with_the_way_out(tmp_path, name):
+    """A stage's shard cut short (a disk that failed) stopped the next stage with the JSON parser's
+    words alone, "Unterminated string starting at: line 1 column 30", naming no file."""
+    path = tmp_path / name
+    write_shard(str(path), [{"id": str(i), "text": f"document {i} " * 20} for i in range(50)])
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError) as refused:
+        read_shard(str(path))
+    message = str(refused.value)
+    assert message.startswith(f"{path}: damaged (") and "\n" not in message, message
+    assert message.endswith("; delete its stage directory (and the stages after it) and run again"), message
+
+
+def test_a_file_written_whole_reaches_the_disk_before_its_name(tmp_path, monkeypatch):
+    """The bytes are synced before the rename and the folder after it: without the first, a power loss
+    could leave a shard cut short under its final name beside the marker that counts it done."""
+    import os
+
+    from data_pipeline.paths import written_whole
+
+    events = []
+    sync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or sync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(b))) or replace(a, b))
+    path = tmp_path / "shard.jsonl"
+    with written_whole(str(path)) as tmp:
+        with open(tmp, "w") as f:
+            f.write("{}\n")
+    assert [e[0] for e in events] == ["fsync", "replace", "fsync"], events
+    assert events[0][1] == tmp and events[1][1] == str(path) and events[2][1] == str(tmp_path), events

@@ -42,7 +42,7 @@ STAGES = ("clean", "quality", "exact_dedup", "fuzzy_dedup", "decontaminate")
 
 @dataclass
 class InputConfig:
-    paths: list = field(default_factory=list)  # files or glob patterns: .jsonl(.gz/.zst), .parquet
+    paths: list[str] = field(default_factory=list)  # files or glob patterns: .jsonl(.gz/.zst), .parquet
     text_field: str = "text"
     id_field: str = DEFAULT_ID_FIELD  # a record without it gets the id FILE:LINE (FILE:ROW for parquet)
     shard_docs: int = 10_000  # documents per shard: the unit of work and of memory
@@ -89,7 +89,7 @@ class CurateConfig:
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
-    stages: list = field(default_factory=lambda: ["clean", "exact_dedup", "fuzzy_dedup"])
+    stages: list[str] = field(default_factory=lambda: ["clean", "exact_dedup", "fuzzy_dedup"])
     strict: bool = False  # any bad input record is fatal (default: counted in stats.json and left out)
     clean: CleanConfig = field(default_factory=CleanConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)

@@ -1,16 +1,17 @@
 """``decontaminate``: cut evaluation-task 13-grams out of the training documents (GPT-3 / MT-NLG rules).
 
-Text is compared as lower-cased words (runs of ``\\w`` and combining marks, so punctuation and spacing
-do not matter), in Unicode's composed form (NFC): an accented letter written as a letter and a
-combining mark is the same word as the precomposed letter, whichever form the task or the document
-uses. Task texts are searched as written and as the clean stage's Unicode repair makes them. For
-every 13-gram of a document that also occurs in a task, the match plus ``margin`` (200) characters
-on each side is removed; the document falls apart into the pieces between removals, pieces under
-``min_piece_chars`` (200) are dropped, and a document split more than ``max_splits`` (10) times is
-dropped whole. 13-grams found in ``max_doc_freq`` (10) or more training documents are common
-phrases rather than leaked test items, and are ignored; counting them is the ``doc_freq``
-sub-stage, which runs first over every shard and also records each shard's hits, so the cutting
-pass splits into words only the documents that have one.
+Text is compared as lower-cased words (runs of ``\\w`` and combining marks, so punctuation and
+spacing do not matter; invisible format characters such as soft hyphens are skipped), in Unicode's
+composed form (NFC): an accented letter written as a letter and a combining mark is the same word as
+the precomposed letter, whichever form the task or the document uses. Task texts are searched as
+written and as the clean stage's Unicode repair makes them. For every 13-gram of a document that
+also occurs in a task, the match plus ``margin`` (200) characters on each side is removed; the
+document falls apart into the pieces between removals, pieces under ``min_piece_chars`` (200) are
+dropped, and a document split more than ``max_splits`` (10) times is dropped whole. 13-grams found
+in ``max_doc_freq`` (10) or more training documents are common phrases rather than leaked test
+items, and are ignored; counting them is the ``doc_freq`` sub-stage, which runs first over every
+shard and also records each shard's hits, so the cutting pass splits into words only the documents
+that have one.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ from data_pipeline.sources import BadRecord, check_compression, iter_lines, reco
 
 HIT = np.dtype([("row", np.int64), ("window", np.int64), ("key", np.uint64)])  # a task n-gram in a shard
 BATCH_CHARS = 1 << 20  # characters hashed together: amortises numpy's per-call cost, bounds the arrays
+MAX_NGRAM = 1000
+"""Most words in a compared n-gram: a key costs a pass over the words per word of it (GPT-3 compared
+13, others 8 to 50), and 1e12 asked for a table of terabytes before the first document."""
 
 
 @dataclass
 class DecontaminateConfig:
-    tasks: list = field(default_factory=list)  # jsonl/parquet files of evaluation texts, one task per file
-    task_fields: list = field(default_factory=lambda: ["text"])  # fields of a task record that hold text
+    tasks: list[str] = field(default_factory=list)  # jsonl/parquet files of evaluation texts, one task per file
+    task_fields: list[str] = field(default_factory=lambda: ["text"])  # fields of a task record that hold text
     ngram: int = 13
     margin: int = 200  # characters removed on each side of a match
     min_piece_chars: int = 200  # shorter pieces left after removal are dropped
@@ -48,7 +52,7 @@ class DecontaminateConfig:
     def problems(self) -> list[str]:
         """Out-of-range options. A match is always in at least one document, so a max_doc_freq under
         2 ignores every match and the stage would remove nothing without a word."""
-        problems = within("decontaminate.ngram", self.ngram, 1,
+        problems = within("decontaminate.ngram", self.ngram, 1, MAX_NGRAM,
                           meaning="it is the words in a compared n-gram (GPT-3: 13)")
         for name in ("margin", "min_piece_chars", "max_splits"):
             problems += within(f"decontaminate.{name}", getattr(self, name), 0)
@@ -169,26 +173,37 @@ def _lower(ch: str) -> int:
     return ord("σ") if low == "ς" else ord(low)
 
 
+def _is_invisible(ch: str) -> bool:
+    """A format character (Unicode category Cf: the soft hyphen, zero-width spaces and joiners, the
+    word joiner, a byte-order mark): it shows nothing, so it is in no word and splits none. Web text
+    is full of soft hyphens (``&shy;``), which the clean stage keeps; taken as a break, one in any
+    word of a leaked passage hid every 13-gram over it."""
+    return unicodedata.category(ch) == "Cf"
+
+
 @functools.cache
-def _bmp_tables() -> tuple[np.ndarray, np.ndarray]:
-    """For each code point below 0x10000: is it a word character, and its lower-case code point."""
+def _bmp_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each code point below 0x10000: is it a word character, its lower-case code point, and is it
+    invisible (``_is_invisible``)."""
     chars = [chr(c) for c in range(0x10000)]
-    return np.array([_is_word_char(ch) for ch in chars]), np.array([_lower(ch) for ch in chars], dtype=np.uint64)
+    return (np.array([_is_word_char(ch) for ch in chars]), np.array([_lower(ch) for ch in chars], dtype=np.uint64),
+            np.array([_is_invisible(ch) for ch in chars]))
 
 
-def _classify(cps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(is a word character, lower-case code point) of each code point; the rare ones above the BMP
-    are looked up one distinct value at a time."""
-    is_word, lower = _bmp_tables()
+def _classify(cps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(is a word character, lower-case code point, is invisible) of each code point; the rare ones
+    above the BMP are looked up one distinct value at a time."""
+    is_word, lower, is_invisible = _bmp_tables()
     astral = cps > 0xFFFF
     index = np.where(astral, 0, cps)
-    word, low = is_word[index], lower[index]
+    word, low, invisible = is_word[index], lower[index], is_invisible[index]
     if astral.any():
         values, inverse = np.unique(cps[astral], return_inverse=True)
         chars = [chr(c) for c in values.tolist()]
         word[astral] = np.array([_is_word_char(ch) for ch in chars])[inverse]
         low[astral] = np.array([_lower(ch) for ch in chars], dtype=np.uint64)[inverse]
-    return word, low
+        invisible[astral] = np.array([_is_invisible(ch) for ch in chars])[inverse]
+    return word, low, invisible
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -218,13 +233,18 @@ class NgramKeys:
         ``batches`` and the cutting pass compose them first."""
         joined = "\n".join(texts)  # a separator that is not \\w: no word spans two texts
         cps = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        word, low = _classify(cps)
+        word, low, invisible = _classify(cps)
+        seen = np.flatnonzero(~invisible) if invisible.any() else None  # words are read without them
+        if seen is not None:
+            word, low = word[seen], low[seen]
         bounds = np.flatnonzero(np.diff(np.concatenate([[False], word, [False]]).view(np.int8)))
         starts, ends = bounds[0::2], bounds[1::2]
         first = np.cumsum(np.concatenate([[0], ends - starts]))[:-1]  # each word's first character below
         position = np.arange(int(word.sum())) - np.repeat(first, ends - starts)
         terms = (low[word] + np.uint64(1)) * (_mix(position.astype(np.uint64)) | np.uint64(1))
         hashes = _mix(np.add.reduceat(terms, first)) if len(first) else np.zeros(0, np.uint64)
+        if seen is not None:  # back to places in the texts as written
+            starts, ends = seen[starts], seen[ends - 1] + 1
         text_starts = np.cumsum([0] + [len(t) + 1 for t in texts])
         offsets = np.searchsorted(starts, text_starts)
         text_of_word = np.repeat(np.arange(len(texts)), np.diff(offsets))

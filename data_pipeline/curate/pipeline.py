@@ -81,7 +81,7 @@ def run_ingest(ctx: Context, out_dir: str) -> dict:
     results = ctx.run(out_dir, tasks, "input")
     unreadable = [r[UNREADABLE] for r in results if UNREADABLE in r]
     if unreadable:  # its fix changes an input or input.text_field, and so this stage's fingerprint: none is kept
-        shutil.rmtree(out_dir)
+        _discard(out_dir)
         more = f" (and {len(unreadable) - 1} more input files alike)" if len(unreadable) > 1 else ""
         raise ValueError(f"input.paths: {unreadable[0]}{more}")
     parquet = sorted(glob.glob(os.path.join(out_dir, "*.parquet")))
@@ -89,13 +89,13 @@ def run_ingest(ctx: Context, out_dir: str) -> dict:
         try:
             schema = unified_schema(parquet)
         except ValueError as mixed:
-            shutil.rmtree(out_dir)
+            _discard(out_dir)
             raise ValueError(f"input.paths: {mixed}; give the field one type in the input, or set output.format "
                              "to jsonl") from None
         conform_shards(parquet, schema)
     stats = merge_stats(results)
     if stats["docs_out"] == 0:  # nothing here is worth resuming: a corrected config starts afresh
-        shutil.rmtree(out_dir)  # (a file with records but no good one was refused above: every file is empty)
+        _discard(out_dir)  # (a file with records but no good one was refused above: every file is empty)
         raise ValueError(f"input.paths: no documents in {i.paths}: every input file is empty; give jsonl or parquet "
                          f"files of records with a {i.text_field!r} string (input.text_field)")
     return stats
@@ -175,7 +175,7 @@ def _file_facts(path: str) -> list:
     return [path, st.st_size, st.st_mtime_ns]
 
 
-RULES = 4
+RULES = 5
 """What the stages compute, in the input stage's fingerprint (so in every later one's upstream digest):
 raised when a fix changes what a stage writes from the same inputs and options, so a finished stage
 made by the code before is refused by name, not kept beside new ones. 2: parquet shards keep every
@@ -184,7 +184,8 @@ fuzzy dedup compare text in NFC. 4: clean keeps indentation and counts a Han or 
 a letter or digit as a word of its own; decontamination credits an n-gram of several tasks to each;
 input keeps a whole-float id as its integer and counts an id of another kind as a bad record; parquet
 shards keep the input's schema through every stage; the quality stage reads a document's ``__label__``
-words as text."""
+words as text. 5: decontamination reads words through invisible format characters (soft hyphens,
+zero-width spaces and joiners)."""
 
 
 def _digest(fingerprint: dict) -> str:
@@ -205,9 +206,32 @@ def _check_fingerprint(stage_dir: str, fingerprint: dict, complete: bool, log) -
                              "(and the stages after it) or choose another output.dir")
         log(f"{os.path.basename(stage_dir)}: discarding its unfinished output, made with other settings "
             f"({', '.join(changed)} differ)")
-        shutil.rmtree(stage_dir)
+        _discard(stage_dir)
     os.makedirs(stage_dir, exist_ok=True)
     atomic_write_text(path, json.dumps(fingerprint, indent=1, sort_keys=True))
+
+
+DISCARDED = ".discarded"
+"""Suffix of a stage directory on its way out (``_discard``); one a killed run left is removed when
+the next run starts."""
+
+
+def _discard(directory: str) -> None:
+    """Remove a stage's directory in one step: renamed aside, then deleted. Deleted in place, a run
+    killed part-way could leave the directory without its stage.json but with its tasks' completion
+    markers, and the next run took it for a new stage whose tasks were done (their shards gone, or
+    made with the old settings)."""
+    aside = directory + DISCARDED
+    if os.path.lexists(aside):
+        shutil.rmtree(aside)
+    os.rename(directory, aside)
+    shutil.rmtree(aside)
+
+
+def _remove_discarded(out: str) -> None:
+    """What a run killed while discarding a stage left of it (``_discard``)."""
+    for path in glob.glob(os.path.join(glob.escape(out), "*" + DISCARDED)):
+        shutil.rmtree(path)
 
 
 def _read_json(path: str) -> dict:
@@ -247,7 +271,7 @@ def _refuse_empty_stage(name: str, stage_dir: str, stats: dict) -> None:
     as the input's does, so the run with corrected settings starts it afresh."""
     if name == "input" or not stats.get("docs_in") or stats["docs_out"]:
         return
-    shutil.rmtree(stage_dir)
+    _discard(stage_dir)
     dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.get("dropped", {}).items()))
     raise ValueError(f"{name}: dropped all {stats['docs_in']} documents ({dropped}); loosen the {name} "
                      f"settings (override one with --{name}.FIELD VALUE) and run again")
@@ -266,6 +290,7 @@ def run_pipeline(cfg: CurateConfig, progress: bool = False, log=print) -> dict:
     out = cfg.output.dir
     made = not os.path.lexists(out)
     os.makedirs(out, exist_ok=True)
+    _remove_discarded(out)
     executor = make_executor(cfg.executor.kind, cfg.executor.workers, cfg.executor.ray_address)
     ctx = Context(cfg, executor, progress)
     try:

@@ -46,11 +46,20 @@ def _shard_numbers(path: str) -> tuple:
 
 
 def read_shard(path: str) -> list[dict]:
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+    """A stage's shard, as its records. Shards are this pipeline's own output, so one that does not
+    read is damaged (a disk that failed, an edit by hand): said naming it, with the way out."""
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    return [json.loads(line) for _, line in iter_lines(path)]
+            return pq.read_table(path).to_pylist()
+        return [json.loads(line) for _, line in iter_lines(path)]
+    except (ValueError, UnicodeDecodeError, OSError) as exc:  # pyarrow's errors are ValueErrors or OSErrors
+        if isinstance(exc, (FileNotFoundError, PermissionError)):
+            raise
+        words = (str(exc).splitlines() or [type(exc).__name__])[0].removeprefix(f"{path}: ")
+        raise ValueError(f"{path}: damaged ({words}); delete its stage directory (and the stages after it) "
+                         "and run again") from None
 
 
 def write_shard(path: str, records: list[dict], like: str | None = None) -> None:

@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple, Optional
 
-from data_pipeline.paths import empty_path_problem
+from data_pipeline.paths import empty_path_problem, fsync_dir
 
 from megazero.checkpoint import serialization
 from megazero.errors import UserError
@@ -111,20 +111,6 @@ class HashingWriter:
 
     def flush(self) -> None:
         self.f.flush()
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
