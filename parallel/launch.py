@@ -1,9 +1,10 @@
 """Both sides of the launcher: the workers' view of it, and the launcher itself.
 
 Workers: torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE; under SLURM without torchrun the
-same facts come from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE. With neither, the
-process is a world of one, which still gets a (gloo, in-memory) process group so every code path
-is the same whatever the world size. A worker started by torchrun exits when torchrun is gone.
+same facts come from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE (else
+SLURM_TASKS_PER_NODE); every node must run the same number of ranks. With neither, the process is a
+world of one, which still gets a (gloo, in-memory) process group so every code path is the same
+whatever the world size. A worker started by torchrun exits when torchrun is gone.
 
 Launcher: ``python -m parallel.launch [torchrun arguments]`` is torchrun with the stop signals
 (SIGTERM, SIGUSR1, SIGINT) passed to the workers instead of handled by torchrun; see ``main``. The
@@ -36,47 +37,89 @@ class LaunchEnv:
     rank: int
     world_size: int
     local_rank: int
-    local_world_size: int
+    local_world_size: int  # the same on every node: ``read_launch_env`` refuses a launch where it is not
 
     @property
     def num_nodes(self) -> int:
-        return -(-self.world_size // self.local_world_size)
+        return self.world_size // self.local_world_size
 
 
-def _slurm_tasks_per_node(env: Mapping[str, str]) -> Optional[int]:
-    value = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
-    match = re.match(r"(\d+)", value)  # SLURM_TASKS_PER_NODE looks like "8(x4)"
-    return int(match.group(1)) if match else None
+def _count(env: Mapping[str, str], name: str, default: Optional[int] = None, low: int = 0) -> int:
+    """The whole number in variable ``name`` (``default`` where it is unset), refused below ``low``."""
+    text = env.get(name)
+    if text is None and default is not None:
+        return default
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < low:
+        raise LaunchError(f"environment variable {name}={text!r}: expected a whole number of {low} or more")
+    return value
+
+
+_SLURM_NODE_COUNTS = re.compile(r"([1-9]\d*)(?:\(x[1-9]\d*\))?")  # one item of SLURM_TASKS_PER_NODE: "4", "3(x2)"
+
+
+def _slurm_tasks_per_node(env: Mapping[str, str]) -> tuple[Optional[int], str]:
+    """(tasks per node, the variable that said so) under srun; (None, "") where neither variable is set.
+
+    SLURM_TASKS_PER_NODE lists every node's count, run-length coded ("4,3(x2)" from ``srun -N3 -n10``).
+    Its first count alone was read: nodes of 4, 3 and 3 tasks passed for nodes of 4, and a tensor
+    group checked to sit in a node spanned two. The ranks per node must be one number (the grid
+    and the tp-within-node check assume it), so a list of different counts is refused."""
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return _count(env, "SLURM_NTASKS_PER_NODE", low=1), "SLURM_NTASKS_PER_NODE"
+    text = env.get("SLURM_TASKS_PER_NODE")
+    if text is None:
+        return None, ""
+    items = [_SLURM_NODE_COUNTS.fullmatch(item) for item in text.split(",")]
+    if not all(items):
+        raise LaunchError(f"environment variable SLURM_TASKS_PER_NODE={text!r}: expected SLURM's list of tasks "
+                          "per node, such as '8(x4)' or '4,4', of 1 or more each")
+    counts = sorted({int(item.group(1)) for item in items}, reverse=True)
+    if len(counts) > 1:
+        raise LaunchError(f"environment variable SLURM_TASKS_PER_NODE={text!r}: the nodes run different numbers of "
+                          f"tasks ({', '.join(map(str, counts))}); launch the same number on every node "
+                          "(srun --ntasks-per-node)")
+    return counts[0], "SLURM_TASKS_PER_NODE"
 
 
 def read_launch_env(env: Mapping[str, str] = os.environ) -> LaunchEnv:
     """This process's place in the launch, from torchrun's or SLURM's variables (one process if
-    neither is set); a variable that is not a count in range is a ``LaunchError`` naming it."""
-    def count(name: str, default: Optional[int] = None, low: int = 0) -> int:
-        text = env.get(name)
-        if text is None and default is not None:
-            return default
-        try:
-            value = int(text)
-        except (TypeError, ValueError):
-            value = None
-        if value is None or value < low:
-            raise LaunchError(f"environment variable {name}={text!r}: expected a whole number of {low} or more")
-        return value
-
+    neither is set); a variable that is not a count in range, or that disagrees with the others, is a
+    ``LaunchError`` naming it."""
     if "WORLD_SIZE" in env:  # torchrun sets RANK too; WORLD_SIZE alone describes a launch to --check
-        world = count("WORLD_SIZE", low=1)
-        launch = LaunchEnv(count("RANK", 0), world, count("LOCAL_RANK", 0), count("LOCAL_WORLD_SIZE", world, low=1))
+        world = _count(env, "WORLD_SIZE", low=1)
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+        launch = LaunchEnv(_count(env, "RANK", 0), world, _count(env, "LOCAL_RANK", 0),
+                           _count(env, "LOCAL_WORLD_SIZE", world, low=1))
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world = count("SLURM_NTASKS", low=1)
-        launch = LaunchEnv(count("SLURM_PROCID"), world, count("SLURM_LOCALID", 0),
-                           _slurm_tasks_per_node(env) or world)
+        world = _count(env, "SLURM_NTASKS", low=1)
+        per_node, per_node_name = _slurm_tasks_per_node(env)
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", per_node_name or "SLURM_NTASKS")
+        launch = LaunchEnv(_count(env, "SLURM_PROCID"), world, _count(env, "SLURM_LOCALID", 0), per_node or world)
     else:
         return LaunchEnv(0, 1, 0, 1)
+    _check_launch(launch, names)
+    return launch
+
+
+def _check_launch(launch: LaunchEnv, names: tuple[str, str, str, str]) -> None:
+    """The counts agree with each other: ``names`` are the variables of rank, world size, local rank
+    and ranks per node. Nodes of unequal size would pass the tp-within-node check on the first node's
+    size while a tensor group spans two; a local rank past the node's size would pick another rank's GPU."""
+    rank, world, local_rank, local_world = names
     if launch.rank >= launch.world_size:
         raise LaunchError(f"launch environment: rank {launch.rank} of {launch.world_size}: a rank must be below "
-                          "the world size")
-    return launch
+                          f"the world size ({rank}={launch.rank}, {world}={launch.world_size})")
+    if launch.world_size % launch.local_world_size:
+        raise LaunchError(f"environment variables {world}={launch.world_size} and {local_world}="
+                          f"{launch.local_world_size}: the ranks do not fill whole nodes; launch the same number "
+                          "of ranks on every node")
+    if launch.local_rank >= launch.local_world_size:
+        raise LaunchError(f"environment variable {local_rank}={launch.local_rank}: a local rank must be below "
+                          f"the ranks per node ({local_world}={launch.local_world_size})")
 
 
 def backend_for(device: torch.device) -> str:

@@ -48,6 +48,66 @@ def test_slurm_ntasks_per_node_sizes_the_node():
     assert (launch.local_world_size, launch.num_nodes) == (4, 2)
 
 
+@pytest.mark.parametrize("tasks_per_node", ["4,4", "4(x2)", "4(x1),4"])
+def test_slurm_tasks_per_node_read_whole(tasks_per_node):
+    """SLURM_TASKS_PER_NODE is run-length coded, one item a run of nodes: equal counts are nodes of that size."""
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": tasks_per_node}
+    assert read_launch_env(env).local_world_size == 4
+
+
+@pytest.mark.parametrize("env, message", [
+    # srun -N3 -n10: nodes of 4, 3 and 3 read as nodes of 4, and a tp group spanning two nodes passed the check
+    ({"SLURM_TASKS_PER_NODE": "4,3(x2)"}, "environment variable SLURM_TASKS_PER_NODE='4,3(x2)': the nodes run "
+     "different numbers of tasks (4, 3); launch the same number on every node (srun --ntasks-per-node)"),
+    ({"SLURM_TASKS_PER_NODE": "4x2"}, "environment variable SLURM_TASKS_PER_NODE='4x2': expected SLURM's list of "
+     "tasks per node, such as '8(x4)' or '4,4', of 1 or more each"),
+    ({"SLURM_TASKS_PER_NODE": "0(x2)"}, "SLURM_TASKS_PER_NODE='0(x2)': expected SLURM's list"),
+    # each was taken for one node of all 10 ranks
+    ({"SLURM_NTASKS_PER_NODE": "abc"}, "environment variable SLURM_NTASKS_PER_NODE='abc': expected a whole number "
+     "of 1 or more"),
+    ({"SLURM_NTASKS_PER_NODE": "0"}, "SLURM_NTASKS_PER_NODE='0': expected a whole number of 1 or more"),
+    ({"SLURM_NTASKS_PER_NODE": "4"}, "environment variables SLURM_NTASKS=10 and SLURM_NTASKS_PER_NODE=4: the ranks "
+     "do not fill whole nodes; launch the same number of ranks on every node"),
+    ({"SLURM_NTASKS_PER_NODE": "5", "SLURM_LOCALID": "5"}, "environment variable SLURM_LOCALID=5: a local rank must "
+     "be below the ranks per node (SLURM_NTASKS_PER_NODE=5)"),
+])
+def test_a_slurm_launch_of_uneven_or_unreadable_nodes_is_refused(env, message):
+    from parallel.launch import LaunchError
+
+    with pytest.raises(LaunchError) as refused:
+        read_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "10", **env})
+    assert message in str(refused.value) and "\n" not in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, "environment variables WORLD_SIZE=6 and LOCAL_WORLD_SIZE=4: the "
+     "ranks do not fill whole nodes; launch the same number of ranks on every node"),
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "4"}, "environment variable LOCAL_RANK=4: a local "
+     "rank must be below the ranks per node (LOCAL_WORLD_SIZE=4)"),
+])
+def test_a_torchrun_launch_of_uneven_nodes_is_refused(env, message):
+    """The tp-within-node check and the start-up line count nodes of LOCAL_WORLD_SIZE ranks each."""
+    from parallel.launch import LaunchError
+
+    with pytest.raises(LaunchError) as refused:
+        read_launch_env(env)
+    assert str(refused.value) == message
+
+
+def test_uneven_slurm_nodes_are_one_line_from_train(capsys, monkeypatch):
+    """The reviewer's launch: ``train --check`` said the config was fine for tp groups within nodes."""
+    from megazero.cli import main
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "10", "SLURM_TASKS_PER_NODE": "4,3(x2)"}.items():
+        monkeypatch.setenv(name, value)
+    demo = os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")
+    assert main(["train", demo, "--check", "--parallel.pp", "1", "--train.global_batch_size", "40"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "SLURM_TASKS_PER_NODE='4,3(x2)'" in err[0], err
+
+
 def test_no_launcher_is_a_world_of_one():
     launch = read_launch_env({})
     assert (launch.rank, launch.world_size, launch.local_world_size) == (0, 1, 1)
@@ -135,12 +195,12 @@ def test_standard_output_on_a_full_disk_is_one_line():
                                 "device); free space where it goes, or send it elsewhere"], err
 
 
-def test_a_node_with_fewer_ranks_is_a_node_of_its_own():
-    """6 ranks at 4 a node are 2 nodes (the second holds 2), so the second node's first rank reports
-    the errors only its files cause."""
+def test_the_first_rank_of_each_node_reports_errors():
+    """8 ranks at 4 a node are 2 nodes, so the second node's first rank reports the errors only its
+    files cause (a launch whose last node holds fewer ranks is refused: WORLD_SIZE 6 at 4 a node)."""
     from megazero.commands.train import reports_errors
 
-    first, second = (read_launch_env({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4", "RANK": rank, "LOCAL_RANK": local})
+    first, second = (read_launch_env({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "RANK": rank, "LOCAL_RANK": local})
                      for rank, local in (("0", "0"), ("4", "0")))
     assert (second.num_nodes, reports_errors(first), reports_errors(second)) == (2, True, True)
 
