@@ -94,6 +94,12 @@ class RankGrid:
             return sorted({pipe[0], pipe[-1]}) if rank in (pipe[0], pipe[-1]) else []
         raise ValueError(f"unknown group kind {kind!r}; expected one of {GROUP_KINDS}")
 
+    def within_nodes(self, kind: str, ranks_per_node: int) -> bool:
+        """Whether every group of ``kind`` sits in one node of ``ranks_per_node`` consecutive ranks (its
+        traffic stays on NVLink). Each group is sorted, so its first and last rank decide; a group no
+        wider than a node may still start near a node's end (tp2 x dp3 x pp4 at 8 a node: dp [6, 8, 10])."""
+        return all(group[0] // ranks_per_node == group[-1] // ranks_per_node for group in self.groups(kind))
+
     def tp_within_nodes(self, ranks_per_node: int) -> bool:
         """Tensor groups are consecutive ranks, so they stay in a node iff tp divides its size."""
         return self.tp <= ranks_per_node and ranks_per_node % self.tp == 0

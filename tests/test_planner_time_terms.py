@@ -179,6 +179,18 @@ def test_a_data_parallel_group_strided_across_nodes_takes_infiniband():
     assert estimate_step(cfg, Cluster(H100, 4, 2)).dp_comm_s == pytest.approx(expected)
 
 
+def test_a_data_parallel_group_that_starts_near_a_nodes_end_takes_infiniband():
+    """24 GPUs at 8 a node, tp 2 x dp 3 x pp 4: each data-parallel group is 6 ranks wide, but the one
+    of ranks 6, 8 and 10 spans nodes 0 and 1, so the kind's traffic is InfiniBand's, as on nodes of one
+    GPU; on nodes of 12 every group sits in one and takes NVLink. (Planted: stride x size within a
+    node's width taken for in-node, the step as fast as on nodes of 12.)"""
+    cfg = config(24, "--parallel.tp", "2", "--parallel.pp", "4", "--zero.stage", "0", "--zero.overlap_comm", "false",
+                 "--train.global_batch_size", "12")
+    assert (cfg.parallel.dp, cfg.parallel.order) == (3, "tp-dp-pp")
+    at_8, at_1, at_12 = (estimate_step(cfg, Cluster(H100, 24, per_node)).dp_comm_s for per_node in (8, 1, 12))
+    assert at_8 == pytest.approx(at_1) and at_12 == pytest.approx(at_8 * 50 / 450)
+
+
 def test_interleaving_reduces_after_the_last_backward_and_stage_3_pipelines_gather_once_a_step():
     """On slow GPUs over NVLink: interleaved (two chunks a rank) ZeRO 1 reduces after the last
     backward, hiding none of it, while its gather still hides behind the next forward. One chunk a

@@ -68,6 +68,19 @@ def test_a_tensor_group_that_does_not_divide_the_node_spans_nodes():
     assert grid.tp_within_nodes(8) and RankGrid(tp=3, pp=1, dp=2).tp_within_nodes(6)
 
 
+def test_a_group_kind_is_within_nodes_only_where_every_group_is():
+    """24 ranks at 8 a node, tp 2 x dp 3 x pp 4: the data-parallel groups are 6 ranks wide, yet the one
+    of ranks 6, 8 and 10 starts at the end of node 0 and ends in node 1 (planted, as the planner had it:
+    stride x size within a node's width); at 12 a node they all fit, and tp-pp-dp puts them 8 apart."""
+    grid = RankGrid(tp=2, pp=4, dp=3)
+    assert [6, 8, 10] in grid.groups("dp")
+    assert not grid.within_nodes("dp", 8) and grid.within_nodes("dp", 12)
+    assert grid.within_nodes("tp", 8) and not grid.within_nodes("pp", 8)
+    across = RankGrid(tp=2, pp=4, dp=3, order="tp-pp-dp")
+    assert across.within_nodes("pp", 8) and not across.within_nodes("dp", 8)
+    assert RankGrid(tp=4, pp=1, dp=3).within_nodes("tp", 6) is False  # ranks 4-7 straddle two nodes
+
+
 def test_rejects_unknown_kind_and_order():
     with pytest.raises(ValueError):
         RankGrid(1, 1, 1, order="pp-tp-dp")

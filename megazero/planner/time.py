@@ -19,6 +19,7 @@ from parallel.pipeline.plan import StageCosts, modelled_step, v_orders_span, wei
 from parallel.pipeline.placement import V_SHAPED, placement_of, sends_per_microbatch
 from parallel.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 from parallel.pipeline.v_order import modelled_span
+from parallel.topology import RankGrid
 
 # The optimizer step streams each shard element's gradient, fp32 master and two moments through
 # device memory and writes the 16-bit parameter back; like the links, HBM delivers about 80% of its
@@ -73,15 +74,18 @@ class StepEstimate:
     mfu: float              # model FLOPs (no recomputation) over the dense peak
 
 
-def _group_within_node(stride: int, size: int, cluster: Cluster) -> bool:
-    """A group of ``size`` ranks ``stride`` apart stays on one node when it spans no more than one."""
-    return size == 1 or stride * size <= cluster.gpus_per_node
-
-
-def _strides(cfg: Config) -> tuple[int, int]:
-    """(data-parallel stride, pipeline stride) in ranks, from ``parallel.order`` (fastest axis first)."""
+def _group_within_node(cfg: Config, kind: str, cluster: Cluster) -> bool:
+    """Whether every group of ``kind`` ("tp", "dp", "pp") sits in one node, so that it talks over NVLink."""
     p = cfg.parallel
-    return (p.tp, p.tp * p.dp) if p.order == "tp-dp-pp" else (p.tp * p.pp, p.tp)
+    return _grid_within_nodes(kind, p.tp, p.pp, p.dp, p.order, cluster.gpus_per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_within_nodes(kind: str, tp: int, pp: int, dp: int, order: str, gpus_per_node: int) -> bool:
+    """``RankGrid.within_nodes`` from the groups themselves: a group's stride times its size within a
+    node's width said nothing of where it starts (24 GPUs at 8 a node, tp 2 pp 4 dp 3: the dp group of
+    ranks 6, 8 and 10 spans two nodes). Cached: a plan asks it of many layouts of each grid."""
+    return RankGrid(tp=tp, pp=pp, dp=dp, order=order).within_nodes(kind, gpus_per_node)
 
 
 def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
@@ -99,13 +103,12 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
     selective = flops_per_token(m, "selective") - model_flops if p.recompute == "selective" else 0.0
     recomputed = [rank_recomputed_work(cfg, rank) for rank in range(p.pp)]
     hardware = model_flops + sum(recomputed) * block_forward + selective
-    dp_stride, pp_stride = _strides(cfg)
 
     # Tensor parallelism: per block, two all-reduces (or all-gather + reduce-scatter pairs under
     # sequence parallelism, the same bytes) forward, two backward, two more in a recomputed forward.
     tp_allreduce = 0.0  # one of them, for a micro-batch's activations
     if p.tp > 1:
-        bw = cluster.link_bytes_per_s(_group_within_node(1, p.tp, cluster), tensor_parallel=True)
+        bw = cluster.link_bytes_per_s(_group_within_node(cfg, "tp", cluster), tensor_parallel=True)
         tp_allreduce = 2 * (p.tp - 1) / p.tp * e * tokens_mb * m.hidden_size / bw
         if p.tp_comm == "peer_memory":
             tp_allreduce *= PEER_MEMORY_EXPOSED_SHARE
@@ -115,7 +118,7 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
     schedule = pipeline_schedule(cfg)
     send_s = 0.0
     if p.pp > 1:
-        bw = cluster.link_bytes_per_s(_group_within_node(pp_stride, p.pp, cluster))
+        bw = cluster.link_bytes_per_s(_group_within_node(cfg, "pp", cluster))
         send_s = e * tokens_mb * m.hidden_size / (p.tp if p.sequence_parallel else 1) / bw
 
     slowest = (0.0, 0.0, 0.0, 0)
@@ -142,7 +145,7 @@ def estimate_step(cfg: Config, cluster: Cluster) -> StepEstimate:
         idle = bubble_fraction(p.pp, micro, p.virtual_stages, schedule)
     bubble = idle * micro * stage_mb
 
-    dp_exposed = _data_parallel_exposed(cfg, cluster, rank, compute_mb, micro, dp_stride)
+    dp_exposed = _data_parallel_exposed(cfg, cluster, rank, compute_mb, micro)
     shard = rank_params(cfg, rank) / (p.dp if z.stage >= 1 else 1)
     grad_bytes = 4 if cfg.precision.accumulate_fp32 else e
     optimizer = shard * (ADAM_BYTES_PER_ELEMENT + grad_bytes + e) / (gpu.hbm_GBps * 1e9 * HBM_EFFICIENCY)
@@ -202,8 +205,7 @@ def _timed_idle(schedule: str, pp: int, micro: int, costs: StageCosts) -> float:
     return span / max(micro * sum(ops) for ops in costs.ops) - 1
 
 
-def _data_parallel_exposed(cfg: Config, cluster: Cluster, rank: int, compute_mb: float, micro: int,
-                           stride: int) -> float:
+def _data_parallel_exposed(cfg: Config, cluster: Cluster, rank: int, compute_mb: float, micro: int) -> float:
     """Seconds of ZeRO traffic left after overlap with compute on pipeline rank ``rank``. Stages 0-1
     (and 2-3 reducing once per step: ``reduces_once_per_step``) reduce gradients during the last
     micro-batch's backward,
@@ -218,7 +220,7 @@ def _data_parallel_exposed(cfg: Config, cluster: Cluster, rank: int, compute_mb:
     d = p.dp
     if d == 1:
         return 0.0
-    bw = cluster.link_bytes_per_s(_group_within_node(stride, d, cluster))
+    bw = cluster.link_bytes_per_s(_group_within_node(cfg, "dp", cluster))
     e = DTYPE_BYTES[prec.dtype]
     g = 4 if prec.accumulate_fp32 else e
     numel = rank_params(cfg, rank)
