@@ -12,7 +12,8 @@
 #   CPU_RANKS       ranks on a machine without GPUs (default: 8, for tp2 x pp2 x dp2)
 #   NNODES          nodes taking part (default: 1, or SLURM_NNODES under SLURM)
 #   NODE_RANK       this node's index (default: 0, or SLURM_NODEID)
-#   MASTER_ADDR     rendezvous host (default: the first SLURM node; on one node localhost; required on several)
+#   MASTER_ADDR     rendezvous host, required on several nodes (default there: the first SLURM node, found
+#                   with scontrol); one node needs none
 #   MASTER_PORT     rendezvous port (default: 29500)
 # Every argument is passed through to `megazero train` as an override, e.g.
 #   scripts/pretrain_gpt.sh --train.train_steps 50 --parallel.tp 1
@@ -66,7 +67,14 @@ MASTER_PORT=${MASTER_PORT:-29500}
 whole NNODES "$NNODES" 1
 whole NODE_RANK "$NODE_RANK" 0 "$((10#$NNODES - 1))"
 whole MASTER_PORT "$MASTER_PORT" 1 65535
-if [ -z "${MASTER_ADDR:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+# One node needs no address (--standalone): a container without scontrol, inside a SLURM job, died of
+# "scontrol: command not found" looking one up for it.
+if [ -z "${MASTER_ADDR:-}" ] && [ "$((10#$NNODES))" -gt 1 ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+  if ! command -v scontrol >/dev/null; then
+    echo "pretrain_gpt.sh: error: NNODES $NNODES needs MASTER_ADDR, the address of the node of NODE_RANK 0, on" \
+         "every node, and scontrol is not here to find it from SLURM_JOB_NODELIST (a container?); export MASTER_ADDR" >&2
+    exit 2
+  fi
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 fi
 if [ -z "${MASTER_ADDR:-}" ] && [ "$((10#$NNODES))" -gt 1 ]; then  # else each node waits at a rendezvous of its own

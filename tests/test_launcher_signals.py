@@ -337,6 +337,37 @@ def test_a_bad_knob_is_one_line_before_anything_starts(tmp_path, knobs, message)
     assert "== training" not in done.stdout
 
 
+def test_one_node_under_slurm_looks_up_no_master_addr(tmp_path, monkeypatch):
+    """NNODES 1 runs torchrun --standalone and needs no rendezvous host: inside a SLURM job, in a
+    container without scontrol, the script died of "scontrol: command not found" (status 127) looking
+    one up. (scontrol stands in, failing as a missing one does; planted: the lookup for any NNODES.)"""
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "scontrol").write_text("#!/usr/bin/env bash\necho 'scontrol: command not found' >&2\nexit 127\n")
+    (missing / "scontrol").chmod(0o755)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    for name, value in {"PATH": f"{missing}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[1-2]",
+                        "SLURM_NNODES": "1", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    _, args = _launched(_on_eight_gpus(tmp_path / "run", "configs/gpt_1.3b.yaml", ["--check"]))
+    assert "--standalone" in args and "--master_addr" not in args, args
+
+
+def test_several_nodes_without_scontrol_ask_for_master_addr(tmp_path):
+    """NNODES 2 under SLURM with no scontrol to read SLURM_JOB_NODELIST: the script's own line asking for
+    MASTER_ADDR, not bash's "scontrol: command not found" (status 127)."""
+    tools = tmp_path / "tools"  # what the script runs before the lookup; no scontrol among them
+    tools.mkdir()
+    for tool in ("dirname", "basename"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    env = {"PATH": str(tools), "CONFIG": "configs/demo.yaml", "NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}
+    done = subprocess.run([shutil.which("bash"), str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "pretrain_gpt.sh: error: NNODES 2 needs MASTER_ADDR, the address of the node of NODE_RANK 0, on every node, "
+        "and scontrol is not here to find it from SLURM_JOB_NODELIST (a container?); export MASTER_ADDR"), done.stderr
+
+
 def test_relative_paths_are_the_callers(config, tmp_path):
     """Started from another folder, the script ran the training in the repository, so a relative
     logging.run_dir (and every other relative path, CONFIG's included) was taken from there: the
