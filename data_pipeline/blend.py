@@ -33,7 +33,7 @@ from data_pipeline.gpt_samples import GPTSamples
 from data_pipeline.index_cache import cached_arrays, default_cache_dir
 from data_pipeline.indexed import IndexedDataset
 from data_pipeline.paths import listed_twice
-from data_pipeline.shard_files import shard_identity
+from data_pipeline.shard_files import same_tokens, shard_identity
 from data_pipeline.typed_config import coerce
 from data_pipeline.yaml_files import read_yaml_mapping
 
@@ -201,6 +201,29 @@ def parse_blend(blend: list) -> tuple[list[float], list[str]]:
         raise ValueError(f"{repeat}; give it once, with the weights summed")
     normalise_weights(weights)
     return weights, prefixes
+
+
+def copied_dataset(prefixes: list[str]) -> str | None:
+    """``"B holds the tokens of A"`` for the first dataset that is a byte copy of an earlier one (a
+    shard copied under another name, which ``parse_blend``'s check of the files' identity cannot
+    see): like an entry listed twice, it would serve every sample of its order again. Only shards of
+    equal ``.bin`` size are compared, their ``.idx`` digests (which the run's start-up reads anyway)
+    first."""
+    by_size: dict[int, list[str]] = {}
+    for prefix in prefixes:
+        try:
+            by_size.setdefault(os.path.getsize(f"{prefix}.bin"), []).append(prefix)
+        except OSError:
+            continue  # its own check names it
+    for group in by_size.values():
+        for k, prefix in enumerate(group):
+            for earlier in group[:k]:
+                try:
+                    if same_tokens(earlier, prefix):
+                        return f"{prefix} holds the tokens of {earlier}"
+                except OSError:
+                    continue
+    return None
 
 
 def blend_weight(value) -> float | None:

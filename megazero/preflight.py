@@ -159,7 +159,7 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
     """The prefixes of the shards the run samples from, each opened (which checks its header and
     sizes). A dataset of weight 0 is never read (``blend``), so nothing of it is checked: neither
     its files, nor its tokenizer record, nor its token ids could change the run."""
-    from data_pipeline.blend import parse_blend, resolve_blend
+    from data_pipeline.blend import copied_dataset, parse_blend, resolve_blend
     from data_pipeline.gpt_samples import parse_split
     from data_pipeline.indexed import IndexedDataset
 
@@ -192,6 +192,10 @@ def _data_prefixes(cfg: Config) -> tuple[list[str], list[str]]:
             problems += _split_problems(IndexedDataset(prefix), cfg, used)
         except (ValueError, OSError) as exc:
             problems.append(f"data.blend: {exc}")
+    copy = copied_dataset([prefix for prefix, _ in sampled])
+    if copy:
+        problems.append(f"data.blend: {copy} (a copy: the same index, the same tokens); list it once, with the "
+                        "weights summed")
     return [prefix for prefix, _ in sampled], problems
 
 

@@ -54,6 +54,9 @@ def make_files(root: Path) -> dict:
         pass
     only_idx = str(root / "onlyidx_text_document")
     shutil.copy(good + ".idx", only_idx + ".idx")
+    copied = str(root / "copied_text_document")  # a byte copy: other files, the same tokens
+    for ext in (".bin", ".idx"):
+        shutil.copy(good + ext, copied + ext)
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -140,6 +143,6 @@ def make_files(root: Path) -> dict:
     (root / "bad_preset.yaml").write_text("datasets: [1.0, good_text_document]\n")
     return {"root": root, "good": good, "wide": wide, "recorded": recorded, "recorded_other": recorded_other,
             "rewritten": rewritten, "recorded_big": recorded_big, "truncated": truncated, "garbage": garbage,
-            "only_idx": only_idx, "nodocs": nodocs, "ckpt": str(ckpt), "run": str(run), "flipped": str(flipped),
+            "only_idx": only_idx, "copied": copied, "nodocs": nodocs, "ckpt": str(ckpt), "run": str(run), "flipped": str(flipped),
             "edited": str(edited), "partial": str(nocomplete), "cut": str(cut), "pickled": str(pickled),
             "locked": str(locked), "live": str(live)}

@@ -112,6 +112,11 @@ CASES = [
     ("blend-weight-quoted", lambda f: _train(f, "--data.blend", f'[["1", {f["good"]}]]'),
      ["data.blend", "good_text_document'] must be [weight, prefix], its weight a number (unquoted)"]),
     ("blend-shape", lambda f: _train(f, "--data.blend", "[1, 2, 3]"), ["data.blend"]),
+    # its own files (no link to find), the same tokens: each of its samples served twice
+    ("blend-copy", lambda f: _train(f, "--data.blend", f"[[0.5, {f['good']}], [0.2, {f['recorded']}], "
+                                                       f"[0.5, {f['copied']}]]"),
+     ["data.blend: ", "copied_text_document holds the tokens of ", "good_text_document (a copy: the same index, the "
+      "same tokens); list it once, with the weights summed"]),
     ("blend-preset", lambda f: _train(f, "--data.blend", "null", "--data.blend_preset", "nope",
                                       "--data.blend_root", str(f["root"])), ["nope"]),
     ("blend-root-missing", lambda f: _train(f, "--data.blend", "null", "--data.blend_preset", "mtnlg530b",
