@@ -1,7 +1,8 @@
 """A Hugging Face ``config.json`` is read as ``transformers`` reads it: a key it leaves out takes the
 value ``transformers`` gives it, a rotary base kept in ``rope_parameters`` (where ``transformers``
 5 saves it) is the model's, and a head width other than hidden_size / heads is refused by name. An
-export's config.json imports back to the model section it was written from."""
+export's config.json imports back to the model section it was written from, and an imported model
+exports back with the dtype and GeLU name of its folder."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
+from megazero.cli import main
 from megazero.convert.hf import HFSource
 from megazero.convert.hf_models import GPT2
 from megazero.errors import UserError
+from models.config import ModelConfig
 from tests.convert_sources import fails, llama_folder
 
 
@@ -184,3 +187,96 @@ def test_a_llama_config_without_a_rotary_base_takes_transformers_default(folders
     assert "rope_theta" not in json.loads((copy / "config.json").read_text())
     want = transformers.AutoConfig.from_pretrained(copy).rope_parameters["rope_theta"]
     assert HFSource(copy).cfg.rope_theta == want == 10000.0
+
+
+def _round_trip(folder: Path, tmp_path: Path) -> Path:
+    """``folder`` imported to a megazero checkpoint (``tmp_path / "mz"``) and exported back without --dtype."""
+    assert main(["convert", str(folder), str(tmp_path / "mz")]) == 0
+    assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "back")]) == 0
+    return tmp_path / "back"
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype", None], ids=["dtype", "older-torch_dtype", "weights-alone"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_an_imported_half_precision_model_exports_back_in_its_own_dtype(tmp_path, capsys, dtype, key):
+    """A bf16 or fp16 model imported and exported back without --dtype is the folder it came from: the
+    same tensors in the same dtype, and its dtype in config.json (planted: written as fp32, twice the
+    size, and loaded by ``from_pretrained`` as another precision), from the config's ``dtype``, an
+    older ``torch_dtype`` or, with neither, the weights' own; the export's note says why."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=61, max_position_embeddings=16)
+    transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    saved = json.loads(path.read_text())
+    name = saved.pop("dtype")
+    path.write_text(json.dumps({**saved, key: name} if key else saved))
+    capsys.readouterr()
+    back = _round_trip(tmp_path / "hf", tmp_path)
+    ours = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    assert f"note: weights written in {ours}, the dtype of the Hugging Face model" in capsys.readouterr().out
+    before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(back / "model.safetensors")
+    assert before.keys() == after.keys()
+    for tensor in before:
+        assert after[tensor].dtype == dtype and torch.equal(before[tensor], after[tensor]), tensor
+    assert json.loads((back / "config.json").read_text())["torch_dtype"] == name
+    assert transformers.AutoModelForCausalLM.from_pretrained(back, dtype="auto").dtype == dtype
+    # a reshard keeps the record (the same weights); --dtype still chooses
+    assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "resharded"), "--to", "megazero", "--tp", "2"]) == 0
+    assert main(["convert", str(tmp_path / "resharded"), str(tmp_path / "again")]) == 0
+    assert load_file(tmp_path / "again" / "model.safetensors")["lm_head.weight"].dtype == dtype
+    assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "fp32"), "--dtype", "fp32"]) == 0
+    assert load_file(tmp_path / "fp32" / "model.safetensors")["lm_head.weight"].dtype == torch.float32
+
+
+def test_a_checkpoint_without_an_import_record_exports_fp32_without_a_note(tmp_path, capsys):
+    """A checkpoint of weights a run trained records no Hugging Face dtype: fp32, as before, unannounced."""
+    from safetensors.torch import load_file
+
+    from megazero.convert.targets import write_megazero
+    from tests.convert_sources import RandomSource
+
+    write_megazero(RandomSource(num_layers=1), tmp_path / "mz")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "mz"), str(tmp_path / "hf")]) == 0
+    assert "note:" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "float32"
+    assert {t.dtype for t in load_file(tmp_path / "hf" / "model.safetensors").values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "gelu_new"])
+def test_a_gpt2_tanh_gelu_exports_back_under_its_own_name(tmp_path, name):
+    """``transformers`` computes gelu_pytorch_tanh and gelu_new, both megazero's ``gelu``, with other code,
+    a few ulp apart: the round trip writes the name it read, so its logits are the folder's bit for bit
+    (planted: gelu_pytorch_tanh written back as gelu_new)."""
+    torch.manual_seed(1)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=61, n_positions=16,
+                                     activation_function=name)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():  # wide pre-activations, where the two GeLUs' code rounds differently
+        for p in model.parameters():
+            p.normal_(0.0, 1.0)
+    model.save_pretrained(tmp_path / "hf")
+    back = _round_trip(tmp_path / "hf", tmp_path)
+    assert json.loads((back / "config.json").read_text())["activation_function"] == name
+    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, got = (transformers.AutoModelForCausalLM.from_pretrained(folder).eval()(tokens).logits
+                     for folder in (tmp_path / "hf", back))
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("activation, kept, written", [
+    ("gelu", {"activation_function": "relu"}, "gelu_new"),  # not a tanh GeLU: not the model's
+    ("gelu", {"activation_function": "gelu"}, "gelu_new"),  # the exact one is another function
+    ("gelu_exact", {"activation_function": "gelu_pytorch_tanh"}, "gelu"),
+    ("gelu", {}, "gelu_new"),
+])
+def test_a_kept_activation_name_is_written_only_where_it_computes_ours(activation, kept, written):
+    """The record names the activation the export writes only where that name computes the model's
+    GeLU: a record of another (edited, or of a model since changed) never makes an export of another
+    function."""
+    cfg = ModelConfig(num_layers=1, hidden_size=16, num_heads=4, vocab_size=40, seq_length=8, activation=activation)
+    assert GPT2.hf_config(cfg, kept)["activation_function"] == written

@@ -41,7 +41,8 @@ def register(subparsers) -> None:
     parser.add_argument("--from", dest="source", choices=SOURCES, default=None,
                         help="Source format (default: detected from SRC's files)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                        help="--to hf or megatron: weight dtype (from the fp32 master; default fp32)")
+                        help="--to hf or megatron: weight dtype (from the fp32 master; default fp32, or to hf the "
+                             "dtype of the Hugging Face model the weights were imported from)")
     parser.add_argument("--tokenizer", default=None,
                         help="--to hf: tokenizer to include (default: the source run's data.tokenizer, if present; "
                              f"{NO_TOKENIZER}: none)")
@@ -176,8 +177,9 @@ def run(args) -> int:
         mismatch = tokenizer is not None and not_trained_with(source_meta(source), tokenizer.tok, flag)
         if mismatch:
             raise UserError(mismatch)
+        dtype = args.dtype or _hf_dtype(source)
         with staged(dst) as tmp:
-            write_hf(source, tmp, args.dtype or "fp32", tokenizer, int((args.shard_size_gb or 5.0) * 1e9))
+            write_hf(source, tmp, dtype, tokenizer, int((args.shard_size_gb or 5.0) * 1e9))
     elif target == "megatron":
         from megazero.convert.megatron_out import layout_problem, write_megatron
 
@@ -270,6 +272,20 @@ def _refuse_another_ramp(source, run_cfg) -> None:
         raise UserError(f"--dp {run_cfg.parallel.dp}: the checkpoint (step {meta.get('step', 0)}) {problem}; keep the "
                         f"run's dp {before.parallel.dp} until its batch ramp-up ends, or add --reset-step to start a "
                         "new run from these weights")
+
+
+def _hf_dtype(source) -> str:
+    """--to hf's dtype without --dtype: that of the Hugging Face model the weights were imported from
+    (a bf16 model comes back bf16, as ``from_pretrained`` then loads it, not as an fp32 model), said
+    in a note; fp32, the master's, for weights a run trained."""
+    from megazero.convert.hf import imported_dtype
+
+    dtype = imported_dtype(source)
+    if dtype is None:
+        return "fp32"
+    print(f"megazero convert: note: weights written in {dtype}, the dtype of the Hugging Face model they were "
+          "imported from (--dtype chooses another)", flush=True)
+    return dtype
 
 
 def _run_tokenizer(source):

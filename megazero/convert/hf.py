@@ -23,7 +23,7 @@ import torch
 
 from megazero.convert.hf_models import FAMILIES, check_model_type, family_for
 from megazero.convert.hf_tokenizer import ExportTokenizer, import_notes, write_tokenizer
-from megazero.convert.sources import Source, finite, logical_shapes
+from megazero.convert.sources import HF_CONFIG_RECORD, Source, finite, logical_shapes, source_meta
 from megazero.convert.streaming import StreamedSafetensors
 from megazero.errors import UserError
 from models.config import ModelConfig
@@ -32,6 +32,7 @@ from models.gpt import VOCAB_PADDED
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+HEADER_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
@@ -64,9 +65,23 @@ class HFSource:
         self.cfg = without_derived_init_std(self.family.model_config(self.hf, str(config_path)))
         self.files = self._weight_files()
         self.stored = self._stored_names()
-        self._check_weights(hf_shapes(self.cfg, self.family))
+        dtypes = self._check_weights(hf_shapes(self.cfg, self.family))
         self.names = list(logical_shapes(self.cfg))
-        self.tokenizer_path, self.meta = self._tokenizer()
+        self.tokenizer_path, record = self._tokenizer()
+        self.meta = {**record, HF_CONFIG_RECORD: self._kept(dtypes)}
+
+    def _kept(self, dtypes: set[str]) -> dict:
+        """What an export back writes as this folder has it: the weights' dtype, from ``dtype`` (older
+        files: ``torch_dtype``; ``transformers`` reads the first) or else from the tensors where all have
+        one (without it a bf16 model came back fp32, twice the size, and loaded as another precision),
+        and the family's ``KEPT`` keys."""
+        kept = {key: self.hf[key] for key in self.family.KEPT if key in self.hf}
+        dtype = self.hf.get("dtype") if self.hf.get("dtype") is not None else self.hf.get("torch_dtype")
+        if dtype not in HF_DTYPE_NAMES.values() and len(dtypes) == 1:
+            dtype = HEADER_DTYPES.get(next(iter(dtypes)))
+        if dtype in HF_DTYPE_NAMES.values():
+            kept["torch_dtype"] = dtype
+        return kept
 
     def _tokenizer(self) -> tuple[Optional[str], dict]:
         """The folder's tokenizer (``tokenizer.json``, else a SentencePiece ``tokenizer.model``) and its
@@ -129,12 +144,13 @@ class HFSource:
             return {name: name for name in self.files}
         return {prefix + name: name for name in self.files}
 
-    def _check_weights(self, expected: dict[str, tuple[int, ...]]) -> None:
+    def _check_weights(self, expected: dict[str, tuple[int, ...]]) -> set[str]:
         """The weights are what config.json says, before anything is converted: every tensor it
         implies is there, in a float dtype, with the shape it implies (vocabulary rows included:
         a Hugging Face embedding has exactly vocab_size rows, padding counted in vocab_size), and
         no weight is left that it does not use (a layer beyond n_layer, a head of a tied model),
-        rather than dropped, cut or zero-filled into a model that is not the one in the folder."""
+        rather than dropped, cut or zero-filled into a model that is not the one in the folder.
+        Returns their dtypes (``F32``, ...)."""
         found = {}
         for shard in sorted(set(self.files.values())):
             header = _header(self.folder / shard)
@@ -162,6 +178,7 @@ class HFSource:
                 raise UserError(f"{self.folder / shard}: tensor {name} is {dtype}, not a float type "
                                 f"({', '.join(FLOAT_DTYPES)}); a quantized model cannot be imported, use its "
                                 "unquantized weights")
+        return {found[name][2] for name in expected}
 
     def _tensor(self, name: str) -> torch.Tensor:
         from safetensors import SafetensorError, safe_open
@@ -211,7 +228,7 @@ def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: Optional
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,  # not GPT-2's or Llama's defaults
            **(tokenizer.ids if tokenizer is not None else {})}
     config = {"architectures": [family.hf_class], "model_type": family.model_type, "vocab_size": cfg.vocab_size,
-              **family.hf_config(cfg), "tie_word_embeddings": cfg.tie_embeddings,
+              **family.hf_config(cfg, _record(source)), "tie_word_embeddings": cfg.tie_embeddings,
               "initializer_range": cfg.effective_init_std,
               "torch_dtype": HF_DTYPE_NAMES[torch_dtype], "use_cache": True, **ids}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -237,6 +254,18 @@ def write_hf(source: Source, out: Path, dtype: str = "fp32", tokenizer: Optional
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": shards}, indent=2))
     if tokenizer is not None:
         write_tokenizer(tokenizer, out)
+
+
+def imported_dtype(source: Source) -> Optional[str]:
+    """The dtype (fp32, bf16, fp16) of the Hugging Face weights ``source`` was imported from, as its
+    record (``HF_CONFIG_RECORD``) has it; None for weights a run trained or another framework's."""
+    name = _record(source).get("torch_dtype")
+    return next((ours for ours, t in DTYPES.items() if HF_DTYPE_NAMES[t] == name), None)
+
+
+def _record(source: Source) -> dict:
+    record = source_meta(source).get(HF_CONFIG_RECORD)
+    return record if isinstance(record, dict) else {}
 
 
 def hf_shapes(cfg: ModelConfig, family) -> dict[str, tuple[int, ...]]:

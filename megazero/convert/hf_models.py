@@ -33,7 +33,10 @@ from models.config import ModelConfig
 Read = Callable[[str], torch.Tensor]
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 MODEL_FIELD = re.compile(r"\bmodel\.(\w+)")
-GELUS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+"""Hugging Face's names of megazero's ``gelu``, the tanh approximation: ``transformers`` computes the
+two with different code, a few ulp apart, so an export writes the name the model was imported with."""
+GELUS = {**dict.fromkeys(TANH_GELUS, "gelu"), "gelu": "gelu_exact"}
 """Hugging Face's names of the GeLUs megazero computes, to ``model.activation``: its ``gelu`` is the
 exact one (erf), the other two the tanh approximation."""
 
@@ -121,6 +124,9 @@ class GPT2:
     ALIASES = {"n_embd": "hidden_size", "n_positions": "max_position_embeddings", "n_head": "num_attention_heads",
                "n_layer": "num_hidden_layers"}
     """GPT2Config's ``attribute_map``: a ``config.json`` may give a size under either name."""
+    KEPT = ("activation_function",)
+    """``config.json`` keys an import records (``sources.HF_CONFIG_RECORD``) for an export back: which
+    of the tanh GeLU's two names the model had."""
     BUFFERS = (re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"),)
     """Tensors that hold no weights (the causal-mask buffers older versions of ``transformers``
     saved, which it skips on load itself): a folder may have them; they are not imported."""
@@ -142,13 +148,22 @@ class GPT2:
                          "grouped-query attention)", cls.OTHER)
 
     @staticmethod
-    def hf_config(cfg: ModelConfig) -> dict:
+    def hf_config(cfg: ModelConfig, kept: Optional[dict] = None) -> dict:
         return {"n_positions": cfg.seq_length, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
-                "n_head": cfg.num_heads, "n_inner": cfg.ffn_size,
-                "activation_function": "gelu" if cfg.activation == "gelu_exact" else "gelu_new",
+                "n_head": cfg.num_heads, "n_inner": cfg.ffn_size, "activation_function": GPT2.activation(cfg, kept),
                 "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.attention_dropout,
                 "layer_norm_epsilon": cfg.norm_eps, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+
+    @staticmethod
+    def activation(cfg: ModelConfig, kept: Optional[dict]) -> str:
+        """The ``activation_function`` written for ``cfg``: ``gelu`` for the exact GeLU; for the tanh one
+        the name ``kept`` from the import where it is one of the tanh GeLU's (a record naming another
+        activation is not the model's and is not written), else ``gelu_new``."""
+        if cfg.activation == "gelu_exact":
+            return "gelu"
+        name = (kept or {}).get("activation_function")
+        return name if name in TANH_GELUS else "gelu_new"
 
     @classmethod
     def model_config(cls, hf: dict, where: str) -> ModelConfig:
@@ -217,6 +232,8 @@ class Llama:
     DEFAULTS = {"num_kv_heads": None, "seq_length": 2048, "rope_theta": 10000.0, "norm_eps": 1e-6,
                 "tie_embeddings": False, "bias": False, "attention_dropout": 0.0, "init_std": 0.02}
     ALIASES: dict[str, str] = {}
+    KEPT: tuple[str, ...] = ()
+    """Nothing: ``hidden_act`` has the one name, ``silu``."""
     BUFFERS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
     """The rotary frequencies older versions of ``transformers`` saved: computed from rope_theta."""
     BASE = "model"
@@ -231,7 +248,7 @@ class Llama:
                          "SwiGLU)", cls.OTHER)
 
     @staticmethod
-    def hf_config(cfg: ModelConfig) -> dict:
+    def hf_config(cfg: ModelConfig, kept: Optional[dict] = None) -> dict:
         return {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
                 "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",

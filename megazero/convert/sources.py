@@ -24,6 +24,12 @@ from models.embedding import VOCAB_MULTIPLE, fit_rows
 from models.gpt import VOCAB_PADDED
 
 
+HF_CONFIG_RECORD = "hf_config"
+"""The meta key of what an import keeps of a Hugging Face folder's ``config.json`` for an export back,
+where our model config holds nothing of it: the weights' ``torch_dtype`` and the family's ``KEPT``
+keys (a GPT-2's name for its GeLU). A checkpoint a run trained records none: its weights are its own."""
+
+
 class Source(Protocol):
     cfg: ModelConfig
     names: list[str]
@@ -108,7 +114,7 @@ class MegazeroSource:
 
 def source_meta(source) -> dict:
     """What a megazero checkpoint's manifest records beside its tensors; for other sources what they
-    tell of the same (a Hugging Face folder: its tokenizer's record), else {}."""
+    tell of the same (a Hugging Face folder: its tokenizer's record and ``HF_CONFIG_RECORD``), else {}."""
     return getattr(getattr(source, "reader", None), "meta", None) or getattr(source, "meta", None) or {}
 
 

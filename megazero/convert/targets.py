@@ -22,7 +22,7 @@ import torch
 from megazero.config.schema import Config
 from megazero.convert.checkpoint_out import write_checkpoint
 from megazero.convert.layout import consolidated, training_layout
-from megazero.convert.sources import Source, fresh_config, logical_shapes, source_meta
+from megazero.convert.sources import HF_CONFIG_RECORD, Source, fresh_config, logical_shapes, source_meta
 from megazero.convert.streaming import StreamedSafetensors
 from models.embedding import fit_rows
 from models.gpt import VOCAB_PADDED
@@ -60,6 +60,9 @@ def write_megazero(source: Source, root: Path, reset_step: bool = False, run: Op
     record = source_meta(source).get("tokenizer")
     if record is not None:  # the weights still take the ids of the tokenizer they were trained on
         meta["tokenizer"] = record
+    kept = source_meta(source).get(HF_CONFIG_RECORD)
+    if kept:  # still the imported weights: an export back writes them as the folder had them
+        meta[HF_CONFIG_RECORD] = kept
     return write_checkpoint(root, layout, read, step=int(meta["step"]), meta=meta, with_moments=carry,
                             adam_step=adam_step, scaler=scaler)
 
