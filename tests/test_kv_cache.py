@@ -24,6 +24,18 @@ def config(preset: str) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def model_and_text(preset: str, batch: int = 2, device: str = "cpu") -> tuple[ModelConfig, GPT, torch.Tensor]:
+    """A small model of ``preset`` and a random text [batch, seq_length] in its vocabulary."""
+    cfg = config(preset)
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=torch.Generator().manual_seed(1))
+    return cfg, GPT(cfg, seed=5).eval().to(device), ids.to(device)
+
+
+def assert_close(cached: torch.Tensor, whole: torch.Tensor, rtol: float = RTOL) -> None:
+    error = (cached - whole).abs().max().item()
+    assert error <= rtol * whole.abs().max().item(), error
+
+
 @pytest.mark.parametrize("chunks", [[16], [5, 1, 1, 1, 3, 1, 4], [1] * 16], ids=["at once", "mixed", "one by one"])
 @pytest.mark.parametrize("preset", ["gpt2", "llama"])
 def test_cached_chunks_give_the_whole_forwards_logits(preset, chunks):
@@ -32,18 +44,14 @@ def test_cached_chunks_give_the_whole_forwards_logits(preset, chunks):
     whole sequence's causal forward at that position; the cache then holds every position.
     (Planted: positions or rotary angles counted from 0 in each chunk; the mask aligned to the
     chunk's first key, as SDPA's ``is_causal`` does.)"""
-    cfg = config(preset)
-    model = GPT(cfg, seed=5).eval()
-    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(1))
+    cfg, model, ids = model_and_text(preset)
     with torch.no_grad():
         whole = model(ids)
     cache = KVCache(cfg.seq_length)
     ends = torch.tensor(chunks).cumsum(0)
     cached = torch.stack([model.decode(ids[:, end - size:end], cache) for size, end in zip(chunks, ends)], dim=1)
-    whole = whole[:, ends - 1]
     assert cache.length == cfg.seq_length
-    error = (cached - whole).abs().max().item()
-    assert error <= RTOL * whole.abs().max().item(), (preset, chunks, error)
+    assert_close(cached, whole[:, ends - 1])
 
 
 @pytest.mark.parametrize("preset", ["gpt2", "llama"])
@@ -73,9 +81,7 @@ def test_a_position_held_on_the_device_gives_the_same_logits(preset):
     keys left past the position, each one-token step after a prompt equals the whole forward.
     (Planted: the mask not made for one query, so the stale keys were read; the learned or rotary
     positions taken from the host count.)"""
-    cfg = config(preset)
-    model = GPT(cfg, seed=5).eval()
-    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(1))
+    cfg, model, ids = model_and_text(preset)
     with torch.no_grad():
         whole = model(ids)
         cache = KVCache(cfg.seq_length)
@@ -90,9 +96,7 @@ def test_a_position_held_on_the_device_gives_the_same_logits(preset):
             cache.length = 0  # a host count the device path must not read (it is restored below)
             steps.append(model.decode(ids[:, end - 1:end], cache))
             cache.length = end
-    cached = torch.stack(steps, dim=1)
-    error = (cached - whole[:, 5:]).abs().max().item()
-    assert error <= RTOL * whole.abs().max().item(), (preset, error)
+    assert_close(torch.stack(steps, dim=1), whole[:, 5:])
 
 
 @pytest.mark.cuda
@@ -104,9 +108,7 @@ def test_a_decode_graphs_replays_give_the_whole_forwards_logits(preset):
     counts each position once."""
     from models.decode_graph import DecodeGraph
 
-    cfg = config(preset)
-    model = GPT(cfg, seed=5).eval().cuda()
-    ids = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length), generator=torch.Generator().manual_seed(1)).cuda()
+    cfg, model, ids = model_and_text(preset, batch=1, device="cuda")
     with torch.no_grad():
         whole = model(ids)
         cache = KVCache(cfg.seq_length)
@@ -115,5 +117,4 @@ def test_a_decode_graphs_replays_give_the_whole_forwards_logits(preset):
         assert cache.length == 5
         steps = [graph(ids[:, end - 1:end]).clone() for end in range(6, cfg.seq_length + 1)]
     assert cache.length == cfg.seq_length
-    error = (torch.stack(steps, dim=1) - whole[:, 5:]).abs().max().item()
-    assert error <= 1e-4 * whole.abs().max().item(), (preset, error)
+    assert_close(torch.stack(steps, dim=1), whole[:, 5:], rtol=1e-4)
