@@ -74,8 +74,8 @@ def checkpoint_problems(cfg: Config, every_file: bool = True) -> list[str]:
                   for problem in _tokenizer_change(meta, cfg)])
     if cfg.checkpoint.allow_config_changes or meta.get("step", 0) == 0:
         return tokenizer
-    problems = (_resume_changes(saved, cfg, meta["step"], meta.get("consumed", 0), meta.get("shards") or {})
-                + _shard_changes(meta, cfg))
+    problems = (_resume_changes(saved, cfg, meta["step"], meta.get("consumed", 0), meta.get("shards") or {},
+                                meta.get("train_samples")) + _shard_changes(meta, cfg))
     return ([f"{head} {problem}; set it back, or set {allow} to resume anyway" for problem in problems] + tokenizer
             + [f"{head} {problem}; resume with the version that wrote it, or set {allow} to go on in the new order"
                for problem in _blend_rule_change(meta, cfg)])
@@ -95,8 +95,9 @@ def _meta_problem(meta: dict) -> str | None:
             return f"has no {key}"
         if not whole(meta[key]):
             return f"holds {key} {meta[key]!r}, not a whole number"
-    if not whole(meta.get("bad_in_row", 0)):
-        return f"holds bad_in_row {meta.get('bad_in_row')!r}, not a whole number"
+    for key in ("bad_in_row", "train_samples"):
+        if not whole(meta.get(key, 0)):
+            return f"holds {key} {meta.get(key)!r}, not a whole number"
     return None
 
 
@@ -160,11 +161,13 @@ def _blend_rule_change(meta: dict, cfg: Config) -> list[str]:
             "and this version takes none, so every later sample comes in another order"]
 
 
-def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int, digests: dict | None = None) -> list[str]:
-    """How resuming from a checkpoint of ``step`` (``consumed`` samples), written with config ``saved``,
-    would silently differ from continuing its run: another data order (the samples consumed so far
-    would no longer say where the run stands in it), other global batches ahead, or a jump in the
-    learning rate (a longer ``train.train_steps`` stretches a decay that had ended, for one)."""
+def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int, digests: dict | None = None,
+                    built: int | None = None) -> list[str]:
+    """How resuming from a checkpoint of ``step`` (``consumed`` samples; its run built its indices for
+    ``built``, where it recorded that), written with config ``saved``, would silently differ from
+    continuing its run: another data order (the samples consumed so far would no longer say where the
+    run stands in it), other global batches ahead, or a jump in the learning rate (a longer
+    ``train.train_steps`` stretches a decay that had ended, for one)."""
     from megazero.config.loader import build_dataclass, known_fields
     from megazero.training_schedules import build_lr_schedule
 
@@ -174,7 +177,8 @@ def _resume_changes(saved: dict, cfg: Config, step: int, consumed: int, digests:
         data, now = saved.get("data") or {}, config_to_dict(cfg)["data"]
         changed = [f"data.{k}" for k in DATA_ORDER_FIELDS if data.get(k) != now[k]]
         return [f"was trained on another data order ({', '.join(changed)} changed)"] if changed else []
-    problems = _data_order_changes(before, cfg, digests or {}) + batch_changes(before, cfg, consumed)
+    problems = (_data_order_changes(before, cfg, digests or {}, (step, consumed, built))
+                + batch_changes(before, cfg, consumed))
     old, new = (build_lr_schedule(c.optimizer, c.schedule, c.train) for c in (before, cfg))
     changed_at = next((s for s in _schedule_probes(before, step) if abs(new(s) - old(s)) > 1e-6 * max(abs(old(s)),
                                                                                                      abs(new(s)))), None)
@@ -206,13 +210,16 @@ def _schedule_probes(before: Config, step: int) -> list[int]:
     return sorted(s for s in {*marks, *spread, last} if step < s <= max(last, step + 1))
 
 
-def _data_order_changes(before: Config, cfg: Config, digests: dict) -> list[str]:
+def _data_order_changes(before: Config, cfg: Config, digests: dict,
+                        at: tuple[int, int, int | None]) -> list[str]:
     """What changes the order of the training samples between the run that wrote a checkpoint
-    (``before``) and this one: the datasets, weights, split or seed, or a sample count that changes a
-    dataset's epochs. A dataset is its files, not the spelling of its path: the same path (whose
-    contents ``_shard_changes`` compares), or, where the checkpoint recorded its shards' ``.idx``
-    digests (``digests``, by real path), the same contents at another path (shards copied to another
-    mount or cluster order the samples as before)."""
+    (``before``; ``at``: its step, samples consumed and, where recorded, the samples it built its
+    indices for) and this one: the datasets, weights, split or seed, or a sample count that changes
+    a dataset's epochs (the counts each run builds its indices for, ``train_samples``). A dataset is
+    its files, not the spelling of its path: the same path (whose contents ``_shard_changes``
+    compares), or, where the checkpoint recorded its shards' ``.idx`` digests (``digests``, by real
+    path), the same contents at another path (shards copied to another mount or cluster order the
+    samples as before)."""
     from data_pipeline.blend import normalise_weights, parse_blend, resolve_blend
     from megazero.data import shard_digests, train_samples
 
@@ -244,7 +251,9 @@ def _data_order_changes(before: Config, cfg: Config, digests: dict) -> list[str]
         fields.insert(0, "data.blend")
     if fields or relinked:
         return relinked + ([f"was trained on another data order ({', '.join(fields)} changed)"] if fields else [])
-    n_old, n_new = train_samples(before), train_samples(cfg)
+    step, consumed, built = at
+    n_old = built or train_samples(before)  # older checkpoints recorded no count: their config's
+    n_new = train_samples(cfg, step, consumed)
     if n_old == n_new or new is None:
         return []
     for weight, prefix in new:

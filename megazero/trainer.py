@@ -140,7 +140,9 @@ class Trainer:
         self._settle_kernels()
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
-        self.train_data, self.valid_data = build_datasets(cfg, train_samples(cfg))
+        meta = manifest["meta"] if manifest is not None else {}
+        self.train_samples = train_samples(cfg, meta.get("step", 0), meta.get("consumed", 0))
+        self.train_data, self.valid_data = build_datasets(cfg, self.train_samples)
         for note in repeated_validation(self.valid_data, cfg) if self.rank == 0 else ():
             print(f"megazero: {note}", flush=True)
         self.tokenizer = tokenizer_record(cfg) if self.rank == 0 else None  # only rank 0's meta is kept
@@ -255,7 +257,7 @@ class Trainer:
     def save(self) -> None:
         meta = {"step": self.state.step, "consumed": self.state.consumed, "skipped": self.state.skipped,
                 "bad_in_row": self.state.bad_in_row, "layout": layout_record(self.cfg),
-                "config": config_to_dict(self.cfg), "blend_rule": BLEND_RULE}
+                "config": config_to_dict(self.cfg), "blend_rule": BLEND_RULE, "train_samples": self.train_samples}
         if self.tokenizer is not None:
             meta["tokenizer"] = self.tokenizer
         if self.shards:

@@ -314,3 +314,19 @@ def test_a_resume_at_another_dp_during_the_batch_ramp_up_is_refused(files, capsy
     assert len(err) == 1 and "(step 1) would train the step at sample 2 on a global batch of 4 instead of 2" in err[0]
     assert "parallel.dp changed" in err[0], err
     assert main([*resume, "--schedule.rampup_start_batch", "4"]) == 0, capsys.readouterr().err
+
+
+def test_a_resume_at_a_smaller_global_batch_builds_the_samples_it_draws(files, capsys):
+    """Two steps of 8 samples, then two more of 4: the run draws 24 samples, and its indices were built
+    for train_steps x global_batch_size, 16, so the first step past them stopped on a traceback
+    (planted: the count without the samples consumed). The checkpoint records the count it built for,
+    which the next resume compares its own with."""
+    run = str(files["root"] / "cut_batch")
+    argv = ["train", *_model(files["good"], run), "--schedule.warmup_steps", "0", "--schedule.decay_steps", "100"]
+    assert main([*argv, "--train.global_batch_size", "8"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--train.train_steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "finished at step 4 (24 samples" in out, out
+    record = json.loads((Path(run) / "checkpoints" / "step_0000004" / "COMPLETE").read_text())
+    assert record["meta"]["train_samples"] == 24 and record["meta"]["consumed"] == 24
