@@ -82,10 +82,26 @@ def shard_digests(cfg: Config) -> dict[str, str]:
     the file, without opening the shard as a dataset (whose checks pass over every document entry:
     the data's own checks do that); shards whose ``.idx`` cannot be read are left out (their own
     check says why)."""
+    from data_pipeline.shard_files import idx_sha256
+
+    return _by_shard(cfg, lambda prefix: idx_sha256(prefix)[0])
+
+
+def shard_token_digests(cfg: Config) -> dict[str, str]:
+    """Each training shard's ``tokens_digest`` by its real path, recorded beside ``shard_digests``: a
+    corpus of equal-length documents preprocessed again in another order has the same ``.idx``
+    bytes, and only its tokens tell the resume that it changed."""
+    from data_pipeline.shard_files import tokens_digest
+
+    return _by_shard(cfg, tokens_digest)
+
+
+def _by_shard(cfg: Config, digest) -> dict[str, str]:
+    """``digest(prefix)`` of each shard of the training blend, by real path; shards it cannot read are
+    left out, and so is every shard of a blend that does not parse (their checks say why)."""
     import os
 
     from data_pipeline.blend import parse_blend, resolve_blend
-    from data_pipeline.shard_files import idx_sha256
 
     d = cfg.data
     try:
@@ -95,7 +111,7 @@ def shard_digests(cfg: Config) -> dict[str, str]:
     digests = {}
     for prefix in prefixes:
         try:
-            digests[os.path.realpath(prefix)] = idx_sha256(prefix)[0]
+            digests[os.path.realpath(prefix)] = digest(prefix)
         except OSError:
             continue
     return digests

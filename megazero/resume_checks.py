@@ -135,11 +135,16 @@ def _shard_changes(meta: dict, cfg: Config) -> list[str]:
     """Shards the checkpoint's run trained on whose contents changed since (preprocessed again at the
     same path): its samples consumed would count through other documents. Checkpoints written
     before shards were recorded, and shards this run no longer uses, are not compared."""
-    from megazero.data import shard_digests
+    from megazero.data import shard_digests, shard_token_digests
 
-    saved = meta.get("shards") or {}
-    changed = [path for path, digest in shard_digests(cfg).items() if path in saved and saved[path] != digest]
-    return [f"was trained on other contents of {path} (its .idx changed since)" for path in changed]
+    problems = []
+    for key, now, what in (("shards", shard_digests, "its .idx changed since"),
+                           ("shard_tokens", shard_token_digests, "its tokens changed since, its .idx not: "
+                                                                 "documents of equal lengths in another order?")):
+        saved = meta.get(key) if isinstance(meta.get(key), dict) else {}
+        problems += [f"was trained on other contents of {path} ({what})" for path, digest in now(cfg).items()
+                     if path in saved and saved[path] != digest and not any(path in p for p in problems)]
+    return problems
 
 
 def _blend_rule_change(meta: dict, cfg: Config) -> list[str]:

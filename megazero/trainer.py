@@ -29,8 +29,8 @@ from megazero.checkpoint import (
 from megazero.checkpoint.state import files_to_load, load_checkpoint, rank_files
 from megazero.config import Config
 from megazero.config.loader import config_to_dict
-from megazero.data import (build_datasets, recorded_tokenizer, repeated_validation, shard_digests, tokenizer_record,
-                           train_samples)
+from megazero.data import (build_datasets, recorded_tokenizer, repeated_validation, shard_digests,
+                           shard_token_digests, tokenizer_record, train_samples)
 from megazero.device_watchdog import DeviceWatchdog
 from megazero.engine import Engine, describe_layout, layout_record, pipeline_placement, pipeline_split, same_ranks
 from megazero.errors import UserError
@@ -147,6 +147,7 @@ class Trainer:
             print(f"megazero: {note}", flush=True)
         self.tokenizer = tokenizer_record(cfg) if self.rank == 0 else None  # only rank 0's meta is kept
         self.shards = shard_digests(cfg) if self.rank == 0 else None
+        self.shard_tokens = shard_token_digests(cfg) if self.rank == 0 else None
         self.state = TrainState()
         self.saved_step = 0  # the step of the newest checkpoint this run saved or resumed from
         self.resumed_step = 0  # the step of the checkpoint this run resumed from (0: none)
@@ -262,6 +263,8 @@ class Trainer:
             meta["tokenizer"] = self.tokenizer
         if self.shards:
             meta["shards"] = self.shards
+        if self.shard_tokens:
+            meta["shard_tokens"] = self.shard_tokens
         self.writer.save(self.state.step, rank_files(self.engine.chunks, self.engine.optimizer, self.rank), meta=meta)
         self.state.saved_to = str(self.writer.root / step_dir_name(self.state.step))
         self.saved_step = self.state.step

@@ -261,6 +261,30 @@ def test_a_resume_on_a_shard_rewritten_in_place_is_refused(files, capsys):
     assert main([*argv, "--train.train_steps", "2", "--checkpoint.allow_config_changes", "true"]) == 0
 
 
+def test_a_resume_on_a_shard_of_equal_documents_reordered_is_refused(files, capsys):
+    """Documents of one length (a pre-chunked corpus) written again in another order give the same
+    .idx bytes, so the digest the checkpoint recorded passed (planted: the tokens not recorded);
+    the tokens' digest tells them apart."""
+    prefix = str(files["root"] / "reordered_text_document")
+    for name in (".bin", ".idx"):
+        shutil.copy(files["good"] + name, prefix + name)
+    argv = ["train", *_model(prefix, str(files["root"] / "reordered"))]
+    assert main([*argv, "--train.train_steps", "1"]) == 0
+    from data_pipeline.indexed import IndexedDataset
+
+    documents = [IndexedDataset(prefix)[i].copy() for i in range(64)]
+    idx = open(prefix + ".idx", "rb").read()
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for document in reversed(documents):
+            w.add_document(document)
+    assert open(prefix + ".idx", "rb").read() == idx
+    capsys.readouterr()
+    assert main([*argv, "--train.train_steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"was trained on other contents of {os.path.realpath(prefix)} (its tokens changed " \
+        "since, its .idx not: documents of equal lengths in another order?)" in err[0], err
+
+
 def test_a_resume_drawn_by_the_older_blend_rule_is_refused(files, capsys, tmp_path):
     """Rule 1 of the blend gave a weight-0 dataset listed first one sample, and rule 2 none, so a
     checkpoint of rule 1 (one that records no rule) with such a blend would go on in another order
