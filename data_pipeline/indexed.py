@@ -89,7 +89,7 @@ class IndexedDatasetWriter:
         self._sealed = False
         remove_stale_temporaries(prefix)
         self._sizes = array("i")  # int32 lengths, appended without a numpy object per document
-        self._grouped: list[tuple[int, np.ndarray]] = []  # (first sequence, document index) of such shards
+        self._ends = array("q", [0])  # the document index: 0, then each document's end, in sequences
         # a descriptor of each temporary it has made, holding its lock (what keeps it from a sweep) and
         # the one its bytes are written through, with the file's identity
         self._held: list[tuple[int, tuple[int, int]]] = []
@@ -130,6 +130,7 @@ class IndexedDatasetWriter:
 
     def add_document(self, tokens) -> None:
         self._sizes.append(self._write_tokens(tokens))
+        self._ends.append(len(self._sizes))
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Several documents at once: ``tokens`` is their concatenation, ``lengths`` their sizes."""
@@ -138,29 +139,24 @@ class IndexedDatasetWriter:
             raise ValueError(f"{self.prefix}: lengths sum to {int(lengths.sum(dtype=np.int64))} but "
                              f"{np.size(tokens)} tokens were given")
         self._write_tokens(tokens)
+        first = len(self._sizes)
         self._sizes.frombytes(lengths.tobytes())
+        self._ends.frombytes(np.arange(first + 1, len(self._sizes) + 1, dtype=np.int64).tobytes())
 
     def add_shard(self, other: IndexedDataset) -> None:
-        """Append every document of an existing shard, copying its ``.bin`` in large blocks; a document
-        of several sequences (Megatron's ``--split-sentences``) stays one."""
+        """Append every document of an existing shard, copying its ``.bin`` in large blocks, and its
+        document index as it is, offset (as Megatron merges): a document of several sequences
+        (Megatron's ``--split-sentences``) stays one, and an empty one (two equal entries) stays."""
         if other.dtype != self.dtype:
             raise ValueError(f"cannot merge {other.prefix} ({other.dtype}) into {self.prefix} ({self.dtype}): "
                              "every shard must use the same token dtype (same tokenizer)")
         with open(bin_path(other.prefix), "rb") as src:
             while block := src.read(64 << 20):
                 self._write(block)
-        if len(other.document_indices) != len(other) + 1:
-            self._grouped.append((len(self._sizes), np.array(other.document_indices)))
+        offset = len(self._sizes)
         self._sizes.frombytes(np.asarray(other.sizes, dtype=np.int32).tobytes())
-
-    def _document_indices(self) -> np.ndarray:
-        """Each document's first sequence, then the count: one a sequence, but as an added shard grouped them."""
-        starts = np.ones(len(self._sizes) + 1, dtype=bool)
-        for first, documents in self._grouped:
-            inner = np.ones(int(documents[-1]) + 1, dtype=bool)
-            inner[documents] = False  # its own boundaries stay
-            starts[first:first + len(inner)] &= ~inner
-        return np.flatnonzero(starts).astype(np.int64)
+        ends = np.asarray(other.document_indices[1:], dtype=np.int64) + offset
+        self._ends.frombytes(ends.tobytes())
 
     def seal(self) -> None:
         """Close the ``.bin`` and write the ``.idx``, both still under temporary names: the step a full
@@ -172,7 +168,7 @@ class IndexedDatasetWriter:
             # locked before the .bin is put in place: from then on the .bin's lock is on the shard's own
             # file, which no sweep looks at, and this one keeps the .idx temporary from the sweep
             with open(self._hold_new(self._idx_tmp), "wb", closefd=False) as f:
-                write_index(f, self.dtype, np.frombuffer(self._sizes, dtype=np.int32), self._document_indices())
+                write_index(f, self.dtype, np.frombuffer(self._sizes, dtype=np.int32), np.frombuffer(self._ends, np.int64))
         except OSError as exc:
             raise _not_written(self.prefix, exc) from None
         self._sealed = True

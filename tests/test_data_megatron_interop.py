@@ -69,12 +69,14 @@ def test_megatron_shards_load_in_ours(tmp_path, dtype):
 def test_a_merge_keeps_the_documents_of_sentence_shards_as_megatron_does(tmp_path):
     """A shard of sentences (``preprocess_data.py --split-sentences``) holds several sequences per
     document; merged, every sequence became a document of its own, and Megatron's document-level
-    datasets lost the documents. Our merge must write the files megatron-core's merge writes.
-    (Planted: the merged shard's document index written as one document a sequence.)"""
+    datasets lost the documents. Our merge must write the files megatron-core's merge writes, an
+    empty document (two equal entries) included. (Planted: the merged shard's document index written
+    as one document a sequence; then rebuilt from its boundaries, which split a shard of one empty
+    and one two-sentence document into two and dropped the empty one.)"""
     from data_pipeline.indexed import merge_shards
 
     prefixes = []
-    for k, sentences in enumerate([[3, 1, 2], [1], [2, 2]]):  # sentences per document, shard by shard
+    for k, sentences in enumerate([[3, 1, 2], [0, 2], [2, 2]]):  # sentences per document, shard by shard
         prefix = str(tmp_path / f"sentences{k}")
         builder = mc_indexed.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
         for d, count in enumerate(sentences):
@@ -92,7 +94,7 @@ def test_a_merge_keeps_the_documents_of_sentence_shards_as_megatron_does(tmp_pat
     for prefix in order:
         builder.add_index(prefix)
     builder.finalize(str(tmp_path / "theirs.idx"))
-    assert merged.document_indices.tolist() == [0, 3, 4, 6, 7, 8, 10, 12]
+    assert merged.document_indices.tolist() == [0, 3, 4, 6, 7, 7, 9, 11, 13]
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"ours{ext}").read_bytes() == (tmp_path / f"theirs{ext}").read_bytes()
 
