@@ -49,7 +49,8 @@ def check_run(cfg: Config, *, scan_data: bool = True, checkpoint_files: bool = T
     busy = _busy_problems(cfg, own_job) if locks else []
     problems = list(busy) if own_job is None else []  # a copy: busy is asked again below
     problems += _device_problems(cfg) + _stop_problems(cfg) + _index_problems(cfg)
-    problems += _memory_problems(cfg, ranks_per_node) + _recompute_problems(cfg)
+    problems += _memory_problems(cfg, ranks_per_node) + _offload_problems(cfg, ranks_per_node)
+    problems += _recompute_problems(cfg)
     prefixes, data_problems = _data_prefixes(cfg)
     problems += data_problems
     tokenizer, tokenizer_problems = _tokenizer(cfg)
@@ -139,6 +140,21 @@ def _memory_problems(cfg: Config, ranks_per_node: Optional[int]) -> list[str]:
 
     problem = memory_problem(cfg, ranks_per_node)
     return [problem] if problem else []
+
+
+def _offload_problems(cfg: Config, ranks_per_node: Optional[int]) -> list[str]:
+    """The optimizer states offloaded by the ranks of one node (``ranks_per_node``; one where the
+    launch does not say) against this host's memory."""
+    from megazero.planner.memory import offloaded_bytes
+
+    ranks = ranks_per_node or 1
+    need, have = offloaded_bytes(cfg) * ranks, _host_memory()
+    if need <= have:
+        return []
+    return [f"zero.offload_optimizer: the optimizer states offloaded by {ranks} rank(s) of a node need about "
+            f"{need / 2**30:,.1f} GiB of host memory (fp32 master, its gradient and two Adam moments), more than "
+            f"this host's {have / 2**30:,.1f} GiB; add data-parallel ranks (each holds a 1/dp share) or use "
+            "hosts with more memory"]
 
 
 def _recompute_problems(cfg: Config) -> list[str]:

@@ -13,6 +13,8 @@ from megazero.errors import ConfigError
     (["--model.num_layers", "1e29"], "model.num_layers: 100000000000000000000000000000 is more than 10,000"),
     (["--model.hidden_size", "1e29"], "model.hidden_size: 100000000000000000000000000000 is more than 1,048,576"),
     (["--model.rope_theta", "1e-320"], "model.rope_theta: 9.99989e-321 must be more than 1"),
+    # finite, but its bytes overflowed to infinity: --check passed and the engine's start raised
+    (["--zero.bucket_size_mb", "1e303"], "zero.bucket_size_mb: 1e+303 is more than 1.09951e+12 MiB"),
 ])
 def test_values_past_any_use_are_refused_by_name(override, said):
     """Values of hundreds of digits, or sizes far past any model: a float field raised OverflowError, a

@@ -349,3 +349,40 @@ def test_an_evaluation_reading_its_split_more_than_once_is_noted(files, capsys):
             "once") in out, out
     assert main([*args, "--train.eval_steps", "7", "--logging.run_dir", str(files["root"] / "runs" / "once")]) == 0
     assert "an evaluation reads" not in capsys.readouterr().out
+
+
+def _offloaded_held(rank, world_size):
+    """What a one-rank engine with the optimizer offloaded holds on the host, and the planner's count."""
+    import torch
+
+    from megazero.config import load_config, resolve_config
+    from megazero.engine import Engine
+    from megazero.planner.memory import offloaded_bytes
+    from parallel.topology import RankGrid, Topology
+
+    cfg = load_config(None, ["--model.num_layers", "2", "--model.hidden_size", "48", "--model.num_heads", "4",
+                             "--model.vocab_size", "100", "--model.seq_length", "16", "--train.device", "cpu",
+                             "--zero.offload_optimizer", "true", "--zero.stage", "1"])
+    cfg = resolve_config(cfg, world_size)
+    held = Engine(cfg, Topology(RankGrid(tp=1, pp=1, dp=1)), torch.device("cpu")).optimizer.memory_bytes()
+    return held["master"] + held["optimizer"], offloaded_bytes(cfg), cfg
+
+
+def test_an_offloaded_optimizer_larger_than_the_host_is_refused(monkeypatch):
+    """The offloaded master, its gradient and the moments live in host memory, which the device's
+    formula leaves out: a layout that fit its GPUs by offloading passed --check on hosts too small
+    for it (planted: no host check). The count is what a real engine holds (its gradient copy is the
+    master's size; planted: the copy left out, 25% short), and a node's ranks add up."""
+    from megazero.preflight import _offload_problems
+    from tests.distributed import run_world
+
+    states, counted, cfg = run_world(1, _offloaded_held)[0]
+    master = states / 3  # the master and its two moments, each a shard of fp32
+    assert counted == pytest.approx(states + master, rel=0.01)  # the shard's alignment padding aside
+    pages = {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": int(counted) * 2}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    assert _offload_problems(cfg, 2) == []
+    pages["SC_PHYS_PAGES"] -= 1
+    (problem,) = _offload_problems(cfg, 2)
+    assert problem.startswith("zero.offload_optimizer: the optimizer states offloaded by 2 rank(s) of a node need "
+                              "about"), problem

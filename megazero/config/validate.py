@@ -86,6 +86,11 @@ COLLECTIVE_TIMEOUT_S = (1e-3, 1e9)
 every rendezvous fails at once (reported as an unreachable MASTER_ADDR); above about 30 years its
 nanosecond deadlines overflow (1e10 s fails the same way, 1e300 s raised OverflowError)."""
 
+BUCKET_MB_MAX = float(1 << 40)
+"""A bucket of an exbibyte holds any model's gradients whole (a larger one is the same one bucket):
+past about 1e302 MiB the size in bytes overflowed to infinity, which ``--check`` passed and the
+engine could not round to elements, stopping the run's start on a traceback."""
+
 LOSS_SCALE_MAX = 3.4028234663852886e38
 """float32's largest value: the loss scale (over a step's micro-batches) seeds the backward as an
 fp32 tensor, so a larger ``precision.initial_loss_scale`` failed at the first backward with a
@@ -214,6 +219,9 @@ def _value_problems(cfg: Config) -> list[str]:
         problems.append(f"data.seed: {cfg.data.seed} is outside 0 to 2**32 - 1, the seeds numpy's generator takes")
     if not 0 <= t.seed < 2**32:  # offsets per tensor rank and stage are added to it, within torch's 64 bits
         problems.append(f"train.seed: {t.seed} is outside 0 to 2**32 - 1")
+    if cfg.zero.bucket_size_mb > BUCKET_MB_MAX:
+        problems.append(f"zero.bucket_size_mb: {cfg.zero.bucket_size_mb:g} is more than {BUCKET_MB_MAX:g} MiB, which "
+                        "holds any model's gradients in one bucket; give a size in MiB (the default: 200)")
     prec = cfg.precision
     if prec.dtype == "fp16" and prec.initial_loss_scale > LOSS_SCALE_MAX:
         problems.append(f"precision.initial_loss_scale: {prec.initial_loss_scale:g} is above float32's largest value "

@@ -231,6 +231,16 @@ def model_state_bytes(cfg: Config, pp_rank: int) -> float:
     return states.total + (0.0 if fp32_grads else states.master)
 
 
+def offloaded_bytes(cfg: Config) -> float:
+    """Host bytes one rank's offloaded optimizer holds (the most of any pipeline rank's): its fp32
+    master shard, that shard's fp32 gradient and the two Adam moments; 0 without offload. The
+    device's formula leaves them out, so a layout that fits its GPUs only by offloading passed
+    ``--check`` on hosts too small for it, and failed allocating them at the start."""
+    if not cfg.zero.offload_optimizer:
+        return 0.0
+    return max(2 * states.master + states.optimizer for states in (_zero_states(cfg, r) for r in range(cfg.parallel.pp)))
+
+
 def grads_outside_forward(cfg: Config, pp_rank: int, micro: Optional[int] = None) -> float:
     """Gradient bytes no activations' peak runs beside. Whole gradient buffers (stages 0-1, and stages
     2-3 reducing once per step) hold memory only from the backward that reaches them to the end of the step,
