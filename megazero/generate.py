@@ -66,8 +66,14 @@ def load_model(path, source: str = "the checkpoint path") -> tuple[GPT, Config]:
     return load_opened(open_checkpoint(path, source))
 
 
-def load_opened(ckpt: OpenedCheckpoint) -> tuple[GPT, Config]:
-    """``load_model`` for a checkpoint already opened: config and weights from its one record."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The weights' dtypes ``generate`` runs in: the checkpoint's fp32 master, or rounded to 16 bits (half
+the memory, and on a GPU about half the time a drawn token takes: its reads are the weights)."""
+
+
+def load_opened(ckpt: OpenedCheckpoint, dtype: torch.dtype = torch.float32) -> tuple[GPT, Config]:
+    """``load_model`` for a checkpoint already opened: config and weights from its one record; the
+    weights rounded to ``dtype`` (the rotary tables stay fp32, as in training, rounded per use)."""
     cfg = saved_config(ckpt)
     model = GPT(cfg.model, seed=cfg.train.seed)
     weights = load_full_weights(ckpt.path, ckpt.manifest)
@@ -75,6 +81,7 @@ def load_opened(ckpt: OpenedCheckpoint) -> tuple[GPT, Config]:
         for name, param in model.named_parameters():
             value = finite(weights[name], f"{ckpt.path}: parameter {name!r}")  # NaN logits would pass for token 0
             param.copy_(fit_to_shard(value, None, tuple(param.shape), name, ckpt.path))
+            param.data = param.data.to(dtype)  # the same parameter: a tied head stays the embedding
     return model.eval(), cfg
 
 

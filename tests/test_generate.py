@@ -104,6 +104,24 @@ def test_the_cached_draws_are_the_whole_forwards(trained, tmp_path, capsys):
     assert words == ["</s>" if i == VOCAB - 1 else f"w{i}" for i in expected]
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_weights_draw_the_whole_forwards_of_16_bit_weights(trained, tmp_path, capsys, dtype):
+    """``--dtype`` rounds the master weights to 16 bits (a tied head stays the embedding, the rotary
+    tables stay fp32): the greedy text through the cache is the one each draw's whole forward of
+    those weights gives."""
+    from megazero.generate import DTYPES, load_opened, open_checkpoint
+
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    assert main(["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1 w2 w3", "--temperature", "0",
+                 "--tokens", "20", "--past-eod", "--device", "cpu", "--dtype", dtype]) == 0
+    words = capsys.readouterr().out.split()
+    model, _ = load_opened(open_checkpoint(trained[0]), DTYPES[dtype])
+    assert {p.dtype for p in model.parameters()} == {DTYPES[dtype]}
+    assert model.lm_head.weight is model.embedding.tokens.weight or not model.cfg.tie_embeddings
+    expected = _greedy_without_cache(model, [1, 2, 3], 20)
+    assert words == ["</s>" if i == VOCAB - 1 else f"w{i}" for i in expected]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
 def test_a_device_that_is_not_here_is_one_line(trained, tmp_path, capsys):
     """``--device cuda`` on a machine without a GPU, or a name torch does not read, is refused in one

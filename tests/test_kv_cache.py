@@ -101,14 +101,16 @@ def test_a_position_held_on_the_device_gives_the_same_logits(preset):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("preset", ["gpt2", "llama"])
-def test_a_decode_graphs_replays_give_the_whole_forwards_logits(preset):
+def test_a_decode_graphs_replays_give_the_whole_forwards_logits(preset, dtype, rtol):
     """Each replay of a ``DecodeGraph`` (the GPU's fused kernels, captured after a prompt) reads its
-    own token at its own position: its logits equal the whole forward's at every step, and the cache
-    counts each position once."""
+    own token at its own position: its logits equal the whole forward's at every step, in fp32 and
+    in bf16 (``generate --dtype``), and the cache counts each position once."""
     from models.decode_graph import DecodeGraph
 
     cfg, model, ids = model_and_text(preset, batch=1, device="cuda")
+    model.to(dtype)
     with torch.no_grad():
         whole = model(ids)
         cache = KVCache(cfg.seq_length)
@@ -117,4 +119,4 @@ def test_a_decode_graphs_replays_give_the_whole_forwards_logits(preset):
         assert cache.length == 5
         steps = [graph(ids[:, end - 1:end]).clone() for end in range(6, cfg.seq_length + 1)]
     assert cache.length == cfg.seq_length
-    assert_close(torch.stack(steps, dim=1), whole[:, 5:], rtol=1e-4)
+    assert_close(torch.stack(steps, dim=1).float(), whole[:, 5:].float(), rtol=rtol)
