@@ -79,10 +79,10 @@ class LayerCache:
         before, and return the keys and values of every position read, these included. At a device
         ``start`` they are every position the cache can hold (shapes a graph can replay), those past
         the new tokens unwritten or stale: the causal mask from ``start`` hides them."""
-        if self.keys is None:
+        if self.keys is None:  # zeros: a masked key's weight is 0, but 0 x NaN (unwritten memory) is NaN
             shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
-            self.keys = k.new_empty(shape)
-            self.values = v.new_empty(shape)
+            self.keys = k.new_zeros(shape)
+            self.values = v.new_zeros(shape)
         start = self.start
         if not isinstance(start, int):
             at = positions(start, k.shape[2], k.device)

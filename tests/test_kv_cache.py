@@ -74,21 +74,26 @@ def test_a_cache_refuses_positions_past_its_capacity(preset):
     assert small.length == 3 and small.layer("0").keys.shape[2] == 5  # the layers hold only what was asked
 
 
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, RTOL), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("preset", ["gpt2", "llama"])
-def test_a_position_held_on_the_device_gives_the_same_logits(preset):
+def test_a_position_held_on_the_device_gives_the_same_logits(preset, dtype, rtol):
     """A CUDA graph's decode reads the position from a tensor (``KVCache.position``), writes keys and
     values at it and attends over the whole cache under a causal mask: here on the CPU, with stale
     keys left past the position, each one-token step after a prompt equals the whole forward.
-    (Planted: the mask not made for one query, so the stale keys were read; the learned or rotary
-    positions taken from the host count.)"""
+    Positions never written hold zeros: a masked key weighs 0, but its value still enters the
+    product, and unwritten bf16 memory held NaNs that made every logit NaN. (Planted: the mask not
+    made for one query, so the stale keys were read; the learned or rotary positions taken from the
+    host count; the buffers made uninitialised.)"""
     cfg, model, ids = model_and_text(preset)
+    model.to(dtype)
     with torch.no_grad():
         whole = model(ids)
         cache = KVCache(cfg.seq_length)
         model.decode(ids[:, :5], cache)
-        for layer in cache._layers.values():  # what a warm-up or an earlier text left there
-            layer.keys[:, :, 5:] = 100.0
-            layer.values[:, :, 5:] = -100.0
+        for layer in cache._layers.values():
+            assert not layer.keys[:, :, 5:].any() and not layer.values[:, :, 5:].any()
+            layer.keys[:, :, 5:9] = 100.0  # what a warm-up or an earlier text left there
+            layer.values[:, :, 5:9] = -100.0
         cache.position = torch.tensor(5)
         steps = []
         for end in range(6, cfg.seq_length + 1):
@@ -96,7 +101,7 @@ def test_a_position_held_on_the_device_gives_the_same_logits(preset):
             cache.length = 0  # a host count the device path must not read (it is restored below)
             steps.append(model.decode(ids[:, end - 1:end], cache))
             cache.length = end
-    assert_close(torch.stack(steps, dim=1), whole[:, 5:])
+    assert_close(torch.stack(steps, dim=1).float(), whole[:, 5:].float(), rtol)
 
 
 @pytest.mark.cuda
