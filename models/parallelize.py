@@ -87,7 +87,8 @@ def parallelize_gpt(chunks: list[GPT], stages: list[int], topo: Topology, plan: 
     units = [block for chunk in chunks for block in chunk.layers.values()]
     tied_group = topo.embedding_group if topo.pp_size > 1 and not tied_here else None
     return DataParallel(chunks, plan.data_parallel, topo.dp_group, units=units,
-                        info=describe_params(chunks, topo.tp_rank, tied=topo.pp_size > 1),
+                        info=describe_params(chunks, topo.tp_rank, tied=topo.pp_size > 1,
+                                             split_backward=plan.split_backward),
                         tied_group=tied_group, tp_group=topo.tp_group)
 
 
@@ -119,12 +120,17 @@ def compile_gpt(chunk: GPT, tp: int, cuda_graphs: bool = False, keep_handed_over
         chunk.head = torch.compile(chunk.head, **compile_options(False, keep_handed_over))
 
 
-def describe_params(chunks: list[GPT], tp_rank: int, tied: bool) -> Callable[[torch.nn.Parameter], ParamInfo]:
+def describe_params(chunks: list[GPT], tp_rank: int, tied: bool,
+                    split_backward: bool = False) -> Callable[[torch.nn.Parameter], ParamInfo]:
     """Each parameter's logical name and tensor-parallel slice; whether it enters the gradient norm
     (sharded ones on every tensor rank, replicated ones on the first only, a tied head copy never:
     it is the embedding's second copy); which are summed over the tensor group (sequence-parallel
-    norms and biases); and, when ``tied`` (the embedding and its head copy sit on different
-    pipeline stages), which two are summed over the embedding group."""
+    norms and biases); when ``tied`` (the embedding and its head copy sit on different pipeline
+    stages), which two are summed over the embedding group; and under a ``split_backward`` schedule,
+    an embedding that is its own head (both on this stage) as complete only at the step's end: the
+    lookup's share comes in the backward, the head's in the deferred weight pass after it, and its
+    bucket, reduced when the first arrived, dropped the second (tp 2, ZB-H1, pp 1, dp 2: gradient
+    norms 3% off)."""
     info = {}
     for chunk in chunks:
         shards = param_shards(chunk)
@@ -134,9 +140,11 @@ def describe_params(chunks: list[GPT], tp_rank: int, tied: bool) -> Callable[[to
             is_copy = param is copy
             pair = tied and chunk.tied and (is_copy or (chunk.embedding is not None
                                                         and param is chunk.embedding.tokens.weight))
+            shared = (chunk.tied and chunk.lm_head is not None and chunk.embedding is not None
+                      and param is chunk.embedding.tokens.weight)
             info[id(param)] = ParamInfo(chunk.logical_name(name), shards.get(name),
                                         counts_for_norm=not is_copy and (name in shards or tp_rank == 0), tied=pair,
-                                        tp_partial=name in partial)
+                                        tp_partial=name in partial, late=split_backward and shared)
     return lambda param: info[id(param)]
 
 

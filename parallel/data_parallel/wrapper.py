@@ -72,6 +72,9 @@ class ParamInfo:
     shard: Optional[Shard]  # the tensor-parallel slice of the logical tensor this rank holds
     counts_for_norm: bool  # False for tp-replicated copies off the first tp rank and a tied head copy
     tied: bool = False  # its gradient is summed with a copy on another pipeline stage first
+    # its gradient is complete only at the step's end, so its buckets are reduced then (a tied copy;
+    # an embedding whose head, under a split backward, adds its share in the deferred weight pass)
+    late: bool = False
     tp_partial: bool = False  # this tensor rank holds only its tokens' share of the gradient (sequence
     # parallel norms and biases): summed over the tensor group before the data-parallel reduction
 
@@ -129,8 +132,9 @@ class DataParallel:
         self.tied_group = tied_group
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.tied = [i for i, inf in enumerate(self.info) if inf.tied]
-        for i in self.tied:
-            self.reducer.defer(i)
+        for i, inf in enumerate(self.info):
+            if inf.tied or inf.late:
+                self.reducer.defer(i)
         # The order the forward uses units in: the persistent one (embeddings) first, then the blocks.
         self.unit_order = ([u for u, m in enumerate(unit_modules) if m is None]
                            + [u for u, m in reversed(list(enumerate(unit_modules))) if m is not None])
