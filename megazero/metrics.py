@@ -36,6 +36,7 @@ from megazero.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_MODES = ("offline", "online")  # logging.wandb_mode, passed to wandb.init
+MAX_EXP = math.log(sys.float_info.max)  # 709.78: the largest loss whose perplexity a float holds
 
 
 @dataclass
@@ -154,7 +155,8 @@ class MetricsLogger:
         if m.val_loss is not None:
             val = _finite(m.val_loss)
             row["val_loss"] = val
-            row["val_ppl"] = None if val is None else math.exp(min(val, 700.0))  # exp(>709) overflows
+            # exp overflows a float past 709.78: JSON has no inf, so null (the line says inf)
+            row["val_ppl"] = None if val is None or val > MAX_EXP else math.exp(val)
         if self.device is not None:
             row.update(memory_gib(self.device))
         return row
@@ -184,8 +186,10 @@ class MetricsLogger:
             parts.append(f"mem {last['mem_gib']:.1f}/{last['mem_peak_gib']:.1f} GiB")
         elif "rss_peak_gib" in last:
             parts.append(f"rss {last['rss_peak_gib']:.2f} GiB")
-        if last.get("val_loss") is not None:
-            parts.append(f"val loss {last['val_loss']:.6f} ppl {last['val_ppl']:.2f}")
+        if "val_loss" in last:  # an evaluation step; a NaN loss is said, not left out
+            val, ppl = last["val_loss"], last["val_ppl"]
+            parts.append("val loss nan ppl nan" if val is None else
+                         f"val loss {val:.6f} ppl {'inf' if ppl is None else format(ppl, '.2f')}")
         return " | ".join(parts)
 
     def _print(self, line: str) -> None:

@@ -23,16 +23,17 @@ import torch
 
 class StepProfiler:
     """Profiles steps ``steps[0]..steps[1]`` (inclusive) on the ranks in ``ranks``; a no-op elsewhere
-    or when ``steps`` is None. A run resumed inside the window profiles the rest of it."""
+    or when ``steps`` is None. A run resumed inside the window profiles the rest of it, and each trace
+    is named after the steps it holds."""
 
     def __init__(self, steps: Optional[list[int]], ranks: list[int], rank: int, run_dir: str,
                  device: torch.device):
         self.bounds = (steps[0], steps[1]) if steps is not None else None  # on every rank, kept after close
         self.window = self.bounds if rank in ranks else None  # on profiled ranks, until the trace is written
-        self.rank, self.device = rank, device
-        self.path = (os.path.join(run_dir, "profile", f"rank{rank}_steps{steps[0]}-{steps[1]}.json.gz")
-                     if self.window else None)
+        self.rank, self.device, self.run_dir = rank, device, run_dir
+        self.path: Optional[str] = None  # the trace written, once it is
         self._profile = None
+        self._traced: list[int] = []  # the first step profiled, then the last read
 
     def pauses_after(self, step: int) -> bool:
         """Whether ``step`` must finish before the next is queued, on every rank alike (the trainer's
@@ -50,13 +51,17 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._profile = profile(activities=activities)
             self._profile.start()
+            self._traced = [step]
         if self._profile is None:
             return contextlib.nullcontext()
         return torch.profiler.record_function(f"megazero step {step}")
 
     def after_step(self, step: int) -> None:
         """``step``'s results have been read: after the window's last step, stop and write."""
-        if self._profile is not None and step >= self.window[1]:
+        if self._profile is None:
+            return
+        self._traced[1:] = [step]
+        if step >= self.window[1]:
             self.close()
 
     def __enter__(self) -> "StepProfiler":
@@ -71,6 +76,10 @@ class StepProfiler:
             return
         profile, self._profile, self.window = self._profile, None, None
         profile.stop()
+        # named after the steps it holds: a run stopped inside the window and its resume write two
+        # traces (one name for the window let the resume's replace the first part's)
+        first, last = self._traced[0], self._traced[-1]
+        self.path = os.path.join(self.run_dir, "profile", f"rank{self.rank}_steps{first}-{last}.json.gz")
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         partial = self.path.replace(".json.gz", f".partial{os.getpid()}.json.gz")  # the suffix picks gzip
         profile.export_chrome_trace(partial)

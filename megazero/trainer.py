@@ -365,11 +365,14 @@ class Trainer:
                            and not self._pause_after(in_flight[-1].step)):
                         in_flight.append(self._queue_step())
                 except BaseException:  # the steps before still get their lines (or their own error)
-                    while in_flight:
-                        self.logger.record(self._finish_step(in_flight.popleft()))
+                    self._record_all(in_flight)
                     raise
                 done = in_flight.popleft()
-                self._complete(done)
+                try:
+                    self._complete(done)
+                except BaseException:  # a diverging step: those queued behind it were run, and are said too
+                    self._record_all(in_flight)
+                    raise
                 if not stopping and self._saves(done.step):
                     self.save()
                 while stopping and in_flight:  # a stop lets the steps already queued finish
@@ -392,12 +395,23 @@ class Trainer:
 
     def _complete(self, queued: _QueuedStep) -> None:
         """Read a queued step's results, evaluate if this step is due, and log it (a profiled window
-        ends before the evaluation after its last step)."""
+        ends before the evaluation after its last step); a step that makes the run diverging is
+        logged, not evaluated, then stops the run."""
         metrics = self._finish_step(queued)
         self.profiler.after_step(queued.step)
+        if self.state.bad_in_row >= self.cfg.train.max_bad_steps:
+            self.logger.record(metrics)  # the step the error names has its line, as every step before
+            raise UserError(f"the loss or the gradients were NaN or inf for {self.state.bad_in_row} steps in a "
+                            f"row (to step {queued.step}): the run is diverging; lower optimizer.lr, raise "
+                            "schedule.warmup_steps or resume from an earlier checkpoint", agreed=True)
         if self._evaluates(queued.step):
             metrics.val_loss = self._evaluate()
         self.logger.record(metrics)
+
+    def _record_all(self, in_flight: collections.deque) -> None:
+        """Read and log every step still queued (the run is stopping on an error)."""
+        while in_flight:
+            self.logger.record(self._finish_step(in_flight.popleft()))
 
     def _unsaved(self) -> str:
         """What stopping now, without a save, loses (said on a second Ctrl-C, and as the device watchdog
@@ -450,7 +464,7 @@ class Trainer:
         return self.watchdog.waiting(what) if armed else contextlib.nullcontext()
 
     def _finish_step(self, queued: _QueuedStep) -> StepMetrics:
-        """Read a queued step's results (waiting for that step only) and count skipped steps."""
+        """Read a queued step's results (waiting for that step only) and count skipped and bad steps."""
         reading = time.perf_counter()
         with self.watchdog.waiting(f"step {queued.step}'s results"):
             loss, grad_norm, skipped = queued.values.read()
@@ -461,10 +475,6 @@ class Trainer:
         # other skipped step means the loss or a gradient was NaN or inf.
         bad = not math.isfinite(loss) or (skipped and self.cfg.precision.dtype != "fp16")
         self.state.bad_in_row = self.state.bad_in_row + 1 if bad else 0
-        if self.state.bad_in_row >= self.cfg.train.max_bad_steps:
-            raise UserError(f"the loss or the gradients were NaN or inf for {self.state.bad_in_row} steps in a "
-                            f"row (to step {queued.step}): the run is diverging; lower optimizer.lr, raise "
-                            "schedule.warmup_steps or resume from an earlier checkpoint", agreed=True)
         # A step's time is from the end of the one before (or its own queueing, if later) to its end:
         # in a steady run, the time between two steps' ends. A GPU step ends when its results can be
         # read; a CPU step, computed while it was queued, when its queueing did (by the time it is

@@ -180,18 +180,26 @@ def test_eval_step_adds_val_loss_and_perplexity(tmp_path):
     assert "val loss 2.000000 ppl 7.39" in out.getvalue()
 
 
-def test_perplexity_of_a_diverged_eval_is_capped_not_an_overflow(tmp_path):
-    """exp of a loss above 709 overflows a double; the row holds exp(700) instead of raising."""
-    with logger(tmp_path, log_interval=100) as log:
+def test_perplexity_past_a_floats_range_is_null_and_said_as_inf(tmp_path):
+    """exp of a loss above 709.78 overflows a double: the row holds null (JSON has no inf) and the
+    line says inf (planted: exp(700), about 1e304, reported as the perplexity of a loss of 800)."""
+    out = io.StringIO()
+    with logger(tmp_path, out, log_interval=100) as log:
         row = log.record(step(3, val_loss=800.0))
-    assert row["val_loss"] == 800.0 and row["val_ppl"] == math.exp(700.0)
+        edge = log.record(step(4, val_loss=709.0))
+    assert row["val_loss"] == 800.0 and row["val_ppl"] is None and edge["val_ppl"] == math.exp(709.0)
+    assert "val loss 800.000000 ppl inf" in out.getvalue()
 
 
-def test_a_nan_eval_loss_and_its_perplexity_are_null(tmp_path):
-    with logger(tmp_path, log_interval=100) as log:
+def test_a_nan_eval_loss_and_its_perplexity_are_null_and_said(tmp_path):
+    """The line of an evaluation whose loss is NaN says so (planted: the validation part left out,
+    so nothing showed that an evaluation ran)."""
+    out = io.StringIO()
+    with logger(tmp_path, out, log_interval=100) as log:
         row = log.record(step(3, val_loss=float("nan")))
     written = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert (row["val_loss"], row["val_ppl"]) == (written["val_loss"], written["val_ppl"]) == (None, None)
+    assert out.getvalue().rstrip().endswith("| val loss nan ppl nan"), out.getvalue()
 
 
 def test_nonfinite_loss_and_grad_norm_are_null_not_invalid_json(tmp_path):

@@ -38,12 +38,15 @@ def test_the_trace_holds_the_window_and_nothing_around_it(tmp_path):
 
 
 def test_a_one_step_window_and_a_resume_inside_a_window(tmp_path):
-    """``[4, 4]`` profiles step 4 alone; a run resumed at step 3 of a 2-4 window profiles the rest
-    of it, in the file the whole window would have had."""
+    """``[4, 4]`` profiles step 4 alone; a run stopped at step 2 of a 2-4 window writes step 2's
+    trace, and its resume profiles the rest, in a file of its own (planted: both named after the
+    window, so the resume's replaced the first part's)."""
     assert _steps_traced(StepProfiler([4, 4], [0], 0, str(tmp_path / "one"), CPU), range(1, 7)) == ["megazero step 4"]
-    resumed = StepProfiler([2, 4], [0], 0, str(tmp_path / "resumed"), CPU)
+    stopped = StepProfiler([2, 4], [0], 0, str(tmp_path / "run"), CPU)
+    assert _steps_traced(stopped, range(1, 3)) == ["megazero step 2"]
+    resumed = StepProfiler([2, 4], [0], 0, str(tmp_path / "run"), CPU)
     assert _steps_traced(resumed, range(3, 7)) == ["megazero step 3", "megazero step 4"]
-    assert resumed.path.endswith(os.path.join("profile", "rank0_steps2-4.json.gz"))
+    assert sorted(os.listdir(tmp_path / "run" / "profile")) == ["rank0_steps2-2.json.gz", "rank0_steps3-4.json.gz"]
 
 
 def test_ranks_not_asked_for_write_nothing(tmp_path):
