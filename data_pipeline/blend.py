@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from data_pipeline.gpt_samples import GPTSamples
 from data_pipeline.index_cache import cached_arrays, default_cache_dir
 from data_pipeline.indexed import IndexedDataset
 from data_pipeline.paths import listed_twice
-from data_pipeline.shard_files import same_tokens, shard_identity
+from data_pipeline.shard_files import idx_sha256, shard_identity, tokens_digest
 from data_pipeline.typed_config import coerce
 from data_pipeline.yaml_files import read_yaml_mapping
 
@@ -207,22 +208,26 @@ def copied_dataset(prefixes: list[str]) -> str | None:
     """``"B holds the tokens of A"`` for the first dataset that is a byte copy of an earlier one (a
     shard copied under another name, which ``parse_blend``'s check of the files' identity cannot
     see): like an entry listed twice, it would serve every sample of its order again. Only shards of
-    equal ``.bin`` size are compared, their ``.idx`` digests (which the run's start-up reads anyway)
-    first."""
-    by_size: dict[int, list[str]] = {}
+    a ``.bin`` size another shares are read, each once: its ``.idx`` digest (which the run's start-up
+    reads anyway) and ``tokens_digest``."""
+    sizes: dict[str, int] = {}
     for prefix in prefixes:
         try:
-            by_size.setdefault(os.path.getsize(f"{prefix}.bin"), []).append(prefix)
+            sizes[prefix] = os.path.getsize(f"{prefix}.bin")
         except OSError:
             continue  # its own check names it
-    for group in by_size.values():
-        for k, prefix in enumerate(group):
-            for earlier in group[:k]:
-                try:
-                    if same_tokens(earlier, prefix):
-                        return f"{prefix} holds the tokens of {earlier}"
-                except OSError:
-                    continue
+    shared = Counter(sizes.values())
+    first_of: dict[tuple, str] = {}
+    for prefix, size in sizes.items():
+        if shared[size] < 2:
+            continue
+        try:
+            key = (size, idx_sha256(prefix)[0], tokens_digest(prefix))
+        except OSError:
+            continue
+        if key in first_of:
+            return f"{prefix} holds the tokens of {first_of[key]}"
+        first_of[key] = prefix
     return None
 
 

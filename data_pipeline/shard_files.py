@@ -83,9 +83,3 @@ def tokens_digest(prefix: str, block: int = 4096) -> str:
         for k in range(COMPARED_BLOCKS):
             digest.update(os.pread(f.fileno(), block, size * k // COMPARED_BLOCKS))
     return digest.hexdigest()
-
-
-def same_tokens(a: str, b: str) -> bool:
-    """Whether shards ``a`` and ``b`` (other files) are copies of one another: the same ``.idx`` bytes,
-    and the same ``.bin`` size and bytes in the blocks ``tokens_digest`` reads."""
-    return idx_sha256(a)[0] == idx_sha256(b)[0] and tokens_digest(a) == tokens_digest(b)

@@ -10,17 +10,20 @@ from megazero.config import Config
 from megazero.errors import ConfigError
 
 
-def train_samples(cfg: Config, step: int = 0, consumed: int = 0) -> int:
+def train_samples(cfg: Config, step: int = 0, consumed: int = 0, built: int | None = None) -> int:
     """The training samples a run draws in all, for which its sample indices are built. Resumed at
     ``step`` with ``consumed`` samples, a run by steps draws those and at most a global batch a step
     left: where the batch was cut since (2 steps of 8 samples, then 2 more of 4), the steps' product
     alone (16) fell short of the samples drawn (24), and the first step past it stopped on a
-    traceback."""
+    traceback. Never fewer than ``built``, the count the checkpoint's run built its indices for: the
+    same count gives the same order, which a run that draws no more keeps whatever its batch."""
     t = cfg.train
     if t.train_steps is not None:
         left = max(t.train_steps - step, 0)
-        return max(t.train_steps * t.global_batch_size, consumed + left * t.global_batch_size)
-    return -(-t.train_tokens // cfg.model.seq_length) + t.global_batch_size
+        count = max(t.train_steps * t.global_batch_size, consumed + left * t.global_batch_size)
+    else:
+        count = -(-t.train_tokens // cfg.model.seq_length) + t.global_batch_size
+    return max(count, built or 0)
 
 
 def eval_samples(cfg: Config) -> int:

@@ -82,6 +82,10 @@ def load_opened(ckpt: OpenedCheckpoint, dtype: torch.dtype = torch.float32) -> t
             value = finite(weights[name], f"{ckpt.path}: parameter {name!r}")  # NaN logits would pass for token 0
             param.copy_(fit_to_shard(value, None, tuple(param.shape), name, ckpt.path))
             param.data = param.data.to(dtype)  # the same parameter: a tied head stays the embedding
+            if not torch.isfinite(param).all():  # fp16 ends at 65504: inf logits would draw token 0
+                short = next(key for key, value in DTYPES.items() if value == dtype)
+                raise CheckpointError(f"{ckpt.path}: parameter {name!r} holds values past {short}'s range; "
+                                      "sample in bf16 or fp32")
     return model.eval(), cfg
 
 
@@ -93,13 +97,13 @@ def sample(model: GPT, tokens: list[int], new_tokens: int, temperature: float = 
     it has a token for, which may leave gaps below its largest) until ``new_tokens`` are drawn or an
     id in ``stop`` is (the end of a document: what follows it was trained as the start of an
     unrelated one). While prompt and draws fit the model's ``seq_length`` a ``KVCache`` keeps what
-    was read, so each draw reads one token (on a GPU, replayed from a ``DecodeGraph``); past it, each draw reads the last ``seq_length`` tokens
-    afresh (every one of them then sits a position earlier than when it was read). The model is on
-    ``device``, and so are the choice of the top-k and the greedy argmax (a vocabulary's logits
-    copied to the host each draw cost a GPU decode more than its products); the draw among the
-    top-k is made on the CPU, so a seed gives the same text on any device the logits agree on.
-    Appends to ``tokens`` (the prompt) in place and returns it, so a run stopped by Ctrl-C or
-    SIGTERM leaves what it sampled there."""
+    was read, so each draw reads one token (on a GPU, replayed from a ``DecodeGraph``); past it,
+    each draw reads the last ``seq_length`` tokens afresh (every one of them then sits a position
+    earlier than when it was read). The model is on ``device``, and so are the choice of the top-k
+    and the greedy argmax (a vocabulary's logits copied to the host each draw cost a GPU decode more
+    than its products); the draw among the top-k is made on the CPU, so a seed gives the same text
+    on any device the logits agree on. Appends to ``tokens`` (the prompt) in place and returns it,
+    so a run stopped by Ctrl-C or SIGTERM leaves what it sampled there."""
     generator = torch.Generator().manual_seed(seed)
     drawable = torch.arange(model.vocab_size) if ids is None else torch.tensor(sorted(set(ids)), dtype=torch.long)
     drawable = drawable.to(device)

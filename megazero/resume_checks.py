@@ -137,14 +137,15 @@ def _shard_changes(meta: dict, cfg: Config) -> list[str]:
     before shards were recorded, and shards this run no longer uses, are not compared."""
     from megazero.data import shard_digests, shard_token_digests
 
-    problems = []
-    for key, now, what in (("shards", shard_digests, "its .idx changed since"),
-                           ("shard_tokens", shard_token_digests, "its tokens changed since, its .idx not: "
-                                                                 "documents of equal lengths in another order?")):
+    def changed(key: str, digests) -> list[str]:
         saved = meta.get(key) if isinstance(meta.get(key), dict) else {}
-        problems += [f"was trained on other contents of {path} ({what})" for path, digest in now(cfg).items()
-                     if path in saved and saved[path] != digest and not any(path in p for p in problems)]
-    return problems
+        return [path for path, digest in digests(cfg).items() if path in saved and saved[path] != digest]
+
+    index_changed = changed("shards", shard_digests)
+    tokens_changed = [path for path in changed("shard_tokens", shard_token_digests) if path not in index_changed]
+    return ([f"was trained on other contents of {path} (its .idx changed since)" for path in index_changed]
+            + [f"was trained on other contents of {path} (its tokens changed since, its .idx not: documents of "
+               "equal lengths in another order?)" for path in tokens_changed])
 
 
 def _blend_rule_change(meta: dict, cfg: Config) -> list[str]:
@@ -258,7 +259,7 @@ def _data_order_changes(before: Config, cfg: Config, digests: dict,
         return relinked + ([f"was trained on another data order ({', '.join(fields)} changed)"] if fields else [])
     step, consumed, built = at
     n_old = built or train_samples(before)  # older checkpoints recorded no count: their config's
-    n_new = train_samples(cfg, step, consumed)
+    n_new = train_samples(cfg, step, consumed, built)
     if n_old == n_new or new is None:
         return []
     for weight, prefix in new:

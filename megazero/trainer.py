@@ -141,7 +141,8 @@ class Trainer:
         self.lr = build_lr_schedule(cfg.optimizer, cfg.schedule, cfg.train)
         self.batches = build_batch_schedule(cfg.schedule, cfg.train, topology.dp_size)
         meta = manifest["meta"] if manifest is not None else {}
-        self.train_samples = train_samples(cfg, meta.get("step", 0), meta.get("consumed", 0))
+        self.train_samples = train_samples(cfg, meta.get("step", 0), meta.get("consumed", 0),
+                                           meta.get("train_samples"))
         self.train_data, self.valid_data = build_datasets(cfg, self.train_samples)
         for note in repeated_validation(self.valid_data, cfg) if self.rank == 0 else ():
             print(f"megazero: {note}", flush=True)
@@ -367,16 +368,11 @@ class Trainer:
                 except BaseException:  # the steps before still get their lines (or their own error)
                     self._record_all(in_flight)
                     raise
-                done = in_flight.popleft()
-                try:
-                    self._complete(done)
-                except BaseException:  # a diverging step: those queued behind it were run, and are said too
-                    self._record_all(in_flight)
-                    raise
+                done = self._complete_next(in_flight)
                 if not stopping and self._saves(done.step):
                     self.save()
                 while stopping and in_flight:  # a stop lets the steps already queued finish
-                    self._complete(in_flight.popleft())
+                    self._complete_next(in_flight)
             elif not (stopping or self.done()):  # after an evaluation or a save
                 in_flight.append(self._queue_step())
             if stopping or (not in_flight and self.done()):
@@ -407,6 +403,17 @@ class Trainer:
         if self._evaluates(queued.step):
             metrics.val_loss = self._evaluate()
         self.logger.record(metrics)
+
+    def _complete_next(self, in_flight: collections.deque) -> _QueuedStep:
+        """``_complete`` the oldest queued step; where it stops the run (diverging), the steps queued
+        behind it were run too, and are logged before the error goes on."""
+        done = in_flight.popleft()
+        try:
+            self._complete(done)
+        except BaseException:
+            self._record_all(in_flight)
+            raise
+        return done
 
     def _record_all(self, in_flight: collections.deque) -> None:
         """Read and log every step still queued (the run is stopping on an error)."""

@@ -130,7 +130,7 @@ def describe_params(chunks: list[GPT], tp_rank: int, tied: bool,
     an embedding that is its own head (both on this stage) as complete only at the step's end: the
     lookup's share comes in the backward, the head's in the deferred weight pass after it, and its
     bucket, reduced when the first arrived, dropped the second (tp 2, ZB-H1, pp 1, dp 2: gradient
-    norms 3% off)."""
+    norms 8% off)."""
     info = {}
     for chunk in chunks:
         shards = param_shards(chunk)

@@ -101,8 +101,9 @@ class RankGrid:
         return all(group[0] // ranks_per_node == group[-1] // ranks_per_node for group in self.groups(kind))
 
     def tp_within_nodes(self, ranks_per_node: int) -> bool:
-        """Tensor groups are consecutive ranks, so they stay in a node iff tp divides its size."""
-        return self.tp <= ranks_per_node and ranks_per_node % self.tp == 0
+        """Whether every tensor group sits in one node: ``within_nodes`` for ``tp``, the one rule the
+        launch check and the planner's costs share."""
+        return self.within_nodes("tp", ranks_per_node)
 
     def describe(self, ranks_per_node: Optional[int] = None) -> str:
         """One line for the start-up log, e.g. ``tp8 x dp8 x pp35 = 2240 ranks on 280 nodes; ...``."""

@@ -210,3 +210,8 @@ def test_a_run_killed_while_discarding_a_stage_does_not_reuse_it(tmp_path, monke
                           log=lambda s: None)
     assert tree_digest(str(tmp_path / "out")) == tree_digest(str(tmp_path / "whole"))
     assert sorted(os.listdir(tmp_path / "out")) == ["00-input", "01-clean", "report", "report.md"]
+    # a leftover that is a file goes too, and a folder of the user's that only ends alike stays
+    (tmp_path / "out" / "02-clean.discarded").write_text("")
+    (tmp_path / "out" / "notes.discarded").mkdir()
+    pipeline.run_pipeline(build_config(strict), log=lambda s: None)
+    assert sorted(os.listdir(tmp_path / "out")) == ["00-input", "01-clean", "notes.discarded", "report", "report.md"]

@@ -126,6 +126,14 @@ def test_a_damaged_shard_is_named_with_the_way_out(tmp_path, name):
     assert message.endswith("; delete its stage directory (and the stages after it) and run again"), message
 
 
+def test_a_shard_line_that_is_no_record_is_named_as_damage(tmp_path):
+    """A line of JSON that is not an object (a list) passed, to end later in a KeyError's traceback."""
+    path = tmp_path / "shard-00000-00000.jsonl"
+    path.write_text('{"id": "a", "text": "one"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"shard-00000-00000\.jsonl: damaged \(a line is not a JSON object\)"):
+        read_shard(str(path))
+
+
 def test_a_file_written_whole_reaches_the_disk_before_its_name(tmp_path, monkeypatch):
     """The bytes are synced before the rename and the folder after it: without the first, a power loss
     could leave a shard cut short under its final name beside the marker that counts it done."""

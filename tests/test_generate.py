@@ -122,6 +122,25 @@ def test_16_bit_weights_draw_the_whole_forwards_of_16_bit_weights(trained, tmp_p
     assert words == ["</s>" if i == VOCAB - 1 else f"w{i}" for i in expected]
 
 
+def test_weights_past_fp16s_range_are_refused_in_fp16(trained, tmp_path, capsys, monkeypatch):
+    """A weight of 1e6 rounds to inf in fp16, and inf logits would be drawn as token 0: one line."""
+    import megazero.generate as generate
+
+    load = generate.load_full_weights
+
+    def with_a_large_weight(*args):
+        weights = load(*args)
+        weights["final_norm.weight"] = weights["final_norm.weight"] * 0 + 1e6
+        return weights
+
+    monkeypatch.setattr(generate, "load_full_weights", with_a_large_weight)
+    tok = _tokenizer(tmp_path / "tokenizer.json", VOCAB - 1)
+    args = ["generate", str(trained[0]), "--tokenizer", tok, "--prompt", "w1", "--tokens", "2", "--device", "cpu"]
+    err = _error_line(capsys, [*args, "--dtype", "fp16"])
+    assert "parameter 'final_norm.weight' holds values past fp16's range; sample in bf16 or fp32" in err, err
+    assert main([*args, "--dtype", "bf16"]) == 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
 def test_a_device_that_is_not_here_is_one_line(trained, tmp_path, capsys):
     """``--device cuda`` on a machine without a GPU, or a name torch does not read, is refused in one

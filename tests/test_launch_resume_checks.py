@@ -289,7 +289,8 @@ def test_a_resume_drawn_by_the_older_blend_rule_is_refused(files, capsys, tmp_pa
     """Rule 1 of the blend gave a weight-0 dataset listed first one sample, and rule 2 none, so a
     checkpoint of rule 1 (one that records no rule) with such a blend would go on in another order
     without a word; a checkpoint of the current rule, or of a blend the rules draw alike, resumes.
-    (Planted: no rule compared; the rule not recorded at save, or not carried by convert.)"""
+    (Planted: no rule compared; the rule not recorded at save, or not carried by convert; nor the
+    shards' digests or the sample count, which a resume compares as well.)"""
     from megazero.checkpoint.format import CHECKSUM, complete_text, read_manifest
 
     blend = f"[[0, {files['recorded']}], [1, {files['good']}]]"
@@ -301,7 +302,10 @@ def test_a_resume_drawn_by_the_older_blend_rule_is_refused(files, capsys, tmp_pa
     capsys.readouterr()
     assert main(resume) == 0, capsys.readouterr().err
     assert main(["convert", str(step), str(tmp_path / "resharded"), "--to", "megazero"]) == 0
-    assert read_manifest(next((tmp_path / "resharded").glob("step_*")))["meta"]["blend_rule"] == 2
+    resharded = read_manifest(next((tmp_path / "resharded").glob("step_*")))["meta"]
+    original = read_manifest(step)["meta"]
+    for key in ("blend_rule", "shards", "shard_tokens", "train_samples"):  # what a resume compares
+        assert resharded[key] == original[key], key
     record = read_manifest(step)
     assert record["meta"].pop("blend_rule") == 2
     (step / "COMPLETE").write_text(complete_text({k: v for k, v in record.items() if k != CHECKSUM}))
@@ -354,3 +358,24 @@ def test_a_resume_at_a_smaller_global_batch_builds_the_samples_it_draws(files, c
     assert "finished at step 4 (24 samples" in out, out
     record = json.loads((Path(run) / "checkpoints" / "step_0000004" / "COMPLETE").read_text())
     assert record["meta"]["train_samples"] == 24 and record["meta"]["consumed"] == 24
+
+
+def test_a_resume_at_a_smaller_batch_keeps_the_order_its_checkpoint_built(files, capsys, tmp_path):
+    """A shard of 27 samples: 4 steps of 8 built indices for 32 (two epochs). Resumed at step 2 with
+    batches of 4, the run draws 24 (one epoch's worth), and built for that it would reshuffle every
+    sample, so the resume was refused; it now builds the 32 its checkpoint recorded, and keeps the
+    order (planted: the recorded count not taken)."""
+    prefix = str(tmp_path / "small_text_document")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for k in range(7):
+            w.add_document((np.arange(64) * (k + 1)) % 60 + 1)
+    run = str(tmp_path / "run")
+    argv = ["train", *_model(prefix, run), "--schedule.warmup_steps", "0", "--schedule.decay_steps", "100",
+            "--train.train_steps", "4"]
+    assert main([*argv, "--train.global_batch_size", "8", "--checkpoint.save_interval", "2"]) == 0
+    step = Path(run) / "checkpoints" / "step_0000002"
+    capsys.readouterr()
+    resume = [*argv, "--checkpoint.load", str(step), "--logging.run_dir", str(tmp_path / "on")]
+    assert main(resume) == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "on" / "checkpoints" / "step_0000004" / "COMPLETE").read_text())
+    assert record["meta"]["train_samples"] == 32 and record["meta"]["consumed"] == 24

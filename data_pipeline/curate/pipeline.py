@@ -222,16 +222,25 @@ def _discard(directory: str) -> None:
     markers, and the next run took it for a new stage whose tasks were done (their shards gone, or
     made with the old settings)."""
     aside = directory + DISCARDED
-    if os.path.lexists(aside):
-        shutil.rmtree(aside)
+    _remove(aside)
     os.rename(directory, aside)
     shutil.rmtree(aside)
 
 
 def _remove_discarded(out: str) -> None:
-    """What a run killed while discarding a stage left of it (``_discard``)."""
-    for path in glob.glob(os.path.join(glob.escape(out), "*" + DISCARDED)):
+    """What a run killed while discarding a stage left of it (``_discard``): only the names this
+    pipeline's folders have (``NN-STAGE``, ``tokenized``), so nothing else of ``out`` is touched."""
+    for pattern in ("[0-9][0-9]-*", "tokenized"):
+        for path in glob.glob(os.path.join(glob.escape(out), pattern + DISCARDED)):
+            _remove(path)
+
+
+def _remove(path: str) -> None:
+    """Delete ``path``, a folder or anything else, if it exists."""
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def _read_json(path: str) -> dict:

@@ -53,8 +53,11 @@ def read_shard(path: str) -> list[dict]:
             import pyarrow.parquet as pq
 
             return pq.read_table(path).to_pylist()
-        return [json.loads(line) for _, line in iter_lines(path)]
-    except (ValueError, UnicodeDecodeError, OSError) as exc:  # pyarrow's errors are ValueErrors or OSErrors
+        records = [json.loads(line) for _, line in iter_lines(path)]
+        if not all(isinstance(record, dict) for record in records):
+            raise ValueError("a line is not a JSON object")
+        return records
+    except (ValueError, OSError) as exc:  # JSON's, UTF-8's and pyarrow's errors are ValueErrors or OSErrors
         if isinstance(exc, (FileNotFoundError, PermissionError)):
             raise
         words = (str(exc).splitlines() or [type(exc).__name__])[0].removeprefix(f"{path}: ")

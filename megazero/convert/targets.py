@@ -49,7 +49,8 @@ def write_megazero(source: Source, root: Path, reset_step: bool = False, run: Op
 
     if carry:
         saved = source.reader.meta
-        carried = ("step", "consumed", "skipped", "bad_in_row", "config", "shards", "blend_rule")
+        carried = ("step", "consumed", "skipped", "bad_in_row", "config", "shards", "shard_tokens", "blend_rule",
+                   "train_samples")
         meta = {key: saved[key] for key in carried if key in saved}
         adam_step, scaler = source.optimizer_scalars()
     else:
