@@ -277,12 +277,26 @@ def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:
     """
     global _launcher_watch
     if _launcher_watch is None:  # else watched since an earlier wait (rank 0's checks, then the rendezvous)
-        _launcher_watch = threading.Thread(target=_exit_when_gone, args=(os.getppid(), rank, poll_s),
+        _launcher_watch = threading.Thread(target=_exit_when_gone, args=(launcher_pid(), rank, poll_s),
                                            name="launcher-watch", daemon=True)
         _launcher_watch.start()
 
 
 _launcher_watch: Optional[threading.Thread] = None
+LAUNCHER_PID = "MEGAZERO_LAUNCHER_PID"
+"""Set by ``main`` for its workers: the launcher they must end with. A worker whose launcher stopped
+while it was starting (a Ctrl-C as torchrun spawned it) had been handed to init before it began
+watching, watched init instead, and waited at the rendezvous of a store that was gone, holding the
+launch's output open for its whole timeout."""
+
+
+def launcher_pid() -> int:
+    """The process this worker ends with: the one ``LAUNCHER_PID`` names, else its parent (a worker
+    of plain torchrun)."""
+    try:
+        return int(os.environ[LAUNCHER_PID])
+    except (KeyError, ValueError):
+        return os.getppid()
 
 
 def _exit_when_gone(parent: int, rank: int, poll_s: float) -> None:
@@ -391,6 +405,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # what the workers inherit: see ``launcher_pid``
     stop = _StopForwarder().install()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietOwnStatuses())
     try:

@@ -140,3 +140,32 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+ORPHANED_WORKER = """
+import os, sys, time
+from parallel.launch import exit_with_launcher
+
+exit_with_launcher(0)  # as a worker does before it waits for its peers
+time.sleep(60)
+print("still running", flush=True)
+"""
+
+
+def test_a_worker_whose_launcher_ended_while_it_started_exits_at_once():
+    """A Ctrl-C as torchrun spawned a worker ended the launcher before the worker watched it: the
+    worker, handed to init meanwhile, watched init and waited at a gone rendezvous for its whole
+    timeout, holding the launch's output open (a CI run's test timed out on it). The launcher now
+    names itself to its workers, which end at once where their parent is no longer it (planted:
+    the parent at the time of watching taken, which here is alive, so the worker slept on)."""
+    from parallel.launch import EXIT_ORPHANED, LAUNCHER_PID
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # the launcher that started the worker, ended
+    env = dict(os.environ, **{LAUNCHER_PID: str(gone.pid)})
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", ORPHANED_WORKER], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=50)
+    assert done.returncode == EXIT_ORPHANED and "still running" not in done.stdout, done
+    assert f"rank 0: its launcher (pid {gone.pid}) is gone; stopping without saving" in done.stderr, done.stderr
+    assert time.monotonic() - started < 30
