@@ -18,7 +18,7 @@ import time
 import torch
 
 from megazero.convert.hf_models import family_for
-from megazero.generate import sample
+from megazero.generate import round_weights, sample
 from models import GPT
 from models.config import ModelConfig
 from models.presets import MODEL_PRESETS
@@ -90,8 +90,7 @@ def main() -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = GPT(cfg, seed=0).eval().to(device)
     twin = hf_twin(model).to(device, dtype)
-    for param in model.parameters():  # as `megazero generate --dtype` rounds them: the rotary tables stay fp32
-        param.data = param.data.to(dtype)
+    round_weights(model, dtype)  # as `megazero generate --dtype` does
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     params = sum(p.numel() for p in model.parameters())
     print(f"{args.preset} {args.layers} x {args.hidden}, vocab {args.vocab}, {params / 1e6:.0f}M parameters, "

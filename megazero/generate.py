@@ -81,12 +81,25 @@ def load_opened(ckpt: OpenedCheckpoint, dtype: torch.dtype = torch.float32) -> t
         for name, param in model.named_parameters():
             value = finite(weights[name], f"{ckpt.path}: parameter {name!r}")  # NaN logits would pass for token 0
             param.copy_(fit_to_shard(value, None, tuple(param.shape), name, ckpt.path))
-            param.data = param.data.to(dtype)  # the same parameter: a tied head stays the embedding
-            if not torch.isfinite(param).all():  # fp16 ends at 65504: inf logits would draw token 0
-                short = next(key for key, value in DTYPES.items() if value == dtype)
-                raise CheckpointError(f"{ckpt.path}: parameter {name!r} holds values past {short}'s range; "
-                                      "sample in bf16 or fp32")
+    overflowed = round_weights(model, dtype)
+    if overflowed is not None:  # fp16 ends at 65504: inf logits would draw token 0
+        short = next(key for key, value in DTYPES.items() if value == dtype)
+        raise CheckpointError(f"{ckpt.path}: parameter {overflowed!r} holds values past {short}'s range; "
+                              "sample in bf16 or fp32")
     return model.eval(), cfg
+
+
+@torch.no_grad()
+def round_weights(model: GPT, dtype: torch.dtype) -> str | None:
+    """Round ``model``'s parameters to ``dtype`` in place (each stays the same parameter, so a tied head
+    stays the embedding; buffers such as the rotary tables stay fp32); the name of the first one that
+    left ``dtype``'s range, else None."""
+    overflowed = None
+    for name, param in model.named_parameters():
+        param.data = param.data.to(dtype)
+        if overflowed is None and not torch.isfinite(param).all():
+            overflowed = name
+    return overflowed
 
 
 @torch.no_grad()
