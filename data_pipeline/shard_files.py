@@ -47,7 +47,7 @@ def sha256_of(f) -> str:
     return digest.hexdigest()
 
 
-_DIGESTS: dict[tuple, str] = {}  # file version -> sha256, for this process
+_DIGESTS: dict[tuple, str] = {}  # file version (a .bin's tokens: ("tokens", version)) -> sha256, this process
 
 
 def idx_sha256(prefix: str) -> tuple[str, tuple[int, int, int, int]]:
@@ -76,10 +76,12 @@ terabytes."""
 def tokens_digest(prefix: str, block: int = 4096) -> str:
     """sha256 of the shard's ``.bin`` size and of ``COMPARED_BLOCKS`` blocks spread over it: what the
     ``.idx`` digest cannot tell (that file holds document sizes, not tokens)."""
-    digest = hashlib.sha256()
     with open(bin_path(prefix), "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        digest.update(size.to_bytes(8, "little"))
-        for k in range(COMPARED_BLOCKS):
-            digest.update(os.pread(f.fileno(), block, size * k // COMPARED_BLOCKS))
-    return digest.hexdigest()
+        st = os.fstat(f.fileno())
+        key = ("tokens", *file_version(st))  # asked by the blend's check, the resume's and the checkpoint's
+        if key not in _DIGESTS:
+            digest = hashlib.sha256(st.st_size.to_bytes(8, "little"))
+            for k in range(COMPARED_BLOCKS):
+                digest.update(os.pread(f.fileno(), block, st.st_size * k // COMPARED_BLOCKS))
+            _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
