@@ -13,6 +13,7 @@ workers start with those signals blocked, and ``megazero`` takes them once it ca
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import logging
@@ -290,6 +291,22 @@ watching, watched init instead, and waited at the rendezvous of a store that was
 launch's output open for its whole timeout."""
 
 
+@contextlib.contextmanager
+def _named_to_workers():
+    """This process named in ``LAUNCHER_PID`` for the workers torchrun starts meanwhile (they inherit
+    the environment); restored after, so a process that calls ``main`` and goes on (a test) does not
+    take itself for its own launcher and end at its next watch."""
+    before = os.environ.get(LAUNCHER_PID)
+    os.environ[LAUNCHER_PID] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LAUNCHER_PID, None)
+        else:
+            os.environ[LAUNCHER_PID] = before
+
+
 def launcher_pid() -> int:
     """The process this worker ends with: the one ``LAUNCHER_PID`` names, else its parent (a worker
     of plain torchrun)."""
@@ -405,11 +422,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    os.environ[LAUNCHER_PID] = str(os.getpid())  # what the workers inherit: see ``launcher_pid``
     stop = _StopForwarder().install()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietOwnStatuses())
     try:
-        torchrun(["--signals-to-handle", "SIGHUP,SIGQUIT", *(sys.argv[1:] if argv is None else argv)])
+        with _named_to_workers():
+            torchrun(["--signals-to-handle", "SIGHUP,SIGQUIT", *(sys.argv[1:] if argv is None else argv)])
     except SignalException as e:
         if e.sigval not in STOP_SIGNALS:  # SIGHUP, SIGQUIT: torchrun's own shutdown
             raise

@@ -280,6 +280,7 @@ def test_the_launchers_status_follows_its_workers(monkeypatch, capsys, codes, si
     from parallel import launch
 
     def torchrun(argv):
+        assert os.environ[launch.LAUNCHER_PID] == str(os.getpid())  # what the workers would inherit
         raise ChildFailedError("megazero", {rank: ProcessFailure(rank, 100 + rank, code, "")
                                             for rank, code in enumerate(codes)})
 
@@ -288,8 +289,10 @@ def test_the_launchers_status_follows_its_workers(monkeypatch, capsys, codes, si
     if status is None:
         with pytest.raises(ChildFailedError):
             launch.main([])
+        assert launch.LAUNCHER_PID not in os.environ  # this process goes on: it is no launcher of its own
         return
     assert launch.main([]) == status
+    assert launch.LAUNCHER_PID not in os.environ
     err = capsys.readouterr().err
     said = "megazero: the workers stopped on SIGTERM without saving (exit statuses 2)\n" if signum else ""
     assert err == said, err
